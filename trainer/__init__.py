@@ -1,0 +1,1 @@
+"""The gptop training worker: knows nothing of gptop or optuna."""

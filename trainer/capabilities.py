@@ -1,0 +1,76 @@
+"""Which toggle values the device supports, and why not when it does not.
+
+The trainer refuses an unsupported value asked for explicitly (never a silent
+fallback), and the tuner offers only supported values. Both ask here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+from .config import ATTENTIONS, ALLOCATORS, COMPILE_MODES, PRECISIONS, ConfigError, Toggles, flag_of
+from .device import DeviceInfo
+
+# Enumerated toggles and their values; numeric ones (micro_batch, prefetch, workers) are always supported.
+CHOICES: dict[str, tuple] = {
+    "precision": PRECISIONS,
+    "compile": COMPILE_MODES,
+    "attention": ATTENTIONS,
+    "cuda_allocator": ALLOCATORS,
+    "fused_adamw": (False, True),
+    "activation_checkpointing": (False, True),
+}
+
+
+def _torchao_float8() -> bool:
+    return importlib.util.find_spec("torchao") is not None
+
+
+def support(name: str, value, dev: DeviceInfo) -> str | None:
+    """None if `dev` supports toggle `name` = `value`, else the reason it does not."""
+    if name == "precision":
+        if value == "fp32":
+            return None
+        if value == "tf32":
+            return None if dev.at_least(8, 0) else "tf32 needs an NVIDIA GPU with compute capability 8.0 or newer"
+        if value == "bf16":
+            if dev.is_cuda and not dev.at_least(8, 0):
+                return "bf16 needs compute capability 8.0 or newer"
+            return None
+        if value == "fp16":
+            return None if dev.is_cuda else "fp16 autocast is for CUDA; on the CPU use bf16"
+        if value.startswith("fp8"):
+            if not dev.is_cuda or not dev.at_least(8, 9):
+                return "fp8 needs an NVIDIA GPU with compute capability 8.9 or newer (Ada, Hopper)"
+            if not _torchao_float8():
+                return "fp8 needs torchao (pip install torchao)"
+            return None
+    if name == "compile":
+        if value == "off":
+            return None
+        if not dev.has_compiler:
+            return "torch.compile needs a C++ compiler on the CPU (install g++)"
+        if value in ("reduce-overhead", "max-autotune") and not dev.is_cuda:
+            return f"compile mode {value} uses CUDA graphs; on the CPU use default or max-autotune-no-cudagraphs"
+        return None
+    if name == "cuda_allocator":
+        if value == "expandable_segments" and not dev.is_cuda:
+            return "expandable_segments is a CUDA allocator setting"
+        return None
+    if name in CHOICES:
+        return None if value in CHOICES[name] else f"{value!r} is not one of {CHOICES[name]}"
+    return None
+
+
+def supported_values(name: str, dev: DeviceInfo) -> list:
+    return [v for v in CHOICES[name] if support(name, v, dev) is None]
+
+
+def check(toggles: Toggles, dev: DeviceInfo) -> None:
+    """Raise ConfigError naming the flag for the first unsupported value."""
+    for f in dataclasses.fields(toggles):
+        value = getattr(toggles, f.name)
+        reason = support(f.name, value, dev)
+        if reason:
+            raise ConfigError(flag_of(f), f"{value} is not supported on {dev.name}: {reason}")

@@ -1,0 +1,81 @@
+"""What the training device can do: the one boundary where CUDA is asked.
+
+Everything that depends on the hardware (capability gating, MFU peaks, the
+choice of timer and prefetcher) takes a `DeviceInfo`, so tests can pass a fake
+one describing an H100 without having it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, asdict
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    type: str                      # "cpu" or "cuda"
+    index: int | None = None
+    name: str = "cpu"
+    capability: tuple[int, int] | None = None   # CUDA compute capability
+    total_memory: int = 0          # bytes
+    cpu_count: int = 1
+    has_compiler: bool = True      # a C++ compiler for inductor on CPU / triton on GPU
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.type if self.index is None else f"{self.type}:{self.index}")
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.type == "cuda"
+
+    def at_least(self, major: int, minor: int) -> bool:
+        return self.capability is not None and tuple(self.capability) >= (major, minor)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["capability"] = list(self.capability) if self.capability else None
+        return d
+
+
+def detect(requested: str = "auto") -> DeviceInfo:
+    """Describe the device a run will use. `requested`: auto, cpu, cuda, cuda:N."""
+    from .config import ConfigError
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    has_cc = shutil.which(os.environ.get("CXX", "c++")) is not None or shutil.which("g++") is not None
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cpu":
+        import psutil
+
+        return DeviceInfo(type="cpu", name=_cpu_name(), total_memory=psutil.virtual_memory().total,
+                          cpu_count=cpus, has_compiler=has_cc)
+    if requested.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError("--device", f"{requested} asked for but torch sees no CUDA device "
+                              f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})")
+        index = int(requested.split(":")[1]) if ":" in requested else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise ConfigError("--device", f"{requested}: only {torch.cuda.device_count()} CUDA devices")
+        props = torch.cuda.get_device_properties(index)
+        return DeviceInfo(type="cuda", index=index, name=props.name, capability=(props.major, props.minor),
+                          total_memory=props.total_memory, cpu_count=cpus, has_compiler=True)
+    raise ConfigError("--device", f"{requested!r} is not auto, cpu, cuda or cuda:N")
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "cpu"

@@ -1,0 +1,1 @@
+"""The search over optimization toggles: space, study, statistics, decisions."""
