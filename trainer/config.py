@@ -286,13 +286,19 @@ def add_arguments(parser: argparse.ArgumentParser, sections: tuple[str, ...] = t
                                    default=argparse.SUPPRESS, help=help_text)
             else:
                 group.add_argument(flag, dest=f"{section}.{f.name}", default=argparse.SUPPRESS,
-                                   type=str, choices=f.metadata.get("choices"), metavar=f.metadata.get("metavar"),
+                                   type=str, choices=f.metadata.get("choices"),
+                                   metavar=f.metadata.get("metavar") or _METAVARS.get(kind),
                                    help=help_text)
 
 
-def config_from_args(ns: argparse.Namespace) -> TrainConfig:
-    """Build a TrainConfig: defaults, then `--config` TOML, then typed flags. Raises ConfigError."""
-    cfg = TrainConfig()
+_METAVARS = {int: "N", float: "X", str: "VALUE"}
+
+
+def config_from_args(ns: argparse.Namespace, base: TrainConfig | None = None) -> TrainConfig:
+    """Build a TrainConfig: `base` (defaults, or a resumed run's config), then `--config` TOML, then typed flags.
+
+    Raises ConfigError naming the flag."""
+    cfg = base or TrainConfig()
     path = getattr(ns, "config", None)
     if path:
         cfg = TrainConfig.from_toml(path, cfg)

@@ -1,0 +1,81 @@
+"""Memory figures per device, behind one small interface.
+
+CUDA: the caching allocator's peak allocated/reserved bytes. CPU: the process's
+resident set; its peak (VmHWM) can be reset on Linux through
+`/proc/self/clear_refs`, which gives a real per-probe peak for `--micro-batch auto`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol
+
+import psutil
+import torch
+
+
+class MemoryMeter(Protocol):
+    def reset_peak(self) -> None: ...
+    def peak(self) -> int: ...
+    def current(self) -> int: ...
+    def capacity(self) -> int: ...
+    def figures(self) -> dict[str, int | None]: ...
+
+
+class CudaMemory:
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def current(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def capacity(self) -> int:
+        return torch.cuda.get_device_properties(self.device).total_memory
+
+    def figures(self) -> dict[str, int | None]:
+        return {"allocated_peak": self.peak(), "reserved_peak": torch.cuda.max_memory_reserved(self.device),
+                "total": self.capacity()}
+
+
+class CpuMemory:
+    def __init__(self) -> None:
+        self._proc = psutil.Process()
+        self._can_reset = os.access("/proc/self/clear_refs", os.W_OK)
+
+    def reset_peak(self) -> None:
+        if self._can_reset:
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            except OSError:
+                self._can_reset = False
+
+    def peak(self) -> int:
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return self.current()
+
+    def current(self) -> int:
+        return self._proc.memory_info().rss
+
+    def capacity(self) -> int:
+        """What this process may still grow into: its RSS plus the memory the system has available."""
+        return self.current() + psutil.virtual_memory().available
+
+    def figures(self) -> dict[str, int | None]:
+        return {"rss": self.current(), "rss_peak": self.peak(), "total": psutil.virtual_memory().total}
+
+
+def make_meter(device: torch.device) -> MemoryMeter:
+    return CudaMemory(device) if device.type == "cuda" else CpuMemory()

@@ -1,0 +1,177 @@
+"""Per-step phase timing that tells the truth on both CPU and GPU.
+
+On the CPU, work happens when the Python call happens, so monotonic timers
+around each phase are correct. On a GPU, `forward()` returns once its kernels
+are queued; the real time surfaces at the next synchronizing call. So the CUDA
+timer records events on the compute stream at phase boundaries and reads them
+back only when the training loop synchronizes anyway (the loss read-back on a
+log step), adding no synchronization of its own.
+
+A step's breakdown: `data` (host time waiting for the batch), `forward`,
+`backward`, `optimizer`, summed over gradient-accumulation micro-steps, and
+`other` = step time minus those. On CUDA, `gpu_idle_ms` is the part of the
+step's GPU timeline during which no timed phase was running.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Protocol
+
+from .events import PHASES
+
+TIMED = ("data", "forward", "backward", "optimizer")
+
+
+@dataclass
+class StepTiming:
+    step: int
+    step_ms: float
+    phases_ms: dict[str, float] | None        # None when timing is off
+    gpu_idle_ms: float | None = None
+
+
+class StepTimer(Protocol):
+    def begin_step(self, step: int) -> None: ...
+    def phase(self, name: str): ...           # context manager
+    def end_step(self) -> None: ...
+    def collect(self) -> list[StepTiming]: ...  # finished steps; call after the loop has synchronized
+
+
+def _finish(step: int, step_ms: float, phases: dict[str, float]) -> StepTiming:
+    out = {name: phases.get(name, 0.0) for name in TIMED}
+    out["other"] = max(0.0, step_ms - sum(out.values()))
+    return StepTiming(step, step_ms, {k: out[k] for k in PHASES})
+
+
+class CpuTimer:
+    """Monotonic host timers: exact on the CPU, where there is no asynchrony."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self._clock = clock
+        self._done: list[StepTiming] = []
+        self._step = 0
+        self._t0 = 0.0
+        self._acc: dict[str, float] = {}
+
+    def begin_step(self, step: int) -> None:
+        self._step, self._t0, self._acc = step, self._clock(), {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t = self._clock()
+        try:
+            yield
+        finally:
+            self._acc[name] = self._acc.get(name, 0.0) + (self._clock() - t) * 1e3
+
+    def end_step(self) -> None:
+        self._done.append(_finish(self._step, (self._clock() - self._t0) * 1e3, self._acc))
+
+    def collect(self) -> list[StepTiming]:
+        done, self._done = self._done, []
+        return done
+
+
+class WallTimer(CpuTimer):
+    """`--no-timing`: only the step's wall time (tokens/s needs it), no phase boundaries."""
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        yield
+
+    def end_step(self) -> None:
+        self._done.append(StepTiming(self._step, (self._clock() - self._t0) * 1e3, None))
+
+
+class EventLike(Protocol):
+    def record(self) -> None: ...
+    def elapsed_time(self, end: "EventLike") -> float: ...
+
+
+@dataclass
+class _PendingStep:
+    step: int
+    start: EventLike
+    end: EventLike | None = None
+    spans: dict[str, list[tuple[EventLike, EventLike]]] = field(default_factory=dict)
+    data_ms: float = 0.0   # host-side wait: the GPU timeline cannot see it
+
+
+class CudaTimer:
+    """CUDA events at phase boundaries, resolved only after the loop has synchronized.
+
+    `make_event` is the one boundary with CUDA (`torch.cuda.Event(enable_timing=True)`);
+    tests pass a fake. Data wait is a host-side phase, timed on the host.
+    """
+
+    def __init__(self, make_event: Callable[[], EventLike] | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        if make_event is None:
+            import torch
+
+            make_event = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+        self._make = make_event
+        self._clock = clock
+        self._pending: list[_PendingStep] = []
+        self._cur: _PendingStep | None = None
+        self._pool: list[EventLike] = []
+
+    def _event(self) -> EventLike:
+        ev = self._pool.pop() if self._pool else self._make()
+        ev.record()
+        return ev
+
+    def begin_step(self, step: int) -> None:
+        self._cur = _PendingStep(step, self._event())
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        cur = self._cur
+        assert cur is not None, "phase() outside a step"
+        if name == "data":
+            t = self._clock()
+            try:
+                yield
+            finally:
+                cur.data_ms += (self._clock() - t) * 1e3
+            return
+        start = self._event()
+        try:
+            yield
+        finally:
+            cur.spans.setdefault(name, []).append((start, self._event()))
+
+    def end_step(self) -> None:
+        assert self._cur is not None
+        self._cur.end = self._event()
+        self._pending.append(self._cur)
+        self._cur = None
+
+    def collect(self) -> list[StepTiming]:
+        """Resolve every pending step. Call only after a synchronizing read-back (e.g. loss.item())."""
+        out = []
+        for p in self._pending:
+            assert p.end is not None
+            step_ms = p.start.elapsed_time(p.end)
+            phases = {name: sum(a.elapsed_time(b) for a, b in spans) for name, spans in p.spans.items()}
+            busy = sum(phases.values())
+            phases["data"] = p.data_ms
+            timing = _finish(p.step, step_ms, phases)
+            timing.gpu_idle_ms = max(0.0, step_ms - busy)
+            out.append(timing)
+            self._pool.append(p.start)
+            self._pool.append(p.end)
+            for spans in p.spans.values():
+                for a, b in spans:
+                    self._pool += [a, b]
+        self._pending = []
+        return out
+
+
+def make_timer(device_type: str, enabled: bool) -> StepTimer:
+    if not enabled:
+        return WallTimer()
+    return CudaTimer() if device_type == "cuda" else CpuTimer()

@@ -1,0 +1,634 @@
+"""The instrumented, resumable training loop.
+
+One optimizer step = `accum` micro-steps of forward+backward, then the
+optimizer. Everything the loop needs per step stays on the device: the loss
+and gradient norm are summed into device tensors and read back only on log
+steps (one synchronization per log interval, which the CUDA timer piggybacks
+on). Checkpoints are taken at step boundaries and never hold a state that has
+seen a non-finite loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import capabilities, checkpoint as ckpt
+from .channel import Channel
+from .config import ConfigError, TrainConfig, parse_step_range
+from .device import DeviceInfo, detect
+from .memory import make_meter
+from .timing import StepTiming, make_timer
+
+EXIT_OK, EXIT_CRASH, EXIT_CONFIG, EXIT_OOM, EXIT_NAN, EXIT_COMPILE = 0, 1, 2, 3, 4, 5
+
+
+class NonFiniteLoss(RuntimeError):
+    def __init__(self, step: int, batch_index: int):
+        super().__init__(f"non-finite loss at step {step} (batch {batch_index})")
+        self.step, self.batch_index = step, batch_index
+
+
+class Stop(Exception):
+    """Raised to end the run early with an exit code after the error was reported."""
+
+    def __init__(self, code: int):
+        self.code = code
+
+
+@dataclass
+class Progress:
+    """Everything about where the run is that a checkpoint must restore."""
+
+    step: int = 0
+    tokens: int = 0
+    batch_cursor: int = 0                 # next global batch index to train on
+    skip_batches: list[int] = field(default_factory=list)
+    lr_scale: float = 1.0
+    nan_rollbacks: int = 0
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up then cosine decay to min_lr_ratio * lr; a pure function of the step, so resume is exact."""
+    o = cfg.optim
+    if o.warmup_steps and step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    span = max(1, o.max_steps - o.warmup_steps)
+    frac = min(1.0, (step - o.warmup_steps) / span)
+    return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+class Faults:
+    """Test-only fault injection (`--fault nan@12,oom@5`): each fires once per process."""
+
+    KINDS = ("nan", "oom", "crash", "kill", "compile")
+
+    def __init__(self, spec: str | None):
+        self.at: dict[int, str] = {}
+        for part in (spec or "").split(","):
+            if not part:
+                continue
+            kind, _, step = part.partition("@")
+            if kind not in self.KINDS or not step.isdigit():
+                raise ConfigError("--fault", f"{part!r}: expected KIND@STEP with KIND in {', '.join(self.KINDS)}")
+            self.at[int(step)] = kind
+
+    def take(self, step: int) -> str | None:
+        return self.at.pop(step, None)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, dev: DeviceInfo | None = None):
+        self.cfg = cfg
+        self.rank = int(os.environ.get("RANK", 0))
+        self.world = int(os.environ.get("WORLD_SIZE", 1))
+        self.dev = dev or detect(cfg.run.device)
+        self.device = self.dev.torch_device
+        self.progress = Progress()
+        self.channel: Channel | None = None
+        self.faults = Faults(cfg.run.fault)
+        self.profile_window: tuple[int, int] | None = (
+            parse_step_range(cfg.log.profile_steps) if cfg.log.profile_steps else None)
+        self._profiler = None
+
+    # ------------------------------------------------------------------ setup
+    def log(self, msg: str) -> None:
+        print(f"[trainer] {msg}", flush=True)
+
+    def setup(self) -> None:
+        from .data import BatchSampler, load_data
+        from .models import build_model, is_pretrained_path, resolve_size
+
+        cfg = self.cfg
+        capabilities.check(cfg.toggles, self.dev)
+        if cfg.toggles.micro_batch != "auto":
+            local = cfg.optim.global_batch // self.world
+            if cfg.optim.global_batch % self.world or local % int(cfg.toggles.micro_batch):
+                raise ConfigError("--micro-batch", f"{cfg.toggles.micro_batch} does not divide the per-rank batch "
+                                  f"{cfg.optim.global_batch}/{self.world}; pick a divisor of {local}")
+        if is_pretrained_path(cfg.model.model):
+            if cfg.data.tokenizer is None:
+                cfg.data.tokenizer = cfg.model.model
+        elif cfg.model.size == "auto":
+            cfg.model.size = resolve_size("auto", cfg.model.model, self.dev)
+
+        self.run_dir = Path(cfg.run.run_dir or default_run_dir(cfg))
+        cfg.run.run_dir = str(self.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        events_name = "events.jsonl" if self.rank == 0 else f"events.rank{self.rank}.jsonl"
+        self.channel = Channel(self.run_dir / events_name, cfg.run.channel, rank=self.rank)
+        self.channel.install_signal_handlers()
+
+        torch.manual_seed(cfg.optim.seed)
+        self.data = load_data(cfg.data, log=self.log)
+        self.sampler = BatchSampler(self.data.train, cfg.data.seq_len, cfg.optim.global_batch, cfg.optim.seed,
+                                    rank=self.rank, world_size=self.world)
+        self.bundle = build_model(cfg.model, vocab_size=self.data.vocab_size, seq_len=cfg.data.seq_len,
+                                  toggles=cfg.toggles, dev=self.dev, mask_id=self.data.mask_id, seed=cfg.optim.seed)
+        self.raw_model = self.bundle.model.to(self.device)
+        self._setup_precision()
+        self.optimizer = self._make_optimizer()
+        self.meter = make_meter(self.device)
+        from .moe import MoEBalancer
+
+        self.balancer = MoEBalancer(self.raw_model) if getattr(self.bundle, "is_moe", False) or \
+            self.bundle.family == "deepseek" else None
+
+        self.resumed_from = None
+        if cfg.checkpoint.resume:
+            self._resume(cfg.checkpoint.resume)
+        self.model = self._compile(self.raw_model)
+
+        if cfg.toggles.micro_batch == "auto":
+            cfg.toggles.micro_batch = str(self._auto_micro_batch())
+        self.micro_batch = int(cfg.toggles.micro_batch)
+        self.accum = self.sampler.accumulation_steps(self.micro_batch)
+        self.tokens_per_step = cfg.optim.global_batch * cfg.data.seq_len
+
+        from .flops import mfu, peak_flops
+
+        self.peak_flops = peak_flops(self.dev, cfg.toggles.precision)
+        self._mfu = mfu
+        (self.run_dir / "config.toml").write_text(cfg.to_toml())
+        self.channel.emit(
+            "hello", pid=os.getpid(), world_size=self.world, config=cfg.to_dict(), device=self.dev.to_dict(),
+            model={"family": self.bundle.family, "size": self.bundle.size, "total_params": self.bundle.total_params,
+                   "active_params": self.bundle.active_params, "embedding_params": self.bundle.embedding_params,
+                   "vocab_size": self.bundle.vocab_size, "flops_per_token": self.bundle.flops_per_token,
+                   "objective": self.bundle.objective},
+            data={"train_tokens": int(len(self.data.train)), "val_tokens": int(len(self.data.val)),
+                  "fingerprint": self.data.fingerprint},
+            accumulation=self.accum, micro_batch=self.micro_batch, tokens_per_step=self.tokens_per_step,
+            peak_flops=self.peak_flops, resumed_from=self.resumed_from, start_step=self.progress.step,
+            torch=torch.__version__)
+        self.log(f"{self.bundle.family}/{self.bundle.size}: {self.bundle.total_params / 1e6:.1f}M params "
+                 f"({self.bundle.active_params / 1e6:.1f}M active) on {self.dev.name}; micro-batch {self.micro_batch} "
+                 f"x {self.accum} accumulation; run dir {self.run_dir}")
+
+    def _setup_precision(self) -> None:
+        p = self.cfg.toggles.precision
+        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16,
+                               "fp8-tensorwise": torch.bfloat16, "fp8-rowwise": torch.bfloat16}.get(p)
+        if self.dev.is_cuda:
+            torch.backends.cuda.matmul.allow_tf32 = p == "tf32"
+            torch.backends.cudnn.allow_tf32 = p == "tf32"
+        if p.startswith("fp8"):
+            from .fp8 import convert_to_fp8
+
+            convert_to_fp8(self.raw_model, p.split("-", 1)[1])
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=(p == "fp16"))
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        decay, no_decay = [], []
+        for name, p in self.raw_model.named_parameters():
+            if p.requires_grad:
+                (decay if p.ndim >= 2 and "embed" not in name else no_decay).append(p)
+        groups = [{"params": decay, "weight_decay": self.cfg.optim.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        kwargs: dict[str, Any] = {"lr": lr_at(0, self.cfg), "betas": (0.9, 0.95), "eps": 1e-8}
+        if self.cfg.toggles.fused_adamw:
+            kwargs["fused"] = True
+        else:
+            kwargs["foreach"] = True
+        return torch.optim.AdamW(groups, **kwargs)
+
+    def _compile(self, model: torch.nn.Module) -> torch.nn.Module:
+        mode = self.cfg.toggles.compile
+        if mode == "off":
+            return model
+        return torch.compile(model, mode=None if mode == "default" else mode)
+
+    # ---------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        p = self.progress
+        state = {"step": p.step, "tokens": p.tokens, "batch_cursor": p.batch_cursor,
+                 "skip_batches": list(p.skip_batches), "lr_scale": p.lr_scale, "nan_rollbacks": p.nan_rollbacks,
+                 "model": self.raw_model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "config": self.cfg.to_dict(), "rng": {"torch": torch.get_rng_state()}}
+        if self.scaler.is_enabled():
+            state["scaler"] = self.scaler.state_dict()
+        if self.dev.is_cuda:
+            state["rng"]["cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self._check_compatible(state["config"])
+        self.raw_model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if "scaler" in state and self.scaler.is_enabled():
+            self.scaler.load_state_dict(state["scaler"])
+        rng = state.get("rng", {})
+        if "torch" in rng:
+            torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and self.dev.is_cuda:
+            torch.cuda.set_rng_state(rng["cuda"], self.device)
+        self.progress = Progress(step=state["step"], tokens=state.get("tokens", 0),
+                                 batch_cursor=state.get("batch_cursor", state["step"]),
+                                 skip_batches=list(state.get("skip_batches", [])),
+                                 lr_scale=state.get("lr_scale", 1.0), nan_rollbacks=state.get("nan_rollbacks", 0))
+
+    def _check_compatible(self, saved: dict[str, Any]) -> None:
+        """What is learned must match: model, data, sequence length, global batch, seed. Toggles may differ."""
+        now = self.cfg.to_dict()
+        for section, key, flag in (("model", "model", "--model"), ("model", "size", "--size"),
+                                   ("data", "seq_len", "--seq-len"), ("optim", "global_batch", "--global-batch"),
+                                   ("optim", "seed", "--seed"), ("data", "data", "--data")):
+            if saved.get(section, {}).get(key) != now[section][key]:
+                raise ConfigError(flag, f"the checkpoint was trained with {saved.get(section, {}).get(key)!r}, "
+                                        f"this run asks for {now[section][key]!r}; resume needs the same value")
+
+    def _resume(self, target: str) -> None:
+        def corrupt(msg: str) -> None:
+            self.channel.emit("warning", message=f"corrupt checkpoint skipped: {msg}")
+            self.log(f"warning: corrupt checkpoint skipped: {msg}")
+
+        path, state = ckpt.resolve_resume(target, on_corrupt=corrupt, map_location=self.device)
+        self.load_state(state)
+        self.resumed_from = str(path)
+        self.log(f"resumed from {path} at step {self.progress.step}")
+
+    def save_checkpoint(self, reason: str = "interval") -> Path:
+        self._check_finite_now()
+        t = time.perf_counter()
+        path = ckpt.path_for(self.run_dir, self.progress.step)
+        if self.rank == 0:
+            ckpt.save(self.state_dict(), path)
+            ckpt.prune(self.run_dir, self.cfg.checkpoint.keep_checkpoints)
+        seconds = time.perf_counter() - t
+        self.last_good = path
+        self.channel.emit("checkpoint", step=self.progress.step, path=str(path), seconds=seconds, reason=reason,
+                          tokens=self.progress.tokens)
+        self.log(f"checkpoint {path.name} ({seconds:.2f} s, {reason})")
+        return path
+
+    # --------------------------------------------------------------- micro-batch
+    def _auto_micro_batch(self) -> int:
+        from .autobatch import find_micro_batch
+
+        local = self.cfg.optim.global_batch // self.world
+        x_all, y_all = self.sampler.micro_batch(0, 0, local)
+
+        def probe(mb: int) -> int:
+            self.meter.reset_peak()
+            try:
+                with self._autocast():
+                    loss = self._loss(x_all[:mb].to(self.device), y_all[:mb].to(self.device), 0, 0)
+                self.scaler.scale(loss).backward()
+                return self.meter.peak()
+            finally:
+                self.optimizer.zero_grad(set_to_none=True)
+                if self.balancer is not None:
+                    self.balancer.reset()
+
+        mb = find_micro_batch(probe, local, self.meter.capacity(), margin=0.1, log=self.log)
+        self.log(f"--micro-batch auto: {mb}")
+        return mb
+
+    # --------------------------------------------------------------------- loop
+    def _loss(self, x: torch.Tensor, y: torch.Tensor, batch_index: int, micro_index: int) -> torch.Tensor:
+        from .objectives import loss_fn
+
+        gen = None
+        if self.bundle.objective == "llada":
+            gen = torch.Generator().manual_seed(hash_seed(self.cfg.optim.seed, batch_index, micro_index, self.rank))
+        return loss_fn(self.bundle, self.model, x, y, generator=gen)
+
+    def _new_prefetcher(self):
+        from .prefetch import Prefetcher
+
+        t = self.cfg.toggles
+        return Prefetcher(self.sampler, self.micro_batch, self.progress.batch_cursor, self.device,
+                          depth=t.prefetch, workers=t.workers)
+
+    def run(self) -> int:
+        cfg = self.cfg
+        self.last_good: Path | None = None
+        self.timer = make_timer(self.device.type, cfg.log.timing)
+        self.prefetcher = self._new_prefetcher()
+        self._interval_reset()
+        self._t_run = time.perf_counter()
+        stop_reason = None
+        try:
+            while True:
+                try:
+                    stop_reason = self._train_until_done()
+                    self.save_checkpoint("stop" if stop_reason else "final")
+                    break
+                except NonFiniteLoss as e:
+                    self._rollback(e)
+        finally:
+            self.prefetcher.close()
+            self._stop_profiler()
+        elapsed = time.perf_counter() - self._t_run
+        self.channel.emit("done", step=self.progress.step, tokens=self.progress.tokens, seconds=elapsed,
+                          reason=stop_reason or "max_steps", checkpoint=str(self.last_good))
+        self.log(f"done at step {self.progress.step} ({stop_reason or 'max_steps'}) in {elapsed:.1f} s")
+        return EXIT_OK
+
+    def _train_until_done(self) -> str | None:
+        """Train to max_steps or a stop command (returns its reason). NonFiniteLoss propagates to run()."""
+        cfg = self.cfg
+        while self.progress.step < cfg.optim.max_steps:
+            stop_reason = self._handle_commands()
+            if stop_reason:
+                return stop_reason
+            self._train_step()
+            step = self.progress.step
+            if self._is_log_step() or step == cfg.optim.max_steps:
+                self._flush_interval()
+            if cfg.log.eval_every and step % cfg.log.eval_every == 0:
+                self._evaluate()
+            if cfg.checkpoint.checkpoint_every and step % cfg.checkpoint.checkpoint_every == 0 \
+                    and step < cfg.optim.max_steps:
+                self.save_checkpoint()
+        return None
+
+    def _handle_commands(self) -> str | None:
+        for cmd in self.channel.pending_commands():
+            name = cmd.get("cmd")
+            if name == "stop":
+                return cmd.get("reason", "stop requested")
+            if name == "checkpoint":
+                self.save_checkpoint("requested")
+            elif name == "profile":
+                s = self.progress.step
+                self.profile_window = (s, s + int(cmd.get("steps", 3)) - 1)
+            else:
+                self.channel.emit("warning", message=f"unknown command {name!r} ignored")
+        return None
+
+    def _is_log_step(self) -> bool:
+        return self.progress.step % self.cfg.log.log_every == 0
+
+    def _interval_reset(self) -> None:
+        self._loss_sum = torch.zeros((), device=self.device)
+        self._grad_norm = torch.zeros((), device=self.device)
+        self._bad = []      # (step, batch_index, device bool tensor)
+        self._interval_steps = 0
+        self._interval_t0 = time.perf_counter()
+        self.meter.reset_peak()
+
+    def _maybe_profile(self, step: int) -> None:
+        w = self.profile_window
+        if w and step == w[0] and self._profiler is None:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if self.dev.is_cuda:
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self._profiler = torch.profiler.profile(activities=acts)
+            self._profiler.__enter__()
+            self._profile_span = w
+
+    def _stop_profiler(self) -> None:
+        if self._profiler is None:
+            return
+        self._profiler.__exit__(None, None, None)
+        a, b = self._profile_span
+        out = self.run_dir / "profiles" / f"steps-{a}-{b}.json"
+        out.parent.mkdir(exist_ok=True)
+        self._profiler.export_chrome_trace(str(out))
+        self._profiler = None
+        self.profile_window = None
+        self.channel.emit("log", message=f"profiler trace of steps {a}-{b} written to {out}", path=str(out))
+
+    def _train_step(self) -> None:
+        p, cfg = self.progress, self.cfg
+        while p.batch_cursor in p.skip_batches:     # batches that poisoned the run before
+            for _ in range(self.accum):
+                self.prefetcher.get()
+            p.batch_cursor += 1
+        step, bi = p.step, p.batch_cursor
+        self._maybe_profile(step)
+        fault = self.faults.take(step)
+        lr = lr_at(step, cfg) * p.lr_scale
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        timer = self.timer
+        timer.begin_step(step)
+        step_loss = torch.zeros((), device=self.device)
+        for micro in range(self.accum):
+            with timer.phase("data"):
+                got_bi, got_mi, x, y = self.prefetcher.get()
+            assert got_bi == bi and got_mi == micro, f"data order broken: got {got_bi}/{got_mi}, want {bi}/{micro}"
+            with timer.phase("forward"):
+                with self._autocast():
+                    loss = self._loss(x, y, bi, micro) / self.accum
+                if fault == "nan":
+                    loss = loss * float("nan")
+                elif fault == "oom":
+                    raise torch.OutOfMemoryError(f"injected out-of-memory at step {step} (--fault)")
+                elif fault == "crash":
+                    raise RuntimeError(f"injected crash at step {step} (--fault)")
+                elif fault == "kill":
+                    os.kill(os.getpid(), 9)
+                elif fault == "compile":
+                    from torch._dynamo.exc import BackendCompilerFailed
+
+                    raise BackendCompilerFailed(lambda *a: None, RuntimeError("injected compile error (--fault)"))
+                fault = None
+            with timer.phase("backward"):
+                self.scaler.scale(loss).backward()
+            step_loss += loss.detach()
+        with timer.phase("optimizer"):
+            self.scaler.unscale_(self.optimizer)
+            if cfg.optim.grad_clip > 0:
+                norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), cfg.optim.grad_clip)
+            else:
+                norm = torch.linalg.vector_norm(torch.stack(
+                    [g.grad.detach().norm() for g in self.raw_model.parameters() if g.grad is not None]))
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.balancer is not None:
+                self.balancer.update()
+        timer.end_step()
+        self._bad.append((step, bi, ~torch.isfinite(step_loss)))
+        self._loss_sum += step_loss
+        self._grad_norm = norm.detach()
+        self._interval_steps += 1
+        p.step += 1
+        p.batch_cursor += 1
+        p.tokens += self.tokens_per_step
+        if self._profiler is not None and step >= self._profile_span[1]:
+            self._stop_profiler()
+
+    def _check_finite_now(self) -> None:
+        """Read back the interval's non-finite flags (one sync); raise before a poisoned state is used."""
+        if not self._bad:
+            return
+        flags = torch.stack([b for _, _, b in self._bad]).cpu().tolist()
+        for (step, bi, _), bad in zip(self._bad, flags):
+            if bad:
+                raise NonFiniteLoss(step, bi)
+        self._bad = []
+
+    def _flush_interval(self) -> None:
+        n = self._interval_steps
+        if n == 0:
+            return
+        loss = (self._loss_sum / n).item()          # the one sync per log interval
+        grad_norm = self._grad_norm.item()
+        self._check_finite_now()
+        now = time.perf_counter()
+        wall = now - self._interval_t0
+        timings: list[StepTiming] = self.timer.collect()
+        tokens_per_s = n * self.tokens_per_step / wall if wall > 0 else None
+        step_ms = sum(t.step_ms for t in timings) / len(timings) if timings else wall * 1e3 / n
+        phases = None
+        if timings and timings[0].phases_ms is not None:
+            phases = {k: sum(t.phases_ms[k] for t in timings) / len(timings) for k in timings[0].phases_ms}
+        idle = [t.gpu_idle_ms for t in timings if t.gpu_idle_ms is not None]
+        fields: dict[str, Any] = dict(
+            step=self.progress.step, tokens=self.progress.tokens, loss=loss,
+            lr=self.optimizer.param_groups[0]["lr"], grad_norm=grad_norm, step_ms=step_ms, phases_ms=phases,
+            tokens_per_s=tokens_per_s, mfu=self._mfu(tokens_per_s, self.bundle.flops_per_token,
+                                                      self.peak_flops * self.world if self.peak_flops else None),
+            mem_bytes=self.meter.peak(), interval_steps=n, wall_ms=wall * 1e3 / n)
+        if idle:
+            fields["gpu_idle_ms"] = sum(idle) / len(idle)
+        if self.balancer is not None:
+            fields["expert_load"] = self.balancer.load()
+        self.channel.emit("step", **fields)
+        self._interval_reset()
+
+    def _evaluate(self) -> None:
+        from .data import val_batches
+
+        if not hasattr(self, "_val"):
+            self._val = val_batches(self.data, self.cfg.data.seq_len, self.micro_batch, self.cfg.log.eval_batches,
+                                    self.cfg.optim.seed)
+        t = time.perf_counter()
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        with torch.no_grad():
+            for i, (x, y) in enumerate(self._val):
+                with self._autocast():
+                    total += self._loss(x.to(self.device), y.to(self.device), -1, i).float()
+        self.model.train()
+        if self.balancer is not None:
+            self.balancer.reset()
+        loss = (total / len(self._val)).item()
+        self.channel.emit("eval", step=self.progress.step, loss=loss, seconds=time.perf_counter() - t)
+
+    def _rollback(self, e: NonFiniteLoss) -> None:
+        cfg = self.cfg
+        p = self.progress
+        self.channel.emit("warning", message=str(e), step=e.step, batch=e.batch_index)
+        if cfg.run.nan_policy == "stop" or p.nan_rollbacks >= cfg.run.nan_retries:
+            why = "--nan-policy stop" if cfg.run.nan_policy == "stop" else f"{p.nan_rollbacks} rollbacks already"
+            self._fail("nan", f"{e}; giving up ({why}). Try a lower --lr or another --precision.")
+        skips = sorted(set(p.skip_batches) | {e.batch_index})
+        rollbacks, scale = p.nan_rollbacks + 1, p.lr_scale * cfg.run.nan_lr_factor
+        self.prefetcher.close()
+        if self.last_good is not None:
+            self.load_state(ckpt.load(self.last_good, map_location=self.device))
+            source = self.last_good.name
+        else:
+            self._reinitialize()
+            source = "initialization (no checkpoint yet)"
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.balancer is not None:
+            self.balancer.reset()
+        p = self.progress
+        p.skip_batches, p.nan_rollbacks, p.lr_scale = skips, rollbacks, scale
+        msg = (f"rolled back to {source} at step {p.step}; skipping batch {e.batch_index}; "
+               f"learning rate x{scale:g} (rollback {rollbacks}/{cfg.run.nan_retries})")
+        self.channel.emit("warning", message=msg, kind="nan_rollback", step=p.step, skip_batches=skips,
+                          lr_scale=scale)
+        self.log(msg)
+        self.timer.collect()
+        self._interval_reset()
+        self.prefetcher = self._new_prefetcher()
+
+    def _reinitialize(self) -> None:
+        from .models import build_model
+
+        torch.manual_seed(self.cfg.optim.seed)
+        fresh = build_model(self.cfg.model, vocab_size=self.data.vocab_size, seq_len=self.cfg.data.seq_len,
+                            toggles=self.cfg.toggles, dev=self.dev, mask_id=self.data.mask_id, seed=self.cfg.optim.seed)
+        self.raw_model.load_state_dict(fresh.model.state_dict())
+        self.optimizer = self._make_optimizer()
+        self.progress = Progress()
+
+    def _fail(self, kind: str, message: str, **extra: Any) -> None:
+        code = {"oom": EXIT_OOM, "nan": EXIT_NAN, "config": EXIT_CONFIG, "compile": EXIT_COMPILE}.get(kind, EXIT_CRASH)
+        if self.channel:
+            self.channel.emit("error", kind=kind, message=message, step=self.progress.step, exit_code=code, **extra)
+        print(f"[trainer] error ({kind}): {message}", file=sys.stderr, flush=True)
+        raise Stop(code)
+
+    def memory_figures(self) -> dict[str, Any]:
+        try:
+            return make_meter(self.device).figures()
+        except Exception:
+            return {}
+
+
+def hash_seed(*parts: int) -> int:
+    """A stable 63-bit seed from integers (Python's hash() is salted per process for str, not int, but be explicit)."""
+    h = 1469598103934665603
+    for x in parts:
+        h = ((h ^ (x & 0xFFFFFFFFFFFFFFFF)) * 1099511628211) & 0x7FFFFFFFFFFFFFFF
+    return h
+
+
+def default_run_dir(cfg: TrainConfig) -> str:
+    name = Path(cfg.model.model).name if os.sep in cfg.model.model else cfg.model.model
+    return os.path.join("runs", f"{time.strftime('%Y%m%d-%H%M%S')}-{name}-{cfg.model.size}")
+
+
+def main_run(cfg: TrainConfig) -> int:
+    """Run a configured trainer, turning every failure into an `error` event and a distinct exit code."""
+    if cfg.toggles.cuda_allocator == "expandable_segments":
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    trainer = None
+    try:
+        trainer = Trainer(cfg)
+        trainer.setup()
+        return trainer.run()
+    except Stop as s:
+        return s.code
+    except ConfigError as e:
+        return _report(trainer, "config", str(e), EXIT_CONFIG)
+    except torch.OutOfMemoryError as e:
+        extra = {"toggles": cfg.to_dict()["toggles"], "memory": trainer.memory_figures() if trainer else {}}
+        return _report(trainer, "oom", f"out of memory: {str(e).splitlines()[0] if str(e) else ''} -- try a smaller "
+                                       f"--micro-batch, --activation-checkpointing or bf16", EXIT_OOM, **extra)
+    except Exception as e:
+        if _is_compile_error(e):
+            return _report(trainer, "compile", f"torch.compile failed ({cfg.toggles.compile}): "
+                                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                           EXIT_COMPILE, traceback=traceback.format_exc())
+        return _report(trainer, "crash", f"{type(e).__name__}: {e}", EXIT_CRASH, traceback=traceback.format_exc())
+    finally:
+        if trainer is not None and trainer.channel is not None:
+            trainer.channel.close()
+
+
+def _is_compile_error(e: BaseException) -> bool:
+    mod = type(e).__module__
+    return mod.startswith("torch._dynamo") or mod.startswith("torch._inductor")
+
+
+def _report(trainer: Trainer | None, kind: str, message: str, code: int, **extra: Any) -> int:
+    tb = extra.pop("traceback", None)
+    if tb:
+        print(tb, file=sys.stderr, flush=True)
+    print(f"[trainer] error ({kind}): {message}", file=sys.stderr, flush=True)
+    if trainer is not None and trainer.channel is not None:
+        step = trainer.progress.step
+        trainer.channel.emit("error", kind=kind, message=message, step=step, exit_code=code, **extra)
+    return code
