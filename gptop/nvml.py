@@ -1,0 +1,227 @@
+"""The one place gptop talks to NVML (through nvidia-ml-py's `pynvml`).
+
+Why one place: NVML answers many questions with an error rather than a value
+(NotSupported on consumer boards, NoPermission in containers, GPUIsLost after
+an Xid, FunctionNotFound when the driver is older than the bindings). Every
+call goes through `Nvml._query`, which turns those errors into `None` ("n/a"
+in views), so no caller needs its own try/except and a missing metric never
+takes the dashboard down. The model is nvitop's `libnvml.nvmlQuery`.
+
+Two things nvitop's helper does not do and a 2 Hz sampler needs:
+- a query that failed with NotSupported/NoPermission for a device is
+  remembered and answered with `None` from then on, instead of paying for the
+  failing driver call every half second;
+- a function the driver lacks (FunctionNotFound) is remembered for all devices.
+
+No NVML at all (the `pynvml` import fails, libnvidia-ml.so is missing, the
+driver is not loaded, or there are zero GPUs) is not an error: `available` is
+False and `reason` says why, and the sampler falls back to CPU mode.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Iterable
+
+log = logging.getLogger(__name__)
+
+NA = None
+"""The value of a metric NVML could not give us. Views render it as "n/a"."""
+
+# Error codes from nvml.h; stable across driver versions. Read from the module
+# when it has them, so a fake module with its own numbering also works.
+_CODES = {
+    "UNINITIALIZED": 1,
+    "NOT_SUPPORTED": 3,
+    "NO_PERMISSION": 4,
+    "DRIVER_NOT_LOADED": 9,
+    "LIBRARY_NOT_FOUND": 12,
+    "FUNCTION_NOT_FOUND": 13,
+    "GPU_IS_LOST": 15,
+}
+
+
+def na(value: Any, spec: str = "", suffix: str = "") -> str:
+    """Render a telemetry value, `None` as "n/a": one spelling of "unknown" in every view."""
+    if value is None:
+        return "n/a"
+    return f"{value:{spec}}{suffix}"
+
+
+class Nvml:
+    """One NVML session: `nvmlInit` once on `open`, `nvmlShutdown` on `close`, queries that never raise NVMLError.
+
+    `module` is the `pynvml` module, or anything shaped like it (tests pass a
+    fake); `None` imports the real one when opened.
+    """
+
+    def __init__(self, module: Any = None) -> None:
+        self._module_arg = module
+        self._mod: Any = None
+        self._lock = threading.RLock()
+        self._opened = False
+        self._initialized = False
+        self.available = False
+        self.reason: str | None = None
+        self.device_count = 0
+        self._handles: dict[int, Any] = {}
+        self._unsupported: set[tuple[int, str, tuple]] = set()   # (device, function, extra args)
+        self._missing_functions: set[str] = set()
+        self._lost: set[int] = set()
+
+    # -- lifecycle ---------------------------------------------------------
+
+    def open(self) -> bool:
+        """Initialize NVML once; True when at least one GPU can be queried."""
+        with self._lock:
+            if self._opened:
+                return self.available
+            self._opened = True
+            mod = self._module_arg
+            if mod is None:
+                try:
+                    import pynvml as mod  # type: ignore[no-redef]
+                except Exception as e:  # ImportError, or a broken install raising anything
+                    self.reason = f"no NVIDIA GPU (nvidia-ml-py not importable: {e})"
+                    return False
+            self._mod = mod
+            try:
+                mod.nvmlInit()
+            except Exception as e:
+                code = getattr(e, "value", None)
+                if code in (self._code("LIBRARY_NOT_FOUND"), self._code("DRIVER_NOT_LOADED")) or isinstance(e, OSError):
+                    self.reason = f"no NVIDIA GPU ({e})"
+                    log.debug("NVML unavailable: %s", e)
+                else:  # e.g. LibRmVersionMismatch after a driver upgrade: worth telling the user
+                    self.reason = f"NVML failed to initialize ({type(e).__name__}: {e})"
+                    log.warning("%s; showing CPU telemetry only", self.reason)
+                return False
+            self._initialized = True
+            count = self.query("nvmlDeviceGetCount")
+            if not count:
+                self.reason = "no NVIDIA GPU (NVML reports no devices)"
+                self._shutdown()
+                return False
+            self.device_count = int(count)
+            self.available = True
+            self.reason = None
+            return True
+
+    def close(self) -> None:
+        """nvmlShutdown if we initialized; idempotent. A later `open` starts a new session."""
+        with self._lock:
+            self._shutdown()
+            self._opened = False
+            self.available = False
+
+    def _shutdown(self) -> None:
+        if self._initialized:
+            self._initialized = False
+            self._handles.clear()
+            try:
+                self._mod.nvmlShutdown()
+            except Exception as e:  # shutting down must not fail the caller
+                log.debug("nvmlShutdown: %s", e)
+
+    def __enter__(self) -> "Nvml":
+        self.open()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- queries -----------------------------------------------------------
+
+    def query(self, function: str, *args: Any) -> Any:
+        """`pynvml.<function>(*args)` for calls not tied to a device; None on any NVML error."""
+        return self._query(function, args, device=None, extra=())
+
+    def device_query(self, index: int, function: str, *args: Any) -> Any:
+        """`pynvml.<function>(handle(index), *args)`; None on any NVML error, remembered when permanent."""
+        handle = self.handle(index)
+        if handle is None:
+            return NA
+        return self._query(function, (handle, *args), device=index, extra=args)
+
+    def device_query_first(self, index: int, calls: Iterable[tuple[str, tuple]]) -> Any:
+        """The first non-None answer among alternative calls (new API first, deprecated fallback after)."""
+        for function, args in calls:
+            value = self.device_query(index, function, *args)
+            if value is not None:
+                return value
+        return NA
+
+    def handle(self, index: int) -> Any:
+        """The cached device handle, or None when the device cannot be reached."""
+        h = self._handles.get(index)
+        if h is None:
+            h = self._query("nvmlDeviceGetHandleByIndex", (index,), device=index, extra=())
+            if h is not None:
+                self._handles[index] = h
+        return h
+
+    def constant(self, name: str, default: int) -> int:
+        """An NVML_* constant from the module (a fake module may omit it)."""
+        return getattr(self._mod, name, default)
+
+    def is_unsupported(self, index: int, function: str, *args: Any) -> bool:
+        """Whether this query was remembered as permanently unavailable for the device."""
+        return (index, function, args) in self._unsupported or function in self._missing_functions
+
+    def _code(self, name: str) -> int:
+        return getattr(self._mod, "NVML_ERROR_" + name, _CODES[name]) if self._mod is not None else _CODES[name]
+
+    def _query(self, function: str, args: tuple, device: int | None, extra: tuple) -> Any:
+        """Every NVML call gptop makes passes here: NVML errors become None, permanent ones are remembered."""
+        with self._lock:
+            if not self._initialized or function in self._missing_functions:
+                return NA
+            key = None
+            if device is not None:
+                if device in self._lost:
+                    return NA
+                key = (device, function, extra)
+                if key in self._unsupported:
+                    return NA
+            fn = getattr(self._mod, function, None)
+            if fn is None:  # bindings older than the function we ask for
+                self._missing_functions.add(function)
+                return NA
+            error_types = self._error_types()
+            try:
+                value = fn(*args)
+            except error_types as e:
+                self._remember(e, function, key, device)
+                return NA
+            except UnicodeDecodeError:  # garbage strings from a broken driver: treat as Unknown
+                return NA
+            if isinstance(value, bytes):
+                value = value.decode("utf-8", errors="replace")
+            return value
+
+    def _error_types(self) -> tuple[type[BaseException], ...]:
+        types: list[type[BaseException]] = []
+        for name in ("NVMLError", "NVMLLibraryMismatchError"):
+            t = getattr(self._mod, name, None)
+            if isinstance(t, type) and issubclass(t, BaseException):
+                types.append(t)
+        return tuple(types) or (Exception,)
+
+    def _remember(self, error: BaseException, function: str, key: tuple | None, device: int | None) -> None:
+        code = getattr(error, "value", None)
+        mismatch = getattr(self._mod, "NVMLLibraryMismatchError", None)
+        if code == self._code("FUNCTION_NOT_FOUND") or (isinstance(mismatch, type) and isinstance(error, mismatch)):
+            if function not in self._missing_functions:
+                log.debug("NVML function %s not found in this driver", function)
+            self._missing_functions.add(function)
+        elif code in (self._code("NOT_SUPPORTED"), self._code("NO_PERMISSION")) and key is not None:
+            log.debug("NVML %s on GPU %s: %s (not asked again)", function, device, error)
+            self._unsupported.add(key)
+        elif code == self._code("GPU_IS_LOST") and device is not None:
+            if device not in self._lost:
+                log.warning("GPU %d is lost (NVML GPUIsLost); its telemetry is n/a from now on", device)
+            self._lost.add(device)
+        elif code == self._code("UNINITIALIZED"):
+            self._initialized = False
+        # Unknown, Timeout, ...: transient, asked again next sample.

@@ -1,0 +1,652 @@
+"""Device telemetry: what the GPU (or, without one, the CPU) is doing while the trainer runs.
+
+`DeviceSampler` samples in its own thread every `interval` seconds, keeps at
+least `history_seconds` of samples in a ring buffer, and tells subscribers of
+each new sample. It knows nothing of rendering: the session forwards samples
+as `device` events and the views draw them, so the TUI, `--no-ui` and a replay
+of events.jsonl all see the same numbers.
+
+Values a device cannot give are `None` (rendered "n/a"), never 0, so an
+unsupported power sensor is not mistaken for an idle GPU.
+
+Energy: `energy_between(samples, t0, t1)` is the one place that turns samples
+into joules (energy per step / per token is computed from it). It prefers the
+hardware energy counters (NVML total energy, RAPL package energy) over
+integrating sampled power, because a counter sees every millisecond between
+samples and a 2 Hz power reading does not.
+"""
+
+from __future__ import annotations
+
+import bisect
+import glob
+import logging
+import math
+import os
+import platform
+import re
+import statistics
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Callable, Iterable, Literal, Sequence
+
+import psutil
+
+from gptop.nvml import Nvml
+
+log = logging.getLogger(__name__)
+
+HISTORY_SLACK = 16  # extra ring slots beyond history_seconds / interval
+
+
+@dataclass
+class GpuSample:
+    """One GPU at one instant. None: the device or driver cannot tell (rendered "n/a")."""
+
+    index: int                      # NVML index (not CUDA's, which CUDA_VISIBLE_DEVICES renumbers)
+    name: str
+    util_pct: float | None          # % of the last sample period with a kernel running
+    mem_used: int | None            # bytes, whole device
+    mem_total: int | None           # bytes
+    power_w: float | None
+    power_limit_w: float | None     # enforced limit
+    energy_j: float | None          # NVML total energy counter (since driver load); only differences mean anything
+    temp_c: float | None
+    sm_clock_mhz: float | None
+    proc_mem: int | None            # bytes used on this GPU by the trainer's processes; None when none are seen
+
+
+@dataclass
+class CpuSample:
+    """The host at one instant; present in GPU mode too (data loading lives here)."""
+
+    util_pct: float                 # whole machine, 0..100
+    per_core: list[float]           # 0..100 per logical CPU
+    mem_used: int                   # bytes, total - available
+    mem_total: int                  # bytes
+    proc_rss: int | None            # bytes, trainer processes and their children (shared pages counted per process)
+    proc_cpu_pct: float | None      # trainer processes' share of the whole machine, 0..100
+    power_w: float | None           # CPU package power from RAPL, None when unreadable
+    energy_j: float | None          # RAPL package energy since the sampler started (wraparound undone)
+    name: str = "cpu"
+
+
+@dataclass
+class DeviceSample:
+    """Everything sampled at `time` (unix seconds, the clock events use)."""
+
+    time: float
+    gpus: list[GpuSample]
+    cpu: CpuSample
+
+    @property
+    def mode(self) -> Literal["gpu", "cpu"]:
+        return "gpu" if self.gpus else "cpu"
+
+    def to_event(self, rank: int = 0) -> dict[str, Any]:
+        """A `device` event (trainer.events schema), so samples travel with the run's other events."""
+        from trainer.events import make_event
+
+        cpu = asdict(self.cpu)
+        cpu["per_core"] = [round(x, 1) for x in self.cpu.per_core]  # many cores x 2 Hz: keep lines short
+        event = make_event("device", rank=rank, mode=self.mode, devices=[asdict(g) for g in self.gpus], cpu=cpu)
+        event["time"] = self.time
+        return event
+
+    @classmethod
+    def from_event(cls, event: dict[str, Any]) -> "DeviceSample":
+        """Rebuild a sample from a `device` event (replay of events.jsonl); unknown keys are ignored."""
+        gpus = [GpuSample(**_known(GpuSample, d)) for d in event.get("devices") or []]
+        cpu_d = dict(event.get("cpu") or {})
+        cpu_d.setdefault("util_pct", 0.0)
+        cpu_d.setdefault("per_core", [])
+        cpu_d.setdefault("mem_used", 0)
+        cpu_d.setdefault("mem_total", 0)
+        for k in ("proc_rss", "proc_cpu_pct", "power_w", "energy_j"):
+            cpu_d.setdefault(k, None)
+        return cls(time=float(event["time"]), gpus=gpus, cpu=CpuSample(**_known(CpuSample, cpu_d)))
+
+
+def _known(cls: type, d: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in d.items() if k in names}
+
+
+# --------------------------------------------------------------------------- CPU side
+
+
+def cpu_name() -> str:
+    """The CPU model, for the header line (no torch import: gptop must start fast)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "Model", "cpu model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+class _CoreLoad:
+    """Per-core utilization from our own cpu_times deltas.
+
+    psutil.cpu_percent(interval=None) keeps one module-global "last call", so
+    any other caller in the process would corrupt our numbers; we keep ours.
+    """
+
+    def __init__(self) -> None:
+        self._last = psutil.cpu_times(percpu=True)
+
+    def sample(self) -> list[float]:
+        now = psutil.cpu_times(percpu=True)
+        out = []
+        for a, b in zip(self._last, now):
+            total = _busy_total(b) - _busy_total(a)
+            idle = _idle(b) - _idle(a)
+            out.append(0.0 if total <= 0 else min(100.0, max(0.0, 100.0 * (total - idle) / total)))
+        self._last = now
+        return out
+
+
+def _busy_total(t: Any) -> float:
+    # guest time is already counted in user/nice on Linux
+    return sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+
+
+def _idle(t: Any) -> float:
+    return t.idle + getattr(t, "iowait", 0.0)
+
+
+@dataclass
+class _ProcStats:
+    pids: set[int]
+    rss: int | None
+    cpu_pct: float | None
+
+
+class _ProcTracker:
+    """The trainer's processes and their children, with Process objects kept so cpu_percent has a baseline."""
+
+    def __init__(self) -> None:
+        self._procs: dict[int, psutil.Process] = {}
+        self._ncpu = psutil.cpu_count() or 1
+
+    def update(self, roots: Iterable[int]) -> _ProcStats:
+        current: dict[int, psutil.Process] = {}
+        for pid in roots:
+            p = self._get(int(pid))
+            if p is None:
+                continue
+            current[p.pid] = p
+            try:
+                for c in p.children(recursive=True):
+                    cached = self._procs.get(c.pid)
+                    current.setdefault(c.pid, cached if cached is not None and cached == c else c)
+            except psutil.Error:
+                pass
+        rss = 0
+        cpu = 0.0
+        have_rss = have_cpu = False
+        alive: dict[int, psutil.Process] = {}
+        for pid, p in current.items():
+            seen_before = pid in self._procs and self._procs[pid] is p
+            try:
+                with p.oneshot():
+                    rss += p.memory_info().rss
+                    pct = p.cpu_percent(interval=None)  # first call per object only sets the baseline
+            except psutil.Error:
+                continue
+            alive[pid] = p
+            have_rss = True
+            if seen_before:
+                cpu += pct
+                have_cpu = True
+        self._procs = alive
+        return _ProcStats(
+            pids=set(current),
+            rss=rss if have_rss else None,
+            cpu_pct=min(100.0, cpu / self._ncpu) if have_cpu else None,
+        )
+
+    def _get(self, pid: int) -> psutil.Process | None:
+        p = self._procs.get(pid)
+        if p is not None:
+            try:
+                if p.is_running():  # also catches pid reuse
+                    return p
+            except psutil.Error:
+                pass
+        try:
+            return psutil.Process(pid)
+        except psutil.Error:
+            return None
+
+
+class Rapl:
+    """CPU package energy from Linux powercap (intel-rapl; AMD exposes the same files).
+
+    Counters are microjoules that wrap at max_energy_range_uj; we keep a
+    running total so callers see one monotonic counter. Since Linux 5.10
+    energy_uj is root-only (PLATYPUS), so None is the common answer.
+    """
+
+    def __init__(self, root: str = "/sys/class/powercap") -> None:
+        self.domains: list[tuple[str, int | None]] = []
+        for path in sorted(glob.glob(os.path.join(glob.escape(root), "intel-rapl:*"))):
+            if not re.fullmatch(r"intel-rapl:\d+", os.path.basename(path)):
+                continue  # subdomains (core, uncore, dram) are inside the package; psys would double count
+            name = _read(os.path.join(path, "name"))
+            if name is not None and not name.strip().startswith("package"):
+                continue
+            if _read_int(os.path.join(path, "energy_uj")) is None:
+                continue
+            self.domains.append((path, _read_int(os.path.join(path, "max_energy_range_uj"))))
+        self._last_raw: dict[str, int] = {}
+        self._total_uj = 0
+        self._last_total: int | None = None
+        self._last_time: float | None = None
+
+    @property
+    def available(self) -> bool:
+        return bool(self.domains)
+
+    def read(self, now: float) -> tuple[float | None, float | None]:
+        """(power W since the previous read, energy J since the first read); (None, None) when unreadable."""
+        if not self.domains:
+            return None, None
+        read_any = False
+        for path, max_range in self.domains:
+            raw = _read_int(os.path.join(path, "energy_uj"))
+            if raw is None:
+                continue  # a missed read is covered by the next one's delta
+            read_any = True
+            last = self._last_raw.get(path)
+            self._last_raw[path] = raw
+            if last is None:
+                continue
+            delta = raw - last
+            if delta < 0:
+                delta = delta + max_range if max_range else raw  # wrapped (or reset, if no range is known)
+            self._total_uj += delta
+        if not read_any:
+            return None, None
+        power = None
+        if self._last_time is not None and now > self._last_time and self._last_total is not None:
+            power = (self._total_uj - self._last_total) / 1e6 / (now - self._last_time)
+        self._last_total = self._total_uj
+        self._last_time = now
+        return power, self._total_uj / 1e6
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _read_int(path: str) -> int | None:
+    s = _read(path)
+    try:
+        return int(s.strip()) if s is not None else None
+    except ValueError:
+        return None
+
+
+# --------------------------------------------------------------------------- GPU side
+
+
+def _sample_gpu(nv: Nvml, index: int, name: str, pids: set[int]) -> GpuSample:
+    q = nv.device_query
+    util = q(index, "nvmlDeviceGetUtilizationRates")
+    mem = q(index, "nvmlDeviceGetMemoryInfo")
+    power_mw = q(index, "nvmlDeviceGetPowerUsage")
+    limit_mw = nv.device_query_first(index, [("nvmlDeviceGetEnforcedPowerLimit", ()),
+                                             ("nvmlDeviceGetPowerManagementLimit", ())])
+    energy_mj = q(index, "nvmlDeviceGetTotalEnergyConsumption")
+    sensor = nv.constant("NVML_TEMPERATURE_GPU", 0)
+    temp = nv.device_query_first(index, [("nvmlDeviceGetTemperatureV", (sensor,)),
+                                         ("nvmlDeviceGetTemperature", (sensor,))])
+    sm = q(index, "nvmlDeviceGetClockInfo", nv.constant("NVML_CLOCK_SM", 1))
+    proc_mem = None
+    if pids:
+        procs = nv.device_query_first(index, [("nvmlDeviceGetComputeRunningProcesses", ()),
+                                              ("nvmlDeviceGetComputeRunningProcesses_v2", ())])
+        # NVML reports host PIDs: inside a PID namespace (container) ours may not match; then n/a, not 0.
+        used = [getattr(p, "usedGpuMemory", None) for p in procs or () if getattr(p, "pid", None) in pids]
+        known = [u for u in used if u is not None]
+        proc_mem = sum(known) if known else None
+    return GpuSample(
+        index=index,
+        name=name,
+        util_pct=_num(getattr(util, "gpu", None)),
+        mem_used=_int(getattr(mem, "used", None)),
+        mem_total=_int(getattr(mem, "total", None)),
+        power_w=_num(power_mw, 1e-3),
+        power_limit_w=_num(limit_mw, 1e-3),
+        energy_j=_num(energy_mj, 1e-3),
+        temp_c=_num(temp),
+        sm_clock_mhz=_num(sm),
+        proc_mem=proc_mem,
+    )
+
+
+def _num(v: Any, scale: float = 1.0) -> float | None:
+    if v is None or isinstance(v, bool):
+        return None
+    try:
+        x = float(v) * scale
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def _int(v: Any) -> int | None:
+    return None if v is None else int(v)
+
+
+# --------------------------------------------------------------------------- sampler
+
+
+class DeviceSampler:
+    """Samples GPUs (via NVML) or, without an NVIDIA GPU, the CPU, in a background thread.
+
+    Thread-safe reads (`latest`, `history`) and push (`subscribe`) so views and
+    the session never block on a driver call. `sample_once` works without the
+    thread (tests, one-shot `gptop --no-ui` lines).
+
+    `pids` returns the trainer's process ids (children are followed), used for
+    per-process GPU memory, RSS and CPU share. `nvml` is a `pynvml`-shaped
+    module or an `Nvml`; `rapl_root` and `clock` exist for tests.
+    """
+
+    def __init__(
+        self,
+        interval: float = 0.5,
+        pids: Callable[[], Iterable[int]] = lambda: (),
+        history_seconds: float = 600,
+        nvml: Any = None,
+        rapl_root: str = "/sys/class/powercap",
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not interval > 0:
+            raise ValueError(f"interval must be > 0, got {interval!r}")
+        self.interval = float(interval)
+        self.history_seconds = float(history_seconds)
+        self._pids = pids
+        self._clock = clock
+        self._nvml = nvml if isinstance(nvml, Nvml) else Nvml(nvml)
+        self._rapl_root = rapl_root
+        self._history: deque[DeviceSample] = deque(
+            maxlen=math.ceil(self.history_seconds / self.interval) + HISTORY_SLACK)
+        self._lock = threading.Lock()          # guards _history and _subscribers
+        self._sample_lock = threading.Lock()   # one sample at a time: the trackers are stateful
+        self._subscribers: list[Callable[[DeviceSample], None]] = []
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._ready = False
+        self._gpu_names: dict[int, str] = {}
+        self._cpu_name = ""
+        self._cores: _CoreLoad | None = None
+        self._procs = _ProcTracker()
+        self._rapl: Rapl | None = None
+        self._errors_logged = 0
+
+    # -- lifecycle ---------------------------------------------------------
+
+    def _ensure_ready(self) -> None:
+        if self._ready:
+            return
+        self._nvml.open()
+        if self._cores is None:
+            self._cores = _CoreLoad()
+            self._cpu_name = cpu_name()
+            self._rapl = Rapl(self._rapl_root)
+        self._ready = True
+
+    @property
+    def mode(self) -> Literal["gpu", "cpu"]:
+        """Which telemetry this machine gives: "gpu" when NVML sees an NVIDIA GPU, else "cpu"."""
+        with self._sample_lock:
+            self._ensure_ready()
+        return "gpu" if self._nvml.available else "cpu"
+
+    @property
+    def reason(self) -> str | None:
+        """Why there is no GPU telemetry (for a one-line notice), None in GPU mode."""
+        return self._nvml.reason
+
+    def start(self) -> None:
+        """Start the sampling thread; a no-op when it is running."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="gptop-device-sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread and release NVML. Returns within about one NVML call; idempotent."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=max(2.0, 2 * self.interval))
+            if thread.is_alive():  # stuck in a driver call: shutting NVML down under it could crash
+                log.warning("device sampler did not stop in time; leaving NVML open")
+                return
+        with self._sample_lock:
+            self._nvml.close()
+            self._ready = False
+
+    close = stop
+
+    def __enter__(self) -> "DeviceSampler":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        next_t = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                self.sample_once()
+            except Exception:  # the thread must outlive a bad sample
+                self._errors_logged += 1
+                if self._errors_logged <= 3:
+                    log.exception("device sample failed")
+            next_t += self.interval
+            delay = next_t - time.monotonic()
+            if delay < 0:  # fell behind (slow driver call): do not burst to catch up
+                next_t = time.monotonic()
+                delay = 0.0
+            if self._stop.wait(delay):
+                break
+
+    # -- sampling ----------------------------------------------------------
+
+    def sample_once(self) -> DeviceSample:
+        """Take one sample now, add it to the history and notify subscribers."""
+        with self._sample_lock:
+            self._ensure_ready()
+            now = self._clock()
+            procs = self._procs.update(self._trainer_pids())
+            gpus = []
+            if self._nvml.available:
+                for i in range(self._nvml.device_count):
+                    if i not in self._gpu_names:
+                        name = self._nvml.device_query(i, "nvmlDeviceGetName")
+                        if name is not None:
+                            self._gpu_names[i] = str(name)
+                    gpus.append(_sample_gpu(self._nvml, i, self._gpu_names.get(i, f"GPU {i}"), procs.pids))
+            cpu = self._sample_cpu(now, procs)
+            sample = DeviceSample(time=now, gpus=gpus, cpu=cpu)
+        self._record(sample)
+        return sample
+
+    def _trainer_pids(self) -> list[int]:
+        try:
+            return [int(p) for p in self._pids()]
+        except Exception:
+            log.debug("pids() failed", exc_info=True)
+            return []
+
+    def _sample_cpu(self, now: float, procs: _ProcStats) -> CpuSample:
+        assert self._cores is not None and self._rapl is not None
+        per_core = self._cores.sample()
+        vm = psutil.virtual_memory()
+        power, energy = self._rapl.read(now)
+        return CpuSample(
+            util_pct=sum(per_core) / len(per_core) if per_core else 0.0,
+            per_core=per_core,
+            mem_used=int(vm.total - vm.available),
+            mem_total=int(vm.total),
+            proc_rss=procs.rss,
+            proc_cpu_pct=procs.cpu_pct,
+            power_w=power,
+            energy_j=energy,
+            name=self._cpu_name,
+        )
+
+    def _record(self, sample: DeviceSample) -> None:
+        with self._lock:
+            self._history.append(sample)
+            subscribers = list(self._subscribers)
+        for callback in subscribers:
+            try:
+                callback(sample)
+            except Exception:
+                log.exception("device sample subscriber failed")
+
+    # -- reading -----------------------------------------------------------
+
+    def latest(self) -> DeviceSample | None:
+        """The newest sample, or None before the first."""
+        with self._lock:
+            return self._history[-1] if self._history else None
+
+    def history(self, seconds: float | None = None) -> list[DeviceSample]:
+        """Samples, oldest first; with `seconds`, only those newer than now - seconds."""
+        with self._lock:
+            samples = list(self._history)
+        if seconds is None:
+            return samples
+        cutoff = self._clock() - seconds
+        return [s for s in samples if s.time >= cutoff]
+
+    def subscribe(self, callback: Callable[[DeviceSample], None]) -> Callable[[], None]:
+        """Call `callback(sample)` after each sample (from the sampler thread; keep it short).
+
+        Returns a function that unsubscribes.
+        """
+        with self._lock:
+            self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if callback in self._subscribers:
+                    self._subscribers.remove(callback)
+
+        return unsubscribe
+
+
+# --------------------------------------------------------------------------- energy
+
+
+def energy_between(
+    samples: Sequence[DeviceSample],
+    t0: float,
+    t1: float,
+    *,
+    source: Literal["auto", "gpu", "cpu"] = "auto",
+    devices: Iterable[int] | None = None,
+) -> float | None:
+    """Joules used in [t0, t1], or None when the samples cannot say.
+
+    Per device, the energy counter is read as a piecewise-linear function of
+    time (interpolated between samples, extrapolated a little past the ends at
+    the nearest segment's rate), so windows need not line up with samples and
+    a missing sample only widens a segment. Without counters, sampled power is
+    integrated (trapezoids) instead. `source="auto"` sums the GPUs when the
+    samples have any (`devices` picks NVML indices), else the CPU package
+    (RAPL). If any chosen device has neither counter nor power in the window,
+    the answer is None: a partial sum would understate energy per token.
+    """
+    if t1 < t0:
+        raise ValueError(f"t1 ({t1}) < t0 ({t0})")
+    samples = sorted(samples, key=lambda s: s.time)
+    if not samples:
+        return None
+    use_gpu = source == "gpu" or (source == "auto" and any(s.gpus for s in samples))
+    if use_gpu:
+        wanted = set(devices) if devices is not None else {g.index for s in samples for g in s.gpus}
+        if not wanted:
+            return None
+        total = 0.0
+        for index in sorted(wanted):
+            series = [(s.time, g.energy_j, g.power_w) for s in samples for g in s.gpus if g.index == index]
+            e = _series_energy(series, t0, t1)
+            if e is None:
+                return None
+            total += e
+        return total
+    return _series_energy([(s.time, s.cpu.energy_j, s.cpu.power_w) for s in samples], t0, t1)
+
+
+def _series_energy(series: list[tuple[float, float | None, float | None]], t0: float, t1: float) -> float | None:
+    """Energy over [t0, t1] from (time, counter J, power W) points of one device."""
+    cum = _cumulative(series)
+    if cum is None or len(cum) < 2:
+        return None
+    times = [t for t, _ in cum]
+    gaps = [b - a for a, b in zip(times, times[1:]) if b > a]
+    slack = max(1.0, 2.0 * statistics.median(gaps)) if gaps else 1.0
+    if t0 < times[0] - slack or t1 > times[-1] + slack:
+        return None  # the window is outside what was sampled: don't invent it
+    return max(0.0, _at(cum, t1) - _at(cum, t0))
+
+
+def _cumulative(series: list[tuple[float, float | None, float | None]]) -> list[tuple[float, float]] | None:
+    """(time, joules since the first point), from counter differences where possible, else power."""
+    counters = [(t, e, p) for t, e, p in series if e is not None]
+    if len(counters) >= 2:
+        out = [(counters[0][0], 0.0)]
+        acc = 0.0
+        for (ta, ea, pa), (tb, eb, pb) in zip(counters, counters[1:]):
+            d = eb - ea
+            if d < 0:  # counter reset (driver reload, GPU reset): estimate the segment from power
+                d = _trapezoid(ta, pa, tb, pb) or 0.0
+            acc += d
+            out.append((tb, acc))
+        return out
+    powered = [(t, p) for t, _, p in series if p is not None]
+    if len(powered) >= 2:
+        out = [(powered[0][0], 0.0)]
+        acc = 0.0
+        for (ta, pa), (tb, pb) in zip(powered, powered[1:]):
+            acc += _trapezoid(ta, pa, tb, pb) or 0.0
+            out.append((tb, acc))
+        return out
+    return None
+
+
+def _trapezoid(ta: float, pa: float | None, tb: float, pb: float | None) -> float | None:
+    if pa is None and pb is None:
+        return None
+    pa = pb if pa is None else pa
+    pb = pa if pb is None else pb
+    return 0.5 * (pa + pb) * (tb - ta)
+
+
+def _at(cum: list[tuple[float, float]], t: float) -> float:
+    """The cumulative energy at time t: linear between points, the end segment's rate beyond them."""
+    times = [x for x, _ in cum]
+    i = bisect.bisect_right(times, t)
+    i = min(max(i, 1), len(cum) - 1)
+    (ta, ea), (tb, eb) = cum[i - 1], cum[i]
+    if tb == ta:
+        return eb
+    return ea + (eb - ea) * (t - ta) / (tb - ta)
