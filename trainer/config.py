@@ -280,14 +280,17 @@ def add_arguments(parser: argparse.ArgumentParser, sections: tuple[str, ...] = t
             flag = flag_of(f)
             default = getattr(obj, f.name)
             kind = _kind(f)
-            help_text = f"{f.metadata['help']} (default: {default})"
+            help_text = f.metadata["help"]
+            if "default" not in help_text:
+                help_text += f" (default: {default})"
             if kind is bool:
                 group.add_argument(flag, dest=f"{section}.{f.name}", action=argparse.BooleanOptionalAction,
                                    default=argparse.SUPPRESS, help=help_text)
             else:
                 group.add_argument(flag, dest=f"{section}.{f.name}", default=argparse.SUPPRESS,
                                    type=str, choices=f.metadata.get("choices"),
-                                   metavar=f.metadata.get("metavar") or _METAVARS.get(kind),
+                                   metavar=f.metadata.get("metavar") or (None if f.metadata.get("choices")
+                                                                          else _METAVARS.get(kind)),
                                    help=help_text)
 
 

@@ -1,0 +1,31 @@
+import pytest
+import torch
+
+from trainer.autobatch import candidates, find_micro_batch
+
+
+def test_candidates_divide_the_batch():
+    assert candidates(32) == [1, 2, 4, 8, 16, 32]
+    assert candidates(12) == [1, 2, 4, 12]
+
+
+def test_largest_that_fits_with_margin():
+    tried = []
+
+    def probe(mb):
+        tried.append(mb)
+        if mb > 16:
+            raise torch.OutOfMemoryError("boom")
+        return 100 + 50 * mb
+
+    assert find_micro_batch(probe, 64, capacity=10_000, margin=0.1) == 16
+    assert find_micro_batch(lambda mb: 100 + 50 * mb, 64, capacity=950, margin=0.1) == 8   # 16 would need 900 > 855
+    # sizes predicted to exceed the limit are never run
+    tried.clear()
+    find_micro_batch(lambda mb: tried.append(mb) or 100 + 100 * mb, 1024, capacity=2000)
+    assert max(tried) <= 16
+
+
+def test_nothing_fits():
+    with pytest.raises(torch.OutOfMemoryError):
+        find_micro_batch(lambda mb: 10_000, 8, capacity=1000)

@@ -1,0 +1,107 @@
+import argparse
+
+import pytest
+
+from trainer import capabilities
+from trainer.config import ConfigError, TrainConfig, add_arguments, cli_args, config_from_args
+from trainer.device import DeviceInfo
+
+CPU = DeviceInfo(type="cpu", name="Test CPU", cpu_count=2)
+H100 = DeviceInfo(type="cuda", index=0, name="NVIDIA H100 80GB HBM3", capability=(9, 0), total_memory=80 * 2**30)
+T4 = DeviceInfo(type="cuda", index=0, name="Tesla T4", capability=(7, 5), total_memory=16 * 2**30)
+
+
+def parse(argv, base=None):
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return config_from_args(p.parse_args(argv), base)
+
+
+def test_defaults_and_flags():
+    cfg = parse(["--model", "deepseek", "--size", "tiny", "--micro-batch", "4", "--no-timing", "--fused-adamw"])
+    assert cfg.model.model == "deepseek" and cfg.model.size == "tiny"
+    assert cfg.toggles.micro_batch == "4" and cfg.toggles.fused_adamw is True
+    assert cfg.log.timing is False
+    assert cfg.optim.global_batch == TrainConfig().optim.global_batch
+
+
+def test_toml_then_flags_override(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text('[toggles]\nprecision = "bf16"\nprefetch = 4\n[optim]\nlr = 0.01\n')
+    cfg = parse(["--config", str(toml), "--prefetch", "1"])
+    assert cfg.toggles.precision == "bf16"
+    assert cfg.toggles.prefetch == 1          # the flag wins
+    assert cfg.optim.lr == 0.01
+
+
+def test_toml_round_trip():
+    cfg = TrainConfig()
+    cfg.toggles.compile = "default"
+    cfg.optim.max_steps = 7
+    again = TrainConfig.from_dict(__import__("tomllib").loads(cfg.to_toml()))
+    assert again == cfg
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--micro-batch", "zero"], "--micro-batch"),
+    (["--micro-batch", "0"], "--micro-batch"),
+    (["--seq-len", "abc"], "--seq-len"),
+    (["--lr", "-1"], "--lr"),
+    (["--max-steps", "0"], "--max-steps"),
+    (["--profile-steps", "5"], "--profile-steps"),
+    (["--fault", "boom"], None),
+])
+def test_bad_values_name_the_flag(argv, flag):
+    if flag is None:
+        from trainer.train import Faults
+
+        with pytest.raises(ConfigError) as e:
+            Faults("boom")
+        assert e.value.option == "--fault"
+        return
+    with pytest.raises(ConfigError) as e:
+        parse(argv)
+    assert e.value.option == flag
+
+
+def test_unknown_toml_key_is_an_error(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text("[toggles]\nprecison = 'bf16'\n")
+    with pytest.raises(ConfigError) as e:
+        parse(["--config", str(toml)])
+    assert "toggles.precison" in str(e.value) and "precision" in str(e.value)
+
+
+def test_cli_args_round_trip():
+    cfg = parse(["--model", "llada", "--no-timing", "--compile", "default", "--lr", "0.002"])
+    assert parse(cli_args(cfg)) == cfg
+
+
+@pytest.mark.parametrize("dev,name,value,ok", [
+    (CPU, "precision", "fp32", True), (CPU, "precision", "bf16", True), (CPU, "precision", "fp16", False),
+    (CPU, "precision", "fp8-rowwise", False), (CPU, "precision", "tf32", False),
+    (CPU, "compile", "default", True), (CPU, "compile", "reduce-overhead", False),
+    (CPU, "compile", "max-autotune-no-cudagraphs", True), (CPU, "cuda_allocator", "expandable_segments", False),
+    (H100, "precision", "fp8-tensorwise", True), (H100, "precision", "tf32", True),
+    (H100, "compile", "max-autotune", True), (H100, "cuda_allocator", "expandable_segments", True),
+    (T4, "precision", "fp8-rowwise", False), (T4, "precision", "bf16", False), (T4, "precision", "fp16", True),
+])
+def test_capability_gating(dev, name, value, ok):
+    reason = capabilities.support(name, value, dev)
+    assert (reason is None) == ok
+    if not ok:
+        assert len(reason) > 10
+
+
+def test_unsupported_toggle_rejected_with_reason():
+    cfg = parse(["--precision", "fp8-rowwise"])
+    with pytest.raises(ConfigError) as e:
+        capabilities.check(cfg.toggles, CPU)
+    assert e.value.option == "--precision" and "8.9" in str(e.value)
+    capabilities.check(cfg.toggles, H100)
+
+
+def test_no_compiler_means_no_compile():
+    dev = DeviceInfo(type="cpu", name="x", has_compiler=False)
+    assert capabilities.support("compile", "default", dev)
+    assert capabilities.supported_values("compile", dev) == ["off"]
