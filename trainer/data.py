@@ -1,0 +1,707 @@
+"""Training data: text -> tokenizer -> cached token memmap -> deterministic batches.
+
+Three promises the rest of gptop relies on:
+
+* **Offline and quick.** `--data builtin` needs nothing but Python itself: the
+  corpus is the standard library's own source (a few MB), and the tokenizer is a
+  byte-level BPE trained on it once. Both the tokenizer and the tokens are cached
+  (`$GPTOP_CACHE`, else `~/.cache/gptop`) under keys that fingerprint their
+  inputs, so a second run starts in milliseconds and a changed input is never
+  served stale.
+* **Crash-safe cache.** Every cache file is written under a temporary name and
+  renamed into place, and builders take a per-entry file lock, so N ranks
+  starting together, or a run killed mid-tokenization, never leave or read a
+  half-written cache.
+* **What is learned does not depend on how it is computed.** The sequences of
+  optimizer step `b` are a pure function of (seed, b) (a counter-based hash,
+  stable across numpy versions). Micro-batch `k` of size `m` is a slice of that
+  fixed list, and rank `r` of `W` takes its contiguous share, so changing the
+  micro-batch, the number of ranks' accumulation, or resuming from a checkpoint
+  never changes the data of a step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import json
+import os
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from .config import ConfigError, DataConfig
+
+Log = Callable[[str], None]
+
+FORMAT_VERSION = 1                 # bump when the token file layout or the document reading changes
+CACHE_ENV = "GPTOP_CACHE"
+BUILTIN_BYTES_ENV = "GPTOP_BUILTIN_BYTES"   # caps the builtin corpus (tests use a small one)
+BUILTIN_MAX_BYTES = 6_000_000      # ~6 MB of stdlib source: tokenizer training + tokenization take seconds
+BUILTIN_VOCAB = 8192
+EOS, PAD, MASK = "<|endoftext|>", "<|pad|>", "<|mask|>"
+SPECIAL_TOKENS = (EOS, PAD, MASK)
+EXTENSIONS = (".txt", ".jsonl", ".parquet")
+MIN_TRAIN_SEQUENCES = 4            # a corpus must hold at least this many non-overlapping training sequences
+PROGRESS_EVERY_S = 5.0             # tokenization logs progress at most this often
+
+# Standard-library folders left out of the builtin corpus: installed packages (they differ between
+# machines), tests (deliberately odd or badly encoded files) and generated codec tables.
+_BUILTIN_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "encodings"}
+_BATCH_CHARS = 1 << 20             # text handed to one encode_batch call
+_PIECE_CHARS = 1 << 16             # long documents are cut into pieces of about this size to encode in parallel
+_EOS_CANDIDATES = (EOS, "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "<|im_end|>")
+_MASK_CANDIDATES = (MASK, "<|mdm_mask|>", "<mask>", "[MASK]")
+_TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                    "merges.txt", "vocab.txt", "added_tokens.json", "tokenizer.model", "spiece.model",
+                    "sentencepiece.bpe.model", "chat_template.jinja"}
+
+
+# --- the data a run trains on ---------------------------------------------------------------
+
+@dataclass
+class TokenData:
+    """The tokenized corpus, split into train and held-out validation tokens (both memory-mapped)."""
+
+    train: np.ndarray      # memmap
+    val: np.ndarray        # memmap: the last `val_fraction` of the tokens
+    vocab_size: int        # tokenizer's vocab size (unpadded; the model pads to a multiple of 64)
+    eos_id: int
+    mask_id: int | None    # <|mask|> for the builtin tokenizer; None if the tokenizer has none
+    fingerprint: str       # identifies tokens + split: record it to check a resume sees the same data
+    tokenizer_path: str    # tokenizer.json file or tokenizer directory, to record in the run config
+
+
+@dataclass
+class TokenizerInfo:
+    """A loaded tokenizer and what the data pipeline needs to know about it."""
+
+    tokenizer: Any         # tokenizers.Tokenizer or a transformers tokenizer
+    path: str
+    fingerprint: str
+    vocab_size: int
+    eos_id: int
+    mask_id: int | None
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text, without special tokens (EOS is added by the caller between documents)."""
+        tok = self.tokenizer
+        fast = _fast_backend(tok)
+        if fast is not None:
+            encode = getattr(fast, "encode_batch_fast", None) or fast.encode_batch
+            return [e.ids for e in encode(texts, add_special_tokens=False)]
+        return list(tok(texts, add_special_tokens=False)["input_ids"])
+
+
+def default_cache_dir() -> Path:
+    """`$GPTOP_CACHE` if set, else ~/.cache/gptop."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "gptop"
+
+
+def load_tokenizer(cfg: DataConfig, cache_dir: Path | str | None = None, log: Log = print) -> Any:
+    """The tokenizer of `cfg`: `--tokenizer DIR` if given, else the builtin BPE (trained once and cached)."""
+    return tokenizer_info(cfg, cache_dir, log).tokenizer
+
+
+def tokenizer_info(cfg: DataConfig, cache_dir: Path | str | None = None, log: Log = print) -> TokenizerInfo:
+    """Like `load_tokenizer`, with the vocab size, special ids and fingerprint the cache keys need."""
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if cfg.tokenizer is None:
+        return _builtin_tokenizer(cache, log)
+    return _user_tokenizer(Path(cfg.tokenizer).expanduser())
+
+
+def load_data(cfg: DataConfig, *, cache_dir: Path | str | None = None, log: Log = print) -> TokenData:
+    """Tokenize `cfg.data` once (cached), memory-map the tokens and split off the validation tail.
+
+    Raises ConfigError naming `--data`, `--tokenizer`, `--seq-len` or `--val-fraction` with what to do
+    when the input cannot give a usable corpus.
+    """
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    tok = tokenizer_info(cfg, cache, log)
+    if cfg.data == "builtin":
+        files = builtin_files()
+        root = _stdlib_root()
+        label = f"builtin corpus ({len(files)} Python stdlib files)"
+        data_fp = _hash(["builtin", sys.version, [(f.relative_to(root).as_posix(), f.stat().st_size) for f in files]])
+        docs: Callable[[], Iterator[tuple[str, bool, int]]] = lambda: _read_builtin(files)
+    else:
+        files = _data_files(cfg.data)
+        label = f"{cfg.data} ({len(files)} file{'s' if len(files) != 1 else ''})"
+        data_fp = _hash(["files", [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]])
+        docs = lambda: _read_files(files)
+    key = _hash([FORMAT_VERSION, data_fp, tok.fingerprint])[:24]
+    bin_path = cache / "tokens" / f"{key}.bin"
+    meta = _read_meta(bin_path)
+    if meta is None:
+        with _locked(bin_path, log):
+            meta = _read_meta(bin_path)
+            if meta is None:
+                meta = _tokenize(tok, docs, sum(f.stat().st_size for f in files), bin_path, label, log)
+            else:
+                log(f"data: using tokens {bin_path} built by another process ({meta['count']:,} tokens)")
+    else:
+        log(f"data: using cached tokens {bin_path} ({meta['count']:,} tokens of {label})")
+    tokens = np.memmap(bin_path, dtype=np.dtype(meta["dtype"]), mode="r", shape=(meta["count"],))
+    return _split(tokens, cfg, tok, key, log)
+
+
+def _split(tokens: np.ndarray, cfg: DataConfig, tok: TokenizerInfo, key: str, log: Log) -> TokenData:
+    n = len(tokens)
+    n_val = int(n * cfg.val_fraction)
+    n_train = n - n_val
+    L = cfg.seq_len
+    need = MIN_TRAIN_SEQUENCES * L + 1
+    if n_train < need:
+        raise ConfigError("--data", f"corpus too small: {n:,} tokens ({n_train:,} for training), but --seq-len {L} "
+                          f"needs at least {need:,} training tokens ({MIN_TRAIN_SEQUENCES} sequences); "
+                          "give more text or lower --seq-len")
+    if cfg.val_fraction > 0 and n_val < L + 1:
+        raise ConfigError("--val-fraction", f"{cfg.val_fraction} of {n:,} tokens is {n_val:,} validation tokens, "
+                          f"less than one sequence of --seq-len {L} (+1); raise --val-fraction, give more text, "
+                          "or use --val-fraction 0 to train without validation")
+    log(f"data: {n_train:,} train / {n_val:,} validation tokens, vocab {tok.vocab_size}")
+    return TokenData(train=tokens[:n_train], val=tokens[n_train:], vocab_size=tok.vocab_size, eos_id=tok.eos_id,
+                     mask_id=tok.mask_id, fingerprint=_hash([key, repr(float(cfg.val_fraction))])[:16],
+                     tokenizer_path=tok.path)
+
+
+# --- corpora ------------------------------------------------------------------------------------
+
+def _stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def builtin_files(max_bytes: int | None = None) -> list[Path]:
+    """The builtin corpus: stdlib `*.py` sorted by relative path, taken in order while they fit `max_bytes`.
+
+    The cap (default BUILTIN_MAX_BYTES, or $GPTOP_BUILTIN_BYTES) keeps first-time tokenizer training
+    and tokenization to seconds.
+    """
+    if max_bytes is None:
+        env = os.environ.get(BUILTIN_BYTES_ENV)
+        max_bytes = int(env) if env else BUILTIN_MAX_BYTES
+    root = _stdlib_root()
+    found: list[tuple[str, Path, int]] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _BUILTIN_SKIP_DIRS and not d.startswith(".")]
+        for name in filenames:
+            if name.endswith(".py"):
+                p = Path(dirpath, name)
+                found.append((p.relative_to(root).as_posix(), p, p.stat().st_size))
+    found.sort()
+    files, total = [], 0
+    for _, p, size in found:
+        if total + size <= max_bytes:
+            files.append(p)
+            total += size
+    if not files:
+        raise ConfigError("--data", f"no Python source found under {root} for the builtin corpus; "
+                          "give --data PATH with your own text")
+    return files
+
+
+def _data_files(spec: str) -> list[Path]:
+    p = Path(spec).expanduser()
+    kinds = ".txt, .jsonl (one {\"text\": ...} object per line) or .parquet (a 'text' column)"
+    if not p.exists():
+        raise ConfigError("--data", f"{p} does not exist; give a {kinds} file, a folder of them, or 'builtin'")
+    if p.is_dir():
+        files = sorted((f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in EXTENSIONS
+                        and not any(part.startswith(".") for part in f.relative_to(p).parts)),
+                       key=lambda f: f.relative_to(p).as_posix())
+        if not files:
+            raise ConfigError("--data", f"{p} holds no {', '.join(EXTENSIONS)} files (searched recursively); "
+                              f"put {kinds} files there")
+    elif p.suffix.lower() in EXTENSIONS:
+        files = [p]
+    else:
+        raise ConfigError("--data", f"{p}: unsupported file type {p.suffix or '(no extension)'!r}; use {kinds}")
+    for f in files:
+        if f.suffix.lower() == ".parquet":
+            _parquet_text_column(f)     # fail now, not after tokenizing the files before it
+    return files
+
+
+# Readers yield (text, ends_document, source_bytes): documents are cut into pieces for parallel
+# encoding; EOS follows the last piece of each document.
+
+def _read_builtin(files: list[Path]) -> Iterator[tuple[str, bool, int]]:
+    for f in files:
+        yield from _pieces(f.read_text(encoding="utf-8", errors="replace"), f.stat().st_size)
+
+
+def _read_files(files: list[Path]) -> Iterator[tuple[str, bool, int]]:
+    readers = {".txt": _read_txt, ".jsonl": _read_jsonl, ".parquet": _read_parquet}
+    for f in files:
+        yield from readers[f.suffix.lower()](f)
+
+
+def _read_txt(path: Path) -> Iterator[tuple[str, bool, int]]:
+    """A .txt file is one document, read in pieces so a huge file never sits in memory whole."""
+    with open(path, encoding="utf-8", errors="replace", newline="") as fh:
+        carry, any_text = "", False
+        while chunk := fh.read(_PIECE_CHARS):
+            any_text = True
+            text = carry + chunk
+            cut = _cut_point(text)
+            if cut == 0:
+                if len(text) < 4 * _PIECE_CHARS:
+                    carry = text
+                    continue
+                cut = len(text)
+            yield text[:cut], False, len(text[:cut].encode("utf-8", "replace"))
+            carry = text[cut:]
+        if any_text:      # an empty file is no document (no EOS for it)
+            yield carry, True, len(carry.encode("utf-8", "replace"))
+
+
+def _read_jsonl(path: Path) -> Iterator[tuple[str, bool, int]]:
+    example = 'each line must be a JSON object like {"text": "..."}'
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except ValueError as e:
+                raise ConfigError("--data", f"{path}:{lineno}: not valid JSON ({e}); {example}") from None
+            if not isinstance(obj, dict) or "text" not in obj:
+                raise ConfigError("--data", f"{path}:{lineno}: no \"text\" field; {example}")
+            text = obj["text"]
+            if text is None:
+                continue
+            if not isinstance(text, str):
+                raise ConfigError("--data", f"{path}:{lineno}: \"text\" is a {type(text).__name__}, not a string; "
+                                  f"{example}")
+            yield from _pieces(text, len(raw))
+
+
+def _parquet_text_column(path: Path) -> Any:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises several types for unreadable files
+        raise ConfigError("--data", f"{path}: not a readable parquet file ({e})") from None
+    schema = pf.schema_arrow
+    if "text" not in schema.names:
+        raise ConfigError("--data", f"{path}: no 'text' column (columns: {', '.join(schema.names)}); "
+                          "rename the column holding the documents to 'text'")
+    kind = schema.field("text").type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
+            or getattr(pa.types, "is_string_view", lambda t: False)(kind)):
+        raise ConfigError("--data", f"{path}: column 'text' has type {kind}, not string")
+    return pf
+
+
+def _read_parquet(path: Path) -> Iterator[tuple[str, bool, int]]:
+    pf = _parquet_text_column(path)
+    per_row = path.stat().st_size / max(1, pf.metadata.num_rows)
+    for batch in pf.iter_batches(batch_size=1024, columns=["text"]):
+        for text in batch.column(0).to_pylist():
+            if text:
+                yield from _pieces(text, int(per_row))
+
+
+def _pieces(text: str, nbytes: int) -> Iterator[tuple[str, bool, int]]:
+    """One document as pieces of about _PIECE_CHARS, cut where BPE pre-tokenization would cut anyway."""
+    if not text:
+        return
+    start, n = 0, len(text)
+    while n - start > _PIECE_CHARS:
+        window = text[start:start + _PIECE_CHARS]
+        cut = _cut_point(window) or len(window)
+        yield window[:cut], False, nbytes * cut // n
+        start += cut
+    yield text[start:], True, nbytes * (n - start) // n
+
+
+def _cut_point(text: str) -> int:
+    """Index of the last newline that follows a non-space character (cut before it), or 0.
+
+    GPT-2 style byte-level pre-tokenizers (the builtin one) end a token there and start the whitespace
+    run at the newline, so cutting a document at that point gives the same tokens as encoding it whole.
+    Other tokenizers may differ at the cuts, which are rare (one per ~64K characters) and deterministic.
+    """
+    i = len(text)
+    while (i := text.rfind("\n", 0, i)) > 0:
+        if not text[i - 1].isspace():
+            return i
+    return 0
+
+
+# --- tokenizers ---------------------------------------------------------------------------------
+
+def _builtin_tokenizer(cache: Path, log: Log) -> TokenizerInfo:
+    """Byte-level BPE, vocab 8192, trained on the builtin corpus once and cached as tokenizer.json."""
+    from tokenizers import Tokenizer
+
+    files = builtin_files()
+    root = _stdlib_root()
+    corpus_fp = _hash(["bpe", BUILTIN_VOCAB, SPECIAL_TOKENS, sys.version,
+                       [(f.relative_to(root).as_posix(), f.stat().st_size) for f in files]])
+    path = cache / "tokenizers" / f"builtin-{corpus_fp[:24]}.json"
+    if not path.is_file():
+        with _locked(path, log):
+            if not path.is_file():
+                _train_builtin(files, path, log)
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:
+        raise ConfigError("--tokenizer", f"cached builtin tokenizer {path} is unreadable ({e}); delete it and "
+                          "run again") from None
+    return TokenizerInfo(tokenizer=tok, path=str(path), fingerprint=_hash(["file", path.read_bytes()]),
+                         vocab_size=tok.get_vocab_size(with_added_tokens=True), eos_id=tok.token_to_id(EOS),
+                         mask_id=tok.token_to_id(MASK))
+
+
+def _train_builtin(files: list[Path], path: Path, log: Log) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    size = sum(f.stat().st_size for f in files)
+    log(f"data: training the builtin tokenizer (byte-level BPE, vocab {BUILTIN_VOCAB}) on {size / 1e6:.1f} MB "
+        f"of Python stdlib source ({len(files)} files); done once, then cached")
+    t0 = time.monotonic()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=BUILTIN_VOCAB, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator((f.read_text(encoding="utf-8", errors="replace") for f in files), trainer,
+                            length=len(files))
+    _atomic_write(path, tok.to_str().encode("utf-8"))
+    log(f"data: tokenizer trained in {time.monotonic() - t0:.1f} s, saved to {path}")
+
+
+def _user_tokenizer(path: Path) -> TokenizerInfo:
+    """A local Hugging Face tokenizer: tokenizer.json directly, else transformers' AutoTokenizer."""
+    if not path.exists():
+        raise ConfigError("--tokenizer", f"{path} does not exist; give a local Hugging Face tokenizer directory "
+                          "(with tokenizer.json); nothing is downloaded")
+    directory = path if path.is_dir() else path.parent
+    json_file = path if path.is_file() else path / "tokenizer.json"
+    fingerprint = _hash(["dir", _tokenizer_files_fingerprint(directory, json_file)])
+    settings = _special_token_settings(directory)
+    if json_file.is_file():
+        from tokenizers import Tokenizer
+
+        try:
+            tok = Tokenizer.from_file(str(json_file))
+        except Exception as e:
+            raise ConfigError("--tokenizer", f"{json_file} is not a tokenizers file ({e})") from None
+        vocab = tok.get_vocab(with_added_tokens=True)
+        vocab_size = max(tok.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
+        eos = _find_token(tok.token_to_id, settings.get("eos_token"), _EOS_CANDIDATES)
+        mask = _find_token(tok.token_to_id, settings.get("mask_token"), _MASK_CANDIDATES)
+    elif path.is_dir():
+        try:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except Exception as e:
+            raise ConfigError("--tokenizer", f"{path} has no tokenizer.json and transformers cannot load it "
+                              f"({type(e).__name__}: {e}); give a directory saved with save_pretrained()") from None
+        vocab_size = len(tok)
+
+        def to_id(token: str) -> int | None:
+            ids = tok.convert_tokens_to_ids([token])
+            return ids[0] if ids and ids[0] is not None and ids[0] != tok.unk_token_id else None
+
+        eos = tok.eos_token_id if tok.eos_token_id is not None else _find_token(to_id, None, _EOS_CANDIDATES)
+        mask = getattr(tok, "mask_token_id", None)
+        if mask is None:
+            mask = _find_token(to_id, None, _MASK_CANDIDATES)
+    else:
+        raise ConfigError("--tokenizer", f"{path} is a file but not tokenizer.json; give the tokenizer directory")
+    if eos is None:
+        raise ConfigError("--tokenizer", f"{path}: no end-of-text token found (looked for eos_token in "
+                          f"tokenizer_config.json and {', '.join(_EOS_CANDIDATES)}); documents need one between them")
+    return TokenizerInfo(tokenizer=tok, path=str(path), fingerprint=fingerprint, vocab_size=int(vocab_size),
+                         eos_id=int(eos), mask_id=None if mask is None else int(mask))
+
+
+def _special_token_settings(directory: Path) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        try:
+            d = json.loads((directory / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        for key in ("eos_token", "mask_token"):
+            value = d.get(key) if isinstance(d, dict) else None
+            if isinstance(value, dict):
+                value = value.get("content")
+            if isinstance(value, str):
+                out[key] = value
+    return out
+
+
+def _find_token(to_id: Callable[[str], int | None], preferred: str | None, candidates: Iterable[str]) -> int | None:
+    for token in ([preferred] if preferred else []) + list(candidates):
+        i = to_id(token)
+        if i is not None:
+            return i
+    return None
+
+
+def _tokenizer_files_fingerprint(directory: Path, json_file: Path) -> list:
+    out = []
+    for f in sorted(directory.iterdir()) if directory.is_dir() else []:
+        if f.is_file() and (f.name in _TOKENIZER_FILES or f == json_file or f.suffix == ".tiktoken"):
+            st = f.stat()
+            out.append([f.name, hashlib.sha256(f.read_bytes()).hexdigest() if st.st_size < 64 << 20
+                        else [st.st_size, st.st_mtime_ns]])
+    return out
+
+
+def _fast_backend(tok: Any) -> Any:
+    from tokenizers import Tokenizer
+
+    if isinstance(tok, Tokenizer):
+        return tok
+    return getattr(tok, "backend_tokenizer", None)
+
+
+# --- tokenization into the cache ----------------------------------------------------------------
+
+def _tokenize(tok: TokenizerInfo, docs: Callable[[], Iterator[tuple[str, bool, int]]], total_bytes: int,
+              bin_path: Path, label: str, log: Log) -> dict:
+    """Encode all documents in batches (encode_batch uses every core) and stream the ids to the cache."""
+    dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)   # ids are < vocab_size
+    log(f"data: tokenizing {label}, {total_bytes / 1e6:.1f} MB; done once, then cached at {bin_path}")
+    t0 = last = time.monotonic()
+    count = ndocs = done_bytes = 0
+    with _atomic_file(bin_path) as out:
+        batch: list[str] = []
+        ends: list[bool] = []
+        chars = 0
+
+        def flush() -> None:
+            nonlocal count, ndocs
+            encoded = tok.encode_batch(batch)
+            seqs = [ids + [tok.eos_id] if end else ids for ids, end in zip(encoded, ends)]
+            n = sum(len(s) for s in seqs)
+            arr = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=n)
+            if n and (arr.min() < 0 or arr.max() >= tok.vocab_size):
+                raise ConfigError("--tokenizer", f"{tok.path} produced token id {int(arr.max())} outside its "
+                                  f"vocabulary of {tok.vocab_size}")
+            arr.astype(dtype).tofile(out)
+            count += n
+            ndocs += sum(ends)
+            batch.clear()
+            ends.clear()
+
+        for text, end, nbytes in docs():
+            batch.append(text)
+            ends.append(end)
+            chars += len(text)
+            done_bytes += nbytes
+            if chars >= _BATCH_CHARS:
+                flush()
+                chars = 0
+                now = time.monotonic()
+                if now - last >= PROGRESS_EVERY_S:
+                    last = now
+                    pct = min(100.0, 100.0 * done_bytes / max(1, total_bytes))
+                    log(f"data: tokenizing {pct:.0f}% ({done_bytes / 1e6:.1f}/{total_bytes / 1e6:.1f} MB, "
+                        f"{count / 1e6:.1f}M tokens, {done_bytes / 1e6 / (now - t0):.1f} MB/s)")
+        if batch:
+            flush()
+        if count == 0:
+            raise ConfigError("--data", f"{label}: the corpus is empty (no text found); give files with text")
+    meta = {"format": FORMAT_VERSION, "dtype": dtype.name, "count": count, "documents": ndocs,
+            "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "tokenizer": tok.path, "source": label}
+    _atomic_write(bin_path.with_suffix(".json"), json.dumps(meta, indent=1).encode("utf-8"))
+    log(f"data: {count:,} tokens from {ndocs:,} documents in {time.monotonic() - t0:.1f} s ({dtype.name}), cached")
+    return meta
+
+
+def _read_meta(bin_path: Path) -> dict | None:
+    """The cache entry's metadata if the entry is complete (metadata written last, sizes match), else None."""
+    try:
+        meta = json.loads(bin_path.with_suffix(".json").read_text(encoding="utf-8"))
+        if meta.get("format") != FORMAT_VERSION:
+            return None
+        if bin_path.stat().st_size != meta["count"] * np.dtype(meta["dtype"]).itemsize or meta["count"] < 1:
+            return None
+        return meta
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+# --- atomic cache writes ------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _atomic_file(path: Path) -> Iterator[Any]:
+    """Write to a temporary file beside `path`; rename it into place only if the block succeeds."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)        # mkstemp makes it private; a cache may be shared
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    with _atomic_file(path) as f:
+        f.write(data)
+
+
+@contextlib.contextmanager
+def _locked(path: Path, log: Log) -> Iterator[None]:
+    """Hold an exclusive lock for building the cache entry `path`, so concurrent runs build it once.
+
+    The OS drops the lock when a process dies, so a killed builder never blocks the next one. Under
+    the lock, temporary files of this entry are leftovers of a killed builder and are removed.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:      # no flock (Windows): atomic renames alone keep the cache consistent
+        yield
+        return
+    with open(path.parent / f"{path.name}.lock", "a+b") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"data: waiting for another process building {path.name}")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            for stale in itertools.chain(path.parent.glob(f"{path.name}.*.tmp"),
+                                         path.parent.glob(f"{path.with_suffix('.json').name}.*.tmp")):
+                with contextlib.suppress(OSError):
+                    stale.unlink()
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _hash(obj: Any) -> str:
+    def default(o: Any) -> Any:
+        if isinstance(o, bytes):
+            return hashlib.sha256(o).hexdigest()
+        raise TypeError(type(o))
+
+    return hashlib.sha256(json.dumps(obj, default=default, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+# --- batches ------------------------------------------------------------------------------------
+
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_TRAIN_STREAM, _VAL_STREAM = 0x7472, 0x76616C
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer: a well-mixed 64-bit hash, defined here so batches never depend on numpy's RNG."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * _M1
+        x = (x ^ (x >> np.uint64(27))) * _M2
+        return x ^ (x >> np.uint64(31))
+
+
+def _counter_hash(seed: int, stream: int, index: int, count: int) -> np.ndarray:
+    """`count` pseudo-random uint64 values that depend only on (seed, stream, index)."""
+    with np.errstate(over="ignore"):
+        key = _mix(np.array([seed % (1 << 64)], dtype=np.uint64) ^ np.uint64(stream))
+        key = _mix(key ^ np.uint64(index % (1 << 64)))
+        return _mix(key + np.arange(1, count + 1, dtype=np.uint64) * _GOLDEN)
+
+
+def _gather(tokens: np.ndarray, offsets: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    idx = offsets[:, None] + np.arange(seq_len + 1, dtype=np.int64)
+    buf = torch.from_numpy(np.asarray(tokens[idx], dtype=np.int64))
+    return buf[:, :-1].contiguous(), buf[:, 1:].contiguous()
+
+
+class BatchSampler:
+    """The sequences of each optimizer step, as a pure function of (seed, batch_index).
+
+    Step `b` has a fixed list of `global_batch` start offsets. Rank `r` of `world_size` takes the
+    contiguous share [r*G/W, (r+1)*G/W) of it, and micro-batch `k` of size `m` is the slice
+    [k*m, (k+1)*m) of the rank's share. So the micro-batch size never changes what a step learns,
+    and a resumed run sees exactly the batches the uninterrupted run would have.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int, rank: int = 0,
+                 world_size: int = 1):
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in a world of {world_size}")
+        if global_batch < 1 or global_batch % world_size:
+            raise ConfigError("--global-batch", f"{global_batch} sequences cannot be split evenly over "
+                              f"{world_size} ranks; use a multiple of {world_size}")
+        self.n_starts = len(tokens) - seq_len      # offset o needs tokens[o : o + seq_len + 1]
+        if seq_len < 1 or self.n_starts < 1:
+            raise ConfigError("--seq-len", f"{seq_len} needs more than {len(tokens):,} tokens per sequence")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.global_batch = global_batch
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.local_batch = global_batch // world_size
+        self._last: tuple[int, np.ndarray] | None = None
+
+    def offsets(self, batch_index: int) -> np.ndarray:
+        """Start offsets of all `global_batch` sequences of step `batch_index` (every rank's)."""
+        h = _counter_hash(self.seed, _TRAIN_STREAM, batch_index, self.global_batch)
+        return (h % np.uint64(self.n_starts)).astype(np.int64)
+
+    def local_offsets(self, batch_index: int) -> np.ndarray:
+        last = self._last                         # one-entry cache: the micro-batches of a step share it
+        if last is None or last[0] != batch_index:
+            offs = self.offsets(batch_index)[self.rank * self.local_batch:(self.rank + 1) * self.local_batch]
+            last = self._last = (batch_index, offs)
+        return last[1]
+
+    def accumulation_steps(self, micro_batch: int) -> int:
+        """Micro-batches per optimizer step on this rank; the micro-batch must divide the rank's share."""
+        m, G, W = micro_batch, self.global_batch, self.world_size
+        if m < 1 or self.local_batch % m:
+            raise ConfigError("--micro-batch", f"--global-batch {G} over {W} rank{'s' if W > 1 else ''} is "
+                              f"{self.local_batch} sequences per rank, not divisible by --micro-batch {m}; "
+                              f"--global-batch must be a multiple of {W} x {m} = {W * m}, or pick a micro-batch "
+                              f"dividing {self.local_batch}")
+        return self.local_batch // m
+
+    def micro_batch(self, batch_index: int, micro_index: int, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) int64 tensors [micro_batch, seq_len] of this rank; y is x shifted by one token."""
+        accum = self.accumulation_steps(micro_batch)
+        if not 0 <= micro_index < accum:
+            raise IndexError(f"micro_index {micro_index} not in [0, {accum})")
+        offs = self.local_offsets(batch_index)[micro_index * micro_batch:(micro_index + 1) * micro_batch]
+        return _gather(self.tokens, offs, self.seq_len)
+
+
+def val_batches(data: TokenData, seq_len: int, micro_batch: int, n: int,
+                seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A fixed set of `n` validation micro-batches, so every evaluation of a run measures the same text.
+
+    Sequences are non-overlapping windows of the validation split chosen by (seed); if the split holds
+    fewer than n * micro_batch windows they repeat. Empty when the split is shorter than one sequence.
+    """
+    val = data.val
+    windows = (len(val) - 1) // seq_len if len(val) > seq_len else 0
+    if windows < 1 or n < 1 or micro_batch < 1:
+        return []
+    order = np.argsort(_counter_hash(seed, _VAL_STREAM, 0, windows), kind="stable")
+    offsets = order[np.arange(n * micro_batch) % windows].astype(np.int64) * seq_len
+    return [_gather(val, offsets[i * micro_batch:(i + 1) * micro_batch], seq_len) for i in range(n)]
