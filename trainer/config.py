@@ -64,7 +64,7 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    global_batch: int = opt(32, "sequences per optimizer step (fixed; micro-batch changes adjust accumulation)")
+    global_batch: int = opt(16, "sequences per optimizer step (fixed; micro-batch changes adjust accumulation)")
     max_steps: int = opt(1000, "optimizer steps to train")
     lr: float = opt(1e-3, "peak learning rate (linear warm-up, cosine decay)")
     warmup_steps: int = opt(50, "learning-rate warm-up steps")

@@ -70,7 +70,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 class Faults:
     """Test-only fault injection (`--fault nan@12,oom@5`): each fires once per process."""
 
-    KINDS = ("nan", "oom", "crash", "kill", "compile")
+    KINDS = ("nan", "oom", "crash", "kill", "compile", "stop")
 
     def __init__(self, spec: str | None):
         self.at: dict[int, str] = {}
@@ -109,12 +109,6 @@ class Trainer:
         from .models import build_model, is_pretrained_path, resolve_size
 
         cfg = self.cfg
-        capabilities.check(cfg.toggles, self.dev)
-        if cfg.toggles.micro_batch != "auto":
-            local = cfg.optim.global_batch // self.world
-            if cfg.optim.global_batch % self.world or local % int(cfg.toggles.micro_batch):
-                raise ConfigError("--micro-batch", f"{cfg.toggles.micro_batch} does not divide the per-rank batch "
-                                  f"{cfg.optim.global_batch}/{self.world}; pick a divisor of {local}")
         if is_pretrained_path(cfg.model.model):
             if cfg.data.tokenizer is None:
                 cfg.data.tokenizer = cfg.model.model
@@ -128,6 +122,12 @@ class Trainer:
         self.channel = Channel(self.run_dir / events_name, cfg.run.channel, rank=self.rank)
         self.channel.install_signal_handlers()
 
+        capabilities.check(cfg.toggles, self.dev)
+        if cfg.toggles.micro_batch != "auto":
+            local = cfg.optim.global_batch // self.world
+            if cfg.optim.global_batch % self.world or local % int(cfg.toggles.micro_batch):
+                raise ConfigError("--micro-batch", f"{cfg.toggles.micro_batch} does not divide the per-rank batch "
+                                  f"{cfg.optim.global_batch}/{self.world}; pick a divisor of {local}")
         torch.manual_seed(cfg.optim.seed)
         self.data = load_data(cfg.data, log=self.log)
         self.sampler = BatchSampler(self.data.train, cfg.data.seq_len, cfg.optim.global_batch, cfg.optim.seed,
@@ -358,6 +358,9 @@ class Trainer:
         return None
 
     def _handle_commands(self) -> str | None:
+        if self.faults.at.get(self.progress.step) == "stop":
+            self.faults.take(self.progress.step)
+            return "stop (--fault)"
         for cmd in self.channel.pending_commands():
             name = cmd.get("cmd")
             if name == "stop":
