@@ -1,0 +1,319 @@
+"""The controller driven through whole simulated tunings: fake clock, synthetic trainer, no processes."""
+
+import dataclasses
+import json
+import math
+import random
+
+import pytest
+
+from trainer.config import TrainConfig, Toggles
+from trainer.device import DeviceInfo
+from trainer.events import make_event
+from tuner.budget import Budget
+from tuner.controller import Apply, Done, FindMicroBatch, Remeasure, RunTrial, TuneController
+from tuner.report import best_toml, write_report
+from tuner.space import SearchSpace, params_key
+from tuner.study import TuneStudy
+
+CPU = DeviceInfo(type="cpu", name="cpu", has_compiler=True)
+SPEC = "-all compile=off,default fused_adamw=on,off prefetch=0,2 micro_batch=4,8,16,32 precision=fp32,bf16"
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+class FakeTrainer:
+    """Step times from the toggles; compile=default warms up slowly; some configurations fail."""
+
+    def __init__(self, clock, seed=0, bf16_diverges=True, base_oom=False):
+        self.clock, self.rng, self.bf16_diverges, self.base_oom = clock, random.Random(seed), bf16_diverges, base_oom
+        self.restarts = 0
+
+    def step_ms(self, t: Toggles, i: int) -> float:
+        ms = 400.0
+        ms *= 0.6 if t.compile == "default" else 1.0
+        ms *= 0.9 if t.fused_adamw else 1.0
+        ms *= 1.15 if t.prefetch == 0 else 1.0
+        ms *= {"4": 1.2, "8": 1.0, "16": 0.95, "32": 0.95}.get(t.micro_batch, 1.0)
+        ms *= 0.8 if t.precision == "bf16" else 1.0
+        if t.compile == "default" and i < 3:
+            ms += 20000.0 / (i + 1)                      # compilation
+        return ms * (1 + self.rng.gauss(0, 0.01))
+
+    def failure(self, t: Toggles):
+        if t.micro_batch == "16" and not t.activation_checkpointing:
+            return ("oom", 2)                            # OOM at the second step
+        if t.compile == "default" and t.prefetch == 0 and t.fused_adamw:
+            return ("compile", 1)
+        return None
+
+    @staticmethod
+    def loss(step: int, t: Toggles, diverge: bool) -> float:
+        v = 2.0 + 6.0 / math.sqrt(step + 1)
+        return v + (0.8 if diverge else 0.0)
+
+
+def drive(ctl: TuneController, clock: Clock, trainer: FakeTrainer, pre_steps: int = 30):
+    """What the gptop session does, minus processes. Returns the actions seen."""
+    seen = []
+    step = 0
+    for _ in range(pre_steps):                             # training before tuning starts
+        step += 1
+        clock.t += 0.4
+        ctl.observe(make_event("step", step=step, tokens=4096, loss=trainer.loss(step, Toggles(), False), lr=1e-3,
+                               grad_norm=1.0, step_ms=400.0, phases_ms={}, tokens_per_s=1.0, mfu=0.0,
+                               mem_bytes=10 ** 9))
+    checkpoint_step = step
+    for _ in range(200):
+        action = ctl.next_action()
+        seen.append(action)
+        if isinstance(action, FindMicroBatch):
+            clock.t += 15.0
+            ctl.set_max_micro_batch(8)
+            continue
+        if isinstance(action, (RunTrial, Remeasure)):
+            t = action.toggles
+            if action.restart:
+                clock.t += 5.0                          # restart from the checkpoint
+                trainer.restarts += 1
+                ctl.observe(make_event("checkpoint", step=checkpoint_step, path="ckpt", seconds=2.0))
+            fail = trainer.failure(t)
+            diverge = trainer.bf16_diverges and t.precision == "bf16"
+            stop = None
+            step = checkpoint_step
+            for i in range(10_000):
+                step += 1
+                ms = trainer.step_ms(t, i)
+                clock.t += ms / 1000.0
+                if fail and i + 1 >= fail[1]:
+                    ctl.observe(make_event("error", kind=fail[0], message=f"simulated {fail[0]}"))
+                else:
+                    ctl.observe(make_event("step", step=step, tokens=4096, loss=trainer.loss(step, t, diverge),
+                                           lr=1e-3, grad_norm=1.0, step_ms=ms, phases_ms={}, tokens_per_s=0.0,
+                                           mfu=0.0, mem_bytes={"cuda:0": 2 * 10 ** 9 + int(t.micro_batch) * 10 ** 8},
+                                           time=clock.t))
+                stop = ctl.trial_should_stop()
+                if stop:
+                    break
+            if stop in ("done", "prune", "budget"):
+                checkpoint_step = step                   # healthy: steps kept, checkpoint taken
+                ctl.finish_trial("ok")
+            else:
+                ctl.finish_trial(stop)                   # rolled back to checkpoint_step
+            continue
+        if isinstance(action, Apply):
+            continue
+        if isinstance(action, Done):
+            return seen
+    raise AssertionError("the controller never finished")
+
+
+def make_ctl(tmp_path, clock, budget_s=900.0, spec=SPEC, storage=None, **kw):
+    cfg = TrainConfig()
+    cfg.data.seq_len = 128
+    cfg.optim.global_batch = 32
+    cfg.optim.max_steps = 20_000
+    cfg.toggles.micro_batch = "auto"
+    space = SearchSpace.for_device(dataclasses.replace(cfg.toggles, micro_batch="8"), CPU, 32, spec=spec)
+    study = TuneStudy.open(cfg, CPU, space, storage=storage or f"journal:{tmp_path}/tuning.log", seed=0,
+                           wall=clock)
+    kw.setdefault("max_trials", 8)
+    kw.setdefault("min_steps", 6)
+    return TuneController(cfg, CPU, space, study, Budget(budget_s, clock=clock), clock=clock, **kw)
+
+
+def test_full_simulated_tuning_ends_in_apply(tmp_path):
+    clock = Clock()
+    trainer = FakeTrainer(clock)
+    ctl = make_ctl(tmp_path, clock)
+    seen = drive(ctl, clock, trainer)
+
+    assert isinstance(seen[0], FindMicroBatch)
+    baseline = seen[1]
+    assert isinstance(baseline, RunTrial) and baseline.baseline and not baseline.restart
+    assert baseline.toggles.micro_batch == "8"          # auto resolved to what fits
+    trials = [a for a in seen if isinstance(a, RunTrial) and not a.baseline]
+    assert trials[0].source == "recipe" and trials[0].toggles.compile == "default"
+    assert 1 <= len(trials) <= 8
+    assert isinstance(seen[-2], Apply) and isinstance(seen[-1], Done)
+    apply = seen[-2]
+    assert apply.toggles.compile == "default" and apply.toggles.precision == "fp32"
+    assert apply.decision.apply and apply.decision.expected_saving_s > apply.decision.cost_s
+    assert seen[-1].toggles == apply.toggles
+
+    events = ctl.drain_events()
+    types = [e["type"] for e in events]
+    assert "apply" in types and "tuner" in types and "trial" in types
+    trial_events = [e for e in events if e["type"] == "trial"]
+    statuses = {e["status"] for e in trial_events}
+    assert "infeasible" in statuses                       # screened OOM, compile error or divergence
+    for e in trial_events:
+        assert {"number", "toggles", "status", "tokens_per_s", "spread", "peak_mem", "reason"} <= set(e)
+        json.dumps(e)
+    # micro-batch 16 and 32 can never fit (max 8, same precision): screened, not run
+    assert not any(a.toggles.micro_batch in ("16", "32") and a.toggles.precision == "fp32"
+                   for a in trials)
+    # bf16 changes numerics: its loss runs off the trend and the trial is rolled back as diverged
+    bf16 = [e for e in trial_events if e["toggles"]["precision"] == "bf16" and e["kind"] == "trial"]
+    for e in bf16:
+        if e["toggles"]["micro_batch"] in ("8", "4"):
+            assert e["status"] == "infeasible" and "diverged" in e["reason"]
+    tuner = [e for e in events if e["type"] == "tuner"]
+    assert tuner[-1]["phase"] == "done" and tuner[-1]["budget_left_s"] >= 0
+    info = ctl.report_info()
+    assert info["ledger"]["tuning_s"] <= 900.0 + 1e-6 + 60
+    assert info["applied"] == dataclasses.asdict(apply.toggles)
+
+    paths = write_report(tmp_path / "run", ctl.study, info)
+    report = json.loads(paths["json"].read_text())
+    assert report["speedup"] > 1.3 and report["trials"]
+    md = paths["md"].read_text()
+    assert "| # | run |" in md and "compile=default" in md and "Ledger" in md and "infeasible" in md
+    cfg = TrainConfig.from_toml(paths["toml"])
+    cfg.validate()
+    assert cfg.toggles == apply.toggles
+    assert paths["toml"].read_text().count("[") == 1      # only the [toggles] table
+
+
+def test_budget_stops_starting_trials_it_cannot_afford(tmp_path):
+    clock = Clock()
+    ctl = make_ctl(tmp_path, clock, budget_s=300.0, max_trials=50, default_restart_s=10.0)
+    seen = drive(ctl, clock, FakeTrainer(clock))
+    assert isinstance(seen[-1], Done) or isinstance(seen[-2], Apply)
+    assert 1 <= ctl.trials_run < 50 and ctl.stop_note.startswith("budget")
+    assert ctl.budget.elapsed() <= 300.0                # nothing was started that could not finish
+
+
+def test_a_trial_that_overruns_is_cut_by_the_budget(tmp_path):
+    clock = Clock()
+    # rel_ci so tight nothing is ever stable: the first real trial runs into the end of the budget
+    ctl = make_ctl(tmp_path, clock, budget_s=400.0, rel_ci=1e-6, max_steps=100_000, max_seconds=10_000,
+                   default_restart_s=1.0, remeasure_top=0)
+    ctl.set_max_micro_batch(8)
+    trainer = FakeTrainer(clock)
+    a = ctl.next_action()
+    assert a.baseline
+    for i in range(40):                                  # a short, healthy baseline
+        clock.t += 0.4
+        ctl.observe(make_event("step", step=i + 1, tokens=0, loss=3.0, lr=0, grad_norm=0, step_ms=400.0 + i % 3,
+                               phases_ms={}, tokens_per_s=0, mfu=0, mem_bytes=1, time=clock.t))
+    ctl.finish_trial("ok")
+    a = ctl.next_action()
+    assert isinstance(a, RunTrial) and not a.baseline
+    stop, i = None, 0
+    while stop is None:
+        i += 1
+        clock.t += trainer.step_ms(a.toggles, i) / 1000.0
+        ctl.observe(make_event("step", step=100 + i, tokens=0, loss=3.0, lr=0, grad_norm=0,
+                               step_ms=trainer.step_ms(a.toggles, i), phases_ms={}, tokens_per_s=0, mfu=0,
+                               mem_bytes=1, time=clock.t))
+        stop = ctl.trial_should_stop()
+    assert stop == "budget"
+    ev = ctl.finish_trial("ok")
+    assert ev["status"] == "cut" and "not stable" in ev["reason"] and ev["tokens_per_s"] > 0
+    assert ctl.study.trials()[a.number].state.name == "COMPLETE"   # a usable, if wider, measurement
+    assert isinstance(ctl.next_action(), (Apply, Done))
+
+
+class CloseRace(FakeTrainer):
+    """Two configurations within noise of each other: the decision must re-measure both."""
+
+    def step_ms(self, t, i):
+        ms = 400.0 if t.compile == "off" else (300.0 if t.fused_adamw else 303.0)
+        ms *= 1.15 if t.prefetch == 0 else 1.0
+        return ms * (1 + self.rng.gauss(0, 0.02)) + (3000.0 if t.compile == "default" and i < 2 else 0.0)
+
+    def failure(self, t):
+        return None
+
+
+def test_close_candidates_are_remeasured_best_last(tmp_path):
+    clock = Clock()
+    ctl = make_ctl(tmp_path, clock, spec="-all compile=off,default fused_adamw=on,off", rel_ci=0.05,
+                   max_trials=3)
+    seen = drive(ctl, clock, CloseRace(clock, bf16_diverges=False))
+    rem = [a for a in seen if isinstance(a, Remeasure)]
+    assert len(rem) == 2
+    assert {a.toggles.compile for a in rem} == {"default"}
+    first, last = rem
+    assert first.number != last.number
+    pooled = {c.number: c for c in ctl.study.candidates()}
+    assert pooled[last.number].remeasured == 1 and pooled[first.number].remeasured == 1
+    assert pooled[first.number].n > len(ctl.study.trials()[first.number].user_attrs["samples"])   # pooled
+    apply = seen[-2]
+    assert isinstance(apply, Apply) and apply.toggles.compile == "default"
+    assert apply.restart is (apply.toggles != last.toggles)       # the presumed best ran last
+    if not apply.restart:
+        assert apply.decision.cost_s == 0.0                        # already running it: switching is free
+
+
+def test_second_run_starts_from_what_was_learned(tmp_path):
+    clock = Clock()
+    first = make_ctl(tmp_path, clock)
+    drive(first, clock, FakeTrainer(clock))
+    best1, tps1 = first.study.best_known()
+    n_first = len(first.study.trials())
+
+    clock2 = Clock()
+    second = make_ctl(tmp_path, clock2, max_trials=3)
+    assert second.study.best_known()[0] == best1         # the session could skip tuning entirely
+    seen = drive(second, clock2, FakeTrainer(clock2, seed=1))
+    assert not isinstance(seen[0], FindMicroBatch)       # max micro-batch remembered in the study
+    trials = [a for a in seen if isinstance(a, RunTrial) and not a.baseline]
+    assert all(a.source != "recipe" for a in trials)     # warm start not repeated
+    first_keys = {params_key(t.params) for t in first.study.trials()[:n_first]
+                  if t.user_attrs.get("status") in ("ok", "cut", "pruned", "infeasible")}
+    assert trials and all(params_key(second.space.to_params(a.toggles)) not in first_keys for a in trials)
+    assert isinstance(seen[-1], Done)
+    report = json.loads(write_report(tmp_path / "run2", second.study, second.report_info())["json"].read_text())
+    runs = {r["run"] for r in report["trials"]}
+    assert runs == {"this", "earlier"}                   # the table marks what earlier runs learned
+
+
+def test_failing_baseline_and_abort(tmp_path):
+    clock = Clock()
+    ctl = make_ctl(tmp_path, clock)
+    ctl.set_max_micro_batch(8)
+    a = ctl.next_action()
+    assert isinstance(a, RunTrial) and a.baseline
+    ctl.observe(make_event("error", kind="oom", message="boom"))
+    assert ctl.trial_should_stop() == "oom"
+    ev = ctl.finish_trial("oom")
+    assert ev["status"] == "infeasible" and ctl.baseline is None
+    b = ctl.next_action()
+    assert isinstance(b, RunTrial) and not b.baseline and b.restart
+    assert ctl.next_action() is b                          # same action until finished
+    ctl.abort("user quit")
+    done = ctl.next_action()
+    assert isinstance(done, Done) and done.reason == "user quit"
+    t = ctl.study.trials()[b.number]
+    assert t.state.name == "FAIL" and t.user_attrs["status"] == "abandoned"
+    with pytest.raises(RuntimeError):
+        ctl.finish_trial("ok")
+
+
+def test_best_toml_alone_round_trips(tmp_path):
+    t = Toggles(precision="bf16", compile="default", micro_batch="16", prefetch=4, workers=1, fused_adamw=True)
+    p = tmp_path / "best.toml"
+    p.write_text(best_toml(t))
+    assert TrainConfig.from_toml(p).toggles == t
+
+
+def test_start_outside_the_space_is_still_the_baseline(tmp_path):
+    clock = Clock()
+    ctl = make_ctl(tmp_path, clock, spec="-all precision=bf16 compile=off,default", max_trials=4)
+    seen = drive(ctl, clock, FakeTrainer(clock, bf16_diverges=False))
+    base = seen[1]
+    assert isinstance(base, RunTrial) and base.baseline and base.number is None   # measured, not a trial
+    assert ctl.baseline is not None and ctl.baseline_number is None
+    runs = [a for a in seen if isinstance(a, RunTrial) and not a.baseline]
+    assert runs and all(a.toggles.precision == "bf16" and a.numerics_changing for a in runs)
+    assert isinstance(seen[-2], Apply) and seen[-2].toggles.precision == "bf16"
+    md = write_report(tmp_path / "run", ctl.study, ctl.report_info())["md"].read_text()
+    assert "precision=bf16" in md

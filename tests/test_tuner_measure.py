@@ -1,0 +1,106 @@
+import math
+import random
+
+from tuner.measure import LossGuard, LossTrend, Measurement, median_ci
+
+TOK = 8192
+
+
+def feed(m, step_ms, t0=0.0, start_step=1):
+    t = t0
+    for i, ms in enumerate(step_ms):
+        t += ms / 1000
+        m.add(start_step + i, ms, TOK, t, loss=None, mem=1000 + i)
+        if m.done:
+            return i + 1
+    return len(step_ms)
+
+
+def steady(n, ms=100.0, noise=0.01, seed=0):
+    r = random.Random(seed)
+    return [ms * (1 + r.gauss(0, noise)) for _ in range(n)]
+
+
+def test_median_ci_order_statistics():
+    est, lo, hi = median_ci(range(1, 101))
+    assert (est, lo, hi) == (50.5, 40, 61)     # ranks 40 and 61 of 100: the textbook 95% interval
+    assert median_ci([3, 1, 2])[1:] == (1, 3)         # too few for 95%: [min, max]
+    assert all(math.isnan(x) for x in median_ci([]))
+    _, lo, hi = median_ci(range(1, 201))
+    assert (lo, hi) == (86, 115)                      # exact binomial ranks at n = 200
+    _, lo, hi = median_ci(range(1, 202))              # normal approximation just above: the same ranks
+    assert (lo, hi) == (86, 116)
+    est, lo, hi = median_ci(range(100_000))           # large n: no overflow, about +-310 ranks
+    assert 49_000 < lo < est < hi < 51_000
+
+
+def test_warmup_excludes_compile_steps():
+    m = Measurement(min_steps=8, rel_ci=0.03)
+    feed(m, [25000, 4000, 800, 140] + steady(60))
+    assert m.warmed_up
+    assert m.warmup_samples == 4                      # the 140 ms straggler goes too (> 10% over the level)
+    assert m.done and m.done_reason == "stable"
+    tps, spread = m.estimate
+    assert abs(tps - TOK / 0.1) / (TOK / 0.1) < 0.02
+    assert spread / tps <= 0.03
+
+
+def test_warmup_tolerates_a_single_outlier():
+    series = [9000, 3000] + steady(6) + [400] + steady(30, seed=1)
+    m = Measurement()
+    feed(m, series)
+    assert m.warmed_up and m.warmup_samples <= 3      # one checkpoint-like spike does not delay settling
+    assert abs(m.estimate[0] - TOK / 0.1) / (TOK / 0.1) < 0.03
+
+
+def test_ci_narrows_with_more_samples_and_noise_needs_more_steps():
+    quiet = Measurement(rel_ci=0.03, max_steps=10_000)
+    n_quiet = feed(quiet, [5000] + steady(500, noise=0.01))
+    noisy = Measurement(rel_ci=0.03, max_steps=10_000)
+    n_noisy = feed(noisy, [5000] + steady(500, noise=0.15, seed=3))
+    assert quiet.stable and noisy.stable
+    assert n_noisy > n_quiet
+
+
+def test_caps_stop_an_unstable_measurement():
+    r = random.Random(1)
+    wild = [100 * r.choice([1, 3]) for _ in range(400)]
+    m = Measurement(rel_ci=0.01, max_steps=50)
+    assert feed(m, wild) == 50
+    assert m.done_reason == "max_steps" and not m.stable
+    assert m.has_estimate                              # second half after skip when never settled
+    s = m.summary()
+    assert s["done_reason"] == "max_steps" and s["n"] > 0 and s["peak_mem"] is not None
+
+    t = Measurement(max_seconds=5.0, max_steps=10_000, rel_ci=0.0001)
+    feed(t, steady(1000, ms=1000))
+    assert t.done_reason == "max_seconds" and 5 <= t.seconds < 6.5
+
+
+def test_energy_and_garbage_samples():
+    m = Measurement(min_steps=3)
+    m.add(1, float("nan"), TOK, 0.0)                   # ignored
+    m.add(2, 0.0, TOK, 0.0)                            # ignored
+    assert m.samples == []
+    for i in range(40):
+        m.add(i, 100.0, TOK, i * 0.1, energy_j=40.0)
+    assert m.energy_per_token == 40.0 / TOK
+
+
+def test_loss_trend_and_guard():
+    pts = [(s, 2.0 + 6.0 / math.sqrt(s + 1)) for s in range(10, 200, 10)]
+    trend = LossTrend(pts)
+    assert trend.within_tolerance(2.0 + 6.0 / math.sqrt(211), 210)
+    assert trend.within_tolerance(1.0, 210)                     # lower is fine
+    assert not trend.within_tolerance(2.0 + 6.0 / math.sqrt(211) + 0.5, 210)
+    assert not trend.within_tolerance(float("nan"), 210)
+    assert LossTrend(pts[:2]).within_tolerance(99.0, 300)       # too few points: no verdict
+
+    strict = LossGuard(trend, strict=True)
+    assert strict.check(None, 200) is None
+    assert strict.check(2.9, 210) is None                       # one off-trend point is noise
+    assert strict.check(2.9, 220) == "diverged" and "off the run's trend" in strict.reason
+    lax = LossGuard(trend, strict=False)
+    assert lax.check(2.9, 210) is None
+    assert lax.check(float("nan"), 220) == "nan"
+    assert lax.check(100.0, 230) == "diverged"

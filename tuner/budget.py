@@ -1,0 +1,111 @@
+"""The tuning budget: how long `gptop tune --budget 30m` may spend trying toggles.
+
+Durations are written the way people say them: `90s`, `30m`, `1h30m`, `2h`,
+`1.5h`, `1d`. A plain number is seconds, as for `sleep` and `timeout`, so
+`--budget 45` is 45 seconds, not minutes (one convention across the CLI, where
+`--interval` is also seconds). The clock is injectable so tests drive it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from typing import Callable
+
+from trainer.config import ConfigError
+
+_UNITS = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
+_PART = re.compile(r"(\d+(?:\.\d+)?|\.\d+)([a-zA-Z]+)")
+_NUMBER = re.compile(r"\d+(?:\.\d+)?|\.\d+")
+
+
+def parse_duration(text: str | int | float, option: str = "--budget") -> float:
+    """Seconds in `text` ("90s", "30m", "1h30m", "2h", "45" = 45 s).
+
+    Units d/h/m/s, each at most once and largest first, so a typo like `30m1h`
+    is reported instead of silently meaning 90 minutes. Raises ConfigError
+    naming `option` and the part that is wrong.
+    """
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        seconds = float(text)
+    else:
+        s = str(text).strip().lower().replace(" ", "")
+        if not s:
+            raise ConfigError(option, "empty duration; write e.g. 90s, 30m, 1h30m or 2h")
+        if s.startswith("-"):
+            raise ConfigError(option, f"{text!r}: must be a positive duration")
+        if _NUMBER.fullmatch(s):
+            seconds = float(s)
+        else:
+            seconds = 0.0
+            pos = 0
+            last_rank = -1
+            order = list(_UNITS)
+            for m in _PART.finditer(s):
+                if m.start() != pos:
+                    raise ConfigError(option, f"{text!r}: cannot read {s[pos:m.start()]!r}; write e.g. 1h30m")
+                number, unit = m.groups()
+                if unit not in _UNITS:
+                    raise ConfigError(option, f"{text!r}: unknown unit {unit!r} in {m.group(0)!r}; use d, h, m or s")
+                rank = order.index(unit)
+                if rank <= last_rank:
+                    raise ConfigError(option, f"{text!r}: {m.group(0)!r} is out of order or repeated; "
+                                              "write units largest first, each once (e.g. 1h30m)")
+                last_rank = rank
+                seconds += float(number) * _UNITS[unit]
+                pos = m.end()
+            if pos != len(s):
+                rest = s[pos:]
+                hint = " (a number needs a unit after another unit, e.g. 1h30m)" if _NUMBER.fullmatch(rest) else ""
+                raise ConfigError(option, f"{text!r}: cannot read {rest!r}{hint}")
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ConfigError(option, f"{text!r}: must be a positive duration")
+    return seconds
+
+
+def format_duration(seconds: float) -> str:
+    """Short human form (`1h05m`, `4m30s`, `12s`) for reports and the UI."""
+    if not math.isfinite(seconds):
+        return "-"
+    s = int(round(max(seconds, 0.0)))
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    if h:
+        return f"{h}h{m:02d}m"
+    if m:
+        return f"{m}m{sec:02d}s"
+    return f"{sec}s"
+
+
+class Budget:
+    """Wall time granted to tuning. Starts on `start()`; before that nothing is spent."""
+
+    def __init__(self, total_s: float, clock: Callable[[], float] = time.monotonic):
+        if not total_s > 0:
+            raise ConfigError("--budget", f"must be positive, got {total_s}")
+        self.total_s = float(total_s)
+        self.clock = clock
+        self._t0: float | None = None
+
+    @property
+    def started(self) -> bool:
+        return self._t0 is not None
+
+    def start(self) -> None:
+        """Start counting (idempotent: a second call keeps the first start)."""
+        if self._t0 is None:
+            self._t0 = self.clock()
+
+    def elapsed(self) -> float:
+        return 0.0 if self._t0 is None else max(0.0, self.clock() - self._t0)
+
+    def left(self) -> float:
+        return max(0.0, self.total_s - self.elapsed())
+
+    def expired(self) -> bool:
+        return self.started and self.left() <= 0.0
+
+    def can_afford(self, estimated_s: float) -> bool:
+        """Whether work expected to take `estimated_s` fits in what is left: trials are not started to be cut."""
+        return self.left() >= max(0.0, estimated_s)

@@ -1,0 +1,341 @@
+"""Throughput measurement statistics, and loss-health checks, for one trial.
+
+A trial's step stream starts with warm-up (restart, torch.compile, allocator
+and cache warm-up, CUDA graph capture) that says nothing about steady speed,
+then settles. The rules, chosen to be robust to the outliers real runs have
+(a checkpoint save, a GC pause, a slow data shard):
+
+Warm-up exclusion. The first `skip` samples are always dropped (step 1 after a
+restart includes compilation). After that, warm-up ends at the first sample i
+where the median step time of the window [i, i+w) is within `settle_tol` of
+the median of the next window [i+w, i+2w): the level has stopped moving.
+Leading samples of that first window that are still more than 2*settle_tol
+slower than the settled level are dropped too. Medians, not means, so one
+slow step neither delays nor fakes settling.
+
+Estimate and spread. The estimate is the median of the per-sample throughputs
+(tokens / step time) after warm-up; its spread is the half-width of a
+distribution-free confidence interval for the median from order statistics
+(the binomial(n, 1/2) ranks around the middle; 95% by default). No normality
+assumption, outliers only move the interval by one rank. Periodic stalls that
+every configuration has (checkpoints) therefore do not bias comparisons.
+With fewer samples than a 95% interval needs (n < 6), [min, max] is used,
+which is wider than it claims, never narrower.
+
+Stopping. A measurement is `stable` once it has `min_steps` samples after
+warm-up and spread <= rel_ci * estimate; it is `done` when stable or when a
+cap is hit (`max_steps` optimizer steps, or `max_seconds` of trial time). If
+warm-up never settled by the cap, the estimate uses the second half of the
+samples after `skip` and `warmed_up` stays False in the summary.
+
+One sample per step event. `tokens` are the tokens of one optimizer step and
+`step_ms` its wall time; when events come once per log interval, the step
+time reported for the interval stands for its steps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from statistics import NormalDist, median
+from typing import Any, Iterable
+
+
+def median_ci(values: Iterable[float], conf: float = 0.95) -> tuple[float, float, float]:
+    """(median, lo, hi): order-statistic confidence interval for the median; (min, max) if n is too small."""
+    xs = sorted(v for v in values if math.isfinite(v))
+    n = len(xs)
+    if n == 0:
+        return math.nan, math.nan, math.nan
+    med = median(xs)
+    k = _median_rank(n, conf)
+    if k < 1:
+        return med, xs[0], xs[-1]
+    return med, xs[k - 1], xs[n - k]
+
+
+def _median_rank(n: int, conf: float) -> int:
+    """Largest k with P(Binomial(n, 1/2) <= k - 1) <= (1 - conf)/2, so [x_(k), x_(n-k+1)] covers the median.
+
+    Exact (integer binomial sums) up to n = 200, the normal approximation with
+    continuity correction above, where it agrees with the exact rank.
+    """
+    alpha = 1.0 - conf
+    if n <= 200:
+        total = 2 ** n
+        cdf, k = 0, 0
+        for j in range(n):
+            cdf += math.comb(n, j)
+            if cdf / total > alpha / 2:
+                break
+            k = j + 1
+        return k
+    z = NormalDist().inv_cdf(1 - alpha / 2)
+    return max(0, int(math.floor((n - z * math.sqrt(n)) / 2)))
+
+
+@dataclass(frozen=True)
+class Sample:
+    step: int
+    step_ms: float
+    tokens: int
+    time: float
+    loss: float | None = None
+    mem: int | None = None
+    energy_j: float | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / (self.step_ms / 1000.0) if self.step_ms > 0 else math.nan
+
+
+class Measurement:
+    """The statistics of one trial's step stream: warm-up, estimate, spread and when to stop."""
+
+    def __init__(self, min_steps: int = 8, rel_ci: float = 0.03, max_steps: int = 300,
+                 max_seconds: float = 300.0, *, skip: int = 2, window: int = 5, settle_tol: float = 0.05,
+                 conf: float = 0.95):
+        if min_steps < 1 or max_steps < 1 or not rel_ci > 0 or not max_seconds > 0:
+            raise ValueError("min_steps, max_steps, rel_ci and max_seconds must be positive")
+        self.min_steps = min_steps
+        self.rel_ci = rel_ci
+        self.max_steps = max_steps
+        self.max_seconds = max_seconds
+        self.skip = max(0, skip)
+        self.window = max(2, window)
+        self.settle_tol = settle_tol
+        self.conf = conf
+        self.samples: list[Sample] = []
+        self._warm: int | None = None
+        self._scan = self.skip          # windows before this index were checked and had not settled
+
+    def add(self, step: int, step_ms: float, tokens: int, time: float, loss: float | None = None,
+            mem: int | None = None, energy_j: float | None = None) -> None:
+        """Record one step event. Non-positive or non-finite step times are ignored (a clock glitch, not data)."""
+        if step_ms is None or not math.isfinite(step_ms) or step_ms <= 0 or tokens <= 0:
+            return
+        self.samples.append(Sample(int(step), float(step_ms), int(tokens), float(time), loss, mem, energy_j))
+        if self._warm is None:
+            self._warm = self._find_warm()
+
+    # --- warm-up -------------------------------------------------------------------
+    def _find_warm(self) -> int | None:
+        ms = [s.step_ms for s in self.samples]
+        w = self.window
+        for i in range(self._scan, len(ms) - 2 * w + 1):
+            a, b = median(ms[i:i + w]), median(ms[i + w:i + 2 * w])
+            if abs(a - b) <= self.settle_tol * b:
+                j = i
+                while j < i + w and ms[j] > b * (1 + 2 * self.settle_tol):
+                    j += 1
+                return j
+            self._scan = i + 1
+        return None
+
+    @property
+    def warmed_up(self) -> bool:
+        return self._warm is not None
+
+    @property
+    def warmup_samples(self) -> int:
+        return self._warm if self._warm is not None else len(self.samples)
+
+    @property
+    def kept(self) -> list[Sample]:
+        """Samples the estimate uses: after warm-up, or (never settled) the second half after `skip`."""
+        if self._warm is not None:
+            return self.samples[self._warm:]
+        rest = self.samples[self.skip:]
+        return rest[len(rest) // 2:] if self.done else []
+
+    # --- progress -------------------------------------------------------------------
+    @property
+    def steps(self) -> int:
+        if not self.samples:
+            return 0
+        return max(1, self.samples[-1].step - self.samples[0].step + 1)
+
+    @property
+    def seconds(self) -> float:
+        if not self.samples:
+            return 0.0
+        first = self.samples[0]
+        return max(0.0, self.samples[-1].time - first.time) + first.step_ms / 1000.0
+
+    @property
+    def stable(self) -> bool:
+        if self._warm is None:
+            return False
+        kept = self.samples[self._warm:]
+        if len(kept) < self.min_steps:
+            return False
+        est, lo, hi = median_ci((s.tokens_per_s for s in kept), self.conf)
+        return est > 0 and (hi - lo) / 2 <= self.rel_ci * est
+
+    @property
+    def done_reason(self) -> str | None:
+        if self.stable:
+            return "stable"
+        if self.steps >= self.max_steps:
+            return "max_steps"
+        if self.samples and self.seconds >= self.max_seconds:
+            return "max_seconds"
+        return None
+
+    @property
+    def done(self) -> bool:
+        return self.done_reason is not None
+
+    # --- results --------------------------------------------------------------------
+    def throughputs(self) -> list[float]:
+        return [s.tokens_per_s for s in self.kept]
+
+    def interval(self) -> tuple[float, float]:
+        """Confidence interval (lo, hi) of the tokens/s estimate; (nan, nan) before there is one."""
+        _, lo, hi = median_ci(self.throughputs(), self.conf)
+        return lo, hi
+
+    @property
+    def has_estimate(self) -> bool:
+        return len(self.kept) > 0
+
+    @property
+    def estimate(self) -> tuple[float, float]:
+        """(tokens_per_s, spread): median throughput after warm-up and the CI half-width; nan before data."""
+        est, lo, hi = median_ci(self.throughputs(), self.conf)
+        return est, (hi - lo) / 2 if math.isfinite(est) else math.nan
+
+    @property
+    def step_ms(self) -> float:
+        kept = self.kept
+        return median(s.step_ms for s in kept) if kept else math.nan
+
+    @property
+    def peak_mem(self) -> int | None:
+        mems = [s.mem for s in self.samples if s.mem is not None]
+        return max(mems) if mems else None
+
+    @property
+    def energy_per_token(self) -> float | None:
+        """Median joules per token over kept samples that carry energy (None without a power reading)."""
+        vals = [s.energy_j / s.tokens for s in self.kept if s.energy_j is not None and s.energy_j >= 0]
+        return median(vals) if vals else None
+
+    def summary(self) -> dict[str, Any]:
+        est, spread = self.estimate
+        lo, hi = self.interval()
+        tps = self.throughputs()
+        return {
+            "tokens_per_s": _num(est), "spread": _num(spread),
+            "rel_spread": _num(spread / est) if est and math.isfinite(est) and math.isfinite(spread) else None,
+            "ci": [_num(lo), _num(hi)], "conf": self.conf,
+            "n": len(tps), "warmup_samples": self.warmup_samples if self.warmed_up else None,
+            "warmed_up": self.warmed_up, "stable": self.stable, "done_reason": self.done_reason,
+            "steps": self.steps, "seconds": round(self.seconds, 3), "step_ms": _num(self.step_ms),
+            "peak_mem": self.peak_mem, "energy_per_token": self.energy_per_token,
+            "samples": [round(v, 3) for v in tps[-200:]],
+        }
+
+
+def _num(x: float) -> float | None:
+    return float(x) if x is not None and math.isfinite(x) else None
+
+
+# --- loss health ------------------------------------------------------------------------
+
+class LossTrend:
+    """The run's own loss curve, to judge whether a numerics-changing trial still learns the same.
+
+    Fitted by least squares as loss = a + b*ln(step+1) over the most recent
+    `window` healthy log points (a local fit: early training falls fast, later
+    slowly, which a log curve follows over short spans). A loss is within
+    tolerance when it is at most the prediction plus max(k_sigma * residual
+    std, rel_tol * prediction); lower losses are always fine. With fewer than
+    `min_points` points there is no trend and everything is within tolerance
+    (only NaN and gross divergence are judged then, see `LossGuard`).
+    """
+
+    def __init__(self, points: Iterable[tuple[int, float]] = (), *, window: int = 50, min_points: int = 4,
+                 k_sigma: float = 4.0, rel_tol: float = 0.05):
+        self.window, self.min_points, self.k_sigma, self.rel_tol = window, min_points, k_sigma, rel_tol
+        self.points: list[tuple[int, float]] = []
+        for step, loss in points:
+            self.add(step, loss)
+
+    def add(self, step: int, loss: float | None) -> None:
+        if loss is not None and math.isfinite(loss):
+            self.points.append((int(step), float(loss)))
+
+    def fit(self) -> tuple[float, float, float] | None:
+        """(a, b, sigma) of loss = a + b*ln(step+1), or None with too few points."""
+        pts = self.points[-self.window:]
+        if len(pts) < self.min_points:
+            return None
+        xs = [math.log(max(s, 0) + 1.0) for s, _ in pts]
+        ys = [l for _, l in pts]
+        n = len(pts)
+        mx, my = sum(xs) / n, sum(ys) / n
+        sxx = sum((x - mx) ** 2 for x in xs)
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+        a = my - b * mx
+        resid = [y - (a + b * x) for x, y in zip(xs, ys)]
+        sigma = math.sqrt(sum(r * r for r in resid) / max(1, n - 2))
+        return a, b, sigma
+
+    def predict(self, step: int) -> float | None:
+        f = self.fit()
+        return None if f is None else f[0] + f[1] * math.log(max(step, 0) + 1.0)
+
+    def tolerance(self, step: int) -> float | None:
+        f = self.fit()
+        if f is None:
+            return None
+        pred = f[0] + f[1] * math.log(max(step, 0) + 1.0)
+        return max(self.k_sigma * f[2], self.rel_tol * abs(pred))
+
+    def within_tolerance(self, loss: float, step: int) -> bool:
+        """False when `loss` is non-finite or clearly above the trend at `step`."""
+        if loss is None or not math.isfinite(loss):
+            return False
+        pred, tol = self.predict(step), self.tolerance(step)
+        if pred is None or tol is None:
+            return True
+        return loss <= pred + tol
+
+
+class LossGuard:
+    """Per-trial loss checks: NaN, gross divergence (any trial), off-trend (numerics-changing trials).
+
+    Gross divergence: the loss exceeds 1.5x the highest recent healthy loss, a
+    level no healthy run returns to. Off-trend needs `patience` consecutive
+    log points outside the trend's tolerance, so one noisy batch does not fail
+    a trial.
+    """
+
+    def __init__(self, trend: LossTrend, strict: bool, patience: int = 2, factor: float = 1.5):
+        self.trend, self.strict, self.patience, self.factor = trend, strict, patience, factor
+        recent = [l for _, l in trend.points[-trend.window:]]
+        self.ceiling = max(recent) * factor if recent else None
+        self._off = 0
+
+    def check(self, loss: float | None, step: int) -> str | None:
+        """None while healthy, else "nan" or "diverged" (with `reason` set)."""
+        self.reason = ""
+        if loss is None:
+            return None
+        if not math.isfinite(loss):
+            self.reason = f"loss is {loss} at step {step}"
+            return "nan"
+        if self.ceiling is not None and loss > self.ceiling:
+            self.reason = f"loss {loss:.4g} at step {step} exceeds {self.ceiling:.4g} (1.5x the recent maximum)"
+            return "diverged"
+        if self.strict and not self.trend.within_tolerance(loss, step):
+            self._off += 1
+            if self._off >= self.patience:
+                pred = self.trend.predict(step)
+                self.reason = (f"loss {loss:.4g} at step {step} is off the run's trend "
+                               f"({pred:.4g} +- {self.trend.tolerance(step):.3g}) for {self._off} log points")
+                return "diverged"
+        else:
+            self._off = 0
+        return None

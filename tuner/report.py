@@ -1,0 +1,205 @@
+"""The tuning report: `tuning.json`, `tuning.md` and `best.toml` in the run directory.
+
+The table lists every trial of the study (this run's and earlier runs' of the
+same setup, marked), each as its changes against the starting configuration,
+so a reader sees what was tried and why it won or lost. The ledger weighs
+what tuning cost (wall time minus the time the kept steps would have taken at
+the starting speed, so slow and rolled-back trials count, useful steps do
+not) against the projected saving over the rest of the run.
+
+`best.toml` holds only a `[toggles]` table: `gptop train --config best.toml`
+(or `python -m trainer --config best.toml`) reproduces the best setting with
+every other option from the command line. It is checked to round-trip
+through `TrainConfig.from_toml` before it is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+from optuna.trial import TrialState
+
+from trainer.config import TrainConfig, Toggles
+
+from .budget import format_duration
+from .space import TUNABLE
+from .study import TuneStudy
+
+
+def _fmt_val(v: Any) -> str:
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    return str(v)
+
+
+def toggles_diff(toggles: dict[str, Any], base: dict[str, Any]) -> str:
+    """`compile=default, fused_adamw=on` (what differs from the start), or `(start)`."""
+    parts = [f"{k}={_fmt_val(toggles[k])}" for k in TUNABLE if k in toggles and toggles.get(k) != base.get(k)]
+    return ", ".join(parts) if parts else "(start)"
+
+
+def _fmt_bytes(n: Any) -> str:
+    if not isinstance(n, (int, float)) or n <= 0:
+        return "-"
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def _fmt_tps(v: Any, spread: Any = None) -> str:
+    if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        return "-"
+    if isinstance(spread, (int, float)) and math.isfinite(spread):
+        return f"{v:,.0f} ± {spread:,.0f}"
+    return f"{v:,.0f}"
+
+
+def trial_rows(study: TuneStudy, run_id: str | None, base: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
+    """One row per distinct trial (duplicates and withdrawn proposals are only counted)."""
+    rows, hidden = [], 0
+    for t in study.trials():
+        ua = t.user_attrs
+        if "duplicate_of" in ua or t.state in (TrialState.WAITING, TrialState.FAIL) and ua.get("status") == "withdrawn":
+            hidden += 1
+            continue
+        if t.state == TrialState.WAITING:
+            continue
+        toggles = ua.get("toggles") or dataclasses.asdict(study.space.to_toggles(t.params))
+        status = ua.get("status") or t.state.name.lower()
+        if t.state == TrialState.RUNNING:
+            status = "running"
+        remeasures = study.get_attr(f"remeasure:{t.number}", [])
+        rows.append({
+            "number": t.number, "run": "this" if ua.get("run") == run_id else "earlier",
+            "source": ua.get("source", "sampler"), "state": t.state.name, "status": status,
+            "reason": ua.get("reason", ""), "kind": ua.get("kind"), "toggles": toggles,
+            "changes": toggles_diff(toggles, base),
+            "tokens_per_s": ua.get("tokens_per_s"), "spread": ua.get("spread"), "peak_mem": ua.get("peak_mem"),
+            "energy_per_token": ua.get("energy_per_token"), "duration_s": ua.get("duration_s"),
+            "overhead_s": ua.get("overhead_s"),
+            "remeasures": [{k: r.get(k) for k in ("run", "status", "tokens_per_s", "spread", "reason")}
+                           for r in remeasures],
+        })
+    return rows, hidden
+
+
+def build_report(study: TuneStudy, info: dict[str, Any]) -> dict[str, Any]:
+    """The report as data (what tuning.json holds) from the study and `TuneController.report_info()`."""
+    base = info["base"]
+    rows, hidden = trial_rows(study, info.get("run"), base)
+    base_tps = (info.get("baseline") or {}).get("tokens_per_s")
+    best_tps = info.get("best_tokens_per_s")
+    speedup = best_tps / base_tps if base_tps and best_tps else None
+    return {
+        "study": info.get("study", study.name), "key": info.get("key", study.key), "run": info.get("run"),
+        "device": info.get("device"), "base": base, "baseline": info.get("baseline"),
+        "best": info.get("best"), "best_number": info.get("best_number"), "best_tokens_per_s": best_tps,
+        "best_spread": info.get("best_spread"), "speedup": speedup, "applied": info.get("applied"),
+        "decision": info.get("decision"), "outcome": info.get("outcome"), "ledger": info.get("ledger", {}),
+        "trials": rows, "hidden_duplicates": hidden,
+    }
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """tuning.md: the summary, the ledger and the trial table."""
+    base = report["base"]
+    led = report.get("ledger") or {}
+    baseline = report.get("baseline") or {}
+    lines = ["# Tuning report", ""]
+    key = report.get("key") or {}
+    lines.append(f"Study `{report['study']}`: {key.get('device', '?')} x{key.get('device_count', 1)}, "
+                 f"{key.get('model', '?')} {key.get('size', '')}, seq_len {key.get('seq_len')}, "
+                 f"global batch {key.get('global_batch')}.")
+    lines.append("")
+    lines.append(f"- Outcome: {report.get('outcome') or '-'}")
+    lines.append(f"- Starting configuration: {_fmt_tps(baseline.get('tokens_per_s'), baseline.get('spread'))} tokens/s")
+    if report.get("best"):
+        lines.append(f"- Best (trial {report.get('best_number')}): {toggles_diff(report['best'], base)} — "
+                     f"{_fmt_tps(report.get('best_tokens_per_s'), report.get('best_spread'))} tokens/s"
+                     + (f", **{report['speedup']:.2f}x** the start" if report.get("speedup") else ""))
+    lines.append(f"- Applied: {toggles_diff(report['applied'], base) if report.get('applied') else 'no'}")
+    dec = report.get("decision")
+    if dec:
+        lines.append(f"- Decision: {dec['reason']} (saving {dec['expected_saving_s']:.0f}s, switch cost "
+                     f"{dec['cost_s']:.0f}s)")
+    lines += ["", "## Ledger", ""]
+    lines.append(f"- Tuning time: {format_duration(led.get('tuning_s', 0.0))} of a "
+                 f"{format_duration(led.get('budget_s', 0.0))} budget; {led.get('trials_run', 0)} trials run, "
+                 f"{led.get('screened', 0)} screened out without running")
+    cost = led.get("cost_s")
+    lines.append("- Cost of tuning (time beyond what the kept steps take at the starting speed): "
+                 + (format_duration(cost) if isinstance(cost, (int, float)) and cost > 0 else
+                    ("none" if isinstance(cost, (int, float)) else "-")))
+    lines.append(f"- Rolled back (failed trials): {format_duration(led.get('rolled_back_s', 0.0))}")
+    saved = led.get("projected_saving_s")
+    lines.append(f"- Projected saving over the remaining {led.get('remaining_steps', '?')} steps: "
+                 + (format_duration(saved) if isinstance(saved, (int, float)) else "none (not applied)"))
+    if isinstance(saved, (int, float)) and isinstance(cost, (int, float)):
+        lines.append(f"- Net: {'+' if saved - cost >= 0 else '-'}{format_duration(abs(saved - cost))}")
+    lines += ["", "## Trials", "",
+              "| # | run | source | changes vs start | tokens/s | peak mem | status | reason |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in report["trials"]:
+        tps = _fmt_tps(r.get("tokens_per_s"), r.get("spread"))
+        for rm in r.get("remeasures", []):
+            tps += f"; re: {_fmt_tps(rm.get('tokens_per_s'), rm.get('spread'))}"
+        reason = (r.get("reason") or "").replace("|", "/")
+        lines.append(f"| {r['number']} | {r['run']} | {r['source']} | {r['changes']} | {tps} | "
+                     f"{_fmt_bytes(r.get('peak_mem'))} | {r['status']} | {reason} |")
+    if report.get("hidden_duplicates"):
+        lines += ["", f"{report['hidden_duplicates']} repeated proposals were answered from earlier trials "
+                      "without running (not listed)."]
+    lines += ["", "Tokens/s: median after warm-up ± half-width of its 95% confidence interval.", ""]
+    return "\n".join(lines)
+
+
+def best_toml(toggles: Toggles | dict[str, Any]) -> str:
+    """best.toml text: a comment and a [toggles] table, nothing else."""
+    d = dataclasses.asdict(toggles) if isinstance(toggles, Toggles) else dict(toggles)
+    body = tomli_w.dumps({"toggles": {k: d[k] for k in (f.name for f in dataclasses.fields(Toggles)) if k in d}})
+    return "# Best toggles found by gptop tune. Use: gptop train --config best.toml\n" + body
+
+
+def check_best_toml(text: str, expected: Toggles | dict[str, Any]) -> None:
+    """Raise if `text` does not load through TrainConfig.from_toml to exactly `expected` and validate."""
+    exp = expected if isinstance(expected, Toggles) else Toggles(**expected)
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "best.toml"
+        p.write_text(text)
+        cfg = TrainConfig.from_toml(p)
+    cfg.validate()
+    if cfg.toggles != exp:
+        raise ValueError(f"best.toml does not round-trip: {cfg.toggles} != {exp}")
+
+
+def write_report(out_dir: str | Path, study: TuneStudy, info: dict[str, Any]) -> dict[str, Path]:
+    """Write tuning.json, tuning.md and best.toml (the best measured toggles, or the start) into `out_dir`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    report = build_report(study, info)
+    paths = {"json": out / "tuning.json", "md": out / "tuning.md", "toml": out / "best.toml"}
+    paths["json"].write_text(json.dumps(_clean(report), indent=2, default=str, allow_nan=False) + "\n")
+    paths["md"].write_text(render_markdown(report))
+    best = report.get("best") or report["base"]
+    text = best_toml(best)
+    check_best_toml(text, best)
+    paths["toml"].write_text(text)
+    return paths
+
+
+def _clean(obj: Any) -> Any:
+    """JSON has no NaN/Infinity: non-finite numbers become null so every reader can parse the report."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj

@@ -1,0 +1,281 @@
+"""The search space over `Toggles`: which values a trial may take on this device.
+
+Only values the device supports are offered (`trainer.capabilities`), so the
+sampler never proposes what the trainer would refuse. `--tune-space` narrows or
+widens the default space with a small grammar (items separated by spaces or
+`;`, names accept `-` or `_`):
+
+    -NAME            freeze NAME at the starting configuration's value
+    -all             freeze everything (then re-open some with NAME=...)
+    NAME=V1,V2,...   restrict NAME to these values (one value freezes it there)
+    NAME+=V1,V2,...  widen: add these values to NAME's default choices
+
+e.g. `--tune-space "precision=bf16 compile=off,default -cuda_allocator"` or
+`"-all compile+=max-autotune-no-cudagraphs micro_batch=4,8"`. Booleans take
+on/off (true/false, yes/no, 1/0). Items apply left to right; an error names
+the item and what is wrong with it.
+
+Numerics. Every toggle but `precision` is numerics-neutral: compile, fused
+AdamW, micro-batch (accumulation keeps the global batch), prefetch, workers,
+activation checkpointing, attention kernel and allocator change at most the
+order of floating-point sums (last-bit differences), never what is computed.
+Any change of `precision` away from the starting one counts as
+numerics-changing, tf32 and bf16 included: they round matmul inputs to fewer
+mantissa bits (usually harmless, but not the same numbers), fp16 can overflow
+and fp8 scales tensors. The guard for numerics-changing trials (a loss check
+against the run's own trend, `tuner.measure.LossTrend`) costs nothing, so it is
+applied to all of them rather than trusting bf16 by reputation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import random
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from trainer.capabilities import CHOICES, support, supported_values
+from trainer.config import ConfigError, Toggles
+from trainer.device import DeviceInfo
+
+OPTION = "--tune-space"
+
+# Tuned toggles, in the order they are suggested and shown.
+TUNABLE: tuple[str, ...] = ("precision", "compile", "micro_batch", "prefetch", "workers", "fused_adamw",
+                            "activation_checkpointing", "attention", "cuda_allocator")
+NUMERICS_CHANGING: frozenset[str] = frozenset({"precision"})
+NUMERICS_NEUTRAL: frozenset[str] = frozenset(TUNABLE) - NUMERICS_CHANGING
+DEFAULT_PREFETCH: tuple[int, ...] = (0, 1, 2, 4)
+DEFAULT_WORKERS: tuple[int, ...] = (0, 1, 2)
+_INTS = ("micro_batch", "prefetch", "workers")
+_BOOLS = ("fused_adamw", "activation_checkpointing")
+_TRUE = ("on", "true", "yes", "1")
+_FALSE = ("off", "false", "no", "0")
+
+
+def _canon(name: str) -> str:
+    return name.strip().replace("-", "_")
+
+
+def _order(name: str, values: Any) -> tuple:
+    """Canonical order (so the same set always gives the same Optuna distribution and study key)."""
+    vals = list(dict.fromkeys(values))
+    if name in CHOICES:
+        ref = list(CHOICES[name])
+        return tuple(sorted(vals, key=lambda v: ref.index(v) if v in ref else len(ref)))
+    return tuple(sorted(vals, key=lambda v: (isinstance(v, str), v)))
+
+
+def _value_of(toggles: Toggles, name: str) -> Any:
+    v = getattr(toggles, name)
+    if name == "micro_batch":
+        return v if v == "auto" else int(v)
+    return v
+
+
+def per_rank_batch(global_batch: int, world_size: int = 1) -> int:
+    """Sequences per optimizer step on one rank: what a micro-batch must divide."""
+    if world_size < 1:
+        raise ConfigError("--nproc", f"must be at least 1, got {world_size}")
+    if global_batch % world_size:
+        raise ConfigError("--global-batch", f"{global_batch} is not divisible by the {world_size} ranks")
+    return global_batch // world_size
+
+
+def micro_batch_choices(per_rank: int) -> tuple[int, ...]:
+    """Powers of two dividing the per-rank batch: each keeps the global batch exact via accumulation."""
+    out, mb = [], 1
+    while mb <= per_rank:
+        if per_rank % mb == 0:
+            out.append(mb)
+        mb *= 2
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Allowed values per tuned toggle; a toggle with one value is frozen (not suggested).
+
+    `base` is the starting configuration: frozen toggles take their values from
+    the space, everything not tuned (none today) from `base`.
+    """
+
+    base: Toggles
+    choices: dict[str, tuple]
+    per_rank: int
+
+    # --- construction ------------------------------------------------------------
+    @classmethod
+    def for_device(cls, base: Toggles, dev: DeviceInfo, global_batch: int, world_size: int = 1,
+                   spec: str | None = None) -> "SearchSpace":
+        """The default space for `dev` (every supported value), narrowed/widened by a `--tune-space` spec."""
+        per_rank = per_rank_batch(global_batch, world_size)
+        choices: dict[str, tuple] = {}
+        for name in TUNABLE:
+            if name == "micro_batch":
+                vals: list = list(micro_batch_choices(per_rank))
+                b = _value_of(base, name)
+                if b != "auto" and per_rank % b == 0:
+                    vals.append(b)
+            elif name == "prefetch":
+                vals = list(DEFAULT_PREFETCH) + [base.prefetch]
+            elif name == "workers":
+                vals = list(DEFAULT_WORKERS) + [base.workers]
+            else:
+                vals = supported_values(name, dev)
+                if not vals:  # cannot happen with the current tables; keep the base value rather than nothing
+                    vals = [getattr(base, name)]
+            choices[name] = _order(name, vals)
+        space = cls(base=base, choices=choices, per_rank=per_rank)
+        if spec:
+            space = space.apply_spec(spec, dev)
+        return space
+
+    def apply_spec(self, spec: str, dev: DeviceInfo) -> "SearchSpace":
+        """A new space with the `--tune-space` items applied left to right."""
+        choices = dict(self.choices)
+        items = [p for p in spec.replace(";", " ").split() if p]
+        if not items:
+            raise ConfigError(OPTION, "empty; e.g. \"precision=bf16 compile=off,default -cuda_allocator\"")
+        for item in items:
+            if item.startswith("-"):
+                name = _canon(item[1:])
+                if name == "all":
+                    for n in TUNABLE:
+                        choices[n] = (_value_of(self.base, n),)
+                    continue
+                self._check_name(item, name)
+                choices[name] = (_value_of(self.base, name),)
+                continue
+            if "+=" in item:
+                name, _, raw = item.partition("+=")
+                widen = True
+            elif "=" in item:
+                name, _, raw = item.partition("=")
+                widen = False
+            else:
+                raise ConfigError(OPTION, f"{item!r}: expected NAME=V1,V2 (restrict), NAME+=V (widen) or -NAME (freeze)")
+            name = _canon(name)
+            self._check_name(item, name)
+            parts = [p for p in raw.split(",")]
+            if not raw or any(not p.strip() for p in parts):
+                raise ConfigError(OPTION, f"{item!r}: empty value; list values separated by commas")
+            values = [self._parse_value(item, name, p.strip(), dev) for p in parts]
+            choices[name] = _order(name, (list(self.choices[name]) if widen else []) + values)
+        return dataclasses.replace(self, choices=choices)
+
+    @staticmethod
+    def _check_name(item: str, name: str) -> None:
+        if name not in TUNABLE:
+            raise ConfigError(OPTION, f"{item!r}: unknown toggle {name!r}; known: {', '.join(TUNABLE)} (or -all)")
+
+    def _parse_value(self, item: str, name: str, raw: str, dev: DeviceInfo) -> Any:
+        if name in _BOOLS:
+            low = raw.lower()
+            if low in _TRUE:
+                return True
+            if low in _FALSE:
+                return False
+            raise ConfigError(OPTION, f"{item!r}: {raw!r} is not on/off")
+        if name in _INTS:
+            if name == "micro_batch" and raw == "auto":
+                return "auto"
+            try:
+                v = int(raw)
+            except ValueError:
+                raise ConfigError(OPTION, f"{item!r}: {raw!r} is not a whole number") from None
+            low = 1 if name == "micro_batch" else 0
+            if v < low:
+                raise ConfigError(OPTION, f"{item!r}: {v} must be at least {low}")
+            if name == "micro_batch" and self.per_rank % v:
+                raise ConfigError(OPTION, f"{item!r}: micro-batch {v} does not divide the per-rank batch "
+                                          f"{self.per_rank} (the global batch stays fixed)")
+            return v
+        if raw not in CHOICES[name]:
+            raise ConfigError(OPTION, f"{item!r}: {raw!r} is not one of {', '.join(map(str, CHOICES[name]))}")
+        reason = support(name, raw, dev)
+        if reason:
+            raise ConfigError(OPTION, f"{item!r}: {raw} is not supported on {dev.name}: {reason}")
+        return raw
+
+    # --- queries ----------------------------------------------------------------
+    @property
+    def params(self) -> tuple[str, ...]:
+        """Toggles the sampler chooses (two or more values)."""
+        return tuple(n for n in TUNABLE if len(self.choices[n]) > 1)
+
+    @property
+    def frozen(self) -> dict[str, Any]:
+        return {n: self.choices[n][0] for n in TUNABLE if len(self.choices[n]) == 1}
+
+    def size(self) -> int:
+        return math.prod(len(self.choices[n]) for n in TUNABLE)
+
+    def key(self) -> str:
+        """Canonical text of the space, part of the study name: a different space is a different study."""
+        return ";".join(f"{n}={'|'.join(str(v) for v in self.choices[n])}" for n in TUNABLE)
+
+    def describe(self) -> list[str]:
+        return [f"{n}: {', '.join(str(v) for v in self.choices[n])}" + ("" if n in self.params else " (frozen)")
+                for n in TUNABLE]
+
+    def distributions(self) -> dict[str, Any]:
+        from optuna.distributions import CategoricalDistribution
+
+        return {n: CategoricalDistribution(self.choices[n]) for n in self.params}
+
+    def to_toggles(self, params: dict[str, Any]) -> Toggles:
+        """The Toggles for sampled `params` (frozen toggles filled in)."""
+        values = dict(self.frozen)
+        values.update({k: v for k, v in params.items() if k in self.choices})
+        t = dataclasses.replace(self.base)
+        for name, v in values.items():
+            setattr(t, name, str(v) if name == "micro_batch" else v)
+        return t
+
+    def to_params(self, toggles: Toggles) -> dict[str, Any]:
+        """The sampler's view of `toggles` (only non-frozen toggles). ValueError if outside the space."""
+        if not self.contains(toggles):
+            raise ValueError(f"{toggles} is outside the search space")
+        return {n: _value_of(toggles, n) for n in self.params}
+
+    def contains(self, toggles: Toggles) -> bool:
+        try:
+            return all(_value_of(toggles, n) in self.choices[n] for n in TUNABLE)
+        except ValueError:  # a micro_batch that is neither an int nor auto
+            return False
+
+    def clamp(self, toggles: Toggles) -> Toggles:
+        """Nearest point in the space: values outside it are replaced by the base's or the first allowed."""
+        t = dataclasses.replace(toggles)
+        for n in TUNABLE:
+            v = _value_of(t, n)
+            if v not in self.choices[n]:
+                b = _value_of(self.base, n)
+                v = b if b in self.choices[n] else self.choices[n][0]
+                setattr(t, n, str(v) if n == "micro_batch" else v)
+        return t
+
+    def suggest(self, trial: Any) -> Toggles:
+        """Ask an Optuna trial for every non-frozen toggle (categorical, since the values have no useful order)."""
+        params = {n: trial.suggest_categorical(n, list(self.choices[n])) for n in self.params}
+        return self.to_toggles(params)
+
+    def numerics_changing(self, toggles: Toggles) -> bool:
+        """Whether `toggles` may change the numbers computed compared with the start (see module doc)."""
+        return any(getattr(toggles, n) != getattr(self.base, n) for n in NUMERICS_CHANGING)
+
+    def all_params(self) -> Iterator[dict[str, Any]]:
+        names = self.params
+        for combo in itertools.product(*(self.choices[n] for n in names)):
+            yield dict(zip(names, combo))
+
+    def random_params(self, rng: random.Random) -> dict[str, Any]:
+        return {n: rng.choice(self.choices[n]) for n in self.params}
+
+
+def params_key(params: dict[str, Any]) -> tuple:
+    """Hashable identity of a parameter dict (order-free), for duplicate detection."""
+    return tuple(sorted((k, (type(v).__name__, v)) for k, v in params.items()))

@@ -1,0 +1,512 @@
+"""The persisted Optuna study: storage, naming, warm start, asking without repeats, telling outcomes.
+
+Storage. Default: one SQLite file per user, `$GPTOP_CACHE/tuning.sqlite3`
+(GPTOP_CACHE is a directory) or `~/.cache/gptop/tuning.sqlite3`, in WAL
+mode (local disks only; see `_fast_local_sqlite`). `--storage`
+takes any Optuna RDB URL (`sqlite:///...`, `postgresql://...`, `mysql://...`)
+or `journal:PATH` for Optuna's JournalStorage over a JournalFileBackend: an
+append-only log with a file lock, the safe choice when several processes (or
+machines over NFS) share one file. SQLite is opened with a 60 s lock timeout.
+
+Naming. A study is keyed by what decides which toggles are fast: device name
+and type, compute capability, number of ranks, model family and size,
+tokenizer, seq_len, global batch, torch and transformers versions, and the
+search space. The name is a hash of that key (plus the family and size for
+humans); the key itself is stored readable in the study's user_attrs["key"].
+The config passed in must be resolved (`--size auto` already chosen).
+
+Sampler. TPE (`TPESampler(multivariate=True, n_startup_trials=4,
+constant_liar=True)`): it handles categorical spaces, learns from pruned and
+infeasible trials, and with constant_liar steers concurrent workers away
+from each other's running trials. GPSampler would need scipy and is built for
+continuous spaces; the toggles are all categorical. The first trials are
+enqueued (`enqueue_trial`): the current configuration and a known-good recipe
+for the device, unless the persisted study already has them, so a second run
+starts from what was learned (`best_known()`).
+
+Infeasible trials (OOM, NaN, divergence, compile error, crash) are told
+COMPLETE with value 0 tokens/s and a violated constraint, the documented way
+in Optuna 5 (`Trial.set_constraint`; older Optuna: `constraints_func` reading
+user_attrs["constraint"]): TPE then ranks them below every feasible trial and
+stops proposing their region, and `study.best_trial` skips them. FAIL would
+hide them from the sampler, which would re-propose them. Pruned trials are
+told PRUNED after reporting their estimate as an intermediate value, so TPE
+ranks them. Every trial carries user_attrs: toggles, tokens_per_s, spread,
+peak_mem, energy_per_token, status, reason, source, run, samples, overhead_s.
+
+No repeats. TPE re-proposes configurations in small categorical spaces. A
+proposal whose parameters match a finished trial is not run: it is told with
+that trial's result (user_attrs["duplicate_of"]), which is what Optuna's
+maintainers recommend, and the sampler is asked again; after
+`max_asks` repeats an untried configuration is enqueued instead. Across
+processes sharing a storage, a trial *claims* its configuration before
+running (user_attrs["claimed"]) and re-reads the study: if another live trial
+has claimed the same parameters, it withdraws (told FAIL, ignored by the
+sampler). Any two claimants write before they read, so at least one sees the
+other: two processes never run the same configuration at once. The price is
+that both may withdraw in a tie, and the configuration is proposed again
+later. A claim older than `stale_after_s` without a heartbeat (`touch`) is
+from a dead process and is ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from trainer.config import ConfigError, TrainConfig, Toggles
+from trainer.device import DeviceInfo
+
+from .measure import median_ci
+from .space import SearchSpace, params_key
+
+KEY_SCHEMA = 1
+_HAS_SET_CONSTRAINT = hasattr(optuna.trial.Trial, "set_constraint")
+FEASIBLE, INFEASIBLE = -1.0, 1.0
+FAILURE_KINDS = ("oom", "nan", "diverged", "compile", "crash")
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)  # one INFO line per trial would scribble over the TUI
+
+
+# --- storage ------------------------------------------------------------------------------
+
+def default_storage_path() -> Path:
+    """Where the per-user study database lives ($GPTOP_CACHE or ~/.cache/gptop)."""
+    base = os.environ.get("GPTOP_CACHE")
+    root = Path(base).expanduser() if base else Path.home() / ".cache" / "gptop"
+    return root / "tuning.sqlite3"
+
+
+def default_storage_url() -> str:
+    return f"sqlite:///{default_storage_path()}"
+
+
+def storage_from_url(url: str | None = None) -> optuna.storages.BaseStorage:
+    """An Optuna storage for `--storage` (None: the default SQLite file). Raises ConfigError."""
+    if url is None or url == "":
+        path = default_storage_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return _fast_local_sqlite(storage_from_url(f"sqlite:///{path}"))
+    if url.startswith("journal:"):
+        from optuna.storages import JournalStorage
+        from optuna.storages.journal import JournalFileBackend
+
+        path = Path(url[len("journal:"):]).expanduser()
+        if not str(path) or str(path) == ".":
+            raise ConfigError("--storage", f"{url!r}: journal:PATH needs a file path")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return JournalStorage(JournalFileBackend(str(path)))
+    if "://" not in url:
+        raise ConfigError("--storage", f"{url!r} is neither an Optuna storage URL (sqlite:///FILE, "
+                                       "postgresql://..., mysql://...) nor journal:PATH")
+    kwargs: dict[str, Any] = {}
+    if url.startswith("sqlite:///"):
+        Path(url[len("sqlite:///"):]).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        kwargs["engine_kwargs"] = {"connect_args": {"timeout": 60}}
+    try:
+        return optuna.storages.RDBStorage(url, **kwargs)
+    except (ImportError, ModuleNotFoundError) as e:
+        raise ConfigError("--storage", f"{url!r}: the database driver is missing ({e})") from None
+    except Exception as e:  # sqlalchemy.exc.ArgumentError and friends: a malformed URL
+        raise ConfigError("--storage", f"{url!r}: {e}") from None
+
+
+def _fast_local_sqlite(storage: optuna.storages.BaseStorage) -> optuna.storages.BaseStorage:
+    """WAL journal and synchronous=NORMAL for the default (local, per-user) database.
+
+    With the default rollback journal every Optuna write is an fsync'd
+    transaction (~0.5 s of commits per trial); WAL makes them ~6x cheaper and
+    lets readers work while another process writes. WAL needs a local file
+    system, which is why only the default file gets it: for shared files over
+    NFS use `journal:PATH`. At worst a power cut loses the last few writes.
+    """
+    engine = getattr(storage, "engine", None)
+    if engine is None:
+        return storage
+    import sqlalchemy
+
+    def on_connect(dbapi_conn: Any, _record: Any) -> None:
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.close()
+
+    sqlalchemy.event.listen(engine, "connect", on_connect)
+    engine.dispose()  # connections opened while creating the tables lack the pragmas
+    return storage
+
+
+# --- naming -------------------------------------------------------------------------------
+
+def library_versions() -> dict[str, str]:
+    """torch and transformers versions (from package metadata: no import, no seconds spent)."""
+    out = {}
+    for name in ("torch", "transformers"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "none"
+    return out
+
+
+def study_key(cfg: TrainConfig, dev: DeviceInfo, space: SearchSpace, world_size: int = 1,
+              versions: dict[str, str] | None = None) -> dict[str, Any]:
+    """The readable key of the study for this hardware, model, shape, libraries and space."""
+    return {
+        "schema": KEY_SCHEMA,
+        "device": dev.name, "device_type": dev.type,
+        "capability": list(dev.capability) if dev.capability else None,
+        "device_count": world_size,
+        "model": cfg.model.model, "size": cfg.model.size, "tokenizer": cfg.data.tokenizer,
+        "seq_len": cfg.data.seq_len, "global_batch": cfg.optim.global_batch,
+        "versions": versions if versions is not None else library_versions(),
+        "space": space.key(),
+    }
+
+
+def study_name(key: dict[str, Any]) -> str:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    family = re.sub(r"[^A-Za-z0-9]+", "-", Path(str(key.get("model", "model"))).name).strip("-") or "model"
+    return f"gptop-{family}-{key.get('size', '')}-{digest}"
+
+
+# --- the study ------------------------------------------------------------------------------
+
+@dataclass
+class Proposal:
+    """A trial to run: the live Optuna trial and the toggles it stands for."""
+
+    trial: optuna.Trial
+    toggles: Toggles
+    params: dict[str, Any]
+    source: str = "sampler"
+
+    @property
+    def number(self) -> int:
+        return self.trial.number
+
+
+@dataclass
+class Candidate:
+    """A measured feasible configuration, pooled over its trial and any re-measurements."""
+
+    number: int
+    toggles: Toggles
+    tokens_per_s: float
+    spread: float
+    lo: float
+    hi: float
+    n: int
+    remeasured: int = 0
+    overhead_s: float | None = None
+    run: str | None = None
+
+
+def _intended(t: FrozenTrial) -> dict[str, Any]:
+    return t.system_attrs.get("fixed_params") or t.params
+
+
+class TuneStudy:
+    """One persisted Optuna study for a setup, with the tuner's conventions on top."""
+
+    def __init__(self, space: SearchSpace, key: dict[str, Any], storage: str | optuna.storages.BaseStorage | None = None,
+                 *, seed: int | None = None, n_startup_trials: int = 4, stale_after_s: float = 1800.0,
+                 max_asks: int = 12, run_id: str | None = None, wall: Any = time.time):
+        self.space = space
+        self.key = key
+        self.name = study_name(key)
+        self.storage = storage if isinstance(storage, optuna.storages.BaseStorage) else storage_from_url(storage)
+        self.stale_after_s = stale_after_s
+        self.max_asks = max_asks
+        self.wall = wall
+        self.run_id = run_id or (f"{time.strftime('%Y%m%d-%H%M%S')}-{socket.gethostname()}-{os.getpid()}-"
+                                 f"{uuid.uuid4().hex[:6]}")
+        self._rng = random.Random(seed)
+        kwargs: dict[str, Any] = {}
+        if not _HAS_SET_CONSTRAINT:  # Optuna < 5: the constraints_func route
+            kwargs["constraints_func"] = lambda ft: ft.user_attrs.get("constraint", [FEASIBLE])
+        self.sampler = optuna.samplers.TPESampler(n_startup_trials=n_startup_trials, multivariate=True,
+                                                  constant_liar=True, seed=seed, **kwargs)
+        self.study = optuna.create_study(study_name=self.name, storage=self.storage, sampler=self.sampler,
+                                         direction="maximize", load_if_exists=True)
+        if "key" not in self.study.user_attrs:
+            self.study.set_user_attr("key", key)
+
+    @classmethod
+    def open(cls, cfg: TrainConfig, dev: DeviceInfo, space: SearchSpace, storage: str | None = None,
+             world_size: int = 1, **kwargs: Any) -> "TuneStudy":
+        """The study for this run's setup, created or loaded from `storage` (see module doc)."""
+        return cls(space, study_key(cfg, dev, space, world_size), storage, **kwargs)
+
+    # --- reading ----------------------------------------------------------------------
+    def trials(self, states: tuple[TrialState, ...] | None = None) -> list[FrozenTrial]:
+        return self.study.get_trials(deepcopy=False, states=states)
+
+    def get_attr(self, name: str, default: Any = None) -> Any:
+        return self.study.user_attrs.get(name, default)
+
+    def set_attr(self, name: str, value: Any) -> None:
+        self.study.set_user_attr(name, value)
+
+    def _live(self, t: FrozenTrial) -> bool:
+        """A RUNNING trial that claimed its configuration and whose process still shows signs of life."""
+        if t.state != TrialState.RUNNING or "claimed" not in t.user_attrs:
+            return False
+        last = max(float(t.user_attrs.get("claimed", 0)), float(t.user_attrs.get("heartbeat", 0)))
+        return self.wall() - last < self.stale_after_s
+
+    def _known(self, key: tuple, exclude: int | None = None) -> FrozenTrial | None:
+        """A finished (COMPLETE/PRUNED) or live claimed trial with parameters `key`: the config needs no run."""
+        finished = None
+        for t in self.trials():
+            if t.number == exclude or params_key(_intended(t)) != key:
+                continue
+            if t.state in (TrialState.COMPLETE, TrialState.PRUNED):
+                if "duplicate_of" not in t.user_attrs:
+                    return t
+                finished = finished or t
+            elif self._live(t):
+                return t
+        return finished
+
+    def is_known(self, toggles: Toggles) -> bool:
+        return self.space.contains(toggles) and self._known(params_key(self.space.to_params(toggles))) is not None
+
+    def tried_keys(self, waiting: bool = True) -> set[tuple]:
+        """Configurations measured, claimed by a live trial, or (with `waiting`) queued."""
+        states = (TrialState.COMPLETE, TrialState.PRUNED) + ((TrialState.WAITING,) if waiting else ())
+        return {params_key(_intended(t)) for t in self.trials() if t.state in states or self._live(t)}
+
+    # --- warm start -------------------------------------------------------------------
+    def warm_start(self, configs: list[tuple[Toggles, str]]) -> list[Toggles]:
+        """Enqueue (toggles, source) pairs that the study has neither measured nor queued; returns those enqueued."""
+        queued = {params_key(_intended(t)) for t in self.trials((TrialState.WAITING,))}
+        out = []
+        for toggles, source in configs:
+            if not self.space.contains(toggles):
+                continue
+            params = self.space.to_params(toggles)
+            key = params_key(params)
+            if key in queued or self._known(key) is not None:
+                continue
+            self.study.enqueue_trial(params, user_attrs={"source": source})
+            queued.add(key)
+            out.append(toggles)
+        return out
+
+    # --- asking -----------------------------------------------------------------------
+    def ask(self) -> Proposal | None:
+        """The next configuration to run, never one already measured or running; None when the space is used up."""
+        if len(self.tried_keys(waiting=False)) >= self.space.size():
+            return None
+        for round_ in range(2):
+            for _ in range(self.max_asks):
+                trial = self.study.ask()
+                toggles = self.space.suggest(trial)
+                params = dict(trial.params)
+                source = trial.user_attrs.get("source", "sampler")
+                if self._settle_duplicate(trial, params):
+                    continue
+                trial.set_user_attr("claimed", self.wall())
+                trial.set_user_attr("run", self.run_id)
+                trial.set_user_attr("owner", f"{socket.gethostname()}:{os.getpid()}")
+                if self._settle_duplicate(trial, params):  # someone claimed it between our write and read
+                    continue
+                trial.set_user_attr("toggles", dataclasses.asdict(toggles))
+                trial.set_user_attr("source", source)
+                return Proposal(trial, toggles, params, source)
+            if round_ == 0:
+                params = self._untried()
+                if params is None:
+                    return None
+                self.study.enqueue_trial(params, user_attrs={"source": "fallback"})
+        return None
+
+    def _untried(self) -> dict[str, Any] | None:
+        tried = self.tried_keys()
+        if self.space.size() <= 20000:
+            todo = [p for p in self.space.all_params() if params_key(p) not in tried]
+            return self._rng.choice(todo) if todo else None
+        for _ in range(2000):
+            p = self.space.random_params(self._rng)
+            if params_key(p) not in tried:
+                return p
+        return None
+
+    def _settle_duplicate(self, trial: optuna.Trial, params: dict[str, Any]) -> bool:
+        """Finish `trial` without running it if its configuration is known; True when it was."""
+        other = self._known(params_key(params), exclude=trial.number)
+        if other is None:
+            return False
+        if other.state == TrialState.RUNNING:
+            trial.set_user_attr("duplicate_of", other.number)
+            trial.set_user_attr("status", "withdrawn")
+            trial.set_user_attr("reason", f"trial {other.number} is running the same configuration")
+            self.study.tell(trial, state=TrialState.FAIL)
+            return True
+        for k in ("toggles", "tokens_per_s", "spread", "peak_mem", "energy_per_token", "reason", "kind"):
+            if k in other.user_attrs:
+                trial.set_user_attr(k, other.user_attrs[k])
+        trial.set_user_attr("status", "duplicate")
+        trial.set_user_attr("duplicate_of", other.number)
+        trial.set_user_attr("run", self.run_id)
+        feasible = all(v <= 0 for v in other.constraints.values()) if hasattr(other, "constraints") else \
+            all(v <= 0 for v in other.user_attrs.get("constraint", [FEASIBLE]))
+        self._set_feasible(trial, feasible)
+        if other.state == TrialState.PRUNED:
+            if other.intermediate_values:
+                step, value = max(other.intermediate_values.items())
+                trial.report(value, step)
+            self.study.tell(trial, state=TrialState.PRUNED)
+        else:
+            self.study.tell(trial, other.value)
+        return True
+
+    def touch(self, proposal: Proposal) -> None:
+        """Heartbeat: keeps a long trial's claim from looking stale to other processes."""
+        proposal.trial.set_user_attr("heartbeat", self.wall())
+
+    # --- telling ----------------------------------------------------------------------
+    @staticmethod
+    def _set_feasible(trial: optuna.Trial, feasible: bool) -> None:
+        v = FEASIBLE if feasible else INFEASIBLE
+        trial.set_user_attr("constraint", [v])
+        if _HAS_SET_CONSTRAINT:
+            trial.set_constraint("failure", v)
+
+    @staticmethod
+    def _attrs(trial: optuna.Trial, summary: dict[str, Any] | None, status: str, reason: str,
+               extra: dict[str, Any] | None) -> None:
+        s = summary or {}
+        attrs = {"status": status, "reason": reason,
+                 "tokens_per_s": s.get("tokens_per_s"), "spread": s.get("spread"), "peak_mem": s.get("peak_mem"),
+                 "energy_per_token": s.get("energy_per_token"), "samples": s.get("samples", []),
+                 "measure": {k: s[k] for k in ("n", "steps", "seconds", "done_reason", "warmed_up", "ci", "step_ms")
+                             if k in s}}
+        attrs.update(extra or {})
+        for k, v in attrs.items():
+            trial.set_user_attr(k, v)
+
+    def tell_ok(self, p: Proposal, summary: dict[str, Any], status: str = "ok", reason: str = "",
+                extra: dict[str, Any] | None = None) -> None:
+        """A healthy measured trial: COMPLETE with its tokens/s."""
+        value = summary.get("tokens_per_s")
+        if value is None or not math.isfinite(value):
+            raise ValueError("tell_ok needs a measured tokens_per_s; use tell_pruned for trials without one")
+        self._attrs(p.trial, summary, status, reason, extra)
+        self._set_feasible(p.trial, True)
+        self.study.tell(p.trial, float(value))
+
+    def tell_pruned(self, p: Proposal, summary: dict[str, Any] | None, reason: str,
+                    extra: dict[str, Any] | None = None) -> None:
+        """Healthy but stopped early (slower than the best, or cut): PRUNED, estimate as intermediate value."""
+        self._attrs(p.trial, summary, "pruned", reason, extra)
+        self._set_feasible(p.trial, True)
+        value = (summary or {}).get("tokens_per_s")
+        if value is not None and math.isfinite(value):
+            p.trial.report(float(value), int((summary or {}).get("steps") or 0))
+        self.study.tell(p.trial, state=TrialState.PRUNED)
+
+    def tell_infeasible(self, p: Proposal, kind: str, reason: str, summary: dict[str, Any] | None = None,
+                        extra: dict[str, Any] | None = None) -> None:
+        """OOM/NaN/divergence/compile error/crash: COMPLETE, 0 tokens/s, violated constraint (module doc)."""
+        self._attrs(p.trial, summary, "infeasible", reason, {"kind": kind, **(extra or {})})
+        self._set_feasible(p.trial, False)
+        self.study.tell(p.trial, 0.0)
+
+    def tell_failed(self, p: Proposal, reason: str) -> None:
+        """Abandoned without a verdict on the configuration (the session stopped): FAIL, ignored by the sampler."""
+        p.trial.set_user_attr("status", "abandoned")
+        p.trial.set_user_attr("reason", reason)
+        self.study.tell(p.trial, state=TrialState.FAIL)
+
+    def record(self, toggles: Toggles, summary: dict[str, Any], source: str = "baseline", status: str = "ok",
+               reason: str = "", extra: dict[str, Any] | None = None) -> int | None:
+        """Add a measurement made outside ask/tell (the baseline, which runs anyway) as a finished trial.
+
+        Returns its number, or None when `toggles` is outside the space or the
+        configuration is already in the study (then nothing is added).
+        """
+        value = summary.get("tokens_per_s")
+        if not self.space.contains(toggles) or value is None or not math.isfinite(value):
+            return None
+        params = self.space.to_params(toggles)
+        if self._known(params_key(params)) is not None:
+            return None
+        attrs = {"status": status, "reason": reason, "source": source, "run": self.run_id,
+                 "toggles": dataclasses.asdict(toggles), "tokens_per_s": value, "spread": summary.get("spread"),
+                 "peak_mem": summary.get("peak_mem"), "energy_per_token": summary.get("energy_per_token"),
+                 "samples": summary.get("samples", []), "constraint": [FEASIBLE], **(extra or {})}
+        kwargs: dict[str, Any] = {"params": params, "distributions": self.space.distributions(),
+                                  "value": float(value), "user_attrs": attrs}
+        if _HAS_SET_CONSTRAINT:
+            kwargs["constraints"] = {"failure": FEASIBLE}
+        else:
+            kwargs["system_attrs"] = {"constraints": [FEASIBLE]}
+        self.study.add_trial(optuna.trial.create_trial(**kwargs))
+        return self.trials()[-1].number
+
+    def record_remeasure(self, number: int, summary: dict[str, Any], status: str = "ok", reason: str = "") -> None:
+        """Keep a re-measurement of trial `number` (study attrs: a finished trial cannot be changed)."""
+        key = f"remeasure:{number}"
+        entries = list(self.get_attr(key, []))
+        entries.append({"run": self.run_id, "status": status, "reason": reason,
+                        "tokens_per_s": summary.get("tokens_per_s"), "spread": summary.get("spread"),
+                        "samples": summary.get("samples", [])})
+        self.set_attr(key, entries)
+
+    # --- results ----------------------------------------------------------------------
+    def candidates(self) -> list[Candidate]:
+        """Feasible measured configurations, best first, each once, pooled with its re-measurements.
+
+        A configuration whose latest re-measurement failed is left out: it did not hold up.
+        """
+        seen: set[tuple] = set()
+        out: list[Candidate] = []
+        for t in self.trials((TrialState.COMPLETE,)):
+            ua = t.user_attrs
+            if "duplicate_of" in ua or ua.get("status") == "infeasible" or t.value is None:
+                continue
+            if any(v > 0 for v in ua.get("constraint", [FEASIBLE])):
+                continue
+            key = params_key(t.params)
+            if key in seen:
+                continue
+            seen.add(key)
+            remeasures = self.get_attr(f"remeasure:{t.number}", [])
+            if remeasures and remeasures[-1].get("status") != "ok":
+                continue
+            samples = list(ua.get("samples") or [])
+            for r in remeasures:
+                samples += list(r.get("samples") or [])
+            if samples:
+                est, lo, hi = median_ci(samples)
+            else:
+                est = float(t.value)
+                sp = float(ua.get("spread") or 0.0)
+                lo, hi = est - sp, est + sp
+            toggles = Toggles(**ua["toggles"]) if "toggles" in ua else self.space.to_toggles(t.params)
+            out.append(Candidate(t.number, toggles, est, (hi - lo) / 2, lo, hi, len(samples), len(remeasures),
+                                 ua.get("overhead_s"), ua.get("run")))
+        out.sort(key=lambda c: c.tokens_per_s, reverse=True)
+        return out
+
+    def best_known(self) -> tuple[Toggles, float] | None:
+        """The best feasible configuration learned so far and its tokens/s, or None: lets a session skip tuning."""
+        c = self.candidates()
+        return (c[0].toggles, c[0].tokens_per_s) if c else None
