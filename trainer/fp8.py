@@ -1,0 +1,61 @@
+"""float8 training through torchao: swap eligible Linear layers for Float8Linear.
+
+`--precision fp8-tensorwise` / `fp8-rowwise` map to torchao's recipes of the
+same names (``Float8LinearConfig.from_recipe_name``). Only Linear layers are
+converted; attention, norms, routed MoE experts (3-D parameters) and the output
+head stay in the high-precision dtype, so the rest of the model should run under
+bf16 autocast (the rowwise recipe needs bf16 activations). torchao recommends
+torch.compile with float8: it fuses the scaling and casting kernels.
+
+Which layers: `module_filter` is a pure function, tested on the CPU. The output
+head ``lm_head`` is skipped (its precision matters most for the loss, as in
+torchtitan), and so is any Linear whose in or out features are not multiples of
+16 (the fp8 GEMM's shape requirement).
+
+`convert` needs an fp8-capable GPU (compute capability 8.9+); it asks
+trainer.capabilities first and raises ConfigError otherwise, so it is never run
+on the CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .capabilities import support
+from .config import ConfigError
+from .device import DeviceInfo
+
+RECIPES = {"fp8-tensorwise": "tensorwise", "fp8-rowwise": "rowwise"}
+SKIP_NAMES = ("lm_head",)
+
+
+def module_filter(module: torch.nn.Module, fqn: str) -> bool:
+    """True if the Linear at `fqn` should become Float8Linear."""
+    if not isinstance(module, torch.nn.Linear):
+        return False
+    if any(part in SKIP_NAMES for part in fqn.split(".")):
+        return False
+    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def eligible(model: torch.nn.Module) -> list[str]:
+    """Names of the Linear layers `convert` would swap (pure, runs anywhere)."""
+    return [name for name, m in model.named_modules() if module_filter(m, name)]
+
+
+def convert(model: torch.nn.Module, precision: str, dev: DeviceInfo) -> int:
+    """Convert `model` in place for float8 training; returns the number of converted layers."""
+    if precision not in RECIPES:
+        raise ValueError(f"{precision!r} is not an fp8 precision ({', '.join(RECIPES)})")
+    reason = support("precision", precision, dev)
+    if reason:
+        raise ConfigError("--precision", f"{precision} is not supported on {dev.name}: {reason}")
+    from .models import quiet_imports
+
+    with quiet_imports():
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    n = len(eligible(model))
+    convert_to_float8_training(model, module_filter_fn=module_filter,
+                               config=Float8LinearConfig.from_recipe_name(RECIPES[precision]))
+    return n

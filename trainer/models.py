@@ -1,0 +1,485 @@
+"""Model families and sizes: one place that turns `--model/--size` into a torch module.
+
+Every family is a stock Hugging Face transformers architecture built from its
+config class with random initialization (no hub downloads), so checkpoints are
+plain state dicts and any local HF model directory can be fine-tuned instead:
+
+- ``llama``: LlamaConfig + LlamaForCausalLM, causal LM objective.
+- ``deepseek``: DeepseekV3Config + DeepseekV3ForCausalLM: multi-head latent
+  attention (MLA, no query compression, like DeepSeek-V2-Lite) and routed MoE
+  with a shared expert and group-limited routing; the first layer is dense, as
+  in DeepSeek-V3. Expert load is balanced without an auxiliary loss
+  (trainer.moe.MoEBalancer). Sizes match the llama sizes in *active*
+  parameters per token; total parameters are about 2.5-3.5x larger.
+- ``llada``: the llama architecture with bidirectional (non-causal) attention,
+  trained with the LLaDA masked-diffusion objective (trainer.objectives).
+
+Sizes (llama dims; deepseek and llada use the same width, depth and heads):
+``tiny`` (~3M, trains on a laptop CPU in seconds), ``small`` (~125M),
+``medium`` (~350M), ``large`` (~1.06B). ``auto`` picks the largest size the
+device can train, see `resolve_size`.
+
+The vocabulary is padded up to a multiple of 64 (tensor-core friendly shapes;
+fp8 needs multiples of 16). llada also needs a mask token: the data's mask id
+when it has one, else the first padded slot (``vocab_size + 1`` is padded, so a
+free slot always exists).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+
+from .config import FAMILIES, ConfigError, ModelConfig, Toggles
+from .device import DeviceInfo
+from . import flops as _flops
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+log = logging.getLogger(__name__)
+
+SIZE_ORDER = ("tiny", "small", "medium", "large")
+VOCAB_MULTIPLE = 64
+DEFAULT_VOCAB = 8192          # the builtin BPE tokenizer; used for tables and memory estimates
+GiB = 1 << 30
+
+# Bytes of persistent training state per parameter with fp32 master weights and
+# AdamW: weights 4 + gradients 4 + exp_avg 4 + exp_avg_sq 4.
+TRAIN_BYTES_PER_PARAM = 16
+# `auto` keeps that state under this share of device memory; the rest is for
+# activations, the logits, allocator slack and the CUDA context.
+STATE_MEMORY_SHARE = 0.6
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Width, depth and attention shape of one size (shared by all families)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    ffn: int                  # SwiGLU intermediate size of dense MLPs
+    # MLA (deepseek): per-head dims and the compressed KV rank
+    qk_nope: int
+    qk_rope: int
+    v_head: int
+    kv_lora: int
+    # MoE (deepseek): routed experts, experts per token, shared experts, expert width, routing groups
+    experts: int
+    top_k: int
+    shared: int
+    moe_ffn: int
+    groups: int
+    topk_groups: int
+
+
+# The expert width is chosen so that the active parameters per token of a deepseek
+# size match the llama size of the same name (see docs/models.md for the counts).
+# Routing groups: experts/groups >= 2 (a group's score is its top-2 experts) and
+# topk_groups * experts/groups >= top_k, so group-limited routing is well defined.
+SIZES: dict[str, Dims] = {
+    "tiny": Dims(hidden=128, layers=4, heads=4, ffn=384, qk_nope=32, qk_rope=16, v_head=32, kv_lora=64,
+                 experts=8, top_k=2, shared=1, moe_ffn=128, groups=2, topk_groups=1),
+    "small": Dims(hidden=768, layers=16, heads=12, ffn=2048, qk_nope=64, qk_rope=32, v_head=64, kv_lora=256,
+                  experts=16, top_k=4, shared=1, moe_ffn=448, groups=4, topk_groups=2),
+    "medium": Dims(hidden=1024, layers=24, heads=16, ffn=3072, qk_nope=64, qk_rope=32, v_head=64, kv_lora=384,
+                   experts=16, top_k=4, shared=1, moe_ffn=640, groups=4, topk_groups=2),
+    "large": Dims(hidden=2048, layers=20, heads=16, ffn=5632, qk_nope=128, qk_rope=64, v_head=128, kv_lora=512,
+                  experts=16, top_k=4, shared=1, moe_ffn=1216, groups=4, topk_groups=2),
+}
+
+OBJECTIVES = {"llama": "causal", "deepseek": "causal", "llada": "llada", "pretrained": "causal"}
+
+
+@dataclass
+class ModelBundle:
+    """A built model and the numbers the rest of the trainer needs about it."""
+
+    model: torch.nn.Module
+    family: str              # llama|deepseek|llada|pretrained
+    size: str                # resolved size name, or "pretrained"
+    hf_config: PretrainedConfig
+    vocab_size: int          # padded
+    total_params: int
+    active_params: int       # per token (MoE: shared + top-k routed experts + dense parts)
+    embedding_params: int
+    flops_per_token: int     # for training (fwd+bwd), torchtitan formula with seq_len
+    objective: str           # "causal" | "llada"
+    mask_id: int | None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.active_params < self.total_params
+
+
+# --- quiet imports -------------------------------------------------------------------
+
+@contextlib.contextmanager
+def quiet_imports() -> Iterator[None]:
+    """Silence import-time noise of torchao (pulled in by transformers).
+
+    On a machine without a matching GPU torchao logs that its CUDA extensions do
+    not load, and registers enums that torch's pytree deprecates. Neither is
+    actionable for a user, and they would land in every run log. Only these two
+    loggers are raised to ERROR, and only while importing.
+    """
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _transformers():
+    with quiet_imports():
+        import transformers
+
+        from transformers import (  # noqa: F401  (import under the quiet context)
+            AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM)
+    return transformers
+
+
+# --- names -------------------------------------------------------------------------
+
+def is_pretrained_path(model: str) -> bool:
+    """True if `--model` names a local Hugging Face model directory rather than a family.
+
+    A family name wins over a directory of the same name in the working
+    directory; write ``./llama`` to mean the directory.
+    """
+    if model in FAMILIES and "/" not in model:
+        return False
+    p = Path(model).expanduser()
+    return p.is_dir() and (p / "config.json").is_file()
+
+
+def pad_vocab(n: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    """Round a vocabulary size up to a multiple of 64."""
+    return int(math.ceil(n / multiple) * multiple)
+
+
+def vocab_and_mask(family: str, vocab_size: int, mask_id: int | None) -> tuple[int, int | None]:
+    """Padded vocabulary and the mask token id (llada only) for a tokenizer of `vocab_size`."""
+    if family != "llada":
+        return pad_vocab(vocab_size), None
+    if mask_id is None:
+        # The first padded slot: padding vocab_size + 1 guarantees it exists.
+        return pad_vocab(vocab_size + 1), vocab_size
+    if mask_id < 0:
+        raise ConfigError("--model", f"mask id {mask_id} is negative")
+    return pad_vocab(max(vocab_size, mask_id + 1)), mask_id
+
+
+# --- sizes -------------------------------------------------------------------------
+
+def resolve_size(size: str, family: str, dev: DeviceInfo) -> str:
+    """The concrete size for `--size` (``auto`` picks the largest that fits and makes progress).
+
+    Rule for ``auto``:
+
+    - CPU: ``tiny``, or ``small`` on a big CPU (32+ cores and 64+ GiB RAM);
+      anything larger makes too little progress per minute to watch.
+    - CUDA, by total device memory: under 12 GiB ``small``, under 40 GiB
+      ``medium``, else ``large``. Then step down while the persistent training
+      state (16 bytes per parameter: fp32 weights, grads, AdamW moments) of the
+      family's *total* parameters would exceed 60% of the memory, which is what
+      keeps the MoE family (2.5-3.5x more total than active parameters) one size
+      smaller on mid-size GPUs.
+    """
+    if size != "auto":
+        if size not in SIZE_ORDER:
+            raise ConfigError("--size", f"{size!r} is not one of {', '.join(SIZE_ORDER + ('auto',))}")
+        return size
+    if family not in FAMILIES:
+        family = "llama"
+    if not dev.is_cuda:
+        return "small" if dev.cpu_count >= 32 and dev.total_memory >= 64 * GiB else "tiny"
+    mem = dev.total_memory
+    choice = "small" if mem < 12 * GiB else "medium" if mem < 40 * GiB else "large"
+    i = SIZE_ORDER.index(choice)
+    while i > 0 and param_counts(family, SIZE_ORDER[i])["total"] * TRAIN_BYTES_PER_PARAM > STATE_MEMORY_SHARE * mem:
+        i -= 1
+    return SIZE_ORDER[i]
+
+
+# --- configs -------------------------------------------------------------------------
+
+def hf_config(family: str, size: str, *, vocab_size: int, seq_len: int = 256,
+              attention: str = "sdpa") -> Any:
+    """The transformers config of a family at a size (`vocab_size` already padded)."""
+    transformers = _transformers()
+    d = SIZES[size]
+    common = dict(vocab_size=vocab_size, hidden_size=d.hidden, intermediate_size=d.ffn,
+                  num_hidden_layers=d.layers, num_attention_heads=d.heads, num_key_value_heads=d.heads,
+                  max_position_embeddings=max(seq_len, 2048), use_cache=False, tie_word_embeddings=False,
+                  attn_implementation=attention, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    if family in ("llama", "llada"):
+        cfg = transformers.LlamaConfig(**common)
+        if family == "llada":
+            # Read by transformers' masking utils: a bidirectional mask instead of a causal one.
+            # The attention modules' own `is_causal` flag (used by sdpa/flash when no mask is
+            # materialized) is cleared in `_make_bidirectional`.
+            cfg.is_causal = False
+        return cfg
+    if family == "deepseek":
+        return transformers.DeepseekV3Config(
+            **common, moe_intermediate_size=d.moe_ffn, n_routed_experts=d.experts, num_experts_per_tok=d.top_k,
+            n_shared_experts=d.shared, n_group=d.groups, topk_group=d.topk_groups, first_k_dense_replace=1,
+            # Gate weights of the chosen experts are normalized to sum to 1 (as in DeepSeek-V3);
+            # V3's routed_scaling_factor of 2.5 was tuned for 8-of-256 routing, here it is 1.
+            norm_topk_prob=True, routed_scaling_factor=1.0, q_lora_rank=None, kv_lora_rank=d.kv_lora,
+            qk_nope_head_dim=d.qk_nope, qk_rope_head_dim=d.qk_rope, v_head_dim=d.v_head, num_mtp_layers=0)
+    raise ConfigError("--model", f"unknown family {family!r}; expected one of {', '.join(FAMILIES)} "
+                      "or a local Hugging Face model directory")
+
+
+def _model_class(family: str):
+    transformers = _transformers()
+    return transformers.DeepseekV3ForCausalLM if family == "deepseek" else transformers.LlamaForCausalLM
+
+
+def _make_bidirectional(model: torch.nn.Module) -> int:
+    """Clear `is_causal` on every attention module (sdpa/flash use it when the mask is None)."""
+    n = 0
+    for m in model.modules():
+        if hasattr(m, "is_causal") and hasattr(m, "o_proj"):
+            m.is_causal = False
+            n += 1
+    return n
+
+
+# --- parameter counts --------------------------------------------------------------------
+
+def _moe_shape(cfg: Any) -> tuple[int, int] | None:
+    """(experts per token, routed experts) of an MoE config, else None."""
+    k = getattr(cfg, "num_experts_per_tok", None)
+    e = getattr(cfg, "n_routed_experts", None) or getattr(cfg, "num_local_experts", None) \
+        or getattr(cfg, "num_experts", None)
+    return (int(k), int(e)) if k and e else None
+
+
+def count_params(model: torch.nn.Module, cfg: Any) -> dict[str, int]:
+    """Total, active-per-token and input-embedding parameters of a model.
+
+    Active: routed expert weights (parameters under ``.mlp.experts.``) count
+    ``top_k / n_experts`` of their size; everything else (attention, dense
+    MLPs, shared experts, routers, norms, embeddings, head) counts fully.
+    Tied parameters count once.
+    """
+    total = routed = 0
+    for name, p in model.named_parameters():
+        total += p.numel()
+        if ".mlp.experts." in name:
+            routed += p.numel()
+    active = total
+    moe = _moe_shape(cfg)
+    if moe and routed:
+        k, e = moe
+        active = total - routed + routed * k // e
+    emb = model.get_input_embeddings()
+    embedding = emb.weight.numel() if emb is not None else 0
+    return {"total": total, "active": active, "embedding": embedding}
+
+
+def _attention_shape(cfg: Any) -> tuple[int, int, int, int]:
+    """(layers, heads, qk head dim, v head dim) for the FLOPs formula."""
+    layers = int(cfg.num_hidden_layers)
+    heads = int(cfg.num_attention_heads)
+    if getattr(cfg, "qk_nope_head_dim", None) is not None and getattr(cfg, "v_head_dim", None) is not None:
+        qk = int(cfg.qk_nope_head_dim) + int(cfg.qk_rope_head_dim)   # MLA
+        return layers, heads, qk, int(cfg.v_head_dim)
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return layers, heads, int(hd), int(hd)
+
+
+def training_flops_per_token(model: torch.nn.Module, cfg: Any, seq_len: int) -> int:
+    """torchtitan's FLOPs per token for a built model (see trainer.flops)."""
+    c = count_params(model, cfg)
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    # The input embedding is a lookup, not a matmul; the output head is a matmul.
+    # With tied weights the one matrix is the head, so it stays in N.
+    nonembed = c["active"] - (0 if tied else c["embedding"])
+    layers, heads, qk, v = _attention_shape(cfg)
+    return _flops.flops_per_token(nonembed, layers, heads, qk, seq_len, v_head_dim=v)
+
+
+_COUNT_CACHE: dict[tuple[str, str, int], dict[str, int]] = {}
+
+
+def param_counts(family: str, size: str, vocab_size: int = DEFAULT_VOCAB) -> dict[str, int]:
+    """Parameter counts of a family/size without allocating it (built on the meta device)."""
+    key = (family, size, vocab_size)
+    if key not in _COUNT_CACHE:
+        vocab, _ = vocab_and_mask(family, vocab_size, None)
+        cfg = hf_config(family, size, vocab_size=vocab)
+        with torch.device("meta"):
+            model = _model_class(family)(cfg)
+        _COUNT_CACHE[key] = count_params(model, cfg)
+    return dict(_COUNT_CACHE[key])
+
+
+def model_table(vocab_size: int = DEFAULT_VOCAB) -> list[dict]:
+    """Every family and size with total and active parameters (for the README)."""
+    rows = []
+    for family in FAMILIES:
+        for size in SIZE_ORDER:
+            c = param_counts(family, size, vocab_size)
+            d = SIZES[size]
+            rows.append({"family": family, "size": size, "total": c["total"], "active": c["active"],
+                         "embedding": c["embedding"], "hidden": d.hidden, "layers": d.layers, "heads": d.heads})
+    return rows
+
+
+def model_table_markdown(vocab_size: int = DEFAULT_VOCAB) -> str:
+    """`model_table` as a markdown table."""
+
+    def m(n: int) -> str:
+        return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+    lines = ["| family | size | hidden × layers, heads | total params | active params / token |",
+             "|---|---|---|---:|---:|"]
+    for r in model_table(vocab_size):
+        lines.append(f"| {r['family']} | {r['size']} | {r['hidden']} × {r['layers']}, {r['heads']} "
+                     f"| {m(r['total'])} | {m(r['active'])} |")
+    return "\n".join(lines)
+
+
+# --- building -----------------------------------------------------------------------
+
+def build_model(mcfg: ModelConfig, *, vocab_size: int, seq_len: int, toggles: Toggles, dev: DeviceInfo,
+                mask_id: int | None = None, seed: int = 0) -> ModelBundle:
+    """Build the model of a run on the CPU in fp32; the trainer moves it to the device.
+
+    `vocab_size` is the tokenizer's; the model's is padded. Initialization uses
+    its own RNG seeded with `seed`, so it leaves the global RNG untouched and is
+    the same whatever ran before. fp8 conversion is not done here (it needs the
+    model on the GPU): see trainer.fp8.
+    """
+    if is_pretrained_path(mcfg.model):
+        return _load_pretrained(mcfg.model, vocab_size=vocab_size, seq_len=seq_len, toggles=toggles,
+                                mask_id=mask_id)
+    family = mcfg.model
+    if family not in FAMILIES:
+        raise ConfigError("--model", f"{family!r} is neither a family ({', '.join(FAMILIES)}) nor a local "
+                          "Hugging Face model directory (a folder with config.json)")
+    size = resolve_size(mcfg.size, family, dev)
+    vocab, mask = vocab_and_mask(family, vocab_size, mask_id)
+    cfg = hf_config(family, size, vocab_size=vocab, seq_len=seq_len, attention=toggles.attention)
+    cls = _model_class(family)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cls(cfg)
+    if family == "llada":
+        _make_bidirectional(model)
+        cfg.mask_token_id = mask       # saved with save_pretrained, so a llada export fine-tunes as llada
+    model.to(torch.float32)
+    _apply_toggles(model, toggles)
+    counts = count_params(model, cfg)
+    return ModelBundle(model=model, family=family, size=size, hf_config=cfg, vocab_size=vocab,
+                       total_params=counts["total"], active_params=counts["active"],
+                       embedding_params=counts["embedding"],
+                       flops_per_token=training_flops_per_token(model, cfg, seq_len),
+                       objective=OBJECTIVES[family], mask_id=mask)
+
+
+def _apply_toggles(model: torch.nn.Module, toggles: Toggles) -> None:
+    """The toggles that live on the model: attention kernel and activation checkpointing."""
+    if getattr(model.config, "_attn_implementation", None) != toggles.attention:
+        model.set_attn_implementation(toggles.attention)
+    # transformers 5 renamed gradient_* to activation_checkpointing_*; the old names warn.
+    if toggles.activation_checkpointing:
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif hasattr(model, "activation_checkpointing_disable"):
+        if model.is_activation_checkpointing:
+            model.activation_checkpointing_disable()
+    elif model.is_gradient_checkpointing:
+        model.gradient_checkpointing_disable()
+    model.config.use_cache = False
+
+
+def _load_pretrained(path: str, *, vocab_size: int, seq_len: int, toggles: Toggles,
+                     mask_id: int | None) -> ModelBundle:
+    """Fine-tune a local HF causal LM from its weights (no network)."""
+    transformers = _transformers()
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, dtype=torch.float32, attn_implementation=toggles.attention)
+    except (OSError, ValueError) as e:
+        raise ConfigError("--model", f"cannot load a causal LM from {path}: {e}") from None
+    cfg = model.config
+    objective, mask = "causal", None
+    if getattr(cfg, "is_causal", True) is False:
+        # A bidirectional model (a llada export): keep it bidirectional and train it as llada.
+        _make_bidirectional(model)
+        objective = "llada"
+        mask = mask_id if mask_id is not None else getattr(cfg, "mask_token_id", None)
+        if mask is None:
+            raise ConfigError("--model", f"{path} is a bidirectional model without a mask_token_id in its "
+                              "config.json, and the data gives none")
+    if vocab_size > model.get_input_embeddings().weight.shape[0]:
+        # The tokenizer knows more tokens than the model has rows: grow (new rows are initialized by HF).
+        model.resize_token_embeddings(vocab_size, pad_to_multiple_of=VOCAB_MULTIPLE)
+    if mask is not None and mask >= model.get_input_embeddings().weight.shape[0]:
+        raise ConfigError("--model", f"mask id {mask} is outside the vocabulary of {path}")
+    model.to(torch.float32)
+    _apply_toggles(model, toggles)
+    counts = count_params(model, cfg)
+    return ModelBundle(model=model, family="pretrained", size="pretrained", hf_config=cfg,
+                       vocab_size=model.get_input_embeddings().weight.shape[0],
+                       total_params=counts["total"], active_params=counts["active"],
+                       embedding_params=counts["embedding"],
+                       flops_per_token=training_flops_per_token(model, cfg, seq_len),
+                       objective=objective, mask_id=mask)
+
+
+def models_markdown() -> str:
+    """The README section on models (docs/models.md is this output; a test keeps them equal)."""
+    return f"""## Models
+
+`--model` takes a family or a local Hugging Face model directory; `--size` takes
+tiny, small, medium, large or auto. Every family is a stock transformers
+architecture trained from random initialization.
+
+- **llama**: `LlamaForCausalLM`, next-token prediction.
+- **deepseek**: `DeepseekV3ForCausalLM`: multi-head latent attention and a
+  routed mixture of experts ({SIZES['small'].experts} experts in {SIZES['small'].groups} groups, \
+top-{SIZES['small'].top_k} within the best {SIZES['small'].topk_groups}
+  groups, plus {SIZES['small'].shared} shared expert; tiny: {SIZES['tiny'].experts} experts, \
+top-{SIZES['tiny'].top_k}; the first layer is
+  dense), balanced without an auxiliary loss by the DeepSeek-V3 bias update.
+  Sizes match llama in *active* parameters per token.
+- **llada**: the llama architecture with bidirectional attention, trained with
+  the LLaDA masked-diffusion objective.
+- **a directory** (`--model ./my-model`): fine-tunes that model from its weights
+  with its own tokenizer.
+
+Parameter counts with the builtin {DEFAULT_VOCAB}-token tokenizer (each further
+vocabulary entry adds `2 × hidden` parameters; llada adds a mask token):
+
+{model_table_markdown()}
+
+`--size auto` picks `tiny` on a CPU (`small` with 32+ cores and 64+ GiB), and on
+a GPU `small` under 12 GiB, `medium` under 40 GiB, else `large`, stepping down
+while the training state (16 bytes per parameter, fp32 weights + AdamW) of the
+*total* parameters would exceed 60% of the GPU memory.
+
+Generated by `python -m trainer.models`.
+"""
+
+
+if __name__ == "__main__":  # python -m trainer.models > docs/models.md
+    print(models_markdown(), end="")
