@@ -57,6 +57,7 @@ class Session:
         self._device_file = None
         self._tb = None
         self.sampler = sampler
+        self.spawns = 0
         self.hooks: list[Callable[[dict[str, Any]], None]] = []   # e.g. the tuner driver
         self.on_trainer_exit: Callable[[int], bool] | None = None  # returns True if it handled the exit
 
@@ -86,6 +87,9 @@ class Session:
             sup = Supervisor([], self.run_dir, on_event=self._on_event, on_log=self._on_log,
                              on_exit=self._on_exit, on_malformed=self._on_malformed)
             run_cfg.run = dataclasses.replace(self.cfg.run, run_dir=str(self.run_dir), channel=sup.channel_uri)
+            if self.spawns > 0:
+                run_cfg.run.fault = None     # test faults fire in the first trainer process only
+            self.spawns += 1
             args = cli_args(run_cfg)
             sup.argv = self.options.launcher(args) if self.options.launcher else trainer_argv(args)
             self.supervisor = sup

@@ -1,0 +1,158 @@
+"""End to end: gptop supervising real trainer processes on the CPU."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import TINY
+from trainer import checkpoint as ckpt
+from trainer.events import parse, read_events
+
+pytestmark = pytest.mark.slow
+
+
+def gptop(*args, **kw):
+    return subprocess.Popen([sys.executable, "-m", "gptop", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, **kw)
+
+
+def wait_for(pred, timeout=120, what="condition"):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def events_of(run_dir, kind=None):
+    p = Path(run_dir) / "events.jsonl"
+    if not p.exists():
+        return []
+    return [e for e in read_events(p) if kind is None or e["type"] == kind]
+
+
+def trainer_pid(run_dir):
+    hello = events_of(run_dir, "hello")
+    return hello[-1]["pid"] if hello else None
+
+
+def gone(pid, timeout=60):
+    try:
+        psutil.Process(pid).wait(timeout)
+    except psutil.NoSuchProcess:
+        pass
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_json_run_prints_step_and_device_events(tmp_path):
+    run_dir = tmp_path / "run"
+    p = gptop("--no-ui", "--json", "train", "--model", "deepseek", *TINY, "--max-steps", "30", "--log-every", "5",
+              "--run-dir", str(run_dir))
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err
+    events = [parse(line) for line in out.splitlines()]       # every line is a valid event
+    kinds = [e["type"] for e in events]
+    assert "step" in kinds and "device" in kinds and "hello" in kinds and kinds.count("done") == 1
+    steps = [e for e in events if e["type"] == "step"]
+    assert steps[-1]["step"] == 30 and steps[-1]["expert_load"]
+    assert (run_dir / "device.jsonl").stat().st_size > 0 and (run_dir / "trainer.log").stat().st_size > 0
+
+
+def test_ctrl_c_stops_gracefully_and_leaves_no_process(tmp_path):
+    run_dir = tmp_path / "run"
+    p = gptop("--no-ui", "train", *TINY, "--max-steps", "100000", "--run-dir", str(run_dir))
+    wait_for(lambda: events_of(run_dir, "step"), what="first step")
+    pid = trainer_pid(run_dir)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err
+    done = events_of(run_dir, "done")[-1]
+    assert ckpt.list_checkpoints(run_dir)[-1].step == done["step"]
+    assert gone(pid)
+
+
+def test_kill_of_gptop_leaves_no_orphan(tmp_path):
+    run_dir = tmp_path / "run"
+    p = gptop("--no-ui", "train", *TINY, "--max-steps", "100000", "--run-dir", str(run_dir))
+    wait_for(lambda: events_of(run_dir, "step"), what="first step")
+    pid = trainer_pid(run_dir)
+    p.kill()                                                   # SIGKILL: gptop gets no chance to clean up
+    p.wait()
+    assert gone(pid, timeout=120), "trainer outlived gptop"
+    done = events_of(run_dir, "done")[-1]                      # it noticed, checkpointed and exited
+    assert done["reason"] == "launcher went away"
+    assert ckpt.list_checkpoints(run_dir)[-1].step == done["step"]
+
+
+def test_kill9_of_trainer_fails_then_restarts_from_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    p = gptop("--no-ui", "train", *TINY, "--max-steps", "100000", "--checkpoint-every", "3",
+              "--run-dir", str(run_dir))
+    wait_for(lambda: ckpt.list_checkpoints(run_dir), what="a checkpoint")
+    os.kill(trainer_pid(run_dir), signal.SIGKILL)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 1
+    assert "signal 9" in err
+
+    # the same failure with --restart-on-failure: it resumes from the last checkpoint and finishes
+    run2 = tmp_path / "run2"
+    p = gptop("--no-ui", "--json", "train", *TINY, "--max-steps", "30", "--checkpoint-every", "3",
+              "--restart-on-failure", "1", "--fault", "kill@7", "--run-dir", str(run2))
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err
+    hellos = events_of(run2, "hello")
+    assert len(hellos) == 2 and hellos[1]["start_step"] == 6 and hellos[1]["resumed_from"]
+    assert events_of(run2, "done")[-1]["step"] == 30
+
+
+def test_resume_continues_a_run(tmp_path):
+    run_dir = tmp_path / "run"
+    p = gptop("--no-ui", "train", *TINY, "--max-steps", "6", "--run-dir", str(run_dir))
+    assert p.wait(300) == 0
+    p = gptop("--no-ui", "train", "--resume", str(run_dir), "--max-steps", "10")
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    hello = events_of(run_dir, "hello")[-1]
+    assert hello["start_step"] == 6 and hello["config"]["model"]["size"] == "tiny"
+    assert events_of(run_dir, "done")[-1]["step"] == 10
+    assert "step 10/10" in out
+
+
+def test_bad_usage_exit_2(tmp_path):
+    p = gptop("--no-ui", "train", *TINY, "--precision", "fp8-rowwise", "--run-dir", str(tmp_path / "r"))
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 2 and "--precision" in err
+    p = gptop("--no-ui", "train", "--micro-batch", "zero")
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 2 and "--micro-batch" in err
+
+
+def test_report_of_a_finished_run(tmp_path):
+    run_dir = tmp_path / "run"
+    assert gptop("--no-ui", "train", *TINY, "--max-steps", "6", "--run-dir", str(run_dir)).wait(300) == 0
+    p = subprocess.run([sys.executable, "-m", "gptop", "report", str(run_dir)], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert "6/6 steps" in p.stdout and "tokens/s" in p.stdout and "forward" in p.stdout
+    p = subprocess.run([sys.executable, "-m", "gptop", "--json", "report", str(run_dir)], capture_output=True,
+                       text=True)
+    s = json.loads(p.stdout)
+    assert s["steps"] == 6 and s["tokens"] == 6 * 4 * 64 and len(s["checkpoints"]) == 1
+
+
+def test_monitor_replays_a_finished_run(tmp_path):
+    run_dir = tmp_path / "run"
+    assert gptop("--no-ui", "train", *TINY, "--max-steps", "4", "--run-dir", str(run_dir)).wait(300) == 0
+    p = subprocess.run([sys.executable, "-m", "gptop", "--no-ui", "--json", "--run-dir", str(run_dir)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    kinds = [parse(l)["type"] for l in p.stdout.splitlines()]
+    assert kinds.count("step") == 4 and "done" in kinds
