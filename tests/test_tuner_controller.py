@@ -12,7 +12,7 @@ from trainer.device import DeviceInfo
 from trainer.events import make_event
 from tuner.budget import Budget
 from tuner.controller import Apply, Done, FindMicroBatch, Remeasure, RunTrial, TuneController
-from tuner.report import best_toml, write_report
+from tuner.report import best_toml, format_summary, write_report
 from tuner.space import SearchSpace, params_key
 from tuner.study import TuneStudy
 
@@ -150,7 +150,9 @@ def test_full_simulated_tuning_ends_in_apply(tmp_path):
     events = ctl.drain_events()
     types = [e["type"] for e in events]
     assert "apply" in types and "tuner" in types and "trial" in types
-    trial_events = [e for e in events if e["type"] == "trial"]
+    running = [e for e in events if e["type"] == "trial" and e["status"] == "running"]
+    assert running and all(e["number"] is not None for e in running)      # views key rows by number
+    trial_events = [e for e in events if e["type"] == "trial" and e["status"] != "running"]
     statuses = {e["status"] for e in trial_events}
     assert "infeasible" in statuses                       # screened OOM, compile error or divergence
     for e in trial_events:
@@ -173,6 +175,8 @@ def test_full_simulated_tuning_ends_in_apply(tmp_path):
     paths = write_report(tmp_path / "run", ctl.study, info)
     report = json.loads(paths["json"].read_text())
     assert report["speedup"] > 1.3 and report["trials"]
+    summary = format_summary(report)                      # what `gptop report` prints
+    assert summary.startswith("tuning    best (trial") and "applied" in summary and "x the start" in summary
     md = paths["md"].read_text()
     assert "| # | run |" in md and "compile=default" in md and "Ledger" in md and "infeasible" in md
     cfg = TrainConfig.from_toml(paths["toml"])

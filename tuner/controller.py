@@ -26,6 +26,15 @@ does it, and reports back; trial steps are real training steps.
                 break
         for ev in ctl.drain_events(): emit(ev)                 # trial / apply / tuner events
 
+Events: `tuner` {phase, budget_left_s, trial, trials_run, trials_planned,
+study} at every phase change, trial start and end; `trial` {number, toggles,
+status, tokens_per_s, spread, peak_mem, energy_per_token, reason, kind,
+source, duration_s} with status "running" when a numbered trial starts (the
+unnumbered baseline only reports at its end) and ok / cut / pruned /
+infeasible when it ends; a remeasure updates its trial's row with the pooled
+estimate (plus remeasure_tokens_per_s); `apply` {toggles, decision, number,
+tokens_per_s, baseline_tokens_per_s}.
+
 Phases: find-micro-batch -> baseline -> trials -> remeasure -> decide -> done.
 
 * Baseline: the starting configuration is measured first; it is already
@@ -346,6 +355,10 @@ class TuneController:
                               numerics_changing=strict, source=source)
         self._active = _Active(kind, action, toggles, proposal, number, self.clock(), measure,
                                LossGuard(self.trend, strict), strict, last_touch=self.clock())
+        if number is not None:   # views key trials by number; an unnumbered baseline gets one row, at its end
+            self._emit(make_event("trial", number=number, toggles=dataclasses.asdict(toggles), status="running",
+                                  tokens_per_s=None, spread=None, peak_mem=None, reason="", kind=kind,
+                                  source=source if kind == "trial" else kind))
         self._emit(self.tuner_event())
         return action
 
@@ -495,6 +508,10 @@ class TuneController:
         elif a.kind == "remeasure":
             ok = status in ("ok", "cut")
             self.study.record_remeasure(a.number, summary, status="ok" if ok else "pruned", reason=reason)
+            pooled = next((c for c in self.study.candidates() if c.number == a.number), None)
+            if pooled is not None:   # the event updates the trial's row: show the pooled estimate
+                summary = {**summary, "tokens_per_s": pooled.tokens_per_s, "spread": pooled.spread,
+                           "remeasure_tokens_per_s": est, "remeasure_spread": spread}
         else:
             if status in ("ok", "cut"):
                 self.baseline = {**summary, "duration_s": duration}
@@ -527,6 +544,9 @@ class TuneController:
                         tokens_per_s=s.get("tokens_per_s"), spread=s.get("spread"), peak_mem=s.get("peak_mem"),
                         energy_per_token=s.get("energy_per_token"), reason=reason, kind=kind,
                         source=source or (kind if kind != "trial" else None), duration_s=round(duration, 3))
+        if "remeasure_tokens_per_s" in s:
+            ev["remeasure_tokens_per_s"] = s["remeasure_tokens_per_s"]
+            ev["remeasure_spread"] = s["remeasure_spread"]
         self.results.append({**ev, "duration_s": duration, "ran": ran, "failure": failure, "overhead_s": overhead_s,
                              "summary": s})
         self._emit(ev)

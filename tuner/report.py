@@ -160,6 +160,36 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_summary(report: dict[str, Any]) -> str:
+    """A few lines for `gptop report` from a tuning.json dict (labels padded to 10 like its other lines)."""
+    base = report.get("base") or {}
+    led = report.get("ledger") or {}
+    baseline = report.get("baseline") or {}
+    trials = report.get("trials") or []
+    counts: dict[str, int] = {}
+    for t in trials:
+        if t.get("run") == "this":
+            counts[t.get("status", "?")] = counts.get(t.get("status", "?"), 0) + 1
+    lines = []
+    best = report.get("best")
+    if best:
+        line = (f"tuning    best (trial {report.get('best_number')}): {toggles_diff(best, base)}, "
+                f"{_fmt_tps(report.get('best_tokens_per_s'), report.get('best_spread'))} tokens/s")
+        if report.get("speedup"):
+            line += f", {report['speedup']:.2f}x the start ({_fmt_tps(baseline.get('tokens_per_s'))})"
+        lines.append(line)
+    else:
+        lines.append("tuning    no feasible configuration measured")
+    outcome = report.get("outcome") or "-"
+    lines.append(f"          {outcome}" if report.get("applied") else f"          not applied: {outcome}")
+    lines.append(f"          {sum(counts.values())} trials this run ("
+                 + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) + ") in "
+                 f"{format_duration(led.get('tuning_s', 0.0))} of {format_duration(led.get('budget_s', 0.0))}"
+                 + (f"; projected saving {format_duration(led['projected_saving_s'])}"
+                    if isinstance(led.get("projected_saving_s"), (int, float)) else ""))
+    return "\n".join(lines)
+
+
 def best_toml(toggles: Toggles | dict[str, Any]) -> str:
     """best.toml text: a comment and a [toggles] table, nothing else."""
     d = dataclasses.asdict(toggles) if isinstance(toggles, Toggles) else dict(toggles)
