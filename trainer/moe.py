@@ -100,10 +100,24 @@ class MoEBalancer:
         for c in self._counts:
             c.zero_()
 
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Forget counts gathered outside a training step (micro-batch probes, rolled-back steps)."""
+        for c in self._counts:
+            c.zero_()
+
+    def reset(self) -> None:
+        """Drop the counts gathered since the last update without using them (probe forwards, rollbacks)."""
+        for c in self._counts:
+            c.zero_()
+
     def load(self) -> list[list[float]]:
-        """Per layer, the share of routed tokens each expert got in the last updated step (syncs)."""
+        """Per layer, the share of routed tokens each expert got in the last updated step (syncs).
+
+        Empty before the first update (and for a dense model).
+        """
         if self._last is None:
-            return [[] for _ in self.routers]
+            return []
         total = self._last.sum(dim=-1, keepdim=True).clamp_min(1)
         return (self._last / total).cpu().tolist()
 

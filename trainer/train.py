@@ -140,8 +140,7 @@ class Trainer:
         self.meter = make_meter(self.device)
         from .moe import MoEBalancer
 
-        self.balancer = MoEBalancer(self.raw_model) if getattr(self.bundle, "is_moe", False) or \
-            self.bundle.family == "deepseek" else None
+        self.balancer = MoEBalancer(self.raw_model) if self.bundle.is_moe else None
 
         self.resumed_from = None
         if cfg.checkpoint.resume:
