@@ -1,0 +1,277 @@
+"""The `--no-ui` view: readable lines, or JSON lines with `--json`.
+
+The Session calls it after folding each item into the RunState:
+
+    state.apply(event);          view.on_event(event)
+    state.add_log(line, stream); view.on_log(line, stream)
+    state.set_status(s, msg);    view.on_status(s, msg)
+    ...                          view.close()
+
+`--json`: stdout carries only JSON lines: every event (trainer events, device
+samples, trial/apply/tuner events) as `trainer.events.dumps` writes it, plus
+gptop's own `{"type": "status", "status": ..., "message": ...}` lines when the
+session's status changes (consumers ignore types they do not know). Device
+samples can be thinned to one per `device_interval` seconds of event time.
+
+Readable: one line per step event (the trainer emits them at the log
+interval), and a line for each eval, checkpoint, warning, error, trial, apply,
+tuner phase, status change and bottleneck hint change; with a rich progress
+bar when the stream is a terminal.
+
+The trainer's stdout/stderr are not printed in either mode: they are in the
+run directory's log file, and printing them would break `--json` and bury the
+step lines. When the run fails, the last stderr lines (the traceback) go to
+our stderr in both modes. `echo_logs=True` prints every trainer line to our
+stderr as it comes.
+
+Nothing here imports Textual: headless runs must work where it is absent or
+broken, and start fast.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import threading
+from collections import deque
+from typing import IO, Any
+
+from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_num, fmt_toggles, model_summary, phase_label,
+                         spread_pct)
+from trainer.events import PHASES, SCHEMA_VERSION, dumps
+
+SHORT = {"data": "data", "forward": "fwd", "backward": "bwd", "optimizer": "opt", "other": "other"}
+
+
+def _f(x: Any) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def step_line(event: dict[str, Any], state: RunState) -> str:
+    """`step 120/1000 loss 2.310 | 12.3k tok/s | mfu 31.2% | step 250 ms (data 2% fwd 30% ...) | mem 1.2 GB`."""
+    total = state.total_steps
+    loss = _f(event.get("loss"))
+    parts = [f"step {event.get('step')}/{total if total is not None else '?'} "
+             f"loss {'n/a' if loss is None else f'{loss:.3f}'}",
+             f"{fmt_num(_f(event.get('tokens_per_s')))} tok/s"]
+    mfu = _f(event.get("mfu"))
+    parts.append(f"mfu {'n/a' if mfu is None else f'{mfu * 100:.1f}%'}")
+    step_ms = _f(event.get("step_ms"))
+    phases = event.get("phases_ms") if isinstance(event.get("phases_ms"), dict) else {}
+    seg = f"step {'n/a' if step_ms is None else f'{step_ms:.0f} ms'}"
+    shares = []
+    if step_ms:
+        for p in PHASES:
+            v = _f(phases.get(p))
+            if v is not None:
+                shares.append(f"{SHORT[p]} {100 * v / step_ms:.0f}%")
+    if shares:
+        seg += f" ({' '.join(shares)})"
+    idle = _f(event.get("gpu_idle_ms"))
+    if idle is not None and step_ms:
+        seg += f" gpu idle {100 * idle / step_ms:.0f}%"
+    parts.append(seg)
+    parts.append(f"mem {fmt_bytes(_f(event.get('mem_bytes')))}")
+    eta = state.eta()
+    if eta is not None:
+        parts.append(f"eta {fmt_duration(eta)}")
+    spread = state.rank_spread().get("step_ms")
+    if spread is not None:
+        parts.append(f"ranks {spread.min:.0f}-{spread.max:.0f} ms (slowest {spread.slowest_rank})")
+    return " | ".join(parts)
+
+
+def event_line(event: dict[str, Any], state: RunState) -> str | None:
+    """The readable line for one event, or None for events that get none (device samples, other ranks)."""
+    kind = event.get("type")
+    if kind == "step":
+        if state.primary_rank is not None and int(event.get("rank") or 0) != state.primary_rank:
+            return None
+        return step_line(event, state)
+    if kind == "hello":
+        total = state.total_steps
+        where = state.device.get("name") or state.device.get("type") or "?"
+        line = f"gptop: {model_summary(state.model) or 'model'} on {where}"
+        if total is not None:
+            line += f", {total} steps"
+        if state.run_dir:
+            line += f", run dir {state.run_dir}"
+        if state.hellos > 1:
+            line = "restarted: " + line
+        return line
+    if kind == "eval":
+        loss = _f(event.get("loss"))
+        return f"eval step {event.get('step')} loss {'n/a' if loss is None else f'{loss:.3f}'}"
+    if kind == "checkpoint":
+        secs = _f(event.get("seconds"))
+        return f"checkpoint step {event.get('step')} -> {event.get('path')}" + (
+            f" ({secs:.1f} s)" if secs is not None else "")
+    if kind == "warning":
+        return f"warning: {event.get('message')}"
+    if kind == "error":
+        return f"error [{event.get('kind')}]: {event.get('message')}"
+    if kind == "log":
+        return str(event.get("message"))
+    if kind == "done":
+        return (f"done: step {event.get('step')}, {fmt_num(_f(event.get('tokens')))} tokens "
+                f"in {fmt_duration(state.elapsed())}")
+    if kind == "trial":
+        what = "trial" if event.get("kind") in (None, "trial") else str(event.get("kind"))
+        number = "" if event.get("number") is None else f" {event.get('number')}"
+        line = f"{what}{number} {event.get('status')}: {fmt_toggles(state.toggle_diff(event.get('toggles')))}"
+        tps, pct = _f(event.get("tokens_per_s")), spread_pct(event)
+        if tps is not None:
+            line += f" | {fmt_num(tps)} tok/s" + (f" ±{pct:.1f}%" if pct is not None else "")
+        if _f(event.get("peak_mem")) is not None:
+            line += f" | peak {fmt_bytes(_f(event.get('peak_mem')))}"
+        if event.get("reason"):
+            line += f" | {event['reason']}"
+        return line
+    if kind == "apply":
+        at = f" at step {event['step']}" if event.get("step") is not None else ""
+        line = f"apply{at}: {fmt_toggles(state.toggle_diff(event.get('toggles')))}"
+        tps, base = _f(event.get("tokens_per_s")), _f(event.get("baseline_tokens_per_s"))
+        if tps is not None and base:
+            line += f" | {fmt_num(tps)} tok/s ({(tps / base - 1) * 100:+.0f}%)"
+        return line
+    return None
+
+
+class HeadlessView:
+    """Prints a run for scripts and CI: JSON lines (`json=True`) or readable lines."""
+
+    def __init__(self, state: RunState, *, json: bool, stream: IO[str] | None = None,
+                 progress: bool | None = None, err: IO[str] | None = None, device_interval: float | None = None,
+                 echo_logs: bool = False, stderr_tail: int = 20) -> None:
+        """`progress`: None shows a progress bar when `stream` is a TTY (never in JSON mode)."""
+        self.state = state
+        self.json = json
+        self.stream = stream if stream is not None else sys.stdout
+        self.err = err if err is not None else sys.stderr
+        self.device_interval = device_interval
+        self.echo_logs = echo_logs
+        self._stderr: deque[str] = deque(maxlen=stderr_tail)
+        self._lock = threading.Lock()
+        self._last_device: float | None = None
+        self._status: str | None = None
+        self._tuner_phase: str | None = None
+        self._hint_kind: str | None = None
+        if progress is None:
+            progress = not json and _isatty(self.stream)
+        self._progress = None
+        self._task = None
+        if progress and not json:
+            self._start_progress()
+
+    # --- output -------------------------------------------------------------
+    def _start_progress(self) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn
+
+        console = Console(file=self.stream, highlight=False)
+        self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                                  TextColumn("{task.fields[info]}"), console=console, transient=True)
+        self._task = self._progress.add_task("starting", total=None, info="")
+        self._progress.start()
+
+    def _print(self, line: str) -> None:
+        if self._progress is not None:
+            self._progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
+        else:
+            self.stream.write(line + "\n")
+            self.stream.flush()
+
+    def _print_err(self, line: str) -> None:
+        if self._progress is not None and self.err is self.stream:
+            self._print(line)
+            return
+        self.err.write(line + "\n")
+        self.err.flush()
+
+    # --- the view interface -------------------------------------------------
+    def on_event(self, event: dict[str, Any]) -> None:
+        """One event, already applied to the state."""
+        with self._lock:
+            if self.json:
+                if event.get("type") == "device" and self.device_interval:
+                    t = _f(event.get("time"))
+                    if t is not None and self._last_device is not None and t - self._last_device < self.device_interval:
+                        return
+                    self._last_device = t
+                self.stream.write(dumps(event) + "\n")
+                self.stream.flush()
+                return
+            kind = event.get("type")
+            if kind == "tuner":
+                phase = event.get("phase")
+                if phase and phase != self._tuner_phase:
+                    self._tuner_phase = phase
+                    left = _f(event.get("budget_left_s"))
+                    self._print(f"tuner: {phase_label(phase)}" + (f" ({fmt_duration(left)} budget left)" if left is not None
+                                                      else ""))
+                return
+            line = event_line(event, self.state)
+            if line is not None:
+                self._print(line)
+            if kind == "step":
+                self._step_extras()
+
+    def _step_extras(self) -> None:
+        """The hint when its kind changes (its numbers move every step); the progress bar."""
+        hint = self.state.bottleneck_hint()
+        kind = re.split(r"\d", hint, maxsplit=1)[0] if hint else None
+        if kind != self._hint_kind:
+            self._hint_kind = kind
+            if hint:
+                self._print(f"hint: {hint}")
+        if self._progress is not None and self._task is not None:
+            s = self.state
+            info = " · ".join(x for x in (
+                f"{s.step}/{s.total_steps}" if s.total_steps else f"{s.step}",
+                f"{fmt_num(s.tokens)} tokens", f"eta {fmt_duration(s.eta())}") if x)
+            self._progress.update(self._task, description="training", completed=s.step or 0,
+                                  total=s.total_steps, info=info)
+
+    def on_log(self, line: str, stream: str = "stdout") -> None:
+        """A trainer stdout/stderr line: kept for the failure report, printed only with `echo_logs`."""
+        with self._lock:
+            if stream == "stderr":
+                self._stderr.append(line.rstrip("\n"))
+            if self.echo_logs:
+                self._print_err(line.rstrip("\n"))
+
+    def on_status(self, status: str, message: str | None = None) -> None:
+        """The session's status changed: a line (or a JSON status object); the stderr tail on failure."""
+        with self._lock:
+            if status == self._status and not message:
+                return
+            self._status = status
+            if self.json:
+                t = self.state.now()
+                obj = {"v": SCHEMA_VERSION, "type": "status", "time": t, "rank": 0, "status": status,
+                       "message": message}
+                self.stream.write(dumps(obj) + "\n")
+                self.stream.flush()
+            else:
+                self._print(f"status: {status}" + (f": {message}" if message else ""))
+                if self._progress is not None and self._task is not None:
+                    self._progress.update(self._task, description=status)
+            if status == "failed" and self._stderr and not self.echo_logs:
+                self._print_err(f"last {len(self._stderr)} lines of the trainer's stderr:")
+                for line in self._stderr:
+                    self._print_err("  " + line)
+
+    def close(self) -> None:
+        """Stop the progress bar; flush."""
+        with self._lock:
+            if self._progress is not None:
+                self._progress.stop()
+                self._progress = None
+            self.stream.flush()
+
+
+def _isatty(stream: IO[str]) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False

@@ -1,0 +1,708 @@
+"""What the views render: a pure reducer over the run's events.
+
+The Session feeds every event (trainer events, device samples, tuner events)
+into one `RunState` with `apply`, and the trainer's stdout/stderr lines with
+`add_log`. Both views only read it: the Textual app polls `version` (and the
+per-area `versions`) and re-renders what changed; the headless view formats
+lines from it. Everything a view needs to *compute* (phase means, the
+bottleneck hint, ETA, rank spread, energy per token) lives here, so the TUI and
+`--no-ui` say the same thing.
+
+Times come from the events, never from the wall clock, unless a `clock` is
+injected: replays and snapshot tests are then deterministic, and a live
+session passes `clock=time.time` so elapsed time keeps ticking between events.
+
+The Session's threads write and the UI thread reads, so mutators and the
+accessors that return collections hold `lock`; views that read several
+attributes at once can hold it too (it is re-entrant and only held briefly).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from trainer.events import PHASES
+
+STATUSES = ("starting", "running", "checkpointing", "stopping", "done", "failed", "restarting", "replay", "monitor")
+
+# Areas a view can watch separately (`RunState.versions[area]`).
+AREAS = ("run", "step", "device", "log", "tuner")
+
+# Step-event series kept as histories, by name.
+STEP_SERIES = ("loss", "tokens_per_s", "mfu", "lr", "grad_norm", "step_ms", "gpu_idle_ms", "mem_bytes")
+# Device metrics kept as histories, per device key ("gpu0", "gpu1", "cpu").
+DEVICE_METRICS = ("util_pct", "mem_used", "power_w", "temp_c")
+
+
+def _num(x: Any) -> float | None:
+    """A finite float or None: events may carry null, strings or NaN from older producers."""
+    if isinstance(x, bool) or x is None:
+        return None
+    try:
+        f = float(x)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+@dataclass
+class Series:
+    """A bounded (x, y) history; x is a step number or a unix time."""
+
+    maxlen: int
+    x: deque = field(init=False)
+    y: deque = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.x = deque(maxlen=self.maxlen)
+        self.y = deque(maxlen=self.maxlen)
+
+    def append(self, x: float, y: float) -> None:
+        self.x.append(x)
+        self.y.append(y)
+
+    def clear(self) -> None:
+        self.x.clear()
+        self.y.clear()
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    @property
+    def last(self) -> float | None:
+        return self.y[-1] if self.y else None
+
+    def values(self, since: float | None = None) -> list[float]:
+        """The y values, only those with x >= `since` if given."""
+        if since is None:
+            return list(self.y)
+        return [y for x, y in zip(self.x, self.y) if x >= since]
+
+
+@dataclass(frozen=True)
+class Spread:
+    """How one quantity differs across ranks (the multi-GPU straggler question)."""
+
+    min: float
+    max: float
+    mean: float
+    slowest_rank: int
+    fastest_rank: int
+
+    @property
+    def imbalance(self) -> float:
+        """max / mean - 1: 0.25 means the slowest rank takes 25% longer than the average."""
+        return self.max / self.mean - 1 if self.mean > 0 else 0.0
+
+
+# Trial statuses whose measurement counts (the tuner's "ok"/"cut", or "kept"), and failed ones.
+GOOD_TRIALS = ("ok", "cut", "kept")
+BAD_TRIALS = ("infeasible", "rolled_back", "failed")
+
+
+@dataclass
+class TunerState:
+    """The autotuner as the views see it: `tuner`, `trial` and `apply` events folded together."""
+
+    phase: str | None = None           # e.g. "find-micro-batch", "baseline", "trials", "decide", "done"
+    budget_left_s: float | None = None
+    trial: int | None = None           # the trial running now
+    trials_run: int | None = None
+    trials_planned: int | None = None
+    trials: dict[int, dict[str, Any]] = field(default_factory=dict)   # number -> latest trial fields
+    applied: list[dict[str, Any]] = field(default_factory=list)       # apply events
+
+    @property
+    def active(self) -> bool:
+        return self.phase is not None and self.phase != "done"
+
+    @property
+    def best(self) -> dict[str, Any] | None:
+        """The measured (ok/cut/kept) trial with the highest throughput."""
+        good = [t for t in self.trials.values() if t.get("status") in GOOD_TRIALS and _num(t.get("tokens_per_s"))]
+        return max(good, key=lambda t: _num(t["tokens_per_s"]) or 0.0, default=None)
+
+
+class RunState:
+    """Everything the views show about one run, reduced from its events."""
+
+    def __init__(self, *, run_name: str = "", run_dir: str | None = None, history: int = 2000,
+                 device_history: int = 3600, phase_window: int = 20, rate_window: int = 20,
+                 log_lines: int = 5000, clock: Callable[[], float] | None = None,
+                 status: str = "starting") -> None:
+        self.lock = threading.RLock()
+        self.version = 0
+        self.versions: dict[str, int] = {a: 0 for a in AREAS}
+        self.clock = clock
+        self.run_name = run_name
+        self.run_dir = run_dir
+        self.status = status
+        self.status_message: str | None = None
+
+        # from hello
+        self.config: dict[str, Any] = {}
+        self.device: dict[str, Any] = {}
+        self.model: dict[str, Any] = {}
+        self.hellos = 0                        # > 1 after a restart / resume / applied toggles
+        self.initial_toggles: dict[str, Any] | None = None   # what the run started with
+        self.start_time: float | None = None   # time of the first event
+        self.last_time: float | None = None    # time of the latest event
+
+        # steps
+        self.phase_window = phase_window
+        self.last_step: dict[str, Any] | None = None      # latest step event of the primary rank
+        self.ranks: dict[int, dict[str, Any]] = {}         # rank -> latest step event
+        self.primary_rank: int | None = None
+        self.series: dict[str, Series] = {n: Series(history) for n in STEP_SERIES}
+        self.series["eval_loss"] = Series(history)
+        self.phases: dict[str, Series] = {p: Series(history) for p in PHASES}
+        self._rate: deque[tuple[float, int, float]] = deque(maxlen=rate_window)   # (time, step, tokens)
+        self.expert_load: list[list[float]] | None = None
+        self.last_eval: dict[str, Any] | None = None
+        self.done: dict[str, Any] | None = None
+
+        # devices
+        self.device_sample: dict[str, Any] | None = None   # latest device event
+        self.device_latest: dict[str, dict[str, Any]] = {}  # "gpu0" / "cpu" -> latest dict
+        self.device_series: dict[tuple[str, str], Series] = {}
+        self._device_history = device_history
+        self._energy: deque[tuple[float, float]] = deque(maxlen=device_history)   # (time, joules)
+
+        # logs and incidents
+        self.logs: deque[tuple[str, str]] = deque(maxlen=log_lines)   # (stream, line)
+        self.log_count = 0       # lines ever added: views append what is new since they last looked
+        self.checkpoints: list[dict[str, Any]] = []
+        self.errors: list[dict[str, Any]] = []
+        self.warnings: deque[str] = deque(maxlen=200)
+        self.malformed = 0
+        self.last_malformed: str | None = None
+
+        self.tuner = TunerState()
+        self._applied: dict[str, Any] = {}   # toggles applied since the last hello
+
+    # --- writing ------------------------------------------------------------
+    def _bump(self, *areas: str) -> None:
+        self.version += 1
+        for a in areas:
+            self.versions[a] += 1
+
+    def apply(self, event: dict[str, Any]) -> None:
+        """Fold one (already parsed) event in. Unknown types only move the clock."""
+        with self.lock:
+            t = _num(event.get("time"))
+            if t is not None:
+                if self.start_time is None:
+                    self.start_time = t
+                self.last_time = t if self.last_time is None else max(self.last_time, t)
+            handler = getattr(self, "_on_" + str(event.get("type")), None)
+            if handler is None:
+                self._bump("run")
+                return
+            try:
+                handler(event)
+            except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+                # A well-formed line with ill-typed fields must not take the view down.
+                self.count_malformed(f"{event.get('type')} event: {e}")
+
+    def add_log(self, line: str, stream: str = "stdout") -> None:
+        """One line of the trainer's stdout/stderr (or gptop's own messages, stream="gptop")."""
+        with self.lock:
+            self.logs.append((stream, line.rstrip("\n")))
+            self.log_count += 1
+            self._bump("log")
+
+    def set_status(self, status: str, message: str | None = None) -> None:
+        """Set by the Session: the run's lifecycle is its business, not the events'."""
+        with self.lock:
+            self.status = status
+            self.status_message = message
+            self._bump("run")
+
+    def count_malformed(self, line: str) -> None:
+        """A line on the event channel that did not parse: counted and shown, never fatal."""
+        with self.lock:
+            self.malformed += 1
+            self.last_malformed = line if len(line) <= 200 else line[:200] + "…"
+            self._bump("run")
+
+    # --- event handlers -----------------------------------------------------
+    def _on_hello(self, e: dict[str, Any]) -> None:
+        self.config = e.get("config") or {}
+        if self.initial_toggles is None:
+            self.initial_toggles = dict(self.config.get("toggles") or {})
+        self.device = e.get("device") or {}
+        self.model = e.get("model") or {}
+        self.hellos += 1
+        self._applied = {}
+        self._rate.clear()   # a restart recompiles: the old step rate says nothing about the new process
+        self._bump("run", "step")
+
+    def _on_step(self, e: dict[str, Any]) -> None:
+        rank = int(e.get("rank") or 0)
+        self.ranks[rank] = e
+        if self.primary_rank is None or rank < self.primary_rank:
+            self.primary_rank = rank
+        if rank != self.primary_rank:
+            self._bump("step")
+            return
+        step = int(e["step"])
+        t = _num(e.get("time")) or 0.0
+        if self.last_step is not None and step < int(self.last_step.get("step") or 0):
+            self._rate.clear()   # rolled back to a checkpoint
+        self.last_step = e
+        self._rate.append((t, step, _num(e.get("tokens")) or 0.0))
+        for name in STEP_SERIES:
+            v = _num(e.get(name))
+            if v is not None:
+                self.series[name].append(step, v)
+        phases = e.get("phases_ms") or {}
+        if isinstance(phases, dict):
+            for p in PHASES:
+                v = _num(phases.get(p))
+                if v is not None:
+                    self.phases[p].append(step, v)
+        load = e.get("expert_load")
+        if isinstance(load, list) and load:
+            self.expert_load = [[float(x) for x in layer] for layer in load if isinstance(layer, list)]
+        self._bump("step")
+
+    def _on_eval(self, e: dict[str, Any]) -> None:
+        self.last_eval = e
+        v = _num(e.get("loss"))
+        if v is not None:
+            self.series["eval_loss"].append(int(e["step"]), v)
+        self._bump("step")
+
+    def _on_checkpoint(self, e: dict[str, Any]) -> None:
+        self.checkpoints.append({k: e.get(k) for k in ("step", "path", "seconds", "time")})
+        self._bump("run")
+
+    def _on_log(self, e: dict[str, Any]) -> None:
+        self.add_log(str(e.get("message")), "event")
+
+    def _on_warning(self, e: dict[str, Any]) -> None:
+        self.warnings.append(str(e.get("message")))
+        self.add_log("warning: " + str(e.get("message")), "event")
+        self._bump("run")
+
+    def _on_error(self, e: dict[str, Any]) -> None:
+        self.errors.append({k: e.get(k) for k in ("kind", "message", "step", "time")})
+        self.add_log(f"error [{e.get('kind')}]: {e.get('message')}", "event")
+        self._bump("run")
+
+    def _on_done(self, e: dict[str, Any]) -> None:
+        self.done = e
+        self._bump("run")
+
+    def _on_device(self, e: dict[str, Any]) -> None:
+        t = _num(e.get("time")) or 0.0
+        self.device_sample = e
+        joules: float | None = None
+        gpus = [d for d in (e.get("devices") or []) if isinstance(d, dict)]
+        entries: list[tuple[str, dict[str, Any]]] = [
+            (f"{d.get('kind') or 'gpu'}{d.get('index') if d.get('index') is not None else i}", d)
+            for i, d in enumerate(gpus)]
+        cpu = e.get("cpu")
+        if isinstance(cpu, dict):
+            entries.append(("cpu", cpu))
+        for key, d in entries:
+            self.device_latest[key] = d
+            for m in DEVICE_METRICS:
+                v = _num(d.get(m))
+                if v is not None:
+                    s = self.device_series.get((key, m))
+                    if s is None:
+                        s = self.device_series[(key, m)] = Series(self._device_history)
+                    s.append(t, v)
+        # Energy of what does the work: the GPUs when there are any, else the CPU package.
+        sources = gpus if gpus else ([cpu] if isinstance(cpu, dict) else [])
+        vals = [_num(d.get("energy_j")) for d in sources]
+        if vals and all(v is not None for v in vals):
+            joules = sum(vals)  # type: ignore[arg-type]
+            self._energy.append((t, joules))
+        self._bump("device")
+
+    def _on_trial(self, e: dict[str, Any]) -> None:
+        number = e["number"]
+        if number is None:   # a run the study did not number (a failed baseline): its own row
+            n = -1 - sum(1 for k in self.tuner.trials if k < 0)
+        else:
+            n = int(number)
+        trial = self.tuner.trials.setdefault(n, {})
+        trial.update({k: v for k, v in e.items() if k not in ("v", "type", "rank")})
+        if trial.get("status") == "running":
+            self.tuner.trial = n
+        self._bump("tuner")
+
+    def _on_apply(self, e: dict[str, Any]) -> None:
+        self.tuner.applied.append({k: v for k, v in e.items() if k not in ("v", "type", "rank")})
+        if isinstance(e.get("toggles"), dict):
+            self._applied.update(e["toggles"])
+        self._bump("tuner", "run")
+
+    def _on_tuner(self, e: dict[str, Any]) -> None:
+        tu = self.tuner
+        if "phase" in e:
+            tu.phase = e["phase"]
+        if "budget_left_s" in e:
+            tu.budget_left_s = _num(e["budget_left_s"])
+        if "trial" in e:
+            tu.trial = e["trial"]
+        if "trials_planned" in e:
+            tu.trials_planned = e["trials_planned"]
+        if "trials_run" in e:
+            tu.trials_run = e["trials_run"]
+        self._bump("tuner")
+
+    # --- reading: run -------------------------------------------------------
+    def now(self) -> float | None:
+        """The clock if injected, else the latest event time (deterministic for replays)."""
+        if self.clock is not None:
+            return self.clock()
+        return self.last_time
+
+    @property
+    def total_steps(self) -> int | None:
+        v = (self.config.get("optim") or {}).get("max_steps")
+        return int(v) if isinstance(v, (int, float)) else None
+
+    @property
+    def step(self) -> int | None:
+        return int(self.last_step["step"]) if self.last_step else None
+
+    @property
+    def tokens(self) -> float | None:
+        """Tokens seen (the step event's cumulative `tokens`)."""
+        return _num(self.last_step.get("tokens")) if self.last_step else None
+
+    @property
+    def toggles(self) -> dict[str, Any]:
+        """The toggles in force: the last applied ones over the hello config."""
+        t = dict(self.config.get("toggles") or {})
+        t.update(self._applied)
+        return t
+
+    def toggle_diff(self, toggles: dict[str, Any] | None) -> dict[str, Any]:
+        """The toggles that differ from what the run started with (trial and apply events carry all)."""
+        base = self.initial_toggles or {}
+        return {k: v for k, v in (toggles or {}).items() if k not in base or base[k] != v}
+
+    def last_error(self) -> dict[str, Any] | None:
+        """The latest error event's kind/message/step/time, or None."""
+        with self.lock:
+            return dict(self.errors[-1]) if self.errors else None
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.expert_load) or (_num(self.model.get("active_params")) or 0) < (
+            _num(self.model.get("total_params")) or 0)
+
+    def elapsed(self) -> float | None:
+        """Seconds since the first event."""
+        now = self.now()
+        if self.start_time is None or now is None:
+            return None
+        return max(0.0, now - self.start_time)
+
+    def steps_per_s(self) -> float | None:
+        """Optimizer steps per second over the recent step events of this process."""
+        with self.lock:
+            if len(self._rate) < 2:
+                return None
+            (t0, s0, _), (t1, s1, _) = self._rate[0], self._rate[-1]
+        if t1 <= t0 or s1 <= s0:
+            return None
+        return (s1 - s0) / (t1 - t0)
+
+    def eta(self) -> float | None:
+        """Seconds to `total_steps` at the recent step rate, less the time since the last step event."""
+        rate, total, step = self.steps_per_s(), self.total_steps, self.step
+        if rate is None or total is None or step is None:
+            return None
+        left = max(0, total - step) / rate
+        now = self.now()
+        if now is not None and self._rate:
+            left -= max(0.0, now - self._rate[-1][0])
+        return max(0.0, left)
+
+    def progress(self) -> float | None:
+        """Share of the run done, 0..1."""
+        if self.step is None or not self.total_steps:
+            return None
+        return min(1.0, self.step / self.total_steps)
+
+    # --- reading: histories -------------------------------------------------
+    def history(self, name: str) -> list[float]:
+        """Values of a step history: one of STEP_SERIES, eval_loss, or a phase name."""
+        with self.lock:
+            s = self.series.get(name) or self.phases.get(name)
+            return s.values() if s is not None else []
+
+    def history_points(self, name: str) -> list[tuple[float, float]]:
+        """(step, value) pairs of a step history."""
+        with self.lock:
+            s = self.series.get(name) or self.phases.get(name)
+            return list(zip(s.x, s.y)) if s is not None else []
+
+    def device_keys(self) -> list[str]:
+        """Devices seen, GPUs first then the CPU ("gpu0", ..., "cpu")."""
+        with self.lock:
+            return sorted(self.device_latest, key=lambda k: (k == "cpu", len(k), k))
+
+    def device_history(self, key: str, metric: str, window_s: float | None = None) -> list[float]:
+        """Samples of one device metric, only those from the last `window_s` seconds of samples."""
+        with self.lock:
+            s = self.device_series.get((key, metric))
+            if s is None or not len(s):
+                return []
+            since = s.x[-1] - window_s if window_s is not None else None
+            return s.values(since)
+
+    def device_points(self, key: str, metric: str, window_s: float | None = None) -> list[tuple[float, float]]:
+        """(time, value) samples of one device metric within the last `window_s` seconds of samples."""
+        with self.lock:
+            s = self.device_series.get((key, metric))
+            if s is None or not len(s):
+                return []
+            since = s.x[-1] - window_s if window_s is not None else float("-inf")
+            return [(x, y) for x, y in zip(s.x, s.y) if x >= since]
+
+    def logs_tail(self, n: int, streams: Iterable[str] | None = None) -> list[tuple[str, str]]:
+        """The last `n` log lines, optionally only of some streams."""
+        with self.lock:
+            if streams is None:
+                return list(self.logs)[-n:] if n else []
+            keep = set(streams)
+            out = [x for x in self.logs if x[0] in keep]
+            return out[-n:] if n else []
+
+    def logs_since(self, count: int) -> tuple[list[tuple[str, str]], int]:
+        """Lines added after the view had seen `count` in total, and the new total (lines that
+        already fell out of the bounded buffer are skipped)."""
+        with self.lock:
+            new = min(self.log_count - count, len(self.logs))
+            return (list(self.logs)[-new:] if new > 0 else []), self.log_count
+
+    # --- reading: the step breakdown ----------------------------------------
+    def phase_means(self, n: int | None = None) -> dict[str, float]:
+        """Mean ms per phase over the last `n` step events (default `phase_window`); absent phases omitted."""
+        n = n or self.phase_window
+        with self.lock:
+            out = {}
+            for p, s in self.phases.items():
+                vals = list(s.y)[-n:]
+                if vals:
+                    out[p] = sum(vals) / len(vals)
+            return out
+
+    def mean_step_ms(self, n: int | None = None) -> float | None:
+        n = n or self.phase_window
+        with self.lock:
+            vals = list(self.series["step_ms"].y)[-n:]
+        return sum(vals) / len(vals) if vals else None
+
+    def mean_gpu_idle_ms(self, n: int | None = None) -> float | None:
+        n = n or self.phase_window
+        with self.lock:
+            vals = list(self.series["gpu_idle_ms"].y)[-n:]
+        return sum(vals) / len(vals) if vals else None
+
+    def phase_percent(self, n: int | None = None) -> dict[str, float]:
+        """Each phase as % of the mean step time (of the phases' sum when step_ms is missing)."""
+        means = self.phase_means(n)
+        total = self.mean_step_ms(n) or sum(means.values())
+        if not total:
+            return {}
+        return {p: 100.0 * v / total for p, v in means.items()}
+
+    def gpu_idle_percent(self, n: int | None = None) -> float | None:
+        idle, step = self.mean_gpu_idle_ms(n), self.mean_step_ms(n)
+        if idle is None or not step:
+            return None
+        return 100.0 * idle / step
+
+    def bottleneck_hint(self) -> str | None:
+        """One line saying what limits the step and which existing toggle to try, or None."""
+        pct = self.phase_percent()
+        if not pct:
+            return None
+        t = self.toggles
+        cuda = self.device.get("type") == "cuda"
+        data = pct.get("data", 0.0)
+        opt = pct.get("optimizer", 0.0)
+        compute = pct.get("forward", 0.0) + pct.get("backward", 0.0)
+        other = pct.get("other", 0.0)
+        idle = self.gpu_idle_percent()
+        if data >= 15:
+            prefetch, workers = t.get("prefetch"), t.get("workers")
+            now = f" (now {prefetch} and {workers})" if prefetch is not None and workers is not None else ""
+            return f"data loading is {data:.0f}% of the step: raise --prefetch or --workers{now}"
+        if opt >= 20 and not t.get("fused_adamw", False):
+            return f"optimizer is {opt:.0f}% of the step: try --fused-adamw"
+        if cuda and idle is not None and idle >= 20:
+            if t.get("compile") in (None, "off", "default"):
+                return (f"GPU idle {idle:.0f}% of the step (launch-bound): try --compile reduce-overhead "
+                        "or a larger --micro-batch")
+            return f"GPU idle {idle:.0f}% of the step (launch-bound): try a larger --micro-batch"
+        if other >= 25:
+            return f"{other:.0f}% of the step is outside the phases (host overhead, syncs): try --compile default"
+        if compute >= 60:
+            tips = []
+            if t.get("compile", "off") == "off":
+                tips.append("--compile default")
+            prec = t.get("precision", "fp32")
+            bf16_ok = not cuda or tuple(self.device.get("capability") or (0, 0)) >= (8, 0)
+            if prec in ("fp32", "tf32") and bf16_ok:
+                tips.append("--precision bf16")
+            if not tips:
+                return f"compute-bound: forward+backward are {compute:.0f}% of the step"
+            return f"compute-bound (forward+backward {compute:.0f}%): try {' or '.join(tips)}"
+        return None
+
+    # --- reading: ranks, experts, energy ------------------------------------
+    def rank_spread(self) -> dict[str, Spread]:
+        """For step_ms and each phase: min/max/mean over the ranks' latest step events. Empty with one rank."""
+        with self.lock:
+            ranks = dict(self.ranks)
+        if len(ranks) < 2:
+            return {}
+        out: dict[str, Spread] = {}
+        for name in ("step_ms",) + PHASES:
+            vals: dict[int, float] = {}
+            for r, e in ranks.items():
+                v = _num(e.get("step_ms")) if name == "step_ms" else _num((e.get("phases_ms") or {}).get(name))
+                if v is not None:
+                    vals[r] = v
+            if len(vals) >= 2:
+                slow = max(vals, key=lambda r: (vals[r], -r))
+                fast = min(vals, key=lambda r: (vals[r], r))
+                out[name] = Spread(vals[fast], vals[slow], sum(vals.values()) / len(vals), slow, fast)
+        return out
+
+    def expert_imbalance(self) -> tuple[float, float] | None:
+        """(max, mean) over layers of max_load * n_experts: 1.0 is perfectly balanced routing."""
+        with self.lock:
+            load = self.expert_load
+        if not load:
+            return None
+        per_layer = [max(layer) * len(layer) / (sum(layer) or 1.0) for layer in load if layer]
+        if not per_layer:
+            return None
+        return max(per_layer), sum(per_layer) / len(per_layer)
+
+    def expert_layer(self, layer: int) -> list[float]:
+        """Per-expert load fractions of one MoE layer (clamped index)."""
+        with self.lock:
+            load = self.expert_load or []
+        if not load:
+            return []
+        return list(load[max(0, min(layer, len(load) - 1))])
+
+    def joules_per_token(self) -> float | None:
+        """Energy per token over the recent step events: from cumulative energy counters when the
+        device reports them, else mean power / tokens per second."""
+        with self.lock:
+            rate = list(self._rate)
+            energy = list(self._energy)
+            power_vals = []
+            for key, d in self.device_latest.items():
+                if (key != "cpu") == any(k != "cpu" for k in self.device_latest):
+                    p = _num(d.get("power_w"))
+                    if p is not None:
+                        power_vals.append(p)
+        if len(rate) >= 2 and len(energy) >= 2:
+            # over the span both series cover: energy used / tokens trained
+            t0, t1 = max(rate[0][0], energy[0][0]), min(rate[-1][0], energy[-1][0])
+            tokens = [(t, k) for t, _, k in rate]
+            if t1 > t0:
+                e0, e1 = _interp(energy, t0), _interp(energy, t1)
+                k0, k1 = _interp(tokens, t0), _interp(tokens, t1)
+                if None not in (e0, e1, k0, k1) and k1 > k0 and e1 >= e0:  # type: ignore[operator]
+                    return (e1 - e0) / (k1 - k0)  # type: ignore[operator]
+        tps = _num(self.last_step.get("tokens_per_s")) if self.last_step else None
+        if power_vals and tps:
+            return sum(power_vals) / tps
+        return None
+
+
+def _interp(points: list[tuple[float, float]], t: float) -> float | None:
+    """Linear interpolation in time-sorted (time, value) points; None outside their span."""
+    if not points or t < points[0][0] or t > points[-1][0]:
+        return None
+    for (ta, va), (tb, vb) in zip(points, points[1:]):
+        if ta <= t <= tb:
+            return va if tb == ta else va + (vb - va) * (t - ta) / (tb - ta)
+    return points[-1][1]
+
+
+# --- formatting shared by both views ------------------------------------------
+
+def spread_pct(trial: dict[str, Any]) -> float | None:
+    """A trial's spread (tokens/s, as the tuner reports it) as % of its throughput."""
+    spread, tps = _num(trial.get("spread")), _num(trial.get("tokens_per_s"))
+    return 100.0 * spread / tps if spread is not None and tps else None
+
+
+def phase_label(phase: str | None) -> str:
+    """'find-micro-batch' -> 'find micro batch': the tuner's phase codes, readable."""
+    return (phase or "idle").replace("-", " ").replace("_", " ")
+
+
+def fmt_num(x: float | None, unit: str = "", digits: int = 1) -> str:
+    """12345 -> '12.3k'; None -> 'n/a'."""
+    if x is None:
+        return "n/a"
+    for div, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:.{digits}f}{suffix}{unit}"
+    return f"{x:.{digits}f}{unit}" if not float(x).is_integer() or digits == 0 else f"{x:.0f}{unit}"
+
+
+def fmt_bytes(x: float | None) -> str:
+    """Bytes in binary units: 1.2 GB means GiB, as nvidia-smi does."""
+    if x is None:
+        return "n/a"
+    for div, suffix in ((1 << 40, "TB"), (1 << 30, "GB"), (1 << 20, "MB"), (1 << 10, "KB")):
+        if abs(x) >= div:
+            return f"{x / div:.1f} {suffix}"
+    return f"{x:.0f} B"
+
+
+def fmt_duration(s: float | None) -> str:
+    """Seconds -> 'h:mm:ss' (or 'm:ss')."""
+    if s is None:
+        return "n/a"
+    s = int(round(s))
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
+
+
+def fmt_toggles(toggles: dict[str, Any] | None) -> str:
+    """{'compile': 'default', 'fused_adamw': True} -> 'compile=default fused_adamw=on'."""
+    if not toggles:
+        return "(as started)"
+    parts = []
+    for k, v in toggles.items():
+        if isinstance(v, bool):
+            v = "on" if v else "off"
+        parts.append(f"{k}={v}")
+    return " ".join(parts)
+
+
+def model_summary(model: dict[str, Any]) -> str:
+    """'deepseek medium · 124.5M params (31.2M active)'."""
+    if not model:
+        return ""
+    name = " ".join(str(model[k]) for k in ("family", "size") if model.get(k))
+    total, active = _num(model.get("total_params")), _num(model.get("active_params"))
+    params = ""
+    if total:
+        params = f"{fmt_num(total)} params"
+        if active and active < total:
+            params += f" ({fmt_num(active)} active)"
+    return " · ".join(x for x in (name, params) if x)

@@ -1,0 +1,316 @@
+"""The Textual dashboard: renders a RunState, turns keys into Commands.
+
+Driving it: `run_app(session)` does what a session needs::
+
+    app = GptopApp(session.state, session, finished=lambda: session.finished)
+    session.start()          # its threads call state.apply / add_log / set_status
+    app.run()                # main thread; returns when the session is over or after a force stop
+    session.wait(); session.close()
+
+The app never blocks on the session and holds no run logic: it polls
+`state.version` every `poll_interval` seconds and re-renders only the panels
+whose areas of the state changed, each at most every `min_redraw` seconds (an
+event is on screen within 0.2 s plus a frame; an attached run costs about 2%
+of a core at 160x48). It exits when the
+`finished` callable says the session is over (checked on the same timer; a
+run that ended by itself in done/failed stays on screen until `q`), or at once
+after a force stop.
+"""
+
+from __future__ import annotations
+
+from time import monotonic
+from typing import Callable, Iterable, Protocol
+
+from rich.table import Table
+from rich.text import Text
+from textual.app import App, ComposeResult, SystemCommand
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import ModalScreen, Screen
+from textual.widgets import Static
+
+from gptop.commands import Commands
+from gptop.state import RunState
+from gptop.ui.widgets import (DevicePanel, FailurePanel, GptopFooter, LogPanel, RunHeader, StepPanel, TrainPanel,
+                              TunerPanel, Watcher)
+
+# Statuses in which there is no live trainer to stop gracefully: q exits at once.
+IDLE_STATUSES = ("done", "failed", "replay", "monitor")
+LIVE_STATUSES = ("running", "checkpointing")
+
+HELP = [
+    ("q", "Quit: checkpoint and stop the trainer, then exit (press again, or ctrl+c, to stop at once)"),
+    ("c", "Checkpoint now (at the next step boundary)"),
+    ("p", "Profile the next 3 steps with torch.profiler (trace in the run directory)"),
+    ("l", "Log panel: zoom the trainer's stdout/stderr to the whole window, and back"),
+    ("t", "Start or stop the autotuner on this run"),
+    ("r", "Restart from the last good checkpoint (after a failure)"),
+    ("w", "Chart window of the device panel: 30 s, 1 min, 5 min, 15 min, 1 h"),
+    ("e", "Next MoE layer in the expert-load bars"),
+    ("?", "This help"),
+    ("ctrl+p", "Command palette: every action by name"),
+    ("ctrl+c", "Force stop: kill the trainer without a checkpoint and exit"),
+]
+
+PANELS_HELP = [
+    ("devices", "utilization, memory and power per GPU (or the CPU) with history charts"),
+    ("step breakdown", "where a step's time goes: data, forward, backward, optimizer, other; GPU idle "
+                       "time; a hint about the bottleneck and the toggle to try"),
+    ("training", "loss (and eval loss), tokens/s, MFU, learning rate, gradient norm, memory, energy per "
+                 "token, expert load for MoE models"),
+    ("tuner", "the autotuner's phase, budget, trials and the best setting found"),
+    ("log", "the trainer's stdout and stderr (stderr in red)"),
+]
+
+
+class HelpScreen(ModalScreen[None]):
+    """Every key and what each panel shows."""
+
+    BINDINGS = [Binding("escape", "dismiss", "Close"), Binding("question_mark", "dismiss", "Close", show=False),
+                Binding("q", "dismiss", "Close", show=False)]
+
+    def compose(self) -> ComposeResult:
+        keys = Table.grid(padding=(0, 2))
+        keys.add_column(style="bold cyan", no_wrap=True)
+        keys.add_column()
+        for k, v in HELP:
+            keys.add_row(k, v)
+        panels = Table.grid(padding=(0, 2))
+        panels.add_column(style="bold", no_wrap=True)
+        panels.add_column()
+        for k, v in PANELS_HELP:
+            panels.add_row(k, v)
+        with Vertical(id="help"):
+            yield Static(Text("keys", style="bold underline"))
+            yield Static(keys)
+            yield Static(Text("panels", style="bold underline"), classes="gap")
+            yield Static(panels)
+            yield Static(Text("escape or ? to close", style="grey62"), classes="gap")
+
+    async def action_dismiss(self, result: None = None) -> None:
+        self.dismiss(result)
+
+
+class GptopApp(App[None]):
+    """The live dashboard of one run."""
+
+    CSS_PATH = "gptop.tcss"
+    TITLE = "gptop"
+    AUTO_FOCUS = None
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (36, "-tall")]
+
+    BINDINGS = [
+        Binding("q", "quit", "Quit", tooltip="Checkpoint, stop the trainer and exit (twice: stop now)"),
+        Binding("c", "checkpoint", "Checkpoint", tooltip="Checkpoint at the next step"),
+        Binding("p", "profile", "Profile", tooltip="Profile the next 3 steps"),
+        Binding("l", "toggle_log", "Log", tooltip="Zoom the log panel"),
+        Binding("t", "toggle_tuning", "Tune", tooltip="Start or stop the autotuner"),
+        Binding("r", "restart", "Restart", tooltip="Restart from the last good checkpoint"),
+        Binding("w", "cycle_window", "Window", tooltip="Chart window: 30s, 1m, 5m, 15m, 1h"),
+        Binding("e", "next_expert_layer", "MoE", tooltip="Next MoE layer in the expert-load bars"),
+        Binding("question_mark", "help", "Help", key_display="?"),
+        Binding("ctrl+c", "force_quit", "Force stop", show=False, priority=True),
+    ]
+
+    def __init__(self, state: RunState, commands: Commands, *, finished: Callable[[], bool] | None = None,
+                 poll_interval: float = 0.1, min_redraw: float = 0.2, profile_steps: int = 3) -> None:
+        """`finished`: polled on the timer; when it returns True the app exits (the session is over).
+        Without it, `q` exits right after asking the session to stop. An event is on screen within
+        `max(poll_interval, min_redraw)` plus one frame (the budget is 250 ms)."""
+        super().__init__()
+        self.state = state
+        self.commands = commands
+        self.finished = finished
+        self.poll_interval = poll_interval
+        self.min_redraw = min_redraw
+        self.profile_steps = profile_steps
+        self.stop_requested = False
+        self._seen_version = -1
+        self._layout_key: tuple | None = None
+        if state.run_name:
+            self.title = f"gptop · {state.run_name}"
+
+    # --- composition --------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        s = self.state
+        yield RunHeader(s, id="header")
+        with Vertical(id="body"):
+            yield FailurePanel(s, id="failure", title="failed")
+            with Horizontal(id="top"):
+                yield DevicePanel(s, id="devices")
+                yield StepPanel(s, id="steps", title="step breakdown")
+            with Horizontal(id="middle"):
+                yield TrainPanel(s, id="training", title="training")
+                yield TunerPanel(s, id="tuner", title="tuner")
+            yield LogPanel(s, id="log")
+        yield GptopFooter()
+
+    def on_mount(self) -> None:
+        self.set_interval(self.poll_interval, self.poll)
+        if self.state.clock is not None:   # elapsed/ETA tick with the wall clock between events
+            self.set_interval(1.0, self.query_one(RunHeader).refresh)
+        self.poll()
+
+    # --- the poll loop ------------------------------------------------------
+    def watchers(self) -> Iterable[Watcher]:
+        return self.query("#header, #failure, #devices, #steps, #training, #tuner, #log").results(Watcher)
+
+    def poll(self) -> None:
+        """Re-render what changed since the last poll (a panel at most every `min_redraw` seconds,
+        so a fast event stream costs a bounded CPU share); exit when the session is finished."""
+        version = self.state.version
+        if version != self._seen_version:
+            now = monotonic()
+            behind = False
+            for w in self.watchers():
+                if w.stale(self.state):
+                    if now - w.synced_at() < self.min_redraw:
+                        behind = True
+                        continue
+                    w.mark(self.state, now)
+                    w.sync(self.state)
+            if not behind:
+                self._seen_version = version
+            self._sync_layout()
+        if self.session_over():
+            self.exit()
+
+    def session_over(self) -> bool:
+        """The session is finished, and the user has seen how it ended: a run that ends by itself
+        (done or failed) stays on screen, with its error and the restart offer, until `q`."""
+        if self.finished is None or not self.finished():
+            return False
+        return self.stop_requested or self.state.status not in ("done", "failed")
+
+    def _sync_layout(self) -> None:
+        """Classes on #body that the stylesheet uses: failed, tuner idle; bindings follow the status."""
+        s = self.state
+        key = (s.status, s.tuner.phase is None and not s.tuner.trials, bool(s.expert_load))
+        if key == self._layout_key:
+            return
+        self._layout_key = key
+        body = self.query_one("#body")
+        body.set_class(s.status == "failed", "-failed")
+        body.set_class(key[1], "-no-tuner")
+        self.refresh_bindings()
+
+    # --- actions ------------------------------------------------------------
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Keys that make no sense in the current status stay in the footer, dimmed (None)."""
+        status = self.state.status
+        if action in ("checkpoint", "profile"):
+            return True if status in LIVE_STATUSES else None
+        if action == "toggle_tuning":
+            return True if status in LIVE_STATUSES + ("starting",) else None
+        if action == "restart":
+            return True if status == "failed" else None
+        if action == "next_expert_layer":
+            return True if self.state.expert_load else False   # hidden for dense models
+        return True
+
+    def _call(self, what: str, fn: Callable[..., None], *args: object, **kwargs: object) -> bool:
+        try:
+            fn(*args, **kwargs)
+        except Exception as e:   # the session said no: show it, keep the dashboard alive
+            self.notify(f"{what} failed: {e}", severity="error")
+            return False
+        return True
+
+    async def action_quit(self) -> None:
+        """Graceful stop; a second press (or ctrl+c) stops at once."""
+        if self.stop_requested:
+            await self.action_force_quit()
+            return
+        self.stop_requested = True
+        self._call("stop", self.commands.stop, force=False)
+        if self.finished is None or self.state.status in IDLE_STATUSES or self.finished():
+            self.exit()
+            return
+        self.notify("checkpointing, then stopping; press q again to stop now", title="stopping")
+
+    async def action_force_quit(self) -> None:
+        self._call("force stop", self.commands.stop, force=True)
+        self.exit()
+
+    def action_checkpoint(self) -> None:
+        if self._call("checkpoint", self.commands.checkpoint):
+            self.notify("checkpoint requested")
+
+    def action_profile(self) -> None:
+        if self._call("profile", self.commands.profile, steps=self.profile_steps):
+            self.notify(f"profiling the next {self.profile_steps} steps")
+
+    def action_toggle_tuning(self) -> None:
+        stopping = self.state.tuner.active
+        if self._call("tuning", self.commands.toggle_tuning):
+            self.notify("stopping the tuner" if stopping else "starting the tuner")
+
+    def action_restart(self) -> None:
+        if self._call("restart", self.commands.restart):
+            self.notify("restarting from the last good checkpoint")
+
+    def action_toggle_log(self) -> None:
+        self.query_one("#body").toggle_class("-log-zoom")
+
+    def action_cycle_window(self) -> None:
+        self.query_one(DevicePanel).cycle_window()
+
+    def action_next_expert_layer(self) -> None:
+        self.query_one(TrainPanel).next_expert_layer()
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        """The palette lists every key's action by name (and Textual's own: theme, keys, screenshot)."""
+        yield SystemCommand("Stop run", "Checkpoint, stop the trainer and exit (q)", self.action_quit)
+        yield SystemCommand("Force stop", "Kill the trainer now, no checkpoint, and exit (ctrl+c)",
+                            self.action_force_quit)
+        yield SystemCommand("Checkpoint now", "Write a checkpoint at the next step (c)", self.action_checkpoint)
+        yield SystemCommand("Profile", f"Profile the next {self.profile_steps} steps (p)", self.action_profile)
+        yield SystemCommand("Toggle log panel", "Zoom the trainer's stdout/stderr (l)", self.action_toggle_log)
+        yield SystemCommand("Start/stop tuning", "Run the autotuner on this run (t)", self.action_toggle_tuning)
+        if self.state.status == "failed":
+            yield SystemCommand("Restart", "Restart from the last good checkpoint (r)", self.action_restart)
+        yield SystemCommand("Chart window", "Cycle the device charts' window (w)", self.action_cycle_window)
+        if self.state.expert_load:
+            yield SystemCommand("Next expert layer", "Show the next MoE layer's expert load (e)",
+                                self.action_next_expert_layer)
+        yield SystemCommand("Help", "Keys and panels (?)", self.action_help)
+        for cmd in super().get_system_commands(screen):
+            if cmd.title != "Quit":   # ours stops the run first
+                yield cmd
+
+
+class Session(Commands, Protocol):
+    """What `run_app` needs of a session (gptop.session.Session, gptop.monitor.MonitorSession)."""
+
+    state: RunState
+
+    @property
+    def finished(self) -> bool: ...
+
+    def start(self, resume: str | None = None) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int | None: ...
+
+    def close(self) -> None: ...
+
+
+def run_app(session: Session, *, resume: str | None = None, headless: bool = False) -> int:
+    """Start the session, show the dashboard in this (main) thread until the session is over, and
+    return the session's exit code. If the dashboard goes away first (a crash, a closed terminal),
+    the trainer is force-stopped: gptop never leaves one running behind."""
+    app = GptopApp(session.state, session, finished=lambda: session.finished)
+    session.start(resume=resume)
+    try:
+        app.run(headless=headless)
+    finally:
+        if not session.finished:
+            session.stop(force=True)
+        code = session.wait(10.0)
+        session.close()
+    return code if code is not None else 1

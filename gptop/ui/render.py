@@ -1,0 +1,537 @@
+"""Rich renderables for the panels: pure functions of (RunState, width, height).
+
+Kept apart from the widgets so each panel's content is easy to test and the
+widgets stay thin: a widget's `render()` asks for its current size and calls
+one of these. Nothing here computes run logic; numbers come from RunState.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any, Sequence
+
+from rich.color import Color, blend_rgb
+from rich.style import Style
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_num, fmt_toggles, model_summary, phase_label,
+                         spread_pct)
+from trainer.events import PHASES
+
+PHASE_STYLE = {"data": "yellow", "forward": "green", "backward": "dodger_blue1", "optimizer": "magenta",
+               "other": "grey62"}
+PHASE_SHORT = {"data": "data", "forward": "fwd", "backward": "bwd", "optimizer": "opt", "other": "other"}
+STATUS_STYLE = {"running": "bold green", "starting": "bold yellow", "restarting": "bold yellow",
+                "checkpointing": "bold cyan", "stopping": "bold yellow", "done": "bold dodger_blue1",
+                "failed": "bold red", "replay": "bold magenta", "monitor": "bold magenta"}
+TRIAL_STYLE = {"running": "yellow", "ok": "green", "kept": "green", "cut": "dark_khaki", "pruned": "grey62",
+               "rolled_back": "red", "infeasible": "red", "failed": "red"}
+TRACK = "grey23"
+_EIGHTHS = " ▏▎▍▌▋▊▉█"
+_LEVELS = " ▁▂▃▄▅▆▇█"
+
+
+def hbar(frac: float | None, width: int, style: str = "green") -> Text:
+    """A horizontal bar with eighth-cell resolution on a dim track; n/a leaves only the track."""
+    width = max(0, width)
+    text = Text()
+    if frac is None:
+        return text.append(" " * width, style=f"on {TRACK}")
+    frac = min(1.0, max(0.0, frac))
+    eighths = int(round(frac * width * 8))
+    full, part = divmod(eighths, 8)
+    text.append("█" * full, style=style)
+    if full < width:
+        text.append(_EIGHTHS[part], style=f"{style} on {TRACK}")
+        text.append(" " * (width - full - 1), style=f"on {TRACK}")
+    return text
+
+
+def level_bars(values: Sequence[float], each: int = 1, top: float | None = None, style: str = "cyan") -> Text:
+    """One row of vertical bars from zero (unlike Sparkline, which scales min..max): expert loads."""
+    top = top if top else (max(values) if values else 1.0) or 1.0
+    text = Text()
+    for v in values:
+        idx = int(round(min(1.0, max(0.0, v / top)) * 8))
+        text.append((_LEVELS[idx] or " ") * each, style=style)
+    return text
+
+
+def time_buckets(points: Sequence[tuple[float, float]], width: int, window_s: float) -> list[float]:
+    """Samples on a time axis of `width` cells spanning `window_s` up to the newest sample: each cell
+    the max of its samples, empty cells carry the previous value; cells before the first sample are
+    dropped (so a young run's chart is right-aligned, not stretched)."""
+    if not points:
+        return []
+    t_end = points[-1][0]
+    t_start = t_end - window_s
+    dt = window_s / width
+    cells: list[float | None] = [None] * width
+    for t, v in points:
+        i = min(width - 1, max(0, int((t - t_start) / dt)))
+        cells[i] = v if cells[i] is None else max(cells[i], v)  # type: ignore[type-var]
+    first = next(i for i, c in enumerate(cells) if c is not None)
+    out: list[float] = []
+    prev = cells[first]
+    for c in cells[first:]:
+        prev = c if c is not None else prev
+        out.append(prev)  # type: ignore[arg-type]
+    return out
+
+
+def metric_line(label: str, frac: float | None, value: str, width: int, style: str = "green",
+                label_w: int = 6) -> Text:
+    """'util  ██████▍     78%' filling `width` cells."""
+    value = value if frac is not None or value else "n/a"
+    bar_w = max(1, width - label_w - len(value) - 2)
+    return Text.assemble((label.ljust(label_w), "bold"), hbar(frac, bar_w, style), " ", value)
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.0f}%"
+
+
+def _frac(a: Any, b: Any) -> float | None:
+    try:
+        return float(a) / float(b) if a is not None and b else None
+    except (TypeError, ValueError):
+        return None
+
+
+# --- header ---------------------------------------------------------------------
+
+def header(state: RunState, width: int) -> RenderableType:
+    """Two lines: what is running where, then how far along it is."""
+    with state.lock:
+        status = state.status
+        dev = state.device.get("name") or ""
+        line1 = Text.assemble(("gptop ", "bold"), (state.run_name or "run", "bold cyan"))
+        summary = model_summary(state.model)
+        if summary:
+            line1.append(" · " + summary)
+        if dev:
+            line1.append(" · " + dev)
+        tag = Text.assemble(" ● ", (status, STATUS_STYLE.get(status, "bold")))
+        if state.tuner.active:
+            tag = Text.assemble((" tuning", "bold yellow"), tag)
+        line1.truncate(max(0, width - tag.cell_len), overflow="ellipsis")
+        line1.append(" " * max(0, width - line1.cell_len - tag.cell_len))
+        line1.append_text(tag)
+
+        step, total = state.step, state.total_steps
+        prog = state.progress()
+        steps = f"step {step if step is not None else '–'}/{total if total is not None else '?'}"
+        parts = [f"{fmt_num(state.tokens)} tokens", f"elapsed {fmt_duration(state.elapsed())}",
+                 f"ETA {fmt_duration(state.eta())}"]
+        if state.malformed:
+            parts.append(f"{state.malformed} bad events")
+        if status not in ("running", "failed") and state.status_message:
+            parts.append(f"{status}: {state.status_message}")
+        if status == "done":
+            parts.append("q to quit")
+        tail = " · " + " · ".join(parts)
+        bar_w = max(0, min(30, width - len(steps) - len(tail) - 7))
+        line2 = Text(steps + " ")
+        if bar_w >= 5:
+            line2.append_text(hbar(prog, bar_w, "cyan"))
+            line2.append(f" {prog * 100:3.0f}%" if prog is not None else "   –")
+        line2.append(tail)
+        line2.truncate(width, overflow="ellipsis")
+    return Group(line1, line2)
+
+
+# --- devices --------------------------------------------------------------------
+
+def _gpu_block(state: RunState, key: str, d: dict[str, Any], width: int, chart_rows: int,
+               window_s: float) -> list[RenderableType]:
+    """Title, three bars, then up to three charts sharing `chart_rows` rows."""
+    charts = min(3, chart_rows)
+    name = d.get("name") or key
+    extra = " ".join(x for x in (f"{d['temp_c']:.0f}°C" if d.get("temp_c") is not None else "",
+                                 f"{d['sm_clock_mhz']:.0f} MHz" if d.get("sm_clock_mhz") is not None else "")
+                     if x)
+    title = Text.assemble((key.upper() + " ", "bold"), name)
+    title.truncate(max(0, width - len(extra) - 1), overflow="ellipsis")
+    title.append(" " * max(1, width - title.cell_len - len(extra)) + extra, style="grey62")
+    util = d.get("util_pct")
+    mem_used, mem_total = d.get("mem_used"), d.get("mem_total")
+    power, limit = d.get("power_w"), d.get("power_limit_w")
+    lines: list[RenderableType] = [
+        title,
+        metric_line("util", None if util is None else util / 100, _pct(util), width, "green"),
+        metric_line("mem", _frac(mem_used, mem_total),
+                    f"{fmt_bytes(mem_used).split()[0] if mem_used is not None else 'n/a'}/{fmt_bytes(mem_total)}",
+                    width, "dodger_blue1"),
+        metric_line("power", _frac(power, limit),
+                    "n/a" if power is None else f"{power:.0f}/{limit:.0f} W" if limit else f"{power:.0f} W",
+                    width, "yellow"),
+    ]
+    specs = (("util_pct", "util", "dark_green", "green1"), ("power_w", "power", "orange4", "yellow1"),
+             ("mem_used", "mem", "navy_blue", "dodger_blue1"))[:charts]
+    rows = max(1, min(4, chart_rows // max(1, len(specs)))) if specs else 0
+    for metric, label, low, high in specs:
+        data = time_buckets(state.device_points(key, metric, window_s), width - 6, window_s)
+        spark = spark_text(data, width - 6, low, high, height=rows)
+        for i, line in enumerate(spark.split("\n")):
+            lines.append(Text.assemble(((label if i == rows - 1 else "").ljust(6), "grey62"), line))
+    return lines
+
+
+SHADES = 6   # colour steps of a chart: few, so runs of equal style merge into one span
+
+
+@lru_cache(maxsize=64)
+def _shades(low: str, high: str) -> tuple[Style, ...]:
+    c_lo, c_hi = Color.parse(low).get_truecolor(), Color.parse(high).get_truecolor()
+    return tuple(Style(color=Color.from_triplet(blend_rgb(c_lo, c_hi, i / (SHADES - 1)))) for i in range(SHADES))
+
+
+def spark_text(data: Sequence[float], width: int, low: str = "dark_green", high: str = "green1",
+               height: int = 1, stretch: bool = False) -> Text:
+    """A sparkline as Text, `height` rows (newline-separated, so it composes in a Group and after a
+    label): buckets keep their max, scaled min..max, coloured from `low` to `high`. A short history
+    is right-aligned (the newest sample at the right edge, for time windows) unless `stretch`.
+    Cells of equal colour are appended as one span: charts are most of what the dashboard redraws."""
+    width, height = max(1, width), max(1, height)
+    data = list(data)
+    if not data:
+        return Text("\n".join([" " * width] * (height - 1) + ["▁" * width]), style=low)
+    if len(data) > width:
+        buckets = [max(data[i * len(data) // width:(i + 1) * len(data) // width] or [data[-1]])
+                   for i in range(width)]
+    elif stretch:
+        buckets = [data[i * len(data) // width] for i in range(width)]
+    else:
+        buckets = data
+    lo, hi = min(buckets), max(buckets)
+    extent = hi - lo
+    shades = _shades(low, high)
+    ratios = [(v - lo) / extent if extent > 0 else 0.5 for v in buckets]
+    shade = [int(round(r * (SHADES - 1))) for r in ratios]
+    levels = [1 + int(round(r * (8 * height - 1))) for r in ratios]   # eighths of a cell, at least one
+    pad = " " * (width - len(buckets))
+    text = Text(no_wrap=True, overflow="crop")
+    for row in reversed(range(height)):
+        text.append(pad)
+        run, run_shade = [], -1
+        for level, sh in zip(levels, shade):
+            part = level - row * 8
+            ch = "█" if part >= 8 else _LEVELS[part] if part > 0 else " "
+            if sh != run_shade and run:
+                text.append("".join(run), style=shades[run_shade])
+                run = []
+            run.append(ch)
+            run_shade = sh
+        if run:
+            text.append("".join(run), style=shades[run_shade])
+        if row:
+            text.append("\n")
+    return text
+
+
+def _cpu_block(state: RunState, d: dict[str, Any], width: int, chart_rows: int, window_s: float,
+               compact: bool) -> list[RenderableType]:
+    """One line on GPU runs; on CPU runs title, bars, per-core bars and a util chart in `chart_rows`."""
+    util = d.get("util_pct")
+    proc = []
+    if d.get("proc_cpu_pct") is not None:
+        proc.append(f"proc {d['proc_cpu_pct']:.0f}%")
+    if d.get("proc_rss") is not None:
+        proc.append(f"rss {fmt_bytes(d['proc_rss'])}")
+    if compact:
+        line = Text.assemble(("CPU  ", "bold"), f"util {_pct(util)}", " · ", " · ".join(proc))
+        line.truncate(width, overflow="ellipsis")
+        return [line]
+    extra = " ".join(proc)
+    title = Text.assemble(("CPU ", "bold"), d.get("name") or "")
+    title.truncate(max(0, width - len(extra) - 1), overflow="ellipsis")
+    title.append(" " * max(1, width - title.cell_len - len(extra)) + extra, style="grey62")
+    mem_used, mem_total = d.get("mem_used"), d.get("mem_total")
+    power = d.get("power_w")
+    lines: list[RenderableType] = [
+        title,
+        metric_line("util", None if util is None else util / 100, _pct(util), width, "green"),
+        metric_line("mem", _frac(mem_used, mem_total),
+                    f"{fmt_bytes(mem_used).split()[0] if mem_used is not None else 'n/a'}/{fmt_bytes(mem_total)}",
+                    width, "dodger_blue1"),
+        metric_line("power", None, "n/a" if power is None else f"{power:.0f} W", width, "yellow"),
+    ]
+    cores = [c for c in (d.get("per_core") or []) if isinstance(c, (int, float))]
+    if cores and chart_rows > 1:
+        each = max(1, min(2, (width - 6) // max(1, len(cores))))
+        row = level_bars(cores[: (width - 6) // each], each=each, top=100.0, style="green")
+        lines.append(Text.assemble(("cores ", "grey62"), row))
+    rows = min(6, chart_rows - (len(lines) - 4))
+    if rows > 0:
+        data = time_buckets(state.device_points("cpu", "util_pct", window_s), width - 6, window_s)
+        for i, line in enumerate(spark_text(data, width - 6, "dark_green", "green1", height=rows).split("\n")):
+            lines.append(Text.assemble((("util" if i == rows - 1 else "").ljust(6), "grey62"), line))
+    return lines
+
+
+def devices(state: RunState, width: int, height: int, window_s: float) -> RenderableType:
+    """Per GPU: bars for util/memory/power with numbers and history charts; the CPU below (full on CPU runs)."""
+    keys = state.device_keys()
+    if not keys:
+        return Text("waiting for the first device sample…", style="grey62")
+    gpus = [k for k in keys if k != "cpu"]
+    lines: list[RenderableType] = []
+    if gpus:
+        per = max(1, (height - 1) // len(gpus))   # rows for each GPU, one left for the CPU line
+        if per < 4:   # many GPUs in little room: one line each
+            for k in gpus:
+                d = state.device_latest.get(k) or {}
+                mem = _frac(d.get("mem_used"), d.get("mem_total"))
+                line = Text.assemble((k.upper().ljust(5), "bold"), f"util {_pct(d.get('util_pct'))} ",
+                                     f"mem {_pct(None if mem is None else mem * 100)} ",
+                                     "n/a W" if d.get("power_w") is None else f"{d['power_w']:.0f} W",
+                                     f" {d['temp_c']:.0f}°C" if d.get("temp_c") is not None else "")
+                line.truncate(width, overflow="ellipsis")
+                lines.append(line)
+        else:
+            for k in gpus:
+                lines += _gpu_block(state, k, state.device_latest.get(k) or {}, width, per - 4, window_s)
+        cpu = state.device_latest.get("cpu")
+        if cpu is not None and len(lines) < height:
+            lines += _cpu_block(state, cpu, width, 0, window_s, compact=True)
+    else:
+        lines += _cpu_block(state, state.device_latest.get("cpu") or {}, width, height - 4, window_s,
+                            compact=False)
+    return Group(*lines[:height])
+
+
+# --- step breakdown -------------------------------------------------------------
+
+def stacked_bar(pct: dict[str, float], width: int) -> Text:
+    """The step as one bar: each phase's share of the width in its colour."""
+    text = Text()
+    total = sum(pct.values()) or 1.0
+    used = 0
+    acc = 0.0
+    for p in PHASES:
+        if p not in pct:
+            continue
+        acc += pct[p] / total * width
+        n = int(round(acc)) - used
+        if n > 0:
+            text.append("█" * n, style=PHASE_STYLE[p])
+            used += n
+    if used < width:
+        text.append(" " * (width - used), style=f"on {TRACK}")
+    return text
+
+
+def breakdown(state: RunState, width: int, height: int) -> RenderableType:
+    """Stacked bar, per-phase ms and %, GPU idle, the bottleneck hint and the rank spread."""
+    means = state.phase_means()
+    pct = state.phase_percent()
+    step_ms = state.mean_step_ms()
+    if not means and step_ms is None:
+        return Text("waiting for the first step…", style="grey62")
+    lines: list[RenderableType] = []
+    if pct:
+        lines.append(stacked_bar(pct, width))
+    present = [p for p in PHASES if p in means]
+    if height >= 10:
+        for p in present:
+            lines.append(Text.assemble(("■ ", PHASE_STYLE[p]), p.ljust(10), f"{means[p]:8.1f} ms",
+                                       f"{pct.get(p, 0.0):7.1f}%"))
+    else:   # short panel: two phases per line
+        cells = [Text.assemble(("■ ", PHASE_STYLE[p]), f"{PHASE_SHORT[p]:<5}{means[p]:4.0f}ms{pct.get(p, 0.0):3.0f}%")
+                 for p in present]
+        for i in range(0, len(cells), 2):
+            row = Text(" ").join(cells[i:i + 2])
+            row.truncate(width, overflow="ellipsis")
+            lines.append(row)
+    idle = state.mean_gpu_idle_ms()
+    digits = 1 if width >= 44 else 0
+    summary = Text.assemble(("step ", "bold"), f"{step_ms:.{digits}f} ms" if step_ms is not None else "n/a")
+    if idle is not None:
+        summary.append(f" · {'GPU ' if digits else ''}idle {idle:.{digits}f} ms ({state.gpu_idle_percent() or 0:.0f}%)")
+    elif state.device.get("type") == "cuda":
+        summary.append(" · GPU idle n/a")
+    lines.append(summary)
+    spread = state.rank_spread()
+    if spread:
+        s = spread.get("step_ms")
+        worst = max((v for k, v in spread.items() if k != "step_ms"), key=lambda v: v.max - v.min, default=None)
+        if s is not None:
+            name = next((k for k, v in spread.items() if v is worst), "")
+            line = Text(f"ranks {len(state.ranks)}: step {s.min:.0f}–{s.max:.0f} ms, slowest rank "
+                        f"{s.slowest_rank} (+{s.imbalance * 100:.0f}%)", style="yellow" if s.imbalance > .05
+                        else "")
+            if worst is not None and worst.max > worst.min:
+                line.append(f"; {name} {worst.min:.0f}–{worst.max:.0f} ms (rank {worst.slowest_rank})")
+            lines.append(line)
+    hint = state.bottleneck_hint()
+    if hint:
+        lines.append(Text.assemble(("▶ ", "bold yellow"), (hint, "yellow")))
+    return Group(*lines)
+
+
+# --- training -------------------------------------------------------------------
+
+def training(state: RunState, width: int, height: int, expert_layer: int) -> RenderableType:
+    """Loss chart and the numbers that matter: loss, eval, tokens/s, MFU, lr, grad norm, memory, J/token;
+    expert load for MoE models."""
+    with state.lock:
+        last = state.last_step or {}
+        loss = state.history("loss")
+        eval_loss = state.series["eval_loss"].last
+    if not last:
+        return Text("waiting for the first step…", style="grey62")
+    moe = state.expert_imbalance() is not None
+    numbers: list[Text] = []
+    lv = last.get("loss")
+    numbers.append(Text.assemble(("loss ", "bold"), ("n/a" if lv is None else f"{lv:.3f}", "bold green"),
+                                 "  eval ", "n/a" if eval_loss is None else f"{eval_loss:.3f}",
+                                 "  grad ", "n/a" if last.get("grad_norm") is None else f"{last['grad_norm']:.2f}",
+                                 "  lr ", "n/a" if last.get("lr") is None else f"{last['lr']:.2e}"))
+    mfu = last.get("mfu")
+    jpt = state.joules_per_token()
+    numbers.append(Text.assemble((fmt_num(last.get("tokens_per_s")), "bold cyan"), " tok/s",
+                                 "  MFU ", "n/a" if mfu is None else f"{mfu * 100:.1f}%",
+                                 "  mem ", fmt_bytes(last.get("mem_bytes")),
+                                 "  energy ", "n/a" if jpt is None else f"{jpt * 1000:.2f} mJ/tok"))
+    expert_lines: list[Text] = []
+    if moe:
+        mx, mean = state.expert_imbalance()  # type: ignore[misc]
+        n_layers = len(state.expert_load or [])
+        layer = expert_layer % max(1, n_layers)
+        loads = state.expert_layer(layer)
+        expert_lines.append(Text.assemble(("experts ", "bold"), f"max/ideal {mx:.2f}× (mean {mean:.2f}×)",
+                                          f" · layer {layer + 1}/{n_layers}"))
+        each = max(1, min(4, (width - 2) // max(1, len(loads))))
+        expert_lines.append(level_bars(loads, each=each, style="cyan"))
+    for t in numbers + expert_lines:
+        t.truncate(width, overflow="ellipsis")
+    room = height - len(numbers) - len(expert_lines) - 1
+    lines: list[RenderableType] = []
+    if room >= 1 and loss:
+        label = Text(f"loss {min(loss):.3f}–{max(loss):.3f} · last {len(loss)} logs", style="grey62")
+        label.truncate(width, overflow="ellipsis")
+        lines.append(label)
+        tps = state.history("tokens_per_s")
+        rows = room - 3 if room >= 8 and tps else room
+        lines.append(spark_text(loss, width, "dark_green", "green1", height=rows, stretch=True))
+        if room >= 8 and tps:
+            lines.append(Text(f"tokens/s {fmt_num(min(tps))}–{fmt_num(max(tps))}", style="grey62"))
+            lines.append(spark_text(tps, width, "dark_cyan", "cyan1", height=2, stretch=True))
+    return Group(*lines, *numbers, *expert_lines)
+
+
+# --- tuner ----------------------------------------------------------------------
+
+def tuner_summary(state: RunState, width: int) -> RenderableType:
+    """Phase, trial, trials run of planned, budget, the best so far and what was applied (toggles shown
+    as the difference from what the run started with)."""
+    tu = state.tuner
+    with state.lock:
+        if tu.phase is None and not tu.trials:
+            return Text("not tuning: press t to try optimization toggles on this run", style="grey62")
+        head = Text(phase_label(tu.phase), style="bold yellow" if tu.active else "bold")
+        if tu.budget_left_s is not None:
+            head.append(f" · {fmt_duration(tu.budget_left_s)} left")
+        if tu.trials_planned:
+            run = tu.trials_run if tu.trials_run is not None else len([t for t in tu.trials.values()
+                                                                       if t.get("status") != "running"])
+            head.append(f" · {run}/{tu.trials_planned} run")
+        if tu.active and tu.trial is not None:
+            head.append(f" · #{tu.trial} running")
+        lines: list[Text] = [head]
+        best = tu.best
+        if best:
+            lines.append(Text.assemble(("best ", "bold"), f"#{best.get('number')} ",
+                                       (f"{fmt_num(best.get('tokens_per_s'))} tok/s", "bold green"), " ",
+                                       fmt_toggles(state.toggle_diff(best.get("toggles")))))
+        if tu.applied:
+            a = tu.applied[-1]
+            gain = ""
+            tps, base = a.get("tokens_per_s"), a.get("baseline_tokens_per_s")
+            if isinstance(tps, (int, float)) and isinstance(base, (int, float)) and base:
+                gain = f" ({(tps / base - 1) * 100:+.0f}%)"
+            at = f" at step {a['step']}" if a.get("step") is not None else ""
+            lines.append(Text.assemble(("applied", "bold"), f"{at}: ",
+                                       fmt_toggles(state.toggle_diff(a.get("toggles"))), gain))
+    for t in lines:
+        t.truncate(width, overflow="ellipsis")
+    return Group(*lines)
+
+
+def tuner(state: RunState, width: int, height: int) -> RenderableType:
+    """The summary, then the trials newest first, as many as fit; columns drop as width shrinks."""
+    summary = tuner_summary(state, width)
+    rows = trial_rows(state)
+    if not rows:
+        return summary
+    n_summary = len(summary.renderables) if isinstance(summary, Group) else 1
+    fit = max(0, height - n_summary - 2)   # a blank line and the table header
+    cols = ["#", "status", "tok/s", "toggles"]
+    if width >= 60:
+        cols = ["#", "status", "tok/s", "spread", "toggles", "peak mem", "reason"]
+    elif width >= 48:
+        cols = ["#", "status", "tok/s", "spread", "toggles"]
+    index = {"#": 0, "status": 1, "toggles": 2, "tok/s": 3, "spread": 4, "peak mem": 5, "reason": 6}
+    table = Table(box=None, padding=(0, 1), pad_edge=False, expand=True, show_edge=False,
+                  header_style="bold")
+    for c in cols:
+        table.add_column(c, no_wrap=True, overflow="ellipsis",
+                         ratio=2 if c == "toggles" else 1 if c == "reason" else None,
+                         justify="right" if c in ("#", "tok/s", "spread", "peak mem") else "left")
+    for row in rows[:fit]:
+        table.add_row(*(row[index[c]] for c in cols))
+    more = len(rows) - fit
+    parts: list[RenderableType] = [summary, Text(""), table]
+    if more > 0 and fit > 0:
+        parts.append(Text(f"… {more} older trials", style="grey62"))
+    return Group(*parts) if fit > 0 else summary
+
+
+def trial_rows(state: RunState) -> list[tuple[Any, ...]]:
+    """Rows for the trials table, newest first: #, status, toggles (vs the start), tok/s, spread, peak, reason."""
+    with state.lock:
+        trials = [state.tuner.trials[k] for k in sorted(state.tuner.trials, key=lambda k: (k < 0, -k))]
+    rows = []
+    for t in trials:
+        status = str(t.get("status", ""))
+        kind = t.get("kind")
+        label = status + (f" {kind}" if kind and kind != "trial" else "")
+        pct = spread_pct(t)
+        number = t.get("number")
+        rows.append(("–" if number is None else str(number), Text(label, style=TRIAL_STYLE.get(status, "")),
+                     fmt_toggles(state.toggle_diff(t.get("toggles"))),
+                     fmt_num(t.get("tokens_per_s")) if t.get("tokens_per_s") is not None else "–",
+                     f"±{pct:.1f}%" if pct is not None else "–",
+                     fmt_bytes(t.get("peak_mem")) if t.get("peak_mem") is not None else "–",
+                     str(t.get("reason") or "")))
+    return rows
+
+
+# --- failure --------------------------------------------------------------------
+
+def failure(state: RunState, width: int, height: int) -> RenderableType:
+    """The error and what to do next first, then as many of the last stderr lines as fit."""
+    with state.lock:
+        err = state.errors[-1] if state.errors else None
+        msg = state.status_message
+    head = Text("run failed", style="bold red")
+    if err:
+        head.append(f" [{err.get('kind')}]: ", style="bold red")
+        head.append(str(err.get("message")))
+    elif msg:
+        head.append(": " + msg)
+    head.truncate(width, overflow="ellipsis")
+    out: list[Text] = [head,
+                       Text.assemble("press ", ("r", "bold reverse"), " to restart from the last good checkpoint, ",
+                                     ("q", "bold reverse"), " to quit")]
+    if err and msg:
+        out.append(Text(msg, style="grey62"))
+    room = height - len(out)
+    if room > 0:
+        for _, line in state.logs_tail(room, streams=("stderr",)):
+            out.append(Text(line, style="red"))
+    for t in out:
+        t.truncate(width, overflow="ellipsis")
+    return Group(*out)

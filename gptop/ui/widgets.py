@@ -1,0 +1,157 @@
+"""The dashboard's panels. Each watches some areas of RunState (`state.versions`)
+and re-renders only when one of them changed; the app's poll timer calls
+`sync()`. Content comes from gptop.ui.render, sized to the widget."""
+
+from __future__ import annotations
+
+from rich.console import RenderableType
+from rich.text import Text
+from textual.widget import Widget
+from textual.widgets import Footer, RichLog
+
+from gptop.state import RunState
+from gptop.ui import render
+
+
+class Watcher:
+    """Mixin: remembers which versions of its state areas it last showed."""
+
+    AREAS: tuple[str, ...] = ()
+
+    def stale(self, state: RunState) -> bool:
+        return tuple(state.versions[a] for a in self.AREAS) != getattr(self, "_gptop_seen", None)
+
+    def mark(self, state: RunState, now: float) -> None:
+        self._gptop_seen = tuple(state.versions[a] for a in self.AREAS)
+        self._gptop_synced = now
+
+    def synced_at(self) -> float:
+        return getattr(self, "_gptop_synced", float("-inf"))
+
+    def sync(self, state: RunState) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+class StatePanel(Watcher, Widget):
+    """A panel whose whole content is one renderable built from the state at the current size."""
+
+    def __init__(self, state: RunState, *, title: str = "", id: str | None = None,
+                 classes: str | None = None) -> None:
+        super().__init__(id=id, classes=classes)
+        self.state = state
+        self.border_title = title
+
+    def sync(self, state: RunState) -> None:
+        self.refresh()
+
+    def build(self, width: int, height: int) -> RenderableType:
+        raise NotImplementedError
+
+    def render(self) -> RenderableType:
+        size = self.content_size
+        return self.build(max(1, size.width), max(1, size.height))
+
+
+class RunHeader(StatePanel):
+    AREAS = ("run", "step", "tuner")
+
+    def build(self, width: int, height: int) -> RenderableType:
+        return render.header(self.state, width)
+
+
+class DevicePanel(StatePanel):
+    AREAS = ("device",)
+    WINDOWS = (30.0, 60.0, 300.0, 900.0, 3600.0)
+
+    def __init__(self, state: RunState, **kwargs) -> None:
+        super().__init__(state, **kwargs)
+        self.window_index = 1
+        self._set_title()
+
+    @property
+    def window_s(self) -> float:
+        return self.WINDOWS[self.window_index]
+
+    def cycle_window(self) -> float:
+        """Next chart window (30 s, 1 min, 5 min, 15 min, 1 h, then around)."""
+        self.window_index = (self.window_index + 1) % len(self.WINDOWS)
+        self._set_title()
+        self.refresh()
+        return self.window_s
+
+    def _set_title(self) -> None:
+        w = self.window_s
+        label = f"{w:.0f}s" if w < 60 else f"{w / 60:.0f}m" if w < 3600 else f"{w / 3600:.0f}h"
+        self.border_title = "devices"
+        self.border_subtitle = f"charts: last {label}"
+
+    def build(self, width: int, height: int) -> RenderableType:
+        return render.devices(self.state, width, height, self.window_s)
+
+
+class StepPanel(StatePanel):
+    AREAS = ("step", "run")
+
+    def build(self, width: int, height: int) -> RenderableType:
+        return render.breakdown(self.state, width, height)
+
+
+class TrainPanel(StatePanel):
+    AREAS = ("step",)   # energy per token moves with the steps; device samples alone need no redraw
+
+    def __init__(self, state: RunState, **kwargs) -> None:
+        super().__init__(state, **kwargs)
+        self.expert_layer = 0
+
+    def next_expert_layer(self) -> int:
+        n = len(self.state.expert_load or []) or 1
+        self.expert_layer = (self.expert_layer + 1) % n
+        self.refresh()
+        return self.expert_layer
+
+    def build(self, width: int, height: int) -> RenderableType:
+        return render.training(self.state, width, height, self.expert_layer)
+
+
+class FailurePanel(StatePanel):
+    AREAS = ("run", "log")
+
+    def build(self, width: int, height: int) -> RenderableType:
+        return render.failure(self.state, width, height)
+
+
+class TunerPanel(StatePanel):
+    """Phase, budget, best and applied setting on top; the trials below, newest first."""
+
+    AREAS = ("tuner",)
+
+    def build(self, width: int, height: int) -> RenderableType:
+        return render.tuner(self.state, width, height)
+
+
+class GptopFooter(Footer):
+    """The footer, compact on narrow terminals, where the ctrl+p hint gives way so that every key of
+    the app still fits in 80 columns (ctrl+p still opens the palette; the help screen says so)."""
+
+    def on_resize(self) -> None:
+        width = self.app.size.width
+        self.compact = width < 120
+        self.show_command_palette = width >= 100
+
+
+class LogPanel(Watcher, RichLog):
+    """The trainer's stdout/stderr (and event messages), appended as they arrive."""
+
+    AREAS = ("log",)
+    STYLES = {"stderr": "red", "event": "yellow", "gptop": "cyan"}
+
+    def __init__(self, state: RunState, **kwargs) -> None:
+        super().__init__(max_lines=2000, wrap=False, markup=False, highlight=False, **kwargs)
+        self.state = state
+        self.border_title = "log"
+        self._count = 0
+
+    def sync(self, state: RunState) -> None:
+        lines, self._count = state.logs_since(self._count)
+        for stream, line in lines:
+            self.write(Text(line, style=self.STYLES.get(stream, "")))

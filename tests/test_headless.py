@@ -1,0 +1,135 @@
+"""The --no-ui view: JSON lines, readable lines, and no Textual on its import path."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from fixtures.streams import cpu_run, ev, gpu_logs, gpu_run
+from gptop.headless import HeadlessView, event_line, step_line
+from gptop.state import RunState
+from trainer.events import parse
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def play(view: HeadlessView, state: RunState, events, logs=(), final: tuple[str, str | None] | None = None):
+    """What a Session does: apply to the state, then tell the view."""
+    state.set_status("running")
+    view.on_status("running")
+    for e in events:
+        state.apply(e)
+        view.on_event(e)
+    for stream, line in logs:
+        state.add_log(line, stream)
+        view.on_log(line, stream)
+    if final:
+        state.set_status(*final)
+        view.on_status(*final)
+    view.close()
+
+
+def test_json_mode_prints_every_event_as_a_parseable_line_and_nothing_else():
+    out, err = io.StringIO(), io.StringIO()
+    state = RunState()
+    events = gpu_run(failed=True)
+    play(HeadlessView(state, json=True, stream=out, err=err), state, events, gpu_logs(True),
+         ("failed", "trainer exited with code 1"))
+    lines = out.getvalue().splitlines()
+    parsed = [parse(line) for line in lines]             # every line is a valid event
+    trainer = [p for p in parsed if p["type"] != "status"]
+    assert trainer == [json.loads(json.dumps(e)) for e in events]
+    statuses = [p for p in parsed if p["type"] == "status"]
+    assert [s["status"] for s in statuses] == ["running", "failed"]
+    assert statuses[-1]["message"] == "trainer exited with code 1"
+    assert "Traceback" not in out.getvalue()            # trainer logs never on stdout in JSON mode
+    assert "Traceback (most recent call last):" in err.getvalue()   # the failure's stderr tail goes to stderr
+
+
+def test_json_mode_thins_device_samples_by_event_time():
+    out = io.StringIO()
+    state = RunState()
+    events = cpu_run()
+    play(HeadlessView(state, json=True, stream=out, device_interval=5.0), state, events)
+    parsed = [json.loads(line) for line in out.getvalue().splitlines()]
+    devices = [p for p in parsed if p["type"] == "device"]
+    all_devices = [e for e in events if e["type"] == "device"]
+    assert 0 < len(devices) <= len(all_devices) // 5 + 1
+    assert all(b["time"] - a["time"] >= 5.0 for a, b in zip(devices, devices[1:]))
+    assert len([p for p in parsed if p["type"] == "step"]) == len([e for e in events if e["type"] == "step"])
+
+
+def test_readable_lines():
+    out, err = io.StringIO(), io.StringIO()
+    state = RunState(run_dir="runs/x")
+    play(HeadlessView(state, json=False, stream=out, err=err), state, gpu_run(failed=True, tuning_done=True),
+         gpu_logs(True),
+         ("failed", "trainer exited with code 1"))
+    text = out.getvalue()
+    lines = text.splitlines()
+    assert lines[0] == "status: running"
+    assert lines[1].startswith("gptop: deepseek medium · 412.3M params (98.7M active) on NVIDIA H100")
+    steps = [line for line in lines if line.startswith("step ")]
+    assert len(steps) == 30
+    assert steps[0].startswith("step 10/1000 loss 9.698 | 32.5k tok/s | mfu 30.5% | step 252 ms (data 3% fwd 29% "
+                               "bwd 56% opt 10% other 3%) gpu idle 6% | mem 19.0 GB")
+    assert steps[-1].endswith("| eta 2:55")
+    for expected in ("eval step 100 loss 3.992", "checkpoint step 200 -> runs/fixture/checkpoints/step_000200.pt (1.4 s)",
+                     "warning: loss spike at step 150", "error [oom]: CUDA out of memory",
+                     "trial 1 ok: compile=default fused_adamw=on | 41.9k tok/s ±1.8% | peak 36.0 GB | +28.8% tokens/s",
+                     "baseline 0 ok: (as started) | 32.5k tok/s ±1.2%", "trial 2 infeasible: compile=default "
+                     "micro_batch=32 | peak 79.0 GB | oom: rolled back", "apply: compile=default fused_adamw=on | "
+                     "41.9k tok/s (+29%)", "tuner: find micro batch (30:00 budget left)", "tuner: done",
+                     "hint: compute-bound",
+                     "status: failed: trainer exited with code 1"):
+        assert expected in text, expected
+    assert not any(line.startswith("{") for line in lines)
+    assert "UserWarning" not in text                     # trainer logs are not echoed by default
+    assert "last 5 lines of the trainer's stderr:" in err.getvalue() and "loss.backward()" in err.getvalue()
+    assert "\x1b[" not in text                            # not a TTY: no progress bar, no escapes
+
+
+def test_readable_mode_echoes_logs_when_asked_and_only_prints_primary_rank_steps():
+    out, err = io.StringIO(), io.StringIO()
+    state = RunState()
+    play(HeadlessView(state, json=False, stream=out, err=err, echo_logs=True), state, gpu_run(60, ranks=2),
+         gpu_logs())
+    assert "UserWarning: TypedStorage is deprecated" in err.getvalue()
+    steps = [line for line in out.getvalue().splitlines() if line.startswith("step ")]
+    assert len(steps) == 6 and all("ranks" in line for line in steps[1:])   # rank 1 arrives after rank 0
+
+
+def test_cpu_run_lines_say_na_for_missing_numbers():
+    state = RunState()
+    for e in cpu_run():
+        state.apply(e)
+    line = step_line(state.last_step, state)
+    assert "mfu n/a" in line and "idle" not in line
+    assert event_line(ev("device", 1.0, devices=[]), state) is None
+    assert event_line(ev("done", 100.0, step=120, tokens=122880), state).startswith("done: step 120, 122.9k tokens")
+
+
+def test_progress_bar_on_a_tty():
+    class TTY(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    out = TTY()
+    state = RunState()
+    view = HeadlessView(state, json=False, stream=out)
+    assert view._progress is not None
+    play(view, state, cpu_run())
+    assert "step 120/200" in out.getvalue()
+    json_view = HeadlessView(RunState(), json=True, stream=TTY())   # never a bar in JSON mode
+    assert json_view._progress is None
+
+
+def test_headless_does_not_import_textual():
+    code = ("import sys; import gptop.headless, gptop.state, gptop.commands; "
+            "bad = [m for m in sys.modules if m.split('.')[0] == 'textual' or m.startswith('gptop.ui')]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
