@@ -378,6 +378,10 @@ def test_moe_balancer_update_rule():
     assert torch.allclose(bias, torch.tensor([-0.1, 0.1, 0.1, 0, 0, 0, 0, 0]))
     assert all(int(c.sum()) == 0 for c in bal._counts)
     assert bal.load()[0][0] == pytest.approx(10 / 32)
+    bal._counts[0].fill_(3)
+    bal.reset()                                                     # probe forwards are discarded
+    assert all(int(c.sum()) == 0 for c in bal._counts)
+    assert moe.MoEBalancer(b.model).load() == []                    # nothing to show before a step
 
 
 def test_no_balancer_hooks_on_dense_models(tiny):
@@ -403,6 +407,10 @@ def test_fp8_eligible_layers_and_cpu_refusal(tiny):
     assert len(names) == 7 * SIZES["tiny"].layers                 # q k v o gate up down per layer
     with pytest.raises(ConfigError, match="fp8"):
         fp8.convert(tiny["llama"].model, "fp8-tensorwise", CPU)
+    with pytest.raises(ConfigError, match="CUDA"):                 # the trainer's entry point: model on CPU
+        fp8.convert_to_fp8(tiny["llama"].model, "tensorwise")
+    with pytest.raises(ValueError):
+        fp8.convert_to_fp8(tiny["llama"].model, "fp8-rowwise")
     with pytest.raises(ConfigError):                               # Ampere has no fp8 tensor cores
         fp8.convert(tiny["llama"].model, "fp8-rowwise",
                     dataclasses.replace(cuda_dev(80, "NVIDIA A100-SXM4-80GB"), capability=(8, 0)))

@@ -50,6 +50,28 @@ def convert(model: torch.nn.Module, precision: str, dev: DeviceInfo) -> int:
     reason = support("precision", precision, dev)
     if reason:
         raise ConfigError("--precision", f"{precision} is not supported on {dev.name}: {reason}")
+    return _convert(model, RECIPES[precision])
+
+
+def convert_to_fp8(model: torch.nn.Module, recipe: str, dev: DeviceInfo | None = None) -> int:
+    """`convert` by recipe name ("tensorwise" | "rowwise") for a model already on its device.
+
+    Without `dev` the model's own device is the gate: parameters on anything
+    but CUDA are refused (capability checks are the caller's, as in
+    trainer.capabilities.check).
+    """
+    if recipe not in RECIPES.values():
+        raise ValueError(f"{recipe!r} is not an fp8 recipe ({', '.join(RECIPES.values())})")
+    if dev is not None:
+        return convert(model, f"fp8-{recipe}", dev)
+    where = {p.device.type for p in model.parameters()}
+    if where != {"cuda"}:
+        raise ConfigError("--precision", f"fp8-{recipe} needs the model on a CUDA GPU (it is on "
+                          f"{', '.join(sorted(where)) or 'no device'})")
+    return _convert(model, recipe)
+
+
+def _convert(model: torch.nn.Module, recipe: str) -> int:
     from .models import quiet_imports
 
     with quiet_imports():
@@ -57,5 +79,5 @@ def convert(model: torch.nn.Module, precision: str, dev: DeviceInfo) -> int:
 
     n = len(eligible(model))
     convert_to_float8_training(model, module_filter_fn=module_filter,
-                               config=Float8LinearConfig.from_recipe_name(RECIPES[precision]))
+                               config=Float8LinearConfig.from_recipe_name(recipe))
     return n
