@@ -38,6 +38,15 @@ def batch(b: int = 2, n: int = SEQ, vocab: int = VOCAB, seed: int = 0) -> tuple[
     return tokens[:, :-1], tokens[:, 1:]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls gain nothing from threads, and on a busy CI box OpenMP spinning makes them slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def tiny() -> dict[str, ModelBundle]:
     return {f: build(f) for f in ("llama", "deepseek", "llada")}

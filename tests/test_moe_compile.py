@@ -20,6 +20,15 @@ pytestmark = pytest.mark.compile
 VOCAB, SEQ = 500, 32
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls gain nothing from threads, and on a busy CI box OpenMP spinning makes them slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def build(family: str, *, ac: bool = False):
     return build_model(ModelConfig(model=family, size="tiny"), vocab_size=VOCAB, seq_len=SEQ,
                        toggles=Toggles(activation_checkpointing=ac), dev=DeviceInfo(type="cpu"))
