@@ -87,10 +87,10 @@ class Session:
             sup = Supervisor([], self.run_dir, on_event=self._on_event, on_log=self._on_log,
                              on_exit=self._on_exit, on_malformed=self._on_malformed)
             run_cfg.run = dataclasses.replace(self.cfg.run, run_dir=str(self.run_dir), channel=sup.channel_uri)
-            if self.spawns > 0:
-                run_cfg.run.fault = None     # test faults fire in the first trainer process only
+            if cfg is None and self.spawns > 0:
+                run_cfg.run.fault = None     # a restart after a failure does not re-inject a test fault
             self.spawns += 1
-            args = cli_args(run_cfg)
+            args = cli_args(run_cfg, full=True)
             sup.argv = self.options.launcher(args) if self.options.launcher else trainer_argv(args)
             self.supervisor = sup
             self.stopping = False
@@ -122,9 +122,12 @@ class Session:
             self._tb.close()
 
     # --------------------------------------------------------------- commands
-    def stop(self, force: bool = False) -> None:
+    def stop(self, force: bool = False, *, interrupted: bool = True) -> None:
+        """Graceful stop (the trainer checkpoints); `force` or a second call kills it at once.
+
+        `interrupted=False` is a planned end (e.g. --tune-only): the exit code stays 0."""
         sup = self.supervisor
-        self.interrupted = True
+        self.interrupted = self.interrupted or interrupted
         if sup is None or not sup.alive():
             self._finish(EXIT_INTERRUPTED if self._exit_code is None else self._exit_code)
             return

@@ -319,15 +319,18 @@ def config_from_args(ns: argparse.Namespace, base: TrainConfig | None = None) ->
     return cfg
 
 
-def cli_args(cfg: TrainConfig, base: TrainConfig | None = None) -> list[str]:
-    """The flags that turn `base` (defaults) into `cfg`: how gptop passes a config to a trainer process."""
+def cli_args(cfg: TrainConfig, base: TrainConfig | None = None, *, full: bool = False) -> list[str]:
+    """The flags that turn `base` (defaults) into `cfg`: how gptop passes a config to a trainer process.
+
+    `full` emits every set option, so the result does not depend on what the
+    trainer starts from (a resumed run starts from its config.toml)."""
     base = base or TrainConfig()
     args: list[str] = []
     for section in SECTIONS:
         a, b = getattr(cfg, section), getattr(base, section)
         for f in fields(a):
             va, vb = getattr(a, f.name), getattr(b, f.name)
-            if va == vb or va is None:
+            if va is None or (va == vb and not full):
                 continue
             flag = flag_of(f)
             if _kind(f) is bool:
