@@ -499,6 +499,7 @@ class Trainer:
             tokens_per_s=tokens_per_s, mfu=self._mfu(tokens_per_s, self.bundle.flops_per_token,
                                                       self.peak_flops * self.world if self.peak_flops else None),
             mem_bytes=self.meter.peak(), interval_steps=n, wall_ms=wall * 1e3 / n)
+        fields["batch"] = self.progress.batch_cursor - 1   # global batch index of the last step (data-order checks)
         if idle:
             fields["gpu_idle_ms"] = sum(idle) / len(idle)
         if self.balancer is not None:
