@@ -138,7 +138,7 @@ class RunState:
         self.version = 0
         self.versions: dict[str, int] = {a: 0 for a in AREAS}
         self.clock = clock
-        self.run_name = run_name
+        self.run_name = run_name or (run_dir.rstrip("/").rsplit("/", 1)[-1] if run_dir else "")
         self.run_dir = run_dir
         self.status = status
         self.status_message: str | None = None
@@ -151,6 +151,9 @@ class RunState:
         self.initial_toggles: dict[str, Any] | None = None   # what the run started with
         self.start_time: float | None = None   # time of the first event
         self.last_time: float | None = None    # time of the latest event
+        self.end_time: float | None = None     # when the run was seen to end (done/failed): elapsed stops
+        self.last_run_time: float | None = None   # time of the latest event that is not a device sample
+        self._listeners: list[Callable[[], None]] = []
 
         # steps
         self.phase_window = phase_window
@@ -189,6 +192,19 @@ class RunState:
         self.version += 1
         for a in areas:
             self.versions[a] += 1
+        for fn in self._listeners:
+            fn()
+
+    def subscribe(self, fn: Callable[[], None]) -> None:
+        """Call `fn()` after every change, on the writer's thread and under `lock`: it must only
+        wake its view up (e.g. `loop.call_soon_threadsafe`), never read or render."""
+        with self.lock:
+            self._listeners.append(fn)
+
+    def unsubscribe(self, fn: Callable[[], None]) -> None:
+        with self.lock:
+            if fn in self._listeners:
+                self._listeners.remove(fn)
 
     def apply(self, event: dict[str, Any]) -> None:
         """Fold one (already parsed) event in. Unknown types only move the clock."""
@@ -198,6 +214,8 @@ class RunState:
                 if self.start_time is None:
                     self.start_time = t
                 self.last_time = t if self.last_time is None else max(self.last_time, t)
+                if event.get("type") != "device":
+                    self.last_run_time = t if self.last_run_time is None else max(self.last_run_time, t)
             handler = getattr(self, "_on_" + str(event.get("type")), None)
             if handler is None:
                 self._bump("run")
@@ -220,6 +238,11 @@ class RunState:
         with self.lock:
             self.status = status
             self.status_message = message
+            if status in ("done", "failed"):
+                if self.end_time is None:
+                    self.end_time = self.now()
+            else:
+                self.end_time = None
             self._bump("run")
 
     def count_malformed(self, line: str) -> None:
@@ -360,8 +383,9 @@ class RunState:
 
     # --- reading: run -------------------------------------------------------
     def now(self) -> float | None:
-        """The clock if injected, else the latest event time (deterministic for replays)."""
-        if self.clock is not None:
+        """The clock if injected, else the latest event time (deterministic for replays and
+        snapshots). A replayed run's time is its events' time even with a clock."""
+        if self.clock is not None and self.status != "replay":
             return self.clock()
         return self.last_time
 
@@ -402,8 +426,10 @@ class RunState:
             _num(self.model.get("total_params")) or 0)
 
     def elapsed(self) -> float | None:
-        """Seconds since the first event."""
-        now = self.now()
+        """Seconds since the first event (until the run ended, once it has; a replay's run, not the
+        live device samples a monitor adds)."""
+        now = self.end_time if self.end_time is not None else (
+            self.last_run_time if self.status == "replay" else self.now())
         if self.start_time is None or now is None:
             return None
         return max(0.0, now - self.start_time)
@@ -539,8 +565,9 @@ class RunState:
         idle = self.gpu_idle_percent()
         if data >= 15:
             prefetch, workers = t.get("prefetch"), t.get("workers")
-            now = f" (now {prefetch} and {workers})" if prefetch is not None and workers is not None else ""
-            return f"data loading is {data:.0f}% of the step: raise --prefetch or --workers{now}"
+            p = f" (now {prefetch})" if prefetch is not None else ""
+            w = f" (now {workers})" if workers is not None else ""
+            return f"data loading is {data:.0f}% of the step: raise --prefetch{p} or --workers{w}"
         if opt >= 20 and not t.get("fused_adamw", False):
             return f"optimizer is {opt:.0f}% of the step: try --fused-adamw"
         if cuda and idle is not None and idle >= 20:

@@ -165,7 +165,7 @@ PH = {"data": 5.0, "forward": 30.0, "backward": 50.0, "optimizer": 10.0, "other"
 
 
 @pytest.mark.parametrize("phases, hello_kw, extra, expect", [
-    ({**PH, "data": 30.0, "forward": 25.0, "backward": 30.0}, {}, {}, "raise --prefetch or --workers (now 2 and 0)"),
+    ({**PH, "data": 30.0, "forward": 25.0, "backward": 30.0}, {}, {}, "raise --prefetch (now 2) or --workers (now 0)"),
     ({**PH, "optimizer": 30.0, "forward": 20.0, "backward": 40.0, "data": 5.0, "other": 5.0}, {}, {},
      "try --fused-adamw"),
     (PH, {}, {"gpu_idle_ms": 30.0}, "--compile reduce-overhead"),

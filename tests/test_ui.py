@@ -306,10 +306,29 @@ def test_panels_show_the_gpu_stream():
         tuner = text(app.query_one("#tuner"))
         for word in ("trials · 21:20 left · 5/12 run", "best", "41.9k", "infeasible", "pruned", "cut"):
             assert word in tuner
-        log = app.query_one("#log")
-        assert len(log.lines) == 7 and not log.display     # kept up to date while hidden at 80x24
+        assert not app.query_one("#log").display     # hidden at 80x24
 
     drive(app, [], check=check)
+
+
+def test_log_panel_wraps_at_its_width_and_shows_the_newest_lines():
+    app, state, _ = make()
+
+    def check(app: GptopApp) -> None:
+        log = app.query_one("#log")
+        shown = [strip.text.rstrip() for strip in log.lines]
+        assert "compiling model" in shown[0] and "checkpoint step 200 written" in shown[-1]
+        assert max(len(s) for s in shown) <= log.scrollable_content_region.width
+        assert any(s.startswith("error [oom]") for s in shown) and any(s == "micro-batch 32)" for s in shown)
+
+    drive(app, ["l"], check=check)   # zoomed at 80x24: the long OOM line wraps once
+
+    def check_large(app: GptopApp) -> None:
+        shown = [strip.text.rstrip() for strip in app.query_one("#log").lines]
+        assert any(s.endswith("(trial 2, micro-batch 32)") for s in shown)   # room for it: one line
+
+    app, state, _ = make()
+    drive(app, [], size=LARGE, check=check_large)
 
 
 def test_panels_show_the_cpu_stream_at_large_size():
@@ -452,3 +471,49 @@ def test_snapshot_log_zoom(snap_compare):
 
 def test_fixture_streams_are_deterministic():
     assert gpu_run() == gpu_run() and cpu_run() == cpu_run()
+
+
+def test_tune_key_only_where_it_does_something():
+    app, _, cmds = make(tuning_done=True)   # the tuner is done: nothing to stop, and this session can't start one
+    drive(app, ["t"], check=lambda a: a.check_action("toggle_tuning", ()) is None or pytest.fail())
+    assert cmds.names == []
+
+    class CanStart(RecordingCommands):
+        can_start_tuning = True
+
+    app = GptopApp(build_state("cpu"), CanStart())
+    drive(app, ["t"])
+    assert app.commands.names == ["toggle_tuning"]
+
+
+def test_monitor_without_a_run_shows_only_the_devices():
+    state = RunState(status="monitor")
+    state.set_status("monitor", "no run found in ./runs; showing devices only")
+    for e in cpu_run(40):
+        if e["type"] == "device":
+            state.apply(e)
+    app, _, _ = make(state=state)
+
+    def check(app: GptopApp) -> None:
+        assert app.query_one("#devices").display and app.query_one("#devices").size.height > 15
+        assert not app.query_one("#steps").display and not app.query_one("#middle").display
+        header = text(app.query_one("#header"))
+        assert "gptop devices" in header and "no run found" in header and "step" not in header
+
+    drive(app, [], size=LARGE, check=check)
+
+
+def test_elapsed_stops_when_the_run_ends_and_replays_use_run_time():
+    now = [1_700_000_100.0]
+    state = build_state("cpu")
+    state.clock = lambda: now[0]
+    running = state.elapsed()
+    now[0] += 50
+    assert state.elapsed() == running + 50        # live: the clock moves it between events
+    state.set_status("done")
+    now[0] += 50
+    assert state.elapsed() == running + 50        # done: it stops
+    replay = build_state("cpu", status="replay")
+    replay.clock = lambda: now[0]
+    replay.apply(ev("device", 10_000.0, devices=[], cpu={"util_pct": 1.0}))   # a monitor's live sample
+    assert replay.elapsed() == pytest.approx(61.0)   # first to last run event of cpu_run(): 0 .. 61 s

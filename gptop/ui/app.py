@@ -7,18 +7,20 @@ Driving it: `run_app(session)` does what a session needs::
     app.run()                # main thread; returns when the session is over or after a force stop
     session.wait(); session.close()
 
-The app never blocks on the session and holds no run logic: it polls
-`state.version` every `poll_interval` seconds and re-renders only the panels
-whose areas of the state changed, each at most every `min_redraw` seconds (an
-event is on screen within 0.2 s plus a frame; an attached run costs about 2%
-of a core at 160x48). It exits when the
-`finished` callable says the session is over (checked on the same timer; a
-run that ended by itself in done/failed stays on screen until `q`), or at once
-after a force stop.
+The app never blocks on the session and holds no run logic. A change of the state wakes the app up
+(`RunState.subscribe`: the writer thread only schedules a call on the app's event loop, coalesced),
+and the app re-renders the panels whose areas of the state changed, each at most every
+`min_redraw` seconds (a panel that is throttled is redrawn when its interval is up); a timer every
+`poll_interval` seconds is the safety net and checks whether the session is over. So an event is on
+screen one render after it arrives (at most `min_redraw` later in a burst), and an attached run
+costs about 1% of a core (bench/dashboard.py measures both; docs/dashboard.md has the numbers).
+It exits when the `finished` callable says the session is over (a run that ended by itself in
+done/failed stays on screen until `q`), or at once after a force stop.
 """
 
 from __future__ import annotations
 
+import time
 from time import monotonic
 from typing import Callable, Iterable, Protocol
 
@@ -27,6 +29,7 @@ from rich.text import Text
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.message import Message
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Static
 
@@ -44,7 +47,8 @@ HELP = [
     ("c", "Checkpoint now (at the next step boundary)"),
     ("p", "Profile the next 3 steps with torch.profiler (trace in the run directory)"),
     ("l", "Log panel: zoom the trainer's stdout/stderr to the whole window, and back"),
-    ("t", "Start or stop the autotuner on this run"),
+    ("t", "Stop the autotuner, keeping the best setting found so far (start one with gptop tune, or "
+          "gptop train --tune DURATION)"),
     ("r", "Restart from the last good checkpoint (after a failure)"),
     ("w", "Chart window of the device panel: 30 s, 1 min, 5 min, 15 min, 1 h"),
     ("e", "Next MoE layer in the expert-load bars"),
@@ -62,6 +66,12 @@ PANELS_HELP = [
     ("tuner", "the autotuner's phase, budget, trials and the best setting found"),
     ("log", "the trainer's stdout and stderr (stderr in red)"),
 ]
+
+
+class StateChanged(Message):
+    """The RunState changed (posted from the writer's thread by GptopApp._wake)."""
+
+    bubble = False
 
 
 class HelpScreen(ModalScreen[None]):
@@ -106,7 +116,7 @@ class GptopApp(App[None]):
         Binding("c", "checkpoint", "Checkpoint", tooltip="Checkpoint at the next step"),
         Binding("p", "profile", "Profile", tooltip="Profile the next 3 steps"),
         Binding("l", "toggle_log", "Log", tooltip="Zoom the log panel"),
-        Binding("t", "toggle_tuning", "Tune", tooltip="Start or stop the autotuner"),
+        Binding("t", "toggle_tuning", "Tune", tooltip="Stop the autotuner (keeps the best setting so far)"),
         Binding("r", "restart", "Restart", tooltip="Restart from the last good checkpoint"),
         Binding("w", "cycle_window", "Window", tooltip="Chart window: 30s, 1m, 5m, 15m, 1h"),
         Binding("e", "next_expert_layer", "MoE", tooltip="Next MoE layer in the expert-load bars"),
@@ -115,10 +125,10 @@ class GptopApp(App[None]):
     ]
 
     def __init__(self, state: RunState, commands: Commands, *, finished: Callable[[], bool] | None = None,
-                 poll_interval: float = 0.1, min_redraw: float = 0.2, profile_steps: int = 3) -> None:
+                 poll_interval: float = 0.1, min_redraw: float = 0.15, profile_steps: int = 3) -> None:
         """`finished`: polled on the timer; when it returns True the app exits (the session is over).
-        Without it, `q` exits right after asking the session to stop. An event is on screen within
-        `max(poll_interval, min_redraw)` plus one frame (the budget is 250 ms)."""
+        Without it, `q` exits right after asking the session to stop. An event is on screen one
+        render after it arrives, or within `min_redraw` plus a render in a burst (budget: 250 ms)."""
         super().__init__()
         self.state = state
         self.commands = commands
@@ -129,6 +139,8 @@ class GptopApp(App[None]):
         self.stop_requested = False
         self._seen_version = -1
         self._layout_key: tuple | None = None
+        self._wake_pending = False
+        self._retry_pending = False
         if state.run_name:
             self.title = f"gptop · {state.run_name}"
 
@@ -148,31 +160,57 @@ class GptopApp(App[None]):
         yield GptopFooter()
 
     def on_mount(self) -> None:
+        self.state.subscribe(self._wake)
         self.set_interval(self.poll_interval, self.poll)
         if self.state.clock is not None:   # elapsed/ETA tick with the wall clock between events
             self.set_interval(1.0, self.query_one(RunHeader).refresh)
         self.poll()
 
-    # --- the poll loop ------------------------------------------------------
+    def on_unmount(self) -> None:
+        self.state.unsubscribe(self._wake)
+
+    # --- the update loop ----------------------------------------------------
+    def _wake(self) -> None:
+        """Called by the state's writer threads after each change: queue one StateChanged for the
+        app (`post_message` is thread-safe; one at a time, so a burst of events costs one poll)."""
+        if self._wake_pending:
+            return
+        self._wake_pending = True
+        if not self.post_message(StateChanged()):   # the app is closing
+            self._wake_pending = False
+
+    def on_state_changed(self, message: StateChanged) -> None:
+        self._wake_pending = False
+        self.poll()
+
+    def _retry(self) -> None:
+        self._retry_pending = False
+        self.poll()
+
     def watchers(self) -> Iterable[Watcher]:
         return self.query("#header, #failure, #devices, #steps, #training, #tuner, #log").results(Watcher)
 
     def poll(self) -> None:
         """Re-render what changed since the last poll (a panel at most every `min_redraw` seconds,
-        so a fast event stream costs a bounded CPU share); exit when the session is finished."""
+        so a fast event stream costs a bounded CPU share; a throttled panel is redrawn as soon as its
+        interval is up); exit when the session is finished."""
         version = self.state.version
         if version != self._seen_version:
             now = monotonic()
-            behind = False
+            wait: float | None = None
             for w in self.watchers():
                 if w.stale(self.state):
-                    if now - w.synced_at() < self.min_redraw:
-                        behind = True
+                    early = self.min_redraw - (now - w.synced_at())
+                    if early > 0:
+                        wait = early if wait is None else min(wait, early)
                         continue
                     w.mark(self.state, now)
                     w.sync(self.state)
-            if not behind:
+            if wait is None:
                 self._seen_version = version
+            elif not self._retry_pending:
+                self._retry_pending = True
+                self.set_timer(wait, self._retry)
             self._sync_layout()
         if self.session_over():
             self.exit()
@@ -187,13 +225,15 @@ class GptopApp(App[None]):
     def _sync_layout(self) -> None:
         """Classes on #body that the stylesheet uses: failed, tuner idle; bindings follow the status."""
         s = self.state
-        key = (s.status, s.tuner.phase is None and not s.tuner.trials, bool(s.expert_load))
+        key = (s.status, s.tuner.phase is None and not s.tuner.trials, bool(s.expert_load), s.tuner.active,
+               s.status == "monitor" and s.last_step is None)
         if key == self._layout_key:
             return
         self._layout_key = key
         body = self.query_one("#body")
         body.set_class(s.status == "failed", "-failed")
         body.set_class(key[1], "-no-tuner")
+        body.set_class(key[4], "-no-run")
         self.refresh_bindings()
 
     # --- actions ------------------------------------------------------------
@@ -203,12 +243,17 @@ class GptopApp(App[None]):
         if action in ("checkpoint", "profile"):
             return True if status in LIVE_STATUSES else None
         if action == "toggle_tuning":
-            return True if status in LIVE_STATUSES + ("starting",) else None
+            return True if status in LIVE_STATUSES + ("starting",) and self.can_toggle_tuning() else None
         if action == "restart":
             return True if status == "failed" else None
         if action == "next_expert_layer":
             return True if self.state.expert_load else False   # hidden for dense models
         return True
+
+    def can_toggle_tuning(self) -> bool:
+        """`t` stops a tuner at work; it starts one only where the session says it can
+        (`can_start_tuning`): gptop's own session tunes only when started with gptop tune / --tune."""
+        return self.state.tuner.active or bool(getattr(self.commands, "can_start_tuning", False))
 
     def _call(self, what: str, fn: Callable[..., None], *args: object, **kwargs: object) -> bool:
         try:
@@ -272,7 +317,9 @@ class GptopApp(App[None]):
         yield SystemCommand("Checkpoint now", "Write a checkpoint at the next step (c)", self.action_checkpoint)
         yield SystemCommand("Profile", f"Profile the next {self.profile_steps} steps (p)", self.action_profile)
         yield SystemCommand("Toggle log panel", "Zoom the trainer's stdout/stderr (l)", self.action_toggle_log)
-        yield SystemCommand("Start/stop tuning", "Run the autotuner on this run (t)", self.action_toggle_tuning)
+        if self.can_toggle_tuning():
+            yield SystemCommand("Start/stop tuning", "Stop the autotuner, or start it where the session can (t)",
+                                self.action_toggle_tuning)
         if self.state.status == "failed":
             yield SystemCommand("Restart", "Restart from the last good checkpoint (r)", self.action_restart)
         yield SystemCommand("Chart window", "Cycle the device charts' window (w)", self.action_cycle_window)
@@ -304,6 +351,8 @@ def run_app(session: Session, *, resume: str | None = None, headless: bool = Fal
     """Start the session, show the dashboard in this (main) thread until the session is over, and
     return the session's exit code. If the dashboard goes away first (a crash, a closed terminal),
     the trainer is force-stopped: gptop never leaves one running behind."""
+    if session.state.clock is None:   # live: elapsed time and ETA move between events
+        session.state.clock = time.time
     app = GptopApp(session.state, session, finished=lambda: session.finished)
     session.start(resume=resume)
     try:

@@ -89,6 +89,22 @@ def metric_line(label: str, frac: float | None, value: str, width: int, style: s
     return Text.assemble((label.ljust(label_w), "bold"), hbar(frac, bar_w, style), " ", value)
 
 
+def used_of(used: Any, total: Any) -> str:
+    """'0.5/23.5 GB': the used amount in the total's unit (so 490 MB of 23.5 GB reads 0.5/23.5 GB)."""
+    total_s = fmt_bytes(total)
+    if used is None:
+        return f"n/a/{total_s}"
+    if total is None or " " not in total_s:
+        return fmt_bytes(used)
+    value, unit = total_s.split()
+    scale = float(total) / float(value) if float(value) else 1.0
+    return f"{float(used) / scale:.1f}/{total_s}"
+
+
+def _num_or_none(x: Any) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 else None
+
+
 def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.0f}%"
 
@@ -107,7 +123,8 @@ def header(state: RunState, width: int) -> RenderableType:
     with state.lock:
         status = state.status
         dev = state.device.get("name") or ""
-        line1 = Text.assemble(("gptop ", "bold"), (state.run_name or "run", "bold cyan"))
+        no_run = status == "monitor" and state.last_step is None
+        line1 = Text.assemble(("gptop ", "bold"), (state.run_name or ("devices" if no_run else "run"), "bold cyan"))
         summary = model_summary(state.model)
         if summary:
             line1.append(" · " + summary)
@@ -120,19 +137,27 @@ def header(state: RunState, width: int) -> RenderableType:
         line1.append(" " * max(0, width - line1.cell_len - tag.cell_len))
         line1.append_text(tag)
 
+        if no_run:   # devices only: say why, and how to get a run to watch
+            line2 = Text(state.status_message or "no run attached", style="grey62")
+            line2.truncate(width, overflow="ellipsis")
+            return Group(line1, line2)
         step, total = state.step, state.total_steps
         prog = state.progress()
         steps = f"step {step if step is not None else '–'}/{total if total is not None else '?'}"
-        parts = [f"{fmt_num(state.tokens)} tokens", f"elapsed {fmt_duration(state.elapsed())}",
-                 f"ETA {fmt_duration(state.eta())}"]
+        parts = [f"{fmt_num(state.tokens)} tokens", f"elapsed {fmt_duration(state.elapsed())}"]
+        if status not in ("done", "replay", "failed"):
+            parts.append(f"ETA {fmt_duration(state.eta())}")
         if state.malformed:
             parts.append(f"{state.malformed} bad events")
-        if status not in ("running", "failed") and state.status_message:
-            parts.append(f"{status}: {state.status_message}")
-        if status == "done":
+        if status not in ("running", "failed", "replay") and state.status_message:
+            parts.append(state.status_message)
+        if status in ("done", "replay"):
             parts.append("q to quit")
         tail = " · " + " · ".join(parts)
-        bar_w = max(0, min(30, width - len(steps) - len(tail) - 7))
+        room = width - len(steps) - 7
+        bar_w = max(0, min(30, room - len(tail)))
+        if bar_w < 10 and room >= 30:   # the bar keeps 10 cells, the tail gives way (ellipsis)
+            bar_w = 10
         line2 = Text(steps + " ")
         if bar_w >= 5:
             line2.append_text(hbar(prog, bar_w, "cyan"))
@@ -162,18 +187,20 @@ def _gpu_block(state: RunState, key: str, d: dict[str, Any], width: int, chart_r
         title,
         metric_line("util", None if util is None else util / 100, _pct(util), width, "green"),
         metric_line("mem", _frac(mem_used, mem_total),
-                    f"{fmt_bytes(mem_used).split()[0] if mem_used is not None else 'n/a'}/{fmt_bytes(mem_total)}",
+                    used_of(mem_used, mem_total),
                     width, "dodger_blue1"),
         metric_line("power", _frac(power, limit),
                     "n/a" if power is None else f"{power:.0f}/{limit:.0f} W" if limit else f"{power:.0f} W",
                     width, "yellow"),
     ]
-    specs = (("util_pct", "util", "dark_green", "green1"), ("power_w", "power", "orange4", "yellow1"),
-             ("mem_used", "mem", "navy_blue", "dodger_blue1"))[:charts]
-    rows = max(1, min(4, chart_rows // max(1, len(specs)))) if specs else 0
-    for metric, label, low, high in specs:
+    specs = (("util_pct", "util", "dark_green", "green1", (0.0, 100.0)),
+             ("power_w", "power", "orange4", "yellow1", (0.0, _num_or_none(limit))),
+             ("mem_used", "mem", "navy_blue", "dodger_blue1", (0.0, _num_or_none(mem_total))))[:charts]
+    n = max(1, len(specs))
+    for i, (metric, label, low, high, scale) in enumerate(specs):   # spare rows go to the first charts
+        rows = max(1, min(4, chart_rows // n + (i < chart_rows % n)))
         data = time_buckets(state.device_points(key, metric, window_s), width - 6, window_s)
-        spark = spark_text(data, width - 6, low, high, height=rows)
+        spark = spark_text(data, width - 6, low, high, height=rows, scale=scale)
         for i, line in enumerate(spark.split("\n")):
             lines.append(Text.assemble(((label if i == rows - 1 else "").ljust(6), "grey62"), line))
     return lines
@@ -189,32 +216,44 @@ def _shades(low: str, high: str) -> tuple[Style, ...]:
 
 
 def spark_text(data: Sequence[float], width: int, low: str = "dark_green", high: str = "green1",
-               height: int = 1, stretch: bool = False) -> Text:
+               height: int = 1, stretch: bool = False, scale: tuple[float | None, float | None] = (None, None)
+               ) -> Text:
     """A sparkline as Text, `height` rows (newline-separated, so it composes in a Group and after a
-    label): buckets keep their max, scaled min..max, coloured from `low` to `high`. A short history
-    is right-aligned (the newest sample at the right edge, for time windows) unless `stretch`.
-    Cells of equal colour are appended as one span: charts are most of what the dashboard redraws."""
+    label), coloured from `low` to `high`.
+
+    Scale: `scale=(lo, hi)` fixes either end (0..100 for a percentage, 0..total for memory); an end
+    left None follows the data (min..max), so a flat series fills half the height rather than
+    inflating noise to the full range. Layout: more samples than cells are bucketed (each keeps its
+    max); fewer are right-aligned, the newest sample at the right edge (time windows), or with
+    `stretch` drawn from the left edge, each sample up to 4 cells wide (a history that grows to
+    the right and is compressed once it fills the width). Cells of equal colour are appended as one
+    span: charts are most of what the dashboard redraws."""
     width, height = max(1, width), max(1, height)
     data = list(data)
     if not data:
         return Text("\n".join([" " * width] * (height - 1) + ["▁" * width]), style=low)
+    left = False
     if len(data) > width:
         buckets = [max(data[i * len(data) // width:(i + 1) * len(data) // width] or [data[-1]])
                    for i in range(width)]
     elif stretch:
-        buckets = [data[i * len(data) // width] for i in range(width)]
+        each = max(1, min(4, width // len(data)))
+        buckets = [v for v in data for _ in range(each)]
+        left = True
     else:
         buckets = data
-    lo, hi = min(buckets), max(buckets)
+    lo = scale[0] if scale[0] is not None else min(buckets)
+    hi = scale[1] if scale[1] is not None else max(buckets)
     extent = hi - lo
     shades = _shades(low, high)
-    ratios = [(v - lo) / extent if extent > 0 else 0.5 for v in buckets]
+    ratios = [min(1.0, max(0.0, (v - lo) / extent)) if extent > 0 else 0.5 for v in buckets]
     shade = [int(round(r * (SHADES - 1))) for r in ratios]
     levels = [1 + int(round(r * (8 * height - 1))) for r in ratios]   # eighths of a cell, at least one
     pad = " " * (width - len(buckets))
     text = Text(no_wrap=True, overflow="crop")
     for row in reversed(range(height)):
-        text.append(pad)
+        if not left:
+            text.append(pad)
         run, run_shade = [], -1
         for level, sh in zip(levels, shade):
             part = level - row * 8
@@ -226,9 +265,27 @@ def spark_text(data: Sequence[float], width: int, low: str = "dark_green", high:
             run_shade = sh
         if run:
             text.append("".join(run), style=shades[run_shade])
+        if left:
+            text.append(pad)
         if row:
             text.append("\n")
     return text
+
+
+def core_bars(cores: Sequence[float], width: int) -> Text:
+    """Per-core load: a small horizontal bar each when they fit (a few cores), else one column of
+    vertical eighths per core (many cores, as many as fit)."""
+    n = len(cores)
+    if n and width // n >= 5:
+        each = min(12, width // n)
+        out = Text()
+        for i, c in enumerate(cores):
+            if i:
+                out.append(" ")
+            out.append_text(hbar(c / 100.0, each - 1, "green"))
+        return out
+    each = max(1, min(2, width // max(1, n)))
+    return level_bars(list(cores)[: width // each], each=each, top=100.0, style="green")
 
 
 def _cpu_block(state: RunState, d: dict[str, Any], width: int, chart_rows: int, window_s: float,
@@ -254,20 +311,26 @@ def _cpu_block(state: RunState, d: dict[str, Any], width: int, chart_rows: int, 
         title,
         metric_line("util", None if util is None else util / 100, _pct(util), width, "green"),
         metric_line("mem", _frac(mem_used, mem_total),
-                    f"{fmt_bytes(mem_used).split()[0] if mem_used is not None else 'n/a'}/{fmt_bytes(mem_total)}",
+                    used_of(mem_used, mem_total),
                     width, "dodger_blue1"),
         metric_line("power", None, "n/a" if power is None else f"{power:.0f} W", width, "yellow"),
     ]
     cores = [c for c in (d.get("per_core") or []) if isinstance(c, (int, float))]
     if cores and chart_rows > 1:
-        each = max(1, min(2, (width - 6) // max(1, len(cores))))
-        row = level_bars(cores[: (width - 6) // each], each=each, top=100.0, style="green")
-        lines.append(Text.assemble(("cores ", "grey62"), row))
-    rows = min(6, chart_rows - (len(lines) - 4))
-    if rows > 0:
-        data = time_buckets(state.device_points("cpu", "util_pct", window_s), width - 6, window_s)
-        for i, line in enumerate(spark_text(data, width - 6, "dark_green", "green1", height=rows).split("\n")):
-            lines.append(Text.assemble((("util" if i == rows - 1 else "").ljust(6), "grey62"), line))
+        lines.append(Text.assemble(("cores ", "bold"), core_bars(cores, width - 6)))
+    room = chart_rows - (len(lines) - 4)
+    charts = [("util_pct", "util", "dark_green", "green1", (0.0, 100.0))]
+    if room >= 10:   # a tall panel (CPU runs at 160x48, the monitor without a run): memory too
+        charts.append(("mem_used", "mem", "navy_blue", "dodger_blue1", (0.0, _num_or_none(mem_total))))
+    for i, (metric, label, low, high, scale) in enumerate(charts):
+        rows = min(12, room // len(charts) + (i < room % len(charts)) - (1 if i else 0))
+        if rows <= 0:
+            break
+        if i:
+            lines.append(Text(""))
+        data = time_buckets(state.device_points("cpu", metric, window_s), width - 6, window_s)
+        for j, line in enumerate(spark_text(data, width - 6, low, high, height=rows, scale=scale).split("\n")):
+            lines.append(Text.assemble(((label if j == rows - 1 else "").ljust(6), "grey62"), line))
     return lines
 
 
@@ -430,7 +493,7 @@ def tuner_summary(state: RunState, width: int) -> RenderableType:
     tu = state.tuner
     with state.lock:
         if tu.phase is None and not tu.trials:
-            return Text("not tuning: press t to try optimization toggles on this run", style="grey62")
+            return Text("not tuning (gptop tune, or gptop train --tune 30m)", style="grey62")
         head = Text(phase_label(tu.phase), style="bold yellow" if tu.active else "bold")
         if tu.budget_left_s is not None:
             head.append(f" · {fmt_duration(tu.budget_left_s)} left")

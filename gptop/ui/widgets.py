@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from rich.console import RenderableType
 from rich.text import Text
+from textual.events import Resize
 from textual.widget import Widget
 from textual.widgets import Footer, RichLog
 
@@ -146,12 +147,32 @@ class LogPanel(Watcher, RichLog):
     STYLES = {"stderr": "red", "event": "yellow", "gptop": "cyan"}
 
     def __init__(self, state: RunState, **kwargs) -> None:
-        super().__init__(max_lines=2000, wrap=False, markup=False, highlight=False, **kwargs)
+        super().__init__(max_lines=2000, min_width=20, wrap=True, markup=False, highlight=False, **kwargs)
         self.state = state
         self.border_title = "log"
         self._count = 0
+        self._wrap_width = 0
+
+    def on_resize(self, event: Resize) -> None:
+        """Long lines wrap at the panel's width: when it changes (zoom, a resized terminal, the first
+        layout) the lines are wrapped again from the state; and the newest lines are in view."""
+        width = self.scrollable_content_region.width   # 0 while it was hidden: a later resize follows
+        if width and width != self._wrap_width:
+            self._wrap_width = width
+            with self.state.lock:
+                lines = list(self.state.logs)[-(self.max_lines or 2000):]
+                self._count = self.state.log_count
+            self.clear()   # RichLog's own on_resize (after this one) renders these at the new width
+            for stream, line in lines:
+                self._write(stream, line)
+        if self.auto_scroll:
+            self.scroll_end(animate=False, immediate=True)
+
+    def _write(self, stream: str, line: str) -> None:
+        width = self.scrollable_content_region.width   # wrap here, not at the console's width
+        self.write(Text(line, style=self.STYLES.get(stream, "")), width=width if width > 0 else None)
 
     def sync(self, state: RunState) -> None:
         lines, self._count = state.logs_since(self._count)
         for stream, line in lines:
-            self.write(Text(line, style=self.STYLES.get(stream, "")))
+            self._write(stream, line)

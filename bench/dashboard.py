@@ -1,0 +1,266 @@
+"""What the dashboard costs: CPU of the gptop process and event-to-screen latency, on a real run.
+
+Starts the real TUI (`gptop train ...`, or with `--mode monitor` a bare trainer plus `gptop
+--run-dir` attached to it) inside a pseudo-terminal of the given size, lets it warm up, then for
+`--seconds`:
+
+* CPU: user+system time of the gptop process alone (psutil `cpu_times()` of its pid: every thread
+  of gptop, i.e. the UI, the device sampler and the event reader, but not the trainer, which is a
+  child process with its own pid) divided by wall time, as % of one core. The target is <= 5%.
+* Latency: each step event carries `time` (the trainer's `time.time()` when it built the event).
+  The bench reads everything gptop writes to the terminal on a reader thread and notes the wall
+  time at which the header text `step N/TOTAL` for that step first appears in the byte stream.
+  latency = first seen - event time: trainer -> socket (or events.jsonl in monitor mode) -> gptop's
+  reader -> RunState -> the UI's poll -> render -> bytes on the terminal. What it leaves out: a
+  real terminal emulator parsing and painting those bytes (about a frame). Its resolution is that
+  of the reader thread waking on the pty (well under 1 ms when the machine is idle; when the
+  trainer saturates every core, the reader's own scheduling delay is counted too, so the figure
+  errs high). Clocks: both sides are `time.time()` on the same machine. The target is <= 250 ms.
+
+Default settings (log every 10 steps, device samples every 0.5 s) are what the CPU target is
+about; `--log-every 1` gives a step event (and so a latency sample) every step.
+
+    python bench/dashboard.py                      # 30 s at 160x48, default settings
+    python bench/dashboard.py --size 80x24 --log-every 1 --seconds 60
+    python bench/dashboard.py --mode monitor       # `gptop --run-dir` attached to a live trainer
+    python bench/dashboard.py --json               # one JSON object instead of the table
+
+Extra arguments after `--` go to the trainer (default: a tiny llama on the CPU that outlives the
+measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import pty
+import re
+import select
+import signal
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import termios
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+DEFAULT_TRAINER = ["--model", "llama", "--size", "tiny", "--seq-len", "64", "--global-batch", "8",
+                   "--eval-every", "0", "--checkpoint-every", "0"]
+STEP_RE = re.compile(rb"step (\d+)/(\d+|\?)")
+
+
+class Terminal:
+    """A process on a pseudo-terminal of a fixed size; a reader thread keeps the output drained and
+    remembers when each `step N/...` first appeared."""
+
+    def __init__(self, argv: list[str], cols: int, rows: int, env: dict[str, str]) -> None:
+        self.master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+        def controlling_tty() -> None:   # the child's own session, with the pty as its terminal
+            os.setsid()
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+        self.proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env,
+                                     preexec_fn=controlling_tty, close_fds=True)
+        os.close(slave)
+        self.first_seen: dict[int, float] = {}
+        self.bytes = 0
+        self._tail = b""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while not self._stop.is_set():
+            try:
+                ready, _, _ = select.select([self.master], [], [], 0.2)
+                if not ready:
+                    continue
+                data = os.read(self.master, 65536)
+            except OSError:
+                return
+            now = time.time()
+            if not data:
+                return
+            self.bytes += len(data)
+            buf = self._tail + data
+            for m in STEP_RE.finditer(buf):
+                self.first_seen.setdefault(int(m.group(1)), now)
+            self._tail = buf[-32:]
+
+    def send(self, keys: bytes) -> None:
+        os.write(self.master, keys)
+
+    def close(self, timeout: float = 30.0) -> int | None:
+        """q (checkpoint and stop), then ctrl+c, then kill: never leave gptop or a trainer behind."""
+        for keys, wait in ((b"q", timeout), (b"\x03", 10.0)):
+            if self.proc.poll() is not None:
+                break
+            try:
+                self.send(keys)
+            except OSError:
+                break
+            try:
+                self.proc.wait(wait)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.proc.poll() is None:
+            for child in psutil.Process(self.proc.pid).children(recursive=True):
+                child.kill()
+            self.proc.kill()
+            self.proc.wait()
+        self._stop.set()
+        self._thread.join(2)
+        os.close(self.master)
+        return self.proc.returncode
+
+
+def read_steps(events: Path) -> dict[int, float]:
+    """step -> event time of the primary rank's step events (the last one, after a rollback)."""
+    out: dict[int, float] = {}
+    if not events.exists():
+        return out
+    for line in events.read_text().splitlines():
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        if e.get("type") == "step" and not e.get("rank"):
+            out[int(e["step"])] = float(e["time"])
+    return out
+
+
+def wait_for(cond, timeout: float, what: str, proc: subprocess.Popen) -> None:
+    t_end = time.monotonic() + timeout
+    while not cond():
+        if proc.poll() is not None:
+            raise SystemExit(f"bench: gptop exited with {proc.returncode} while waiting for {what}")
+        if time.monotonic() > t_end:
+            raise SystemExit(f"bench: timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))]
+
+
+def measure(args: argparse.Namespace, trainer: list[str]) -> dict:
+    cols, rows = (int(x) for x in args.size.lower().split("x"))
+    env = dict(os.environ, TERM="xterm-256color", COLORTERM="truecolor", LINES=str(rows), COLUMNS=str(cols))
+    env.pop("TEXTUAL", None)
+    run_dir = Path(tempfile.mkdtemp(prefix="gptop-bench-"))
+    flags = trainer + ["--max-steps", str(args.max_steps), "--log-every", str(args.log_every)]
+    bare = None
+    if args.mode == "train":
+        argv = [sys.executable, "-m", "gptop", "train", *flags, "--run-dir", str(run_dir)]
+    else:
+        bare = subprocess.Popen([sys.executable, "-m", "trainer", *flags, "--run-dir", str(run_dir)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        events = run_dir / "events.jsonl"
+        wait_for(lambda: events.exists() and b'"hello"' in events.read_bytes(), 300, "the trainer's hello", bare)
+        argv = [sys.executable, "-m", "gptop", "--run-dir", str(run_dir)]
+    term = Terminal(argv, cols, rows, env)
+    try:
+        gptop = psutil.Process(term.proc.pid)
+        wait_for(lambda: bool(read_steps(run_dir / "events.jsonl")) and bool(term.first_seen), 600,
+                 "the first step on screen", term.proc)
+        time.sleep(args.warmup)
+        t0, c0, seen0 = time.monotonic(), gptop.cpu_times(), set(term.first_seen)
+        per_second: list[float] = []
+        last_t, last_c = t0, c0
+        while time.monotonic() - t0 < args.seconds:
+            time.sleep(1.0)
+            if term.proc.poll() is not None:
+                raise SystemExit(f"bench: gptop exited with {term.proc.returncode} during the measurement "
+                                 "(raise --max-steps?)")
+            now, c = time.monotonic(), gptop.cpu_times()
+            per_second.append(100.0 * (c.user + c.system - last_c.user - last_c.system) / (now - last_t))
+            last_t, last_c = now, c
+        t1, c1 = time.monotonic(), gptop.cpu_times()
+        rss = gptop.memory_info().rss
+        threads = gptop.num_threads()
+        trainer_cpu = None
+        if bare is None:
+            kids = gptop.children()
+            trainer_cpu = kids[0].cpu_percent(0.5) if kids else None
+    finally:
+        code = term.close()
+        if bare is not None and bare.poll() is None:
+            bare.send_signal(signal.SIGTERM)
+            try:
+                bare.wait(30)
+            except subprocess.TimeoutExpired:
+                bare.kill()
+    steps = read_steps(run_dir / "events.jsonl")
+    lat = [1000.0 * (term.first_seen[s] - steps[s]) for s in sorted(set(term.first_seen) - seen0)
+           if s in steps and s > 0]
+    wall = t1 - t0
+    cpu_s = (c1.user + c1.system) - (c0.user + c0.system)
+    result = {
+        "mode": args.mode, "size": f"{cols}x{rows}", "log_every": args.log_every, "seconds": round(wall, 1),
+        "gptop_cpu_pct_of_one_core": round(100.0 * cpu_s / wall, 2),
+        "gptop_cpu_pct_per_second_max": round(max(per_second), 1) if per_second else None,
+        "gptop_rss_mb": round(rss / 2**20, 1), "gptop_threads": threads,
+        "latency_samples": len(lat),
+        "latency_ms_median": round(statistics.median(lat), 1) if lat else None,
+        "latency_ms_p95": round(pct(lat, 0.95), 1) if lat else None,
+        "latency_ms_max": round(max(lat), 1) if lat else None,
+        "latency_ms_all": [round(x, 1) for x in lat],
+        "terminal_kb_per_s": round(term.bytes / 1024 / max(1e-9, wall), 1),
+        "gptop_exit_code": code,
+        "machine_cpus": os.cpu_count(),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "run_dir": str(run_dir),
+    }
+    if trainer_cpu is not None:
+        result["trainer_cpu_pct_of_one_core"] = round(trainer_cpu, 1)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--mode", choices=("train", "monitor"), default="train",
+                    help="train: `gptop train` runs the trainer; monitor: `gptop --run-dir` attached to a live "
+                         "trainer (default: train)")
+    ap.add_argument("--size", default="160x48", help="terminal COLSxROWS (default: 160x48)")
+    ap.add_argument("--seconds", type=float, default=30.0, help="measurement length (default: 30)")
+    ap.add_argument("--warmup", type=float, default=5.0,
+                    help="seconds after the first step is on screen before measuring (default: 5)")
+    ap.add_argument("--log-every", type=int, default=10, help="trainer's --log-every (default: 10, its default)")
+    ap.add_argument("--max-steps", type=int, default=100000, help="trainer's --max-steps (default: 100000)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args, extra = ap.parse_known_args()
+    trainer = [a for a in extra if a != "--"] or DEFAULT_TRAINER
+    r = measure(args, trainer)
+    if args.json:
+        print(json.dumps(r))
+        return
+    ok_cpu = r["gptop_cpu_pct_of_one_core"] <= 5.0
+    ok_lat = r["latency_ms_p95"] is not None and r["latency_ms_p95"] <= 250.0
+    print(f"gptop dashboard cost: mode {r['mode']}, {r['size']}, --log-every {r['log_every']}, "
+          f"{r['seconds']:.0f} s measured, {r['machine_cpus']} CPUs, load {r['load_avg_1m']}")
+    print(f"  CPU of the gptop process: {r['gptop_cpu_pct_of_one_core']:.2f}% of one core "
+          f"(worst second {r['gptop_cpu_pct_per_second_max']}%)  target <= 5%: {'ok' if ok_cpu else 'MISSED'}")
+    if r["latency_samples"]:
+        print(f"  event -> screen: median {r['latency_ms_median']:.0f} ms, p95 {r['latency_ms_p95']:.0f} ms, "
+              f"max {r['latency_ms_max']:.0f} ms over {r['latency_samples']} step events  "
+              f"target <= 250 ms: {'ok' if ok_lat else 'MISSED'}")
+    else:
+        print("  event -> screen: no step event during the measurement (raise --seconds or lower --log-every)")
+    print(f"  gptop RSS {r['gptop_rss_mb']} MB, {r['gptop_threads']} threads, terminal output "
+          f"{r['terminal_kb_per_s']} KB/s" + (f"; trainer {r['trainer_cpu_pct_of_one_core']}% of one core"
+                                              if "trainer_cpu_pct_of_one_core" in r else ""))
+
+
+if __name__ == "__main__":
+    main()
