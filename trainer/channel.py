@@ -8,7 +8,10 @@ only a log on stdout/stderr, never parsed.
 
 Commands are queued by a reader thread and taken by the training loop at step
 boundaries. SIGTERM (and SIGINT) mean a graceful stop, SIGUSR1 a checkpoint,
-so the trainer is controllable without gptop too. If the launcher's socket
+so the trainer is controllable without gptop too. With several ranks every
+rank has its own connection; the loop agrees on one step for each command
+(trainer.dist), using the commands' `seq` (set by the supervisor) and their
+`source` (socket, signal, eof) to count each request once. If the launcher's socket
 closes (gptop died), the trainer stops gracefully: checkpoint, then exit.
 """
 
@@ -56,7 +59,7 @@ class Channel:
                 data = b""
             if not data:
                 if not self._closed:
-                    self.commands.put({"cmd": "stop", "reason": "launcher went away"})
+                    self.commands.put({"cmd": "stop", "reason": "launcher went away", "source": "eof"})
                 return
             buf += data
             while b"\n" in buf:
@@ -66,16 +69,17 @@ class Channel:
                 except json.JSONDecodeError:
                     continue
                 if isinstance(cmd, dict) and "cmd" in cmd:
+                    cmd.pop("source", None)          # only the trainer itself marks signal/eof commands
                     self.commands.put(cmd)
 
     def install_signal_handlers(self) -> None:
         """SIGTERM/SIGINT: graceful stop (a second one is honoured at the next step too); SIGUSR1: checkpoint."""
         def stop(signum, frame):
-            self.commands.put({"cmd": "stop", "reason": signal.Signals(signum).name})
+            self.commands.put({"cmd": "stop", "reason": signal.Signals(signum).name, "source": "signal"})
 
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
-        signal.signal(signal.SIGUSR1, lambda s, f: self.commands.put({"cmd": "checkpoint"}))
+        signal.signal(signal.SIGUSR1, lambda s, f: self.commands.put({"cmd": "checkpoint", "source": "signal"}))
 
     def emit(self, type: str, **fields: Any) -> dict[str, Any]:
         event = ev.make_event(type, rank=self.rank, **fields)

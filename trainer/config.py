@@ -25,6 +25,7 @@ ALLOCATORS = ("default", "expandable_segments")
 FAMILIES = ("llama", "deepseek", "llada")
 SIZES = ("tiny", "small", "medium", "large", "auto")
 NAN_POLICIES = ("rollback", "stop")
+PARALLEL = ("ddp", "fsdp")
 
 
 class ConfigError(ValueError):
@@ -119,8 +120,11 @@ class RunConfig:
                           choices=NAN_POLICIES)
     nan_retries: int = opt(3, "rollbacks allowed before stopping with an error")
     nan_lr_factor: float = opt(0.5, "learning-rate multiplier applied at each NaN rollback")
+    parallel: str = opt("ddp", "how several ranks (torchrun, gptop --nproc) share the model: ddp replicates it, "
+                        "fsdp shards it (FSDP2); ignored with one process", choices=PARALLEL)
     channel: str | None = opt(None, "event/command channel given by the launcher (unix:PATH)", metavar="URI")
-    fault: str | None = opt(None, "test-only fault injection, e.g. nan@12 or oom@5", metavar="KIND@STEP")
+    fault: str | None = opt(None, "test-only fault injection, e.g. nan@12 or oom@5; kill@5:1 only on rank 1",
+                            metavar="KIND@STEP[:RANK]")
 
 
 SECTIONS: dict[str, type] = {

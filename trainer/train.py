@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from . import capabilities, checkpoint as ckpt
+from . import dist as D
 from .channel import Channel
 from .config import ConfigError, TrainConfig, parse_step_range
 from .device import DeviceInfo, detect
@@ -68,19 +69,24 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 class Faults:
-    """Test-only fault injection (`--fault nan@12,oom@5`): each fires once per process."""
+    """Test-only fault injection (`--fault nan@12,oom@5`): each fires once per process.
+
+    `KIND@STEP:RANK` fires on that rank only (`kill@5:1`); without `:RANK`, on every rank."""
 
     KINDS = ("nan", "oom", "crash", "kill", "compile", "stop")
 
-    def __init__(self, spec: str | None):
+    def __init__(self, spec: str | None, rank: int = 0):
         self.at: dict[int, str] = {}
         for part in (spec or "").split(","):
             if not part:
                 continue
-            kind, _, step = part.partition("@")
-            if kind not in self.KINDS or not step.isdigit():
-                raise ConfigError("--fault", f"{part!r}: expected KIND@STEP with KIND in {', '.join(self.KINDS)}")
-            self.at[int(step)] = kind
+            kind, _, where = part.partition("@")
+            step, _, only = where.partition(":")
+            if kind not in self.KINDS or not step.isdigit() or (only and not only.isdigit()):
+                raise ConfigError("--fault", f"{part!r}: expected KIND@STEP[:RANK] with KIND in "
+                                             f"{', '.join(self.KINDS)}")
+            if not only or int(only) == rank:
+                self.at[int(step)] = kind
 
     def take(self, step: int) -> str | None:
         return self.at.pop(step, None)
@@ -89,20 +95,33 @@ class Faults:
 class Trainer:
     def __init__(self, cfg: TrainConfig, dev: DeviceInfo | None = None):
         self.cfg = cfg
-        self.rank = int(os.environ.get("RANK", 0))
-        self.world = int(os.environ.get("WORLD_SIZE", 1))
-        self.dev = dev or detect(cfg.run.device)
+        self.rank, self.world, self.local_rank = D.env_world()
+        self.dev = dev or detect(D.rank_device(cfg.run.device, self.world, self.local_rank))
         self.device = self.dev.torch_device
         self.progress = Progress()
         self.channel: Channel | None = None
-        self.faults = Faults(cfg.run.fault)
+        self.group: D.Group | None = None            # several ranks: the process group and control plane
+        self.ddp: torch.nn.Module | None = None      # the DDP wrapper (--parallel ddp, several ranks)
+        self.comm: D.CommTimer | None = None
+        self.faults = Faults(cfg.run.fault, self.rank)
+        self._done_seq = {"checkpoint": 0, "profile": 0}   # command sequence numbers already acted on
         self.profile_window: tuple[int, int] | None = (
             parse_step_range(cfg.log.profile_steps) if cfg.log.profile_steps else None)
         self._profiler = None
 
     # ------------------------------------------------------------------ setup
     def log(self, msg: str) -> None:
-        print(f"[trainer] {msg}", flush=True)
+        who = f"trainer rank {self.rank}" if self.world > 1 else "trainer"
+        print(f"[{who}] {msg}", flush=True)
+
+    def emit0(self, type: str, **fields: Any) -> None:
+        """Events that describe the whole run (hello, checkpoint, eval, done) come from rank 0 only."""
+        if self.rank == 0 and self.channel is not None:
+            self.channel.emit(type, **fields)
+
+    @property
+    def parallel(self) -> str | None:
+        return self.cfg.run.parallel if self.world > 1 else None
 
     def setup(self) -> None:
         from .data import BatchSampler, load_data
@@ -121,6 +140,13 @@ class Trainer:
         events_name = "events.jsonl" if self.rank == 0 else f"events.rank{self.rank}.jsonl"
         self.channel = Channel(self.run_dir / events_name, cfg.run.channel, rank=self.rank)
         self.channel.install_signal_handlers()
+        if self.world > 1:
+            if os.environ.get("TORCHELASTIC_RUN_ID"):
+                D.die_with_parent()
+            if self.parallel == "fsdp":
+                D.fsdp_precision(cfg.toggles.precision)      # unsupported combinations fail before the group forms
+            self.group = D.Group(self.rank, self.world, self.local_rank, self.device)
+            self.group.init()
 
         capabilities.check(cfg.toggles, self.dev)
         if cfg.toggles.micro_batch != "auto":
@@ -136,6 +162,7 @@ class Trainer:
                                   toggles=cfg.toggles, dev=self.dev, mask_id=self.data.mask_id, seed=cfg.optim.seed)
         self.raw_model = self.bundle.model.to(self.device)
         self._setup_precision()
+        self._wrap_parallel()
         self.optimizer = self._make_optimizer()
         self.meter = make_meter(self.device)
         from .moe import MoEBalancer
@@ -145,7 +172,7 @@ class Trainer:
         self.resumed_from = None
         if cfg.checkpoint.resume:
             self._resume(cfg.checkpoint.resume)
-        self.model = self._compile(self.raw_model)
+        self.model = self._compile(self.ddp if self.ddp is not None else self.raw_model)
 
         if cfg.toggles.micro_batch == "auto":
             cfg.toggles.micro_batch = str(self._auto_micro_batch())
@@ -157,9 +184,10 @@ class Trainer:
 
         self.peak_flops = peak_flops(self.dev, cfg.toggles.precision)
         self._mfu = mfu
-        (self.run_dir / "config.toml").write_text(cfg.to_toml())
-        self.channel.emit(
-            "hello", pid=os.getpid(), world_size=self.world, config=cfg.to_dict(), device=self.dev.to_dict(),
+        if self.rank == 0:
+            (self.run_dir / "config.toml").write_text(cfg.to_toml())
+        self.emit0(
+            "hello", pid=os.getpid(), world_size=self.world, parallel=self.parallel, config=cfg.to_dict(), device=self.dev.to_dict(),
             model={"family": self.bundle.family, "size": self.bundle.size, "total_params": self.bundle.total_params,
                    "active_params": self.bundle.active_params, "embedding_params": self.bundle.embedding_params,
                    "vocab_size": self.bundle.vocab_size, "flops_per_token": self.bundle.flops_per_token,
@@ -169,14 +197,17 @@ class Trainer:
             accumulation=self.accum, micro_batch=self.micro_batch, tokens_per_step=self.tokens_per_step,
             peak_flops=self.peak_flops, resumed_from=self.resumed_from, start_step=self.progress.step,
             torch=torch.__version__)
+        ranks = f"; {self.world} ranks ({self.parallel}, {self.group.backend})" if self.group else ""
         self.log(f"{self.bundle.family}/{self.bundle.size}: {self.bundle.total_params / 1e6:.1f}M params "
                  f"({self.bundle.active_params / 1e6:.1f}M active) on {self.dev.name}; micro-batch {self.micro_batch} "
-                 f"x {self.accum} accumulation; run dir {self.run_dir}")
+                 f"x {self.accum} accumulation{ranks}; run dir {self.run_dir}")
 
     def _setup_precision(self) -> None:
         p = self.cfg.toggles.precision
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16,
                                "fp8-tensorwise": torch.bfloat16, "fp8-rowwise": torch.bfloat16}.get(p)
+        if self.parallel == "fsdp":
+            self.autocast_dtype = D.fsdp_precision(p)[1]     # FSDP2's MixedPrecisionPolicy casts instead
         if self.dev.is_cuda:
             torch.backends.cuda.matmul.allow_tf32 = p == "tf32"
             torch.backends.cudnn.allow_tf32 = p == "tf32"
@@ -185,6 +216,29 @@ class Trainer:
 
             convert_to_fp8(self.raw_model, p.split("-", 1)[1])
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=(p == "fp16"))
+
+    def _wrap_parallel(self) -> None:
+        """Several ranks: DDP (gradient all-reduce overlapping backward) or FSDP2 (sharded parameters)."""
+        if self.group is None:
+            return
+        if self.parallel == "fsdp":
+            D.apply_fsdp(self.raw_model, self.cfg.toggles.precision)
+            return
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        self.ddp = DDP(self.raw_model, device_ids=[self.device.index] if self.dev.is_cuda else None,
+                       find_unused_parameters=self.bundle.is_moe)   # experts a batch did not route to
+        if self.group.backend == "gloo":
+            self.comm = D.CommTimer(self.world)
+            self.comm.register(self.ddp)
+
+    def _sync_grads(self, last_micro: bool):
+        """Gradient accumulation without communication until the last micro-batch."""
+        if self.ddp is not None and not last_micro:
+            return self.ddp.no_sync()
+        if self.parallel == "fsdp":
+            self.raw_model.set_requires_gradient_sync(last_micro)
+        return contextlib.nullcontext()
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -199,11 +253,19 @@ class Trainer:
         groups = [{"params": decay, "weight_decay": self.cfg.optim.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
         kwargs: dict[str, Any] = {"lr": lr_at(0, self.cfg), "betas": (0.9, 0.95), "eps": 1e-8}
-        if self.cfg.toggles.fused_adamw:
-            kwargs["fused"] = True
-        else:
-            kwargs["foreach"] = True
+        kwargs.update(self._adamw_flags())
         return torch.optim.AdamW(groups, **kwargs)
+
+    def _adamw_flags(self) -> dict[str, Any]:
+        return {"fused": True, "foreach": None} if self.cfg.toggles.fused_adamw else {"fused": None, "foreach": True}
+
+    def _param_names(self) -> list[str]:
+        """Parameter names in the optimizer's id order (how a one-file checkpoint's optimizer state is keyed)."""
+        decay, no_decay = [], []
+        for name, p in self.raw_model.named_parameters():
+            if p.requires_grad:
+                (decay if p.ndim >= 2 and "embed" not in name else no_decay).append(name)
+        return decay + no_decay
 
     def _compile(self, model: torch.nn.Module) -> torch.nn.Module:
         mode = self.cfg.toggles.compile
@@ -225,10 +287,18 @@ class Trainer:
         return state
 
     def load_state(self, state: dict[str, Any]) -> None:
+        """Restore a checkpoint: a one-file state, or a sharded checkpoint's gptop.json (then read with DCP)."""
         self._check_compatible(state["config"])
-        self.raw_model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if "scaler" in state and self.scaler.is_enabled():
+        if state.get("format") == ckpt.DCP_FORMAT:
+            self._load_sharded(state)
+        elif self.group is not None:
+            self._load_full(state["model"], state["optimizer"])
+        else:
+            self.raw_model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        for group in self.optimizer.param_groups:   # the kernel is a toggle of this run, not of the checkpoint
+            group.update(self._adamw_flags())
+        if state.get("scaler") and self.scaler.is_enabled():
             self.scaler.load_state_dict(state["scaler"])
         rng = state.get("rng", {})
         if "torch" in rng:
@@ -239,6 +309,59 @@ class Trainer:
                                  batch_cursor=state.get("batch_cursor", state["step"]),
                                  skip_batches=list(state.get("skip_batches", [])),
                                  lr_scale=state.get("lr_scale", 1.0), nan_rollbacks=state.get("nan_rollbacks", 0))
+
+    # Several ranks (or a sharded checkpoint): torch.distributed.checkpoint and its state-dict helpers, which
+    # turn DDP's replicated tensors and FSDP2's DTensor shards into one format and reshard on load.
+    def _sharded_state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.raw_model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def _meta(self) -> dict[str, Any]:
+        p = self.progress
+        return {"step": p.step, "tokens": p.tokens, "batch_cursor": p.batch_cursor,
+                "skip_batches": list(p.skip_batches), "lr_scale": p.lr_scale, "nan_rollbacks": p.nan_rollbacks,
+                "config": self.cfg.to_dict(), "world_size": self.world, "parallel": self.parallel,
+                "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None}
+
+    def _rank_state(self) -> dict[str, Any]:
+        rng = {"torch": torch.get_rng_state()}
+        if self.dev.is_cuda:
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        return {"rng": rng}
+
+    def _load_sharded(self, meta: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        path, saved_world = meta["path"], int(meta.get("world_size", 1))
+        state = self._sharded_state()
+        try:
+            ckpt.load_sharded(state, path)
+        except Exception as e:
+            if saved_world != self.world:
+                raise ConfigError("--nproc", f"{path} was saved by {saved_world} ranks and this run has "
+                                             f"{self.world}; resharding it failed ({type(e).__name__}: {e}). "
+                                             f"Resume with {saved_world} ranks") from e
+            raise
+        set_state_dict(self.raw_model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        mine = ckpt.load_rank_state(path, self.rank) if saved_world == self.world else None
+        meta.setdefault("rng", (mine or {}).get("rng", {}))
+
+    def _load_full(self, model_sd: dict[str, Any], optim_sd: dict[str, Any] | None) -> None:
+        """A full (unsharded) state into a DDP replica or FSDP2 shards: every rank holds the whole state."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        full = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.raw_model, model_sd, options=full)
+        if optim_sd is not None:
+            names = self._param_names()           # one-file optimizer states are keyed by position
+            by_name = {"state": {names[int(i)]: v for i, v in optim_sd["state"].items()},
+                       "param_groups": [dict(g, params=[names[int(i)] for i in g["params"]])
+                                        for g in optim_sd["param_groups"]]}
+            set_optimizer_state_dict(self.raw_model, self.optimizer, by_name, options=full)
 
     def _check_compatible(self, saved: dict[str, Any]) -> None:
         """What is learned must match: model, data, sequence length, global batch, seed. Toggles may differ."""
@@ -261,17 +384,24 @@ class Trainer:
         self.log(f"resumed from {path} at step {self.progress.step}")
 
     def save_checkpoint(self, reason: str = "interval") -> Path:
+        """Collective with several ranks: every rank writes its shards (DCP); one file otherwise."""
         self._check_finite_now()
         t = time.perf_counter()
-        path = ckpt.path_for(self.run_dir, self.progress.step)
-        if self.rank == 0:
+        if self.group is not None:
+            path = ckpt.dcp_path_for(self.run_dir, self.progress.step)
+            ckpt.save_sharded(self._sharded_state(), self._meta(), self._rank_state(), path, rank=self.rank,
+                              barrier=self.group.barrier)
+        else:
+            path = ckpt.path_for(self.run_dir, self.progress.step)
             ckpt.save(self.state_dict(), path)
+        if self.rank == 0:
             ckpt.prune(self.run_dir, self.cfg.checkpoint.keep_checkpoints)
         seconds = time.perf_counter() - t
         self.last_good = path
-        self.channel.emit("checkpoint", step=self.progress.step, path=str(path), seconds=seconds, reason=reason,
-                          tokens=self.progress.tokens)
-        self.log(f"checkpoint {path.name} ({seconds:.2f} s, {reason})")
+        self.emit0("checkpoint", step=self.progress.step, path=str(path), seconds=seconds, reason=reason,
+                   tokens=self.progress.tokens)
+        if self.rank == 0:
+            self.log(f"checkpoint {path.name} ({seconds:.2f} s, {reason})")
         return path
 
     # --------------------------------------------------------------- micro-batch
@@ -281,19 +411,37 @@ class Trainer:
         local = self.cfg.optim.global_batch // self.world
         x_all, y_all = self.sampler.micro_batch(0, 0, local)
 
-        def probe(mb: int) -> int:
+        def probe_local(mb: int) -> int:
             self.meter.reset_peak()
             try:
-                with self._autocast():
+                # DDP: no gradient all-reduce. FSDP2 keeps its reduce-scatter (the ranks probe in lockstep), so
+                # no unsharded gradient is left accumulated for the first real step.
+                with self._sync_grads(last_micro=self.parallel == "fsdp"), self._autocast():
                     loss = self._loss(x_all[:mb].to(self.device), y_all[:mb].to(self.device), 0, 0)
-                self.scaler.scale(loss).backward()
+                    self.scaler.scale(loss).backward()
                 return self.meter.peak()
             finally:
                 self.optimizer.zero_grad(set_to_none=True)
                 if self.balancer is not None:
                     self.balancer.reset()
 
-        mb = find_micro_batch(probe, local, self.meter.capacity(), margin=0.1, log=self.log)
+        def probe(mb: int) -> int:
+            """Several ranks decide together (FSDP's forward is collective): the worst rank's peak counts."""
+            if self.group is None:
+                return probe_local(mb)
+            try:
+                peak = float(probe_local(mb))
+            except torch.OutOfMemoryError:
+                peak = math.inf
+            peak = self.group.host_max(peak)
+            if math.isinf(peak):
+                raise torch.OutOfMemoryError(f"micro-batch {mb} ran out of memory on a rank")
+            return int(peak)
+
+        capacity = self.meter.capacity()
+        if self.group is not None:
+            capacity = int(self.group.host_min(float(capacity)))
+        mb = find_micro_batch(probe, local, capacity, margin=0.1, log=self.log if self.rank == 0 else lambda s: None)
         self.log(f"--micro-batch auto: {mb}")
         return mb
 
@@ -333,8 +481,8 @@ class Trainer:
             self.prefetcher.close()
             self._stop_profiler()
         elapsed = time.perf_counter() - self._t_run
-        self.channel.emit("done", step=self.progress.step, tokens=self.progress.tokens, seconds=elapsed,
-                          reason=stop_reason or "max_steps", checkpoint=str(self.last_good))
+        self.emit0("done", step=self.progress.step, tokens=self.progress.tokens, seconds=elapsed,
+                   reason=stop_reason or "max_steps", checkpoint=str(self.last_good))
         self.log(f"done at step {self.progress.step} ({stop_reason or 'max_steps'}) in {elapsed:.1f} s")
         return EXIT_OK
 
@@ -357,6 +505,8 @@ class Trainer:
         return None
 
     def _handle_commands(self) -> str | None:
+        if self.group is not None:
+            return self._handle_commands_agreed()
         if self.faults.at.get(self.progress.step) == "stop":
             self.faults.take(self.progress.step)
             return "stop (--fault)"
@@ -373,6 +523,48 @@ class Trainer:
                 self.channel.emit("warning", message=f"unknown command {name!r} ignored")
         return None
 
+    def _handle_commands_agreed(self) -> str | None:
+        """Several ranks: what any rank has pending is all-reduced (MAX), so all act on the same step.
+
+        Vector: [stop code, newest checkpoint request, newest profile request, its steps]. Requests
+        are numbered by the sender (ms timestamps); one reaching two ranks on different steps is acted
+        on once. A command without a number counts on rank 0 only (every rank got the same one)."""
+        stop_code, stop_reason, want = 0, None, {"checkpoint": 0, "profile": 0}
+        profile_steps = 0
+        if self.faults.at.get(self.progress.step) == "stop":
+            self.faults.take(self.progress.step)
+            stop_code, stop_reason = D.STOP_FAULT, "stop (--fault)"
+        for cmd in self.channel.pending_commands():
+            name, source = cmd.get("cmd"), cmd.get("source", "socket")
+            seq = cmd.get("seq")
+            if name == "stop":
+                code = {"signal": D.STOP_SIGNAL, "eof": D.STOP_LAUNCHER_GONE}.get(source, D.STOP_REQUESTED)
+                if code > stop_code:
+                    stop_code, stop_reason = code, cmd.get("reason", D.STOP_TEXT[code])
+                continue
+            if not isinstance(seq, int):
+                if source == "socket" and self.rank != 0:
+                    continue
+                seq = time.time_ns() // 1_000_000
+            if name in want:
+                want[name] = max(want[name], seq)
+                if name == "profile":
+                    profile_steps = max(profile_steps, int(cmd.get("steps", 3)))
+            elif self.rank == 0:
+                self.channel.emit("warning", message=f"unknown command {name!r} ignored")
+        stop_code, ckpt_seq, prof_seq, prof_steps = self.group.agree(
+            [stop_code, want["checkpoint"], want["profile"], profile_steps])
+        if ckpt_seq > self._done_seq["checkpoint"]:
+            self._done_seq["checkpoint"] = ckpt_seq
+            self.save_checkpoint("requested")
+        if prof_seq > self._done_seq["profile"]:
+            self._done_seq["profile"] = prof_seq
+            s = self.progress.step
+            self.profile_window = (s, s + max(1, prof_steps) - 1)
+        if stop_code:
+            return stop_reason or f"{D.STOP_TEXT.get(stop_code, 'stop')} (another rank)"
+        return None
+
     def _is_log_step(self) -> bool:
         return self.progress.step % self.cfg.log.log_every == 0
 
@@ -380,6 +572,7 @@ class Trainer:
         self._loss_sum = torch.zeros((), device=self.device)
         self._grad_norm = torch.zeros((), device=self.device)
         self._bad = []      # (step, batch_index, device bool tensor)
+        self._comm_ms: list[float | None] = []
         self._interval_steps = 0
         self._interval_t0 = time.perf_counter()
         self.meter.reset_peak()
@@ -399,7 +592,8 @@ class Trainer:
             return
         self._profiler.__exit__(None, None, None)
         a, b = self._profile_span
-        out = self.run_dir / "profiles" / f"steps-{a}-{b}.json"
+        suffix = f".rank{self.rank}" if self.rank else ""
+        out = self.run_dir / "profiles" / f"steps-{a}-{b}{suffix}.json"
         out.parent.mkdir(exist_ok=True)
         self._profiler.export_chrome_trace(str(out))
         self._profiler = None
@@ -425,6 +619,8 @@ class Trainer:
             with timer.phase("data"):
                 got_bi, got_mi, x, y = self.prefetcher.get()
             assert got_bi == bi and got_mi == micro, f"data order broken: got {got_bi}/{got_mi}, want {bi}/{micro}"
+            sync = self._sync_grads(last_micro=micro == self.accum - 1)
+            sync.__enter__()
             with timer.phase("forward"):
                 with self._autocast():
                     loss = self._loss(x, y, bi, micro) / self.accum
@@ -443,6 +639,7 @@ class Trainer:
                 fault = None
             with timer.phase("backward"):
                 self.scaler.scale(loss).backward()
+            sync.__exit__(None, None, None)
             step_loss += loss.detach()
         with timer.phase("optimizer"):
             self.scaler.unscale_(self.optimizer)
@@ -451,12 +648,16 @@ class Trainer:
             else:
                 norm = torch.linalg.vector_norm(torch.stack(
                     [g.grad.detach().norm() for g in self.raw_model.parameters() if g.grad is not None]))
+            if hasattr(norm, "full_tensor"):       # FSDP2: a DTensor; the norm over all shards
+                norm = norm.full_tensor()
             self.scaler.step(self.optimizer)
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
             if self.balancer is not None:
                 self.balancer.update()
         timer.end_step()
+        if self.comm is not None:
+            self._comm_ms.append(self.comm.take_ms())
         self._bad.append((step, bi, ~torch.isfinite(step_loss)))
         self._loss_sum += step_loss
         self._grad_norm = norm.detach()
@@ -471,7 +672,10 @@ class Trainer:
         """Read back the interval's non-finite flags (one sync); raise before a poisoned state is used."""
         if not self._bad:
             return
-        flags = torch.stack([b for _, _, b in self._bad]).cpu().tolist()
+        stacked = torch.stack([b for _, _, b in self._bad]).to(torch.int32)
+        if self.group is not None:       # a non-finite loss on any rank rolls every rank back
+            self.group.max_(stacked)
+        flags = stacked.cpu().tolist()
         for (step, bi, _), bad in zip(self._bad, flags):
             if bad:
                 raise NonFiniteLoss(step, bi)
@@ -481,6 +685,9 @@ class Trainer:
         n = self._interval_steps
         if n == 0:
             return
+        if self.group is not None:                  # the global batch's loss: mean over ranks
+            self.group.sum_(self._loss_sum)
+            self._loss_sum /= self.world
         loss = (self._loss_sum / n).item()          # the one sync per log interval
         grad_norm = self._grad_norm.item()
         self._check_finite_now()
@@ -502,6 +709,9 @@ class Trainer:
         fields["batch"] = self.progress.batch_cursor - 1   # global batch index of the last step (data-order checks)
         if idle:
             fields["gpu_idle_ms"] = sum(idle) / len(idle)
+        comm = [c for c in self._comm_ms if c is not None]
+        if comm:
+            fields["comm_ms"] = sum(comm) / len(comm)
         if self.balancer is not None:
             fields["expert_load"] = self.balancer.load()
         self.channel.emit("step", **fields)
@@ -524,12 +734,12 @@ class Trainer:
         if self.balancer is not None:
             self.balancer.reset()
         loss = (total / len(self._val)).item()
-        self.channel.emit("eval", step=self.progress.step, loss=loss, seconds=time.perf_counter() - t)
+        self.emit0("eval", step=self.progress.step, loss=loss, seconds=time.perf_counter() - t)
 
     def _rollback(self, e: NonFiniteLoss) -> None:
         cfg = self.cfg
         p = self.progress
-        self.channel.emit("warning", message=str(e), step=e.step, batch=e.batch_index)
+        self.emit0("warning", message=str(e), step=e.step, batch=e.batch_index)
         if cfg.run.nan_policy == "stop" or p.nan_rollbacks >= cfg.run.nan_retries:
             why = "--nan-policy stop" if cfg.run.nan_policy == "stop" else f"{p.nan_rollbacks} rollbacks already"
             self._fail("nan", f"{e}; giving up ({why}). Try a lower --lr or another --precision.")
@@ -549,8 +759,7 @@ class Trainer:
         p.skip_batches, p.nan_rollbacks, p.lr_scale = skips, rollbacks, scale
         msg = (f"rolled back to {source} at step {p.step}; skipping batch {e.batch_index}; "
                f"learning rate x{scale:g} (rollback {rollbacks}/{cfg.run.nan_retries})")
-        self.channel.emit("warning", message=msg, kind="nan_rollback", step=p.step, skip_batches=skips,
-                          lr_scale=scale)
+        self.emit0("warning", message=msg, kind="nan_rollback", step=p.step, skip_batches=skips, lr_scale=scale)
         self.log(msg)
         self.timer.collect()
         self._interval_reset()
@@ -562,7 +771,10 @@ class Trainer:
         torch.manual_seed(self.cfg.optim.seed)
         fresh = build_model(self.cfg.model, vocab_size=self.data.vocab_size, seq_len=self.cfg.data.seq_len,
                             toggles=self.cfg.toggles, dev=self.dev, mask_id=self.data.mask_id, seed=self.cfg.optim.seed)
-        self.raw_model.load_state_dict(fresh.model.state_dict())
+        if self.group is not None:
+            self._load_full(fresh.model.state_dict(), None)
+        else:
+            self.raw_model.load_state_dict(fresh.model.state_dict())
         self.optimizer = self._make_optimizer()
         self.progress = Progress()
 
@@ -611,6 +823,10 @@ def main_run(cfg: TrainConfig) -> int:
         return _report(trainer, "oom", f"out of memory: {str(e).splitlines()[0] if str(e) else ''} -- try a smaller "
                                        f"--micro-batch, --activation-checkpointing or bf16", EXIT_OOM, **extra)
     except Exception as e:
+        if trainer is not None and trainer.world > 1 and D.is_comm_error(e):
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            return _report(trainer, "crash", f"lost contact with another rank, which probably failed (see its "
+                                             f"error): {first}", EXIT_CRASH, lost_peer=True)
         if _is_compile_error(e):
             return _report(trainer, "compile", f"torch.compile failed ({cfg.toggles.compile}): "
                                                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
@@ -619,6 +835,8 @@ def main_run(cfg: TrainConfig) -> int:
     finally:
         if trainer is not None and trainer.channel is not None:
             trainer.channel.close()
+        if trainer is not None and trainer.group is not None:
+            trainer.group.destroy()
 
 
 def _is_compile_error(e: BaseException) -> bool:

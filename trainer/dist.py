@@ -1,0 +1,227 @@
+"""Several ranks, one run: the torch.distributed pieces the training loop uses.
+
+A run launched by torchrun (WORLD_SIZE > 1) gets a process group (NCCL on
+CUDA, gloo on the CPU), the model wrapped for data parallelism (DDP, or FSDP2
+`fully_shard` with the precision toggle mapped to its MixedPrecisionPolicy),
+and a small control plane:
+
+Agreement. Commands (stop, checkpoint now, profile) and signals can reach the
+ranks at different moments, so at every step boundary each rank contributes
+what it has pending to one all-reduce (MAX) of a few integers, and all ranks
+act on the result: the same command takes effect on the same step everywhere.
+It is one tiny collective per step, on a CPU tensor over gloo (a separate gloo
+group when the training backend is NCCL, so it never synchronizes the GPU);
+about a millisecond on this 2-core machine's loopback, negligible next to a
+step that is worth spreading over several devices. Checkpoint and profile
+requests carry a sequence number (the supervisor's send time in ms), so a
+request that reaches two ranks on different steps is honoured once.
+
+comm time. With DDP on gloo a communication hook times the gradient
+all-reduces: `comm_ms` is the wall time during which at least one of them
+was in flight. It overlaps `backward` (it is part of it, not an extra phase);
+a rank that waits for a slower peer shows a long `comm_ms`. With NCCL the
+host cannot see when a collective finishes without synchronizing, and FSDP2's
+all-gathers and reduce-scatters have no hook: there `comm_ms` is not reported.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .config import ConfigError
+
+PARALLEL_MODES = ("ddp", "fsdp")
+
+# Stop reasons in the agreement vector (MAX wins: a rank's own reason is kept for its own log).
+STOP_REQUESTED, STOP_SIGNAL, STOP_LAUNCHER_GONE, STOP_FAULT = 1, 2, 3, 4
+STOP_TEXT = {STOP_REQUESTED: "stop requested", STOP_SIGNAL: "stop signal", STOP_LAUNCHER_GONE: "launcher went away",
+             STOP_FAULT: "stop (--fault)"}
+
+
+def env_world() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's environment; (0, 1, 0) for one process."""
+    return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+            int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def rank_device(requested: str, world: int, local_rank: int) -> str:
+    """The device string a rank trains on: cuda:LOCAL_RANK when several ranks use CUDA."""
+    if world <= 1:
+        return requested
+    if requested.startswith("cuda:"):
+        raise ConfigError("--device", f"{requested}: with several ranks each one uses cuda:LOCAL_RANK; "
+                                      f"pass --device cuda (or auto) and pick GPUs with CUDA_VISIBLE_DEVICES")
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        return f"cuda:{local_rank}"
+    return requested
+
+
+def die_with_parent() -> None:
+    """Linux: SIGTERM this rank (a graceful, agreed stop) if its launcher (torchrun) dies."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)          # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class Group:
+    """The process group of a multi-rank run and its control plane."""
+
+    def __init__(self, rank: int, world: int, local_rank: int, device: torch.device):
+        self.rank, self.world, self.local_rank = rank, world, local_rank
+        self.device = device
+        self.backend = "nccl" if device.type == "cuda" else "gloo"
+        self.ctrl: Any = None           # gloo group for CPU control tensors (None: the default group is gloo)
+
+    def init(self, timeout_s: float = 600.0) -> None:
+        if dist.is_initialized():
+            return
+        kwargs: dict[str, Any] = {"backend": self.backend, "timeout": datetime.timedelta(seconds=timeout_s)}
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            kwargs["device_id"] = self.device
+        dist.init_process_group(**kwargs)
+        if self.backend != "gloo":
+            self.ctrl = dist.new_group(backend="gloo")
+
+    def destroy(self) -> None:
+        if dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+    # ------------------------------------------------------------ collectives
+    def agree(self, values: list[int]) -> list[int]:
+        """Element-wise MAX over the ranks of a few host integers (the per-step command agreement)."""
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctrl)
+        return [int(v) for v in t.tolist()]
+
+    def host_max(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctrl)
+        return float(t.item())
+
+    def host_min(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.ctrl)
+        return float(t.item())
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        """In-place SUM over ranks of a device tensor (gloo has no AVG)."""
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def max_(self, t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.ctrl)
+
+
+def is_comm_error(e: BaseException) -> bool:
+    """A failed collective: usually because another rank died (its own error tells why)."""
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    text = str(e)
+    return any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "remote worker",
+                                   "Broken pipe", "NCCL communicator was aborted", "ProcessGroupNCCL",
+                                   "ProcessGroupGloo", "gloo/transport"))
+
+
+# ----------------------------------------------------------------- wrapping
+def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated transformer blocks: the largest ModuleList of modules with parameters."""
+    best: list[torch.nn.Module] = []
+    for m in model.modules():
+        if isinstance(m, torch.nn.ModuleList):
+            blocks = [b for b in m if any(True for _ in b.parameters())]
+            if len(blocks) > len(best):
+                best = blocks
+    return best
+
+
+def fsdp_precision(precision: str):
+    """(MixedPrecisionPolicy or None, autocast dtype): FSDP2 casts at module boundaries instead of autocast."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision in ("bf16", "fp8-tensorwise", "fp8-rowwise"):
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), None
+    if precision == "fp16":
+        raise ConfigError("--precision", "fp16 with --parallel fsdp is not supported (its loss scaler would "
+                                         "need sharded inf checks); use bf16, or --parallel ddp")
+    return None, None          # fp32 / tf32: full precision
+
+
+def apply_fsdp(model: torch.nn.Module, precision: str) -> torch.nn.Module:
+    """FSDP2: shard each transformer block, then the root (embeddings, final norm, head)."""
+    from torch.distributed.fsdp import fully_shard
+
+    mp, _ = fsdp_precision(precision)
+    kwargs: dict[str, Any] = {} if mp is None else {"mp_policy": mp}
+    for block in find_blocks(model):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+class CommTimer:
+    """DDP communication hook (gloo): times the gradient all-reduces of each step.
+
+    Same arithmetic as DDP's default (`allreduce_hook`: divide by the world size,
+    all-reduce SUM). `take_ms()` returns the wall time during which at least one
+    bucket was in flight since the last call (the union of the intervals).
+    """
+
+    def __init__(self, world: int):
+        self.world = world
+        self._spans: list[tuple[float, float]] = []
+        self._lock = threading.Lock()
+
+    def register(self, ddp: torch.nn.Module) -> None:
+        def hook(state, bucket):
+            return self._hook(state, bucket)
+
+        # DDP checks the annotations; this module's are strings (postponed evaluation), so set real ones.
+        hook.__annotations__ = {"state": object, "bucket": dist.GradBucket,
+                                "return": torch.futures.Future[torch.Tensor]}
+        ddp.register_comm_hook(None, hook)
+
+    def _hook(self, state: Any, bucket: Any) -> torch.futures.Future:
+        t0 = time.perf_counter()
+        buf = bucket.buffer()
+        buf.div_(self.world)
+        fut = dist.all_reduce(buf, async_op=True).get_future()
+
+        def done(f: torch.futures.Future) -> torch.Tensor:
+            with self._lock:
+                self._spans.append((t0, time.perf_counter()))
+            return f.value()[0]
+
+        return fut.then(done)
+
+    def take_ms(self) -> float | None:
+        with self._lock:
+            spans, self._spans = sorted(self._spans), []
+        if not spans:
+            return None
+        total, (a, b) = 0.0, spans[0]
+        for s, e in spans[1:]:
+            if s > b:
+                total += b - a
+                a, b = s, e
+            else:
+                b = max(b, e)
+        return (total + b - a) * 1e3
