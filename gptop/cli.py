@@ -114,10 +114,11 @@ def cmd_run(ns: argparse.Namespace) -> int:
     options = SessionOptions(interval=ns.interval, restart_on_failure=ns.restart_on_failure,
                              tensorboard=ns.tensorboard)
     session = Session(cfg, options)
+    from .tuning import TuningDriver, install_toggler
+
+    install_toggler(session, space_spec=ns.tune_space, storage=ns.storage)   # `t` starts/stops tuning
     tuning = _tuning_request(ns)
     if tuning is not None:
-        from .tuning import TuningDriver
-
         TuningDriver(session, **tuning).attach()
     if ns.no_ui:
         code = _run_headless(session, ns, resume)

@@ -10,12 +10,27 @@ controller's actions into process restarts:
 - a failed trial (OOM, NaN, divergence, compile error, crash) is killed if it
   still runs, the checkpoints it wrote are deleted, and the next process
   resumes from the pre-trial checkpoint: the step count and weights are those
-  of before the trial;
+  of before the trial. The pre-trial checkpoint is hard-linked aside while a
+  trial runs, so the trial's own checkpoint pruning (`--keep-checkpoints`)
+  cannot take the rollback target away;
 - the best setting is applied the same way, after a checkpoint, and training
-  goes on to --max-steps.
+  goes on to --max-steps. Trial processes run with `--nan-policy stop` (a NaN
+  must end the trial, not be trained around) and log every step; the process
+  that trains on after tuning runs with the user's own settings, so it is
+  restarted when those differ.
 
-Trial, apply and tuner events are appended to the run's events.jsonl, so a
-replay or `gptop report` sees the tuning as it happened.
+While attached, the driver owns every trainer exit (`Session.on_trainer_exit`):
+an expected exit (a restart) or a failed trial is handled here; the end of the
+run, an interrupt or a failure outside a trial is handed back to the session
+after the tuning report is written, so the exit code and status are the
+session's as always and no report is lost to a racing exit.
+
+Trial, apply, tuner and `log` events (the decision, said either way, and each
+rollback) are appended to the run's events.jsonl, so a replay or
+`gptop report` sees the tuning as it happened.
+
+`install_toggler(session)` makes the `t` key start tuning (default budget
+10 minutes) in any `gptop train` session, and stop it while it runs.
 """
 
 from __future__ import annotations
@@ -23,79 +38,130 @@ from __future__ import annotations
 import dataclasses
 import os
 import queue
+import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from trainer import checkpoint as ckpt
 from trainer import events as ev
-from trainer.config import ConfigError, Toggles, TrainConfig
-from trainer.device import DeviceInfo
+from trainer.config import Toggles, TrainConfig
 
 STEADY = ("done", "prune", "budget", "timeout")
-TEST_FAULT_ENV = "GPTOP_TEST_TRIAL_FAULT"     # "N:KIND": inject KIND (nan, oom, crash) into trial N (tests only)
+TEST_FAULT_ENV = "GPTOP_TEST_TRIAL_FAULT"   # "N:KIND" or "N:KIND@K": KIND (nan, oom, crash, kill, compile) K steps
+DEFAULT_FAULT_OFFSET = 2                   # into this session's N-th trial (tests only; default K=2)
+DEFAULT_T_BUDGET_S = 600.0                 # the `t` key in a plain `gptop train`
+
+
+def parse_test_fault(spec: str) -> tuple[int, str, int] | None:
+    """`N:KIND[@K]` -> (N, KIND, K); None when unset or unreadable (a test hook never breaks a run)."""
+    if not spec or ":" not in spec:
+        return None
+    n, _, rest = spec.partition(":")
+    kind, _, k = rest.partition("@")
+    try:
+        return int(n), kind.strip(), int(k) if k else DEFAULT_FAULT_OFFSET
+    except ValueError:
+        return None
 
 
 class TuningDriver:
     def __init__(self, session, budget_s: float, space_spec: str | None = None, storage: str | None = None,
-                 tune_only: bool = False, trial_log_every: int = 1):
+                 tune_only: bool = False, trial_log_every: int = 1, hello: dict[str, Any] | None = None,
+                 on_detach: Callable[["TuningDriver"], None] | None = None):
         self.session = session
         self.budget_s = budget_s
         self.space_spec = space_spec
         self.storage = storage
         self.tune_only = tune_only
         self.trial_log_every = trial_log_every
-        self.user_log_every = session.cfg.log.log_every
+        self.on_detach = on_detach
         self.q: "queue.Queue[tuple[str, Any]]" = queue.Queue()
         self.ctl = None
         self.study = None
         self.thread: threading.Thread | None = None
-        self._expect_exit = False
-        self._proc_running = False
-        self._hello: dict[str, Any] | None = None
-        self.last_ckpt: tuple[int, str] | None = None
         self.finished = threading.Event()
         self.error: str | None = None
-        fault = os.environ.get(TEST_FAULT_ENV, "")
-        self.test_fault = (int(fault.split(":")[0]), fault.split(":")[1]) if ":" in fault else None
+        self.report_paths: dict[str, Path] | None = None
+        self.last_ckpt: tuple[int, str] | None = None
+        self._hello = hello
+        self._lock = threading.Lock()
+        self._attached = False
+        self._alive = False              # a trainer process runs (as far as the queue has told this thread)
+        self._expect_exit = False
+        self._exit_code: int | None = None
+        self._steps_since_spawn = 0
+        self._complete = False            # the run reached --max-steps
+        self._abort: str | None = None
+        self._running_cfg: TrainConfig | None = None   # the config of the process we started (None: the session's)
+        self._spawned_at: float | None = None
+        self._restart_s: list[float] = []
+        self.user_cfg: TrainConfig | None = None
+        self.test_fault = parse_test_fault(os.environ.get(TEST_FAULT_ENV, ""))
 
     # ------------------------------------------------------------- wiring
     def attach(self) -> "TuningDriver":
         s = self.session
-        s.cfg.log.log_every = min(self.user_log_every, self.trial_log_every)
-        s.hooks.append(self._on_event)
-        s.on_trainer_exit = self._on_exit
-        s.tuning_toggler = self.stop_tuning
+        self.user_cfg = TrainConfig.from_dict(s.cfg.to_dict())
+        sup = s.supervisor
+        self._alive = sup is not None and sup.alive()
+        if not self._alive and self._hello is None:
+            # not started yet (gptop tune): the first process is the baseline and logs every step
+            s.cfg.log.log_every = min(s.cfg.log.log_every, self.trial_log_every)
+        self._prev_exit_handler = s.on_trainer_exit
+        self._prev_toggler = getattr(s, "tuning_toggler", None)
+        with self._lock:
+            self._attached = True
+            s.hooks.append(self._on_event)
+            s.on_trainer_exit = self._on_exit
+            s.tuning_toggler = self.stop_tuning
         self.thread = threading.Thread(target=self._run_safely, name="gptop-tuning", daemon=True)
         self.thread.start()
         return self
 
     def _on_event(self, event: dict[str, Any]) -> None:
         kind = event.get("type")
-        if kind == "hello":
-            self._proc_running = True
-        if kind == "checkpoint":
-            self.last_ckpt = (event["step"], event["path"])
+        if kind == "checkpoint" and event.get("rank", 0) == 0:
+            self.last_ckpt = (int(event["step"]), str(event["path"]))
         if kind in ("hello", "step", "checkpoint", "error", "done"):
             self.q.put(("event", event))
 
     def _on_exit(self, code: int) -> bool:
-        """Called by the session when the trainer exits: True if the tuning handles it (restart, rollback)."""
-        self._proc_running = False
-        expected = self._expect_exit
-        self.q.put(("exit", code))
-        if expected:
+        """The session's exit hook: while attached, every trainer exit is the driver's to handle."""
+        with self._lock:
+            if not self._attached:
+                return False
+            self.q.put(("exit", code))
             return True
-        if self.finished.is_set() or self.session.interrupted:
-            return False
-        if code == 0:
-            return False                      # max steps reached while tuning: the run is done
-        return self.ctl is not None and self.ctl._active is not None   # a trial failed: roll back
 
     def stop_tuning(self) -> None:
-        """The `t` key while tuning: stop now, keep the running configuration."""
+        """The `t` key while tuning: stop now and train on (with the running configuration if it is healthy)."""
         self.q.put(("abort", "stopped by the user"))
+
+    def _detach(self) -> None:
+        """Give the session back its exit handling; hand it an exit the tuning consumed but did not handle."""
+        s = self.session
+        with self._lock:
+            if not self._attached:
+                return
+            self._attached = False
+            if self._on_event in s.hooks:
+                s.hooks.remove(self._on_event)
+            s.on_trainer_exit = self._prev_exit_handler
+            s.tuning_toggler = self._prev_toggler
+            while True:                   # exits queued but not yet seen by this thread
+                try:
+                    kind, payload = self.q.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "exit":
+                    self._alive, self._exit_code = False, payload
+        sup = s.supervisor
+        if not self._alive and not s.finished and not (sup is not None and sup.alive()):
+            code = self._exit_code if self._exit_code is not None else 0
+            s._on_exit(code)
+        if self.on_detach is not None:
+            self.on_detach(self)
 
     # ---------------------------------------------------------- main loop
     def _run_safely(self) -> None:
@@ -105,24 +171,56 @@ class TuningDriver:
             import traceback
 
             self.error = f"{type(e).__name__}: {e}"
-            self.session._broadcast_log(f"tuning stopped by an internal error: {self.error}")
+            self._say(f"tuning stopped by an internal error: {self.error}")
             self.session._broadcast_log(traceback.format_exc())
-            self._restore_log_every()
+            try:
+                if not self._alive and not self.session.interrupted and not self._complete:
+                    self._spawn(self._cfg_for(self.user_cfg.toggles, strict=False), self.last_ckpt)
+            finally:
+                self._detach()
         finally:
             self.finished.set()
 
-    def _publish(self) -> None:
+    def _emit(self, event: dict[str, Any]) -> None:
+        self.session._emit(event)
         path = Path(self.session.run_dir) / "events.jsonl"
+        with open(path, "a") as f:          # one small O_APPEND write per line: no tearing with the trainer's
+            f.write(ev.dumps(event) + "\n")
+
+    def _publish(self) -> None:
         for event in self.ctl.drain_events():
-            self.session._emit(event)
-            with open(path, "a") as f:          # one small O_APPEND write per line: no tearing with the trainer's
-                f.write(ev.dumps(event) + "\n")
+            self._emit(event)
+
+    def _say(self, message: str, **fields: Any) -> None:
+        """A `log` event: the log panel in the TUI, a line in --no-ui, a JSON line with --json."""
+        self._emit(ev.make_event("log", message=f"tuner: {message}", source="tuner", **fields))
 
     def _next(self, timeout: float = 0.2) -> tuple[str, Any] | None:
+        """One queue item, with the bookkeeping every waiter needs (process alive, run complete, abort)."""
         try:
-            return self.q.get(timeout=timeout)
+            item = self.q.get(timeout=timeout)
         except queue.Empty:
             return None
+        kind, payload = item
+        if kind == "exit":
+            self._alive, self._exit_code = False, payload
+        elif kind == "abort":
+            self._abort = self._abort or str(payload)
+        elif kind == "event":
+            t = payload.get("type")
+            if payload.get("rank", 0) == 0:
+                if t == "hello":
+                    self._alive = True
+                    self._steps_since_spawn = 0
+                elif t == "step":
+                    if self._steps_since_spawn == 0 and self._spawned_at is not None:
+                        self._restart_s.append(time.monotonic() - self._spawned_at)
+                        self._spawned_at = None
+                        self._update_reserve()
+                    self._steps_since_spawn += 1
+                elif t == "done" and payload.get("reason") == "max_steps":
+                    self._complete = True
+        return item
 
     def _wait_hello(self) -> dict[str, Any] | None:
         while True:
@@ -134,36 +232,56 @@ class TuningDriver:
             kind, payload = item
             if kind == "event" and payload["type"] == "hello":
                 return payload
-            if kind in ("exit", "abort"):
+            if kind == "exit" or (kind == "abort"):
                 return None
+
+    def _update_reserve(self) -> None:
+        """Keep enough budget for the final switch: a restart as long as the ones seen, plus a checkpoint."""
+        if self.ctl is not None and self._restart_s:
+            from statistics import median
+
+            self.ctl.switch_reserve_s = median(self._restart_s) + self.ctl.checkpoint_s
 
     def _run(self) -> None:
         from tuner.budget import Budget
         from tuner.controller import Apply, Done, FindMicroBatch, Remeasure, RunTrial, TuneController
         from tuner.space import SearchSpace
         from tuner.study import TuneStudy
+        from trainer.device import DeviceInfo   # imports torch: not at gptop start-up
 
-        hello = self._wait_hello()
+        hello = self._hello or self._wait_hello()
         if hello is None:
-            return
+            return self._conclude(None)
         self._hello = hello
         d = dict(hello["device"])
         d["capability"] = tuple(d["capability"]) if d.get("capability") else None
         dev = DeviceInfo(**d)
         cfg = TrainConfig.from_dict(hello["config"])
-        base_mb = self.session.cfg.toggles.micro_batch
+        base_mb = self.user_cfg.toggles.micro_batch
         start = dataclasses.replace(cfg.toggles, micro_batch=base_mb)
         world = hello.get("world_size", 1)
         space = SearchSpace.for_device(start, dev, cfg.optim.global_batch, world_size=world, spec=self.space_spec)
         cfg.toggles = start
         self.study = TuneStudy.open(cfg, dev, space, storage=self.storage, world_size=world)
-        # A trial may use at most ~1/8 of the budget, so even a short budget sees several trials.
-        per_trial = max(10.0, min(300.0, self.budget_s / 8))
+        # A trial measures for at most ~1/10 of the budget (>= 8 s), so a short budget still sees several trials;
+        # one that has not produced a measurement in twice that (a slow compile) is cut.
+        per_trial = max(8.0, min(300.0, self.budget_s / 10))
+        restart_guess = min(30.0, max(5.0, self.budget_s / 20))
         self.ctl = ctl = TuneController(cfg, dev, space, self.study, Budget(self.budget_s), max_seconds=per_trial,
-                                        default_restart_s=min(60.0, per_trial))
-        self.session._broadcast_log(f"tuning for up to {self.budget_s:.0f} s, study {self.study.name}")
+                                        default_restart_s=restart_guess,
+                                        # re-measuring the top two is worth a trial only in longer budgets;
+                                        # in short ones more configurations measured once win
+                                        reserve_trials=1 if self.budget_s >= 600 else 0,
+                                        trial_timeout_s=2 * per_trial + 2 * restart_guess,
+                                        switch_reserve_s=restart_guess)
+        self._say(f"tuning for up to {self.budget_s:.0f} s over {', '.join(space.params) or 'nothing'} "
+                  f"(study {self.study.name})", study=self.study.name)
         trial_index = 0
         while True:
+            if self._abort:
+                ctl.abort(self._abort)
+                self._publish()
+                return self._conclude(None)
             action = ctl.next_action()
             self._publish()
             if isinstance(action, FindMicroBatch):
@@ -174,127 +292,271 @@ class TuningDriver:
                 if isinstance(action, RunTrial) and not action.baseline:
                     trial_index += 1
                     if self.test_fault and self.test_fault[0] == trial_index:
-                        fault = self.test_fault[1]
+                        fault = self.test_fault[1:]
                 pre = self.last_ckpt
-                if action.restart or not self._proc_running:
+                if action.restart or not self._alive:
                     pre = self._restart(action.toggles, fault=fault, strict=True)
-                    if pre is None:
-                        return
+                    if pre is None:            # interrupted, stopped or finished while switching
+                        ctl.abort(self._end_reason())
+                        self._publish()
+                        return self._conclude(None)
                 outcome, reason = self._measure()
-                if outcome == "abort":
+                if outcome in ("abort", "interrupted", "finished"):
+                    if outcome == "finished" and ctl._active is not None:
+                        ctl.finish_trial("ok")            # its steps are the run's last: kept
                     ctl.abort(reason)
                     self._publish()
-                    return self._finish(ctl)
-                if outcome == "finished":
-                    ctl.abort("the run reached --max-steps while tuning")
-                    self._publish()
-                    return self._finish(ctl)
+                    return self._conclude(None)
                 if outcome in STEADY:
                     ctl.finish_trial("ok")
                 else:
-                    self._rollback(pre)
-                    ctl.finish_trial(outcome, reason)
+                    rollback = self._rollback(pre)
+                    event = ctl.finish_trial(outcome, reason)
+                    event["rollback"] = rollback
                 self._publish()
                 continue
             if isinstance(action, (Apply, Done)):
-                self._restore_log_every()
-                if self.tune_only:
-                    self._finish(ctl)
-                    self.session.stop(interrupted=False)
-                    return
-                if action.restart or not self._proc_running:
-                    if self._restart(action.toggles, strict=False) is None:
-                        return
-                self._publish()
-                self._finish(ctl)
-                return
+                return self._conclude(action)
+
+    def _end_reason(self) -> str:
+        if self._abort:
+            return self._abort
+        if self.session.interrupted:
+            return "the run was interrupted"
+        if self._complete:
+            return "the run reached --max-steps while tuning"
+        return "the trainer stopped while tuning"
 
     def _measure(self) -> tuple[str, str]:
         """Feed events to the controller until the trial should stop; returns (stop kind, reason)."""
         ctl = self.ctl
         while True:
             item = self._next()
+            if self._abort:
+                return "abort", self._abort
             if item is not None:
                 kind, payload = item
                 if kind == "event":
                     ctl.observe(payload)
                 elif kind == "exit":
                     stop = ctl.trial_should_stop()
-                    if payload == 0 and not self._expect_exit:
-                        return "finished", "run finished"
+                    if self.session.interrupted:
+                        return "interrupted", "the run was interrupted"
                     if stop and stop not in STEADY:
                         return stop, ""
+                    if payload == 0 and self._complete:
+                        return "finished", "the run reached --max-steps while tuning"
                     return "crash", f"the trainer exited with code {payload} during the trial"
-                elif kind == "abort":
-                    return "abort", str(payload)
             stop = ctl.trial_should_stop()
             if stop:
                 return stop, ""
 
+    def _conclude(self, action) -> None:
+        """Train on with the decided toggles (or hand the ended run back), write the report, detach."""
+        from tuner.controller import Apply
+
+        ctl = self.ctl
+        s = self.session
+        if ctl is not None:
+            if isinstance(action, Apply):
+                self._say(f"applying trial {action.number}: {action.decision.reason}",
+                          decision=action.decision.to_dict())
+            elif action is not None:
+                self._say(f"keeping the starting configuration: {action.reason}")
+            else:
+                self._say(f"tuning ended: {ctl._final.reason if ctl._final else self._end_reason()}")
+        ended = s.interrupted or self._complete or (action is None and s.finished)
+        if action is not None and not ended:
+            toggles = action.toggles
+            if self.tune_only:
+                self._stop_trainer()
+                self._complete = False
+                self._exit_code = 0
+            else:
+                want = self._cfg_for(toggles, strict=False)
+                if not self._alive or self._differs(want):
+                    self._restart(toggles, strict=False)
+        elif action is None and not ended and ctl is not None:
+            # stopped by the user mid-way: train on with what runs, or (nothing runs) the start
+            if not self._alive and not self._complete:
+                self._restart(ctl.base, strict=False)
+        if ctl is not None:
+            self._publish()
+            from tuner.report import write_report
+
+            self.report_paths = write_report(s.run_dir, self.study, ctl.report_info())
+            self._say(f"report {self.report_paths['md']}; best configuration {self.report_paths['toml']}")
+        self._cleanup_guard()
+        if self._running_cfg is None:     # gptop tune's first process logged every step for the baseline
+            s.cfg.log.log_every = self.user_cfg.log.log_every
+        self._detach()
+
     # ------------------------------------------------------------ processes
+    def _differs(self, want: TrainConfig) -> bool:
+        """Whether the running process was started with other toggles or run settings than `want`."""
+        have = self._running_cfg or self.session.cfg
+        return (have.toggles != want.toggles or have.run.nan_policy != want.run.nan_policy
+                or have.log.log_every != want.log.log_every)
+
     def _stop_trainer(self, kill: bool = False) -> None:
+        """Stop the trainer and wait for its exit: graceful (it checkpoints) unless `kill`. A graceful stop that
+        takes far longer than a step (a compile in progress, a hung process) is turned into a kill."""
         sup = self.session.supervisor
-        if sup is None or not sup.alive():
-            self._proc_running = False
+        if not self._alive or sup is None:
+            self._alive = False
             return
         self._expect_exit = True
         if kill:
             sup.kill()
         else:
             sup.request_stop()
-        while True:                       # wait for its exit (its checkpoint event comes first)
-            item = self._next(1.0)
-            if item is None:
-                continue
-            kind, payload = item
-            if kind == "event":
-                self.ctl.observe(payload) if payload["type"] == "checkpoint" else None
-            elif kind == "exit":
-                break
+        step_s = 0.0
+        if self.ctl is not None and self.ctl._active is not None:
+            import math
+
+            ms = self.ctl._active.measure.step_ms
+            step_s = ms / 1000.0 if math.isfinite(ms) else 0.0
+        ckpt_s = self.ctl.checkpoint_s if self.ctl is not None else 0.0
+        grace = 5.0 if self._steps_since_spawn == 0 else max(30.0, 5 * step_s + 3 * ckpt_s)
+        deadline = time.monotonic() + grace
+        while self._alive:
+            item = self._next(0.5)
+            if item is not None and item[0] == "event" and self.ctl is not None:
+                self.ctl.observe(item[1])           # healthy steps between trials feed the loss trend
+            if not kill and self._alive and time.monotonic() > deadline:
+                self._say(f"the trainer did not stop within {grace:.0f} s; killing it")
+                sup.kill()
+                kill = True
         self._expect_exit = False
 
-    def _restart(self, toggles: Toggles, fault: str | None = None, strict: bool = True) -> tuple[int, str] | None:
-        """Checkpoint (graceful stop), then start a trainer with `toggles` from that checkpoint."""
+    def _spawn(self, cfg: TrainConfig, pre: tuple[int, str] | None) -> None:
+        self._running_cfg = cfg
+        self._alive = True
+        self._steps_since_spawn = 0
+        self._spawned_at = time.monotonic()
+        self.session.spawn(cfg, resume=pre[1] if pre and pre[1] else None)
+
+    def _restart(self, toggles: Toggles, fault: tuple[str, int] | None = None,
+                 strict: bool = True) -> tuple[int, str] | None:
+        """Checkpoint (graceful stop), then start a trainer with `toggles` from that checkpoint.
+        Returns the checkpoint it resumes from ((0, "") for none), or None if the run must not go on."""
         self._stop_trainer()
-        if self.session.interrupted:
+        if self.session.interrupted or self._complete or (self._abort and strict):
             return None
         pre = self.last_ckpt
-        cfg = self._cfg_with(toggles, strict)
-        if fault and pre:
-            cfg.run.fault = f"{fault}@{pre[0] + 2}"
-        self.session.spawn(cfg, resume=pre[1] if pre else None)
+        if pre is not None and not Path(pre[1]).exists():
+            pre = self._restore_guard(pre)
+        cfg = self._cfg_for(toggles, strict)
+        if fault:
+            cfg.run.fault = f"{fault[0]}@{(pre[0] if pre else 0) + fault[1]}"
+        if strict:
+            self._guard(pre)
+        self._spawn(cfg, pre)
         return pre or (0, "")
 
-    def _cfg_with(self, toggles: Toggles, strict: bool) -> TrainConfig:
-        base = self.session.cfg
-        cfg = TrainConfig.from_dict(base.to_dict())
+    def _cfg_for(self, toggles: Toggles, strict: bool) -> TrainConfig:
+        """The user's config with `toggles`; trial processes (strict) stop on NaN and log every step."""
+        cfg = TrainConfig.from_dict(self.user_cfg.to_dict())
         cfg.toggles = dataclasses.replace(toggles)
         cfg.run.fault = None
         if strict:
             cfg.run.nan_policy = "stop"       # a NaN ends the trial; the driver rolls back
+            cfg.log.log_every = min(cfg.log.log_every, self.trial_log_every)
         return cfg
 
-    def _rollback(self, pre: tuple[int, str] | None) -> None:
-        """Kill the failed trial if it still runs and forget the checkpoints it wrote."""
+    # ------------------------------------------------------------ rollback
+    def _guard_path(self) -> Path:
+        return Path(self.session.run_dir) / "tuning" / "pre-trial"
+
+    def _guard(self, pre: tuple[int, str] | None) -> None:
+        """Hard-link the pre-trial checkpoint aside: the trial's pruning must not delete the rollback target."""
+        g = self._guard_path()
+        self._cleanup_guard()
+        if not pre or not pre[1] or not Path(pre[1]).exists():
+            return
+        g.parent.mkdir(parents=True, exist_ok=True)
+        src = Path(pre[1])
+        try:
+            if src.is_dir():
+                shutil.copytree(src, g, copy_function=os.link)
+            else:
+                os.link(src, g)
+        except OSError:
+            if src.is_dir():
+                shutil.copytree(src, g)
+            else:
+                shutil.copy2(src, g)
+        (g.parent / "pre-trial.step").write_text(f"{pre[0]}\n{pre[1]}\n")
+
+    def _restore_guard(self, pre: tuple[int, str]) -> tuple[int, str] | None:
+        g = self._guard_path()
+        if not g.exists():
+            return None
+        dst = Path(pre[1])
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if g.is_dir():
+            shutil.copytree(g, dst, copy_function=os.link)
+        else:
+            os.link(g, dst)
+        return pre
+
+    def _cleanup_guard(self) -> None:
+        g = self._guard_path()
+        if g.is_dir():
+            shutil.rmtree(g, ignore_errors=True)
+        elif g.exists():
+            g.unlink(missing_ok=True)
+
+    def _rollback(self, pre: tuple[int, str] | None) -> dict[str, Any]:
+        """Kill the failed trial if it still runs, delete the checkpoints it wrote, restore the pre-trial one."""
+        from trainer import checkpoint as ckpt
+
         self._stop_trainer(kill=True)
         run_dir = Path(self.session.run_dir)
-        keep_step = pre[0] if pre else -1
+        keep_step = pre[0] if pre and pre[1] else -1
+        deleted = []
         for info in ckpt.list_checkpoints(run_dir):
             if info.step > keep_step:
-                info.path.unlink(missing_ok=True)
-        self.last_ckpt = pre if pre and pre[1] else None
-        self.session._broadcast_log(f"trial rolled back to step {max(keep_step, 0)}")
-
-    def _restore_log_every(self) -> None:
-        self.session.cfg.log.log_every = self.user_log_every
-
-    def _finish(self, ctl) -> None:
-        from tuner.report import write_report
-
-        paths = write_report(self.session.run_dir, self.study, ctl.report_info())
-        self.session._broadcast_log(f"tuning report: {paths['md']}; best configuration: {paths['toml']}")
-        self._restore_log_every()
+                if info.path.is_dir():
+                    shutil.rmtree(info.path, ignore_errors=True)
+                else:
+                    info.path.unlink(missing_ok=True)
+                deleted.append(str(info.path))
+        restored = False
+        if pre and pre[1] and not Path(pre[1]).exists():
+            restored = self._restore_guard(pre) is not None
+        self.last_ckpt = pre if pre and pre[1] and Path(pre[1]).exists() else None
+        step = max(keep_step, 0)
+        self._say(f"trial rolled back to step {step}" + (f" ({pre[1]})" if self.last_ckpt else " (the start)")
+                  + (f"; deleted {len(deleted)} checkpoint(s) it wrote" if deleted else ""))
+        return {"step": step, "path": self.last_ckpt[1] if self.last_ckpt else None, "deleted": deleted,
+                "restored": restored}
 
 
 def attach_tuning(session, budget_s: float, **kw: Any) -> TuningDriver:
     return TuningDriver(session, budget_s, **kw).attach()
+
+
+def install_toggler(session, budget_s: float = DEFAULT_T_BUDGET_S, space_spec: str | None = None,
+                    storage: str | None = None) -> None:
+    """Make `t` (Session.toggle_tuning) start tuning the running trainer, and stop it while it runs."""
+    box: dict[str, Any] = {"hello": None, "driver": None}
+
+    def record(event: dict[str, Any]) -> None:
+        if event.get("type") == "hello" and event.get("rank", 0) == 0:
+            box["hello"] = event
+
+    def toggle() -> None:
+        d = box["driver"]
+        if d is not None and not d.finished.is_set():
+            d.stop_tuning()
+            return
+        sup = session.supervisor
+        if box["hello"] is None or sup is None or not sup.alive():
+            session._broadcast_log("tuning starts once the trainer runs")
+            raise RuntimeError("the trainer is not running")
+        box["driver"] = TuningDriver(session, budget_s, space_spec=space_spec, storage=storage,
+                                     hello=box["hello"]).attach()
+
+    session.hooks.append(record)
+    session.tuning_toggler = toggle

@@ -73,8 +73,16 @@ def test_caps_stop_an_unstable_measurement():
     assert s["done_reason"] == "max_steps" and s["n"] > 0 and s["peak_mem"] is not None
 
     t = Measurement(max_seconds=5.0, max_steps=10_000, rel_ci=0.0001)
-    feed(t, steady(1000, ms=1000))
-    assert t.done_reason == "max_seconds" and 5 <= t.seconds < 6.5
+    feed(t, steady(1000, ms=100))
+    assert t.done_reason == "max_seconds" and 5 <= t.seconds < 5.5
+
+    # steps so slow that the cap would leave nothing to estimate from: skip + 6 samples first
+    slow = Measurement(max_seconds=5.0, max_steps=10_000, rel_ci=0.0001)
+    assert feed(slow, steady(1000, ms=1000)) == slow.skip + 6 and slow.has_estimate
+    # ... but never past three times the cap
+    crawl = Measurement(max_seconds=5.0, max_steps=10_000, rel_ci=0.0001)
+    feed(crawl, steady(1000, ms=4000))
+    assert crawl.done_reason == "max_seconds" and 15 <= crawl.seconds < 20
 
 
 def test_energy_and_garbage_samples():

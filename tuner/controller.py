@@ -128,6 +128,7 @@ class Apply:
     toggles: Toggles
     decision: Decision
     restart: bool = True
+    number: int | None = None
 
 
 @dataclass
@@ -167,12 +168,18 @@ class TuneController:
                  budget: Budget, clock: Callable[[], float] = time.monotonic, *, max_trials: int = 16,
                  min_steps: int = 8, rel_ci: float = 0.03, max_steps: int = 200, max_seconds: float = 300.0,
                  prune_margin: float = 0.05, remeasure_top: int = 2, default_restart_s: float = 60.0,
-                 trial_timeout_s: float | None = None, max_micro_batch: int | None = None):
+                 trial_timeout_s: float | None = None, max_micro_batch: int | None = None,
+                 reserve_trials: int | None = None, switch_reserve_s: float = 0.0):
         self.cfg, self.dev, self.space, self.study, self.budget, self.clock = base_cfg, dev, space, study, budget, clock
         self.max_trials = max_trials
         self.measure_kw = dict(min_steps=min_steps, rel_ci=rel_ci, max_steps=max_steps, max_seconds=max_seconds)
         self.prune_margin = prune_margin
         self.remeasure_top = remeasure_top
+        # When starting a trial, keep budget for this many more (re-measurements); a trial is cut when only
+        # `switch_reserve_s` is left, the time the final switch (checkpoint + restart) takes: the budget
+        # covers tuning up to training on with the chosen setting. The session may update the reserve.
+        self.reserve_trials = remeasure_top if reserve_trials is None else reserve_trials
+        self.switch_reserve_s = switch_reserve_s
         self.default_restart_s = default_restart_s
         self.trial_timeout_s = trial_timeout_s or (max_seconds + 2 * default_restart_s + 600.0)
         self.tokens_per_step = base_cfg.optim.global_batch * base_cfg.data.seq_len
@@ -228,9 +235,13 @@ class TuneController:
 
     def tuner_event(self) -> dict[str, Any]:
         a = self._active
-        return make_event("tuner", phase=self.phase, budget_left_s=round(self.budget.left(), 1),
-                          trial=a.number if a else None, trials_run=self.trials_run,
-                          trials_planned=self.trials_planned, study=self.study.name)
+        event = make_event("tuner", phase=self.phase, budget_left_s=round(self.budget.left(), 1),
+                           trial=a.number if a else None, trials_run=self.trials_run,
+                           trials_planned=self.trials_planned, study=self.study.name)
+        if self.phase == "done" and self._final is not None:
+            event["outcome"] = self._final.reason
+            event["applied"] = self.applied is not None
+        return event
 
     def _set_phase(self, phase: str) -> None:
         if phase != self.phase:
@@ -297,7 +308,7 @@ class TuneController:
             return a.failure[0]
         if a.measure.done:
             a.stop = "done"
-        elif self.budget.expired():
+        elif self.budget.expired() or (self.budget.started and self.budget.left() <= self.switch_reserve_s):
             a.stop = "budget"
         elif a.kind == "trial" and should_prune(a.measure, self._best_this_run(), self.prune_margin):
             a.stop = "prune"
@@ -396,7 +407,7 @@ class TuneController:
                 self.stop_note = f"ran the maximum of {self.max_trials} trials"
                 return None
             est = self._trial_estimate()
-            if not self.budget.can_afford(est * (1 + self.remeasure_top)):
+            if not self.budget.can_afford(est * (1 + self.reserve_trials) + self.switch_reserve_s):
                 self.stop_note = f"budget: {self.budget.left():.0f}s left, a trial takes about {est:.0f}s"
                 return None
             p = self.study.ask()
@@ -437,7 +448,7 @@ class TuneController:
             self._remeasure_plan = [] if fresh else sorted(plan, key=lambda c: c.tokens_per_s)
         while self._remeasure_plan:
             c = self._remeasure_plan.pop(0)
-            if not self.budget.can_afford(self._trial_estimate()):
+            if not self.budget.can_afford(self._trial_estimate() + self.switch_reserve_s):
                 self._remeasure_plan = []
                 break
             return self._start("remeasure", c.toggles, None, number=c.number)  # type: ignore[return-value]
@@ -605,11 +616,12 @@ class TuneController:
         self.applied = best.toggles
         restart = best.toggles != self.running
         self._emit(make_event("apply", toggles=dataclasses.asdict(best.toggles), decision=decision.to_dict(),
-                              number=best.number, tokens_per_s=best.tokens_per_s, baseline_tokens_per_s=base_tps))
+                              number=best.number, tokens_per_s=best.tokens_per_s, baseline_tokens_per_s=base_tps,
+                              step=self.last_step))
         self._final = Done(f"applied trial {best.number}: {decision.reason}", best.toggles, restart=False)
         self.phase = "done"
         self._emit(self.tuner_event())
-        return Apply(best.toggles, decision, restart)
+        return Apply(best.toggles, decision, restart, number=best.number)
 
     def _done(self, reason: str, toggles: Toggles) -> Done:
         self._final = Done(reason, toggles, restart=toggles != self.running)

@@ -24,7 +24,9 @@ which is wider than it claims, never narrower.
 
 Stopping. A measurement is `stable` once it has `min_steps` samples after
 warm-up and spread <= rel_ci * estimate; it is `done` when stable or when a
-cap is hit (`max_steps` optimizer steps, or `max_seconds` of trial time). If
+cap is hit (`max_steps` optimizer steps, or `max_seconds` of trial time; at
+that cap, steps so slow that fewer than `skip + 6` samples came get up to
+3 * max_seconds to reach that many, since two samples are no estimate). If
 warm-up never settled by the cap, the estimate uses the second half of the
 samples after `skip` and `warmed_up` stays False in the summary.
 
@@ -179,7 +181,10 @@ class Measurement:
         if self.steps >= self.max_steps:
             return "max_steps"
         if self.samples and self.seconds >= self.max_seconds:
-            return "max_seconds"
+            # a cap with nothing to estimate from is no measurement: slow steps get a few more samples
+            # (enough for three kept ones), up to three times the cap
+            if len(self.samples) >= self.skip + 6 or self.seconds >= 3 * self.max_seconds:
+                return "max_seconds"
         return None
 
     @property
