@@ -1,6 +1,7 @@
 """The `gptop` command line.
 
     gptop train [trainer options]        start a run and show it
+    gptop train --nproc 8 [options]      the same on 8 ranks of this node (torchrun; --parallel ddp|fsdp)
     gptop train --resume RUN_DIR         continue a run from its newest valid checkpoint
     gptop tune --budget 30m [options]    train while tuning the toggles on the live run
     gptop report RUN_DIR                 summarize a run
@@ -53,6 +54,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="restart the trainer from its last checkpoint up to N times if it dies (default: 0)")
         g.add_argument("--tensorboard", action="store_true",
                        help="also write step metrics and device samples as TensorBoard scalars (default: off)")
+        d = p.add_argument_group("distributed (torchrun; see --parallel)")
+        d.add_argument("--nproc", type=int, default=1, metavar="N",
+                       help="ranks (processes, one per GPU) on this node; above 1, or with several nodes, the "
+                            "trainer is launched through torchrun (default: 1)")
+        d.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
+                       help="nodes in the run, passed to torchrun (default: 1)")
+        d.add_argument("--node-rank", type=int, default=None, metavar="N",
+                       help="this node's rank, passed to torchrun (static rendezvous) (default: torchrun's)")
+        d.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                       help="rendezvous endpoint shared by all nodes, passed to torchrun (default: none)")
+        d.add_argument("--rdzv-backend", default=None, metavar="NAME",
+                       help="rendezvous backend, passed to torchrun (default: c10d with several nodes)")
+        d.add_argument("--rdzv-id", default=None, metavar="ID",
+                       help="rendezvous id, the same on all nodes, passed to torchrun (default: torchrun's)")
         return p
 
     train = run_command("train", "train a model and show the run live")
@@ -112,7 +127,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
     if ns.interval <= 0:
         raise ConfigError("--interval", f"must be positive, got {ns.interval}")
     options = SessionOptions(interval=ns.interval, restart_on_failure=ns.restart_on_failure,
-                             tensorboard=ns.tensorboard)
+                             tensorboard=ns.tensorboard, launcher=_launcher(ns))
     session = Session(cfg, options)
     from .tuning import TuningDriver, install_toggler
 
@@ -130,6 +145,18 @@ def cmd_run(ns: argparse.Namespace) -> int:
             session.state.last_error().get("kind") == "config":
         return EXIT_USAGE
     return code
+
+
+def _launcher(ns: argparse.Namespace):
+    """torchrun for --nproc > 1 or several nodes; None runs the trainer as one plain process."""
+    from .supervisor import TorchrunLauncher
+
+    if ns.nproc < 1:
+        raise ConfigError("--nproc", f"must be at least 1, got {ns.nproc}")
+    launcher = TorchrunLauncher(ns.nproc, ns.nnodes, ns.node_rank, ns.rdzv_endpoint, ns.rdzv_backend, ns.rdzv_id)
+    if ns.nproc == 1 and not launcher.multi_node:
+        return None
+    return launcher
 
 
 def _tuning_request(ns: argparse.Namespace) -> dict[str, Any] | None:

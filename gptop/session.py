@@ -20,7 +20,7 @@ from trainer import events as ev
 from trainer.config import TrainConfig, cli_args
 
 from .state import RunState
-from .supervisor import Supervisor, trainer_argv
+from .supervisor import Supervisor, torchrun_failures, trainer_argv
 
 EXIT_DONE, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -58,6 +58,7 @@ class Session:
         self._tb = None
         self.sampler = sampler
         self.spawns = 0
+        self.rank_errors: dict[int, dict[str, Any]] = {}          # this spawn's first error event per rank
         self.hooks: list[Callable[[dict[str, Any]], None]] = []   # e.g. the tuner driver
         self.on_trainer_exit: Callable[[int], bool] | None = None  # returns True if it handled the exit
 
@@ -85,7 +86,9 @@ class Session:
             run_cfg = dataclasses.replace(self.cfg)
             run_cfg.checkpoint = dataclasses.replace(self.cfg.checkpoint, resume=resume)
             sup = Supervisor([], self.run_dir, on_event=self._on_event, on_log=self._on_log,
-                             on_exit=self._on_exit, on_malformed=self._on_malformed)
+                             on_exit=self._on_exit, on_malformed=self._on_malformed,
+                             launcher=self.options.launcher is not None)
+            self.rank_errors = {}
             run_cfg.run = dataclasses.replace(self.cfg.run, run_dir=str(self.run_dir), channel=sup.channel_uri)
             if cfg is None and self.spawns > 0:
                 run_cfg.run.fault = None     # a restart after a failure does not re-inject a test fault
@@ -180,6 +183,8 @@ class Session:
     def _on_event(self, event: dict[str, Any]) -> None:
         if event["type"] in ("step", "hello") and self.state.status in ("starting", "restarting"):
             self._set_status("running")
+        if event["type"] == "error":
+            self.rank_errors.setdefault(int(event.get("rank") or 0), event)
         self._emit(event)
 
     def _on_device_sample(self, sample) -> None:
@@ -233,11 +238,65 @@ class Session:
         self._finish(EXIT_FAILED)
 
     def failure_summary(self, code: int) -> str:
+        if self.options.launcher is not None:
+            ranks = self.rank_failure()
+            if ranks:
+                return ranks
         err = self.state.last_error() if hasattr(self.state, "last_error") else None
         how = f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
         if err:
             return f"trainer failed ({how}): {err.get('kind')}: {err.get('message')}"
         return f"trainer died ({how}) without reporting an error; see {self.run_dir / 'trainer.stderr.log'}"
+
+    def rank_failure(self) -> str | None:
+        """Which rank failed and why, for a launched (torchrun) run.
+
+        The root cause is a rank's own error event if one reported an error that is not a
+        lost connection; else a rank that torchrun saw die (a signal, a silent exit); else
+        the first lost-connection error. torchrun's own "first observed failure" is only
+        known to the second, so it is the last resort."""
+        sup = self.supervisor
+        failures = torchrun_failures(sup.stderr_text()) if sup is not None else []
+        errors = dict(self.rank_errors)
+        lost = sorted(r for r, e in errors.items() if e.get("lost_peer"))
+
+        def how(code: int) -> str:
+            if code < 0:
+                try:
+                    import signal
+
+                    return f"killed by signal {-code} ({signal.Signals(-code).name})"
+                except ValueError:
+                    return f"killed by signal {-code}"
+            return f"exit code {code}"
+
+        def tail(root: int) -> str:
+            others = [r for r in lost if r != root]
+            if not others:
+                return ""
+            names = ", ".join(str(r) for r in others)
+            return f"; rank{'s' if len(others) > 1 else ''} {names} stopped after losing contact with it"
+
+        own = sorted((e for e in errors.values() if not e.get("lost_peer")), key=lambda e: e.get("time") or 0)
+        if own:
+            e = own[0]
+            r = int(e.get("rank") or 0)
+            return f"rank {r} failed: {e.get('kind')}: {e.get('message')}{tail(r)}"
+        silent = [f for f in failures if f["rank"] not in errors]
+        if silent:
+            f = min(silent, key=lambda f: (f["exitcode"] >= 0, not f["root"], f["rank"]))
+            return (f"rank {f['rank']} died ({how(f['exitcode'])}) without reporting an error{tail(f['rank'])}; "
+                    f"see {self.run_dir / 'trainer.stderr.log'}")
+        if errors:
+            e = min(errors.values(), key=lambda e: e.get("time") or 0)
+            r = int(e.get("rank") or 0)
+            return f"rank {r} failed: {e.get('kind')}: {e.get('message')}{tail(r)}"
+        root = [f for f in failures if f["root"]] or failures
+        if root:
+            f = root[0]
+            return (f"rank {f['rank']} failed ({how(f['exitcode'])}): {f['traceback']}; "
+                    f"see {self.run_dir / 'trainer.stderr.log'}")
+        return None
 
     def _finish(self, code: int) -> None:
         self._exit_code = code

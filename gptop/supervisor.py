@@ -9,12 +9,20 @@
   connection per rank), never scraped from output. Commands go back on the
   same connections. When gptop dies, the kernel closes the socket, and the
   trainer takes the EOF as a graceful stop: no orphan, no lost progress.
+- With a launcher (torchrun, `gptop train --nproc N`), each rank runs in its
+  own session (torchrun starts them so), out of reach of a signal to the
+  launcher's group. The supervisor keeps a list of the launcher's
+  descendants: a graceful stop sends the command to every rank and SIGTERM to
+  the ranks themselves (not to torchrun, which would turn it into a kill after
+  30 s), and a kill or the launcher's exit reaches each of them. Which rank
+  failed is read from torchrun's failure summary (`torchrun_failures`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -34,8 +42,11 @@ LogCallback = Callable[[str, str], None]
 class Supervisor:
     def __init__(self, argv: list[str], run_dir: Path, *, on_event: EventCallback, on_log: LogCallback,
                  on_exit: Callable[[int], None], on_malformed: Callable[[bytes, str], None] | None = None,
-                 env: dict[str, str] | None = None, log_poll_s: float = 0.1):
+                 env: dict[str, str] | None = None, log_poll_s: float = 0.1, launcher: bool = False):
         self.argv = list(argv)
+        self.launcher = launcher            # argv starts a launcher whose children are the ranks
+        self._known: dict[int, Any] = {}     # pid -> psutil.Process of every descendant seen
+        self._seq = 0
         self.run_dir = Path(run_dir)
         self.on_event, self.on_log, self.on_exit = on_event, on_log, on_exit
         self.on_malformed = on_malformed or (lambda line, why: None)
@@ -64,13 +75,17 @@ class Supervisor:
         out = open(self.run_dir / "trainer.log", "ab")
         err = open(self.run_dir / "trainer.stderr.log", "ab")
         self._log_offsets = {"stdout": out.tell(), "stderr": err.tell()}
+        self._stderr_start = err.tell()
         env = dict(os.environ if self.env is None else self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
                                      start_new_session=True, close_fds=True)
         out.close()
         err.close()
-        for target, name in ((self._accept_loop, "accept"), (self._wait_loop, "wait"), (self._tail_loop, "tail")):
+        loops = [(self._accept_loop, "accept"), (self._wait_loop, "wait"), (self._tail_loop, "tail")]
+        if self.launcher:
+            loops.append((self._track_loop, "track"))
+        for target, name in loops:
             t = threading.Thread(target=target, name=f"gptop-supervisor-{name}", daemon=True)
             t.start()
             self._threads.append(t)
@@ -84,12 +99,43 @@ class Supervisor:
         if self.proc is None or self.returncode is not None:
             return []
         try:
-            import psutil
-
-            p = psutil.Process(self.proc.pid)
-            return [p.pid] + [c.pid for c in p.children(recursive=True)]
+            return [self.proc.pid] + [c.pid for c in self._descendants()]
         except Exception:
             return [self.proc.pid]
+
+    def _descendants(self) -> list[Any]:
+        """The launcher's live descendants, remembered so that they can be reached after it died."""
+        import psutil
+
+        kids = []
+        if self.proc is not None and self.returncode is None:
+            try:
+                kids = psutil.Process(self.proc.pid).children(recursive=True)
+            except psutil.Error:
+                kids = []
+        with self._lock:
+            for c in kids:
+                self._known.setdefault(c.pid, c)
+        return kids
+
+    def rank_processes(self) -> list[Any]:
+        """The launcher's direct children: one process per rank on this node."""
+        import psutil
+
+        if self.proc is None or self.returncode is not None:
+            return []
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=False)
+        except psutil.Error:
+            return []
+
+    def _track_loop(self) -> None:
+        while not self._exited.is_set():
+            try:
+                self._descendants()
+            except Exception:
+                pass
+            self._exited.wait(0.5)
 
     def alive(self) -> bool:
         return self.proc is not None and self.returncode is None
@@ -136,7 +182,14 @@ class Supervisor:
                 self._conns.remove(conn)
 
     def send(self, cmd: dict[str, Any]) -> int:
-        """Send a command to every connected rank; returns how many got it."""
+        """Send a command to every connected rank; returns how many got it.
+
+        Each command gets a `seq` (milliseconds, increasing) so that ranks that take it on
+        different steps still act on it once, together (trainer.dist)."""
+        if "seq" not in cmd:
+            with self._lock:
+                self._seq = max(self._seq + 1, time.time_ns() // 1_000_000)
+                cmd = dict(cmd, seq=self._seq)
         line = (json.dumps(cmd) + "\n").encode()
         sent = 0
         with self._lock:
@@ -177,7 +230,8 @@ class Supervisor:
     def _wait_loop(self) -> None:
         assert self.proc is not None
         code = self.proc.wait()
-        # Reap what is left of the group (torchrun ranks) so nothing outlives its launcher.
+        # Reap what is left of the group and the ranks seen (torchrun's, in their own sessions), so nothing
+        # outlives its launcher.
         self._signal_group(signal.SIGKILL)
         time.sleep(0.05)
         self.returncode = code
@@ -198,7 +252,15 @@ class Supervisor:
     def request_stop(self) -> None:
         """Graceful: the trainer finishes its step, checkpoints and exits 0."""
         self.send({"cmd": "stop", "reason": "stop requested"})
-        self._signal_group(signal.SIGTERM)
+        ranks = self.rank_processes() if self.launcher else []
+        if not ranks:
+            self._signal_group(signal.SIGTERM)
+            return
+        for p in ranks:            # the ranks agree on a step and stop; torchrun then exits 0 by itself
+            try:
+                p.send_signal(signal.SIGTERM)
+            except Exception:
+                pass
 
     def kill(self) -> None:
         """At once: SIGKILL to the whole process group."""
@@ -207,10 +269,39 @@ class Supervisor:
     def _signal_group(self, sig: int) -> None:
         if self.proc is None:
             return
+        if self.launcher:
+            try:
+                self._descendants()
+            except Exception:
+                pass
         try:
             os.killpg(self.proc.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+        with self._lock:
+            known = list(self._known.values())
+        for p in known:              # torchrun's ranks live in their own sessions
+            try:
+                if not p.is_running():
+                    continue
+                if os.getpgid(p.pid) == p.pid:
+                    os.killpg(p.pid, sig)
+                else:
+                    p.send_signal(sig)
+            except (ProcessLookupError, PermissionError, OSError):
+                pass
+            except Exception:
+                pass
+
+    def stderr_text(self, limit: int = 1 << 20) -> str:
+        """What the trainer (or torchrun and its ranks) wrote to stderr since this start."""
+        try:
+            with open(self.run_dir / "trainer.stderr.log", "rb") as f:
+                f.seek(getattr(self, "_stderr_start", 0))
+                data = f.read()
+        except OSError:
+            return ""
+        return data[-limit:].decode("utf-8", "replace")
 
     def wait(self, timeout: float | None = None) -> int | None:
         self._exited.wait(timeout)
@@ -237,3 +328,59 @@ class Supervisor:
 
 def trainer_argv(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "trainer", *args]
+
+
+class TorchrunLauncher:
+    """`python -m torch.distributed.run ... -m trainer ARGS`: the argv builder for `gptop train --nproc N`.
+
+    One node: `--standalone` (a private rendezvous on a free port). Several: the
+    given `--nnodes`, `--node-rank`, `--rdzv-endpoint`, `--rdzv-backend`
+    (and `--rdzv-id`) pass through. `--max-restarts 0`: a failed rank ends the
+    run (gptop's --restart-on-failure restarts it from a checkpoint instead)."""
+
+    def __init__(self, nproc: int, nnodes: str = "1", node_rank: int | None = None,
+                 rdzv_endpoint: str | None = None, rdzv_backend: str | None = None, rdzv_id: str | None = None):
+        self.nproc, self.nnodes, self.node_rank = nproc, str(nnodes), node_rank
+        self.rdzv_endpoint, self.rdzv_backend, self.rdzv_id = rdzv_endpoint, rdzv_backend, rdzv_id
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nnodes != "1" or self.rdzv_endpoint is not None
+
+    def __call__(self, args: list[str]) -> list[str]:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(self.nproc)]
+        if not self.multi_node:
+            cmd += ["--standalone", "--nnodes", "1"]
+        else:
+            cmd += ["--nnodes", self.nnodes]
+            if self.node_rank is not None:
+                cmd += ["--node-rank", str(self.node_rank)]
+            if self.rdzv_endpoint:
+                cmd += ["--rdzv-endpoint", self.rdzv_endpoint]
+            cmd += ["--rdzv-backend", self.rdzv_backend or "c10d"]
+            if self.rdzv_id:
+                cmd += ["--rdzv-id", self.rdzv_id]
+        return cmd + ["--max-restarts", "0", "-m", "trainer", *args]
+
+
+_FAILURE = re.compile(
+    r"rank\s*:\s*(?P<rank>\d+)\s*\(local_rank:\s*(?P<local>\d+)\)\s*\n"
+    r"\s*exitcode\s*:\s*(?P<code>-?\d+)\s*\(pid:\s*(?P<pid>\d+)\)[^\n]*\n"
+    r"(?:\s*error_file\s*:[^\n]*\n)?"
+    r"(?:\s*traceback\s*:\s*(?P<tb>[^\n]*))?")
+
+
+def torchrun_failures(text: str) -> list[dict[str, Any]]:
+    """The failed ranks in torchrun's summary (`ChildFailedError`): rank, local_rank, exitcode, pid,
+    traceback, root (torchrun's "first observed failure", which it only knows to the second)."""
+    out: list[dict[str, Any]] = []
+    start = text.rfind("Failures:")
+    if start < 0:
+        return out
+    text = text[start:]
+    root_at = text.find("Root Cause")
+    for m in _FAILURE.finditer(text):
+        out.append({"rank": int(m["rank"]), "local_rank": int(m["local"]), "exitcode": int(m["code"]),
+                    "pid": int(m["pid"]), "traceback": (m["tb"] or "").strip(),
+                    "root": root_at >= 0 and m.start() > root_at})
+    return out

@@ -329,7 +329,7 @@ class Trainer:
         rng = {"torch": torch.get_rng_state()}
         if self.dev.is_cuda:
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
-        return {"rng": rng}
+        return {"rng": rng, "step": self.progress.step, "rank": self.rank}
 
     def _load_sharded(self, meta: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict

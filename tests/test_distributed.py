@@ -1,0 +1,356 @@
+"""Several ranks on this CPU machine: torchrun with the gloo backend, DDP and FSDP2.
+
+The slow tests launch real 2-rank runs of the tiny model (one torch thread per
+rank). The fast ones cover the pieces: torchrun's failure summary, the
+launcher's argv, rank-specific faults, sharded checkpoint listing and pruning,
+the comm timer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import ROOT, TINY
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2"]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def gptop(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gptop", "--no-ui", *args], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def events(run_dir: Path, rank: int = 0) -> list[dict]:
+    name = "events.jsonl" if rank == 0 else f"events.rank{rank}.jsonl"
+    return [json.loads(line) for line in (run_dir / name).read_text().splitlines() if line.strip()]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {e["step"]: e["loss"] for e in events(run_dir) if e["type"] == "step"}
+
+
+def leftovers(marker: str) -> list[psutil.Process]:
+    """Processes (trainer ranks, torchrun) whose command line mentions `marker` (a unique run dir)."""
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if p.pid != os.getpid() and any(marker in part for part in (p.info["cmdline"] or [])):
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+def wait_gone(marker: str, timeout: float = 30) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = leftovers(marker)
+        if not left:
+            return []
+        time.sleep(0.2)
+    return leftovers(marker)
+
+
+def done_steps(run_dir: Path | None, text: str | None = None) -> dict[int, int]:
+    """Each rank's `done at step N` line in the trainer log (or in `text`)."""
+    import re
+
+    out = {}
+    if text is None:
+        text = (run_dir / "trainer.log").read_text()
+    for m in re.finditer(r"\[trainer rank (\d+)\] done at step (\d+)", text):
+        out[int(m.group(1))] = int(m.group(2))
+    return out
+
+
+# --------------------------------------------------------------------- fast
+def test_torchrun_failure_summary_parsing():
+    from gptop.supervisor import torchrun_failures
+
+    text = """noise
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+=======================================================
+trainer FAILED
+-------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-22_05:36:57
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 19874)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+-------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-22_05:36:57
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 19875)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 19875
+=======================================================
+"""
+    f = torchrun_failures(text)
+    assert [(x["rank"], x["exitcode"], x["root"]) for x in f] == [(0, 1, False), (1, -9, True)]
+    assert f[1]["traceback"].startswith("Signal 9")
+    assert torchrun_failures("no summary here") == []
+
+
+def test_launcher_argv():
+    from gptop.supervisor import TorchrunLauncher
+
+    one = TorchrunLauncher(2)(["--max-steps", "3"])
+    assert one[1:3] == ["-m", "torch.distributed.run"] and "--standalone" in one
+    assert one[one.index("--nproc-per-node") + 1] == "2"
+    assert one[-4:] == ["-m", "trainer", "--max-steps", "3"]
+    multi = TorchrunLauncher(8, "2", 1, "node0:29500", None, "job7")([])
+    assert "--standalone" not in multi
+    for flag, value in (("--nnodes", "2"), ("--node-rank", "1"), ("--rdzv-endpoint", "node0:29500"),
+                        ("--rdzv-backend", "c10d"), ("--rdzv-id", "job7")):
+        assert multi[multi.index(flag) + 1] == value
+
+
+def test_cli_nproc_builds_a_launcher():
+    from gptop.cli import _launcher, build_parser
+
+    ns = build_parser().parse_args(["train", "--nproc", "2", "--parallel", "fsdp"])
+    assert _launcher(ns) is not None and getattr(ns, "run.parallel") == "fsdp"
+    assert _launcher(build_parser().parse_args(["train"])) is None
+
+
+def test_faults_for_one_rank():
+    from trainer.config import ConfigError
+    from trainer.train import Faults
+
+    assert Faults("kill@5:1", rank=1).at == {5: "kill"}
+    assert Faults("kill@5:1", rank=0).at == {}
+    assert Faults("nan@3,stop@7", rank=1).at == {3: "nan", 7: "stop"}     # no rank: every rank
+    with pytest.raises(ConfigError):
+        Faults("kill@5:x")
+
+
+def test_sharded_checkpoints_are_listed_resolved_and_pruned(tmp_path):
+    from trainer import checkpoint as ckpt
+
+    d = ckpt.checkpoint_dir(tmp_path)
+    for step in (2, 4, 6):
+        p = ckpt.dcp_path_for(tmp_path, step)
+        p.mkdir(parents=True)
+        (p / ".metadata").write_bytes(b"x")
+        (p / ckpt.META).write_text(json.dumps({"format": ckpt.DCP_FORMAT, "step": step, "config": {},
+                                               "world_size": 2}))
+    incomplete = ckpt.dcp_path_for(tmp_path, 8)     # renamed without gptop.json: cannot happen, but is skipped
+    incomplete.mkdir()
+    (d / "step-00000010.dcp.tmp").mkdir()           # a save that was killed
+    assert [c.step for c in ckpt.list_checkpoints(tmp_path)] == [2, 4, 6, 8]
+    seen = []
+    path, meta = ckpt.resolve_resume(tmp_path, on_corrupt=seen.append)
+    assert path.name == "step-00000006.dcp" and meta["step"] == 6 and meta["path"] == str(path)
+    assert seen and "step-00000008.dcp" in seen[0]
+    assert ckpt.resolve_resume(ckpt.dcp_path_for(tmp_path, 4))[1]["step"] == 4
+    deleted = ckpt.prune(tmp_path, keep=2)
+    assert sorted(p.name for p in d.iterdir()) == ["step-00000006.dcp", "step-00000008.dcp"]
+    assert any(p.name.endswith(".dcp.tmp") for p in deleted)
+
+
+def test_comm_timer_counts_overlapping_spans_once():
+    from trainer.dist import CommTimer
+
+    c = CommTimer(2)
+    c._spans = [(1.0, 1.5), (1.2, 1.6), (2.0, 2.1)]
+    assert c.take_ms() == pytest.approx(700.0)
+    assert c.take_ms() is None
+
+
+# --------------------------------------------------------------------- slow
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_ranks_train_checkpoint_and_resume_exactly(tmp_path, parallel):
+    """`gptop train --nproc 2`: both ranks emit steps, a stop checkpoints, the resume matches an
+    uninterrupted 2-rank run loss for loss."""
+    args = [*TINY, "--max-steps", "12", "--log-every", "2", "--parallel", parallel]
+    full, part = tmp_path / "full", tmp_path / "part"
+    # The uninterrupted run and the interrupted one side by side (their start-up dominates on this machine).
+    procs = [subprocess.Popen([sys.executable, "-m", "gptop", "--no-ui", "train", "--nproc", "2", *args,
+                               "--run-dir", str(d), *extra], cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+             for d, extra in ((full, []), (part, ["--fault", "stop@6"]))]
+    for p in procs:
+        _, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-3000:]
+    ck = part / "checkpoints" / "step-00000006.dcp"
+    names = {p.name for p in ck.iterdir()}
+    assert {".metadata", "gptop.json", "rank0.pt", "rank1.pt"} <= names
+    assert sum(n.endswith(".distcp") for n in names) == 2          # each rank wrote its shards
+    assert not list((part / "checkpoints").glob("*.tmp"))
+    r = gptop("train", "--nproc", "2", "--resume", str(part))
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    a, b = losses(full), losses(part)
+    assert sorted(a) == list(range(2, 13, 2))
+    assert {s: b[s] for s in range(8, 13, 2)} == {s: a[s] for s in range(8, 13, 2)}   # exact, not close
+
+    hello = [e for e in events(full) if e["type"] == "hello"]
+    assert len(hello) == 1 and hello[0]["world_size"] == 2 and hello[0]["parallel"] == parallel
+    for rank in (0, 1):
+        steps = [e for e in events(full, rank) if e["type"] == "step"]
+        assert [e["step"] for e in steps] == list(range(2, 13, 2)) and all(e["rank"] == rank for e in steps)
+        for e in steps:
+            assert e["tokens"] == e["step"] * 4 * 64                  # global tokens: both ranks' batches
+            assert abs(sum(e["phases_ms"].values()) - e["step_ms"]) < 1e-3 * e["step_ms"] + 1e-6
+            if parallel == "ddp":
+                assert 0 <= e["comm_ms"] <= e["phases_ms"]["backward"] + 1.0
+            else:
+                assert "comm_ms" not in e
+    r0 = [e for e in events(full, 0) if e["type"] == "step"]
+    r1 = [e for e in events(full, 1) if e["type"] == "step"]
+    assert [e["loss"] for e in r0] == [e["loss"] for e in r1]          # the global loss, the same on all ranks
+
+    if parallel == "fsdp":
+        # Another world size: the 2-rank sharded checkpoint resumes in one process (DCP reshards).
+        one = tmp_path / "one"
+        (one / "checkpoints").mkdir(parents=True)
+        shutil.copytree(ck, one / "checkpoints" / ck.name)
+        shutil.copy(part / "config.toml", one / "config.toml")
+        r = subprocess.run([sys.executable, "-m", "trainer", "--resume", str(one)], cwd=ROOT, env=_env(),
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+        c = losses(one)
+        assert c[8] == pytest.approx(a[8], rel=1e-4) and c[12] == pytest.approx(a[12], rel=1e-3)
+
+
+@pytest.mark.slow
+def test_a_dead_rank_stops_the_run_and_is_named(tmp_path):
+    run = tmp_path / "killed"
+    r = gptop("train", "--nproc", "2", *TINY, "--max-steps", "200", "--run-dir", str(run), "--fault", "kill@5:1")
+    assert r.returncode == 1, r.stdout[-2000:]
+    assert "rank 1 died (killed by signal 9 (SIGKILL))" in r.stderr, r.stderr[-2000:]
+    assert "rank 0 stopped after losing contact" in r.stderr
+    err = [e for e in events(run) if e["type"] == "error"]
+    assert err and err[0]["rank"] == 0 and err[0]["lost_peer"] is True
+    assert wait_gone(str(run), timeout=10) == []
+
+
+@pytest.mark.slow
+def test_commands_take_effect_on_the_same_step_on_every_rank(tmp_path):
+    """A checkpoint request and a graceful stop through the session reach both ranks and are agreed."""
+    from gptop.session import Session, SessionOptions
+    from gptop.supervisor import TorchrunLauncher
+    from trainer.cli import parse_config
+
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    run = tmp_path / "cmds"
+    cfg = parse_config([*TINY, "--max-steps", "100000", "--run-dir", str(run)])
+
+    class Sampler:      # no device telemetry needed here
+        def subscribe(self, fn): pass
+        def start(self): pass
+        def stop(self): pass
+
+    s = Session(cfg, SessionOptions(launcher=TorchrunLauncher(2)), sampler=Sampler())
+    seen = threading.Event()
+    ckpts: list[dict] = []
+
+    def hook(e):
+        if e["type"] == "step" and e["step"] >= 3:
+            seen.set()
+        if e["type"] == "checkpoint":
+            ckpts.append(e)
+    s.hooks.append(hook)
+    try:
+        s.start()
+        assert seen.wait(90), s.state.logs
+        s.checkpoint()
+        deadline = time.monotonic() + 30
+        while not ckpts and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ckpts and ckpts[0]["reason"] == "requested"
+        s.stop(interrupted=False)
+        assert s.wait(60) == 0, s.state.status_message
+    finally:
+        s.close()
+        if old is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = old
+    import torch
+
+    requested = Path(ckpts[0]["path"])
+    for rank in (0, 1):     # both ranks wrote their part of the requested checkpoint at the same step
+        assert torch.load(requested / f"rank{rank}.pt", weights_only=True)["step"] == ckpts[0]["step"]
+    done = done_steps(run)
+    assert len(done) == 2 and done[0] == done[1]
+    assert [e["reason"] for e in ckpts] == ["requested", "stop"] and ckpts[1]["step"] == done[0]
+    assert wait_gone(str(run), timeout=10) == []
+
+
+@pytest.mark.slow
+def test_sigterm_from_torchrun_by_hand_is_one_agreed_stop(tmp_path):
+    """`python -m torch.distributed.run ... -m trainer`: SIGTERM to torchrun reaches every rank, which stop
+    on one step with a checkpoint."""
+    run = tmp_path / "byhand"
+    p = subprocess.Popen([*TORCHRUN, "-m", "trainer", *TINY, "--max-steps", "100000", "--run-dir", str(run)],
+                         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if (run / "events.rank1.jsonl").exists() and any(e["type"] == "step" for e in events(run, 1)):
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("no step from rank 1")
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    done = done_steps(None, out)
+    assert len(done) == 2 and done[0] == done[1], out[-3000:]
+    stop = [e for e in events(run) if e["type"] == "done"]
+    assert stop and stop[0]["reason"] == "SIGTERM" and stop[0]["step"] == done[0]
+    assert (run / "checkpoints" / f"step-{done[0]:08d}.dcp" / "gptop.json").is_file()
+    assert wait_gone(str(run), timeout=10) == []
+
+
+@pytest.mark.slow
+def test_gptop_killed_hard_leaves_no_rank_behind(tmp_path):
+    """kill -9 of gptop: the ranks see their socket close, agree to stop, checkpoint and exit; torchrun too."""
+    run = tmp_path / "orphans"
+    p = subprocess.Popen([sys.executable, "-m", "gptop", "--no-ui", "train", "--nproc", "2", *TINY,
+                          "--max-steps", "100000", "--run-dir", str(run)], cwd=ROOT, env=_env(),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if (run / "events.rank1.jsonl").exists() and any(e["type"] == "step" for e in events(run, 1)):
+            break
+        time.sleep(0.2)
+    else:
+        p.kill()
+        pytest.fail("no step from rank 1")
+    p.kill()
+    p.wait()
+    assert wait_gone(str(run), timeout=60) == []
+    done = done_steps(run)
+    assert len(done) == 2 and done[0] == done[1]
+    assert (run / "checkpoints" / f"step-{done[0]:08d}.dcp" / "gptop.json").is_file()
