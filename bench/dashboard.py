@@ -20,9 +20,15 @@ Starts the real TUI (`gptop train ...`, or with `--mode monitor` a bare trainer 
 Default settings (log every 10 steps, device samples every 0.5 s) are what the CPU target is
 about; `--log-every 1` gives a step event (and so a latency sample) every step.
 
+`--mode synthetic` takes the trainer out: the process on the pty is the real GptopApp on a RunState
+that a feeder thread fills the way the Session's reader thread does (a step event `--rate` times a
+second with `time` = now, a device sample every 0.5 s). It measures the UI's own share of the path
+(state change -> screen) with many samples, on a machine where a tiny CPU run logs too rarely.
+
     python bench/dashboard.py                      # 30 s at 160x48, default settings
     python bench/dashboard.py --size 80x24 --log-every 1 --seconds 60
     python bench/dashboard.py --mode monitor       # `gptop --run-dir` attached to a live trainer
+    python bench/dashboard.py --mode synthetic --rate 5 --seconds 60   # the UI alone, 5 events/s
     python bench/dashboard.py --json               # one JSON object instead of the table
 
 Extra arguments after `--` go to the trainer (default: a tiny llama on the CPU that outlives the
@@ -160,7 +166,10 @@ def measure(args: argparse.Namespace, trainer: list[str]) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix="gptop-bench-"))
     flags = trainer + ["--max-steps", str(args.max_steps), "--log-every", str(args.log_every)]
     bare = None
-    if args.mode == "train":
+    if args.mode == "synthetic":
+        argv = [sys.executable, str(Path(__file__).resolve()), "--synthetic-child", "--rate", str(args.rate),
+                "--run-dir", str(run_dir)]
+    elif args.mode == "train":
         argv = [sys.executable, "-m", "gptop", "train", *flags, "--run-dir", str(run_dir)]
     else:
         bare = subprocess.Popen([sys.executable, "-m", "trainer", *flags, "--run-dir", str(run_dir)],
@@ -226,12 +235,66 @@ def measure(args: argparse.Namespace, trainer: list[str]) -> dict:
     return result
 
 
+def synthetic_child(rate: float, run_dir: Path) -> None:
+    """The dashboard on a RunState fed by a thread (the Session's role), also writing the step
+    events to run_dir/events.jsonl so the parent can match them with the screen."""
+    import math
+    import random
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from gptop.commands import RecordingCommands
+    from gptop.state import RunState
+    from gptop.ui.app import GptopApp
+
+    state = RunState(run_name="synthetic", run_dir=str(run_dir), clock=time.time, status="running")
+    total = 1_000_000
+    state.apply({"v": 1, "type": "hello", "time": time.time(), "rank": 0,
+                 "config": {"optim": {"max_steps": total}, "toggles": {"precision": "fp32", "compile": "off"}},
+                 "device": {"type": "cpu", "name": "synthetic CPU"},
+                 "model": {"family": "llama", "size": "tiny", "total_params": 3e6, "active_params": 3e6}})
+    out = open(run_dir / "events.jsonl", "a", buffering=1)
+    stop = threading.Event()
+
+    def feed() -> None:
+        rng = random.Random(0)
+        step, next_step, next_dev = 0, time.time(), time.time()
+        while not stop.is_set():
+            now = time.time()
+            if now >= next_dev:
+                state.apply({"v": 1, "type": "device", "time": now, "rank": 0, "devices": [],
+                             "cpu": {"name": "synthetic CPU", "util_pct": 50 + 40 * math.sin(now / 5),
+                                     "per_core": [50.0, 70.0], "mem_used": 2 << 30, "mem_total": 16 << 30,
+                                     "proc_rss": 1 << 29, "proc_cpu_pct": 90.0, "power_w": None,
+                                     "energy_j": None}})
+                next_dev += 0.5
+            if now >= next_step:
+                step += 1
+                ms = 200 + 20 * math.sin(step / 10)
+                e = {"v": 1, "type": "step", "time": time.time(), "rank": 0, "step": step, "tokens": step * 512,
+                     "loss": 2 + 8 * math.exp(-step / 300), "lr": 1e-3, "grad_norm": 1.0, "step_ms": ms,
+                     "phases_ms": {"data": 2.0, "forward": ms * .3, "backward": ms * .55, "optimizer": ms * .14,
+                                   "other": ms * .01},
+                     "tokens_per_s": 512 / ms * 1000, "mfu": None, "mem_bytes": 6e8}
+                out.write(json.dumps(e) + "\n")
+                state.apply(e)
+                next_step = now + rng.uniform(0.5, 1.5) / rate   # jittered, not in phase with any timer
+            time.sleep(max(0.0, min(next_step, next_dev) - time.time()))
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    GptopApp(state, RecordingCommands()).run()
+    stop.set()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--mode", choices=("train", "monitor"), default="train",
+    ap.add_argument("--mode", choices=("train", "monitor", "synthetic"), default="train",
                     help="train: `gptop train` runs the trainer; monitor: `gptop --run-dir` attached to a live "
-                         "trainer (default: train)")
+                         "trainer; synthetic: the dashboard fed by a thread, no trainer (default: train)")
+    ap.add_argument("--rate", type=float, default=5.0, help="synthetic: step events per second (default: 5)")
+    ap.add_argument("--synthetic-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--size", default="160x48", help="terminal COLSxROWS (default: 160x48)")
     ap.add_argument("--seconds", type=float, default=30.0, help="measurement length (default: 30)")
     ap.add_argument("--warmup", type=float, default=5.0,
@@ -240,6 +303,9 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, default=100000, help="trainer's --max-steps (default: 100000)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args, extra = ap.parse_known_args()
+    if args.synthetic_child:
+        synthetic_child(args.rate, Path(args.run_dir))
+        return
     trainer = [a for a in extra if a != "--"] or DEFAULT_TRAINER
     r = measure(args, trainer)
     if args.json:

@@ -141,6 +141,7 @@ class GptopApp(App[None]):
         self._layout_key: tuple | None = None
         self._wake_pending = False
         self._retry_pending = False
+        self._watchers: list[Watcher] | None = None
         if state.run_name:
             self.title = f"gptop · {state.run_name}"
 
@@ -187,8 +188,12 @@ class GptopApp(App[None]):
         self._retry_pending = False
         self.poll()
 
-    def watchers(self) -> Iterable[Watcher]:
-        return self.query("#header, #failure, #devices, #steps, #training, #tuner, #log").results(Watcher)
+    def watchers(self) -> list[Watcher]:
+        """The panels (looked up once: the layout never adds or removes any)."""
+        if not self._watchers:
+            self._watchers = list(self.query("#header, #failure, #devices, #steps, #training, #tuner, #log"
+                                             ).results(Watcher))
+        return self._watchers
 
     def poll(self) -> None:
         """Re-render what changed since the last poll (a panel at most every `min_redraw` seconds,

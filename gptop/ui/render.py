@@ -11,6 +11,7 @@ from functools import lru_cache
 from typing import Any, Sequence
 
 from rich.color import Color, blend_rgb
+from rich.segment import Segment
 from rich.style import Style
 from rich.console import Group, RenderableType
 from rich.table import Table
@@ -200,9 +201,8 @@ def _gpu_block(state: RunState, key: str, d: dict[str, Any], width: int, chart_r
     for i, (metric, label, low, high, scale) in enumerate(specs):   # spare rows go to the first charts
         rows = max(1, min(4, chart_rows // n + (i < chart_rows % n)))
         data = time_buckets(state.device_points(key, metric, window_s), width - 6, window_s)
-        spark = spark_text(data, width - 6, low, high, height=rows, scale=scale)
-        for i, line in enumerate(spark.split("\n")):
-            lines.append(Text.assemble(((label if i == rows - 1 else "").ljust(6), "grey62"), line))
+        lines.append(Rows(spark_rows(data, width - 6, low, high, height=rows, scale=scale, label=label,
+                                     label_w=6)))
     return lines
 
 
@@ -215,23 +215,47 @@ def _shades(low: str, high: str) -> tuple[Style, ...]:
     return tuple(Style(color=Color.from_triplet(blend_rgb(c_lo, c_hi, i / (SHADES - 1)))) for i in range(SHADES))
 
 
-def spark_text(data: Sequence[float], width: int, low: str = "dark_green", high: str = "green1",
-               height: int = 1, stretch: bool = False, scale: tuple[float | None, float | None] = (None, None)
-               ) -> Text:
-    """A sparkline as Text, `height` rows (newline-separated, so it composes in a Group and after a
-    label), coloured from `low` to `high`.
+class Rows:
+    """Lines that are already cut to width, as segments: a renderable that Rich does not measure,
+    wrap or divide. The charts are most of what the dashboard redraws, and going through Text for
+    them cost several times what building them did."""
+
+    def __init__(self, rows: list[list[Segment]]) -> None:
+        self.rows = rows
+
+    def __rich_console__(self, console: Any, options: Any):
+        line = Segment.line()
+        for row in self.rows:
+            yield from row
+            yield line
+
+
+@lru_cache(maxsize=32)
+def _style(name: str) -> Style:
+    return Style.parse(name)
+
+
+def spark_rows(data: Sequence[float], width: int, low: str = "dark_green", high: str = "green1",
+               height: int = 1, stretch: bool = False, scale: tuple[float | None, float | None] = (None, None),
+               label: str = "", label_w: int = 0) -> list[list[Segment]]:
+    """A sparkline, `height` rows of `label_w + width` cells (the label on the bottom row, grey),
+    coloured from `low` to `high`.
 
     Scale: `scale=(lo, hi)` fixes either end (0..100 for a percentage, 0..total for memory); an end
     left None follows the data (min..max), so a flat series fills half the height rather than
     inflating noise to the full range. Layout: more samples than cells are bucketed (each keeps its
     max); fewer are right-aligned, the newest sample at the right edge (time windows), or with
     `stretch` drawn from the left edge, each sample up to 4 cells wide (a history that grows to
-    the right and is compressed once it fills the width). Cells of equal colour are appended as one
-    span: charts are most of what the dashboard redraws."""
+    the right and is compressed once it fills the width). Cells of equal colour are one segment."""
     width, height = max(1, width), max(1, height)
+    grey = _style("grey62")
+    labels = [Segment(" " * label_w, grey)] * (height - 1) + [Segment(label[:label_w].ljust(label_w), grey)]
+    if not label_w:
+        labels = [None] * height   # type: ignore[list-item]
     data = list(data)
     if not data:
-        return Text("\n".join([" " * width] * (height - 1) + ["▁" * width]), style=low)
+        rows = [[Segment(" " * width)] for _ in range(height - 1)] + [[Segment("▁" * width, _style(low))]]
+        return [([lab] if lab else []) + row for lab, row in zip(labels, rows)]
     left = False
     if len(data) > width:
         buckets = [max(data[i * len(data) // width:(i + 1) * len(data) // width] or [data[-1]])
@@ -249,26 +273,41 @@ def spark_text(data: Sequence[float], width: int, low: str = "dark_green", high:
     ratios = [min(1.0, max(0.0, (v - lo) / extent)) if extent > 0 else 0.5 for v in buckets]
     shade = [int(round(r * (SHADES - 1))) for r in ratios]
     levels = [1 + int(round(r * (8 * height - 1))) for r in ratios]   # eighths of a cell, at least one
-    pad = " " * (width - len(buckets))
-    text = Text(no_wrap=True, overflow="crop")
-    for row in reversed(range(height)):
-        if not left:
-            text.append(pad)
-        run, run_shade = [], -1
+    pad = Segment(" " * (width - len(buckets))) if width > len(buckets) else None
+    out: list[list[Segment]] = []
+    for i, row in enumerate(reversed(range(height))):
+        segs: list[Segment] = [labels[i]] if labels[i] else []
+        if pad and not left:
+            segs.append(pad)
+        run: list[str] = []
+        run_shade = -1
+        base = row * 8
         for level, sh in zip(levels, shade):
-            part = level - row * 8
+            part = level - base
             ch = "█" if part >= 8 else _LEVELS[part] if part > 0 else " "
             if sh != run_shade and run:
-                text.append("".join(run), style=shades[run_shade])
+                segs.append(Segment("".join(run), shades[run_shade]))
                 run = []
             run.append(ch)
             run_shade = sh
         if run:
-            text.append("".join(run), style=shades[run_shade])
-        if left:
-            text.append(pad)
-        if row:
+            segs.append(Segment("".join(run), shades[run_shade]))
+        if pad and left:
+            segs.append(pad)
+        out.append(segs)
+    return out
+
+
+def spark_text(data: Sequence[float], width: int, low: str = "dark_green", high: str = "green1",
+               height: int = 1, stretch: bool = False, scale: tuple[float | None, float | None] = (None, None)
+               ) -> Text:
+    """spark_rows as one Text, rows separated by newlines (for tests and callers that want Text)."""
+    text = Text(no_wrap=True, overflow="crop")
+    for i, row in enumerate(spark_rows(data, width, low, high, height, stretch, scale)):
+        if i:
             text.append("\n")
+        for seg in row:
+            text.append(seg.text, seg.style)
     return text
 
 
@@ -329,8 +368,8 @@ def _cpu_block(state: RunState, d: dict[str, Any], width: int, chart_rows: int, 
         if i:
             lines.append(Text(""))
         data = time_buckets(state.device_points("cpu", metric, window_s), width - 6, window_s)
-        for j, line in enumerate(spark_text(data, width - 6, low, high, height=rows, scale=scale).split("\n")):
-            lines.append(Text.assemble(((label if j == rows - 1 else "").ljust(6), "grey62"), line))
+        lines.append(Rows(spark_rows(data, width - 6, low, high, height=rows, scale=scale, label=label,
+                                     label_w=6)))
     return lines
 
 
@@ -357,12 +396,33 @@ def devices(state: RunState, width: int, height: int, window_s: float) -> Render
             for k in gpus:
                 lines += _gpu_block(state, k, state.device_latest.get(k) or {}, width, per - 4, window_s)
         cpu = state.device_latest.get("cpu")
-        if cpu is not None and len(lines) < height:
+        if cpu is not None and rows_of(lines) < height:
             lines += _cpu_block(state, cpu, width, 0, window_s, compact=True)
     else:
         lines += _cpu_block(state, state.device_latest.get("cpu") or {}, width, height - 4, window_s,
                             compact=False)
-    return Group(*lines[:height])
+    return Group(*fit_rows(lines, height))
+
+
+def rows_of(lines: Sequence[RenderableType]) -> int:
+    """Rows that a list of one-row renderables and Rows blocks takes."""
+    return sum(len(x.rows) if isinstance(x, Rows) else 1 for x in lines)
+
+
+def fit_rows(lines: Sequence[RenderableType], height: int) -> list[RenderableType]:
+    """The first `height` rows of `lines` (a Rows block is cut, not dropped whole)."""
+    out: list[RenderableType] = []
+    left = height
+    for x in lines:
+        if left <= 0:
+            break
+        if isinstance(x, Rows):
+            out.append(Rows(x.rows[:left]) if len(x.rows) > left else x)
+            left -= min(left, len(x.rows))
+        else:
+            out.append(x)
+            left -= 1
+    return out
 
 
 # --- step breakdown -------------------------------------------------------------
@@ -478,10 +538,10 @@ def training(state: RunState, width: int, height: int, expert_layer: int) -> Ren
         lines.append(label)
         tps = state.history("tokens_per_s")
         rows = room - 3 if room >= 8 and tps else room
-        lines.append(spark_text(loss, width, "dark_green", "green1", height=rows, stretch=True))
+        lines.append(Rows(spark_rows(loss, width, "dark_green", "green1", height=rows, stretch=True)))
         if room >= 8 and tps:
             lines.append(Text(f"tokens/s {fmt_num(min(tps))}–{fmt_num(max(tps))}", style="grey62"))
-            lines.append(spark_text(tps, width, "dark_cyan", "cyan1", height=2, stretch=True))
+            lines.append(Rows(spark_rows(tps, width, "dark_cyan", "cyan1", height=2, stretch=True)))
     return Group(*lines, *numbers, *expert_lines)
 
 
