@@ -126,8 +126,12 @@ def cmd_run(ns: argparse.Namespace) -> int:
     resume = cfg.checkpoint.resume
     if ns.interval <= 0:
         raise ConfigError("--interval", f"must be positive, got {ns.interval}")
+    launcher = _launcher(ns)
+    if launcher is not None and launcher.multi_node and _tuning_request(ns) is not None:
+        raise ConfigError("--nnodes", "tuning restarts the trainer, which one gptop cannot do for other nodes; "
+                                      "tune on one node (--nproc N) and train the nodes with its best.toml")
     options = SessionOptions(interval=ns.interval, restart_on_failure=ns.restart_on_failure,
-                             tensorboard=ns.tensorboard, launcher=_launcher(ns))
+                             tensorboard=ns.tensorboard, launcher=launcher)
     session = Session(cfg, options)
     from .tuning import TuningDriver, install_toggler
 
