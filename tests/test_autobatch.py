@@ -29,3 +29,20 @@ def test_largest_that_fits_with_margin():
 def test_nothing_fits():
     with pytest.raises(torch.OutOfMemoryError):
         find_micro_batch(lambda mb: 10_000, 8, capacity=1000)
+
+
+def test_jumps_to_the_largest_predicted_to_fit():
+    tried = []
+    assert find_micro_batch(lambda mb: tried.append(mb) or 100 + 10 * mb, 16, capacity=10_000) == 16
+    assert tried == [1, 2, 16]          # not 4 and 8: the line through 1 and 2 says 16 fits
+
+
+def test_steps_down_when_the_jump_does_not_fit():
+    tried = []
+
+    def probe(mb):                      # memory grows faster than the first two probes suggest
+        tried.append(mb)
+        return 100 + 10 * mb + (40 * mb if mb >= 8 else 0)
+
+    assert find_micro_batch(probe, 32, capacity=1000, margin=0.0) == 16
+    assert tried == [1, 2, 32, 16]

@@ -128,6 +128,10 @@ class Trainer:
         from .models import build_model, is_pretrained_path, resolve_size
 
         cfg = self.cfg
+        if not self.dev.is_cuda:
+            from .hostalloc import keep_freed_memory
+
+            keep_freed_memory()        # reuse freed tensors instead of page-faulting them in every step
         if is_pretrained_path(cfg.model.model):
             if cfg.data.tokenizer is None:
                 cfg.data.tokenizer = cfg.model.model
@@ -410,6 +414,9 @@ class Trainer:
 
         local = self.cfg.optim.global_batch // self.world
         x_all, y_all = self.sampler.micro_batch(0, 0, local)
+        # Probe without torch.compile: compiling once per probed size would cost minutes and leave the run
+        # with a dynamic-shape graph; eager's peak is usually above the compiled one (a safe estimate).
+        eager = getattr(self.model, "_orig_mod", self.model)
 
         def probe_local(mb: int) -> int:
             self.meter.reset_peak()
@@ -417,7 +424,7 @@ class Trainer:
                 # DDP: no gradient all-reduce. FSDP2 keeps its reduce-scatter (the ranks probe in lockstep), so
                 # no unsharded gradient is left accumulated for the first real step.
                 with self._sync_grads(last_micro=self.parallel == "fsdp"), self._autocast():
-                    loss = self._loss(x_all[:mb].to(self.device), y_all[:mb].to(self.device), 0, 0)
+                    loss = self._loss(x_all[:mb].to(self.device), y_all[:mb].to(self.device), 0, 0, model=eager)
                     self.scaler.scale(loss).backward()
                 return self.meter.peak()
             finally:
@@ -446,13 +453,14 @@ class Trainer:
         return mb
 
     # --------------------------------------------------------------------- loop
-    def _loss(self, x: torch.Tensor, y: torch.Tensor, batch_index: int, micro_index: int) -> torch.Tensor:
+    def _loss(self, x: torch.Tensor, y: torch.Tensor, batch_index: int, micro_index: int,
+              model: torch.nn.Module | None = None) -> torch.Tensor:
         from .objectives import loss_fn
 
         gen = None
         if self.bundle.objective == "llada":
             gen = torch.Generator().manual_seed(hash_seed(self.cfg.optim.seed, batch_index, micro_index, self.rank))
-        return loss_fn(self.bundle, self.model, x, y, generator=gen)
+        return loss_fn(self.bundle, self.model if model is None else model, x, y, generator=gen)
 
     def _new_prefetcher(self):
         from .prefetch import Prefetcher

@@ -1,0 +1,109 @@
+"""Cold start: how long from `gptop train` to the first training step, and from a checkpoint to the
+first step after a restart (what every tuning trial and the final switch pay).
+
+For each scenario the time is taken from just before gptop is spawned to the `time` of the trainer's
+events (`hello`: the trainer is set up; the first `step` event, with --log-every 1: one step done):
+
+  train            gptop --no-ui train ... --max-steps 2           (fresh run)
+  resume           gptop --no-ui train --resume RUN ...            (restart from the run's checkpoint)
+  train+compile    the same with --compile default, compile caches cold (empty inductor cache dir)
+  resume+compile   restart with --compile default, caches as the first compiled run left them
+
+Repeats alternate the scenarios; medians are printed. `--root DIR` runs another checkout (e.g. a
+`git worktree` of an older commit) to measure "before".
+
+    python bench/coldstart.py [--repeats 3] [--root DIR] [--no-compile] [trainer flags...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SETUP = ["--model", "llama", "--size", "tiny", "--seq-len", "128", "--global-batch", "16", "--eval-every", "0",
+         "--log-every", "1", "--checkpoint-every", "0", "--device", "cpu"]
+
+
+def _events(run_dir: Path) -> list[dict]:
+    p = run_dir / "events.jsonl"
+    if not p.is_file():
+        return []
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+def launch(root: Path, args: list[str], env: dict[str, str], log: Path, run_dir: Path,
+           after: float = 0.0) -> dict[str, float | None]:
+    """Spawn gptop; seconds from spawn to the first hello and first step event newer than `after`."""
+    t0 = time.time()
+    with open(log, "ab") as fh:
+        code = subprocess.run([sys.executable, "-m", "gptop", "--no-ui", "train", *args], cwd=root, env=env,
+                              stdout=fh, stderr=subprocess.STDOUT).returncode
+    evs = [e for e in _events(run_dir) if e.get("time", 0) >= max(after, t0 - 1)]
+    hello = next((e["time"] for e in evs if e.get("type") == "hello"), None)
+    step = next((e["time"] for e in evs if e.get("type") == "step"), None)
+    return {"code": code, "hello": hello - t0 if hello else None, "first_step": step - t0 if step else None,
+            "total": time.time() - t0}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--root", default=str(ROOT), help="checkout to run (default: this one)")
+    ap.add_argument("--no-compile", action="store_true", help="skip the --compile default scenarios")
+    ap.add_argument("--threads", type=int, default=0)
+    args, extra = ap.parse_known_args()
+    root = Path(args.root).resolve()
+    setup = SETUP + extra
+    work = Path(tempfile.mkdtemp(prefix="gptop-coldstart-"))
+    env = dict(os.environ, PYTHONPATH=str(root))
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    scen = ["train", "resume"] + ([] if args.no_compile else ["train+compile", "resume+compile"])
+    res: dict[str, list[dict]] = {s: [] for s in scen}
+    print(f"root {root}; setup {' '.join(setup)}", flush=True)
+    for rep in range(args.repeats):
+        for compiled in ([False] if args.no_compile else [False, True]):
+            tag = "+compile" if compiled else ""
+            flags = setup + (["--compile", "default"] if compiled else [])
+            cenv = dict(env)
+            if compiled:
+                cache = work / f"inductor-{rep}"          # cold: an empty inductor cache for this repeat
+                shutil.rmtree(cache, ignore_errors=True)
+                cenv["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+            run_dir = work / f"run{tag}-{rep}"
+            log = work / f"run{tag}-{rep}.log"
+            r = launch(root, flags + ["--max-steps", "2", "--run-dir", str(run_dir)], cenv, log, run_dir)
+            res["train" + tag].append(r)
+            t_after = time.time()
+            r2 = launch(root, ["--resume", str(run_dir), "--max-steps", "4", "--log-every", "1"], cenv, log, run_dir,
+                        after=t_after)
+            res["resume" + tag].append(r2)
+            print(f"repeat {rep + 1}{tag}: train hello {r['hello']} first step {r['first_step']} | "
+                  f"resume hello {r2['hello']} first step {r2['first_step']}", flush=True)
+    print()
+    print("| scenario | spawn -> hello (s) | spawn -> first step (s) | runs |")
+    print("|---|---:|---:|---:|")
+    for s in scen:
+        ok = [r for r in res[s] if r["first_step"] is not None]
+        if not ok:
+            print(f"| {s} | failed | failed | 0 |")
+            continue
+        h = [r["hello"] for r in ok]
+        f = [r["first_step"] for r in ok]
+        print(f"| {s} | {statistics.median(h):.1f} ({min(h):.1f}-{max(h):.1f}) | "
+              f"{statistics.median(f):.1f} ({min(f):.1f}-{max(f):.1f}) | {len(ok)} |")
+    print(f"\nlogs in {work}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
