@@ -260,6 +260,7 @@ class RunState:
         self.device = e.get("device") or {}
         self.model = e.get("model") or {}
         self.hellos += 1
+        self.end_time = None   # a new trainer process: the run goes on
         self._applied = {}
         self._rate.clear()   # a restart recompiles: the old step rate says nothing about the new process
         self._bump("run", "step")
@@ -319,6 +320,9 @@ class RunState:
 
     def _on_done(self, e: dict[str, Any]) -> None:
         self.done = e
+        t = _num(e.get("time"))
+        if t is not None:
+            self.end_time = t   # elapsed stops here, not when the session later says "done"
         self._bump("run")
 
     def _on_device(self, e: dict[str, Any]) -> None:

@@ -378,3 +378,24 @@ def test_formatting_helpers():
     assert phase_label("find-micro-batch") == "find micro batch" and phase_label(None) == "idle"
     assert model_summary({"family": "deepseek", "size": "medium", "total_params": 4e8, "active_params": 1e8}) == \
         "deepseek medium · 400.0M params (100.0M active)"
+
+
+def test_elapsed_stops_at_the_done_event_and_a_new_hello_resumes_it():
+    now = [T0 + 100.0]
+    s = fed(hello(max_steps=100), step(10, 10.0), ev("done", 20.0, step=10), clock=lambda: now[0])
+    s.apply(ev("device", 60.0, devices=[]))       # samples go on while the finished run stays on screen
+    assert s.elapsed() == 20.0
+    s.apply(hello(max_steps=100))                 # restarted (tuning, resume): the clock runs again
+    assert s.elapsed() == 100.0
+
+
+def test_run_name_defaults_to_the_run_directory_and_subscribers_hear_every_change():
+    s = RunState(run_dir="runs/20260101-llama-tiny/")
+    assert s.run_name == "20260101-llama-tiny"
+    calls = []
+    s.subscribe(lambda: calls.append(1))
+    s.apply(hello())
+    s.add_log("x")
+    s.set_status("running")
+    assert len(calls) == 3
+    s.unsubscribe(calls.append)   # not subscribed: no error
