@@ -263,9 +263,9 @@ class TuningDriver:
         space = SearchSpace.for_device(start, dev, cfg.optim.global_batch, world_size=world, spec=self.space_spec)
         cfg.toggles = start
         self.study = TuneStudy.open(cfg, dev, space, storage=self.storage, world_size=world)
-        # A trial measures for at most ~1/10 of the budget (>= 8 s), so a short budget still sees several trials;
+        # A trial measures for at most ~1/12 of the budget (>= 8 s), so a short budget still sees several trials;
         # one that has not produced a measurement in twice that (a slow compile) is cut.
-        per_trial = max(8.0, min(300.0, self.budget_s / 10))
+        per_trial = max(8.0, min(300.0, self.budget_s / 12))
         restart_guess = min(30.0, max(5.0, self.budget_s / 20))
         self.ctl = ctl = TuneController(cfg, dev, space, self.study, Budget(self.budget_s), max_seconds=per_trial,
                                         default_restart_s=restart_guess,
@@ -419,10 +419,14 @@ class TuningDriver:
         ckpt_s = self.ctl.checkpoint_s if self.ctl is not None else 0.0
         grace = 5.0 if self._steps_since_spawn == 0 else max(30.0, 5 * step_s + 3 * ckpt_s)
         deadline = time.monotonic() + grace
+        feed_steps = self.ctl is not None and self.ctl._active is None
         while self._alive:
             item = self._next(0.5)
             if item is not None and item[0] == "event" and self.ctl is not None:
-                self.ctl.observe(item[1])           # healthy steps between trials feed the loss trend
+                # the last steps of the process being stopped: healthy steps between trials feed the loss
+                # trend; they must not count as the measurement of a trial that is about to start
+                if feed_steps or item[1].get("type") == "checkpoint":
+                    self.ctl.observe(item[1])
             if not kill and self._alive and time.monotonic() > deadline:
                 self._say(f"the trainer did not stop within {grace:.0f} s; killing it")
                 sup.kill()

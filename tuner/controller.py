@@ -33,7 +33,9 @@ source, duration_s} with status "running" when a numbered trial starts (the
 unnumbered baseline only reports at its end) and ok / cut / pruned /
 infeasible when it ends; a remeasure updates its trial's row with the pooled
 estimate (plus remeasure_tokens_per_s); `apply` {toggles, decision, number,
-tokens_per_s, baseline_tokens_per_s}.
+tokens_per_s, baseline_tokens_per_s, step}; the `tuner` event of phase done
+also carries `outcome` (the decision or why tuning ended, in words) and
+`applied`.
 
 Phases: find-micro-batch -> baseline -> trials -> remeasure -> decide -> done.
 
@@ -42,8 +44,13 @@ Phases: find-micro-batch -> baseline -> trials -> remeasure -> decide -> done.
   to it. It is recorded in the study when it lies in the search space.
 * Trials: the starting configuration and the device recipe are enqueued
   (`TuneStudy.warm_start`), then TPE proposes. A trial is started only if the
-  budget can afford its estimated duration plus the re-measurements; one that
-  overruns is cut (`trial_should_stop() == "budget"`). Proposals whose
+  budget can afford its estimated duration plus `reserve_trials` more (for
+  re-measurements) plus `switch_reserve_s`; one that overruns is cut
+  (`trial_should_stop() == "budget"`) when only `switch_reserve_s` is left,
+  the time the final checkpoint-and-restart takes, so the budget covers
+  tuning up to training on with the chosen setting. A trial still warming up
+  after `trial_timeout_s` (a compile on a CPU) is cut, and its compile mode is
+  screened out for the rest of the run (`slow_compile`). Proposals whose
   micro-batch cannot fit (above the largest that fits without activation
   checkpointing, 2x for a narrower precision) are recorded infeasible
   without running.
@@ -180,6 +187,7 @@ class TuneController:
         # covers tuning up to training on with the chosen setting. The session may update the reserve.
         self.reserve_trials = remeasure_top if reserve_trials is None else reserve_trials
         self.switch_reserve_s = switch_reserve_s
+        self.slow_compile: set[str] = set()     # compile modes that did not warm up within a trial's time
         self.default_restart_s = default_restart_s
         self.trial_timeout_s = trial_timeout_s or (max_seconds + 2 * default_restart_s + 600.0)
         self.tokens_per_step = base_cfg.optim.global_batch * base_cfg.data.seq_len
@@ -380,9 +388,10 @@ class TuneController:
         mbs = [m for m in choices["micro_batch"] if isinstance(m, int) and (self.max_mb is None or m <= self.max_mb)]
         if self.dev.is_cuda:
             t.precision = "bf16" if self.dev.at_least(8, 0) else ("fp16" if "fp16" in choices["precision"] else "fp32")
+            t.compile = "default"
         else:
             t.precision = "fp32"   # CPU bf16 autocast is slower than fp32 without AMX; fp32 is the safe bet
-        t.compile = "default"
+            # and no compile: on a CPU inductor's C++ build takes minutes for a gain the sampler can still find
         t.fused_adamw = True
         t.activation_checkpointing = False
         t.attention = "sdpa"
@@ -419,6 +428,14 @@ class TuneController:
                 self.study.tell_infeasible(p, "oom", why, extra={"predicted": True})
                 self.screened += 1
                 self._finish_event(p.number, "trial", p.toggles, "infeasible", None, why, 0.0, ran=False,
+                                   source=p.source)
+                continue
+            if p.toggles.compile in self.slow_compile:
+                why = (f"compile={p.toggles.compile} did not finish warming up within a trial's "
+                       f"{self.trial_timeout_s:.0f} s earlier in this run: not worth this budget")
+                self.study.tell_pruned(p, None, why, extra={"screened": True})
+                self.screened += 1
+                self._finish_event(p.number, "trial", p.toggles, "pruned", None, why, 0.0, ran=False,
                                    source=p.source)
                 continue
             self.trials_run += 1
@@ -511,6 +528,8 @@ class TuneController:
         else:
             status = "pruned"
             reason = reason or f"no steady measurement ({a.stop or 'stopped'} after {m.steps} steps)"
+            if a.stop == "timeout" and not m.kept and a.toggles.compile != "off":
+                self.slow_compile.add(a.toggles.compile)   # still compiling: screen this mode for the run
         if a.kind == "trial":
             if status == "pruned":
                 self.study.tell_pruned(a.proposal, summary, reason, extra)

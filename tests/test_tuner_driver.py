@@ -1,0 +1,186 @@
+"""The session-side tuning driver without processes: rollback files, the test fault hook, the `t` toggler,
+and the controller rules the driver relies on (budget reserve for the final switch, slow compiles screened)."""
+
+import dataclasses
+import random
+from pathlib import Path
+
+import pytest
+
+from gptop.tuning import TuningDriver, install_toggler, parse_test_fault
+from trainer import checkpoint as ckpt
+from trainer.config import TrainConfig
+from trainer.events import make_event
+
+
+class FakeSession:
+    def __init__(self, run_dir):
+        self.cfg = TrainConfig()
+        self.cfg.run.run_dir = str(run_dir)
+        self.run_dir = Path(run_dir)
+        self.hooks, self.on_trainer_exit, self.tuning_toggler = [], None, None
+        self.supervisor = None
+        self.interrupted = False
+        self.finished = False
+        self.emitted, self.logs, self.exits = [], [], []
+
+    def _emit(self, event):
+        self.emitted.append(event)
+
+    def _broadcast_log(self, message):
+        self.logs.append(message)
+
+    def _on_exit(self, code):
+        self.exits.append(code)
+
+
+def make_ckpt(run_dir, step, tag=b"x"):
+    p = ckpt.path_for(run_dir, step)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_bytes(tag * 10)
+    return p
+
+
+def test_parse_test_fault():
+    assert parse_test_fault("2:nan") == (2, "nan", 2)
+    assert parse_test_fault("1:oom@5") == (1, "oom", 5)
+    assert parse_test_fault("") is None and parse_test_fault("nan") is None and parse_test_fault("x:nan") is None
+
+
+def test_rollback_deletes_the_trials_checkpoints_and_restores_a_pruned_pre_trial_one(tmp_path):
+    s = FakeSession(tmp_path)
+    d = TuningDriver(s, 60.0)
+    d.user_cfg = TrainConfig.from_dict(s.cfg.to_dict())
+    (tmp_path / "events.jsonl").touch()
+    old = make_ckpt(tmp_path, 5)
+    pre = make_ckpt(tmp_path, 10, b"p")
+    d._guard((10, str(pre)))
+    # the trial writes checkpoints 12 and 14 and, with --keep-checkpoints 2, prunes the pre-trial one
+    make_ckpt(tmp_path, 12)
+    make_ckpt(tmp_path, 14)
+    pre.unlink()
+    old.unlink()
+    info = d._rollback((10, str(pre)))
+    assert [c.step for c in ckpt.list_checkpoints(tmp_path)] == [10]
+    assert pre.read_bytes() == b"p" * 10                              # the pre-trial state, restored
+    assert info["step"] == 10 and info["restored"] and len(info["deleted"]) == 2
+    assert d.last_ckpt == (10, str(pre))
+    assert any("rolled back to step 10" in e["message"] for e in s.emitted if e["type"] == "log")
+    d._cleanup_guard()
+    assert not (tmp_path / "tuning" / "pre-trial").exists()
+
+
+def test_rollback_without_a_checkpoint_goes_back_to_the_start(tmp_path):
+    s = FakeSession(tmp_path)
+    d = TuningDriver(s, 60.0)
+    (tmp_path / "events.jsonl").touch()
+    make_ckpt(tmp_path, 3)
+    info = d._rollback(None)
+    assert ckpt.list_checkpoints(tmp_path) == [] and info["path"] is None and d.last_ckpt is None
+
+
+def test_trial_configs_stop_on_nan_and_the_final_one_is_the_users(tmp_path):
+    s = FakeSession(tmp_path)
+    s.cfg.log.log_every = 10
+    s.cfg.run.fault = "nan@3"
+    d = TuningDriver(s, 60.0)
+    d.user_cfg = TrainConfig.from_dict(s.cfg.to_dict())
+    t = dataclasses.replace(s.cfg.toggles, micro_batch="2", fused_adamw=True)
+    trial = d._cfg_for(t, strict=True)
+    assert trial.toggles == t and trial.run.nan_policy == "stop" and trial.log.log_every == 1
+    assert trial.run.fault is None                                    # a user's test fault is not re-injected
+    final = d._cfg_for(t, strict=False)
+    assert final.run.nan_policy == "rollback" and final.log.log_every == 10
+    d._running_cfg = trial
+    assert d._differs(final) and not d._differs(trial)
+
+
+def test_exit_hook_and_detach_hand_an_unhandled_exit_back(tmp_path):
+    s = FakeSession(tmp_path)
+    d = TuningDriver(s, 60.0)
+    d._attached = True
+    d._prev_exit_handler, d._prev_toggler = None, None
+    s.hooks.append(d._on_event)
+    s.on_trainer_exit = d._on_exit
+    assert d._on_exit(0) is True                          # attached: the driver handles it
+    d._detach()                                           # ... and hands it back when it did not
+    assert s.exits == [0] and s.on_trainer_exit is None and s.hooks == []
+    assert d._on_exit(1) is False                         # detached: the session's own handling
+
+
+def test_t_starts_tuning_only_once_the_trainer_runs(tmp_path):
+    s = FakeSession(tmp_path)
+    install_toggler(s)
+    assert callable(s.tuning_toggler) and len(s.hooks) == 1
+    with pytest.raises(RuntimeError):
+        s.tuning_toggler()                                # nothing runs yet: the UI shows why
+
+
+# --- controller rules the driver relies on -----------------------------------------------
+
+def _ctl(tmp_path, clock, **kw):
+    from test_tuner_controller import make_ctl
+
+    return make_ctl(tmp_path, clock, **kw)
+
+
+def test_trials_are_cut_when_only_the_switch_reserve_is_left(tmp_path):
+    from test_tuner_controller import Clock
+
+    clock = Clock()
+    ctl = _ctl(tmp_path, clock, budget_s=100.0, switch_reserve_s=30.0, rel_ci=1e-6, max_seconds=1000,
+               max_steps=10_000)
+    ctl.set_max_micro_batch(8)
+    a = ctl.next_action()
+    assert a.baseline
+    stop, i = None, 0
+    rng = random.Random(0)
+    while stop is None:
+        i += 1
+        clock.t += 0.4
+        ctl.observe(make_event("step", step=i, tokens=0, loss=3.0, lr=0, grad_norm=0,
+                               step_ms=400.0 * (1 + rng.gauss(0, 0.05)),
+                               phases_ms={}, tokens_per_s=0, mfu=0, mem_bytes=1, time=clock.t))
+        stop = ctl.trial_should_stop()
+    assert stop == "budget" and 69.0 <= ctl.budget.elapsed() <= 71.0   # 30 s kept for the final switch
+    ctl.finish_trial("ok")
+    done = ctl.next_action()
+    ev = [e for e in ctl.drain_events() if e["type"] == "tuner"][-1]
+    assert ev["phase"] == "done" and ev["outcome"] == done.reason and ev["applied"] is False
+
+
+def test_a_compile_mode_that_never_warms_up_is_screened_for_the_run(tmp_path):
+    from test_tuner_controller import Clock
+    from tuner.controller import RunTrial
+
+    clock = Clock()
+    ctl = _ctl(tmp_path, clock, spec="-all compile=off,default fused_adamw=on,off prefetch=0,2",
+               trial_timeout_s=50.0, max_trials=8)
+    ctl.set_max_micro_batch(8)
+    a = ctl.next_action()
+    for i in range(40):
+        clock.t += 0.4
+        ctl.observe(make_event("step", step=i + 1, tokens=0, loss=3.0, lr=0, grad_norm=0, step_ms=400.0,
+                               phases_ms={}, tokens_per_s=0, mfu=0, mem_bytes=1, time=clock.t))
+    ctl.finish_trial("ok")
+    seen_compile = 0
+    for _ in range(8):
+        a = ctl.next_action()
+        if not isinstance(a, RunTrial):
+            break
+        if a.toggles.compile == "default":
+            seen_compile += 1
+            clock.t += 60.0                                       # compiling, no step: cut by the timeout
+            assert ctl.trial_should_stop() == "done" and ctl._active.stop == "timeout"
+            ev = ctl.finish_trial("ok")
+            assert ev["status"] == "pruned"
+            continue
+        for i in range(30):
+            clock.t += 0.3
+            ctl.observe(make_event("step", step=100 + i, tokens=0, loss=3.0, lr=0, grad_norm=0, step_ms=300.0,
+                                   phases_ms={}, tokens_per_s=0, mfu=0, mem_bytes=1, time=clock.t))
+        ctl.trial_should_stop()
+        ctl.finish_trial("ok")
+    assert seen_compile == 1                                      # the others were screened, not run
+    screened = [e for e in ctl.drain_events() if e["type"] == "trial" and "not worth this budget" in e["reason"]]
+    assert all(e["toggles"]["compile"] == "default" for e in screened)
