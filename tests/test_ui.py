@@ -320,14 +320,19 @@ def test_log_panel_wraps_at_its_width_and_shows_the_newest_lines():
         assert "compiling model" in shown[0] and "checkpoint step 200 written" in shown[-1]
         assert max(len(s) for s in shown) <= log.scrollable_content_region.width
         assert any(s.startswith("error [oom]") for s in shown) and any(s == "micro-batch 32)" for s in shown)
+        assert "checkpoint step 200 written" in text(log)    # scrolled to the newest line
 
     drive(app, ["l"], check=check)   # zoomed at 80x24: the long OOM line wraps once
 
     def check_large(app: GptopApp) -> None:
         shown = [strip.text.rstrip() for strip in app.query_one("#log").lines]
         assert any(s.endswith("(trial 2, micro-batch 32)") for s in shown)   # room for it: one line
+        view = text(app.query_one("#log"))
+        assert "filler 29" in view and "filler 10" not in view                # the newest lines in view
 
     app, state, _ = make()
+    for i in range(30):
+        state.add_log(f"filler {i}")
     drive(app, [], size=LARGE, check=check_large)
 
 

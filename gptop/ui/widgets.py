@@ -165,8 +165,8 @@ class LogPanel(Watcher, RichLog):
             self.clear()   # RichLog's own on_resize (after this one) renders these at the new width
             for stream, line in lines:
                 self._write(stream, line)
-        if self.auto_scroll:
-            self.scroll_end(animate=False, immediate=True)
+        if self.auto_scroll:   # after RichLog's own on_resize has rendered the lines
+            self.call_after_refresh(self.scroll_end, animate=False)
 
     def _write(self, stream: str, line: str) -> None:
         width = self.scrollable_content_region.width   # wrap here, not at the console's width
