@@ -13,7 +13,8 @@ and the app re-renders the panels whose areas of the state changed, each at most
 `min_redraw` seconds (a panel that is throttled is redrawn when its interval is up); a timer every
 `poll_interval` seconds is the safety net and checks whether the session is over. So an event is on
 screen one render after it arrives (at most `min_redraw` later in a burst), and an attached run
-costs about 1% of a core (bench/dashboard.py measures both; docs/dashboard.md has the numbers).
+costs about 2.5% of a core at default settings (bench/dashboard.py measures both;
+docs/dashboard.md has the numbers).
 It exits when the `finished` callable says the session is over (a run that ended by itself in
 done/failed stays on screen until `q`), or at once after a force stop.
 """
