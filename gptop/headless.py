@@ -38,7 +38,7 @@ from typing import IO, Any
 
 from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_num, fmt_toggles, model_summary, phase_label,
                          spread_pct)
-from trainer.events import PHASES, SCHEMA_VERSION, dumps
+from trainer.events import PHASES, dumps, make_event
 
 SHORT = {"data": "data", "forward": "fwd", "backward": "bwd", "optimizer": "opt", "other": "other"}
 
@@ -247,9 +247,7 @@ class HeadlessView:
                 return
             self._status = status
             if self.json:
-                t = self.state.now()
-                obj = {"v": SCHEMA_VERSION, "type": "status", "time": t, "rank": 0, "status": status,
-                       "message": message}
+                obj = make_event("status", status=status, message=message)
                 self.stream.write(dumps(obj) + "\n")
                 self.stream.flush()
             else:

@@ -31,6 +31,8 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "device": ("devices",),
     "trial": ("number", "toggles", "status"),
     "apply": ("toggles",),
+    "tuner": ("phase",),
+    "status": ("status",),      # the session's status (starting, running, done, failed, ...)
 }
 
 ERROR_KINDS = ("oom", "nan", "config", "crash", "compile")
