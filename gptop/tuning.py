@@ -279,9 +279,7 @@ class TuningDriver:
         trial_index = 0
         while True:
             if self._abort:
-                ctl.abort(self._abort)
-                self._publish()
-                return self._conclude(None)
+                return self._conclude(ctl.stop_early(self._abort))
             action = ctl.next_action()
             self._publish()
             if isinstance(action, FindMicroBatch):
@@ -297,11 +295,15 @@ class TuningDriver:
                 if action.restart or not self._alive:
                     pre = self._restart(action.toggles, fault=fault, strict=True)
                     if pre is None:            # interrupted, stopped or finished while switching
+                        if self._abort and not (self.session.interrupted or self._complete):
+                            return self._conclude(ctl.stop_early(self._abort))
                         ctl.abort(self._end_reason())
                         self._publish()
                         return self._conclude(None)
                 outcome, reason = self._measure()
-                if outcome in ("abort", "interrupted", "finished"):
+                if outcome == "abort":             # the `t` key: decide on what was measured, train on
+                    return self._conclude(ctl.stop_early(reason))
+                if outcome in ("interrupted", "finished"):
                     if outcome == "finished" and ctl._active is not None:
                         ctl.finish_trial("ok")            # its steps are the run's last: kept
                     ctl.abort(reason)
@@ -358,8 +360,10 @@ class TuningDriver:
         ctl = self.ctl
         s = self.session
         if ctl is not None:
+            self._publish()
+            early = f"{self._abort}: " if self._abort else ""
             if isinstance(action, Apply):
-                self._say(f"applying trial {action.number}: {action.decision.reason}",
+                self._say(f"{early}applying trial {action.number}: {action.decision.reason}",
                           decision=action.decision.to_dict())
             elif action is not None:
                 self._say(f"keeping the starting configuration: {action.reason}")
@@ -377,7 +381,7 @@ class TuningDriver:
                 if not self._alive or self._differs(want):
                     self._restart(toggles, strict=False)
         elif action is None and not ended and ctl is not None:
-            # stopped by the user mid-way: train on with what runs, or (nothing runs) the start
+            # tuning ended early without a decision: train on with what runs, or (nothing runs) the start
             if not self._alive and not self._complete:
                 self._restart(ctl.base, strict=False)
         if ctl is not None:
@@ -559,8 +563,8 @@ def install_toggler(session, budget_s: float = DEFAULT_T_BUDGET_S, space_spec: s
         if box["hello"] is None or sup is None or not sup.alive():
             session._broadcast_log("tuning starts once the trainer runs")
             raise RuntimeError("the trainer is not running")
-        box["driver"] = TuningDriver(session, budget_s, space_spec=space_spec, storage=storage,
-                                     hello=box["hello"]).attach()
+        box["driver"] = session.tuning_driver = TuningDriver(session, budget_s, space_spec=space_spec,
+                                                             storage=storage, hello=box["hello"]).attach()
 
     session.hooks.append(record)
     session.tuning_toggler = toggle

@@ -184,3 +184,52 @@ def test_a_compile_mode_that_never_warms_up_is_screened_for_the_run(tmp_path):
     assert seen_compile == 1                                      # the others were screened, not run
     screened = [e for e in ctl.drain_events() if e["type"] == "trial" and "not worth this budget" in e["reason"]]
     assert all(e["toggles"]["compile"] == "default" for e in screened)
+
+
+def test_stop_early_decides_on_what_was_measured(tmp_path):
+    from test_tuner_controller import Clock
+    from tuner.controller import Apply, Done, RunTrial
+
+    clock = Clock()
+    ctl = _ctl(tmp_path, clock, spec="-all fused_adamw=on,off prefetch=0,2", max_trials=8)
+    ctl.set_max_micro_batch(8)
+    assert isinstance(ctl.stop_early(), Done)                 # nothing measured yet: keep the start
+    assert ctl.next_action().reason.startswith("stopped by the user")
+
+    clock = Clock()
+    ctl = _ctl(tmp_path / "b", clock, spec="-all fused_adamw=on,off prefetch=0,2", max_trials=8)
+    ctl.set_max_micro_batch(8)
+    rng = random.Random(0)
+
+    def steps(ms, start, n=40):
+        for i in range(n):
+            clock.t += ms / 1000
+            ctl.observe(make_event("step", step=start + i, tokens=0, loss=3.0, lr=0, grad_norm=0,
+                                   step_ms=ms * (1 + rng.gauss(0, 0.01)), phases_ms={}, tokens_per_s=0, mfu=0,
+                                   mem_bytes=1, time=clock.t))
+
+    ctl.next_action()
+    steps(400.0, 1)                                            # the start: 400 ms a step
+    ctl.finish_trial("ok")
+    a = ctl.next_action()
+    assert isinstance(a, RunTrial) and not a.baseline
+    steps(200.0, 100)                                          # twice as fast
+    ctl.trial_should_stop()
+    ctl.finish_trial("ok")
+    b = ctl.next_action()                                      # a third trial is running when `t` comes
+    steps(390.0, 200, n=5)
+    action = ctl.stop_early()
+    assert isinstance(action, Apply) and action.toggles == a.toggles
+    assert ctl.study.trials()[b.number].state.name == "FAIL"   # abandoned: teaches the sampler nothing
+    assert ctl.next_action().reason.startswith("stopped by the user: applied trial")
+
+
+def test_train_tune_is_tune_budget():
+    from gptop.cli import _tuning_request, build_parser
+
+    p = build_parser()
+    a = _tuning_request(p.parse_args(["train", "--tune", "10m", "--tune-space=-compile"]))   # = : a leading -
+    b = _tuning_request(p.parse_args(["tune", "--budget", "10m", "--tune-space=-compile"]))
+    assert a == b == {"budget_s": 600.0, "space_spec": "-compile", "storage": None, "tune_only": False}
+    assert _tuning_request(p.parse_args(["train"])) is None
+    assert _tuning_request(p.parse_args(["tune", "--tune-only"]))["tune_only"] is True

@@ -235,7 +235,7 @@ def test_report_best_toml_and_gptop_report(tuned):
 
 def test_second_run_warm_starts_and_rolls_back_an_oom(tuned, tmp_path):
     run_dir = tmp_path / "run2"
-    rc, out, err = run_gptop("tune", "--budget", "40s", *SETUP, *SLOW_START, "--max-steps", "100",
+    rc, out, err = run_gptop("tune", "--tune-only", "--budget", "40s", *SETUP, *SLOW_START, "--max-steps", "1000",
                              "--checkpoint-every", "3", "--keep-checkpoints", "2", "--tune-space", SPACE,
                              "--storage", tuned["storage"], "--run-dir", str(run_dir),
                              env=gptop_env(GPTOP_TEST_TRIAL_FAULT="1:oom@4"))
@@ -261,4 +261,70 @@ def test_second_run_warm_starts_and_rolls_back_an_oom(tuned, tmp_path):
     assert Path(nxt["resumed_from"]).name == Path(rb["path"]).name
     for p in procs:
         assert all(e["batch"] == e["step"] - 1 for e in p["steps"])
-    assert procs[-1]["done"]["step"] == 100
+    # --tune-only: stopped (with a checkpoint) once best.toml was written, exit code 0
+    assert (run_dir / "best.toml").is_file() and procs[-1]["done"]["reason"] != "max_steps"
+    assert ckpt.list_checkpoints(run_dir)[-1].step == procs[-1]["done"]["step"]
+
+
+# --- the `t` key in a plain `gptop train` session ---------------------------------------
+
+def test_t_starts_and_stops_tuning_in_a_train_session(tmp_path, monkeypatch):
+    """`t` (Session.toggle_tuning) attaches a tuner to a running train session; `t` again stops it and the
+    run trains on; a third `t` starts another tuning, and Ctrl-C (Session.stop) during it still writes the
+    report and ends with 130 and no process left."""
+    import argparse
+    import time
+
+    import psutil
+
+    from gptop.session import Session, SessionOptions
+    from gptop.tuning import install_toggler
+    from trainer.config import add_arguments, config_from_args
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cfg = config_from_args(parser.parse_args(SETUP + SLOW_START + ["--max-steps", "100000", "--checkpoint-every",
+                                                                    "0", "--run-dir", str(tmp_path / "run")]))
+    session = Session(cfg, SessionOptions(interval=1.0))
+    install_toggler(session, budget_s=60.0, space_spec=SPACE, storage=f"sqlite:///{tmp_path / 's.sqlite3'}")
+    run_dir = tmp_path / "run"
+
+    def wait_for(pred, what, timeout=180):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if pred():
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    try:
+        session.start()
+        wait_for(lambda: session.state.step, "the first step")
+        session.toggle_tuning()                                          # t: start
+        first = session.tuning_driver
+        wait_for(lambda: any(e["kind"] == "trial" and e["status"] == "running" for e in events(run_dir, "trial")),
+                 "a trial")
+        session.toggle_tuning()                                          # t: stop
+        wait_for(first.finished.is_set, "the tuner to stop")
+        assert first.error is None
+        done = [e for e in events(run_dir, "tuner") if e["phase"] == "done"]
+        assert done and done[-1]["outcome"].startswith("stopped by the user")
+        assert (run_dir / "tuning.md").is_file()
+        step = session.state.step
+        wait_for(lambda: session.state.step and session.state.step > step + 3, "training to go on")
+        assert session.on_trainer_exit is None                           # exits are the session's again
+        session.toggle_tuning()                                          # t: a new tuning
+        second = session.tuning_driver
+        assert second is not first
+        wait_for(lambda: second.ctl is not None and second.ctl._active is not None, "the second tuning")
+        session.stop()                                                   # Ctrl-C
+        assert session.wait(120) == 130
+        wait_for(second.finished.is_set, "the report", timeout=30)
+        report = json.loads((run_dir / "tuning.json").read_text())
+        assert report["run"] == second.study.run_id                      # rewritten by the second tuning
+    finally:
+        session.close()
+    pids = [e["pid"] for e in events(run_dir, "hello")]
+    assert pids and not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                            for p in pids)

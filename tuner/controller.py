@@ -212,6 +212,7 @@ class TuneController:
         self._warm_started = False
         self._remeasure_plan: list[Candidate] | None = None
         self._final: Done | None = None
+        self._prefix = ""                                       # "stopped by the user: " before the decision
         self._events: list[dict[str, Any]] = []
         self.running = self.base
 
@@ -565,6 +566,26 @@ class TuneController:
         self._final = Done(reason, self.running or self.base, restart=False)
         self._set_phase("done")
 
+    def stop_early(self, reason: str = "stopped by the user") -> Apply | Done:
+        """Tuning is stopped before its end (the `t` key) while the run goes on: the running trial, if any,
+        is abandoned (FAIL) with its steps kept, and the decision is made on what was measured so far (the
+        same rules: apply only a significantly faster setting whose saving pays for the switch)."""
+        if self._final is not None:
+            return self._final
+        a = self._active
+        self._active = None
+        if a is not None:
+            if a.proposal is not None:
+                self.study.tell_failed(a.proposal, reason)
+            self.kept_tokens += a.measure.steps * self.tokens_per_step
+            if a.kind == "baseline":
+                self.phase = "trials"
+        if self.baseline is None:
+            self.stop_note = f"{reason} before the starting configuration was measured"
+            return self._done(f"{reason}; nothing measured to decide on", self.base)
+        self.stop_note = reason
+        return self._decide(prefix=f"{reason}: ")
+
     def _finish_event(self, number: int | None, kind: str, toggles: Toggles, status: str,
                       summary: dict[str, Any] | None, reason: str, duration: float, *, ran: bool = True,
                       failure: str | None = None, overhead_s: float | None = None,
@@ -608,7 +629,8 @@ class TuneController:
         restart = median(overheads) if overheads else self.default_restart_s
         return restart + self.checkpoint_s
 
-    def _decide(self) -> Apply | Done:
+    def _decide(self, prefix: str = "") -> Apply | Done:
+        self._prefix = prefix
         self._set_phase("decide")
         base = self.base
         cands = self.study.candidates()
@@ -637,12 +659,13 @@ class TuneController:
         self._emit(make_event("apply", toggles=dataclasses.asdict(best.toggles), decision=decision.to_dict(),
                               number=best.number, tokens_per_s=best.tokens_per_s, baseline_tokens_per_s=base_tps,
                               step=self.last_step))
-        self._final = Done(f"applied trial {best.number}: {decision.reason}", best.toggles, restart=False)
+        self._final = Done(f"{prefix}applied trial {best.number}: {decision.reason}", best.toggles, restart=False)
         self.phase = "done"
         self._emit(self.tuner_event())
         return Apply(best.toggles, decision, restart, number=best.number)
 
     def _done(self, reason: str, toggles: Toggles) -> Done:
+        reason = self._prefix + reason
         self._final = Done(reason, toggles, restart=toggles != self.running)
         self._set_phase("done")
         return self._final
