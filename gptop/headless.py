@@ -14,9 +14,10 @@ session's status changes (consumers ignore types they do not know). Device
 samples can be thinned to one per `device_interval` seconds of event time.
 
 Readable: one line per step event (the trainer emits them at the log
-interval), and a line for each eval, checkpoint, warning, error, trial, apply,
-tuner phase, status change and bottleneck hint change; with a rich progress
-bar when the stream is a terminal.
+interval), and a line for each eval, checkpoint, warning, error, finished
+trial (one per trial, when it ends), apply, tuner phase, status change and
+bottleneck hint change; with a rich progress bar when the stream is a
+terminal.
 
 The trainer's stdout/stderr are not printed in either mode: they are in the
 run directory's log file, and printing them would break `--json` and bury the
@@ -116,6 +117,8 @@ def event_line(event: dict[str, Any], state: RunState) -> str | None:
         return (f"done: step {event.get('step')}, {fmt_num(_f(event.get('tokens')))} tokens "
                 f"in {fmt_duration(state.elapsed())}")
     if kind == "trial":
+        if event.get("status") == "running":
+            return None            # one line per trial, when it ends (the JSON mode has both)
         what = "trial" if event.get("kind") in (None, "trial") else str(event.get("kind"))
         number = "" if event.get("number") is None else f" {event.get('number')}"
         line = f"{what}{number} {event.get('status')}: {fmt_toggles(state.toggle_diff(event.get('toggles')))}"
