@@ -328,7 +328,8 @@ def test_sigterm_from_torchrun_by_hand_is_one_agreed_stop(tmp_path):
     done = done_steps(None, out)
     assert len(done) == 2 and done[0] == done[1], out[-3000:]
     stop = [e for e in events(run) if e["type"] == "done"]
-    assert stop and stop[0]["reason"] == "SIGTERM" and stop[0]["step"] == done[0]
+    # torchrun forwards SIGTERM to every rank; whichever rank's handler ran first, the stop is agreed on one step
+    assert stop and stop[0]["reason"] in ("SIGTERM", "stop signal (another rank)") and stop[0]["step"] == done[0]
     assert (run / "checkpoints" / f"step-{done[0]:08d}.dcp" / "gptop.json").is_file()
     assert wait_gone(str(run), timeout=10) == []
 
