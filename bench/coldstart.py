@@ -9,10 +9,10 @@ events (`hello`: the trainer is set up; the first `step` event, with --log-every
   train+compile    the same with --compile default, compile caches cold (empty inductor cache dir)
   resume+compile   restart with --compile default, caches as the first compiled run left them
 
-Repeats alternate the scenarios; medians are printed. `--root DIR` runs another checkout (e.g. a
-`git worktree` of an older commit) to measure "before".
+Repeats alternate the scenarios (and the checkouts, with several `--root`); medians and ranges are
+printed. `--root DIR` runs another checkout (e.g. `git archive` of an older commit) to measure "before":
 
-    python bench/coldstart.py [--repeats 3] [--root DIR] [--no-compile] [trainer flags...]
+    python bench/coldstart.py [--repeats 3] [--root DIR ...] [--no-compile] [trainer flags...]
 """
 
 from __future__ import annotations
@@ -57,49 +57,52 @@ def launch(root: Path, args: list[str], env: dict[str, str], log: Path, run_dir:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--root", default=str(ROOT), help="checkout to run (default: this one)")
+    ap.add_argument("--root", action="append", default=None,
+                    help="checkout to run (default: this one); repeat the flag to alternate several")
     ap.add_argument("--no-compile", action="store_true", help="skip the --compile default scenarios")
     ap.add_argument("--threads", type=int, default=0)
     args, extra = ap.parse_known_args()
-    root = Path(args.root).resolve()
+    roots = [Path(r).resolve() for r in (args.root or [str(ROOT)])]
     setup = SETUP + extra
     work = Path(tempfile.mkdtemp(prefix="gptop-coldstart-"))
-    env = dict(os.environ, PYTHONPATH=str(root))
-    if args.threads:
-        env["OMP_NUM_THREADS"] = str(args.threads)
     scen = ["train", "resume"] + ([] if args.no_compile else ["train+compile", "resume+compile"])
-    res: dict[str, list[dict]] = {s: [] for s in scen}
-    print(f"root {root}; setup {' '.join(setup)}", flush=True)
-    for rep in range(args.repeats):
-        for compiled in ([False] if args.no_compile else [False, True]):
-            tag = "+compile" if compiled else ""
-            flags = setup + (["--compile", "default"] if compiled else [])
-            cenv = dict(env)
-            if compiled:
-                cache = work / f"inductor-{rep}"          # cold: an empty inductor cache for this repeat
-                shutil.rmtree(cache, ignore_errors=True)
-                cenv["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
-            run_dir = work / f"run{tag}-{rep}"
-            log = work / f"run{tag}-{rep}.log"
-            r = launch(root, flags + ["--max-steps", "2", "--run-dir", str(run_dir)], cenv, log, run_dir)
-            res["train" + tag].append(r)
-            t_after = time.time()
-            r2 = launch(root, ["--resume", str(run_dir), "--max-steps", "4", "--log-every", "1"], cenv, log, run_dir,
-                        after=t_after)
-            res["resume" + tag].append(r2)
-            print(f"repeat {rep + 1}{tag}: train hello {r['hello']} first step {r['first_step']} | "
-                  f"resume hello {r2['hello']} first step {r2['first_step']}", flush=True)
+    res: dict[tuple[int, str], list[dict]] = {(i, s): [] for i in range(len(roots)) for s in scen}
+    print(f"setup {' '.join(setup)}", flush=True)
+    for i, root in enumerate(roots):
+        print(f"root {i}: {root}", flush=True)
+    order = [(rep, ri, compiled) for rep in range(args.repeats) for ri in range(len(roots))
+             for compiled in ([False] if args.no_compile else [False, True])]
+    for rep, ri, compiled in order:
+        env = dict(os.environ, PYTHONPATH=str(roots[ri]))
+        if args.threads:
+            env["OMP_NUM_THREADS"] = str(args.threads)
+        tag = "+compile" if compiled else ""
+        flags = setup + (["--compile", "default"] if compiled else [])
+        if compiled:
+            cache = work / f"inductor-{ri}-{rep}"     # cold: an empty inductor cache for this run
+            shutil.rmtree(cache, ignore_errors=True)
+            env["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+        run_dir = work / f"run{tag}-{ri}-{rep}"
+        log = work / f"run{tag}-{ri}-{rep}.log"
+        r = launch(roots[ri], flags + ["--max-steps", "2", "--run-dir", str(run_dir)], env, log, run_dir)
+        res[(ri, "train" + tag)].append(r)
+        t_after = time.time()
+        r2 = launch(roots[ri], ["--resume", str(run_dir), "--max-steps", "4", "--log-every", "1"], env, log,
+                    run_dir, after=t_after)
+        res[(ri, "resume" + tag)].append(r2)
+        print(f"repeat {rep + 1} root {ri}{tag}: train hello {r['hello']} first step {r['first_step']} | "
+              f"resume hello {r2['hello']} first step {r2['first_step']}", flush=True)
     print()
-    print("| scenario | spawn -> hello (s) | spawn -> first step (s) | runs |")
-    print("|---|---:|---:|---:|")
-    for s in scen:
-        ok = [r for r in res[s] if r["first_step"] is not None]
+    print("| root | scenario | spawn -> hello (s) | spawn -> first step (s) | runs |")
+    print("|---|---|---:|---:|---:|")
+    for (ri, s), runs in res.items():
+        ok = [r for r in runs if r["first_step"] is not None]
         if not ok:
-            print(f"| {s} | failed | failed | 0 |")
+            print(f"| {ri} | {s} | failed | failed | 0 |")
             continue
         h = [r["hello"] for r in ok]
         f = [r["first_step"] for r in ok]
-        print(f"| {s} | {statistics.median(h):.1f} ({min(h):.1f}-{max(h):.1f}) | "
+        print(f"| {ri} | {s} | {statistics.median(h):.1f} ({min(h):.1f}-{max(h):.1f}) | "
               f"{statistics.median(f):.1f} ({min(f):.1f}-{max(f):.1f}) | {len(ok)} |")
     print(f"\nlogs in {work}")
     return 0

@@ -16,8 +16,10 @@ contender can express identically) and the same number of steps:
 
 Each contender runs in a fresh subprocess per round, and rounds alternate the
 contenders (A B C D E, A B C D E, ...) so that drift on a shared machine hits all
-alike. Every process uses the same number of torch threads (--threads, default: all
-cores the process may use; set through OMP_NUM_THREADS and torch.set_num_threads).
+alike. Every process uses the same number of torch threads (--threads, default 1; set
+through OMP_NUM_THREADS and torch.set_num_threads): on a shared machine, two OpenMP threads on
+two cores stall at every parallel region's barrier whenever another process takes a core, which
+made 2-thread runs here swing 10x between rounds; one thread measures per-core efficiency stably.
 
 Throughput is measured per interval of --log-every steps, from the end of one
 interval to the end of the next (everything a step costs is inside: data, forward,
@@ -68,7 +70,7 @@ class Spec:
     seq_len: int = 128
     global_batch: int = 16
     micro_batch: int = 16          # for plain and HF (gptop picks its own: default `auto`, or the tuned one)
-    steps: int = 20
+    steps: int = 25
     warmup: int = 5
     log_every: int = 5
     lr: float = 1e-3
@@ -265,7 +267,10 @@ def worker_hf(spec: Spec, fast: bool) -> dict[str, Any]:
         adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=EPS, weight_decay=spec.weight_decay,
         max_grad_norm=spec.grad_clip, lr_scheduler_type="constant", warmup_steps=0, seed=spec.seed,
         logging_steps=spec.log_every, save_strategy="no", report_to="none", dataloader_num_workers=0,
-        disable_tqdm=True, use_cpu=not dev.is_cuda)
+        disable_tqdm=True, use_cpu=not dev.is_cuda,
+        # Keep `shift_labels` (not in the model's signature, so the default would drop it and the loss would
+        # shift the already shifted targets again); a column filter, nothing on the speed path.
+        remove_unused_columns=False)
     if fast:
         kwargs.update(hf_speed_args(dev))
     args = TrainingArguments(**kwargs)
@@ -400,8 +405,9 @@ def default_tuned_path(spec: Spec) -> Path:
 def run_tune(spec: Spec, budget: str, work: Path) -> Path | None:
     """`gptop --no-ui tune --tune-only` on the benchmark's setup; returns its best.toml."""
     run_dir = work / "tune"
+    # A study of its own: a shared study would mix in trials measured with another thread count or load.
     argv = [sys.executable, "-m", "gptop", "--no-ui", "tune", "--budget", budget, "--tune-only",
-            *gptop_argv(spec, run_dir, None)[3:]]
+            "--storage", f"sqlite:///{work / 'study.db'}", *gptop_argv(spec, run_dir, None)[3:]]
     # The tune needs room to measure trials: enough steps for the budget; the lr stays constant.
     i = argv.index("--max-steps")
     argv[i + 1] = "100000"
@@ -417,7 +423,10 @@ def run_tune(spec: Spec, budget: str, work: Path) -> Path | None:
     dest = default_tuned_path(spec)
     dest.parent.mkdir(parents=True, exist_ok=True)
     md = run_dir / "tuning.md"
-    header = f"# from: gptop {' '.join(argv[3:])}\n# on: {machine_line(spec)}\n"
+    shown = [a for i, a in enumerate(argv[3:], 3) if a not in ("--run-dir", "--storage")
+             and argv[i - 1] not in ("--run-dir", "--storage")]
+    header = (f"# from: OMP_NUM_THREADS={spec.threads} gptop {' '.join(shown)}\n"
+              f"# on: {machine_line(spec)}\n")
     dest.write_text(header + best.read_text())
     if md.is_file():
         (dest.with_suffix(".md")).write_text(md.read_text())
@@ -556,7 +565,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--lr", type=float, default=d.lr)
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads in every contender (default: all cores)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads in every contender (default: 1; 0: all cores). On a shared machine two "
+                         "OpenMP threads stall at every barrier whenever another process holds a core")
     ap.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated subset, in run order")
     ap.add_argument("--tuned", metavar="TOML", default=None, help="best.toml of a gptop tune for gptop-tuned")
     ap.add_argument("--tune", metavar="DURATION", default=None,
@@ -622,8 +633,9 @@ def main() -> int:
             status = r.error or (f"{statistics.median(meds):,.0f} tok/s" if meds else "no steady interval")
             print(f"round {rnd + 1} {name:12s} {status}  (process {r.wall_s or 0:.0f} s)", flush=True)
 
-    fpt, peaks = model_flops(spec)
-    if tuned is not None:
+    show_mfu = spec.device.startswith("cuda")
+    fpt, peaks = model_flops(spec) if show_mfu else (None, {})
+    if tuned is not None and show_mfu:
         prec = _toml_toggles(tuned).get("precision", "fp32")
         try:
             sys.path.insert(0, str(ROOT))
@@ -634,7 +646,6 @@ def main() -> int:
         except Exception:
             peaks["gptop-tuned"] = None
     rows = summarize(results, spec, fpt, peaks)
-    show_mfu = spec.device.startswith("cuda")
     print()
     print(table(rows, show_mfu))
     print(f"\ntotal time {time.perf_counter() - t_start:.0f} s; logs in {work}")
