@@ -51,6 +51,7 @@ STEADY = ("done", "prune", "budget", "timeout")
 TEST_FAULT_ENV = "GPTOP_TEST_TRIAL_FAULT"   # "N:KIND" or "N:KIND@K": KIND (nan, oom, crash, kill, compile) K steps
 DEFAULT_FAULT_OFFSET = 2                   # into this session's N-th trial (tests only; default K=2)
 DEFAULT_T_BUDGET_S = 600.0                 # the `t` key in a plain `gptop train`
+CPU_COMPILE_MIN_BUDGET_S = 600.0           # below this, a CPU run's tuning leaves compile alone by default
 
 
 def parse_test_fault(spec: str) -> tuple[int, str, int] | None:
@@ -260,7 +261,14 @@ class TuningDriver:
         base_mb = self.user_cfg.toggles.micro_batch
         start = dataclasses.replace(cfg.toggles, micro_batch=base_mb)
         world = hello.get("world_size", 1)
-        space = SearchSpace.for_device(start, dev, cfg.optim.global_batch, world_size=world, spec=self.space_spec)
+        spec, note = self.space_spec, ""
+        if not dev.is_cuda and self.budget_s < CPU_COMPILE_MIN_BUDGET_S and "compile" not in (spec or ""):
+            # inductor's C++ build takes from 20 s to minutes on a CPU: in a short budget a compile trial
+            # costs several others and rarely finishes warming up; naming compile in --tune-space opts in
+            spec = f"{spec} -compile" if spec else "-compile"
+            note = (f"; compile stays {start.compile} (on a CPU its warm-up does not fit a budget under "
+                    f"{CPU_COMPILE_MIN_BUDGET_S / 60:.0f} minutes; name it in --tune-space to try it)")
+        space = SearchSpace.for_device(start, dev, cfg.optim.global_batch, world_size=world, spec=spec)
         cfg.toggles = start
         self.study = TuneStudy.open(cfg, dev, space, storage=self.storage, world_size=world)
         # A trial measures for at most ~1/12 of the budget (>= 8 s), so a short budget still sees several trials;
@@ -275,7 +283,7 @@ class TuningDriver:
                                         trial_timeout_s=2 * per_trial + 2 * restart_guess,
                                         switch_reserve_s=restart_guess)
         self._say(f"tuning for up to {self.budget_s:.0f} s over {', '.join(space.params) or 'nothing'} "
-                  f"(study {self.study.name})", study=self.study.name)
+                  f"(study {self.study.name}){note}", study=self.study.name)
         trial_index = 0
         while True:
             if self._abort:

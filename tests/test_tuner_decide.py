@@ -34,3 +34,22 @@ def test_switch_arithmetic():
     assert not switch_pays(10000, 20000, 0, 1000, 0).apply
     assert not switch_pays(0, 20000, 10, 1000, 0).apply
     assert switch_pays(10000, 20000, 1000, 1000, 0).to_dict()["apply"] is True
+
+
+def test_hopeless_needs_every_early_step_far_below_the_best():
+    from tuner.decide import hopeless
+    from tuner.measure import Measurement
+
+    m = Measurement()
+    for i, ms in enumerate([9000, 5000, 4100, 4000, 3900]):      # 2 skipped, then 3 at ~1/4 of the best
+        m.add(i + 1, ms, 4096, float(i))
+    assert hopeless(m, best_tokens_per_s=4096 / 0.9)           # best: 900 ms a step
+    assert not hopeless(m, best_tokens_per_s=None)
+    close = Measurement()
+    for i, ms in enumerate([9000, 5000, 4100, 1500, 3900]):      # one step within 2x of the best: wait
+        close.add(i + 1, ms, 4096, float(i))
+    assert not hopeless(close, best_tokens_per_s=4096 / 0.9)
+    short = Measurement()
+    for i, ms in enumerate([9000, 5000, 4100]):
+        short.add(i + 1, ms, 4096, float(i))
+    assert not hopeless(short, best_tokens_per_s=4096 / 0.9)   # too few steps to say

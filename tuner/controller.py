@@ -82,7 +82,8 @@ from trainer.device import DeviceInfo
 from trainer.events import make_event
 
 from .budget import Budget
-from .decide import Decision, clearly_better, should_prune, significantly_faster, switch_pays, top_candidates
+from .decide import (Decision, clearly_better, hopeless, should_prune, significantly_faster, switch_pays,
+                     top_candidates)
 from .measure import LossGuard, LossTrend, Measurement
 from .space import SearchSpace
 from .study import FAILURE_KINDS, Candidate, Proposal, TuneStudy
@@ -319,7 +320,8 @@ class TuneController:
             a.stop = "done"
         elif self.budget.expired() or (self.budget.started and self.budget.left() <= self.switch_reserve_s):
             a.stop = "budget"
-        elif a.kind == "trial" and should_prune(a.measure, self._best_this_run(), self.prune_margin):
+        elif a.kind == "trial" and (should_prune(a.measure, self._best_this_run(), self.prune_margin)
+                                    or hopeless(a.measure, self._best_this_run())):
             a.stop = "prune"
         elif self.clock() - a.start > self.trial_timeout_s:
             a.stop = "timeout"
@@ -519,8 +521,13 @@ class TuneController:
         if a.stop == "prune":
             _, hi = m.interval()
             status = "pruned"
-            reason = reason or (f"slower than the best: at most {hi:.0f} tokens/s "
-                                f"(CI upper end) vs {self._best_this_run():.0f}")
+            if math.isfinite(hi):
+                reason = reason or (f"slower than the best: at most {hi:.0f} tokens/s "
+                                    f"(CI upper end) vs {self._best_this_run():.0f}")
+            else:
+                fastest = max((s.tokens_per_s for s in m.samples[m.skip:]), default=0.0)
+                reason = reason or (f"far slower than the best: no step above {fastest:.0f} tokens/s "
+                                    f"vs {self._best_this_run():.0f}")
         elif n >= 3 and math.isfinite(est):
             status = "ok" if m.stable else "cut"
             if not m.stable:

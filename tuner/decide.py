@@ -2,7 +2,9 @@
 
 Pruning is conservative: a trial is stopped only when even the optimistic end
 of its confidence interval is clearly below the best measured so far, so a
-noisy start never kills a configuration that might win.
+noisy start never kills a configuration that might win; or, before that, when
+not one of its first steps after the warm-up skip reached half the best's
+throughput (`hopeless`).
 
 Switching is plain arithmetic over the rest of the run: time at the current
 speed minus time at the best speed must exceed the one-off cost of the switch
@@ -30,6 +32,20 @@ def should_prune(measurement: Measurement, best_tokens_per_s: float | None, marg
         return False
     _, hi = measurement.interval()
     return math.isfinite(hi) and hi < best_tokens_per_s * (1.0 - margin)
+
+
+def hopeless(measurement: Measurement, best_tokens_per_s: float | None, factor: float = 0.5,
+             min_samples: int = 3) -> bool:
+    """True when, before warm-up has even been judged, no step after the first `skip` reached `factor` of the
+    best's throughput in `min_samples` tries: warm-up only makes steps slower, so such a trial cannot win.
+    Spares waiting for a slow configuration (bf16 autocast on a CPU, activation checkpointing at a tiny
+    micro-batch) to settle, which at seconds a step can take a whole trial's time."""
+    if best_tokens_per_s is None or not best_tokens_per_s > 0:
+        return False
+    after = measurement.samples[measurement.skip:]
+    if len(after) < min_samples:
+        return False
+    return max(s.tokens_per_s for s in after) < factor * best_tokens_per_s
 
 
 @dataclass(frozen=True)
