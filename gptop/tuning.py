@@ -261,14 +261,15 @@ class TuningDriver:
         base_mb = self.user_cfg.toggles.micro_batch
         start = dataclasses.replace(cfg.toggles, micro_batch=base_mb)
         world = hello.get("world_size", 1)
-        spec, note = self.space_spec, ""
-        if not dev.is_cuda and self.budget_s < CPU_COMPILE_MIN_BUDGET_S and "compile" not in (spec or ""):
+        space = SearchSpace.for_device(start, dev, cfg.optim.global_batch, world_size=world, spec=self.space_spec)
+        note = ""
+        if not dev.is_cuda and self.budget_s < CPU_COMPILE_MIN_BUDGET_S and "compile" in space.params \
+                and "compile" not in (self.space_spec or ""):
             # inductor's C++ build takes from 20 s to minutes on a CPU: in a short budget a compile trial
             # costs several others and rarely finishes warming up; naming compile in --tune-space opts in
-            spec = f"{spec} -compile" if spec else "-compile"
+            space = space.apply_spec("-compile", dev)
             note = (f"; compile stays {start.compile} (on a CPU its warm-up does not fit a budget under "
                     f"{CPU_COMPILE_MIN_BUDGET_S / 60:.0f} minutes; name it in --tune-space to try it)")
-        space = SearchSpace.for_device(start, dev, cfg.optim.global_batch, world_size=world, spec=spec)
         cfg.toggles = start
         self.study = TuneStudy.open(cfg, dev, space, storage=self.storage, world_size=world)
         # A trial measures for at most ~1/12 of the budget (>= 8 s), so a short budget still sees several trials;
