@@ -25,8 +25,10 @@ Throughput is measured per interval of --log-every steps, from the end of one
 interval to the end of the next (everything a step costs is inside: data, forward,
 backward, optimizer, logging, the loss read-back), the first --warmup steps
 excluded (compilation, allocator and caches). The table shows the median tokens/s
-over all steady intervals of all rounds, and the spread (min-max) of the per-round
-medians. Peak memory: the process's peak RSS on the CPU, torch.cuda.max_memory_allocated
+over all steady intervals of all rounds, the spread (min-max) of the per-round
+medians, and the ratios to plain and to hf as the median over rounds of the ratio
+within each round (contenders of a round ran minutes apart, so load drift between
+rounds cancels). Peak memory: the process's peak RSS on the CPU, torch.cuda.max_memory_allocated
 on a GPU. Loss: the mean training loss of the last interval (the same steps for all),
 so that a speedup which breaks training shows.
 
@@ -467,8 +469,9 @@ def summarize(results: list[RunResult], spec: Spec, flops_per_token: float | Non
         runs = [r for r in results if r.contender == name]
         ok = [r for r in runs if not r.error]
         tps = [i["tokens_per_s"] for r in ok for i in r.intervals if i["tokens_per_s"]]
-        per_round = [statistics.median(v) for r in ok if (v := [i["tokens_per_s"] for i in r.intervals
-                                                              if i["tokens_per_s"]])]
+        by_round = {r.round: statistics.median(v) for r in ok if (v := [i["tokens_per_s"] for i in r.intervals
+                                                                       if i["tokens_per_s"]])}
+        per_round = list(by_round.values())
         last_losses = [r.intervals[-1]["loss"] for r in ok if r.intervals and r.intervals[-1].get("loss") is not None]
         mems = [r.peak_mem for r in ok if r.peak_mem]
         row = {"contender": name, "rounds": len(ok), "errors": [r.error for r in runs if r.error],
@@ -477,7 +480,7 @@ def summarize(results: list[RunResult], spec: Spec, flops_per_token: float | Non
                "intervals": len(tps), "loss": statistics.median(last_losses) if last_losses else None,
                "loss_step": ok[0].intervals[-1]["end_step"] if ok and ok[0].intervals else None,
                "peak_mem": max(mems) if mems else None, "note": next((r.note for r in ok if r.note), None),
-               "per_round": per_round}
+               "per_round": by_round}
         peak = peaks.get(name)
         row["mfu"] = (row["tokens_per_s"] * flops_per_token / peak
                       if row["tokens_per_s"] and flops_per_token and peak else None)
@@ -487,13 +490,17 @@ def summarize(results: list[RunResult], spec: Spec, flops_per_token: float | Non
 
 def table(rows: list[dict[str, Any]], show_mfu: bool) -> str:
     by = {r["contender"]: r for r in rows}
-    base_plain = (by.get("plain") or {}).get("tokens_per_s")
-    base_hf = (by.get("hf") or {}).get("tokens_per_s")
+    base_plain, base_hf = by.get("plain"), by.get("hf")
 
-    def ratio(x, b):
-        return f"{x / b:.2f}x" if x and b else "-"
+    def ratio(row, base):
+        """Median over rounds of this round's ratio: contenders of one round ran minutes apart, so a drift
+        of the machine's load between rounds cancels out."""
+        if not row or not base:
+            return "-"
+        pairs = [row["per_round"][k] / base["per_round"][k] for k in row["per_round"] if k in base["per_round"]]
+        return f"{statistics.median(pairs):.2f}x" if pairs else "-"
 
-    head = ["contender", "tokens/s (median)", "spread (round medians)", "vs plain", "vs hf", "loss @ step",
+    head = ["contender", "tokens/s (median)", "spread (round medians)", "vs plain", "vs hf default", "loss @ step",
             "peak mem"]
     if show_mfu:
         head.insert(3, "MFU")
@@ -505,7 +512,7 @@ def table(rows: list[dict[str, Any]], show_mfu: bool) -> str:
             continue
         lo, hi = r["spread"]
         cells = [r["contender"], f"{r['tokens_per_s']:,.0f}", f"{lo:,.0f} - {hi:,.0f}",
-                 ratio(r["tokens_per_s"], base_plain), ratio(r["tokens_per_s"], base_hf),
+                 ratio(r, base_plain), ratio(r, base_hf),
                  f"{r['loss']:.4f} @ {r['loss_step']}" if r["loss"] is not None else "-",
                  f"{r['peak_mem'] / 2**30:.2f} GiB" if r["peak_mem"] else "-"]
         if show_mfu:
