@@ -345,6 +345,9 @@ def gptop_argv(spec: Spec, run_dir: Path, tuned: Path | None) -> list[str]:
             "--device", spec.device, "--run-dir", str(run_dir)]
     if tuned is not None:
         argv[3:3] = ["--config", str(tuned)]
+        mb = _toml_toggles(tuned).get("micro_batch", "auto")
+        if str(mb).isdigit() and spec.global_batch % int(mb):
+            argv += ["--micro-batch", "auto"]      # tuned on another batch: its micro-batch does not divide this one
     return argv
 
 
