@@ -23,6 +23,7 @@ repeat), and the kept lineage covers steps 1..N exactly once.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -147,7 +148,10 @@ def tuned(tmp_path_factory):
                              "--storage", storage, "--run-dir", str(run_dir),
                              env=gptop_env(GPTOP_TEST_TRIAL_FAULT="2:nan@6"))
     assert rc == 0, err[-3000:] + out[-3000:]
-    return {"root": root, "run_dir": run_dir, "storage": storage, "n": n, "out": out}
+    yield {"root": root, "run_dir": run_dir, "storage": storage, "n": n, "out": out}
+    # ~80 checkpoints of 35 MB each (all kept, for the comparisons): not worth keeping in pytest's basetemp
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    shutil.rmtree(root / "replay", ignore_errors=True)
 
 
 def test_tune_runs_trials_applies_and_finishes_exactly(tuned):
