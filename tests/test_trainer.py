@@ -126,6 +126,17 @@ def test_nan_before_any_checkpoint_restarts_from_init(tmp_path):
     assert rb and "initialization" in rb[0]["message"]
 
 
+def test_nan_after_resume_rolls_back_to_the_resumed_checkpoint(tmp_path):
+    code, _, run_dir = run(tmp_path, "--max-steps", "8", "--fault", "stop@4")
+    assert code == EXIT_OK
+    code, _, _ = run(tmp_path, "--resume", str(run_dir), "--max-steps", "8", "--fault", "nan@5")
+    assert code == EXIT_OK
+    events = list(read_events(run_dir / "events.jsonl"))
+    rb = [w for w in of(events, "warning") if w.get("kind") == "nan_rollback"]
+    assert len(rb) == 1 and rb[0]["step"] == 4 and "step-00000004.pt" in rb[0]["message"]
+    assert of(events, "done")[-1]["step"] == 8
+
+
 def test_nan_policy_stop(tmp_path):
     code, events, _ = run(tmp_path, "--max-steps", "5", "--fault", "nan@2", "--nan-policy", "stop")
     assert code == EXIT_NAN

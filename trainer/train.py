@@ -471,7 +471,9 @@ class Trainer:
 
     def run(self) -> int:
         cfg = self.cfg
-        self.last_good: Path | None = None
+        # A resumed run's checkpoint is already a good state to roll back to (not the initialization).
+        resumed = Path(self.resumed_from) if self.resumed_from else None
+        self.last_good: Path | None = resumed if resumed is not None and resumed.is_file() else None
         self.timer = make_timer(self.device.type, cfg.log.timing)
         self.prefetcher = self._new_prefetcher()
         self._interval_reset()
