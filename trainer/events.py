@@ -48,19 +48,19 @@ def make_event(type: str, rank: int = 0, **fields: Any) -> dict[str, Any]:
     return event
 
 
-def _clean(obj: Any) -> Any:
+def json_safe(obj: Any) -> Any:
     """JSON has no NaN/Infinity: non-finite floats become null, so every line parses everywhere."""
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
     if isinstance(obj, dict):
-        return {k: _clean(v) for k, v in obj.items()}
+        return {k: json_safe(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
+        return [json_safe(v) for v in obj]
     return obj
 
 
 def dumps(event: dict[str, Any]) -> str:
-    return json.dumps(_clean(event), separators=(",", ":"), allow_nan=False, default=str)
+    return json.dumps(json_safe(event), separators=(",", ":"), allow_nan=False, default=str)
 
 
 def parse(line: str | bytes) -> dict[str, Any]:

@@ -26,6 +26,7 @@ import tomli_w
 from optuna.trial import TrialState
 
 from trainer.config import TrainConfig, Toggles
+from trainer.events import json_safe
 
 from .budget import format_duration
 from .space import TUNABLE
@@ -215,21 +216,10 @@ def write_report(out_dir: str | Path, study: TuneStudy, info: dict[str, Any]) ->
     out.mkdir(parents=True, exist_ok=True)
     report = build_report(study, info)
     paths = {"json": out / "tuning.json", "md": out / "tuning.md", "toml": out / "best.toml"}
-    paths["json"].write_text(json.dumps(_clean(report), indent=2, default=str, allow_nan=False) + "\n")
+    paths["json"].write_text(json.dumps(json_safe(report), indent=2, default=str, allow_nan=False) + "\n")
     paths["md"].write_text(render_markdown(report))
     best = report.get("best") or report["base"]
     text = best_toml(best)
     check_best_toml(text, best)
     paths["toml"].write_text(text)
     return paths
-
-
-def _clean(obj: Any) -> Any:
-    """JSON has no NaN/Infinity: non-finite numbers become null so every reader can parse the report."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    return obj
