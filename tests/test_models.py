@@ -319,6 +319,23 @@ def test_cpu_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert flops.peak_flops(CPU, "fp32") == peak
 
 
+def test_cpu_peak_is_kept_per_number_of_processes_and_can_be_forgotten(tmp_path, monkeypatch):
+    # Ranks sharing the cores measure together, so each gets its share: that figure must not
+    # become the single-process peak (which would then give MFU > 1).
+    monkeypatch.setenv("GPTOP_CACHE", str(tmp_path))
+    rates = iter([100e9, 45e9, 90e9])
+    monkeypatch.setattr(flops, "measure_cpu_matmul_flops", lambda *a, **k: next(rates))
+    assert flops.peak_flops(CPU, "fp32") == 100e9
+    assert flops.peak_flops(CPU, "fp32", procs=2) == 45e9
+    assert flops.peak_flops(CPU, "fp32") == 100e9                      # cached, not the 2-process figure
+    keys = sorted(json.loads((tmp_path / "cpu_peak.json").read_text()))
+    assert [("procs=1" in k, "procs=2" in k) for k in keys] == [(True, False), (False, True)]
+    assert flops.forget_cpu_peak(torch.float32, cpu_name="test-cpu") is True
+    assert flops.forget_cpu_peak(torch.float32, cpu_name="test-cpu") is False   # already gone
+    assert flops.peak_flops(CPU, "fp32") == 90e9                        # measured again
+    assert flops.peak_flops(CPU, "fp32", procs=2) == 45e9
+
+
 # --- MoE balancing -------------------------------------------------------------------------
 
 def test_moe_balancer_evens_out_a_skewed_router():

@@ -59,6 +59,22 @@ def test_each_family_trains_and_reports(tmp_path, family):
     assert [c.step for c in ckpt.list_checkpoints(run_dir)] == [6, 12]
 
 
+def test_a_peak_below_the_achieved_rate_is_dropped_not_reported(tmp_path, monkeypatch):
+    # A CPU peak measured while another process held the cores is too low; the MFU it gives is
+    # above 1, which is never reported: null from then on, a warning, and the cache entry dropped.
+    from trainer import flops
+
+    monkeypatch.setattr(flops, "_cache_file", lambda cache_dir: tmp_path / "cpu_peak.json")
+    monkeypatch.setattr(flops, "measure_cpu_matmul_flops", lambda *a, **k: 1e6)   # 1 MFLOP/s: far too low
+    code, events, _ = run(tmp_path, "--model", "llama", "--max-steps", "4", "--micro-batch", "4")
+    assert code == EXIT_OK
+    assert of(events, "hello")[0]["peak_flops"] == 1e6
+    assert [s["mfu"] for s in of(events, "step")] == [None] * 4
+    (warning,) = [w for w in of(events, "warning") if w.get("kind") == "peak_flops"]
+    assert "not a peak" in warning["message"] and "dropped" in warning["message"]
+    assert json.loads((tmp_path / "cpu_peak.json").read_text()) == {}
+
+
 def test_phases_add_up_to_step_time(tmp_path):
     code, events, _ = run(tmp_path, "--max-steps", "6", "--micro-batch", "2")
     assert code == EXIT_OK

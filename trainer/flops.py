@@ -25,8 +25,15 @@ deepseek_v3 does the same); with Q_qk = Q_v = Q this is the formula above.
 halved), matched on the torch device name. An unknown GPU has no peak and
 therefore no MFU (``None``), never a guessed one. On the CPU there is no
 datasheet to trust, so the peak is *measured* once: the best rate of a large
-matmul in the run's dtype, cached per CPU name, thread count, torch version and
-dtype in ``$GPTOP_CACHE`` (default ``~/.cache/gptop``).
+matmul in the run's dtype, cached per CPU name, thread count, number of
+processes training at once on the node (the ranks of a run share its cores),
+torch version and dtype in ``$GPTOP_CACHE`` (default ``~/.cache/gptop``).
+
+A measured peak can be wrong: taken while another process held the cores, it
+is too low, and every later run would then report an MFU above 1. An MFU
+above 1 is therefore never reported: the trainer drops that cached peak
+(``forget_cpu_peak``) so that the next run measures again, and reports null
+for the rest of the run, with a warning event that says why.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import os
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -126,12 +134,21 @@ def gpu_peak_flops(device_name: str, precision: str) -> float | None:
     return entry[1].get(column)
 
 
-def peak_flops(dev: DeviceInfo, precision: str, *, cache_dir: str | Path | None = None) -> float | None:
-    """The MFU denominator for a run: the GPU table, or the measured CPU matmul rate."""
+def cpu_dtype(precision: str) -> torch.dtype:
+    """The matmul dtype whose CPU peak is a run's MFU denominator."""
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+def peak_flops(dev: DeviceInfo, precision: str, *, procs: int = 1,
+               cache_dir: str | Path | None = None) -> float | None:
+    """The MFU denominator for one process: the GPU table, or the measured CPU matmul rate.
+
+    `procs` is how many processes of the run share this node's CPU (its local
+    ranks); on the CPU they measure at the same time, so each gets its share.
+    """
     if dev.is_cuda:
         return gpu_peak_flops(dev.name, precision)
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    return cpu_peak_flops(dtype, cpu_name=dev.name, cache_dir=cache_dir)
+    return cpu_peak_flops(cpu_dtype(precision), cpu_name=dev.name, procs=procs, cache_dir=cache_dir)
 
 
 def mfu(tokens_per_s: float | None, flops_per_token: float, peak: float | None) -> float | None:
@@ -143,13 +160,33 @@ def mfu(tokens_per_s: float | None, flops_per_token: float, peak: float | None) 
 
 # --- CPU peak, measured -------------------------------------------------------------------
 
-def default_cache_dir() -> Path:
-    """Where gptop caches machine facts: ``$GPTOP_CACHE`` or ``~/.cache/gptop``."""
-    return Path(os.environ.get("GPTOP_CACHE") or Path.home() / ".cache" / "gptop")
+def _cpu_key(cpu_name: str, threads: int, procs: int, dtype: torch.dtype) -> str:
+    return (f"{cpu_name}|threads={threads}|procs={procs}|torch={torch.__version__}|"
+            f"{str(dtype).removeprefix('torch.')}")
 
 
-def _cpu_key(cpu_name: str, threads: int, dtype: torch.dtype) -> str:
-    return f"{cpu_name}|threads={threads}|torch={torch.__version__}|{str(dtype).removeprefix('torch.')}"
+def _cache_file(cache_dir: str | Path | None) -> Path:
+    from .data import default_cache_dir              # one cache folder for tokens, tokenizers and machine facts
+
+    return (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / "cpu_peak.json"
+
+
+def _read_table(path: Path) -> dict[str, Any]:
+    try:
+        loaded = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def _write_table(path: Path, table: dict[str, Any]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass                                         # a read-only home still gets an MFU, just not cached
 
 
 def measure_cpu_matmul_flops(dtype: torch.dtype = torch.float32, *, budget_s: float = 0.6) -> float:
@@ -177,19 +214,14 @@ def measure_cpu_matmul_flops(dtype: torch.dtype = torch.float32, *, budget_s: fl
 
 
 def cpu_peak_flops(dtype: torch.dtype = torch.float32, *, cpu_name: str | None = None,
-                   threads: int | None = None, cache_dir: str | Path | None = None) -> float:
-    """Measured CPU matmul peak, cached per CPU name, thread count, torch version and dtype."""
+                   threads: int | None = None, procs: int = 1, cache_dir: str | Path | None = None) -> float:
+    """Measured CPU matmul peak, cached per CPU name, threads, processes, torch version and dtype."""
     from .device import _cpu_name
 
     threads = threads or torch.get_num_threads()
-    key = _cpu_key(cpu_name or _cpu_name(), threads, dtype)
-    path = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / "cpu_peak.json"
-    try:
-        loaded = json.loads(path.read_text())
-    except (OSError, ValueError):
-        loaded = {}
-    table = loaded if isinstance(loaded, dict) else {}
-    cached = table.get(key)
+    key = _cpu_key(cpu_name or _cpu_name(), threads, procs, dtype)
+    path = _cache_file(cache_dir)
+    cached = _read_table(path).get(key)
     if isinstance(cached, (int, float)) and cached > 0:
         return float(cached)
     previous = torch.get_num_threads()
@@ -198,12 +230,21 @@ def cpu_peak_flops(dtype: torch.dtype = torch.float32, *, cpu_name: str | None =
         peak = measure_cpu_matmul_flops(dtype)
     finally:
         torch.set_num_threads(previous)
+    table = _read_table(path)                        # re-read: another rank may have written meanwhile
     table[key] = peak
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
-        os.replace(tmp, path)
-    except OSError:
-        pass                                         # a read-only home still gets an MFU, just not cached
+    _write_table(path, table)
     return peak
+
+
+def forget_cpu_peak(dtype: torch.dtype = torch.float32, *, cpu_name: str | None = None,
+                    threads: int | None = None, procs: int = 1, cache_dir: str | Path | None = None) -> bool:
+    """Drop a cached CPU peak that proved too low, so the next run measures again. True if one was dropped."""
+    from .device import _cpu_name
+
+    key = _cpu_key(cpu_name or _cpu_name(), threads or torch.get_num_threads(), procs, dtype)
+    path = _cache_file(cache_dir)
+    table = _read_table(path)
+    if table.pop(key, None) is None:
+        return False
+    _write_table(path, table)
+    return True

@@ -184,10 +184,10 @@ class Trainer:
         self.accum = self.sampler.accumulation_steps(self.micro_batch)
         self.tokens_per_step = cfg.optim.global_batch * cfg.data.seq_len
 
-        from .flops import mfu, peak_flops
+        from .flops import peak_flops
 
-        self.peak_flops = peak_flops(self.dev, cfg.toggles.precision)
-        self._mfu = mfu
+        self._local_procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)   # ranks sharing this node's CPU
+        self.peak_flops = peak_flops(self.dev, cfg.toggles.precision, procs=self._local_procs)
         if self.rank == 0:
             (self.run_dir / "config.toml").write_text(cfg.to_toml())
         self.emit0(
@@ -713,8 +713,7 @@ class Trainer:
         fields: dict[str, Any] = dict(
             step=self.progress.step, tokens=self.progress.tokens, loss=loss,
             lr=self.optimizer.param_groups[0]["lr"], grad_norm=grad_norm, step_ms=step_ms, phases_ms=phases,
-            tokens_per_s=tokens_per_s, mfu=self._mfu(tokens_per_s, self.bundle.flops_per_token,
-                                                      self.peak_flops * self.world if self.peak_flops else None),
+            tokens_per_s=tokens_per_s, mfu=self._checked_mfu(tokens_per_s),
             mem_bytes=self.meter.peak(), interval_steps=n, wall_ms=wall * 1e3 / n)
         fields["batch"] = self.progress.batch_cursor - 1   # global batch index of the last step (data-order checks)
         if idle:
@@ -726,6 +725,24 @@ class Trainer:
             fields["expert_load"] = self.balancer.load()
         self.channel.emit("step", **fields)
         self._interval_reset()
+
+    def _checked_mfu(self, tokens_per_s: float | None) -> float | None:
+        """MFU of the run, or None. Above 1 the peak is wrong (a CPU peak measured on a busy machine):
+        say so once, drop that cached peak so the next run measures again, and report null from here on."""
+        from .flops import cpu_dtype, forget_cpu_peak, mfu
+
+        value = mfu(tokens_per_s, self.bundle.flops_per_token, self.peak_flops * self.world if self.peak_flops else None)
+        if value is None or value <= 1.0:
+            return value
+        where = "the datasheet peak" if self.dev.is_cuda else "the measured CPU matmul peak"
+        msg = (f"MFU would be {value:.2f} (> 1): {where} ({self.peak_flops / 1e9:,.1f} GFLOP/s per process) is "
+               f"below what the model achieves, so it is not a peak; MFU is not reported for the rest of this run")
+        if not self.dev.is_cuda and forget_cpu_peak(cpu_dtype(self.cfg.toggles.precision), cpu_name=self.dev.name,
+                                                    procs=self._local_procs):
+            msg += " and the cached peak is dropped (the next run measures it again, best on an idle machine)"
+        self.emit0("warning", message=msg, kind="peak_flops")
+        self.peak_flops = None
+        return None
 
     def _evaluate(self) -> None:
         from .data import val_batches
