@@ -52,11 +52,9 @@ START = ["--micro-batch", "1", "--attention", "eager", "--prefetch", "0"]
 
 def toggles_argv(t: dict) -> list[str]:
     out = ["--micro-batch", str(t["micro_batch"]), "--prefetch", str(t["prefetch"]), "--workers", str(t["workers"]),
-           "--attention", t["attention"], "--precision", t["precision"], "--compile", t["compile"]]
-    if t["fused_adamw"]:
-        out.append("--fused-adamw")
-    if t["activation_checkpointing"]:
-        out.append("--activation-checkpointing")
+           "--attention", t["attention"], "--precision", t["precision"], "--compile", t["compile"],
+           "--fused-adamw" if t["fused_adamw"] else "--no-fused-adamw",
+           "--activation-checkpointing" if t["activation_checkpointing"] else "--no-activation-checkpointing"]
     return out
 
 

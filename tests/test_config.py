@@ -18,9 +18,9 @@ def parse(argv, base=None):
 
 
 def test_defaults_and_flags():
-    cfg = parse(["--model", "deepseek", "--size", "tiny", "--micro-batch", "4", "--no-timing", "--fused-adamw"])
+    cfg = parse(["--model", "deepseek", "--size", "tiny", "--micro-batch", "4", "--no-timing", "--no-fused-adamw"])
     assert cfg.model.model == "deepseek" and cfg.model.size == "tiny"
-    assert cfg.toggles.micro_batch == "4" and cfg.toggles.fused_adamw is True
+    assert cfg.toggles.micro_batch == "4" and cfg.toggles.fused_adamw is False
     assert cfg.log.timing is False
     assert cfg.optim.global_batch == TrainConfig().optim.global_batch
 
@@ -99,6 +99,18 @@ def test_unsupported_toggle_rejected_with_reason():
         capabilities.check(cfg.toggles, CPU)
     assert e.value.option == "--precision" and "8.9" in str(e.value)
     capabilities.check(cfg.toggles, H100)
+
+
+def test_emulated_bf16_runs_but_is_flagged_slow():
+    old_cpu = DeviceInfo(type="cpu", name="AVX2-only CPU", cpu_bf16=False)
+    assert capabilities.support("precision", "bf16", old_cpu) is None         # it runs: asked for, it is allowed
+    assert "emulated" in capabilities.slow("precision", "bf16", old_cpu)
+    assert capabilities.default_values("precision", old_cpu) == ["fp32"]     # but is not worth a tuning trial
+    assert capabilities.slow("precision", "bf16", CPU) is None                 # oneDNN has bf16 kernels
+    assert capabilities.slow("precision", "bf16", H100) is None
+    (line,) = capabilities.slow_choices(parse(["--precision", "bf16"]).toggles, old_cpu)
+    assert line.startswith("--precision bf16: ")
+    assert capabilities.slow_choices(parse([]).toggles, old_cpu) == []
 
 
 def test_no_compiler_means_no_compile():

@@ -183,13 +183,24 @@ def test_bad_usage_exits_2_naming_the_option(tmp_path):
 
 
 @pytest.mark.parametrize("toggle", [
-    ["--precision", "bf16"], ["--fused-adamw"], ["--activation-checkpointing"], ["--attention", "eager"],
+    ["--precision", "bf16"], ["--no-fused-adamw"], ["--activation-checkpointing"], ["--attention", "eager"],
     ["--prefetch", "0"], ["--workers", "2"], ["--micro-batch", "1"],
 ])
 def test_cpu_toggles_train(tmp_path, toggle):
     code, events, _ = run(tmp_path, "--max-steps", "3", *toggle)
     assert code == EXIT_OK
     assert all(s["loss"] == s["loss"] for s in of(events, "step"))
+
+
+def test_a_slow_toggle_runs_with_a_warning(tmp_path, monkeypatch):
+    from trainer import device
+
+    monkeypatch.setattr(device, "_cpu_has_bf16_kernels", lambda: False)     # as on an AVX2-only CPU
+    code, events, _ = run(tmp_path, "--max-steps", "2", "--precision", "bf16", "--micro-batch", "4")
+    assert code == EXIT_OK and len(of(events, "step")) == 2
+    (w,) = [w for w in of(events, "warning") if w.get("kind") == "slow_toggle"]
+    assert w["message"].startswith("--precision bf16: ") and "emulated" in w["message"]
+    assert of(events, "hello")[0]["device"]["cpu_bf16"] is False
 
 
 def test_profile_trace_written(tmp_path):

@@ -22,6 +22,15 @@ def test_cpu_space_offers_only_cpu_values():
     assert SearchSpace.for_device(Toggles(), CPU_NO_CC, 32).choices["compile"] == ("off",)
 
 
+def test_cpu_without_native_bf16_leaves_it_out_unless_asked():
+    avx2 = DeviceInfo(type="cpu", name="cpu", cpu_count=2, cpu_bf16=False)
+    assert SearchSpace.for_device(Toggles(), avx2, 32).choices["precision"] == ("fp32",)
+    widened = SearchSpace.for_device(Toggles(), avx2, 32, spec="precision+=bf16")
+    assert widened.choices["precision"] == ("fp32", "bf16")
+    started_in_bf16 = SearchSpace.for_device(Toggles(precision="bf16"), avx2, 32)
+    assert started_in_bf16.choices["precision"] == ("fp32", "bf16")      # the start is always in the space
+
+
 def test_h100_space_and_older_gpu():
     s = SearchSpace.for_device(Toggles(), H100, global_batch=32)
     assert {"tf32", "bf16", "fp16"} <= set(s.choices["precision"])

@@ -2,6 +2,13 @@
 
 The trainer refuses an unsupported value asked for explicitly (never a silent
 fallback), and the tuner offers only supported values. Both ask here.
+
+A value can also be supported but *slow* on a device: it runs correctly, yet
+is known to lose against the default by a wide margin (bf16 on a CPU whose
+oneDNN has no bf16 kernels is ~100x slower at matmuls than fp32). Asked for
+explicitly it runs, with a warning; the tuner leaves it out of its default
+space (a trial would spend the budget on one step) unless `--tune-space`
+names it.
 """
 
 from __future__ import annotations
@@ -63,8 +70,32 @@ def support(name: str, value, dev: DeviceInfo) -> str | None:
     return None
 
 
+def slow(name: str, value, dev: DeviceInfo) -> str | None:
+    """None unless `value` is supported on `dev` but known to be far slower than the default; then why."""
+    if name == "precision" and value == "bf16" and not dev.is_cuda and not dev.cpu_bf16:
+        return ("this CPU has no native bf16 (oneDNN needs AVX-512 or newer), so bf16 matmuls are emulated, "
+                "about 100x slower than fp32")
+    return None
+
+
 def supported_values(name: str, dev: DeviceInfo) -> list:
     return [v for v in CHOICES[name] if support(name, v, dev) is None]
+
+
+def default_values(name: str, dev: DeviceInfo) -> list:
+    """The values worth trying on `dev`: supported and not known to be slow."""
+    return [v for v in supported_values(name, dev) if slow(name, v, dev) is None]
+
+
+def slow_choices(toggles: Toggles, dev: DeviceInfo) -> list[str]:
+    """'--flag value: reason' for each chosen value that runs but is known to be slow on `dev`."""
+    out = []
+    for f in dataclasses.fields(toggles):
+        value = getattr(toggles, f.name)
+        reason = slow(f.name, value, dev)
+        if reason:
+            out.append(f"{flag_of(f)} {value}: {reason}")
+    return out
 
 
 def check(toggles: Toggles, dev: DeviceInfo) -> None:

@@ -85,7 +85,7 @@ class Toggles:
                            metavar="N|auto")
     prefetch: int = opt(2, "batches prepared ahead of the step (0 disables)")
     workers: int = opt(0, "loader worker threads (0: the prefetch thread builds batches)")
-    fused_adamw: bool = opt(False, "use the fused AdamW kernel")
+    fused_adamw: bool = opt(True, "use the fused AdamW kernel (one vectorized pass; --no-fused-adamw for the foreach loop)")
     activation_checkpointing: bool = opt(False, "recompute activations in backward to save memory")
     attention: str = opt("sdpa", "attention implementation", choices=ATTENTIONS)
     cuda_allocator: str = opt("default", "CUDA caching allocator mode", choices=ALLOCATORS)

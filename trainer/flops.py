@@ -25,7 +25,8 @@ deepseek_v3 does the same); with Q_qk = Q_v = Q this is the formula above.
 halved), matched on the torch device name. An unknown GPU has no peak and
 therefore no MFU (``None``), never a guessed one. On the CPU there is no
 datasheet to trust, so the peak is *measured* once: the best rate of a large
-matmul in the run's dtype, cached per CPU name, thread count, number of
+matmul in the run's dtype (for bf16 never below the fp32 rate: a CPU without
+native bf16 emulates it), cached per CPU name, thread count, number of
 processes training at once on the node (the ranks of a run share its cores),
 torch version and dtype in ``$GPTOP_CACHE`` (default ``~/.cache/gptop``).
 
@@ -148,7 +149,12 @@ def peak_flops(dev: DeviceInfo, precision: str, *, procs: int = 1,
     """
     if dev.is_cuda:
         return gpu_peak_flops(dev.name, precision)
-    return cpu_peak_flops(cpu_dtype(precision), cpu_name=dev.name, procs=procs, cache_dir=cache_dir)
+    peak = cpu_peak_flops(cpu_dtype(precision), cpu_name=dev.name, procs=procs, cache_dir=cache_dir)
+    if cpu_dtype(precision) != torch.float32:
+        # A CPU without native bf16 emulates it far below its fp32 rate, and autocast keeps part of the
+        # work in fp32: the machine's peak is then its fp32 one (on GPUs the bf16 column is always higher).
+        peak = max(peak, cpu_peak_flops(torch.float32, cpu_name=dev.name, procs=procs, cache_dir=cache_dir))
+    return peak
 
 
 def mfu(tokens_per_s: float | None, flops_per_token: float, peak: float | None) -> float | None:

@@ -205,6 +205,9 @@ class Trainer:
         self.log(f"{self.bundle.family}/{self.bundle.size}: {self.bundle.total_params / 1e6:.1f}M params "
                  f"({self.bundle.active_params / 1e6:.1f}M active) on {self.dev.name}; micro-batch {self.micro_batch} "
                  f"x {self.accum} accumulation{ranks}; run dir {self.run_dir}")
+        for slow in capabilities.slow_choices(cfg.toggles, self.dev):   # runs, but the user should know
+            self.log(f"warning: {slow}")
+            self.emit0("warning", message=slow, kind="slow_toggle")
 
     def _setup_precision(self) -> None:
         p = self.cfg.toggles.precision
@@ -737,9 +740,11 @@ class Trainer:
         where = "the datasheet peak" if self.dev.is_cuda else "the measured CPU matmul peak"
         msg = (f"MFU would be {value:.2f} (> 1): {where} ({self.peak_flops / 1e9:,.1f} GFLOP/s per process) is "
                f"below what the model achieves, so it is not a peak; MFU is not reported for the rest of this run")
-        if not self.dev.is_cuda and forget_cpu_peak(cpu_dtype(self.cfg.toggles.precision), cpu_name=self.dev.name,
-                                                    procs=self._local_procs):
-            msg += " and the cached peak is dropped (the next run measures it again, best on an idle machine)"
+        if not self.dev.is_cuda:
+            dtypes = {cpu_dtype(self.cfg.toggles.precision), torch.float32}   # a bf16 peak is never below fp32's
+            dropped = [forget_cpu_peak(d, cpu_name=self.dev.name, procs=self._local_procs) for d in dtypes]
+            if any(dropped):
+                msg += " and the cached peak is dropped (the next run measures it again, best on an idle machine)"
         self.emit0("warning", message=msg, kind="peak_flops")
         self.peak_flops = None
         return None

@@ -1,7 +1,9 @@
 """The search space over `Toggles`: which values a trial may take on this device.
 
 Only values the device supports are offered (`trainer.capabilities`), so the
-sampler never proposes what the trainer would refuse. `--tune-space` narrows or
+sampler never proposes what the trainer would refuse; values known to be slow
+on the device (bf16 on a CPU without native bf16) are left out of the default
+space, and `--tune-space` can add them back (`precision+=bf16`). `--tune-space` narrows or
 widens the default space with a small grammar (items separated by spaces or
 `;`, names accept `-` or `_`):
 
@@ -36,7 +38,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from trainer.capabilities import CHOICES, support, supported_values
+from trainer.capabilities import CHOICES, default_values, support
 from trainer.config import ConfigError, Toggles
 from trainer.device import DeviceInfo
 
@@ -110,7 +112,8 @@ class SearchSpace:
     @classmethod
     def for_device(cls, base: Toggles, dev: DeviceInfo, global_batch: int, world_size: int = 1,
                    spec: str | None = None) -> "SearchSpace":
-        """The default space for `dev` (every supported value), narrowed/widened by a `--tune-space` spec."""
+        """The default space for `dev` (every supported value not known to be slow, and the start's own),
+        narrowed/widened by a `--tune-space` spec."""
         per_rank = per_rank_batch(global_batch, world_size)
         choices: dict[str, tuple] = {}
         for name in TUNABLE:
@@ -124,9 +127,9 @@ class SearchSpace:
             elif name == "workers":
                 vals = list(DEFAULT_WORKERS) + [base.workers]
             else:
-                vals = supported_values(name, dev)
-                if not vals:  # cannot happen with the current tables; keep the base value rather than nothing
-                    vals = [getattr(base, name)]
+                vals = default_values(name, dev)
+                if getattr(base, name) not in vals and support(name, getattr(base, name), dev) is None:
+                    vals.append(getattr(base, name))      # the start is always in the space, even when slow
             choices[name] = _order(name, vals)
         space = cls(base=base, choices=choices, per_rank=per_rank)
         if spec:
