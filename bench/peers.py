@@ -207,17 +207,9 @@ def hf_speed_args(dev) -> dict[str, Any]:
             args["bf16"] = True
         if dev.at_least(8, 0):
             args["tf32"] = True
-    elif cpu_has_bf16():
-        args["bf16"] = True       # CPU autocast to bf16: worth it only with native bf16 (avx512_bf16 / AMX)
+    elif dev.cpu_bf16:
+        args["bf16"] = True       # CPU autocast to bf16: worth it only where oneDNN has bf16 kernels (AVX-512+)
     return args
-
-
-def cpu_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
 def worker_hf(spec: Spec, fast: bool) -> dict[str, Any]:
