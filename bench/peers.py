@@ -38,7 +38,7 @@ so that a speedup which breaks training shows.
     python bench/peers.py --device cuda --size small   # GPU edition: adds MFU
 
 Without --tuned or --tune, the tuned toggles come from bench/tuned/<device>-<model>-<size>.toml
-when that file exists (written by an earlier `--tune` on this kind of machine), else the
+(<device>: cuda, or cpu-<vector ISA>, e.g. cpu-avx2, cpu-avx512) when that file exists (written by an earlier `--tune` on this kind of machine), else the
 gptop-tuned contender is skipped with a note.
 """
 
@@ -395,7 +395,14 @@ def run_contender(name: str, rnd: int, spec: Spec, tuned: Path | None, work: Pat
 # ------------------------------------------------------------------------------ tuned toggles
 
 def default_tuned_path(spec: Spec) -> Path:
-    kind = "cuda" if spec.device.startswith("cuda") else "cpu"
+    """Tuned toggles per kind of device: CUDA, or the CPU's vector ISA as torch sees it (avx2, avx512, ...),
+    since what wins differs (bf16 is native on AVX-512 CPUs with AVX512_BF16, emulated on AVX2 ones)."""
+    if spec.device.startswith("cuda"):
+        kind = "cuda"
+    else:
+        import torch
+
+        kind = "cpu-" + torch.backends.cpu.get_cpu_capability().lower().replace(" ", "")
     return TUNED_DIR / f"{kind}-{spec.model}-{spec.size}.toml"
 
 
