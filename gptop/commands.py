@@ -26,6 +26,10 @@ class Commands(Protocol):
     def toggle_tuning(self) -> None:
         """Start the autotuner on the live run, or stop it (keeping the best setting found so far)."""
 
+    @property
+    def can_start_tuning(self) -> bool:
+        """Whether `toggle_tuning` can start a tuner here (a live session can; a replay cannot)."""
+
     def restart(self) -> None:
         """Start the trainer again from the latest good checkpoint after a failure."""
 
@@ -52,6 +56,8 @@ class RecordingCommands:
 
     def toggle_tuning(self) -> None:
         self._record("toggle_tuning")
+
+    can_start_tuning = False
 
     def restart(self) -> None:
         self._record("restart")

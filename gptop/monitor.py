@@ -145,6 +145,8 @@ class MonitorSession:
     def toggle_tuning(self) -> None:
         pass
 
+    can_start_tuning = False          # a followed or replayed run belongs to another process
+
     def restart(self) -> None:
         pass
 

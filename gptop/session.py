@@ -61,6 +61,7 @@ class Session:
         self.rank_errors: dict[int, dict[str, Any]] = {}          # this spawn's first error event per rank
         self.hooks: list[Callable[[dict[str, Any]], None]] = []   # e.g. the tuner driver
         self.on_trainer_exit: Callable[[int], bool] | None = None  # returns True if it handled the exit
+        self.tuning_toggler: Callable[[], None] | None = None     # `t`: gptop.tuning.install_toggler sets it
 
     # ------------------------------------------------------------- lifecycle
     def start(self, resume: str | None = None) -> None:
@@ -150,8 +151,12 @@ class Session:
         if self.supervisor:
             self.supervisor.send({"cmd": "profile", "steps": steps})
 
+    @property
+    def can_start_tuning(self) -> bool:
+        return self.tuning_toggler is not None
+
     def toggle_tuning(self) -> None:
-        toggler = getattr(self, "tuning_toggler", None)
+        toggler = self.tuning_toggler
         if toggler is not None:
             toggler()
         else:

@@ -110,6 +110,7 @@ class TunerState:
 
     phase: str | None = None           # e.g. "find-micro-batch", "baseline", "trials", "decide", "done"
     budget_left_s: float | None = None
+    budget_at: float | None = None     # the time of the event that said budget_left_s
     trial: int | None = None           # the trial running now
     trials_run: int | None = None
     trials_planned: int | None = None
@@ -377,6 +378,7 @@ class RunState:
             tu.phase = e["phase"]
         if "budget_left_s" in e:
             tu.budget_left_s = _num(e["budget_left_s"])
+            tu.budget_at = _num(e.get("time"))
         if "trial" in e:
             tu.trial = e["trial"]
         if "trials_planned" in e:
@@ -384,6 +386,15 @@ class RunState:
         if "trials_run" in e:
             tu.trials_run = e["trials_run"]
         self._bump("tuner")
+
+    def tuner_budget_left(self) -> float | None:
+        """The tuning budget left now: it runs down between the tuner's events (which come per phase and
+        trial, a minute apart or more), and stops when the tuner is done."""
+        tu = self.tuner
+        now = self.now()
+        if tu.budget_left_s is None or not tu.active or tu.budget_at is None or now is None:
+            return tu.budget_left_s
+        return max(0.0, tu.budget_left_s - max(0.0, now - tu.budget_at))
 
     # --- reading: run -------------------------------------------------------
     def now(self) -> float | None:
@@ -586,7 +597,9 @@ class RunState:
             if t.get("compile", "off") == "off":
                 tips.append("--compile default")
             prec = t.get("precision", "fp32")
-            bf16_ok = not cuda or tuple(self.device.get("capability") or (0, 0)) >= (8, 0)
+            # native bf16 only: CUDA 8.0+, or a CPU whose oneDNN has bf16 kernels (trainer.capabilities.slow)
+            bf16_ok = (tuple(self.device.get("capability") or (0, 0)) >= (8, 0) if cuda
+                       else self.device.get("cpu_bf16", True))
             if prec in ("fp32", "tf32") and bf16_ok:
                 tips.append("--precision bf16")
             if not tips:

@@ -187,6 +187,11 @@ def test_hints_only_name_toggles_that_apply():
     # bf16 needs compute capability 8.0: not offered on a V100
     s = fed(hello(capability=(7, 0), precision="fp32", compile="default"), step(1, 1.0, PH))
     assert s.bottleneck_hint() == "compute-bound: forward+backward are 80% of the step"
+    # nor on a CPU whose bf16 is emulated (no AVX-512): only compile is suggested there
+    avx2 = hello("cpu", precision="fp32")
+    avx2["device"]["cpu_bf16"] = False
+    assert fed(avx2, step(1, 1.0, PH)).bottleneck_hint() == "compute-bound (forward+backward 80%): try --compile default"
+    assert "--precision bf16" in fed(hello("cpu", precision="fp32"), step(1, 1.0, PH)).bottleneck_hint()
     # GPU idle is a GPU notion: never on the CPU
     s = fed(hello("cpu"), step(1, 1.0, PH, gpu_idle_ms=50.0))
     assert "idle" not in (s.bottleneck_hint() or "")
@@ -312,8 +317,22 @@ def test_tuner_state_from_tuner_trial_and_apply_events():
     s.apply(ev("apply", 8.0, toggles={"compile": "default"}, number=1, tokens_per_s=150.0,
                baseline_tokens_per_s=100.0))
     assert tu.applied[-1]["number"] == 1
+    assert s.tuner_budget_left() == 999.5               # 1000.5 at t=7, and the clock is at t=8 now
     s.apply(ev("tuner", 9.0, phase="done"))
     assert not s.tuner.active
+
+
+def test_tuner_budget_runs_down_between_its_events():
+    clock = [T0 + 100.0]
+    s = RunState(clock=lambda: clock[0])
+    s.apply(ev("tuner", 100.0, phase="trials", budget_left_s=600.0))
+    clock[0] = T0 + 160.0                               # a trial compiling: no tuner event for a minute
+    assert s.tuner_budget_left() == 540.0
+    clock[0] = T0 + 1000.0
+    assert s.tuner_budget_left() == 0.0
+    s.apply(ev("tuner", 1000.0, phase="done", budget_left_s=12.0))
+    clock[0] = T0 + 2000.0
+    assert s.tuner_budget_left() == 12.0                # done: what was left stays as it was
 
 
 def test_toggle_diff_is_against_what_the_run_started_with():

@@ -15,7 +15,7 @@ import pytest
 from textual.geometry import Region
 from textual.widget import Widget
 
-from fixtures.streams import build_state, cpu_run, ev, gpu_run
+from fixtures.streams import T0, build_state, cpu_run, ev, gpu_run
 from gptop.commands import Commands, RecordingCommands
 from gptop.state import RunState
 from gptop.ui.app import GptopApp, HelpScreen
@@ -63,6 +63,15 @@ def test_checkpoint_profile_tune_keys_call_commands():
     app, _, cmds = make()
     drive(app, ["c", "p", "t"])
     assert cmds.calls == [("checkpoint", {}), ("profile", {"steps": 3}), ("toggle_tuning", {})]
+
+
+@pytest.mark.parametrize("status", ["restarting", "stopping"])
+def test_t_stops_a_tuner_while_it_restarts_the_trainer(status):
+    # a tuner spends much of its time between trainer processes: `t` must not go dead then
+    app, state, cmds = make(status=status)
+    assert state.tuner.active
+    drive(app, ["t", "c"])
+    assert cmds.names == ["toggle_tuning"]          # checkpoint needs a live trainer; stopping the tuner does not
 
 
 def test_restart_only_after_failure():
@@ -304,7 +313,8 @@ def test_panels_show_the_gpu_stream():
         for word in ("loss", "eval 2.264", "tok/s", "MFU 30.0%", "experts"):
             assert word in train
         tuner = text(app.query_one("#tuner"))
-        for word in ("trials · 21:20 left · 5/12 run", "best", "41.9k", "infeasible", "pruned", "cut"):
+        # 21:20 left at the last tuner event, which came 25 s before the stream's last event: it runs down
+        for word in ("trials · 20:55 left · 5/12 run", "best", "41.9k", "infeasible", "pruned", "cut"):
             assert word in tuner
         assert not app.query_one("#log").display     # hidden at 80x24
 
@@ -436,12 +446,16 @@ def test_only_changed_panels_are_synced():
                 w.sync = counted
             await pilot.pause(0.25)
             assert calls == {}            # nothing changed: nothing re-rendered
-            state.apply(ev("device", 999.0, devices=[], cpu={"util_pct": 1.0}))
+            t = state.last_time - T0                 # a sample at the same time: the clocks shown stay
+            state.apply(ev("device", t, devices=[], cpu={"util_pct": 1.0}))
             await pilot.pause(0.25)
             assert set(calls) == {"devices"}
             state.add_log("hello", "stdout")
             await pilot.pause(0.25)
             assert set(calls) == {"devices", "log", "failure"}
+            state.apply(ev("device", t + 30, devices=[], cpu={"util_pct": 1.0}))
+            await pilot.pause(0.25)                  # 30 s on: elapsed (header) and budget left (tuner) moved
+            assert set(calls) == {"devices", "log", "failure", "header", "tuner"}
     run(go())
 
 
@@ -489,6 +503,22 @@ def test_tune_key_only_where_it_does_something():
     app = GptopApp(build_state("cpu"), CanStart())
     drive(app, ["t"])
     assert app.commands.names == ["toggle_tuning"]
+
+
+def test_tune_key_is_live_in_a_real_train_session(tmp_path):
+    # The real Session (not a recording fake): `gptop train` installs the toggler, so `t` must start tuning.
+    from gptop.session import Session
+    from gptop.tuning import install_toggler
+    from trainer.config import TrainConfig
+
+    cfg = TrainConfig()
+    cfg.run.run_dir = str(tmp_path / "run")
+    session = Session(cfg)
+    assert isinstance(session, Commands) and session.can_start_tuning is False
+    install_toggler(session)
+    assert session.can_start_tuning is True
+    app = GptopApp(build_state("cpu"), session)
+    assert app.can_toggle_tuning()
 
 
 def test_monitor_without_a_run_shows_only_the_devices():

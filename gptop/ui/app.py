@@ -48,8 +48,8 @@ HELP = [
     ("c", "Checkpoint now (at the next step boundary)"),
     ("p", "Profile the next 3 steps with torch.profiler (trace in the run directory)"),
     ("l", "Log panel: zoom the trainer's stdout/stderr to the whole window, and back"),
-    ("t", "Stop the autotuner, keeping the best setting found so far (start one with gptop tune, or "
-          "gptop train --tune DURATION)"),
+    ("t", "Start the autotuner on the live run (budget 10 min; gptop tune --budget for another), or stop it, "
+          "keeping the best setting found so far"),
     ("r", "Restart from the last good checkpoint (after a failure)"),
     ("w", "Chart window of the device panel: 30 s, 1 min, 5 min, 15 min, 1 h"),
     ("e", "Next MoE layer in the expert-load bars"),
@@ -117,7 +117,7 @@ class GptopApp(App[None]):
         Binding("c", "checkpoint", "Checkpoint", tooltip="Checkpoint at the next step"),
         Binding("p", "profile", "Profile", tooltip="Profile the next 3 steps"),
         Binding("l", "toggle_log", "Log", tooltip="Zoom the log panel"),
-        Binding("t", "toggle_tuning", "Tune", tooltip="Stop the autotuner (keeps the best setting so far)"),
+        Binding("t", "toggle_tuning", "Tune", tooltip="Start the autotuner, or stop it (keeps the best so far)"),
         Binding("r", "restart", "Restart", tooltip="Restart from the last good checkpoint"),
         Binding("w", "cycle_window", "Window", tooltip="Chart window: 30s, 1m, 5m, 15m, 1h"),
         Binding("e", "next_expert_layer", "MoE", tooltip="Next MoE layer in the expert-load bars"),
@@ -249,7 +249,9 @@ class GptopApp(App[None]):
         if action in ("checkpoint", "profile"):
             return True if status in LIVE_STATUSES else None
         if action == "toggle_tuning":
-            return True if status in LIVE_STATUSES + ("starting",) and self.can_toggle_tuning() else None
+            if self.state.tuner.active:          # a tuner restarts the trainer often: stopping it works throughout
+                return True if status not in IDLE_STATUSES else None
+            return True if status in LIVE_STATUSES + ("starting",) and self.commands.can_start_tuning else None
         if action == "restart":
             return True if status == "failed" else None
         if action == "next_expert_layer":
@@ -259,7 +261,7 @@ class GptopApp(App[None]):
     def can_toggle_tuning(self) -> bool:
         """`t` stops a tuner at work; it starts one only where the session says it can
         (`can_start_tuning`): gptop's own session tunes only when started with gptop tune / --tune."""
-        return self.state.tuner.active or bool(getattr(self.commands, "can_start_tuning", False))
+        return self.state.tuner.active or self.commands.can_start_tuning
 
     def _call(self, what: str, fn: Callable[..., None], *args: object, **kwargs: object) -> bool:
         try:

@@ -555,8 +555,9 @@ def tuner_summary(state: RunState, width: int) -> RenderableType:
         if tu.phase is None and not tu.trials:
             return Text("not tuning (gptop tune, or gptop train --tune 30m)", style="grey62")
         head = Text(phase_label(tu.phase), style="bold yellow" if tu.active else "bold")
-        if tu.budget_left_s is not None:
-            head.append(f" · {fmt_duration(tu.budget_left_s)} left")
+        left = state.tuner_budget_left()
+        if left is not None:
+            head.append(f" · {fmt_duration(left)} left")
         if tu.trials_planned:
             run = tu.trials_run if tu.trials_run is not None else len([t for t in tu.trials.values()
                                                                        if t.get("status") != "running"])

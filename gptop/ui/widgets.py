@@ -19,11 +19,18 @@ class Watcher:
 
     AREAS: tuple[str, ...] = ()
 
+    def tick(self, state: RunState) -> object:
+        """A clock the panel shows (elapsed, budget left), at the resolution shown: when it changes the panel
+        is redrawn even though its areas did not change (their events can be minutes apart)."""
+        return None
+
     def stale(self, state: RunState) -> bool:
-        return tuple(state.versions[a] for a in self.AREAS) != getattr(self, "_gptop_seen", None)
+        return (tuple(state.versions[a] for a in self.AREAS) != getattr(self, "_gptop_seen", None)
+                or self.tick(state) != getattr(self, "_gptop_tick", None))
 
     def mark(self, state: RunState, now: float) -> None:
         self._gptop_seen = tuple(state.versions[a] for a in self.AREAS)
+        self._gptop_tick = self.tick(state)
         self._gptop_synced = now
 
     def synced_at(self) -> float:
@@ -55,6 +62,10 @@ class StatePanel(Watcher, Widget):
 
 class RunHeader(StatePanel):
     AREAS = ("run", "step", "tuner")
+
+    def tick(self, state: RunState) -> object:
+        elapsed = state.elapsed()
+        return None if elapsed is None else int(elapsed)
 
     def build(self, width: int, height: int) -> RenderableType:
         return render.header(self.state, width)
@@ -125,6 +136,10 @@ class TunerPanel(StatePanel):
     """Phase, budget, best and applied setting on top; the trials below, newest first."""
 
     AREAS = ("tuner",)
+
+    def tick(self, state: RunState) -> object:
+        left = state.tuner_budget_left() if state.tuner.active else None
+        return None if left is None else int(left)
 
     def build(self, width: int, height: int) -> RenderableType:
         return render.tuner(self.state, width, height)
