@@ -261,14 +261,22 @@ def test_second_run_warm_starts_and_rolls_back_an_oom(tuned, tmp_path):
     procs = processes(run_dir)
     bad = next(i for i, p in enumerate(procs) if p["error"] and p["error"]["kind"] == "oom")
     assert procs[bad]["checkpoints"] and set(rb["deleted"]) >= {c["path"] for c in procs[bad]["checkpoints"]}
-    nxt = procs[bad + 1]["hello"]
-    assert nxt["start_step"] == rb["step"] == procs[bad]["hello"]["start_step"]
-    assert Path(nxt["resumed_from"]).name == Path(rb["path"]).name
+    assert rb["step"] == procs[bad]["hello"]["start_step"]
     for p in procs:
         assert all(e["batch"] == e["step"] - 1 for e in p["steps"])
-    # --tune-only: stopped (with a checkpoint) once best.toml was written, exit code 0
-    assert (run_dir / "best.toml").is_file() and procs[-1]["done"]["reason"] != "max_steps"
-    assert ckpt.list_checkpoints(run_dir)[-1].step == procs[-1]["done"]["step"]
+    assert (run_dir / "best.toml").is_file()
+    if bad + 1 < len(procs):
+        # more trials followed: the next process resumed from the pre-trial checkpoint, and --tune-only
+        # stopped the last one (with a checkpoint) once best.toml was written
+        nxt = procs[bad + 1]["hello"]
+        assert nxt["start_step"] == rb["step"] and Path(nxt["resumed_from"]).name == Path(rb["path"]).name
+        assert procs[-1]["done"]["reason"] != "max_steps"
+        assert ckpt.list_checkpoints(run_dir)[-1].step == procs[-1]["done"]["step"]
+    else:
+        # the rollback was the tuning's last act (the budget left fit no further trial on a slow machine):
+        # --tune-only starts nothing just to stop it, and the run's newest checkpoint is the pre-trial one
+        newest = ckpt.list_checkpoints(run_dir)[-1]
+        assert newest.step == rb["step"] and newest.path.name == Path(rb["path"]).name
 
 
 # --- the `t` key in a plain `gptop train` session ---------------------------------------
