@@ -38,8 +38,8 @@ so that a speedup which breaks training shows.
     python bench/peers.py --device cuda --size small   # GPU edition: adds MFU
 
 Without --tuned or --tune, the tuned toggles come from bench/tuned/<device>-<model>-<size>.toml
-(<device>: cuda, or cpu-<vector ISA>, e.g. cpu-avx2, cpu-avx512) when that file exists (written by an earlier `--tune` on this kind of machine), else the
-gptop-tuned contender is skipped with a note.
+(<device>: cuda, or cpu-<vector ISA>, e.g. cpu-avx2, cpu-avx512) when that file exists (written by
+an earlier `--tune` on this kind of machine), else the gptop-tuned contender is skipped with a note.
 """
 
 from __future__ import annotations
