@@ -1,11 +1,11 @@
 """The search space over `Toggles`: which values a trial may take on this device.
 
 Only values the device supports are offered (`trainer.capabilities`), so the
-sampler never proposes what the trainer would refuse; values known to be slow
+sampler never proposes what the trainer would refuse. Values known to be slow
 on the device (bf16 on a CPU without native bf16) are left out of the default
-space, and `--tune-space` can add them back (`precision+=bf16`). `--tune-space` narrows or
-widens the default space with a small grammar (items separated by spaces or
-`;`, names accept `-` or `_`):
+space. `--tune-space` narrows or widens the default space (and so can add a
+slow value back: `precision+=bf16`) with a small grammar (items separated by
+spaces or `;`, names accept `-` or `_`):
 
     -NAME            freeze NAME at the starting configuration's value
     -all             freeze everything (then re-open some with NAME=...)
