@@ -108,7 +108,7 @@ def _setup(spec: Spec):
 
     torch.set_num_threads(spec.threads)
     sys.path.insert(0, str(ROOT))
-    from trainer.config import DataConfig, ModelConfig, Toggles
+    from trainer.contract.config import DataConfig, ModelConfig, Toggles
     from trainer.data import BatchSampler, load_data
     from trainer.device import detect
     from trainer.models import build_model
@@ -446,9 +446,9 @@ def machine_line(spec: Spec) -> str:
         dev = torch.cuda.get_device_name()
     else:
         sys.path.insert(0, str(ROOT))
-        from trainer.device import _cpu_name
+        from trainer.contract.device import cpu_name
 
-        dev = f"{_cpu_name()}, {len(os.sched_getaffinity(0))} cores"
+        dev = f"{cpu_name()}, {len(os.sched_getaffinity(0))} cores"
     import psutil
 
     return (f"{dev}; {psutil.virtual_memory().total / 2**30:.0f} GiB RAM; {spec.threads} torch threads; "

@@ -59,7 +59,7 @@ def toggles_argv(t: dict) -> list[str]:
 
 
 def space_configs(spec: str, start_argv: list[str]) -> list[dict]:
-    from trainer.config import TrainConfig, add_arguments, config_from_args
+    from trainer.contract.config import TrainConfig, add_arguments, config_from_args
     from trainer.device import detect
     from tuner.space import SearchSpace
 
@@ -71,7 +71,7 @@ def space_configs(spec: str, start_argv: list[str]) -> list[dict]:
 
 
 def measure(toggles: dict, steps: int, warmup: int, env: dict, work: Path) -> dict:
-    from trainer.events import read_events
+    from trainer.contract.events import read_events
 
     run_dir = Path(tempfile.mkdtemp(dir=work, prefix="grid-"))
     argv = [sys.executable, "-m", "trainer", *SETUP, *toggles_argv(toggles), "--max-steps", str(warmup + steps),
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, OMP_NUM_THREADS=args.threads, PYTHONPATH=str(ROOT))
     work = Path(tempfile.mkdtemp(prefix="tuner-vs-grid-"))
     configs = space_configs(args.space, START)
-    from trainer.config import add_arguments, config_from_args
+    from trainer.contract.config import add_arguments, config_from_args
 
     p = argparse.ArgumentParser()
     add_arguments(p)

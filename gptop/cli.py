@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from trainer.config import ConfigError, TrainConfig, add_arguments, config_from_args
+from trainer.contract.config import ConfigError, TrainConfig, add_arguments, config_from_args
+from trainer.contract.rundir import default_run_dir, resume_config
 
 from .session import EXIT_DONE, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, Session, SessionOptions
 
@@ -110,13 +111,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def resolve_config(ns: argparse.Namespace) -> TrainConfig:
-    from trainer.cli import resume_base
-
-    base = resume_base(getattr(ns, "checkpoint.resume", None))
+    base = resume_config(getattr(ns, "checkpoint.resume", None))
     cfg = config_from_args(ns, base)
     if cfg.run.run_dir is None:
-        from trainer.train import default_run_dir
-
         cfg.run.run_dir = default_run_dir(cfg)
     return cfg
 

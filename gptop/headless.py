@@ -8,7 +8,7 @@ The Session calls it after folding each item into the RunState:
     ...                          view.close()
 
 `--json`: stdout carries only JSON lines: every event (trainer events, device
-samples, trial/apply/tuner events) as `trainer.events.dumps` writes it, plus
+samples, trial/apply/tuner events) as `trainer.contract.events.dumps` writes it, plus
 gptop's own `{"type": "status", "status": ..., "message": ...}` lines when the
 session's status changes (consumers ignore types they do not know). Device
 samples can be thinned to one per `device_interval` seconds of event time.
@@ -39,7 +39,7 @@ from typing import IO, Any
 
 from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_num, fmt_toggles, model_summary, phase_label,
                          spread_pct)
-from trainer.events import PHASES, dumps, make_event
+from trainer.contract.events import PHASES, dumps, make_event
 
 SHORT = {"data": "data", "forward": "fwd", "backward": "bwd", "optimizer": "opt", "other": "other"}
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer import events as ev
+from trainer.contract import events as ev
 
 from .session import EXIT_DONE, EXIT_INTERRUPTED
 from .state import RunState
@@ -29,7 +29,7 @@ def find_run(path: str | None) -> Path | None:
         return root
     if not root.is_dir():
         if path:
-            from trainer.config import ConfigError
+            from trainer.contract.config import ConfigError
 
             raise ConfigError("--run-dir", f"{root} does not exist")
         return None

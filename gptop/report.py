@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from trainer.events import PHASES, read_events
+from trainer.contract.events import PHASES, read_events
 
 from .telemetry import DeviceSample, energy_between
 
@@ -22,7 +22,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     run_dir = Path(run_dir)
     events_path = run_dir / "events.jsonl"
     if not events_path.is_file():
-        from trainer.config import ConfigError
+        from trainer.contract.config import ConfigError
 
         raise ConfigError("RUN_DIR", f"{run_dir} has no events.jsonl; is it a gptop run directory?")
     events = list(read_events(events_path))

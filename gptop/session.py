@@ -16,8 +16,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from trainer import events as ev
-from trainer.config import TrainConfig, cli_args
+from trainer.contract import events as ev
+from trainer.contract.config import TrainConfig, cli_args
+from trainer.contract.rundir import has_checkpoint
 
 from .state import RunState
 from .supervisor import Supervisor, torchrun_failures, trainer_argv
@@ -168,7 +169,7 @@ class Session:
             return
         self._finished.clear()
         self._exit_code = None
-        self.spawn(resume=str(self.run_dir) if _has_checkpoint(self.run_dir) else None)
+        self.spawn(resume=str(self.run_dir) if has_checkpoint(self.run_dir) else None)
 
     # --------------------------------------------------------------- plumbing
     def add_view(self, view: View) -> None:
@@ -237,7 +238,7 @@ class Session:
             self.restarts_left -= 1
             self._set_status("restarting", f"{summary}; restarting from the last checkpoint "
                                            f"({self.restarts_left} restarts left)")
-            self.spawn(resume=str(self.run_dir) if _has_checkpoint(self.run_dir) else None)
+            self.spawn(resume=str(self.run_dir) if has_checkpoint(self.run_dir) else None)
             return
         self._set_status("failed", summary)
         self._finish(EXIT_FAILED)
@@ -307,8 +308,3 @@ class Session:
         self._exit_code = code
         self._finished.set()
 
-
-def _has_checkpoint(run_dir: Path) -> bool:
-    from trainer.checkpoint import list_checkpoints
-
-    return bool(list_checkpoints(run_dir))

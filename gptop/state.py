@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from trainer.events import PHASES
+from trainer.contract.events import PHASES
 
 STATUSES = ("starting", "running", "checkpointing", "stopping", "done", "failed", "restarting", "replay", "monitor")
 
@@ -597,7 +597,7 @@ class RunState:
             if t.get("compile", "off") == "off":
                 tips.append("--compile default")
             prec = t.get("precision", "fp32")
-            # native bf16 only: CUDA 8.0+, or a CPU whose oneDNN has bf16 kernels (trainer.capabilities.slow)
+            # native bf16 only: CUDA 8.0+, or a CPU whose oneDNN has bf16 kernels (trainer.contract.capabilities.slow)
             bf16_ok = (tuple(self.device.get("capability") or (0, 0)) >= (8, 0) if cuda
                        else self.device.get("cpu_bf16", True))
             if prec in ("fp32", "tf32") and bf16_ok:

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from trainer import events as ev
+from trainer.contract import events as ev
 
 EventCallback = Callable[[dict[str, Any]], None]
 LogCallback = Callable[[str, str], None]

@@ -23,7 +23,6 @@ import glob
 import logging
 import math
 import os
-import platform
 import re
 import statistics
 import threading
@@ -35,6 +34,7 @@ from typing import Any, Callable, Iterable, Literal, Sequence
 import psutil
 
 from gptop.nvml import Nvml
+from trainer.contract.device import cpu_name
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +86,8 @@ class DeviceSample:
         return "gpu" if self.gpus else "cpu"
 
     def to_event(self, rank: int = 0) -> dict[str, Any]:
-        """A `device` event (trainer.events schema), so samples travel with the run's other events."""
-        from trainer.events import make_event
+        """A `device` event (trainer.contract.events schema), so samples travel with the run's other events."""
+        from trainer.contract.events import make_event
 
         cpu = asdict(self.cpu)
         cpu["per_core"] = [round(x, 1) for x in self.cpu.per_core]  # many cores x 2 Hz: keep lines short
@@ -115,18 +115,6 @@ def _known(cls: type, d: dict[str, Any]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- CPU side
-
-
-def cpu_name() -> str:
-    """The CPU model, for the header line (no torch import: gptop must start fast)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("model name", "Model", "cpu model")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
 
 
 class _CoreLoad:

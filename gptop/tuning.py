@@ -10,9 +10,9 @@ controller's actions into process restarts:
 - a failed trial (OOM, NaN, divergence, compile error, crash) is killed if it
   still runs, the checkpoints it wrote are deleted, and the next process
   resumes from the pre-trial checkpoint: the step count and weights are those
-  of before the trial. The pre-trial checkpoint is hard-linked aside while a
-  trial runs, so the trial's own checkpoint pruning (`--keep-checkpoints`)
-  cannot take the rollback target away;
+  of before the trial. The pre-trial checkpoint is pinned while a trial runs
+  (trainer.contract.rundir), so the trial's own checkpoint pruning
+  (`--keep-checkpoints`) cannot take the rollback target away;
 - the best setting is applied the same way, after a checkpoint, and training
   goes on to --max-steps. Trial processes run with `--nan-policy stop` (a NaN
   must end the trial, not be trained around) and log every step; the process
@@ -38,14 +38,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import queue
-import shutil
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-from trainer import events as ev
-from trainer.config import Toggles, TrainConfig
+from trainer.contract import events as ev
+from trainer.contract import rundir
+from trainer.contract.config import Toggles, TrainConfig
 
 STEADY = ("done", "prune", "budget", "timeout")
 TEST_FAULT_ENV = "GPTOP_TEST_TRIAL_FAULT"   # "N:KIND" or "N:KIND@K": KIND (nan, oom, crash, kill, compile) K steps
@@ -248,7 +248,7 @@ class TuningDriver:
         from tuner.controller import Apply, Done, FindMicroBatch, Remeasure, RunTrial, TuneController
         from tuner.space import SearchSpace
         from tuner.study import TuneStudy
-        from trainer.device import DeviceInfo   # imports torch: not at gptop start-up
+        from trainer.contract.device import DeviceInfo   # imports torch: not at gptop start-up
 
         hello = self._hello or self._wait_hello()
         if hello is None:
@@ -461,8 +461,9 @@ class TuningDriver:
         if self.session.interrupted or self._complete or (self._abort and strict):
             return None
         pre = self.last_ckpt
-        if pre is not None and not Path(pre[1]).exists():
-            pre = self._restore_guard(pre)
+        if pre is not None and not Path(pre[1]).exists():   # pruned between trials: the newest there is
+            newest = rundir.list_checkpoints(self.session.run_dir)
+            pre = (newest[-1].step, str(newest[-1].path)) if newest else None
         cfg = self._cfg_for(toggles, strict)
         if fault:
             cfg.run.fault = f"{fault[0]}@{(pre[0] if pre else 0) + fault[1]}"
@@ -482,72 +483,29 @@ class TuningDriver:
         return cfg
 
     # ------------------------------------------------------------ rollback
-    def _guard_path(self) -> Path:
-        return Path(self.session.run_dir) / "tuning" / "pre-trial"
-
     def _guard(self, pre: tuple[int, str] | None) -> None:
-        """Hard-link the pre-trial checkpoint aside: the trial's pruning must not delete the rollback target."""
-        g = self._guard_path()
-        self._cleanup_guard()
-        if not pre or not pre[1] or not Path(pre[1]).exists():
-            return
-        g.parent.mkdir(parents=True, exist_ok=True)
-        src = Path(pre[1])
-        try:
-            if src.is_dir():
-                shutil.copytree(src, g, copy_function=os.link)
-            else:
-                os.link(src, g)
-        except OSError:
-            if src.is_dir():
-                shutil.copytree(src, g)
-            else:
-                shutil.copy2(src, g)
-        (g.parent / "pre-trial.step").write_text(f"{pre[0]}\n{pre[1]}\n")
-
-    def _restore_guard(self, pre: tuple[int, str]) -> tuple[int, str] | None:
-        g = self._guard_path()
-        if not g.exists():
-            return None
-        dst = Path(pre[1])
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        if g.is_dir():
-            shutil.copytree(g, dst, copy_function=os.link)
-        else:
-            os.link(g, dst)
-        return pre
+        """Pin the pre-trial checkpoint: the trial's own pruning (--keep-checkpoints) must keep the rollback
+        target. One pin at a time: the previous trial's target is released."""
+        run_dir = self.session.run_dir
+        rundir.unpin(run_dir)
+        if pre and pre[1] and Path(pre[1]).exists():
+            rundir.pin(run_dir, pre[0])
 
     def _cleanup_guard(self) -> None:
-        g = self._guard_path()
-        if g.is_dir():
-            shutil.rmtree(g, ignore_errors=True)
-        elif g.exists():
-            g.unlink(missing_ok=True)
+        rundir.unpin(self.session.run_dir)
 
     def _rollback(self, pre: tuple[int, str] | None) -> dict[str, Any]:
-        """Kill the failed trial if it still runs, delete the checkpoints it wrote, restore the pre-trial one."""
-        from trainer import checkpoint as ckpt
-
+        """Kill the failed trial if it still runs and delete the checkpoints it wrote: the run directory's
+        newest checkpoint is the pinned pre-trial one again (or none: the start)."""
         self._stop_trainer(kill=True)
         run_dir = Path(self.session.run_dir)
         keep_step = pre[0] if pre and pre[1] else -1
-        deleted = []
-        for info in ckpt.list_checkpoints(run_dir):
-            if info.step > keep_step:
-                if info.path.is_dir():
-                    shutil.rmtree(info.path, ignore_errors=True)
-                else:
-                    info.path.unlink(missing_ok=True)
-                deleted.append(str(info.path))
-        restored = False
-        if pre and pre[1] and not Path(pre[1]).exists():
-            restored = self._restore_guard(pre) is not None
+        deleted = [str(p) for p in rundir.rollback_to(run_dir, keep_step)]
         self.last_ckpt = pre if pre and pre[1] and Path(pre[1]).exists() else None
         step = max(keep_step, 0)
         self._say(f"trial rolled back to step {step}" + (f" ({pre[1]})" if self.last_ckpt else " (the start)")
                   + (f"; deleted {len(deleted)} checkpoint(s) it wrote" if deleted else ""))
-        return {"step": step, "path": self.last_ckpt[1] if self.last_ckpt else None, "deleted": deleted,
-                "restored": restored}
+        return {"step": step, "path": self.last_ckpt[1] if self.last_ckpt else None, "deleted": deleted}
 
 
 def attach_tuning(session, budget_s: float, **kw: Any) -> TuningDriver:

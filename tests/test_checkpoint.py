@@ -9,6 +9,8 @@ import torch
 
 from trainer import checkpoint as ckpt
 
+from trainer.contract import rundir
+
 
 def state(step):
     return {"step": step, "model": {"w": torch.full((4,), float(step))}, "optimizer": {}, "config": {"x": 1}}
@@ -16,20 +18,20 @@ def state(step):
 
 def test_save_load_and_prune(tmp_path):
     for s in (10, 20, 30, 40):
-        ckpt.save(state(s), ckpt.path_for(tmp_path, s))
-    assert [c.step for c in ckpt.list_checkpoints(tmp_path)] == [10, 20, 30, 40]
-    ckpt.prune(tmp_path, keep=2)
-    assert [c.step for c in ckpt.list_checkpoints(tmp_path)] == [30, 40]
+        ckpt.save(state(s), rundir.path_for(tmp_path, s))
+    assert [c.step for c in rundir.list_checkpoints(tmp_path)] == [10, 20, 30, 40]
+    rundir.prune(tmp_path, keep=2)
+    assert [c.step for c in rundir.list_checkpoints(tmp_path)] == [30, 40]
     path, st = ckpt.resolve_resume(tmp_path)
     assert st["step"] == 40 and path.name == "step-00000040.pt"
 
 
 def test_corrupt_checkpoint_falls_back_and_is_named(tmp_path):
     for s in (1, 2, 3):
-        ckpt.save(state(s), ckpt.path_for(tmp_path, s))
-    newest = ckpt.path_for(tmp_path, 3)
+        ckpt.save(state(s), rundir.path_for(tmp_path, s))
+    newest = rundir.path_for(tmp_path, 3)
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])   # truncated
-    garbage = ckpt.path_for(tmp_path, 4)
+    garbage = rundir.path_for(tmp_path, 4)
     garbage.write_bytes(b"not a checkpoint")
     reports = []
     path, st = ckpt.resolve_resume(tmp_path, on_corrupt=reports.append)
@@ -38,7 +40,7 @@ def test_corrupt_checkpoint_falls_back_and_is_named(tmp_path):
 
 
 def test_all_corrupt_is_an_error(tmp_path):
-    p = ckpt.path_for(tmp_path, 1)
+    p = rundir.path_for(tmp_path, 1)
     p.parent.mkdir(parents=True)
     p.write_bytes(b"x")
     with pytest.raises(ckpt.CorruptCheckpoint):
@@ -46,7 +48,7 @@ def test_all_corrupt_is_an_error(tmp_path):
 
 
 def test_missing_keys_detected(tmp_path):
-    p = ckpt.path_for(tmp_path, 1)
+    p = rundir.path_for(tmp_path, 1)
     ckpt.save({"step": 1}, p)
     with pytest.raises(ckpt.CorruptCheckpoint, match="missing"):
         ckpt.load(p)
@@ -54,10 +56,11 @@ def test_missing_keys_detected(tmp_path):
 
 def test_kill_during_save_leaves_previous_intact(tmp_path):
     """SIGKILL a process in the middle of writing a large checkpoint: the old one still loads."""
-    ckpt.save(state(1), ckpt.path_for(tmp_path, 1))
+    ckpt.save(state(1), rundir.path_for(tmp_path, 1))
     script = textwrap.dedent(f"""
         import os, sys, torch
         from trainer import checkpoint as ckpt
+        from trainer.contract import rundir
         big = {{"step": 2, "model": {{"w": torch.randn(64 * 2**20 // 4 * 8)}}, "optimizer": {{}}, "config": {{}}}}
         real_save = torch.save
         def slow_save(obj, f):
@@ -66,7 +69,7 @@ def test_kill_during_save_leaves_previous_intact(tmp_path):
             sys.stdout.write("writing\\n"); sys.stdout.flush()
             import time; time.sleep(30)
         torch.save = slow_save
-        ckpt.save(big, ckpt.path_for({str(tmp_path)!r}, 2))
+        ckpt.save(big, rundir.path_for({str(tmp_path)!r}, 2))
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "writing"
@@ -76,5 +79,5 @@ def test_kill_during_save_leaves_previous_intact(tmp_path):
     assert "step-00000002.pt" not in names and any(n.endswith(".tmp") for n in names)
     path, st = ckpt.resolve_resume(tmp_path)
     assert st["step"] == 1
-    ckpt.prune(tmp_path, keep=3)             # the dead writer's temp file is cleaned up
+    rundir.prune(tmp_path, keep=3)             # the dead writer's temp file is cleaned up
     assert not any(p.name.endswith(".tmp") for p in (tmp_path / "checkpoints").iterdir())

@@ -2,9 +2,9 @@ import argparse
 
 import pytest
 
-from trainer import capabilities
-from trainer.config import ConfigError, TrainConfig, add_arguments, cli_args, config_from_args
-from trainer.device import DeviceInfo
+from trainer.contract import capabilities
+from trainer.contract.config import ConfigError, TrainConfig, add_arguments, cli_args, config_from_args
+from trainer.contract.device import DeviceInfo
 
 CPU = DeviceInfo(type="cpu", name="Test CPU", cpu_count=2)
 H100 = DeviceInfo(type="cuda", index=0, name="NVIDIA H100 80GB HBM3", capability=(9, 0), total_memory=80 * 2**30)

@@ -13,7 +13,7 @@ import torch
 
 from trainer import data as D
 from trainer import prefetch as P
-from trainer.config import ConfigError, DataConfig
+from trainer.contract.config import ConfigError, DataConfig
 from trainer.data import BatchSampler, TokenData, load_data, load_tokenizer, val_batches
 from trainer.prefetch import CpuCopier, CudaCopier, Prefetcher
 
@@ -426,17 +426,6 @@ def test_concurrent_loads_build_the_cache_once(tmp_path):
     assert sum(m.startswith("data: tokenizing") for m in logs) == 1
     for r in results[1:]:
         assert np.array_equal(all_tokens(r), all_tokens(results[0])) and r.fingerprint == results[0].fingerprint
-
-
-def test_atomic_write_keeps_old_file_on_failure(tmp_path):
-    target = tmp_path / "x.bin"
-    D._atomic_write(target, b"old")
-    with pytest.raises(RuntimeError):
-        with D._atomic_file(target) as f:
-            f.write(b"new but unfinished")
-            raise RuntimeError("killed")
-    assert target.read_bytes() == b"old"
-    assert [p.name for p in tmp_path.iterdir()] == ["x.bin"]
 
 
 # --- batches ------------------------------------------------------------------------------------------

@@ -138,7 +138,7 @@ def test_cli_nproc_builds_a_launcher():
 
 
 def test_faults_for_one_rank():
-    from trainer.config import ConfigError
+    from trainer.contract.config import ConfigError
     from trainer.train import Faults
 
     assert Faults("kill@5:1", rank=1).at == {5: "kill"}
@@ -150,24 +150,25 @@ def test_faults_for_one_rank():
 
 def test_sharded_checkpoints_are_listed_resolved_and_pruned(tmp_path):
     from trainer import checkpoint as ckpt
+    from trainer.contract import rundir
 
-    d = ckpt.checkpoint_dir(tmp_path)
+    d = rundir.checkpoint_dir(tmp_path)
     for step in (2, 4, 6):
-        p = ckpt.dcp_path_for(tmp_path, step)
+        p = rundir.dcp_path_for(tmp_path, step)
         p.mkdir(parents=True)
         (p / ".metadata").write_bytes(b"x")
         (p / ckpt.META).write_text(json.dumps({"format": ckpt.DCP_FORMAT, "step": step, "config": {},
                                                "world_size": 2}))
-    incomplete = ckpt.dcp_path_for(tmp_path, 8)     # renamed without gptop.json: cannot happen, but is skipped
+    incomplete = rundir.dcp_path_for(tmp_path, 8)     # renamed without gptop.json: cannot happen, but is skipped
     incomplete.mkdir()
     (d / "step-00000010.dcp.tmp").mkdir()           # a save that was killed
-    assert [c.step for c in ckpt.list_checkpoints(tmp_path)] == [2, 4, 6, 8]
+    assert [c.step for c in rundir.list_checkpoints(tmp_path)] == [2, 4, 6, 8]
     seen = []
     path, meta = ckpt.resolve_resume(tmp_path, on_corrupt=seen.append)
     assert path.name == "step-00000006.dcp" and meta["step"] == 6 and meta["path"] == str(path)
     assert seen and "step-00000008.dcp" in seen[0]
-    assert ckpt.resolve_resume(ckpt.dcp_path_for(tmp_path, 4))[1]["step"] == 4
-    deleted = ckpt.prune(tmp_path, keep=2)
+    assert ckpt.resolve_resume(rundir.dcp_path_for(tmp_path, 4))[1]["step"] == 4
+    deleted = rundir.prune(tmp_path, keep=2)
     assert sorted(p.name for p in d.iterdir()) == ["step-00000006.dcp", "step-00000008.dcp"]
     assert any(p.name.endswith(".dcp.tmp") for p in deleted)
 

@@ -13,7 +13,8 @@ import pytest
 
 from conftest import TINY
 from trainer import checkpoint as ckpt
-from trainer.events import parse, read_events
+from trainer.contract import rundir
+from trainer.contract.events import parse, read_events
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +77,7 @@ def test_ctrl_c_stops_gracefully_and_leaves_no_process(tmp_path):
     out, err = p.communicate(timeout=120)
     assert p.returncode == 130, err
     done = events_of(run_dir, "done")[-1]
-    assert ckpt.list_checkpoints(run_dir)[-1].step == done["step"]
+    assert rundir.list_checkpoints(run_dir)[-1].step == done["step"]
     assert gone(pid)
 
 
@@ -90,14 +91,14 @@ def test_kill_of_gptop_leaves_no_orphan(tmp_path):
     assert gone(pid, timeout=120), "trainer outlived gptop"
     done = events_of(run_dir, "done")[-1]                      # it noticed, checkpointed and exited
     assert done["reason"] == "launcher went away"
-    assert ckpt.list_checkpoints(run_dir)[-1].step == done["step"]
+    assert rundir.list_checkpoints(run_dir)[-1].step == done["step"]
 
 
 def test_kill9_of_trainer_fails_then_restarts_from_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     p = gptop("--no-ui", "train", *TINY, "--max-steps", "100000", "--checkpoint-every", "3",
               "--run-dir", str(run_dir))
-    wait_for(lambda: ckpt.list_checkpoints(run_dir), what="a checkpoint")
+    wait_for(lambda: rundir.list_checkpoints(run_dir), what="a checkpoint")
     os.kill(trainer_pid(run_dir), signal.SIGKILL)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 1

@@ -11,7 +11,7 @@ from pathlib import Path
 from fixtures.streams import cpu_run, ev, gpu_logs, gpu_run
 from gptop.headless import HeadlessView, event_line, step_line
 from gptop.state import RunState
-from trainer.events import parse
+from trainer.contract.events import parse
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from trainer import flops, fp8, moe, objectives
-from trainer.config import ConfigError, ModelConfig, Toggles
-from trainer.device import DeviceInfo
+from trainer.contract.config import ConfigError, ModelConfig, Toggles
+from trainer.contract.device import DeviceInfo
 from trainer.models import (SIZES, SIZE_ORDER, ModelBundle, build_model, is_pretrained_path, model_table,
                             model_table_markdown, pad_vocab, param_counts, resolve_size, vocab_and_mask)
 

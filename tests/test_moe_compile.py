@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from trainer import moe, objectives
-from trainer.config import ModelConfig, Toggles
-from trainer.device import DeviceInfo
+from trainer.contract.config import ModelConfig, Toggles
+from trainer.contract.device import DeviceInfo
 from trainer.models import build_model
 
 pytestmark = pytest.mark.compile

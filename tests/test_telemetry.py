@@ -23,7 +23,7 @@ from gptop.telemetry import (
     Rapl,
     energy_between,
 )
-from trainer.events import dumps, parse
+from trainer.contract.events import dumps, parse
 
 NOT_SUPPORTED = pynvml.NVMLError_NotSupported
 NO_PERMISSION = pynvml.NVMLError_NoPermission

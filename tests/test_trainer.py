@@ -10,8 +10,9 @@ import torch
 
 from conftest import TINY, trainer_cmd
 from trainer import checkpoint as ckpt
+from trainer.contract import rundir
 from trainer.cli import parse_config
-from trainer.events import PHASES, REQUIRED, read_events
+from trainer.contract.events import PHASES, REQUIRED, read_events
 from trainer.train import EXIT_CONFIG, EXIT_NAN, EXIT_OK, EXIT_OOM, Trainer, main_run
 
 
@@ -56,7 +57,7 @@ def test_each_family_trains_and_reports(tmp_path, family):
         load = last["expert_load"]
         assert load and all(abs(sum(layer) - 1) < 1e-3 for layer in load)
     assert (run_dir / "config.toml").is_file()
-    assert [c.step for c in ckpt.list_checkpoints(run_dir)] == [6, 12]
+    assert [c.step for c in rundir.list_checkpoints(run_dir)] == [6, 12]
 
 
 def test_a_peak_below_the_achieved_rate_is_dropped_not_reported(tmp_path, monkeypatch):
@@ -108,8 +109,8 @@ def test_exact_resume(tmp_path, family):
     want = [s["loss"] for s in of(full, "step")]
     got = [s["loss"] for s in of(resumed, "step")]
     assert got == want                               # bit-identical
-    a = ckpt.load(ckpt.path_for(tmp_path / "full", 8))["model"]
-    b = ckpt.load(ckpt.path_for(part, 8))["model"]
+    a = ckpt.load(rundir.path_for(tmp_path / "full", 8))["model"]
+    b = ckpt.load(rundir.path_for(part, 8))["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -130,7 +131,7 @@ def test_nan_rollback_skips_the_batch_and_continues(tmp_path):
     assert of(events, "done")[0]["step"] == 10
     losses = [s["loss"] for s in of(events, "step")]
     assert all(l is not None and l == l for l in losses)    # a poisoned interval is never reported as a step
-    final = ckpt.load(ckpt.path_for(run_dir, 10))
+    final = ckpt.load(rundir.path_for(run_dir, 10))
     assert final["skip_batches"] == [6] and final["batch_cursor"] == 11
     assert all(torch.isfinite(v).all() for v in final["model"].values() if v.is_floating_point())
 
@@ -229,7 +230,7 @@ def test_sigterm_is_a_graceful_stop(tmp_path):
     events = list(read_events(run_dir / "events.jsonl"))
     done = of(events, "done")[-1]
     assert done["reason"] == "SIGTERM"
-    assert ckpt.list_checkpoints(run_dir)[-1].step == done["step"]
+    assert rundir.list_checkpoints(run_dir)[-1].step == done["step"]
 
 
 @pytest.mark.compile

@@ -1,6 +1,6 @@
 import pytest
 
-from trainer.config import ConfigError
+from trainer.contract.config import ConfigError
 from tuner.budget import Budget, format_duration, parse_duration
 
 

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from trainer.config import TrainConfig, Toggles
-from trainer.device import DeviceInfo
-from trainer.events import make_event
+from trainer.contract.config import TrainConfig, Toggles
+from trainer.contract.device import DeviceInfo
+from trainer.contract.events import make_event
 from tuner.budget import Budget
 from tuner.controller import Apply, Done, FindMicroBatch, Remeasure, RunTrial, TuneController
 from tuner.report import best_toml, format_summary, write_report

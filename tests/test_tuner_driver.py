@@ -9,8 +9,9 @@ import pytest
 
 from gptop.tuning import TuningDriver, install_toggler, parse_test_fault
 from trainer import checkpoint as ckpt
-from trainer.config import TrainConfig
-from trainer.events import make_event
+from trainer.contract import rundir
+from trainer.contract.config import TrainConfig
+from trainer.contract.events import make_event
 
 
 class FakeSession:
@@ -35,7 +36,7 @@ class FakeSession:
 
 
 def make_ckpt(run_dir, step, tag=b"x"):
-    p = ckpt.path_for(run_dir, step)
+    p = rundir.path_for(run_dir, step)
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_bytes(tag * 10)
     return p
@@ -47,27 +48,27 @@ def test_parse_test_fault():
     assert parse_test_fault("") is None and parse_test_fault("nan") is None and parse_test_fault("x:nan") is None
 
 
-def test_rollback_deletes_the_trials_checkpoints_and_restores_a_pruned_pre_trial_one(tmp_path):
+def test_rollback_deletes_the_trials_checkpoints_and_keeps_the_pinned_pre_trial_one(tmp_path):
     s = FakeSession(tmp_path)
     d = TuningDriver(s, 60.0)
     d.user_cfg = TrainConfig.from_dict(s.cfg.to_dict())
     (tmp_path / "events.jsonl").touch()
-    old = make_ckpt(tmp_path, 5)
+    make_ckpt(tmp_path, 5)
     pre = make_ckpt(tmp_path, 10, b"p")
     d._guard((10, str(pre)))
-    # the trial writes checkpoints 12 and 14 and, with --keep-checkpoints 2, prunes the pre-trial one
+    # the trial writes checkpoints 12 and 14 and prunes with --keep-checkpoints 2: the pinned one stays
     make_ckpt(tmp_path, 12)
     make_ckpt(tmp_path, 14)
-    pre.unlink()
-    old.unlink()
+    rundir.prune(tmp_path, keep=2)
+    assert [c.step for c in rundir.list_checkpoints(tmp_path)] == [10, 12, 14]
     info = d._rollback((10, str(pre)))
-    assert [c.step for c in ckpt.list_checkpoints(tmp_path)] == [10]
-    assert pre.read_bytes() == b"p" * 10                              # the pre-trial state, restored
-    assert info["step"] == 10 and info["restored"] and len(info["deleted"]) == 2
+    assert [c.step for c in rundir.list_checkpoints(tmp_path)] == [10]
+    assert pre.read_bytes() == b"p" * 10                              # the pre-trial state
+    assert info["step"] == 10 and len(info["deleted"]) == 2
     assert d.last_ckpt == (10, str(pre))
     assert any("rolled back to step 10" in e["message"] for e in s.emitted if e["type"] == "log")
     d._cleanup_guard()
-    assert not (tmp_path / "tuning" / "pre-trial").exists()
+    assert rundir.pinned(tmp_path) == set()
 
 
 def test_rollback_without_a_checkpoint_goes_back_to_the_start(tmp_path):
@@ -76,7 +77,7 @@ def test_rollback_without_a_checkpoint_goes_back_to_the_start(tmp_path):
     (tmp_path / "events.jsonl").touch()
     make_ckpt(tmp_path, 3)
     info = d._rollback(None)
-    assert ckpt.list_checkpoints(tmp_path) == [] and info["path"] is None and d.last_ckpt is None
+    assert rundir.list_checkpoints(tmp_path) == [] and info["path"] is None and d.last_ckpt is None
 
 
 def test_trial_configs_stop_on_nan_and_the_final_one_is_the_users(tmp_path):

@@ -1,8 +1,8 @@
 import optuna
 import pytest
 
-from trainer.config import ConfigError, Toggles
-from trainer.device import DeviceInfo
+from trainer.contract.config import ConfigError, Toggles
+from trainer.contract.device import DeviceInfo
 from tuner.space import NUMERICS_CHANGING, SearchSpace, micro_batch_choices
 
 CPU = DeviceInfo(type="cpu", name="cpu", cpu_count=8, has_compiler=True)

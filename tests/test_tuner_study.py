@@ -9,8 +9,8 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from trainer.config import ConfigError, TrainConfig, Toggles
-from trainer.device import DeviceInfo
+from trainer.contract.config import ConfigError, TrainConfig, Toggles
+from trainer.contract.device import DeviceInfo
 from tuner.space import SearchSpace, params_key
 from tuner.study import TuneStudy, default_storage_url, storage_from_url, study_key, study_name
 
@@ -143,8 +143,8 @@ WORKER = textwrap.dedent("""
     import sys, time, random
     from pathlib import Path
     sys.path.insert(0, {repo!r})
-    from trainer.config import TrainConfig
-    from trainer.device import DeviceInfo
+    from trainer.contract.config import TrainConfig
+    from trainer.contract.device import DeviceInfo
     from tuner.space import SearchSpace
     from tuner.study import TuneStudy
     cfg = TrainConfig()

@@ -32,8 +32,10 @@ import pytest
 import torch
 
 from trainer import checkpoint as ckpt
-from trainer.config import TrainConfig
-from trainer.events import read_events
+
+from trainer.contract import rundir
+from trainer.contract.config import TrainConfig
+from trainer.contract.events import read_events
 
 pytestmark = pytest.mark.slow
 
@@ -98,9 +100,10 @@ def lineage(procs):
 
 REPLAY = r"""
 import json, sys
-from trainer.config import TrainConfig
+from trainer.contract.config import TrainConfig
 from trainer.train import Trainer
 from trainer import checkpoint as ckpt
+from trainer.contract import rundir
 segments, out = json.loads(sys.argv[1]), sys.argv[2]
 resume = None
 for config, end in segments:
@@ -113,7 +116,7 @@ for config, end in segments:
     t.setup()
     assert t.run() == 0
     t.channel.close()
-    resume = str(ckpt.path_for(out, end))
+    resume = str(rundir.path_for(out, end))
     print("replayed to", end, flush=True)
 """
 
@@ -168,7 +171,7 @@ def test_tune_runs_trials_applies_and_finishes_exactly(tuned):
     assert final["hello"]["config"]["toggles"] == apply["toggles"]          # training went on with it
     assert final["hello"]["config"]["run"]["nan_policy"] == "rollback"     # and the user's own settings
     assert final["done"]["step"] == n and final["done"]["reason"] == "max_steps"
-    assert ckpt.list_checkpoints(run_dir)[-1].step == n
+    assert rundir.list_checkpoints(run_dir)[-1].step == n
     # headless: one line per finished trial, and the decision in words
     lines = out.splitlines()
     for e in finished_trials(run_dir):
@@ -191,7 +194,7 @@ def test_data_order_and_final_model_equal_the_kept_steps(tuned):
     assert kept == list(range(1, n + 1))             # log every step: 1..N once each, no skip, no repeat
     assert len(chain) >= 3                            # baseline, trials, applied setting
     out = replay(procs, chain, tuned["root"] / "replay")
-    assert same_weights(ckpt.path_for(run_dir, n), ckpt.path_for(out, n))
+    assert same_weights(rundir.path_for(run_dir, n), rundir.path_for(out, n))
     tuned["replay"] = out
     tuned["chain"] = chain
 
@@ -216,7 +219,7 @@ def test_failed_trial_rolls_back_to_the_pre_trial_checkpoint(tuned):
     out = tuned.get("replay")
     if out is None:
         pytest.skip("needs the replay of test_data_order_and_final_model_equal_the_kept_steps")
-    assert same_weights(pre_path, ckpt.path_for(out, pre_step))
+    assert same_weights(pre_path, rundir.path_for(out, pre_step))
     state = ckpt.load(pre_path)
     assert state["step"] == pre_step and state["batch_cursor"] == pre_step
 
@@ -271,11 +274,11 @@ def test_second_run_warm_starts_and_rolls_back_an_oom(tuned, tmp_path):
         nxt = procs[bad + 1]["hello"]
         assert nxt["start_step"] == rb["step"] and Path(nxt["resumed_from"]).name == Path(rb["path"]).name
         assert procs[-1]["done"]["reason"] != "max_steps"
-        assert ckpt.list_checkpoints(run_dir)[-1].step == procs[-1]["done"]["step"]
+        assert rundir.list_checkpoints(run_dir)[-1].step == procs[-1]["done"]["step"]
     else:
         # the rollback was the tuning's last act (the budget left fit no further trial on a slow machine):
         # --tune-only starts nothing just to stop it, and the run's newest checkpoint is the pre-trial one
-        newest = ckpt.list_checkpoints(run_dir)[-1]
+        newest = rundir.list_checkpoints(run_dir)[-1]
         assert newest.step == rb["step"] and newest.path.name == Path(rb["path"]).name
 
 
@@ -292,7 +295,7 @@ def test_t_starts_and_stops_tuning_in_a_train_session(tmp_path, monkeypatch):
 
     from gptop.session import Session, SessionOptions
     from gptop.tuning import install_toggler
-    from trainer.config import add_arguments, config_from_args
+    from trainer.contract.config import add_arguments, config_from_args
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     parser = argparse.ArgumentParser()

@@ -509,7 +509,7 @@ def test_tune_key_is_live_in_a_real_train_session(tmp_path):
     # The real Session (not a recording fake): `gptop train` installs the toggler, so `t` must start tuning.
     from gptop.session import Session
     from gptop.tuning import install_toggler
-    from trainer.config import TrainConfig
+    from trainer.contract.config import TrainConfig
 
     cfg = TrainConfig()
     cfg.run.run_dir = str(tmp_path / "run")

@@ -25,7 +25,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from . import events as ev
+from .contract import events as ev
 
 
 class Channel:
@@ -41,7 +41,7 @@ class Channel:
 
     def _connect(self, uri: str) -> None:
         if not uri.startswith("unix:"):
-            from .config import ConfigError
+            from .contract.config import ConfigError
 
             raise ConfigError("--channel", f"{uri!r}: only unix:PATH is supported")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

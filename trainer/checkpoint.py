@@ -21,18 +21,18 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from .contract.atomic import atomic_file, fsync_dir
+from .contract.rundir import checkpoint_dir, is_sharded, list_checkpoints
+
 FORMAT = "gptop-checkpoint-1"
 DCP_FORMAT = "gptop-dcp-1"
 META = "gptop.json"
-_NAME = re.compile(r"^step-(\d{8})\.(pt|dcp)$")
 REQUIRED_KEYS = ("format", "step", "model", "optimizer", "config")
 
 
@@ -40,62 +40,10 @@ class CorruptCheckpoint(RuntimeError):
     pass
 
 
-@dataclass
-class CheckpointInfo:
-    path: Path
-    step: int
-
-
-def checkpoint_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def path_for(run_dir: str | Path, step: int) -> Path:
-    return checkpoint_dir(run_dir) / f"step-{step:08d}.pt"
-
-
-def dcp_path_for(run_dir: str | Path, step: int) -> Path:
-    return checkpoint_dir(run_dir) / f"step-{step:08d}.dcp"
-
-
-def is_sharded(path: str | Path) -> bool:
-    return Path(path).name.endswith(".dcp")
-
-
 def save(state: dict[str, Any], path: Path) -> None:
-    """Atomic: temp file, flush, fsync, rename, fsync the directory."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    payload = dict(state, format=FORMAT)
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    dirfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dirfd)
-    finally:
-        os.close(dirfd)
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_synced(path: Path, write: Callable[[Any], None], mode: str = "wb") -> None:
-    with open(path, mode) as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
+    """Atomic (trainer.contract.atomic): a kill leaves the previous checkpoint and at worst a *.tmp."""
+    with atomic_file(path, "wb", perms=None) as f:
+        torch.save(dict(state, format=FORMAT), f)
 
 
 def save_sharded(tensors: dict[str, Any], meta: dict[str, Any], rank_state: dict[str, Any], path: Path, *,
@@ -111,12 +59,13 @@ def save_sharded(tensors: dict[str, Any], meta: dict[str, Any], rank_state: dict
     barrier()
     try:
         dcp.save(tensors, checkpoint_id=str(tmp))
-        _write_synced(tmp / f"rank{rank}.pt", lambda f: torch.save(rank_state, f))
+        with atomic_file(tmp / f"rank{rank}.pt", "wb", perms=None) as f:
+            torch.save(rank_state, f)
     finally:
         barrier()
     if rank == 0:
-        _write_synced(tmp / META, lambda f: f.write(json.dumps(dict(meta, format=DCP_FORMAT), default=str)), "w")
-        _fsync_dir(tmp)
+        with atomic_file(tmp / META, "w", perms=None) as f:
+            f.write(json.dumps(dict(meta, format=DCP_FORMAT), default=str))
         old = None
         if path.exists():          # the same step saved again (e.g. a requested checkpoint, then the stop)
             old = path.with_name(path.name + ".old")
@@ -124,7 +73,7 @@ def save_sharded(tensors: dict[str, Any], meta: dict[str, Any], rank_state: dict
                 shutil.rmtree(old)
             os.replace(path, old)
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     barrier()
@@ -184,19 +133,6 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str
     return state
 
 
-def list_checkpoints(run_dir: str | Path) -> list[CheckpointInfo]:
-    """Completed checkpoint files, oldest first (temporary files are not checkpoints)."""
-    d = checkpoint_dir(run_dir)
-    if not d.is_dir():
-        return []
-    out = []
-    for p in d.iterdir():
-        m = _NAME.match(p.name)
-        if m:
-            out.append(CheckpointInfo(p, int(m.group(1))))
-    return sorted(out, key=lambda c: c.step)
-
-
 def resolve_resume(target: str | Path, on_corrupt: Callable[[str], None] = lambda msg: None,
                    map_location: str | torch.device = "cpu") -> tuple[Path, dict[str, Any]]:
     """A checkpoint file, or a run directory's newest valid checkpoint; corrupt ones are reported and skipped."""
@@ -214,40 +150,3 @@ def resolve_resume(target: str | Path, on_corrupt: Callable[[str], None] = lambd
         except CorruptCheckpoint as e:
             on_corrupt(str(e))
     raise CorruptCheckpoint(f"every checkpoint in {checkpoint_dir(target)} is corrupt")
-
-
-def prune(run_dir: str | Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` checkpoints and stale temporary files; returns what was deleted."""
-    deleted = []
-    for info in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-        if info.path.is_dir():
-            shutil.rmtree(info.path, ignore_errors=True)
-        else:
-            info.path.unlink(missing_ok=True)
-        deleted.append(info.path)
-    d = checkpoint_dir(run_dir)
-    if d.is_dir():
-        for p in list(d.glob("*.dcp.tmp")) + list(d.glob("*.dcp.old")):
-            # Only rank 0 prunes, after a save completed on every rank: no sharded save is in flight.
-            shutil.rmtree(p, ignore_errors=True)
-            deleted.append(p)
-        for p in d.glob("*.tmp"):
-            if p.is_dir():
-                continue
-            pid = p.name.rsplit(".", 2)[-2]
-            if not pid.isdigit() or not _alive(int(pid)):
-                p.unlink(missing_ok=True)
-                deleted.append(p)
-    return deleted
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -29,7 +29,6 @@ import json
 import os
 import sys
 import sysconfig
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +37,8 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from .config import ConfigError, DataConfig
+from .contract.atomic import atomic_file, atomic_write
+from .contract.config import ConfigError, DataConfig
 
 Log = Callable[[str], None]
 
@@ -380,7 +380,7 @@ def _train_builtin(files: list[Path], path: Path, log: Log) -> None:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator((f.read_text(encoding="utf-8", errors="replace") for f in files), trainer,
                             length=len(files))
-    _atomic_write(path, tok.to_str().encode("utf-8"))
+    atomic_write(path, tok.to_str().encode("utf-8"))
     log(f"data: tokenizer trained in {time.monotonic() - t0:.1f} s, saved to {path}")
 
 
@@ -482,7 +482,7 @@ def _tokenize(tok: TokenizerInfo, docs: Callable[[], Iterator[tuple[str, bool, i
     log(f"data: tokenizing {label}, {total_bytes / 1e6:.1f} MB; done once, then cached at {bin_path}")
     t0 = last = time.monotonic()
     count = ndocs = done_bytes = 0
-    with _atomic_file(bin_path) as out:
+    with atomic_file(bin_path) as out:
         batch: list[str] = []
         ends: list[bool] = []
         chars = 0
@@ -522,7 +522,7 @@ def _tokenize(tok: TokenizerInfo, docs: Callable[[], Iterator[tuple[str, bool, i
             raise ConfigError("--data", f"{label}: the corpus is empty (no text found); give files with text")
     meta = {"format": FORMAT_VERSION, "dtype": dtype.name, "count": count, "documents": ndocs,
             "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "tokenizer": tok.path, "source": label}
-    _atomic_write(bin_path.with_suffix(".json"), json.dumps(meta, indent=1).encode("utf-8"))
+    atomic_write(bin_path.with_suffix(".json"), json.dumps(meta, indent=1).encode("utf-8"))
     log(f"data: {count:,} tokens from {ndocs:,} documents in {time.monotonic() - t0:.1f} s ({dtype.name}), cached")
     return meta
 
@@ -541,29 +541,6 @@ def _read_meta(bin_path: Path) -> dict | None:
 
 
 # --- atomic cache writes ------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def _atomic_file(path: Path) -> Iterator[Any]:
-    """Write to a temporary file beside `path`; rename it into place only if the block succeeds."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)        # mkstemp makes it private; a cache may be shared
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    with _atomic_file(path) as f:
-        f.write(data)
-
 
 @contextlib.contextmanager
 def _locked(path: Path, log: Log) -> Iterator[None]:

@@ -1,51 +1,24 @@
-"""What the training device can do: the one boundary where CUDA is asked.
+"""Probing the training device: the one boundary where CUDA is asked.
 
-Everything that depends on the hardware (capability gating, MFU peaks, the
-choice of timer and prefetcher) takes a `DeviceInfo`, so tests can pass a fake
-one describing an H100 without having it.
+`detect()` fills a `DeviceInfo` (trainer.contract.device, plain data): everything
+that depends on the hardware (capability gating, MFU peaks, the choice of timer
+and prefetcher) takes one, so tests can pass a fake one describing an H100
+without having it.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass, asdict
-from typing import Any
 
 import torch
 
-
-@dataclass(frozen=True)
-class DeviceInfo:
-    type: str                      # "cpu" or "cuda"
-    index: int | None = None
-    name: str = "cpu"
-    capability: tuple[int, int] | None = None   # CUDA compute capability
-    total_memory: int = 0          # bytes
-    cpu_count: int = 1
-    has_compiler: bool = True      # a C++ compiler for inductor on CPU / triton on GPU
-    cpu_bf16: bool = True          # CPU: oneDNN has bf16 kernels (AVX-512 and newer); without them bf16 is emulated
-
-    @property
-    def torch_device(self) -> torch.device:
-        return torch.device(self.type if self.index is None else f"{self.type}:{self.index}")
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.type == "cuda"
-
-    def at_least(self, major: int, minor: int) -> bool:
-        return self.capability is not None and tuple(self.capability) >= (major, minor)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["capability"] = list(self.capability) if self.capability else None
-        return d
+from .contract.device import DeviceInfo, cpu_name
 
 
 def detect(requested: str = "auto") -> DeviceInfo:
     """Describe the device a run will use. `requested`: auto, cpu, cuda, cuda:N."""
-    from .config import ConfigError
+    from .contract.config import ConfigError
 
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     has_cc = shutil.which(os.environ.get("CXX", "c++")) is not None or shutil.which("g++") is not None
@@ -54,7 +27,7 @@ def detect(requested: str = "auto") -> DeviceInfo:
     if requested == "cpu":
         import psutil
 
-        return DeviceInfo(type="cpu", name=_cpu_name(), total_memory=psutil.virtual_memory().total,
+        return DeviceInfo(type="cpu", name=cpu_name(), total_memory=psutil.virtual_memory().total,
                           cpu_count=cpus, has_compiler=has_cc, cpu_bf16=_cpu_has_bf16_kernels())
     if requested.startswith("cuda"):
         if not torch.cuda.is_available():
@@ -76,16 +49,3 @@ def _cpu_has_bf16_kernels() -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):       # a torch built without oneDNN
         return False
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "cpu"

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .config import ConfigError
+from .contract.config import ConfigError
 
 PARALLEL_MODES = ("ddp", "fsdp")
 

@@ -48,7 +48,8 @@ from typing import Any
 
 import torch
 
-from .device import DeviceInfo
+from .contract.device import DeviceInfo
+from .contract.device import cpu_name as default_cpu_name
 
 T = 1e12
 
@@ -222,10 +223,8 @@ def measure_cpu_matmul_flops(dtype: torch.dtype = torch.float32, *, budget_s: fl
 def cpu_peak_flops(dtype: torch.dtype = torch.float32, *, cpu_name: str | None = None,
                    threads: int | None = None, procs: int = 1, cache_dir: str | Path | None = None) -> float:
     """Measured CPU matmul peak, cached per CPU name, threads, processes, torch version and dtype."""
-    from .device import _cpu_name
-
     threads = threads or torch.get_num_threads()
-    key = _cpu_key(cpu_name or _cpu_name(), threads, procs, dtype)
+    key = _cpu_key(cpu_name or default_cpu_name(), threads, procs, dtype)
     path = _cache_file(cache_dir)
     cached = _read_table(path).get(key)
     if isinstance(cached, (int, float)) and cached > 0:
@@ -245,9 +244,7 @@ def cpu_peak_flops(dtype: torch.dtype = torch.float32, *, cpu_name: str | None =
 def forget_cpu_peak(dtype: torch.dtype = torch.float32, *, cpu_name: str | None = None,
                     threads: int | None = None, procs: int = 1, cache_dir: str | Path | None = None) -> bool:
     """Drop a cached CPU peak that proved too low, so the next run measures again. True if one was dropped."""
-    from .device import _cpu_name
-
-    key = _cpu_key(cpu_name or _cpu_name(), threads or torch.get_num_threads(), procs, dtype)
+    key = _cpu_key(cpu_name or default_cpu_name(), threads or torch.get_num_threads(), procs, dtype)
     path = _cache_file(cache_dir)
     table = _read_table(path)
     if table.pop(key, None) is None:

@@ -13,7 +13,7 @@ torchtitan), and so is any Linear whose in or out features are not multiples of
 16 (the fp8 GEMM's shape requirement).
 
 `convert` needs an fp8-capable GPU (compute capability 8.9+); it asks
-trainer.capabilities first and raises ConfigError otherwise, so it is never run
+trainer.contract.capabilities first and raises ConfigError otherwise, so it is never run
 on the CPU.
 """
 
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from .capabilities import support
-from .config import ConfigError
-from .device import DeviceInfo
+from .contract.capabilities import support
+from .contract.config import ConfigError
+from .contract.device import DeviceInfo
 
 RECIPES = {"fp8-tensorwise": "tensorwise", "fp8-rowwise": "rowwise"}
 SKIP_NAMES = ("lm_head",)
@@ -58,7 +58,7 @@ def convert_to_fp8(model: torch.nn.Module, recipe: str, dev: DeviceInfo | None =
 
     Without `dev` the model's own device is the gate: parameters on anything
     but CUDA are refused (capability checks are the caller's, as in
-    trainer.capabilities.check).
+    trainer.contract.capabilities.check).
     """
     if recipe not in RECIPES.values():
         raise ValueError(f"{recipe!r} is not an fp8 recipe ({', '.join(RECIPES.values())})")

@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from .config import FAMILIES, ConfigError, ModelConfig, Toggles
-from .device import DeviceInfo
+from .contract.config import FAMILIES, ConfigError, ModelConfig, Toggles
+from .contract.device import DeviceInfo
 from . import flops as _flops
 
 if TYPE_CHECKING:

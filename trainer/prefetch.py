@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 import torch
 
-from .config import ConfigError
+from .contract.config import ConfigError
 from .data import BatchSampler
 
 

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
-from .events import PHASES
+from .contract.events import PHASES
 
 TIMED = ("data", "forward", "backward", "optimizer")
 

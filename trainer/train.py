@@ -22,11 +22,14 @@ from typing import Any
 
 import torch
 
-from . import capabilities, checkpoint as ckpt
+from . import checkpoint as ckpt
 from . import dist as D
 from .channel import Channel
-from .config import ConfigError, TrainConfig, parse_step_range
-from .device import DeviceInfo, detect
+from .contract import capabilities, rundir
+from .contract.atomic import atomic_write
+from .contract.config import ConfigError, TrainConfig, parse_step_range
+from .contract.device import DeviceInfo
+from .device import detect
 from .memory import make_meter
 from .timing import StepTiming, make_timer
 
@@ -138,11 +141,10 @@ class Trainer:
         elif cfg.model.size == "auto":
             cfg.model.size = resolve_size("auto", cfg.model.model, self.dev)
 
-        self.run_dir = Path(cfg.run.run_dir or default_run_dir(cfg))
+        self.run_dir = Path(cfg.run.run_dir or rundir.default_run_dir(cfg))
         cfg.run.run_dir = str(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        events_name = "events.jsonl" if self.rank == 0 else f"events.rank{self.rank}.jsonl"
-        self.channel = Channel(self.run_dir / events_name, cfg.run.channel, rank=self.rank)
+        self.channel = Channel(rundir.RunDir(self.run_dir).events(self.rank), cfg.run.channel, rank=self.rank)
         self.channel.install_signal_handlers()
         if self.world > 1:
             if os.environ.get("TORCHELASTIC_RUN_ID"):
@@ -189,7 +191,7 @@ class Trainer:
         self._local_procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)   # ranks sharing this node's CPU
         self.peak_flops = peak_flops(self.dev, cfg.toggles.precision, procs=self._local_procs)
         if self.rank == 0:
-            (self.run_dir / "config.toml").write_text(cfg.to_toml())
+            atomic_write(rundir.RunDir(self.run_dir).config, cfg.to_toml())
         self.emit0(
             "hello", pid=os.getpid(), world_size=self.world, parallel=self.parallel, config=cfg.to_dict(), device=self.dev.to_dict(),
             model={"family": self.bundle.family, "size": self.bundle.size, "total_params": self.bundle.total_params,
@@ -395,14 +397,14 @@ class Trainer:
         self._check_finite_now()
         t = time.perf_counter()
         if self.group is not None:
-            path = ckpt.dcp_path_for(self.run_dir, self.progress.step)
+            path = rundir.dcp_path_for(self.run_dir, self.progress.step)
             ckpt.save_sharded(self._sharded_state(), self._meta(), self._rank_state(), path, rank=self.rank,
                               barrier=self.group.barrier)
         else:
-            path = ckpt.path_for(self.run_dir, self.progress.step)
+            path = rundir.path_for(self.run_dir, self.progress.step)
             ckpt.save(self.state_dict(), path)
         if self.rank == 0:
-            ckpt.prune(self.run_dir, self.cfg.checkpoint.keep_checkpoints)
+            rundir.prune(self.run_dir, self.cfg.checkpoint.keep_checkpoints)
         seconds = time.perf_counter() - t
         self.last_good = path
         self.emit0("checkpoint", step=self.progress.step, path=str(path), seconds=seconds, reason=reason,
@@ -606,7 +608,7 @@ class Trainer:
         self._profiler.__exit__(None, None, None)
         a, b = self._profile_span
         suffix = f".rank{self.rank}" if self.rank else ""
-        out = self.run_dir / "profiles" / f"steps-{a}-{b}{suffix}.json"
+        out = rundir.RunDir(self.run_dir).profiles / f"steps-{a}-{b}{suffix}.json"
         out.parent.mkdir(exist_ok=True)
         self._profiler.export_chrome_trace(str(out))
         self._profiler = None
@@ -830,11 +832,6 @@ def hash_seed(*parts: int) -> int:
     for x in parts:
         h = ((h ^ (x & 0xFFFFFFFFFFFFFFFF)) * 1099511628211) & 0x7FFFFFFFFFFFFFFF
     return h
-
-
-def default_run_dir(cfg: TrainConfig) -> str:
-    name = Path(cfg.model.model).name if os.sep in cfg.model.model else cfg.model.model
-    return os.path.join("runs", f"{time.strftime('%Y%m%d-%H%M%S')}-{name}-{cfg.model.size}")
 
 
 def main_run(cfg: TrainConfig) -> int:

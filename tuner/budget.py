@@ -13,7 +13,7 @@ import re
 import time
 from typing import Callable
 
-from trainer.config import ConfigError
+from trainer.contract.config import ConfigError
 
 _UNITS = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
 _PART = re.compile(r"(\d+(?:\.\d+)?|\.\d+)([a-zA-Z]+)")

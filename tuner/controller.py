@@ -77,9 +77,9 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any, Callable
 
-from trainer.config import TrainConfig, Toggles
-from trainer.device import DeviceInfo
-from trainer.events import make_event
+from trainer.contract.config import TrainConfig, Toggles
+from trainer.contract.device import DeviceInfo
+from trainer.contract.events import make_event
 
 from .budget import Budget
 from .decide import (Decision, clearly_better, hopeless, should_prune, significantly_faster, switch_pays,

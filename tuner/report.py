@@ -25,8 +25,10 @@ from typing import Any
 import tomli_w
 from optuna.trial import TrialState
 
-from trainer.config import TrainConfig, Toggles
-from trainer.events import json_safe
+from trainer.contract import rundir
+from trainer.contract.atomic import atomic_write
+from trainer.contract.config import TrainConfig, Toggles
+from trainer.contract.events import json_safe
 
 from .budget import format_duration
 from .space import TUNABLE
@@ -215,11 +217,11 @@ def write_report(out_dir: str | Path, study: TuneStudy, info: dict[str, Any]) ->
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     report = build_report(study, info)
-    paths = {"json": out / "tuning.json", "md": out / "tuning.md", "toml": out / "best.toml"}
-    paths["json"].write_text(json.dumps(json_safe(report), indent=2, default=str, allow_nan=False) + "\n")
-    paths["md"].write_text(render_markdown(report))
+    paths = {"json": out / rundir.TUNING_JSON, "md": out / rundir.TUNING_MD, "toml": out / rundir.BEST_TOML}
+    atomic_write(paths["json"], json.dumps(json_safe(report), indent=2, default=str, allow_nan=False) + "\n")
+    atomic_write(paths["md"], render_markdown(report))
     best = report.get("best") or report["base"]
     text = best_toml(best)
     check_best_toml(text, best)
-    paths["toml"].write_text(text)
+    atomic_write(paths["toml"], text)
     return paths

@@ -1,6 +1,6 @@
 """The search space over `Toggles`: which values a trial may take on this device.
 
-Only values the device supports are offered (`trainer.capabilities`), so the
+Only values the device supports are offered (`trainer.contract.capabilities`), so the
 sampler never proposes what the trainer would refuse. Values known to be slow
 on the device (bf16 on a CPU without native bf16) are left out of the default
 space. `--tune-space` narrows or widens the default space (and so can add a
@@ -38,9 +38,9 @@ import random
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from trainer.capabilities import CHOICES, default_values, support
-from trainer.config import ConfigError, Toggles
-from trainer.device import DeviceInfo
+from trainer.contract.capabilities import CHOICES, default_values, support
+from trainer.contract.config import ConfigError, Toggles
+from trainer.contract.device import DeviceInfo
 
 OPTION = "--tune-space"
 

@@ -69,8 +69,8 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from trainer.config import ConfigError, TrainConfig, Toggles
-from trainer.device import DeviceInfo
+from trainer.contract.config import ConfigError, TrainConfig, Toggles
+from trainer.contract.device import DeviceInfo
 
 from .measure import median_ci
 from .space import SearchSpace, params_key

@@ -19,7 +19,7 @@ from rich.text import Text
 
 from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_num, fmt_toggles, model_summary, phase_label,
                          spread_pct)
-from trainer.events import PHASES
+from trainer.contract.events import PHASES
 
 PHASE_STYLE = {"data": "yellow", "forward": "green", "backward": "dodger_blue1", "optimizer": "magenta",
                "other": "grey62"}

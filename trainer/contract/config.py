@@ -188,7 +188,7 @@ class TrainConfig:
         return tomli_w.dumps(_drop_none(self.to_dict()))
 
     def validate(self) -> None:
-        """Checks that need no device. Device support is checked by trainer.capabilities."""
+        """Checks that need no device. Device support is checked by trainer.contract.capabilities."""
         for section in SECTIONS:
             obj = getattr(self, section)
             for f in fields(obj):

@@ -1,0 +1,103 @@
+"""The seam between the packages: gptop and the tuner load no torch, and import only trainer's contract."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+TORCH_FREE = ["trainer.contract.config", "trainer.contract.events", "trainer.contract.device",
+              "trainer.contract.capabilities", "trainer.contract.rundir", "trainer.contract.atomic",
+              "gptop.cli", "gptop.session", "gptop.tuning", "gptop.ui.app", "gptop.monitor", "gptop.headless",
+              "gptop.report", "tuner.controller", "tuner.study", "tuner.space", "tuner.report"]
+
+
+@pytest.mark.parametrize("module", TORCH_FREE)
+def test_importing_leaves_torch_out(module):
+    code = (f"import sys, importlib; importlib.import_module({module!r}); "
+            "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')); "
+            "print(bad[:5]); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, f"importing {module} loaded torch: {r.stdout}{r.stderr[-2000:]}"
+
+
+def test_resolving_a_train_config_leaves_torch_out():
+    code = ("import sys; from gptop.cli import build_parser, resolve_config; "
+            "ns = build_parser().parse_args(['train', '--model', 'deepseek', '--size', 'medium']); "
+            "cfg = resolve_config(ns); assert cfg.model.model == 'deepseek'; "
+            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out += [(node.lineno, node.module + "." + a.name) for a in node.names]
+    return out
+
+
+def test_gptop_and_tuner_import_only_the_contract_of_trainer():
+    bad = []
+    for pkg in ("gptop", "tuner"):
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            for line, name in _imports(path):
+                if name.split(".")[0] == "torch":
+                    bad.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+                if name.startswith("trainer.") and not name.startswith("trainer.contract"):
+                    bad.append(f"{path.relative_to(ROOT)}:{line} imports {name} (not trainer.contract)")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_contract_imports_nothing_of_the_trainers_torch_code():
+    bad = []
+    for path in sorted((ROOT / "trainer" / "contract").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 2:
+                bad.append(f"{path.name}:{node.lineno} imports from trainer.{node.module}")
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("trainer.") \
+                    and not node.module.startswith("trainer.contract"):
+                bad.append(f"{path.name}:{node.lineno} imports {node.module}")
+    assert not bad, "\n".join(bad)
+
+
+def test_atomic_write_keeps_the_old_file_on_failure(tmp_path):
+    from trainer.contract.atomic import atomic_file, atomic_write
+
+    target = tmp_path / "x.bin"
+    atomic_write(target, b"old")
+    with pytest.raises(RuntimeError):
+        with atomic_file(target) as f:
+            f.write(b"new but unfinished")
+            raise RuntimeError("killed")
+    assert target.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["x.bin"]
+    atomic_write(target, "new")
+    assert target.read_text() == "new"
+
+
+def test_pins_survive_pruning_and_rollback_deletes_newer(tmp_path):
+    from trainer.contract import rundir
+
+    for s in (2, 4, 6, 8):
+        p = rundir.path_for(tmp_path, s)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(b"x")
+    rundir.pin(tmp_path, 2)
+    rundir.prune(tmp_path, keep=2)
+    assert [c.step for c in rundir.list_checkpoints(tmp_path)] == [2, 6, 8]
+    assert [p.name for p in rundir.rollback_to(tmp_path, 2)] == ["step-00000006.pt", "step-00000008.pt"]
+    rundir.unpin(tmp_path, 2)
+    assert rundir.pinned(tmp_path) == set()
+    (rundir.checkpoint_dir(tmp_path) / rundir.PINS).write_text("{not json")
+    assert rundir.pinned(tmp_path) == set()          # an unreadable pins file pins nothing, never crashes

@@ -1,0 +1,15 @@
+"""The trainer's torch-free contract: everything gptop and the tuner may import.
+
+- `config`: the one configuration object (sections, flags, TOML, validation).
+- `events`: the one event schema (typed events, parsing, JSON lines).
+- `device`: the device description as data (`DeviceInfo`); probing it needs torch
+  and lives in `trainer.device`.
+- `capabilities`: which toggle values a device supports, runs slowly, or lacks.
+- `rundir`: the run-directory layout: run naming, checkpoint paths, listing,
+  pruning and pinning.
+
+Nothing in this package imports torch at module level (a test enforces it), so
+`gptop --help` and the dashboard's first frame never wait for `import torch`.
+The trainer's torch code builds on these modules; gptop/ and tuner/ import only
+them.
+"""

@@ -1,0 +1,255 @@
+"""The run-directory layout, owned here and nowhere else.
+
+A run directory holds everything a run produces:
+
+    config.toml            the resolved configuration (what `--resume DIR` starts from)
+    events.jsonl           every event of rank 0 (events.rankN.jsonl for the other ranks)
+    device.jsonl           gptop's device samples
+    trainer.log            the trainer's stdout; trainer.stderr.log its stderr
+    checkpoints/           step-NNNNNNNN.pt (one process) or step-NNNNNNNN.dcp/ (several ranks)
+    checkpoints/pins.json  steps that pruning must keep (the tuner's rollback target)
+    profiles/              torch.profiler traces
+    tuning.json, tuning.md, best.toml   after tuning
+
+The trainer writes checkpoints (trainer.checkpoint, with torch); gptop and the
+tuner list, pin and roll back through this module without importing torch.
+Pruning keeps the newest `keep` checkpoints and every pinned one, so a tuning
+trial's own pruning can never delete the checkpoint it would roll back to.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .atomic import atomic_write
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
+
+CONFIG = "config.toml"
+EVENTS = "events.jsonl"
+DEVICE = "device.jsonl"
+TRAINER_LOG = "trainer.log"
+TRAINER_STDERR = "trainer.stderr.log"
+CHECKPOINTS = "checkpoints"
+PROFILES = "profiles"
+PINS = "pins.json"
+TUNING_JSON, TUNING_MD, BEST_TOML = "tuning.json", "tuning.md", "best.toml"
+
+_CKPT_NAME = re.compile(r"^step-(\d{8})\.(pt|dcp)$")
+
+
+class RunDir:
+    """Where each file of one run lives (paths only; nothing is created)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    @property
+    def config(self) -> Path:
+        return self.path / CONFIG
+
+    def events(self, rank: int = 0) -> Path:
+        return self.path / (EVENTS if rank == 0 else f"events.rank{rank}.jsonl")
+
+    @property
+    def device(self) -> Path:
+        return self.path / DEVICE
+
+    @property
+    def trainer_log(self) -> Path:
+        return self.path / TRAINER_LOG
+
+    @property
+    def trainer_stderr(self) -> Path:
+        return self.path / TRAINER_STDERR
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / CHECKPOINTS
+
+    @property
+    def profiles(self) -> Path:
+        return self.path / PROFILES
+
+    def tuning(self, name: str) -> Path:
+        """tuning.json, tuning.md or best.toml."""
+        return self.path / name
+
+
+def run_name(cfg: "TrainConfig", when: float | None = None) -> str:
+    """`<time>-<model>-<size>`; a model given as a path contributes its last component."""
+    model = cfg.model.model
+    name = Path(model).name if os.sep in model else model
+    return f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(when))}-{name}-{cfg.model.size}"
+
+
+def default_run_dir(cfg: "TrainConfig") -> str:
+    return os.path.join("runs", run_name(cfg))
+
+
+def resume_config(target: str | None) -> "TrainConfig | None":
+    """The configuration a resumed run starts from: its run directory's config.toml (flags override it).
+
+    `target` is a run directory or a checkpoint in one; None when it has no config.toml."""
+    from .config import ConfigError, TrainConfig
+
+    if not target:
+        return None
+    p = Path(target)
+    run_dir = p if p.is_dir() and not is_sharded(p) else p.parent.parent
+    toml = run_dir / CONFIG
+    if not toml.is_file():
+        if not p.exists():
+            raise ConfigError("--resume", f"{p} does not exist")
+        return None
+    cfg = TrainConfig.from_toml(toml)
+    cfg.run.run_dir = str(run_dir)
+    cfg.checkpoint.resume = None
+    cfg.run.channel = None
+    cfg.run.fault = None
+    return cfg
+
+
+# --- checkpoints ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: Path
+    step: int
+
+    @property
+    def sharded(self) -> bool:
+        return is_sharded(self.path)
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / CHECKPOINTS
+
+
+def path_for(run_dir: str | Path, step: int) -> Path:
+    """A one-process checkpoint file."""
+    return checkpoint_dir(run_dir) / f"step-{step:08d}.pt"
+
+
+def dcp_path_for(run_dir: str | Path, step: int) -> Path:
+    """A sharded (torch.distributed.checkpoint) checkpoint directory."""
+    return checkpoint_dir(run_dir) / f"step-{step:08d}.dcp"
+
+
+def is_sharded(path: str | Path) -> bool:
+    return Path(path).name.endswith(".dcp")
+
+
+def list_checkpoints(run_dir: str | Path) -> list[CheckpointInfo]:
+    """Completed checkpoints, oldest first (temporary files and directories are not checkpoints)."""
+    d = checkpoint_dir(run_dir)
+    if not d.is_dir():
+        return []
+    out = []
+    for p in d.iterdir():
+        m = _CKPT_NAME.match(p.name)
+        if m:
+            out.append(CheckpointInfo(p, int(m.group(1))))
+    return sorted(out, key=lambda c: c.step)
+
+
+def has_checkpoint(run_dir: str | Path) -> bool:
+    return bool(list_checkpoints(run_dir))
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def prune(run_dir: str | Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` checkpoints (pinned ones are kept too) and stale temporary
+    files of dead writers; returns what was deleted."""
+    deleted = []
+    protected = pinned(run_dir)
+    for info in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        if info.step in protected:
+            continue
+        _remove(info.path)
+        deleted.append(info.path)
+    d = checkpoint_dir(run_dir)
+    if d.is_dir():
+        for p in list(d.glob("*.dcp.tmp")) + list(d.glob("*.dcp.old")):
+            # Only rank 0 prunes, after a save completed on every rank: no sharded save is in flight.
+            shutil.rmtree(p, ignore_errors=True)
+            deleted.append(p)
+        for p in d.glob("*.tmp"):
+            if p.is_dir():
+                continue
+            pid = p.name.rsplit(".", 2)[-2]
+            if not pid.isdigit() or not _alive(int(pid)):
+                p.unlink(missing_ok=True)
+                deleted.append(p)
+    return deleted
+
+
+def rollback_to(run_dir: str | Path, step: int) -> list[Path]:
+    """Delete every checkpoint newer than `step` (a failed tuning trial's), so that resuming the run
+    directory continues from `step`; returns what was deleted."""
+    deleted = []
+    for info in list_checkpoints(run_dir):
+        if info.step > step:
+            _remove(info.path)
+            deleted.append(info.path)
+    return deleted
+
+
+# --- pins: checkpoints that pruning keeps ----------------------------------------------------------
+
+def _pins_path(run_dir: str | Path) -> Path:
+    return checkpoint_dir(run_dir) / PINS
+
+
+def pinned(run_dir: str | Path) -> set[int]:
+    """The pinned steps (an unreadable pins file pins nothing: pruning then keeps `keep` as always)."""
+    try:
+        data = json.loads(_pins_path(run_dir).read_text())
+        return {int(s) for s in data.get("steps", [])}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return set()
+
+
+def pin(run_dir: str | Path, step: int) -> None:
+    """Keep the checkpoint of `step` through any pruning until `unpin`."""
+    steps = pinned(run_dir) | {int(step)}
+    atomic_write(_pins_path(run_dir), json.dumps({"steps": sorted(steps)}) + "\n")
+
+
+def unpin(run_dir: str | Path, step: int | None = None) -> None:
+    """Release one pinned step, or every pin (None)."""
+    steps = set() if step is None else pinned(run_dir) - {int(step)}
+    path = _pins_path(run_dir)
+    if not steps:
+        path.unlink(missing_ok=True)
+    else:
+        atomic_write(path, json.dumps({"steps": sorted(steps)}) + "\n")
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
