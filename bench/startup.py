@@ -4,7 +4,10 @@
   first line    `gptop --no-ui --json train ...`: until the first JSON line (the session's "starting"
                 status, before the trainer has said anything); the trainer is then killed
   first frame   `gptop train ...` in a pseudo-terminal: until the TUI has drawn its header (the run
-                name) on the screen
+                name, which holds the model's name) on the screen
+
+Both train scenarios run in an empty folder without --run-dir, as a user types them (the default run
+directory's name needs the resolved config).
 
 Each measurement spawns a fresh interpreter; the scenarios alternate over `--repeats` rounds and
 medians are reported, each divided by the same round's `python -c pass`. `--root DIR` measures
@@ -43,9 +46,9 @@ def time_run(argv: list[str], root: Path) -> float:
     return time.perf_counter() - t0
 
 
-def time_first_line(argv: list[str], root: Path, run_dir: Path) -> float:
+def time_first_line(argv: list[str], root: Path, cwd: Path) -> float:
     t0 = time.perf_counter()
-    p = subprocess.Popen(argv + ["--run-dir", str(run_dir)], cwd=root, env=_env(root), stdout=subprocess.PIPE,
+    p = subprocess.Popen(argv, cwd=cwd, env=_env(root), stdout=subprocess.PIPE,
                          stderr=subprocess.DEVNULL, start_new_session=True)
     assert p.stdout is not None
     line = p.stdout.readline()
@@ -57,15 +60,15 @@ def time_first_line(argv: list[str], root: Path, run_dir: Path) -> float:
     return dt
 
 
-def time_first_frame(argv: list[str], root: Path, run_dir: Path, marker: bytes, timeout: float = 60.0) -> float:
+def time_first_frame(argv: list[str], root: Path, cwd: Path, marker: bytes, timeout: float = 60.0) -> float:
     """Spawn in a pseudo-terminal (120x40) and wait until `marker` has been written to the screen."""
     t0 = time.perf_counter()
     pid, fd = pty.fork()
     if pid == 0:                      # child
-        os.chdir(root)
+        os.chdir(cwd)
         env = _env(root)
         env.update(TERM="xterm-256color", COLUMNS="120", LINES="40")
-        os.execvpe(argv[0], argv + ["--run-dir", str(run_dir)], env)
+        os.execvpe(argv[0], argv, env)
     import fcntl
     import struct
     import termios
@@ -109,13 +112,14 @@ def main() -> int:
             for root in roots:
                 base = time_run([py, "-c", "pass"], root)
                 results.setdefault((str(root), "python -c pass (s)"), []).append(base)
-                run_dir = Path(tmp) / f"{root.name}-run{i}"
+                cwd = Path(tmp) / f"{root.name}-{i}"      # runs/<time>-llama-tiny is created here
+                cwd.mkdir()
                 scen = {
                     "help": lambda: time_run([py, "-m", "gptop", "--help"], root),
                     "first line": lambda: time_first_line([py, "-m", "gptop", "--no-ui", "--json", *TRAIN], root,
-                                                          run_dir),
-                    "first frame": lambda: time_first_frame([py, "-m", "gptop", *TRAIN], root, run_dir,
-                                                            marker=run_dir.name.encode()),
+                                                          cwd),
+                    "first frame": lambda: time_first_frame([py, "-m", "gptop", *TRAIN], root, cwd,
+                                                            marker=b"llama"),
                 }
                 for label, fn in scen.items():
                     dt = fn()
