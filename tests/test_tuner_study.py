@@ -22,7 +22,7 @@ SPEC = "-all compile=off,default fused_adamw=on,off prefetch=0,1,2,4 micro_batch
 
 def speed(t: Toggles) -> float:
     return (1000 + 300 * (t.compile == "default") + 50 * t.fused_adamw + 10 * t.prefetch
-            + 100 * (t.micro_batch == "8"))
+            + 100 * (t.micro_batch == 8))
 
 
 def summary(v):
@@ -33,7 +33,7 @@ def summary(v):
 def make(tmp_path, storage=None, seed=0, spec=SPEC):
     """A study in `storage` (default: a journal file in tmp_path; sqlite is tested through the default path)."""
     cfg = TrainConfig()
-    cfg.toggles.micro_batch = "4"
+    cfg.toggles.micro_batch = 4
     space = SearchSpace.for_device(cfg.toggles, CPU, cfg.optim.global_batch, spec=spec)
     return TuneStudy.open(cfg, CPU, space, storage=storage or f"journal:{tmp_path}/tuning.log", seed=seed)
 
@@ -66,8 +66,8 @@ def test_persistence_and_warm_start_across_two_study_objects(tmp_path, monkeypat
     s1 = make(tmp_path, storage=sqlite)
     import sqlite3
     assert sqlite3.connect(tmp_path / "tuning.sqlite3").execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    base = Toggles(micro_batch="4")
-    recipe = Toggles(compile="default", fused_adamw=True, micro_batch="8")
+    base = Toggles(micro_batch=4)
+    recipe = Toggles(compile="default", fused_adamw=True, micro_batch=8)
     assert s1.warm_start([(base, "current"), (recipe, "recipe")]) == [base, recipe]
     assert s1.warm_start([(base, "current")]) == []                 # already queued
     sources = []
@@ -131,7 +131,7 @@ def test_pruned_and_duplicate_handling(tmp_path):
 
 def test_baseline_record_and_remeasure_pooling(tmp_path):
     s = make(tmp_path)
-    n = s.record(Toggles(micro_batch="4"), summary(1000.0), source="baseline")
+    n = s.record(Toggles(micro_batch=4), summary(1000.0), source="baseline")
     assert n == 0 and s.trials()[0].user_attrs["source"] == "baseline"
     s.record_remeasure(0, summary(1010.0))
     c = s.candidates()[0]
@@ -148,7 +148,7 @@ WORKER = textwrap.dedent("""
     from tuner.space import SearchSpace
     from tuner.study import TuneStudy
     cfg = TrainConfig()
-    cfg.toggles.micro_batch = "4"
+    cfg.toggles.micro_batch = 4
     dev = DeviceInfo(type="cpu", name="cpu", has_compiler=True)
     space = SearchSpace.for_device(cfg.toggles, dev, cfg.optim.global_batch, spec={spec!r})
     st = TuneStudy.open(cfg, dev, space, storage="journal:" + {journal!r}, seed={seed}, run_id="w{seed}")
