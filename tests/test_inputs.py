@@ -221,7 +221,8 @@ def test_gptop_numeric_flag_refusals(command, flag, convert, capsys, monkeypatch
 
 @pytest.mark.parametrize("argv,needle", [
     (["tune", "--budget", "nan"], "--budget"), (["tune", "--budget", "400d"], "--budget"),
-    (["train", "--tune=-5m"], "--tune"), (["train", "--nnodes", "0"], "--nnodes"),
+    (["train", "--tune=-5m"], "--tune"), (["tune", "--budget", "0.5s"], "--budget"),
+    (["train", "--profile-steps", "2000-2001", "--max-steps", "100"], "--profile-steps"), (["train", "--nnodes", "0"], "--nnodes"),
     (["train", "--nnodes", "4:2"], "--nnodes"), (["train", "--rdzv-endpoint", "host:99999"], "--rdzv-endpoint"),
     (["train", "--nnodes", "2", "--node-rank", "2"], "--node-rank"),
     (["train", "--tune-space", "micro_batch=0"], "--tune-space"),
@@ -304,6 +305,8 @@ PATH_CASES = [
      "Permission denied"),
     ("--data", "unreadable folder", lambda t: (["--data", str(write(t / "d" / "x.txt", "hi").parent)],
                                                ("unreadable", t / "d" / "x.txt")), "Permission denied"),
+    ("--data", "empty file", lambda t: (["--data", str(write(t / "x.txt", ""))], None), "is empty"),
+    ("--data", "empty string", lambda t: (["--data", ""], None), "is empty"),
     ("--tokenizer", "missing", lambda t: (["--tokenizer", str(t / "nope")], None), "does not exist"),
     ("--tokenizer", "no tokenizer files", lambda t: (["--tokenizer", str((t / "d").mkdir() or t / "d")], None),
      "holds no tokenizer files"),
@@ -317,14 +320,19 @@ PATH_CASES = [
     ("--model", "a file", lambda t: (["--model", str(write(t / "m.bin", "x"))], None), "is a file"),
     ("--model", "no config.json", lambda t: (["--model", str((t / "d").mkdir() or t / "d")], None),
      "has no config.json"),
-    ("--model", "no weights", lambda t: (["--model", str(write(t / "d" / "config.json", "{}").parent)], None),
-     "has no weights"),
+    ("--model", "no weights", lambda t: (["--model", str(write(t / "d" / "config.json", '{"model_type": "llama"}')
+                                                         .parent)], None), "has no weights"),
     ("--model", "not utf-8", lambda t: (["--model", str(write(t / "d" / "config.json", b"\xff{").parent)], None),
      "not UTF-8"),
     ("--model", "unreadable", lambda t: (["--model", str(good_model(t / "d"))], ("unreadable", t / "d" / "config.json")),
      "Permission denied"),
     ("--model", "no tokenizer", lambda t: (["--model", str(model_without_tokenizer(t / "d"))], None),
      "holds no tokenizer files"),
+    ("--model", "not a transformers config", lambda t: (["--model", str(write(good_model(t / "d") / "config.json",
+                                                                               "{}").parent)], None), "model_type"),
+    ("--seq-len", "beyond a gpt2-style n_positions", lambda t: (
+        ["--model", str(write(good_model(t / "d") / "config.json", '{"model_type": "gpt2", "n_positions": 64}').parent),
+         "--seq-len", "128"], None), "64 positions"),
     ("--seq-len", "beyond the model's positions", lambda t: (["--model", str(good_model(t / "d", 128)),
                                                                "--seq-len", "256"], None), "128 positions"),
     ("--resume", "missing", lambda t: (["--resume", str(t / "nope")], None), "does not exist"),
@@ -342,6 +350,7 @@ PATH_CASES = [
     ("--resume", "wrongly typed config.toml", lambda t: (["--resume", str(write(good_run(t / "r") / "config.toml",
                                                                                 "[optim]\nmax_steps = 'x'\n").parent)],
                                                          None), "optim.max_steps"),
+    ("--run-dir", "empty string", lambda t: (["--run-dir", ""], None), "is empty"),
     ("--run-dir", "a file", lambda t: (["--run-dir", str(write(t / "f", "x"))], None), "is a file"),
     ("--run-dir", "under a file", lambda t: (["--run-dir", str(write(t / "f", "x") / "run")], None), "is a file"),
     ("--run-dir", "read-only", lambda t: (["--run-dir", str(t / "ro" / "run")], ("readonly", t / "ro")),
@@ -461,6 +470,15 @@ def test_real_read_only_filesystem(tmp_path, capsys, monkeypatch):
             inputs.check_storage(f"sqlite:///{mnt}/tuning.sqlite3")
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_a_toml_path_is_expanded_once_so_the_checks_see_what_the_run_uses(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    toml = write(tmp_path / "c.toml", '[run]\nrun_dir = "~/runs/x"\n[data]\ndata = "~/nope.txt"\n')
+    with pytest.raises(ConfigError, match=f"--data: {tmp_path}/nope.txt does not exist"):
+        parse(["--config", str(toml)])
+    write(tmp_path / "nope.txt", "some text")
+    assert parse(["--config", str(toml)]).run.run_dir == f"{tmp_path}/runs/x"
 
 
 def test_valid_paths_pass(tmp_path, monkeypatch):

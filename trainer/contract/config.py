@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -306,6 +307,9 @@ class TrainConfig:
         if o.global_batch % world_size:
             raise ConfigError("--global-batch", f"{o.global_batch} sequences cannot be split evenly over "
                                                 f"{world_size} ranks; use a multiple of {world_size}")
+        if self.log.profile_steps is not None and parse_step_range(self.log.profile_steps)[0] > o.max_steps:
+            raise ConfigError("--profile-steps", f"{self.log.profile_steps} starts after the last step "
+                                                 f"(--max-steps {o.max_steps}): no trace would be written")
         per_rank = o.global_batch // world_size
         if mb != AUTO and per_rank % mb:
             over = f" ({o.global_batch} over {world_size} ranks)" if world_size > 1 else ""
@@ -391,6 +395,8 @@ def _value_problem(f: dataclasses.Field, value: Any) -> str | None:
         problem = rng.problem(value)
         if problem:
             return problem
+    if f.metadata.get("path") and isinstance(value, str) and not value.strip():
+        return "is empty; give a path"
     check = f.metadata.get("check")
     if check is not None and isinstance(value, str):
         return check(value)
@@ -443,7 +449,9 @@ def _coerce(f: dataclasses.Field, value: Any, where: str, *, text: bool = False)
         elif kind in (int, float):
             converted = parse_number(kind, value, text=text or bool(words))
         elif isinstance(value, str):
-            converted = value
+            # a path is read once here: `~` expanded (a TOML file has no shell to do it), so what the input
+            # checks look at is what the run uses
+            converted = os.path.expanduser(value) if f.metadata.get("path") else value
         else:
             raise ValueError
     except (TypeError, ValueError, OverflowError):

@@ -41,6 +41,7 @@ TOKENIZER_FILES = frozenset({"tokenizer.json", "tokenizer_config.json", "special
                              "sentencepiece.bpe.model", "chat_template.jinja"})
 MODEL_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                  "pytorch_model.bin.index.json")
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")   # how configs name their length
 HEAD_BYTES = 64 << 10              # how much of a data file is checked to be what it claims (not all of a 10 GB file)
 MAX_TEXT_FILE = 64 << 20           # a config or tokenizer file larger than this is not one
 _SQLITE_MAGIC = b"SQLite format 3\x00"
@@ -237,12 +238,22 @@ def data_files(spec: str, option: str = "--data") -> list[Path]:
     return [p]
 
 
+def _size(p: Path) -> int:
+    try:
+        return p.stat().st_size
+    except OSError:
+        return 0
+
+
 def check_data(spec: str, option: str = "--data") -> list[Path]:
     """`--data`: 'builtin', or files that are readable and look like what their extension says (the first
     64 KiB: UTF-8 text, a JSON object with "text" on the first line of a .jsonl, parquet's magic bytes)."""
     if spec == "builtin":
         return []
     files = data_files(spec, option)
+    if not any(_size(f) for f in files):
+        raise ConfigError(option, f"{_path(spec)} is empty: no text to train on" if len(files) == 1 else
+                          f"{_path(spec)}: every data file in it is empty; no text to train on")
     for f in files:
         head = _head(f, option)
         kind = f.suffix.lower()
@@ -319,6 +330,9 @@ def check_model(model: str, option: str = "--model") -> dict[str, Any] | None:
     if "config.json" not in names:
         raise ConfigError(option, f"{p} has no config.json: not a Hugging Face model directory; give {what}")
     config = _json_object(p / "config.json", option, "a model config.json")
+    if not isinstance(config.get("model_type"), str):
+        raise ConfigError(option, f"{p / 'config.json'} is not a transformers model config (no \"model_type\"); "
+                                  "give a directory saved with save_pretrained()")
     if not names & set(MODEL_WEIGHTS) and not any(n.endswith(".safetensors") for n in names):
         raise ConfigError(option, f"{p} has no weights ({', '.join(MODEL_WEIGHTS[::2])}); a model saved with "
                                   "save_pretrained() has them")
@@ -455,10 +469,10 @@ def _check_model_option(value: str, option: str, cfg: "TrainConfig") -> None:
     config = check_model(value, option)
     if config is None:
         return
-    positions = config.get("max_position_embeddings")
+    positions = next((config[k] for k in POSITION_KEYS if k in config), None)
     if isinstance(positions, int) and not isinstance(positions, bool) and cfg.data.seq_len > positions:
         raise ConfigError("--seq-len", f"{cfg.data.seq_len} is more than the {positions} positions of --model "
-                                       f"{value} (max_position_embeddings in its config.json)")
+                                       f"{value} ({next(k for k in POSITION_KEYS if k in config)} in its config.json)")
     if cfg.data.tokenizer is None:
         try:
             check_tokenizer(value, option)
