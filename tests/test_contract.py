@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 TORCH_FREE = ["trainer.contract.config", "trainer.contract.events", "trainer.contract.device",
-              "trainer.contract.capabilities", "trainer.contract.rundir", "trainer.contract.atomic",
+              "trainer.contract.capabilities", "trainer.contract.rundir", "trainer.contract.atomic", "trainer.contract.inputs",
               "gptop.cli", "gptop.session", "gptop.tuning", "gptop.ui.app", "gptop.monitor", "gptop.headless",
               "gptop.report", "tuner.controller", "tuner.study", "tuner.space", "tuner.report"]
 
