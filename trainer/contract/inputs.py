@@ -134,7 +134,7 @@ def _listing(p: Path, option: str) -> list[Path]:
 def _utf8_problem(data: bytes, complete: bool) -> str | None:
     """Why `data` is not UTF-8 text, or None; a head cut inside a character is still text."""
     if b"\x00" in data:
-        return "is binary, not text (it holds NUL bytes)"
+        return "is binary (or UTF-16), not UTF-8 text: it holds NUL bytes"
     try:
         codecs.getincrementaldecoder("utf-8")().decode(data, final=complete)
     except UnicodeDecodeError as e:
