@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import subprocess
 import sys
@@ -193,3 +194,16 @@ def test_two_processes_share_a_journal_without_repeats(tmp_path):
     assert {t.user_attrs["run"] for t in ran} == {"w1", "w2"}          # both contributed
     assert len(ran) == 16
     assert not [t for t in s.trials() if t.state == TrialState.RUNNING]
+
+
+def test_toggles_stored_by_an_older_version_read_as_todays_types(tmp_path):
+    """micro_batch was the string "8" before it was a number: a study's stored records still compare equal."""
+    s = make(tmp_path)
+    params = {"compile": "off", "fused_adamw": True, "prefetch": 2, "micro_batch": 8}
+    legacy = {**dataclasses.asdict(s.space.to_toggles(params)), "micro_batch": "8"}
+    old = optuna.trial.create_trial(params=params, distributions=s.space.distributions(), value=1000.0,
+                                    user_attrs={"toggles": legacy})
+    assert s.toggles_of(old).micro_batch == 8 and s.toggles_of(old) == s.space.to_toggles(params)
+    broken = optuna.trial.create_trial(params=params, distributions=s.space.distributions(), value=1000.0,
+                                       user_attrs={"toggles": {**legacy, "removed_toggle": 1}})
+    assert s.toggles_of(broken) == s.space.to_toggles(params)       # a record that does not load: the params

@@ -74,8 +74,7 @@ def trial_rows(study: TuneStudy, run_id: str | None, base: dict[str, Any]) -> tu
             continue
         if t.state == TrialState.WAITING:
             continue
-        toggles = dataclasses.asdict(section_from_dict(Toggles, ua["toggles"]) if ua.get("toggles")
-                                     else study.space.to_toggles(t.params))
+        toggles = dataclasses.asdict(study.toggles_of(t))
         status = ua.get("status") or t.state.name.lower()
         if t.state == TrialState.RUNNING:
             status = "running"

@@ -497,11 +497,22 @@ class TuneStudy:
                 est = float(t.value)
                 sp = float(ua.get("spread") or 0.0)
                 lo, hi = est - sp, est + sp
-            toggles = section_from_dict(Toggles, ua["toggles"]) if "toggles" in ua else self.space.to_toggles(t.params)
+            toggles = self.toggles_of(t)
             out.append(Candidate(t.number, toggles, est, (hi - lo) / 2, lo, hi, len(samples), len(remeasures),
                                  ua.get("overhead_s"), ua.get("run")))
         out.sort(key=lambda c: c.tokens_per_s, reverse=True)
         return out
+
+    def toggles_of(self, trial: Any) -> Toggles:
+        """The toggles a trial ran: its stored record (read as today's types, so an older version's
+        `micro_batch: "8"` is 8), or its sampled parameters where the record does not load."""
+        stored = trial.user_attrs.get("toggles")
+        if isinstance(stored, dict):
+            try:
+                return section_from_dict(Toggles, stored)
+            except ConfigError:
+                pass
+        return self.space.to_toggles(trial.params)
 
     def best_known(self) -> tuple[Toggles, float] | None:
         """The best feasible configuration learned so far and its tokens/s, or None: lets a session skip tuning."""
