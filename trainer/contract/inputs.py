@@ -42,6 +42,7 @@ TOKENIZER_FILES = frozenset({"tokenizer.json", "tokenizer_config.json", "special
 MODEL_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                  "pytorch_model.bin.index.json")
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")   # how configs name their length
+MAX_HEAD_FILES = 64                # data files of a folder looked into at the start
 HEAD_BYTES = 64 << 10              # how much of a data file is checked to be what it claims (not all of a 10 GB file)
 MAX_TEXT_FILE = 64 << 20           # a config or tokenizer file larger than this is not one
 _SQLITE_MAGIC = b"SQLite format 3\x00"
@@ -247,14 +248,17 @@ def _size(p: Path) -> int:
 
 def check_data(spec: str, option: str = "--data") -> list[Path]:
     """`--data`: 'builtin', or files that are readable and look like what their extension says (the first
-    64 KiB: UTF-8 text, a JSON object with "text" on the first line of a .jsonl, parquet's magic bytes)."""
+    64 KiB: UTF-8 text, a JSON object with "text" on the first line of a .jsonl, parquet's magic bytes).
+    In a folder of many files the first MAX_HEAD_FILES are looked into, so a start never reads gigabytes;
+    files further on are read as the trainer reads every file (a bad JSON line or parquet file is an error
+    naming it, stray invalid UTF-8 bytes are replaced)."""
     if spec == "builtin":
         return []
     files = data_files(spec, option)
     if not any(_size(f) for f in files):
         raise ConfigError(option, f"{_path(spec)} is empty: no text to train on" if len(files) == 1 else
                           f"{_path(spec)}: every data file in it is empty; no text to train on")
-    for f in files:
+    for f in files[:MAX_HEAD_FILES]:
         head = _head(f, option)
         kind = f.suffix.lower()
         if kind == ".parquet":
