@@ -20,12 +20,59 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from trainer.contract.config import ConfigError, TrainConfig, add_arguments, config_from_args
+from trainer.contract import inputs
+from trainer.contract.config import ConfigError, TrainConfig, add_arguments, config_from_args, number_arg
 from trainer.contract.rundir import default_run_dir, resume_config
 
 from .session import EXIT_DONE, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, Session, SessionOptions
 
 TRAINER_EXIT_CONFIG = 2
+
+# gptop's own flags, converted and checked at parse time like the config's (trainer.contract.config.number_arg,
+# trainer.contract.inputs.path_arg): a bad value is exit 2 naming the flag before anything starts.
+MAX_NODES = 100_000
+MAX_RESTARTS = 1000
+
+
+def nnodes_arg(text: str) -> str:
+    """`--nnodes N` or `MIN:MAX` (torchrun's elastic range), each 1..MAX_NODES and MIN <= MAX."""
+    parts = text.split(":")
+    if len(parts) > 2:
+        raise argparse.ArgumentTypeError(f"{text!r} is not N or MIN:MAX")
+    count = number_arg(int, 1, MAX_NODES)
+    values = [count(x) for x in parts]
+    if len(values) == 2 and values[0] > values[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: MIN is more than MAX")
+    return text.strip()
+
+
+def endpoint_arg(text: str) -> str:
+    """`--rdzv-endpoint HOST[:PORT]`, the port 1..65535."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep:
+        host, port = text.strip(), ""
+    if not host or any(c.isspace() for c in host):
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT")
+    if port:
+        number_arg(int, 1, 65535)(port)
+    return text.strip()
+
+
+def max_nodes(nnodes: str) -> int:
+    return int(nnodes.split(":")[-1])
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with its options and subcommands readable: the input tests iterate every flag of every
+    subcommand (a new one included) and check that its values are checked."""
+
+    @property
+    def actions(self) -> list[argparse.Action]:
+        return list(self._actions)
+
+    @property
+    def commands(self) -> dict[str, "Parser"]:
+        return next((dict(a.choices) for a in self._actions if isinstance(a.choices, dict)), {})
 
 
 def _global_flags(parser: argparse.ArgumentParser, suppress: bool) -> None:
@@ -35,14 +82,17 @@ def _global_flags(parser: argparse.ArgumentParser, suppress: bool) -> None:
                    help="no terminal UI: readable lines (or JSON lines with --json) on stdout")
     g.add_argument("--json", action="store_true", default=d(False),
                    help="with --no-ui: print every event as one JSON line")
-    g.add_argument("--interval", type=float, default=d(0.5), metavar="S",
-                   help="device sampling period in seconds (default: 0.5)")
+    g.add_argument("--interval", type=number_arg(float, 0.01, 3600), default=d(0.5), metavar="S",
+                   help="device sampling period in seconds (default: 0.5; 0.01 <= S <= 3600)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gptop", description="htop for a training run, with a live autotuner.")
+def build_parser() -> Parser:
+    from tuner.budget import duration_arg
+
+    parser = Parser(prog="gptop", description="htop for a training run, with a live autotuner.")
     _global_flags(parser, suppress=False)
     parser.add_argument("--run-dir", dest="monitor_run_dir", metavar="DIR", default=None,
+                        type=inputs.path_arg(inputs.check_runs_folder, "--run-dir"),
                         help="monitor mode: the run (or folder of runs) to attach to (default: newest in ./runs)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -51,19 +101,20 @@ def build_parser() -> argparse.ArgumentParser:
         _global_flags(p, suppress=True)
         add_arguments(p)
         g = p.add_argument_group("session")
-        g.add_argument("--restart-on-failure", type=int, default=0, metavar="N",
-                       help="restart the trainer from its last checkpoint up to N times if it dies (default: 0)")
+        g.add_argument("--restart-on-failure", type=number_arg(int, 0, MAX_RESTARTS), default=0, metavar="N",
+                       help="restart the trainer from its last checkpoint up to N times if it dies "
+                            f"(default: 0; at most {MAX_RESTARTS})")
         g.add_argument("--tensorboard", action="store_true",
                        help="also write step metrics and device samples as TensorBoard scalars (default: off)")
         d = p.add_argument_group("distributed (torchrun; see --parallel)")
-        d.add_argument("--nproc", type=int, default=1, metavar="N",
+        d.add_argument("--nproc", type=number_arg(int, 1, 1024), default=1, metavar="N",
                        help="ranks (processes, one per GPU) on this node; above 1, or with several nodes, the "
                             "trainer is launched through torchrun (default: 1)")
-        d.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
+        d.add_argument("--nnodes", type=nnodes_arg, default="1", metavar="N|MIN:MAX",
                        help="nodes in the run, passed to torchrun (default: 1)")
-        d.add_argument("--node-rank", type=int, default=None, metavar="N",
+        d.add_argument("--node-rank", type=number_arg(int, 0, MAX_NODES - 1), default=None, metavar="N",
                        help="this node's rank, passed to torchrun (static rendezvous) (default: torchrun's)")
-        d.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+        d.add_argument("--rdzv-endpoint", type=endpoint_arg, default=None, metavar="HOST:PORT",
                        help="rendezvous endpoint shared by all nodes, passed to torchrun (default: none)")
         d.add_argument("--rdzv-backend", default=None, metavar="NAME",
                        help="rendezvous backend, passed to torchrun (default: c10d with several nodes)")
@@ -72,23 +123,24 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     train = run_command("train", "train a model and show the run live")
-    train.add_argument("--tune", metavar="DURATION", default=None,
+    train.add_argument("--tune", metavar="DURATION", default=None, type=duration_arg("--tune"),
                        help="tune the toggles for up to DURATION (90s, 30m, 1h30m) while training (default: off)")
     tune = run_command("tune", "train while an Optuna study tunes the toggles on the live run")
-    tune.add_argument("--budget", metavar="DURATION", default="30m", help="tuning budget (default: 30m)")
+    tune.add_argument("--budget", metavar="DURATION", default="30m", type=duration_arg("--budget"),
+                      help="tuning budget (default: 30m)")
     for p in (train, tune):
         g = p.add_argument_group("tuning")
         g.add_argument("--tune-space", metavar="SPEC", default=None,
                        help="narrow or widen the search, e.g. 'precision=bf16;compile=off,default' (default: all "
                             "supported values)")
-        g.add_argument("--storage", metavar="URL", default=None,
+        g.add_argument("--storage", metavar="URL", default=None, type=inputs.path_arg(inputs.check_storage),
                        help="Optuna storage URL (sqlite:///..., postgresql://..., journal:PATH) to share studies "
                             "(default: a SQLite file in ~/.cache/gptop)")
     tune.add_argument("--tune-only", action="store_true", help="stop after writing best.toml (default: off)")
 
     report = sub.add_parser("report", help="summarize a run directory")
     _global_flags(report, suppress=True)
-    report.add_argument("run_dir", metavar="RUN_DIR")
+    report.add_argument("run_dir", metavar="RUN_DIR", type=inputs.path_arg(inputs.check_run_to_read, "RUN_DIR"))
     return parser
 
 
@@ -110,19 +162,40 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
 
 
+def world_size(ns: argparse.Namespace) -> int:
+    """The ranks of a `gptop train`/`tune` (--nproc per node, times --nnodes when fixed; an elastic range
+    is left to the trainer, which knows its world when it starts)."""
+    nproc = getattr(ns, "nproc", 1)
+    nnodes = getattr(ns, "nnodes", "1")
+    return nproc * int(nnodes) if ":" not in nnodes else nproc
+
+
 def resolve_config(ns: argparse.Namespace) -> TrainConfig:
+    """The run's config with every input checked (numbers, paths, the world's batch split), before anything
+    is started or created."""
     base = resume_config(getattr(ns, "checkpoint.resume", None))
-    cfg = config_from_args(ns, base)
+    cfg = config_from_args(ns, base, world_size=world_size(ns))
     if cfg.run.run_dir is None:
         cfg.run.run_dir = default_run_dir(cfg)
     return cfg
 
 
+def check_run_args(ns: argparse.Namespace, cfg: TrainConfig) -> None:
+    """The checks of `train`/`tune` flags that need more than one flag (or the config)."""
+    node_rank = getattr(ns, "node_rank", None)
+    if node_rank is not None and ":" not in ns.nnodes and node_rank >= max_nodes(ns.nnodes):
+        raise ConfigError("--node-rank", f"{node_rank} is not below --nnodes {ns.nnodes}")
+    spec = getattr(ns, "tune_space", None)
+    if spec is not None:
+        from tuner.space import SearchSpace
+
+        SearchSpace.check_spec(spec, cfg.toggles, cfg.optim.global_batch, world_size(ns))
+
+
 def cmd_run(ns: argparse.Namespace) -> int:
     cfg = resolve_config(ns)
+    check_run_args(ns, cfg)
     resume = cfg.checkpoint.resume
-    if ns.interval <= 0:
-        raise ConfigError("--interval", f"must be positive, got {ns.interval}")
     launcher = _launcher(ns)
     if launcher is not None and launcher.multi_node and _tuning_request(ns) is not None:
         raise ConfigError("--nnodes", "tuning restarts the trainer, which one gptop cannot do for other nodes; "
@@ -152,8 +225,6 @@ def _launcher(ns: argparse.Namespace):
     """torchrun for --nproc > 1 or several nodes; None runs the trainer as one plain process."""
     from .supervisor import TorchrunLauncher
 
-    if ns.nproc < 1:
-        raise ConfigError("--nproc", f"must be at least 1, got {ns.nproc}")
     launcher = TorchrunLauncher(ns.nproc, ns.nnodes, ns.node_rank, ns.rdzv_endpoint, ns.rdzv_backend, ns.rdzv_id)
     if ns.nproc == 1 and not launcher.multi_node:
         return None
@@ -161,12 +232,10 @@ def _launcher(ns: argparse.Namespace):
 
 
 def _tuning_request(ns: argparse.Namespace) -> dict[str, Any] | None:
-    from tuner.budget import parse_duration
-
     budget = ns.budget if ns.command == "tune" else getattr(ns, "tune", None)
     if budget is None:
         return None
-    return {"budget_s": parse_duration(budget), "space_spec": ns.tune_space, "storage": ns.storage,
+    return {"budget_s": float(budget), "space_spec": ns.tune_space, "storage": ns.storage,
             "tune_only": getattr(ns, "tune_only", False)}
 
 

@@ -20,7 +20,7 @@ def parse(argv, base=None):
 def test_defaults_and_flags():
     cfg = parse(["--model", "deepseek", "--size", "tiny", "--micro-batch", "4", "--no-timing", "--no-fused-adamw"])
     assert cfg.model.model == "deepseek" and cfg.model.size == "tiny"
-    assert cfg.toggles.micro_batch == "4" and cfg.toggles.fused_adamw is False
+    assert cfg.toggles.micro_batch == 4 and cfg.toggles.fused_adamw is False
     assert cfg.log.timing is False
     assert cfg.optim.global_batch == TrainConfig().optim.global_batch
 

@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 TORCH_FREE = ["trainer.contract.config", "trainer.contract.events", "trainer.contract.device",
-              "trainer.contract.capabilities", "trainer.contract.rundir", "trainer.contract.atomic",
+              "trainer.contract.capabilities", "trainer.contract.rundir", "trainer.contract.atomic", "trainer.contract.inputs",
               "gptop.cli", "gptop.session", "gptop.tuning", "gptop.ui.app", "gptop.monitor", "gptop.headless",
               "gptop.report", "tuner.controller", "tuner.study", "tuner.space", "tuner.report"]
 
@@ -101,3 +101,16 @@ def test_pins_survive_pruning_and_rollback_deletes_newer(tmp_path):
     assert rundir.pinned(tmp_path) == set()
     (rundir.checkpoint_dir(tmp_path) / rundir.PINS).write_text("{not json")
     assert rundir.pinned(tmp_path) == set()          # an unreadable pins file pins nothing, never crashes
+
+
+def test_requires_python_covers_the_stdlib_modules_used():
+    """`tomllib` (every config file) is new in 3.11: the declared minimum must not promise less."""
+    import re
+    import tomllib
+
+    spec = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    m = re.fullmatch(r">=\s*(\d+)\.(\d+)", spec.strip())
+    assert m, f"requires-python {spec!r}: expected a lower bound like >=3.11"
+    uses_tomllib = any("tomllib" in name for pkg in ("gptop", "tuner", "trainer")
+                       for path in (ROOT / pkg).rglob("*.py") for _, name in _imports(path))
+    assert uses_tomllib and (int(m[1]), int(m[2])) >= (3, 11)

@@ -40,14 +40,14 @@ class FakeTrainer:
         ms *= 0.6 if t.compile == "default" else 1.0
         ms *= 0.9 if t.fused_adamw else 1.0
         ms *= 1.15 if t.prefetch == 0 else 1.0
-        ms *= {"4": 1.2, "8": 1.0, "16": 0.95, "32": 0.95}.get(t.micro_batch, 1.0)
+        ms *= {4: 1.2, 8: 1.0, 16: 0.95, 32: 0.95}.get(t.micro_batch, 1.0)
         ms *= 0.8 if t.precision == "bf16" else 1.0
         if t.compile == "default" and i < 3:
             ms += 20000.0 / (i + 1)                      # compilation
         return ms * (1 + self.rng.gauss(0, 0.01))
 
     def failure(self, t: Toggles):
-        if t.micro_batch == "16" and not t.activation_checkpointing:
+        if t.micro_batch == 16 and not t.activation_checkpointing:
             return ("oom", 2)                            # OOM at the second step
         if t.compile == "default" and t.prefetch == 0 and t.fused_adamw:
             return ("compile", 1)
@@ -96,7 +96,7 @@ def drive(ctl: TuneController, clock: Clock, trainer: FakeTrainer, pre_steps: in
                 else:
                     ctl.observe(make_event("step", step=step, tokens=4096, loss=trainer.loss(step, t, diverge),
                                            lr=1e-3, grad_norm=1.0, step_ms=ms, phases_ms={}, tokens_per_s=0.0,
-                                           mfu=0.0, mem_bytes={"cuda:0": 2 * 10 ** 9 + int(t.micro_batch) * 10 ** 8},
+                                           mfu=0.0, mem_bytes={"cuda:0": 2 * 10 ** 9 + t.micro_batch * 10 ** 8},
                                            time=clock.t))
                 stop = ctl.trial_should_stop()
                 if stop:
@@ -121,7 +121,7 @@ def make_ctl(tmp_path, clock, budget_s=900.0, spec=SPEC, storage=None, **kw):
     cfg.optim.max_steps = 20_000
     cfg.toggles.micro_batch = "auto"
     cfg.toggles.fused_adamw = False                   # a start the recipe improves on
-    space = SearchSpace.for_device(dataclasses.replace(cfg.toggles, micro_batch="8"), CPU, 32, spec=spec)
+    space = SearchSpace.for_device(dataclasses.replace(cfg.toggles, micro_batch=8), CPU, 32, spec=spec)
     study = TuneStudy.open(cfg, CPU, space, storage=storage or f"journal:{tmp_path}/tuning.log", seed=0,
                            wall=clock)
     kw.setdefault("max_trials", 8)
@@ -138,7 +138,7 @@ def test_full_simulated_tuning_ends_in_apply(tmp_path):
     assert isinstance(seen[0], FindMicroBatch)
     baseline = seen[1]
     assert isinstance(baseline, RunTrial) and baseline.baseline and not baseline.restart
-    assert baseline.toggles.micro_batch == "8"          # auto resolved to what fits
+    assert baseline.toggles.micro_batch == 8          # auto resolved to what fits
     trials = [a for a in seen if isinstance(a, RunTrial) and not a.baseline]
     assert trials[0].source == "recipe" and trials[0].toggles.compile == "off"   # no compile in the CPU recipe
     assert 1 <= len(trials) <= 8
@@ -160,12 +160,12 @@ def test_full_simulated_tuning_ends_in_apply(tmp_path):
         assert {"number", "toggles", "status", "tokens_per_s", "spread", "peak_mem", "reason"} <= set(e)
         json.dumps(e)
     # micro-batch 16 and 32 can never fit (max 8, same precision): screened, not run
-    assert not any(a.toggles.micro_batch in ("16", "32") and a.toggles.precision == "fp32"
+    assert not any(a.toggles.micro_batch in (16, 32) and a.toggles.precision == "fp32"
                    for a in trials)
     # bf16 changes numerics: its loss runs off the trend and the trial is rolled back as diverged
     bf16 = [e for e in trial_events if e["toggles"]["precision"] == "bf16" and e["kind"] == "trial"]
     for e in bf16:
-        if e["toggles"]["micro_batch"] in ("8", "4"):
+        if e["toggles"]["micro_batch"] in (8, 4):
             assert e["status"] == "infeasible" and "diverged" in e["reason"]
     tuner = [e for e in events if e["type"] == "tuner"]
     assert tuner[-1]["phase"] == "done" and tuner[-1]["budget_left_s"] >= 0
@@ -304,7 +304,7 @@ def test_failing_baseline_and_abort(tmp_path):
 
 
 def test_best_toml_alone_round_trips(tmp_path):
-    t = Toggles(precision="bf16", compile="default", micro_batch="16", prefetch=4, workers=1, fused_adamw=True)
+    t = Toggles(precision="bf16", compile="default", micro_batch=16, prefetch=4, workers=1, fused_adamw=True)
     p = tmp_path / "best.toml"
     p.write_text(best_toml(t))
     assert TrainConfig.from_toml(p).toggles == t

@@ -86,7 +86,7 @@ def test_trial_configs_stop_on_nan_and_the_final_one_is_the_users(tmp_path):
     s.cfg.run.fault = "nan@3"
     d = TuningDriver(s, 60.0)
     d.user_cfg = TrainConfig.from_dict(s.cfg.to_dict())
-    t = dataclasses.replace(s.cfg.toggles, micro_batch="2", fused_adamw=True)
+    t = dataclasses.replace(s.cfg.toggles, micro_batch=2, fused_adamw=True)
     trial = d._cfg_for(t, strict=True)
     assert trial.toggles == t and trial.run.nan_policy == "stop" and trial.log.log_every == 1
     assert trial.run.fault is None                                    # a user's test fault is not re-injected

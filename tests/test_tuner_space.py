@@ -87,11 +87,11 @@ def test_suggest_key_and_numerics():
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     for _ in range(5):
         t = s.suggest(study.ask())
-        assert s.contains(t) and isinstance(t.micro_batch, str)
+        assert s.contains(t) and isinstance(t.micro_batch, int)
     assert s.key() == SearchSpace.for_device(Toggles(), CPU, 32).key()
     assert s.key() != SearchSpace.for_device(Toggles(), CPU, 32, spec="-precision").key()
     assert NUMERICS_CHANGING == {"precision"}
     assert s.numerics_changing(Toggles(precision="bf16"))
-    assert not s.numerics_changing(Toggles(compile="default", micro_batch="4", fused_adamw=True))
-    assert s.to_params(Toggles(micro_batch="4"))["micro_batch"] == 4
-    assert not s.contains(Toggles(micro_batch="3"))
+    assert not s.numerics_changing(Toggles(compile="default", micro_batch=4, fused_adamw=True))
+    assert s.to_params(Toggles(micro_batch=4))["micro_batch"] == 4
+    assert not s.contains(Toggles(micro_batch=3))

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import subprocess
 import sys
@@ -22,7 +23,7 @@ SPEC = "-all compile=off,default fused_adamw=on,off prefetch=0,1,2,4 micro_batch
 
 def speed(t: Toggles) -> float:
     return (1000 + 300 * (t.compile == "default") + 50 * t.fused_adamw + 10 * t.prefetch
-            + 100 * (t.micro_batch == "8"))
+            + 100 * (t.micro_batch == 8))
 
 
 def summary(v):
@@ -33,7 +34,7 @@ def summary(v):
 def make(tmp_path, storage=None, seed=0, spec=SPEC):
     """A study in `storage` (default: a journal file in tmp_path; sqlite is tested through the default path)."""
     cfg = TrainConfig()
-    cfg.toggles.micro_batch = "4"
+    cfg.toggles.micro_batch = 4
     space = SearchSpace.for_device(cfg.toggles, CPU, cfg.optim.global_batch, spec=spec)
     return TuneStudy.open(cfg, CPU, space, storage=storage or f"journal:{tmp_path}/tuning.log", seed=seed)
 
@@ -66,8 +67,8 @@ def test_persistence_and_warm_start_across_two_study_objects(tmp_path, monkeypat
     s1 = make(tmp_path, storage=sqlite)
     import sqlite3
     assert sqlite3.connect(tmp_path / "tuning.sqlite3").execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    base = Toggles(micro_batch="4")
-    recipe = Toggles(compile="default", fused_adamw=True, micro_batch="8")
+    base = Toggles(micro_batch=4)
+    recipe = Toggles(compile="default", fused_adamw=True, micro_batch=8)
     assert s1.warm_start([(base, "current"), (recipe, "recipe")]) == [base, recipe]
     assert s1.warm_start([(base, "current")]) == []                 # already queued
     sources = []
@@ -131,7 +132,7 @@ def test_pruned_and_duplicate_handling(tmp_path):
 
 def test_baseline_record_and_remeasure_pooling(tmp_path):
     s = make(tmp_path)
-    n = s.record(Toggles(micro_batch="4"), summary(1000.0), source="baseline")
+    n = s.record(Toggles(micro_batch=4), summary(1000.0), source="baseline")
     assert n == 0 and s.trials()[0].user_attrs["source"] == "baseline"
     s.record_remeasure(0, summary(1010.0))
     c = s.candidates()[0]
@@ -148,7 +149,7 @@ WORKER = textwrap.dedent("""
     from tuner.space import SearchSpace
     from tuner.study import TuneStudy
     cfg = TrainConfig()
-    cfg.toggles.micro_batch = "4"
+    cfg.toggles.micro_batch = 4
     dev = DeviceInfo(type="cpu", name="cpu", has_compiler=True)
     space = SearchSpace.for_device(cfg.toggles, dev, cfg.optim.global_batch, spec={spec!r})
     st = TuneStudy.open(cfg, dev, space, storage="journal:" + {journal!r}, seed={seed}, run_id="w{seed}")
@@ -193,3 +194,16 @@ def test_two_processes_share_a_journal_without_repeats(tmp_path):
     assert {t.user_attrs["run"] for t in ran} == {"w1", "w2"}          # both contributed
     assert len(ran) == 16
     assert not [t for t in s.trials() if t.state == TrialState.RUNNING]
+
+
+def test_toggles_stored_by_an_older_version_read_as_todays_types(tmp_path):
+    """micro_batch was the string "8" before it was a number: a study's stored records still compare equal."""
+    s = make(tmp_path)
+    params = {"compile": "off", "fused_adamw": True, "prefetch": 2, "micro_batch": 8}
+    legacy = {**dataclasses.asdict(s.space.to_toggles(params)), "micro_batch": "8"}
+    old = optuna.trial.create_trial(params=params, distributions=s.space.distributions(), value=1000.0,
+                                    user_attrs={"toggles": legacy})
+    assert s.toggles_of(old).micro_batch == 8 and s.toggles_of(old) == s.space.to_toggles(params)
+    broken = optuna.trial.create_trial(params=params, distributions=s.space.distributions(), value=1000.0,
+                                       user_attrs={"toggles": {**legacy, "removed_toggle": 1}})
+    assert s.toggles_of(broken) == s.space.to_toggles(params)       # a record that does not load: the params

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .contract.config import ConfigError, TrainConfig, add_arguments, config_from_args
@@ -18,9 +19,18 @@ def build_parser(prog: str = "python -m trainer") -> argparse.ArgumentParser:
 
 
 def parse_config(argv: list[str] | None = None, prog: str = "python -m trainer") -> TrainConfig:
+    """Every input checked where it enters (numbers, files, directories), before a directory is created."""
     ns = build_parser(prog).parse_args(argv)
     base = resume_config(getattr(ns, "checkpoint.resume", None))
-    return config_from_args(ns, base)
+    return config_from_args(ns, base, world_size=_launched_world_size())
+
+
+def _launched_world_size() -> int:
+    """The ranks torchrun started (WORLD_SIZE), 1 for a plain process."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 def main(argv: list[str] | None = None) -> int:

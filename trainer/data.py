@@ -39,6 +39,7 @@ import torch
 
 from .contract.atomic import atomic_file, atomic_write
 from .contract.config import ConfigError, DataConfig
+from .contract.inputs import DATA_EXTENSIONS, TOKENIZER_FILES, data_files
 
 Log = Callable[[str], None]
 
@@ -49,7 +50,7 @@ BUILTIN_MAX_BYTES = 6_000_000      # ~6 MB of stdlib source: tokenizer training 
 BUILTIN_VOCAB = 8192
 EOS, PAD, MASK = "<|endoftext|>", "<|pad|>", "<|mask|>"
 SPECIAL_TOKENS = (EOS, PAD, MASK)
-EXTENSIONS = (".txt", ".jsonl", ".parquet")
+EXTENSIONS = DATA_EXTENSIONS
 MIN_TRAIN_SEQUENCES = 4            # a corpus must hold at least this many non-overlapping training sequences
 PROGRESS_EVERY_S = 5.0             # tokenization logs progress at most this often
 
@@ -60,9 +61,7 @@ _BATCH_CHARS = 1 << 20             # text handed to one encode_batch call
 _PIECE_CHARS = 1 << 16             # long documents are cut into pieces of about this size to encode in parallel
 _EOS_CANDIDATES = (EOS, "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "<|im_end|>")
 _MASK_CANDIDATES = (MASK, "<|mdm_mask|>", "<mask>", "[MASK]")
-_TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                    "merges.txt", "vocab.txt", "added_tokens.json", "tokenizer.model", "spiece.model",
-                    "sentencepiece.bpe.model", "chat_template.jinja"}
+_TOKENIZER_FILES = TOKENIZER_FILES
 
 
 # --- the data a run trains on ---------------------------------------------------------------
@@ -211,21 +210,7 @@ def builtin_files(max_bytes: int | None = None) -> list[Path]:
 
 
 def _data_files(spec: str) -> list[Path]:
-    p = Path(spec).expanduser()
-    kinds = ".txt, .jsonl (one {\"text\": ...} object per line) or .parquet (a 'text' column)"
-    if not p.exists():
-        raise ConfigError("--data", f"{p} does not exist; give a {kinds} file, a folder of them, or 'builtin'")
-    if p.is_dir():
-        files = sorted((f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in EXTENSIONS
-                        and not any(part.startswith(".") for part in f.relative_to(p).parts)),
-                       key=lambda f: f.relative_to(p).as_posix())
-        if not files:
-            raise ConfigError("--data", f"{p} holds no {', '.join(EXTENSIONS)} files (searched recursively); "
-                              f"put {kinds} files there")
-    elif p.suffix.lower() in EXTENSIONS:
-        files = [p]
-    else:
-        raise ConfigError("--data", f"{p}: unsupported file type {p.suffix or '(no extension)'!r}; use {kinds}")
+    files = data_files(spec)            # which files are data: one rule, shared with gptop's input checks
     for f in files:
         if f.suffix.lower() == ".parquet":
             _parquet_text_column(f)     # fail now, not after tokenizing the files before it

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from .contract.config import FAMILIES, ConfigError, ModelConfig, Toggles
+from .contract.inputs import is_model_path
 from .contract.device import DeviceInfo
 from . import flops as _flops
 
@@ -158,7 +159,7 @@ def is_pretrained_path(model: str) -> bool:
     A family name wins over a directory of the same name in the working
     directory; write ``./llama`` to mean the directory.
     """
-    if model in FAMILIES and "/" not in model:
+    if not is_model_path(model):
         return False
     p = Path(model).expanduser()
     return p.is_dir() and (p / "config.json").is_file()

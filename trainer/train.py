@@ -27,7 +27,7 @@ from . import dist as D
 from .channel import Channel
 from .contract import capabilities, rundir
 from .contract.atomic import atomic_write
-from .contract.config import ConfigError, TrainConfig, parse_step_range
+from .contract.config import AUTO, ConfigError, TrainConfig, parse_step_range
 from .contract.device import DeviceInfo
 from .device import detect
 from .memory import make_meter
@@ -155,11 +155,7 @@ class Trainer:
             self.group.init()
 
         capabilities.check(cfg.toggles, self.dev)
-        if cfg.toggles.micro_batch != "auto":
-            local = cfg.optim.global_batch // self.world
-            if cfg.optim.global_batch % self.world or local % int(cfg.toggles.micro_batch):
-                raise ConfigError("--micro-batch", f"{cfg.toggles.micro_batch} does not divide the per-rank batch "
-                                  f"{cfg.optim.global_batch}/{self.world}; pick a divisor of {local}")
+        cfg.validate(world_size=self.world)     # the per-rank batch and micro-batch, now that the world is known
         torch.manual_seed(cfg.optim.seed)
         self.data = load_data(cfg.data, log=self.log)
         self.sampler = BatchSampler(self.data.train, cfg.data.seq_len, cfg.optim.global_batch, cfg.optim.seed,
@@ -180,9 +176,9 @@ class Trainer:
             self._resume(cfg.checkpoint.resume)
         self.model = self._compile(self.ddp if self.ddp is not None else self.raw_model)
 
-        if cfg.toggles.micro_batch == "auto":
-            cfg.toggles.micro_batch = str(self._auto_micro_batch())
-        self.micro_batch = int(cfg.toggles.micro_batch)
+        if cfg.toggles.micro_batch == AUTO:
+            cfg.toggles.micro_batch = self._auto_micro_batch()
+        self.micro_batch = cfg.toggles.micro_batch
         self.accum = self.sampler.accumulation_steps(self.micro_batch)
         self.tokens_per_step = cfg.optim.global_batch * cfg.data.seq_len
 

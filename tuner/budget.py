@@ -18,6 +18,8 @@ from trainer.contract.config import ConfigError
 _UNITS = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
 _PART = re.compile(r"(\d+(?:\.\d+)?|\.\d+)([a-zA-Z]+)")
 _NUMBER = re.compile(r"\d+(?:\.\d+)?|\.\d+")
+MIN_DURATION_S = 1.0                # less cannot measure one step
+MAX_DURATION_S = 365 * 86400.0      # a year: beyond it a budget means nothing (and a typo of units is likelier)
 
 
 def parse_duration(text: str | int | float, option: str = "--budget") -> float:
@@ -61,7 +63,24 @@ def parse_duration(text: str | int | float, option: str = "--budget") -> float:
                 raise ConfigError(option, f"{text!r}: cannot read {rest!r}{hint}")
     if not math.isfinite(seconds) or seconds <= 0:
         raise ConfigError(option, f"{text!r}: must be a positive duration")
+    if not MIN_DURATION_S <= seconds <= MAX_DURATION_S:
+        raise ConfigError(option, f"{text!r} is out of range; accepted: {MIN_DURATION_S:.0f}s to "
+                                  f"{MAX_DURATION_S / 86400:.0f}d")
     return seconds
+
+
+def duration_arg(option: str) -> Callable[[str], float]:
+    """An argparse `type=` for a duration flag (`--budget`, `--tune`): seconds, checked at parse time."""
+    import argparse
+
+    def convert(text: str) -> float:
+        try:
+            return parse_duration(text, option)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(e.message) from None
+
+    convert.__name__ = "duration"
+    return convert
 
 
 def format_duration(seconds: float) -> str:

@@ -77,7 +77,7 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any, Callable
 
-from trainer.contract.config import TrainConfig, Toggles
+from trainer.contract.config import AUTO, TrainConfig, Toggles
 from trainer.contract.device import DeviceInfo
 from trainer.contract.events import make_event
 
@@ -222,8 +222,8 @@ class TuneController:
     def base(self) -> Toggles:
         """The starting toggles with `micro_batch=auto` resolved to what fits (once known)."""
         t = self.cfg.toggles
-        if t.micro_batch == "auto" and self.max_mb:
-            return dataclasses.replace(t, micro_batch=str(self.max_mb))
+        if t.micro_batch == AUTO and self.max_mb:
+            return dataclasses.replace(t, micro_batch=self.max_mb)
         return t
 
     @property
@@ -341,7 +341,7 @@ class TuneController:
                 known = self.study.get_attr(self._mb_attr())
                 if known:
                     self.set_max_micro_batch(int(known))
-            if not self._mb_known and (self.cfg.toggles.micro_batch == "auto" or "micro_batch" in self.space.params):
+            if not self._mb_known and (self.cfg.toggles.micro_batch == AUTO or "micro_batch" in self.space.params):
                 self._set_phase("find-micro-batch")
             else:
                 self._set_phase("baseline")
@@ -400,7 +400,7 @@ class TuneController:
         t.attention = "sdpa"
         t.prefetch = 2
         if mbs:
-            t.micro_batch = str(max(mbs))
+            t.micro_batch = max(mbs)
         return self.space.clamp(t)
 
     def _trial_estimate(self) -> float:

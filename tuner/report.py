@@ -27,7 +27,7 @@ from optuna.trial import TrialState
 
 from trainer.contract import rundir
 from trainer.contract.atomic import atomic_write
-from trainer.contract.config import TrainConfig, Toggles
+from trainer.contract.config import TrainConfig, Toggles, section_from_dict
 from trainer.contract.events import json_safe
 
 from .budget import format_duration
@@ -74,7 +74,7 @@ def trial_rows(study: TuneStudy, run_id: str | None, base: dict[str, Any]) -> tu
             continue
         if t.state == TrialState.WAITING:
             continue
-        toggles = ua.get("toggles") or dataclasses.asdict(study.space.to_toggles(t.params))
+        toggles = dataclasses.asdict(study.toggles_of(t))
         status = ua.get("status") or t.state.name.lower()
         if t.state == TrialState.RUNNING:
             status = "running"
@@ -202,7 +202,7 @@ def best_toml(toggles: Toggles | dict[str, Any]) -> str:
 
 def check_best_toml(text: str, expected: Toggles | dict[str, Any]) -> None:
     """Raise if `text` does not load through TrainConfig.from_toml to exactly `expected` and validate."""
-    exp = expected if isinstance(expected, Toggles) else Toggles(**expected)
+    exp = expected if isinstance(expected, Toggles) else section_from_dict(Toggles, expected)
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / "best.toml"
         p.write_text(text)

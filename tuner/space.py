@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from trainer.contract.capabilities import CHOICES, default_values, support
-from trainer.contract.config import ConfigError, Toggles
+from trainer.contract.config import AUTO, MAX_BATCH, MAX_THREADS, ConfigError, Toggles
 from trainer.contract.device import DeviceInfo
 
 OPTION = "--tune-space"
@@ -68,13 +68,6 @@ def _order(name: str, values: Any) -> tuple:
         ref = list(CHOICES[name])
         return tuple(sorted(vals, key=lambda v: ref.index(v) if v in ref else len(ref)))
     return tuple(sorted(vals, key=lambda v: (isinstance(v, str), v)))
-
-
-def _value_of(toggles: Toggles, name: str) -> Any:
-    v = getattr(toggles, name)
-    if name == "micro_batch":
-        return v if v == "auto" else int(v)
-    return v
 
 
 def per_rank_batch(global_batch: int, world_size: int = 1) -> int:
@@ -119,8 +112,8 @@ class SearchSpace:
         for name in TUNABLE:
             if name == "micro_batch":
                 vals: list = list(micro_batch_choices(per_rank))
-                b = _value_of(base, name)
-                if b != "auto" and per_rank % b == 0:
+                b = base.micro_batch
+                if b != AUTO and per_rank % b == 0:
                     vals.append(b)
             elif name == "prefetch":
                 vals = list(DEFAULT_PREFETCH) + [base.prefetch]
@@ -136,8 +129,17 @@ class SearchSpace:
             space = space.apply_spec(spec, dev)
         return space
 
-    def apply_spec(self, spec: str, dev: DeviceInfo) -> "SearchSpace":
-        """A new space with the `--tune-space` items applied left to right."""
+    @classmethod
+    def check_spec(cls, spec: str, base: Toggles, global_batch: int, world_size: int = 1) -> None:
+        """Check a `--tune-space` spec where it enters, before the device is known (ConfigError naming it):
+        its grammar, names and values; what the device supports is checked when tuning starts."""
+        per_rank = per_rank_batch(global_batch, world_size)
+        choices: dict[str, tuple] = {n: tuple(CHOICES[n]) for n in TUNABLE if n in CHOICES}
+        choices.update(micro_batch=micro_batch_choices(per_rank), prefetch=DEFAULT_PREFETCH, workers=DEFAULT_WORKERS)
+        cls(base=base, choices=choices, per_rank=per_rank).apply_spec(spec, None)
+
+    def apply_spec(self, spec: str, dev: DeviceInfo | None) -> "SearchSpace":
+        """A new space with the `--tune-space` items applied left to right (`dev` None: support not checked)."""
         choices = dict(self.choices)
         items = [p for p in spec.replace(";", " ").split() if p]
         if not items:
@@ -147,10 +149,10 @@ class SearchSpace:
                 name = _canon(item[1:])
                 if name == "all":
                     for n in TUNABLE:
-                        choices[n] = (_value_of(self.base, n),)
+                        choices[n] = (getattr(self.base, n),)
                     continue
                 self._check_name(item, name)
-                choices[name] = (_value_of(self.base, name),)
+                choices[name] = (getattr(self.base, name),)
                 continue
             if "+=" in item:
                 name, _, raw = item.partition("+=")
@@ -174,7 +176,7 @@ class SearchSpace:
         if name not in TUNABLE:
             raise ConfigError(OPTION, f"{item!r}: unknown toggle {name!r}; known: {', '.join(TUNABLE)} (or -all)")
 
-    def _parse_value(self, item: str, name: str, raw: str, dev: DeviceInfo) -> Any:
+    def _parse_value(self, item: str, name: str, raw: str, dev: DeviceInfo | None) -> Any:
         if name in _BOOLS:
             low = raw.lower()
             if low in _TRUE:
@@ -183,22 +185,25 @@ class SearchSpace:
                 return False
             raise ConfigError(OPTION, f"{item!r}: {raw!r} is not on/off")
         if name in _INTS:
-            if name == "micro_batch" and raw == "auto":
-                return "auto"
+            if name == "micro_batch" and raw == AUTO:
+                return AUTO
             try:
                 v = int(raw)
             except ValueError:
                 raise ConfigError(OPTION, f"{item!r}: {raw!r} is not a whole number") from None
             low = 1 if name == "micro_batch" else 0
+            high = MAX_BATCH if name == "micro_batch" else MAX_THREADS
             if v < low:
                 raise ConfigError(OPTION, f"{item!r}: {v} must be at least {low}")
+            if v > high:
+                raise ConfigError(OPTION, f"{item!r}: {v} must be at most {high}")
             if name == "micro_batch" and self.per_rank % v:
                 raise ConfigError(OPTION, f"{item!r}: micro-batch {v} does not divide the per-rank batch "
                                           f"{self.per_rank} (the global batch stays fixed)")
             return v
         if raw not in CHOICES[name]:
             raise ConfigError(OPTION, f"{item!r}: {raw!r} is not one of {', '.join(map(str, CHOICES[name]))}")
-        reason = support(name, raw, dev)
+        reason = support(name, raw, dev) if dev is not None else None
         if reason:
             raise ConfigError(OPTION, f"{item!r}: {raw} is not supported on {dev.name}: {reason}")
         return raw
@@ -235,30 +240,27 @@ class SearchSpace:
         values.update({k: v for k, v in params.items() if k in self.choices})
         t = dataclasses.replace(self.base)
         for name, v in values.items():
-            setattr(t, name, str(v) if name == "micro_batch" else v)
+            setattr(t, name, v)
         return t
 
     def to_params(self, toggles: Toggles) -> dict[str, Any]:
         """The sampler's view of `toggles` (only non-frozen toggles). ValueError if outside the space."""
         if not self.contains(toggles):
             raise ValueError(f"{toggles} is outside the search space")
-        return {n: _value_of(toggles, n) for n in self.params}
+        return {n: getattr(toggles, n) for n in self.params}
 
     def contains(self, toggles: Toggles) -> bool:
-        try:
-            return all(_value_of(toggles, n) in self.choices[n] for n in TUNABLE)
-        except ValueError:  # a micro_batch that is neither an int nor auto
-            return False
+        return all(getattr(toggles, n) in self.choices[n] for n in TUNABLE)
 
     def clamp(self, toggles: Toggles) -> Toggles:
         """Nearest point in the space: values outside it are replaced by the base's or the first allowed."""
         t = dataclasses.replace(toggles)
         for n in TUNABLE:
-            v = _value_of(t, n)
+            v = getattr(t, n)
             if v not in self.choices[n]:
-                b = _value_of(self.base, n)
+                b = getattr(self.base, n)
                 v = b if b in self.choices[n] else self.choices[n][0]
-                setattr(t, n, str(v) if n == "micro_batch" else v)
+                setattr(t, n, v)
         return t
 
     def suggest(self, trial: Any) -> Toggles:

@@ -69,7 +69,8 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from trainer.contract.config import ConfigError, TrainConfig, Toggles
+from trainer.contract.config import ConfigError, TrainConfig, Toggles, section_from_dict
+from trainer.contract.inputs import check_storage
 from trainer.contract.device import DeviceInfo
 
 from .measure import median_ci
@@ -102,18 +103,14 @@ def storage_from_url(url: str | None = None) -> optuna.storages.BaseStorage:
         path = default_storage_path()
         path.parent.mkdir(parents=True, exist_ok=True)
         return _fast_local_sqlite(storage_from_url(f"sqlite:///{path}"))
+    check_storage(url)        # the one check of a storage URL, also run where the flag enters (gptop.cli)
     if url.startswith("journal:"):
         from optuna.storages import JournalStorage
         from optuna.storages.journal import JournalFileBackend
 
         path = Path(url[len("journal:"):]).expanduser()
-        if not str(path) or str(path) == ".":
-            raise ConfigError("--storage", f"{url!r}: journal:PATH needs a file path")
         path.parent.mkdir(parents=True, exist_ok=True)
         return JournalStorage(JournalFileBackend(str(path)))
-    if "://" not in url:
-        raise ConfigError("--storage", f"{url!r} is neither an Optuna storage URL (sqlite:///FILE, "
-                                       "postgresql://..., mysql://...) nor journal:PATH")
     kwargs: dict[str, Any] = {}
     if url.startswith("sqlite:///"):
         Path(url[len("sqlite:///"):]).expanduser().parent.mkdir(parents=True, exist_ok=True)
@@ -500,11 +497,22 @@ class TuneStudy:
                 est = float(t.value)
                 sp = float(ua.get("spread") or 0.0)
                 lo, hi = est - sp, est + sp
-            toggles = Toggles(**ua["toggles"]) if "toggles" in ua else self.space.to_toggles(t.params)
+            toggles = self.toggles_of(t)
             out.append(Candidate(t.number, toggles, est, (hi - lo) / 2, lo, hi, len(samples), len(remeasures),
                                  ua.get("overhead_s"), ua.get("run")))
         out.sort(key=lambda c: c.tokens_per_s, reverse=True)
         return out
+
+    def toggles_of(self, trial: Any) -> Toggles:
+        """The toggles a trial ran: its stored record (read as today's types, so an older version's
+        `micro_batch: "8"` is 8), or its sampled parameters where the record does not load."""
+        stored = trial.user_attrs.get("toggles")
+        if isinstance(stored, dict):
+            try:
+                return section_from_dict(Toggles, stored)
+            except ConfigError:
+                pass
+        return self.space.to_toggles(trial.params)
 
     def best_known(self) -> tuple[Toggles, float] | None:
         """The best feasible configuration learned so far and its tokens/s, or None: lets a session skip tuning."""

@@ -7,6 +7,8 @@
 - `capabilities`: which toggle values a device supports, runs slowly, or lacks.
 - `rundir`: the run-directory layout: run naming, checkpoint paths, listing,
   pruning and pinning.
+- `inputs`: the checks of every path a user gives (config, data, tokenizer, model,
+  resume, run directory, tuning storage), run where it enters.
 
 Nothing in this package imports torch at module level (a test enforces it), so
 `gptop --help` and the dashboard's first frame never wait for `import torch`.

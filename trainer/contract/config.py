@@ -5,18 +5,29 @@ command lines of `python -m trainer`, `gptop train` and `gptop tune` are all
 generated from these dataclasses, TOML files (`--config`, `best.toml`) use the
 section names as tables, and the tuner reads and writes `Toggles` only.
 
-A field's metadata carries its flag and help text so there is one spelling per
-idea. `choices` lists the allowed values of enumerated options.
+A field's metadata carries its flag, help text and what values it accepts, so
+there is one spelling per idea and one check per option: `choices` for
+enumerated options, a `Range` for every number (declaring a numeric option
+without one is an error at import), `words` for the few spelled-out values a
+number may also take (`micro_batch = "auto"`), `check` for a format, and
+`path` naming the input check of `trainer.contract.inputs` a path option gets.
+Values are converted and checked where they enter (a flag, a TOML file), with
+an error naming the flag or the file and key; `TrainConfig.validate` checks
+every field again from the same metadata.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import tomllib
+import math
+import os
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Literal, Union
+
+from .rundir import MAX_STEP
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8-tensorwise", "fp8-rowwise")
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
@@ -26,6 +37,16 @@ FAMILIES = ("llama", "deepseek", "llada")
 SIZES = ("tiny", "small", "medium", "large", "auto")
 NAN_POLICIES = ("rollback", "stop")
 PARALLEL = ("ddp", "fsdp")
+
+AUTO = "auto"
+MicroBatch = Union[int, Literal["auto"]]   # sequences per forward/backward, or "auto": the largest that fits
+
+# Upper limits of what the code handles (or what could mean anything): steps must fit the 8-digit checkpoint
+# names, a seed 63 bits (torch and numpy take it as a 64-bit integer), batches and sequences must fit memory.
+MAX_SEED = 2 ** 63 - 1
+MAX_SEQ_LEN = 1 << 20
+MAX_BATCH = 1 << 20
+MAX_THREADS = 256
 
 
 class ConfigError(ValueError):
@@ -37,42 +58,111 @@ class ConfigError(ValueError):
         self.message = message
 
 
+@dataclass(frozen=True)
+class Range:
+    """The accepted values of a numeric option: finite, from `low` to `high` (inclusive unless open)."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def problem(self, value: float) -> str | None:
+        """Why `value` is refused, or None."""
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{value} is not a finite number; accepted: {self}"
+        if isinstance(value, int) and value.bit_length() > 200:
+            return f"{show(value)} is out of range; accepted: {self}"
+        low, high = self.low, self.high
+        if (low is not None and (value < low or (self.low_open and value == low))) or \
+                (high is not None and (value > high or (self.high_open and value == high))):
+            return f"{value} is out of range; accepted: {self}"
+        return None
+
+    def __str__(self) -> str:
+        text = "x"
+        if self.low is not None:
+            text = f"{_num(self.low)} {'<' if self.low_open else '<='} {text}"
+        if self.high is not None:
+            text = f"{text} {'<' if self.high_open else '<='} {_num(self.high)}"
+        return text
+
+
+def show(value: Any, limit: int = 60) -> str:
+    """`repr(value)` cut to `limit` characters, for error messages about what a user gave."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def _num(v: float) -> str:
+    return str(v) if isinstance(v, int) or not float(v).is_integer() or abs(v) < 1e6 else f"{v:g}"
+
+
 def opt(default: Any, help: str, *, flag: str | None = None, choices: tuple | None = None,
-        metavar: str | None = None) -> Any:
-    """A config field with its command-line flag and help in one place."""
-    meta = {"help": help, "flag": flag, "choices": choices, "metavar": metavar}
+        metavar: str | None = None, kind: type | None = None, low: float | None = None, high: float | None = None,
+        low_open: bool = False, high_open: bool = False, words: tuple[str, ...] = (),
+        check: Callable[[Any], str | None] | None = None, path: str | None = None) -> Any:
+    """A config field with its command-line flag, help and accepted values in one place.
+
+    A number needs a range (`low`/`high`, inclusive unless `*_open`): a new numeric option cannot be
+    declared without saying which values make sense. `kind` is the value type where the annotation
+    is a union (`micro_batch`: int, or one of `words`); `check(value)` returns why a value is refused;
+    `path` names the check of `trainer.contract.inputs` for a path option."""
+    kind = kind or (type(default) if isinstance(default, (bool, int, float)) else None)
+    rng = None
+    if kind in (int, float):
+        if low is None and high is None:
+            raise TypeError(f"numeric option (default {default!r}) declared without a range: give low=/high=")
+        rng = Range(low, high, low_open, high_open)
+    meta = {"help": help, "flag": flag, "choices": choices, "metavar": metavar, "kind": kind, "range": rng,
+            "words": tuple(words), "check": check, "path": path}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
 
 
+def _device_format(value: str) -> str | None:
+    if re.fullmatch(r"auto|cpu|cuda(:\d{1,4})?", value):
+        return None
+    return f"{value!r} is not auto, cpu, cuda or cuda:N"
+
+
+def _step_range_format(value: str) -> str | None:
+    try:
+        parse_step_range(value)
+    except ConfigError as e:
+        return e.message
+    return None
+
+
 @dataclass
 class ModelConfig:
     model: str = opt("llama", "model family (llama, deepseek, llada) or a local Hugging Face model directory to fine-tune",
-                     metavar="FAMILY|PATH")
+                     metavar="FAMILY|PATH", path="model")
     size: str = opt("auto", "model size; auto picks the largest that fits this device", choices=SIZES)
 
 
 @dataclass
 class DataConfig:
     data: str = opt("builtin", "training text: builtin (offline corpus), or a .txt/.jsonl/.parquet file or folder",
-                    metavar="builtin|PATH")
+                    metavar="builtin|PATH", path="data")
     tokenizer: str | None = opt(None, "local Hugging Face tokenizer directory (default: the builtin BPE, vocab 8192)",
-                                metavar="DIR")
-    seq_len: int = opt(256, "tokens per sequence")
-    val_fraction: float = opt(0.01, "share of the tokens held out for validation")
+                                metavar="DIR", path="tokenizer")
+    seq_len: int = opt(256, "tokens per sequence", low=8, high=MAX_SEQ_LEN)
+    val_fraction: float = opt(0.01, "share of the tokens held out for validation", low=0, high=0.5, high_open=True)
 
 
 @dataclass
 class OptimConfig:
-    global_batch: int = opt(16, "sequences per optimizer step (fixed; micro-batch changes adjust accumulation)")
-    max_steps: int = opt(1000, "optimizer steps to train")
-    lr: float = opt(1e-3, "peak learning rate (linear warm-up, cosine decay)")
-    warmup_steps: int = opt(50, "learning-rate warm-up steps")
-    min_lr_ratio: float = opt(0.1, "final learning rate as a share of the peak")
-    weight_decay: float = opt(0.1, "AdamW weight decay")
-    grad_clip: float = opt(1.0, "gradient-norm clipping threshold (0 disables)")
-    seed: int = opt(1234, "seed for initialization, data order and masking")
+    global_batch: int = opt(16, "sequences per optimizer step (fixed; micro-batch changes adjust accumulation)",
+                            low=1, high=MAX_BATCH)
+    max_steps: int = opt(1000, "optimizer steps to train", low=1, high=MAX_STEP)
+    lr: float = opt(1e-3, "peak learning rate (linear warm-up, cosine decay)", low=0, low_open=True, high=1e6)
+    warmup_steps: int = opt(50, "learning-rate warm-up steps", low=0, high=MAX_STEP)
+    min_lr_ratio: float = opt(0.1, "final learning rate as a share of the peak", low=0, high=1)
+    weight_decay: float = opt(0.1, "AdamW weight decay", low=0, high=10)
+    grad_clip: float = opt(1.0, "gradient-norm clipping threshold (0 disables)", low=0, high=1e6)
+    seed: int = opt(1234, "seed for initialization, data order and masking", low=0, high=MAX_SEED)
 
 
 @dataclass
@@ -81,45 +171,48 @@ class Toggles:
 
     precision: str = opt("fp32", "numeric precision", choices=PRECISIONS)
     compile: str = opt("off", "torch.compile mode", choices=COMPILE_MODES)
-    micro_batch: str = opt("auto", "sequences per forward/backward (auto: largest that fits; accumulation is derived)",
-                           metavar="N|auto")
-    prefetch: int = opt(2, "batches prepared ahead of the step (0 disables)")
-    workers: int = opt(0, "loader worker threads (0: the prefetch thread builds batches)")
+    micro_batch: MicroBatch = opt(AUTO, "sequences per forward/backward (auto: largest that fits; accumulation is "
+                                  "derived)", metavar="N|auto", kind=int, words=(AUTO,), low=1, high=MAX_BATCH)
+    prefetch: int = opt(2, "batches prepared ahead of the step (0 disables)", low=0, high=MAX_THREADS)
+    workers: int = opt(0, "loader worker threads (0: the prefetch thread builds batches)", low=0, high=MAX_THREADS)
     fused_adamw: bool = opt(True, "use the fused AdamW kernel (one vectorized pass; --no-fused-adamw for the foreach loop)")
     activation_checkpointing: bool = opt(False, "recompute activations in backward to save memory")
     attention: str = opt("sdpa", "attention implementation", choices=ATTENTIONS)
     cuda_allocator: str = opt("default", "CUDA caching allocator mode", choices=ALLOCATORS)
 
     def micro_batch_int(self) -> int | None:
-        return None if self.micro_batch == "auto" else int(self.micro_batch)
+        """The fixed micro-batch, or None for auto."""
+        return None if self.micro_batch == AUTO else self.micro_batch
 
 
 @dataclass
 class CheckpointConfig:
-    checkpoint_every: int = opt(200, "optimizer steps between checkpoints (0: only at the end)")
-    keep_checkpoints: int = opt(3, "checkpoints to keep (older ones are deleted)")
+    checkpoint_every: int = opt(200, "optimizer steps between checkpoints (0: only at the end)", low=0, high=MAX_STEP)
+    keep_checkpoints: int = opt(3, "checkpoints to keep (older ones are deleted)", low=1, high=MAX_STEP)
     resume: str | None = opt(None, "resume from a checkpoint file or a run directory (its newest valid checkpoint)",
-                             metavar="PATH")
+                             metavar="PATH", path="resume")
 
 
 @dataclass
 class LogConfig:
-    log_every: int = opt(10, "optimizer steps between step events (loss is read back only then)")
-    eval_every: int = opt(100, "optimizer steps between validation losses (0 disables)")
-    eval_batches: int = opt(4, "micro-batches per validation")
+    log_every: int = opt(10, "optimizer steps between step events (loss is read back only then)", low=1, high=MAX_STEP)
+    eval_every: int = opt(100, "optimizer steps between validation losses (0 disables)", low=0, high=MAX_STEP)
+    eval_batches: int = opt(4, "micro-batches per validation (held in memory)", low=1, high=10_000)
     timing: bool = opt(True, "time the step phases (--no-timing to measure its overhead)")
     profile_steps: str | None = opt(None, "write a torch.profiler trace of steps A-B into the run directory",
-                                    metavar="A-B")
+                                    metavar="A-B", check=_step_range_format)
 
 
 @dataclass
 class RunConfig:
-    run_dir: str | None = opt(None, "run directory (default: runs/<time>-<model>-<size>)", metavar="DIR")
-    device: str = opt("auto", "torch device: auto, cpu, cuda, cuda:N")
+    run_dir: str | None = opt(None, "run directory (default: runs/<time>-<model>-<size>)", metavar="DIR",
+                              path="run_dir")
+    device: str = opt("auto", "torch device: auto, cpu, cuda, cuda:N", check=_device_format)
     nan_policy: str = opt("rollback", "on a non-finite loss: roll back to the last good checkpoint, or stop",
                           choices=NAN_POLICIES)
-    nan_retries: int = opt(3, "rollbacks allowed before stopping with an error")
-    nan_lr_factor: float = opt(0.5, "learning-rate multiplier applied at each NaN rollback")
+    nan_retries: int = opt(3, "rollbacks allowed before stopping with an error", low=0, high=1000)
+    nan_lr_factor: float = opt(0.5, "learning-rate multiplier applied at each NaN rollback", low=0, low_open=True,
+                               high=1)
     parallel: str = opt("ddp", "how several ranks (torchrun, gptop --nproc) share the model: ddp replicates it, "
                         "fsdp shards it (FSDP2); ignored with one process", choices=PARALLEL)
     channel: str | None = opt(None, "event/command channel given by the launcher (unix:PATH)", metavar="URI")
@@ -153,71 +246,82 @@ class TrainConfig:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], base: "TrainConfig | None" = None) -> "TrainConfig":
-        """Overlay a nested dict (TOML tables) on `base`; unknown keys are errors naming the key."""
+    def from_dict(cls, d: dict[str, Any], base: "TrainConfig | None" = None, *, text: bool = False) -> "TrainConfig":
+        """Overlay a nested dict (TOML tables) on `base`; unknown keys and bad values are errors naming the key.
+
+        `text`: the values are command-line text (`"0.1"`), converted here; otherwise they must already
+        have their type (TOML, JSON), except a number written as a string in a field that also takes
+        words (`micro_batch = "8"`, what config.toml files held before micro_batch was a number)."""
         cfg = dataclasses.replace(base) if base else cls()
         cfg = cls(**{name: dataclasses.replace(getattr(cfg, name)) for name in SECTIONS})
+        if not isinstance(d, dict):
+            raise ConfigError("(top level)", f"expected tables of options, got {type(d).__name__}")
         for section, values in d.items():
             if section not in SECTIONS:
-                raise ConfigError(f"[{section}]", f"unknown section; expected one of {', '.join(SECTIONS)}")
+                home = [s for s, c in SECTIONS.items() if section in {f.name for f in fields(c)}]
+                hint = f"; options belong in tables: [{home[0]}] {section} = ..." if home else ""
+                raise ConfigError(f"[{section}]", f"unknown section; expected one of {', '.join(SECTIONS)}{hint}")
             if not isinstance(values, dict):
-                raise ConfigError(f"[{section}]", "must be a table")
+                raise ConfigError(f"[{section}]", f"must be a table of options, got {type(values).__name__} "
+                                                  f"{show(values)}")
             obj = getattr(cfg, section)
             known = {f.name: f for f in fields(obj)}
             for key, value in values.items():
                 if key not in known:
                     raise ConfigError(f"{section}.{key}", f"unknown option; known: {', '.join(known)}")
-                setattr(obj, key, _coerce(known[key], value, f"{section}.{key}"))
+                setattr(obj, key, _coerce(known[key], value, f"{section}.{key}", text=text))
         return cfg
 
     @classmethod
-    def from_toml(cls, path: str | Path, base: "TrainConfig | None" = None) -> "TrainConfig":
-        p = Path(path)
+    def from_toml(cls, path: str | Path, base: "TrainConfig | None" = None, *,
+                  option: str = "--config") -> "TrainConfig":
+        """Load a TOML file (`--config`, best.toml, a run's config.toml); errors name `option`, the file and key."""
+        from .inputs import read_toml
+
+        data = read_toml(path, option)
         try:
-            with p.open("rb") as f:
-                data = tomllib.load(f)
-        except FileNotFoundError:
-            raise ConfigError("--config", f"{p} does not exist") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError("--config", f"{p} is not valid TOML: {e}") from None
-        return cls.from_dict(data, base)
+            return cls.from_dict(data, base)
+        except ConfigError as e:
+            raise ConfigError(f"{option} {path}", f"{e.option}: {e.message}") from None
 
     def to_toml(self) -> str:
         import tomli_w
 
         return tomli_w.dumps(_drop_none(self.to_dict()))
 
-    def validate(self) -> None:
-        """Checks that need no device. Device support is checked by trainer.contract.capabilities."""
-        for section in SECTIONS:
-            obj = getattr(self, section)
-            for f in fields(obj):
-                choices = f.metadata.get("choices")
-                value = getattr(obj, f.name)
-                if choices and value not in choices:
-                    raise ConfigError(flag_of(f), f"{value!r} is not one of {', '.join(choices)}")
-        t, o, d, c, lg = self.toggles, self.optim, self.data, self.checkpoint, self.log
-        if t.micro_batch != "auto":
-            try:
-                mb = int(t.micro_batch)
-            except ValueError:
-                raise ConfigError("--micro-batch", f"{t.micro_batch!r} is neither an integer nor 'auto'") from None
-            if mb < 1:
-                raise ConfigError("--micro-batch", "must be at least 1")
-        for flag, value, low in (("--seq-len", d.seq_len, 8), ("--global-batch", o.global_batch, 1),
-                                 ("--max-steps", o.max_steps, 1), ("--log-every", lg.log_every, 1),
-                                 ("--keep-checkpoints", c.keep_checkpoints, 1), ("--prefetch", t.prefetch, 0),
-                                 ("--workers", t.workers, 0), ("--checkpoint-every", c.checkpoint_every, 0),
-                                 ("--eval-every", lg.eval_every, 0), ("--warmup-steps", o.warmup_steps, 0),
-                                 ("--eval-batches", lg.eval_batches, 1), ("--nan-retries", self.run.nan_retries, 0)):
-            if value < low:
-                raise ConfigError(flag, f"must be at least {low}, got {value}")
-        if not o.lr > 0:
-            raise ConfigError("--lr", f"must be positive, got {o.lr}")
-        if not 0 <= d.val_fraction < 0.5:
-            raise ConfigError("--val-fraction", f"must be in [0, 0.5), got {d.val_fraction}")
-        if lg.profile_steps is not None:
-            parse_step_range(lg.profile_steps)
+    def items(self) -> list[tuple[str, dataclasses.Field, Any]]:
+        """(section, field, value) of every option."""
+        return [(s, f, getattr(getattr(self, s), f.name)) for s in SECTIONS for f in fields(SECTIONS[s])]
+
+    def validate(self, world_size: int = 1) -> None:
+        """Checks that need no device, every field from its metadata (type, choices, range, format), then the
+        relations between fields. Device support is checked by trainer.contract.capabilities, paths by
+        trainer.contract.inputs."""
+        for _, f, value in self.items():
+            problem = _type_problem(f, value) or _value_problem(f, value)
+            if problem:
+                raise ConfigError(flag_of(f), problem)
+        o, mb = self.optim, self.toggles.micro_batch
+        if world_size < 1:
+            raise ConfigError("--nproc", f"must be at least 1, got {world_size}")
+        if o.global_batch % world_size:
+            raise ConfigError("--global-batch", f"{o.global_batch} sequences cannot be split evenly over "
+                                                f"{world_size} ranks; use a multiple of {world_size}")
+        if self.log.profile_steps is not None and parse_step_range(self.log.profile_steps)[0] > o.max_steps:
+            raise ConfigError("--profile-steps", f"{self.log.profile_steps} starts after the last step "
+                                                 f"(--max-steps {o.max_steps}): no trace would be written")
+        per_rank = o.global_batch // world_size
+        if mb != AUTO and per_rank % mb:
+            over = f" ({o.global_batch} over {world_size} ranks)" if world_size > 1 else ""
+            raise ConfigError("--micro-batch", f"{mb} does not divide the per-rank batch {per_rank}{over}; "
+                                               f"pick a divisor of {per_rank} or auto")
+
+
+def section_from_dict(cls: type, values: dict[str, Any]) -> Any:
+    """One section (e.g. `Toggles`) from stored values (a study's record, a report's JSON), each converted and
+    checked as in a TOML file, so a value stored by an older version (`micro_batch: "8"`) reads as today's."""
+    name = next(n for n, c in SECTIONS.items() if c is cls)
+    return getattr(TrainConfig.from_dict({name: values}), name)
 
 
 def parse_step_range(text: str) -> tuple[int, int]:
@@ -225,8 +329,8 @@ def parse_step_range(text: str) -> tuple[int, int]:
         a, b = (int(x) for x in text.split("-"))
     except ValueError:
         raise ConfigError("--profile-steps", f"{text!r} is not A-B, e.g. 10-12") from None
-    if not 0 <= a <= b:
-        raise ConfigError("--profile-steps", f"{text!r}: need 0 <= A <= B")
+    if not 0 <= a <= b <= MAX_STEP:
+        raise ConfigError("--profile-steps", f"{text!r}: need 0 <= A <= B <= {MAX_STEP}")
     return a, b
 
 
@@ -234,31 +338,22 @@ def flag_of(f: dataclasses.Field) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
+def range_of(f: dataclasses.Field) -> Range | None:
+    """The accepted range of a numeric field (None for the others)."""
+    return f.metadata.get("range")
+
+
 def _drop_none(d: dict) -> dict:
     return {k: (_drop_none(v) if isinstance(v, dict) else v) for k, v in d.items() if v is not None}
 
 
-def _coerce(f: dataclasses.Field, value: Any, where: str) -> Any:
-    kind = _kind(f)
-    if value is None:
-        return None
-    try:
-        if kind is bool:
-            if isinstance(value, bool):
-                return value
-            if str(value).lower() in ("1", "true", "yes", "on"):
-                return True
-            if str(value).lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
-        if kind is int and isinstance(value, float) and not value.is_integer():
-            raise ValueError
-        return kind(value)
-    except (TypeError, ValueError):
-        raise ConfigError(where, f"{value!r} is not a valid {kind.__name__}") from None
+_TYPE_NAMES = {bool: "true or false", int: "a whole number", float: "a number", str: "a string"}
 
 
-def _kind(f: dataclasses.Field) -> type:
+def kind_of(f: dataclasses.Field) -> type:
+    """The value type of a field: bool, int, float or str."""
+    if f.metadata.get("kind"):
+        return f.metadata["kind"]
     t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
     for name, kind in (("bool", bool), ("int", int), ("float", float)):
         if t.startswith(name):
@@ -266,13 +361,139 @@ def _kind(f: dataclasses.Field) -> type:
     return str
 
 
+def optional(f: dataclasses.Field) -> bool:
+    return "None" in (f.type if isinstance(f.type, str) else str(f.type))
+
+
+def _expected(f: dataclasses.Field) -> str:
+    words = " or ".join(repr(w) for w in f.metadata.get("words", ()))
+    return f"{_TYPE_NAMES[kind_of(f)]}" + (f" or {words}" if words else "")
+
+
+def _type_problem(f: dataclasses.Field, value: Any) -> str | None:
+    """Why `value` does not have the field's type (for configs built in code), or None."""
+    kind = kind_of(f)
+    if value is None:
+        return None if optional(f) else f"must be given ({_expected(f)})"
+    if isinstance(value, str) and value in f.metadata.get("words", ()):
+        return None
+    ok = isinstance(value, bool) if kind is bool else (
+        isinstance(value, kind) and not isinstance(value, bool) if kind is not float else
+        isinstance(value, (int, float)) and not isinstance(value, bool))
+    return None if ok else f"{show(value)} is not {_expected(f)}"
+
+
+def _value_problem(f: dataclasses.Field, value: Any) -> str | None:
+    """Why a value of the right type is refused (choices, range, format), or None."""
+    if value is None or (isinstance(value, str) and value in f.metadata.get("words", ())):
+        return None
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        return f"{show(value)} is not one of {', '.join(choices)}"
+    rng = range_of(f)
+    if rng is not None and isinstance(value, (int, float)) and not isinstance(value, bool):
+        problem = rng.problem(value)
+        if problem:
+            return problem
+    if f.metadata.get("path") and isinstance(value, str) and not value.strip():
+        return "is empty; give a path"
+    check = f.metadata.get("check")
+    if check is not None and isinstance(value, str):
+        return check(value)
+    return None
+
+
+def parse_number(kind: type, value: Any, *, text: bool = True) -> int | float:
+    """`value` as an int or float; ValueError if it is not one. Integral floats are whole numbers (`1e3`).
+
+    `text`: `value` may be command-line text; otherwise it must already be a number (TOML, JSON)."""
+    if isinstance(value, bool):
+        raise ValueError(value)
+    if isinstance(value, str) and text:
+        s = value.strip()
+        try:
+            return int(s) if kind is int else float(s)
+        except ValueError:
+            value = float(s)          # `1e3` for a whole number; raises ValueError for words
+    if not isinstance(value, (int, float)):
+        raise ValueError(value)
+    if kind is float:
+        return float(value)
+    if isinstance(value, float):
+        if not value.is_integer():   # nan and inf are not integers either
+            raise ValueError(value)
+        return int(value)
+    return value
+
+
+def _coerce(f: dataclasses.Field, value: Any, where: str, *, text: bool = False) -> Any:
+    """Convert and check one value where it enters; ConfigError naming `where` (a flag or `section.key`)."""
+    kind = kind_of(f)
+    words = f.metadata.get("words", ())
+    if value is None:
+        if optional(f):
+            return None
+        raise ConfigError(where, f"must be given ({_expected(f)})")
+    if isinstance(value, str) and value.strip() in words:
+        return value.strip()
+    try:
+        if kind is bool:
+            if isinstance(value, bool):
+                converted: Any = value
+            elif text and str(value).lower() in ("1", "true", "yes", "on"):
+                converted = True
+            elif text and str(value).lower() in ("0", "false", "no", "off"):
+                converted = False
+            else:
+                raise ValueError
+        elif kind in (int, float):
+            converted = parse_number(kind, value, text=text or bool(words))
+        elif isinstance(value, str):
+            # a path is read once here: `~` expanded (a TOML file has no shell to do it), so what the input
+            # checks look at is what the run uses
+            converted = os.path.expanduser(value) if f.metadata.get("path") else value
+        else:
+            raise ValueError
+    except (TypeError, ValueError, OverflowError):
+        if kind is int and isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
+            raise ConfigError(where, f"{show(value)} has too many digits; accepted: {range_of(f)}") from None
+        accepted = f"; accepted: {range_of(f)}" if range_of(f) else ""
+        raise ConfigError(where, f"{show(value)} is not {_expected(f)}{accepted}") from None
+    problem = _value_problem(f, converted)
+    if problem:
+        raise ConfigError(where, problem)
+    return converted
+
+
+def number_arg(kind: type, low: float | None = None, high: float | None = None, *, low_open: bool = False,
+               high_open: bool = False) -> Callable[[str], int | float]:
+    """An argparse `type=` for a numeric flag that is not a config option (gptop's own: --interval, --nproc),
+    converted and range-checked like the config's numbers; a refusal names the value and the range."""
+    rng = Range(low, high, low_open, high_open)
+
+    def convert(text: str) -> int | float:
+        try:
+            value = parse_number(kind, text)
+        except (TypeError, ValueError, OverflowError):
+            raise argparse.ArgumentTypeError(f"{show(text)} is not {_TYPE_NAMES[kind]}; accepted: {rng}") from None
+        problem = rng.problem(value)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+    convert.__name__ = kind.__name__
+    convert.range = rng              # type: ignore[attr-defined]   (what --help and the tests read)
+    return convert
+
+
 # --- command line ----------------------------------------------------------------
 
 def add_arguments(parser: argparse.ArgumentParser, sections: tuple[str, ...] = tuple(SECTIONS)) -> None:
-    """Add every option of the given sections to `parser`, with its default shown in --help.
+    """Add every option of the given sections to `parser`, with its default and range shown in --help.
 
     Defaults on the parser are SUPPRESS so that `config_from_args` can tell which
-    options the user typed (those override `--config`).
+    options the user typed (those override `--config`); values are converted and
+    checked there, so a flag and the same key in a TOML file get the same checks.
     """
     parser.add_argument("--config", metavar="TOML", default=argparse.SUPPRESS,
                         help="load options from a TOML file (tables per section); flags override it")
@@ -283,10 +504,10 @@ def add_arguments(parser: argparse.ArgumentParser, sections: tuple[str, ...] = t
         for f in fields(obj):
             flag = flag_of(f)
             default = getattr(obj, f.name)
-            kind = _kind(f)
+            kind = kind_of(f)
             help_text = f.metadata["help"]
             if "default" not in help_text:
-                help_text += f" (default: {default})"
+                help_text += f" (default: {default}" + (f"; {range_of(f)}" if range_of(f) else "") + ")"
             if kind is bool:
                 group.add_argument(flag, dest=f"{section}.{f.name}", action=argparse.BooleanOptionalAction,
                                    default=argparse.SUPPRESS, help=help_text)
@@ -295,19 +516,22 @@ def add_arguments(parser: argparse.ArgumentParser, sections: tuple[str, ...] = t
                                    type=str, choices=f.metadata.get("choices"),
                                    metavar=f.metadata.get("metavar") or (None if f.metadata.get("choices")
                                                                           else _METAVARS.get(kind)),
-                                   help=help_text)
+                                   help=help_text.replace("%", "%%"))
 
 
 _METAVARS = {int: "N", float: "X", str: "VALUE"}
 
 
-def config_from_args(ns: argparse.Namespace, base: TrainConfig | None = None) -> TrainConfig:
+def config_from_args(ns: argparse.Namespace, base: TrainConfig | None = None, *, world_size: int = 1,
+                     check_paths: bool = True) -> TrainConfig:
     """Build a TrainConfig: `base` (defaults, or a resumed run's config), then `--config` TOML, then typed flags.
 
-    Raises ConfigError naming the flag."""
+    Every value is checked where it enters, the whole config by `validate`, and every path option by
+    `trainer.contract.inputs` (`check_paths`) before anything is started or created.
+    Raises ConfigError naming the flag, or the file and key."""
     cfg = base or TrainConfig()
     path = getattr(ns, "config", None)
-    if path:
+    if path is not None:
         cfg = TrainConfig.from_toml(path, cfg)
     overrides: dict[str, dict[str, Any]] = {}
     for key, value in vars(ns).items():
@@ -316,10 +540,14 @@ def config_from_args(ns: argparse.Namespace, base: TrainConfig | None = None) ->
             overrides.setdefault(section, {})[name] = value
     flags = {f"{s}.{f.name}": flag_of(f) for s in SECTIONS for f in fields(SECTIONS[s])}
     try:
-        cfg = TrainConfig.from_dict(overrides, cfg)
+        cfg = TrainConfig.from_dict(overrides, cfg, text=True)
     except ConfigError as e:
         raise ConfigError(flags.get(e.option, e.option), e.message) from None
-    cfg.validate()
+    cfg.validate(world_size)
+    if check_paths:
+        from .inputs import check_config_paths
+
+        check_config_paths(cfg)
     return cfg
 
 
@@ -337,7 +565,7 @@ def cli_args(cfg: TrainConfig, base: TrainConfig | None = None, *, full: bool = 
             if va is None or (va == vb and not full):
                 continue
             flag = flag_of(f)
-            if _kind(f) is bool:
+            if kind_of(f) is bool:
                 args.append(flag if va else "--no-" + flag[2:])
             else:
                 args += [flag, str(va)]

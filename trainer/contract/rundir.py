@@ -43,7 +43,9 @@ PROFILES = "profiles"
 PINS = "pins.json"
 TUNING_JSON, TUNING_MD, BEST_TOML = "tuning.json", "tuning.md", "best.toml"
 
-_CKPT_NAME = re.compile(r"^step-(\d{8})\.(pt|dcp)$")
+STEP_DIGITS = 8
+MAX_STEP = 10 ** STEP_DIGITS - 1     # checkpoint names hold 8 digits: the largest step a run can reach
+_CKPT_NAME = re.compile(rf"^step-(\d{{{STEP_DIGITS}}})\.(pt|dcp)$")
 
 
 class RunDir:
@@ -101,19 +103,19 @@ def default_run_dir(cfg: "TrainConfig") -> str:
 def resume_config(target: str | None) -> "TrainConfig | None":
     """The configuration a resumed run starts from: its run directory's config.toml (flags override it).
 
-    `target` is a run directory or a checkpoint in one; None when it has no config.toml."""
-    from .config import ConfigError, TrainConfig
+    `target` is a run directory or a checkpoint in one (checked by trainer.contract.inputs: a ConfigError
+    if there is nothing to resume); None when its run directory has no config.toml."""
+    from .config import TrainConfig
+    from .inputs import check_resume
 
     if not target:
         return None
-    p = Path(target)
+    p = check_resume(target)
     run_dir = p if p.is_dir() and not is_sharded(p) else p.parent.parent
     toml = run_dir / CONFIG
-    if not toml.is_file():
-        if not p.exists():
-            raise ConfigError("--resume", f"{p} does not exist")
+    if not toml.exists():
         return None
-    cfg = TrainConfig.from_toml(toml)
+    cfg = TrainConfig.from_toml(toml, option="--resume")
     cfg.run.run_dir = str(run_dir)
     cfg.checkpoint.resume = None
     cfg.run.channel = None
@@ -139,12 +141,12 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
 
 def path_for(run_dir: str | Path, step: int) -> Path:
     """A one-process checkpoint file."""
-    return checkpoint_dir(run_dir) / f"step-{step:08d}.pt"
+    return checkpoint_dir(run_dir) / f"step-{step:0{STEP_DIGITS}d}.pt"
 
 
 def dcp_path_for(run_dir: str | Path, step: int) -> Path:
     """A sharded (torch.distributed.checkpoint) checkpoint directory."""
-    return checkpoint_dir(run_dir) / f"step-{step:08d}.dcp"
+    return checkpoint_dir(run_dir) / f"step-{step:0{STEP_DIGITS}d}.dcp"
 
 
 def is_sharded(path: str | Path) -> bool:
