@@ -426,7 +426,9 @@ def _load_pretrained(path: str, *, vocab_size: int, seq_len: int, toggles: Toggl
         # A bidirectional model (a llada export): keep it bidirectional and train it as llada.
         _make_bidirectional(model)
         objective = "llada"
-        mask = mask_id if mask_id is not None else getattr(cfg, "mask_token_id", None)
+        # The model's own mask token (what it learned to fill in) wins over the data tokenizer's.
+        mask = getattr(cfg, "mask_token_id", None)
+        mask = mask_id if mask is None else int(mask)
         if mask is None:
             raise ConfigError("--model", f"{path} is a bidirectional model without a mask_token_id in its "
                               "config.json, and the data gives none")
