@@ -188,6 +188,30 @@ def test_gptop_rejects_bad_input_before_starting_anything(tmp_path, monkeypatch,
     assert cli.main(["--no-ui", "sample", str(tmp_path / "nope"), "--json"]) == 2
 
 
+def test_gptop_runs_a_tool_to_its_end(monkeypatch):
+    """Exit codes pass through; a tool past its time limit, or asked to stop, is ended, not left behind."""
+    import threading
+
+    import psutil
+
+    from gptop import tools as gtools
+
+    def script(code: str):
+        monkeypatch.setattr(tools, "tool_command", lambda module, argv: [sys.executable, "-c", code])
+
+    script("import sys; sys.exit(2)")
+    assert gtools.run_tool("x", []) == 2
+    script("import time; time.sleep(60)")
+    children = lambda: [c for c in psutil.Process().children() if "time.sleep(60)" in " ".join(c.cmdline())]
+    t0 = time.monotonic()
+    assert gtools.run_tool("x", [], timeout=1) == 1 and time.monotonic() - t0 < 30
+    assert children() == []
+    before = signal.getsignal(signal.SIGTERM)
+    threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+    assert gtools.run_tool("x", []) == 130                 # SIGTERM to gptop reaches the tool
+    assert children() == [] and signal.getsignal(signal.SIGTERM) == before
+
+
 # --- llada's reverse process on a predictor whose confidences are known ---------------------------
 
 MASK, VOCAB, ROWS = 1, 10, 12         # ids 10, 11: padding rows of the model's vocabulary

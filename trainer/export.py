@@ -388,7 +388,7 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def run_tool(name: str, work: Callable[[], int]) -> int:
+def tool_main(name: str, work: Callable[[], int]) -> int:
     """Exit codes and messages shared by the tools: 0 done, 1 failed, 2 bad input, 130 interrupted."""
     from .dist import die_with_parent
 
@@ -404,7 +404,7 @@ def run_tool(name: str, work: Callable[[], int]) -> int:
     except ConfigError as e:
         print(f"{name}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except (ExportError, ckpt.CorruptCheckpoint) as e:
+    except (ExportError, ckpt.CorruptCheckpoint, TimeoutError) as e:
         print(f"{name}: error: {e}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:
@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
         return EXIT_OK
 
-    return run_tool("export", work)
+    return tool_main("export", work)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import torch
 
 from .contract import tools
 from .contract.tools import SampleResult
-from .export import EXIT_OK, LoadedModel, eos_id, load_for_inference, run_tool, stderr_log
+from .export import EXIT_OK, LoadedModel, eos_id, load_for_inference, stderr_log, tool_main
 
 log = stderr_log("sample")
 
@@ -197,11 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
 
     def work() -> int:
-        try:
-            result = sample(ns, started)
-        except TimeoutError as e:
-            print(f"sample: error: {e}", file=sys.stderr)
-            return 1
+        result = sample(ns, started)
         if ns.json:
             print(result.to_json(), flush=True)
         else:
@@ -212,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"stopped at {result.stopped}")
         return EXIT_OK
 
-    return run_tool("sample", work)
+    return tool_main("sample", work)
 
 
 if __name__ == "__main__":
