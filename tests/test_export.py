@@ -322,6 +322,19 @@ def test_export_round_trip(runs, tmp_path, family):
         assert gen["eos_token_id"] == tok.eos_token_id and gen["pad_token_id"] == tok.pad_token_id
 
 
+def test_the_documented_snippet_runs(runs, tmp_path, capsys):
+    """docs/models.md's three lines of plain transformers, on an export of a run."""
+    import re
+
+    from trainer.export import export
+
+    export(export_ns(runs["llama"], tmp_path / "hf"), log=quiet)
+    code = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "models.md").read_text(), re.S)[0]
+    assert len(code.strip().splitlines()) == 3 and '"hf/demo"' in code
+    exec(code.replace('"hf/demo"', repr(str(tmp_path / "hf"))), {})
+    assert capsys.readouterr().out.startswith("def main(")
+
+
 def test_gptop_restores_a_llada_export(runs, tmp_path):
     """Loading an export back (`--model OUT_DIR`): bidirectional attention and the llada objective and mask."""
     from trainer.export import export
