@@ -5,6 +5,8 @@
     gptop train --resume RUN_DIR         continue a run from its newest valid checkpoint
     gptop tune --budget 30m [options]    train while tuning the toggles on the live run
     gptop report RUN_DIR                 summarize a run
+    gptop export RUN_DIR OUT_DIR         write a checkpoint as a Hugging Face model directory
+    gptop sample RUN_DIR --prompt TEXT   generate text from a checkpoint
     gptop                                monitor: device dashboard, attach to or replay a run
 
 Global flags (before or after the command): --no-ui, --json, --interval.
@@ -23,6 +25,7 @@ from typing import Any
 from trainer.contract import inputs
 from trainer.contract.config import ConfigError, TrainConfig, add_arguments, config_from_args, number_arg
 from trainer.contract.rundir import default_run_dir, resume_config
+from trainer.contract.tools import add_export_arguments, add_sample_arguments
 
 from .session import EXIT_DONE, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, Session, SessionOptions
 
@@ -141,6 +144,14 @@ def build_parser() -> Parser:
     report = sub.add_parser("report", help="summarize a run directory")
     _global_flags(report, suppress=True)
     report.add_argument("run_dir", metavar="RUN_DIR", type=inputs.path_arg(inputs.check_run_to_read, "RUN_DIR"))
+    for name, add, help in (("export", add_export_arguments, "write a run's checkpoint as a Hugging Face model "
+                             "directory (safetensors, config, tokenizer) that plain transformers loads"),
+                            ("sample", add_sample_arguments, "generate text from a run's checkpoint")):
+        p = sub.add_parser(name, help=help, description=help)
+        add(p, json_flag=False)         # --json and --no-ui are the global flags (no UI either way)
+        p.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print the result as one "
+                       "JSON line (progress stays on stderr)")
+        p.add_argument("--no-ui", dest="no_ui", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser
 
 
@@ -154,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
             from .report import print_report
 
             return print_report(Path(ns.run_dir), json_out=ns.json)
+        if ns.command in ("export", "sample"):
+            from .tools import cmd_export, cmd_sample
+
+            return cmd_export(ns) if ns.command == "export" else cmd_sample(ns)
         from .monitor import run_monitor
 
         return run_monitor(ns)

@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TORCH_FREE = ["trainer.contract.config", "trainer.contract.events", "trainer.contract.device",
               "trainer.contract.capabilities", "trainer.contract.rundir", "trainer.contract.atomic", "trainer.contract.inputs",
               "gptop.cli", "gptop.session", "gptop.tuning", "gptop.ui.app", "gptop.monitor", "gptop.headless",
-              "gptop.report", "tuner.controller", "tuner.study", "tuner.space", "tuner.report"]
+              "gptop.report", "gptop.tools", "trainer.contract.tools", "tuner.controller", "tuner.study", "tuner.space",
+              "tuner.report"]
 
 
 @pytest.mark.parametrize("module", TORCH_FREE)

@@ -127,18 +127,8 @@ def load_data(cfg: DataConfig, *, cache_dir: Path | str | None = None, log: Log 
     """
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     tok = tokenizer_info(cfg, cache, log)
-    if cfg.data == "builtin":
-        files = builtin_files()
-        root = _stdlib_root()
-        label = f"builtin corpus ({len(files)} Python stdlib files)"
-        data_fp = _hash(["builtin", sys.version, [(f.relative_to(root).as_posix(), f.stat().st_size) for f in files]])
-        docs: Callable[[], Iterator[tuple[str, bool, int]]] = lambda: _read_builtin(files)
-    else:
-        files = _data_files(cfg.data)
-        label = f"{cfg.data} ({len(files)} file{'s' if len(files) != 1 else ''})"
-        data_fp = _hash(["files", [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]])
-        docs = lambda: _read_files(files)
-    key = _hash([FORMAT_VERSION, data_fp, tok.fingerprint])[:24]
+    files, label, data_fp, docs = _source(cfg)
+    key = _cache_key(data_fp, tok)
     bin_path = cache / "tokens" / f"{key}.bin"
     meta = _read_meta(bin_path)
     if meta is None:
@@ -152,6 +142,36 @@ def load_data(cfg: DataConfig, *, cache_dir: Path | str | None = None, log: Log 
         log(f"data: using cached tokens {bin_path} ({meta['count']:,} tokens of {label})")
     tokens = np.memmap(bin_path, dtype=np.dtype(meta["dtype"]), mode="r", shape=(meta["count"],))
     return _split(tokens, cfg, tok, key, log)
+
+
+def data_fingerprint(cfg: DataConfig, tok: TokenizerInfo) -> str:
+    """`TokenData.fingerprint` of `load_data(cfg)` with tokenizer `tok`, without reading the text.
+
+    A run records it in its hello event; comparing it later tells whether this environment
+    still gives the tokenizer the run trained with (the builtin one is rebuilt from the stdlib)."""
+    return _fingerprint(_cache_key(_source(cfg)[2], tok), cfg.val_fraction)
+
+
+def _source(cfg: DataConfig) -> tuple[list[Path], str, str, Callable[[], Iterator[tuple[str, bool, int]]]]:
+    """The corpus files of `cfg.data`, a label for messages, their fingerprint and a document reader."""
+    if cfg.data == "builtin":
+        files = builtin_files()
+        root = _stdlib_root()
+        label = f"builtin corpus ({len(files)} Python stdlib files)"
+        data_fp = _hash(["builtin", sys.version, [(f.relative_to(root).as_posix(), f.stat().st_size) for f in files]])
+        return files, label, data_fp, lambda: _read_builtin(files)
+    files = _data_files(cfg.data)
+    label = f"{cfg.data} ({len(files)} file{'s' if len(files) != 1 else ''})"
+    data_fp = _hash(["files", [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]])
+    return files, label, data_fp, lambda: _read_files(files)
+
+
+def _cache_key(data_fp: str, tok: TokenizerInfo) -> str:
+    return _hash([FORMAT_VERSION, data_fp, tok.fingerprint])[:24]
+
+
+def _fingerprint(key: str, val_fraction: float) -> str:
+    return _hash([key, repr(float(val_fraction))])[:16]
 
 
 def _split(tokens: np.ndarray, cfg: DataConfig, tok: TokenizerInfo, key: str, log: Log) -> TokenData:
@@ -170,7 +190,7 @@ def _split(tokens: np.ndarray, cfg: DataConfig, tok: TokenizerInfo, key: str, lo
                           "or use --val-fraction 0 to train without validation")
     log(f"data: {n_train:,} train / {n_val:,} validation tokens, vocab {tok.vocab_size}")
     return TokenData(train=tokens[:n_train], val=tokens[n_train:], vocab_size=tok.vocab_size, eos_id=tok.eos_id,
-                     mask_id=tok.mask_id, fingerprint=_hash([key, repr(float(cfg.val_fraction))])[:16],
+                     mask_id=tok.mask_id, fingerprint=_fingerprint(key, cfg.val_fraction),
                      tokenizer_path=tok.path)
 
 

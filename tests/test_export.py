@@ -1,0 +1,591 @@
+"""`gptop export` and `gptop sample`: a run's model as a Hugging Face directory, and text from it.
+
+The fast tests train three tiny runs in this process (one per family, checkpoints at steps 2
+and 4) and export and sample them in-process; the slow ones run the real commands
+(`gptop export|sample|train --model OUT`), a checkpoint written by two ranks (DCP), and load
+every export in a Python that cannot import gptop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY
+from trainer.contract import rundir, tools
+from trainer.contract.config import ConfigError, ModelConfig, Toggles
+from trainer.contract.device import DeviceInfo
+from trainer.contract.tools import SampleResult
+
+FAMILIES = ("llama", "deepseek", "llada")
+CPU = DeviceInfo(type="cpu", name="test-cpu", cpu_count=2, total_memory=8 << 30)
+
+
+def train_in_process(run_dir: Path, *args: str) -> None:
+    from trainer.cli import parse_config
+    from trainer.train import EXIT_OK, main_run
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        assert main_run(parse_config([*TINY, "--run-dir", str(run_dir), *args])) == EXIT_OK
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """One tiny run per family, 4 steps, checkpoints at steps 2 and 4 (one-file)."""
+    base = tmp_path_factory.mktemp("export-runs")
+    out = {}
+    for family in FAMILIES:
+        out[family] = base / family
+        train_in_process(out[family], "--model", family, "--max-steps", "4", "--checkpoint-every", "2",
+                         "--lr", "3e-3")
+    return out
+
+
+def export_ns(run_dir: Path, out_dir: Path, step: int | None = None, force: bool = False) -> argparse.Namespace:
+    return argparse.Namespace(run_dir=str(run_dir), out_dir=str(out_dir), step=step, force=force, json=True)
+
+
+def sample_ns(path: Path, **kw) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    tools.add_sample_arguments(p)
+    ns = p.parse_args([str(path)])
+    for k, v in kw.items():
+        setattr(ns, k, v)
+    return ns
+
+
+def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+quiet = lambda msg: None  # noqa: E731
+
+
+# --- the contract: arguments and checks, without torch ------------------------------------------
+
+def fake_run(tmp_path: Path, steps=(2, 4)) -> Path:
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.toml").write_text("")
+    for s in steps:
+        rundir.path_for(run, s).write_bytes(b"x")
+    return run
+
+
+@pytest.mark.parametrize("case, option", [
+    (lambda t, run: export_ns(t / "missing", t / "out"), "RUN_DIR"),
+    (lambda t, run: export_ns(run / "config.toml", t / "out"), "RUN_DIR"),
+    (lambda t, run: export_ns(t, t / "out"), "RUN_DIR"),                         # not a run
+    (lambda t, run: export_ns(run, t / "out", step=3), "--step"),
+    (lambda t, run: export_ns(run, t / "out", step=-1), "--step"),
+    (lambda t, run: export_ns(run, run / "config.toml"), "OUT_DIR"),             # a file
+    (lambda t, run: export_ns(run, run), "OUT_DIR"),                             # the run itself
+    (lambda t, run: export_ns(run, t, force=True), "OUT_DIR"),                   # holds the run
+    (lambda t, run: export_ns(run, run / "checkpoints"), "OUT_DIR"),             # not empty
+])
+def test_export_checks_name_the_option(tmp_path, case, option):
+    run = fake_run(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        tools.check_export(case(tmp_path, run))
+    assert e.value.option == option, str(e.value)
+
+
+def test_export_check_accepts_new_empty_or_forced_out_dirs(tmp_path):
+    run = fake_run(tmp_path)
+    assert [c.step for c in tools.check_export(export_ns(run, tmp_path / "new"))] == [4, 2]   # newest first
+    (tmp_path / "empty").mkdir()
+    assert [c.step for c in tools.check_export(export_ns(run, tmp_path / "empty", step=2))] == [2]
+    assert tools.check_export(export_ns(run, run / "checkpoints", force=True))
+    assert tools.check_export(export_ns(run, run / "hf"))                    # inside the run is fine
+    (run / "checkpoints" / "step-00000004.pt").unlink()
+    (run / "checkpoints" / "step-00000002.pt").unlink()
+    with pytest.raises(ConfigError, match="no checkpoint yet"):
+        tools.check_export(export_ns(run, tmp_path / "new"))
+
+
+@pytest.mark.parametrize("change, option", [
+    ({"max_new_tokens": 0}, "--max-new-tokens"), ({"temperature": -0.5}, "--temperature"),
+    ({"temperature": float("nan")}, "--temperature"), ({"diffusion_steps": 0}, "--diffusion-steps"),
+    ({"diffusion_steps": 65}, "--diffusion-steps"), ({"timeout": 0.0}, "--timeout"),
+    ({"timeout": float("inf")}, "--timeout"), ({"step": 3}, "--step"), ({"step": -2}, "--step"),
+])
+def test_sample_checks_name_the_option(tmp_path, change, option):
+    ns = sample_ns(fake_run(tmp_path), **change)
+    with pytest.raises(ConfigError) as e:
+        tools.check_sample(ns)
+    assert e.value.option == option
+
+
+def test_sample_takes_a_model_directory_without_steps(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    assert tools.check_sample(sample_ns(tmp_path / "m")) is None
+    with pytest.raises(ConfigError) as e:
+        tools.check_sample(sample_ns(tmp_path / "m", step=2))
+    assert e.value.option == "--step"
+
+
+def test_argv_round_trips_through_the_tool_parsers(tmp_path):
+    run = fake_run(tmp_path)
+    p = argparse.ArgumentParser()
+    tools.add_sample_arguments(p)
+    ns = sample_ns(run, prompt="-- a prompt that looks like a flag", max_new_tokens=7, temperature=0.3, seed=9,
+                   step=2, diffusion_steps=3, timeout=12.5, device="cpu", json=True)
+    assert vars(p.parse_args(tools.sample_argv(ns))) == vars(ns)
+    q = argparse.ArgumentParser()
+    tools.add_export_arguments(q)
+    ns = export_ns(run, tmp_path / "o", step=2, force=True)
+    assert vars(q.parse_args(tools.export_argv(ns))) == vars(ns)
+    cmd = tools.sample_command(run, "hi", max_new_tokens=5)
+    assert cmd[:3] == [sys.executable, "-m", "trainer.sample"] and "--json" in cmd
+
+
+def test_sample_result_json_line():
+    r = SampleResult(source="s", step=4, family="llada", objective="llada", prompt="a", completion="b\nc",
+                     new_tokens=3, stopped="eos", temperature=0.0, seed=1, seconds=0.5, load_seconds=2.0,
+                     diffusion_steps=3)
+    line = r.to_json()
+    assert "\n" not in line
+    assert SampleResult.from_json(line) == r and r.text == "ab\nc"
+    d = json.loads(line)
+    d["added_later"] = 1
+    assert SampleResult.from_json(json.dumps(d)) == r
+    with pytest.raises(ValueError):
+        SampleResult.from_json('{"type": "export"}')
+
+
+def test_gptop_rejects_bad_input_before_starting_anything(tmp_path, monkeypatch, capsys):
+    from gptop import cli
+
+    def no_process(*a, **k):
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    run = fake_run(tmp_path)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("keep me")
+    assert cli.main(["export", str(run), str(tmp_path / "full")]) == 2
+    assert "OUT_DIR" in capsys.readouterr().err and (tmp_path / "full" / "x").read_text() == "keep me"
+    assert cli.main(["sample", str(run), "--step", "5"]) == 2
+    assert "--step" in capsys.readouterr().err
+    assert cli.main(["--no-ui", "sample", str(tmp_path / "nope"), "--json"]) == 2
+
+
+def test_gptop_runs_a_tool_to_its_end(monkeypatch):
+    """Exit codes pass through; a tool past its time limit, or asked to stop, is ended, not left behind."""
+    import threading
+
+    import psutil
+
+    from gptop import tools as gtools
+
+    def script(code: str):
+        monkeypatch.setattr(tools, "tool_command", lambda module, argv: [sys.executable, "-c", code])
+
+    script("import sys; sys.exit(2)")
+    assert gtools.run_tool("x", []) == 2
+    script("import time; time.sleep(60)")
+    children = lambda: [c for c in psutil.Process().children() if "time.sleep(60)" in " ".join(c.cmdline())]
+    t0 = time.monotonic()
+    assert gtools.run_tool("x", [], timeout=1) == 1 and time.monotonic() - t0 < 30
+    assert children() == []
+    before = signal.getsignal(signal.SIGTERM)
+    threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+    assert gtools.run_tool("x", []) == 130                 # SIGTERM to gptop reaches the tool
+    assert children() == [] and signal.getsignal(signal.SIGTERM) == before
+
+
+# --- llada's reverse process on a predictor whose confidences are known ---------------------------
+
+MASK, VOCAB, ROWS = 1, 10, 12         # ids 10, 11: padding rows of the model's vocabulary
+
+
+class FixedPredictor(torch.nn.Module):
+    """Logits that depend only on the position; records the input of every call."""
+
+    def __init__(self, table: torch.Tensor):
+        super().__init__()
+        self.table = table
+        self.inputs: list[torch.Tensor] = []
+
+    def forward(self, input_ids: torch.Tensor):
+        self.inputs.append(input_ids.clone())
+        return SimpleNamespace(logits=self.table[None, :input_ids.shape[1]].clone())
+
+
+def fixed_table(prompt_len: int, confidence: list[float], tokens: list[int]) -> torch.Tensor:
+    """Completion position j predicts tokens[j] with a margin that grows with confidence[j]; the mask
+    token and a padding row score higher still (they must never be chosen)."""
+    t = torch.zeros(prompt_len + len(tokens), ROWS)
+    for j, (c, tok) in enumerate(zip(confidence, tokens)):
+        t[prompt_len + j, tok] = c
+        t[prompt_len + j, MASK] = 100.0
+        t[prompt_len + j, VOCAB + 1] = 100.0
+    return t
+
+
+def test_llada_unmasks_the_most_confident_predictions_first():
+    from trainer.sample import llada_generate
+
+    prompt = torch.tensor([[7, 8]])
+    tokens = [2, 3, 4, 5, 6, 9]
+    conf = [5.0, 3.0, 1.0, 6.0, 2.0, 4.0]           # order: pos 3, 0, 5, 1, 4, 2
+    model = FixedPredictor(fixed_table(2, conf, tokens))
+    out, done = llada_generate(model, prompt, mask_id=MASK, length=6, steps=3, vocab=VOCAB)
+    assert done == 3 and out.tolist() == tokens
+    masked = [(x[0, 2:] == MASK).nonzero().flatten().tolist() for x in model.inputs]
+    assert masked == [[0, 1, 2, 3, 4, 5], [1, 2, 4, 5], [2, 4]]     # 2 unmasked per step, most confident first
+    assert all(x[0, :2].tolist() == [7, 8] for x in model.inputs)   # the prompt is never touched
+
+
+def test_llada_step_counts_follow_the_linear_schedule():
+    from trainer.sample import llada_generate
+
+    model = FixedPredictor(fixed_table(1, [float(i) for i in range(7)], [2] * 7))
+    llada_generate(model, torch.tensor([[3]]), mask_id=MASK, length=7, steps=3, vocab=VOCAB)
+    still = [int((x[0, 1:] == MASK).sum()) for x in model.inputs]
+    assert still == [7, 7 - 7 * 1 // 3, 7 - 7 * 2 // 3]             # floor(L * k / N) unmasked after step k
+
+
+def test_llada_sampling_is_reproducible_and_stays_in_the_vocabulary():
+    from trainer.sample import llada_generate
+
+    torch.manual_seed(0)
+    table = torch.randn(10, ROWS)
+    table[:, MASK] += 5
+    runs = []
+    for seed in (1, 1, 2):
+        out, _ = llada_generate(FixedPredictor(table), torch.tensor([[3, 4]]), mask_id=MASK, length=8, steps=4,
+                                temperature=1.5, generator=torch.Generator().manual_seed(seed), vocab=VOCAB)
+        assert all(0 <= t < VOCAB and t != MASK for t in out.tolist())
+        runs.append(out.tolist())
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_llada_deadline_keeps_what_it_has():
+    from trainer.sample import llada_generate
+
+    model = FixedPredictor(fixed_table(1, [1.0, 2.0, 3.0, 4.0], [2, 3, 4, 5]))
+    out, done = llada_generate(model, torch.tensor([[6]]), mask_id=MASK, length=4, steps=4, vocab=VOCAB,
+                               deadline=time.time() - 1)
+    assert done == 1 and len(model.inputs) == 1 and out.tolist() == [2, 3, 4, 5]   # filled with the predictions
+
+
+# --- export and sample in this process -----------------------------------------------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_export_round_trip(runs, tmp_path, family):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer.export import check_batch, export, load_for_inference
+
+    out = tmp_path / "hf"
+    result = export(export_ns(runs[family], out), log=quiet)
+    assert result["step"] == 4 and result["family"] == family and result["logits_equal"]
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json"} <= set(os.listdir(out))
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]        # no temporary left
+    config = json.loads((out / "config.json").read_text())
+    assert config["gptop"]["family"] == family and config["gptop"]["step"] == 4
+
+    ref = load_for_inference(runs[family], tools.check_export(export_ns(runs[family], tmp_path / "x")), log=quiet)
+    model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    assert type(model).__name__ == ("DeepseekV3ForCausalLM" if family == "deepseek" else "LlamaForCausalLM")
+    ids = check_batch(len(tok), ref.mask_id, 48, seed=3)
+    assert torch.equal(logits(model, ids), logits(ref.model, ids))               # bit-identical: see the docs
+    text = "for i in range(10):\n    print(i)\n"
+    assert tok(text)["input_ids"] == ref.tokenizer(text)["input_ids"]
+    if family == "llada":
+        assert config["is_causal"] is False and config["mask_token_id"] == tok.mask_token_id == ref.mask_id
+        assert tok.convert_ids_to_tokens(ref.mask_id) == "<|mask|>"
+    else:
+        assert "is_causal" not in config and config["use_cache"] is True
+        gen = json.loads((out / "generation_config.json").read_text())
+        assert gen["eos_token_id"] == tok.eos_token_id and gen["pad_token_id"] == tok.pad_token_id
+
+
+def test_the_documented_snippet_runs(runs, tmp_path, capsys):
+    """docs/models.md's three lines of plain transformers, on an export of a run."""
+    import re
+
+    from trainer.export import export
+
+    export(export_ns(runs["llama"], tmp_path / "hf"), log=quiet)
+    code = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "models.md").read_text(), re.S)[0]
+    assert len(code.strip().splitlines()) == 3 and '"hf/demo"' in code
+    exec(code.replace('"hf/demo"', repr(str(tmp_path / "hf"))), {})
+    assert capsys.readouterr().out.startswith("def main(")
+
+
+def test_gptop_restores_a_llada_export(runs, tmp_path):
+    """Loading an export back (`--model OUT_DIR`): bidirectional attention and the llada objective and mask."""
+    from trainer.export import export
+    from trainer.models import build_model
+
+    out = tmp_path / "hf"
+    export(export_ns(runs["llada"], out), log=quiet)
+    mask = json.loads((out / "config.json").read_text())["mask_token_id"]
+    bundle = build_model(ModelConfig(model=str(out)), vocab_size=8192, seq_len=64, toggles=Toggles(), dev=CPU,
+                         mask_id=None)
+    assert bundle.objective == "llada" and bundle.mask_id == mask
+    ids = torch.randint(0, 100, (1, 16))
+    changed = ids.clone()
+    changed[0, -1] += 1
+    first = logits(bundle.model.eval(), ids)[0, 0] - logits(bundle.model, changed)[0, 0]
+    assert first.abs().max() > 0                 # the first position sees the last one: bidirectional
+    # The model's own mask token wins over a data tokenizer that calls another id the mask.
+    other = build_model(ModelConfig(model=str(out)), vocab_size=8192, seq_len=64, toggles=Toggles(), dev=CPU,
+                        mask_id=mask + 1)
+    assert other.mask_id == mask
+
+
+def test_export_step_corrupt_checkpoints_and_force(runs, tmp_path):
+    from trainer.export import export
+
+    run = tmp_path / "run"
+    shutil.copytree(runs["llama"], run)
+    assert export(export_ns(run, tmp_path / "a", step=2), log=quiet)["step"] == 2
+    rundir.path_for(run, 4).write_bytes(b"not a checkpoint")
+    seen = []
+    assert export(export_ns(run, tmp_path / "b"), log=seen.append)["step"] == 2   # the newest that loads
+    assert any("skipping step-00000004.pt" in line for line in seen)
+    with pytest.raises(ConfigError) as e:
+        export(export_ns(run, tmp_path / "c", step=4), log=quiet)
+    assert e.value.option == "--step" and not (tmp_path / "c").exists()
+    with pytest.raises(ConfigError):
+        export(export_ns(run, tmp_path / "a"), log=quiet)                          # not empty, no --force
+    before = (tmp_path / "a" / "model.safetensors").stat().st_ino
+    assert export(export_ns(run, tmp_path / "a", force=True), log=quiet)["step"] == 2
+    assert (tmp_path / "a" / "model.safetensors").stat().st_ino != before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_export_refuses_another_builtin_tokenizer(runs, tmp_path):
+    """The builtin tokenizer is rebuilt from this environment; one that differs from the run's is refused."""
+    from trainer.export import ExportError, export
+
+    run = tmp_path / "run"
+    shutil.copytree(runs["llama"], run)
+    events = run / "events.jsonl"
+    lines = [json.loads(line) for line in events.read_text().splitlines()]
+    for e in lines:
+        if e["type"] == "hello":
+            e["data"]["fingerprint"] = "0" * 16
+    events.write_text("".join(json.dumps(e) + "\n" for e in lines))
+    with pytest.raises(ExportError, match="GPTOP_BUILTIN_BYTES"):
+        export(export_ns(run, tmp_path / "out"), log=quiet)
+    assert not (tmp_path / "out").exists()
+
+
+def greedy(model: torch.nn.Module, ids: list[int], n: int, vocab: int, eos: int) -> list[int]:
+    """Greedy decoding by hand (no cache): what `generate` must reproduce at temperature 0."""
+    out = []
+    x = torch.tensor([ids])
+    for _ in range(n):
+        last = logits(model, x)[0, -1]
+        last[vocab:] = float("-inf")
+        t = int(last.argmax())
+        if t == eos:
+            break
+        out.append(t)
+        x = torch.cat([x, torch.tensor([[t]])], dim=1)
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sample_in_process(runs, family):
+    from trainer.export import eos_id, load_for_inference
+    from trainer.sample import encode_prompt, generate, sample
+
+    ns = sample_ns(runs[family], prompt="def main(", max_new_tokens=12, temperature=0.0)
+    loaded = load_for_inference(ns.path, tools.check_sample(ns), log=quiet)
+    r = generate(loaded, ns)
+    assert r.family == family and r.step == 4 and r.prompt == "def main(" and r.text.startswith("def main(")
+    assert r.stopped in ("max_new_tokens", "eos") and 0 <= r.new_tokens <= 12
+    assert SampleResult.from_json(r.to_json()) == r
+    tok = loaded.tokenizer
+    ids = encode_prompt(tok, ns.prompt)
+    assert ids[0] == tok.eos_token_id                      # no BOS: the prompt starts a document
+    if family != "llada":
+        want = greedy(loaded.model, ids, 12, len(tok), eos_id(tok))
+        assert r.completion == tok.decode(want, skip_special_tokens=True)
+        assert r.diffusion_steps is None
+    else:
+        assert r.objective == "llada" and r.diffusion_steps == 12
+        assert generate(loaded, ns).completion == r.completion          # greedy: deterministic
+    hot = sample_ns(runs[family], prompt="x", max_new_tokens=6, temperature=1.0, seed=5)
+    a, b = generate(loaded, hot), generate(loaded, hot)
+    assert a.completion == b.completion                    # seeded
+    with pytest.raises(TimeoutError):
+        sample(ns, started=time.time() - 1000)             # --timeout passed while loading
+
+
+# --- the real commands (slow) --------------------------------------------------------------------
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def run_all(cmds: dict[str, list[str]], timeout: float = 300, cwd: Path = ROOT,
+            env: dict[str, str] | None = None) -> dict[str, subprocess.CompletedProcess]:
+    """Several commands side by side (their start-up, importing torch, dominates)."""
+    procs = {k: subprocess.Popen(c, cwd=cwd, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True) for k, c in cmds.items()}
+    out = {}
+    for k, p in procs.items():
+        so, se = p.communicate(timeout=timeout)
+        out[k] = subprocess.CompletedProcess(p.args, p.returncode, so, se)
+    return out
+
+
+def gptop_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "gptop", "--no-ui", *args]
+
+
+@pytest.fixture(scope="module")
+def all_runs(runs, tmp_path_factory) -> dict[str, Path]:
+    """The three one-process runs and a llama run of two ranks (FSDP2, sharded DCP checkpoints)."""
+    dcp = tmp_path_factory.mktemp("export-dcp") / "dcp"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+                        "--nproc-per-node", "2", "-m", "trainer", *TINY, "--max-steps", "4", "--checkpoint-every",
+                        "2", "--lr", "3e-3", "--parallel", "fsdp", "--run-dir", str(dcp)],
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [c.step for c in rundir.list_checkpoints(dcp)] == [2, 4]
+    assert all(c.sharded for c in rundir.list_checkpoints(dcp))
+    return {**runs, "dcp": dcp}
+
+
+@pytest.fixture(scope="module")
+def exports(all_runs, tmp_path_factory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("exports")
+    outs = {k: base / k for k in all_runs}
+    done = run_all({k: gptop_cmd("export", str(all_runs[k]), str(outs[k]), "--json") for k in all_runs})
+    for k, r in done.items():
+        assert r.returncode == 0, f"{k}: {r.stderr[-3000:]}"
+        result = json.loads(r.stdout.strip().splitlines()[-1])
+        assert result["type"] == "export" and result["step"] == 4 and result["logits_equal"], result
+        assert "export: loading" in r.stderr and "Traceback" not in r.stderr
+    return outs
+
+
+# Runs in `python -I` from a directory outside the repository, without PYTHONPATH, with gptop's
+# packages made unimportable (the venv's editable install would otherwise find them).
+PLAIN = textwrap.dedent("""
+    import importlib.abc, json, sys
+    class NoGptop(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("gptop", "trainer", "tuner"):
+                raise ModuleNotFoundError(f"{name} must not be needed")
+    sys.meta_path.insert(0, NoGptop())
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    torch.set_num_threads(1)
+    jobs = json.loads(sys.argv[1])
+    out = {}
+    for name, job in jobs.items():
+        model = AutoModelForCausalLM.from_pretrained(job["dir"]).eval()
+        tok = AutoTokenizer.from_pretrained(job["dir"])
+        ids = torch.load(job["batch"])
+        with torch.no_grad():
+            torch.save(model(input_ids=ids).logits, job["logits"])
+        out[name] = {"class": type(model).__name__, "mask": tok.mask_token_id, "eos": tok.eos_token_id,
+                     "is_causal": getattr(model.config, "is_causal", True), "len": len(tok),
+                     "ids": tok("def f(x):\\n    return x")["input_ids"]}
+    assert not [m for m in sys.modules if m.split(".")[0] in ("gptop", "trainer", "tuner")]
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.slow
+def test_plain_transformers_loads_every_export(all_runs, exports, tmp_path):
+    """No gptop: AutoModelForCausalLM + AutoTokenizer load each export (three families, a 2-rank DCP
+    checkpoint), and the logits equal the checkpoint's bit for bit."""
+    from trainer.export import check_batch, load_for_inference
+
+    refs, jobs = {}, {}
+    for k, run in all_runs.items():
+        ref = load_for_inference(run, tools.check_export(export_ns(run, tmp_path / "unused")), log=quiet)
+        ids = check_batch(len(ref.tokenizer), ref.mask_id, 64, seed=7)
+        torch.save(ids, tmp_path / f"{k}.ids.pt")
+        refs[k] = (ref, logits(ref.model, ids))
+        jobs[k] = {"dir": str(exports[k]), "batch": str(tmp_path / f"{k}.ids.pt"),
+                   "logits": str(tmp_path / f"{k}.logits.pt")}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["OMP_NUM_THREADS"] = "1"
+    r = subprocess.run([sys.executable, "-I", "-c", PLAIN, json.dumps(jobs)], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    seen = json.loads(r.stdout.strip().splitlines()[-1])
+    for k, (ref, want) in refs.items():
+        got = torch.load(tmp_path / f"{k}.logits.pt")
+        assert torch.equal(got, want), f"{k}: max |diff| {(got - want).abs().max()}"
+        s = seen[k]
+        assert s["class"] == ("DeepseekV3ForCausalLM" if k == "deepseek" else "LlamaForCausalLM")
+        assert s["ids"] == ref.tokenizer("def f(x):\n    return x")["input_ids"] and s["len"] == len(ref.tokenizer)
+        assert s["is_causal"] is (k != "llada")
+        assert s["mask"] == ref.tokenizer.mask_token_id
+        if k == "llada":
+            assert s["mask"] == ref.mask_id
+
+
+@pytest.mark.slow
+def test_gptop_sample_every_family(all_runs, exports):
+    """`gptop sample --json`: a result line per run (and from a llada export, which samples as llada)."""
+    from trainer.export import load_for_inference
+    from trainer.sample import generate
+
+    targets = {**all_runs, "llada-export": exports["llada"]}
+    done = run_all({k: gptop_cmd("sample", str(p), "--prompt", "import ", "--max-new-tokens", "8",
+                                 "--temperature", "0", "--json") for k, p in targets.items()})
+    for k, r in done.items():
+        assert r.returncode == 0, f"{k}: {r.stderr[-3000:]}"
+        res = SampleResult.from_json(r.stdout.strip().splitlines()[-1])
+        assert res.prompt == "import " and 0 <= res.new_tokens <= 8 and res.load_seconds > 0
+        assert res.objective == ("llada" if k.startswith("llada") else "causal")
+        if k in all_runs:
+            assert res.step == 4 and res.source.endswith("step-00000004" + (".dcp" if k == "dcp" else ".pt"))
+            ns = sample_ns(all_runs[k], prompt="import ", max_new_tokens=8, temperature=0.0)
+            loaded = load_for_inference(ns.path, tools.check_sample(ns), log=quiet)
+            assert res.completion == generate(loaded, ns).completion      # the same text as in this process
+    # The export samples what its run samples: the same model, tokenizer, mask and algorithm.
+    a = SampleResult.from_json(done["llada"].stdout.strip().splitlines()[-1])
+    b = SampleResult.from_json(done["llada-export"].stdout.strip().splitlines()[-1])
+    assert a.completion == b.completion and b.step is None
+
+
+@pytest.mark.slow
+def test_gptop_train_fine_tunes_exports(exports, tmp_path):
+    """`gptop train --model OUT_DIR` fine-tunes an export; a llada export trains with the llada objective."""
+    args = [*TINY, "--max-steps", "2"]
+    done = run_all({k: gptop_cmd("train", "--model", str(exports[k]), *args, "--run-dir", str(tmp_path / k))
+                    for k in ("llada", "deepseek", "dcp")})
+    for k, r in done.items():
+        assert r.returncode == 0, f"{k}: {r.stderr[-3000:]}"
+        events = [json.loads(line) for line in (tmp_path / k / "events.jsonl").read_text().splitlines()]
+        hello = next(e for e in events if e["type"] == "hello")
+        assert hello["model"]["family"] == "pretrained"
+        assert hello["model"]["objective"] == ("llada" if k == "llada" else "causal")
+        losses = [e["loss"] for e in events if e["type"] == "step"]
+        assert len(losses) == 2 and all(0 < x < 20 for x in losses)

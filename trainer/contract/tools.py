@@ -1,0 +1,233 @@
+"""The one-shot tools on a run's model, `export` and `sample`: their arguments and results, torch-free.
+
+`gptop export|sample` and `python -m trainer.export|sample` take the same arguments,
+defined here once. gptop checks them here without torch (a bad RUN_DIR, a missing
+--step, a non-empty OUT_DIR: exit 2 before any process starts) and runs the work in
+a short-lived `python -m trainer.<tool>` process (`tool_command`), so gptop's own
+process never imports torch. The dashboard can start `sample_command(...)` the same
+way and read the one JSON line it prints with `--json` (`SampleResult`).
+
+Both tools write progress lines to stderr and their result to stdout: text, or with
+`--json` one JSON object on one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from .config import ConfigError
+from .rundir import CONFIG, CheckpointInfo, checkpoint_dir, list_checkpoints
+
+EXPORT_MODULE = "trainer.export"
+SAMPLE_MODULE = "trainer.sample"
+RESULT_VERSION = 1
+
+# Defaults of `sample`: a short, reproducible sample that a tiny model on a CPU produces in seconds.
+MAX_NEW_TOKENS = 64
+TEMPERATURE = 0.8
+SEED = 0
+TIMEOUT_S = 120.0
+
+
+# --- arguments ----------------------------------------------------------------------------------
+
+def add_export_arguments(parser: argparse.ArgumentParser, json_flag: bool = True) -> None:
+    """RUN_DIR OUT_DIR [--step N] [--force] (and --json unless the caller has its own)."""
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory whose checkpoint to export")
+    parser.add_argument("out_dir", metavar="OUT_DIR",
+                        help="the Hugging Face model directory to write (new, or empty; --force replaces it)")
+    parser.add_argument("--step", type=int, default=None, metavar="N",
+                        help="export the checkpoint of step N (default: the newest that loads)")
+    parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists and is not empty")
+    if json_flag:
+        parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
+
+
+def add_sample_arguments(parser: argparse.ArgumentParser, json_flag: bool = True) -> None:
+    """PATH [--prompt TEXT --max-new-tokens N --temperature T --seed S --step N --diffusion-steps N ...]."""
+    parser.add_argument("path", metavar="RUN_DIR",
+                        help="a run directory (its newest checkpoint that loads, or --step N), or a model "
+                             "directory written by `gptop export`")
+    parser.add_argument("--prompt", default="", metavar="TEXT",
+                        help="text to continue (default: empty, an unconditional sample)")
+    parser.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS, metavar="N",
+                        help=f"tokens to generate (default: {MAX_NEW_TOKENS})")
+    parser.add_argument("--temperature", type=float, default=TEMPERATURE, metavar="T",
+                        help=f"sampling temperature; 0 is greedy (default: {TEMPERATURE})")
+    parser.add_argument("--seed", type=int, default=SEED, metavar="S",
+                        help=f"random seed of the sampling (default: {SEED})")
+    parser.add_argument("--step", type=int, default=None, metavar="N",
+                        help="sample from the checkpoint of step N (default: the newest that loads)")
+    parser.add_argument("--diffusion-steps", type=int, default=None, metavar="N",
+                        help="llada: reverse-process steps (default: --max-new-tokens, one token per step)")
+    parser.add_argument("--timeout", type=float, default=TIMEOUT_S, metavar="S",
+                        help=f"stop after S seconds in all, keeping what was generated (default: {TIMEOUT_S:g})")
+    parser.add_argument("--device", default="cpu", metavar="DEV",
+                        help="torch device: cpu, cuda, cuda:N or auto (default: cpu, which leaves a training "
+                             "run's GPU memory alone)")
+    if json_flag:
+        parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
+
+
+# --- checks (the same in gptop and in the tool's own process) -----------------------------------
+
+def is_model_dir(path: str | Path) -> bool:
+    """A Hugging Face model directory (config.json), as `gptop export` writes, rather than a run directory."""
+    p = Path(path)
+    return (p / "config.json").is_file() and not (p / CONFIG).is_file() and not checkpoint_dir(p).is_dir()
+
+
+def checkpoints_to_try(run_dir: str | Path, step: int | None, option: str = "RUN_DIR") -> list[CheckpointInfo]:
+    """The checkpoints to load, in order: the one of `step`, else all of them newest first.
+
+    Raises ConfigError naming RUN_DIR (not a run, no checkpoint yet) or --step (no such step)."""
+    p = Path(run_dir)
+    if not p.exists():
+        raise ConfigError(option, f"{p} does not exist; give a run directory (runs/<time>-<model>-<size>)")
+    if not p.is_dir():
+        raise ConfigError(option, f"{p} is not a directory; give a run directory, not a checkpoint file")
+    found = list_checkpoints(p)
+    if not found:
+        if not (p / CONFIG).is_file() and not checkpoint_dir(p).is_dir():
+            raise ConfigError(option, f"{p} is not a run directory (no {CONFIG}, no checkpoints/)")
+        raise ConfigError(option, f"{p} has no checkpoint yet (looked in {checkpoint_dir(p)}); wait for the "
+                                  "first one (--checkpoint-every) or ask for one (the c key)")
+    if step is None:
+        return list(reversed(found))
+    chosen = [c for c in found if c.step == step]
+    if not chosen:
+        raise ConfigError("--step", f"{p} has no checkpoint of step {step}; it has steps "
+                                    f"{', '.join(str(c.step) for c in found)}")
+    return chosen
+
+
+def check_export(ns: argparse.Namespace) -> list[CheckpointInfo]:
+    """Every check `export` can make before loading anything; returns the checkpoints to try."""
+    if ns.step is not None and ns.step < 0:
+        raise ConfigError("--step", f"must be at least 0, got {ns.step}")
+    candidates = checkpoints_to_try(ns.run_dir, ns.step)
+    out, run = Path(ns.out_dir).expanduser().resolve(), Path(ns.run_dir).resolve()
+    if out == run or out in run.parents:
+        raise ConfigError("OUT_DIR", f"{ns.out_dir} holds the run {ns.run_dir}, which exporting into it would "
+                                     "delete; give a new directory (inside the run directory is fine)")
+    if out.exists():
+        if not out.is_dir():
+            raise ConfigError("OUT_DIR", f"{ns.out_dir} exists and is not a directory; give a new directory")
+        if any(out.iterdir()) and not ns.force:
+            raise ConfigError("OUT_DIR", f"{ns.out_dir} exists and is not empty; give a new directory, or add "
+                                         "--force to replace it")
+    return candidates
+
+
+def check_sample(ns: argparse.Namespace) -> list[CheckpointInfo] | None:
+    """Every check `sample` can make before loading anything; the checkpoints to try (None: a model dir)."""
+    if ns.max_new_tokens < 1:
+        raise ConfigError("--max-new-tokens", f"must be at least 1, got {ns.max_new_tokens}")
+    if not (math.isfinite(ns.temperature) and ns.temperature >= 0):
+        raise ConfigError("--temperature", f"must be 0 (greedy) or positive, got {ns.temperature}")
+    if ns.diffusion_steps is not None and not 1 <= ns.diffusion_steps <= ns.max_new_tokens:
+        raise ConfigError("--diffusion-steps", f"must be between 1 and --max-new-tokens ({ns.max_new_tokens}), "
+                                               f"got {ns.diffusion_steps}")
+    if not (math.isfinite(ns.timeout) and ns.timeout > 0):
+        raise ConfigError("--timeout", f"must be a positive number of seconds, got {ns.timeout}")
+    if ns.step is not None and ns.step < 0:
+        raise ConfigError("--step", f"must be at least 0, got {ns.step}")
+    if is_model_dir(ns.path):
+        if ns.step is not None:
+            raise ConfigError("--step", f"{ns.path} is an exported model, which has no checkpoints to choose from")
+        return None
+    return checkpoints_to_try(ns.path, ns.step)
+
+
+# --- command lines ------------------------------------------------------------------------------
+
+def tool_command(module: str, argv: list[str]) -> list[str]:
+    """The process that runs a tool: the same interpreter as the caller (its packages, its venv)."""
+    return [sys.executable, "-m", module, *argv]
+
+
+def export_argv(ns: argparse.Namespace) -> list[str]:
+    """`ns` (parsed by `add_export_arguments`) as the arguments of `python -m trainer.export`."""
+    argv = [os.fspath(ns.run_dir), os.fspath(ns.out_dir)]
+    if ns.step is not None:
+        argv += ["--step", str(ns.step)]
+    if ns.force:
+        argv.append("--force")
+    if getattr(ns, "json", False):
+        argv.append("--json")
+    return argv
+
+
+def sample_argv(ns: argparse.Namespace) -> list[str]:
+    """`ns` (parsed by `add_sample_arguments`) as the arguments of `python -m trainer.sample`."""
+    argv = [os.fspath(ns.path), "--prompt", ns.prompt, "--max-new-tokens", str(ns.max_new_tokens),
+            "--temperature", repr(float(ns.temperature)), "--seed", str(ns.seed), "--timeout", repr(float(ns.timeout)),
+            "--device", ns.device]
+    if ns.step is not None:
+        argv += ["--step", str(ns.step)]
+    if ns.diffusion_steps is not None:
+        argv += ["--diffusion-steps", str(ns.diffusion_steps)]
+    if getattr(ns, "json", False):
+        argv.append("--json")
+    return argv
+
+
+def sample_command(path: str | Path, prompt: str = "", *, max_new_tokens: int = MAX_NEW_TOKENS,
+                   temperature: float = TEMPERATURE, seed: int = SEED, step: int | None = None,
+                   timeout: float = TIMEOUT_S, device: str = "cpu") -> list[str]:
+    """The command line of one sample as a JSON line (for a view that runs it in the background)."""
+    ns = argparse.Namespace(path=path, prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                            seed=seed, step=step, diffusion_steps=None, timeout=timeout, device=device, json=True)
+    check_sample(ns)
+    return tool_command(SAMPLE_MODULE, sample_argv(ns))
+
+
+# --- results ------------------------------------------------------------------------------------
+
+@dataclass
+class SampleResult:
+    """What `sample --json` prints: one JSON object on one line."""
+
+    source: str                  # the checkpoint (or model directory) sampled
+    step: int | None             # its training step (None for a model directory)
+    family: str                  # llama | deepseek | llada | pretrained
+    objective: str               # causal | llada
+    prompt: str
+    completion: str              # the generated text only
+    new_tokens: int
+    stopped: str                 # "max_new_tokens" | "eos" | "timeout"
+    temperature: float
+    seed: int
+    seconds: float               # generation time (after loading)
+    load_seconds: float          # process start to model ready
+    diffusion_steps: int | None = None    # llada's reverse-process steps
+    v: int = RESULT_VERSION
+    type: str = "sample"
+
+    @property
+    def text(self) -> str:
+        return self.prompt + self.completion
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), ensure_ascii=False)
+
+    @classmethod
+    def from_json(cls, line: str) -> "SampleResult":
+        """Parse a `sample --json` line; unknown fields are ignored (a newer writer may add some)."""
+        d = json.loads(line)
+        if not isinstance(d, dict) or d.get("type") != "sample":
+            raise ValueError(f"not a sample result: {line[:200]!r}")
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def result_line(kind: str, **fields_: Any) -> str:
+    """Any other tool's `--json` result (export): one versioned JSON object."""
+    return json.dumps({"v": RESULT_VERSION, "type": kind, **fields_}, ensure_ascii=False, default=str)

@@ -1,0 +1,436 @@
+"""`python -m trainer.export RUN_DIR OUT_DIR`: a run's checkpoint as a Hugging Face model directory.
+
+A run's model is a stock transformers architecture (trainer.models), so exporting is
+rebuilding it exactly as the trainer did (`build_model` from the checkpoint's config and
+the run's tokenizer), loading the checkpoint's weights (a one-file `.pt`, or a sharded
+`.dcp/` read with torch.distributed.checkpoint in this one process: DCP reshards on
+load and needs no process group), and `save_pretrained`: model.safetensors,
+config.json, generation_config.json and the tokenizer files (tokenizer.json and
+tokenizer_config.json, a `PreTrainedTokenizerFast` around the run's `tokenizers`
+BPE). Plain transformers loads the result with `AutoModelForCausalLM` and
+`AutoTokenizer`, without gptop.
+
+A llada export keeps what makes it llada in config.json: ``is_causal: false``
+(transformers 5 reads it and attends bidirectionally; `_load_pretrained` in
+trainer.models then trains it with the llada objective) and ``mask_token_id``, which
+is also the tokenizer's mask token. Every export also records ``gptop`` provenance
+(family, size, objective, step, run) in config.json.
+
+The directory is written under a temporary name next to OUT_DIR, read back with
+`from_pretrained` and checked against the checkpoint (same logits on a batch, same
+token ids for a text), then renamed into place: an interrupted export leaves OUT_DIR
+as it was.
+
+`load_for_inference` is also what `python -m trainer.sample` loads a model with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from . import checkpoint as ckpt
+from .contract import tools
+from .contract.config import ConfigError, ModelConfig, TrainConfig, Toggles
+from .contract.rundir import CheckpointInfo, RunDir, is_sharded
+from .data import EOS, MASK, PAD, TokenizerInfo, data_fingerprint, tokenizer_info
+from .models import ModelBundle, build_model, quiet_imports
+
+Log = Callable[[str], None]
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+CHECK_TOKENS = 64            # tokens per sequence of the logits check
+CHECK_TEXT = "def main(argv):\n    return sorted(set(argv), key=len)\n"
+
+
+class ExportError(RuntimeError):
+    """The export cannot be made or would be wrong; the message says why and what to do."""
+
+
+def stderr_log(prefix: str) -> Log:
+    return lambda msg: print(f"{prefix}: {msg}", file=sys.stderr, flush=True)
+
+
+# --- loading a run's model ----------------------------------------------------------------------
+
+@dataclass
+class LoadedModel:
+    """A trained model ready for inference, with the tokenizer its token ids come from."""
+
+    model: torch.nn.Module        # eval mode, fp32
+    bundle: ModelBundle
+    tokenizer: Any                # a transformers PreTrainedTokenizerFast
+    source: Path                  # the checkpoint, or the model directory
+    step: int | None              # the checkpoint's step (None for a model directory)
+    cfg: TrainConfig | None       # the run's configuration (None for a model directory)
+
+    @property
+    def objective(self) -> str:
+        return self.bundle.objective
+
+    @property
+    def mask_id(self) -> int | None:
+        return self.bundle.mask_id
+
+
+def load_for_inference(path: str | Path, candidates: list[CheckpointInfo] | None, *, step_given: bool = False,
+                       device: str = "cpu", log: Log = stderr_log("export")) -> LoadedModel:
+    """The model of a run's checkpoint (the first of `candidates` that loads), or of a model directory.
+
+    Candidates come from `tools.check_export/check_sample`. A corrupt one is reported and the next
+    tried; with `step_given` (the user chose it) it is an error naming --step instead."""
+    from .device import detect
+
+    dev = detect(device)
+    if candidates is None:
+        return _load_model_dir(Path(path), dev, log)
+    errors = []
+    for info in candidates:
+        try:
+            return _load_checkpoint(Path(path), info, dev, log)
+        except (ckpt.CorruptCheckpoint, FileNotFoundError) as e:
+            # FileNotFoundError: pruned by a live run while we read it; an older one may still be there
+            if step_given:
+                raise ConfigError("--step", f"the checkpoint of step {info.step} does not load: {e}") from None
+            log(f"warning: skipping {info.path.name}: {e}")
+            errors.append(str(e))
+    raise ExportError(f"no checkpoint of {path} loads ({len(errors)} tried): {'; '.join(errors)}")
+
+
+def _load_checkpoint(run_dir: Path, info: CheckpointInfo, dev: Any, log: Log) -> LoadedModel:
+    kind = "sharded (DCP)" if info.sharded else "one-file"
+    log(f"loading {info.path} (step {info.step}, {kind})")
+    state = ckpt.load(info.path)             # a sharded checkpoint: its gptop.json only
+    try:
+        cfg = TrainConfig.from_dict(state["config"])
+    except ConfigError as e:
+        raise ckpt.CorruptCheckpoint(f"{info.path}: its config does not parse ({e})") from None
+    tok = tokenizer_info(cfg.data, log=log)
+    _check_tokenizer(run_dir, cfg, tok, log)
+    bundle = _build(cfg.model, tok, cfg, dev, info.path)
+    model = bundle.model
+    if info.sharded:
+        tensors = {"model": model.state_dict()}
+        try:
+            with warnings.catch_warnings():      # "assuming the intent is to load in a single process": it is
+                warnings.simplefilter("ignore", UserWarning)
+                ckpt.load_sharded(tensors, info.path)
+        except Exception as e:  # a missing or truncated shard, a changed model
+            raise ckpt.CorruptCheckpoint(f"{info.path}: the model shards do not load ({type(e).__name__}: "
+                                         f"{str(e)[:500]})") from None
+        weights = tensors["model"]
+    else:
+        weights = state["model"]
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as e:
+        raise ckpt.CorruptCheckpoint(f"{info.path}: its weights do not fit the model {bundle.family}/{bundle.size} "
+                                     f"rebuilt from its config ({str(e)[:500]})") from None
+    del state, weights
+    model.to(dev.torch_device).eval()
+    return LoadedModel(model=model, bundle=bundle, tokenizer=hf_tokenizer(tok, bundle, cfg.data.seq_len),
+                       source=info.path, step=info.step, cfg=cfg)
+
+
+def _build(mcfg: ModelConfig, tok: TokenizerInfo, cfg: TrainConfig, dev: Any, where: Path) -> ModelBundle:
+    """The run's model, built by the trainer's own builder (fp32, sdpa, no activation checkpointing)."""
+    try:
+        with quiet_imports():
+            return build_model(mcfg, vocab_size=tok.vocab_size, seq_len=cfg.data.seq_len, toggles=Toggles(),
+                               dev=dev, mask_id=tok.mask_id, seed=cfg.optim.seed)
+    except ConfigError as e:
+        raise ExportError(f"cannot rebuild the model of {where} ({e}); a run that fine-tuned a model "
+                          "directory needs that directory for its architecture") from None
+
+
+def _check_tokenizer(run_dir: Path, cfg: TrainConfig, tok: TokenizerInfo, log: Log) -> None:
+    """Is `tok` the tokenizer the run trained with? Its hello event recorded the data fingerprint.
+
+    The builtin tokenizer is rebuilt from this Python's stdlib and $GPTOP_BUILTIN_BYTES, so another
+    environment can give another one: that would export a tokenizer whose ids mean other text."""
+    recorded = _recorded_fingerprint(run_dir)
+    if recorded is None:
+        log("warning: the run has no hello event with a data fingerprint; the tokenizer cannot be checked")
+        return
+    try:
+        now = data_fingerprint(cfg.data, tok)
+    except ConfigError as e:
+        log(f"warning: the tokenizer cannot be checked against the run's data ({e})")
+        return
+    if now == recorded:
+        return
+    what = (f"the builtin tokenizer of this environment ({tok.path}) is not the one the run trained with: it is "
+            "trained on this Python's standard library, capped by $GPTOP_BUILTIN_BYTES; export with the same "
+            "Python and environment as the run") if cfg.data.tokenizer is None and cfg.data.data == "builtin" else None
+    if what:
+        raise ExportError(what)
+    log(f"warning: the data or tokenizer ({cfg.data.data}, {tok.path}) changed since the run trained; the "
+        "tokenizer written is this environment's")
+
+
+def _recorded_fingerprint(run_dir: Path) -> str | None:
+    """The data fingerprint of the run's (last) hello event, if it has one."""
+    from .contract.events import read_events
+
+    found = None
+    try:
+        for event in read_events(RunDir(run_dir).events(0)):
+            if event["type"] == "hello":
+                found = (event.get("data") or {}).get("fingerprint") or found
+    except OSError:
+        return None
+    return found
+
+
+def _load_model_dir(path: Path, dev: Any, log: Log) -> LoadedModel:
+    """An exported (or any local HF) model: gptop's own loader restores a llada export's objective and mask."""
+    log(f"loading {path}")
+    with quiet_imports():
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except Exception as e:  # transformers raises several types for a missing or bad tokenizer
+            raise ConfigError("RUN_DIR", f"{path} has no tokenizer transformers can load ({type(e).__name__}: "
+                                         f"{e})") from None
+        mask = getattr(tokenizer, "mask_token_id", None)
+        bundle = build_model(ModelConfig(model=str(path)), vocab_size=len(tokenizer), seq_len=2048,
+                             toggles=Toggles(), dev=dev, mask_id=mask)
+    bundle.model.to(dev.torch_device).eval()
+    return LoadedModel(model=bundle.model, bundle=bundle, tokenizer=tokenizer, source=path, step=None, cfg=None)
+
+
+# --- the tokenizer as transformers sees it ------------------------------------------------------
+
+def hf_tokenizer(tok: TokenizerInfo, bundle: ModelBundle, seq_len: int) -> Any:
+    """The run's tokenizer as a transformers tokenizer with the run's special tokens.
+
+    A directory given with --tokenizer (or the fine-tuned model's) is loaded with AutoTokenizer, keeping
+    its own settings; otherwise the `tokenizers` BPE is wrapped in PreTrainedTokenizerFast. A llada
+    model's mask id becomes the tokenizer's mask token (added as `<|mask|>` when the tokenizer had none
+    and the model took the first free id for it)."""
+    with quiet_imports():
+        from tokenizers import Tokenizer
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    hf = None
+    if isinstance(tok.tokenizer, Tokenizer):
+        if Path(tok.path).is_dir():
+            try:
+                hf = AutoTokenizer.from_pretrained(tok.path, local_files_only=True)
+            except Exception:  # no tokenizer_config.json transformers understands: wrap tokenizer.json below
+                hf = None
+            if hf is not None and len(hf) != tok.vocab_size:
+                hf = None
+        if hf is None:
+            backend = tok.tokenizer
+            names = {"eos_token": backend.id_to_token(tok.eos_id)}
+            if backend.token_to_id(PAD) is not None:
+                names["pad_token"] = PAD
+            if tok.mask_id is not None:
+                names["mask_token"] = backend.id_to_token(tok.mask_id)
+            hf = PreTrainedTokenizerFast(tokenizer_object=backend, **names)
+    else:
+        hf = tok.tokenizer
+    hf.model_max_length = seq_len           # the context the model was trained on
+    if bundle.mask_id is not None and hf.mask_token_id != bundle.mask_id:
+        existing = hf.convert_ids_to_tokens(bundle.mask_id) if bundle.mask_id < len(hf) else None
+        if existing is not None:
+            hf.add_special_tokens({"mask_token": existing})
+        elif bundle.mask_id == len(hf):
+            hf.add_special_tokens({"mask_token": MASK})
+        if hf.mask_token_id != bundle.mask_id:
+            raise ExportError(f"the model's mask id {bundle.mask_id} is not a token of the tokenizer {tok.path} "
+                              f"({len(hf)} tokens)")
+    return hf
+
+
+def eos_id(tokenizer: Any) -> int | None:
+    """The end-of-text id: documents are separated by it in training."""
+    if tokenizer.eos_token_id is not None:
+        return tokenizer.eos_token_id
+    i = tokenizer.convert_tokens_to_ids(EOS)
+    return None if i is None or i == tokenizer.unk_token_id else i
+
+
+# --- export -------------------------------------------------------------------------------------
+
+def export(ns: argparse.Namespace, log: Log = stderr_log("export")) -> dict[str, Any]:
+    """Write OUT_DIR from RUN_DIR's checkpoint (see the module docstring); returns the result fields."""
+    t0 = time.monotonic()
+    candidates = tools.check_export(ns)
+    loaded = load_for_inference(ns.run_dir, candidates, step_given=ns.step is not None, log=log)
+    model, bundle, tokenizer = loaded.model, loaded.bundle, loaded.tokenizer
+    _prepare_config(loaded, Path(ns.run_dir))
+    out = Path(ns.out_dir).expanduser()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+    except OSError as e:
+        raise ConfigError("OUT_DIR", f"cannot write next to {out} ({e.strerror or e})") from None
+    try:
+        log(f"writing {bundle.family}/{bundle.size} ({bundle.total_params / 1e6:.1f}M params) to {out}")
+        with quiet_imports():
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        log("reading it back with transformers (AutoModelForCausalLM, AutoTokenizer) to check it")
+        check = check_export_dir(tmp, model, tokenizer, bundle)
+        _usual_permissions(tmp)
+        _move_into_place(tmp, out, force=ns.force)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    files = sorted(p.name for p in out.iterdir())
+    result = {"out_dir": str(out), "run_dir": str(ns.run_dir), "checkpoint": str(loaded.source), "step": loaded.step,
+              "family": bundle.family, "size": bundle.size, "objective": bundle.objective,
+              "mask_token_id": bundle.mask_id, "params": bundle.total_params, "files": files,
+              "logits_max_abs_diff": check["max_abs_diff"], "logits_equal": check["equal"],
+              "seconds": round(time.monotonic() - t0, 3)}
+    return result
+
+
+def _prepare_config(loaded: LoadedModel, run_dir: Path) -> None:
+    """What config.json and generation_config.json should say for someone loading the export."""
+    model, bundle, tokenizer = loaded.model, loaded.bundle, loaded.tokenizer
+    cfg = model.config
+    cfg.gptop = {"family": bundle.family, "size": bundle.size, "objective": bundle.objective, "step": loaded.step,
+                 "seq_len": loaded.cfg.data.seq_len if loaded.cfg else None, "run": run_dir.name}
+    if bundle.objective == "llada":
+        cfg.is_causal = False                 # transformers 5 attends bidirectionally; gptop trains it as llada
+        cfg.mask_token_id = bundle.mask_id
+        cfg.use_cache = False                 # no KV cache for a bidirectional model
+        return
+    cfg.use_cache = True                      # trained without it; generation wants it
+    gen = model.generation_config
+    eos = eos_id(tokenizer)
+    if gen.eos_token_id is None and eos is not None:
+        gen.eos_token_id = eos
+    if gen.pad_token_id is None:
+        gen.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    gen.use_cache = True
+
+
+def check_export_dir(path: Path, model: torch.nn.Module, tokenizer: Any, bundle: ModelBundle) -> dict[str, Any]:
+    """Load `path` as plain transformers does and compare it with the checkpoint's model.
+
+    Logits on a batch must agree to fp32 tolerance (they are normally bit-identical: the same class,
+    the same fp32 weights, the same kernels); token ids of a text must be identical."""
+    with quiet_imports():
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        reloaded = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
+        retok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    reloaded.eval()
+    ids = check_batch(len(tokenizer), bundle.mask_id, CHECK_TOKENS)
+    with torch.no_grad():
+        a = model(input_ids=ids.to(next(model.parameters()).device)).logits.cpu()
+        b = reloaded(input_ids=ids).logits
+    diff = float((a - b).abs().max())
+    scale = float(a.abs().max())
+    if not diff <= 1e-5 * max(1.0, scale):
+        raise ExportError(f"the written model's logits differ from the checkpoint's by up to {diff:.3g} "
+                          f"(logits up to {scale:.3g}); nothing was written to OUT_DIR")
+    want = tokenizer(CHECK_TEXT, add_special_tokens=False)["input_ids"]
+    got = retok(CHECK_TEXT, add_special_tokens=False)["input_ids"]
+    if want != got:
+        raise ExportError("the written tokenizer encodes text differently from the run's; nothing was written")
+    if bundle.mask_id is not None and retok.mask_token_id != bundle.mask_id:
+        raise ExportError(f"the written tokenizer's mask token is {retok.mask_token_id}, the model's "
+                          f"{bundle.mask_id}; nothing was written")
+    return {"equal": bool(torch.equal(a, b)), "max_abs_diff": diff}
+
+
+def check_batch(vocab: int, mask_id: int | None, length: int, seed: int = 0) -> torch.Tensor:
+    """Two sequences of token ids below `vocab` (about half masked for a llada model): a logits test batch."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (2, length), generator=g)
+    if mask_id is not None:
+        ids[torch.rand(2, length, generator=g) < 0.5] = mask_id
+    return ids
+
+
+def _usual_permissions(path: Path) -> None:
+    """What a plain write under the umask gives (mkdtemp makes 0700, safetensors may write 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o777 & ~umask)
+    for f in path.iterdir():
+        f.chmod((0o777 if f.is_dir() else 0o666) & ~umask)
+
+
+def _move_into_place(tmp: Path, out: Path, *, force: bool) -> None:
+    """Rename the finished directory to OUT_DIR; with --force the old OUT_DIR goes only after that."""
+    old = None
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if not force:
+            raise ConfigError("OUT_DIR", f"{out} was filled while exporting; give a new directory or --force")
+        old = out.with_name(f".{out.name}.replaced-{os.getpid()}")
+        os.replace(out, old)
+    os.replace(tmp, out)                   # an empty OUT_DIR is replaced by the rename itself
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# --- command line -------------------------------------------------------------------------------
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def tool_main(name: str, work: Callable[[], int]) -> int:
+    """Exit codes and messages shared by the tools: 0 done, 1 failed, 2 bad input, 130 interrupted."""
+    from .dist import die_with_parent
+
+    die_with_parent()                       # started by gptop: never outlive it
+    with quiet_imports():
+        from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()       # the tool's own progress lines say what happens
+    for s in (signal.SIGTERM, signal.SIGHUP):       # like Ctrl-C: clean up (the temporary directory) and exit
+        signal.signal(s, _interrupt)
+    try:
+        return work()
+    except ConfigError as e:
+        print(f"{name}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except (ExportError, ckpt.CorruptCheckpoint, TimeoutError) as e:
+        print(f"{name}: error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer.export",
+                                     description="Write a run's checkpoint as a Hugging Face model directory.")
+    tools.add_export_arguments(parser)
+    ns = parser.parse_args(argv)
+
+    def work() -> int:
+        result = export(ns)
+        if ns.json:
+            print(tools.result_line("export", **result), flush=True)
+        else:
+            same = "bit-identical" if result["logits_equal"] else f"max |diff| {result['logits_max_abs_diff']:.2g}"
+            print(f"exported step {result['step']} of {ns.run_dir} to {result['out_dir']} ({result['family']}, "
+                  f"{result['params'] / 1e6:.1f}M params; logits read back {same}) in {result['seconds']:.1f} s",
+                  flush=True)
+        return EXIT_OK
+
+    return tool_main("export", work)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
