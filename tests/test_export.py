@@ -185,7 +185,9 @@ def test_gptop_rejects_bad_input_before_starting_anything(tmp_path, monkeypatch,
     assert "OUT_DIR" in capsys.readouterr().err and (tmp_path / "full" / "x").read_text() == "keep me"
     assert cli.main(["sample", str(run), "--step", "5"]) == 2
     assert "--step" in capsys.readouterr().err
-    assert cli.main(["--no-ui", "sample", str(tmp_path / "nope"), "--json"]) == 2
+    with pytest.raises(SystemExit) as exited:            # argparse refuses the path itself (its type checks it)
+        cli.main(["--no-ui", "sample", str(tmp_path / "nope"), "--json"])
+    assert exited.value.code == 2 and "does not exist" in capsys.readouterr().err
 
 
 def test_gptop_runs_a_tool_to_its_end(monkeypatch):

@@ -22,8 +22,9 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError
-from .rundir import CONFIG, CheckpointInfo, checkpoint_dir, list_checkpoints
+from .config import MAX_SEED, MAX_SEQ_LEN, ConfigError, number_arg
+from .inputs import check_writable_dir, path_arg
+from .rundir import CONFIG, MAX_STEP, CheckpointInfo, checkpoint_dir, list_checkpoints
 
 EXPORT_MODULE = "trainer.export"
 SAMPLE_MODULE = "trainer.sample"
@@ -38,12 +39,15 @@ TIMEOUT_S = 120.0
 
 # --- arguments ----------------------------------------------------------------------------------
 
+STEP = number_arg(int, 0, MAX_STEP)
+
 def add_export_arguments(parser: argparse.ArgumentParser, json_flag: bool = True) -> None:
     """RUN_DIR OUT_DIR [--step N] [--force] (and --json unless the caller has its own)."""
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory whose checkpoint to export")
-    parser.add_argument("out_dir", metavar="OUT_DIR",
+    parser.add_argument("run_dir", metavar="RUN_DIR", type=path_arg(_run_with_checkpoints, "RUN_DIR"),
+                        help="the run directory whose checkpoint to export")
+    parser.add_argument("out_dir", metavar="OUT_DIR", type=path_arg(check_writable_dir, "OUT_DIR"),
                         help="the Hugging Face model directory to write (new, or empty; --force replaces it)")
-    parser.add_argument("--step", type=int, default=None, metavar="N",
+    parser.add_argument("--step", type=STEP, default=None, metavar="N",
                         help="export the checkpoint of step N (default: the newest that loads)")
     parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists and is not empty")
     if json_flag:
@@ -52,22 +56,23 @@ def add_export_arguments(parser: argparse.ArgumentParser, json_flag: bool = True
 
 def add_sample_arguments(parser: argparse.ArgumentParser, json_flag: bool = True) -> None:
     """PATH [--prompt TEXT --max-new-tokens N --temperature T --seed S --step N --diffusion-steps N ...]."""
-    parser.add_argument("path", metavar="RUN_DIR",
+    parser.add_argument("path", metavar="RUN_DIR", type=path_arg(_run_or_model_dir, "RUN_DIR"),
                         help="a run directory (its newest checkpoint that loads, or --step N), or a model "
                              "directory written by `gptop export`")
     parser.add_argument("--prompt", default="", metavar="TEXT",
                         help="text to continue (default: empty, an unconditional sample)")
-    parser.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS, metavar="N",
+    parser.add_argument("--max-new-tokens", type=number_arg(int, 1, MAX_SEQ_LEN), default=MAX_NEW_TOKENS, metavar="N",
                         help=f"tokens to generate (default: {MAX_NEW_TOKENS})")
-    parser.add_argument("--temperature", type=float, default=TEMPERATURE, metavar="T",
+    parser.add_argument("--temperature", type=number_arg(float, 0, 1e3), default=TEMPERATURE, metavar="T",
                         help=f"sampling temperature; 0 is greedy (default: {TEMPERATURE})")
-    parser.add_argument("--seed", type=int, default=SEED, metavar="S",
+    parser.add_argument("--seed", type=number_arg(int, 0, MAX_SEED), default=SEED, metavar="S",
                         help=f"random seed of the sampling (default: {SEED})")
-    parser.add_argument("--step", type=int, default=None, metavar="N",
+    parser.add_argument("--step", type=STEP, default=None, metavar="N",
                         help="sample from the checkpoint of step N (default: the newest that loads)")
-    parser.add_argument("--diffusion-steps", type=int, default=None, metavar="N",
+    parser.add_argument("--diffusion-steps", type=number_arg(int, 1, MAX_SEQ_LEN), default=None, metavar="N",
                         help="llada: reverse-process steps (default: --max-new-tokens, one token per step)")
-    parser.add_argument("--timeout", type=float, default=TIMEOUT_S, metavar="S",
+    parser.add_argument("--timeout", type=number_arg(float, 0, 7 * 86400, low_open=True), default=TIMEOUT_S,
+                        metavar="S",
                         help=f"stop after S seconds in all, keeping what was generated (default: {TIMEOUT_S:g})")
     parser.add_argument("--device", default="cpu", metavar="DEV",
                         help="torch device: cpu, cuda, cuda:N or auto (default: cpu, which leaves a training "
@@ -77,6 +82,15 @@ def add_sample_arguments(parser: argparse.ArgumentParser, json_flag: bool = True
 
 
 # --- checks (the same in gptop and in the tool's own process) -----------------------------------
+
+def _run_with_checkpoints(value: str, option: str) -> None:
+    checkpoints_to_try(value, None, option)
+
+
+def _run_or_model_dir(value: str, option: str) -> None:
+    if not is_model_dir(value):
+        checkpoints_to_try(value, None, option)
+
 
 def is_model_dir(path: str | Path) -> bool:
     """A Hugging Face model directory (config.json), as `gptop export` writes, rather than a run directory."""
