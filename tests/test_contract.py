@@ -101,3 +101,16 @@ def test_pins_survive_pruning_and_rollback_deletes_newer(tmp_path):
     assert rundir.pinned(tmp_path) == set()
     (rundir.checkpoint_dir(tmp_path) / rundir.PINS).write_text("{not json")
     assert rundir.pinned(tmp_path) == set()          # an unreadable pins file pins nothing, never crashes
+
+
+def test_pruning_never_deletes_the_newest_verified_checkpoint(tmp_path):
+    """A stale checkpoint with a higher step (an older history, or one written before checkpoints were
+    verified) must not push the newest good one out of `keep`."""
+    from trainer.contract import rundir
+
+    for s in (2, 5, 9):
+        p = rundir.path_for(tmp_path, s)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(b"x")
+    rundir.prune(tmp_path, keep=1, newest_good=5)
+    assert [c.step for c in rundir.list_checkpoints(tmp_path)] == [5, 9]
