@@ -38,9 +38,9 @@ class ConfigError(ValueError):
 
 
 def opt(default: Any, help: str, *, flag: str | None = None, choices: tuple | None = None,
-        metavar: str | None = None) -> Any:
-    """A config field with its command-line flag and help in one place."""
-    meta = {"help": help, "flag": flag, "choices": choices, "metavar": metavar}
+        metavar: str | None = None, hidden: bool = False) -> Any:
+    """A config field with its command-line flag and help in one place (`hidden`: left out of --help)."""
+    meta = {"help": help, "flag": flag, "choices": choices, "metavar": metavar, "hidden": hidden}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -123,8 +123,8 @@ class RunConfig:
     parallel: str = opt("ddp", "how several ranks (torchrun, gptop --nproc) share the model: ddp replicates it, "
                         "fsdp shards it (FSDP2); ignored with one process", choices=PARALLEL)
     channel: str | None = opt(None, "event/command channel given by the launcher (unix:PATH)", metavar="URI")
-    fault: str | None = opt(None, "test-only fault injection, e.g. nan@12 or oom@5; kill@5:1 only on rank 1",
-                            metavar="KIND@STEP[:RANK]")
+    fault: str | None = opt(None, "test-only fault injection (trainer/faults.py), e.g. nan@12 or oom@5; kill@5:1 "
+                            "only on rank 1", metavar="KIND@STEP[:RANK]", hidden=True)
 
 
 SECTIONS: dict[str, type] = {
@@ -287,6 +287,8 @@ def add_arguments(parser: argparse.ArgumentParser, sections: tuple[str, ...] = t
             help_text = f.metadata["help"]
             if "default" not in help_text:
                 help_text += f" (default: {default})"
+            if f.metadata.get("hidden"):
+                help_text = argparse.SUPPRESS
             if kind is bool:
                 group.add_argument(flag, dest=f"{section}.{f.name}", action=argparse.BooleanOptionalAction,
                                    default=argparse.SUPPRESS, help=help_text)
