@@ -116,8 +116,8 @@ class LogConfig:
 class RunConfig:
     run_dir: str | None = opt(None, "run directory (default: runs/<time>-<model>-<size>)", metavar="DIR")
     device: str = opt("auto", "torch device: auto, cpu, cuda, cuda:N")
-    nan_policy: str = opt("rollback", "on a non-finite loss: roll back to the last good checkpoint, or stop",
-                          choices=NAN_POLICIES)
+    nan_policy: str = opt("rollback", "on a non-finite step (loss, gradient norm or weights): roll back to the "
+                          "newest checkpoint that verifies, or stop", choices=NAN_POLICIES)
     nan_retries: int = opt(3, "rollbacks allowed before stopping with an error")
     nan_lr_factor: float = opt(0.5, "learning-rate multiplier applied at each NaN rollback")
     parallel: str = opt("ddp", "how several ranks (torchrun, gptop --nproc) share the model: ddp replicates it, "
