@@ -86,10 +86,11 @@ def test_a_non_finite_step_takes_no_optimizer_update(fused):
 
 def test_the_finiteness_check_is_exact_and_cannot_overflow():
     big = torch.full((3,), 3e38)                  # a sum of squares would overflow; the max-abs norm does not
-    assert bool(all_finite([big, torch.ones(2, dtype=torch.bfloat16)]))
-    assert not bool(all_finite([big, torch.tensor([1.0, float("nan")])]))
-    assert not bool(all_finite([torch.tensor([-math.inf]), torch.zeros(2)]))
-    assert bool(all_finite([torch.arange(3)]))     # integer tensors cannot be non-finite
+    assert all_finite([big, torch.ones(2, dtype=torch.bfloat16)])
+    assert not all_finite([big, torch.tensor([1.0, float("nan")])])
+    assert not all_finite([torch.tensor([-math.inf]), torch.zeros(2)])
+    assert not all_finite([torch.zeros(2), torch.tensor([float("nan")], dtype=torch.bfloat16)])
+    assert all_finite([torch.arange(3)]) and all_finite([])     # integer tensors cannot be non-finite
 
 
 def test_the_param_groups_rule_is_one():
