@@ -60,7 +60,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 TUNED_DIR = Path(__file__).resolve().parent / "tuned"
 CONTENDERS = ("plain", "hf", "hf-fast", "gptop", "gptop-tuned")
-BETAS, EPS = (0.9, 0.95), 1e-8
 
 
 @dataclass
@@ -122,15 +121,6 @@ def _setup(spec: Spec):
     return dev, sampler, bundle
 
 
-def param_groups(model, weight_decay: float) -> list[dict[str, Any]]:
-    """The weight-decay groups of gptop's trainer (matrices decay; embeddings, norms and biases do not)."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            (decay if p.ndim >= 2 and "embed" not in name else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
 def _sync(dev) -> None:
     if dev.is_cuda:
         import torch
@@ -168,6 +158,8 @@ def worker_plain(spec: Spec) -> dict[str, Any]:
     import torch.nn.functional as F
 
     dev, sampler, bundle = _setup(spec)
+    from trainer.optim import BETAS, EPS, param_groups      # gptop's weight-decay groups and AdamW constants
+
     model = bundle.model.to(dev.torch_device)
     model.train()
     opt = torch.optim.AdamW(param_groups(model, spec.weight_decay), lr=spec.lr, betas=BETAS, eps=EPS)
@@ -217,6 +209,7 @@ def worker_hf(spec: Spec, fast: bool) -> dict[str, Any]:
 
     dev, sampler, bundle = _setup(spec)
     from trainer.models import quiet_imports
+    from trainer.optim import BETAS, EPS, decays
 
     with quiet_imports():
         from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -252,7 +245,7 @@ def worker_hf(spec: Spec, fast: bool) -> dict[str, Any]:
         # Only the weight-decay grouping is made the same as gptop's (HF also decays the embeddings);
         # nothing on the speed path changes.
         def get_decay_parameter_names(self, model) -> list[str]:
-            return [n for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+            return [n for n, p in model.named_parameters() if decays(n, p)]
 
     out = tempfile.mkdtemp(prefix="peers-hf-")
     kwargs: dict[str, Any] = dict(
@@ -627,6 +620,9 @@ def main() -> int:
         else:
             toggles = _toml_toggles(tuned)
             print(f"gptop-tuned: toggles from {tuned}: {toggles}", flush=True)
+
+    sys.path.insert(0, str(ROOT))
+    from trainer.optim import BETAS, EPS
 
     print(f"setup: {spec.model}/{spec.size}, seq-len {spec.seq_len}, global batch {spec.global_batch} "
           f"({spec.tokens_per_step} tokens/step), {spec.steps} steps (first {spec.warmup} excluded, intervals of "

@@ -53,7 +53,7 @@ def test_toml_round_trip():
 ])
 def test_bad_values_name_the_flag(argv, flag):
     if flag is None:
-        from trainer.train import Faults
+        from trainer.faults import Faults
 
         with pytest.raises(ConfigError) as e:
             Faults("boom")

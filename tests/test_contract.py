@@ -115,3 +115,16 @@ def test_requires_python_covers_the_stdlib_modules_used():
     uses_tomllib = any("tomllib" in name for pkg in ("gptop", "tuner", "trainer")
                        for path in (ROOT / pkg).rglob("*.py") for _, name in _imports(path))
     assert uses_tomllib and (int(m[1]), int(m[2])) >= (3, 11)
+
+
+def test_pruning_never_deletes_the_newest_verified_checkpoint(tmp_path):
+    """A stale checkpoint with a higher step (an older history, or one written before checkpoints were
+    verified) must not push the newest good one out of `keep`."""
+    from trainer.contract import rundir
+
+    for s in (2, 5, 9):
+        p = rundir.path_for(tmp_path, s)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(b"x")
+    rundir.prune(tmp_path, keep=1, newest_good=5)
+    assert [c.step for c in rundir.list_checkpoints(tmp_path)] == [5, 9]

@@ -37,7 +37,11 @@ REQUIRED_KEYS = ("format", "step", "model", "optimizer", "config")
 
 
 class CorruptCheckpoint(RuntimeError):
-    pass
+    """A checkpoint that does not load, or (trainer.checkpointer) loads but holds non-finite values."""
+
+
+class NothingToResume(FileNotFoundError):
+    """`--resume` named a path that is neither a checkpoint nor a run directory with checkpoints."""
 
 
 def save(state: dict[str, Any], path: Path) -> None:
@@ -133,20 +137,30 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str
     return state
 
 
-def resolve_resume(target: str | Path, on_corrupt: Callable[[str], None] = lambda msg: None,
-                   map_location: str | torch.device = "cpu") -> tuple[Path, dict[str, Any]]:
-    """A checkpoint file, or a run directory's newest valid checkpoint; corrupt ones are reported and skipped."""
+def candidates(target: str | Path) -> list[Path]:
+    """What `--resume target` may start from, newest first: the checkpoint itself, or a run directory's
+    checkpoints. Raises NothingToResume naming what was looked at."""
     target = Path(target)
     if target.is_file() or (target.is_dir() and is_sharded(target)):
-        return target, load(target, map_location)
+        return [target]
     if not target.is_dir():
-        raise FileNotFoundError(f"{target} is neither a checkpoint file nor a run directory")
-    candidates = list_checkpoints(target)
-    if not candidates:
-        raise FileNotFoundError(f"{target} has no checkpoints (looked in {checkpoint_dir(target)})")
-    for info in reversed(candidates):
+        what = "does not exist" if not target.exists() else "is neither a checkpoint file nor a run directory"
+        raise NothingToResume(f"nothing to resume: {target} {what}")
+    found = [info.path for info in reversed(list_checkpoints(target))]
+    if not found:
+        raise NothingToResume(f"nothing to resume: {target} has no checkpoints (looked in {checkpoint_dir(target)})")
+    return found
+
+
+def resolve_resume(target: str | Path, on_corrupt: Callable[[str], None] = lambda msg: None,
+                   map_location: str | torch.device = "cpu") -> tuple[Path, dict[str, Any]]:
+    """A checkpoint file, or a run directory's newest checkpoint that loads; corrupt ones are reported and skipped."""
+    found = candidates(target)
+    if len(found) == 1 and found[0] == Path(target):
+        return found[0], load(found[0], map_location)
+    for path in found:
         try:
-            return info.path, load(info.path, map_location)
+            return path, load(path, map_location)
         except CorruptCheckpoint as e:
             on_corrupt(str(e))
     raise CorruptCheckpoint(f"every checkpoint in {checkpoint_dir(target)} is corrupt")

@@ -551,29 +551,27 @@ def _read_meta(bin_path: Path) -> dict | None:
 def _locked(path: Path, log: Log) -> Iterator[None]:
     """Hold an exclusive lock for building the cache entry `path`, so concurrent runs build it once.
 
-    The OS drops the lock when a process dies, so a killed builder never blocks the next one. Under
-    the lock, temporary files of this entry are leftovers of a killed builder and are removed.
+    An OS lock (filelock): the kernel drops it when a process dies, so a killed builder never blocks
+    the next one. Under the lock, temporary files of this entry are leftovers of a killed builder and
+    are removed.
     """
+    from filelock import FileLock, Timeout
+
     path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(path.parent / f"{path.name}.lock")
     try:
-        import fcntl
-    except ImportError:      # no flock (Windows): atomic renames alone keep the cache consistent
+        lock.acquire(timeout=0)
+    except Timeout:
+        log(f"data: waiting for another process building {path.name}")
+        lock.acquire()
+    try:
+        for stale in itertools.chain(path.parent.glob(f"{path.name}.*.tmp"),
+                                     path.parent.glob(f"{path.with_suffix('.json').name}.*.tmp")):
+            with contextlib.suppress(OSError):
+                stale.unlink()
         yield
-        return
-    with open(path.parent / f"{path.name}.lock", "a+b") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log(f"data: waiting for another process building {path.name}")
-            fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            for stale in itertools.chain(path.parent.glob(f"{path.name}.*.tmp"),
-                                         path.parent.glob(f"{path.with_suffix('.json').name}.*.tmp")):
-                with contextlib.suppress(OSError):
-                    stale.unlink()
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    finally:
+        lock.release()
 
 
 def _hash(obj: Any) -> str:

@@ -3,18 +3,12 @@
 A run launched by torchrun (WORLD_SIZE > 1) gets a process group (NCCL on
 CUDA, gloo on the CPU), the model wrapped for data parallelism (DDP, or FSDP2
 `fully_shard` with the precision toggle mapped to its MixedPrecisionPolicy),
-and a small control plane:
-
-Agreement. Commands (stop, checkpoint now, profile) and signals can reach the
-ranks at different moments, so at every step boundary each rank contributes
-what it has pending to one all-reduce (MAX) of a few integers, and all ranks
-act on the result: the same command takes effect on the same step everywhere.
-It is one tiny collective per step, on a CPU tensor over gloo (a separate gloo
-group when the training backend is NCCL, so it never synchronizes the GPU);
-about a millisecond on this 2-core machine's loopback, negligible next to a
-step that is worth spreading over several devices. Checkpoint and profile
-requests carry a sequence number (the supervisor's send time in ms), so a
-request that reaches two ranks on different steps is honoured once.
+and a small control plane: `agree`, the element-wise MAX of a few host integers
+over the ranks that trainer.commands uses to act on every command on the same step
+everywhere. It is one tiny collective per step, on a CPU tensor over gloo (a
+separate gloo group when the training backend is NCCL, so it never synchronizes
+the GPU); about a millisecond on this 2-core machine's loopback, negligible next
+to a step that is worth spreading over several devices.
 
 comm time. With DDP on gloo a communication hook times the gradient
 all-reduces: `comm_ms` is the wall time during which at least one of them
@@ -40,12 +34,6 @@ import torch.distributed as dist
 from .contract.config import ConfigError
 
 PARALLEL_MODES = ("ddp", "fsdp")
-
-# Stop reasons in the agreement vector (MAX wins: a rank's own reason is kept for its own log).
-STOP_REQUESTED, STOP_SIGNAL, STOP_LAUNCHER_GONE, STOP_FAULT = 1, 2, 3, 4
-STOP_TEXT = {STOP_REQUESTED: "stop requested", STOP_SIGNAL: "stop signal", STOP_LAUNCHER_GONE: "launcher went away",
-             STOP_FAULT: "stop (--fault)"}
-
 
 def env_world() -> tuple[int, int, int]:
     """(rank, world size, local rank) from torchrun's environment; (0, 1, 0) for one process."""

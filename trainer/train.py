@@ -1,11 +1,19 @@
-"""The instrumented, resumable training loop.
+"""The instrumented, resumable training loop, assembled from components (after torchtitan's trainer):
 
-One optimizer step = `accum` micro-steps of forward+backward, then the
-optimizer. Everything the loop needs per step stays on the device: the loss
-and gradient norm are summed into device tensors and read back only on log
-steps (one synchronization per log interval, which the CUDA timer piggybacks
-on). Checkpoints are taken at step boundaries and never hold a state that has
-seen a non-finite loss.
+    trainer.checkpointer  the state a checkpoint holds, verified finite; resume and rollback targets
+    trainer.commands      commands at step boundaries, one path (the agreement is a no-op for one rank)
+    trainer.optim         AdamW's groups, the learning-rate schedule, a step a non-finite step skips
+    trainer.profiler      torch.profiler windows
+    trainer.faults        test-only fault injection (the hidden --fault flag)
+
+One optimizer step = `accum` micro-steps of forward+backward, then the optimizer. Everything the loop
+needs per step stays on the device: the loss, the gradient norm and the step's non-finite flags are
+device tensors, read back only on log steps and before an eval or a checkpoint (one synchronization per
+log interval, which the CUDA timer piggybacks on). A non-finite loss or gradient norm is a non-finite
+step: its optimizer update is not taken (trainer.optim, on the device), and at the next read-back the
+NaN policy rolls the run back to the newest checkpoint that verifies, or stops it. A checkpoint never
+holds a non-finite state: the checkpointer verifies it before writing, and a state that fails is a
+non-finite step too.
 """
 
 from __future__ import annotations
@@ -16,7 +24,6 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,21 +31,33 @@ import torch
 
 from . import checkpoint as ckpt
 from . import dist as D
+from . import faults
+from . import optim
 from .channel import Channel
+from .checkpointer import Checkpointer, NonFiniteState, Progress
+from .commands import Commands
 from .contract import capabilities, rundir
 from .contract.atomic import atomic_write
 from .contract.config import AUTO, ConfigError, TrainConfig, parse_step_range
 from .contract.device import DeviceInfo
 from .device import detect
 from .memory import make_meter
+from .profiler import StepProfiler
 from .timing import StepTiming, make_timer
 
 EXIT_OK, EXIT_CRASH, EXIT_CONFIG, EXIT_OOM, EXIT_NAN, EXIT_COMPILE = 0, 1, 2, 3, 4, 5
+EXIT_NO_CHECKPOINT, EXIT_CORRUPT_CHECKPOINT = 6, 7       # --resume found nothing / nothing that verifies
+
+# The bits of a step's non-finite flag (device int8): what went non-finite.
+_LOSS, _GRAD = 1, 2
+_WHAT = {_LOSS: "loss", _GRAD: "gradient norm", _LOSS | _GRAD: "loss and gradient norm"}
 
 
-class NonFiniteLoss(RuntimeError):
-    def __init__(self, step: int, batch_index: int):
-        super().__init__(f"non-finite loss at step {step} (batch {batch_index})")
+class NonFiniteStep(RuntimeError):
+    """A step whose loss, gradient norm or resulting state is not finite: the NaN policy applies."""
+
+    def __init__(self, step: int, batch_index: int, what: str = "loss"):
+        super().__init__(f"non-finite {what} at step {step} (batch {batch_index})")
         self.step, self.batch_index = step, batch_index
 
 
@@ -47,52 +66,6 @@ class Stop(Exception):
 
     def __init__(self, code: int):
         self.code = code
-
-
-@dataclass
-class Progress:
-    """Everything about where the run is that a checkpoint must restore."""
-
-    step: int = 0
-    tokens: int = 0
-    batch_cursor: int = 0                 # next global batch index to train on
-    skip_batches: list[int] = field(default_factory=list)
-    lr_scale: float = 1.0
-    nan_rollbacks: int = 0
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up then cosine decay to min_lr_ratio * lr; a pure function of the step, so resume is exact."""
-    o = cfg.optim
-    if o.warmup_steps and step < o.warmup_steps:
-        return o.lr * (step + 1) / o.warmup_steps
-    span = max(1, o.max_steps - o.warmup_steps)
-    frac = min(1.0, (step - o.warmup_steps) / span)
-    return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
-
-
-class Faults:
-    """Test-only fault injection (`--fault nan@12,oom@5`): each fires once per process.
-
-    `KIND@STEP:RANK` fires on that rank only (`kill@5:1`); without `:RANK`, on every rank."""
-
-    KINDS = ("nan", "oom", "crash", "kill", "compile", "stop")
-
-    def __init__(self, spec: str | None, rank: int = 0):
-        self.at: dict[int, str] = {}
-        for part in (spec or "").split(","):
-            if not part:
-                continue
-            kind, _, where = part.partition("@")
-            step, _, only = where.partition(":")
-            if kind not in self.KINDS or not step.isdigit() or (only and not only.isdigit()):
-                raise ConfigError("--fault", f"{part!r}: expected KIND@STEP[:RANK] with KIND in "
-                                             f"{', '.join(self.KINDS)}")
-            if not only or int(only) == rank:
-                self.at[int(step)] = kind
-
-    def take(self, step: int) -> str | None:
-        return self.at.pop(step, None)
 
 
 class Trainer:
@@ -106,11 +79,8 @@ class Trainer:
         self.group: D.Group | None = None            # several ranks: the process group and control plane
         self.ddp: torch.nn.Module | None = None      # the DDP wrapper (--parallel ddp, several ranks)
         self.comm: D.CommTimer | None = None
-        self.faults = Faults(cfg.run.fault, self.rank)
-        self._done_seq = {"checkpoint": 0, "profile": 0}   # command sequence numbers already acted on
-        self.profile_window: tuple[int, int] | None = (
-            parse_step_range(cfg.log.profile_steps) if cfg.log.profile_steps else None)
-        self._profiler = None
+        self.faults = faults.Faults(cfg.run.fault, self.rank)
+        self.resumed_from: str | None = None
 
     # ------------------------------------------------------------------ setup
     def log(self, msg: str) -> None:
@@ -121,6 +91,11 @@ class Trainer:
         """Events that describe the whole run (hello, checkpoint, eval, done) come from rank 0 only."""
         if self.rank == 0 and self.channel is not None:
             self.channel.emit(type, **fields)
+
+    def _warn(self, message: str) -> None:
+        """A warning of this rank (a skipped checkpoint is seen by every rank that read it)."""
+        self.channel.emit("warning", message=message)
+        self.log(f"warning: {message}")
 
     @property
     def parallel(self) -> str | None:
@@ -165,15 +140,22 @@ class Trainer:
         self.raw_model = self.bundle.model.to(self.device)
         self._setup_precision()
         self._wrap_parallel()
-        self.optimizer = self._make_optimizer()
+        self.optimizer = optim.build_adamw(self.raw_model, cfg)
         self.meter = make_meter(self.device)
         from .moe import MoEBalancer
 
         self.balancer = MoEBalancer(self.raw_model) if self.bundle.is_moe else None
+        self.ckpt = Checkpointer(cfg, self.dev, self.run_dir, self.group, warn=self._warn)
+        self.ckpt.bind(self.raw_model, self.optimizer, self.scaler)
+        self.commands = Commands(self.channel, self.rank, self.group.agree if self.group is not None else None)
+        self.profiler = StepProfiler(rundir.RunDir(self.run_dir).profiles, self.rank, self.dev.is_cuda,
+                                     parse_step_range(cfg.log.profile_steps) if cfg.log.profile_steps else None,
+                                     on_written=self._profile_written)
 
-        self.resumed_from = None
         if cfg.checkpoint.resume:
-            self._resume(cfg.checkpoint.resume)
+            path, self.progress = self.ckpt.resume(cfg.checkpoint.resume)
+            self.resumed_from = str(path)
+            self.log(f"resumed from {path} at step {self.progress.step}")
         self.model = self._compile(self.ddp if self.ddp is not None else self.raw_model)
 
         if cfg.toggles.micro_batch == AUTO:
@@ -237,8 +219,8 @@ class Trainer:
             self.comm = D.CommTimer(self.world)
             self.comm.register(self.ddp)
 
-    def _sync_grads(self, last_micro: bool):
-        """Gradient accumulation without communication until the last micro-batch."""
+    def _sync_grads(self, last_micro: bool) -> contextlib.AbstractContextManager:
+        """Gradient accumulation without communication until the last micro-batch (used with `with`)."""
         if self.ddp is not None and not last_micro:
             return self.ddp.no_sync()
         if self.parallel == "fsdp":
@@ -250,28 +232,6 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def _make_optimizer(self) -> torch.optim.Optimizer:
-        decay, no_decay = [], []
-        for name, p in self.raw_model.named_parameters():
-            if p.requires_grad:
-                (decay if p.ndim >= 2 and "embed" not in name else no_decay).append(p)
-        groups = [{"params": decay, "weight_decay": self.cfg.optim.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
-        kwargs: dict[str, Any] = {"lr": lr_at(0, self.cfg), "betas": (0.9, 0.95), "eps": 1e-8}
-        kwargs.update(self._adamw_flags())
-        return torch.optim.AdamW(groups, **kwargs)
-
-    def _adamw_flags(self) -> dict[str, Any]:
-        return {"fused": True, "foreach": None} if self.cfg.toggles.fused_adamw else {"fused": None, "foreach": True}
-
-    def _param_names(self) -> list[str]:
-        """Parameter names in the optimizer's id order (how a one-file checkpoint's optimizer state is keyed)."""
-        decay, no_decay = [], []
-        for name, p in self.raw_model.named_parameters():
-            if p.requires_grad:
-                (decay if p.ndim >= 2 and "embed" not in name else no_decay).append(name)
-        return decay + no_decay
-
     def _compile(self, model: torch.nn.Module) -> torch.nn.Module:
         mode = self.cfg.toggles.compile
         if mode == "off":
@@ -279,132 +239,17 @@ class Trainer:
         return torch.compile(model, mode=None if mode == "default" else mode)
 
     # ---------------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        p = self.progress
-        state = {"step": p.step, "tokens": p.tokens, "batch_cursor": p.batch_cursor,
-                 "skip_batches": list(p.skip_batches), "lr_scale": p.lr_scale, "nan_rollbacks": p.nan_rollbacks,
-                 "model": self.raw_model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "config": self.cfg.to_dict(), "rng": {"torch": torch.get_rng_state()}}
-        if self.scaler.is_enabled():
-            state["scaler"] = self.scaler.state_dict()
-        if self.dev.is_cuda:
-            state["rng"]["cuda"] = torch.cuda.get_rng_state(self.device)
-        return state
-
-    def load_state(self, state: dict[str, Any]) -> None:
-        """Restore a checkpoint: a one-file state, or a sharded checkpoint's gptop.json (then read with DCP)."""
-        self._check_compatible(state["config"])
-        if state.get("format") == ckpt.DCP_FORMAT:
-            self._load_sharded(state)
-        elif self.group is not None:
-            self._load_full(state["model"], state["optimizer"])
-        else:
-            self.raw_model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-        for group in self.optimizer.param_groups:   # the kernel is a toggle of this run, not of the checkpoint
-            group.update(self._adamw_flags())
-        if state.get("scaler") and self.scaler.is_enabled():
-            self.scaler.load_state_dict(state["scaler"])
-        rng = state.get("rng", {})
-        if "torch" in rng:
-            torch.set_rng_state(rng["torch"])
-        if "cuda" in rng and self.dev.is_cuda:
-            torch.cuda.set_rng_state(rng["cuda"], self.device)
-        self.progress = Progress(step=state["step"], tokens=state.get("tokens", 0),
-                                 batch_cursor=state.get("batch_cursor", state["step"]),
-                                 skip_batches=list(state.get("skip_batches", [])),
-                                 lr_scale=state.get("lr_scale", 1.0), nan_rollbacks=state.get("nan_rollbacks", 0))
-
-    # Several ranks (or a sharded checkpoint): torch.distributed.checkpoint and its state-dict helpers, which
-    # turn DDP's replicated tensors and FSDP2's DTensor shards into one format and reshard on load.
-    def _sharded_state(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_sd, optim_sd = get_state_dict(self.raw_model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
-
-    def _meta(self) -> dict[str, Any]:
-        p = self.progress
-        return {"step": p.step, "tokens": p.tokens, "batch_cursor": p.batch_cursor,
-                "skip_batches": list(p.skip_batches), "lr_scale": p.lr_scale, "nan_rollbacks": p.nan_rollbacks,
-                "config": self.cfg.to_dict(), "world_size": self.world, "parallel": self.parallel,
-                "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None}
-
-    def _rank_state(self) -> dict[str, Any]:
-        rng = {"torch": torch.get_rng_state()}
-        if self.dev.is_cuda:
-            rng["cuda"] = torch.cuda.get_rng_state(self.device)
-        return {"rng": rng, "step": self.progress.step, "rank": self.rank}
-
-    def _load_sharded(self, meta: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        path, saved_world = meta["path"], int(meta.get("world_size", 1))
-        state = self._sharded_state()
-        try:
-            ckpt.load_sharded(state, path)
-        except Exception as e:
-            if saved_world != self.world:
-                raise ConfigError("--nproc", f"{path} was saved by {saved_world} ranks and this run has "
-                                             f"{self.world}; resharding it failed ({type(e).__name__}: {e}). "
-                                             f"Resume with {saved_world} ranks") from e
-            raise
-        set_state_dict(self.raw_model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
-        mine = ckpt.load_rank_state(path, self.rank) if saved_world == self.world else None
-        meta.setdefault("rng", (mine or {}).get("rng", {}))
-
-    def _load_full(self, model_sd: dict[str, Any], optim_sd: dict[str, Any] | None) -> None:
-        """A full (unsharded) state into a DDP replica or FSDP2 shards: every rank holds the whole state."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                             set_optimizer_state_dict)
-
-        full = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(self.raw_model, model_sd, options=full)
-        if optim_sd is not None:
-            names = self._param_names()           # one-file optimizer states are keyed by position
-            by_name = {"state": {names[int(i)]: v for i, v in optim_sd["state"].items()},
-                       "param_groups": [dict(g, params=[names[int(i)] for i in g["params"]])
-                                        for g in optim_sd["param_groups"]]}
-            set_optimizer_state_dict(self.raw_model, self.optimizer, by_name, options=full)
-
-    def _check_compatible(self, saved: dict[str, Any]) -> None:
-        """What is learned must match: model, data, sequence length, global batch, seed. Toggles may differ."""
-        now = self.cfg.to_dict()
-        for section, key, flag in (("model", "model", "--model"), ("model", "size", "--size"),
-                                   ("data", "seq_len", "--seq-len"), ("optim", "global_batch", "--global-batch"),
-                                   ("optim", "seed", "--seed"), ("data", "data", "--data")):
-            if saved.get(section, {}).get(key) != now[section][key]:
-                raise ConfigError(flag, f"the checkpoint was trained with {saved.get(section, {}).get(key)!r}, "
-                                        f"this run asks for {now[section][key]!r}; resume needs the same value")
-
-    def _resume(self, target: str) -> None:
-        def corrupt(msg: str) -> None:
-            self.channel.emit("warning", message=f"corrupt checkpoint skipped: {msg}")
-            self.log(f"warning: corrupt checkpoint skipped: {msg}")
-
-        path, state = ckpt.resolve_resume(target, on_corrupt=corrupt, map_location=self.device)
-        self.load_state(state)
-        self.resumed_from = str(path)
-        self.log(f"resumed from {path} at step {self.progress.step}")
-
     def save_checkpoint(self, reason: str = "interval") -> Path:
-        """Collective with several ranks: every rank writes its shards (DCP); one file otherwise."""
+        """Collective with several ranks. A state that is not finite is not written: a non-finite step."""
         self._check_finite_now()
         t = time.perf_counter()
-        if self.group is not None:
-            path = rundir.dcp_path_for(self.run_dir, self.progress.step)
-            ckpt.save_sharded(self._sharded_state(), self._meta(), self._rank_state(), path, rank=self.rank,
-                              barrier=self.group.barrier)
-        else:
-            path = rundir.path_for(self.run_dir, self.progress.step)
-            ckpt.save(self.state_dict(), path)
-        if self.rank == 0:
-            rundir.prune(self.run_dir, self.cfg.checkpoint.keep_checkpoints)
+        p = self.progress
+        try:
+            path = self.ckpt.save(p)
+        except NonFiniteState:
+            raise NonFiniteStep(max(p.step - 1, 0), p.batch_cursor - 1, "weights or optimizer state") from None
         seconds = time.perf_counter() - t
-        self.last_good = path
-        self.emit0("checkpoint", step=self.progress.step, path=str(path), seconds=seconds, reason=reason,
-                   tokens=self.progress.tokens)
+        self.emit0("checkpoint", step=p.step, path=str(path), seconds=seconds, reason=reason, tokens=p.tokens)
         if self.rank == 0:
             self.log(f"checkpoint {path.name} ({seconds:.2f} s, {reason})")
         return path
@@ -472,9 +317,6 @@ class Trainer:
 
     def run(self) -> int:
         cfg = self.cfg
-        # A resumed run's checkpoint is already a good state to roll back to (not the initialization).
-        resumed = Path(self.resumed_from) if self.resumed_from else None
-        self.last_good: Path | None = resumed if resumed is not None and resumed.is_file() else None
         self.timer = make_timer(self.device.type, cfg.log.timing)
         self.prefetcher = self._new_prefetcher()
         self._interval_reset()
@@ -483,25 +325,26 @@ class Trainer:
         try:
             while True:
                 try:
-                    stop_reason = self._train_until_done()
+                    if stop_reason is None:       # a stop asked for is kept through a rollback
+                        stop_reason = self._train_until_done()
                     self.save_checkpoint("stop" if stop_reason else "final")
                     break
-                except NonFiniteLoss as e:
+                except NonFiniteStep as e:
                     self._rollback(e)
         finally:
             self.prefetcher.close()
-            self._stop_profiler()
+            self.profiler.close()
         elapsed = time.perf_counter() - self._t_run
         self.emit0("done", step=self.progress.step, tokens=self.progress.tokens, seconds=elapsed,
-                   reason=stop_reason or "max_steps", checkpoint=str(self.last_good))
+                   reason=stop_reason or "max_steps", checkpoint=str(self.ckpt.newest))
         self.log(f"done at step {self.progress.step} ({stop_reason or 'max_steps'}) in {elapsed:.1f} s")
         return EXIT_OK
 
     def _train_until_done(self) -> str | None:
-        """Train to max_steps or a stop command (returns its reason). NonFiniteLoss propagates to run()."""
+        """Train to max_steps or a stop command (returns its reason). NonFiniteStep propagates to run()."""
         cfg = self.cfg
         while self.progress.step < cfg.optim.max_steps:
-            stop_reason = self._handle_commands()
+            stop_reason = self._step_boundary()
             if stop_reason:
                 return stop_reason
             self._train_step()
@@ -515,66 +358,17 @@ class Trainer:
                 self.save_checkpoint()
         return None
 
-    def _handle_commands(self) -> str | None:
-        if self.group is not None:
-            return self._handle_commands_agreed()
-        if self.faults.at.get(self.progress.step) == "stop":
-            self.faults.take(self.progress.step)
-            return "stop (--fault)"
-        for cmd in self.channel.pending_commands():
-            name = cmd.get("cmd")
-            if name == "stop":
-                return cmd.get("reason", "stop requested")
-            if name == "checkpoint":
-                self.save_checkpoint("requested")
-            elif name == "profile":
-                s = self.progress.step
-                self.profile_window = (s, s + int(cmd.get("steps", 3)) - 1)
-            else:
-                self.channel.emit("warning", message=f"unknown command {name!r} ignored")
-        return None
-
-    def _handle_commands_agreed(self) -> str | None:
-        """Several ranks: what any rank has pending is all-reduced (MAX), so all act on the same step.
-
-        Vector: [stop code, newest checkpoint request, newest profile request, its steps]. Requests
-        are numbered by the sender (ms timestamps); one reaching two ranks on different steps is acted
-        on once. A command without a number counts on rank 0 only (every rank got the same one)."""
-        stop_code, stop_reason, want = 0, None, {"checkpoint": 0, "profile": 0}
-        profile_steps = 0
-        if self.faults.at.get(self.progress.step) == "stop":
-            self.faults.take(self.progress.step)
-            stop_code, stop_reason = D.STOP_FAULT, "stop (--fault)"
-        for cmd in self.channel.pending_commands():
-            name, source = cmd.get("cmd"), cmd.get("source", "socket")
-            seq = cmd.get("seq")
-            if name == "stop":
-                code = {"signal": D.STOP_SIGNAL, "eof": D.STOP_LAUNCHER_GONE}.get(source, D.STOP_REQUESTED)
-                if code > stop_code:
-                    stop_code, stop_reason = code, cmd.get("reason", D.STOP_TEXT[code])
-                continue
-            if not isinstance(seq, int):
-                if source == "socket" and self.rank != 0:
-                    continue
-                seq = time.time_ns() // 1_000_000
-            if name in want:
-                want[name] = max(want[name], seq)
-                if name == "profile":
-                    profile_steps = max(profile_steps, int(cmd.get("steps", 3)))
-            elif self.rank == 0:
-                self.channel.emit("warning", message=f"unknown command {name!r} ignored")
-        stop_code, ckpt_seq, prof_seq, prof_steps = self.group.agree(
-            [stop_code, want["checkpoint"], want["profile"], profile_steps])
-        if ckpt_seq > self._done_seq["checkpoint"]:
-            self._done_seq["checkpoint"] = ckpt_seq
+    def _step_boundary(self) -> str | None:
+        """Act on what the ranks agreed (trainer.commands); returns a stop reason."""
+        decision = self.commands.poll(stop_fault=self.faults.stop_requested(self.progress.step))
+        if decision.checkpoint:
             self.save_checkpoint("requested")
-        if prof_seq > self._done_seq["profile"]:
-            self._done_seq["profile"] = prof_seq
-            s = self.progress.step
-            self.profile_window = (s, s + max(1, prof_steps) - 1)
-        if stop_code:
-            return stop_reason or f"{D.STOP_TEXT.get(stop_code, 'stop')} (another rank)"
-        return None
+        if decision.profile_steps:
+            self.profiler.request(self.progress.step, decision.profile_steps)
+        return decision.stop
+
+    def _profile_written(self, path: Path, first: int, last: int) -> None:
+        self.channel.emit("log", message=f"profiler trace of steps {first}-{last} written to {path}", path=str(path))
 
     def _is_log_step(self) -> bool:
         return self.progress.step % self.cfg.log.log_every == 0
@@ -582,34 +376,11 @@ class Trainer:
     def _interval_reset(self) -> None:
         self._loss_sum = torch.zeros((), device=self.device)
         self._grad_norm = torch.zeros((), device=self.device)
-        self._bad = []      # (step, batch_index, device bool tensor)
+        self._bad = []      # (step, batch_index, device int8 of _LOSS | _GRAD bits)
         self._comm_ms: list[float | None] = []
         self._interval_steps = 0
         self._interval_t0 = time.perf_counter()
         self.meter.reset_peak()
-
-    def _maybe_profile(self, step: int) -> None:
-        w = self.profile_window
-        if w and step == w[0] and self._profiler is None:
-            acts = [torch.profiler.ProfilerActivity.CPU]
-            if self.dev.is_cuda:
-                acts.append(torch.profiler.ProfilerActivity.CUDA)
-            self._profiler = torch.profiler.profile(activities=acts)
-            self._profiler.__enter__()
-            self._profile_span = w
-
-    def _stop_profiler(self) -> None:
-        if self._profiler is None:
-            return
-        self._profiler.__exit__(None, None, None)
-        a, b = self._profile_span
-        suffix = f".rank{self.rank}" if self.rank else ""
-        out = rundir.RunDir(self.run_dir).profiles / f"steps-{a}-{b}{suffix}.json"
-        out.parent.mkdir(exist_ok=True)
-        self._profiler.export_chrome_trace(str(out))
-        self._profiler = None
-        self.profile_window = None
-        self.channel.emit("log", message=f"profiler trace of steps {a}-{b} written to {out}", path=str(out))
 
     def _train_step(self) -> None:
         p, cfg = self.progress, self.cfg
@@ -618,11 +389,9 @@ class Trainer:
                 self.prefetcher.get()
             p.batch_cursor += 1
         step, bi = p.step, p.batch_cursor
-        self._maybe_profile(step)
+        self.profiler.step_begin(step)
         fault = self.faults.take(step)
-        lr = lr_at(step, cfg) * p.lr_scale
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        optim.set_lr(self.optimizer, optim.lr_at(step, cfg) * p.lr_scale)
         timer = self.timer
         timer.begin_step(step)
         step_loss = torch.zeros((), device=self.device)
@@ -630,66 +399,62 @@ class Trainer:
             with timer.phase("data"):
                 got_bi, got_mi, x, y = self.prefetcher.get()
             assert got_bi == bi and got_mi == micro, f"data order broken: got {got_bi}/{got_mi}, want {bi}/{micro}"
-            sync = self._sync_grads(last_micro=micro == self.accum - 1)
-            sync.__enter__()
-            with timer.phase("forward"):
-                with self._autocast():
-                    loss = self._loss(x, y, bi, micro) / self.accum
-                if fault == "nan":
-                    loss = loss * float("nan")
-                elif fault == "oom":
-                    raise torch.OutOfMemoryError(f"injected out-of-memory at step {step} (--fault)")
-                elif fault == "crash":
-                    raise RuntimeError(f"injected crash at step {step} (--fault)")
-                elif fault == "kill":
-                    os.kill(os.getpid(), 9)
-                elif fault == "compile":
-                    from torch._dynamo.exc import BackendCompilerFailed
-
-                    raise BackendCompilerFailed(lambda *a: None, RuntimeError("injected compile error (--fault)"))
-                fault = None
-            with timer.phase("backward"):
-                self.scaler.scale(loss).backward()
-            sync.__exit__(None, None, None)
+            with self._sync_grads(last_micro=micro == self.accum - 1):
+                with timer.phase("forward"):
+                    with self._autocast():
+                        loss = self._loss(x, y, bi, micro) / self.accum
+                    if micro == 0:
+                        loss = faults.on_loss(fault, loss, step)
+                with timer.phase("backward"):
+                    self.scaler.scale(loss).backward()
             step_loss += loss.detach()
         with timer.phase("optimizer"):
             self.scaler.unscale_(self.optimizer)
-            if cfg.optim.grad_clip > 0:
-                norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), cfg.optim.grad_clip)
-            else:
-                norm = torch.linalg.vector_norm(torch.stack(
-                    [g.grad.detach().norm() for g in self.raw_model.parameters() if g.grad is not None]))
-            if hasattr(norm, "full_tensor"):       # FSDP2: a DTensor; the norm over all shards
-                norm = norm.full_tensor()
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
+            faults.on_grads(fault, self.raw_model)
+            norm = self._grad_norm_now()
+            bad = (~torch.isfinite(step_loss)).to(torch.int8) * _LOSS
+            if not self.scaler.is_enabled():     # fp16: an overflow is the scaler's signal to skip, not a failure
+                bad = bad + (~torch.isfinite(norm)).to(torch.int8) * _GRAD
+            optim.step(self.optimizer, self.scaler, finite=bad == 0)
             self.optimizer.zero_grad(set_to_none=True)
             if self.balancer is not None:
                 self.balancer.update()
+            faults.on_weights(fault, self.raw_model)
         timer.end_step()
         if self.comm is not None:
             self._comm_ms.append(self.comm.take_ms())
-        self._bad.append((step, bi, ~torch.isfinite(step_loss)))
+        self._bad.append((step, bi, bad))
         self._loss_sum += step_loss
         self._grad_norm = norm.detach()
         self._interval_steps += 1
         p.step += 1
         p.batch_cursor += 1
         p.tokens += self.tokens_per_step
-        if self._profiler is not None and step >= self._profile_span[1]:
-            self._stop_profiler()
+        self.profiler.step_end(step)
+
+    def _grad_norm_now(self) -> torch.Tensor:
+        """The global gradient norm (clipping when --grad-clip is set); NaN or inf when a gradient is."""
+        params = self.raw_model.parameters()
+        if self.cfg.optim.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip)
+        else:
+            norm = torch.linalg.vector_norm(torch.stack([g.grad.detach().norm() for g in params
+                                                         if g.grad is not None]))
+        if hasattr(norm, "full_tensor"):       # FSDP2: a DTensor; the norm over all shards
+            norm = norm.full_tensor()
+        return norm
 
     def _check_finite_now(self) -> None:
         """Read back the interval's non-finite flags (one sync); raise before a poisoned state is used."""
         if not self._bad:
             return
         stacked = torch.stack([b for _, _, b in self._bad]).to(torch.int32)
-        if self.group is not None:       # a non-finite loss on any rank rolls every rank back
+        if self.group is not None:       # a non-finite step on any rank rolls every rank back
             self.group.max_(stacked)
         flags = stacked.cpu().tolist()
         for (step, bi, _), bad in zip(self._bad, flags):
             if bad:
-                raise NonFiniteLoss(step, bi)
+                raise NonFiniteStep(step, bi, _WHAT.get(bad, "loss"))
         self._bad = []
 
     def _flush_interval(self) -> None:
@@ -747,9 +512,30 @@ class Trainer:
         self.peak_flops = None
         return None
 
+    def _checked_mfu(self, tokens_per_s: float | None) -> float | None:
+        """MFU of the run, or None. Above 1 the peak is wrong (a CPU peak measured on a busy machine):
+        say so once, drop that cached peak so the next run measures again, and report null from here on."""
+        from .flops import cpu_dtype, forget_cpu_peak, mfu
+
+        value = mfu(tokens_per_s, self.bundle.flops_per_token, self.peak_flops * self.world if self.peak_flops else None)
+        if value is None or value <= 1.0:
+            return value
+        where = "the datasheet peak" if self.dev.is_cuda else "the measured CPU matmul peak"
+        msg = (f"MFU would be {value:.2f} (> 1): {where} ({self.peak_flops / 1e9:,.1f} GFLOP/s per process) is "
+               f"below what the model achieves, so it is not a peak; MFU is not reported for the rest of this run")
+        if not self.dev.is_cuda:
+            dtypes = {cpu_dtype(self.cfg.toggles.precision), torch.float32}   # a bf16 peak is never below fp32's
+            dropped = [forget_cpu_peak(d, cpu_name=self.dev.name, procs=self._local_procs) for d in dtypes]
+            if any(dropped):
+                msg += " and the cached peak is dropped (the next run measures it again, best on an idle machine)"
+        self.emit0("warning", message=msg, kind="peak_flops")
+        self.peak_flops = None
+        return None
+
     def _evaluate(self) -> None:
         from .data import val_batches
 
+        self._check_finite_now()            # never evaluate a model that a non-finite step has touched
         if not hasattr(self, "_val"):
             self._val = val_batches(self.data, self.cfg.data.seq_len, self.micro_batch, self.cfg.log.eval_batches,
                                     self.cfg.optim.seed)
@@ -766,7 +552,7 @@ class Trainer:
         loss = (total / len(self._val)).item()
         self.emit0("eval", step=self.progress.step, loss=loss, seconds=time.perf_counter() - t)
 
-    def _rollback(self, e: NonFiniteLoss) -> None:
+    def _rollback(self, e: NonFiniteStep) -> None:
         cfg = self.cfg
         p = self.progress
         self.emit0("warning", message=str(e), step=e.step, batch=e.batch_index)
@@ -776,12 +562,17 @@ class Trainer:
         skips = sorted(set(p.skip_batches) | {e.batch_index})
         rollbacks, scale = p.nan_rollbacks + 1, p.lr_scale * cfg.run.nan_lr_factor
         self.prefetcher.close()
-        if self.last_good is not None:
-            self.load_state(ckpt.load(self.last_good, map_location=self.device))
-            source = self.last_good.name
+        had_checkpoint = self.ckpt.newest is not None
+        restored = self.ckpt.rollback(p.step)
+        if restored is not None:
+            path, self.progress = restored
+            source = path.name
+        elif self.resumed_from is not None:       # this process cannot rebuild what came before the resume
+            raise ckpt.CorruptCheckpoint(f"no checkpoint of this run verifies any more (it resumed from "
+                                         f"{self.resumed_from}; see the warnings above), nothing to roll back to")
         else:
             self._reinitialize()
-            source = "initialization (no checkpoint yet)"
+            source = f"initialization ({'no checkpoint verifies' if had_checkpoint else 'no checkpoint yet'})"
         self.optimizer.zero_grad(set_to_none=True)
         if self.balancer is not None:
             self.balancer.reset()
@@ -802,10 +593,11 @@ class Trainer:
         fresh = build_model(self.cfg.model, vocab_size=self.data.vocab_size, seq_len=self.cfg.data.seq_len,
                             toggles=self.cfg.toggles, dev=self.dev, mask_id=self.data.mask_id, seed=self.cfg.optim.seed)
         if self.group is not None:
-            self._load_full(fresh.model.state_dict(), None)
+            self.ckpt.load_full(fresh.model.state_dict(), None)
         else:
             self.raw_model.load_state_dict(fresh.model.state_dict())
-        self.optimizer = self._make_optimizer()
+        self.optimizer = optim.build_adamw(self.raw_model, self.cfg)
+        self.ckpt.bind(self.raw_model, self.optimizer, self.scaler)
         self.progress = Progress()
 
     def _fail(self, kind: str, message: str, **extra: Any) -> None:
@@ -843,6 +635,11 @@ def main_run(cfg: TrainConfig) -> int:
         return s.code
     except ConfigError as e:
         return _report(trainer, "config", str(e), EXIT_CONFIG)
+    except ckpt.NothingToResume as e:               # known ends: one line; the traceback only into a log file
+        return _report(trainer, "no_checkpoint", str(e), EXIT_NO_CHECKPOINT, traceback=_log_only_traceback())
+    except ckpt.CorruptCheckpoint as e:
+        return _report(trainer, "corrupt_checkpoint", str(e), EXIT_CORRUPT_CHECKPOINT,
+                       traceback=_log_only_traceback())
     except torch.OutOfMemoryError as e:
         extra = {"toggles": cfg.to_dict()["toggles"], "memory": trainer.memory_figures() if trainer else {}}
         return _report(trainer, "oom", f"out of memory: {str(e).splitlines()[0] if str(e) else ''} -- try a smaller "
@@ -862,6 +659,11 @@ def main_run(cfg: TrainConfig) -> int:
             trainer.channel.close()
         if trainer is not None and trainer.group is not None:
             trainer.group.destroy()
+
+
+def _log_only_traceback() -> str | None:
+    """The traceback of a known end, for trainer.stderr.log (where gptop sends stderr), not a terminal."""
+    return None if sys.stderr.isatty() else traceback.format_exc()
 
 
 def _is_compile_error(e: BaseException) -> bool:

@@ -101,13 +101,13 @@ def _num(v: float) -> str:
 def opt(default: Any, help: str, *, flag: str | None = None, choices: tuple | None = None,
         metavar: str | None = None, kind: type | None = None, low: float | None = None, high: float | None = None,
         low_open: bool = False, high_open: bool = False, words: tuple[str, ...] = (),
-        check: Callable[[Any], str | None] | None = None, path: str | None = None) -> Any:
+        check: Callable[[Any], str | None] | None = None, path: str | None = None, hidden: bool = False) -> Any:
     """A config field with its command-line flag, help and accepted values in one place.
 
     A number needs a range (`low`/`high`, inclusive unless `*_open`): a new numeric option cannot be
     declared without saying which values make sense. `kind` is the value type where the annotation
     is a union (`micro_batch`: int, or one of `words`); `check(value)` returns why a value is refused;
-    `path` names the check of `trainer.contract.inputs` for a path option."""
+    `path` names the check of `trainer.contract.inputs` for a path option; `hidden` leaves it out of --help."""
     kind = kind or (type(default) if isinstance(default, (bool, int, float)) else None)
     rng = None
     if kind in (int, float):
@@ -115,7 +115,7 @@ def opt(default: Any, help: str, *, flag: str | None = None, choices: tuple | No
             raise TypeError(f"numeric option (default {default!r}) declared without a range: give low=/high=")
         rng = Range(low, high, low_open, high_open)
     meta = {"help": help, "flag": flag, "choices": choices, "metavar": metavar, "kind": kind, "range": rng,
-            "words": tuple(words), "check": check, "path": path}
+            "words": tuple(words), "check": check, "path": path, "hidden": hidden}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -208,16 +208,16 @@ class RunConfig:
     run_dir: str | None = opt(None, "run directory (default: runs/<time>-<model>-<size>)", metavar="DIR",
                               path="run_dir")
     device: str = opt("auto", "torch device: auto, cpu, cuda, cuda:N", check=_device_format)
-    nan_policy: str = opt("rollback", "on a non-finite loss: roll back to the last good checkpoint, or stop",
-                          choices=NAN_POLICIES)
+    nan_policy: str = opt("rollback", "on a non-finite step (loss, gradient norm or weights): roll back to the "
+                          "newest checkpoint that verifies, or stop", choices=NAN_POLICIES)
     nan_retries: int = opt(3, "rollbacks allowed before stopping with an error", low=0, high=1000)
     nan_lr_factor: float = opt(0.5, "learning-rate multiplier applied at each NaN rollback", low=0, low_open=True,
                                high=1)
     parallel: str = opt("ddp", "how several ranks (torchrun, gptop --nproc) share the model: ddp replicates it, "
                         "fsdp shards it (FSDP2); ignored with one process", choices=PARALLEL)
     channel: str | None = opt(None, "event/command channel given by the launcher (unix:PATH)", metavar="URI")
-    fault: str | None = opt(None, "test-only fault injection, e.g. nan@12 or oom@5; kill@5:1 only on rank 1",
-                            metavar="KIND@STEP[:RANK]")
+    fault: str | None = opt(None, "test-only fault injection (trainer/faults.py), e.g. nan@12 or oom@5; kill@5:1 "
+                            "only on rank 1", metavar="KIND@STEP[:RANK]", hidden=True)
 
 
 SECTIONS: dict[str, type] = {
@@ -508,6 +508,8 @@ def add_arguments(parser: argparse.ArgumentParser, sections: tuple[str, ...] = t
             help_text = f.metadata["help"]
             if "default" not in help_text:
                 help_text += f" (default: {default}" + (f"; {range_of(f)}" if range_of(f) else "") + ")"
+            if f.metadata.get("hidden"):
+                help_text = argparse.SUPPRESS
             if kind is bool:
                 group.add_argument(flag, dest=f"{section}.{f.name}", action=argparse.BooleanOptionalAction,
                                    default=argparse.SUPPRESS, help=help_text)

@@ -35,7 +35,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "status": ("status",),      # the session's status (starting, running, done, failed, ...)
 }
 
-ERROR_KINDS = ("oom", "nan", "config", "crash", "compile")
+ERROR_KINDS = ("oom", "nan", "config", "crash", "compile", "no_checkpoint", "corrupt_checkpoint")
 
 
 class MalformedEvent(ValueError):

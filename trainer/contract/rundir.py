@@ -13,8 +13,9 @@ A run directory holds everything a run produces:
 
 The trainer writes checkpoints (trainer.checkpoint, with torch); gptop and the
 tuner list, pin and roll back through this module without importing torch.
-Pruning keeps the newest `keep` checkpoints and every pinned one, so a tuning
-trial's own pruning can never delete the checkpoint it would roll back to.
+Pruning keeps the newest `keep` checkpoints, every pinned one and the newest
+verified-good one, so a tuning trial's own pruning can never delete the checkpoint
+it would roll back to, and a NaN rollback always has a good checkpoint to go to.
 """
 
 from __future__ import annotations
@@ -177,11 +178,15 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def prune(run_dir: str | Path, keep: int) -> list[Path]:
+def prune(run_dir: str | Path, keep: int, newest_good: int | None = None) -> list[Path]:
     """Delete all but the newest `keep` checkpoints (pinned ones are kept too) and stale temporary
-    files of dead writers; returns what was deleted."""
+    files of dead writers; returns what was deleted.
+
+    `newest_good` is the step of the newest checkpoint known to be good (the trainer verifies a state
+    finite before writing it, so the one it just wrote): it is never deleted, even when `keep` newer
+    steps are on disk (a stale or poisoned checkpoint of an older history with a higher step number)."""
     deleted = []
-    protected = pinned(run_dir)
+    protected = pinned(run_dir) | ({newest_good} if newest_good is not None else set())
     for info in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
         if info.step in protected:
             continue

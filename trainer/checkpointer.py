@@ -1,0 +1,300 @@
+"""The training state a checkpoint holds, and which checkpoint to go back to (after torchtitan's
+CheckpointManager, smaller).
+
+A `Checkpointer` is bound to the model, optimizer and grad scaler and turns them and the run's
+`Progress` into a checkpoint and back: one file with one process, a sharded DCP directory with several
+ranks (trainer.checkpoint writes both atomically). It keeps the run's history of checkpoints (the ones
+it resumed from and wrote) so that a rollback can go to the newest one that still verifies.
+
+Verified means finite. Before a checkpoint is written, the parameters and optimizer state are checked
+with one fused reduction per device (`all_finite`: a min/max reduction, which cannot overflow and is NaN
+when any value is; one host read per checkpoint, no per-step cost); with several ranks each checks its
+shards and they agree. A state that is not finite is not written (`NonFiniteState`). On resume and rollback a
+checkpoint is loaded and checked the same way; one that does not load or is not finite is reported and
+skipped for the next older one.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from . import checkpoint as ckpt
+from . import dist as D
+from .contract import rundir
+from .contract.config import ConfigError, TrainConfig
+from .contract.device import DeviceInfo
+from .optim import adamw_flags, param_names
+
+
+@dataclass
+class Progress:
+    """Everything about where the run is that a checkpoint must restore."""
+
+    step: int = 0
+    tokens: int = 0
+    batch_cursor: int = 0                 # next global batch index to train on
+    skip_batches: list[int] = field(default_factory=list)
+    lr_scale: float = 1.0
+    nan_rollbacks: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "tokens": self.tokens, "batch_cursor": self.batch_cursor,
+                "skip_batches": list(self.skip_batches), "lr_scale": self.lr_scale,
+                "nan_rollbacks": self.nan_rollbacks}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> "Progress":
+        return cls(step=state["step"], tokens=state.get("tokens", 0),
+                   batch_cursor=state.get("batch_cursor", state["step"]),
+                   skip_batches=list(state.get("skip_batches", [])),
+                   lr_scale=state.get("lr_scale", 1.0), nan_rollbacks=state.get("nan_rollbacks", 0))
+
+
+class NonFiniteState(RuntimeError):
+    """The state about to be checkpointed holds NaN or infinity: nothing was written."""
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """One fused check per device, one host read each: True when every value of every tensor is finite.
+
+    On an accelerator, the max-abs norm of all tensors with grouped foreach kernels (cannot overflow, NaN
+    when any value is). On the CPU, per-tensor aminmax: as exact and ~8x faster than the inf-norm there
+    (11M values in 13 ms vs 98 ms, one thread)."""
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]     # FSDP2: this rank's shards
+    local = [t.detach() for t in local if t.is_floating_point() and t.numel()]
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in local:
+        by_device.setdefault(t.device, []).append(t)
+    for device, group in by_device.items():
+        if device.type == "cpu":
+            common = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+            ext = torch.stack([torch.stack(torch.aminmax(t if t.dtype in common else t.float())).float()
+                               for t in group])
+        else:
+            try:
+                from torch.nn.utils import get_total_norm             # torch >= 2.6
+            except ImportError:
+                ext = torch.stack([torch.linalg.vector_norm(t, math.inf).float() for t in group])
+            else:
+                ext = get_total_norm(group, norm_type=math.inf)
+        if not bool(torch.isfinite(ext).all()):
+            return False
+    return True
+
+
+class Checkpointer:
+    def __init__(self, cfg: TrainConfig, dev: DeviceInfo, run_dir: Path, group: D.Group | None,
+                 warn: Callable[[str], None]):
+        self.cfg, self.dev, self.run_dir, self.group, self.warn = cfg, dev, run_dir, group, warn
+        self.rank = group.rank if group is not None else 0
+        self.world = group.world if group is not None else 1
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scaler: torch.amp.GradScaler | None = None
+        self.history: dict[int, Path] = {}            # step -> checkpoint of this run's lineage
+
+    def bind(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> None:
+        """The live objects a checkpoint saves and restores (again after the optimizer is rebuilt)."""
+        self.model, self.optimizer, self.scaler = model, optimizer, scaler
+
+    @property
+    def newest(self) -> Path | None:
+        return self.history[max(self.history)] if self.history else None
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self, progress: Progress) -> dict[str, Any]:
+        """The one-file state."""
+        state = {**progress.to_dict(), "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "config": self.cfg.to_dict(), "rng": {"torch": torch.get_rng_state()}}
+        if self.scaler.is_enabled():
+            state["scaler"] = self.scaler.state_dict()
+        if self.dev.is_cuda:
+            state["rng"]["cuda"] = torch.cuda.get_rng_state(self.dev.torch_device)
+        return state
+
+    # Several ranks (or a sharded checkpoint): torch.distributed.checkpoint and its state-dict helpers, which
+    # turn DDP's replicated tensors and FSDP2's DTensor shards into one format and reshard on load.
+    def sharded_state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def meta(self, progress: Progress) -> dict[str, Any]:
+        """A sharded checkpoint's gptop.json."""
+        return {**progress.to_dict(), "config": self.cfg.to_dict(), "world_size": self.world,
+                "parallel": self.cfg.run.parallel if self.world > 1 else None,
+                "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None}
+
+    def rank_state(self, progress: Progress) -> dict[str, Any]:
+        rng = {"torch": torch.get_rng_state()}
+        if self.dev.is_cuda:
+            rng["cuda"] = torch.cuda.get_rng_state(self.dev.torch_device)
+        return {"rng": rng, "step": progress.step, "rank": self.rank}
+
+    def load_state(self, state: dict[str, Any]) -> Progress:
+        """Restore a checkpoint: a one-file state, or a sharded checkpoint's gptop.json (then read with DCP)."""
+        self.check_compatible(state["config"])
+        if state.get("format") == ckpt.DCP_FORMAT:
+            self._load_sharded(state)
+        elif self.group is not None:
+            self.load_full(state["model"], state["optimizer"])
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        for group in self.optimizer.param_groups:   # the kernel is a toggle of this run, not of the checkpoint
+            group.update(adamw_flags(self.cfg.toggles.fused_adamw))
+        if state.get("scaler") and self.scaler.is_enabled():
+            self.scaler.load_state_dict(state["scaler"])
+        rng = state.get("rng", {})
+        if "torch" in rng:
+            torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and self.dev.is_cuda:
+            torch.cuda.set_rng_state(rng["cuda"], self.dev.torch_device)
+        return Progress.from_state(state)
+
+    def _load_sharded(self, meta: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        path, saved_world = meta["path"], int(meta.get("world_size", 1))
+        state = self.sharded_state()
+        try:
+            ckpt.load_sharded(state, path)
+        except Exception as e:
+            if saved_world != self.world:
+                raise ConfigError("--nproc", f"{path} was saved by {saved_world} ranks and this run has "
+                                             f"{self.world}; resharding it failed ({type(e).__name__}: {e}). "
+                                             f"Resume with {saved_world} ranks") from e
+            raise
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        mine = ckpt.load_rank_state(path, self.rank) if saved_world == self.world else None
+        meta.setdefault("rng", (mine or {}).get("rng", {}))
+
+    def load_full(self, model_sd: dict[str, Any], optim_sd: dict[str, Any] | None) -> None:
+        """A full (unsharded) state into a DDP replica or FSDP2 shards: every rank holds the whole state."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        full = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.model, model_sd, options=full)
+        if optim_sd is not None:
+            names = param_names(self.model)           # one-file optimizer states are keyed by position
+            by_name = {"state": {names[int(i)]: v for i, v in optim_sd["state"].items()},
+                       "param_groups": [dict(g, params=[names[int(i)] for i in g["params"]])
+                                        for g in optim_sd["param_groups"]]}
+            set_optimizer_state_dict(self.model, self.optimizer, by_name, options=full)
+
+    def check_compatible(self, saved: dict[str, Any]) -> None:
+        """What is learned must match: model, data, sequence length, global batch, seed. Toggles may differ."""
+        now = self.cfg.to_dict()
+        for section, key, flag in (("model", "model", "--model"), ("model", "size", "--size"),
+                                   ("data", "seq_len", "--seq-len"), ("optim", "global_batch", "--global-batch"),
+                                   ("optim", "seed", "--seed"), ("data", "data", "--data")):
+            if saved.get(section, {}).get(key) != now[section][key]:
+                raise ConfigError(flag, f"the checkpoint was trained with {saved.get(section, {}).get(key)!r}, "
+                                        f"this run asks for {now[section][key]!r}; resume needs the same value")
+
+    # --------------------------------------------------------------- finiteness
+    def state_tensors(self) -> list[torch.Tensor]:
+        """What a checkpoint saves of the model and optimizer: parameters, moments, step counts."""
+        out = list(self.model.parameters())
+        for per_param in self.optimizer.state.values():
+            out += [v for v in per_param.values() if isinstance(v, torch.Tensor)]
+        return out
+
+    def is_finite(self) -> bool:
+        """The live state is finite on every rank (one host read, one agreement with several ranks)."""
+        return not self._any_rank(not all_finite(self.state_tensors()))
+
+    def _any_rank(self, flag: bool) -> bool:
+        """True when `flag` is True on any rank; no collective with one rank."""
+        if self.group is None:
+            return flag
+        return self.group.host_max(1.0 if flag else 0.0) > 0
+
+    # ------------------------------------------------------------------ files
+    def save(self, progress: Progress) -> Path:
+        """Verify, write, prune. Collective with several ranks (every rank writes its shards, DCP)."""
+        if not self.is_finite():
+            raise NonFiniteState(f"the state at step {progress.step} holds non-finite values; not checkpointed")
+        step = progress.step
+        if self.group is not None:
+            path = rundir.dcp_path_for(self.run_dir, step)
+            ckpt.save_sharded(self.sharded_state(), self.meta(progress), self.rank_state(progress), path,
+                              rank=self.rank, barrier=self.group.barrier)
+        else:
+            path = rundir.path_for(self.run_dir, step)
+            ckpt.save(self.state_dict(progress), path)
+        self.history[step] = path
+        if self.rank == 0:
+            rundir.prune(self.run_dir, self.cfg.checkpoint.keep_checkpoints, newest_good=step)
+        return path
+
+    def resume(self, target: str | Path) -> tuple[Path, Progress]:
+        """The newest checkpoint of `target` that loads and is finite, restored. Raises NothingToResume,
+        or CorruptCheckpoint when none verifies."""
+        found = ckpt.candidates(target)
+        restored = self._restore_newest(found)
+        if restored is None:
+            where = found[0] if len(found) == 1 else rundir.checkpoint_dir(target)
+            what = f"the checkpoint {where} is" if len(found) == 1 else f"every checkpoint in {where} ({len(found)}) is"
+            raise ckpt.CorruptCheckpoint(f"{what} corrupt or holds non-finite values (see the warnings above); "
+                                         f"resume from another checkpoint or start a new run")
+        path, progress = restored
+        # This run's history: the resumed checkpoint and the older ones of its run directory.
+        if path.parent.name == rundir.CHECKPOINTS:
+            self.history = {c.step: c.path for c in rundir.list_checkpoints(path.parent.parent)
+                            if c.step < progress.step}
+        self.history[progress.step] = path
+        return path, progress
+
+    def rollback(self, step: int) -> tuple[Path, Progress] | None:
+        """The newest checkpoint of this run at or before `step` that verifies, restored; None when none does
+        (none was written yet, or all are gone or corrupt)."""
+        found = [self.history[s] for s in sorted(self.history, reverse=True) if s <= step]
+        restored = self._restore_newest(found)
+        good = restored[1].step if restored is not None else -1
+        # The ones tried before the restored one did not verify: never go back to them.
+        self.history = {s: p for s, p in self.history.items() if s <= good or s > step}
+        return restored
+
+    def _restore_newest(self, paths: list[Path]) -> tuple[Path, Progress] | None:
+        """Load each in turn until one loads and is finite on every rank (the ranks agree at each stage)."""
+        for path in paths:
+            reason = None
+            try:
+                state = ckpt.load(path, map_location=self.dev.torch_device)
+            except FileNotFoundError:
+                reason = "missing"
+            except ckpt.CorruptCheckpoint as e:
+                reason = str(e)
+            if self._any_rank(reason is not None):
+                if reason != "missing":
+                    self.warn(f"corrupt checkpoint skipped: {reason or f'{path}: unreadable on another rank'}")
+                continue
+            failed: Exception | None = None
+            try:
+                progress = self.load_state(state)
+            except ConfigError:
+                raise
+            except Exception as e:          # DCP raises its read errors on every rank (CheckpointException)
+                if self.group is not None and D.is_comm_error(e):
+                    raise
+                failed = e
+                print(f"[trainer] loading {path} failed: {e!r}", file=sys.stderr, flush=True)
+            if self._any_rank(failed is not None):
+                first = str(failed).splitlines()[0] if failed is not None and str(failed) else ""
+                why = f"{type(failed).__name__}: {first}" if failed is not None else "failed on another rank"
+                self.warn(f"corrupt checkpoint skipped: {path}: does not load ({why})")
+                continue
+            if not self.is_finite():
+                self.warn(f"corrupt checkpoint skipped: {path}: holds non-finite values")
+                continue
+            return path, progress
+        return None

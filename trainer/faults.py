@@ -1,0 +1,76 @@
+"""Test-only fault injection behind the hidden `--fault` flag (`--fault nan@12,oom@5`).
+
+Each fault fires once per process at the start of the named step (0-based: the step that the step
+event then reports as N+1). `KIND@STEP:RANK` fires on that rank only (`kill@5:1`); without `:RANK`,
+on every rank. The kinds and where they strike:
+
+    nan          the loss of the step's first micro-batch becomes NaN (so do its gradients)
+    nan-grad     a gradient becomes NaN after backward while the loss stays finite
+    nan-weights  a weight becomes NaN after the optimizer step (gradients and loss were finite)
+    oom, crash, compile   the forward raises the matching error
+    kill         the process SIGKILLs itself in the forward
+    stop         a graceful stop at the step boundary, as if a stop command had arrived
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .contract.config import ConfigError
+
+KINDS = ("nan", "nan-grad", "nan-weights", "oom", "crash", "kill", "compile", "stop")
+
+
+class Faults:
+    def __init__(self, spec: str | None, rank: int = 0):
+        self.at: dict[int, str] = {}
+        for part in (spec or "").split(","):
+            if not part:
+                continue
+            kind, _, where = part.partition("@")
+            step, _, only = where.partition(":")
+            if kind not in KINDS or not step.isdigit() or (only and not only.isdigit()):
+                raise ConfigError("--fault", f"{part!r}: expected KIND@STEP[:RANK] with KIND in {', '.join(KINDS)}")
+            if not only or int(only) == rank:
+                self.at[int(step)] = kind
+
+    def take(self, step: int) -> str | None:
+        """The fault of this step, consumed (a rolled-back step does not fire it again)."""
+        return self.at.pop(step, None)
+
+    def stop_requested(self, step: int) -> bool:
+        if self.at.get(step) != "stop":
+            return False
+        del self.at[step]
+        return True
+
+
+def on_loss(kind: str | None, loss: torch.Tensor, step: int) -> torch.Tensor:
+    """Strike in the forward pass; returns the loss (poisoned for `nan`)."""
+    if kind == "nan":
+        return loss * float("nan")
+    if kind == "oom":
+        raise torch.OutOfMemoryError(f"injected out-of-memory at step {step} (--fault)")
+    if kind == "crash":
+        raise RuntimeError(f"injected crash at step {step} (--fault)")
+    if kind == "kill":
+        os.kill(os.getpid(), 9)
+    if kind == "compile":
+        from torch._dynamo.exc import BackendCompilerFailed
+
+        raise BackendCompilerFailed(lambda *a: None, RuntimeError("injected compile error (--fault)"))
+    return loss
+
+
+def on_grads(kind: str | None, model: torch.nn.Module) -> None:
+    if kind == "nan-grad":
+        p = next(p for p in model.parameters() if p.grad is not None)
+        p.grad.fill_(float("nan"))
+
+
+def on_weights(kind: str | None, model: torch.nn.Module) -> None:
+    if kind == "nan-weights":
+        with torch.no_grad():
+            next(iter(model.parameters())).fill_(float("nan"))
