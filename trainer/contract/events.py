@@ -436,7 +436,7 @@ def read_events(path: str | Path, *, strict: bool = False,
                 if strict:
                     raise
                 if on_malformed is not None:
-                    on_malformed(line, e)
+                    on_malformed(line.rstrip(b"\r\n"), e)
 
 
 # --------------------------------------------------------------------------- validation (internal)
@@ -548,7 +548,9 @@ def _checker(tp: Any) -> Callable[[Any], Any]:
             try:
                 return inner(x)
             except _NonFinite:
-                return None          # JSON has no NaN: null
+                if isinstance(x, float):
+                    return None      # JSON has no NaN: null
+                raise                # a non-finite number inside a list or mapping of numbers
         return optional
     if origin is list:
         item = _checker(args[0])
