@@ -14,7 +14,7 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Callable, Protocol
 
 from trainer.contract import events as ev
 from trainer.contract.config import TrainConfig, cli_args

@@ -141,7 +141,6 @@ class RunState:
         self.config: dict[str, dict[str, Any]] = {}
         self.device: DeviceInfo | None = None
         self.model: ModelInfo | None = None
-        self.max_steps: int | None = None
         self.hellos = 0                        # > 1 after a restart / resume / applied toggles
         self.initial_toggles: dict[str, Any] | None = None   # what the run started with
         self.start_time: float | None = None   # time of the first event
@@ -246,7 +245,6 @@ class RunState:
     def _on_hello(self, e: HelloEvent) -> None:
         self.hello = e
         self.config = e.config
-        self.max_steps = e.max_steps
         if self.initial_toggles is None:
             self.initial_toggles = e.toggles
         self.device = e.device
@@ -380,7 +378,7 @@ class RunState:
 
     @property
     def total_steps(self) -> int | None:
-        return self.max_steps
+        return self.hello.max_steps if self.hello else None
 
     @property
     def step(self) -> int | None:

@@ -54,7 +54,8 @@ def schema(event_types: dict[str, type] | None = None) -> tuple[dict[str, type],
     for cls in set(classes.values()):
         for f, tp in typing.get_type_hints(cls).items():
             for rec in ev.RECORDS:
-                if rec is tp or rec in typing.get_args(tp) or any(rec in typing.get_args(a) for a in typing.get_args(tp)):
+                args = typing.get_args(tp)
+                if rec is tp or rec in args or any(rec in typing.get_args(a) for a in args):
                     nested[(_key(cls), f)] = rec.__name__
     return classes, nested
 

@@ -400,7 +400,8 @@ def test_formatting_helpers():
     assert fmt_toggles({"compile": "default", "fused_adamw": True}) == "compile=default fused_adamw=on"
     assert fmt_toggles({}) == "(as started)"
     trial = TrialEvent(number=1, toggles={}, status="ok", tokens_per_s=200.0, spread=5.0)
-    assert spread_pct(trial) == 2.5 and spread_pct(TrialEvent(number=1, toggles={}, status="ok", tokens_per_s=1.0)) is None
+    assert spread_pct(trial) == 2.5
+    assert spread_pct(TrialEvent(number=1, toggles={}, status="ok", tokens_per_s=1.0)) is None
     assert phase_label("find-micro-batch") == "find micro batch" and phase_label(None) == "idle"
     assert model_summary(ModelInfo(family="deepseek", size="medium", total_params=400_000_000,
                                    active_params=100_000_000)) == "deepseek medium · 400.0M params (100.0M active)"

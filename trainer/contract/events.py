@@ -21,10 +21,13 @@ turns them into JSON lines (`dumps`) and back (`parse`):
 
 The wire names are an interface: a field is added with a default (old lines
 still parse), never renamed or removed without a schema version bump. To add
-an event type, add a class with its `type`, list it in `EVENT_TYPES`, and have a
-producer set every field by name (tests/test_events.py checks it). The device
-sample's shape (`GpuReading`, `CpuReading`) lives here too: gptop's telemetry
-produces `DeviceEvent`s directly.
+an event type, add a class with its `type` and list it in `EVENT_TYPES`; to add
+a field, declare it (with a default) on its class. Either way a producer must
+set every declared field by name: tests/test_event_contract.py scans the
+producers' source and fails on a field nobody writes. The device sample's shape
+(`GpuReading`, `CpuReading`) lives here too: gptop's telemetry produces
+`DeviceEvent`s directly. Events are frozen; treat their lists and mappings as
+read-only too.
 """
 
 from __future__ import annotations
@@ -381,10 +384,10 @@ def finite_or_none(x: Any, scale: float = 1.0) -> float | None:
     return f if math.isfinite(f) else None
 
 
-def dumps(event: Event | dict[str, Any]) -> str:
+def dumps(event: Event) -> str:
     """One JSON line (without the newline). Validated fields are already finite; free-form mappings
     (`config`, `extra`, ...) are made JSON-safe only when they need it."""
-    d = to_dict(event) if isinstance(event, (Event, Record)) else event
+    d = to_dict(event)
     try:
         return json.dumps(d, separators=(",", ":"), allow_nan=False, default=str)
     except ValueError:
@@ -448,10 +451,14 @@ class _NonFinite(Exception):
 
 @dataclass(frozen=True)
 class _Spec:
-    checks: tuple[tuple[str, Callable[[Any], Any]], ...]     # every field: validate and normalise
+    checks: tuple[tuple[str, Callable[[Any], Any]], ...]     # fields whose type needs a check: validate, normalise
+    by_name: dict[str, Callable[[Any], Any]]                  # every field a producer may set -> its check
     writers: tuple[tuple[str, Callable[[Any], Any] | None], ...]   # declared fields -> wire value (None: as is)
     names: frozenset[str]                                     # fields a producer may set by name
     required: tuple[str, ...]
+    defaults: dict[str, Any]                                  # the other fields' defaults ...
+    factories: dict[str, Callable[[], Any]]                   # ... or default factories
+    where: str                                                # "step" (an event) or "GpuReading" (a record)
 
 
 _SPECS: dict[type, _Spec] = {}
@@ -462,17 +469,27 @@ def _spec(cls: type) -> _Spec:
     if spec is None:
         hints = typing.get_type_hints(cls)
         checks, writers, names, required = [], [], [], []
+        by_name, defaults, factories = {}, {}, {}
         is_event = issubclass(cls, Event)
         for f in dataclasses.fields(cls):
-            checks.append((f.name, _checker(hints[f.name])))
+            check = _checker(hints[f.name])
+            if check is not _same:                            # Any: nothing to check
+                checks.append((f.name, check))
+            if f.default is not dataclasses.MISSING:
+                defaults[f.name] = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                factories[f.name] = f.default_factory
             if f.name == "extra" or (is_event and f.name == "type"):
                 continue
             names.append(f.name)
+            by_name[f.name] = check
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 required.append(f.name)
             if not (is_event and f.name == "v"):
                 writers.append((f.name, _writer(hints[f.name])))
-        spec = _SPECS[cls] = _Spec(tuple(checks), tuple(writers), frozenset(names), tuple(required))
+        where = cls.type if is_event and isinstance(cls.type, str) else cls.__name__
+        spec = _SPECS[cls] = _Spec(tuple(checks), by_name, tuple(writers), frozenset(names), tuple(required),
+                                   defaults, factories, where)
     return spec
 
 
@@ -495,28 +512,37 @@ def _where(obj: Any) -> str:
 
 
 def _build(cls: type, d: dict[str, Any], skip: tuple[str, ...] = ()) -> Any:
-    """An instance of a dataclass from a mapping: declared fields by name, the rest into `extra`."""
+    """An instance of a dataclass from a mapping: declared fields by name (checked here, once), the rest
+    into `extra`. The instance is filled directly: what `__init__` and `__post_init__` would do again."""
     spec = _spec(cls)
-    known: dict[str, Any] = {}
+    values = dict(spec.defaults)
     extra: dict[str, Any] = {}
+    by_name = spec.by_name
     for k, x in d.items():
-        if k in spec.names:
-            known[k] = x
-        elif k not in skip:
-            extra[k] = x
-    missing = [k for k in spec.required if k not in known]
-    if missing:
-        what = f"{cls.type} event" if issubclass(cls, Event) else cls.__name__
-        raise MalformedEvent(f"{what} missing {', '.join(missing)}")
-    if issubclass(cls, (Event, Record)):
-        return cls(**known, extra=extra)
-    for name, check in spec.checks:        # a contract dataclass of its own (DeviceInfo): check here
-        if name in known:
-            try:
-                known[name] = check(known[name])
-            except (_NonFinite, MalformedEvent) as e:
-                raise MalformedEvent(f"{cls.__name__}.{name}: {e or 'not a finite number'}") from None
-    return cls(**known)
+        check = by_name.get(k)
+        if check is None:
+            if k not in skip:
+                extra[k] = x
+            continue
+        try:
+            values[k] = check(x)
+        except _NonFinite:
+            raise MalformedEvent(f"{spec.where}.{k}: {x!r} is not a finite number") from None
+        except MalformedEvent as e:
+            raise MalformedEvent(f"{spec.where}.{k}: {e}") from None
+    for k in spec.required:
+        if k not in values:
+            what = f"{spec.where} event" if issubclass(cls, Event) else spec.where
+            raise MalformedEvent(f"{what} missing {', '.join(k for k in spec.required if k not in values)}")
+    for k, factory in spec.factories.items():
+        if k not in values:
+            values[k] = factory()
+    if not issubclass(cls, (Event, Record)):
+        return cls(**values)              # a contract dataclass of its own (DeviceInfo): its own __init__
+    values["extra"] = extra
+    obj = object.__new__(cls)
+    obj.__dict__.update(values)
+    return obj
 
 
 def _fail(expected: str, x: Any) -> MalformedEvent:
@@ -540,6 +566,9 @@ def _checker(tp: Any) -> Callable[[Any], Any]:
         rest = [a for a in args if a is not type(None)]
         if len(rest) != 1:
             raise TypeError(f"unsupported union {tp!r} in the event schema")
+        fast = _OPTIONAL.get(rest[0])
+        if fast is not None:
+            return fast
         inner = _checker(rest[0])
 
         def optional(x: Any) -> Any:
@@ -554,6 +583,8 @@ def _checker(tp: Any) -> Callable[[Any], Any]:
         return optional
     if origin is list:
         item = _checker(args[0])
+        if item is _float:
+            return _float_list
 
         def check_list(x: Any) -> Any:
             if not isinstance(x, (list, tuple)):
@@ -610,6 +641,46 @@ def _writer(tp: Any) -> Callable[[Any], Any] | None:
 
 def _same(x: Any) -> Any:
     return x
+
+
+# The common cases without a call per level (events are parsed on the dashboard's reader thread).
+
+def _opt_float(x: Any) -> float | None:
+    if x is None:
+        return None
+    t = type(x)
+    if t is float:
+        return x if x - x == 0.0 else None      # JSON has no NaN: null
+    if t is int:
+        return x
+    return None if _float(x) is None else x    # raises for what is not a number
+
+
+def _opt_int(x: Any) -> int | None:
+    if x is None or type(x) is int:
+        return x
+    return _int(x)
+
+
+def _opt_str(x: Any) -> str | None:
+    if x is None or type(x) is str:
+        return x
+    return _str(x)
+
+
+def _float_list(x: Any) -> list[float]:
+    if type(x) is list:
+        for i in x:
+            if type(i) is not float or i - i != 0.0:
+                break
+        else:
+            return x                            # all finite floats: the list as it is
+    if not isinstance(x, (list, tuple)):
+        raise _fail("a list", x)
+    return [_float(i) for i in x]
+
+
+_OPTIONAL: dict[Any, Callable[[Any], Any]] = {float: _opt_float, int: _opt_int, str: _opt_str}
 
 
 def _int(x: Any) -> int:
