@@ -79,8 +79,7 @@ from typing import Any, Callable
 
 from trainer.contract.config import TrainConfig, Toggles
 from trainer.contract.device import DeviceInfo
-from trainer.contract.events import (ApplyEvent, CheckpointEvent, ErrorEvent, Event, StepEvent, TrialEvent, TunerEvent,
-                                     to_dict)
+from trainer.contract.events import ApplyEvent, CheckpointEvent, ErrorEvent, Event, StepEvent, TrialEvent, TunerEvent
 
 from .budget import Budget
 from .decide import (Decision, clearly_better, hopeless, should_prune, significantly_faster, switch_pays,
@@ -598,7 +597,8 @@ class TuneController:
                         source=source or (kind if kind != "trial" else None), duration_s=round(duration, 3),
                         remeasure_tokens_per_s=s.get("remeasure_tokens_per_s"),
                         remeasure_spread=s.get("remeasure_spread"), rollback=rollback)
-        self.results.append({**to_dict(ev), "duration_s": duration, "ran": ran, "failure": failure,
+        fields = {f.name: getattr(ev, f.name) for f in dataclasses.fields(ev) if f.name != "extra"}
+        self.results.append({**fields, "duration_s": duration, "ran": ran, "failure": failure,
                              "overhead_s": overhead_s, "summary": s})
         self._emit(ev)
         self._emit(self.tuner_event())

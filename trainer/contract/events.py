@@ -349,13 +349,18 @@ def make(type: str, **fields: Any) -> Event:
 
 
 def to_dict(event: Event | Record) -> dict[str, Any]:
-    """The wire form of an event: plain JSON-able values, `extra` merged back in."""
+    """The wire form of an event: plain JSON-able values, `extra` merged back in. An event's optional
+    field that is None is left out (absent and null mean the same to a reader)."""
     cls = event.__class__
     spec = _spec(cls)
     out: dict[str, Any] = {"v": event.v, "type": event.type} if isinstance(event, Event) else {}
-    for name, wire in spec.writers:
+    for name, wire, omit_none in spec.writers:
         value = getattr(event, name)
-        out[name] = value if wire is None or value is None else wire(value)
+        if value is None:
+            if not omit_none:
+                out[name] = None
+        else:
+            out[name] = value if wire is None else wire(value)
     if event.extra:
         for k, value in event.extra.items():
             out.setdefault(k, value)
@@ -453,7 +458,7 @@ class _NonFinite(Exception):
 class _Spec:
     checks: tuple[tuple[str, Callable[[Any], Any]], ...]     # fields whose type needs a check: validate, normalise
     by_name: dict[str, Callable[[Any], Any]]                  # every field a producer may set -> its check
-    writers: tuple[tuple[str, Callable[[Any], Any] | None], ...]   # declared fields -> wire value (None: as is)
+    writers: tuple[tuple[str, Callable[[Any], Any] | None, bool], ...]   # (field, to wire (None: as is), omit None)
     names: frozenset[str]                                     # fields a producer may set by name
     required: tuple[str, ...]
     defaults: dict[str, Any]                                  # the other fields' defaults ...
@@ -486,7 +491,10 @@ def _spec(cls: type) -> _Spec:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 required.append(f.name)
             if not (is_event and f.name == "v"):
-                writers.append((f.name, _writer(hints[f.name])))
+                # an event's optional field left at None is not written (as producers always did); a record
+                # (a device reading) writes every field, null for what the device cannot tell
+                omit = is_event and f.default is None
+                writers.append((f.name, _writer(hints[f.name]), omit))
         where = cls.type if is_event and isinstance(cls.type, str) else cls.__name__
         spec = _SPECS[cls] = _Spec(tuple(checks), by_name, tuple(writers), frozenset(names), tuple(required),
                                    defaults, factories, where)
