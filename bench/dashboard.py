@@ -245,13 +245,15 @@ def synthetic_child(rate: float, run_dir: Path) -> None:
     from gptop.commands import RecordingCommands
     from gptop.state import RunState
     from gptop.ui.app import GptopApp
+    from trainer.contract import events as ev
 
     state = RunState(run_name="synthetic", run_dir=str(run_dir), clock=time.time, status="running")
     total = 1_000_000
-    state.apply({"v": 1, "type": "hello", "time": time.time(), "rank": 0,
-                 "config": {"optim": {"max_steps": total}, "toggles": {"precision": "fp32", "compile": "off"}},
-                 "device": {"type": "cpu", "name": "synthetic CPU"},
-                 "model": {"family": "llama", "size": "tiny", "total_params": 3e6, "active_params": 3e6}})
+    state.apply(ev.make("hello", config={"optim": {"max_steps": total},
+                                         "toggles": {"precision": "fp32", "compile": "off"}},
+                        device={"type": "cpu", "name": "synthetic CPU"},
+                        model={"family": "llama", "size": "tiny", "total_params": 3_000_000,
+                               "active_params": 3_000_000}))
     out = open(run_dir / "events.jsonl", "a", buffering=1)
     stop = threading.Event()
 
@@ -261,21 +263,20 @@ def synthetic_child(rate: float, run_dir: Path) -> None:
         while not stop.is_set():
             now = time.time()
             if now >= next_dev:
-                state.apply({"v": 1, "type": "device", "time": now, "rank": 0, "devices": [],
-                             "cpu": {"name": "synthetic CPU", "util_pct": 50 + 40 * math.sin(now / 5),
-                                     "per_core": [50.0, 70.0], "mem_used": 2 << 30, "mem_total": 16 << 30,
-                                     "proc_rss": 1 << 29, "proc_cpu_pct": 90.0, "power_w": None,
-                                     "energy_j": None}})
+                state.apply(ev.DeviceEvent(time=now, devices=[], mode="cpu", cpu=ev.CpuReading(
+                    name="synthetic CPU", util_pct=50 + 40 * math.sin(now / 5), per_core=[50.0, 70.0],
+                    mem_used=2 << 30, mem_total=16 << 30, proc_rss=1 << 29, proc_cpu_pct=90.0, power_w=None,
+                    energy_j=None)))
                 next_dev += 0.5
             if now >= next_step:
                 step += 1
                 ms = 200 + 20 * math.sin(step / 10)
-                e = {"v": 1, "type": "step", "time": time.time(), "rank": 0, "step": step, "tokens": step * 512,
-                     "loss": 2 + 8 * math.exp(-step / 300), "lr": 1e-3, "grad_norm": 1.0, "step_ms": ms,
-                     "phases_ms": {"data": 2.0, "forward": ms * .3, "backward": ms * .55, "optimizer": ms * .14,
-                                   "other": ms * .01},
-                     "tokens_per_s": 512 / ms * 1000, "mfu": None, "mem_bytes": 6e8}
-                out.write(json.dumps(e) + "\n")
+                e = ev.StepEvent(step=step, tokens=step * 512, loss=2 + 8 * math.exp(-step / 300), lr=1e-3,
+                                 grad_norm=1.0, step_ms=ms,
+                                 phases_ms={"data": 2.0, "forward": ms * .3, "backward": ms * .55,
+                                            "optimizer": ms * .14, "other": ms * .01},
+                                 tokens_per_s=512 / ms * 1000, mfu=None, mem_bytes=600_000_000)
+                out.write(ev.dumps(e) + "\n")
                 state.apply(e)
                 next_step = now + rng.uniform(0.5, 1.5) / rate   # jittered, not in phase with any timer
             time.sleep(max(0.0, min(next_step, next_dev) - time.time()))

@@ -71,7 +71,7 @@ def space_configs(spec: str, start_argv: list[str]) -> list[dict]:
 
 
 def measure(toggles: dict, steps: int, warmup: int, env: dict, work: Path) -> dict:
-    from trainer.contract.events import read_events
+    from trainer.contract.events import StepEvent, read_events
 
     run_dir = Path(tempfile.mkdtemp(dir=work, prefix="grid-"))
     argv = [sys.executable, "-m", "trainer", *SETUP, *toggles_argv(toggles), "--max-steps", str(warmup + steps),
@@ -81,8 +81,8 @@ def measure(toggles: dict, steps: int, warmup: int, env: dict, work: Path) -> di
     wall = time.monotonic() - t0
     if p.returncode != 0:
         return {"toggles": toggles, "tokens_per_s": None, "wall_s": wall, "error": p.stderr.strip()[-300:]}
-    tps = [e["tokens_per_s"] for e in read_events(run_dir / "events.jsonl")
-           if e["type"] == "step" and e["step"] > warmup and e.get("tokens_per_s")]
+    tps = [e.tokens_per_s for e in read_events(run_dir / "events.jsonl")
+           if isinstance(e, StepEvent) and e.step > warmup and e.tokens_per_s]
     q = statistics.quantiles(tps, n=4) if len(tps) >= 4 else [min(tps), 0, max(tps)]
     return {"toggles": toggles, "tokens_per_s": statistics.median(tps), "iqr": [q[0], q[2]], "wall_s": wall}
 

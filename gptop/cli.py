@@ -230,8 +230,8 @@ def cmd_run(ns: argparse.Namespace) -> int:
         from .ui.app import run_app
 
         code = run_app(session, resume=resume)
-    if code == EXIT_FAILED and session.state.last_error() and \
-            session.state.last_error().get("kind") == "config":
+    err = session.state.last_error()
+    if code == EXIT_FAILED and err is not None and err.kind == "config":
         return EXIT_USAGE
     return code
 

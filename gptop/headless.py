@@ -35,44 +35,40 @@ import re
 import sys
 import threading
 from collections import deque
-from typing import IO, Any
+from typing import IO
 
 from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_num, fmt_toggles, model_summary, phase_label,
                          spread_pct)
-from trainer.contract.events import PHASES, dumps, make_event
+from trainer.contract.events import (PHASES, ApplyEvent, CheckpointEvent, DeviceEvent, DoneEvent, ErrorEvent,
+                                     EvalEvent, Event, HelloEvent, LogEvent, StatusEvent, StepEvent, TrialEvent,
+                                     TunerEvent, WarningEvent, dumps)
 
 SHORT = {"data": "data", "forward": "fwd", "backward": "bwd", "optimizer": "opt", "other": "other"}
 
 
-def _f(x: Any) -> float | None:
-    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
-
-
-def step_line(event: dict[str, Any], state: RunState) -> str:
+def step_line(event: StepEvent, state: RunState) -> str:
     """`step 120/1000 loss 2.310 | 12.3k tok/s | mfu 31.2% | step 250 ms (data 2% fwd 30% ...) | mem 1.2 GB`."""
     total = state.total_steps
-    loss = _f(event.get("loss"))
-    parts = [f"step {event.get('step')}/{total if total is not None else '?'} "
+    loss, mfu, step_ms = event.loss, event.mfu, event.step_ms
+    parts = [f"step {event.step}/{total if total is not None else '?'} "
              f"loss {'n/a' if loss is None else f'{loss:.3f}'}",
-             f"{fmt_num(_f(event.get('tokens_per_s')))} tok/s"]
-    mfu = _f(event.get("mfu"))
+             f"{fmt_num(event.tokens_per_s)} tok/s"]
     parts.append(f"mfu {'n/a' if mfu is None else f'{mfu * 100:.1f}%'}")
-    step_ms = _f(event.get("step_ms"))
-    phases = event.get("phases_ms") if isinstance(event.get("phases_ms"), dict) else {}
+    phases = event.phases_ms or {}
     seg = f"step {'n/a' if step_ms is None else f'{step_ms:.0f} ms'}"
     shares = []
     if step_ms:
         for p in PHASES:
-            v = _f(phases.get(p))
+            v = phases.get(p)
             if v is not None:
                 shares.append(f"{SHORT[p]} {100 * v / step_ms:.0f}%")
     if shares:
         seg += f" ({' '.join(shares)})"
-    idle = _f(event.get("gpu_idle_ms"))
+    idle = event.gpu_idle_ms
     if idle is not None and step_ms:
         seg += f" gpu idle {100 * idle / step_ms:.0f}%"
     parts.append(seg)
-    parts.append(f"mem {fmt_bytes(_f(event.get('mem_bytes')))}")
+    parts.append(f"mem {fmt_bytes(event.mem_bytes)}")
     eta = state.eta()
     if eta is not None:
         parts.append(f"eta {fmt_duration(eta)}")
@@ -82,16 +78,15 @@ def step_line(event: dict[str, Any], state: RunState) -> str:
     return " | ".join(parts)
 
 
-def event_line(event: dict[str, Any], state: RunState) -> str | None:
+def event_line(event: Event, state: RunState) -> str | None:
     """The readable line for one event, or None for events that get none (device samples, other ranks)."""
-    kind = event.get("type")
-    if kind == "step":
-        if state.primary_rank is not None and int(event.get("rank") or 0) != state.primary_rank:
+    if isinstance(event, StepEvent):
+        if state.primary_rank is not None and event.rank != state.primary_rank:
             return None
         return step_line(event, state)
-    if kind == "hello":
+    if isinstance(event, HelloEvent):
         total = state.total_steps
-        where = state.device.get("name") or state.device.get("type") or "?"
+        where = event.device.name or event.device.type
         line = f"gptop: {model_summary(state.model) or 'model'} on {where}"
         if total is not None:
             line += f", {total} steps"
@@ -100,40 +95,38 @@ def event_line(event: dict[str, Any], state: RunState) -> str | None:
         if state.hellos > 1:
             line = "restarted: " + line
         return line
-    if kind == "eval":
-        loss = _f(event.get("loss"))
-        return f"eval step {event.get('step')} loss {'n/a' if loss is None else f'{loss:.3f}'}"
-    if kind == "checkpoint":
-        secs = _f(event.get("seconds"))
-        return f"checkpoint step {event.get('step')} -> {event.get('path')}" + (
-            f" ({secs:.1f} s)" if secs is not None else "")
-    if kind == "warning":
-        return f"warning: {event.get('message')}"
-    if kind == "error":
-        return f"error [{event.get('kind')}]: {event.get('message')}"
-    if kind == "log":
-        return str(event.get("message"))
-    if kind == "done":
-        return (f"done: step {event.get('step')}, {fmt_num(_f(event.get('tokens')))} tokens "
-                f"in {fmt_duration(state.elapsed())}")
-    if kind == "trial":
-        if event.get("status") == "running":
+    if isinstance(event, EvalEvent):
+        loss = event.loss
+        return f"eval step {event.step} loss {'n/a' if loss is None else f'{loss:.3f}'}"
+    if isinstance(event, CheckpointEvent):
+        secs = event.seconds
+        return f"checkpoint step {event.step} -> {event.path}" + (f" ({secs:.1f} s)" if secs is not None else "")
+    if isinstance(event, WarningEvent):
+        return f"warning: {event.message}"
+    if isinstance(event, ErrorEvent):
+        return f"error [{event.kind}]: {event.message}"
+    if isinstance(event, LogEvent):
+        return event.message
+    if isinstance(event, DoneEvent):
+        return f"done: step {event.step}, {fmt_num(event.tokens)} tokens in {fmt_duration(state.elapsed())}"
+    if isinstance(event, TrialEvent):
+        if event.status == "running":
             return None            # one line per trial, when it ends (the JSON mode has both)
-        what = "trial" if event.get("kind") in (None, "trial") else str(event.get("kind"))
-        number = "" if event.get("number") is None else f" {event.get('number')}"
-        line = f"{what}{number} {event.get('status')}: {fmt_toggles(state.toggle_diff(event.get('toggles')))}"
-        tps, pct = _f(event.get("tokens_per_s")), spread_pct(event)
+        what = "trial" if event.kind in (None, "trial") else event.kind
+        number = "" if event.number is None else f" {event.number}"
+        line = f"{what}{number} {event.status}: {fmt_toggles(state.toggle_diff(event.toggles))}"
+        tps, pct = event.tokens_per_s, spread_pct(event)
         if tps is not None:
             line += f" | {fmt_num(tps)} tok/s" + (f" ±{pct:.1f}%" if pct is not None else "")
-        if _f(event.get("peak_mem")) is not None:
-            line += f" | peak {fmt_bytes(_f(event.get('peak_mem')))}"
-        if event.get("reason"):
-            line += f" | {event['reason']}"
+        if event.peak_mem is not None:
+            line += f" | peak {fmt_bytes(event.peak_mem)}"
+        if event.reason:
+            line += f" | {event.reason}"
         return line
-    if kind == "apply":
-        at = f" at step {event['step']}" if event.get("step") is not None else ""
-        line = f"apply{at}: {fmt_toggles(state.toggle_diff(event.get('toggles')))}"
-        tps, base = _f(event.get("tokens_per_s")), _f(event.get("baseline_tokens_per_s"))
+    if isinstance(event, ApplyEvent):
+        at = f" at step {event.step}" if event.step is not None else ""
+        line = f"apply{at}: {fmt_toggles(state.toggle_diff(event.toggles))}"
+        tps, base = event.tokens_per_s, event.baseline_tokens_per_s
         if tps is not None and base:
             line += f" | {fmt_num(tps)} tok/s ({(tps / base - 1) * 100:+.0f}%)"
         return line
@@ -192,31 +185,30 @@ class HeadlessView:
         self.err.flush()
 
     # --- the view interface -------------------------------------------------
-    def on_event(self, event: dict[str, Any]) -> None:
+    def on_event(self, event: Event) -> None:
         """One event, already applied to the state."""
         with self._lock:
             if self.json:
-                if event.get("type") == "device" and self.device_interval:
-                    t = _f(event.get("time"))
-                    if t is not None and self._last_device is not None and t - self._last_device < self.device_interval:
+                if isinstance(event, DeviceEvent) and self.device_interval:
+                    t = event.time
+                    if self._last_device is not None and t - self._last_device < self.device_interval:
                         return
                     self._last_device = t
                 self.stream.write(dumps(event) + "\n")
                 self.stream.flush()
                 return
-            kind = event.get("type")
-            if kind == "tuner":
-                phase = event.get("phase")
+            if isinstance(event, TunerEvent):
+                phase = event.phase
                 if phase and phase != self._tuner_phase:
                     self._tuner_phase = phase
-                    left = _f(event.get("budget_left_s"))
+                    left = event.budget_left_s
                     self._print(f"tuner: {phase_label(phase)}" + (f" ({fmt_duration(left)} budget left)" if left is not None
                                                       else ""))
                 return
             line = event_line(event, self.state)
             if line is not None:
                 self._print(line)
-            if kind == "step":
+            if isinstance(event, StepEvent):
                 self._step_extras()
 
     def _step_extras(self) -> None:
@@ -250,7 +242,7 @@ class HeadlessView:
                 return
             self._status = status
             if self.json:
-                obj = make_event("status", status=status, message=message)
+                obj = StatusEvent(status=status, message=message)
                 self.stream.write(dumps(obj) + "\n")
                 self.stream.flush()
             else:

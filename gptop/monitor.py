@@ -40,10 +40,10 @@ def find_run(path: str | None) -> Path | None:
 def trainer_pid(run_dir: Path) -> int | None:
     """The pid of the run's trainer if it is still running (its last hello, and no done/error after it)."""
     pid = None
-    for e in ev.read_events(run_dir / "events.jsonl"):
-        if e["type"] == "hello":
-            pid = e.get("pid")
-        elif e["type"] in ("done", "error"):
+    for e in ev.read_events(run_dir / "events.jsonl"):     # malformed lines: counted when followed
+        if isinstance(e, ev.HelloEvent):
+            pid = e.pid
+        elif isinstance(e, (ev.DoneEvent, ev.ErrorEvent)):
             pid = None
     if pid is None:
         return None
@@ -75,7 +75,7 @@ class MonitorSession:
     def add_view(self, view: Any) -> None:
         self.views.append(view)
 
-    def _emit(self, event: dict[str, Any]) -> None:
+    def _emit(self, event: ev.Event) -> None:
         with self._lock:
             self.state.apply(event)
         for v in self.views:
@@ -86,7 +86,7 @@ class MonitorSession:
             from .telemetry import DeviceSampler
 
             self.sampler = DeviceSampler(interval=self.interval, pids=lambda: [self.pid] if self.pid else [])
-        self.sampler.subscribe(lambda s: self._emit(s.to_event()))
+        self.sampler.subscribe(self._emit)
         self.sampler.start()
         if self.run_dir is None:
             self._status("monitor", "no run found in ./runs; showing devices only")

@@ -13,9 +13,23 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from trainer.contract.events import PHASES, read_events
+from trainer.contract.events import (PHASES, CheckpointEvent, DeviceEvent, DoneEvent, ErrorEvent, EvalEvent, Event,
+                                     HelloEvent, MalformedEvent, StepEvent, WarningEvent, read_events, to_dict)
 
-from .telemetry import DeviceSample, energy_between
+from .telemetry import energy_between
+
+
+class _Skipped:
+    """Malformed lines of one file: counted and skipped, the first reason kept for the report."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.first: str | None = None
+
+    def __call__(self, line: bytes, error: MalformedEvent) -> None:
+        self.count += 1
+        if self.first is None:
+            self.first = str(error)
 
 
 def summarize(run_dir: Path) -> dict[str, Any]:
@@ -25,89 +39,111 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         from trainer.contract.config import ConfigError
 
         raise ConfigError("RUN_DIR", f"{run_dir} has no events.jsonl; is it a gptop run directory?")
-    events = list(read_events(events_path))
-    hello = next((e for e in reversed(events) if e["type"] == "hello"), None)
-    steps = [e for e in events if e["type"] == "step"]
-    evals = [e for e in events if e["type"] == "eval"]
-    ckpts = [e for e in events if e["type"] == "checkpoint"]
-    errors = [e for e in events if e["type"] == "error"]
-    warnings = [e for e in events if e["type"] == "warning"]
-    done = [e for e in events if e["type"] == "done"]
+    skipped = {"events.jsonl": _Skipped(), "device.jsonl": _Skipped()}
+    events = list(read_events(events_path, on_malformed=skipped["events.jsonl"]))
+    hello = next((e for e in reversed(events) if isinstance(e, HelloEvent)), None)
+    steps = [e for e in events if isinstance(e, StepEvent)]
+    evals = [e for e in events if isinstance(e, EvalEvent)]
+    ckpts = [e for e in events if isinstance(e, CheckpointEvent)]
+    errors = [e for e in events if isinstance(e, ErrorEvent)]
+    warnings = [e for e in events if isinstance(e, WarningEvent)]
+    done = [e for e in events if isinstance(e, DoneEvent)]
     out: dict[str, Any] = {"run_dir": str(run_dir)}
     if hello:
-        out["model"] = hello.get("model")
-        out["device"] = hello.get("device", {}).get("name")
-        out["toggles"] = hello.get("config", {}).get("toggles")
-        out["max_steps"] = hello.get("config", {}).get("optim", {}).get("max_steps")
-    out["starts"] = sum(1 for e in events if e["type"] == "hello")
+        out["model"] = to_dict(hello.model)
+        out["device"] = hello.device.name
+        out["toggles"] = hello.toggles
+        out["max_steps"] = hello.max_steps
+    out["starts"] = sum(1 for e in events if isinstance(e, HelloEvent))
     if steps:
         last = steps[-1]
-        out["steps"] = last["step"]
-        out["tokens"] = last["tokens"]
+        out["steps"] = last.step
+        out["tokens"] = last.tokens
         # steady state: drop the first interval of each start (compilation, allocator warm-up)
         steady = _steady(events)
-        weights = [e.get("interval_steps", 1) for e in steady]
-        tps = [e["tokens_per_s"] for e in steady if e.get("tokens_per_s")]
+        tps = [e.tokens_per_s for e in steady if e.tokens_per_s]
         out["tokens_per_s"] = statistics.median(tps) if tps else None
-        mfus = [e["mfu"] for e in steady if e.get("mfu") is not None]
+        mfus = [e.mfu for e in steady if e.mfu is not None]
         out["mfu"] = statistics.median(mfus) if mfus else None
-        timed = [(e["phases_ms"], w) for e, w in zip(steady, weights) if e.get("phases_ms")]
+        timed = [(e.phases_ms, e.interval_steps or 1) for e in steady if e.phases_ms]
         if timed:
             total_w = sum(w for _, w in timed)
-            out["phases_ms"] = {k: sum(p.get(k, 0.0) * w for p, w in timed) / total_w for k in PHASES}
-        out["step_ms"] = statistics.median([e["step_ms"] for e in steady]) if steady else None
-        out["final_loss"] = next((e["loss"] for e in reversed(steps) if e.get("loss") is not None), None)
-        out["first_loss"] = next((e["loss"] for e in steps if e.get("loss") is not None), None)
-        out["peak_mem_bytes"] = max((e.get("mem_bytes") or 0) for e in steps)
+            out["phases_ms"] = {k: sum((p.get(k) or 0.0) * w for p, w in timed) / total_w for k in PHASES}
+        step_ms = [e.step_ms for e in steady if e.step_ms is not None]
+        out["step_ms"] = statistics.median(step_ms) if step_ms else None
+        out["final_loss"] = next((e.loss for e in reversed(steps) if e.loss is not None), None)
+        out["first_loss"] = next((e.loss for e in steps if e.loss is not None), None)
+        out["peak_mem_bytes"] = max((e.mem_bytes or 0) for e in steps)
     if evals:
-        out["eval_loss"] = evals[-1]["loss"]
-    out["checkpoints"] = [{"step": e["step"], "path": e["path"], "seconds": e["seconds"]} for e in ckpts]
-    out["errors"] = [{"kind": e["kind"], "message": e["message"], "step": e.get("step")} for e in errors]
+        out["eval_loss"] = evals[-1].loss
+    out["checkpoints"] = [{"step": e.step, "path": e.path, "seconds": e.seconds} for e in ckpts]
+    out["errors"] = [{"kind": e.kind, "message": e.message, "step": e.step} for e in errors]
     out["warnings"] = len(warnings)
-    out["done"] = bool(done) and done[-1].get("reason")
-    energy = _energy(run_dir, steps)
+    out["done"] = bool(done) and done[-1].reason
+    energy = _energy(run_dir, steps, skipped["device.jsonl"])
     if energy is not None:
         out["energy_j"] = energy
         if out.get("tokens"):
             out["energy_j_per_token"] = energy / max(1, _tokens_in_window(steps))
-    tuning = run_dir / "tuning.json"
-    if tuning.is_file():
-        out["tuning"] = json.loads(tuning.read_text())
+    tuning, problem = _tuning(run_dir / "tuning.json")
+    if tuning is not None:
+        out["tuning"] = tuning
+    if problem is not None:
+        out["tuning_skipped"] = problem
+    bad = {name: {"lines": s.count, "first": s.first} for name, s in skipped.items() if s.count}
+    if bad:
+        out["malformed"] = bad
     return out
 
 
-def _steady(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _steady(events: list[Event]) -> list[StepEvent]:
     out, first = [], True
     for e in events:
-        if e["type"] == "hello":
+        if isinstance(e, HelloEvent):
             first = True
-        elif e["type"] == "step":
+        elif isinstance(e, StepEvent):
             if not first:
                 out.append(e)
             first = False
-    return out or [e for e in events if e["type"] == "step"]
+    return out or [e for e in events if isinstance(e, StepEvent)]
 
 
-def _tokens_in_window(steps: list[dict[str, Any]]) -> int:
-    return steps[-1]["tokens"] - steps[0]["tokens"] if len(steps) > 1 else steps[-1]["tokens"]
+def _tokens_in_window(steps: list[StepEvent]) -> int:
+    return steps[-1].tokens - steps[0].tokens if len(steps) > 1 else steps[-1].tokens
 
 
-def _energy(run_dir: Path, steps: list[dict[str, Any]]) -> float | None:
+def _energy(run_dir: Path, steps: list[StepEvent], skipped: _Skipped) -> float | None:
     path = run_dir / "device.jsonl"
     if not path.is_file() or len(steps) < 2:
         return None
-    samples = [DeviceSample.from_event(e) for e in read_events(path) if e["type"] == "device"]
+    samples = [e for e in read_events(path, on_malformed=skipped) if isinstance(e, DeviceEvent)]
     if not samples:
         return None
-    return energy_between(samples, steps[0]["time"], steps[-1]["time"])
+    return energy_between(samples, steps[0].time, steps[-1].time)
+
+
+def _tuning(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """tuning.json as the tuner wrote it, or (None, why it was skipped): a damaged file is reported, not fatal."""
+    if not path.is_file():
+        return None, None
+    from tuner.report import check_report
+
+    try:
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:     # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return None, f"{path.name}: not readable JSON ({e})"
+    problem = check_report(data)
+    if problem is not None:
+        return None, f"{path.name}: {problem}"
+    return data, None
 
 
 def format_report(s: dict[str, Any]) -> str:
     lines = [f"run       {s['run_dir']}"]
     m = s.get("model")
     if m:
-        lines.append(f"model     {m.get('family')}/{m.get('size')}  {m.get('total_params', 0) / 1e6:.1f}M params "
-                     f"({m.get('active_params', 0) / 1e6:.1f}M active)  on {s.get('device')}")
+        lines.append(f"model     {m.get('family')}/{m.get('size')}  {(m.get('total_params') or 0) / 1e6:.1f}M params "
+                     f"({(m.get('active_params') or 0) / 1e6:.1f}M active)  on {s.get('device')}")
     if s.get("toggles"):
         t = s["toggles"]
         lines.append("toggles   " + "  ".join(f"{k}={v}" for k, v in t.items()))
@@ -138,6 +174,10 @@ def format_report(s: dict[str, Any]) -> str:
         from tuner.report import format_summary
 
         lines.append(format_summary(s["tuning"]))
+    if s.get("tuning_skipped"):
+        lines.append(f"tuning    skipped: {s['tuning_skipped']}")
+    for name, bad in (s.get("malformed") or {}).items():
+        lines.append(f"skipped   {bad['lines']} malformed line(s) in {name} (first: {bad['first']})")
     return "\n".join(lines)
 
 

@@ -14,7 +14,7 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Callable, Protocol
 
 from trainer.contract import events as ev
 from trainer.contract.config import TrainConfig, cli_args
@@ -27,7 +27,7 @@ EXIT_DONE, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 class View(Protocol):
-    def on_event(self, event: dict[str, Any]) -> None: ...
+    def on_event(self, event: ev.Event) -> None: ...
     def on_log(self, line: str, stream: str) -> None: ...
     def on_status(self, status: str, message: str | None) -> None: ...
 
@@ -59,8 +59,8 @@ class Session:
         self._tb = None
         self.sampler = sampler
         self.spawns = 0
-        self.rank_errors: dict[int, dict[str, Any]] = {}          # this spawn's first error event per rank
-        self.hooks: list[Callable[[dict[str, Any]], None]] = []   # e.g. the tuner driver
+        self.rank_errors: dict[int, ev.ErrorEvent] = {}           # this spawn's first error event per rank
+        self.hooks: list[Callable[[ev.Event], None]] = []         # e.g. the tuner driver
         self.on_trainer_exit: Callable[[int], bool] | None = None  # returns True if it handled the exit
         self.tuning_toggler: Callable[[], None] | None = None     # `t`: gptop.tuning.install_toggler sets it
 
@@ -175,7 +175,7 @@ class Session:
     def add_view(self, view: View) -> None:
         self.views.append(view)
 
-    def _emit(self, event: dict[str, Any]) -> None:
+    def _emit(self, event: ev.Event) -> None:
         """Apply one event to the state, then the views and hooks (also used for gptop's own events)."""
         with self._lock:
             self.state.apply(event)
@@ -186,21 +186,20 @@ class Session:
         for hook in self.hooks:
             hook(event)
 
-    def _on_event(self, event: dict[str, Any]) -> None:
-        if event["type"] in ("step", "hello") and self.state.status in ("starting", "restarting"):
+    def _on_event(self, event: ev.Event) -> None:
+        if isinstance(event, (ev.StepEvent, ev.HelloEvent)) and self.state.status in ("starting", "restarting"):
             self._set_status("running")
-        if event["type"] == "error":
-            self.rank_errors.setdefault(int(event.get("rank") or 0), event)
+        if isinstance(event, ev.ErrorEvent):
+            self.rank_errors.setdefault(event.rank, event)
         self._emit(event)
 
-    def _on_device_sample(self, sample) -> None:
-        event = sample.to_event()
+    def _on_device_sample(self, sample: ev.DeviceEvent) -> None:
         if self._device_file:
             try:
-                self._device_file.write(ev.dumps(event) + "\n")
+                self._device_file.write(ev.dumps(sample) + "\n")
             except ValueError:
                 return
-        self._emit(event)
+        self._emit(sample)
 
     def _on_log(self, line: str, stream: str) -> None:
         with self._lock:
@@ -251,7 +250,7 @@ class Session:
         err = self.state.last_error() if hasattr(self.state, "last_error") else None
         how = f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
         if err:
-            return f"trainer failed ({how}): {err.get('kind')}: {err.get('message')}"
+            return f"trainer failed ({how}): {err.kind}: {err.message}"
         return f"trainer died ({how}) without reporting an error; see {self.run_dir / 'trainer.stderr.log'}"
 
     def rank_failure(self) -> str | None:
@@ -264,7 +263,7 @@ class Session:
         sup = self.supervisor
         failures = torchrun_failures(sup.stderr_text()) if sup is not None else []
         errors = dict(self.rank_errors)
-        lost = sorted(r for r, e in errors.items() if e.get("lost_peer"))
+        lost = sorted(r for r, e in errors.items() if e.lost_peer)
 
         def how(code: int) -> str:
             if code < 0:
@@ -283,20 +282,18 @@ class Session:
             names = ", ".join(str(r) for r in others)
             return f"; rank{'s' if len(others) > 1 else ''} {names} stopped after losing contact with it"
 
-        own = sorted((e for e in errors.values() if not e.get("lost_peer")), key=lambda e: e.get("time") or 0)
+        own = sorted((e for e in errors.values() if not e.lost_peer), key=lambda e: e.time)
         if own:
             e = own[0]
-            r = int(e.get("rank") or 0)
-            return f"rank {r} failed: {e.get('kind')}: {e.get('message')}{tail(r)}"
+            return f"rank {e.rank} failed: {e.kind}: {e.message}{tail(e.rank)}"
         silent = [f for f in failures if f["rank"] not in errors]
         if silent:
             f = min(silent, key=lambda f: (f["exitcode"] >= 0, not f["root"], f["rank"]))
             return (f"rank {f['rank']} died ({how(f['exitcode'])}) without reporting an error{tail(f['rank'])}; "
                     f"see {self.run_dir / 'trainer.stderr.log'}")
         if errors:
-            e = min(errors.values(), key=lambda e: e.get("time") or 0)
-            r = int(e.get("rank") or 0)
-            return f"rank {r} failed: {e.get('kind')}: {e.get('message')}{tail(r)}"
+            e = min(errors.values(), key=lambda e: e.time)
+            return f"rank {e.rank} failed: {e.kind}: {e.message}{tail(e.rank)}"
         root = [f for f in failures if f["root"]] or failures
         if root:
             f = root[0]

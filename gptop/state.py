@@ -19,13 +19,15 @@ attributes at once can hold it too (it is re-entrant and only held briefly).
 
 from __future__ import annotations
 
-import math
 import threading
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from trainer.contract.events import PHASES
+from trainer.contract.device import DeviceInfo
+from trainer.contract.events import (PHASES, ApplyEvent, CheckpointEvent, CpuReading, DeviceEvent, DoneEvent,
+                                     ErrorEvent, EvalEvent, Event, GpuReading, HelloEvent, LogEvent, ModelInfo,
+                                     StepEvent, TrialEvent, TunerEvent, UnknownEvent, WarningEvent)
 
 STATUSES = ("starting", "running", "checkpointing", "stopping", "done", "failed", "restarting", "replay", "monitor")
 
@@ -35,18 +37,8 @@ AREAS = ("run", "step", "device", "log", "tuner")
 # Step-event series kept as histories, by name.
 STEP_SERIES = ("loss", "tokens_per_s", "mfu", "lr", "grad_norm", "step_ms", "gpu_idle_ms", "mem_bytes")
 # Device metrics kept as histories, per device key ("gpu0", "gpu1", "cpu").
-DEVICE_METRICS = ("util_pct", "mem_used", "power_w", "temp_c")
-
-
-def _num(x: Any) -> float | None:
-    """A finite float or None: events may carry null, strings or NaN from older producers."""
-    if isinstance(x, bool) or x is None:
-        return None
-    try:
-        f = float(x)
-    except (TypeError, ValueError):
-        return None
-    return f if math.isfinite(f) else None
+GPU_METRICS = ("util_pct", "mem_used", "power_w", "temp_c")
+CPU_METRICS = ("util_pct", "mem_used", "power_w")
 
 
 @dataclass
@@ -114,18 +106,18 @@ class TunerState:
     trial: int | None = None           # the trial running now
     trials_run: int | None = None
     trials_planned: int | None = None
-    trials: dict[int, dict[str, Any]] = field(default_factory=dict)   # number -> latest trial fields
-    applied: list[dict[str, Any]] = field(default_factory=list)       # apply events
+    trials: dict[int, TrialEvent] = field(default_factory=dict)   # number -> its latest trial event
+    applied: list[ApplyEvent] = field(default_factory=list)
 
     @property
     def active(self) -> bool:
         return self.phase is not None and self.phase != "done"
 
     @property
-    def best(self) -> dict[str, Any] | None:
+    def best(self) -> TrialEvent | None:
         """The measured (ok/cut/kept) trial with the highest throughput."""
-        good = [t for t in self.trials.values() if t.get("status") in GOOD_TRIALS and _num(t.get("tokens_per_s"))]
-        return max(good, key=lambda t: _num(t["tokens_per_s"]) or 0.0, default=None)
+        good = [t for t in self.trials.values() if t.status in GOOD_TRIALS and t.tokens_per_s]
+        return max(good, key=lambda t: t.tokens_per_s or 0.0, default=None)
 
 
 class RunState:
@@ -145,9 +137,10 @@ class RunState:
         self.status_message: str | None = None
 
         # from hello
-        self.config: dict[str, Any] = {}
-        self.device: dict[str, Any] = {}
-        self.model: dict[str, Any] = {}
+        self.hello: HelloEvent | None = None   # the latest
+        self.config: dict[str, dict[str, Any]] = {}
+        self.device: DeviceInfo | None = None
+        self.model: ModelInfo | None = None
         self.hellos = 0                        # > 1 after a restart / resume / applied toggles
         self.initial_toggles: dict[str, Any] | None = None   # what the run started with
         self.start_time: float | None = None   # time of the first event
@@ -158,20 +151,20 @@ class RunState:
 
         # steps
         self.phase_window = phase_window
-        self.last_step: dict[str, Any] | None = None      # latest step event of the primary rank
-        self.ranks: dict[int, dict[str, Any]] = {}         # rank -> latest step event
+        self.last_step: StepEvent | None = None            # latest step event of the primary rank
+        self.ranks: dict[int, StepEvent] = {}              # rank -> latest step event
         self.primary_rank: int | None = None
         self.series: dict[str, Series] = {n: Series(history) for n in STEP_SERIES}
         self.series["eval_loss"] = Series(history)
         self.phases: dict[str, Series] = {p: Series(history) for p in PHASES}
         self._rate: deque[tuple[float, int, float]] = deque(maxlen=rate_window)   # (time, step, tokens)
         self.expert_load: list[list[float]] | None = None
-        self.last_eval: dict[str, Any] | None = None
-        self.done: dict[str, Any] | None = None
+        self.last_eval: EvalEvent | None = None
+        self.done: DoneEvent | None = None
 
         # devices
-        self.device_sample: dict[str, Any] | None = None   # latest device event
-        self.device_latest: dict[str, dict[str, Any]] = {}  # "gpu0" / "cpu" -> latest dict
+        self.device_sample: DeviceEvent | None = None      # latest device event
+        self.device_latest: dict[str, GpuReading | CpuReading] = {}   # "gpu0" / "cpu" -> latest reading
         self.device_series: dict[tuple[str, str], Series] = {}
         self._device_history = device_history
         self._energy: deque[tuple[float, float]] = deque(maxlen=device_history)   # (time, joules)
@@ -179,8 +172,8 @@ class RunState:
         # logs and incidents
         self.logs: deque[tuple[str, str]] = deque(maxlen=log_lines)   # (stream, line)
         self.log_count = 0       # lines ever added: views append what is new since they last looked
-        self.checkpoints: list[dict[str, Any]] = []
-        self.errors: list[dict[str, Any]] = []
+        self.checkpoints: list[CheckpointEvent] = []
+        self.errors: list[ErrorEvent] = []
         self.warnings: deque[str] = deque(maxlen=200)
         self.malformed = 0
         self.last_malformed: str | None = None
@@ -207,25 +200,20 @@ class RunState:
             if fn in self._listeners:
                 self._listeners.remove(fn)
 
-    def apply(self, event: dict[str, Any]) -> None:
-        """Fold one (already parsed) event in. Unknown types only move the clock."""
+    def apply(self, event: Event) -> None:
+        """Fold one parsed (validated) event in. Unknown types only move the clock."""
         with self.lock:
-            t = _num(event.get("time"))
-            if t is not None:
-                if self.start_time is None:
-                    self.start_time = t
-                self.last_time = t if self.last_time is None else max(self.last_time, t)
-                if event.get("type") != "device":
-                    self.last_run_time = t if self.last_run_time is None else max(self.last_run_time, t)
-            handler = getattr(self, "_on_" + str(event.get("type")), None)
+            t = event.time
+            if self.start_time is None:
+                self.start_time = t
+            self.last_time = t if self.last_time is None else max(self.last_time, t)
+            if not isinstance(event, DeviceEvent):
+                self.last_run_time = t if self.last_run_time is None else max(self.last_run_time, t)
+            handler = None if isinstance(event, UnknownEvent) else getattr(self, "_on_" + event.type, None)
             if handler is None:
                 self._bump("run")
                 return
-            try:
-                handler(event)
-            except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
-                # A well-formed line with ill-typed fields must not take the view down.
-                self.count_malformed(f"{event.get('type')} event: {e}")
+            handler(event)
 
     def add_log(self, line: str, stream: str = "stdout") -> None:
         """One line of the trainer's stdout/stderr (or gptop's own messages, stream="gptop")."""
@@ -254,137 +242,121 @@ class RunState:
             self._bump("run")
 
     # --- event handlers -----------------------------------------------------
-    def _on_hello(self, e: dict[str, Any]) -> None:
-        self.config = e.get("config") or {}
+    def _on_hello(self, e: HelloEvent) -> None:
+        self.hello = e
+        self.config = e.config
         if self.initial_toggles is None:
-            self.initial_toggles = dict(self.config.get("toggles") or {})
-        self.device = e.get("device") or {}
-        self.model = e.get("model") or {}
+            self.initial_toggles = e.toggles
+        self.device = e.device
+        self.model = e.model
         self.hellos += 1
         self.end_time = None   # a new trainer process: the run goes on
         self._applied = {}
         self._rate.clear()   # a restart recompiles: the old step rate says nothing about the new process
         self._bump("run", "step")
 
-    def _on_step(self, e: dict[str, Any]) -> None:
-        rank = int(e.get("rank") or 0)
+    def _on_step(self, e: StepEvent) -> None:
+        rank = e.rank
         self.ranks[rank] = e
         if self.primary_rank is None or rank < self.primary_rank:
             self.primary_rank = rank
         if rank != self.primary_rank:
             self._bump("step")
             return
-        step = int(e["step"])
-        t = _num(e.get("time")) or 0.0
-        if self.last_step is not None and step < int(self.last_step.get("step") or 0):
+        step = e.step
+        if self.last_step is not None and step < self.last_step.step:
             self._rate.clear()   # rolled back to a checkpoint
         self.last_step = e
-        self._rate.append((t, step, _num(e.get("tokens")) or 0.0))
+        self._rate.append((e.time, step, e.tokens))
         for name in STEP_SERIES:
-            v = _num(e.get(name))
+            v = getattr(e, name)
             if v is not None:
                 self.series[name].append(step, v)
-        phases = e.get("phases_ms") or {}
-        if isinstance(phases, dict):
+        if e.phases_ms:
             for p in PHASES:
-                v = _num(phases.get(p))
+                v = e.phases_ms.get(p)
                 if v is not None:
                     self.phases[p].append(step, v)
-        load = e.get("expert_load")
-        if isinstance(load, list) and load:
-            self.expert_load = [[float(x) for x in layer] for layer in load if isinstance(layer, list)]
+        if e.expert_load:
+            self.expert_load = e.expert_load
         self._bump("step")
 
-    def _on_eval(self, e: dict[str, Any]) -> None:
+    def _on_eval(self, e: EvalEvent) -> None:
         self.last_eval = e
-        v = _num(e.get("loss"))
-        if v is not None:
-            self.series["eval_loss"].append(int(e["step"]), v)
+        if e.loss is not None:
+            self.series["eval_loss"].append(e.step, e.loss)
         self._bump("step")
 
-    def _on_checkpoint(self, e: dict[str, Any]) -> None:
-        self.checkpoints.append({k: e.get(k) for k in ("step", "path", "seconds", "time")})
+    def _on_checkpoint(self, e: CheckpointEvent) -> None:
+        self.checkpoints.append(e)
         self._bump("run")
 
-    def _on_log(self, e: dict[str, Any]) -> None:
-        self.add_log(str(e.get("message")), "event")
+    def _on_log(self, e: LogEvent) -> None:
+        self.add_log(e.message, "event")
 
-    def _on_warning(self, e: dict[str, Any]) -> None:
-        self.warnings.append(str(e.get("message")))
-        self.add_log("warning: " + str(e.get("message")), "event")
+    def _on_warning(self, e: WarningEvent) -> None:
+        self.warnings.append(e.message)
+        self.add_log("warning: " + e.message, "event")
         self._bump("run")
 
-    def _on_error(self, e: dict[str, Any]) -> None:
-        self.errors.append({k: e.get(k) for k in ("kind", "message", "step", "time")})
-        self.add_log(f"error [{e.get('kind')}]: {e.get('message')}", "event")
+    def _on_error(self, e: ErrorEvent) -> None:
+        self.errors.append(e)
+        self.add_log(f"error [{e.kind}]: {e.message}", "event")
         self._bump("run")
 
-    def _on_done(self, e: dict[str, Any]) -> None:
+    def _on_done(self, e: DoneEvent) -> None:
         self.done = e
-        t = _num(e.get("time"))
-        if t is not None:
-            self.end_time = t   # elapsed stops here, not when the session later says "done"
+        self.end_time = e.time   # elapsed stops here, not when the session later says "done"
         self._bump("run")
 
-    def _on_device(self, e: dict[str, Any]) -> None:
-        t = _num(e.get("time")) or 0.0
+    def _on_device(self, e: DeviceEvent) -> None:
+        t = e.time
         self.device_sample = e
-        joules: float | None = None
-        gpus = [d for d in (e.get("devices") or []) if isinstance(d, dict)]
-        entries: list[tuple[str, dict[str, Any]]] = [
-            (f"{d.get('kind') or 'gpu'}{d.get('index') if d.get('index') is not None else i}", d)
-            for i, d in enumerate(gpus)]
-        cpu = e.get("cpu")
-        if isinstance(cpu, dict):
-            entries.append(("cpu", cpu))
-        for key, d in entries:
+        entries: list[tuple[str, GpuReading | CpuReading, tuple[str, ...]]] = [
+            (f"gpu{d.index}", d, GPU_METRICS) for d in e.devices]
+        if e.cpu is not None:
+            entries.append(("cpu", e.cpu, CPU_METRICS))
+        for key, d, metrics in entries:
             self.device_latest[key] = d
-            for m in DEVICE_METRICS:
-                v = _num(d.get(m))
+            for m in metrics:
+                v = getattr(d, m)
                 if v is not None:
                     s = self.device_series.get((key, m))
                     if s is None:
                         s = self.device_series[(key, m)] = Series(self._device_history)
                     s.append(t, v)
         # Energy of what does the work: the GPUs when there are any, else the CPU package.
-        sources = gpus if gpus else ([cpu] if isinstance(cpu, dict) else [])
-        vals = [_num(d.get("energy_j")) for d in sources]
+        sources: list[GpuReading | CpuReading] = list(e.devices) if e.devices else ([e.cpu] if e.cpu else [])
+        vals = [d.energy_j for d in sources]
         if vals and all(v is not None for v in vals):
-            joules = sum(vals)  # type: ignore[arg-type]
-            self._energy.append((t, joules))
+            self._energy.append((t, sum(vals)))  # type: ignore[arg-type]
         self._bump("device")
 
-    def _on_trial(self, e: dict[str, Any]) -> None:
-        number = e["number"]
-        if number is None:   # a run the study did not number (a failed baseline): its own row
+    def _on_trial(self, e: TrialEvent) -> None:
+        if e.number is None:   # a run the study did not number (a failed baseline): its own row
             n = -1 - sum(1 for k in self.tuner.trials if k < 0)
         else:
-            n = int(number)
-        trial = self.tuner.trials.setdefault(n, {})
-        trial.update({k: v for k, v in e.items() if k not in ("v", "type", "rank")})
-        if trial.get("status") == "running":
+            n = e.number
+        self.tuner.trials[n] = e    # each trial event carries the whole row
+        if e.status == "running":
             self.tuner.trial = n
         self._bump("tuner")
 
-    def _on_apply(self, e: dict[str, Any]) -> None:
-        self.tuner.applied.append({k: v for k, v in e.items() if k not in ("v", "type", "rank")})
-        if isinstance(e.get("toggles"), dict):
-            self._applied.update(e["toggles"])
+    def _on_apply(self, e: ApplyEvent) -> None:
+        self.tuner.applied.append(e)
+        self._applied.update(e.toggles)
         self._bump("tuner", "run")
 
-    def _on_tuner(self, e: dict[str, Any]) -> None:
+    def _on_tuner(self, e: TunerEvent) -> None:
         tu = self.tuner
-        if "phase" in e:
-            tu.phase = e["phase"]
-        if "budget_left_s" in e:
-            tu.budget_left_s = _num(e["budget_left_s"])
-            tu.budget_at = _num(e.get("time"))
-        if "trial" in e:
-            tu.trial = e["trial"]
-        if "trials_planned" in e:
-            tu.trials_planned = e["trials_planned"]
-        if "trials_run" in e:
-            tu.trials_run = e["trials_run"]
+        tu.phase = e.phase
+        tu.trial = e.trial
+        if e.budget_left_s is not None:      # an event that does not say keeps what the last one said
+            tu.budget_left_s, tu.budget_at = e.budget_left_s, e.time
+        if e.trials_planned is not None:
+            tu.trials_planned = e.trials_planned
+        if e.trials_run is not None:
+            tu.trials_run = e.trials_run
         self._bump("tuner")
 
     def tuner_budget_left(self) -> float | None:
@@ -406,22 +378,21 @@ class RunState:
 
     @property
     def total_steps(self) -> int | None:
-        v = (self.config.get("optim") or {}).get("max_steps")
-        return int(v) if isinstance(v, (int, float)) else None
+        return self.hello.max_steps if self.hello else None
 
     @property
     def step(self) -> int | None:
-        return int(self.last_step["step"]) if self.last_step else None
+        return self.last_step.step if self.last_step else None
 
     @property
-    def tokens(self) -> float | None:
+    def tokens(self) -> int | None:
         """Tokens seen (the step event's cumulative `tokens`)."""
-        return _num(self.last_step.get("tokens")) if self.last_step else None
+        return self.last_step.tokens if self.last_step else None
 
     @property
     def toggles(self) -> dict[str, Any]:
         """The toggles in force: the last applied ones over the hello config."""
-        t = dict(self.config.get("toggles") or {})
+        t = self.hello.toggles if self.hello else {}
         t.update(self._applied)
         return t
 
@@ -430,15 +401,15 @@ class RunState:
         base = self.initial_toggles or {}
         return {k: v for k, v in (toggles or {}).items() if k not in base or base[k] != v}
 
-    def last_error(self) -> dict[str, Any] | None:
-        """The latest error event's kind/message/step/time, or None."""
+    def last_error(self) -> ErrorEvent | None:
+        """The latest error event, or None."""
         with self.lock:
-            return dict(self.errors[-1]) if self.errors else None
+            return self.errors[-1] if self.errors else None
 
     @property
     def is_moe(self) -> bool:
-        return bool(self.expert_load) or (_num(self.model.get("active_params")) or 0) < (
-            _num(self.model.get("total_params")) or 0)
+        m = self.model
+        return bool(self.expert_load) or (m is not None and (m.active_params or 0) < (m.total_params or 0))
 
     def elapsed(self) -> float | None:
         """Seconds since the first event (until the run ended, once it has; a replay's run, not the
@@ -572,7 +543,8 @@ class RunState:
         if not pct:
             return None
         t = self.toggles
-        cuda = self.device.get("type") == "cuda"
+        dev = self.device
+        cuda = dev is not None and dev.is_cuda
         data = pct.get("data", 0.0)
         opt = pct.get("optimizer", 0.0)
         compute = pct.get("forward", 0.0) + pct.get("backward", 0.0)
@@ -598,8 +570,7 @@ class RunState:
                 tips.append("--compile default")
             prec = t.get("precision", "fp32")
             # native bf16 only: CUDA 8.0+, or a CPU whose oneDNN has bf16 kernels (trainer.contract.capabilities.slow)
-            bf16_ok = (tuple(self.device.get("capability") or (0, 0)) >= (8, 0) if cuda
-                       else self.device.get("cpu_bf16", True))
+            bf16_ok = dev.at_least(8, 0) if cuda else (dev is None or dev.cpu_bf16)
             if prec in ("fp32", "tf32") and bf16_ok:
                 tips.append("--precision bf16")
             if not tips:
@@ -618,7 +589,7 @@ class RunState:
         for name in ("step_ms",) + PHASES:
             vals: dict[int, float] = {}
             for r, e in ranks.items():
-                v = _num(e.get("step_ms")) if name == "step_ms" else _num((e.get("phases_ms") or {}).get(name))
+                v = e.step_ms if name == "step_ms" else (e.phases_ms or {}).get(name)
                 if v is not None:
                     vals[r] = v
             if len(vals) >= 2:
@@ -655,7 +626,7 @@ class RunState:
             power_vals = []
             for key, d in self.device_latest.items():
                 if (key != "cpu") == any(k != "cpu" for k in self.device_latest):
-                    p = _num(d.get("power_w"))
+                    p = d.power_w
                     if p is not None:
                         power_vals.append(p)
         if len(rate) >= 2 and len(energy) >= 2:
@@ -667,7 +638,7 @@ class RunState:
                 k0, k1 = _interp(tokens, t0), _interp(tokens, t1)
                 if None not in (e0, e1, k0, k1) and k1 > k0 and e1 >= e0:  # type: ignore[operator]
                     return (e1 - e0) / (k1 - k0)  # type: ignore[operator]
-        tps = _num(self.last_step.get("tokens_per_s")) if self.last_step else None
+        tps = self.last_step.tokens_per_s if self.last_step else None
         if power_vals and tps:
             return sum(power_vals) / tps
         return None
@@ -685,9 +656,9 @@ def _interp(points: list[tuple[float, float]], t: float) -> float | None:
 
 # --- formatting shared by both views ------------------------------------------
 
-def spread_pct(trial: dict[str, Any]) -> float | None:
+def spread_pct(trial: TrialEvent) -> float | None:
     """A trial's spread (tokens/s, as the tuner reports it) as % of its throughput."""
-    spread, tps = _num(trial.get("spread")), _num(trial.get("tokens_per_s"))
+    spread, tps = trial.spread, trial.tokens_per_s
     return 100.0 * spread / tps if spread is not None and tps else None
 
 
@@ -738,12 +709,12 @@ def fmt_toggles(toggles: dict[str, Any] | None) -> str:
     return " ".join(parts)
 
 
-def model_summary(model: dict[str, Any]) -> str:
+def model_summary(model: ModelInfo | None) -> str:
     """'deepseek medium · 124.5M params (31.2M active)'."""
-    if not model:
+    if model is None:
         return ""
-    name = " ".join(str(model[k]) for k in ("family", "size") if model.get(k))
-    total, active = _num(model.get("total_params")), _num(model.get("active_params"))
+    name = " ".join(x for x in (model.family, model.size) if x)
+    total, active = model.total_params, model.active_params
     params = ""
     if total:
         params = f"{fmt_num(total)} params"

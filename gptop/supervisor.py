@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from trainer.contract import events as ev
 
-EventCallback = Callable[[dict[str, Any]], None]
+EventCallback = Callable[[ev.Event], None]
 LogCallback = Callable[[str, str], None]
 
 

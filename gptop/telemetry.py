@@ -2,9 +2,10 @@
 
 `DeviceSampler` samples in its own thread every `interval` seconds, keeps at
 least `history_seconds` of samples in a ring buffer, and tells subscribers of
-each new sample. It knows nothing of rendering: the session forwards samples
-as `device` events and the views draw them, so the TUI, `--no-ui` and a replay
-of events.jsonl all see the same numbers.
+each new sample. A sample is a `device` event (trainer.contract.events.DeviceEvent,
+the one definition of its shape). It knows nothing of rendering: the session
+forwards samples to the views and to device.jsonl, so the TUI, `--no-ui` and a
+replay all see the same numbers.
 
 Values a device cannot give are `None` (rendered "n/a"), never 0, so an
 unsupported power sensor is not mistaken for an idle GPU.
@@ -28,90 +29,18 @@ import statistics
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Literal, Sequence
 
 import psutil
 
 from gptop.nvml import Nvml
 from trainer.contract.device import cpu_name
+from trainer.contract.events import CpuReading, DeviceEvent, GpuReading, finite_or_none
 
 log = logging.getLogger(__name__)
 
 HISTORY_SLACK = 16  # extra ring slots beyond history_seconds / interval
-
-
-@dataclass
-class GpuSample:
-    """One GPU at one instant. None: the device or driver cannot tell (rendered "n/a")."""
-
-    index: int                      # NVML index (not CUDA's, which CUDA_VISIBLE_DEVICES renumbers)
-    name: str
-    util_pct: float | None          # % of the last sample period with a kernel running
-    mem_used: int | None            # bytes, whole device
-    mem_total: int | None           # bytes
-    power_w: float | None
-    power_limit_w: float | None     # enforced limit
-    energy_j: float | None          # NVML total energy counter (since driver load); only differences mean anything
-    temp_c: float | None
-    sm_clock_mhz: float | None
-    proc_mem: int | None            # bytes used on this GPU by the trainer's processes; None when none are seen
-
-
-@dataclass
-class CpuSample:
-    """The host at one instant; present in GPU mode too (data loading lives here)."""
-
-    util_pct: float                 # whole machine, 0..100
-    per_core: list[float]           # 0..100 per logical CPU
-    mem_used: int                   # bytes, total - available
-    mem_total: int                  # bytes
-    proc_rss: int | None            # bytes, trainer processes and their children (shared pages counted per process)
-    proc_cpu_pct: float | None      # trainer processes' share of the whole machine, 0..100
-    power_w: float | None           # CPU package power from RAPL, None when unreadable
-    energy_j: float | None          # RAPL package energy since the sampler started (wraparound undone)
-    name: str = "cpu"
-
-
-@dataclass
-class DeviceSample:
-    """Everything sampled at `time` (unix seconds, the clock events use)."""
-
-    time: float
-    gpus: list[GpuSample]
-    cpu: CpuSample
-
-    @property
-    def mode(self) -> Literal["gpu", "cpu"]:
-        return "gpu" if self.gpus else "cpu"
-
-    def to_event(self, rank: int = 0) -> dict[str, Any]:
-        """A `device` event (trainer.contract.events schema), so samples travel with the run's other events."""
-        from trainer.contract.events import make_event
-
-        cpu = asdict(self.cpu)
-        cpu["per_core"] = [round(x, 1) for x in self.cpu.per_core]  # many cores x 2 Hz: keep lines short
-        event = make_event("device", rank=rank, mode=self.mode, devices=[asdict(g) for g in self.gpus], cpu=cpu)
-        event["time"] = self.time
-        return event
-
-    @classmethod
-    def from_event(cls, event: dict[str, Any]) -> "DeviceSample":
-        """Rebuild a sample from a `device` event (replay of events.jsonl); unknown keys are ignored."""
-        gpus = [GpuSample(**_known(GpuSample, d)) for d in event.get("devices") or []]
-        cpu_d = dict(event.get("cpu") or {})
-        cpu_d.setdefault("util_pct", 0.0)
-        cpu_d.setdefault("per_core", [])
-        cpu_d.setdefault("mem_used", 0)
-        cpu_d.setdefault("mem_total", 0)
-        for k in ("proc_rss", "proc_cpu_pct", "power_w", "energy_j"):
-            cpu_d.setdefault(k, None)
-        return cls(time=float(event["time"]), gpus=gpus, cpu=CpuSample(**_known(CpuSample, cpu_d)))
-
-
-def _known(cls: type, d: dict[str, Any]) -> dict[str, Any]:
-    names = {f.name for f in fields(cls)}
-    return {k: v for k, v in d.items() if k in names}
 
 
 # --------------------------------------------------------------------------- CPU side
@@ -287,7 +216,7 @@ def _read_int(path: str) -> int | None:
 # --------------------------------------------------------------------------- GPU side
 
 
-def _sample_gpu(nv: Nvml, index: int, name: str, pids: set[int]) -> GpuSample:
+def _sample_gpu(nv: Nvml, index: int, name: str, pids: set[int]) -> GpuReading:
     q = nv.device_query
     util = q(index, "nvmlDeviceGetUtilizationRates")
     mem = q(index, "nvmlDeviceGetMemoryInfo")
@@ -307,29 +236,19 @@ def _sample_gpu(nv: Nvml, index: int, name: str, pids: set[int]) -> GpuSample:
         used = [getattr(p, "usedGpuMemory", None) for p in procs or () if getattr(p, "pid", None) in pids]
         known = [u for u in used if u is not None]
         proc_mem = sum(known) if known else None
-    return GpuSample(
+    return GpuReading(
         index=index,
         name=name,
-        util_pct=_num(getattr(util, "gpu", None)),
+        util_pct=finite_or_none(getattr(util, "gpu", None)),
         mem_used=_int(getattr(mem, "used", None)),
         mem_total=_int(getattr(mem, "total", None)),
-        power_w=_num(power_mw, 1e-3),
-        power_limit_w=_num(limit_mw, 1e-3),
-        energy_j=_num(energy_mj, 1e-3),
-        temp_c=_num(temp),
-        sm_clock_mhz=_num(sm),
+        power_w=finite_or_none(power_mw, 1e-3),
+        power_limit_w=finite_or_none(limit_mw, 1e-3),
+        energy_j=finite_or_none(energy_mj, 1e-3),
+        temp_c=finite_or_none(temp),
+        sm_clock_mhz=finite_or_none(sm),
         proc_mem=proc_mem,
     )
-
-
-def _num(v: Any, scale: float = 1.0) -> float | None:
-    if v is None or isinstance(v, bool):
-        return None
-    try:
-        x = float(v) * scale
-    except (TypeError, ValueError):
-        return None
-    return x if math.isfinite(x) else None
 
 
 def _int(v: Any) -> int | None:
@@ -368,11 +287,11 @@ class DeviceSampler:
         self._clock = clock
         self._nvml = nvml if isinstance(nvml, Nvml) else Nvml(nvml)
         self._rapl_root = rapl_root
-        self._history: deque[DeviceSample] = deque(
+        self._history: deque[DeviceEvent] = deque(
             maxlen=math.ceil(self.history_seconds / self.interval) + HISTORY_SLACK)
         self._lock = threading.Lock()          # guards _history and _subscribers
         self._sample_lock = threading.Lock()   # one sample at a time: the trackers are stateful
-        self._subscribers: list[Callable[[DeviceSample], None]] = []
+        self._subscribers: list[Callable[[DeviceEvent], None]] = []
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._ready = False
@@ -456,7 +375,7 @@ class DeviceSampler:
 
     # -- sampling ----------------------------------------------------------
 
-    def sample_once(self) -> DeviceSample:
+    def sample_once(self) -> DeviceEvent:
         """Take one sample now, add it to the history and notify subscribers."""
         with self._sample_lock:
             self._ensure_ready()
@@ -471,7 +390,7 @@ class DeviceSampler:
                             self._gpu_names[i] = str(name)
                     gpus.append(_sample_gpu(self._nvml, i, self._gpu_names.get(i, f"GPU {i}"), procs.pids))
             cpu = self._sample_cpu(now, procs)
-            sample = DeviceSample(time=now, gpus=gpus, cpu=cpu)
+            sample = DeviceEvent(time=now, devices=gpus, cpu=cpu, mode="gpu" if gpus else "cpu")
         self._record(sample)
         return sample
 
@@ -482,14 +401,14 @@ class DeviceSampler:
             log.debug("pids() failed", exc_info=True)
             return []
 
-    def _sample_cpu(self, now: float, procs: _ProcStats) -> CpuSample:
+    def _sample_cpu(self, now: float, procs: _ProcStats) -> CpuReading:
         assert self._cores is not None and self._rapl is not None
         per_core = self._cores.sample()
         vm = psutil.virtual_memory()
         power, energy = self._rapl.read(now)
-        return CpuSample(
+        return CpuReading(
             util_pct=sum(per_core) / len(per_core) if per_core else 0.0,
-            per_core=per_core,
+            per_core=[round(x, 1) for x in per_core],   # many cores x 2 Hz: keep the event lines short
             mem_used=int(vm.total - vm.available),
             mem_total=int(vm.total),
             proc_rss=procs.rss,
@@ -499,7 +418,7 @@ class DeviceSampler:
             name=self._cpu_name,
         )
 
-    def _record(self, sample: DeviceSample) -> None:
+    def _record(self, sample: DeviceEvent) -> None:
         with self._lock:
             self._history.append(sample)
             subscribers = list(self._subscribers)
@@ -511,12 +430,12 @@ class DeviceSampler:
 
     # -- reading -----------------------------------------------------------
 
-    def latest(self) -> DeviceSample | None:
+    def latest(self) -> DeviceEvent | None:
         """The newest sample, or None before the first."""
         with self._lock:
             return self._history[-1] if self._history else None
 
-    def history(self, seconds: float | None = None) -> list[DeviceSample]:
+    def history(self, seconds: float | None = None) -> list[DeviceEvent]:
         """Samples, oldest first; with `seconds`, only those newer than now - seconds."""
         with self._lock:
             samples = list(self._history)
@@ -525,7 +444,7 @@ class DeviceSampler:
         cutoff = self._clock() - seconds
         return [s for s in samples if s.time >= cutoff]
 
-    def subscribe(self, callback: Callable[[DeviceSample], None]) -> Callable[[], None]:
+    def subscribe(self, callback: Callable[[DeviceEvent], None]) -> Callable[[], None]:
         """Call `callback(sample)` after each sample (from the sampler thread; keep it short).
 
         Returns a function that unsubscribes.
@@ -545,7 +464,7 @@ class DeviceSampler:
 
 
 def energy_between(
-    samples: Sequence[DeviceSample],
+    samples: Sequence[DeviceEvent],
     t0: float,
     t1: float,
     *,
@@ -568,20 +487,20 @@ def energy_between(
     samples = sorted(samples, key=lambda s: s.time)
     if not samples:
         return None
-    use_gpu = source == "gpu" or (source == "auto" and any(s.gpus for s in samples))
+    use_gpu = source == "gpu" or (source == "auto" and any(s.devices for s in samples))
     if use_gpu:
-        wanted = set(devices) if devices is not None else {g.index for s in samples for g in s.gpus}
+        wanted = set(devices) if devices is not None else {g.index for s in samples for g in s.devices}
         if not wanted:
             return None
         total = 0.0
         for index in sorted(wanted):
-            series = [(s.time, g.energy_j, g.power_w) for s in samples for g in s.gpus if g.index == index]
+            series = [(s.time, g.energy_j, g.power_w) for s in samples for g in s.devices if g.index == index]
             e = _series_energy(series, t0, t1)
             if e is None:
                 return None
             total += e
         return total
-    return _series_energy([(s.time, s.cpu.energy_j, s.cpu.power_w) for s in samples], t0, t1)
+    return _series_energy([(s.time, s.cpu.energy_j, s.cpu.power_w) for s in samples if s.cpu is not None], t0, t1)
 
 
 def _series_energy(series: list[tuple[float, float | None, float | None]], t0: float, t1: float) -> float | None:

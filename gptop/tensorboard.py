@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+
+from trainer.contract.events import DeviceEvent, EvalEvent, Event, StepEvent
+
+STEP_SCALARS = ("loss", "lr", "grad_norm", "step_ms", "tokens_per_s", "mfu", "mem_bytes")
+GPU_SCALARS = ("util_pct", "mem_used", "power_w", "temp_c", "sm_clock_mhz")
+CPU_SCALARS = ("util_pct", "mem_used", "proc_rss", "power_w")
 
 
 class TensorBoardWriter:
@@ -29,31 +34,32 @@ class TensorBoardWriter:
         summary = self._summary_pb2.Summary(value=[self._summary_pb2.Summary.Value(tag=tag, simple_value=float(value))])
         self._w.add_event(self._event_pb2.Event(wall_time=wall_time or time.time(), step=int(step), summary=summary))
 
-    def on_event(self, event: dict[str, Any]) -> None:
-        kind = event["type"]
-        if kind == "step":
-            step = event["step"]
-            for key in ("loss", "lr", "grad_norm", "step_ms", "tokens_per_s", "mfu", "mem_bytes"):
-                if event.get(key) is not None:
-                    self.add_scalar(f"train/{key}", event[key], step, event.get("time"))
-            for phase, ms in (event.get("phases_ms") or {}).items():
+    def on_event(self, event: Event) -> None:
+        if isinstance(event, StepEvent):
+            for key in STEP_SCALARS:
+                value = getattr(event, key)
+                if value is not None:
+                    self.add_scalar(f"train/{key}", value, event.step, event.time)
+            for phase, ms in (event.phases_ms or {}).items():
                 if ms is not None:
-                    self.add_scalar(f"phases_ms/{phase}", ms, step, event.get("time"))
-        elif kind == "eval":
-            if event.get("loss") is not None:
-                self.add_scalar("eval/loss", event["loss"], event["step"], event.get("time"))
-        elif kind == "device":
+                    self.add_scalar(f"phases_ms/{phase}", ms, event.step, event.time)
+        elif isinstance(event, EvalEvent):
+            if event.loss is not None:
+                self.add_scalar("eval/loss", event.loss, event.step, event.time)
+        elif isinstance(event, DeviceEvent):
             if self._t0 is None:
-                self._t0 = event["time"]
-            t = event["time"] - self._t0
-            for gpu in event.get("devices") or []:
-                for key in ("util_pct", "mem_used", "power_w", "temp_c", "sm_clock_mhz"):
-                    if gpu.get(key) is not None:
-                        self.add_scalar(f"gpu{gpu['index']}/{key}", gpu[key], int(t * 1000), event["time"])
-            cpu = event.get("cpu") or {}
-            for key in ("util_pct", "mem_used", "proc_rss", "power_w"):
-                if cpu.get(key) is not None:
-                    self.add_scalar(f"cpu/{key}", cpu[key], int(t * 1000), event["time"])
+                self._t0 = event.time
+            ms = int((event.time - self._t0) * 1000)
+            for gpu in event.devices:
+                for key in GPU_SCALARS:
+                    value = getattr(gpu, key)
+                    if value is not None:
+                        self.add_scalar(f"gpu{gpu.index}/{key}", value, ms, event.time)
+            if event.cpu is not None:
+                for key in CPU_SCALARS:
+                    value = getattr(event.cpu, key)
+                    if value is not None:
+                        self.add_scalar(f"cpu/{key}", value, ms, event.time)
 
     def close(self) -> None:
         self._w.close()

@@ -68,7 +68,7 @@ def parse_test_fault(spec: str) -> tuple[int, str, int] | None:
 
 class TuningDriver:
     def __init__(self, session, budget_s: float, space_spec: str | None = None, storage: str | None = None,
-                 tune_only: bool = False, trial_log_every: int = 1, hello: dict[str, Any] | None = None,
+                 tune_only: bool = False, trial_log_every: int = 1, hello: ev.HelloEvent | None = None,
                  on_detach: Callable[["TuningDriver"], None] | None = None):
         self.session = session
         self.budget_s = budget_s
@@ -120,11 +120,10 @@ class TuningDriver:
         self.thread.start()
         return self
 
-    def _on_event(self, event: dict[str, Any]) -> None:
-        kind = event.get("type")
-        if kind == "checkpoint" and event.get("rank", 0) == 0:
-            self.last_ckpt = (int(event["step"]), str(event["path"]))
-        if kind in ("hello", "step", "checkpoint", "error", "done"):
+    def _on_event(self, event: ev.Event) -> None:
+        if isinstance(event, ev.CheckpointEvent) and event.rank == 0:
+            self.last_ckpt = (event.step, event.path)
+        if isinstance(event, (ev.HelloEvent, ev.StepEvent, ev.CheckpointEvent, ev.ErrorEvent, ev.DoneEvent)):
             self.q.put(("event", event))
 
     def _on_exit(self, code: int) -> bool:
@@ -182,7 +181,7 @@ class TuningDriver:
         finally:
             self.finished.set()
 
-    def _emit(self, event: dict[str, Any]) -> None:
+    def _emit(self, event: ev.Event) -> None:
         self.session._emit(event)
         path = Path(self.session.run_dir) / "events.jsonl"
         with open(path, "a") as f:          # one small O_APPEND write per line: no tearing with the trainer's
@@ -194,7 +193,7 @@ class TuningDriver:
 
     def _say(self, message: str, **fields: Any) -> None:
         """A `log` event: the log panel in the TUI, a line in --no-ui, a JSON line with --json."""
-        self._emit(ev.make_event("log", message=f"tuner: {message}", source="tuner", **fields))
+        self._emit(ev.LogEvent(message=f"tuner: {message}", source="tuner", **fields))
 
     def _next(self, timeout: float = 0.2) -> tuple[str, Any] | None:
         """One queue item, with the bookkeeping every waiter needs (process alive, run complete, abort)."""
@@ -208,22 +207,21 @@ class TuningDriver:
         elif kind == "abort":
             self._abort = self._abort or str(payload)
         elif kind == "event":
-            t = payload.get("type")
-            if payload.get("rank", 0) == 0:
-                if t == "hello":
+            if payload.rank == 0:
+                if isinstance(payload, ev.HelloEvent):
                     self._alive = True
                     self._steps_since_spawn = 0
-                elif t == "step":
+                elif isinstance(payload, ev.StepEvent):
                     if self._steps_since_spawn == 0 and self._spawned_at is not None:
                         self._restart_s.append(time.monotonic() - self._spawned_at)
                         self._spawned_at = None
                         self._update_reserve()
                     self._steps_since_spawn += 1
-                elif t == "done" and payload.get("reason") == "max_steps":
+                elif isinstance(payload, ev.DoneEvent) and payload.reason == "max_steps":
                     self._complete = True
         return item
 
-    def _wait_hello(self) -> dict[str, Any] | None:
+    def _wait_hello(self) -> ev.HelloEvent | None:
         while True:
             item = self._next(1.0)
             if item is None:
@@ -231,7 +229,7 @@ class TuningDriver:
                     return None
                 continue
             kind, payload = item
-            if kind == "event" and payload["type"] == "hello":
+            if kind == "event" and isinstance(payload, ev.HelloEvent):
                 return payload
             if kind == "exit" or (kind == "abort"):
                 return None
@@ -248,19 +246,16 @@ class TuningDriver:
         from tuner.controller import Apply, Done, FindMicroBatch, Remeasure, RunTrial, TuneController
         from tuner.space import SearchSpace
         from tuner.study import TuneStudy
-        from trainer.contract.device import DeviceInfo   # imports torch: not at gptop start-up
 
         hello = self._hello or self._wait_hello()
         if hello is None:
             return self._conclude(None)
         self._hello = hello
-        d = dict(hello["device"])
-        d["capability"] = tuple(d["capability"]) if d.get("capability") else None
-        dev = DeviceInfo(**d)
-        cfg = TrainConfig.from_dict(hello["config"])
+        dev = hello.device
+        cfg = TrainConfig.from_dict(hello.config)
         base_mb = self.user_cfg.toggles.micro_batch
         start = dataclasses.replace(cfg.toggles, micro_batch=base_mb)
-        world = hello.get("world_size", 1)
+        world = hello.world_size
         space = SearchSpace.for_device(start, dev, cfg.optim.global_batch, world_size=world, spec=self.space_spec)
         note = ""
         if not dev.is_cuda and self.budget_s < CPU_COMPILE_MIN_BUDGET_S and "compile" in space.params \
@@ -292,7 +287,7 @@ class TuningDriver:
             action = ctl.next_action()
             self._publish()
             if isinstance(action, FindMicroBatch):
-                ctl.set_max_micro_batch(hello.get("micro_batch") if base_mb == "auto" else None)
+                ctl.set_max_micro_batch(hello.micro_batch if base_mb == "auto" else None)
                 continue
             if isinstance(action, (RunTrial, Remeasure)):
                 fault = None
@@ -321,9 +316,7 @@ class TuningDriver:
                 if outcome in STEADY:
                     ctl.finish_trial("ok")
                 else:
-                    rollback = self._rollback(pre)
-                    event = ctl.finish_trial(outcome, reason)
-                    event["rollback"] = rollback
+                    ctl.finish_trial(outcome, reason, rollback=self._rollback(pre))
                 self._publish()
                 continue
             if isinstance(action, (Apply, Done)):
@@ -438,7 +431,7 @@ class TuningDriver:
             if item is not None and item[0] == "event" and self.ctl is not None:
                 # the last steps of the process being stopped: healthy steps between trials feed the loss
                 # trend; they must not count as the measurement of a trial that is about to start
-                if feed_steps or item[1].get("type") == "checkpoint":
+                if feed_steps or isinstance(item[1], ev.CheckpointEvent):
                     self.ctl.observe(item[1])
             if not kill and self._alive and time.monotonic() > deadline:
                 self._say(f"the trainer did not stop within {grace:.0f} s; killing it")
@@ -517,8 +510,8 @@ def install_toggler(session, budget_s: float = DEFAULT_T_BUDGET_S, space_spec: s
     """Make `t` (Session.toggle_tuning) start tuning the running trainer, and stop it while it runs."""
     box: dict[str, Any] = {"hello": None, "driver": None}
 
-    def record(event: dict[str, Any]) -> None:
-        if event.get("type") == "hello" and event.get("rank", 0) == 0:
+    def record(event: ev.Event) -> None:
+        if isinstance(event, ev.HelloEvent) and event.rank == 0:
             box["hello"] = event
 
     def toggle() -> None:

@@ -257,6 +257,7 @@ def test_commands_take_effect_on_the_same_step_on_every_rank(tmp_path):
     from gptop.session import Session, SessionOptions
     from gptop.supervisor import TorchrunLauncher
     from trainer.cli import parse_config
+    from trainer.contract.events import CheckpointEvent, StepEvent
 
     old = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -270,12 +271,12 @@ def test_commands_take_effect_on_the_same_step_on_every_rank(tmp_path):
 
     s = Session(cfg, SessionOptions(launcher=TorchrunLauncher(2)), sampler=Sampler())
     seen = threading.Event()
-    ckpts: list[dict] = []
+    ckpts: list[CheckpointEvent] = []
 
     def hook(e):
-        if e["type"] == "step" and e["step"] >= 3:
+        if isinstance(e, StepEvent) and e.step >= 3:
             seen.set()
-        if e["type"] == "checkpoint":
+        if isinstance(e, CheckpointEvent):
             ckpts.append(e)
     s.hooks.append(hook)
     try:
@@ -285,7 +286,7 @@ def test_commands_take_effect_on_the_same_step_on_every_rank(tmp_path):
         deadline = time.monotonic() + 30
         while not ckpts and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert ckpts and ckpts[0]["reason"] == "requested"
+        assert ckpts and ckpts[0].reason == "requested"
         s.stop(interrupted=False)
         assert s.wait(60) == 0, s.state.status_message
     finally:
@@ -296,12 +297,12 @@ def test_commands_take_effect_on_the_same_step_on_every_rank(tmp_path):
             os.environ["OMP_NUM_THREADS"] = old
     import torch
 
-    requested = Path(ckpts[0]["path"])
+    requested = Path(ckpts[0].path)
     for rank in (0, 1):     # both ranks wrote their part of the requested checkpoint at the same step
-        assert torch.load(requested / f"rank{rank}.pt", weights_only=True)["step"] == ckpts[0]["step"]
+        assert torch.load(requested / f"rank{rank}.pt", weights_only=True)["step"] == ckpts[0].step
     done = done_steps(run)
     assert len(done) == 2 and done[0] == done[1]
-    assert [e["reason"] for e in ckpts] == ["requested", "stop"] and ckpts[1]["step"] == done[0]
+    assert [e.reason for e in ckpts] == ["requested", "stop"] and ckpts[1].step == done[0]
     assert wait_gone(str(run), timeout=10) == []
 
 

@@ -14,7 +14,7 @@ import pytest
 from conftest import TINY
 from trainer import checkpoint as ckpt
 from trainer.contract import rundir
-from trainer.contract.events import parse, read_events
+from trainer.contract.events import parse, read_events, to_dict
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ def events_of(run_dir, kind=None):
     p = Path(run_dir) / "events.jsonl"
     if not p.exists():
         return []
-    return [e for e in read_events(p) if kind is None or e["type"] == kind]
+    return [to_dict(e) for e in read_events(p) if kind is None or e.type == kind]   # validated, as on the wire
 
 
 def trainer_pid(run_dir):
@@ -61,10 +61,10 @@ def test_json_run_prints_step_and_device_events(tmp_path):
     out, err = p.communicate(timeout=600)
     assert p.returncode == 0, err
     events = [parse(line) for line in out.splitlines()]       # every line is a valid event
-    kinds = [e["type"] for e in events]
+    kinds = [e.type for e in events]
     assert "step" in kinds and "device" in kinds and "hello" in kinds and kinds.count("done") == 1
-    steps = [e for e in events if e["type"] == "step"]
-    assert steps[-1]["step"] == 30 and steps[-1]["expert_load"]
+    steps = [e for e in events if e.type == "step"]
+    assert steps[-1].step == 30 and steps[-1].expert_load
     assert (run_dir / "device.jsonl").stat().st_size > 0 and (run_dir / "trainer.log").stat().st_size > 0
 
 
@@ -155,5 +155,5 @@ def test_monitor_replays_a_finished_run(tmp_path):
     p = subprocess.run([sys.executable, "-m", "gptop", "--no-ui", "--json", "--run-dir", str(run_dir)],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
-    kinds = [parse(l)["type"] for l in p.stdout.splitlines()]
+    kinds = [parse(l).type for l in p.stdout.splitlines()]
     assert kinds.count("step") == 4 and "done" in kinds

@@ -11,7 +11,7 @@ from pathlib import Path
 from fixtures.streams import cpu_run, ev, gpu_logs, gpu_run
 from gptop.headless import HeadlessView, event_line, step_line
 from gptop.state import RunState
-from trainer.contract.events import parse
+from trainer.contract.events import DeviceEvent, StatusEvent, StepEvent, parse
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,11 +40,11 @@ def test_json_mode_prints_every_event_as_a_parseable_line_and_nothing_else():
          ("failed", "trainer exited with code 1"))
     lines = out.getvalue().splitlines()
     parsed = [parse(line) for line in lines]             # every line is a valid event
-    trainer = [p for p in parsed if p["type"] != "status"]
-    assert trainer == [json.loads(json.dumps(e)) for e in events]
-    statuses = [p for p in parsed if p["type"] == "status"]
-    assert [s["status"] for s in statuses] == ["running", "failed"]
-    assert statuses[-1]["message"] == "trainer exited with code 1"
+    trainer = [p for p in parsed if not isinstance(p, StatusEvent)]
+    assert trainer == events                             # and the same event, field for field
+    statuses = [p for p in parsed if isinstance(p, StatusEvent)]
+    assert [s.status for s in statuses] == ["running", "failed"]
+    assert statuses[-1].message == "trainer exited with code 1"
     assert "Traceback" not in out.getvalue()            # trainer logs never on stdout in JSON mode
     assert "Traceback (most recent call last):" in err.getvalue()   # the failure's stderr tail goes to stderr
 
@@ -56,10 +56,10 @@ def test_json_mode_thins_device_samples_by_event_time():
     play(HeadlessView(state, json=True, stream=out, device_interval=5.0), state, events)
     parsed = [json.loads(line) for line in out.getvalue().splitlines()]
     devices = [p for p in parsed if p["type"] == "device"]
-    all_devices = [e for e in events if e["type"] == "device"]
+    all_devices = [e for e in events if isinstance(e, DeviceEvent)]
     assert 0 < len(devices) <= len(all_devices) // 5 + 1
     assert all(b["time"] - a["time"] >= 5.0 for a, b in zip(devices, devices[1:]))
-    assert len([p for p in parsed if p["type"] == "step"]) == len([e for e in events if e["type"] == "step"])
+    assert len([p for p in parsed if p["type"] == "step"]) == len([e for e in events if isinstance(e, StepEvent)])
 
 
 def test_readable_lines():

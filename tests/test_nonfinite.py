@@ -41,7 +41,7 @@ def run(tmp_path, *args, name="run", base=TINY):
 
 
 def of(events, kind):
-    return [e for e in events if e["type"] == kind]
+    return [e for e in events if e.type == kind]
 
 
 def state_tensors(state):
@@ -126,8 +126,8 @@ def test_a_non_finite_gradient_norm_skips_the_update_and_applies_the_nan_policy(
         trainer.channel.close()
     events = list(read_events(tmp_path / "t" / "events.jsonl"))
     (err,) = of(events, "error")
-    assert err["kind"] == "nan" and "non-finite gradient norm at step 2" in err["message"]
-    assert [s["step"] for s in of(events, "step")] == [1, 2]           # the poisoned step is never reported
+    assert err.kind == "nan" and "non-finite gradient norm at step 2" in err.message
+    assert [s.step for s in of(events, "step")] == [1, 2]           # the poisoned step is never reported
     want = ckpt.load(rundir.path_for(ref, 2))
     got = trainer.raw_model.state_dict()
     assert all(torch.equal(got[k], want["model"][k]) for k in want["model"])
@@ -137,10 +137,10 @@ def test_a_non_finite_gradient_norm_skips_the_update_and_applies_the_nan_policy(
 def test_a_non_finite_gradient_norm_rolls_back(tmp_path):
     code, events, run_dir = run(tmp_path, "--max-steps", "8", "--checkpoint-every", "2", "--fault", "nan-grad@4")
     assert code == EXIT_OK
-    (rb,) = [w for w in of(events, "warning") if w.get("kind") == "nan_rollback"]
-    assert rb["step"] == 4 and rb["skip_batches"] == [4] and "step-00000004.pt" in rb["message"]
-    assert any("non-finite gradient norm at step 4" in w["message"] for w in of(events, "warning"))
-    assert of(events, "done")[0]["step"] == 8
+    (rb,) = [w for w in of(events, "warning") if w.kind == "nan_rollback"]
+    assert rb.step == 4 and rb.skip_batches == [4] and "step-00000004.pt" in rb.message
+    assert any("non-finite gradient norm at step 4" in w.message for w in of(events, "warning"))
+    assert of(events, "done")[0].step == 8
     assert [c.step for c in assert_all_checkpoints_finite(run_dir)] == [4, 6, 8]
 
 
@@ -149,11 +149,11 @@ def test_weights_that_turn_non_finite_after_a_finite_step_are_not_checkpointed(t
     step 4 is not written; the run rolls back to step 2 and goes on."""
     code, events, run_dir = run(tmp_path, "--max-steps", "8", "--checkpoint-every", "2", "--fault", "nan-weights@3")
     assert code == EXIT_OK
-    warnings = [w["message"] for w in of(events, "warning")]
+    warnings = [w.message for w in of(events, "warning")]
     assert any("non-finite weights or optimizer state" in w for w in warnings), warnings
-    (rb,) = [w for w in of(events, "warning") if w.get("kind") == "nan_rollback"]
-    assert rb["step"] == 2 and "step-00000002.pt" in rb["message"]
-    assert [c["step"] for c in of(events, "checkpoint")] == [2, 4, 6, 8]   # 4 only after the rollback
+    (rb,) = [w for w in of(events, "warning") if w.kind == "nan_rollback"]
+    assert rb.step == 2 and "step-00000002.pt" in rb.message
+    assert [c.step for c in of(events, "checkpoint")] == [2, 4, 6, 8]   # 4 only after the rollback
     assert_all_checkpoints_finite(run_dir)
 
 
@@ -163,10 +163,10 @@ def test_the_issue_command_never_checkpoints_a_non_finite_state(tmp_path):
                                 "--checkpoint-every", "1")
     assert code in (EXIT_OK, EXIT_NAN)
     if code == EXIT_NAN:
-        assert [e["kind"] for e in of(events, "error")] == ["nan"]
+        assert [e.kind for e in of(events, "error")] == ["nan"]
     assert assert_all_checkpoints_finite(run_dir)
-    for rb in [w for w in of(events, "warning") if w.get("kind") == "nan_rollback"]:
-        assert "step-00000001.pt" in rb["message"] or "initialization" in rb["message"]
+    for rb in [w for w in of(events, "warning") if w.kind == "nan_rollback"]:
+        assert "step-00000001.pt" in rb.message or "initialization" in rb.message
 
 
 def test_rollback_skips_a_corrupt_or_non_finite_newest_checkpoint(tmp_path, monkeypatch):
@@ -184,12 +184,12 @@ def test_rollback_skips_a_corrupt_or_non_finite_newest_checkpoint(tmp_path, monk
     monkeypatch.setattr(ckpt, "save", damaging_save)
     code, events, run_dir = run(tmp_path, "--max-steps", "8", "--checkpoint-every", "2", "--fault", "nan@6")
     assert code == EXIT_OK
-    skipped = [w["message"] for w in of(events, "warning") if "checkpoint skipped" in w["message"]]
+    skipped = [w.message for w in of(events, "warning") if "checkpoint skipped" in w.message]
     assert len(skipped) == 2 and "step-00000006.pt" in skipped[0] and "non-finite" in skipped[0]
     assert "step-00000004.pt" in skipped[1]
-    (rb,) = [w for w in of(events, "warning") if w.get("kind") == "nan_rollback"]
-    assert rb["step"] == 2 and "step-00000002.pt" in rb["message"]
-    assert of(events, "done")[0]["step"] == 8
+    (rb,) = [w for w in of(events, "warning") if w.kind == "nan_rollback"]
+    assert rb.step == 2 and "step-00000002.pt" in rb.message
+    assert of(events, "done")[0].step == 8
     final = ckpt.load(rundir.path_for(run_dir, 8))
     assert all(torch.isfinite(t).all() for t in state_tensors(final))
 
@@ -206,8 +206,8 @@ def test_resume_skips_a_non_finite_newest_checkpoint(tmp_path):
     assert code == EXIT_OK
     events = list(read_events(run_dir / "events.jsonl"))
     hello = of(events, "hello")[-1]
-    assert hello["start_step"] == 4 and hello["resumed_from"].endswith("step-00000004.pt")
-    assert any("step-00000006.pt" in w["message"] and "non-finite" in w["message"] for w in of(events, "warning"))
+    assert hello.start_step == 4 and hello.resumed_from.endswith("step-00000004.pt")
+    assert any("step-00000006.pt" in w.message and "non-finite" in w.message for w in of(events, "warning"))
 
 
 def test_nothing_to_resume_is_an_error_of_its_kind(tmp_path):
@@ -226,9 +226,9 @@ def test_nothing_to_resume_is_an_error_of_its_kind(tmp_path):
     events = list(read_events(run_dir / "events.jsonl", strict=True))
     assert code == EXIT_NO_CHECKPOINT
     (err,) = of(events, "error")
-    assert err["kind"] == "no_checkpoint" in ERROR_KINDS and err["exit_code"] == EXIT_NO_CHECKPOINT
-    assert err["message"].startswith("nothing to resume: ") and "\n" not in err["message"]
-    assert "Traceback" not in err["message"] and "traceback" not in err
+    assert err.kind == "no_checkpoint" in ERROR_KINDS and err.exit_code == EXIT_NO_CHECKPOINT
+    assert err.message.startswith("nothing to resume: ") and "\n" not in err.message
+    assert "Traceback" not in err.message and "traceback" not in err.extra
 
 
 def test_every_checkpoint_corrupt_is_an_error_of_its_kind(tmp_path):
@@ -240,6 +240,6 @@ def test_every_checkpoint_corrupt_is_an_error_of_its_kind(tmp_path):
     assert code == EXIT_CORRUPT_CHECKPOINT
     events = list(read_events(run_dir / "events.jsonl"))
     (err,) = of(events, "error")
-    assert err["kind"] == "corrupt_checkpoint" in ERROR_KINDS and err["exit_code"] == EXIT_CORRUPT_CHECKPOINT
-    assert "every checkpoint" in err["message"] and "\n" not in err["message"]
-    assert sum("corrupt checkpoint skipped" in w["message"] for w in of(events, "warning")) == 2
+    assert err.kind == "corrupt_checkpoint" in ERROR_KINDS and err.exit_code == EXIT_CORRUPT_CHECKPOINT
+    assert "every checkpoint" in err.message and "\n" not in err.message
+    assert sum("corrupt checkpoint skipped" in w.message for w in of(events, "warning")) == 2

@@ -9,16 +9,20 @@ import pytest
 from fixtures.streams import GiB, T0, build_state, config, cpu_run, ev, gpu_run
 from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_num, fmt_toggles, model_summary, phase_label,
                          spread_pct)
+from trainer.contract.events import (CheckpointEvent, ErrorEvent, HelloEvent, MalformedEvent, ModelInfo, StepEvent,
+                                     TrialEvent, UnknownEvent)
 
 
-def hello(device_type: str = "cuda", capability=(9, 0), max_steps: int = 1000, **toggles) -> dict:
+def hello(device_type: str = "cuda", capability=(9, 0), max_steps: int = 1000, cpu_bf16: bool = True,
+          **toggles) -> HelloEvent:
     dev = {"type": device_type, "name": "NVIDIA H100" if device_type == "cuda" else "cpu",
-           "capability": list(capability) if device_type == "cuda" else None}
+           "capability": list(capability) if device_type == "cuda" else None, "cpu_bf16": cpu_bf16}
     return ev("hello", 0.0, config=config("llama", "small", device_type, max_steps=max_steps, **toggles),
-              device=dev, model={"family": "llama", "size": "small", "total_params": 1e8, "active_params": 1e8})
+              device=dev, model={"family": "llama", "size": "small", "total_params": 100_000_000,
+                                 "active_params": 100_000_000})
 
 
-def step(n: int, t: float, phases: dict[str, float] | None = None, rank: int = 0, **extra) -> dict:
+def step(n: int, t: float, phases: dict[str, float] | None = None, rank: int = 0, **extra) -> StepEvent:
     phases = phases or {"data": 10.0, "forward": 30.0, "backward": 50.0, "optimizer": 8.0, "other": 2.0}
     fields = dict(step=n, tokens=n * 1000, loss=3.0 - n / 1000, lr=1e-3, grad_norm=1.0,
                   step_ms=sum(phases.values()), phases_ms=phases, tokens_per_s=10_000.0, mfu=0.3,
@@ -39,8 +43,8 @@ def fed(*events, **kwargs) -> RunState:
 def test_hello_sets_config_device_model_and_total_steps():
     s = fed(hello(max_steps=500))
     assert s.total_steps == 500
-    assert s.device["name"] == "NVIDIA H100"
-    assert s.model["family"] == "llama"
+    assert s.device.name == "NVIDIA H100" and s.device.capability == (9, 0)
+    assert s.model.family == "llama"
     assert s.toggles["compile"] == "off"
     assert s.step is None and s.eta() is None and s.progress() is None
 
@@ -48,7 +52,7 @@ def test_hello_sets_config_device_model_and_total_steps():
 def test_step_updates_latest_histories_and_tokens():
     s = fed(hello(), step(10, 1.0), step(20, 2.0, loss=None))
     assert s.step == 20 and s.tokens == 20_000
-    assert s.last_step["step"] == 20
+    assert s.last_step.step == 20
     assert s.history("loss") == [pytest.approx(2.99)]          # null loss is not a point
     assert [x for x, _ in s.history_points("step_ms")] == [10, 20]
     assert s.history("backward") == [50.0, 50.0]
@@ -70,18 +74,20 @@ def test_eval_checkpoint_warning_error_done_log():
             ev("error", 5.0, kind="nan", message="loss is nan"),
             ev("log", 5.5, message="compiling"),
             ev("done", 6.0, step=10, tokens=10_000))
-    assert s.history("eval_loss") == [2.5] and s.last_eval["loss"] == 2.5
-    assert s.checkpoints == [{"step": 10, "path": "ck/10.pt", "seconds": 0.5, "time": T0 + 3.0}]
+    assert s.history("eval_loss") == [2.5] and s.last_eval.loss == 2.5
+    assert s.checkpoints == [CheckpointEvent(step=10, path="ck/10.pt", seconds=0.5, time=T0 + 3.0)]
     assert list(s.warnings) == ["slow data"]
-    assert s.errors[-1]["kind"] == "nan" and s.errors[-1]["message"] == "loss is nan"
-    assert s.done["step"] == 10
+    assert s.errors[-1].kind == "nan" and s.errors[-1].message == "loss is nan"
+    assert s.done.step == 10
     assert ("event", "compiling") in s.logs_tail(10)
     assert any("loss is nan" in line for _, line in s.logs_tail(10))
 
 
 def test_unknown_event_type_is_ignored_but_moves_the_clock():
-    s = fed(hello(), ev("from_the_future", 9.0, whatever=1))
-    assert s.elapsed() == 9.0
+    future = ev("from_the_future", 9.0, whatever=1)
+    assert isinstance(future, UnknownEvent) and future.extra == {"whatever": 1}
+    s = fed(hello(), future)
+    assert s.elapsed() == 9.0 and s.malformed == 0
 
 
 def test_version_bumps_on_every_change_and_per_area():
@@ -111,15 +117,16 @@ def test_status_and_malformed_counter():
     assert s.malformed == 2 and s.last_malformed.endswith("…") and len(s.last_malformed) <= 201
 
 
-def test_ill_typed_fields_count_as_malformed_instead_of_raising():
+def test_ill_typed_fields_are_malformed_at_the_boundary_and_never_reach_the_state():
     s = fed(hello())
-    s.apply(ev("step", 1.0, step="ten", tokens=0, loss=None, lr=0, grad_norm=0, step_ms=1, phases_ms={},
-               tokens_per_s=0, mfu=None, mem_bytes=0))
-    s.apply(ev("trial", 1.0, number="x", toggles={}, status="ok"))
-    assert s.malformed == 2
-    assert s.step is None
+    with pytest.raises(MalformedEvent, match="step.step"):
+        ev("step", 1.0, step="ten", tokens=0, loss=None, lr=0, grad_norm=0, step_ms=1, phases_ms={},
+           tokens_per_s=0, mfu=None, mem_bytes=0)
+    with pytest.raises(MalformedEvent, match="trial.number"):
+        ev("trial", 1.0, number="x", toggles={}, status="ok")
+    assert s.step is None and not s.tuner.trials
     s.apply(ev("trial", 1.0, number=None, toggles={}, status="infeasible", kind="baseline"))   # unnumbered: kept
-    assert s.malformed == 2 and s.tuner.trials[-1]["status"] == "infeasible"
+    assert s.malformed == 0 and s.tuner.trials[-1].status == "infeasible"
 
 
 def test_logs_bounded_with_streams_and_since():
@@ -188,8 +195,7 @@ def test_hints_only_name_toggles_that_apply():
     s = fed(hello(capability=(7, 0), precision="fp32", compile="default"), step(1, 1.0, PH))
     assert s.bottleneck_hint() == "compute-bound: forward+backward are 80% of the step"
     # nor on a CPU whose bf16 is emulated (no AVX-512): only compile is suggested there
-    avx2 = hello("cpu", precision="fp32")
-    avx2["device"]["cpu_bf16"] = False
+    avx2 = hello("cpu", precision="fp32", cpu_bf16=False)
     assert fed(avx2, step(1, 1.0, PH)).bottleneck_hint() == "compute-bound (forward+backward 80%): try --compile default"
     assert "--precision bf16" in fed(hello("cpu", precision="fp32"), step(1, 1.0, PH)).bottleneck_hint()
     # GPU idle is a GPU notion: never on the CPU
@@ -270,7 +276,7 @@ def test_device_samples_latest_history_window_and_nulls():
                                                   "mem_used": None, "power_w": 100.0}],
                    cpu={"util_pct": 50.0, "mem_used": GiB}))
     assert s.device_keys() == ["gpu0", "cpu"]
-    assert s.device_latest["gpu0"]["util_pct"] == 90.0
+    assert s.device_latest["gpu0"].util_pct == 90.0 and s.device_latest["gpu0"].extra == {"kind": "gpu"}
     assert s.device_history("gpu0", "util_pct") == [i * 10.0 for i in range(10)]
     assert s.device_history("gpu0", "util_pct", window_s=3) == [60.0, 70.0, 80.0, 90.0]
     assert s.device_history("gpu0", "mem_used") == []          # null values are not points
@@ -311,12 +317,12 @@ def test_tuner_state_from_tuner_trial_and_apply_events():
     tu = s.tuner
     assert tu.phase == "trials" and tu.budget_left_s == 1000.5 and tu.trial == 4 and tu.trials_planned == 10
     assert tu.trials_run == 4 and tu.active
-    assert tu.trials[0]["reason"] == "baseline" and tu.trials[0]["kind"] == "baseline"
-    assert tu.trials[1]["status"] == "cut" and tu.trials[2]["status"] == "infeasible"
-    assert tu.best["number"] == 1          # pruned trials do not count, however fast they looked
+    assert tu.trials[0].reason == "baseline" and tu.trials[0].kind == "baseline"
+    assert tu.trials[1].status == "cut" and tu.trials[2].status == "infeasible"
+    assert tu.best.number == 1             # pruned trials do not count, however fast they looked
     s.apply(ev("apply", 8.0, toggles={"compile": "default"}, number=1, tokens_per_s=150.0,
                baseline_tokens_per_s=100.0))
-    assert tu.applied[-1]["number"] == 1
+    assert tu.applied[-1].number == 1
     assert s.tuner_budget_left() == 999.5               # 1000.5 at t=7, and the clock is at t=8 now
     s.apply(ev("tuner", 9.0, phase="done"))
     assert not s.tuner.active
@@ -347,7 +353,7 @@ def test_last_error():
     s = fed(hello())
     assert s.last_error() is None
     s.apply(ev("error", 1.0, kind="config", message="bad flag"))
-    assert s.last_error()["kind"] == "config"
+    assert s.last_error() == ErrorEvent(kind="config", message="bad flag", time=T0 + 1.0)
 
 
 # --- fixtures and formatting ---------------------------------------------------------
@@ -355,8 +361,8 @@ def test_last_error():
 def test_fixture_streams_reduce_cleanly():
     gpu = build_state("gpu", failed=True)
     assert gpu.malformed == 0 and gpu.step == 300 and gpu.status == "failed"
-    assert gpu.errors[-1]["kind"] == "crash" and len(gpu.checkpoints) == 1
-    assert gpu.tuner.best["number"] == 1 and gpu.expert_imbalance() is not None
+    assert gpu.errors[-1].kind == "crash" and len(gpu.checkpoints) == 1
+    assert gpu.tuner.best.number == 1 and gpu.expert_imbalance() is not None
     assert gpu.joules_per_token() is not None
     cpu = build_state("cpu")
     assert cpu.device_keys() == ["cpu"] and "data loading" in cpu.bottleneck_hint()
@@ -393,15 +399,18 @@ def test_formatting_helpers():
     assert fmt_duration(3725) == "1:02:05" and fmt_duration(65) == "1:05" and fmt_duration(None) == "n/a"
     assert fmt_toggles({"compile": "default", "fused_adamw": True}) == "compile=default fused_adamw=on"
     assert fmt_toggles({}) == "(as started)"
-    assert spread_pct({"tokens_per_s": 200.0, "spread": 5.0}) == 2.5 and spread_pct({"tokens_per_s": 1.0}) is None
+    trial = TrialEvent(number=1, toggles={}, status="ok", tokens_per_s=200.0, spread=5.0)
+    assert spread_pct(trial) == 2.5
+    assert spread_pct(TrialEvent(number=1, toggles={}, status="ok", tokens_per_s=1.0)) is None
     assert phase_label("find-micro-batch") == "find micro batch" and phase_label(None) == "idle"
-    assert model_summary({"family": "deepseek", "size": "medium", "total_params": 4e8, "active_params": 1e8}) == \
-        "deepseek medium · 400.0M params (100.0M active)"
+    assert model_summary(ModelInfo(family="deepseek", size="medium", total_params=400_000_000,
+                                   active_params=100_000_000)) == "deepseek medium · 400.0M params (100.0M active)"
+    assert model_summary(None) == ""
 
 
 def test_elapsed_stops_at_the_done_event_and_a_new_hello_resumes_it():
     now = [T0 + 100.0]
-    s = fed(hello(max_steps=100), step(10, 10.0), ev("done", 20.0, step=10), clock=lambda: now[0])
+    s = fed(hello(max_steps=100), step(10, 10.0), ev("done", 20.0, step=10, tokens=10_000), clock=lambda: now[0])
     s.apply(ev("device", 60.0, devices=[]))       # samples go on while the finished run stays on screen
     assert s.elapsed() == 20.0
     s.apply(hello(max_steps=100))                 # restarted (tuning, resume): the clock runs again

@@ -15,15 +15,8 @@ import pynvml
 import pytest
 
 from gptop.nvml import Nvml, na
-from gptop.telemetry import (
-    CpuSample,
-    DeviceSample,
-    DeviceSampler,
-    GpuSample,
-    Rapl,
-    energy_between,
-)
-from trainer.contract.events import dumps, parse
+from gptop.telemetry import DeviceSampler, Rapl, energy_between
+from trainer.contract.events import CpuReading, DeviceEvent, GpuReading, MalformedEvent, dumps, parse
 
 NOT_SUPPORTED = pynvml.NVMLError_NotSupported
 NO_PERMISSION = pynvml.NVMLError_NoPermission
@@ -107,7 +100,7 @@ def test_nvml_errors_become_na_and_permanent_ones_are_not_retried(tmp_path):
     s = make_sampler(mod, tmp_path)
     assert s.mode == "gpu"
     first = s.sample_once()
-    g0, g1 = first.gpus
+    g0, g1 = first.devices
     assert g0.name == "NVIDIA H100 80GB HBM3"     # bytes decoded
     assert g0.power_w is None and g0.energy_j is None
     assert g0.temp_c == 60.0                       # deprecated call used when the V call is missing
@@ -139,7 +132,7 @@ def test_gpu_is_lost_makes_device_na_without_hammering(tmp_path):
     mod = fake_pynvml(count=1, errors={(0, "nvmlDeviceGetUtilizationRates"): pynvml.NVMLError_GpuIsLost})
     s = make_sampler(mod, tmp_path)
     s.sample_once()
-    g = s.sample_once().gpus[0]
+    g = s.sample_once().devices[0]
     assert g.util_pct is None and g.power_w is None and g.mem_used is None
     assert mod.calls[(0, "nvmlDeviceGetUtilizationRates")] == 1
     assert mod.calls[(0, "nvmlDeviceGetPowerUsage")] == 0   # nothing more is asked of a lost GPU
@@ -153,7 +146,7 @@ def test_no_nvml_library_is_cpu_mode(tmp_path, error):
     assert s.mode == "cpu"
     assert "no NVIDIA GPU" in s.reason
     sample = s.sample_once()
-    assert sample.gpus == [] and sample.mode == "cpu"
+    assert sample.devices == [] and sample.mode == "cpu"
     assert mod.calls["nvmlInit"] == 1
     s.stop()
     assert mod.calls["nvmlShutdown"] == 0  # never initialized, never shut down
@@ -173,7 +166,7 @@ def test_real_pynvml_on_this_machine_does_not_raise(tmp_path):
     s = DeviceSampler(rapl_root=str(tmp_path))
     sample = s.sample_once()
     assert s.mode in ("gpu", "cpu")
-    assert (s.mode == "gpu") == bool(sample.gpus)
+    assert (s.mode == "gpu") == bool(sample.devices)
     s.stop()
 
 
@@ -186,9 +179,9 @@ def test_proc_mem_counts_trainer_pids_and_children(tmp_path):
                  types.SimpleNamespace(pid=child.pid + 10**6, usedGpuMemory=None)]
         mod = fake_pynvml(count=1, procs=procs)
         s = make_sampler(mod, tmp_path, pids=lambda: [os.getpid()])
-        assert s.sample_once().gpus[0].proc_mem == 4 * 2**30
+        assert s.sample_once().devices[0].proc_mem == 4 * 2**30
         s._pids = lambda: []
-        assert s.sample_once().gpus[0].proc_mem is None  # no trainer yet: n/a, not 0
+        assert s.sample_once().devices[0].proc_mem is None  # no trainer yet: n/a, not 0
         s.stop()
     finally:
         child.kill()
@@ -315,13 +308,17 @@ def test_history_is_bounded_and_windowed(tmp_path):
 
 
 def gpu(index, energy=None, power=None):
-    return GpuSample(index=index, name="g", util_pct=None, mem_used=None, mem_total=None, power_w=power,
-                     power_limit_w=None, energy_j=energy, temp_c=None, sm_clock_mhz=None, proc_mem=None)
+    return GpuReading(index=index, name="g", util_pct=None, mem_used=None, mem_total=None, power_w=power,
+                      power_limit_w=None, energy_j=energy, temp_c=None, sm_clock_mhz=None, proc_mem=None)
 
 
 def cpu(energy=None, power=None):
-    return CpuSample(util_pct=0.0, per_core=[0.0], mem_used=1, mem_total=2, proc_rss=None, proc_cpu_pct=None,
-                     power_w=power, energy_j=energy)
+    return CpuReading(util_pct=0.0, per_core=[0.0], mem_used=1, mem_total=2, proc_rss=None, proc_cpu_pct=None,
+                      power_w=power, energy_j=energy)
+
+
+def DeviceSample(t, gpus, cpu):   # noqa: N802 - a sample at time t, as the sampler makes them
+    return DeviceEvent(time=t, devices=gpus, cpu=cpu, mode="gpu" if gpus else "cpu")
 
 
 def test_energy_between_gpu_counters_interpolate_and_skip_missing():
@@ -397,19 +394,34 @@ def test_stop_without_start_is_fine(tmp_path):
 
 
 @pytest.mark.parametrize("gpu_mode", [True, False])
-def test_to_event_round_trips_through_the_schema(tmp_path, gpu_mode):
+def test_samples_are_device_events_that_round_trip_through_the_schema(tmp_path, gpu_mode):
     mod = fake_pynvml(errors={(0, "nvmlDeviceGetPowerUsage"): NOT_SUPPORTED}) if gpu_mode else \
         fake_pynvml(init_error=pynvml.NVMLError_LibraryNotFound)
     s = make_sampler(mod, tmp_path, pids=lambda: [os.getpid()])
     sample = s.sample_once()
-    event = parse(dumps(sample.to_event()))
-    assert event["type"] == "device" and event["time"] == sample.time
-    assert event["mode"] == ("gpu" if gpu_mode else "cpu")
-    assert len(event["devices"]) == (2 if gpu_mode else 0)
+    assert isinstance(sample, DeviceEvent)
+    wire = json.loads(dumps(sample))
+    assert wire["type"] == "device" and wire["time"] == sample.time
+    assert wire["mode"] == ("gpu" if gpu_mode else "cpu")
+    assert len(wire["devices"]) == (2 if gpu_mode else 0)
     if gpu_mode:
-        assert event["devices"][0]["power_w"] is None and event["devices"][1]["power_w"] == 250.0
-    assert event["cpu"]["mem_total"] == psutil.virtual_memory().total
-    back = DeviceSample.from_event(json.loads(dumps(sample.to_event())))
-    assert back.gpus == sample.gpus
+        assert wire["devices"][0]["power_w"] is None and wire["devices"][1]["power_w"] == 250.0
+    assert wire["cpu"]["mem_total"] == psutil.virtual_memory().total
+    back = parse(dumps(sample))
+    assert back == sample
+    assert back.devices == sample.devices
     assert back.cpu.mem_used == sample.cpu.mem_used and back.cpu.proc_rss == sample.cpu.proc_rss
     s.stop()
+
+
+@pytest.mark.parametrize("line", [
+    '{"v":1,"type":"device","time":1.0,"rank":0,"devices":5}',
+    '{"v":1,"type":"device","time":1.0,"rank":0,"devices":[5]}',
+    '{"v":1,"type":"device","time":1.0,"rank":0,"devices":[{"index":"0"}]}',
+    '{"v":1,"type":"device","time":1.0,"rank":0,"devices":[],"cpu":{"per_core":"x"}}',
+    '{"v":1,"type":"device","time":1.0,"rank":0,"devices":[],"cpu":{"per_core":[1, null]}}',
+    '{"v":1,"type":"device","time":1.0,"rank":0,"devices":[],"cpu":[]}',
+])
+def test_a_wrongly_typed_device_record_is_malformed_not_a_crash_later(line):
+    with pytest.raises(MalformedEvent):
+        parse(line)

@@ -12,7 +12,7 @@ from conftest import TINY, trainer_cmd
 from trainer import checkpoint as ckpt
 from trainer.contract import rundir
 from trainer.cli import parse_config
-from trainer.contract.events import PHASES, REQUIRED, read_events
+from trainer.contract.events import EVENT_TYPES, PHASES, read_events
 from trainer.train import EXIT_CONFIG, EXIT_NAN, EXIT_OK, EXIT_OOM, Trainer, main_run
 
 
@@ -30,7 +30,7 @@ def run(tmp_path, *args, name="run"):
 
 
 def of(events, kind):
-    return [e for e in events if e["type"] == kind]
+    return [e for e in events if e.type == kind]
 
 
 @pytest.mark.parametrize("family", ["llama", "deepseek", "llada"])
@@ -38,23 +38,23 @@ def test_each_family_trains_and_reports(tmp_path, family):
     code, events, run_dir = run(tmp_path, "--model", family, "--max-steps", "12", "--eval-every", "6",
                                 "--checkpoint-every", "6", "--lr", "3e-3")
     assert code == EXIT_OK
-    kinds = {e["type"] for e in events}
+    kinds = {e.type for e in events}
     assert {"hello", "step", "eval", "checkpoint", "done"} <= kinds
-    for e in events:                                   # every event carries its schema fields
-        assert all(k in e for k in REQUIRED.get(e["type"], ()))
+    for e in events:                                   # every line parsed (strictly) into its own class
+        assert type(e) is EVENT_TYPES[e.type]
     hello = of(events, "hello")[0]
-    assert hello["model"]["family"] == family and hello["model"]["flops_per_token"] > 0
+    assert hello.model.family == family and hello.model.flops_per_token > 0
     steps = of(events, "step")
-    assert [s["step"] for s in steps] == list(range(1, 13))
-    losses = [s["loss"] for s in steps]
+    assert [s.step for s in steps] == list(range(1, 13))
+    losses = [s.loss for s in steps]
     assert all(l == l and l < 20 for l in losses)
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, f"loss did not fall: {losses}"
     last = steps[-1]
-    assert last["tokens"] == 12 * 4 * 64
-    assert last["tokens_per_s"] > 0 and last["mem_bytes"] > 0 and last["grad_norm"] > 0
-    assert last["mfu"] is None or 0 < last["mfu"] < 1
+    assert last.tokens == 12 * 4 * 64
+    assert last.tokens_per_s > 0 and last.mem_bytes > 0 and last.grad_norm > 0
+    assert last.mfu is None or 0 < last.mfu < 1
     if family == "deepseek":
-        load = last["expert_load"]
+        load = last.expert_load
         assert load and all(abs(sum(layer) - 1) < 1e-3 for layer in load)
     assert (run_dir / "config.toml").is_file()
     assert [c.step for c in rundir.list_checkpoints(run_dir)] == [6, 12]
@@ -69,10 +69,10 @@ def test_a_peak_below_the_achieved_rate_is_dropped_not_reported(tmp_path, monkey
     monkeypatch.setattr(flops, "measure_cpu_matmul_flops", lambda *a, **k: 1e6)   # 1 MFLOP/s: far too low
     code, events, _ = run(tmp_path, "--model", "llama", "--max-steps", "4", "--micro-batch", "4")
     assert code == EXIT_OK
-    assert of(events, "hello")[0]["peak_flops"] == 1e6
-    assert [s["mfu"] for s in of(events, "step")] == [None] * 4
-    (warning,) = [w for w in of(events, "warning") if w.get("kind") == "peak_flops"]
-    assert "not a peak" in warning["message"] and "dropped" in warning["message"]
+    assert of(events, "hello")[0].peak_flops == 1e6
+    assert [s.mfu for s in of(events, "step")] == [None] * 4
+    (warning,) = [w for w in of(events, "warning") if w.kind == "peak_flops"]
+    assert "not a peak" in warning.message and "dropped" in warning.message
     assert json.loads((tmp_path / "cpu_peak.json").read_text()) == {}
 
 
@@ -80,10 +80,10 @@ def test_phases_add_up_to_step_time(tmp_path):
     code, events, _ = run(tmp_path, "--max-steps", "6", "--micro-batch", "2")
     assert code == EXIT_OK
     for s in of(events, "step"):
-        phases = s["phases_ms"]
+        phases = s.phases_ms
         assert set(phases) == set(PHASES)
         assert all(v >= 0 for v in phases.values())
-        assert sum(phases.values()) == pytest.approx(s["step_ms"], rel=1e-6, abs=1e-3)
+        assert sum(phases.values()) == pytest.approx(s.step_ms, rel=1e-6, abs=1e-3)
         assert phases["forward"] > 0 and phases["backward"] > 0 and phases["optimizer"] > 0
 
 
@@ -91,7 +91,7 @@ def test_no_timing_still_reports_throughput(tmp_path):
     code, events, _ = run(tmp_path, "--max-steps", "3", "--no-timing")
     assert code == EXIT_OK
     s = of(events, "step")[-1]
-    assert s["phases_ms"] is None and s["tokens_per_s"] > 0 and s["step_ms"] > 0
+    assert s.phases_ms is None and s.tokens_per_s > 0 and s.step_ms > 0
 
 
 @pytest.mark.parametrize("family", ["llama", "llada"])
@@ -101,13 +101,13 @@ def test_exact_resume(tmp_path, family):
     code, full, _ = run(tmp_path, *common, "--max-steps", "8", name="full")
     assert code == EXIT_OK
     code, first, part = run(tmp_path, *common, "--max-steps", "8", "--fault", "stop@4", name="part")
-    assert code == EXIT_OK and of(first, "done")[0]["step"] == 4
+    assert code == EXIT_OK and of(first, "done")[0].step == 4
     code, _, _ = run(tmp_path, "--resume", str(part), "--max-steps", "8", name="part")
     assert code == EXIT_OK
     resumed = list(read_events(part / "events.jsonl"))
-    assert of(resumed, "hello")[-1]["start_step"] == 4
-    want = [s["loss"] for s in of(full, "step")]
-    got = [s["loss"] for s in of(resumed, "step")]
+    assert of(resumed, "hello")[-1].start_step == 4
+    want = [s.loss for s in of(full, "step")]
+    got = [s.loss for s in of(resumed, "step")]
     assert got == want                               # bit-identical
     a = ckpt.load(rundir.path_for(tmp_path / "full", 8))["model"]
     b = ckpt.load(rundir.path_for(part, 8))["model"]
@@ -117,19 +117,19 @@ def test_exact_resume(tmp_path, family):
 def test_micro_batch_does_not_change_what_is_learned(tmp_path):
     _, one, _ = run(tmp_path, "--max-steps", "4", "--micro-batch", "1", name="mb1")
     _, four, _ = run(tmp_path, "--max-steps", "4", "--micro-batch", "4", name="mb4")
-    assert of(one, "hello")[0]["accumulation"] == 4 and of(four, "hello")[0]["accumulation"] == 1
+    assert of(one, "hello")[0].accumulation == 4 and of(four, "hello")[0].accumulation == 1
     for a, b in zip(of(one, "step"), of(four, "step")):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+        assert a.loss == pytest.approx(b.loss, rel=1e-4)
 
 
 def test_nan_rollback_skips_the_batch_and_continues(tmp_path):
     code, events, run_dir = run(tmp_path, "--max-steps", "10", "--checkpoint-every", "4", "--fault", "nan@6")
     assert code == EXIT_OK
     warnings = of(events, "warning")
-    rb = [w for w in warnings if w.get("kind") == "nan_rollback"]
-    assert len(rb) == 1 and rb[0]["step"] == 4 and rb[0]["skip_batches"] == [6] and rb[0]["lr_scale"] == 0.5
-    assert of(events, "done")[0]["step"] == 10
-    losses = [s["loss"] for s in of(events, "step")]
+    rb = [w for w in warnings if w.kind == "nan_rollback"]
+    assert len(rb) == 1 and rb[0].step == 4 and rb[0].skip_batches == [6] and rb[0].lr_scale == 0.5
+    assert of(events, "done")[0].step == 10
+    losses = [s.loss for s in of(events, "step")]
     assert all(l is not None and l == l for l in losses)    # a poisoned interval is never reported as a step
     final = ckpt.load(rundir.path_for(run_dir, 10))
     assert final["skip_batches"] == [6] and final["batch_cursor"] == 11
@@ -139,8 +139,8 @@ def test_nan_rollback_skips_the_batch_and_continues(tmp_path):
 def test_nan_before_any_checkpoint_restarts_from_init(tmp_path):
     code, events, _ = run(tmp_path, "--max-steps", "5", "--fault", "nan@2")
     assert code == EXIT_OK
-    rb = [w for w in of(events, "warning") if w.get("kind") == "nan_rollback"]
-    assert rb and "initialization" in rb[0]["message"]
+    rb = [w for w in of(events, "warning") if w.kind == "nan_rollback"]
+    assert rb and "initialization" in rb[0].message
 
 
 def test_nan_after_resume_rolls_back_to_the_resumed_checkpoint(tmp_path):
@@ -149,30 +149,30 @@ def test_nan_after_resume_rolls_back_to_the_resumed_checkpoint(tmp_path):
     code, _, _ = run(tmp_path, "--resume", str(run_dir), "--max-steps", "8", "--fault", "nan@5")
     assert code == EXIT_OK
     events = list(read_events(run_dir / "events.jsonl"))
-    rb = [w for w in of(events, "warning") if w.get("kind") == "nan_rollback"]
-    assert len(rb) == 1 and rb[0]["step"] == 4 and "step-00000004.pt" in rb[0]["message"]
-    assert of(events, "done")[-1]["step"] == 8
+    rb = [w for w in of(events, "warning") if w.kind == "nan_rollback"]
+    assert len(rb) == 1 and rb[0].step == 4 and "step-00000004.pt" in rb[0].message
+    assert of(events, "done")[-1].step == 8
 
 
 def test_nan_policy_stop(tmp_path):
     code, events, _ = run(tmp_path, "--max-steps", "5", "--fault", "nan@2", "--nan-policy", "stop")
     assert code == EXIT_NAN
     (err,) = of(events, "error")
-    assert err["kind"] == "nan" and "non-finite" in err["message"]
+    assert err.kind == "nan" and "non-finite" in err.message
 
 
 def test_oom_is_reported_with_toggles_and_memory(tmp_path):
     code, events, _ = run(tmp_path, "--max-steps", "5", "--fault", "oom@1")
     assert code == EXIT_OOM
     (err,) = of(events, "error")
-    assert err["kind"] == "oom" and err["toggles"]["micro_batch"] and "rss" in err["memory"]
+    assert err.kind == "oom" and err.toggles["micro_batch"] and "rss" in err.memory
 
 
 def test_unsupported_toggle_is_a_config_error(tmp_path):
     code, events, _ = run(tmp_path, "--precision", "fp8-rowwise")
     assert code == EXIT_CONFIG
     (err,) = of(events, "error")
-    assert err["kind"] == "config" and "--precision" in err["message"] and "8.9" in err["message"]
+    assert err.kind == "config" and "--precision" in err.message and "8.9" in err.message
 
 
 def test_bad_usage_exits_2_naming_the_option(tmp_path):
@@ -190,7 +190,7 @@ def test_bad_usage_exits_2_naming_the_option(tmp_path):
 def test_cpu_toggles_train(tmp_path, toggle):
     code, events, _ = run(tmp_path, "--max-steps", "3", *toggle)
     assert code == EXIT_OK
-    assert all(s["loss"] == s["loss"] for s in of(events, "step"))
+    assert all(s.loss == s.loss for s in of(events, "step"))
 
 
 def test_a_slow_toggle_runs_with_a_warning(tmp_path, monkeypatch):
@@ -199,9 +199,9 @@ def test_a_slow_toggle_runs_with_a_warning(tmp_path, monkeypatch):
     monkeypatch.setattr(device, "_cpu_has_bf16_kernels", lambda: False)     # as on an AVX2-only CPU
     code, events, _ = run(tmp_path, "--max-steps", "2", "--precision", "bf16", "--micro-batch", "4")
     assert code == EXIT_OK and len(of(events, "step")) == 2
-    (w,) = [w for w in of(events, "warning") if w.get("kind") == "slow_toggle"]
-    assert w["message"].startswith("--precision bf16: ") and "emulated" in w["message"]
-    assert of(events, "hello")[0]["device"]["cpu_bf16"] is False
+    (w,) = [w for w in of(events, "warning") if w.kind == "slow_toggle"]
+    assert w.message.startswith("--precision bf16: ") and "emulated" in w.message
+    assert of(events, "hello")[0].device.cpu_bf16 is False
 
 
 def test_profile_trace_written(tmp_path):
@@ -229,8 +229,8 @@ def test_sigterm_is_a_graceful_stop(tmp_path):
     assert proc.wait(60) == 0
     events = list(read_events(run_dir / "events.jsonl"))
     done = of(events, "done")[-1]
-    assert done["reason"] == "SIGTERM"
-    assert rundir.list_checkpoints(run_dir)[-1].step == done["step"]
+    assert done.reason == "SIGTERM"
+    assert rundir.list_checkpoints(run_dir)[-1].step == done.step
 
 
 @pytest.mark.compile

@@ -9,7 +9,7 @@ import pytest
 
 from trainer.contract.config import TrainConfig, Toggles
 from trainer.contract.device import DeviceInfo
-from trainer.contract.events import make_event
+from trainer.contract.events import TrialEvent, dumps, make, parse
 from tuner.budget import Budget
 from tuner.controller import Apply, Done, FindMicroBatch, Remeasure, RunTrial, TuneController
 from tuner.report import best_toml, format_summary, write_report
@@ -66,7 +66,7 @@ def drive(ctl: TuneController, clock: Clock, trainer: FakeTrainer, pre_steps: in
     for _ in range(pre_steps):                             # training before tuning starts
         step += 1
         clock.t += 0.4
-        ctl.observe(make_event("step", step=step, tokens=4096, loss=trainer.loss(step, Toggles(), False), lr=1e-3,
+        ctl.observe(make("step", step=step, tokens=4096, loss=trainer.loss(step, Toggles(), False), lr=1e-3,
                                grad_norm=1.0, step_ms=400.0, phases_ms={}, tokens_per_s=1.0, mfu=0.0,
                                mem_bytes=10 ** 9))
     checkpoint_step = step
@@ -82,7 +82,7 @@ def drive(ctl: TuneController, clock: Clock, trainer: FakeTrainer, pre_steps: in
             if action.restart:
                 clock.t += 5.0                          # restart from the checkpoint
                 trainer.restarts += 1
-                ctl.observe(make_event("checkpoint", step=checkpoint_step, path="ckpt", seconds=2.0))
+                ctl.observe(make("checkpoint", step=checkpoint_step, path="ckpt", seconds=2.0))
             fail = trainer.failure(t)
             diverge = trainer.bf16_diverges and t.precision == "bf16"
             stop = None
@@ -92,11 +92,11 @@ def drive(ctl: TuneController, clock: Clock, trainer: FakeTrainer, pre_steps: in
                 ms = trainer.step_ms(t, i)
                 clock.t += ms / 1000.0
                 if fail and i + 1 >= fail[1]:
-                    ctl.observe(make_event("error", kind=fail[0], message=f"simulated {fail[0]}"))
+                    ctl.observe(make("error", kind=fail[0], message=f"simulated {fail[0]}"))
                 else:
-                    ctl.observe(make_event("step", step=step, tokens=4096, loss=trainer.loss(step, t, diverge),
+                    ctl.observe(make("step", step=step, tokens=4096, loss=trainer.loss(step, t, diverge),
                                            lr=1e-3, grad_norm=1.0, step_ms=ms, phases_ms={}, tokens_per_s=0.0,
-                                           mfu=0.0, mem_bytes={"cuda:0": 2 * 10 ** 9 + t.micro_batch * 10 ** 8},
+                                           mfu=0.0, mem_bytes=2 * 10 ** 9 + t.micro_batch * 10 ** 8,
                                            time=clock.t))
                 stop = ctl.trial_should_stop()
                 if stop:
@@ -149,26 +149,26 @@ def test_full_simulated_tuning_ends_in_apply(tmp_path):
     assert seen[-1].toggles == apply.toggles
 
     events = ctl.drain_events()
-    types = [e["type"] for e in events]
+    types = [e.type for e in events]
     assert "apply" in types and "tuner" in types and "trial" in types
-    running = [e for e in events if e["type"] == "trial" and e["status"] == "running"]
-    assert running and all(e["number"] is not None for e in running)      # views key rows by number
-    trial_events = [e for e in events if e["type"] == "trial" and e["status"] != "running"]
-    statuses = {e["status"] for e in trial_events}
+    running = [e for e in events if e.type == "trial" and e.status == "running"]
+    assert running and all(e.number is not None for e in running)      # views key rows by number
+    trial_events = [e for e in events if e.type == "trial" and e.status != "running"]
+    statuses = {e.status for e in trial_events}
     assert "infeasible" in statuses                       # screened OOM, compile error or divergence
     for e in trial_events:
-        assert {"number", "toggles", "status", "tokens_per_s", "spread", "peak_mem", "reason"} <= set(e)
-        json.dumps(e)
+        assert isinstance(e, TrialEvent) and isinstance(e.toggles, dict) and e.reason is not None
+        assert parse(dumps(e)) == e
     # micro-batch 16 and 32 can never fit (max 8, same precision): screened, not run
     assert not any(a.toggles.micro_batch in (16, 32) and a.toggles.precision == "fp32"
                    for a in trials)
     # bf16 changes numerics: its loss runs off the trend and the trial is rolled back as diverged
-    bf16 = [e for e in trial_events if e["toggles"]["precision"] == "bf16" and e["kind"] == "trial"]
+    bf16 = [e for e in trial_events if e.toggles["precision"] == "bf16" and e.kind == "trial"]
     for e in bf16:
-        if e["toggles"]["micro_batch"] in (8, 4):
-            assert e["status"] == "infeasible" and "diverged" in e["reason"]
-    tuner = [e for e in events if e["type"] == "tuner"]
-    assert tuner[-1]["phase"] == "done" and tuner[-1]["budget_left_s"] >= 0
+        if e.toggles["micro_batch"] in (8, 4):
+            assert e.status == "infeasible" and "diverged" in e.reason
+    tuner = [e for e in events if e.type == "tuner"]
+    assert tuner[-1].phase == "done" and tuner[-1].budget_left_s >= 0
     info = ctl.report_info()
     assert info["ledger"]["tuning_s"] <= 900.0 + 1e-6 + 60
     assert info["applied"] == dataclasses.asdict(apply.toggles)
@@ -206,7 +206,7 @@ def test_a_trial_that_overruns_is_cut_by_the_budget(tmp_path):
     assert a.baseline
     for i in range(40):                                  # a short, healthy baseline
         clock.t += 0.4
-        ctl.observe(make_event("step", step=i + 1, tokens=0, loss=3.0, lr=0, grad_norm=0, step_ms=400.0 + i % 3,
+        ctl.observe(make("step", step=i + 1, tokens=0, loss=3.0, lr=0, grad_norm=0, step_ms=400.0 + i % 3,
                                phases_ms={}, tokens_per_s=0, mfu=0, mem_bytes=1, time=clock.t))
     ctl.finish_trial("ok")
     a = ctl.next_action()
@@ -215,13 +215,13 @@ def test_a_trial_that_overruns_is_cut_by_the_budget(tmp_path):
     while stop is None:
         i += 1
         clock.t += trainer.step_ms(a.toggles, i) / 1000.0
-        ctl.observe(make_event("step", step=100 + i, tokens=0, loss=3.0, lr=0, grad_norm=0,
+        ctl.observe(make("step", step=100 + i, tokens=0, loss=3.0, lr=0, grad_norm=0,
                                step_ms=trainer.step_ms(a.toggles, i), phases_ms={}, tokens_per_s=0, mfu=0,
                                mem_bytes=1, time=clock.t))
         stop = ctl.trial_should_stop()
     assert stop == "budget"
     ev = ctl.finish_trial("ok")
-    assert ev["status"] == "cut" and "not stable" in ev["reason"] and ev["tokens_per_s"] > 0
+    assert ev.status == "cut" and "not stable" in ev.reason and ev.tokens_per_s > 0
     assert ctl.study.trials()[a.number].state.name == "COMPLETE"   # a usable, if wider, measurement
     assert isinstance(ctl.next_action(), (Apply, Done))
 
@@ -287,10 +287,10 @@ def test_failing_baseline_and_abort(tmp_path):
     ctl.set_max_micro_batch(8)
     a = ctl.next_action()
     assert isinstance(a, RunTrial) and a.baseline
-    ctl.observe(make_event("error", kind="oom", message="boom"))
+    ctl.observe(make("error", kind="oom", message="boom"))
     assert ctl.trial_should_stop() == "oom"
     ev = ctl.finish_trial("oom")
-    assert ev["status"] == "infeasible" and ctl.baseline is None
+    assert ev.status == "infeasible" and ctl.baseline is None
     b = ctl.next_action()
     assert isinstance(b, RunTrial) and not b.baseline and b.restart
     assert ctl.next_action() is b                          # same action until finished

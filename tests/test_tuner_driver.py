@@ -11,7 +11,7 @@ from gptop.tuning import TuningDriver, install_toggler, parse_test_fault
 from trainer import checkpoint as ckpt
 from trainer.contract import rundir
 from trainer.contract.config import TrainConfig
-from trainer.contract.events import make_event
+from trainer.contract.events import make
 
 
 class FakeSession:
@@ -66,7 +66,7 @@ def test_rollback_deletes_the_trials_checkpoints_and_keeps_the_pinned_pre_trial_
     assert pre.read_bytes() == b"p" * 10                              # the pre-trial state
     assert info["step"] == 10 and len(info["deleted"]) == 2
     assert d.last_ckpt == (10, str(pre))
-    assert any("rolled back to step 10" in e["message"] for e in s.emitted if e["type"] == "log")
+    assert any("rolled back to step 10" in e.message for e in s.emitted if e.type == "log")
     d._cleanup_guard()
     assert rundir.pinned(tmp_path) == set()
 
@@ -139,15 +139,15 @@ def test_trials_are_cut_when_only_the_switch_reserve_is_left(tmp_path):
     while stop is None:
         i += 1
         clock.t += 0.4
-        ctl.observe(make_event("step", step=i, tokens=0, loss=3.0, lr=0, grad_norm=0,
+        ctl.observe(make("step", step=i, tokens=0, loss=3.0, lr=0, grad_norm=0,
                                step_ms=400.0 * (1 + rng.gauss(0, 0.05)),
                                phases_ms={}, tokens_per_s=0, mfu=0, mem_bytes=1, time=clock.t))
         stop = ctl.trial_should_stop()
     assert stop == "budget" and 69.0 <= ctl.budget.elapsed() <= 71.0   # 30 s kept for the final switch
     ctl.finish_trial("ok")
     done = ctl.next_action()
-    ev = [e for e in ctl.drain_events() if e["type"] == "tuner"][-1]
-    assert ev["phase"] == "done" and ev["outcome"] == done.reason and ev["applied"] is False
+    ev = [e for e in ctl.drain_events() if e.type == "tuner"][-1]
+    assert ev.phase == "done" and ev.outcome == done.reason and ev.applied is False
 
 
 def test_a_compile_mode_that_never_warms_up_is_screened_for_the_run(tmp_path):
@@ -161,7 +161,7 @@ def test_a_compile_mode_that_never_warms_up_is_screened_for_the_run(tmp_path):
     a = ctl.next_action()
     for i in range(40):
         clock.t += 0.4
-        ctl.observe(make_event("step", step=i + 1, tokens=0, loss=3.0, lr=0, grad_norm=0, step_ms=400.0,
+        ctl.observe(make("step", step=i + 1, tokens=0, loss=3.0, lr=0, grad_norm=0, step_ms=400.0,
                                phases_ms={}, tokens_per_s=0, mfu=0, mem_bytes=1, time=clock.t))
     ctl.finish_trial("ok")
     seen_compile = 0
@@ -174,17 +174,17 @@ def test_a_compile_mode_that_never_warms_up_is_screened_for_the_run(tmp_path):
             clock.t += 60.0                                       # compiling, no step: cut by the timeout
             assert ctl.trial_should_stop() == "done" and ctl._active.stop == "timeout"
             ev = ctl.finish_trial("ok")
-            assert ev["status"] == "pruned"
+            assert ev.status == "pruned"
             continue
         for i in range(30):
             clock.t += 0.3
-            ctl.observe(make_event("step", step=100 + i, tokens=0, loss=3.0, lr=0, grad_norm=0, step_ms=300.0,
+            ctl.observe(make("step", step=100 + i, tokens=0, loss=3.0, lr=0, grad_norm=0, step_ms=300.0,
                                    phases_ms={}, tokens_per_s=0, mfu=0, mem_bytes=1, time=clock.t))
         ctl.trial_should_stop()
         ctl.finish_trial("ok")
     assert seen_compile == 1                                      # the others were screened, not run
-    screened = [e for e in ctl.drain_events() if e["type"] == "trial" and "not worth this budget" in e["reason"]]
-    assert all(e["toggles"]["compile"] == "default" for e in screened)
+    screened = [e for e in ctl.drain_events() if e.type == "trial" and "not worth this budget" in e.reason]
+    assert all(e.toggles["compile"] == "default" for e in screened)
 
 
 def test_stop_early_decides_on_what_was_measured(tmp_path):
@@ -205,7 +205,7 @@ def test_stop_early_decides_on_what_was_measured(tmp_path):
     def steps(ms, start, n=40):
         for i in range(n):
             clock.t += ms / 1000
-            ctl.observe(make_event("step", step=start + i, tokens=0, loss=3.0, lr=0, grad_norm=0,
+            ctl.observe(make("step", step=start + i, tokens=0, loss=3.0, lr=0, grad_norm=0,
                                    step_ms=ms * (1 + rng.gauss(0, 0.01)), phases_ms={}, tokens_per_s=0, mfu=0,
                                    mem_bytes=1, time=clock.t))
 

@@ -35,7 +35,7 @@ from trainer import checkpoint as ckpt
 
 from trainer.contract import rundir
 from trainer.contract.config import TrainConfig
-from trainer.contract.events import read_events
+from trainer.contract.events import read_events, to_dict
 
 pytestmark = pytest.mark.slow
 
@@ -64,8 +64,8 @@ def run_gptop(*args, env=None, timeout=540):
 
 
 def events(run_dir, kind=None):
-    return [e for e in read_events(Path(run_dir) / "events.jsonl")
-            if e.get("rank", 0) == 0 and (kind is None or e["type"] == kind)]
+    return [to_dict(e) for e in read_events(Path(run_dir) / "events.jsonl")     # validated, as on the wire
+            if e.rank == 0 and (kind is None or e.type == kind)]
 
 
 def processes(run_dir):

@@ -419,10 +419,10 @@ def test_events_from_another_thread_reach_the_screen_quickly():
             feeder.join()
             await pilot.pause(0.3)
             last = events[-1]
-            assert last["type"] == "step"
+            assert last.type == "step"
             t0 = time.monotonic()
             threading.Thread(target=state.apply, args=(last,)).start()
-            while f"step {last['step']}/1000" not in text(app.query_one(RunHeader)):
+            while f"step {last.step}/1000" not in text(app.query_one(RunHeader)):
                 await asyncio.sleep(0.01)
                 assert time.monotonic() - t0 < 1.0, "event not on screen within a second"
             latency = time.monotonic() - t0
@@ -525,7 +525,7 @@ def test_monitor_without_a_run_shows_only_the_devices():
     state = RunState(status="monitor")
     state.set_status("monitor", "no run found in ./runs; showing devices only")
     for e in cpu_run(40):
-        if e["type"] == "device":
+        if e.type == "device":
             state.apply(e)
     app, _, _ = make(state=state)
 

@@ -81,8 +81,9 @@ class Channel:
         signal.signal(signal.SIGINT, stop)
         signal.signal(signal.SIGUSR1, lambda s, f: self.commands.put({"cmd": "checkpoint", "source": "signal"}))
 
-    def emit(self, type: str, **fields: Any) -> dict[str, Any]:
-        event = ev.make_event(type, rank=self.rank, **fields)
+    def emit(self, type: str, **fields: Any) -> ev.Event:
+        """Build the typed event `type` (trainer.contract.events validates it) and send it."""
+        event = ev.make(type, rank=self.rank, **fields)
         line = ev.dumps(event) + "\n"
         with self._lock:
             if self._file:

@@ -181,13 +181,13 @@ def _check_tokenizer(run_dir: Path, cfg: TrainConfig, tok: TokenizerInfo, log: L
 
 def _recorded_fingerprint(run_dir: Path) -> str | None:
     """The data fingerprint of the run's (last) hello event, if it has one."""
-    from .contract.events import read_events
+    from .contract.events import HelloEvent, read_events
 
     found = None
     try:
         for event in read_events(RunDir(run_dir).events(0)):
-            if event["type"] == "hello":
-                found = (event.get("data") or {}).get("fingerprint") or found
+            if isinstance(event, HelloEvent):
+                found = (event.data or {}).get("fingerprint") or found
     except OSError:
         return None
     return found

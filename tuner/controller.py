@@ -79,7 +79,7 @@ from typing import Any, Callable
 
 from trainer.contract.config import AUTO, TrainConfig, Toggles
 from trainer.contract.device import DeviceInfo
-from trainer.contract.events import make_event
+from trainer.contract.events import ApplyEvent, CheckpointEvent, ErrorEvent, Event, StepEvent, TrialEvent, TunerEvent
 
 from .budget import Budget
 from .decide import (Decision, clearly_better, hopeless, should_prune, significantly_faster, switch_pays,
@@ -214,7 +214,7 @@ class TuneController:
         self._remeasure_plan: list[Candidate] | None = None
         self._final: Done | None = None
         self._prefix = ""                                       # "stopped by the user: " before the decision
-        self._events: list[dict[str, Any]] = []
+        self._events: list[Event] = []
         self.running = self.base
 
     # --- derived ----------------------------------------------------------------------
@@ -235,23 +235,22 @@ class TuneController:
         return f"max_micro_batch:{t.precision}:{int(t.activation_checkpointing)}"
 
     # --- events -------------------------------------------------------------------------
-    def _emit(self, event: dict[str, Any]) -> None:
+    def _emit(self, event: Event) -> None:
         self._events.append(event)
 
-    def drain_events(self) -> list[dict[str, Any]]:
+    def drain_events(self) -> list[Event]:
         """trial / apply / tuner events produced since the last call, for the session to publish."""
         out, self._events = self._events, []
         return out
 
-    def tuner_event(self) -> dict[str, Any]:
+    def tuner_event(self) -> TunerEvent:
         a = self._active
-        event = make_event("tuner", phase=self.phase, budget_left_s=round(self.budget.left(), 1),
-                           trial=a.number if a else None, trials_run=self.trials_run,
-                           trials_planned=self.trials_planned, study=self.study.name)
-        if self.phase == "done" and self._final is not None:
-            event["outcome"] = self._final.reason
-            event["applied"] = self.applied is not None
-        return event
+        final = self._final if self.phase == "done" else None
+        return TunerEvent(phase=self.phase, budget_left_s=round(self.budget.left(), 1),
+                          trial=a.number if a else None, trials_run=self.trials_run,
+                          trials_planned=self.trials_planned, study=self.study.name,
+                          outcome=final.reason if final is not None else None,
+                          applied=(self.applied is not None) if final is not None else None)
 
     def _set_phase(self, phase: str) -> None:
         if phase != self.phase:
@@ -268,35 +267,27 @@ class TuneController:
             if self.running is self.cfg.toggles or self.running == self.cfg.toggles:
                 self.running = self.base
 
-    def observe(self, event: dict[str, Any]) -> None:
+    def observe(self, event: Event) -> None:
         """Feed every trainer event (other ranks and unknown types are ignored)."""
-        if event.get("rank", 0) != 0:
+        if event.rank != 0:
             return
-        kind = event.get("type")
         a = self._active
-        if kind == "checkpoint":
-            self.checkpoint_s = float(event.get("seconds") or 0.0)
+        if isinstance(event, CheckpointEvent):
+            self.checkpoint_s = event.seconds or 0.0
             return
-        if kind == "error":
+        if isinstance(event, ErrorEvent):
             if a is not None and a.failure is None:
-                k = event.get("kind", "crash")
-                a.failure = (k if k in FAILURES else "crash", str(event.get("message", k)))
+                a.failure = (event.kind if event.kind in FAILURES else "crash", event.message)
             return
-        if kind != "step":
+        if not isinstance(event, StepEvent):
             return
-        step = int(event.get("step", self.last_step))
+        step = event.step
         self.last_step = step
-        loss = event.get("loss")
-        loss = float(loss) if isinstance(loss, (int, float)) and not isinstance(loss, bool) else None
+        loss = event.loss
         if a is None:
             self.trend.add(step, loss)          # healthy training between trials
             return
-        step_ms = event.get("step_ms")
-        energy = event.get("energy_j")
-        if energy is None and event.get("power_w") is not None and step_ms:
-            energy = float(event["power_w"]) * float(step_ms) / 1000.0
-        a.measure.add(step, float(step_ms or 0.0), self.tokens_per_step, float(event.get("time", self.clock())),
-                      loss, _mem(event.get("mem_bytes")), energy)
+        a.measure.add(step, event.step_ms or 0.0, self.tokens_per_step, event.time, loss, event.mem_bytes)
         a.arrivals.append(self.clock())
         if loss is not None:
             a.losses.append((step, loss))
@@ -378,7 +369,7 @@ class TuneController:
         self._active = _Active(kind, action, toggles, proposal, number, self.clock(), measure,
                                LossGuard(self.trend, strict), strict, last_touch=self.clock())
         if number is not None:   # views key trials by number; an unnumbered baseline gets one row, at its end
-            self._emit(make_event("trial", number=number, toggles=dataclasses.asdict(toggles), status="running",
+            self._emit(TrialEvent(number=number, toggles=dataclasses.asdict(toggles), status="running",
                                   tokens_per_s=None, spread=None, peak_mem=None, reason="", kind=kind,
                                   source=source if kind == "trial" else kind))
         self._emit(self.tuner_event())
@@ -480,9 +471,10 @@ class TuneController:
         return max(vals) if vals else None
 
     # --- finishing a trial ------------------------------------------------------------
-    def finish_trial(self, outcome: str = "ok", reason: str = "") -> dict[str, Any]:
-        """Record the active trial: "ok" (healthy, steps kept) or a failure kind (rolled back).
-        Returns the `trial` event (also queued for drain_events)."""
+    def finish_trial(self, outcome: str = "ok", reason: str = "",
+                     rollback: dict[str, Any] | None = None) -> TrialEvent:
+        """Record the active trial: "ok" (healthy, steps kept) or a failure kind (rolled back; `rollback`
+        says to where, for the event). Returns the `trial` event (also queued for drain_events)."""
         a = self._active
         if a is None:
             raise RuntimeError("finish_trial without a running trial")
@@ -510,7 +502,8 @@ class TuneController:
                 self.baseline = None
                 self.stop_note = f"the starting configuration failed: {reason}"
             return self._finish_event(a.number, a.kind, a.toggles, "infeasible", summary, f"{outcome}: {reason}",
-                                      duration, failure=outcome, overhead_s=overhead, source=_source(a))
+                                      duration, failure=outcome, overhead_s=overhead, source=_source(a),
+                                      rollback=rollback)
         self.running = a.toggles
         self.kept_tokens += m.steps * self.tokens_per_step
         if not a.strict:
@@ -562,7 +555,7 @@ class TuneController:
                 self.baseline = None
                 self.stop_note = "the starting configuration gave no steady measurement"
         return self._finish_event(a.number, a.kind, a.toggles, status, summary, reason, duration,
-                                  overhead_s=overhead, source=_source(a))
+                                  overhead_s=overhead, source=_source(a), rollback=rollback)
 
     def abort(self, reason: str = "tuning stopped") -> None:
         """The session stops mid-trial (user quit): the trial is recorded FAIL, which teaches the sampler nothing."""
@@ -596,17 +589,17 @@ class TuneController:
     def _finish_event(self, number: int | None, kind: str, toggles: Toggles, status: str,
                       summary: dict[str, Any] | None, reason: str, duration: float, *, ran: bool = True,
                       failure: str | None = None, overhead_s: float | None = None,
-                      source: str | None = None) -> dict[str, Any]:
+                      source: str | None = None, rollback: dict[str, Any] | None = None) -> TrialEvent:
         s = summary or {}
-        ev = make_event("trial", number=number, toggles=dataclasses.asdict(toggles), status=status,
+        ev = TrialEvent(number=number, toggles=dataclasses.asdict(toggles), status=status,
                         tokens_per_s=s.get("tokens_per_s"), spread=s.get("spread"), peak_mem=s.get("peak_mem"),
                         energy_per_token=s.get("energy_per_token"), reason=reason, kind=kind,
-                        source=source or (kind if kind != "trial" else None), duration_s=round(duration, 3))
-        if "remeasure_tokens_per_s" in s:
-            ev["remeasure_tokens_per_s"] = s["remeasure_tokens_per_s"]
-            ev["remeasure_spread"] = s["remeasure_spread"]
-        self.results.append({**ev, "duration_s": duration, "ran": ran, "failure": failure, "overhead_s": overhead_s,
-                             "summary": s})
+                        source=source or (kind if kind != "trial" else None), duration_s=round(duration, 3),
+                        remeasure_tokens_per_s=s.get("remeasure_tokens_per_s"),
+                        remeasure_spread=s.get("remeasure_spread"), rollback=rollback)
+        fields = {f.name: getattr(ev, f.name) for f in dataclasses.fields(ev) if f.name != "extra"}
+        self.results.append({**fields, "duration_s": duration, "ran": ran, "failure": failure,
+                             "overhead_s": overhead_s, "summary": s})
         self._emit(ev)
         self._emit(self.tuner_event())
         return ev
@@ -663,7 +656,7 @@ class TuneController:
             return self._done(decision.reason, base)
         self.applied = best.toggles
         restart = best.toggles != self.running
-        self._emit(make_event("apply", toggles=dataclasses.asdict(best.toggles), decision=decision.to_dict(),
+        self._emit(ApplyEvent(toggles=dataclasses.asdict(best.toggles), decision=decision.to_dict(),
                               number=best.number, tokens_per_s=best.tokens_per_s, baseline_tokens_per_s=base_tps,
                               step=self.last_step))
         self._final = Done(f"{prefix}applied trial {best.number}: {decision.reason}", best.toggles, restart=False)
@@ -717,16 +710,3 @@ class TuneController:
 
 def _source(a: _Active) -> str:
     return a.action.source if isinstance(a.action, RunTrial) and a.kind == "trial" else a.kind
-
-
-def _mem(value: Any) -> int | None:
-    """mem_bytes may be a number or a per-device mapping/list: the peak is what can OOM."""
-    if value is None:
-        return None
-    if isinstance(value, dict):
-        vals = [v for v in value.values() if isinstance(v, (int, float))]
-        return int(max(vals)) if vals else None
-    if isinstance(value, (list, tuple)):
-        vals = [v for v in value if isinstance(v, (int, float))]
-        return int(max(vals)) if vals else None
-    return int(value) if isinstance(value, (int, float)) else None

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from statistics import NormalDist, median
 from typing import Any, Iterable
 
+from trainer.contract.events import finite_or_none
+
 
 def median_ci(values: Iterable[float], conf: float = 0.95) -> tuple[float, float, float]:
     """(median, lo, hi): order-statistic confidence interval for the median; (min, max) if n is too small."""
@@ -231,19 +233,16 @@ class Measurement:
         lo, hi = self.interval()
         tps = self.throughputs()
         return {
-            "tokens_per_s": _num(est), "spread": _num(spread),
-            "rel_spread": _num(spread / est) if est and math.isfinite(est) and math.isfinite(spread) else None,
-            "ci": [_num(lo), _num(hi)], "conf": self.conf,
+            "tokens_per_s": finite_or_none(est), "spread": finite_or_none(spread),
+            "rel_spread": (finite_or_none(spread / est)
+                           if est and math.isfinite(est) and math.isfinite(spread) else None),
+            "ci": [finite_or_none(lo), finite_or_none(hi)], "conf": self.conf,
             "n": len(tps), "warmup_samples": self.warmup_samples if self.warmed_up else None,
             "warmed_up": self.warmed_up, "stable": self.stable, "done_reason": self.done_reason,
-            "steps": self.steps, "seconds": round(self.seconds, 3), "step_ms": _num(self.step_ms),
+            "steps": self.steps, "seconds": round(self.seconds, 3), "step_ms": finite_or_none(self.step_ms),
             "peak_mem": self.peak_mem, "energy_per_token": self.energy_per_token,
             "samples": [round(v, 3) for v in tps[-200:]],
         }
-
-
-def _num(x: float) -> float | None:
-    return float(x) if x is not None and math.isfinite(x) else None
 
 
 # --- loss health ------------------------------------------------------------------------

@@ -163,6 +163,40 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+_NUMBER = (int, float)
+# What format_summary reads from tuning.json, and the types it may hold (None allowed everywhere).
+_REPORT_FIELDS: dict[str, tuple[type, ...]] = {
+    "base": (dict,), "ledger": (dict,), "baseline": (dict,), "trials": (list,), "best": (dict,),
+    "best_number": (int,), "best_tokens_per_s": _NUMBER, "best_spread": _NUMBER, "speedup": _NUMBER,
+    "outcome": (str,), "applied": (dict,),
+}
+_LEDGER_FIELDS = ("tuning_s", "budget_s", "projected_saving_s")
+_BASELINE_FIELDS = ("tokens_per_s",)
+
+
+def check_report(report: Any) -> str | None:
+    """Why a tuning.json (read back from disk) cannot be summarized, or None when it can: the report
+    is data written by another run, perhaps damaged or edited, and must never crash `gptop report`."""
+    if not isinstance(report, dict):
+        return f"not a JSON object but {type(report).__name__}"
+    for key, types in _REPORT_FIELDS.items():
+        v = report.get(key)
+        if v is not None and (not isinstance(v, types) or isinstance(v, bool) and bool not in types):
+            return f"{key!r} is {type(v).__name__}, expected {' or '.join(t.__name__ for t in types)}"
+    for section, keys in (("ledger", _LEDGER_FIELDS), ("baseline", _BASELINE_FIELDS)):
+        for key in keys:
+            v = (report.get(section) or {}).get(key)
+            if v is not None and (not isinstance(v, _NUMBER) or isinstance(v, bool)):
+                return f"'{section}.{key}' is {type(v).__name__}, expected a number"
+    for i, t in enumerate(report.get("trials") or []):
+        if not isinstance(t, dict):
+            return f"trials[{i}] is {type(t).__name__}, expected an object"
+        for key in ("run", "status"):
+            if t.get(key) is not None and not isinstance(t[key], str):
+                return f"trials[{i}].{key} is {type(t[key]).__name__}, expected a string"
+    return None
+
+
 def format_summary(report: dict[str, Any]) -> str:
     """A few lines for `gptop report` from a tuning.json dict (labels padded to 10 like its other lines)."""
     base = report.get("base") or {}
@@ -187,7 +221,7 @@ def format_summary(report: dict[str, Any]) -> str:
     lines.append(f"          {outcome}" if report.get("applied") else f"          not applied: {outcome}")
     lines.append(f"          {sum(counts.values())} trials this run ("
                  + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) + ") in "
-                 f"{format_duration(led.get('tuning_s', 0.0))} of {format_duration(led.get('budget_s', 0.0))}"
+                 f"{format_duration(led.get('tuning_s') or 0.0)} of {format_duration(led.get('budget_s') or 0.0)}"
                  + (f"; projected saving {format_duration(led['projected_saving_s'])}"
                     if isinstance(led.get("projected_saving_s"), (int, float)) else ""))
     return "\n".join(lines)

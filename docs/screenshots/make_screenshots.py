@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from fixtures.streams import build_state  # noqa: E402
 from gptop.commands import RecordingCommands  # noqa: E402
 from gptop.state import RunState  # noqa: E402
 from gptop.ui.app import GptopApp  # noqa: E402
+from trainer.contract.events import DoneEvent, read_events  # noqa: E402
 
 
 def state_from_run(run_dir: Path) -> RunState:
@@ -35,12 +35,8 @@ def state_from_run(run_dir: Path) -> RunState:
     for name in ("events.jsonl", "device.jsonl"):
         path = run_dir / name
         if path.exists():
-            for line in path.read_text().splitlines():
-                try:
-                    events.append(json.loads(line))
-                except ValueError:
-                    pass
-    events.sort(key=lambda e: e.get("time") or 0.0)
+            events += read_events(path)
+    events.sort(key=lambda e: e.time)
     state = RunState(run_dir=str(run_dir), status="running")
     for e in events:
         state.apply(e)
@@ -49,7 +45,7 @@ def state_from_run(run_dir: Path) -> RunState:
         if path.exists():
             for line in path.read_text(errors="replace").splitlines():
                 state.add_log(line, stream)
-    if any(e.get("type") == "done" for e in events):
+    if any(isinstance(e, DoneEvent) for e in events):
         state.set_status("done")
     return state
 

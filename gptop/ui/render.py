@@ -19,7 +19,7 @@ from rich.text import Text
 
 from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_num, fmt_toggles, model_summary, phase_label,
                          spread_pct)
-from trainer.contract.events import PHASES
+from trainer.contract.events import PHASES, CpuReading, GpuReading
 
 PHASE_STYLE = {"data": "yellow", "forward": "green", "backward": "dodger_blue1", "optimizer": "magenta",
                "other": "grey62"}
@@ -102,10 +102,6 @@ def used_of(used: Any, total: Any) -> str:
     return f"{float(used) / scale:.1f}/{total_s}"
 
 
-def _num_or_none(x: Any) -> float | None:
-    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 else None
-
-
 def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.0f}%"
 
@@ -123,7 +119,7 @@ def header(state: RunState, width: int) -> RenderableType:
     """Two lines: what is running where, then how far along it is."""
     with state.lock:
         status = state.status
-        dev = state.device.get("name") or ""
+        dev = state.device.name if state.device else ""
         no_run = status == "monitor" and state.last_step is None
         line1 = Text.assemble(("gptop ", "bold"), (state.run_name or ("devices" if no_run else "run"), "bold cyan"))
         summary = model_summary(state.model)
@@ -170,20 +166,20 @@ def header(state: RunState, width: int) -> RenderableType:
 
 # --- devices --------------------------------------------------------------------
 
-def _gpu_block(state: RunState, key: str, d: dict[str, Any], width: int, chart_rows: int,
+def _gpu_block(state: RunState, key: str, d: GpuReading, width: int, chart_rows: int,
                window_s: float) -> list[RenderableType]:
     """Title, three bars, then up to three charts sharing `chart_rows` rows."""
     charts = min(3, chart_rows)
-    name = d.get("name") or key
-    extra = " ".join(x for x in (f"{d['temp_c']:.0f}°C" if d.get("temp_c") is not None else "",
-                                 f"{d['sm_clock_mhz']:.0f} MHz" if d.get("sm_clock_mhz") is not None else "")
+    name = d.name or key
+    extra = " ".join(x for x in (f"{d.temp_c:.0f}°C" if d.temp_c is not None else "",
+                                 f"{d.sm_clock_mhz:.0f} MHz" if d.sm_clock_mhz is not None else "")
                      if x)
     title = Text.assemble((key.upper() + " ", "bold"), name)
     title.truncate(max(0, width - len(extra) - 1), overflow="ellipsis")
     title.append(" " * max(1, width - title.cell_len - len(extra)) + extra, style="grey62")
-    util = d.get("util_pct")
-    mem_used, mem_total = d.get("mem_used"), d.get("mem_total")
-    power, limit = d.get("power_w"), d.get("power_limit_w")
+    util = d.util_pct
+    mem_used, mem_total = d.mem_used, d.mem_total
+    power, limit = d.power_w, d.power_limit_w
     lines: list[RenderableType] = [
         title,
         metric_line("util", None if util is None else util / 100, _pct(util), width, "green"),
@@ -195,8 +191,8 @@ def _gpu_block(state: RunState, key: str, d: dict[str, Any], width: int, chart_r
                     width, "yellow"),
     ]
     specs = (("util_pct", "util", "dark_green", "green1", (0.0, 100.0)),
-             ("power_w", "power", "orange4", "yellow1", (0.0, _num_or_none(limit))),
-             ("mem_used", "mem", "navy_blue", "dodger_blue1", (0.0, _num_or_none(mem_total))))[:charts]
+             ("power_w", "power", "orange4", "yellow1", (0.0, limit or None)),
+             ("mem_used", "mem", "navy_blue", "dodger_blue1", (0.0, mem_total or None)))[:charts]
     n = max(1, len(specs))
     for i, (metric, label, low, high, scale) in enumerate(specs):   # spare rows go to the first charts
         rows = max(1, min(4, chart_rows // n + (i < chart_rows % n)))
@@ -327,25 +323,26 @@ def core_bars(cores: Sequence[float], width: int) -> Text:
     return level_bars(list(cores)[: width // each], each=each, top=100.0, style="green")
 
 
-def _cpu_block(state: RunState, d: dict[str, Any], width: int, chart_rows: int, window_s: float,
+def _cpu_block(state: RunState, d: CpuReading | None, width: int, chart_rows: int, window_s: float,
                compact: bool) -> list[RenderableType]:
     """One line on GPU runs; on CPU runs title, bars, per-core bars and a util chart in `chart_rows`."""
-    util = d.get("util_pct")
+    d = d or CpuReading()
+    util = d.util_pct
     proc = []
-    if d.get("proc_cpu_pct") is not None:
-        proc.append(f"proc {d['proc_cpu_pct']:.0f}%")
-    if d.get("proc_rss") is not None:
-        proc.append(f"rss {fmt_bytes(d['proc_rss'])}")
+    if d.proc_cpu_pct is not None:
+        proc.append(f"proc {d.proc_cpu_pct:.0f}%")
+    if d.proc_rss is not None:
+        proc.append(f"rss {fmt_bytes(d.proc_rss)}")
     if compact:
         line = Text.assemble(("CPU  ", "bold"), f"util {_pct(util)}", " · ", " · ".join(proc))
         line.truncate(width, overflow="ellipsis")
         return [line]
     extra = " ".join(proc)
-    title = Text.assemble(("CPU ", "bold"), d.get("name") or "")
+    title = Text.assemble(("CPU ", "bold"), d.name or "")
     title.truncate(max(0, width - len(extra) - 1), overflow="ellipsis")
     title.append(" " * max(1, width - title.cell_len - len(extra)) + extra, style="grey62")
-    mem_used, mem_total = d.get("mem_used"), d.get("mem_total")
-    power = d.get("power_w")
+    mem_used, mem_total = d.mem_used, d.mem_total
+    power = d.power_w
     lines: list[RenderableType] = [
         title,
         metric_line("util", None if util is None else util / 100, _pct(util), width, "green"),
@@ -354,13 +351,13 @@ def _cpu_block(state: RunState, d: dict[str, Any], width: int, chart_rows: int, 
                     width, "dodger_blue1"),
         metric_line("power", None, "n/a" if power is None else f"{power:.0f} W", width, "yellow"),
     ]
-    cores = [c for c in (d.get("per_core") or []) if isinstance(c, (int, float))]
+    cores = d.per_core
     if cores and chart_rows > 1:
         lines.append(Text.assemble(("cores ", "bold"), core_bars(cores, width - 6)))
     room = chart_rows - (len(lines) - 4)
     charts = [("util_pct", "util", "dark_green", "green1", (0.0, 100.0))]
     if room >= 10:   # a tall panel (CPU runs at 160x48, the monitor without a run): memory too
-        charts.append(("mem_used", "mem", "navy_blue", "dodger_blue1", (0.0, _num_or_none(mem_total))))
+        charts.append(("mem_used", "mem", "navy_blue", "dodger_blue1", (0.0, mem_total or None)))
     for i, (metric, label, low, high, scale) in enumerate(charts):
         rows = min(12, room // len(charts) + (i < room % len(charts)) - (1 if i else 0))
         if rows <= 0:
@@ -382,24 +379,25 @@ def devices(state: RunState, width: int, height: int, window_s: float) -> Render
     lines: list[RenderableType] = []
     if gpus:
         per = max(1, (height - 1) // len(gpus))   # rows for each GPU, one left for the CPU line
+        readings = [(k, d) for k in gpus if isinstance(d := state.device_latest[k], GpuReading)]
         if per < 4:   # many GPUs in little room: one line each
-            for k in gpus:
-                d = state.device_latest.get(k) or {}
-                mem = _frac(d.get("mem_used"), d.get("mem_total"))
-                line = Text.assemble((k.upper().ljust(5), "bold"), f"util {_pct(d.get('util_pct'))} ",
+            for k, d in readings:
+                mem = _frac(d.mem_used, d.mem_total)
+                line = Text.assemble((k.upper().ljust(5), "bold"), f"util {_pct(d.util_pct)} ",
                                      f"mem {_pct(None if mem is None else mem * 100)} ",
-                                     "n/a W" if d.get("power_w") is None else f"{d['power_w']:.0f} W",
-                                     f" {d['temp_c']:.0f}°C" if d.get("temp_c") is not None else "")
+                                     "n/a W" if d.power_w is None else f"{d.power_w:.0f} W",
+                                     f" {d.temp_c:.0f}°C" if d.temp_c is not None else "")
                 line.truncate(width, overflow="ellipsis")
                 lines.append(line)
         else:
-            for k in gpus:
-                lines += _gpu_block(state, k, state.device_latest.get(k) or {}, width, per - 4, window_s)
+            for k, d in readings:
+                lines += _gpu_block(state, k, d, width, per - 4, window_s)
         cpu = state.device_latest.get("cpu")
-        if cpu is not None and rows_of(lines) < height:
+        if isinstance(cpu, CpuReading) and rows_of(lines) < height:
             lines += _cpu_block(state, cpu, width, 0, window_s, compact=True)
     else:
-        lines += _cpu_block(state, state.device_latest.get("cpu") or {}, width, height - 4, window_s,
+        cpu = state.device_latest.get("cpu")
+        lines += _cpu_block(state, cpu if isinstance(cpu, CpuReading) else None, width, height - 4, window_s,
                             compact=False)
     return Group(*fit_rows(lines, height))
 
@@ -473,7 +471,7 @@ def breakdown(state: RunState, width: int, height: int) -> RenderableType:
     summary = Text.assemble(("step ", "bold"), f"{step_ms:.{digits}f} ms" if step_ms is not None else "n/a")
     if idle is not None:
         summary.append(f" · {'GPU ' if digits else ''}idle {idle:.{digits}f} ms ({state.gpu_idle_percent() or 0:.0f}%)")
-    elif state.device.get("type") == "cuda":
+    elif state.device is not None and state.device.is_cuda:
         summary.append(" · GPU idle n/a")
     lines.append(summary)
     spread = state.rank_spread()
@@ -500,23 +498,23 @@ def training(state: RunState, width: int, height: int, expert_layer: int) -> Ren
     """Loss chart and the numbers that matter: loss, eval, tokens/s, MFU, lr, grad norm, memory, J/token;
     expert load for MoE models."""
     with state.lock:
-        last = state.last_step or {}
+        last = state.last_step
         loss = state.history("loss")
         eval_loss = state.series["eval_loss"].last
-    if not last:
+    if last is None:
         return Text("waiting for the first step…", style="grey62")
     moe = state.expert_imbalance() is not None
     numbers: list[Text] = []
-    lv = last.get("loss")
+    lv = last.loss
     numbers.append(Text.assemble(("loss ", "bold"), ("n/a" if lv is None else f"{lv:.3f}", "bold green"),
                                  "  eval ", "n/a" if eval_loss is None else f"{eval_loss:.3f}",
-                                 "  grad ", "n/a" if last.get("grad_norm") is None else f"{last['grad_norm']:.2f}",
-                                 "  lr ", "n/a" if last.get("lr") is None else f"{last['lr']:.2e}"))
-    mfu = last.get("mfu")
+                                 "  grad ", "n/a" if last.grad_norm is None else f"{last.grad_norm:.2f}",
+                                 "  lr ", "n/a" if last.lr is None else f"{last.lr:.2e}"))
+    mfu = last.mfu
     jpt = state.joules_per_token()
-    numbers.append(Text.assemble((fmt_num(last.get("tokens_per_s")), "bold cyan"), " tok/s",
+    numbers.append(Text.assemble((fmt_num(last.tokens_per_s), "bold cyan"), " tok/s",
                                  "  MFU ", "n/a" if mfu is None else f"{mfu * 100:.1f}%",
-                                 "  mem ", fmt_bytes(last.get("mem_bytes")),
+                                 "  mem ", fmt_bytes(last.mem_bytes),
                                  "  energy ", "n/a" if jpt is None else f"{jpt * 1000:.2f} mJ/tok"))
     expert_lines: list[Text] = []
     if moe:
@@ -560,25 +558,25 @@ def tuner_summary(state: RunState, width: int) -> RenderableType:
             head.append(f" · {fmt_duration(left)} left")
         if tu.trials_planned:
             run = tu.trials_run if tu.trials_run is not None else len([t for t in tu.trials.values()
-                                                                       if t.get("status") != "running"])
+                                                                       if t.status != "running"])
             head.append(f" · {run}/{tu.trials_planned} run")
         if tu.active and tu.trial is not None:
             head.append(f" · #{tu.trial} running")
         lines: list[Text] = [head]
         best = tu.best
         if best:
-            lines.append(Text.assemble(("best ", "bold"), f"#{best.get('number')} ",
-                                       (f"{fmt_num(best.get('tokens_per_s'))} tok/s", "bold green"), " ",
-                                       fmt_toggles(state.toggle_diff(best.get("toggles")))))
+            lines.append(Text.assemble(("best ", "bold"), f"#{best.number} ",
+                                       (f"{fmt_num(best.tokens_per_s)} tok/s", "bold green"), " ",
+                                       fmt_toggles(state.toggle_diff(best.toggles))))
         if tu.applied:
             a = tu.applied[-1]
             gain = ""
-            tps, base = a.get("tokens_per_s"), a.get("baseline_tokens_per_s")
-            if isinstance(tps, (int, float)) and isinstance(base, (int, float)) and base:
+            tps, base = a.tokens_per_s, a.baseline_tokens_per_s
+            if tps is not None and base:
                 gain = f" ({(tps / base - 1) * 100:+.0f}%)"
-            at = f" at step {a['step']}" if a.get("step") is not None else ""
+            at = f" at step {a.step}" if a.step is not None else ""
             lines.append(Text.assemble(("applied", "bold"), f"{at}: ",
-                                       fmt_toggles(state.toggle_diff(a.get("toggles"))), gain))
+                                       fmt_toggles(state.toggle_diff(a.toggles)), gain))
     for t in lines:
         t.truncate(width, overflow="ellipsis")
     return Group(*lines)
@@ -619,17 +617,15 @@ def trial_rows(state: RunState) -> list[tuple[Any, ...]]:
         trials = [state.tuner.trials[k] for k in sorted(state.tuner.trials, key=lambda k: (k < 0, -k))]
     rows = []
     for t in trials:
-        status = str(t.get("status", ""))
-        kind = t.get("kind")
+        status, kind = t.status, t.kind
         label = status + (f" {kind}" if kind and kind != "trial" else "")
         pct = spread_pct(t)
-        number = t.get("number")
-        rows.append(("–" if number is None else str(number), Text(label, style=TRIAL_STYLE.get(status, "")),
-                     fmt_toggles(state.toggle_diff(t.get("toggles"))),
-                     fmt_num(t.get("tokens_per_s")) if t.get("tokens_per_s") is not None else "–",
+        rows.append(("–" if t.number is None else str(t.number), Text(label, style=TRIAL_STYLE.get(status, "")),
+                     fmt_toggles(state.toggle_diff(t.toggles)),
+                     fmt_num(t.tokens_per_s) if t.tokens_per_s is not None else "–",
                      f"±{pct:.1f}%" if pct is not None else "–",
-                     fmt_bytes(t.get("peak_mem")) if t.get("peak_mem") is not None else "–",
-                     str(t.get("reason") or "")))
+                     fmt_bytes(t.peak_mem) if t.peak_mem is not None else "–",
+                     t.reason or ""))
     return rows
 
 
@@ -642,8 +638,8 @@ def failure(state: RunState, width: int, height: int) -> RenderableType:
         msg = state.status_message
     head = Text("run failed", style="bold red")
     if err:
-        head.append(f" [{err.get('kind')}]: ", style="bold red")
-        head.append(str(err.get("message")))
+        head.append(f" [{err.kind}]: ", style="bold red")
+        head.append(err.message)
     elif msg:
         head.append(": " + msg)
     head.truncate(width, overflow="ellipsis")

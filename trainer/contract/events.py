@@ -1,51 +1,370 @@
 """The one event schema shared by the trainer, gptop and the tuner.
 
 Events are JSON objects, one per line. Every event has `v` (schema version),
-`type`, `time` (unix seconds) and `rank`. The required fields per type are
-listed in `REQUIRED`; producers may add more, consumers must ignore what they
-do not know. Changing or removing a field is a schema version bump.
+`type`, `time` (unix seconds) and `rank`. Each type is one frozen dataclass
+below (`StepEvent`, `DeviceEvent`, ...), and this module is the only place that
+turns them into JSON lines (`dumps`) and back (`parse`):
+
+- Parsing validates once, at the boundary: the JSON, the required fields and
+  every field's type (numbers finite or None, ints as ints, nested mappings and
+  lists of the declared shape). A line that fails raises `MalformedEvent`;
+  every reader counts it and skips it. Consumers then read attributes and never
+  re-check what they got.
+- Fields this version does not know are kept in `extra` (and written back by
+  `dumps`), so a newer producer's events survive a round trip through an older
+  gptop; an event of an unknown type parses into `UnknownEvent`, which
+  consumers ignore.
+- Producers build the typed events: gptop and the tuner construct the classes,
+  the trainer calls `make("step", **fields)` (through its channel), which
+  validates the same way. A float that is not finite becomes None where the
+  field allows None (JSON has no NaN).
+
+The wire names are an interface: a field is added with a default (old lines
+still parse), never renamed or removed without a schema version bump. To add
+an event type, add a class with its `type` and list it in `EVENT_TYPES`; to add
+a field, declare it (with a default) on its class. Either way a producer must
+set every declared field by name: tests/test_event_contract.py scans the
+producers' source and fails on a field nobody writes. The device sample's shape
+(`GpuReading`, `CpuReading`) lives here too: gptop's telemetry produces
+`DeviceEvent`s directly. Events are frozen; treat their lists and mappings as
+read-only too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-import time
-from typing import Any, Iterator
+import time as _time
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Iterator
+
+from .device import DeviceInfo
 
 SCHEMA_VERSION = 1
 
 PHASES = ("data", "forward", "backward", "optimizer", "other")
 
-REQUIRED: dict[str, tuple[str, ...]] = {
-    "hello": ("config", "device", "model"),
-    "step": ("step", "tokens", "loss", "lr", "grad_norm", "step_ms", "phases_ms", "tokens_per_s", "mfu",
-             "mem_bytes"),
-    "eval": ("step", "loss"),
-    "checkpoint": ("step", "path", "seconds"),
-    "log": ("message",),
-    "warning": ("message",),
-    "error": ("kind", "message"),
-    "done": ("step", "tokens"),
-    # Emitted by gptop, not the trainer:
-    "device": ("devices",),
-    "trial": ("number", "toggles", "status"),
-    "apply": ("toggles",),
-    "tuner": ("phase",),
-    "status": ("status",),      # the session's status (starting, running, done, failed, ...)
-}
-
 ERROR_KINDS = ("oom", "nan", "config", "crash", "compile", "no_checkpoint", "corrupt_checkpoint")
 
 
 class MalformedEvent(ValueError):
-    pass
+    """A line or record that is not a valid event: bad JSON, a missing field, a field of the wrong type."""
 
 
-def make_event(type: str, rank: int = 0, **fields: Any) -> dict[str, Any]:
-    event = {"v": SCHEMA_VERSION, "type": type, "time": time.time(), "rank": rank}
-    event.update(fields)
-    return event
+# --------------------------------------------------------------------------- nested records
+
+
+@dataclass(frozen=True, kw_only=True)
+class Record:
+    """A nested part of an event (a device reading, the model description): validated like an event,
+    with its unknown keys kept in `extra`."""
+
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuReading(Record):
+    """One GPU at one instant. None: the device or driver cannot tell (rendered "n/a")."""
+
+    index: int                          # NVML index (not CUDA's, which CUDA_VISIBLE_DEVICES renumbers)
+    name: str | None = None
+    util_pct: float | None = None       # % of the last sample period with a kernel running
+    mem_used: int | None = None         # bytes, whole device
+    mem_total: int | None = None        # bytes
+    power_w: float | None = None
+    power_limit_w: float | None = None  # enforced limit
+    energy_j: float | None = None       # NVML total energy counter (since driver load); only differences mean anything
+    temp_c: float | None = None
+    sm_clock_mhz: float | None = None
+    proc_mem: int | None = None         # bytes used on this GPU by the trainer's processes; None when none are seen
+
+
+@dataclass(frozen=True, kw_only=True)
+class CpuReading(Record):
+    """The host at one instant; present in GPU mode too (data loading lives here)."""
+
+    name: str | None = None
+    util_pct: float | None = None       # whole machine, 0..100
+    per_core: list[float] = field(default_factory=list)   # 0..100 per logical CPU
+    mem_used: int | None = None         # bytes, total - available
+    mem_total: int | None = None        # bytes
+    proc_rss: int | None = None         # bytes, trainer processes and their children
+    proc_cpu_pct: float | None = None   # trainer processes' share of the whole machine, 0..100
+    power_w: float | None = None        # CPU package power from RAPL, None when unreadable
+    energy_j: float | None = None       # RAPL package energy since the sampler started (wraparound undone)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelInfo(Record):
+    """The model a hello event describes."""
+
+    family: str | None = None
+    size: str | None = None
+    total_params: int | None = None
+    active_params: int | None = None    # per token (MoE: shared + top-k routed experts + dense parts)
+    embedding_params: int | None = None
+    vocab_size: int | None = None
+    flops_per_token: int | None = None  # training FLOPs per token (fwd + bwd)
+    objective: str | None = None        # "causal" | "llada"
+
+
+# --------------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    """What every event has. `type` is the class's wire name; `extra` keeps fields this version does not know."""
+
+    type: ClassVar[str] = ""
+    v: int = SCHEMA_VERSION
+    time: float = field(default_factory=_time.time)
+    rank: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HelloEvent(Event):
+    """A trainer process started: its configuration, device and model (rank 0)."""
+
+    type: ClassVar[str] = "hello"
+    config: dict[str, dict[str, Any]]   # TrainConfig.to_dict()
+    device: DeviceInfo
+    model: ModelInfo
+    pid: int | None = None
+    world_size: int = 1
+    parallel: str | None = None
+    data: dict[str, Any] | None = None  # train_tokens, val_tokens, fingerprint
+    accumulation: int | None = None
+    micro_batch: int | None = None
+    tokens_per_step: int | None = None
+    peak_flops: float | None = None
+    resumed_from: str | None = None
+    start_step: int = 0
+    torch: str | None = None
+
+    @property
+    def toggles(self) -> dict[str, Any]:
+        """The toggles this process runs with."""
+        t = self.config.get("toggles")
+        return dict(t) if isinstance(t, dict) else {}
+
+    @property
+    def max_steps(self) -> int | None:
+        v = (self.config.get("optim") or {}).get("max_steps")
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepEvent(Event):
+    """One log interval of training, per rank. Times are means over the interval's steps."""
+
+    type: ClassVar[str] = "step"
+    step: int
+    tokens: int                         # cumulative, global
+    loss: float | None
+    lr: float | None
+    grad_norm: float | None
+    step_ms: float | None
+    phases_ms: dict[str, float | None] | None
+    tokens_per_s: float | None
+    mfu: float | None
+    mem_bytes: int | None
+    interval_steps: int | None = None
+    wall_ms: float | None = None
+    batch: int | None = None            # global batch index of the last step (data-order checks)
+    gpu_idle_ms: float | None = None
+    comm_ms: float | None = None
+    expert_load: list[list[float]] | None = None   # MoE: per layer, per expert share of the tokens
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalEvent(Event):
+    type: ClassVar[str] = "eval"
+    step: int
+    loss: float | None
+    seconds: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointEvent(Event):
+    type: ClassVar[str] = "checkpoint"
+    step: int
+    path: str
+    seconds: float | None
+    reason: str | None = None
+    tokens: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class LogEvent(Event):
+    """A line for the log panel (the trainer's profiler, the tuner's decisions and rollbacks)."""
+
+    type: ClassVar[str] = "log"
+    message: str
+    source: str | None = None
+    path: str | None = None
+    study: str | None = None
+    decision: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class WarningEvent(Event):
+    type: ClassVar[str] = "warning"
+    message: str
+    kind: str | None = None             # slow_toggle, peak_flops, nan_rollback, ...
+    step: int | None = None
+    batch: int | None = None
+    skip_batches: list[int] | None = None
+    lr_scale: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ErrorEvent(Event):
+    type: ClassVar[str] = "error"
+    kind: str                           # one of ERROR_KINDS (newer trainers may add kinds)
+    message: str
+    step: int | None = None
+    exit_code: int | None = None
+    toggles: dict[str, Any] | None = None   # oom: what ran out of memory
+    memory: dict[str, Any] | None = None
+    lost_peer: bool = False             # several ranks: this rank lost contact with another
+
+
+@dataclass(frozen=True, kw_only=True)
+class DoneEvent(Event):
+    type: ClassVar[str] = "done"
+    step: int
+    tokens: int
+    seconds: float | None = None
+    reason: str | None = None           # "max_steps" or why it stopped
+    checkpoint: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceEvent(Event):
+    """A device sample (gptop's telemetry): every GPU, and the host."""
+
+    type: ClassVar[str] = "device"
+    devices: list[GpuReading]
+    cpu: CpuReading | None = None
+    mode: str | None = None             # "gpu" or "cpu"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrialEvent(Event):
+    """A tuning trial started (status running) or ended; a remeasure updates its trial's row."""
+
+    type: ClassVar[str] = "trial"
+    number: int | None
+    toggles: dict[str, Any]
+    status: str                         # running, ok, cut, pruned, infeasible
+    tokens_per_s: float | None = None
+    spread: float | None = None         # tokens/s
+    peak_mem: int | None = None
+    energy_per_token: float | None = None
+    reason: str | None = None
+    kind: str | None = None             # trial, baseline, remeasure
+    source: str | None = None
+    duration_s: float | None = None
+    remeasure_tokens_per_s: float | None = None
+    remeasure_spread: float | None = None
+    rollback: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ApplyEvent(Event):
+    type: ClassVar[str] = "apply"
+    toggles: dict[str, Any]
+    decision: dict[str, Any] | None = None
+    number: int | None = None
+    tokens_per_s: float | None = None
+    baseline_tokens_per_s: float | None = None
+    step: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TunerEvent(Event):
+    type: ClassVar[str] = "tuner"
+    phase: str
+    budget_left_s: float | None = None
+    trial: int | None = None
+    trials_run: int | None = None
+    trials_planned: int | None = None
+    study: str | None = None
+    outcome: str | None = None          # phase done: the decision, or why tuning ended
+    applied: bool | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class StatusEvent(Event):
+    """The session's status (starting, running, done, failed, ...): gptop's --json output."""
+
+    type: ClassVar[str] = "status"
+    status: str
+    message: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnknownEvent(Event):
+    """An event of a type this version does not know (a newer producer): kept, ignored by consumers."""
+
+    type: str  # type: ignore[misc]
+
+
+EVENT_TYPES: dict[str, type[Event]] = {c.type: c for c in (
+    HelloEvent, StepEvent, EvalEvent, CheckpointEvent, LogEvent, WarningEvent, ErrorEvent, DoneEvent,
+    DeviceEvent, TrialEvent, ApplyEvent, TunerEvent, StatusEvent)}
+RECORDS: tuple[type[Record], ...] = (GpuReading, CpuReading, ModelInfo)
+_BASE = ("v", "type", "time", "rank")
+
+
+# --------------------------------------------------------------------------- producing and writing
+
+
+def make(type: str, **fields: Any) -> Event:
+    """Build the event `type` from fields by name (the trainer's channel). Raises MalformedEvent (a
+    ValueError) for a wrong type or an undeclared field: a producer bug, caught by the tests."""
+    cls = EVENT_TYPES.get(type)
+    if cls is None:
+        raise MalformedEvent(f"unknown event type {type!r}; declare it in trainer.contract.events")
+    spec = _spec(cls)
+    unknown = [k for k in fields if k not in spec.names]
+    if unknown:
+        raise MalformedEvent(f"{type} event has no field {', '.join(map(repr, unknown))}; declare it in "
+                             f"trainer.contract.events.{cls.__name__}")
+    missing = [k for k in spec.required if k not in fields]
+    if missing:
+        raise MalformedEvent(f"{type} event missing {', '.join(missing)}")
+    return cls(**fields)
+
+
+def to_dict(event: Event | Record) -> dict[str, Any]:
+    """The wire form of an event: plain JSON-able values, `extra` merged back in. An event's optional
+    field that is None is left out (absent and null mean the same to a reader)."""
+    cls = event.__class__
+    spec = _spec(cls)
+    out: dict[str, Any] = {"v": event.v, "type": event.type} if isinstance(event, Event) else {}
+    for name, wire, omit_none in spec.writers:
+        value = getattr(event, name)
+        if value is None:
+            if not omit_none:
+                out[name] = None
+        else:
+            out[name] = value if wire is None else wire(value)
+    if event.extra:
+        for k, value in event.extra.items():
+            out.setdefault(k, value)
+    return out
 
 
 def json_safe(obj: Any) -> Any:
@@ -59,37 +378,342 @@ def json_safe(obj: Any) -> Any:
     return obj
 
 
-def dumps(event: dict[str, Any]) -> str:
-    return json.dumps(json_safe(event), separators=(",", ":"), allow_nan=False, default=str)
-
-
-def parse(line: str | bytes) -> dict[str, Any]:
-    """Parse and validate one line. Raises MalformedEvent; unknown types are allowed (newer producers)."""
+def finite_or_none(x: Any, scale: float = 1.0) -> float | None:
+    """`x * scale` as a finite float, or None (a driver's or a statistic's value that cannot be a number)."""
+    if x is None or isinstance(x, bool):
+        return None
     try:
-        event = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        f = float(x) * scale
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def dumps(event: Event) -> str:
+    """One JSON line (without the newline). Validated fields are already finite; free-form mappings
+    (`config`, `extra`, ...) are made JSON-safe only when they need it."""
+    d = to_dict(event)
+    try:
+        return json.dumps(d, separators=(",", ":"), allow_nan=False, default=str)
+    except ValueError:
+        return json.dumps(json_safe(d), separators=(",", ":"), allow_nan=False, default=str)
+
+
+# --------------------------------------------------------------------------- parsing and reading
+
+
+def parse(line: str | bytes) -> Event:
+    """Parse and validate one line. Raises MalformedEvent; an unknown type gives an UnknownEvent."""
+    try:
+        obj = json.loads(line)
+    except (ValueError, UnicodeDecodeError) as e:
         raise MalformedEvent(f"not JSON: {e}") from None
-    if not isinstance(event, dict):
+    return from_dict(obj)
+
+
+def from_dict(obj: Any) -> Event:
+    """Validate a decoded JSON object into its event class (see `parse`)."""
+    if not isinstance(obj, dict):
         raise MalformedEvent("not a JSON object")
-    for key in ("v", "type", "time", "rank"):
-        if key not in event:
+    for key in _BASE:
+        if key not in obj:
             raise MalformedEvent(f"missing {key!r}")
-    if not isinstance(event["v"], int) or event["v"] > SCHEMA_VERSION:
-        raise MalformedEvent(f"unsupported schema version {event['v']!r}")
-    missing = [k for k in REQUIRED.get(event["type"], ()) if k not in event]
-    if missing:
-        raise MalformedEvent(f"{event['type']} event missing {', '.join(missing)}")
-    return event
+    v, kind = obj["v"], obj["type"]
+    if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= SCHEMA_VERSION:
+        raise MalformedEvent(f"unsupported schema version {v!r}")
+    if not isinstance(kind, str):
+        raise MalformedEvent(f"'type' is {type(kind).__name__}, not a string")
+    cls = EVENT_TYPES.get(kind)
+    if cls is None:
+        return UnknownEvent(type=kind, v=v, time=obj["time"], rank=obj["rank"],
+                            extra={k: x for k, x in obj.items() if k not in _BASE})
+    return _build(cls, obj, skip=("type",))
 
 
-def read_events(path, *, strict: bool = False) -> Iterator[dict[str, Any]]:
-    """Events of a JSONL file, skipping malformed lines unless `strict`."""
+def read_events(path: str | Path, *, strict: bool = False,
+                on_malformed: Callable[[bytes, MalformedEvent], None] | None = None) -> Iterator[Event]:
+    """Events of a JSONL file. A malformed line is skipped (and passed to `on_malformed`, to be
+    counted), or raised with `strict`."""
     with open(path, "rb") as f:
         for line in f:
             if not line.strip():
                 continue
             try:
                 yield parse(line)
-            except MalformedEvent:
+            except MalformedEvent as e:
                 if strict:
                     raise
+                if on_malformed is not None:
+                    on_malformed(line.rstrip(b"\r\n"), e)
+
+
+# --------------------------------------------------------------------------- validation (internal)
+
+
+class _NonFinite(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class _Spec:
+    checks: tuple[tuple[str, Callable[[Any], Any]], ...]     # fields whose type needs a check: validate, normalise
+    by_name: dict[str, Callable[[Any], Any]]                  # every field a producer may set -> its check
+    writers: tuple[tuple[str, Callable[[Any], Any] | None, bool], ...]   # (field, to wire (None: as is), omit None)
+    names: frozenset[str]                                     # fields a producer may set by name
+    required: tuple[str, ...]
+    defaults: dict[str, Any]                                  # the other fields' defaults ...
+    factories: dict[str, Callable[[], Any]]                   # ... or default factories
+    where: str                                                # "step" (an event) or "GpuReading" (a record)
+
+
+_SPECS: dict[type, _Spec] = {}
+
+
+def _spec(cls: type) -> _Spec:
+    spec = _SPECS.get(cls)
+    if spec is None:
+        hints = typing.get_type_hints(cls)
+        checks, writers, names, required = [], [], [], []
+        by_name, defaults, factories = {}, {}, {}
+        is_event = issubclass(cls, Event)
+        for f in dataclasses.fields(cls):
+            check = _checker(hints[f.name])
+            if check is not _same:                            # Any: nothing to check
+                checks.append((f.name, check))
+            if f.default is not dataclasses.MISSING:
+                defaults[f.name] = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                factories[f.name] = f.default_factory
+            if f.name == "extra" or (is_event and f.name == "type"):
+                continue
+            names.append(f.name)
+            by_name[f.name] = check
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                required.append(f.name)
+            if not (is_event and f.name == "v"):
+                # an event's optional field left at None is not written (as producers always did); a record
+                # (a device reading) writes every field, null for what the device cannot tell
+                omit = is_event and f.default is None
+                writers.append((f.name, _writer(hints[f.name]), omit))
+        where = cls.type if is_event and isinstance(cls.type, str) else cls.__name__
+        spec = _SPECS[cls] = _Spec(tuple(checks), by_name, tuple(writers), frozenset(names), tuple(required),
+                                   defaults, factories, where)
+    return spec
+
+
+def _validate(obj: Event | Record) -> None:
+    """Check and normalise every field in place (the instance is frozen: set through object)."""
+    for name, check in _spec(obj.__class__).checks:
+        value = getattr(obj, name)
+        try:
+            new = check(value)
+        except _NonFinite:
+            raise MalformedEvent(f"{_where(obj)}.{name}: {value!r} is not a finite number") from None
+        except MalformedEvent as e:
+            raise MalformedEvent(f"{_where(obj)}.{name}: {e}") from None
+        if new is not value:
+            object.__setattr__(obj, name, new)
+
+
+def _where(obj: Any) -> str:
+    return obj.type if isinstance(obj, Event) else type(obj).__name__
+
+
+def _build(cls: type, d: dict[str, Any], skip: tuple[str, ...] = ()) -> Any:
+    """An instance of a dataclass from a mapping: declared fields by name (checked here, once), the rest
+    into `extra`. The instance is filled directly: what `__init__` and `__post_init__` would do again."""
+    spec = _spec(cls)
+    values = dict(spec.defaults)
+    extra: dict[str, Any] = {}
+    by_name = spec.by_name
+    for k, x in d.items():
+        check = by_name.get(k)
+        if check is None:
+            if k not in skip:
+                extra[k] = x
+            continue
+        try:
+            values[k] = check(x)
+        except _NonFinite:
+            raise MalformedEvent(f"{spec.where}.{k}: {x!r} is not a finite number") from None
+        except MalformedEvent as e:
+            raise MalformedEvent(f"{spec.where}.{k}: {e}") from None
+    for k in spec.required:
+        if k not in values:
+            what = f"{spec.where} event" if issubclass(cls, Event) else spec.where
+            raise MalformedEvent(f"{what} missing {', '.join(k for k in spec.required if k not in values)}")
+    for k, factory in spec.factories.items():
+        if k not in values:
+            values[k] = factory()
+    if not issubclass(cls, (Event, Record)):
+        return cls(**values)              # a contract dataclass of its own (DeviceInfo): its own __init__
+    values["extra"] = extra
+    obj = object.__new__(cls)
+    obj.__dict__.update(values)
+    return obj
+
+
+def _fail(expected: str, x: Any) -> MalformedEvent:
+    return MalformedEvent(f"expected {expected}, got {type(x).__name__} {str(x)[:60]!r}")
+
+
+def _checker(tp: Any) -> Callable[[Any], Any]:
+    """A function that validates a value of type `tp` and returns it normalised (or raises)."""
+    if tp is Any:
+        return _same
+    if tp is int:
+        return _int
+    if tp is float:
+        return _float
+    if tp is str:
+        return _str
+    if tp is bool:
+        return _bool
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) != 1:
+            raise TypeError(f"unsupported union {tp!r} in the event schema")
+        fast = _OPTIONAL.get(rest[0])
+        if fast is not None:
+            return fast
+        inner = _checker(rest[0])
+
+        def optional(x: Any) -> Any:
+            if x is None:
+                return None
+            try:
+                return inner(x)
+            except _NonFinite:
+                if isinstance(x, float):
+                    return None      # JSON has no NaN: null
+                raise                # a non-finite number inside a list or mapping of numbers
+        return optional
+    if origin is list:
+        item = _checker(args[0])
+        if item is _float:
+            return _float_list
+
+        def check_list(x: Any) -> Any:
+            if not isinstance(x, (list, tuple)):
+                raise _fail("a list", x)
+            if item is _same:
+                return x if isinstance(x, list) else list(x)
+            return [item(i) for i in x]
+        return check_list
+    if origin is tuple:
+        items = [_checker(a) for a in args]
+
+        def check_tuple(x: Any) -> Any:
+            if not isinstance(x, (list, tuple)) or len(x) != len(items):
+                raise _fail(f"a list of {len(items)}", x)
+            return tuple(c(i) for c, i in zip(items, x))
+        return check_tuple
+    if origin is dict:
+        value = _checker(args[1])
+
+        def check_dict(x: Any) -> Any:
+            if not isinstance(x, dict) or not all(isinstance(k, str) for k in x):
+                raise _fail("a mapping", x)
+            if value is _same:
+                return x
+            return {k: value(i) for k, i in x.items()}
+        return check_dict
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        def check_record(x: Any) -> Any:
+            if isinstance(x, tp):
+                return x
+            if not isinstance(x, dict):
+                raise _fail("a mapping", x)
+            return _build(tp, x)
+        return check_record
+    raise TypeError(f"unsupported type {tp!r} in the event schema")
+
+
+def _writer(tp: Any) -> Callable[[Any], Any] | None:
+    """How a validated value of type `tp` goes on the wire (None: as it is)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return _writer(next(a for a in args if a is not type(None)))
+    if origin is list:
+        item = _writer(args[0])
+        return None if item is None else (lambda x: [item(i) for i in x])
+    if origin is tuple:
+        return list
+    if isinstance(tp, type) and issubclass(tp, Record):
+        return to_dict
+    if tp is DeviceInfo:
+        return DeviceInfo.to_dict
+    return None
+
+
+def _same(x: Any) -> Any:
+    return x
+
+
+# The common cases without a call per level (events are parsed on the dashboard's reader thread).
+
+def _opt_float(x: Any) -> float | None:
+    if x is None:
+        return None
+    t = type(x)
+    if t is float:
+        return x if x - x == 0.0 else None      # JSON has no NaN: null
+    if t is int:
+        return x
+    return None if _float(x) is None else x    # raises for what is not a number
+
+
+def _opt_int(x: Any) -> int | None:
+    if x is None or type(x) is int:
+        return x
+    return _int(x)
+
+
+def _opt_str(x: Any) -> str | None:
+    if x is None or type(x) is str:
+        return x
+    return _str(x)
+
+
+def _float_list(x: Any) -> list[float]:
+    if type(x) is list:
+        for i in x:
+            if type(i) is not float or i - i != 0.0:
+                break
+        else:
+            return x                            # all finite floats: the list as it is
+    if not isinstance(x, (list, tuple)):
+        raise _fail("a list", x)
+    return [_float(i) for i in x]
+
+
+_OPTIONAL: dict[Any, Callable[[Any], Any]] = {float: _opt_float, int: _opt_int, str: _opt_str}
+
+
+def _int(x: Any) -> int:
+    if isinstance(x, int) and not isinstance(x, bool):
+        return x
+    raise _fail("an integer", x)
+
+
+def _float(x: Any) -> float:
+    if isinstance(x, float):
+        if x - x == 0.0:
+            return x
+        raise _NonFinite()
+    if isinstance(x, int) and not isinstance(x, bool):
+        return x
+    raise _fail("a number", x)
+
+
+def _str(x: Any) -> str:
+    if isinstance(x, str):
+        return x
+    raise _fail("a string", x)
+
+
+def _bool(x: Any) -> bool:
+    if isinstance(x, bool):
+        return x
+    raise _fail("true or false", x)
