@@ -16,8 +16,6 @@ Exit codes: 0 done, 1 the run failed, 2 bad usage, 130 interrupted.
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,9 +25,7 @@ from trainer.contract.config import ConfigError, TrainConfig, add_arguments, con
 from trainer.contract.rundir import default_run_dir, resume_config
 from trainer.contract.tools import add_export_arguments, add_sample_arguments
 
-from .session import EXIT_DONE, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, Session, SessionOptions
-
-TRAINER_EXIT_CONFIG = 2
+from .session import EXIT_FAILED, EXIT_USAGE, Session, SessionOptions, TuningOptions
 
 # gptop's own flags, converted and checked at parse time like the config's (trainer.contract.config.number_arg,
 # trainer.contract.inputs.path_arg): a bad value is exit 2 naming the flag before anything starts.
@@ -216,16 +212,19 @@ def cmd_run(ns: argparse.Namespace) -> int:
         raise ConfigError("--nnodes", "tuning restarts the trainer, which one gptop cannot do for other nodes; "
                                       "tune on one node (--nproc N) and train the nodes with its best.toml")
     options = SessionOptions(interval=ns.interval, restart_on_failure=ns.restart_on_failure,
-                             tensorboard=ns.tensorboard, launcher=launcher)
+                             tensorboard=ns.tensorboard, launcher=launcher,
+                             tuning=TuningOptions(space_spec=ns.tune_space, storage=ns.storage))   # the `t` key
     session = Session(cfg, options)
-    from .tuning import TuningDriver, install_toggler
-
-    install_toggler(session, space_spec=ns.tune_space, storage=ns.storage)   # `t` starts/stops tuning
     tuning = _tuning_request(ns)
     if tuning is not None:
-        TuningDriver(session, **tuning).attach()
+        session.start_tuning(TuningOptions(**tuning))
     if ns.no_ui:
-        code = _run_headless(session, ns, resume)
+        from .headless import HeadlessView
+
+        code = session.run_headless(HeadlessView(session.state, json=ns.json), resume=resume)
+        if code == EXIT_FAILED:
+            print(f"gptop: {session.state.status_message or 'the run failed'}", file=sys.stderr)
+        code = code if code is not None else EXIT_FAILED
     else:
         from .ui.app import run_app
 
@@ -252,30 +251,3 @@ def _tuning_request(ns: argparse.Namespace) -> dict[str, Any] | None:
         return None
     return {"budget_s": float(budget), "space_spec": ns.tune_space, "storage": ns.storage,
             "tune_only": getattr(ns, "tune_only", False)}
-
-
-def _run_headless(session: Session, ns: argparse.Namespace, resume: str | None) -> int:
-    from .headless import HeadlessView
-
-    view = HeadlessView(session.state, json=ns.json)
-    session.add_view(view)
-    presses = {"n": 0}
-
-    def on_signal(signum, frame):
-        presses["n"] += 1
-        session.stop(force=presses["n"] > 1)
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    try:
-        session.start(resume=resume)
-        while session.wait(0.2) is None:
-            pass
-        code = session.wait()
-    finally:
-        session.close()
-        view.close()
-        for s, h in old.items():
-            signal.signal(s, h)
-    if code == EXIT_FAILED:
-        print(f"gptop: {session.state.status_message or 'the run failed'}", file=sys.stderr)
-    return code if code is not None else EXIT_FAILED

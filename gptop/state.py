@@ -29,7 +29,9 @@ from trainer.contract.events import (PHASES, ApplyEvent, CheckpointEvent, CpuRea
                                      ErrorEvent, EvalEvent, Event, GpuReading, HelloEvent, LogEvent, ModelInfo,
                                      StepEvent, TrialEvent, TunerEvent, UnknownEvent, WarningEvent)
 
-STATUSES = ("starting", "running", "checkpointing", "stopping", "done", "failed", "restarting", "replay", "monitor")
+STATUSES = ("starting", "running", "checkpointing", "stopping", "done", "stopped", "failed", "restarting", "replay",
+            "monitor")
+ENDED = ("done", "stopped", "failed")      # the run is over: elapsed time stops
 
 # Areas a view can watch separately (`RunState.versions[area]`).
 AREAS = ("run", "step", "device", "log", "tuner")
@@ -227,7 +229,7 @@ class RunState:
         with self.lock:
             self.status = status
             self.status_message = message
-            if status in ("done", "failed"):
+            if status in ENDED:
                 if self.end_time is None:
                     self.end_time = self.now()
             else:

@@ -273,12 +273,16 @@ def test_commands_take_effect_on_the_same_step_on_every_rank(tmp_path):
     seen = threading.Event()
     ckpts: list[CheckpointEvent] = []
 
-    def hook(e):
-        if isinstance(e, StepEvent) and e.step >= 3:
-            seen.set()
-        if isinstance(e, CheckpointEvent):
-            ckpts.append(e)
-    s.hooks.append(hook)
+    class Watch:         # a view: sees every event the session sees
+        def on_event(self, e):
+            if isinstance(e, StepEvent) and e.step >= 3:
+                seen.set()
+            if isinstance(e, CheckpointEvent):
+                ckpts.append(e)
+
+        def on_log(self, line, stream): pass
+        def on_status(self, status, message): pass
+    s.add_view(Watch())
     try:
         s.start()
         assert seen.wait(90), s.state.logs

@@ -230,6 +230,26 @@ class TuneController:
     def trials_planned(self) -> int:
         return min(self.max_trials, self.space.size())
 
+    @property
+    def in_trial(self) -> bool:
+        """A trial (or the baseline, or a re-measurement) is running: its steps are its measurement."""
+        return self._active is not None
+
+    @property
+    def trial_step_ms(self) -> float:
+        """The running trial's median step time so far (NaN before it has one, or outside a trial)."""
+        return self._active.measure.step_ms if self._active is not None else math.nan
+
+    @property
+    def trial_stop(self) -> str | None:
+        """Why the running trial stopped measuring ("done", "prune", "budget", "timeout"), or None."""
+        return self._active.stop if self._active is not None else None
+
+    @property
+    def final(self) -> Done | None:
+        """The final decision once tuning is over (what to train on with, and why), else None."""
+        return self._final
+
     def _mb_attr(self) -> str:
         t = self.cfg.toggles
         return f"max_micro_batch:{t.precision}:{int(t.activation_checkpointing)}"

@@ -40,7 +40,7 @@ from gptop.ui.widgets import (DevicePanel, FailurePanel, GptopFooter, LogPanel, 
                               TunerPanel, Watcher)
 
 # Statuses in which there is no live trainer to stop gracefully: q exits at once.
-IDLE_STATUSES = ("done", "failed", "replay", "monitor")
+IDLE_STATUSES = ("done", "stopped", "failed", "replay", "monitor")
 LIVE_STATUSES = ("running", "checkpointing")
 
 HELP = [
@@ -226,7 +226,7 @@ class GptopApp(App[None]):
         (done or failed) stays on screen, with its error and the restart offer, until `q`."""
         if self.finished is None or not self.finished():
             return False
-        return self.stop_requested or self.state.status not in ("done", "failed")
+        return self.stop_requested or self.state.status not in ("done", "stopped", "failed")
 
     def _sync_layout(self) -> None:
         """Classes on #body that the stylesheet uses: failed, tuner idle; bindings follow the status."""
