@@ -45,7 +45,7 @@ from typing import Any
 
 from trainer.contract import events as ev
 from trainer.contract import rundir
-from trainer.contract.config import Toggles, TrainConfig
+from trainer.contract.config import AUTO, Toggles, TrainConfig
 
 STEADY = ("done", "prune", "budget", "timeout")
 TEST_FAULT_ENV = "GPTOP_TEST_TRIAL_FAULT"   # "N:KIND" or "N:KIND@K": KIND (nan, oom, crash, kill, compile) K steps
@@ -270,7 +270,7 @@ class TuningDriver:
             action = ctl.next_action()
             self._publish()
             if isinstance(action, FindMicroBatch):
-                ctl.set_max_micro_batch(hello.micro_batch if base_mb == "auto" else None)
+                ctl.set_max_micro_batch(hello.micro_batch if base_mb == AUTO else None)
                 continue
             if isinstance(action, (RunTrial, Remeasure)):
                 fault = None

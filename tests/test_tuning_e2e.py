@@ -37,7 +37,7 @@ from trainer.contract import rundir
 from trainer.contract.config import TrainConfig
 from trainer.contract.events import read_events, to_dict
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.process]
 
 SETUP = ["--model", "llama", "--size", "tiny", "--seq-len", "64", "--global-batch", "8", "--warmup-steps", "2",
          "--eval-every", "0", "--log-every", "1", "--device", "cpu"]
