@@ -25,6 +25,7 @@ from trainer.contract.config import ConfigError, TrainConfig, add_arguments, con
 from trainer.contract.rundir import default_run_dir, resume_config
 from trainer.contract.tools import add_export_arguments, add_sample_arguments
 
+from .commands import STOP_SIGNALS, TUI_STOP_SIGNALS, StopSignals
 from .session import EXIT_FAILED, EXIT_USAGE, Session, SessionOptions, TuningOptions
 
 # gptop's own flags, converted and checked at parse time like the config's (trainer.contract.config.number_arg,
@@ -204,6 +205,15 @@ def check_run_args(ns: argparse.Namespace, cfg: TrainConfig) -> None:
 
 
 def cmd_run(ns: argparse.Namespace) -> int:
+    # A stop asked for from here on (Ctrl-C, SIGTERM) is kept and acted on once the session runs.
+    signals = StopSignals(STOP_SIGNALS if ns.no_ui else TUI_STOP_SIGNALS).install()
+    try:
+        return _run(ns, signals)
+    finally:
+        signals.restore()
+
+
+def _run(ns: argparse.Namespace, signals: StopSignals) -> int:
     cfg = resolve_config(ns)
     check_run_args(ns, cfg)
     resume = cfg.checkpoint.resume
@@ -221,14 +231,14 @@ def cmd_run(ns: argparse.Namespace) -> int:
     if ns.no_ui:
         from .headless import HeadlessView
 
-        code = session.run_headless(HeadlessView(session.state, json=ns.json), resume=resume)
+        code = session.run_headless(HeadlessView(session.state, json=ns.json), resume=resume, signals=signals)
         if code == EXIT_FAILED:
             print(f"gptop: {session.state.status_message or 'the run failed'}", file=sys.stderr)
         code = code if code is not None else EXIT_FAILED
     else:
         from .ui.app import run_app
 
-        code = run_app(session, resume=resume)
+        code = run_app(session, resume=resume, signals=signals)
     err = session.state.last_error()
     if code == EXIT_FAILED and err is not None and err.kind == "config":
         return EXIT_USAGE

@@ -17,7 +17,6 @@ status, the exit code and the `--no-ui` loop.
 from __future__ import annotations
 
 import dataclasses
-import signal
 import threading
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -26,11 +25,11 @@ from trainer.contract import events as ev
 from trainer.contract.config import TrainConfig, cli_args
 from trainer.contract.rundir import has_checkpoint
 
+from .commands import StopSignals
 from .state import RunState
 from .supervisor import Supervisor, torchrun_failures, trainer_argv
 
 EXIT_DONE, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-HEADLESS_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)   # a stop the user asked for, in --no-ui
 DEFAULT_T_BUDGET_S = 600.0                 # the `t` key in a plain `gptop train`
 
 
@@ -154,28 +153,25 @@ class SessionBase:
         """Whether a `--no-ui` run of this session is over; waits up to `timeout` seconds."""
         return self.wait(timeout) is not None
 
-    def run_headless(self, view: View, resume: str | None = None) -> int | None:
+    def run_headless(self, view: View, resume: str | None = None,
+                     signals: StopSignals | None = None) -> int | None:
         """Run without the UI until the session is over, and return its exit code. Ctrl-C, SIGTERM or SIGHUP
-        is a graceful stop, a second one a forced stop (as `q` twice in the TUI)."""
+        is a graceful stop, a second one a forced stop (as `q` twice in the TUI); `signals` installed earlier
+        by the caller carries a stop asked for before the session ran (then nothing is started)."""
         self.add_view(view)
-        presses = 0
-
-        def on_signal(signum: int, frame: Any) -> None:
-            nonlocal presses
-            presses += 1
-            self.stop(force=presses > 1)
-
-        old = {s: signal.signal(s, on_signal) for s in HEADLESS_SIGNALS}
+        signals = signals or StopSignals()
+        signals.install()
         try:
-            self.start(resume=resume)
+            signals.attach(lambda force: self.stop(force=force))
+            if not self.finished:
+                self.start(resume=resume)
             while not self.headless_over(0.2):
                 pass
             return self.wait(0)
         finally:
             self.close()
             view.close()
-            for s, h in old.items():
-                signal.signal(s, h)
+            signals.restore()
 
 
 class Session(SessionBase):
@@ -211,8 +207,11 @@ class Session(SessionBase):
         self.spawn(resume=resume)
 
     def spawn(self, cfg: TrainConfig | None = None, resume: str | None = None) -> None:
-        """Start (or restart) the trainer process with `cfg` (default: the session's)."""
+        """Start (or restart) the trainer process with `cfg` (default: the session's). A session that is over
+        (stopped before its trainer started, say) starts nothing."""
         with self._lock:
+            if self.finished:
+                return
             if cfg is not None:
                 self.cfg = cfg
             run_cfg = dataclasses.replace(self.cfg)
