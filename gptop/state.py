@@ -24,12 +24,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from trainer.contract.capabilities import native_bf16
 from trainer.contract.device import DeviceInfo
 from trainer.contract.events import (PHASES, ApplyEvent, CheckpointEvent, CpuReading, DeviceEvent, DoneEvent,
                                      ErrorEvent, EvalEvent, Event, GpuReading, HelloEvent, LogEvent, ModelInfo,
                                      StepEvent, TrialEvent, TunerEvent, UnknownEvent, WarningEvent)
 
-STATUSES = ("starting", "running", "checkpointing", "stopping", "done", "failed", "restarting", "replay", "monitor")
+STATUSES = ("starting", "running", "checkpointing", "stopping", "done", "stopped", "failed", "restarting", "replay",
+            "monitor")
+ENDED = ("done", "stopped", "failed")      # the run is over: elapsed time stops
 
 # Areas a view can watch separately (`RunState.versions[area]`).
 AREAS = ("run", "step", "device", "log", "tuner")
@@ -227,7 +230,7 @@ class RunState:
         with self.lock:
             self.status = status
             self.status_message = message
-            if status in ("done", "failed"):
+            if status in ENDED:
                 if self.end_time is None:
                     self.end_time = self.now()
             else:
@@ -569,9 +572,7 @@ class RunState:
             if t.get("compile", "off") == "off":
                 tips.append("--compile default")
             prec = t.get("precision", "fp32")
-            # native bf16 only: CUDA 8.0+, or a CPU whose oneDNN has bf16 kernels (trainer.contract.capabilities.slow)
-            bf16_ok = dev.at_least(8, 0) if cuda else (dev is None or dev.cpu_bf16)
-            if prec in ("fp32", "tf32") and bf16_ok:
+            if prec in ("fp32", "tf32") and native_bf16(dev):
                 tips.append("--precision bf16")
             if not tips:
                 return f"compute-bound: forward+backward are {compute:.0f}% of the step"

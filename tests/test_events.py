@@ -320,6 +320,7 @@ def test_monitor_replay_counts_malformed_lines(tmp_path):
     assert len([e for e in good if isinstance(e, ev.StepEvent)]) == 3
 
 
+@pytest.mark.process
 def test_supervisor_counts_malformed_lines_from_the_socket(tmp_path):
     """The live path: a process writes good and bad lines to the channel socket; the bad ones are reported
     (the session counts them) and the reader goes on."""

@@ -190,6 +190,7 @@ def test_gptop_rejects_bad_input_before_starting_anything(tmp_path, monkeypatch,
     assert exited.value.code == 2 and "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.process
 def test_gptop_runs_a_tool_to_its_end(monkeypatch):
     """Exit codes pass through; a tool past its time limit, or asked to stop, is ended, not left behind."""
     import threading
@@ -520,6 +521,7 @@ PLAIN = textwrap.dedent("""
 """)
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_plain_transformers_loads_every_export(all_runs, exports, tmp_path):
     """No gptop: AutoModelForCausalLM + AutoTokenizer load each export (three families, a 2-rank DCP
@@ -552,6 +554,7 @@ def test_plain_transformers_loads_every_export(all_runs, exports, tmp_path):
             assert s["mask"] == ref.mask_id
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_gptop_sample_every_family(all_runs, exports):
     """`gptop sample --json`: a result line per run (and from a llada export, which samples as llada)."""
@@ -577,6 +580,7 @@ def test_gptop_sample_every_family(all_runs, exports):
     assert a.completion == b.completion and b.step is None
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_gptop_train_fine_tunes_exports(exports, tmp_path):
     """`gptop train --model OUT_DIR` fine-tunes an export; a llada export trains with the llada objective."""

@@ -175,6 +175,7 @@ def test_unsupported_toggle_is_a_config_error(tmp_path):
     assert err.kind == "config" and "--precision" in err.message and "8.9" in err.message
 
 
+@pytest.mark.process
 def test_bad_usage_exits_2_naming_the_option(tmp_path):
     proc = subprocess.run(trainer_cmd("--micro-batch", "3", "--global-batch", "4", "--size", "tiny",
                                       "--run-dir", str(tmp_path / "r"), "--device", "cpu"),
@@ -211,6 +212,7 @@ def test_profile_trace_written(tmp_path):
     assert trace.is_file() and json.loads(trace.read_text())["traceEvents"]
 
 
+@pytest.mark.process
 def test_sigterm_is_a_graceful_stop(tmp_path):
     run_dir = tmp_path / "r"
     proc = subprocess.Popen(trainer_cmd(*TINY, "--max-steps", "100000", "--run-dir", str(run_dir)),
@@ -233,6 +235,7 @@ def test_sigterm_is_a_graceful_stop(tmp_path):
     assert rundir.list_checkpoints(run_dir)[-1].step == done.step
 
 
+@pytest.mark.process
 @pytest.mark.compile
 def test_compile_default_trains(tmp_path):
     code, events, _ = run(tmp_path, "--max-steps", "3", "--compile", "default")

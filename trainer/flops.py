@@ -40,7 +40,6 @@ for the rest of the run, with a warning event that says why.
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from pathlib import Path
@@ -48,6 +47,7 @@ from typing import Any
 
 import torch
 
+from .contract.atomic import atomic_write
 from .contract.device import DeviceInfo
 from .contract.device import cpu_name as default_cpu_name
 
@@ -188,10 +188,7 @@ def _read_table(path: Path) -> dict[str, Any]:
 
 def _write_table(path: Path, table: dict[str, Any]) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps(table, indent=1, sort_keys=True))
     except OSError:
         pass                                         # a read-only home still gets an MFU, just not cached
 

@@ -26,7 +26,8 @@ PHASE_STYLE = {"data": "yellow", "forward": "green", "backward": "dodger_blue1",
 PHASE_SHORT = {"data": "data", "forward": "fwd", "backward": "bwd", "optimizer": "opt", "other": "other"}
 STATUS_STYLE = {"running": "bold green", "starting": "bold yellow", "restarting": "bold yellow",
                 "checkpointing": "bold cyan", "stopping": "bold yellow", "done": "bold dodger_blue1",
-                "failed": "bold red", "replay": "bold magenta", "monitor": "bold magenta"}
+                "stopped": "bold dodger_blue1", "failed": "bold red", "replay": "bold magenta",
+                "monitor": "bold magenta"}
 TRIAL_STYLE = {"running": "yellow", "ok": "green", "kept": "green", "cut": "dark_khaki", "pruned": "grey62",
                "rolled_back": "red", "infeasible": "red", "failed": "red"}
 TRACK = "grey23"
@@ -142,13 +143,13 @@ def header(state: RunState, width: int) -> RenderableType:
         prog = state.progress()
         steps = f"step {step if step is not None else '–'}/{total if total is not None else '?'}"
         parts = [f"{fmt_num(state.tokens)} tokens", f"elapsed {fmt_duration(state.elapsed())}"]
-        if status not in ("done", "replay", "failed"):
+        if status not in ("done", "stopped", "replay", "failed"):
             parts.append(f"ETA {fmt_duration(state.eta())}")
         if state.malformed:
             parts.append(f"{state.malformed} bad events")
         if status not in ("running", "failed", "replay") and state.status_message:
             parts.append(state.status_message)
-        if status in ("done", "replay"):
+        if status in ("done", "stopped", "replay"):
             parts.append("q to quit")
         tail = " · " + " · ".join(parts)
         room = width - len(steps) - 7

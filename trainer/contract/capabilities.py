@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from typing import Sequence
 
 from .config import ATTENTIONS, ALLOCATORS, COMPILE_MODES, PRECISIONS, ConfigError, Toggles, flag_of
 from .device import DeviceInfo
@@ -28,6 +29,41 @@ CHOICES: dict[str, tuple] = {
     "fused_adamw": (False, True),
     "activation_checkpointing": (False, True),
 }
+
+
+# Bytes per activation element under each precision (the fp8 recipes keep bf16 activations between matmuls):
+# a narrower precision fits about twice the micro-batch in the same memory.
+ACTIVATION_BYTES: dict[str, int] = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8-tensorwise": 2,
+                                    "fp8-rowwise": 2}
+
+
+def activation_bytes(precision: str) -> int:
+    return ACTIVATION_BYTES.get(precision, 4)
+
+
+def native_bf16(dev: DeviceInfo | None) -> bool:
+    """Whether bf16 runs at full speed on `dev`: CUDA with compute capability 8.0+, or a CPU whose oneDNN has
+    bf16 kernels (see `slow`). An unknown device (no hello yet) is given the benefit of the doubt."""
+    if dev is None:
+        return True
+    return dev.at_least(8, 0) if dev.is_cuda else dev.cpu_bf16
+
+
+def recipe(base: Toggles, dev: DeviceInfo, precisions: Sequence[str]) -> Toggles:
+    """A known-good starting point on `dev` (the tuner's first guess after the baseline), from `base` with
+    the precision chosen among `precisions` (the ones a search may use). The caller sets the micro-batch."""
+    t = dataclasses.replace(base)
+    if dev.is_cuda:
+        t.precision = "bf16" if dev.at_least(8, 0) else ("fp16" if "fp16" in precisions else "fp32")
+        t.compile = "default"
+    else:
+        t.precision = "fp32"   # CPU bf16 autocast is slower than fp32 without AMX; fp32 is the safe bet
+        # and no compile: on a CPU inductor's C++ build takes minutes for a gain the sampler can still find
+    t.fused_adamw = True
+    t.activation_checkpointing = False
+    t.attention = "sdpa"
+    t.prefetch = 2
+    return t
 
 
 def _torchao_float8() -> bool:
