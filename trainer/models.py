@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from .contract.config import FAMILIES, ConfigError, ModelConfig, Toggles
+from .contract.config import FAMILIES, ConfigError, FinetuneConfig, ModelConfig, Toggles
 from .contract.inputs import is_model_path
 from .contract.device import DeviceInfo
 from . import flops as _flops
@@ -114,6 +114,11 @@ class ModelBundle:
     flops_per_token: int     # for training (fwd+bwd), torchtitan formula with seq_len
     objective: str           # "causal" | "llada"
     mask_id: int | None
+    trainable_params: int | None = None   # parameters that train (LoRA: the adapters); None: all of them
+
+    def __post_init__(self) -> None:
+        if self.trainable_params is None:
+            self.trainable_params = self.total_params
 
     @property
     def is_moe(self) -> bool:
@@ -305,14 +310,29 @@ def _attention_shape(cfg: Any) -> tuple[int, int, int, int]:
 
 
 def training_flops_per_token(model: torch.nn.Module, cfg: Any, seq_len: int) -> int:
-    """torchtitan's FLOPs per token for a built model (see trainer.flops)."""
-    c = count_params(model, cfg)
+    """torchtitan's FLOPs per token for a built model (see trainer.flops), frozen weights counted at 4 not 6.
+
+    N is split into the active non-embedding parameters that train (6 FLOPs each per token) and the
+    frozen ones (a LoRA base: 4, no weight gradient), see `trainer.flops.flops_per_token`."""
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     # The input embedding is a lookup, not a matmul; the output head is a matmul.
     # With tied weights the one matrix is the head, so it stays in N.
-    nonembed = c["active"] - (0 if tied else c["embedding"])
+    emb = model.get_input_embeddings()
+    skip = None if tied or emb is None else emb.weight
+    sums = {(t, r): 0 for t in (True, False) for r in (True, False)}      # (trains, routed expert) -> params
+    for name, p in model.named_parameters():
+        if p is skip:
+            continue
+        sums[(p.requires_grad, ".mlp.experts." in name)] += p.numel()
+    moe = _moe_shape(cfg)
+
+    def active(trains: bool) -> int:
+        routed = sums[(trains, True)]
+        return sums[(trains, False)] + (routed * moe[0] // moe[1] if moe and routed else routed)
+
     layers, heads, qk, v = _attention_shape(cfg)
-    return _flops.flops_per_token(nonembed, layers, heads, qk, seq_len, v_head_dim=v)
+    return _flops.flops_per_token(active(True), layers, heads, qk, seq_len, v_head_dim=v,
+                                  frozen_params=active(False))
 
 
 _COUNT_CACHE: dict[tuple[str, str, int], dict[str, int]] = {}
@@ -359,17 +379,40 @@ def model_table_markdown(vocab_size: int = DEFAULT_VOCAB) -> str:
 # --- building -----------------------------------------------------------------------
 
 def build_model(mcfg: ModelConfig, *, vocab_size: int, seq_len: int, toggles: Toggles, dev: DeviceInfo,
-                mask_id: int | None = None, seed: int = 0) -> ModelBundle:
+                mask_id: int | None = None, seed: int = 0, finetune: FinetuneConfig | None = None) -> ModelBundle:
     """Build the model of a run on the CPU in fp32; the trainer moves it to the device.
 
     `vocab_size` is the tokenizer's; the model's is padded. Initialization uses
     its own RNG seeded with `seed`, so it leaves the global RNG untouched and is
     the same whatever ran before. fp8 conversion is not done here (it needs the
-    model on the GPU): see trainer.fp8.
+    model on the GPU): see trainer.fp8. With `finetune.lora` the model is wrapped with LoRA adapters
+    (trainer.lora) and only those train.
     """
+    bundle = _build_base(mcfg, vocab_size=vocab_size, seq_len=seq_len, toggles=toggles, dev=dev, mask_id=mask_id,
+                         seed=seed, finetune=finetune)
+    if finetune is None or not finetune.enabled:
+        return bundle
+    from .lora import apply_lora
+
+    model = apply_lora(bundle.model, finetune, seed)
+    bundle.model = model
+    bundle.trainable_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    counts = count_params(model, bundle.hf_config)                                  # base + adapters
+    bundle.total_params, bundle.active_params = counts["total"], counts["active"]
+    bundle.flops_per_token = training_flops_per_token(model, bundle.hf_config, seq_len)
+    return bundle
+
+
+def _build_base(mcfg: ModelConfig, *, vocab_size: int, seq_len: int, toggles: Toggles, dev: DeviceInfo,
+                mask_id: int | None, seed: int, finetune: FinetuneConfig | None) -> ModelBundle:
+    quantize = finetune.quantize_base if finetune is not None and finetune.enabled else "none"
     if is_pretrained_path(mcfg.model):
         return _load_pretrained(mcfg.model, vocab_size=vocab_size, seq_len=seq_len, toggles=toggles,
-                                mask_id=mask_id)
+                                mask_id=mask_id, quantize=finetune if quantize != "none" else None, dev=dev)
+    if quantize != "none":
+        raise ConfigError("--quantize-base", f"{quantize} quantizes pretrained weights; the family {mcfg.model} "
+                                             f"starts from random ones. Fine-tune a model directory (--model DIR) "
+                                             f"or drop --quantize-base")
     family = mcfg.model
     if family not in FAMILIES:
         raise ConfigError("--model", f"{family!r} is neither a family ({', '.join(FAMILIES)}) nor a local "
@@ -413,12 +456,20 @@ def _apply_toggles(model: torch.nn.Module, toggles: Toggles) -> None:
 
 
 def _load_pretrained(path: str, *, vocab_size: int, seq_len: int, toggles: Toggles,
-                     mask_id: int | None) -> ModelBundle:
-    """Fine-tune a local HF causal LM from its weights (no network)."""
+                     mask_id: int | None, quantize: FinetuneConfig | None = None,
+                     dev: DeviceInfo | None = None) -> ModelBundle:
+    """Fine-tune a local HF causal LM from its weights (no network); `quantize`: a QLoRA base on `dev`."""
     transformers = _transformers()
+    extra: dict[str, Any] = {}
+    if quantize is not None:
+        from .lora import quantization_config
+
+        # bitsandbytes quantizes while loading, on the GPU (see trainer.lora; documentation-verified only)
+        extra = {"quantization_config": quantization_config(quantize, toggles.precision),
+                 "device_map": {"": str(dev.torch_device) if dev is not None else 0}}
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, dtype=torch.float32, attn_implementation=toggles.attention)
+            path, local_files_only=True, dtype=torch.float32, attn_implementation=toggles.attention, **extra)
     except (OSError, ValueError) as e:
         raise ConfigError("--model", f"cannot load a causal LM from {path}: {e}") from None
     cfg = model.config
@@ -438,7 +489,8 @@ def _load_pretrained(path: str, *, vocab_size: int, seq_len: int, toggles: Toggl
         model.resize_token_embeddings(vocab_size, pad_to_multiple_of=VOCAB_MULTIPLE)
     if mask is not None and mask >= model.get_input_embeddings().weight.shape[0]:
         raise ConfigError("--model", f"mask id {mask} is outside the vocabulary of {path}")
-    model.to(torch.float32)
+    if quantize is None:
+        model.to(torch.float32)
     _apply_toggles(model, toggles)
     counts = count_params(model, cfg)
     return ModelBundle(model=model, family="pretrained", size="pretrained", hf_config=cfg,
