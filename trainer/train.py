@@ -481,7 +481,7 @@ class Trainer:
         idle = [t.gpu_idle_ms for t in timings if t.gpu_idle_ms is not None]
         fields: dict[str, Any] = dict(
             step=self.progress.step, tokens=self.progress.tokens, loss=loss,
-            lr=self.optimizer.param_groups[0]["lr"], grad_norm=grad_norm, step_ms=step_ms, phases_ms=phases,
+            lr=float(self.optimizer.param_groups[0]["lr"]), grad_norm=grad_norm, step_ms=step_ms, phases_ms=phases,
             tokens_per_s=tokens_per_s, mfu=self._checked_mfu(tokens_per_s),
             mem_bytes=self.meter.peak(), interval_steps=n, wall_ms=wall * 1e3 / n,
             optim_state_bytes=optim.state_bytes(self.optimizer))
