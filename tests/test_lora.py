@@ -264,3 +264,21 @@ def test_low_bit_adamw_trains_and_resumes(tmp_path, optimizer, ratio):
 @pytest.mark.compile
 def test_lora_with_an_8bit_optimizer_resumes(tmp_path, model_dir):
     _train_and_resume(tmp_path, "--model", str(model_dir), *LORA, "--optimizer", "adamw-8bit")
+
+
+# --- what the dashboard and the headless lines show -------------------------------------------
+
+def test_views_show_trainable_params_and_optimizer_state():
+    from gptop.headless import step_line
+    from gptop.state import RunState, model_summary
+    from trainer.contract.events import ModelInfo, StepEvent
+
+    lora = ModelInfo(family="pretrained", size="pretrained", total_params=3_000_000, active_params=3_000_000,
+                     trainable_params=75_000)
+    assert model_summary(lora).endswith("3.0M params · 75.0k trainable (2.5%)")
+    full = ModelInfo(family="llama", size="tiny", total_params=3_000_000, active_params=3_000_000,
+                     trainable_params=3_000_000)
+    assert "trainable" not in model_summary(full)
+    step = StepEvent(step=1, tokens=256, loss=2.0, lr=1e-3, grad_norm=1.0, step_ms=10.0, phases_ms=None,
+                     tokens_per_s=100.0, mfu=None, mem_bytes=1 << 20, optim_state_bytes=2 << 20)
+    assert "mem 1.0 MB (optimizer 2.0 MB)" in step_line(step, RunState())
