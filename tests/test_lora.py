@@ -282,3 +282,100 @@ def test_views_show_trainable_params_and_optimizer_state():
     step = StepEvent(step=1, tokens=256, loss=2.0, lr=1e-3, grad_norm=1.0, step_ms=10.0, phases_ms=None,
                      tokens_per_s=100.0, mfu=None, mem_bytes=1 << 20, optim_state_bytes=2 << 20)
     assert "mem 1.0 MB (optimizer 2.0 MB)" in step_line(step, RunState())
+
+
+# --- export: the adapter in peft's format, or merged --------------------------------------------
+
+# Runs in `python -I` outside the repository, with gptop's packages made unimportable: what a user
+# without gptop does with each export.
+PLAIN = """
+import importlib.abc, json, sys
+class NoGptop(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("gptop", "trainer", "tuner"):
+            raise ModuleNotFoundError(f"{name} must not be needed")
+sys.meta_path.insert(0, NoGptop())
+import torch
+from transformers import AutoModelForCausalLM
+from peft import AutoPeftModelForCausalLM
+torch.set_num_threads(1)
+job = json.loads(sys.argv[1])
+ids = torch.load(job["ids"])
+adapter = AutoPeftModelForCausalLM.from_pretrained(job["adapter"]).eval()
+merged = AutoModelForCausalLM.from_pretrained(job["merged"]).eval()
+with torch.no_grad():
+    torch.save({"adapter": adapter(input_ids=ids).logits, "merged": merged(input_ids=ids).logits}, job["out"])
+print(json.dumps({"adapter": type(adapter).__name__, "merged": type(merged).__name__}))
+"""
+
+
+def _export(run_dir, out_dir, *flags):
+    import argparse
+
+    from trainer.contract import tools
+    from trainer.export import export
+
+    p = argparse.ArgumentParser()
+    tools.add_export_arguments(p)
+    return export(p.parse_args([str(run_dir), str(out_dir), *flags]), log=lambda s: None)
+
+
+@pytest.mark.slow        # starts a plain Python
+@pytest.mark.parametrize("source", ["model_dir", "llama"])
+def test_lora_exports_load_with_peft_and_plain_transformers(tmp_path, model_dir, source):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from trainer.contract import tools
+    from trainer.export import check_batch, load_for_inference
+
+    model = str(model_dir) if source == "model_dir" else "llama"
+    code, _, run_dir = run(tmp_path, "--model", model, *LORA, "--max-steps", "3")
+    assert code == EXIT_OK
+    adapter = _export(run_dir, tmp_path / "adapter")
+    assert adapter["format"] == "peft-adapter"
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= set(adapter["files"])
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 8 and config["base_model_name_or_path"] == adapter["base_model"]
+    if source == "model_dir":
+        assert adapter["base_model"] == str(model_dir.resolve())
+    else:
+        assert adapter["base_model"] == str((tmp_path / "adapter" / "base").resolve())
+    merged = _export(run_dir, tmp_path / "merged", "--merge")
+    assert merged["format"] == "merged" and "model.safetensors" in merged["files"]
+    assert not any("lora" in k for k in json.loads((tmp_path / "merged" / "config.json").read_text()))
+
+    ref = load_for_inference(run_dir, tools.check_export(argparse_ns(run_dir, tmp_path / "x")), log=lambda s: None)
+    ids = check_batch(len(ref.tokenizer), None, 32, seed=3)
+    with torch.no_grad():
+        want = ref.model(input_ids=ids).logits
+    torch.save(ids, tmp_path / "ids.pt")
+    job = {"ids": str(tmp_path / "ids.pt"), "adapter": str(tmp_path / "adapter"), "merged": str(tmp_path / "merged"),
+           "out": str(tmp_path / "logits.pt")}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-I", "-c", PLAIN, json.dumps(job)], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"adapter": "PeftModelForCausalLM",
+                                                             "merged": "LlamaForCausalLM"}
+    got = torch.load(tmp_path / "logits.pt")
+    assert torch.equal(got["adapter"], want)
+    assert torch.allclose(got["merged"], want, atol=1e-4, rtol=0)     # merging rounds W + (a/r) B A once
+
+
+def argparse_ns(run_dir, out_dir):
+    import argparse
+
+    return argparse.Namespace(run_dir=str(run_dir), out_dir=str(out_dir), step=None, force=False, json=True,
+                              merge=False)
+
+
+def test_merge_without_lora_is_refused(tmp_path):
+    code, _, run_dir = run(tmp_path, "--model", "llama", "--max-steps", "1")
+    assert code == EXIT_OK
+    with pytest.raises(ConfigError) as e:
+        _export(run_dir, tmp_path / "out", "--merge")
+    assert e.value.option == "--merge" and "no --lora" in e.value.message
+    assert not (tmp_path / "out").exists()
