@@ -379,3 +379,10 @@ def test_merge_without_lora_is_refused(tmp_path):
         _export(run_dir, tmp_path / "out", "--merge")
     assert e.value.option == "--merge" and "no --lora" in e.value.message
     assert not (tmp_path / "out").exists()
+
+
+def test_lora_with_fsdp_is_refused_naming_the_option():
+    cfg = parse_config([*TINY, "--lora", "8", "--parallel", "fsdp"])       # one process: --parallel is ignored
+    with pytest.raises(ConfigError) as e:
+        cfg.validate(world_size=2)
+    assert e.value.option == "--parallel" and "ddp" in e.value.message

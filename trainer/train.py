@@ -648,7 +648,8 @@ def main_run(cfg: TrainConfig) -> int:
     except torch.OutOfMemoryError as e:
         extra = {"toggles": cfg.to_dict()["toggles"], "memory": trainer.memory_figures() if trainer else {}}
         return _report(trainer, "oom", f"out of memory: {str(e).splitlines()[0] if str(e) else ''} -- try a smaller "
-                                       f"--micro-batch, --activation-checkpointing or bf16", EXIT_OOM, **extra)
+                                       f"--micro-batch, --activation-checkpointing, bf16, --optimizer adamw-8bit or "
+                                       f"--lora R", EXIT_OOM, **extra)
     except Exception as e:
         if trainer is not None and trainer.world > 1 and D.is_comm_error(e):
             first = str(e).splitlines()[0] if str(e) else type(e).__name__

@@ -350,6 +350,10 @@ class TrainConfig:
         if ft.quantize_base != "none" and not ft.enabled:
             raise ConfigError("--quantize-base", f"{ft.quantize_base} quantizes the frozen base of a LoRA run; "
                                                  f"add --lora R (e.g. --lora 8), or drop --quantize-base")
+        if ft.enabled and world_size > 1 and self.run.parallel == "fsdp":
+            raise ConfigError("--parallel", "fsdp with --lora is not supported (FSDP2 would shard the frozen base "
+                                            "and the adapters together); use --parallel ddp, which replicates the "
+                                            "base and all-reduces only the adapters' gradients")
         if ft.quantize_base != "none" and world_size > 1:
             raise ConfigError("--quantize-base", f"{ft.quantize_base} runs on one process; drop --nproc or "
                                                  f"--quantize-base")
