@@ -205,6 +205,10 @@ def test_low_bit_optimizers_are_gated_on_a_compiler(monkeypatch):
         assert "compiler" in capabilities.support("optimizer", value, no_cc)
     for value in ("adamw", "adafactor"):
         assert capabilities.support("optimizer", value, no_cc) is None
+    assert "7-12x slower" in capabilities.slow("optimizer", "adamw-8bit", CPU)     # runs, with a warning
+    assert capabilities.slow("optimizer", "adamw-8bit", H100) is None
+    (line,) = capabilities.slow_config(parse_config([*TINY, "--optimizer", "adamw-4bit"]), CPU)
+    assert line.startswith("--optimizer adamw-4bit: torchao's")
     monkeypatch.setattr(capabilities, "_installed", lambda m: m != "torchao")
     assert "pip install torchao" in capabilities.support("optimizer", "adamw-8bit", CPU)
 

@@ -75,7 +75,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
         cls = AdamW8bit if name == "adamw-8bit" else AdamW4bit
         return cls(groups, lr=lr, betas=BETAS, eps=EPS)
     if name == "adafactor":
-        return torch.optim.Adafactor(groups, lr=lr, foreach=False)
+        return torch.optim.Adafactor(groups, lr=lr)
     raise ValueError(f"unknown optimizer {name!r}")
 
 

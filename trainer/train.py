@@ -188,7 +188,7 @@ class Trainer:
                  f"({self.bundle.active_params / 1e6:.1f}M active, {self.bundle.trainable_params / 1e6:.2f}M trained) "
                  f"on {self.dev.name}; micro-batch {self.micro_batch} "
                  f"x {self.accum} accumulation{ranks}; run dir {self.run_dir}")
-        for slow in capabilities.slow_choices(cfg.toggles, self.dev):   # runs, but the user should know
+        for slow in capabilities.slow_config(cfg, self.dev):   # runs, but the user should know
             self.log(f"warning: {slow}")
             self.emit0("warning", message=slow, kind="slow_toggle")
 

@@ -111,6 +111,9 @@ def slow(name: str, value, dev: DeviceInfo) -> str | None:
     if name == "precision" and value == "bf16" and not dev.is_cuda and not dev.cpu_bf16:
         return ("this CPU has no native bf16 (oneDNN needs AVX-512 or newer), so bf16 matmuls are emulated, "
                 "about 100x slower than fp32")
+    if name == "optimizer" and value in ("adamw-8bit", "adamw-4bit") and not dev.is_cuda:
+        return (f"torchao's {value} is made for GPUs: on the CPU its compiled per-tensor update made whole steps "
+                f"7-12x slower than adamw (bench/finetune.py); it saves memory, not time")
     return None
 
 
@@ -131,6 +134,18 @@ def slow_choices(toggles: Toggles, dev: DeviceInfo) -> list[str]:
         reason = slow(f.name, value, dev)
         if reason:
             out.append(f"{flag_of(f)} {value}: {reason}")
+    return out
+
+
+def slow_config(cfg: TrainConfig, dev: DeviceInfo) -> list[str]:
+    """`slow_choices` for the toggles and every other gated option (GATED_OPTIONS) of a run's config."""
+    out = slow_choices(cfg.toggles, dev)
+    for name, section in GATED_OPTIONS.items():
+        obj = getattr(cfg, section)
+        f = next(f for f in dataclasses.fields(obj) if f.name == name)
+        reason = slow(name, getattr(obj, name), dev)
+        if reason:
+            out.append(f"{flag_of(f)} {getattr(obj, name)}: {reason}")
     return out
 
 
