@@ -390,3 +390,17 @@ def test_lora_with_fsdp_is_refused_naming_the_option():
     with pytest.raises(ConfigError) as e:
         cfg.validate(world_size=2)
     assert e.value.option == "--parallel" and "ddp" in e.value.message
+
+
+def test_a_lora_run_samples(tmp_path):
+    import argparse
+
+    from trainer.contract import tools
+    from trainer.sample import sample
+
+    code, _, run_dir = run(tmp_path, "--model", "llama", *LORA, "--max-steps", "2")
+    assert code == EXIT_OK
+    p = argparse.ArgumentParser()
+    tools.add_sample_arguments(p)
+    result = sample(p.parse_args([str(run_dir), "--prompt", "def f(", "--max-new-tokens", "5", "--temperature", "0"]))
+    assert result.step == 2 and result.new_tokens == 5 and result.stopped == "max_new_tokens"
