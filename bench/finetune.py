@@ -11,9 +11,11 @@ process each, in turn. Per configuration it reports:
 - optimizer state: `optim_state_bytes` of the last step event (what the moments occupy as stored),
 - tokens/s: the median over the steps after the first two (warm-up, torch.compile of torchao's step),
 
-and each figure as a ratio against full fine-tuning with AdamW measured in the same run.
+and each figure as a ratio against full fine-tuning with AdamW measured in the same run. With `--rounds N`
+every configuration runs once per round, in turn (so drift of a shared machine's load hits all alike), and
+each figure is the median over the rounds.
 
-    python bench/finetune.py [--steps 8] [--hidden 512] [--layers 8] [--seq-len 128] [--device cpu]
+    python bench/finetune.py [--rounds 1] [--steps 8] [--hidden 512] [--layers 8] [--seq-len 128] [--device cpu]
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ def run(model: Path, extra: list[str], args: argparse.Namespace) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
@@ -94,10 +97,15 @@ def main() -> None:
         n = make_model(model, args.hidden, args.layers)
         print(f"model: llama {args.hidden} x {args.layers} layers, {n / 1e6:.1f}M params; seq {args.seq_len}, "
               f"batch {args.batch}, {args.steps} steps, {args.device}", flush=True)
-        results = {}
-        for name, extra in CONFIGS:
-            results[name] = run(model, extra, args)
-            print(f"  {name}: {results[name]}", flush=True)
+        rounds: dict[str, list[dict]] = {name: [] for name, _ in CONFIGS}
+        for i in range(args.rounds):
+            for name, extra in CONFIGS:
+                rounds[name].append(run(model, extra, args))
+                print(f"  round {i + 1}, {name}: {rounds[name][-1]}", flush=True)
+    results = {}
+    for name, rs in rounds.items():
+        ok = [r for r in rs if "error" not in r]
+        results[name] = {k: statistics.median(r[k] for r in ok) for k in ok[0]} if ok else rs[0]
     base = results[CONFIGS[0][0]]
     mib = 1 << 20
     print("\n| configuration | trainable params | peak memory | x full | optimizer state | x full | tokens/s | x full |")
