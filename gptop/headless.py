@@ -68,7 +68,10 @@ def step_line(event: StepEvent, state: RunState) -> str:
     if idle is not None and step_ms:
         seg += f" gpu idle {100 * idle / step_ms:.0f}%"
     parts.append(seg)
-    parts.append(f"mem {fmt_bytes(event.mem_bytes)}")
+    mem = f"mem {fmt_bytes(event.mem_bytes)}"
+    if event.optim_state_bytes is not None:
+        mem += f" (optimizer {fmt_bytes(event.optim_state_bytes)})"
+    parts.append(mem)
     eta = state.eta()
     if eta is not None:
         parts.append(f"eta {fmt_duration(eta)}")

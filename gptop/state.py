@@ -711,7 +711,7 @@ def fmt_toggles(toggles: dict[str, Any] | None) -> str:
 
 
 def model_summary(model: ModelInfo | None) -> str:
-    """'deepseek medium · 124.5M params (31.2M active)'."""
+    """'deepseek medium · 124.5M params (31.2M active)'; a LoRA run adds '· 1.2M trainable (0.98%)'."""
     if model is None:
         return ""
     name = " ".join(x for x in (model.family, model.size) if x)
@@ -721,4 +721,7 @@ def model_summary(model: ModelInfo | None) -> str:
         params = f"{fmt_num(total)} params"
         if active and active < total:
             params += f" ({fmt_num(active)} active)"
+        trainable = model.trainable_params
+        if trainable is not None and trainable < total:      # LoRA: only the adapters train
+            params += f" · {fmt_num(trainable)} trainable ({100 * trainable / total:.2g}%)"
     return " · ".join(x for x in (name, params) if x)

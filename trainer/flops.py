@@ -15,6 +15,19 @@ forward and 4 in the backward, 2 FLOPs per multiply-add. As in torchtitan,
 causal sparsity is not subtracted and activation recomputation is not added:
 MFU counts the model's FLOPs, not the hardware's.
 
+**Frozen weights** (a LoRA run's base, trainer.lora) are counted at 4 FLOPs per
+parameter and token instead of 6: the backward pass of a linear layer is two
+matmuls of the forward's size, one for the gradient of its input (needed to
+reach earlier layers and the adapters) and one for the gradient of its weight
+(Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+Clusters Using Megatron-LM", arXiv:2104.04473, section 5.1: backward = 2x
+forward for exactly these two). A frozen weight needs no weight gradient, so
+its cost is 2 (forward) + 2 (input gradient) = 4; the adapters train and cost
+6. So a LoRA run's FLOPs per token are ``6 * N_adapters + 4 * N_frozen +
+attention``: its MFU counts the work the run must do, not a full fine-tune's.
+(The input gradient of the lowest frozen layers is still counted although
+nothing below them trains; that is at most the first layer's share.)
+
 For DeepSeek's multi-head latent attention the score matmul runs over the
 query/key head dim (nope + rope) and the value matmul over the value head dim,
 so the attention term is ``6 * L * H * (Q_qk + Q_v) * T`` (torchtitan's
@@ -108,14 +121,15 @@ PEAK_TABLE: list[tuple[str, str, dict[str, float | None], str]] = [
 
 
 def flops_per_token(active_nonembed_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int,
-                    *, v_head_dim: int | None = None) -> int:
-    """Training FLOPs per token: ``6*N + 12*L*H*Q*T`` (torchtitan).
+                    *, v_head_dim: int | None = None, frozen_params: int = 0) -> int:
+    """Training FLOPs per token: ``6*N + 4*F + 12*L*H*Q*T`` (torchtitan, plus frozen weights).
 
-    With `v_head_dim` (MLA, where query/key and value heads differ) the
-    attention term is ``6*L*H*(head_dim + v_head_dim)*T``.
+    N: the active non-embedding parameters that train; F: those that are frozen (a LoRA base), which
+    need the forward (2) and the activation gradient (2) but no weight gradient. With `v_head_dim`
+    (MLA, where query/key and value heads differ) the attention term is ``6*L*H*(head_dim + v_head_dim)*T``.
     """
     v = head_dim if v_head_dim is None else v_head_dim
-    return int(6 * active_nonembed_params + 6 * n_layers * n_heads * (head_dim + v) * seq_len)
+    return int(6 * active_nonembed_params + 4 * frozen_params + 6 * n_layers * n_heads * (head_dim + v) * seq_len)
 
 
 def gpu_entry(device_name: str) -> tuple[str, dict[str, float | None], str] | None:

@@ -129,18 +129,19 @@ class Trainer:
             self.group = D.Group(self.rank, self.world, self.local_rank, self.device)
             self.group.init()
 
-        capabilities.check(cfg.toggles, self.dev)
+        capabilities.check_config(cfg, self.dev)
         cfg.validate(world_size=self.world)     # the per-rank batch and micro-batch, now that the world is known
         torch.manual_seed(cfg.optim.seed)
         self.data = load_data(cfg.data, log=self.log)
         self.sampler = BatchSampler(self.data.train, cfg.data.seq_len, cfg.optim.global_batch, cfg.optim.seed,
                                     rank=self.rank, world_size=self.world)
         self.bundle = build_model(cfg.model, vocab_size=self.data.vocab_size, seq_len=cfg.data.seq_len,
-                                  toggles=cfg.toggles, dev=self.dev, mask_id=self.data.mask_id, seed=cfg.optim.seed)
+                                  toggles=cfg.toggles, dev=self.dev, mask_id=self.data.mask_id, seed=cfg.optim.seed,
+                                  finetune=cfg.finetune)
         self.raw_model = self.bundle.model.to(self.device)
         self._setup_precision()
         self._wrap_parallel()
-        self.optimizer = optim.build_adamw(self.raw_model, cfg)
+        self.optimizer = optim.build_optimizer(self.raw_model, cfg)
         self.meter = make_meter(self.device)
         from .moe import MoEBalancer
 
@@ -174,6 +175,7 @@ class Trainer:
             "hello", pid=os.getpid(), world_size=self.world, parallel=self.parallel, config=cfg.to_dict(), device=self.dev.to_dict(),
             model={"family": self.bundle.family, "size": self.bundle.size, "total_params": self.bundle.total_params,
                    "active_params": self.bundle.active_params, "embedding_params": self.bundle.embedding_params,
+                   "trainable_params": self.bundle.trainable_params,
                    "vocab_size": self.bundle.vocab_size, "flops_per_token": self.bundle.flops_per_token,
                    "objective": self.bundle.objective},
             data={"train_tokens": int(len(self.data.train)), "val_tokens": int(len(self.data.val)),
@@ -183,9 +185,10 @@ class Trainer:
             torch=torch.__version__)
         ranks = f"; {self.world} ranks ({self.parallel}, {self.group.backend})" if self.group else ""
         self.log(f"{self.bundle.family}/{self.bundle.size}: {self.bundle.total_params / 1e6:.1f}M params "
-                 f"({self.bundle.active_params / 1e6:.1f}M active) on {self.dev.name}; micro-batch {self.micro_batch} "
+                 f"({self.bundle.active_params / 1e6:.1f}M active, {self.bundle.trainable_params / 1e6:.2f}M trained) "
+                 f"on {self.dev.name}; micro-batch {self.micro_batch} "
                  f"x {self.accum} accumulation{ranks}; run dir {self.run_dir}")
-        for slow in capabilities.slow_choices(cfg.toggles, self.dev):   # runs, but the user should know
+        for slow in capabilities.slow_config(cfg, self.dev):   # runs, but the user should know
             self.log(f"warning: {slow}")
             self.emit0("warning", message=slow, kind="slow_toggle")
 
@@ -478,9 +481,10 @@ class Trainer:
         idle = [t.gpu_idle_ms for t in timings if t.gpu_idle_ms is not None]
         fields: dict[str, Any] = dict(
             step=self.progress.step, tokens=self.progress.tokens, loss=loss,
-            lr=self.optimizer.param_groups[0]["lr"], grad_norm=grad_norm, step_ms=step_ms, phases_ms=phases,
+            lr=float(self.optimizer.param_groups[0]["lr"]), grad_norm=grad_norm, step_ms=step_ms, phases_ms=phases,
             tokens_per_s=tokens_per_s, mfu=self._checked_mfu(tokens_per_s),
-            mem_bytes=self.meter.peak(), interval_steps=n, wall_ms=wall * 1e3 / n)
+            mem_bytes=self.meter.peak(), interval_steps=n, wall_ms=wall * 1e3 / n,
+            optim_state_bytes=optim.state_bytes(self.optimizer))
         fields["batch"] = self.progress.batch_cursor - 1   # global batch index of the last step (data-order checks)
         if idle:
             fields["gpu_idle_ms"] = sum(idle) / len(idle)
@@ -591,12 +595,13 @@ class Trainer:
 
         torch.manual_seed(self.cfg.optim.seed)
         fresh = build_model(self.cfg.model, vocab_size=self.data.vocab_size, seq_len=self.cfg.data.seq_len,
-                            toggles=self.cfg.toggles, dev=self.dev, mask_id=self.data.mask_id, seed=self.cfg.optim.seed)
+                            toggles=self.cfg.toggles, dev=self.dev, mask_id=self.data.mask_id, seed=self.cfg.optim.seed,
+                            finetune=self.cfg.finetune)
         if self.group is not None:
             self.ckpt.load_full(fresh.model.state_dict(), None)
         else:
             self.raw_model.load_state_dict(fresh.model.state_dict())
-        self.optimizer = optim.build_adamw(self.raw_model, self.cfg)
+        self.optimizer = optim.build_optimizer(self.raw_model, self.cfg)
         self.ckpt.bind(self.raw_model, self.optimizer, self.scaler)
         self.progress = Progress()
 
@@ -643,7 +648,8 @@ def main_run(cfg: TrainConfig) -> int:
     except torch.OutOfMemoryError as e:
         extra = {"toggles": cfg.to_dict()["toggles"], "memory": trainer.memory_figures() if trainer else {}}
         return _report(trainer, "oom", f"out of memory: {str(e).splitlines()[0] if str(e) else ''} -- try a smaller "
-                                       f"--micro-batch, --activation-checkpointing or bf16", EXIT_OOM, **extra)
+                                       f"--micro-batch, --activation-checkpointing, bf16, --optimizer adamw-8bit or "
+                                       f"--lora R", EXIT_OOM, **extra)
     except Exception as e:
         if trainer is not None and trainer.world > 1 and D.is_comm_error(e):
             first = str(e).splitlines()[0] if str(e) else type(e).__name__

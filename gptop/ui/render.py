@@ -516,6 +516,8 @@ def training(state: RunState, width: int, height: int, expert_layer: int) -> Ren
     numbers.append(Text.assemble((fmt_num(last.tokens_per_s), "bold cyan"), " tok/s",
                                  "  MFU ", "n/a" if mfu is None else f"{mfu * 100:.1f}%",
                                  "  mem ", fmt_bytes(last.mem_bytes),
+                                 "" if last.optim_state_bytes is None else
+                                 f" (optimizer {fmt_bytes(last.optim_state_bytes)})",
                                  "  energy ", "n/a" if jpt is None else f"{jpt * 1000:.2f} mJ/tok"))
     expert_lines: list[Text] = []
     if moe:

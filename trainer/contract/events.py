@@ -110,6 +110,7 @@ class ModelInfo(Record):
     total_params: int | None = None
     active_params: int | None = None    # per token (MoE: shared + top-k routed experts + dense parts)
     embedding_params: int | None = None
+    trainable_params: int | None = None # parameters that train (LoRA: the adapters; full fine-tuning: all)
     vocab_size: int | None = None
     flops_per_token: int | None = None  # training FLOPs per token (fwd + bwd)
     objective: str | None = None        # "causal" | "llada"
@@ -185,6 +186,7 @@ class StepEvent(Event):
     gpu_idle_ms: float | None = None
     comm_ms: float | None = None
     expert_load: list[list[float]] | None = None   # MoE: per layer, per expert share of the tokens
+    optim_state_bytes: int | None = None   # bytes the optimizer state occupies (quantized moments: as stored)
 
 
 @dataclass(frozen=True, kw_only=True)
