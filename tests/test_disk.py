@@ -224,3 +224,19 @@ def test_a_read_only_checkpoint_directory_is_a_disk_error(tmp_path):
     assert err.path == str(rundir.path_for(run_dir, 4)) and "make it writable" in err.message.lower()
     assert [c.step for c in rundir.list_checkpoints(run_dir)] == [2] and tmp_files(run_dir) == []
     assert isinstance(err.free_bytes, int)
+
+
+@pytest.mark.slow
+def test_two_ranks_on_a_full_tmpfs_name_the_disk_and_leave_no_partial_sharded_checkpoint(small_tmpfs):
+    run_dir = small_tmpfs / "run"
+    p = subprocess.run([sys.executable, "-m", "gptop", "--no-ui", "train", "--nproc", "2", *TINY, "--max-steps", "6",
+                        "--checkpoint-every", "2", "--run-dir", str(run_dir)], capture_output=True, text=True,
+                       env={**ENV, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "disk: No space left on device" in p.stderr, p.stderr[-3000:]
+    errors = [e for r in (0, 1) if rundir.RunDir(run_dir).events(r).exists()
+              for e in read_events(rundir.RunDir(run_dir).events(r)) if isinstance(e, ErrorEvent)]
+    assert any(e.kind == "disk" and e.exit_code == EXIT_DISK for e in errors)
+    assert [c.step for c in rundir.list_checkpoints(run_dir)] == [2]
+    assert not list(rundir.checkpoint_dir(run_dir).glob("*.tmp")) and tmp_files(run_dir) == []
+    assert ckpt.load(rundir.dcp_path_for(run_dir, 2))["step"] == 2

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from .contract.atomic import atomic_file, fsync_dir
+from .contract.atomic import DiskError, atomic_file, disk_error, free_bytes, fsync_dir
 from .contract.rundir import checkpoint_dir, is_sharded, list_checkpoints
 
 FORMAT = "gptop-checkpoint-1"
@@ -72,13 +72,23 @@ def save_sharded(tensors: dict[str, Any], meta: dict[str, Any], rank_state: dict
         if on_rank:
             try:
                 fn()
-            except Exception as e:
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:      # DCP's CheckpointException is a BaseException
                 error = e
+        disk = disk_error(error, tmp, probe=True) if error is not None else None   # before tmp is removed
         if agree(error is not None):
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-            if error is not None:
+            barrier()                       # the partial checkpoint is gone: what is free now is what is free
+            if disk is not None:
+                raise DiskError(disk.errno, disk.strerror, path, free_bytes(path)) from error
+            if isinstance(error, Exception):
                 raise error
+            if error is not None:
+                first = str(error).splitlines()[0] if str(error) else ""
+                raise RuntimeError(f"writing the sharded checkpoint {path.name} failed: {type(error).__name__}: "
+                                   f"{first}") from error
             raise PeerSaveFailed(f"writing the sharded checkpoint {path.name} failed on another rank (see its "
                                  f"error); the previous checkpoint is intact")
 

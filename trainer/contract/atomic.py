@@ -89,8 +89,11 @@ def _os_errors(exc: BaseException | None) -> Iterator[OSError]:
                 todo.append(f[0] if isinstance(f, tuple) and f else f if isinstance(f, BaseException) else None)
 
 
-def disk_error(exc: BaseException, path: str | Path | None = None) -> DiskError | None:
-    """The DiskError behind `exc` (full or read-only filesystem), or None when the disk is not the cause."""
+def disk_error(exc: BaseException, path: str | Path | None = None, *, probe: bool = False) -> DiskError | None:
+    """The DiskError behind `exc` (full or read-only filesystem), or None when the disk is not the cause.
+
+    `probe`: when `exc` carries no OSError (a writer of our dependencies swallowed it: DCP's torch.save
+    into its own files raises "unexpected pos"), ask the filesystem holding `path` (`probe_disk`)."""
     for e in _os_errors(exc):
         if isinstance(e, DiskError):
             return e
@@ -98,6 +101,36 @@ def disk_error(exc: BaseException, path: str | Path | None = None) -> DiskError 
             where = e.filename if e.filename else path
             where = where if where is not None else "?"
             return DiskError(e.errno, e.strerror or os.strerror(e.errno), where, free_bytes(where))
+    return probe_disk(path) if probe and path is not None else None
+
+
+PROBE_BYTES = 1 << 20
+
+
+def probe_disk(path: str | Path) -> DiskError | None:
+    """Whether the filesystem holding `path` can take a write now: a DiskError if it is mounted read-only
+    or a small probe file (1 MiB, fsynced, removed) does not fit; None if it can."""
+    d = Path(path).absolute()
+    while not d.is_dir() and d.parent != d:
+        d = d.parent
+    try:
+        if os.statvfs(d).f_flag & os.ST_RDONLY:
+            return DiskError(errno.EROFS, os.strerror(errno.EROFS), path, free_bytes(d))
+    except OSError:
+        return None
+    probe = d / f".gptop-probe.{os.getpid()}.tmp"
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * PROBE_BYTES)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        if e.errno in DISK_ERRNOS:
+            return DiskError(e.errno, e.strerror or os.strerror(e.errno), path, free_bytes(d))
+        return None
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
     return None
 
 
