@@ -106,12 +106,16 @@ def n_steps(run_dir: Path) -> int:
         return 0
 
 
-def tmp_in_checkpoints(run_dir: Path) -> bool:
-    d = rundir.checkpoint_dir(run_dir)
+def tmp_names(run_dir: Path) -> set[str]:
+    """The temporary files in checkpoints/: a checkpoint being written (or a killed writer's leftover)."""
     try:
-        return any(p.name.endswith(".tmp") for p in d.iterdir())
+        return {p.name for p in rundir.checkpoint_dir(run_dir).iterdir() if p.name.endswith(".tmp")}
     except OSError:
-        return False
+        return set()
+
+
+def tmp_in_checkpoints(run_dir: Path) -> bool:
+    return bool(tmp_names(run_dir))
 
 
 def state_of(path: Path) -> dict:
@@ -173,15 +177,22 @@ def kill_campaign(work: Path, kills: int, rng: random.Random, max_steps: int, ev
     for i, how in enumerate(plan):
         first = not rundir.has_checkpoint(run_dir)
         cmd = [*TRAINER, *args, "--run-dir", str(run_dir)] if first else [*TRAINER, "--resume", str(run_dir)]
-        before = n_steps(run_dir)
+        before, stale = n_steps(run_dir), tmp_names(run_dir)     # a killed writer's leftover is not a write
         proc = start(cmd, log)
-        if how == "checkpoint":
-            hit = wait_for(lambda: tmp_in_checkpoints(run_dir), proc)
-        else:
+        if how == "checkpoint":         # during the k-th checkpoint write of this start (k = 1..3)
+            k, seen = rng.randint(1, 3), set()
+
+            def writing() -> bool:
+                now = tmp_names(run_dir) - stale
+                seen.update(now)
+                return len(seen) >= k and bool(now)
+            hit = wait_for(writing, proc)
+        else:                           # at a random moment after this start's first step
             hit = wait_for(lambda: n_steps(run_dir) > before, proc, poll=0.02)
             if hit:
-                time.sleep(rng.uniform(0.0, 1.5))
+                time.sleep(rng.uniform(0.0, 3.0))
         alive = proc.poll() is None
+        in_write = bool(tmp_names(run_dir) - stale)
         if alive:
             os.kill(proc.pid, signal.SIGKILL)
         code = proc.wait()
@@ -189,7 +200,7 @@ def kill_campaign(work: Path, kills: int, rng: random.Random, max_steps: int, ev
             lock_refusals += 1
         if alive:
             done_kills += 1
-            during_write += how == "checkpoint" and hit and tmp_in_checkpoints(run_dir)
+            during_write += how == "checkpoint" and hit and in_write
         n, bad = all_checkpoints_load(run_dir)
         partial += len(bad)
         check(not bad, f"kill {i + 1}: checkpoints that do not load: {bad}")
@@ -372,7 +383,7 @@ def machine() -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kills", type=int, default=10)
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=45)
     ap.add_argument("--checkpoint-every", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", choices=("kill", "disk", "nan", "writers"), action="append")

@@ -685,12 +685,11 @@ def main_run(cfg: TrainConfig, run_lock: RunLock | None = None) -> int:
 
 def _disk_message(trainer: Trainer | None, disk: DiskError) -> str:
     """What failed, and what is safe: the newest checkpoint is intact (atomic writes leave no partial one)."""
-    msg = str(disk)
-    if trainer is not None and getattr(trainer, "ckpt", None) is not None and trainer.ckpt.newest is not None:
-        msg += f"; the previous checkpoint {trainer.ckpt.newest.name} is intact"
-    what = "make it writable" if disk.read_only else "free some space"
-    where = f" --resume {trainer.run_dir}" if trainer is not None and hasattr(trainer, "run_dir") else " --resume RUN_DIR"
-    return f"{msg}. {what[0].upper() + what[1:]} and resume with{where}"
+    newest = trainer.ckpt.newest if trainer is not None and getattr(trainer, "ckpt", None) is not None else None
+    what = "Make it writable" if disk.read_only else "Free some space"
+    if newest is None:
+        return f"{disk}; no checkpoint was written yet. {what} and start the run again"
+    return f"{disk}; the previous checkpoint {newest.name} is intact. {what} and resume with --resume {trainer.run_dir}"
 
 
 def _log_only_traceback() -> str | None:
