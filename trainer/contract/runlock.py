@@ -21,6 +21,7 @@ from pathlib import Path
 
 from .config import ConfigError
 from .rundir import LOCK, pid_alive
+
 LOCK_TOKEN_ENV = "GPTOP_RUN_LOCK_TOKEN"     # set by the lock's owner for the processes it starts
 LOCK_NODE_ENV = "GPTOP_RUN_LOCK_NODE"
 _HOLDER_WAIT_S = 2.0                        # how long a just-taken lock may stay without its holder's record
@@ -163,12 +164,28 @@ def _holders(run_dir: Path, path: Path) -> list[dict]:
         if record is not None:
             return [record]
         if path.name == LOCK:
-            nodes = [r for p in sorted(run_dir.glob(LOCK + ".*")) if (r := _read_record(p)) is not None]
+            nodes = [r for p in sorted(run_dir.glob(LOCK + ".*"))
+                     if (r := _read_record(p)) is not None and _is_locked(p)]
             if nodes:
                 return nodes
         if time.monotonic() > deadline:
             return []
         time.sleep(0.05)
+
+
+def _is_locked(path: Path) -> bool:
+    """Whether some process holds an exclusive lock on `path` (a killed holder's record stays behind)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def _busy_message(run_dir: Path, holders: list[dict]) -> str:
