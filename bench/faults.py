@@ -187,10 +187,11 @@ def kill_campaign(work: Path, kills: int, rng: random.Random, max_steps: int, ev
                 seen.update(now)
                 return len(seen) >= k and bool(now)
             hit = wait_for(writing, proc)
-        else:                           # at a random moment after this start's first step
-            hit = wait_for(lambda: n_steps(run_dir) > before, proc, poll=0.02)
+        else:                           # at a random moment: 1..4 steps into this start, plus a part of a step
+            target = before + rng.randint(1, 4)
+            hit = wait_for(lambda: n_steps(run_dir) >= target, proc, poll=0.01)
             if hit:
-                time.sleep(rng.uniform(0.0, 3.0))
+                time.sleep(rng.uniform(0.0, 0.3))
         alive = proc.poll() is None
         in_write = bool(tmp_names(run_dir) - stale)
         if alive:
@@ -383,7 +384,7 @@ def machine() -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kills", type=int, default=10)
-    ap.add_argument("--steps", type=int, default=45)
+    ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--checkpoint-every", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", choices=("kill", "disk", "nan", "writers"), action="append")
