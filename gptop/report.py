@@ -77,7 +77,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     if evals:
         out["eval_loss"] = evals[-1].loss
     out["checkpoints"] = [{"step": e.step, "path": e.path, "seconds": e.seconds} for e in ckpts]
-    out["errors"] = [{"kind": e.kind, "message": e.message, "step": e.step} for e in errors]
+    out["errors"] = [_error(e) for e in errors]
     out["warnings"] = len(warnings)
     out["done"] = bool(done) and done[-1].reason
     energy = _energy(run_dir, steps, skipped["device.jsonl"])
@@ -93,6 +93,14 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     bad = {name: {"lines": s.count, "first": s.first} for name, s in skipped.items() if s.count}
     if bad:
         out["malformed"] = bad
+    return out
+
+
+def _error(e: ErrorEvent) -> dict[str, Any]:
+    """An error for the report; a disk error with its file, errno text and free bytes."""
+    out: dict[str, Any] = {"kind": e.kind, "message": e.message, "step": e.step}
+    if e.kind == "disk":
+        out.update(path=e.path, os_error=e.os_error, free_bytes=e.free_bytes)
     return out
 
 
@@ -113,13 +121,18 @@ def _tokens_in_window(steps: list[StepEvent]) -> int:
 
 
 def _energy(run_dir: Path, steps: list[StepEvent], skipped: _Skipped) -> float | None:
-    path = run_dir / "device.jsonl"
-    if not path.is_file() or len(steps) < 2:
+    """The run's energy: device.jsonl, or the sum over the nodes' device.<node>.jsonl of a multi-node run."""
+    if len(steps) < 2:
         return None
-    samples = [e for e in read_events(path, on_malformed=skipped) if isinstance(e, DeviceEvent)]
-    if not samples:
-        return None
-    return energy_between(samples, steps[0].time, steps[-1].time)
+    total = None
+    for path in [run_dir / "device.jsonl", *sorted(run_dir.glob("device.*.jsonl"))]:
+        if not path.is_file():
+            continue
+        samples = [e for e in read_events(path, on_malformed=skipped) if isinstance(e, DeviceEvent)]
+        energy = energy_between(samples, steps[0].time, steps[-1].time) if samples else None
+        if energy is not None:
+            total = (total or 0.0) + energy
+    return total
 
 
 def _tuning(path: Path) -> tuple[dict[str, Any] | None, str | None]:

@@ -256,6 +256,7 @@ def test_adafactor_trains_and_resumes(tmp_path):
     assert steps[-1].optim_state_bytes < of(adamw, "step")[-1].optim_state_bytes / 10
 
 
+@pytest.mark.process
 @pytest.mark.compile      # torchao's low-bit AdamW compiles its update with torch.compile
 @pytest.mark.parametrize("optimizer,ratio", [("adamw-8bit", 3.0), ("adamw-4bit", 5.0)])
 def test_low_bit_adamw_trains_and_resumes(tmp_path, optimizer, ratio):
@@ -265,6 +266,7 @@ def test_low_bit_adamw_trains_and_resumes(tmp_path, optimizer, ratio):
     assert steps[-1].optim_state_bytes < of(adamw, "step")[-1].optim_state_bytes / ratio
 
 
+@pytest.mark.process
 @pytest.mark.compile
 def test_lora_with_an_8bit_optimizer_resumes(tmp_path, model_dir):
     _train_and_resume(tmp_path, "--model", str(model_dir), *LORA, "--optimizer", "adamw-8bit")
@@ -324,6 +326,7 @@ def _export(run_dir, out_dir, *flags):
     return export(p.parse_args([str(run_dir), str(out_dir), *flags]), log=lambda s: None)
 
 
+@pytest.mark.process
 @pytest.mark.slow        # starts a plain Python
 @pytest.mark.parametrize("source", ["model_dir", "llama"])
 def test_lora_exports_load_with_peft_and_plain_transformers(tmp_path, model_dir, source):

@@ -252,7 +252,7 @@ class Checkpointer:
         if self.group is not None:
             path = rundir.dcp_path_for(self.run_dir, step)
             ckpt.save_sharded(self.sharded_state(), self.meta(progress), self.rank_state(progress), path,
-                              rank=self.rank, barrier=self.group.barrier)
+                              rank=self.rank, barrier=self.group.barrier, any_rank=self._any_rank)
         else:
             path = rundir.path_for(self.run_dir, step)
             ckpt.save(self.state_dict(progress), path)

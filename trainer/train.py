@@ -37,9 +37,10 @@ from .channel import Channel
 from .checkpointer import Checkpointer, NonFiniteState, Progress
 from .commands import Commands
 from .contract import capabilities, rundir
-from .contract.atomic import atomic_write
+from .contract.atomic import DiskError, atomic_write, disk_error
 from .contract.config import AUTO, ConfigError, TrainConfig, parse_step_range
 from .contract.device import DeviceInfo
+from .contract.runlock import RunLock
 from .device import detect
 from .memory import make_meter
 from .profiler import StepProfiler
@@ -47,6 +48,7 @@ from .timing import StepTiming, make_timer
 
 EXIT_OK, EXIT_CRASH, EXIT_CONFIG, EXIT_OOM, EXIT_NAN, EXIT_COMPILE = 0, 1, 2, 3, 4, 5
 EXIT_NO_CHECKPOINT, EXIT_CORRUPT_CHECKPOINT = 6, 7       # --resume found nothing / nothing that verifies
+EXIT_DISK = 8                                            # a write failed: filesystem full or read-only
 
 # The bits of a step's non-finite flag (device int8): what went non-finite.
 _LOSS, _GRAD = 1, 2
@@ -81,6 +83,7 @@ class Trainer:
         self.comm: D.CommTimer | None = None
         self.faults = faults.Faults(cfg.run.fault, self.rank)
         self.resumed_from: str | None = None
+        self.run_lock: RunLock | None = None
 
     # ------------------------------------------------------------------ setup
     def log(self, msg: str) -> None:
@@ -119,6 +122,11 @@ class Trainer:
         self.run_dir = Path(cfg.run.run_dir or rundir.default_run_dir(cfg))
         cfg.run.run_dir = str(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # One writer per run directory, before anything is written into it (RunDirBusy: exit 2).
+        if self.run_lock is None or self.run_lock.run_dir.resolve() != self.run_dir.resolve():
+            self.run_lock = RunLock.for_trainer(self.run_dir)
+        if self.run_lock.warning:
+            self.log(f"warning: {self.run_lock.warning}")
         self.channel = Channel(rundir.RunDir(self.run_dir).events(self.rank), cfg.run.channel, rank=self.rank)
         self.channel.install_signal_handlers()
         if self.world > 1:
@@ -363,6 +371,8 @@ class Trainer:
 
     def _step_boundary(self) -> str | None:
         """Act on what the ranks agreed (trainer.commands); returns a stop reason."""
+        if self.channel.write_error is not None:     # events.jsonl could not be written: stop, exit 8
+            raise self.channel.write_error
         decision = self.commands.poll(stop_fault=self.faults.stop_requested(self.progress.step))
         if decision.checkpoint:
             self.save_checkpoint("requested")
@@ -606,7 +616,8 @@ class Trainer:
         self.progress = Progress()
 
     def _fail(self, kind: str, message: str, **extra: Any) -> None:
-        code = {"oom": EXIT_OOM, "nan": EXIT_NAN, "config": EXIT_CONFIG, "compile": EXIT_COMPILE}.get(kind, EXIT_CRASH)
+        code = {"oom": EXIT_OOM, "nan": EXIT_NAN, "config": EXIT_CONFIG, "compile": EXIT_COMPILE,
+                "disk": EXIT_DISK}.get(kind, EXIT_CRASH)
         if self.channel:
             self.channel.emit("error", kind=kind, message=message, step=self.progress.step, exit_code=code, **extra)
         print(f"[trainer] error ({kind}): {message}", file=sys.stderr, flush=True)
@@ -627,13 +638,16 @@ def hash_seed(*parts: int) -> int:
     return h
 
 
-def main_run(cfg: TrainConfig) -> int:
-    """Run a configured trainer, turning every failure into an `error` event and a distinct exit code."""
+def main_run(cfg: TrainConfig, run_lock: RunLock | None = None) -> int:
+    """Run a configured trainer, turning every failure into an `error` event and a distinct exit code.
+
+    `run_lock`: the run directory's lock when the caller took it (trainer.cli); else setup takes it."""
     if cfg.toggles.cuda_allocator == "expandable_segments":
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     trainer = None
     try:
         trainer = Trainer(cfg)
+        trainer.run_lock = run_lock
         trainer.setup()
         return trainer.run()
     except Stop as s:
@@ -650,7 +664,13 @@ def main_run(cfg: TrainConfig) -> int:
         return _report(trainer, "oom", f"out of memory: {str(e).splitlines()[0] if str(e) else ''} -- try a smaller "
                                        f"--micro-batch, --activation-checkpointing, bf16, --optimizer adamw-8bit or "
                                        f"--lora R", EXIT_OOM, **extra)
+    except ckpt.PeerSaveFailed as e:
+        return _report(trainer, "crash", str(e), EXIT_CRASH, lost_peer=True)
     except Exception as e:
+        disk = disk_error(e)
+        if disk is not None:           # a full or read-only filesystem: one line, the traceback to the log only
+            return _report(trainer, "disk", _disk_message(trainer, disk), EXIT_DISK, path=disk.path,
+                           os_error=disk.strerror, free_bytes=disk.free_bytes, traceback=_log_only_traceback())
         if trainer is not None and trainer.world > 1 and D.is_comm_error(e):
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             return _report(trainer, "crash", f"lost contact with another rank, which probably failed (see its "
@@ -665,6 +685,17 @@ def main_run(cfg: TrainConfig) -> int:
             trainer.channel.close()
         if trainer is not None and trainer.group is not None:
             trainer.group.destroy()
+        if trainer is not None and trainer.run_lock is not None:
+            trainer.run_lock.release()
+
+
+def _disk_message(trainer: Trainer | None, disk: DiskError) -> str:
+    """What failed, and what is safe: the newest checkpoint is intact (atomic writes leave no partial one)."""
+    newest = trainer.ckpt.newest if trainer is not None and getattr(trainer, "ckpt", None) is not None else None
+    what = "Make it writable" if disk.read_only else "Free some space"
+    if newest is None:
+        return f"{disk}; no checkpoint was written yet. {what} and start the run again"
+    return f"{disk}; the previous checkpoint {newest.name} is intact. {what} and resume with --resume {trainer.run_dir}"
 
 
 def _log_only_traceback() -> str | None:

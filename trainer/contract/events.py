@@ -48,7 +48,7 @@ SCHEMA_VERSION = 1
 
 PHASES = ("data", "forward", "backward", "optimizer", "other")
 
-ERROR_KINDS = ("oom", "nan", "config", "crash", "compile", "no_checkpoint", "corrupt_checkpoint")
+ERROR_KINDS = ("oom", "nan", "config", "crash", "compile", "no_checkpoint", "corrupt_checkpoint", "disk")
 
 
 class MalformedEvent(ValueError):
@@ -240,6 +240,9 @@ class ErrorEvent(Event):
     toggles: dict[str, Any] | None = None   # oom: what ran out of memory
     memory: dict[str, Any] | None = None
     lost_peer: bool = False             # several ranks: this rank lost contact with another
+    path: str | None = None             # disk: the file a write failed on
+    os_error: str | None = None         # disk: the errno text ("No space left on device", "Read-only file system")
+    free_bytes: int | None = None       # disk: bytes free on that filesystem when it failed
 
 
 @dataclass(frozen=True, kw_only=True)
