@@ -37,7 +37,7 @@ import threading
 from collections import deque
 from typing import IO
 
-from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_num, fmt_toggles, model_summary, phase_label,
+from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_eta, fmt_num, fmt_toggles, model_summary, phase_label,
                          spread_pct)
 from trainer.contract.events import (PHASES, ApplyEvent, CheckpointEvent, DeviceEvent, DoneEvent, ErrorEvent,
                                      EvalEvent, Event, HelloEvent, LogEvent, StatusEvent, StepEvent, TrialEvent,
@@ -69,9 +69,8 @@ def step_line(event: StepEvent, state: RunState) -> str:
         seg += f" gpu idle {100 * idle / step_ms:.0f}%"
     parts.append(seg)
     parts.append(f"mem {fmt_bytes(event.mem_bytes)}")
-    eta = state.eta()
-    if eta is not None:
-        parts.append(f"eta {fmt_duration(eta)}")
+    if state.eta_range() is not None:
+        parts.append(f"eta {fmt_eta(state)}")
     spread = state.rank_spread().get("step_ms")
     if spread is not None:
         parts.append(f"ranks {spread.min:.0f}-{spread.max:.0f} ms (slowest {spread.slowest_rank})")
@@ -223,7 +222,7 @@ class HeadlessView:
             s = self.state
             info = " · ".join(x for x in (
                 f"{s.step}/{s.total_steps}" if s.total_steps else f"{s.step}",
-                f"{fmt_num(s.tokens)} tokens", f"eta {fmt_duration(s.eta())}") if x)
+                f"{fmt_num(s.tokens)} tokens", f"eta {fmt_eta(s)}") if x)
             self._progress.update(self._task, description="training", completed=s.step or 0,
                                   total=s.total_steps, info=info)
 

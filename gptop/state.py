@@ -19,6 +19,7 @@ attributes at once can hold it too (it is re-entrant and only held briefly).
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -158,6 +159,7 @@ class RunState:
         self.series["eval_loss"] = Series(history)
         self.phases: dict[str, Series] = {p: Series(history) for p in PHASES}
         self._rate: deque[tuple[float, int, float]] = deque(maxlen=rate_window)   # (time, step, tokens)
+        self._pace = Pace()                                # seconds per step, for the ETA
         self.expert_load: list[list[float]] | None = None
         self.last_eval: EvalEvent | None = None
         self.done: DoneEvent | None = None
@@ -253,6 +255,7 @@ class RunState:
         self.end_time = None   # a new trainer process: the run goes on
         self._applied = {}
         self._rate.clear()   # a restart recompiles: the old step rate says nothing about the new process
+        self._pace.clear()
         self._bump("run", "step")
 
     def _on_step(self, e: StepEvent) -> None:
@@ -266,6 +269,9 @@ class RunState:
         step = e.step
         if self.last_step is not None and step < self.last_step.step:
             self._rate.clear()   # rolled back to a checkpoint
+            self._pace.clear()
+        if self._rate and step > self._rate[-1][1]:
+            self._pace.add(e.time - self._rate[-1][0], step - self._rate[-1][1])
         self.last_step = e
         self._rate.append((e.time, step, e.tokens))
         for name in STEP_SERIES:
@@ -421,25 +427,41 @@ class RunState:
         return max(0.0, now - self.start_time)
 
     def steps_per_s(self) -> float | None:
-        """Optimizer steps per second over the recent step events of this process."""
+        """Optimizer steps per second at the recent pace (the EWMA of the step events' intervals)."""
         with self.lock:
-            if len(self._rate) < 2:
-                return None
-            (t0, s0, _), (t1, s1, _) = self._rate[0], self._rate[-1]
-        if t1 <= t0 or s1 <= s0:
+            pace = self._pace.mean
+        return None if pace is None else 1.0 / pace
+
+    def eta_range(self) -> tuple[float, float] | None:
+        """(soonest, latest) seconds to `total_steps`: equal when the recent step rate is steady, a range
+        when it is not (the pace's spread, bounded by the fastest and slowest recent interval). None when
+        unknown. 0 only when no step remains, never while one does: an interval that takes longer than
+        the pace allows slows the pace down to what it has already taken, and at least a second is left."""
+        with self.lock:
+            pace, band = self._pace.mean, self._pace.band()
+            parts = self._eta_parts()
+        if pace is None or parts is None:
             return None
-        return (s1 - s0) / (t1 - t0)
+        lo, hi = band if band is not None else (pace, pace)
+        return _eta_at(lo, *parts), _eta_at(hi, *parts)
 
     def eta(self) -> float | None:
-        """Seconds to `total_steps` at the recent step rate, less the time since the last step event."""
-        rate, total, step = self.steps_per_s(), self.total_steps, self.step
-        if rate is None or total is None or step is None:
+        """Seconds to `total_steps` at the recent pace (an EWMA of seconds per step), within `eta_range`."""
+        with self.lock:
+            pace = self._pace.mean
+            parts = self._eta_parts()
+        if pace is None or parts is None:
             return None
-        left = max(0, total - step) / rate
+        return _eta_at(pace, *parts)
+
+    def _eta_parts(self) -> tuple[int, float, int] | None:
+        """(steps left, seconds since the last step event, steps per step event)."""
+        total, step = self.total_steps, self.step
+        if total is None or step is None or not self._rate:
+            return None
         now = self.now()
-        if now is not None and self._rate:
-            left -= max(0.0, now - self._rate[-1][0])
-        return max(0.0, left)
+        since = max(0.0, now - self._rate[-1][0]) if now is not None else 0.0
+        return max(0, total - step), since, self._pace.last_steps
 
     def progress(self) -> float | None:
         """Share of the run done, 0..1."""
@@ -644,6 +666,65 @@ class RunState:
         return None
 
 
+ETA_FLOOR_S = 1.0   # the least ETA shown while a step remains: "0:00" means done
+
+
+def _eta_at(sec_per_step: float, left: int, since: float, per_event: int) -> float:
+    """Seconds to go with `left` steps at `sec_per_step`, `since` seconds into the next step event's
+    interval (of `per_event` steps): an interval overdue at that pace is at least as slow as it has been."""
+    if left == 0:
+        return 0.0
+    sec_per_step = max(sec_per_step, since / max(1, min(per_event, left)))
+    return max(ETA_FLOOR_S, left * sec_per_step - since)
+
+
+class Pace:
+    """Seconds per step as an exponentially weighted moving average over step events, with its spread.
+
+    Why an EWMA of the intervals and not the rate over a fixed window: after a tenfold slowdown a window
+    average stays fast for as long as the window, and the ETA reads several times too low; the EWMA
+    follows within a few events. The spread (an exponentially weighted variance) says when the rate is
+    unstable, and then the ETA is a range."""
+
+    ALPHA = 0.3          # weight of the newest interval
+    UNSTABLE = 0.15      # relative standard deviation above which the ETA is a range
+    RECENT = 8           # intervals that bound the range
+
+    def __init__(self) -> None:
+        self.mean: float | None = None
+        self.var = 0.0
+        self.recent: deque[float] = deque(maxlen=self.RECENT)
+        self.last_steps = 1
+
+    def add(self, seconds: float, steps: int) -> None:
+        """One step event's interval: `steps` steps took `seconds`."""
+        if seconds <= 0 or steps <= 0:
+            return
+        x = seconds / steps
+        if self.mean is None:
+            self.mean = x
+        else:
+            d = x - self.mean
+            self.mean += self.ALPHA * d
+            self.var = (1 - self.ALPHA) * (self.var + self.ALPHA * d * d)
+        self.recent.append(x)
+        self.last_steps = steps
+
+    def band(self) -> tuple[float, float] | None:
+        """(fast, slow) seconds per step when the pace is unstable, else None."""
+        if self.mean is None or len(self.recent) < 2:
+            return None
+        sd = math.sqrt(self.var)
+        if sd <= self.UNSTABLE * self.mean:
+            return None
+        lo = max(min(self.recent), self.mean - 2 * sd)
+        hi = min(max(self.recent), self.mean + 2 * sd)
+        return (lo, hi) if hi > lo else None
+
+    def clear(self) -> None:
+        self.__init__()
+
+
 def _interp(points: list[tuple[float, float]], t: float) -> float | None:
     """Linear interpolation in time-sorted (time, value) points; None outside their span."""
     if not points or t < points[0][0] or t > points[-1][0]:
@@ -695,6 +776,15 @@ def fmt_duration(s: float | None) -> str:
     h, rem = divmod(s, 3600)
     m, sec = divmod(rem, 60)
     return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
+
+
+def fmt_eta(state: "RunState") -> str:
+    """'4:10', or '3:50-6:20' while the step rate is unstable; 'n/a' when unknown."""
+    r = state.eta_range()
+    if r is None:
+        return "n/a"
+    lo, hi = fmt_duration(r[0]), fmt_duration(r[1])
+    return lo if lo == hi else f"{lo}-{hi}"
 
 
 def fmt_toggles(toggles: dict[str, Any] | None) -> str:

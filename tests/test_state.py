@@ -231,8 +231,51 @@ def test_eta_with_injected_clock():
     now = [T0 + 30.0]
     s = fed(hello(max_steps=100), step(10, 10.0), step(20, 20.0), clock=lambda: now[0])
     assert s.elapsed() == 30.0 and s.eta() == pytest.approx(70.0)
-    now[0] = T0 + 500.0
-    assert s.eta() == 0.0
+    now[0] = T0 + 500.0     # 480 s without a step event where 10 s were expected: not done, slower
+    assert s.eta() == pytest.approx(80 * 48.0 - 480.0)
+    assert fmt_duration(s.eta()) != "0:00"
+
+
+def test_eta_follows_a_tenfold_slowdown():
+    """1 s/step for 100 steps, then 10 s/step: a few events later the ETA is near the slow rate's answer
+    (the old window average read 4x too low), and the range, while it is unstable, contains it."""
+    events = [hello(max_steps=1000)] + [step(n, float(n)) for n in range(10, 110, 10)]
+    t = 100.0
+    for n in range(110, 160, 10):
+        t += 100.0
+        events.append(step(n, t))
+    s = fed(*events)
+    truth = (1000 - 150) * 10.0
+    assert truth / 1.5 <= s.eta() <= truth * 1.5
+    lo, hi = s.eta_range()
+    assert lo <= truth <= hi * 1.05
+    for n in range(160, 300, 10):    # the slow rate holds: the range closes on it
+        t += 100.0
+        s.apply(step(n, t))
+    assert s.eta_range()[0] == s.eta_range()[1] == s.eta() == pytest.approx((1000 - 290) * 10.0, rel=0.05)
+
+
+def test_eta_is_a_range_when_the_rate_is_unstable():
+    t, events = 0.0, [hello(max_steps=1000)]
+    for i, n in enumerate(range(10, 200, 10)):
+        t += 10.0 if i % 2 else 30.0            # 1 and 3 s/step, alternating
+        events.append(step(n, t))
+    s = fed(*events)
+    lo, hi = s.eta_range()
+    assert lo < s.eta() < hi
+    assert 810 * 1.0 <= lo and hi <= 810 * 3.0
+    steady = fed(hello(max_steps=100), step(10, 10.0), step(20, 20.0), step(30, 30.0))
+    assert steady.eta_range() == (pytest.approx(70.0), pytest.approx(70.0))
+
+
+def test_eta_is_zero_only_after_the_last_step():
+    now = [T0 + 29.0]
+    s = fed(hello(max_steps=30), step(10, 10.0), step(20, 20.0), clock=lambda: now[0])
+    assert s.eta() == 1.0 and fmt_duration(s.eta()) == "0:01"     # 10 steps left, 9 s into them: not 0:00
+    now[0] = T0 + 29.9
+    assert s.eta() >= 1.0
+    s.apply(step(30, 30.0))
+    assert s.eta() == 0.0 and s.eta_range() == (0.0, 0.0)
 
 
 def test_rollback_and_restart_reset_the_rate():

@@ -17,7 +17,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_num, fmt_toggles, model_summary, phase_label,
+from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_eta, fmt_num, fmt_toggles, model_summary, phase_label,
                          spread_pct)
 from trainer.contract.events import PHASES, CpuReading, GpuReading
 
@@ -143,7 +143,7 @@ def header(state: RunState, width: int) -> RenderableType:
         steps = f"step {step if step is not None else '–'}/{total if total is not None else '?'}"
         parts = [f"{fmt_num(state.tokens)} tokens", f"elapsed {fmt_duration(state.elapsed())}"]
         if status not in ("done", "replay", "failed"):
-            parts.append(f"ETA {fmt_duration(state.eta())}")
+            parts.append(f"ETA {fmt_eta(state)}")
         if state.malformed:
             parts.append(f"{state.malformed} bad events")
         if status not in ("running", "failed", "replay") and state.status_message:
