@@ -16,7 +16,7 @@ from typing import Any
 from trainer.contract.events import (PHASES, CheckpointEvent, DeviceEvent, DoneEvent, ErrorEvent, EvalEvent, Event,
                                      HelloEvent, MalformedEvent, StepEvent, WarningEvent, read_events, to_dict)
 
-from .telemetry import energy_between
+from .energy import Energy, measure, unavailable_reason
 
 
 class _Skipped:
@@ -80,11 +80,14 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     out["errors"] = [{"kind": e.kind, "message": e.message, "step": e.step} for e in errors]
     out["warnings"] = len(warnings)
     out["done"] = bool(done) and done[-1].reason
-    energy = _energy(run_dir, steps, skipped["device.jsonl"])
+    energy, why = _energy(run_dir, steps, skipped["device.jsonl"])
     if energy is not None:
-        out["energy_j"] = energy
+        out["energy_j"] = energy.joules
+        out["energy_source"] = energy.source
         if out.get("tokens"):
-            out["energy_j_per_token"] = energy / max(1, _tokens_in_window(steps))
+            out["energy_j_per_token"] = energy.joules / max(1, _tokens_in_window(steps))
+    else:
+        out["energy_unavailable"] = why
     tuning, problem = _tuning(run_dir / "tuning.json")
     if tuning is not None:
         out["tuning"] = tuning
@@ -112,14 +115,16 @@ def _tokens_in_window(steps: list[StepEvent]) -> int:
     return steps[-1].tokens - steps[0].tokens if len(steps) > 1 else steps[-1].tokens
 
 
-def _energy(run_dir: Path, steps: list[StepEvent], skipped: _Skipped) -> float | None:
+def _energy(run_dir: Path, steps: list[StepEvent], skipped: _Skipped) -> tuple[Energy | None, str]:
+    """The run's energy over its step events (gptop.energy over device.jsonl), or (None, why not)."""
     path = run_dir / "device.jsonl"
-    if not path.is_file() or len(steps) < 2:
-        return None
+    if len(steps) < 2:
+        return None, "fewer than two step events"
+    if not path.is_file():
+        return None, "no device.jsonl (no device samples were recorded)"
     samples = [e for e in read_events(path, on_malformed=skipped) if isinstance(e, DeviceEvent)]
-    if not samples:
-        return None
-    return energy_between(samples, steps[0].time, steps[-1].time)
+    got = measure(samples, steps[0].time, steps[-1].time) if samples else None
+    return got, ("" if got is not None else unavailable_reason(samples))
 
 
 def _tuning(path: Path) -> tuple[dict[str, Any] | None, str | None]:
@@ -160,9 +165,10 @@ def format_report(s: dict[str, Any]) -> str:
             total = sum(s["phases_ms"].values()) or 1
             lines.append("phases    " + "  ".join(f"{k} {v:.1f} ms ({v / total:.0%})" for k, v in s["phases_ms"].items()))
     if s.get("energy_j") is not None:
-        lines.append(f"energy    {s['energy_j'] / 3600:.2f} Wh, {s.get('energy_j_per_token', 0) * 1e3:.3f} mJ/token")
+        lines.append(f"energy    {s['energy_j'] / 3600:.2f} Wh, {s.get('energy_j_per_token', 0) * 1e3:.3f} mJ/token"
+                     f" ({s.get('energy_source', 'measured')})")
     else:
-        lines.append("energy    n/a (no energy counter or power readings on this device)")
+        lines.append(f"energy    n/a ({s.get('energy_unavailable') or 'no energy reading'})")
     lines.append(f"checkpts  {len(s['checkpoints'])}" + (f", last {s['checkpoints'][-1]['path']}"
                                                        if s["checkpoints"] else ""))
     if s["errors"]:

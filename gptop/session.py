@@ -106,6 +106,15 @@ class Session:
         sup = self.supervisor
         return sup.pids() if sup else []
 
+    def energy_between(self, t0: float, t1: float) -> float | None:
+        """Joules the run's devices used in [t0, t1] (unix time), from the sampler's history through the
+        one energy computation (gptop.energy); None without a reading. The tuner measures trials with it."""
+        if self.sampler is None:
+            return None
+        from .energy import energy_between
+
+        return energy_between(self.sampler.history(), t0, t1)
+
     def wait(self, timeout: float | None = None) -> int | None:
         self._finished.wait(timeout)
         return self._exit_code

@@ -25,6 +25,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from gptop.energy import Energy, unavailable_reason
+from gptop.energy import measure as energy_measure
 from trainer.contract.device import DeviceInfo
 from trainer.contract.events import (PHASES, ApplyEvent, CheckpointEvent, CpuReading, DeviceEvent, DoneEvent,
                                      ErrorEvent, EvalEvent, Event, GpuReading, HelloEvent, LogEvent, ModelInfo,
@@ -169,7 +171,7 @@ class RunState:
         self.device_latest: dict[str, GpuReading | CpuReading] = {}   # "gpu0" / "cpu" -> latest reading
         self.device_series: dict[tuple[str, str], Series] = {}
         self._device_history = device_history
-        self._energy: deque[tuple[float, float]] = deque(maxlen=device_history)   # (time, joules)
+        self._samples: deque[DeviceEvent] = deque(maxlen=device_history)   # for energy (gptop.energy)
 
         # logs and incidents
         self.logs: deque[tuple[str, str]] = deque(maxlen=log_lines)   # (stream, line)
@@ -331,11 +333,7 @@ class RunState:
                     if s is None:
                         s = self.device_series[(key, m)] = Series(self._device_history)
                     s.append(t, v)
-        # Energy of what does the work: the GPUs when there are any, else the CPU package.
-        sources: list[GpuReading | CpuReading] = list(e.devices) if e.devices else ([e.cpu] if e.cpu else [])
-        vals = [d.energy_j for d in sources]
-        if vals and all(v is not None for v in vals):
-            self._energy.append((t, sum(vals)))  # type: ignore[arg-type]
+        self._samples.append(e)
         self._bump("device")
 
     def _on_trial(self, e: TrialEvent) -> None:
@@ -639,31 +637,48 @@ class RunState:
             return []
         return list(load[max(0, min(layer, len(load) - 1))])
 
-    def joules_per_token(self) -> float | None:
-        """Energy per token over the recent step events: from cumulative energy counters when the
-        device reports them, else mean power / tokens per second."""
+    def energy(self) -> tuple[Energy | None, int]:
+        """(energy over the recent step events, tokens trained in that window), from gptop.energy (the one
+        computation: hardware counters, else integrated power) over the span the device samples cover."""
         with self.lock:
             rate = list(self._rate)
-            energy = list(self._energy)
-            power_vals = []
-            for key, d in self.device_latest.items():
-                if (key != "cpu") == any(k != "cpu" for k in self.device_latest):
-                    p = d.power_w
-                    if p is not None:
-                        power_vals.append(p)
-        if len(rate) >= 2 and len(energy) >= 2:
-            # over the span both series cover: energy used / tokens trained
-            t0, t1 = max(rate[0][0], energy[0][0]), min(rate[-1][0], energy[-1][0])
-            tokens = [(t, k) for t, _, k in rate]
-            if t1 > t0:
-                e0, e1 = _interp(energy, t0), _interp(energy, t1)
-                k0, k1 = _interp(tokens, t0), _interp(tokens, t1)
-                if None not in (e0, e1, k0, k1) and k1 > k0 and e1 >= e0:  # type: ignore[operator]
-                    return (e1 - e0) / (k1 - k0)  # type: ignore[operator]
-        tps = self.last_step.tokens_per_s if self.last_step else None
-        if power_vals and tps:
-            return sum(power_vals) / tps
+            samples = [x for x in self._samples if not rate or x.time >= rate[0][0] - 10.0]
+        if len(rate) < 2 or len(samples) < 2:
+            return None, 0
+        t0, t1 = max(rate[0][0], samples[0].time), min(rate[-1][0], samples[-1].time)
+        if t1 <= t0:
+            return None, 0
+        tokens = [(t, k) for t, _, k in rate]
+        k0, k1 = _interp(tokens, t0), _interp(tokens, t1)
+        if k0 is None or k1 is None or k1 <= k0:
+            return None, 0
+        return energy_measure(samples, t0, t1), int(k1 - k0)
+
+    def joules_per_token(self) -> float | None:
+        """Energy per token over the recent step events; None without a reading (see `energy_reason`)."""
+        e, tokens = self.energy()
+        return None if e is None else e.per_token(tokens)
+
+    def energy_reason(self) -> str | None:
+        """Why there is no energy per token, in words; None when there is one."""
+        if self.joules_per_token() is not None:
+            return None
+        with self.lock:
+            samples = list(self._samples)[-20:]
+            steps = len(self._rate)
+        if steps < 2:
+            return "not enough step events yet"
+        return unavailable_reason(samples)
+
+
+def _interp(points: list[tuple[float, float]], t: float) -> float | None:
+    """Linear interpolation in time-sorted (time, value) points; None outside their span."""
+    if not points or t < points[0][0] or t > points[-1][0]:
         return None
+    for (ta, va), (tb, vb) in zip(points, points[1:]):
+        if ta <= t <= tb:
+            return va if tb == ta else va + (vb - va) * (t - ta) / (tb - ta)
+    return points[-1][1]
 
 
 ETA_FLOOR_S = 1.0   # the least ETA shown while a step remains: "0:00" means done
@@ -723,16 +738,6 @@ class Pace:
 
     def clear(self) -> None:
         self.__init__()
-
-
-def _interp(points: list[tuple[float, float]], t: float) -> float | None:
-    """Linear interpolation in time-sorted (time, value) points; None outside their span."""
-    if not points or t < points[0][0] or t > points[-1][0]:
-        return None
-    for (ta, va), (tb, vb) in zip(points, points[1:]):
-        if ta <= t <= tb:
-            return va if tb == ta else va + (vb - va) * (t - ta) / (tb - ta)
-    return points[-1][1]
 
 
 # --- formatting shared by both views ------------------------------------------

@@ -335,16 +335,22 @@ def test_joules_per_token_from_energy_counters():
     assert s.joules_per_token() == pytest.approx(0.08)
 
 
-def test_joules_per_token_falls_back_to_power_and_is_none_without_data():
+def test_joules_per_token_integrates_power_without_counters_and_says_why_not():
     s = fed(hello(), ev("device", 0.0, devices=[{"index": 0, "power_w": 500.0, "energy_j": None}]),
-            step(10, 1.0))
-    assert s.joules_per_token() == pytest.approx(500.0 / 10_000.0)
+            step(10, 1.0), ev("device", 2.0, devices=[{"index": 0, "power_w": 500.0, "energy_j": None}]),
+            step(20, 3.0))
+    assert s.joules_per_token() == pytest.approx(500.0 / 5_000.0)     # 500 W over t=1..2, 5k tokens
+    assert s.energy()[0].source == "integrated power" and s.energy_reason() is None
+    one = fed(hello(), ev("device", 0.0, devices=[{"index": 0, "power_w": 500.0}]), step(10, 1.0))
+    assert one.joules_per_token() is None and one.energy_reason() == "not enough step events yet"
     assert fed(hello(), step(10, 1.0)).joules_per_token() is None
-    cpu = fed(hello("cpu"), ev("device", 0.0, devices=[], cpu={"power_w": None}), step(1, 1.0))
-    assert cpu.joules_per_token() is None
+    cpu = fed(hello("cpu"), ev("device", 0.0, devices=[], cpu={"power_w": None}), step(1, 1.0),
+              ev("device", 2.0, devices=[], cpu={"power_w": None}), step(2, 3.0))
+    assert cpu.joules_per_token() is None and "RAPL" in cpu.energy_reason()
+    gpu = fed(hello(), ev("device", 0.0, devices=[{"index": 0}]), step(10, 1.0),
+              ev("device", 2.0, devices=[{"index": 0}]), step(20, 3.0))
+    assert "neither an energy counter nor a power reading for GPU 0" in gpu.energy_reason()
 
-
-# --- tuner -----------------------------------------------------------------------
 
 def test_tuner_state_from_tuner_trial_and_apply_events():
     s = fed(hello(),
