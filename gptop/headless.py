@@ -37,8 +37,8 @@ import threading
 from collections import deque
 from typing import IO
 
-from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_eta, fmt_num, fmt_toggles, model_summary, phase_label,
-                         spread_pct)
+from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_eta, fmt_mfu, fmt_num, fmt_peak, fmt_toggles,
+                         model_summary, phase_label, spread_pct)
 from trainer.contract.events import (PHASES, ApplyEvent, CheckpointEvent, DeviceEvent, DoneEvent, ErrorEvent,
                                      EvalEvent, Event, HelloEvent, LogEvent, StatusEvent, StepEvent, TrialEvent,
                                      TunerEvent, WarningEvent, dumps)
@@ -53,7 +53,7 @@ def step_line(event: StepEvent, state: RunState) -> str:
     parts = [f"step {event.step}/{total if total is not None else '?'} "
              f"loss {'n/a' if loss is None else f'{loss:.3f}'}",
              f"{fmt_num(event.tokens_per_s)} tok/s"]
-    parts.append(f"mfu {'n/a' if mfu is None else f'{mfu * 100:.1f}%'}")
+    parts.append(f"mfu {fmt_mfu(mfu, state.mfu_is_estimate)}")
     phases = event.phases_ms or {}
     seg = f"step {'n/a' if step_ms is None else f'{step_ms:.0f} ms'}"
     shares = []
@@ -91,6 +91,9 @@ def event_line(event: Event, state: RunState) -> str | None:
             line += f", {total} steps"
         if state.run_dir:
             line += f", run dir {state.run_dir}"
+        peak = fmt_peak(event)
+        if peak:
+            line += f"; {peak}"
         if state.hellos > 1:
             line = "restarted: " + line
         return line

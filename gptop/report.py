@@ -17,6 +17,7 @@ from trainer.contract.events import (PHASES, CheckpointEvent, DeviceEvent, DoneE
                                      HelloEvent, MalformedEvent, StepEvent, WarningEvent, read_events, to_dict)
 
 from .energy import Energy, measure, unavailable_reason
+from .state import fmt_mfu
 
 
 class _Skipped:
@@ -53,6 +54,9 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         out["model"] = to_dict(hello.model)
         out["device"] = hello.device.name
         out["toggles"] = hello.toggles
+        out["peak_flops"] = hello.peak_flops
+        out["peak_source"] = hello.peak_source
+        out["mfu_is_estimate"] = hello.mfu_is_estimate
         out["max_steps"] = hello.max_steps
     out["starts"] = sum(1 for e in events if isinstance(e, HelloEvent))
     if steps:
@@ -159,8 +163,11 @@ def format_report(s: dict[str, Any]) -> str:
                      + (f"  (eval {_f(s.get('eval_loss'))})" if s.get("eval_loss") is not None else ""))
         mfu = s.get("mfu")
         lines.append(f"speed     {_f(s.get('tokens_per_s'), '.0f')} tokens/s (median, steady state), "
-                     f"step {_f(s.get('step_ms'), '.1f')} ms, MFU {f'{mfu:.1%}' if mfu is not None else 'n/a'}, "
+                     f"step {_f(s.get('step_ms'), '.1f')} ms, MFU {fmt_mfu(mfu, bool(s.get('mfu_is_estimate')))}, "
                      f"peak memory {s.get('peak_mem_bytes', 0) / 2**30:.2f} GiB")
+        if s.get("peak_flops"):
+            lines.append(f"mfu peak  {s['peak_flops'] / 1e9:,.1f} GFLOP/s per process"
+                         + (f" ({s['peak_source']})" if s.get("peak_source") else ""))
         if s.get("phases_ms"):
             total = sum(s["phases_ms"].values()) or 1
             lines.append("phases    " + "  ".join(f"{k} {v:.1f} ms ({v / total:.0%})" for k, v in s["phases_ms"].items()))

@@ -381,6 +381,11 @@ class RunState:
         return self.last_time
 
     @property
+    def mfu_is_estimate(self) -> bool:
+        """MFU rests on a measured peak (see HelloEvent.mfu_is_estimate)."""
+        return self.hello.mfu_is_estimate if self.hello else False
+
+    @property
     def total_steps(self) -> int | None:
         return self.hello.max_steps if self.hello else None
 
@@ -781,6 +786,23 @@ def fmt_duration(s: float | None) -> str:
     h, rem = divmod(s, 3600)
     m, sec = divmod(rem, 60)
     return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
+
+
+def fmt_mfu(mfu: float | None, estimate: bool = False) -> str:
+    """'31.2%', or '~31%' when the peak under it was measured (a CPU) rather than a datasheet's."""
+    if mfu is None:
+        return "n/a"
+    return f"~{mfu * 100:.0f}%" if estimate else f"{mfu * 100:.1f}%"
+
+
+def fmt_peak(hello: HelloEvent | None) -> str | None:
+    """'MFU peak 96.4 GFLOP/s per process (measured: ...)' from a hello event; None without a peak."""
+    if hello is None or hello.peak_flops is None:
+        return None
+    v = hello.peak_flops
+    value = f"{v / 1e12:,.1f} TFLOP/s" if v >= 1e12 else f"{v / 1e9:,.1f} GFLOP/s"
+    return f"MFU peak {value} per process" + (
+        f" ({hello.peak_source})" if hello.peak_source else "")
 
 
 def fmt_eta(state: "RunState") -> str:

@@ -17,8 +17,8 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_eta, fmt_num, fmt_toggles, model_summary, phase_label,
-                         spread_pct)
+from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_eta, fmt_mfu, fmt_num, fmt_toggles, model_summary,
+                         phase_label, spread_pct)
 from trainer.contract.events import PHASES, CpuReading, GpuReading
 
 PHASE_STYLE = {"data": "yellow", "forward": "green", "backward": "dodger_blue1", "optimizer": "magenta",
@@ -513,7 +513,7 @@ def training(state: RunState, width: int, height: int, expert_layer: int) -> Ren
     mfu = last.mfu
     jpt = state.joules_per_token()
     numbers.append(Text.assemble((fmt_num(last.tokens_per_s), "bold cyan"), " tok/s",
-                                 "  MFU ", "n/a" if mfu is None else f"{mfu * 100:.1f}%",
+                                 "  MFU ", fmt_mfu(mfu, state.mfu_is_estimate),
                                  "  mem ", fmt_bytes(last.mem_bytes),
                                  "  energy ", "n/a" if jpt is None else f"{jpt * 1000:.2f} mJ/tok"))
     expert_lines: list[Text] = []

@@ -147,7 +147,8 @@ class HelloEvent(Event):
     accumulation: int | None = None
     micro_batch: int | None = None
     tokens_per_step: int | None = None
-    peak_flops: float | None = None
+    peak_flops: float | None = None     # the MFU denominator per process, FLOP/s
+    peak_source: str | None = None      # "datasheet: <GPU> ..." or "measured: ..." (MFU is then approximate)
     resumed_from: str | None = None
     start_step: int = 0
     torch: str | None = None
@@ -157,6 +158,13 @@ class HelloEvent(Event):
         """The toggles this process runs with."""
         t = self.config.get("toggles")
         return dict(t) if isinstance(t, dict) else {}
+
+    @property
+    def mfu_is_estimate(self) -> bool:
+        """MFU rests on a measured peak (the CPU), not a datasheet's: views show it as approximate ("~")."""
+        if self.peak_source is not None:
+            return self.peak_source.startswith("measured")
+        return self.device.type == "cpu"
 
     @property
     def max_steps(self) -> int | None:
