@@ -154,6 +154,7 @@ class HeadlessView:
         self._status: str | None = None
         self._tuner_phase: str | None = None
         self._hint_kind: str | None = None
+        self._verdicts: dict[str, str] = {}     # GPU key -> the kind of its last printed verdict
         if progress is None:
             progress = not json and _isatty(self.stream)
         self._progress = None
@@ -212,6 +213,23 @@ class HeadlessView:
                 self._print(line)
             if isinstance(event, StepEvent):
                 self._step_extras()
+            elif isinstance(event, DeviceEvent):
+                self._device_verdicts()
+
+    def _device_verdicts(self) -> None:
+        """A GPU that is busy but slow: one line when its verdict's kind changes (its numbers move every
+        sample), and one when it is over."""
+        now = self.state.gpu_verdicts()
+        for key in sorted(set(now) | set(self._verdicts)):
+            verdict = now.get(key)
+            kind = re.split(r"\d", verdict, maxsplit=1)[0] if verdict else None
+            if kind != self._verdicts.get(key):
+                if verdict:
+                    self._print(f"{key}: {verdict}")
+                    self._verdicts[key] = kind  # type: ignore[assignment]
+                else:
+                    self._print(f"{key}: no longer slowed")
+                    self._verdicts.pop(key, None)
 
     def _step_extras(self) -> None:
         """The hint when its kind changes (its numbers move every step); the progress bar."""

@@ -150,6 +150,8 @@ def _sample_gpu(nv: Nvml, index: int, name: str, pids: set[int]) -> GpuReading:
     temp = nv.device_query_first(index, [("nvmlDeviceGetTemperatureV", (sensor,)),
                                          ("nvmlDeviceGetTemperature", (sensor,))])
     sm = q(index, "nvmlDeviceGetClockInfo", nv.constant("NVML_CLOCK_SM", 1))
+    sm_max = q(index, "nvmlDeviceGetMaxClockInfo", nv.constant("NVML_CLOCK_SM", 1))
+    gpm = nv.gpm(index) or {}
     proc_mem = None
     if pids:
         procs = nv.device_query_first(index, [("nvmlDeviceGetComputeRunningProcesses", ()),
@@ -170,6 +172,10 @@ def _sample_gpu(nv: Nvml, index: int, name: str, pids: set[int]) -> GpuReading:
         temp_c=finite_or_none(temp),
         sm_clock_mhz=finite_or_none(sm),
         proc_mem=proc_mem,
+        sm_clock_max_mhz=finite_or_none(sm_max),
+        clock_reasons=nv.clock_reasons(index),
+        sm_active_pct=finite_or_none(gpm.get("sm_active")),
+        tensor_active_pct=finite_or_none(gpm.get("tensor_active")),
     )
 
 

@@ -84,6 +84,10 @@ class GpuReading(Record):
     temp_c: float | None = None
     sm_clock_mhz: float | None = None
     proc_mem: int | None = None         # bytes used on this GPU by the trainer's processes; None when none are seen
+    sm_clock_max_mhz: float | None = None
+    clock_reasons: list[str] | None = None   # why clocks are held down (gptop.nvml.THROTTLE_REASONS names)
+    sm_active_pct: float | None = None  # GPM (Hopper+): share of SMs busy over the sample period
+    tensor_active_pct: float | None = None   # GPM (Hopper+): share of time the tensor pipes were busy
 
 
 @dataclass(frozen=True, kw_only=True)
