@@ -236,6 +236,26 @@ def test_eta_with_injected_clock():
     assert fmt_duration(s.eta()) != "0:00"
 
 
+def test_mfu_on_a_measured_peak_is_shown_as_approximate():
+    from gptop.headless import event_line
+    from gptop.state import fmt_mfu, fmt_peak
+
+    assert fmt_mfu(0.123) == "12.3%" and fmt_mfu(0.123, estimate=True) == "~12%" and fmt_mfu(None) == "n/a"
+    gpu = fed(hello(), step(10, 1.0))
+    assert not gpu.mfu_is_estimate and "mfu 30.0%" in event_line(gpu.last_step, gpu)
+    measured = ev("hello", 0.0, config=config("llama", "tiny", "cpu"), device={"type": "cpu", "name": "cpu"},
+                  model={"family": "llama"}, peak_flops=96.4e9,
+                  peak_source="measured: best of 3 CPU matmul measurements (float32; ...)")
+    cpu = fed(measured, step(10, 1.0))
+    assert cpu.mfu_is_estimate and "mfu ~30%" in event_line(cpu.last_step, cpu)
+    assert fmt_peak(measured) == "MFU peak 96.4 GFLOP/s per process (measured: best of 3 CPU matmul measurements " \
+                                 "(float32; ...))"
+    assert "; MFU peak 96.4 GFLOP/s" in event_line(measured, cpu)
+    datasheet = ev("hello", 0.0, config=config("llama", "tiny", "cuda"), device={"type": "cuda", "name": "H100"},
+                   model={"family": "llama"}, peak_flops=989.5e12, peak_source="datasheet: H100 SXM bf16 (url)")
+    assert not datasheet.mfu_is_estimate and fmt_peak(datasheet).startswith("MFU peak 989.5 TFLOP/s")
+
+
 def test_eta_follows_a_tenfold_slowdown():
     """1 s/step for 100 steps, then 10 s/step: a few events later the ETA is near the slow rate's answer
     (the old window average read 4x too low), and the range, while it is unstable, contains it."""
