@@ -13,7 +13,7 @@ with it; what must not happen is the peak falling with it, which made MFU read 9
 verdict line says whether all MFUs are within 1.5x of each other, and the peaks' spread.
 
     python bench/mfu.py                  # ~2-4 min on 2 cores
-    python bench/mfu.py --steps 60 --json
+    python bench/mfu.py --steps 40 --seq-len 128 --json
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def run(ranks: int, loaded: bool, args: argparse.Namespace, work: Path) -> dict:
         if (shared / sub).is_dir():
             (cache / sub).symlink_to(shared / sub)
     env = dict(os.environ, GPTOP_CACHE=str(cache), PYTHONPATH=str(ROOT))
-    train = ["--model", args.model, "--size", "tiny", "--seq-len", "128", "--global-batch", "8",
+    train = ["--model", args.model, "--size", "tiny", "--seq-len", str(args.seq_len), "--global-batch",
+             str(args.global_batch),
              "--max-steps", str(args.steps), "--log-every", "5", "--eval-every", "0", "--checkpoint-every", "0",
              "--warmup-steps", "2", "--device", "cpu", "--run-dir", str(run_dir)]
     launch = [] if ranks == 1 else ["-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
@@ -108,7 +109,9 @@ def run(ranks: int, loaded: bool, args: argparse.Namespace, work: Path) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--global-batch", type=int, default=4)
     ap.add_argument("--model", default="llama")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--json", action="store_true")

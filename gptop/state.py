@@ -451,10 +451,12 @@ class RunState:
     def eta(self) -> float | None:
         """Seconds to `total_steps` at the recent pace (an EWMA of seconds per step), within `eta_range`."""
         with self.lock:
-            pace = self._pace.mean
+            pace, band = self._pace.mean, self._pace.band()
             parts = self._eta_parts()
         if pace is None or parts is None:
             return None
+        if band is not None:
+            pace = min(max(pace, band[0]), band[1])
         return _eta_at(pace, *parts)
 
     def _eta_parts(self) -> tuple[int, float, int] | None:

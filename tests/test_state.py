@@ -288,6 +288,29 @@ def test_eta_is_a_range_when_the_rate_is_unstable():
     assert steady.eta_range() == (pytest.approx(70.0), pytest.approx(70.0))
 
 
+def test_eta_lies_in_its_range_and_is_never_zero_while_steps_remain():
+    import random
+
+    rng = random.Random(7)
+    for trial in range(20):
+        now = [T0]
+        s = RunState(clock=lambda: now[0])
+        s.apply(hello(max_steps=200))
+        t, n = 0.0, 0
+        while n < 200:
+            n += rng.choice((1, 5, 10))
+            n = min(n, 200)
+            t += rng.uniform(0.01, 20.0) * rng.choice((1, 1, 10))
+            s.apply(step(n, t))
+            for lag in (0.0, rng.uniform(0, 50), 1e4):
+                now[0] = T0 + t + lag
+                r, e = s.eta_range(), s.eta()
+                if r is None:
+                    continue
+                assert r[0] <= e <= r[1]
+                assert (e == 0.0) == (n == 200) and (n == 200 or e >= 1.0)
+
+
 def test_eta_is_zero_only_after_the_last_step():
     now = [T0 + 29.0]
     s = fed(hello(max_steps=30), step(10, 10.0), step(20, 20.0), clock=lambda: now[0])
