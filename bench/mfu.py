@@ -12,7 +12,8 @@ MFU is achieved/peak: under load the achieved rate falls (the trainer shares the
 with it; what must not happen is the peak falling with it, which made MFU read 97% before. The
 verdict line says whether all MFUs are within 1.5x of each other, and the peaks' spread.
 
-    python bench/mfu.py                  # ~2-4 min on 2 cores
+    python bench/mfu.py                  # ~3 min on 2 idle cores (15 min at load average 15)
+    python bench/mfu.py --threads 1      # the one-rank run on one thread, as each of two ranks is
     python bench/mfu.py --steps 40 --seq-len 128 --json
 """
 
@@ -75,6 +76,8 @@ def run(ranks: int, loaded: bool, args: argparse.Namespace, work: Path) -> dict:
         if (shared / sub).is_dir():
             (cache / sub).symlink_to(shared / sub)
     env = dict(os.environ, GPTOP_CACHE=str(cache), PYTHONPATH=str(ROOT))
+    if args.threads and ranks == 1:              # torchrun gives each of several ranks one thread
+        env["OMP_NUM_THREADS"] = str(args.threads)
     train = ["--model", args.model, "--size", "tiny", "--seq-len", str(args.seq_len), "--global-batch",
              str(args.global_batch),
              "--max-steps", str(args.steps), "--log-every", "5", "--eval-every", "0", "--checkpoint-every", "0",
@@ -85,7 +88,7 @@ def run(ranks: int, loaded: bool, args: argparse.Namespace, work: Path) -> dict:
     load = subprocess.Popen([sys.executable, "-c", LOAD]) if loaded else None
     try:
         time.sleep(0.5 if loaded else 0.0)
-        threads = (os.cpu_count() or 1) if ranks == 1 else 1
+        threads = (args.threads or os.cpu_count() or 1) if ranks == 1 else 1
         legacy = old_peak(threads, ranks)
         t0 = time.time()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -113,6 +116,8 @@ def main() -> int:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--global-batch", type=int, default=4)
     ap.add_argument("--model", default="llama")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads of the one-rank run (default: torch's, one per core)")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -125,6 +130,7 @@ def main() -> int:
     olds = {r["ranks"]: [x["old_method_peak_flops"] for x in rows if x["ranks"] == r["ranks"]] for r in rows}
     summary = {
         "date": time.strftime("%Y-%m-%d"), "cpu": cpu_model(), "cores": os.cpu_count(),
+        "one_rank_threads": args.threads or "torch default",
         "loadavg_before": [round(x, 2) for x in load_before], "rows": rows,
         "mfu_ratio_max_min": max(mfus) / min(mfus) if len(mfus) == len(rows) else None,
         "peak_ratio_loaded_idle": {k: v[1] / v[0] for k, v in per_rank.items() if v[0] and v[1]},
@@ -135,7 +141,7 @@ def main() -> int:
         print(json.dumps(summary, indent=2))
         return 0
     print(f"{summary['date']} · {summary['cpu']} · {summary['cores']} cores · load average before "
-          f"{' '.join(map(str, summary['loadavg_before']))}")
+          f"{' '.join(map(str, summary['loadavg_before']))} · one-rank threads: {summary['one_rank_threads']}")
     print(f"{'run':<14} {'peak/proc GFLOP/s':>18} {'old method':>11} {'tokens/s':>9} {'MFU':>7} {'time':>6}")
     for r in rows:
         print(f"{r['run']:<14} {r['peak_flops'] / 1e9:>18.1f} {r['old_method_peak_flops'] / 1e9:>11.1f} "
