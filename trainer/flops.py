@@ -190,9 +190,10 @@ def peak(dev: DeviceInfo, precision: str, *, procs: int = 1, cache_dir: str | Pa
     assert best is not None
     value, entry, dt = best
     n = int(entry.get("n", 1))
+    cores = usable_cores(int(entry.get("threads") or 1), procs)
     return Peak(value, f"measured: best of {n} CPU matmul measurement{'s' if n != 1 else ''} "
-                       f"({str(dt).removeprefix('torch.')}; one core's rate in busy CPU time x "
-                       f"{usable_cores(int(entry.get('threads') or 1), procs)} cores)")
+                       f"({str(dt).removeprefix('torch.')}; one core's rate in busy CPU time x {cores} "
+                       f"core{'s' if cores != 1 else ''})")
 
 
 def peak_flops(dev: DeviceInfo, precision: str, *, procs: int = 1,
