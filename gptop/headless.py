@@ -110,7 +110,12 @@ def event_line(event: Event, state: RunState) -> str | None:
     if isinstance(event, LogEvent):
         return event.message
     if isinstance(event, DoneEvent):
-        return f"done: step {event.step}, {fmt_num(event.tokens)} tokens in {fmt_duration(state.elapsed())}"
+        line = f"done: step {event.step}, {fmt_num(event.tokens)} tokens in {fmt_duration(state.elapsed())}"
+        energy, tokens = state.energy()
+        jpt = energy.per_token(tokens) if energy is not None else None
+        if jpt is not None:
+            return line + f"; energy {jpt * 1e3:.3g} mJ/token over the last steps ({energy.source})"  # type: ignore[union-attr]
+        return line + f"; energy n/a: {state.energy_reason()}"
     if isinstance(event, TrialEvent):
         if event.status == "running":
             return None            # one line per trial, when it ends (the JSON mode has both)

@@ -132,3 +132,18 @@ def test_gptop_report_shows_energy_per_token_and_its_source_or_why_not(tmp_path)
     (run / "device.jsonl").unlink()
     s = summarize(run)
     assert "energy_j" not in s and "no device.jsonl" in format_report(s)
+
+
+def test_the_headless_done_line_gives_energy_per_token_or_why_not(tmp_path):
+    from gptop.headless import event_line
+
+    clock = FakeClock(1_000.0)
+    samples = gpu_samples(fake_pynvml(count=1), tmp_path, [100.0] * 3, clock)
+    state = RunState()
+    for e in [*samples, step(10, 1_001.0), step(20, 1_003.0)]:
+        state.apply(e)
+    done = make("done", step=20, tokens=20_000, time=1_003.0)
+    assert event_line(done, state).endswith("; energy 20 mJ/token over the last steps (NVML energy counter)")
+    bare = RunState()
+    bare.apply(step(10, 1.0))
+    assert event_line(done, bare).endswith("; energy n/a: not enough step events yet")
