@@ -247,6 +247,15 @@ class Session(SessionBase):
         sup = self.supervisor
         return sup.pids() if sup else []
 
+    def energy_between(self, t0: float, t1: float) -> float | None:
+        """Joules the run's devices used in [t0, t1] (unix time), from the sampler's history through the
+        one energy computation (gptop.energy); None without a reading. The tuner measures trials with it."""
+        if self.sampler is None:
+            return None
+        from .energy import energy_between
+
+        return energy_between(self.sampler.history(), t0, t1)
+
     def close(self) -> None:
         """Stop everything; never leaves a trainer process behind."""
         if self.supervisor is not None:

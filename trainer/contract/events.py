@@ -84,6 +84,10 @@ class GpuReading(Record):
     temp_c: float | None = None
     sm_clock_mhz: float | None = None
     proc_mem: int | None = None         # bytes used on this GPU by the trainer's processes; None when none are seen
+    sm_clock_max_mhz: float | None = None
+    clock_reasons: list[str] | None = None   # why clocks are held down (gptop.nvml.THROTTLE_REASONS names)
+    sm_active_pct: float | None = None  # GPM (Hopper+): share of SMs busy over the sample period
+    tensor_active_pct: float | None = None   # GPM (Hopper+): share of time the tensor pipes were busy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,7 +152,8 @@ class HelloEvent(Event):
     accumulation: int | None = None
     micro_batch: int | None = None
     tokens_per_step: int | None = None
-    peak_flops: float | None = None
+    peak_flops: float | None = None     # the MFU denominator per process, FLOP/s
+    peak_source: str | None = None      # "datasheet: <GPU> ..." or "measured: ..." (MFU is then approximate)
     resumed_from: str | None = None
     start_step: int = 0
     torch: str | None = None
@@ -158,6 +163,13 @@ class HelloEvent(Event):
         """The toggles this process runs with."""
         t = self.config.get("toggles")
         return dict(t) if isinstance(t, dict) else {}
+
+    @property
+    def mfu_is_estimate(self) -> bool:
+        """MFU rests on a measured peak (the CPU), not a datasheet's: views show it as approximate ("~")."""
+        if self.peak_source is not None:
+            return self.peak_source.startswith("measured")
+        return self.device.type == "cpu"
 
     @property
     def max_steps(self) -> int | None:
