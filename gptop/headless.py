@@ -40,8 +40,8 @@ from typing import IO
 from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_num, fmt_toggles, model_summary, phase_label,
                          spread_pct)
 from trainer.contract.events import (PHASES, ApplyEvent, CheckpointEvent, DeviceEvent, DoneEvent, ErrorEvent,
-                                     EvalEvent, Event, HelloEvent, LogEvent, StatusEvent, StepEvent, TrialEvent,
-                                     TunerEvent, WarningEvent, dumps)
+                                     EvalEvent, Event, HelloEvent, LogEvent, PhaseEvent, ProgressEvent, StatusEvent,
+                                     StepEvent, TrialEvent, TunerEvent, WarningEvent, dumps)
 
 SHORT = {"data": "data", "forward": "fwd", "backward": "bwd", "optimizer": "opt", "other": "other"}
 
@@ -87,6 +87,12 @@ def event_line(event: Event, state: RunState) -> str | None:
     if isinstance(event, HelloEvent):
         total = state.total_steps
         where = event.device.name or event.device.type
+        if event.early:     # before anything is built: the run as configured and what it will cost
+            line = f"starting: {model_summary(state.model) or 'model'} on {where}"
+            if total is not None:
+                line += f", {total} steps"
+            est = state.estimate_line()
+            return line + (f"; {est}" if est else "")
         line = f"gptop: {model_summary(state.model) or 'model'} on {where}"
         if total is not None:
             line += f", {total} steps"
@@ -95,6 +101,8 @@ def event_line(event: Event, state: RunState) -> str | None:
         if state.hellos > 1:
             line = "restarted: " + line
         return line
+    if isinstance(event, PhaseEvent):
+        return f"startup: {event.message}"
     if isinstance(event, EvalEvent):
         loss = event.loss
         return f"eval step {event.step} loss {'n/a' if loss is None else f'{loss:.3f}'}"
@@ -152,6 +160,7 @@ class HeadlessView:
         self._status: str | None = None
         self._tuner_phase: str | None = None
         self._hint_kind: str | None = None
+        self._phase_message: str | None = None
         if progress is None:
             progress = not json and _isatty(self.stream)
         self._progress = None
@@ -205,6 +214,16 @@ class HeadlessView:
                     self._print(f"tuner: {phase_label(phase)}" + (f" ({fmt_duration(left)} budget left)" if left is not None
                                                       else ""))
                 return
+            if isinstance(event, ProgressEvent):
+                self._update_bar()          # every step: the bar moves; lines stay at the log interval
+                return
+            if isinstance(event, PhaseEvent):
+                if self._progress is not None and self._task is not None:
+                    self._progress.update(self._task, description=event.phase,
+                                          info=self.state.startup_line() or "")
+                if event.message == self._phase_message:
+                    return                  # a percent update of the same phase: the bar, not a line
+                self._phase_message = event.message
             line = event_line(event, self.state)
             if line is not None:
                 self._print(line)
@@ -219,6 +238,9 @@ class HeadlessView:
             self._hint_kind = kind
             if hint:
                 self._print(f"hint: {hint}")
+        self._update_bar()
+
+    def _update_bar(self) -> None:
         if self._progress is not None and self._task is not None:
             s = self.state
             info = " · ".join(x for x in (

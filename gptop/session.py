@@ -187,7 +187,9 @@ class Session:
             hook(event)
 
     def _on_event(self, event: ev.Event) -> None:
-        if isinstance(event, (ev.StepEvent, ev.HelloEvent)) and self.state.status in ("starting", "restarting"):
+        started = isinstance(event, (ev.StepEvent, ev.ProgressEvent)) or (
+            isinstance(event, ev.HelloEvent) and not event.early)   # the early hello: nothing is built yet
+        if started and self.state.status in ("starting", "restarting"):
             self._set_status("running")
         if isinstance(event, ev.ErrorEvent):
             self.rank_errors.setdefault(event.rank, event)

@@ -229,8 +229,8 @@ class TuningDriver:
                     return None
                 continue
             kind, payload = item
-            if kind == "event" and isinstance(payload, ev.HelloEvent):
-                return payload
+            if kind == "event" and isinstance(payload, ev.HelloEvent) and not payload.early:
+                return payload          # the built run (an early hello comes before anything is built)
             if kind == "exit" or (kind == "abort"):
                 return None
 
@@ -511,7 +511,7 @@ def install_toggler(session, budget_s: float = DEFAULT_T_BUDGET_S, space_spec: s
     box: dict[str, Any] = {"hello": None, "driver": None}
 
     def record(event: ev.Event) -> None:
-        if isinstance(event, ev.HelloEvent) and event.rank == 0:
+        if isinstance(event, ev.HelloEvent) and event.rank == 0 and not event.early:
             box["hello"] = event
 
     def toggle() -> None:

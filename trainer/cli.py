@@ -34,8 +34,14 @@ def _launched_world_size() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .train import EXIT_CONFIG, main_run
+    from .channel import StartupStopped, install_startup_handlers
 
+    install_startup_handlers()        # a stop while torch imports ends the process cleanly, not by a kill
+    try:
+        from .train import EXIT_CONFIG, main_run
+    except StartupStopped:
+        print("[trainer] stopped before the first step", flush=True)
+        return 0
     try:
         cfg = parse_config(argv)
     except ConfigError as e:

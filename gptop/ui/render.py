@@ -148,6 +148,14 @@ def header(state: RunState, width: int) -> RenderableType:
             parts.append(f"{state.malformed} bad events")
         if status not in ("running", "failed", "replay") and state.status_message:
             parts.append(state.status_message)
+        startup = state.startup_line()
+        if startup:                  # before the first step: what it is doing, and for how long
+            parts.append(startup)
+        if step is None and status not in ("done", "failed", "replay"):
+            if state.estimate_warning is not None:
+                parts.append("⚠ " + state.estimate_warning.message)
+            elif state.estimate_line():
+                parts.append(state.estimate_line())
         if status in ("done", "replay"):
             parts.append("q to quit")
         tail = " · " + " · ".join(parts)
