@@ -440,8 +440,9 @@ class RunState:
                 line += f" · {fmt_duration(max(0.0, now - self.startup_since))}"
             return line
 
-    def estimate_line(self) -> str | None:
-        """The early hello's estimate in words: '~0.8 GiB, ~1 s per step (estimate)'."""
+    def estimate_line(self, short: bool = False) -> str | None:
+        """The early hello's estimate in words: '~0.8 GiB, ~1 s per step (estimate)' ('est. ~0.8 GiB, ~1 s/step'
+        with `short`, for the header)."""
         from trainer.contract.estimate import GiB, fmt_seconds
 
         est = self.estimate
@@ -453,8 +454,10 @@ class RunState:
             parts.append(f"~{total / GiB:.1f} GiB")
         step_s = est.get("step_s")
         if isinstance(step_s, (int, float)):
-            parts.append(f"~{fmt_seconds(step_s)} per step")
-        return ", ".join(parts) + " (estimate)" if parts else None
+            parts.append(f"~{fmt_seconds(step_s)}{'/step' if short else ' per step'}")
+        if not parts:
+            return None
+        return "est. " + ", ".join(parts) if short else ", ".join(parts) + " (estimate)"
 
     @property
     def toggles(self) -> dict[str, Any]:

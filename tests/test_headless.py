@@ -133,3 +133,44 @@ def test_headless_does_not_import_textual():
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+# --- issue 11: startup phases, the estimate, progress between log steps ---------------------------------------
+
+def test_startup_lines_say_what_it_costs_and_what_it_does():
+    from fixtures.streams import startup_run
+
+    out = io.StringIO()
+    state = RunState(run_dir="runs/x")
+    play(HeadlessView(state, json=False, stream=out), state, startup_run("steps"))
+    lines = out.getvalue().splitlines()
+    assert lines[1] == ("starting: deepseek medium · 887.4M params (344.8M active) on AMD EPYC 7763 64-Core "
+                        "Processor, 200 steps; ~14.8 GiB, ~1.8 min per step (estimate)")
+    assert lines[2] == ("warning: deepseek medium on this CPU: ~14.8 GiB, ~1.8 min per step (estimated at "
+                        "40% MFU)")
+    startup = [line for line in lines if line.startswith("startup: ")]
+    assert startup == ["startup: tokenizing builtin",       # once, not per percent
+                       "startup: building deepseek medium",
+                       "startup: probing micro-batch 1",
+                       "startup: probing micro-batch 2",
+                       "startup: compiling (torch.compile default)"]
+    assert sum(line.startswith("gptop: deepseek medium") for line in lines) == 1
+    assert [line.split(" loss")[0] for line in lines if line.startswith("step ")] == ["step 10/200"]
+
+
+def test_progress_events_move_the_bar_and_are_json_lines():
+    from fixtures.streams import startup_run
+
+    class TTY(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    out = TTY()
+    state = RunState()
+    play(HeadlessView(state, json=False, stream=out), state, startup_run("steps"))
+    assert "13/200" in out.getvalue()                # the bar moved past the last step line (10)
+    out = io.StringIO()
+    state = RunState()
+    play(HeadlessView(state, json=True, stream=out), state, startup_run("steps"))
+    kinds = [json.loads(line)["type"] for line in out.getvalue().splitlines()]
+    assert kinds.count("progress") == 13 and kinds.count("phase") == 7 and kinds.count("hello") == 2

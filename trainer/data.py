@@ -365,7 +365,7 @@ def _builtin_tokenizer(cache: Path, log: Log,
         with _locked(path, log):
             if not path.is_file():
                 if phase is not None:
-                    phase("training the builtin tokenizer (once, then cached)", None)
+                    phase("training the builtin tokenizer", None)
                 _train_builtin(files, path, log)
     try:
         tok = Tokenizer.from_file(str(path))
@@ -495,7 +495,7 @@ def _tokenize(tok: TokenizerInfo, docs: Callable[[], Iterator[tuple[str, bool, i
     t0 = last = last_phase = time.monotonic()
     count = ndocs = done_bytes = 0
     if phase is not None:
-        phase(f"tokenizing {label} (once, then cached)", 0.0)
+        phase(f"tokenizing {label}", 0.0)
     with atomic_file(bin_path) as out:
         batch: list[str] = []
         ends: list[bool] = []
@@ -527,7 +527,7 @@ def _tokenize(tok: TokenizerInfo, docs: Callable[[], Iterator[tuple[str, bool, i
                 now = time.monotonic()
                 if phase is not None and now - last_phase >= 1.0:
                     last_phase = now
-                    phase(f"tokenizing {label} (once, then cached)", min(100.0, 100.0 * done_bytes / max(1, total_bytes)))
+                    phase(f"tokenizing {label}", min(100.0, 100.0 * done_bytes / max(1, total_bytes)))
                 if now - last >= PROGRESS_EVERY_S:
                     last = now
                     pct = min(100.0, 100.0 * done_bytes / max(1, total_bytes))

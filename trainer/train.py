@@ -133,13 +133,11 @@ class Trainer:
             return
         where = "this CPU" if not self.dev.is_cuda else self.dev.name
         if not est.fits:
-            fitting = E.largest_fitting(cfg.model.model, **kw)
-            self._fail("config", E.refusal(est, where, fitting))
+            raise ConfigError("--size", E.refusal(est, where, E.largest_fitting(cfg.model.model, **kw)))
         self.log(f"estimate: {est.summary(where)}")
         if est.slow:
-            msg = (f"{est.summary(where)} (estimated at {E.ASSUMED_MFU:.0%} MFU); the first step line comes "
-                   f"after {cfg.log.log_every} steps: try a smaller --size"
-                   + (" or a GPU" if not self.dev.is_cuda else ""))
+            msg = (f"{est.summary(where)} (estimated at {E.ASSUMED_MFU:.0%} MFU); for faster steps use a smaller "
+                   f"--size, --seq-len or --global-batch" + (", or a GPU" if not self.dev.is_cuda else ""))
             self.emit0("warning", message=msg, kind="estimate")
             self.log(f"warning: {msg}")
 
@@ -187,7 +185,7 @@ class Trainer:
         self.sampler = BatchSampler(self.data.train, cfg.data.seq_len, cfg.optim.global_batch, cfg.optim.seed,
                                     rank=self.rank, world_size=self.world)
         what = cfg.model.model if is_pretrained_path(cfg.model.model) else f"{cfg.model.model} {cfg.model.size}"
-        self.phase("building", f"building the model ({what})")
+        self.phase("building", f"building {what}")
         self.bundle = build_model(cfg.model, vocab_size=self.data.vocab_size, seq_len=cfg.data.seq_len,
                                   toggles=cfg.toggles, dev=self.dev, mask_id=self.data.mask_id, seed=cfg.optim.seed)
         self.raw_model = self.bundle.model.to(self.device)
@@ -206,7 +204,7 @@ class Trainer:
                                      on_written=self._profile_written)
 
         if cfg.checkpoint.resume:
-            self.phase("loading", f"loading the checkpoint to resume ({cfg.checkpoint.resume})")
+            self.phase("loading", f"loading the checkpoint to resume from")
             path, self.progress = self.ckpt.resume(cfg.checkpoint.resume)
             self.resumed_from = str(path)
             self.log(f"resumed from {path} at step {self.progress.step}")
@@ -315,7 +313,7 @@ class Trainer:
         eager = getattr(self.model, "_orig_mod", self.model)
 
         def probe_local(mb: int) -> int:
-            self.phase("probing", f"probing micro-batch {mb} (--micro-batch auto)")
+            self.phase("probing", f"probing micro-batch {mb}")
             self.meter.reset_peak()
             try:
                 # DDP: no gradient all-reduce. FSDP2 keeps its reduce-scatter (the ranks probe in lockstep), so
@@ -374,7 +372,7 @@ class Trainer:
         self._t_run = self._t_boundary = time.perf_counter()
         stop_reason = None
         if self.cfg.toggles.compile != "off" and self.progress.step < cfg.optim.max_steps:
-            self.phase("compiling", f"compiling the model (torch.compile {self.cfg.toggles.compile}) in the first step")
+            self.phase("compiling", f"compiling (torch.compile {self.cfg.toggles.compile})")
         try:
             while True:
                 try:
