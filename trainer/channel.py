@@ -38,6 +38,8 @@ class StartupStopped(Exception):
 
 
 def _raise_stopped(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)      # once: a second stop must not interrupt the way out
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     raise StartupStopped(signal.Signals(signum).name)
 
 
@@ -113,6 +115,7 @@ class Channel:
         """SIGTERM/SIGINT: graceful stop (a second one is honoured at the next step too); SIGUSR1: checkpoint."""
         def stop(signum, frame):
             if self.starting:
+                self.starting = False      # once: a second stop (the signal after the command) is only queued
                 raise StartupStopped(signal.Signals(signum).name)
             self.commands.put({"cmd": "stop", "reason": signal.Signals(signum).name, "source": "signal"})
 
