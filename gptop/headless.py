@@ -13,8 +13,13 @@ gptop's own `{"type": "status", "status": ..., "message": ...}` lines when the
 session's status changes (consumers ignore types they do not know). Device
 samples can be thinned to one per `device_interval` seconds of event time.
 
-Readable: one line per step event (the trainer emits them at the log
-interval), and a line for each eval, checkpoint, warning, error, finished
+Readable: what the run will cost before it is built (`starting: ...`, from
+the early hello's estimate, and a warning when a step will take over a
+minute), one line per startup phase (`startup: tokenizing ...`, `building`,
+`probing micro-batch N`, `compiling`), a line when the first step is done,
+then one line per step event (the trainer emits them at the log interval; the
+`progress` event of every other step moves the progress bar only), and a line
+for each eval, checkpoint, warning, error, finished
 trial (one per trial, when it ends), apply, tuner phase, status change and
 bottleneck hint change; with a rich progress bar when the stream is a
 terminal.
@@ -76,6 +81,19 @@ def step_line(event: StepEvent, state: RunState) -> str:
     if spread is not None:
         parts.append(f"ranks {spread.min:.0f}-{spread.max:.0f} ms (slowest {spread.slowest_rank})")
     return " | ".join(parts)
+
+
+def first_step_line(event: ProgressEvent, state: RunState) -> str | None:
+    """`step 1/200 done in 12.3 s (warm-up included); a line every 10 steps`: the first progress event of a
+    trainer process, so a run whose step lines come every N steps shows it is training; None when every
+    step gets a line anyway."""
+    log_every = (state.config.get("log") or {}).get("log_every")
+    if not isinstance(log_every, int) or log_every <= 1 or event.step % log_every == 0:
+        return None
+    total = state.total_steps
+    took = f" in {event.step_ms / 1000:.1f} s (warm-up included)" if event.step_ms is not None else ""
+    return (f"step {event.step}/{total if total is not None else '?'} done{took}; "
+            f"a line every {log_every} steps")
 
 
 def event_line(event: Event, state: RunState) -> str | None:
@@ -161,6 +179,7 @@ class HeadlessView:
         self._tuner_phase: str | None = None
         self._hint_kind: str | None = None
         self._phase_message: str | None = None
+        self._first_progress = True
         if progress is None:
             progress = not json and _isatty(self.stream)
         self._progress = None
@@ -216,7 +235,14 @@ class HeadlessView:
                 return
             if isinstance(event, ProgressEvent):
                 self._update_bar()          # every step: the bar moves; lines stay at the log interval
+                if self._first_progress:    # but the first step of a process gets a line: it is alive
+                    self._first_progress = False
+                    line = first_step_line(event, self.state)
+                    if line:
+                        self._print(line)
                 return
+            if isinstance(event, HelloEvent) and event.early:
+                self._first_progress = True
             if isinstance(event, PhaseEvent):
                 if self._progress is not None and self._task is not None:
                     self._progress.update(self._task, description=event.phase,

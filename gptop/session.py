@@ -141,7 +141,10 @@ class Session:
             sup.kill()
         else:
             self.stopping = True
-            self._set_status("stopping", "finishing the step and checkpointing")
+            if self.state.stepped:
+                self._set_status("stopping", "finishing the step and checkpointing")
+            else:               # the trainer abandons its startup at once (trainer.channel.StartupStopped)
+                self._set_status("stopping", "stopping before the first step (nothing to checkpoint)")
             sup.request_stop()
 
     def checkpoint(self) -> None:

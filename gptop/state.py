@@ -148,6 +148,7 @@ class RunState:
         self.startup_since: float | None = None  # when that phase began (its percent updates do not reset it)
         self.estimate_warning: WarningEvent | None = None   # "deepseek medium on this CPU: ~N GiB, ~M min per step"
         self.live_step: tuple[float, int, int] | None = None   # (time, step, tokens) of the latest progress/step
+        self.stepped = False                   # this trainer process has done a step (a stop then checkpoints)
         self.initial_toggles: dict[str, Any] | None = None   # what the run started with
         self.start_time: float | None = None   # time of the first event
         self.last_time: float | None = None    # time of the latest event
@@ -256,6 +257,7 @@ class RunState:
         if e.early:                            # a trainer process started; nothing is built yet
             self.estimate = e.estimate
             self.startup = None
+            self.stepped = False
             self.end_time = None
             self._rate.clear()
             self._bump("run", "step")
@@ -281,6 +283,7 @@ class RunState:
 
     def _live(self, t: float, step: int, tokens: int) -> None:
         self.startup = None
+        self.stepped = True
         last = self.live_step
         if last is not None and step < last[1]:
             self._rate.clear()   # rolled back to a checkpoint

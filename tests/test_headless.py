@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from fixtures.streams import cpu_run, ev, gpu_logs, gpu_run
-from gptop.headless import HeadlessView, event_line, step_line
+from gptop.headless import HeadlessView, event_line, first_step_line, step_line
 from gptop.state import RunState
 from trainer.contract.events import DeviceEvent, StatusEvent, StepEvent, parse
 
@@ -155,7 +155,8 @@ def test_startup_lines_say_what_it_costs_and_what_it_does():
                        "startup: probing micro-batch 2",
                        "startup: compiling (torch.compile default)"]
     assert sum(line.startswith("gptop: deepseek medium") for line in lines) == 1
-    assert [line.split(" loss")[0] for line in lines if line.startswith("step ")] == ["step 10/200"]
+    steps = [line.split(" loss")[0] for line in lines if line.startswith("step ")]
+    assert steps == ["step 1/200 done in 95.0 s (warm-up included); a line every 10 steps", "step 10/200"]
 
 
 def test_progress_events_move_the_bar_and_are_json_lines():
@@ -174,3 +175,16 @@ def test_progress_events_move_the_bar_and_are_json_lines():
     play(HeadlessView(state, json=True, stream=out), state, startup_run("steps"))
     kinds = [json.loads(line)["type"] for line in out.getvalue().splitlines()]
     assert kinds.count("progress") == 13 and kinds.count("phase") == 7 and kinds.count("hello") == 2
+
+
+def test_no_first_step_line_when_every_step_has_one():
+    from fixtures.streams import startup_run
+
+    state = RunState()
+    for e in startup_run("steps"):
+        state.apply(e)
+    state.config["log"]["log_every"] = 1
+    assert first_step_line(ev("progress", 1.0, step=1, tokens=1), state) is None
+    state.config["log"]["log_every"] = 10
+    assert first_step_line(ev("progress", 1.0, step=10, tokens=1), state) is None     # a log step: its own line
+    assert first_step_line(ev("progress", 1.0, step=1, tokens=1), state).startswith("step 1/200 done")

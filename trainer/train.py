@@ -307,6 +307,9 @@ class Trainer:
         from .autobatch import find_micro_batch
 
         local = self.cfg.optim.global_batch // self.world
+        roomy = self._roomy_cpu_batch(local)
+        if roomy is not None:
+            return roomy
         x_all, y_all = self.sampler.micro_batch(0, 0, local)
         # Probe without torch.compile: compiling once per probed size would cost minutes and leave the run
         # with a dynamic-shape graph; eager's peak is usually above the compiled one (a safe estimate).
@@ -346,6 +349,25 @@ class Trainer:
         mb = find_micro_batch(probe, local, capacity, margin=0.1, log=self.log if self.rank == 0 else lambda s: None)
         self.log(f"--micro-batch auto: {mb}")
         return mb
+
+    def _roomy_cpu_batch(self, local: int) -> int | None:
+        """On the CPU, the whole per-rank batch when its estimate (trainer.contract.estimate, within a factor
+        of about 1.5 of the measured peak) takes under half of this rank's share of the RAM: probing would
+        cost more than a step of work (1 + 2 + the whole batch) for an answer known in advance. None: probe."""
+        from .contract import estimate as E
+
+        cfg = self.cfg
+        if self.dev.is_cuda or not self.dev.total_memory or self.bundle.family not in E.FAMILIES:
+            return None
+        est = E.estimate(self.bundle.family, self.bundle.size, seq_len=cfg.data.seq_len,
+                         global_batch=cfg.optim.global_batch, micro_batch=local, precision=cfg.toggles.precision,
+                         vocab_size=self.data.vocab_size, checkpointing=cfg.toggles.activation_checkpointing)
+        share = self.dev.total_memory / self._local_procs
+        if est.total_bytes > 0.5 * share:
+            return None
+        self.log(f"--micro-batch auto: {local}, the whole batch (estimated {est.total_bytes / E.GiB:.1f} GiB of "
+                 f"{share / E.GiB:.1f} GiB RAM: no probe needed)")
+        return local
 
     # --------------------------------------------------------------------- loop
     def _loss(self, x: torch.Tensor, y: torch.Tensor, batch_index: int, micro_index: int,
