@@ -458,6 +458,9 @@ class RunState:
         step_s = est.get("step_s")
         if isinstance(step_s, (int, float)):
             parts.append(f"~{fmt_seconds(step_s)}{'/step' if short else ' per step'}")
+            total = self.total_steps
+            if total and not short:
+                parts.append(f"~{fmt_seconds(step_s * total)} for {total} steps")
         if not parts:
             return None
         return "est. " + ", ".join(parts) if short else ", ".join(parts) + " (estimate)"

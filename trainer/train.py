@@ -136,7 +136,8 @@ class Trainer:
             raise ConfigError("--size", E.refusal(est, where, E.largest_fitting(cfg.model.model, **kw)))
         self.log(f"estimate: {est.summary(where)}")
         if est.slow:
-            msg = (f"{est.summary(where)} (estimated at {E.ASSUMED_MFU:.0%} MFU); for faster steps use a smaller "
+            steps = cfg.optim.max_steps - (self.progress.step or 0)
+            msg = (f"{est.summary(where, steps)} (estimated at {E.ASSUMED_MFU:.0%} MFU); for faster steps use a smaller "
                    f"--size, --seq-len or --global-batch" + (", or a GPU" if not self.dev.is_cuda else ""))
             self.emit0("warning", message=msg, kind="estimate")
             self.log(f"warning: {msg}")

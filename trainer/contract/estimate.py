@@ -194,11 +194,13 @@ class Estimate:
                 "total_bytes": self.total_bytes, "capacity_bytes": self.capacity, "micro_batch": self.micro_batch,
                 "step_s": self.step_s, "assumed_mfu": ASSUMED_MFU}
 
-    def summary(self, where: str) -> str:
-        """'deepseek medium on this CPU: ~14.2 GiB, ~3.5 min per step'."""
+    def summary(self, where: str, steps: int | None = None) -> str:
+        """'deepseek medium on this CPU: ~14.2 GiB, ~3.5 min per step' (', ~2.5 h for 40 steps' with `steps`)."""
         out = f"{self.family} {self.size} on {where}: ~{self.total_bytes / GiB:.1f} GiB"
         if self.step_s is not None:
             out += f", ~{fmt_seconds(self.step_s)} per step"
+            if steps:
+                out += f", ~{fmt_seconds(self.step_s * steps)} for {steps} steps"
         return out
 
 
