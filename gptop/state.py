@@ -264,6 +264,8 @@ class RunState:
             return
         if self.initial_toggles is None:
             self.initial_toggles = e.toggles
+        self.startup = None                    # built: the first step (or its compile phase) comes next
+        self.startup_since = e.time
         self.hellos += 1
         self.end_time = None   # a new trainer process: the run goes on
         self._applied = {}
@@ -434,9 +436,13 @@ class RunState:
         with self.lock:
             p = self.startup
             if p is None:
-                return None
-            line = p.message
-            if p.pct is not None:
+                if self.stepped or self.hello is None or self.hello.early or self.status not in (
+                        "starting", "running", "restarting"):
+                    return None
+                line = "first step"           # built; the first step (data, warm-up) is running
+            else:
+                line = p.message
+            if p is not None and p.pct is not None:
                 line += f" {p.pct:.0f}%"
             now = self.now()
             if self.startup_since is not None and now is not None:

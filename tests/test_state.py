@@ -482,3 +482,15 @@ def test_a_new_process_clears_the_startup_and_the_rate():
     assert s.startup is None
     s.apply(startup_run("building")[0])
     assert s.steps_per_s() is None and s.hellos == 1
+
+
+def test_between_the_full_hello_and_the_first_step_it_says_first_step():
+    from fixtures.streams import startup_run
+
+    events = [e for e in startup_run("compiling") if e.type != "phase" or e.phase != "compiling"]
+    clock = [T0 + 59.0]
+    s = fed(*events, clock=lambda: clock[0], status="running")
+    clock[0] = T0 + 71.0
+    assert s.startup_line() == "first step · 0:12"          # built at 59 s, no compile phase: the step runs
+    s.apply(ev("progress", 80.0, step=1, tokens=1))
+    assert s.startup_line() is None
