@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 
     install_startup_handlers()        # a stop while torch imports ends the process cleanly, not by a kill
     try:
-        from .train import EXIT_CONFIG, main_run
+        from .train import EXIT_CONFIG, main_run, stopped_in_startup
     except StartupStopped:
         print("[trainer] stopped before the first step", flush=True)
         return 0
@@ -47,4 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"python -m trainer: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
-    return main_run(cfg)
+    code = main_run(cfg)
+    if stopped_in_startup():          # the events are written and closed: skip freeing a model tensor by tensor
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

@@ -709,6 +709,15 @@ def hash_seed(*parts: int) -> int:
     return h
 
 
+_startup_stopped = False
+
+
+def stopped_in_startup() -> bool:
+    """True once main_run ended a run that was stopped before its first step (nothing was saved, nothing
+    needs tearing down: `python -m trainer` then exits without freeing a large model piece by piece)."""
+    return _startup_stopped
+
+
 def main_run(cfg: TrainConfig) -> int:
     """Run a configured trainer, turning every failure into an `error` event and a distinct exit code."""
     if cfg.toggles.cuda_allocator == "expandable_segments":
@@ -721,6 +730,8 @@ def main_run(cfg: TrainConfig) -> int:
     except Stop as s:
         return s.code
     except StartupStopped as e:                     # nothing to checkpoint before the first step
+        global _startup_stopped
+        _startup_stopped = True
         if trainer is not None:
             trainer.log(f"stopped before the first step ({e})")
             trainer.emit0("done", step=trainer.progress.step, tokens=trainer.progress.tokens, seconds=None,
