@@ -118,7 +118,7 @@ class Trainer:
         if not is_pretrained_path(cfg.model.model) and cfg.model.size in E.SIZES:
             kw = dict(seq_len=cfg.data.seq_len, global_batch=cfg.optim.global_batch,
                       micro_batch=cfg.toggles.micro_batch_int(), precision=cfg.toggles.precision,
-                      device=self.dev.type, capacity=self.dev.total_memory or None,
+                      device=self.dev.type, capacity=self._rank_memory(),
                       peak_flops=self.peak_flops, world_size=self.world, fsdp=self.parallel == "fsdp",
                       checkpointing=cfg.toggles.activation_checkpointing)
             est = E.estimate(cfg.model.model, cfg.model.size, **kw)
@@ -141,6 +141,12 @@ class Trainer:
                    f"--size, --seq-len or --global-batch" + (", or a GPU" if not self.dev.is_cuda else ""))
             self.emit0("warning", message=msg, kind="estimate")
             self.log(f"warning: {msg}")
+
+    def _rank_memory(self) -> int | None:
+        """The memory one rank trains in: its GPU's, or its share of the RAM (the node's ranks share it)."""
+        if not self.dev.total_memory:
+            return None
+        return self.dev.total_memory if self.dev.is_cuda else self.dev.total_memory // self._local_procs
 
     @property
     def parallel(self) -> str | None:
@@ -205,7 +211,7 @@ class Trainer:
                                      on_written=self._profile_written)
 
         if cfg.checkpoint.resume:
-            self.phase("loading", f"loading the checkpoint to resume from")
+            self.phase("loading", "loading the checkpoint to resume from")
             path, self.progress = self.ckpt.resume(cfg.checkpoint.resume)
             self.resumed_from = str(path)
             self.log(f"resumed from {path} at step {self.progress.step}")
@@ -358,12 +364,12 @@ class Trainer:
         from .contract import estimate as E
 
         cfg = self.cfg
-        if self.dev.is_cuda or not self.dev.total_memory or self.bundle.family not in E.FAMILIES:
+        share = self._rank_memory()
+        if self.dev.is_cuda or not share or self.bundle.family not in E.FAMILIES:
             return None
         est = E.estimate(self.bundle.family, self.bundle.size, seq_len=cfg.data.seq_len,
                          global_batch=cfg.optim.global_batch, micro_batch=local, precision=cfg.toggles.precision,
                          vocab_size=self.data.vocab_size, checkpointing=cfg.toggles.activation_checkpointing)
-        share = self.dev.total_memory / self._local_procs
         if est.total_bytes > 0.5 * share:
             return None
         self.log(f"--micro-batch auto: {local}, the whole batch (estimated {est.total_bytes / E.GiB:.1f} GiB of "
