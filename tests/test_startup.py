@@ -150,3 +150,32 @@ def test_progress_events_reach_gptop_every_step_and_the_stop_during_startup_is_1
     lines = stdout.splitlines()
     assert any(line.startswith("startup: ") for line in lines) and not any(line.startswith("step ") for line in lines)
     assert events(run_dir)[-1].reason == "stopped before the first step"
+
+
+def test_cpu_auto_micro_batch_takes_the_whole_batch_when_the_estimate_has_room(tmp_path):
+    from trainer.cli import parse_config
+    from trainer.contract.device import DeviceInfo
+    from trainer.device import detect
+    from trainer.train import Trainer
+
+    def setup(name, total_memory):
+        cfg = parse_config([*TINY, "--micro-batch", "auto", "--run-dir", str(tmp_path / name)])
+        real = detect(cfg.run.device)
+        dev = DeviceInfo(type="cpu", name=real.name, total_memory=total_memory, cpu_count=real.cpu_count)
+        saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+        trainer = Trainer(cfg, dev=dev)
+        try:
+            trainer.setup()
+        finally:
+            if trainer.channel is not None:
+                trainer.channel.close()
+            for s, h in saved.items():
+                signal.signal(s, h)
+        evs = events(tmp_path / name)
+        return trainer, [e.message for e in evs if e.type == "phase"]
+
+    roomy, phases = setup("roomy", 64 << 30)
+    assert roomy.micro_batch == 4 and not [p for p in phases if p.startswith("probing")]
+    assert phases == ["building llama tiny"]
+    tight, phases = setup("tight", 1 << 30)        # fits at micro-batch 1, but the whole batch is over half
+    assert [p for p in phases if p.startswith("probing")][:2] == ["probing micro-batch 1", "probing micro-batch 2"]
