@@ -285,7 +285,10 @@ class Session(SessionBase):
             sup.kill()
         else:
             self.stopping = True
-            self._set_status("stopping", "finishing the step and checkpointing")
+            if self.state.stepped:
+                self._set_status("stopping", "finishing the step and checkpointing")
+            else:               # the trainer abandons its startup at once (trainer.channel.StartupStopped)
+                self._set_status("stopping", "stopping before the first step (nothing to checkpoint)")
             sup.request_stop()
 
     def checkpoint(self) -> None:
@@ -372,7 +375,9 @@ class Session(SessionBase):
             controller.on_event(event)
 
     def _on_event(self, event: ev.Event) -> None:
-        if isinstance(event, (ev.StepEvent, ev.HelloEvent)) and self.state.status in ("starting", "restarting"):
+        started = isinstance(event, (ev.StepEvent, ev.ProgressEvent)) or (
+            isinstance(event, ev.HelloEvent) and not event.early)   # the early hello: nothing is built yet
+        if started and self.state.status in ("starting", "restarting"):
             self._set_status("running")
         if isinstance(event, ev.ErrorEvent):
             self.rank_errors.setdefault(event.rank, event)

@@ -158,13 +158,26 @@ def header(state: RunState, width: int) -> RenderableType:
         step, total = state.step, state.total_steps
         prog = state.progress()
         steps = f"step {step if step is not None else '–'}/{total if total is not None else '?'}"
-        parts = [f"{fmt_num(state.tokens)} tokens", f"elapsed {fmt_duration(state.elapsed())}"]
-        if status not in ("done", "stopped", "replay", "failed"):
-            parts.append(f"ETA {fmt_eta(state)}")
+        startup = state.startup_line()
+        estimate = state.estimate_line(short=True)
+        if step is None and (startup or estimate) and status not in ("done", "stopped", "replay", "failed"):
+            # before the first step: what it is doing and what a step will cost, not "0 tokens · ETA n/a"
+            slow = state.estimate_warning is not None       # the whole warning is in the log panel
+            parts = [x for x in (startup, estimate + (" ⚠" if slow else "") if estimate else None) if x]
+            parts.append(f"elapsed {fmt_duration(state.elapsed())}")
+            line2 = Text(" · ".join(parts))
+            line2.truncate(width, overflow="ellipsis")
+            return Group(line1, line2)
+        else:
+            parts = [f"{fmt_num(state.tokens)} tokens", f"elapsed {fmt_duration(state.elapsed())}"]
+            if status not in ("done", "stopped", "replay", "failed"):
+                parts.append(f"ETA {fmt_eta(state)}")
         if state.malformed:
             parts.append(f"{state.malformed} bad events")
         if status not in ("running", "failed", "replay") and state.status_message:
             parts.append(state.status_message)
+        if startup:                  # compiling in the first step of a resumed run: what, and for how long
+            parts.append(startup)
         if status in ("done", "stopped", "replay"):
             parts.append("q to quit")
         tail = " · " + " · ".join(parts)
