@@ -178,6 +178,10 @@ def test_full_simulated_tuning_ends_in_apply(tmp_path):
     assert report["speedup"] > 1.3 and report["trials"]
     summary = format_summary(report)                      # what `gptop report` prints
     assert summary.startswith("tuning    best (trial") and "applied" in summary and "x the start" in summary
+    # where the study lives, and the command that browses it (docs/tuning.md)
+    assert report["study"] == ctl.study.name and report["storage"] == f"journal:{tmp_path}/tuning.log"
+    assert f"study {ctl.study.name} in journal:{tmp_path}/tuning.log" in summary
+    assert f"optuna-dashboard {tmp_path}/tuning.log" in summary
     md = paths["md"].read_text()
     assert "| # | run |" in md and "compile=default" in md and "Ledger" in md and "infeasible" in md
     cfg = TrainConfig.from_toml(paths["toml"])
