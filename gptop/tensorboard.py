@@ -29,6 +29,7 @@ GPU_SCALARS = ("util_pct", "mem_used", "power_w", "temp_c", "sm_clock_mhz")
 CPU_SCALARS = ("util_pct", "mem_used", "proc_rss", "power_w")
 # The hparams table's metric columns: what the run ended with.
 FINAL_METRICS = ("final/loss", "final/eval_loss", "final/tokens_per_s", "final/mfu", "final/step")
+NOT_HPARAMS = {"run.channel"}     # the event socket of one trainer start: plumbing, not a setting
 
 
 def flat_hparams(config: dict[str, dict[str, Any]]) -> dict[str, bool | float | str]:
@@ -42,6 +43,8 @@ def flat_hparams(config: dict[str, dict[str, Any]]) -> dict[str, bool | float | 
             if value is None:
                 continue
             key = f"{section}.{name}"
+            if key in NOT_HPARAMS:
+                continue
             out[key] = value if isinstance(value, (bool, int, float, str)) else str(value)
     return out
 

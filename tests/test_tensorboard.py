@@ -28,7 +28,7 @@ from trainer.contract.device import DeviceInfo  # noqa: E402
 
 CONFIG = {"model": {"model": "llama", "size": "tiny", "dropout": None},
           "toggles": {"precision": "bf16", "compile": "off", "fused_adamw": True, "micro_batch": 4},
-          "optim": {"lr": 3e-4, "max_steps": 20}}
+          "optim": {"lr": 3e-4, "max_steps": 20}, "run": {"channel": "unix:/tmp/x/channel.sock", "device": "cpu"}}
 
 
 def read(log_dir: Path) -> EventAccumulator:
@@ -105,6 +105,7 @@ def test_hparams_hold_the_configuration_and_the_final_metrics(tmp_path):
     assert [m.name.tag for m in experiment.metric_infos] == list(FINAL_METRICS)
     assert {h.name for h in experiment.hparam_infos} == set(start.hparams) == set(flat_hparams(CONFIG))
     assert "model.dropout" not in start.hparams                         # None: no such value in TensorBoard
+    assert "run.channel" not in start.hparams and start.hparams["run.device"].string_value == "cpu"
     assert start.hparams["toggles.precision"].string_value == "bf16"
     assert start.hparams["toggles.fused_adamw"].bool_value is True
     assert start.hparams["optim.lr"].number_value == pytest.approx(3e-4)
