@@ -11,9 +11,12 @@ of each with gradient accumulation), opened by the step timer only while a windo
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from .timing import StepTimer
 
 STEP_RANGE = "ProfilerStep#{}"
 
@@ -27,7 +30,7 @@ class StepProfiler:
         self._prof: torch.profiler.profile | None = None
         self._span: tuple[int, int] | None = None
         self._step_range: torch.profiler.record_function | None = None
-        self._timer = None                        # the step timer whose phases open ranges while recording
+        self._timer: StepTimer | None = None      # the step timer whose phases open ranges while recording
         self._last: int | None = None             # the window's last finished step (a run may end inside it)
 
     @property
@@ -38,7 +41,7 @@ class StepProfiler:
         """Profile `steps` steps from step number `first` (a `profile` command: the next step)."""
         self.window = (first, first + max(1, steps) - 1)
 
-    def step_begin(self, number: int, timer=None) -> None:
+    def step_begin(self, number: int, timer: StepTimer | None = None) -> None:
         """Step `number` (from 1) starts. A window that began before a resumed run's first step starts here."""
         w = self.window
         if w and w[0] <= number <= w[1] and self._prof is None:

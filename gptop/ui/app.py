@@ -147,6 +147,7 @@ class GptopApp(App[None]):
         self.profile_steps = profile_steps
         self.sampler = sampler
         self.sampling = False
+        self.sample_panel = SamplePanel(id="sample")
         self.stop_requested = False
         self._seen_version = -1
         self._layout_key: tuple | None = None
@@ -169,7 +170,7 @@ class GptopApp(App[None]):
                 yield TrainPanel(s, id="training", title="training")
                 yield TunerPanel(s, id="tuner", title="tuner")
             yield LogPanel(s, id="log")
-            yield SamplePanel(id="sample")
+            yield self.sample_panel
         yield GptopFooter()
 
     def on_mount(self) -> None:
@@ -268,7 +269,7 @@ class GptopApp(App[None]):
         if action == "sample":
             return True if self.state.run_dir and not self.sampling else None
         if action == "close_sample":
-            return self.query_one(SamplePanel).shown
+            return self.sample_panel.shown
         if action == "next_expert_layer":
             return True if self.state.expert_load else False   # hidden for dense models
         return True
@@ -316,7 +317,7 @@ class GptopApp(App[None]):
             return
         self.sampling = True
         self.refresh_bindings()
-        self.query_one(SamplePanel).show_running(self.state.run_dir)
+        self.sample_panel.show_running(self.state.run_dir)
         self.run_worker(self._sample(self.state.run_dir), group="sample", exclusive=True, exit_on_error=False)
 
     async def _sample(self, run_dir: str) -> None:
@@ -327,10 +328,10 @@ class GptopApp(App[None]):
         finally:
             self.sampling = False
             self.refresh_bindings()
-        self.query_one(SamplePanel).show_outcome(outcome)
+        self.sample_panel.show_outcome(outcome)
 
     def action_close_sample(self) -> None:
-        self.query_one(SamplePanel).close()
+        self.sample_panel.close()
         self.refresh_bindings()
 
     def action_toggle_tuning(self) -> None:
