@@ -25,7 +25,7 @@ from typing import Any
 from trainer.contract.events import DeviceEvent, DoneEvent, ErrorEvent, EvalEvent, Event, HelloEvent, StepEvent
 
 STEP_SCALARS = ("loss", "lr", "grad_norm", "step_ms", "tokens_per_s", "mfu", "mem_bytes")
-GPU_SCALARS = ("util_pct", "mem_used", "power_w", "temp_c", "sm_clock_mhz")
+GPU_SCALARS = ("util_pct", "mem_used", "power_w", "temp_c", "sm_clock_mhz", "sm_active_pct", "tensor_active_pct")
 CPU_SCALARS = ("util_pct", "mem_used", "proc_rss", "power_w")
 # The hparams table's metric columns: what the run ended with.
 FINAL_METRICS = ("final/loss", "final/eval_loss", "final/tokens_per_s", "final/mfu", "final/step")
