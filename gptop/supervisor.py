@@ -16,6 +16,8 @@
   the ranks themselves (not to torchrun, which would turn it into a kill after
   30 s), and a kill or the launcher's exit reaches each of them. Which rank
   failed is read from torchrun's failure summary (`torchrun_failures`).
+- Library chatter that says nothing to a user (kineto's `USDT:`/`STAGE:` lines
+  around a profiler window) stays in the log file but not in the log panel.
 """
 
 from __future__ import annotations
@@ -40,6 +42,16 @@ from .tail import FileTail, LineSplitter, feed_events
 
 EventCallback = Callable[[ev.Event], None]
 LogCallback = Callable[[str, str], None]
+
+# glog-style lines from libkineto (torch.profiler) on stderr, e.g.
+# `USDT:2026-11-25 13:05:21 6702:6702 SyncActivityProfilerHandler.cpp:52] profiler_start`; torchrun may
+# prefix a rank's lines with `[rank0]:`.
+LIBRARY_CHATTER = re.compile(r"^(\[rank\d+\]:)?(USDT|STAGE):\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \S+:\d+\]")
+
+
+def is_library_chatter(line: str) -> bool:
+    """A line a library printed for its own developers: kept in the log file, not shown."""
+    return LIBRARY_CHATTER.match(line) is not None
 
 
 class Supervisor:
@@ -207,11 +219,13 @@ class Supervisor:
             done = self._exited.is_set()
             for stream, tail in tails.items():
                 for line in tail.read_lines():
-                    self.on_log(line.decode("utf-8", "replace").rstrip("\r"), stream)
+                    text = line.decode("utf-8", "replace").rstrip("\r")
+                    if not is_library_chatter(text):
+                        self.on_log(text, stream)
             if done:
                 for stream, tail in tails.items():
                     rest = tail.rest()
-                    if rest:
+                    if rest and not is_library_chatter(rest.decode("utf-8", "replace")):
                         self.on_log(rest.decode("utf-8", "replace"), stream)
                 return
             time.sleep(self.log_poll_s)

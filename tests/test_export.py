@@ -586,10 +586,11 @@ def test_gptop_sample_every_family(all_runs, exports):
 @pytest.mark.process
 @pytest.mark.slow
 def test_gptop_train_fine_tunes_exports(exports, tmp_path):
-    """`gptop train --model OUT_DIR` fine-tunes an export; a llada export trains with the llada objective."""
+    """`gptop train --model OUT_DIR` fine-tunes an export of every family and of a two-rank checkpoint; a llada
+    export trains with the llada objective."""
     args = [*TINY, "--max-steps", "2"]
     done = run_all({k: gptop_cmd("train", "--model", str(exports[k]), *args, "--run-dir", str(tmp_path / k))
-                    for k in ("llada", "deepseek", "dcp")})
+                    for k in ("llama", "llada", "deepseek", "dcp")})
     for k, r in done.items():
         assert r.returncode == 0, f"{k}: {r.stderr[-3000:]}"
         events = [json.loads(line) for line in (tmp_path / k / "events.jsonl").read_text().splitlines()]

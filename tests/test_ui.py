@@ -253,7 +253,7 @@ def test_every_binding_is_in_the_footer_at_80_columns():
 
     def check(app: GptopApp) -> None:
         keys = {k.key: k.region for k in app.query("FooterKey")}
-        for key in ("q", "c", "p", "l", "t", "r", "w", "e", "question_mark"):
+        for key in ("q", "c", "p", "s", "l", "t", "r", "w", "e", "question_mark"):
             assert key in keys, key
             assert keys[key].right <= 80
         assert len({r.x for r in keys.values()}) == len(keys)   # no two keys on top of each other

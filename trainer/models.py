@@ -599,8 +599,8 @@ the newest checkpoint (`--step N`), or from an exported directory. Options:
 `--timeout` (120 s for the whole process, generation keeps what it has at the
 deadline), `--device` (cpu, so a training run's GPU memory is left alone),
 `--json` (one line: the completion, token count, why it stopped, timings). It
-runs in its own short-lived process, like export, so a running dashboard can
-ask for one (`trainer.contract.tools.sample_command`).
+runs in its own short-lived process, like export; the dashboard's `s` key runs
+one on the newest checkpoint while training goes on ([dashboard.md](dashboard.md)).
 
 ```bash
 gptop sample runs/demo --prompt "def main(" --max-new-tokens 32

@@ -226,6 +226,10 @@ class Trainer:
             path, self.progress = self.ckpt.resume(cfg.checkpoint.resume)
             self.resumed_from = str(path)
             self.log(f"resumed from {path} at step {self.progress.step}")
+            w = self.profiler.window
+            if w and w[1] <= self.progress.step:
+                self.emit0("warning", message=f"--profile-steps {w[0]}-{w[1]}: this run resumes after step "
+                                              f"{self.progress.step}, so no trace is written")
         self.model = self._compile(self.ddp if self.ddp is not None else self.raw_model)
 
         if cfg.toggles.micro_batch == AUTO:
@@ -472,7 +476,7 @@ class Trainer:
         if decision.checkpoint:
             self.save_checkpoint("requested")
         if decision.profile_steps:
-            self.profiler.request(self.progress.step, decision.profile_steps)
+            self.profiler.request(self.progress.step + 1, decision.profile_steps)   # from the next step
         return decision.stop
 
     def _profile_written(self, path: Path, first: int, last: int) -> None:
@@ -497,7 +501,7 @@ class Trainer:
                 self.prefetcher.get()
             p.batch_cursor += 1
         step, bi = p.step, p.batch_cursor
-        self.profiler.step_begin(step)
+        self.profiler.step_begin(step + 1, self.timer)      # numbered from 1, as the step events
         fault = self.faults.take(step)
         optim.set_lr(self.optimizer, optim.lr_at(step, cfg) * p.lr_scale)
         timer = self.timer
@@ -538,7 +542,7 @@ class Trainer:
         p.step += 1
         p.batch_cursor += 1
         p.tokens += self.tokens_per_step
-        self.profiler.step_end(step)
+        self.profiler.step_end(step + 1)
 
     def _grad_norm_now(self) -> torch.Tensor:
         """The global gradient norm (clipping when --grad-clip is set); NaN or inf when a gradient is."""
