@@ -27,7 +27,7 @@ from trainer.contract.config import ConfigError, TrainConfig, add_arguments, con
 from trainer.contract.rundir import default_run_dir, resume_config
 from trainer.contract.tools import add_export_arguments, add_sample_arguments
 
-from .session import EXIT_DONE, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, Session, SessionOptions
+from .session import EXIT_DONE, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_PIPE, EXIT_USAGE, Session, SessionOptions
 
 TRAINER_EXIT_CONFIG = 2
 
@@ -175,6 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"gptop: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:     # `gptop report RUN | head`: the reader has what it wanted; no traceback
+        from .headless import quiet_closed_stream
+
+        quiet_closed_stream(sys.stdout)
+        return EXIT_PIPE
 
 
 def world_size(ns: argparse.Namespace) -> int:
@@ -269,13 +274,17 @@ def _run_headless(session: Session, ns: argparse.Namespace, resume: str | None) 
     try:
         session.start(resume=resume)
         while session.wait(0.2) is None:
-            pass
+            if view.stdout_closed.is_set() and not presses["n"]:
+                presses["n"] += 1           # nobody reads the lines any more: stop as Ctrl-C does (checkpoint)
+                session.stop()
         code = session.wait()
     finally:
         session.close()
         view.close()
         for s, h in old.items():
             signal.signal(s, h)
+    if view.stdout_closed.is_set():
+        return EXIT_PIPE
     if code == EXIT_FAILED:
         print(f"gptop: {session.state.status_message or 'the run failed'}", file=sys.stderr)
     return code if code is not None else EXIT_FAILED

@@ -18,7 +18,7 @@ from typing import Any
 
 from trainer.contract import events as ev
 
-from .session import EXIT_DONE, EXIT_INTERRUPTED
+from .session import EXIT_DONE, EXIT_INTERRUPTED, EXIT_PIPE
 from .state import RunState
 
 
@@ -190,9 +190,11 @@ def run_monitor(ns: argparse.Namespace) -> int:
         session.start()
         if session.run_dir is not None and session.pid is None and session._thread is not None:
             session._thread.join()      # replay: print the run and exit
-            return EXIT_DONE
-        while session.wait(0.2) is None:
+            return EXIT_PIPE if view.stdout_closed.is_set() else EXIT_DONE
+        while session.wait(0.2) is None and not view.stdout_closed.is_set():
             pass
+        if view.stdout_closed.is_set():
+            return EXIT_PIPE
         return session.wait() or EXIT_DONE
     finally:
         session.close()

@@ -24,6 +24,7 @@ from .state import RunState
 from .supervisor import Supervisor, torchrun_failures, trainer_argv
 
 EXIT_DONE, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_PIPE = 141     # stdout's reader went away (`gptop --no-ui ... | head`): what a shell shows for SIGPIPE
 
 
 class View(Protocol):

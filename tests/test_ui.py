@@ -7,6 +7,7 @@ committing (tests/__snapshots__/test_ui/)."""
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from typing import Awaitable, Callable
@@ -352,6 +353,11 @@ def test_panels_show_the_cpu_stream_at_large_size():
     def check(app: GptopApp) -> None:
         dev = text(app.query_one("#devices"))
         assert "CPU" in dev and "AMD EPYC" in dev and "cores" in dev and "n/a" in dev   # power n/a
+        rows = [r.strip("│ ") for r in dev.splitlines()]
+        # docs/dashboard.md: the CPU's util and memory history, each a chart with its label on its last row
+        assert any(r.startswith("util  ") and "█" in r and "%" not in r for r in rows)
+        assert any(r.startswith("mem   ") and "GB" not in r for r in rows)
+        assert re.search(r"Processor +proc \d+% rss", dev)                # the model name, a gap, the process
         assert "data loading is 30%" in text(app.query_one("#steps"))
         assert "MFU n/a" in text(app.query_one("#training"))
         assert not app.query_one("#tuner").display      # no tuner activity: the panel gives way
@@ -552,3 +558,19 @@ def test_elapsed_stops_when_the_run_ends_and_replays_use_run_time():
     replay.clock = lambda: now[0]
     replay.apply(ev("device", 10_000.0, devices=[], cpu={"util_pct": 1.0}))   # a monitor's live sample
     assert replay.elapsed() == pytest.approx(61.0)   # first to last run event of cpu_run(): 0 .. 61 s
+
+
+@pytest.mark.parametrize("width", [12, 20, 30, 40, 76])
+@pytest.mark.parametrize("name", ["AMD EPYC", "AMD EPYC 7763 64-Core Processor", ""])
+def test_cpu_title_keeps_a_gap_between_the_model_and_the_process_figures(width, name):
+    from gptop.ui.render import devices
+
+    state = RunState()
+    state.apply(ev("device", 1.0, devices=[], cpu={"name": name, "util_pct": 50.0, "proc_cpu_pct": 16.0,
+                                                   "proc_rss": 2_500_000_000}))
+    title = devices(state, width, 12, 60.0).renderables[0].plain
+    assert title.startswith("CPU") and len(title) <= width
+    if "proc" in title:
+        assert re.search(r"\S +proc 16% rss 2.3 GB$", title)
+    elif width >= 30:
+        pytest.fail(f"no process figures at width {width}: {title!r}")
