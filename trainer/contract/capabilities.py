@@ -78,6 +78,12 @@ def slow(name: str, value, dev: DeviceInfo) -> str | None:
     return None
 
 
+def worth_trying(name: str, value, dev: DeviceInfo | None) -> bool:
+    """May a hint suggest `value`? Only on a known device that supports it and runs it at full speed (a
+    gptop that has not had the trainer's hello yet suggests nothing device-specific)."""
+    return dev is not None and support(name, value, dev) is None and slow(name, value, dev) is None
+
+
 def supported_values(name: str, dev: DeviceInfo) -> list:
     return [v for v in CHOICES[name] if support(name, v, dev) is None]
 
