@@ -569,7 +569,7 @@ class RunState:
             tips = []
             if t.get("compile", "off") == "off" and capabilities.worth_trying("compile", "default", dev):
                 tips.append("--compile default")
-            # native bf16 only: CUDA 8.0+, or a CPU whose oneDNN has bf16 kernels (not emulated ~100x slower)
+            # native bf16 only: CUDA 8.0+, or a CPU whose oneDNN has bf16 kernels (not emulated, 30-100x slower)
             if t.get("precision", "fp32") in ("fp32", "tf32") and capabilities.worth_trying("precision", "bf16", dev):
                 tips.append("--precision bf16")
             if not tips:

@@ -5,7 +5,7 @@ fallback), and the tuner offers only supported values. Both ask here.
 
 A value can also be supported but *slow* on a device: it runs correctly, yet
 is known to lose against the default by a wide margin (bf16 on a CPU whose
-oneDNN has no bf16 kernels is ~100x slower at matmuls than fp32). Asked for
+oneDNN has no bf16 kernels is 30-100x slower at matmuls than fp32: bench/bf16_matmul.py). Asked for
 explicitly it runs, with a warning; the tuner leaves it out of its default
 space (a trial would spend the budget on one step) unless `--tune-space`
 names it.
@@ -74,7 +74,7 @@ def slow(name: str, value, dev: DeviceInfo) -> str | None:
     """None unless `value` is supported on `dev` but known to be far slower than the default; then why."""
     if name == "precision" and value == "bf16" and not dev.is_cuda and not dev.cpu_bf16:
         return ("this CPU has no native bf16 (oneDNN needs AVX-512 or newer), so bf16 matmuls are emulated, "
-                "about 100x slower than fp32")
+                "30-100x slower than fp32")
     return None
 
 
