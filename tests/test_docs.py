@@ -213,6 +213,8 @@ def fill(text: str, work: Path, toml: Path) -> str:
 def argv_of(text: str) -> tuple[dict[str, str], list[str]]:
     """Environment assignments and the argv, with `gptop`/`python` as this interpreter."""
     words = shlex.split(text)
+    if "|" in words:
+        words = words[:words.index("|")]        # `gptop ... | head`: gptop's own command line
     env = {}
     while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
         k, v = words.pop(0).split("=", 1)

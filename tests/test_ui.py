@@ -454,8 +454,10 @@ def test_only_changed_panels_are_synced():
             assert calls == {}            # nothing changed: nothing re-rendered
             t = state.last_time - T0                 # a sample at the same time: the clocks shown stay
             state.apply(ev("device", t, devices=[], cpu={"util_pct": 1.0}))
-            await pilot.pause(0.25)
-            assert set(calls) == {"devices"}
+            await pilot.pause(0.3)
+            state.apply(ev("device", t, devices=[], cpu={"util_pct": 2.0}))
+            await pilot.pause(DevicePanel.MIN_REDRAW_S + 0.2)
+            assert calls == {"devices": 1}        # two samples within its MIN_REDRAW_S: one redraw
             state.add_log("hello", "stdout")
             await pilot.pause(0.25)
             assert set(calls) == {"devices", "log", "failure"}
