@@ -301,7 +301,7 @@ def synthetic_child(rate: float, run_dir: Path) -> None:
     import math
     import random
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.append(str(Path(__file__).resolve().parents[1]))   # after PYTHONPATH: BEFORE/AFTER trees
     from gptop.commands import RecordingCommands
     from gptop.state import RunState
     from gptop.ui.app import GptopApp
