@@ -160,6 +160,8 @@ RULES: list[Rule] = [
     Rule(r"^gptop --no-ui train --model llama --size tiny --max-steps 200 --run-dir runs/demo$", "parse",
          "the README's first command made this run (llama tiny is what --size auto picks on this CPU)"),
     # models.md: export, load with transformers, sample; the llada family end to end
+    Rule(r"^gptop export \S+ hf/(adapter|merged)", "parse",
+         "exports a --lora run's adapters (tests/test_lora.py trains and exports one)"),
     Rule(r"^gptop export ", "run"),
     Rule(r"^gptop sample .*--diffusion-steps", "run", "", flags(max_new_tokens="8", diffusion_steps="4")),
     Rule(r"^gptop sample ", "run", "", flags(max_new_tokens="4")),
@@ -198,7 +200,7 @@ def fill(text: str, work: Path, toml: Path) -> str:
         (r" \.\.\.", ""), (r" \[options\]", ""), (r"\[RUN_DIR\]", run),
         (r"runs/<run>/best\.toml|FILE\.toml|(?<![/\w])best\.toml", str(toml)),
         (r"runs/<run>", run), (r"\bRUN_DIR\b", run), (r"--resume RUN\b", f"--resume {run}"),
-        (r"/tmp/ui1", run), (r"--model OUT_DIR\b", "--model hf/demo"), (r"\bOUT_DIR\b", str(work / "hf" / "out")),
+        (r"/tmp/ui1", run), (r"--model OUT_DIR\b", "--model hf/demo"), (r"\./my-model\b", "hf/demo"), (r"\bOUT_DIR\b", str(work / "hf" / "out")),
         (r"\bTEXT\b", "'def main('"),
         (r"--nproc N\b", "--nproc 1"), (r"/shared/runs/run42", str(work / "shared" / "run42")),
         (r"journal:/shared/gptop/", f"journal:{work}/"), (r"\bBEFORE\b|\bAFTER\b", str(ROOT)),
@@ -393,7 +395,7 @@ def test_the_toml_example_is_a_valid_config(docs_toml: Path):
 
 def _needs_run(text: str) -> bool:
     """Does the command read a run directory or an export (made by the slow fixtures)?"""
-    return bool(re.search(r"RUN_DIR|OUT_DIR|runs/<run>|runs/demo|--resume RUN\b|/tmp/ui1|runs/llada|hf/", text))
+    return bool(re.search(r"RUN_DIR|OUT_DIR|runs/<run>|runs/demo|--resume RUN\b|/tmp/ui1|runs/llada|hf/|my-model", text))
 
 
 PARSED = [c for c in COMMANDS if (r := rule_for(c)) is not None and (r.action == "parse" or c.inline)
