@@ -27,7 +27,7 @@ from trainer.contract.runlock import RunLock, node_key
 from trainer.contract.tools import add_export_arguments, add_sample_arguments
 
 from .commands import STOP_SIGNALS, TUI_STOP_SIGNALS, StopSignals
-from .session import EXIT_FAILED, EXIT_USAGE, Session, SessionOptions, TuningOptions
+from .session import EXIT_FAILED, EXIT_PIPE, EXIT_USAGE, Session, SessionOptions, TuningOptions
 
 # gptop's own flags, converted and checked at parse time like the config's (trainer.contract.config.number_arg,
 # trainer.contract.inputs.path_arg): a bad value is exit 2 naming the flag before anything starts.
@@ -173,6 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"gptop: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:     # `gptop report RUN | head`: the reader has what it wanted; no traceback
+        from .headless import quiet_closed_stream
+
+        quiet_closed_stream(sys.stdout)
+        return EXIT_PIPE
 
 
 def world_size(ns: argparse.Namespace) -> int:

@@ -36,6 +36,7 @@ broken, and start fast.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import threading
@@ -184,6 +185,8 @@ class HeadlessView:
         self.echo_logs = echo_logs
         self._stderr: deque[str] = deque(maxlen=stderr_tail)
         self._lock = threading.Lock()
+        # set when stdout's reader has gone away: the caller stops the run (gptop/cli.py) and exits quietly
+        self.stdout_closed = threading.Event()
         self._last_device: float | None = None
         self._status: str | None = None
         self._tuner_phase: str | None = None
@@ -213,15 +216,25 @@ class HeadlessView:
         if self._progress is not None:
             self._progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
         else:
-            self.stream.write(line + "\n")
-            self.stream.flush()
+            self._write(self.stream, line + "\n")
+
+    def _write(self, stream: IO[str], text: str) -> None:
+        """Write and flush; a reader that went away (`gptop --no-ui ... | head`) is noted, not a traceback."""
+        if stream is self.stream and self.stdout_closed.is_set():
+            return
+        try:
+            stream.write(text)
+            stream.flush()
+        except BrokenPipeError:
+            quiet_closed_stream(stream)
+            if stream is self.stream:
+                self.stdout_closed.set()
 
     def _print_err(self, line: str) -> None:
         if self._progress is not None and self.err is self.stream:
             self._print(line)
             return
-        self.err.write(line + "\n")
-        self.err.flush()
+        self._write(self.err, line + "\n")
 
     # --- the view interface -------------------------------------------------
     def on_event(self, event: Event) -> None:
@@ -233,8 +246,7 @@ class HeadlessView:
                     if self._last_device is not None and t - self._last_device < self.device_interval:
                         return
                     self._last_device = t
-                self.stream.write(dumps(event) + "\n")
-                self.stream.flush()
+                self._write(self.stream, dumps(event) + "\n")
                 return
             if isinstance(event, TunerEvent):
                 phase = event.phase
@@ -319,8 +331,7 @@ class HeadlessView:
             self._status = status
             if self.json:
                 obj = StatusEvent(status=status, message=message)
-                self.stream.write(dumps(obj) + "\n")
-                self.stream.flush()
+                self._write(self.stream, dumps(obj) + "\n")
             else:
                 self._print(f"status: {status}" + (f": {message}" if message else ""))
                 if self._progress is not None and self._task is not None:
@@ -336,7 +347,22 @@ class HeadlessView:
             if self._progress is not None:
                 self._progress.stop()
                 self._progress = None
-            self.stream.flush()
+            self._write(self.stream, "")
+
+
+def quiet_closed_stream(stream: IO[str]) -> None:
+    """After a BrokenPipeError on `stream`: point its file descriptor at /dev/null, so that what is still
+    buffered and the interpreter's flush at exit go nowhere instead of raising again (Python's documented
+    recipe for SIGPIPE, https://docs.python.org/3/library/signal.html#note-on-sigpipe)."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return      # not a real file (a StringIO in tests): nothing buffered below it
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
 
 
 def _isatty(stream: IO[str]) -> bool:

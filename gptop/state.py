@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable
 
 from gptop.energy import Energy, unavailable_reason
 from gptop.energy import measure as energy_measure
-from trainer.contract.capabilities import native_bf16
+from trainer.contract import capabilities
 from trainer.contract.device import DeviceInfo
 from trainer.contract.events import (PHASES, ApplyEvent, CheckpointEvent, CpuReading, DeviceEvent, DoneEvent,
                                      ErrorEvent, EvalEvent, Event, GpuReading, HelloEvent, LogEvent, ModelInfo,
@@ -679,10 +679,10 @@ class RunState:
             return f"{other:.0f}% of the step is outside the phases (host overhead, syncs): try --compile default"
         if compute >= 60:
             tips = []
-            if t.get("compile", "off") == "off":
+            if t.get("compile", "off") == "off" and capabilities.worth_trying("compile", "default", dev):
                 tips.append("--compile default")
-            prec = t.get("precision", "fp32")
-            if prec in ("fp32", "tf32") and native_bf16(dev):
+            # native bf16 only: CUDA 8.0+, or a CPU whose oneDNN has bf16 kernels (not emulated, 30-100x slower)
+            if t.get("precision", "fp32") in ("fp32", "tf32") and capabilities.worth_trying("precision", "bf16", dev):
                 tips.append("--precision bf16")
             if not tips:
                 return f"compute-bound: forward+backward are {compute:.0f}% of the step"

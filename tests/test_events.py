@@ -308,6 +308,21 @@ def test_a_tuning_json_with_nulls_is_summarized(tmp_path):
     assert "tuning_skipped" not in s and "no feasible configuration" in format_report(s)
 
 
+@pytest.mark.parametrize("trials", [[], [{"run": "earlier", "status": "complete"}]])
+def test_a_report_never_prints_empty_parentheses(tmp_path, trials):
+    """No trial this run (none at all, or only a shared study's earlier ones): '0 trials this run in ...', not '()'."""
+    for e in cpu_run(20):
+        with open(tmp_path / "events.jsonl", "a") as f:
+            f.write(ev.dumps(e) + "\n")
+    (tmp_path / "tuning.json").write_text(json.dumps({"best": None, "trials": trials,
+                                                      "ledger": {"tuning_s": 12.0, "budget_s": 60.0}}))
+    text = format_report(summarize(tmp_path))
+    assert "0 trials this run in " in text
+    assert "()" not in text and "( " not in text
+    (tmp_path / "tuning.json").write_text(json.dumps({"best": None, "trials": [{"run": "this", "status": "pruned"}]}))
+    assert "1 trials this run (1 pruned) in " in format_report(summarize(tmp_path))
+
+
 class NoSampler:
     def subscribe(self, fn):
         return lambda: None

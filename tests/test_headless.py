@@ -13,7 +13,7 @@ import pytest
 from fixtures.streams import cpu_run, ev, gpu_logs, gpu_run
 from gptop.headless import HeadlessView, event_line, first_step_line, step_line
 from gptop.state import RunState
-from trainer.contract.events import DeviceEvent, StatusEvent, StepEvent, parse
+from trainer.contract.events import DeviceEvent, StatusEvent, StepEvent, dumps, parse
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -191,3 +191,36 @@ def test_no_first_step_line_when_every_step_has_one():
     state.config["log"]["log_every"] = 10
     assert first_step_line(ev("progress", 1.0, step=10, tokens=1), state) is None     # a log step: its own line
     assert first_step_line(ev("progress", 1.0, step=1, tokens=1), state).startswith("step 1/200 done")
+
+
+class ClosedPipe(io.StringIO):
+    def write(self, s: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_reader_that_goes_away_is_noted_not_raised():
+    """`gptop --no-ui ... | head`: the first failed write sets stdout_closed (the CLI then stops the run)
+    and nothing more is written or raised, from any thread that prints."""
+    state = RunState()
+    view = HeadlessView(state, json=False, stream=ClosedPipe(), err=io.StringIO())
+    play(view, state, cpu_run(30), final=("done", None))
+    assert view.stdout_closed.is_set()
+
+
+@pytest.mark.slow
+def test_gptop_piped_into_head_exits_quietly(tmp_path):
+    """A replay's JSON lines (more than a pipe buffer) into a reader that stops after one line: exit 141
+    as for SIGPIPE, no traceback."""
+    run = tmp_path / "run"
+    run.mkdir()
+    with open(run / "events.jsonl", "w") as f:
+        for _ in range(4):                      # ~200 kB: the writer blocks on a full pipe, then gets EPIPE
+            for e in gpu_run():
+                f.write(dumps(e) + "\n")
+    p = subprocess.Popen([sys.executable, "-m", "gptop", "--no-ui", "--json", "--run-dir", str(run)],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout.readline().startswith(b"{")
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

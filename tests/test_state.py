@@ -198,6 +198,8 @@ def test_hints_only_name_toggles_that_apply():
     avx2 = hello("cpu", precision="fp32", cpu_bf16=False)
     assert fed(avx2, step(1, 1.0, PH)).bottleneck_hint() == "compute-bound (forward+backward 80%): try --compile default"
     assert "--precision bf16" in fed(hello("cpu", precision="fp32"), step(1, 1.0, PH)).bottleneck_hint()
+    # no hello yet (a second node's gptop before issue 13's fix): the device is unknown, so no bf16 or compile
+    assert fed(step(1, 1.0, PH)).bottleneck_hint() == "compute-bound: forward+backward are 80% of the step"
     # GPU idle is a GPU notion: never on the CPU
     s = fed(hello("cpu"), step(1, 1.0, PH, gpu_idle_ms=50.0))
     assert "idle" not in (s.bottleneck_hint() or "")

@@ -95,6 +95,12 @@ class Trainer:
         if self.rank == 0 and self.channel is not None:
             self.channel.emit(type, **fields)
 
+    def emit_node(self, type: str, **fields: Any) -> None:
+        """Events every node's gptop needs (hello: max steps, the device, the model) come from the first rank
+        of each node: a second node's gptop only hears its own ranks."""
+        if self.local_rank == 0 and self.channel is not None:
+            self.channel.emit(type, **fields)
+
     def _warn(self, message: str) -> None:
         """A warning of this rank (a skipped checkpoint is seen by every rank that read it)."""
         self.channel.emit("warning", message=message)
@@ -240,7 +246,7 @@ class Trainer:
 
         if self.rank == 0:
             atomic_write(rundir.RunDir(self.run_dir).config, cfg.to_toml())
-        self.emit0(
+        self.emit_node(
             "hello", pid=os.getpid(), world_size=self.world, parallel=self.parallel, config=cfg.to_dict(), device=self.dev.to_dict(),
             model={"family": self.bundle.family, "size": self.bundle.size, "total_params": self.bundle.total_params,
                    "active_params": self.bundle.active_params, "embedding_params": self.bundle.embedding_params,

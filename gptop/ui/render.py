@@ -373,9 +373,13 @@ def _cpu_block(state: RunState, d: CpuReading | None, width: int, chart_rows: in
         line.truncate(width, overflow="ellipsis")
         return [line]
     extra = " ".join(proc)
+    if len(extra) > width - 9:       # too narrow for both: the model name first, the process figures dropped
+        extra = ""
     title = Text.assemble(("CPU ", "bold"), d.name or "")
     title.truncate(max(0, width - len(extra) - 1), overflow="ellipsis")
-    title.append(" " * max(1, width - title.cell_len - len(extra)) + extra, style="grey62")
+    if extra:   # the gap is its own unstyled span, at least one column wide: never "EPYCproc 16%"
+        title.append(" " * max(1, width - title.cell_len - len(extra)))
+        title.append(extra, style="grey62")
     mem_used, mem_total = d.mem_used, d.mem_total
     power = d.power_w
     lines: list[RenderableType] = [
@@ -391,14 +395,12 @@ def _cpu_block(state: RunState, d: CpuReading | None, width: int, chart_rows: in
         lines.append(Text.assemble(("cores ", "bold"), core_bars(cores, width - 6)))
     room = chart_rows - (len(lines) - 4)
     charts = [("util_pct", "util", "dark_green", "green1", (0.0, 100.0))]
-    if room >= 10:   # a tall panel (CPU runs at 160x48, the monitor without a run): memory too
+    if room >= 6:    # room for two charts of 3+ rows (CPU runs from 120x40 up, the monitor without a run)
         charts.append(("mem_used", "mem", "navy_blue", "dodger_blue1", (0.0, mem_total or None)))
     for i, (metric, label, low, high, scale) in enumerate(charts):
-        rows = min(12, room // len(charts) + (i < room % len(charts)) - (1 if i else 0))
+        rows = min(12, room // len(charts) + (i < room % len(charts)))   # each chart's label is on its last row
         if rows <= 0:
             break
-        if i:
-            lines.append(Text(""))
         data = time_buckets(state.device_points("cpu", metric, window_s), width - 6, window_s)
         lines.append(Rows(spark_rows(data, width - 6, low, high, height=rows, scale=scale, label=label,
                                      label_w=6)))
