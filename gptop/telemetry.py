@@ -12,7 +12,7 @@ unsupported power sensor is not mistaken for an idle GPU.
 
 Energy: the samples carry the readings (NVML's energy counter and power per
 GPU, RAPL's package counter for the CPU); gptop.energy is the one place that
-turns them into joules (`energy_between` is re-exported here for callers).
+turns them into joules.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Literal
 
 import psutil
 
-from gptop.energy import Rapl, energy_between  # noqa: F401  (re-exported)
+from gptop.energy import Rapl
 from gptop.nvml import Nvml
 from trainer.contract.device import cpu_name
 from trainer.contract.events import CpuReading, DeviceEvent, GpuReading, finite_or_none

@@ -15,7 +15,8 @@ import pynvml
 import pytest
 
 from gptop.nvml import Nvml, na
-from gptop.telemetry import DeviceSampler, Rapl, energy_between
+from gptop.energy import Rapl, energy_between
+from gptop.telemetry import DeviceSampler
 from trainer.contract.events import CpuReading, DeviceEvent, GpuReading, MalformedEvent, dumps, parse
 
 NOT_SUPPORTED = pynvml.NVMLError_NotSupported
