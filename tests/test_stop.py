@@ -112,3 +112,39 @@ def test_stop_at_any_moment_is_stopped_with_130(tmp_path, moment, sig):
     if moment == "first step":
         assert _hello(run_dir)                  # it ran, and stopped gracefully (a checkpoint and a done event)
         assert any(e.type == "done" for e in read_events(run_dir / "events.jsonl"))
+
+
+def test_a_stop_signal_before_the_session_runs_starts_nothing(tmp_path):
+    """Ctrl-C or SIGTERM right after `gptop train` started, before its session ran: counted, acted on as
+    soon as the session runs, and nothing is started or created."""
+    import os
+
+    from gptop.commands import StopSignals
+
+    class View:
+        statuses: list = []
+
+        def on_event(self, e): pass
+        def on_log(self, line, stream): pass
+        def on_status(self, status, message): self.statuses.append(status)
+        def close(self): pass
+
+    class NoSampler:
+        def subscribe(self, fn): pass
+        def start(self): pass
+        def stop(self): pass
+
+    cfg = TrainConfig()
+    cfg.run.run_dir = str(tmp_path / "run")
+    s = Session(cfg, sampler=NoSampler())
+    before = signal.getsignal(signal.SIGTERM)
+    signals = StopSignals().install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)            # delivered to this (main) thread: counted, nothing to stop
+        assert signals.count == 1
+        view = View()
+        assert s.run_headless(view, signals=signals) == EXIT_INTERRUPTED
+    finally:
+        signals.restore()
+    assert view.statuses == ["stopped"] and s.supervisor is None and not (tmp_path / "run").exists()
+    assert signal.getsignal(signal.SIGTERM) is before     # the handlers are given back
