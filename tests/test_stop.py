@@ -37,8 +37,8 @@ def test_a_graceful_stop_is_stopped_and_an_error_while_stopping_is_shown(tmp_pat
     assert (s.state.status, s.state.status_message, s.wait(0)) == ("stopped", None, EXIT_INTERRUPTED)
 
     s = session(tmp_path)
-    s.state.apply(StepEvent(step=3, tokens=0, loss=1.0, lr=0.0, grad_norm=None, step_ms=1.0, phases_ms={}, tokens_per_s=0.0,
-                            mfu=0.0, mem_bytes=0, time=1.0))
+    s.state.apply(StepEvent(step=3, tokens=0, loss=1.0, lr=0.0, grad_norm=None, step_ms=1.0, phases_ms={},
+                            tokens_per_s=0.0, mfu=0.0, mem_bytes=0, time=1.0))
     s.handle_exit(-signal.SIGKILL)                  # q twice: killed after its steps, before it checkpointed
     assert s.state.status == "stopped" and "before it checkpointed" in s.state.status_message
 
