@@ -23,6 +23,7 @@ from typing import Any
 from trainer.contract import inputs
 from trainer.contract.config import ConfigError, TrainConfig, add_arguments, config_from_args, number_arg
 from trainer.contract.rundir import default_run_dir, resume_config
+from trainer.contract.runlock import RunLock, node_key
 from trainer.contract.tools import add_export_arguments, add_sample_arguments
 
 from .commands import STOP_SIGNALS, TUI_STOP_SIGNALS, StopSignals
@@ -221,9 +222,24 @@ def _run(ns: argparse.Namespace, signals: StopSignals) -> int:
     if launcher is not None and launcher.multi_node and _tuning_request(ns) is not None:
         raise ConfigError("--nnodes", "tuning restarts the trainer, which one gptop cannot do for other nodes; "
                                       "tune on one node (--nproc N) and train the nodes with its best.toml")
+    # One writer per run directory: held until gptop exits (and by the trainer it starts); a second gptop
+    # or trainer on the directory is refused here, exit 2, before anything starts.
+    multi_node = launcher is not None and launcher.multi_node
+    lock = RunLock.acquire(cfg.run.run_dir, command=f"gptop {ns.command}",
+                           node=node_key(ns.node_rank) if multi_node else None)
+    try:
+        return _run_locked(ns, cfg, resume, launcher, lock, signals)
+    finally:
+        lock.release()
+
+
+def _run_locked(ns: argparse.Namespace, cfg: TrainConfig, resume: str | None, launcher, lock: RunLock,
+                signals: StopSignals) -> int:
     options = SessionOptions(interval=ns.interval, restart_on_failure=ns.restart_on_failure,
-                             tensorboard=ns.tensorboard, launcher=launcher,
+                             tensorboard=ns.tensorboard, launcher=launcher, run_lock=lock,
                              tuning=TuningOptions(space_spec=ns.tune_space, storage=ns.storage))   # the `t` key
+    if lock.warning:
+        print(f"gptop: warning: {lock.warning}", file=sys.stderr)
     session = Session(cfg, options)
     tuning = _tuning_request(ns)
     if tuning is not None:

@@ -16,14 +16,17 @@ status, the exit code and the `--no-ui` loop.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import threading
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from trainer.contract import events as ev
 from trainer.contract.config import TrainConfig, cli_args
-from trainer.contract.rundir import has_checkpoint
+from trainer.contract.rundir import RunDir, has_checkpoint
+from trainer.contract.runlock import RunLock
 
 from .commands import StopSignals
 from .state import RunState
@@ -31,6 +34,8 @@ from .supervisor import Supervisor, torchrun_failures, trainer_argv
 
 EXIT_DONE, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 DEFAULT_T_BUDGET_S = 600.0                 # the `t` key in a plain `gptop train`
+# Failures a restart from the last checkpoint cannot cure: restarting would only loop (a full disk).
+NO_RESTART_KINDS = ("disk",)
 
 
 class View(Protocol):
@@ -69,6 +74,7 @@ class SessionOptions:
     tensorboard: bool = False
     launcher: Callable[[list[str]], list[str]] | None = None   # argv builder (torchrun for --nproc)
     tuning: TuningOptions | None = None   # what the `t` key starts (None: `t` is not offered)
+    run_lock: RunLock | None = None    # the run directory's lock, held by the caller for the session's life
 
 
 class SessionBase:
@@ -179,6 +185,8 @@ class Session(SessionBase):
         super().__init__(Path(cfg.run.run_dir), sampler)
         self.cfg = cfg
         self.options = options or SessionOptions()
+        lock = self.options.run_lock
+        self.layout = RunDir(self.run_dir, lock.node if lock is not None else None)   # this node's files
         self.supervisor: Supervisor | None = None
         self.restarts_left = self.options.restart_on_failure
         self.interrupted = False
@@ -193,7 +201,7 @@ class Session(SessionBase):
     # ------------------------------------------------------------- lifecycle
     def start(self, resume: str | None = None) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._device_file = open(self.run_dir / "device.jsonl", "a", buffering=1)
+        self._device_file = open(self.layout.device, "a", buffering=1)
         if self.options.tensorboard:
             from .tensorboard import TensorBoardWriter
 
@@ -216,9 +224,12 @@ class Session(SessionBase):
                 self.cfg = cfg
             run_cfg = dataclasses.replace(self.cfg)
             run_cfg.checkpoint = dataclasses.replace(self.cfg.checkpoint, resume=resume)
+            lock = self.options.run_lock
             sup = Supervisor([], self.run_dir, on_event=self._on_event, on_log=self._on_log,
                              on_exit=self._on_exit, on_malformed=self._on_malformed,
-                             launcher=self.options.launcher is not None)
+                             launcher=self.options.launcher is not None,
+                             env=None if lock is None else {**os.environ, **lock.env()},
+                             pass_fds=lock.fds if lock is not None else (), node=self.layout.node)
             self.rank_errors = {}
             self.hello = None
             run_cfg.run = dataclasses.replace(self.cfg.run, run_dir=str(self.run_dir), channel=sup.channel_uri)
@@ -236,13 +247,23 @@ class Session(SessionBase):
         sup = self.supervisor
         return sup.pids() if sup else []
 
+    def energy_between(self, t0: float, t1: float) -> float | None:
+        """Joules the run's devices used in [t0, t1] (unix time), from the sampler's history through the
+        one energy computation (gptop.energy); None without a reading. The tuner measures trials with it."""
+        if self.sampler is None:
+            return None
+        from .energy import energy_between
+
+        return energy_between(self.sampler.history(), t0, t1)
+
     def close(self) -> None:
         """Stop everything; never leaves a trainer process behind."""
         if self.supervisor is not None:
             self.supervisor.close()
         super().close()
         if self._device_file:
-            self._device_file.close()
+            with contextlib.suppress(OSError):      # a full disk fails the last flush too
+                self._device_file.close()
             self._device_file = None
         if self._tb is not None:
             self._tb.close()
@@ -365,6 +386,11 @@ class Session(SessionBase):
                 self._device_file.write(ev.dumps(sample) + "\n")
             except ValueError:
                 return
+            except OSError as e:       # a full or read-only disk: keep showing samples, stop writing them
+                f, self._device_file = self._device_file, None
+                with contextlib.suppress(OSError):
+                    f.close()
+                self.log(f"device samples are no longer written to {self.layout.device}: {e}")
         self._dispatch(sample)
 
     def _on_malformed(self, line: bytes, why: str) -> None:
@@ -388,7 +414,8 @@ class Session(SessionBase):
             self._finish(EXIT_DONE)
             return
         summary = self.failure_summary(code)
-        if self.restarts_left > 0:
+        curable = not any(e.kind in NO_RESTART_KINDS for e in self.rank_errors.values())
+        if self.restarts_left > 0 and curable:
             self.restarts_left -= 1
             self._set_status("restarting", f"{summary}; restarting from the last checkpoint "
                                            f"({self.restarts_left} restarts left)")
@@ -420,7 +447,7 @@ class Session(SessionBase):
         how = f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
         if err:
             return f"trainer failed ({how}): {err.kind}: {err.message}"
-        return f"trainer died ({how}) without reporting an error; see {self.run_dir / 'trainer.stderr.log'}"
+        return f"trainer died ({how}) without reporting an error; see {self.layout.trainer_stderr}"
 
     def rank_failure(self) -> str | None:
         """Which rank failed and why, for a launched (torchrun) run.
@@ -459,7 +486,7 @@ class Session(SessionBase):
         if silent:
             f = min(silent, key=lambda f: (f["exitcode"] >= 0, not f["root"], f["rank"]))
             return (f"rank {f['rank']} died ({how(f['exitcode'])}) without reporting an error{tail(f['rank'])}; "
-                    f"see {self.run_dir / 'trainer.stderr.log'}")
+                    f"see {self.layout.trainer_stderr}")
         if errors:
             e = min(errors.values(), key=lambda e: e.time)
             return f"rank {e.rank} failed: {e.kind}: {e.message}{tail(e.rank)}"
@@ -467,5 +494,5 @@ class Session(SessionBase):
         if root:
             f = root[0]
             return (f"rank {f['rank']} failed ({how(f['exitcode'])}): {f['traceback']}; "
-                    f"see {self.run_dir / 'trainer.stderr.log'}")
+                    f"see {self.layout.trainer_stderr}")
         return None

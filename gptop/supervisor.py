@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainer.contract import events as ev
+from trainer.contract.rundir import RunDir
 
 from .tail import FileTail, LineSplitter, feed_events
 
@@ -44,8 +45,11 @@ LogCallback = Callable[[str, str], None]
 class Supervisor:
     def __init__(self, argv: list[str], run_dir: Path, *, on_event: EventCallback, on_log: LogCallback,
                  on_exit: Callable[[int], None], on_malformed: Callable[[bytes, str], None] | None = None,
-                 env: dict[str, str] | None = None, log_poll_s: float = 0.1, launcher: bool = False):
+                 env: dict[str, str] | None = None, log_poll_s: float = 0.1, launcher: bool = False,
+                 pass_fds: tuple[int, ...] = (), node: str | None = None):
         self.argv = list(argv)
+        self.pass_fds = tuple(pass_fds)     # the run directory's lock (trainer.contract.runlock), held by the child too
+        self.layout = RunDir(run_dir, node)
         self.launcher = launcher            # argv starts a launcher whose children are the ranks
         self._known: dict[int, Any] = {}     # pid -> psutil.Process of every descendant seen
         self._seq = 0
@@ -76,14 +80,14 @@ class Supervisor:
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._server.bind(self.socket_path)
         self._server.listen(64)
-        out = open(self.run_dir / "trainer.log", "ab")
-        err = open(self.run_dir / "trainer.stderr.log", "ab")
+        out = open(self.layout.trainer_log, "ab")
+        err = open(self.layout.trainer_stderr, "ab")
         self._log_offsets = {"stdout": out.tell(), "stderr": err.tell()}
         self._stderr_start = err.tell()
         env = dict(os.environ if self.env is None else self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
-                                     start_new_session=True, close_fds=True)
+                                     start_new_session=True, close_fds=True, pass_fds=self.pass_fds)
         out.close()
         err.close()
         loops = [(self._accept_loop, "accept"), (self._wait_loop, "wait"), (self._tail_loop, "tail")]
@@ -197,8 +201,8 @@ class Supervisor:
 
     # ------------------------------------------------------------------ logs
     def _tail_loop(self) -> None:
-        tails = {s: FileTail(self.run_dir / n, self._log_offsets[s])
-                 for s, n in (("stdout", "trainer.log"), ("stderr", "trainer.stderr.log"))}
+        tails = {s: FileTail(p, self._log_offsets[s])
+                 for s, p in (("stdout", self.layout.trainer_log), ("stderr", self.layout.trainer_stderr))}
         while True:
             done = self._exited.is_set()
             for stream, tail in tails.items():
@@ -281,7 +285,7 @@ class Supervisor:
     def stderr_text(self, limit: int = 1 << 20) -> str:
         """What the trainer (or torchrun and its ranks) wrote to stderr since this start."""
         try:
-            with open(self.run_dir / "trainer.stderr.log", "rb") as f:
+            with open(self.layout.trainer_stderr, "rb") as f:
                 f.seek(self._stderr_start)
                 data = f.read()
         except OSError:

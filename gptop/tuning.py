@@ -266,7 +266,8 @@ class TuningDriver:
                                         # in short ones more configurations measured once win
                                         reserve_trials=1 if self.budget_s >= 600 else 0,
                                         trial_timeout_s=2 * per_trial + 2 * restart_guess,
-                                        switch_reserve_s=restart_guess)
+                                        switch_reserve_s=restart_guess,
+                                        energy=self.session.energy_between)
         self._say(f"tuning for up to {self.budget_s:.0f} s over {', '.join(space.params) or 'nothing'} "
                   f"(study {self.study.name}){note}", study=self.study.name)
         trial_index = 0

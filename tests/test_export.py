@@ -57,8 +57,10 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def export_ns(run_dir: Path, out_dir: Path, step: int | None = None, force: bool = False) -> argparse.Namespace:
-    return argparse.Namespace(run_dir=str(run_dir), out_dir=str(out_dir), step=step, force=force, json=True)
+def export_ns(run_dir: Path, out_dir: Path, step: int | None = None, force: bool = False,
+              merge: bool = False) -> argparse.Namespace:
+    return argparse.Namespace(run_dir=str(run_dir), out_dir=str(out_dir), step=step, force=force, merge=merge,
+                              json=True)
 
 
 def sample_ns(path: Path, **kw) -> argparse.Namespace:
@@ -151,8 +153,9 @@ def test_argv_round_trips_through_the_tool_parsers(tmp_path):
     assert vars(p.parse_args(tools.sample_argv(ns))) == vars(ns)
     q = argparse.ArgumentParser()
     tools.add_export_arguments(q)
-    ns = export_ns(run, tmp_path / "o", step=2, force=True)
-    assert vars(q.parse_args(tools.export_argv(ns))) == vars(ns)
+    for merge in (False, True):
+        ns = export_ns(run, tmp_path / "o", step=2, force=True, merge=merge)
+        assert vars(q.parse_args(tools.export_argv(ns))) == vars(ns)
     cmd = tools.sample_command(run, "hi", max_new_tokens=5)
     assert cmd[:3] == [sys.executable, "-m", "trainer.sample"] and "--json" in cmd
 

@@ -76,6 +76,25 @@ def test_a_peak_below_the_achieved_rate_is_dropped_not_reported(tmp_path, monkey
     assert json.loads((tmp_path / "cpu_peak.json").read_text()) == {}
 
 
+def test_mfu_close_to_a_measured_peak_measures_it_again_and_keeps_the_best(tmp_path, monkeypatch):
+    from trainer import flops
+
+    monkeypatch.setattr(flops, "_cache_file", lambda cache_dir: tmp_path / "cpu_peak.json")
+    rates = iter([1e6, 1e15])             # the first taken on a "busy" machine, the second as it should be
+    monkeypatch.setattr(flops, "measure_cpu_matmul_flops", lambda *a, **k: next(rates))
+    code, events, _ = run(tmp_path, "--model", "llama", "--max-steps", "4", "--micro-batch", "4")
+    assert code == EXIT_OK
+    hello = of(events, "hello")[0]
+    assert hello.peak_flops == 1e6 and hello.peak_source.startswith("measured: best of 1 ")
+    assert hello.mfu_is_estimate
+    mfus = [s.mfu for s in of(events, "step")]
+    assert all(m is not None and 0 < m < 0.8 for m in mfus)
+    assert any("measured it again" in e.message for e in of(events, "log"))
+    assert not [w for w in of(events, "warning") if w.kind == "peak_flops"]
+    (entry,) = json.loads((tmp_path / "cpu_peak.json").read_text()).values()
+    assert entry["best"] == 1e15 and entry["n"] == 2
+
+
 def test_phases_add_up_to_step_time(tmp_path):
     code, events, _ = run(tmp_path, "--max-steps", "6", "--micro-batch", "2")
     assert code == EXIT_OK

@@ -177,11 +177,15 @@ class TuneController:
                  min_steps: int = 8, rel_ci: float = 0.03, max_steps: int = 200, max_seconds: float = 300.0,
                  prune_margin: float = 0.05, remeasure_top: int = 2, default_restart_s: float = 60.0,
                  trial_timeout_s: float | None = None, max_micro_batch: int | None = None,
-                 reserve_trials: int | None = None, switch_reserve_s: float = 0.0):
+                 reserve_trials: int | None = None, switch_reserve_s: float = 0.0,
+                 energy: Callable[[float, float], float | None] | None = None):
         self.cfg, self.dev, self.space, self.study, self.budget, self.clock = base_cfg, dev, space, study, budget, clock
         self.max_trials = max_trials
         self.measure_kw = dict(min_steps=min_steps, rel_ci=rel_ci, max_steps=max_steps, max_seconds=max_seconds)
         self.prune_margin = prune_margin
+        # joules used in [t0, t1] of event time (the session's gptop.energy over its device samples), for
+        # a trial's energy per token; None: no energy figures
+        self.energy = energy
         self.remeasure_top = remeasure_top
         # When starting a trial, keep budget for this many more (re-measurements); a trial is cut when only
         # `switch_reserve_s` is left, the time the final switch (checkpoint + restart) takes: the budget
@@ -496,7 +500,7 @@ class TuneController:
             self.phase = "trials"
         duration = self.clock() - a.start
         m = a.measure
-        summary = m.summary()
+        summary = m.summary(energy=self.energy)
         overhead = self._overhead(a)
         extra = {"duration_s": round(duration, 3), "overhead_s": overhead, "kind_of_run": a.kind}
         if outcome == "ok" and a.failure:
@@ -561,6 +565,7 @@ class TuneController:
                                                          {**extra, "overhead_s": None})
                 a.number = self.baseline_number
                 self.study.set_attr("baseline", {"run": self.study.run_id, "tokens_per_s": est, "spread": spread,
+                                                 "energy_per_token": summary.get("energy_per_token"),
                                                  "toggles": dataclasses.asdict(a.toggles)})
             else:
                 self.baseline = None
