@@ -41,11 +41,14 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer.contract import events as ev
 from trainer.contract import rundir
 from trainer.contract.config import AUTO, Toggles, TrainConfig
+
+if TYPE_CHECKING:
+    from .session import Session
 
 STEADY = ("done", "prune", "budget", "timeout")
 TEST_FAULT_ENV = "GPTOP_TEST_TRIAL_FAULT"   # "N:KIND" or "N:KIND@K": KIND (nan, oom, crash, kill, compile) K steps
@@ -66,8 +69,11 @@ def parse_test_fault(spec: str) -> tuple[int, str, int] | None:
 
 
 class TuningDriver:
-    def __init__(self, session, budget_s: float, space_spec: str | None = None, storage: str | None = None,
-                 tune_only: bool = False, trial_log_every: int = 1, hello: ev.HelloEvent | None = None):
+    """The session's controller while it tunes (gptop.session.Controller); `Session.start_tuning` makes one."""
+
+    def __init__(self, session: "Session", budget_s: float, space_spec: str | None = None,
+                 storage: str | None = None, tune_only: bool = False, trial_log_every: int = 1,
+                 hello: ev.HelloEvent | None = None):
         self.session = session
         self.budget_s = budget_s
         self.space_spec = space_spec
