@@ -432,6 +432,7 @@ def test_two_ranks_never_checkpoint_a_non_finite_state(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_two_nodes_on_one_host_each_know_the_run(tmp_path):
     """Two gptop processes, one rank each, over a c10d rendezvous (docs/distributed.md, "Several nodes"):
     the second node's gptop gets a hello too (its header reads step N/MAX, not N/?), and its hint only
