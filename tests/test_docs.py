@@ -403,7 +403,7 @@ PARSED = [c for c in COMMANDS if (r := rule_for(c)) is not None and (r.action ==
 
 
 @pytest.mark.parametrize("cmd", [c if not _needs_run(c.text) else
-                                 pytest.param(c, marks=pytest.mark.slow) for c in PARSED],
+                                 pytest.param(c, marks=[pytest.mark.slow, pytest.mark.process]) for c in PARSED],
                          ids=lambda c: c.id)
 def test_command_parses(cmd: Command, request, work: Path, docs_toml: Path):
     if _needs_run(cmd.text):
@@ -443,6 +443,7 @@ def ran_docs(shared_run: Path, work: Path, docs_toml: Path) -> dict[str, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_documented_commands_run(ran_docs: dict[str, str]):
     assert RUN, "the docs show commands that run"
     assert not ran_docs, "\n\n".join(f"{k}\n  {v}" for k, v in ran_docs.items())
