@@ -230,6 +230,9 @@ def cmd_run(ns: argparse.Namespace) -> int:
         from .ui.app import run_app
 
         code = run_app(session, resume=resume)
+    from .summary import print_summary   # the closing lines; with --json on stderr, stdout stays JSON
+
+    print_summary(session.state, code, sys.stderr if ns.no_ui and ns.json else sys.stdout)
     err = session.state.last_error()
     if code == EXIT_FAILED and err is not None and err.kind == "config":
         return EXIT_USAGE

@@ -161,6 +161,10 @@ class RunState:
         self.expert_load: list[list[float]] | None = None
         self.last_eval: EvalEvent | None = None
         self.done: DoneEvent | None = None
+        self.first_loss: float | None = None               # the run's first logged loss (the summary's "from")
+        # (tokens/s, mfu) of step events that are not a process's first (warm-up: compile, allocator)
+        self._steady: deque[tuple[float | None, float | None]] = deque(maxlen=history)
+        self._warm = True                                  # the next step event is a process's first
 
         # devices
         self.device_sample: DeviceEvent | None = None      # latest device event
@@ -168,6 +172,8 @@ class RunState:
         self.device_series: dict[tuple[str, str], Series] = {}
         self._device_history = device_history
         self._energy: deque[tuple[float, float]] = deque(maxlen=device_history)   # (time, joules)
+        self.energy_j: float | None = None    # joules the working devices used since the first counter reading
+        self._energy_tokens0: int | None = None   # tokens trained when that reading came
 
         # logs and incidents
         self.logs: deque[tuple[str, str]] = deque(maxlen=log_lines)   # (stream, line)
@@ -253,6 +259,7 @@ class RunState:
         self.end_time = None   # a new trainer process: the run goes on
         self._applied = {}
         self._rate.clear()   # a restart recompiles: the old step rate says nothing about the new process
+        self._warm = True
         self._bump("run", "step")
 
     def _on_step(self, e: StepEvent) -> None:
@@ -268,6 +275,12 @@ class RunState:
             self._rate.clear()   # rolled back to a checkpoint
         self.last_step = e
         self._rate.append((e.time, step, e.tokens))
+        if self.first_loss is None and e.loss is not None:
+            self.first_loss = e.loss
+        if self._warm:
+            self._warm = False
+        else:
+            self._steady.append((e.tokens_per_s, e.mfu))
         for name in STEP_SERIES:
             v = getattr(e, name)
             if v is not None:
@@ -329,7 +342,15 @@ class RunState:
         sources: list[GpuReading | CpuReading] = list(e.devices) if e.devices else ([e.cpu] if e.cpu else [])
         vals = [d.energy_j for d in sources]
         if vals and all(v is not None for v in vals):
-            self._energy.append((t, sum(vals)))  # type: ignore[arg-type]
+            total = sum(vals)  # type: ignore[arg-type]
+            if self._energy:
+                step_j = total - self._energy[-1][1]
+                if step_j >= 0:      # a counter reset (driver reload) loses one interval, never goes back
+                    self.energy_j = (self.energy_j or 0.0) + step_j
+            else:
+                self.energy_j = 0.0
+                self._energy_tokens0 = self.tokens or 0
+            self._energy.append((t, total))
         self._bump("device")
 
     def _on_trial(self, e: TrialEvent) -> None:
@@ -642,6 +663,45 @@ class RunState:
         if power_vals and tps:
             return sum(power_vals) / tps
         return None
+
+    def steady_medians(self) -> tuple[float | None, float | None]:
+        """(tokens/s, MFU): medians over the step events that are not a process's first (which carries
+        compilation and allocator warm-up); all step events when there are no others yet."""
+        with self.lock:
+            rows = list(self._steady)
+            if not rows and self.last_step is not None:
+                rows = [(self.last_step.tokens_per_s, self.last_step.mfu)]
+        tps = sorted(x for x, _ in rows if x is not None)
+        mfu = sorted(m for _, m in rows if m is not None)
+        return _median(tps), _median(mfu)
+
+    def run_energy(self) -> tuple[float | None, float | None]:
+        """(joules, joules per token) the working devices used since the first energy reading of this run;
+        (None, None) without a counter."""
+        with self.lock:
+            joules, t0, tokens = self.energy_j, self._energy_tokens0, self.tokens
+        if joules is None:
+            return None, None
+        trained = (tokens or 0) - (t0 or 0)
+        return joules, (joules / trained if trained > 0 and joules > 0 else None)
+
+    def power_note(self) -> str | None:
+        """Why the working device's power reads n/a, as the telemetry said (None when it reads, or unknown)."""
+        with self.lock:
+            gpus = [d for k, d in self.device_latest.items() if k != "cpu"]
+            cpu = self.device_latest.get("cpu")
+        for d in gpus or ([cpu] if cpu is not None else []):
+            if d.power_w is None and d.power_note:
+                return d.power_note
+        return None
+
+
+def _median(xs: list[float]) -> float | None:
+    """The median of sorted values, or None."""
+    n = len(xs)
+    if not n:
+        return None
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
 
 def _interp(points: list[tuple[float, float]], t: float) -> float | None:

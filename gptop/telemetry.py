@@ -151,6 +151,7 @@ class Rapl:
 
     def __init__(self, root: str = "/sys/class/powercap") -> None:
         self.domains: list[tuple[str, int | None]] = []
+        unreadable = 0
         for path in sorted(glob.glob(os.path.join(glob.escape(root), "intel-rapl:*"))):
             if not re.fullmatch(r"intel-rapl:\d+", os.path.basename(path)):
                 continue  # subdomains (core, uncore, dram) are inside the package; psys would double count
@@ -158,8 +159,14 @@ class Rapl:
             if name is not None and not name.strip().startswith("package"):
                 continue
             if _read_int(os.path.join(path, "energy_uj")) is None:
+                unreadable += 1
                 continue
             self.domains.append((path, _read_int(os.path.join(path, "max_energy_range_uj"))))
+        # Why there is no power reading, for the panel and the summary (None when there is one).
+        self.note: str | None = None
+        if not self.domains:
+            self.note = ("RAPL energy counters are root-only here" if unreadable
+                         else "no RAPL power counter on this machine: a VM, a container or not Linux")
         self._last_raw: dict[str, int] = {}
         self._total_uj = 0
         self._last_total: int | None = None
@@ -248,6 +255,7 @@ def _sample_gpu(nv: Nvml, index: int, name: str, pids: set[int]) -> GpuReading:
         temp_c=finite_or_none(temp),
         sm_clock_mhz=finite_or_none(sm),
         proc_mem=proc_mem,
+        power_note=None if power_mw is not None else "the driver reports no power for this GPU",
     )
 
 
@@ -416,6 +424,7 @@ class DeviceSampler:
             power_w=power,
             energy_j=energy,
             name=self._cpu_name,
+            power_note=self._rapl.note,
         )
 
     def _record(self, sample: DeviceEvent) -> None:

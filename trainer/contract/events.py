@@ -49,6 +49,11 @@ SCHEMA_VERSION = 1
 PHASES = ("data", "forward", "backward", "optimizer", "other")
 
 ERROR_KINDS = ("oom", "nan", "config", "crash", "compile", "no_checkpoint", "corrupt_checkpoint")
+# Each kind in words, for a reader who does not know the codes (the end-of-run summary).
+ERROR_WORDS = {"oom": "out of memory", "nan": "the loss or the gradients became NaN or infinite",
+               "config": "the configuration was refused", "crash": "the trainer crashed",
+               "compile": "torch.compile failed", "no_checkpoint": "there was no checkpoint to resume from",
+               "corrupt_checkpoint": "no checkpoint could be read (all corrupt)"}
 
 
 class MalformedEvent(ValueError):
@@ -84,6 +89,7 @@ class GpuReading(Record):
     temp_c: float | None = None
     sm_clock_mhz: float | None = None
     proc_mem: int | None = None         # bytes used on this GPU by the trainer's processes; None when none are seen
+    power_note: str | None = None       # why power_w is None, in a few words
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,6 +105,7 @@ class CpuReading(Record):
     proc_cpu_pct: float | None = None   # trainer processes' share of the whole machine, 0..100
     power_w: float | None = None        # CPU package power from RAPL, None when unreadable
     energy_j: float | None = None       # RAPL package energy since the sampler started (wraparound undone)
+    power_note: str | None = None       # why power_w is None, in a few words
 
 
 @dataclass(frozen=True, kw_only=True)
