@@ -37,12 +37,13 @@ import threading
 from collections import deque
 from typing import IO
 
-from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_num, fmt_toggles, model_summary, phase_label,
-                         spread_pct)
+from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_num, fmt_toggles, measure_line, model_summary,
+                         phase_label, spread_pct)
 from trainer.contract.events import (PHASES, ApplyEvent, CheckpointEvent, DeviceEvent, DoneEvent, ErrorEvent,
                                      EvalEvent, Event, HelloEvent, LogEvent, StatusEvent, StepEvent, TrialEvent,
                                      TunerEvent, WarningEvent, dumps)
 
+MEASURE_EVERY_S = 10.0
 SHORT = {"data": "data", "forward": "fwd", "backward": "bwd", "optimizer": "opt", "other": "other"}
 
 
@@ -108,7 +109,11 @@ def event_line(event: Event, state: RunState) -> str | None:
     if isinstance(event, LogEvent):
         return event.message
     if isinstance(event, DoneEvent):
-        return f"done: step {event.step}, {fmt_num(event.tokens)} tokens in {fmt_duration(state.elapsed())}"
+        if event.reason in (None, "max_steps"):
+            return f"done: step {event.step}, {fmt_num(event.tokens)} tokens in {fmt_duration(state.elapsed())}"
+        if state.tuner.active:     # the tuner restarts the trainer between configurations: not the run's end
+            return f"trainer stopped at step {event.step} to restart with the next settings (tuning)"
+        return f"trainer stopped at step {event.step} ({event.reason or 'stopped'}), {fmt_num(event.tokens)} tokens"
     if isinstance(event, TrialEvent):
         if event.status == "running":
             return None            # one line per trial, when it ends (the JSON mode has both)
@@ -152,6 +157,8 @@ class HeadlessView:
         self._status: str | None = None
         self._tuner_phase: str | None = None
         self._hint_kind: str | None = None
+        self._measuring: tuple | None = None      # the measurement the last progress line was about
+        self._measure_at = 0.0
         if progress is None:
             progress = not json and _isatty(self.stream)
         self._progress = None
@@ -204,12 +211,26 @@ class HeadlessView:
                     left = event.budget_left_s
                     self._print(f"tuner: {phase_label(phase)}" + (f" ({fmt_duration(left)} budget left)" if left is not None
                                                       else ""))
+                self._measure_progress(event)
                 return
             line = event_line(event, self.state)
             if line is not None:
                 self._print(line)
             if isinstance(event, StepEvent):
                 self._step_extras()
+
+    def _measure_progress(self, event: TunerEvent) -> None:
+        """A line on the tuner's measurement: when one starts, when its warm-up ends, then every
+        `MEASURE_EVERY_S` seconds of event time (the tuner reports about once a second)."""
+        m = event.measure
+        if m is None:
+            self._measuring = None
+            return
+        key = (m.kind, m.number, m.warmed_up)
+        if key == self._measuring and event.time - self._measure_at < MEASURE_EVERY_S:
+            return
+        self._measuring, self._measure_at = key, event.time
+        self._print(f"tuner: measuring {measure_line(m)}")
 
     def _step_extras(self) -> None:
         """The hint when its kind changes (its numbers move every step); the progress bar."""

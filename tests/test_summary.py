@@ -135,3 +135,21 @@ def test_print_summary_writes_the_lines_and_survives_a_closed_stream(tmp_path):
     closed = io.StringIO()
     closed.close()
     print_summary(state, 130, closed)      # no exception
+
+
+def test_the_dashboard_path_prints_the_summary_after_the_app_closes(tmp_path, monkeypatch, capsys):
+    """`gptop train` (the TUI): the summary comes on stdout once the app has given the terminal back."""
+    import gptop.ui.app as app
+    from gptop import cli
+
+    def closed_app(session, resume=None):
+        for e in cpu_run(steps=20):
+            session.state.apply(e)
+        session.state.set_status("done", "stopped")
+        return 130
+
+    monkeypatch.setattr(app, "run_app", closed_app)
+    run_dir = tmp_path / "run"
+    assert cli.main(["train", "--model", "llama", "--size", "tiny", "--run-dir", str(run_dir)]) == 130
+    out = capsys.readouterr().out
+    assert out.startswith("gptop: run stopped at step 20") and f"gptop report {run_dir}" in out

@@ -228,6 +228,29 @@ class Measurement:
         vals = [s.energy_j / s.tokens for s in self.kept if s.energy_j is not None and s.energy_j >= 0]
         return median(vals) if vals else None
 
+    def noise_words(self) -> str:
+        """'+-4.1% noisy (stable is +-3%)': the estimate's spread against the target, in words."""
+        est, spread = self.estimate
+        if not (math.isfinite(est) and math.isfinite(spread)) or est <= 0:
+            return "no estimate yet"
+        return f"±{spread / est:.1%} noisy (stable is ±{self.rel_ci * 100:g}%)"
+
+    def stop_words(self, why: str | None) -> str:
+        """Why a measurement ended before it was stable, in words: `why` is `done_reason` or the
+        controller's stop ("budget", "timeout", "prune")."""
+        warm = "" if self.warmed_up else ", still warming up"
+        if why == "max_seconds":
+            return f"stopped measuring after {self.seconds:.0f} s{warm}: still {self.noise_words()}"
+        if why == "max_steps":
+            return f"stopped measuring after {self.steps} steps{warm}: still {self.noise_words()}"
+        if why == "budget":
+            return f"the tuning budget ran out after {self.seconds:.0f} s of measuring{warm}: still {self.noise_words()}"
+        if why == "timeout":
+            return f"took longer than a trial may{warm}: still {self.noise_words()}"
+        if why == "stable":
+            return f"stable after {len(self.kept)} samples: ±{self.estimate[1] / self.estimate[0]:.1%}"
+        return f"stopped after {self.steps} steps{warm}: still {self.noise_words()}"
+
     def summary(self) -> dict[str, Any]:
         est, spread = self.estimate
         lo, hi = self.interval()

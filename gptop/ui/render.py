@@ -17,8 +17,8 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_num, fmt_toggles, model_summary, phase_label,
-                         spread_pct)
+from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_num, fmt_toggles, measure_line, model_summary,
+                         phase_label, spread_pct)
 from trainer.contract.events import PHASES, CpuReading, GpuReading
 
 PHASE_STYLE = {"data": "yellow", "forward": "green", "backward": "dodger_blue1", "optimizer": "magenta",
@@ -563,6 +563,8 @@ def tuner_summary(state: RunState, width: int) -> RenderableType:
         if tu.active and tu.trial is not None:
             head.append(f" · #{tu.trial} running")
         lines: list[Text] = [head]
+        if tu.measure is not None and tu.active:
+            lines.append(Text.assemble(("measuring ", "bold"), measure_line(tu.measure)))
         best = tu.best
         if best:
             lines.append(Text.assemble(("best ", "bold"), f"#{best.number} ",

@@ -122,6 +122,23 @@ class ModelInfo(Record):
     objective: str | None = None        # "causal" | "llada"
 
 
+@dataclass(frozen=True, kw_only=True)
+class MeasureProgress(Record):
+    """How far the tuner's measurement of the running configuration is (a tuner event's `measure`)."""
+
+    kind: str                           # baseline, trial, remeasure
+    number: int | None = None           # the trial's number (None: a baseline not yet recorded)
+    steps: int = 0                      # step samples seen, warm-up included
+    samples: int = 0                    # samples the estimate uses (after warm-up)
+    needed: int = 0                     # samples a stable estimate needs at least
+    warmed_up: bool = False
+    tokens_per_s: float | None = None   # the current estimate (median)
+    spread: float | None = None         # its confidence half-width, tokens/s
+    target: float | None = None         # the relative half-width that counts as stable (0.03: +-3%)
+    seconds: float | None = None        # measured so far
+    max_seconds: float | None = None    # when it stops measuring even if still noisy
+
+
 # --------------------------------------------------------------------------- events
 
 
@@ -310,6 +327,7 @@ class TunerEvent(Event):
     study: str | None = None
     outcome: str | None = None          # phase done: the decision, or why tuning ended
     applied: bool | None = None
+    measure: MeasureProgress | None = None   # while a configuration is measured
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -331,7 +349,7 @@ class UnknownEvent(Event):
 EVENT_TYPES: dict[str, type[Event]] = {c.type: c for c in (
     HelloEvent, StepEvent, EvalEvent, CheckpointEvent, LogEvent, WarningEvent, ErrorEvent, DoneEvent,
     DeviceEvent, TrialEvent, ApplyEvent, TunerEvent, StatusEvent)}
-RECORDS: tuple[type[Record], ...] = (GpuReading, CpuReading, ModelInfo)
+RECORDS: tuple[type[Record], ...] = (GpuReading, CpuReading, ModelInfo, MeasureProgress)
 _BASE = ("v", "type", "time", "rank")
 
 
