@@ -724,26 +724,33 @@ def spread_pct(trial: TrialEvent) -> float | None:
     return 100.0 * spread / tps if spread is not None and tps else None
 
 
-def measure_line(m: MeasureProgress) -> str:
-    """'baseline: 5/8 samples · 12.3k tok/s ±4.1% (stable at ±3%) · 0:20 of max 1:30': what the tuner is
-    measuring, how far it is, and its estimate so far."""
+def measure_parts(m: MeasureProgress) -> tuple[str, str, str]:
+    """(what and how far, the estimate so far, time measured of the most it may take), e.g.
+    ('trial 5: 5/8 samples', '41.2k tok/s ±4.1% (goal ±3%)', '0:31/2:30'); empty parts are ''."""
     what = m.kind if m.kind != "trial" or m.number is None else f"trial {m.number}"
     if m.kind == "remeasure" and m.number is not None:
         what = f"trial {m.number} again"
     if not m.warmed_up:
-        parts = [f"{what}: warming up, {m.steps} steps"]
+        head = f"{what}: warming up, {m.steps} steps"
     else:
-        parts = [f"{what}: {m.samples}/{m.needed} samples" if m.samples < m.needed else f"{what}: {m.samples} samples"]
+        head = f"{what}: {m.samples}/{m.needed} samples" if m.samples < m.needed else f"{what}: {m.samples} samples"
+    est = ""
     if m.tokens_per_s is not None:
         est = f"{fmt_num(m.tokens_per_s)} tok/s"
         if m.spread is not None and m.tokens_per_s > 0:
             est += f" ±{100 * m.spread / m.tokens_per_s:.1f}%"
             if m.target is not None:
-                est += f" (stable at ±{m.target * 100:g}%)"
-        parts.append(est)
+                est += f" (goal ±{m.target * 100:g}%)"
+    when = ""
     if m.seconds is not None:
-        parts.append(fmt_duration(m.seconds) + (f" of max {fmt_duration(m.max_seconds)}" if m.max_seconds else ""))
-    return " · ".join(parts)
+        when = fmt_duration(m.seconds) + (f"/{fmt_duration(m.max_seconds)}" if m.max_seconds else "")
+    return head, est, when
+
+
+def measure_line(m: MeasureProgress) -> str:
+    """'trial 5: 5/8 samples · 41.2k tok/s ±4.1% (goal ±3%) · 0:31/2:30': what the tuner is measuring, how
+    far it is, its estimate so far, and the time measured of the most a measurement may take."""
+    return " · ".join(p for p in measure_parts(m) if p)
 
 
 def phase_label(phase: str | None) -> str:

@@ -552,3 +552,42 @@ def test_elapsed_stops_when_the_run_ends_and_replays_use_run_time():
     replay.clock = lambda: now[0]
     replay.apply(ev("device", 10_000.0, devices=[], cpu={"util_pct": 1.0}))   # a monitor's live sample
     assert replay.elapsed() == pytest.approx(61.0)   # first to last run event of cpu_run(): 0 .. 61 s
+
+
+# --- the tuner's measurement ---------------------------------------------------------
+
+@pytest.mark.parametrize("measuring, shown", [
+    ("warmup", ["measuring trial 5: warming up, 4 steps · 0:12/2:30"]),
+    ("samples", ["measuring trial 5: 5/8 samples · 41.2k tok/s ±4.1% (goal ±3%) · 0:31/2:30"]),
+])
+def test_tuner_panel_shows_the_measurement_in_progress(measuring, shown):
+    app, state, _ = make(measuring=measuring)
+
+    def check(app: GptopApp) -> None:
+        t = text(app.query_one("#tuner"))
+        assert all(s in t for s in shown), t
+
+    drive(app, [], size=LARGE, check=check)
+
+
+def test_a_narrow_tuner_panel_puts_the_estimate_on_its_own_line():
+    app, state, _ = make(measuring="samples")
+
+    def check(app: GptopApp) -> None:
+        t = text(app.query_one("#tuner"))
+        assert "│ measuring trial 5: 5/8 samples " in t and "│   41.2k tok/s ±4.1% · 0:31/2:30 " in t, t
+
+    drive(app, [], size=SMALL, check=check)
+
+
+def test_tuner_panel_drops_the_measurement_line_when_a_trial_ends():
+    state = build_state("gpu", measuring="samples")
+    state.apply(ev("tuner", state.last_time - T0 + 1, phase="trials", budget_left_s=1200.0, trial=None,
+                   trials_run=6, trials_planned=12))
+    app, _, _ = make(state=state)
+    drive(app, [], size=LARGE, check=lambda a: "measuring" not in text(a.query_one("#tuner")) or pytest.fail())
+
+
+def test_snapshot_tuner_measuring(snap_compare):
+    app, _, _ = make(measuring="samples")
+    assert snap_compare(app, terminal_size=LARGE)

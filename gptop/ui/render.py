@@ -17,8 +17,8 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_num, fmt_toggles, measure_line, model_summary,
-                         phase_label, spread_pct)
+from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_num, fmt_toggles, measure_line, measure_parts,
+                         model_summary, phase_label, spread_pct)
 from trainer.contract.events import PHASES, CpuReading, GpuReading
 
 PHASE_STYLE = {"data": "yellow", "forward": "green", "backward": "dodger_blue1", "optimizer": "magenta",
@@ -564,7 +564,17 @@ def tuner_summary(state: RunState, width: int) -> RenderableType:
             head.append(f" · #{tu.trial} running")
         lines: list[Text] = [head]
         if tu.measure is not None and tu.active:
-            lines.append(Text.assemble(("measuring ", "bold"), measure_line(tu.measure)))
+            line = "measuring " + measure_line(tu.measure)
+            if len(line) <= width:
+                lines.append(Text.assemble(("measuring ", "bold"), line[10:]))
+            else:   # narrow: how far on one line, the estimate and the time on the next (the goal if it fits)
+                head, est, when = measure_parts(tu.measure)
+                lines.append(Text.assemble(("measuring ", "bold"), head))
+                second = "  " + " · ".join(p for p in (est, when) if p)
+                if len(second) > width:
+                    second = "  " + " · ".join(p for p in (est.split(" (goal")[0], when) if p)
+                if second.strip():
+                    lines.append(Text(second))
         best = tu.best
         if best:
             lines.append(Text.assemble(("best ", "bold"), f"#{best.number} ",
