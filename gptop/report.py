@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from trainer.contract import rundir
 from trainer.contract.events import (PHASES, CheckpointEvent, DeviceEvent, DoneEvent, ErrorEvent, EvalEvent, Event,
                                      HelloEvent, MalformedEvent, StepEvent, WarningEvent, read_events, to_dict)
 
@@ -77,6 +78,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     if evals:
         out["eval_loss"] = evals[-1].loss
     out["checkpoints"] = [{"step": e.step, "path": e.path, "seconds": e.seconds} for e in ckpts]
+    out["checkpoints_kept"] = [{"step": c.step, "path": str(c.path)} for c in rundir.list_checkpoints(run_dir)]
     out["errors"] = [{"kind": e.kind, "message": e.message, "step": e.step} for e in errors]
     out["warnings"] = len(warnings)
     out["done"] = bool(done) and done[-1].reason
@@ -163,8 +165,9 @@ def format_report(s: dict[str, Any]) -> str:
         lines.append(f"energy    {s['energy_j'] / 3600:.2f} Wh, {s.get('energy_j_per_token', 0) * 1e3:.3f} mJ/token")
     else:
         lines.append("energy    n/a (no energy counter or power readings on this device)")
-    lines.append(f"checkpts  {len(s['checkpoints'])}" + (f", last {s['checkpoints'][-1]['path']}"
-                                                       if s["checkpoints"] else ""))
+    kept = s.get("checkpoints_kept") or []    # on disk now (pruned by --keep-checkpoints, rolled back by the tuner)
+    lines.append(f"checkpts  {len(s['checkpoints'])} written, {len(kept)} kept"
+                 + (f", newest {kept[-1]['path']}" if kept else ""))
     if s["errors"]:
         for e in s["errors"]:
             lines.append(f"error     step {e.get('step')}: {e['kind']}: {e['message']}")

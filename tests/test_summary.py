@@ -83,12 +83,10 @@ def test_a_run_stopped_before_any_step(tmp_path):
 
 
 def test_no_energy_reading_says_why(tmp_path):
-    events = cpu_run()
-    events.append(ev("device", 70.0, devices=[], cpu={"util_pct": 50.0, "power_w": None, "energy_j": None,
-                                                      "power_note": "RAPL energy counters are root-only here"}))
-    state = state_of(events, tmp_path, "done", "stopped")
+    state = state_of(cpu_run(), tmp_path, "done", "stopped")     # the telemetry said why
     assert line(summary_lines(state, 130), "energy").endswith("n/a: RAPL energy counters are root-only here")
-    state = state_of(cpu_run(), tmp_path, "done", "stopped")      # an older gptop's samples: no note
+    no_samples = [e for e in cpu_run() if e.type != "device"]    # nothing said why (no samples, an older gptop)
+    state = state_of(no_samples, tmp_path, "done", "stopped")
     assert "n/a: no energy counter was read on this device" in line(summary_lines(state, 130), "energy")
     assert "MFU n/a" in line(summary_lines(state, 130), "speed")
 
@@ -153,3 +151,16 @@ def test_the_dashboard_path_prints_the_summary_after_the_app_closes(tmp_path, mo
     assert cli.main(["train", "--model", "llama", "--size", "tiny", "--run-dir", str(run_dir)]) == 130
     out = capsys.readouterr().out
     assert out.startswith("gptop: run stopped at step 20") and f"gptop report {run_dir}" in out
+
+
+def test_report_says_checkpoints_written_and_kept(tmp_path):
+    """`gptop report`: written (events) vs kept (on disk now, after --keep-checkpoints pruning)."""
+    from gptop.report import format_report, summarize
+    from trainer.contract.events import dumps
+
+    events = cpu_run(steps=30) + [ev("checkpoint", 20.0 + s, step=s, path=str(rundir.path_for(tmp_path, s)),
+                                     seconds=0.1) for s in (10, 20, 30)]
+    (tmp_path / "events.jsonl").write_text("".join(dumps(e) + "\n" for e in events))
+    checkpoint(tmp_path, 30)
+    text = format_report(summarize(tmp_path))
+    assert f"checkpts  3 written, 1 kept, newest {rundir.path_for(tmp_path, 30)}" in text

@@ -109,6 +109,7 @@ def test_nvml_errors_become_na_and_permanent_ones_are_not_retried(tmp_path):
     assert g1.sm_clock_mhz is None and g1.power_w == 250.0 and g1.energy_j == 1000.0
     assert g1.power_limit_w == 650.0 and g1.temp_c == 60.0  # the missing function is known for GPU 1 too
     assert na(g0.power_w, ".0f", " W") == "n/a" and na(g1.power_w, ".0f", " W") == "250 W"
+    assert g0.power_note == "the driver reports no power for this GPU" and g1.power_note is None
 
     before = Counter(mod.calls)
     for _ in range(3):
@@ -425,3 +426,18 @@ def test_samples_are_device_events_that_round_trip_through_the_schema(tmp_path, 
 def test_a_wrongly_typed_device_record_is_malformed_not_a_crash_later(line):
     with pytest.raises(MalformedEvent):
         parse(line)
+
+
+def test_rapl_says_why_there_is_no_power_reading(tmp_path):
+    """The CPU panel and the run summary say why power is n/a: no counters, or root-only counters."""
+    assert "no RAPL power counter on this machine" in Rapl(str(tmp_path / "none")).note
+    root = tmp_path / "powercap"
+    rapl_tree(root, {"intel-rapl:0": ("package-0", 1, 2**32)})
+    assert Rapl(str(root)).note is None
+    (root / "intel-rapl:0" / "energy_uj").unlink()           # unreadable (Linux 5.10+ as a user): absent here
+    assert Rapl(str(root)).note == "RAPL energy counters are root-only here"
+    s = DeviceSampler(nvml=fake_pynvml(init_error=pynvml.NVMLError_LibraryNotFound), rapl_root=str(root),
+                      clock=FakeClock())
+    c = s.sample_once().cpu
+    assert c.power_w is None and c.power_note == "RAPL energy counters are root-only here"
+    s.stop()

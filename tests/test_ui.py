@@ -7,6 +7,7 @@ committing (tests/__snapshots__/test_ui/)."""
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from typing import Awaitable, Callable
@@ -591,3 +592,17 @@ def test_tuner_panel_drops_the_measurement_line_when_a_trial_ends():
 def test_snapshot_tuner_measuring(snap_compare):
     app, _, _ = make(measuring="samples")
     assert snap_compare(app, terminal_size=LARGE)
+
+
+def test_cpu_panel_says_what_the_trainer_share_is_of_and_why_power_is_na():
+    app, _, _ = make("cpu")
+
+    def check(app: GptopApp) -> None:
+        t = text(app.query_one("#devices"))
+        assert re.search(r"trainer \d+% of 8 cores · rss 2.5 GB", t) and "proc " not in t
+        assert "power n/a: RAPL energy counters are root-only here" in t
+
+    drive(app, [], size=LARGE, check=check)
+    app, _, _ = make("gpu")        # a GPU run's CPU line: the same label
+    drive(app, [], size=LARGE, check=lambda a: "trainer 6% of 4 cores" in text(a.query_one("#devices"))
+          or pytest.fail(text(a.query_one("#devices"))))

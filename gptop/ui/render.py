@@ -102,6 +102,16 @@ def used_of(used: Any, total: Any) -> str:
     return f"{float(used) / scale:.1f}/{total_s}"
 
 
+def power_line(power: float | None, limit: float | None, note: str | None, width: int) -> Text:
+    """The power bar; without a reading, why not (the telemetry's note) in place of the bar."""
+    if power is None and note:
+        line = Text.assemble(("power".ljust(6), "bold"), ("n/a: " + note, "grey62"))
+        line.truncate(width, overflow="ellipsis")
+        return line
+    value = "n/a" if power is None else f"{power:.0f}/{limit:.0f} W" if limit else f"{power:.0f} W"
+    return metric_line("power", _frac(power, limit), value, width, "yellow")
+
+
 def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.0f}%"
 
@@ -186,9 +196,7 @@ def _gpu_block(state: RunState, key: str, d: GpuReading, width: int, chart_rows:
         metric_line("mem", _frac(mem_used, mem_total),
                     used_of(mem_used, mem_total),
                     width, "dodger_blue1"),
-        metric_line("power", _frac(power, limit),
-                    "n/a" if power is None else f"{power:.0f}/{limit:.0f} W" if limit else f"{power:.0f} W",
-                    width, "yellow"),
+        power_line(power, limit, d.power_note, width),
     ]
     specs = (("util_pct", "util", "dark_green", "green1", (0.0, 100.0)),
              ("power_w", "power", "orange4", "yellow1", (0.0, limit or None)),
@@ -329,16 +337,20 @@ def _cpu_block(state: RunState, d: CpuReading | None, width: int, chart_rows: in
     d = d or CpuReading()
     util = d.util_pct
     proc = []
-    if d.proc_cpu_pct is not None:
-        proc.append(f"proc {d.proc_cpu_pct:.0f}%")
+    if d.proc_cpu_pct is not None:   # the trainer's processes, as a share of the whole machine
+        cores = f"{len(d.per_core)} cores" if d.per_core else "all cores"
+        proc.append(f"trainer {d.proc_cpu_pct:.0f}% of {cores}")
     if d.proc_rss is not None:
         proc.append(f"rss {fmt_bytes(d.proc_rss)}")
     if compact:
         line = Text.assemble(("CPU  ", "bold"), f"util {_pct(util)}", " · ", " · ".join(proc))
         line.truncate(width, overflow="ellipsis")
         return [line]
-    extra = " ".join(proc)
-    title = Text.assemble(("CPU ", "bold"), d.name or "")
+    extra = " · ".join(proc)
+    if len(extra) > width - 4:       # very narrow: the trainer's share alone
+        extra = proc[0] if proc and len(proc[0]) <= width - 4 else ""
+    # the model name is in the header too: it gives way to the trainer's share when the panel is narrow
+    title = Text.assemble(("CPU ", "bold"), d.name or "" if width - len(extra) - 1 >= 16 else "")
     title.truncate(max(0, width - len(extra) - 1), overflow="ellipsis")
     title.append(" " * max(1, width - title.cell_len - len(extra)) + extra, style="grey62")
     mem_used, mem_total = d.mem_used, d.mem_total
@@ -349,7 +361,7 @@ def _cpu_block(state: RunState, d: CpuReading | None, width: int, chart_rows: in
         metric_line("mem", _frac(mem_used, mem_total),
                     used_of(mem_used, mem_total),
                     width, "dodger_blue1"),
-        metric_line("power", None, "n/a" if power is None else f"{power:.0f} W", width, "yellow"),
+        power_line(power, None, d.power_note, width),
     ]
     cores = d.per_core
     if cores and chart_rows > 1:
