@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Literal, Sequence
 import psutil
 
 from gptop.nvml import Nvml
-from trainer.contract.device import cpu_name
+from trainer.contract.device import DeviceInfo, cpu_name
 from trainer.contract.events import CpuReading, DeviceEvent, GpuReading, finite_or_none
 
 log = logging.getLogger(__name__)
@@ -566,3 +566,36 @@ def _at(cum: list[tuple[float, float]], t: float) -> float:
     if tb == ta:
         return eb
     return ea + (eb - ea) * (t - ta) / (tb - ta)
+
+
+# --------------------------------------------------------------------------- the training device, without torch
+
+
+def training_device(requested: str = "auto", nvml: Nvml | None = None) -> DeviceInfo:
+    """The device a trainer given `--device requested` will use, as far as NVML and the OS tell without torch
+    (trainer.device.detect asks torch): enough to name a `--size auto` run directory by the size that
+    trainer.contract.capabilities.auto_size picks. CUDA_VISIBLE_DEVICES is honoured when it lists indices."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpu = DeviceInfo(type="cpu", name=cpu_name(), total_memory=psutil.virtual_memory().total, cpu_count=cpus)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if requested == "cpu" or (visible is not None and visible.strip() in ("", "-1")):
+        return cpu
+    index = int(requested.split(":", 1)[1]) if requested.startswith("cuda:") and requested[5:].isdigit() else 0
+    if visible:
+        ids = [x.strip() for x in visible.split(",")]
+        if index < len(ids) and ids[index].isdigit():
+            index = int(ids[index])
+    nv = nvml or Nvml()
+    try:
+        if not nv.open() or index >= nv.device_count:
+            return cpu
+        mem = nv.device_query(index, "nvmlDeviceGetMemoryInfo")
+        total = getattr(mem, "total", None)
+        if total is None:
+            return cpu
+        name = nv.device_query(index, "nvmlDeviceGetName")
+        return DeviceInfo(type="cuda", index=index, name=name.decode() if isinstance(name, bytes) else str(name or ""),
+                          total_memory=int(total), cpu_count=cpus)
+    finally:
+        if nvml is None:
+            nv.close()

@@ -238,6 +238,15 @@ def test_resolve_size_rule():
         resolve_size("huge", "llama", CPU)
 
 
+def test_the_size_rules_parameter_table_is_what_the_models_count():
+    """trainer.contract.capabilities.TOTAL_PARAMS (what gptop names `--size auto` runs by, without torch) is
+    param_counts' totals: a change of a size's dims must update it."""
+    from trainer.contract.capabilities import TOTAL_PARAMS
+
+    assert TOTAL_PARAMS == {f: {s: param_counts(f, s)["total"] for s in SIZE_ORDER} for f in ("llama", "deepseek",
+                                                                                               "llada")}
+
+
 def test_model_table_and_nominal_sizes():
     rows = model_table()
     assert [(r["family"], r["size"]) for r in rows] == [(f, s) for f in ("llama", "deepseek", "llada")

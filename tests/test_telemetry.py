@@ -441,3 +441,39 @@ def test_rapl_says_why_there_is_no_power_reading(tmp_path):
     c = s.sample_once().cpu
     assert c.power_w is None and c.power_note == "RAPL energy counters are root-only here"
     s.stop()
+
+
+# --------------------------------------------------------------------------- the training device, without torch
+
+def test_training_device_from_nvml_and_the_environment(monkeypatch):
+    """What `--size auto` resolves on, guessed before the trainer starts (gptop names the run directory by it)."""
+    from gptop.nvml import Nvml
+    from gptop.telemetry import training_device
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    dev = training_device("auto", Nvml(fake_pynvml(count=2)))
+    assert dev.is_cuda and dev.index == 0 and dev.total_memory == 80 * 2**30 and dev.name == "NVIDIA H100 80GB HBM3"
+    assert training_device("cuda:1", Nvml(fake_pynvml(count=2))).index == 1
+    assert not training_device("cpu", Nvml(fake_pynvml(count=2))).is_cuda
+    no_gpu = training_device("auto", Nvml(fake_pynvml(init_error=pynvml.NVMLError_LibraryNotFound)))
+    assert no_gpu.type == "cpu" and no_gpu.cpu_count >= 1 and no_gpu.total_memory > 0
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert training_device("auto", Nvml(fake_pynvml(count=2))).index == 1      # CUDA's 0 is NVML's 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert not training_device("auto", Nvml(fake_pynvml(count=2))).is_cuda   # no GPU visible to torch
+
+
+def test_a_size_auto_run_directory_is_named_by_the_size_it_resolves_to(monkeypatch, tmp_path):
+    import gptop.telemetry
+    from gptop.cli import build_parser, resolve_config
+    from trainer.contract.device import DeviceInfo
+
+    monkeypatch.chdir(tmp_path)
+    gpu = DeviceInfo(type="cuda", index=0, name="Tesla V100-SXM2-16GB", total_memory=16 << 30)
+    monkeypatch.setattr(gptop.telemetry, "training_device", lambda requested: gpu)
+    name = lambda *argv: resolve_config(build_parser().parse_args(["train", *argv])).run.run_dir
+    assert name().endswith("-llama-medium") and name("--model", "deepseek").endswith("-deepseek-small")
+    assert name("--size", "tiny").endswith("-llama-tiny")
+    cpu = DeviceInfo(type="cpu", cpu_count=2, total_memory=24 << 30)
+    monkeypatch.setattr(gptop.telemetry, "training_device", lambda requested: cpu)
+    assert name().endswith("-llama-tiny")

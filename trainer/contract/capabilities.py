@@ -105,3 +105,43 @@ def check(toggles: Toggles, dev: DeviceInfo) -> None:
         reason = support(f.name, value, dev)
         if reason:
             raise ConfigError(flag_of(f), f"{value} is not supported on {dev.name}: {reason}")
+
+
+# --- which model size `--size auto` picks ---------------------------------------------------------
+
+SIZE_ORDER = ("tiny", "small", "medium", "large")
+# Bytes of persistent training state per parameter with fp32 master weights and AdamW: weights 4 +
+# gradients 4 + exp_avg 4 + exp_avg_sq 4; `auto` keeps that state under STATE_MEMORY_SHARE of device memory
+# (the rest is for activations, the logits, allocator slack and the CUDA context).
+TRAIN_BYTES_PER_PARAM = 16
+STATE_MEMORY_SHARE = 0.6
+# Total parameters of each family and size with the builtin tokenizer's vocabulary, as trainer.models.param_counts
+# counts them (tests/test_models.py checks they agree): the rule needs them where torch is not imported (gptop
+# names a run directory by the size before the trainer starts).
+TOTAL_PARAMS: dict[str, dict[str, int]] = {
+    "llama": {"tiny": 2_950_272, "small": 125_854_464, "medium": 343_983_104, "large": 1_061_242_880},
+    "deepseek": {"tiny": 3_846_528, "small": 314_147_584, "medium": 887_400_448, "large": 2_757_292_032},
+    "llada": {"tiny": 2_966_656, "small": 125_952_768, "medium": 344_114_176, "large": 1_061_505_024},
+}
+_GiB = 1 << 30
+
+
+def auto_size(family: str, dev: DeviceInfo) -> str:
+    """The size `--size auto` picks: the largest that fits and makes progress.
+
+    - CPU: ``tiny``, or ``small`` on a big CPU (32+ cores and 64+ GiB RAM); anything larger makes too
+      little progress per minute to watch.
+    - CUDA, by total device memory: under 12 GiB ``small``, under 40 GiB ``medium``, else ``large``. Then
+      step down while the persistent training state of the family's *total* parameters would exceed 60%
+      of the memory, which keeps the MoE family (2.5-3.5x more total than active parameters) one size
+      smaller on mid-size GPUs.
+    """
+    totals = TOTAL_PARAMS.get(family, TOTAL_PARAMS["llama"])
+    if not dev.is_cuda:
+        return "small" if dev.cpu_count >= 32 and dev.total_memory >= 64 * _GiB else "tiny"
+    mem = dev.total_memory
+    choice = "small" if mem < 12 * _GiB else "medium" if mem < 40 * _GiB else "large"
+    i = SIZE_ORDER.index(choice)
+    while i > 0 and totals[SIZE_ORDER[i]] * TRAIN_BYTES_PER_PARAM > STATE_MEMORY_SHARE * mem:
+        i -= 1
+    return SIZE_ORDER[i]
