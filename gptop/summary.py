@@ -49,6 +49,9 @@ def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
         tuner = state.tuner
         applied = tuner.applied[-1] if tuner.applied else None
         elapsed = state.elapsed()
+        done = state.done
+    if done is not None and done.step > (step or 0):   # steps after the last logged one
+        step, tokens = done.step, done.tokens
     quoted = shlex.quote(run_dir) if run_dir else "RUN_DIR"
     at = f" at step {step}" if step is not None else " before the first step"
     head = {"finished": f"run finished: {step} steps", "stopped": f"run stopped{at}",

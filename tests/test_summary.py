@@ -164,3 +164,12 @@ def test_report_says_checkpoints_written_and_kept(tmp_path):
     checkpoint(tmp_path, 30)
     text = format_report(summarize(tmp_path))
     assert f"checkpts  3 written, 1 kept, newest {rundir.path_for(tmp_path, 30)}" in text
+
+
+def test_steps_after_the_last_logged_one_count(tmp_path):
+    """A stop between log steps: the done event's step and tokens, not the last step event's."""
+    events = cpu_run(steps=50) + [ev("done", 30.0, step=55, tokens=55 * 1024, reason="stop requested")]
+    lines = summary_lines(state_of(events, tmp_path, "done", "stopped"), 130)
+    assert lines[0].startswith("gptop: run stopped at step 55") and "55/200 steps" in line(lines, "progress")
+    early = [e for e in cpu_run(steps=0)] + [ev("done", 3.0, step=0, tokens=0, reason="stop requested")]
+    assert "before the first step" in summary_lines(state_of(early, tmp_path, "done", "stopped"), 130)[0]

@@ -268,7 +268,7 @@ class TuneController:
                                needed=m.min_steps, warmed_up=m.warmed_up,
                                tokens_per_s=round(est, 1) if finite else None,
                                spread=round(spread, 1) if finite else None, target=m.rel_ci,
-                               seconds=round(m.seconds, 1), max_seconds=m.max_seconds)
+                               seconds=round(m.seconds, 1), max_seconds=m.cap_seconds)
 
     def _set_phase(self, phase: str) -> None:
         if phase != self.phase:

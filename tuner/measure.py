@@ -228,28 +228,37 @@ class Measurement:
         vals = [s.energy_j / s.tokens for s in self.kept if s.energy_j is not None and s.energy_j >= 0]
         return median(vals) if vals else None
 
+    @property
+    def cap_seconds(self) -> float:
+        """When it stops measuring if never stable: `max_seconds`, or up to 3x that while steps so slow that
+        fewer than `skip + 6` samples came are given a few more (see `done_reason`)."""
+        if self.seconds >= self.max_seconds and len(self.samples) < self.skip + 6:
+            return 3 * self.max_seconds
+        return self.max_seconds
+
     def noise_words(self) -> str:
-        """'+-4.1% noisy (stable is +-3%)': the estimate's spread against the target, in words."""
+        """'still +-4.1% noisy (stable is +-3%)': the estimate's spread against the target, in words."""
         est, spread = self.estimate
         if not (math.isfinite(est) and math.isfinite(spread)) or est <= 0:
             return "no estimate yet"
-        return f"±{spread / est:.1%} noisy (stable is ±{self.rel_ci * 100:g}%)"
+        return f"still ±{spread / est:.1%} noisy (stable is ±{self.rel_ci * 100:g}%)"
 
     def stop_words(self, why: str | None) -> str:
-        """Why a measurement ended before it was stable, in words: `why` is `done_reason` or the
-        controller's stop ("budget", "timeout", "prune")."""
-        warm = "" if self.warmed_up else ", still warming up"
-        if why == "max_seconds":
-            return f"stopped measuring after {self.seconds:.0f} s{warm}: still {self.noise_words()}"
-        if why == "max_steps":
-            return f"stopped measuring after {self.steps} steps{warm}: still {self.noise_words()}"
-        if why == "budget":
-            return f"the tuning budget ran out after {self.seconds:.0f} s of measuring{warm}: still {self.noise_words()}"
-        if why == "timeout":
-            return f"took longer than a trial may{warm}: still {self.noise_words()}"
+        """Why a measurement ended, in words: `why` is `done_reason` or the controller's stop ("budget",
+        "timeout", "prune"); never an internal name."""
+        warm = "" if self.warmed_up else " before the warm-up ended"
         if why == "stable":
-            return f"stable after {len(self.kept)} samples: ±{self.estimate[1] / self.estimate[0]:.1%}"
-        return f"stopped after {self.steps} steps{warm}: still {self.noise_words()}"
+            est, spread = self.estimate
+            return f"stable after {len(self.kept)} samples: ±{spread / est:.1%}"
+        if why == "max_seconds":
+            return f"stopped measuring after {self.seconds:.0f} s{warm}: {self.noise_words()}"
+        if why == "max_steps":
+            return f"stopped measuring after {self.steps} steps{warm}: {self.noise_words()}"
+        if why == "budget":
+            return f"the tuning budget ran out after {self.seconds:.0f} s of measuring{warm}: {self.noise_words()}"
+        if why == "timeout":
+            return f"took longer than a trial may ({self.seconds:.0f} s){warm}: {self.noise_words()}"
+        return f"stopped after {self.steps} steps{warm}: {self.noise_words()}"
 
     def summary(self) -> dict[str, Any]:
         est, spread = self.estimate
