@@ -191,21 +191,10 @@ def resolve_config(ns: argparse.Namespace) -> TrainConfig:
     base = resume_config(getattr(ns, "checkpoint.resume", None))
     cfg = config_from_args(ns, base, world_size=world_size(ns))
     if cfg.run.run_dir is None:
-        cfg.run.run_dir = default_run_dir(cfg, size=auto_size_of(cfg))
+        from .telemetry import resolved_size   # a --size auto run is named by the size it resolves to
+
+        cfg.run.run_dir = default_run_dir(cfg, size=resolved_size(cfg))
     return cfg
-
-
-def auto_size_of(cfg: TrainConfig) -> str | None:
-    """What `--size auto` will resolve to on the device the trainer will use (None: a size was given, or
-    the model is a path), so the run directory is named by it."""
-    from trainer.contract.capabilities import auto_size
-    from trainer.contract.config import FAMILIES
-
-    if cfg.model.size != "auto" or cfg.model.model not in FAMILIES:
-        return None
-    from .telemetry import training_device
-
-    return auto_size(cfg.model.model, training_device(cfg.run.device))
 
 
 def check_run_args(ns: argparse.Namespace, cfg: TrainConfig) -> None:

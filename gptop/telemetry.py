@@ -30,13 +30,16 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Sequence
 
 import psutil
 
 from gptop.nvml import Nvml
 from trainer.contract.device import DeviceInfo, cpu_name
 from trainer.contract.events import CpuReading, DeviceEvent, GpuReading, finite_or_none
+
+if TYPE_CHECKING:
+    from trainer.contract.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -599,3 +602,14 @@ def training_device(requested: str = "auto", nvml: Nvml | None = None) -> Device
     finally:
         if nvml is None:
             nv.close()
+
+
+def resolved_size(cfg: "TrainConfig") -> str | None:
+    """What `--size auto` will resolve to on the device the trainer will use (None: a size was given, or the
+    model is a path), so the run directory is named by it (trainer.contract.capabilities.auto_size)."""
+    from trainer.contract.capabilities import auto_size
+    from trainer.contract.config import FAMILIES
+
+    if cfg.model.size != "auto" or cfg.model.model not in FAMILIES:
+        return None
+    return auto_size(cfg.model.model, training_device(cfg.run.device))
