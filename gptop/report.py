@@ -17,7 +17,8 @@ from trainer.contract import rundir
 from trainer.contract.events import (PHASES, CheckpointEvent, DeviceEvent, DoneEvent, ErrorEvent, EvalEvent, Event,
                                      HelloEvent, MalformedEvent, StepEvent, WarningEvent, read_events, to_dict)
 
-from .telemetry import energy_between
+from .energy import Energy, measure, unavailable_reason
+from .state import fmt_mfu
 
 
 class _Skipped:
@@ -54,6 +55,9 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         out["model"] = to_dict(hello.model)
         out["device"] = hello.device.name
         out["toggles"] = hello.toggles
+        out["peak_flops"] = hello.peak_flops
+        out["peak_source"] = hello.peak_source
+        out["mfu_is_estimate"] = hello.mfu_is_estimate
         out["max_steps"] = hello.max_steps
     out["starts"] = sum(1 for e in events if isinstance(e, HelloEvent))
     if steps:
@@ -79,14 +83,17 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         out["eval_loss"] = evals[-1].loss
     out["checkpoints"] = [{"step": e.step, "path": e.path, "seconds": e.seconds} for e in ckpts]
     out["checkpoints_kept"] = [{"step": c.step, "path": str(c.path)} for c in rundir.list_checkpoints(run_dir)]
-    out["errors"] = [{"kind": e.kind, "message": e.message, "step": e.step} for e in errors]
+    out["errors"] = [_error(e) for e in errors]
     out["warnings"] = len(warnings)
     out["done"] = bool(done) and done[-1].reason
-    energy = _energy(run_dir, steps, skipped["device.jsonl"])
+    energy, why = _energy(run_dir, steps, skipped["device.jsonl"])
     if energy is not None:
-        out["energy_j"] = energy
+        out["energy_j"] = energy.joules
+        out["energy_source"] = energy.source
         if out.get("tokens"):
-            out["energy_j_per_token"] = energy / max(1, _tokens_in_window(steps))
+            out["energy_j_per_token"] = energy.joules / max(1, _tokens_in_window(steps))
+    else:
+        out["energy_unavailable"] = why
     tuning, problem = _tuning(run_dir / "tuning.json")
     if tuning is not None:
         out["tuning"] = tuning
@@ -95,6 +102,14 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     bad = {name: {"lines": s.count, "first": s.first} for name, s in skipped.items() if s.count}
     if bad:
         out["malformed"] = bad
+    return out
+
+
+def _error(e: ErrorEvent) -> dict[str, Any]:
+    """An error for the report; a disk error with its file, errno text and free bytes."""
+    out: dict[str, Any] = {"kind": e.kind, "message": e.message, "step": e.step}
+    if e.kind == "disk":
+        out.update(path=e.path, os_error=e.os_error, free_bytes=e.free_bytes)
     return out
 
 
@@ -114,14 +129,25 @@ def _tokens_in_window(steps: list[StepEvent]) -> int:
     return steps[-1].tokens - steps[0].tokens if len(steps) > 1 else steps[-1].tokens
 
 
-def _energy(run_dir: Path, steps: list[StepEvent], skipped: _Skipped) -> float | None:
-    path = run_dir / "device.jsonl"
-    if not path.is_file() or len(steps) < 2:
-        return None
-    samples = [e for e in read_events(path, on_malformed=skipped) if isinstance(e, DeviceEvent)]
-    if not samples:
-        return None
-    return energy_between(samples, steps[0].time, steps[-1].time)
+def _energy(run_dir: Path, steps: list[StepEvent], skipped: _Skipped) -> tuple[Energy | None, str]:
+    """The run's energy over its step events (gptop.energy), or (None, why not): device.jsonl, or the sum over
+    the nodes' device.<node>.jsonl of a multi-node run."""
+    if len(steps) < 2:
+        return None, "fewer than two step events"
+    total: Energy | None = None
+    why = "no device.jsonl (no device samples were recorded)"
+    for path in [run_dir / "device.jsonl", *sorted(run_dir.glob("device.*.jsonl"))]:
+        if not path.is_file():
+            continue
+        samples = [e for e in read_events(path, on_malformed=skipped) if isinstance(e, DeviceEvent)]
+        got = measure(samples, steps[0].time, steps[-1].time) if samples else None
+        if got is None:
+            why = unavailable_reason(samples)
+        elif total is None:
+            total = got
+        else:
+            total = Energy(joules=total.joules + got.joules, source=total.source)
+    return total, ("" if total is not None else why)
 
 
 def _tuning(path: Path) -> tuple[dict[str, Any] | None, str | None]:
@@ -156,15 +182,19 @@ def format_report(s: dict[str, Any]) -> str:
                      + (f"  (eval {_f(s.get('eval_loss'))})" if s.get("eval_loss") is not None else ""))
         mfu = s.get("mfu")
         lines.append(f"speed     {_f(s.get('tokens_per_s'), '.0f')} tokens/s (median, steady state), "
-                     f"step {_f(s.get('step_ms'), '.1f')} ms, MFU {f'{mfu:.1%}' if mfu is not None else 'n/a'}, "
+                     f"step {_f(s.get('step_ms'), '.1f')} ms, MFU {fmt_mfu(mfu, bool(s.get('mfu_is_estimate')))}, "
                      f"peak memory {s.get('peak_mem_bytes', 0) / 2**30:.2f} GiB")
+        if s.get("peak_flops"):
+            lines.append(f"mfu peak  {s['peak_flops'] / 1e9:,.1f} GFLOP/s per process"
+                         + (f" ({s['peak_source']})" if s.get("peak_source") else ""))
         if s.get("phases_ms"):
             total = sum(s["phases_ms"].values()) or 1
             lines.append("phases    " + "  ".join(f"{k} {v:.1f} ms ({v / total:.0%})" for k, v in s["phases_ms"].items()))
     if s.get("energy_j") is not None:
-        lines.append(f"energy    {s['energy_j'] / 3600:.2f} Wh, {s.get('energy_j_per_token', 0) * 1e3:.3f} mJ/token")
+        lines.append(f"energy    {s['energy_j'] / 3600:.2f} Wh, {s.get('energy_j_per_token', 0) * 1e3:.3f} mJ/token"
+                     f" ({s.get('energy_source', 'measured')})")
     else:
-        lines.append("energy    n/a (no energy counter or power readings on this device)")
+        lines.append(f"energy    n/a ({s.get('energy_unavailable') or 'no energy reading'})")
     kept = s.get("checkpoints_kept") or []    # on disk now (pruned by --keep-checkpoints, rolled back by the tuner)
     lines.append(f"checkpts  {len(s['checkpoints'])} written, {len(kept)} kept"
                  + (f", newest {kept[-1]['path']}" if kept else ""))

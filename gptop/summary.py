@@ -15,21 +15,23 @@ from typing import IO
 from trainer.contract import rundir
 from trainer.contract.events import ERROR_WORDS
 
-from .state import RunState, fmt_duration, fmt_num
+from .state import RunState, fmt_duration, fmt_mfu, fmt_num
 
 EXIT_INTERRUPTED = 130
 
 
 def outcome(state: RunState, exit_code: int | None = None) -> str:
-    """"finished" (reached --max-steps), "stopped" (by the user, or a planned end before it) or "failed"."""
+    """"finished" (reached --max-steps), "stopped" (by the user, or a planned end before it) or "failed" (an
+    error, also one the trainer reported while it was being stopped)."""
     with state.lock:
-        status, message, done = state.status, state.status_message or "", state.done
-    interrupted = exit_code == EXIT_INTERRUPTED or message == "stopped" or message.startswith("stopped:")
-    if status == "failed" and not interrupted:
+        status, done = state.status, state.done
+    if status == "failed":
         return "failed"
-    if done is not None and done.reason == "max_steps" and not interrupted:
+    if status == "stopped" or exit_code == EXIT_INTERRUPTED:
+        return "stopped"
+    if done is not None and done.reason == "max_steps":
         return "finished"
-    if status == "failed" or interrupted or done is not None:
+    if done is not None:
         return "stopped"
     return "failed" if exit_code not in (None, 0) else "stopped"
 
@@ -77,12 +79,13 @@ def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
             loss += f" (last eval {last_eval.loss:.3f} at step {last_eval.step})"
         add("loss", loss)
         tps, mfu = state.steady_medians()
-        add("speed", f"{fmt_num(tps)} tokens/s (median) · MFU " + ("n/a" if mfu is None else f"{mfu * 100:.1f}%"))
-        joules, per_token = state.run_energy()
-        if joules is not None and joules > 0:
-            add("energy", f"{joules / 3600:.2f} Wh" + (f", {per_token * 1000:.2f} mJ/token" if per_token else ""))
+        add("speed", f"{fmt_num(tps)} tokens/s (median) · MFU {fmt_mfu(mfu, state.mfu_is_estimate)}")
+        energy, trained = state.energy()          # gptop.energy over the recent steps, as the dashboard shows it
+        per_token = energy.per_token(trained) if energy is not None else None
+        if per_token is not None:
+            add("energy", f"{per_token * 1000:.2f} mJ/token over the last steps ({energy.source})")  # type: ignore[union-attr]
         else:
-            add("energy", f"n/a: {state.power_note() or 'no energy counter was read on this device'}")
+            add("energy", f"n/a: {state.energy_reason() or 'no energy reading'}")
     else:
         add("progress", "no step was completed")
     kept = rundir.list_checkpoints(run_dir) if run_dir else []

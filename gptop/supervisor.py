@@ -34,6 +34,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainer.contract import events as ev
+from trainer.contract.rundir import RunDir
+
+from .tail import FileTail, LineSplitter, feed_events
 
 EventCallback = Callable[[ev.Event], None]
 LogCallback = Callable[[str, str], None]
@@ -42,8 +45,11 @@ LogCallback = Callable[[str, str], None]
 class Supervisor:
     def __init__(self, argv: list[str], run_dir: Path, *, on_event: EventCallback, on_log: LogCallback,
                  on_exit: Callable[[int], None], on_malformed: Callable[[bytes, str], None] | None = None,
-                 env: dict[str, str] | None = None, log_poll_s: float = 0.1, launcher: bool = False):
+                 env: dict[str, str] | None = None, log_poll_s: float = 0.1, launcher: bool = False,
+                 pass_fds: tuple[int, ...] = (), node: str | None = None):
         self.argv = list(argv)
+        self.pass_fds = tuple(pass_fds)     # the run directory's lock (trainer.contract.runlock), held by the child too
+        self.layout = RunDir(run_dir, node)
         self.launcher = launcher            # argv starts a launcher whose children are the ranks
         self._known: dict[int, Any] = {}     # pid -> psutil.Process of every descendant seen
         self._seq = 0
@@ -61,6 +67,8 @@ class Supervisor:
         self._server: socket.socket | None = None
         self._exited = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._log_offsets = {"stdout": 0, "stderr": 0}
+        self._stderr_start = 0
 
     @property
     def channel_uri(self) -> str:
@@ -72,14 +80,14 @@ class Supervisor:
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._server.bind(self.socket_path)
         self._server.listen(64)
-        out = open(self.run_dir / "trainer.log", "ab")
-        err = open(self.run_dir / "trainer.stderr.log", "ab")
+        out = open(self.layout.trainer_log, "ab")
+        err = open(self.layout.trainer_stderr, "ab")
         self._log_offsets = {"stdout": out.tell(), "stderr": err.tell()}
         self._stderr_start = err.tell()
         env = dict(os.environ if self.env is None else self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
-                                     start_new_session=True, close_fds=True)
+                                     start_new_session=True, close_fds=True, pass_fds=self.pass_fds)
         out.close()
         err.close()
         loops = [(self._accept_loop, "accept"), (self._wait_loop, "wait"), (self._tail_loop, "tail")]
@@ -158,7 +166,7 @@ class Supervisor:
                              daemon=True).start()
 
     def _read_loop(self, conn: socket.socket) -> None:
-        buf = b""
+        lines = LineSplitter()
         while True:
             try:
                 data = conn.recv(65536)
@@ -166,17 +174,7 @@ class Supervisor:
                 data = b""
             if not data:
                 break
-            buf += data
-            *lines, buf = buf.split(b"\n")
-            for line in lines:
-                if not line.strip():
-                    continue
-                try:
-                    event = ev.parse(line)
-                except ev.MalformedEvent as e:
-                    self.on_malformed(line, str(e))
-                    continue
-                self.on_event(event)
+            feed_events(lines.feed(data), self.on_event, self.on_malformed)
         with self._lock:
             if conn in self._conns:
                 self._conns.remove(conn)
@@ -203,25 +201,16 @@ class Supervisor:
 
     # ------------------------------------------------------------------ logs
     def _tail_loop(self) -> None:
-        files = {s: self.run_dir / n for s, n in (("stdout", "trainer.log"), ("stderr", "trainer.stderr.log"))}
-        partial = {s: b"" for s in files}
+        tails = {s: FileTail(p, self._log_offsets[s])
+                 for s, p in (("stdout", self.layout.trainer_log), ("stderr", self.layout.trainer_stderr))}
         while True:
             done = self._exited.is_set()
-            for stream, path in files.items():
-                try:
-                    with open(path, "rb") as f:
-                        f.seek(self._log_offsets[stream])
-                        data = f.read()
-                except OSError:
-                    continue
-                if not data:
-                    continue
-                self._log_offsets[stream] += len(data)
-                *lines, partial[stream] = (partial[stream] + data).split(b"\n")
-                for line in lines:
+            for stream, tail in tails.items():
+                for line in tail.read_lines():
                     self.on_log(line.decode("utf-8", "replace").rstrip("\r"), stream)
             if done:
-                for stream, rest in partial.items():
+                for stream, tail in tails.items():
+                    rest = tail.rest()
                     if rest:
                         self.on_log(rest.decode("utf-8", "replace"), stream)
                 return
@@ -296,8 +285,8 @@ class Supervisor:
     def stderr_text(self, limit: int = 1 << 20) -> str:
         """What the trainer (or torchrun and its ranks) wrote to stderr since this start."""
         try:
-            with open(self.run_dir / "trainer.stderr.log", "rb") as f:
-                f.seek(getattr(self, "_stderr_start", 0))
+            with open(self.layout.trainer_stderr, "rb") as f:
+                f.seek(self._stderr_start)
                 data = f.read()
         except OSError:
             return ""

@@ -171,6 +171,7 @@ def test_real_pynvml_on_this_machine_does_not_raise(tmp_path):
     s.stop()
 
 
+@pytest.mark.process
 def test_proc_mem_counts_trainer_pids_and_children(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
@@ -213,6 +214,7 @@ def test_cpu_mode_values_are_sane(tmp_path):
     s.stop()
 
 
+@pytest.mark.process
 def test_dead_or_missing_trainer_pid_is_na(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
@@ -428,18 +430,19 @@ def test_a_wrongly_typed_device_record_is_malformed_not_a_crash_later(line):
         parse(line)
 
 
-def test_rapl_says_why_there_is_no_power_reading(tmp_path):
-    """The CPU panel and the run summary say why power is n/a: no counters, or root-only counters."""
-    assert "no RAPL power counter on this machine" in Rapl(str(tmp_path / "none")).note
+def test_a_cpu_reading_says_why_there_is_no_power(tmp_path):
+    """The CPU panel says why power is n/a: the sample carries the RAPL reader's reason (gptop.energy.Rapl)."""
     root = tmp_path / "powercap"
     rapl_tree(root, {"intel-rapl:0": ("package-0", 1, 2**32)})
-    assert Rapl(str(root)).note is None
     (root / "intel-rapl:0" / "energy_uj").unlink()           # unreadable (Linux 5.10+ as a user): absent here
-    assert Rapl(str(root)).note == "RAPL energy counters are root-only here"
     s = DeviceSampler(nvml=fake_pynvml(init_error=pynvml.NVMLError_LibraryNotFound), rapl_root=str(root),
                       clock=FakeClock())
     c = s.sample_once().cpu
-    assert c.power_w is None and c.power_note == "RAPL energy counters are root-only here"
+    assert c.power_w is None and c.power_note == Rapl(str(root)).reason and "root-only" in c.power_note
+    s.stop()
+    s = DeviceSampler(nvml=fake_pynvml(init_error=pynvml.NVMLError_LibraryNotFound),
+                      rapl_root=str(tmp_path / "absent"), clock=FakeClock())
+    assert "no RAPL package domain" in s.sample_once().cpu.power_note
     s.stop()
 
 

@@ -12,11 +12,14 @@ so the trainer is controllable without gptop too. With several ranks every
 rank has its own connection; the loop agrees on one step for each command
 (trainer.dist), using the commands' `seq` (set by the supervisor) and their
 `source` (socket, signal, eof) to count each request once. If the launcher's socket
-closes (gptop died), the trainer stops gracefully: checkpoint, then exit.
+closes (gptop died), the trainer stops gracefully: checkpoint, then exit. If the
+events file cannot be written (a full or read-only disk), `write_error` is set and
+the loop stops with a `disk` error; emitting never raises for it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import signal
@@ -26,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from .contract import events as ev
+from .contract.atomic import disk_error
 
 
 class Channel:
@@ -33,7 +37,9 @@ class Channel:
         self.rank = rank
         self.commands: "queue.SimpleQueue[dict[str, Any]]" = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self.events_path = events_path
         self._file = open(events_path, "a", buffering=1) if events_path else None
+        self.write_error: OSError | None = None     # the events file could not be written (see emit)
         self._sock: socket.socket | None = None
         self._closed = False
         if uri:
@@ -87,13 +93,25 @@ class Channel:
         line = ev.dumps(event) + "\n"
         with self._lock:
             if self._file:
-                self._file.write(line)
+                try:
+                    self._file.write(line)
+                except OSError as e:
+                    self._drop_file(e)
             if self._sock is not None:
                 try:
                     self._sock.sendall(line.encode())
                 except OSError:
                     self._sock = None
         return event
+
+    def _drop_file(self, e: OSError) -> None:
+        """The events file failed (a full or read-only disk): stop writing it, keep the socket, and let the
+        loop stop the run with a `disk` error at the next step boundary (the error event goes over the
+        socket). Never raises: an event that cannot be written must not become a crash, nor a crash loop."""
+        self.write_error = disk_error(e, self.events_path) or e
+        f, self._file = self._file, None
+        with contextlib.suppress(OSError, ValueError):
+            f.close()
 
     def pending_commands(self) -> list[dict[str, Any]]:
         out = []
@@ -107,7 +125,10 @@ class Channel:
         self._closed = True
         with self._lock:
             if self._file:
-                self._file.close()
+                try:
+                    self._file.close()
+                except OSError as e:         # the last flush hit a full disk
+                    self.write_error = self.write_error or disk_error(e, self.events_path) or e
                 self._file = None
             if self._sock is not None:
                 try:

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from .contract.atomic import atomic_file, fsync_dir
+from .contract.atomic import DiskError, atomic_file, disk_error, free_bytes, fsync_dir
 from .contract.rundir import checkpoint_dir, is_sharded, list_checkpoints
 
 FORMAT = "gptop-checkpoint-1"
@@ -38,6 +38,10 @@ REQUIRED_KEYS = ("format", "step", "model", "optimizer", "config")
 
 class CorruptCheckpoint(RuntimeError):
     """A checkpoint that does not load, or (trainer.checkpointer) loads but holds non-finite values."""
+
+
+class PeerSaveFailed(RuntimeError):
+    """A collective checkpoint write failed on another rank (which reports why); nothing was written."""
 
 
 class NothingToResume(FileNotFoundError):
@@ -51,23 +55,54 @@ def save(state: dict[str, Any], path: Path) -> None:
 
 
 def save_sharded(tensors: dict[str, Any], meta: dict[str, Any], rank_state: dict[str, Any], path: Path, *,
-                 rank: int, barrier: Callable[[], None]) -> None:
-    """Collective: every rank calls it with its (sharded) state dict; see the module docstring."""
+                 rank: int, barrier: Callable[[], None], any_rank: Callable[[bool], bool] | None = None) -> None:
+    """Collective: every rank calls it with its (sharded) state dict; see the module docstring.
+
+    `any_rank(flag)` (a collective: True when any rank passed True) lets the ranks agree after each stage
+    whether one failed (a full disk fails one rank's write, or all of them): then rank 0 removes the
+    temporary directory, so no partial checkpoint is left, and every rank raises (the failing rank its
+    error, the others PeerSaveFailed) instead of waiting at a barrier for a rank that left."""
     import torch.distributed.checkpoint as dcp
 
+    agree = any_rank if any_rank is not None else (lambda failed: (barrier(), failed)[1])
     tmp = path.with_name(path.name + ".tmp")
-    if rank == 0:
+
+    def stage(fn: Callable[[], None], on_rank: bool = True) -> None:
+        error: BaseException | None = None
+        if on_rank:
+            try:
+                fn()
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:      # DCP's CheckpointException is a BaseException
+                error = e
+        disk = disk_error(error, tmp, probe=True) if error is not None else None   # before tmp is removed
+        if agree(error is not None):
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            barrier()                       # the partial checkpoint is gone: what is free now is what is free
+            if disk is not None:
+                raise DiskError(disk.errno, disk.strerror, path, free_bytes(path)) from error
+            if isinstance(error, Exception):
+                raise error
+            if error is not None:
+                first = str(error).splitlines()[0] if str(error) else ""
+                raise RuntimeError(f"writing the sharded checkpoint {path.name} failed: {type(error).__name__}: "
+                                   f"{first}") from error
+            raise PeerSaveFailed(f"writing the sharded checkpoint {path.name} failed on another rank (see its "
+                                 f"error); the previous checkpoint is intact")
+
+    def prepare() -> None:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-    barrier()
-    try:
+
+    def write_shards() -> None:
         dcp.save(tensors, checkpoint_id=str(tmp))
         with atomic_file(tmp / f"rank{rank}.pt", "wb", perms=None) as f:
             torch.save(rank_state, f)
-    finally:
-        barrier()
-    if rank == 0:
+
+    def publish() -> None:
         with atomic_file(tmp / META, "w", perms=None) as f:
             f.write(json.dumps(dict(meta, format=DCP_FORMAT), default=str))
         old = None
@@ -80,7 +115,10 @@ def save_sharded(tensors: dict[str, Any], meta: dict[str, Any], rank_state: dict
         fsync_dir(path.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    barrier()
+
+    stage(prepare, on_rank=rank == 0)
+    stage(write_shards)
+    stage(publish, on_rank=rank == 0)
 
 
 def load_sharded(tensors: dict[str, Any], path: str | Path) -> None:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 from .contract.config import ConfigError, TrainConfig, add_arguments, config_from_args
 from .contract.rundir import resume_config
+from .contract.runlock import RunLock
 
 
 def build_parser(prog: str = "python -m trainer") -> argparse.ArgumentParser:
@@ -33,12 +35,43 @@ def _launched_world_size() -> int:
         return 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    from .train import EXIT_CONFIG, main_run
+class UnfailingStream:
+    """stdout/stderr that a full or read-only disk cannot turn into a crash: the trainer's output is a log
+    file under gptop, and a log line that cannot be written is dropped, not raised in the middle of a step
+    (the failure itself is reported by the write that matters: a checkpoint, an event)."""
 
+    def __init__(self, stream: Any):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError:
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError:
+            pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+EXIT_CONFIG = 2          # trainer.train.EXIT_CONFIG, without importing torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    sys.stdout, sys.stderr = UnfailingStream(sys.stdout), UnfailingStream(sys.stderr)
     try:
         cfg = parse_config(argv)
+        # One writer per run directory: refused at once, before torch is imported (a default run
+        # directory is new: the trainer locks it when it has named it).
+        lock = RunLock.for_trainer(cfg.run.run_dir) if cfg.run.run_dir else None
     except ConfigError as e:
         print(f"python -m trainer: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
-    return main_run(cfg)
+    from .train import main_run
+
+    return main_run(cfg, run_lock=lock)

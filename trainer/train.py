@@ -37,9 +37,10 @@ from .channel import Channel
 from .checkpointer import Checkpointer, NonFiniteState, Progress
 from .commands import Commands
 from .contract import capabilities, rundir
-from .contract.atomic import atomic_write
+from .contract.atomic import DiskError, atomic_write, disk_error
 from .contract.config import AUTO, ConfigError, TrainConfig, parse_step_range
 from .contract.device import DeviceInfo
+from .contract.runlock import RunLock
 from .device import detect
 from .memory import make_meter
 from .profiler import StepProfiler
@@ -47,6 +48,7 @@ from .timing import StepTiming, make_timer
 
 EXIT_OK, EXIT_CRASH, EXIT_CONFIG, EXIT_OOM, EXIT_NAN, EXIT_COMPILE = 0, 1, 2, 3, 4, 5
 EXIT_NO_CHECKPOINT, EXIT_CORRUPT_CHECKPOINT = 6, 7       # --resume found nothing / nothing that verifies
+EXIT_DISK = 8                                            # a write failed: filesystem full or read-only
 
 # The bits of a step's non-finite flag (device int8): what went non-finite.
 _LOSS, _GRAD = 1, 2
@@ -81,6 +83,7 @@ class Trainer:
         self.comm: D.CommTimer | None = None
         self.faults = faults.Faults(cfg.run.fault, self.rank)
         self.resumed_from: str | None = None
+        self.run_lock: RunLock | None = None
 
     # ------------------------------------------------------------------ setup
     def log(self, msg: str) -> None:
@@ -119,6 +122,11 @@ class Trainer:
         self.run_dir = Path(cfg.run.run_dir or rundir.default_run_dir(cfg))
         cfg.run.run_dir = str(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # One writer per run directory, before anything is written into it (RunDirBusy: exit 2).
+        if self.run_lock is None or self.run_lock.run_dir.resolve() != self.run_dir.resolve():
+            self.run_lock = RunLock.for_trainer(self.run_dir)
+        if self.run_lock.warning:
+            self.log(f"warning: {self.run_lock.warning}")
         self.channel = Channel(rundir.RunDir(self.run_dir).events(self.rank), cfg.run.channel, rank=self.rank)
         self.channel.install_signal_handlers()
         if self.world > 1:
@@ -129,18 +137,19 @@ class Trainer:
             self.group = D.Group(self.rank, self.world, self.local_rank, self.device)
             self.group.init()
 
-        capabilities.check(cfg.toggles, self.dev)
+        capabilities.check_config(cfg, self.dev)
         cfg.validate(world_size=self.world)     # the per-rank batch and micro-batch, now that the world is known
         torch.manual_seed(cfg.optim.seed)
         self.data = load_data(cfg.data, log=self.log)
         self.sampler = BatchSampler(self.data.train, cfg.data.seq_len, cfg.optim.global_batch, cfg.optim.seed,
                                     rank=self.rank, world_size=self.world)
         self.bundle = build_model(cfg.model, vocab_size=self.data.vocab_size, seq_len=cfg.data.seq_len,
-                                  toggles=cfg.toggles, dev=self.dev, mask_id=self.data.mask_id, seed=cfg.optim.seed)
+                                  toggles=cfg.toggles, dev=self.dev, mask_id=self.data.mask_id, seed=cfg.optim.seed,
+                                  finetune=cfg.finetune)
         self.raw_model = self.bundle.model.to(self.device)
         self._setup_precision()
         self._wrap_parallel()
-        self.optimizer = optim.build_adamw(self.raw_model, cfg)
+        self.optimizer = optim.build_optimizer(self.raw_model, cfg)
         self.meter = make_meter(self.device)
         from .moe import MoEBalancer
 
@@ -164,28 +173,32 @@ class Trainer:
         self.accum = self.sampler.accumulation_steps(self.micro_batch)
         self.tokens_per_step = cfg.optim.global_batch * cfg.data.seq_len
 
-        from .flops import peak_flops
+        from .flops import peak
 
         self._local_procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)   # ranks sharing this node's CPU
-        self.peak_flops = peak_flops(self.dev, cfg.toggles.precision, procs=self._local_procs)
+        p = peak(self.dev, cfg.toggles.precision, procs=self._local_procs)
+        self.peak_flops, self.peak_source = p.flops, p.source
+        self._peak_remeasured = False
         if self.rank == 0:
             atomic_write(rundir.RunDir(self.run_dir).config, cfg.to_toml())
         self.emit0(
             "hello", pid=os.getpid(), world_size=self.world, parallel=self.parallel, config=cfg.to_dict(), device=self.dev.to_dict(),
             model={"family": self.bundle.family, "size": self.bundle.size, "total_params": self.bundle.total_params,
                    "active_params": self.bundle.active_params, "embedding_params": self.bundle.embedding_params,
+                   "trainable_params": self.bundle.trainable_params,
                    "vocab_size": self.bundle.vocab_size, "flops_per_token": self.bundle.flops_per_token,
                    "objective": self.bundle.objective},
             data={"train_tokens": int(len(self.data.train)), "val_tokens": int(len(self.data.val)),
                   "fingerprint": self.data.fingerprint},
             accumulation=self.accum, micro_batch=self.micro_batch, tokens_per_step=self.tokens_per_step,
-            peak_flops=self.peak_flops, resumed_from=self.resumed_from, start_step=self.progress.step,
+            peak_flops=self.peak_flops, peak_source=self.peak_source, resumed_from=self.resumed_from, start_step=self.progress.step,
             torch=torch.__version__)
         ranks = f"; {self.world} ranks ({self.parallel}, {self.group.backend})" if self.group else ""
         self.log(f"{self.bundle.family}/{self.bundle.size}: {self.bundle.total_params / 1e6:.1f}M params "
-                 f"({self.bundle.active_params / 1e6:.1f}M active) on {self.dev.name}; micro-batch {self.micro_batch} "
+                 f"({self.bundle.active_params / 1e6:.1f}M active, {self.bundle.trainable_params / 1e6:.2f}M trained) "
+                 f"on {self.dev.name}; micro-batch {self.micro_batch} "
                  f"x {self.accum} accumulation{ranks}; run dir {self.run_dir}")
-        for slow in capabilities.slow_choices(cfg.toggles, self.dev):   # runs, but the user should know
+        for slow in capabilities.slow_config(cfg, self.dev):   # runs, but the user should know
             self.log(f"warning: {slow}")
             self.emit0("warning", message=slow, kind="slow_toggle")
 
@@ -360,6 +373,8 @@ class Trainer:
 
     def _step_boundary(self) -> str | None:
         """Act on what the ranks agreed (trainer.commands); returns a stop reason."""
+        if self.channel.write_error is not None:     # events.jsonl could not be written: stop, exit 8
+            raise self.channel.write_error
         decision = self.commands.poll(stop_fault=self.faults.stop_requested(self.progress.step))
         if decision.checkpoint:
             self.save_checkpoint("requested")
@@ -480,9 +495,10 @@ class Trainer:
         idle = [t.gpu_idle_ms for t in timings if t.gpu_idle_ms is not None]
         fields: dict[str, Any] = dict(
             step=self.progress.step, tokens=self.progress.tokens, loss=loss,
-            lr=self.optimizer.param_groups[0]["lr"], grad_norm=grad_norm, step_ms=step_ms, phases_ms=phases,
+            lr=float(self.optimizer.param_groups[0]["lr"]), grad_norm=grad_norm, step_ms=step_ms, phases_ms=phases,
             tokens_per_s=tokens_per_s, mfu=self._checked_mfu(tokens_per_s),
-            mem_bytes=self.meter.peak(), interval_steps=n, wall_ms=wall * 1e3 / n)
+            mem_bytes=self.meter.peak(), interval_steps=n, wall_ms=wall * 1e3 / n,
+            optim_state_bytes=optim.state_bytes(self.optimizer))
         fields["batch"] = self.progress.batch_cursor - 1   # global batch index of the last step (data-order checks)
         if idle:
             fields["gpu_idle_ms"] = sum(idle) / len(idle)
@@ -495,35 +511,31 @@ class Trainer:
         self._interval_reset()
 
     def _checked_mfu(self, tokens_per_s: float | None) -> float | None:
-        """MFU of the run, or None. Above 1 the peak is wrong (a CPU peak measured on a busy machine):
-        say so once, drop that cached peak so the next run measures again, and report null from here on."""
-        from .flops import cpu_dtype, forget_cpu_peak, mfu
+        """MFU of the run, or None. A measured (CPU) peak that the run comes within reach of (MFU above
+        REMEASURE_MFU) is measured again once, the best measurement kept: a peak taken on a busy machine
+        is too low. Above 1 the peak is wrong: say so once, drop that cached peak so the next run
+        measures again, and report null from here on."""
+        from .flops import REMEASURE_MFU, cpu_dtype, forget_cpu_peak, mfu, peak
 
-        value = mfu(tokens_per_s, self.bundle.flops_per_token, self.peak_flops * self.world if self.peak_flops else None)
-        if value is None or value <= 1.0:
-            return value
+        def value() -> float | None:
+            return mfu(tokens_per_s, self.bundle.flops_per_token,
+                       self.peak_flops * self.world if self.peak_flops else None)
+
+        got = value()
+        if got is not None and got > REMEASURE_MFU and not self.dev.is_cuda and not self._peak_remeasured:
+            self._peak_remeasured = True
+            old = self.peak_flops
+            again = peak(self.dev, self.cfg.toggles.precision, procs=self._local_procs, remeasure=True)
+            self.peak_flops, self.peak_source = max(old or 0.0, again.flops or 0.0), again.source
+            self.emit0("log", message=f"MFU {got:.0%} is close to the measured CPU peak "
+                                      f"({old / 1e9:,.1f} GFLOP/s per process): measured it again, "
+                                      f"{(again.flops or 0) / 1e9:,.1f}; using {self.peak_flops / 1e9:,.1f}",
+                       source="trainer")
+            got = value()
+        if got is None or got <= 1.0:
+            return got
         where = "the datasheet peak" if self.dev.is_cuda else "the measured CPU matmul peak"
-        msg = (f"MFU would be {value:.2f} (> 1): {where} ({self.peak_flops / 1e9:,.1f} GFLOP/s per process) is "
-               f"below what the model achieves, so it is not a peak; MFU is not reported for the rest of this run")
-        if not self.dev.is_cuda:
-            dtypes = {cpu_dtype(self.cfg.toggles.precision), torch.float32}   # a bf16 peak is never below fp32's
-            dropped = [forget_cpu_peak(d, cpu_name=self.dev.name, procs=self._local_procs) for d in dtypes]
-            if any(dropped):
-                msg += " and the cached peak is dropped (the next run measures it again, best on an idle machine)"
-        self.emit0("warning", message=msg, kind="peak_flops")
-        self.peak_flops = None
-        return None
-
-    def _checked_mfu(self, tokens_per_s: float | None) -> float | None:
-        """MFU of the run, or None. Above 1 the peak is wrong (a CPU peak measured on a busy machine):
-        say so once, drop that cached peak so the next run measures again, and report null from here on."""
-        from .flops import cpu_dtype, forget_cpu_peak, mfu
-
-        value = mfu(tokens_per_s, self.bundle.flops_per_token, self.peak_flops * self.world if self.peak_flops else None)
-        if value is None or value <= 1.0:
-            return value
-        where = "the datasheet peak" if self.dev.is_cuda else "the measured CPU matmul peak"
-        msg = (f"MFU would be {value:.2f} (> 1): {where} ({self.peak_flops / 1e9:,.1f} GFLOP/s per process) is "
+        msg = (f"MFU would be {got:.2f} (> 1): {where} ({self.peak_flops / 1e9:,.1f} GFLOP/s per process) is "
                f"below what the model achieves, so it is not a peak; MFU is not reported for the rest of this run")
         if not self.dev.is_cuda:
             dtypes = {cpu_dtype(self.cfg.toggles.precision), torch.float32}   # a bf16 peak is never below fp32's
@@ -593,17 +605,19 @@ class Trainer:
 
         torch.manual_seed(self.cfg.optim.seed)
         fresh = build_model(self.cfg.model, vocab_size=self.data.vocab_size, seq_len=self.cfg.data.seq_len,
-                            toggles=self.cfg.toggles, dev=self.dev, mask_id=self.data.mask_id, seed=self.cfg.optim.seed)
+                            toggles=self.cfg.toggles, dev=self.dev, mask_id=self.data.mask_id, seed=self.cfg.optim.seed,
+                            finetune=self.cfg.finetune)
         if self.group is not None:
             self.ckpt.load_full(fresh.model.state_dict(), None)
         else:
             self.raw_model.load_state_dict(fresh.model.state_dict())
-        self.optimizer = optim.build_adamw(self.raw_model, self.cfg)
+        self.optimizer = optim.build_optimizer(self.raw_model, self.cfg)
         self.ckpt.bind(self.raw_model, self.optimizer, self.scaler)
         self.progress = Progress()
 
     def _fail(self, kind: str, message: str, **extra: Any) -> None:
-        code = {"oom": EXIT_OOM, "nan": EXIT_NAN, "config": EXIT_CONFIG, "compile": EXIT_COMPILE}.get(kind, EXIT_CRASH)
+        code = {"oom": EXIT_OOM, "nan": EXIT_NAN, "config": EXIT_CONFIG, "compile": EXIT_COMPILE,
+                "disk": EXIT_DISK}.get(kind, EXIT_CRASH)
         if self.channel:
             self.channel.emit("error", kind=kind, message=message, step=self.progress.step, exit_code=code, **extra)
         print(f"[trainer] error ({kind}): {message}", file=sys.stderr, flush=True)
@@ -624,13 +638,16 @@ def hash_seed(*parts: int) -> int:
     return h
 
 
-def main_run(cfg: TrainConfig) -> int:
-    """Run a configured trainer, turning every failure into an `error` event and a distinct exit code."""
+def main_run(cfg: TrainConfig, run_lock: RunLock | None = None) -> int:
+    """Run a configured trainer, turning every failure into an `error` event and a distinct exit code.
+
+    `run_lock`: the run directory's lock when the caller took it (trainer.cli); else setup takes it."""
     if cfg.toggles.cuda_allocator == "expandable_segments":
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     trainer = None
     try:
         trainer = Trainer(cfg)
+        trainer.run_lock = run_lock
         trainer.setup()
         return trainer.run()
     except Stop as s:
@@ -645,8 +662,15 @@ def main_run(cfg: TrainConfig) -> int:
     except torch.OutOfMemoryError as e:
         extra = {"toggles": cfg.to_dict()["toggles"], "memory": trainer.memory_figures() if trainer else {}}
         return _report(trainer, "oom", f"out of memory: {str(e).splitlines()[0] if str(e) else ''} -- try a smaller "
-                                       f"--micro-batch, --activation-checkpointing or bf16", EXIT_OOM, **extra)
+                                       f"--micro-batch, --activation-checkpointing, bf16, --optimizer adamw-8bit or "
+                                       f"--lora R", EXIT_OOM, **extra)
+    except ckpt.PeerSaveFailed as e:
+        return _report(trainer, "crash", str(e), EXIT_CRASH, lost_peer=True)
     except Exception as e:
+        disk = disk_error(e)
+        if disk is not None:           # a full or read-only filesystem: one line, the traceback to the log only
+            return _report(trainer, "disk", _disk_message(trainer, disk), EXIT_DISK, path=disk.path,
+                           os_error=disk.strerror, free_bytes=disk.free_bytes, traceback=_log_only_traceback())
         if trainer is not None and trainer.world > 1 and D.is_comm_error(e):
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             return _report(trainer, "crash", f"lost contact with another rank, which probably failed (see its "
@@ -661,6 +685,17 @@ def main_run(cfg: TrainConfig) -> int:
             trainer.channel.close()
         if trainer is not None and trainer.group is not None:
             trainer.group.destroy()
+        if trainer is not None and trainer.run_lock is not None:
+            trainer.run_lock.release()
+
+
+def _disk_message(trainer: Trainer | None, disk: DiskError) -> str:
+    """What failed, and what is safe: the newest checkpoint is intact (atomic writes leave no partial one)."""
+    newest = trainer.ckpt.newest if trainer is not None and getattr(trainer, "ckpt", None) is not None else None
+    what = "Make it writable" if disk.read_only else "Free some space"
+    if newest is None:
+        return f"{disk}; no checkpoint was written yet. {what} and start the run again"
+    return f"{disk}; the previous checkpoint {newest.name} is intact. {what} and resume with --resume {trainer.run_dir}"
 
 
 def _log_only_traceback() -> str | None:

@@ -48,12 +48,13 @@ SCHEMA_VERSION = 1
 
 PHASES = ("data", "forward", "backward", "optimizer", "other")
 
-ERROR_KINDS = ("oom", "nan", "config", "crash", "compile", "no_checkpoint", "corrupt_checkpoint")
+ERROR_KINDS = ("oom", "nan", "config", "crash", "compile", "no_checkpoint", "corrupt_checkpoint", "disk")
 # Each kind in words, for a reader who does not know the codes (the end-of-run summary).
 ERROR_WORDS = {"oom": "out of memory", "nan": "the loss or the gradients became NaN or infinite",
                "config": "the configuration was refused", "crash": "the trainer crashed",
                "compile": "torch.compile failed", "no_checkpoint": "there was no checkpoint to resume from",
-               "corrupt_checkpoint": "no checkpoint could be read (all corrupt)"}
+               "corrupt_checkpoint": "no checkpoint could be read (all corrupt)",
+               "disk": "the run directory could not be written (disk full or read-only)"}
 
 
 class MalformedEvent(ValueError):
@@ -89,6 +90,10 @@ class GpuReading(Record):
     temp_c: float | None = None
     sm_clock_mhz: float | None = None
     proc_mem: int | None = None         # bytes used on this GPU by the trainer's processes; None when none are seen
+    sm_clock_max_mhz: float | None = None
+    clock_reasons: list[str] | None = None   # why clocks are held down (gptop.nvml.THROTTLE_REASONS names)
+    sm_active_pct: float | None = None  # GPM (Hopper+): share of SMs busy over the sample period
+    tensor_active_pct: float | None = None   # GPM (Hopper+): share of time the tensor pipes were busy
     power_note: str | None = None       # why power_w is None, in a few words
 
 
@@ -117,6 +122,7 @@ class ModelInfo(Record):
     total_params: int | None = None
     active_params: int | None = None    # per token (MoE: shared + top-k routed experts + dense parts)
     embedding_params: int | None = None
+    trainable_params: int | None = None # parameters that train (LoRA: the adapters; full fine-tuning: all)
     vocab_size: int | None = None
     flops_per_token: int | None = None  # training FLOPs per token (fwd + bwd)
     objective: str | None = None        # "causal" | "llada"
@@ -171,7 +177,8 @@ class HelloEvent(Event):
     accumulation: int | None = None
     micro_batch: int | None = None
     tokens_per_step: int | None = None
-    peak_flops: float | None = None
+    peak_flops: float | None = None     # the MFU denominator per process, FLOP/s
+    peak_source: str | None = None      # "datasheet: <GPU> ..." or "measured: ..." (MFU is then approximate)
     resumed_from: str | None = None
     start_step: int = 0
     torch: str | None = None
@@ -181,6 +188,13 @@ class HelloEvent(Event):
         """The toggles this process runs with."""
         t = self.config.get("toggles")
         return dict(t) if isinstance(t, dict) else {}
+
+    @property
+    def mfu_is_estimate(self) -> bool:
+        """MFU rests on a measured peak (the CPU), not a datasheet's: views show it as approximate ("~")."""
+        if self.peak_source is not None:
+            return self.peak_source.startswith("measured")
+        return self.device.type == "cpu"
 
     @property
     def max_steps(self) -> int | None:
@@ -209,6 +223,7 @@ class StepEvent(Event):
     gpu_idle_ms: float | None = None
     comm_ms: float | None = None
     expert_load: list[list[float]] | None = None   # MoE: per layer, per expert share of the tokens
+    optim_state_bytes: int | None = None   # bytes the optimizer state occupies (quantized moments: as stored)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -262,6 +277,9 @@ class ErrorEvent(Event):
     toggles: dict[str, Any] | None = None   # oom: what ran out of memory
     memory: dict[str, Any] | None = None
     lost_peer: bool = False             # several ranks: this rank lost contact with another
+    path: str | None = None             # disk: the file a write failed on
+    os_error: str | None = None         # disk: the errno text ("No space left on device", "Read-only file system")
+    free_bytes: int | None = None       # disk: bytes free on that filesystem when it failed
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,6 +10,11 @@ A run directory holds everything a run produces:
     checkpoints/pins.json  steps that pruning must keep (the tuner's rollback target)
     profiles/              torch.profiler traces
     tuning.json, tuning.md, best.toml   after tuning
+    .gptop.lock            the owner's lock (trainer.contract.runlock); .gptop.lock.<node> per node of a multi-node run
+
+A multi-node run shares the directory on purpose: each node's gptop writes its own
+trainer.<node>.log, trainer.<node>.stderr.log and device.<node>.jsonl (RunDir(path, node)),
+each rank its own events file and checkpoint shards, rank 0 the rest.
 
 The trainer writes checkpoints (trainer.checkpoint, with torch); gptop and the
 tuner list, pin and roll back through this module without importing torch.
@@ -42,6 +47,7 @@ TRAINER_STDERR = "trainer.stderr.log"
 CHECKPOINTS = "checkpoints"
 PROFILES = "profiles"
 PINS = "pins.json"
+LOCK = ".gptop.lock"                 # the owner's lock (trainer.contract.runlock); LOCK.<node> per node
 TUNING_JSON, TUNING_MD, BEST_TOML = "tuning.json", "tuning.md", "best.toml"
 
 STEP_DIGITS = 8
@@ -50,10 +56,20 @@ _CKPT_NAME = re.compile(rf"^step-(\d{{{STEP_DIGITS}}})\.(pt|dcp)$")
 
 
 class RunDir:
-    """Where each file of one run lives (paths only; nothing is created)."""
+    """Where each file of one run lives (paths only; nothing is created).
 
-    def __init__(self, path: str | Path):
+    `node`: the node key of a multi-node run (None on one node); the files each node's gptop writes
+    (trainer logs, device samples) carry it, so nodes sharing the directory never write one file."""
+
+    def __init__(self, path: str | Path, node: str | None = None):
         self.path = Path(path)
+        self.node = node
+
+    def _per_node(self, name: str) -> Path:
+        if not self.node:
+            return self.path / name
+        stem, dot, ext = name.partition(".")
+        return self.path / f"{stem}.{self.node}{dot}{ext}"
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"
@@ -67,15 +83,15 @@ class RunDir:
 
     @property
     def device(self) -> Path:
-        return self.path / DEVICE
+        return self._per_node(DEVICE)
 
     @property
     def trainer_log(self) -> Path:
-        return self.path / TRAINER_LOG
+        return self._per_node(TRAINER_LOG)
 
     @property
     def trainer_stderr(self) -> Path:
-        return self.path / TRAINER_STDERR
+        return self._per_node(TRAINER_STDERR)
 
     @property
     def checkpoints(self) -> Path:
@@ -203,7 +219,7 @@ def prune(run_dir: str | Path, keep: int, newest_good: int | None = None) -> lis
             if p.is_dir():
                 continue
             pid = p.name.rsplit(".", 2)[-2]
-            if not pid.isdigit() or not _alive(int(pid)):
+            if not pid.isdigit() or not pid_alive(int(pid)):
                 p.unlink(missing_ok=True)
                 deleted.append(p)
     return deleted
@@ -251,7 +267,7 @@ def unpin(run_dir: str | Path, step: int | None = None) -> None:
         atomic_write(path, json.dumps({"steps": sorted(steps)}) + "\n")
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     if pid == os.getpid():
         return True
     try:
@@ -261,3 +277,4 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+

@@ -1,0 +1,158 @@
+"""One writer per run directory (issue 10 §3): an OS lock, refused writers exit 2 naming the holder."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, TINY, trainer_cmd
+from trainer.contract import rundir
+from trainer.contract.runlock import LOCK_NODE_ENV, LOCK_TOKEN_ENV, RunDirBusy, RunLock
+
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+HOLD = ("import sys, time\nfrom trainer.contract.runlock import RunLock\n"
+        "lock = RunLock.acquire(sys.argv[1], command='holder')\nprint('locked', flush=True)\ntime.sleep(600)\n")
+
+
+def test_a_second_writer_is_refused_naming_pid_and_host(tmp_path):
+    with RunLock.acquire(tmp_path / "run", command="gptop train") as lock:
+        assert lock.held
+        with pytest.raises(RunDirBusy) as e:
+            RunLock.acquire(tmp_path / "run", command="python -m trainer")
+        msg = str(e.value)
+        assert e.value.option == "--run-dir"
+        assert f"pid {os.getpid()}" in msg and socket.gethostname() in msg and "gptop train" in msg
+    RunLock.acquire(tmp_path / "run", command="again").release()      # released: free again
+
+
+def test_the_owners_token_lets_its_children_in(tmp_path, monkeypatch):
+    with RunLock.acquire(tmp_path, command="gptop train") as lock:
+        monkeypatch.setenv(LOCK_TOKEN_ENV, lock.token)
+        monkeypatch.setenv(LOCK_NODE_ENV, "")
+        child = RunLock.for_trainer(tmp_path)          # the trainer gptop started
+        assert not child.held
+        monkeypatch.setenv(LOCK_TOKEN_ENV, "someone-else")
+        with pytest.raises(RunDirBusy):
+            RunLock.for_trainer(tmp_path)
+
+
+def test_ranks_of_one_torchrun_share_the_lock_and_another_torchrun_is_refused(tmp_path, monkeypatch):
+    monkeypatch.delenv(LOCK_TOKEN_ENV, raising=False)
+    for k, v in {"TORCHELASTIC_RUN_ID": "abc", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    rank0 = RunLock.for_trainer(tmp_path)
+    rank1 = RunLock.for_trainer(tmp_path)              # same host, same torchrun agent (parent pid)
+    assert rank0.held and not rank1.held
+    monkeypatch.setattr(os, "getppid", lambda: 1)      # another torchrun's rank
+    with pytest.raises(RunDirBusy, match="python -m trainer"):
+        RunLock.for_trainer(tmp_path)
+    rank0.release()
+
+
+def test_multi_node_runs_lock_per_node(tmp_path):
+    node0 = RunLock.acquire(tmp_path, command="gptop train", node="node0")
+    node1 = RunLock.acquire(tmp_path, command="gptop train", node="node1")     # nodes share the directory
+    assert (tmp_path / ".gptop.lock.node0").is_file() and (tmp_path / ".gptop.lock.node1").is_file()
+    with pytest.raises(RunDirBusy, match="node node1"):
+        RunLock.acquire(tmp_path, command="gptop train", node="node1")          # a second run's node 1
+    with pytest.raises(RunDirBusy, match="multi-node run"):
+        RunLock.acquire(tmp_path, command="gptop train")                        # a one-node run
+    node0.release()
+    node1.release()
+    with RunLock.acquire(tmp_path, command="gptop train") as single:           # all gone: free
+        with pytest.raises(RunDirBusy, match="gptop train"):
+            RunLock.acquire(tmp_path, command="gptop train", node="node0")      # and the reverse
+        assert single.held
+
+
+def test_each_node_writes_its_own_files(tmp_path):
+    one, node = rundir.RunDir(tmp_path), rundir.RunDir(tmp_path, "node1")
+    assert one.trainer_log.name == "trainer.log" and node.trainer_log.name == "trainer.node1.log"
+    assert node.trainer_stderr.name == "trainer.node1.stderr.log" and node.device.name == "device.node1.jsonl"
+    assert node.events(0) == one.events(0) and node.config == one.config and node.checkpoints == one.checkpoints
+
+
+@pytest.mark.process
+@pytest.mark.slow
+def test_the_lock_is_released_by_kill_9(tmp_path):
+    p = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=ENV)
+    try:
+        assert p.stdout.readline().strip() == "locked"
+        with pytest.raises(RunDirBusy, match=f"pid {p.pid} "):
+            RunLock.acquire(tmp_path, command="second")
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    with RunLock.acquire(tmp_path, command="after the kill") as lock:      # no stale pid file to clean up
+        assert lock.held
+        assert json.loads((tmp_path / ".gptop.lock").read_text())["command"] == "after the kill"
+
+
+@pytest.mark.process
+@pytest.mark.slow
+def test_trainer_and_gptop_refuse_a_run_dir_in_use_before_writing_anything(tmp_path):
+    run_dir = tmp_path / "run"
+    with RunLock.acquire(run_dir, command="gptop train"):
+        args = [*TINY, "--max-steps", "2", "--run-dir", str(run_dir)]
+        for cmd in (trainer_cmd(*args), [sys.executable, "-m", "gptop", "--no-ui", "train", *args]):
+            p = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=120)
+            assert p.returncode == 2, p.stderr
+            assert f"pid {os.getpid()} on host {socket.gethostname()}" in p.stderr and "--run-dir" in p.stderr
+            assert "Traceback" not in p.stderr
+        assert sorted(x.name for x in run_dir.iterdir()) == [".gptop.lock"]     # nothing written, nothing started
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.process
+@pytest.mark.slow
+def test_a_multi_node_run_shares_the_directory_and_keeps_out_a_one_node_run(tmp_path):
+    """Two nodes on this machine (static rendezvous, one rank each) train into one run directory; each node
+    writes its own logs and device samples; a one-node run started meanwhile is refused."""
+    run_dir = tmp_path / "run"
+    args = [*TINY, "--max-steps", "4", "--checkpoint-every", "2", "--run-dir", str(run_dir), "--nproc", "1",
+            "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-backend", "static"]
+    gptop = [sys.executable, "-m", "gptop", "--no-ui", "train"]
+    nodes = [subprocess.Popen([*gptop, *args, "--node-rank", str(n)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, env=ENV) for n in (0, 1)]
+    try:
+        deadline = time.monotonic() + 60
+        while not all(rundir_record(run_dir / f".gptop.lock.node{n}") for n in (0, 1)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in nodes)
+            time.sleep(0.1)
+        single = subprocess.run([*gptop, *TINY, "--max-steps", "2", "--run-dir", str(run_dir)], capture_output=True,
+                                text=True, env=ENV, timeout=120)
+        assert single.returncode == 2 and "multi-node run" in single.stderr, single.stderr
+        for p in nodes:
+            assert p.wait(300) == 0, p.stderr.read()
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [c.step for c in rundir.list_checkpoints(run_dir)] == [2, 4]
+    for n in (0, 1):
+        assert rundir.RunDir(run_dir, f"node{n}").trainer_log.is_file()
+        assert rundir.RunDir(run_dir, f"node{n}").device.stat().st_size > 0
+    assert not (run_dir / "trainer.log").exists() and not (run_dir / "device.jsonl").exists()
+
+
+def rundir_record(path) -> dict | None:
+    try:
+        return json.loads(path.read_text() or "null")
+    except (OSError, ValueError):
+        return None

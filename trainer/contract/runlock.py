@@ -1,0 +1,206 @@
+"""One writer per run directory: an OS lock held by the process that owns it.
+
+Two runs writing one directory interleave their steps in one events.jsonl and overwrite each other's
+checkpoints. The owner (gptop for `gptop train`/`tune`, else the trainer itself) holds an exclusive
+`fcntl.flock` on `RUN_DIR/.gptop.lock` for its lifetime: the kernel releases it when the last process
+holding it exits (kill -9 included), so there is no pid file to go stale. A second gptop or trainer on
+the directory exits 2 at once with a message naming the holder's pid and host.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import re
+import socket
+import time
+import uuid
+from pathlib import Path
+
+from .config import ConfigError
+from .rundir import LOCK, pid_alive
+
+LOCK_TOKEN_ENV = "GPTOP_RUN_LOCK_TOKEN"     # set by the lock's owner for the processes it starts
+LOCK_NODE_ENV = "GPTOP_RUN_LOCK_NODE"
+_HOLDER_WAIT_S = 2.0                        # how long a just-taken lock may stay without its holder's record
+
+
+class RunDirBusy(ConfigError):
+    """Another process owns the run directory (exit 2, naming its pid and host)."""
+
+
+def node_key(node_rank: int | None) -> str:
+    """The name of one node of a multi-node run: `nodeN` when its rank is known, else `host-NAME`."""
+    if node_rank is not None:
+        return f"node{node_rank}"
+    return "host-" + re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())
+
+
+class RunLock:
+    """The lock that makes one process (and the processes it starts) the only writer of a run directory.
+
+    An exclusive `fcntl.flock` on `D/.gptop.lock`, held for the owner's lifetime and released by the
+    kernel when the last process holding it exits (kill -9 included); no pid file to go stale. The file
+    records the holder (pid, host, command, start time, a random token) for the refusal message. The
+    owner passes the token to the processes it starts (`env()`; gptop also passes the locked descriptor,
+    so a trainer finishing its stop after gptop died still holds it): a trainer that finds the lock held
+    under its own token belongs to the owner and goes on. Ranks started by one torchrun without gptop
+    share a token derived from their torchrun agent (same host, same parent pid).
+
+    A multi-node run shares the directory on purpose: each node takes `.gptop.lock` shared (so no
+    one-node run can start on it) and `.gptop.lock.<node>` exclusive (so no second run's node of the same
+    name can). flock works across NFSv4 clients (Linux emulates it with POSIX locks); on a filesystem
+    without locks the lock is not taken and the run goes on with a warning (`self.warning`)."""
+
+    def __init__(self, run_dir: Path, token: str, node: str | None, fds: list[int], warning: str | None = None):
+        self.run_dir, self.token, self.node, self._fds, self.warning = run_dir, token, node, fds, warning
+
+    # ------------------------------------------------------------------ taking it
+    @classmethod
+    def acquire(cls, run_dir: str | Path, *, command: str, token: str | None = None,
+                node: str | None = None) -> "RunLock":
+        """Take the lock (creating the directory), or raise RunDirBusy naming the holder at once."""
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        token = token or uuid.uuid4().hex
+        plan = [(run_dir / LOCK, fcntl.LOCK_EX)] if node is None else \
+            [(run_dir / LOCK, fcntl.LOCK_SH), (run_dir / f"{LOCK}.{node}", fcntl.LOCK_EX)]
+        fds: list[int] = []
+        try:
+            for path, mode in plan:
+                try:
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                except OSError as e:
+                    raise ConfigError("--run-dir", f"cannot open its lock file {path}: {e.strerror}") from None
+                try:
+                    fcntl.flock(fd, mode | fcntl.LOCK_NB)
+                except OSError as e:
+                    os.close(fd)
+                    if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                        holders = _holders(run_dir, path)
+                        if any(h.get("token") == token for h in holders):
+                            continue            # our launcher (or a sibling rank) holds it
+                        raise RunDirBusy("--run-dir", _busy_message(run_dir, holders)) from None
+                    if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                        return cls(run_dir, token, node, fds, warning=f"{run_dir} does not support file locks "
+                                   f"({e.strerror}): nothing stops a second writer of this run directory")
+                    raise
+                fds.append(fd)
+                os.ftruncate(fd, 0)
+                if mode == fcntl.LOCK_EX:       # shared holders leave the record empty (see _holders)
+                    record = {"pid": os.getpid(), "host": socket.gethostname(), "command": command,
+                              "started": time.time(), "token": token, "node": node}
+                    os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return cls(run_dir, token, node, fds)
+
+    @classmethod
+    def for_trainer(cls, run_dir: str | Path) -> "RunLock":
+        """The trainer's lock: its launcher's (gptop's token in the environment), its torchrun's (ranks of
+        one torchrun share it, a node each with several nodes), or its own."""
+        env = os.environ
+        token, node = env.get(LOCK_TOKEN_ENV) or None, env.get(LOCK_NODE_ENV) or None
+        if token is None and env.get("TORCHELASTIC_RUN_ID") is not None:
+            token = f"torchrun:{socket.gethostname()}:{os.getppid()}:{env['TORCHELASTIC_RUN_ID']}"
+            try:
+                several_nodes = int(env.get("WORLD_SIZE", "1")) > int(env.get("LOCAL_WORLD_SIZE", "1"))
+                node = node_key(int(env["GROUP_RANK"])) if several_nodes else None
+            except (KeyError, ValueError):
+                node = None
+        return cls.acquire(run_dir, command="python -m trainer", token=token, node=node)
+
+    # ------------------------------------------------------------------ using it
+    @property
+    def held(self) -> bool:
+        """True when this process holds the lock itself (False: its launcher does)."""
+        return bool(self._fds)
+
+    @property
+    def fds(self) -> tuple[int, ...]:
+        """The locked descriptors, to pass to a child (`subprocess.Popen(pass_fds=...)`)."""
+        return tuple(self._fds)
+
+    def env(self) -> dict[str, str]:
+        """What a process started by the owner needs to be recognized as the owner's."""
+        return {LOCK_TOKEN_ENV: self.token, LOCK_NODE_ENV: self.node or ""}
+
+    def release(self) -> None:
+        """Give the lock back (the kernel does it too when the process exits)."""
+        fds, self._fds = self._fds, []
+        for i, fd in enumerate(fds):
+            try:
+                if i == len(fds) - 1:
+                    os.ftruncate(fd, 0)     # no stale record behind (before unlocking: nobody else holds it)
+            except OSError:
+                pass
+            os.close(fd)
+
+    def __enter__(self) -> "RunLock":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _read_record(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8") or "null")
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _holders(run_dir: Path, path: Path) -> list[dict]:
+    """Who holds the lock at `path`: its record, or, for the shared lock of a multi-node run, the
+    records of its nodes. A holder that has just taken the lock gets a moment to write its record."""
+    deadline = time.monotonic() + _HOLDER_WAIT_S
+    while True:
+        record = _read_record(path)
+        if record is not None:
+            return [record]
+        if path.name == LOCK:
+            nodes = [r for p in sorted(run_dir.glob(LOCK + ".*"))
+                     if (r := _read_record(p)) is not None and _is_locked(p)]
+            if nodes:
+                return nodes
+        if time.monotonic() > deadline:
+            return []
+        time.sleep(0.05)
+
+
+def _is_locked(path: Path) -> bool:
+    """Whether some process holds an exclusive lock on `path` (a killed holder's record stays behind)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def _busy_message(run_dir: Path, holders: list[dict]) -> str:
+    if not holders:
+        return (f"{run_dir} is in use by another process (its lock {run_dir / LOCK} is held; no record of "
+                f"who holds it). Wait for it to finish, stop it, or choose another --run-dir")
+    parts = []
+    for h in holders:
+        since = time.strftime("%H:%M:%S", time.localtime(h["started"])) if isinstance(h.get("started"), (int, float)) else "?"
+        who = f"pid {h.get('pid')} on host {h.get('host')} ({h.get('command') or '?'}, since {since}"
+        who += f", node {h['node']})" if h.get("node") else ")"
+        if h.get("host") == socket.gethostname() and isinstance(h.get("pid"), int) and not pid_alive(h["pid"]):
+            who += " - that process has exited and a process it started still holds the lock (a trainer " \
+                   "finishing its last checkpoint?)"
+        parts.append(who)
+    what = "a multi-node run: " if len(holders) > 1 or holders[0].get("node") else ""
+    return (f"{run_dir} is in use by {what}{'; '.join(parts)}. One run writes a run directory at a time: wait for "
+            f"it to finish, stop it, or choose another --run-dir")
