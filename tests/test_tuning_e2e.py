@@ -351,8 +351,7 @@ def test_t_on_a_run_that_logs_every_10_steps_measures_every_step(tmp_path, monke
     import argparse
     import time
 
-    from gptop.session import Session, SessionOptions
-    from gptop.tuning import install_toggler
+    from gptop.session import Session, SessionOptions, TuningOptions
     from trainer.contract.config import add_arguments, config_from_args
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -360,8 +359,8 @@ def test_t_on_a_run_that_logs_every_10_steps_measures_every_step(tmp_path, monke
     add_arguments(parser)
     cfg = config_from_args(parser.parse_args(SETUP + ["--log-every", "10", "--max-steps", "100000",
                                                       "--checkpoint-every", "0", "--run-dir", str(tmp_path / "run")]))
-    session = Session(cfg, SessionOptions(interval=1.0))
-    install_toggler(session, budget_s=60.0, space_spec=SPACE, storage=f"sqlite:///{tmp_path / 's.sqlite3'}")
+    tuning = TuningOptions(budget_s=60.0, space_spec=SPACE, storage=f"sqlite:///{tmp_path / 's.sqlite3'}")
+    session = Session(cfg, SessionOptions(interval=1.0, tuning=tuning))
     run_dir = tmp_path / "run"
 
     def wait_for(pred, what, timeout=180):
