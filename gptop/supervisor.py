@@ -40,6 +40,8 @@ from trainer.contract.rundir import RunDir
 
 from .tail import FileTail, LineSplitter, feed_events
 
+from .telemetry import TREE_REFRESH_S
+
 EventCallback = Callable[[ev.Event], None]
 LogCallback = Callable[[str, str], None]
 
@@ -64,6 +66,7 @@ class Supervisor:
         self.layout = RunDir(run_dir, node)
         self.launcher = launcher            # argv starts a launcher whose children are the ranks
         self._known: dict[int, Any] = {}     # pid -> psutil.Process of every descendant seen
+        self._pids_cache: tuple[int, float, list[int]] | None = None   # (trainer pid, when, its descendants)
         self._seq = 0
         self.run_dir = Path(run_dir)
         self.on_event, self.on_log, self.on_exit = on_event, on_log, on_exit
@@ -115,13 +118,21 @@ class Supervisor:
         return self.proc.pid if self.proc else None
 
     def pids(self) -> list[int]:
-        """The trainer and its children (torchrun ranks), for telemetry."""
+        """The trainer and its children (torchrun ranks), for telemetry: the children as of the last walk of
+        the process tree, walked again after TREE_REFRESH_S or when the trainer changed (a walk reads all of
+        /proc; the sampler asks every 0.5 s)."""
         if self.proc is None or self.returncode is not None:
             return []
+        now = time.monotonic()
+        cached = self._pids_cache
+        if cached is not None and cached[0] == self.proc.pid and now - cached[1] < TREE_REFRESH_S:
+            return [self.proc.pid, *cached[2]]
         try:
-            return [self.proc.pid] + [c.pid for c in self._descendants()]
+            kids = [c.pid for c in self._descendants()]
         except Exception:
-            return [self.proc.pid]
+            kids = []
+        self._pids_cache = (self.proc.pid, now, kids)
+        return [self.proc.pid, *kids]
 
     def _descendants(self) -> list[Any]:
         """The launcher's live descendants, remembered so that they can be reached after it died."""

@@ -212,8 +212,8 @@ class TuningDriver:
                     return None
                 continue
             kind, payload = item
-            if kind == "event" and isinstance(payload, ev.HelloEvent):
-                return payload
+            if kind == "event" and isinstance(payload, ev.HelloEvent) and not payload.early:
+                return payload          # the built run (an early hello comes before anything is built)
             if kind == "exit" or (kind == "abort"):
                 return None
 

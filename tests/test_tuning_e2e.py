@@ -65,7 +65,8 @@ def run_gptop(*args, env=None, timeout=540):
 
 def events(run_dir, kind=None):
     return [to_dict(e) for e in read_events(Path(run_dir) / "events.jsonl")     # validated, as on the wire
-            if e.rank == 0 and (kind is None or e.type == kind)]
+            if e.rank == 0 and (kind is None or e.type == kind)
+            and not (e.type == "hello" and e.early)]     # each process's early hello comes before its full one
 
 
 def processes(run_dir):

@@ -20,7 +20,7 @@ import json
 import math
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import tomli_w
 from optuna.trial import TrialState
@@ -216,6 +216,12 @@ def check_report(report: Any) -> str | None:
     return None
 
 
+def in_parens(items: Iterable[str], sep: str = ", ") -> str:
+    """' (a, b)' for a list shown after a phrase, '' for an empty one: a report never prints '()'."""
+    items = [i for i in items if i]
+    return f" ({sep.join(items)})" if items else ""
+
+
 def format_summary(report: dict[str, Any]) -> str:
     """A few lines for `gptop report` from a tuning.json dict (labels padded to 10 like its other lines)."""
     base = report.get("base") or {}
@@ -242,8 +248,8 @@ def format_summary(report: dict[str, Any]) -> str:
         lines.append("tuning    no feasible configuration measured")
     outcome = report.get("outcome") or "-"
     lines.append(f"          {outcome}" if report.get("applied") else f"          not applied: {outcome}")
-    lines.append(f"          {sum(counts.values())} trials this run ("
-                 + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) + ") in "
+    lines.append(f"          {sum(counts.values())} trials this run"
+                 + in_parens(f"{n} {k}" for k, n in sorted(counts.items())) + " in "
                  f"{format_duration(led.get('tuning_s') or 0.0)} of {format_duration(led.get('budget_s') or 0.0)}"
                  + (f"; projected saving {format_duration(led['projected_saving_s'])}"
                     if isinstance(led.get("projected_saving_s"), (int, float)) else ""))

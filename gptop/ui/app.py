@@ -218,7 +218,7 @@ class GptopApp(App[None]):
             wait: float | None = None
             for w in self.watchers():
                 if w.stale(self.state):
-                    early = self.min_redraw - (now - w.synced_at())
+                    early = max(self.min_redraw, w.MIN_REDRAW_S) - (now - w.synced_at())
                     if early > 0:
                         wait = early if wait is None else min(wait, early)
                         continue
