@@ -156,6 +156,7 @@ RULES: list[Rule] = [
          "sets up an environment or a database server (network, root); the tests run in the installed one"),
     Rule(r"-m pytest", "skip", "the test suite itself"),
     Rule(r"^optuna-dashboard ", "skip", "a separate tool (pip install optuna-dashboard) serving a web page"),
+    Rule(r"^tensorboard ", "skip", "a separate tool (pip install 'gptop[tensorboard]') serving a web page"),
     FIRST,
     Rule(r"^gptop --no-ui train --model llama --size tiny --max-steps 200 --run-dir runs/demo$", "parse",
          "the README's first command made this run (llama tiny is what --size auto picks on this CPU)"),
