@@ -16,8 +16,6 @@ Exit codes: 0 done, 1 the run failed, 2 bad usage, 130 interrupted.
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,9 +26,8 @@ from trainer.contract.rundir import default_run_dir, resume_config
 from trainer.contract.runlock import RunLock, node_key
 from trainer.contract.tools import add_export_arguments, add_sample_arguments
 
-from .session import EXIT_DONE, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, Session, SessionOptions
-
-TRAINER_EXIT_CONFIG = 2
+from .commands import STOP_SIGNALS, TUI_STOP_SIGNALS, StopSignals
+from .session import EXIT_FAILED, EXIT_USAGE, Session, SessionOptions, TuningOptions
 
 # gptop's own flags, converted and checked at parse time like the config's (trainer.contract.config.number_arg,
 # trainer.contract.inputs.path_arg): a bad value is exit 2 naming the flag before anything starts.
@@ -209,6 +206,15 @@ def check_run_args(ns: argparse.Namespace, cfg: TrainConfig) -> None:
 
 
 def cmd_run(ns: argparse.Namespace) -> int:
+    # A stop asked for from here on (Ctrl-C, SIGTERM) is kept and acted on once the session runs.
+    signals = StopSignals(STOP_SIGNALS if ns.no_ui else TUI_STOP_SIGNALS).install()
+    try:
+        return _run(ns, signals)
+    finally:
+        signals.restore()
+
+
+def _run(ns: argparse.Namespace, signals: StopSignals) -> int:
     cfg = resolve_config(ns)
     check_run_args(ns, cfg)
     resume = cfg.checkpoint.resume
@@ -222,29 +228,33 @@ def cmd_run(ns: argparse.Namespace) -> int:
     lock = RunLock.acquire(cfg.run.run_dir, command=f"gptop {ns.command}",
                            node=node_key(ns.node_rank) if multi_node else None)
     try:
-        return _run_locked(ns, cfg, resume, launcher, lock)
+        return _run_locked(ns, cfg, resume, launcher, lock, signals)
     finally:
         lock.release()
 
 
-def _run_locked(ns: argparse.Namespace, cfg: TrainConfig, resume: str | None, launcher, lock: RunLock) -> int:
+def _run_locked(ns: argparse.Namespace, cfg: TrainConfig, resume: str | None, launcher, lock: RunLock,
+                signals: StopSignals) -> int:
     options = SessionOptions(interval=ns.interval, restart_on_failure=ns.restart_on_failure,
-                             tensorboard=ns.tensorboard, launcher=launcher, run_lock=lock)
+                             tensorboard=ns.tensorboard, launcher=launcher, run_lock=lock,
+                             tuning=TuningOptions(space_spec=ns.tune_space, storage=ns.storage))   # the `t` key
     if lock.warning:
         print(f"gptop: warning: {lock.warning}", file=sys.stderr)
     session = Session(cfg, options)
-    from .tuning import TuningDriver, install_toggler
-
-    install_toggler(session, space_spec=ns.tune_space, storage=ns.storage)   # `t` starts/stops tuning
     tuning = _tuning_request(ns)
     if tuning is not None:
-        TuningDriver(session, **tuning).attach()
+        session.start_tuning(TuningOptions(**tuning))
     if ns.no_ui:
-        code = _run_headless(session, ns, resume)
+        from .headless import HeadlessView
+
+        code = session.run_headless(HeadlessView(session.state, json=ns.json), resume=resume, signals=signals)
+        if code == EXIT_FAILED:
+            print(f"gptop: {session.state.status_message or 'the run failed'}", file=sys.stderr)
+        code = code if code is not None else EXIT_FAILED
     else:
         from .ui.app import run_app
 
-        code = run_app(session, resume=resume)
+        code = run_app(session, resume=resume, signals=signals)
     err = session.state.last_error()
     if code == EXIT_FAILED and err is not None and err.kind == "config":
         return EXIT_USAGE
@@ -267,30 +277,3 @@ def _tuning_request(ns: argparse.Namespace) -> dict[str, Any] | None:
         return None
     return {"budget_s": float(budget), "space_spec": ns.tune_space, "storage": ns.storage,
             "tune_only": getattr(ns, "tune_only", False)}
-
-
-def _run_headless(session: Session, ns: argparse.Namespace, resume: str | None) -> int:
-    from .headless import HeadlessView
-
-    view = HeadlessView(session.state, json=ns.json)
-    session.add_view(view)
-    presses = {"n": 0}
-
-    def on_signal(signum, frame):
-        presses["n"] += 1
-        session.stop(force=presses["n"] > 1)
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    try:
-        session.start(resume=resume)
-        while session.wait(0.2) is None:
-            pass
-        code = session.wait()
-    finally:
-        session.close()
-        view.close()
-        for s, h in old.items():
-            signal.signal(s, h)
-    if code == EXIT_FAILED:
-        print(f"gptop: {session.state.status_message or 'the run failed'}", file=sys.stderr)
-    return code if code is not None else EXIT_FAILED

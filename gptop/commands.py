@@ -4,12 +4,15 @@ The views turn keys into these calls and nothing else; the Session implements
 them. Calls come from the UI thread (the Textual event loop), so an
 implementation must return at once and do the work on its own thread (queue a
 message to the supervisor, set a flag). Progress shows up through `RunState`.
+`StopSignals` turns the stop signals (Ctrl-C, SIGTERM, SIGHUP) into the same
+`stop` command as the `q` key.
 """
 
 from __future__ import annotations
 
+import signal
 import threading
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 
 
 @runtime_checkable
@@ -67,3 +70,48 @@ class RecordingCommands:
         """Just the called method names, in order."""
         with self._lock:
             return [name for name, _ in self.calls]
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)     # --no-ui
+TUI_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)                # SIGHUP: see gptop.ui.app.run_app
+
+
+class StopSignals:
+    """SIGINT, SIGTERM and SIGHUP to gptop are the user asking to stop, as `q` is: the first a graceful stop,
+    the next a forced one.
+
+    Installed as early as the command knows it will run a session, so that a signal that comes before the
+    session runs (or before its trainer exists) is not lost: it is counted, and handed to the session's
+    `stop` once `attach`ed. `restore` puts the previous handlers back."""
+
+    def __init__(self, signals: Iterable[int] = STOP_SIGNALS) -> None:
+        self.signals = tuple(signals)
+        self.count = 0
+        self._stop: Callable[[bool], None] | None = None
+        self._old: dict[int, Any] = {}
+
+    def install(self) -> "StopSignals":
+        for s in self.signals:
+            if s not in self._old:
+                self._old[s] = signal.signal(s, self._on_signal)
+        return self
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        stop = self._stop
+        if stop is not None:
+            # on a thread of its own: the handler interrupts the main thread wherever it is, perhaps holding
+            # a lock that `stop` needs (the UI thread sending a command, say)
+            threading.Thread(target=stop, args=(self.count > 1,), name="gptop-stop-signal", daemon=True).start()
+
+    def attach(self, stop: Callable[[bool], None]) -> None:
+        """From now on a signal calls `stop(force)`; a signal that already came is acted on at once."""
+        self._stop = stop
+        if self.count:
+            stop(self.count > 1)
+
+    def restore(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old.clear()
+        self._stop = None

@@ -37,8 +37,8 @@ import threading
 from collections import deque
 from typing import IO
 
-from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_num, fmt_toggles, model_summary, phase_label,
-                         spread_pct)
+from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_eta, fmt_mfu, fmt_num, fmt_peak, fmt_toggles,
+                         model_summary, phase_label, spread_pct)
 from trainer.contract.events import (PHASES, ApplyEvent, CheckpointEvent, DeviceEvent, DoneEvent, ErrorEvent,
                                      EvalEvent, Event, HelloEvent, LogEvent, StatusEvent, StepEvent, TrialEvent,
                                      TunerEvent, WarningEvent, dumps)
@@ -53,7 +53,7 @@ def step_line(event: StepEvent, state: RunState) -> str:
     parts = [f"step {event.step}/{total if total is not None else '?'} "
              f"loss {'n/a' if loss is None else f'{loss:.3f}'}",
              f"{fmt_num(event.tokens_per_s)} tok/s"]
-    parts.append(f"mfu {'n/a' if mfu is None else f'{mfu * 100:.1f}%'}")
+    parts.append(f"mfu {fmt_mfu(mfu, state.mfu_is_estimate)}")
     phases = event.phases_ms or {}
     seg = f"step {'n/a' if step_ms is None else f'{step_ms:.0f} ms'}"
     shares = []
@@ -68,10 +68,12 @@ def step_line(event: StepEvent, state: RunState) -> str:
     if idle is not None and step_ms:
         seg += f" gpu idle {100 * idle / step_ms:.0f}%"
     parts.append(seg)
-    parts.append(f"mem {fmt_bytes(event.mem_bytes)}")
-    eta = state.eta()
-    if eta is not None:
-        parts.append(f"eta {fmt_duration(eta)}")
+    mem = f"mem {fmt_bytes(event.mem_bytes)}"
+    if event.optim_state_bytes is not None:
+        mem += f" (optimizer {fmt_bytes(event.optim_state_bytes)})"
+    parts.append(mem)
+    if state.eta_range() is not None:
+        parts.append(f"eta {fmt_eta(state)}")
     spread = state.rank_spread().get("step_ms")
     if spread is not None:
         parts.append(f"ranks {spread.min:.0f}-{spread.max:.0f} ms (slowest {spread.slowest_rank})")
@@ -92,6 +94,9 @@ def event_line(event: Event, state: RunState) -> str | None:
             line += f", {total} steps"
         if state.run_dir:
             line += f", run dir {state.run_dir}"
+        peak = fmt_peak(event)
+        if peak:
+            line += f"; {peak}"
         if state.hellos > 1:
             line = "restarted: " + line
         return line
@@ -108,7 +113,12 @@ def event_line(event: Event, state: RunState) -> str | None:
     if isinstance(event, LogEvent):
         return event.message
     if isinstance(event, DoneEvent):
-        return f"done: step {event.step}, {fmt_num(event.tokens)} tokens in {fmt_duration(state.elapsed())}"
+        line = f"done: step {event.step}, {fmt_num(event.tokens)} tokens in {fmt_duration(state.elapsed())}"
+        energy, tokens = state.energy()
+        jpt = energy.per_token(tokens) if energy is not None else None
+        if jpt is not None:
+            return line + f"; energy {jpt * 1e3:.3g} mJ/token over the last steps ({energy.source})"  # type: ignore[union-attr]
+        return line + f"; energy n/a: {state.energy_reason()}"
     if isinstance(event, TrialEvent):
         if event.status == "running":
             return None            # one line per trial, when it ends (the JSON mode has both)
@@ -152,6 +162,7 @@ class HeadlessView:
         self._status: str | None = None
         self._tuner_phase: str | None = None
         self._hint_kind: str | None = None
+        self._verdicts: dict[str, str] = {}     # GPU key -> the kind of its last printed verdict
         if progress is None:
             progress = not json and _isatty(self.stream)
         self._progress = None
@@ -210,6 +221,23 @@ class HeadlessView:
                 self._print(line)
             if isinstance(event, StepEvent):
                 self._step_extras()
+            elif isinstance(event, DeviceEvent):
+                self._device_verdicts()
+
+    def _device_verdicts(self) -> None:
+        """A GPU that is busy but slow: one line when its verdict's kind changes (its numbers move every
+        sample), and one when it is over."""
+        now = self.state.gpu_verdicts()
+        for key in sorted(set(now) | set(self._verdicts)):
+            verdict = now.get(key)
+            kind = re.split(r"\d", verdict, maxsplit=1)[0] if verdict else None
+            if kind != self._verdicts.get(key):
+                if verdict:
+                    self._print(f"{key}: {verdict}")
+                    self._verdicts[key] = kind  # type: ignore[assignment]
+                else:
+                    self._print(f"{key}: no longer slowed")
+                    self._verdicts.pop(key, None)
 
     def _step_extras(self) -> None:
         """The hint when its kind changes (its numbers move every step); the progress bar."""
@@ -223,7 +251,7 @@ class HeadlessView:
             s = self.state
             info = " · ".join(x for x in (
                 f"{s.step}/{s.total_steps}" if s.total_steps else f"{s.step}",
-                f"{fmt_num(s.tokens)} tokens", f"eta {fmt_duration(s.eta())}") if x)
+                f"{fmt_num(s.tokens)} tokens", f"eta {fmt_eta(s)}") if x)
             self._progress.update(self._task, description="training", completed=s.step or 0,
                                   total=s.total_steps, info=info)
 

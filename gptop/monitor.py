@@ -18,8 +18,8 @@ from typing import Any
 
 from trainer.contract import events as ev
 
-from .session import EXIT_DONE, EXIT_INTERRUPTED
-from .state import RunState
+from .session import EXIT_DONE, EXIT_INTERRUPTED, SessionBase
+from .tail import FileTail, feed_events
 
 
 def find_run(path: str | None) -> Path | None:
@@ -56,112 +56,71 @@ def trainer_pid(run_dir: Path) -> int | None:
     return pid
 
 
-class MonitorSession:
-    """The Commands and lifecycle of a Session, for watching rather than running."""
+class MonitorSession(SessionBase):
+    """A session for watching rather than running: it follows or replays a run's events.jsonl."""
 
-    def __init__(self, run_dir: Path | None, interval: float = 0.5, sampler=None, follow_poll_s: float = 0.1):
-        self.run_dir = run_dir
-        self.state = RunState(run_dir=str(run_dir) if run_dir else None)
-        self.views: list[Any] = []
+    def __init__(self, run_dir: Path | None, interval: float = 0.5, sampler: Any = None,
+                 follow_poll_s: float = 0.1):
+        super().__init__(run_dir, sampler)
         self.interval = interval
-        self.sampler = sampler
         self.pid: int | None = None
+        self.replayed = threading.Event()       # a finished run's events were all read
         self._poll = follow_poll_s
-        self._finished = threading.Event()
-        self._exit_code: int | None = None
-        self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
-
-    def add_view(self, view: Any) -> None:
-        self.views.append(view)
-
-    def _emit(self, event: ev.Event) -> None:
-        with self._lock:
-            self.state.apply(event)
-        for v in self.views:
-            v.on_event(event)
 
     def start(self, resume: str | None = None) -> None:
         if self.sampler is None:
             from .telemetry import DeviceSampler
 
             self.sampler = DeviceSampler(interval=self.interval, pids=lambda: [self.pid] if self.pid else [])
-        self.sampler.subscribe(self._emit)
+        self.sampler.subscribe(self._dispatch)
         self.sampler.start()
         if self.run_dir is None:
-            self._status("monitor", "no run found in ./runs; showing devices only")
+            self._set_status("monitor", "no run found in ./runs; showing devices only")
             return
         self.pid = trainer_pid(self.run_dir)
-        self._status("running" if self.pid else "replay",
-                     f"attached to pid {self.pid}" if self.pid else "finished run, replayed")
+        self._set_status("running" if self.pid else "replay",
+                         f"attached to pid {self.pid}" if self.pid else "finished run, replayed")
         self._thread = threading.Thread(target=self._follow, name="gptop-follow", daemon=True)
         self._thread.start()
 
-    def _status(self, status: str, message: str | None) -> None:
-        with self._lock:
-            self.state.set_status(status, message)
-        for v in self.views:
-            v.on_status(status, message)
-
     def _follow(self) -> None:
         assert self.run_dir is not None
-        path = self.run_dir / "events.jsonl"
-        with open(path, "rb") as f:
-            partial = b""
-            while not self._finished.is_set():
-                data = f.read()
-                if data:
-                    *lines, partial = (partial + data).split(b"\n")
-                    for line in lines:
-                        if not line.strip():
-                            continue
-                        try:
-                            self._emit(ev.parse(line))
-                        except ev.MalformedEvent:
-                            with self._lock:
-                                self.state.count_malformed(line.decode("utf-8", "replace"))
-                    continue
-                if self.pid is None:
-                    return          # replay: everything read
-                if not _alive(self.pid):
-                    self.pid = None
-                    self._status("done" if self.state.status != "failed" else "failed", "the run ended")
-                    continue
-                time.sleep(self._poll)
+        tail = FileTail(self.run_dir / "events.jsonl")
+        while not self._finished.is_set():
+            lines = tail.read_lines()
+            if lines:
+                feed_events(lines, self._dispatch, self._on_malformed)
+                continue
+            if self.pid is None:
+                self.replayed.set()     # replay: everything read
+                return
+            if not _alive(self.pid):
+                self.pid = None
+                self._set_status("done" if self.state.status != "failed" else "failed", "the run ended")
+                continue
+            time.sleep(self._poll)
 
     # Commands ---------------------------------------------------------------
     def stop(self, force: bool = False) -> None:
         """Quit the monitor; the watched run keeps going."""
-        self._exit_code = EXIT_INTERRUPTED if force else EXIT_DONE
-        self._finished.set()
+        self._finish(EXIT_INTERRUPTED if force else EXIT_DONE)
 
     def checkpoint(self) -> None:
         if self.pid:
             os.kill(self.pid, signal.SIGUSR1)
 
-    def profile(self, steps: int = 3) -> None:
-        pass
-
-    def toggle_tuning(self) -> None:
-        pass
-
-    can_start_tuning = False          # a followed or replayed run belongs to another process
-
-    def restart(self) -> None:
-        pass
-
-    def wait(self, timeout: float | None = None) -> int | None:
-        self._finished.wait(timeout)
-        return self._exit_code
-
-    @property
-    def finished(self) -> bool:
-        return self._finished.is_set()
+    def headless_over(self, timeout: float) -> bool:
+        """A replay without the UI is over once it has printed the run; a followed run when the user quits."""
+        if self.replayed.is_set():
+            if not self.finished:
+                self._finish(EXIT_DONE)
+            return True
+        return super().headless_over(timeout)
 
     def close(self) -> None:
         self._finished.set()
-        if self.sampler is not None:
-            self.sampler.stop()
+        super().close()
 
 
 def _alive(pid: int) -> bool:
@@ -182,19 +141,5 @@ def run_monitor(ns: argparse.Namespace) -> int:
         return run_app(session)
     from .headless import HeadlessView
 
-    view = HeadlessView(session.state, json=ns.json)
-    session.add_view(view)
-    old = signal.signal(signal.SIGINT, lambda s, f: session.stop())
-    signal.signal(signal.SIGTERM, lambda s, f: session.stop())
-    try:
-        session.start()
-        if session.run_dir is not None and session.pid is None and session._thread is not None:
-            session._thread.join()      # replay: print the run and exit
-            return EXIT_DONE
-        while session.wait(0.2) is None:
-            pass
-        return session.wait() or EXIT_DONE
-    finally:
-        session.close()
-        view.close()
-        signal.signal(signal.SIGINT, old)
+    code = session.run_headless(HeadlessView(session.state, json=ns.json))
+    return code or EXIT_DONE

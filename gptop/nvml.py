@@ -13,6 +13,14 @@ Two things nvitop's helper does not do and a 2 Hz sampler needs:
   failing driver call every half second;
 - a function the driver lacks (FunctionNotFound) is remembered for all devices.
 
+Beyond "utilization" (the share of time any kernel ran, which a single
+tiny kernel keeps at 100%), the wrapper samples what says how hard the GPU
+works: GPM metrics on Hopper and later (`gpm`: SM activity and tensor-pipe
+activity over the interval between two samples, as DCGM reports them), and
+everywhere the clock-event ("throttle") reasons (`throttle_reasons`) next to
+the SM clock and its maximum. These paths are written against nvidia-ml-py's
+documentation and tested with a fake module only (no GPU here).
+
 No NVML at all (the `pynvml` import fails, libnvidia-ml.so is missing, the
 driver is not loaded, or there are zero GPUs) is not an error: `available` is
 False and `reason` says why, and the sampler falls back to CPU mode.
@@ -28,6 +36,33 @@ log = logging.getLogger(__name__)
 
 NA = None
 """The value of a metric NVML could not give us. Views render it as "n/a"."""
+
+# Clock-event (throttle) reason bits, from nvml.h (nvmlClocksEventReason*): stable across drivers.
+THROTTLE_REASONS: tuple[tuple[int, str], ...] = (
+    (0x1, "idle"),
+    (0x2, "application clocks"),
+    (0x4, "power cap"),
+    (0x8, "hw slowdown"),
+    (0x10, "sync boost"),
+    (0x20, "sw thermal"),
+    (0x40, "hw thermal"),
+    (0x80, "power brake"),
+    (0x100, "display clocks"),
+)
+
+# GPM metric ids (nvmlGpmMetricId_t) gptop samples, by the name it gives them.
+GPM_METRICS: dict[str, int] = {"sm_active": 2, "tensor_active": 5}
+
+
+def throttle_reasons(mask: Any) -> list[str] | None:
+    """The names of the reasons set in a clock-event bitmask; None when NVML gave no mask."""
+    if mask is None or isinstance(mask, bool):
+        return None
+    try:
+        m = int(mask)
+    except (TypeError, ValueError):
+        return None
+    return [name for bit, name in THROTTLE_REASONS if m & bit]
 
 # Error codes from nvml.h; stable across driver versions. Read from the module
 # when it has them, so a fake module with its own numbering also works.
@@ -69,6 +104,8 @@ class Nvml:
         self._unsupported: set[tuple[int, str, tuple]] = set()   # (device, function, extra args)
         self._missing_functions: set[str] = set()
         self._lost: set[int] = set()
+        self._gpm_prev: dict[int, Any] = {}     # device -> its previous GPM sample (freed on close)
+        self._gpm_ok: dict[int, bool] = {}      # device -> GPM supported
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -117,6 +154,10 @@ class Nvml:
 
     def _shutdown(self) -> None:
         if self._initialized:
+            for sample in self._gpm_prev.values():
+                self.query("nvmlGpmSampleFree", sample)
+            self._gpm_prev.clear()
+            self._gpm_ok.clear()
             self._initialized = False
             self._handles.clear()
             try:
@@ -161,13 +202,66 @@ class Nvml:
                 self._handles[index] = h
         return h
 
+    def clock_reasons(self, index: int) -> list[str] | None:
+        """Why the clocks are below their maximum now (THROTTLE_REASONS names), [] when nothing holds
+        them; None when NVML cannot tell."""
+        mask = self.device_query_first(index, [("nvmlDeviceGetCurrentClocksEventReasons", ()),
+                                               ("nvmlDeviceGetCurrentClocksThrottleReasons", ())])
+        return throttle_reasons(mask)
+
+    def gpm(self, index: int) -> dict[str, float | None] | None:
+        """GPM metrics (GPM_METRICS, percent) over the interval since this device's previous call;
+        None where GPM is unsupported (before Hopper, or in a VM/container that hides it) and on the
+        first call (one sample is no interval). Each call takes one GPM sample and keeps it."""
+        with self._lock:
+            supported = self._gpm_ok.get(index)
+            if supported is None:
+                handle = self.handle(index)
+                support = self._query("nvmlGpmQueryDeviceSupport", (handle,), device=index, extra=()) \
+                    if handle is not None else None
+                supported = bool(getattr(support, "isSupportedDevice", 0)) and \
+                    getattr(self._mod, "c_nvmlGpmMetricsGet_t", None) is not None
+                self._gpm_ok[index] = supported
+            if not supported:
+                return None
+            handle = self.handle(index)
+            sample = self.query("nvmlGpmSampleAlloc")
+            if handle is None or sample is None:
+                return None
+            if self._query("nvmlGpmSampleGet", (handle, sample), device=index, extra=()) is None:
+                self.query("nvmlGpmSampleFree", sample)
+                if self.is_unsupported(index, "nvmlGpmSampleGet"):
+                    self._gpm_ok[index] = False          # NotSupported / NoPermission: not asked again
+                return None
+            prev, self._gpm_prev[index] = self._gpm_prev.get(index), sample
+            if prev is None:
+                return None
+            try:
+                return self._gpm_metrics(prev, sample)
+            finally:
+                self.query("nvmlGpmSampleFree", prev)
+
+    def _gpm_metrics(self, first: Any, second: Any) -> dict[str, float | None] | None:
+        mod = self._mod
+        request = mod.c_nvmlGpmMetricsGet_t()
+        request.version = getattr(mod, "NVML_GPM_METRICS_GET_VERSION", 1)
+        request.numMetrics = len(GPM_METRICS)
+        request.sample1, request.sample2 = first, second
+        for i, metric in enumerate(GPM_METRICS.values()):
+            request.metrics[i].metricId = metric
+        got = self.query("nvmlGpmMetricsGet", request)
+        if got is None:
+            return None
+        out: dict[str, float | None] = {}
+        for i, name in enumerate(GPM_METRICS):
+            m = got.metrics[i]
+            value = float(m.value) if getattr(m, "nvmlReturn", 1) == 0 else None
+            out[name] = value if value is not None and 0.0 <= value <= 100.0 else None
+        return out
+
     def constant(self, name: str, default: int) -> int:
         """An NVML_* constant from the module (a fake module may omit it)."""
         return getattr(self._mod, name, default)
-
-    def is_unsupported(self, index: int, function: str, *args: Any) -> bool:
-        """Whether this query was remembered as permanently unavailable for the device."""
-        return (index, function, args) in self._unsupported or function in self._missing_functions
 
     def _code(self, name: str) -> int:
         return getattr(self._mod, "NVML_ERROR_" + name, _CODES[name]) if self._mod is not None else _CODES[name]

@@ -16,7 +16,8 @@ from typing import Any
 from trainer.contract.events import (PHASES, CheckpointEvent, DeviceEvent, DoneEvent, ErrorEvent, EvalEvent, Event,
                                      HelloEvent, MalformedEvent, StepEvent, WarningEvent, read_events, to_dict)
 
-from .telemetry import energy_between
+from .energy import Energy, measure, unavailable_reason
+from .state import fmt_mfu
 
 
 class _Skipped:
@@ -53,6 +54,9 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         out["model"] = to_dict(hello.model)
         out["device"] = hello.device.name
         out["toggles"] = hello.toggles
+        out["peak_flops"] = hello.peak_flops
+        out["peak_source"] = hello.peak_source
+        out["mfu_is_estimate"] = hello.mfu_is_estimate
         out["max_steps"] = hello.max_steps
     out["starts"] = sum(1 for e in events if isinstance(e, HelloEvent))
     if steps:
@@ -80,11 +84,14 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     out["errors"] = [_error(e) for e in errors]
     out["warnings"] = len(warnings)
     out["done"] = bool(done) and done[-1].reason
-    energy = _energy(run_dir, steps, skipped["device.jsonl"])
+    energy, why = _energy(run_dir, steps, skipped["device.jsonl"])
     if energy is not None:
-        out["energy_j"] = energy
+        out["energy_j"] = energy.joules
+        out["energy_source"] = energy.source
         if out.get("tokens"):
-            out["energy_j_per_token"] = energy / max(1, _tokens_in_window(steps))
+            out["energy_j_per_token"] = energy.joules / max(1, _tokens_in_window(steps))
+    else:
+        out["energy_unavailable"] = why
     tuning, problem = _tuning(run_dir / "tuning.json")
     if tuning is not None:
         out["tuning"] = tuning
@@ -120,19 +127,25 @@ def _tokens_in_window(steps: list[StepEvent]) -> int:
     return steps[-1].tokens - steps[0].tokens if len(steps) > 1 else steps[-1].tokens
 
 
-def _energy(run_dir: Path, steps: list[StepEvent], skipped: _Skipped) -> float | None:
-    """The run's energy: device.jsonl, or the sum over the nodes' device.<node>.jsonl of a multi-node run."""
+def _energy(run_dir: Path, steps: list[StepEvent], skipped: _Skipped) -> tuple[Energy | None, str]:
+    """The run's energy over its step events (gptop.energy), or (None, why not): device.jsonl, or the sum over
+    the nodes' device.<node>.jsonl of a multi-node run."""
     if len(steps) < 2:
-        return None
-    total = None
+        return None, "fewer than two step events"
+    total: Energy | None = None
+    why = "no device.jsonl (no device samples were recorded)"
     for path in [run_dir / "device.jsonl", *sorted(run_dir.glob("device.*.jsonl"))]:
         if not path.is_file():
             continue
         samples = [e for e in read_events(path, on_malformed=skipped) if isinstance(e, DeviceEvent)]
-        energy = energy_between(samples, steps[0].time, steps[-1].time) if samples else None
-        if energy is not None:
-            total = (total or 0.0) + energy
-    return total
+        got = measure(samples, steps[0].time, steps[-1].time) if samples else None
+        if got is None:
+            why = unavailable_reason(samples)
+        elif total is None:
+            total = got
+        else:
+            total = Energy(joules=total.joules + got.joules, source=total.source)
+    return total, ("" if total is not None else why)
 
 
 def _tuning(path: Path) -> tuple[dict[str, Any] | None, str | None]:
@@ -167,15 +180,19 @@ def format_report(s: dict[str, Any]) -> str:
                      + (f"  (eval {_f(s.get('eval_loss'))})" if s.get("eval_loss") is not None else ""))
         mfu = s.get("mfu")
         lines.append(f"speed     {_f(s.get('tokens_per_s'), '.0f')} tokens/s (median, steady state), "
-                     f"step {_f(s.get('step_ms'), '.1f')} ms, MFU {f'{mfu:.1%}' if mfu is not None else 'n/a'}, "
+                     f"step {_f(s.get('step_ms'), '.1f')} ms, MFU {fmt_mfu(mfu, bool(s.get('mfu_is_estimate')))}, "
                      f"peak memory {s.get('peak_mem_bytes', 0) / 2**30:.2f} GiB")
+        if s.get("peak_flops"):
+            lines.append(f"mfu peak  {s['peak_flops'] / 1e9:,.1f} GFLOP/s per process"
+                         + (f" ({s['peak_source']})" if s.get("peak_source") else ""))
         if s.get("phases_ms"):
             total = sum(s["phases_ms"].values()) or 1
             lines.append("phases    " + "  ".join(f"{k} {v:.1f} ms ({v / total:.0%})" for k, v in s["phases_ms"].items()))
     if s.get("energy_j") is not None:
-        lines.append(f"energy    {s['energy_j'] / 3600:.2f} Wh, {s.get('energy_j_per_token', 0) * 1e3:.3f} mJ/token")
+        lines.append(f"energy    {s['energy_j'] / 3600:.2f} Wh, {s.get('energy_j_per_token', 0) * 1e3:.3f} mJ/token"
+                     f" ({s.get('energy_source', 'measured')})")
     else:
-        lines.append("energy    n/a (no energy counter or power readings on this device)")
+        lines.append(f"energy    n/a ({s.get('energy_unavailable') or 'no energy reading'})")
     lines.append(f"checkpts  {len(s['checkpoints'])}" + (f", last {s['checkpoints'][-1]['path']}"
                                                        if s["checkpoints"] else ""))
     if s["errors"]:

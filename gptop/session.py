@@ -5,28 +5,35 @@ Views subscribe to it and render; they call the Commands methods (stop,
 checkpoint, profile, toggle_tuning, restart) and never decide anything
 themselves. Restart-on-failure, graceful stop, the exit code and the device
 telemetry file all live here, so `--no-ui` behaves exactly like the TUI.
+
+The tuning driver (gptop.tuning) plugs in through one public seam: a
+`Controller` in the session's one controller slot sees every event and every
+trainer exit, and publishes its own events and log lines through `publish`
+and `log`. `SessionBase` is what a session that watches a run
+(gptop.monitor.MonitorSession) shares with it: the state, the views, the
+status, the exit code and the `--no-ui` loop.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import threading
-import time
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 from trainer.contract import events as ev
 from trainer.contract.config import TrainConfig, cli_args
 from trainer.contract.rundir import RunDir, has_checkpoint
 from trainer.contract.runlock import RunLock
 
+from .commands import StopSignals
 from .state import RunState
 from .supervisor import Supervisor, torchrun_failures, trainer_argv
 
 EXIT_DONE, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+DEFAULT_T_BUDGET_S = 600.0                 # the `t` key in a plain `gptop train`
 # Failures a restart from the last checkpoint cannot cure: restarting would only loop (a full disk).
 NO_RESTART_KINDS = ("disk",)
 
@@ -37,40 +44,159 @@ class View(Protocol):
     def on_status(self, status: str, message: str | None) -> None: ...
 
 
+class Controller(Protocol):
+    """What sits in a Session's controller slot (the tuning driver): it sees every event and, while it is
+    there, owns every trainer exit."""
+
+    def on_event(self, event: ev.Event) -> None: ...
+
+    def on_trainer_exit(self, code: int) -> bool:
+        """True if the controller handled the exit; False hands it to the session (`Session.handle_exit`)."""
+
+    def stop_tuning(self) -> None:
+        """The user asked to stop tuning (the `t` key): decide on what was measured and train on."""
+
+
+@dataclasses.dataclass
+class TuningOptions:
+    """How a tuning started in this session runs (`gptop tune`, `--tune`, the `t` key)."""
+
+    budget_s: float = DEFAULT_T_BUDGET_S
+    space_spec: str | None = None      # --tune-space
+    storage: str | None = None         # --storage: the Optuna storage URL
+    tune_only: bool = False            # --tune-only: stop after writing best.toml
+
+
 @dataclasses.dataclass
 class SessionOptions:
     interval: float = 0.5              # device sampling period (s)
     restart_on_failure: int = 0        # automatic restarts from the last checkpoint
     tensorboard: bool = False
-    extra_argv: list[str] = dataclasses.field(default_factory=list)   # e.g. torchrun launcher prefix
-    launcher: Callable[[list[str]], list[str]] | None = None           # argv builder (torchrun for --nproc)
+    launcher: Callable[[list[str]], list[str]] | None = None   # argv builder (torchrun for --nproc)
+    tuning: TuningOptions | None = None   # what the `t` key starts (None: `t` is not offered)
     run_lock: RunLock | None = None    # the run directory's lock, held by the caller for the session's life
 
 
-class Session:
-    def __init__(self, cfg: TrainConfig, options: SessionOptions | None = None, *, sampler=None):
+class SessionBase:
+    """The state, views, status and exit code of a session, and its `--no-ui` loop.
+
+    Subclasses start and stop what they run or watch and feed events to `_dispatch`; everything a view
+    sees goes through here, under one lock."""
+
+    can_start_tuning = False
+
+    def __init__(self, run_dir: Path | None, sampler: Any = None):
+        self.run_dir = run_dir
+        self.state = RunState(run_dir=str(run_dir) if run_dir is not None else None)
+        self.views: list[View] = []
+        self.sampler = sampler
+        self._lock = threading.RLock()
+        self._finished = threading.Event()
+        self._exit_code: int | None = None
+
+    # Commands (gptop.commands): what a session cannot do is a no-op
+    def start(self, resume: str | None = None) -> None:
+        raise NotImplementedError
+
+    def stop(self, force: bool = False) -> None:
+        raise NotImplementedError
+
+    def checkpoint(self) -> None:
+        pass
+
+    def profile(self, steps: int = 3) -> None:
+        pass
+
+    def toggle_tuning(self) -> None:
+        pass
+
+    def restart(self) -> None:
+        pass
+
+    def add_view(self, view: View) -> None:
+        self.views.append(view)
+
+    def _dispatch(self, event: ev.Event) -> None:
+        """Apply one event to the state, then show it in every view."""
+        with self._lock:
+            self.state.apply(event)
+        for view in self.views:
+            view.on_event(event)
+
+    def _on_log(self, line: str, stream: str) -> None:
+        with self._lock:
+            self.state.add_log(line, stream)
+        for view in self.views:
+            view.on_log(line, stream)
+
+    def _on_malformed(self, line: bytes, why: str) -> None:
+        with self._lock:
+            self.state.count_malformed(line.decode("utf-8", "replace"))
+
+    def _set_status(self, status: str, message: str | None = None) -> None:
+        with self._lock:
+            self.state.set_status(status, message)
+        for view in self.views:
+            view.on_status(status, message)
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        self._finished.wait(timeout)
+        return self._exit_code
+
+    @property
+    def finished(self) -> bool:
+        return self._finished.is_set()
+
+    def _finish(self, code: int) -> None:
+        self._exit_code = code
+        self._finished.set()
+
+    def close(self) -> None:
+        if self.sampler is not None:
+            self.sampler.stop()
+
+    def headless_over(self, timeout: float) -> bool:
+        """Whether a `--no-ui` run of this session is over; waits up to `timeout` seconds."""
+        return self.wait(timeout) is not None
+
+    def run_headless(self, view: View, resume: str | None = None,
+                     signals: StopSignals | None = None) -> int | None:
+        """Run without the UI until the session is over, and return its exit code. Ctrl-C, SIGTERM or SIGHUP
+        is a graceful stop, a second one a forced stop (as `q` twice in the TUI); `signals` installed earlier
+        by the caller carries a stop asked for before the session ran (then nothing is started)."""
+        self.add_view(view)
+        signals = signals or StopSignals()
+        signals.install()
+        try:
+            signals.attach(lambda force: self.stop(force=force))
+            if not self.finished:
+                self.start(resume=resume)
+            while not self.headless_over(0.2):
+                pass
+            return self.wait(0)
+        finally:
+            self.close()
+            view.close()
+            signals.restore()
+
+
+class Session(SessionBase):
+    def __init__(self, cfg: TrainConfig, options: SessionOptions | None = None, *, sampler: Any = None):
+        super().__init__(Path(cfg.run.run_dir), sampler)
         self.cfg = cfg
         self.options = options or SessionOptions()
-        self.run_dir = Path(cfg.run.run_dir)
         lock = self.options.run_lock
         self.layout = RunDir(self.run_dir, lock.node if lock is not None else None)   # this node's files
-        self.state = RunState(run_dir=str(self.run_dir))
-        self.views: list[View] = []
         self.supervisor: Supervisor | None = None
         self.restarts_left = self.options.restart_on_failure
         self.interrupted = False
         self.stopping = False
-        self._finished = threading.Event()
-        self._lock = threading.RLock()
-        self._exit_code: int | None = None
-        self._device_file = None
-        self._tb = None
-        self.sampler = sampler
         self.spawns = 0
         self.rank_errors: dict[int, ev.ErrorEvent] = {}           # this spawn's first error event per rank
-        self.hooks: list[Callable[[ev.Event], None]] = []         # e.g. the tuner driver
-        self.on_trainer_exit: Callable[[int], bool] | None = None  # returns True if it handled the exit
-        self.tuning_toggler: Callable[[], None] | None = None     # `t`: gptop.tuning.install_toggler sets it
+        self.hello: ev.HelloEvent | None = None                    # this spawn's rank-0 hello, once it came
+        self._device_file = None
+        self._tb = None
+        self._controller: Controller | None = None
 
     # ------------------------------------------------------------- lifecycle
     def start(self, resume: str | None = None) -> None:
@@ -89,8 +215,11 @@ class Session:
         self.spawn(resume=resume)
 
     def spawn(self, cfg: TrainConfig | None = None, resume: str | None = None) -> None:
-        """Start (or restart) the trainer process with `cfg` (default: the session's)."""
+        """Start (or restart) the trainer process with `cfg` (default: the session's). A session that is over
+        (stopped before its trainer started, say) starts nothing."""
         with self._lock:
+            if self.finished:
+                return
             if cfg is not None:
                 self.cfg = cfg
             run_cfg = dataclasses.replace(self.cfg)
@@ -102,6 +231,7 @@ class Session:
                              env=None if lock is None else {**os.environ, **lock.env()},
                              pass_fds=lock.fds if lock is not None else (), node=self.layout.node)
             self.rank_errors = {}
+            self.hello = None
             run_cfg.run = dataclasses.replace(self.cfg.run, run_dir=str(self.run_dir), channel=sup.channel_uri)
             if cfg is None and self.spawns > 0:
                 run_cfg.run.fault = None     # a restart after a failure does not re-inject a test fault
@@ -117,20 +247,20 @@ class Session:
         sup = self.supervisor
         return sup.pids() if sup else []
 
-    def wait(self, timeout: float | None = None) -> int | None:
-        self._finished.wait(timeout)
-        return self._exit_code
+    def energy_between(self, t0: float, t1: float) -> float | None:
+        """Joules the run's devices used in [t0, t1] (unix time), from the sampler's history through the
+        one energy computation (gptop.energy); None without a reading. The tuner measures trials with it."""
+        if self.sampler is None:
+            return None
+        from .energy import energy_between
 
-    @property
-    def finished(self) -> bool:
-        return self._finished.is_set()
+        return energy_between(self.sampler.history(), t0, t1)
 
     def close(self) -> None:
         """Stop everything; never leaves a trainer process behind."""
         if self.supervisor is not None:
             self.supervisor.close()
-        if self.sampler is not None:
-            self.sampler.stop()
+        super().close()
         if self._device_file:
             with contextlib.suppress(OSError):      # a full disk fails the last flush too
                 self._device_file.close()
@@ -146,6 +276,8 @@ class Session:
         sup = self.supervisor
         self.interrupted = self.interrupted or interrupted
         if sup is None or not sup.alive():
+            if self._exit_code is None and self.interrupted:
+                self._set_status("stopped")
             self._finish(EXIT_INTERRUPTED if self._exit_code is None else self._exit_code)
             return
         if force or self.stopping:
@@ -165,15 +297,36 @@ class Session:
             self.supervisor.send({"cmd": "profile", "steps": steps})
 
     @property
-    def can_start_tuning(self) -> bool:
-        return self.tuning_toggler is not None
+    def can_start_tuning(self) -> bool:   # type: ignore[override]
+        return self.options.tuning is not None or self._controller is not None
 
     def toggle_tuning(self) -> None:
-        toggler = self.tuning_toggler
-        if toggler is not None:
-            toggler()
-        else:
-            self._broadcast_log("tuning is not available in this session (start with gptop tune or --tune)")
+        """The `t` key: stop the tuning that runs, or start one on the running trainer."""
+        if self._controller is not None:
+            self.stop_tuning()
+            return
+        if self.options.tuning is None:
+            self.log("tuning is not available in this session (start with gptop tune or --tune)")
+            return
+        sup = self.supervisor
+        if self.hello is None or sup is None or not sup.alive():
+            self.log("tuning starts once the trainer runs")
+            raise RuntimeError("the trainer is not running")
+        self.start_tuning(self.options.tuning)
+
+    def start_tuning(self, options: TuningOptions) -> Controller:
+        """Put a tuning driver in the controller slot: before `start` (the first process is its baseline)
+        or on the running trainer (from its hello)."""
+        from .tuning import TuningDriver
+
+        return TuningDriver(self, options.budget_s, space_spec=options.space_spec, storage=options.storage,
+                            tune_only=options.tune_only, hello=self.hello).attach()
+
+    def stop_tuning(self) -> None:
+        """Stop the tuning that runs, if one does: it decides on what it measured and training goes on."""
+        controller = self._controller
+        if controller is not None:
+            controller.stop_tuning()
 
     def restart(self) -> None:
         """Restart from the newest valid checkpoint after a failure."""
@@ -183,27 +336,49 @@ class Session:
         self._exit_code = None
         self.spawn(resume=str(self.run_dir) if has_checkpoint(self.run_dir) else None)
 
-    # --------------------------------------------------------------- plumbing
-    def add_view(self, view: View) -> None:
-        self.views.append(view)
+    # ------------------------------------------------------ controller seam
+    @property
+    def controller(self) -> Controller | None:
+        """The controller in the slot (the tuning driver while it tunes), or None."""
+        return self._controller
 
-    def _emit(self, event: ev.Event) -> None:
-        """Apply one event to the state, then the views and hooks (also used for gptop's own events)."""
+    def set_controller(self, controller: Controller | None) -> None:
+        """Fill the one controller slot (None empties it). A second controller is refused: two tunings
+        would both claim every trainer exit."""
         with self._lock:
-            self.state.apply(event)
-        for view in self.views:
-            view.on_event(event)
+            if controller is not None and self._controller not in (None, controller):
+                raise RuntimeError("a controller is already attached to this session")
+            self._controller = controller
+
+    def publish(self, event: ev.Event) -> None:
+        """One of gptop's own events (a trial, a decision, a log event): shown like the trainer's, and
+        appended to the run's events.jsonl so that a replay or `gptop report` sees it."""
+        self._dispatch(event)
+        with open(self.run_dir / "events.jsonl", "a") as f:   # one small O_APPEND write per line: no
+            f.write(ev.dumps(event) + "\n")                    # tearing with the trainer's own lines
+
+    def log(self, message: str) -> None:
+        """A line of gptop's own in the log panel (not kept in events.jsonl: see `publish` for that)."""
+        self._on_log(f"[gptop] {message}", "gptop")
+
+    # --------------------------------------------------------------- plumbing
+    def _dispatch(self, event: ev.Event) -> None:
+        """Apply one event to the state, then the views, TensorBoard and the controller."""
+        super()._dispatch(event)
         if self._tb is not None:
             self._tb.on_event(event)
-        for hook in self.hooks:
-            hook(event)
+        controller = self._controller
+        if controller is not None:
+            controller.on_event(event)
 
     def _on_event(self, event: ev.Event) -> None:
         if isinstance(event, (ev.StepEvent, ev.HelloEvent)) and self.state.status in ("starting", "restarting"):
             self._set_status("running")
         if isinstance(event, ev.ErrorEvent):
             self.rank_errors.setdefault(event.rank, event)
-        self._emit(event)
+        if isinstance(event, ev.HelloEvent) and event.rank == 0:
+            self.hello = event
+        self._dispatch(event)
 
     def _on_device_sample(self, sample: ev.DeviceEvent) -> None:
         if self._device_file:
@@ -215,41 +390,30 @@ class Session:
                 f, self._device_file = self._device_file, None
                 with contextlib.suppress(OSError):
                     f.close()
-                self._broadcast_log(f"device samples are no longer written to {self.layout.device}: {e}")
-        self._emit(sample)
-
-    def _on_log(self, line: str, stream: str) -> None:
-        with self._lock:
-            self.state.add_log(line, stream)
-        for view in self.views:
-            view.on_log(line, stream)
+                self.log(f"device samples are no longer written to {self.layout.device}: {e}")
+        self._dispatch(sample)
 
     def _on_malformed(self, line: bytes, why: str) -> None:
-        with self._lock:
-            self.state.count_malformed(line.decode("utf-8", "replace"))
-        self._on_log(f"[gptop] malformed event ignored ({why}): {line[:200]!r}", "gptop")
-
-    def _broadcast_log(self, message: str) -> None:
-        self._on_log(f"[gptop] {message}", "gptop")
-
-    def _set_status(self, status: str, message: str | None = None) -> None:
-        with self._lock:
-            self.state.set_status(status, message)
-        for view in self.views:
-            view.on_status(status, message)
+        super()._on_malformed(line, why)
+        self.log(f"malformed event ignored ({why}): {line[:200]!r}")
 
     def _on_exit(self, code: int) -> None:
-        if self.on_trainer_exit is not None and self.on_trainer_exit(code):
+        controller = self._controller
+        if controller is not None and controller.on_trainer_exit(code):
+            return
+        self.handle_exit(code)
+
+    def handle_exit(self, code: int) -> None:
+        """The session's own handling of a trainer exit: done, stopped, restarted or failed. A controller
+        hands an exit here when it does not handle it itself."""
+        if self.interrupted:
+            self._stopped(code)
             return
         if code == 0:
-            self._set_status("done", "stopped" if self.interrupted else None)
-            self._finish(EXIT_INTERRUPTED if self.interrupted else EXIT_DONE)
+            self._set_status("done")
+            self._finish(EXIT_DONE)
             return
         summary = self.failure_summary(code)
-        if self.interrupted:
-            self._set_status("failed", f"stopped: {summary}")
-            self._finish(EXIT_INTERRUPTED)
-            return
         curable = not any(e.kind in NO_RESTART_KINDS for e in self.rank_errors.values())
         if self.restarts_left > 0 and curable:
             self.restarts_left -= 1
@@ -260,12 +424,26 @@ class Session:
         self._set_status("failed", summary)
         self._finish(EXIT_FAILED)
 
+    def _stopped(self, code: int) -> None:
+        """The user asked for the stop (q, Ctrl-C, SIGTERM to gptop): "stopped" and exit 130 at any moment,
+        also while the trainer was still starting and died of the signal. Only an error the trainer itself
+        reported (a checkpoint it could not write while stopping) is shown as a failure."""
+        if code != 0 and self.rank_errors:
+            self._set_status("failed", f"stopped: {self.failure_summary(code)}")
+        elif code == 0:
+            self._set_status("stopped")
+        else:
+            how = f"exit code {code}" if code >= 0 else f"signal {-code}"
+            when = "before its first step" if self.state.step is None else "before it checkpointed"
+            self._set_status("stopped", f"the trainer ended ({how}) {when}")
+        self._finish(EXIT_INTERRUPTED)
+
     def failure_summary(self, code: int) -> str:
         if self.options.launcher is not None:
             ranks = self.rank_failure()
             if ranks:
                 return ranks
-        err = self.state.last_error() if hasattr(self.state, "last_error") else None
+        err = self.state.last_error()
         how = f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
         if err:
             return f"trainer failed ({how}): {err.kind}: {err.message}"
@@ -318,8 +496,3 @@ class Session:
             return (f"rank {f['rank']} failed ({how(f['exitcode'])}): {f['traceback']}; "
                     f"see {self.layout.trainer_stderr}")
         return None
-
-    def _finish(self, code: int) -> None:
-        self._exit_code = code
-        self._finished.set()
-

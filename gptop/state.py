@@ -19,17 +19,23 @@ attributes at once can hold it too (it is re-entrant and only held briefly).
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from gptop.energy import Energy, unavailable_reason
+from gptop.energy import measure as energy_measure
+from trainer.contract.capabilities import native_bf16
 from trainer.contract.device import DeviceInfo
 from trainer.contract.events import (PHASES, ApplyEvent, CheckpointEvent, CpuReading, DeviceEvent, DoneEvent,
                                      ErrorEvent, EvalEvent, Event, GpuReading, HelloEvent, LogEvent, ModelInfo,
                                      StepEvent, TrialEvent, TunerEvent, UnknownEvent, WarningEvent)
 
-STATUSES = ("starting", "running", "checkpointing", "stopping", "done", "failed", "restarting", "replay", "monitor")
+STATUSES = ("starting", "running", "checkpointing", "stopping", "done", "stopped", "failed", "restarting", "replay",
+            "monitor")
+ENDED = ("done", "stopped", "failed")      # the run is over: elapsed time stops
 
 # Areas a view can watch separately (`RunState.versions[area]`).
 AREAS = ("run", "step", "device", "log", "tuner")
@@ -158,6 +164,7 @@ class RunState:
         self.series["eval_loss"] = Series(history)
         self.phases: dict[str, Series] = {p: Series(history) for p in PHASES}
         self._rate: deque[tuple[float, int, float]] = deque(maxlen=rate_window)   # (time, step, tokens)
+        self._pace = Pace()                                # seconds per step, for the ETA
         self.expert_load: list[list[float]] | None = None
         self.last_eval: EvalEvent | None = None
         self.done: DoneEvent | None = None
@@ -167,7 +174,7 @@ class RunState:
         self.device_latest: dict[str, GpuReading | CpuReading] = {}   # "gpu0" / "cpu" -> latest reading
         self.device_series: dict[tuple[str, str], Series] = {}
         self._device_history = device_history
-        self._energy: deque[tuple[float, float]] = deque(maxlen=device_history)   # (time, joules)
+        self._samples: deque[DeviceEvent] = deque(maxlen=device_history)   # for energy (gptop.energy)
 
         # logs and incidents
         self.logs: deque[tuple[str, str]] = deque(maxlen=log_lines)   # (stream, line)
@@ -227,7 +234,7 @@ class RunState:
         with self.lock:
             self.status = status
             self.status_message = message
-            if status in ("done", "failed"):
+            if status in ENDED:
                 if self.end_time is None:
                     self.end_time = self.now()
             else:
@@ -253,6 +260,7 @@ class RunState:
         self.end_time = None   # a new trainer process: the run goes on
         self._applied = {}
         self._rate.clear()   # a restart recompiles: the old step rate says nothing about the new process
+        self._pace.clear()
         self._bump("run", "step")
 
     def _on_step(self, e: StepEvent) -> None:
@@ -266,6 +274,9 @@ class RunState:
         step = e.step
         if self.last_step is not None and step < self.last_step.step:
             self._rate.clear()   # rolled back to a checkpoint
+            self._pace.clear()
+        if self._rate and step > self._rate[-1][1]:
+            self._pace.add(e.time - self._rate[-1][0], step - self._rate[-1][1])
         self.last_step = e
         self._rate.append((e.time, step, e.tokens))
         for name in STEP_SERIES:
@@ -325,11 +336,7 @@ class RunState:
                     if s is None:
                         s = self.device_series[(key, m)] = Series(self._device_history)
                     s.append(t, v)
-        # Energy of what does the work: the GPUs when there are any, else the CPU package.
-        sources: list[GpuReading | CpuReading] = list(e.devices) if e.devices else ([e.cpu] if e.cpu else [])
-        vals = [d.energy_j for d in sources]
-        if vals and all(v is not None for v in vals):
-            self._energy.append((t, sum(vals)))  # type: ignore[arg-type]
+        self._samples.append(e)
         self._bump("device")
 
     def _on_trial(self, e: TrialEvent) -> None:
@@ -377,6 +384,11 @@ class RunState:
         return self.last_time
 
     @property
+    def mfu_is_estimate(self) -> bool:
+        """MFU rests on a measured peak (see HelloEvent.mfu_is_estimate)."""
+        return self.hello.mfu_is_estimate if self.hello else False
+
+    @property
     def total_steps(self) -> int | None:
         return self.hello.max_steps if self.hello else None
 
@@ -421,25 +433,43 @@ class RunState:
         return max(0.0, now - self.start_time)
 
     def steps_per_s(self) -> float | None:
-        """Optimizer steps per second over the recent step events of this process."""
+        """Optimizer steps per second at the recent pace (the EWMA of the step events' intervals)."""
         with self.lock:
-            if len(self._rate) < 2:
-                return None
-            (t0, s0, _), (t1, s1, _) = self._rate[0], self._rate[-1]
-        if t1 <= t0 or s1 <= s0:
+            pace = self._pace.mean
+        return None if pace is None else 1.0 / pace
+
+    def eta_range(self) -> tuple[float, float] | None:
+        """(soonest, latest) seconds to `total_steps`: equal when the recent step rate is steady, a range
+        when it is not (the pace's spread, bounded by the fastest and slowest recent interval). None when
+        unknown. 0 only when no step remains, never while one does: an interval that takes longer than
+        the pace allows slows the pace down to what it has already taken, and at least a second is left."""
+        with self.lock:
+            pace, band = self._pace.mean, self._pace.band()
+            parts = self._eta_parts()
+        if pace is None or parts is None:
             return None
-        return (s1 - s0) / (t1 - t0)
+        lo, hi = band if band is not None else (pace, pace)
+        return _eta_at(lo, *parts), _eta_at(hi, *parts)
 
     def eta(self) -> float | None:
-        """Seconds to `total_steps` at the recent step rate, less the time since the last step event."""
-        rate, total, step = self.steps_per_s(), self.total_steps, self.step
-        if rate is None or total is None or step is None:
+        """Seconds to `total_steps` at the recent pace (an EWMA of seconds per step), within `eta_range`."""
+        with self.lock:
+            pace, band = self._pace.mean, self._pace.band()
+            parts = self._eta_parts()
+        if pace is None or parts is None:
             return None
-        left = max(0, total - step) / rate
+        if band is not None:
+            pace = min(max(pace, band[0]), band[1])
+        return _eta_at(pace, *parts)
+
+    def _eta_parts(self) -> tuple[int, float, int] | None:
+        """(steps left, seconds since the last step event, steps per step event)."""
+        total, step = self.total_steps, self.step
+        if total is None or step is None or not self._rate:
+            return None
         now = self.now()
-        if now is not None and self._rate:
-            left -= max(0.0, now - self._rate[-1][0])
-        return max(0.0, left)
+        since = max(0.0, now - self._rate[-1][0]) if now is not None else 0.0
+        return max(0, total - step), since, self._pace.last_steps
 
     def progress(self) -> float | None:
         """Share of the run done, 0..1."""
@@ -569,9 +599,7 @@ class RunState:
             if t.get("compile", "off") == "off":
                 tips.append("--compile default")
             prec = t.get("precision", "fp32")
-            # native bf16 only: CUDA 8.0+, or a CPU whose oneDNN has bf16 kernels (trainer.contract.capabilities.slow)
-            bf16_ok = dev.at_least(8, 0) if cuda else (dev is None or dev.cpu_bf16)
-            if prec in ("fp32", "tf32") and bf16_ok:
+            if prec in ("fp32", "tf32") and native_bf16(dev):
                 tips.append("--precision bf16")
             if not tips:
                 return f"compute-bound: forward+backward are {compute:.0f}% of the step"
@@ -617,31 +645,44 @@ class RunState:
             return []
         return list(load[max(0, min(layer, len(load) - 1))])
 
-    def joules_per_token(self) -> float | None:
-        """Energy per token over the recent step events: from cumulative energy counters when the
-        device reports them, else mean power / tokens per second."""
+    def energy(self) -> tuple[Energy | None, int]:
+        """(energy over the recent step events, tokens trained in that window), from gptop.energy (the one
+        computation: hardware counters, else integrated power) over the span the device samples cover."""
         with self.lock:
             rate = list(self._rate)
-            energy = list(self._energy)
-            power_vals = []
-            for key, d in self.device_latest.items():
-                if (key != "cpu") == any(k != "cpu" for k in self.device_latest):
-                    p = d.power_w
-                    if p is not None:
-                        power_vals.append(p)
-        if len(rate) >= 2 and len(energy) >= 2:
-            # over the span both series cover: energy used / tokens trained
-            t0, t1 = max(rate[0][0], energy[0][0]), min(rate[-1][0], energy[-1][0])
-            tokens = [(t, k) for t, _, k in rate]
-            if t1 > t0:
-                e0, e1 = _interp(energy, t0), _interp(energy, t1)
-                k0, k1 = _interp(tokens, t0), _interp(tokens, t1)
-                if None not in (e0, e1, k0, k1) and k1 > k0 and e1 >= e0:  # type: ignore[operator]
-                    return (e1 - e0) / (k1 - k0)  # type: ignore[operator]
-        tps = self.last_step.tokens_per_s if self.last_step else None
-        if power_vals and tps:
-            return sum(power_vals) / tps
-        return None
+            samples = [x for x in self._samples if not rate or x.time >= rate[0][0] - 10.0]
+        if len(rate) < 2 or len(samples) < 2:
+            return None, 0
+        t0, t1 = max(rate[0][0], samples[0].time), min(rate[-1][0], samples[-1].time)
+        if t1 <= t0:
+            return None, 0
+        tokens = [(t, k) for t, _, k in rate]
+        k0, k1 = _interp(tokens, t0), _interp(tokens, t1)
+        if k0 is None or k1 is None or k1 <= k0:
+            return None, 0
+        return energy_measure(samples, t0, t1), int(k1 - k0)
+
+    def gpu_verdicts(self) -> dict[str, str]:
+        """GPU key ("gpu0") -> why it is busy but slow (gpu_verdict), for the GPUs where it is."""
+        with self.lock:
+            latest = dict(self.device_latest)
+        return {k: v for k, d in latest.items() if isinstance(d, GpuReading) and (v := gpu_verdict(d))}
+
+    def joules_per_token(self) -> float | None:
+        """Energy per token over the recent step events; None without a reading (see `energy_reason`)."""
+        e, tokens = self.energy()
+        return None if e is None else e.per_token(tokens)
+
+    def energy_reason(self) -> str | None:
+        """Why there is no energy per token, in words; None when there is one."""
+        if self.joules_per_token() is not None:
+            return None
+        with self.lock:
+            samples = list(self._samples)[-20:]
+            steps = len(self._rate)
+        if steps < 2:
+            return "not enough step events yet"
+        return unavailable_reason(samples)
 
 
 def _interp(points: list[tuple[float, float]], t: float) -> float | None:
@@ -652,6 +693,96 @@ def _interp(points: list[tuple[float, float]], t: float) -> float | None:
         if ta <= t <= tb:
             return va if tb == ta else va + (vb - va) * (t - ta) / (tb - ta)
     return points[-1][1]
+
+
+ETA_FLOOR_S = 1.0   # the least ETA shown while a step remains: "0:00" means done
+
+
+def _eta_at(sec_per_step: float, left: int, since: float, per_event: int) -> float:
+    """Seconds to go with `left` steps at `sec_per_step`, `since` seconds into the next step event's
+    interval (of `per_event` steps): an interval overdue at that pace is at least as slow as it has been."""
+    if left == 0:
+        return 0.0
+    sec_per_step = max(sec_per_step, since / max(1, min(per_event, left)))
+    return max(ETA_FLOOR_S, left * sec_per_step - since)
+
+
+class Pace:
+    """Seconds per step as an exponentially weighted moving average over step events, with its spread.
+
+    Why an EWMA of the intervals and not the rate over a fixed window: after a tenfold slowdown a window
+    average stays fast for as long as the window, and the ETA reads several times too low; the EWMA
+    follows within a few events. The spread (an exponentially weighted variance) says when the rate is
+    unstable, and then the ETA is a range."""
+
+    ALPHA = 0.3          # weight of the newest interval
+    UNSTABLE = 0.15      # relative standard deviation above which the ETA is a range
+    RECENT = 8           # intervals that bound the range
+
+    def __init__(self) -> None:
+        self.mean: float | None = None
+        self.var = 0.0
+        self.recent: deque[float] = deque(maxlen=self.RECENT)
+        self.last_steps = 1
+
+    def add(self, seconds: float, steps: int) -> None:
+        """One step event's interval: `steps` steps took `seconds`."""
+        if seconds <= 0 or steps <= 0:
+            return
+        x = seconds / steps
+        if self.mean is None:
+            self.mean = x
+        else:
+            d = x - self.mean
+            self.mean += self.ALPHA * d
+            self.var = (1 - self.ALPHA) * (self.var + self.ALPHA * d * d)
+        self.recent.append(x)
+        self.last_steps = steps
+
+    def band(self) -> tuple[float, float] | None:
+        """(fast, slow) seconds per step when the pace is unstable, else None."""
+        if self.mean is None or len(self.recent) < 2:
+            return None
+        sd = math.sqrt(self.var)
+        if sd <= self.UNSTABLE * self.mean:
+            return None
+        lo = max(min(self.recent), self.mean - 2 * sd)
+        hi = min(max(self.recent), self.mean + 2 * sd)
+        return (lo, hi) if hi > lo else None
+
+    def clear(self) -> None:
+        self.__init__()
+
+
+BUSY_UTIL_PCT = 50.0          # "utilization" at or above this is a busy GPU, whose speed the verdict judges
+LOW_SM_SHARE = 0.5            # SM activity below this share of utilization: kernels keep few SMs busy
+LOW_CLOCK_SHARE = 0.7         # SM clock below this share of its maximum, with no reason given: slow
+SLOWING_REASONS = {"power cap": "power-capped", "power brake": "power-braked (external signal)",
+                   "hw slowdown": "slowed by the hardware (HW slowdown)", "sw thermal": "thermally throttled",
+                   "hw thermal": "thermally throttled (HW)"}
+
+
+def gpu_verdict(d: GpuReading) -> str | None:
+    """A line when the GPU is busy but slow: clocks held down (and why), or SM activity far below
+    "utilization" (which counts any kernel running, however few SMs it keeps busy). None when it is not
+    busy, or works as hard as it can tell."""
+    util = d.util_pct
+    if util is None or util < BUSY_UTIL_PCT:
+        return None
+    clock = ""
+    if d.sm_clock_mhz is not None and d.sm_clock_max_mhz:
+        clock = f" (SM clock {d.sm_clock_mhz:.0f} of {d.sm_clock_max_mhz:.0f} MHz)"
+    slowing = [SLOWING_REASONS[r] for r in (d.clock_reasons or []) if r in SLOWING_REASONS]
+    if slowing:
+        return f"busy but {' and '.join(dict.fromkeys(slowing))}{clock}"
+    sm = d.sm_active_pct
+    if sm is not None and sm < LOW_SM_SHARE * util:
+        tensor = f", tensor pipes {d.tensor_active_pct:.0f}%" if d.tensor_active_pct is not None else ""
+        return (f"util {util:.0f}% but SMs only {sm:.0f}% active{tensor}: small or serialized kernels "
+                f"(try --compile or a larger micro-batch)")
+    if d.sm_clock_mhz is not None and d.sm_clock_max_mhz and d.sm_clock_mhz < LOW_CLOCK_SHARE * d.sm_clock_max_mhz:
+        return f"busy but slow clocks{clock}"
+    return None
 
 
 # --- formatting shared by both views ------------------------------------------
@@ -697,6 +828,32 @@ def fmt_duration(s: float | None) -> str:
     return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
 
 
+def fmt_mfu(mfu: float | None, estimate: bool = False) -> str:
+    """'31.2%', or '~31%' when the peak under it was measured (a CPU) rather than a datasheet's."""
+    if mfu is None:
+        return "n/a"
+    return f"~{mfu * 100:.0f}%" if estimate else f"{mfu * 100:.1f}%"
+
+
+def fmt_peak(hello: HelloEvent | None) -> str | None:
+    """'MFU peak 96.4 GFLOP/s per process (measured: ...)' from a hello event; None without a peak."""
+    if hello is None or hello.peak_flops is None:
+        return None
+    v = hello.peak_flops
+    value = f"{v / 1e12:,.1f} TFLOP/s" if v >= 1e12 else f"{v / 1e9:,.1f} GFLOP/s"
+    return f"MFU peak {value} per process" + (
+        f" ({hello.peak_source})" if hello.peak_source else "")
+
+
+def fmt_eta(state: "RunState") -> str:
+    """'4:10', or '3:50-6:20' while the step rate is unstable; 'n/a' when unknown."""
+    r = state.eta_range()
+    if r is None:
+        return "n/a"
+    lo, hi = fmt_duration(r[0]), fmt_duration(r[1])
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
 def fmt_toggles(toggles: dict[str, Any] | None) -> str:
     """{'compile': 'default', 'fused_adamw': True} -> 'compile=default fused_adamw=on'."""
     if not toggles:
@@ -710,7 +867,7 @@ def fmt_toggles(toggles: dict[str, Any] | None) -> str:
 
 
 def model_summary(model: ModelInfo | None) -> str:
-    """'deepseek medium · 124.5M params (31.2M active)'."""
+    """'deepseek medium · 124.5M params (31.2M active)'; a LoRA run adds '· 1.2M trainable (0.98%)'."""
     if model is None:
         return ""
     name = " ".join(x for x in (model.family, model.size) if x)
@@ -720,4 +877,7 @@ def model_summary(model: ModelInfo | None) -> str:
         params = f"{fmt_num(total)} params"
         if active and active < total:
             params += f" ({fmt_num(active)} active)"
+        trainable = model.trainable_params
+        if trainable is not None and trainable < total:      # LoRA: only the adapters train
+            params += f" · {fmt_num(trainable)} trainable ({100 * trainable / total:.2g}%)"
     return " · ".join(x for x in (name, params) if x)

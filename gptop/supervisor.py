@@ -36,6 +36,8 @@ from typing import Any, Callable
 from trainer.contract import events as ev
 from trainer.contract.rundir import RunDir
 
+from .tail import FileTail, LineSplitter, feed_events
+
 EventCallback = Callable[[ev.Event], None]
 LogCallback = Callable[[str, str], None]
 
@@ -65,6 +67,8 @@ class Supervisor:
         self._server: socket.socket | None = None
         self._exited = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._log_offsets = {"stdout": 0, "stderr": 0}
+        self._stderr_start = 0
 
     @property
     def channel_uri(self) -> str:
@@ -162,7 +166,7 @@ class Supervisor:
                              daemon=True).start()
 
     def _read_loop(self, conn: socket.socket) -> None:
-        buf = b""
+        lines = LineSplitter()
         while True:
             try:
                 data = conn.recv(65536)
@@ -170,17 +174,7 @@ class Supervisor:
                 data = b""
             if not data:
                 break
-            buf += data
-            *lines, buf = buf.split(b"\n")
-            for line in lines:
-                if not line.strip():
-                    continue
-                try:
-                    event = ev.parse(line)
-                except ev.MalformedEvent as e:
-                    self.on_malformed(line, str(e))
-                    continue
-                self.on_event(event)
+            feed_events(lines.feed(data), self.on_event, self.on_malformed)
         with self._lock:
             if conn in self._conns:
                 self._conns.remove(conn)
@@ -207,25 +201,16 @@ class Supervisor:
 
     # ------------------------------------------------------------------ logs
     def _tail_loop(self) -> None:
-        files = {"stdout": self.layout.trainer_log, "stderr": self.layout.trainer_stderr}
-        partial = {s: b"" for s in files}
+        tails = {s: FileTail(p, self._log_offsets[s])
+                 for s, p in (("stdout", self.layout.trainer_log), ("stderr", self.layout.trainer_stderr))}
         while True:
             done = self._exited.is_set()
-            for stream, path in files.items():
-                try:
-                    with open(path, "rb") as f:
-                        f.seek(self._log_offsets[stream])
-                        data = f.read()
-                except OSError:
-                    continue
-                if not data:
-                    continue
-                self._log_offsets[stream] += len(data)
-                *lines, partial[stream] = (partial[stream] + data).split(b"\n")
-                for line in lines:
+            for stream, tail in tails.items():
+                for line in tail.read_lines():
                     self.on_log(line.decode("utf-8", "replace").rstrip("\r"), stream)
             if done:
-                for stream, rest in partial.items():
+                for stream, tail in tails.items():
+                    rest = tail.rest()
                     if rest:
                         self.on_log(rest.decode("utf-8", "replace"), stream)
                 return
@@ -301,7 +286,7 @@ class Supervisor:
         """What the trainer (or torchrun and its ranks) wrote to stderr since this start."""
         try:
             with open(self.layout.trainer_stderr, "rb") as f:
-                f.seek(getattr(self, "_stderr_start", 0))
+                f.seek(self._stderr_start)
                 data = f.read()
         except OSError:
             return ""

@@ -10,30 +10,24 @@ replay all see the same numbers.
 Values a device cannot give are `None` (rendered "n/a"), never 0, so an
 unsupported power sensor is not mistaken for an idle GPU.
 
-Energy: `energy_between(samples, t0, t1)` is the one place that turns samples
-into joules (energy per step / per token is computed from it). It prefers the
-hardware energy counters (NVML total energy, RAPL package energy) over
-integrating sampled power, because a counter sees every millisecond between
-samples and a 2 Hz power reading does not.
+Energy: the samples carry the readings (NVML's energy counter and power per
+GPU, RAPL's package counter for the CPU); gptop.energy is the one place that
+turns them into joules (`energy_between` is re-exported here for callers).
 """
 
 from __future__ import annotations
 
-import bisect
-import glob
 import logging
 import math
-import os
-import re
-import statistics
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Literal, Sequence
+from typing import Any, Callable, Iterable, Literal
 
 import psutil
 
+from gptop.energy import Rapl, energy_between  # noqa: F401  (re-exported)
 from gptop.nvml import Nvml
 from trainer.contract.device import cpu_name
 from trainer.contract.events import CpuReading, DeviceEvent, GpuReading, finite_or_none
@@ -141,78 +135,6 @@ class _ProcTracker:
             return None
 
 
-class Rapl:
-    """CPU package energy from Linux powercap (intel-rapl; AMD exposes the same files).
-
-    Counters are microjoules that wrap at max_energy_range_uj; we keep a
-    running total so callers see one monotonic counter. Since Linux 5.10
-    energy_uj is root-only (PLATYPUS), so None is the common answer.
-    """
-
-    def __init__(self, root: str = "/sys/class/powercap") -> None:
-        self.domains: list[tuple[str, int | None]] = []
-        for path in sorted(glob.glob(os.path.join(glob.escape(root), "intel-rapl:*"))):
-            if not re.fullmatch(r"intel-rapl:\d+", os.path.basename(path)):
-                continue  # subdomains (core, uncore, dram) are inside the package; psys would double count
-            name = _read(os.path.join(path, "name"))
-            if name is not None and not name.strip().startswith("package"):
-                continue
-            if _read_int(os.path.join(path, "energy_uj")) is None:
-                continue
-            self.domains.append((path, _read_int(os.path.join(path, "max_energy_range_uj"))))
-        self._last_raw: dict[str, int] = {}
-        self._total_uj = 0
-        self._last_total: int | None = None
-        self._last_time: float | None = None
-
-    @property
-    def available(self) -> bool:
-        return bool(self.domains)
-
-    def read(self, now: float) -> tuple[float | None, float | None]:
-        """(power W since the previous read, energy J since the first read); (None, None) when unreadable."""
-        if not self.domains:
-            return None, None
-        read_any = False
-        for path, max_range in self.domains:
-            raw = _read_int(os.path.join(path, "energy_uj"))
-            if raw is None:
-                continue  # a missed read is covered by the next one's delta
-            read_any = True
-            last = self._last_raw.get(path)
-            self._last_raw[path] = raw
-            if last is None:
-                continue
-            delta = raw - last
-            if delta < 0:
-                delta = delta + max_range if max_range else raw  # wrapped (or reset, if no range is known)
-            self._total_uj += delta
-        if not read_any:
-            return None, None
-        power = None
-        if self._last_time is not None and now > self._last_time and self._last_total is not None:
-            power = (self._total_uj - self._last_total) / 1e6 / (now - self._last_time)
-        self._last_total = self._total_uj
-        self._last_time = now
-        return power, self._total_uj / 1e6
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError):
-        return None
-
-
-def _read_int(path: str) -> int | None:
-    s = _read(path)
-    try:
-        return int(s.strip()) if s is not None else None
-    except ValueError:
-        return None
-
-
 # --------------------------------------------------------------------------- GPU side
 
 
@@ -228,6 +150,8 @@ def _sample_gpu(nv: Nvml, index: int, name: str, pids: set[int]) -> GpuReading:
     temp = nv.device_query_first(index, [("nvmlDeviceGetTemperatureV", (sensor,)),
                                          ("nvmlDeviceGetTemperature", (sensor,))])
     sm = q(index, "nvmlDeviceGetClockInfo", nv.constant("NVML_CLOCK_SM", 1))
+    sm_max = q(index, "nvmlDeviceGetMaxClockInfo", nv.constant("NVML_CLOCK_SM", 1))
+    gpm = nv.gpm(index) or {}
     proc_mem = None
     if pids:
         procs = nv.device_query_first(index, [("nvmlDeviceGetComputeRunningProcesses", ()),
@@ -248,6 +172,10 @@ def _sample_gpu(nv: Nvml, index: int, name: str, pids: set[int]) -> GpuReading:
         temp_c=finite_or_none(temp),
         sm_clock_mhz=finite_or_none(sm),
         proc_mem=proc_mem,
+        sm_clock_max_mhz=finite_or_none(sm_max),
+        clock_reasons=nv.clock_reasons(index),
+        sm_active_pct=finite_or_none(gpm.get("sm_active")),
+        tensor_active_pct=finite_or_none(gpm.get("tensor_active")),
     )
 
 
@@ -458,102 +386,3 @@ class DeviceSampler:
                     self._subscribers.remove(callback)
 
         return unsubscribe
-
-
-# --------------------------------------------------------------------------- energy
-
-
-def energy_between(
-    samples: Sequence[DeviceEvent],
-    t0: float,
-    t1: float,
-    *,
-    source: Literal["auto", "gpu", "cpu"] = "auto",
-    devices: Iterable[int] | None = None,
-) -> float | None:
-    """Joules used in [t0, t1], or None when the samples cannot say.
-
-    Per device, the energy counter is read as a piecewise-linear function of
-    time (interpolated between samples, extrapolated a little past the ends at
-    the nearest segment's rate), so windows need not line up with samples and
-    a missing sample only widens a segment. Without counters, sampled power is
-    integrated (trapezoids) instead. `source="auto"` sums the GPUs when the
-    samples have any (`devices` picks NVML indices), else the CPU package
-    (RAPL). If any chosen device has neither counter nor power in the window,
-    the answer is None: a partial sum would understate energy per token.
-    """
-    if t1 < t0:
-        raise ValueError(f"t1 ({t1}) < t0 ({t0})")
-    samples = sorted(samples, key=lambda s: s.time)
-    if not samples:
-        return None
-    use_gpu = source == "gpu" or (source == "auto" and any(s.devices for s in samples))
-    if use_gpu:
-        wanted = set(devices) if devices is not None else {g.index for s in samples for g in s.devices}
-        if not wanted:
-            return None
-        total = 0.0
-        for index in sorted(wanted):
-            series = [(s.time, g.energy_j, g.power_w) for s in samples for g in s.devices if g.index == index]
-            e = _series_energy(series, t0, t1)
-            if e is None:
-                return None
-            total += e
-        return total
-    return _series_energy([(s.time, s.cpu.energy_j, s.cpu.power_w) for s in samples if s.cpu is not None], t0, t1)
-
-
-def _series_energy(series: list[tuple[float, float | None, float | None]], t0: float, t1: float) -> float | None:
-    """Energy over [t0, t1] from (time, counter J, power W) points of one device."""
-    cum = _cumulative(series)
-    if cum is None or len(cum) < 2:
-        return None
-    times = [t for t, _ in cum]
-    gaps = [b - a for a, b in zip(times, times[1:]) if b > a]
-    slack = max(1.0, 2.0 * statistics.median(gaps)) if gaps else 1.0
-    if t0 < times[0] - slack or t1 > times[-1] + slack:
-        return None  # the window is outside what was sampled: don't invent it
-    return max(0.0, _at(cum, t1) - _at(cum, t0))
-
-
-def _cumulative(series: list[tuple[float, float | None, float | None]]) -> list[tuple[float, float]] | None:
-    """(time, joules since the first point), from counter differences where possible, else power."""
-    counters = [(t, e, p) for t, e, p in series if e is not None]
-    if len(counters) >= 2:
-        out = [(counters[0][0], 0.0)]
-        acc = 0.0
-        for (ta, ea, pa), (tb, eb, pb) in zip(counters, counters[1:]):
-            d = eb - ea
-            if d < 0:  # counter reset (driver reload, GPU reset): estimate the segment from power
-                d = _trapezoid(ta, pa, tb, pb) or 0.0
-            acc += d
-            out.append((tb, acc))
-        return out
-    powered = [(t, p) for t, _, p in series if p is not None]
-    if len(powered) >= 2:
-        out = [(powered[0][0], 0.0)]
-        acc = 0.0
-        for (ta, pa), (tb, pb) in zip(powered, powered[1:]):
-            acc += _trapezoid(ta, pa, tb, pb) or 0.0
-            out.append((tb, acc))
-        return out
-    return None
-
-
-def _trapezoid(ta: float, pa: float | None, tb: float, pb: float | None) -> float | None:
-    if pa is None and pb is None:
-        return None
-    pa = pb if pa is None else pa
-    pb = pa if pb is None else pb
-    return 0.5 * (pa + pb) * (tb - ta)
-
-
-def _at(cum: list[tuple[float, float]], t: float) -> float:
-    """The cumulative energy at time t: linear between points, the end segment's rate beyond them."""
-    times = [x for x, _ in cum]
-    i = bisect.bisect_right(times, t)
-    i = min(max(i, 1), len(cum) - 1)
-    (ta, ea), (tb, eb) = cum[i - 1], cum[i]
-    if tb == ta:
-        return eb
-    return ea + (eb - ea) * (t - ta) / (tb - ta)

@@ -13,7 +13,7 @@ from pathlib import Path
 from trainer.contract.events import DeviceEvent, EvalEvent, Event, StepEvent
 
 STEP_SCALARS = ("loss", "lr", "grad_norm", "step_ms", "tokens_per_s", "mfu", "mem_bytes")
-GPU_SCALARS = ("util_pct", "mem_used", "power_w", "temp_c", "sm_clock_mhz")
+GPU_SCALARS = ("util_pct", "mem_used", "power_w", "temp_c", "sm_clock_mhz", "sm_active_pct", "tensor_active_pct")
 CPU_SCALARS = ("util_pct", "mem_used", "proc_rss", "power_w")
 
 

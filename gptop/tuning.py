@@ -19,18 +19,18 @@ controller's actions into process restarts:
   that trains on after tuning runs with the user's own settings, so it is
   restarted when those differ.
 
-While attached, the driver owns every trainer exit (`Session.on_trainer_exit`):
-an expected exit (a restart) or a failed trial is handled here; the end of the
-run, an interrupt or a failure outside a trial is handed back to the session
-after the tuning report is written, so the exit code and status are the
-session's as always and no report is lost to a racing exit.
+The driver is the session's controller (`Session.set_controller`, the
+`gptop.session.Controller` protocol) while it tunes: it sees every event and
+owns every trainer exit. An expected exit (a restart) or a failed trial is
+handled here; the end of the run, an interrupt or a failure outside a trial is
+handed back to the session (`Session.handle_exit`) after the tuning report is
+written, so the exit code and status are the session's as always and no report
+is lost to a racing exit. The session starts a driver (`Session.start_tuning`)
+for `gptop tune`, `--tune` and the `t` key.
 
 Trial, apply, tuner and `log` events (the decision, said either way, and each
-rollback) are appended to the run's events.jsonl, so a replay or
-`gptop report` sees the tuning as it happened.
-
-`install_toggler(session)` makes the `t` key start tuning (default budget
-10 minutes) in any `gptop train` session, and stop it while it runs.
+rollback) go through `Session.publish`, which appends them to the run's
+events.jsonl, so a replay or `gptop report` sees the tuning as it happened.
 """
 
 from __future__ import annotations
@@ -41,16 +41,15 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from trainer.contract import events as ev
 from trainer.contract import rundir
-from trainer.contract.config import Toggles, TrainConfig
+from trainer.contract.config import AUTO, Toggles, TrainConfig
 
 STEADY = ("done", "prune", "budget", "timeout")
 TEST_FAULT_ENV = "GPTOP_TEST_TRIAL_FAULT"   # "N:KIND" or "N:KIND@K": KIND (nan, oom, crash, kill, compile) K steps
 DEFAULT_FAULT_OFFSET = 2                   # into this session's N-th trial (tests only; default K=2)
-DEFAULT_T_BUDGET_S = 600.0                 # the `t` key in a plain `gptop train`
 CPU_COMPILE_MIN_BUDGET_S = 600.0           # below this, a CPU run's tuning leaves compile alone by default
 
 
@@ -68,15 +67,13 @@ def parse_test_fault(spec: str) -> tuple[int, str, int] | None:
 
 class TuningDriver:
     def __init__(self, session, budget_s: float, space_spec: str | None = None, storage: str | None = None,
-                 tune_only: bool = False, trial_log_every: int = 1, hello: ev.HelloEvent | None = None,
-                 on_detach: Callable[["TuningDriver"], None] | None = None):
+                 tune_only: bool = False, trial_log_every: int = 1, hello: ev.HelloEvent | None = None):
         self.session = session
         self.budget_s = budget_s
         self.space_spec = space_spec
         self.storage = storage
         self.tune_only = tune_only
         self.trial_log_every = trial_log_every
-        self.on_detach = on_detach
         self.q: "queue.Queue[tuple[str, Any]]" = queue.Queue()
         self.ctl = None
         self.study = None
@@ -109,25 +106,22 @@ class TuningDriver:
         if not self._alive and self._hello is None:
             # not started yet (gptop tune): the first process is the baseline and logs every step
             s.cfg.log.log_every = min(s.cfg.log.log_every, self.trial_log_every)
-        self._prev_exit_handler = s.on_trainer_exit
-        self._prev_toggler = getattr(s, "tuning_toggler", None)
         with self._lock:
+            s.set_controller(self)
             self._attached = True
-            s.hooks.append(self._on_event)
-            s.on_trainer_exit = self._on_exit
-            s.tuning_toggler = self.stop_tuning
         self.thread = threading.Thread(target=self._run_safely, name="gptop-tuning", daemon=True)
         self.thread.start()
         return self
 
-    def _on_event(self, event: ev.Event) -> None:
+    def on_event(self, event: ev.Event) -> None:
+        """Every event the session sees: the ones a tuning decides on go to this driver's thread."""
         if isinstance(event, ev.CheckpointEvent) and event.rank == 0:
             self.last_ckpt = (event.step, event.path)
         if isinstance(event, (ev.HelloEvent, ev.StepEvent, ev.CheckpointEvent, ev.ErrorEvent, ev.DoneEvent)):
             self.q.put(("event", event))
 
-    def _on_exit(self, code: int) -> bool:
-        """The session's exit hook: while attached, every trainer exit is the driver's to handle."""
+    def on_trainer_exit(self, code: int) -> bool:
+        """While attached, every trainer exit is the driver's to handle (this thread decides what it means)."""
         with self._lock:
             if not self._attached:
                 return False
@@ -145,10 +139,7 @@ class TuningDriver:
             if not self._attached:
                 return
             self._attached = False
-            if self._on_event in s.hooks:
-                s.hooks.remove(self._on_event)
-            s.on_trainer_exit = self._prev_exit_handler
-            s.tuning_toggler = self._prev_toggler
+            s.set_controller(None)
             while True:                   # exits queued but not yet seen by this thread
                 try:
                     kind, payload = self.q.get_nowait()
@@ -159,9 +150,7 @@ class TuningDriver:
         sup = s.supervisor
         if not self._alive and not s.finished and not (sup is not None and sup.alive()):
             code = self._exit_code if self._exit_code is not None else 0
-            s._on_exit(code)
-        if self.on_detach is not None:
-            self.on_detach(self)
+            s.handle_exit(code)
 
     # ---------------------------------------------------------- main loop
     def _run_safely(self) -> None:
@@ -172,7 +161,7 @@ class TuningDriver:
 
             self.error = f"{type(e).__name__}: {e}"
             self._say(f"tuning stopped by an internal error: {self.error}")
-            self.session._broadcast_log(traceback.format_exc())
+            self.session.log(traceback.format_exc())
             try:
                 if not self._alive and not self.session.interrupted and not self._complete:
                     self._spawn(self._cfg_for(self.user_cfg.toggles, strict=False), self.last_ckpt)
@@ -181,19 +170,13 @@ class TuningDriver:
         finally:
             self.finished.set()
 
-    def _emit(self, event: ev.Event) -> None:
-        self.session._emit(event)
-        path = Path(self.session.run_dir) / "events.jsonl"
-        with open(path, "a") as f:          # one small O_APPEND write per line: no tearing with the trainer's
-            f.write(ev.dumps(event) + "\n")
-
     def _publish(self) -> None:
         for event in self.ctl.drain_events():
-            self._emit(event)
+            self.session.publish(event)
 
     def _say(self, message: str, **fields: Any) -> None:
         """A `log` event: the log panel in the TUI, a line in --no-ui, a JSON line with --json."""
-        self._emit(ev.LogEvent(message=f"tuner: {message}", source="tuner", **fields))
+        self.session.publish(ev.LogEvent(message=f"tuner: {message}", source="tuner", **fields))
 
     def _next(self, timeout: float = 0.2) -> tuple[str, Any] | None:
         """One queue item, with the bookkeeping every waiter needs (process alive, run complete, abort)."""
@@ -277,7 +260,8 @@ class TuningDriver:
                                         # in short ones more configurations measured once win
                                         reserve_trials=1 if self.budget_s >= 600 else 0,
                                         trial_timeout_s=2 * per_trial + 2 * restart_guess,
-                                        switch_reserve_s=restart_guess)
+                                        switch_reserve_s=restart_guess,
+                                        energy=self.session.energy_between)
         self._say(f"tuning for up to {self.budget_s:.0f} s over {', '.join(space.params) or 'nothing'} "
                   f"(study {self.study.name}){note}", study=self.study.name)
         trial_index = 0
@@ -287,7 +271,7 @@ class TuningDriver:
             action = ctl.next_action()
             self._publish()
             if isinstance(action, FindMicroBatch):
-                ctl.set_max_micro_batch(hello.micro_batch if base_mb == "auto" else None)
+                ctl.set_max_micro_batch(hello.micro_batch if base_mb == AUTO else None)
                 continue
             if isinstance(action, (RunTrial, Remeasure)):
                 fault = None
@@ -308,7 +292,7 @@ class TuningDriver:
                 if outcome == "abort":             # the `t` key: decide on what was measured, train on
                     return self._conclude(ctl.stop_early(reason))
                 if outcome in ("interrupted", "finished"):
-                    if outcome == "finished" and ctl._active is not None:
+                    if outcome == "finished" and ctl.in_trial:
                         ctl.finish_trial("ok")            # its steps are the run's last: kept
                     ctl.abort(reason)
                     self._publish()
@@ -370,7 +354,7 @@ class TuningDriver:
             elif action is not None:
                 self._say(f"keeping the starting configuration: {action.reason}")
             else:
-                self._say(f"tuning ended: {ctl._final.reason if ctl._final else self._end_reason()}")
+                self._say(f"tuning ended: {ctl.final.reason if ctl.final else self._end_reason()}")
         ended = s.interrupted or self._complete or (action is None and s.finished)
         if action is not None and not ended:
             toggles = action.toggles
@@ -417,15 +401,15 @@ class TuningDriver:
         else:
             sup.request_stop()
         step_s = 0.0
-        if self.ctl is not None and self.ctl._active is not None:
+        if self.ctl is not None and self.ctl.in_trial:
             import math
 
-            ms = self.ctl._active.measure.step_ms
+            ms = self.ctl.trial_step_ms
             step_s = ms / 1000.0 if math.isfinite(ms) else 0.0
         ckpt_s = self.ctl.checkpoint_s if self.ctl is not None else 0.0
         grace = 5.0 if self._steps_since_spawn == 0 else max(30.0, 5 * step_s + 3 * ckpt_s)
         deadline = time.monotonic() + grace
-        feed_steps = self.ctl is not None and self.ctl._active is None
+        feed_steps = self.ctl is not None and not self.ctl.in_trial
         while self._alive:
             item = self._next(0.5)
             if item is not None and item[0] == "event" and self.ctl is not None:
@@ -500,31 +484,3 @@ class TuningDriver:
                   + (f"; deleted {len(deleted)} checkpoint(s) it wrote" if deleted else ""))
         return {"step": step, "path": self.last_ckpt[1] if self.last_ckpt else None, "deleted": deleted}
 
-
-def attach_tuning(session, budget_s: float, **kw: Any) -> TuningDriver:
-    return TuningDriver(session, budget_s, **kw).attach()
-
-
-def install_toggler(session, budget_s: float = DEFAULT_T_BUDGET_S, space_spec: str | None = None,
-                    storage: str | None = None) -> None:
-    """Make `t` (Session.toggle_tuning) start tuning the running trainer, and stop it while it runs."""
-    box: dict[str, Any] = {"hello": None, "driver": None}
-
-    def record(event: ev.Event) -> None:
-        if isinstance(event, ev.HelloEvent) and event.rank == 0:
-            box["hello"] = event
-
-    def toggle() -> None:
-        d = box["driver"]
-        if d is not None and not d.finished.is_set():
-            d.stop_tuning()
-            return
-        sup = session.supervisor
-        if box["hello"] is None or sup is None or not sup.alive():
-            session._broadcast_log("tuning starts once the trainer runs")
-            raise RuntimeError("the trainer is not running")
-        box["driver"] = session.tuning_driver = TuningDriver(session, budget_s, space_spec=space_spec,
-                                                             storage=storage, hello=box["hello"]).attach()
-
-    session.hooks.append(record)
-    session.tuning_toggler = toggle

@@ -32,3 +32,28 @@ def tiny_args():
 
 def trainer_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "trainer", *args]
+
+
+# --- the `process` marker: the inner loop (`-m "not process"`) starts no process ---------------------------
+# Every test that starts a process (a trainer, gptop, torchrun, any subprocess, a fork, a DataLoader worker)
+# is marked `process`; a test that starts one without the marker fails here, so the tier that runs in
+# seconds stays free of process start-up times and of leftover processes.
+
+def _no_process(what: str):
+    def refuse(*args, **kwargs):
+        pytest.fail(f"this test starts a process ({what}) but is not marked @pytest.mark.process", pytrace=False)
+    return refuse
+
+
+@pytest.fixture(autouse=True)
+def _process_guard(request, monkeypatch):
+    if request.node.get_closest_marker("process") is None:
+        import multiprocessing.process
+        import subprocess
+
+        monkeypatch.setattr(subprocess.Popen, "_execute_child", _no_process("subprocess"))
+        monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _no_process("multiprocessing"))
+        for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp"):
+            if hasattr(os, name):
+                monkeypatch.setattr(os, name, _no_process(f"os.{name}"))
+    yield

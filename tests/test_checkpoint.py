@@ -54,6 +54,7 @@ def test_missing_keys_detected(tmp_path):
         ckpt.load(p)
 
 
+@pytest.mark.process
 def test_kill_during_save_leaves_previous_intact(tmp_path):
     """SIGKILL a process in the middle of writing a large checkpoint: the old one still loads."""
     ckpt.save(state(1), rundir.path_for(tmp_path, 1))

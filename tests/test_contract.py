@@ -18,6 +18,7 @@ TORCH_FREE = ["trainer.contract.config", "trainer.contract.events", "trainer.con
               "tuner.report"]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("module", TORCH_FREE)
 def test_importing_leaves_torch_out(module):
     code = (f"import sys, importlib; importlib.import_module({module!r}); "
@@ -27,6 +28,7 @@ def test_importing_leaves_torch_out(module):
     assert r.returncode == 0, f"importing {module} loaded torch: {r.stdout}{r.stderr[-2000:]}"
 
 
+@pytest.mark.process
 def test_resolving_a_train_config_leaves_torch_out():
     code = ("import sys; from gptop.cli import build_parser, resolve_config; "
             "ns = build_parser().parse_args(['train', '--model', 'deepseek', '--size', 'medium']); "

@@ -110,6 +110,7 @@ def test_builtin_corpus_is_sorted_capped_stdlib_source():
     assert set(files) < set(everything) and [f for f in everything if f in set(files)] == files
 
 
+@pytest.mark.slow
 def test_real_default_builtin(tmp_path, monkeypatch):
     """The default corpus (~6 MB): tokenizer training and tokenization take seconds on 2 cores."""
     monkeypatch.delenv(D.BUILTIN_BYTES_ENV)

@@ -185,6 +185,7 @@ def small_tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(d)], check=False)
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_gptop_on_a_full_tmpfs_says_why_and_does_not_restart(small_tmpfs):
     run_dir = small_tmpfs / "run"
@@ -202,6 +203,7 @@ def test_gptop_on_a_full_tmpfs_says_why_and_does_not_restart(small_tmpfs):
     assert "Traceback" not in p.stderr
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_read_only_checkpoint_directory_is_a_disk_error(tmp_path):
     if os.geteuid() != 0:
@@ -226,6 +228,7 @@ def test_a_read_only_checkpoint_directory_is_a_disk_error(tmp_path):
     assert isinstance(err.free_bytes, int)
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_two_ranks_on_a_full_tmpfs_name_the_disk_and_leave_no_partial_sharded_checkpoint(small_tmpfs):
     run_dir = small_tmpfs / "run"

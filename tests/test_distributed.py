@@ -183,6 +183,7 @@ def test_comm_timer_counts_overlapping_spans_once():
 
 
 # --------------------------------------------------------------------- slow
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_ranks_train_checkpoint_and_resume_exactly(tmp_path, parallel):
@@ -239,6 +240,7 @@ def test_two_ranks_train_checkpoint_and_resume_exactly(tmp_path, parallel):
         assert c[8] == pytest.approx(a[8], rel=1e-4) and c[12] == pytest.approx(a[12], rel=1e-3)
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_dead_rank_stops_the_run_and_is_named(tmp_path):
     run = tmp_path / "killed"
@@ -251,6 +253,7 @@ def test_a_dead_rank_stops_the_run_and_is_named(tmp_path):
     assert wait_gone(str(run), timeout=10) == []
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_commands_take_effect_on_the_same_step_on_every_rank(tmp_path):
     """A checkpoint request and a graceful stop through the session reach both ranks and are agreed."""
@@ -273,12 +276,16 @@ def test_commands_take_effect_on_the_same_step_on_every_rank(tmp_path):
     seen = threading.Event()
     ckpts: list[CheckpointEvent] = []
 
-    def hook(e):
-        if isinstance(e, StepEvent) and e.step >= 3:
-            seen.set()
-        if isinstance(e, CheckpointEvent):
-            ckpts.append(e)
-    s.hooks.append(hook)
+    class Watch:         # a view: sees every event the session sees
+        def on_event(self, e):
+            if isinstance(e, StepEvent) and e.step >= 3:
+                seen.set()
+            if isinstance(e, CheckpointEvent):
+                ckpts.append(e)
+
+        def on_log(self, line, stream): pass
+        def on_status(self, status, message): pass
+    s.add_view(Watch())
     try:
         s.start()
         assert seen.wait(90), s.state.logs
@@ -306,6 +313,7 @@ def test_commands_take_effect_on_the_same_step_on_every_rank(tmp_path):
     assert wait_gone(str(run), timeout=10) == []
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_sigterm_from_torchrun_by_hand_is_one_agreed_stop(tmp_path):
     """`python -m torch.distributed.run ... -m trainer`: SIGTERM to torchrun reaches every rank, which stop
@@ -336,6 +344,7 @@ def test_sigterm_from_torchrun_by_hand_is_one_agreed_stop(tmp_path):
     assert wait_gone(str(run), timeout=10) == []
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_gptop_killed_hard_leaves_no_rank_behind(tmp_path):
     """kill -9 of gptop: the ranks see their socket close, agree to stop, checkpoint and exit; torchrun too."""
@@ -378,6 +387,7 @@ def dcp_tensors(path: Path, scratch: Path) -> list:
     return found
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_two_ranks_never_checkpoint_a_non_finite_state(tmp_path):
     """Issue 10 with 2 ranks. The --lr 1e4 command (FSDP2: the skipped update on sharded parameters) ends

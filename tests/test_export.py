@@ -57,8 +57,10 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def export_ns(run_dir: Path, out_dir: Path, step: int | None = None, force: bool = False) -> argparse.Namespace:
-    return argparse.Namespace(run_dir=str(run_dir), out_dir=str(out_dir), step=step, force=force, json=True)
+def export_ns(run_dir: Path, out_dir: Path, step: int | None = None, force: bool = False,
+              merge: bool = False) -> argparse.Namespace:
+    return argparse.Namespace(run_dir=str(run_dir), out_dir=str(out_dir), step=step, force=force, merge=merge,
+                              json=True)
 
 
 def sample_ns(path: Path, **kw) -> argparse.Namespace:
@@ -151,8 +153,9 @@ def test_argv_round_trips_through_the_tool_parsers(tmp_path):
     assert vars(p.parse_args(tools.sample_argv(ns))) == vars(ns)
     q = argparse.ArgumentParser()
     tools.add_export_arguments(q)
-    ns = export_ns(run, tmp_path / "o", step=2, force=True)
-    assert vars(q.parse_args(tools.export_argv(ns))) == vars(ns)
+    for merge in (False, True):
+        ns = export_ns(run, tmp_path / "o", step=2, force=True, merge=merge)
+        assert vars(q.parse_args(tools.export_argv(ns))) == vars(ns)
     cmd = tools.sample_command(run, "hi", max_new_tokens=5)
     assert cmd[:3] == [sys.executable, "-m", "trainer.sample"] and "--json" in cmd
 
@@ -190,6 +193,7 @@ def test_gptop_rejects_bad_input_before_starting_anything(tmp_path, monkeypatch,
     assert exited.value.code == 2 and "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.process
 def test_gptop_runs_a_tool_to_its_end(monkeypatch):
     """Exit codes pass through; a tool past its time limit, or asked to stop, is ended, not left behind."""
     import threading
@@ -520,6 +524,7 @@ PLAIN = textwrap.dedent("""
 """)
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_plain_transformers_loads_every_export(all_runs, exports, tmp_path):
     """No gptop: AutoModelForCausalLM + AutoTokenizer load each export (three families, a 2-rank DCP
@@ -552,6 +557,7 @@ def test_plain_transformers_loads_every_export(all_runs, exports, tmp_path):
             assert s["mask"] == ref.mask_id
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_gptop_sample_every_family(all_runs, exports):
     """`gptop sample --json`: a result line per run (and from a llada export, which samples as llada)."""
@@ -577,6 +583,7 @@ def test_gptop_sample_every_family(all_runs, exports):
     assert a.completion == b.completion and b.step is None
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_gptop_train_fine_tunes_exports(exports, tmp_path):
     """`gptop train --model OUT_DIR` fine-tunes an export; a llada export trains with the llada objective."""

@@ -16,7 +16,7 @@ from trainer import checkpoint as ckpt
 from trainer.contract import rundir
 from trainer.contract.events import parse, read_events, to_dict
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.process]
 
 
 def gptop(*args, **kw):

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from fixtures.streams import cpu_run, ev, gpu_logs, gpu_run
 from gptop.headless import HeadlessView, event_line, step_line
 from gptop.state import RunState
@@ -127,6 +129,7 @@ def test_progress_bar_on_a_tty():
     assert json_view._progress is None
 
 
+@pytest.mark.process
 def test_headless_does_not_import_textual():
     code = ("import sys; import gptop.headless, gptop.state, gptop.commands; "
             "bad = [m for m in sys.modules if m.split('.')[0] == 'textual' or m.startswith('gptop.ui')]; "

@@ -452,6 +452,7 @@ def test_path_failures_exit_2_naming_the_option(run, option, kind, setup, reason
     assert sorted(p for p in tmp_path.rglob("*")) == before, "something was created"
 
 
+@pytest.mark.process
 def test_real_read_only_filesystem(tmp_path, capsys, monkeypatch):
     """A real read-only mount where the tests may mount (root in a container), the fake above otherwise."""
     mnt = tmp_path / "ro"
@@ -577,6 +578,7 @@ def _env():
     (["-m", "trainer", "--min-lr-ratio", "nan"], "--min-lr-ratio"),
     (["-m", "trainer", "--data", "{empty}/x.csv"], "--data"),
 ])
+@pytest.mark.process
 def test_real_processes_exit_2_and_create_nothing(cmd, option, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -336,6 +336,50 @@ def test_cpu_peak_is_kept_per_number_of_processes_and_can_be_forgotten(tmp_path,
     assert flops.peak_flops(CPU, "fp32", procs=2) == 45e9
 
 
+def test_cpu_peak_cache_keeps_the_best_measurement_per_key(tmp_path, monkeypatch):
+    """A measurement taken on a busy machine (lower) never replaces a better one; each is counted."""
+    monkeypatch.setenv("GPTOP_CACHE", str(tmp_path))
+    rates = iter([50e9, 30e9, 80e9])
+    monkeypatch.setattr(flops, "measure_cpu_matmul_flops", lambda *a, **k: next(rates))
+    e = flops.cpu_peak_entry(cpu_name="test-cpu")
+    assert (e["best"], e["n"]) == (50e9, 1)
+    assert flops.cpu_peak_entry(cpu_name="test-cpu")["n"] == 1                  # cached: not measured
+    e = flops.cpu_peak_entry(cpu_name="test-cpu", remeasure=True)
+    assert (e["best"], e["n"], e["last"]) == (50e9, 2, 30e9)                     # the busy one is counted, not kept
+    e = flops.cpu_peak_entry(cpu_name="test-cpu", remeasure=True)
+    assert (e["best"], e["n"]) == (80e9, 3)
+    (entry,) = json.loads((tmp_path / "cpu_peak.json").read_text()).values()
+    assert entry == {"best": 80e9, "n": 3, "last": 80e9}
+    p = flops.peak(CPU, "fp32")
+    assert p.flops == 80e9 and p.measured and p.source.startswith("measured: best of 3 CPU matmul measurements")
+
+    key = next(iter(json.loads((tmp_path / "cpu_peak.json").read_text())))
+    (tmp_path / "cpu_peak.json").write_text(json.dumps({key: 42e9}))            # an older gptop's bare number
+    assert flops.cpu_peak_entry(cpu_name="test-cpu") == {"best": 42e9, "n": 1, "threads": torch.get_num_threads()}
+
+
+def test_peak_says_where_it_came_from():
+    p = flops.peak(cuda_dev(80), "bf16")
+    assert p.flops == pytest.approx(989.5e12) and not p.measured
+    assert p.source.startswith("datasheet: H100 SXM bf16 (https://www.nvidia.com/")
+    assert flops.peak(cuda_dev(80, "Some Future GPU 9000"), "bf16") == flops.Peak(None, None)
+
+
+def test_cpu_peak_is_timed_in_busy_cpu_seconds_not_wall_seconds():
+    """The same work timed while another process holds the core half the time: the wall clock runs twice
+    as fast as the thread's CPU clock, and the peak is the same."""
+    def clocks(wall_per_cpu):
+        cpu = iter(0.001 * i for i in range(10_000))               # every matmul: 1 ms of busy CPU time
+        wall = iter(0.05 * wall_per_cpu * i for i in range(10_000))    # a wall-clock tick per call
+        return dict(cpu_time=lambda: next(cpu), wall=lambda: next(wall), budget_s=1.0)
+    idle = flops.measure_cpu_matmul_flops(**clocks(1.0))
+    busy = flops.measure_cpu_matmul_flops(**clocks(2.0))
+    assert idle == pytest.approx(busy) and idle > 0
+    one = flops.measure_cpu_matmul_flops(procs=2, threads=1, **clocks(1.0))
+    assert flops.measure_cpu_matmul_flops(procs=1, threads=2, **clocks(1.0)) == pytest.approx(
+        one * flops.usable_cores(2, 1))                             # per core x the cores one process may use
+
+
 # --- MoE balancing -------------------------------------------------------------------------
 
 def test_moe_balancer_evens_out_a_skewed_router():

@@ -15,7 +15,7 @@ from trainer.contract.config import ModelConfig, Toggles
 from trainer.contract.device import DeviceInfo
 from trainer.models import build_model
 
-pytestmark = pytest.mark.compile
+pytestmark = [pytest.mark.compile, pytest.mark.process]   # inductor may start compile workers
 
 VOCAB, SEQ = 500, 32
 

@@ -79,6 +79,7 @@ def test_each_node_writes_its_own_files(tmp_path):
     assert node.events(0) == one.events(0) and node.config == one.config and node.checkpoints == one.checkpoints
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_the_lock_is_released_by_kill_9(tmp_path):
     p = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=ENV)
@@ -97,6 +98,7 @@ def test_the_lock_is_released_by_kill_9(tmp_path):
         assert json.loads((tmp_path / ".gptop.lock").read_text())["command"] == "after the kill"
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_trainer_and_gptop_refuse_a_run_dir_in_use_before_writing_anything(tmp_path):
     run_dir = tmp_path / "run"
@@ -116,6 +118,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_a_multi_node_run_shares_the_directory_and_keeps_out_a_one_node_run(tmp_path):
     """Two nodes on this machine (static rendezvous, one rank each) train into one run directory; each node

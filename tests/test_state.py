@@ -231,8 +231,94 @@ def test_eta_with_injected_clock():
     now = [T0 + 30.0]
     s = fed(hello(max_steps=100), step(10, 10.0), step(20, 20.0), clock=lambda: now[0])
     assert s.elapsed() == 30.0 and s.eta() == pytest.approx(70.0)
-    now[0] = T0 + 500.0
-    assert s.eta() == 0.0
+    now[0] = T0 + 500.0     # 480 s without a step event where 10 s were expected: not done, slower
+    assert s.eta() == pytest.approx(80 * 48.0 - 480.0)
+    assert fmt_duration(s.eta()) != "0:00"
+
+
+def test_mfu_on_a_measured_peak_is_shown_as_approximate():
+    from gptop.headless import event_line
+    from gptop.state import fmt_mfu, fmt_peak
+
+    assert fmt_mfu(0.123) == "12.3%" and fmt_mfu(0.123, estimate=True) == "~12%" and fmt_mfu(None) == "n/a"
+    gpu = fed(hello(), step(10, 1.0))
+    assert not gpu.mfu_is_estimate and "mfu 30.0%" in event_line(gpu.last_step, gpu)
+    measured = ev("hello", 0.0, config=config("llama", "tiny", "cpu"), device={"type": "cpu", "name": "cpu"},
+                  model={"family": "llama"}, peak_flops=96.4e9,
+                  peak_source="measured: best of 3 CPU matmul measurements (float32; ...)")
+    cpu = fed(measured, step(10, 1.0))
+    assert cpu.mfu_is_estimate and "mfu ~30%" in event_line(cpu.last_step, cpu)
+    assert fmt_peak(measured) == "MFU peak 96.4 GFLOP/s per process (measured: best of 3 CPU matmul measurements " \
+                                 "(float32; ...))"
+    assert "; MFU peak 96.4 GFLOP/s" in event_line(measured, cpu)
+    datasheet = ev("hello", 0.0, config=config("llama", "tiny", "cuda"), device={"type": "cuda", "name": "H100"},
+                   model={"family": "llama"}, peak_flops=989.5e12, peak_source="datasheet: H100 SXM bf16 (url)")
+    assert not datasheet.mfu_is_estimate and fmt_peak(datasheet).startswith("MFU peak 989.5 TFLOP/s")
+
+
+def test_eta_follows_a_tenfold_slowdown():
+    """1 s/step for 100 steps, then 10 s/step: a few events later the ETA is near the slow rate's answer
+    (the old window average read 4x too low), and the range, while it is unstable, contains it."""
+    events = [hello(max_steps=1000)] + [step(n, float(n)) for n in range(10, 110, 10)]
+    t = 100.0
+    for n in range(110, 160, 10):
+        t += 100.0
+        events.append(step(n, t))
+    s = fed(*events)
+    truth = (1000 - 150) * 10.0
+    assert truth / 1.5 <= s.eta() <= truth * 1.5
+    lo, hi = s.eta_range()
+    assert lo <= truth <= hi * 1.05
+    for n in range(160, 300, 10):    # the slow rate holds: the range closes on it
+        t += 100.0
+        s.apply(step(n, t))
+    assert s.eta_range()[0] == s.eta_range()[1] == s.eta() == pytest.approx((1000 - 290) * 10.0, rel=0.05)
+
+
+def test_eta_is_a_range_when_the_rate_is_unstable():
+    t, events = 0.0, [hello(max_steps=1000)]
+    for i, n in enumerate(range(10, 200, 10)):
+        t += 10.0 if i % 2 else 30.0            # 1 and 3 s/step, alternating
+        events.append(step(n, t))
+    s = fed(*events)
+    lo, hi = s.eta_range()
+    assert lo < s.eta() < hi
+    assert 810 * 1.0 <= lo and hi <= 810 * 3.0
+    steady = fed(hello(max_steps=100), step(10, 10.0), step(20, 20.0), step(30, 30.0))
+    assert steady.eta_range() == (pytest.approx(70.0), pytest.approx(70.0))
+
+
+def test_eta_lies_in_its_range_and_is_never_zero_while_steps_remain():
+    import random
+
+    rng = random.Random(7)
+    for trial in range(20):
+        now = [T0]
+        s = RunState(clock=lambda: now[0])
+        s.apply(hello(max_steps=200))
+        t, n = 0.0, 0
+        while n < 200:
+            n += rng.choice((1, 5, 10))
+            n = min(n, 200)
+            t += rng.uniform(0.01, 20.0) * rng.choice((1, 1, 10))
+            s.apply(step(n, t))
+            for lag in (0.0, rng.uniform(0, 50), 1e4):
+                now[0] = T0 + t + lag
+                r, e = s.eta_range(), s.eta()
+                if r is None:
+                    continue
+                assert r[0] <= e <= r[1]
+                assert (e == 0.0) == (n == 200) and (n == 200 or e >= 1.0)
+
+
+def test_eta_is_zero_only_after_the_last_step():
+    now = [T0 + 29.0]
+    s = fed(hello(max_steps=30), step(10, 10.0), step(20, 20.0), clock=lambda: now[0])
+    assert s.eta() == 1.0 and fmt_duration(s.eta()) == "0:01"     # 10 steps left, 9 s into them: not 0:00
+    now[0] = T0 + 29.9
+    assert s.eta() >= 1.0
+    s.apply(step(30, 30.0))
+    assert s.eta() == 0.0 and s.eta_range() == (0.0, 0.0)
 
 
 def test_rollback_and_restart_reset_the_rate():
@@ -292,16 +378,22 @@ def test_joules_per_token_from_energy_counters():
     assert s.joules_per_token() == pytest.approx(0.08)
 
 
-def test_joules_per_token_falls_back_to_power_and_is_none_without_data():
+def test_joules_per_token_integrates_power_without_counters_and_says_why_not():
     s = fed(hello(), ev("device", 0.0, devices=[{"index": 0, "power_w": 500.0, "energy_j": None}]),
-            step(10, 1.0))
-    assert s.joules_per_token() == pytest.approx(500.0 / 10_000.0)
+            step(10, 1.0), ev("device", 2.0, devices=[{"index": 0, "power_w": 500.0, "energy_j": None}]),
+            step(20, 3.0))
+    assert s.joules_per_token() == pytest.approx(500.0 / 5_000.0)     # 500 W over t=1..2, 5k tokens
+    assert s.energy()[0].source == "integrated power" and s.energy_reason() is None
+    one = fed(hello(), ev("device", 0.0, devices=[{"index": 0, "power_w": 500.0}]), step(10, 1.0))
+    assert one.joules_per_token() is None and one.energy_reason() == "not enough step events yet"
     assert fed(hello(), step(10, 1.0)).joules_per_token() is None
-    cpu = fed(hello("cpu"), ev("device", 0.0, devices=[], cpu={"power_w": None}), step(1, 1.0))
-    assert cpu.joules_per_token() is None
+    cpu = fed(hello("cpu"), ev("device", 0.0, devices=[], cpu={"power_w": None}), step(1, 1.0),
+              ev("device", 2.0, devices=[], cpu={"power_w": None}), step(2, 3.0))
+    assert cpu.joules_per_token() is None and "RAPL" in cpu.energy_reason()
+    gpu = fed(hello(), ev("device", 0.0, devices=[{"index": 0}]), step(10, 1.0),
+              ev("device", 2.0, devices=[{"index": 0}]), step(20, 3.0))
+    assert "neither an energy counter nor a power reading for GPU 0" in gpu.energy_reason()
 
-
-# --- tuner -----------------------------------------------------------------------
 
 def test_tuner_state_from_tuner_trial_and_apply_events():
     s = fed(hello(),

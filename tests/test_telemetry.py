@@ -170,6 +170,7 @@ def test_real_pynvml_on_this_machine_does_not_raise(tmp_path):
     s.stop()
 
 
+@pytest.mark.process
 def test_proc_mem_counts_trainer_pids_and_children(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
@@ -212,6 +213,7 @@ def test_cpu_mode_values_are_sane(tmp_path):
     s.stop()
 
 
+@pytest.mark.process
 def test_dead_or_missing_trainer_pid_is_na(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()

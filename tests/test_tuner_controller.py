@@ -186,6 +186,32 @@ def test_full_simulated_tuning_ends_in_apply(tmp_path):
     assert paths["toml"].read_text().count("[") == 1      # only the [toggles] table
 
 
+def test_trials_carry_energy_per_token_from_the_sessions_energy(tmp_path):
+    """The tuner once read energy from step events nobody wrote: every trial's energy was empty. Now the
+    session's one energy computation (here: a steady 300 W) measures each trial's kept steps."""
+    clock = Clock()
+    watts = 300.0
+    ctl = make_ctl(tmp_path, clock, energy=lambda t0, t1: watts * (t1 - t0))
+    drive(ctl, clock, FakeTrainer(clock))
+    measured = [e for e in ctl.drain_events() if e.type == "trial" and e.status in ("ok", "cut")]
+    assert measured
+    for e in measured:       # J/token = W / (tokens/s), the median throughput within a few %
+        assert e.energy_per_token == pytest.approx(watts / e.tokens_per_s, rel=0.05)
+    attrs = [t.user_attrs for t in ctl.study.trials() if t.user_attrs.get("status") in ("ok", "cut")]
+    assert attrs and all(a["energy_per_token"] > 0 for a in attrs)
+    assert ctl.study.study.user_attrs["baseline"]["energy_per_token"] > 0
+    md = write_report(tmp_path / "out", ctl.study, ctl.report_info())["md"].read_text()
+    assert "| energy/token |" in md and " mJ |" in md and "mJ/token" in md
+    assert "mJ/token" in format_summary(json.loads((tmp_path / "out" / "tuning.json").read_text()))
+
+    clock = Clock()                                      # no reading: no column, no figure, never 0
+    ctl = make_ctl(tmp_path / "none", clock, energy=lambda t0, t1: None)
+    drive(ctl, clock, FakeTrainer(clock))
+    assert all(e.energy_per_token is None for e in ctl.drain_events() if e.type == "trial")
+    md = write_report(tmp_path / "out2", ctl.study, ctl.report_info())["md"].read_text()
+    assert "energy" not in md
+
+
 def test_budget_stops_starting_trials_it_cannot_afford(tmp_path):
     clock = Clock()
     ctl = make_ctl(tmp_path, clock, budget_s=300.0, max_trials=50, default_restart_s=10.0)

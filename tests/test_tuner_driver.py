@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from gptop.tuning import TuningDriver, install_toggler, parse_test_fault
+from gptop.session import Session, SessionOptions, TuningOptions
+from gptop.tuning import TuningDriver, parse_test_fault
 from trainer import checkpoint as ckpt
 from trainer.contract import rundir
 from trainer.contract.config import TrainConfig
@@ -15,23 +16,28 @@ from trainer.contract.events import make
 
 
 class FakeSession:
+    """The public side of gptop.session.Session that the driver uses, recording what it is asked."""
+
     def __init__(self, run_dir):
         self.cfg = TrainConfig()
         self.cfg.run.run_dir = str(run_dir)
         self.run_dir = Path(run_dir)
-        self.hooks, self.on_trainer_exit, self.tuning_toggler = [], None, None
+        self.controller = None
         self.supervisor = None
         self.interrupted = False
         self.finished = False
         self.emitted, self.logs, self.exits = [], [], []
 
-    def _emit(self, event):
+    def set_controller(self, controller):
+        self.controller = controller
+
+    def publish(self, event):
         self.emitted.append(event)
 
-    def _broadcast_log(self, message):
+    def log(self, message):
         self.logs.append(message)
 
-    def _on_exit(self, code):
+    def handle_exit(self, code):
         self.exits.append(code)
 
 
@@ -100,21 +106,53 @@ def test_exit_hook_and_detach_hand_an_unhandled_exit_back(tmp_path):
     s = FakeSession(tmp_path)
     d = TuningDriver(s, 60.0)
     d._attached = True
-    d._prev_exit_handler, d._prev_toggler = None, None
-    s.hooks.append(d._on_event)
-    s.on_trainer_exit = d._on_exit
-    assert d._on_exit(0) is True                          # attached: the driver handles it
+    s.set_controller(d)
+    assert d.on_trainer_exit(0) is True                   # attached: the driver handles it
     d._detach()                                           # ... and hands it back when it did not
-    assert s.exits == [0] and s.on_trainer_exit is None and s.hooks == []
-    assert d._on_exit(1) is False                         # detached: the session's own handling
+    assert s.exits == [0] and s.controller is None
+    assert d.on_trainer_exit(1) is False                  # detached: the session's own handling
 
 
 def test_t_starts_tuning_only_once_the_trainer_runs(tmp_path):
-    s = FakeSession(tmp_path)
-    install_toggler(s)
-    assert callable(s.tuning_toggler) and len(s.hooks) == 1
+    cfg = TrainConfig()
+    cfg.run.run_dir = str(tmp_path / "run")
+    s = Session(cfg, SessionOptions(tuning=TuningOptions()))
+    assert s.can_start_tuning and s.controller is None
     with pytest.raises(RuntimeError):
-        s.tuning_toggler()                                # nothing runs yet: the UI shows why
+        s.toggle_tuning()                                 # nothing runs yet: the UI shows why
+    assert s.state.logs and "once the trainer runs" in s.state.logs[-1][1]
+    assert not (tmp_path / "run").exists()                # nothing was started or created
+
+
+def test_the_session_has_one_controller_slot(tmp_path):
+    cfg = TrainConfig()
+    cfg.run.run_dir = str(tmp_path / "run")
+    s = Session(cfg)
+    assert not s.can_start_tuning                          # `t` is not offered without TuningOptions
+    s.toggle_tuning()                                      # says why, starts nothing
+    assert "not available" in s.state.logs[-1][1]
+    seen = []
+
+    class Recorder:
+        def on_event(self, event):
+            seen.append(event)
+
+        def on_trainer_exit(self, code):
+            return True
+
+        def stop_tuning(self):
+            seen.append("stop")
+
+    first = Recorder()
+    s.set_controller(first)
+    with pytest.raises(RuntimeError):
+        s.set_controller(Recorder())                       # two controllers would both claim every exit
+    assert s.can_start_tuning
+    s.toggle_tuning()                                      # `t` while tuning: stop it
+    s.log("hello")                                         # a log line is not an event
+    assert seen == ["stop"]
+    s.set_controller(None)
+    assert s.controller is None
 
 
 # --- controller rules the driver relies on -----------------------------------------------
@@ -172,7 +210,7 @@ def test_a_compile_mode_that_never_warms_up_is_screened_for_the_run(tmp_path):
         if a.toggles.compile == "default":
             seen_compile += 1
             clock.t += 60.0                                       # compiling, no step: cut by the timeout
-            assert ctl.trial_should_stop() == "done" and ctl._active.stop == "timeout"
+            assert ctl.trial_should_stop() == "done" and ctl.trial_stop == "timeout"
             ev = ctl.finish_trial("ok")
             assert ev.status == "pruned"
             continue

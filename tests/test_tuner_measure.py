@@ -1,6 +1,8 @@
 import math
 import random
 
+import pytest
+
 from tuner.measure import LossGuard, LossTrend, Measurement, median_ci
 
 TOK = 8192
@@ -91,8 +93,15 @@ def test_energy_and_garbage_samples():
     m.add(2, 0.0, TOK, 0.0)                            # ignored
     assert m.samples == []
     for i in range(40):
-        m.add(i, 100.0, TOK, i * 0.1, energy_j=40.0)
-    assert m.energy_per_token == 40.0 / TOK
+        m.add(i, 100.0, TOK, i * 0.1)
+    t0, t1, tokens = m.kept_span()
+    assert t1 == pytest.approx(3.9) and tokens == (m.kept[-1].step - m.kept[0].step + 1) * TOK
+    assert t0 == pytest.approx(m.kept[0].time - 0.1)          # from the event before the first kept one
+    watts = 400.0                                              # the session's energy: 400 W
+    assert m.energy_per_token(lambda a, b: watts * (b - a)) == pytest.approx(40.0 / TOK)
+    assert m.summary(energy=lambda a, b: watts * (b - a))["energy_per_token"] == pytest.approx(40.0 / TOK)
+    assert m.energy_per_token(None) is None and m.summary()["energy_per_token"] is None
+    assert m.energy_per_token(lambda a, b: None) is None        # no reading: none, not 0
 
 
 def test_loss_trend_and_guard():

@@ -171,6 +171,7 @@ WORKER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.process
 def test_two_processes_share_a_journal_without_repeats(tmp_path):
     journal = str(tmp_path / "shared.log")
     procs = []

@@ -37,7 +37,7 @@ from trainer.contract import rundir
 from trainer.contract.config import TrainConfig
 from trainer.contract.events import read_events, to_dict
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.process]
 
 SETUP = ["--model", "llama", "--size", "tiny", "--seq-len", "64", "--global-batch", "8", "--warmup-steps", "2",
          "--eval-every", "0", "--log-every", "1", "--device", "cpu"]
@@ -293,8 +293,7 @@ def test_t_starts_and_stops_tuning_in_a_train_session(tmp_path, monkeypatch):
 
     import psutil
 
-    from gptop.session import Session, SessionOptions
-    from gptop.tuning import install_toggler
+    from gptop.session import Session, SessionOptions, TuningOptions
     from trainer.contract.config import add_arguments, config_from_args
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -302,8 +301,8 @@ def test_t_starts_and_stops_tuning_in_a_train_session(tmp_path, monkeypatch):
     add_arguments(parser)
     cfg = config_from_args(parser.parse_args(SETUP + SLOW_START + ["--max-steps", "100000", "--checkpoint-every",
                                                                     "0", "--run-dir", str(tmp_path / "run")]))
-    session = Session(cfg, SessionOptions(interval=1.0))
-    install_toggler(session, budget_s=60.0, space_spec=SPACE, storage=f"sqlite:///{tmp_path / 's.sqlite3'}")
+    tuning = TuningOptions(budget_s=60.0, space_spec=SPACE, storage=f"sqlite:///{tmp_path / 's.sqlite3'}")
+    session = Session(cfg, SessionOptions(interval=1.0, tuning=tuning))
     run_dir = tmp_path / "run"
 
     def wait_for(pred, what, timeout=180):
@@ -318,7 +317,7 @@ def test_t_starts_and_stops_tuning_in_a_train_session(tmp_path, monkeypatch):
         session.start()
         wait_for(lambda: session.state.step, "the first step")
         session.toggle_tuning()                                          # t: start
-        first = session.tuning_driver
+        first = session.controller
         wait_for(lambda: any(e["kind"] == "trial" and e["status"] == "running" for e in events(run_dir, "trial")),
                  "a trial")
         session.toggle_tuning()                                          # t: stop
@@ -329,11 +328,11 @@ def test_t_starts_and_stops_tuning_in_a_train_session(tmp_path, monkeypatch):
         assert (run_dir / "tuning.md").is_file()
         step = session.state.step
         wait_for(lambda: session.state.step and session.state.step > step + 3, "training to go on")
-        assert session.on_trainer_exit is None                           # exits are the session's again
+        assert session.controller is None                                # exits are the session's again
         session.toggle_tuning()                                          # t: a new tuning
-        second = session.tuning_driver
+        second = session.controller
         assert second is not first
-        wait_for(lambda: second.ctl is not None and second.ctl._active is not None, "the second tuning")
+        wait_for(lambda: second.ctl is not None and second.ctl.in_trial, "the second tuning")
         session.stop()                                                   # Ctrl-C
         assert session.wait(120) == 130
         wait_for(second.finished.is_set, "the report", timeout=30)

@@ -506,17 +506,15 @@ def test_tune_key_only_where_it_does_something():
 
 
 def test_tune_key_is_live_in_a_real_train_session(tmp_path):
-    # The real Session (not a recording fake): `gptop train` installs the toggler, so `t` must start tuning.
-    from gptop.session import Session
-    from gptop.tuning import install_toggler
+    # The real Session (not a recording fake): `gptop train` offers tuning (TuningOptions), so `t` must start it.
+    from gptop.session import Session, SessionOptions, TuningOptions
     from trainer.contract.config import TrainConfig
 
     cfg = TrainConfig()
     cfg.run.run_dir = str(tmp_path / "run")
-    session = Session(cfg)
-    assert isinstance(session, Commands) and session.can_start_tuning is False
-    install_toggler(session)
-    assert session.can_start_tuning is True
+    assert Session(cfg).can_start_tuning is False
+    session = Session(cfg, SessionOptions(tuning=TuningOptions()))
+    assert isinstance(session, Commands) and session.can_start_tuning is True
     app = GptopApp(build_state("cpu"), session)
     assert app.can_toggle_tuning()
 

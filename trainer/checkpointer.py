@@ -29,7 +29,7 @@ from . import dist as D
 from .contract import rundir
 from .contract.config import ConfigError, TrainConfig
 from .contract.device import DeviceInfo
-from .optim import adamw_flags, param_names
+from .optim import kernel_flags, param_names
 
 
 @dataclass
@@ -67,6 +67,9 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     when any value is). On the CPU, per-tensor aminmax: as exact and ~8x faster than the inf-norm there
     (11M values in 13 ms vs 98 ms, one thread)."""
     local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]     # FSDP2: this rank's shards
+    # torchao's quantized optimizer states: check what they hold, dequantized
+    local = [t.dequantize() if type(t) is not torch.Tensor and hasattr(t, "dequantize") and
+             hasattr(t, "__tensor_flatten__") else t for t in local]
     local = [t.detach() for t in local if t.is_floating_point() and t.numel()]
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in local:
@@ -110,13 +113,30 @@ class Checkpointer:
     # ------------------------------------------------------------------ state
     def state_dict(self, progress: Progress) -> dict[str, Any]:
         """The one-file state."""
-        state = {**progress.to_dict(), "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+        state = {**progress.to_dict(), "model": self.model_state(), "optimizer": self.optimizer.state_dict(),
                  "config": self.cfg.to_dict(), "rng": {"torch": torch.get_rng_state()}}
         if self.scaler.is_enabled():
             state["scaler"] = self.scaler.state_dict()
         if self.dev.is_cuda:
             state["rng"]["cuda"] = torch.cuda.get_rng_state(self.dev.torch_device)
         return state
+
+    def model_state(self) -> dict[str, Any]:
+        """The model tensors a one-file checkpoint holds: all, or with LoRA only the adapters (the frozen base
+        is rebuilt from its source, which `check_compatible` pins)."""
+        if self.cfg.finetune.enabled:
+            from .lora import trainable_state_dict
+
+            return trainable_state_dict(self.model)
+        return self.model.state_dict()
+
+    def load_model_state(self, state: dict[str, Any]) -> None:
+        if self.cfg.finetune.enabled:
+            from .lora import load_trainable_state
+
+            load_trainable_state(self.model, state)
+        else:
+            self.model.load_state_dict(state)
 
     # Several ranks (or a sharded checkpoint): torch.distributed.checkpoint and its state-dict helpers, which
     # turn DDP's replicated tensors and FSDP2's DTensor shards into one format and reshard on load.
@@ -146,10 +166,10 @@ class Checkpointer:
         elif self.group is not None:
             self.load_full(state["model"], state["optimizer"])
         else:
-            self.model.load_state_dict(state["model"])
+            self.load_model_state(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
         for group in self.optimizer.param_groups:   # the kernel is a toggle of this run, not of the checkpoint
-            group.update(adamw_flags(self.cfg.toggles.fused_adamw))
+            group.update(kernel_flags(self.cfg))
         if state.get("scaler") and self.scaler.is_enabled():
             self.scaler.load_state_dict(state["scaler"])
         rng = state.get("rng", {})
@@ -191,13 +211,18 @@ class Checkpointer:
             set_optimizer_state_dict(self.model, self.optimizer, by_name, options=full)
 
     def check_compatible(self, saved: dict[str, Any]) -> None:
-        """What is learned must match: model, data, sequence length, global batch, seed. Toggles may differ."""
-        now = self.cfg.to_dict()
+        """What is learned must match: model, data, sequence length, global batch, seed, what trains (LoRA) and
+        the optimizer state's kind. Toggles may differ. A key an older checkpoint lacks has its default."""
+        now, defaults = self.cfg.to_dict(), TrainConfig().to_dict()
         for section, key, flag in (("model", "model", "--model"), ("model", "size", "--size"),
                                    ("data", "seq_len", "--seq-len"), ("optim", "global_batch", "--global-batch"),
-                                   ("optim", "seed", "--seed"), ("data", "data", "--data")):
-            if saved.get(section, {}).get(key) != now[section][key]:
-                raise ConfigError(flag, f"the checkpoint was trained with {saved.get(section, {}).get(key)!r}, "
+                                   ("optim", "seed", "--seed"), ("data", "data", "--data"),
+                                   ("optim", "optimizer", "--optimizer"), ("finetune", "lora", "--lora"),
+                                   ("finetune", "lora_targets", "--lora-targets"),
+                                   ("finetune", "quantize_base", "--quantize-base")):
+            was = saved.get(section, {}).get(key, defaults[section][key])
+            if was != now[section][key]:
+                raise ConfigError(flag, f"the checkpoint was trained with {was!r}, "
                                         f"this run asks for {now[section][key]!r}; resume needs the same value")
 
     # --------------------------------------------------------------- finiteness

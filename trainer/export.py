@@ -42,7 +42,7 @@ import torch
 
 from . import checkpoint as ckpt
 from .contract import tools
-from .contract.config import ConfigError, ModelConfig, TrainConfig, Toggles
+from .contract.config import ConfigError, FinetuneConfig, ModelConfig, TrainConfig, Toggles
 from .contract.rundir import CheckpointInfo, RunDir, is_sharded
 from .data import EOS, MASK, PAD, TokenizerInfo, data_fingerprint, tokenizer_info
 from .models import ModelBundle, build_model, quiet_imports
@@ -118,7 +118,10 @@ def _load_checkpoint(run_dir: Path, info: CheckpointInfo, dev: Any, log: Log) ->
         raise ckpt.CorruptCheckpoint(f"{info.path}: its config does not parse ({e})") from None
     tok = tokenizer_info(cfg.data, log=log)
     _check_tokenizer(run_dir, cfg, tok, log)
-    bundle = _build(cfg.model, tok, cfg, dev, info.path)
+    if cfg.finetune.quantize_base != "none":
+        raise ExportError(f"{info.path} was trained on a {cfg.finetune.quantize_base}-quantized base (QLoRA); "
+                          f"exporting it is not supported yet")
+    bundle = _build(cfg.model, tok, cfg, dev, info.path, finetune=cfg.finetune)
     model = bundle.model
     if info.sharded:
         tensors = {"model": model.state_dict()}
@@ -133,7 +136,12 @@ def _load_checkpoint(run_dir: Path, info: CheckpointInfo, dev: Any, log: Log) ->
     else:
         weights = state["model"]
     try:
-        model.load_state_dict(weights)
+        if cfg.finetune.enabled and not info.sharded:       # a one-file LoRA checkpoint holds the adapters
+            from .lora import load_trainable_state
+
+            load_trainable_state(model, weights)
+        else:
+            model.load_state_dict(weights)
     except RuntimeError as e:
         raise ckpt.CorruptCheckpoint(f"{info.path}: its weights do not fit the model {bundle.family}/{bundle.size} "
                                      f"rebuilt from its config ({str(e)[:500]})") from None
@@ -143,12 +151,14 @@ def _load_checkpoint(run_dir: Path, info: CheckpointInfo, dev: Any, log: Log) ->
                        source=info.path, step=info.step, cfg=cfg)
 
 
-def _build(mcfg: ModelConfig, tok: TokenizerInfo, cfg: TrainConfig, dev: Any, where: Path) -> ModelBundle:
-    """The run's model, built by the trainer's own builder (fp32, sdpa, no activation checkpointing)."""
+def _build(mcfg: ModelConfig, tok: TokenizerInfo, cfg: TrainConfig, dev: Any, where: Path,
+           finetune: FinetuneConfig | None = None) -> ModelBundle:
+    """The run's model, built by the trainer's own builder (fp32, sdpa, no activation checkpointing); with
+    `finetune` (a LoRA run) wrapped with its adapters, as the trainer did."""
     try:
         with quiet_imports():
             return build_model(mcfg, vocab_size=tok.vocab_size, seq_len=cfg.data.seq_len, toggles=Toggles(),
-                               dev=dev, mask_id=tok.mask_id, seed=cfg.optim.seed)
+                               dev=dev, mask_id=tok.mask_id, seed=cfg.optim.seed, finetune=finetune)
     except ConfigError as e:
         raise ExportError(f"cannot rebuild the model of {where} ({e}); a run that fine-tuned a model "
                           "directory needs that directory for its architecture") from None
@@ -272,6 +282,22 @@ def export(ns: argparse.Namespace, log: Log = stderr_log("export")) -> dict[str,
     candidates = tools.check_export(ns)
     loaded = load_for_inference(ns.run_dir, candidates, step_given=ns.step is not None, log=log)
     model, bundle, tokenizer = loaded.model, loaded.bundle, loaded.tokenizer
+    lora = loaded.cfg is not None and loaded.cfg.finetune.enabled
+    merge = bool(getattr(ns, "merge", False))
+    if merge and not lora:
+        raise ConfigError("--merge", f"{ns.run_dir} trained every weight (no --lora), so there is no adapter to "
+                                     f"merge; its export is already a full model: drop --merge")
+    adapter_logits = None
+    if lora:
+        ids = check_batch(len(tokenizer), bundle.mask_id, CHECK_TOKENS)
+        with torch.no_grad():
+            adapter_logits = model(input_ids=ids).logits.cpu()
+        if merge:
+            log("merging the adapters into the base (peft merge_and_unload)")
+            model = loaded.model = bundle.model = model.merge_and_unload()
+            merged = _logits_diff(model, ids, adapter_logits)
+            if not merged <= 1e-4 * max(1.0, float(adapter_logits.abs().max())):
+                raise ExportError(f"the merged model's logits differ from the adapted model's by {merged:.3g}")
     _prepare_config(loaded, Path(ns.run_dir))
     out = Path(ns.out_dir).expanduser()
     try:
@@ -280,12 +306,15 @@ def export(ns: argparse.Namespace, log: Log = stderr_log("export")) -> dict[str,
     except OSError as e:
         raise ConfigError("OUT_DIR", f"cannot write next to {out} ({e.strerror or e})") from None
     try:
-        log(f"writing {bundle.family}/{bundle.size} ({bundle.total_params / 1e6:.1f}M params) to {out}")
-        with quiet_imports():
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-        log("reading it back with transformers (AutoModelForCausalLM, AutoTokenizer) to check it")
-        check = check_export_dir(tmp, model, tokenizer, bundle)
+        if lora and not merge:
+            check = _write_adapter(loaded, tmp, out, log)
+        else:
+            log(f"writing {bundle.family}/{bundle.size} ({bundle.total_params / 1e6:.1f}M params) to {out}")
+            with quiet_imports():
+                model.save_pretrained(tmp)
+                tokenizer.save_pretrained(tmp)
+            log("reading it back with transformers (AutoModelForCausalLM, AutoTokenizer) to check it")
+            check = check_export_dir(tmp, model, tokenizer, bundle)
         _usual_permissions(tmp)
         _move_into_place(tmp, out, force=ns.force)
     except BaseException:
@@ -296,8 +325,68 @@ def export(ns: argparse.Namespace, log: Log = stderr_log("export")) -> dict[str,
               "family": bundle.family, "size": bundle.size, "objective": bundle.objective,
               "mask_token_id": bundle.mask_id, "params": bundle.total_params, "files": files,
               "logits_max_abs_diff": check["max_abs_diff"], "logits_equal": check["equal"],
-              "seconds": round(time.monotonic() - t0, 3)}
+              "seconds": round(time.monotonic() - t0, 3),
+              "format": "merged" if merge else "peft-adapter" if lora else "model"}
+    if lora and not merge:
+        result["base_model"] = check["base"]
     return result
+
+
+def _logits_diff(model: torch.nn.Module, ids: torch.Tensor, want: torch.Tensor) -> float:
+    with torch.no_grad():
+        return float((model(input_ids=ids.to(next(model.parameters()).device)).logits.cpu() - want).abs().max())
+
+
+def _write_adapter(loaded: LoadedModel, tmp: Path, out: Path, log: Log) -> dict[str, Any]:
+    """A LoRA run's adapter in peft's format (adapter_config.json, adapter_model.safetensors) and the tokenizer.
+
+    `base_model_name_or_path` names the base: the model directory the run fine-tuned (absolute), or for a
+    built-in family, whose base exists only as the run's seeded initialization, a copy written to
+    OUT_DIR/base. Read back with plain transformers + `peft.PeftModel.from_pretrained` and compared."""
+    model, bundle, cfg = loaded.model, loaded.bundle, loaded.cfg
+    if bundle.family == "pretrained":
+        base_path = str(Path(cfg.model.model).expanduser().resolve())
+    else:
+        base_path = str((out / "base").resolve())
+        log(f"writing the base of {bundle.family}/{bundle.size} (the run's initialization) to {out / 'base'}")
+        tok = tokenizer_info(cfg.data, log=log)
+        base = _build(cfg.model, tok, cfg, detect_cpu(), loaded.source).model
+        with quiet_imports():
+            base.save_pretrained(tmp / "base")
+            loaded.tokenizer.save_pretrained(tmp / "base")
+    model.peft_config["default"].base_model_name_or_path = base_path
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) or bundle.trainable_params
+    log(f"writing the LoRA adapter ({(bundle.trainable_params or trainable) / 1e6:.2f}M params, base {base_path}) "
+        f"to {out}")
+    with quiet_imports(), warnings.catch_warnings():
+        # peft looks for the base's config.json to see whether the vocabulary grew: OUT_DIR/base is not in place yet
+        warnings.filterwarnings("ignore", message="Could not find a config file", category=UserWarning)
+        model.save_pretrained(tmp)
+        loaded.tokenizer.save_pretrained(tmp)
+    log("reading it back with transformers and peft (PeftModel.from_pretrained) to check it")
+    with quiet_imports():
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        base_dir = tmp / "base" if bundle.family != "pretrained" else Path(base_path)
+        reloaded = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(str(base_dir), local_files_only=True, dtype=torch.float32),
+            str(tmp)).eval()
+    ids = check_batch(len(loaded.tokenizer), bundle.mask_id, CHECK_TOKENS)
+    with torch.no_grad():
+        a = model(input_ids=ids.to(next(model.parameters()).device)).logits.cpu()
+        b = reloaded(input_ids=ids).logits
+    diff = float((a - b).abs().max())
+    if not diff <= 1e-5 * max(1.0, float(a.abs().max())):
+        raise ExportError(f"the written adapter's logits differ from the checkpoint's by up to {diff:.3g}; "
+                          f"nothing was written to OUT_DIR")
+    return {"equal": bool(torch.equal(a, b)), "max_abs_diff": diff, "base": base_path}
+
+
+def detect_cpu() -> Any:
+    from .device import detect
+
+    return detect("cpu")
 
 
 def _prepare_config(loaded: LoadedModel, run_dir: Path) -> None:
@@ -365,7 +454,7 @@ def _usual_permissions(path: Path) -> None:
     umask = os.umask(0)
     os.umask(umask)
     path.chmod(0o777 & ~umask)
-    for f in path.iterdir():
+    for f in path.rglob("*"):                  # a LoRA export of a built-in family has base/ inside
         f.chmod((0o777 if f.is_dir() else 0o666) & ~umask)
 
 

@@ -15,6 +15,19 @@ forward and 4 in the backward, 2 FLOPs per multiply-add. As in torchtitan,
 causal sparsity is not subtracted and activation recomputation is not added:
 MFU counts the model's FLOPs, not the hardware's.
 
+**Frozen weights** (a LoRA run's base, trainer.lora) are counted at 4 FLOPs per
+parameter and token instead of 6: the backward pass of a linear layer is two
+matmuls of the forward's size, one for the gradient of its input (needed to
+reach earlier layers and the adapters) and one for the gradient of its weight
+(Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+Clusters Using Megatron-LM", arXiv:2104.04473, section 5.1: backward = 2x
+forward for exactly these two). A frozen weight needs no weight gradient, so
+its cost is 2 (forward) + 2 (input gradient) = 4; the adapters train and cost
+6. So a LoRA run's FLOPs per token are ``6 * N_adapters + 4 * N_frozen +
+attention``: its MFU counts the work the run must do, not a full fine-tune's.
+(The input gradient of the lowest frozen layers is still counted although
+nothing below them trains; that is at most the first layer's share.)
+
 For DeepSeek's multi-head latent attention the score matmul runs over the
 query/key head dim (nope + rope) and the value matmul over the value head dim,
 so the attention term is ``6 * L * H * (Q_qk + Q_v) * T`` (torchtitan's
@@ -30,28 +43,39 @@ native bf16 emulates it), cached per CPU name, thread count, number of
 processes training at once on the node (the ranks of a run share its cores),
 torch version and dtype in ``$GPTOP_CACHE`` (default ``~/.cache/gptop``).
 
-A measured peak can be wrong: taken while another process held the cores, it
-is too low, and every later run would then report an MFU above 1. An MFU
-above 1 is therefore never reported: the trainer drops that cached peak
+A measured peak must not depend on how busy the machine was: it is one
+core's matmul rate timed in that thread's busy CPU seconds (not wall seconds,
+which grow when another process holds the core), best of several short
+repetitions, times the cores the process may use. The cache keeps the best
+measurement per key ({"best", "n"}); a run whose MFU comes within reach of the
+peak (above ``REMEASURE_MFU``) measures again once and keeps the better one.
+An MFU above 1 is still never reported: the trainer drops that cached peak
 (``forget_cpu_peak``) so that the next run measures again, and reports null
-for the rest of the run, with a warning event that says why.
+for the rest of the run, with a warning event that says why. Where the peak
+came from is the hello event's ``peak_source``; views mark a measured peak's
+MFU as approximate ("~").
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from .contract.atomic import atomic_write
 from .contract.device import DeviceInfo
 from .contract.device import cpu_name as default_cpu_name
 
 T = 1e12
+
+REMEASURE_MFU = 0.8   # a measured peak the run's MFU comes this close to is measured again (once per run)
 
 # Which table column a run's --precision uses. fp32 means plain fp32 matmuls
 # (CUDA cores; torch does not use TF32 unless asked). fp8 runs keep attention,
@@ -108,14 +132,15 @@ PEAK_TABLE: list[tuple[str, str, dict[str, float | None], str]] = [
 
 
 def flops_per_token(active_nonembed_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int,
-                    *, v_head_dim: int | None = None) -> int:
-    """Training FLOPs per token: ``6*N + 12*L*H*Q*T`` (torchtitan).
+                    *, v_head_dim: int | None = None, frozen_params: int = 0) -> int:
+    """Training FLOPs per token: ``6*N + 4*F + 12*L*H*Q*T`` (torchtitan, plus frozen weights).
 
-    With `v_head_dim` (MLA, where query/key and value heads differ) the
-    attention term is ``6*L*H*(head_dim + v_head_dim)*T``.
+    N: the active non-embedding parameters that train; F: those that are frozen (a LoRA base), which
+    need the forward (2) and the activation gradient (2) but no weight gradient. With `v_head_dim`
+    (MLA, where query/key and value heads differ) the attention term is ``6*L*H*(head_dim + v_head_dim)*T``.
     """
     v = head_dim if v_head_dim is None else v_head_dim
-    return int(6 * active_nonembed_params + 6 * n_layers * n_heads * (head_dim + v) * seq_len)
+    return int(6 * active_nonembed_params + 4 * frozen_params + 6 * n_layers * n_heads * (head_dim + v) * seq_len)
 
 
 def gpu_entry(device_name: str) -> tuple[str, dict[str, float | None], str] | None:
@@ -141,21 +166,55 @@ def cpu_dtype(precision: str) -> torch.dtype:
     return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
-def peak_flops(dev: DeviceInfo, precision: str, *, procs: int = 1,
-               cache_dir: str | Path | None = None) -> float | None:
+@dataclass(frozen=True)
+class Peak:
+    """The MFU denominator of one process and where it came from (the hello event's `peak_source`)."""
+
+    flops: float | None
+    source: str | None       # "datasheet: <GPU> (<url>)", "measured: ..." or None (unknown GPU)
+
+    @property
+    def measured(self) -> bool:
+        return bool(self.source) and self.source.startswith("measured")  # type: ignore[union-attr]
+
+
+def peak(dev: DeviceInfo, precision: str, *, procs: int = 1, cache_dir: str | Path | None = None,
+         remeasure: bool = False) -> Peak:
     """The MFU denominator for one process: the GPU table, or the measured CPU matmul rate.
 
     `procs` is how many processes of the run share this node's CPU (its local
-    ranks); on the CPU they measure at the same time, so each gets its share.
+    ranks); each gets its share of the cores. `remeasure` measures the CPU
+    again even when a cached figure exists (the best of all measurements is kept).
     """
     if dev.is_cuda:
-        return gpu_peak_flops(dev.name, precision)
-    peak = cpu_peak_flops(cpu_dtype(precision), cpu_name=dev.name, procs=procs, cache_dir=cache_dir)
-    if cpu_dtype(precision) != torch.float32:
+        entry = gpu_entry(dev.name)
+        value = gpu_peak_flops(dev.name, precision)
+        if entry is None or value is None:
+            return Peak(None, None)
+        return Peak(value, f"datasheet: {entry[0]} {PRECISION_COLUMN.get(precision, precision)} ({entry[2]})")
+    dtypes = [cpu_dtype(precision)]
+    if dtypes[0] != torch.float32:
         # A CPU without native bf16 emulates it far below its fp32 rate, and autocast keeps part of the
         # work in fp32: the machine's peak is then its fp32 one (on GPUs the bf16 column is always higher).
-        peak = max(peak, cpu_peak_flops(torch.float32, cpu_name=dev.name, procs=procs, cache_dir=cache_dir))
-    return peak
+        dtypes.append(torch.float32)
+    best: tuple[float, dict[str, Any], torch.dtype] | None = None
+    for dt in dtypes:
+        entry = cpu_peak_entry(dt, cpu_name=dev.name, procs=procs, cache_dir=cache_dir, remeasure=remeasure)
+        if best is None or entry["best"] > best[0]:
+            best = (entry["best"], entry, dt)
+    assert best is not None
+    value, entry, dt = best
+    n = int(entry.get("n", 1))
+    cores = usable_cores(int(entry.get("threads") or 1), procs)
+    return Peak(value, f"measured: best of {n} CPU matmul measurement{'s' if n != 1 else ''} "
+                       f"({str(dt).removeprefix('torch.')}; one core's rate in busy CPU time x {cores} "
+                       f"core{'s' if cores != 1 else ''})")
+
+
+def peak_flops(dev: DeviceInfo, precision: str, *, procs: int = 1,
+               cache_dir: str | Path | None = None) -> float | None:
+    """`peak(...).flops`: the MFU denominator for one process."""
+    return peak(dev, precision, procs=procs, cache_dir=cache_dir).flops
 
 
 def mfu(tokens_per_s: float | None, flops_per_token: float, peak: float | None) -> float | None:
@@ -188,57 +247,96 @@ def _read_table(path: Path) -> dict[str, Any]:
 
 def _write_table(path: Path, table: dict[str, Any]) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps(table, indent=1, sort_keys=True))
     except OSError:
         pass                                         # a read-only home still gets an MFU, just not cached
 
 
-def measure_cpu_matmul_flops(dtype: torch.dtype = torch.float32, *, budget_s: float = 0.6) -> float:
-    """Best FLOP/s of a square matmul on this CPU with the current torch thread count (< ~1 s)."""
-    n = 1024
-    a = torch.randn(n, n).to(dtype)
-    b = torch.randn(n, n).to(dtype)
-    t0 = time.perf_counter()
-    torch.mm(a, b)                                  # warm-up (and a size probe)
-    first = time.perf_counter() - t0
-    if first > budget_s / 4:                        # slow dtype on this CPU (e.g. bf16 without AMX)
+def usable_cores(threads: int, procs: int = 1) -> int:
+    """Cores one of `procs` processes with `threads` threads can have to itself on this node."""
+    try:
+        ncpu = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        ncpu = os.cpu_count() or 1
+    return max(1, min(threads, ncpu // max(1, procs)))
+
+
+def measure_cpu_matmul_flops(dtype: torch.dtype = torch.float32, *, budget_s: float = 0.6, procs: int = 1,
+                             threads: int | None = None,
+                             cpu_time: Callable[[], float] = time.thread_time,
+                             wall: Callable[[], float] = time.perf_counter) -> float:
+    """Peak FLOP/s of one process on this CPU: one core's square-matmul rate times the cores the process
+    may use (`usable_cores` of its `threads`, default torch's, and the `procs` sharing the node).
+
+    One core's rate is measured on one thread in that thread's busy CPU seconds, not wall seconds: FLOPs
+    per CPU second is what the core does while it runs us, and does not fall when another process takes
+    the core half the time (wall time would: a peak taken on a busy machine was half the real one, and
+    MFU read 97%). One thread, because several threads stall at each parallel region's barrier while
+    another process holds one of their cores, spinning CPU time away. The best of several short
+    repetitions is kept. Like a datasheet's figure it assumes the cores scale perfectly (and single-core
+    clocks, a little above all-core ones), so it is an upper bound. Takes < ~1 s."""
+    cores = usable_cores(threads or torch.get_num_threads(), procs)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
         n = 512
-        a, b = a[:n, :n].contiguous(), b[:n, :n].contiguous()
-    best = 0.0
-    deadline = time.perf_counter() + budget_s
-    reps = 0
-    while reps < 3 or time.perf_counter() < deadline:
-        t = time.perf_counter()
-        torch.mm(a, b)
-        dt = time.perf_counter() - t
-        if dt > 0:
-            best = max(best, 2 * n ** 3 / dt)
-        reps += 1
-    return best
+        a = torch.randn(n, n).to(dtype)
+        b = torch.randn(n, n).to(dtype)
+        t0 = wall()
+        torch.mm(a, b)                              # warm-up (and a size probe)
+        if wall() - t0 > budget_s / 8:              # slow dtype on this CPU (e.g. bf16 without AMX)
+            n = 256
+            a, b = a[:n, :n].contiguous(), b[:n, :n].contiguous()
+        best = 0.0
+        deadline = wall() + budget_s
+        reps = 0
+        while reps < 5 or wall() < deadline:
+            c = cpu_time()
+            torch.mm(a, b)
+            busy = cpu_time() - c
+            if busy > 0:
+                best = max(best, 2 * n ** 3 / busy)
+            reps += 1
+    finally:
+        torch.set_num_threads(previous)
+    return best * cores
+
+
+def cpu_peak_entry(dtype: torch.dtype = torch.float32, *, cpu_name: str | None = None, threads: int | None = None,
+                   procs: int = 1, cache_dir: str | Path | None = None, remeasure: bool = False) -> dict[str, Any]:
+    """The cached CPU peak of a key ({"best": FLOP/s, "n": measurements, "threads": ...}), measuring
+    when there is none or when `remeasure`; the best measurement per key is kept, so one taken on a busy
+    machine never lowers it. Keyed by CPU name, threads, processes, torch version and dtype."""
+    threads = threads or torch.get_num_threads()
+    key = _cpu_key(cpu_name or default_cpu_name(), threads, procs, dtype)
+    path = _cache_file(cache_dir)
+    cached = _entry(_read_table(path).get(key))
+    if cached is not None and not remeasure:
+        return {**cached, "threads": threads}
+    value = measure_cpu_matmul_flops(dtype, procs=procs, threads=threads)
+    table = _read_table(path)                        # re-read: another rank may have written meanwhile
+    old = _entry(table.get(key)) or {"best": 0.0, "n": 0}
+    entry = {"best": max(old["best"], value), "n": old["n"] + 1, "last": value}
+    table[key] = entry
+    _write_table(path, table)
+    return {**entry, "threads": threads}
+
+
+def _entry(v: Any) -> dict[str, Any] | None:
+    """A cache entry as {"best", "n"}: a bare number (the cache of earlier versions) is one measurement."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+        return {"best": float(v), "n": 1}
+    if isinstance(v, dict):
+        best, n = v.get("best"), v.get("n", 1)
+        if isinstance(best, (int, float)) and not isinstance(best, bool) and best > 0 and math.isfinite(best):
+            return {"best": float(best), "n": int(n) if isinstance(n, int) and n > 0 else 1}
+    return None
 
 
 def cpu_peak_flops(dtype: torch.dtype = torch.float32, *, cpu_name: str | None = None,
                    threads: int | None = None, procs: int = 1, cache_dir: str | Path | None = None) -> float:
-    """Measured CPU matmul peak, cached per CPU name, threads, processes, torch version and dtype."""
-    threads = threads or torch.get_num_threads()
-    key = _cpu_key(cpu_name or default_cpu_name(), threads, procs, dtype)
-    path = _cache_file(cache_dir)
-    cached = _read_table(path).get(key)
-    if isinstance(cached, (int, float)) and cached > 0:
-        return float(cached)
-    previous = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
-        peak = measure_cpu_matmul_flops(dtype)
-    finally:
-        torch.set_num_threads(previous)
-    table = _read_table(path)                        # re-read: another rank may have written meanwhile
-    table[key] = peak
-    _write_table(path, table)
-    return peak
+    """Measured CPU matmul peak (the best kept per key; see `cpu_peak_entry`)."""
+    return cpu_peak_entry(dtype, cpu_name=cpu_name, threads=threads, procs=procs, cache_dir=cache_dir)["best"]
 
 
 def forget_cpu_peak(dtype: torch.dtype = torch.float32, *, cpu_name: str | None = None,

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from .contract.config import FAMILIES, ConfigError, ModelConfig, Toggles
+from .contract.config import FAMILIES, ConfigError, FinetuneConfig, ModelConfig, Toggles
 from .contract.inputs import is_model_path
 from .contract.device import DeviceInfo
 from . import flops as _flops
@@ -114,6 +114,11 @@ class ModelBundle:
     flops_per_token: int     # for training (fwd+bwd), torchtitan formula with seq_len
     objective: str           # "causal" | "llada"
     mask_id: int | None
+    trainable_params: int | None = None   # parameters that train (LoRA: the adapters); None: all of them
+
+    def __post_init__(self) -> None:
+        if self.trainable_params is None:
+            self.trainable_params = self.total_params
 
     @property
     def is_moe(self) -> bool:
@@ -305,14 +310,29 @@ def _attention_shape(cfg: Any) -> tuple[int, int, int, int]:
 
 
 def training_flops_per_token(model: torch.nn.Module, cfg: Any, seq_len: int) -> int:
-    """torchtitan's FLOPs per token for a built model (see trainer.flops)."""
-    c = count_params(model, cfg)
+    """torchtitan's FLOPs per token for a built model (see trainer.flops), frozen weights counted at 4 not 6.
+
+    N is split into the active non-embedding parameters that train (6 FLOPs each per token) and the
+    frozen ones (a LoRA base: 4, no weight gradient), see `trainer.flops.flops_per_token`."""
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     # The input embedding is a lookup, not a matmul; the output head is a matmul.
     # With tied weights the one matrix is the head, so it stays in N.
-    nonembed = c["active"] - (0 if tied else c["embedding"])
+    emb = model.get_input_embeddings()
+    skip = None if tied or emb is None else emb.weight
+    sums = {(t, r): 0 for t in (True, False) for r in (True, False)}      # (trains, routed expert) -> params
+    for name, p in model.named_parameters():
+        if p is skip:
+            continue
+        sums[(p.requires_grad, ".mlp.experts." in name)] += p.numel()
+    moe = _moe_shape(cfg)
+
+    def active(trains: bool) -> int:
+        routed = sums[(trains, True)]
+        return sums[(trains, False)] + (routed * moe[0] // moe[1] if moe and routed else routed)
+
     layers, heads, qk, v = _attention_shape(cfg)
-    return _flops.flops_per_token(nonembed, layers, heads, qk, seq_len, v_head_dim=v)
+    return _flops.flops_per_token(active(True), layers, heads, qk, seq_len, v_head_dim=v,
+                                  frozen_params=active(False))
 
 
 _COUNT_CACHE: dict[tuple[str, str, int], dict[str, int]] = {}
@@ -359,17 +379,40 @@ def model_table_markdown(vocab_size: int = DEFAULT_VOCAB) -> str:
 # --- building -----------------------------------------------------------------------
 
 def build_model(mcfg: ModelConfig, *, vocab_size: int, seq_len: int, toggles: Toggles, dev: DeviceInfo,
-                mask_id: int | None = None, seed: int = 0) -> ModelBundle:
+                mask_id: int | None = None, seed: int = 0, finetune: FinetuneConfig | None = None) -> ModelBundle:
     """Build the model of a run on the CPU in fp32; the trainer moves it to the device.
 
     `vocab_size` is the tokenizer's; the model's is padded. Initialization uses
     its own RNG seeded with `seed`, so it leaves the global RNG untouched and is
     the same whatever ran before. fp8 conversion is not done here (it needs the
-    model on the GPU): see trainer.fp8.
+    model on the GPU): see trainer.fp8. With `finetune.lora` the model is wrapped with LoRA adapters
+    (trainer.lora) and only those train.
     """
+    bundle = _build_base(mcfg, vocab_size=vocab_size, seq_len=seq_len, toggles=toggles, dev=dev, mask_id=mask_id,
+                         seed=seed, finetune=finetune)
+    if finetune is None or not finetune.enabled:
+        return bundle
+    from .lora import apply_lora
+
+    model = apply_lora(bundle.model, finetune, seed)
+    bundle.model = model
+    bundle.trainable_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    counts = count_params(model, bundle.hf_config)                                  # base + adapters
+    bundle.total_params, bundle.active_params = counts["total"], counts["active"]
+    bundle.flops_per_token = training_flops_per_token(model, bundle.hf_config, seq_len)
+    return bundle
+
+
+def _build_base(mcfg: ModelConfig, *, vocab_size: int, seq_len: int, toggles: Toggles, dev: DeviceInfo,
+                mask_id: int | None, seed: int, finetune: FinetuneConfig | None) -> ModelBundle:
+    quantize = finetune.quantize_base if finetune is not None and finetune.enabled else "none"
     if is_pretrained_path(mcfg.model):
         return _load_pretrained(mcfg.model, vocab_size=vocab_size, seq_len=seq_len, toggles=toggles,
-                                mask_id=mask_id)
+                                mask_id=mask_id, quantize=finetune if quantize != "none" else None, dev=dev)
+    if quantize != "none":
+        raise ConfigError("--quantize-base", f"{quantize} quantizes pretrained weights; the family {mcfg.model} "
+                                             f"starts from random ones. Fine-tune a model directory (--model DIR) "
+                                             f"or drop --quantize-base")
     family = mcfg.model
     if family not in FAMILIES:
         raise ConfigError("--model", f"{family!r} is neither a family ({', '.join(FAMILIES)}) nor a local "
@@ -413,12 +456,20 @@ def _apply_toggles(model: torch.nn.Module, toggles: Toggles) -> None:
 
 
 def _load_pretrained(path: str, *, vocab_size: int, seq_len: int, toggles: Toggles,
-                     mask_id: int | None) -> ModelBundle:
-    """Fine-tune a local HF causal LM from its weights (no network)."""
+                     mask_id: int | None, quantize: FinetuneConfig | None = None,
+                     dev: DeviceInfo | None = None) -> ModelBundle:
+    """Fine-tune a local HF causal LM from its weights (no network); `quantize`: a QLoRA base on `dev`."""
     transformers = _transformers()
+    extra: dict[str, Any] = {}
+    if quantize is not None:
+        from .lora import quantization_config
+
+        # bitsandbytes quantizes while loading, on the GPU (see trainer.lora; documentation-verified only)
+        extra = {"quantization_config": quantization_config(quantize, toggles.precision),
+                 "device_map": {"": str(dev.torch_device) if dev is not None else 0}}
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, dtype=torch.float32, attn_implementation=toggles.attention)
+            path, local_files_only=True, dtype=torch.float32, attn_implementation=toggles.attention, **extra)
     except (OSError, ValueError) as e:
         raise ConfigError("--model", f"cannot load a causal LM from {path}: {e}") from None
     cfg = model.config
@@ -438,7 +489,8 @@ def _load_pretrained(path: str, *, vocab_size: int, seq_len: int, toggles: Toggl
         model.resize_token_embeddings(vocab_size, pad_to_multiple_of=VOCAB_MULTIPLE)
     if mask is not None and mask >= model.get_input_embeddings().weight.shape[0]:
         raise ConfigError("--model", f"mask id {mask} is outside the vocabulary of {path}")
-    model.to(torch.float32)
+    if quantize is None:
+        model.to(torch.float32)
     _apply_toggles(model, toggles)
     counts = count_params(model, cfg)
     return ModelBundle(model=model, family="pretrained", size="pretrained", hf_config=cfg,
@@ -480,8 +532,59 @@ a GPU `small` under 12 GiB, `medium` under 40 GiB, else `large`, stepping down
 while the training state (16 bytes per parameter, fp32 weights + AdamW) of the
 *total* parameters would exceed 60% of the GPU memory.
 
+{FINETUNING}
 {USING_A_MODEL}
 Generated by `python -m trainer.models`.
+"""
+
+
+# The fine-tuning part of docs/models.md (trainer.lora, trainer.optim and trainer.flops implement it).
+FINETUNING = """\
+## Fine-tuning in small memory: LoRA, QLoRA, low-bit optimizers
+
+Full fine-tuning trains every weight and keeps fp32 AdamW moments: 16 bytes per
+parameter before activations. Three options cut that, alone or together:
+
+- `--lora R` trains rank-R LoRA adapters (peft, Hu et al. 2021) on a frozen base,
+  for a model directory or a built-in family. `--lora-alpha` (16) scales the
+  update by alpha / R, `--lora-dropout` (0) drops the adapters' input,
+  `--lora-targets` picks the layers: `auto` takes the attention and MLP
+  projections the architecture has (llama: q, k, v, o, gate, up, down;
+  deepseek: q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj and the dense and
+  shared-expert MLPs; its routed experts are fused tensors and stay frozen), or
+  give names (`q_proj,v_proj`); a name the model lacks is refused with the
+  names it has. Checkpoints hold only the adapters and their optimizer state;
+  the base is rebuilt from its directory or the family's seeded initialization,
+  and resume is exact. The dashboard shows trainable vs total parameters.
+- `--optimizer adamw|adamw-8bit|adamw-4bit|adafactor`: torch's AdamW (fp32
+  moments, 8 bytes per trained parameter), torchao's `AdamW8bit` / `AdamW4bit`
+  (block-wise quantized moments; tensors under 4096 values keep fp32 ones;
+  the update runs through torch.compile, so they need a C++ compiler on the
+  CPU or triton on a GPU), or `torch.optim.Adafactor` (a factored second
+  moment, no first moment; its `--lr` is relative: capped by 1/sqrt(step) and
+  scaled by each weight's RMS). Step events carry `optim_state_bytes`, what the
+  state really occupies, and the dashboard shows it beside the memory. A
+  checkpoint resumes only with the optimizer that wrote it.
+- `--quantize-base nf4|int8` (QLoRA, needs `--lora` and a model directory):
+  the frozen base is loaded through bitsandbytes (nf4: 4-bit NormalFloat with
+  double quantization, compute dtype from `--precision`; int8: LLM.int8()),
+  the adapters stay fp32. It needs CUDA and `pip install 'gptop[qlora]'`;
+  anywhere else the trainer exits 2 naming `--quantize-base` and the reason.
+  This path was written against the transformers, peft and bitsandbytes
+  documentation and has **not been run** (no GPU was available).
+
+```bash
+gptop train --model ./my-model --lora 16 --optimizer adamw-8bit
+gptop export runs/<run> hf/adapter            # peft format: adapter_config.json + adapter_model.safetensors
+gptop export runs/<run> hf/merged --merge     # the base with the adapters merged: a plain model
+```
+
+FLOPs and MFU stay honest with a frozen base: a frozen weight needs the forward
+(2 FLOPs per parameter and token) and the gradient of its input (2) but no
+weight gradient, so a LoRA run counts `6 * N_adapters + 4 * N_frozen` plus the
+attention term (trainer.flops cites the backward = 2 x forward split of
+Narayanan et al. 2021, arXiv:2104.04473). Full fine-tuning is `6 * N` as before.
+
 """
 
 
@@ -522,6 +625,16 @@ the model came from (`"gptop": {"family", "size", "objective", "step", ...}`).
 The builtin tokenizer is rebuilt from this Python's standard library, so export
 with the Python and environment (`GPTOP_BUILTIN_BYTES`) the run trained with: an
 export that would get another tokenizer stops with an error.
+
+A LoRA run (`--lora`) exports its adapter in peft's format: `adapter_config.json`
+(`base_model_name_or_path` is the model directory the run fine-tuned, or, for a
+built-in family whose base exists only as the run's initialization, a copy in
+`OUT_DIR/base`), `adapter_model.safetensors` and the tokenizer;
+`peft.AutoPeftModelForCausalLM.from_pretrained(OUT_DIR)` loads it. With `--merge`
+it writes the base with the adapters merged in (`merge_and_unload`), which plain
+`AutoModelForCausalLM` loads; its logits match the adapted model's within fp32
+rounding of the merge. Both are read back and compared before they are moved into
+place. A run with a quantized base (`--quantize-base`) cannot be exported yet.
 
 `gptop sample RUN_DIR --prompt TEXT` prints the prompt and its continuation from
 the newest checkpoint (`--step N`), or from an exported directory. Options:

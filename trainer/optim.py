@@ -1,6 +1,15 @@
 """The optimizer: AdamW's weight-decay groups, the learning-rate schedule, and a step that a non-finite
 step does not take.
 
+`--optimizer` picks what holds the moments (all take the same two weight-decay groups, so decay is the
+same rule): `adamw` (torch, fp32 moments: 8 bytes per trained parameter), `adamw-8bit` / `adamw-4bit`
+(torchao.optim.AdamW8bit / AdamW4bit: block-wise quantized moments, about 2 / 1 bytes per parameter;
+tensors under 4096 values keep fp32 moments; the update is compiled with torch.compile, hence the gate in
+trainer.contract.capabilities), and `adafactor` (torch.optim.Adafactor: a factored second moment, one row
+and one column vector per matrix, no first moment; its learning rate is relative, capped by 1/sqrt(step)
+and scaled by the parameter's RMS, see the torch documentation). `state_bytes` is what the moments
+really occupy (quantized tensors count their codes and scales), reported in step events.
+
 Skipping a non-finite step costs no host synchronization with fused AdamW (the default): the flag stays
 on the device and goes to the fused kernel as `found_inf`, the same protocol GradScaler uses, which
 leaves parameters, moments and step counts untouched when it is set. The foreach kernel has no such
@@ -47,9 +56,40 @@ def adamw_flags(fused: bool) -> dict[str, Any]:
     return {"fused": True, "foreach": None} if fused else {"fused": None, "foreach": True}
 
 
-def build_adamw(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=lr_at(0, cfg), betas=BETAS, eps=EPS,
-                             **adamw_flags(cfg.toggles.fused_adamw))
+def kernel_flags(cfg: TrainConfig) -> dict[str, Any]:
+    """The per-run kernel flags of the optimizer's groups (AdamW's fused/foreach; none for the others)."""
+    return adamw_flags(cfg.toggles.fused_adamw) if cfg.optim.optimizer == "adamw" else {}
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """The run's optimizer (`--optimizer`) over the parameters that train."""
+    groups, lr, name = param_groups(model, cfg.optim.weight_decay), lr_at(0, cfg), cfg.optim.optimizer
+    groups = [g for g in groups if g["params"]] or groups[:1]     # LoRA: the adapters are all matrices
+    if name == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=BETAS, eps=EPS, **adamw_flags(cfg.toggles.fused_adamw))
+    if name in ("adamw-8bit", "adamw-4bit"):
+        from .models import quiet_imports
+
+        with quiet_imports():
+            from torchao.optim import AdamW4bit, AdamW8bit
+        cls = AdamW8bit if name == "adamw-8bit" else AdamW4bit
+        return cls(groups, lr=lr, betas=BETAS, eps=EPS)
+    if name == "adafactor":
+        return torch.optim.Adafactor(groups, lr=lr)
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes the optimizer state occupies: a quantized tensor (torchao) counts its inner codes and scales."""
+
+    def size(t: torch.Tensor) -> int:
+        if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+            names, _ = t.__tensor_flatten__()
+            return sum(size(getattr(t, n)) for n in names)
+        return t.numel() * t.element_size()
+
+    return sum(size(v) for per_param in optimizer.state.values() for v in per_param.values()
+               if isinstance(v, torch.Tensor))
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -63,8 +103,12 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """torchao's optimizers hold the rate as a tensor (their compiled step reads it), updated in place."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
 
 
 def step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, finite: torch.Tensor) -> None:

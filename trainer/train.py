@@ -137,18 +137,19 @@ class Trainer:
             self.group = D.Group(self.rank, self.world, self.local_rank, self.device)
             self.group.init()
 
-        capabilities.check(cfg.toggles, self.dev)
+        capabilities.check_config(cfg, self.dev)
         cfg.validate(world_size=self.world)     # the per-rank batch and micro-batch, now that the world is known
         torch.manual_seed(cfg.optim.seed)
         self.data = load_data(cfg.data, log=self.log)
         self.sampler = BatchSampler(self.data.train, cfg.data.seq_len, cfg.optim.global_batch, cfg.optim.seed,
                                     rank=self.rank, world_size=self.world)
         self.bundle = build_model(cfg.model, vocab_size=self.data.vocab_size, seq_len=cfg.data.seq_len,
-                                  toggles=cfg.toggles, dev=self.dev, mask_id=self.data.mask_id, seed=cfg.optim.seed)
+                                  toggles=cfg.toggles, dev=self.dev, mask_id=self.data.mask_id, seed=cfg.optim.seed,
+                                  finetune=cfg.finetune)
         self.raw_model = self.bundle.model.to(self.device)
         self._setup_precision()
         self._wrap_parallel()
-        self.optimizer = optim.build_adamw(self.raw_model, cfg)
+        self.optimizer = optim.build_optimizer(self.raw_model, cfg)
         self.meter = make_meter(self.device)
         from .moe import MoEBalancer
 
@@ -172,28 +173,32 @@ class Trainer:
         self.accum = self.sampler.accumulation_steps(self.micro_batch)
         self.tokens_per_step = cfg.optim.global_batch * cfg.data.seq_len
 
-        from .flops import peak_flops
+        from .flops import peak
 
         self._local_procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)   # ranks sharing this node's CPU
-        self.peak_flops = peak_flops(self.dev, cfg.toggles.precision, procs=self._local_procs)
+        p = peak(self.dev, cfg.toggles.precision, procs=self._local_procs)
+        self.peak_flops, self.peak_source = p.flops, p.source
+        self._peak_remeasured = False
         if self.rank == 0:
             atomic_write(rundir.RunDir(self.run_dir).config, cfg.to_toml())
         self.emit0(
             "hello", pid=os.getpid(), world_size=self.world, parallel=self.parallel, config=cfg.to_dict(), device=self.dev.to_dict(),
             model={"family": self.bundle.family, "size": self.bundle.size, "total_params": self.bundle.total_params,
                    "active_params": self.bundle.active_params, "embedding_params": self.bundle.embedding_params,
+                   "trainable_params": self.bundle.trainable_params,
                    "vocab_size": self.bundle.vocab_size, "flops_per_token": self.bundle.flops_per_token,
                    "objective": self.bundle.objective},
             data={"train_tokens": int(len(self.data.train)), "val_tokens": int(len(self.data.val)),
                   "fingerprint": self.data.fingerprint},
             accumulation=self.accum, micro_batch=self.micro_batch, tokens_per_step=self.tokens_per_step,
-            peak_flops=self.peak_flops, resumed_from=self.resumed_from, start_step=self.progress.step,
+            peak_flops=self.peak_flops, peak_source=self.peak_source, resumed_from=self.resumed_from, start_step=self.progress.step,
             torch=torch.__version__)
         ranks = f"; {self.world} ranks ({self.parallel}, {self.group.backend})" if self.group else ""
         self.log(f"{self.bundle.family}/{self.bundle.size}: {self.bundle.total_params / 1e6:.1f}M params "
-                 f"({self.bundle.active_params / 1e6:.1f}M active) on {self.dev.name}; micro-batch {self.micro_batch} "
+                 f"({self.bundle.active_params / 1e6:.1f}M active, {self.bundle.trainable_params / 1e6:.2f}M trained) "
+                 f"on {self.dev.name}; micro-batch {self.micro_batch} "
                  f"x {self.accum} accumulation{ranks}; run dir {self.run_dir}")
-        for slow in capabilities.slow_choices(cfg.toggles, self.dev):   # runs, but the user should know
+        for slow in capabilities.slow_config(cfg, self.dev):   # runs, but the user should know
             self.log(f"warning: {slow}")
             self.emit0("warning", message=slow, kind="slow_toggle")
 
@@ -488,9 +493,10 @@ class Trainer:
         idle = [t.gpu_idle_ms for t in timings if t.gpu_idle_ms is not None]
         fields: dict[str, Any] = dict(
             step=self.progress.step, tokens=self.progress.tokens, loss=loss,
-            lr=self.optimizer.param_groups[0]["lr"], grad_norm=grad_norm, step_ms=step_ms, phases_ms=phases,
+            lr=float(self.optimizer.param_groups[0]["lr"]), grad_norm=grad_norm, step_ms=step_ms, phases_ms=phases,
             tokens_per_s=tokens_per_s, mfu=self._checked_mfu(tokens_per_s),
-            mem_bytes=self.meter.peak(), interval_steps=n, wall_ms=wall * 1e3 / n)
+            mem_bytes=self.meter.peak(), interval_steps=n, wall_ms=wall * 1e3 / n,
+            optim_state_bytes=optim.state_bytes(self.optimizer))
         fields["batch"] = self.progress.batch_cursor - 1   # global batch index of the last step (data-order checks)
         if idle:
             fields["gpu_idle_ms"] = sum(idle) / len(idle)
@@ -503,35 +509,31 @@ class Trainer:
         self._interval_reset()
 
     def _checked_mfu(self, tokens_per_s: float | None) -> float | None:
-        """MFU of the run, or None. Above 1 the peak is wrong (a CPU peak measured on a busy machine):
-        say so once, drop that cached peak so the next run measures again, and report null from here on."""
-        from .flops import cpu_dtype, forget_cpu_peak, mfu
+        """MFU of the run, or None. A measured (CPU) peak that the run comes within reach of (MFU above
+        REMEASURE_MFU) is measured again once, the best measurement kept: a peak taken on a busy machine
+        is too low. Above 1 the peak is wrong: say so once, drop that cached peak so the next run
+        measures again, and report null from here on."""
+        from .flops import REMEASURE_MFU, cpu_dtype, forget_cpu_peak, mfu, peak
 
-        value = mfu(tokens_per_s, self.bundle.flops_per_token, self.peak_flops * self.world if self.peak_flops else None)
-        if value is None or value <= 1.0:
-            return value
+        def value() -> float | None:
+            return mfu(tokens_per_s, self.bundle.flops_per_token,
+                       self.peak_flops * self.world if self.peak_flops else None)
+
+        got = value()
+        if got is not None and got > REMEASURE_MFU and not self.dev.is_cuda and not self._peak_remeasured:
+            self._peak_remeasured = True
+            old = self.peak_flops
+            again = peak(self.dev, self.cfg.toggles.precision, procs=self._local_procs, remeasure=True)
+            self.peak_flops, self.peak_source = max(old or 0.0, again.flops or 0.0), again.source
+            self.emit0("log", message=f"MFU {got:.0%} is close to the measured CPU peak "
+                                      f"({old / 1e9:,.1f} GFLOP/s per process): measured it again, "
+                                      f"{(again.flops or 0) / 1e9:,.1f}; using {self.peak_flops / 1e9:,.1f}",
+                       source="trainer")
+            got = value()
+        if got is None or got <= 1.0:
+            return got
         where = "the datasheet peak" if self.dev.is_cuda else "the measured CPU matmul peak"
-        msg = (f"MFU would be {value:.2f} (> 1): {where} ({self.peak_flops / 1e9:,.1f} GFLOP/s per process) is "
-               f"below what the model achieves, so it is not a peak; MFU is not reported for the rest of this run")
-        if not self.dev.is_cuda:
-            dtypes = {cpu_dtype(self.cfg.toggles.precision), torch.float32}   # a bf16 peak is never below fp32's
-            dropped = [forget_cpu_peak(d, cpu_name=self.dev.name, procs=self._local_procs) for d in dtypes]
-            if any(dropped):
-                msg += " and the cached peak is dropped (the next run measures it again, best on an idle machine)"
-        self.emit0("warning", message=msg, kind="peak_flops")
-        self.peak_flops = None
-        return None
-
-    def _checked_mfu(self, tokens_per_s: float | None) -> float | None:
-        """MFU of the run, or None. Above 1 the peak is wrong (a CPU peak measured on a busy machine):
-        say so once, drop that cached peak so the next run measures again, and report null from here on."""
-        from .flops import cpu_dtype, forget_cpu_peak, mfu
-
-        value = mfu(tokens_per_s, self.bundle.flops_per_token, self.peak_flops * self.world if self.peak_flops else None)
-        if value is None or value <= 1.0:
-            return value
-        where = "the datasheet peak" if self.dev.is_cuda else "the measured CPU matmul peak"
-        msg = (f"MFU would be {value:.2f} (> 1): {where} ({self.peak_flops / 1e9:,.1f} GFLOP/s per process) is "
+        msg = (f"MFU would be {got:.2f} (> 1): {where} ({self.peak_flops / 1e9:,.1f} GFLOP/s per process) is "
                f"below what the model achieves, so it is not a peak; MFU is not reported for the rest of this run")
         if not self.dev.is_cuda:
             dtypes = {cpu_dtype(self.cfg.toggles.precision), torch.float32}   # a bf16 peak is never below fp32's
@@ -601,12 +603,13 @@ class Trainer:
 
         torch.manual_seed(self.cfg.optim.seed)
         fresh = build_model(self.cfg.model, vocab_size=self.data.vocab_size, seq_len=self.cfg.data.seq_len,
-                            toggles=self.cfg.toggles, dev=self.dev, mask_id=self.data.mask_id, seed=self.cfg.optim.seed)
+                            toggles=self.cfg.toggles, dev=self.dev, mask_id=self.data.mask_id, seed=self.cfg.optim.seed,
+                            finetune=self.cfg.finetune)
         if self.group is not None:
             self.ckpt.load_full(fresh.model.state_dict(), None)
         else:
             self.raw_model.load_state_dict(fresh.model.state_dict())
-        self.optimizer = optim.build_adamw(self.raw_model, self.cfg)
+        self.optimizer = optim.build_optimizer(self.raw_model, self.cfg)
         self.ckpt.bind(self.raw_model, self.optimizer, self.scaler)
         self.progress = Progress()
 
@@ -657,7 +660,8 @@ def main_run(cfg: TrainConfig, run_lock: RunLock | None = None) -> int:
     except torch.OutOfMemoryError as e:
         extra = {"toggles": cfg.to_dict()["toggles"], "memory": trainer.memory_figures() if trainer else {}}
         return _report(trainer, "oom", f"out of memory: {str(e).splitlines()[0] if str(e) else ''} -- try a smaller "
-                                       f"--micro-batch, --activation-checkpointing or bf16", EXIT_OOM, **extra)
+                                       f"--micro-batch, --activation-checkpointing, bf16, --optimizer adamw-8bit or "
+                                       f"--lora R", EXIT_OOM, **extra)
     except ckpt.PeerSaveFailed as e:
         return _report(trainer, "crash", str(e), EXIT_CRASH, lost_peer=True)
     except Exception as e:

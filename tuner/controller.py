@@ -77,6 +77,7 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any, Callable
 
+from trainer.contract import capabilities
 from trainer.contract.config import AUTO, TrainConfig, Toggles
 from trainer.contract.device import DeviceInfo
 from trainer.contract.events import ApplyEvent, CheckpointEvent, ErrorEvent, Event, StepEvent, TrialEvent, TunerEvent
@@ -89,7 +90,6 @@ from .space import SearchSpace
 from .study import FAILURE_KINDS, Candidate, Proposal, TuneStudy
 
 FAILURES: tuple[str, ...] = FAILURE_KINDS
-_PRECISION_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8-tensorwise": 2, "fp8-rowwise": 2}
 
 
 # --- actions ----------------------------------------------------------------------------
@@ -177,11 +177,15 @@ class TuneController:
                  min_steps: int = 8, rel_ci: float = 0.03, max_steps: int = 200, max_seconds: float = 300.0,
                  prune_margin: float = 0.05, remeasure_top: int = 2, default_restart_s: float = 60.0,
                  trial_timeout_s: float | None = None, max_micro_batch: int | None = None,
-                 reserve_trials: int | None = None, switch_reserve_s: float = 0.0):
+                 reserve_trials: int | None = None, switch_reserve_s: float = 0.0,
+                 energy: Callable[[float, float], float | None] | None = None):
         self.cfg, self.dev, self.space, self.study, self.budget, self.clock = base_cfg, dev, space, study, budget, clock
         self.max_trials = max_trials
         self.measure_kw = dict(min_steps=min_steps, rel_ci=rel_ci, max_steps=max_steps, max_seconds=max_seconds)
         self.prune_margin = prune_margin
+        # joules used in [t0, t1] of event time (the session's gptop.energy over its device samples), for
+        # a trial's energy per token; None: no energy figures
+        self.energy = energy
         self.remeasure_top = remeasure_top
         # When starting a trial, keep budget for this many more (re-measurements); a trial is cut when only
         # `switch_reserve_s` is left, the time the final switch (checkpoint + restart) takes: the budget
@@ -229,6 +233,26 @@ class TuneController:
     @property
     def trials_planned(self) -> int:
         return min(self.max_trials, self.space.size())
+
+    @property
+    def in_trial(self) -> bool:
+        """A trial (or the baseline, or a re-measurement) is running: its steps are its measurement."""
+        return self._active is not None
+
+    @property
+    def trial_step_ms(self) -> float:
+        """The running trial's median step time so far (NaN before it has one, or outside a trial)."""
+        return self._active.measure.step_ms if self._active is not None else math.nan
+
+    @property
+    def trial_stop(self) -> str | None:
+        """Why the running trial stopped measuring ("done", "prune", "budget", "timeout"), or None."""
+        return self._active.stop if self._active is not None else None
+
+    @property
+    def final(self) -> Done | None:
+        """The final decision once tuning is over (what to train on with, and why), else None."""
+        return self._final
 
     def _mb_attr(self) -> str:
         t = self.cfg.toggles
@@ -377,19 +401,9 @@ class TuneController:
 
     def _recipe(self) -> Toggles:
         """A known-good starting point for the device (clamped into the space)."""
-        t = dataclasses.replace(self.base)
         choices = self.space.choices
+        t = capabilities.recipe(self.base, self.dev, choices["precision"])
         mbs = [m for m in choices["micro_batch"] if isinstance(m, int) and (self.max_mb is None or m <= self.max_mb)]
-        if self.dev.is_cuda:
-            t.precision = "bf16" if self.dev.at_least(8, 0) else ("fp16" if "fp16" in choices["precision"] else "fp32")
-            t.compile = "default"
-        else:
-            t.precision = "fp32"   # CPU bf16 autocast is slower than fp32 without AMX; fp32 is the safe bet
-            # and no compile: on a CPU inductor's C++ build takes minutes for a gain the sampler can still find
-        t.fused_adamw = True
-        t.activation_checkpointing = False
-        t.attention = "sdpa"
-        t.prefetch = 2
         if mbs:
             t.micro_batch = max(mbs)
         return self.space.clamp(t)
@@ -441,7 +455,8 @@ class TuneController:
         mb = t.micro_batch_int()
         if self.max_mb is None or mb is None or t.activation_checkpointing:
             return None
-        narrower = _PRECISION_BYTES.get(t.precision, 4) < _PRECISION_BYTES.get(self.cfg.toggles.precision, 4)
+        bytes_of = capabilities.activation_bytes
+        narrower = bytes_of(t.precision) < bytes_of(self.cfg.toggles.precision)
         limit = self.max_mb * (2 if narrower else 1)
         if mb > limit:
             return (f"predicted OOM: micro-batch {mb} > {limit} (largest that fits with the starting toggles: "
@@ -485,7 +500,7 @@ class TuneController:
             self.phase = "trials"
         duration = self.clock() - a.start
         m = a.measure
-        summary = m.summary()
+        summary = m.summary(energy=self.energy)
         overhead = self._overhead(a)
         extra = {"duration_s": round(duration, 3), "overhead_s": overhead, "kind_of_run": a.kind}
         if outcome == "ok" and a.failure:
@@ -550,6 +565,7 @@ class TuneController:
                                                          {**extra, "overhead_s": None})
                 a.number = self.baseline_number
                 self.study.set_attr("baseline", {"run": self.study.run_id, "tokens_per_s": est, "spread": spread,
+                                                 "energy_per_token": summary.get("energy_per_token"),
                                                  "toggles": dataclasses.asdict(a.toggles)})
             else:
                 self.baseline = None

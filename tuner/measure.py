@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from statistics import NormalDist, median
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from trainer.contract.events import finite_or_none
 
@@ -86,7 +86,6 @@ class Sample:
     time: float
     loss: float | None = None
     mem: int | None = None
-    energy_j: float | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -114,11 +113,11 @@ class Measurement:
         self._scan = self.skip          # windows before this index were checked and had not settled
 
     def add(self, step: int, step_ms: float, tokens: int, time: float, loss: float | None = None,
-            mem: int | None = None, energy_j: float | None = None) -> None:
+            mem: int | None = None) -> None:
         """Record one step event. Non-positive or non-finite step times are ignored (a clock glitch, not data)."""
         if step_ms is None or not math.isfinite(step_ms) or step_ms <= 0 or tokens <= 0:
             return
-        self.samples.append(Sample(int(step), float(step_ms), int(tokens), float(time), loss, mem, energy_j))
+        self.samples.append(Sample(int(step), float(step_ms), int(tokens), float(time), loss, mem))
         if self._warm is None:
             self._warm = self._find_warm()
 
@@ -222,13 +221,35 @@ class Measurement:
         mems = [s.mem for s in self.samples if s.mem is not None]
         return max(mems) if mems else None
 
-    @property
-    def energy_per_token(self) -> float | None:
-        """Median joules per token over kept samples that carry energy (None without a power reading)."""
-        vals = [s.energy_j / s.tokens for s in self.kept if s.energy_j is not None and s.energy_j >= 0]
-        return median(vals) if vals else None
+    def kept_span(self) -> tuple[float, float, int] | None:
+        """(start, end, tokens) of the kept samples in event time: from the event before the first kept
+        one (or the first kept step's own start) to the last, so energy can be measured over it."""
+        kept = self.kept
+        if not kept:
+            return None
+        i = len(self.samples) - len(kept)
+        first = kept[0]
+        if i > 0:
+            start, steps = self.samples[i - 1].time, kept[-1].step - self.samples[i - 1].step
+        else:
+            start, steps = first.time - first.step_ms / 1000.0, kept[-1].step - first.step + 1
+        end = kept[-1].time
+        if end <= start or steps <= 0:
+            return None
+        return start, end, steps * first.tokens
 
-    def summary(self) -> dict[str, Any]:
+    def energy_per_token(self, energy: Callable[[float, float], float | None] | None) -> float | None:
+        """Joules per token over the kept samples, from `energy(t0, t1)` (the session's one energy
+        computation over its device samples); None without a reading."""
+        w = self.kept_span() if energy is not None else None
+        if w is None:
+            return None
+        joules = energy(w[0], w[1])  # type: ignore[misc]
+        return finite_or_none(joules / w[2]) if joules is not None and joules >= 0 else None
+
+    def summary(self, energy: Callable[[float, float], float | None] | None = None) -> dict[str, Any]:
+        """The measurement as data (the trial event's and the study's numbers); `energy(t0, t1)` gives
+        joules over a window of event time, for energy per token."""
         est, spread = self.estimate
         lo, hi = self.interval()
         tps = self.throughputs()
@@ -240,7 +261,7 @@ class Measurement:
             "n": len(tps), "warmup_samples": self.warmup_samples if self.warmed_up else None,
             "warmed_up": self.warmed_up, "stable": self.stable, "done_reason": self.done_reason,
             "steps": self.steps, "seconds": round(self.seconds, 3), "step_ms": finite_or_none(self.step_ms),
-            "peak_mem": self.peak_mem, "energy_per_token": self.energy_per_token,
+            "peak_mem": self.peak_mem, "energy_per_token": self.energy_per_token(energy),
             "samples": [round(v, 3) for v in tps[-200:]],
         }
 

@@ -64,6 +64,13 @@ def _fmt_tps(v: Any, spread: Any = None) -> str:
     return f"{v:,.0f}"
 
 
+def _fmt_jpt(v: Any) -> str:
+    """Energy per token in mJ (a trial's, from the session's energy readings), "-" without one."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+        return "-"
+    return f"{v * 1e3:.3g} mJ"
+
+
 def trial_rows(study: TuneStudy, run_id: str | None, base: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
     """One row per distinct trial (duplicates and withdrawn proposals are only counted)."""
     rows, hidden = [], 0
@@ -122,7 +129,10 @@ def render_markdown(report: dict[str, Any]) -> str:
                  f"global batch {key.get('global_batch')}.")
     lines.append("")
     lines.append(f"- Outcome: {report.get('outcome') or '-'}")
-    lines.append(f"- Starting configuration: {_fmt_tps(baseline.get('tokens_per_s'), baseline.get('spread'))} tokens/s")
+    energy = any(_fmt_jpt(r.get("energy_per_token")) != "-" for r in report["trials"])
+    lines.append(f"- Starting configuration: {_fmt_tps(baseline.get('tokens_per_s'), baseline.get('spread'))} tokens/s"
+                 + (f", {_fmt_jpt(baseline.get('energy_per_token'))}/token"
+                    if _fmt_jpt(baseline.get("energy_per_token")) != "-" else ""))
     if report.get("best"):
         lines.append(f"- Best (trial {report.get('best_number')}): {toggles_diff(report['best'], base)} — "
                      f"{_fmt_tps(report.get('best_tokens_per_s'), report.get('best_spread'))} tokens/s"
@@ -147,19 +157,25 @@ def render_markdown(report: dict[str, Any]) -> str:
     if isinstance(saved, (int, float)) and isinstance(cost, (int, float)):
         lines.append(f"- Net: {'+' if saved - cost >= 0 else '-'}{format_duration(abs(saved - cost))}")
     lines += ["", "## Trials", "",
-              "| # | run | source | changes vs start | tokens/s | peak mem | status | reason |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| # | run | source | changes vs start | tokens/s | peak mem |" + (" energy/token |" if energy else "")
+              + " status | reason |",
+              "|---|---|---|---|---|---|" + ("---|" if energy else "") + "---|---|"]
     for r in report["trials"]:
         tps = _fmt_tps(r.get("tokens_per_s"), r.get("spread"))
         for rm in r.get("remeasures", []):
             tps += f"; re: {_fmt_tps(rm.get('tokens_per_s'), rm.get('spread'))}"
         reason = (r.get("reason") or "").replace("|", "/")
+        jpt = f" {_fmt_jpt(r.get('energy_per_token'))} |" if energy else ""
         lines.append(f"| {r['number']} | {r['run']} | {r['source']} | {r['changes']} | {tps} | "
-                     f"{_fmt_bytes(r.get('peak_mem'))} | {r['status']} | {reason} |")
+                     f"{_fmt_bytes(r.get('peak_mem'))} |{jpt} {r['status']} | {reason} |")
     if report.get("hidden_duplicates"):
         lines += ["", f"{report['hidden_duplicates']} repeated proposals were answered from earlier trials "
                       "without running (not listed)."]
-    lines += ["", "Tokens/s: median after warm-up ± half-width of its 95% confidence interval.", ""]
+    lines += ["", "Tokens/s: median after warm-up ± half-width of its 95% confidence interval."]
+    if energy:
+        lines.append("Energy/token: the devices' energy over the trial's measured steps (hardware counters where "
+                     "the device has them, else integrated power) / the tokens of those steps.")
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -212,6 +228,10 @@ def format_summary(report: dict[str, Any]) -> str:
     if best:
         line = (f"tuning    best (trial {report.get('best_number')}): {toggles_diff(best, base)}, "
                 f"{_fmt_tps(report.get('best_tokens_per_s'), report.get('best_spread'))} tokens/s")
+        best_row = next((t for t in trials if isinstance(t, dict) and t.get("number") == report.get("best_number")),
+                        None)
+        if best_row is not None and _fmt_jpt(best_row.get("energy_per_token")) != "-":
+            line += f", {_fmt_jpt(best_row.get('energy_per_token'))}/token"
         if report.get("speedup"):
             line += f", {report['speedup']:.2f}x the start ({_fmt_tps(baseline.get('tokens_per_s'))})"
         lines.append(line)

@@ -281,9 +281,6 @@ class TuneStudy:
                 return t
         return finished
 
-    def is_known(self, toggles: Toggles) -> bool:
-        return self.space.contains(toggles) and self._known(params_key(self.space.to_params(toggles))) is not None
-
     def tried_keys(self, waiting: bool = True) -> set[tuple]:
         """Configurations measured, claimed by a live trial, or (with `waiting`) queued."""
         states = (TrialState.COMPLETE, TrialState.PRUNED) + ((TrialState.WAITING,) if waiting else ())

@@ -34,13 +34,13 @@ from textual.message import Message
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Static
 
-from gptop.commands import Commands
+from gptop.commands import TUI_STOP_SIGNALS, Commands, StopSignals
 from gptop.state import RunState
 from gptop.ui.widgets import (DevicePanel, FailurePanel, GptopFooter, LogPanel, RunHeader, StepPanel, TrainPanel,
                               TunerPanel, Watcher)
 
 # Statuses in which there is no live trainer to stop gracefully: q exits at once.
-IDLE_STATUSES = ("done", "failed", "replay", "monitor")
+IDLE_STATUSES = ("done", "stopped", "failed", "replay", "monitor")
 LIVE_STATUSES = ("running", "checkpointing")
 
 HELP = [
@@ -226,7 +226,7 @@ class GptopApp(App[None]):
         (done or failed) stays on screen, with its error and the restart offer, until `q`."""
         if self.finished is None or not self.finished():
             return False
-        return self.stop_requested or self.state.status not in ("done", "failed")
+        return self.stop_requested or self.state.status not in ("done", "stopped", "failed")
 
     def _sync_layout(self) -> None:
         """Classes on #body that the stylesheet uses: failed, tuner idle; bindings follow the status."""
@@ -355,17 +355,25 @@ class Session(Commands, Protocol):
     def close(self) -> None: ...
 
 
-def run_app(session: Session, *, resume: str | None = None, headless: bool = False) -> int:
+def run_app(session: Session, *, resume: str | None = None, headless: bool = False,
+            signals: StopSignals | None = None) -> int:
     """Start the session, show the dashboard in this (main) thread until the session is over, and
     return the session's exit code. If the dashboard goes away first (a crash, a closed terminal),
-    the trainer is force-stopped: gptop never leaves one running behind."""
+    the trainer is force-stopped: gptop never leaves one running behind. SIGTERM and SIGINT are `q`
+    (`signals`, installed earlier by the caller, carries one that came before); SIGHUP keeps its
+    default: the terminal is gone, and the trainer stops by itself, with a checkpoint, when gptop does."""
     if session.state.clock is None:   # live: elapsed time and ETA move between events
         session.state.clock = time.time
     app = GptopApp(session.state, session, finished=lambda: session.finished)
-    session.start(resume=resume)
+    signals = signals or StopSignals(TUI_STOP_SIGNALS)
+    signals.install()
     try:
+        signals.attach(lambda force: session.stop(force=force))
+        if not session.finished:
+            session.start(resume=resume)
         app.run(headless=headless)
     finally:
+        signals.restore()
         if not session.finished:
             session.stop(force=True)
         code = session.wait(10.0)

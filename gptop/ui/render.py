@@ -17,8 +17,8 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_num, fmt_toggles, model_summary, phase_label,
-                         spread_pct)
+from gptop.state import (SLOWING_REASONS, RunState, fmt_bytes, fmt_duration, fmt_eta, fmt_mfu, fmt_num, fmt_toggles,
+                         gpu_verdict, model_summary, phase_label, spread_pct)
 from trainer.contract.events import PHASES, CpuReading, GpuReading
 
 PHASE_STYLE = {"data": "yellow", "forward": "green", "backward": "dodger_blue1", "optimizer": "magenta",
@@ -26,7 +26,8 @@ PHASE_STYLE = {"data": "yellow", "forward": "green", "backward": "dodger_blue1",
 PHASE_SHORT = {"data": "data", "forward": "fwd", "backward": "bwd", "optimizer": "opt", "other": "other"}
 STATUS_STYLE = {"running": "bold green", "starting": "bold yellow", "restarting": "bold yellow",
                 "checkpointing": "bold cyan", "stopping": "bold yellow", "done": "bold dodger_blue1",
-                "failed": "bold red", "replay": "bold magenta", "monitor": "bold magenta"}
+                "stopped": "bold dodger_blue1", "failed": "bold red", "replay": "bold magenta",
+                "monitor": "bold magenta"}
 TRIAL_STYLE = {"running": "yellow", "ok": "green", "kept": "green", "cut": "dark_khaki", "pruned": "grey62",
                "rolled_back": "red", "infeasible": "red", "failed": "red"}
 TRACK = "grey23"
@@ -102,6 +103,22 @@ def used_of(used: Any, total: Any) -> str:
     return f"{float(used) / scale:.1f}/{total_s}"
 
 
+def _activity(d: GpuReading) -> str:
+    """' · SM 42% · tensor 30%' (GPM, Hopper and later): how busy the SMs were, not only whether a kernel ran."""
+    parts = [f"{label} {v:.0f}%" for label, v in (("SM", d.sm_active_pct), ("tensor", d.tensor_active_pct))
+             if v is not None]
+    return "".join(" · " + p for p in parts)
+
+
+def _clock(d: GpuReading) -> str:
+    """'1410/1980 MHz power cap': the SM clock, its maximum, and what holds it down."""
+    if d.sm_clock_mhz is None:
+        return ""
+    out = f"{d.sm_clock_mhz:.0f}/{d.sm_clock_max_mhz:.0f} MHz" if d.sm_clock_max_mhz else f"{d.sm_clock_mhz:.0f} MHz"
+    held = [r for r in (d.clock_reasons or []) if r in SLOWING_REASONS]
+    return out + (" " + ",".join(held) if held else "")
+
+
 def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.0f}%"
 
@@ -142,13 +159,13 @@ def header(state: RunState, width: int) -> RenderableType:
         prog = state.progress()
         steps = f"step {step if step is not None else '–'}/{total if total is not None else '?'}"
         parts = [f"{fmt_num(state.tokens)} tokens", f"elapsed {fmt_duration(state.elapsed())}"]
-        if status not in ("done", "replay", "failed"):
-            parts.append(f"ETA {fmt_duration(state.eta())}")
+        if status not in ("done", "stopped", "replay", "failed"):
+            parts.append(f"ETA {fmt_eta(state)}")
         if state.malformed:
             parts.append(f"{state.malformed} bad events")
         if status not in ("running", "failed", "replay") and state.status_message:
             parts.append(state.status_message)
-        if status in ("done", "replay"):
+        if status in ("done", "stopped", "replay"):
             parts.append("q to quit")
         tail = " · " + " · ".join(parts)
         room = width - len(steps) - 7
@@ -169,11 +186,12 @@ def header(state: RunState, width: int) -> RenderableType:
 def _gpu_block(state: RunState, key: str, d: GpuReading, width: int, chart_rows: int,
                window_s: float) -> list[RenderableType]:
     """Title, three bars, then up to three charts sharing `chart_rows` rows."""
+    verdict = gpu_verdict(d) if chart_rows >= 1 else None
+    if verdict:
+        chart_rows -= 1                    # the verdict takes a chart's row
     charts = min(3, chart_rows)
     name = d.name or key
-    extra = " ".join(x for x in (f"{d.temp_c:.0f}°C" if d.temp_c is not None else "",
-                                 f"{d.sm_clock_mhz:.0f} MHz" if d.sm_clock_mhz is not None else "")
-                     if x)
+    extra = " ".join(x for x in (f"{d.temp_c:.0f}°C" if d.temp_c is not None else "", _clock(d)) if x)
     title = Text.assemble((key.upper() + " ", "bold"), name)
     title.truncate(max(0, width - len(extra) - 1), overflow="ellipsis")
     title.append(" " * max(1, width - title.cell_len - len(extra)) + extra, style="grey62")
@@ -182,7 +200,7 @@ def _gpu_block(state: RunState, key: str, d: GpuReading, width: int, chart_rows:
     power, limit = d.power_w, d.power_limit_w
     lines: list[RenderableType] = [
         title,
-        metric_line("util", None if util is None else util / 100, _pct(util), width, "green"),
+        metric_line("util", None if util is None else util / 100, _pct(util) + _activity(d), width, "green"),
         metric_line("mem", _frac(mem_used, mem_total),
                     used_of(mem_used, mem_total),
                     width, "dodger_blue1"),
@@ -193,6 +211,10 @@ def _gpu_block(state: RunState, key: str, d: GpuReading, width: int, chart_rows:
     specs = (("util_pct", "util", "dark_green", "green1", (0.0, 100.0)),
              ("power_w", "power", "orange4", "yellow1", (0.0, limit or None)),
              ("mem_used", "mem", "navy_blue", "dodger_blue1", (0.0, mem_total or None)))[:charts]
+    if verdict:
+        line = Text("⚠ " + verdict, style="yellow")
+        line.truncate(width, overflow="ellipsis")
+        lines.append(line)
     n = max(1, len(specs))
     for i, (metric, label, low, high, scale) in enumerate(specs):   # spare rows go to the first charts
         rows = max(1, min(4, chart_rows // n + (i < chart_rows % n)))
@@ -386,7 +408,9 @@ def devices(state: RunState, width: int, height: int, window_s: float) -> Render
                 line = Text.assemble((k.upper().ljust(5), "bold"), f"util {_pct(d.util_pct)} ",
                                      f"mem {_pct(None if mem is None else mem * 100)} ",
                                      "n/a W" if d.power_w is None else f"{d.power_w:.0f} W",
-                                     f" {d.temp_c:.0f}°C" if d.temp_c is not None else "")
+                                     f" {d.temp_c:.0f}°C" if d.temp_c is not None else "",
+                                     f" SM {d.sm_active_pct:.0f}%" if d.sm_active_pct is not None else "",
+                                     (" ⚠ " + v, "yellow") if (v := gpu_verdict(d)) else "")
                 line.truncate(width, overflow="ellipsis")
                 lines.append(line)
         else:
@@ -513,8 +537,10 @@ def training(state: RunState, width: int, height: int, expert_layer: int) -> Ren
     mfu = last.mfu
     jpt = state.joules_per_token()
     numbers.append(Text.assemble((fmt_num(last.tokens_per_s), "bold cyan"), " tok/s",
-                                 "  MFU ", "n/a" if mfu is None else f"{mfu * 100:.1f}%",
+                                 "  MFU ", fmt_mfu(mfu, state.mfu_is_estimate),
                                  "  mem ", fmt_bytes(last.mem_bytes),
+                                 "" if last.optim_state_bytes is None else
+                                 f" (optimizer {fmt_bytes(last.optim_state_bytes)})",
                                  "  energy ", "n/a" if jpt is None else f"{jpt * 1000:.2f} mJ/tok"))
     expert_lines: list[Text] = []
     if moe:

@@ -3,6 +3,10 @@
 The trainer refuses an unsupported value asked for explicitly (never a silent
 fallback), and the tuner offers only supported values. Both ask here.
 
+Besides the toggles, two options of other sections are gated the same way, because whether they run
+depends on the device and the installed libraries: `--optimizer` (torchao's low-bit AdamW compiles its
+update with torch.compile) and `--quantize-base` (bitsandbytes' 4-bit and 8-bit layers, CUDA only here).
+
 A value can also be supported but *slow* on a device: it runs correctly, yet
 is known to lose against the default by a wide margin (bf16 on a CPU whose
 oneDNN has no bf16 kernels is ~100x slower at matmuls than fp32). Asked for
@@ -15,8 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from typing import Sequence
 
-from .config import ATTENTIONS, ALLOCATORS, COMPILE_MODES, PRECISIONS, ConfigError, Toggles, flag_of
+from .config import (ATTENTIONS, ALLOCATORS, COMPILE_MODES, OPTIMIZERS, PRECISIONS, QUANTIZE_BASE, ConfigError,
+                     Toggles, TrainConfig, flag_of)
 from .device import DeviceInfo
 
 # Enumerated toggles and their values; numeric ones (micro_batch, prefetch, workers) are always supported.
@@ -27,11 +33,56 @@ CHOICES: dict[str, tuple] = {
     "cuda_allocator": ALLOCATORS,
     "fused_adamw": (False, True),
     "activation_checkpointing": (False, True),
+    "optimizer": OPTIMIZERS,
+    "quantize_base": QUANTIZE_BASE,
 }
+
+# Gated options outside Toggles: name -> the TrainConfig section that holds it.
+GATED_OPTIONS = {"optimizer": "optim", "quantize_base": "finetune"}
+
+
+# Bytes per activation element under each precision (the fp8 recipes keep bf16 activations between matmuls):
+# a narrower precision fits about twice the micro-batch in the same memory.
+ACTIVATION_BYTES: dict[str, int] = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8-tensorwise": 2,
+                                    "fp8-rowwise": 2}
+
+
+def activation_bytes(precision: str) -> int:
+    return ACTIVATION_BYTES.get(precision, 4)
+
+
+def native_bf16(dev: DeviceInfo | None) -> bool:
+    """Whether bf16 runs at full speed on `dev`: CUDA with compute capability 8.0+, or a CPU whose oneDNN has
+    bf16 kernels (see `slow`). An unknown device (no hello yet) is given the benefit of the doubt."""
+    if dev is None:
+        return True
+    return dev.at_least(8, 0) if dev.is_cuda else dev.cpu_bf16
+
+
+def recipe(base: Toggles, dev: DeviceInfo, precisions: Sequence[str]) -> Toggles:
+    """A known-good starting point on `dev` (the tuner's first guess after the baseline), from `base` with
+    the precision chosen among `precisions` (the ones a search may use). The caller sets the micro-batch."""
+    t = dataclasses.replace(base)
+    if dev.is_cuda:
+        t.precision = "bf16" if dev.at_least(8, 0) else ("fp16" if "fp16" in precisions else "fp32")
+        t.compile = "default"
+    else:
+        t.precision = "fp32"   # CPU bf16 autocast is slower than fp32 without AMX; fp32 is the safe bet
+        # and no compile: on a CPU inductor's C++ build takes minutes for a gain the sampler can still find
+    t.fused_adamw = True
+    t.activation_checkpointing = False
+    t.attention = "sdpa"
+    t.prefetch = 2
+    return t
 
 
 def _torchao_float8() -> bool:
     return importlib.util.find_spec("torchao") is not None
+
+
+def _installed(module: str) -> bool:
+    """Importable, without importing it (this module stays torch-free and fast)."""
+    return importlib.util.find_spec(module) is not None
 
 
 def support(name: str, value, dev: DeviceInfo) -> str | None:
@@ -65,6 +116,27 @@ def support(name: str, value, dev: DeviceInfo) -> str | None:
         if value == "expandable_segments" and not dev.is_cuda:
             return "expandable_segments is a CUDA allocator setting"
         return None
+    if name == "optimizer":
+        if value in ("adamw-8bit", "adamw-4bit"):
+            if not _installed("torchao"):
+                return f"{value} is torchao's AdamW8bit/AdamW4bit: pip install torchao"
+            if not dev.has_compiler:
+                what = "a C++ compiler on the CPU (install g++)" if not dev.is_cuda else "triton"
+                return f"torchao's {value} runs its update through torch.compile, which needs {what}"
+        if value not in OPTIMIZERS:
+            return f"{value!r} is not one of {OPTIMIZERS}"
+        return None
+    if name == "quantize_base":
+        if value == "none":
+            return None
+        if not dev.is_cuda:
+            return (f"a {value} base runs on bitsandbytes' CUDA kernels; on the CPU fine-tune with --lora and an "
+                    f"unquantized base")
+        if not _installed("bitsandbytes"):
+            return f"a {value} base needs bitsandbytes: pip install 'gptop[qlora]'"
+        if value == "nf4" and not dev.at_least(7, 5):
+            return "bitsandbytes' 4-bit kernels need compute capability 7.5 or newer"
+        return None
     if name in CHOICES:
         return None if value in CHOICES[name] else f"{value!r} is not one of {CHOICES[name]}"
     return None
@@ -75,6 +147,9 @@ def slow(name: str, value, dev: DeviceInfo) -> str | None:
     if name == "precision" and value == "bf16" and not dev.is_cuda and not dev.cpu_bf16:
         return ("this CPU has no native bf16 (oneDNN needs AVX-512 or newer), so bf16 matmuls are emulated, "
                 "about 100x slower than fp32")
+    if name == "optimizer" and value in ("adamw-8bit", "adamw-4bit") and not dev.is_cuda:
+        return (f"torchao's {value} is made for GPUs: on the CPU its compiled per-tensor update made whole steps "
+                f"7-12x slower than adamw (bench/finetune.py); it saves memory, not time")
     return None
 
 
@@ -98,10 +173,34 @@ def slow_choices(toggles: Toggles, dev: DeviceInfo) -> list[str]:
     return out
 
 
+def slow_config(cfg: TrainConfig, dev: DeviceInfo) -> list[str]:
+    """`slow_choices` for the toggles and every other gated option (GATED_OPTIONS) of a run's config."""
+    out = slow_choices(cfg.toggles, dev)
+    for name, section in GATED_OPTIONS.items():
+        obj = getattr(cfg, section)
+        f = next(f for f in dataclasses.fields(obj) if f.name == name)
+        reason = slow(name, getattr(obj, name), dev)
+        if reason:
+            out.append(f"{flag_of(f)} {getattr(obj, name)}: {reason}")
+    return out
+
+
 def check(toggles: Toggles, dev: DeviceInfo) -> None:
     """Raise ConfigError naming the flag for the first unsupported value."""
     for f in dataclasses.fields(toggles):
         value = getattr(toggles, f.name)
         reason = support(f.name, value, dev)
+        if reason:
+            raise ConfigError(flag_of(f), f"{value} is not supported on {dev.name}: {reason}")
+
+
+def check_config(cfg: TrainConfig, dev: DeviceInfo) -> None:
+    """`check` for the toggles and every other gated option (GATED_OPTIONS) of a run's config."""
+    check(cfg.toggles, dev)
+    for name, section in GATED_OPTIONS.items():
+        obj = getattr(cfg, section)
+        f = next(f for f in dataclasses.fields(obj) if f.name == name)
+        value = getattr(obj, name)
+        reason = support(name, value, dev)
         if reason:
             raise ConfigError(flag_of(f), f"{value} is not supported on {dev.name}: {reason}")

@@ -37,6 +37,9 @@ FAMILIES = ("llama", "deepseek", "llada")
 SIZES = ("tiny", "small", "medium", "large", "auto")
 NAN_POLICIES = ("rollback", "stop")
 PARALLEL = ("ddp", "fsdp")
+OPTIMIZERS = ("adamw", "adamw-8bit", "adamw-4bit", "adafactor")
+QUANTIZE_BASE = ("none", "nf4", "int8")
+MAX_LORA_RANK = 4096
 
 AUTO = "auto"
 MicroBatch = Union[int, Literal["auto"]]   # sequences per forward/backward, or "auto": the largest that fits
@@ -163,6 +166,9 @@ class OptimConfig:
     weight_decay: float = opt(0.1, "AdamW weight decay", low=0, high=10)
     grad_clip: float = opt(1.0, "gradient-norm clipping threshold (0 disables)", low=0, high=1e6)
     seed: int = opt(1234, "seed for initialization, data order and masking", low=0, high=MAX_SEED)
+    optimizer: str = opt("adamw", "optimizer: adamw (fp32 moments), adamw-8bit / adamw-4bit (torchao's quantized "
+                         "moments, 4x / 8x smaller), adafactor (factored second moment, torch.optim.Adafactor)",
+                         choices=OPTIMIZERS)
 
 
 @dataclass
@@ -183,6 +189,34 @@ class Toggles:
     def micro_batch_int(self) -> int | None:
         """The fixed micro-batch, or None for auto."""
         return None if self.micro_batch == AUTO else self.micro_batch
+
+
+def _lora_targets_format(value: str) -> str | None:
+    if value == AUTO or re.fullmatch(r"[A-Za-z_][\w.]*(,[A-Za-z_][\w.]*)*", value):
+        return None
+    return f"{value!r} is not auto or a comma-separated list of module names (e.g. q_proj,v_proj)"
+
+
+@dataclass
+class FinetuneConfig:
+    """Parameter-efficient fine-tuning: LoRA adapters (peft) on a frozen base, optionally quantized (QLoRA)."""
+
+    lora: int = opt(0, "LoRA rank R: train rank-R adapters on a frozen base instead of every weight (0: full "
+                    "fine-tuning)", metavar="R", low=0, high=MAX_LORA_RANK)
+    lora_alpha: float = opt(16.0, "LoRA scaling alpha (the adapter's update is scaled by alpha / R)",
+                            low=0, low_open=True, high=1e6)
+    lora_dropout: float = opt(0.0, "dropout on the LoRA adapters' input", low=0, high=1, high_open=True)
+    lora_targets: str = opt(AUTO, "modules that get adapters: auto (the attention and MLP projections of the "
+                            "architecture) or names, e.g. q_proj,v_proj", metavar="auto|NAMES",
+                            check=_lora_targets_format)
+    quantize_base: str = opt("none", "QLoRA: hold the frozen base quantized with bitsandbytes (nf4: 4-bit "
+                             "NormalFloat with double quantization; int8); needs --lora and CUDA",
+                             choices=QUANTIZE_BASE)
+
+    @property
+    def enabled(self) -> bool:
+        """LoRA is on: only the adapters train."""
+        return self.lora > 0
 
 
 @dataclass
@@ -225,6 +259,7 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "optim": OptimConfig,
     "toggles": Toggles,
+    "finetune": FinetuneConfig,
     "checkpoint": CheckpointConfig,
     "log": LogConfig,
     "run": RunConfig,
@@ -237,6 +272,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     toggles: Toggles = field(default_factory=Toggles)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -310,6 +346,17 @@ class TrainConfig:
         if self.log.profile_steps is not None and parse_step_range(self.log.profile_steps)[0] > o.max_steps:
             raise ConfigError("--profile-steps", f"{self.log.profile_steps} starts after the last step "
                                                  f"(--max-steps {o.max_steps}): no trace would be written")
+        ft = self.finetune
+        if ft.quantize_base != "none" and not ft.enabled:
+            raise ConfigError("--quantize-base", f"{ft.quantize_base} quantizes the frozen base of a LoRA run; "
+                                                 f"add --lora R (e.g. --lora 8), or drop --quantize-base")
+        if ft.enabled and world_size > 1 and self.run.parallel == "fsdp":
+            raise ConfigError("--parallel", "fsdp with --lora is not supported (FSDP2 would shard the frozen base "
+                                            "and the adapters together); use --parallel ddp, which replicates the "
+                                            "base and all-reduces only the adapters' gradients")
+        if ft.quantize_base != "none" and world_size > 1:
+            raise ConfigError("--quantize-base", f"{ft.quantize_base} runs on one process; drop --nproc or "
+                                                 f"--quantize-base")
         per_rank = o.global_batch // world_size
         if mb != AUTO and per_rank % mb:
             over = f" ({o.global_batch} over {world_size} ranks)" if world_size > 1 else ""

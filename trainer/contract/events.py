@@ -84,6 +84,10 @@ class GpuReading(Record):
     temp_c: float | None = None
     sm_clock_mhz: float | None = None
     proc_mem: int | None = None         # bytes used on this GPU by the trainer's processes; None when none are seen
+    sm_clock_max_mhz: float | None = None
+    clock_reasons: list[str] | None = None   # why clocks are held down (gptop.nvml.THROTTLE_REASONS names)
+    sm_active_pct: float | None = None  # GPM (Hopper+): share of SMs busy over the sample period
+    tensor_active_pct: float | None = None   # GPM (Hopper+): share of time the tensor pipes were busy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,6 +114,7 @@ class ModelInfo(Record):
     total_params: int | None = None
     active_params: int | None = None    # per token (MoE: shared + top-k routed experts + dense parts)
     embedding_params: int | None = None
+    trainable_params: int | None = None # parameters that train (LoRA: the adapters; full fine-tuning: all)
     vocab_size: int | None = None
     flops_per_token: int | None = None  # training FLOPs per token (fwd + bwd)
     objective: str | None = None        # "causal" | "llada"
@@ -147,7 +152,8 @@ class HelloEvent(Event):
     accumulation: int | None = None
     micro_batch: int | None = None
     tokens_per_step: int | None = None
-    peak_flops: float | None = None
+    peak_flops: float | None = None     # the MFU denominator per process, FLOP/s
+    peak_source: str | None = None      # "datasheet: <GPU> ..." or "measured: ..." (MFU is then approximate)
     resumed_from: str | None = None
     start_step: int = 0
     torch: str | None = None
@@ -157,6 +163,13 @@ class HelloEvent(Event):
         """The toggles this process runs with."""
         t = self.config.get("toggles")
         return dict(t) if isinstance(t, dict) else {}
+
+    @property
+    def mfu_is_estimate(self) -> bool:
+        """MFU rests on a measured peak (the CPU), not a datasheet's: views show it as approximate ("~")."""
+        if self.peak_source is not None:
+            return self.peak_source.startswith("measured")
+        return self.device.type == "cpu"
 
     @property
     def max_steps(self) -> int | None:
@@ -185,6 +198,7 @@ class StepEvent(Event):
     gpu_idle_ms: float | None = None
     comm_ms: float | None = None
     expert_load: list[list[float]] | None = None   # MoE: per layer, per expert share of the tokens
+    optim_state_bytes: int | None = None   # bytes the optimizer state occupies (quantized moments: as stored)
 
 
 @dataclass(frozen=True, kw_only=True)

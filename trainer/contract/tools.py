@@ -50,6 +50,9 @@ def add_export_arguments(parser: argparse.ArgumentParser, json_flag: bool = True
     parser.add_argument("--step", type=STEP, default=None, metavar="N",
                         help="export the checkpoint of step N (default: the newest that loads)")
     parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists and is not empty")
+    parser.add_argument("--merge", action="store_true",
+                        help="a LoRA run (--lora): write the base with the adapters merged in, a plain model "
+                             "(default: the adapter alone, in peft's format)")
     if json_flag:
         parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
 
@@ -174,6 +177,8 @@ def export_argv(ns: argparse.Namespace) -> list[str]:
         argv += ["--step", str(ns.step)]
     if ns.force:
         argv.append("--force")
+    if getattr(ns, "merge", False):
+        argv.append("--merge")
     if getattr(ns, "json", False):
         argv.append("--json")
     return argv

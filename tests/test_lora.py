@@ -1,0 +1,409 @@
+"""Fine-tuning in small memory: LoRA adapters on a frozen base, the optimizer choices, QLoRA's gate,
+honest FLOPs with frozen weights, and the adapter / merged exports."""
+
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY
+from trainer import checkpoint as ckpt
+from trainer.cli import parse_config
+from trainer.contract import capabilities, rundir
+from trainer.contract.config import ConfigError, FinetuneConfig, ModelConfig, Toggles
+from trainer.contract.device import DeviceInfo
+from trainer.contract.events import read_events
+from trainer.train import EXIT_CONFIG, EXIT_OK, Trainer, main_run
+
+CPU = DeviceInfo(type="cpu", name="test cpu", total_memory=8 << 30, cpu_count=2)
+H100 = DeviceInfo(type="cuda", name="NVIDIA H100 80GB HBM3", total_memory=80 << 30, capability=(9, 0))
+LORA = ["--lora", "8", "--lr", "1e-2", "--micro-batch", "2"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A tiny Hugging Face model directory (llama tiny, random weights) with the builtin tokenizer."""
+    from trainer.contract.config import DataConfig
+    from trainer.data import tokenizer_info
+    from trainer.export import hf_tokenizer
+    from trainer.models import build_model
+
+    out = tmp_path_factory.mktemp("hf-tiny")
+    tok = tokenizer_info(DataConfig(), log=lambda s: None)
+    bundle = build_model(ModelConfig(model="llama", size="tiny"), vocab_size=tok.vocab_size, seq_len=64,
+                         toggles=Toggles(), dev=CPU, seed=7)
+    bundle.model.save_pretrained(out)
+    hf_tokenizer(tok, bundle, 64).save_pretrained(out)
+    return out
+
+
+def _signals():
+    return {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+
+
+def run(tmp_path, *args, name="run"):
+    """Run the trainer in this process; (exit code, events, run dir)."""
+    run_dir = tmp_path / name
+    saved = _signals()
+    try:
+        code = main_run(parse_config([*TINY, "--run-dir", str(run_dir), *args]))
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+    events = list(read_events(run_dir / "events.jsonl", strict=True)) if (run_dir / "events.jsonl").exists() else []
+    return code, events, run_dir
+
+
+def trained_model(tmp_path, *args, name="live") -> torch.nn.Module:
+    """Train in this process and keep the Trainer's model to look at."""
+    saved = _signals()
+    t = Trainer(parse_config([*TINY, "--run-dir", str(tmp_path / name), *args]))
+    try:
+        t.setup()
+        assert t.run() == EXIT_OK
+    finally:
+        t.channel.close()
+        for s, h in saved.items():
+            signal.signal(s, h)
+    return t.raw_model
+
+
+def of(events, kind):
+    return [e for e in events if e.type == kind]
+
+
+# --- LoRA on a model directory ------------------------------------------------------------------
+
+def test_lora_trains_only_the_adapters_of_a_model_directory(tmp_path, model_dir):
+    from safetensors.torch import load_file
+
+    base = load_file(model_dir / "model.safetensors")
+    model = trained_model(tmp_path, "--model", str(model_dir), *LORA, "--max-steps", "6")
+    seen_frozen = seen_adapter = 0
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            assert p.requires_grad
+            seen_adapter += 1
+            if "lora_B" in name:                       # starts at zero; training moved it
+                assert p.abs().max() > 0
+        else:
+            assert not p.requires_grad, name
+            key = name.replace("base_model.model.", "").replace(".base_layer", "")
+            assert torch.equal(p.detach(), base[key]), f"frozen weight {key} changed"
+            seen_frozen += 1
+    assert seen_frozen == len(base) and seen_adapter == 4 * 7 * 2      # 4 layers x 7 projections x (A, B)
+
+
+def test_lora_run_reports_trainable_params_and_checkpoints_only_adapters(tmp_path, model_dir):
+    code, events, run_dir = run(tmp_path, "--model", str(model_dir), *LORA, "--max-steps", "4",
+                                "--checkpoint-every", "2")
+    assert code == EXIT_OK
+    m = of(events, "hello")[0].model
+    assert 0 < m.trainable_params < m.total_params / 10
+    # r (in + out) per projection: q,k,v,o 128x128; gate,up 128->384; down 384->128; 4 layers
+    assert m.trainable_params == 4 * 8 * (4 * 256 + 3 * 512)
+    state = ckpt.load(rundir.path_for(run_dir, 4))
+    assert state["model"] and all("lora_" in k for k in state["model"])
+    assert sum(v.numel() for v in state["model"].values()) == m.trainable_params
+    steps = of(events, "step")
+    assert steps[-1].optim_state_bytes == 2 * 4 * m.trainable_params + 4 * 56     # fp32 moments + step counts
+    assert steps[-1].loss < steps[0].loss
+
+
+def test_lora_resume_is_exact(tmp_path, model_dir):
+    common = ["--model", str(model_dir), *LORA, "--lora-dropout", "0.1"]      # dropout: the RNG is restored too
+    code, full, _ = run(tmp_path, *common, "--max-steps", "6", name="full")
+    assert code == EXIT_OK
+    code, _, part = run(tmp_path, *common, "--max-steps", "6", "--fault", "stop@3", name="part")
+    assert code == EXIT_OK
+    code, _, _ = run(tmp_path, "--resume", str(part), "--max-steps", "6", name="part")
+    assert code == EXIT_OK
+    resumed = list(read_events(part / "events.jsonl"))
+    assert [s.loss for s in of(resumed, "step")] == [s.loss for s in of(full, "step")]
+    a = ckpt.load(rundir.path_for(tmp_path / "full", 6))
+    b = ckpt.load(rundir.path_for(part, 6))
+    assert a["model"].keys() == b["model"].keys()
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+def test_resume_with_other_lora_options_is_refused(tmp_path):
+    code, _, run_dir = run(tmp_path, "--model", "llama", *LORA, "--max-steps", "2")
+    assert code == EXIT_OK
+    code, events, _ = run(tmp_path, "--resume", str(run_dir), "--lora", "4", "--max-steps", "4")
+    assert code == EXIT_CONFIG
+    (err,) = of(events, "error")[-1:]
+    assert "--lora" in err.message and "resume needs the same value" in err.message
+
+
+def test_lora_on_a_builtin_family(tmp_path):
+    for family, n in (("llama", 7), ("deepseek", None)):
+        code, events, _ = run(tmp_path, "--model", family, *LORA, "--max-steps", "3", name=family)
+        assert code == EXIT_OK
+        m = of(events, "hello")[0].model
+        assert 0 < m.trainable_params < m.total_params
+
+
+def test_lora_targets_are_checked_against_the_model():
+    from trainer.lora import targets
+    from trainer.models import build_model
+
+    b = build_model(ModelConfig(model="deepseek", size="tiny"), vocab_size=512, seq_len=64, toggles=Toggles(),
+                    dev=CPU)
+    assert targets(b.model, FinetuneConfig(lora=8)) == ["q_proj", "o_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+                                                        "gate_proj", "up_proj", "down_proj"]
+    assert targets(b.model, FinetuneConfig(lora=8, lora_targets="q_proj,kv_b_proj")) == ["q_proj", "kv_b_proj"]
+    with pytest.raises(ConfigError) as e:
+        targets(b.model, FinetuneConfig(lora=8, lora_targets="q_proj,c_attn"))
+    assert e.value.option == "--lora-targets" and "c_attn" in e.value.message and "kv_b_proj" in e.value.message
+
+
+@pytest.mark.parametrize("args,option", [
+    (["--lora", "-1"], "--lora"),
+    (["--lora", "8", "--lora-dropout", "1"], "--lora-dropout"),
+    (["--lora", "8", "--lora-alpha", "0"], "--lora-alpha"),
+    (["--lora", "8", "--lora-targets", "q_proj;v_proj"], "--lora-targets"),
+    (["--quantize-base", "nf4"], "--quantize-base"),                   # needs --lora
+    (["--optimizer", "sgd"], "--optimizer"),
+])
+def test_bad_finetune_options_name_the_option(args, option):
+    with pytest.raises((ConfigError, SystemExit)) as e:
+        parse_config([*TINY, *args])
+    if isinstance(e.value, ConfigError):
+        assert e.value.option == option
+
+
+# --- capabilities -------------------------------------------------------------------------------
+
+def test_quantized_base_is_gated_with_a_reason(monkeypatch):
+    assert "CUDA" in capabilities.support("quantize_base", "nf4", CPU)
+    assert "CUDA" in capabilities.support("quantize_base", "int8", CPU)
+    assert capabilities.support("quantize_base", "none", CPU) is None
+    monkeypatch.setattr(capabilities, "_installed", lambda m: m != "bitsandbytes")
+    assert "pip install 'gptop[qlora]'" in capabilities.support("quantize_base", "nf4", H100)
+    monkeypatch.setattr(capabilities, "_installed", lambda m: True)
+    assert capabilities.support("quantize_base", "nf4", H100) is None          # documentation-verified only
+    cfg = parse_config([*TINY, "--lora", "8", "--quantize-base", "nf4"])
+    with pytest.raises(ConfigError) as e:
+        capabilities.check_config(cfg, CPU)
+    assert e.value.option == "--quantize-base" and "CUDA" in e.value.message
+
+
+def test_quantized_base_on_cpu_exits_2_naming_the_option(tmp_path, model_dir):
+    code, events, _ = run(tmp_path, "--model", str(model_dir), "--lora", "8", "--quantize-base", "nf4",
+                          "--max-steps", "2")
+    assert code == EXIT_CONFIG
+    assert "--quantize-base" in of(events, "error")[0].message
+
+
+def test_low_bit_optimizers_are_gated_on_a_compiler(monkeypatch):
+    import dataclasses
+
+    no_cc = dataclasses.replace(CPU, has_compiler=False)
+    for value in ("adamw-8bit", "adamw-4bit"):
+        assert capabilities.support("optimizer", value, CPU) is None
+        assert "compiler" in capabilities.support("optimizer", value, no_cc)
+    for value in ("adamw", "adafactor"):
+        assert capabilities.support("optimizer", value, no_cc) is None
+    assert "7-12x slower" in capabilities.slow("optimizer", "adamw-8bit", CPU)     # runs, with a warning
+    assert capabilities.slow("optimizer", "adamw-8bit", H100) is None
+    (line,) = capabilities.slow_config(parse_config([*TINY, "--optimizer", "adamw-4bit"]), CPU)
+    assert line.startswith("--optimizer adamw-4bit: torchao's")
+    monkeypatch.setattr(capabilities, "_installed", lambda m: m != "torchao")
+    assert "pip install torchao" in capabilities.support("optimizer", "adamw-8bit", CPU)
+
+
+# --- FLOPs with frozen weights ------------------------------------------------------------------
+
+def test_frozen_weights_count_four_flops_per_token():
+    from trainer.flops import flops_per_token
+    from trainer.models import _attention_shape, build_model
+
+    kw = dict(vocab_size=512, seq_len=64, toggles=Toggles(), dev=CPU)
+    full = build_model(ModelConfig(model="llama", size="tiny"), **kw)
+    lora = build_model(ModelConfig(model="llama", size="tiny"), finetune=FinetuneConfig(lora=8), **kw)
+    n = full.total_params - full.embedding_params                 # untied: the head is a matmul, the embedding not
+    a = lora.trainable_params
+    L, H, Q, V = _attention_shape(full.hf_config)
+    attention = 6 * L * H * (Q + V) * 64
+    assert full.flops_per_token == 6 * n + attention
+    assert lora.flops_per_token == 6 * a + 4 * n + attention
+    assert lora.flops_per_token == flops_per_token(a, L, H, Q, 64, v_head_dim=V, frozen_params=n)
+    assert lora.flops_per_token < full.flops_per_token
+
+
+# --- optimizers ---------------------------------------------------------------------------------
+
+def _train_and_resume(tmp_path, *args):
+    code, full, _ = run(tmp_path, *args, "--max-steps", "6", name="full")
+    assert code == EXIT_OK
+    code, _, part = run(tmp_path, *args, "--max-steps", "6", "--fault", "stop@3", name="part")
+    assert code == EXIT_OK
+    code, _, _ = run(tmp_path, "--resume", str(part), "--max-steps", "6", name="part")
+    assert code == EXIT_OK
+    resumed = list(read_events(part / "events.jsonl"))
+    want = [s.loss for s in of(full, "step")]
+    assert [s.loss for s in of(resumed, "step")] == want
+    assert want[-1] < want[0]
+    return of(full, "step")
+
+
+def test_adafactor_trains_and_resumes(tmp_path):
+    steps = _train_and_resume(tmp_path, "--model", "llama", "--optimizer", "adafactor", "--lr", "1e-2",
+                              "--micro-batch", "2")
+    adamw = run(tmp_path, "--model", "llama", "--max-steps", "1", "--micro-batch", "2", name="adamw")[1]
+    # a factored second moment: far smaller than AdamW's two fp32 moments
+    assert steps[-1].optim_state_bytes < of(adamw, "step")[-1].optim_state_bytes / 10
+
+
+@pytest.mark.process
+@pytest.mark.compile      # torchao's low-bit AdamW compiles its update with torch.compile
+@pytest.mark.parametrize("optimizer,ratio", [("adamw-8bit", 3.0), ("adamw-4bit", 5.0)])
+def test_low_bit_adamw_trains_and_resumes(tmp_path, optimizer, ratio):
+    steps = _train_and_resume(tmp_path, "--model", "llama", "--optimizer", optimizer, "--lr", "3e-3",
+                              "--micro-batch", "2")
+    adamw = run(tmp_path, "--model", "llama", "--max-steps", "1", "--micro-batch", "2", name="adamw")[1]
+    assert steps[-1].optim_state_bytes < of(adamw, "step")[-1].optim_state_bytes / ratio
+
+
+@pytest.mark.process
+@pytest.mark.compile
+def test_lora_with_an_8bit_optimizer_resumes(tmp_path, model_dir):
+    _train_and_resume(tmp_path, "--model", str(model_dir), *LORA, "--optimizer", "adamw-8bit")
+
+
+# --- what the dashboard and the headless lines show -------------------------------------------
+
+def test_views_show_trainable_params_and_optimizer_state():
+    from gptop.headless import step_line
+    from gptop.state import RunState, model_summary
+    from trainer.contract.events import ModelInfo, StepEvent
+
+    lora = ModelInfo(family="pretrained", size="pretrained", total_params=3_000_000, active_params=3_000_000,
+                     trainable_params=75_000)
+    assert model_summary(lora).endswith("3.0M params · 75.0k trainable (2.5%)")
+    full = ModelInfo(family="llama", size="tiny", total_params=3_000_000, active_params=3_000_000,
+                     trainable_params=3_000_000)
+    assert "trainable" not in model_summary(full)
+    step = StepEvent(step=1, tokens=256, loss=2.0, lr=1e-3, grad_norm=1.0, step_ms=10.0, phases_ms=None,
+                     tokens_per_s=100.0, mfu=None, mem_bytes=1 << 20, optim_state_bytes=2 << 20)
+    assert "mem 1.0 MB (optimizer 2.0 MB)" in step_line(step, RunState())
+
+
+# --- export: the adapter in peft's format, or merged --------------------------------------------
+
+# Runs in `python -I` outside the repository, with gptop's packages made unimportable: what a user
+# without gptop does with each export.
+PLAIN = """
+import importlib.abc, json, sys
+class NoGptop(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("gptop", "trainer", "tuner"):
+            raise ModuleNotFoundError(f"{name} must not be needed")
+sys.meta_path.insert(0, NoGptop())
+import torch
+from transformers import AutoModelForCausalLM
+from peft import AutoPeftModelForCausalLM
+torch.set_num_threads(1)
+job = json.loads(sys.argv[1])
+ids = torch.load(job["ids"])
+adapter = AutoPeftModelForCausalLM.from_pretrained(job["adapter"]).eval()
+merged = AutoModelForCausalLM.from_pretrained(job["merged"]).eval()
+with torch.no_grad():
+    torch.save({"adapter": adapter(input_ids=ids).logits, "merged": merged(input_ids=ids).logits}, job["out"])
+print(json.dumps({"adapter": type(adapter).__name__, "merged": type(merged).__name__}))
+"""
+
+
+def _export(run_dir, out_dir, *flags):
+    import argparse
+
+    from trainer.contract import tools
+    from trainer.export import export
+
+    p = argparse.ArgumentParser()
+    tools.add_export_arguments(p)
+    return export(p.parse_args([str(run_dir), str(out_dir), *flags]), log=lambda s: None)
+
+
+@pytest.mark.process
+@pytest.mark.slow        # starts a plain Python
+@pytest.mark.parametrize("source", ["model_dir", "llama"])
+def test_lora_exports_load_with_peft_and_plain_transformers(tmp_path, model_dir, source):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from trainer.contract import tools
+    from trainer.export import check_batch, load_for_inference
+
+    model = str(model_dir) if source == "model_dir" else "llama"
+    code, _, run_dir = run(tmp_path, "--model", model, *LORA, "--max-steps", "3")
+    assert code == EXIT_OK
+    adapter = _export(run_dir, tmp_path / "adapter")
+    assert adapter["format"] == "peft-adapter"
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= set(adapter["files"])
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 8 and config["base_model_name_or_path"] == adapter["base_model"]
+    if source == "model_dir":
+        assert adapter["base_model"] == str(model_dir.resolve())
+    else:
+        assert adapter["base_model"] == str((tmp_path / "adapter" / "base").resolve())
+    merged = _export(run_dir, tmp_path / "merged", "--merge")
+    assert merged["format"] == "merged" and "model.safetensors" in merged["files"]
+    assert not any("lora" in k for k in json.loads((tmp_path / "merged" / "config.json").read_text()))
+
+    ref = load_for_inference(run_dir, tools.check_export(argparse_ns(run_dir, tmp_path / "x")), log=lambda s: None)
+    ids = check_batch(len(ref.tokenizer), None, 32, seed=3)
+    with torch.no_grad():
+        want = ref.model(input_ids=ids).logits
+    torch.save(ids, tmp_path / "ids.pt")
+    job = {"ids": str(tmp_path / "ids.pt"), "adapter": str(tmp_path / "adapter"), "merged": str(tmp_path / "merged"),
+           "out": str(tmp_path / "logits.pt")}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-I", "-c", PLAIN, json.dumps(job)], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"adapter": "PeftModelForCausalLM",
+                                                             "merged": "LlamaForCausalLM"}
+    got = torch.load(tmp_path / "logits.pt")
+    assert torch.equal(got["adapter"], want)
+    assert torch.allclose(got["merged"], want, atol=1e-4, rtol=0)     # merging rounds W + (a/r) B A once
+
+
+def argparse_ns(run_dir, out_dir):
+    import argparse
+
+    return argparse.Namespace(run_dir=str(run_dir), out_dir=str(out_dir), step=None, force=False, json=True,
+                              merge=False)
+
+
+def test_merge_without_lora_is_refused(tmp_path):
+    code, _, run_dir = run(tmp_path, "--model", "llama", "--max-steps", "1")
+    assert code == EXIT_OK
+    with pytest.raises(ConfigError) as e:
+        _export(run_dir, tmp_path / "out", "--merge")
+    assert e.value.option == "--merge" and "no --lora" in e.value.message
+    assert not (tmp_path / "out").exists()
+
+
+def test_lora_with_fsdp_is_refused_naming_the_option():
+    cfg = parse_config([*TINY, "--lora", "8", "--parallel", "fsdp"])       # one process: --parallel is ignored
+    with pytest.raises(ConfigError) as e:
+        cfg.validate(world_size=2)
+    assert e.value.option == "--parallel" and "ddp" in e.value.message
+
+
+def test_a_lora_run_samples(tmp_path):
+    import argparse
+
+    from trainer.contract import tools
+    from trainer.sample import sample
+
+    code, _, run_dir = run(tmp_path, "--model", "llama", *LORA, "--max-steps", "2")
+    assert code == EXIT_OK
+    p = argparse.ArgumentParser()
+    tools.add_sample_arguments(p)
+    result = sample(p.parse_args([str(run_dir), "--prompt", "def f(", "--max-new-tokens", "5", "--temperature", "0"]))
+    assert result.step == 2 and result.new_tokens == 5 and result.stopped == "max_new_tokens"

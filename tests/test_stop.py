@@ -1,0 +1,114 @@
+"""A stop the user asked for (q, Ctrl-C, SIGTERM to gptop) is "stopped" with exit 130, at any moment:
+also while the trainer is still starting and dies of the signal before it said hello."""
+
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from conftest import TINY
+from gptop.session import EXIT_INTERRUPTED, Session
+from trainer.contract.config import TrainConfig
+from trainer.contract.events import ErrorEvent, StepEvent, read_events
+
+
+def session(tmp_path):
+    cfg = TrainConfig()
+    cfg.run.run_dir = str(tmp_path / "run")
+    s = Session(cfg)
+    s.interrupted = True             # what Session.stop sets: the user asked
+    return s
+
+
+@pytest.mark.parametrize("code", [-signal.SIGTERM, -signal.SIGKILL, 1])
+def test_a_trainer_that_dies_of_the_stop_before_its_first_step_is_stopped(tmp_path, code):
+    s = session(tmp_path)
+    s.handle_exit(code)
+    assert s.wait(0) == EXIT_INTERRUPTED
+    assert s.state.status == "stopped" and "before its first step" in s.state.status_message
+
+
+def test_a_graceful_stop_is_stopped_and_an_error_while_stopping_is_shown(tmp_path):
+    s = session(tmp_path)
+    s.handle_exit(0)
+    assert (s.state.status, s.state.status_message, s.wait(0)) == ("stopped", None, EXIT_INTERRUPTED)
+
+    s = session(tmp_path)
+    s.state.apply(StepEvent(step=3, tokens=0, loss=1.0, lr=0.0, grad_norm=None, step_ms=1.0, phases_ms={}, tokens_per_s=0.0,
+                            mfu=0.0, mem_bytes=0, time=1.0))
+    s.handle_exit(-signal.SIGKILL)                  # q twice: killed after its steps, before it checkpointed
+    assert s.state.status == "stopped" and "before it checkpointed" in s.state.status_message
+
+    s = session(tmp_path)
+    err = ErrorEvent(kind="disk", message="No space left on device", time=2.0)
+    s.rank_errors[0] = err                          # the trainer reported a failure of its own while stopping
+    s.state.apply(err)
+    s.handle_exit(1)
+    assert s.state.status == "failed" and s.state.status_message.startswith("stopped: ")
+    assert "No space left on device" in s.state.status_message and s.wait(0) == EXIT_INTERRUPTED
+
+
+def test_stop_before_the_trainer_was_started_is_stopped(tmp_path):
+    cfg = TrainConfig()
+    cfg.run.run_dir = str(tmp_path / "run")
+    s = Session(cfg)
+    s.stop()
+    assert s.wait(0) == EXIT_INTERRUPTED and s.state.status == "stopped"
+
+
+# --- real processes ----------------------------------------------------------------------
+
+def _steps(run_dir):
+    p = run_dir / "events.jsonl"
+    return [e for e in read_events(p) if e.type == "step"] if p.exists() else []
+
+
+def _hello(run_dir):
+    p = run_dir / "events.jsonl"
+    return p.exists() and any(e.type == "hello" for e in read_events(p))
+
+
+@pytest.mark.slow
+@pytest.mark.process
+@pytest.mark.parametrize("moment,sig", [("spawned", signal.SIGTERM), ("1.5s", signal.SIGINT),
+                                        ("first step", signal.SIGTERM)])
+def test_stop_at_any_moment_is_stopped_with_130(tmp_path, moment, sig):
+    run_dir = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "gptop", "--no-ui", "train", *TINY, "--max-steps", "100000",
+                          "--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    me = psutil.Process(p.pid)
+    deadline = time.monotonic() + 180
+    try:
+        if moment == "spawned":
+            while not me.children() and time.monotonic() < deadline:
+                time.sleep(0.02)
+        elif moment == "1.5s":
+            time.sleep(1.5)
+        else:
+            while not _steps(run_dir) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert time.monotonic() < deadline, f"gptop did not reach the moment {moment!r}"
+        kids = me.children(recursive=True)
+        p.send_signal(sig)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    statuses = [line for line in out.splitlines() if line.startswith("status: ")]
+    assert p.returncode == 130, (out, err)
+    assert statuses[-1].startswith("status: stopped"), statuses
+    assert not any(s.startswith("status: failed") for s in statuses), statuses
+    assert "failed" not in err
+    for k in kids:
+        try:
+            k.wait(30)
+        except psutil.NoSuchProcess:
+            pass
+        assert not k.is_running() or k.status() == psutil.STATUS_ZOMBIE
+    if moment == "first step":
+        assert _hello(run_dir)                  # it ran, and stopped gracefully (a checkpoint and a done event)
+        assert any(e.type == "done" for e in read_events(run_dir / "events.jsonl"))
