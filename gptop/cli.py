@@ -27,7 +27,7 @@ from trainer.contract.runlock import RunLock, node_key
 from trainer.contract.tools import add_export_arguments, add_sample_arguments
 
 from .commands import STOP_SIGNALS, TUI_STOP_SIGNALS, StopSignals
-from .session import EXIT_FAILED, EXIT_USAGE, Session, SessionOptions, TuningOptions
+from .session import EXIT_FAILED, EXIT_PIPE, EXIT_USAGE, Session, SessionOptions, TuningOptions
 
 # gptop's own flags, converted and checked at parse time like the config's (trainer.contract.config.number_arg,
 # trainer.contract.inputs.path_arg): a bad value is exit 2 naming the flag before anything starts.
@@ -173,6 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"gptop: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:     # `gptop report RUN | head`: the reader has what it wanted; no traceback
+        from .headless import quiet_closed_stream
+
+        quiet_closed_stream(sys.stdout)
+        return EXIT_PIPE
 
 
 def world_size(ns: argparse.Namespace) -> int:
@@ -205,6 +210,55 @@ def check_run_args(ns: argparse.Namespace, cfg: TrainConfig) -> None:
         SearchSpace.check_spec(spec, cfg.toggles, cfg.optim.global_batch, world_size(ns))
 
 
+def device_memory(cfg: TrainConfig) -> tuple[str, str, int] | None:
+    """(kind, name, bytes) of the memory one rank of this run will train in, without torch: the GPU's
+    (NVML) for cuda, else the machine's RAM; None when gptop cannot tell (CUDA_VISIBLE_DEVICES renumbers
+    GPUs, an explicit cuda device without NVML): the trainer checks again once it knows its device."""
+    want = cfg.run.device
+    if want != "cpu":
+        if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+            return None
+        from .nvml import Nvml
+
+        with Nvml() as nv:
+            if nv.available:
+                index = int(want.split(":", 1)[1]) if ":" in want else 0
+                mem = nv.device_query(index, "nvmlDeviceGetMemoryInfo")
+                name = nv.device_query(index, "nvmlDeviceGetName")
+                total = getattr(mem, "total", None)
+                if not total:
+                    return None
+                return "cuda", name.decode() if isinstance(name, bytes) else str(name or f"cuda:{index}"), int(total)
+        if want != "auto":
+            return None
+    import psutil
+
+    return "cpu", "this CPU", int(psutil.virtual_memory().total)
+
+
+def check_fits(ns: argparse.Namespace, cfg: TrainConfig) -> None:
+    """Refuse a run whose estimated memory (trainer.contract.estimate) exceeds the device's, before a
+    trainer is started: exit 2 with the estimate and the largest size that fits. `--size auto` and a
+    model directory are left to the trainer (it resolves them), and so are other nodes' devices."""
+    from trainer.contract import estimate as E
+
+    if cfg.model.size not in E.SIZES or inputs.is_model_path(cfg.model.model) or (
+            _launcher(ns) is not None and _launcher(ns).multi_node):
+        return
+    found = device_memory(cfg)
+    if found is None:
+        return
+    kind, name, total = found
+    world, nproc = world_size(ns), getattr(ns, "nproc", 1)
+    capacity = total // nproc if kind == "cpu" else total         # ranks on one CPU share its RAM
+    kw = dict(seq_len=cfg.data.seq_len, global_batch=cfg.optim.global_batch, micro_batch=cfg.toggles.micro_batch_int(),
+              precision=cfg.toggles.precision, device=kind, capacity=capacity, world_size=world,
+              fsdp=world > 1 and cfg.run.parallel == "fsdp", checkpointing=cfg.toggles.activation_checkpointing)
+    est = E.estimate(cfg.model.model, cfg.model.size, **kw)
+    if not est.fits:
+        raise ConfigError("--size", E.refusal(est, name, E.largest_fitting(cfg.model.model, **kw)))
+
+
 def cmd_run(ns: argparse.Namespace) -> int:
     # A stop asked for from here on (Ctrl-C, SIGTERM) is kept and acted on once the session runs.
     signals = StopSignals(STOP_SIGNALS if ns.no_ui else TUI_STOP_SIGNALS).install()
@@ -217,6 +271,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
 def _run(ns: argparse.Namespace, signals: StopSignals) -> int:
     cfg = resolve_config(ns)
     check_run_args(ns, cfg)
+    check_fits(ns, cfg)
     resume = cfg.checkpoint.resume
     launcher = _launcher(ns)
     if launcher is not None and launcher.multi_node and _tuning_request(ns) is not None:

@@ -13,8 +13,13 @@ gptop's own `{"type": "status", "status": ..., "message": ...}` lines when the
 session's status changes (consumers ignore types they do not know). Device
 samples can be thinned to one per `device_interval` seconds of event time.
 
-Readable: one line per step event (the trainer emits them at the log
-interval), and a line for each eval, checkpoint, warning, error, finished
+Readable: what the run will cost before it is built (`starting: ...`, from
+the early hello's estimate, and a warning when a step will take over a
+minute), one line per startup phase (`startup: tokenizing ...`, `building`,
+`probing micro-batch N`, `compiling`), a line when the first step is done,
+then one line per step event (the trainer emits them at the log interval; the
+`progress` event of every other step moves the progress bar only), and a line
+for each eval, checkpoint, warning, error, finished
 trial (one per trial, when it ends), apply, tuner phase, status change and
 bottleneck hint change; with a rich progress bar when the stream is a
 terminal.
@@ -31,6 +36,7 @@ broken, and start fast.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import threading
@@ -40,8 +46,8 @@ from typing import IO
 from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_eta, fmt_mfu, fmt_num, fmt_peak, fmt_toggles,
                          model_summary, phase_label, spread_pct)
 from trainer.contract.events import (PHASES, ApplyEvent, CheckpointEvent, DeviceEvent, DoneEvent, ErrorEvent,
-                                     EvalEvent, Event, HelloEvent, LogEvent, StatusEvent, StepEvent, TrialEvent,
-                                     TunerEvent, WarningEvent, dumps)
+                                     EvalEvent, Event, HelloEvent, LogEvent, PhaseEvent, ProgressEvent, StatusEvent,
+                                     StepEvent, TrialEvent, TunerEvent, WarningEvent, dumps)
 
 SHORT = {"data": "data", "forward": "fwd", "backward": "bwd", "optimizer": "opt", "other": "other"}
 
@@ -80,6 +86,19 @@ def step_line(event: StepEvent, state: RunState) -> str:
     return " | ".join(parts)
 
 
+def first_step_line(event: ProgressEvent, state: RunState) -> str | None:
+    """`step 1/200 done in 12.3 s (warm-up included); a line every 10 steps`: the first progress event of a
+    trainer process, so a run whose step lines come every N steps shows it is training; None when every
+    step gets a line anyway."""
+    log_every = (state.config.get("log") or {}).get("log_every")
+    if not isinstance(log_every, int) or log_every <= 1 or event.step % log_every == 0:
+        return None
+    total = state.total_steps
+    took = f" in {event.step_ms / 1000:.1f} s (warm-up included)" if event.step_ms is not None else ""
+    return (f"step {event.step}/{total if total is not None else '?'} done{took}; "
+            f"a line every {log_every} steps")
+
+
 def event_line(event: Event, state: RunState) -> str | None:
     """The readable line for one event, or None for events that get none (device samples, other ranks)."""
     if isinstance(event, StepEvent):
@@ -89,6 +108,12 @@ def event_line(event: Event, state: RunState) -> str | None:
     if isinstance(event, HelloEvent):
         total = state.total_steps
         where = event.device.name or event.device.type
+        if event.early:     # before anything is built: the run as configured and what it will cost
+            line = f"starting: {model_summary(state.model) or 'model'} on {where}"
+            if total is not None:
+                line += f", {total} steps"
+            est = state.estimate_line()
+            return line + (f"; {est}" if est else "")
         line = f"gptop: {model_summary(state.model) or 'model'} on {where}"
         if total is not None:
             line += f", {total} steps"
@@ -100,6 +125,8 @@ def event_line(event: Event, state: RunState) -> str | None:
         if state.hellos > 1:
             line = "restarted: " + line
         return line
+    if isinstance(event, PhaseEvent):
+        return f"startup: {event.message}"
     if isinstance(event, EvalEvent):
         loss = event.loss
         return f"eval step {event.step} loss {'n/a' if loss is None else f'{loss:.3f}'}"
@@ -158,11 +185,15 @@ class HeadlessView:
         self.echo_logs = echo_logs
         self._stderr: deque[str] = deque(maxlen=stderr_tail)
         self._lock = threading.Lock()
+        # set when stdout's reader has gone away: the caller stops the run (gptop/cli.py) and exits quietly
+        self.stdout_closed = threading.Event()
         self._last_device: float | None = None
         self._status: str | None = None
         self._tuner_phase: str | None = None
         self._hint_kind: str | None = None
         self._verdicts: dict[str, str] = {}     # GPU key -> the kind of its last printed verdict
+        self._phase_message: str | None = None
+        self._first_progress = True
         if progress is None:
             progress = not json and _isatty(self.stream)
         self._progress = None
@@ -185,15 +216,25 @@ class HeadlessView:
         if self._progress is not None:
             self._progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
         else:
-            self.stream.write(line + "\n")
-            self.stream.flush()
+            self._write(self.stream, line + "\n")
+
+    def _write(self, stream: IO[str], text: str) -> None:
+        """Write and flush; a reader that went away (`gptop --no-ui ... | head`) is noted, not a traceback."""
+        if stream is self.stream and self.stdout_closed.is_set():
+            return
+        try:
+            stream.write(text)
+            stream.flush()
+        except BrokenPipeError:
+            quiet_closed_stream(stream)
+            if stream is self.stream:
+                self.stdout_closed.set()
 
     def _print_err(self, line: str) -> None:
         if self._progress is not None and self.err is self.stream:
             self._print(line)
             return
-        self.err.write(line + "\n")
-        self.err.flush()
+        self._write(self.err, line + "\n")
 
     # --- the view interface -------------------------------------------------
     def on_event(self, event: Event) -> None:
@@ -205,8 +246,7 @@ class HeadlessView:
                     if self._last_device is not None and t - self._last_device < self.device_interval:
                         return
                     self._last_device = t
-                self.stream.write(dumps(event) + "\n")
-                self.stream.flush()
+                self._write(self.stream, dumps(event) + "\n")
                 return
             if isinstance(event, TunerEvent):
                 phase = event.phase
@@ -216,6 +256,23 @@ class HeadlessView:
                     self._print(f"tuner: {phase_label(phase)}" + (f" ({fmt_duration(left)} budget left)" if left is not None
                                                       else ""))
                 return
+            if isinstance(event, ProgressEvent):
+                self._update_bar()          # every step: the bar moves; lines stay at the log interval
+                if self._first_progress:    # but the first step of a process gets a line: it is alive
+                    self._first_progress = False
+                    line = first_step_line(event, self.state)
+                    if line:
+                        self._print(line)
+                return
+            if isinstance(event, HelloEvent) and event.early:
+                self._first_progress = True
+            if isinstance(event, PhaseEvent):
+                if self._progress is not None and self._task is not None:
+                    self._progress.update(self._task, description=event.phase,
+                                          info=self.state.startup_line() or "")
+                if event.message == self._phase_message:
+                    return                  # a percent update of the same phase: the bar, not a line
+                self._phase_message = event.message
             line = event_line(event, self.state)
             if line is not None:
                 self._print(line)
@@ -247,6 +304,9 @@ class HeadlessView:
             self._hint_kind = kind
             if hint:
                 self._print(f"hint: {hint}")
+        self._update_bar()
+
+    def _update_bar(self) -> None:
         if self._progress is not None and self._task is not None:
             s = self.state
             info = " · ".join(x for x in (
@@ -271,8 +331,7 @@ class HeadlessView:
             self._status = status
             if self.json:
                 obj = StatusEvent(status=status, message=message)
-                self.stream.write(dumps(obj) + "\n")
-                self.stream.flush()
+                self._write(self.stream, dumps(obj) + "\n")
             else:
                 self._print(f"status: {status}" + (f": {message}" if message else ""))
                 if self._progress is not None and self._task is not None:
@@ -288,7 +347,22 @@ class HeadlessView:
             if self._progress is not None:
                 self._progress.stop()
                 self._progress = None
-            self.stream.flush()
+            self._write(self.stream, "")
+
+
+def quiet_closed_stream(stream: IO[str]) -> None:
+    """After a BrokenPipeError on `stream`: point its file descriptor at /dev/null, so that what is still
+    buffered and the interpreter's flush at exit go nowhere instead of raising again (Python's documented
+    recipe for SIGPIPE, https://docs.python.org/3/library/signal.html#note-on-sigpipe)."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return      # not a real file (a StringIO in tests): nothing buffered below it
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
 
 
 def _isatty(stream: IO[str]) -> bool:

@@ -263,6 +263,10 @@ class Nvml:
         """An NVML_* constant from the module (a fake module may omit it)."""
         return getattr(self._mod, name, default)
 
+    def is_unsupported(self, index: int, function: str, *args: Any) -> bool:
+        """Whether this query was remembered as permanently unavailable for the device."""
+        return (index, function, args) in self._unsupported or function in self._missing_functions
+
     def _code(self, name: str) -> int:
         return getattr(self._mod, "NVML_ERROR_" + name, _CODES[name]) if self._mod is not None else _CODES[name]
 

@@ -42,7 +42,8 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         raise ConfigError("RUN_DIR", f"{run_dir} has no events.jsonl; is it a gptop run directory?")
     skipped = {"events.jsonl": _Skipped(), "device.jsonl": _Skipped()}
     events = list(read_events(events_path, on_malformed=skipped["events.jsonl"]))
-    hello = next((e for e in reversed(events) if isinstance(e, HelloEvent)), None)
+    hellos = [e for e in events if isinstance(e, HelloEvent)]
+    hello = next((e for e in reversed(hellos) if not e.early), hellos[-1] if hellos else None)
     steps = [e for e in events if isinstance(e, StepEvent)]
     evals = [e for e in events if isinstance(e, EvalEvent)]
     ckpts = [e for e in events if isinstance(e, CheckpointEvent)]
@@ -58,7 +59,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         out["peak_source"] = hello.peak_source
         out["mfu_is_estimate"] = hello.mfu_is_estimate
         out["max_steps"] = hello.max_steps
-    out["starts"] = sum(1 for e in events if isinstance(e, HelloEvent))
+    out["starts"] = sum(1 for e in hellos if e.early) or len(hellos)   # one early hello per trainer process
     if steps:
         last = steps[-1]
         out["steps"] = last.step

@@ -33,6 +33,7 @@ from .state import RunState
 from .supervisor import Supervisor, torchrun_failures, trainer_argv
 
 EXIT_DONE, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_PIPE = 141     # stdout's reader went away (`gptop --no-ui ... | head`): what a shell shows for SIGPIPE
 DEFAULT_T_BUDGET_S = 600.0                 # the `t` key in a plain `gptop train`
 # Failures a restart from the last checkpoint cannot cure: restarting would only loop (a full disk).
 NO_RESTART_KINDS = ("disk",)
@@ -171,8 +172,14 @@ class SessionBase:
             signals.attach(lambda force: self.stop(force=force))
             if not self.finished:
                 self.start(resume=resume)
+            closed = getattr(view, "stdout_closed", None)     # HeadlessView: stdout's reader went away
+            stopped = False
             while not self.headless_over(0.2):
-                pass
+                if closed is not None and closed.is_set() and not stopped:
+                    stopped = True            # `gptop --no-ui ... | head`: stop as Ctrl-C does (checkpoint first)
+                    self.stop()
+            if closed is not None and closed.is_set():
+                return EXIT_PIPE
             return self.wait(0)
         finally:
             self.close()
@@ -285,7 +292,10 @@ class Session(SessionBase):
             sup.kill()
         else:
             self.stopping = True
-            self._set_status("stopping", "finishing the step and checkpointing")
+            if self.state.stepped:
+                self._set_status("stopping", "finishing the step and checkpointing")
+            else:               # the trainer abandons its startup at once (trainer.channel.StartupStopped)
+                self._set_status("stopping", "stopping before the first step (nothing to checkpoint)")
             sup.request_stop()
 
     def checkpoint(self) -> None:
@@ -372,7 +382,9 @@ class Session(SessionBase):
             controller.on_event(event)
 
     def _on_event(self, event: ev.Event) -> None:
-        if isinstance(event, (ev.StepEvent, ev.HelloEvent)) and self.state.status in ("starting", "restarting"):
+        started = isinstance(event, (ev.StepEvent, ev.ProgressEvent)) or (
+            isinstance(event, ev.HelloEvent) and not event.early)   # the early hello: nothing is built yet
+        if started and self.state.status in ("starting", "restarting"):
             self._set_status("running")
         if isinstance(event, ev.ErrorEvent):
             self.rank_errors.setdefault(event.rank, event)

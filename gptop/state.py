@@ -27,11 +27,12 @@ from typing import Any, Callable, Iterable
 
 from gptop.energy import Energy, unavailable_reason
 from gptop.energy import measure as energy_measure
-from trainer.contract.capabilities import native_bf16
+from trainer.contract import capabilities
 from trainer.contract.device import DeviceInfo
 from trainer.contract.events import (PHASES, ApplyEvent, CheckpointEvent, CpuReading, DeviceEvent, DoneEvent,
                                      ErrorEvent, EvalEvent, Event, GpuReading, HelloEvent, LogEvent, ModelInfo,
-                                     StepEvent, TrialEvent, TunerEvent, UnknownEvent, WarningEvent)
+                                     PhaseEvent, ProgressEvent, StepEvent, TrialEvent, TunerEvent, UnknownEvent,
+                                     WarningEvent)
 
 STATUSES = ("starting", "running", "checkpointing", "stopping", "done", "stopped", "failed", "restarting", "replay",
             "monitor")
@@ -147,7 +148,13 @@ class RunState:
         self.config: dict[str, dict[str, Any]] = {}
         self.device: DeviceInfo | None = None
         self.model: ModelInfo | None = None
-        self.hellos = 0                        # > 1 after a restart / resume / applied toggles
+        self.hellos = 0                        # full hellos: > 1 after a restart / resume / applied toggles
+        self.estimate: dict[str, Any] | None = None   # the early hello's (trainer.contract.estimate)
+        self.startup: PhaseEvent | None = None  # the startup phase now (None once a step is done)
+        self.startup_since: float | None = None  # when that phase began (its percent updates do not reset it)
+        self.estimate_warning: WarningEvent | None = None   # "deepseek medium on this CPU: ~N GiB, ~M min per step"
+        self.live_step: tuple[float, int, int] | None = None   # (time, step, tokens) of the latest progress/step
+        self.stepped = False                   # this trainer process has done a step (a stop then checkpoints)
         self.initial_toggles: dict[str, Any] | None = None   # what the run started with
         self.start_time: float | None = None   # time of the first event
         self.last_time: float | None = None    # time of the latest event
@@ -252,16 +259,51 @@ class RunState:
     def _on_hello(self, e: HelloEvent) -> None:
         self.hello = e
         self.config = e.config
-        if self.initial_toggles is None:
-            self.initial_toggles = e.toggles
         self.device = e.device
         self.model = e.model
+        if e.early:                            # a trainer process started; nothing is built yet
+            self.estimate = e.estimate
+            self.startup = None
+            self.stepped = False
+            self.end_time = None
+            self._rate.clear()
+            self._pace.clear()
+            self._bump("run", "step")
+            return
+        if self.initial_toggles is None:
+            self.initial_toggles = e.toggles
+        self.startup = None                    # built: the first step (or its compile phase) comes next
+        self.startup_since = e.time
         self.hellos += 1
         self.end_time = None   # a new trainer process: the run goes on
         self._applied = {}
         self._rate.clear()   # a restart recompiles: the old step rate says nothing about the new process
         self._pace.clear()
         self._bump("run", "step")
+
+    def _on_phase(self, e: PhaseEvent) -> None:
+        if self.startup is None or self.startup.phase != e.phase:
+            self.startup_since = e.time
+        self.startup = e
+        self._bump("run")
+
+    def _on_progress(self, e: ProgressEvent) -> None:
+        """A step done between step events: the counter, rate and ETA move; the histories do not."""
+        self._live(e.time, e.step, e.tokens)
+        self._bump("run")
+
+    def _live(self, t: float, step: int, tokens: int) -> None:
+        self.startup = None
+        self.stepped = True
+        last = self.live_step
+        if last is not None and step < last[1]:
+            self._rate.clear()   # rolled back to a checkpoint
+            self._pace.clear()
+        if self._rate and step > self._rate[-1][1]:
+            self._pace.add(t - self._rate[-1][0], step - self._rate[-1][1])
+        if last is None or (step, t) != (last[1], last[0]):
+            self._rate.append((t, step, tokens))
+        self.live_step = (t, step, tokens)
 
     def _on_step(self, e: StepEvent) -> None:
         rank = e.rank
@@ -272,13 +314,9 @@ class RunState:
             self._bump("step")
             return
         step = e.step
-        if self.last_step is not None and step < self.last_step.step:
-            self._rate.clear()   # rolled back to a checkpoint
-            self._pace.clear()
-        if self._rate and step > self._rate[-1][1]:
-            self._pace.add(e.time - self._rate[-1][0], step - self._rate[-1][1])
         self.last_step = e
-        self._rate.append((e.time, step, e.tokens))
+        if self.live_step is None or self.live_step[1] != step:
+            self._live(e.time, step, e.tokens)
         for name in STEP_SERIES:
             v = getattr(e, name)
             if v is not None:
@@ -307,16 +345,20 @@ class RunState:
 
     def _on_warning(self, e: WarningEvent) -> None:
         self.warnings.append(e.message)
+        if e.kind == "estimate":
+            self.estimate_warning = e
         self.add_log("warning: " + e.message, "event")
         self._bump("run")
 
     def _on_error(self, e: ErrorEvent) -> None:
         self.errors.append(e)
+        self.startup = None
         self.add_log(f"error [{e.kind}]: {e.message}", "event")
         self._bump("run")
 
     def _on_done(self, e: DoneEvent) -> None:
         self.done = e
+        self.startup = None
         self.end_time = e.time   # elapsed stops here, not when the session later says "done"
         self._bump("run")
 
@@ -394,12 +436,53 @@ class RunState:
 
     @property
     def step(self) -> int | None:
-        return self.last_step.step if self.last_step else None
+        """The latest step done (progress events move it every step; step events at the log interval)."""
+        return self.live_step[1] if self.live_step else None
 
     @property
     def tokens(self) -> int | None:
-        """Tokens seen (the step event's cumulative `tokens`)."""
-        return self.last_step.tokens if self.last_step else None
+        """Tokens seen (the latest progress or step event's cumulative `tokens`)."""
+        return self.live_step[2] if self.live_step else None
+
+    def startup_line(self) -> str | None:
+        """What the run does before its first step: 'compiling the model (...) · 0:42', 'tokenizing ... 40%'."""
+        with self.lock:
+            p = self.startup
+            if p is None:
+                if self.stepped or self.hello is None or self.hello.early or self.status not in (
+                        "starting", "running", "restarting"):
+                    return None
+                line = "first step"           # built; the first step (data, warm-up) is running
+            else:
+                line = p.message
+            if p is not None and p.pct is not None:
+                line += f" {p.pct:.0f}%"
+            now = self.now()
+            if self.startup_since is not None and now is not None:
+                line += f" · {fmt_duration(max(0.0, now - self.startup_since))}"
+            return line
+
+    def estimate_line(self, short: bool = False) -> str | None:
+        """The early hello's estimate in words: '~0.8 GiB, ~1 s per step (estimate)' ('est. ~0.8 GiB, ~1 s/step'
+        with `short`, for the header)."""
+        from trainer.contract.estimate import GiB, fmt_seconds
+
+        est = self.estimate
+        if not est:
+            return None
+        parts = []
+        total = est.get("total_bytes")
+        if isinstance(total, (int, float)):
+            parts.append(f"~{total / GiB:.1f} GiB")
+        step_s = est.get("step_s")
+        if isinstance(step_s, (int, float)):
+            parts.append(f"~{fmt_seconds(step_s)}{'/step' if short else ' per step'}")
+            total = self.total_steps
+            if total and not short:
+                parts.append(f"~{fmt_seconds(step_s * total)} for {total} steps")
+        if not parts:
+            return None
+        return "est. " + ", ".join(parts) if short else ", ".join(parts) + " (estimate)"
 
     @property
     def toggles(self) -> dict[str, Any]:
@@ -596,10 +679,10 @@ class RunState:
             return f"{other:.0f}% of the step is outside the phases (host overhead, syncs): try --compile default"
         if compute >= 60:
             tips = []
-            if t.get("compile", "off") == "off":
+            if t.get("compile", "off") == "off" and capabilities.worth_trying("compile", "default", dev):
                 tips.append("--compile default")
-            prec = t.get("precision", "fp32")
-            if prec in ("fp32", "tf32") and native_bf16(dev):
+            # native bf16 only: CUDA 8.0+, or a CPU whose oneDNN has bf16 kernels (not emulated, 30-100x slower)
+            if t.get("precision", "fp32") in ("fp32", "tf32") and capabilities.worth_trying("precision", "bf16", dev):
                 tips.append("--precision bf16")
             if not tips:
                 return f"compute-bound: forward+backward are {compute:.0f}% of the step"

@@ -16,6 +16,8 @@
   the ranks themselves (not to torchrun, which would turn it into a kill after
   30 s), and a kill or the launcher's exit reaches each of them. Which rank
   failed is read from torchrun's failure summary (`torchrun_failures`).
+- Library chatter that says nothing to a user (kineto's `USDT:`/`STAGE:` lines
+  around a profiler window) stays in the log file but not in the log panel.
 """
 
 from __future__ import annotations
@@ -38,8 +40,20 @@ from trainer.contract.rundir import RunDir
 
 from .tail import FileTail, LineSplitter, feed_events
 
+from .telemetry import TREE_REFRESH_S
+
 EventCallback = Callable[[ev.Event], None]
 LogCallback = Callable[[str, str], None]
+
+# glog-style lines from libkineto (torch.profiler) on stderr, e.g.
+# `USDT:2026-11-25 13:05:21 6702:6702 SyncActivityProfilerHandler.cpp:52] profiler_start`; torchrun may
+# prefix a rank's lines with `[rank0]:`.
+LIBRARY_CHATTER = re.compile(r"^(\[rank\d+\]:)?(USDT|STAGE):\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \S+:\d+\]")
+
+
+def is_library_chatter(line: str) -> bool:
+    """A line a library printed for its own developers: kept in the log file, not shown."""
+    return LIBRARY_CHATTER.match(line) is not None
 
 
 class Supervisor:
@@ -52,6 +66,7 @@ class Supervisor:
         self.layout = RunDir(run_dir, node)
         self.launcher = launcher            # argv starts a launcher whose children are the ranks
         self._known: dict[int, Any] = {}     # pid -> psutil.Process of every descendant seen
+        self._pids_cache: tuple[int, float, list[int]] | None = None   # (trainer pid, when, its descendants)
         self._seq = 0
         self.run_dir = Path(run_dir)
         self.on_event, self.on_log, self.on_exit = on_event, on_log, on_exit
@@ -103,13 +118,21 @@ class Supervisor:
         return self.proc.pid if self.proc else None
 
     def pids(self) -> list[int]:
-        """The trainer and its children (torchrun ranks), for telemetry."""
+        """The trainer and its children (torchrun ranks), for telemetry: the children as of the last walk of
+        the process tree, walked again after TREE_REFRESH_S or when the trainer changed (a walk reads all of
+        /proc; the sampler asks every 0.5 s)."""
         if self.proc is None or self.returncode is not None:
             return []
+        now = time.monotonic()
+        cached = self._pids_cache
+        if cached is not None and cached[0] == self.proc.pid and now - cached[1] < TREE_REFRESH_S:
+            return [self.proc.pid, *cached[2]]
         try:
-            return [self.proc.pid] + [c.pid for c in self._descendants()]
+            kids = [c.pid for c in self._descendants()]
         except Exception:
-            return [self.proc.pid]
+            kids = []
+        self._pids_cache = (self.proc.pid, now, kids)
+        return [self.proc.pid, *kids]
 
     def _descendants(self) -> list[Any]:
         """The launcher's live descendants, remembered so that they can be reached after it died."""
@@ -207,11 +230,13 @@ class Supervisor:
             done = self._exited.is_set()
             for stream, tail in tails.items():
                 for line in tail.read_lines():
-                    self.on_log(line.decode("utf-8", "replace").rstrip("\r"), stream)
+                    text = line.decode("utf-8", "replace").rstrip("\r")
+                    if not is_library_chatter(text):
+                        self.on_log(text, stream)
             if done:
                 for stream, tail in tails.items():
                     rest = tail.rest()
-                    if rest:
+                    if rest and not is_library_chatter(rest.decode("utf-8", "replace")):
                         self.on_log(rest.decode("utf-8", "replace"), stream)
                 return
             time.sleep(self.log_poll_s)

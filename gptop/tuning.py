@@ -212,8 +212,8 @@ class TuningDriver:
                     return None
                 continue
             kind, payload = item
-            if kind == "event" and isinstance(payload, ev.HelloEvent):
-                return payload
+            if kind == "event" and isinstance(payload, ev.HelloEvent) and not payload.early:
+                return payload          # the built run (an early hello comes before anything is built)
             if kind == "exit" or (kind == "abort"):
                 return None
 
@@ -376,6 +376,10 @@ class TuningDriver:
 
             self.report_paths = write_report(s.run_dir, self.study, ctl.report_info())
             self._say(f"report {self.report_paths['md']}; best configuration {self.report_paths['toml']}")
+            if self.study.storage_url:
+                from tuner.study import dashboard_command
+
+                self._say(f"study {self.study.name}; browse it: {dashboard_command(self.study.storage_url)}")
         self._cleanup_guard()
         if self._running_cfg is None:     # gptop tune's first process logged every step for the baseline
             s.cfg.log.log_every = self.user_cfg.log.log_every

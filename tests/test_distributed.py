@@ -211,7 +211,7 @@ def test_two_ranks_train_checkpoint_and_resume_exactly(tmp_path, parallel):
     assert sorted(a) == list(range(2, 13, 2))
     assert {s: b[s] for s in range(8, 13, 2)} == {s: a[s] for s in range(8, 13, 2)}   # exact, not close
 
-    hello = [e for e in events(full) if e["type"] == "hello"]
+    hello = [e for e in events(full) if e["type"] == "hello" and not e.get("early")]
     assert len(hello) == 1 and hello[0]["world_size"] == 2 and hello[0]["parallel"] == parallel
     for rank in (0, 1):
         steps = [e for e in events(full, rank) if e["type"] == "step"]
@@ -429,3 +429,33 @@ def test_two_ranks_never_checkpoint_a_non_finite_state(tmp_path):
     assert done == {0: 8, 1: 8}
     for ck in sorted((w_run / "checkpoints").glob("*.dcp")):
         assert all(torch.isfinite(t).all() for t in dcp_tensors(ck, scratch)), ck
+
+
+@pytest.mark.slow
+def test_two_nodes_on_one_host_each_know_the_run(tmp_path):
+    """Two gptop processes, one rank each, over a c10d rendezvous (docs/distributed.md, "Several nodes"):
+    the second node's gptop gets a hello too (its header reads step N/MAX, not N/?), and its hint only
+    suggests bf16 where its device runs bf16 natively."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = tmp_path / "run"
+    args = [sys.executable, "-m", "gptop", "--no-ui", "train", "--nproc", "1", "--nnodes", "2",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-backend", "c10d", "--rdzv-id", "issue13", *TINY,
+            "--max-steps", "6", "--log-every", "3", "--checkpoint-every", "0", "--run-dir", str(run)]
+    procs = [subprocess.Popen(args, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-3000:]
+        outs.append(out)
+    hellos = {r: [e for e in events(run, r) if e["type"] == "hello"] for r in (0, 1)}
+    assert all(len(h) == 1 for h in hellos.values()), hellos          # one per node, from its first rank
+    for out in outs:
+        assert "step 6/6 " in out and "/?" not in out, out
+        for line in out.splitlines():
+            if line.startswith("hint:") and "--precision bf16" in line:
+                assert all(h[0]["device"]["cpu_bf16"] for h in hellos.values()), line

@@ -23,7 +23,7 @@ from trainer.contract import events as ev
 
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCER_PACKAGES = ("trainer", "gptop", "tuner")
-EMITTERS = {"emit", "emit0", "make"}          # calls whose first argument names the event type
+EMITTERS = {"emit", "emit0", "emit_live", "emit_node", "make"}   # calls whose first argument names the event type
 BASE = {"v", "time", "rank", "extra"}         # set by every constructor
 
 

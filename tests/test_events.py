@@ -38,7 +38,7 @@ def full_instances() -> list[ev.Event]:
                                          embedding_params=1, vocab_size=64, flops_per_token=18, objective="causal"),
                       pid=42, world_size=2, parallel="ddp", data={"train_tokens": 5, "fingerprint": "ab"},
                       accumulation=2, micro_batch=4, tokens_per_step=256, peak_flops=1e12, resumed_from="/r/c.pt",
-                      start_step=6, torch="2.13.0"),
+                      start_step=6, torch="2.13.0", early=True, estimate={"total_bytes": 1 << 30, "step_s": 2.5}),
         ev.StepEvent(time=t, rank=1, step=7, tokens=700, loss=2.5, lr=1e-3, grad_norm=0.5, step_ms=100.0,
                      phases_ms={p: 20.0 for p in ev.PHASES}, tokens_per_s=7000.0, mfu=0.3, mem_bytes=1 << 30,
                      interval_steps=2, wall_ms=101.0, batch=6, gpu_idle_ms=3.0, comm_ms=4.0,
@@ -65,6 +65,8 @@ def full_instances() -> list[ev.Event]:
         ev.TunerEvent(time=t, phase="done", budget_left_s=10.0, trial=3, trials_run=4, trials_planned=8,
                       study="s", outcome="applied trial 3", applied=True),
         ev.StatusEvent(time=t, status="failed", message="why"),
+        ev.ProgressEvent(time=t, step=8, tokens=800, step_ms=99.0),
+        ev.PhaseEvent(time=t, phase="tokenizing", message="tokenizing builtin", pct=40.0),
     ]
 
 
@@ -108,7 +110,7 @@ def test_a_previous_versions_lines_parse_into_their_classes_with_nothing_unknown
         assert all(_kept(x, new.get(k)) for k, x in old.items()), line
         assert all(new[k] is not None and new[k] == getattr(e, k) for k in set(new) - set(old)), line
         seen.add(e.type)
-    assert seen == set(ev.EVENT_TYPES)
+    assert seen == set(ev.EVENT_TYPES) - {"progress", "phase"}     # the types added since (issue 11)
 
 
 def test_a_previous_versions_run_replays_in_the_views_and_the_report(tmp_path):
@@ -209,8 +211,8 @@ def test_unknown_fields_are_kept_and_written_back():
 
 
 def test_an_unknown_type_is_a_generic_event_that_consumers_ignore():
-    e = ev.parse('{"v":1,"type":"progress","time":5.0,"rank":0,"phase":"compile","done":0.5}')
-    assert isinstance(e, ev.UnknownEvent) and e.type == "progress" and e.extra == {"phase": "compile", "done": 0.5}
+    e = ev.parse('{"v":1,"type":"forecast","time":5.0,"rank":0,"phase":"compile","done":0.5}')
+    assert isinstance(e, ev.UnknownEvent) and e.type == "forecast" and e.extra == {"phase": "compile", "done": 0.5}
     assert ev.parse(ev.dumps(e)) == e
     state = RunState()
     state.apply(e)
@@ -226,7 +228,7 @@ def test_make_builds_by_name_and_refuses_what_is_not_declared():
     with pytest.raises(ev.MalformedEvent, match="missing path"):
         ev.make("checkpoint", step=3, seconds=0.1)
     with pytest.raises(ev.MalformedEvent, match="unknown event type"):
-        ev.make("progress", phase="x")
+        ev.make("forecast", phase="x")
     with pytest.raises(ev.MalformedEvent, match="checkpoint.step"):
         ev.make("checkpoint", step="3", path="p", seconds=0.1)
 
@@ -304,6 +306,21 @@ def test_a_tuning_json_with_nulls_is_summarized(tmp_path):
     (tmp_path / "tuning.json").write_text(json.dumps({"best": None, "ledger": {"tuning_s": None}, "trials": []}))
     s = summarize(tmp_path)
     assert "tuning_skipped" not in s and "no feasible configuration" in format_report(s)
+
+
+@pytest.mark.parametrize("trials", [[], [{"run": "earlier", "status": "complete"}]])
+def test_a_report_never_prints_empty_parentheses(tmp_path, trials):
+    """No trial this run (none at all, or only a shared study's earlier ones): '0 trials this run in ...', not '()'."""
+    for e in cpu_run(20):
+        with open(tmp_path / "events.jsonl", "a") as f:
+            f.write(ev.dumps(e) + "\n")
+    (tmp_path / "tuning.json").write_text(json.dumps({"best": None, "trials": trials,
+                                                      "ledger": {"tuning_s": 12.0, "budget_s": 60.0}}))
+    text = format_report(summarize(tmp_path))
+    assert "0 trials this run in " in text
+    assert "()" not in text and "( " not in text
+    (tmp_path / "tuning.json").write_text(json.dumps({"best": None, "trials": [{"run": "this", "status": "pruned"}]}))
+    assert "1 trials this run (1 pruned) in " in format_report(summarize(tmp_path))
 
 
 class NoSampler:

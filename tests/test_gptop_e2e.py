@@ -38,7 +38,8 @@ def events_of(run_dir, kind=None):
     p = Path(run_dir) / "events.jsonl"
     if not p.exists():
         return []
-    return [to_dict(e) for e in read_events(p) if kind is None or e.type == kind]   # validated, as on the wire
+    return [to_dict(e) for e in read_events(p) if kind is None or e.type == kind   # validated, as on the wire
+            if not (kind == "hello" and e.early)]          # "hello": the full ones (an early one comes first)
 
 
 def trainer_pid(run_dir):

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from fixtures.streams import cpu_run, ev, gpu_logs, gpu_run
-from gptop.headless import HeadlessView, event_line, step_line
+from gptop.headless import HeadlessView, event_line, first_step_line, step_line
 from gptop.state import RunState
-from trainer.contract.events import DeviceEvent, StatusEvent, StepEvent, parse
+from trainer.contract.events import DeviceEvent, StatusEvent, StepEvent, dumps, parse
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -136,3 +136,91 @@ def test_headless_does_not_import_textual():
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+# --- issue 11: startup phases, the estimate, progress between log steps ---------------------------------------
+
+def test_startup_lines_say_what_it_costs_and_what_it_does():
+    from fixtures.streams import startup_run
+
+    out = io.StringIO()
+    state = RunState(run_dir="runs/x")
+    play(HeadlessView(state, json=False, stream=out), state, startup_run("steps"))
+    lines = out.getvalue().splitlines()
+    assert lines[1] == ("starting: deepseek medium · 887.4M params (344.8M active) on AMD EPYC 7763 64-Core "
+                        "Processor, 200 steps; ~14.8 GiB, ~1.8 min per step, ~6.1 h for 200 steps (estimate)")
+    assert lines[2] == ("warning: deepseek medium on this CPU: ~14.8 GiB, ~1.8 min per step, ~6.1 h for 200 steps "
+                        "(estimated at 40% MFU)")
+    startup = [line for line in lines if line.startswith("startup: ")]
+    assert startup == ["startup: tokenizing builtin",       # once, not per percent
+                       "startup: building deepseek medium",
+                       "startup: probing micro-batch 1",
+                       "startup: probing micro-batch 2",
+                       "startup: compiling (torch.compile default)"]
+    assert sum(line.startswith("gptop: deepseek medium") for line in lines) == 1
+    steps = [line.split(" loss")[0] for line in lines if line.startswith("step ")]
+    assert steps == ["step 1/200 done in 95.0 s (warm-up included); a line every 10 steps", "step 10/200"]
+
+
+def test_progress_events_move_the_bar_and_are_json_lines():
+    from fixtures.streams import startup_run
+
+    class TTY(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    out = TTY()
+    state = RunState()
+    play(HeadlessView(state, json=False, stream=out), state, startup_run("steps"))
+    assert "13/200" in out.getvalue()                # the bar moved past the last step line (10)
+    out = io.StringIO()
+    state = RunState()
+    play(HeadlessView(state, json=True, stream=out), state, startup_run("steps"))
+    kinds = [json.loads(line)["type"] for line in out.getvalue().splitlines()]
+    assert kinds.count("progress") == 13 and kinds.count("phase") == 7 and kinds.count("hello") == 2
+
+
+def test_no_first_step_line_when_every_step_has_one():
+    from fixtures.streams import startup_run
+
+    state = RunState()
+    for e in startup_run("steps"):
+        state.apply(e)
+    state.config["log"]["log_every"] = 1
+    assert first_step_line(ev("progress", 1.0, step=1, tokens=1), state) is None
+    state.config["log"]["log_every"] = 10
+    assert first_step_line(ev("progress", 1.0, step=10, tokens=1), state) is None     # a log step: its own line
+    assert first_step_line(ev("progress", 1.0, step=1, tokens=1), state).startswith("step 1/200 done")
+
+
+class ClosedPipe(io.StringIO):
+    def write(self, s: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_reader_that_goes_away_is_noted_not_raised():
+    """`gptop --no-ui ... | head`: the first failed write sets stdout_closed (the CLI then stops the run)
+    and nothing more is written or raised, from any thread that prints."""
+    state = RunState()
+    view = HeadlessView(state, json=False, stream=ClosedPipe(), err=io.StringIO())
+    play(view, state, cpu_run(30), final=("done", None))
+    assert view.stdout_closed.is_set()
+
+
+@pytest.mark.slow
+def test_gptop_piped_into_head_exits_quietly(tmp_path):
+    """A replay's JSON lines (more than a pipe buffer) into a reader that stops after one line: exit 141
+    as for SIGPIPE, no traceback."""
+    run = tmp_path / "run"
+    run.mkdir()
+    with open(run / "events.jsonl", "w") as f:
+        for _ in range(4):                      # ~200 kB: the writer blocks on a full pipe, then gets EPIPE
+            for e in gpu_run():
+                f.write(dumps(e) + "\n")
+    p = subprocess.Popen([sys.executable, "-m", "gptop", "--no-ui", "--json", "--run-dir", str(run)],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout.readline().startswith(b"{")
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

@@ -99,7 +99,7 @@ def test_lora_run_reports_trainable_params_and_checkpoints_only_adapters(tmp_pat
     code, events, run_dir = run(tmp_path, "--model", str(model_dir), *LORA, "--max-steps", "4",
                                 "--checkpoint-every", "2")
     assert code == EXIT_OK
-    m = of(events, "hello")[0].model
+    m = [h for h in of(events, "hello") if not h.early][0].model
     assert 0 < m.trainable_params < m.total_params / 10
     # r (in + out) per projection: q,k,v,o 128x128; gate,up 128->384; down 384->128; 4 layers
     assert m.trainable_params == 4 * 8 * (4 * 256 + 3 * 512)
@@ -140,7 +140,7 @@ def test_lora_on_a_builtin_family(tmp_path):
     for family, n in (("llama", 7), ("deepseek", None)):
         code, events, _ = run(tmp_path, "--model", family, *LORA, "--max-steps", "3", name=family)
         assert code == EXIT_OK
-        m = of(events, "hello")[0].model
+        m = [h for h in of(events, "hello") if not h.early][0].model
         assert 0 < m.trainable_params < m.total_params
 
 

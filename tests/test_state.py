@@ -198,6 +198,8 @@ def test_hints_only_name_toggles_that_apply():
     avx2 = hello("cpu", precision="fp32", cpu_bf16=False)
     assert fed(avx2, step(1, 1.0, PH)).bottleneck_hint() == "compute-bound (forward+backward 80%): try --compile default"
     assert "--precision bf16" in fed(hello("cpu", precision="fp32"), step(1, 1.0, PH)).bottleneck_hint()
+    # no hello yet (a second node's gptop before issue 13's fix): the device is unknown, so no bf16 or compile
+    assert fed(step(1, 1.0, PH)).bottleneck_hint() == "compute-bound: forward+backward are 80% of the step"
     # GPU idle is a GPU notion: never on the CPU
     s = fed(hello("cpu"), step(1, 1.0, PH, gpu_idle_ms=50.0))
     assert "idle" not in (s.bottleneck_hint() or "")
@@ -519,3 +521,70 @@ def test_run_name_defaults_to_the_run_directory_and_subscribers_hear_every_chang
     s.set_status("running")
     assert len(calls) == 3
     s.unsubscribe(calls.append)   # not subscribed: no error
+
+
+# --- issue 11: live from the first second ------------------------------------------------------------------
+
+def test_the_early_hello_is_not_a_restart_and_carries_the_estimate():
+    from fixtures.streams import startup_run
+
+    s = fed(*startup_run("compiling"))
+    assert s.hellos == 1 and s.hello is not None and not s.hello.early     # early + full = one start
+    assert s.estimate is not None and s.estimate_line() == "~14.8 GiB, ~1.8 min per step, ~6.1 h for 200 steps (estimate)"
+    assert s.initial_toggles["micro_batch"] == 2                        # from the full hello, not "auto"
+    early = fed(*startup_run("building"))
+    assert early.hellos == 0 and early.hello.early and early.total_steps == 200
+    assert model_summary(early.model) == "deepseek medium · 887.4M params (344.8M active)"
+    assert early.estimate_warning is not None and "~1.8 min per step" in early.estimate_warning.message
+
+
+def test_the_startup_phase_says_what_and_for_how_long():
+    from fixtures.streams import startup_run
+
+    s = fed(*startup_run("tokenizing"))
+    assert s.startup_line() == "tokenizing builtin 90% · 0:02"   # since the phase began
+    s = fed(*startup_run("probing"))
+    assert s.startup_line() == "probing micro-batch 2 · 0:20"   # probing since mb 1
+    clock = [T0 + 40.0]
+    s = fed(*startup_run("compiling"), clock=lambda: clock[0])
+    clock[0] = T0 + 102.0
+    assert s.startup_line() == "compiling (torch.compile default) · 0:42"   # ticks
+    s.apply(ev("progress", 150.0, step=1, tokens=8192, step_ms=90_000.0))
+    assert s.startup_line() is None and s.step == 1 and s.tokens == 8192
+
+
+def test_progress_events_move_the_counter_rate_and_eta_between_step_events():
+    from fixtures.streams import startup_run
+
+    events = startup_run("steps")
+    s = fed(*[e for e in events if e.type != "progress"])
+    assert s.step == 10 and s.steps_per_s() is None           # one step event: no rate yet
+    s = fed(*events)
+    assert s.step == 13 and s.tokens == 13 * 8192
+    assert s.steps_per_s() == pytest.approx(1 / 95.0)
+    assert s.eta() == pytest.approx((200 - 13) * 95.0)
+    assert s.last_step.step == 10 and len(s.history("loss")) == 1      # histories stay at the log interval
+    s.apply(ev("progress", 2000.0, step=4, tokens=4 * 8192))            # rolled back: the rate starts over
+    assert s.step == 4 and s.steps_per_s() is None
+
+
+def test_a_new_process_clears_the_startup_and_the_rate():
+    from fixtures.streams import startup_run
+
+    s = fed(*startup_run("steps"))
+    s.apply(ev("error", 1500.0, kind="oom", message="x"))
+    assert s.startup is None
+    s.apply(startup_run("building")[0])
+    assert s.steps_per_s() is None and s.hellos == 1
+
+
+def test_between_the_full_hello_and_the_first_step_it_says_first_step():
+    from fixtures.streams import startup_run
+
+    events = [e for e in startup_run("compiling") if e.type != "phase" or e.phase != "compiling"]
+    clock = [T0 + 59.0]
+    s = fed(*events, clock=lambda: clock[0], status="running")
+    clock[0] = T0 + 71.0
+    assert s.startup_line() == "first step · 0:12"          # built at 59 s, no compile phase: the step runs
+    s.apply(ev("progress", 80.0, step=1, tokens=1))
+    assert s.startup_line() is None

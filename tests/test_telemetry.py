@@ -189,6 +189,28 @@ def test_proc_mem_counts_trainer_pids_and_children(tmp_path):
         child.wait()
 
 
+def test_the_process_tree_is_walked_only_now_and_then(tmp_path, monkeypatch):
+    """A walk of the trainer's process tree reads all of /proc (issue 13: most of the dashboard's CPU on a busy
+    machine at every 0.5 s sample); it is walked again only after TREE_REFRESH_S or when the roots change."""
+    walks = []
+    real = psutil.Process.children
+
+    def children(self, recursive=False):
+        walks.append(self.pid)
+        return real(self, recursive=recursive)
+
+    monkeypatch.setattr(psutil.Process, "children", children)
+    roots = [os.getpid()]
+    s = make_sampler(fake_pynvml(init_error=pynvml.NVMLError_LibraryNotFound), tmp_path, pids=lambda: roots)
+    for _ in range(5):
+        assert s.sample_once().cpu.proc_rss > 0
+    assert walks == [os.getpid()]
+    roots = [os.getpid(), os.getppid()]                 # a restarted trainer, a new rank: walked at once
+    s.sample_once()
+    assert sorted(walks[1:]) == sorted(roots)
+    s.stop()
+
+
 # --------------------------------------------------------------------------- CPU mode, real psutil
 
 

@@ -13,7 +13,8 @@ from optuna.trial import TrialState
 from trainer.contract.config import ConfigError, TrainConfig, Toggles
 from trainer.contract.device import DeviceInfo
 from tuner.space import SearchSpace, params_key
-from tuner.study import TuneStudy, default_storage_url, storage_from_url, study_key, study_name
+from tuner.study import (TuneStudy, dashboard_command, default_storage_url, shown_storage_url, storage_from_url,
+                         study_key, study_name)
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = DeviceInfo(type="cpu", name="cpu", has_compiler=True)
@@ -49,6 +50,26 @@ def test_storage_urls(tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as e:
         storage_from_url("not-a-url")
     assert e.value.option == "--storage"
+
+
+@pytest.mark.parametrize("url, shown, command", [
+    (None, "sqlite:///{cache}/tuning.sqlite3", "optuna-dashboard sqlite:///{cache}/tuning.sqlite3"),
+    ("sqlite:///rel/s.db", "sqlite:///{cwd}/rel/s.db", "optuna-dashboard sqlite:///{cwd}/rel/s.db"),
+    ("journal:j.log", "journal:{cwd}/j.log", "optuna-dashboard {cwd}/j.log"),
+    ("postgresql://bob:s3cret@db.example:5432/optuna", "postgresql://bob:***@db.example:5432/optuna",
+     "optuna-dashboard 'postgresql://bob:***@db.example:5432/optuna'"),
+    ("mysql+pymysql://u@h/db?password=s3cret&charset=utf8", "mysql+pymysql://u@h/db?password=***&charset=utf8",
+     "optuna-dashboard 'mysql+pymysql://u@h/db?password=***&charset=utf8'"),
+    ("postgresql://h/db", "postgresql://h/db", "optuna-dashboard postgresql://h/db"),
+])
+def test_the_storage_a_report_records(tmp_path, monkeypatch, url, shown, command):
+    """Absolute (a dashboard started elsewhere finds it), the default explicit, no password in it."""
+    monkeypatch.setenv("GPTOP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    fill = {"cache": tmp_path / "cache", "cwd": tmp_path}
+    assert shown_storage_url(url) == shown.format(**fill)
+    assert dashboard_command(shown_storage_url(url)) == command.format(**fill)
+    assert "s3cret" not in shown_storage_url(url)
 
 
 def test_study_key_is_readable_and_distinguishes_setups():

@@ -65,7 +65,8 @@ def run_gptop(*args, env=None, timeout=540):
 
 def events(run_dir, kind=None):
     return [to_dict(e) for e in read_events(Path(run_dir) / "events.jsonl")     # validated, as on the wire
-            if e.rank == 0 and (kind is None or e.type == kind)]
+            if e.rank == 0 and (kind is None or e.type == kind)
+            and not (e.type == "hello" and e.early)]     # each process's early hello comes before its full one
 
 
 def processes(run_dir):
@@ -238,6 +239,11 @@ def test_report_best_toml_and_gptop_report(tuned):
     assert TrainConfig.from_toml(run_dir / "best.toml").toggles.__dict__ == report["best"]
     rc, out, err = run_gptop("report", str(run_dir))
     assert rc == 0 and "tuning    best (trial" in out, err
+    # where the study lives and the command that opens it, in the report and at the end of tuning
+    assert report["storage"] == tuned["storage"] and report["study"].startswith("gptop-llama-tiny-")
+    browse = f"optuna-dashboard {tuned['storage']}"
+    assert f"study {report['study']} in {tuned['storage']}" in out and f"browse it: {browse}" in out
+    assert f"tuner: study {report['study']}; browse it: {browse}" in tuned["out"]
 
 
 # --- run B: the same setup again ---------------------------------------------------------

@@ -7,6 +7,7 @@ committing (tests/__snapshots__/test_ui/)."""
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from typing import Awaitable, Callable
@@ -253,7 +254,7 @@ def test_every_binding_is_in_the_footer_at_80_columns():
 
     def check(app: GptopApp) -> None:
         keys = {k.key: k.region for k in app.query("FooterKey")}
-        for key in ("q", "c", "p", "l", "t", "r", "w", "e", "question_mark"):
+        for key in ("q", "c", "p", "s", "l", "t", "r", "w", "e", "question_mark"):
             assert key in keys, key
             assert keys[key].right <= 80
         assert len({r.x for r in keys.values()}) == len(keys)   # no two keys on top of each other
@@ -352,6 +353,11 @@ def test_panels_show_the_cpu_stream_at_large_size():
     def check(app: GptopApp) -> None:
         dev = text(app.query_one("#devices"))
         assert "CPU" in dev and "AMD EPYC" in dev and "cores" in dev and "n/a" in dev   # power n/a
+        rows = [r.strip("│ ") for r in dev.splitlines()]
+        # docs/dashboard.md: the CPU's util and memory history, each a chart with its label on its last row
+        assert any(r.startswith("util  ") and "█" in r and "%" not in r for r in rows)
+        assert any(r.startswith("mem   ") and "GB" not in r for r in rows)
+        assert re.search(r"Processor +proc \d+% rss", dev)                # the model name, a gap, the process
         assert "data loading is 30%" in text(app.query_one("#steps"))
         assert "MFU n/a" in text(app.query_one("#training"))
         assert not app.query_one("#tuner").display      # no tuner activity: the panel gives way
@@ -448,8 +454,10 @@ def test_only_changed_panels_are_synced():
             assert calls == {}            # nothing changed: nothing re-rendered
             t = state.last_time - T0                 # a sample at the same time: the clocks shown stay
             state.apply(ev("device", t, devices=[], cpu={"util_pct": 1.0}))
-            await pilot.pause(0.25)
-            assert set(calls) == {"devices"}
+            await pilot.pause(0.3)
+            state.apply(ev("device", t, devices=[], cpu={"util_pct": 2.0}))
+            await pilot.pause(DevicePanel.MIN_REDRAW_S + 0.2)
+            assert calls == {"devices": 1}        # two samples within its MIN_REDRAW_S: one redraw
             state.add_log("hello", "stdout")
             await pilot.pause(0.25)
             assert set(calls) == {"devices", "log", "failure"}
@@ -550,3 +558,92 @@ def test_elapsed_stops_when_the_run_ends_and_replays_use_run_time():
     replay.clock = lambda: now[0]
     replay.apply(ev("device", 10_000.0, devices=[], cpu={"util_pct": 1.0}))   # a monitor's live sample
     assert replay.elapsed() == pytest.approx(61.0)   # first to last run event of cpu_run(): 0 .. 61 s
+
+
+# --- issue 11: startup phases, the estimate warning, progress between log steps -----------------------------
+
+def startup_state(until: str, status: str = "starting", clock=None) -> RunState:
+    from fixtures.streams import startup_run
+
+    state = RunState(run_name="fixture-startup", run_dir="runs/fixture-startup", status=status, clock=clock)
+    for e in startup_run(until):
+        state.apply(e)
+    return state
+
+
+def test_header_names_the_startup_phase_and_the_estimate_warning():
+    app, _, _ = make(state=startup_state("probing"))
+
+    def check(app: GptopApp) -> None:
+        header = text(app.query_one("#header"))
+        assert "starting" in header and "deepseek medium" in header
+        assert "probing micro-batch 2" in header
+        assert "est. ~14.8 GiB, ~1.8 min/step ⚠" in " ".join(header.split())
+        assert "ETA" not in header and "tokens" not in header
+
+    drive(app, [], size=LARGE, check=check)
+
+
+def test_compiling_shows_its_elapsed_time_ticking():
+    clock = [T0 + 60.0]
+    state = startup_state("compiling", status="running", clock=lambda: clock[0])
+    app, _, _ = make(state=state)
+
+    async def go():
+        async with app.run_test(size=LARGE) as pilot:
+            await pilot.pause()
+            assert "compiling (torch.compile default)" in text(app.query_one("#header"))
+            assert "· 0:00" in text(app.query_one("#header"))
+            clock[0] = T0 + 75.0
+            state.apply(ev("device", 75.0, devices=[]))     # anything that wakes the view; the clock moved
+            await pilot.pause(0.3)
+            assert "compiling (torch.compile default) · 0:15" in \
+                " ".join(text(app.query_one("#header")).split())
+    run(go())
+
+
+def test_progress_between_log_steps_moves_the_header():
+    state = startup_state("steps", status="running")
+    app, _, _ = make(state=state)
+
+    async def go():
+        async with app.run_test(size=SMALL) as pilot:
+            await pilot.pause()
+            assert "step 13/200" in text(app.query_one("#header"))
+            state.apply(ev("progress", 1600.0, step=14, tokens=14 * 8192, step_ms=95_000.0))
+            await pilot.pause(0.3)
+            header = text(app.query_one("#header"))
+            assert "step 14/200" in header and "114.7k tokens" in header
+            assert "compiling" not in header and "14.8 GiB" not in header   # startup is over
+    run(go())
+
+
+def test_snapshot_startup(snap_compare):
+    app, _, _ = make(state=startup_state("probing"))
+    assert snap_compare(app, terminal_size=SMALL)
+
+
+def test_snapshot_startup_large(snap_compare):
+    app, _, _ = make(state=startup_state("compiling", status="running"))
+    assert snap_compare(app, terminal_size=LARGE)
+
+
+def test_snapshot_progress_between_log_steps(snap_compare):
+    app, _, _ = make(state=startup_state("steps", status="running"))
+    assert snap_compare(app, terminal_size=SMALL)
+
+
+@pytest.mark.parametrize("width", [12, 20, 30, 40, 76])
+@pytest.mark.parametrize("name", ["AMD EPYC", "AMD EPYC 7763 64-Core Processor", ""])
+def test_cpu_title_keeps_a_gap_between_the_model_and_the_process_figures(width, name):
+    from gptop.ui.render import devices
+
+    state = RunState()
+    state.apply(ev("device", 1.0, devices=[], cpu={"name": name, "util_pct": 50.0, "proc_cpu_pct": 16.0,
+                                                   "proc_rss": 2_500_000_000}))
+    title = devices(state, width, 12, 60.0).renderables[0].plain
+    assert title.startswith("CPU") and len(title) <= width
+    if "proc" in title:
+        assert re.search(r"\S +proc 16% rss 2.3 GB$", title)
+    elif width >= 30:
+        pytest.fail(f"no process figures at width {width}: {title!r}")

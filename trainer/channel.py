@@ -6,6 +6,10 @@ that Unix socket, which also carries commands back: `{"cmd": "checkpoint"}`,
 `{"cmd": "stop"}`, `{"cmd": "profile", "steps": N}`. Human-readable output is
 only a log on stdout/stderr, never parsed.
 
+Before the first step a stop (a signal, or the stop command) raises
+`StartupStopped` in the main thread at once: there is nothing to checkpoint,
+and building or compiling a large model can take minutes.
+
 Commands are queued by a reader thread and taken by the training loop at step
 boundaries. SIGTERM (and SIGINT) mean a graceful stop, SIGUSR1 a checkpoint,
 so the trainer is controllable without gptop too. With several ranks every
@@ -32,9 +36,29 @@ from .contract import events as ev
 from .contract.atomic import disk_error
 
 
+class StartupStopped(Exception):
+    """A stop (SIGTERM, SIGINT, or the launcher's stop command) before the first step: nothing to
+    checkpoint, so startup is abandoned at once instead of after minutes of building or compiling."""
+
+
+def _raise_stopped(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)      # once: a second stop must not interrupt the way out
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise StartupStopped(signal.Signals(signum).name)
+
+
+def install_startup_handlers() -> None:
+    """SIGTERM/SIGINT stop the process at once (raising StartupStopped) until a Channel takes over: the
+    trainer's first act, so a stop while torch is still importing is not a kill."""
+    signal.signal(signal.SIGTERM, _raise_stopped)
+    signal.signal(signal.SIGINT, _raise_stopped)
+
+
 class Channel:
     def __init__(self, events_path: Path | None, uri: str | None = None, rank: int = 0):
         self.rank = rank
+        self.starting = True           # until the first step is done: a stop raises StartupStopped
+        self._handlers = False
         self.commands: "queue.SimpleQueue[dict[str, Any]]" = queue.SimpleQueue()
         self._lock = threading.Lock()
         self.events_path = events_path
@@ -66,6 +90,7 @@ class Channel:
             if not data:
                 if not self._closed:
                     self.commands.put({"cmd": "stop", "reason": "launcher went away", "source": "eof"})
+                    self._interrupt_startup()
                 return
             buf += data
             while b"\n" in buf:
@@ -77,14 +102,32 @@ class Channel:
                 if isinstance(cmd, dict) and "cmd" in cmd:
                     cmd.pop("source", None)          # only the trainer itself marks signal/eof commands
                     self.commands.put(cmd)
+                    if cmd["cmd"] == "stop":
+                        self._interrupt_startup()
+
+    def _interrupt_startup(self) -> None:
+        """A stop command before the first step: raise StartupStopped in the main thread now (through the
+        SIGINT handler, which is ours), not at a step boundary that may be minutes away."""
+        if self.starting and self._handlers:
+            import _thread
+
+            _thread.interrupt_main(signal.SIGINT)
+
+    def started(self) -> None:
+        """The first step is done: from here a stop finishes the step and checkpoints."""
+        self.starting = False
 
     def install_signal_handlers(self) -> None:
         """SIGTERM/SIGINT: graceful stop (a second one is honoured at the next step too); SIGUSR1: checkpoint."""
         def stop(signum, frame):
+            if self.starting:
+                self.starting = False      # once: a second stop (the signal after the command) is only queued
+                raise StartupStopped(signal.Signals(signum).name)
             self.commands.put({"cmd": "stop", "reason": signal.Signals(signum).name, "source": "signal"})
 
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
+        self._handlers = True
         signal.signal(signal.SIGUSR1, lambda s, f: self.commands.put({"cmd": "checkpoint", "source": "signal"}))
 
     def emit(self, type: str, **fields: Any) -> ev.Event:
@@ -112,6 +155,26 @@ class Channel:
         f, self._file = self._file, None
         with contextlib.suppress(OSError, ValueError):
             f.close()
+
+    def emit_live(self, type: str, **fields: Any) -> None:
+        """An event for the live view only (`progress`, every step): sent on the launcher's socket, not
+        written to events.jsonl (a replay has the step events); nothing without a socket. Cheap: no
+        validation beyond the typed constructor, one small line."""
+        sock = self._sock
+        if sock is None:
+            return
+        line = ev.dumps(ev.make(type, rank=self.rank, **fields)) + "\n"
+        with self._lock:
+            if self._sock is not None:
+                try:
+                    self._sock.sendall(line.encode())
+                except OSError:
+                    self._sock = None
+
+    @property
+    def live(self) -> bool:
+        """True while a launcher listens on the socket."""
+        return self._sock is not None
 
     def pending_commands(self) -> list[dict[str, Any]]:
         out = []

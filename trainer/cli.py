@@ -64,6 +64,9 @@ EXIT_CONFIG = 2          # trainer.train.EXIT_CONFIG, without importing torch
 
 def main(argv: list[str] | None = None) -> int:
     sys.stdout, sys.stderr = UnfailingStream(sys.stdout), UnfailingStream(sys.stderr)
+    from .channel import StartupStopped, install_startup_handlers
+
+    install_startup_handlers()        # a stop while torch imports ends the process cleanly, not by a kill
     try:
         cfg = parse_config(argv)
         # One writer per run directory: refused at once, before torch is imported (a default run
@@ -72,6 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"python -m trainer: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
-    from .train import main_run
-
-    return main_run(cfg, run_lock=lock)
+    try:
+        from .train import main_run, stopped_in_startup
+    except StartupStopped:
+        print("[trainer] stopped before the first step", flush=True)
+        return 0
+    code = main_run(cfg, run_lock=lock)
+    if stopped_in_startup():          # the events are written and closed: skip freeing a model tensor by tensor
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

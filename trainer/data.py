@@ -111,22 +111,25 @@ def load_tokenizer(cfg: DataConfig, cache_dir: Path | str | None = None, log: Lo
     return tokenizer_info(cfg, cache_dir, log).tokenizer
 
 
-def tokenizer_info(cfg: DataConfig, cache_dir: Path | str | None = None, log: Log = print) -> TokenizerInfo:
+def tokenizer_info(cfg: DataConfig, cache_dir: Path | str | None = None, log: Log = print,
+                   phase: Callable[[str, float | None], None] | None = None) -> TokenizerInfo:
     """Like `load_tokenizer`, with the vocab size, special ids and fingerprint the cache keys need."""
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if cfg.tokenizer is None:
-        return _builtin_tokenizer(cache, log)
+        return _builtin_tokenizer(cache, log, phase)
     return _user_tokenizer(Path(cfg.tokenizer).expanduser())
 
 
-def load_data(cfg: DataConfig, *, cache_dir: Path | str | None = None, log: Log = print) -> TokenData:
+def load_data(cfg: DataConfig, *, cache_dir: Path | str | None = None, log: Log = print,
+              phase: Callable[[str, float | None], None] | None = None) -> TokenData:
     """Tokenize `cfg.data` once (cached), memory-map the tokens and split off the validation tail.
 
     Raises ConfigError naming `--data`, `--tokenizer`, `--seq-len` or `--val-fraction` with what to do
-    when the input cannot give a usable corpus.
+    when the input cannot give a usable corpus. `phase(message, percent)` hears of the slow parts (training
+    the builtin tokenizer, tokenizing), about once a second while they run.
     """
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    tok = tokenizer_info(cfg, cache, log)
+    tok = tokenizer_info(cfg, cache, log, phase)
     files, label, data_fp, docs = _source(cfg)
     key = _cache_key(data_fp, tok)
     bin_path = cache / "tokens" / f"{key}.bin"
@@ -135,7 +138,7 @@ def load_data(cfg: DataConfig, *, cache_dir: Path | str | None = None, log: Log 
         with _locked(bin_path, log):
             meta = _read_meta(bin_path)
             if meta is None:
-                meta = _tokenize(tok, docs, sum(f.stat().st_size for f in files), bin_path, label, log)
+                meta = _tokenize(tok, docs, sum(f.stat().st_size for f in files), bin_path, label, log, phase)
             else:
                 log(f"data: using tokens {bin_path} built by another process ({meta['count']:,} tokens)")
     else:
@@ -348,7 +351,8 @@ def _cut_point(text: str) -> int:
 
 # --- tokenizers ---------------------------------------------------------------------------------
 
-def _builtin_tokenizer(cache: Path, log: Log) -> TokenizerInfo:
+def _builtin_tokenizer(cache: Path, log: Log,
+                       phase: Callable[[str, float | None], None] | None = None) -> TokenizerInfo:
     """Byte-level BPE, vocab 8192, trained on the builtin corpus once and cached as tokenizer.json."""
     from tokenizers import Tokenizer
 
@@ -360,6 +364,8 @@ def _builtin_tokenizer(cache: Path, log: Log) -> TokenizerInfo:
     if not path.is_file():
         with _locked(path, log):
             if not path.is_file():
+                if phase is not None:
+                    phase("training the builtin tokenizer", None)
                 _train_builtin(files, path, log)
     try:
         tok = Tokenizer.from_file(str(path))
@@ -481,12 +487,15 @@ def _fast_backend(tok: Any) -> Any:
 # --- tokenization into the cache ----------------------------------------------------------------
 
 def _tokenize(tok: TokenizerInfo, docs: Callable[[], Iterator[tuple[str, bool, int]]], total_bytes: int,
-              bin_path: Path, label: str, log: Log) -> dict:
+              bin_path: Path, label: str, log: Log,
+              phase: Callable[[str, float | None], None] | None = None) -> dict:
     """Encode all documents in batches (encode_batch uses every core) and stream the ids to the cache."""
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)   # ids are < vocab_size
     log(f"data: tokenizing {label}, {total_bytes / 1e6:.1f} MB; done once, then cached at {bin_path}")
-    t0 = last = time.monotonic()
+    t0 = last = last_phase = time.monotonic()
     count = ndocs = done_bytes = 0
+    if phase is not None:
+        phase(f"tokenizing {label}", 0.0)
     with atomic_file(bin_path) as out:
         batch: list[str] = []
         ends: list[bool] = []
@@ -516,6 +525,9 @@ def _tokenize(tok: TokenizerInfo, docs: Callable[[], Iterator[tuple[str, bool, i
                 flush()
                 chars = 0
                 now = time.monotonic()
+                if phase is not None and now - last_phase >= 1.0:
+                    last_phase = now
+                    phase(f"tokenizing {label}", min(100.0, 100.0 * done_bytes / max(1, total_bytes)))
                 if now - last >= PROGRESS_EVERY_S:
                     last = now
                     pct = min(100.0, 100.0 * done_bytes / max(1, total_bytes))

@@ -39,6 +39,7 @@ import torch
 from .contract.config import FAMILIES, ConfigError, FinetuneConfig, ModelConfig, Toggles
 from .contract.inputs import is_model_path
 from .contract.device import DeviceInfo
+from .contract.estimate import DEFAULT_VOCAB, SIZE_ORDER, SIZES, TRAIN_BYTES_PER_PARAM, VOCAB_MULTIPLE, Dims  # noqa: F401
 from . import flops as _flops
 
 if TYPE_CHECKING:
@@ -46,55 +47,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SIZE_ORDER = ("tiny", "small", "medium", "large")
-VOCAB_MULTIPLE = 64
-DEFAULT_VOCAB = 8192          # the builtin BPE tokenizer; used for tables and memory estimates
 GiB = 1 << 30
 
-# Bytes of persistent training state per parameter with fp32 master weights and
-# AdamW: weights 4 + gradients 4 + exp_avg 4 + exp_avg_sq 4.
-TRAIN_BYTES_PER_PARAM = 16
-# `auto` keeps that state under this share of device memory; the rest is for
+# `auto` keeps the training state (TRAIN_BYTES_PER_PARAM) under this share of device memory; the rest is for
 # activations, the logits, allocator slack and the CUDA context.
 STATE_MEMORY_SHARE = 0.6
-
-
-@dataclass(frozen=True)
-class Dims:
-    """Width, depth and attention shape of one size (shared by all families)."""
-
-    hidden: int
-    layers: int
-    heads: int
-    ffn: int                  # SwiGLU intermediate size of dense MLPs
-    # MLA (deepseek): per-head dims and the compressed KV rank
-    qk_nope: int
-    qk_rope: int
-    v_head: int
-    kv_lora: int
-    # MoE (deepseek): routed experts, experts per token, shared experts, expert width, routing groups
-    experts: int
-    top_k: int
-    shared: int
-    moe_ffn: int
-    groups: int
-    topk_groups: int
-
-
-# The expert width is chosen so that the active parameters per token of a deepseek
-# size match the llama size of the same name (see docs/models.md for the counts).
-# Routing groups: experts/groups >= 2 (a group's score is its top-2 experts) and
-# topk_groups * experts/groups >= top_k, so group-limited routing is well defined.
-SIZES: dict[str, Dims] = {
-    "tiny": Dims(hidden=128, layers=4, heads=4, ffn=384, qk_nope=32, qk_rope=16, v_head=32, kv_lora=64,
-                 experts=8, top_k=2, shared=1, moe_ffn=128, groups=2, topk_groups=1),
-    "small": Dims(hidden=768, layers=16, heads=12, ffn=2048, qk_nope=64, qk_rope=32, v_head=64, kv_lora=256,
-                  experts=16, top_k=4, shared=1, moe_ffn=448, groups=4, topk_groups=2),
-    "medium": Dims(hidden=1024, layers=24, heads=16, ffn=3072, qk_nope=64, qk_rope=32, v_head=64, kv_lora=384,
-                   experts=16, top_k=4, shared=1, moe_ffn=640, groups=4, topk_groups=2),
-    "large": Dims(hidden=2048, layers=20, heads=16, ffn=5632, qk_nope=128, qk_rope=64, v_head=128, kv_lora=512,
-                  experts=16, top_k=4, shared=1, moe_ffn=1216, groups=4, topk_groups=2),
-}
 
 OBJECTIVES = {"llama": "causal", "deepseek": "causal", "llada": "llada", "pretrained": "causal"}
 
@@ -642,8 +599,8 @@ the newest checkpoint (`--step N`), or from an exported directory. Options:
 `--timeout` (120 s for the whole process, generation keeps what it has at the
 deadline), `--device` (cpu, so a training run's GPU memory is left alone),
 `--json` (one line: the completion, token count, why it stopped, timings). It
-runs in its own short-lived process, like export, so a running dashboard can
-ask for one (`trainer.contract.tools.sample_command`).
+runs in its own short-lived process, like export; the dashboard's `s` key runs
+one on the newest checkpoint while training goes on ([dashboard.md](dashboard.md)).
 
 ```bash
 gptop sample runs/demo --prompt "def main(" --max-new-tokens 32

@@ -1,47 +1,85 @@
 """torch.profiler over a window of steps: `--profile-steps A-B` or a `profile` command (the `p` key).
 
-One Chrome trace per window, `profiles/steps-A-B.json` (`.rankN` for the other ranks), for Perfetto.
+One Chrome trace per window, `profiles/steps-A-B.json` (`.rankN` for the other ranks), for Perfetto
+(ui.perfetto.dev) or chrome://tracing. Steps are numbered from 1, as the dashboard and the step events
+number them: step N is the N-th optimizer step. The trace carries a `record_function` range per step,
+`ProfilerStep#N` (the name torch.profiler's own schedule gives a step, so tools that split a trace by step
+find them), and inside it one range per timed phase (`data`, `forward`, `backward`, `optimizer`; several
+of each with gradient accumulation), opened by the step timer only while a window is being recorded.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from .timing import StepTimer
+
+STEP_RANGE = "ProfilerStep#{}"
 
 
 class StepProfiler:
     def __init__(self, out_dir: Path, rank: int, cuda: bool, window: tuple[int, int] | None,
                  on_written: Callable[[Path, int, int], None]):
         self.out_dir, self.rank, self.cuda = out_dir, rank, cuda
-        self.window = window                      # the next window to profile (steps, inclusive)
+        self.window = window                      # the next window to profile (step numbers from 1, inclusive)
         self.on_written = on_written
         self._prof: torch.profiler.profile | None = None
         self._span: tuple[int, int] | None = None
+        self._step_range: torch.profiler.record_function | None = None
+        self._timer: StepTimer | None = None      # the step timer whose phases open ranges while recording
+        self._last: int | None = None             # the window's last finished step (a run may end inside it)
+
+    @property
+    def recording(self) -> bool:
+        return self._prof is not None
 
     def request(self, first: int, steps: int) -> None:
+        """Profile `steps` steps from step number `first` (a `profile` command: the next step)."""
         self.window = (first, first + max(1, steps) - 1)
 
-    def step_begin(self, step: int) -> None:
+    def step_begin(self, number: int, timer: StepTimer | None = None) -> None:
+        """Step `number` (from 1) starts. A window that began before a resumed run's first step starts here."""
         w = self.window
-        if w and step == w[0] and self._prof is None:
+        if w and w[0] <= number <= w[1] and self._prof is None:
             acts = [torch.profiler.ProfilerActivity.CPU]
             if self.cuda:
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
             self._prof = torch.profiler.profile(activities=acts)
             self._prof.start()
-            self._span = w
+            self._span, self._last = (number, w[1]), None
+        if self._prof is not None:
+            self._step_range = torch.profiler.record_function(STEP_RANGE.format(number))
+            self._step_range.__enter__()
+            if timer is not None:
+                self._timer = timer
+                timer.annotate = torch.profiler.record_function
 
-    def step_end(self, step: int) -> None:
-        if self._span is not None and step >= self._span[1]:
+    def step_end(self, number: int) -> None:
+        self._end_step_range()
+        if self._prof is not None:
+            self._last = number
+        if self._span is not None and number >= self._span[1]:
             self.close()
+
+    def _end_step_range(self) -> None:
+        if self._step_range is not None:
+            self._step_range.__exit__(None, None, None)
+            self._step_range = None
 
     def close(self) -> None:
         """Stop and write the trace of a window in progress (also when the run ends inside it)."""
         if self._prof is None or self._span is None:
             return
-        prof, (a, b) = self._prof, self._span
+        self._end_step_range()
+        if self._timer is not None:
+            self._timer.annotate = None           # back to timing without ranges: no cost outside a window
+            self._timer = None
+        prof, (a, _) = self._prof, self._span
+        b = self._last if self._last is not None else a
         self._prof, self._span, self.window = None, None, None
         prof.stop()
         suffix = f".rank{self.rank}" if self.rank else ""

@@ -11,12 +11,15 @@ A step's breakdown: `data` (host time waiting for the batch), `forward`,
 `backward`, `optimizer`, summed over gradient-accumulation micro-steps, and
 `other` = step time minus those. On CUDA, `gpu_idle_ms` is the part of the
 step's GPU timeline during which no timed phase was running.
+
+While a profiler window is recorded, `annotate` is set (to `torch.profiler.record_function`) and each
+phase also opens a range of its name in the trace; otherwise it is None and a phase costs what it did.
 """
 
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
@@ -34,6 +37,7 @@ class StepTiming:
 
 
 class StepTimer(Protocol):
+    annotate: Callable[[str], AbstractContextManager] | None   # a profiler range per phase, while recording
     def begin_step(self, step: int) -> None: ...
     def phase(self, name: str): ...           # context manager
     def end_step(self) -> None: ...
@@ -46,7 +50,27 @@ def _finish(step: int, step_ms: float, phases: dict[str, float]) -> StepTiming:
     return StepTiming(step, step_ms, {k: out[k] for k in PHASES})
 
 
-class CpuTimer:
+class _Ranges:
+    """`phase(name)`: the timer's own `_phase`, inside a profiler range of that name only while one is wanted."""
+
+    annotate: Callable[[str], AbstractContextManager] | None = None
+
+    def phase(self, name: str) -> AbstractContextManager:
+        if self.annotate is None:
+            return self._phase(name)
+        return _nested(self.annotate(name), self._phase(name))
+
+    def _phase(self, name: str) -> AbstractContextManager:
+        raise NotImplementedError
+
+
+@contextmanager
+def _nested(outer: AbstractContextManager, inner: AbstractContextManager) -> Iterator[None]:
+    with outer, inner:
+        yield
+
+
+class CpuTimer(_Ranges):
     """Monotonic host timers: exact on the CPU, where there is no asynchrony."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter):
@@ -60,7 +84,7 @@ class CpuTimer:
         self._step, self._t0, self._acc = step, self._clock(), {}
 
     @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def _phase(self, name: str) -> Iterator[None]:
         t = self._clock()
         try:
             yield
@@ -79,7 +103,7 @@ class WallTimer(CpuTimer):
     """`--no-timing`: only the step's wall time (tokens/s needs it), no phase boundaries."""
 
     @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def _phase(self, name: str) -> Iterator[None]:
         yield
 
     def end_step(self) -> None:
@@ -100,7 +124,7 @@ class _PendingStep:
     data_ms: float = 0.0   # host-side wait: the GPU timeline cannot see it
 
 
-class CudaTimer:
+class CudaTimer(_Ranges):
     """CUDA events at phase boundaries, resolved only after the loop has synchronized.
 
     `make_event` is the one boundary with CUDA (`torch.cuda.Event(enable_timing=True)`);
@@ -128,7 +152,7 @@ class CudaTimer:
         self._cur = _PendingStep(step, self._event())
 
     @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def _phase(self, name: str) -> Iterator[None]:
         cur = self._cur
         assert cur is not None, "phase() outside a step"
         if name == "data":

@@ -33,7 +33,7 @@ from . import checkpoint as ckpt
 from . import dist as D
 from . import faults
 from . import optim
-from .channel import Channel
+from .channel import Channel, StartupStopped
 from .checkpointer import Checkpointer, NonFiniteState, Progress
 from .commands import Commands
 from .contract import capabilities, rundir
@@ -95,10 +95,67 @@ class Trainer:
         if self.rank == 0 and self.channel is not None:
             self.channel.emit(type, **fields)
 
+    def emit_node(self, type: str, **fields: Any) -> None:
+        """Events every node's gptop needs (hello: max steps, the device, the model) come from the first rank
+        of each node: a second node's gptop only hears its own ranks."""
+        if self.local_rank == 0 and self.channel is not None:
+            self.channel.emit(type, **fields)
+
     def _warn(self, message: str) -> None:
         """A warning of this rank (a skipped checkpoint is seen by every rank that read it)."""
         self.channel.emit("warning", message=message)
         self.log(f"warning: {message}")
+
+    def phase(self, phase: str, message: str, pct: float | None = None) -> None:
+        """A startup phase (tokenizing, building, loading, probing, compiling): an event and a log line."""
+        self.emit0("phase", phase=phase, message=message, pct=pct)
+        if pct is None:
+            self.log(message)
+
+    def _tokenizing(self, message: str, pct: float | None) -> None:
+        self.phase("tokenizing", message, pct)
+
+    def _early_hello(self) -> None:
+        """The first event, before anything is built: the run as configured and what it will cost. A run
+        that cannot fit in the device's memory stops here (exit 2) with the estimate and the largest size
+        that fits; a step longer than a minute is a warning before it is taken."""
+        from .contract import estimate as E
+        from .models import is_pretrained_path
+
+        cfg = self.cfg
+        est = None
+        if not is_pretrained_path(cfg.model.model) and cfg.model.size in E.SIZES:
+            kw = dict(seq_len=cfg.data.seq_len, global_batch=cfg.optim.global_batch,
+                      micro_batch=cfg.toggles.micro_batch_int(), precision=cfg.toggles.precision,
+                      device=self.dev.type, capacity=self._rank_memory(),
+                      peak_flops=self.peak_flops, world_size=self.world, fsdp=self.parallel == "fsdp",
+                      checkpointing=cfg.toggles.activation_checkpointing)
+            est = E.estimate(cfg.model.model, cfg.model.size, **kw)
+        model = {"family": cfg.model.model, "size": cfg.model.size}
+        if est is not None:
+            model.update(total_params=est.total_params, active_params=est.active_params,
+                         flops_per_token=est.flops_per_token)
+        self.emit0("hello", pid=os.getpid(), world_size=self.world, parallel=self.parallel, config=cfg.to_dict(),
+                   device=self.dev.to_dict(), model=model, early=True,
+                   estimate=est.to_dict() if est is not None else None, torch=torch.__version__)
+        if est is None:
+            return
+        where = "this CPU" if not self.dev.is_cuda else self.dev.name
+        if not est.fits:
+            raise ConfigError("--size", E.refusal(est, where, E.largest_fitting(cfg.model.model, **kw)))
+        self.log(f"estimate: {est.summary(where)}")
+        if est.slow:
+            steps = cfg.optim.max_steps - (self.progress.step or 0)
+            msg = (f"{est.summary(where, steps)} (estimated at {E.ASSUMED_MFU:.0%} MFU); for faster steps use a smaller "
+                   f"--size, --seq-len or --global-batch" + (", or a GPU" if not self.dev.is_cuda else ""))
+            self.emit0("warning", message=msg, kind="estimate")
+            self.log(f"warning: {msg}")
+
+    def _rank_memory(self) -> int | None:
+        """The memory one rank trains in: its GPU's, or its share of the RAM (the node's ranks share it)."""
+        if not self.dev.total_memory:
+            return None
+        return self.dev.total_memory if self.dev.is_cuda else self.dev.total_memory // self._local_procs
 
     @property
     def parallel(self) -> str | None:
@@ -139,10 +196,19 @@ class Trainer:
 
         capabilities.check_config(cfg, self.dev)
         cfg.validate(world_size=self.world)     # the per-rank batch and micro-batch, now that the world is known
+        from .flops import peak
+
+        self._local_procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)   # ranks sharing this node's CPU
+        p = peak(self.dev, cfg.toggles.precision, procs=self._local_procs)
+        self.peak_flops, self.peak_source = p.flops, p.source
+        self._peak_remeasured = False
+        self._early_hello()
         torch.manual_seed(cfg.optim.seed)
-        self.data = load_data(cfg.data, log=self.log)
+        self.data = load_data(cfg.data, log=self.log, phase=self._tokenizing)
         self.sampler = BatchSampler(self.data.train, cfg.data.seq_len, cfg.optim.global_batch, cfg.optim.seed,
                                     rank=self.rank, world_size=self.world)
+        what = cfg.model.model if is_pretrained_path(cfg.model.model) else f"{cfg.model.model} {cfg.model.size}"
+        self.phase("building", f"building {what}")
         self.bundle = build_model(cfg.model, vocab_size=self.data.vocab_size, seq_len=cfg.data.seq_len,
                                   toggles=cfg.toggles, dev=self.dev, mask_id=self.data.mask_id, seed=cfg.optim.seed,
                                   finetune=cfg.finetune)
@@ -162,9 +228,14 @@ class Trainer:
                                      on_written=self._profile_written)
 
         if cfg.checkpoint.resume:
+            self.phase("loading", "loading the checkpoint to resume from")
             path, self.progress = self.ckpt.resume(cfg.checkpoint.resume)
             self.resumed_from = str(path)
             self.log(f"resumed from {path} at step {self.progress.step}")
+            w = self.profiler.window
+            if w and w[1] <= self.progress.step:
+                self.emit0("warning", message=f"--profile-steps {w[0]}-{w[1]}: this run resumes after step "
+                                              f"{self.progress.step}, so no trace is written")
         self.model = self._compile(self.ddp if self.ddp is not None else self.raw_model)
 
         if cfg.toggles.micro_batch == AUTO:
@@ -173,15 +244,9 @@ class Trainer:
         self.accum = self.sampler.accumulation_steps(self.micro_batch)
         self.tokens_per_step = cfg.optim.global_batch * cfg.data.seq_len
 
-        from .flops import peak
-
-        self._local_procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)   # ranks sharing this node's CPU
-        p = peak(self.dev, cfg.toggles.precision, procs=self._local_procs)
-        self.peak_flops, self.peak_source = p.flops, p.source
-        self._peak_remeasured = False
         if self.rank == 0:
             atomic_write(rundir.RunDir(self.run_dir).config, cfg.to_toml())
-        self.emit0(
+        self.emit_node(
             "hello", pid=os.getpid(), world_size=self.world, parallel=self.parallel, config=cfg.to_dict(), device=self.dev.to_dict(),
             model={"family": self.bundle.family, "size": self.bundle.size, "total_params": self.bundle.total_params,
                    "active_params": self.bundle.active_params, "embedding_params": self.bundle.embedding_params,
@@ -272,12 +337,16 @@ class Trainer:
         from .autobatch import find_micro_batch
 
         local = self.cfg.optim.global_batch // self.world
+        roomy = self._roomy_cpu_batch(local)
+        if roomy is not None:
+            return roomy
         x_all, y_all = self.sampler.micro_batch(0, 0, local)
         # Probe without torch.compile: compiling once per probed size would cost minutes and leave the run
         # with a dynamic-shape graph; eager's peak is usually above the compiled one (a safe estimate).
         eager = getattr(self.model, "_orig_mod", self.model)
 
         def probe_local(mb: int) -> int:
+            self.phase("probing", f"probing micro-batch {mb}")
             self.meter.reset_peak()
             try:
                 # DDP: no gradient all-reduce. FSDP2 keeps its reduce-scatter (the ranks probe in lockstep), so
@@ -311,6 +380,25 @@ class Trainer:
         self.log(f"--micro-batch auto: {mb}")
         return mb
 
+    def _roomy_cpu_batch(self, local: int) -> int | None:
+        """On the CPU, the whole per-rank batch when its estimate (trainer.contract.estimate, within a factor
+        of about 1.5 of the measured peak) takes under half of this rank's share of the RAM: probing would
+        cost more than a step of work (1 + 2 + the whole batch) for an answer known in advance. None: probe."""
+        from .contract import estimate as E
+
+        cfg = self.cfg
+        share = self._rank_memory()
+        if self.dev.is_cuda or not share or self.bundle.family not in E.FAMILIES:
+            return None
+        est = E.estimate(self.bundle.family, self.bundle.size, seq_len=cfg.data.seq_len,
+                         global_batch=cfg.optim.global_batch, micro_batch=local, precision=cfg.toggles.precision,
+                         vocab_size=self.data.vocab_size, checkpointing=cfg.toggles.activation_checkpointing)
+        if est.total_bytes > 0.5 * share:
+            return None
+        self.log(f"--micro-batch auto: {local}, the whole batch (estimated {est.total_bytes / E.GiB:.1f} GiB of "
+                 f"{share / E.GiB:.1f} GiB RAM: no probe needed)")
+        return local
+
     # --------------------------------------------------------------------- loop
     def _loss(self, x: torch.Tensor, y: torch.Tensor, batch_index: int, micro_index: int,
               model: torch.nn.Module | None = None) -> torch.Tensor:
@@ -333,8 +421,10 @@ class Trainer:
         self.timer = make_timer(self.device.type, cfg.log.timing)
         self.prefetcher = self._new_prefetcher()
         self._interval_reset()
-        self._t_run = time.perf_counter()
+        self._t_run = self._t_boundary = time.perf_counter()
         stop_reason = None
+        if self.cfg.toggles.compile != "off" and self.progress.step < cfg.optim.max_steps:
+            self.phase("compiling", f"compiling (torch.compile {self.cfg.toggles.compile})")
         try:
             while True:
                 try:
@@ -362,6 +452,7 @@ class Trainer:
                 return stop_reason
             self._train_step()
             step = self.progress.step
+            self._progress_event()
             if self._is_log_step() or step == cfg.optim.max_steps:
                 self._flush_interval()
             if cfg.log.eval_every and step % cfg.log.eval_every == 0:
@@ -371,6 +462,18 @@ class Trainer:
                 self.save_checkpoint()
         return None
 
+    def _progress_event(self) -> None:
+        """Every step: the light `progress` event on the live channel (no loss, no synchronization; the
+        host's time since the last step boundary), so the counter, rate and ETA move between log steps."""
+        now = time.perf_counter()
+        step_ms = (now - self._t_boundary) * 1e3
+        self._t_boundary = now
+        if self.channel.starting:
+            self.channel.started()          # from here a stop finishes the step and checkpoints
+        if self.rank == 0:
+            self.channel.emit_live("progress", step=self.progress.step, tokens=self.progress.tokens,
+                                   step_ms=step_ms)
+
     def _step_boundary(self) -> str | None:
         """Act on what the ranks agreed (trainer.commands); returns a stop reason."""
         if self.channel.write_error is not None:     # events.jsonl could not be written: stop, exit 8
@@ -379,7 +482,7 @@ class Trainer:
         if decision.checkpoint:
             self.save_checkpoint("requested")
         if decision.profile_steps:
-            self.profiler.request(self.progress.step, decision.profile_steps)
+            self.profiler.request(self.progress.step + 1, decision.profile_steps)   # from the next step
         return decision.stop
 
     def _profile_written(self, path: Path, first: int, last: int) -> None:
@@ -404,7 +507,7 @@ class Trainer:
                 self.prefetcher.get()
             p.batch_cursor += 1
         step, bi = p.step, p.batch_cursor
-        self.profiler.step_begin(step)
+        self.profiler.step_begin(step + 1, self.timer)      # numbered from 1, as the step events
         fault = self.faults.take(step)
         optim.set_lr(self.optimizer, optim.lr_at(step, cfg) * p.lr_scale)
         timer = self.timer
@@ -445,7 +548,7 @@ class Trainer:
         p.step += 1
         p.batch_cursor += 1
         p.tokens += self.tokens_per_step
-        self.profiler.step_end(step)
+        self.profiler.step_end(step + 1)
 
     def _grad_norm_now(self) -> torch.Tensor:
         """The global gradient norm (clipping when --grad-clip is set); NaN or inf when a gradient is."""
@@ -636,6 +739,15 @@ def hash_seed(*parts: int) -> int:
     return h
 
 
+_startup_stopped = False
+
+
+def stopped_in_startup() -> bool:
+    """True once main_run ended a run that was stopped before its first step (nothing was saved, nothing
+    needs tearing down: `python -m trainer` then exits without freeing a large model piece by piece)."""
+    return _startup_stopped
+
+
 def main_run(cfg: TrainConfig, run_lock: RunLock | None = None) -> int:
     """Run a configured trainer, turning every failure into an `error` event and a distinct exit code.
 
@@ -650,6 +762,14 @@ def main_run(cfg: TrainConfig, run_lock: RunLock | None = None) -> int:
         return trainer.run()
     except Stop as s:
         return s.code
+    except StartupStopped as e:                     # nothing to checkpoint before the first step
+        global _startup_stopped
+        _startup_stopped = True
+        if trainer is not None:
+            trainer.log(f"stopped before the first step ({e})")
+            trainer.emit0("done", step=trainer.progress.step, tokens=trainer.progress.tokens, seconds=None,
+                          reason="stopped before the first step", checkpoint=None)
+        return EXIT_OK
     except ConfigError as e:
         return _report(trainer, "config", str(e), EXIT_CONFIG)
     except ckpt.NothingToResume as e:               # known ends: one line; the traceback only into a log file

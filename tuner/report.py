@@ -20,7 +20,7 @@ import json
 import math
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import tomli_w
 from optuna.trial import TrialState
@@ -32,7 +32,7 @@ from trainer.contract.events import json_safe
 
 from .budget import format_duration
 from .space import TUNABLE
-from .study import TuneStudy
+from .study import TuneStudy, dashboard_command
 
 
 def _fmt_val(v: Any) -> str:
@@ -108,7 +108,8 @@ def build_report(study: TuneStudy, info: dict[str, Any]) -> dict[str, Any]:
     best_tps = info.get("best_tokens_per_s")
     speedup = best_tps / base_tps if base_tps and best_tps else None
     return {
-        "study": info.get("study", study.name), "key": info.get("key", study.key), "run": info.get("run"),
+        "study": info.get("study", study.name), "storage": study.storage_url,
+        "key": info.get("key", study.key), "run": info.get("run"),
         "device": info.get("device"), "base": base, "baseline": info.get("baseline"),
         "best": info.get("best"), "best_number": info.get("best_number"), "best_tokens_per_s": best_tps,
         "best_spread": info.get("best_spread"), "speedup": speedup, "applied": info.get("applied"),
@@ -127,6 +128,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines.append(f"Study `{report['study']}`: {key.get('device', '?')} x{key.get('device_count', 1)}, "
                  f"{key.get('model', '?')} {key.get('size', '')}, seq_len {key.get('seq_len')}, "
                  f"global batch {key.get('global_batch')}.")
+    if report.get("storage"):
+        lines += ["", f"Storage `{report['storage']}`; to browse every trial: `{dashboard_command(report['storage'])}`"]
     lines.append("")
     lines.append(f"- Outcome: {report.get('outcome') or '-'}")
     energy = any(_fmt_jpt(r.get("energy_per_token")) != "-" for r in report["trials"])
@@ -184,7 +187,7 @@ _NUMBER = (int, float)
 _REPORT_FIELDS: dict[str, tuple[type, ...]] = {
     "base": (dict,), "ledger": (dict,), "baseline": (dict,), "trials": (list,), "best": (dict,),
     "best_number": (int,), "best_tokens_per_s": _NUMBER, "best_spread": _NUMBER, "speedup": _NUMBER,
-    "outcome": (str,), "applied": (dict,),
+    "outcome": (str,), "applied": (dict,), "study": (str,), "storage": (str,),
 }
 _LEDGER_FIELDS = ("tuning_s", "budget_s", "projected_saving_s")
 _BASELINE_FIELDS = ("tokens_per_s",)
@@ -213,6 +216,12 @@ def check_report(report: Any) -> str | None:
     return None
 
 
+def in_parens(items: Iterable[str], sep: str = ", ") -> str:
+    """' (a, b)' for a list shown after a phrase, '' for an empty one: a report never prints '()'."""
+    items = [i for i in items if i]
+    return f" ({sep.join(items)})" if items else ""
+
+
 def format_summary(report: dict[str, Any]) -> str:
     """A few lines for `gptop report` from a tuning.json dict (labels padded to 10 like its other lines)."""
     base = report.get("base") or {}
@@ -239,11 +248,14 @@ def format_summary(report: dict[str, Any]) -> str:
         lines.append("tuning    no feasible configuration measured")
     outcome = report.get("outcome") or "-"
     lines.append(f"          {outcome}" if report.get("applied") else f"          not applied: {outcome}")
-    lines.append(f"          {sum(counts.values())} trials this run ("
-                 + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) + ") in "
+    lines.append(f"          {sum(counts.values())} trials this run"
+                 + in_parens(f"{n} {k}" for k, n in sorted(counts.items())) + " in "
                  f"{format_duration(led.get('tuning_s') or 0.0)} of {format_duration(led.get('budget_s') or 0.0)}"
                  + (f"; projected saving {format_duration(led['projected_saving_s'])}"
                     if isinstance(led.get("projected_saving_s"), (int, float)) else ""))
+    if report.get("storage"):
+        lines.append(f"          study {report.get('study') or '?'} in {report['storage']}")
+        lines.append(f"          browse it: {dashboard_command(report['storage'])}")
     return "\n".join(lines)
 
 

@@ -7,6 +7,9 @@ takes any Optuna RDB URL (`sqlite:///...`, `postgresql://...`, `mysql://...`)
 or `journal:PATH` for Optuna's JournalStorage over a JournalFileBackend: an
 append-only log with a file lock, the safe choice when several processes (or
 machines over NFS) share one file. SQLite is opened with a 60 s lock timeout.
+A report records the storage (`shown_storage_url`: absolute, password
+redacted) and the study name, and `dashboard_command` opens it in
+optuna-dashboard.
 
 Naming. A study is keyed by what decides which toggles are fast: device name
 and type, compute capability, number of ranks, model family and size,
@@ -95,6 +98,44 @@ def default_storage_path() -> Path:
 
 def default_storage_url() -> str:
     return f"sqlite:///{default_storage_path()}"
+
+
+def shown_storage_url(url: str | None) -> str:
+    """The storage as a report records it: the default made explicit, a relative file made absolute (a
+    dashboard started elsewhere finds it), and any password replaced by `***` (a report is shared)."""
+    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+    if url is None or url == "":
+        return default_storage_url()
+    if url.startswith("journal:"):
+        return "journal:" + str(Path(url[len("journal:"):]).expanduser().absolute())
+    if url.startswith("sqlite:///"):
+        path, sep, query = url[len("sqlite:///"):].partition("?")
+        if path and path != ":memory:":
+            return "sqlite:///" + str(Path(path).expanduser().absolute()) + sep + query
+        return url
+    if url.startswith("sqlite:"):            # sqlite:// in memory
+        return url
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if parts.password is not None:
+        user, _, host = netloc.rpartition("@")
+        netloc = f"{user.split(':', 1)[0]}:***@{host}"
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        query = urlencode([(k, "***" if k.lower() in ("password", "passwd", "pwd") else v) for k, v in pairs],
+                          safe="*")
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def dashboard_command(shown_url: str) -> str:
+    """The shell command that opens a study storage in optuna-dashboard (`pip install optuna-dashboard`).
+    A journal file is given as its path; a redacted password must be put back by hand."""
+    import shlex
+
+    target = shown_url[len("journal:"):] if shown_url.startswith("journal:") else shown_url
+    return f"optuna-dashboard {shlex.quote(target)}"
 
 
 def storage_from_url(url: str | None = None) -> optuna.storages.BaseStorage:
@@ -228,6 +269,8 @@ class TuneStudy:
         self.key = key
         self.name = study_name(key)
         self.storage = storage if isinstance(storage, optuna.storages.BaseStorage) else storage_from_url(storage)
+        # What a report records (optuna-dashboard's argument); None for a storage object passed in.
+        self.storage_url = None if isinstance(storage, optuna.storages.BaseStorage) else shown_storage_url(storage)
         self.stale_after_s = stale_after_s
         self.max_asks = max_asks
         self.wall = wall

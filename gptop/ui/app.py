@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from time import monotonic
-from typing import Callable, Iterable, Protocol
+from typing import Awaitable, Callable, Iterable, Protocol
 
 from rich.table import Table
 from rich.text import Text
@@ -36,6 +36,8 @@ from textual.widgets import Static
 
 from gptop.commands import TUI_STOP_SIGNALS, Commands, StopSignals
 from gptop.state import RunState
+from gptop.tools import SampleOutcome, sample_newest
+from gptop.ui.sample import SamplePanel
 from gptop.ui.widgets import (DevicePanel, FailurePanel, GptopFooter, LogPanel, RunHeader, StepPanel, TrainPanel,
                               TunerPanel, Watcher)
 
@@ -47,6 +49,7 @@ HELP = [
     ("q", "Quit: checkpoint and stop the trainer, then exit (press again, or ctrl+c, to stop at once)"),
     ("c", "Checkpoint now (at the next step boundary)"),
     ("p", "Profile the next 3 steps with torch.profiler (trace in the run directory)"),
+    ("s", "Sample the newest checkpoint into a panel (its own process; training goes on; escape closes)"),
     ("l", "Log panel: zoom the trainer's stdout/stderr to the whole window, and back"),
     ("t", "Start the autotuner on the live run (budget 10 min; gptop tune --budget for another), or stop it, "
           "keeping the best setting found so far"),
@@ -115,21 +118,26 @@ class GptopApp(App[None]):
     BINDINGS = [
         Binding("q", "quit", "Quit", tooltip="Checkpoint, stop the trainer and exit (twice: stop now)"),
         Binding("c", "checkpoint", "Checkpoint", tooltip="Checkpoint at the next step"),
-        Binding("p", "profile", "Profile", tooltip="Profile the next 3 steps"),
+        Binding("p", "profile", "Trace", tooltip="Profile the next 3 steps with torch.profiler (a trace for Perfetto)"),
+        Binding("s", "sample", "Sample", tooltip="Sample the newest checkpoint (training goes on)"),
+        Binding("escape", "close_sample", "Close sample", show=False),
         Binding("l", "toggle_log", "Log", tooltip="Zoom the log panel"),
         Binding("t", "toggle_tuning", "Tune", tooltip="Start the autotuner, or stop it (keeps the best so far)"),
         Binding("r", "restart", "Restart", tooltip="Restart from the last good checkpoint"),
-        Binding("w", "cycle_window", "Window", tooltip="Chart window: 30s, 1m, 5m, 15m, 1h"),
+        Binding("w", "cycle_window", "Chart", tooltip="Chart window: 30s, 1m, 5m, 15m, 1h"),
         Binding("e", "next_expert_layer", "MoE", tooltip="Next MoE layer in the expert-load bars"),
         Binding("question_mark", "help", "Help", key_display="?"),
         Binding("ctrl+c", "force_quit", "Force stop", show=False, priority=True),
     ]
 
     def __init__(self, state: RunState, commands: Commands, *, finished: Callable[[], bool] | None = None,
-                 poll_interval: float = 0.1, min_redraw: float = 0.15, profile_steps: int = 3) -> None:
+                 poll_interval: float = 0.1, min_redraw: float = 0.15, profile_steps: int = 3,
+                 sampler: Callable[[str], Awaitable[SampleOutcome]] = sample_newest) -> None:
         """`finished`: polled on the timer; when it returns True the app exits (the session is over).
         Without it, `q` exits right after asking the session to stop. An event is on screen one
-        render after it arrives, or within `min_redraw` plus a render in a burst (budget: 250 ms)."""
+        render after it arrives, or within `min_redraw` plus a render in a burst (budget: 250 ms).
+        `sampler`: makes the `s` key's sample of a run directory (gptop.tools.sample_newest; tests pass
+        a fake)."""
         super().__init__()
         self.state = state
         self.commands = commands
@@ -137,6 +145,9 @@ class GptopApp(App[None]):
         self.poll_interval = poll_interval
         self.min_redraw = min_redraw
         self.profile_steps = profile_steps
+        self.sampler = sampler
+        self.sampling = False
+        self.sample_panel = SamplePanel(id="sample")
         self.stop_requested = False
         self._seen_version = -1
         self._layout_key: tuple | None = None
@@ -159,6 +170,7 @@ class GptopApp(App[None]):
                 yield TrainPanel(s, id="training", title="training")
                 yield TunerPanel(s, id="tuner", title="tuner")
             yield LogPanel(s, id="log")
+            yield self.sample_panel
         yield GptopFooter()
 
     def on_mount(self) -> None:
@@ -206,7 +218,7 @@ class GptopApp(App[None]):
             wait: float | None = None
             for w in self.watchers():
                 if w.stale(self.state):
-                    early = self.min_redraw - (now - w.synced_at())
+                    early = max(self.min_redraw, w.MIN_REDRAW_S) - (now - w.synced_at())
                     if early > 0:
                         wait = early if wait is None else min(wait, early)
                         continue
@@ -254,6 +266,10 @@ class GptopApp(App[None]):
             return True if status in LIVE_STATUSES + ("starting",) and self.commands.can_start_tuning else None
         if action == "restart":
             return True if status == "failed" else None
+        if action == "sample":
+            return True if self.state.run_dir and not self.sampling else None
+        if action == "close_sample":
+            return self.sample_panel.shown
         if action == "next_expert_layer":
             return True if self.state.expert_load else False   # hidden for dense models
         return True
@@ -295,6 +311,29 @@ class GptopApp(App[None]):
         if self._call("profile", self.commands.profile, steps=self.profile_steps):
             self.notify(f"profiling the next {self.profile_steps} steps")
 
+    def action_sample(self) -> None:
+        """Start one sample in a worker: the dashboard keeps rendering while the sampler's process runs."""
+        if self.sampling or not self.state.run_dir:
+            return
+        self.sampling = True
+        self.refresh_bindings()
+        self.sample_panel.show_running(self.state.run_dir)
+        self.run_worker(self._sample(self.state.run_dir), group="sample", exclusive=True, exit_on_error=False)
+
+    async def _sample(self, run_dir: str) -> None:
+        try:
+            outcome = await self.sampler(run_dir)
+        except Exception as e:   # the sampler itself broke: say so in the panel, keep the dashboard
+            outcome = SampleOutcome(None, f"sampling failed: {e}", 0.0)
+        finally:
+            self.sampling = False
+            self.refresh_bindings()
+        self.sample_panel.show_outcome(outcome)
+
+    def action_close_sample(self) -> None:
+        self.sample_panel.close()
+        self.refresh_bindings()
+
     def action_toggle_tuning(self) -> None:
         stopping = self.state.tuner.active
         if self._call("tuning", self.commands.toggle_tuning):
@@ -324,6 +363,8 @@ class GptopApp(App[None]):
                             self.action_force_quit)
         yield SystemCommand("Checkpoint now", "Write a checkpoint at the next step (c)", self.action_checkpoint)
         yield SystemCommand("Profile", f"Profile the next {self.profile_steps} steps (p)", self.action_profile)
+        if self.state.run_dir:
+            yield SystemCommand("Sample", "Text from the newest checkpoint, training goes on (s)", self.action_sample)
         yield SystemCommand("Toggle log panel", "Zoom the trainer's stdout/stderr (l)", self.action_toggle_log)
         if self.can_toggle_tuning():
             yield SystemCommand("Start/stop tuning", "Stop the autotuner, or start it where the session can (t)",

@@ -158,13 +158,26 @@ def header(state: RunState, width: int) -> RenderableType:
         step, total = state.step, state.total_steps
         prog = state.progress()
         steps = f"step {step if step is not None else '–'}/{total if total is not None else '?'}"
-        parts = [f"{fmt_num(state.tokens)} tokens", f"elapsed {fmt_duration(state.elapsed())}"]
-        if status not in ("done", "stopped", "replay", "failed"):
-            parts.append(f"ETA {fmt_eta(state)}")
+        startup = state.startup_line()
+        estimate = state.estimate_line(short=True)
+        if step is None and (startup or estimate) and status not in ("done", "stopped", "replay", "failed"):
+            # before the first step: what it is doing and what a step will cost, not "0 tokens · ETA n/a"
+            slow = state.estimate_warning is not None       # the whole warning is in the log panel
+            parts = [x for x in (startup, estimate + (" ⚠" if slow else "") if estimate else None) if x]
+            parts.append(f"elapsed {fmt_duration(state.elapsed())}")
+            line2 = Text(" · ".join(parts))
+            line2.truncate(width, overflow="ellipsis")
+            return Group(line1, line2)
+        else:
+            parts = [f"{fmt_num(state.tokens)} tokens", f"elapsed {fmt_duration(state.elapsed())}"]
+            if status not in ("done", "stopped", "replay", "failed"):
+                parts.append(f"ETA {fmt_eta(state)}")
         if state.malformed:
             parts.append(f"{state.malformed} bad events")
         if status not in ("running", "failed", "replay") and state.status_message:
             parts.append(state.status_message)
+        if startup:                  # compiling in the first step of a resumed run: what, and for how long
+            parts.append(startup)
         if status in ("done", "stopped", "replay"):
             parts.append("q to quit")
         tail = " · " + " · ".join(parts)
@@ -360,9 +373,13 @@ def _cpu_block(state: RunState, d: CpuReading | None, width: int, chart_rows: in
         line.truncate(width, overflow="ellipsis")
         return [line]
     extra = " ".join(proc)
+    if len(extra) > width - 9:       # too narrow for both: the model name first, the process figures dropped
+        extra = ""
     title = Text.assemble(("CPU ", "bold"), d.name or "")
     title.truncate(max(0, width - len(extra) - 1), overflow="ellipsis")
-    title.append(" " * max(1, width - title.cell_len - len(extra)) + extra, style="grey62")
+    if extra:   # the gap is its own unstyled span, at least one column wide: never "EPYCproc 16%"
+        title.append(" " * max(1, width - title.cell_len - len(extra)))
+        title.append(extra, style="grey62")
     mem_used, mem_total = d.mem_used, d.mem_total
     power = d.power_w
     lines: list[RenderableType] = [
@@ -378,14 +395,12 @@ def _cpu_block(state: RunState, d: CpuReading | None, width: int, chart_rows: in
         lines.append(Text.assemble(("cores ", "bold"), core_bars(cores, width - 6)))
     room = chart_rows - (len(lines) - 4)
     charts = [("util_pct", "util", "dark_green", "green1", (0.0, 100.0))]
-    if room >= 10:   # a tall panel (CPU runs at 160x48, the monitor without a run): memory too
+    if room >= 6:    # room for two charts of 3+ rows (CPU runs from 120x40 up, the monitor without a run)
         charts.append(("mem_used", "mem", "navy_blue", "dodger_blue1", (0.0, mem_total or None)))
     for i, (metric, label, low, high, scale) in enumerate(charts):
-        rows = min(12, room // len(charts) + (i < room % len(charts)) - (1 if i else 0))
+        rows = min(12, room // len(charts) + (i < room % len(charts)))   # each chart's label is on its last row
         if rows <= 0:
             break
-        if i:
-            lines.append(Text(""))
         data = time_buckets(state.device_points("cpu", metric, window_s), width - 6, window_s)
         lines.append(Rows(spark_rows(data, width - 6, low, high, height=rows, scale=scale, label=label,
                                      label_w=6)))

@@ -9,7 +9,7 @@ update with torch.compile) and `--quantize-base` (bitsandbytes' 4-bit and 8-bit 
 
 A value can also be supported but *slow* on a device: it runs correctly, yet
 is known to lose against the default by a wide margin (bf16 on a CPU whose
-oneDNN has no bf16 kernels is ~100x slower at matmuls than fp32). Asked for
+oneDNN has no bf16 kernels is 30-100x slower at matmuls than fp32: bench/bf16_matmul.py). Asked for
 explicitly it runs, with a warning; the tuner leaves it out of its default
 space (a trial would spend the budget on one step) unless `--tune-space`
 names it.
@@ -49,14 +49,6 @@ ACTIVATION_BYTES: dict[str, int] = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, 
 
 def activation_bytes(precision: str) -> int:
     return ACTIVATION_BYTES.get(precision, 4)
-
-
-def native_bf16(dev: DeviceInfo | None) -> bool:
-    """Whether bf16 runs at full speed on `dev`: CUDA with compute capability 8.0+, or a CPU whose oneDNN has
-    bf16 kernels (see `slow`). An unknown device (no hello yet) is given the benefit of the doubt."""
-    if dev is None:
-        return True
-    return dev.at_least(8, 0) if dev.is_cuda else dev.cpu_bf16
 
 
 def recipe(base: Toggles, dev: DeviceInfo, precisions: Sequence[str]) -> Toggles:
@@ -146,11 +138,17 @@ def slow(name: str, value, dev: DeviceInfo) -> str | None:
     """None unless `value` is supported on `dev` but known to be far slower than the default; then why."""
     if name == "precision" and value == "bf16" and not dev.is_cuda and not dev.cpu_bf16:
         return ("this CPU has no native bf16 (oneDNN needs AVX-512 or newer), so bf16 matmuls are emulated, "
-                "about 100x slower than fp32")
+                "30-100x slower than fp32")
     if name == "optimizer" and value in ("adamw-8bit", "adamw-4bit") and not dev.is_cuda:
         return (f"torchao's {value} is made for GPUs: on the CPU its compiled per-tensor update made whole steps "
                 f"7-12x slower than adamw (bench/finetune.py); it saves memory, not time")
     return None
+
+
+def worth_trying(name: str, value, dev: DeviceInfo | None) -> bool:
+    """May a hint suggest `value`? Only on a known device that supports it and runs it at full speed (a
+    gptop that has not had the trainer's hello yet suggests nothing device-specific)."""
+    return dev is not None and support(name, value, dev) is None and slow(name, value, dev) is None
 
 
 def supported_values(name: str, dev: DeviceInfo) -> list:

@@ -233,7 +233,8 @@ class LogConfig:
     eval_every: int = opt(100, "optimizer steps between validation losses (0 disables)", low=0, high=MAX_STEP)
     eval_batches: int = opt(4, "micro-batches per validation (held in memory)", low=1, high=10_000)
     timing: bool = opt(True, "time the step phases (--no-timing to measure its overhead)")
-    profile_steps: str | None = opt(None, "write a torch.profiler trace of steps A-B into the run directory",
+    profile_steps: str | None = opt(None, "write a torch.profiler trace of steps A-B (numbered from 1, as on the "
+                                    "dashboard) into the run directory",
                                     metavar="A-B", check=_step_range_format)
 
 
@@ -376,8 +377,9 @@ def parse_step_range(text: str) -> tuple[int, int]:
         a, b = (int(x) for x in text.split("-"))
     except ValueError:
         raise ConfigError("--profile-steps", f"{text!r} is not A-B, e.g. 10-12") from None
-    if not 0 <= a <= b <= MAX_STEP:
-        raise ConfigError("--profile-steps", f"{text!r}: need 0 <= A <= B <= {MAX_STEP}")
+    if not 1 <= a <= b <= MAX_STEP:
+        raise ConfigError("--profile-steps", f"{text!r}: steps are numbered from 1 (the first step is 1, as on the "
+                                             f"dashboard); need 1 <= A <= B <= {MAX_STEP}, e.g. 10-12")
     return a, b
 
 

@@ -157,6 +157,12 @@ class HelloEvent(Event):
     resumed_from: str | None = None
     start_step: int = 0
     torch: str | None = None
+    # The first hello comes before anything is built (early=True): the config, the device, the model as
+    # configured and what it will cost (trainer.contract.estimate.Estimate.to_dict: bytes, seconds); the full
+    # hello follows once the model is built. Consumers that need the built run (micro-batch, parameters)
+    # wait for a hello that is not early.
+    early: bool = False
+    estimate: dict[str, Any] | None = None
 
     @property
     def toggles(self) -> dict[str, Any]:
@@ -199,6 +205,32 @@ class StepEvent(Event):
     comm_ms: float | None = None
     expert_load: list[list[float]] | None = None   # MoE: per layer, per expert share of the tokens
     optim_state_bytes: int | None = None   # bytes the optimizer state occupies (quantized moments: as stored)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProgressEvent(Event):
+    """One optimizer step done (every step, between the log interval's step events): the step counter, rate
+    and ETA move with it. Light: no loss and no device synchronization, so on a GPU `step_ms` is the host's
+    time between step boundaries. Sent on the live channel only, never written to events.jsonl."""
+
+    type: ClassVar[str] = "progress"
+    step: int
+    tokens: int                         # cumulative, global
+    step_ms: float | None = None
+
+
+# Startup phases a PhaseEvent names, in the order they come (a phase may be skipped).
+STARTUP_PHASES = ("tokenizing", "building", "loading", "probing", "compiling")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PhaseEvent(Event):
+    """A startup phase began or moved (tokenizing 40%): what the run is doing before its first step."""
+
+    type: ClassVar[str] = "phase"
+    phase: str                          # one of STARTUP_PHASES (newer trainers may add phases)
+    message: str                        # in words: "probing micro-batch 4"
+    pct: float | None = None            # progress of the phase, 0..100, when known
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -340,7 +372,7 @@ class UnknownEvent(Event):
 
 EVENT_TYPES: dict[str, type[Event]] = {c.type: c for c in (
     HelloEvent, StepEvent, EvalEvent, CheckpointEvent, LogEvent, WarningEvent, ErrorEvent, DoneEvent,
-    DeviceEvent, TrialEvent, ApplyEvent, TunerEvent, StatusEvent)}
+    DeviceEvent, TrialEvent, ApplyEvent, TunerEvent, StatusEvent, ProgressEvent, PhaseEvent)}
 RECORDS: tuple[type[Record], ...] = (GpuReading, CpuReading, ModelInfo)
 _BASE = ("v", "type", "time", "rank")
 

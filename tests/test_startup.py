@@ -1,0 +1,181 @@
+"""Live from the first second (issue 11 §1): a stop before the first step ends startup at once, and the
+light `progress` event reaches gptop every step without being written to events.jsonl."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import TINY, trainer_cmd
+from trainer.channel import Channel, StartupStopped
+from trainer.contract import rundir
+from trainer.contract.events import read_events
+
+
+def wait_for(pred, timeout=120, what="condition"):
+    """A guard against a hang, not a timing assertion."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def events(run_dir):
+    p = run_dir / "events.jsonl"
+    return list(read_events(p)) if p.exists() else []
+
+
+@pytest.fixture
+def launcher(tmp_path):
+    """A Unix socket listening as gptop's supervisor does; yields (uri, accept)."""
+    path = str(tmp_path / "s.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(1)
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    yield f"unix:{path}", lambda: srv.accept()[0]
+    for s, h in saved.items():
+        signal.signal(s, h)
+    srv.close()
+
+
+def test_a_stop_command_before_the_first_step_interrupts_the_main_thread(tmp_path, launcher):
+    uri, accept = launcher
+    ch = Channel(tmp_path / "events.jsonl", uri)
+    conn = accept()
+    ch.install_signal_handlers()
+    try:
+        with pytest.raises(StartupStopped):
+            conn.sendall(b'{"cmd": "stop", "reason": "q"}\n')
+            for _ in range(600):             # "building a model": the stop cannot wait for a step boundary
+                time.sleep(0.05)
+    finally:
+        ch.close()
+        conn.close()
+
+
+def test_after_the_first_step_a_stop_waits_for_the_step_boundary(tmp_path, launcher):
+    uri, accept = launcher
+    ch = Channel(tmp_path / "events.jsonl", uri)
+    conn = accept()
+    ch.install_signal_handlers()
+    ch.started()
+    try:
+        conn.sendall(b'{"cmd": "stop"}\n')
+        os.kill(os.getpid(), signal.SIGTERM)
+        cmds = wait_for(lambda: [c for c in ch.pending_commands()] or None, 10, "the queued commands")
+        while len(cmds) < 2:
+            cmds += ch.pending_commands()
+        assert sorted(c.get("source", "socket") for c in cmds) == ["signal", "socket"]
+    finally:
+        ch.close()
+        conn.close()
+
+
+def test_progress_goes_on_the_socket_only(tmp_path, launcher):
+    uri, accept = launcher
+    ch = Channel(tmp_path / "events.jsonl", uri)
+    conn = accept()
+    ch.emit_live("progress", step=3, tokens=300, step_ms=12.5)
+    ch.emit("log", message="x")
+    ch.close()
+    data = b""
+    while chunk := conn.recv(65536):
+        data += chunk
+    assert [json.loads(line)["type"] for line in data.splitlines()] == ["progress", "log"]
+    assert [e.type for e in read_events(tmp_path / "events.jsonl")] == ["log"]
+    Channel(None).emit_live("progress", step=1, tokens=1)          # no launcher: nothing, no error
+
+
+@pytest.mark.slow
+def test_sigint_while_building_stops_at_once_without_a_checkpoint(tmp_path):
+    run_dir = tmp_path / "r"
+    proc = subprocess.Popen(trainer_cmd("--model", "llama", "--size", "small", "--max-steps", "5",
+                                        "--micro-batch", "1", "--global-batch", "1", "--seq-len", "64",
+                                        "--device", "cpu", "--run-dir", str(run_dir)),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: [e for e in events(run_dir) if e.type == "phase" and e.phase == "building"],
+                 what="the building phase")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    evs = events(run_dir)
+    assert evs[0].type == "hello" and evs[0].early and evs[0].estimate["total_bytes"] > 0
+    assert not [e for e in evs if e.type in ("step", "checkpoint")]
+    assert [e for e in evs if e.type == "hello" and not e.early] == []       # stopped before it was built
+    assert evs[-1].type == "done" and evs[-1].reason == "stopped before the first step"
+    assert rundir.list_checkpoints(run_dir) == []
+
+
+@pytest.mark.slow
+def test_progress_events_reach_gptop_every_step_and_the_stop_during_startup_is_130(tmp_path):
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "gptop", "--no-ui", "--json", "train", *TINY, "--log-every", "4",
+                          "--max-steps", "4", "--run-dir", str(run_dir)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    trainer = [e for e in lines if e["type"] not in ("status", "device")]
+    assert trainer[0]["type"] == "hello" and trainer[0]["early"] and "estimate" in trainer[0]
+    assert [e["step"] for e in lines if e["type"] == "progress"] == [1, 2, 3, 4]
+    assert [e["step"] for e in lines if e["type"] == "step"] == [4]
+    assert "progress" not in {e.type for e in events(run_dir)}             # the live channel only
+
+    run_dir = tmp_path / "stopped"
+    p = subprocess.Popen([sys.executable, "-m", "gptop", "--no-ui", "train", "--model", "llama", "--size", "small",
+                          "--max-steps", "5", "--micro-batch", "1", "--global-batch", "1", "--seq-len", "64",
+                          "--device", "cpu", "--run-dir", str(run_dir)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: [e for e in events(run_dir) if e.type == "phase"], what="a startup phase")
+        p.send_signal(signal.SIGINT)
+        stdout, _ = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130
+    lines = stdout.splitlines()
+    assert any(line.startswith("startup: ") for line in lines) and not any(line.startswith("step ") for line in lines)
+    assert events(run_dir)[-1].reason == "stopped before the first step"
+
+
+def test_cpu_auto_micro_batch_takes_the_whole_batch_when_the_estimate_has_room(tmp_path):
+    from trainer.cli import parse_config
+    from trainer.contract.device import DeviceInfo
+    from trainer.device import detect
+    from trainer.train import Trainer
+
+    def setup(name, total_memory):
+        cfg = parse_config([*TINY, "--micro-batch", "auto", "--run-dir", str(tmp_path / name)])
+        real = detect(cfg.run.device)
+        dev = DeviceInfo(type="cpu", name=real.name, total_memory=total_memory, cpu_count=real.cpu_count)
+        saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+        trainer = Trainer(cfg, dev=dev)
+        try:
+            trainer.setup()
+        finally:
+            if trainer.channel is not None:
+                trainer.channel.close()
+            for s, h in saved.items():
+                signal.signal(s, h)
+        evs = events(tmp_path / name)
+        return trainer, [e.message for e in evs if e.type == "phase"]
+
+    roomy, phases = setup("roomy", 64 << 30)
+    assert roomy.micro_batch == 4 and not [p for p in phases if p.startswith("probing")]
+    assert phases == ["building llama tiny"]
+    tight, phases = setup("tight", 1 << 30)        # fits at micro-batch 1, but the whole batch is over half
+    assert [p for p in phases if p.startswith("probing")][:2] == ["probing micro-batch 1", "probing micro-batch 2"]
