@@ -17,7 +17,7 @@
 4. Two writers on one run directory: a second gptop and a bare trainer are refused (exit 2, naming the
    holder's pid and host) while the first run finishes alone.
 
-Tiny llama on the CPU (219 s on a 2-core machine at load 9, 2026-11-25). Exit status 1 if any check fails.
+Tiny llama on the CPU (219-286 s on a 2-core machine at load 9-12, 2026-11-25). Exit status 1 if any check fails.
 """
 
 from __future__ import annotations
