@@ -177,7 +177,7 @@ RULES: list[Rule] = [
     Rule(r"^gptop tune|--tune ", "parse", "tunes for minutes (tests/test_tuning_e2e.py runs a short one)"),
     Rule(r"-m torch\.distributed\.run ", "parse", "torchrun with 8 GPUs: the trainer's own flags are parsed"),
     Rule(r"^gptop", "parse", "trains for minutes or waits for input; parsed and checked as on a real start"),
-    Rule(r"^(OMP_NUM_THREADS=\S+ )?python3? (bench|docs)/", "parse", "a benchmark or tool that runs for minutes"),
+    Rule(r"^([A-Z_]+=\S+ )*python3? (bench|docs)/", "parse", "a benchmark or tool that runs for minutes"),
     Rule(r"^python3? -m trainer\.sample$", "skip", "named in prose: the module `gptop sample` runs (its commands run above)"),
     Rule(r"^ls ", "skip", "lists the files the command above it wrote"),
     Rule(r"^tensorboard --logdir ", "skip", "a separate tool serving a web page (tests/test_tensorboard.py reads the files)"),
