@@ -208,6 +208,7 @@ def test_a_reader_that_goes_away_is_noted_not_raised():
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_gptop_piped_into_head_exits_quietly(tmp_path):
     """A replay's JSON lines (more than a pipe buffer) into a reader that stops after one line: exit 141
     as for SIGPIPE, no traceback."""
