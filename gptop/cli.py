@@ -16,6 +16,7 @@ Exit codes: 0 done, 1 the run failed, 2 bad usage, 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -194,7 +195,9 @@ def resolve_config(ns: argparse.Namespace) -> TrainConfig:
     base = resume_config(getattr(ns, "checkpoint.resume", None))
     cfg = config_from_args(ns, base, world_size=world_size(ns))
     if cfg.run.run_dir is None:
-        cfg.run.run_dir = default_run_dir(cfg)
+        from .telemetry import resolved_size   # a --size auto run is named by the size it resolves to
+
+        cfg.run.run_dir = default_run_dir(cfg, size=resolved_size(cfg))
     return cfg
 
 
@@ -310,6 +313,9 @@ def _run_locked(ns: argparse.Namespace, cfg: TrainConfig, resume: str | None, la
         from .ui.app import run_app
 
         code = run_app(session, resume=resume, signals=signals)
+    from .summary import print_summary   # the closing lines; with --json on stderr, stdout stays JSON
+
+    print_summary(session.state, code, sys.stderr if ns.no_ui and ns.json else sys.stdout)
     err = session.state.last_error()
     if code == EXIT_FAILED and err is not None and err.kind == "config":
         return EXIT_USAGE

@@ -44,11 +44,12 @@ from collections import deque
 from typing import IO
 
 from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_eta, fmt_mfu, fmt_num, fmt_peak, fmt_toggles,
-                         model_summary, phase_label, spread_pct)
+                         measure_line, model_summary, phase_label, spread_pct)
 from trainer.contract.events import (PHASES, ApplyEvent, CheckpointEvent, DeviceEvent, DoneEvent, ErrorEvent,
                                      EvalEvent, Event, HelloEvent, LogEvent, PhaseEvent, ProgressEvent, StatusEvent,
                                      StepEvent, TrialEvent, TunerEvent, WarningEvent, dumps)
 
+MEASURE_EVERY_S = 10.0
 SHORT = {"data": "data", "forward": "fwd", "backward": "bwd", "optimizer": "opt", "other": "other"}
 
 
@@ -140,6 +141,10 @@ def event_line(event: Event, state: RunState) -> str | None:
     if isinstance(event, LogEvent):
         return event.message
     if isinstance(event, DoneEvent):
+        if event.reason not in (None, "max_steps"):
+            if state.tuner.active:     # the tuner restarts the trainer between configurations: not the run's end
+                return f"trainer stopped at step {event.step} to restart with the next settings (tuning)"
+            return f"trainer stopped at step {event.step} ({event.reason}), {fmt_num(event.tokens)} tokens"
         line = f"done: step {event.step}, {fmt_num(event.tokens)} tokens in {fmt_duration(state.elapsed())}"
         energy, tokens = state.energy()
         jpt = energy.per_token(tokens) if energy is not None else None
@@ -194,6 +199,8 @@ class HeadlessView:
         self._verdicts: dict[str, str] = {}     # GPU key -> the kind of its last printed verdict
         self._phase_message: str | None = None
         self._first_progress = True
+        self._measuring: tuple | None = None      # the measurement the last progress line was about
+        self._measure_at = 0.0
         if progress is None:
             progress = not json and _isatty(self.stream)
         self._progress = None
@@ -255,6 +262,7 @@ class HeadlessView:
                     left = event.budget_left_s
                     self._print(f"tuner: {phase_label(phase)}" + (f" ({fmt_duration(left)} budget left)" if left is not None
                                                       else ""))
+                self._measure_progress(event)
                 return
             if isinstance(event, ProgressEvent):
                 self._update_bar()          # every step: the bar moves; lines stay at the log interval
@@ -295,6 +303,19 @@ class HeadlessView:
                 else:
                     self._print(f"{key}: no longer slowed")
                     self._verdicts.pop(key, None)
+
+    def _measure_progress(self, event: TunerEvent) -> None:
+        """A line on the tuner's measurement: when one starts, when its warm-up ends, then every
+        `MEASURE_EVERY_S` seconds of event time (the tuner reports about once a second)."""
+        m = event.measure
+        if m is None:
+            self._measuring = None
+            return
+        key = (m.kind, m.number, m.warmed_up)
+        if key == self._measuring and event.time - self._measure_at < MEASURE_EVERY_S:
+            return
+        self._measuring, self._measure_at = key, event.time
+        self._print(f"tuner: measuring {measure_line(m)}")
 
     def _step_extras(self) -> None:
         """The hint when its kind changes (its numbers move every step); the progress bar."""

@@ -230,7 +230,8 @@ class Nvml:
                 return None
             if self._query("nvmlGpmSampleGet", (handle, sample), device=index, extra=()) is None:
                 self.query("nvmlGpmSampleFree", sample)
-                if self.is_unsupported(index, "nvmlGpmSampleGet"):
+                if (index, "nvmlGpmSampleGet", ()) in self._unsupported or \
+                        "nvmlGpmSampleGet" in self._missing_functions:
                     self._gpm_ok[index] = False          # NotSupported / NoPermission: not asked again
                 return None
             prev, self._gpm_prev[index] = self._gpm_prev.get(index), sample

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from trainer.contract import rundir
 from trainer.contract.events import (PHASES, CheckpointEvent, DeviceEvent, DoneEvent, ErrorEvent, EvalEvent, Event,
                                      HelloEvent, MalformedEvent, StepEvent, WarningEvent, read_events, to_dict)
 
@@ -82,6 +83,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     if evals:
         out["eval_loss"] = evals[-1].loss
     out["checkpoints"] = [{"step": e.step, "path": e.path, "seconds": e.seconds} for e in ckpts]
+    out["checkpoints_kept"] = [{"step": c.step, "path": str(c.path)} for c in rundir.list_checkpoints(run_dir)]
     out["errors"] = [_error(e) for e in errors]
     out["warnings"] = len(warnings)
     out["done"] = bool(done) and done[-1].reason
@@ -194,8 +196,9 @@ def format_report(s: dict[str, Any]) -> str:
                      f" ({s.get('energy_source', 'measured')})")
     else:
         lines.append(f"energy    n/a ({s.get('energy_unavailable') or 'no energy reading'})")
-    lines.append(f"checkpts  {len(s['checkpoints'])}" + (f", last {s['checkpoints'][-1]['path']}"
-                                                       if s["checkpoints"] else ""))
+    kept = s.get("checkpoints_kept") or []    # on disk now (pruned by --keep-checkpoints, rolled back by the tuner)
+    lines.append(f"checkpts  {len(s['checkpoints'])} written, {len(kept)} kept"
+                 + (f", newest {kept[-1]['path']}" if kept else ""))
     if s["errors"]:
         for e in s["errors"]:
             lines.append(f"error     step {e.get('step')}: {e['kind']}: {e['message']}")

@@ -30,9 +30,9 @@ from gptop.energy import measure as energy_measure
 from trainer.contract import capabilities
 from trainer.contract.device import DeviceInfo
 from trainer.contract.events import (PHASES, ApplyEvent, CheckpointEvent, CpuReading, DeviceEvent, DoneEvent,
-                                     ErrorEvent, EvalEvent, Event, GpuReading, HelloEvent, LogEvent, ModelInfo,
-                                     PhaseEvent, ProgressEvent, StepEvent, TrialEvent, TunerEvent, UnknownEvent,
-                                     WarningEvent)
+                                     ErrorEvent, EvalEvent, Event, GpuReading, HelloEvent, LogEvent, MeasureProgress,
+                                     ModelInfo, PhaseEvent, ProgressEvent, StepEvent, TrialEvent, TunerEvent,
+                                     UnknownEvent, WarningEvent)
 
 STATUSES = ("starting", "running", "checkpointing", "stopping", "done", "stopped", "failed", "restarting", "replay",
             "monitor")
@@ -115,6 +115,7 @@ class TunerState:
     trials_planned: int | None = None
     trials: dict[int, TrialEvent] = field(default_factory=dict)   # number -> its latest trial event
     applied: list[ApplyEvent] = field(default_factory=list)
+    measure: MeasureProgress | None = None   # the measurement running now (baseline, trial, remeasure)
 
     @property
     def active(self) -> bool:
@@ -175,6 +176,10 @@ class RunState:
         self.expert_load: list[list[float]] | None = None
         self.last_eval: EvalEvent | None = None
         self.done: DoneEvent | None = None
+        self.first_loss: float | None = None               # the run's first logged loss (the summary's "from")
+        # (tokens/s, mfu) of step events that are not a process's first (warm-up: compile, allocator)
+        self._steady: deque[tuple[float | None, float | None]] = deque(maxlen=history)
+        self._warm = True                                  # the next step event is a process's first
 
         # devices
         self.device_sample: DeviceEvent | None = None      # latest device event
@@ -279,6 +284,7 @@ class RunState:
         self._applied = {}
         self._rate.clear()   # a restart recompiles: the old step rate says nothing about the new process
         self._pace.clear()
+        self._warm = True
         self._bump("run", "step")
 
     def _on_phase(self, e: PhaseEvent) -> None:
@@ -317,6 +323,12 @@ class RunState:
         self.last_step = e
         if self.live_step is None or self.live_step[1] != step:
             self._live(e.time, step, e.tokens)
+        if self.first_loss is None and e.loss is not None:
+            self.first_loss = e.loss
+        if self._warm:
+            self._warm = False
+        else:
+            self._steady.append((e.tokens_per_s, e.mfu))
         for name in STEP_SERIES:
             v = getattr(e, name)
             if v is not None:
@@ -406,6 +418,7 @@ class RunState:
             tu.trials_planned = e.trials_planned
         if e.trials_run is not None:
             tu.trials_run = e.trials_run
+        tu.measure = e.measure                # every tuner event says what is measured now (None: nothing)
         self._bump("tuner")
 
     def tuner_budget_left(self) -> float | None:
@@ -767,6 +780,25 @@ class RunState:
             return "not enough step events yet"
         return unavailable_reason(samples)
 
+    def steady_medians(self) -> tuple[float | None, float | None]:
+        """(tokens/s, MFU): medians over the step events that are not a process's first (which carries
+        compilation and allocator warm-up); all step events when there are no others yet."""
+        with self.lock:
+            rows = list(self._steady)
+            if not rows and self.last_step is not None:
+                rows = [(self.last_step.tokens_per_s, self.last_step.mfu)]
+        tps = sorted(x for x, _ in rows if x is not None)
+        mfu = sorted(m for _, m in rows if m is not None)
+        return _median(tps), _median(mfu)
+
+
+def _median(xs: list[float]) -> float | None:
+    """The median of sorted values, or None."""
+    n = len(xs)
+    if not n:
+        return None
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
 
 def _interp(points: list[tuple[float, float]], t: float) -> float | None:
     """Linear interpolation in time-sorted (time, value) points; None outside their span."""
@@ -874,6 +906,35 @@ def spread_pct(trial: TrialEvent) -> float | None:
     """A trial's spread (tokens/s, as the tuner reports it) as % of its throughput."""
     spread, tps = trial.spread, trial.tokens_per_s
     return 100.0 * spread / tps if spread is not None and tps else None
+
+
+def measure_parts(m: MeasureProgress) -> tuple[str, str, str]:
+    """(what and how far, the estimate so far, time measured of the most it may take), e.g.
+    ('trial 5: 5/8 samples', '41.2k tok/s ±4.1% (goal ±3%)', '0:31/2:30'); empty parts are ''."""
+    what = m.kind if m.kind != "trial" or m.number is None else f"trial {m.number}"
+    if m.kind == "remeasure" and m.number is not None:
+        what = f"trial {m.number} again"
+    if not m.warmed_up:
+        head = f"{what}: warming up, {m.steps} steps"
+    else:
+        head = f"{what}: {m.samples}/{m.needed} samples" if m.samples < m.needed else f"{what}: {m.samples} samples"
+    est = ""
+    if m.tokens_per_s is not None:
+        est = f"{fmt_num(m.tokens_per_s)} tok/s"
+        if m.spread is not None and m.tokens_per_s > 0:
+            est += f" ±{100 * m.spread / m.tokens_per_s:.1f}%"
+            if m.target is not None:
+                est += f" (goal ±{m.target * 100:g}%)"
+    when = ""
+    if m.seconds is not None:
+        when = fmt_duration(m.seconds) + (f"/{fmt_duration(m.max_seconds)}" if m.max_seconds else "")
+    return head, est, when
+
+
+def measure_line(m: MeasureProgress) -> str:
+    """'trial 5: 5/8 samples · 41.2k tok/s ±4.1% (goal ±3%) · 0:31/2:30': what the tuner is measuring, how
+    far it is, its estimate so far, and the time measured of the most a measurement may take."""
+    return " · ".join(p for p in measure_parts(m) if p)
 
 
 def phase_label(phase: str | None) -> str:

@@ -12,25 +12,29 @@ unsupported power sensor is not mistaken for an idle GPU.
 
 Energy: the samples carry the readings (NVML's energy counter and power per
 GPU, RAPL's package counter for the CPU); gptop.energy is the one place that
-turns them into joules (`energy_between` is re-exported here for callers).
+turns them into joules.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import math
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal
 
 import psutil
 
-from gptop.energy import Rapl, energy_between  # noqa: F401  (re-exported)
+from gptop.energy import Rapl
 from gptop.nvml import Nvml
-from trainer.contract.device import cpu_name
+from trainer.contract.device import DeviceInfo, cpu_name
 from trainer.contract.events import CpuReading, DeviceEvent, GpuReading, finite_or_none
+
+if TYPE_CHECKING:
+    from trainer.contract.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +82,8 @@ class _ProcStats:
 
 
 # How often the trainer's process tree is walked again (new children: data workers, torchrun ranks). A walk
-# reads every process's /proc/PID/stat (psutil's children()): about 6 ms of CPU with 140 processes, which at
-# every 0.5 s sample was most of the dashboard's cost on a busy machine (issue 13). Between walks the known
+# reads every process's /proc/PID/stat (psutil's children()): 2.6 ms of CPU with 139 processes, twice per
+# 0.5 s sample (the supervisor's walk and this one), about 1% of a core on a busy machine (issue 13). Between walks the known
 # processes are read directly; a change of the roots (a restarted trainer) walks at once.
 TREE_REFRESH_S = 5.0
 
@@ -195,6 +199,7 @@ def _sample_gpu(nv: Nvml, index: int, name: str, pids: set[int]) -> GpuReading:
         clock_reasons=nv.clock_reasons(index),
         sm_active_pct=finite_or_none(gpm.get("sm_active")),
         tensor_active_pct=finite_or_none(gpm.get("tensor_active")),
+        power_note=None if power_mw is not None else "the driver reports no power for this GPU",
     )
 
 
@@ -363,6 +368,7 @@ class DeviceSampler:
             power_w=power,
             energy_j=energy,
             name=self._cpu_name,
+            power_note=self._rapl.reason,
         )
 
     def _record(self, sample: DeviceEvent) -> None:
@@ -405,3 +411,47 @@ class DeviceSampler:
                     self._subscribers.remove(callback)
 
         return unsubscribe
+
+
+# --------------------------------------------------------------------------- the training device, without torch
+
+
+def training_device(requested: str = "auto", nvml: Nvml | None = None) -> DeviceInfo:
+    """The device a trainer given `--device requested` will use, as far as NVML and the OS tell without torch
+    (trainer.device.detect asks torch): enough to name a `--size auto` run directory by the size that
+    trainer.contract.capabilities.auto_size picks. CUDA_VISIBLE_DEVICES is honoured when it lists indices."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpu = DeviceInfo(type="cpu", name=cpu_name(), total_memory=psutil.virtual_memory().total, cpu_count=cpus)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if requested == "cpu" or (visible is not None and visible.strip() in ("", "-1")):
+        return cpu
+    index = int(requested.split(":", 1)[1]) if requested.startswith("cuda:") and requested[5:].isdigit() else 0
+    if visible:
+        ids = [x.strip() for x in visible.split(",")]
+        if index < len(ids) and ids[index].isdigit():
+            index = int(ids[index])
+    nv = nvml or Nvml()
+    try:
+        if not nv.open() or index >= nv.device_count:
+            return cpu
+        mem = nv.device_query(index, "nvmlDeviceGetMemoryInfo")
+        total = getattr(mem, "total", None)
+        if total is None:
+            return cpu
+        name = nv.device_query(index, "nvmlDeviceGetName")
+        return DeviceInfo(type="cuda", index=index, name=name.decode() if isinstance(name, bytes) else str(name or ""),
+                          total_memory=int(total), cpu_count=cpus)
+    finally:
+        if nvml is None:
+            nv.close()
+
+
+def resolved_size(cfg: "TrainConfig") -> str | None:
+    """What `--size auto` will resolve to on the device the trainer will use (None: a size was given, or the
+    model is a path), so the run directory is named by it (trainer.contract.capabilities.auto_size)."""
+    from trainer.contract.capabilities import auto_size
+    from trainer.contract.config import FAMILIES
+
+    if cfg.model.size != "auto" or cfg.model.model not in FAMILIES:
+        return None
+    return auto_size(cfg.model.model, training_device(cfg.run.device))

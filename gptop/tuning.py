@@ -41,11 +41,14 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer.contract import events as ev
 from trainer.contract import rundir
 from trainer.contract.config import AUTO, Toggles, TrainConfig
+
+if TYPE_CHECKING:
+    from .session import Session
 
 STEADY = ("done", "prune", "budget", "timeout")
 TEST_FAULT_ENV = "GPTOP_TEST_TRIAL_FAULT"   # "N:KIND" or "N:KIND@K": KIND (nan, oom, crash, kill, compile) K steps
@@ -66,8 +69,11 @@ def parse_test_fault(spec: str) -> tuple[int, str, int] | None:
 
 
 class TuningDriver:
-    def __init__(self, session, budget_s: float, space_spec: str | None = None, storage: str | None = None,
-                 tune_only: bool = False, trial_log_every: int = 1, hello: ev.HelloEvent | None = None):
+    """The session's controller while it tunes (gptop.session.Controller); `Session.start_tuning` makes one."""
+
+    def __init__(self, session: "Session", budget_s: float, space_spec: str | None = None,
+                 storage: str | None = None, tune_only: bool = False, trial_log_every: int = 1,
+                 hello: ev.HelloEvent | None = None):
         self.session = session
         self.budget_s = budget_s
         self.space_spec = space_spec
@@ -280,6 +286,14 @@ class TuningDriver:
                     if self.test_fault and self.test_fault[0] == trial_index:
                         fault = self.test_fault[1:]
                 pre = self.last_ckpt
+                restore_log = None
+                if not action.restart and self._alive:
+                    # measured on the running process (the baseline after `t`): it logs every step meanwhile
+                    restore_log = (self._running_cfg or self.session.cfg).log.log_every
+                    if restore_log > self.trial_log_every:
+                        self._log_every(self.trial_log_every)
+                    else:
+                        restore_log = None
                 if action.restart or not self._alive:
                     pre = self._restart(action.toggles, fault=fault, strict=True)
                     if pre is None:            # interrupted, stopped or finished while switching
@@ -289,6 +303,8 @@ class TuningDriver:
                         self._publish()
                         return self._conclude(None)
                 outcome, reason = self._measure()
+                if restore_log is not None:
+                    self._log_every(restore_log)
                 if outcome == "abort":             # the `t` key: decide on what was measured, train on
                     return self._conclude(ctl.stop_early(reason))
                 if outcome in ("interrupted", "finished"):
@@ -326,6 +342,7 @@ class TuningDriver:
                 kind, payload = item
                 if kind == "event":
                     ctl.observe(payload)
+                    self._publish()             # the measurement's progress (about once a second)
                 elif kind == "exit":
                     stop = ctl.trial_should_stop()
                     if self.session.interrupted:
@@ -391,6 +408,13 @@ class TuningDriver:
         have = self._running_cfg or self.session.cfg
         return (have.toggles != want.toggles or have.run.nan_policy != want.run.nan_policy
                 or have.log.log_every != want.log.log_every)
+
+    def _log_every(self, steps: int) -> None:
+        """Ask the running trainer for a step event every `steps` steps (a command: no restart). One
+        synchronization per step while it measures; the interval is given back when it is done."""
+        sup = self.session.supervisor
+        if sup is not None and self._alive:
+            sup.send({"cmd": "log_every", "steps": steps})
 
     def _stop_trainer(self, kill: bool = False) -> None:
         """Stop the trainer and wait for its exit: graceful (it checkpoints) unless `kill`. A graceful stop that

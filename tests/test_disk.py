@@ -24,7 +24,7 @@ from trainer.channel import Channel
 from trainer.cli import parse_config
 from trainer.contract import atomic, rundir
 from trainer.contract.atomic import DiskError, atomic_write, disk_error
-from trainer.contract.events import ErrorEvent, read_events
+from trainer.contract.events import ErrorEvent, HelloEvent, read_events
 from trainer.train import EXIT_DISK, main_run
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -195,7 +195,8 @@ def test_gptop_on_a_full_tmpfs_says_why_and_does_not_restart(small_tmpfs):
     assert p.returncode == 1, p.stderr
     assert "disk: No space left on device: cannot write" in p.stderr and "step-00000004.pt" in p.stderr
     events = list(read_events(run_dir / "events.jsonl"))
-    assert sum(e.type == "hello" for e in events) == 1                  # no restart into the same full disk
+    starts = [e for e in events if isinstance(e, HelloEvent) and not e.early]
+    assert len(starts) == 1                                             # no restart into the same full disk
     err = [e for e in events if isinstance(e, ErrorEvent)][-1]
     assert err.kind == "disk" and err.exit_code == 8 and err.free_bytes < 34 << 20
     assert [c.step for c in rundir.list_checkpoints(run_dir)] == [2] and tmp_files(run_dir) == []

@@ -432,6 +432,7 @@ def test_two_ranks_never_checkpoint_a_non_finite_state(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_two_nodes_on_one_host_each_know_the_run(tmp_path):
     """Two gptop processes, one rank each, over a c10d rendezvous (docs/distributed.md, "Several nodes"):
     the second node's gptop gets a hello too (its header reads step N/MAX, not N/?), and its hint only
@@ -445,8 +446,10 @@ def test_two_nodes_on_one_host_each_know_the_run(tmp_path):
     args = [sys.executable, "-m", "gptop", "--no-ui", "train", "--nproc", "1", "--nnodes", "2",
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-backend", "c10d", "--rdzv-id", "issue13", *TINY,
             "--max-steps", "6", "--log-every", "3", "--checkpoint-every", "0", "--run-dir", str(run)]
-    procs = [subprocess.Popen(args, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
+    # --node-rank names each node's lock on the shared run directory (gptop.cli: node_key); c10d still
+    # assigns the ranks
+    procs = [subprocess.Popen([*args, "--node-rank", str(i)], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
     outs = []
     for p in procs:
         out, err = p.communicate(timeout=240)

@@ -156,6 +156,7 @@ RULES: list[Rule] = [
          "sets up an environment or a database server (network, root); the tests run in the installed one"),
     Rule(r"-m pytest", "skip", "the test suite itself"),
     Rule(r"^optuna-dashboard ", "skip", "a separate tool (pip install optuna-dashboard) serving a web page"),
+    Rule(r"^tensorboard ", "skip", "a separate tool (pip install 'gptop[tensorboard]') serving a web page"),
     FIRST,
     Rule(r"^gptop --no-ui train --model llama --size tiny --max-steps 200 --run-dir runs/demo$", "parse",
          "the README's first command made this run (llama tiny is what --size auto picks on this CPU)"),
@@ -177,6 +178,9 @@ RULES: list[Rule] = [
     Rule(r"-m torch\.distributed\.run ", "parse", "torchrun with 8 GPUs: the trainer's own flags are parsed"),
     Rule(r"^gptop", "parse", "trains for minutes or waits for input; parsed and checked as on a real start"),
     Rule(r"^(OMP_NUM_THREADS=\S+ )?python3? (bench|docs)/", "parse", "a benchmark or tool that runs for minutes"),
+    Rule(r"^python3? -m trainer\.sample$", "skip", "named in prose: the module `gptop sample` runs (its commands run above)"),
+    Rule(r"^ls ", "skip", "lists the files the command above it wrote"),
+    Rule(r"^tensorboard --logdir ", "skip", "a separate tool serving a web page (tests/test_tensorboard.py reads the files)"),
     Rule(r"^python3? -m trainer", "parse", "the trainer's flags, as `gptop train` takes them"),
     Rule(r"^python3? -c ", "skip", "a Python one-liner quoted as a baseline, not a gptop command"),
 ]
@@ -403,7 +407,7 @@ PARSED = [c for c in COMMANDS if (r := rule_for(c)) is not None and (r.action ==
 
 
 @pytest.mark.parametrize("cmd", [c if not _needs_run(c.text) else
-                                 pytest.param(c, marks=pytest.mark.slow) for c in PARSED],
+                                 pytest.param(c, marks=[pytest.mark.slow, pytest.mark.process]) for c in PARSED],
                          ids=lambda c: c.id)
 def test_command_parses(cmd: Command, request, work: Path, docs_toml: Path):
     if _needs_run(cmd.text):
@@ -443,6 +447,7 @@ def ran_docs(shared_run: Path, work: Path, docs_toml: Path) -> dict[str, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_documented_commands_run(ran_docs: dict[str, str]):
     assert RUN, "the docs show commands that run"
     assert not ran_docs, "\n\n".join(f"{k}\n  {v}" for k, v in ran_docs.items())

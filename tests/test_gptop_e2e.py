@@ -67,6 +67,8 @@ def test_json_run_prints_step_and_device_events(tmp_path):
     steps = [e for e in events if e.type == "step"]
     assert steps[-1].step == 30 and steps[-1].expert_load
     assert (run_dir / "device.jsonl").stat().st_size > 0 and (run_dir / "trainer.log").stat().st_size > 0
+    # the closing summary goes to stderr: stdout stayed JSON lines (parsed above)
+    assert "gptop: run finished: 30 steps" in err and f"gptop report {run_dir}" in err
 
 
 def test_ctrl_c_stops_gracefully_and_leaves_no_process(tmp_path):
@@ -80,6 +82,8 @@ def test_ctrl_c_stops_gracefully_and_leaves_no_process(tmp_path):
     done = events_of(run_dir, "done")[-1]
     assert rundir.list_checkpoints(run_dir)[-1].step == done["step"]
     assert gone(pid)
+    summary = out[out.index("gptop: run stopped at step"):]         # the summary ends the output
+    assert f"run dir    {run_dir}" in summary and f"gptop train --resume {run_dir}" in summary
 
 
 def test_kill_of_gptop_leaves_no_orphan(tmp_path):

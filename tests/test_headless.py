@@ -225,3 +225,39 @@ def test_gptop_piped_into_head_exits_quietly(tmp_path):
     err = p.stderr.read().decode()
     assert p.wait(timeout=60) == 141, err
     assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def measuring(t: float, samples: int, warmed_up: bool = True, kind: str = "baseline", number=None):
+    return ev("tuner", t, phase="baseline" if kind == "baseline" else "trials", budget_left_s=500.0, trial=number,
+              measure={"kind": kind, "number": number, "steps": samples + 3, "samples": samples, "needed": 8,
+                       "warmed_up": warmed_up, "tokens_per_s": 4000.0 if samples else None,
+                       "spread": 600.0 if samples else None, "target": 0.03, "seconds": t, "max_seconds": 90.0})
+
+
+def test_the_tuners_measurement_is_a_line_when_it_starts_warms_up_and_every_ten_seconds():
+    out = io.StringIO()
+    state = RunState()
+    events = [measuring(0.0, 0, warmed_up=False)]
+    events += [measuring(t, 0, warmed_up=False) for t in (1.0, 2.0)]          # still warming up: quiet
+    events += [measuring(3.0 + t, 1 + t) for t in range(12)]                  # warmed up at 3 s, then 13 s
+    events += [ev("tuner", 16.0, phase="trials", budget_left_s=400.0, trial=None)]   # it ended: no line
+    events += [measuring(17.0, 0, warmed_up=False, kind="trial", number=1)]   # the next one: a line
+    play(HeadlessView(state, json=False, stream=out), state, events)
+    lines = [l for l in out.getvalue().splitlines() if l.startswith("tuner: measuring")]
+    assert lines == ["tuner: measuring baseline: warming up, 3 steps · 0:00/1:30",
+                     "tuner: measuring baseline: 1/8 samples · 4.0k tok/s ±15.0% (goal ±3%) · 0:03/1:30",
+                     "tuner: measuring baseline: 11 samples · 4.0k tok/s ±15.0% (goal ±3%) · 0:13/1:30",
+                     "tuner: measuring trial 1: warming up, 3 steps · 0:17/1:30"]
+
+
+def test_a_trainer_stop_is_not_printed_as_the_runs_end():
+    state = RunState()
+    for e in gpu_run(120):
+        state.apply(e)
+    state.apply(measuring(300.0, 4, kind="trial", number=2))
+    line = event_line(ev("done", 301.0, step=120, tokens=1, reason="stop requested"), state)
+    assert line == "trainer stopped at step 120 to restart with the next settings (tuning)"
+    state.apply(ev("tuner", 302.0, phase="done", budget_left_s=0.0, trial=None))
+    line = event_line(ev("done", 303.0, step=125, tokens=128_000, reason="stop requested"), state)
+    assert line == "trainer stopped at step 125 (stop requested), 128.0k tokens"
+    assert event_line(ev("done", 304.0, step=1000, tokens=1, reason="max_steps"), state).startswith("done: step 1000")

@@ -2,6 +2,7 @@
 honest FLOPs with frozen weights, and the adapter / merged exports."""
 
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -405,5 +406,6 @@ def test_a_lora_run_samples(tmp_path):
     assert code == EXIT_OK
     p = argparse.ArgumentParser()
     tools.add_sample_arguments(p)
-    result = sample(p.parse_args([str(run_dir), "--prompt", "def f(", "--max-new-tokens", "5", "--temperature", "0"]))
+    ns = p.parse_args([str(run_dir), "--prompt", "def f(", "--max-new-tokens", "5", "--temperature", "0"])
+    result = sample(ns, started=time.time())          # --timeout counts from now, not from pytest's start
     assert result.step == 2 and result.new_tokens == 5 and result.stopped == "max_new_tokens"

@@ -140,6 +140,7 @@ def test_kineto_lines_stay_out_of_the_log_panel(line, chatter):
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_headless_log_has_no_kineto_lines(tmp_path):
     """`gptop --no-ui train --profile-steps`: the trace is written, the trainer's stderr file keeps kineto's
     lines and the log gptop shows does not."""

@@ -37,8 +37,8 @@ def test_a_graceful_stop_is_stopped_and_an_error_while_stopping_is_shown(tmp_pat
     assert (s.state.status, s.state.status_message, s.wait(0)) == ("stopped", None, EXIT_INTERRUPTED)
 
     s = session(tmp_path)
-    s.state.apply(StepEvent(step=3, tokens=0, loss=1.0, lr=0.0, grad_norm=None, step_ms=1.0, phases_ms={}, tokens_per_s=0.0,
-                            mfu=0.0, mem_bytes=0, time=1.0))
+    s.state.apply(StepEvent(step=3, tokens=0, loss=1.0, lr=0.0, grad_norm=None, step_ms=1.0, phases_ms={},
+                            tokens_per_s=0.0, mfu=0.0, mem_bytes=0, time=1.0))
     s.handle_exit(-signal.SIGKILL)                  # q twice: killed after its steps, before it checkpointed
     assert s.state.status == "stopped" and "before it checkpointed" in s.state.status_message
 
@@ -112,3 +112,39 @@ def test_stop_at_any_moment_is_stopped_with_130(tmp_path, moment, sig):
     if moment == "first step":
         assert _hello(run_dir)                  # it ran, and stopped gracefully (a checkpoint and a done event)
         assert any(e.type == "done" for e in read_events(run_dir / "events.jsonl"))
+
+
+def test_a_stop_signal_before_the_session_runs_starts_nothing(tmp_path):
+    """Ctrl-C or SIGTERM right after `gptop train` started, before its session ran: counted, acted on as
+    soon as the session runs, and nothing is started or created."""
+    import os
+
+    from gptop.commands import StopSignals
+
+    class View:
+        statuses: list = []
+
+        def on_event(self, e): pass
+        def on_log(self, line, stream): pass
+        def on_status(self, status, message): self.statuses.append(status)
+        def close(self): pass
+
+    class NoSampler:
+        def subscribe(self, fn): pass
+        def start(self): pass
+        def stop(self): pass
+
+    cfg = TrainConfig()
+    cfg.run.run_dir = str(tmp_path / "run")
+    s = Session(cfg, sampler=NoSampler())
+    before = signal.getsignal(signal.SIGTERM)
+    signals = StopSignals().install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)            # delivered to this (main) thread: counted, nothing to stop
+        assert signals.count == 1
+        view = View()
+        assert s.run_headless(view, signals=signals) == EXIT_INTERRUPTED
+    finally:
+        signals.restore()
+    assert view.statuses == ["stopped"] and s.supervisor is None and not (tmp_path / "run").exists()
+    assert signal.getsignal(signal.SIGTERM) is before     # the handlers are given back

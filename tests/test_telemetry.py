@@ -15,7 +15,8 @@ import pynvml
 import pytest
 
 from gptop.nvml import Nvml, na
-from gptop.telemetry import DeviceSampler, Rapl, energy_between
+from gptop.energy import Rapl, energy_between
+from gptop.telemetry import DeviceSampler
 from trainer.contract.events import CpuReading, DeviceEvent, GpuReading, MalformedEvent, dumps, parse
 
 NOT_SUPPORTED = pynvml.NVMLError_NotSupported
@@ -109,6 +110,7 @@ def test_nvml_errors_become_na_and_permanent_ones_are_not_retried(tmp_path):
     assert g1.sm_clock_mhz is None and g1.power_w == 250.0 and g1.energy_j == 1000.0
     assert g1.power_limit_w == 650.0 and g1.temp_c == 60.0  # the missing function is known for GPU 1 too
     assert na(g0.power_w, ".0f", " W") == "n/a" and na(g1.power_w, ".0f", " W") == "250 W"
+    assert g0.power_note == "the driver reports no power for this GPU" and g1.power_note is None
 
     before = Counter(mod.calls)
     for _ in range(3):
@@ -449,3 +451,55 @@ def test_samples_are_device_events_that_round_trip_through_the_schema(tmp_path, 
 def test_a_wrongly_typed_device_record_is_malformed_not_a_crash_later(line):
     with pytest.raises(MalformedEvent):
         parse(line)
+
+
+def test_a_cpu_reading_says_why_there_is_no_power(tmp_path):
+    """The CPU panel says why power is n/a: the sample carries the RAPL reader's reason (gptop.energy.Rapl)."""
+    root = tmp_path / "powercap"
+    rapl_tree(root, {"intel-rapl:0": ("package-0", 1, 2**32)})
+    (root / "intel-rapl:0" / "energy_uj").unlink()           # unreadable (Linux 5.10+ as a user): absent here
+    s = DeviceSampler(nvml=fake_pynvml(init_error=pynvml.NVMLError_LibraryNotFound), rapl_root=str(root),
+                      clock=FakeClock())
+    c = s.sample_once().cpu
+    assert c.power_w is None and c.power_note == Rapl(str(root)).reason and "root-only" in c.power_note
+    s.stop()
+    s = DeviceSampler(nvml=fake_pynvml(init_error=pynvml.NVMLError_LibraryNotFound),
+                      rapl_root=str(tmp_path / "absent"), clock=FakeClock())
+    assert "no RAPL package domain" in s.sample_once().cpu.power_note
+    s.stop()
+
+
+# --------------------------------------------------------------------------- the training device, without torch
+
+def test_training_device_from_nvml_and_the_environment(monkeypatch):
+    """What `--size auto` resolves on, guessed before the trainer starts (gptop names the run directory by it)."""
+    from gptop.nvml import Nvml
+    from gptop.telemetry import training_device
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    dev = training_device("auto", Nvml(fake_pynvml(count=2)))
+    assert dev.is_cuda and dev.index == 0 and dev.total_memory == 80 * 2**30 and dev.name == "NVIDIA H100 80GB HBM3"
+    assert training_device("cuda:1", Nvml(fake_pynvml(count=2))).index == 1
+    assert not training_device("cpu", Nvml(fake_pynvml(count=2))).is_cuda
+    no_gpu = training_device("auto", Nvml(fake_pynvml(init_error=pynvml.NVMLError_LibraryNotFound)))
+    assert no_gpu.type == "cpu" and no_gpu.cpu_count >= 1 and no_gpu.total_memory > 0
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert training_device("auto", Nvml(fake_pynvml(count=2))).index == 1      # CUDA's 0 is NVML's 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert not training_device("auto", Nvml(fake_pynvml(count=2))).is_cuda   # no GPU visible to torch
+
+
+def test_a_size_auto_run_directory_is_named_by_the_size_it_resolves_to(monkeypatch, tmp_path):
+    import gptop.telemetry
+    from gptop.cli import build_parser, resolve_config
+    from trainer.contract.device import DeviceInfo
+
+    monkeypatch.chdir(tmp_path)
+    gpu = DeviceInfo(type="cuda", index=0, name="Tesla V100-SXM2-16GB", total_memory=16 << 30)
+    monkeypatch.setattr(gptop.telemetry, "training_device", lambda requested: gpu)
+    name = lambda *argv: resolve_config(build_parser().parse_args(["train", *argv])).run.run_dir
+    assert name().endswith("-llama-medium") and name("--model", "deepseek").endswith("-deepseek-small")
+    assert name("--size", "tiny").endswith("-llama-tiny")
+    cpu = DeviceInfo(type="cpu", cpu_count=2, total_memory=24 << 30)
+    monkeypatch.setattr(gptop.telemetry, "training_device", lambda requested: cpu)
+    assert name().endswith("-llama-tiny")

@@ -130,6 +130,7 @@ def test_a_failed_run_ends_as_failure_and_no_hello_writes_no_hparams(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_gptop_train_tensorboard_matches_events(tmp_path):
     run_dir = tmp_path / "r"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -272,3 +272,64 @@ def test_train_tune_is_tune_budget():
     assert a == b == {"budget_s": 600.0, "space_spec": "-compile", "storage": None, "tune_only": False}
     assert _tuning_request(p.parse_args(["train"])) is None
     assert _tuning_request(p.parse_args(["tune", "--tune-only"]))["tune_only"] is True
+
+
+class FakeSupervisor:
+    def __init__(self):
+        self.sent, self.stops = [], 0
+
+    def alive(self):
+        return True
+
+    def send(self, cmd):
+        self.sent.append(cmd)
+
+    def request_stop(self):
+        self.stops += 1
+
+    def kill(self):
+        pass
+
+
+def test_the_baseline_on_the_running_trainer_logs_every_step_then_gives_the_interval_back(tmp_path):
+    """`t` on a run that logs every 10 steps: the baseline is measured on that process, which is asked (a
+    command, not a restart) to log every step meanwhile, and to log every 10 again after; the views get
+    the measurement's progress (samples collected of those needed, the estimate and its spread)."""
+    import time
+
+    from fixtures.streams import T0, config, ev
+
+    s = FakeSession(tmp_path)
+    s.cfg.log.log_every = 10
+    s.supervisor = sup = FakeSupervisor()
+    s.energy_between = lambda t0, t1: None            # no energy reading
+    (tmp_path / "events.jsonl").touch()
+    hello = ev("hello", 0.0, config=config("llama", "tiny", "cpu", micro_batch=8), micro_batch=8,
+               device={"type": "cpu", "name": "cpu", "cpu_count": 2, "total_memory": 8 << 30},
+               model={"family": "llama", "size": "tiny"})
+    d = TuningDriver(s, 600.0, storage=f"sqlite:///{tmp_path / 'study.db'}", hello=hello).attach()
+    try:
+        deadline = time.time() + 30
+        while not sup.sent and time.time() < deadline:
+            time.sleep(0.02)
+        assert sup.sent[0]["cmd"] == "log_every" and sup.sent[0]["steps"] == 1
+        step = 10
+        while len(sup.sent) < 2 and time.time() < deadline:      # steady 200 ms steps until it is measured
+            step += 1
+            d.on_event(make("step", step=step, tokens=step * 64, loss=3.0, lr=1e-3, grad_norm=1.0,
+                             step_ms=200.0 + (step % 3), phases_ms={}, tokens_per_s=320.0, mfu=None,
+                             mem_bytes=1, time=T0 + step * 0.2))
+            time.sleep(0.01)
+        assert sup.sent[1] == {"cmd": "log_every", "steps": 10}
+    finally:
+        d.stop_tuning()
+        d.on_trainer_exit(0)
+        d.finished.wait(30)
+    progress = [e.measure for e in s.emitted if e.type == "tuner" and e.measure is not None
+                and e.measure.kind == "baseline"]
+    assert progress and progress[0].samples == 0 and progress[0].needed >= 1
+    assert len(progress) < 40                                 # about one a second, not one per step
+    last = progress[-1]
+    assert last.warmed_up and last.samples >= 1 and last.tokens_per_s and last.spread is not None
+    trial = next(e for e in s.emitted if e.type == "trial" and e.kind == "baseline")
+    assert trial.status == "ok" and "stable after" in trial.reason

@@ -121,3 +121,27 @@ def test_loss_trend_and_guard():
     assert lax.check(2.9, 210) is None
     assert lax.check(float("nan"), 220) == "nan"
     assert lax.check(100.0, 230) == "diverged"
+
+
+def test_why_a_measurement_stopped_is_said_in_words():
+    m = Measurement(min_steps=4, rel_ci=0.03, max_seconds=10.0)
+    assert m.stop_words("max_seconds") == "stopped measuring after 0 s before the warm-up ended: no estimate yet"
+    for i in range(30):                       # settled, but noisy: +-20% around 1000 ms
+        m.add(i, 1000.0 * (0.8, 1.0, 1.2)[i % 3], 1000, float(i))
+    text = m.stop_words(m.done_reason)
+    assert m.done_reason == "max_seconds" and text.startswith("stopped measuring after 30 s: still ±")
+    assert text.endswith("% noisy (stable is ±3%)")
+    for why in ("max_steps", "budget", "timeout", None):
+        words = m.stop_words(why)
+        assert "max_" not in words and "not stable" not in words and "noisy" in words
+    steady = Measurement(min_steps=4, rel_ci=0.03)
+    for i in range(20):
+        steady.add(i, 100.0, 1000, i * 0.1)
+    assert steady.stop_words(steady.done_reason).startswith("stable after ")
+
+
+def test_slow_steps_get_a_longer_cap_and_the_progress_says_so():
+    m = Measurement(max_seconds=10.0, skip=2)
+    m.add(1, 6000.0, 1000, 6.0)
+    m.add(2, 6000.0, 1000, 12.0)              # past the cap with 2 samples: up to 3x for a few more
+    assert m.cap_seconds == 30.0 and not m.done

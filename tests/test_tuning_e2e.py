@@ -349,3 +349,49 @@ def test_t_starts_and_stops_tuning_in_a_train_session(tmp_path, monkeypatch):
     pids = [e["pid"] for e in events(run_dir, "hello")]
     assert pids and not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
                             for p in pids)
+
+
+def test_t_on_a_run_that_logs_every_10_steps_measures_every_step(tmp_path, monkeypatch):
+    """The baseline after `t` is measured on the running trainer: it is asked (a command, no restart) to log
+    every step while measured, so the tuner gets a sample per step instead of one per 10."""
+    import argparse
+    import time
+
+    from gptop.session import Session, SessionOptions, TuningOptions
+    from trainer.contract.config import add_arguments, config_from_args
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cfg = config_from_args(parser.parse_args(SETUP + ["--log-every", "10", "--max-steps", "100000",
+                                                      "--checkpoint-every", "0", "--run-dir", str(tmp_path / "run")]))
+    tuning = TuningOptions(budget_s=60.0, space_spec=SPACE, storage=f"sqlite:///{tmp_path / 's.sqlite3'}")
+    session = Session(cfg, SessionOptions(interval=1.0, tuning=tuning))
+    run_dir = tmp_path / "run"
+
+    def wait_for(pred, what, timeout=180):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if pred():
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    try:
+        session.start()
+        wait_for(lambda: session.state.step, "the first step")
+        pid = events(run_dir, "hello")[-1]["pid"]
+        session.toggle_tuning()
+        wait_for(lambda: sum(e["interval_steps"] == 1 for e in events(run_dir, "step")) >= 3, "steps logged one by one")
+        assert events(run_dir, "hello")[-1]["pid"] == pid                # the same process: no restart for it
+        steps = events(run_dir, "step")
+        assert steps[0]["interval_steps"] == 10 and steps[0]["step"] == 10
+        wait_for(lambda: [e for e in events(run_dir, "tuner") if e.get("measure")], "the measurement's progress")
+        measure = [e["measure"] for e in events(run_dir, "tuner") if e.get("measure")][-1]
+        assert measure["kind"] == "baseline" and measure["needed"] >= 1
+        session.stop()
+        assert session.wait(120) == 130
+    finally:
+        if not session.finished:
+            session.stop(force=True)
+        session.close()

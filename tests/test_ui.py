@@ -357,7 +357,7 @@ def test_panels_show_the_cpu_stream_at_large_size():
         # docs/dashboard.md: the CPU's util and memory history, each a chart with its label on its last row
         assert any(r.startswith("util  ") and "█" in r and "%" not in r for r in rows)
         assert any(r.startswith("mem   ") and "GB" not in r for r in rows)
-        assert re.search(r"Processor +proc \d+% rss", dev)                # the model name, a gap, the process
+        assert re.search(r"Processor +trainer \d+% of", dev)                # the model name, a gap, the process
         assert "data loading is 30%" in text(app.query_one("#steps"))
         assert "MFU n/a" in text(app.query_one("#training"))
         assert not app.query_one("#tuner").display      # no tuner activity: the panel gives way
@@ -584,6 +584,22 @@ def test_header_names_the_startup_phase_and_the_estimate_warning():
     drive(app, [], size=LARGE, check=check)
 
 
+# --- the tuner's measurement ---------------------------------------------------------
+
+@pytest.mark.parametrize("measuring, shown", [
+    ("warmup", ["measuring trial 5: warming up, 4 steps · 0:12/2:30"]),
+    ("samples", ["measuring trial 5: 5/8 samples · 41.2k tok/s ±4.1% (goal ±3%) · 0:31/2:30"]),
+])
+def test_tuner_panel_shows_the_measurement_in_progress(measuring, shown):
+    app, state, _ = make(measuring=measuring)
+
+    def check(app: GptopApp) -> None:
+        t = text(app.query_one("#tuner"))
+        assert all(s in t for s in shown), t
+
+    drive(app, [], size=LARGE, check=check)
+
+
 def test_compiling_shows_its_elapsed_time_ticking():
     clock = [T0 + 60.0]
     state = startup_state("compiling", status="running", clock=lambda: clock[0])
@@ -643,7 +659,44 @@ def test_cpu_title_keeps_a_gap_between_the_model_and_the_process_figures(width, 
                                                    "proc_rss": 2_500_000_000}))
     title = devices(state, width, 12, 60.0).renderables[0].plain
     assert title.startswith("CPU") and len(title) <= width
-    if "proc" in title:
-        assert re.search(r"\S +proc 16% rss 2.3 GB$", title)
+    if "trainer" in title:
+        assert re.search(r"\S +trainer 16% of all cores", title)
     elif width >= 30:
         pytest.fail(f"no process figures at width {width}: {title!r}")
+
+
+def test_a_narrow_tuner_panel_puts_the_estimate_on_its_own_line():
+    app, state, _ = make(measuring="samples")
+
+    def check(app: GptopApp) -> None:
+        t = text(app.query_one("#tuner"))
+        assert "│ measuring trial 5: 5/8 samples " in t and "│   41.2k tok/s ±4.1% · 0:31/2:30 " in t, t
+
+    drive(app, [], size=SMALL, check=check)
+
+
+def test_tuner_panel_drops_the_measurement_line_when_a_trial_ends():
+    state = build_state("gpu", measuring="samples")
+    state.apply(ev("tuner", state.last_time - T0 + 1, phase="trials", budget_left_s=1200.0, trial=None,
+                   trials_run=6, trials_planned=12))
+    app, _, _ = make(state=state)
+    drive(app, [], size=LARGE, check=lambda a: "measuring" not in text(a.query_one("#tuner")) or pytest.fail())
+
+
+def test_snapshot_tuner_measuring(snap_compare):
+    app, _, _ = make(measuring="samples")
+    assert snap_compare(app, terminal_size=LARGE)
+
+
+def test_cpu_panel_says_what_the_trainer_share_is_of_and_why_power_is_na():
+    app, _, _ = make("cpu")
+
+    def check(app: GptopApp) -> None:
+        t = text(app.query_one("#devices"))
+        assert re.search(r"trainer \d+% of 8 cores · rss 2.5 GB", t) and "proc " not in t
+        assert "power n/a: RAPL energy counters are root-only here" in t
+
+    drive(app, [], size=LARGE, check=check)
+    app, _, _ = make("gpu")        # a GPU run's CPU line: the same label
+    drive(app, [], size=LARGE, check=lambda a: "trainer 6% of 4 cores" in text(a.query_one("#devices"))
+          or pytest.fail(text(a.query_one("#devices"))))

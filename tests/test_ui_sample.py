@@ -141,6 +141,7 @@ def test_quitting_while_sampling_cancels_the_sample():
 # --- the real sampler ----------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_sample_newest_runs_the_tool_on_the_newest_checkpoint(tmp_path):
     from trainer.cli import parse_config
     from trainer.train import EXIT_OK, main_run

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
+from .contract.capabilities import auto_size
 from .contract.config import FAMILIES, ConfigError, FinetuneConfig, ModelConfig, Toggles
 from .contract.inputs import is_model_path
 from .contract.device import DeviceInfo
@@ -47,11 +48,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-GiB = 1 << 30
-
-# `auto` keeps the training state (TRAIN_BYTES_PER_PARAM) under this share of device memory; the rest is for
-# activations, the logits, allocator slack and the CUDA context.
-STATE_MEMORY_SHARE = 0.6
 
 OBJECTIVES = {"llama": "causal", "deepseek": "causal", "llada": "llada", "pretrained": "causal"}
 
@@ -147,33 +143,13 @@ def vocab_and_mask(family: str, vocab_size: int, mask_id: int | None) -> tuple[i
 # --- sizes -------------------------------------------------------------------------
 
 def resolve_size(size: str, family: str, dev: DeviceInfo) -> str:
-    """The concrete size for `--size` (``auto`` picks the largest that fits and makes progress).
-
-    Rule for ``auto``:
-
-    - CPU: ``tiny``, or ``small`` on a big CPU (32+ cores and 64+ GiB RAM);
-      anything larger makes too little progress per minute to watch.
-    - CUDA, by total device memory: under 12 GiB ``small``, under 40 GiB
-      ``medium``, else ``large``. Then step down while the persistent training
-      state (16 bytes per parameter: fp32 weights, grads, AdamW moments) of the
-      family's *total* parameters would exceed 60% of the memory, which is what
-      keeps the MoE family (2.5-3.5x more total than active parameters) one size
-      smaller on mid-size GPUs.
-    """
+    """The concrete size for `--size` (``auto``: trainer.contract.capabilities.auto_size, the rule gptop
+    also uses to name a run directory before the trainer starts)."""
     if size != "auto":
         if size not in SIZE_ORDER:
             raise ConfigError("--size", f"{size!r} is not one of {', '.join(SIZE_ORDER + ('auto',))}")
         return size
-    if family not in FAMILIES:
-        family = "llama"
-    if not dev.is_cuda:
-        return "small" if dev.cpu_count >= 32 and dev.total_memory >= 64 * GiB else "tiny"
-    mem = dev.total_memory
-    choice = "small" if mem < 12 * GiB else "medium" if mem < 40 * GiB else "large"
-    i = SIZE_ORDER.index(choice)
-    while i > 0 and param_counts(family, SIZE_ORDER[i])["total"] * TRAIN_BYTES_PER_PARAM > STATE_MEMORY_SHARE * mem:
-        i -= 1
-    return SIZE_ORDER[i]
+    return auto_size(family if family in FAMILIES else "llama", dev)
 
 
 # --- configs -------------------------------------------------------------------------

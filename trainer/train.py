@@ -483,6 +483,8 @@ class Trainer:
             self.save_checkpoint("requested")
         if decision.profile_steps:
             self.profiler.request(self.progress.step + 1, decision.profile_steps)   # from the next step
+        if decision.log_every:        # the tuner measures every step, then gives the interval back
+            self.cfg.log.log_every = decision.log_every
         return decision.stop
 
     def _profile_written(self, path: Path, first: int, last: int) -> None:

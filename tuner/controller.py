@@ -80,7 +80,8 @@ from typing import Any, Callable
 from trainer.contract import capabilities
 from trainer.contract.config import AUTO, TrainConfig, Toggles
 from trainer.contract.device import DeviceInfo
-from trainer.contract.events import ApplyEvent, CheckpointEvent, ErrorEvent, Event, StepEvent, TrialEvent, TunerEvent
+from trainer.contract.events import (ApplyEvent, CheckpointEvent, ErrorEvent, Event, MeasureProgress, StepEvent,
+                                     TrialEvent, TunerEvent)
 
 from .budget import Budget
 from .decide import (Decision, clearly_better, hopeless, should_prune, significantly_faster, switch_pays,
@@ -178,11 +179,13 @@ class TuneController:
                  prune_margin: float = 0.05, remeasure_top: int = 2, default_restart_s: float = 60.0,
                  trial_timeout_s: float | None = None, max_micro_batch: int | None = None,
                  reserve_trials: int | None = None, switch_reserve_s: float = 0.0,
-                 energy: Callable[[float, float], float | None] | None = None):
+                 energy: Callable[[float, float], float | None] | None = None, progress_every_s: float = 1.0):
         self.cfg, self.dev, self.space, self.study, self.budget, self.clock = base_cfg, dev, space, study, budget, clock
         self.max_trials = max_trials
         self.measure_kw = dict(min_steps=min_steps, rel_ci=rel_ci, max_steps=max_steps, max_seconds=max_seconds)
         self.prune_margin = prune_margin
+        self.progress_every_s = progress_every_s   # a measurement's progress: a tuner event at most this often
+        self._progress_at = 0.0
         # joules used in [t0, t1] of event time (the session's gptop.energy over its device samples), for
         # a trial's energy per token; None: no energy figures
         self.energy = energy
@@ -274,7 +277,22 @@ class TuneController:
                           trial=a.number if a else None, trials_run=self.trials_run,
                           trials_planned=self.trials_planned, study=self.study.name,
                           outcome=final.reason if final is not None else None,
-                          applied=(self.applied is not None) if final is not None else None)
+                          applied=(self.applied is not None) if final is not None else None,
+                          measure=self.measure_progress())
+
+    def measure_progress(self) -> MeasureProgress | None:
+        """The running measurement: samples collected of those needed, the estimate and its spread."""
+        a = self._active
+        if a is None:
+            return None
+        m = a.measure
+        est, spread = m.estimate if m.has_estimate else (math.nan, math.nan)
+        finite = math.isfinite(est) and math.isfinite(spread)
+        return MeasureProgress(kind=a.kind, number=a.number, steps=len(m.samples), samples=len(m.kept),
+                               needed=m.min_steps, warmed_up=m.warmed_up,
+                               tokens_per_s=round(est, 1) if finite else None,
+                               spread=round(spread, 1) if finite else None, target=m.rel_ci,
+                               seconds=round(m.seconds, 1), max_seconds=m.cap_seconds)
 
     def _set_phase(self, phase: str) -> None:
         if phase != self.phase:
@@ -311,8 +329,12 @@ class TuneController:
         if a is None:
             self.trend.add(step, loss)          # healthy training between trials
             return
+        warm = a.measure.warmed_up
         a.measure.add(step, event.step_ms or 0.0, self.tokens_per_step, event.time, loss, event.mem_bytes)
         a.arrivals.append(self.clock())
+        if a.measure.warmed_up != warm or self.clock() - self._progress_at >= self.progress_every_s:
+            self._progress_at = self.clock()
+            self._emit(self.tuner_event())       # the views show the measurement's progress
         if loss is not None:
             a.losses.append((step, loss))
         if a.failure is None:
@@ -538,12 +560,10 @@ class TuneController:
                                     f"vs {self._best_this_run():.0f}")
         elif n >= 3 and math.isfinite(est):
             status = "ok" if m.stable else "cut"
-            if not m.stable:
-                why = m.done_reason or a.stop or "stopped"
-                reason = reason or f"{why}: not stable, spread +-{spread / est:.1%}"
+            reason = reason or m.stop_words(m.done_reason or a.stop)
         else:
             status = "pruned"
-            reason = reason or f"no steady measurement ({a.stop or 'stopped'} after {m.steps} steps)"
+            reason = reason or f"no steady measurement: {m.stop_words(m.done_reason or a.stop)}"
             if a.stop == "timeout" and not m.kept and a.toggles.compile != "off":
                 self.slow_compile.add(a.toggles.compile)   # still compiling: screen this mode for the run
         if a.kind == "trial":

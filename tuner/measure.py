@@ -238,6 +238,38 @@ class Measurement:
             return None
         return start, end, steps * first.tokens
 
+    @property
+    def cap_seconds(self) -> float:
+        """When it stops measuring if never stable: `max_seconds`, or up to 3x that while steps so slow that
+        fewer than `skip + 6` samples came are given a few more (see `done_reason`)."""
+        if self.seconds >= self.max_seconds and len(self.samples) < self.skip + 6:
+            return 3 * self.max_seconds
+        return self.max_seconds
+
+    def noise_words(self) -> str:
+        """'still +-4.1% noisy (stable is +-3%)': the estimate's spread against the target, in words."""
+        est, spread = self.estimate
+        if not (math.isfinite(est) and math.isfinite(spread)) or est <= 0:
+            return "no estimate yet"
+        return f"still ±{spread / est:.1%} noisy (stable is ±{self.rel_ci * 100:g}%)"
+
+    def stop_words(self, why: str | None) -> str:
+        """Why a measurement ended, in words: `why` is `done_reason` or the controller's stop ("budget",
+        "timeout", "prune"); never an internal name."""
+        warm = "" if self.warmed_up else " before the warm-up ended"
+        if why == "stable":
+            est, spread = self.estimate
+            return f"stable after {len(self.kept)} samples: ±{spread / est:.1%}"
+        if why == "max_seconds":
+            return f"stopped measuring after {self.seconds:.0f} s{warm}: {self.noise_words()}"
+        if why == "max_steps":
+            return f"stopped measuring after {self.steps} steps{warm}: {self.noise_words()}"
+        if why == "budget":
+            return f"the tuning budget ran out after {self.seconds:.0f} s of measuring{warm}: {self.noise_words()}"
+        if why == "timeout":
+            return f"took longer than a trial may ({self.seconds:.0f} s){warm}: {self.noise_words()}"
+        return f"stopped after {self.steps} steps{warm}: {self.noise_words()}"
+
     def energy_per_token(self, energy: Callable[[float, float], float | None] | None) -> float | None:
         """Joules per token over the kept samples, from `energy(t0, t1)` (the session's one energy
         computation over its device samples); None without a reading."""

@@ -62,7 +62,8 @@ HELP = [
 ]
 
 PANELS_HELP = [
-    ("devices", "utilization, memory and power per GPU (or the CPU) with history charts"),
+    ("devices", "utilization, memory and power per GPU (or the CPU) with history charts; 'trainer N% of M "
+                "cores' is the trainer's processes' share of the whole machine"),
     ("step breakdown", "where a step's time goes: data, forward, backward, optimizer, other; GPU idle "
                        "time; a hint about the bottleneck and the toggle to try"),
     ("training", "loss (and eval loss), tokens/s, MFU, learning rate, gradient norm, memory, energy per "

@@ -18,7 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from gptop.state import (SLOWING_REASONS, RunState, fmt_bytes, fmt_duration, fmt_eta, fmt_mfu, fmt_num, fmt_toggles,
-                         gpu_verdict, model_summary, phase_label, spread_pct)
+                         gpu_verdict, measure_line, measure_parts, model_summary, phase_label, spread_pct)
 from trainer.contract.events import PHASES, CpuReading, GpuReading
 
 PHASE_STYLE = {"data": "yellow", "forward": "green", "backward": "dodger_blue1", "optimizer": "magenta",
@@ -101,6 +101,16 @@ def used_of(used: Any, total: Any) -> str:
     value, unit = total_s.split()
     scale = float(total) / float(value) if float(value) else 1.0
     return f"{float(used) / scale:.1f}/{total_s}"
+
+
+def power_line(power: float | None, limit: float | None, note: str | None, width: int) -> Text:
+    """The power bar; without a reading, why not (the telemetry's note) in place of the bar."""
+    if power is None and note:
+        line = Text.assemble(("power".ljust(6), "bold"), ("n/a: " + note, "grey62"))
+        line.truncate(width, overflow="ellipsis")
+        return line
+    value = "n/a" if power is None else f"{power:.0f}/{limit:.0f} W" if limit else f"{power:.0f} W"
+    return metric_line("power", _frac(power, limit), value, width, "yellow")
 
 
 def _activity(d: GpuReading) -> str:
@@ -217,9 +227,7 @@ def _gpu_block(state: RunState, key: str, d: GpuReading, width: int, chart_rows:
         metric_line("mem", _frac(mem_used, mem_total),
                     used_of(mem_used, mem_total),
                     width, "dodger_blue1"),
-        metric_line("power", _frac(power, limit),
-                    "n/a" if power is None else f"{power:.0f}/{limit:.0f} W" if limit else f"{power:.0f} W",
-                    width, "yellow"),
+        power_line(power, limit, d.power_note, width),
     ]
     specs = (("util_pct", "util", "dark_green", "green1", (0.0, 100.0)),
              ("power_w", "power", "orange4", "yellow1", (0.0, limit or None)),
@@ -364,18 +372,20 @@ def _cpu_block(state: RunState, d: CpuReading | None, width: int, chart_rows: in
     d = d or CpuReading()
     util = d.util_pct
     proc = []
-    if d.proc_cpu_pct is not None:
-        proc.append(f"proc {d.proc_cpu_pct:.0f}%")
+    if d.proc_cpu_pct is not None:   # the trainer's processes, as a share of the whole machine
+        cores = f"{len(d.per_core)} cores" if d.per_core else "all cores"
+        proc.append(f"trainer {d.proc_cpu_pct:.0f}% of {cores}")
     if d.proc_rss is not None:
         proc.append(f"rss {fmt_bytes(d.proc_rss)}")
     if compact:
         line = Text.assemble(("CPU  ", "bold"), f"util {_pct(util)}", " · ", " · ".join(proc))
         line.truncate(width, overflow="ellipsis")
         return [line]
-    extra = " ".join(proc)
-    if len(extra) > width - 9:       # too narrow for both: the model name first, the process figures dropped
-        extra = ""
-    title = Text.assemble(("CPU ", "bold"), d.name or "")
+    extra = " · ".join(proc)
+    if len(extra) > width - 4:       # very narrow: the trainer's share alone
+        extra = proc[0] if proc and len(proc[0]) <= width - 4 else ""
+    # the model name is in the header too: it gives way to the trainer's share when the panel is narrow
+    title = Text.assemble(("CPU ", "bold"), d.name or "" if width - len(extra) - 1 >= 16 else "")
     title.truncate(max(0, width - len(extra) - 1), overflow="ellipsis")
     if extra:   # the gap is its own unstyled span, at least one column wide: never "EPYCproc 16%"
         title.append(" " * max(1, width - title.cell_len - len(extra)))
@@ -388,7 +398,7 @@ def _cpu_block(state: RunState, d: CpuReading | None, width: int, chart_rows: in
         metric_line("mem", _frac(mem_used, mem_total),
                     used_of(mem_used, mem_total),
                     width, "dodger_blue1"),
-        metric_line("power", None, "n/a" if power is None else f"{power:.0f} W", width, "yellow"),
+        power_line(power, None, d.power_note, width),
     ]
     cores = d.per_core
     if cores and chart_rows > 1:
@@ -604,6 +614,18 @@ def tuner_summary(state: RunState, width: int) -> RenderableType:
         if tu.active and tu.trial is not None:
             head.append(f" · #{tu.trial} running")
         lines: list[Text] = [head]
+        if tu.measure is not None and tu.active:
+            line = "measuring " + measure_line(tu.measure)
+            if len(line) <= width:
+                lines.append(Text.assemble(("measuring ", "bold"), line[10:]))
+            else:   # narrow: how far on one line, the estimate and the time on the next (the goal if it fits)
+                head, est, when = measure_parts(tu.measure)
+                lines.append(Text.assemble(("measuring ", "bold"), head))
+                second = "  " + " · ".join(p for p in (est, when) if p)
+                if len(second) > width:
+                    second = "  " + " · ".join(p for p in (est.split(" (goal")[0], when) if p)
+                if second.strip():
+                    lines.append(Text(second))
         best = tu.best
         if best:
             lines.append(Text.assemble(("best ", "bold"), f"#{best.number} ",

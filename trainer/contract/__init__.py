@@ -9,6 +9,10 @@
   pruning and pinning.
 - `inputs`: the checks of every path a user gives (config, data, tokenizer, model,
   resume, run directory, tuning storage), run where it enters.
+- `runlock`: one writer per run directory (an flock on `RUN_DIR/.gptop.lock`, per
+  node for a multi-node run).
+- `atomic`: the one atomic write, and `DiskError`: a write a full or read-only
+  filesystem refused, named once at that boundary.
 
 Nothing in this package imports torch at module level (a test enforces it), so
 `gptop --help` and the dashboard's first frame never wait for `import torch`.

@@ -24,6 +24,7 @@ from typing import Sequence
 from .config import (ATTENTIONS, ALLOCATORS, COMPILE_MODES, OPTIMIZERS, PRECISIONS, QUANTIZE_BASE, ConfigError,
                      Toggles, TrainConfig, flag_of)
 from .device import DeviceInfo
+from .estimate import FAMILIES as SIZED_FAMILIES, SIZE_ORDER, TRAIN_BYTES_PER_PARAM, param_counts
 
 # Enumerated toggles and their values; numeric ones (micro_batch, prefetch, workers) are always supported.
 CHOICES: dict[str, tuple] = {
@@ -202,3 +203,35 @@ def check_config(cfg: TrainConfig, dev: DeviceInfo) -> None:
         reason = support(name, value, dev)
         if reason:
             raise ConfigError(flag_of(f), f"{value} is not supported on {dev.name}: {reason}")
+
+
+# --- which model size `--size auto` picks ---------------------------------------------------------
+
+# Bytes of persistent training state per parameter (fp32 weights, gradients and two AdamW moments) and the
+# parameter counts come from trainer.contract.estimate (counted from the dimensions, no model built): the rule
+# runs where torch is not imported (gptop names a run directory by the size before the trainer starts).
+# `auto` keeps that state under STATE_MEMORY_SHARE of device memory (the rest is for activations, the logits,
+# allocator slack and the CUDA context).
+STATE_MEMORY_SHARE = 0.6
+_GiB = 1 << 30
+
+
+def auto_size(family: str, dev: DeviceInfo) -> str:
+    """The size `--size auto` picks: the largest that fits and makes progress.
+
+    - CPU: ``tiny``, or ``small`` on a big CPU (32+ cores and 64+ GiB RAM); anything larger makes too
+      little progress per minute to watch.
+    - CUDA, by total device memory: under 12 GiB ``small``, under 40 GiB ``medium``, else ``large``. Then
+      step down while the persistent training state of the family's *total* parameters would exceed 60%
+      of the memory, which keeps the MoE family (2.5-3.5x more total than active parameters) one size
+      smaller on mid-size GPUs.
+    """
+    family = family if family in SIZED_FAMILIES else "llama"
+    if not dev.is_cuda:
+        return "small" if dev.cpu_count >= 32 and dev.total_memory >= 64 * _GiB else "tiny"
+    mem = dev.total_memory
+    choice = "small" if mem < 12 * _GiB else "medium" if mem < 40 * _GiB else "large"
+    i = SIZE_ORDER.index(choice)
+    while i > 0 and param_counts(family, SIZE_ORDER[i]).total * TRAIN_BYTES_PER_PARAM > STATE_MEMORY_SHARE * mem:
+        i -= 1
+    return SIZE_ORDER[i]

@@ -49,6 +49,12 @@ SCHEMA_VERSION = 1
 PHASES = ("data", "forward", "backward", "optimizer", "other")
 
 ERROR_KINDS = ("oom", "nan", "config", "crash", "compile", "no_checkpoint", "corrupt_checkpoint", "disk")
+# Each kind in words, for a reader who does not know the codes (the end-of-run summary).
+ERROR_WORDS = {"oom": "out of memory", "nan": "the loss or the gradients became NaN or infinite",
+               "config": "the configuration was refused", "crash": "the trainer crashed",
+               "compile": "torch.compile failed", "no_checkpoint": "there was no checkpoint to resume from",
+               "corrupt_checkpoint": "no checkpoint could be read (all corrupt)",
+               "disk": "the run directory could not be written (disk full or read-only)"}
 
 
 class MalformedEvent(ValueError):
@@ -88,6 +94,7 @@ class GpuReading(Record):
     clock_reasons: list[str] | None = None   # why clocks are held down (gptop.nvml.THROTTLE_REASONS names)
     sm_active_pct: float | None = None  # GPM (Hopper+): share of SMs busy over the sample period
     tensor_active_pct: float | None = None   # GPM (Hopper+): share of time the tensor pipes were busy
+    power_note: str | None = None       # why power_w is None, in a few words
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,6 +110,7 @@ class CpuReading(Record):
     proc_cpu_pct: float | None = None   # trainer processes' share of the whole machine, 0..100
     power_w: float | None = None        # CPU package power from RAPL, None when unreadable
     energy_j: float | None = None       # RAPL package energy since the sampler started (wraparound undone)
+    power_note: str | None = None       # why power_w is None, in a few words
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,6 +126,23 @@ class ModelInfo(Record):
     vocab_size: int | None = None
     flops_per_token: int | None = None  # training FLOPs per token (fwd + bwd)
     objective: str | None = None        # "causal" | "llada"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeasureProgress(Record):
+    """How far the tuner's measurement of the running configuration is (a tuner event's `measure`)."""
+
+    kind: str                           # baseline, trial, remeasure
+    number: int | None = None           # the trial's number (None: a baseline not yet recorded)
+    steps: int = 0                      # step samples seen, warm-up included
+    samples: int = 0                    # samples the estimate uses (after warm-up)
+    needed: int = 0                     # samples a stable estimate needs at least
+    warmed_up: bool = False
+    tokens_per_s: float | None = None   # the current estimate (median)
+    spread: float | None = None         # its confidence half-width, tokens/s
+    target: float | None = None         # the relative half-width that counts as stable (0.03: +-3%)
+    seconds: float | None = None        # measured so far
+    max_seconds: float | None = None    # when it stops measuring even if still noisy
 
 
 # --------------------------------------------------------------------------- events
@@ -352,6 +377,7 @@ class TunerEvent(Event):
     study: str | None = None
     outcome: str | None = None          # phase done: the decision, or why tuning ended
     applied: bool | None = None
+    measure: MeasureProgress | None = None   # while a configuration is measured
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -373,7 +399,7 @@ class UnknownEvent(Event):
 EVENT_TYPES: dict[str, type[Event]] = {c.type: c for c in (
     HelloEvent, StepEvent, EvalEvent, CheckpointEvent, LogEvent, WarningEvent, ErrorEvent, DoneEvent,
     DeviceEvent, TrialEvent, ApplyEvent, TunerEvent, StatusEvent, ProgressEvent, PhaseEvent)}
-RECORDS: tuple[type[Record], ...] = (GpuReading, CpuReading, ModelInfo)
+RECORDS: tuple[type[Record], ...] = (GpuReading, CpuReading, ModelInfo, MeasureProgress)
 _BASE = ("v", "type", "time", "rank")
 
 

@@ -106,15 +106,16 @@ class RunDir:
         return self.path / name
 
 
-def run_name(cfg: "TrainConfig", when: float | None = None) -> str:
-    """`<time>-<model>-<size>`; a model given as a path contributes its last component."""
+def run_name(cfg: "TrainConfig", when: float | None = None, size: str | None = None) -> str:
+    """`<time>-<model>-<size>`; a model given as a path contributes its last component. `size`: what
+    `--size auto` resolves to (trainer.contract.capabilities.auto_size), when the caller knows it."""
     model = cfg.model.model
     name = Path(model).name if os.sep in model else model
-    return f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(when))}-{name}-{cfg.model.size}"
+    return f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(when))}-{name}-{size or cfg.model.size}"
 
 
-def default_run_dir(cfg: "TrainConfig") -> str:
-    return os.path.join("runs", run_name(cfg))
+def default_run_dir(cfg: "TrainConfig", size: str | None = None) -> str:
+    return os.path.join("runs", run_name(cfg, size=size))
 
 
 def resume_config(target: str | None) -> "TrainConfig | None":

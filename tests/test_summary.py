@@ -1,0 +1,179 @@
+"""The end-of-run summary (gptop.summary): built from the reduced state and the run directory."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from fixtures.streams import cpu_run, ev, gpu_run, loss_at
+from gptop.state import RunState
+from gptop.summary import outcome, print_summary, summary_lines
+from trainer.contract import rundir
+from trainer.contract.events import ERROR_KINDS, ERROR_WORDS
+
+
+def state_of(events, run_dir, status="running", message=None) -> RunState:
+    state = RunState(run_dir=str(run_dir), status="running")
+    for e in events:
+        state.apply(e)
+    state.set_status(status, message)
+    return state
+
+
+def checkpoint(run_dir, step: int) -> None:
+    p = rundir.path_for(run_dir, step)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_bytes(b"x")
+
+
+def line(lines: list[str], label: str) -> str:
+    hits = [l for l in lines if l.strip().startswith(label)]
+    assert hits, f"no {label!r} line in:\n" + "\n".join(lines)
+    return hits[0]
+
+
+def test_a_finished_run_says_where_what_and_how_fast(tmp_path):
+    events = gpu_run(tuning_done=True)
+    events.append(ev("done", 80.0, step=300, tokens=300 * 32 * 256, reason="max_steps"))
+    checkpoint(tmp_path, 200)
+    checkpoint(tmp_path, 300)
+    (tmp_path / rundir.BEST_TOML).write_text("")
+    state = state_of(events, tmp_path, "done")
+    lines = summary_lines(state, 0)
+    assert lines[0].startswith("gptop: run finished: 300 steps after ")
+    assert line(lines, "run dir").endswith(str(tmp_path))
+    assert "300/1000 steps, 2.5M tokens" in line(lines, "progress")
+    # the first logged loss (step 10) to the last (step 300), and the last eval
+    assert line(lines, "loss").endswith(f"{loss_at(10):.3f} -> {loss_at(300):.3f} "
+                                        f"(last eval {loss_at(300) + 0.05:.3f} at step 300)")
+    speed = line(lines, "speed")
+    assert "tokens/s (median)" in speed and "MFU 3" in speed
+    energy = line(lines, "energy")            # the fake H100's counter: 450 J/s, as the dashboard shows it
+    assert energy.endswith("mJ/token over the last steps (NVML energy counter)")
+    ckpt = line(lines, "checkpoint")
+    assert "step-00000300.pt (step 300; 1 written, 2 kept)" in ckpt
+    assert "applied trial 1; its settings are in" in line(lines, "tuning")
+    assert line(lines, "export").endswith(f"gptop export {tmp_path} OUT_DIR")   # nothing left to resume
+    assert not [l for l in lines if "--resume" in l]
+    assert line(lines, "report").endswith(f"gptop report {tmp_path}")
+    assert outcome(state, 0) == "finished"
+
+
+def test_a_stopped_run_says_how_to_resume(tmp_path):
+    events = cpu_run(steps=60)
+    events.append(ev("done", 40.0, step=60, tokens=60 * 1024, reason="stop requested"))
+    checkpoint(tmp_path, 60)
+    state = state_of(events, tmp_path / "", "stopped")
+    lines = summary_lines(state, 130)
+    assert lines[0].startswith("gptop: run stopped at step 60")
+    assert "60/200 steps" in line(lines, "progress")
+    assert line(lines, "resume").endswith(f"gptop train --resume {tmp_path}")
+    assert "0 written, 1 kept" in line(lines, "checkpoint")
+
+
+def test_a_run_stopped_before_any_step(tmp_path):
+    state = state_of(cpu_run(steps=0), tmp_path, "stopped")
+    lines = summary_lines(state, 130)
+    assert lines[0].startswith("gptop: run stopped before the first step")
+    assert "no step was completed" in line(lines, "progress")
+    assert line(lines, "checkpoint").endswith("none")
+    assert not [l for l in lines if l.strip().startswith(("resume", "loss", "speed", "energy"))]
+    assert line(lines, "report")
+
+
+def test_no_energy_reading_says_why(tmp_path):
+    state = state_of(cpu_run(), tmp_path, "stopped")     # the telemetry said why
+    assert "n/a: no CPU package energy: RAPL" in line(summary_lines(state, 130), "energy")
+    no_samples = [e for e in cpu_run() if e.type != "device"]    # nothing said why (no samples, an older gptop)
+    state = state_of(no_samples, tmp_path, "stopped")
+    assert "n/a: not enough device samples yet" in line(summary_lines(state, 130), "energy")
+    assert "MFU n/a" in line(summary_lines(state, 130), "speed")
+
+
+@pytest.mark.parametrize("kind", ERROR_KINDS + ("disk_full",))
+def test_a_failed_run_names_the_error_in_words_and_the_log(tmp_path, kind):
+    events = cpu_run(steps=30)
+    events.append(ev("error", 20.0, kind=kind, message="what the trainer said", step=30))
+    state = state_of(events, tmp_path, "failed", f"trainer failed (exit code 1): {kind}: what the trainer said")
+    lines = summary_lines(state, 1)
+    assert lines[0].startswith("gptop: run failed at step 30")
+    words = ERROR_WORDS.get(kind, "disk full")
+    assert line(lines, "error").endswith(f"{words}: what the trainer said")
+    assert line(lines, "log").endswith(str(tmp_path / "trainer.stderr.log"))
+    assert outcome(state, 1) == "failed"
+
+
+def test_every_error_kind_has_words():
+    assert set(ERROR_WORDS) == set(ERROR_KINDS)
+
+
+def test_a_failure_without_an_error_event_shows_the_session_message(tmp_path):
+    state = state_of(cpu_run(steps=20), tmp_path, "failed", "trainer died (killed by signal 9) without reporting")
+    assert "trainer died (killed by signal 9)" in line(summary_lines(state, 1), "error")
+
+
+def test_a_stop_reads_as_stopped_and_an_error_while_stopping_as_failed(tmp_path):
+    state = state_of(cpu_run(steps=20), tmp_path, "stopped", "the trainer ended (signal 9) before it checkpointed")
+    assert summary_lines(state, 130)[0].startswith("gptop: run stopped at step 20")
+    events = cpu_run(steps=20) + [ev("error", 12.0, kind="disk", message="no space left", step=20)]
+    state = state_of(events, tmp_path, "failed", "stopped: trainer failed (exit code 1): disk: no space left")
+    lines = summary_lines(state, 130)
+    assert lines[0].startswith("gptop: run failed at step 20") and "disk full or read-only" in line(lines, "error")
+
+
+def test_a_run_dir_with_spaces_is_quoted_in_the_commands(tmp_path):
+    run_dir = tmp_path / "my run"
+    checkpoint(run_dir, 10)
+    state = state_of(cpu_run(steps=20), run_dir, "stopped")
+    assert line(summary_lines(state, 130), "resume").endswith(f"gptop train --resume '{run_dir}'")
+
+
+def test_print_summary_writes_the_lines_and_survives_a_closed_stream(tmp_path):
+    state = state_of(cpu_run(steps=20), tmp_path, "stopped")
+    out = io.StringIO()
+    print_summary(state, 130, out)
+    assert out.getvalue().splitlines() == summary_lines(state, 130)
+    closed = io.StringIO()
+    closed.close()
+    print_summary(state, 130, closed)      # no exception
+
+
+def test_the_dashboard_path_prints_the_summary_after_the_app_closes(tmp_path, monkeypatch, capsys):
+    """`gptop train` (the TUI): the summary comes on stdout once the app has given the terminal back."""
+    import gptop.ui.app as app
+    from gptop import cli
+
+    def closed_app(session, resume=None, **kw):
+        for e in cpu_run(steps=20):
+            session.state.apply(e)
+        session.state.set_status("stopped")
+        return 130
+
+    monkeypatch.setattr(app, "run_app", closed_app)
+    run_dir = tmp_path / "run"
+    assert cli.main(["train", "--model", "llama", "--size", "tiny", "--run-dir", str(run_dir)]) == 130
+    out = capsys.readouterr().out
+    assert out.startswith("gptop: run stopped at step 20") and f"gptop report {run_dir}" in out
+
+
+def test_report_says_checkpoints_written_and_kept(tmp_path):
+    """`gptop report`: written (events) vs kept (on disk now, after --keep-checkpoints pruning)."""
+    from gptop.report import format_report, summarize
+    from trainer.contract.events import dumps
+
+    events = cpu_run(steps=30) + [ev("checkpoint", 20.0 + s, step=s, path=str(rundir.path_for(tmp_path, s)),
+                                     seconds=0.1) for s in (10, 20, 30)]
+    (tmp_path / "events.jsonl").write_text("".join(dumps(e) + "\n" for e in events))
+    checkpoint(tmp_path, 30)
+    text = format_report(summarize(tmp_path))
+    assert f"checkpts  3 written, 1 kept, newest {rundir.path_for(tmp_path, 30)}" in text
+
+
+def test_steps_after_the_last_logged_one_count(tmp_path):
+    """A stop between log steps: the done event's step and tokens, not the last step event's."""
+    events = cpu_run(steps=50) + [ev("done", 30.0, step=55, tokens=55 * 1024, reason="stop requested")]
+    lines = summary_lines(state_of(events, tmp_path, "stopped"), 130)
+    assert lines[0].startswith("gptop: run stopped at step 55") and "55/200 steps" in line(lines, "progress")
+    early = [e for e in cpu_run(steps=0)] + [ev("done", 3.0, step=0, tokens=0, reason="stop requested")]
+    assert "before the first step" in summary_lines(state_of(early, tmp_path, "stopped"), 130)[0]
