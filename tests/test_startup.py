@@ -98,6 +98,7 @@ def test_progress_goes_on_the_socket_only(tmp_path, launcher):
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_sigint_while_building_stops_at_once_without_a_checkpoint(tmp_path):
     run_dir = tmp_path / "r"
     proc = subprocess.Popen(trainer_cmd("--model", "llama", "--size", "small", "--max-steps", "5",
@@ -121,6 +122,7 @@ def test_sigint_while_building_stops_at_once_without_a_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_progress_events_reach_gptop_every_step_and_the_stop_during_startup_is_130(tmp_path):
     run_dir = tmp_path / "run"
     out = subprocess.run([sys.executable, "-m", "gptop", "--no-ui", "--json", "train", *TINY, "--log-every", "4",
