@@ -455,7 +455,7 @@ def test_two_nodes_on_one_host_each_know_the_run(tmp_path):
         out, err = p.communicate(timeout=240)
         assert p.returncode == 0, err[-3000:]
         outs.append(out)
-    hellos = {r: [e for e in events(run, r) if e["type"] == "hello"] for r in (0, 1)}
+    hellos = {r: [e for e in events(run, r) if e["type"] == "hello" and not e.get("early")] for r in (0, 1)}
     assert all(len(h) == 1 for h in hellos.values()), hellos          # one per node, from its first rank
     for out in outs:
         assert "step 6/6 " in out and "/?" not in out, out

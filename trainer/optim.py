@@ -84,8 +84,8 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
     def size(t: torch.Tensor) -> int:
         if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
-            names, _ = t.__tensor_flatten__()
-            return sum(size(getattr(t, n)) for n in names)
+            names, _ = t.__tensor_flatten__()       # a DTensor (FSDP) also names its DeviceMesh: tensors only
+            return sum(size(x) for x in (getattr(t, n) for n in names) if isinstance(x, torch.Tensor))
         return t.numel() * t.element_size()
 
     return sum(size(v) for per_param in optimizer.state.values() for v in per_param.values()
