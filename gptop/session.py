@@ -210,15 +210,15 @@ class Session(SessionBase):
     # ------------------------------------------------------------- lifecycle
     def start(self, resume: str | None = None) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.options.wandb:      # first: a refused W&B login (exit 2) leaves no files of the run behind
+            from .wandb_writer import WandbWriter
+
+            self._wandb = WandbWriter(self.run_dir, self.cfg.to_dict())
         self._device_file = open(self.layout.device, "a", buffering=1)
         if self.options.tensorboard:
             from .tensorboard import TensorBoardWriter
 
             self._tb = TensorBoardWriter(self.run_dir / "tensorboard")
-        if self.options.wandb:
-            from .wandb_writer import WandbWriter
-
-            self._wandb = WandbWriter(self.run_dir, self.cfg.to_dict())
         if self.sampler is None:
             from .telemetry import DeviceSampler
 

@@ -8,6 +8,8 @@ and gptop refuses `--wandb` without the package before anything starts.
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -15,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from conftest import ROOT, TINY
 from fixtures.streams import cpu_run
 from gptop.run_metrics import FINAL_METRICS
 from gptop.wandb_writer import WandbWriter
@@ -109,6 +112,17 @@ def test_a_failed_run_finishes_with_a_failure(tmp_path, fake_wandb):
     assert fake_wandb[0].summary["status"] == "failure" and fake_wandb[0].exit_code == 1
 
 
+def test_a_refused_wandb_init_is_a_usage_error_naming_the_way_out(tmp_path, fake_wandb, monkeypatch):
+    from trainer.contract.config import ConfigError
+
+    def refuse(**kw):
+        raise RuntimeError("No API key configured")
+    monkeypatch.setattr(sys.modules["wandb"], "init", refuse)
+    with pytest.raises(ConfigError) as e:
+        WandbWriter(tmp_path / "r", CONFIG)
+    assert e.value.option == "--wandb" and "No API key" in e.value.message and "WANDB_MODE=offline" in e.value.message
+
+
 def test_gptop_refuses_wandb_without_the_package_before_starting(tmp_path, monkeypatch, capsys):
     from gptop import cli
 
@@ -145,3 +159,21 @@ def test_offline_run_writes_its_run_directory(tmp_path, monkeypatch):
     assert b"train/loss" in data and b"cpu/util_pct" in data   # history rows
     assert b"final/step" in data and b"status" in data         # the summary, written at close
     assert (offline / "files").is_dir() and (offline / "logs").is_dir()
+
+
+@pytest.mark.slow
+@pytest.mark.process
+def test_gptop_train_wandb_offline(tmp_path):
+    pytest.importorskip("wandb")
+    run_dir = tmp_path / "r"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               WANDB_MODE="offline", WANDB_DIR=str(tmp_path))
+    env.pop("WANDB_API_KEY", None)
+    r = subprocess.run([sys.executable, "-m", "gptop", "--no-ui", "--interval", "0.1", "train", *TINY,
+                        "--max-steps", "4", "--eval-every", "2", "--wandb", "--run-dir", str(run_dir)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (log,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    data = log.read_bytes()
+    assert b"train/loss" in data and b"eval/loss" in data and b"final/eval_loss" in data
+    assert b'"success"' in data                                # the summary's status, at close
