@@ -22,6 +22,13 @@ GPU_SCALARS = ("util_pct", "mem_used", "power_w", "temp_c", "sm_clock_mhz", "sm_
 CPU_SCALARS = ("util_pct", "mem_used", "proc_rss", "power_w")
 # What the run ended with (TensorBoard's hparams metric columns, W&B's run summary).
 FINAL_METRICS = ("final/loss", "final/eval_loss", "final/tokens_per_s", "final/mfu", "final/step")
+PLUMBING = {"run.channel"}      # the event socket of one trainer start: plumbing, not a setting
+
+
+def settings(config: dict[str, Any]) -> dict[str, Any]:
+    """A resolved config (`TrainConfig.to_dict()`, a hello's `config`) without its plumbing fields."""
+    return {section: {k: v for k, v in values.items() if f"{section}.{k}" not in PLUMBING}
+            if isinstance(values, dict) else values for section, values in config.items()}
 
 
 @dataclasses.dataclass

@@ -19,26 +19,22 @@ from typing import Any
 
 from trainer.contract.events import Event
 
-from .run_metrics import FINAL_METRICS, RunMetrics
+from .run_metrics import FINAL_METRICS, RunMetrics, settings
 
 STATUS = {"running": "STATUS_UNKNOWN", "success": "STATUS_SUCCESS", "failure": "STATUS_FAILURE"}   # hparams plugin
-NOT_HPARAMS = {"run.channel"}     # the event socket of one trainer start: plumbing, not a setting
 
 
 def flat_hparams(config: dict[str, dict[str, Any]]) -> dict[str, bool | float | str]:
     """`TrainConfig.to_dict()` as `section.field` hparams: numbers, booleans and strings; None left out
     (TensorBoard has no null), anything else (a list) as its text."""
     out: dict[str, bool | float | str] = {}
-    for section, values in config.items():
+    for section, values in settings(config).items():
         if not isinstance(values, dict):
             continue
         for name, value in values.items():
             if value is None:
                 continue
-            key = f"{section}.{name}"
-            if key in NOT_HPARAMS:
-                continue
-            out[key] = value if isinstance(value, (bool, int, float, str)) else str(value)
+            out[f"{section}.{name}"] = value if isinstance(value, (bool, int, float, str)) else str(value)
     return out
 
 

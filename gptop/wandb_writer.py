@@ -18,7 +18,7 @@ from typing import Any
 from trainer.contract.config import ConfigError
 from trainer.contract.events import Event, HelloEvent
 
-from .run_metrics import RunMetrics
+from .run_metrics import RunMetrics, settings
 
 INSTALL = "pip install -e '.[wandb]' (in a gptop checkout) or pip install wandb"
 
@@ -39,7 +39,7 @@ class WandbWriter:
             raise ConfigError("--wandb", f"needs the wandb package: {INSTALL} ({e})")
         try:
             # console="off": W&B must not wrap stdout/stderr under the TUI; silent: no banner over it.
-            self._run = wandb.init(dir=str(run_dir), name=run_dir.name, config=config,
+            self._run = wandb.init(dir=str(run_dir), name=run_dir.name, config=settings(config),
                                    settings=wandb.Settings(console="off", silent=True))
         except Exception as e:   # no account, no network, a bad WANDB_* setting: say so, as a usage error
             raise ConfigError("--wandb", f"wandb.init failed ({e}); run `wandb login`, or set "
@@ -58,7 +58,7 @@ class WandbWriter:
             if scalars is not None:
                 self._run.log({"step": scalars.step, **scalars.values})
             elif isinstance(event, HelloEvent) and event.rank == 0:
-                self._run.config.update(event.config, allow_val_change=True)
+                self._run.config.update(settings(event.config), allow_val_change=True)
 
     def close(self) -> None:
         """Write the final metrics and status to the run's summary and finish the run."""

@@ -24,7 +24,7 @@ from gptop.wandb_writer import WandbWriter
 from trainer.contract import events as ev
 from trainer.contract.device import DeviceInfo
 
-CONFIG = {"model": {"model": "llama", "size": "tiny"}, "optim": {"lr": 3e-4, "max_steps": 20}}
+CONFIG = {"model": {"model": "llama", "size": "tiny"}, "optim": {"lr": 3e-4, "max_steps": 20}, "run": {"device": "cpu"}}
 
 
 class FakeConfig(dict):
@@ -79,7 +79,7 @@ def test_events_become_step_keyed_logs_config_and_summary(tmp_path, fake_wandb):
     assert run.init["name"] == "exp1" and run.init["dir"] == str(run_dir) and run.init["config"] == CONFIG
     assert run.init["settings"]["console"] == "off"           # never wraps stdout/stderr under the TUI
     assert ("*", "step") in run.metrics                       # every chart on the training step
-    newer = {**CONFIG, "optim": {"lr": 1e-3, "max_steps": 20}}
+    newer = {**CONFIG, "optim": {"lr": 1e-3, "max_steps": 20}, "run": {"device": "cpu", "channel": "unix:/tmp/c.sock"}}
     w.on_event(ev.HelloEvent(rank=0, config=newer, device=DeviceInfo(type="cpu", name="cpu"), model=ev.ModelInfo()))
     w.on_event(device(10.0))
     w.on_event(device(30.0))
@@ -96,6 +96,7 @@ def test_events_become_step_keyed_logs_config_and_summary(tmp_path, fake_wandb):
     assert run.logged[1] == {"step": 5, "eval/loss": 2.5}
     assert run.logged[2]["gpu0/util_pct"] == 50.0 and run.logged[2]["train/loss"] == 2.0
     assert run.config["optim"]["lr"] == 1e-3                  # the newest trainer start's config
+    assert run.config["run"] == {"device": "cpu"}             # without the event socket's path (plumbing)
     assert set(run.summary) == set(FINAL_METRICS) | {"status"}
     assert run.summary["final/loss"] == 2.0 and run.summary["final/eval_loss"] == 2.5
     assert run.summary["status"] == "running" and run.exit_code == 0
