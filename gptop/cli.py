@@ -108,6 +108,9 @@ def build_parser() -> Parser:
                             f"(default: 0; at most {MAX_RESTARTS})")
         g.add_argument("--tensorboard", action="store_true",
                        help="also write step metrics and device samples as TensorBoard scalars (default: off)")
+        g.add_argument("--wandb", action="store_true",
+                       help="also log them to a Weights & Biases run in RUN_DIR/wandb (pip install -e '.[wandb]'; "
+                            "WANDB_MODE=offline: no account or network) (default: off)")
         d = p.add_argument_group("distributed (torchrun; see --parallel)")
         d.add_argument("--nproc", type=number_arg(int, 1, 1024), default=1, metavar="N",
                        help="ranks (processes, one per GPU) on this node; above 1, or with several nodes, the "
@@ -274,6 +277,10 @@ def cmd_run(ns: argparse.Namespace) -> int:
 def _run(ns: argparse.Namespace, signals: StopSignals) -> int:
     cfg = resolve_config(ns)
     check_run_args(ns, cfg)
+    if ns.wandb:
+        from .wandb_writer import require_wandb
+
+        require_wandb()
     check_fits(ns, cfg)
     resume = cfg.checkpoint.resume
     launcher = _launcher(ns)
@@ -294,7 +301,7 @@ def _run(ns: argparse.Namespace, signals: StopSignals) -> int:
 def _run_locked(ns: argparse.Namespace, cfg: TrainConfig, resume: str | None, launcher, lock: RunLock,
                 signals: StopSignals) -> int:
     options = SessionOptions(interval=ns.interval, restart_on_failure=ns.restart_on_failure,
-                             tensorboard=ns.tensorboard, launcher=launcher, run_lock=lock,
+                             tensorboard=ns.tensorboard, wandb=ns.wandb, launcher=launcher, run_lock=lock,
                              tuning=TuningOptions(space_spec=ns.tune_space, storage=ns.storage))   # the `t` key
     if lock.warning:
         print(f"gptop: warning: {lock.warning}", file=sys.stderr)

@@ -73,6 +73,7 @@ class SessionOptions:
     interval: float = 0.5              # device sampling period (s)
     restart_on_failure: int = 0        # automatic restarts from the last checkpoint
     tensorboard: bool = False
+    wandb: bool = False                # --wandb: a Weights & Biases run (gptop.wandb_writer)
     launcher: Callable[[list[str]], list[str]] | None = None   # argv builder (torchrun for --nproc)
     tuning: TuningOptions | None = None   # what the `t` key starts (None: `t` is not offered)
     run_lock: RunLock | None = None    # the run directory's lock, held by the caller for the session's life
@@ -203,11 +204,16 @@ class Session(SessionBase):
         self.hello: ev.HelloEvent | None = None                    # this spawn's rank-0 hello, once it came
         self._device_file = None
         self._tb = None
+        self._wandb = None
         self._controller: Controller | None = None
 
     # ------------------------------------------------------------- lifecycle
     def start(self, resume: str | None = None) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.options.wandb:      # first: a refused W&B login (exit 2) leaves no files of the run behind
+            from .wandb_writer import WandbWriter
+
+            self._wandb = WandbWriter(self.run_dir, self.cfg.to_dict())
         self._device_file = open(self.layout.device, "a", buffering=1)
         if self.options.tensorboard:
             from .tensorboard import TensorBoardWriter
@@ -274,6 +280,8 @@ class Session(SessionBase):
             self._device_file = None
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.close()
 
     # --------------------------------------------------------------- commands
     def stop(self, force: bool = False, *, interrupted: bool = True) -> None:
@@ -373,10 +381,12 @@ class Session(SessionBase):
 
     # --------------------------------------------------------------- plumbing
     def _dispatch(self, event: ev.Event) -> None:
-        """Apply one event to the state, then the views, TensorBoard and the controller."""
+        """Apply one event to the state, then the views, TensorBoard, W&B and the controller."""
         super()._dispatch(event)
         if self._tb is not None:
             self._tb.on_event(event)
+        if self._wandb is not None:
+            self._wandb.on_event(event)
         controller = self._controller
         if controller is not None:
             controller.on_event(event)
