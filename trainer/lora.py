@@ -31,15 +31,12 @@ from typing import Any
 
 import torch
 
-from .contract.config import AUTO, ConfigError, FinetuneConfig
+from .contract.config import (AUTO, LORA_ATTENTION_TARGETS, LORA_DEFAULT_TARGETS, LORA_MLP_TARGETS, ConfigError,
+                              FinetuneConfig)
 
-# Module names that get adapters with `--lora-targets auto`, where the architecture has them.
-ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj",               # llama, mistral, qwen, ...
-                     "kv_a_proj_with_mqa", "kv_b_proj", "q_a_proj", "q_b_proj",   # deepseek MLA
-                     "qkv_proj", "c_attn", "query_key_value", "Wqkv", "out_proj")
-MLP_TARGETS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj",       # SwiGLU
-               "c_fc", "fc1", "fc2", "w1", "w2", "w3", "dense_h_to_4h", "dense_4h_to_h")
-DEFAULT_TARGETS = ATTENTION_TARGETS + MLP_TARGETS
+# Module names that get adapters with `--lora-targets auto` (one list, in the torch-free contract: the memory
+# estimate applies the same rule).
+ATTENTION_TARGETS, MLP_TARGETS, DEFAULT_TARGETS = LORA_ATTENTION_TARGETS, LORA_MLP_TARGETS, LORA_DEFAULT_TARGETS
 
 
 def linear_names(model: torch.nn.Module) -> list[str]:
