@@ -207,7 +207,8 @@ def _check(family: str, optimizer: str, lora: int, tolerance: float) -> None:
     assert abs(est.optimizer_bytes - real) <= tolerance * real, (est.optimizer_bytes, real)
 
 
-# adamw and adafactor are counted exactly from the shapes; the tolerance covers a layout the count would miss
+# Counted from the shapes, the estimate matches torch and torchao exactly today (torch 2.x, torchao 0.18, peft 0.21);
+# the 1% tolerance leaves room for a code table or step count a later version adds, not for a missed tensor.
 @pytest.mark.parametrize("family", E.FAMILIES)
 @pytest.mark.parametrize("optimizer", ["adamw", "adafactor"])
 @pytest.mark.parametrize("lora", [0, 8])
@@ -215,11 +216,12 @@ def test_optimizer_state_matches_torch_after_a_step(family, optimizer, lora):
     _check(family, optimizer, lora, tolerance=0.01)
 
 
+@pytest.mark.process
 @pytest.mark.compile      # torchao's low-bit AdamW compiles its update with torch.compile
 @pytest.mark.parametrize("optimizer", ["adamw-8bit", "adamw-4bit"])
 @pytest.mark.parametrize("lora", [0, 8])
 def test_low_bit_optimizer_state_matches_torchao_after_a_step(optimizer, lora):
-    _check("llama", optimizer, lora, tolerance=0.05)
+    _check("llama", optimizer, lora, tolerance=0.01)
 
 
 def test_the_options_shrink_the_state_and_the_lines_show_the_optimizer():

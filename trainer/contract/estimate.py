@@ -204,7 +204,7 @@ def trained_tensors(family: str, size: str, lora: int = 0, targets: str = AUTO,
     """The tensors that have gradients and optimizer state: all of them, or with `lora` R the adapters
     A (R x in) and B (out x R) of every targeted linear layer.
 
-    A model with fused experts (deepseek) is adapted the way peft (0.19+, with transformers 5) maps MLP
+    A model with fused experts (deepseek) is adapted the way peft (0.21 with transformers 5, as installed) maps MLP
     targets onto it: gate_proj / up_proj / down_proj become adapters of the fused expert parameters (one
     A (R*E x in), B (out x R*E) per parameter, rank doubled for gate_up_proj, which holds two matrices) and
     the dense and shared-expert MLPs of those names get none; tests/test_estimate.py checks the counts
@@ -348,11 +348,12 @@ class Estimate:
                 "total_bytes": self.total_bytes, "capacity_bytes": self.capacity, "micro_batch": self.micro_batch,
                 "step_s": self.step_s, "assumed_mfu": ASSUMED_MFU}
 
-    def summary(self, where: str, steps: int | None = None) -> str:
-        """'deepseek medium on this CPU: ~14.2 GiB (optimizer 3.1 GiB), ~3.5 min per step' (', ~2.5 h for 40
-        steps' with `steps`)."""
-        out = (f"{self.family} {self.size} on {where}: ~{self.total_bytes / GiB:.1f} GiB "
-               f"(optimizer {fmt_size(self.optimizer_bytes)})")
+    def summary(self, where: str, steps: int | None = None, optimizer: bool = True) -> str:
+        """'deepseek medium on this CPU: ~14.2 GiB (optimizer 6.8 GiB), ~3.5 min per step' (', ~2.5 h for 40
+        steps' with `steps`; without the optimizer's part where the caller itemizes the memory)."""
+        out = f"{self.family} {self.size} on {where}: ~{self.total_bytes / GiB:.1f} GiB"
+        if optimizer:
+            out += f" (optimizer {fmt_size(self.optimizer_bytes)})"
         if self.step_s is not None:
             out += f", ~{fmt_seconds(self.step_s)} per step"
             if steps:
@@ -426,4 +427,4 @@ def refusal(est: Estimate, where: str, fitting: str | None) -> str:
     cap = f"{est.capacity / GiB:.1f} GiB usable" if est.capacity else "the memory"
     what = (f"the largest {est.family} size that fits is {fitting}: use --size {fitting}" if fitting
             else f"no {est.family} size fits; use a smaller --seq-len or --micro-batch, or a larger device")
-    return f"{est.summary(where)} ({parts}) does not fit in {cap}; {what}"
+    return f"{est.summary(where, optimizer=False)} ({parts}) does not fit in {cap}; {what}"
