@@ -259,3 +259,20 @@ def test_lora_runs_fit_where_full_fine_tuning_does_not():
     assert not E.estimate("llama", "large", **kw).fits
     assert E.estimate("llama", "large", **kw, **opts).fits
     assert E.largest_fitting("llama", **kw) == "medium" and E.largest_fitting("llama", **kw, **opts) == "large"
+
+
+def test_gptop_and_the_trainer_estimate_with_the_runs_optimizer_and_lora(monkeypatch):
+    from gptop import cli
+    from trainer.contract.config import TrainConfig
+
+    monkeypatch.setattr(cli, "device_memory", lambda cfg: ("cuda", "a 12 GiB GPU", 12 * GiB))
+    ns = argparse.Namespace(nproc=1, nnodes="1", node_rank=None, rdzv_endpoint=None, rdzv_backend=None,
+                            rdzv_id=None)
+    cfg = TrainConfig()
+    cfg.model.model, cfg.model.size = "llama", "large"
+    with pytest.raises(cli.ConfigError, match=r"adamw state.*--size medium"):
+        cli.check_fits(ns, cfg)
+    cfg.finetune.lora = 8
+    cli.check_fits(ns, cfg)                         # the adapters' state fits where full training's does not
+    cfg.finetune.lora, cfg.optim.optimizer = 0, "adafactor"
+    cli.check_fits(ns, cfg)
