@@ -342,8 +342,7 @@ class Estimate:
         """The estimate as the early hello carries it (bytes, seconds)."""
         return {"params": self.total_params, "active_params": self.active_params,
                 "flops_per_token": self.flops_per_token, "state_bytes": self.state_bytes,
-                "optimizer": self.optimizer, "optimizer_bytes": self.optimizer_bytes,
-                "trainable_params": self.trainable_params,
+                "optimizer_bytes": self.optimizer_bytes,
                 "activation_bytes": self.activation_bytes, "runtime_bytes": self.runtime_bytes,
                 "total_bytes": self.total_bytes, "capacity_bytes": self.capacity, "micro_batch": self.micro_batch,
                 "step_s": self.step_s, "assumed_mfu": ASSUMED_MFU}
