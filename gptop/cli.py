@@ -259,7 +259,8 @@ def check_fits(ns: argparse.Namespace, cfg: TrainConfig) -> None:
     capacity = total // nproc if kind == "cpu" else total         # ranks on one CPU share its RAM
     kw = dict(seq_len=cfg.data.seq_len, global_batch=cfg.optim.global_batch, micro_batch=cfg.toggles.micro_batch_int(),
               precision=cfg.toggles.precision, device=kind, capacity=capacity, world_size=world,
-              fsdp=world > 1 and cfg.run.parallel == "fsdp", checkpointing=cfg.toggles.activation_checkpointing)
+              fsdp=world > 1 and cfg.run.parallel == "fsdp", checkpointing=cfg.toggles.activation_checkpointing,
+              **E.run_options(cfg))
     est = E.estimate(cfg.model.model, cfg.model.size, **kw)
     if not est.fits:
         raise ConfigError("--size", E.refusal(est, name, E.largest_fitting(cfg.model.model, **kw)))

@@ -476,9 +476,9 @@ class RunState:
             return line
 
     def estimate_line(self, short: bool = False) -> str | None:
-        """The early hello's estimate in words: '~0.8 GiB, ~1 s per step (estimate)' ('est. ~0.8 GiB, ~1 s/step'
-        with `short`, for the header)."""
-        from trainer.contract.estimate import GiB, fmt_seconds
+        """The early hello's estimate in words: '~0.8 GiB (optimizer 24 MiB), ~1 s per step (estimate)' ('est.
+        ~0.8 GiB, ~1 s/step' with `short`, for the header)."""
+        from trainer.contract.estimate import GiB, fmt_seconds, fmt_size
 
         est = self.estimate
         if not est:
@@ -486,7 +486,9 @@ class RunState:
         parts = []
         total = est.get("total_bytes")
         if isinstance(total, (int, float)):
-            parts.append(f"~{total / GiB:.1f} GiB")
+            opt = est.get("optimizer_bytes")
+            parts.append(f"~{total / GiB:.1f} GiB" + (f" (optimizer {fmt_size(opt)})"
+                                                       if isinstance(opt, (int, float)) and not short else ""))
         step_s = est.get("step_s")
         if isinstance(step_s, (int, float)):
             parts.append(f"~{fmt_seconds(step_s)}{'/step' if short else ' per step'}")

@@ -44,7 +44,10 @@ def test_the_sizes_are_the_models_sizes():
 
 def test_memory_is_state_plus_activations_plus_runtime():
     est = E.estimate("llama", "small", seq_len=256, global_batch=16, micro_batch=None, capacity=None)
-    assert est.state_bytes == 16 * est.total_params
+    tensors = sum(t.count for t in E.tensor_shapes("llama", "small"))
+    assert est.optimizer_bytes == 8 * est.total_params + 4 * tensors     # adamw: two fp32 moments, a step count
+    assert est.state_bytes == 8 * est.total_params + est.optimizer_bytes  # + fp32 weights and gradients
+    assert est.trainable_params == est.total_params
     assert est.micro_batch == 1                      # auto: the first probe's
     eight = E.estimate("llama", "small", seq_len=256, global_batch=16, micro_batch=8, capacity=None)
     assert eight.activation_bytes == 8 * est.activation_bytes
@@ -86,7 +89,7 @@ def test_refusal_names_the_estimate_and_the_largest_size_that_fits():
     assert E.largest_fitting("deepseek", **kw) == "medium"
     line = E.refusal(est, "this CPU", "medium")
     assert "deepseek large on this CPU: ~43" in line and "does not fit in 21.6 GiB usable" in line
-    assert "--size medium" in line and "weights, gradients and AdamW state" in line
+    assert "--size medium" in line and "GiB weights and gradients + " in line and " GiB adamw state + " in line
     assert E.largest_fitting("deepseek", **dict(kw, capacity=GiB // 2)) is None
     assert "no deepseek size fits" in E.refusal(est, "x", None)
 
@@ -153,3 +156,123 @@ def test_the_trainer_refuses_before_building_and_says_the_early_hello_first(tmp_
     (hello,) = list(read_events(tmp_path / "events.jsonl"))
     assert hello.type == "hello" and hello.early and hello.estimate["total_bytes"] > 4 * GiB
     assert hello.model.family == "deepseek" and hello.model.total_params == E.param_counts("deepseek", "small").total
+
+
+# --- the optimizer and LoRA: the state the run's options keep (issue 14) -----------------------------------
+
+def test_tensor_shapes_are_the_models_parameters():
+    import torch
+
+    from trainer.models import _model_class, hf_config, vocab_and_mask
+
+    for family in E.FAMILIES:
+        for size in E.SIZE_ORDER:
+            assert sum(t.numel * t.count for t in E.tensor_shapes(family, size)) == E.param_counts(family, size).total
+        vocab, _ = vocab_and_mask(family, E.DEFAULT_VOCAB, None)
+        with torch.device("meta"):
+            model = _model_class(family)(hf_config(family, "small", vocab_size=vocab, seq_len=64))
+        want = sorted(tuple(p.shape) for p in model.parameters())
+        assert sorted(t.shape for t in E.tensor_shapes(family, "small") for _ in range(t.count)) == want
+
+
+def _one_step(family: str, optimizer: str, lora: int):
+    """The tiny model of `family` (LoRA-wrapped with `lora` R), its optimizer after one step on random
+    gradients: (trained parameters, optimizer state bytes as trainer.optim.state_bytes counts them)."""
+    import torch
+
+    from trainer import optim
+    from trainer.contract.config import TrainConfig
+    from trainer.lora import apply_lora
+    from trainer.models import build_model
+
+    cfg = TrainConfig()
+    cfg.model.model, cfg.model.size, cfg.optim.optimizer, cfg.finetune.lora = family, "tiny", optimizer, lora
+    dev = DeviceInfo(type="cpu", name="test cpu", total_memory=8 * GiB, cpu_count=2)
+    model = build_model(cfg.model, vocab_size=E.DEFAULT_VOCAB, seq_len=64, toggles=cfg.toggles, dev=dev,
+                        mask_id=E.DEFAULT_VOCAB if family == "llada" else None, seed=1).model
+    if lora:
+        model = apply_lora(model, cfg.finetune, seed=1)
+    opt = optim.build_optimizer(model, cfg)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    for p in trained:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    return sum(p.numel() for p in trained), optim.state_bytes(opt)
+
+
+def _check(family: str, optimizer: str, lora: int, tolerance: float) -> None:
+    est = E.estimate(family, "tiny", seq_len=64, global_batch=1, micro_batch=1, optimizer=optimizer, lora=lora)
+    trained, real = _one_step(family, optimizer, lora)
+    assert est.trainable_params == trained
+    assert abs(est.optimizer_bytes - real) <= tolerance * real, (est.optimizer_bytes, real)
+
+
+# Counted from the shapes, the estimate matches torch and torchao exactly today (torch 2.x, torchao 0.18, peft 0.21);
+# the 1% tolerance leaves room for a code table or step count a later version adds, not for a missed tensor.
+@pytest.mark.parametrize("family", E.FAMILIES)
+@pytest.mark.parametrize("optimizer", ["adamw", "adafactor"])
+@pytest.mark.parametrize("lora", [0, 8])
+def test_optimizer_state_matches_torch_after_a_step(family, optimizer, lora):
+    _check(family, optimizer, lora, tolerance=0.01)
+
+
+@pytest.mark.process
+@pytest.mark.compile      # torchao's low-bit AdamW compiles its update with torch.compile
+@pytest.mark.parametrize("optimizer", ["adamw-8bit", "adamw-4bit"])
+@pytest.mark.parametrize("lora", [0, 8])
+def test_low_bit_optimizer_state_matches_torchao_after_a_step(optimizer, lora):
+    _check("llama", optimizer, lora, tolerance=0.01)
+
+
+def test_the_options_shrink_the_state_and_the_lines_show_the_optimizer():
+    kw = dict(seq_len=256, global_batch=16, micro_batch=None)
+    full = E.estimate("llama", "large", **kw)
+    by = {o: E.estimate("llama", "large", optimizer=o, **kw).optimizer_bytes for o in
+          ("adamw", "adamw-8bit", "adamw-4bit", "adafactor")}
+    assert by["adamw"] == full.optimizer_bytes
+    assert 3.8 < by["adamw"] / by["adamw-8bit"] < 4.0 and 7.0 < by["adamw"] / by["adamw-4bit"] < 8.0
+    assert by["adamw"] / by["adafactor"] > 500     # rows + columns of 2048-wide matrices
+    lora = E.estimate("llama", "large", lora=8, **kw)
+    assert lora.trainable_params < full.total_params / 100 and lora.optimizer_bytes < by["adamw"] / 100
+    assert lora.state_bytes < full.state_bytes / 3.5                  # the base keeps its weights only
+    nf4 = E.estimate("llama", "large", lora=8, quantize_base="nf4", **kw)
+    int8 = E.estimate("llama", "large", lora=8, quantize_base="int8", **kw)
+    assert nf4.state_bytes < int8.state_bytes < lora.state_bytes
+    only_q = E.estimate("llama", "large", lora=8, lora_targets="q_proj", **kw)
+    assert only_q.trainable_params == 20 * 8 * (2048 + 2048)          # 20 layers, A and B of one 2048 x 2048
+    assert E.lora_targets("deepseek") == ["q_proj", "o_proj", "kv_a_proj_with_mqa", "kv_b_proj", "gate_proj",
+                                          "up_proj", "down_proj"]
+    assert E.fmt_size(3 * GiB) == "3.0 GiB" and E.fmt_size(24 << 20) == "24 MiB" and E.fmt_size(5000) == "5 KiB"
+    summary = full.summary("this CPU")
+    assert summary.startswith("llama large on this CPU: ~") and f"(optimizer {E.fmt_size(by['adamw'])})" in summary
+    assert f"{E.fmt_size(lora.optimizer_bytes)} adamw state" in E.refusal(lora, "x", None)
+
+
+def test_lora_runs_fit_where_full_fine_tuning_does_not():
+    from trainer.contract.config import TrainConfig
+
+    cfg = TrainConfig()
+    cfg.finetune.lora, cfg.optim.optimizer = 8, "adamw-8bit"
+    opts = E.run_options(cfg)
+    assert opts == {"optimizer": "adamw-8bit", "lora": 8, "lora_targets": "auto", "quantize_base": "none"}
+    kw = dict(seq_len=256, global_batch=16, micro_batch=None, capacity=12 * GiB)
+    assert not E.estimate("llama", "large", **kw).fits
+    assert E.estimate("llama", "large", **kw, **opts).fits
+    assert E.largest_fitting("llama", **kw) == "medium" and E.largest_fitting("llama", **kw, **opts) == "large"
+
+
+def test_gptop_and_the_trainer_estimate_with_the_runs_optimizer_and_lora(monkeypatch):
+    from gptop import cli
+    from trainer.contract.config import TrainConfig
+
+    monkeypatch.setattr(cli, "device_memory", lambda cfg: ("cuda", "a 12 GiB GPU", 12 * GiB))
+    ns = argparse.Namespace(nproc=1, nnodes="1", node_rank=None, rdzv_endpoint=None, rdzv_backend=None,
+                            rdzv_id=None)
+    cfg = TrainConfig()
+    cfg.model.model, cfg.model.size = "llama", "large"
+    with pytest.raises(cli.ConfigError, match=r"adamw state.*--size medium"):
+        cli.check_fits(ns, cfg)
+    cfg.finetune.lora = 8
+    cli.check_fits(ns, cfg)                         # the adapters' state fits where full training's does not
+    cfg.finetune.lora, cfg.optim.optimizer = 0, "adafactor"
+    cli.check_fits(ns, cfg)

@@ -530,12 +530,13 @@ def test_the_early_hello_is_not_a_restart_and_carries_the_estimate():
 
     s = fed(*startup_run("compiling"))
     assert s.hellos == 1 and s.hello is not None and not s.hello.early     # early + full = one start
-    assert s.estimate is not None and s.estimate_line() == "~14.8 GiB, ~1.8 min per step, ~6.1 h for 200 steps (estimate)"
+    assert s.estimate is not None and s.estimate_line() == "~14.8 GiB (optimizer 6.6 GiB), ~1.8 min per step, ~6.1 h for 200 steps (estimate)"
     assert s.initial_toggles["micro_batch"] == 2                        # from the full hello, not "auto"
     early = fed(*startup_run("building"))
     assert early.hellos == 0 and early.hello.early and early.total_steps == 200
     assert model_summary(early.model) == "deepseek medium · 887.4M params (344.8M active)"
     assert early.estimate_warning is not None and "~1.8 min per step" in early.estimate_warning.message
+    assert early.estimate_line(short=True) == "est. ~14.8 GiB, ~1.8 min/step"     # the header: no room
 
 
 def test_the_startup_phase_says_what_and_for_how_long():

@@ -9,9 +9,11 @@ rebuilt model (resume, rollback, export) gets the same adapters whatever ran bef
 
 Targets (`--lora-targets auto`): the attention and MLP projections the architecture has, by their
 module names (`DEFAULT_TARGETS`): q/k/v/o and gate/up/down for llama-like models; deepseek's MLA
-projections (q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj) and the dense and shared-expert MLPs.
-DeepSeek's routed experts are fused 3-D parameters, not linear layers, and stay frozen. The output
-head and the embeddings are never targets.
+projections (q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj) and, for the MLP names, what peft (0.21
+with transformers 5, as installed) makes of them on a model with fused experts: adapters on DeepSeek's
+fused routed-expert tensors (gate_up_proj at rank 2R), none on its dense and shared-expert MLPs
+(trainer.contract.estimate counts the same; tests/test_estimate.py checks it on the built model). The
+output head and the embeddings are never targets.
 
 A checkpoint of a LoRA run holds only the trainable tensors (`trainable_state_dict`) and their optimizer
 state: the frozen base is rebuilt from where it came from (the model directory, or the family's seeded
@@ -31,15 +33,12 @@ from typing import Any
 
 import torch
 
-from .contract.config import AUTO, ConfigError, FinetuneConfig
+from .contract.config import (AUTO, LORA_ATTENTION_TARGETS, LORA_DEFAULT_TARGETS, LORA_MLP_TARGETS, ConfigError,
+                              FinetuneConfig)
 
-# Module names that get adapters with `--lora-targets auto`, where the architecture has them.
-ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj",               # llama, mistral, qwen, ...
-                     "kv_a_proj_with_mqa", "kv_b_proj", "q_a_proj", "q_b_proj",   # deepseek MLA
-                     "qkv_proj", "c_attn", "query_key_value", "Wqkv", "out_proj")
-MLP_TARGETS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj",       # SwiGLU
-               "c_fc", "fc1", "fc2", "w1", "w2", "w3", "dense_h_to_4h", "dense_4h_to_h")
-DEFAULT_TARGETS = ATTENTION_TARGETS + MLP_TARGETS
+# Module names that get adapters with `--lora-targets auto` (one list, in the torch-free contract: the memory
+# estimate applies the same rule).
+ATTENTION_TARGETS, MLP_TARGETS, DEFAULT_TARGETS = LORA_ATTENTION_TARGETS, LORA_MLP_TARGETS, LORA_DEFAULT_TARGETS
 
 
 def linear_names(model: torch.nn.Module) -> list[str]:

@@ -462,8 +462,8 @@ vocabulary entry adds `2 × hidden` parameters; llada adds a mask token):
 
 `--size auto` picks `tiny` on a CPU (`small` with 32+ cores and 64+ GiB), and on
 a GPU `small` under 12 GiB, `medium` under 40 GiB, else `large`, stepping down
-while the training state (16 bytes per parameter, fp32 weights + AdamW) of the
-*total* parameters would exceed 60% of the GPU memory.
+while the state of full AdamW training (16 bytes per parameter: fp32 weights,
+gradients and two moments) of the *total* parameters would exceed 60% of the GPU memory.
 
 {FINETUNING}
 {USING_A_MODEL}
@@ -483,8 +483,9 @@ parameter before activations. Three options cut that, alone or together:
   update by alpha / R, `--lora-dropout` (0) drops the adapters' input,
   `--lora-targets` picks the layers: `auto` takes the attention and MLP
   projections the architecture has (llama: q, k, v, o, gate, up, down;
-  deepseek: q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj and the dense and
-  shared-expert MLPs; its routed experts are fused tensors and stay frozen), or
+  deepseek: q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj, and for the MLP
+  names peft (0.21 with transformers 5, as installed) adapts the fused routed-expert tensors,
+  gate_up_proj at rank 2R, leaving the dense and shared-expert MLPs frozen), or
   give names (`q_proj,v_proj`); a name the model lacks is refused with the
   names it has. Checkpoints hold only the adapters and their optimizer state;
   the base is rebuilt from its directory or the family's seeded initialization,
@@ -498,6 +499,15 @@ parameter before activations. Three options cut that, alone or together:
   scaled by each weight's RMS). Step events carry `optim_state_bytes`, what the
   state really occupies, and the dashboard shows it beside the memory. A
   checkpoint resumes only with the optimizer that wrote it.
+- The estimate a run prints before it builds anything counts these choices from
+  the shapes (`trainer/contract/estimate.py`): fp32 weights, 4-byte gradients
+  and the optimizer's state of the trained tensors only (adamw 8 B per
+  parameter; adamw-8bit / adamw-4bit about 2.03 / 1.06 B: codes, one fp32 scale
+  per 256 / 128 values and a code table; adafactor 4 B x (rows + columns) per
+  matrix), a quantized base's linear layers at 0.52 B (nf4) / 1 B (int8) per
+  weight, and shows the optimizer's part: `~0.8 GiB (optimizer 23 MiB)`. The
+  optimizer state of the built tiny models after a step matches it exactly
+  (`tests/test_estimate.py`).
 - `--quantize-base nf4|int8` (QLoRA, needs `--lora` and a model directory):
   the frozen base is loaded through bitsandbytes (nf4: 4-bit NormalFloat with
   double quantization, compute dtype from `--precision`; int8: LLM.int8()),

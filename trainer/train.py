@@ -129,7 +129,7 @@ class Trainer:
                       micro_batch=cfg.toggles.micro_batch_int(), precision=cfg.toggles.precision,
                       device=self.dev.type, capacity=self._rank_memory(),
                       peak_flops=self.peak_flops, world_size=self.world, fsdp=self.parallel == "fsdp",
-                      checkpointing=cfg.toggles.activation_checkpointing)
+                      checkpointing=cfg.toggles.activation_checkpointing, **E.run_options(cfg))
             est = E.estimate(cfg.model.model, cfg.model.size, **kw)
         model = {"family": cfg.model.model, "size": cfg.model.size}
         if est is not None:

@@ -39,6 +39,14 @@ NAN_POLICIES = ("rollback", "stop")
 PARALLEL = ("ddp", "fsdp")
 OPTIMIZERS = ("adamw", "adamw-8bit", "adamw-4bit", "adafactor")
 QUANTIZE_BASE = ("none", "nf4", "int8")
+# Module names that get LoRA adapters with `--lora-targets auto`, where the architecture has them (trainer.lora
+# applies the rule to the built model, trainer.contract.estimate to the family's shapes).
+LORA_ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj",               # llama, mistral, qwen, ...
+                          "kv_a_proj_with_mqa", "kv_b_proj", "q_a_proj", "q_b_proj",   # deepseek MLA
+                          "qkv_proj", "c_attn", "query_key_value", "Wqkv", "out_proj")
+LORA_MLP_TARGETS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj",       # SwiGLU
+                    "c_fc", "fc1", "fc2", "w1", "w2", "w3", "dense_h_to_4h", "dense_4h_to_h")
+LORA_DEFAULT_TARGETS = LORA_ATTENTION_TARGETS + LORA_MLP_TARGETS
 MAX_LORA_RANK = 4096
 
 AUTO = "auto"

@@ -9,12 +9,29 @@ what the first step will cost before it spends minutes building the model (issue
   size against the real model built on the meta device.
 - **FLOPs per token** are torchtitan's formula as trainer.flops documents it: ``6 * N + 6 * L * H * (Q_qk +
   Q_v) * T`` with N the active non-embedding parameters.
-- **Memory** of one process: the persistent training state, 16 bytes per parameter (fp32 weights 4,
-  gradients 4, AdamW's two moments 8; autocast keeps fp32 master weights), plus the activations one
+- **Memory** of one process: the persistent training state (`state_bytes`: weights, gradients, optimizer
+  state), plus the activations one
   forward/backward keeps at the starting micro-batch (the first one `--micro-batch auto` probes: 1),
   plus what the runtime itself holds (torch and its libraries on the CPU, the CUDA context on a GPU). The
   activations are counted per token from the shapes (the tensors autograd saves in each layer, the logits
   and their fp32 loss copies) and are an estimate, within a factor of about 1.5 of the measured peak.
+- **The persistent state** follows the run's `--optimizer`, `--lora R`, `--lora-targets` and
+  `--quantize-base`, counted per tensor from the shapes (`tensor_shapes`) as the optimizers allocate it:
+  weights 4 B per parameter (fp32; autocast keeps fp32 master weights) and gradients 4 B per *trained*
+  parameter. Optimizer state per trained tensor (`optimizer_state_bytes`), each plus a 4 B step count:
+  `adamw` two fp32 moments, 8 B per parameter (torch.optim.AdamW); `adamw-8bit` / `adamw-4bit` (torchao.optim
+  AdamW8bit / AdamW4bit, torchao/optim/README.md: block-wise quantization, default block 256 / 128) two
+  moments of 1 B / 0.5 B codes per parameter plus one fp32 scale per block and the code table (256 / 16 fp32
+  values) per moment, about 2.03 / 1.06 B per parameter; torchao keeps fp32 moments (8 B) for a tensor under
+  4096 values or not a multiple of the block ("follow bitsandbytes", torchao/optim/adam.py); `adafactor`
+  (torch.optim.Adafactor, no first moment) keeps for a matrix only a row and a column vector of the second
+  moment, 4 B x (rows + columns) (a 3-D tensor: per leading index), and a full fp32 second moment for a
+  vector: for a d x d matrix 8/d B per parameter, a small fraction of AdamW's 8. With LoRA only the adapters
+  (A: R x in, B: out x R per targeted linear layer, fp32) have gradients and optimizer state; the frozen
+  base keeps its weights only, the targeted-or-not linear layers' at 0.5 B (nf4 codes) + 1/64 B (their
+  8-bit absmax per 64 values, double quantization) with `--quantize-base nf4`, 1 B + a fp32 scale per row
+  with `int8`, the embeddings, norms, output head and deepseek's routed experts (not linear layers) at 4 B.
+  tests/test_estimate.py checks the optimizer state against torch's after a step of the built tiny models.
 - **Step time** = FLOPs per token x tokens per step / (peak FLOP/s x an assumed MFU, `ASSUMED_MFU`). The
   peak is the trainer's (trainer.flops: a GPU's datasheet, or the CPU's measured matmul rate); a caller
   without one gets no time.
@@ -22,8 +39,11 @@ what the first step will cost before it spends minutes building the model (issue
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
+
+from .config import AUTO, LORA_DEFAULT_TARGETS
 
 GiB = 1 << 30
 SIZE_ORDER = ("tiny", "small", "medium", "large")
@@ -31,8 +51,16 @@ FAMILIES = ("llama", "deepseek", "llada")
 VOCAB_MULTIPLE = 64
 DEFAULT_VOCAB = 8192          # the builtin BPE tokenizer
 
-# Bytes of persistent training state per parameter: fp32 weights 4 + gradients 4 + AdamW exp_avg 4 + exp_avg_sq 4.
+# Bytes of persistent training state per parameter of a full AdamW run: fp32 weights 4 + gradients 4 + AdamW
+# exp_avg 4 + exp_avg_sq 4 (what `--size auto` plans with; `estimate` counts the run's own optimizer and LoRA).
 TRAIN_BYTES_PER_PARAM = 16
+# torchao's low-bit AdamW (torchao/optim/adam.py, README.md): codes per value (bytes), quantization block,
+# code-table size; tensors under QUANTIZE_MIN values (or not a multiple of the block) keep fp32 moments.
+LOW_BIT = {"adamw-8bit": (1.0, 256, 256), "adamw-4bit": (0.5, 128, 16)}
+QUANTIZE_MIN = 4096
+# A frozen base's linear-layer weight with --quantize-base: bytes per value (nf4: 4-bit codes + an 8-bit
+# absmax per 64 values, double quantization; int8: 1 byte, plus a fp32 scale per row counted apart).
+QUANTIZED_BASE_BYTES = {"nf4": 0.5 + 1 / 64, "int8": 1.0}
 # Memory the runtime holds besides the model: torch, its libraries and the data on the CPU; the CUDA context
 # and allocator slack on a GPU.
 RUNTIME_BYTES = {"cpu": int(0.75 * GiB), "cuda": int(1.0 * GiB)}
@@ -124,6 +152,127 @@ def param_counts(family: str, size: str, vocab_size: int = DEFAULT_VOCAB) -> Par
     return ParamCounts(total, total, embed)
 
 
+@dataclass(frozen=True)
+class Tensor:
+    """`count` parameters of one shape; `linear` names the linear layer it is the weight of ('' if none),
+    `fused` the fused 3-D expert parameter it is (deepseek's routed experts: gate_up_proj, down_proj)."""
+
+    shape: tuple[int, ...]
+    count: int = 1
+    linear: str = ""
+    fused: str = ""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def tensor_shapes(family: str, size: str, vocab_size: int = DEFAULT_VOCAB) -> list[Tensor]:
+    """Every parameter tensor of a family at a size, by shape (linear weights are (out, in), as torch holds
+    them; deepseek's routed experts are fused 3-D tensors). Sums to `param_counts(...).total` (a test checks)."""
+    d = SIZES[size]
+    v, h, n = padded_vocab(family, vocab_size), d.hidden, d.layers
+    out = [Tensor((v, h)), Tensor((v, h), linear="lm_head"), Tensor((h,)), Tensor((h,), 2 * n)]
+
+    def mlp(width: int, count: int) -> list[Tensor]:
+        return [Tensor((width, h), count, "gate_proj"), Tensor((width, h), count, "up_proj"),
+                Tensor((h, width), count, "down_proj")]
+
+    if family != "deepseek":
+        return out + [Tensor((h, h), n, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")] + mlp(d.ffn, n)
+    qk = d.qk_nope + d.qk_rope
+    moe = n - 1
+    return out + [Tensor((d.heads * qk, h), n, "q_proj"), Tensor((d.kv_lora + d.qk_rope, h), n, "kv_a_proj_with_mqa"),
+                  Tensor((d.kv_lora,), n), Tensor((d.heads * (d.qk_nope + d.v_head), d.kv_lora), n, "kv_b_proj"),
+                  Tensor((h, d.heads * d.v_head), n, "o_proj"),
+                  *mlp(d.ffn, 1), *mlp(d.shared * d.moe_ffn, moe),
+                  Tensor((d.experts, 2 * d.moe_ffn, h), moe, fused="gate_up_proj"),
+                  Tensor((d.experts, h, d.moe_ffn), moe, fused="down_proj"),
+                  Tensor((d.experts, h), moe)]
+
+
+def lora_targets(family: str, targets: str = AUTO) -> list[str]:
+    """The linear layers that get adapters: `--lora-targets auto` picks the attention and MLP projections
+    the family has (config.LORA_DEFAULT_TARGETS, the rule trainer.lora applies to the built model)."""
+    names = {t.linear for t in tensor_shapes(family, "tiny") if t.linear}
+    wanted = LORA_DEFAULT_TARGETS if targets == AUTO else tuple(targets.split(","))
+    return [n for n in wanted if n in names]
+
+
+def trained_tensors(family: str, size: str, lora: int = 0, targets: str = AUTO,
+                    vocab_size: int = DEFAULT_VOCAB) -> list[Tensor]:
+    """The tensors that have gradients and optimizer state: all of them, or with `lora` R the adapters
+    A (R x in) and B (out x R) of every targeted linear layer.
+
+    A model with fused experts (deepseek) is adapted the way peft (0.21 with transformers 5, as installed) maps MLP
+    targets onto it: gate_proj / up_proj / down_proj become adapters of the fused expert parameters (one
+    A (R*E x in), B (out x R*E) per parameter, rank doubled for gate_up_proj, which holds two matrices) and
+    the dense and shared-expert MLPs of those names get none; tests/test_estimate.py checks the counts
+    against the built model."""
+    tensors = tensor_shapes(family, size, vocab_size)
+    if not lora:
+        return tensors
+    chosen = set(lora_targets(family, targets))
+    fused = {t.fused for t in tensors if t.fused}
+    if fused:
+        mlp = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
+        fused = {mlp[n] for n in chosen if n in mlp}
+        chosen -= set(mlp)
+    out = []
+    for t in tensors:
+        if t.linear in chosen:
+            rows, cols = t.shape
+            out += [Tensor((lora, cols), t.count), Tensor((rows, lora), t.count)]
+        elif t.fused in fused:
+            experts, rows, cols = t.shape
+            r = lora * experts * (2 if t.fused == "gate_up_proj" else 1)
+            out += [Tensor((r, cols), t.count), Tensor((rows, r), t.count)]
+    return out
+
+
+def optimizer_state_bytes(optimizer: str, tensors: list[Tensor]) -> int:
+    """Bytes `optimizer` keeps for `tensors` once it has stepped (see the module docstring for the sources)."""
+    total = 0
+    for t in tensors:
+        n = t.numel
+        if optimizer == "adafactor":
+            if len(t.shape) > 1:
+                lead = math.prod(t.shape[:-2])
+                b = 4 * lead * (t.shape[-2] + t.shape[-1])
+            else:
+                b = 4 * n
+        elif optimizer in LOW_BIT and n >= QUANTIZE_MIN and n % LOW_BIT[optimizer][1] == 0:
+            code, block, table = LOW_BIT[optimizer]
+            b = int(2 * (n * code + 4 * (n // block) + 4 * table))
+        else:                                       # adamw, and the low-bit ones' small tensors: fp32 moments
+            b = 8 * n
+        total += (b + 4) * t.count                  # + the step count (a fp32 scalar tensor)
+    return total
+
+
+def weight_bytes(family: str, size: str, lora: int = 0, quantize_base: str = "none",
+                 vocab_size: int = DEFAULT_VOCAB) -> int:
+    """Bytes of the weights: fp32, with a quantized frozen base's linear layers (not the output head,
+    which bitsandbytes keeps) at QUANTIZED_BASE_BYTES, plus the adapters' fp32 weights."""
+    total = 0
+    for t in tensor_shapes(family, size, vocab_size):
+        q = QUANTIZED_BASE_BYTES.get(quantize_base) if lora else None
+        if q is not None and t.linear and t.linear != "lm_head":
+            total += int(t.numel * q + (4 * t.shape[0] if quantize_base == "int8" else 0)) * t.count
+        else:
+            total += 4 * t.numel * t.count
+    return total
+
+
+def fmt_size(b: float) -> str:
+    """Bytes for a line of the estimate: '1.2 GiB', or '24 MiB' / '12 KiB' below a tenth of a GiB."""
+    if b >= GiB / 10:
+        return f"{b / GiB:.1f} GiB"
+    if b >= 1 << 20:
+        return f"{b / (1 << 20):.0f} MiB"
+    return f"{b / 1024:.0f} KiB"
+
+
 def flops_per_token(family: str, size: str, seq_len: int, vocab_size: int = DEFAULT_VOCAB) -> int:
     """Training FLOPs per token (forward + backward), torchtitan's formula (trainer.flops)."""
     d = SIZES[size]
@@ -166,6 +315,7 @@ class Estimate:
     active_params: int
     flops_per_token: int
     state_bytes: int          # weights + gradients + optimizer state
+    optimizer_bytes: int      # the optimizer state alone (part of state_bytes)
     activation_bytes: int     # at `micro_batch`
     runtime_bytes: int
     micro_batch: int
@@ -173,6 +323,8 @@ class Estimate:
     capacity: int | None      # usable bytes of the device (RAM on the CPU), None if unknown
     step_s: float | None      # None without a peak
     device: str = "cpu"
+    optimizer: str = "adamw"
+    trainable_params: int = 0  # parameters with gradients (all, or the LoRA adapters)
 
     @property
     def total_bytes(self) -> int:
@@ -190,13 +342,17 @@ class Estimate:
         """The estimate as the early hello carries it (bytes, seconds)."""
         return {"params": self.total_params, "active_params": self.active_params,
                 "flops_per_token": self.flops_per_token, "state_bytes": self.state_bytes,
+                "optimizer_bytes": self.optimizer_bytes,
                 "activation_bytes": self.activation_bytes, "runtime_bytes": self.runtime_bytes,
                 "total_bytes": self.total_bytes, "capacity_bytes": self.capacity, "micro_batch": self.micro_batch,
                 "step_s": self.step_s, "assumed_mfu": ASSUMED_MFU}
 
-    def summary(self, where: str, steps: int | None = None) -> str:
-        """'deepseek medium on this CPU: ~14.2 GiB, ~3.5 min per step' (', ~2.5 h for 40 steps' with `steps`)."""
+    def summary(self, where: str, steps: int | None = None, optimizer: bool = True) -> str:
+        """'deepseek medium on this CPU: ~14.2 GiB (optimizer 6.8 GiB), ~3.5 min per step' (', ~2.5 h for 40
+        steps' with `steps`; without the optimizer's part where the caller itemizes the memory)."""
         out = f"{self.family} {self.size} on {where}: ~{self.total_bytes / GiB:.1f} GiB"
+        if optimizer:
+            out += f" (optimizer {fmt_size(self.optimizer_bytes)})"
         if self.step_s is not None:
             out += f", ~{fmt_seconds(self.step_s)} per step"
             if steps:
@@ -218,13 +374,20 @@ def fmt_seconds(s: float) -> str:
 def estimate(family: str, size: str, *, seq_len: int, global_batch: int, micro_batch: int | None,
              precision: str = "fp32", device: str = "cpu", capacity: int | None = None,
              peak_flops: float | None = None, world_size: int = 1, vocab_size: int = DEFAULT_VOCAB,
-             checkpointing: bool = False, fsdp: bool = False) -> Estimate:
+             checkpointing: bool = False, fsdp: bool = False, optimizer: str = "adamw", lora: int = 0,
+             lora_targets: str = AUTO, quantize_base: str = "none") -> Estimate:
     """The estimate of one rank. `micro_batch` None (auto) counts the first probe's (1); `capacity` is the
-    device's total memory (the usable share is taken here); `peak_flops` one rank's peak, None: no time."""
+    device's total memory (the usable share is taken here); `peak_flops` one rank's peak, None: no time;
+    `optimizer`, `lora` (R, 0: full training), `lora_targets` and `quantize_base` as the config has them
+    (`run_options` reads them)."""
     c = param_counts(family, size, vocab_size)
     fpt = flops_per_token(family, size, seq_len, vocab_size)
     mb = micro_batch or 1
-    state = c.total * TRAIN_BYTES_PER_PARAM // (world_size if fsdp else 1)
+    trained = trained_tensors(family, size, lora, lora_targets, vocab_size)
+    n_trained = sum(t.numel * t.count for t in trained)
+    shards = world_size if fsdp else 1
+    opt = optimizer_state_bytes(optimizer, trained) // shards
+    state = (weight_bytes(family, size, lora, quantize_base, vocab_size) + 4 * n_trained) // shards + opt
     act = activation_bytes_per_token(family, size, seq_len, precision, vocab_size, checkpointing) * mb * seq_len
     tokens = global_batch * seq_len
     step_s = None
@@ -234,7 +397,15 @@ def estimate(family: str, size: str, *, seq_len: int, global_batch: int, micro_b
     return Estimate(family=family, size=size, total_params=c.total, active_params=c.active, flops_per_token=fpt,
                     state_bytes=state, activation_bytes=act, runtime_bytes=RUNTIME_BYTES[kind], micro_batch=mb,
                     tokens_per_step=tokens, capacity=int(capacity * USABLE_SHARE) if capacity else None,
-                    step_s=step_s, device=kind)
+                    step_s=step_s, device=kind, optimizer_bytes=opt, optimizer=optimizer,
+                    trainable_params=n_trained)
+
+
+def run_options(cfg: Any) -> dict[str, Any]:
+    """The estimate's arguments that a TrainConfig's optimizer and fine-tuning sections set."""
+    ft = cfg.finetune
+    return dict(optimizer=cfg.optim.optimizer, lora=ft.lora, lora_targets=ft.lora_targets,
+                quantize_base=ft.quantize_base)
 
 
 def largest_fitting(family: str, **kw: Any) -> str | None:
@@ -248,10 +419,11 @@ def largest_fitting(family: str, **kw: Any) -> str | None:
 
 def refusal(est: Estimate, where: str, fitting: str | None) -> str:
     """The one line of a run that cannot fit: the estimate, and what to do."""
-    parts = (f"{est.state_bytes / GiB:.1f} GiB weights, gradients and AdamW state + "
+    parts = (f"{(est.state_bytes - est.optimizer_bytes) / GiB:.1f} GiB weights and gradients + "
+             f"{fmt_size(est.optimizer_bytes)} {est.optimizer} state + "
              f"{est.activation_bytes / GiB:.1f} GiB activations at micro-batch {est.micro_batch} + "
              f"{est.runtime_bytes / GiB:.1f} GiB runtime")
     cap = f"{est.capacity / GiB:.1f} GiB usable" if est.capacity else "the memory"
     what = (f"the largest {est.family} size that fits is {fitting}: use --size {fitting}" if fitting
             else f"no {est.family} size fits; use a smaller --seq-len or --micro-batch, or a larger device")
-    return f"{est.summary(where)} ({parts}) does not fit in {cap}; {what}"
+    return f"{est.summary(where, optimizer=False)} ({parts}) does not fit in {cap}; {what}"
