@@ -105,8 +105,10 @@ from trainer.contract.config import TrainConfig
 from trainer.train import Trainer
 from trainer import checkpoint as ckpt
 from trainer.contract import rundir
+from trainer.contract.runlock import RunLock
 segments, out = json.loads(sys.argv[1]), sys.argv[2]
 resume = None
+lock = RunLock.for_trainer(out)      # one writer: this process, for every segment (as main_run passes it)
 for config, end in segments:
     cfg = TrainConfig.from_dict(config)
     cfg.run.run_dir, cfg.run.channel = out, None
@@ -114,6 +116,7 @@ for config, end in segments:
     cfg.checkpoint.checkpoint_every, cfg.checkpoint.keep_checkpoints = 0, 1000
     cfg.run.fault = f"stop@{end}" if end < cfg.optim.max_steps else None
     t = Trainer(cfg)
+    t.run_lock = lock
     t.setup()
     assert t.run() == 0
     t.channel.close()
@@ -321,7 +324,8 @@ def test_t_starts_and_stops_tuning_in_a_train_session(tmp_path, monkeypatch):
 
     try:
         session.start()
-        wait_for(lambda: session.state.step, "the first step")
+        wait_for(lambda: (run_dir / "events.jsonl").exists() and events(run_dir, "step"),
+                 "the first step event (a log step)")
         session.toggle_tuning()                                          # t: start
         first = session.controller
         wait_for(lambda: any(e["kind"] == "trial" and e["status"] == "running" for e in events(run_dir, "trial")),
@@ -379,7 +383,8 @@ def test_t_on_a_run_that_logs_every_10_steps_measures_every_step(tmp_path, monke
 
     try:
         session.start()
-        wait_for(lambda: session.state.step, "the first step")
+        wait_for(lambda: (run_dir / "events.jsonl").exists() and events(run_dir, "step"),
+                 "the first step event (a log step)")
         pid = events(run_dir, "hello")[-1]["pid"]
         session.toggle_tuning()
         wait_for(lambda: sum(e["interval_steps"] == 1 for e in events(run_dir, "step")) >= 3, "steps logged one by one")
