@@ -39,7 +39,7 @@ STATUSES = ("starting", "running", "checkpointing", "stopping", "done", "stopped
 ENDED = ("done", "stopped", "failed")      # the run is over: elapsed time stops
 
 # Areas a view can watch separately (`RunState.versions[area]`).
-AREAS = ("run", "step", "device", "log", "tuner")
+AREAS = ("run", "step", "device", "log", "tuner", "progress")   # progress: the per-step counter only
 
 # Step-event series kept as histories, by name.
 STEP_SERIES = ("loss", "tokens_per_s", "mfu", "lr", "grad_norm", "step_ms", "gpu_idle_ms", "mem_bytes")
@@ -296,7 +296,7 @@ class RunState:
     def _on_progress(self, e: ProgressEvent) -> None:
         """A step done between step events: the counter, rate and ETA move; the histories do not."""
         self._live(e.time, e.step, e.tokens)
-        self._bump("run")
+        self._bump("progress")     # the header's counter, rate and ETA; no panel that shows histories
 
     def _live(self, t: float, step: int, tokens: int) -> None:
         self.startup = None

@@ -62,7 +62,7 @@ class StatePanel(Watcher, Widget):
 
 
 class RunHeader(StatePanel):
-    AREAS = ("run", "step", "tuner")
+    AREAS = ("run", "step", "tuner", "progress")
 
     def tick(self, state: RunState) -> object:
         elapsed = state.elapsed()
