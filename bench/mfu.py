@@ -100,7 +100,7 @@ def run(ranks: int, loaded: bool, args: argparse.Namespace, work: Path) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"{name}: trainer exited {proc.returncode}\n{proc.stderr[-2000:]}")
     events = list(read_events(run_dir / "events.jsonl"))
-    hello = next(e for e in events if isinstance(e, HelloEvent))
+    hello = next(e for e in events if isinstance(e, HelloEvent) and not e.early)   # the full hello (the early one has no peak)
     steps = [e for e in events if isinstance(e, StepEvent) and e.rank == 0][1:]   # the first interval warms up
     mfus = [e.mfu for e in steps if e.mfu is not None]
     tps = [e.tokens_per_s for e in steps if e.tokens_per_s is not None]
