@@ -49,8 +49,9 @@ def main() -> int:
         r = subprocess.run([sys.executable, __file__, "--child", "--n", str(args.n), "--seconds", str(args.seconds)],
                            env={**os.environ, **extra}, capture_output=True, text=True, check=True)
         rows[label] = json.loads(r.stdout)
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               "unknown CPU")
+    from trainer.contract.device import cpu_name
+
+    cpu = cpu_name()
     print(f"{args.n}x{args.n} matmul, 1 thread, {cpu}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
     for label, r in rows.items():
         print(f"  {label:20s} fp32 {r['fp32']:6.1f} GFLOP/s  bf16 {r['bf16']:6.1f} GFLOP/s  "

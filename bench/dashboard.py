@@ -58,6 +58,7 @@ import time
 from pathlib import Path
 
 import psutil
+from trainer.contract.device import cpu_name   # noqa: E402  (the project's one reader of /proc/cpuinfo)
 
 DEFAULT_TRAINER = ["--model", "llama", "--size", "tiny", "--seq-len", "64", "--global-batch", "8",
                    "--eval-every", "0", "--checkpoint-every", "0"]
@@ -270,7 +271,7 @@ def measure(args: argparse.Namespace, trainer: list[str]) -> dict:
         "load_avg_1m": round(os.getloadavg()[0], 2),
         "load_avg_1m_during": [round(load0, 2), round(load1, 2)],
         "load_procs": args.load,
-        "cpu_model": cpu_model(),
+        "cpu_model": cpu_name(),
         "run_dir": str(run_dir),
     }
     if trainer_cpu is not None:
@@ -282,17 +283,6 @@ def measure(args: argparse.Namespace, trainer: list[str]) -> dict:
     return result
 
 
-def cpu_model() -> str:
-    """The CPU model name from /proc/cpuinfo (the machine a figure was measured on)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "unknown"
 
 
 def synthetic_child(rate: float, run_dir: Path) -> None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import signal
 import socket
@@ -382,8 +381,9 @@ def two_writers(work: Path) -> None:
 # --------------------------------------------------------------------------- main
 
 def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor() or "?")
+    from trainer.contract.device import cpu_name
+
+    cpu = cpu_name()
     return f"{cpu}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
 
 

@@ -116,14 +116,9 @@ def progress_cost(n: int = 20000) -> float:
 
 
 def machine() -> str:
-    cpu = "cpu"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from trainer.contract.device import cpu_name
+
+    cpu = cpu_name()
     load = os.getloadavg()
     return f"{cpu}, {os.cpu_count()} cores, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}"
 

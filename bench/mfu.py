@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from trainer.contract.device import cpu_name  # noqa: E402
 from trainer.contract.events import HelloEvent, StepEvent, read_events  # noqa: E402
 
 LOAD = "while True: pass"
@@ -49,14 +49,6 @@ print(best / {procs})
 """
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def old_peak(threads: int, procs: int) -> float:
@@ -129,7 +121,7 @@ def main() -> int:
     per_rank = {r["ranks"]: [x["peak_flops"] for x in rows if x["ranks"] == r["ranks"]] for r in rows}
     olds = {r["ranks"]: [x["old_method_peak_flops"] for x in rows if x["ranks"] == r["ranks"]] for r in rows}
     summary = {
-        "date": time.strftime("%Y-%m-%d"), "cpu": cpu_model(), "cores": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "cores": os.cpu_count(),
         "one_rank_threads": args.threads or "torch default",
         "loadavg_before": [round(x, 2) for x in load_before], "rows": rows,
         "mfu_ratio_max_min": max(mfus) / min(mfus) if len(mfus) == len(rows) else None,
