@@ -16,7 +16,6 @@ Exit codes: 0 done, 1 the run failed, 2 bad usage, 130 interrupted.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -217,29 +216,18 @@ def check_run_args(ns: argparse.Namespace, cfg: TrainConfig) -> None:
 
 
 def device_memory(cfg: TrainConfig) -> tuple[str, str, int] | None:
-    """(kind, name, bytes) of the memory one rank of this run will train in, without torch: the GPU's
-    (NVML) for cuda, else the machine's RAM; None when gptop cannot tell (CUDA_VISIBLE_DEVICES renumbers
-    GPUs, an explicit cuda device without NVML): the trainer checks again once it knows its device."""
-    want = cfg.run.device
-    if want != "cpu":
-        if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
-            return None
-        from .nvml import Nvml
+    """(kind, name, bytes) of the memory one rank of this run will train in, without torch: the GPU's for
+    cuda, else the machine's RAM (gptop.telemetry.training_device, the guess that also names `--size auto`
+    run directories); None for an explicit cuda device gptop cannot see: the trainer checks again once it
+    knows its device."""
+    from .telemetry import training_device
 
-        with Nvml() as nv:
-            if nv.available:
-                index = int(want.split(":", 1)[1]) if ":" in want else 0
-                mem = nv.device_query(index, "nvmlDeviceGetMemoryInfo")
-                name = nv.device_query(index, "nvmlDeviceGetName")
-                total = getattr(mem, "total", None)
-                if not total:
-                    return None
-                return "cuda", name.decode() if isinstance(name, bytes) else str(name or f"cuda:{index}"), int(total)
-        if want != "auto":
-            return None
-    import psutil
-
-    return "cpu", "this CPU", int(psutil.virtual_memory().total)
+    dev = training_device(cfg.run.device)
+    if dev.is_cuda:
+        return "cuda", dev.name or f"cuda:{dev.index}", int(dev.total_memory)
+    if cfg.run.device not in ("auto", "cpu"):
+        return None
+    return "cpu", "this CPU", int(dev.total_memory)
 
 
 def check_fits(ns: argparse.Namespace, cfg: TrainConfig) -> None:
