@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -15,6 +14,7 @@ from conftest import TINY
 from trainer import checkpoint as ckpt
 from trainer.contract import rundir
 from trainer.contract.events import parse, read_events, to_dict
+from fixtures.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.process]
 
@@ -24,14 +24,6 @@ def gptop(*args, **kw):
                             text=True, **kw)
 
 
-def wait_for(pred, timeout=120, what="condition"):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def events_of(run_dir, kind=None):

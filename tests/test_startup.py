@@ -17,17 +17,9 @@ from conftest import TINY, trainer_cmd
 from trainer.channel import Channel, StartupStopped
 from trainer.contract import rundir
 from trainer.contract.events import read_events
+from fixtures.waiting import wait_for
 
 
-def wait_for(pred, timeout=120, what="condition"):
-    """A guard against a hang, not a timing assertion."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def events(run_dir):
