@@ -410,7 +410,18 @@ def run_app(session: Session, *, resume: str | None = None, headless: bool = Fal
     signals = signals or StopSignals(TUI_STOP_SIGNALS)
     signals.install()
     try:
-        signals.attach(lambda force: session.stop(force=force))
+        def stop(force: bool) -> None:
+            # as `q` (twice: ctrl+c) in the running app, so a stop after the run ended closes the dashboard
+            # too; before the app runs, the session's own stop
+            if app.is_running:
+                try:
+                    app.call_from_thread(app.run_action, "force_quit" if force else "quit")
+                    return
+                except RuntimeError:        # the app closed in between
+                    pass
+            session.stop(force=force)
+
+        signals.attach(stop)
         if not session.finished:
             session.start(resume=resume)
         app.run(headless=headless)
