@@ -36,9 +36,12 @@ from .contract import events as ev
 from .contract.atomic import disk_error
 
 
-class StartupStopped(Exception):
+class StartupStopped(BaseException):
     """A stop (SIGTERM, SIGINT, or the launcher's stop command) before the first step: nothing to
-    checkpoint, so startup is abandoned at once instead of after minutes of building or compiling."""
+    checkpoint, so startup is abandoned at once instead of after minutes of building or compiling.
+
+    A BaseException, like KeyboardInterrupt, because it is raised asynchronously wherever the main
+    thread happens to be: an `except Exception` in a library building the model must not swallow it."""
 
 
 def _raise_stopped(signum: int, frame: Any) -> None:
@@ -58,6 +61,8 @@ class Channel:
     def __init__(self, events_path: Path | None, uri: str | None = None, rank: int = 0):
         self.rank = rank
         self.starting = True           # until the first step is done: a stop raises StartupStopped
+        self.startup_stop: str | None = None    # a stop that arrived while starting (why), until it is honoured
+        self._raised = False           # StartupStopped was raised once by the signal handler
         self._handlers = False
         self.commands: "queue.SimpleQueue[dict[str, Any]]" = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -108,10 +113,20 @@ class Channel:
     def _interrupt_startup(self) -> None:
         """A stop command before the first step: raise StartupStopped in the main thread now (through the
         SIGINT handler, which is ours), not at a step boundary that may be minutes away."""
-        if self.starting and self._handlers:
-            import _thread
+        if self.starting:
+            self.startup_stop = self.startup_stop or "stop command"
+            if self._handlers:
+                import _thread
 
-            _thread.interrupt_main(signal.SIGINT)
+                _thread.interrupt_main(signal.SIGINT)
+
+    def check_startup(self) -> None:
+        """Raise StartupStopped if a stop arrived while starting and has not ended startup yet: called at
+        every startup phase and before the first step, so a stop is honoured even when the asynchronous
+        raise landed where it could not propagate (a __del__, a C callback, a library's own catch-all)."""
+        if self.starting and self.startup_stop is not None:
+            self.starting = False
+            raise StartupStopped(self.startup_stop)
 
     def started(self) -> None:
         """The first step is done: from here a stop finishes the step and checkpoints."""
@@ -121,8 +136,10 @@ class Channel:
         """SIGTERM/SIGINT: graceful stop (a second one is honoured at the next step too); SIGUSR1: checkpoint."""
         def stop(signum, frame):
             if self.starting:
-                self.starting = False      # once: a second stop (the signal after the command) is only queued
-                raise StartupStopped(signal.Signals(signum).name)
+                self.startup_stop = self.startup_stop or signal.Signals(signum).name
+                if not self._raised:       # once: a second stop (the signal after the command) is only queued
+                    self._raised = True
+                    raise StartupStopped(self.startup_stop)
             self.commands.put({"cmd": "stop", "reason": signal.Signals(signum).name, "source": "signal"})
 
         signal.signal(signal.SIGTERM, stop)

@@ -108,6 +108,7 @@ class Trainer:
 
     def phase(self, phase: str, message: str, pct: float | None = None) -> None:
         """A startup phase (tokenizing, building, loading, probing, compiling): an event and a log line."""
+        self.channel.check_startup()
         self.emit0("phase", phase=phase, message=message, pct=pct)
         if pct is None:
             self.log(message)
@@ -476,6 +477,7 @@ class Trainer:
 
     def _step_boundary(self) -> str | None:
         """Act on what the ranks agreed (trainer.commands); returns a stop reason."""
+        self.channel.check_startup()                 # a stop during startup never waits for a first step
         if self.channel.write_error is not None:     # events.jsonl could not be written: stop, exit 8
             raise self.channel.write_error
         decision = self.commands.poll(stop_fault=self.faults.stop_requested(self.progress.step))
