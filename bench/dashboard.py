@@ -133,7 +133,9 @@ class Terminal:
 
 
 def read_steps(events: Path) -> dict[int, float]:
-    """step -> event time of the primary rank's step events (the last one, after a rollback)."""
+    """step -> event time of the primary rank's step events (the last one, after a rollback). Progress events
+    count too where they are in the file: the synthetic mode writes them there (a trainer sends them on the live
+    channel only)."""
     out: dict[int, float] = {}
     if not events.exists():
         return out
@@ -142,7 +144,7 @@ def read_steps(events: Path) -> dict[int, float]:
             e = json.loads(line)
         except ValueError:
             continue
-        if e.get("type") == "step" and not e.get("rank"):
+        if e.get("type") in ("step", "progress") and not e.get("rank"):
             out[int(e["step"])] = float(e["time"])
     return out
 
@@ -199,7 +201,7 @@ def measure(args: argparse.Namespace, trainer: list[str]) -> dict:
     bare = None
     if args.mode == "synthetic":
         argv = [sys.executable, str(Path(__file__).resolve()), "--synthetic-child", "--rate", str(args.rate),
-                "--run-dir", str(run_dir)]
+                "--progress-rate", str(args.progress_rate), "--run-dir", str(run_dir)]
     elif args.mode == "train":
         argv = [sys.executable, "-m", "gptop", "train", *flags, "--run-dir", str(run_dir)]
     else:
@@ -232,7 +234,7 @@ def measure(args: argparse.Namespace, trainer: list[str]) -> dict:
             now, c = time.monotonic(), gptop.cpu_times()
             per_second.append(100.0 * (c.user + c.system - last_c.user - last_c.system) / (now - last_t))
             last_t, last_c = now, c
-        t1, c1 = time.monotonic(), gptop.cpu_times()
+        t1, c1, seen1 = time.monotonic(), gptop.cpu_times(), set(term.first_seen)
         r1 = refp.cpu_times() if refp is not None else None
         load1 = os.getloadavg()[0]
         rss = gptop.memory_info().rss
@@ -257,6 +259,7 @@ def measure(args: argparse.Namespace, trainer: list[str]) -> dict:
     cpu_s = (c1.user + c1.system) - (c0.user + c0.system)
     result = {
         "mode": args.mode, "size": f"{cols}x{rows}", "log_every": args.log_every, "seconds": round(wall, 1),
+        **({"rate": args.rate, "progress_rate": args.progress_rate} if args.mode == "synthetic" else {}),
         "gptop_cpu_pct_of_one_core": round(100.0 * cpu_s / wall, 2),
         "gptop_cpu_pct_per_second_max": round(max(per_second), 1) if per_second else None,
         "gptop_rss_mb": round(rss / 2**20, 1), "gptop_threads": threads,
@@ -266,6 +269,8 @@ def measure(args: argparse.Namespace, trainer: list[str]) -> dict:
         "latency_ms_max": round(max(lat), 1) if lat else None,
         "latency_ms_all": [round(x, 1) for x in lat],
         "terminal_kb_per_s": round(term.bytes / 1024 / max(1e-9, wall), 1),
+        # steps the header counted during the window (progress events move it every step): the input rate
+        "steps_per_s": round((max(seen1) - max(seen0)) / wall, 2) if seen0 and seen1 else None,
         "gptop_exit_code": code,
         "machine_cpus": os.cpu_count(),
         "load_avg_1m": round(os.getloadavg()[0], 2),
@@ -285,9 +290,11 @@ def measure(args: argparse.Namespace, trainer: list[str]) -> dict:
 
 
 
-def synthetic_child(rate: float, run_dir: Path) -> None:
-    """The dashboard on a RunState fed by a thread (the Session's role), also writing the step
-    events to run_dir/events.jsonl so the parent can match them with the screen."""
+def synthetic_child(rate: float, progress_rate: float, run_dir: Path) -> None:
+    """The dashboard on a RunState fed by a thread (the Session's role), also writing the step (and
+    progress) events to run_dir/events.jsonl so the parent can match them with the screen. With
+    `progress_rate`, the stream is a run's: a progress event every step, `progress_rate` a second, and a step
+    event every 10th step (`rate` is then ignored)."""
     import math
     import random
 
@@ -310,6 +317,7 @@ def synthetic_child(rate: float, run_dir: Path) -> None:
     def feed() -> None:
         rng = random.Random(0)
         step, next_step, next_dev = 0, time.time(), time.time()
+        every = (1.0 / progress_rate) if progress_rate > 0 else None
         while not stop.is_set():
             now = time.time()
             if now >= next_dev:
@@ -320,15 +328,22 @@ def synthetic_child(rate: float, run_dir: Path) -> None:
                 next_dev += 0.5
             if now >= next_step:
                 step += 1
-                ms = 200 + 20 * math.sin(step / 10)
-                e = ev.StepEvent(step=step, tokens=step * 512, loss=2 + 8 * math.exp(-step / 300), lr=1e-3,
-                                 grad_norm=1.0, step_ms=ms,
-                                 phases_ms={"data": 2.0, "forward": ms * .3, "backward": ms * .55,
-                                            "optimizer": ms * .14, "other": ms * .01},
-                                 tokens_per_s=512 / ms * 1000, mfu=None, mem_bytes=600_000_000)
-                out.write(ev.dumps(e) + "\n")
-                state.apply(e)
-                next_step = now + rng.uniform(0.5, 1.5) / rate   # jittered, not in phase with any timer
+                ms = 1000 * every if every is not None else 200 + 20 * math.sin(step / 10)
+                if every is not None:        # a run's stream: a progress event each step, a step event every 10th
+                    p = ev.ProgressEvent(time=now, step=step, tokens=step * 512, step_ms=ms)
+                    out.write(ev.dumps(p) + "\n")
+                    state.apply(p)
+                if every is None or step % 10 == 0:
+                    e = ev.StepEvent(time=now, step=step, tokens=step * 512, loss=2 + 8 * math.exp(-step / 300),
+                                     lr=1e-3, grad_norm=1.0, step_ms=ms,
+                                     phases_ms={"data": 2.0, "forward": ms * .3, "backward": ms * .55,
+                                                "optimizer": ms * .14, "other": ms * .01},
+                                     tokens_per_s=512 / ms * 1000, mfu=None, mem_bytes=600_000_000)
+                    if every is None:
+                        out.write(ev.dumps(e) + "\n")
+                    state.apply(e)
+                # jittered, not in phase with any timer
+                next_step = now + (rng.uniform(0.9, 1.1) * every if every is not None else rng.uniform(0.5, 1.5) / rate)
             time.sleep(max(0.0, min(next_step, next_dev) - time.time()))
 
     feeder = threading.Thread(target=feed, daemon=True)
@@ -344,6 +359,9 @@ def main() -> None:
                     help="train: `gptop train` runs the trainer; monitor: `gptop --run-dir` attached to a live "
                          "trainer; synthetic: the dashboard fed by a thread, no trainer (default: train)")
     ap.add_argument("--rate", type=float, default=5.0, help="synthetic: step events per second (default: 5)")
+    ap.add_argument("--progress-rate", type=float, default=0.0, metavar="R",
+                    help="synthetic: a run's stream instead, a progress event R times a second (one per step, as a "
+                         "trainer sends them) and a step event every 10th step (default: 0, off)")
     ap.add_argument("--synthetic-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--size", default="160x48", help="terminal COLSxROWS (default: 160x48)")
@@ -362,7 +380,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args, extra = ap.parse_known_args()
     if args.synthetic_child:
-        synthetic_child(args.rate, Path(args.run_dir))
+        synthetic_child(args.rate, args.progress_rate, Path(args.run_dir))
         return
     trainer = [a for a in extra if a != "--"] or DEFAULT_TRAINER
     r = measure(args, trainer)
@@ -385,6 +403,8 @@ def main() -> None:
               f"target <= 250 ms: {'ok' if ok_lat else 'MISSED'}")
     else:
         print("  event -> screen: no step event during the measurement (raise --seconds or lower --log-every)")
+    if r["steps_per_s"] is not None:
+        print(f"  steps counted on screen: {r['steps_per_s']} a second")
     print(f"  gptop RSS {r['gptop_rss_mb']} MB, {r['gptop_threads']} threads, terminal output "
           f"{r['terminal_kb_per_s']} KB/s" + (f"; trainer {r['trainer_cpu_pct_of_one_core']}% of one core"
                                               if "trainer_cpu_pct_of_one_core" in r else ""))

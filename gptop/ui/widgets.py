@@ -1,5 +1,5 @@
 """The dashboard's panels. Each watches some areas of RunState (`state.versions`)
-and re-renders only when one of them changed; the app's poll timer calls
+and re-renders only when one of them changed; the app's frame (GptopApp.frame) calls
 `sync()`. Content comes from gptop.ui.render, sized to the widget."""
 
 from __future__ import annotations
@@ -18,7 +18,10 @@ class Watcher:
     """Mixin: remembers which versions of its state areas it last showed."""
 
     AREAS: tuple[str, ...] = ()
-    MIN_REDRAW_S = 0.0      # at most one redraw per this many seconds (besides the app's own min_redraw)
+    # At most one redraw per this many seconds (besides the app's frame rate, GptopApp.frame_s): the panels that
+    # draw histories (charts, bars, breakdowns) change meaningfully at the log interval, not per event, and are
+    # most of a frame's cost; the header's counter and the log follow every frame.
+    MIN_REDRAW_S = 0.0
 
     def tick(self, state: RunState) -> object:
         """A clock the panel shows (elapsed, budget left), at the resolution shown: when it changes the panel
@@ -107,6 +110,7 @@ class DevicePanel(StatePanel):
 
 class StepPanel(StatePanel):
     AREAS = ("step", "run")
+    MIN_REDRAW_S = 1.0      # a history panel: see Watcher.MIN_REDRAW_S
 
     def build(self, width: int, height: int) -> RenderableType:
         return render.breakdown(self.state, width, height)
@@ -114,6 +118,7 @@ class StepPanel(StatePanel):
 
 class TrainPanel(StatePanel):
     AREAS = ("step",)   # energy per token moves with the steps; device samples alone need no redraw
+    MIN_REDRAW_S = 1.0      # a history panel (the loss chart): see Watcher.MIN_REDRAW_S
 
     def __init__(self, state: RunState, **kwargs) -> None:
         super().__init__(state, **kwargs)
