@@ -160,6 +160,7 @@ class GptopApp(App[None]):
         self._last_frame = float("-inf")
         self._frame_due: float | None = None     # when the scheduled frame runs (None: none scheduled)
         self._frame_timer: Timer | None = None
+        self._frame_at_clock = False             # the scheduled frame is the earliest one the frame rate allows
         self._watchers: list[Watcher] | None = None
         if state.run_name:
             self.title = f"gptop · {state.run_name}"
@@ -191,8 +192,10 @@ class GptopApp(App[None]):
     # --- the update loop ----------------------------------------------------
     def _wake(self) -> None:
         """Called by the state's writer threads after each change: queue one StateChanged for the
-        app (`post_message` is thread-safe; one at a time, so a burst of events costs one poll)."""
-        if self._wake_pending:
+        app (`post_message` is thread-safe; one at a time, so a burst of events costs one poll). While
+        a frame is already due at the frame clock, nothing: that frame reads the state as it is then
+        (it clears `_frame_at_clock` before it reads, so no change is missed)."""
+        if self._wake_pending or self._frame_at_clock:
             return
         self._wake_pending = True
         if not self.post_message(StateChanged()):   # the app is closing
@@ -232,9 +235,14 @@ class GptopApp(App[None]):
                 self.frame()
             else:
                 self._frame_due = due
-                self._frame_timer = self.set_timer(due - now, self.frame, name="gptop-frame")
+                self._frame_at_clock = due <= self._last_frame + self.frame_s
+                self._frame_timer = self.set_timer(due - now, self._frame_time, name="gptop-frame")
         if self.session_over():
             self.exit()
+
+    def _frame_time(self) -> None:
+        self._frame_timer = None   # it fired: nothing to stop
+        self.frame()
 
     def frame(self) -> None:
         """One frame: redraw every stale panel whose own interval is up, with the state as it is now, in
@@ -242,7 +250,7 @@ class GptopApp(App[None]):
         `MIN_REDRAW_S` gets a later frame, so the last state is always drawn."""
         if self._frame_timer is not None:
             self._frame_timer.stop()
-        self._frame_timer, self._frame_due = None, None
+        self._frame_timer, self._frame_due, self._frame_at_clock = None, None, False   # before reading the state
         now = monotonic()
         self._last_frame = now
         with self.batch_update():
