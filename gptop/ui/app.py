@@ -24,6 +24,7 @@ done/failed stays on screen until `q`), or at once after a force stop.
 
 from __future__ import annotations
 
+import math
 import time
 from time import monotonic
 from typing import Awaitable, Callable, Iterable, Protocol
@@ -213,14 +214,27 @@ class GptopApp(App[None]):
         return self._watchers
 
     def _next_frame(self) -> float | None:
-        """When the next frame is due: the earliest time a stale panel may be redrawn (not before
-        `frame_s` after the last frame, nor before its own `MIN_REDRAW_S`); None when nothing changed."""
+        """When the next frame is due: the earliest time a stale panel may be redrawn (not in the same
+        `frame_s` slot as the last frame, nor in the same `MIN_REDRAW_S` slot as its own last redraw; the
+        slots are aligned, so that a burst's frames and the once-a-second panels fall together); None when
+        nothing changed."""
         due = None
         for w in self.watchers():
             if w.stale(self.state):
-                t = max(self._last_frame + self.frame_s, w.synced_at() + w.MIN_REDRAW_S)
+                t = max(self._slot_after(self._last_frame, self.frame_s),
+                        self._slot_after(w.synced_at(), w.MIN_REDRAW_S))
                 due = t if due is None else min(due, t)
         return due
+
+    @staticmethod
+    def _slot_after(t: float, every: float) -> float:
+        """The first time after `t` that something drawn at most every `every` seconds may be drawn again:
+        the next multiple of `every` on the monotonic clock, so that the panels with the same interval (the
+        device, step and training panels, once a second) come due together, on a frame of the frame clock,
+        and share one frame."""
+        if every <= 0 or t == float("-inf"):
+            return t + every
+        return (math.floor(t / every) + 1) * every
 
     def poll(self) -> None:
         """Schedule a frame when something changed (drawn at once after a quiet spell, else at the next
@@ -235,7 +249,7 @@ class GptopApp(App[None]):
                 self.frame()
             else:
                 self._frame_due = due
-                self._frame_at_clock = due <= self._last_frame + self.frame_s
+                self._frame_at_clock = due <= self._slot_after(self._last_frame, self.frame_s)
                 self._frame_timer = self.set_timer(due - now, self._frame_time, name="gptop-frame")
         if self.session_over():
             self.exit()
@@ -255,7 +269,7 @@ class GptopApp(App[None]):
         self._last_frame = now
         with self.batch_update():
             for w in self.watchers():
-                if w.stale(self.state) and now - w.synced_at() >= w.MIN_REDRAW_S - 0.005:   # timer slack
+                if w.stale(self.state) and now >= self._slot_after(w.synced_at(), w.MIN_REDRAW_S) - 0.005:  # slack
                     w.mark(self.state, now)
                     w.sync(self.state)
             self._sync_layout()
