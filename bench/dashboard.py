@@ -31,7 +31,14 @@ second with `time` = now, a device sample every 0.5 s). It measures the UI's own
     python bench/dashboard.py --mode monitor       # `gptop --run-dir` attached to a live trainer
     python bench/dashboard.py --mode synthetic --rate 5 --seconds 60   # the UI alone, 5 events/s
     python bench/dashboard.py --load 2 --compare top   # busy machine, top -b -d 1 measured alongside
+    python bench/dashboard.py --mode synthetic --progress-rate 2.2   # a run's per-step progress stream, 0.45 s a step
     python bench/dashboard.py --json               # one JSON object instead of the table
+    git worktree add /tmp/gptop-base main          # then: before/after on the same machine, alternating
+    python bench/dashboard.py --mode synthetic --progress-rate 2.2 --baseline-tree /tmp/gptop-base --rounds 3
+
+At a fixed event rate (the synthetic mode) the CPU share hardly depends on the machine's load; a live
+run's does, because a loaded machine slows the trainer and so the event rate: "CPU per 100 steps"
+divides that out.
 
 Extra arguments after `--` go to the trainer (default: a tiny llama on the CPU that outlives the
 measurement).
@@ -69,7 +76,7 @@ class Terminal:
     """A process on a pseudo-terminal of a fixed size; a reader thread keeps the output drained and
     remembers when each `step N/...` first appeared."""
 
-    def __init__(self, argv: list[str], cols: int, rows: int, env: dict[str, str]) -> None:
+    def __init__(self, argv: list[str], cols: int, rows: int, env: dict[str, str], cwd: Path | None = None) -> None:
         self.master, slave = pty.openpty()
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
 
@@ -77,7 +84,7 @@ class Terminal:
             os.setsid()
             fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
-        self.proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env,
+        self.proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env, cwd=cwd,
                                      preexec_fn=controlling_tty, close_fds=True)
         os.close(slave)
         self.first_seen: dict[int, float] = {}
@@ -192,9 +199,16 @@ def stop_procs(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def measure(args: argparse.Namespace, trainer: list[str]) -> dict:
+REPO = Path(__file__).resolve().parents[1]
+
+
+def measure(args: argparse.Namespace, trainer: list[str], tree: Path = REPO) -> dict:
+    """One measurement, with gptop (and the trainer) imported from `tree`: PYTHONPATH and the working
+    directory (`python -m` puts the working directory first on sys.path)."""
     cols, rows = (int(x) for x in args.size.lower().split("x"))
     env = dict(os.environ, TERM="xterm-256color", COLORTERM="truecolor", LINES=str(rows), COLUMNS=str(cols))
+    env["PYTHONPATH"] = os.pathsep.join([str(tree)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                                       if p and Path(p).resolve() not in (REPO, tree.resolve())])
     env.pop("TEXTUAL", None)
     run_dir = Path(tempfile.mkdtemp(prefix="gptop-bench-"))
     flags = trainer + ["--max-steps", str(args.max_steps), "--log-every", str(args.log_every)]
@@ -205,12 +219,13 @@ def measure(args: argparse.Namespace, trainer: list[str]) -> dict:
     elif args.mode == "train":
         argv = [sys.executable, "-m", "gptop", "train", *flags, "--run-dir", str(run_dir)]
     else:
-        bare = subprocess.Popen([sys.executable, "-m", "trainer", *flags, "--run-dir", str(run_dir)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        bare = subprocess.Popen([sys.executable, "-m", "trainer", *flags, "--run-dir", str(run_dir)], env=env,
+                                cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
         events = run_dir / "events.jsonl"
         wait_for(lambda: events.exists() and b'"hello"' in events.read_bytes(), 300, "the trainer's hello", bare)
         argv = [sys.executable, "-m", "gptop", "--run-dir", str(run_dir)]
-    term = Terminal(argv, cols, rows, env)
+    term = Terminal(argv, cols, rows, env, cwd=tree)
     load: list[subprocess.Popen] = []
     ref = None
     try:
@@ -271,6 +286,10 @@ def measure(args: argparse.Namespace, trainer: list[str]) -> dict:
         "terminal_kb_per_s": round(term.bytes / 1024 / max(1e-9, wall), 1),
         # steps the header counted during the window (progress events move it every step): the input rate
         "steps_per_s": round((max(seen1) - max(seen0)) / wall, 2) if seen0 and seen1 else None,
+        # the load-independent figure: CPU per unit of input (the CPU share moves with the step rate, which a
+        # loaded machine changes; at a fixed rate, as in the synthetic mode, the two say the same)
+        "gptop_cpu_ms_per_100_steps": (round(1e5 * cpu_s / (max(seen1) - max(seen0)), 1)
+                                       if seen0 and seen1 and max(seen1) > max(seen0) else None),
         "gptop_exit_code": code,
         "machine_cpus": os.cpu_count(),
         "load_avg_1m": round(os.getloadavg()[0], 2),
@@ -377,16 +396,65 @@ def main() -> None:
                     help="run this monitor side by side during the same window and report its CPU too")
     ap.add_argument("--compare-interval", type=float, default=1.0, metavar="S",
                     help="the compared monitor's refresh period (default: 1 s)")
-    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--rounds", type=int, default=1, metavar="N", help="measure N times (default: 1)")
+    ap.add_argument("--baseline-tree", default=None, metavar="DIR",
+                    help="also measure gptop imported from DIR (another checkout, e.g. `git worktree add "
+                         "/tmp/gptop-base main`), alternating with this tree for --rounds rounds, and print the "
+                         "medians and the ratio this tree / DIR")
+    ap.add_argument("--json", action="store_true", help="print one JSON object per measurement")
     args, extra = ap.parse_known_args()
     if args.synthetic_child:
         synthetic_child(args.rate, args.progress_rate, Path(args.run_dir))
         return
     trainer = [a for a in extra if a != "--"] or DEFAULT_TRAINER
-    r = measure(args, trainer)
-    if args.json:
-        print(json.dumps(r))
+    if args.baseline_tree:
+        compare_trees(args, trainer, Path(args.baseline_tree))
         return
+    for _ in range(args.rounds):
+        r = measure(args, trainer)
+        if args.json:
+            print(json.dumps(r))
+        else:
+            report(r)
+
+
+def compare_trees(args: argparse.Namespace, trainer: list[str], base: Path) -> None:
+    """`--rounds` measurements of each tree, alternating (baseline first), so that both see the same
+    machine; one line each, then the medians and the ratio this tree / baseline."""
+    if not (base / "gptop" / "ui" / "app.py").exists():
+        raise SystemExit(f"bench: --baseline-tree {base}: no gptop/ui/app.py there; give a checkout of gptop, "
+                         "e.g. `git worktree add /tmp/gptop-base main`")
+    results: dict[str, list[dict]] = {"baseline": [], "this tree": []}
+    for i in range(args.rounds):
+        for name, tree in (("baseline", base), ("this tree", REPO)):
+            r = measure(args, trainer, tree)
+            r["tree"] = str(tree)
+            results[name].append(r)
+            if args.json:
+                print(json.dumps(r))
+            else:
+                print(f"round {i + 1} {name:9s} ({tree}): {r['gptop_cpu_pct_of_one_core']:.2f}% of one core "
+                      f"(worst second {r['gptop_cpu_pct_per_second_max']}%), "
+                      f"{r['gptop_cpu_ms_per_100_steps']} ms CPU per 100 steps, {r['steps_per_s']} steps/s, "
+                      f"latency p95 {r['latency_ms_p95']} ms, top {r.get('compare_cpu_pct_of_one_core')}%, load "
+                      f"{r['load_avg_1m_during'][0]}-{r['load_avg_1m_during'][1]}", flush=True)
+
+    def med(name: str, key: str) -> float | None:
+        vals = [r[key] for r in results[name] if r.get(key) is not None]
+        return statistics.median(vals) if vals else None
+
+    if args.json:
+        return
+    print(f"medians over {args.rounds} round(s), {REPO} vs baseline {base}:")
+    for key, label in (("gptop_cpu_pct_of_one_core", "% of one core"),
+                       ("gptop_cpu_ms_per_100_steps", "ms CPU per 100 steps"),
+                       ("latency_ms_p95", "latency p95 ms")):
+        b, t = med("baseline", key), med("this tree", key)
+        ratio = f"{t / b:.2f}" if b and t is not None else "n/a"
+        print(f"  {label:22s} baseline {b}  this tree {t}  ratio {ratio}")
+
+
+def report(r: dict) -> None:
     ok_cpu = r["gptop_cpu_pct_of_one_core"] <= 3.0
     ok_lat = r["latency_ms_p95"] is not None and r["latency_ms_p95"] <= 250.0
     print(f"gptop dashboard cost: mode {r['mode']}, {r['size']}, --log-every {r['log_every']}, "
@@ -405,6 +473,8 @@ def main() -> None:
         print("  event -> screen: no step event during the measurement (raise --seconds or lower --log-every)")
     if r["steps_per_s"] is not None:
         print(f"  steps counted on screen: {r['steps_per_s']} a second")
+    if r["gptop_cpu_ms_per_100_steps"] is not None:
+        print(f"  CPU per 100 steps on screen: {r['gptop_cpu_ms_per_100_steps']} ms")
     print(f"  gptop RSS {r['gptop_rss_mb']} MB, {r['gptop_threads']} threads, terminal output "
           f"{r['terminal_kb_per_s']} KB/s" + (f"; trainer {r['trainer_cpu_pct_of_one_core']}% of one core"
                                               if "trainer_cpu_pct_of_one_core" in r else ""))

@@ -20,7 +20,7 @@ from fixtures.streams import T0, build_state, cpu_run, ev, gpu_run
 from gptop.commands import Commands, RecordingCommands
 from gptop.state import RunState
 from gptop.ui.app import GptopApp, HelpScreen
-from gptop.ui.widgets import DevicePanel, RunHeader
+from gptop.ui.widgets import DevicePanel, RunHeader, StepPanel
 
 SMALL, LARGE = (80, 24), (160, 48)
 
@@ -473,6 +473,74 @@ def test_only_changed_panels_are_synced():
     run(go())
 
 
+def count_syncs(app: GptopApp) -> dict[str, int]:
+    """Count each panel's redraws (its sync) from here on."""
+    calls: dict[str, int] = {}
+    for w in app.watchers():
+        def counted(s, _orig=w.sync, _id=w.id):
+            calls[_id] = calls.get(_id, 0) + 1
+            _orig(s)
+        w.sync = counted
+    return calls
+
+
+def test_a_fast_progress_stream_is_drawn_at_the_frame_rate_and_ends_on_its_last_step():
+    # issue 13: the per-step progress event (and any fast stream) costs frames, not redraws per event; the
+    # counter moves while the stream lasts, and the last step is on screen when it stops
+    state = startup_state("steps", status="running")
+    app, _, _ = make(state=state)
+    seen: list[str] = []
+
+    async def go():
+        async with app.run_test(size=SMALL) as pilot:
+            await pilot.pause()
+            calls = count_syncs(app)
+            t0 = time.monotonic()
+            for i in range(60):                      # a step every 20 ms for 1.2 s, from the reader's thread
+                step = 14 + i
+                threading.Thread(target=state.apply, args=(
+                    ev("progress", 1600.0 + i, step=step, tokens=step * 8192, step_ms=20.0),)).start()
+                await asyncio.sleep(0.02)
+                seen.append(text(app.query_one("#header")))
+            window = time.monotonic() - t0
+            assert 2 <= calls["header"] <= 1 + window / app.frame_s, (calls, window)
+            assert set(calls) <= {"header", "failure", "log"}     # no history panel for progress events
+            shown = {int(m.group(1)) for h in seen for m in re.finditer(r"step (\d+)/200", h)}
+            assert len(shown) >= 3, shown            # the counter moved while the stream lasted
+            await pilot.pause(app.frame_s + 0.1)
+            assert "step 73/200" in text(app.query_one("#header"))   # the last one is drawn
+    run(go())
+
+
+def test_history_panels_redraw_once_a_second_under_a_fast_step_stream_and_show_the_last_step():
+    state = RunState(run_name="live", status="running")
+    events = cpu_run(200)
+    steps = [e for e in events if e.type == "step"]
+    for e in events:
+        if e.type != "step" or e.step <= 60:
+            state.apply(e)
+    app, _, _ = make(state=state)
+
+    async def go():
+        async with app.run_test(size=LARGE) as pilot:
+            await pilot.pause()
+            calls = count_syncs(app)
+            t0 = time.monotonic()
+            for e in steps[6:]:                      # steps 70..200, one every 0.1 s
+                threading.Thread(target=state.apply, args=(e,)).start()
+                await asyncio.sleep(0.1)
+            window = time.monotonic() - t0
+            for panel in ("steps", "training"):
+                assert calls.get(panel, 0) <= 1 + window / StepPanel.MIN_REDRAW_S, (calls, window)
+            assert calls["header"] > calls.get("steps", 0)   # the counter follows the frames, the charts 1/s
+            await pilot.pause(StepPanel.MIN_REDRAW_S + 0.2)
+            assert calls["steps"] >= 1 and calls["training"] >= 1
+            assert "step 200/200" in text(app.query_one("#header"))
+            last = steps[-1]
+            assert f"{last.loss:.3f}" in text(app.query_one("#training")), text(app.query_one("#training"))
+    run(go())
+
+
 # --- snapshots -------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["gpu", "cpu"])
@@ -633,7 +701,7 @@ def test_progress_between_log_steps_moves_the_header():
             await pilot.pause()
             assert "step 13/200" in text(app.query_one("#header"))
             state.apply(ev("progress", 1600.0, step=14, tokens=14 * 8192, step_ms=95_000.0))
-            await pilot.pause(0.3)
+            await pilot.pause(app.frame_s + 0.1)     # on screen by the next frame
             header = text(app.query_one("#header"))
             assert "step 14/200" in header and "114.7k tokens" in header
             assert "compiling" not in header and "14.8 GiB" not in header   # startup is over
