@@ -12,7 +12,8 @@ The app never blocks on the session and holds no run logic. A change of the stat
 Every redraw goes through one frame clock (`GptopApp.frame`): the panels whose areas of the state
 changed, or whose clock moved (elapsed, budget left), are redrawn together in one frame, at most one
 frame every `frame_s` seconds, and each panel at most every `MIN_REDRAW_S` of its own (the history
-panels once a second). A change after a quiet spell is drawn at once; changes that come faster are
+panels once a second; the header's step counter, when only a per-step progress event moved it, twice
+a second: `Watcher.SLOW_AREAS`). A change after a quiet spell is drawn at once; changes that come faster are
 drawn together at the next frame, always with the latest state, so the last change is never lost. So
 the CPU the dashboard costs is bounded by the frame rate, not by the event rate (a trainer's
 per-step `progress` events, a `--log-every 1` stream), and a change is on screen within `frame_s`
@@ -215,14 +216,14 @@ class GptopApp(App[None]):
 
     def _next_frame(self) -> float | None:
         """When the next frame is due: the earliest time a stale panel may be redrawn (not in the same
-        `frame_s` slot as the last frame, nor in the same `MIN_REDRAW_S` slot as its own last redraw; the
+        `frame_s` slot as the last frame, nor in the same slot of its `redraw_interval` as its own last redraw; the
         slots are aligned, so that a burst's frames and the once-a-second panels fall together); None when
         nothing changed."""
         due = None
         for w in self.watchers():
-            if w.stale(self.state):
-                t = max(self._slot_after(self._last_frame, self.frame_s),
-                        self._slot_after(w.synced_at(), w.MIN_REDRAW_S))
+            every = w.redraw_interval(self.state)
+            if every is not None:
+                t = max(self._slot_after(self._last_frame, self.frame_s), self._slot_after(w.synced_at(), every))
                 due = t if due is None else min(due, t)
         return due
 
@@ -261,7 +262,7 @@ class GptopApp(App[None]):
     def frame(self) -> None:
         """One frame: redraw every stale panel whose own interval is up, with the state as it is now, in
         one batch (one compositor pass, one write to the terminal); a panel still held back by its
-        `MIN_REDRAW_S` gets a later frame, so the last state is always drawn."""
+        `redraw_interval` gets a later frame, so the last state is always drawn."""
         if self._frame_timer is not None:
             self._frame_timer.stop()
         self._frame_timer, self._frame_due, self._frame_at_clock = None, None, False   # before reading the state
@@ -269,7 +270,8 @@ class GptopApp(App[None]):
         self._last_frame = now
         with self.batch_update():
             for w in self.watchers():
-                if w.stale(self.state) and now >= self._slot_after(w.synced_at(), w.MIN_REDRAW_S) - 0.005:  # slack
+                every = w.redraw_interval(self.state)
+                if every is not None and now >= self._slot_after(w.synced_at(), every) - 0.005:   # timer slack
                     w.mark(self.state, now)
                     w.sync(self.state)
             self._sync_layout()
