@@ -451,7 +451,8 @@ def compare_trees(args: argparse.Namespace, trainer: list[str], base: Path) -> N
                        ("latency_ms_p95", "latency p95 ms")):
         b, t = med("baseline", key), med("this tree", key)
         ratio = f"{t / b:.2f}" if b and t is not None else "n/a"
-        print(f"  {label:22s} baseline {b}  this tree {t}  ratio {ratio}")
+        print(f"  {label:22s} baseline {b if b is None else round(b, 2)}  this tree "
+              f"{t if t is None else round(t, 2)}  ratio {ratio}")
 
 
 def report(r: dict) -> None:
