@@ -139,10 +139,9 @@ class Terminal:
         return self.proc.returncode
 
 
-def read_steps(events: Path) -> dict[int, float]:
-    """step -> event time of the primary rank's step events (the last one, after a rollback). Progress events
-    count too where they are in the file: the synthetic mode writes them there (a trainer sends them on the live
-    channel only)."""
+def read_steps(events: Path, kind: str = "step") -> dict[int, float]:
+    """step -> event time of the primary rank's `kind` events (the last one, after a rollback). Progress
+    events are in the file only in the synthetic mode (a trainer sends them on the live channel only)."""
     out: dict[int, float] = {}
     if not events.exists():
         return out
@@ -151,7 +150,7 @@ def read_steps(events: Path) -> dict[int, float]:
             e = json.loads(line)
         except ValueError:
             continue
-        if e.get("type") in ("step", "progress") and not e.get("rank"):
+        if e.get("type") == kind and not e.get("rank"):
             out[int(e["step"])] = float(e["time"])
     return out
 
@@ -230,7 +229,9 @@ def measure(args: argparse.Namespace, trainer: list[str], tree: Path = REPO) -> 
     ref = None
     try:
         gptop = psutil.Process(term.proc.pid)
-        wait_for(lambda: bool(read_steps(run_dir / "events.jsonl")) and bool(term.first_seen), 600,
+        wait_for(lambda: (bool(read_steps(run_dir / "events.jsonl")) or bool(read_steps(run_dir / "events.jsonl",
+                                                                                      "progress")))
+                 and bool(term.first_seen), 600,
                  "the first step on screen", term.proc)
         load = start_load(args.load)
         ref = start_compare(args.compare, args.compare_interval) if args.compare else None
@@ -270,6 +271,9 @@ def measure(args: argparse.Namespace, trainer: list[str], tree: Path = REPO) -> 
     steps = read_steps(run_dir / "events.jsonl")
     lat = [1000.0 * (term.first_seen[s] - steps[s]) for s in sorted(set(term.first_seen) - seen0)
            if s in steps and s > 0]
+    progress = read_steps(run_dir / "events.jsonl", "progress")   # synthetic --progress-rate only
+    plat = [1000.0 * (term.first_seen[s] - progress[s]) for s in sorted(set(term.first_seen) - seen0)
+            if s in progress and s not in steps and s > 0]
     wall = t1 - t0
     cpu_s = (c1.user + c1.system) - (c0.user + c0.system)
     result = {
@@ -283,6 +287,11 @@ def measure(args: argparse.Namespace, trainer: list[str], tree: Path = REPO) -> 
         "latency_ms_p95": round(pct(lat, 0.95), 1) if lat else None,
         "latency_ms_max": round(max(lat), 1) if lat else None,
         "latency_ms_all": [round(x, 1) for x in lat],
+        # the steps between log steps, drawn from progress events alone (at most twice a second, see
+        # gptop.ui.widgets.RunHeader.SLOW_AREAS): only the first of a burst of steps is ever on screen
+        "progress_latency_samples": len(plat),
+        "progress_latency_ms_median": round(statistics.median(plat), 1) if plat else None,
+        "progress_latency_ms_max": round(max(plat), 1) if plat else None,
         "terminal_kb_per_s": round(term.bytes / 1024 / max(1e-9, wall), 1),
         # steps the header counted during the window (progress events move it every step): the input rate
         "steps_per_s": round((max(seen1) - max(seen0)) / wall, 2) if seen0 and seen1 else None,
@@ -358,8 +367,7 @@ def synthetic_child(rate: float, progress_rate: float, run_dir: Path) -> None:
                                      phases_ms={"data": 2.0, "forward": ms * .3, "backward": ms * .55,
                                                 "optimizer": ms * .14, "other": ms * .01},
                                      tokens_per_s=512 / ms * 1000, mfu=None, mem_bytes=600_000_000)
-                    if every is None:
-                        out.write(ev.dumps(e) + "\n")
+                    out.write(ev.dumps(e) + "\n")
                     state.apply(e)
                 # jittered, not in phase with any timer
                 next_step = now + (rng.uniform(0.9, 1.1) * every if every is not None else rng.uniform(0.5, 1.5) / rate)
@@ -472,6 +480,10 @@ def report(r: dict) -> None:
               f"target <= 250 ms: {'ok' if ok_lat else 'MISSED'}")
     else:
         print("  event -> screen: no step event during the measurement (raise --seconds or lower --log-every)")
+    if r.get("progress_latency_samples"):
+        print(f"  progress event -> screen (the counter between log steps): median "
+              f"{r['progress_latency_ms_median']:.0f} ms, max {r['progress_latency_ms_max']:.0f} ms over "
+              f"{r['progress_latency_samples']} steps shown")
     if r["steps_per_s"] is not None:
         print(f"  steps counted on screen: {r['steps_per_s']} a second")
     if r["gptop_cpu_ms_per_100_steps"] is not None:

@@ -162,7 +162,8 @@ class GptopApp(App[None]):
         self._last_frame = float("-inf")
         self._frame_due: float | None = None     # when the scheduled frame runs (None: none scheduled)
         self._frame_timer: Timer | None = None
-        self._frame_at_clock = False             # the scheduled frame is the earliest one the frame rate allows
+        self._quiet_areas: frozenset[str] = frozenset()   # state areas whose change cannot bring the frame forward
+        self._wake_versions: dict[str, int] = {}          # the state's area versions when they were computed
         self._watchers: list[Watcher] | None = None
         if state.run_name:
             self.title = f"gptop · {state.run_name}"
@@ -195,9 +196,13 @@ class GptopApp(App[None]):
     def _wake(self) -> None:
         """Called by the state's writer threads after each change: queue one StateChanged for the
         app (`post_message` is thread-safe; one at a time, so a burst of events costs one poll). While
-        a frame is already due at the frame clock, nothing: that frame reads the state as it is then
-        (it clears `_frame_at_clock` before it reads, so no change is missed)."""
-        if self._wake_pending or self._frame_at_clock:
+        a frame is scheduled and the areas that changed could not bring it forward (`_quiet_areas`: e.g.
+        progress events once the header's next redraw is scheduled), nothing: that frame reads the state
+        as it is then (it clears `_quiet_areas` before it reads, so no change is missed)."""
+        if self._wake_pending:
+            return
+        quiet = self._quiet_areas
+        if quiet and all(a in quiet for a, v in self.state.versions.items() if v != self._wake_versions.get(a)):
             return
         self._wake_pending = True
         if not self.post_message(StateChanged()):   # the app is closing
@@ -227,6 +232,16 @@ class GptopApp(App[None]):
                 due = t if due is None else min(due, t)
         return due
 
+    def _areas_not_before(self, due: float) -> frozenset[str]:
+        """The state areas whose change alone would not make any panel due before `due`."""
+        frame = self._slot_after(self._last_frame, self.frame_s)
+        earliest: dict[str, float] = {}
+        for w in self.watchers():
+            for a in w.AREAS:
+                t = max(frame, self._slot_after(w.synced_at(), max(w.MIN_REDRAW_S, w.SLOW_AREAS.get(a, 0.0))))
+                earliest[a] = min(earliest.get(a, t), t)
+        return frozenset(a for a, t in earliest.items() if t >= due - 0.005)
+
     @staticmethod
     def _slot_after(t: float, every: float) -> float:
         """The first time after `t` that something drawn at most every `every` seconds may be drawn again:
@@ -250,7 +265,8 @@ class GptopApp(App[None]):
                 self.frame()
             else:
                 self._frame_due = due
-                self._frame_at_clock = due <= self._slot_after(self._last_frame, self.frame_s)
+                self._wake_versions = dict(self.state.versions)
+                self._quiet_areas = self._areas_not_before(due)
                 self._frame_timer = self.set_timer(due - now, self._frame_time, name="gptop-frame")
         if self.session_over():
             self.exit()
@@ -265,7 +281,7 @@ class GptopApp(App[None]):
         `redraw_interval` gets a later frame, so the last state is always drawn."""
         if self._frame_timer is not None:
             self._frame_timer.stop()
-        self._frame_timer, self._frame_due, self._frame_at_clock = None, None, False   # before reading the state
+        self._frame_timer, self._frame_due, self._quiet_areas = None, None, frozenset()   # before reading the state
         now = monotonic()
         self._last_frame = now
         with self.batch_update():
