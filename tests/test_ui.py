@@ -132,7 +132,7 @@ def test_app_exits_when_the_session_is_finished():
             await pilot.pause()
             assert app.return_code is None
             done.set()
-            await pilot.pause(0.3)
+            await pilot.pause(app.poll_interval + 0.2)   # the poll timer checks the session
             assert app.return_code == 0
     run(go())
     assert cmds.calls == []

@@ -138,7 +138,7 @@ class GptopApp(App[None]):
     ]
 
     def __init__(self, state: RunState, commands: Commands, *, finished: Callable[[], bool] | None = None,
-                 poll_interval: float = 0.25, frame_s: float = 0.2, profile_steps: int = 3,
+                 poll_interval: float = 0.5, frame_s: float = 0.2, profile_steps: int = 3,
                  sampler: Callable[[str], Awaitable[SampleOutcome]] = sample_newest) -> None:
         """`finished`: polled on the timer; when it returns True the app exits (the session is over).
         Without it, `q` exits right after asking the session to stop. `frame_s`: at most one frame
