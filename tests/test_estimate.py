@@ -276,3 +276,15 @@ def test_gptop_and_the_trainer_estimate_with_the_runs_optimizer_and_lora(monkeyp
     cli.check_fits(ns, cfg)                         # the adapters' state fits where full training's does not
     cfg.finetune.lora, cfg.optim.optimizer = 0, "adafactor"
     cli.check_fits(ns, cfg)
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek", "llada"])
+@pytest.mark.parametrize("options", [{}, {"optimizer": "adamw-8bit"}, {"optimizer": "adafactor"}, {"lora": 8},
+                                     {"lora": 4, "optimizer": "adamw-4bit"}])
+def test_auto_size_plans_with_the_estimates_own_state(family, options):
+    """`--size auto` and the first run's estimate count the same persistent state (one formula)."""
+    from trainer.contract.estimate import estimate, state_bytes
+
+    for size in ("small", "medium"):
+        e = estimate(family, size, seq_len=128, global_batch=8, micro_batch=2, **options)
+        assert state_bytes(family, size, **options) == e.state_bytes

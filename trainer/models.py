@@ -142,14 +142,14 @@ def vocab_and_mask(family: str, vocab_size: int, mask_id: int | None) -> tuple[i
 
 # --- sizes -------------------------------------------------------------------------
 
-def resolve_size(size: str, family: str, dev: DeviceInfo) -> str:
+def resolve_size(size: str, family: str, dev: DeviceInfo, **state_options: Any) -> str:
     """The concrete size for `--size` (``auto``: trainer.contract.capabilities.auto_size, the rule gptop
-    also uses to name a run directory before the trainer starts)."""
+    also uses to name a run directory before the trainer starts; `state_options`: estimate.run_options)."""
     if size != "auto":
         if size not in SIZE_ORDER:
             raise ConfigError("--size", f"{size!r} is not one of {', '.join(SIZE_ORDER + ('auto',))}")
         return size
-    return auto_size(family if family in FAMILIES else "llama", dev)
+    return auto_size(family if family in FAMILIES else "llama", dev, **state_options)
 
 
 # --- configs -------------------------------------------------------------------------

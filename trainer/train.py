@@ -175,7 +175,7 @@ class Trainer:
             if cfg.data.tokenizer is None:
                 cfg.data.tokenizer = cfg.model.model
         elif cfg.model.size == "auto":
-            cfg.model.size = resolve_size("auto", cfg.model.model, self.dev)
+            cfg.model.size = resolve_size("auto", cfg.model.model, self.dev, **E.run_options(cfg))
 
         self.run_dir = Path(cfg.run.run_dir or rundir.default_run_dir(cfg))
         cfg.run.run_dir = str(self.run_dir)

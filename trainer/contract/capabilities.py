@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from typing import Sequence
+from typing import Any, Sequence
 
 from .config import (ATTENTIONS, ALLOCATORS, COMPILE_MODES, OPTIMIZERS, PRECISIONS, QUANTIZE_BASE, ConfigError,
                      Toggles, TrainConfig, flag_of)
 from .device import DeviceInfo
-from .estimate import FAMILIES as SIZED_FAMILIES, SIZE_ORDER, TRAIN_BYTES_PER_PARAM, param_counts
+from .estimate import FAMILIES as SIZED_FAMILIES, SIZE_ORDER, state_bytes
 
 # Enumerated toggles and their values; numeric ones (micro_batch, prefetch, workers) are always supported.
 CHOICES: dict[str, tuple] = {
@@ -207,8 +207,7 @@ def check_config(cfg: TrainConfig, dev: DeviceInfo) -> None:
 
 # --- which model size `--size auto` picks ---------------------------------------------------------
 
-# Bytes of persistent training state per parameter (fp32 weights, gradients and two AdamW moments) and the
-# parameter counts come from trainer.contract.estimate (counted from the dimensions, no model built): the rule
+# The persistent training state (weights, gradients, optimizer state) comes from trainer.contract.estimate (counted from the dimensions, no model built): the rule
 # runs where torch is not imported (gptop names a run directory by the size before the trainer starts).
 # `auto` keeps that state under STATE_MEMORY_SHARE of device memory (the rest is for activations, the logits,
 # allocator slack and the CUDA context).
@@ -216,7 +215,7 @@ STATE_MEMORY_SHARE = 0.6
 _GiB = 1 << 30
 
 
-def auto_size(family: str, dev: DeviceInfo) -> str:
+def auto_size(family: str, dev: DeviceInfo, **state_options: Any) -> str:
     """The size `--size auto` picks: the largest that fits and makes progress.
 
     - CPU: ``tiny``, or ``small`` on a big CPU (32+ cores and 64+ GiB RAM); anything larger makes too
@@ -224,7 +223,9 @@ def auto_size(family: str, dev: DeviceInfo) -> str:
     - CUDA, by total device memory: under 12 GiB ``small``, under 40 GiB ``medium``, else ``large``. Then
       step down while the persistent training state of the family's *total* parameters would exceed 60%
       of the memory, which keeps the MoE family (2.5-3.5x more total than active parameters) one size
-      smaller on mid-size GPUs.
+      smaller on mid-size GPUs. The state is the run's own (`state_options`: optimizer, lora,
+      lora_targets, quantize_base as `estimate.run_options` reads them from the config): a low-bit
+      optimizer or LoRA keeps a size that full AdamW training would step down from.
     """
     family = family if family in SIZED_FAMILIES else "llama"
     if not dev.is_cuda:
@@ -232,6 +233,6 @@ def auto_size(family: str, dev: DeviceInfo) -> str:
     mem = dev.total_memory
     choice = "small" if mem < 12 * _GiB else "medium" if mem < 40 * _GiB else "large"
     i = SIZE_ORDER.index(choice)
-    while i > 0 and param_counts(family, SIZE_ORDER[i]).total * TRAIN_BYTES_PER_PARAM > STATE_MEMORY_SHARE * mem:
+    while i > 0 and state_bytes(family, SIZE_ORDER[i], **state_options) > STATE_MEMORY_SHARE * mem:
         i -= 1
     return SIZE_ORDER[i]
