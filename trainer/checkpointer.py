@@ -141,10 +141,20 @@ class Checkpointer:
     # Several ranks (or a sharded checkpoint): torch.distributed.checkpoint and its state-dict helpers, which
     # turn DDP's replicated tensors and FSDP2's DTensor shards into one format and reshard on load.
     def sharded_state(self) -> dict[str, Any]:
+        """With LoRA only the adapters (and their optimizer state), as a one-file checkpoint: the frozen base
+        is rebuilt from its source on resume, so every rank need not write it at every checkpoint."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.state_dict_options())
         return {"model": model_sd, "optim": optim_sd}
+
+    def state_dict_options(self) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        lora = self.cfg.finetune.enabled
+        # strict off with LoRA only because the frozen base is absent by design; DCP's load fails on any
+        # trainable tensor the checkpoint lacks
+        return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
 
     def meta(self, progress: Progress) -> dict[str, Any]:
         """A sharded checkpoint's gptop.json."""
@@ -192,7 +202,8 @@ class Checkpointer:
                                              f"{self.world}; resharding it failed ({type(e).__name__}: {e}). "
                                              f"Resume with {saved_world} ranks") from e
             raise
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=self.state_dict_options())
         mine = ckpt.load_rank_state(path, self.rank) if saved_world == self.world else None
         meta.setdefault("rng", (mine or {}).get("rng", {}))
 
