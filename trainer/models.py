@@ -462,8 +462,12 @@ vocabulary entry adds `2 × hidden` parameters; llada adds a mask token):
 
 `--size auto` picks `tiny` on a CPU (`small` with 32+ cores and 64+ GiB), and on
 a GPU `small` under 12 GiB, `medium` under 40 GiB, else `large`, stepping down
-while the state of full AdamW training (16 bytes per parameter: fp32 weights,
-gradients and two moments) of the *total* parameters would exceed 60% of the GPU memory.
+while the run's persistent training state of the *total* parameters would exceed 60%
+of the GPU memory: 16 bytes per parameter for full AdamW training (fp32 weights,
+gradients and two moments), less with `--optimizer adamw-8bit|adamw-4bit|adafactor`
+or `--lora R`, counted by the same formula as the first run's estimate
+(`trainer.contract.estimate.state_bytes`). So on a 16 GiB GPU deepseek steps down
+to `small` with AdamW and keeps `medium` with `--optimizer adamw-8bit`.
 
 {FINETUNING}
 {USING_A_MODEL}
@@ -487,9 +491,11 @@ parameter before activations. Three options cut that, alone or together:
   names peft (0.21 with transformers 5, as installed) adapts the fused routed-expert tensors,
   gate_up_proj at rank 2R, leaving the dense and shared-expert MLPs frozen), or
   give names (`q_proj,v_proj`); a name the model lacks is refused with the
-  names it has. Checkpoints hold only the adapters and their optimizer state;
-  the base is rebuilt from its directory or the family's seeded initialization,
-  and resume is exact. The dashboard shows trainable vs total parameters.
+  names it has. Checkpoints hold only the adapters and their optimizer state,
+  also the sharded ones of several DDP ranks (`--nproc N`; LoRA with
+  `--parallel fsdp` is refused); the base is rebuilt from its directory or the
+  family's seeded initialization, and resume is exact (tests/test_lora.py, and
+  two ranks in tests/test_distributed.py). The dashboard shows trainable vs total parameters.
 - `--optimizer adamw|adamw-8bit|adamw-4bit|adafactor`: torch's AdamW (fp32
   moments, 8 bytes per trained parameter), torchao's `AdamW8bit` / `AdamW4bit`
   (block-wise quantized moments; tensors under 4096 values keep fp32 ones;
