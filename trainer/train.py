@@ -393,7 +393,8 @@ class Trainer:
             return None
         est = E.estimate(self.bundle.family, self.bundle.size, seq_len=cfg.data.seq_len,
                          global_batch=cfg.optim.global_batch, micro_batch=local, precision=cfg.toggles.precision,
-                         vocab_size=self.data.vocab_size, checkpointing=cfg.toggles.activation_checkpointing)
+                         vocab_size=self.data.vocab_size, checkpointing=cfg.toggles.activation_checkpointing,
+                         **E.run_options(cfg))
         if est.total_bytes > 0.5 * share:
             return None
         self.log(f"--micro-batch auto: {local}, the whole batch (estimated {est.total_bytes / E.GiB:.1f} GiB of "
