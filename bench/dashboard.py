@@ -31,7 +31,14 @@ second with `time` = now, a device sample every 0.5 s). It measures the UI's own
     python bench/dashboard.py --mode monitor       # `gptop --run-dir` attached to a live trainer
     python bench/dashboard.py --mode synthetic --rate 5 --seconds 60   # the UI alone, 5 events/s
     python bench/dashboard.py --load 2 --compare top   # busy machine, top -b -d 1 measured alongside
+    python bench/dashboard.py --mode synthetic --progress-rate 2.2   # a run's per-step progress stream, 0.45 s a step
     python bench/dashboard.py --json               # one JSON object instead of the table
+    git worktree add /tmp/gptop-base main          # then: before/after on the same machine, alternating
+    python bench/dashboard.py --mode synthetic --progress-rate 2.2 --baseline-tree /tmp/gptop-base --rounds 3
+
+At a fixed event rate (the synthetic mode) the CPU share hardly depends on the machine's load; a live
+run's does, because a loaded machine slows the trainer and so the event rate: "CPU per 100 steps"
+divides that out.
 
 Extra arguments after `--` go to the trainer (default: a tiny llama on the CPU that outlives the
 measurement).
@@ -69,7 +76,7 @@ class Terminal:
     """A process on a pseudo-terminal of a fixed size; a reader thread keeps the output drained and
     remembers when each `step N/...` first appeared."""
 
-    def __init__(self, argv: list[str], cols: int, rows: int, env: dict[str, str]) -> None:
+    def __init__(self, argv: list[str], cols: int, rows: int, env: dict[str, str], cwd: Path | None = None) -> None:
         self.master, slave = pty.openpty()
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
 
@@ -77,7 +84,7 @@ class Terminal:
             os.setsid()
             fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
-        self.proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env,
+        self.proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env, cwd=cwd,
                                      preexec_fn=controlling_tty, close_fds=True)
         os.close(slave)
         self.first_seen: dict[int, float] = {}
@@ -132,8 +139,9 @@ class Terminal:
         return self.proc.returncode
 
 
-def read_steps(events: Path) -> dict[int, float]:
-    """step -> event time of the primary rank's step events (the last one, after a rollback)."""
+def read_steps(events: Path, kind: str = "step") -> dict[int, float]:
+    """step -> event time of the primary rank's `kind` events (the last one, after a rollback). Progress
+    events are in the file only in the synthetic mode (a trainer sends them on the live channel only)."""
     out: dict[int, float] = {}
     if not events.exists():
         return out
@@ -142,7 +150,7 @@ def read_steps(events: Path) -> dict[int, float]:
             e = json.loads(line)
         except ValueError:
             continue
-        if e.get("type") == "step" and not e.get("rank"):
+        if e.get("type") == kind and not e.get("rank"):
             out[int(e["step"])] = float(e["time"])
     return out
 
@@ -190,30 +198,40 @@ def stop_procs(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def measure(args: argparse.Namespace, trainer: list[str]) -> dict:
+REPO = Path(__file__).resolve().parents[1]
+
+
+def measure(args: argparse.Namespace, trainer: list[str], tree: Path = REPO) -> dict:
+    """One measurement, with gptop (and the trainer) imported from `tree`: PYTHONPATH and the working
+    directory (`python -m` puts the working directory first on sys.path)."""
     cols, rows = (int(x) for x in args.size.lower().split("x"))
     env = dict(os.environ, TERM="xterm-256color", COLORTERM="truecolor", LINES=str(rows), COLUMNS=str(cols))
+    env["PYTHONPATH"] = os.pathsep.join([str(tree)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                                       if p and Path(p).resolve() not in (REPO, tree.resolve())])
     env.pop("TEXTUAL", None)
     run_dir = Path(tempfile.mkdtemp(prefix="gptop-bench-"))
     flags = trainer + ["--max-steps", str(args.max_steps), "--log-every", str(args.log_every)]
     bare = None
     if args.mode == "synthetic":
         argv = [sys.executable, str(Path(__file__).resolve()), "--synthetic-child", "--rate", str(args.rate),
-                "--run-dir", str(run_dir)]
+                "--progress-rate", str(args.progress_rate), "--run-dir", str(run_dir)]
     elif args.mode == "train":
         argv = [sys.executable, "-m", "gptop", "train", *flags, "--run-dir", str(run_dir)]
     else:
-        bare = subprocess.Popen([sys.executable, "-m", "trainer", *flags, "--run-dir", str(run_dir)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        bare = subprocess.Popen([sys.executable, "-m", "trainer", *flags, "--run-dir", str(run_dir)], env=env,
+                                cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
         events = run_dir / "events.jsonl"
         wait_for(lambda: events.exists() and b'"hello"' in events.read_bytes(), 300, "the trainer's hello", bare)
         argv = [sys.executable, "-m", "gptop", "--run-dir", str(run_dir)]
-    term = Terminal(argv, cols, rows, env)
+    term = Terminal(argv, cols, rows, env, cwd=tree)
     load: list[subprocess.Popen] = []
     ref = None
     try:
         gptop = psutil.Process(term.proc.pid)
-        wait_for(lambda: bool(read_steps(run_dir / "events.jsonl")) and bool(term.first_seen), 600,
+        wait_for(lambda: (bool(read_steps(run_dir / "events.jsonl")) or bool(read_steps(run_dir / "events.jsonl",
+                                                                                      "progress")))
+                 and bool(term.first_seen), 600,
                  "the first step on screen", term.proc)
         load = start_load(args.load)
         ref = start_compare(args.compare, args.compare_interval) if args.compare else None
@@ -232,7 +250,7 @@ def measure(args: argparse.Namespace, trainer: list[str]) -> dict:
             now, c = time.monotonic(), gptop.cpu_times()
             per_second.append(100.0 * (c.user + c.system - last_c.user - last_c.system) / (now - last_t))
             last_t, last_c = now, c
-        t1, c1 = time.monotonic(), gptop.cpu_times()
+        t1, c1, seen1 = time.monotonic(), gptop.cpu_times(), set(term.first_seen)
         r1 = refp.cpu_times() if refp is not None else None
         load1 = os.getloadavg()[0]
         rss = gptop.memory_info().rss
@@ -253,10 +271,14 @@ def measure(args: argparse.Namespace, trainer: list[str]) -> dict:
     steps = read_steps(run_dir / "events.jsonl")
     lat = [1000.0 * (term.first_seen[s] - steps[s]) for s in sorted(set(term.first_seen) - seen0)
            if s in steps and s > 0]
+    progress = read_steps(run_dir / "events.jsonl", "progress")   # synthetic --progress-rate only
+    plat = [1000.0 * (term.first_seen[s] - progress[s]) for s in sorted(set(term.first_seen) - seen0)
+            if s in progress and s not in steps and s > 0]
     wall = t1 - t0
     cpu_s = (c1.user + c1.system) - (c0.user + c0.system)
     result = {
         "mode": args.mode, "size": f"{cols}x{rows}", "log_every": args.log_every, "seconds": round(wall, 1),
+        **({"rate": args.rate, "progress_rate": args.progress_rate} if args.mode == "synthetic" else {}),
         "gptop_cpu_pct_of_one_core": round(100.0 * cpu_s / wall, 2),
         "gptop_cpu_pct_per_second_max": round(max(per_second), 1) if per_second else None,
         "gptop_rss_mb": round(rss / 2**20, 1), "gptop_threads": threads,
@@ -265,7 +287,18 @@ def measure(args: argparse.Namespace, trainer: list[str]) -> dict:
         "latency_ms_p95": round(pct(lat, 0.95), 1) if lat else None,
         "latency_ms_max": round(max(lat), 1) if lat else None,
         "latency_ms_all": [round(x, 1) for x in lat],
+        # the steps between log steps, drawn from progress events alone (at most twice a second, see
+        # gptop.ui.widgets.RunHeader.SLOW_AREAS): only the first of a burst of steps is ever on screen
+        "progress_latency_samples": len(plat),
+        "progress_latency_ms_median": round(statistics.median(plat), 1) if plat else None,
+        "progress_latency_ms_max": round(max(plat), 1) if plat else None,
         "terminal_kb_per_s": round(term.bytes / 1024 / max(1e-9, wall), 1),
+        # steps the header counted during the window (progress events move it every step): the input rate
+        "steps_per_s": round((max(seen1) - max(seen0)) / wall, 2) if seen0 and seen1 else None,
+        # the load-independent figure: CPU per unit of input (the CPU share moves with the step rate, which a
+        # loaded machine changes; at a fixed rate, as in the synthetic mode, the two say the same)
+        "gptop_cpu_ms_per_100_steps": (round(1e5 * cpu_s / (max(seen1) - max(seen0)), 1)
+                                       if seen0 and seen1 and max(seen1) > max(seen0) else None),
         "gptop_exit_code": code,
         "machine_cpus": os.cpu_count(),
         "load_avg_1m": round(os.getloadavg()[0], 2),
@@ -285,9 +318,11 @@ def measure(args: argparse.Namespace, trainer: list[str]) -> dict:
 
 
 
-def synthetic_child(rate: float, run_dir: Path) -> None:
-    """The dashboard on a RunState fed by a thread (the Session's role), also writing the step
-    events to run_dir/events.jsonl so the parent can match them with the screen."""
+def synthetic_child(rate: float, progress_rate: float, run_dir: Path) -> None:
+    """The dashboard on a RunState fed by a thread (the Session's role), also writing the step (and
+    progress) events to run_dir/events.jsonl so the parent can match them with the screen. With
+    `progress_rate`, the stream is a run's: a progress event every step, `progress_rate` a second, and a step
+    event every 10th step (`rate` is then ignored)."""
     import math
     import random
 
@@ -310,6 +345,7 @@ def synthetic_child(rate: float, run_dir: Path) -> None:
     def feed() -> None:
         rng = random.Random(0)
         step, next_step, next_dev = 0, time.time(), time.time()
+        every = (1.0 / progress_rate) if progress_rate > 0 else None
         while not stop.is_set():
             now = time.time()
             if now >= next_dev:
@@ -320,15 +356,21 @@ def synthetic_child(rate: float, run_dir: Path) -> None:
                 next_dev += 0.5
             if now >= next_step:
                 step += 1
-                ms = 200 + 20 * math.sin(step / 10)
-                e = ev.StepEvent(step=step, tokens=step * 512, loss=2 + 8 * math.exp(-step / 300), lr=1e-3,
-                                 grad_norm=1.0, step_ms=ms,
-                                 phases_ms={"data": 2.0, "forward": ms * .3, "backward": ms * .55,
-                                            "optimizer": ms * .14, "other": ms * .01},
-                                 tokens_per_s=512 / ms * 1000, mfu=None, mem_bytes=600_000_000)
-                out.write(ev.dumps(e) + "\n")
-                state.apply(e)
-                next_step = now + rng.uniform(0.5, 1.5) / rate   # jittered, not in phase with any timer
+                ms = 1000 * every if every is not None else 200 + 20 * math.sin(step / 10)
+                if every is not None:        # a run's stream: a progress event each step, a step event every 10th
+                    p = ev.ProgressEvent(time=now, step=step, tokens=step * 512, step_ms=ms)
+                    out.write(ev.dumps(p) + "\n")
+                    state.apply(p)
+                if every is None or step % 10 == 0:
+                    e = ev.StepEvent(time=now, step=step, tokens=step * 512, loss=2 + 8 * math.exp(-step / 300),
+                                     lr=1e-3, grad_norm=1.0, step_ms=ms,
+                                     phases_ms={"data": 2.0, "forward": ms * .3, "backward": ms * .55,
+                                                "optimizer": ms * .14, "other": ms * .01},
+                                     tokens_per_s=512 / ms * 1000, mfu=None, mem_bytes=600_000_000)
+                    out.write(ev.dumps(e) + "\n")
+                    state.apply(e)
+                # jittered, not in phase with any timer
+                next_step = now + (rng.uniform(0.9, 1.1) * every if every is not None else rng.uniform(0.5, 1.5) / rate)
             time.sleep(max(0.0, min(next_step, next_dev) - time.time()))
 
     feeder = threading.Thread(target=feed, daemon=True)
@@ -344,6 +386,9 @@ def main() -> None:
                     help="train: `gptop train` runs the trainer; monitor: `gptop --run-dir` attached to a live "
                          "trainer; synthetic: the dashboard fed by a thread, no trainer (default: train)")
     ap.add_argument("--rate", type=float, default=5.0, help="synthetic: step events per second (default: 5)")
+    ap.add_argument("--progress-rate", type=float, default=0.0, metavar="R",
+                    help="synthetic: a run's stream instead, a progress event R times a second (one per step, as a "
+                         "trainer sends them) and a step event every 10th step (default: 0, off)")
     ap.add_argument("--synthetic-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--size", default="160x48", help="terminal COLSxROWS (default: 160x48)")
@@ -359,16 +404,66 @@ def main() -> None:
                     help="run this monitor side by side during the same window and report its CPU too")
     ap.add_argument("--compare-interval", type=float, default=1.0, metavar="S",
                     help="the compared monitor's refresh period (default: 1 s)")
-    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--rounds", type=int, default=1, metavar="N", help="measure N times (default: 1)")
+    ap.add_argument("--baseline-tree", default=None, metavar="DIR",
+                    help="also measure gptop imported from DIR (another checkout, e.g. `git worktree add "
+                         "/tmp/gptop-base main`), alternating with this tree for --rounds rounds, and print the "
+                         "medians and the ratio this tree / DIR")
+    ap.add_argument("--json", action="store_true", help="print one JSON object per measurement")
     args, extra = ap.parse_known_args()
     if args.synthetic_child:
-        synthetic_child(args.rate, Path(args.run_dir))
+        synthetic_child(args.rate, args.progress_rate, Path(args.run_dir))
         return
     trainer = [a for a in extra if a != "--"] or DEFAULT_TRAINER
-    r = measure(args, trainer)
-    if args.json:
-        print(json.dumps(r))
+    if args.baseline_tree:
+        compare_trees(args, trainer, Path(args.baseline_tree))
         return
+    for _ in range(args.rounds):
+        r = measure(args, trainer)
+        if args.json:
+            print(json.dumps(r))
+        else:
+            report(r)
+
+
+def compare_trees(args: argparse.Namespace, trainer: list[str], base: Path) -> None:
+    """`--rounds` measurements of each tree, alternating (baseline first), so that both see the same
+    machine; one line each, then the medians and the ratio this tree / baseline."""
+    if not (base / "gptop" / "ui" / "app.py").exists():
+        raise SystemExit(f"bench: --baseline-tree {base}: no gptop/ui/app.py there; give a checkout of gptop, "
+                         "e.g. `git worktree add /tmp/gptop-base main`")
+    results: dict[str, list[dict]] = {"baseline": [], "this tree": []}
+    for i in range(args.rounds):
+        for name, tree in (("baseline", base), ("this tree", REPO)):
+            r = measure(args, trainer, tree)
+            r["tree"] = str(tree)
+            results[name].append(r)
+            if args.json:
+                print(json.dumps(r))
+            else:
+                print(f"round {i + 1} {name:9s} ({tree}): {r['gptop_cpu_pct_of_one_core']:.2f}% of one core "
+                      f"(worst second {r['gptop_cpu_pct_per_second_max']}%), "
+                      f"{r['gptop_cpu_ms_per_100_steps']} ms CPU per 100 steps, {r['steps_per_s']} steps/s, "
+                      f"latency p95 {r['latency_ms_p95']} ms, top {r.get('compare_cpu_pct_of_one_core')}%, load "
+                      f"{r['load_avg_1m_during'][0]}-{r['load_avg_1m_during'][1]}", flush=True)
+
+    def med(name: str, key: str) -> float | None:
+        vals = [r[key] for r in results[name] if r.get(key) is not None]
+        return statistics.median(vals) if vals else None
+
+    if args.json:
+        return
+    print(f"medians over {args.rounds} round(s), {REPO} vs baseline {base}:")
+    for key, label in (("gptop_cpu_pct_of_one_core", "% of one core"),
+                       ("gptop_cpu_ms_per_100_steps", "ms CPU per 100 steps"),
+                       ("latency_ms_p95", "latency p95 ms")):
+        b, t = med("baseline", key), med("this tree", key)
+        ratio = f"{t / b:.2f}" if b and t is not None else "n/a"
+        print(f"  {label:22s} baseline {b if b is None else round(b, 2)}  this tree "
+              f"{t if t is None else round(t, 2)}  ratio {ratio}")
+
+
+def report(r: dict) -> None:
     ok_cpu = r["gptop_cpu_pct_of_one_core"] <= 3.0
     ok_lat = r["latency_ms_p95"] is not None and r["latency_ms_p95"] <= 250.0
     print(f"gptop dashboard cost: mode {r['mode']}, {r['size']}, --log-every {r['log_every']}, "
@@ -385,6 +480,14 @@ def main() -> None:
               f"target <= 250 ms: {'ok' if ok_lat else 'MISSED'}")
     else:
         print("  event -> screen: no step event during the measurement (raise --seconds or lower --log-every)")
+    if r.get("progress_latency_samples"):
+        print(f"  progress event -> screen (the counter between log steps): median "
+              f"{r['progress_latency_ms_median']:.0f} ms, max {r['progress_latency_ms_max']:.0f} ms over "
+              f"{r['progress_latency_samples']} steps shown")
+    if r["steps_per_s"] is not None:
+        print(f"  steps counted on screen: {r['steps_per_s']} a second")
+    if r["gptop_cpu_ms_per_100_steps"] is not None:
+        print(f"  CPU per 100 steps on screen: {r['gptop_cpu_ms_per_100_steps']} ms")
     print(f"  gptop RSS {r['gptop_rss_mb']} MB, {r['gptop_threads']} threads, terminal output "
           f"{r['terminal_kb_per_s']} KB/s" + (f"; trainer {r['trainer_cpu_pct_of_one_core']}% of one core"
                                               if "trainer_cpu_pct_of_one_core" in r else ""))

@@ -180,6 +180,7 @@ RULES: list[Rule] = [
     Rule(r"^([A-Z_]+=\S+ )*python3? (bench|docs)/", "parse", "a benchmark or tool that runs for minutes"),
     Rule(r"^python3? -m trainer\.sample$", "skip", "named in prose: the module `gptop sample` runs (its commands run above)"),
     Rule(r"^ls ", "skip", "lists the files the command above it wrote"),
+    Rule(r"^git worktree add ", "skip", "makes a second checkout to compare with (bench/dashboard.py --baseline-tree)"),
     Rule(r"^WANDB_MODE=offline gptop --no-ui train .*--wandb", "parse",
          "trains with wandb, an optional extra (tests/test_wandb.py runs real offline runs)"),
     Rule(r"^wandb sync ", "skip", "uploads to Weights & Biases: needs the network and an account"),

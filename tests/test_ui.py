@@ -7,6 +7,7 @@ committing (tests/__snapshots__/test_ui/)."""
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import threading
 import time
@@ -20,7 +21,7 @@ from fixtures.streams import T0, build_state, cpu_run, ev, gpu_run
 from gptop.commands import Commands, RecordingCommands
 from gptop.state import RunState
 from gptop.ui.app import GptopApp, HelpScreen
-from gptop.ui.widgets import DevicePanel, RunHeader
+from gptop.ui.widgets import DevicePanel, RunHeader, StepPanel
 
 SMALL, LARGE = (80, 24), (160, 48)
 
@@ -131,7 +132,7 @@ def test_app_exits_when_the_session_is_finished():
             await pilot.pause()
             assert app.return_code is None
             done.set()
-            await pilot.pause(0.3)
+            await pilot.pause(app.poll_interval + 0.2)   # the poll timer checks the session
             assert app.return_code == 0
     run(go())
     assert cmds.calls == []
@@ -453,17 +454,93 @@ def test_only_changed_panels_are_synced():
             await pilot.pause(0.25)
             assert calls == {}            # nothing changed: nothing re-rendered
             t = state.last_time - T0                 # a sample at the same time: the clocks shown stay
-            state.apply(ev("device", t, devices=[], cpu={"util_pct": 1.0}))
-            await pilot.pause(0.3)
-            state.apply(ev("device", t, devices=[], cpu={"util_pct": 2.0}))
+            # samples every 0.25 s, faster than the panel's MIN_REDRAW_S: redrawn at most once per MIN_REDRAW_S
+            # (plus the first, at once), and the last sample is on screen in the end
+            t0 = time.monotonic()
+            for i in range(8):
+                state.apply(ev("device", t, devices=[], cpu={"util_pct": 10.0 + i}))
+                await pilot.pause(0.25)
             await pilot.pause(DevicePanel.MIN_REDRAW_S + 0.2)
-            assert calls == {"devices": 1}        # two samples within its MIN_REDRAW_S: one redraw
+            window = time.monotonic() - t0
+            assert set(calls) == {"devices"}
+            assert 2 <= calls["devices"] <= 1 + window / DevicePanel.MIN_REDRAW_S, (calls, window)
+            assert re.search(r"\b17(\.0)?%", text(app.query_one("#devices"))), text(app.query_one("#devices"))
             state.add_log("hello", "stdout")
             await pilot.pause(0.25)
             assert set(calls) == {"devices", "log", "failure"}
             state.apply(ev("device", t + 30, devices=[], cpu={"util_pct": 1.0}))
             await pilot.pause(0.25)                  # 30 s on: elapsed (header) and budget left (tuner) moved
             assert set(calls) == {"devices", "log", "failure", "header", "tuner"}
+    run(go())
+
+
+def count_syncs(app: GptopApp) -> dict[str, int]:
+    """Count each panel's redraws (its sync) from here on."""
+    calls: dict[str, int] = {}
+    for w in app.watchers():
+        def counted(s, _orig=w.sync, _id=w.id):
+            calls[_id] = calls.get(_id, 0) + 1
+            _orig(s)
+        w.sync = counted
+    return calls
+
+
+def test_a_fast_progress_stream_is_drawn_at_the_frame_rate_and_ends_on_its_last_step():
+    # issue 13: the per-step progress event (and any fast stream) costs frames, not redraws per event; the
+    # counter moves while the stream lasts, and the last step is on screen when it stops
+    state = startup_state("steps", status="running")
+    app, _, _ = make(state=state)
+    seen: list[str] = []
+
+    async def go():
+        async with app.run_test(size=SMALL) as pilot:
+            await pilot.pause()
+            calls = count_syncs(app)
+            t0 = time.monotonic()
+            for i in range(80):                      # a step every 20 ms for 1.6 s, from the reader's thread
+                step = 14 + i
+                threading.Thread(target=state.apply, args=(
+                    ev("progress", 1600.0 + 0.02 * i, step=step, tokens=step * 8192, step_ms=20.0),)).start()
+                await asyncio.sleep(0.02)
+                seen.append(text(app.query_one("#header")))
+            window = time.monotonic() - t0
+            every = RunHeader.SLOW_AREAS["progress"]  # progress alone moves the counter at most this often
+            # plus a redraw for each second the elapsed clock shows (event time: 1.6 s over the stream)
+            assert 2 <= calls["header"] <= 1 + window / every + math.ceil(window), (calls, window)
+            assert set(calls) <= {"header", "failure", "log"}     # no history panel for progress events
+            shown = {int(m.group(1)) for h in seen for m in re.finditer(r"step (\d+)/200", h)}
+            assert len(shown) >= 3, shown            # the counter moved while the stream lasted
+            await pilot.pause(every + 0.1)
+            assert "step 93/200" in text(app.query_one("#header"))   # the last one is drawn
+    run(go())
+
+
+def test_history_panels_redraw_once_a_second_under_a_fast_step_stream_and_show_the_last_step():
+    state = RunState(run_name="live", status="running")
+    events = cpu_run(200)
+    steps = [e for e in events if e.type == "step"]
+    for e in events:
+        if e.type != "step" or e.step <= 60:
+            state.apply(e)
+    app, _, _ = make(state=state)
+
+    async def go():
+        async with app.run_test(size=LARGE) as pilot:
+            await pilot.pause()
+            calls = count_syncs(app)
+            t0 = time.monotonic()
+            for e in steps[6:]:                      # steps 70..200, one every 0.1 s
+                threading.Thread(target=state.apply, args=(e,)).start()
+                await asyncio.sleep(0.1)
+            window = time.monotonic() - t0
+            for panel in ("steps", "training"):
+                assert calls.get(panel, 0) <= 1 + window / StepPanel.MIN_REDRAW_S, (calls, window)
+            assert calls["header"] > calls.get("steps", 0)   # the counter follows the frames, the charts 1/s
+            await pilot.pause(StepPanel.MIN_REDRAW_S + 0.2)
+            assert calls["steps"] >= 1 and calls["training"] >= 1
+            assert "step 200/200" in text(app.query_one("#header"))
+            last = steps[-1]
+            assert f"{last.loss:.3f}" in text(app.query_one("#training")), text(app.query_one("#training"))
     run(go())
 
 
@@ -627,7 +704,7 @@ def test_progress_between_log_steps_moves_the_header():
             await pilot.pause()
             assert "step 13/200" in text(app.query_one("#header"))
             state.apply(ev("progress", 1600.0, step=14, tokens=14 * 8192, step_ms=95_000.0))
-            await pilot.pause(0.3)
+            await pilot.pause(RunHeader.SLOW_AREAS["progress"] + 0.1)   # the counter's interval, then it is shown
             header = text(app.query_one("#header"))
             assert "step 14/200" in header and "114.7k tokens" in header
             assert "compiling" not in header and "14.8 GiB" not in header   # startup is over

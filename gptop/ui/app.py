@@ -8,19 +8,24 @@ Driving it: `run_app(session)` does what a session needs::
     session.wait(); session.close()
 
 The app never blocks on the session and holds no run logic. A change of the state wakes the app up
-(`RunState.subscribe`: the writer thread only schedules a call on the app's event loop, coalesced),
-and the app re-renders the panels whose areas of the state changed, each at most every
-`min_redraw` seconds (a panel that is throttled is redrawn when its interval is up); a timer every
-`poll_interval` seconds is the safety net and checks whether the session is over. So an event is on
-screen one render after it arrives (at most `min_redraw` later in a burst), and an attached run
-costs about 2.5% of a core at default settings (bench/dashboard.py measures both;
-docs/dashboard.md has the numbers).
+(`RunState.subscribe`: the writer thread only schedules a call on the app's event loop, coalesced).
+Every redraw goes through one frame clock (`GptopApp.frame`): the panels whose areas of the state
+changed, or whose clock moved (elapsed, budget left), are redrawn together in one frame, at most one
+frame every `frame_s` seconds, and each panel at most every `MIN_REDRAW_S` of its own (the history
+panels once a second; the header's step counter, when only a per-step progress event moved it, twice
+a second: `Watcher.SLOW_AREAS`). A change after a quiet spell is drawn at once; changes that come faster are
+drawn together at the next frame, always with the latest state, so the last change is never lost. So
+the CPU the dashboard costs is bounded by the frame rate, not by the event rate (a trainer's
+per-step `progress` events, a `--log-every 1` stream), and a change is on screen within `frame_s`
+plus a render (bench/dashboard.py measures both; docs/dashboard.md has the numbers). A timer every
+`poll_interval` seconds is the safety net, moves the clocks shown and checks whether the session is over.
 It exits when the `finished` callable says the session is over (a run that ended by itself in
 done/failed stays on screen until `q`), or at once after a force stop.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from time import monotonic
 from typing import Awaitable, Callable, Iterable, Protocol
@@ -32,6 +37,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.screen import ModalScreen, Screen
+from textual.timer import Timer
 from textual.widgets import Static
 
 from gptop.commands import TUI_STOP_SIGNALS, Commands, StopSignals
@@ -132,11 +138,12 @@ class GptopApp(App[None]):
     ]
 
     def __init__(self, state: RunState, commands: Commands, *, finished: Callable[[], bool] | None = None,
-                 poll_interval: float = 0.1, min_redraw: float = 0.15, profile_steps: int = 3,
+                 poll_interval: float = 0.5, frame_s: float = 0.2, profile_steps: int = 3,
                  sampler: Callable[[str], Awaitable[SampleOutcome]] = sample_newest) -> None:
         """`finished`: polled on the timer; when it returns True the app exits (the session is over).
-        Without it, `q` exits right after asking the session to stop. An event is on screen one
-        render after it arrives, or within `min_redraw` plus a render in a burst (budget: 250 ms).
+        Without it, `q` exits right after asking the session to stop. `frame_s`: at most one frame
+        (a redraw of what changed) this often; a change is on screen within `frame_s` plus a render
+        (budget: 250 ms), a history panel's within its `MIN_REDRAW_S`.
         `sampler`: makes the `s` key's sample of a run directory (gptop.tools.sample_newest; tests pass
         a fake)."""
         super().__init__()
@@ -144,16 +151,19 @@ class GptopApp(App[None]):
         self.commands = commands
         self.finished = finished
         self.poll_interval = poll_interval
-        self.min_redraw = min_redraw
+        self.frame_s = frame_s
         self.profile_steps = profile_steps
         self.sampler = sampler
         self.sampling = False
         self.sample_panel = SamplePanel(id="sample")
         self.stop_requested = False
-        self._seen_version = -1
         self._layout_key: tuple | None = None
         self._wake_pending = False
-        self._retry_pending = False
+        self._last_frame = float("-inf")
+        self._frame_due: float | None = None     # when the scheduled frame runs (None: none scheduled)
+        self._frame_timer: Timer | None = None
+        self._quiet_areas: frozenset[str] = frozenset()   # state areas whose change cannot bring the frame forward
+        self._wake_versions: dict[str, int] = {}          # the state's area versions when they were computed
         self._watchers: list[Watcher] | None = None
         if state.run_name:
             self.title = f"gptop · {state.run_name}"
@@ -176,9 +186,7 @@ class GptopApp(App[None]):
 
     def on_mount(self) -> None:
         self.state.subscribe(self._wake)
-        self.set_interval(self.poll_interval, self.poll)
-        if self.state.clock is not None:   # elapsed/ETA tick with the wall clock between events
-            self.set_interval(1.0, self.query_one(RunHeader).refresh)
+        self.set_interval(self.poll_interval, self.poll)   # also moves elapsed/ETA between events (Watcher.tick)
         self.poll()
 
     def on_unmount(self) -> None:
@@ -187,8 +195,14 @@ class GptopApp(App[None]):
     # --- the update loop ----------------------------------------------------
     def _wake(self) -> None:
         """Called by the state's writer threads after each change: queue one StateChanged for the
-        app (`post_message` is thread-safe; one at a time, so a burst of events costs one poll)."""
+        app (`post_message` is thread-safe; one at a time, so a burst of events costs one poll). While
+        a frame is scheduled and the areas that changed could not bring it forward (`_quiet_areas`: e.g.
+        progress events once the header's next redraw is scheduled), nothing: that frame reads the state
+        as it is then (it clears `_quiet_areas` before it reads, so no change is missed)."""
         if self._wake_pending:
+            return
+        quiet = self._quiet_areas
+        if quiet and all(a in quiet for a, v in self.state.versions.items() if v != self._wake_versions.get(a)):
             return
         self._wake_pending = True
         if not self.post_message(StateChanged()):   # the app is closing
@@ -198,10 +212,6 @@ class GptopApp(App[None]):
         self._wake_pending = False
         self.poll()
 
-    def _retry(self) -> None:
-        self._retry_pending = False
-        self.poll()
-
     def watchers(self) -> list[Watcher]:
         """The panels (looked up once: the layout never adds or removes any)."""
         if not self._watchers:
@@ -209,30 +219,79 @@ class GptopApp(App[None]):
                                              ).results(Watcher))
         return self._watchers
 
+    def _next_frame(self) -> float | None:
+        """When the next frame is due: the earliest time a stale panel may be redrawn (not in the same
+        `frame_s` slot as the last frame, nor in the same slot of its `redraw_interval` as its own last redraw; the
+        slots are aligned, so that a burst's frames and the once-a-second panels fall together); None when
+        nothing changed."""
+        due = None
+        for w in self.watchers():
+            every = w.redraw_interval(self.state)
+            if every is not None:
+                t = max(self._slot_after(self._last_frame, self.frame_s), self._slot_after(w.synced_at(), every))
+                due = t if due is None else min(due, t)
+        return due
+
+    def _areas_not_before(self, due: float) -> frozenset[str]:
+        """The state areas whose change alone would not make any panel due before `due`."""
+        frame = self._slot_after(self._last_frame, self.frame_s)
+        earliest: dict[str, float] = {}
+        for w in self.watchers():
+            for a in w.AREAS:
+                t = max(frame, self._slot_after(w.synced_at(), max(w.MIN_REDRAW_S, w.SLOW_AREAS.get(a, 0.0))))
+                earliest[a] = min(earliest.get(a, t), t)
+        return frozenset(a for a, t in earliest.items() if t >= due - 0.005)
+
+    @staticmethod
+    def _slot_after(t: float, every: float) -> float:
+        """The first time after `t` that something drawn at most every `every` seconds may be drawn again:
+        the next multiple of `every` on the monotonic clock, so that the panels with the same interval (the
+        device, step and training panels, once a second) come due together, on a frame of the frame clock,
+        and share one frame."""
+        if every <= 0 or t == float("-inf"):
+            return t + every
+        return (math.floor(t / every) + 1) * every
+
     def poll(self) -> None:
-        """Re-render what changed since the last poll (a panel at most every `min_redraw` seconds,
-        so a fast event stream costs a bounded CPU share; a throttled panel is redrawn as soon as its
-        interval is up); exit when the session is finished."""
-        version = self.state.version
-        if version != self._seen_version:
+        """Schedule a frame when something changed (drawn at once after a quiet spell, else at the next
+        frame time; a scheduled frame is never pushed later); exit when the session is finished."""
+        due = self._next_frame()
+        if due is not None and (self._frame_due is None or due < self._frame_due):
+            if self._frame_timer is not None:
+                self._frame_timer.stop()
+                self._frame_timer = None
             now = monotonic()
-            wait: float | None = None
-            for w in self.watchers():
-                if w.stale(self.state):
-                    early = max(self.min_redraw, w.MIN_REDRAW_S) - (now - w.synced_at())
-                    if early > 0:
-                        wait = early if wait is None else min(wait, early)
-                        continue
-                    w.mark(self.state, now)
-                    w.sync(self.state)
-            if wait is None:
-                self._seen_version = version
-            elif not self._retry_pending:
-                self._retry_pending = True
-                self.set_timer(wait, self._retry)
-            self._sync_layout()
+            if due <= now:
+                self.frame()
+            else:
+                self._frame_due = due
+                self._wake_versions = dict(self.state.versions)
+                self._quiet_areas = self._areas_not_before(due)
+                self._frame_timer = self.set_timer(due - now, self._frame_time, name="gptop-frame")
         if self.session_over():
             self.exit()
+
+    def _frame_time(self) -> None:
+        self._frame_timer = None   # it fired: nothing to stop
+        self.frame()
+
+    def frame(self) -> None:
+        """One frame: redraw every stale panel whose own interval is up, with the state as it is now, in
+        one batch (one compositor pass, one write to the terminal); a panel still held back by its
+        `redraw_interval` gets a later frame, so the last state is always drawn."""
+        if self._frame_timer is not None:
+            self._frame_timer.stop()
+        self._frame_timer, self._frame_due, self._quiet_areas = None, None, frozenset()   # before reading the state
+        now = monotonic()
+        self._last_frame = now
+        with self.batch_update():
+            for w in self.watchers():
+                every = w.redraw_interval(self.state)
+                if every is not None and now >= self._slot_after(w.synced_at(), every) - 0.005:   # timer slack
+                    w.mark(self.state, now)
+                    w.sync(self.state)
+            self._sync_layout()
+        self.poll()   # what was held back, or changed while drawing: its frame
 
     def session_over(self) -> bool:
         """The session is finished, and the user has seen how it ended: a run that ends by itself

@@ -1,5 +1,5 @@
 """The dashboard's panels. Each watches some areas of RunState (`state.versions`)
-and re-renders only when one of them changed; the app's poll timer calls
+and re-renders only when one of them changed; the app's frame (GptopApp.frame) calls
 `sync()`. Content comes from gptop.ui.render, sized to the widget."""
 
 from __future__ import annotations
@@ -18,16 +18,32 @@ class Watcher:
     """Mixin: remembers which versions of its state areas it last showed."""
 
     AREAS: tuple[str, ...] = ()
-    MIN_REDRAW_S = 0.0      # at most one redraw per this many seconds (besides the app's own min_redraw)
+    # At most one redraw per this many seconds (besides the app's frame rate, GptopApp.frame_s): the panels that
+    # draw histories (charts, bars, breakdowns) change meaningfully at the log interval, not per event, and are
+    # most of a frame's cost; the header and the log follow every frame.
+    MIN_REDRAW_S = 0.0
+    # Areas fed by a high-rate, low-information input, and how long a change of theirs alone may wait: the
+    # header's step counter moves with every step's progress event (10-20 a second on a small model) and is
+    # drawn at most twice a second for it, while any other change (a log step's event, a status) keeps the
+    # frame rate.
+    SLOW_AREAS: dict[str, float] = {}
 
     def tick(self, state: RunState) -> object:
         """A clock the panel shows (elapsed, budget left), at the resolution shown: when it changes the panel
         is redrawn even though its areas did not change (their events can be minutes apart)."""
         return None
 
-    def stale(self, state: RunState) -> bool:
-        return (tuple(state.versions[a] for a in self.AREAS) != getattr(self, "_gptop_seen", None)
-                or self.tick(state) != getattr(self, "_gptop_tick", None))
+    def redraw_interval(self, state: RunState) -> float | None:
+        """None when nothing this panel shows changed; else the least time between two of its redraws that
+        applies to what changed (MIN_REDRAW_S, or longer when only SLOW_AREAS changed)."""
+        now = tuple(state.versions[a] for a in self.AREAS)
+        seen = getattr(self, "_gptop_seen", None)
+        if seen is None or self.tick(state) != getattr(self, "_gptop_tick", None):
+            return self.MIN_REDRAW_S
+        changed = [a for a, v, s in zip(self.AREAS, now, seen) if v != s]
+        if not changed:
+            return None
+        return max(self.MIN_REDRAW_S, min(self.SLOW_AREAS.get(a, 0.0) for a in changed))
 
     def mark(self, state: RunState, now: float) -> None:
         self._gptop_seen = tuple(state.versions[a] for a in self.AREAS)
@@ -63,6 +79,7 @@ class StatePanel(Watcher, Widget):
 
 class RunHeader(StatePanel):
     AREAS = ("run", "step", "tuner", "progress")
+    SLOW_AREAS = {"progress": 0.5}      # the per-step counter alone: twice a second (see Watcher.SLOW_AREAS)
 
     def tick(self, state: RunState) -> object:
         elapsed = state.elapsed()
@@ -107,6 +124,7 @@ class DevicePanel(StatePanel):
 
 class StepPanel(StatePanel):
     AREAS = ("step", "run")
+    MIN_REDRAW_S = 1.0      # a history panel: see Watcher.MIN_REDRAW_S
 
     def build(self, width: int, height: int) -> RenderableType:
         return render.breakdown(self.state, width, height)
@@ -114,6 +132,7 @@ class StepPanel(StatePanel):
 
 class TrainPanel(StatePanel):
     AREAS = ("step",)   # energy per token moves with the steps; device samples alone need no redraw
+    MIN_REDRAW_S = 1.0      # a history panel (the loss chart): see Watcher.MIN_REDRAW_S
 
     def __init__(self, state: RunState, **kwargs) -> None:
         super().__init__(state, **kwargs)
