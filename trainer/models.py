@@ -327,7 +327,7 @@ def build_model(mcfg: ModelConfig, *, vocab_size: int, seq_len: int, toggles: To
         return bundle
     from .lora import apply_lora
 
-    model = apply_lora(bundle.model, finetune, seed)
+    model = apply_lora(bundle.model, finetune, seed, quantized=toggles.quantize_base != "none")
     bundle.model = model
     bundle.trainable_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     counts = count_params(model, bundle.hf_config)                                  # base + adapters
@@ -338,10 +338,10 @@ def build_model(mcfg: ModelConfig, *, vocab_size: int, seq_len: int, toggles: To
 
 def _build_base(mcfg: ModelConfig, *, vocab_size: int, seq_len: int, toggles: Toggles, dev: DeviceInfo,
                 mask_id: int | None, seed: int, finetune: FinetuneConfig | None) -> ModelBundle:
-    quantize = finetune.quantize_base if finetune is not None and finetune.enabled else "none"
+    quantize = toggles.quantize_base if finetune is not None and finetune.enabled else "none"
     if is_pretrained_path(mcfg.model):
         return _load_pretrained(mcfg.model, vocab_size=vocab_size, seq_len=seq_len, toggles=toggles,
-                                mask_id=mask_id, quantize=finetune if quantize != "none" else None, dev=dev)
+                                mask_id=mask_id, quantize=quantize if quantize != "none" else None, dev=dev)
     if quantize != "none":
         raise ConfigError("--quantize-base", f"{quantize} quantizes pretrained weights; the family {mcfg.model} "
                                              f"starts from random ones. Fine-tune a model directory (--model DIR) "
@@ -389,9 +389,9 @@ def _apply_toggles(model: torch.nn.Module, toggles: Toggles) -> None:
 
 
 def _load_pretrained(path: str, *, vocab_size: int, seq_len: int, toggles: Toggles,
-                     mask_id: int | None, quantize: FinetuneConfig | None = None,
+                     mask_id: int | None, quantize: str | None = None,
                      dev: DeviceInfo | None = None) -> ModelBundle:
-    """Fine-tune a local HF causal LM from its weights (no network); `quantize`: a QLoRA base on `dev`."""
+    """Fine-tune a local HF causal LM from its weights (no network); `quantize` (nf4, int8): a QLoRA base on `dev`."""
     transformers = _transformers()
     extra: dict[str, Any] = {}
     if quantize is not None:

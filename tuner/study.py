@@ -212,6 +212,8 @@ def study_key(cfg: TrainConfig, dev: DeviceInfo, space: SearchSpace, world_size:
         "device_count": world_size,
         "model": cfg.model.model, "size": cfg.model.size, "tokenizer": cfg.data.tokenizer,
         "seq_len": cfg.data.seq_len, "global_batch": cfg.optim.global_batch,
+        # what trains: a LoRA run's speed and memory are another problem than full training's
+        "lora": [cfg.finetune.lora, cfg.finetune.lora_targets] if cfg.finetune.enabled else None,
         "versions": versions if versions is not None else library_versions(),
         "space": space.key(),
     }
