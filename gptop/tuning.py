@@ -233,7 +233,7 @@ class TuningDriver:
     def _run(self) -> None:
         from tuner.budget import Budget
         from tuner.controller import Apply, Done, FindMicroBatch, Remeasure, RunTrial, TuneController
-        from tuner.space import SearchSpace
+        from tuner.space import SearchSpace, memory_pressure, quantizable
         from tuner.study import TuneStudy
 
         hello = self._hello or self._wait_hello()
@@ -245,14 +245,23 @@ class TuningDriver:
         base_mb = self.user_cfg.toggles.micro_batch
         start = dataclasses.replace(cfg.toggles, micro_batch=base_mb)
         world = hello.world_size
-        space = SearchSpace.for_device(start, dev, cfg.optim.global_batch, world_size=world, spec=self.space_spec)
+        # memory is a constraint when the wanted micro-batch does not fit (what --micro-batch auto found): the
+        # space then includes the memory-saving toggles (tuner.space: checkpointing, optimizer, base)
+        memory = memory_pressure(dataclasses.replace(cfg, toggles=start),
+                                 hello.micro_batch if base_mb == AUTO else None, world)
+        space = SearchSpace.for_device(start, dev, cfg.optim.global_batch, world_size=world, spec=self.space_spec,
+                                       memory=memory, quantizable=quantizable(cfg))
         note = ""
+        if memory:
+            savers = [f"{n} {'/'.join(str(v) for v in space.choices[n])}" for n in ("activation_checkpointing",
+                      "optimizer", "quantize_base") if n in space.params]
+            note = f"; memory is the constraint ({memory}): trying {', '.join(savers) or 'no memory saver'}"
         if not dev.is_cuda and self.budget_s < CPU_COMPILE_MIN_BUDGET_S and "compile" in space.params \
                 and "compile" not in (self.space_spec or ""):
             # inductor's C++ build takes from 20 s to minutes on a CPU: in a short budget a compile trial
             # costs several others and rarely finishes warming up; naming compile in --tune-space opts in
             space = space.apply_spec("-compile", dev)
-            note = (f"; compile stays {start.compile} (on a CPU its warm-up does not fit a budget under "
+            note += (f"; compile stays {start.compile} (on a CPU its warm-up does not fit a budget under "
                     f"{CPU_COMPILE_MIN_BUDGET_S / 60:.0f} minutes; name it in --tune-space to try it)")
         cfg.toggles = start
         self.study = TuneStudy.open(cfg, dev, space, storage=self.storage, world_size=world)

@@ -87,7 +87,7 @@ from .budget import Budget
 from .decide import (Decision, clearly_better, hopeless, should_prune, significantly_faster, switch_pays,
                      top_candidates)
 from .measure import LossGuard, LossTrend, Measurement
-from .space import SearchSpace
+from .space import MEMORY_SAVING, SearchSpace
 from .study import FAILURE_KINDS, Candidate, Proposal, TuneStudy
 
 FAILURES: tuple[str, ...] = FAILURE_KINDS
@@ -168,6 +168,8 @@ class _Active:
     stop: str | None = None
     failure: tuple[str, str] | None = None
     last_touch: float = 0.0
+    oom_mem: int | None = None      # the peak an out-of-memory error reported (no step event may have come)
+    note: str = ""                  # what the switch does to the optimizer state, for the trial's reason
 
 
 class TuneController:
@@ -223,6 +225,8 @@ class TuneController:
         self._prefix = ""                                       # "stopped by the user: " before the decision
         self._events: list[Event] = []
         self.running = self.base
+        # the optimizer whose state the newest kept checkpoint holds: what a trial's switch converts from
+        self.state_optimizer = self.cfg.toggles.optimizer
 
     # --- derived ----------------------------------------------------------------------
     @property
@@ -259,7 +263,7 @@ class TuneController:
 
     def _mb_attr(self) -> str:
         t = self.cfg.toggles
-        return f"max_micro_batch:{t.precision}:{int(t.activation_checkpointing)}"
+        return f"max_micro_batch:{t.precision}:{int(t.activation_checkpointing)}:{t.optimizer}:{t.quantize_base}"
 
     # --- events -------------------------------------------------------------------------
     def _emit(self, event: Event) -> None:
@@ -320,6 +324,8 @@ class TuneController:
         if isinstance(event, ErrorEvent):
             if a is not None and a.failure is None:
                 a.failure = (event.kind if event.kind in FAILURES else "crash", event.message)
+            if a is not None:
+                a.oom_mem = reported_peak(event.memory) or a.oom_mem
             return
         if not isinstance(event, StepEvent):
             return
@@ -412,8 +418,9 @@ class TuneController:
         else:
             action = RunTrial(number, toggles, measure, baseline=kind == "baseline", restart=restart,
                               numerics_changing=strict, source=source)
+        note = capabilities.optimizer_switch(self.state_optimizer, toggles.optimizer) if restart else None
         self._active = _Active(kind, action, toggles, proposal, number, self.clock(), measure,
-                               LossGuard(self.trend, strict), strict, last_touch=self.clock())
+                               LossGuard(self.trend, strict), strict, last_touch=self.clock(), note=note or "")
         if number is not None:   # views key trials by number; an unnumbered baseline gets one row, at its end
             self._emit(TrialEvent(number=number, toggles=dataclasses.asdict(toggles), status="running",
                                   tokens_per_s=None, spread=None, peak_mem=None, reason="", kind=kind,
@@ -430,6 +437,23 @@ class TuneController:
             t.micro_batch = max(mbs)
         return self.space.clamp(t)
 
+    def _memory_recipe(self) -> Toggles:
+        """A first guess for a memory-constrained run: the whole per-rank batch (or the largest micro-batch in
+        the space) with every memory saver in the space on: activation checkpointing, the smallest AdamW
+        variant (its moments carry over; Adafactor is left to the sampler) and the most quantized base."""
+        choices = self.space.choices
+        t = dataclasses.replace(self.base)
+        if True in choices["activation_checkpointing"]:
+            t.activation_checkpointing = True
+        adam = [v for v in choices["optimizer"] if capabilities.optimizer_state_carries(self.base.optimizer, v)]
+        if adam:
+            t.optimizer = min(adam, key=lambda v: capabilities.OPTIMIZER_STATE_BYTES[v])
+        t.quantize_base = min(choices["quantize_base"], key=lambda v: capabilities.BASE_BYTES[v])
+        mbs = [m for m in choices["micro_batch"] if isinstance(m, int)]
+        if mbs:
+            t.micro_batch = max(mbs)
+        return self.space.clamp(t)
+
     def _trial_estimate(self) -> float:
         durations = [r["duration_s"] for r in self.results if r["kind"] != "baseline" and r.get("ran", True)]
         if durations:
@@ -440,7 +464,10 @@ class TuneController:
     def _next_trial(self) -> RunTrial | None:
         if not self._warm_started:
             self._warm_started = True
-            self.study.warm_start([(self.base, "current"), (self._recipe(), "recipe")])
+            starts = [(self.base, "current"), (self._recipe(), "recipe")]
+            if self.space.memory:
+                starts.append((self._memory_recipe(), "memory"))
+            self.study.warm_start(starts)
         for _ in range(200):
             if self.trials_run >= self.max_trials:
                 self.stop_note = f"ran the maximum of {self.max_trials} trials"
@@ -477,6 +504,8 @@ class TuneController:
         mb = t.micro_batch_int()
         if self.max_mb is None or mb is None or t.activation_checkpointing:
             return None
+        if capabilities.saves_memory(t, self.cfg.toggles):
+            return None            # less optimizer state or a quantized base: the micro-batch may fit, try it
         bytes_of = capabilities.activation_bytes
         narrower = bytes_of(t.precision) < bytes_of(self.cfg.toggles.precision)
         limit = self.max_mb * (2 if narrower else 1)
@@ -523,12 +552,14 @@ class TuneController:
         duration = self.clock() - a.start
         m = a.measure
         summary = m.summary(energy=self.energy)
+        if a.oom_mem is not None:    # what ran out of memory had reached at least this: the trial's peak
+            summary["peak_mem"] = max(summary.get("peak_mem") or 0, a.oom_mem)
         overhead = self._overhead(a)
         extra = {"duration_s": round(duration, 3), "overhead_s": overhead, "kind_of_run": a.kind}
         if outcome == "ok" and a.failure:
             outcome, reason = a.failure[0], reason or a.failure[1]
         if outcome != "ok":
-            reason = reason or (a.failure[1] if a.failure else outcome)
+            reason = _noted(reason or (a.failure[1] if a.failure else outcome), a.note)
             self.running = None
             self.rolled_back_s += duration
             if a.kind == "trial":
@@ -542,6 +573,7 @@ class TuneController:
                                       duration, failure=outcome, overhead_s=overhead, source=_source(a),
                                       rollback=rollback)
         self.running = a.toggles
+        self.state_optimizer = a.toggles.optimizer       # its steps (and checkpoints) are kept
         self.kept_tokens += m.steps * self.tokens_per_step
         if not a.strict:
             for step, loss in a.losses:
@@ -566,6 +598,7 @@ class TuneController:
             reason = reason or f"no steady measurement: {m.stop_words(m.done_reason or a.stop)}"
             if a.stop == "timeout" and not m.kept and a.toggles.compile != "off":
                 self.slow_compile.add(a.toggles.compile)   # still compiling: screen this mode for the run
+        reason = _noted(reason, a.note)
         if a.kind == "trial":
             if status == "pruned":
                 self.study.tell_pruned(a.proposal, summary, reason, extra)
@@ -732,6 +765,9 @@ class TuneController:
             "decision": self.decision.to_dict() if self.decision else None,
             "outcome": self._final.reason if self._final else self.stop_note,
             "stop_note": self.stop_note,
+            "memory": ({"reason": self.space.memory,
+                        "choices": {n: list(self.space.choices[n]) for n in MEMORY_SAVING}}
+                       if self.space.memory else None),
             "results": [{k: v for k, v in r.items() if k not in ("summary",)} for r in self.results],
             "ledger": {
                 "budget_s": self.budget.total_s, "tuning_s": tuning_s, "trials_run": self.trials_run,
@@ -742,6 +778,18 @@ class TuneController:
                 "projected_saving_s": saved,
             },
         }
+
+
+def reported_peak(memory: dict[str, Any] | None) -> int | None:
+    """The peak bytes in an error event's memory figures (CUDA: allocated; CPU: resident), None if absent."""
+    if not memory:
+        return None
+    peak = memory.get("allocated_peak") or memory.get("rss_peak")
+    return int(peak) if isinstance(peak, (int, float)) and peak > 0 else None
+
+
+def _noted(reason: str, note: str) -> str:
+    return f"{reason}; {note}" if note else reason
 
 
 def _source(a: _Active) -> str:

@@ -155,6 +155,32 @@ def optimizer_switch(old: str, new: str) -> str | None:
             f"and no first moment), so {new} starts with fresh state")
 
 
+# Optimizer state per trained parameter, about (trainer.contract.estimate counts it exactly): the order in
+# which the choices save memory.
+OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "adamw-8bit": 2.03, "adamw-4bit": 1.06, "adafactor": 0.05}
+# A frozen base's linear weights per parameter (fp32, 8-bit codes + a scale per row, nf4 codes + scales).
+BASE_BYTES = {"none": 4.0, "int8": 1.0, "nf4": 0.52}
+
+
+def memory_saving(name: str, value) -> list:
+    """The values of toggle `name` that take less memory than `value` (what a memory-constrained tuner adds to
+    its space), whether or not a device supports them."""
+    if name == "activation_checkpointing":
+        return [] if value else [True]
+    if name == "optimizer":
+        return [v for v in OPTIMIZERS if OPTIMIZER_STATE_BYTES[v] < OPTIMIZER_STATE_BYTES.get(value, 8.0)]
+    if name == "quantize_base":
+        return [v for v in QUANTIZE_BASE if BASE_BYTES[v] < BASE_BYTES.get(value, 4.0)]
+    return []
+
+
+def saves_memory(toggles: Toggles, base: Toggles) -> bool:
+    """Whether `toggles` hold less state than `base` (a smaller optimizer state or a more quantized base), so a
+    micro-batch that did not fit with `base` may fit."""
+    return (toggles.optimizer in memory_saving("optimizer", base.optimizer)
+            or toggles.quantize_base in memory_saving("quantize_base", base.quantize_base))
+
+
 def optimizer_state_carries(old: str, new: str) -> bool:
     """Whether switching `old` -> `new` keeps the optimizer's moments (see `optimizer_switch`)."""
     return old in ADAM_FAMILY and new in ADAM_FAMILY
