@@ -124,6 +124,21 @@ def test_memory_saving_order():
     assert set(MEMORY_SAVING) == {"activation_checkpointing", "optimizer", "quantize_base"}
 
 
+def test_the_tuning_driver_widens_the_space_from_what_auto_found(torchao_and_bnb):
+    from gptop.tuning import tuning_space
+
+    cfg = TrainConfig()
+    cfg.optim.global_batch = 32
+    space, note = tuning_space(cfg, CPU, 8, 1, None, 60.0)        # --micro-batch auto found 8 of 32
+    assert space.memory.startswith(FULL_BATCH)
+    assert "memory is the constraint (the whole per-rank batch (32) does not fit" in note
+    assert "optimizer adamw/adamw-8bit/adamw-4bit/adafactor" in note and "compile stays off" in note
+    space, note = tuning_space(cfg, CPU, 32, 1, None, 60.0)       # it all fits: nothing traded
+    assert space.memory is None and "memory" not in note and space.choices["optimizer"] == ("adamw",)
+    cfg.toggles.micro_batch = 8                                   # asked for: not probed
+    assert tuning_space(cfg, CPU, None, 1, None, 60.0)[0].memory is None
+
+
 def test_best_toml_with_a_quantized_base_round_trips():
     t = Toggles(quantize_base="nf4", optimizer="adamw-8bit", micro_batch=8)
     check_best_toml(best_toml(t), t)
