@@ -339,6 +339,11 @@ class TuningDriver:
                 else:
                     ctl.finish_trial(outcome, reason, rollback=self._rollback(pre))
                 self._publish()
+                if ctl.study is not self.study:      # the start ran out of memory: memory is the constraint
+                    self.study = ctl.study
+                    self._say(f"memory is the constraint ({ctl.space.memory}): tuning over "
+                              f"{', '.join(ctl.space.params) or 'nothing'} (study {self.study.name})",
+                              study=self.study.name)
                 continue
             if isinstance(action, (Apply, Done)):
                 return self._conclude(action)

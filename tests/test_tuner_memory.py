@@ -301,3 +301,36 @@ def test_the_optimizer_state_note_follows_the_kept_checkpoint(tmp_path):
     ev = ctl.finish_trial("oom")
     assert ev.peak_mem == 5 << 30
     assert ctl.state_optimizer == "adamw"     # rolled back: the checkpoint still holds adamw's state
+
+
+def test_a_start_that_runs_out_of_memory_widens_the_space_into_a_study_of_its_own(tmp_path, torchao_and_bnb):
+    """An explicit micro-batch that passed the estimate but ran out of memory: the OOM path."""
+    clock = Clock()
+    cfg = TrainConfig()
+    cfg.optim.global_batch = 32
+    cfg.toggles.micro_batch = 32
+    spec = "-compile -prefetch -workers -precision -attention -cuda_allocator -fused_adamw micro_batch=8,32"
+    space = SearchSpace.for_device(cfg.toggles, CPU, 32, spec=spec)
+    assert space.memory is None and space.choices["optimizer"] == ("adamw",)
+    study = TuneStudy.open(cfg, CPU, space, storage=f"journal:{tmp_path}/tuning.log", seed=0, wall=clock)
+    ctl = TuneController(cfg, CPU, space, study, Budget(3600.0, clock=clock), clock=clock, min_steps=4)
+    assert isinstance(ctl.next_action(), FindMicroBatch)
+    ctl.set_max_micro_batch(None)                          # an explicit micro-batch: nothing probed
+    base = ctl.next_action()
+    assert isinstance(base, RunTrial) and base.baseline and base.toggles.micro_batch == 32
+    ctl.observe(make("error", kind="oom", message="out of memory: tried to allocate 2 GiB",
+                     memory={"rss_peak": 7 << 30}))
+    ev = ctl.finish_trial("oom")
+    assert ev.peak_mem == 7 << 30 and ev.status == "infeasible"
+    assert ctl.space.memory.startswith("the starting configuration ran out of memory (out of memory: tried")
+    assert ctl.space.choices["activation_checkpointing"] == (False, True)
+    assert ctl.space.choices["optimizer"] == ("adamw", "adamw-8bit", "adamw-4bit", "adafactor")
+    assert ctl.space.choices["compile"] == ("off",)          # the spec is replayed over the widened space
+    assert ctl.study is not study and ctl.study.name != study.name
+    assert ctl.study.storage_url == study.storage_url and ctl.study.run_id == study.run_id
+    # the memory recipe is among the first trials of the new study
+    first = ctl.next_action()
+    assert isinstance(first, RunTrial) and ctl.space.contains(first.toggles)
+    sources = [t.user_attrs.get("source") for t in ctl.study.trials()]
+    assert "memory" in sources
+    assert ctl.report_info()["memory"]["reason"] == ctl.space.memory

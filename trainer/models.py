@@ -497,8 +497,13 @@ parameter before activations. Three options cut that, alone or together:
   CPU or triton on a GPU), or `torch.optim.Adafactor` (a factored second
   moment, no first moment; its `--lr` is relative: capped by 1/sqrt(step) and
   scaled by each weight's RMS). Step events carry `optim_state_bytes`, what the
-  state really occupies, and the dashboard shows it beside the memory. A
-  checkpoint resumes only with the optimizer that wrote it.
+  state really occupies, and the dashboard shows it beside the memory. The
+  optimizer is a toggle the tuner may trade for memory (docs/tuning.md), so a
+  run resumes from a checkpoint of another optimizer: the AdamW variants'
+  moments carry over (dequantized, then stored as the new one stores them),
+  Adafactor's state converts to nothing and the new optimizer starts fresh (a
+  warning says which). With several ranks a checkpoint resumes only with the
+  optimizer that wrote it.
 - The estimate a run prints before it builds anything counts these choices from
   the shapes (`trainer/contract/estimate.py`): fp32 weights, 4-byte gradients
   and the optimizer's state of the trained tensors only (adamw 8 B per
@@ -514,7 +519,13 @@ parameter before activations. Three options cut that, alone or together:
   the adapters stay fp32. It needs CUDA and `pip install 'gptop[qlora]'`;
   anywhere else the trainer exits 2 naming `--quantize-base` and the reason.
   This path was written against the transformers, peft and bitsandbytes
-  documentation and has **not been run** (no GPU was available).
+  documentation and has **not been run** (no GPU was available). It is a
+  toggle too: a memory-constrained tuning of a LoRA run may try it, resuming
+  the adapters on a base quantized differently (the adapters are the same
+  tensors; verified only against peft's documentation).
+- `--optimizer` and `--quantize-base` are in the config's `[toggles]` table
+  (they were in `[optim]` and `[finetune]`; a file with them there still
+  reads, and a file giving both places must agree).
 
 ```bash
 gptop train --model ./my-model --lora 16 --optimizer adamw-8bit

@@ -569,6 +569,8 @@ class TuneController:
             else:
                 self.baseline = None
                 self.stop_note = f"the starting configuration failed: {reason}"
+                if outcome == "oom":
+                    self._widen_for_memory(f"the starting configuration ran out of memory ({reason})")
             return self._finish_event(a.number, a.kind, a.toggles, "infeasible", summary, f"{outcome}: {reason}",
                                       duration, failure=outcome, overhead_s=overhead, source=_source(a),
                                       rollback=rollback)
@@ -625,6 +627,18 @@ class TuneController:
                 self.stop_note = "the starting configuration gave no steady measurement"
         return self._finish_event(a.number, a.kind, a.toggles, status, summary, reason, duration,
                                   overhead_s=overhead, source=_source(a), rollback=rollback)
+
+    def _widen_for_memory(self, reason: str) -> None:
+        """Memory is the constraint after all: the trials to come search the space widened to the memory-saving
+        values (tuner.space), a study of its own (the space is part of the study's key). The session takes
+        the new `study` for its report."""
+        if self.space.memory:
+            return
+        wider = self.space.for_memory(reason, self.dev)
+        if wider.key() == self.space.key():
+            return
+        self.space = wider
+        self.study = self.study.for_space(wider)
 
     def abort(self, reason: str = "tuning stopped") -> None:
         """The session stops mid-trial (user quit): the trial is recorded FAIL, which teaches the sampler nothing."""

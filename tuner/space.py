@@ -129,6 +129,7 @@ class SearchSpace:
     memory: str | None = None
     quantizable: bool = False
     world_size: int = 1
+    spec: str | None = None          # the --tune-space items applied, in order (replayed by `for_memory`)
 
     # --- construction ------------------------------------------------------------
     @classmethod
@@ -209,7 +210,13 @@ class SearchSpace:
                 raise ConfigError(OPTION, f"{item!r}: empty value; list values separated by commas")
             values = [self._parse_value(item, name, p.strip(), dev) for p in parts]
             choices[name] = _order(name, (list(self.choices[name]) if widen else []) + values)
-        return dataclasses.replace(self, choices=choices)
+        return dataclasses.replace(self, choices=choices, spec=f"{self.spec} {spec}" if self.spec else spec)
+
+    def for_memory(self, reason: str, dev: DeviceInfo) -> "SearchSpace":
+        """This space widened to the memory-saving values because of `reason` (the starting configuration ran
+        out of memory), with the same `--tune-space` items applied after, so the user's word stays last."""
+        return SearchSpace.for_device(self.base, dev, self.per_rank * self.world_size, self.world_size, self.spec,
+                                      memory=reason, quantizable=self.quantizable)
 
     @staticmethod
     def _check_name(item: str, name: str) -> None:
