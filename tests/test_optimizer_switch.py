@@ -163,3 +163,24 @@ def test_switch_to_8bit_carries_the_moments_and_resumes_exactly(tmp_path):
     before, after = [s for s in steps if s.step <= 3], [s for s in steps if s.step > 3]
     assert after[-1].optim_state_bytes < before[-1].optim_state_bytes / 3      # really stored in 8 bits
     assert any("carry over" in getattr(e, "message", "") for e in a)
+
+
+def test_several_ranks_resume_only_with_the_checkpoints_optimizer(tmp_path):
+    """The conversion runs on one process: a sharded or multi-rank resume with another optimizer is refused
+    with what to do, before any collective."""
+    from types import SimpleNamespace
+
+    from trainer.checkpointer import Checkpointer
+    from trainer.contract.device import DeviceInfo
+
+    cfg = TrainConfig()
+    cfg.toggles.optimizer = "adafactor"
+    group = SimpleNamespace(rank=0, world=2)
+    c = Checkpointer(cfg, DeviceInfo(type="cpu", name="cpu"), tmp_path, group, warn=lambda s: None)
+    model = _model()
+    c.bind(model, torch.optim.Adafactor(model.parameters()), torch.amp.GradScaler("cpu", enabled=False))
+    saved = TrainConfig().to_dict()
+    saved["optim"]["optimizer"] = saved["toggles"].pop("optimizer")      # stored by an older version
+    with pytest.raises(ConfigError) as e:
+        c.load_state({"config": saved, "model": {}, "optimizer": {}, "step": 3})
+    assert e.value.option == "--optimizer" and "resume with --optimizer adamw" in e.value.message
