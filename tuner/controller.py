@@ -53,7 +53,8 @@ Phases: find-micro-batch -> baseline -> trials -> remeasure -> decide -> done.
   screened out for the rest of the run (`slow_compile`). Proposals whose
   micro-batch cannot fit (above the largest that fits without activation
   checkpointing, 2x for a narrower precision) are recorded infeasible
-  without running.
+  without running, unless they also hold less state than the start (a
+  smaller optimizer state, a quantized base): those are tried.
 * Remeasure: the top-2 are measured again (best last, so it is what runs when
   the decision comes) unless the best's interval is already clear of the
   second's; estimates pool both measurements (the maximum of noisy estimates
@@ -63,9 +64,22 @@ Phases: find-micro-batch -> baseline -> trials -> remeasure -> decide -> done.
   remaining steps exceeds the switch cost (`decide.switch_pays`).
 
 Loss health: the run's loss trend (`LossTrend`) is fitted over healthy steps
-outside numerics-changing trials; a trial that changes precision must stay
-within its tolerance, every trial must stay finite and below 1.5x the recent
-maximum. `trial_should_stop()` then returns "nan" or "diverged".
+outside numerics-changing trials; a trial that changes precision, the
+optimizer or the base's quantization (`tuner.space.NUMERICS_CHANGING`) must
+stay within its tolerance, every trial must stay finite and below 1.5x the
+recent maximum. `trial_should_stop()` then returns "nan" or "diverged".
+
+Memory: when the wanted micro-batch does not fit, the space the session
+builds is already widened to the memory savers (`tuner.space`); when the
+starting configuration itself runs out of memory, the controller widens it
+then (`space.for_memory`) and goes on in the study of the wider space
+(`study` changes: the session reports from `ctl.study`). A memory-constrained
+study enqueues a `memory` first guess: the largest micro-batch with every
+saver on. A trial that switches the optimizer says in its reason what happens
+to the optimizer state (`capabilities.optimizer_switch`: the AdamW moments
+carry over, Adafactor's state starts fresh), relative to `state_optimizer`,
+the optimizer of the newest kept checkpoint. A trial's `peak_mem` is the
+largest its step events reported, or what its out-of-memory error reported.
 """
 
 from __future__ import annotations

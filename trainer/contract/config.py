@@ -218,7 +218,8 @@ def _lora_targets_format(value: str) -> str | None:
 
 @dataclass
 class FinetuneConfig:
-    """Parameter-efficient fine-tuning: LoRA adapters (peft) on a frozen base, optionally quantized (QLoRA)."""
+    """Parameter-efficient fine-tuning: LoRA adapters (peft) on a frozen base, optionally quantized (QLoRA:
+    `Toggles.quantize_base`, a toggle since the tuner may trade it for memory)."""
 
     lora: int = opt(0, "LoRA rank R: train rank-R adapters on a frozen base instead of every weight (0: full "
                     "fine-tuning)", metavar="R", low=0, high=MAX_LORA_RANK)
