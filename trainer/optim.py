@@ -134,7 +134,9 @@ def convert_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any], old: 
     state: dict[int, dict[str, torch.Tensor]] = {}
     for i, s in saved["state"].items():
         p = params[int(i)]
-        state[int(i)] = {"step": s["step"].detach().float().reshape(()).clone(),
+        # the step count as a fresh optimizer keeps it: a host scalar (load_state_dict moves it to the
+        # parameter's device where the kernel wants it there: fused or capturable AdamW)
+        state[int(i)] = {"step": s["step"].detach().float().reshape(()).cpu().clone(),
                          "exp_avg": _stored(dense(s["exp_avg"]), p, new, True, block),
                          "exp_avg_sq": _stored(dense(s["exp_avg_sq"]), p, new, False, block)}
     optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
