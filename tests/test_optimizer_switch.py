@@ -184,3 +184,31 @@ def test_several_ranks_resume_only_with_the_checkpoints_optimizer(tmp_path):
     with pytest.raises(ConfigError) as e:
         c.load_state({"config": saved, "model": {}, "optimizer": {}, "step": 3})
     assert e.value.option == "--optimizer" and "resume with --optimizer adamw" in e.value.message
+
+
+# --- in a real tuning: processes switch optimizers from each other's checkpoints ---------------------------
+
+@pytest.mark.slow
+@pytest.mark.process
+def test_a_tuning_over_the_optimizer_switches_live_and_reports_every_trials_peak(tmp_path):
+    from test_tuning_e2e import SETUP, events, finished_trials, gptop_env, run_gptop
+
+    run_dir = tmp_path / "run"
+    rc, out, err = run_gptop("tune", "--budget", "40s", *SETUP, "--max-steps", "300", "--checkpoint-every", "5",
+                             "--tune-space", "-all optimizer=adamw,adafactor micro_batch=4,8",
+                             "--storage", f"sqlite:///{tmp_path / 'study.sqlite3'}", "--run-dir", str(run_dir),
+                             env=gptop_env())
+    assert rc == 0, err[-3000:] + out[-3000:]
+    trials = [t for t in finished_trials(run_dir) if t["kind"] == "trial"]
+    ada = [t for t in trials if t["toggles"]["optimizer"] == "adafactor"]
+    assert ada, trials
+    # the first switch away from the start's adamw says that Adafactor's state starts fresh
+    assert "adamw -> adafactor" in ada[0]["reason"] and "starts with fresh state" in ada[0]["reason"]
+    # every process that resumed with another optimizer than its checkpoint's said what it kept
+    warnings = [e["message"] for e in events(run_dir, "warning")]
+    assert any("--optimizer adafactor resumes a checkpoint of adamw" in w for w in warnings), warnings
+    # each measured trial has its peak memory, and the report shows it
+    ran = [t for t in trials if t["status"] in ("ok", "cut", "pruned") and t["tokens_per_s"]]
+    assert ran and all(t["peak_mem"] for t in ran)
+    md = (run_dir / "tuning.md").read_text()
+    assert "| peak mem |" in md and (" MiB |" in md or " GiB |" in md)
