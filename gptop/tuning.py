@@ -334,8 +334,10 @@ class TuningDriver:
                     ctl.abort(reason)
                     self._publish()
                     return self._conclude(None)
-                if outcome in STEADY:
+                if outcome in STEADY and action.keep_steps:
                     ctl.finish_trial("ok")
+                elif outcome in STEADY:            # measured; rolled back so the run keeps its optimizer state
+                    ctl.finish_trial("ok", rollback=self._rollback(pre))
                 else:
                     ctl.finish_trial(outcome, reason, rollback=self._rollback(pre))
                 self._publish()

@@ -207,6 +207,10 @@ def test_a_tuning_over_the_optimizer_switches_live_and_reports_every_trials_peak
     # every process that resumed with another optimizer than its checkpoint's said what it kept
     warnings = [e["message"] for e in events(run_dir, "warning")]
     assert any("--optimizer adafactor resumes a checkpoint of adamw" in w for w in warnings), warnings
+    # a measured Adafactor trial was rolled back, so AdamW never had to start fresh from an Adafactor checkpoint
+    measured = [t for t in ada if t["status"] != "infeasible"]
+    assert all(t["rollback"] and "so the run keeps its adamw state" in t["reason"] for t in measured)
+    assert not any("resumes a checkpoint of adafactor" in w for w in warnings), warnings
     # each measured trial has its peak memory, and the report shows it
     ran = [t for t in trials if t["status"] in ("ok", "cut", "pruned") and t["tokens_per_s"]]
     assert ran and all(t["peak_mem"] for t in ran)

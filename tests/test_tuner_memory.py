@@ -218,9 +218,11 @@ def _drive(ctl, clock, trainer):
                 stop = ctl.trial_should_stop()
                 if stop:
                     break
-            if stop in ("done", "prune", "budget"):
+            if stop in ("done", "prune", "budget") and action.keep_steps:
                 ckpt = step
                 ctl.finish_trial("ok")
+            elif stop in ("done", "prune", "budget"):           # measured, then rolled back to ckpt
+                ctl.finish_trial("ok", rollback={"step": ckpt, "path": "ckpt", "deleted": []})
             else:
                 ctl.finish_trial(stop)
             continue
@@ -264,8 +266,13 @@ def test_a_memory_constrained_tuning_trades_memory_checks_the_loss_and_reports_p
     assert drifted and all(r["status"] == "infeasible" and r["failure"] == "diverged" for r in drifted)
     # a switch says what happens to the optimizer state (from what the kept checkpoint holds)
     assert any("the AdamW moments carry over from adamw to adamw-8bit" in r["reason"] for r in ran)
-    assert any("adamw -> adafactor: the optimizer state cannot be converted" in r["reason"]
-               and "adafactor starts with fresh state" in r["reason"] for r in ran)
+    to_ada = [r for r in ran if "adamw -> adafactor: the optimizer state cannot be converted" in r["reason"]]
+    assert to_ada and all("adafactor starts with fresh state" in r["reason"] for r in to_ada)
+    # such a trial is measured, then rolled back: the run keeps its AdamW state, so no later trial starts
+    # AdamW fresh from an Adafactor checkpoint
+    assert all("rolled back to the pre-trial checkpoint so the run keeps its adamw state" in r["reason"]
+               and r["rollback"] for r in to_ada if r["status"] != "infeasible")
+    assert not any("adafactor -> adamw" in r["reason"] for r in ran)
 
     info = ctl.report_info()
     assert info["memory"]["reason"] == space.memory

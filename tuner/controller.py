@@ -122,7 +122,10 @@ class RunTrial:
 
     `number` is the Optuna trial number (None for a baseline outside the space
     or not yet recorded). `restart` is False when the process already runs
-    these toggles (the baseline).
+    these toggles (the baseline). `keep_steps` False: the trial switches to an
+    optimizer whose state cannot be converted from the checkpoint's (Adafactor
+    to or from AdamW), so once measured it is rolled back like a failure,
+    `finish_trial("ok", rollback=...)`: the run keeps its own optimizer state.
     """
 
     number: int | None
@@ -132,6 +135,7 @@ class RunTrial:
     restart: bool = True
     numerics_changing: bool = False
     source: str = "sampler"
+    keep_steps: bool = True
 
 
 @dataclass
@@ -142,6 +146,7 @@ class Remeasure:
     toggles: Toggles
     measure: Measurement
     restart: bool = True
+    keep_steps: bool = True
 
 
 @dataclass
@@ -427,12 +432,14 @@ class TuneController:
         restart = toggles != self.running
         if proposal is not None:
             number = proposal.number
+        note = capabilities.optimizer_switch(self.state_optimizer, toggles.optimizer) if restart else None
+        # a switch that starts the optimizer state fresh is measured, then rolled back: the run keeps its state
+        keep = not note or capabilities.optimizer_state_carries(self.state_optimizer, toggles.optimizer)
         if kind == "remeasure":
-            action: RunTrial | Remeasure = Remeasure(number, toggles, measure, restart)
+            action: RunTrial | Remeasure = Remeasure(number, toggles, measure, restart, keep_steps=keep)
         else:
             action = RunTrial(number, toggles, measure, baseline=kind == "baseline", restart=restart,
-                              numerics_changing=strict, source=source)
-        note = capabilities.optimizer_switch(self.state_optimizer, toggles.optimizer) if restart else None
+                              numerics_changing=strict, source=source, keep_steps=keep)
         self._active = _Active(kind, action, toggles, proposal, number, self.clock(), measure,
                                LossGuard(self.trend, strict), strict, last_touch=self.clock(), note=note or "")
         if number is not None:   # views key trials by number; an unnumbered baseline gets one row, at its end
@@ -554,7 +561,8 @@ class TuneController:
     def finish_trial(self, outcome: str = "ok", reason: str = "",
                      rollback: dict[str, Any] | None = None) -> TrialEvent:
         """Record the active trial: "ok" (healthy, steps kept) or a failure kind (rolled back; `rollback`
-        says to where, for the event). Returns the `trial` event (also queued for drain_events)."""
+        says to where, for the event). "ok" with `rollback`: healthy and measured, but rolled back as its
+        action asked (`keep_steps` False). Returns the `trial` event (also queued for drain_events)."""
         a = self._active
         if a is None:
             raise RuntimeError("finish_trial without a running trial")
@@ -588,10 +596,16 @@ class TuneController:
             return self._finish_event(a.number, a.kind, a.toggles, "infeasible", summary, f"{outcome}: {reason}",
                                       duration, failure=outcome, overhead_s=overhead, source=_source(a),
                                       rollback=rollback)
-        self.running = a.toggles
-        self.state_optimizer = a.toggles.optimizer       # its steps (and checkpoints) are kept
-        self.kept_tokens += m.steps * self.tokens_per_step
-        if not a.strict:
+        if rollback is not None:                          # measured, then rolled back (keep_steps False)
+            self.running = None
+            self.rolled_back_s += duration
+            a.note = _noted(a.note, f"measured, then rolled back to the pre-trial checkpoint so the run keeps "
+                                    f"its {self.state_optimizer} state")
+        else:
+            self.running = a.toggles
+            self.state_optimizer = a.toggles.optimizer   # its steps (and checkpoints) are kept
+            self.kept_tokens += m.steps * self.tokens_per_step
+        if not a.strict and rollback is None:
             for step, loss in a.losses:
                 self.trend.add(step, loss)
         est, spread = m.estimate
@@ -675,6 +689,7 @@ class TuneController:
             if a.proposal is not None:
                 self.study.tell_failed(a.proposal, reason)
             self.kept_tokens += a.measure.steps * self.tokens_per_step
+            self.state_optimizer = a.toggles.optimizer
             if a.kind == "baseline":
                 self.phase = "trials"
         if self.baseline is None:
@@ -817,7 +832,8 @@ def reported_peak(memory: dict[str, Any] | None) -> int | None:
 
 
 def _noted(reason: str, note: str) -> str:
-    return f"{reason}; {note}" if note else reason
+    """`reason; note`, or whichever of them is not empty."""
+    return f"{reason}; {note}" if note and reason else (reason or note)
 
 
 def _source(a: _Active) -> str:

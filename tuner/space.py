@@ -26,7 +26,8 @@ tf32 and bf16 included (they round matmul inputs to fewer mantissa bits:
 usually harmless, but not the same numbers; fp16 can overflow and fp8 scales
 tensors); any change of `optimizer` (torchao's 8-bit / 4-bit AdamW round the
 moments block-wise, Adafactor is another algorithm, and a switch to or from it
-starts its state fresh: trainer.contract.capabilities.optimizer_switch); and
+starts its state fresh: trainer.contract.capabilities.optimizer_switch; such a
+trial is rolled back once measured, so the run keeps its own state); and
 any change of `quantize_base` (a 4-bit / 8-bit frozen base computes other
 activations). The guard for numerics-changing trials (a loss check against
 the run's own trend, `tuner.measure.LossTrend`) costs nothing, so it is
