@@ -341,3 +341,11 @@ def test_a_start_that_runs_out_of_memory_widens_the_space_into_a_study_of_its_ow
     sources = [t.user_attrs.get("source") for t in ctl.study.trials()]
     assert "memory" in sources
     assert ctl.report_info()["memory"]["reason"] == ctl.space.memory
+
+
+def test_a_reports_memory_field_is_checked_before_it_is_shown():
+    from tuner.report import check_report
+
+    assert check_report({"memory": {"reason": "x", "choices": {}}}) is None
+    assert "'memory' is str" in check_report({"memory": "x"})
+    assert "memory-constrained" not in format_summary({"memory": {"reason": 3}})
