@@ -327,7 +327,9 @@ class TuningDriver:
                 if restore_log is not None:
                     self._log_every(restore_log)
                 if outcome == "abort":             # the `t` key: decide on what was measured, train on
-                    return self._conclude(ctl.stop_early(reason))
+                    if not action.keep_steps:      # its fresh optimizer state must not become the run's
+                        self._rollback(pre)
+                    return self._conclude(ctl.stop_early(reason, rolled_back=not action.keep_steps))
                 if outcome in ("interrupted", "finished"):
                     if outcome == "finished" and ctl.in_trial:
                         ctl.finish_trial("ok")            # its steps are the run's last: kept

@@ -349,3 +349,35 @@ def test_a_reports_memory_field_is_checked_before_it_is_shown():
     assert check_report({"memory": {"reason": "x", "choices": {}}}) is None
     assert "'memory' is str" in check_report({"memory": "x"})
     assert "memory-constrained" not in format_summary({"memory": {"reason": 3}})
+
+
+def test_stopping_tuning_during_a_fresh_state_trial_keeps_the_runs_optimizer(tmp_path):
+    """The `t` key during a trial that switched to Adafactor: the session rolls it back (keep_steps False),
+    so the run goes on with its AdamW state and the decision is made on what was measured."""
+    clock = Clock()
+    ctl, _ = _memory_ctl(tmp_path, clock, "-all optimizer=adamw,adafactor")
+    ctl.set_max_micro_batch(8)
+    ctl.next_action()                                       # the baseline, on the running process
+    for i in range(12):
+        clock.t += 0.4
+        ctl.observe(make("step", step=31 + i, tokens=4096, loss=3.0, lr=1e-3, grad_norm=1.0, step_ms=400.0,
+                         phases_ms={}, tokens_per_s=1.0, mfu=0.0, mem_bytes=10 ** 9, time=clock.t))
+    ctl.finish_trial("ok")
+    step = 43
+    for _ in range(5):                                      # until the sampler proposes Adafactor
+        trial = ctl.next_action()
+        assert isinstance(trial, RunTrial)
+        if trial.toggles.optimizer == "adafactor":
+            break
+        for _ in range(12):
+            clock.t += 0.4
+            step += 1
+            ctl.observe(make("step", step=step, tokens=4096, loss=3.0, lr=1e-3, grad_norm=1.0, step_ms=400.0,
+                             phases_ms={}, tokens_per_s=1.0, mfu=0.0, mem_bytes=10 ** 9, time=clock.t))
+        ctl.trial_should_stop()
+        ctl.finish_trial("ok")
+    assert trial.toggles.optimizer == "adafactor" and not trial.keep_steps
+    clock.t += 3.0
+    done = ctl.stop_early("stopped by the user", rolled_back=True)
+    assert done.toggles.optimizer == "adamw" and done.restart
+    assert ctl.state_optimizer == "adamw" and ctl.rolled_back_s >= 3.0

@@ -677,10 +677,11 @@ class TuneController:
         self._final = Done(reason, self.running or self.base, restart=False)
         self._set_phase("done")
 
-    def stop_early(self, reason: str = "stopped by the user") -> Apply | Done:
+    def stop_early(self, reason: str = "stopped by the user", rolled_back: bool = False) -> Apply | Done:
         """Tuning is stopped before its end (the `t` key) while the run goes on: the running trial, if any,
-        is abandoned (FAIL) with its steps kept, and the decision is made on what was measured so far (the
-        same rules: apply only a significantly faster setting whose saving pays for the switch)."""
+        is abandoned (FAIL) with its steps kept (`rolled_back`: the session rolled it back instead, as it does
+        a trial whose action has `keep_steps` False), and the decision is made on what was measured so far
+        (the same rules: apply only a significantly faster setting whose saving pays for the switch)."""
         if self._final is not None:
             return self._final
         a = self._active
@@ -688,8 +689,12 @@ class TuneController:
         if a is not None:
             if a.proposal is not None:
                 self.study.tell_failed(a.proposal, reason)
-            self.kept_tokens += a.measure.steps * self.tokens_per_step
-            self.state_optimizer = a.toggles.optimizer
+            if rolled_back:
+                self.running = None
+                self.rolled_back_s += self.clock() - a.start
+            else:
+                self.kept_tokens += a.measure.steps * self.tokens_per_step
+                self.state_optimizer = a.toggles.optimizer
             if a.kind == "baseline":
                 self.phase = "trials"
         if self.baseline is None:
