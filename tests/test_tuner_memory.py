@@ -253,9 +253,10 @@ def test_a_memory_constrained_tuning_trades_memory_checks_the_loss_and_reports_p
                   for r in results.values()}
     # micro-batch 32 without a memory saver is screened as a predicted OOM (never run, no peak); with a
     # smaller optimizer it is tried, since the state it frees may make room
-    screened = by_toggles.get((32, False, "adamw"))
-    if screened is not None:
-        assert screened["status"] == "infeasible" and "predicted OOM" in screened["reason"]
+    screened = by_toggles[(32, False, "adamw")]
+    assert screened["status"] == "infeasible" and "predicted OOM" in screened["reason"] and not screened["ran"]
+    tried = by_toggles[(32, False, "adamw-8bit")]
+    assert tried["ran"] and tried["failure"] == "oom"                 # not screened: it had to be tried
     ran = [r for r in results.values() if r["ran"]]
     assert ran and all(r["peak_mem"] for r in ran)                     # every trial that ran has its peak
     ooms = [r for r in ran if r["failure"] == "oom"]
