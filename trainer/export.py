@@ -118,8 +118,8 @@ def _load_checkpoint(run_dir: Path, info: CheckpointInfo, dev: Any, log: Log) ->
         raise ckpt.CorruptCheckpoint(f"{info.path}: its config does not parse ({e})") from None
     tok = tokenizer_info(cfg.data, log=log)
     _check_tokenizer(run_dir, cfg, tok, log)
-    if cfg.finetune.quantize_base != "none":
-        raise ExportError(f"{info.path} was trained on a {cfg.finetune.quantize_base}-quantized base (QLoRA); "
+    if cfg.toggles.quantize_base != "none":
+        raise ExportError(f"{info.path} was trained on a {cfg.toggles.quantize_base}-quantized base (QLoRA); "
                           f"exporting it is not supported yet")
     bundle = _build(cfg.model, tok, cfg, dev, info.path, finetune=cfg.finetune)
     model = bundle.model

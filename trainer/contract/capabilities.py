@@ -3,9 +3,9 @@
 The trainer refuses an unsupported value asked for explicitly (never a silent
 fallback), and the tuner offers only supported values. Both ask here.
 
-Besides the toggles, two options of other sections are gated the same way, because whether they run
-depends on the device and the installed libraries: `--optimizer` (torchao's low-bit AdamW compiles its
-update with torch.compile) and `--quantize-base` (bitsandbytes' 4-bit and 8-bit layers, CUDA only here).
+`--optimizer` (torchao's low-bit AdamW compiles its update with torch.compile) and `--quantize-base`
+(bitsandbytes' 4-bit and 8-bit layers, CUDA only here) are toggles gated the same way: whether they run
+depends on the device and the installed libraries.
 
 A value can also be supported but *slow* on a device: it runs correctly, yet
 is known to lose against the default by a wide margin (bf16 on a CPU whose
@@ -37,9 +37,6 @@ CHOICES: dict[str, tuple] = {
     "optimizer": OPTIMIZERS,
     "quantize_base": QUANTIZE_BASE,
 }
-
-# Gated options outside Toggles: name -> the TrainConfig section that holds it.
-GATED_OPTIONS = {"optimizer": "optim", "quantize_base": "finetune"}
 
 
 # Bytes per activation element under each precision (the fp8 recipes keep bf16 activations between matmuls):
@@ -135,6 +132,60 @@ def support(name: str, value, dev: DeviceInfo) -> str | None:
     return None
 
 
+ADAM_FAMILY = ("adamw", "adamw-8bit", "adamw-4bit")
+
+
+def optimizer_switch(old: str, new: str) -> str | None:
+    """What a run resumed with optimizer `new` from a checkpoint of `old` keeps of the optimizer state, in
+    words (None when they are the same).
+
+    The AdamW variants hold the same state (a step count and two moments per tensor), only stored
+    differently: the moments are dequantized to fp32 and stored as the new optimizer stores them (quantized
+    block-wise for torchao's 8-bit / 4-bit ones), so the switch loses only the rounding of the narrower
+    format. Adafactor keeps no first moment and a second moment factored into row and column means of
+    differently decayed squared gradients (and a relative step size): nothing of it means the same to AdamW
+    or back, so the new optimizer starts with fresh state, the one switch that loses optimizer state. Every
+    switch changes the numbers computed, so the tuner checks the loss of such a trial
+    (tuner.space.NUMERICS_CHANGING)."""
+    if old == new:
+        return None
+    if old in ADAM_FAMILY and new in ADAM_FAMILY:
+        return f"the AdamW moments carry over from {old} to {new} (converted, rounded to {new}'s storage)"
+    return (f"{old} -> {new}: the optimizer state cannot be converted (Adafactor keeps a factored second moment "
+            f"and no first moment), so {new} starts with fresh state")
+
+
+# Optimizer state per trained parameter, about (trainer.contract.estimate counts it exactly): the order in
+# which the choices save memory.
+OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "adamw-8bit": 2.03, "adamw-4bit": 1.06, "adafactor": 0.05}
+# A frozen base's linear weights per parameter (fp32, 8-bit codes + a scale per row, nf4 codes + scales).
+BASE_BYTES = {"none": 4.0, "int8": 1.0, "nf4": 0.52}
+
+
+def memory_saving(name: str, value) -> list:
+    """The values of toggle `name` that take less memory than `value` (what a memory-constrained tuner adds to
+    its space), whether or not a device supports them."""
+    if name == "activation_checkpointing":
+        return [] if value else [True]
+    if name == "optimizer":
+        return [v for v in OPTIMIZERS if OPTIMIZER_STATE_BYTES[v] < OPTIMIZER_STATE_BYTES.get(value, 8.0)]
+    if name == "quantize_base":
+        return [v for v in QUANTIZE_BASE if BASE_BYTES[v] < BASE_BYTES.get(value, 4.0)]
+    return []
+
+
+def saves_memory(toggles: Toggles, base: Toggles) -> bool:
+    """Whether `toggles` hold less state than `base` (a smaller optimizer state or a more quantized base), so a
+    micro-batch that did not fit with `base` may fit."""
+    return (toggles.optimizer in memory_saving("optimizer", base.optimizer)
+            or toggles.quantize_base in memory_saving("quantize_base", base.quantize_base))
+
+
+def optimizer_state_carries(old: str, new: str) -> bool:
+    """Whether switching `old` -> `new` keeps the optimizer's moments (see `optimizer_switch`)."""
+    return old in ADAM_FAMILY and new in ADAM_FAMILY
+
+
 def slow(name: str, value, dev: DeviceInfo) -> str | None:
     """None unless `value` is supported on `dev` but known to be far slower than the default; then why."""
     if name == "precision" and value == "bf16" and not dev.is_cuda and not dev.cpu_bf16:
@@ -173,15 +224,8 @@ def slow_choices(toggles: Toggles, dev: DeviceInfo) -> list[str]:
 
 
 def slow_config(cfg: TrainConfig, dev: DeviceInfo) -> list[str]:
-    """`slow_choices` for the toggles and every other gated option (GATED_OPTIONS) of a run's config."""
-    out = slow_choices(cfg.toggles, dev)
-    for name, section in GATED_OPTIONS.items():
-        obj = getattr(cfg, section)
-        f = next(f for f in dataclasses.fields(obj) if f.name == name)
-        reason = slow(name, getattr(obj, name), dev)
-        if reason:
-            out.append(f"{flag_of(f)} {getattr(obj, name)}: {reason}")
-    return out
+    """`slow_choices` of a run's config (every gated option is a toggle)."""
+    return slow_choices(cfg.toggles, dev)
 
 
 def check(toggles: Toggles, dev: DeviceInfo) -> None:
@@ -194,15 +238,8 @@ def check(toggles: Toggles, dev: DeviceInfo) -> None:
 
 
 def check_config(cfg: TrainConfig, dev: DeviceInfo) -> None:
-    """`check` for the toggles and every other gated option (GATED_OPTIONS) of a run's config."""
+    """`check` of a run's config (every gated option is a toggle)."""
     check(cfg.toggles, dev)
-    for name, section in GATED_OPTIONS.items():
-        obj = getattr(cfg, section)
-        f = next(f for f in dataclasses.fields(obj) if f.name == name)
-        value = getattr(obj, name)
-        reason = support(name, value, dev)
-        if reason:
-            raise ConfigError(flag_of(f), f"{value} is not supported on {dev.name}: {reason}")
 
 
 # --- which model size `--size auto` picks ---------------------------------------------------------

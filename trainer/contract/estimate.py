@@ -417,10 +417,10 @@ def state_bytes(family: str, size: str, *, optimizer: str = "adamw", lora: int =
 
 
 def run_options(cfg: Any) -> dict[str, Any]:
-    """The estimate's arguments that a TrainConfig's optimizer and fine-tuning sections set."""
+    """The estimate's arguments that a TrainConfig's optimizer toggles and fine-tuning section set."""
     ft = cfg.finetune
-    return dict(optimizer=cfg.optim.optimizer, lora=ft.lora, lora_targets=ft.lora_targets,
-                quantize_base=ft.quantize_base)
+    return dict(optimizer=cfg.toggles.optimizer, lora=ft.lora, lora_targets=ft.lora_targets,
+                quantize_base=cfg.toggles.quantize_base)
 
 
 def largest_fitting(family: str, **kw: Any) -> str | None:
