@@ -210,9 +210,9 @@ def check_run_args(ns: argparse.Namespace, cfg: TrainConfig) -> None:
         raise ConfigError("--node-rank", f"{node_rank} is not below --nnodes {ns.nnodes}")
     spec = getattr(ns, "tune_space", None)
     if spec is not None:
-        from tuner.space import SearchSpace
+        from tuner.space import SearchSpace, quantizable
 
-        SearchSpace.check_spec(spec, cfg.toggles, cfg.optim.global_batch, world_size(ns))
+        SearchSpace.check_spec(spec, cfg.toggles, cfg.optim.global_batch, world_size(ns), quantizable(cfg))
 
 
 def device_memory(cfg: TrainConfig) -> tuple[str, str, int] | None:

@@ -199,6 +199,7 @@ class Session(SessionBase):
         self.restarts_left = self.options.restart_on_failure
         self.interrupted = False
         self.stopping = False
+        self.killed_after_completion = False   # a forced stop after the trainer's `done`: still a finished run
         self.spawns = 0
         self.rank_errors: dict[int, ev.ErrorEvent] = {}           # this spawn's first error event per rank
         self.hello: ev.HelloEvent | None = None                    # this spawn's rank-0 hello, once it came
@@ -289,6 +290,13 @@ class Session(SessionBase):
 
         `interrupted=False` is a planned end (e.g. --tune-only): the exit code stays 0."""
         sup = self.supervisor
+        if sup is not None and sup.alive() and self.state.completed:
+            # the trainer trained to its last step and is on its way out: the run is finished, not
+            # stopped (exit 0); a forced stop only shortens its teardown
+            if force:
+                self.killed_after_completion = True
+                sup.kill()
+            return
         self.interrupted = self.interrupted or interrupted
         if sup is None or not sup.alive():
             if self._exit_code is None and self.interrupted:
@@ -431,7 +439,7 @@ class Session(SessionBase):
         if self.interrupted:
             self._stopped(code)
             return
-        if code == 0:
+        if code == 0 or (self.killed_after_completion and self.state.completed):
             self._set_status("done")
             self._finish(EXIT_DONE)
             return

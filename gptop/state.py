@@ -444,6 +444,12 @@ class RunState:
         return self.hello.mfu_is_estimate if self.hello else False
 
     @property
+    def completed(self) -> bool:
+        """The trainer said it trained to its last step (`done` with reason max_steps): the run is over
+        whatever happens to the process afterwards, and a stop asked for now has nothing left to stop."""
+        return self.done is not None and self.done.reason == "max_steps"
+
+    @property
     def total_steps(self) -> int | None:
         return self.hello.max_steps if self.hello else None
 

@@ -24,12 +24,12 @@ def outcome(state: RunState, exit_code: int | None = None) -> str:
     """"finished" (reached --max-steps), "stopped" (by the user, or a planned end before it) or "failed" (an
     error, also one the trainer reported while it was being stopped)."""
     with state.lock:
-        status, done = state.status, state.done
+        status, done, completed = state.status, state.done, state.completed
     if status == "failed":
         return "failed"
     if status == "stopped" or exit_code == EXIT_INTERRUPTED:
         return "stopped"
-    if done is not None and done.reason == "max_steps":
+    if completed:
         return "finished"
     if done is not None:
         return "stopped"

@@ -451,7 +451,8 @@ def resolved_size(cfg: "TrainConfig") -> str | None:
     model is a path), so the run directory is named by it (trainer.contract.capabilities.auto_size)."""
     from trainer.contract.capabilities import auto_size
     from trainer.contract.config import FAMILIES
+    from trainer.contract.estimate import run_options
 
     if cfg.model.size != "auto" or cfg.model.model not in FAMILIES:
         return None
-    return auto_size(cfg.model.model, training_device(cfg.run.device))
+    return auto_size(cfg.model.model, training_device(cfg.run.device), **run_options(cfg))

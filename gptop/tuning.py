@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 from trainer.contract import events as ev
 from trainer.contract import rundir
 from trainer.contract.config import AUTO, Toggles, TrainConfig
+from trainer.contract.device import DeviceInfo
 
 if TYPE_CHECKING:
     from .session import Session
@@ -66,6 +67,33 @@ def parse_test_fault(spec: str) -> tuple[int, str, int] | None:
         return int(n), kind.strip(), int(k) if k else DEFAULT_FAULT_OFFSET
     except ValueError:
         return None
+
+
+def tuning_space(cfg: TrainConfig, dev: DeviceInfo, fits: int | None, world: int, spec: str | None,
+                 budget_s: float) -> tuple[Any, str]:
+    """The search space of this run's tuning and what the first line says about it beyond its toggles.
+
+    `cfg` holds the starting toggles (micro-batch as the user gave it), `fits` what `--micro-batch auto`
+    found to fit (None: not probed). Memory is the constraint when the wanted micro-batch does not fit
+    (tuner.space.memory_pressure): the space then includes the memory-saving toggles. On a CPU with a short
+    budget, compile is left alone unless the spec names it."""
+    from tuner.space import MEMORY_SAVING, SearchSpace, memory_pressure, quantizable
+
+    memory = memory_pressure(cfg, fits, world)
+    space = SearchSpace.for_device(cfg.toggles, dev, cfg.optim.global_batch, world_size=world, spec=spec,
+                                   memory=memory, quantizable=quantizable(cfg))
+    note = ""
+    if memory:
+        savers = [f"{n} {'/'.join(str(v) for v in space.choices[n])}" for n in MEMORY_SAVING if n in space.params]
+        note = f"; memory is the constraint ({memory}): trying {', '.join(savers) or 'no memory saver'}"
+    if not dev.is_cuda and budget_s < CPU_COMPILE_MIN_BUDGET_S and "compile" in space.params \
+            and "compile" not in (spec or ""):
+        # inductor's C++ build takes from 20 s to minutes on a CPU: in a short budget a compile trial
+        # costs several others and rarely finishes warming up; naming compile in --tune-space opts in
+        space = space.apply_spec("-compile", dev)
+        note += (f"; compile stays {cfg.toggles.compile} (on a CPU its warm-up does not fit a budget under "
+                 f"{CPU_COMPILE_MIN_BUDGET_S / 60:.0f} minutes; name it in --tune-space to try it)")
+    return space, note
 
 
 class TuningDriver:
@@ -233,7 +261,6 @@ class TuningDriver:
     def _run(self) -> None:
         from tuner.budget import Budget
         from tuner.controller import Apply, Done, FindMicroBatch, Remeasure, RunTrial, TuneController
-        from tuner.space import SearchSpace
         from tuner.study import TuneStudy
 
         hello = self._hello or self._wait_hello()
@@ -245,15 +272,9 @@ class TuningDriver:
         base_mb = self.user_cfg.toggles.micro_batch
         start = dataclasses.replace(cfg.toggles, micro_batch=base_mb)
         world = hello.world_size
-        space = SearchSpace.for_device(start, dev, cfg.optim.global_batch, world_size=world, spec=self.space_spec)
-        note = ""
-        if not dev.is_cuda and self.budget_s < CPU_COMPILE_MIN_BUDGET_S and "compile" in space.params \
-                and "compile" not in (self.space_spec or ""):
-            # inductor's C++ build takes from 20 s to minutes on a CPU: in a short budget a compile trial
-            # costs several others and rarely finishes warming up; naming compile in --tune-space opts in
-            space = space.apply_spec("-compile", dev)
-            note = (f"; compile stays {start.compile} (on a CPU its warm-up does not fit a budget under "
-                    f"{CPU_COMPILE_MIN_BUDGET_S / 60:.0f} minutes; name it in --tune-space to try it)")
+        space, note = tuning_space(dataclasses.replace(cfg, toggles=start), dev,
+                                   hello.micro_batch if base_mb == AUTO else None, world, self.space_spec,
+                                   self.budget_s)
         cfg.toggles = start
         self.study = TuneStudy.open(cfg, dev, space, storage=self.storage, world_size=world)
         # A trial measures for at most ~1/12 of the budget (>= 8 s), so a short budget still sees several trials;
@@ -306,18 +327,27 @@ class TuningDriver:
                 if restore_log is not None:
                     self._log_every(restore_log)
                 if outcome == "abort":             # the `t` key: decide on what was measured, train on
-                    return self._conclude(ctl.stop_early(reason))
+                    if not action.keep_steps:      # its fresh optimizer state must not become the run's
+                        self._rollback(pre)
+                    return self._conclude(ctl.stop_early(reason, rolled_back=not action.keep_steps))
                 if outcome in ("interrupted", "finished"):
                     if outcome == "finished" and ctl.in_trial:
                         ctl.finish_trial("ok")            # its steps are the run's last: kept
                     ctl.abort(reason)
                     self._publish()
                     return self._conclude(None)
-                if outcome in STEADY:
+                if outcome in STEADY and action.keep_steps:
                     ctl.finish_trial("ok")
+                elif outcome in STEADY:            # measured; rolled back so the run keeps its optimizer state
+                    ctl.finish_trial("ok", rollback=self._rollback(pre))
                 else:
                     ctl.finish_trial(outcome, reason, rollback=self._rollback(pre))
                 self._publish()
+                if ctl.study is not self.study:      # the start ran out of memory: memory is the constraint
+                    self.study = ctl.study
+                    self._say(f"memory is the constraint ({ctl.space.memory}): tuning over "
+                              f"{', '.join(ctl.space.params) or 'nothing'} (study {self.study.name})",
+                              study=self.study.name)
                 continue
             if isinstance(action, (Apply, Done)):
                 return self._conclude(action)

@@ -462,3 +462,35 @@ def test_two_nodes_on_one_host_each_know_the_run(tmp_path):
         for line in out.splitlines():
             if line.startswith("hint:") and "--precision bf16" in line:
                 assert all(h[0]["device"]["cpu_bf16"] for h in hellos.values()), line
+
+
+@pytest.mark.process
+@pytest.mark.slow
+def test_lora_on_two_ranks_checkpoints_only_the_adapters_and_resumes_exactly(tmp_path):
+    """DDP with --lora: the sharded checkpoint holds the adapters and their optimizer state (the frozen base
+    is rebuilt from its source), a stop and resume matches the uninterrupted run loss for loss, and the
+    checkpoint exports."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    args = [*TINY, "--max-steps", "8", "--log-every", "2", "--lora", "8", "--lora-dropout", "0.1"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    procs = [subprocess.Popen([sys.executable, "-m", "gptop", "--no-ui", "train", "--nproc", "2", *args,
+                               "--run-dir", str(d), *extra], cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+             for d, extra in ((full, []), (part, ["--fault", "stop@4"]))]
+    for p in procs:
+        _, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-3000:]
+    ck = part / "checkpoints" / "step-00000004.dcp"
+    keys = [k for k in FileSystemReader(str(ck)).read_metadata().state_dict_metadata if k.startswith("model.")]
+    assert keys and all(".lora_" in k for k in keys), [k for k in keys if ".lora_" not in k][:5]
+    r = gptop("train", "--nproc", "2", "--resume", str(part))
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = losses(full), losses(part)
+    assert sorted(a) == [2, 4, 6, 8] and {s: b[s] for s in (6, 8)} == {s: a[s] for s in (6, 8)}
+
+    out = tmp_path / "adapter"
+    r = subprocess.run([sys.executable, "-m", "gptop", "export", str(part), str(out)], cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (out / "adapter_model.safetensors").is_file()

@@ -186,7 +186,7 @@ def _one_step(family: str, optimizer: str, lora: int):
     from trainer.models import build_model
 
     cfg = TrainConfig()
-    cfg.model.model, cfg.model.size, cfg.optim.optimizer, cfg.finetune.lora = family, "tiny", optimizer, lora
+    cfg.model.model, cfg.model.size, cfg.toggles.optimizer, cfg.finetune.lora = family, "tiny", optimizer, lora
     dev = DeviceInfo(type="cpu", name="test cpu", total_memory=8 * GiB, cpu_count=2)
     model = build_model(cfg.model, vocab_size=E.DEFAULT_VOCAB, seq_len=64, toggles=cfg.toggles, dev=dev,
                         mask_id=E.DEFAULT_VOCAB if family == "llada" else None, seed=1).model
@@ -252,7 +252,7 @@ def test_lora_runs_fit_where_full_fine_tuning_does_not():
     from trainer.contract.config import TrainConfig
 
     cfg = TrainConfig()
-    cfg.finetune.lora, cfg.optim.optimizer = 8, "adamw-8bit"
+    cfg.finetune.lora, cfg.toggles.optimizer = 8, "adamw-8bit"
     opts = E.run_options(cfg)
     assert opts == {"optimizer": "adamw-8bit", "lora": 8, "lora_targets": "auto", "quantize_base": "none"}
     kw = dict(seq_len=256, global_batch=16, micro_batch=None, capacity=12 * GiB)
@@ -274,5 +274,17 @@ def test_gptop_and_the_trainer_estimate_with_the_runs_optimizer_and_lora(monkeyp
         cli.check_fits(ns, cfg)
     cfg.finetune.lora = 8
     cli.check_fits(ns, cfg)                         # the adapters' state fits where full training's does not
-    cfg.finetune.lora, cfg.optim.optimizer = 0, "adafactor"
+    cfg.finetune.lora, cfg.toggles.optimizer = 0, "adafactor"
     cli.check_fits(ns, cfg)
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek", "llada"])
+@pytest.mark.parametrize("options", [{}, {"optimizer": "adamw-8bit"}, {"optimizer": "adafactor"}, {"lora": 8},
+                                     {"lora": 4, "optimizer": "adamw-4bit"}])
+def test_auto_size_plans_with_the_estimates_own_state(family, options):
+    """`--size auto` and the first run's estimate count the same persistent state (one formula)."""
+    from trainer.contract.estimate import estimate, state_bytes
+
+    for size in ("small", "medium"):
+        e = estimate(family, size, seq_len=128, global_batch=8, micro_batch=2, **options)
+        assert state_bytes(family, size, **options) == e.state_bytes

@@ -73,7 +73,7 @@ def test_readable_lines():
     text = out.getvalue()
     lines = text.splitlines()
     assert lines[0] == "status: running"
-    assert lines[1].startswith("gptop: deepseek medium · 412.3M params (98.7M active) on NVIDIA H100")
+    assert lines[1].startswith("gptop: deepseek medium · 887.4M params (344.8M active) on NVIDIA H100")
     steps = [line for line in lines if line.startswith("step ")]
     assert len(steps) == 30
     assert steps[0].startswith("step 10/1000 loss 9.698 | 32.5k tok/s | mfu 30.5% | step 252 ms (data 3% fwd 29% "

@@ -234,6 +234,10 @@ def test_resolve_size_rule():
     # MoE: total parameters decide; 16 GiB cannot hold medium deepseek's training state
     assert resolve_size("auto", "llama", cuda_dev(15.8, "Tesla V100-SXM2-16GB")) == "medium"
     assert resolve_size("auto", "deepseek", cuda_dev(15.8, "Tesla V100-SXM2-16GB")) == "small"
+    # ... the run's own state decides: a low-bit optimizer, Adafactor or LoRA keep medium there
+    for options in ({"optimizer": "adamw-8bit"}, {"optimizer": "adamw-4bit"}, {"optimizer": "adafactor"},
+                    {"lora": 8}):
+        assert resolve_size("auto", "deepseek", cuda_dev(15.8, "Tesla V100-SXM2-16GB"), **options) == "medium"
     with pytest.raises(ConfigError):
         resolve_size("huge", "llama", CPU)
 

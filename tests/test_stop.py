@@ -12,7 +12,7 @@ import pytest
 from conftest import TINY
 from gptop.session import EXIT_INTERRUPTED, Session
 from trainer.contract.config import TrainConfig
-from trainer.contract.events import ErrorEvent, StepEvent, read_events
+from trainer.contract.events import DoneEvent, ErrorEvent, StepEvent, read_events
 
 
 def session(tmp_path):
@@ -148,3 +148,44 @@ def test_a_stop_signal_before_the_session_runs_starts_nothing(tmp_path):
         signals.restore()
     assert view.statuses == ["stopped"] and s.supervisor is None and not (tmp_path / "run").exists()
     assert signal.getsignal(signal.SIGTERM) is before     # the handlers are given back
+
+
+class AliveTrainer:
+    """The supervisor of a trainer that said `done` and is still tearing down."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def alive(self) -> bool:
+        return True
+
+    def request_stop(self) -> None:
+        self.calls.append("stop")
+
+    def kill(self) -> None:
+        self.calls.append("kill")
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_a_stop_after_the_trainer_finished_its_last_step_is_a_finished_run(tmp_path, force):
+    """q or SIGTERM between the trainer's `done` and its exit: the run is complete, exit 0, not 130."""
+    cfg = TrainConfig()
+    cfg.run.run_dir = str(tmp_path / "run")
+    s = Session(cfg)
+    s.supervisor = AliveTrainer()
+    s.state.apply(DoneEvent(step=3, tokens=768, seconds=1.0, reason="max_steps", checkpoint="c", time=1.0))
+    s.stop(force=force)
+    assert s.supervisor.calls == (["kill"] if force else []) and not s.interrupted
+    s.handle_exit(-signal.SIGKILL if force else 0)
+    assert (s.state.status, s.wait(0)) == ("done", 0)
+
+
+def test_a_stop_after_a_trial_trainer_stopped_still_stops_the_run(tmp_path):
+    """Only a `done` at max_steps completes the run; one of a stopped trainer does not."""
+    cfg = TrainConfig()
+    cfg.run.run_dir = str(tmp_path / "run")
+    s = Session(cfg)
+    s.supervisor = AliveTrainer()
+    s.state.apply(DoneEvent(step=3, tokens=768, seconds=1.0, reason="stop requested", checkpoint="c", time=1.0))
+    s.stop()
+    assert s.supervisor.calls == ["stop"] and s.interrupted

@@ -90,8 +90,10 @@ def test_suggest_key_and_numerics():
         assert s.contains(t) and isinstance(t.micro_batch, int)
     assert s.key() == SearchSpace.for_device(Toggles(), CPU, 32).key()
     assert s.key() != SearchSpace.for_device(Toggles(), CPU, 32, spec="-precision").key()
-    assert NUMERICS_CHANGING == {"precision"}
+    assert NUMERICS_CHANGING == {"precision", "optimizer", "quantize_base"}
     assert s.numerics_changing(Toggles(precision="bf16"))
+    assert s.numerics_changing(Toggles(optimizer="adamw-8bit"))
+    assert s.numerics_changing(Toggles(quantize_base="nf4"))
     assert not s.numerics_changing(Toggles(compile="default", micro_batch=4, fused_adamw=True))
     assert s.to_params(Toggles(micro_batch=4))["micro_batch"] == 4
     assert not s.contains(Toggles(micro_batch=3))

@@ -303,7 +303,7 @@ def test_panels_show_the_gpu_stream():
 
     def check(app: GptopApp) -> None:
         header = text(app.query_one("#header"))
-        assert "fixture-gpu" in header and "deepseek medium" in header and "412.3M params" in header
+        assert "fixture-gpu" in header and "deepseek medium" in header and "887.4M params" in header
         assert "step 300/1000" in header and "2.5M tokens" in header and "ETA 2:55" in header
         assert "running" in header and "tuning" in header
         dev = text(app.query_one("#devices"))

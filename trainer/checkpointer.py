@@ -27,9 +27,15 @@ import torch
 from . import checkpoint as ckpt
 from . import dist as D
 from .contract import rundir
-from .contract.config import ConfigError, TrainConfig
+from .contract.capabilities import optimizer_switch
+from .contract.config import ConfigError, TrainConfig, current_layout
 from .contract.device import DeviceInfo
-from .optim import kernel_flags, param_names
+from .optim import convert_state, kernel_flags, param_names
+
+
+def saved_optimizer(config: dict[str, Any]) -> str:
+    """The optimizer a checkpoint's stored config names (in its current or its old section; default adamw)."""
+    return current_layout(config).get("toggles", {}).get("optimizer", "adamw")
 
 
 @dataclass
@@ -141,10 +147,20 @@ class Checkpointer:
     # Several ranks (or a sharded checkpoint): torch.distributed.checkpoint and its state-dict helpers, which
     # turn DDP's replicated tensors and FSDP2's DTensor shards into one format and reshard on load.
     def sharded_state(self) -> dict[str, Any]:
+        """With LoRA only the adapters (and their optimizer state), as a one-file checkpoint: the frozen base
+        is rebuilt from its source on resume, so every rank need not write it at every checkpoint."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.state_dict_options())
         return {"model": model_sd, "optim": optim_sd}
+
+    def state_dict_options(self) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        lora = self.cfg.finetune.enabled
+        # strict off with LoRA only because the frozen base is absent by design; DCP's load fails on any
+        # trainable tensor the checkpoint lacks
+        return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
 
     def meta(self, progress: Progress) -> dict[str, Any]:
         """A sharded checkpoint's gptop.json."""
@@ -161,10 +177,20 @@ class Checkpointer:
     def load_state(self, state: dict[str, Any]) -> Progress:
         """Restore a checkpoint: a one-file state, or a sharded checkpoint's gptop.json (then read with DCP)."""
         self.check_compatible(state["config"])
+        was = saved_optimizer(state["config"])
+        now = self.cfg.toggles.optimizer
+        if was != now and (self.group is not None or state.get("format") == ckpt.DCP_FORMAT):
+            raise ConfigError("--optimizer", f"the checkpoint was trained with {was!r} and this run asks for "
+                                             f"{now!r}; converting the optimizer state runs on one process: "
+                                             f"resume with --optimizer {was}")
         if state.get("format") == ckpt.DCP_FORMAT:
             self._load_sharded(state)
         elif self.group is not None:
             self.load_full(state["model"], state["optimizer"])
+        elif was != now:
+            self.load_model_state(state["model"])
+            convert_state(self.optimizer, state["optimizer"], was, now)
+            self.warn(f"--optimizer {now} resumes a checkpoint of {was}: {optimizer_switch(was, now)}")
         else:
             self.load_model_state(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
@@ -192,7 +218,8 @@ class Checkpointer:
                                              f"{self.world}; resharding it failed ({type(e).__name__}: {e}). "
                                              f"Resume with {saved_world} ranks") from e
             raise
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=self.state_dict_options())
         mine = ckpt.load_rank_state(path, self.rank) if saved_world == self.world else None
         meta.setdefault("rng", (mine or {}).get("rng", {}))
 
@@ -211,15 +238,16 @@ class Checkpointer:
             set_optimizer_state_dict(self.model, self.optimizer, by_name, options=full)
 
     def check_compatible(self, saved: dict[str, Any]) -> None:
-        """What is learned must match: model, data, sequence length, global batch, seed, what trains (LoRA) and
-        the optimizer state's kind. Toggles may differ. A key an older checkpoint lacks has its default."""
+        """What is learned must match: model, data, sequence length, global batch, seed and what trains (LoRA).
+        Toggles may differ: the optimizer's state is converted (`load_state`), and a quantized base
+        (`--quantize-base`) is rebuilt from its source while the adapters are the same tensors. A key an older
+        checkpoint lacks has its default; one stored in its old section (config.MOVED) is read there."""
         now, defaults = self.cfg.to_dict(), TrainConfig().to_dict()
+        saved = current_layout(saved)
         for section, key, flag in (("model", "model", "--model"), ("model", "size", "--size"),
                                    ("data", "seq_len", "--seq-len"), ("optim", "global_batch", "--global-batch"),
                                    ("optim", "seed", "--seed"), ("data", "data", "--data"),
-                                   ("optim", "optimizer", "--optimizer"), ("finetune", "lora", "--lora"),
-                                   ("finetune", "lora_targets", "--lora-targets"),
-                                   ("finetune", "quantize_base", "--quantize-base")):
+                                   ("finetune", "lora", "--lora"), ("finetune", "lora_targets", "--lora-targets")):
             was = saved.get(section, {}).get(key, defaults[section][key])
             if was != now[section][key]:
                 raise ConfigError(flag, f"the checkpoint was trained with {was!r}, "

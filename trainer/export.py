@@ -118,13 +118,18 @@ def _load_checkpoint(run_dir: Path, info: CheckpointInfo, dev: Any, log: Log) ->
         raise ckpt.CorruptCheckpoint(f"{info.path}: its config does not parse ({e})") from None
     tok = tokenizer_info(cfg.data, log=log)
     _check_tokenizer(run_dir, cfg, tok, log)
-    if cfg.finetune.quantize_base != "none":
-        raise ExportError(f"{info.path} was trained on a {cfg.finetune.quantize_base}-quantized base (QLoRA); "
+    if cfg.toggles.quantize_base != "none":
+        raise ExportError(f"{info.path} was trained on a {cfg.toggles.quantize_base}-quantized base (QLoRA); "
                           f"exporting it is not supported yet")
     bundle = _build(cfg.model, tok, cfg, dev, info.path, finetune=cfg.finetune)
     model = bundle.model
-    if info.sharded:
-        tensors = {"model": model.state_dict()}
+    if info.sharded:     # a LoRA run's shards: the adapters (older ones also hold the base; only these load)
+        if cfg.finetune.enabled:
+            from .lora import trainable_state_dict
+
+            tensors = {"model": trainable_state_dict(model)}
+        else:
+            tensors = {"model": model.state_dict()}
         try:
             with warnings.catch_warnings():      # "assuming the intent is to load in a single process": it is
                 warnings.simplefilter("ignore", UserWarning)
@@ -136,7 +141,7 @@ def _load_checkpoint(run_dir: Path, info: CheckpointInfo, dev: Any, log: Log) ->
     else:
         weights = state["model"]
     try:
-        if cfg.finetune.enabled and not info.sharded:       # a one-file LoRA checkpoint holds the adapters
+        if cfg.finetune.enabled:            # a LoRA checkpoint holds the adapters
             from .lora import load_trainable_state
 
             load_trainable_state(model, weights)

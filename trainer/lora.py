@@ -76,12 +76,13 @@ def lora_config(model: torch.nn.Module, fcfg: FinetuneConfig) -> Any:
                       target_modules=targets(model, fcfg), bias="none", task_type="CAUSAL_LM")
 
 
-def apply_lora(model: torch.nn.Module, fcfg: FinetuneConfig, seed: int) -> torch.nn.Module:
-    """`model` wrapped by peft with adapters (seeded from `seed`); only the adapters require gradients."""
+def apply_lora(model: torch.nn.Module, fcfg: FinetuneConfig, seed: int, quantized: bool = False) -> torch.nn.Module:
+    """`model` wrapped by peft with adapters (seeded from `seed`); only the adapters require gradients.
+    `quantized`: the base was loaded quantized (`--quantize-base`), prepared for k-bit training first."""
     from peft import get_peft_model
 
     config = lora_config(model, fcfg)
-    if fcfg.quantize_base != "none":
+    if quantized:
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
@@ -111,12 +112,12 @@ def load_trainable_state(model: torch.nn.Module, state: dict[str, torch.Tensor])
     model.load_state_dict(state, strict=False)
 
 
-def quantization_config(fcfg: FinetuneConfig, precision: str) -> Any:
+def quantization_config(quantize: str, precision: str) -> Any:
     """transformers' BitsAndBytesConfig for `--quantize-base` (the compute dtype follows --precision)."""
     from transformers import BitsAndBytesConfig
 
     compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
-    if fcfg.quantize_base == "nf4":
+    if quantize == "nf4":
         return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                   bnb_4bit_compute_dtype=compute)
     return BitsAndBytesConfig(load_in_8bit=True)

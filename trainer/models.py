@@ -142,14 +142,14 @@ def vocab_and_mask(family: str, vocab_size: int, mask_id: int | None) -> tuple[i
 
 # --- sizes -------------------------------------------------------------------------
 
-def resolve_size(size: str, family: str, dev: DeviceInfo) -> str:
+def resolve_size(size: str, family: str, dev: DeviceInfo, **state_options: Any) -> str:
     """The concrete size for `--size` (``auto``: trainer.contract.capabilities.auto_size, the rule gptop
-    also uses to name a run directory before the trainer starts)."""
+    also uses to name a run directory before the trainer starts; `state_options`: estimate.run_options)."""
     if size != "auto":
         if size not in SIZE_ORDER:
             raise ConfigError("--size", f"{size!r} is not one of {', '.join(SIZE_ORDER + ('auto',))}")
         return size
-    return auto_size(family if family in FAMILIES else "llama", dev)
+    return auto_size(family if family in FAMILIES else "llama", dev, **state_options)
 
 
 # --- configs -------------------------------------------------------------------------
@@ -327,7 +327,7 @@ def build_model(mcfg: ModelConfig, *, vocab_size: int, seq_len: int, toggles: To
         return bundle
     from .lora import apply_lora
 
-    model = apply_lora(bundle.model, finetune, seed)
+    model = apply_lora(bundle.model, finetune, seed, quantized=toggles.quantize_base != "none")
     bundle.model = model
     bundle.trainable_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     counts = count_params(model, bundle.hf_config)                                  # base + adapters
@@ -338,10 +338,10 @@ def build_model(mcfg: ModelConfig, *, vocab_size: int, seq_len: int, toggles: To
 
 def _build_base(mcfg: ModelConfig, *, vocab_size: int, seq_len: int, toggles: Toggles, dev: DeviceInfo,
                 mask_id: int | None, seed: int, finetune: FinetuneConfig | None) -> ModelBundle:
-    quantize = finetune.quantize_base if finetune is not None and finetune.enabled else "none"
+    quantize = toggles.quantize_base if finetune is not None and finetune.enabled else "none"
     if is_pretrained_path(mcfg.model):
         return _load_pretrained(mcfg.model, vocab_size=vocab_size, seq_len=seq_len, toggles=toggles,
-                                mask_id=mask_id, quantize=finetune if quantize != "none" else None, dev=dev)
+                                mask_id=mask_id, quantize=quantize if quantize != "none" else None, dev=dev)
     if quantize != "none":
         raise ConfigError("--quantize-base", f"{quantize} quantizes pretrained weights; the family {mcfg.model} "
                                              f"starts from random ones. Fine-tune a model directory (--model DIR) "
@@ -389,9 +389,9 @@ def _apply_toggles(model: torch.nn.Module, toggles: Toggles) -> None:
 
 
 def _load_pretrained(path: str, *, vocab_size: int, seq_len: int, toggles: Toggles,
-                     mask_id: int | None, quantize: FinetuneConfig | None = None,
+                     mask_id: int | None, quantize: str | None = None,
                      dev: DeviceInfo | None = None) -> ModelBundle:
-    """Fine-tune a local HF causal LM from its weights (no network); `quantize`: a QLoRA base on `dev`."""
+    """Fine-tune a local HF causal LM from its weights (no network); `quantize` (nf4, int8): a QLoRA base on `dev`."""
     transformers = _transformers()
     extra: dict[str, Any] = {}
     if quantize is not None:
@@ -462,8 +462,12 @@ vocabulary entry adds `2 × hidden` parameters; llada adds a mask token):
 
 `--size auto` picks `tiny` on a CPU (`small` with 32+ cores and 64+ GiB), and on
 a GPU `small` under 12 GiB, `medium` under 40 GiB, else `large`, stepping down
-while the state of full AdamW training (16 bytes per parameter: fp32 weights,
-gradients and two moments) of the *total* parameters would exceed 60% of the GPU memory.
+while the run's persistent training state of the *total* parameters would exceed 60%
+of the GPU memory: 16 bytes per parameter for full AdamW training (fp32 weights,
+gradients and two moments), less with `--optimizer adamw-8bit|adamw-4bit|adafactor`
+or `--lora R`, counted by the same formula as the first run's estimate
+(`trainer.contract.estimate.state_bytes`). So on a 16 GiB GPU deepseek steps down
+to `small` with AdamW and keeps `medium` with `--optimizer adamw-8bit`.
 
 {FINETUNING}
 {USING_A_MODEL}
@@ -487,9 +491,11 @@ parameter before activations. Three options cut that, alone or together:
   names peft (0.21 with transformers 5, as installed) adapts the fused routed-expert tensors,
   gate_up_proj at rank 2R, leaving the dense and shared-expert MLPs frozen), or
   give names (`q_proj,v_proj`); a name the model lacks is refused with the
-  names it has. Checkpoints hold only the adapters and their optimizer state;
-  the base is rebuilt from its directory or the family's seeded initialization,
-  and resume is exact. The dashboard shows trainable vs total parameters.
+  names it has. Checkpoints hold only the adapters and their optimizer state,
+  also the sharded ones of several DDP ranks (`--nproc N`; LoRA with
+  `--parallel fsdp` is refused); the base is rebuilt from its directory or the
+  family's seeded initialization, and resume is exact (tests/test_lora.py, and
+  two ranks in tests/test_distributed.py). The dashboard shows trainable vs total parameters.
 - `--optimizer adamw|adamw-8bit|adamw-4bit|adafactor`: torch's AdamW (fp32
   moments, 8 bytes per trained parameter), torchao's `AdamW8bit` / `AdamW4bit`
   (block-wise quantized moments; tensors under 4096 values keep fp32 ones;
@@ -497,8 +503,13 @@ parameter before activations. Three options cut that, alone or together:
   CPU or triton on a GPU), or `torch.optim.Adafactor` (a factored second
   moment, no first moment; its `--lr` is relative: capped by 1/sqrt(step) and
   scaled by each weight's RMS). Step events carry `optim_state_bytes`, what the
-  state really occupies, and the dashboard shows it beside the memory. A
-  checkpoint resumes only with the optimizer that wrote it.
+  state really occupies, and the dashboard shows it beside the memory. The
+  optimizer is a toggle the tuner may trade for memory (docs/tuning.md), so a
+  run resumes from a checkpoint of another optimizer: the AdamW variants'
+  moments carry over (dequantized, then stored as the new one stores them),
+  Adafactor's state converts to nothing and the new optimizer starts fresh (a
+  warning says which). With several ranks a checkpoint resumes only with the
+  optimizer that wrote it.
 - The estimate a run prints before it builds anything counts these choices from
   the shapes (`trainer/contract/estimate.py`): fp32 weights, 4-byte gradients
   and the optimizer's state of the trained tensors only (adamw 8 B per
@@ -514,7 +525,13 @@ parameter before activations. Three options cut that, alone or together:
   the adapters stay fp32. It needs CUDA and `pip install 'gptop[qlora]'`;
   anywhere else the trainer exits 2 naming `--quantize-base` and the reason.
   This path was written against the transformers, peft and bitsandbytes
-  documentation and has **not been run** (no GPU was available).
+  documentation and has **not been run** (no GPU was available). It is a
+  toggle too: a memory-constrained tuning of a LoRA run may try it, resuming
+  the adapters on a base quantized differently (the adapters are the same
+  tensors; verified only against peft's documentation).
+- `--optimizer` and `--quantize-base` are in the config's `[toggles]` table
+  (they were in `[optim]` and `[finetune]`; a file with them there still
+  reads, and a file giving both places must agree).
 
 ```bash
 gptop train --model ./my-model --lora 16 --optimizer adamw-8bit

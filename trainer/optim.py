@@ -10,6 +10,11 @@ and one column vector per matrix, no first moment; its learning rate is relative
 and scaled by the parameter's RMS, see the torch documentation). `state_bytes` is what the moments
 really occupy (quantized tensors count their codes and scales), reported in step events.
 
+The optimizer is a toggle (the tuner may trade it for memory), so a run may resume from a checkpoint of
+another one: `convert_state` carries the AdamW variants' moments over (dequantized to fp32, then stored as
+the new optimizer stores them); Adafactor's state converts to nothing and starts fresh
+(trainer.contract.capabilities.optimizer_switch).
+
 Skipping a non-finite step costs no host synchronization with fused AdamW (the default): the flag stays
 on the device and goes to the fused kernel as `found_inf`, the same protocol GradScaler uses, which
 leaves parameters, moments and step counts untouched when it is set. The foreach kernel has no such
@@ -58,12 +63,12 @@ def adamw_flags(fused: bool) -> dict[str, Any]:
 
 def kernel_flags(cfg: TrainConfig) -> dict[str, Any]:
     """The per-run kernel flags of the optimizer's groups (AdamW's fused/foreach; none for the others)."""
-    return adamw_flags(cfg.toggles.fused_adamw) if cfg.optim.optimizer == "adamw" else {}
+    return adamw_flags(cfg.toggles.fused_adamw) if cfg.toggles.optimizer == "adamw" else {}
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """The run's optimizer (`--optimizer`) over the parameters that train."""
-    groups, lr, name = param_groups(model, cfg.optim.weight_decay), lr_at(0, cfg), cfg.optim.optimizer
+    groups, lr, name = param_groups(model, cfg.optim.weight_decay), lr_at(0, cfg), cfg.toggles.optimizer
     groups = [g for g in groups if g["params"]] or groups[:1]     # LoRA: the adapters are all matrices
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=BETAS, eps=EPS, **adamw_flags(cfg.toggles.fused_adamw))
@@ -90,6 +95,52 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
     return sum(size(v) for per_param in optimizer.state.values() for v in per_param.values()
                if isinstance(v, torch.Tensor))
+
+
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """A moment as a plain fp32 tensor: torchao's quantized state (OptimState8bit/4bit) dequantized."""
+    if type(t) is not torch.Tensor and hasattr(t, "dequantize"):
+        t = t.dequantize()
+    return t.detach().float()
+
+
+def _stored(value: torch.Tensor, param: torch.Tensor, name: str, signed: bool, block_size: int | None) -> torch.Tensor:
+    """`value` (fp32) stored the way optimizer `name` allocates a moment of `param`: torchao's rule (quantize
+    only tensors of 4096+ values that are a multiple of the block, torchao/optim/adam.py), else fp32."""
+    value = value.to(param.device, torch.float32).reshape(param.shape)
+    n = param.numel()
+    if name in ("adamw-8bit", "adamw-4bit") and block_size and n >= 4096 and n % block_size == 0:
+        if name == "adamw-8bit":
+            from torchao.optim.subclass_8bit import OptimState8bit as Quantized
+        else:
+            from torchao.optim.subclass_4bit import OptimState4bit as Quantized
+        out = Quantized.zeros(param.shape, signed, block_size, device=param.device)
+        out.copy_(value)               # torchao's copy_ quantizes block-wise
+        return out
+    return value.clone()
+
+
+def convert_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any], old: str, new: str) -> bool:
+    """Load `saved` (the state_dict of an `old` optimizer over the same parameters) into `optimizer` (a `new`
+    one): the AdamW variants' step counts and moments carry over, dequantized and stored as `new` stores
+    them; the run's own hyperparameters stay `optimizer`'s. False (state left fresh) where nothing converts
+    (Adafactor; trainer.contract.capabilities.optimizer_switch says why)."""
+    from .contract.capabilities import optimizer_state_carries
+
+    if not optimizer_state_carries(old, new):
+        return False
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    block = getattr(optimizer, "block_size", None)     # torchao's optimizers: their quantization block
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for i, s in saved["state"].items():
+        p = params[int(i)]
+        # the step count as a fresh optimizer keeps it: a host scalar (load_state_dict moves it to the
+        # parameter's device where the kernel wants it there: fused or capturable AdamW)
+        state[int(i)] = {"step": s["step"].detach().float().reshape(()).cpu().clone(),
+                         "exp_avg": _stored(dense(s["exp_avg"]), p, new, True, block),
+                         "exp_avg_sq": _stored(dense(s["exp_avg_sq"]), p, new, False, block)}
+    optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
+    return True
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -175,7 +175,7 @@ class Trainer:
             if cfg.data.tokenizer is None:
                 cfg.data.tokenizer = cfg.model.model
         elif cfg.model.size == "auto":
-            cfg.model.size = resolve_size("auto", cfg.model.model, self.dev)
+            cfg.model.size = resolve_size("auto", cfg.model.model, self.dev, **E.run_options(cfg))
 
         self.run_dir = Path(cfg.run.run_dir or rundir.default_run_dir(cfg))
         cfg.run.run_dir = str(self.run_dir)
@@ -393,7 +393,8 @@ class Trainer:
             return None
         est = E.estimate(self.bundle.family, self.bundle.size, seq_len=cfg.data.seq_len,
                          global_batch=cfg.optim.global_batch, micro_batch=local, precision=cfg.toggles.precision,
-                         vocab_size=self.data.vocab_size, checkpointing=cfg.toggles.activation_checkpointing)
+                         vocab_size=self.data.vocab_size, checkpointing=cfg.toggles.activation_checkpointing,
+                         **E.run_options(cfg))
         if est.total_bytes > 0.5 * share:
             return None
         self.log(f"--micro-batch auto: {local}, the whole batch (estimated {est.total_bytes / E.GiB:.1f} GiB of "

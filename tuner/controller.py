@@ -53,7 +53,8 @@ Phases: find-micro-batch -> baseline -> trials -> remeasure -> decide -> done.
   screened out for the rest of the run (`slow_compile`). Proposals whose
   micro-batch cannot fit (above the largest that fits without activation
   checkpointing, 2x for a narrower precision) are recorded infeasible
-  without running.
+  without running, unless they also hold less state than the start (a
+  smaller optimizer state, a quantized base): those are tried.
 * Remeasure: the top-2 are measured again (best last, so it is what runs when
   the decision comes) unless the best's interval is already clear of the
   second's; estimates pool both measurements (the maximum of noisy estimates
@@ -63,9 +64,22 @@ Phases: find-micro-batch -> baseline -> trials -> remeasure -> decide -> done.
   remaining steps exceeds the switch cost (`decide.switch_pays`).
 
 Loss health: the run's loss trend (`LossTrend`) is fitted over healthy steps
-outside numerics-changing trials; a trial that changes precision must stay
-within its tolerance, every trial must stay finite and below 1.5x the recent
-maximum. `trial_should_stop()` then returns "nan" or "diverged".
+outside numerics-changing trials; a trial that changes precision, the
+optimizer or the base's quantization (`tuner.space.NUMERICS_CHANGING`) must
+stay within its tolerance, every trial must stay finite and below 1.5x the
+recent maximum. `trial_should_stop()` then returns "nan" or "diverged".
+
+Memory: when the wanted micro-batch does not fit, the space the session
+builds is already widened to the memory savers (`tuner.space`); when the
+starting configuration itself runs out of memory, the controller widens it
+then (`space.for_memory`) and goes on in the study of the wider space
+(`study` changes: the session reports from `ctl.study`). A memory-constrained
+study enqueues a `memory` first guess: the largest micro-batch with every
+saver on. A trial that switches the optimizer says in its reason what happens
+to the optimizer state (`capabilities.optimizer_switch`: the AdamW moments
+carry over, Adafactor's state starts fresh), relative to `state_optimizer`,
+the optimizer of the newest kept checkpoint. A trial's `peak_mem` is the
+largest its step events reported, or what its out-of-memory error reported.
 """
 
 from __future__ import annotations
@@ -87,7 +101,7 @@ from .budget import Budget
 from .decide import (Decision, clearly_better, hopeless, should_prune, significantly_faster, switch_pays,
                      top_candidates)
 from .measure import LossGuard, LossTrend, Measurement
-from .space import SearchSpace
+from .space import MEMORY_SAVING, SearchSpace
 from .study import FAILURE_KINDS, Candidate, Proposal, TuneStudy
 
 FAILURES: tuple[str, ...] = FAILURE_KINDS
@@ -108,7 +122,10 @@ class RunTrial:
 
     `number` is the Optuna trial number (None for a baseline outside the space
     or not yet recorded). `restart` is False when the process already runs
-    these toggles (the baseline).
+    these toggles (the baseline). `keep_steps` False: the trial switches to an
+    optimizer whose state cannot be converted from the checkpoint's (Adafactor
+    to or from AdamW), so once measured it is rolled back like a failure,
+    `finish_trial("ok", rollback=...)`: the run keeps its own optimizer state.
     """
 
     number: int | None
@@ -118,6 +135,7 @@ class RunTrial:
     restart: bool = True
     numerics_changing: bool = False
     source: str = "sampler"
+    keep_steps: bool = True
 
 
 @dataclass
@@ -128,6 +146,7 @@ class Remeasure:
     toggles: Toggles
     measure: Measurement
     restart: bool = True
+    keep_steps: bool = True
 
 
 @dataclass
@@ -168,6 +187,8 @@ class _Active:
     stop: str | None = None
     failure: tuple[str, str] | None = None
     last_touch: float = 0.0
+    oom_mem: int | None = None      # the peak an out-of-memory error reported (no step event may have come)
+    note: str = ""                  # what the switch does to the optimizer state, for the trial's reason
 
 
 class TuneController:
@@ -223,6 +244,8 @@ class TuneController:
         self._prefix = ""                                       # "stopped by the user: " before the decision
         self._events: list[Event] = []
         self.running = self.base
+        # the optimizer whose state the newest kept checkpoint holds: what a trial's switch converts from
+        self.state_optimizer = self.cfg.toggles.optimizer
 
     # --- derived ----------------------------------------------------------------------
     @property
@@ -259,7 +282,7 @@ class TuneController:
 
     def _mb_attr(self) -> str:
         t = self.cfg.toggles
-        return f"max_micro_batch:{t.precision}:{int(t.activation_checkpointing)}"
+        return f"max_micro_batch:{t.precision}:{int(t.activation_checkpointing)}:{t.optimizer}:{t.quantize_base}"
 
     # --- events -------------------------------------------------------------------------
     def _emit(self, event: Event) -> None:
@@ -320,6 +343,8 @@ class TuneController:
         if isinstance(event, ErrorEvent):
             if a is not None and a.failure is None:
                 a.failure = (event.kind if event.kind in FAILURES else "crash", event.message)
+            if a is not None:
+                a.oom_mem = reported_peak(event.memory) or a.oom_mem
             return
         if not isinstance(event, StepEvent):
             return
@@ -407,13 +432,16 @@ class TuneController:
         restart = toggles != self.running
         if proposal is not None:
             number = proposal.number
+        note = capabilities.optimizer_switch(self.state_optimizer, toggles.optimizer) if restart else None
+        # a switch that starts the optimizer state fresh is measured, then rolled back: the run keeps its state
+        keep = not note or capabilities.optimizer_state_carries(self.state_optimizer, toggles.optimizer)
         if kind == "remeasure":
-            action: RunTrial | Remeasure = Remeasure(number, toggles, measure, restart)
+            action: RunTrial | Remeasure = Remeasure(number, toggles, measure, restart, keep_steps=keep)
         else:
             action = RunTrial(number, toggles, measure, baseline=kind == "baseline", restart=restart,
-                              numerics_changing=strict, source=source)
+                              numerics_changing=strict, source=source, keep_steps=keep)
         self._active = _Active(kind, action, toggles, proposal, number, self.clock(), measure,
-                               LossGuard(self.trend, strict), strict, last_touch=self.clock())
+                               LossGuard(self.trend, strict), strict, last_touch=self.clock(), note=note or "")
         if number is not None:   # views key trials by number; an unnumbered baseline gets one row, at its end
             self._emit(TrialEvent(number=number, toggles=dataclasses.asdict(toggles), status="running",
                                   tokens_per_s=None, spread=None, peak_mem=None, reason="", kind=kind,
@@ -430,6 +458,23 @@ class TuneController:
             t.micro_batch = max(mbs)
         return self.space.clamp(t)
 
+    def _memory_recipe(self) -> Toggles:
+        """A first guess for a memory-constrained run: the whole per-rank batch (or the largest micro-batch in
+        the space) with every memory saver in the space on: activation checkpointing, the smallest AdamW
+        variant (its moments carry over; Adafactor is left to the sampler) and the most quantized base."""
+        choices = self.space.choices
+        t = dataclasses.replace(self.base)
+        if True in choices["activation_checkpointing"]:
+            t.activation_checkpointing = True
+        adam = [v for v in choices["optimizer"] if capabilities.optimizer_state_carries(self.base.optimizer, v)]
+        if adam:
+            t.optimizer = min(adam, key=lambda v: capabilities.OPTIMIZER_STATE_BYTES[v])
+        t.quantize_base = min(choices["quantize_base"], key=lambda v: capabilities.BASE_BYTES[v])
+        mbs = [m for m in choices["micro_batch"] if isinstance(m, int)]
+        if mbs:
+            t.micro_batch = max(mbs)
+        return self.space.clamp(t)
+
     def _trial_estimate(self) -> float:
         durations = [r["duration_s"] for r in self.results if r["kind"] != "baseline" and r.get("ran", True)]
         if durations:
@@ -440,7 +485,10 @@ class TuneController:
     def _next_trial(self) -> RunTrial | None:
         if not self._warm_started:
             self._warm_started = True
-            self.study.warm_start([(self.base, "current"), (self._recipe(), "recipe")])
+            starts = [(self.base, "current"), (self._recipe(), "recipe")]
+            if self.space.memory:
+                starts.append((self._memory_recipe(), "memory"))
+            self.study.warm_start(starts)
         for _ in range(200):
             if self.trials_run >= self.max_trials:
                 self.stop_note = f"ran the maximum of {self.max_trials} trials"
@@ -477,6 +525,8 @@ class TuneController:
         mb = t.micro_batch_int()
         if self.max_mb is None or mb is None or t.activation_checkpointing:
             return None
+        if capabilities.saves_memory(t, self.cfg.toggles):
+            return None            # less optimizer state or a quantized base: the micro-batch may fit, try it
         bytes_of = capabilities.activation_bytes
         narrower = bytes_of(t.precision) < bytes_of(self.cfg.toggles.precision)
         limit = self.max_mb * (2 if narrower else 1)
@@ -511,7 +561,8 @@ class TuneController:
     def finish_trial(self, outcome: str = "ok", reason: str = "",
                      rollback: dict[str, Any] | None = None) -> TrialEvent:
         """Record the active trial: "ok" (healthy, steps kept) or a failure kind (rolled back; `rollback`
-        says to where, for the event). Returns the `trial` event (also queued for drain_events)."""
+        says to where, for the event). "ok" with `rollback`: healthy and measured, but rolled back as its
+        action asked (`keep_steps` False). Returns the `trial` event (also queued for drain_events)."""
         a = self._active
         if a is None:
             raise RuntimeError("finish_trial without a running trial")
@@ -523,12 +574,14 @@ class TuneController:
         duration = self.clock() - a.start
         m = a.measure
         summary = m.summary(energy=self.energy)
+        if a.oom_mem is not None:    # what ran out of memory had reached at least this: the trial's peak
+            summary["peak_mem"] = max(summary.get("peak_mem") or 0, a.oom_mem)
         overhead = self._overhead(a)
         extra = {"duration_s": round(duration, 3), "overhead_s": overhead, "kind_of_run": a.kind}
         if outcome == "ok" and a.failure:
             outcome, reason = a.failure[0], reason or a.failure[1]
         if outcome != "ok":
-            reason = reason or (a.failure[1] if a.failure else outcome)
+            reason = _noted(reason or (a.failure[1] if a.failure else outcome), a.note)
             self.running = None
             self.rolled_back_s += duration
             if a.kind == "trial":
@@ -538,12 +591,21 @@ class TuneController:
             else:
                 self.baseline = None
                 self.stop_note = f"the starting configuration failed: {reason}"
+                if outcome == "oom":
+                    self._widen_for_memory(f"the starting configuration ran out of memory ({reason})")
             return self._finish_event(a.number, a.kind, a.toggles, "infeasible", summary, f"{outcome}: {reason}",
                                       duration, failure=outcome, overhead_s=overhead, source=_source(a),
                                       rollback=rollback)
-        self.running = a.toggles
-        self.kept_tokens += m.steps * self.tokens_per_step
-        if not a.strict:
+        if rollback is not None:                          # measured, then rolled back (keep_steps False)
+            self.running = None
+            self.rolled_back_s += duration
+            a.note = _noted(a.note, f"measured, then rolled back to the pre-trial checkpoint so the run keeps "
+                                    f"its {self.state_optimizer} state")
+        else:
+            self.running = a.toggles
+            self.state_optimizer = a.toggles.optimizer   # its steps (and checkpoints) are kept
+            self.kept_tokens += m.steps * self.tokens_per_step
+        if not a.strict and rollback is None:
             for step, loss in a.losses:
                 self.trend.add(step, loss)
         est, spread = m.estimate
@@ -566,6 +628,7 @@ class TuneController:
             reason = reason or f"no steady measurement: {m.stop_words(m.done_reason or a.stop)}"
             if a.stop == "timeout" and not m.kept and a.toggles.compile != "off":
                 self.slow_compile.add(a.toggles.compile)   # still compiling: screen this mode for the run
+        reason = _noted(reason, a.note)
         if a.kind == "trial":
             if status == "pruned":
                 self.study.tell_pruned(a.proposal, summary, reason, extra)
@@ -593,6 +656,18 @@ class TuneController:
         return self._finish_event(a.number, a.kind, a.toggles, status, summary, reason, duration,
                                   overhead_s=overhead, source=_source(a), rollback=rollback)
 
+    def _widen_for_memory(self, reason: str) -> None:
+        """Memory is the constraint after all: the trials to come search the space widened to the memory-saving
+        values (tuner.space), a study of its own (the space is part of the study's key). The session takes
+        the new `study` for its report."""
+        if self.space.memory:
+            return
+        wider = self.space.for_memory(reason, self.dev)
+        if wider.key() == self.space.key():
+            return
+        self.space = wider
+        self.study = self.study.for_space(wider)
+
     def abort(self, reason: str = "tuning stopped") -> None:
         """The session stops mid-trial (user quit): the trial is recorded FAIL, which teaches the sampler nothing."""
         a = self._active
@@ -602,10 +677,11 @@ class TuneController:
         self._final = Done(reason, self.running or self.base, restart=False)
         self._set_phase("done")
 
-    def stop_early(self, reason: str = "stopped by the user") -> Apply | Done:
+    def stop_early(self, reason: str = "stopped by the user", rolled_back: bool = False) -> Apply | Done:
         """Tuning is stopped before its end (the `t` key) while the run goes on: the running trial, if any,
-        is abandoned (FAIL) with its steps kept, and the decision is made on what was measured so far (the
-        same rules: apply only a significantly faster setting whose saving pays for the switch)."""
+        is abandoned (FAIL) with its steps kept (`rolled_back`: the session rolled it back instead, as it does
+        a trial whose action has `keep_steps` False), and the decision is made on what was measured so far
+        (the same rules: apply only a significantly faster setting whose saving pays for the switch)."""
         if self._final is not None:
             return self._final
         a = self._active
@@ -613,7 +689,12 @@ class TuneController:
         if a is not None:
             if a.proposal is not None:
                 self.study.tell_failed(a.proposal, reason)
-            self.kept_tokens += a.measure.steps * self.tokens_per_step
+            if rolled_back:
+                self.running = None
+                self.rolled_back_s += self.clock() - a.start
+            else:
+                self.kept_tokens += a.measure.steps * self.tokens_per_step
+                self.state_optimizer = a.toggles.optimizer
             if a.kind == "baseline":
                 self.phase = "trials"
         if self.baseline is None:
@@ -732,6 +813,9 @@ class TuneController:
             "decision": self.decision.to_dict() if self.decision else None,
             "outcome": self._final.reason if self._final else self.stop_note,
             "stop_note": self.stop_note,
+            "memory": ({"reason": self.space.memory,
+                        "choices": {n: list(self.space.choices[n]) for n in MEMORY_SAVING}}
+                       if self.space.memory else None),
             "results": [{k: v for k, v in r.items() if k not in ("summary",)} for r in self.results],
             "ledger": {
                 "budget_s": self.budget.total_s, "tuning_s": tuning_s, "trials_run": self.trials_run,
@@ -742,6 +826,19 @@ class TuneController:
                 "projected_saving_s": saved,
             },
         }
+
+
+def reported_peak(memory: dict[str, Any] | None) -> int | None:
+    """The peak bytes in an error event's memory figures (CUDA: allocated; CPU: resident), None if absent."""
+    if not memory:
+        return None
+    peak = memory.get("allocated_peak") or memory.get("rss_peak")
+    return int(peak) if isinstance(peak, (int, float)) and peak > 0 else None
+
+
+def _noted(reason: str, note: str) -> str:
+    """`reason; note`, or whichever of them is not empty."""
+    return f"{reason}; {note}" if note and reason else (reason or note)
 
 
 def _source(a: _Active) -> str:

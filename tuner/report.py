@@ -114,7 +114,7 @@ def build_report(study: TuneStudy, info: dict[str, Any]) -> dict[str, Any]:
         "best": info.get("best"), "best_number": info.get("best_number"), "best_tokens_per_s": best_tps,
         "best_spread": info.get("best_spread"), "speedup": speedup, "applied": info.get("applied"),
         "decision": info.get("decision"), "outcome": info.get("outcome"), "ledger": info.get("ledger", {}),
-        "trials": rows, "hidden_duplicates": hidden,
+        "trials": rows, "hidden_duplicates": hidden, "memory": info.get("memory"),
     }
 
 
@@ -141,6 +141,13 @@ def render_markdown(report: dict[str, Any]) -> str:
                      f"{_fmt_tps(report.get('best_tokens_per_s'), report.get('best_spread'))} tokens/s"
                      + (f", **{report['speedup']:.2f}x** the start" if report.get("speedup") else ""))
     lines.append(f"- Applied: {toggles_diff(report['applied'], base) if report.get('applied') else 'no'}")
+    mem = report.get("memory")
+    if isinstance(mem, dict) and mem.get("reason"):
+        tried = "; ".join(f"{n} {', '.join(_fmt_val(v) for v in vals)}" for n, vals in (mem.get("choices") or {}).items()
+                          if isinstance(vals, list) and len(vals) > 1)
+        lines.append(f"- Memory: {mem['reason']}, so the space was widened to the memory-saving choices "
+                     f"({tried or 'none the device supports'}); a low-bit optimizer or a quantized base is "
+                     f"numerics-changing: its trials had the loss check")
     dec = report.get("decision")
     if dec:
         lines.append(f"- Decision: {dec['reason']} (saving {dec['expected_saving_s']:.0f}s, switch cost "
@@ -174,7 +181,9 @@ def render_markdown(report: dict[str, Any]) -> str:
     if report.get("hidden_duplicates"):
         lines += ["", f"{report['hidden_duplicates']} repeated proposals were answered from earlier trials "
                       "without running (not listed)."]
-    lines += ["", "Tokens/s: median after warm-up ± half-width of its 95% confidence interval."]
+    lines += ["", "Tokens/s: median after warm-up ± half-width of its 95% confidence interval. Peak mem: the trial "
+                  "process's peak (CUDA: allocated by tensors; CPU: resident set), from its step events, or from its "
+                  "out-of-memory error when it failed before a step; - where none came."]
     if energy:
         lines.append("Energy/token: the devices' energy over the trial's measured steps (hardware counters where "
                      "the device has them, else integrated power) / the tokens of those steps.")
@@ -187,7 +196,7 @@ _NUMBER = (int, float)
 _REPORT_FIELDS: dict[str, tuple[type, ...]] = {
     "base": (dict,), "ledger": (dict,), "baseline": (dict,), "trials": (list,), "best": (dict,),
     "best_number": (int,), "best_tokens_per_s": _NUMBER, "best_spread": _NUMBER, "speedup": _NUMBER,
-    "outcome": (str,), "applied": (dict,), "study": (str,), "storage": (str,),
+    "outcome": (str,), "applied": (dict,), "study": (str,), "storage": (str,), "memory": (dict,),
 }
 _LEDGER_FIELDS = ("tuning_s", "budget_s", "projected_saving_s")
 _BASELINE_FIELDS = ("tokens_per_s",)
@@ -253,6 +262,9 @@ def format_summary(report: dict[str, Any]) -> str:
                  f"{format_duration(led.get('tuning_s') or 0.0)} of {format_duration(led.get('budget_s') or 0.0)}"
                  + (f"; projected saving {format_duration(led['projected_saving_s'])}"
                     if isinstance(led.get("projected_saving_s"), (int, float)) else ""))
+    mem = report.get("memory")
+    if isinstance(mem, dict) and isinstance(mem.get("reason"), str):
+        lines.append(f"          memory-constrained: {mem['reason']}")
     if report.get("storage"):
         lines.append(f"          study {report.get('study') or '?'} in {report['storage']}")
         lines.append(f"          browse it: {dashboard_command(report['storage'])}")
@@ -273,6 +285,8 @@ def check_best_toml(text: str, expected: Toggles | dict[str, Any]) -> None:
         p = Path(d) / "best.toml"
         p.write_text(text)
         cfg = TrainConfig.from_toml(p)
+    if cfg.toggles.quantize_base != "none":
+        cfg.finetune.lora = 8    # a quantized base is a LoRA run's: best.toml is used beside the run's --lora R
     cfg.validate()
     if cfg.toggles != exp:
         raise ValueError(f"best.toml does not round-trip: {cfg.toggles} != {exp}")

@@ -17,16 +17,37 @@ e.g. `--tune-space "precision=bf16 compile=off,default -cuda_allocator"` or
 on/off (true/false, yes/no, 1/0). Items apply left to right; an error names
 the item and what is wrong with it.
 
-Numerics. Every toggle but `precision` is numerics-neutral: compile, fused
-AdamW, micro-batch (accumulation keeps the global batch), prefetch, workers,
-activation checkpointing, attention kernel and allocator change at most the
-order of floating-point sums (last-bit differences), never what is computed.
-Any change of `precision` away from the starting one counts as
-numerics-changing, tf32 and bf16 included: they round matmul inputs to fewer
-mantissa bits (usually harmless, but not the same numbers), fp16 can overflow
-and fp8 scales tensors. The guard for numerics-changing trials (a loss check
-against the run's own trend, `tuner.measure.LossTrend`) costs nothing, so it is
-applied to all of them rather than trusting bf16 by reputation.
+Numerics. Compile, fused AdamW, micro-batch (accumulation keeps the global
+batch), prefetch, workers, activation checkpointing, attention kernel and
+allocator change at most the order of floating-point sums (last-bit
+differences), never what is computed. Three toggles are numerics-changing
+(`NUMERICS_CHANGING`): any change of `precision` away from the starting one,
+tf32 and bf16 included (they round matmul inputs to fewer mantissa bits:
+usually harmless, but not the same numbers; fp16 can overflow and fp8 scales
+tensors); any change of `optimizer` (torchao's 8-bit / 4-bit AdamW round the
+moments block-wise, Adafactor is another algorithm, and a switch to or from it
+starts its state fresh: trainer.contract.capabilities.optimizer_switch; such a
+trial is rolled back once measured, so the run keeps its own state); and
+any change of `quantize_base` (a 4-bit / 8-bit frozen base computes other
+activations). The guard for numerics-changing trials (a loss check against
+the run's own trend, `tuner.measure.LossTrend`) costs nothing, so it is
+applied to all of them rather than trusting bf16 or 8-bit moments by
+reputation.
+
+Memory. The tuner treats memory as a constraint it can trade. Usually the
+space leaves the optimizer and the base's storage as the run has them (a
+low-bit optimizer saves memory, not time: on the CPU torchao's 8-bit AdamW ran
+at 0.15x AdamW's speed). When the wanted micro-batch does not fit
+(`memory_pressure`: with `--micro-batch auto`, the default, the whole
+per-rank batch is above the largest micro-batch the trainer found to fit), the
+space widens to the memory-saving values (`MEMORY_SAVING`): activation
+checkpointing on, every supported optimizer with a smaller state than the
+run's, and for a LoRA run of a model directory a quantized base where the
+device supports one (never on the CPU: trainer.contract.capabilities gates
+it). `SearchSpace.memory` then says why, and the report says it too.
+`--tune-space optimizer+=adamw-8bit` adds a value by hand either way. Both
+are tuned on one process only: the optimizer-state conversion and a quantized
+base run on one.
 """
 
 from __future__ import annotations
@@ -38,16 +59,19 @@ import random
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from trainer.contract.capabilities import CHOICES, default_values, support
-from trainer.contract.config import AUTO, MAX_BATCH, MAX_THREADS, ConfigError, Toggles
+from trainer.contract.capabilities import CHOICES, default_values, memory_saving, support
+from trainer.contract.config import AUTO, FAMILIES, MAX_BATCH, MAX_THREADS, ConfigError, Toggles, TrainConfig
 from trainer.contract.device import DeviceInfo
 
 OPTION = "--tune-space"
 
 # Tuned toggles, in the order they are suggested and shown.
 TUNABLE: tuple[str, ...] = ("precision", "compile", "micro_batch", "prefetch", "workers", "fused_adamw",
-                            "activation_checkpointing", "attention", "cuda_allocator")
-NUMERICS_CHANGING: frozenset[str] = frozenset({"precision"})
+                            "activation_checkpointing", "attention", "cuda_allocator", "optimizer", "quantize_base")
+NUMERICS_CHANGING: frozenset[str] = frozenset({"precision", "optimizer", "quantize_base"})
+# What a memory-constrained space widens (see the module doc); one process only for the last two.
+MEMORY_SAVING: tuple[str, ...] = ("activation_checkpointing", "optimizer", "quantize_base")
+ONE_PROCESS: frozenset[str] = frozenset({"optimizer", "quantize_base"})
 NUMERICS_NEUTRAL: frozenset[str] = frozenset(TUNABLE) - NUMERICS_CHANGING
 DEFAULT_PREFETCH: tuple[int, ...] = (0, 1, 2, 4)
 DEFAULT_WORKERS: tuple[int, ...] = (0, 1, 2)
@@ -94,23 +118,38 @@ class SearchSpace:
     """Allowed values per tuned toggle; a toggle with one value is frozen (not suggested).
 
     `base` is the starting configuration: frozen toggles take their values from
-    the space, everything not tuned (none today) from `base`.
+    the space, everything not tuned (none today) from `base`. `memory` says why
+    the space was widened to the memory-saving values (None: it was not);
+    `quantizable`: the run is LoRA on a model directory, whose frozen base may be
+    quantized; `world_size`: the ranks (the optimizer and the base are tuned on one).
     """
 
     base: Toggles
     choices: dict[str, tuple]
     per_rank: int
+    memory: str | None = None
+    quantizable: bool = False
+    world_size: int = 1
+    spec: str | None = None          # the --tune-space items applied, in order (replayed by `for_memory`)
 
     # --- construction ------------------------------------------------------------
     @classmethod
     def for_device(cls, base: Toggles, dev: DeviceInfo, global_batch: int, world_size: int = 1,
-                   spec: str | None = None) -> "SearchSpace":
+                   spec: str | None = None, *, memory: str | None = None, quantizable: bool = False) -> "SearchSpace":
         """The default space for `dev` (every supported value not known to be slow, and the start's own),
+        widened to the memory-saving values when `memory` (why; see `memory_pressure`), then
         narrowed/widened by a `--tune-space` spec."""
         per_rank = per_rank_batch(global_batch, world_size)
         choices: dict[str, tuple] = {}
         for name in TUNABLE:
-            if name == "micro_batch":
+            if name in ONE_PROCESS:
+                # as the run has them; a memory-constrained run of one process may trade them for memory
+                vals = [getattr(base, name)]
+                if memory and world_size == 1 and (name != "quantize_base" or quantizable):
+                    vals += [v for v in memory_saving(name, getattr(base, name)) if support(name, v, dev) is None]
+            elif name == "activation_checkpointing" and memory:
+                vals = [base.activation_checkpointing, True]
+            elif name == "micro_batch":
                 vals: list = list(micro_batch_choices(per_rank))
                 b = base.micro_batch
                 if b != AUTO and per_rank % b == 0:
@@ -124,19 +163,22 @@ class SearchSpace:
                 if getattr(base, name) not in vals and support(name, getattr(base, name), dev) is None:
                     vals.append(getattr(base, name))      # the start is always in the space, even when slow
             choices[name] = _order(name, vals)
-        space = cls(base=base, choices=choices, per_rank=per_rank)
+        space = cls(base=base, choices=choices, per_rank=per_rank, memory=memory, quantizable=quantizable,
+                    world_size=world_size)
         if spec:
             space = space.apply_spec(spec, dev)
         return space
 
     @classmethod
-    def check_spec(cls, spec: str, base: Toggles, global_batch: int, world_size: int = 1) -> None:
+    def check_spec(cls, spec: str, base: Toggles, global_batch: int, world_size: int = 1,
+                   quantizable: bool = False) -> None:
         """Check a `--tune-space` spec where it enters, before the device is known (ConfigError naming it):
         its grammar, names and values; what the device supports is checked when tuning starts."""
         per_rank = per_rank_batch(global_batch, world_size)
         choices: dict[str, tuple] = {n: tuple(CHOICES[n]) for n in TUNABLE if n in CHOICES}
         choices.update(micro_batch=micro_batch_choices(per_rank), prefetch=DEFAULT_PREFETCH, workers=DEFAULT_WORKERS)
-        cls(base=base, choices=choices, per_rank=per_rank).apply_spec(spec, None)
+        cls(base=base, choices=choices, per_rank=per_rank, quantizable=quantizable,
+            world_size=world_size).apply_spec(spec, None)
 
     def apply_spec(self, spec: str, dev: DeviceInfo | None) -> "SearchSpace":
         """A new space with the `--tune-space` items applied left to right (`dev` None: support not checked)."""
@@ -169,7 +211,13 @@ class SearchSpace:
                 raise ConfigError(OPTION, f"{item!r}: empty value; list values separated by commas")
             values = [self._parse_value(item, name, p.strip(), dev) for p in parts]
             choices[name] = _order(name, (list(self.choices[name]) if widen else []) + values)
-        return dataclasses.replace(self, choices=choices)
+        return dataclasses.replace(self, choices=choices, spec=f"{self.spec} {spec}" if self.spec else spec)
+
+    def for_memory(self, reason: str, dev: DeviceInfo) -> "SearchSpace":
+        """This space widened to the memory-saving values because of `reason` (the starting configuration ran
+        out of memory), with the same `--tune-space` items applied after, so the user's word stays last."""
+        return SearchSpace.for_device(self.base, dev, self.per_rank * self.world_size, self.world_size, self.spec,
+                                      memory=reason, quantizable=self.quantizable)
 
     @staticmethod
     def _check_name(item: str, name: str) -> None:
@@ -203,6 +251,12 @@ class SearchSpace:
             return v
         if raw not in CHOICES[name]:
             raise ConfigError(OPTION, f"{item!r}: {raw!r} is not one of {', '.join(map(str, CHOICES[name]))}")
+        if name in ONE_PROCESS and self.world_size > 1 and raw != getattr(self.base, name):
+            raise ConfigError(OPTION, f"{item!r}: {name} is tuned on one process only (the optimizer-state "
+                                      f"conversion and a quantized base run on one); drop it or --nproc")
+        if name == "quantize_base" and raw != "none" and not self.quantizable:
+            raise ConfigError(OPTION, f"{item!r}: a quantized base is for a LoRA run of a model directory "
+                                      f"(--lora R --model DIR); drop quantize_base from --tune-space")
         reason = support(name, raw, dev) if dev is not None else None
         if reason:
             raise ConfigError(OPTION, f"{item!r}: {raw} is not supported on {dev.name}: {reason}")
@@ -279,6 +333,30 @@ class SearchSpace:
 
     def random_params(self, rng: random.Random) -> dict[str, Any]:
         return {n: rng.choice(self.choices[n]) for n in self.params}
+
+
+def quantizable(cfg: TrainConfig) -> bool:
+    """Whether a run's frozen base could be quantized: LoRA on a model directory (a family starts from random
+    weights, which trainer.models refuses to quantize)."""
+    return cfg.finetune.enabled and cfg.model.model not in FAMILIES
+
+
+def memory_pressure(cfg: TrainConfig, fits: int | None, world_size: int = 1) -> str | None:
+    """Why memory constrains this run (the space then widens to the memory-saving values), or None.
+
+    The wanted micro-batch is the one asked for, or with `--micro-batch auto` the whole per-rank batch (one
+    forward/backward per step: no accumulation). It does not fit when it is above `fits`, the largest the
+    trainer's `--micro-batch auto` found to fit (its probe, or on a roomy CPU the estimate against the RAM;
+    None: not probed). An explicit micro-batch whose estimate does not fit is refused before the run starts
+    (gptop.cli.check_fits, the trainer's early hello), so it never reaches the tuner."""
+    per_rank = per_rank_batch(cfg.optim.global_batch, world_size)
+    t = cfg.toggles
+    wanted = per_rank if t.micro_batch == AUTO else t.micro_batch
+    if fits is None or fits >= wanted:
+        return None
+    what = f"--micro-batch {wanted}" if t.micro_batch != AUTO else f"the whole per-rank batch ({wanted})"
+    return (f"{what} does not fit: {fits} is the largest micro-batch that fits with the starting toggles "
+            f"({wanted // fits} accumulation steps)")
 
 
 def params_key(params: dict[str, Any]) -> tuple:

@@ -212,6 +212,8 @@ def study_key(cfg: TrainConfig, dev: DeviceInfo, space: SearchSpace, world_size:
         "device_count": world_size,
         "model": cfg.model.model, "size": cfg.model.size, "tokenizer": cfg.data.tokenizer,
         "seq_len": cfg.data.seq_len, "global_batch": cfg.optim.global_batch,
+        # what trains: a LoRA run's speed and memory are another problem than full training's
+        "lora": [cfg.finetune.lora, cfg.finetune.lora_targets] if cfg.finetune.enabled else None,
         "versions": versions if versions is not None else library_versions(),
         "space": space.key(),
     }
@@ -277,6 +279,8 @@ class TuneStudy:
         self.run_id = run_id or (f"{time.strftime('%Y%m%d-%H%M%S')}-{socket.gethostname()}-{os.getpid()}-"
                                  f"{uuid.uuid4().hex[:6]}")
         self._rng = random.Random(seed)
+        self.options = dict(seed=seed, n_startup_trials=n_startup_trials, stale_after_s=stale_after_s,
+                            max_asks=max_asks, wall=wall)
         kwargs: dict[str, Any] = {}
         if not _HAS_SET_CONSTRAINT:  # Optuna < 5: the constraints_func route
             kwargs["constraints_func"] = lambda ft: ft.user_attrs.get("constraint", [FEASIBLE])
@@ -292,6 +296,14 @@ class TuneStudy:
              world_size: int = 1, **kwargs: Any) -> "TuneStudy":
         """The study for this run's setup, created or loaded from `storage` (see module doc)."""
         return cls(space, study_key(cfg, dev, space, world_size), storage, **kwargs)
+
+    def for_space(self, space: SearchSpace) -> "TuneStudy":
+        """The study of the same setup over another space (a space widened when memory turned out to be the
+        constraint): another study, since the space is part of the key, in the same storage, for the same run."""
+        other = TuneStudy(space, {**self.key, "space": space.key()}, self.storage, run_id=self.run_id,
+                          **self.options)
+        other.storage_url = self.storage_url
+        return other
 
     # --- reading ----------------------------------------------------------------------
     def trials(self, states: tuple[TrialState, ...] | None = None) -> list[FrozenTrial]:

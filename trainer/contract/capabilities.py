@@ -3,9 +3,9 @@
 The trainer refuses an unsupported value asked for explicitly (never a silent
 fallback), and the tuner offers only supported values. Both ask here.
 
-Besides the toggles, two options of other sections are gated the same way, because whether they run
-depends on the device and the installed libraries: `--optimizer` (torchao's low-bit AdamW compiles its
-update with torch.compile) and `--quantize-base` (bitsandbytes' 4-bit and 8-bit layers, CUDA only here).
+`--optimizer` (torchao's low-bit AdamW compiles its update with torch.compile) and `--quantize-base`
+(bitsandbytes' 4-bit and 8-bit layers, CUDA only here) are toggles gated the same way: whether they run
+depends on the device and the installed libraries.
 
 A value can also be supported but *slow* on a device: it runs correctly, yet
 is known to lose against the default by a wide margin (bf16 on a CPU whose
@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from typing import Sequence
+from typing import Any, Sequence
 
 from .config import (ATTENTIONS, ALLOCATORS, COMPILE_MODES, OPTIMIZERS, PRECISIONS, QUANTIZE_BASE, ConfigError,
                      Toggles, TrainConfig, flag_of)
 from .device import DeviceInfo
-from .estimate import FAMILIES as SIZED_FAMILIES, SIZE_ORDER, TRAIN_BYTES_PER_PARAM, param_counts
+from .estimate import FAMILIES as SIZED_FAMILIES, SIZE_ORDER, state_bytes
 
 # Enumerated toggles and their values; numeric ones (micro_batch, prefetch, workers) are always supported.
 CHOICES: dict[str, tuple] = {
@@ -37,9 +37,6 @@ CHOICES: dict[str, tuple] = {
     "optimizer": OPTIMIZERS,
     "quantize_base": QUANTIZE_BASE,
 }
-
-# Gated options outside Toggles: name -> the TrainConfig section that holds it.
-GATED_OPTIONS = {"optimizer": "optim", "quantize_base": "finetune"}
 
 
 # Bytes per activation element under each precision (the fp8 recipes keep bf16 activations between matmuls):
@@ -135,6 +132,60 @@ def support(name: str, value, dev: DeviceInfo) -> str | None:
     return None
 
 
+ADAM_FAMILY = ("adamw", "adamw-8bit", "adamw-4bit")
+
+
+def optimizer_switch(old: str, new: str) -> str | None:
+    """What a run resumed with optimizer `new` from a checkpoint of `old` keeps of the optimizer state, in
+    words (None when they are the same).
+
+    The AdamW variants hold the same state (a step count and two moments per tensor), only stored
+    differently: the moments are dequantized to fp32 and stored as the new optimizer stores them (quantized
+    block-wise for torchao's 8-bit / 4-bit ones), so the switch loses only the rounding of the narrower
+    format. Adafactor keeps no first moment and a second moment factored into row and column means of
+    differently decayed squared gradients (and a relative step size): nothing of it means the same to AdamW
+    or back, so the new optimizer starts with fresh state, the one switch that loses optimizer state. Every
+    switch changes the numbers computed, so the tuner checks the loss of such a trial
+    (tuner.space.NUMERICS_CHANGING)."""
+    if old == new:
+        return None
+    if old in ADAM_FAMILY and new in ADAM_FAMILY:
+        return f"the AdamW moments carry over from {old} to {new} (converted, rounded to {new}'s storage)"
+    return (f"{old} -> {new}: the optimizer state cannot be converted (Adafactor keeps a factored second moment "
+            f"and no first moment), so {new} starts with fresh state")
+
+
+# Optimizer state per trained parameter, about (trainer.contract.estimate counts it exactly): the order in
+# which the choices save memory.
+OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "adamw-8bit": 2.03, "adamw-4bit": 1.06, "adafactor": 0.05}
+# A frozen base's linear weights per parameter (fp32, 8-bit codes + a scale per row, nf4 codes + scales).
+BASE_BYTES = {"none": 4.0, "int8": 1.0, "nf4": 0.52}
+
+
+def memory_saving(name: str, value) -> list:
+    """The values of toggle `name` that take less memory than `value` (what a memory-constrained tuner adds to
+    its space), whether or not a device supports them."""
+    if name == "activation_checkpointing":
+        return [] if value else [True]
+    if name == "optimizer":
+        return [v for v in OPTIMIZERS if OPTIMIZER_STATE_BYTES[v] < OPTIMIZER_STATE_BYTES.get(value, 8.0)]
+    if name == "quantize_base":
+        return [v for v in QUANTIZE_BASE if BASE_BYTES[v] < BASE_BYTES.get(value, 4.0)]
+    return []
+
+
+def saves_memory(toggles: Toggles, base: Toggles) -> bool:
+    """Whether `toggles` hold less state than `base` (a smaller optimizer state or a more quantized base), so a
+    micro-batch that did not fit with `base` may fit."""
+    return (toggles.optimizer in memory_saving("optimizer", base.optimizer)
+            or toggles.quantize_base in memory_saving("quantize_base", base.quantize_base))
+
+
+def optimizer_state_carries(old: str, new: str) -> bool:
+    """Whether switching `old` -> `new` keeps the optimizer's moments (see `optimizer_switch`)."""
+    return old in ADAM_FAMILY and new in ADAM_FAMILY
+
+
 def slow(name: str, value, dev: DeviceInfo) -> str | None:
     """None unless `value` is supported on `dev` but known to be far slower than the default; then why."""
     if name == "precision" and value == "bf16" and not dev.is_cuda and not dev.cpu_bf16:
@@ -173,15 +224,8 @@ def slow_choices(toggles: Toggles, dev: DeviceInfo) -> list[str]:
 
 
 def slow_config(cfg: TrainConfig, dev: DeviceInfo) -> list[str]:
-    """`slow_choices` for the toggles and every other gated option (GATED_OPTIONS) of a run's config."""
-    out = slow_choices(cfg.toggles, dev)
-    for name, section in GATED_OPTIONS.items():
-        obj = getattr(cfg, section)
-        f = next(f for f in dataclasses.fields(obj) if f.name == name)
-        reason = slow(name, getattr(obj, name), dev)
-        if reason:
-            out.append(f"{flag_of(f)} {getattr(obj, name)}: {reason}")
-    return out
+    """`slow_choices` of a run's config (every gated option is a toggle)."""
+    return slow_choices(cfg.toggles, dev)
 
 
 def check(toggles: Toggles, dev: DeviceInfo) -> None:
@@ -194,21 +238,13 @@ def check(toggles: Toggles, dev: DeviceInfo) -> None:
 
 
 def check_config(cfg: TrainConfig, dev: DeviceInfo) -> None:
-    """`check` for the toggles and every other gated option (GATED_OPTIONS) of a run's config."""
+    """`check` of a run's config (every gated option is a toggle)."""
     check(cfg.toggles, dev)
-    for name, section in GATED_OPTIONS.items():
-        obj = getattr(cfg, section)
-        f = next(f for f in dataclasses.fields(obj) if f.name == name)
-        value = getattr(obj, name)
-        reason = support(name, value, dev)
-        if reason:
-            raise ConfigError(flag_of(f), f"{value} is not supported on {dev.name}: {reason}")
 
 
 # --- which model size `--size auto` picks ---------------------------------------------------------
 
-# Bytes of persistent training state per parameter (fp32 weights, gradients and two AdamW moments) and the
-# parameter counts come from trainer.contract.estimate (counted from the dimensions, no model built): the rule
+# The persistent training state (weights, gradients, optimizer state) comes from trainer.contract.estimate (counted from the dimensions, no model built): the rule
 # runs where torch is not imported (gptop names a run directory by the size before the trainer starts).
 # `auto` keeps that state under STATE_MEMORY_SHARE of device memory (the rest is for activations, the logits,
 # allocator slack and the CUDA context).
@@ -216,7 +252,7 @@ STATE_MEMORY_SHARE = 0.6
 _GiB = 1 << 30
 
 
-def auto_size(family: str, dev: DeviceInfo) -> str:
+def auto_size(family: str, dev: DeviceInfo, **state_options: Any) -> str:
     """The size `--size auto` picks: the largest that fits and makes progress.
 
     - CPU: ``tiny``, or ``small`` on a big CPU (32+ cores and 64+ GiB RAM); anything larger makes too
@@ -224,7 +260,9 @@ def auto_size(family: str, dev: DeviceInfo) -> str:
     - CUDA, by total device memory: under 12 GiB ``small``, under 40 GiB ``medium``, else ``large``. Then
       step down while the persistent training state of the family's *total* parameters would exceed 60%
       of the memory, which keeps the MoE family (2.5-3.5x more total than active parameters) one size
-      smaller on mid-size GPUs.
+      smaller on mid-size GPUs. The state is the run's own (`state_options`: optimizer, lora,
+      lora_targets, quantize_base as `estimate.run_options` reads them from the config): a low-bit
+      optimizer or LoRA keeps a size that full AdamW training would step down from.
     """
     family = family if family in SIZED_FAMILIES else "llama"
     if not dev.is_cuda:
@@ -232,6 +270,6 @@ def auto_size(family: str, dev: DeviceInfo) -> str:
     mem = dev.total_memory
     choice = "small" if mem < 12 * _GiB else "medium" if mem < 40 * _GiB else "large"
     i = SIZE_ORDER.index(choice)
-    while i > 0 and param_counts(family, SIZE_ORDER[i]).total * TRAIN_BYTES_PER_PARAM > STATE_MEMORY_SHARE * mem:
+    while i > 0 and state_bytes(family, SIZE_ORDER[i], **state_options) > STATE_MEMORY_SHARE * mem:
         i -= 1
     return SIZE_ORDER[i]

@@ -174,14 +174,19 @@ class OptimConfig:
     weight_decay: float = opt(0.1, "AdamW weight decay", low=0, high=10)
     grad_clip: float = opt(1.0, "gradient-norm clipping threshold (0 disables)", low=0, high=1e6)
     seed: int = opt(1234, "seed for initialization, data order and masking", low=0, high=MAX_SEED)
-    optimizer: str = opt("adamw", "optimizer: adamw (fp32 moments), adamw-8bit / adamw-4bit (torchao's quantized "
-                         "moments, 4x / 8x smaller), adafactor (factored second moment, torch.optim.Adafactor)",
-                         choices=OPTIMIZERS)
 
 
 @dataclass
 class Toggles:
-    """The optimization toggles: they change speed, not what is learned (fp16/fp8 change numerics)."""
+    """The optimization toggles: what the tuner may change on a live run (after a checkpoint), and the one
+    place the trainer reads them from.
+
+    Most change speed, not what is learned; `precision` (away from the start), a low-bit `optimizer` and a
+    quantized base (`quantize_base`) change the numbers computed, so the tuner checks the loss of a trial that
+    changes them (tuner.space.NUMERICS_CHANGING). `optimizer` and `quantize_base` were options of the `optim`
+    and `finetune` sections before the tuner could trade memory for them; their flags are unchanged and a TOML
+    file (or a run's stored config) that has them in their old tables still reads (`MOVED`).
+    """
 
     precision: str = opt("fp32", "numeric precision", choices=PRECISIONS)
     compile: str = opt("off", "torch.compile mode", choices=COMPILE_MODES)
@@ -193,6 +198,12 @@ class Toggles:
     activation_checkpointing: bool = opt(False, "recompute activations in backward to save memory")
     attention: str = opt("sdpa", "attention implementation", choices=ATTENTIONS)
     cuda_allocator: str = opt("default", "CUDA caching allocator mode", choices=ALLOCATORS)
+    optimizer: str = opt("adamw", "optimizer: adamw (fp32 moments), adamw-8bit / adamw-4bit (torchao's quantized "
+                         "moments, 4x / 8x smaller), adafactor (factored second moment, torch.optim.Adafactor)",
+                         choices=OPTIMIZERS)
+    quantize_base: str = opt("none", "QLoRA: hold the frozen base quantized with bitsandbytes (nf4: 4-bit "
+                             "NormalFloat with double quantization; int8); needs --lora and CUDA",
+                             choices=QUANTIZE_BASE)
 
     def micro_batch_int(self) -> int | None:
         """The fixed micro-batch, or None for auto."""
@@ -207,7 +218,8 @@ def _lora_targets_format(value: str) -> str | None:
 
 @dataclass
 class FinetuneConfig:
-    """Parameter-efficient fine-tuning: LoRA adapters (peft) on a frozen base, optionally quantized (QLoRA)."""
+    """Parameter-efficient fine-tuning: LoRA adapters (peft) on a frozen base, optionally quantized (QLoRA:
+    `Toggles.quantize_base`, a toggle since the tuner may trade it for memory)."""
 
     lora: int = opt(0, "LoRA rank R: train rank-R adapters on a frozen base instead of every weight (0: full "
                     "fine-tuning)", metavar="R", low=0, high=MAX_LORA_RANK)
@@ -217,9 +229,6 @@ class FinetuneConfig:
     lora_targets: str = opt(AUTO, "modules that get adapters: auto (the attention and MLP projections of the "
                             "architecture) or names, e.g. q_proj,v_proj", metavar="auto|NAMES",
                             check=_lora_targets_format)
-    quantize_base: str = opt("none", "QLoRA: hold the frozen base quantized with bitsandbytes (nf4: 4-bit "
-                             "NormalFloat with double quantization; int8); needs --lora and CUDA",
-                             choices=QUANTIZE_BASE)
 
     @property
     def enabled(self) -> bool:
@@ -301,6 +310,7 @@ class TrainConfig:
         cfg = cls(**{name: dataclasses.replace(getattr(cfg, name)) for name in SECTIONS})
         if not isinstance(d, dict):
             raise ConfigError("(top level)", f"expected tables of options, got {type(d).__name__}")
+        d = current_layout(d)
         for section, values in d.items():
             if section not in SECTIONS:
                 home = [s for s, c in SECTIONS.items() if section in {f.name for f in fields(c)}]
@@ -355,22 +365,47 @@ class TrainConfig:
         if self.log.profile_steps is not None and parse_step_range(self.log.profile_steps)[0] > o.max_steps:
             raise ConfigError("--profile-steps", f"{self.log.profile_steps} starts after the last step "
                                                  f"(--max-steps {o.max_steps}): no trace would be written")
-        ft = self.finetune
-        if ft.quantize_base != "none" and not ft.enabled:
-            raise ConfigError("--quantize-base", f"{ft.quantize_base} quantizes the frozen base of a LoRA run; "
+        ft, qb = self.finetune, self.toggles.quantize_base
+        if qb != "none" and not ft.enabled:
+            raise ConfigError("--quantize-base", f"{qb} quantizes the frozen base of a LoRA run; "
                                                  f"add --lora R (e.g. --lora 8), or drop --quantize-base")
         if ft.enabled and world_size > 1 and self.run.parallel == "fsdp":
             raise ConfigError("--parallel", "fsdp with --lora is not supported (FSDP2 would shard the frozen base "
                                             "and the adapters together); use --parallel ddp, which replicates the "
                                             "base and all-reduces only the adapters' gradients")
-        if ft.quantize_base != "none" and world_size > 1:
-            raise ConfigError("--quantize-base", f"{ft.quantize_base} runs on one process; drop --nproc or "
-                                                 f"--quantize-base")
+        if qb != "none" and world_size > 1:
+            raise ConfigError("--quantize-base", f"{qb} runs on one process; drop --nproc or --quantize-base")
         per_rank = o.global_batch // world_size
         if mb != AUTO and per_rank % mb:
             over = f" ({o.global_batch} over {world_size} ranks)" if world_size > 1 else ""
             raise ConfigError("--micro-batch", f"{mb} does not divide the per-rank batch {per_rank}{over}; "
                                                f"pick a divisor of {per_rank} or auto")
+
+
+# Options that moved to another section: (old section, key) -> the section that holds them now. A TOML file,
+# a run's config.toml or a checkpoint's stored config that has them at the old place still reads.
+MOVED: dict[tuple[str, str], str] = {("optim", "optimizer"): "toggles", ("finetune", "quantize_base"): "toggles"}
+
+
+def current_layout(d: dict[str, Any]) -> dict[str, Any]:
+    """`d` (tables of options) with every moved option (`MOVED`) in its current section; ConfigError naming both
+    places when a file gives one option twice with different values."""
+    if not any(isinstance(d.get(sec), dict) and key in d[sec] for sec, key in MOVED):
+        return d
+    out = {sec: (dict(v) if isinstance(v, dict) else v) for sec, v in d.items()}
+    for (sec, key), home in MOVED.items():
+        table = out.get(sec)
+        if not isinstance(table, dict) or key not in table:
+            continue
+        value = table.pop(key)
+        target = out.setdefault(home, {})
+        if not isinstance(target, dict):
+            continue                      # from_dict names the bad table
+        if key in target and target[key] != value:
+            raise ConfigError(f"{sec}.{key}", f"{show(value)} conflicts with {home}.{key} = {show(target[key])}; "
+                                              f"{key} belongs in [{home}] now: keep that one")
+        target.setdefault(key, value)
+    return out
 
 
 def section_from_dict(cls: type, values: dict[str, Any]) -> Any:

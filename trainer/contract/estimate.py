@@ -52,7 +52,8 @@ VOCAB_MULTIPLE = 64
 DEFAULT_VOCAB = 8192          # the builtin BPE tokenizer
 
 # Bytes of persistent training state per parameter of a full AdamW run: fp32 weights 4 + gradients 4 + AdamW
-# exp_avg 4 + exp_avg_sq 4 (what `--size auto` plans with; `estimate` counts the run's own optimizer and LoRA).
+# exp_avg 4 + exp_avg_sq 4 (a rule of thumb for docs and tables; `estimate` and `state_bytes` count the run's
+# own optimizer, LoRA and quantized base).
 TRAIN_BYTES_PER_PARAM = 16
 # torchao's low-bit AdamW (torchao/optim/adam.py, README.md): codes per value (bytes), quantization block,
 # code-table size; tensors under QUANTIZE_MIN values (or not a multiple of the block) keep fp32 moments.
@@ -383,11 +384,8 @@ def estimate(family: str, size: str, *, seq_len: int, global_batch: int, micro_b
     c = param_counts(family, size, vocab_size)
     fpt = flops_per_token(family, size, seq_len, vocab_size)
     mb = micro_batch or 1
-    trained = trained_tensors(family, size, lora, lora_targets, vocab_size)
-    n_trained = sum(t.numel * t.count for t in trained)
     shards = world_size if fsdp else 1
-    opt = optimizer_state_bytes(optimizer, trained) // shards
-    state = (weight_bytes(family, size, lora, quantize_base, vocab_size) + 4 * n_trained) // shards + opt
+    state, opt, n_trained = _state(family, size, optimizer, lora, lora_targets, quantize_base, vocab_size, shards)
     act = activation_bytes_per_token(family, size, seq_len, precision, vocab_size, checkpointing) * mb * seq_len
     tokens = global_batch * seq_len
     step_s = None
@@ -401,11 +399,28 @@ def estimate(family: str, size: str, *, seq_len: int, global_batch: int, micro_b
                     trainable_params=n_trained)
 
 
+def _state(family: str, size: str, optimizer: str, lora: int, lora_targets: str, quantize_base: str,
+           vocab_size: int, shards: int) -> tuple[int, int, int]:
+    """(persistent state bytes, of which optimizer state, trained parameters) of one rank."""
+    trained = trained_tensors(family, size, lora, lora_targets, vocab_size)
+    n_trained = sum(t.numel * t.count for t in trained)
+    opt = optimizer_state_bytes(optimizer, trained) // shards
+    return (weight_bytes(family, size, lora, quantize_base, vocab_size) + 4 * n_trained) // shards + opt, opt, n_trained
+
+
+def state_bytes(family: str, size: str, *, optimizer: str = "adamw", lora: int = 0, lora_targets: str = AUTO,
+                quantize_base: str = "none", vocab_size: int = DEFAULT_VOCAB) -> int:
+    """The persistent training state of one process (weights, gradients of what trains, optimizer state) as
+    `estimate` counts it, without the activations: what `--size auto` plans with (capabilities.auto_size),
+    so a run with a low-bit optimizer or LoRA is offered the larger size its smaller state allows."""
+    return _state(family, size, optimizer, lora, lora_targets, quantize_base, vocab_size, 1)[0]
+
+
 def run_options(cfg: Any) -> dict[str, Any]:
-    """The estimate's arguments that a TrainConfig's optimizer and fine-tuning sections set."""
+    """The estimate's arguments that a TrainConfig's optimizer toggles and fine-tuning section set."""
     ft = cfg.finetune
-    return dict(optimizer=cfg.optim.optimizer, lora=ft.lora, lora_targets=ft.lora_targets,
-                quantize_base=ft.quantize_base)
+    return dict(optimizer=cfg.toggles.optimizer, lora=ft.lora, lora_targets=ft.lora_targets,
+                quantize_base=cfg.toggles.quantize_base)
 
 
 def largest_fitting(family: str, **kw: Any) -> str | None:
