@@ -47,19 +47,14 @@ measurement).
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import os
-import pty
 import re
-import select
 import signal
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
-import termios
 import threading
 import time
 from pathlib import Path
@@ -67,76 +62,28 @@ from pathlib import Path
 import psutil
 from trainer.contract.device import cpu_name   # noqa: E402  (the project's one reader of /proc/cpuinfo)
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from fixtures.terminal import Terminal as PtyTerminal  # noqa: E402  (the tests' pty driver, one copy)
+
 DEFAULT_TRAINER = ["--model", "llama", "--size", "tiny", "--seq-len", "64", "--global-batch", "8",
                    "--eval-every", "0", "--checkpoint-every", "0"]
 STEP_RE = re.compile(rb"step (\d+)/(\d+|\?)")
 
 
-class Terminal:
-    """A process on a pseudo-terminal of a fixed size; a reader thread keeps the output drained and
-    remembers when each `step N/...` first appeared."""
+class Terminal(PtyTerminal):
+    """gptop on a pseudo-terminal (tests/fixtures/terminal.py) that remembers when each `step N/...` first
+    appeared on the screen."""
 
     def __init__(self, argv: list[str], cols: int, rows: int, env: dict[str, str], cwd: Path | None = None) -> None:
-        self.master, slave = pty.openpty()
-        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
-
-        def controlling_tty() -> None:   # the child's own session, with the pty as its terminal
-            os.setsid()
-            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-
-        self.proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env, cwd=cwd,
-                                     preexec_fn=controlling_tty, close_fds=True)
-        os.close(slave)
         self.first_seen: dict[int, float] = {}
-        self.bytes = 0
         self._tail = b""
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
+        super().__init__(argv, cols, rows, env, cwd=cwd, on_output=self._seen, keep_output=False)
 
-    def _read(self) -> None:
-        while not self._stop.is_set():
-            try:
-                ready, _, _ = select.select([self.master], [], [], 0.2)
-                if not ready:
-                    continue
-                data = os.read(self.master, 65536)
-            except OSError:
-                return
-            now = time.time()
-            if not data:
-                return
-            self.bytes += len(data)
-            buf = self._tail + data
-            for m in STEP_RE.finditer(buf):
-                self.first_seen.setdefault(int(m.group(1)), now)
-            self._tail = buf[-32:]
-
-    def send(self, keys: bytes) -> None:
-        os.write(self.master, keys)
-
-    def close(self, timeout: float = 30.0) -> int | None:
-        """q (checkpoint and stop), then ctrl+c, then kill: never leave gptop or a trainer behind."""
-        for keys, wait in ((b"q", timeout), (b"\x03", 10.0)):
-            if self.proc.poll() is not None:
-                break
-            try:
-                self.send(keys)
-            except OSError:
-                break
-            try:
-                self.proc.wait(wait)
-            except subprocess.TimeoutExpired:
-                pass
-        if self.proc.poll() is None:
-            for child in psutil.Process(self.proc.pid).children(recursive=True):
-                child.kill()
-            self.proc.kill()
-            self.proc.wait()
-        self._stop.set()
-        self._thread.join(2)
-        os.close(self.master)
-        return self.proc.returncode
+    def _seen(self, data: bytes, now: float) -> None:
+        buf = self._tail + data
+        for m in STEP_RE.finditer(buf):
+            self.first_seen.setdefault(int(m.group(1)), now)
+        self._tail = buf[-32:]
 
 
 def read_steps(events: Path, kind: str = "step") -> dict[int, float]:
