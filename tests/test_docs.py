@@ -148,7 +148,7 @@ SHORT_TRAIN = flags(max_steps="3", seq_len="64", global_batch="4", log_every="1"
 
 # the README's first command: the shared run every later command uses
 FIRST = Rule(r"^gptop train --max-steps 200$", "run", "the shared run (runs/demo), 3 steps",
-             lambda c: no_ui(SHORT_TRAIN(c)) + f" --size tiny --run-dir {SHARED_RUN}")
+             lambda c: no_ui(SHORT_TRAIN(c)) + f" --run-dir {SHARED_RUN}")   # its own --size auto, as typed
 
 RULES: list[Rule] = [
     # setting up: not what a test does

@@ -261,3 +261,25 @@ def test_compile_default_trains(tmp_path):
     code, events, _ = run(tmp_path, "--max-steps", "3", "--compile", "default")
     assert code == EXIT_OK
     assert len(of(events, "step")) == 3
+
+
+@pytest.mark.parametrize("extra", [[], ["--optimizer", "adafactor"], ["--lora", "4"]])
+def test_size_auto_resolves_in_the_trainer(tmp_path, extra):
+    """`--size auto` is the default the README's first command relies on: the trainer resolves it (with the
+    run's own optimizer and LoRA) and names the run by the size it picked, as gptop does."""
+    from gptop.telemetry import resolved_size
+
+    args = [a for a in TINY if a not in ("--size", "tiny")] + ["--size", "auto", "--max-steps", "1", *extra]
+    cfg = parse_config(args)
+    assert cfg.model.size == "auto"
+    expected = resolved_size(cfg)                   # gptop's torch-free answer, before the trainer starts
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        cfg.run.run_dir = str(tmp_path / "run")
+        assert main_run(cfg) == EXIT_OK
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+    hello = [e for e in read_events(tmp_path / "run" / "events.jsonl") if e.type == "hello" and not e.early]
+    assert hello[-1].model.size == expected == "tiny"      # this CPU: 2 cores
+    assert parse_config(["--size", "auto"]).model.size == "auto"

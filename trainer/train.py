@@ -34,6 +34,7 @@ from . import dist as D
 from . import faults
 from . import optim
 from .channel import Channel, StartupStopped
+from .contract import estimate as E
 from .checkpointer import Checkpointer, NonFiniteState, Progress
 from .commands import Commands
 from .contract import capabilities, rundir
@@ -120,7 +121,6 @@ class Trainer:
         """The first event, before anything is built: the run as configured and what it will cost. A run
         that cannot fit in the device's memory stops here (exit 2) with the estimate and the largest size
         that fits; a step longer than a minute is a warning before it is taken."""
-        from .contract import estimate as E
         from .models import is_pretrained_path
 
         cfg = self.cfg
@@ -385,7 +385,6 @@ class Trainer:
         """On the CPU, the whole per-rank batch when its estimate (trainer.contract.estimate, within a factor
         of about 1.5 of the measured peak) takes under half of this rank's share of the RAM: probing would
         cost more than a step of work (1 + 2 + the whole batch) for an answer known in advance. None: probe."""
-        from .contract import estimate as E
 
         cfg = self.cfg
         share = self._rank_memory()
