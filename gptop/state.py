@@ -269,6 +269,7 @@ class RunState:
         if e.early:                            # a trainer process started; nothing is built yet
             self.estimate = e.estimate
             self.startup = None
+            self.done = None                   # the run goes on: an earlier process's `done` is not its end
             self.stepped = False
             self.end_time = None
             self._rate.clear()
