@@ -41,80 +41,64 @@ def launcher(tmp_path):
     srv.close()
 
 
-def test_a_stop_command_before_the_first_step_interrupts_the_main_thread(tmp_path, launcher):
+@pytest.fixture
+def channel(tmp_path, launcher):
+    """The trainer's channel connected to `launcher`, with its signal handlers: yields (channel, gptop's end)."""
     uri, accept = launcher
     ch = Channel(tmp_path / "events.jsonl", uri)
     conn = accept()
     ch.install_signal_handlers()
-    try:
-        with pytest.raises(StartupStopped):
-            conn.sendall(b'{"cmd": "stop", "reason": "q"}\n')
-            for _ in range(600):             # "building a model": the stop cannot wait for a step boundary
-                time.sleep(0.05)
-    finally:
-        ch.close()
-        conn.close()
+    yield ch, conn
+    ch.close()
+    conn.close()
 
 
-def test_a_library_catch_all_does_not_swallow_the_startup_stop(tmp_path, launcher):
+def test_a_stop_command_before_the_first_step_interrupts_the_main_thread(channel):
+    ch, conn = channel
+    with pytest.raises(StartupStopped):
+        conn.sendall(b'{"cmd": "stop", "reason": "q"}\n')
+        for _ in range(600):             # "building a model": the stop cannot wait for a step boundary
+            time.sleep(0.05)
+
+
+def test_a_library_catch_all_does_not_swallow_the_startup_stop(channel):
     """The stop is raised wherever the main thread is: inside a library's `except Exception` it must pass."""
-    uri, accept = launcher
-    ch = Channel(tmp_path / "events.jsonl", uri)
-    conn = accept()
-    ch.install_signal_handlers()
-    try:
-        with pytest.raises(StartupStopped):
-            conn.sendall(b'{"cmd": "stop", "reason": "q"}\n')
-            for _ in range(600):
-                try:
-                    time.sleep(0.05)
-                except Exception:        # what transformers or torch may do around a model's construction
-                    pass
-    finally:
-        ch.close()
-        conn.close()
+    ch, conn = channel
+    with pytest.raises(StartupStopped):
+        conn.sendall(b'{"cmd": "stop", "reason": "q"}\n')
+        for _ in range(600):
+            try:
+                time.sleep(0.05)
+            except Exception:        # what transformers or torch may do around a model's construction
+                pass
 
 
-def test_a_stop_whose_raise_was_lost_is_honoured_at_the_next_phase(tmp_path, launcher):
+def test_a_stop_whose_raise_was_lost_is_honoured_at_the_next_phase(channel):
     """An asynchronous raise can land where it cannot propagate (a __del__, a C callback): the stop stays
     pending, and the next startup phase or the first step boundary raises it."""
-    uri, accept = launcher
-    ch = Channel(tmp_path / "events.jsonl", uri)
-    conn = accept()
-    ch.install_signal_handlers()
+    ch, conn = channel
+    conn.sendall(b'{"cmd": "stop", "reason": "q"}\n')
     try:
-        conn.sendall(b'{"cmd": "stop", "reason": "q"}\n')
-        try:
-            for _ in range(600):
-                time.sleep(0.05)
-        except StartupStopped:           # swallowed, as an "Exception ignored in __del__" would be
-            pass
-        os.kill(os.getpid(), signal.SIGTERM)       # a second stop is only queued, never raised again
-        wait_for(lambda: ch.pending_commands(), 10, "the queued signal")
-        with pytest.raises(StartupStopped):
-            ch.check_startup()
-        ch.check_startup()                         # once
-    finally:
-        ch.close()
-        conn.close()
+        for _ in range(600):
+            time.sleep(0.05)
+    except StartupStopped:           # swallowed, as an "Exception ignored in __del__" would be
+        pass
+    os.kill(os.getpid(), signal.SIGTERM)       # a second stop is only queued, never raised again
+    wait_for(lambda: ch.pending_commands(), 10, "the queued signal")
+    with pytest.raises(StartupStopped):
+        ch.check_startup()
+    ch.check_startup()                         # once
 
 
-def test_after_the_first_step_a_stop_waits_for_the_step_boundary(tmp_path, launcher):
-    uri, accept = launcher
-    ch = Channel(tmp_path / "events.jsonl", uri)
-    conn = accept()
-    ch.install_signal_handlers()
+def test_after_the_first_step_a_stop_waits_for_the_step_boundary(channel):
+    ch, conn = channel
     ch.started()
-    try:
-        conn.sendall(b'{"cmd": "stop"}\n')
-        os.kill(os.getpid(), signal.SIGTERM)
-        cmds = wait_for(lambda: [c for c in ch.pending_commands()] or None, 10, "the queued commands")
-        while len(cmds) < 2:
-            cmds += ch.pending_commands()
-        assert sorted(c.get("source", "socket") for c in cmds) == ["signal", "socket"]
-    finally:
-        ch.close()
-        conn.close()
+    conn.sendall(b'{"cmd": "stop"}\n')
+    os.kill(os.getpid(), signal.SIGTERM)
+    cmds = wait_for(lambda: [c for c in ch.pending_commands()] or None, 10, "the queued commands")
+    while len(cmds) < 2:
+        cmds += ch.pending_commands()
+    assert sorted(c.get("source", "socket") for c in cmds) == ["signal", "socket"]
 
 
 def test_progress_goes_on_the_socket_only(tmp_path, launcher):

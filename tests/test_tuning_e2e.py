@@ -36,6 +36,7 @@ from trainer import checkpoint as ckpt
 from trainer.contract import rundir
 from trainer.contract.config import TrainConfig
 from trainer.contract.events import read_events, to_dict
+from fixtures.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.process]
 
@@ -46,6 +47,22 @@ SETUP = ["--model", "llama", "--size", "tiny", "--seq-len", "64", "--global-batc
 # activation checkpointing: ~2.5x slower than the best here).
 SPACE = "-all micro_batch=1,2,4,8 activation_checkpointing=on,off fused_adamw=on,off prefetch=0,2"
 SLOW_START = ["--micro-batch", "1", "--activation-checkpointing"]
+
+
+def train_session_with_t(tmp_path: Path, extra: list[str]):
+    """A `gptop train` session (the UI's Session, no UI) on which a test presses `t`; (session, run dir)."""
+    import argparse
+
+    from gptop.session import Session, SessionOptions, TuningOptions
+    from trainer.contract.config import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    run_dir = tmp_path / "run"
+    cfg = config_from_args(parser.parse_args(SETUP + extra + ["--max-steps", "100000", "--checkpoint-every", "0",
+                                                              "--run-dir", str(run_dir)]))
+    tuning = TuningOptions(budget_s=60.0, space_spec=SPACE, storage=f"sqlite:///{tmp_path / 's.sqlite3'}")
+    return Session(cfg, SessionOptions(interval=1.0, tuning=tuning)), run_dir
 
 
 def gptop_env(**extra):
@@ -297,55 +314,35 @@ def test_t_starts_and_stops_tuning_in_a_train_session(tmp_path, monkeypatch):
     """`t` (Session.toggle_tuning) attaches a tuner to a running train session; `t` again stops it and the
     run trains on; a third `t` starts another tuning, and Ctrl-C (Session.stop) during it still writes the
     report and ends with 130 and no process left."""
-    import argparse
-    import time
-
     import psutil
 
-    from gptop.session import Session, SessionOptions, TuningOptions
-    from trainer.contract.config import add_arguments, config_from_args
-
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    cfg = config_from_args(parser.parse_args(SETUP + SLOW_START + ["--max-steps", "100000", "--checkpoint-every",
-                                                                    "0", "--run-dir", str(tmp_path / "run")]))
-    tuning = TuningOptions(budget_s=60.0, space_spec=SPACE, storage=f"sqlite:///{tmp_path / 's.sqlite3'}")
-    session = Session(cfg, SessionOptions(interval=1.0, tuning=tuning))
-    run_dir = tmp_path / "run"
-
-    def wait_for(pred, what, timeout=180):
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if pred():
-                return
-            time.sleep(0.2)
-        raise AssertionError(f"timed out waiting for {what}")
+    session, run_dir = train_session_with_t(tmp_path, SLOW_START)
 
     try:
         session.start()
-        wait_for(lambda: (run_dir / "events.jsonl").exists() and events(run_dir, "step"),
+        wait_for(lambda: (run_dir / "events.jsonl").exists() and events(run_dir, "step"), 180,
                  "the first step event (a log step)")
         session.toggle_tuning()                                          # t: start
         first = session.controller
         wait_for(lambda: any(e["kind"] == "trial" and e["status"] == "running" for e in events(run_dir, "trial")),
-                 "a trial")
+                 180, "a trial")
         session.toggle_tuning()                                          # t: stop
-        wait_for(first.finished.is_set, "the tuner to stop")
+        wait_for(first.finished.is_set, 180, "the tuner to stop")
         assert first.error is None
         done = [e for e in events(run_dir, "tuner") if e["phase"] == "done"]
         assert done and done[-1]["outcome"].startswith("stopped by the user")
         assert (run_dir / "tuning.md").is_file()
         step = session.state.step
-        wait_for(lambda: session.state.step and session.state.step > step + 3, "training to go on")
+        wait_for(lambda: session.state.step and session.state.step > step + 3, 180, "training to go on")
         assert session.controller is None                                # exits are the session's again
         session.toggle_tuning()                                          # t: a new tuning
         second = session.controller
         assert second is not first
-        wait_for(lambda: second.ctl is not None and second.ctl.in_trial, "the second tuning")
+        wait_for(lambda: second.ctl is not None and second.ctl.in_trial, 180, "the second tuning")
         session.stop()                                                   # Ctrl-C
         assert session.wait(120) == 130
-        wait_for(second.finished.is_set, "the report", timeout=30)
+        wait_for(second.finished.is_set, 30, "the report")
         report = json.loads((run_dir / "tuning.json").read_text())
         assert report["run"] == second.study.run_id                      # rewritten by the second tuning
     finally:
@@ -358,40 +355,21 @@ def test_t_starts_and_stops_tuning_in_a_train_session(tmp_path, monkeypatch):
 def test_t_on_a_run_that_logs_every_10_steps_measures_every_step(tmp_path, monkeypatch):
     """The baseline after `t` is measured on the running trainer: it is asked (a command, no restart) to log
     every step while measured, so the tuner gets a sample per step instead of one per 10."""
-    import argparse
-    import time
-
-    from gptop.session import Session, SessionOptions, TuningOptions
-    from trainer.contract.config import add_arguments, config_from_args
-
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    cfg = config_from_args(parser.parse_args(SETUP + ["--log-every", "10", "--max-steps", "100000",
-                                                      "--checkpoint-every", "0", "--run-dir", str(tmp_path / "run")]))
-    tuning = TuningOptions(budget_s=60.0, space_spec=SPACE, storage=f"sqlite:///{tmp_path / 's.sqlite3'}")
-    session = Session(cfg, SessionOptions(interval=1.0, tuning=tuning))
-    run_dir = tmp_path / "run"
-
-    def wait_for(pred, what, timeout=180):
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if pred():
-                return
-            time.sleep(0.2)
-        raise AssertionError(f"timed out waiting for {what}")
+    session, run_dir = train_session_with_t(tmp_path, ["--log-every", "10"])
 
     try:
         session.start()
-        wait_for(lambda: (run_dir / "events.jsonl").exists() and events(run_dir, "step"),
+        wait_for(lambda: (run_dir / "events.jsonl").exists() and events(run_dir, "step"), 180,
                  "the first step event (a log step)")
         pid = events(run_dir, "hello")[-1]["pid"]
         session.toggle_tuning()
-        wait_for(lambda: sum(e["interval_steps"] == 1 for e in events(run_dir, "step")) >= 3, "steps logged one by one")
+        wait_for(lambda: sum(e["interval_steps"] == 1 for e in events(run_dir, "step")) >= 3, 180,
+                 "steps logged one by one")
         assert events(run_dir, "hello")[-1]["pid"] == pid                # the same process: no restart for it
         steps = events(run_dir, "step")
         assert steps[0]["interval_steps"] == 10 and steps[0]["step"] == 10
-        wait_for(lambda: [e for e in events(run_dir, "tuner") if e.get("measure")], "the measurement's progress")
+        wait_for(lambda: [e for e in events(run_dir, "tuner") if e.get("measure")], 180, "the measurement's progress")
         measure = [e["measure"] for e in events(run_dir, "tuner") if e.get("measure")][-1]
         assert measure["kind"] == "baseline" and measure["needed"] >= 1
         session.stop()
