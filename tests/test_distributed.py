@@ -47,6 +47,20 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {e["step"]: e["loss"] for e in events(run_dir) if e["type"] == "step"}
 
 
+def full_and_stopped(tmp_path: Path, args: list[str], stop_at: int) -> tuple[Path, Path]:
+    """Two 2-rank `gptop train` runs side by side (their start-up dominates on this machine): one
+    uninterrupted, one stopped at `stop_at` with a checkpoint; (its run dir, the stopped one's)."""
+    full, part = tmp_path / "full", tmp_path / "part"
+    procs = [subprocess.Popen([sys.executable, "-m", "gptop", "--no-ui", "train", "--nproc", "2", *args,
+                               "--run-dir", str(d), *extra], cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+             for d, extra in ((full, []), (part, ["--fault", f"stop@{stop_at}"]))]
+    for p in procs:
+        _, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-3000:]
+    return full, part
+
+
 def leftovers(marker: str) -> list[psutil.Process]:
     """Processes (trainer ranks, torchrun) whose command line mentions `marker` (a unique run dir)."""
     out = []
@@ -190,15 +204,7 @@ def test_two_ranks_train_checkpoint_and_resume_exactly(tmp_path, parallel):
     """`gptop train --nproc 2`: both ranks emit steps, a stop checkpoints, the resume matches an
     uninterrupted 2-rank run loss for loss."""
     args = [*TINY, "--max-steps", "12", "--log-every", "2", "--parallel", parallel]
-    full, part = tmp_path / "full", tmp_path / "part"
-    # The uninterrupted run and the interrupted one side by side (their start-up dominates on this machine).
-    procs = [subprocess.Popen([sys.executable, "-m", "gptop", "--no-ui", "train", "--nproc", "2", *args,
-                               "--run-dir", str(d), *extra], cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
-             for d, extra in ((full, []), (part, ["--fault", "stop@6"]))]
-    for p in procs:
-        _, err = p.communicate(timeout=240)
-        assert p.returncode == 0, err[-3000:]
+    full, part = full_and_stopped(tmp_path, args, stop_at=6)
     ck = part / "checkpoints" / "step-00000006.dcp"
     names = {p.name for p in ck.iterdir()}
     assert {".metadata", "gptop.json", "rank0.pt", "rank1.pt"} <= names
@@ -473,14 +479,7 @@ def test_lora_on_two_ranks_checkpoints_only_the_adapters_and_resumes_exactly(tmp
     from torch.distributed.checkpoint import FileSystemReader
 
     args = [*TINY, "--max-steps", "8", "--log-every", "2", "--lora", "8", "--lora-dropout", "0.1"]
-    full, part = tmp_path / "full", tmp_path / "part"
-    procs = [subprocess.Popen([sys.executable, "-m", "gptop", "--no-ui", "train", "--nproc", "2", *args,
-                               "--run-dir", str(d), *extra], cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
-             for d, extra in ((full, []), (part, ["--fault", "stop@4"]))]
-    for p in procs:
-        _, err = p.communicate(timeout=240)
-        assert p.returncode == 0, err[-3000:]
+    full, part = full_and_stopped(tmp_path, args, stop_at=4)
     ck = part / "checkpoints" / "step-00000004.dcp"
     keys = [k for k in FileSystemReader(str(ck)).read_metadata().state_dict_metadata if k.startswith("model.")]
     assert keys and all(".lora_" in k for k in keys), [k for k in keys if ".lora_" not in k][:5]
