@@ -52,19 +52,26 @@ if TYPE_CHECKING:
     from .session import Session
 
 STEADY = ("done", "prune", "budget", "timeout")
-TEST_FAULT_ENV = "GPTOP_TEST_TRIAL_FAULT"   # "N:KIND" or "N:KIND@K": KIND (nan, oom, crash, kill, compile) K steps
-DEFAULT_FAULT_OFFSET = 2                   # into this session's N-th trial (tests only; default K=2)
+TEST_FAULT_ENV = "GPTOP_TEST_TRIAL_FAULT"   # "N:KIND[@K][+KIND@K...]": trainer faults (trainer/faults.py) K
+DEFAULT_FAULT_OFFSET = 2                   # steps into this session's N-th trial (tests only; default K=2)
 CPU_COMPILE_MIN_BUDGET_S = 600.0           # below this, a CPU run's tuning leaves compile alone by default
 
 
-def parse_test_fault(spec: str) -> tuple[int, str, int] | None:
-    """`N:KIND[@K]` -> (N, KIND, K); None when unset or unreadable (a test hook never breaks a run)."""
+def parse_test_fault(spec: str) -> tuple[int, tuple[tuple[str, int], ...]] | None:
+    """`N:KIND[@K][+KIND@K...]` -> (N, ((KIND, K), ...)); None when unset or unreadable (a test hook never
+    breaks a run). Several faults make a trial's failure independent of how fast it is: `checkpoint@2+nan@3`
+    writes a checkpoint and then fails before any pruning rule has the samples to cut the trial first."""
     if not spec or ":" not in spec:
         return None
     n, _, rest = spec.partition(":")
-    kind, _, k = rest.partition("@")
+    faults = []
     try:
-        return int(n), kind.strip(), int(k) if k else DEFAULT_FAULT_OFFSET
+        for part in rest.split("+"):
+            kind, _, k = part.partition("@")
+            if not kind.strip():
+                return None
+            faults.append((kind.strip(), int(k) if k else DEFAULT_FAULT_OFFSET))
+        return int(n), tuple(faults)
     except ValueError:
         return None
 
@@ -305,7 +312,7 @@ class TuningDriver:
                 if isinstance(action, RunTrial) and not action.baseline:
                     trial_index += 1
                     if self.test_fault and self.test_fault[0] == trial_index:
-                        fault = self.test_fault[1:]
+                        fault = self.test_fault[1]
                 pre = self.last_ckpt
                 restore_log = None
                 if not action.restart and self._alive:
@@ -488,7 +495,7 @@ class TuningDriver:
         self._spawned_at = time.monotonic()
         self.session.spawn(cfg, resume=pre[1] if pre and pre[1] else None)
 
-    def _restart(self, toggles: Toggles, fault: tuple[str, int] | None = None,
+    def _restart(self, toggles: Toggles, fault: tuple[tuple[str, int], ...] | None = None,
                  strict: bool = True) -> tuple[int, str] | None:
         """Checkpoint (graceful stop), then start a trainer with `toggles` from that checkpoint.
         Returns the checkpoint it resumes from ((0, "") for none), or None if the run must not go on."""
@@ -501,7 +508,7 @@ class TuningDriver:
             pre = (newest[-1].step, str(newest[-1].path)) if newest else None
         cfg = self._cfg_for(toggles, strict)
         if fault:
-            cfg.run.fault = f"{fault[0]}@{(pre[0] if pre else 0) + fault[1]}"
+            cfg.run.fault = ",".join(f"{kind}@{(pre[0] if pre else 0) + k}" for kind, k in fault)
         if strict:
             self._guard(pre)
         self._spawn(cfg, pre)

@@ -68,3 +68,9 @@ class WandbWriter:
             self._closed = True
             self._run.summary.update({**self._metrics.final, "status": self._metrics.status})
             self._run.finish(exit_code=1 if self._metrics.status == "failure" else 0)
+            # finish() can return while W&B's service process still buffers the run's record file; teardown
+            # waits for it (W&B's atexit hook would too, but only when the process exits, and not at all
+            # after os._exit), so a closed writer means a complete run directory.
+            import wandb
+
+            wandb.teardown()

@@ -60,3 +60,20 @@ def test_a_bad_log_every_command_is_ignored_with_a_warning():
     ch.pending = [{"cmd": "log_every", "steps": 0, "seq": 1}, {"cmd": "log_every", "steps": "x", "seq": 2}]
     assert Commands(ch).poll().log_every is None
     assert [t for t, _ in ch.emitted] == ["warning", "warning"]
+
+
+def test_a_checkpoint_fault_is_agreed_like_a_command_and_acted_on_once():
+    """`--fault checkpoint@N` (trainer/faults.py) joins the agreement as a request: a rank that has it makes
+    every rank save, as a checkpoint command would."""
+    seen = {}
+
+    def agree(values):
+        seen["v"] = values
+        return values
+
+    c = Commands(FakeChannel(), 0, agree)
+    assert c.poll(checkpoint_fault=True).checkpoint and seen["v"][1] > 0
+    with_fault = seen["v"]
+    assert not c.poll().checkpoint
+    other_rank = Commands(FakeChannel(), 1, lambda values: [max(x, y) for x, y in zip(values, with_fault)])
+    assert other_rank.poll().checkpoint                     # the rank without the fault saves too

@@ -77,8 +77,8 @@ def test_a_stop_whose_raise_was_lost_is_honoured_at_the_next_phase(channel):
     """An asynchronous raise can land where it cannot propagate (a __del__, a C callback): the stop stays
     pending, and the next startup phase or the first step boundary raises it."""
     ch, conn = channel
-    conn.sendall(b'{"cmd": "stop", "reason": "q"}\n')
-    try:
+    try:                             # the send inside: the raise can land before the next line runs
+        conn.sendall(b'{"cmd": "stop", "reason": "q"}\n')
         for _ in range(600):
             time.sleep(0.05)
     except StartupStopped:           # swallowed, as an "Exception ignored in __del__" would be

@@ -174,6 +174,13 @@ def test_nan_after_resume_rolls_back_to_the_resumed_checkpoint(tmp_path):
     assert of(events, "done")[-1].step == 8
 
 
+def test_a_checkpoint_fault_saves_at_that_boundary(tmp_path):
+    """The test-only `checkpoint@N` (used to make a tuning trial's checkpoint certain) saves after step N."""
+    code, events, run_dir = run(tmp_path, "--max-steps", "5", "--checkpoint-every", "0", "--fault", "checkpoint@2")
+    assert code == EXIT_OK
+    assert [(e.step, e.reason) for e in of(events, "checkpoint")] == [(2, "requested"), (5, "final")]
+
+
 def test_nan_policy_stop(tmp_path):
     code, events, _ = run(tmp_path, "--max-steps", "5", "--fault", "nan@2", "--nan-policy", "stop")
     assert code == EXIT_NAN

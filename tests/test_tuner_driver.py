@@ -49,8 +49,10 @@ def make_ckpt(run_dir, step, tag=b"x"):
 
 
 def test_parse_test_fault():
-    assert parse_test_fault("2:nan") == (2, "nan", 2)
-    assert parse_test_fault("1:oom@5") == (1, "oom", 5)
+    assert parse_test_fault("2:nan") == (2, (("nan", 2),))
+    assert parse_test_fault("1:oom@5") == (1, (("oom", 5),))
+    assert parse_test_fault("2:checkpoint@2+nan@3") == (2, (("checkpoint", 2), ("nan", 3)))
+    assert parse_test_fault("2:nan@x") is None and parse_test_fault("2:+nan") is None
     assert parse_test_fault("") is None and parse_test_fault("nan") is None and parse_test_fault("x:nan") is None
 
 

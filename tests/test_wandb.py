@@ -59,6 +59,12 @@ def fake_wandb(monkeypatch) -> list[FakeRun]:
     module = types.ModuleType("wandb")
     module.Settings = lambda **kw: kw
     module.init = lambda **kw: runs.append(FakeRun(**kw)) or runs[-1]
+
+    def teardown(exit_code: int | None = None) -> None:       # after finish: the record file is complete
+        assert runs and all(r.exit_code is not None for r in runs), "teardown before finish"
+        module.torn_down = True
+
+    module.teardown = teardown
     monkeypatch.setitem(sys.modules, "wandb", module)
     return runs
 
@@ -100,6 +106,7 @@ def test_events_become_step_keyed_logs_config_and_summary(tmp_path, fake_wandb):
     assert set(run.summary) == set(FINAL_METRICS) | {"status"}
     assert run.summary["final/loss"] == 2.0 and run.summary["final/eval_loss"] == 2.5
     assert run.summary["status"] == "running" and run.exit_code == 0
+    assert sys.modules["wandb"].torn_down                     # W&B's service has written everything
     w.on_event(step(6))                                       # after close: ignored, not an error
     w.close()
     assert len(run.logged) == 3

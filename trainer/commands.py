@@ -46,9 +46,11 @@ class Commands:
         self.agree: Agree = agree if agree is not None else (lambda values: values)
         self._done = {"checkpoint": 0, "profile": 0, "log_every": 0}      # request numbers already acted on
 
-    def poll(self, stop_fault: bool = False) -> Decision:
+    def poll(self, stop_fault: bool = False, checkpoint_fault: bool = False) -> Decision:
         stop_code, stop_reason = (STOP_FAULT, STOP_TEXT[STOP_FAULT]) if stop_fault else (0, None)
         want, profile_steps, log_req = {"checkpoint": 0, "profile": 0}, 0, 0
+        if checkpoint_fault:             # (trainer/faults.py) agreed like a command: every rank saves
+            want["checkpoint"] = time.time_ns() // 1_000_000
         for cmd in self.channel.pending_commands():
             name, source, seq = cmd.get("cmd"), cmd.get("source", "socket"), cmd.get("seq")
             if name == "stop":

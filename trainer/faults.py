@@ -10,6 +10,10 @@ on every rank. The kinds and where they strike:
     oom, crash, compile   the forward raises the matching error
     kill         the process SIGKILLs itself in the forward
     stop         a graceful stop at the step boundary, as if a stop command had arrived
+    checkpoint   a checkpoint at the step boundary, as if a checkpoint command had arrived
+
+The boundary kinds (`stop`, `checkpoint`) act after the named number of steps is done: `stop@4` stops with
+a checkpoint of step 4.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch
 
 from .contract.config import ConfigError
 
-KINDS = ("nan", "nan-grad", "nan-weights", "oom", "crash", "kill", "compile", "stop")
+KINDS = ("nan", "nan-grad", "nan-weights", "oom", "crash", "kill", "compile", "stop", "checkpoint")
 
 
 class Faults:
@@ -40,8 +44,9 @@ class Faults:
         """The fault of this step, consumed (a rolled-back step does not fire it again)."""
         return self.at.pop(step, None)
 
-    def stop_requested(self, step: int) -> bool:
-        if self.at.get(step) != "stop":
+    def at_boundary(self, step: int, kind: str) -> bool:
+        """Whether the boundary fault `kind` (`stop`, `checkpoint`) is due after `step` steps, consumed."""
+        if self.at.get(step) != kind:
             return False
         del self.at[step]
         return True

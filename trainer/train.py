@@ -480,7 +480,9 @@ class Trainer:
         self.channel.check_startup()                 # a stop during startup never waits for a first step
         if self.channel.write_error is not None:     # events.jsonl could not be written: stop, exit 8
             raise self.channel.write_error
-        decision = self.commands.poll(stop_fault=self.faults.stop_requested(self.progress.step))
+        step = self.progress.step
+        decision = self.commands.poll(stop_fault=self.faults.at_boundary(step, "stop"),
+                                      checkpoint_fault=self.faults.at_boundary(step, "checkpoint"))
         if decision.checkpoint:
             self.save_checkpoint("requested")
         if decision.profile_steps:
