@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import types
-from pathlib import Path
 from typing import Any
 
 import pytest
