@@ -428,19 +428,36 @@ RUN = [c for c in COMMANDS if not c.inline and (r := rule_for(c)) is not None an
        and r is not FIRST]
 
 
+def chain_of(text: str) -> str:
+    """Which run a documented command reads or makes: the llada run and its export are one chain, everything
+    else (the shared run, its export) the other; each chain keeps document order, the two run side by side."""
+    return "llada" if re.search(r"\b(runs|hf)/llada\b", text) else "shared"
+
+
 @pytest.fixture(scope="session")
 def ran_docs(shared_run: Path, work: Path, docs_toml: Path) -> dict[str, str]:
-    """Every `run` command in document order (an export before the snippet that loads it), short forms where the
-    rule gives one; the Python snippet of models.md as a script. {command: problem} for those that failed."""
+    """Every `run` command in document order within its chain (an export before the sample that reads it),
+    short forms where the rule gives one, the two chains side by side (each command is mostly seconds of
+    imports); then the Python snippet of models.md as a script. {command: problem} for those that failed."""
+    from concurrent.futures import ThreadPoolExecutor
+
     failed: dict[str, str] = {}
+    chains: dict[str, list[tuple[Command, str]]] = {}
     for cmd in RUN:
         rule = rule_for(cmd)
         text = fill(rule.short(cmd.text) if rule.short else cmd.text, work, docs_toml)
         if text.startswith("gptop ") and " train " in f" {text} ":
             text = no_ui(text)
-        r = run_here(text, work)
-        if r.returncode != 0:
-            failed[f"{cmd.id} -> {text}"] = f"exit {r.returncode}: {(r.stderr or r.stdout)[-1500:]}"
+        chains.setdefault(chain_of(text), []).append((cmd, text))
+
+    def run_chain(chain: list[tuple[Command, str]]) -> None:
+        for cmd, text in chain:
+            r = run_here(text, work)
+            if r.returncode != 0:
+                failed[f"{cmd.id} -> {text}"] = f"exit {r.returncode}: {(r.stderr or r.stdout)[-1500:]}"
+
+    with ThreadPoolExecutor(len(chains)) as pool:
+        list(pool.map(run_chain, chains.values()))
     for doc, line, lang, body in OTHER_BLOCKS:
         if lang == "python":
             r = subprocess.run([sys.executable, "-c", body], cwd=work, env=env_for({}), capture_output=True,
@@ -448,6 +465,19 @@ def ran_docs(shared_run: Path, work: Path, docs_toml: Path) -> dict[str, str]:
             if r.returncode != 0:
                 failed[f"{doc}:{line} (python)"] = f"exit {r.returncode}: {r.stderr[-1500:]}"
     return failed
+
+
+def test_the_documented_runs_split_into_two_ordered_chains():
+    """The side-by-side chains of ran_docs: each keeps what it reads after what makes it."""
+    chains: dict[str, list[str]] = {}
+    for cmd in RUN:
+        verb = next((w for w in cmd.text.split()[1:] if not w.startswith("-")), "")     # train, export, ...
+        chains.setdefault(chain_of(cmd.text), []).append(verb)
+    assert set(chains) == {"shared", "llada"}
+    llada = chains["llada"]
+    assert llada.index("train") < llada.index("export") < llada.index("sample"), llada
+    shared = chains["shared"]
+    assert shared.index("export") < shared.index("sample"), shared
 
 
 @pytest.mark.slow
