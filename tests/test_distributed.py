@@ -160,6 +160,9 @@ def test_faults_for_one_rank():
     assert Faults("nan@3,stop@7", rank=1).at == {3: "nan", 7: "stop"}     # no rank: every rank
     with pytest.raises(ConfigError):
         Faults("kill@5:x")
+    with pytest.raises(ConfigError, match="one fault per step"):
+        Faults("checkpoint@2,nan@2")
+    assert Faults("kill@5:1,crash@5:0", rank=0).at == {5: "crash"}      # one per step on each rank
 
 
 def test_sharded_checkpoints_are_listed_resolved_and_pruned(tmp_path):

@@ -38,6 +38,9 @@ class Faults:
             if kind not in KINDS or not step.isdigit() or (only and not only.isdigit()):
                 raise ConfigError("--fault", f"{part!r}: expected KIND@STEP[:RANK] with KIND in {', '.join(KINDS)}")
             if not only or int(only) == rank:
+                if int(step) in self.at:
+                    raise ConfigError("--fault", f"{part!r}: step {step} already has {self.at[int(step)]!r}; "
+                                                 "one fault per step")
                 self.at[int(step)] = kind
 
     def take(self, step: int) -> str | None:
