@@ -8,7 +8,11 @@ only a log on stdout/stderr, never parsed.
 
 Before the first step a stop (a signal, or the stop command) raises
 `StartupStopped` in the main thread at once: there is nothing to checkpoint,
-and building or compiling a large model can take minutes.
+and building or compiling a large model can take minutes. An asynchronous
+raise can land where Python swallows it (a `__del__` run by the garbage
+collector while the model is built: seen with the `regex` package's
+`Group.__del__`), so until the trainer says the stop was honoured
+(`honour_startup_stop`) a watchdog raises it again every `REPEAT_S` seconds.
 
 Commands are queued by a reader thread and taken by the training loop at step
 boundaries. SIGTERM (and SIGINT) mean a graceful stop, SIGUSR1 a checkpoint,
@@ -29,6 +33,7 @@ import queue
 import signal
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +47,16 @@ class StartupStopped(BaseException):
 
     A BaseException, like KeyboardInterrupt, because it is raised asynchronously wherever the main
     thread happens to be: an `except Exception` in a library building the model must not swallow it."""
+
+
+REPEAT_S = 0.5           # a startup stop not honoured this long after its raise was lost: raise it again
+_honoured = threading.Event()
+
+
+def honour_startup_stop() -> None:
+    """The trainer caught StartupStopped and is on its way out: no more raises (a second one in its
+    cleanup would turn a clean stop into a traceback); later stops are only queued."""
+    _honoured.set()
 
 
 def _raise_stopped(signum: int, frame: Any) -> None:
@@ -62,7 +77,8 @@ class Channel:
         self.rank = rank
         self.starting = True           # until the first step is done: a stop raises StartupStopped
         self.startup_stop: str | None = None    # a stop that arrived while starting (why), until it is honoured
-        self._raised = False           # StartupStopped was raised once by the signal handler
+        self._raised_at: float | None = None     # when the signal handler last raised StartupStopped
+        _honoured.clear()              # a new trainer in this process (tests run several) starts unhonoured
         self._handlers = False
         self.commands: "queue.SimpleQueue[dict[str, Any]]" = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -120,6 +136,18 @@ class Channel:
 
                 _thread.interrupt_main(signal.SIGINT)
 
+    def _raise_again(self) -> None:
+        """The watchdog of a startup stop: while startup goes on unhonoured, interrupt the main thread again
+        (through the SIGINT handler above) once the last raise is REPEAT_S old, i.e. was swallowed."""
+        import _thread
+
+        while not self._closed and self.starting and not _honoured.is_set():
+            time.sleep(REPEAT_S / 4)
+            raised = self._raised_at
+            if (raised is not None and time.monotonic() - raised >= REPEAT_S and self.starting
+                    and not _honoured.is_set() and not self._closed):
+                _thread.interrupt_main(signal.SIGINT)
+
     def check_startup(self) -> None:
         """Raise StartupStopped if a stop arrived while starting and has not ended startup yet: called at
         every startup phase and before the first step, so a stop is honoured even when the asynchronous
@@ -135,10 +163,14 @@ class Channel:
     def install_signal_handlers(self) -> None:
         """SIGTERM/SIGINT: graceful stop (a second one is honoured at the next step too); SIGUSR1: checkpoint."""
         def stop(signum, frame):
-            if self.starting:
+            if self.starting and not _honoured.is_set():
                 self.startup_stop = self.startup_stop or signal.Signals(signum).name
-                if not self._raised:       # once: a second stop (the signal after the command) is only queued
-                    self._raised = True
+                now = time.monotonic()
+                # a second stop right after the first (the signal after the command) is only queued
+                if self._raised_at is None or now - self._raised_at >= REPEAT_S:
+                    if self._raised_at is None:
+                        threading.Thread(target=self._raise_again, name="gptop-startup-stop", daemon=True).start()
+                    self._raised_at = now
                     raise StartupStopped(self.startup_stop)
             self.commands.put({"cmd": "stop", "reason": signal.Signals(signum).name, "source": "signal"})
 

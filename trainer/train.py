@@ -33,7 +33,7 @@ from . import checkpoint as ckpt
 from . import dist as D
 from . import faults
 from . import optim
-from .channel import Channel, StartupStopped
+from .channel import Channel, StartupStopped, honour_startup_stop
 from .contract import estimate as E
 from .checkpointer import Checkpointer, NonFiniteState, Progress
 from .commands import Commands
@@ -769,6 +769,7 @@ def main_run(cfg: TrainConfig, run_lock: RunLock | None = None) -> int:
     except Stop as s:
         return s.code
     except StartupStopped as e:                     # nothing to checkpoint before the first step
+        honour_startup_stop()                       # first: no raise again during this way out
         global _startup_stopped
         _startup_stopped = True
         if trainer is not None:
