@@ -3,7 +3,6 @@
 import json
 import signal
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from trainer import checkpoint as ckpt
 from trainer.contract import rundir
 from trainer.cli import parse_config
 from trainer.contract.events import EVENT_TYPES, PHASES, read_events
-from trainer.train import EXIT_CONFIG, EXIT_NAN, EXIT_OK, EXIT_OOM, Trainer, main_run
+from trainer.train import EXIT_CONFIG, EXIT_NAN, EXIT_OK, EXIT_OOM, main_run
 
 
 def run(tmp_path, *args, name="run"):

@@ -9,7 +9,6 @@ import pytest
 
 from gptop.session import Session, SessionOptions, TuningOptions
 from gptop.tuning import TuningDriver, parse_test_fault
-from trainer import checkpoint as ckpt
 from trainer.contract import rundir
 from trainer.contract.config import TrainConfig
 from trainer.contract.events import make
