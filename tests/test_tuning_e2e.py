@@ -2,10 +2,10 @@
 
 Two tuning runs share one module: run A (`tuned` fixture) starts deliberately
 slow (micro-batch 1 of a global batch of 8, activation checkpointing), so a
-faster setting exists; its
-second trial writes a checkpoint after 2 steps and fails with a NaN in its
-4th, before any pruning rule has the samples to cut it, however slow the
-sampled setting (the test-only hook GPTOP_TEST_TRIAL_FAULT). Run B is the same setup again, warm-starting from
+faster setting exists; its second trial writes a checkpoint after 2 steps and
+fails with a NaN in its 3rd, before any pruning rule has the samples to cut
+it, however slow the sampled setting (the test-only hook
+GPTOP_TEST_TRIAL_FAULT). Run B is the same setup again, warm-starting from
 the study run A stored, with its first trial forced out of memory.
 
 The model check is exact, not "close": the test rebuilds, from
