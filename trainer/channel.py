@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import _thread
 import queue
 import signal
 import socket
@@ -132,15 +133,11 @@ class Channel:
         if self.starting:
             self.startup_stop = self.startup_stop or "stop command"
             if self._handlers:
-                import _thread
-
                 _thread.interrupt_main(signal.SIGINT)
 
     def _raise_again(self) -> None:
         """The watchdog of a startup stop: while startup goes on unhonoured, interrupt the main thread again
         (through the SIGINT handler above) once the last raise is REPEAT_S old, i.e. was swallowed."""
-        import _thread
-
         while not self._closed and self.starting and not _honoured.is_set():
             time.sleep(REPEAT_S / 4)
             raised = self._raised_at

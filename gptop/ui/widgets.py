@@ -24,8 +24,8 @@ class Watcher:
     MIN_REDRAW_S = 0.0
     # Areas fed by a high-rate, low-information input, and how long a change of theirs alone may wait: the
     # header's step counter moves with every step's progress event (10-20 a second on a small model) and is
-    # drawn at most once a second for it (htop refreshes every 1.5 s), while any other change (a log step's event, a status) keeps the
-    # frame rate.
+    # drawn at most once a second for it (htop refreshes every 1.5 s), while any other change (a log step's
+    # event, a status) keeps the frame rate.
     SLOW_AREAS: dict[str, float] = {}
 
     def tick(self, state: RunState) -> object:
@@ -79,7 +79,7 @@ class StatePanel(Watcher, Widget):
 
 class RunHeader(StatePanel):
     AREAS = ("run", "step", "tuner", "progress")
-    SLOW_AREAS = {"progress": 1.0}      # the per-step counter alone: once a second, as htop refreshes (see Watcher.SLOW_AREAS)
+    SLOW_AREAS = {"progress": 1.0}      # the per-step counter alone: once a second (see Watcher.SLOW_AREAS)
 
     def tick(self, state: RunState) -> object:
         elapsed = state.elapsed()
