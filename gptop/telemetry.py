@@ -30,7 +30,7 @@ import psutil
 
 from gptop.energy import Rapl
 from gptop.nvml import Nvml
-from trainer.contract.device import DeviceInfo, cpu_name
+from trainer.contract.device import DeviceInfo, cpu_has_native_bf16, cpu_name
 from trainer.contract.events import CpuReading, DeviceEvent, GpuReading, finite_or_none
 
 if TYPE_CHECKING:
@@ -421,7 +421,9 @@ def training_device(requested: str = "auto", nvml: Nvml | None = None) -> Device
     (trainer.device.detect asks torch): enough to name a `--size auto` run directory by the size that
     trainer.contract.capabilities.auto_size picks. CUDA_VISIBLE_DEVICES is honoured when it lists indices."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    cpu = DeviceInfo(type="cpu", name=cpu_name(), total_memory=psutil.virtual_memory().total, cpu_count=cpus)
+    native = cpu_has_native_bf16()
+    cpu = DeviceInfo(type="cpu", name=cpu_name(), total_memory=psutil.virtual_memory().total, cpu_count=cpus,
+                     cpu_bf16=native, cpu_bf16_native=native)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if requested == "cpu" or (visible is not None and visible.strip() in ("", "-1")):
         return cpu
@@ -439,7 +441,9 @@ def training_device(requested: str = "auto", nvml: Nvml | None = None) -> Device
         if total is None:
             return cpu
         name = nv.device_query(index, "nvmlDeviceGetName")
+        cc = nv.device_query(index, "nvmlDeviceGetCudaComputeCapability")
         return DeviceInfo(type="cuda", index=index, name=name.decode() if isinstance(name, bytes) else str(name or ""),
+                          capability=(int(cc[0]), int(cc[1])) if isinstance(cc, tuple) and len(cc) == 2 else None,
                           total_memory=int(total), cpu_count=cpus)
     finally:
         if nvml is None:

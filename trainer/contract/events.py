@@ -188,6 +188,9 @@ class HelloEvent(Event):
     # wait for a hello that is not early.
     early: bool = False
     estimate: dict[str, Any] | None = None
+    # Options given as auto (size, micro_batch, precision): the config holds what each became, so views can
+    # say "precision auto -> bf16".
+    auto: list[str] = field(default_factory=list)
 
     @property
     def toggles(self) -> dict[str, Any]:
