@@ -106,6 +106,24 @@ class RunDir:
         return self.path / name
 
 
+def run_markers(path: str | Path) -> list[str]:
+    """What makes `path` a run directory: the names of its run files present (config.toml, events.jsonl or a
+    rank's events file, checkpoints/, the lock); empty for any other directory. A run stopped before its
+    first step has its events and lock but no config.toml or checkpoints/, and is a run all the same."""
+    p = Path(path)
+    found = [name for name in (CONFIG, EVENTS, CHECKPOINTS, LOCK) if (p / name).exists()]
+    try:
+        found += sorted(e.name for e in p.iterdir()
+                        if e.name.startswith((LOCK + ".", "events.rank")) and e.name not in found)
+    except OSError:
+        pass
+    return found
+
+
+def is_run_dir(path: str | Path) -> bool:
+    return bool(run_markers(path))
+
+
 def run_name(cfg: "TrainConfig", when: float | None = None, size: str | None = None) -> str:
     """`<time>-<model>-<size>`; a model given as a path contributes its last component. `size`: what
     `--size auto` resolves to (trainer.contract.capabilities.auto_size), when the caller knows it."""

@@ -188,19 +188,39 @@ def _is_locked(path: Path) -> bool:
     return False
 
 
+def lock_holders(run_dir: str | Path) -> list[dict] | None:
+    """Who holds the lock of `run_dir` now (a live run): the holders' records (an empty dict for a holder
+    that left none), or None when no process holds it. Only looks: never takes the lock."""
+    run_dir = Path(run_dir)
+    try:
+        paths = [run_dir / LOCK, *sorted(run_dir.glob(LOCK + ".*"))]
+    except OSError:
+        return None
+    held = [p for p in paths if p.is_file() and _is_locked(p)]
+    if not held:
+        return None
+    records = [r for p in held if (r := _read_record(p)) is not None]
+    return records or [{}]
+
+
+def holder_words(h: dict) -> str:
+    """One holder in words: `pid 4242 on host gpu1 (gptop train, since 14:02:11)`."""
+    if not h:
+        return "a process that left no record"
+    since = time.strftime("%H:%M:%S", time.localtime(h["started"])) if isinstance(h.get("started"), (int, float)) else "?"
+    who = f"pid {h.get('pid')} on host {h.get('host')} ({h.get('command') or '?'}, since {since}"
+    who += f", node {h['node']})" if h.get("node") else ")"
+    if h.get("host") == socket.gethostname() and isinstance(h.get("pid"), int) and not pid_alive(h["pid"]):
+        who += " - that process has exited and a process it started still holds the lock (a trainer " \
+               "finishing its last checkpoint?)"
+    return who
+
+
 def _busy_message(run_dir: Path, holders: list[dict]) -> str:
     if not holders:
         return (f"{run_dir} is in use by another process (its lock {run_dir / LOCK} is held; no record of "
                 f"who holds it). Wait for it to finish, stop it, or choose another --run-dir")
-    parts = []
-    for h in holders:
-        since = time.strftime("%H:%M:%S", time.localtime(h["started"])) if isinstance(h.get("started"), (int, float)) else "?"
-        who = f"pid {h.get('pid')} on host {h.get('host')} ({h.get('command') or '?'}, since {since}"
-        who += f", node {h['node']})" if h.get("node") else ")"
-        if h.get("host") == socket.gethostname() and isinstance(h.get("pid"), int) and not pid_alive(h["pid"]):
-            who += " - that process has exited and a process it started still holds the lock (a trainer " \
-                   "finishing its last checkpoint?)"
-        parts.append(who)
+    parts = [holder_words(h) for h in holders]
     what = "a multi-node run: " if len(holders) > 1 or holders[0].get("node") else ""
     return (f"{run_dir} is in use by {what}{'; '.join(parts)}. One run writes a run directory at a time: wait for "
             f"it to finish, stop it, or choose another --run-dir")
