@@ -77,9 +77,26 @@ def test_a_run_stopped_before_any_step(tmp_path):
     lines = summary_lines(state, 130)
     assert lines[0].startswith("gptop: run stopped before the first step")
     assert "no step was completed" in line(lines, "progress")
-    assert line(lines, "checkpoint").endswith("none")
+    assert line(lines, "checkpoint").endswith("none: the run stopped before its first step (nothing to checkpoint)")
     assert not [l for l in lines if l.strip().startswith(("resume", "loss", "speed", "energy"))]
     assert line(lines, "report")
+
+
+def test_the_summary_says_why_there_is_no_checkpoint(tmp_path):
+    forced = "a second stop (Ctrl-C or q twice) ended the trainer (signal 9) before its first checkpoint: steps " \
+             "1-20 are lost"
+    state = state_of(cpu_run(steps=20), tmp_path, "stopped", forced)
+    assert line(summary_lines(state, 130), "checkpoint").endswith(f"none: {forced}")
+    events = cpu_run(steps=20) + [ev("error", 12.0, kind="oom", message="out of memory", step=20)]
+    state = state_of(events, tmp_path, "failed")
+    assert line(summary_lines(state, 1), "checkpoint").endswith("none: the run failed at step 20, before its first "
+                                                                "checkpoint (--checkpoint-every 200)")
+    kept = "a second stop (Ctrl-C or q twice) ended the trainer (signal 9) after its checkpoint of step 20: nothing " \
+           "is lost"
+    checkpoint(tmp_path, 20)
+    state = state_of(cpu_run(steps=20), tmp_path, "stopped", kept)
+    lines = summary_lines(state, 130)
+    assert line(lines, "stopped").endswith(kept) and "step-00000020.pt" in line(lines, "checkpoint")
 
 
 def test_no_energy_reading_says_why(tmp_path):

@@ -182,7 +182,8 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # One writer per run directory, before anything is written into it (RunDirBusy: exit 2).
         if self.run_lock is None or self.run_lock.run_dir.resolve() != self.run_dir.resolve():
-            self.run_lock = RunLock.for_trainer(self.run_dir)
+            self.run_lock = RunLock.for_trainer(self.run_dir,
+                                                new_run=not rundir.resumes_into(cfg.checkpoint.resume, self.run_dir))
         if self.run_lock.warning:
             self.log(f"warning: {self.run_lock.warning}")
         self.channel = Channel(rundir.RunDir(self.run_dir).events(self.rank), cfg.run.channel, rank=self.rank)

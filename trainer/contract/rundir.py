@@ -146,8 +146,7 @@ def resume_config(target: str | None) -> "TrainConfig | None":
 
     if not target:
         return None
-    p = check_resume(target)
-    run_dir = p if p.is_dir() and not is_sharded(p) else p.parent.parent
+    run_dir = run_dir_of(check_resume(target))
     toml = run_dir / CONFIG
     if not toml.exists():
         return None
@@ -157,6 +156,36 @@ def resume_config(target: str | None) -> "TrainConfig | None":
     cfg.run.channel = None
     cfg.run.fault = None
     return cfg
+
+
+def run_dir_of(target: str | Path) -> Path:
+    """The run directory of a `--resume` target: the directory itself, or the run a checkpoint is in."""
+    p = Path(target)
+    return p if p.is_dir() and not is_sharded(p) else p.parent.parent
+
+
+def resumes_into(resume: str | Path | None, run_dir: str | Path) -> bool:
+    """Whether a run that resumes from `resume` continues the run in `run_dir` (not a new run there)."""
+    if not resume:
+        return False
+    return os.path.realpath(run_dir_of(resume)) == os.path.realpath(run_dir)
+
+
+def other_run(run_dir: str | Path) -> str | None:
+    """What another run left in `run_dir` that a new run there would mix with (its events, its
+    checkpoints), in words; None when there is nothing (a new, empty or unrelated directory)."""
+    p = Path(run_dir)
+    try:
+        events = [f for f in (p / EVENTS, *sorted(p.glob("events.rank*.jsonl"))) if f.is_file() and f.stat().st_size]
+        found = list_checkpoints(p)
+    except OSError:
+        return None
+    parts = [f.name for f in events[:1]]
+    if found:
+        parts.append(f"{len(found)} checkpoint{'s' if len(found) > 1 else ''} up to step {found[-1].step}")
+    elif events:
+        parts.append("no checkpoint")
+    return ", ".join(parts) if events or found else None
 
 
 # --- checkpoints ---------------------------------------------------------------------------------
