@@ -273,9 +273,9 @@ class Supervisor:
         return self.proc is not None and self.returncode is not None and not self.exit_reported.is_set()
 
     # ------------------------------------------------------------------ stop
-    def request_stop(self) -> None:
-        """Graceful: the trainer finishes its step, checkpoints and exits 0."""
-        self.send({"cmd": "stop", "reason": "stop requested"})
+    def request_stop(self, reason: str = "stop requested") -> None:
+        """Graceful: the trainer finishes its step, checkpoints and exits 0; `reason` is what its `done` says."""
+        self.send({"cmd": "stop", "reason": reason})
         ranks = self.rank_processes() if self.launcher else []
         if not ranks:
             self._signal_group(signal.SIGTERM)

@@ -119,7 +119,7 @@ def test_export_check_accepts_new_empty_or_forced_out_dirs(tmp_path):
     assert tools.check_export(export_ns(run, run / "hf"))                    # inside the run is fine
     (run / "checkpoints" / "step-00000004.pt").unlink()
     (run / "checkpoints" / "step-00000002.pt").unlink()
-    with pytest.raises(ConfigError, match="no checkpoint yet"):
+    with pytest.raises(ConfigError, match="made no checkpoint"):
         tools.check_export(export_ns(run, tmp_path / "new"))
 
 

@@ -222,7 +222,7 @@ class AliveTrainer:
     def alive(self) -> bool:
         return True
 
-    def request_stop(self) -> None:
+    def request_stop(self, reason: str = "stop requested") -> None:
         self.calls.append("stop")
 
     def kill(self) -> None:

@@ -124,6 +124,34 @@ def is_run_dir(path: str | Path) -> bool:
     return bool(run_markers(path))
 
 
+def without_checkpoint(run_dir: str | Path) -> str:
+    """What a run directory that has no checkpoint is, in words (`... is a run that made no checkpoint: it
+    stopped before its first step`), from its lock and the end its last trainer reported."""
+    from .events import DoneEvent, ErrorEvent, HelloEvent, read_events
+    from .runlock import lock_holders
+
+    if lock_holders(run_dir) is not None:
+        return "is a live run that has made no checkpoint yet; wait for its first one (--checkpoint-every) or ask " \
+               "for one (the c key)"
+    last = None
+    try:
+        for e in read_events(RunDir(run_dir).events()):
+            if isinstance(e, HelloEvent) and e.early:
+                last = None                  # a new trainer process: only the last one's end counts
+            elif isinstance(e, (DoneEvent, ErrorEvent)):
+                last = e
+    except OSError:
+        pass
+    what = "is a run that made no checkpoint"
+    if isinstance(last, DoneEvent) and last.step == 0:
+        return f"{what}: it stopped before its first step"
+    if isinstance(last, DoneEvent):
+        return f"{what}: it stopped at step {last.step} ({last.reason}), before its first one"
+    if isinstance(last, ErrorEvent):
+        return f"{what}: it failed at step {last.step} ({last.kind}: {last.message})"
+    return f"{what} (it ended before its first one)"
+
+
 def run_name(cfg: "TrainConfig", when: float | None = None, size: str | None = None) -> str:
     """`<time>-<model>-<size>`; a model given as a path contributes its last component. `size`: what
     `--size auto` resolves to (trainer.contract.capabilities.auto_size), when the caller knows it."""

@@ -25,7 +25,8 @@ from typing import Any
 from .config import MAX_SEED, MAX_SEQ_LEN, ConfigError, number_arg
 from .inputs import check_writable_dir, path_arg
 from .protect import check_replaceable
-from .rundir import CONFIG, MAX_STEP, CheckpointInfo, checkpoint_dir, list_checkpoints
+from .rundir import (CONFIG, EVENTS, MAX_STEP, CheckpointInfo, checkpoint_dir, is_run_dir, list_checkpoints,
+                     without_checkpoint)
 
 EXPORT_MODULE = "trainer.export"
 SAMPLE_MODULE = "trainer.sample"
@@ -115,10 +116,10 @@ def checkpoints_to_try(run_dir: str | Path, step: int | None, option: str = "RUN
         raise ConfigError(option, f"{p} is not a directory; give a run directory, not a checkpoint file")
     found = list_checkpoints(p)
     if not found:
-        if not (p / CONFIG).is_file() and not checkpoint_dir(p).is_dir():
-            raise ConfigError(option, f"{p} is not a run directory (no {CONFIG}, no checkpoints/)")
-        raise ConfigError(option, f"{p} has no checkpoint yet (looked in {checkpoint_dir(p)}); wait for the "
-                                  "first one (--checkpoint-every) or ask for one (the c key)")
+        if not is_run_dir(p):
+            raise ConfigError(option, f"{p} is not a run directory (no {CONFIG}, {EVENTS} or checkpoints/); give "
+                                      "a run directory (runs/<time>-<model>-<size>)")
+        raise ConfigError(option, f"{p} {without_checkpoint(p)}: there is no checkpoint to load")
     if step is None:
         return list(reversed(found))
     chosen = [c for c in found if c.step == step]
