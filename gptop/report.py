@@ -1,9 +1,11 @@
 """`gptop report RUN_DIR`: what a run did, from its files alone.
 
-Where the run stands comes from its lock (held: running now, whatever its events say) and the events of
-its last trainer process (a tuner's restart ends a trainer, not the run). Reads events.jsonl (and per-rank event files), device.jsonl and the tuning
+Reads events.jsonl (and per-rank event files), device.jsonl and the tuning
 report if there is one. Everything is computed from recorded events, so a
-report of a finished run on another machine gives the same numbers.
+report of a finished run on another machine gives the same numbers. Where the
+run stands comes from its lock (held: running now, whatever its events say) and
+the events of its last trainer process (a tuner's restart ends a trainer, not
+the run).
 """
 
 from __future__ import annotations
