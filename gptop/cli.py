@@ -22,7 +22,7 @@ from typing import Any
 
 from trainer.contract import inputs
 from trainer.contract.config import AUTO, ConfigError, TrainConfig, add_arguments, config_from_args, number_arg
-from trainer.contract.rundir import default_run_dir, resume_config
+from trainer.contract.rundir import default_run_dir, resume_config, resumes_into
 from trainer.contract.runlock import RunLock, node_key
 from trainer.contract.tools import add_export_arguments, add_sample_arguments
 
@@ -284,9 +284,12 @@ def _run(ns: argparse.Namespace, signals: StopSignals) -> int:
                                       "tune on one node (--nproc N) and train the nodes with its best.toml")
     # One writer per run directory: held until gptop exits (and by the trainer it starts); a second gptop
     # or trainer on the directory is refused here, exit 2, before anything starts.
+    # A new run (not a resume of the run there) in a directory another run left its events or checkpoints
+    # in is refused the same way: one run per run directory.
     multi_node = launcher is not None and launcher.multi_node
     lock = RunLock.acquire(cfg.run.run_dir, command=f"gptop {ns.command}",
-                           node=node_key(ns.node_rank) if multi_node else None)
+                           node=node_key(ns.node_rank) if multi_node else None,
+                           new_run=not resumes_into(resume, cfg.run.run_dir))
     try:
         return _run_locked(ns, cfg, resume, launcher, lock, signals)
     finally:

@@ -29,10 +29,10 @@ from gptop.energy import Energy, unavailable_reason
 from gptop.energy import measure as energy_measure
 from trainer.contract import capabilities
 from trainer.contract.device import DeviceInfo
-from trainer.contract.events import (PHASES, ApplyEvent, CheckpointEvent, CpuReading, DeviceEvent, DoneEvent,
-                                     ErrorEvent, EvalEvent, Event, GpuReading, HelloEvent, LogEvent, MeasureProgress,
-                                     ModelInfo, PhaseEvent, ProgressEvent, StepEvent, TrialEvent, TunerEvent,
-                                     UnknownEvent, WarningEvent)
+from trainer.contract.events import (MAX_STEPS, PHASES, ApplyEvent, CheckpointEvent, CpuReading, DeviceEvent,
+                                     DoneEvent, ErrorEvent, EvalEvent, Event, GpuReading, HelloEvent, LogEvent,
+                                     MeasureProgress, ModelInfo, PhaseEvent, ProgressEvent, StepEvent, TrialEvent,
+                                     TunerEvent, UnknownEvent, WarningEvent)
 
 STATUSES = ("starting", "running", "checkpointing", "stopping", "done", "stopped", "failed", "restarting", "replay",
             "monitor")
@@ -448,7 +448,7 @@ class RunState:
     def completed(self) -> bool:
         """The trainer said it trained to its last step (`done` with reason max_steps): the run is over
         whatever happens to the process afterwards, and a stop asked for now has nothing left to stop."""
-        return self.done is not None and self.done.reason == "max_steps"
+        return self.done is not None and self.done.reason == MAX_STEPS
 
     @property
     def total_steps(self) -> int | None:

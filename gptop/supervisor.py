@@ -76,6 +76,7 @@ class Supervisor:
                                             # second were a tenth of the dashboard's cost on an idle machine)
         self.proc: subprocess.Popen | None = None
         self.returncode: int | None = None
+        self.exit_reported = threading.Event()     # on_exit has run for this process
         self._conns: list[socket.socket] = []
         self._lock = threading.Lock()
         self._sockdir = tempfile.mkdtemp(prefix="gptop-")
@@ -261,12 +262,20 @@ class Supervisor:
                 if not self._conns:
                     break
             time.sleep(0.02)
-        self.on_exit(code)
+        try:
+            self.on_exit(code)
+        finally:
+            self.exit_reported.set()
+
+    @property
+    def exiting(self) -> bool:
+        """The process has exited and its exit is on its way to `on_exit` (its last events are drained first)."""
+        return self.proc is not None and self.returncode is not None and not self.exit_reported.is_set()
 
     # ------------------------------------------------------------------ stop
-    def request_stop(self) -> None:
-        """Graceful: the trainer finishes its step, checkpoints and exits 0."""
-        self.send({"cmd": "stop", "reason": "stop requested"})
+    def request_stop(self, reason: str = "stop requested") -> None:
+        """Graceful: the trainer finishes its step, checkpoints and exits 0; `reason` is what its `done` says."""
+        self.send({"cmd": "stop", "reason": reason})
         ranks = self.rank_processes() if self.launcher else []
         if not ranks:
             self._signal_group(signal.SIGTERM)

@@ -106,11 +106,22 @@ def test_quit_is_graceful_and_a_second_quit_forces():
     assert app.return_code == 0
 
 
-def test_ctrl_c_force_stops_and_exits():
-    app, _, cmds = make(finished=lambda: False)
-    drive(app, ["ctrl+c"])
-    assert cmds.calls == [("stop", {"force": True})]
-    assert app.return_code == 0
+def test_ctrl_c_is_q_graceful_first_then_forced():
+    """Ctrl-C is the reflex key: the first one stops with a checkpoint (the dashboard stays until the session
+    is over), the second one (or q after it) at once."""
+    done = threading.Event()
+    app, _, cmds = make(finished=done.is_set)
+
+    def after_first(app: GptopApp) -> None:
+        assert cmds.calls == [("stop", {"force": False})]
+        assert app.return_code is None
+
+    drive(app, ["ctrl+c"], check=after_first)
+    for keys in (["ctrl+c", "ctrl+c"], ["ctrl+c", "q"], ["q", "ctrl+c"]):
+        app, _, cmds = make(finished=done.is_set)
+        drive(app, keys, check=lambda a: None)
+        assert cmds.calls == [("stop", {"force": False}), ("stop", {"force": True})], keys
+        assert app.return_code == 0
 
 
 def test_quit_exits_at_once_without_a_live_trainer_or_finished_check():

@@ -41,6 +41,7 @@ from .contract import capabilities, rundir
 from .contract.atomic import DiskError, atomic_write, disk_error
 from .contract.config import AUTO, ConfigError, TrainConfig, parse_step_range
 from .contract.device import DeviceInfo
+from .contract.events import MAX_STEPS, STOPPED_BEFORE_FIRST_STEP
 from .contract.runlock import RunLock
 from .device import detect
 from .memory import make_meter
@@ -186,7 +187,8 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # One writer per run directory, before anything is written into it (RunDirBusy: exit 2).
         if self.run_lock is None or self.run_lock.run_dir.resolve() != self.run_dir.resolve():
-            self.run_lock = RunLock.for_trainer(self.run_dir)
+            self.run_lock = RunLock.for_trainer(self.run_dir,
+                                                new_run=not rundir.resumes_into(cfg.checkpoint.resume, self.run_dir))
         if self.run_lock.warning:
             self.log(f"warning: {self.run_lock.warning}")
         self.channel = Channel(rundir.RunDir(self.run_dir).events(self.rank), cfg.run.channel, rank=self.rank)
@@ -446,7 +448,7 @@ class Trainer:
             self.profiler.close()
         elapsed = time.perf_counter() - self._t_run
         self.emit0("done", step=self.progress.step, tokens=self.progress.tokens, seconds=elapsed,
-                   reason=stop_reason or "max_steps", checkpoint=str(self.ckpt.newest))
+                   reason=stop_reason or MAX_STEPS, checkpoint=str(self.ckpt.newest))
         self.log(f"done at step {self.progress.step} ({stop_reason or 'max_steps'}) in {elapsed:.1f} s")
         return EXIT_OK
 
@@ -781,7 +783,7 @@ def main_run(cfg: TrainConfig, run_lock: RunLock | None = None) -> int:
         if trainer is not None:
             trainer.log(f"stopped before the first step ({e})")
             trainer.emit0("done", step=trainer.progress.step, tokens=trainer.progress.tokens, seconds=None,
-                          reason="stopped before the first step", checkpoint=None)
+                          reason=STOPPED_BEFORE_FIRST_STEP, checkpoint=None)
         return EXIT_OK
     except ConfigError as e:
         return _report(trainer, "config", str(e), EXIT_CONFIG)

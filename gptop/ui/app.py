@@ -52,7 +52,8 @@ IDLE_STATUSES = ("done", "stopped", "failed", "replay", "monitor")
 LIVE_STATUSES = ("running", "checkpointing")
 
 HELP = [
-    ("q", "Quit: checkpoint and stop the trainer, then exit (press again, or ctrl+c, to stop at once)"),
+    ("q", "Quit: finish the step, checkpoint and stop the trainer, then exit (press again to stop at once, "
+          "without a checkpoint)"),
     ("c", "Checkpoint now (at the next step boundary)"),
     ("p", "Profile the next 3 steps with torch.profiler (trace in the run directory)"),
     ("s", "Sample the newest checkpoint into a panel (its own process; training goes on; escape closes)"),
@@ -64,7 +65,7 @@ HELP = [
     ("e", "Next MoE layer in the expert-load bars"),
     ("?", "This help"),
     ("ctrl+p", "Command palette: every action by name"),
-    ("ctrl+c", "Force stop: kill the trainer without a checkpoint and exit"),
+    ("ctrl+c", "As q: the first stops with a checkpoint, a second one at once (without a checkpoint)"),
 ]
 
 PANELS_HELP = [
@@ -134,7 +135,7 @@ class GptopApp(App[None]):
         Binding("w", "cycle_window", "Chart", tooltip="Chart window: 30s, 1m, 5m, 15m, 1h"),
         Binding("e", "next_expert_layer", "MoE", tooltip="Next MoE layer in the expert-load bars"),
         Binding("question_mark", "help", "Help", key_display="?"),
-        Binding("ctrl+c", "force_quit", "Force stop", show=False, priority=True),
+        Binding("ctrl+c", "quit", "Stop", show=False, priority=True),     # the reflex key keeps the work, as q
     ]
 
     def __init__(self, state: RunState, commands: Commands, *, finished: Callable[[], bool] | None = None,
@@ -348,7 +349,7 @@ class GptopApp(App[None]):
         return True
 
     async def action_quit(self) -> None:
-        """Graceful stop; a second press (or ctrl+c) stops at once."""
+        """Graceful stop (q, ctrl+c); a second press of either stops at once."""
         if self.stop_requested:
             await self.action_force_quit()
             return
@@ -357,7 +358,8 @@ class GptopApp(App[None]):
         if self.finished is None or self.state.status in IDLE_STATUSES or self.finished():
             self.exit()
             return
-        self.notify("checkpointing, then stopping; press q again to stop now", title="stopping")
+        self.notify("checkpointing, then stopping; press q or ctrl+c again to stop now, without a checkpoint",
+                    title="stopping")
 
     async def action_force_quit(self) -> None:
         self._call("force stop", self.commands.stop, force=True)
@@ -418,8 +420,8 @@ class GptopApp(App[None]):
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         """The palette lists every key's action by name (and Textual's own: theme, keys, screenshot)."""
-        yield SystemCommand("Stop run", "Checkpoint, stop the trainer and exit (q)", self.action_quit)
-        yield SystemCommand("Force stop", "Kill the trainer now, no checkpoint, and exit (ctrl+c)",
+        yield SystemCommand("Stop run", "Checkpoint, stop the trainer and exit (q, ctrl+c)", self.action_quit)
+        yield SystemCommand("Force stop", "Kill the trainer now, no checkpoint, and exit (q or ctrl+c twice)",
                             self.action_force_quit)
         yield SystemCommand("Checkpoint now", "Write a checkpoint at the next step (c)", self.action_checkpoint)
         yield SystemCommand("Profile", f"Profile the next {self.profile_steps} steps (p)", self.action_profile)

@@ -317,6 +317,13 @@ class ErrorEvent(Event):
     free_bytes: int | None = None       # disk: bytes free on that filesystem when it failed
 
 
+# What a `done` event's reason may say besides the stop's own words (trainer.commands): the ends a reader
+# tells apart. A tuner's restart is a trainer's end, not the run's: another start follows it.
+MAX_STEPS = "max_steps"
+STOPPED_BEFORE_FIRST_STEP = "stopped before the first step"
+TUNER_RESTART = "restart by the tuner"
+
+
 @dataclass(frozen=True, kw_only=True)
 class DoneEvent(Event):
     type: ClassVar[str] = "done"
