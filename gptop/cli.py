@@ -128,10 +128,11 @@ def build_parser() -> Parser:
 
     train = run_command("train", "train a model and show the run live")
     train.add_argument("--tune", metavar="DURATION", default=None, type=duration_arg("--tune"),
-                       help="tune the toggles for up to DURATION (90s, 30m, 1h30m) while training (default: off)")
+                       help="tune the toggles for up to DURATION, a number with a unit (90s, 30m, 1h30m, 2h) while "
+                            "training (default: off)")
     tune = run_command("tune", "train while an Optuna study tunes the toggles on the live run")
     tune.add_argument("--budget", metavar="DURATION", default="30m", type=duration_arg("--budget"),
-                      help="tuning budget (default: 30m)")
+                      help="tuning budget, a number with a unit: 90s, 30m, 1h30m, 2h (default: 30m)")
     for p in (train, tune):
         g = p.add_argument_group("tuning")
         g.add_argument("--tune-space", metavar="SPEC", default=None,
