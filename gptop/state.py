@@ -693,7 +693,9 @@ class RunState:
         if opt >= 20 and not t.get("fused_adamw", False):
             return f"optimizer is {opt:.0f}% of the step: try --fused-adamw"
         if cuda and idle is not None and idle >= 20:
-            if t.get("compile") in (None, "off", "default"):
+            accumulation = self.hello.accumulation if self.hello is not None else None
+            if t.get("compile") in (None, "off", "default") and capabilities.worth_trying(
+                    "compile", "reduce-overhead", dev, accumulation=accumulation or None):
                 return (f"GPU idle {idle:.0f}% of the step (launch-bound): try --compile reduce-overhead "
                         "or a larger --micro-batch")
             return f"GPU idle {idle:.0f}% of the step (launch-bound): try a larger --micro-batch"

@@ -46,3 +46,15 @@ def test_steps_down_when_the_jump_does_not_fit():
 
     assert find_micro_batch(probe, 32, capacity=1000, margin=0.0) == 16
     assert tried == [1, 2, 32, 16]
+
+
+def test_only_the_allowed_candidates_are_probed():
+    """A CUDA-graph compile mode runs without accumulation: `--micro-batch auto` probes the whole batch only."""
+    probed = []
+
+    def probe(mb):
+        probed.append(mb)
+        return mb * 10
+    assert find_micro_batch(probe, 16, capacity=1000, only=[16]) == 16 and probed == [16]
+    with pytest.raises(torch.OutOfMemoryError, match="even micro-batch 16 does not fit"):
+        find_micro_batch(probe, 16, capacity=100, only=[16])

@@ -195,7 +195,7 @@ class Trainer:
             self.group = D.Group(self.rank, self.world, self.local_rank, self.device)
             self.group.init()
 
-        capabilities.check_config(cfg, self.dev)
+        capabilities.check_config(cfg, self.dev, self.world)
         cfg.validate(world_size=self.world)     # the per-rank batch and micro-batch, now that the world is known
         from .flops import peak
 
@@ -241,6 +241,7 @@ class Trainer:
 
         if cfg.toggles.micro_batch == AUTO:
             cfg.toggles.micro_batch = self._auto_micro_batch()
+            capabilities.check_config(cfg, self.dev, self.world)     # what depends on the accumulation
         self.micro_batch = cfg.toggles.micro_batch
         self.accum = self.sampler.accumulation_steps(self.micro_batch)
         self.tokens_per_step = cfg.optim.global_batch * cfg.data.seq_len
@@ -377,7 +378,18 @@ class Trainer:
         capacity = self.meter.capacity()
         if self.group is not None:
             capacity = int(self.group.host_min(float(capacity)))
-        mb = find_micro_batch(probe, local, capacity, margin=0.1, log=self.log if self.rank == 0 else lambda s: None)
+        # CUDA-graph compile modes run without accumulation (capabilities.support): the whole batch or nothing
+        only = [local] if self.cfg.toggles.compile in capabilities.CUDA_GRAPH_MODES else None
+        try:
+            mb = find_micro_batch(probe, local, capacity, margin=0.1,
+                                  log=self.log if self.rank == 0 else lambda s: None, only=only)
+        except torch.OutOfMemoryError:
+            if only is None:
+                raise
+            raise ConfigError("--compile", f"{self.cfg.toggles.compile} uses CUDA graphs, which run without "
+                                           f"gradient accumulation, and the whole per-rank batch ({local}) does "
+                                           f"not fit: use --compile default or max-autotune-no-cudagraphs, or a "
+                                           f"smaller --global-batch") from None
         self.log(f"--micro-batch auto: {mb}")
         return mb
 
@@ -828,9 +840,23 @@ def _log_only_traceback() -> str | None:
     return None if sys.stderr.isatty() else traceback.format_exc()
 
 
+_COMPILER_MODULES = ("torch._dynamo", "torch._inductor", "torch._functorch")
+
+
 def _is_compile_error(e: BaseException) -> bool:
-    mod = type(e).__module__
-    return mod.startswith("torch._dynamo") or mod.startswith("torch._inductor")
+    """An error of torch.compile: an exception type of the compiler, one raised inside its code, or a CUDA
+    graph's output read after a replay overwrote it (raised wherever the storage is next touched, e.g. by
+    autograd or the optimizer, so only its message tells)."""
+    if type(e).__module__.startswith(_COMPILER_MODULES):
+        return True
+    if "CUDAGraphs" in str(e):
+        return True
+    tb = e.__traceback__
+    while tb is not None:
+        if str(tb.tb_frame.f_globals.get("__name__", "")).startswith(_COMPILER_MODULES):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _report(trainer: Trainer | None, kind: str, message: str, code: int, **extra: Any) -> int:
