@@ -167,7 +167,11 @@ class Trainer:
         from .models import build_model, is_pretrained_path, resolve_size
 
         cfg = self.cfg
-        if not self.dev.is_cuda:
+        if self.dev.is_cuda:
+            # One process on cuda:N too (several ranks set it in dist.Group.init): whatever uses the current
+            # device (an event or a stream without one named, a library's allocation) then uses the run's GPU.
+            torch.cuda.set_device(self.device)
+        else:
             from .hostalloc import keep_freed_memory
 
             keep_freed_memory()        # reuse freed tensors instead of page-faulting them in every step
@@ -431,7 +435,7 @@ class Trainer:
 
     def run(self) -> int:
         cfg = self.cfg
-        self.timer = make_timer(self.device.type, cfg.log.timing)
+        self.timer = make_timer(self.device, cfg.log.timing)
         self.prefetcher = self._new_prefetcher()
         self._interval_reset()
         self._t_run = self._t_boundary = time.perf_counter()
