@@ -58,3 +58,49 @@ def test_only_the_allowed_candidates_are_probed():
     assert find_micro_batch(probe, 16, capacity=1000, only=[16]) == 16 and probed == [16]
     with pytest.raises(torch.OutOfMemoryError, match="even micro-batch 16 does not fit"):
         find_micro_batch(probe, 16, capacity=100, only=[16])
+
+
+@pytest.mark.parametrize("name", ["adamw", "adafactor"])
+def test_the_state_counted_for_the_first_step_is_what_the_step_allocates(name):
+    from trainer import optim
+    from trainer.contract.config import TrainConfig
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 8))
+    cfg = TrainConfig()
+    cfg.toggles.optimizer = name
+    opt = optim.build_optimizer(model, cfg)
+    pending = optim.pending_state_bytes(opt, name)
+    assert pending > 0 and optim.state_bytes(opt) == 0
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    assert optim.state_bytes(opt) == pending            # counted exactly as the step allocated it
+    assert optim.pending_state_bytes(opt, name) == 0     # nothing left to allocate (also after a resume)
+
+
+class FakeCudaMemoryApi:
+    """torch.cuda's memory functions for one GPU: 80 GiB, of which another process holds 30 GiB."""
+
+    GiB = 2**30
+
+    def mem_get_info(self, device):
+        return 40 * self.GiB, 80 * self.GiB           # free, total
+
+    def memory_reserved(self, device):
+        return 10 * self.GiB                          # this process's caching allocator
+
+    def max_memory_reserved(self, device):
+        return 12 * self.GiB
+
+    def max_memory_allocated(self, device):
+        return 9 * self.GiB
+
+
+def test_gpu_capacity_is_free_memory_plus_what_this_process_holds():
+    """`--micro-batch auto` plans against what the process can still grow into, not the device's total (a
+    CUDA context, another process or a library may hold part of it)."""
+    from trainer.memory import CudaMemory
+
+    m = CudaMemory(torch.device("cuda:1"), cuda=FakeCudaMemoryApi())
+    assert m.capacity() == 50 * 2**30
+    assert m.figures() == {"allocated_peak": 9 * 2**30, "reserved_peak": 12 * 2**30, "total": 80 * 2**30,
+                           "capacity": 50 * 2**30}

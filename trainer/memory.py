@@ -8,7 +8,7 @@ resident set; its peak (VmHWM) can be reset on Linux through
 from __future__ import annotations
 
 import os
-from typing import Protocol
+from typing import Any, Protocol
 
 import psutil
 import torch
@@ -23,24 +23,32 @@ class MemoryMeter(Protocol):
 
 
 class CudaMemory:
-    def __init__(self, device: torch.device):
+    """`cuda` is torch.cuda, or a fake of its memory functions (tests)."""
+
+    def __init__(self, device: torch.device, cuda: Any = None):
         self.device = device
+        self.cuda = cuda if cuda is not None else torch.cuda
 
     def reset_peak(self) -> None:
-        torch.cuda.reset_peak_memory_stats(self.device)
+        self.cuda.reset_peak_memory_stats(self.device)
 
     def peak(self) -> int:
-        return torch.cuda.max_memory_allocated(self.device)
+        return self.cuda.max_memory_allocated(self.device)
 
     def current(self) -> int:
-        return torch.cuda.memory_allocated(self.device)
+        return self.cuda.memory_allocated(self.device)
 
     def capacity(self) -> int:
-        return torch.cuda.get_device_properties(self.device).total_memory
+        """What this process may grow its allocations into: the device's free memory (the CUDA context, other
+        processes and other libraries already taken out) plus what its caching allocator holds (counted in
+        `peak`, so it must be counted here too). The device's total would plan with memory that is not there."""
+        free, _ = self.cuda.mem_get_info(self.device)
+        return int(free) + int(self.cuda.memory_reserved(self.device))
 
     def figures(self) -> dict[str, int | None]:
-        return {"allocated_peak": self.peak(), "reserved_peak": torch.cuda.max_memory_reserved(self.device),
-                "total": self.capacity()}
+        _, total = self.cuda.mem_get_info(self.device)
+        return {"allocated_peak": self.peak(), "reserved_peak": self.cuda.max_memory_reserved(self.device),
+                "total": int(total), "capacity": self.capacity()}
 
 
 class CpuMemory:

@@ -97,6 +97,19 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
                if isinstance(v, torch.Tensor))
 
 
+def pending_state_bytes(optimizer: torch.optim.Optimizer, name: str) -> int:
+    """Bytes optimizer `name` will still allocate for its state at its next step: all of it before the first
+    step (AdamW creates its moments there), nothing once it has stepped or a checkpoint filled it. Counted
+    by trainer.contract.estimate's rule over this rank's tensors (FSDP2: its shards), so a memory probe
+    that runs forward and backward only can add what the first optimizer step will hold on to."""
+    from .contract.estimate import Tensor, optimizer_state_bytes
+
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+    missing = [Tensor(tuple(p.shape)) for p, q in zip(local, params) if not optimizer.state.get(q)]
+    return optimizer_state_bytes(name, missing) if missing else 0
+
+
 def dense(t: torch.Tensor) -> torch.Tensor:
     """A moment as a plain fp32 tensor: torchao's quantized state (OptimState8bit/4bit) dequantized."""
     if type(t) is not torch.Tensor and hasattr(t, "dequantize"):

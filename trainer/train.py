@@ -350,6 +350,12 @@ class Trainer:
         # Probe without torch.compile: compiling once per probed size would cost minutes and leave the run
         # with a dynamic-shape graph; eager's peak is usually above the compiled one (a safe estimate).
         eager = getattr(self.model, "_orig_mod", self.model)
+        # The probe runs forward and backward only; the optimizer's state (AdamW's moments: 8 bytes per
+        # trained parameter) appears at the first step and stays through every later forward and backward.
+        pending = optim.pending_state_bytes(self.optimizer, self.cfg.toggles.optimizer)
+        if pending and self.rank == 0:
+            self.log(f"--micro-batch auto: counting {pending / 2**30:.2f} GiB of optimizer state the first step "
+                     f"allocates")
 
         def probe_local(mb: int) -> int:
             self.phase("probing", f"probing micro-batch {mb}")
@@ -360,7 +366,7 @@ class Trainer:
                 with self._sync_grads(last_micro=self.parallel == "fsdp"), self._autocast():
                     loss = self._loss(x_all[:mb].to(self.device), y_all[:mb].to(self.device), 0, 0, model=eager)
                     self.scaler.scale(loss).backward()
-                return self.meter.peak()
+                return self.meter.peak() + pending
             finally:
                 self.optimizer.zero_grad(set_to_none=True)
                 if self.balancer is not None:
