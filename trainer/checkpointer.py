@@ -30,7 +30,7 @@ from .contract import rundir
 from .contract.capabilities import optimizer_switch
 from .contract.config import ConfigError, TrainConfig, current_layout
 from .contract.device import DeviceInfo
-from .optim import convert_state, kernel_flags, param_names
+from .optim import convert_state, kernel_flags, param_names, place_step_counts
 
 
 def saved_optimizer(config: dict[str, Any]) -> str:
@@ -218,6 +218,7 @@ class Checkpointer:
             self.optimizer.load_state_dict(state["optimizer"])
         for group in self.optimizer.param_groups:   # the kernel is a toggle of this run, not of the checkpoint
             group.update(kernel_flags(self.cfg))
+        place_step_counts(self.optimizer)           # ... and so is where its step counts live
         if state.get("scaler") and self.scaler.is_enabled():
             self.scaler.load_state_dict(state["scaler"])
         rng = state.get("rng", {})

@@ -66,6 +66,33 @@ def kernel_flags(cfg: TrainConfig) -> dict[str, Any]:
     return adamw_flags(cfg.toggles.fused_adamw) if cfg.toggles.optimizer == "adamw" else {}
 
 
+def step_count_device(group: dict[str, Any], param: torch.Tensor) -> torch.device:
+    """Where torch's AdamW expects a parameter's step count: on the parameter's device for the fused and
+    capturable kernels, on the CPU for the others (a device step count there is read back per parameter per
+    step: one synchronization each on CUDA)."""
+    return param.device if group.get("fused") or group.get("capturable") else torch.device("cpu")
+
+
+def place_step_counts(optimizer: torch.optim.Optimizer) -> int:
+    """Put torch AdamW's step counts where this run's kernel expects them (`step_count_device`), after a load:
+    torch's load_state_dict places them by the *saved* groups' flags, and the kernel is a toggle of this run
+    (a checkpoint of fused AdamW resumed with --no-fused-adamw left them on the GPU). Returns how many moved."""
+    if not isinstance(optimizer, torch.optim.AdamW):
+        return 0
+    moved = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            step = optimizer.state.get(p, {}).get("step")
+            if step is None or not hasattr(step, "device"):
+                continue
+            want = step_count_device(group, p)
+            if step.device != want:
+                dtype = torch.float32 if want.type != "cpu" else step.dtype
+                optimizer.state[p]["step"] = step.to(device=want, dtype=dtype)
+                moved += 1
+    return moved
+
+
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """The run's optimizer (`--optimizer`) over the parameters that train."""
     groups, lr, name = param_groups(model, cfg.optim.weight_decay), lr_at(0, cfg), cfg.toggles.optimizer
