@@ -114,6 +114,8 @@ def support(name: str, value, dev: DeviceInfo, *, accumulation: int | None = Non
         if value == "off":
             return None
         if not dev.has_compiler:
+            if dev.is_cuda:
+                return "torch.compile on CUDA needs triton (pip install triton) and a C compiler (install gcc)"
             return "torch.compile needs a C++ compiler on the CPU (install g++)"
         if value in CUDA_GRAPH_MODES and not dev.is_cuda:
             return f"compile mode {value} uses CUDA graphs; on the CPU use default or max-autotune-no-cudagraphs"
