@@ -104,3 +104,27 @@ def test_gpu_capacity_is_free_memory_plus_what_this_process_holds():
     assert m.capacity() == 50 * 2**30
     assert m.figures() == {"allocated_peak": 9 * 2**30, "reserved_peak": 12 * 2**30, "total": 80 * 2**30,
                            "capacity": 50 * 2**30}
+
+
+@pytest.mark.parametrize("environ, var, want, warned", [
+    ({}, "PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", False),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}, "PYTORCH_CUDA_ALLOC_CONF",
+     "max_split_size_mb:128,expandable_segments:True", True),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False,roundup_power2_divisions:4"}, "PYTORCH_CUDA_ALLOC_CONF",
+     "expandable_segments:True,roundup_power2_divisions:4", True),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "PYTORCH_CUDA_ALLOC_CONF",
+     "expandable_segments:True", False),
+    ({"PYTORCH_ALLOC_CONF": "garbage_collection_threshold:0.8", "PYTORCH_CUDA_ALLOC_CONF": "x:1"},
+     "PYTORCH_ALLOC_CONF", "garbage_collection_threshold:0.8,expandable_segments:True", True),
+])
+def test_expandable_segments_merge_into_the_users_allocator_settings(environ, var, want, warned):
+    """`--cuda-allocator expandable_segments` was a silent no-op for anyone who had set the allocator
+    variable: now it is merged into the variable torch reads, keeping the user's options, with a warning."""
+    from trainer.memory import enable_expandable_segments
+
+    env = dict(environ)
+    note = enable_expandable_segments(env)
+    assert env[var] == want and (note is not None) == warned
+    if note:
+        assert var in note and "expandable_segments" in note
+    assert {k: v for k, v in env.items() if k != var} == {k: v for k, v in environ.items() if k != var}

@@ -8,7 +8,7 @@ resident set; its peak (VmHWM) can be reset on Linux through
 from __future__ import annotations
 
 import os
-from typing import Any, Protocol
+from typing import Any, MutableMapping, Protocol
 
 import psutil
 import torch
@@ -83,6 +83,36 @@ class CpuMemory:
 
     def figures(self) -> dict[str, int | None]:
         return {"rss": self.current(), "rss_peak": self.peak(), "total": psutil.virtual_memory().total}
+
+
+# The allocator's configuration variables, in the order torch reads them (PYTORCH_ALLOC_CONF since torch
+# 2.9; the CUDA-specific name before it, and still honoured after).
+ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def enable_expandable_segments(environ: MutableMapping[str, str]) -> str | None:
+    """Turn on the CUDA caching allocator's expandable segments in `environ` (before CUDA initializes), keeping
+    every other option the user set; returns a warning when the user's own setting was changed.
+
+    The allocator reads one comma-separated `option:value` string; setting the variable only when it is
+    unset (as gptop once did) silently ignored `--cuda-allocator expandable_segments` for anyone who had
+    set e.g. max_split_size_mb."""
+    var = next((v for v in ALLOC_CONF_VARS if environ.get(v, "").strip()), "PYTORCH_CUDA_ALLOC_CONF")
+    conf = environ.get(var, "").strip()
+    items = [i.strip() for i in conf.split(",") if i.strip()]
+    keys = [i.split(":", 1)[0].strip() for i in items]
+    if "expandable_segments" in keys:
+        old = items[keys.index("expandable_segments")]
+        if old.split(":", 1)[-1].strip().lower() == "true":
+            return None
+        items[keys.index("expandable_segments")] = "expandable_segments:True"
+        environ[var] = ",".join(items)
+        return (f"--cuda-allocator expandable_segments overrides {old} in {var} (now {environ[var]!r})")
+    items.append("expandable_segments:True")
+    environ[var] = ",".join(items)
+    if conf:
+        return f"--cuda-allocator expandable_segments: added to {var}, which now reads {environ[var]!r}"
+    return None
 
 
 def make_meter(device: torch.device) -> MemoryMeter:

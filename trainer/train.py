@@ -85,6 +85,7 @@ class Trainer:
         self.faults = faults.Faults(cfg.run.fault, self.rank)
         self.resumed_from: str | None = None
         self.run_lock: RunLock | None = None
+        self.notices: list[str] = []                 # warnings found before the channel exists
 
     # ------------------------------------------------------------------ setup
     def log(self, msg: str) -> None:
@@ -191,6 +192,8 @@ class Trainer:
             self.log(f"warning: {self.run_lock.warning}")
         self.channel = Channel(rundir.RunDir(self.run_dir).events(self.rank), cfg.run.channel, rank=self.rank)
         self.channel.install_signal_handlers()
+        for notice in self.notices:
+            self._warn(notice)
         if self.world > 1:
             if os.environ.get("TORCHELASTIC_RUN_ID"):
                 D.die_with_parent()
@@ -780,11 +783,16 @@ def main_run(cfg: TrainConfig, run_lock: RunLock | None = None) -> int:
     """Run a configured trainer, turning every failure into an `error` event and a distinct exit code.
 
     `run_lock`: the run directory's lock when the caller took it (trainer.cli); else setup takes it."""
+    notice = None
     if cfg.toggles.cuda_allocator == "expandable_segments":
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        from .memory import enable_expandable_segments
+
+        notice = enable_expandable_segments(os.environ)      # before anything initializes CUDA
     trainer = None
     try:
         trainer = Trainer(cfg)
+        if notice:
+            trainer.notices.append(notice)
         trainer.run_lock = run_lock
         trainer.setup()
         return trainer.run()
