@@ -767,7 +767,13 @@ class RunState:
         k0, k1 = _interp(tokens, t0), _interp(tokens, t1)
         if k0 is None or k1 is None or k1 <= k0:
             return None, 0
-        return energy_measure(samples, t0, t1), int(k1 - k0)
+        return energy_measure(samples, t0, t1, run_gpus=self.run_gpus()), int(k1 - k0)
+
+    def run_gpus(self) -> list[str] | None:
+        """The run's GPUs (the hello's trainer.contract.device.gpu_key list): whose energy counts."""
+        with self.lock:
+            hello = self.hello
+        return hello.gpus if hello is not None else None
 
     def gpu_verdicts(self) -> dict[str, str]:
         """GPU key ("gpu0") -> why it is busy but slow (gpu_verdict), for the GPUs where it is."""

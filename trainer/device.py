@@ -38,10 +38,22 @@ def detect(requested: str = "auto") -> DeviceInfo:
         if index >= torch.cuda.device_count():
             raise ConfigError("--device", f"{requested}: only {torch.cuda.device_count()} CUDA devices")
         props = torch.cuda.get_device_properties(index)
+        uuid, pci = gpu_identity(index)
         return DeviceInfo(type="cuda", index=index, name=props.name, capability=(props.major, props.minor),
                           total_memory=props.total_memory, cpu_count=cpus,
-                          has_compiler=compiler_missing("cuda") is None)
+                          has_compiler=compiler_missing("cuda") is None, uuid=uuid, pci_bus_id=pci)
     raise ConfigError("--device", f"{requested!r} is not auto, cpu, cuda or cuda:N")
+
+
+def gpu_identity(index: int) -> tuple[str | None, str | None]:
+    """(UUID, PCI address DOMAIN:BUS:DEVICE) of CUDA device `index`, as far as this torch's device properties
+    tell (contract.device.gpu_key spells them as NVML does). Reading properties creates no CUDA context."""
+    props = torch.cuda.get_device_properties(index)
+    uuid = getattr(props, "uuid", None)
+    uuid = str(uuid) if uuid is not None and str(uuid) else None
+    parts = [getattr(props, f"pci_{k}_id", None) for k in ("domain", "bus", "device")]
+    pci = f"{parts[0]:04x}:{parts[1]:02x}:{parts[2]:02x}" if all(isinstance(p, int) for p in parts) else None
+    return uuid, pci
 
 
 def _which(*names: str | None) -> str | None:

@@ -159,6 +159,16 @@ class Trainer:
             return None
         return self.dev.total_memory if self.dev.is_cuda else self.dev.total_memory // self._local_procs
 
+    def _node_gpus(self) -> list[str] | None:
+        """gpu_key of each GPU this node's ranks train on (rank i on cuda:LOCAL_RANK, dist.rank_device)."""
+        if not self.dev.is_cuda:
+            return None
+        from .contract.device import gpu_key
+        from .device import gpu_identity
+
+        keys = [self.dev.key] if self.world == 1 else [gpu_key(*gpu_identity(i)) for i in range(self._local_procs)]
+        return [k for k in keys if k] or None
+
     @property
     def parallel(self) -> str | None:
         return self.cfg.run.parallel if self.world > 1 else None
@@ -266,7 +276,7 @@ class Trainer:
                   "fingerprint": self.data.fingerprint},
             accumulation=self.accum, micro_batch=self.micro_batch, tokens_per_step=self.tokens_per_step,
             peak_flops=self.peak_flops, peak_source=self.peak_source, resumed_from=self.resumed_from, start_step=self.progress.step,
-            torch=torch.__version__)
+            torch=torch.__version__, gpus=self._node_gpus())
         ranks = f"; {self.world} ranks ({self.parallel}, {self.group.backend})" if self.group else ""
         self.log(f"{self.bundle.family}/{self.bundle.size}: {self.bundle.total_params / 1e6:.1f}M params "
                  f"({self.bundle.active_params / 1e6:.1f}M active, {self.bundle.trainable_params / 1e6:.2f}M trained) "
