@@ -534,8 +534,12 @@ def model_flops(spec: Spec) -> tuple[float | None, dict[str, float | None]]:
     fpt = training_flops_per_token(model, cfg, spec.seq_len)
     dev = detect(spec.device)
     peaks = {}
+    from trainer.contract.capabilities import auto_precision
+
     for name in CONTENDERS:
         prec = "bf16" if name == "hf-fast" and hf_speed_args(dev).get("bf16") else "fp32"
+        if name == "gptop":
+            prec = auto_precision(dev)       # its default, --precision auto
         peaks[name] = (prec, None)
     cache: dict[str, float | None] = {}
     out = {}

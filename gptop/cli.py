@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.contract import inputs
-from trainer.contract.config import ConfigError, TrainConfig, add_arguments, config_from_args, number_arg
+from trainer.contract.config import AUTO, ConfigError, TrainConfig, add_arguments, config_from_args, number_arg
 from trainer.contract.rundir import default_run_dir, resume_config
 from trainer.contract.runlock import RunLock, node_key
 from trainer.contract.tools import add_export_arguments, add_sample_arguments
@@ -245,8 +245,14 @@ def check_fits(ns: argparse.Namespace, cfg: TrainConfig) -> None:
     kind, name, total = found
     world, nproc = world_size(ns), getattr(ns, "nproc", 1)
     capacity = total // nproc if kind == "cpu" else total         # ranks on one CPU share its RAM
+    precision = cfg.toggles.precision
+    if precision == AUTO:                     # what the trainer will resolve it to there
+        from trainer.contract.capabilities import auto_precision
+        from .telemetry import training_device
+
+        precision = auto_precision(training_device(cfg.run.device))
     kw = dict(seq_len=cfg.data.seq_len, global_batch=cfg.optim.global_batch, micro_batch=cfg.toggles.micro_batch_int(),
-              precision=cfg.toggles.precision, device=kind, capacity=capacity, world_size=world,
+              precision=precision, device=kind, capacity=capacity, world_size=world,
               fsdp=world > 1 and cfg.run.parallel == "fsdp", checkpointing=cfg.toggles.activation_checkpointing,
               **E.run_options(cfg))
     est = E.estimate(cfg.model.model, cfg.model.size, **kw)

@@ -118,6 +118,9 @@ def event_line(event: Event, state: RunState) -> str | None:
         line = f"gptop: {model_summary(state.model) or 'model'} on {where}"
         if total is not None:
             line += f", {total} steps"
+        precision = state.precision_label()
+        if precision:
+            line += f", precision {precision}"
         if state.run_dir:
             line += f", run dir {state.run_dir}"
         peak = fmt_peak(event)

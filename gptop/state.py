@@ -513,6 +513,17 @@ class RunState:
         t.update(self._applied)
         return t
 
+    def precision_label(self) -> str | None:
+        """What the run computes in: 'auto -> bf16' while the precision the trainer resolved from auto is in
+        force, else the precision ('fp16' after the tuner applied it); None before the hello."""
+        if self.hello is None:
+            return None
+        precision = self.toggles.get("precision")
+        if precision is None:
+            return None
+        auto = "precision" in self.hello.auto and precision == self.hello.toggles.get("precision")
+        return f"auto -> {precision}" if auto else str(precision)
+
     def toggle_diff(self, toggles: dict[str, Any] | None) -> dict[str, Any]:
         """The toggles that differ from what the run started with (trial and apply events carry all)."""
         base = self.initial_toggles or {}

@@ -52,6 +52,7 @@ def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
         applied = tuner.applied[-1] if tuner.applied else None
         elapsed = state.elapsed()
         done = state.done
+        precision = state.precision_label()
     if done is not None and done.step > (step or 0):   # steps after the last logged one
         step, tokens = done.step, done.tokens
     quoted = shlex.quote(run_dir) if run_dir else "RUN_DIR"
@@ -79,7 +80,8 @@ def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
             loss += f" (last eval {last_eval.loss:.3f} at step {last_eval.step})"
         add("loss", loss)
         tps, mfu = state.steady_medians()
-        add("speed", f"{fmt_num(tps)} tokens/s (median) · MFU {fmt_mfu(mfu, state.mfu_is_estimate)}")
+        add("speed", f"{fmt_num(tps)} tokens/s (median) · MFU {fmt_mfu(mfu, state.mfu_is_estimate)}"
+            + (f" · precision {precision}" if precision else ""))
         energy, trained = state.energy()          # gptop.energy over the recent steps, as the dashboard shows it
         per_token = energy.per_token(trained) if energy is not None else None
         if per_token is not None:

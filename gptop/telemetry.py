@@ -30,7 +30,7 @@ import psutil
 
 from gptop.energy import Rapl
 from gptop.nvml import Nvml
-from trainer.contract.device import DeviceInfo, cpu_name
+from trainer.contract.device import DeviceInfo, cpu_has_native_bf16, cpu_name
 from trainer.contract.events import CpuReading, DeviceEvent, GpuReading, finite_or_none
 
 if TYPE_CHECKING:
@@ -442,7 +442,9 @@ def training_device(requested: str = "auto", nvml: Nvml | None = None) -> Device
     NVML's, which CUDA's match when CUDA_DEVICE_ORDER=PCI_BUS_ID or the GPUs are alike (the trainer's hello
     then names its GPU by UUID: trainer.contract.device.gpu_key)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    cpu = DeviceInfo(type="cpu", name=cpu_name(), total_memory=psutil.virtual_memory().total, cpu_count=cpus)
+    native = cpu_has_native_bf16()
+    cpu = DeviceInfo(type="cpu", name=cpu_name(), total_memory=psutil.virtual_memory().total, cpu_count=cpus,
+                     cpu_bf16=native, cpu_bf16_native=native)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if requested == "cpu" or (visible is not None and visible.strip() in ("", "-1")):
         return cpu
@@ -473,7 +475,9 @@ def training_device(requested: str = "auto", nvml: Nvml | None = None) -> Device
             return cpu
         name = nv.query("nvmlDeviceGetName", handle)
         uuid = nv.query("nvmlDeviceGetUUID", handle)
+        cc = nv.query("nvmlDeviceGetCudaComputeCapability", handle)
         return DeviceInfo(type="cuda", index=nvml_index if nvml_index is not None else index, name=str(name or ""),
+                          capability=(int(cc[0]), int(cc[1])) if isinstance(cc, tuple) and len(cc) == 2 else None,
                           total_memory=int(total), cpu_count=cpus, uuid=str(uuid) if uuid else None)
     finally:
         if nvml is None:

@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from trainer.contract.config import TrainConfig, Toggles
+from trainer.contract.config import TrainConfig
+from fixtures.toggles import Toggles
 from trainer.contract.device import DeviceInfo
 from trainer.contract.events import TrialEvent, dumps, make, parse
 from tuner.budget import Budget

@@ -9,7 +9,8 @@ import pytest
 
 from test_tuner_controller import Clock
 from trainer.contract import capabilities
-from trainer.contract.config import ConfigError, TrainConfig, Toggles
+from trainer.contract.config import ConfigError, TrainConfig
+from fixtures.toggles import Toggles
 from trainer.contract.device import DeviceInfo
 from trainer.contract.events import make
 from tuner.budget import Budget

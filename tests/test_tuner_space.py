@@ -1,7 +1,8 @@
 import optuna
 import pytest
 
-from trainer.contract.config import ConfigError, Toggles
+from trainer.contract.config import ConfigError
+from fixtures.toggles import Toggles
 from trainer.contract.device import DeviceInfo
 from tuner.space import NUMERICS_CHANGING, SearchSpace, micro_batch_choices
 

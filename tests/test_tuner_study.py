@@ -10,7 +10,8 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from trainer.contract.config import ConfigError, TrainConfig, Toggles
+from trainer.contract.config import ConfigError, TrainConfig
+from fixtures.toggles import Toggles
 from trainer.contract.device import DeviceInfo
 from tuner.space import SearchSpace, params_key
 from tuner.study import (TuneStudy, dashboard_command, default_storage_url, shown_storage_url, storage_from_url,

@@ -14,7 +14,7 @@ import shutil
 
 import torch
 
-from .contract.device import DeviceInfo, cpu_name
+from .contract.device import DeviceInfo, cpu_has_native_bf16, cpu_name
 
 
 def detect(requested: str = "auto") -> DeviceInfo:
@@ -29,7 +29,7 @@ def detect(requested: str = "auto") -> DeviceInfo:
 
         return DeviceInfo(type="cpu", name=cpu_name(), total_memory=psutil.virtual_memory().total,
                           cpu_count=cpus, has_compiler=compiler_missing("cpu") is None,
-                          cpu_bf16=_cpu_has_bf16_kernels())
+                          cpu_bf16=_cpu_has_bf16_kernels(), cpu_bf16_native=cpu_has_native_bf16())
     if requested.startswith("cuda"):
         if not torch.cuda.is_available():
             raise ConfigError("--device", f"{requested} asked for but torch sees no CUDA device "

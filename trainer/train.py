@@ -86,6 +86,8 @@ class Trainer:
         self.resumed_from: str | None = None
         self.run_lock: RunLock | None = None
         self.notices: list[str] = []                 # warnings found before the channel exists
+        self.auto_options = [name for name, value in (("size", cfg.model.size), ("micro_batch", cfg.toggles.micro_batch),
+                                                      ("precision", cfg.toggles.precision)) if value == AUTO]
 
     # ------------------------------------------------------------------ setup
     def log(self, msg: str) -> None:
@@ -138,7 +140,7 @@ class Trainer:
             model.update(total_params=est.total_params, active_params=est.active_params,
                          flops_per_token=est.flops_per_token)
         self.emit0("hello", pid=os.getpid(), world_size=self.world, parallel=self.parallel, config=cfg.to_dict(),
-                   device=self.dev.to_dict(), model=model, early=True,
+                   device=self.dev.to_dict(), model=model, early=True, auto=self.auto_options,
                    estimate=est.to_dict() if est is not None else None, torch=torch.__version__)
         if est is None:
             return
@@ -191,6 +193,8 @@ class Trainer:
                 cfg.data.tokenizer = cfg.model.model
         elif cfg.model.size == "auto":
             cfg.model.size = resolve_size("auto", cfg.model.model, self.dev, **E.run_options(cfg))
+        # The run records what auto became (config.toml, hello), so a resume or a tuner trial runs the same.
+        cfg.toggles.precision = capabilities.resolve_precision(cfg.toggles.precision, self.dev)
 
         self.run_dir = Path(cfg.run.run_dir or rundir.default_run_dir(cfg))
         cfg.run.run_dir = str(self.run_dir)
@@ -276,7 +280,7 @@ class Trainer:
                   "fingerprint": self.data.fingerprint},
             accumulation=self.accum, micro_batch=self.micro_batch, tokens_per_step=self.tokens_per_step,
             peak_flops=self.peak_flops, peak_source=self.peak_source, resumed_from=self.resumed_from, start_step=self.progress.step,
-            torch=torch.__version__, gpus=self._node_gpus())
+            torch=torch.__version__, gpus=self._node_gpus(), auto=self.auto_options)
         ranks = f"; {self.world} ranks ({self.parallel}, {self.group.backend})" if self.group else ""
         self.log(f"{self.bundle.family}/{self.bundle.size}: {self.bundle.total_params / 1e6:.1f}M params "
                  f"({self.bundle.active_params / 1e6:.1f}M active, {self.bundle.trainable_params / 1e6:.2f}M trained) "
@@ -293,8 +297,10 @@ class Trainer:
         if self.parallel == "fsdp":
             self.autocast_dtype = D.fsdp_precision(p)[1]     # FSDP2's MixedPrecisionPolicy casts instead
         if self.dev.is_cuda:
-            torch.backends.cuda.matmul.allow_tf32 = p == "tf32"
-            torch.backends.cudnn.allow_tf32 = p == "tf32"
+            # A mixed-precision run lets the fp32 matmuls left outside autocast use TF32 too; fp32 means fp32.
+            tf32 = p != "fp32" and self.dev.at_least(8, 0)
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            torch.backends.cudnn.allow_tf32 = tf32
         if p.startswith("fp8"):
             from .fp8 import convert_to_fp8
 

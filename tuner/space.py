@@ -59,7 +59,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from trainer.contract.capabilities import CHOICES, default_values, memory_saving, support
+from trainer.contract.capabilities import CHOICES, default_values, memory_saving, resolve_precision, support
 from trainer.contract.config import AUTO, FAMILIES, MAX_BATCH, MAX_THREADS, ConfigError, Toggles, TrainConfig
 from trainer.contract.device import DeviceInfo
 
@@ -139,6 +139,8 @@ class SearchSpace:
         """The default space for `dev` (every supported value not known to be slow, and the start's own),
         widened to the memory-saving values when `memory` (why; see `memory_pressure`), then
         narrowed/widened by a `--tune-space` spec."""
+        # a trial runs a concrete precision: the start is what auto resolves to on `dev`
+        base = dataclasses.replace(base, precision=resolve_precision(base.precision, dev))
         per_rank = per_rank_batch(global_batch, world_size)
         choices: dict[str, tuple] = {}
         for name in TUNABLE:

@@ -154,6 +154,9 @@ def header(state: RunState, width: int) -> RenderableType:
             line1.append(" · " + summary)
         if dev:
             line1.append(" · " + dev)
+        precision = state.precision_label()
+        if precision:
+            line1.append(" · precision " + precision)
         tag = Text.assemble(" ● ", (status, STATUS_STYLE.get(status, "bold")))
         if state.tuner.active:
             tag = Text.assemble((" tuning", "bold yellow"), tag)

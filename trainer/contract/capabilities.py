@@ -21,8 +21,8 @@ import dataclasses
 import importlib.util
 from typing import Any, Sequence
 
-from .config import (ATTENTIONS, ALLOCATORS, COMPILE_MODES, OPTIMIZERS, PRECISIONS, QUANTIZE_BASE, ConfigError,
-                     Toggles, TrainConfig, flag_of)
+from .config import (ATTENTIONS, ALLOCATORS, AUTO, COMPILE_MODES, OPTIMIZERS, PRECISIONS, QUANTIZE_BASE,
+                     ConfigError, Toggles, TrainConfig, flag_of)
 from .device import DeviceInfo
 from .estimate import FAMILIES as SIZED_FAMILIES, SIZE_ORDER, state_bytes
 
@@ -49,6 +49,21 @@ def activation_bytes(precision: str) -> int:
     return ACTIVATION_BYTES.get(precision, 4)
 
 
+def auto_precision(dev: DeviceInfo) -> str:
+    """What `--precision auto` (the default) runs with on `dev`: bf16 autocast where the device multiplies bf16
+    natively (CUDA compute capability 8.0+, where the fp32 matmuls left outside autocast also use TF32; a CPU
+    with AVX512_BF16, AMX or Arm BF16, whose oneDNN has bf16 kernels), else fp32 (a V100's bf16 is emulated and
+    fp16 needs a loss scaler; an AVX2 CPU emulates bf16 30-100x slower than fp32)."""
+    if dev.is_cuda:
+        return "bf16" if dev.at_least(8, 0) else "fp32"
+    return "bf16" if dev.cpu_bf16 and dev.cpu_bf16_native is True else "fp32"
+
+
+def resolve_precision(value: str, dev: DeviceInfo) -> str:
+    """`value` with auto resolved for `dev` (any other value is kept as given)."""
+    return auto_precision(dev) if value == AUTO else value
+
+
 def recipe(base: Toggles, dev: DeviceInfo, precisions: Sequence[str]) -> Toggles:
     """A known-good starting point on `dev` (the tuner's first guess after the baseline), from `base` with
     the precision chosen among `precisions` (the ones a search may use). The caller sets the micro-batch."""
@@ -57,7 +72,7 @@ def recipe(base: Toggles, dev: DeviceInfo, precisions: Sequence[str]) -> Toggles
         t.precision = "bf16" if dev.at_least(8, 0) else ("fp16" if "fp16" in precisions else "fp32")
         t.compile = "default"
     else:
-        t.precision = "fp32"   # CPU bf16 autocast is slower than fp32 without AMX; fp32 is the safe bet
+        t.precision = auto_precision(dev) if auto_precision(dev) in precisions else "fp32"
         # and no compile: on a CPU inductor's C++ build takes minutes for a gain the sampler can still find
     t.fused_adamw = True
     t.activation_checkpointing = False
@@ -94,7 +109,7 @@ def support(name: str, value, dev: DeviceInfo, *, accumulation: int | None = Non
     `accumulation`: the run's micro-batches per optimizer step, where known (None: not known yet, e.g. a
     `--micro-batch auto` run before its probe); some values depend on it."""
     if name == "precision":
-        if value == "fp32":
+        if value in ("fp32", AUTO):
             return None
         if value == "tf32":
             return None if dev.at_least(8, 0) else "tf32 needs an NVIDIA GPU with compute capability 8.0 or newer"

@@ -30,6 +30,9 @@ from typing import Any, Callable, Literal, Union
 from .rundir import MAX_STEP
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8-tensorwise", "fp8-rowwise")
+# What `--precision` accepts: a precision, or auto (trainer.contract.capabilities.auto_precision decides on the
+# device; the run records the resolved value, so resume and trials never see "auto").
+PRECISION_CHOICES = ("auto",) + PRECISIONS
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
 ATTENTIONS = ("sdpa", "eager")
 ALLOCATORS = ("default", "expandable_segments")
@@ -188,7 +191,8 @@ class Toggles:
     file (or a run's stored config) that has them in their old tables still reads (`MOVED`).
     """
 
-    precision: str = opt("fp32", "numeric precision", choices=PRECISIONS)
+    precision: str = opt(AUTO, "numeric precision (auto: bf16 autocast where the device runs bf16 natively, "
+                         "else fp32)", choices=PRECISION_CHOICES)
     compile: str = opt("off", "torch.compile mode", choices=COMPILE_MODES)
     micro_batch: MicroBatch = opt(AUTO, "sequences per forward/backward (auto: largest that fits; accumulation is "
                                   "derived)", metavar="N|auto", kind=int, words=(AUTO,), low=1, high=MAX_BATCH)

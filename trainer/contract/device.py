@@ -25,6 +25,8 @@ class DeviceInfo:
     cpu_count: int = 1
     has_compiler: bool = True      # a C++ compiler for inductor on CPU / triton on GPU
     cpu_bf16: bool = True          # CPU: oneDNN has bf16 kernels (AVX-512 and newer); without them bf16 is emulated
+    # CPU: bf16 instructions (AVX512_BF16, AMX, Arm BF16), where bf16 matmuls beat fp32; None: not known
+    cpu_bf16_native: bool | None = None
     uuid: str | None = None        # CUDA: the GPU's UUID, which NVML reports too (`gpu_key`)
     pci_bus_id: str | None = None  # CUDA: its PCI address, DOMAIN:BUS:DEVICE in hex
 
@@ -59,6 +61,27 @@ class DeviceInfo:
         if kw.get("capability"):
             kw["capability"] = tuple(kw["capability"])
         return cls(**kw)
+
+
+# /proc/cpuinfo flags of CPUs that multiply bf16 in hardware (x86 AVX512_BF16 and AMX; Arm's "bf16" feature).
+BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (x86 "flags", Arm "Features"); empty elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_has_native_bf16(flags: frozenset[str] | None = None) -> bool:
+    """Whether the CPU has bf16 arithmetic in hardware, so bf16 autocast is faster than fp32 there."""
+    return bool((cpu_flags() if flags is None else flags) & BF16_CPU_FLAGS)
 
 
 def cpu_name() -> str:

@@ -193,6 +193,9 @@ class HelloEvent(Event):
     # trainer.contract.device.gpu_key of every GPU this node's ranks train on: which NVML devices are the run's
     # (energy per token counts those, not idle neighbours), also where a container hides the PIDs.
     gpus: list[str] | None = None
+    # Options given as auto (size, micro_batch, precision): the config holds what each became, so views can
+    # say "precision auto -> bf16".
+    auto: list[str] = field(default_factory=list)
 
     @property
     def toggles(self) -> dict[str, Any]:
