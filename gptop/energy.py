@@ -28,6 +28,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Iterable, Literal, Sequence
 
+from trainer.contract.device import gpu_key
 from trainer.contract.events import DeviceEvent
 
 COUNTER_GPU = "NVML energy counter"
@@ -49,7 +50,7 @@ class Energy:
 
 def measure(samples: Sequence[DeviceEvent], t0: float, t1: float, *,
             source: Literal["auto", "gpu", "cpu"] = "auto",
-            devices: Iterable[int] | None = None) -> Energy | None:
+            devices: Iterable[int] | None = None, run_gpus: Iterable[str] | None = None) -> Energy | None:
     """Energy used in [t0, t1], or None when the samples cannot say.
 
     Per device, the energy counter is read as a piecewise-linear function of
@@ -57,8 +58,10 @@ def measure(samples: Sequence[DeviceEvent], t0: float, t1: float, *,
     the nearest segment's rate), so windows need not line up with samples and
     a missing sample only widens a segment. Without counters, sampled power is
     integrated instead. `source="auto"` sums the GPUs when the samples have any
-    (`devices` picks NVML indices; by default the GPUs the trainer's processes
-    hold memory on, or all when NVML cannot tell), else the CPU package. If any
+    (`devices` picks NVML indices; by default the run's GPUs: those whose identity
+    is in `run_gpus`, the hello event's trainer.contract.device.gpu_key list, else
+    those the trainer's processes hold memory on, else all when nothing tells),
+    else the CPU package. If any
     chosen device has neither counter nor power in the window, the answer is
     None: a partial sum would understate energy per token.
     """
@@ -69,7 +72,7 @@ def measure(samples: Sequence[DeviceEvent], t0: float, t1: float, *,
         return None
     use_gpu = source == "gpu" or (source == "auto" and any(s.devices for s in samples))
     if use_gpu:
-        wanted = set(devices) if devices is not None else _run_gpus(samples, t0, t1)
+        wanted = set(devices) if devices is not None else _run_gpus(samples, t0, t1, run_gpus)
         if not wanted:
             return None
         total, kinds = 0.0, set()
@@ -89,9 +92,9 @@ def measure(samples: Sequence[DeviceEvent], t0: float, t1: float, *,
 
 def energy_between(samples: Sequence[DeviceEvent], t0: float, t1: float, *,
                    source: Literal["auto", "gpu", "cpu"] = "auto",
-                   devices: Iterable[int] | None = None) -> float | None:
+                   devices: Iterable[int] | None = None, run_gpus: Iterable[str] | None = None) -> float | None:
     """Joules used in [t0, t1] (`measure` without the source), or None."""
-    e = measure(samples, t0, t1, source=source, devices=devices)
+    e = measure(samples, t0, t1, source=source, devices=devices, run_gpus=run_gpus)
     return None if e is None else e.joules
 
 
@@ -112,8 +115,17 @@ def unavailable_reason(samples: Sequence[DeviceEvent]) -> str:
     return "the device samples do not cover the steps' time"
 
 
-def _run_gpus(samples: Sequence[DeviceEvent], t0: float, t1: float) -> set[int]:
-    """The GPUs the trainer's processes use in the window (NVML's per-process memory), else all GPUs."""
+def _run_gpus(samples: Sequence[DeviceEvent], t0: float, t1: float,
+              run_gpus: Iterable[str] | None = None) -> set[int]:
+    """The run's GPUs: those whose identity (UUID, else PCI address) the trainer named, else those its
+    processes hold memory on in the window (NVML's per-process memory, which a container's PID namespace
+    hides), else all GPUs (idle neighbours included: nothing tells them apart)."""
+    keys = set(run_gpus or ())
+    if keys:
+        named = {g.index for s in samples for g in s.devices
+                 if keys & {gpu_key(g.uuid), gpu_key(None, g.pci_bus_id)}}     # torch may know only one
+        if named:
+            return named
     near = [s for s in samples if t0 - 5.0 <= s.time <= t1 + 5.0] or list(samples)
     used = {g.index for s in near for g in s.devices if g.proc_mem}
     return used or {g.index for s in samples for g in s.devices}

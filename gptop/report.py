@@ -98,7 +98,8 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     out["checkpoints_kept"] = [{"step": c.step, "path": str(c.path)} for c in rundir.list_checkpoints(run_dir)]
     out["errors"] = [_error(e) for e in errors]
     out["warnings"] = len(warnings)
-    energy, why = _energy(run_dir, steps, skipped["device.jsonl"])
+    run_gpus = {k for e in hellos for k in (e.gpus or ())}
+    energy, why = _energy(run_dir, steps, skipped["device.jsonl"], run_gpus)
     if energy is not None:
         out["energy_j"] = energy.joules
         out["energy_source"] = energy.source
@@ -184,9 +185,10 @@ def _tokens_in_window(steps: list[StepEvent]) -> int:
     return steps[-1].tokens - steps[0].tokens if len(steps) > 1 else steps[-1].tokens
 
 
-def _energy(run_dir: Path, steps: list[StepEvent], skipped: _Skipped) -> tuple[Energy | None, str]:
+def _energy(run_dir: Path, steps: list[StepEvent], skipped: _Skipped,
+            run_gpus: set[str] | None = None) -> tuple[Energy | None, str]:
     """The run's energy over its step events (gptop.energy), or (None, why not): device.jsonl, or the sum over
-    the nodes' device.<node>.jsonl of a multi-node run."""
+    the nodes' device.<node>.jsonl of a multi-node run; `run_gpus`: the hellos' GPU identities."""
     if len(steps) < 2:
         return None, "fewer than two step events"
     total: Energy | None = None
@@ -195,7 +197,7 @@ def _energy(run_dir: Path, steps: list[StepEvent], skipped: _Skipped) -> tuple[E
         if not path.is_file():
             continue
         samples = [e for e in read_events(path, on_malformed=skipped) if isinstance(e, DeviceEvent)]
-        got = measure(samples, steps[0].time, steps[-1].time) if samples else None
+        got = measure(samples, steps[0].time, steps[-1].time, run_gpus=run_gpus) if samples else None
         if got is None:
             why = unavailable_reason(samples)
         elif total is None:

@@ -269,7 +269,7 @@ class Session(SessionBase):
             return None
         from .energy import energy_between
 
-        return energy_between(self.sampler.history(), t0, t1)
+        return energy_between(self.sampler.history(), t0, t1, run_gpus=self.state.run_gpus())
 
     def close(self) -> None:
         """Stop everything; never leaves a trainer process behind."""

@@ -704,7 +704,9 @@ class RunState:
         if opt >= 20 and not t.get("fused_adamw", False):
             return f"optimizer is {opt:.0f}% of the step: try --fused-adamw"
         if cuda and idle is not None and idle >= 20:
-            if t.get("compile") in (None, "off", "default"):
+            accumulation = self.hello.accumulation if self.hello is not None else None
+            if t.get("compile") in (None, "off", "default") and capabilities.worth_trying(
+                    "compile", "reduce-overhead", dev, accumulation=accumulation or None):
                 return (f"GPU idle {idle:.0f}% of the step (launch-bound): try --compile reduce-overhead "
                         "or a larger --micro-batch")
             return f"GPU idle {idle:.0f}% of the step (launch-bound): try a larger --micro-batch"
@@ -776,7 +778,13 @@ class RunState:
         k0, k1 = _interp(tokens, t0), _interp(tokens, t1)
         if k0 is None or k1 is None or k1 <= k0:
             return None, 0
-        return energy_measure(samples, t0, t1), int(k1 - k0)
+        return energy_measure(samples, t0, t1, run_gpus=self.run_gpus()), int(k1 - k0)
+
+    def run_gpus(self) -> list[str] | None:
+        """The run's GPUs (the hello's trainer.contract.device.gpu_key list): whose energy counts."""
+        with self.lock:
+            hello = self.hello
+        return hello.gpus if hello is not None else None
 
     def gpu_verdicts(self) -> dict[str, str]:
         """GPU key ("gpu0") -> why it is busy but slow (gpu_verdict), for the GPUs where it is."""

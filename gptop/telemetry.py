@@ -161,7 +161,19 @@ class _ProcTracker:
 # --------------------------------------------------------------------------- GPU side
 
 
-def _sample_gpu(nv: Nvml, index: int, name: str, pids: set[int]) -> GpuReading:
+def gpu_identity(nv: Nvml, index: int) -> tuple[str | None, str | None]:
+    """(UUID, PCI bus id) of NVML device `index`, None where NVML cannot tell: how gptop matches it to a
+    CUDA device (trainer.contract.device.gpu_key)."""
+    uuid = nv.device_query(index, "nvmlDeviceGetUUID")
+    pci = nv.device_query(index, "nvmlDeviceGetPciInfo")
+    bus = getattr(pci, "busId", None)
+    if isinstance(bus, bytes):
+        bus = bus.decode("ascii", errors="replace")
+    return (str(uuid) if uuid else None), (str(bus) if bus else None)
+
+
+def _sample_gpu(nv: Nvml, index: int, name: str, pids: set[int],
+                identity: tuple[str | None, str | None] = (None, None)) -> GpuReading:
     q = nv.device_query
     util = q(index, "nvmlDeviceGetUtilizationRates")
     mem = q(index, "nvmlDeviceGetMemoryInfo")
@@ -200,6 +212,8 @@ def _sample_gpu(nv: Nvml, index: int, name: str, pids: set[int]) -> GpuReading:
         sm_active_pct=finite_or_none(gpm.get("sm_active")),
         tensor_active_pct=finite_or_none(gpm.get("tensor_active")),
         power_note=None if power_mw is not None else "the driver reports no power for this GPU",
+        uuid=identity[0],
+        pci_bus_id=identity[1],
     )
 
 
@@ -248,6 +262,7 @@ class DeviceSampler:
         self._stop = threading.Event()
         self._ready = False
         self._gpu_names: dict[int, str] = {}
+        self._gpu_ids: dict[int, tuple[str | None, str | None]] = {}   # NVML index -> (UUID, PCI bus id)
         self._cpu_name = ""
         self._cores: _CoreLoad | None = None
         self._procs = _ProcTracker()
@@ -340,7 +355,10 @@ class DeviceSampler:
                         name = self._nvml.device_query(i, "nvmlDeviceGetName")
                         if name is not None:
                             self._gpu_names[i] = str(name)
-                    gpus.append(_sample_gpu(self._nvml, i, self._gpu_names.get(i, f"GPU {i}"), procs.pids))
+                    if i not in self._gpu_ids:
+                        self._gpu_ids[i] = gpu_identity(self._nvml, i)
+                    gpus.append(_sample_gpu(self._nvml, i, self._gpu_names.get(i, f"GPU {i}"), procs.pids,
+                                            self._gpu_ids[i]))
             cpu = self._sample_cpu(now, procs)
             sample = DeviceEvent(time=now, devices=gpus, cpu=cpu, mode="gpu" if gpus else "cpu")
         self._record(sample)
@@ -419,7 +437,10 @@ class DeviceSampler:
 def training_device(requested: str = "auto", nvml: Nvml | None = None) -> DeviceInfo:
     """The device a trainer given `--device requested` will use, as far as NVML and the OS tell without torch
     (trainer.device.detect asks torch): enough to name a `--size auto` run directory by the size that
-    trainer.contract.capabilities.auto_size picks. CUDA_VISIBLE_DEVICES is honoured when it lists indices."""
+    trainer.contract.capabilities.auto_size picks. CUDA_VISIBLE_DEVICES is honoured whether it lists indices
+    or UUIDs (GPU-..., and MIG-... for a MIG instance, sized by its own memory); its indices are taken as
+    NVML's, which CUDA's match when CUDA_DEVICE_ORDER=PCI_BUS_ID or the GPUs are alike (the trainer's hello
+    then names its GPU by UUID: trainer.contract.device.gpu_key)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     native = cpu_has_native_bf16()
     cpu = DeviceInfo(type="cpu", name=cpu_name(), total_memory=psutil.virtual_memory().total, cpu_count=cpus,
@@ -428,23 +449,36 @@ def training_device(requested: str = "auto", nvml: Nvml | None = None) -> Device
     if requested == "cpu" or (visible is not None and visible.strip() in ("", "-1")):
         return cpu
     index = int(requested.split(":", 1)[1]) if requested.startswith("cuda:") and requested[5:].isdigit() else 0
+    entry: str = str(index)
     if visible:
         ids = [x.strip() for x in visible.split(",")]
-        if index < len(ids) and ids[index].isdigit():
-            index = int(ids[index])
+        if index >= len(ids):
+            return cpu
+        entry = ids[index]
     nv = nvml or Nvml()
     try:
-        if not nv.open() or index >= nv.device_count:
+        if not nv.open():
             return cpu
-        mem = nv.device_query(index, "nvmlDeviceGetMemoryInfo")
-        total = getattr(mem, "total", None)
+        nvml_index: int | None
+        if entry.isdigit():
+            nvml_index = int(entry)
+            if nvml_index >= nv.device_count:
+                return cpu
+            handle = nv.handle(nvml_index)
+        else:                               # a UUID: NVML finds GPUs and MIG instances by it
+            handle = nv.query("nvmlDeviceGetHandleByUUID", entry)
+            nvml_index = nv.query("nvmlDeviceGetIndex", handle) if handle is not None else None
+        if handle is None:
+            return cpu
+        total = getattr(nv.query("nvmlDeviceGetMemoryInfo", handle), "total", None)
         if total is None:
             return cpu
-        name = nv.device_query(index, "nvmlDeviceGetName")
-        cc = nv.device_query(index, "nvmlDeviceGetCudaComputeCapability")
-        return DeviceInfo(type="cuda", index=index, name=name.decode() if isinstance(name, bytes) else str(name or ""),
+        name = nv.query("nvmlDeviceGetName", handle)
+        uuid = nv.query("nvmlDeviceGetUUID", handle)
+        cc = nv.query("nvmlDeviceGetCudaComputeCapability", handle)
+        return DeviceInfo(type="cuda", index=nvml_index if nvml_index is not None else index, name=str(name or ""),
                           capability=(int(cc[0]), int(cc[1])) if isinstance(cc, tuple) and len(cc) == 2 else None,
-                          total_memory=int(total), cpu_count=cpus)
+                          total_memory=int(total), cpu_count=cpus, uuid=str(uuid) if uuid else None)
     finally:
         if nvml is None:
             nv.close()

@@ -46,3 +46,85 @@ def test_steps_down_when_the_jump_does_not_fit():
 
     assert find_micro_batch(probe, 32, capacity=1000, margin=0.0) == 16
     assert tried == [1, 2, 32, 16]
+
+
+def test_only_the_allowed_candidates_are_probed():
+    """A CUDA-graph compile mode runs without accumulation: `--micro-batch auto` probes the whole batch only."""
+    probed = []
+
+    def probe(mb):
+        probed.append(mb)
+        return mb * 10
+    assert find_micro_batch(probe, 16, capacity=1000, only=[16]) == 16 and probed == [16]
+    with pytest.raises(torch.OutOfMemoryError, match="even micro-batch 16 does not fit"):
+        find_micro_batch(probe, 16, capacity=100, only=[16])
+
+
+@pytest.mark.parametrize("name", ["adamw", "adafactor"])
+def test_the_state_counted_for_the_first_step_is_what_the_step_allocates(name):
+    from trainer import optim
+    from trainer.contract.config import TrainConfig
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 8))
+    cfg = TrainConfig()
+    cfg.toggles.optimizer = name
+    opt = optim.build_optimizer(model, cfg)
+    pending = optim.pending_state_bytes(opt, name)
+    assert pending > 0 and optim.state_bytes(opt) == 0
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    assert optim.state_bytes(opt) == pending            # counted exactly as the step allocated it
+    assert optim.pending_state_bytes(opt, name) == 0     # nothing left to allocate (also after a resume)
+
+
+class FakeCudaMemoryApi:
+    """torch.cuda's memory functions for one GPU: 80 GiB, of which another process holds 30 GiB."""
+
+    GiB = 2**30
+
+    def mem_get_info(self, device):
+        return 40 * self.GiB, 80 * self.GiB           # free, total
+
+    def memory_reserved(self, device):
+        return 10 * self.GiB                          # this process's caching allocator
+
+    def max_memory_reserved(self, device):
+        return 12 * self.GiB
+
+    def max_memory_allocated(self, device):
+        return 9 * self.GiB
+
+
+def test_gpu_capacity_is_free_memory_plus_what_this_process_holds():
+    """`--micro-batch auto` plans against what the process can still grow into, not the device's total (a
+    CUDA context, another process or a library may hold part of it)."""
+    from trainer.memory import CudaMemory
+
+    m = CudaMemory(torch.device("cuda:1"), cuda=FakeCudaMemoryApi())
+    assert m.capacity() == 50 * 2**30
+    assert m.figures() == {"allocated_peak": 9 * 2**30, "reserved_peak": 12 * 2**30, "total": 80 * 2**30,
+                           "capacity": 50 * 2**30}
+
+
+@pytest.mark.parametrize("environ, var, want, warned", [
+    ({}, "PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", False),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}, "PYTORCH_CUDA_ALLOC_CONF",
+     "max_split_size_mb:128,expandable_segments:True", True),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False,roundup_power2_divisions:4"}, "PYTORCH_CUDA_ALLOC_CONF",
+     "expandable_segments:True,roundup_power2_divisions:4", True),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "PYTORCH_CUDA_ALLOC_CONF",
+     "expandable_segments:True", False),
+    ({"PYTORCH_ALLOC_CONF": "garbage_collection_threshold:0.8", "PYTORCH_CUDA_ALLOC_CONF": "x:1"},
+     "PYTORCH_ALLOC_CONF", "garbage_collection_threshold:0.8,expandable_segments:True", True),
+])
+def test_expandable_segments_merge_into_the_users_allocator_settings(environ, var, want, warned):
+    """`--cuda-allocator expandable_segments` was a silent no-op for anyone who had set the allocator
+    variable: now it is merged into the variable torch reads, keeping the user's options, with a warning."""
+    from trainer.memory import enable_expandable_segments
+
+    env = dict(environ)
+    note = enable_expandable_segments(env)
+    assert env[var] == want and (note is not None) == warned
+    if note:
+        assert var in note and "expandable_segments" in note
+    assert {k: v for k, v in env.items() if k != var} == {k: v for k, v in environ.items() if k != var}

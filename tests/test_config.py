@@ -117,3 +117,58 @@ def test_no_compiler_means_no_compile():
     dev = DeviceInfo(type="cpu", name="x", has_compiler=False)
     assert capabilities.support("compile", "default", dev)
     assert capabilities.supported_values("compile", dev) == ["off"]
+
+
+def test_cuda_graph_compile_modes_refuse_gradient_accumulation():
+    """reduce-overhead and max-autotune capture CUDA graphs, whose replays overwrite the gradients that
+    accumulation keeps between backwards (pytorch#169545): refused where the run accumulates, with the
+    reason and what to use instead; allowed without accumulation and while it is not known yet."""
+    for mode in capabilities.CUDA_GRAPH_MODES:
+        why = capabilities.support("compile", mode, H100, accumulation=4)
+        assert "CUDA graphs" in why and "accumulation over 4" in why and "--compile default" in why
+        assert capabilities.support("compile", mode, H100, accumulation=1) is None
+        assert capabilities.support("compile", mode, H100) is None          # micro-batch auto: not known yet
+    assert capabilities.support("compile", "max-autotune-no-cudagraphs", H100, accumulation=4) is None
+    assert capabilities.supported_values("compile", H100, accumulation=2) == [
+        "off", "default", "max-autotune-no-cudagraphs"]
+    cfg = parse(["--compile", "reduce-overhead", "--micro-batch", "2", "--global-batch", "8"])
+    with pytest.raises(ConfigError) as e:
+        capabilities.check_config(cfg, H100)
+    assert e.value.option == "--compile" and "accumulation over 4" in str(e.value)
+    capabilities.check_config(cfg, H100, world_size=4)          # 2 sequences a rank: no accumulation
+    assert capabilities.unsupported(cfg.toggles, H100, 8) == ("compile", capabilities.support(
+        "compile", "reduce-overhead", H100, accumulation=4))
+    assert capabilities.accumulation_of(parse(["--micro-batch", "auto"]).toggles, 8) is None
+    capabilities.check_config(parse(["--compile", "reduce-overhead", "--global-batch", "8"]), H100)   # auto
+
+
+def test_the_compiler_toolchain_is_checked_per_device(monkeypatch):
+    """torch.compile needs a C++ compiler on the CPU; on CUDA, triton and a C compiler for its launchers
+    (it was taken for granted there): each missing piece is named, and the capability says what to install."""
+    import importlib.util
+    import shutil
+
+    from trainer import device
+
+    have = {"c++", "cc"}
+    triton = [True]
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}" if name in have else None)
+    real_find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: (object() if triton[0] else None) if name == "triton" else real_find(name, *a))
+    assert device.compiler_missing("cpu") is None and device.compiler_missing("cuda") is None
+    triton[0] = False
+    assert "triton" in device.compiler_missing("cuda") and device.compiler_missing("cpu") is None
+    triton[0] = True
+    have.discard("cc")
+    assert "C compiler" in device.compiler_missing("cuda")
+    monkeypatch.setenv("CC", "clang")
+    have.add("clang")
+    assert device.compiler_missing("cuda") is None
+    have.discard("c++")
+    assert "g++" in device.compiler_missing("cpu")
+    no_triton = DeviceInfo(type="cuda", index=0, name="H100", capability=(9, 0), has_compiler=False)
+    assert "triton" in capabilities.support("compile", "default", no_triton)
+    assert capabilities.supported_values("compile", no_triton) == ["off"]

@@ -646,6 +646,8 @@ class FakeCuda:
     def __init__(self):
         self.log: list = []
         self.current = "compute"
+        self.devices = threading.local()         # each thread's current device: 0 until set_device
+        self.used: list = []                     # (call, thread, device it ran on)
         fake = self
 
         class Stream:
@@ -670,10 +672,17 @@ class FakeCuda:
         self.Stream, self.Event = Stream, Event
         self.compute = Stream("compute")
 
+    def on(self, call):
+        self.used.append((call, threading.current_thread().name, getattr(self.devices, "index", 0)))
+
+    def set_device(self, device):
+        self.devices.index = torch.device(device).index or 0
+
     def new_stream(self):
         return self.Stream("side")
 
     def pin(self, t):
+        self.on("pin")
         self.log.append(("pin", self.current))
         return t.clone()
 
@@ -682,6 +691,7 @@ class FakeCuda:
 
         @contextlib.contextmanager
         def ctx():
+            self.on("stream")
             before, self.current = self.current, stream.name
             self.log.append(("enter", stream.name))
             yield
@@ -690,10 +700,12 @@ class FakeCuda:
         return ctx()
 
     def copy(self, t):
+        self.on("copy")
         self.log.append(("copy", self.current))
         return t.clone()
 
     def new_event(self):
+        self.on("event")
         return self.Event()
 
     def current_stream(self):
@@ -727,3 +739,20 @@ def test_prefetcher_with_cuda_copier_finishes_each_batch_in_the_consumer():
     assert len(waits) == 6 and len({w[2] for w in waits}) == 6     # one event per micro-batch, each waited on
     for (b, k, x, y), (eb, ek, ex, ey) in zip(got, expected(s, 0, 2, 6)):
         assert (b, k) == (eb, ek) and torch.equal(x, ex) and torch.equal(y, ey)
+
+
+@pytest.mark.parametrize("depth, workers", [(0, 0), (2, 0), (2, 2)])
+def test_producer_threads_use_the_runs_gpu_not_gpu_0(depth, workers):
+    """A new thread's current CUDA device is 0: the prefetch thread and the workers set the run's device
+    before they pin, enter the copy stream or make an event, or every rank >= 1 and every --device cuda:N
+    would create a CUDA context (about 0.5 GiB) on GPU 0."""
+    fake = FakeCuda()
+    fake.set_device("cuda:3")                           # the training thread's device (trainer.train sets it)
+    s = BatchSampler(TOKENS, 16, 4, seed=9)
+    with Prefetcher(s, 2, 0, torch.device("cuda:3"), depth=depth, workers=workers,
+                    copier=CudaCopier("cuda:3", ops=fake)) as p:
+        for _ in range(6):
+            p.get()
+    threads = {t for _, t, _ in fake.used}
+    assert fake.used and all(d == 3 for _, _, d in fake.used), [u for u in fake.used if u[2] != 3]
+    assert (threads == {"MainThread"}) == (depth == 0)            # with depth > 0 only producer threads copy

@@ -496,3 +496,23 @@ def test_lora_on_two_ranks_checkpoints_only_the_adapters_and_resumes_exactly(tmp
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     assert (out / "adapter_model.safetensors").is_file()
+
+
+def test_fsdp2_is_found_on_every_torch_the_project_allows(monkeypatch):
+    """pyproject.toml allows torch 2.5, where FSDP2 lives in torch.distributed._composable.fsdp (public in
+    torch.distributed.fsdp only from 2.6): `--parallel fsdp` finds it in either place."""
+    import types
+
+    import torch.distributed.fsdp as public
+
+    from trainer import dist as D
+
+    fully_shard, policy = D.fsdp2()
+    assert fully_shard is public.fully_shard and policy is public.MixedPrecisionPolicy
+    old = types.ModuleType("torch.distributed.fsdp")             # torch 2.5: FSDP1's names only
+    composable = types.ModuleType("torch.distributed._composable.fsdp")
+    composable.fully_shard, composable.MixedPrecisionPolicy = (lambda m, **kw: m), type("Policy", (), {})
+    monkeypatch.setitem(sys.modules, "torch.distributed.fsdp", old)
+    monkeypatch.setitem(sys.modules, "torch.distributed._composable.fsdp", composable)
+    assert D.fsdp2() == (composable.fully_shard, composable.MixedPrecisionPolicy)
+    assert D.fsdp_precision("fp32") == (None, None)

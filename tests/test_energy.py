@@ -66,6 +66,35 @@ def test_only_the_trainers_gpus_count_when_nvml_says_which(tmp_path):
     assert E.energy_between(samples, 1_000.0, 1_002.0, devices=[0, 1]) == pytest.approx(400.0)
 
 
+def test_the_runs_gpus_count_by_identity_when_the_pids_do_not_match(tmp_path):
+    """In a container NVML reports host PIDs, so no GPU shows the trainer's memory: the run's GPUs are then
+    the ones its hello names (by UUID, or PCI address), not every GPU of the machine with its idle draw."""
+    from trainer.contract.device import gpu_key
+
+    clock = FakeClock(1_000.0)
+    mod = fake_pynvml(count=3)
+    stranger = [types.SimpleNamespace(pid=1, usedGpuMemory=2**30)]        # a PID from another namespace
+    mod.nvmlDeviceGetComputeRunningProcesses = lambda h: stranger
+    samples = gpu_samples(mod, tmp_path, [100.0, 100.0], clock, pids=lambda: [os.getpid()])
+    assert all(g.proc_mem is None for g in samples[-1].devices)
+    assert E.energy_between(samples, 1_000.0, 1_002.0) == pytest.approx(600.0)          # all three
+    run = [gpu_key(mod.uuids[2].lower().removeprefix("gpu-"))]                          # torch's spelling
+    assert E.energy_between(samples, 1_000.0, 1_002.0, run_gpus=run) == pytest.approx(200.0)
+    by_pci = [gpu_key(None, "0000:17:00"), gpu_key(None, "0000:18:00")]
+    assert E.energy_between(samples, 1_000.0, 1_002.0, run_gpus=by_pci) == pytest.approx(400.0)
+    assert E.energy_between(samples, 1_000.0, 1_002.0, run_gpus=["not-a-gpu-here"]) == pytest.approx(600.0)
+
+    state = RunState()                                                   # the dashboard reads the hello's list
+    hello = make("hello", config={}, device={"type": "cuda", "index": 0, "name": "H100"},
+                 model={"family": "llama", "size": "tiny"}, gpus=run, time=999.0)
+    for x in [hello, *samples]:
+        state.apply(x)
+    state.apply(step(10, 1_000.0))
+    state.apply(step(20, 1_002.0))
+    got, tokens = state.energy()
+    assert got.joules == pytest.approx(200.0) and tokens == 10_000
+
+
 def test_power_is_integrated_without_a_counter(tmp_path):
     clock = FakeClock(1_000.0)
     errors = {(0, "nvmlDeviceGetTotalEnergyConsumption"): pynvml.NVMLError_NotSupported}

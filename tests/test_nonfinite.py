@@ -244,3 +244,78 @@ def test_every_checkpoint_corrupt_is_an_error_of_its_kind(tmp_path):
     assert err.kind == "corrupt_checkpoint" in ERROR_KINDS and err.exit_code == EXIT_CORRUPT_CHECKPOINT
     assert "every checkpoint" in err.message and "\n" not in err.message
     assert sum("corrupt checkpoint skipped" in w.message for w in of(events, "warning")) == 2
+
+
+# ------------------------------------------------------------------ restoring on a device (issue 27, bug 1)
+def test_rng_states_are_restored_as_cpu_byte_tensors_and_garbage_is_corrupt():
+    """torch.set_rng_state / torch.cuda.set_rng_state accept only a CPU ByteTensor: whatever device a state
+    was loaded to, the checkpointer hands them one; a value that is no byte tensor is the file's fault."""
+    from trainer.checkpointer import rng_state
+
+    state = torch.get_rng_state()
+    got = rng_state(state, "rng.torch")
+    assert got.device.type == "cpu" and got.dtype == torch.uint8 and torch.equal(got, state)
+    torch.set_rng_state(got)
+    for bad in (state.float(), [1, 2, 3], None):
+        with pytest.raises(ckpt.CorruptCheckpoint, match="rng.torch is not a byte tensor"):
+            rng_state(bad, "rng.torch")
+
+
+def test_a_checkpoint_restores_on_a_device_that_is_not_the_cpu(tmp_path):
+    """The live model and optimizer copy from the loaded state, so it is read onto the CPU whatever the
+    training device: read onto the device, the RNG states land where torch.set_rng_state refuses them
+    (every resume, rollback and tuner trial failed on a GPU, each checkpoint called corrupt) and the device
+    holds a second copy of the whole state. `meta` stands in for the GPU: a device that is not the CPU."""
+    from trainer.checkpointer import Checkpointer, Progress
+    from trainer.contract.config import TrainConfig
+    from trainer.contract.device import DeviceInfo
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    warnings = []
+    cp = Checkpointer(TrainConfig(), DeviceInfo(type="meta", name="not the cpu"), tmp_path, None, warnings.append)
+    cp.bind(model, opt, torch.amp.GradScaler("cpu", enabled=False))
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    cp.save(Progress(step=3, tokens=30, batch_cursor=3))
+    with torch.no_grad():
+        model.weight.zero_()
+    torch.rand(5)
+    path, progress = cp.resume(tmp_path)
+    assert not warnings and progress.step == 3 and path == rundir.path_for(tmp_path, 3)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_a_restore_failure_that_is_not_the_files_fault_is_not_called_corrupt(tmp_path, monkeypatch):
+    """A bug or a device error while restoring ends the run with that error (a crash), instead of skipping
+    every checkpoint as corrupt and exiting 7; a file whose content does not fit stays a corrupt one."""
+    from trainer.train import EXIT_CRASH
+
+    code, _, run_dir = run(tmp_path, "--max-steps", "4", "--checkpoint-every", "2")
+    assert code == EXIT_OK
+
+    def refusing(state):
+        raise TypeError("RNG state must be a torch.ByteTensor")
+    with monkeypatch.context() as m:
+        m.setattr(torch, "set_rng_state", refusing)
+        code, _, _ = run(tmp_path, "--resume", str(run_dir), "--max-steps", "6")
+    assert code == EXIT_CRASH
+    events = list(read_events(run_dir / "events.jsonl"))
+    (err,) = of(events, "error")
+    assert err.kind == "crash" and "RNG state must be a torch.ByteTensor" in err.message
+    assert not any("corrupt checkpoint skipped" in w.message for w in of(events, "warning"))
+
+    newest = rundir.path_for(run_dir, 4)
+    state = ckpt.load(newest)
+    state["model"]["not.a.parameter"] = torch.zeros(1)
+    ckpt.save(state, newest)
+    code, _, _ = run(tmp_path, "--resume", str(run_dir), "--max-steps", "6", name="run")
+    assert code == EXIT_OK
+    events = list(read_events(run_dir / "events.jsonl"))
+    assert of(events, "hello")[-1].start_step == 2
+    assert any("step-00000004.pt" in w.message and "corrupt checkpoint skipped" in w.message
+               for w in of(events, "warning"))

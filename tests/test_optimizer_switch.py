@@ -217,3 +217,44 @@ def test_a_tuning_over_the_optimizer_switches_live_and_reports_every_trials_peak
     assert ran and all(t["peak_mem"] for t in ran)
     md = (run_dir / "tuning.md").read_text()
     assert "| peak mem |" in md and (" MiB |" in md or " GiB |" in md)
+
+
+class StepOnAnotherDevice:
+    """An AdamW step count as a checkpoint of fused AdamW leaves it after a load: on the GPU (`meta` here)."""
+
+    device = torch.device("meta")
+    dtype = torch.float32
+
+    def __init__(self, value):
+        self.value = value
+
+    def to(self, device, dtype):
+        return torch.tensor(self.value, dtype=dtype, device=device)
+
+
+def test_adamw_step_counts_go_where_this_runs_kernel_expects_them():
+    """torch's load_state_dict places step counts by the saved groups' flags; the kernel is this run's toggle:
+    foreach/for-loop AdamW wants them on the CPU (on a GPU each would be read back every step), the fused and
+    capturable kernels on the parameter's device."""
+    from trainer.optim import place_step_counts, step_count_device
+
+    on_gpu = torch.nn.Parameter(torch.zeros(2, device="meta"))
+    assert step_count_device({"fused": None, "foreach": True}, on_gpu) == torch.device("cpu")
+    assert step_count_device({"fused": True}, on_gpu) == torch.device("meta")
+    assert step_count_device({"capturable": True}, on_gpu) == torch.device("meta")
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    for p in model.parameters():
+        opt.state[p]["step"] = StepOnAnotherDevice(1.0)
+    assert place_step_counts(opt) == 2
+    steps = [opt.state[p]["step"] for p in model.parameters()]
+    assert all(isinstance(s, torch.Tensor) and s.device.type == "cpu" and float(s) == 1.0 for s in steps)
+    assert place_step_counts(opt) == 0                  # already where they belong
+
+    fused = torch.optim.AdamW([on_gpu], fused=None)
+    fused.param_groups[0]["fused"] = True               # as resuming with fused AdamW sets it
+    fused.state[on_gpu]["step"] = torch.tensor(3.0)     # saved by foreach AdamW: on the CPU
+    assert place_step_counts(fused) == 1 and fused.state[on_gpu]["step"].device.type == "meta"

@@ -219,3 +219,39 @@ def test_cpu_auto_micro_batch_takes_the_whole_batch_when_the_estimate_has_room(t
     assert phases == ["building llama tiny"]
     tight, phases = setup("tight", 1 << 30)        # fits at micro-batch 1, but the whole batch is over half
     assert [p for p in phases if p.startswith("probing")][:2] == ["probing micro-batch 1", "probing micro-batch 2"]
+
+
+def test_auto_micro_batch_counts_the_optimizer_state_the_first_step_allocates(tmp_path, monkeypatch):
+    """The probe runs forward and backward, but AdamW's moments (8 bytes per trained parameter) appear at the
+    first optimizer step and stay: each probed peak includes them, counted by the estimate's rule (a probe
+    without them picked a micro-batch that ran out of memory at step 2 on a large model)."""
+    import trainer.autobatch as autobatch
+    from trainer.cli import parse_config
+    from trainer.contract import estimate as E
+    from trainer.contract.device import DeviceInfo
+    from trainer.device import detect
+    from trainer.memory import CpuMemory
+    from trainer.train import Trainer
+
+    got = {}
+    real_find = autobatch.find_micro_batch
+
+    def spying(probe, local, capacity, **kw):
+        got["peaks"] = {mb: probe(mb) for mb in (1, 2)}
+        return real_find(probe, local, capacity, **kw)
+    monkeypatch.setattr(autobatch, "find_micro_batch", spying)
+    monkeypatch.setattr(CpuMemory, "peak", lambda self: 10**9)
+    cfg = parse_config([*TINY, "--micro-batch", "auto", "--run-dir", str(tmp_path / "r")])
+    real = detect(cfg.run.device)
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    trainer = Trainer(cfg, dev=DeviceInfo(type="cpu", name=real.name, total_memory=1 << 30, cpu_count=1))
+    try:
+        trainer.setup()
+    finally:
+        if trainer.channel is not None:
+            trainer.channel.close()
+        for s, h in saved.items():
+            signal.signal(s, h)
+    shapes = [E.Tensor(tuple(p.shape)) for p in trainer.raw_model.parameters() if p.requires_grad]
+    state = E.optimizer_state_bytes("adamw", shapes)
+    assert state > 8 * 10**6 and got["peaks"] == {1: 10**9 + state, 2: 10**9 + state}

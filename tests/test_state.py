@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -589,3 +590,15 @@ def test_between_the_full_hello_and_the_first_step_it_says_first_step():
     assert s.startup_line() == "first step · 0:12"          # built at 59 s, no compile phase: the step runs
     s.apply(ev("progress", 80.0, step=1, tokens=1))
     assert s.startup_line() is None
+
+
+def test_a_launch_bound_hint_never_names_a_cuda_graph_mode_the_run_cannot_use():
+    """reduce-overhead is refused with gradient accumulation (trainer.contract.capabilities): the hint for
+    an idle GPU names it only where the run does not accumulate."""
+    h = hello()
+    assert "--compile reduce-overhead" in fed(h, step(1, 1.0, PH, gpu_idle_ms=30.0)).bottleneck_hint()
+    accumulating = dataclasses.replace(h, accumulation=4)
+    hint = fed(accumulating, step(1, 1.0, PH, gpu_idle_ms=30.0)).bottleneck_hint()
+    assert "reduce-overhead" not in hint and "larger --micro-batch" in hint
+    assert "reduce-overhead" in fed(dataclasses.replace(h, accumulation=1),
+                                    step(1, 1.0, PH, gpu_idle_ms=30.0)).bottleneck_hint()

@@ -79,6 +79,20 @@ def fake_pynvml(*, init_error=None, count=2, errors=None, procs=None, power_mw=2
     mod.nvmlDeviceGetClockInfo = device_fn("nvmlDeviceGetClockInfo", lambda h, c: 1980)
     mod.nvmlDeviceGetComputeRunningProcesses = device_fn(
         "nvmlDeviceGetComputeRunningProcesses", lambda h: list(procs or []))
+    # identity: UUID and PCI address per GPU (GPU h sits on bus 0x17 + h), as NVML spells them
+    mod.uuids = {i: f"GPU-{i:08x}-1111-2222-3333-44445555666{i}" for i in range(count)}
+    mod.nvmlDeviceGetUUID = device_fn("nvmlDeviceGetUUID", lambda h: mod.uuids[h])
+    mod.nvmlDeviceGetPciInfo = device_fn("nvmlDeviceGetPciInfo",
+                                         lambda h: ns(busId=f"00000000:{0x17 + h:02X}:00.0".encode()))
+    mod.nvmlDeviceGetIndex = device_fn("nvmlDeviceGetIndex", lambda h: h)
+
+    def by_uuid(uuid):
+        calls["nvmlDeviceGetHandleByUUID"] += 1
+        for i, u in mod.uuids.items():
+            if u == uuid:
+                return i
+        raise pynvml.NVMLError_NotFound()
+    mod.nvmlDeviceGetHandleByUUID = by_uuid
     return mod
 
 
@@ -487,6 +501,40 @@ def test_training_device_from_nvml_and_the_environment(monkeypatch):
     assert training_device("auto", Nvml(fake_pynvml(count=2))).index == 1      # CUDA's 0 is NVML's 1
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert not training_device("auto", Nvml(fake_pynvml(count=2))).is_cuda   # no GPU visible to torch
+    mod = fake_pynvml(count=2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", mod.uuids[1])                 # UUIDs, as schedulers set them
+    dev = training_device("auto", Nvml(mod))
+    assert dev.is_cuda and dev.index == 1 and dev.uuid == mod.uuids[1] and dev.total_memory == 80 * 2**30
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-not-here")
+    assert not training_device("auto", Nvml(fake_pynvml(count=2))).is_cuda
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert not training_device("cuda:1", Nvml(fake_pynvml(count=2))).is_cuda  # cuda:1 is not visible
+
+
+def test_torch_and_nvml_spell_a_gpus_identity_the_same():
+    """CUDA's indices are renumbered by CUDA_VISIBLE_DEVICES and ordered fastest-first, NVML's by PCI bus:
+    gptop matches a CUDA device to an NVML one by UUID (or PCI address), spelled one way for both."""
+    from trainer.contract.device import DeviceInfo, gpu_key
+
+    nvml_uuid, torch_uuid = "GPU-58D1B8B4-E1C8-11EE-0000-0123456789AB", "58d1b8b4-e1c8-11ee-0000-0123456789ab"
+    assert gpu_key(nvml_uuid) == gpu_key(torch_uuid) == torch_uuid
+    assert gpu_key("MIG-58d1b8b4-e1c8-11ee-0000-0123456789ab") == torch_uuid
+    assert gpu_key(None, "00000000:17:00.0") == gpu_key(None, "0000:17:00") == "pci:0000:17:00"
+    assert gpu_key(torch_uuid, "0000:17:00") == torch_uuid                    # the UUID first
+    assert gpu_key(None, "garbage") is None and gpu_key() is None
+    dev = DeviceInfo(type="cuda", index=0, name="H100", uuid=torch_uuid, pci_bus_id="0000:17:00")
+    assert dev.key == torch_uuid and DeviceInfo.from_dict(dev.to_dict()) == dev
+    assert DeviceInfo(type="cpu").key is None
+
+
+def test_samples_carry_each_gpus_identity(tmp_path):
+    mod = fake_pynvml(count=2)
+    s = make_sampler(mod, tmp_path)
+    first, second = s.sample_once(), s.sample_once()
+    s.stop()
+    assert [g.uuid for g in second.devices] == [mod.uuids[0], mod.uuids[1]]
+    assert [g.pci_bus_id for g in second.devices] == ["00000000:17:00.0", "00000000:18:00.0"]
+    assert mod.calls[(0, "nvmlDeviceGetUUID")] == 1                           # asked once per GPU, not per sample
 
 
 def test_a_size_auto_run_directory_is_named_by_the_size_it_resolves_to(monkeypatch, tmp_path):

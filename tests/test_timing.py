@@ -51,11 +51,13 @@ class FakeEvent:
 
     gpu = FakeClock()
     records = 0
+    stream = "compute stream of cuda:0"
 
     def __init__(self):
         self.t = None
 
-    def record(self):
+    def record(self, stream):
+        assert stream == FakeEvent.stream, f"recorded on {stream}, not the run's compute stream"
         FakeEvent.records += 1
         self.t = FakeEvent.gpu.t
 
@@ -67,7 +69,7 @@ class FakeEvent:
 def test_cuda_timer_reads_events_only_on_collect():
     FakeEvent.gpu = gpu = FakeClock()
     host = FakeClock()
-    timer = CudaTimer(make_event=FakeEvent, clock=host)
+    timer = CudaTimer(make_event=FakeEvent, clock=host, stream=lambda: FakeEvent.stream)
     for step in range(3):
         timer.begin_step(step)
         with timer.phase("data"):
@@ -92,3 +94,28 @@ def test_cuda_timer_reads_events_only_on_collect():
     timer.begin_step(3)
     timer.end_step()
     assert len(timer._pool) > 0 or FakeEvent.records == created + 2
+
+
+def test_cuda_events_are_recorded_on_the_runs_device_stream(monkeypatch):
+    """On cuda:N an event recorded without a stream lands on the current device's (GPU 0 unless set): the
+    timer records on the compute stream of the run's device, whatever the current device is."""
+    import torch
+
+    import trainer.timing as timing
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: (asked.append(device), f"stream of {device}")[1])
+    FakeEvent.stream = "stream of cuda:2"
+    FakeEvent.gpu = FakeClock()
+    try:
+        timer = CudaTimer(make_event=FakeEvent, device=torch.device("cuda:2"))
+        timer.begin_step(0)
+        with timer.phase("forward"):
+            FakeEvent.gpu.advance(5)
+        timer.end_step()
+        assert timer.collect()[0].phases_ms["forward"] == pytest.approx(5)
+        assert asked and all(d == torch.device("cuda:2") for d in asked)
+    finally:
+        FakeEvent.stream = "compute stream of cuda:0"
+    assert isinstance(timing.make_timer(torch.device("cpu"), True), CpuTimer)
+    assert isinstance(timing.make_timer(torch.device("cpu"), False), WallTimer)

@@ -289,3 +289,19 @@ def test_size_auto_resolves_in_the_trainer(tmp_path, extra):
     hello = [e for e in read_events(tmp_path / "run" / "events.jsonl") if e.type == "hello" and not e.early]
     assert hello[-1].model.size == expected == "tiny"      # this CPU: 2 cores
     assert parse_config(["--size", "auto"]).model.size == "auto"
+
+
+def test_a_cuda_graph_replay_error_is_a_compile_error():
+    """The overwritten-output error of a CUDA-graph compile mode is raised where the storage is next touched
+    (autograd, the optimizer), as a plain RuntimeError: it is a compile error (exit 5), not a crash."""
+    from trainer.train import _is_compile_error
+
+    assert _is_compile_error(RuntimeError("Error: accessing tensor output of CUDAGraphs that has been "
+                                          "overwritten by a subsequent run."))
+    assert not _is_compile_error(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    scope = {"__name__": "torch._inductor.codecache"}
+    exec("def compile_something():\n    raise ValueError('bad kernel')", scope)
+    try:
+        scope["compile_something"]()
+    except ValueError as e:
+        assert _is_compile_error(e)                  # raised inside the compiler's code

@@ -356,3 +356,23 @@ def test_start_outside_the_space_is_still_the_baseline(tmp_path):
     assert isinstance(seen[-2], Apply) and seen[-2].toggles.precision == "bf16"
     md = write_report(tmp_path / "run", ctl.study, ctl.report_info())["md"].read_text()
     assert "precision=bf16" in md
+
+
+def test_cuda_graph_modes_with_accumulation_are_never_run(tmp_path):
+    """reduce-overhead in the space of a GPU run whose micro-batches accumulate: every proposal pairing it
+    with accumulation is screened as infeasible with the reason (the trainer would refuse it), never run."""
+    h100 = DeviceInfo(type="cuda", index=0, name="NVIDIA H100", capability=(9, 0), total_memory=80 * 2**30)
+    clock = Clock()
+    cfg = TrainConfig()
+    cfg.data.seq_len, cfg.optim.global_batch, cfg.optim.max_steps = 128, 32, 20_000
+    cfg.toggles.micro_batch = 8
+    spec = "-all compile=off,reduce-overhead micro_batch=4,8,32 fused_adamw=on,off"
+    space = SearchSpace.for_device(cfg.toggles, h100, 32, spec=spec)
+    study = TuneStudy.open(cfg, h100, space, storage=f"journal:{tmp_path}/tuning.log", seed=0, wall=clock)
+    ctl = TuneController(cfg, h100, space, study, Budget(900.0, clock=clock), clock=clock, max_trials=8, min_steps=6)
+    seen = drive(ctl, clock, FakeTrainer(clock))
+    ran = [a for a in seen if isinstance(a, (RunTrial, Remeasure))]
+    assert ran and not any(a.toggles.compile == "reduce-overhead" and a.toggles.micro_batch < 32 for a in ran)
+    screened = [e for e in ctl.drain_events() if e.type == "trial" and e.toggles["compile"] == "reduce-overhead"
+                and e.toggles["micro_batch"] < 32]
+    assert screened and all(e.status == "infeasible" and "CUDA graphs" in e.reason for e in screened)

@@ -28,10 +28,11 @@ def candidates(local_batch: int) -> list[int]:
 
 
 def find_micro_batch(probe: Callable[[int], int], local_batch: int, capacity: int, margin: float = 0.1,
-                     log: Callable[[str], None] = lambda s: None) -> int:
-    """`probe(mb)` runs one forward+backward and returns peak bytes, or raises torch.OutOfMemoryError."""
+                     log: Callable[[str], None] = lambda s: None, only: list[int] | None = None) -> int:
+    """`probe(mb)` runs one training step's work at micro-batch `mb` and returns peak bytes, or raises
+    torch.OutOfMemoryError. `only`: the candidates allowed (default: every divisor `candidates` gives)."""
     limit = capacity * (1.0 - margin)
-    cands = candidates(local_batch)
+    cands = sorted(only) if only else candidates(local_batch)
     points: dict[int, int] = {}          # micro-batch -> measured peak (fitting or not)
     fits: list[int] = []
     too_big: int | None = None           # smallest micro-batch known not to fit
@@ -73,4 +74,4 @@ def find_micro_batch(probe: Callable[[int], int], local_batch: int, capacity: in
                 return best
             nxt = max(fitting)
         attempt(nxt)
-    raise torch.OutOfMemoryError("even micro-batch 1 does not fit with the safety margin")
+    raise torch.OutOfMemoryError(f"even micro-batch {cands[0]} does not fit with the safety margin")

@@ -122,10 +122,23 @@ def save_sharded(tensors: dict[str, Any], meta: dict[str, Any], rank_state: dict
 
 
 def load_sharded(tensors: dict[str, Any], path: str | Path) -> None:
-    """Collective: fill `tensors` (a state dict of this rank's shapes and shards) in place from `path`."""
-    import torch.distributed.checkpoint as dcp
+    """Collective: fill `tensors` (a state dict of this rank's shapes and shards) in place from `path`.
 
-    dcp.load(tensors, checkpoint_id=str(path))
+    DCP reports a rank's read failure on every rank as a CheckpointException (a BaseException): a missing
+    or damaged shard is CorruptCheckpoint here; running out of memory while reading is raised as itself."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(tensors, checkpoint_id=str(path))
+    except CheckpointException as e:
+        failures = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+        oom = next((f for f in failures if isinstance(f, torch.OutOfMemoryError)), None)
+        if oom is not None:
+            raise oom from e
+        first = failures[0] if failures else e
+        raise CorruptCheckpoint(f"{path}: a shard does not load ({type(first).__name__}: "
+                                f"{str(first).splitlines()[0] if str(first) else ''})") from None
 
 
 def load_rank_state(path: str | Path, rank: int) -> dict[str, Any] | None:

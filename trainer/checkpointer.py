@@ -30,7 +30,7 @@ from .contract import rundir
 from .contract.capabilities import optimizer_switch
 from .contract.config import ConfigError, TrainConfig, current_layout
 from .contract.device import DeviceInfo
-from .optim import convert_state, kernel_flags, param_names
+from .optim import convert_state, kernel_flags, param_names, place_step_counts
 
 
 def saved_optimizer(config: dict[str, Any]) -> str:
@@ -60,6 +60,28 @@ class Progress:
                    batch_cursor=state.get("batch_cursor", state["step"]),
                    skip_batches=list(state.get("skip_batches", [])),
                    lr_scale=state.get("lr_scale", 1.0), nan_rollbacks=state.get("nan_rollbacks", 0))
+
+
+def rng_state(value: Any, where: str) -> torch.Tensor:
+    """A saved RNG state as the CPU ByteTensor `torch.set_rng_state` and `torch.cuda.set_rng_state` require,
+    wherever it was loaded to; a value that is no byte tensor is the file's fault (CorruptCheckpoint)."""
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8:
+        raise ckpt.CorruptCheckpoint(f"{where} is not a byte tensor ({type(value).__name__}"
+                                     f"{f', {value.dtype}' if isinstance(value, torch.Tensor) else ''})")
+    return value.detach().to("cpu").contiguous()
+
+
+def content_error(e: BaseException) -> bool:
+    """Whether restoring a checkpoint failed because of what the file holds (missing or extra entries,
+    mismatched shapes, a damaged shard): then it is skipped as corrupt. Anything else (out of memory, a
+    device error, a TypeError from a bug) is not the checkpoint's fault."""
+    if isinstance(e, ckpt.CorruptCheckpoint):
+        return True
+    if isinstance(e, torch.OutOfMemoryError):
+        return False
+    if isinstance(e, (KeyError, IndexError, ValueError)):    # optimizer/scaler state_dicts that do not match
+        return True
+    return isinstance(e, RuntimeError) and str(e).startswith("Error(s) in loading state_dict")
 
 
 class NonFiniteState(RuntimeError):
@@ -196,13 +218,14 @@ class Checkpointer:
             self.optimizer.load_state_dict(state["optimizer"])
         for group in self.optimizer.param_groups:   # the kernel is a toggle of this run, not of the checkpoint
             group.update(kernel_flags(self.cfg))
+        place_step_counts(self.optimizer)           # ... and so is where its step counts live
         if state.get("scaler") and self.scaler.is_enabled():
             self.scaler.load_state_dict(state["scaler"])
         rng = state.get("rng", {})
         if "torch" in rng:
-            torch.set_rng_state(rng["torch"])
+            torch.set_rng_state(rng_state(rng["torch"], "rng.torch"))
         if "cuda" in rng and self.dev.is_cuda:
-            torch.cuda.set_rng_state(rng["cuda"], self.dev.torch_device)
+            torch.cuda.set_rng_state(rng_state(rng["cuda"], "rng.cuda"), self.dev.torch_device)
         return Progress.from_state(state)
 
     def _load_sharded(self, meta: dict[str, Any]) -> None:
@@ -271,6 +294,12 @@ class Checkpointer:
             return flag
         return self.group.host_max(1.0 if flag else 0.0) > 0
 
+    def _any_ranks(self, *flags: bool) -> list[bool]:
+        """`_any_rank` of several flags in one collective."""
+        if self.group is None:
+            return list(flags)
+        return [v > 0 for v in self.group.agree([int(f) for f in flags])]
+
     # ------------------------------------------------------------------ files
     def save(self, progress: Progress) -> Path:
         """Verify, write, prune. Collective with several ranks (every rank writes its shards, DCP)."""
@@ -318,11 +347,18 @@ class Checkpointer:
         return restored
 
     def _restore_newest(self, paths: list[Path]) -> tuple[Path, Progress] | None:
-        """Load each in turn until one loads and is finite on every rank (the ranks agree at each stage)."""
+        """Load each in turn until one loads and is finite on every rank (the ranks agree at each stage).
+
+        A checkpoint whose content does not fit the run (`content_error`) is skipped as corrupt; any other
+        failure while restoring it (out of memory, a device error, a bug) is not the file's fault and ends
+        the run with that error instead of condemning every checkpoint in turn."""
         for path in paths:
             reason = None
             try:
-                state = ckpt.load(path, map_location=self.dev.torch_device)
+                # On the CPU whatever the device: the live model and optimizer (already on the device) copy
+                # from it, so the device never holds a second copy of the whole state, and the RNG states
+                # stay the CPU ByteTensors torch.set_rng_state / torch.cuda.set_rng_state accept.
+                state = ckpt.load(path, map_location="cpu")
             except FileNotFoundError:
                 reason = "missing"
             except ckpt.CorruptCheckpoint as e:
@@ -331,19 +367,28 @@ class Checkpointer:
                 if reason != "missing":
                     self.warn(f"corrupt checkpoint skipped: {reason or f'{path}: unreadable on another rank'}")
                 continue
-            failed: Exception | None = None
+            corrupt: BaseException | None = None
+            other: BaseException | None = None
             try:
                 progress = self.load_state(state)
             except ConfigError:
                 raise
-            except Exception as e:          # DCP raises its read errors on every rank (CheckpointException)
+            except Exception as e:
                 if self.group is not None and D.is_comm_error(e):
                     raise
-                failed = e
+                if content_error(e):
+                    corrupt = e
+                else:
+                    other = e
                 print(f"[trainer] loading {path} failed: {e!r}", file=sys.stderr, flush=True)
-            if self._any_rank(failed is not None):
-                first = str(failed).splitlines()[0] if failed is not None and str(failed) else ""
-                why = f"{type(failed).__name__}: {first}" if failed is not None else "failed on another rank"
+            any_corrupt, any_other = self._any_ranks(corrupt is not None, other is not None)
+            if any_other:
+                if other is not None:
+                    raise other
+                raise RuntimeError(f"restoring {path} failed on another rank (see its error)")
+            if any_corrupt:
+                first = str(corrupt).splitlines()[0] if corrupt is not None and str(corrupt) else ""
+                why = f"{type(corrupt).__name__}: {first}" if corrupt is not None else "failed on another rank"
                 self.warn(f"corrupt checkpoint skipped: {path}: does not load ({why})")
                 continue
             if not self.is_finite():

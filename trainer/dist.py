@@ -141,9 +141,19 @@ def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return best
 
 
+def fsdp2() -> tuple[Any, Any]:
+    """FSDP2's (fully_shard, MixedPrecisionPolicy) on every torch pyproject.toml allows: public in
+    torch.distributed.fsdp since 2.6, in torch.distributed._composable.fsdp in 2.5."""
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError:
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+    return fully_shard, MixedPrecisionPolicy
+
+
 def fsdp_precision(precision: str):
     """(MixedPrecisionPolicy or None, autocast dtype): FSDP2 casts at module boundaries instead of autocast."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    _, MixedPrecisionPolicy = fsdp2()
 
     if precision in ("bf16", "fp8-tensorwise", "fp8-rowwise"):
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), None
@@ -155,8 +165,7 @@ def fsdp_precision(precision: str):
 
 def apply_fsdp(model: torch.nn.Module, precision: str) -> torch.nn.Module:
     """FSDP2: shard each transformer block, then the root (embeddings, final norm, head)."""
-    from torch.distributed.fsdp import fully_shard
-
+    fully_shard, _ = fsdp2()
     mp, _ = fsdp_precision(precision)
     kwargs: dict[str, Any] = {} if mp is None else {"mp_policy": mp}
     for block in find_blocks(model):

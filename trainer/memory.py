@@ -8,7 +8,7 @@ resident set; its peak (VmHWM) can be reset on Linux through
 from __future__ import annotations
 
 import os
-from typing import Protocol
+from typing import Any, MutableMapping, Protocol
 
 import psutil
 import torch
@@ -23,24 +23,32 @@ class MemoryMeter(Protocol):
 
 
 class CudaMemory:
-    def __init__(self, device: torch.device):
+    """`cuda` is torch.cuda, or a fake of its memory functions (tests)."""
+
+    def __init__(self, device: torch.device, cuda: Any = None):
         self.device = device
+        self.cuda = cuda if cuda is not None else torch.cuda
 
     def reset_peak(self) -> None:
-        torch.cuda.reset_peak_memory_stats(self.device)
+        self.cuda.reset_peak_memory_stats(self.device)
 
     def peak(self) -> int:
-        return torch.cuda.max_memory_allocated(self.device)
+        return self.cuda.max_memory_allocated(self.device)
 
     def current(self) -> int:
-        return torch.cuda.memory_allocated(self.device)
+        return self.cuda.memory_allocated(self.device)
 
     def capacity(self) -> int:
-        return torch.cuda.get_device_properties(self.device).total_memory
+        """What this process may grow its allocations into: the device's free memory (the CUDA context, other
+        processes and other libraries already taken out) plus what its caching allocator holds (counted in
+        `peak`, so it must be counted here too). The device's total would plan with memory that is not there."""
+        free, _ = self.cuda.mem_get_info(self.device)
+        return int(free) + int(self.cuda.memory_reserved(self.device))
 
     def figures(self) -> dict[str, int | None]:
-        return {"allocated_peak": self.peak(), "reserved_peak": torch.cuda.max_memory_reserved(self.device),
-                "total": self.capacity()}
+        _, total = self.cuda.mem_get_info(self.device)
+        return {"allocated_peak": self.peak(), "reserved_peak": self.cuda.max_memory_reserved(self.device),
+                "total": int(total), "capacity": self.capacity()}
 
 
 class CpuMemory:
@@ -75,6 +83,36 @@ class CpuMemory:
 
     def figures(self) -> dict[str, int | None]:
         return {"rss": self.current(), "rss_peak": self.peak(), "total": psutil.virtual_memory().total}
+
+
+# The allocator's configuration variables, in the order torch reads them (PYTORCH_ALLOC_CONF since torch
+# 2.9; the CUDA-specific name before it, and still honoured after).
+ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def enable_expandable_segments(environ: MutableMapping[str, str]) -> str | None:
+    """Turn on the CUDA caching allocator's expandable segments in `environ` (before CUDA initializes), keeping
+    every other option the user set; returns a warning when the user's own setting was changed.
+
+    The allocator reads one comma-separated `option:value` string; setting the variable only when it is
+    unset (as gptop once did) silently ignored `--cuda-allocator expandable_segments` for anyone who had
+    set e.g. max_split_size_mb."""
+    var = next((v for v in ALLOC_CONF_VARS if environ.get(v, "").strip()), "PYTORCH_CUDA_ALLOC_CONF")
+    conf = environ.get(var, "").strip()
+    items = [i.strip() for i in conf.split(",") if i.strip()]
+    keys = [i.split(":", 1)[0].strip() for i in items]
+    if "expandable_segments" in keys:
+        old = items[keys.index("expandable_segments")]
+        if old.split(":", 1)[-1].strip().lower() == "true":
+            return None
+        items[keys.index("expandable_segments")] = "expandable_segments:True"
+        environ[var] = ",".join(items)
+        return (f"--cuda-allocator expandable_segments overrides {old} in {var} (now {environ[var]!r})")
+    items.append("expandable_segments:True")
+    environ[var] = ",".join(items)
+    if conf:
+        return f"--cuda-allocator expandable_segments: added to {var}, which now reads {environ[var]!r}"
+    return None
 
 
 def make_meter(device: torch.device) -> MemoryMeter:

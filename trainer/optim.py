@@ -66,6 +66,33 @@ def kernel_flags(cfg: TrainConfig) -> dict[str, Any]:
     return adamw_flags(cfg.toggles.fused_adamw) if cfg.toggles.optimizer == "adamw" else {}
 
 
+def step_count_device(group: dict[str, Any], param: torch.Tensor) -> torch.device:
+    """Where torch's AdamW expects a parameter's step count: on the parameter's device for the fused and
+    capturable kernels, on the CPU for the others (a device step count there is read back per parameter per
+    step: one synchronization each on CUDA)."""
+    return param.device if group.get("fused") or group.get("capturable") else torch.device("cpu")
+
+
+def place_step_counts(optimizer: torch.optim.Optimizer) -> int:
+    """Put torch AdamW's step counts where this run's kernel expects them (`step_count_device`), after a load:
+    torch's load_state_dict places them by the *saved* groups' flags, and the kernel is a toggle of this run
+    (a checkpoint of fused AdamW resumed with --no-fused-adamw left them on the GPU). Returns how many moved."""
+    if not isinstance(optimizer, torch.optim.AdamW):
+        return 0
+    moved = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            step = optimizer.state.get(p, {}).get("step")
+            if step is None or not hasattr(step, "device"):
+                continue
+            want = step_count_device(group, p)
+            if step.device != want:
+                dtype = torch.float32 if want.type != "cpu" else step.dtype
+                optimizer.state[p]["step"] = step.to(device=want, dtype=dtype)
+                moved += 1
+    return moved
+
+
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """The run's optimizer (`--optimizer`) over the parameters that train."""
     groups, lr, name = param_groups(model, cfg.optim.weight_decay), lr_at(0, cfg), cfg.toggles.optimizer
@@ -95,6 +122,19 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
     return sum(size(v) for per_param in optimizer.state.values() for v in per_param.values()
                if isinstance(v, torch.Tensor))
+
+
+def pending_state_bytes(optimizer: torch.optim.Optimizer, name: str) -> int:
+    """Bytes optimizer `name` will still allocate for its state at its next step: all of it before the first
+    step (AdamW creates its moments there), nothing once it has stepped or a checkpoint filled it. Counted
+    by trainer.contract.estimate's rule over this rank's tensors (FSDP2: its shards), so a memory probe
+    that runs forward and backward only can add what the first optimizer step will hold on to."""
+    from .contract.estimate import Tensor, optimizer_state_bytes
+
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+    missing = [Tensor(tuple(p.shape)) for p, q in zip(local, params) if not optimizer.state.get(q)]
+    return optimizer_state_bytes(name, missing) if missing else 0
 
 
 def dense(t: torch.Tensor) -> torch.Tensor:

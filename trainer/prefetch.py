@@ -61,6 +61,10 @@ class CudaOps:
     def __init__(self, device: torch.device):
         self.device = device
 
+    def set_device(self, device: torch.device) -> None:
+        """Make `device` the calling thread's current CUDA device (a new thread's is device 0)."""
+        torch.cuda.set_device(device)
+
     def new_stream(self) -> Any:
         return torch.cuda.Stream(self.device)
 
@@ -98,8 +102,14 @@ class CudaCopier(BatchCopier):
         self.device = torch.device(device)
         self.ops = ops if ops is not None else CudaOps(self.device)
         self.stream = self.ops.new_stream()
+        self._bound = threading.local()
 
     def prepare(self, x: torch.Tensor, y: torch.Tensor) -> _InFlight:
+        # Producer threads (the prefetch thread, the workers) start on device 0: pinning, a stream context or
+        # an event there first would create a CUDA context on GPU 0 for every other rank and --device cuda:N.
+        if getattr(self._bound, "device", None) != self.device:
+            self.ops.set_device(self.device)
+            self._bound.device = self.device
         xh, yh = self.ops.pin(x), self.ops.pin(y)
         with self.ops.use_stream(self.stream):
             xd, yd = self.ops.copy(xh), self.ops.copy(yh)

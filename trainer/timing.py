@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 from .contract.events import PHASES
 
@@ -111,7 +111,7 @@ class WallTimer(CpuTimer):
 
 
 class EventLike(Protocol):
-    def record(self) -> None: ...
+    def record(self, stream: Any) -> None: ...
     def elapsed_time(self, end: "EventLike") -> float: ...
 
 
@@ -127,17 +127,25 @@ class _PendingStep:
 class CudaTimer(_Ranges):
     """CUDA events at phase boundaries, resolved only after the loop has synchronized.
 
-    `make_event` is the one boundary with CUDA (`torch.cuda.Event(enable_timing=True)`);
-    tests pass a fake. Data wait is a host-side phase, timed on the host.
+    `make_event` and `stream` are the boundary with CUDA (`torch.cuda.Event(enable_timing=True)`, and the
+    compute stream of the run's `device`); tests pass fakes. Every event is recorded on the run's device's
+    stream: `Event.record()` without one uses the *current* device's, which on cuda:N (N != 0) without a
+    `set_device` is GPU 0's, so the events would time an idle GPU and the phases the host. Data wait is a
+    host-side phase, timed on the host.
     """
 
     def __init__(self, make_event: Callable[[], EventLike] | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
-        if make_event is None:
+                 clock: Callable[[], float] = time.perf_counter, *, device: Any = None,
+                 stream: Callable[[], Any] | None = None):
+        if make_event is None or stream is None:
             import torch
 
-            make_event = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+            if make_event is None:
+                make_event = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+            if stream is None:
+                stream = lambda: torch.cuda.current_stream(device)  # noqa: E731
         self._make = make_event
+        self._stream = stream
         self._clock = clock
         self._pending: list[_PendingStep] = []
         self._cur: _PendingStep | None = None
@@ -145,7 +153,7 @@ class CudaTimer(_Ranges):
 
     def _event(self) -> EventLike:
         ev = self._pool.pop() if self._pool else self._make()
-        ev.record()
+        ev.record(self._stream())
         return ev
 
     def begin_step(self, step: int) -> None:
@@ -195,7 +203,8 @@ class CudaTimer(_Ranges):
         return out
 
 
-def make_timer(device_type: str, enabled: bool) -> StepTimer:
+def make_timer(device: Any, enabled: bool) -> StepTimer:
+    """The timer for a run on `device` (a torch.device): CUDA events on its stream, else host clocks."""
     if not enabled:
         return WallTimer()
-    return CudaTimer() if device_type == "cuda" else CpuTimer()
+    return CudaTimer(device=device) if getattr(device, "type", device) == "cuda" else CpuTimer()

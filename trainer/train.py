@@ -86,6 +86,7 @@ class Trainer:
         self.faults = faults.Faults(cfg.run.fault, self.rank)
         self.resumed_from: str | None = None
         self.run_lock: RunLock | None = None
+        self.notices: list[str] = []                 # warnings found before the channel exists
         self.auto_options = [name for name, value in (("size", cfg.model.size), ("micro_batch", cfg.toggles.micro_batch),
                                                       ("precision", cfg.toggles.precision)) if value == AUTO]
 
@@ -161,6 +162,16 @@ class Trainer:
             return None
         return self.dev.total_memory if self.dev.is_cuda else self.dev.total_memory // self._local_procs
 
+    def _node_gpus(self) -> list[str] | None:
+        """gpu_key of each GPU this node's ranks train on (rank i on cuda:LOCAL_RANK, dist.rank_device)."""
+        if not self.dev.is_cuda:
+            return None
+        from .contract.device import gpu_key
+        from .device import gpu_identity
+
+        keys = [self.dev.key] if self.world == 1 else [gpu_key(*gpu_identity(i)) for i in range(self._local_procs)]
+        return [k for k in keys if k] or None
+
     @property
     def parallel(self) -> str | None:
         return self.cfg.run.parallel if self.world > 1 else None
@@ -170,7 +181,11 @@ class Trainer:
         from .models import build_model, is_pretrained_path, resolve_size
 
         cfg = self.cfg
-        if not self.dev.is_cuda:
+        if self.dev.is_cuda:
+            # One process on cuda:N too (several ranks set it in dist.Group.init): whatever uses the current
+            # device (an event or a stream without one named, a library's allocation) then uses the run's GPU.
+            torch.cuda.set_device(self.device)
+        else:
             from .hostalloc import keep_freed_memory
 
             keep_freed_memory()        # reuse freed tensors instead of page-faulting them in every step
@@ -193,6 +208,8 @@ class Trainer:
             self.log(f"warning: {self.run_lock.warning}")
         self.channel = Channel(rundir.RunDir(self.run_dir).events(self.rank), cfg.run.channel, rank=self.rank)
         self.channel.install_signal_handlers()
+        for notice in self.notices:
+            self._warn(notice)
         if self.world > 1:
             if os.environ.get("TORCHELASTIC_RUN_ID"):
                 D.die_with_parent()
@@ -201,7 +218,7 @@ class Trainer:
             self.group = D.Group(self.rank, self.world, self.local_rank, self.device)
             self.group.init()
 
-        capabilities.check_config(cfg, self.dev)
+        capabilities.check_config(cfg, self.dev, self.world)
         cfg.validate(world_size=self.world)     # the per-rank batch and micro-batch, now that the world is known
         from .flops import peak
 
@@ -247,6 +264,7 @@ class Trainer:
 
         if cfg.toggles.micro_batch == AUTO:
             cfg.toggles.micro_batch = self._auto_micro_batch()
+            capabilities.check_config(cfg, self.dev, self.world)     # what depends on the accumulation
         self.micro_batch = cfg.toggles.micro_batch
         self.accum = self.sampler.accumulation_steps(self.micro_batch)
         self.tokens_per_step = cfg.optim.global_batch * cfg.data.seq_len
@@ -264,7 +282,7 @@ class Trainer:
                   "fingerprint": self.data.fingerprint},
             accumulation=self.accum, micro_batch=self.micro_batch, tokens_per_step=self.tokens_per_step,
             peak_flops=self.peak_flops, peak_source=self.peak_source, resumed_from=self.resumed_from, start_step=self.progress.step,
-            torch=torch.__version__, auto=self.auto_options)
+            torch=torch.__version__, gpus=self._node_gpus(), auto=self.auto_options)
         ranks = f"; {self.world} ranks ({self.parallel}, {self.group.backend})" if self.group else ""
         self.log(f"{self.bundle.family}/{self.bundle.size}: {self.bundle.total_params / 1e6:.1f}M params "
                  f"({self.bundle.active_params / 1e6:.1f}M active, {self.bundle.trainable_params / 1e6:.2f}M trained) "
@@ -353,6 +371,12 @@ class Trainer:
         # Probe without torch.compile: compiling once per probed size would cost minutes and leave the run
         # with a dynamic-shape graph; eager's peak is usually above the compiled one (a safe estimate).
         eager = getattr(self.model, "_orig_mod", self.model)
+        # The probe runs forward and backward only; the optimizer's state (AdamW's moments: 8 bytes per
+        # trained parameter) appears at the first step and stays through every later forward and backward.
+        pending = optim.pending_state_bytes(self.optimizer, self.cfg.toggles.optimizer)
+        if pending and self.rank == 0:
+            self.log(f"--micro-batch auto: counting {pending / 2**30:.2f} GiB of optimizer state the first step "
+                     f"allocates")
 
         def probe_local(mb: int) -> int:
             self.phase("probing", f"probing micro-batch {mb}")
@@ -363,7 +387,7 @@ class Trainer:
                 with self._sync_grads(last_micro=self.parallel == "fsdp"), self._autocast():
                     loss = self._loss(x_all[:mb].to(self.device), y_all[:mb].to(self.device), 0, 0, model=eager)
                     self.scaler.scale(loss).backward()
-                return self.meter.peak()
+                return self.meter.peak() + pending
             finally:
                 self.optimizer.zero_grad(set_to_none=True)
                 if self.balancer is not None:
@@ -385,7 +409,18 @@ class Trainer:
         capacity = self.meter.capacity()
         if self.group is not None:
             capacity = int(self.group.host_min(float(capacity)))
-        mb = find_micro_batch(probe, local, capacity, margin=0.1, log=self.log if self.rank == 0 else lambda s: None)
+        # CUDA-graph compile modes run without accumulation (capabilities.support): the whole batch or nothing
+        only = [local] if self.cfg.toggles.compile in capabilities.CUDA_GRAPH_MODES else None
+        try:
+            mb = find_micro_batch(probe, local, capacity, margin=0.1,
+                                  log=self.log if self.rank == 0 else lambda s: None, only=only)
+        except torch.OutOfMemoryError:
+            if only is None:
+                raise
+            raise ConfigError("--compile", f"{self.cfg.toggles.compile} uses CUDA graphs, which run without "
+                                           f"gradient accumulation, and the whole per-rank batch ({local}) does "
+                                           f"not fit: use --compile default or max-autotune-no-cudagraphs, or a "
+                                           f"smaller --global-batch") from None
         self.log(f"--micro-batch auto: {mb}")
         return mb
 
@@ -427,7 +462,7 @@ class Trainer:
 
     def run(self) -> int:
         cfg = self.cfg
-        self.timer = make_timer(self.device.type, cfg.log.timing)
+        self.timer = make_timer(self.device, cfg.log.timing)
         self.prefetcher = self._new_prefetcher()
         self._interval_reset()
         self._t_run = self._t_boundary = time.perf_counter()
@@ -766,11 +801,16 @@ def main_run(cfg: TrainConfig, run_lock: RunLock | None = None) -> int:
     """Run a configured trainer, turning every failure into an `error` event and a distinct exit code.
 
     `run_lock`: the run directory's lock when the caller took it (trainer.cli); else setup takes it."""
+    notice = None
     if cfg.toggles.cuda_allocator == "expandable_segments":
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        from .memory import enable_expandable_segments
+
+        notice = enable_expandable_segments(os.environ)      # before anything initializes CUDA
     trainer = None
     try:
         trainer = Trainer(cfg)
+        if notice:
+            trainer.notices.append(notice)
         trainer.run_lock = run_lock
         trainer.setup()
         return trainer.run()
@@ -836,9 +876,23 @@ def _log_only_traceback() -> str | None:
     return None if sys.stderr.isatty() else traceback.format_exc()
 
 
+_COMPILER_MODULES = ("torch._dynamo", "torch._inductor", "torch._functorch")
+
+
 def _is_compile_error(e: BaseException) -> bool:
-    mod = type(e).__module__
-    return mod.startswith("torch._dynamo") or mod.startswith("torch._inductor")
+    """An error of torch.compile: an exception type of the compiler, one raised inside its code, or a CUDA
+    graph's output read after a replay overwrote it (raised wherever the storage is next touched, e.g. by
+    autograd or the optimizer, so only its message tells)."""
+    if type(e).__module__.startswith(_COMPILER_MODULES):
+        return True
+    if "CUDAGraphs" in str(e):
+        return True
+    tb = e.__traceback__
+    while tb is not None:
+        if str(tb.tb_frame.f_globals.get("__name__", "")).startswith(_COMPILER_MODULES):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _report(trainer: Trainer | None, kind: str, message: str, code: int, **extra: Any) -> int:

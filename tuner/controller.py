@@ -508,6 +508,15 @@ class TuneController:
                 self._finish_event(p.number, "trial", p.toggles, "infeasible", None, why, 0.0, ran=False,
                                    source=p.source)
                 continue
+            bad = capabilities.unsupported(p.toggles, self.dev, self.space.per_rank)
+            if bad:          # a combination the trainer would refuse (a CUDA-graph compile mode with accumulation)
+                why = f"{bad[0]}={getattr(p.toggles, bad[0])}: {bad[1]}"
+                self.study.tell_infeasible(p, "compile" if bad[0] == "compile" else "crash", why,
+                                           extra={"predicted": True})
+                self.screened += 1
+                self._finish_event(p.number, "trial", p.toggles, "infeasible", None, why, 0.0, ran=False,
+                                   source=p.source)
+                continue
             if p.toggles.compile in self.slow_compile:
                 why = (f"compile={p.toggles.compile} did not finish warming up within a trial's "
                        f"{self.trial_timeout_s:.0f} s earlier in this run: not worth this budget")

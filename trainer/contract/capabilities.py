@@ -90,8 +90,24 @@ def _installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def support(name: str, value, dev: DeviceInfo) -> str | None:
-    """None if `dev` supports toggle `name` = `value`, else the reason it does not."""
+# torch.compile modes that capture CUDA graphs (inductor's cudagraph trees).
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def accumulation_of(toggles: Toggles, per_rank_batch: int | None) -> int | None:
+    """Micro-batches per optimizer step for `toggles` on a rank that trains `per_rank_batch` sequences a step;
+    None while the micro-batch is `auto` (known once the trainer's probe chose it) or the batch is unknown."""
+    mb = toggles.micro_batch_int()
+    if mb is None or not per_rank_batch:
+        return None
+    return max(1, per_rank_batch // mb)
+
+
+def support(name: str, value, dev: DeviceInfo, *, accumulation: int | None = None) -> str | None:
+    """None if `dev` supports toggle `name` = `value`, else the reason it does not.
+
+    `accumulation`: the run's micro-batches per optimizer step, where known (None: not known yet, e.g. a
+    `--micro-batch auto` run before its probe); some values depend on it."""
     if name == "precision":
         if value in ("fp32", AUTO):
             return None
@@ -113,9 +129,19 @@ def support(name: str, value, dev: DeviceInfo) -> str | None:
         if value == "off":
             return None
         if not dev.has_compiler:
+            if dev.is_cuda:
+                return "torch.compile on CUDA needs triton (pip install triton) and a C compiler (install gcc)"
             return "torch.compile needs a C++ compiler on the CPU (install g++)"
-        if value in ("reduce-overhead", "max-autotune") and not dev.is_cuda:
+        if value in CUDA_GRAPH_MODES and not dev.is_cuda:
             return f"compile mode {value} uses CUDA graphs; on the CPU use default or max-autotune-no-cudagraphs"
+        if value in CUDA_GRAPH_MODES and accumulation is not None and accumulation > 1:
+            # The compiled backward hands a fresh .grad the graph's own output memory, which the next
+            # micro-batch's replay overwrites before it is accumulated into (pytorch#169545; older torch
+            # accumulated wrong gradients silently).
+            return (f"compile mode {value} uses CUDA graphs, which overwrite the gradients that accumulation "
+                    f"over {accumulation} micro-batches keeps between backwards (pytorch#169545): use "
+                    f"--micro-batch equal to the per-rank batch (no accumulation), or --compile default / "
+                    f"max-autotune-no-cudagraphs")
         return None
     if name == "cuda_allocator":
         if value == "expandable_segments" and not dev.is_cuda:
@@ -212,14 +238,16 @@ def slow(name: str, value, dev: DeviceInfo) -> str | None:
     return None
 
 
-def worth_trying(name: str, value, dev: DeviceInfo | None) -> bool:
-    """May a hint suggest `value`? Only on a known device that supports it and runs it at full speed (a
-    gptop that has not had the trainer's hello yet suggests nothing device-specific)."""
-    return dev is not None and support(name, value, dev) is None and slow(name, value, dev) is None
+def worth_trying(name: str, value, dev: DeviceInfo | None, *, accumulation: int | None = None) -> bool:
+    """May a hint suggest `value`? Only on a known device that supports it (with the run's `accumulation`)
+    and runs it at full speed (a gptop that has not had the trainer's hello yet suggests nothing
+    device-specific)."""
+    return (dev is not None and support(name, value, dev, accumulation=accumulation) is None
+            and slow(name, value, dev) is None)
 
 
-def supported_values(name: str, dev: DeviceInfo) -> list:
-    return [v for v in CHOICES[name] if support(name, v, dev) is None]
+def supported_values(name: str, dev: DeviceInfo, *, accumulation: int | None = None) -> list:
+    return [v for v in CHOICES[name] if support(name, v, dev, accumulation=accumulation) is None]
 
 
 def default_values(name: str, dev: DeviceInfo) -> list:
@@ -243,18 +271,30 @@ def slow_config(cfg: TrainConfig, dev: DeviceInfo) -> list[str]:
     return slow_choices(cfg.toggles, dev)
 
 
-def check(toggles: Toggles, dev: DeviceInfo) -> None:
-    """Raise ConfigError naming the flag for the first unsupported value."""
+def unsupported(toggles: Toggles, dev: DeviceInfo, per_rank_batch: int | None = None) -> tuple[str, str] | None:
+    """(toggle name, reason) of the first value of `toggles` that `dev` does not support, None when all are
+    (`per_rank_batch`: the sequences a rank trains per step, so the values that depend on the accumulation
+    are checked where it is known)."""
+    accumulation = accumulation_of(toggles, per_rank_batch)
     for f in dataclasses.fields(toggles):
-        value = getattr(toggles, f.name)
-        reason = support(f.name, value, dev)
+        reason = support(f.name, getattr(toggles, f.name), dev, accumulation=accumulation)
         if reason:
-            raise ConfigError(flag_of(f), f"{value} is not supported on {dev.name}: {reason}")
+            return f.name, reason
+    return None
 
 
-def check_config(cfg: TrainConfig, dev: DeviceInfo) -> None:
-    """`check` of a run's config (every gated option is a toggle)."""
-    check(cfg.toggles, dev)
+def check(toggles: Toggles, dev: DeviceInfo, per_rank_batch: int | None = None) -> None:
+    """Raise ConfigError naming the flag for the first unsupported value (see `unsupported`)."""
+    found = unsupported(toggles, dev, per_rank_batch)
+    if found:
+        f = next(f for f in dataclasses.fields(toggles) if f.name == found[0])
+        raise ConfigError(flag_of(f), f"{getattr(toggles, f.name)} is not supported on {dev.name}: {found[1]}")
+
+
+def check_config(cfg: TrainConfig, dev: DeviceInfo, world_size: int = 1) -> None:
+    """`check` of a run's config (every gated option is a toggle) on `world_size` ranks."""
+    per_rank = cfg.optim.global_batch // world_size if world_size >= 1 else None
+    check(cfg.toggles, dev, per_rank)
 
 
 # --- which model size `--size auto` picks ---------------------------------------------------------

@@ -27,6 +27,13 @@ class DeviceInfo:
     cpu_bf16: bool = True          # CPU: oneDNN has bf16 kernels (AVX-512 and newer); without them bf16 is emulated
     # CPU: bf16 instructions (AVX512_BF16, AMX, Arm BF16), where bf16 matmuls beat fp32; None: not known
     cpu_bf16_native: bool | None = None
+    uuid: str | None = None        # CUDA: the GPU's UUID, which NVML reports too (`gpu_key`)
+    pci_bus_id: str | None = None  # CUDA: its PCI address, DOMAIN:BUS:DEVICE in hex
+
+    @property
+    def key(self) -> str | None:
+        """The GPU's identity as NVML also spells it (`gpu_key`); None on the CPU or when torch did not say."""
+        return gpu_key(self.uuid, self.pci_bus_id) if self.is_cuda else None
 
     @property
     def torch_device(self) -> "torch.device":
@@ -88,3 +95,30 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "cpu"
+
+
+def gpu_key(uuid: str | None = None, pci_bus_id: str | None = None) -> str | None:
+    """One spelling of a GPU's identity that torch and NVML agree on, so gptop can tell which NVML device a
+    CUDA device is (CUDA's indices are renumbered by CUDA_VISIBLE_DEVICES and ordered fastest-first, NVML's
+    by PCI bus; a container hides the host PIDs that would tell): the UUID without NVML's GPU-/MIG- prefix,
+    lowercased; else the PCI address as pci:DOMAIN:BUS:DEVICE (hex, the function dropped). None: neither."""
+    if uuid:
+        u = str(uuid).strip().lower()
+        for prefix in ("gpu-", "mig-"):
+            if u.startswith(prefix):
+                u = u[len(prefix):]
+        if u:
+            return u
+    if pci_bus_id:
+        parts = str(pci_bus_id).strip().lower().split(":")
+        try:
+            if len(parts) == 3:
+                domain, bus, rest = parts
+            elif len(parts) == 2:
+                domain, (bus, rest) = "0", parts
+            else:
+                return None
+            return f"pci:{int(domain, 16):04x}:{int(bus, 16):02x}:{int(rest.split('.')[0], 16):02x}"
+        except ValueError:
+            return None
+    return None

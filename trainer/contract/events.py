@@ -95,6 +95,8 @@ class GpuReading(Record):
     sm_active_pct: float | None = None  # GPM (Hopper+): share of SMs busy over the sample period
     tensor_active_pct: float | None = None   # GPM (Hopper+): share of time the tensor pipes were busy
     power_note: str | None = None       # why power_w is None, in a few words
+    uuid: str | None = None             # NVML's UUID ("GPU-..."): with pci_bus_id, which GPU a run's is (gpu_key)
+    pci_bus_id: str | None = None       # NVML's PCI bus id ("00000000:17:00.0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,6 +190,9 @@ class HelloEvent(Event):
     # wait for a hello that is not early.
     early: bool = False
     estimate: dict[str, Any] | None = None
+    # trainer.contract.device.gpu_key of every GPU this node's ranks train on: which NVML devices are the run's
+    # (energy per token counts those, not idle neighbours), also where a container hides the PIDs.
+    gpus: list[str] | None = None
     # Options given as auto (size, micro_batch, precision): the config holds what each became, so views can
     # say "precision auto -> bf16".
     auto: list[str] = field(default_factory=list)
