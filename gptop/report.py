@@ -8,6 +8,7 @@ report of a finished run on another machine gives the same numbers.
 from __future__ import annotations
 
 import json
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -61,6 +62,9 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         out["mfu_is_estimate"] = hello.mfu_is_estimate
         out["max_steps"] = hello.max_steps
     out["starts"] = sum(1 for e in hellos if e.early) or len(hellos)   # one early hello per trainer process
+    command = next((e.command for e in reversed(hellos) if e.command is not None), None)
+    if command is not None:
+        out["command"] = command        # `gptop run -- CMD`
     if steps:
         last = steps[-1]
         out["steps"] = last.step
@@ -83,7 +87,10 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     if evals:
         out["eval_loss"] = evals[-1].loss
     out["checkpoints"] = [{"step": e.step, "path": e.path, "seconds": e.seconds} for e in ckpts]
-    out["checkpoints_kept"] = [{"step": c.step, "path": str(c.path)} for c in rundir.list_checkpoints(run_dir)]
+    if command is None:
+        out["checkpoints_kept"] = [{"step": c.step, "path": str(c.path)} for c in rundir.list_checkpoints(run_dir)]
+    else:               # the program's own checkpoints, where it said it wrote them, that are still there
+        out["checkpoints_kept"] = [{"step": e.step, "path": e.path} for e in ckpts if Path(e.path).exists()]
     out["errors"] = [_error(e) for e in errors]
     out["warnings"] = len(warnings)
     out["done"] = bool(done) and done[-1].reason
@@ -169,9 +176,12 @@ def _tuning(path: Path) -> tuple[dict[str, Any] | None, str | None]:
 
 def format_report(s: dict[str, Any]) -> str:
     lines = [f"run       {s['run_dir']}"]
+    if s.get("command"):
+        lines.append(f"command   {shlex.join(s['command'])}")
     m = s.get("model")
     if m:
-        lines.append(f"model     {m.get('family')}/{m.get('size')}  {(m.get('total_params') or 0) / 1e6:.1f}M params "
+        name = "/".join(str(x) for x in (m.get("family"), m.get("size")) if x) or "?"
+        lines.append(f"model     {name}  {(m.get('total_params') or 0) / 1e6:.1f}M params "
                      f"({(m.get('active_params') or 0) / 1e6:.1f}M active)  on {s.get('device')}")
     if s.get("toggles"):
         t = s["toggles"]

@@ -214,7 +214,7 @@ class Session(SessionBase):
         if self.options.wandb:      # first: a refused W&B login (exit 2) leaves no files of the run behind
             from .wandb_writer import WandbWriter
 
-            self._wandb = WandbWriter(self.run_dir, self.cfg.to_dict())
+            self._wandb = WandbWriter(self.run_dir, self.run_config())
         self._device_file = open(self.layout.device, "a", buffering=1)
         if self.options.tensorboard:
             from .tensorboard import TensorBoardWriter
@@ -227,6 +227,10 @@ class Session(SessionBase):
         self.sampler.subscribe(self._on_device_sample)
         self.sampler.start()
         self.spawn(resume=resume)
+
+    def run_config(self) -> dict[str, dict[str, Any]]:
+        """The run's configuration as a W&B run records it (sections of settings)."""
+        return self.cfg.to_dict()
 
     def spawn(self, cfg: TrainConfig | None = None, resume: str | None = None) -> None:
         """Start (or restart) the trainer process with `cfg` (default: the session's). A session that is over
