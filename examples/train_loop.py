@@ -1,8 +1,7 @@
 """A plain PyTorch training loop with gptop's probe: `gptop run -- python examples/train_loop.py`.
 
-A tiny Llama (built from a transformers config, random initialization) learns a synthetic language held in
-memory (each token follows from the one before by a fixed rule, with some noise), so it runs offline on a
-CPU in seconds, and its loss falls. Without gptop it trains the same: every probe call is a no-op.
+A tiny Llama learns a synthetic language held in memory (examples/synthetic.py), so it runs offline on a CPU
+in seconds, and its loss falls. Without gptop it trains the same: every probe call is a no-op.
 
 It saves its own checkpoints (`--out DIR/step-N.pt`: model, optimizer and step) when gptop asks for one
 (the `c` key), when gptop stops it (q, Ctrl-C, SIGTERM, gptop gone) and at the end, and continues from the
@@ -16,24 +15,15 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from gptop.integrations.torch import Probe
-
-VOCAB = 256
-
+from synthetic import sequences, tiny_llama             # examples/synthetic.py: the data and the model
 
 def batches(batch: int, seq_len: int, seed: int):
-    """Sequences of a synthetic language: next = (3 * token + 7) % VOCAB, one token in ten random."""
+    """Batches of the synthetic language, endlessly (a resumed run draws from its own seed)."""
     g = torch.Generator().manual_seed(seed)
     while True:
-        x = torch.empty(batch, seq_len, dtype=torch.long)
-        x[:, 0] = torch.randint(VOCAB, (batch,), generator=g)
-        for t in range(1, seq_len):
-            x[:, t] = (3 * x[:, t - 1] + 7) % VOCAB
-        noise = torch.rand(batch, seq_len, generator=g) < 0.1
-        x[noise] = torch.randint(VOCAB, (int(noise.sum()),), generator=g)
-        yield x
+        yield sequences(batch, seq_len, g)
 
 
 def newest_checkpoint(out: Path) -> Path | None:
@@ -52,10 +42,7 @@ def main() -> None:
     ap.add_argument("--out", default="checkpoints-loop", help="checkpoint directory (default: checkpoints-loop)")
     args = ap.parse_args()
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                                         max_position_embeddings=args.seq_len))
+    model = tiny_llama(args.seq_len)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     out = Path(args.out)
     start = 0

@@ -79,6 +79,8 @@ class ProgramSession(Session):
     """A Session whose trainer is the user's command. The TrainConfig it keeps carries only the run directory;
     what CMD trains is CMD's business (the hello of its client says)."""
 
+    process_name = "the command"
+
     def __init__(self, command: list[str], run_dir: Path, options: SessionOptions | None = None, *,
                  log_every: int | None = None, grace_s: float = 30.0, signals: StopSignals | None = None,
                  sampler: Any = None):

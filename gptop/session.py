@@ -189,6 +189,8 @@ class SessionBase:
 
 
 class Session(SessionBase):
+    process_name = "the trainer"        # what the views call the process the session runs
+
     def __init__(self, cfg: TrainConfig, options: SessionOptions | None = None, *, sampler: Any = None):
         super().__init__(Path(cfg.run.run_dir), sampler)
         self.cfg = cfg
@@ -469,7 +471,7 @@ class Session(SessionBase):
         else:
             how = f"exit code {code}" if code >= 0 else f"signal {-code}"
             when = "before its first step" if self.state.step is None else "before it checkpointed"
-            self._set_status("stopped", f"the trainer ended ({how}) {when}")
+            self._set_status("stopped", f"{self.process_name} ended ({how}) {when}")
         self._finish(EXIT_INTERRUPTED)
 
     def failure_summary(self, code: int) -> str:

@@ -22,14 +22,19 @@ POLL_S = 5.0          # how often the warden looks whether the command is still 
 
 
 def alive(pid: int) -> bool:
-    """The process exists (a zombie too: its parent has not reaped it yet)."""
+    """The process exists and has not exited (a zombie, which an init that does not reap keeps, has)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]       # the field after the command's name
+    except (OSError, IndexError):
+        return True
+    return state not in (b"Z", b"X")
 
 
 def group_alive(pgid: int) -> bool:
