@@ -269,8 +269,8 @@ class Client:
         self._step_tokens += int(n)
 
     def end_step(self) -> None:
-        """The step is done: its time, tokens and the `progress` event. Call `flush` at a log step, then
-        `poll` for gptop's commands."""
+        """The step is done: its time, tokens and the `progress` event. Then `poll` for gptop's commands, and
+        `flush` at a log step."""
         for name in list(self._open):
             self.leave(name)
         self.timer.end_step()

@@ -183,9 +183,9 @@ class GptopCallback(pl.Callback):
         self._global_step = trainer.global_step
         self._report_saves(trainer)
         client.end_step()
+        client.poll()
         if client.is_log_step():
             client.flush()
-        client.poll()
         if client.should_checkpoint or client.should_stop:
             path = os.path.join(self._checkpoint_dir(trainer), f"gptop-step={trainer.global_step}.ckpt")
             t = time.perf_counter()

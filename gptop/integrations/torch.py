@@ -143,9 +143,9 @@ class Probe:
         if tokens is not None:
             client.add_tokens(tokens)
         client.end_step()
+        client.poll()                  # first, as the trainer's step boundary: a new log interval counts now
         if client.is_log_step():
             client.flush()
-        client.poll()
 
     def _connect(self, first_step: int) -> Client:
         o = self._options

@@ -179,10 +179,10 @@ class GptopCallback(TrainerCallback):
         if not client.said_hello:
             client.hello(describe_model(self._model, flops_per_token=self.flops_per_token))
         client.end_step()
+        client.poll()
         if client.is_log_step():
             self._flush_due = True
             control.should_log = True          # the Trainer reads its loss back now; on_log reports it
-        client.poll()
         if client.should_checkpoint or client.should_stop:
             control.should_save = True
         if client.should_stop:
