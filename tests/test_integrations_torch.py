@@ -98,7 +98,8 @@ def test_the_same_events_as_the_trainer(gptop, tmp_path):
         assert e.phases_ms["forward"] > 0 and e.phases_ms["backward"] > 0
         assert e.tokens == e.step * BATCH * SEQ and e.tokens_per_s > 0 and e.loss > 0 and e.lr == 0.1
         assert e.mem_bytes > 0
-    assert [e.step for e in gptop.events("progress")] == [1, 2, 3, 4, 5, 6]      # live only
+    live = [e.step for e in gptop.events("progress")]         # live only, at most every PROGRESS_MIN_S
+    assert live[0] == 1 and live == sorted(set(live)) and set(live) <= set(range(1, 7))
     assert not gptop.file_events("progress")
     done = gptop.file_events("done")
     assert len(done) == 1 and done[0].reason == "max_steps" and done[0].step == 6
@@ -208,3 +209,20 @@ def test_flops_per_token_are_counted_as_for_the_built_in_families():
     generic = describe_model(torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10)))
     assert generic["flops_per_token"] == 6 * (4 * 10 + 10)
     assert describe_model(None, flops_per_token=123.0)["flops_per_token"] == 123
+
+
+def test_progress_events_are_spaced_in_a_fast_loop(gptop, monkeypatch):
+    """A step of microseconds does not send a progress event each: at most one per PROGRESS_MIN_S."""
+    from gptop.integrations import client
+
+    model, opt = tiny()
+    probe = Probe(model, tokens_per_step=BATCH * SEQ, log_every=1000)
+    clock = {"t": 0.0}
+    monkeypatch.setattr(client.time, "perf_counter", lambda: clock["t"])
+    for step in range(1, 101):
+        clock["t"] += 1 / 64          # exact in binary: 3 steps are under PROGRESS_MIN_S, 4 over
+        with probe.step(step):
+            pass
+    probe.close()
+    live = [e.step for e in gptop.events("progress")]
+    assert live[:3] == [1, 5, 9] and len(live) == 25

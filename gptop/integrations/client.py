@@ -36,6 +36,9 @@ from trainer.contract.rundir import RunDir
 from trainer.timing import TIMED, interval_means, make_timer
 
 DEFAULT_LOG_EVERY = 10      # the trainer's --log-every default, when neither gptop nor the program says
+# `progress` events at most this often: a loop of millisecond steps would otherwise spend more on them than on
+# its work, and the dashboard redraws its step counter once a second (a step event always comes at a log step)
+PROGRESS_MIN_S = 0.05
 # What a step event's `loss`, `lr` or `grad_norm` may be given as: a tensor is read back only at a log step.
 Value = float | int | torch.Tensor
 
@@ -139,6 +142,7 @@ class Client:
         self._open: dict[str, AbstractContextManager] = {}
         self._step_tokens = 0
         self._started = self._last_end = time.perf_counter()
+        self._last_progress = -math.inf
         self._crashed = False
         self._mfu_dropped = False
         self.channel = Channel(RunDir(env.run_dir).events(self.rank), env.channel, rank=self.rank)
@@ -283,7 +287,8 @@ class Client:
         self._n_tokens += tokens * self.world
         now = time.perf_counter()
         step_ms, self._last_end = (now - self._last_end) * 1e3, now
-        if self.rank == 0:
+        if self.rank == 0 and now - self._last_progress >= PROGRESS_MIN_S:
+            self._last_progress = now
             self.channel.emit_live("progress", step=self.done_step, tokens=self.tokens, step_ms=step_ms)
 
     def is_log_step(self, step: int | None = None) -> bool:
@@ -310,18 +315,18 @@ class Client:
 
     def _mean(self, values: list[Value], reduce: bool) -> tuple[float | None, bool]:
         """The mean of an interval's values (over the ranks too with `reduce`), and whether the device was read."""
-        if not reduce and not any(isinstance(v, torch.Tensor) for v in values):
-            mean = sum(values) / len(values) if values else None      # the framework read them back already
+        tensors = [v.reshape(()).double() for v in values if isinstance(v, torch.Tensor)]
+        host = sum(float(v) for v in values if not isinstance(v, torch.Tensor))
+        if not reduce and not tensors:
+            mean = host / len(values) if values else None      # the framework read them back already
             return (mean if mean is not None and math.isfinite(mean) else None), False
-        total = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for v in values:
-            total[0] += v.double() if isinstance(v, torch.Tensor) else v
-        total[1] = len(values)
+        total = torch.stack(tensors).sum() if tensors else torch.zeros((), dtype=torch.float64, device=self.device)
+        pair = torch.stack([total + host, torch.full((), float(len(values)), dtype=torch.float64, device=total.device)])
         if reduce:
             import torch.distributed as dist
 
-            dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        s, n = total.tolist()             # the one read-back of the interval
+            dist.all_reduce(pair, op=dist.ReduceOp.SUM)
+        s, n = pair.tolist()             # the one read-back of the interval
         return (s / n if n and math.isfinite(s / n) else None), True
 
     def flush(self) -> None:
