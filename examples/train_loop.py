@@ -4,8 +4,8 @@ A tiny Llama learns a synthetic language held in memory (examples/synthetic.py),
 in seconds, and its loss falls. Without gptop it trains the same: every probe call is a no-op.
 
 It saves its own checkpoints (`--out DIR/step-N.pt`: model, optimizer and step) when gptop asks for one
-(the `c` key), when gptop stops it (q, Ctrl-C, SIGTERM, gptop gone) and at the end, and continues from the
-newest one it finds in `--out`.
+(the `c` key), when gptop stops it (q, Ctrl-C, SIGTERM, gptop gone) and at the end; `--resume` continues
+from the newest one in `--out`.
 """
 
 from __future__ import annotations
@@ -40,13 +40,14 @@ def main() -> None:
     ap.add_argument("--step-sleep", type=float, default=0.0,
                     help="seconds to wait in each data phase, to watch a slow input pipeline (default: 0)")
     ap.add_argument("--out", default="checkpoints-loop", help="checkpoint directory (default: checkpoints-loop)")
+    ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
     args = ap.parse_args()
 
     model = tiny_llama(args.seq_len)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     out = Path(args.out)
     start = 0
-    if (ckpt := newest_checkpoint(out)) is not None:
+    if args.resume and (ckpt := newest_checkpoint(out)) is not None:
         state = torch.load(ckpt)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])

@@ -172,3 +172,26 @@ def test_a_lightning_script(tmp_path):
     assert p.returncode == 0, err
     steps = [e for e in map(parse, out.splitlines()) if e.type == "step"]
     assert [e.step for e in steps] == [5, 10] and all(e.loss is not None and e.phases_ms for e in steps)
+
+
+def test_two_ranks_stop_on_the_same_step(tmp_path):
+    """torchrun as the command: each rank's probe reports with its rank, and a stop lands on one step."""
+    run = tmp_path / "run"
+    p = gptop("--no-ui", "run", "--run-dir", "run", "--", sys.executable, "-m", "torch.distributed.run",
+              "--nproc-per-node", "2", "--standalone", str(ROOT / "tests" / "fixtures" / "ddp_loop.py"), "--out",
+              "ckpt", cwd=tmp_path)
+    rank1 = run / "events.rank1.jsonl"
+    wait_for(lambda: events(run, "step") and rank1.exists() and rank1.stat().st_size, timeout=300,
+             what="step events of both ranks")
+    pids = [e.pid for e in events(run, "hello") if e.client is not None]
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 130, out + err
+    done = events(run, "done")[-1]
+    last = {0: events(run, "step")[-1].step, 1: [e for e in read_events(rank1) if e.type == "step"][-1].step}
+    assert last == {0: done.step, 1: done.step}, (last, done)       # both ranks stopped after the same step
+    ckpt = events(run, "checkpoint")[-1]
+    assert ckpt.reason == "stop" and ckpt.step == done.step and Path(ckpt.path).exists()
+    steps = events(run, "step")
+    assert steps[-1].tokens == steps[-1].step * 2 * 4 * 16 and {e.rank for e in read_events(rank1)} == {1}
+    assert all(gone(pid) for pid in pids)
