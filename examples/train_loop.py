@@ -41,14 +41,16 @@ def main() -> None:
                     help="seconds to wait in each data phase, to watch a slow input pipeline (default: 0)")
     ap.add_argument("--out", default="checkpoints-loop", help="checkpoint directory (default: checkpoints-loop)")
     ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="where to train (default: cuda when there is one, else cpu)")
     args = ap.parse_args()
 
-    model = tiny_llama(args.seq_len)
+    model = tiny_llama(args.seq_len).to(args.device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     out = Path(args.out)
     start = 0
     if args.resume and (ckpt := newest_checkpoint(out)) is not None:
-        state = torch.load(ckpt)
+        state = torch.load(ckpt, map_location=args.device)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         start = state["step"]
@@ -70,7 +72,7 @@ def main() -> None:
     for step in range(start + 1, args.steps + 1):
         with probe.step(step):
             with probe.phase("data"):
-                x = next(data)
+                x = next(data).to(args.device, non_blocking=True)
                 if args.step_sleep:
                     time.sleep(args.step_sleep)
             with probe.phase("forward"):

@@ -35,13 +35,13 @@ def tiny() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
 
-def train(probe: Probe, model, opt, steps: int, start: int = 1, on_step=None, ckpt_dir=None) -> int:
+def train(probe: Probe, model, opt, steps: int, start: int = 1, on_step=None, ckpt_dir=None, device="cpu") -> int:
     """The issue's loop, as a user writes it; returns the last step taken."""
     step = start - 1
     for step in range(start, steps + 1):
         with probe.step(step):
             with probe.phase("data"):
-                x = torch.randint(VOCAB, (BATCH, SEQ))
+                x = torch.randint(VOCAB, (BATCH, SEQ)).to(device)
             with probe.phase("forward"):
                 loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
             with probe.phase("backward"):
@@ -226,3 +226,19 @@ def test_progress_events_are_spaced_in_a_fast_loop(gptop, monkeypatch):
     probe.close()
     live = [e.step for e in gptop.events("progress")]
     assert live[:3] == [1, 5, 9] and len(live) == 25
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_phases_are_cuda_events_read_back_with_the_loss(gptop):
+    model, opt = tiny()
+    model.cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    probe = Probe(model, tokens_per_step=BATCH * SEQ, optimizer=opt, log_every=2)
+    train(probe, model, opt, 6, device="cuda")
+    probe.close()
+    hello = gptop.file_events("hello")[0]
+    assert hello.device.type == "cuda" and hello.config["toggles"]["precision"] in ("fp32", "tf32")
+    for e in gptop.file_events("step"):
+        assert e.gpu_idle_ms is not None and 0 <= e.gpu_idle_ms <= e.step_ms      # the CUDA timer's
+        assert e.phases_ms["forward"] > 0 and e.phases_ms["backward"] > 0 and e.mem_bytes > 0
+        assert e.mfu is None or 0 < e.mfu < 1
