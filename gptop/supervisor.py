@@ -135,6 +135,11 @@ class Supervisor:
             subprocess.Popen([sys.executable, "-m", "gptop.warden", str(r), str(self.proc.pid), str(self.grace_s)],
                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              pass_fds=(r,), start_new_session=True, close_fds=True, env=self.env)
+        except OSError as e:                # the command runs; only the kill -9 protection is lost: say so
+            os.close(w)
+            self.on_log(f"[gptop] warning: no warden for the command ({e}): if gptop is killed with kill -9, "
+                        f"the command may outlive it", "gptop")
+            return
         finally:
             os.close(r)
         self._warden_fd = w

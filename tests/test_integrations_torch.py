@@ -242,3 +242,13 @@ def test_on_cuda_the_phases_are_cuda_events_read_back_with_the_loss(gptop):
         assert e.gpu_idle_ms is not None and 0 <= e.gpu_idle_ms <= e.step_ms      # the CUDA timer's
         assert e.phases_ms["forward"] > 0 and e.phases_ms["backward"] > 0 and e.mem_bytes > 0
         assert e.mfu is None or 0 < e.mfu < 1
+
+
+def test_a_channel_that_cannot_be_reached_never_ends_the_training(tmp_path, monkeypatch, capsys):
+    env = ClientEnv(channel=f"unix:{tmp_path / 'nobody-listens.sock'}", run_dir=tmp_path)
+    for k, v in env.to_environ().items():
+        monkeypatch.setenv(k, v)
+    model, opt = tiny()
+    probe = Probe(model, tokens_per_step=BATCH * SEQ)
+    assert train(probe, model, opt, 3) == 3
+    assert not probe.active and "training on without it" in capsys.readouterr().err

@@ -113,7 +113,7 @@ def module_device(model: torch.nn.Module | None) -> torch.device:
 
 
 class Client:
-    """The protocol's client in one process (see the module docstring). Start it with `Client.start`, which
+    """The protocol's client in one process (see the module docstring). Start it with `Client.connect`, which
     returns None outside gptop."""
 
     def __init__(self, env: ClientEnv, kind: ClientKind, *, device: torch.device, log_every: int | None = None, tokens_per_step: int | None = None, max_steps: int | None = None,
@@ -187,10 +187,18 @@ class Client:
             client=self.kind.value)
 
     @classmethod
-    def start(cls, kind: ClientKind, **kwargs: Any) -> "Client | None":
-        """A client for this process if gptop started it (its environment says so), else None."""
-        env = ClientEnv.from_environ()
-        return None if env is None else cls(env, kind, **kwargs)
+    def connect(cls, env: ClientEnv | None, kind: ClientKind, **kwargs: Any) -> "Client | None":
+        """A client for this process if gptop started it (`env`), else None. A channel that cannot be reached
+        (gptop is gone) is said once on stderr and the program trains on without gptop: a client never ends
+        a training run for its own sake."""
+        if env is None:
+            return None
+        try:
+            return cls(env, kind, **kwargs)
+        except OSError as e:
+            print(f"[gptop] cannot reach gptop at {env.channel} ({e}); training on without it", file=sys.stderr,
+                  flush=True)
+            return None
 
     # ------------------------------------------------------------------ setup
     def _agreement(self) -> Callable[[list[int]], list[int]] | None:

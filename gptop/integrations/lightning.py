@@ -102,11 +102,13 @@ class GptopCallback(pl.Callback):
         if max_steps is None:
             est = trainer.estimated_stepping_batches
             max_steps = int(est) if isinstance(est, (int, float)) and est != float("inf") else None
-        self.client = Client(self.env, ClientKind.LIGHTNING, device=device,
-                             log_every=self.log_every or trainer.log_every_n_steps or DEFAULT_LOG_EVERY,
-                             max_steps=max_steps, precision=_precision(trainer, pl_module, device),
-                             optimizer=trainer.optimizers[0] if trainer.optimizers else None, reduce_loss=True,
-                             start_step=trainer.global_step)
+        self.client = Client.connect(self.env, ClientKind.LIGHTNING, device=device,
+                                     log_every=self.log_every or trainer.log_every_n_steps or DEFAULT_LOG_EVERY,
+                                     max_steps=max_steps, precision=_precision(trainer, pl_module, device),
+                                     optimizer=trainer.optimizers[0] if trainer.optimizers else None,
+                                     reduce_loss=True, start_step=trainer.global_step)
+        if self.client is None:
+            return
         self._module = pl_module
         self._global_step = trainer.global_step
         self._saved = self._checkpoint_files(trainer)      # what is there already is not this run's news

@@ -132,11 +132,15 @@ class Probe:
     def begin(self, number: int) -> None:
         if self._client is None:
             self._client = self._connect(number)
+            if self._client is None:        # gptop could not be reached: the probe is off from here
+                self.active = False
+                return
         self._client.begin_step(number)
 
     def end(self, tokens: int | None, failed: bool) -> None:
         client = self._client
-        assert client is not None
+        if client is None:
+            return
         if failed:                     # the step raised: nothing to report; the error reaches gptop at exit
             client.abandon_step()
             return
@@ -147,13 +151,13 @@ class Probe:
         if client.is_log_step():
             client.flush()
 
-    def _connect(self, first_step: int) -> Client:
+    def _connect(self, first_step: int) -> Client | None:
         o = self._options
         model, device = self._model, module_device(self._model)
-        assert self._env is not None
-        client = Client(self._env, ClientKind.PROBE, device=device, log_every=o["log_every"],
-                        tokens_per_step=o["tokens_per_step"], max_steps=o["max_steps"],
-                        precision=o["precision"] or model_precision(model, device), optimizer=self._optimizer,
-                        reduce_loss=True, start_step=first_step - 1)
-        client.hello(describe_model(model, seq_len=o["seq_len"], flops_per_token=o["flops_per_token"]))
+        client = Client.connect(self._env, ClientKind.PROBE, device=device, log_every=o["log_every"],
+                                tokens_per_step=o["tokens_per_step"], max_steps=o["max_steps"],
+                                precision=o["precision"] or model_precision(model, device), optimizer=self._optimizer,
+                                reduce_loss=True, start_step=first_step - 1)
+        if client is not None:
+            client.hello(describe_model(model, seq_len=o["seq_len"], flops_per_token=o["flops_per_token"]))
         return client

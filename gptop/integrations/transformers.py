@@ -94,10 +94,12 @@ class GptopCallback(TrainerCallback):
         precision = ("bf16" if args.bf16 else "fp16" if args.fp16 else "tf32" if args.tf32
                      else model_precision(model, device))
         logging_steps = int(state.logging_steps) if state.logging_steps and state.logging_steps >= 1 else None
-        self.client = Client(self.env, ClientKind.TRANSFORMERS, device=device,
-                             log_every=self.log_every or logging_steps or DEFAULT_LOG_EVERY,
-                             max_steps=state.max_steps or None, precision=precision, optimizer=optimizer,
-                             reduce_loss=False, start_step=state.global_step)
+        self.client = Client.connect(self.env, ClientKind.TRANSFORMERS, device=device,
+                                     log_every=self.log_every or logging_steps or DEFAULT_LOG_EVERY,
+                                     max_steps=state.max_steps or None, precision=precision, optimizer=optimizer,
+                                     reduce_loss=False, start_step=state.global_step)
+        if self.client is None:
+            return
         self._model = model
         if model is not None:
             self._hooks = [model.register_forward_pre_hook(self._forward_begins, with_kwargs=True),
