@@ -195,3 +195,25 @@ def test_two_ranks_stop_on_the_same_step(tmp_path):
     steps = events(run, "step")
     assert steps[-1].tokens == steps[-1].step * 2 * 4 * 16 and {e.rank for e in read_events(rank1)} == {1}
     assert all(gone(pid) for pid in pids)
+
+
+def test_the_dashboard_shows_a_loop_and_q_stops_it(tmp_path):
+    from fixtures.terminal import Terminal
+    from test_tui_terminal import screen_text
+
+    run = tmp_path / "run"
+    term = Terminal([sys.executable, "-m", "gptop", "run", "--run-dir", str(run), "--log-every", "2", "--",
+                     sys.executable, str(EXAMPLES / "train_loop.py"), "--steps", "100000", "--step-sleep", "0.02",
+                     "--out", str(tmp_path / "ckpt")],
+                    cols=120, rows=40, env=dict(env(), TERM="xterm-256color", COLUMNS="120", LINES="40"))
+    try:
+        wait_for(lambda: events(run, "step"), timeout=300, what="a step event")
+        wait_for(lambda: "LlamaForCausalLM" in screen_text(term)[-20000:], timeout=60, what="the client's hello")
+        pid = client_hello(run).pid
+        term.send(b"q")
+        assert term.proc.wait(120) == 130
+    finally:
+        term.close()
+    assert gone(pid) and events(run, "checkpoint")[-1].reason == "stop"
+    text = screen_text(term)
+    assert "gptop: run stopped at step" in text and "command" in text
