@@ -43,9 +43,9 @@ def main() -> None:
     args = ap.parse_args()
 
     data = DataLoader(SyntheticText(args.steps * args.batch, args.seq_len), batch_size=args.batch)
-    trainer = L.Trainer(max_steps=args.steps, accelerator="gpu" if args.device == "cuda" else "cpu", devices=1, default_root_dir=args.out,
-                        logger=False, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=10,
-                        callbacks=[GptopCallback()])
+    trainer = L.Trainer(max_steps=args.steps, accelerator="gpu" if args.device == "cuda" else "cpu", devices=1,
+                        default_root_dir=args.out, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        log_every_n_steps=10, callbacks=[GptopCallback()])
     trainer.fit(CausalLM(args.seq_len, lr=3e-3), train_dataloaders=data)
     print(f"trained to step {trainer.global_step}", flush=True)
 

@@ -32,8 +32,8 @@ def main() -> None:
     training = tuned_args(TrainingArguments(
         output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=args.batch,
         gradient_accumulation_steps=args.accumulation, learning_rate=3e-3, lr_scheduler_type="constant",
-        logging_steps=10, save_steps=1000, report_to="none", use_cpu=args.device == "cpu", bf16=args.bf16, disable_tqdm=True,
-        dataloader_num_workers=0))
+        logging_steps=10, save_steps=1000, report_to="none", use_cpu=args.device == "cpu", bf16=args.bf16,
+        disable_tqdm=True, dataloader_num_workers=0))
     trainer = Trainer(model=model, args=training, callbacks=[GptopCallback()],
                       train_dataset=SyntheticText(args.steps * args.batch * args.accumulation, args.seq_len))
     result = trainer.train(resume_from_checkpoint=resume_checkpoint(training))

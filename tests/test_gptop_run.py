@@ -143,7 +143,8 @@ def test_exit_codes_of_plain_commands(tmp_path):
     assert p.returncode == 1, out + err
     assert "failed (exit code 3)" in err and "    something broke" in out      # the summary's stderr lines
     # stopped, but it ignores SIGINT: killed after --grace, exit 130, nothing left
-    ignore = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"
+    ignore = ("import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); print('up', flush=True); "
+              "time.sleep(600)")
     p = gptop("--no-ui", "run", "--run-dir", "stuck", "--grace", "1", "--", sys.executable, "-c", ignore, cwd=tmp_path)
     wait_for(lambda: "up" in (tmp_path / "stuck" / "trainer.log").read_text()
              if (tmp_path / "stuck" / "trainer.log").exists() else False, timeout=120, what="the command to start")

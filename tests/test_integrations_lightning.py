@@ -84,7 +84,8 @@ def test_each_optimizer_step_is_reported_with_its_breakdown(gptop, tmp_path):
 def test_checkpoint_and_stop_commands(gptop, tmp_path):
     class Commander(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            command = {2: {"cmd": "checkpoint"}, 6: {"cmd": "stop"}}.get(batch_idx)   # first micro-batches of steps 2 and 4
+            # the first micro-batches of steps 2 and 4
+            command = {2: {"cmd": "checkpoint"}, 6: {"cmd": "stop"}}.get(batch_idx)
             if command is not None:
                 gptop.send(command)
                 wait_for(lambda: not cb.client.channel.commands.empty(), timeout=30, what="the command")

@@ -67,7 +67,8 @@ def test_a_graceful_stop_passes_on_sigterm_else_sends_sigint(tmp_path):
     signals = StopSignals()
     session = ProgramSession(["true"], tmp_path / "r", signals=signals)
     assert session.stop_signal() == signal.SIGINT                     # q, or Ctrl-C
-    for got, sent in ((signal.SIGINT, signal.SIGINT), (signal.SIGTERM, signal.SIGTERM), (signal.SIGHUP, signal.SIGTERM)):
+    for got, sent in ((signal.SIGINT, signal.SIGINT), (signal.SIGTERM, signal.SIGTERM),
+                      (signal.SIGHUP, signal.SIGTERM)):
         signals.last_signal = got
         assert session.stop_signal() == sent
     assert session.run_config() == {"command": {"argv": ["true"], "log_every": None}}
@@ -108,7 +109,7 @@ def test_a_command_without_a_client_that_exits_0_finished(tmp_path):
     state.set_status("done")
     assert outcome(state, 0) == "finished"
     assert summary_lines(state, 0)[0].startswith("gptop: run finished after")
-    assert event_line(state.hello, state) == "starting: python train.py --lr 1e-3 (pid 42), run dir " + str(tmp_path / "run")
+    assert event_line(state.hello, state) == f"starting: python train.py --lr 1e-3 (pid 42), run dir {tmp_path / 'run'}"
 
 
 def test_a_failed_command_shows_its_last_stderr_lines(tmp_path):
@@ -119,7 +120,8 @@ def test_a_failed_command_shows_its_last_stderr_lines(tmp_path):
     state.set_status("failed", "python train.py failed (exit code 1)")
     lines = summary_lines(state, 1)
     i = next(i for i, line in enumerate(lines) if line.strip().startswith("stderr"))
-    assert lines[i].endswith("last 5 lines:") and [x.strip() for x in lines[i + 1:i + 6]] == [f"line {k}" for k in range(3, 8)]
+    assert lines[i].endswith("last 5 lines:")
+    assert [x.strip() for x in lines[i + 1:i + 6]] == [f"line {k}" for k in range(3, 8)]
 
 
 def test_report_of_a_command_run(tmp_path):

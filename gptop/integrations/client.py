@@ -116,9 +116,11 @@ class Client:
     """The protocol's client in one process (see the module docstring). Start it with `Client.connect`, which
     returns None outside gptop."""
 
-    def __init__(self, env: ClientEnv, kind: ClientKind, *, device: torch.device, log_every: int | None = None, tokens_per_step: int | None = None, max_steps: int | None = None,
-                 precision: str = "fp32", optimizer: Any = None, reduce_loss: bool = True,
-                 start_step: int = 0, signals: bool = True):
+    def __init__(self, env: ClientEnv, kind: ClientKind, *, device: torch.device, log_every: int | None = None,
+                 tokens_per_step: int | None = None, max_steps: int | None = None, precision: str = "fp32",
+                 optimizer: Any = None, reduce_loss: bool = True, start_step: int = 0, signals: bool = True):
+        """`signals`: take SIGTERM/SIGINT (a graceful stop) and SIGUSR1 (a checkpoint) while connected, from
+        the main thread only (Python's rule); the previous handlers come back at `close`."""
         self.env, self.kind = env, kind
         self.rank, self.world, self.local_rank = env_world()
         self.device = device
@@ -446,8 +448,8 @@ class Client:
         if reason is None:
             reason = self.stop_reason if self.should_stop else "max_steps"
         if self.rank == 0:
-            self.channel.emit("done", step=self.done_step, tokens=self.tokens, seconds=time.perf_counter() - self._started,
-                              reason=reason)
+            self.channel.emit("done", step=self.done_step, tokens=self.tokens, reason=reason,
+                              seconds=time.perf_counter() - self._started)
 
     def close(self) -> None:
         """Done (if not said yet), the profiler window written, the channel closed, the handlers given back."""
