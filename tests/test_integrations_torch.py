@@ -252,3 +252,19 @@ def test_a_channel_that_cannot_be_reached_never_ends_the_training(tmp_path, monk
     probe = Probe(model, tokens_per_step=BATCH * SEQ)
     assert train(probe, model, opt, 3) == 3
     assert not probe.active and "training on without it" in capsys.readouterr().err
+
+
+def test_the_profile_command_writes_a_trace_of_the_next_steps(gptop):
+    model, opt = tiny()
+    probe = Probe(model, tokens_per_step=BATCH * SEQ)
+
+    def on_step(step: int) -> None:
+        if step == 1:
+            gptop.send({"cmd": "profile", "steps": 2})
+            wait_for(lambda: not probe._client.channel.commands.empty(), timeout=30, what="the command")
+
+    train(probe, model, opt, 5, on_step=on_step)
+    probe.close()
+    trace = gptop.run_dir / "profiles" / "steps-3-4.json"            # seen at step 2's end: steps 3 and 4
+    assert trace.exists() and "ProfilerStep#3" in trace.read_text()
+    assert any(e.path == str(trace) for e in gptop.file_events("log"))
