@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import json
+import shlex
 import statistics
 import sys
 from dataclasses import dataclass
@@ -72,6 +73,9 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     end = standing(run_dir, events)
     out["state"], out["state_words"] = end.state.value, end.words
     out["done"] = end.done is not None and end.done.reason       # the last trainer's end (a tuner's restart is not)
+    command = next((e.command for e in reversed(hellos) if e.command is not None), None)
+    if command is not None:
+        out["command"] = command        # `gptop run -- CMD`
     if steps or (end.done is not None and end.done.step):
         last = max((*steps[-1:], *([end.done] if end.done is not None else [])), key=lambda e: e.step)
         out["steps"] = last.step
@@ -95,7 +99,10 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     if evals:
         out["eval_loss"] = evals[-1].loss
     out["checkpoints"] = [{"step": e.step, "path": e.path, "seconds": e.seconds} for e in ckpts]
-    out["checkpoints_kept"] = [{"step": c.step, "path": str(c.path)} for c in rundir.list_checkpoints(run_dir)]
+    if command is None:
+        out["checkpoints_kept"] = [{"step": c.step, "path": str(c.path)} for c in rundir.list_checkpoints(run_dir)]
+    else:               # the program's own checkpoints, where it said it wrote them, that are still there
+        out["checkpoints_kept"] = [{"step": e.step, "path": e.path} for e in ckpts if Path(e.path).exists()]
     out["errors"] = [_error(e) for e in errors]
     out["warnings"] = len(warnings)
     profiles = [e for e in events if isinstance(e, ProfileEvent) and e.rank == 0]
@@ -228,9 +235,12 @@ def _tuning(path: Path) -> tuple[dict[str, Any] | None, str | None]:
 
 def format_report(s: dict[str, Any]) -> str:
     lines = [f"run       {s['run_dir']}"]
+    if s.get("command"):
+        lines.append(f"command   {shlex.join(s['command'])}")
     m = s.get("model")
     if m:
-        lines.append(f"model     {m.get('family')}/{m.get('size')}  {(m.get('total_params') or 0) / 1e6:.1f}M params "
+        name = "/".join(str(x) for x in (m.get("family"), m.get("size")) if x) or "?"
+        lines.append(f"model     {name}  {(m.get('total_params') or 0) / 1e6:.1f}M params "
                      f"({(m.get('active_params') or 0) / 1e6:.1f}M active)  on {s.get('device')}")
     if s.get("toggles"):
         t = s["toggles"]
