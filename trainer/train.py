@@ -45,7 +45,7 @@ from .contract.events import MAX_STEPS, STOPPED_BEFORE_FIRST_STEP
 from .contract.runlock import RunLock
 from .device import detect
 from .memory import make_meter
-from .profiler import StepProfiler
+from .profiler import StepProfiler, report_written
 from .timing import interval_means, make_timer
 
 EXIT_OK, EXIT_CRASH, EXIT_CONFIG, EXIT_OOM, EXIT_NAN, EXIT_COMPILE = 0, 1, 2, 3, 4, 5
@@ -577,15 +577,7 @@ class Trainer:
         return decision.stop
 
     def _profile_written(self, path: Path, first: int, last: int, summary: dict[str, Any] | None) -> None:
-        self.channel.emit("log", message=f"profiler trace of steps {first}-{last} written to {path}", path=str(path))
-        if summary is not None:
-            self.channel.emit("profile", first=first, last=last, path=str(path),
-                              summary_path=summary.get("summary_path"), step_ms=summary["step_ms"],
-                              phases=summary["phases"], short_op_share=summary.get("short_op_share"),
-                              short_kernel_share=summary.get("short_kernel_share"),
-                              gpu_idle_share=summary.get("gpu_idle_share"),
-                              gpu_idle_host_share=summary.get("gpu_idle_host_share"),
-                              comm_overlap=summary.get("comm_overlap"))
+        report_written(self.channel, path, first, last, summary)
 
     def _is_log_step(self) -> bool:
         return self.progress.step % self.cfg.log.log_every == 0
