@@ -336,10 +336,9 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def _compile(self, model: torch.nn.Module) -> torch.nn.Module:
-        mode = self.cfg.toggles.compile
-        if mode == "off":
-            return model
-        return torch.compile(model, mode=None if mode == "default" else mode)
+        from .compiling import compile_model
+
+        return compile_model(model, self.cfg.toggles.compile)
 
     # ---------------------------------------------------------------- checkpoints
     def save_checkpoint(self, reason: str = "interval") -> Path:
