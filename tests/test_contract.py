@@ -15,7 +15,7 @@ TORCH_FREE = ["trainer.contract.config", "trainer.contract.events", "trainer.con
               "trainer.contract.capabilities", "trainer.contract.rundir", "trainer.contract.atomic", "trainer.contract.inputs",
               "gptop.cli", "gptop.session", "gptop.tuning", "gptop.ui.app", "gptop.monitor", "gptop.headless",
               "gptop.report", "gptop.tools", "trainer.contract.tools", "tuner.controller", "tuner.study", "tuner.space",
-              "tuner.report"]
+              "tuner.report", "gptop.doctor", "trainer.contract.doctor"]
 
 
 @pytest.mark.process

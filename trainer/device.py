@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -138,17 +138,18 @@ def check_bf16(dev: DeviceInfo, quick: bool) -> "Outcome":
                            relative_error=err, bf16_over_fp32=speed, native=not why_slow)
 
 
-def check_tf32(dev: DeviceInfo, quick: bool) -> "Outcome":
+def check_tf32(dev: DeviceInfo, quick: bool, *, device: Any = None) -> "Outcome":
     """gptop doctor's `tf32` path: with TF32 allowed (as the trainer sets it), an fp32 matmul rounds its
     inputs to TF32's 10-bit mantissa, an error far above fp32's; with it off, the result is plain fp32."""
     from .contract.capabilities import support
     from .contract.doctor import Outcome
 
     reason = support("precision", "tf32", dev)
-    if reason:
+    if reason and device is None:
         return Outcome.skip(reason)
-    device = dev.torch_device
-    torch.cuda.set_device(device)
+    device = torch.device(device) if device is not None else dev.torch_device   # tests: the CPU ignores the flag
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     g = torch.Generator(device="cpu").manual_seed(0)
     a64, b64 = torch.randn(2048, 2048, generator=g, dtype=torch.float64), torch.randn(2048, 2048, generator=g,
                                                                                         dtype=torch.float64)

@@ -81,6 +81,10 @@ def _owner(p: DevicePath) -> Any:
 def _child(fn_name: str, requested: str, quick: bool, conn: Any) -> None:
     """In the forked child: run one path's check (or the detection) and send back what it returned."""
     try:
+        if _THREADS:
+            import torch
+
+            torch.set_num_threads(_THREADS)
         if fn_name == "detect":
             conn.send(("ok", detect_machine(requested)))
             return
@@ -124,14 +128,29 @@ def run_in_child(name: str, requested: str, quick: bool, timeout_s: float) -> tu
     return got
 
 
+_THREADS = 0          # torch's intra-op threads before preload held this process to one
+
+
 def preload() -> None:
-    """Import torch and every owner's module once, here, so each forked child starts with them (importing
-    initializes no CUDA)."""
-    import torch  # noqa: F401
+    """Import torch and every owner's module once, here, so each forked child starts with them, and warm what
+    torch imports lazily on first use (an optimizer step, torch.save: seconds each). Nothing here touches
+    CUDA, and this process computes on one thread (no OpenMP pool exists to be forked); each child gets the
+    threads back."""
+    global _THREADS
+    import io
+
+    import torch
 
     for p in PATHS:
         if not p.in_gptop:
             importlib.import_module(p.owner.partition(":")[0])
+    _THREADS = torch.get_num_threads()
+    torch.set_num_threads(1)
+    m = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(m.parameters(), fused=True)
+    m(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    torch.save(m.state_dict(), io.BytesIO())
 
 
 def run_checks(requested: str, quick: bool, only: set[str] | None, timeout_scale: float) -> int:

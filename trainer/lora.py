@@ -138,13 +138,15 @@ def check_qlora(dev: Any, quick: bool) -> Any:
     reason = support("quantize_base", "nf4", dev)
     if reason:
         return Outcome.skip(reason)
-    from .models import _model_class, build_model, hf_config
+    from transformers import LlamaForCausalLM
+
+    from .models import build_model, hf_config
 
     device = dev.torch_device
     torch.cuda.set_device(device)
     with tempfile.TemporaryDirectory(prefix="gptop-doctor-qlora-") as tmp:
         torch.manual_seed(0)
-        _model_class("llama")(hf_config("llama", "tiny", vocab_size=512, seq_len=64)).save_pretrained(tmp)
+        LlamaForCausalLM(hf_config("llama", "tiny", vocab_size=512, seq_len=64)).save_pretrained(tmp)
         toggles = Toggles(precision="bf16", quantize_base="nf4")
         bundle = build_model(ModelConfig(model=tmp), vocab_size=512, seq_len=64, toggles=toggles, dev=dev,
                              finetune=FinetuneConfig(lora=4))

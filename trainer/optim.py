@@ -217,7 +217,7 @@ def step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, finite:
     scaler.update()
 
 
-def check_grad_scaler(dev: Any, quick: bool) -> Any:
+def check_grad_scaler(dev: Any, quick: bool, *, device: Any = None) -> Any:
     """gptop doctor's `fp16` path: steps under fp16 autocast through `step` with a GradScaler, as the loop
     takes them: a normal step changes the weights; a step whose gradient overflows is skipped (weights and
     moments untouched) and the scale halves."""
@@ -225,17 +225,18 @@ def check_grad_scaler(dev: Any, quick: bool) -> Any:
     from .contract.doctor import Outcome
 
     reason = support("precision", "fp16", dev)
-    if reason:
+    if reason and device is None:
         return Outcome.skip(reason)
-    device = dev.torch_device
-    torch.cuda.set_device(device)
+    device = torch.device(device) if device is not None else dev.torch_device   # tests: the CPU's fp16 autocast
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **adamw_flags(True))
-    scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 12)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 12)
 
     def train_step(overflow: bool) -> None:
-        with torch.autocast("cuda", dtype=torch.float16):
+        with torch.autocast(device.type, dtype=torch.float16):
             loss = model(torch.randn(16, 64, device=device)).float().square().mean()
         scaler.scale(loss).backward()
         if overflow:

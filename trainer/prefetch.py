@@ -269,7 +269,7 @@ class Prefetcher:
 
 
 
-def check(dev: Any, quick: bool) -> Any:
+def check(dev: Any, quick: bool, *, copier_factory: Any = None, device: Any = None) -> Any:
     """gptop doctor's `prefetch` path: micro-batches through the prefetcher this device uses (CudaCopier:
     pinned memory, a side stream; CpuCopier on the CPU), from a thread and from workers, must equal the
     synchronous path's, in order, and still read back intact after later batches were copied (on CUDA each
@@ -279,9 +279,11 @@ def check(dev: Any, quick: bool) -> Any:
 
     from .contract.doctor import Outcome
 
-    device = dev.torch_device
-    if dev.is_cuda:
+    device = torch.device(device) if device is not None else dev.torch_device   # tests: fake CUDA ops on CPU
+    cuda = device.type == "cuda"
+    if cuda:
         torch.cuda.set_device(device)
+    make_copier = copier_factory or (lambda: choose_copier(device))
     tokens = np.random.default_rng(0).integers(0, 50_000, size=200_000).astype(np.int64)
     sampler = BatchSampler(tokens, 256, 16, seed=3)
     n = 24 if quick else 64
@@ -289,11 +291,12 @@ def check(dev: Any, quick: bool) -> Any:
     want = [reference.get() for _ in range(n)]
     reference.close()
     weights = torch.arange(1, 257, dtype=torch.float64, device=device)
-    load = torch.randn(1024, 1024, device=device) if dev.is_cuda else None
+    load = torch.randn(1024, 1024, device=device) if cuda else None
     problems = []
     for depth, workers in ((2, 0), (2, 2)):
         sums = []
-        with Prefetcher(sampler, 4, 0, device, depth=depth, workers=workers) as p:
+        copier = make_copier()
+        with Prefetcher(sampler, 4, 0, device, depth=depth, workers=workers, copier=copier) as p:
             for i in range(n):
                 b, k, x, y = p.get()
                 if (b, k) != want[i][:2]:
@@ -313,8 +316,8 @@ def check(dev: Any, quick: bool) -> Any:
         if not torch.equal(got, expect):
             bad = int((got != expect).any(dim=1).nonzero()[0]) if got.shape == expect.shape else -1
             problems.append(f"depth {depth} workers {workers}: batch {bad} differs from the synchronous path")
-    copier = type(choose_copier(device)).__name__
-    observed = (f"{n} micro-batches x 2 ways ({copier}) equal to the synchronous path" if not problems
+    kind = type(copier).__name__
+    observed = (f"{n} micro-batches x 2 ways ({kind}) equal to the synchronous path" if not problems
                 else "; ".join(problems))
     return Outcome.verdict(not problems, observed, "prefetched data differs from the synchronous path",
-                           batches=n, copier=copier)
+                           batches=n, copier=kind)

@@ -214,7 +214,8 @@ def make_timer(device: Any, enabled: bool) -> StepTimer:
     return CudaTimer(device=device) if getattr(device, "type", device) == "cuda" else CpuTimer()
 
 
-def check(dev: "DeviceInfo", quick: bool) -> "Outcome":
+def check(dev: "DeviceInfo", quick: bool, *, timer_factory: Callable[[], StepTimer] | None = None,
+          device: Any = None) -> "Outcome":
     """gptop doctor's `timing` path: time a known workload with this device's timer (make_timer) the way the
     loop does, and compare with a synchronized wall clock: the steps must add up to it, and a phase with
     twice the matmuls of another must measure about twice as long in the median step (events on the wrong
@@ -224,8 +225,8 @@ def check(dev: "DeviceInfo", quick: bool) -> "Outcome":
 
     from .contract.doctor import Outcome
 
-    device = dev.torch_device
-    cuda = dev.is_cuda
+    device = device if device is not None else dev.torch_device     # tests: a fake timer over CPU work
+    cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
     n = 2048 if cuda else 256
@@ -238,7 +239,7 @@ def check(dev: "DeviceInfo", quick: bool) -> "Outcome":
             x = (x @ a) * (1.0 / n)
 
     def attempt() -> tuple[bool, str, dict]:
-        timer = make_timer(device, True)
+        timer = timer_factory() if timer_factory is not None else make_timer(device, True)
         steps = 6 if quick else 12
         work(3)                                     # warm-up: kernels, caches
         sync()
