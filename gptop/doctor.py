@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -304,12 +305,23 @@ def format_report(report: DoctorReport, log_path: str) -> str:
     return "\n".join(out)
 
 
+def _terminate(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)        # through the finally blocks that stop the doctor's processes
+
+
 def cmd_doctor(ns: argparse.Namespace, out: IO[str] | None = None) -> int:
     out = out or sys.stdout
     as_json = getattr(ns, "json", False)
     live = (lambda s: print(s, file=sys.stderr, flush=True)) if not as_json and sys.stderr.isatty() else \
         (lambda s: None)
-    report, log_path = run_doctor(ns.device, ns.quick, ns.timeout_scale, progress=live)
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        report, log_path = run_doctor(ns.device, ns.quick, ns.timeout_scale, progress=live)
+    except KeyboardInterrupt:             # Ctrl-C: the processes are stopped (finally blocks); no traceback
+        print("gptop doctor: stopped", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     record = report.to_dict()
     problems = validate_report(record)
     if as_json:

@@ -400,3 +400,31 @@ def test_the_readme_says_what_was_verified_where_from_the_doctors_records():
     assert table in (ROOT / "README.md").read_text(), "README's table is stale: python -m gptop.doctor --readme"
     for p in PATHS:
         assert f"(`{p.name}`)" in table
+
+
+@pytest.mark.process
+def test_a_stopped_doctor_leaves_no_process_behind(tmp_path):
+    """SIGTERM to gptop doctor (a timeout, a scheduler) while a check runs: its trainer-side process and the
+    check's child go with it."""
+    import signal
+
+    import psutil
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "gptop", "doctor", "--device", "cpu", "--json"], cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    me = psutil.Process(proc.pid)
+    family: set = set()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(family) < 2:     # the runner, and a check's child under it
+        family |= {p.pid for p in me.children(recursive=True)}
+        time.sleep(0.2)
+    assert len(family) >= 2, "the doctor never started its processes"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    gone_by = time.monotonic() + 30
+    while time.monotonic() < gone_by and any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+                                             for p in family):
+        time.sleep(0.2)
+    left = [p for p in family if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    assert not left, f"left behind: {left}"

@@ -22,6 +22,7 @@ import json
 import multiprocessing
 import os
 import platform
+import signal
 import socket
 import sys
 import time
@@ -80,6 +81,10 @@ def _owner(p: DevicePath) -> Any:
 
 def _child(fn_name: str, requested: str, quick: bool, conn: Any) -> None:
     """In the forked child: run one path's check (or the detection) and send back what it returned."""
+    from .dist import die_with_parent
+
+    die_with_parent()                     # never outlive the runner (killed, or its gptop gone)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         if _THREADS:
             import torch
@@ -108,6 +113,7 @@ def run_in_child(name: str, requested: str, quick: bool, timeout_s: float) -> tu
     receive, send = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child, args=(name, requested, quick, send), name=f"gptop-doctor-{name}")
     proc.start()
+    _ACTIVE.append(proc)
     send.close()
     got: tuple[str, Any] | None = None
     if receive.poll(timeout_s):
@@ -116,6 +122,7 @@ def run_in_child(name: str, requested: str, quick: bool, timeout_s: float) -> tu
         except EOFError:
             got = None
     proc.join(timeout=5.0 if got is not None else 0.1)
+    _ACTIVE.remove(proc)
     if proc.is_alive():
         proc.kill()
         proc.join()
@@ -215,6 +222,16 @@ def burn(requested: str, seconds: float) -> int:
     return 0
 
 
+_ACTIVE: list[Any] = []                  # the check's child process while one runs
+
+
+def _stop(signum: int, frame: Any) -> None:
+    """SIGTERM / SIGINT: kill the running check's child, then exit (no process is left behind)."""
+    for proc in list(_ACTIVE):
+        proc.kill()
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.doctor",
                                      description="The trainer's side of gptop doctor (JSON lines on stdout).")
@@ -226,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load", type=float, default=None, metavar="SECONDS",
                         help="keep the device busy for SECONDS instead of checking")
     ns = parser.parse_args(argv)
+    from .dist import die_with_parent
+
+    die_with_parent()                     # gptop gone (killed, or its timeout): stop too
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
     if ns.load is not None:
         return burn(ns.device, ns.load)
     only = set(ns.only.split(",")) if ns.only else None
