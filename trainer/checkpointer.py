@@ -437,7 +437,8 @@ def check(dev: DeviceInfo, quick: bool) -> Any:
         try:
             _, progress = cp.resume(tmp)
         except Exception as e:          # the failure is what the doctor reports
-            return Outcome.verdict(False, f"restore failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+            first = str(e).splitlines()[0] if str(e) else ""
+            return Outcome.verdict(False, f"restore failed: {type(e).__name__}: {first}",
                                    "the checkpoint does not restore on this device")
     problems = list(warnings)
     if progress.step != 2:

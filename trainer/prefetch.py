@@ -311,7 +311,8 @@ def check(dev: Any, quick: bool, *, copier_factory: Any = None, device: Any = No
                 sums.append(((x.double() * weights).sum(), (y.double() * weights).sum()))
                 del x, y                              # freed on the consumer side: reuse must wait for it
         got = torch.stack([torch.stack(s) for s in sums]).cpu() if sums else torch.zeros(0, 2)
-        expect = torch.tensor([[float((w[2].double() * weights.cpu()).sum()), float((w[3].double() * weights.cpu()).sum())]
+        host = weights.cpu()
+        expect = torch.tensor([[float((w[2].double() * host).sum()), float((w[3].double() * host).sum())]
                                for w in want[:len(sums)]], dtype=torch.float64)
         if not torch.equal(got, expect):
             bad = int((got != expect).any(dim=1).nonzero()[0]) if got.shape == expect.shape else -1

@@ -240,7 +240,7 @@ def check(dev: "DeviceInfo", quick: bool, *, timer_factory: Callable[[], StepTim
 
     def attempt() -> tuple[bool, str, dict]:
         timer = timer_factory() if timer_factory is not None else make_timer(device, True)
-        steps = 6 if quick else 12
+        steps = 10 if quick else 16
         work(3)                                     # warm-up: kernels, caches
         sync()
         t0 = time.perf_counter()
@@ -266,7 +266,8 @@ def check(dev: "DeviceInfo", quick: bool, *, timer_factory: Callable[[], StepTim
                         else float("inf") for t in got)
         ratio = ratios[len(ratios) // 2]
         share = total / wall_ms if wall_ms > 0 else 0.0
-        ok = adds_up and 0.9 <= share <= 1.1 and 1.5 <= ratio <= 2.6
+        low, high = (1.5, 2.6) if cuda else (1.3, 3.0)     # a shared CPU's clocks are noisier than events
+        ok = adds_up and 0.9 <= share <= 1.1 and low <= ratio <= high
         observed = (f"steps sum to {share:.0%} of the wall clock ({total:.1f} of {wall_ms:.1f} ms); median "
                     f"backward/forward {ratio:.2f} (2x the work)" + ("" if adds_up else "; phases do not add up"))
         return ok, observed, dict(wall_ms=wall_ms, timed_ms=total, backward_over_forward=ratio,
