@@ -23,7 +23,7 @@ from typing import Any
 
 from trainer.contract import inputs
 from trainer.contract.config import AUTO, ConfigError, TrainConfig, add_arguments, config_from_args, number_arg
-from trainer.contract.rundir import default_run_dir, resume_config
+from trainer.contract.rundir import default_run_dir, resume_config, resumes_into
 from trainer.contract.runlock import RunLock, node_key
 from trainer.contract.tools import add_export_arguments, add_sample_arguments
 
@@ -129,10 +129,11 @@ def build_parser() -> Parser:
 
     train = run_command("train", "train a model and show the run live")
     train.add_argument("--tune", metavar="DURATION", default=None, type=duration_arg("--tune"),
-                       help="tune the toggles for up to DURATION (90s, 30m, 1h30m) while training (default: off)")
+                       help="tune the toggles for up to DURATION, a number with a unit (90s, 30m, 1h30m, 2h) while "
+                            "training (default: off)")
     tune = run_command("tune", "train while an Optuna study tunes the toggles on the live run")
     tune.add_argument("--budget", metavar="DURATION", default="30m", type=duration_arg("--budget"),
-                      help="tuning budget (default: 30m)")
+                      help="tuning budget, a number with a unit: 90s, 30m, 1h30m, 2h (default: 30m)")
     for p in (train, tune):
         g = p.add_argument_group("tuning")
         g.add_argument("--tune-space", metavar="SPEC", default=None,
@@ -297,9 +298,12 @@ def _run(ns: argparse.Namespace, signals: StopSignals) -> int:
                                       "tune on one node (--nproc N) and train the nodes with its best.toml")
     # One writer per run directory: held until gptop exits (and by the trainer it starts); a second gptop
     # or trainer on the directory is refused here, exit 2, before anything starts.
+    # A new run (not a resume of the run there) in a directory another run left its events or checkpoints
+    # in is refused the same way: one run per run directory.
     multi_node = launcher is not None and launcher.multi_node
     lock = RunLock.acquire(cfg.run.run_dir, command=f"gptop {ns.command}",
-                           node=node_key(ns.node_rank) if multi_node else None)
+                           node=node_key(ns.node_rank) if multi_node else None,
+                           new_run=not resumes_into(resume, cfg.run.run_dir))
     try:
         return _run_locked(ns, cfg, resume, launcher, lock, signals)
     finally:

@@ -43,11 +43,12 @@ import threading
 from collections import deque
 from typing import IO
 
+from gptop.profile_text import profile_lines
 from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_eta, fmt_mfu, fmt_num, fmt_peak, fmt_toggles,
                          measure_line, model_summary, phase_label, spread_pct)
 from trainer.contract.events import (PHASES, ApplyEvent, CheckpointEvent, DeviceEvent, DoneEvent, ErrorEvent,
-                                     EvalEvent, Event, HelloEvent, LogEvent, PhaseEvent, ProgressEvent, StatusEvent,
-                                     StepEvent, TrialEvent, TunerEvent, WarningEvent, dumps)
+                                     EvalEvent, Event, HelloEvent, LogEvent, PhaseEvent, ProfileEvent, ProgressEvent,
+                                     StatusEvent, StepEvent, TrialEvent, TunerEvent, WarningEvent, dumps)
 
 MEASURE_EVERY_S = 10.0
 SHORT = {"data": "data", "forward": "fwd", "backward": "bwd", "optimizer": "opt", "other": "other"}
@@ -141,6 +142,10 @@ def event_line(event: Event, state: RunState) -> str | None:
         return f"warning: {event.message}"
     if isinstance(event, ErrorEvent):
         return f"error [{event.kind}]: {event.message}"
+    if isinstance(event, ProfileEvent):
+        if state.primary_rank is not None and event.rank != state.primary_rank:
+            return None
+        return "\n".join(profile_lines(event))
     if isinstance(event, LogEvent):
         return event.message
     if isinstance(event, DoneEvent):

@@ -2,20 +2,27 @@
 
 Reads events.jsonl (and per-rank event files), device.jsonl and the tuning
 report if there is one. Everything is computed from recorded events, so a
-report of a finished run on another machine gives the same numbers.
+report of a finished run on another machine gives the same numbers. Where the
+run stands comes from its lock (held: running now, whatever its events say) and
+the events of its last trainer process (a tuner's restart ends a trainer, not
+the run).
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from trainer.contract import rundir
-from trainer.contract.events import (PHASES, CheckpointEvent, DeviceEvent, DoneEvent, ErrorEvent, EvalEvent, Event,
-                                     HelloEvent, MalformedEvent, StepEvent, WarningEvent, read_events, to_dict)
+from trainer.contract.events import (MAX_STEPS, PHASES, STOPPED_BEFORE_FIRST_STEP, TUNER_RESTART, CheckpointEvent,
+                                     DeviceEvent, DoneEvent, ErrorEvent, EvalEvent, Event, HelloEvent, MalformedEvent,
+                                     ProfileEvent, StepEvent, WarningEvent, from_dict, read_events, to_dict)
+from trainer.contract.runlock import holder_words, lock_holders
 
 from .energy import Energy, measure, unavailable_reason
 from .state import fmt_mfu
@@ -61,10 +68,15 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         out["mfu_is_estimate"] = hello.mfu_is_estimate
         out["max_steps"] = hello.max_steps
     out["starts"] = sum(1 for e in hellos if e.early) or len(hellos)   # one early hello per trainer process
-    if steps:
-        last = steps[-1]
+    out["tuner_restarts"] = sum(1 for e in done if e.reason == TUNER_RESTART)
+    end = standing(run_dir, events)
+    out["state"], out["state_words"] = end.state.value, end.words
+    out["done"] = end.done is not None and end.done.reason       # the last trainer's end (a tuner's restart is not)
+    if steps or (end.done is not None and end.done.step):
+        last = max((*steps[-1:], *([end.done] if end.done is not None else [])), key=lambda e: e.step)
         out["steps"] = last.step
         out["tokens"] = last.tokens
+    if steps:
         # steady state: drop the first interval of each start (compilation, allocator warm-up)
         steady = _steady(events)
         tps = [e.tokens_per_s for e in steady if e.tokens_per_s]
@@ -86,7 +98,9 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     out["checkpoints_kept"] = [{"step": c.step, "path": str(c.path)} for c in rundir.list_checkpoints(run_dir)]
     out["errors"] = [_error(e) for e in errors]
     out["warnings"] = len(warnings)
-    out["done"] = bool(done) and done[-1].reason
+    profiles = [e for e in events if isinstance(e, ProfileEvent) and e.rank == 0]
+    if profiles:
+        out["profile"] = to_dict(profiles[-1])         # the newest window (trainer.profile_summary)
     run_gpus = {k for e in hellos for k in (e.gpus or ())}
     energy, why = _energy(run_dir, steps, skipped["device.jsonl"], run_gpus)
     if energy is not None:
@@ -105,6 +119,49 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     if bad:
         out["malformed"] = bad
     return out
+
+
+class RunStanding(enum.Enum):
+    """Where a run stands, from its lock and the events of its last trainer process."""
+
+    RUNNING = "running"            # its lock is held: gptop (or a trainer) is at it now
+    FINISHED = "finished"          # trained to --max-steps
+    STOPPED = "stopped"            # stopped on request (a user, a signal, a planned end)
+    FAILED = "failed"              # its last trainer reported an error and ended
+    CUT_SHORT = "cut short"        # its last trainer ended without a word (killed), or gptop ended mid-restart
+
+
+@dataclass(frozen=True)
+class Standing:
+    state: RunStanding
+    words: str                     # in words, for the report's `state` line
+    done: DoneEvent | None         # the last trainer's own end, if it said one
+
+
+def standing(run_dir: Path, events: list[Event]) -> Standing:
+    """How the run stands. A live run (its lock held) is running whatever its events say; else the last trainer
+    process's events say how it ended (an earlier process's `done`, a tuner's restart, is not the run's end)."""
+    holders = lock_holders(run_dir)
+    starts = [i for i, e in enumerate(events) if isinstance(e, HelloEvent) and e.early] or \
+        [i for i, e in enumerate(events) if isinstance(e, HelloEvent)][-1:] or [0]
+    last = events[starts[-1]:]
+    done = next((e for e in reversed(last) if isinstance(e, DoneEvent)), None)
+    error = next((e for e in reversed(last) if isinstance(e, ErrorEvent)), None)
+    if holders is not None:
+        return Standing(RunStanding.RUNNING, f"running now ({'; '.join(holder_words(h) for h in holders)})", None)
+    if done is not None and done.reason == MAX_STEPS:
+        return Standing(RunStanding.FINISHED, f"finished at step {done.step} (--max-steps)", done)
+    if done is not None and done.reason == TUNER_RESTART:
+        return Standing(RunStanding.CUT_SHORT, f"ended during a restart by the tuner at step {done.step} (gptop ended "
+                                            "before the next trainer started)", done)
+    if done is not None and done.reason == STOPPED_BEFORE_FIRST_STEP:
+        return Standing(RunStanding.STOPPED, "stopped before its first step: a run that made no checkpoint", done)
+    if done is not None:
+        return Standing(RunStanding.STOPPED, f"stopped at step {done.step} ({done.reason or 'no reason given'})", done)
+    if error is not None:
+        return Standing(RunStanding.FAILED, f"failed at step {error.step}: {error.kind}: {error.message}", None)
+    return Standing(RunStanding.CUT_SHORT, "ended without a word from its last trainer (killed, or gptop and the trainer "
+                                        f"died); see {rundir.RunDir(run_dir).trainer_stderr}", None)
 
 
 def _error(e: ErrorEvent) -> dict[str, Any]:
@@ -178,9 +235,14 @@ def format_report(s: dict[str, Any]) -> str:
     if s.get("toggles"):
         t = s["toggles"]
         lines.append("toggles   " + "  ".join(f"{k}={v}" for k, v in t.items()))
-    if "steps" in s:
-        lines.append(f"progress  {s['steps']}/{s.get('max_steps')} steps, {s['tokens']:,} tokens, "
-                     f"{s['starts']} start(s), finished: {s.get('done') or 'no'}")
+    lines.append(f"state     {s['state_words']}")
+    starts = f"{s['starts']} start(s)" + (f" ({s['tuner_restarts']} by the tuner's restarts)"
+                                         if s.get("tuner_restarts") else "")
+    if "steps" not in s:
+        lines.append(f"progress  no step done, {starts}")
+    else:
+        lines.append(f"progress  {s['steps']}/{s.get('max_steps')} steps, {s['tokens']:,} tokens, {starts}")
+    if "final_loss" in s:
         lines.append(f"loss      {_f(s.get('first_loss'))} -> {_f(s.get('final_loss'))}"
                      + (f"  (eval {_f(s.get('eval_loss'))})" if s.get("eval_loss") is not None else ""))
         mfu = s.get("mfu")
@@ -206,6 +268,10 @@ def format_report(s: dict[str, Any]) -> str:
             lines.append(f"error     step {e.get('step')}: {e['kind']}: {e['message']}")
     else:
         lines.append("errors    none")
+    if s.get("profile"):
+        from .profile_text import profile_lines
+
+        lines += profile_lines(from_dict(s["profile"]))
     if s.get("tuning"):
         from tuner.report import format_summary
 
@@ -227,4 +293,4 @@ def print_report(run_dir: Path, json_out: bool = False) -> int:
         print(json.dumps(s, indent=2, default=str))
     else:
         print(format_report(s))
-    return 0 if not s["errors"] or s.get("done") else 1
+    return 0 if not s["errors"] or s.get("done") or s["state"] == RunStanding.RUNNING.value else 1

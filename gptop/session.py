@@ -25,7 +25,7 @@ from typing import Any, Callable, Protocol
 
 from trainer.contract import events as ev
 from trainer.contract.config import TrainConfig, cli_args
-from trainer.contract.rundir import RunDir, has_checkpoint
+from trainer.contract.rundir import RunDir, has_checkpoint, list_checkpoints
 from trainer.contract.runlock import RunLock
 
 from .commands import StopSignals
@@ -199,6 +199,7 @@ class Session(SessionBase):
         self.restarts_left = self.options.restart_on_failure
         self.interrupted = False
         self.stopping = False
+        self.forced = False                    # the user's second stop killed the trainer (no checkpoint of its own)
         self.killed_after_completion = False   # a forced stop after the trainer's `done`: still a finished run
         self.spawns = 0
         self.rank_errors: dict[int, ev.ErrorEvent] = {}           # this spawn's first error event per rank
@@ -298,13 +299,16 @@ class Session(SessionBase):
                 sup.kill()
             return
         self.interrupted = self.interrupted or interrupted
+        if sup is not None and sup.exiting:
+            return      # the trainer just exited: handle_exit, on its way, says how the run ended and what it kept
         if sup is None or not sup.alive():
             if self._exit_code is None and self.interrupted:
                 self._set_status("stopped")
             self._finish(EXIT_INTERRUPTED if self._exit_code is None else self._exit_code)
             return
         if force or self.stopping:
-            self._set_status("stopping", "killed")
+            self.forced = True
+            self._set_status("stopping", "a second stop: ending the trainer at once, without a checkpoint of its own")
             sup.kill()
         else:
             self.stopping = True
@@ -463,10 +467,27 @@ class Session(SessionBase):
         elif code == 0:
             self._set_status("stopped")
         else:
-            how = f"exit code {code}" if code >= 0 else f"signal {-code}"
-            when = "before its first step" if self.state.step is None else "before it checkpointed"
-            self._set_status("stopped", f"the trainer ended ({how}) {when}")
+            self._set_status("stopped", self.cut_short(code))
         self._finish(EXIT_INTERRUPTED)
+
+    def cut_short(self, code: int) -> str:
+        """What a stop that ended the trainer before its own clean exit kept and lost, from the checkpoints on
+        disk (an atomic write is there or not, whether or not its event arrived) against the last step done."""
+        how = f"exit code {code}" if code >= 0 else f"signal {-code}"
+        who = f"a second stop (Ctrl-C or q twice) ended the trainer ({how})" if self.forced else \
+            f"the trainer ended ({how})"
+        reached = self.state.step
+        kept = list_checkpoints(self.run_dir)
+        newest = kept[-1].step if kept else None
+        if reached is None:
+            return f"{who} before its first step: there was nothing to checkpoint"
+        if newest is not None and newest >= reached:
+            return f"{who} after its checkpoint of step {newest}: nothing is lost"
+        first = 1 if newest is None else newest + 1
+        lost = f"step {reached} is lost" if first == reached else f"steps {first}-{reached} are lost"
+        if newest is not None:
+            return f"{who} before it checkpointed step {reached}: {lost}, --resume continues from step {newest}"
+        return f"{who} before its first checkpoint: {lost}"
 
     def failure_summary(self, code: int) -> str:
         if self.options.launcher is not None:

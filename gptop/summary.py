@@ -53,6 +53,7 @@ def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
         elapsed = state.elapsed()
         done = state.done
         precision = state.precision_label()
+        every = (state.config.get("checkpoint") or {}).get("checkpoint_every")
     if done is not None and done.step > (step or 0):   # steps after the last logged one
         step, tokens = done.step, done.tokens
     quoted = shlex.quote(run_dir) if run_dir else "RUN_DIR"
@@ -91,10 +92,14 @@ def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
     else:
         add("progress", "no step was completed")
     kept = rundir.list_checkpoints(run_dir) if run_dir else []
+    cut_short = message if how == "stopped" else None      # what a stop that cut the trainer short kept and lost
     if kept:
+        if cut_short:
+            add("stopped", cut_short)
         add("checkpoint", f"{kept[-1].path} (step {kept[-1].step}; {written} written, {len(kept)} kept)")
     else:
-        add("checkpoint", "none" + (f" ({written} written, none kept)" if written else ""))
+        add("checkpoint", "none" + (f" ({written} written, none kept)" if written else "")
+            + f": {cut_short or _why_none(how, step, every)}")
     if applied is not None:
         best = Path(run_dir) / rundir.BEST_TOML if run_dir else None
         add("tuning", f"applied trial {applied.number}"
@@ -106,6 +111,14 @@ def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
     if run_dir:
         add("report", f"gptop report {quoted}")
     return lines
+
+
+def _why_none(how: str, step: int | None, every: int | None) -> str:
+    """Why a run ends without a checkpoint, in words."""
+    if step is None:
+        return f"the run {how} before its first step (nothing to checkpoint)"
+    when = f" (--checkpoint-every {every})" if every else " (--checkpoint-every 0: only at the end)"
+    return f"the run {how} at step {step}, before its first checkpoint{when}"
 
 
 def print_summary(state: RunState, exit_code: int | None, stream: IO[str]) -> None:

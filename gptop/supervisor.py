@@ -16,8 +16,11 @@
   the ranks themselves (not to torchrun, which would turn it into a kill after
   30 s), and a kill or the launcher's exit reaches each of them. Which rank
   failed is read from torchrun's failure summary (`torchrun_failures`).
-- Library chatter that says nothing to a user (kineto's `USDT:`/`STAGE:` lines
-  around a profiler window) stays in the log file but not in the log panel.
+- Library chatter that says nothing to a user stays in the log files but not
+  in the log panel (`LogFilter`): kineto's `USDT:`/`STAGE:` lines around a
+  profiler window, inductor's autotune tables during a `max-autotune` compile
+  (one line in the panel says the compile is autotuning) and libraries'
+  deprecation warnings.
 """
 
 from __future__ import annotations
@@ -56,6 +59,56 @@ def is_library_chatter(line: str) -> bool:
     return LIBRARY_CHATTER.match(line) is not None
 
 
+_RANK = r"(?:\[rank\d+\]:)?"
+# torch._inductor.select_algorithm prints, per autotuned op, to stderr:
+#   AUTOTUNE bmm(16x256x64, 16x64x256)            <- starts a table
+#   strides: [...] / dtypes: ... / "  choice 0.0123 ms 100.0% ..." rows
+#   SingleProcess AUTOTUNE benchmarking takes 1.2 seconds and 0.0 seconds precompiling for 20 choices  <- ends it
+AUTOTUNE_START = re.compile(_RANK + r"AUTOTUNE \S+\(")
+AUTOTUNE_END = re.compile(_RANK + r"(?:SingleProcess|SubProcess) AUTOTUNE benchmarking takes ")
+AUTOTUNE_ROW = re.compile(_RANK + r"(?:strides: |dtypes: |\s+\S)")
+# Python's warnings format: `/.../site-packages/x.py:12: FutureWarning: message`, then the source line, indented
+LIBRARY_DEPRECATION = re.compile(_RANK + r"\S*(?:site-packages|dist-packages|/lib/python3[.\d]*)/\S+:\d+: "
+                                 r"(?:DeprecationWarning|PendingDeprecationWarning|FutureWarning): ")
+AUTOTUNE_NOTE = "torch.compile is autotuning kernels (its timing tables are in trainer.stderr.log)"
+
+
+class LogFilter:
+    """Which of one stream's lines the log panel shows (`__call__`: (line, stream) to show, or None): library
+    chatter (`is_library_chatter`), inductor's autotune tables (the first one becomes `AUTOTUNE_NOTE`, once
+    per process, as gptop's own line) and libraries' deprecation warnings with their source line stay in the
+    file only."""
+
+    def __init__(self, stream: str) -> None:
+        self.stream = stream
+        self._table = False          # inside an autotune table
+        self._noted = False          # the note was shown for this process
+        self._after_warning = False  # the next indented line is a hidden warning's source line
+
+    def __call__(self, line: str) -> tuple[str, str] | None:
+        after_warning, self._after_warning = self._after_warning, False
+        if is_library_chatter(line):
+            return None
+        if AUTOTUNE_END.match(line):
+            self._table = False
+            return None
+        if AUTOTUNE_START.match(line):
+            self._table = True
+            if self._noted:
+                return None
+            self._noted = True
+            return AUTOTUNE_NOTE, "gptop"
+        if self._table and AUTOTUNE_ROW.match(line):
+            return None
+        self._table = False
+        if LIBRARY_DEPRECATION.match(line):
+            self._after_warning = True
+            return None
+        if after_warning and line[:1].isspace():
+            return None
+        return line, self.stream
+
+
 class Supervisor:
     def __init__(self, argv: list[str], run_dir: Path, *, on_event: EventCallback, on_log: LogCallback,
                  on_exit: Callable[[int], None], on_malformed: Callable[[bytes, str], None] | None = None,
@@ -76,6 +129,7 @@ class Supervisor:
                                             # second were a tenth of the dashboard's cost on an idle machine)
         self.proc: subprocess.Popen | None = None
         self.returncode: int | None = None
+        self.exit_reported = threading.Event()     # on_exit has run for this process
         self._conns: list[socket.socket] = []
         self._lock = threading.Lock()
         self._sockdir = tempfile.mkdtemp(prefix="gptop-")
@@ -227,18 +281,20 @@ class Supervisor:
     def _tail_loop(self) -> None:
         tails = {s: FileTail(p, self._log_offsets[s])
                  for s, p in (("stdout", self.layout.trainer_log), ("stderr", self.layout.trainer_stderr))}
+        shown = {s: LogFilter(s) for s in tails}
         while True:
             done = self._exited.is_set()
             for stream, tail in tails.items():
                 for line in tail.read_lines():
-                    text = line.decode("utf-8", "replace").rstrip("\r")
-                    if not is_library_chatter(text):
-                        self.on_log(text, stream)
+                    out = shown[stream](line.decode("utf-8", "replace").rstrip("\r"))
+                    if out is not None:
+                        self.on_log(*out)
             if done:
                 for stream, tail in tails.items():
                     rest = tail.rest()
-                    if rest and not is_library_chatter(rest.decode("utf-8", "replace")):
-                        self.on_log(rest.decode("utf-8", "replace"), stream)
+                    out = shown[stream](rest.decode("utf-8", "replace")) if rest else None
+                    if out is not None:
+                        self.on_log(*out)
                 return
             time.sleep(self.log_poll_s)
 
@@ -261,12 +317,20 @@ class Supervisor:
                 if not self._conns:
                     break
             time.sleep(0.02)
-        self.on_exit(code)
+        try:
+            self.on_exit(code)
+        finally:
+            self.exit_reported.set()
+
+    @property
+    def exiting(self) -> bool:
+        """The process has exited and its exit is on its way to `on_exit` (its last events are drained first)."""
+        return self.proc is not None and self.returncode is not None and not self.exit_reported.is_set()
 
     # ------------------------------------------------------------------ stop
-    def request_stop(self) -> None:
-        """Graceful: the trainer finishes its step, checkpoints and exits 0."""
-        self.send({"cmd": "stop", "reason": "stop requested"})
+    def request_stop(self, reason: str = "stop requested") -> None:
+        """Graceful: the trainer finishes its step, checkpoints and exits 0; `reason` is what its `done` says."""
+        self.send({"cmd": "stop", "reason": reason})
         ranks = self.rank_processes() if self.launcher else []
         if not ranks:
             self._signal_group(signal.SIGTERM)

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainer.contract import events as ev
+from trainer.contract.events import TUNER_RESTART
 from trainer.contract import rundir
 from trainer.contract.config import AUTO, Toggles, TrainConfig
 from trainer.contract.device import DeviceInfo
@@ -464,7 +465,7 @@ class TuningDriver:
         if kill:
             sup.kill()
         else:
-            sup.request_stop()
+            sup.request_stop(reason=TUNER_RESTART)
         step_s = 0.0
         if self.ctl is not None and self.ctl.in_trial:
             import math

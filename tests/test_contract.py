@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 TORCH_FREE = ["trainer.contract.config", "trainer.contract.events", "trainer.contract.device",
               "trainer.contract.capabilities", "trainer.contract.rundir", "trainer.contract.atomic", "trainer.contract.inputs",
+              "trainer.contract.protect",
               "gptop.cli", "gptop.session", "gptop.tuning", "gptop.ui.app", "gptop.monitor", "gptop.headless",
               "gptop.report", "gptop.tools", "trainer.contract.tools", "tuner.controller", "tuner.study", "tuner.space",
               "tuner.report", "gptop.doctor", "trainer.contract.doctor"]

@@ -114,11 +114,12 @@ def test_export_check_accepts_new_empty_or_forced_out_dirs(tmp_path):
     assert [c.step for c in tools.check_export(export_ns(run, tmp_path / "new"))] == [4, 2]   # newest first
     (tmp_path / "empty").mkdir()
     assert [c.step for c in tools.check_export(export_ns(run, tmp_path / "empty", step=2))] == [2]
-    assert tools.check_export(export_ns(run, run / "checkpoints", force=True))
+    with pytest.raises(ConfigError, match="checkpoints"):       # --force never replaces a run's checkpoints/
+        tools.check_export(export_ns(run, run / "checkpoints", force=True))
     assert tools.check_export(export_ns(run, run / "hf"))                    # inside the run is fine
     (run / "checkpoints" / "step-00000004.pt").unlink()
     (run / "checkpoints" / "step-00000002.pt").unlink()
-    with pytest.raises(ConfigError, match="no checkpoint yet"):
+    with pytest.raises(ConfigError, match="made no checkpoint"):
         tools.check_export(export_ns(run, tmp_path / "new"))
 
 
@@ -599,3 +600,37 @@ def test_gptop_train_fine_tunes_exports(exports, tmp_path):
         assert hello["model"]["objective"] == ("llada" if k == "llada" else "causal")
         losses = [e["loss"] for e in events if e["type"] == "step"]
         assert len(losses) == 2 and all(0 < x < 20 for x in losses)
+
+
+@pytest.mark.process
+@pytest.mark.slow
+def test_export_force_never_touches_a_live_run(tmp_path):
+    """`gptop export RUN runs/live --force` and `... runs/live/checkpoints --force` while runs/live trains: both
+    exit 2 naming what OUT_DIR is, and the run goes on to a clean stop with every file it wrote."""
+    live = tmp_path / "runs" / "live"
+    trainer = subprocess.Popen([sys.executable, "-m", "trainer", *TINY, "--max-steps", "100000", "--checkpoint-every",
+                                "2", "--run-dir", str(live)], cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not rundir.list_checkpoints(live):
+            assert trainer.poll() is None and time.monotonic() < deadline, trainer.stderr.read()[-3000:]
+            time.sleep(0.2)
+        done = run_all({"run": gptop_cmd("export", str(live), str(live), "--force"),
+                        "checkpoints": gptop_cmd("export", str(live), str(live / "checkpoints"), "--force"),
+                        "parent": gptop_cmd("export", str(live), str(live.parent) + "/", "--force")}, timeout=120)
+        for name, r in done.items():
+            assert r.returncode == 2, f"{name}: {r.stderr}"
+            assert "OUT_DIR" in r.stderr and "Traceback" not in r.stderr and "loading" not in r.stderr, r.stderr
+        assert "live run" in done["run"].stderr and f"pid {trainer.pid}" in done["run"].stderr
+        assert "checkpoints/ of the run" in done["checkpoints"].stderr and "holds" in done["parent"].stderr
+        assert trainer.poll() is None                          # still training
+        trainer.send_signal(signal.SIGTERM)
+        assert trainer.wait(120) == 0
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+    for name in ("config.toml", "events.jsonl"):
+        assert (live / name).is_file()
+    assert rundir.list_checkpoints(live) and not list(live.parent.glob(".*"))

@@ -241,6 +241,48 @@ def test_gptop_other_flags(argv, needle, capsys, monkeypatch):
     assert code == 2 and needle in err and "Traceback" not in err, err
 
 
+def _duration_actions():
+    """Every gptop flag that takes a duration (tuner.budget.duration_arg), in every subcommand."""
+    from gptop.cli import build_parser
+
+    parser = build_parser()
+    return [(name, a) for name, p in [("", parser), *parser.commands.items()] for a in p.actions
+            if getattr(a.type, "__name__", "") == "duration"]
+
+
+def test_every_duration_flag_needs_a_unit_and_says_so(capsys, monkeypatch):
+    """`--budget 2` once meant 2 seconds, silently: 0 trials ran. Every duration flag refuses a number without a
+    unit (exit 2, the flag, the accepted forms) and its help gives the format; a flag that takes plain seconds
+    says so in its metavar and help (`--interval S`, `--timeout S`)."""
+    from gptop import cli
+
+    monkeypatch.setattr(cli, "Session", _never)
+    found = _duration_actions()
+    assert {a.option_strings[0] for _, a in found} >= {"--budget", "--tune"}
+    for command, action in found:
+        flag = action.option_strings[0]
+        assert "90s" in action.help and "unit" in action.help, (flag, action.help)
+        for value in ("2", "2.5", "0", "45 "):
+            with pytest.raises(SystemExit) as e:
+                cli.main([command, f"{flag}={value}"])
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and flag in err and "has no unit" in err and "1h30m" in err, err
+        for value in ("5x", "-5m", "1h1h"):
+            with pytest.raises(SystemExit) as e:
+                cli.main([command, f"{flag}={value}"])
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and flag in err and "accepted" in err and "Traceback" not in err, err
+    from gptop.cli import build_parser
+
+    parser = build_parser()
+    for name, p in [("", parser), *parser.commands.items()]:
+        for a in p.actions:
+            words = (a.help or "").lower()
+            if a.option_strings and any(w in words for w in ("seconds", "minutes", "duration")) \
+                    and getattr(a.type, "__name__", "") != "duration" and a.type is not None:
+                assert a.metavar == "S" and "seconds" in words, (name, a.option_strings, a.help)
+
+
 def _never(*a, **kw):
     raise AssertionError("a session was created: an input passed its checks")
 
@@ -338,8 +380,8 @@ PATH_CASES = [
     ("--resume", "missing", lambda t: (["--resume", str(t / "nope")], None), "does not exist"),
     ("--resume", "nothing to resume", lambda t: (["--resume", str((t / "d").mkdir() or t / "d")], None),
      "nothing to resume"),
-    ("--resume", "no checkpoint yet", lambda t: (["--resume", str(write(t / "r" / "config.toml", "").parent)], None),
-     "no checkpoint yet"),
+    ("--resume", "made no checkpoint", lambda t: (["--resume", str(write(t / "r" / "config.toml", "").parent)], None),
+     "made no checkpoint"),
     ("--resume", "not a checkpoint", lambda t: (["--resume", str(write(t / "step-00000001.pt", "hello"))], None),
      "not a checkpoint"),
     ("--resume", "unreadable", lambda t: (["--resume", str(write(t / "c.pt", b"PK\x03\x04"))],

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import ROOT, TINY, trainer_cmd
 from trainer.contract import rundir
-from trainer.contract.runlock import LOCK_NODE_ENV, LOCK_TOKEN_ENV, RunDirBusy, RunLock
+from trainer.contract.runlock import LOCK_NODE_ENV, LOCK_TOKEN_ENV, RunDirBusy, RunDirTaken, RunLock
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 HOLD = ("import sys, time\nfrom trainer.contract.runlock import RunLock\n"
@@ -156,3 +156,76 @@ def rundir_record(path) -> dict | None:
         return json.loads(path.read_text() or "null")
     except (OSError, ValueError):
         return None
+
+
+# --- one run per run directory ----------------------------------------------------------------------------
+
+def old_run(path, *, events: bool = True, steps=(8, 16)):
+    """What a finished run leaves (as `cp -r runs/a runs/reuse` copies it): config, events, checkpoints, lock."""
+    from trainer.contract.config import TrainConfig
+
+    (path / "checkpoints").mkdir(parents=True)
+    (path / "config.toml").write_text(TrainConfig().to_toml())
+    if events:
+        (path / "events.jsonl").write_text('{"v": 1, "type": "hello", "time": 0, "rank": 0}\n')
+    for s in steps:
+        rundir.path_for(path, s).write_bytes(b"PK\x03\x04 not really")
+    (path / ".gptop.lock").write_text("")
+    return path
+
+
+def tree(path) -> dict:
+    return {str(p.relative_to(path)): p.read_bytes() if p.is_file() else None for p in sorted(path.rglob("*"))}
+
+
+@pytest.mark.parametrize("events, steps, hint", [(True, (8, 16), "--resume"), (False, (16,), "--resume"),
+                                                 (True, (), "choose another --run-dir")])
+def test_a_new_run_in_a_directory_holding_another_run_is_refused(tmp_path, events, steps, hint):
+    run = old_run(tmp_path / "reuse", events=events, steps=steps)
+    (run / ".gptop.lock").unlink()
+    before = tree(run)
+    with pytest.raises(RunDirTaken) as e:
+        RunLock.acquire(run, command="gptop train", new_run=True)
+    assert e.value.option == "--run-dir" and "holds another run" in e.value.message and hint in e.value.message
+    if steps:
+        assert f"up to step {steps[-1]}" in e.value.message
+    assert tree(run) == before                              # not even a lock file
+    RunLock.acquire(run, command="gptop train --resume").release()   # resuming it is fine
+
+
+def test_a_directory_without_another_runs_events_or_checkpoints_takes_a_new_run(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "events.jsonl").write_text("")                  # empty: nothing to mix with
+    (run / "device.jsonl").write_text("{}\n")
+    (run / "notes.txt").write_text("mine")
+    RunLock.acquire(run, command="gptop train", new_run=True).release()
+    RunLock.acquire(tmp_path / "new", command="gptop train", new_run=True).release()
+
+
+def test_gptops_own_trainer_and_other_nodes_are_not_new_runs(tmp_path, monkeypatch):
+    run = old_run(tmp_path / "run")
+    with RunLock.acquire(run, command="gptop train") as lock:   # gptop resumed it (or restarts its own run)
+        monkeypatch.setenv(LOCK_TOKEN_ENV, lock.token)
+        monkeypatch.setenv(LOCK_NODE_ENV, "")
+        assert not RunLock.for_trainer(run, new_run=True).held
+    RunLock.acquire(run, command="gptop train", node="node1", new_run=True).release()   # nodes share the dir
+
+
+@pytest.mark.parametrize("how", ["new", "fork"])
+def test_gptop_and_the_trainer_refuse_a_reused_run_dir_before_writing_anything(tmp_path, how, capsys):
+    """`cp -r runs/a runs/reuse; gptop --no-ui train --run-dir runs/reuse` (or `--resume runs/a --run-dir
+    runs/reuse`, another run's weights into a third run's directory): exit 2, one line, nothing changed."""
+    from gptop import cli as gcli
+    from trainer import cli as tcli
+
+    a = old_run(tmp_path / "runs" / "a")
+    reuse = old_run(tmp_path / "runs" / "reuse")
+    before = tree(tmp_path / "runs")
+    args = [*TINY, "--max-steps", "3", "--run-dir", str(reuse)] + (["--resume", str(a)] if how == "fork" else [])
+    assert gcli.main(["--no-ui", "train", *args]) == 2
+    assert tcli.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all("--run-dir" in line and "holds another run" in line for line in err), err
+    assert all("--resume " + str(reuse) in line for line in err)
+    assert tree(tmp_path / "runs") == before

@@ -39,8 +39,9 @@ def test_a_graceful_stop_is_stopped_and_an_error_while_stopping_is_shown(tmp_pat
     s = session(tmp_path)
     s.state.apply(StepEvent(step=3, tokens=0, loss=1.0, lr=0.0, grad_norm=None, step_ms=1.0, phases_ms={},
                             tokens_per_s=0.0, mfu=0.0, mem_bytes=0, time=1.0))
-    s.handle_exit(-signal.SIGKILL)                  # q twice: killed after its steps, before it checkpointed
-    assert s.state.status == "stopped" and "before it checkpointed" in s.state.status_message
+    s.handle_exit(-signal.SIGKILL)                  # killed after its steps, before it checkpointed
+    assert s.state.status == "stopped" and "before its first checkpoint: steps 1-3 are lost" in \
+        s.state.status_message
 
     s = session(tmp_path)
     err = ErrorEvent(kind="disk", message="No space left on device", time=2.0)
@@ -49,6 +50,30 @@ def test_a_graceful_stop_is_stopped_and_an_error_while_stopping_is_shown(tmp_pat
     s.handle_exit(1)
     assert s.state.status == "failed" and s.state.status_message.startswith("stopped: ")
     assert "No space left on device" in s.state.status_message and s.wait(0) == EXIT_INTERRUPTED
+
+
+@pytest.mark.parametrize("reached, on_disk, words", [
+    (14, (14,), "after its checkpoint of step 14: nothing is lost"),       # the second Ctrl-C came after the save
+    (14, (10, 15), "after its checkpoint of step 15: nothing is lost"),
+    (14, (10,), "before it checkpointed step 14: steps 11-14 are lost, --resume continues from step 10"),
+    (14, (), "before its first checkpoint: steps 1-14 are lost"),
+])
+def test_a_forced_stop_says_from_the_disk_what_it_kept(tmp_path, reached, on_disk, words):
+    """Two Ctrl-C 0.2 s apart: the first one's checkpoint may be on disk before the second one's kill (its
+    event perhaps not read yet); what is said comes from the checkpoints there, never a false 'lost'."""
+    from trainer.contract import rundir
+
+    s = session(tmp_path)
+    s.forced = True                                 # what Session.stop sets on the second stop
+    s.state.apply(StepEvent(step=reached, tokens=0, loss=1.0, lr=0.0, grad_norm=None, step_ms=1.0, phases_ms={},
+                            tokens_per_s=0.0, mfu=0.0, mem_bytes=0, time=1.0))
+    for step in on_disk:
+        rundir.path_for(s.run_dir, step).parent.mkdir(parents=True, exist_ok=True)
+        rundir.path_for(s.run_dir, step).write_bytes(b"x")
+    s.handle_exit(-signal.SIGKILL)
+    msg = s.state.status_message
+    assert s.state.status == "stopped" and msg.startswith("a second stop (Ctrl-C or q twice) ended the trainer "
+                                                          "(signal 9) ") and msg.endswith(words), msg
 
 
 def test_stop_before_the_trainer_was_started_is_stopped(tmp_path):
@@ -114,6 +139,42 @@ def test_stop_at_any_moment_is_stopped_with_130(tmp_path, moment, sig):
         assert any(e.type == "done" for e in read_events(run_dir / "events.jsonl"))
 
 
+@pytest.mark.slow
+@pytest.mark.process
+def test_two_ctrl_c_in_no_ui_say_truly_what_was_kept(tmp_path):
+    """Ctrl-C twice, 0.2 s apart, during a run: the second one ends the trainer at once; the status says from the
+    checkpoints on disk whether that lost anything (never 'before it checkpointed' beside a written checkpoint)."""
+    run_dir = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "gptop", "--no-ui", "train", *TINY, "--max-steps", "100000",
+                          "--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not _steps(run_dir):
+            assert time.monotonic() < deadline and p.poll() is None
+            time.sleep(0.05)
+        p.send_signal(signal.SIGINT)
+        time.sleep(0.2)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    from trainer.contract import rundir
+
+    assert p.returncode == 130, err
+    last = [line for line in out.splitlines() if line.startswith("status: ")][-1]
+    kept = rundir.list_checkpoints(run_dir)
+    done = [e for e in read_events(run_dir / "events.jsonl") if e.type == "done"]
+    if done:                       # the trainer's own stop was complete (its checkpoint written) before the kill
+        assert kept and kept[-1].step == done[-1].step
+        assert last == "status: stopped" or last.endswith("nothing is lost"), last
+    elif kept:
+        assert f"after its checkpoint of step {kept[-1].step}" in last or "--resume continues" in last, last
+    else:
+        assert "before its first checkpoint" in last, last
+
+
 def test_a_stop_signal_before_the_session_runs_starts_nothing(tmp_path):
     """Ctrl-C or SIGTERM right after `gptop train` started, before its session ran: counted, acted on as
     soon as the session runs, and nothing is started or created."""
@@ -153,13 +214,15 @@ def test_a_stop_signal_before_the_session_runs_starts_nothing(tmp_path):
 class AliveTrainer:
     """The supervisor of a trainer that said `done` and is still tearing down."""
 
+    exiting = False
+
     def __init__(self):
         self.calls: list[str] = []
 
     def alive(self) -> bool:
         return True
 
-    def request_stop(self) -> None:
+    def request_stop(self, reason: str = "stop requested") -> None:
         self.calls.append("stop")
 
     def kill(self) -> None:

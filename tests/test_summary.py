@@ -77,9 +77,26 @@ def test_a_run_stopped_before_any_step(tmp_path):
     lines = summary_lines(state, 130)
     assert lines[0].startswith("gptop: run stopped before the first step")
     assert "no step was completed" in line(lines, "progress")
-    assert line(lines, "checkpoint").endswith("none")
+    assert line(lines, "checkpoint").endswith("none: the run stopped before its first step (nothing to checkpoint)")
     assert not [l for l in lines if l.strip().startswith(("resume", "loss", "speed", "energy"))]
     assert line(lines, "report")
+
+
+def test_the_summary_says_why_there_is_no_checkpoint(tmp_path):
+    forced = "a second stop (Ctrl-C or q twice) ended the trainer (signal 9) before its first checkpoint: steps " \
+             "1-20 are lost"
+    state = state_of(cpu_run(steps=20), tmp_path, "stopped", forced)
+    assert line(summary_lines(state, 130), "checkpoint").endswith(f"none: {forced}")
+    events = cpu_run(steps=20) + [ev("error", 12.0, kind="oom", message="out of memory", step=20)]
+    state = state_of(events, tmp_path, "failed")
+    assert line(summary_lines(state, 1), "checkpoint").endswith("none: the run failed at step 20, before its first "
+                                                                "checkpoint (--checkpoint-every 200)")
+    kept = "a second stop (Ctrl-C or q twice) ended the trainer (signal 9) after its checkpoint of step 20: nothing " \
+           "is lost"
+    checkpoint(tmp_path, 20)
+    state = state_of(cpu_run(steps=20), tmp_path, "stopped", kept)
+    lines = summary_lines(state, 130)
+    assert line(lines, "stopped").endswith(kept) and "step-00000020.pt" in line(lines, "checkpoint")
 
 
 def test_no_energy_reading_says_why(tmp_path):
@@ -177,3 +194,87 @@ def test_steps_after_the_last_logged_one_count(tmp_path):
     assert lines[0].startswith("gptop: run stopped at step 55") and "55/200 steps" in line(lines, "progress")
     early = [e for e in cpu_run(steps=0)] + [ev("done", 3.0, step=0, tokens=0, reason="stop requested")]
     assert "before the first step" in summary_lines(state_of(early, tmp_path, "stopped"), 130)[0]
+
+
+# --- gptop report: where a run stands ----------------------------------------------------------------------
+
+def write_events(run_dir, events) -> None:
+    from trainer.contract.events import dumps
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "events.jsonl").write_text("".join(dumps(e) + "\n" for e in events))
+
+
+def early_hello(t: float):
+    """The hello each trainer process sends before it builds anything (one per start)."""
+    from trainer.contract.events import to_dict
+
+    fields = {k: v for k, v in to_dict(cpu_run(steps=0)[0]).items() if k not in ("v", "type", "time", "rank")}
+    return ev("hello", t, **{**fields, "early": True})
+
+
+def tuned_run(t_end: float = 80.0) -> list:
+    """A run being tuned: its first trainer ended by the tuner's restart (SIGTERM to the trainer), a second
+    one training since."""
+    from trainer.contract.events import TUNER_RESTART
+
+    first = [early_hello(0.0)] + cpu_run(steps=40)
+    second = [early_hello(t_end - 20)] + [e for e in cpu_run(steps=60) if e.type == "step" and e.step > 40]
+    return first + [ev("done", 25.0, step=40, tokens=40 * 1024, reason=TUNER_RESTART)] + second
+
+
+def test_report_of_a_run_whose_lock_is_held_says_running(tmp_path):
+    """`gptop report` while `gptop tune` works on the run: running, not `finished: SIGTERM` (the tuner's
+    restart of the trainer is not the run's end)."""
+    from gptop.report import format_report, summarize
+    from trainer.contract.runlock import RunLock
+
+    run = tmp_path / "run"
+    write_events(run, tuned_run())
+    with RunLock.acquire(run, command="gptop tune"):
+        s = summarize(run)
+        text = format_report(s)
+    assert s["state"] == "running" and not s["done"]
+    assert "state     running now (pid" in text and "gptop tune" in text
+    assert "finished" not in text and "SIGTERM" not in text
+    assert "2 start(s) (1 by the tuner's restarts)" in text and "60/200 steps" in text
+
+
+@pytest.mark.parametrize("tail, state, words", [
+    ([], "cut short", "ended without a word from its last trainer"),
+    ([("done", {"step": 60, "tokens": 60 * 1024, "reason": "max_steps"})], "finished", "finished at step 60"),
+    ([("done", {"step": 60, "tokens": 60 * 1024, "reason": "stop requested"})], "stopped",
+     "stopped at step 60 (stop requested)"),
+    ([("error", {"kind": "oom", "message": "out of memory", "step": 60})], "failed", "failed at step 60: oom"),
+    ([("done", {"step": 60, "tokens": 60 * 1024, "reason": "restart by the tuner"})], "cut short",
+     "ended during a restart by the tuner"),
+])
+def test_report_of_an_ended_run_says_how_its_last_trainer_ended(tmp_path, tail, state, words):
+    from gptop.report import format_report, summarize
+
+    run = tmp_path / "run"
+    write_events(run, tuned_run() + [ev(kind, 90.0, **fields) for kind, fields in tail])
+    s = summarize(run)
+    assert s["state"] == state and words in format_report(s), format_report(s)
+
+
+def test_report_of_a_run_stopped_before_its_first_step(tmp_path):
+    """What gptop made for a run stopped before its first step (events and lock, no config.toml, no
+    checkpoints): report, export, sample and --resume all say what it is, not 'not a run directory'."""
+    from gptop.report import format_report, summarize
+    from trainer.contract import inputs, tools
+    from trainer.contract.config import ConfigError
+    from trainer.contract.events import STOPPED_BEFORE_FIRST_STEP
+
+    run = tmp_path / "run"
+    write_events(run, [early_hello(0.0), ev("done", 1.0, step=0, tokens=0, reason=STOPPED_BEFORE_FIRST_STEP)])
+    (run / ".gptop.lock").write_text("")
+    (run / "device.jsonl").write_text("")
+    text = format_report(summarize(run))
+    assert "state     stopped before its first step: a run that made no checkpoint" in text
+    assert "progress  no step done, 1 start(s)" in text
+    for check in (lambda: tools.checkpoints_to_try(run, None), lambda: inputs.check_resume(str(run))):
+        with pytest.raises(ConfigError) as e:
+            check()
+        assert "not a run directory" not in e.value.message
+        assert "stopped before its first step" in e.value.message and "no checkpoint" in e.value.message

@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import sys
+import time
 
 import psutil
 import pytest
@@ -44,14 +45,16 @@ def screen_text(term: Terminal) -> str:
     return ANSI.sub("", term.output())
 
 
-@pytest.mark.parametrize("how", ["q", "SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("how", ["q", "ctrl+c", "SIGTERM", "SIGINT"])
 def test_a_stop_during_the_run_checkpoints_and_closes_the_dashboard(tmp_path, how):
+    """Ctrl-C in the terminal is a key to the dashboard (raw mode: no SIGINT): the reflex key stops with a
+    checkpoint, as q does."""
     run_dir = tmp_path / "run"
     term = dashboard(run_dir, "--max-steps", "100000")
     try:
         wait_for(lambda: [e for e in events(run_dir) if e.type == "step"], what="a step event")
-        if how == "q":
-            term.send(b"q")
+        if how in ("q", "ctrl+c"):
+            term.send(b"q" if how == "q" else b"\x03")
         else:
             term.proc.send_signal(getattr(signal, how))
         assert term.proc.wait(120) == 130
@@ -63,6 +66,30 @@ def test_a_stop_during_the_run_checkpoints_and_closes_the_dashboard(tmp_path, ho
     for pid in trainer_pids(run_dir):
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert "gptop: run stopped at step" in screen_text(term)
+
+
+def test_two_ctrl_c_stop_at_once_and_the_summary_says_what_was_kept(tmp_path):
+    run_dir = tmp_path / "run"
+    term = dashboard(run_dir, "--max-steps", "100000")
+    try:
+        wait_for(lambda: [e for e in events(run_dir) if e.type == "step"], what="a step event")
+        term.send(b"\x03")
+        time.sleep(0.2)
+        term.send(b"\x03")
+        assert term.proc.wait(120) == 130
+    finally:
+        term.close()
+    text = screen_text(term)
+    kept = rundir.list_checkpoints(run_dir)
+    assert "gptop: run stopped at step" in text
+    if events(run_dir)[-1].type == "done":     # the trainer finished its stop before the second Ctrl-C landed
+        assert kept
+    elif kept:
+        assert "a second stop (Ctrl-C or q twice) ended the trainer" in text and f"step {kept[-1].step}" in text
+    else:
+        assert "checkpoint none: a second stop (Ctrl-C or q twice) ended the trainer" in " ".join(text.split())
+    for pid in trainer_pids(run_dir):
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
 @pytest.mark.parametrize("how", ["q", "SIGTERM"])

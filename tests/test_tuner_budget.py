@@ -5,7 +5,7 @@ from tuner.budget import Budget, format_duration, parse_duration
 
 
 @pytest.mark.parametrize("text,seconds", [
-    ("90s", 90), ("30m", 1800), ("1h30m", 5400), ("2h", 7200), ("45", 45), ("1.5h", 5400),
+    ("90s", 90), ("30m", 1800), ("1h30m", 5400), ("2h", 7200), ("45s", 45), ("1.5h", 5400),
     ("1d", 86400), ("1h30m15s", 5415), (" 2H ", 7200), ("0.5m", 30), (120, 120),
 ])
 def test_parse_duration(text, seconds):
@@ -13,9 +13,10 @@ def test_parse_duration(text, seconds):
 
 
 @pytest.mark.parametrize("text,fragment", [
-    ("", "empty"), ("0", "positive"), ("-5m", "positive"), ("5x", "unknown unit 'x'"),
+    ("", "empty"), ("0s", "positive"), ("-5m", "positive"), ("5x", "unknown unit 'x'"),
+    ("2", "'2' has no unit"), ("0", "has no unit"), ("1.5", "e.g. 1.5s or 1.5m"), (" 45 ", "has no unit"),
     ("30m1h", "'1h' is out of order"), ("1h1h", "out of order or repeated"),
-    ("1h30", "cannot read '30'"), ("abc", "cannot read 'abc'"), ("0s", "positive"),
+    ("1h30", "cannot read '30'"), ("abc", "cannot read 'abc'"),
 ])
 def test_parse_duration_errors_name_the_option_and_part(text, fragment):
     with pytest.raises(ConfigError) as e:

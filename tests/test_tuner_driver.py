@@ -285,7 +285,7 @@ class FakeSupervisor:
     def send(self, cmd):
         self.sent.append(cmd)
 
-    def request_stop(self):
+    def request_stop(self, reason="stop requested"):
         self.stops += 1
 
     def kill(self):

@@ -106,11 +106,22 @@ def test_quit_is_graceful_and_a_second_quit_forces():
     assert app.return_code == 0
 
 
-def test_ctrl_c_force_stops_and_exits():
-    app, _, cmds = make(finished=lambda: False)
-    drive(app, ["ctrl+c"])
-    assert cmds.calls == [("stop", {"force": True})]
-    assert app.return_code == 0
+def test_ctrl_c_is_q_graceful_first_then_forced():
+    """Ctrl-C is the reflex key: the first one stops with a checkpoint (the dashboard stays until the session
+    is over), the second one (or q after it) at once."""
+    done = threading.Event()
+    app, _, cmds = make(finished=done.is_set)
+
+    def after_first(app: GptopApp) -> None:
+        assert cmds.calls == [("stop", {"force": False})]
+        assert app.return_code is None
+
+    drive(app, ["ctrl+c"], check=after_first)
+    for keys in (["ctrl+c", "ctrl+c"], ["ctrl+c", "q"], ["q", "ctrl+c"]):
+        app, _, cmds = make(finished=done.is_set)
+        drive(app, keys, check=lambda a: None)
+        assert cmds.calls == [("stop", {"force": False}), ("stop", {"force": True})], keys
+        assert app.return_code == 0
 
 
 def test_quit_exits_at_once_without_a_live_trainer_or_finished_check():
@@ -566,6 +577,31 @@ def test_snapshot_failed_large(snap_compare):
 def test_snapshot_help(snap_compare):
     app, _, _ = make()
     assert snap_compare(app, terminal_size=SMALL, press=["question_mark"])
+
+
+def test_snapshot_profile_summary(snap_compare):
+    from fixtures.streams import gpu_profile
+
+    app, state, _ = make()
+    state.apply(gpu_profile())
+    assert snap_compare(app, terminal_size=LARGE, press=["v"])
+
+
+def test_profile_screen_before_any_profile_says_how_to_get_one():
+    app, _, _ = make()
+
+    async def go():
+        async with app.run_test(size=LARGE) as pilot:
+            assert "v" not in {k.key for k in app.query("FooterKey")}     # nothing to view yet
+            app.action_view_profile()                                     # the palette's way in
+            await pilot.pause()
+            text = " ".join(str(w.render()) for w in app.screen.query("Static"))
+            assert "no profile yet: press p" in text
+            await pilot.press("escape")
+            await pilot.pause()
+            assert app.screen is app.screen_stack[0]
+
+    run(go())
 
 
 def test_snapshot_log_zoom(snap_compare):

@@ -163,4 +163,4 @@ def test_sample_newest_runs_the_tool_on_the_newest_checkpoint(tmp_path):
     assert got.error is None and got.result is not None, got.error
     assert got.result.step == 3 and got.result.source.endswith("step-00000003.pt")
     assert 0 <= got.result.new_tokens <= 8 and got.seconds > 0
-    assert empty.result is None and "no checkpoint yet" in empty.error
+    assert empty.result is None and "made no checkpoint" in empty.error

@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from .contract.config import ConfigError, TrainConfig, add_arguments, config_from_args
-from .contract.rundir import resume_config
+from .contract.rundir import resume_config, resumes_into
 from .contract.runlock import RunLock
 
 
@@ -69,9 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     install_startup_handlers()        # a stop while torch imports ends the process cleanly, not by a kill
     try:
         cfg = parse_config(argv)
-        # One writer per run directory: refused at once, before torch is imported (a default run
+        # One writer per run directory, and one run: refused at once, before torch is imported (a default run
         # directory is new: the trainer locks it when it has named it).
-        lock = RunLock.for_trainer(cfg.run.run_dir) if cfg.run.run_dir else None
+        lock = RunLock.for_trainer(cfg.run.run_dir, new_run=not resumes_into(cfg.checkpoint.resume, cfg.run.run_dir)) \
+            if cfg.run.run_dir else None
     except ConfigError as e:
         print(f"python -m trainer: error: {e}", file=sys.stderr)
         return EXIT_CONFIG

@@ -48,6 +48,7 @@ class Commands:
 
     def poll(self, stop_fault: bool = False, checkpoint_fault: bool = False) -> Decision:
         stop_code, stop_reason = (STOP_FAULT, STOP_TEXT[STOP_FAULT]) if stop_fault else (0, None)
+        said = None         # the launcher's words for its stop (gptop also signals; the words say why)
         want, profile_steps, log_req = {"checkpoint": 0, "profile": 0}, 0, 0
         if checkpoint_fault:             # (trainer/faults.py) agreed like a command: every rank saves
             want["checkpoint"] = time.time_ns() // 1_000_000
@@ -57,6 +58,8 @@ class Commands:
                 code = {"signal": STOP_SIGNAL, "eof": STOP_LAUNCHER_GONE}.get(source, STOP_REQUESTED)
                 if code > stop_code:
                     stop_code, stop_reason = code, cmd.get("reason", STOP_TEXT[code])
+                if source == "socket" and isinstance(cmd.get("reason"), str):
+                    said = cmd["reason"]
                 continue
             if not isinstance(seq, int):
                 if source == "socket" and self.rank != 0:
@@ -83,5 +86,5 @@ class Commands:
             self._done["log_every"] = log_req // LOG_SHIFT
             decision.log_every = log_req % LOG_SHIFT
         if stop_code:
-            decision.stop = stop_reason or f"{STOP_TEXT.get(stop_code, 'stop')} (another rank)"
+            decision.stop = said or stop_reason or f"{STOP_TEXT.get(stop_code, 'stop')} (another rank)"
         return decision

@@ -19,7 +19,10 @@ is also the tokenizer's mask token. Every export also records ``gptop`` provenan
 The directory is written under a temporary name next to OUT_DIR, read back with
 `from_pretrained` and checked against the checkpoint (same logits on a batch, same
 token ids for a text), then renamed into place: an interrupted export leaves OUT_DIR
-as it was.
+as it was, and the next export into it removes what a killed one left. What OUT_DIR
+may be (new, empty, or with --force an earlier export, never a run or anything else)
+is trainer.contract.protect's one rule; the export's `gptop-export.json` lists the
+files it wrote, so a later --force recognizes it.
 
 `load_for_inference` is also what `python -m trainer.sample` loads a model with.
 """
@@ -31,7 +34,6 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass
@@ -41,7 +43,7 @@ from typing import Any, Callable
 import torch
 
 from . import checkpoint as ckpt
-from .contract import tools
+from .contract import protect, tools
 from .contract.config import ConfigError, FinetuneConfig, ModelConfig, TrainConfig, Toggles
 from .contract.rundir import CheckpointInfo, RunDir, is_sharded
 from .data import EOS, MASK, PAD, TokenizerInfo, data_fingerprint, tokenizer_info
@@ -304,12 +306,15 @@ def export(ns: argparse.Namespace, log: Log = stderr_log("export")) -> dict[str,
             if not merged <= 1e-4 * max(1.0, float(adapter_logits.abs().max())):
                 raise ExportError(f"the merged model's logits differ from the adapted model's by {merged:.3g}")
     _prepare_config(loaded, Path(ns.run_dir))
-    out = Path(ns.out_dir).expanduser()
+    out = protect.resolve(ns.out_dir)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+        for gone in protect.remove_stale(out):
+            log(f"removed {gone.name}, left next to {out.name} by an export that was killed")
+        tmp = protect.make_temp_dir(out)
     except OSError as e:
         raise ConfigError("OUT_DIR", f"cannot write next to {out} ({e.strerror or e})") from None
+    fmt = "merged" if merge else "peft-adapter" if lora else "model"
     try:
         if lora and not merge:
             check = _write_adapter(loaded, tmp, out, log)
@@ -320,8 +325,10 @@ def export(ns: argparse.Namespace, log: Log = stderr_log("export")) -> dict[str,
                 tokenizer.save_pretrained(tmp)
             log("reading it back with transformers (AutoModelForCausalLM, AutoTokenizer) to check it")
             check = check_export_dir(tmp, model, tokenizer, bundle)
+        protect.write_marker(tmp, run=str(Path(ns.run_dir).resolve()), checkpoint=str(loaded.source),
+                             step=loaded.step, format=fmt, family=bundle.family, size=bundle.size)
         _usual_permissions(tmp)
-        _move_into_place(tmp, out, force=ns.force)
+        protect.replace_dir(tmp, out, "OUT_DIR", force=ns.force)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -331,7 +338,7 @@ def export(ns: argparse.Namespace, log: Log = stderr_log("export")) -> dict[str,
               "mask_token_id": bundle.mask_id, "params": bundle.total_params, "files": files,
               "logits_max_abs_diff": check["max_abs_diff"], "logits_equal": check["equal"],
               "seconds": round(time.monotonic() - t0, 3),
-              "format": "merged" if merge else "peft-adapter" if lora else "model"}
+              "format": fmt}
     if lora and not merge:
         result["base_model"] = check["base"]
     return result
@@ -461,19 +468,6 @@ def _usual_permissions(path: Path) -> None:
     path.chmod(0o777 & ~umask)
     for f in path.rglob("*"):                  # a LoRA export of a built-in family has base/ inside
         f.chmod((0o777 if f.is_dir() else 0o666) & ~umask)
-
-
-def _move_into_place(tmp: Path, out: Path, *, force: bool) -> None:
-    """Rename the finished directory to OUT_DIR; with --force the old OUT_DIR goes only after that."""
-    old = None
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        if not force:
-            raise ConfigError("OUT_DIR", f"{out} was filled while exporting; give a new directory or --force")
-        old = out.with_name(f".{out.name}.replaced-{os.getpid()}")
-        os.replace(out, old)
-    os.replace(tmp, out)                   # an empty OUT_DIR is replaced by the rename itself
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 # --- command line -------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ from .contract import capabilities, rundir
 from .contract.atomic import DiskError, atomic_write, disk_error
 from .contract.config import AUTO, ConfigError, TrainConfig, parse_step_range
 from .contract.device import DeviceInfo
+from .contract.events import MAX_STEPS, STOPPED_BEFORE_FIRST_STEP
 from .contract.runlock import RunLock
 from .device import detect
 from .memory import make_meter
@@ -85,6 +86,9 @@ class Trainer:
         self.faults = faults.Faults(cfg.run.fault, self.rank)
         self.resumed_from: str | None = None
         self.run_lock: RunLock | None = None
+        self.compile_watch = None                    # trainer.compile_watch.CompileWatch of a compiled run
+        self._compiled_once = False
+        self._last_step_ms: float | None = None
         self.notices: list[str] = []                 # warnings found before the channel exists
         self.auto_options = [name for name, value in (("size", cfg.model.size), ("micro_batch", cfg.toggles.micro_batch),
                                                       ("precision", cfg.toggles.precision)) if value == AUTO]
@@ -201,7 +205,8 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # One writer per run directory, before anything is written into it (RunDirBusy: exit 2).
         if self.run_lock is None or self.run_lock.run_dir.resolve() != self.run_dir.resolve():
-            self.run_lock = RunLock.for_trainer(self.run_dir)
+            self.run_lock = RunLock.for_trainer(self.run_dir,
+                                                new_run=not rundir.resumes_into(cfg.checkpoint.resume, self.run_dir))
         if self.run_lock.warning:
             self.log(f"warning: {self.run_lock.warning}")
         self.channel = Channel(rundir.RunDir(self.run_dir).events(self.rank), cfg.run.channel, rank=self.rank)
@@ -338,7 +343,49 @@ class Trainer:
     def _compile(self, model: torch.nn.Module) -> torch.nn.Module:
         from .compiling import compile_model
 
-        return compile_model(model, self.cfg.toggles.compile)
+        mode = self.cfg.toggles.compile
+        if mode == "off":
+            return model
+        from .compile_watch import CompileWatch
+
+        self.compile_watch = CompileWatch()
+        return compile_model(model, mode)
+
+    def _watch_compile(self, step: int, step_ms: float | None, *, eval_: bool = False) -> None:
+        """After the first step, what the compile built; after later ones (and after an eval), a
+        recompilation (a guard that failed: a new shape, eval after train) or a fallback to eager, tied to
+        the step where it happened."""
+        watch = self.compile_watch
+        if watch is None or (eval_ and not self._compiled_once):
+            return
+        if not self._compiled_once:
+            self._compiled_once = True
+            watch.poll()                              # the first step's compilations are the compile itself
+            st = watch.stats()
+            msg = f"torch.compile: {st.graphs} graph(s)"
+            if st.graph_breaks:
+                msg += f", {st.graph_breaks} graph break(s): " + "; ".join(st.break_reasons[:3])
+                self.emit0("warning", message=msg, kind="graph_break", step=step)
+            else:
+                self.emit0("log", message=msg, source="compile")
+            self.log(msg)
+            return
+        change = watch.poll()
+        if change is None:
+            return
+        where = f"in the eval after step {step}" if eval_ else f"at step {step}"
+        before = f"; the step before took {self._last_step_ms:.0f} ms" if self._last_step_ms and not eval_ else ""
+        took = f", this one {step_ms:.0f} ms" if step_ms is not None else ""
+        if change.fell_back:
+            msg = (f"torch.compile gave up {where} and runs a frame eagerly from now on (recompile limit): "
+                   f"{change.fell_back[0]}")
+            self.emit0("warning", message=msg, kind="compile_fallback", step=step)
+            self.log(f"warning: {msg}")
+        if change.recompiles:
+            why = "; ".join(change.reasons[:2]) or "a new frame or guard"
+            msg = f"torch.compile recompiled {change.recompiles}x {where} ({why}){before}{took}"
+            self.emit0("warning", message=msg, kind="recompile", step=step)
+            self.log(f"warning: {msg}")
 
     # ---------------------------------------------------------------- checkpoints
     def save_checkpoint(self, reason: str = "interval") -> Path:
@@ -480,7 +527,7 @@ class Trainer:
             self.profiler.close()
         elapsed = time.perf_counter() - self._t_run
         self.emit0("done", step=self.progress.step, tokens=self.progress.tokens, seconds=elapsed,
-                   reason=stop_reason or "max_steps", checkpoint=str(self.ckpt.newest))
+                   reason=stop_reason or MAX_STEPS, checkpoint=str(self.ckpt.newest))
         self.log(f"done at step {self.progress.step} ({stop_reason or 'max_steps'}) in {elapsed:.1f} s")
         return EXIT_OK
 
@@ -531,8 +578,16 @@ class Trainer:
             self.cfg.log.log_every = decision.log_every
         return decision.stop
 
-    def _profile_written(self, path: Path, first: int, last: int) -> None:
+    def _profile_written(self, path: Path, first: int, last: int, summary: dict[str, Any] | None) -> None:
         self.channel.emit("log", message=f"profiler trace of steps {first}-{last} written to {path}", path=str(path))
+        if summary is not None:
+            self.channel.emit("profile", first=first, last=last, path=str(path),
+                              summary_path=summary.get("summary_path"), step_ms=summary["step_ms"],
+                              phases=summary["phases"], short_op_share=summary.get("short_op_share"),
+                              short_kernel_share=summary.get("short_kernel_share"),
+                              gpu_idle_share=summary.get("gpu_idle_share"),
+                              gpu_idle_host_share=summary.get("gpu_idle_host_share"),
+                              comm_overlap=summary.get("comm_overlap"))
 
     def _is_log_step(self) -> bool:
         return self.progress.step % self.cfg.log.log_every == 0
@@ -553,6 +608,7 @@ class Trainer:
                 self.prefetcher.get()
             p.batch_cursor += 1
         step, bi = p.step, p.batch_cursor
+        t0 = time.perf_counter()
         self.profiler.step_begin(step + 1, self.timer)      # numbered from 1, as the step events
         fault = self.faults.take(step)
         optim.set_lr(self.optimizer, optim.lr_at(step, cfg) * p.lr_scale)
@@ -595,6 +651,10 @@ class Trainer:
         p.batch_cursor += 1
         p.tokens += self.tokens_per_step
         self.profiler.step_end(step + 1)
+        if self.compile_watch is not None:           # the host's time: a compile is host work
+            wall = (time.perf_counter() - t0) * 1e3
+            self._watch_compile(step + 1, wall)
+            self._last_step_ms = wall
 
     def _grad_norm_now(self) -> torch.Tensor:
         """The global gradient norm (clipping when --grad-clip is set); NaN or inf when a gradient is."""
@@ -712,6 +772,7 @@ class Trainer:
             self.balancer.reset()
         loss = (total / len(self._val)).item()
         self.emit0("eval", step=self.progress.step, loss=loss, seconds=time.perf_counter() - t)
+        self._watch_compile(self.progress.step, None, eval_=True)
 
     def _rollback(self, e: NonFiniteStep) -> None:
         cfg = self.cfg
@@ -820,7 +881,7 @@ def main_run(cfg: TrainConfig, run_lock: RunLock | None = None) -> int:
         if trainer is not None:
             trainer.log(f"stopped before the first step ({e})")
             trainer.emit0("done", step=trainer.progress.step, tokens=trainer.progress.tokens, seconds=None,
-                          reason="stopped before the first step", checkpoint=None)
+                          reason=STOPPED_BEFORE_FIRST_STEP, checkpoint=None)
         return EXIT_OK
     except ConfigError as e:
         return _report(trainer, "config", str(e), EXIT_CONFIG)

@@ -41,6 +41,7 @@ from textual.timer import Timer
 from textual.widgets import Static
 
 from gptop.commands import TUI_STOP_SIGNALS, Commands, StopSignals
+from gptop.profile_text import profile_lines
 from gptop.state import RunState
 from gptop.tools import SampleOutcome, sample_newest
 from gptop.ui.sample import SamplePanel
@@ -52,9 +53,12 @@ IDLE_STATUSES = ("done", "stopped", "failed", "replay", "monitor")
 LIVE_STATUSES = ("running", "checkpointing")
 
 HELP = [
-    ("q", "Quit: checkpoint and stop the trainer, then exit (press again, or ctrl+c, to stop at once)"),
+    ("q", "Quit: finish the step, checkpoint and stop the trainer, then exit (press again to stop at once, "
+          "without a checkpoint)"),
     ("c", "Checkpoint now (at the next step boundary)"),
     ("p", "Profile the next 3 steps with torch.profiler (trace in the run directory)"),
+    ("v", "View the newest profile window's summary: per phase the top operators (and kernels on a GPU), "
+          "launch-bound and GPU-idle shares"),
     ("s", "Sample the newest checkpoint into a panel (its own process; training goes on; escape closes)"),
     ("l", "Log panel: zoom the trainer's stdout/stderr to the whole window, and back"),
     ("t", "Start the autotuner on the live run (budget 10 min; gptop tune --budget for another), or stop it, "
@@ -64,7 +68,7 @@ HELP = [
     ("e", "Next MoE layer in the expert-load bars"),
     ("?", "This help"),
     ("ctrl+p", "Command palette: every action by name"),
-    ("ctrl+c", "Force stop: kill the trainer without a checkpoint and exit"),
+    ("ctrl+c", "As q: the first stops with a checkpoint, a second one at once (without a checkpoint)"),
 ]
 
 PANELS_HELP = [
@@ -113,6 +117,32 @@ class HelpScreen(ModalScreen[None]):
         self.dismiss(result)
 
 
+class ProfileScreen(ModalScreen[None]):
+    """The newest profile window's summary (gptop.profile_text), or how to get one."""
+
+    BINDINGS = [Binding("escape", "dismiss", "Close"), Binding("v", "dismiss", "Close", show=False),
+                Binding("q", "dismiss", "Close", show=False)]
+
+    def __init__(self, state: RunState) -> None:
+        super().__init__()
+        self.state = state
+
+    def compose(self) -> ComposeResult:
+        with self.state.lock:
+            profile = self.state.profile
+        if profile is None:
+            body = Text("no profile yet: press p to trace the next 3 steps (or --profile-steps A-B)")
+        else:
+            body = Text("\n".join(profile_lines(profile, top=5)))
+        with Vertical(id="help"):
+            yield Static(Text("profile", style="bold underline"))
+            yield Static(body)
+            yield Static(Text("escape or v to close", style="grey62"), classes="gap")
+
+    async def action_dismiss(self, result: None = None) -> None:
+        self.dismiss(result)
+
+
 class GptopApp(App[None]):
     """The live dashboard of one run."""
 
@@ -126,6 +156,7 @@ class GptopApp(App[None]):
         Binding("q", "quit", "Quit", tooltip="Checkpoint, stop the trainer and exit (twice: stop now)"),
         Binding("c", "checkpoint", "Checkpoint", tooltip="Checkpoint at the next step"),
         Binding("p", "profile", "Trace", tooltip="Profile the next 3 steps with torch.profiler (a trace for Perfetto)"),
+        Binding("v", "view_profile", "Profile", tooltip="The newest profile window's summary"),
         Binding("s", "sample", "Sample", tooltip="Sample the newest checkpoint (training goes on)"),
         Binding("escape", "close_sample", "Close sample", show=False),
         Binding("l", "toggle_log", "Log", tooltip="Zoom the log panel"),
@@ -134,7 +165,7 @@ class GptopApp(App[None]):
         Binding("w", "cycle_window", "Chart", tooltip="Chart window: 30s, 1m, 5m, 15m, 1h"),
         Binding("e", "next_expert_layer", "MoE", tooltip="Next MoE layer in the expert-load bars"),
         Binding("question_mark", "help", "Help", key_display="?"),
-        Binding("ctrl+c", "force_quit", "Force stop", show=False, priority=True),
+        Binding("ctrl+c", "quit", "Stop", show=False, priority=True),     # the reflex key keeps the work, as q
     ]
 
     def __init__(self, state: RunState, commands: Commands, *, finished: Callable[[], bool] | None = None,
@@ -304,7 +335,7 @@ class GptopApp(App[None]):
         """Classes on #body that the stylesheet uses: failed, tuner idle; bindings follow the status."""
         s = self.state
         key = (s.status, s.tuner.phase is None and not s.tuner.trials, bool(s.expert_load), s.tuner.active,
-               s.status == "monitor" and s.last_step is None)
+               s.status == "monitor" and s.last_step is None, s.profile is not None)
         if key == self._layout_key:
             return
         self._layout_key = key
@@ -332,6 +363,8 @@ class GptopApp(App[None]):
             return self.sample_panel.shown
         if action == "next_expert_layer":
             return True if self.state.expert_load else False   # hidden for dense models
+        if action == "view_profile":
+            return True if self.state.profile is not None else False   # shown once a window was summarized
         return True
 
     def can_toggle_tuning(self) -> bool:
@@ -348,7 +381,7 @@ class GptopApp(App[None]):
         return True
 
     async def action_quit(self) -> None:
-        """Graceful stop; a second press (or ctrl+c) stops at once."""
+        """Graceful stop (q, ctrl+c); a second press of either stops at once."""
         if self.stop_requested:
             await self.action_force_quit()
             return
@@ -357,7 +390,8 @@ class GptopApp(App[None]):
         if self.finished is None or self.state.status in IDLE_STATUSES or self.finished():
             self.exit()
             return
-        self.notify("checkpointing, then stopping; press q again to stop now", title="stopping")
+        self.notify("checkpointing, then stopping; press q or ctrl+c again to stop now, without a checkpoint",
+                    title="stopping")
 
     async def action_force_quit(self) -> None:
         self._call("force stop", self.commands.stop, force=True)
@@ -370,6 +404,10 @@ class GptopApp(App[None]):
     def action_profile(self) -> None:
         if self._call("profile", self.commands.profile, steps=self.profile_steps):
             self.notify(f"profiling the next {self.profile_steps} steps")
+
+    def action_view_profile(self) -> None:
+        if not isinstance(self.screen, ProfileScreen):
+            self.push_screen(ProfileScreen(self.state))
 
     def action_sample(self) -> None:
         """Start one sample in a worker: the dashboard keeps rendering while the sampler's process runs."""
@@ -418,11 +456,12 @@ class GptopApp(App[None]):
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         """The palette lists every key's action by name (and Textual's own: theme, keys, screenshot)."""
-        yield SystemCommand("Stop run", "Checkpoint, stop the trainer and exit (q)", self.action_quit)
-        yield SystemCommand("Force stop", "Kill the trainer now, no checkpoint, and exit (ctrl+c)",
+        yield SystemCommand("Stop run", "Checkpoint, stop the trainer and exit (q, ctrl+c)", self.action_quit)
+        yield SystemCommand("Force stop", "Kill the trainer now, no checkpoint, and exit (q or ctrl+c twice)",
                             self.action_force_quit)
         yield SystemCommand("Checkpoint now", "Write a checkpoint at the next step (c)", self.action_checkpoint)
         yield SystemCommand("Profile", f"Profile the next {self.profile_steps} steps (p)", self.action_profile)
+        yield SystemCommand("Profile summary", "The newest profile window's summary (v)", self.action_view_profile)
         if self.state.run_dir:
             yield SystemCommand("Sample", "Text from the newest checkpoint, training goes on (s)", self.action_sample)
         yield SystemCommand("Toggle log panel", "Zoom the trainer's stdout/stderr (l)", self.action_toggle_log)

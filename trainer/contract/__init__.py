@@ -9,6 +9,8 @@
   pruning and pinning.
 - `inputs`: the checks of every path a user gives (config, data, tokenizer, model,
   resume, run directory, tuning storage), run where it enters.
+- `protect`: what gptop may delete or replace on a user's word (`export --force`
+  replaces an earlier export, never a run, its checkpoints or a folder holding one).
 - `runlock`: one writer per run directory (an flock on `RUN_DIR/.gptop.lock`, per
   node for a multi-node run).
 - `atomic`: the one atomic write, and `DiskError`: a write a full or read-only

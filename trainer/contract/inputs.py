@@ -360,11 +360,12 @@ def check_resume(value: str, option: str = "--resume") -> Path:
             raise ConfigError(option, f"{rundir.checkpoint_dir(p)} cannot be read ({_reason(e)})") from None
         if found:
             return p
-        if kind_of_path(rundir.RunDir(p).config, option) != "missing":
-            raise ConfigError(option, f"nothing to resume: {p} has no checkpoint yet (the run stopped before its "
-                                      f"first one); start it again with --config {rundir.RunDir(p).config}")
+        if rundir.is_run_dir(p):
+            again = f"--config {rundir.RunDir(p).config} " if rundir.RunDir(p).config.is_file() else ""
+            raise ConfigError(option, f"nothing to resume: {p} {rundir.without_checkpoint(p)}; start it again "
+                                      f"with {again}--run-dir NEW_DIR")
         raise ConfigError(option, f"nothing to resume: {p} is not a run directory (no checkpoints, no "
-                                  f"{rundir.CONFIG}); give {what}")
+                                  f"{rundir.CONFIG}, no {rundir.EVENTS}); give {what}")
     _regular_file(p, option, what)
     if not _head(p, option, len(_ZIP_MAGIC)).startswith(_ZIP_MAGIC):
         raise ConfigError(option, f"{p} is not a checkpoint (not a torch.save file); give {what}")

@@ -106,6 +106,52 @@ class RunDir:
         return self.path / name
 
 
+def run_markers(path: str | Path) -> list[str]:
+    """What makes `path` a run directory: the names of its run files present (config.toml, events.jsonl or a
+    rank's events file, checkpoints/, the lock); empty for any other directory. A run stopped before its
+    first step has its events and lock but no config.toml or checkpoints/, and is a run all the same."""
+    p = Path(path)
+    found = [name for name in (CONFIG, EVENTS, CHECKPOINTS, LOCK) if (p / name).exists()]
+    try:
+        found += sorted(e.name for e in p.iterdir()
+                        if e.name.startswith((LOCK + ".", "events.rank")) and e.name not in found)
+    except OSError:
+        pass
+    return found
+
+
+def is_run_dir(path: str | Path) -> bool:
+    return bool(run_markers(path))
+
+
+def without_checkpoint(run_dir: str | Path) -> str:
+    """What a run directory that has no checkpoint is, in words (`... is a run that made no checkpoint: it
+    stopped before its first step`), from its lock and the end its last trainer reported."""
+    from .events import DoneEvent, ErrorEvent, HelloEvent, read_events
+    from .runlock import lock_holders
+
+    if lock_holders(run_dir) is not None:
+        return "is a live run that has made no checkpoint yet; wait for its first one (--checkpoint-every) or ask " \
+               "for one (the c key)"
+    last = None
+    try:
+        for e in read_events(RunDir(run_dir).events()):
+            if isinstance(e, HelloEvent) and e.early:
+                last = None                  # a new trainer process: only the last one's end counts
+            elif isinstance(e, (DoneEvent, ErrorEvent)):
+                last = e
+    except OSError:
+        pass
+    what = "is a run that made no checkpoint"
+    if isinstance(last, DoneEvent) and last.step == 0:
+        return f"{what}: it stopped before its first step"
+    if isinstance(last, DoneEvent):
+        return f"{what}: it stopped at step {last.step} ({last.reason}), before its first one"
+    if isinstance(last, ErrorEvent):
+        return f"{what}: it failed at step {last.step} ({last.kind}: {last.message})"
+    return f"{what} (it ended before its first one)"
+
+
 def run_name(cfg: "TrainConfig", when: float | None = None, size: str | None = None) -> str:
     """`<time>-<model>-<size>`; a model given as a path contributes its last component. `size`: what
     `--size auto` resolves to (trainer.contract.capabilities.auto_size), when the caller knows it."""
@@ -128,8 +174,7 @@ def resume_config(target: str | None) -> "TrainConfig | None":
 
     if not target:
         return None
-    p = check_resume(target)
-    run_dir = p if p.is_dir() and not is_sharded(p) else p.parent.parent
+    run_dir = run_dir_of(check_resume(target))
     toml = run_dir / CONFIG
     if not toml.exists():
         return None
@@ -139,6 +184,36 @@ def resume_config(target: str | None) -> "TrainConfig | None":
     cfg.run.channel = None
     cfg.run.fault = None
     return cfg
+
+
+def run_dir_of(target: str | Path) -> Path:
+    """The run directory of a `--resume` target: the directory itself, or the run a checkpoint is in."""
+    p = Path(target)
+    return p if p.is_dir() and not is_sharded(p) else p.parent.parent
+
+
+def resumes_into(resume: str | Path | None, run_dir: str | Path) -> bool:
+    """Whether a run that resumes from `resume` continues the run in `run_dir` (not a new run there)."""
+    if not resume:
+        return False
+    return os.path.realpath(run_dir_of(resume)) == os.path.realpath(run_dir)
+
+
+def other_run(run_dir: str | Path) -> str | None:
+    """What another run left in `run_dir` that a new run there would mix with (its events, its
+    checkpoints), in words; None when there is nothing (a new, empty or unrelated directory)."""
+    p = Path(run_dir)
+    try:
+        events = [f for f in (p / EVENTS, *sorted(p.glob("events.rank*.jsonl"))) if f.is_file() and f.stat().st_size]
+        found = list_checkpoints(p)
+    except OSError:
+        return None
+    parts = [f.name for f in events[:1]]
+    if found:
+        parts.append(f"{len(found)} checkpoint{'s' if len(found) > 1 else ''} up to step {found[-1].step}")
+    elif events:
+        parts.append("no checkpoint")
+    return ", ".join(parts) if events or found else None
 
 
 # --- checkpoints ---------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 
 from .config import ConfigError
-from .rundir import LOCK, pid_alive
+from .rundir import LOCK, has_checkpoint, other_run, pid_alive
 
 LOCK_TOKEN_ENV = "GPTOP_RUN_LOCK_TOKEN"     # set by the lock's owner for the processes it starts
 LOCK_NODE_ENV = "GPTOP_RUN_LOCK_NODE"
@@ -29,6 +29,23 @@ _HOLDER_WAIT_S = 2.0                        # how long a just-taken lock may sta
 
 class RunDirBusy(ConfigError):
     """Another process owns the run directory (exit 2, naming its pid and host)."""
+
+
+class RunDirTaken(ConfigError):
+    """A new run in a directory that holds another run's events or checkpoints (exit 2): one run per directory."""
+
+
+def check_new_run(run_dir: Path) -> None:
+    """A new run may start in `run_dir` only if no other run left its events or checkpoints there: mixed in
+    one directory, the report would add both runs up and a resume or an export could pick the other's weights."""
+    found = other_run(run_dir)
+    if found is None:
+        return
+    if has_checkpoint(run_dir):
+        what = f"resume it with --resume {run_dir}, or choose another --run-dir"
+    else:
+        what = "choose another --run-dir (or remove that directory first)"
+    raise RunDirTaken("--run-dir", f"{run_dir} holds another run ({found}); a run directory holds one run: {what}")
 
 
 def node_key(node_rank: int | None) -> str:
@@ -60,8 +77,12 @@ class RunLock:
     # ------------------------------------------------------------------ taking it
     @classmethod
     def acquire(cls, run_dir: str | Path, *, command: str, token: str | None = None,
-                node: str | None = None) -> "RunLock":
-        """Take the lock (creating the directory), or raise RunDirBusy naming the holder at once."""
+                node: str | None = None, new_run: bool = False) -> "RunLock":
+        """Take the lock (creating the directory), or raise RunDirBusy naming the holder at once.
+
+        `new_run`: a run that does not resume the one in `run_dir` (one node's only): refused with RunDirTaken
+        if another run left its events or checkpoints there, checked under the lock before its record is
+        written (the sibling ranks of one torchrun wait for the record), leaving no lock file behind."""
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         token = token or uuid.uuid4().hex
@@ -70,6 +91,7 @@ class RunLock:
         fds: list[int] = []
         try:
             for path, mode in plan:
+                existed = path.exists()
                 try:
                     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
                 except OSError as e:
@@ -84,10 +106,19 @@ class RunLock:
                             continue            # our launcher (or a sibling rank) holds it
                         raise RunDirBusy("--run-dir", _busy_message(run_dir, holders)) from None
                     if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                        if new_run and node is None:
+                            check_new_run(run_dir)
                         return cls(run_dir, token, node, fds, warning=f"{run_dir} does not support file locks "
                                    f"({e.strerror}): nothing stops a second writer of this run directory")
                     raise
                 fds.append(fd)
+                if new_run and node is None:
+                    try:
+                        check_new_run(run_dir)
+                    except RunDirTaken:
+                        if not existed:
+                            path.unlink(missing_ok=True)    # a refusal leaves nothing behind
+                        raise
                 os.ftruncate(fd, 0)
                 if mode == fcntl.LOCK_EX:       # shared holders leave the record empty (see _holders)
                     record = {"pid": os.getpid(), "host": socket.gethostname(), "command": command,
@@ -100,11 +131,13 @@ class RunLock:
         return cls(run_dir, token, node, fds)
 
     @classmethod
-    def for_trainer(cls, run_dir: str | Path) -> "RunLock":
+    def for_trainer(cls, run_dir: str | Path, *, new_run: bool = False) -> "RunLock":
         """The trainer's lock: its launcher's (gptop's token in the environment), its torchrun's (ranks of
-        one torchrun share it, a node each with several nodes), or its own."""
+        one torchrun share it, a node each with several nodes), or its own. `new_run` as for `acquire`; a
+        trainer gptop started is gptop's (gptop checked the directory, and restarts its own run there)."""
         env = os.environ
         token, node = env.get(LOCK_TOKEN_ENV) or None, env.get(LOCK_NODE_ENV) or None
+        new_run = new_run and token is None
         if token is None and env.get("TORCHELASTIC_RUN_ID") is not None:
             token = f"torchrun:{socket.gethostname()}:{os.getppid()}:{env['TORCHELASTIC_RUN_ID']}"
             try:
@@ -112,7 +145,7 @@ class RunLock:
                 node = node_key(int(env["GROUP_RANK"])) if several_nodes else None
             except (KeyError, ValueError):
                 node = None
-        return cls.acquire(run_dir, command="python -m trainer", token=token, node=node)
+        return cls.acquire(run_dir, command="python -m trainer", token=token, node=node, new_run=new_run)
 
     # ------------------------------------------------------------------ using it
     @property
@@ -188,19 +221,39 @@ def _is_locked(path: Path) -> bool:
     return False
 
 
+def lock_holders(run_dir: str | Path) -> list[dict] | None:
+    """Who holds the lock of `run_dir` now (a live run): the holders' records (an empty dict for a holder
+    that left none), or None when no process holds it. Only looks: never takes the lock."""
+    run_dir = Path(run_dir)
+    try:
+        paths = [run_dir / LOCK, *sorted(run_dir.glob(LOCK + ".*"))]
+    except OSError:
+        return None
+    held = [p for p in paths if p.is_file() and _is_locked(p)]
+    if not held:
+        return None
+    records = [r for p in held if (r := _read_record(p)) is not None]
+    return records or [{}]
+
+
+def holder_words(h: dict) -> str:
+    """One holder in words: `pid 4242 on host gpu1 (gptop train, since 14:02:11)`."""
+    if not h:
+        return "a process that left no record"
+    since = time.strftime("%H:%M:%S", time.localtime(h["started"])) if isinstance(h.get("started"), (int, float)) else "?"
+    who = f"pid {h.get('pid')} on host {h.get('host')} ({h.get('command') or '?'}, since {since}"
+    who += f", node {h['node']})" if h.get("node") else ")"
+    if h.get("host") == socket.gethostname() and isinstance(h.get("pid"), int) and not pid_alive(h["pid"]):
+        who += " - that process has exited and a process it started still holds the lock (a trainer " \
+               "finishing its last checkpoint?)"
+    return who
+
+
 def _busy_message(run_dir: Path, holders: list[dict]) -> str:
     if not holders:
         return (f"{run_dir} is in use by another process (its lock {run_dir / LOCK} is held; no record of "
                 f"who holds it). Wait for it to finish, stop it, or choose another --run-dir")
-    parts = []
-    for h in holders:
-        since = time.strftime("%H:%M:%S", time.localtime(h["started"])) if isinstance(h.get("started"), (int, float)) else "?"
-        who = f"pid {h.get('pid')} on host {h.get('host')} ({h.get('command') or '?'}, since {since}"
-        who += f", node {h['node']})" if h.get("node") else ")"
-        if h.get("host") == socket.gethostname() and isinstance(h.get("pid"), int) and not pid_alive(h["pid"]):
-            who += " - that process has exited and a process it started still holds the lock (a trainer " \
-                   "finishing its last checkpoint?)"
-        parts.append(who)
+    parts = [holder_words(h) for h in holders]
     what = "a multi-node run: " if len(holders) > 1 or holders[0].get("node") else ""
     return (f"{run_dir} is in use by {what}{'; '.join(parts)}. One run writes a run directory at a time: wait for "
             f"it to finish, stop it, or choose another --run-dir")

@@ -24,7 +24,9 @@ from typing import Any
 
 from .config import MAX_SEED, MAX_SEQ_LEN, ConfigError, number_arg
 from .inputs import check_writable_dir, path_arg
-from .rundir import CONFIG, MAX_STEP, CheckpointInfo, checkpoint_dir, list_checkpoints
+from .protect import check_replaceable
+from .rundir import (CONFIG, EVENTS, MAX_STEP, CheckpointInfo, checkpoint_dir, is_run_dir, list_checkpoints,
+                     without_checkpoint)
 
 EXPORT_MODULE = "trainer.export"
 SAMPLE_MODULE = "trainer.sample"
@@ -49,7 +51,9 @@ def add_export_arguments(parser: argparse.ArgumentParser, json_flag: bool = True
                         help="the Hugging Face model directory to write (new, or empty; --force replaces it)")
     parser.add_argument("--step", type=STEP, default=None, metavar="N",
                         help="export the checkpoint of step N (default: the newest that loads)")
-    parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists and is not empty")
+    parser.add_argument("--force", action="store_true",
+                        help="replace OUT_DIR if it is an earlier export (never a run, a run's checkpoints, a folder "
+                             "holding runs, the current directory or anything export did not write)")
     parser.add_argument("--merge", action="store_true",
                         help="a LoRA run (--lora): write the base with the adapters merged in, a plain model "
                              "(default: the adapter alone, in peft's format)")
@@ -112,10 +116,10 @@ def checkpoints_to_try(run_dir: str | Path, step: int | None, option: str = "RUN
         raise ConfigError(option, f"{p} is not a directory; give a run directory, not a checkpoint file")
     found = list_checkpoints(p)
     if not found:
-        if not (p / CONFIG).is_file() and not checkpoint_dir(p).is_dir():
-            raise ConfigError(option, f"{p} is not a run directory (no {CONFIG}, no checkpoints/)")
-        raise ConfigError(option, f"{p} has no checkpoint yet (looked in {checkpoint_dir(p)}); wait for the "
-                                  "first one (--checkpoint-every) or ask for one (the c key)")
+        if not is_run_dir(p):
+            raise ConfigError(option, f"{p} is not a run directory (no {CONFIG}, {EVENTS} or checkpoints/); give "
+                                      "a run directory (runs/<time>-<model>-<size>)")
+        raise ConfigError(option, f"{p} {without_checkpoint(p)}: there is no checkpoint to load")
     if step is None:
         return list(reversed(found))
     chosen = [c for c in found if c.step == step]
@@ -130,16 +134,7 @@ def check_export(ns: argparse.Namespace) -> list[CheckpointInfo]:
     if ns.step is not None and ns.step < 0:
         raise ConfigError("--step", f"must be at least 0, got {ns.step}")
     candidates = checkpoints_to_try(ns.run_dir, ns.step)
-    out, run = Path(ns.out_dir).expanduser().resolve(), Path(ns.run_dir).resolve()
-    if out == run or out in run.parents:
-        raise ConfigError("OUT_DIR", f"{ns.out_dir} holds the run {ns.run_dir}, which exporting into it would "
-                                     "delete; give a new directory (inside the run directory is fine)")
-    if out.exists():
-        if not out.is_dir():
-            raise ConfigError("OUT_DIR", f"{ns.out_dir} exists and is not a directory; give a new directory")
-        if any(out.iterdir()) and not ns.force:
-            raise ConfigError("OUT_DIR", f"{ns.out_dir} exists and is not empty; give a new directory, or add "
-                                         "--force to replace it")
+    check_replaceable(ns.out_dir, "OUT_DIR", force=ns.force)     # --force replaces an earlier export, nothing else
     return candidates
 
 
