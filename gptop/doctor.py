@@ -380,9 +380,11 @@ def readme_table(records: list[tuple[str, dict[str, Any]]] | None = None) -> str
 
 
 def _machine_name(record: dict[str, Any]) -> str:
-    d = record.get("device") or {}
-    kind = "GPU" if d.get("type") == "cuda" else "CPU"
-    return f"{d.get('name', '?')} ({kind}, torch {record.get('machine', {}).get('torch', '?')})"
+    dev = DeviceInfo.from_dict(record["device"]) if record["device"] else None
+    torch_version = record["machine"].get("torch", "?")
+    if dev is None:
+        return f"device not detected (torch {torch_version})"
+    return f"{dev.name} ({'GPU' if dev.is_cuda else 'CPU'}, torch {torch_version})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -218,9 +218,9 @@ def check(dev: "DeviceInfo", quick: bool, *, timer_factory: Callable[[], StepTim
           device: Any = None) -> "Outcome":
     """gptop doctor's `timing` path: time a known workload with this device's timer (make_timer) the way the
     loop does, and compare with a synchronized wall clock: the steps must add up to it, and a phase with
-    twice the matmuls of another must measure about twice as long in the median step (events on the wrong
-    stream or device measure an idle GPU, i.e. the host). Host clocks on a machine shared with other work
-    are noisy: up to three attempts, the first that agrees counts."""
+    twice the matmuls of another must measure about twice as long in the median step on CUDA (events on the
+    wrong stream or device measure an idle GPU, i.e. the host). Up to three attempts, the first that agrees
+    counts (a machine shared with other work preempts some steps)."""
     import torch
 
     from .contract.doctor import Outcome
@@ -266,10 +266,12 @@ def check(dev: "DeviceInfo", quick: bool, *, timer_factory: Callable[[], StepTim
                         else float("inf") for t in got)
         ratio = ratios[len(ratios) // 2]
         share = total / wall_ms if wall_ms > 0 else 0.0
-        low, high = (1.5, 2.6) if cuda else (1.3, 3.0)     # a shared CPU's clocks are noisier than events
-        ok = adds_up and 0.9 <= share <= 1.1 and low <= ratio <= high
+        # The ratio judges CUDA events (recorded on the wrong stream they time nothing); a shared CPU's host
+        # clocks are exact but the work between them is not steady, so there it is only reported.
+        ok = adds_up and 0.9 <= share <= 1.1 and (not cuda or 1.5 <= ratio <= 2.6)
         observed = (f"steps sum to {share:.0%} of the wall clock ({total:.1f} of {wall_ms:.1f} ms); median "
-                    f"backward/forward {ratio:.2f} (2x the work)" + ("" if adds_up else "; phases do not add up"))
+                    f"backward/forward {ratio:.2f} (2x the work{'' if cuda else ', not judged on the CPU'})"
+                    + ("" if adds_up else "; phases do not add up"))
         return ok, observed, dict(wall_ms=wall_ms, timed_ms=total, backward_over_forward=ratio,
                                   timer=type(timer).__name__)
 

@@ -68,8 +68,8 @@ _COMPILE_ON_FAIL = ("--compile {mode} fails or computes another loss here: the t
 
 PATHS: tuple[DevicePath, ...] = (
     DevicePath("timing", "phase timing", Where.ANY,
-               "phases add up to each step; the steps to the synchronized wall clock within 10%; a phase of "
-               "twice the work measures about twice as long (CUDA: events on the run's stream)",
+               "phases add up to each step; the steps to the synchronized wall clock within 10%; on CUDA (events "
+               "on the run's stream) a phase of twice the work measures 1.5-2.6x as long",
                "trainer.timing:check", "--no-timing",
                "the step breakdown (data / forward / backward / optimizer / other) is wrong here: read step "
                "times only, or run with --no-timing"),
