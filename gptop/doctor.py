@@ -165,13 +165,13 @@ def gptop_side(dev: DeviceInfo | None, requested: str, quick: bool, log: IO[str]
                 out += [CheckResult.of(p, Outcome.verdict(False, "NVML does not open", nv.reason or "no NVML"), 0.0)
                         for p in gpu_paths]
             else:
-                index = index_of(nv, dev.key) if dev is not None else None
+                index = index_of(nv, dev.keys) if dev is not None else None
                 if index is None and dev is not None and dev.index is not None and dev.index < nv.device_count \
                         and not os.environ.get("CUDA_VISIBLE_DEVICES"):
                     index = dev.index         # torch gave no identity; without renumbering the indices agree
                 if index is None:
                     out += [CheckResult.of(p, Outcome.verdict(False, "the run's GPU is not among NVML's devices",
-                                                              f"no NVML device has the identity {dev.key}"), 0.0)
+                                                              f"no NVML device has the identity {dev.keys}"), 0.0)
                             for p in gpu_paths]
                 else:
                     with gpu_workload(requested, log) as problem:

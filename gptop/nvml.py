@@ -328,18 +328,18 @@ class Nvml:
 
 # --- gptop doctor: NVML's paths, exercised against the GPU under a workload ------------------------------
 
-def index_of(nv: Nvml, key: str | None) -> int | None:
-    """The NVML index of the GPU whose identity (trainer.contract.device.gpu_key) is `key`."""
+def index_of(nv: Nvml, keys: Iterable[str | None]) -> int | None:
+    """The NVML index of the GPU with one of these identities (trainer.contract.device.gpu_key: its UUID or
+    its PCI address, as DeviceInfo.keys gives them)."""
     from trainer.contract.device import gpu_key
 
-    if key is None:
-        return None
-    for i in range(nv.device_count):
+    wanted = {k for k in keys if k}
+    for i in range(nv.device_count if wanted else 0):
         uuid = nv.device_query(i, "nvmlDeviceGetUUID")
         pci = nv.device_query(i, "nvmlDeviceGetPciInfo")
         bus = getattr(pci, "busId", None)
         bus = bus.decode("ascii", "replace") if isinstance(bus, bytes) else bus
-        if key in (gpu_key(uuid), gpu_key(None, bus)):
+        if wanted & {gpu_key(uuid), gpu_key(None, bus)}:
             return i
     return None
 
@@ -367,19 +367,19 @@ def check(nv: Nvml, index: int, sleep: Any = None) -> Any:
     missing = [k for k, v in fields.items() if v is None]
     gpm_supported = bool(getattr(nv.device_query(index, "nvmlGpmQueryDeviceSupport"), "isSupportedDevice", 0))
     gpm = [r for r in readings if r.sm_active_pct is not None]
-    hopper = _capability(nv, index) >= (9, 0)
     problems = list(missing and [f"{', '.join(missing)} did not read"])
     if fields["utilization"] is not None and fields["utilization"] <= 0:
         problems.append("utilization stayed 0 under a workload")
-    if (gpm_supported or hopper) and not gpm:
-        problems.append("GPM metrics did not read" + (" although the GPU supports them" if gpm_supported else
-                                                       " on a Hopper-or-later GPU"))
+    if gpm_supported and not gpm:
+        problems.append("GPM metrics did not read although NVML says the GPU supports them")
     util = fields["utilization"]
     observed = (f"util {_num(util, '%')}, mem {_gib(last.mem_used)}, power "
                 f"{_num(last.power_w, 'W')}, SM clock {_num(last.sm_clock_mhz, 'MHz')} of "
                 f"{_num(last.sm_clock_max_mhz, 'MHz')}, reasons {last.clock_reasons}, GPM "
                 + (f"SM {_num(gpm[-1].sm_active_pct, '%')} tensor {_num(gpm[-1].tensor_active_pct, '%')}"
-                   if gpm else "n/a (" + ("not supported here)" if not gpm_supported else "no reading)")))
+                   if gpm else "n/a (" + ("not supported here" + (": NVML hides it on this Hopper-or-later GPU"
+                                                                   if _capability(nv, index) >= (9, 0) else "")
+                                          + ")" if not gpm_supported else "no reading)")))
     return Outcome.verdict(not problems, observed, "; ".join(problems),
                            utilization_pct=util, gpm=bool(gpm), gpm_supported=gpm_supported,
                            driver=nv.query("nvmlSystemGetDriverVersion"))

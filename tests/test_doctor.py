@@ -187,8 +187,22 @@ def test_the_nvml_check_reads_every_metric_and_fails_what_does_not_read():
     assert "power" in got.reason and "did not read" in got.reason and "utilization stayed 0" in got.reason
     # a Hopper GPU whose GPM does not read
     mod = fake_pynvml(count=1)
-    mod.nvmlDeviceGetCudaComputeCapability = lambda h: (9, 0)
-    assert "GPM metrics did not read on a Hopper-or-later GPU" in check(nvml_with(mod), 0, sleep=no_sleep).reason
+    mod.nvmlGpmQueryDeviceSupport = lambda h: types.SimpleNamespace(isSupportedDevice=1)
+    mod.c_nvmlGpmMetricsGet_t = object                     # the bindings have GPM ...
+    mod.nvmlGpmSampleAlloc = lambda: object()
+    mod.nvmlGpmSampleFree = lambda s: None
+
+    def no_sample(handle, sample):                         # ... but no sample reads
+        raise pynvml.NVMLError_Unknown()
+    mod.nvmlGpmSampleGet = no_sample
+    got = check(nvml_with(mod), 0, sleep=no_sleep)
+    assert got.status is Status.FAIL and "GPM metrics did not read although NVML says" in got.reason
+    hidden = fake_pynvml(count=1)
+    hidden.nvmlDeviceGetCudaComputeCapability = lambda h: (9, 0)   # Hopper, GPM not offered (a VM): reported
+    hidden.nvmlDeviceGetMaxClockInfo = lambda h, c: 1980
+    hidden.nvmlDeviceGetCurrentClocksEventReasons = lambda h: 0
+    got = check(nvml_with(hidden), 0, sleep=no_sleep)
+    assert got.status is Status.PASS and "NVML hides it on this Hopper-or-later GPU" in got.observed
 
 
 def test_the_energy_check_needs_a_counter_that_moves_with_the_power():
@@ -216,8 +230,10 @@ def test_the_run_gpu_is_found_in_nvml_by_identity():
 
     fake = fake_pynvml(count=3)
     nv = nvml_with(fake)
-    assert index_of(nv, fake.uuids[2].lower().removeprefix("gpu-")) == 2
-    assert index_of(nv, "pci:0000:18:00") == 1 and index_of(nv, "nothing") is None and index_of(nv, None) is None
+    assert index_of(nv, [fake.uuids[2].lower().removeprefix("gpu-")]) == 2
+    assert index_of(nv, ["pci:0000:18:00"]) == 1 and index_of(nv, ["nothing"]) is None and index_of(nv, []) is None
+    dev = dataclasses.replace(H100, uuid="not-what-nvml-says", pci_bus_id="0000:19:00")   # the PCI address decides
+    assert dev.keys == ["not-what-nvml-says", "pci:0000:19:00"] and index_of(nv, dev.keys) == 2
 
 
 # --- the allocator, GradScaler, TF32: their calls faked or run on the CPU ----------------------------------------------

@@ -153,7 +153,7 @@ def check_tf32(dev: DeviceInfo, quick: bool, *, device: Any = None) -> "Outcome"
     g = torch.Generator(device="cpu").manual_seed(0)
     a64, b64 = torch.randn(2048, 2048, generator=g, dtype=torch.float64), torch.randn(2048, 2048, generator=g,
                                                                                         dtype=torch.float64)
-    ref = (a64 @ b64).to(device)
+    ref = a64.to(device) @ b64.to(device)
     a, b = a64.float().to(device), b64.float().to(device)
     before = torch.backends.cuda.matmul.allow_tf32
     try:

@@ -172,8 +172,12 @@ class Trainer:
         from .contract.device import gpu_key
         from .device import gpu_identity
 
-        keys = [self.dev.key] if self.world == 1 else [gpu_key(*gpu_identity(i)) for i in range(self._local_procs)]
-        return [k for k in keys if k] or None
+        if self.world == 1:
+            keys = self.dev.keys
+        else:
+            ids = [gpu_identity(i) for i in range(self._local_procs)]
+            keys = [k for uuid, pci in ids for k in (gpu_key(uuid), gpu_key(None, pci)) if k]
+        return keys or None
 
     @property
     def parallel(self) -> str | None:
