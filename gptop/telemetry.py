@@ -172,8 +172,9 @@ def gpu_identity(nv: Nvml, index: int) -> tuple[str | None, str | None]:
     return (str(uuid) if uuid else None), (str(bus) if bus else None)
 
 
-def _sample_gpu(nv: Nvml, index: int, name: str, pids: set[int],
-                identity: tuple[str | None, str | None] = (None, None)) -> GpuReading:
+def sample_gpu(nv: Nvml, index: int, name: str, pids: set[int],
+               identity: tuple[str | None, str | None] = (None, None)) -> GpuReading:
+    """One GPU's reading, as the sampler (and gptop doctor's NVML check) takes it."""
     q = nv.device_query
     util = q(index, "nvmlDeviceGetUtilizationRates")
     mem = q(index, "nvmlDeviceGetMemoryInfo")
@@ -357,7 +358,7 @@ class DeviceSampler:
                             self._gpu_names[i] = str(name)
                     if i not in self._gpu_ids:
                         self._gpu_ids[i] = gpu_identity(self._nvml, i)
-                    gpus.append(_sample_gpu(self._nvml, i, self._gpu_names.get(i, f"GPU {i}"), procs.pids,
+                    gpus.append(sample_gpu(self._nvml, i, self._gpu_names.get(i, f"GPU {i}"), procs.pids,
                                             self._gpu_ids[i]))
             cpu = self._sample_cpu(now, procs)
             sample = DeviceEvent(time=now, devices=gpus, cpu=cpu, mode="gpu" if gpus else "cpu")

@@ -172,8 +172,12 @@ class Trainer:
         from .contract.device import gpu_key
         from .device import gpu_identity
 
-        keys = [self.dev.key] if self.world == 1 else [gpu_key(*gpu_identity(i)) for i in range(self._local_procs)]
-        return [k for k in keys if k] or None
+        if self.world == 1:
+            keys = self.dev.keys
+        else:
+            ids = [gpu_identity(i) for i in range(self._local_procs)]
+            keys = [k for uuid, pci in ids for k in (gpu_key(uuid), gpu_key(None, pci)) if k]
+        return keys or None
 
     @property
     def parallel(self) -> str | None:
@@ -341,13 +345,15 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def _compile(self, model: torch.nn.Module) -> torch.nn.Module:
+        from .compiling import compile_model
+
         mode = self.cfg.toggles.compile
         if mode == "off":
             return model
         from .compile_watch import CompileWatch
 
         self.compile_watch = CompileWatch()
-        return torch.compile(model, mode=None if mode == "default" else mode)
+        return compile_model(model, mode)
 
     def _watch_compile(self, step: int, step_ms: float | None, *, eval_: bool = False) -> None:
         """After the first step, what the compile built; after later ones (and after an eval), a
