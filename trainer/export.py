@@ -137,8 +137,7 @@ def _load_checkpoint(run_dir: Path, info: CheckpointInfo, dev: Any, log: Log) ->
                 warnings.simplefilter("ignore", UserWarning)
                 ckpt.load_sharded(tensors, info.path)
         except Exception as e:  # a missing or truncated shard, a changed model
-            raise ckpt.CorruptCheckpoint(f"{info.path}: the model shards do not load ({type(e).__name__}: "
-                                         f"{str(e)[:500]})") from None
+            raise ckpt.CorruptCheckpoint(f"{info.path}: the model shards do not load ({ckpt.brief(e)})") from e
         weights = tensors["model"]
     else:
         weights = state["model"]
@@ -151,7 +150,7 @@ def _load_checkpoint(run_dir: Path, info: CheckpointInfo, dev: Any, log: Log) ->
             model.load_state_dict(weights)
     except RuntimeError as e:
         raise ckpt.CorruptCheckpoint(f"{info.path}: its weights do not fit the model {bundle.family}/{bundle.size} "
-                                     f"rebuilt from its config ({str(e)[:500]})") from None
+                                     f"rebuilt from its config ({ckpt.brief(e)})") from e
     del state, weights
     model.to(dev.torch_device).eval()
     return LoadedModel(model=model, bundle=bundle, tokenizer=hf_tokenizer(tok, bundle, cfg.data.seq_len),

@@ -132,7 +132,8 @@ def opt(default: Any, help: str, *, flag: str | None = None, choices: tuple | No
     return field(default=default, metadata=meta)
 
 
-def _device_format(value: str) -> str | None:
+def device_format(value: str) -> str | None:
+    """Why `value` is not a device name (auto, cpu, cuda, cuda:N), or None."""
     if re.fullmatch(r"auto|cpu|cuda(:\d{1,4})?", value):
         return None
     return f"{value!r} is not auto, cpu, cuda or cuda:N"
@@ -259,7 +260,7 @@ class LogConfig:
 class RunConfig:
     run_dir: str | None = opt(None, "run directory (default: runs/<time>-<model>-<size>)", metavar="DIR",
                               path="run_dir")
-    device: str = opt("auto", "torch device: auto, cpu, cuda, cuda:N", check=_device_format)
+    device: str = opt("auto", "torch device: auto, cpu, cuda, cuda:N", check=device_format)
     nan_policy: str = opt("rollback", "on a non-finite step (loss, gradient norm or weights): roll back to the "
                           "newest checkpoint that verifies, or stop", choices=NAN_POLICIES)
     nan_retries: int = opt(3, "rollbacks allowed before stopping with an error", low=0, high=1000)

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from .config import MAX_SEED, MAX_SEQ_LEN, ConfigError, number_arg
+from .config import MAX_SEED, MAX_SEQ_LEN, ConfigError, device_format, number_arg
 from .inputs import check_writable_dir, path_arg
 from .protect import check_replaceable
 from .rundir import (CONFIG, EVENTS, MAX_STEP, CheckpointInfo, checkpoint_dir, is_run_dir, list_checkpoints,
@@ -37,6 +37,9 @@ MAX_NEW_TOKENS = 64
 TEMPERATURE = 0.8
 SEED = 0
 TIMEOUT_S = 120.0
+# A temperature this small is greedy decoding: sampling from softmax(logits / T) is the argmax as T -> 0, and
+# below this logits / T overflows float32 (3.4e38) for logits near 1e8, or T itself rounds to 0 (from 1e-46).
+GREEDY_BELOW = 1e-30
 
 
 # --- arguments ----------------------------------------------------------------------------------
@@ -71,7 +74,7 @@ def add_sample_arguments(parser: argparse.ArgumentParser, json_flag: bool = True
     parser.add_argument("--max-new-tokens", type=number_arg(int, 1, MAX_SEQ_LEN), default=MAX_NEW_TOKENS, metavar="N",
                         help=f"tokens to generate (default: {MAX_NEW_TOKENS})")
     parser.add_argument("--temperature", type=number_arg(float, 0, 1e3), default=TEMPERATURE, metavar="T",
-                        help=f"sampling temperature; 0 is greedy (default: {TEMPERATURE})")
+                        help=f"sampling temperature; 0 (or below {GREEDY_BELOW:g}) is greedy (default: {TEMPERATURE})")
     parser.add_argument("--seed", type=number_arg(int, 0, MAX_SEED), default=SEED, metavar="S",
                         help=f"random seed of the sampling (default: {SEED})")
     parser.add_argument("--step", type=STEP, default=None, metavar="N",
@@ -144,6 +147,10 @@ def check_sample(ns: argparse.Namespace) -> list[CheckpointInfo] | None:
         raise ConfigError("--max-new-tokens", f"must be at least 1, got {ns.max_new_tokens}")
     if not (math.isfinite(ns.temperature) and ns.temperature >= 0):
         raise ConfigError("--temperature", f"must be 0 (greedy) or positive, got {ns.temperature}")
+    check_text(ns.prompt, "--prompt")
+    problem = device_format(ns.device)
+    if problem:
+        raise ConfigError("--device", problem)
     if ns.diffusion_steps is not None and not 1 <= ns.diffusion_steps <= ns.max_new_tokens:
         raise ConfigError("--diffusion-steps", f"must be between 1 and --max-new-tokens ({ns.max_new_tokens}), "
                                                f"got {ns.diffusion_steps}")
@@ -156,6 +163,23 @@ def check_sample(ns: argparse.Namespace) -> list[CheckpointInfo] | None:
             raise ConfigError("--step", f"{ns.path} is an exported model, which has no checkpoints to choose from")
         return None
     return checkpoints_to_try(ns.path, ns.step)
+
+
+def check_text(value: str, option: str) -> None:
+    """Text from the command line must be UTF-8: Python keeps bytes that are not as lone surrogates
+    (surrogateescape), which no tokenizer takes."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = value[e.start]
+        what = f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF else f"character U+{ord(bad):04X}"
+        raise ConfigError(option, f"is not valid UTF-8 text ({what} at character {e.start}); give text in UTF-8") \
+            from None
+
+
+def sampling_temperature(temperature: float) -> float:
+    """The temperature sampling uses: 0 (greedy) below GREEDY_BELOW."""
+    return 0.0 if temperature < GREEDY_BELOW else float(temperature)
 
 
 # --- command lines ------------------------------------------------------------------------------
