@@ -131,10 +131,17 @@ def test_lora_resume_is_exact(tmp_path, model_dir):
 def test_resume_with_other_lora_options_is_refused(tmp_path):
     code, _, run_dir = run(tmp_path, "--model", "llama", *LORA, "--max-steps", "2")
     assert code == EXIT_OK
-    code, events, _ = run(tmp_path, "--resume", str(run_dir), "--lora", "4", "--max-steps", "4")
-    assert code == EXIT_CONFIG
-    (err,) = of(events, "error")[-1:]
-    assert "--lora" in err.message and "resume needs the same value" in err.message
+    before = sorted(p.name for p in run_dir.rglob("*"))
+    with pytest.raises(ConfigError) as e:                    # refused where the options enter, before anything
+        parse_config([*TINY, "--run-dir", str(run_dir), "--resume", str(run_dir), "--lora", "4", "--max-steps", "4"])
+    assert e.value.option == "--lora" and "resume needs the same value" in e.value.message
+    assert sorted(p.name for p in run_dir.rglob("*")) == before
+    from trainer.checkpointer import Checkpointer             # and by the trainer, from the checkpoint's own config
+
+    cfg = parse_config([*TINY, "--run-dir", str(run_dir), "--max-steps", "4", "--lora", "4"])
+    saved = ckpt.load(rundir.list_checkpoints(run_dir)[-1].path)["config"]
+    with pytest.raises(ConfigError, match="--lora"):
+        Checkpointer(cfg, CPU, run_dir, None, warn=print).check_compatible(saved)
 
 
 def test_lora_on_a_builtin_family(tmp_path):
@@ -190,11 +197,12 @@ def test_quantized_base_is_gated_with_a_reason(monkeypatch):
     assert e.value.option == "--quantize-base" and "CUDA" in e.value.message
 
 
-def test_quantized_base_on_cpu_exits_2_naming_the_option(tmp_path, model_dir):
-    code, events, _ = run(tmp_path, "--model", str(model_dir), "--lora", "8", "--quantize-base", "nf4",
-                          "--max-steps", "2")
+def test_quantized_base_on_cpu_exits_2_naming_the_option(tmp_path, model_dir, capsys):
+    code, events, run_dir = run(tmp_path, "--model", str(model_dir), "--lora", "8", "--quantize-base", "nf4",
+                                "--max-steps", "2")
     assert code == EXIT_CONFIG
-    assert "--quantize-base" in of(events, "error")[0].message
+    assert "error (config): --quantize-base" in capsys.readouterr().err
+    assert not run_dir.exists()                 # a refusal leaves no run directory behind
 
 
 def test_low_bit_optimizers_are_gated_on_a_compiler(monkeypatch):

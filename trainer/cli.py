@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any
 
-from .contract.config import ConfigError, TrainConfig, add_arguments, config_from_args
+from .contract.config import ConfigError, TrainConfig, add_arguments, check_resumable, config_from_args
 from .contract.rundir import resume_config, resumes_into
 from .contract.runlock import RunLock
 
@@ -24,7 +24,10 @@ def parse_config(argv: list[str] | None = None, prog: str = "python -m trainer")
     """Every input checked where it enters (numbers, files, directories), before a directory is created."""
     ns = build_parser(prog).parse_args(argv)
     base = resume_config(getattr(ns, "checkpoint.resume", None))
-    return config_from_args(ns, base, world_size=_launched_world_size())
+    cfg = config_from_args(ns, base, world_size=_launched_world_size())
+    if base is not None:
+        check_resumable(base.to_dict(), cfg, f"the run in {base.run.run_dir}")
+    return cfg
 
 
 def _launched_world_size() -> int:

@@ -370,6 +370,13 @@ class TrainConfig:
         if qb != "none" and not ft.enabled:
             raise ConfigError("--quantize-base", f"{qb} quantizes the frozen base of a LoRA run; "
                                                  f"add --lora R (e.g. --lora 8), or drop --quantize-base")
+        if not ft.enabled:                # LoRA's own options mean nothing without it: never silently ignored
+            for f in fields(ft):
+                value = getattr(ft, f.name)
+                if f.name != "lora" and value != f.default:
+                    raise ConfigError(flag_of(f), f"{show(value)} sets up LoRA adapters, but this run trains every "
+                                                  "weight (no --lora); add --lora R (e.g. --lora 8), or drop "
+                                                  f"{flag_of(f)}")
         if ft.enabled and world_size > 1 and self.run.parallel == "fsdp":
             raise ConfigError("--parallel", "fsdp with --lora is not supported (FSDP2 would shard the frozen base "
                                             "and the adapters together); use --parallel ddp, which replicates the "
@@ -381,6 +388,32 @@ class TrainConfig:
             over = f" ({o.global_batch} over {world_size} ranks)" if world_size > 1 else ""
             raise ConfigError("--micro-batch", f"{mb} does not divide the per-rank batch {per_rank}{over}; "
                                                f"pick a divisor of {per_rank} or auto")
+
+
+# What a resumed run must keep of the run it continues (what is learned); toggles may change (the optimizer's
+# state is converted, a quantized base rebuilt).
+RESUME_MUST_MATCH = (("model", "model", "--model"), ("model", "size", "--size"), ("data", "seq_len", "--seq-len"),
+                     ("optim", "global_batch", "--global-batch"), ("optim", "seed", "--seed"), ("data", "data", "--data"),
+                     ("finetune", "lora", "--lora"), ("finetune", "lora_targets", "--lora-targets"))
+
+
+def check_resumable(saved: dict[str, Any], now: "TrainConfig", what: str = "the checkpoint") -> None:
+    """ConfigError naming the flag when `now` changes what the saved run (a checkpoint's config, or a run
+    directory's config.toml) learns. A key an older config lacks has its default; one stored in its old
+    section (MOVED) is read there; `--size auto` is the trainer's to resolve."""
+    current, defaults = now.to_dict(), TrainConfig().to_dict()
+    saved = current_layout(saved)
+    for section, key, flag in RESUME_MUST_MATCH:
+        was = (saved.get(section) or {}).get(key, defaults[section][key])
+        want = current[section][key]
+        if was == want or (key == "size" and AUTO in (was, want)):
+            continue
+        hint = ""
+        if section == "finetune":
+            hint = ("; to fine-tune its model with other LoRA options, export it (gptop export RUN_DIR OUT_DIR) and "
+                    "train --model OUT_DIR with them")
+        raise ConfigError(flag, f"{what} was trained with {was!r}, this run asks for {want!r}; resume needs the "
+                                f"same value{hint}")
 
 
 # Options that moved to another section: (old section, key) -> the section that holds them now. A TOML file,

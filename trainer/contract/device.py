@@ -7,7 +7,9 @@ hello event, or a fake H100 in tests) without importing torch.
 
 from __future__ import annotations
 
+import os
 import platform
+import shutil
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -65,3 +67,8 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "cpu"
+
+
+def has_compiler() -> bool:
+    """Whether a C++ compiler is on the PATH (what torch.compile's inductor needs on the CPU)."""
+    return shutil.which(os.environ.get("CXX", "c++")) is not None or shutil.which("g++") is not None

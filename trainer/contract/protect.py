@@ -14,6 +14,7 @@ path is (`classify`):
   `gptop` provenance in config.json), so an export with a file added by hand is not replaced either.
 
 Paths are resolved first (symlinks, `..`, `.`, a trailing slash), so a link to a run is the run.
+The one other deletion is a refused run's own new directory (`remove_created`): a refusal creates nothing.
 `replace_dir` checks again just before it swaps a finished temporary directory into place (a run may
 have started in OUT_DIR while the export worked), and the old directory is removed only after the new
 one is in place. Temporary directories carry their writer's host and pid (`make_temp_dir`), so the
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import ConfigError
-from .rundir import CHECKPOINTS, PROFILES, pid_alive, run_markers
+from .rundir import CHECKPOINTS, PROFILES, has_checkpoint, pid_alive, run_markers
 from .runlock import holder_words, lock_holders
 
 EXPORT_MARKER = "gptop-export.json"     # written by `gptop export`: what it wrote, so a later --force knows it
@@ -292,3 +293,36 @@ def write_marker(directory: Path, **fields: object) -> None:
     files = [f for f in (_walk(directory) or []) if (directory / f).is_file() and f != EXPORT_MARKER]
     (directory / EXPORT_MARKER).write_text(json.dumps({"v": MARKER_VERSION, "type": "export", **fields,
                                                        "files": files}, indent=1, default=str) + "\n")
+
+
+# --- a refused run leaves nothing ----------------------------------------------------------------------------
+
+def dirs_to_create(path: str | Path) -> list[Path]:
+    """`path` and each of its parents that does not exist yet, deepest first: what making `path` creates."""
+    p = Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
+    out = []
+    while not os.path.lexists(p) and p != p.parent:
+        out.append(p)
+        p = p.parent
+    return out
+
+
+def remove_created(created: list[Path]) -> list[Path]:
+    """Remove what a refused run made (`created` from `dirs_to_create` before it made them): its run directory,
+    only while it holds no checkpoint, then each parent it made that is empty now. Returns what was removed."""
+    done: list[Path] = []
+    if not created:
+        return done
+    run = created[0]
+    if os.path.lexists(run):
+        if run.is_symlink() or not run.is_dir() or has_checkpoint(run):
+            return done
+        shutil.rmtree(run, ignore_errors=True)
+        done.append(run)
+    for d in created[1:]:
+        try:
+            d.rmdir()                     # only if empty: another process may have put something there since
+        except OSError:
+            break
+        done.append(d)
+    return done
