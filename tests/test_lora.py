@@ -152,6 +152,35 @@ def test_lora_on_a_builtin_family(tmp_path):
         assert 0 < m.trainable_params < m.total_params
 
 
+@pytest.mark.parametrize("family", ["llama", "llada", "deepseek"])
+def test_a_rank_above_the_smallest_adapted_dimension_and_unknown_targets_are_refused(family):
+    """The same rule before anything is built (trainer.contract.estimate, from the dimensions) and on the built
+    model (trainer.lora, which a model directory gets): a rank above the smallest dimension of a layer it adapts
+    is refused naming --lora; a target that is not there, or the output head, naming --lora-targets, with what
+    can be targeted (never lm_head)."""
+    from trainer.contract import estimate
+    from trainer.lora import targets
+    from trainer.models import build_model
+
+    b = build_model(ModelConfig(model=family, size="tiny"), vocab_size=512, seq_len=64, toggles=Toggles(), dev=CPU)
+    limit = min(min(t.shape[-2:]) for t in estimate.adapted_tensors(family, "tiny"))
+    estimate.check_lora(family, "tiny", limit)
+    with pytest.raises(ConfigError, match=f"use --lora {limit} or less") as e:
+        estimate.check_lora(family, "tiny", limit + 1)
+    assert e.value.option == "--lora"
+    if family != "deepseek":                 # its fused experts are no Linear modules: the dimensions' rule only
+        targets(b.model, FinetuneConfig(lora=limit))
+        with pytest.raises(ConfigError, match=f"use --lora {limit} or less"):
+            targets(b.model, FinetuneConfig(lora=limit + 1))
+    for bad in ("nonexistent", "q_proj,lm_head"):
+        for check in (lambda: estimate.check_lora(family, "tiny", 8, bad),
+                      lambda: targets(b.model, FinetuneConfig(lora=8, lora_targets=bad))):
+            with pytest.raises(ConfigError) as e:
+                check()
+            listed = e.value.message.split("what can be targeted: ")[1]
+            assert e.value.option == "--lora-targets" and "q_proj" in listed and "lm_head" not in listed
+
+
 def test_lora_targets_are_checked_against_the_model():
     from trainer.lora import targets
     from trainer.models import build_model
