@@ -311,6 +311,8 @@ class TrainConfig:
         cfg = cls(**{name: dataclasses.replace(getattr(cfg, name)) for name in SECTIONS})
         if not isinstance(d, dict):
             raise ConfigError("(top level)", f"expected tables of options, got {type(d).__name__}")
+        old_places = {(home, key): sec for (sec, key), home in MOVED.items()
+                      if isinstance(d.get(sec), dict) and key in d[sec]}
         d = current_layout(d)
         for section, values in d.items():
             if section not in SECTIONS:
@@ -325,7 +327,15 @@ class TrainConfig:
             for key, value in values.items():
                 if key not in known:
                     raise ConfigError(f"{section}.{key}", f"unknown option; known: {', '.join(known)}")
-                setattr(obj, key, _coerce(known[key], value, f"{section}.{key}", text=text))
+                old = old_places.get((section, key))
+                try:
+                    setattr(obj, key, _coerce(known[key], value, f"{section}.{key}", text=text))
+                except ConfigError as e:
+                    if old is None:
+                        raise
+                    # named as the file has it: the user wrote [optim] optimizer, not toggles.optimizer
+                    raise ConfigError(f"[{old}] {key}", f"{e.message} ({key} lives in [{section}] now; it is "
+                                                        f"still read from [{old}])") from None
         return cfg
 
     @classmethod
