@@ -220,7 +220,7 @@ class Session(SessionBase):
         if self.options.tensorboard:
             from .tensorboard import TensorBoardWriter
 
-            self._tb = TensorBoardWriter(self.run_dir / "tensorboard")
+            self._tb = TensorBoardWriter(self.layout.tensorboard)
         if self.sampler is None:
             from .telemetry import DeviceSampler
 

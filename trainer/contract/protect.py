@@ -7,7 +7,7 @@ path is (`classify`):
 - a run directory (config.toml, events.jsonl or a rank's, checkpoints/, a lock), live (its lock held)
   or finished;
 - a directory that holds a run directory at any depth (a parent of runs);
-- a run's checkpoints/ or profiles/, or anything inside them;
+- a run's checkpoints/ (or profiles/, tensorboard/, wandb/), or anything inside them;
 - the current directory or one that holds it (replacing it would leave the shell in a deleted one);
 - a file, and a non-empty directory that is not an export: an export is recognized by what export
   writes (its `gptop-export.json` lists every file it wrote; an older export by its files and the
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import ConfigError
-from .rundir import CHECKPOINTS, PROFILES, has_checkpoint, pid_alive, run_markers
+from .rundir import CHECKPOINTS, PROFILES, TENSORBOARD, WANDB, has_checkpoint, pid_alive, run_markers
 from .runlock import holder_words, lock_holders
 
 EXPORT_MARKER = "gptop-export.json"     # written by `gptop export`: what it wrote, so a later --force knows it
@@ -42,7 +42,7 @@ MARKER_VERSION = 1
 MAX_EXPORT_ENTRIES = 10_000             # an export holds a dozen files; past this it is not one
 SEARCH_DEPTH = 4                        # how deep a refused directory is searched for a run (to name it)
 SEARCH_ENTRIES = 5_000
-RUN_OWNED = (CHECKPOINTS, PROFILES)     # a run's folders that nothing but the run writes into
+RUN_OWNED = (CHECKPOINTS, PROFILES, TENSORBOARD, WANDB)     # a run's folders that only the run writes into
 # What `save_pretrained` (transformers, peft, tokenizers) writes: an export without a marker (an older gptop)
 # is recognized by holding only these, with the `gptop` provenance in its config.json or a peft adapter.
 _EXPORT_NAMES = re.compile(r"^(config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors|"

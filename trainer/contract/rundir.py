@@ -9,6 +9,7 @@ A run directory holds everything a run produces:
     checkpoints/           step-NNNNNNNN.pt (one process) or step-NNNNNNNN.dcp/ (several ranks)
     checkpoints/pins.json  steps that pruning must keep (the tuner's rollback target)
     profiles/              torch.profiler traces
+    tensorboard/, wandb/   with --tensorboard, --wandb
     tuning.json, tuning.md, best.toml   after tuning
     .gptop.lock            the owner's lock (trainer.contract.runlock); .gptop.lock.<node> per node of a multi-node run
 
@@ -46,6 +47,8 @@ TRAINER_LOG = "trainer.log"
 TRAINER_STDERR = "trainer.stderr.log"
 CHECKPOINTS = "checkpoints"
 PROFILES = "profiles"
+TENSORBOARD = "tensorboard"          # --tensorboard's event files
+WANDB = "wandb"                      # --wandb: W&B keeps its run there (wandb.init(dir=RUN_DIR))
 PINS = "pins.json"
 LOCK = ".gptop.lock"                 # the owner's lock (trainer.contract.runlock); LOCK.<node> per node
 TUNING_JSON, TUNING_MD, BEST_TOML = "tuning.json", "tuning.md", "best.toml"
@@ -100,6 +103,10 @@ class RunDir:
     @property
     def profiles(self) -> Path:
         return self.path / PROFILES
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.path / TENSORBOARD
 
     def tuning(self, name: str) -> Path:
         """tuning.json, tuning.md or best.toml."""
