@@ -115,3 +115,25 @@ def test_a_refusal_only_the_trainer_can_make_leaves_nothing_either(tmp_path, wit
     assert len(said) == 1 and said[0].startswith("gptop: error: --lora-targets: nonexistent"), r.stderr
     assert "what can be targeted: " in said[0] and "lm_head" not in said[0]
     assert list(work.iterdir()) == []
+
+
+@pytest.mark.parametrize("with_run_dir", [True, False])
+def test_a_standalone_trainers_refusal_leaves_nothing(tmp_path, monkeypatch, capsys, with_run_dir):
+    """`python -m trainer` refusing what it sees once it knows its device (fp8 on a CPU): exit 2, the error on
+    stderr, and the run directory it made for the run (and ./runs) removed again."""
+    import signal
+
+    from trainer import cli as tcli
+
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        code = tcli.main([*TINY, "--precision", "fp8-rowwise", "--max-steps", "2"]
+                         + (["--run-dir", str(work / "new")] if with_run_dir else []))
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+    assert code == 2 and "error (config): --precision" in capsys.readouterr().err
+    assert list(work.iterdir()) == []

@@ -181,7 +181,8 @@ class Trainer:
 
         self.run_dir = Path(cfg.run.run_dir or rundir.default_run_dir(cfg))
         cfg.run.run_dir = str(self.run_dir)
-        self.created_dirs = protect.dirs_to_create(self.run_dir)    # what a refusal before the first step removes
+        if not self.created_dirs:      # what a refusal before the first step removes
+            self.created_dirs = protect.dirs_to_create(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # One writer per run directory, before anything is written into it (RunDirBusy: exit 2).
         if self.run_lock is None or self.run_lock.run_dir.resolve() != self.run_dir.resolve():
@@ -760,16 +761,19 @@ def stopped_in_startup() -> bool:
     return _startup_stopped
 
 
-def main_run(cfg: TrainConfig, run_lock: RunLock | None = None) -> int:
+def main_run(cfg: TrainConfig, run_lock: RunLock | None = None, created_dirs: list[Path] | None = None) -> int:
     """Run a configured trainer, turning every failure into an `error` event and a distinct exit code.
 
-    `run_lock`: the run directory's lock when the caller took it (trainer.cli); else setup takes it."""
+    `run_lock`: the run directory's lock when the caller took it (trainer.cli); else setup takes it.
+    `created_dirs`: the directories the caller made for the run (taking the lock): a refusal before the first
+    step removes them, as those setup makes."""
     if cfg.toggles.cuda_allocator == "expandable_segments":
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     trainer = refused = None
     try:
         trainer = Trainer(cfg)
         trainer.run_lock = run_lock
+        trainer.created_dirs = list(created_dirs or [])
         trainer.setup()
         return trainer.run()
     except Stop as s:
