@@ -162,10 +162,10 @@ def rundir_record(path) -> dict | None:
 
 def old_run(path, *, events: bool = True, steps=(8, 16)):
     """What a finished run leaves (as `cp -r runs/a runs/reuse` copies it): config, events, checkpoints, lock."""
-    from trainer.contract.config import TrainConfig
+    from trainer.cli import parse_config
 
     (path / "checkpoints").mkdir(parents=True)
-    (path / "config.toml").write_text(TrainConfig().to_toml())
+    (path / "config.toml").write_text(parse_config([*TINY, "--run-dir", str(path)]).to_toml())
     if events:
         (path / "events.jsonl").write_text('{"v": 1, "type": "hello", "time": 0, "rank": 0}\n')
     for s in steps:
