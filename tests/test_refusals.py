@@ -37,7 +37,8 @@ def fake_wandb(monkeypatch, tmp_path, body: str) -> None:
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text(body)
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    monkeypatch.delitem(sys.modules, "wandb", raising=False)
+    monkeypatch.setitem(sys.modules, "wandb", None)      # recorded, so the fake is gone after the test ...
+    del sys.modules["wandb"]                             # ... and imported from the path meanwhile
 
 
 CASES = {
