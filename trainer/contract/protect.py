@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import ConfigError
-from .rundir import CHECKPOINTS, PROFILES, TENSORBOARD, WANDB, has_checkpoint, pid_alive, run_markers
+from .rundir import has_checkpoint, pid_alive, run_markers, run_part
 from .runlock import holder_words, lock_holders
 
 EXPORT_MARKER = "gptop-export.json"     # written by `gptop export`: what it wrote, so a later --force knows it
@@ -42,7 +42,6 @@ MARKER_VERSION = 1
 MAX_EXPORT_ENTRIES = 10_000             # an export holds a dozen files; past this it is not one
 SEARCH_DEPTH = 4                        # how deep a refused directory is searched for a run (to name it)
 SEARCH_ENTRIES = 5_000
-RUN_OWNED = (CHECKPOINTS, PROFILES, TENSORBOARD, WANDB)     # a run's folders that only the run writes into
 # What `save_pretrained` (transformers, peft, tokenizers) writes: an export without a marker (an older gptop)
 # is recognized by holding only these, with the `gptop` provenance in its config.json or a peft adapter.
 _EXPORT_NAMES = re.compile(r"^(config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors|"
@@ -100,10 +99,11 @@ def classify(value: str | Path) -> Finding:
     if cwd is not None and (p == cwd or p in cwd.parents):
         return Finding(Kind.CURRENT_DIR, p, "is the current directory" if p == cwd else
                        f"holds the current directory {cwd}")
-    for a in (p, *p.parents):
-        if a.name in RUN_OWNED and run_markers(a.parent):
-            where = f"the {a.name}/ of the run {a.parent}"
-            return Finding(Kind.RUN_PART, p, f"is {where}" if a == p else f"lies inside {where}", run=a.parent)
+    part = run_part(p)
+    if part is not None:
+        run, folder = part
+        where = f"the {folder}/ of the run {run}"
+        return Finding(Kind.RUN_PART, p, f"is {where}" if p == run / folder else f"lies inside {where}", run=run)
     if not os.path.lexists(p):
         return Finding(Kind.MISSING, p, "does not exist")
     if not p.is_dir():

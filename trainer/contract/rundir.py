@@ -131,6 +131,19 @@ def is_run_dir(path: str | Path) -> bool:
     return bool(run_markers(path))
 
 
+RUN_OWNED = (CHECKPOINTS, PROFILES, TENSORBOARD, WANDB)     # a run's folders that only the run writes into
+
+
+def run_part(path: str | Path) -> tuple[Path, str] | None:
+    """(the run, its folder) when `path` (resolved) is or lies inside a folder a run owns (checkpoints/,
+    profiles/, tensorboard/, wandb/), where neither a new run nor an export may go; else None."""
+    p = Path(os.path.realpath(os.path.expanduser(os.fspath(path))))
+    for a in (p, *p.parents):
+        if a.name in RUN_OWNED and run_markers(a.parent):
+            return a.parent, a.name
+    return None
+
+
 def without_checkpoint(run_dir: str | Path) -> str:
     """What a run directory that has no checkpoint is, in words (`... is a run that made no checkpoint: it
     stopped before its first step`), from its lock and the end its last trainer reported."""
