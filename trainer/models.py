@@ -557,10 +557,18 @@ directory: `model.safetensors` (fp32), `config.json`, `generation_config.json`
 and the tokenizer (`tokenizer.json`, `tokenizer_config.json`). It takes the
 newest checkpoint that loads (`--step N` for another), one-file or sharded
 (a `.dcp/` written by several ranks, read in one process). OUT_DIR must be new or
-empty (`--force` replaces it); the directory is written under a temporary name,
-read back with transformers and compared with the checkpoint (logits on a
-batch, token ids of a text), and only then renamed into place. `--json` prints
-the result as one JSON line; progress goes to stderr.
+empty; `--force` replaces an earlier export and nothing else. The export's
+`gptop-export.json` lists every file it wrote, and `--force` refuses (exit 2, before
+anything loads, naming what it is) a run directory (live or finished, also one
+stopped before its first step), a folder that holds a run at any depth, a run's
+`checkpoints/` or anything inside it, the current directory or a folder holding it,
+and a directory with files export did not write, however the path is spelled
+(symlinks, `..`, a trailing slash): the one rule is `trainer/contract/protect.py`.
+The directory is written under a temporary name, read back with transformers and
+compared with the checkpoint (logits on a batch, token ids of a text), and only then
+renamed into place (an earlier export is removed only after that); an export that
+was killed leaves OUT_DIR as it was, and the next export into it removes its
+temporary folder. `--json` prints the result as one JSON line; progress goes to stderr.
 
 ```bash
 gptop --no-ui train --model llama --size tiny --max-steps 200 --run-dir runs/demo
@@ -586,11 +594,19 @@ The builtin tokenizer is rebuilt from this Python's standard library, so export
 with the Python and environment (`GPTOP_BUILTIN_BYTES`) the run trained with: an
 export that would get another tokenizer stops with an error.
 
-A LoRA run (`--lora`) exports its adapter in peft's format: `adapter_config.json`
-(`base_model_name_or_path` is the model directory the run fine-tuned, or, for a
-built-in family whose base exists only as the run's initialization, a copy in
-`OUT_DIR/base`), `adapter_model.safetensors` and the tokenizer;
-`peft.AutoPeftModelForCausalLM.from_pretrained(OUT_DIR)` loads it. With `--merge`
+A LoRA run (`--lora`) exports its adapter in peft's format: `adapter_config.json`,
+`adapter_model.safetensors`, the tokenizer and a `README.md` with the lines that
+load it. `base_model_name_or_path` is the model directory the run fine-tuned
+(absolute), or, for a built-in family whose base exists only as the run's
+initialization, `base`: the copy in `OUT_DIR/base`, written relative so that a
+copied or moved export keeps its own base. peft resolves a relative base against
+the working directory, so `AutoPeftModelForCausalLM.from_pretrained(".")` loads the
+export from inside it; from anywhere,
+`PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(OUT_DIR + "/base"), OUT_DIR)`.
+`gptop sample` takes an adapter export directory too: it loads the export's own base
+(or the model directory it names) and refuses a base whose fingerprint differs from
+the one recorded at export (`gptop-export.json`), so an export never binds silently
+to another base (a re-export to the original place, a replaced model directory). With `--merge`
 it writes the base with the adapters merged in (`merge_and_unload`), which plain
 `AutoModelForCausalLM` loads; its logits match the adapted model's within fp32
 rounding of the merge. Both are read back and compared before they are moved into
@@ -598,7 +614,8 @@ place. A run with a quantized base (`--quantize-base`) cannot be exported yet.
 
 `gptop sample RUN_DIR --prompt TEXT` prints the prompt and its continuation from
 the newest checkpoint (`--step N`), or from an exported directory. Options:
-`--max-new-tokens` (64), `--temperature` (0.8; 0 is greedy), `--seed` (0),
+`--max-new-tokens` (64), `--temperature` (0.8; 0 is greedy, and so is anything
+below 1e-30, where logits / T would overflow float32), `--seed` (0),
 `--timeout` (120 s for the whole process, generation keeps what it has at the
 deadline), `--device` (cpu, so a training run's GPU memory is left alone),
 `--json` (one line: the completion, token count, why it stopped, timings). It
