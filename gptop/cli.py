@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from trainer.contract import inputs, protect
 from trainer.contract.config import (AUTO, ConfigError, TrainConfig, add_arguments, check_resumable, config_from_args,
@@ -79,6 +79,11 @@ class Parser(argparse.ArgumentParser):
     def commands(self) -> dict[str, "Parser"]:
         return next((dict(a.choices) for a in self._actions if isinstance(a.choices, dict)), {})
 
+    def error(self, message: str) -> NoReturn:
+        """One line, as every other refusal: the option, the value and what is accepted (argparse's choice
+        errors say all three), then where to read more; exit 2. argparse prints the whole usage first."""
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
 
 def _global_flags(parser: argparse.ArgumentParser, suppress: bool) -> None:
     d = (lambda v: argparse.SUPPRESS) if suppress else (lambda v: v)
@@ -91,10 +96,20 @@ def _global_flags(parser: argparse.ArgumentParser, suppress: bool) -> None:
                    help="device sampling period in seconds (default: 0.5; 0.01 <= S <= 3600)")
 
 
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("gptop")
+    except metadata.PackageNotFoundError:     # run from a source tree that was not installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> Parser:
     from tuner.budget import duration_arg
 
     parser = Parser(prog="gptop", description="htop for a training run, with a live autotuner.")
+    parser.add_argument("--version", action="version", version=f"gptop {_version()}")
     _global_flags(parser, suppress=False)
     parser.add_argument("--run-dir", dest="monitor_run_dir", metavar="DIR", default=None,
                         type=inputs.path_arg(inputs.check_runs_folder, "--run-dir"),

@@ -272,7 +272,8 @@ class RunConfig:
                                high=1)
     parallel: str = opt("ddp", "how several ranks (torchrun, gptop --nproc) share the model: ddp replicates it, "
                         "fsdp shards it (FSDP2); ignored with one process", choices=PARALLEL)
-    channel: str | None = opt(None, "event/command channel given by the launcher (unix:PATH)", metavar="URI")
+    channel: str | None = opt(None, "event/command channel given by the launcher (unix:PATH)", metavar="URI",
+                              hidden=True)
     fault: str | None = opt(None, "test-only fault injection (trainer/faults.py), e.g. nan@12 or oom@5; kill@5:1 "
                             "only on rank 1", metavar="KIND@STEP[:RANK]", hidden=True)
 
@@ -647,7 +648,7 @@ def add_arguments(parser: argparse.ArgumentParser, sections: tuple[str, ...] = t
             kind = kind_of(f)
             help_text = f.metadata["help"]
             if "default" not in help_text:
-                help_text += f" (default: {default}" + (f"; {range_of(f)}" if range_of(f) else "") + ")"
+                help_text += f" (default: {shown_default(default)}" + (f"; {range_of(f)}" if range_of(f) else "") + ")"
             if f.metadata.get("hidden"):
                 help_text = argparse.SUPPRESS
             if kind is bool:
@@ -662,6 +663,15 @@ def add_arguments(parser: argparse.ArgumentParser, sections: tuple[str, ...] = t
 
 
 _METAVARS = {int: "N", float: "X", str: "VALUE"}
+
+
+def shown_default(value: Any) -> str:
+    """A default as every --help writes it: on/off for a switch, none for nothing set."""
+    if value is True:
+        return "on"
+    if value is False:
+        return "off"
+    return "none" if value is None else str(value)
 
 
 def config_from_args(ns: argparse.Namespace, base: TrainConfig | None = None, *, world_size: int = 1,
