@@ -26,6 +26,7 @@ from trainer.contract.rundir import default_run_dir, resume_config, resumes_into
 from trainer.contract.runlock import RunLock, node_key
 from trainer.contract.tools import add_export_arguments, add_sample_arguments
 
+from .alerts import add_alert_arguments, alert_options
 from .commands import STOP_SIGNALS, TUI_STOP_SIGNALS, StopSignals
 from .session import EXIT_FAILED, EXIT_PIPE, EXIT_USAGE, Session, SessionOptions, TuningOptions
 
@@ -110,6 +111,7 @@ def build_parser() -> Parser:
         g.add_argument("--wandb", action="store_true",
                        help="also log them to a Weights & Biases run in RUN_DIR/wandb (pip install -e '.[wandb]'; "
                             "WANDB_MODE=offline: no account or network) (default: off)")
+        add_alert_arguments(p)
         d = p.add_argument_group("distributed (torchrun; see --parallel)")
         d.add_argument("--nproc", type=number_arg(int, 1, 1024), default=1, metavar="N",
                        help="ranks (processes, one per GPU) on this node; above 1, or with several nodes, the "
@@ -301,7 +303,8 @@ def _run_locked(ns: argparse.Namespace, cfg: TrainConfig, resume: str | None, la
                 signals: StopSignals) -> int:
     options = SessionOptions(interval=ns.interval, restart_on_failure=ns.restart_on_failure,
                              tensorboard=ns.tensorboard, wandb=ns.wandb, launcher=launcher, run_lock=lock,
-                             tuning=TuningOptions(space_spec=ns.tune_space, storage=ns.storage))   # the `t` key
+                             tuning=TuningOptions(space_spec=ns.tune_space, storage=ns.storage),   # the `t` key
+                             alerts=alert_options(ns), notify=ns.notify, notify_cmd=ns.notify_cmd)
     if lock.warning:
         print(f"gptop: warning: {lock.warning}", file=sys.stderr)
     session = Session(cfg, options)

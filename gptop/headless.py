@@ -45,7 +45,8 @@ from typing import IO
 
 from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_eta, fmt_mfu, fmt_num, fmt_peak, fmt_toggles,
                          measure_line, model_summary, phase_label, spread_pct)
-from trainer.contract.events import (PHASES, ApplyEvent, CheckpointEvent, DeviceEvent, DoneEvent, ErrorEvent,
+from gptop.alerts import alert_line
+from trainer.contract.events import (PHASES, AlertEvent, ApplyEvent, CheckpointEvent, DeviceEvent, DoneEvent, ErrorEvent,
                                      EvalEvent, Event, HelloEvent, LogEvent, PhaseEvent, ProgressEvent, StatusEvent,
                                      StepEvent, TrialEvent, TunerEvent, WarningEvent, dumps)
 
@@ -141,6 +142,8 @@ def event_line(event: Event, state: RunState) -> str | None:
         return f"warning: {event.message}"
     if isinstance(event, ErrorEvent):
         return f"error [{event.kind}]: {event.message}"
+    if isinstance(event, AlertEvent):
+        return alert_line(event)
     if isinstance(event, LogEvent):
         return event.message
     if isinstance(event, DoneEvent):

@@ -100,6 +100,13 @@ def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
     else:
         add("checkpoint", "none" + (f" ({written} written, none kept)" if written else "")
             + f": {cut_short or _why_none(how, step, every)}")
+    alerts = state.alert_summary()
+    if alerts:
+        active = sum(1 for a in alerts if ", active)" in a)
+        add("alerts", f"{len(alerts)} raised" + (f", {active} still active" if active else ", all resolved")
+            + (f" (see gptop report {quoted})" if run_dir and len(alerts) > 3 else ""))
+        for line in alerts[-3:]:
+            add("", line if len(line) <= 160 else line[:159] + "…")
     if applied is not None:
         best = Path(run_dir) / rundir.BEST_TOML if run_dir else None
         add("tuning", f"applied trial {applied.number}"

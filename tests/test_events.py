@@ -67,6 +67,9 @@ def full_instances() -> list[ev.Event]:
         ev.StatusEvent(time=t, status="failed", message="why"),
         ev.ProgressEvent(time=t, step=8, tokens=800, step_ms=99.0),
         ev.PhaseEvent(time=t, phase="tokenizing", message="tokenizing builtin", pct=40.0),
+        ev.AlertEvent(time=t, id="stall-1", kind=ev.AlertKind.STALL, severity=ev.Severity.CRITICAL,
+                      message="no step for 31 s", resolved=True, step=7, figures={"seconds": 31.0}, ranks=[1],
+                      node="n1", device="gpu0"),
     ]
 
 

@@ -1,0 +1,319 @@
+"""Alerts (gptop.alerts): each rule on synthetic events with an injected clock, the device rules through the fake
+NVML, the views' lines, and the notifications (a command; Apprise when it is installed)."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import random
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pynvml
+import pytest
+
+from gptop.alerts import AlertMonitor, AlertOptions, alert_line
+from gptop.headless import HeadlessView
+from gptop.state import RunState
+from gptop.summary import summary_lines
+from trainer.contract.device import DeviceInfo
+from trainer.contract.events import (AlertEvent, AlertKind, CheckpointEvent, DoneEvent, HelloEvent, ModelInfo,
+                                     ProgressEvent, Severity, StepEvent, WarningEvent, dumps, parse)
+
+from test_telemetry import fake_pynvml, make_sampler
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def hello(t: float, early: bool = False, **config) -> HelloEvent:
+    cfg = {"optim": {"max_steps": 10_000}, "checkpoint": {"checkpoint_every": 0}, "log": {"eval_every": 0}}
+    for k, v in config.items():
+        cfg.setdefault(k, {}).update(v)
+    return HelloEvent(time=t, config=cfg, device=DeviceInfo(type="cpu", name="cpu"), model=ModelInfo(), early=early,
+                      pid=1)
+
+
+def step(t: float, n: int, loss: float | None = 2.0, tps: float | None = 1000.0, rank: int = 0,
+         phases: dict | None = None) -> StepEvent:
+    return StepEvent(time=t, rank=rank, step=n, tokens=n * 100, loss=loss, lr=1e-3, grad_norm=1.0, step_ms=100.0,
+                     phases_ms=phases or {"data": 5.0, "forward": 30.0, "backward": 50.0, "optimizer": 10.0,
+                                          "other": 5.0},
+                     tokens_per_s=tps, mfu=None, mem_bytes=None, interval_steps=1)
+
+
+def started(clock: Clock, **kw) -> tuple[AlertMonitor, list[AlertEvent]]:
+    """A monitor that has seen a trainer start and take 10 steps of 0.1 s."""
+    m = AlertMonitor(AlertOptions(**kw), clock=clock)
+    out: list[AlertEvent] = []
+    out += m.on_event(hello(clock.t, early=True))
+    out += m.on_event(hello(clock.t))
+    for i in range(1, 11):
+        clock.t += 0.1
+        out += m.on_event(ProgressEvent(time=clock.t, step=i, tokens=i * 100))
+    return m, out
+
+
+# --- stall ----------------------------------------------------------------------------------------------------------
+
+def test_stall_is_raised_after_the_floor_and_resolved_by_the_next_step():
+    clock = Clock()
+    m, out = started(clock, stall_after_s=15.0)
+    assert out == []
+    assert m.stall_limit() == 15.0               # 10 x 0.1 s is under the floor
+    clock.t += 14.0
+    assert m.check() == []
+    clock.t += 2.0
+    (a,) = m.check()
+    assert a.kind is AlertKind.STALL and a.severity is Severity.CRITICAL and not a.resolved
+    assert a.figures["seconds"] == pytest.approx(16.0, abs=0.2) and a.figures["last_step"] == 10
+    assert "no step for 16 s" in a.message and "alive" in a.message
+    assert m.check() == []                       # raised once
+    clock.t += 10.0
+    (r,) = m.on_event(ProgressEvent(time=clock.t, step=11, tokens=1100))
+    assert r.resolved and r.id == a.id and r.figures["stalled_s"] == pytest.approx(26.0, abs=0.2)
+
+
+def test_no_stall_without_a_live_process_before_the_first_step_or_after_done():
+    clock = Clock()
+    alive = [False]
+    m = AlertMonitor(AlertOptions(stall_after_s=5.0), clock=clock, alive=lambda: alive[0])
+    m.on_event(hello(clock.t, early=True))
+    m.on_event(hello(clock.t))
+    clock.t += 600                                 # compiling: no step yet
+    alive[0] = True
+    assert m.check() == []
+    for i in range(1, 6):
+        clock.t += 0.1
+        m.on_event(ProgressEvent(time=clock.t, step=i, tokens=i))
+    alive[0] = False
+    clock.t += 60
+    assert m.check() == []                          # the process is gone: its exit is the session's business
+    alive[0] = True
+    m.on_event(DoneEvent(time=clock.t, step=5, tokens=5, reason="max_steps"))
+    clock.t += 60
+    assert m.check() == []
+
+
+def test_stall_scales_with_the_step_time_and_a_checkpoint_step_gets_its_grace():
+    clock = Clock()
+    m = AlertMonitor(AlertOptions(stall_after_s=5.0, stall_factor=10.0), clock=clock)
+    m.on_event(hello(clock.t, early=True))
+    m.on_event(hello(clock.t, checkpoint={"checkpoint_every": 20}))
+    for i in range(1, 10):
+        clock.t += 2.0
+        m.on_event(ProgressEvent(time=clock.t, step=i, tokens=i))
+    assert m.stall_limit() == pytest.approx(20.0)           # 10 x 2 s per step
+    clock.t += 19.0
+    assert m.check() == []
+    for i in range(10, 20):
+        clock.t += 2.0
+        m.on_event(ProgressEvent(time=clock.t, step=i, tokens=i))
+    assert m.stall_limit() == pytest.approx(20.0 + 120.0)  # step 20 checkpoints: the grace before any was timed
+    m.on_event(CheckpointEvent(time=clock.t, step=10, path="x", seconds=90.0))
+    assert m.stall_limit() == pytest.approx(20.0 + 270.0)  # three times the slowest seen
+
+
+def test_a_stall_names_the_ranks_behind_and_what_each_said_last():
+    clock = Clock()
+    m, _ = started(clock, stall_after_s=5.0)
+    m.on_event(step(clock.t, 10, rank=0))
+    m.on_event(step(clock.t, 10, rank=2))
+    m.on_event(step(clock.t - 3, 8, rank=1))
+    m.on_event(CheckpointEvent(time=clock.t, rank=1, step=8, path="x", seconds=0.1))
+    clock.t += 6
+    (a,) = m.check()
+    assert a.ranks == [1] and a.figures["rank_steps"] == {"0": 10, "1": 8, "2": 10}
+    assert "rank 1 (behind): checkpoint of step 8" in a.message and "rank 0: step 10" in a.message
+
+
+# --- loss -----------------------------------------------------------------------------------------------------------
+
+def noisy_losses(n: int, seed: int = 0):
+    rng = random.Random(seed)
+    return [4.0 * math.exp(-i / 300) + 1.0 + rng.gauss(0, 0.08) for i in range(n)]
+
+
+def test_a_noisy_falling_loss_raises_nothing_and_a_spike_is_raised_and_resolved():
+    clock = Clock()
+    m, _ = started(clock)
+    out = []
+    losses = noisy_losses(1000)
+    for i, loss in enumerate(losses):
+        clock.t += 0.1
+        out += m.on_event(step(clock.t, 11 + i, loss=loss))
+    assert out == []
+    clock.t += 0.1
+    (a,) = m.on_event(step(clock.t, 2000, loss=losses[-1] * 3))
+    assert a.kind is AlertKind.LOSS_SPIKE and a.figures["loss"] == pytest.approx(losses[-1] * 3)
+    assert a.figures["median"] < a.figures["line"] < a.figures["loss"] and "MADs above the median" in a.message
+    (r,) = m.on_event(step(clock.t + 0.1, 2001, loss=losses[-1]))
+    assert r.resolved and r.id == a.id
+
+
+def test_a_flat_loss_is_judged_by_its_relative_rise():
+    clock = Clock()
+    m, _ = started(clock)
+    for i in range(50):
+        assert m.on_event(step(clock.t + i, 11 + i, loss=2.0)) == []
+    assert m.on_event(step(clock.t + 60, 70, loss=2.05)) == []      # 2.5% over a MAD of 0: under MIN_SPIKE_RISE
+    assert [a.kind for a in m.on_event(step(clock.t + 61, 71, loss=2.5))] == [AlertKind.LOSS_SPIKE]
+
+
+# --- NaN rollbacks ----------------------------------------------------------------------------------------------------
+
+def test_a_nan_rollback_is_resolved_once_the_run_passes_where_it_was():
+    clock = Clock()
+    m, _ = started(clock)
+    m.on_event(step(clock.t, 10))
+    (a,) = m.on_event(WarningEvent(time=clock.t, message="rolled back to step-4 at step 4", kind="nan_rollback",
+                                   step=4, lr_scale=0.5, skip_batches=[9]))
+    assert a.kind is AlertKind.NAN_ROLLBACK and a.figures["reached"] == 10 and a.figures["rolled_back_to"] == 4
+    assert m.on_event(step(clock.t + 1, 8)) == []
+    assert m.on_event(step(clock.t + 2, 10)) == []
+    (r,) = m.on_event(step(clock.t + 3, 11))
+    assert r.resolved and r.id == a.id
+
+
+# --- throughput -------------------------------------------------------------------------------------------------------
+
+def test_a_sustained_throughput_drop_names_the_phase_that_grew_and_a_dip_does_not():
+    clock = Clock()
+    m, _ = started(clock, throughput_after_s=60.0)
+    t = clock.t
+    out = []
+    for i in range(300):                                   # 5 minutes at 1000 tok/s, one event a second
+        t += 1
+        out += m.on_event(step(t, 11 + i, tps=1000 + (i % 7) * 10))
+    for i in range(20):                                    # a 20 s dip: not sustained
+        t += 1
+        out += m.on_event(step(t, 400 + i, tps=300))
+    for i in range(60):
+        t += 1
+        out += m.on_event(step(t, 500 + i, tps=1000))
+    assert out == []
+    slow = {"data": 300.0, "forward": 30.0, "backward": 50.0, "optimizer": 10.0, "other": 5.0}
+    for i in range(70):
+        t += 1
+        out += m.on_event(step(t, 600 + i, tps=400, phases=slow))
+    (a,) = out
+    assert a.kind is AlertKind.THROUGHPUT_DROP and a.figures["phase"] == "data"
+    assert "data grew most (5 -> 300 ms per step)" in a.message and "61% below the steady 1,020" in a.message
+    out = []
+    for i in range(70):
+        t += 1
+        out += m.on_event(step(t, 700 + i, tps=990))
+    (r,) = out
+    assert r.resolved and r.id == a.id
+
+
+def test_a_new_trainer_process_starts_a_new_steady_rate():
+    clock = Clock()
+    m, _ = started(clock, throughput_after_s=10.0)
+    t, out = clock.t, []
+    for i in range(60):
+        t += 1
+        out += m.on_event(step(t, 11 + i, tps=1000))
+    out += m.on_event(hello(t, early=True))
+    out += m.on_event(hello(t))                             # the tuner's trial: other toggles, another speed
+    for i in range(60):
+        t += 1
+        out += m.on_event(step(t, 100 + i, tps=300))
+    assert out == []
+
+
+# --- devices (the fake NVML) ------------------------------------------------------------------------------------------
+
+def test_device_trouble_from_nvml(tmp_path):
+    mod = fake_pynvml(count=2)
+    ecc = {0: 0, 1: 0}
+    reasons = {0: 0x0, 1: 0x0}
+    pending: list = []
+    ns = __import__("types").SimpleNamespace
+    mod.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, mod.NVML_VOLATILE_ECC = 1, 0
+    mod.nvmlEventTypeXidCriticalError = pynvml.nvmlEventTypeXidCriticalError
+    mod.nvmlDeviceGetTotalEccErrors = lambda h, kind, counter: ecc[h]
+    mod.nvmlDeviceGetCurrentClocksEventReasons = lambda h: reasons[h]
+    mod.nvmlDeviceGetMaxClockInfo = lambda h, c: 1980
+    mod.nvmlEventSetCreate = lambda: "set"
+    mod.registered = []
+    mod.nvmlDeviceRegisterEvents = lambda h, kinds, s: mod.registered.append((h, kinds))
+    mod.nvmlEventSetFree = lambda s: None
+
+    def wait(s, timeout):
+        assert timeout == 0                                  # the sampler never waits for an event
+        if not pending:
+            raise pynvml.NVMLError_Timeout()
+        return pending.pop(0)
+    mod.nvmlEventSetWait_v2 = wait
+    sampler = make_sampler(mod, tmp_path)
+    clock = Clock()
+    m = AlertMonitor(AlertOptions(throttle_after_s=10.0), clock=clock)
+
+    def sample():
+        clock.t += 1.0
+        return m.on_event(sampler.sample_once())
+
+    assert sample() == []
+    assert {h for h, _ in mod.registered} == {0, 1}
+    reasons[1] = 0x4                                         # a power cap: a GPU at its limit, not trouble
+    for _ in range(15):
+        assert sample() == []
+    reasons[1] = 0x40 | 0x4                                  # HW thermal slowdown
+    out = []
+    for _ in range(12):
+        out += sample()
+    (a,) = out
+    assert a.kind is AlertKind.THROTTLE and a.device == "gpu1" and a.figures["reasons"] == ["hw thermal"]
+    reasons[1] = 0
+    out = [x for _ in range(3) for x in sample()]
+    assert [x.resolved for x in out] == [True]
+    ecc[0] = 2
+    pending.append(ns(device=1, eventType=pynvml.nvmlEventTypeXidCriticalError, eventData=79))
+    out = sample()
+    assert sorted(x.kind.value for x in out) == ["ecc", "xid"]
+    x = next(x for x in out if x.kind is AlertKind.XID)
+    assert x.device == "gpu1" and x.figures["xids"] == [79] and "79" in x.message
+    e = next(x for x in out if x.kind is AlertKind.ECC)
+    assert e.device == "gpu0" and e.figures == {"new": 2, "total": 2}
+    mod_err = {(0, "nvmlDeviceGetUtilizationRates"): pynvml.NVMLError_GpuIsLost}
+    mod.nvmlDeviceGetUtilizationRates = lambda h: (_ for _ in ()).throw(mod_err[(h, "nvmlDeviceGetUtilizationRates")]()) \
+        if (h, "nvmlDeviceGetUtilizationRates") in mod_err else ns(gpu=50, memory=1)
+    out = sample()
+    lost = [x for x in out if x.kind is AlertKind.GPU_LOST]
+    assert len(lost) == 1 and lost[0].device == "gpu0" and "fell off the bus" in lost[0].message
+    assert not [x for x in sample() if x.kind is AlertKind.GPU_LOST]     # once
+    sampler.stop()
+
+
+# --- the contract and the views ---------------------------------------------------------------------------------------
+
+def test_the_alert_event_round_trips_and_shows_in_every_view():
+    a = AlertEvent(time=5.0, id="stall-1", kind=AlertKind.STALL, severity=Severity.CRITICAL, message="no step for 31 s",
+                   figures={"seconds": 31.0}, ranks=[1], step=10)
+    line = dumps(a)
+    assert json.loads(line)["kind"] == "stall" and parse(line) == a
+    r = AlertEvent(time=9.0, id="stall-1", kind=AlertKind.STALL, severity=Severity.CRITICAL, message="progress again",
+                   resolved=True)
+    state = RunState()
+    out = io.StringIO()
+    view = HeadlessView(state, json=False, stream=out, progress=False)
+    for e in (a, r):
+        state.apply(e)
+        view.on_event(e)
+    assert out.getvalue().splitlines() == ["ALERT stall [critical]: no step for 31 s", "resolved stall: progress again"]
+    assert state.alerts_raised == 1 and state.alerts_active == {}
+    assert state.alert_summary() == ["stall (critical, resolved): no step for 31 s"]
+    assert any("alerts" in x and "1 raised" in x for x in summary_lines(state, 0))
+    js = io.StringIO()
+    HeadlessView(state, json=True, stream=js, progress=False).on_event(a)
+    assert parse(js.getvalue()) == a
+    assert alert_line(AlertEvent(id="x", kind=AlertKind.XID, severity=Severity.CRITICAL, message="m", node="n1",
+                                 device="gpu0")) == "ALERT xid [critical] (n1 gpu0): m"
