@@ -113,7 +113,7 @@ def test_a_previous_versions_lines_parse_into_their_classes_with_nothing_unknown
         assert all(_kept(x, new.get(k)) for k, x in old.items()), line
         assert all(new[k] is not None and new[k] == getattr(e, k) for k in set(new) - set(old)), line
         seen.add(e.type)
-    assert seen == set(ev.EVENT_TYPES) - {"progress", "phase"}     # the types added since (issue 11)
+    assert seen == set(ev.EVENT_TYPES) - {"progress", "phase", "alert"}   # the types added since (issues 11, 21)
 
 
 def test_a_previous_versions_run_replays_in_the_views_and_the_report(tmp_path):
