@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from trainer.contract import rundir
-from trainer.contract.events import (MAX_STEPS, PHASES, STOPPED_BEFORE_FIRST_STEP, TUNER_RESTART, CheckpointEvent,
+from trainer.contract.events import (MAX_STEPS, PHASES, STOPPED_BEFORE_FIRST_STEP, TUNER_RESTART, AlertEvent,
+                                     CheckpointEvent,
                                      DeviceEvent, DoneEvent, ErrorEvent, EvalEvent, Event, HelloEvent, MalformedEvent,
                                      StepEvent, WarningEvent, read_events, to_dict)
 from trainer.contract.runlock import holder_words, lock_holders
@@ -98,6 +99,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     out["checkpoints_kept"] = [{"step": c.step, "path": str(c.path)} for c in rundir.list_checkpoints(run_dir)]
     out["errors"] = [_error(e) for e in errors]
     out["warnings"] = len(warnings)
+    out["alerts"] = alert_rows(e for e in events if isinstance(e, AlertEvent))
     run_gpus = {k for e in hellos for k in (e.gpus or ())}
     energy, why = _energy(run_dir, steps, skipped["device.jsonl"], run_gpus)
     if energy is not None:
@@ -159,6 +161,27 @@ def standing(run_dir: Path, events: list[Event]) -> Standing:
         return Standing(RunStanding.FAILED, f"failed at step {error.step}: {error.kind}: {error.message}", None)
     return Standing(RunStanding.CUT_SHORT, "ended without a word from its last trainer (killed, or gptop and the trainer "
                                         f"died); see {rundir.RunDir(run_dir).trainer_stderr}", None)
+
+
+MAX_ALERTS = 100     # alert rows a report keeps (the newest): a flapping alert on a week-long run stays readable
+
+
+def alert_rows(alerts: Any) -> list[dict[str, Any]]:
+    """Alerts as the report lists them: one row per alert (its latest raise), with when it was resolved."""
+    rows: dict[str, dict[str, Any]] = {}
+    for a in alerts:
+        row = rows.get(a.id)
+        if a.resolved:
+            if row is not None:
+                row.update(resolved_time=a.time, resolved=a.message)
+            continue
+        if row is None:
+            if len(rows) >= MAX_ALERTS:
+                rows.pop(next(iter(rows)))
+            row = rows[a.id] = {"id": a.id, "time": a.time, "resolved_time": None, "resolved": None}
+        row.update(kind=a.kind.value, severity=a.severity.value, message=a.message, step=a.step, figures=a.figures,
+                   ranks=a.ranks, node=a.node, device=a.device)
+    return list(rows.values())
 
 
 def _error(e: ErrorEvent) -> dict[str, Any]:
@@ -265,6 +288,18 @@ def format_report(s: dict[str, Any]) -> str:
             lines.append(f"error     step {e.get('step')}: {e['kind']}: {e['message']}")
     else:
         lines.append("errors    none")
+    alerts = s.get("alerts") or []
+    if alerts:
+        active = sum(1 for a in alerts if a["resolved_time"] is None)
+        lines.append(f"alerts    {len(alerts)} raised, " + (f"{active} not resolved" if active else "all resolved"))
+        for a in alerts:
+            where = " ".join(x for x in (a.get("node"), a.get("device")) if x)
+            when = (f"resolved after {a['resolved_time'] - a['time']:.0f} s" if a["resolved_time"] is not None
+                    else "not resolved")
+            lines.append(f"  {a['kind']} [{a['severity']}]" + (f" ({where})" if where else "")
+                         + f" at step {a.get('step')}, {when}: {a['message']}")
+    else:
+        lines.append("alerts    none")
     if s.get("tuning"):
         from tuner.report import format_summary
 

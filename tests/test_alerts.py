@@ -317,3 +317,111 @@ def test_the_alert_event_round_trips_and_shows_in_every_view():
     assert parse(js.getvalue()) == a
     assert alert_line(AlertEvent(id="x", kind=AlertKind.XID, severity=Severity.CRITICAL, message="m", node="n1",
                                  device="gpu0")) == "ALERT xid [critical] (n1 gpu0): m"
+
+
+# --- notifications ----------------------------------------------------------------------------------------------------
+
+def _alert(resolved: bool = False) -> AlertEvent:
+    return AlertEvent(time=5.0, id="stall-1", kind=AlertKind.STALL, severity=Severity.CRITICAL,
+                      message="no step for 31 s", resolved=resolved)
+
+
+@pytest.mark.process
+def test_notify_cmd_gets_the_alert_as_json_and_a_failing_one_is_logged_once(tmp_path):
+    from gptop.notify import Notifier
+
+    got = tmp_path / "got.jsonl"
+    script = tmp_path / "save.py"
+    script.write_text(f"import sys\nopen({str(got)!r}, 'a').write(sys.stdin.read())\n")
+    logs: list[str] = []
+    n = Notifier([], [f"{sys.executable} {script}", f"{sys.executable} -c 'import sys; sys.exit(3)'"], logs.append)
+    n.send(_alert())
+    n.send(_alert(resolved=True))
+    n.close(timeout=60)
+    lines = got.read_text().splitlines()
+    assert [parse(x) for x in lines] == [_alert(), _alert(resolved=True)]
+    assert n.sent == 2 and n.failed == 2
+    assert len(logs) == 1 and "exit code 3" in logs[0] and "not logged" in logs[0]
+
+
+@pytest.mark.process
+def test_a_hanging_notify_cmd_is_killed_with_its_children(tmp_path):
+    from gptop.notify import Notifier
+
+    logs: list[str] = []
+    n = Notifier([], [f"{sys.executable} -c 'import subprocess, sys, time; "
+                      f"subprocess.Popen([sys.executable, \"-c\", \"import time; time.sleep(60)\"]); time.sleep(60)'"],
+                 logs.append, timeout_s=1.0)
+    n.send(_alert())
+    n.close(timeout=30)
+    assert len(logs) == 1 and "killed" in logs[0]
+
+
+def test_notify_url_through_apprise_to_a_local_endpoint():
+    pytest.importorskip("apprise")
+    from gptop.notify import Notifier
+
+    got: list[dict] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            got.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    logs: list[str] = []
+    try:
+        port = server.server_address[1]
+        n = Notifier([f"json://127.0.0.1:{port}/", "json://127.0.0.1:1/"], [], logs.append, run_name="demo")
+        n.send(_alert())
+        n.send(_alert(resolved=True))
+        n.close(timeout=60)
+    finally:
+        server.shutdown()
+    assert [g["title"] for g in got] == ["gptop critical: stall on demo", "gptop resolved: stall on demo"]
+    assert got[0]["message"] == "no step for 31 s" and got[0]["type"] == "failure" and got[1]["type"] == "success"
+    assert len(logs) == 1 and "json://..." in logs[0]      # the dead endpoint, once; the run never sees an error
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["train", "--notify-cmd", "no-such-program-xyz --flag"], "--notify-cmd"),
+    (["train", "--notify-cmd", "'unbalanced"], "--notify-cmd"),
+    (["tune", "--notify-cmd", ""], "--notify-cmd"),
+    (["train", "--notify", "nonsense://where"], "--notify"),
+    (["train", "--alert-stall-after", "0"], "--alert-stall-after"),
+    (["train", "--alert-throughput-drop", "1"], "--alert-throughput-drop"),
+])
+def test_alert_flags_are_checked_at_entry(argv, needle, capsys, monkeypatch):
+    from gptop import cli
+
+    pytest.importorskip("apprise") if "--notify" in argv else None
+    monkeypatch.setattr(cli, "Session", lambda *a, **k: pytest.fail("a session was created"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and needle in err and "Traceback" not in err, err
+
+
+def test_notify_without_apprise_is_refused_naming_the_extra(capsys, monkeypatch):
+    from gptop import cli
+
+    monkeypatch.setitem(sys.modules, "apprise", None)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--notify", "json://127.0.0.1:9/"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--notify" in err and "gptop[notify]" in err
+
+
+def test_the_alert_options_reach_the_session():
+    from gptop.alerts import alert_options
+    from gptop.cli import build_parser
+
+    ns = build_parser().parse_args(["train", "--alert-stall-after", "3", "--alert-loss-spike", "20", "--no-alerts"])
+    o = alert_options(ns)
+    assert o == AlertOptions(enabled=False, stall_after_s=3.0, loss_spike_mads=20.0)
+    assert alert_options(build_parser().parse_args(["tune"])) == AlertOptions()
