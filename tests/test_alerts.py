@@ -9,6 +9,7 @@ import math
 import random
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pynvml
@@ -425,3 +426,62 @@ def test_the_alert_options_reach_the_session():
     o = alert_options(ns)
     assert o == AlertOptions(enabled=False, stall_after_s=3.0, loss_spike_mads=20.0)
     assert alert_options(build_parser().parse_args(["tune"])) == AlertOptions()
+
+
+# --- end to end: a trainer stopped with SIGSTOP --------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.process
+def test_a_sigstopped_trainer_raises_a_stall_that_is_resolved_after_sigcont(tmp_path):
+    """The issue's case, shortened: the floor at 3 s and a 8 s stop (the defaults and a 30 s stop are in the
+    issue's note). Headless JSON, events.jsonl, --notify-cmd and the report all see the raise and its resolution."""
+    import os
+    import signal
+    import subprocess
+
+    from conftest import TINY
+    from fixtures.waiting import wait_for
+    from gptop.report import summarize
+    from trainer.contract.events import read_events
+
+    run_dir = tmp_path / "run"
+    got = tmp_path / "notified.jsonl"
+    script = tmp_path / "save.py"
+    script.write_text(f"import sys\nopen({str(got)!r}, 'a').write(sys.stdin.read())\n")
+    out_path = tmp_path / "out.jsonl"
+    with open(out_path, "w") as out:
+        p = subprocess.Popen([sys.executable, "-m", "gptop", "--no-ui", "--json", "--interval", "0.25", "train",
+                              "--model", "llama", *TINY, "--max-steps", "100000", "--run-dir", str(run_dir),
+                              "--alert-stall-after", "3", "--notify-cmd", f"{sys.executable} {script}"],
+                             stdout=out, stderr=subprocess.PIPE, text=True)
+    try:
+        def lines():
+            return [parse(x) for x in out_path.read_text().splitlines() if x.strip()]
+
+        hello = wait_for(lambda: next((e for e in lines() if e.type == "hello" and not e.early), None), 300, "hello")
+        wait_for(lambda: sum(e.type == "progress" for e in lines()) >= 20, 120, "20 steps")
+        os.kill(hello.pid, signal.SIGSTOP)
+        try:
+            raised = wait_for(lambda: next((e for e in lines() if e.type == "alert"), None), 60, "the stall alert")
+            assert raised.kind is AlertKind.STALL and not raised.resolved and "no step for" in raised.message
+            time.sleep(max(0.0, 8.0 - raised.figures["seconds"]))
+        finally:
+            os.kill(hello.pid, signal.SIGCONT)
+        resolved = wait_for(lambda: next((e for e in lines() if e.type == "alert" and e.resolved), None), 60,
+                            "the resolution")
+        assert resolved.id == raised.id and resolved.figures["stalled_s"] >= 7.0
+        steps_after = wait_for(lambda: [e for e in lines() if e.type == "progress" and e.time > resolved.time], 60,
+                               "steps after SIGCONT")
+        assert steps_after
+    finally:
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err
+    alerts = [e for e in lines() if e.type == "alert"]
+    assert [(a.id, a.resolved) for a in alerts] == [(raised.id, False), (raised.id, True)]   # nothing else raised
+    kept = [e for e in read_events(run_dir / "events.jsonl") if e.type == "alert"]
+    assert kept == alerts
+    assert [parse(x) for x in got.read_text().splitlines()] == alerts
+    (row,) = summarize(run_dir)["alerts"]
+    assert row["kind"] == "stall" and row["resolved_time"] is not None
+    assert "alerts" in err and "1 raised, all resolved" in err            # the end summary (stderr with --json)
