@@ -28,6 +28,7 @@ from trainer.contract.tools import add_export_arguments, add_sample_arguments
 
 from .alerts import add_alert_arguments, alert_options
 from .commands import STOP_SIGNALS, TUI_STOP_SIGNALS, StopSignals
+from .metrics import add_metrics_arguments, bind_metrics
 from .session import EXIT_FAILED, EXIT_PIPE, EXIT_USAGE, Session, SessionOptions, TuningOptions
 
 # gptop's own flags, converted and checked at parse time like the config's (trainer.contract.config.number_arg,
@@ -93,6 +94,7 @@ def build_parser() -> Parser:
 
     parser = Parser(prog="gptop", description="htop for a training run, with a live autotuner.")
     _global_flags(parser, suppress=False)
+    add_metrics_arguments(parser)
     parser.add_argument("--run-dir", dest="monitor_run_dir", metavar="DIR", default=None,
                         type=inputs.path_arg(inputs.check_runs_folder, "--run-dir"),
                         help="monitor mode: the run (or folder of runs) to attach to (default: newest in ./runs)")
@@ -112,6 +114,7 @@ def build_parser() -> Parser:
                        help="also log them to a Weights & Biases run in RUN_DIR/wandb (pip install -e '.[wandb]'; "
                             "WANDB_MODE=offline: no account or network) (default: off)")
         add_alert_arguments(p)
+        add_metrics_arguments(p, suppress=True)
         d = p.add_argument_group("distributed (torchrun; see --parallel)")
         d.add_argument("--nproc", type=number_arg(int, 1, 1024), default=1, metavar="N",
                        help="ranks (processes, one per GPU) on this node; above 1, or with several nodes, the "
@@ -290,17 +293,22 @@ def _run(ns: argparse.Namespace, signals: StopSignals) -> int:
     # A new run (not a resume of the run there) in a directory another run left its events or checkpoints
     # in is refused the same way: one run per run directory.
     multi_node = launcher is not None and launcher.multi_node
-    lock = RunLock.acquire(cfg.run.run_dir, command=f"gptop {ns.command}",
-                           node=node_key(ns.node_rank) if multi_node else None,
-                           new_run=not resumes_into(resume, cfg.run.run_dir))
+    node = node_key(ns.node_rank) if multi_node else None
+    metrics = bind_metrics(ns, node)          # a port in use: exit 2 here, before the lock or anything else
     try:
-        return _run_locked(ns, cfg, resume, launcher, lock, signals)
+        lock = RunLock.acquire(cfg.run.run_dir, command=f"gptop {ns.command}", node=node,
+                               new_run=not resumes_into(resume, cfg.run.run_dir))
+        try:
+            return _run_locked(ns, cfg, resume, launcher, lock, signals, metrics)
+        finally:
+            lock.release()
     finally:
-        lock.release()
+        if metrics is not None:
+            metrics.close()
 
 
 def _run_locked(ns: argparse.Namespace, cfg: TrainConfig, resume: str | None, launcher, lock: RunLock,
-                signals: StopSignals) -> int:
+                signals: StopSignals, metrics=None) -> int:
     options = SessionOptions(interval=ns.interval, restart_on_failure=ns.restart_on_failure,
                              tensorboard=ns.tensorboard, wandb=ns.wandb, launcher=launcher, run_lock=lock,
                              tuning=TuningOptions(space_spec=ns.tune_space, storage=ns.storage),   # the `t` key
@@ -308,6 +316,8 @@ def _run_locked(ns: argparse.Namespace, cfg: TrainConfig, resume: str | None, la
     if lock.warning:
         print(f"gptop: warning: {lock.warning}", file=sys.stderr)
     session = Session(cfg, options)
+    if metrics is not None:
+        metrics.serve(session.state)
     tuning = _tuning_request(ns)
     if tuning is not None:
         session.start_tuning(TuningOptions(**tuning))

@@ -134,12 +134,22 @@ def _alive(pid: int) -> bool:
 
 
 def run_monitor(ns: argparse.Namespace) -> int:
-    session = MonitorSession(find_run(ns.monitor_run_dir), interval=ns.interval)
-    if not ns.no_ui:
-        from .ui.app import run_app
+    from .metrics import bind_metrics
 
-        return run_app(session)
-    from .headless import HeadlessView
+    run_dir = find_run(ns.monitor_run_dir)
+    metrics = bind_metrics(ns)                # a port in use: exit 2 before anything starts
+    try:
+        session = MonitorSession(run_dir, interval=ns.interval)
+        if metrics is not None:
+            metrics.serve(session.state)
+        if not ns.no_ui:
+            from .ui.app import run_app
 
-    code = session.run_headless(HeadlessView(session.state, json=ns.json))
-    return code or EXIT_DONE
+            return run_app(session)
+        from .headless import HeadlessView
+
+        code = session.run_headless(HeadlessView(session.state, json=ns.json))
+        return code or EXIT_DONE
+    finally:
+        if metrics is not None:
+            metrics.close()
