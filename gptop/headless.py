@@ -43,12 +43,13 @@ import threading
 from collections import deque
 from typing import IO
 
+from gptop.profile_text import profile_lines
 from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_eta, fmt_mfu, fmt_num, fmt_peak, fmt_toggles,
                          measure_line, model_summary, phase_label, spread_pct)
 from gptop.alerts import alert_line
-from trainer.contract.events import (PHASES, AlertEvent, ApplyEvent, CheckpointEvent, DeviceEvent, DoneEvent, ErrorEvent,
-                                     EvalEvent, Event, HelloEvent, LogEvent, PhaseEvent, ProgressEvent, StatusEvent,
-                                     StepEvent, TrialEvent, TunerEvent, WarningEvent, dumps)
+from trainer.contract.events import (PHASES, AlertEvent, ApplyEvent, CheckpointEvent, DeviceEvent, DoneEvent,
+                                     ErrorEvent, EvalEvent, Event, HelloEvent, LogEvent, PhaseEvent, ProfileEvent,
+                                     ProgressEvent, StatusEvent, StepEvent, TrialEvent, TunerEvent, WarningEvent, dumps)
 
 MEASURE_EVERY_S = 10.0
 SHORT = {"data": "data", "forward": "fwd", "backward": "bwd", "optimizer": "opt", "other": "other"}
@@ -144,6 +145,10 @@ def event_line(event: Event, state: RunState) -> str | None:
         return f"error [{event.kind}]: {event.message}"
     if isinstance(event, AlertEvent):
         return alert_line(event)
+    if isinstance(event, ProfileEvent):
+        if state.primary_rank is not None and event.rank != state.primary_rank:
+            return None
+        return "\n".join(profile_lines(event))
     if isinstance(event, LogEvent):
         return event.message
     if isinstance(event, DoneEvent):

@@ -22,7 +22,7 @@ from trainer.contract import rundir
 from trainer.contract.events import (MAX_STEPS, PHASES, STOPPED_BEFORE_FIRST_STEP, TUNER_RESTART, AlertEvent,
                                      CheckpointEvent,
                                      DeviceEvent, DoneEvent, ErrorEvent, EvalEvent, Event, HelloEvent, MalformedEvent,
-                                     StepEvent, WarningEvent, read_events, to_dict)
+                                     ProfileEvent, StepEvent, WarningEvent, from_dict, read_events, to_dict)
 from trainer.contract.runlock import holder_words, lock_holders
 
 from .energy import Energy, measure, unavailable_reason
@@ -100,6 +100,9 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     out["errors"] = [_error(e) for e in errors]
     out["warnings"] = len(warnings)
     out["alerts"] = alert_rows(e for e in events if isinstance(e, AlertEvent))
+    profiles = [e for e in events if isinstance(e, ProfileEvent) and e.rank == 0]
+    if profiles:
+        out["profile"] = to_dict(profiles[-1])         # the newest window (trainer.profile_summary)
     run_gpus = {k for e in hellos for k in (e.gpus or ())}
     energy, why = _energy(run_dir, steps, skipped["device.jsonl"], run_gpus)
     if energy is not None:
@@ -300,6 +303,10 @@ def format_report(s: dict[str, Any]) -> str:
                          + f" at step {a.get('step')}, {when}: {a['message']}")
     else:
         lines.append("alerts    none")
+    if s.get("profile"):
+        from .profile_text import profile_lines
+
+        lines += profile_lines(from_dict(s["profile"]))
     if s.get("tuning"):
         from tuner.report import format_summary
 

@@ -32,15 +32,15 @@ from trainer.contract import capabilities
 from trainer.contract.device import DeviceInfo
 from trainer.contract.events import (MAX_STEPS, PHASES, AlertEvent, ApplyEvent, CheckpointEvent, CpuReading, DeviceEvent,
                                      DoneEvent, ErrorEvent, EvalEvent, Event, GpuReading, HelloEvent, LogEvent,
-                                     MeasureProgress, ModelInfo, PhaseEvent, ProgressEvent, StepEvent, TrialEvent,
-                                     TunerEvent, UnknownEvent, WarningEvent)
+                                     MeasureProgress, ModelInfo, PhaseEvent, ProfileEvent, ProgressEvent, StepEvent,
+                                     TrialEvent, TunerEvent, UnknownEvent, WarningEvent)
 
 STATUSES = ("starting", "running", "checkpointing", "stopping", "done", "stopped", "failed", "restarting", "replay",
             "monitor")
 ENDED = ("done", "stopped", "failed")      # the run is over: elapsed time stops
 
 # Areas a view can watch separately (`RunState.versions[area]`).
-AREAS = ("run", "step", "device", "log", "tuner", "progress", "alert")   # progress: the per-step counter only
+AREAS = ("run", "step", "device", "log", "tuner", "progress", "profile", "alert")   # progress: the per-step counter only
 
 # Step-event series kept as histories, by name.
 STEP_SERIES = ("loss", "tokens_per_s", "mfu", "lr", "grad_norm", "step_ms", "gpu_idle_ms", "mem_bytes")
@@ -204,6 +204,7 @@ class RunState:
 
         self.tuner = TunerState()
         self._applied: dict[str, Any] = {}   # toggles applied since the last hello
+        self.profile: ProfileEvent | None = None   # the newest profile window's summary (the primary rank's)
 
     # --- writing ------------------------------------------------------------
     def _bump(self, *areas: str) -> None:
@@ -360,6 +361,11 @@ class RunState:
 
     def _on_log(self, e: LogEvent) -> None:
         self.add_log(e.message, "event")
+
+    def _on_profile(self, e: ProfileEvent) -> None:
+        if self.primary_rank is None or e.rank == self.primary_rank:
+            self.profile = e
+            self._bump("profile")
 
     def _on_warning(self, e: WarningEvent) -> None:
         self.warnings.append(e.message)

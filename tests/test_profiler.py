@@ -62,8 +62,9 @@ def test_trace_has_a_range_per_step_and_phase(tmp_path):
 
 def test_a_run_that_ends_inside_the_window_writes_what_it_recorded(tmp_path):
     train(tmp_path / "r", "--max-steps", "3", "--profile-steps", "2-9")
-    (trace,) = (tmp_path / "r" / "profiles").iterdir()
-    assert trace.name == "steps-2-3.json"
+    files = sorted(p.name for p in (tmp_path / "r" / "profiles").iterdir())
+    assert files == ["steps-2-3.json", "steps-2-3.summary.json"]        # the trace and its summary
+    trace = tmp_path / "r" / "profiles" / "steps-2-3.json"
     names = {e["name"] for e in ranges(trace)}
     assert {"ProfilerStep#2", "ProfilerStep#3", *PHASES} <= names and "ProfilerStep#1" not in names
 
@@ -76,7 +77,7 @@ def test_phase_ranges_only_while_recording(tmp_path):
 
     written = []
     timer = CpuTimer()
-    prof = StepProfiler(tmp_path, 0, False, None, on_written=lambda p, a, b: written.append((p.name, a, b)))
+    prof = StepProfiler(tmp_path, 0, False, None, on_written=lambda p, a, b, summary: written.append((p.name, a, b)))
     prof.request(5, 2)
     for number in range(4, 8):
         prof.step_begin(number, timer)

@@ -579,6 +579,31 @@ def test_snapshot_help(snap_compare):
     assert snap_compare(app, terminal_size=SMALL, press=["question_mark"])
 
 
+def test_snapshot_profile_summary(snap_compare):
+    from fixtures.streams import gpu_profile
+
+    app, state, _ = make()
+    state.apply(gpu_profile())
+    assert snap_compare(app, terminal_size=LARGE, press=["v"])
+
+
+def test_profile_screen_before_any_profile_says_how_to_get_one():
+    app, _, _ = make()
+
+    async def go():
+        async with app.run_test(size=LARGE) as pilot:
+            assert "v" not in {k.key for k in app.query("FooterKey")}     # nothing to view yet
+            app.action_view_profile()                                     # the palette's way in
+            await pilot.pause()
+            text = " ".join(str(w.render()) for w in app.screen.query("Static"))
+            assert "no profile yet: press p" in text
+            await pilot.press("escape")
+            await pilot.pause()
+            assert app.screen is app.screen_stack[0]
+
+    run(go())
+
+
 def test_snapshot_log_zoom(snap_compare):
     app, _, _ = make(failed=True)
     assert snap_compare(app, terminal_size=SMALL, press=["l"])

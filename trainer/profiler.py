@@ -10,8 +10,9 @@ of each with gradient accumulation), opened by the step timer only while a windo
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -23,7 +24,7 @@ STEP_RANGE = "ProfilerStep#{}"
 
 class StepProfiler:
     def __init__(self, out_dir: Path, rank: int, cuda: bool, window: tuple[int, int] | None,
-                 on_written: Callable[[Path, int, int], None]):
+                 on_written: Callable[[Path, int, int, dict[str, Any] | None], None]):
         self.out_dir, self.rank, self.cuda = out_dir, rank, cuda
         self.window = window                      # the next window to profile (step numbers from 1, inclusive)
         self.on_written = on_written
@@ -86,4 +87,29 @@ class StepProfiler:
         out = self.out_dir / f"steps-{a}-{b}{suffix}.json"
         out.parent.mkdir(exist_ok=True)
         prof.export_chrome_trace(str(out))
-        self.on_written(out, a, b)
+        summary = self._summary(prof, out)
+        self.on_written(out, a, b, summary)
+
+    @staticmethod
+    def _summary(prof: torch.profiler.profile, trace: Path) -> dict[str, Any] | None:
+        """The window summarized from the profiler's own events (bounded by the window, not the trace file),
+        and written next to the trace; None when it cannot be (never fails the run)."""
+        from .contract.atomic import atomic_write
+        from .contract.events import to_dict
+        from .profile_summary import spans_from_profiler, summarize
+
+        try:
+            summary = summarize(spans_from_profiler(prof.events()))
+        except Exception as e:                   # a profiler event this torch shapes differently
+            print(f"[trainer] profile summary failed: {type(e).__name__}: {e}", flush=True)
+            return None
+        if summary is None:
+            return None
+        path = trace.with_name(trace.name.replace(".json", ".summary.json"))
+        try:
+            atomic_write(path, json.dumps({**summary, "phases": [to_dict(ph) for ph in summary["phases"]]},
+                                          indent=1) + "\n")
+            summary["summary_path"] = str(path)
+        except OSError:
+            pass
+        return summary

@@ -534,8 +534,16 @@ class Trainer:
             self.cfg.log.log_every = decision.log_every
         return decision.stop
 
-    def _profile_written(self, path: Path, first: int, last: int) -> None:
+    def _profile_written(self, path: Path, first: int, last: int, summary: dict[str, Any] | None) -> None:
         self.channel.emit("log", message=f"profiler trace of steps {first}-{last} written to {path}", path=str(path))
+        if summary is not None:
+            self.channel.emit("profile", first=first, last=last, path=str(path),
+                              summary_path=summary.get("summary_path"), step_ms=summary["step_ms"],
+                              phases=summary["phases"], short_op_share=summary.get("short_op_share"),
+                              short_kernel_share=summary.get("short_kernel_share"),
+                              gpu_idle_share=summary.get("gpu_idle_share"),
+                              gpu_idle_host_share=summary.get("gpu_idle_host_share"),
+                              comm_overlap=summary.get("comm_overlap"))
 
     def _is_log_step(self) -> bool:
         return self.progress.step % self.cfg.log.log_every == 0

@@ -41,6 +41,7 @@ from textual.timer import Timer
 from textual.widgets import Static
 
 from gptop.commands import TUI_STOP_SIGNALS, Commands, StopSignals
+from gptop.profile_text import profile_lines
 from gptop.state import RunState
 from gptop.tools import SampleOutcome, sample_newest
 from gptop.ui.sample import SamplePanel
@@ -56,6 +57,8 @@ HELP = [
           "without a checkpoint)"),
     ("c", "Checkpoint now (at the next step boundary)"),
     ("p", "Profile the next 3 steps with torch.profiler (trace in the run directory)"),
+    ("v", "View the newest profile window's summary: per phase the top operators (and kernels on a GPU), "
+          "launch-bound and GPU-idle shares"),
     ("s", "Sample the newest checkpoint into a panel (its own process; training goes on; escape closes)"),
     ("l", "Log panel: zoom the trainer's stdout/stderr to the whole window, and back"),
     ("t", "Start the autotuner on the live run (budget 10 min; gptop tune --budget for another), or stop it, "
@@ -116,6 +119,32 @@ class HelpScreen(ModalScreen[None]):
         self.dismiss(result)
 
 
+class ProfileScreen(ModalScreen[None]):
+    """The newest profile window's summary (gptop.profile_text), or how to get one."""
+
+    BINDINGS = [Binding("escape", "dismiss", "Close"), Binding("v", "dismiss", "Close", show=False),
+                Binding("q", "dismiss", "Close", show=False)]
+
+    def __init__(self, state: RunState) -> None:
+        super().__init__()
+        self.state = state
+
+    def compose(self) -> ComposeResult:
+        with self.state.lock:
+            profile = self.state.profile
+        if profile is None:
+            body = Text("no profile yet: press p to trace the next 3 steps (or --profile-steps A-B)")
+        else:
+            body = Text("\n".join(profile_lines(profile, top=5)))
+        with Vertical(id="help"):
+            yield Static(Text("profile", style="bold underline"))
+            yield Static(body)
+            yield Static(Text("escape or v to close", style="grey62"), classes="gap")
+
+    async def action_dismiss(self, result: None = None) -> None:
+        self.dismiss(result)
+
+
 class GptopApp(App[None]):
     """The live dashboard of one run."""
 
@@ -129,6 +158,7 @@ class GptopApp(App[None]):
         Binding("q", "quit", "Quit", tooltip="Checkpoint, stop the trainer and exit (twice: stop now)"),
         Binding("c", "checkpoint", "Checkpoint", tooltip="Checkpoint at the next step"),
         Binding("p", "profile", "Trace", tooltip="Profile the next 3 steps with torch.profiler (a trace for Perfetto)"),
+        Binding("v", "view_profile", "Profile", tooltip="The newest profile window's summary"),
         Binding("s", "sample", "Sample", tooltip="Sample the newest checkpoint (training goes on)"),
         Binding("escape", "close_sample", "Close sample", show=False),
         Binding("l", "toggle_log", "Log", tooltip="Zoom the log panel"),
@@ -313,7 +343,7 @@ class GptopApp(App[None]):
             if s.status != "replay":
                 self.bell()
         key = (s.status, s.tuner.phase is None and not s.tuner.trials, bool(s.expert_load), s.tuner.active,
-               s.status == "monitor" and s.last_step is None, min(len(s.alerts_active), 3))
+               s.status == "monitor" and s.last_step is None, s.profile is not None, min(len(s.alerts_active), 3))
         if key == self._layout_key:
             return
         self._layout_key = key
@@ -322,8 +352,8 @@ class GptopApp(App[None]):
         body.set_class(key[1], "-no-tuner")
         body.set_class(key[4], "-no-run")
         banner = self.query_one("#alerts")
-        banner.display = key[5] > 0
-        banner.styles.height = key[5]
+        banner.display = key[6] > 0
+        banner.styles.height = key[6]
         self.refresh_bindings()
 
     # --- actions ------------------------------------------------------------
@@ -344,6 +374,8 @@ class GptopApp(App[None]):
             return self.sample_panel.shown
         if action == "next_expert_layer":
             return True if self.state.expert_load else False   # hidden for dense models
+        if action == "view_profile":
+            return True if self.state.profile is not None else False   # shown once a window was summarized
         return True
 
     def can_toggle_tuning(self) -> bool:
@@ -383,6 +415,10 @@ class GptopApp(App[None]):
     def action_profile(self) -> None:
         if self._call("profile", self.commands.profile, steps=self.profile_steps):
             self.notify(f"profiling the next {self.profile_steps} steps")
+
+    def action_view_profile(self) -> None:
+        if not isinstance(self.screen, ProfileScreen):
+            self.push_screen(ProfileScreen(self.state))
 
     def action_sample(self) -> None:
         """Start one sample in a worker: the dashboard keeps rendering while the sampler's process runs."""
@@ -436,6 +472,7 @@ class GptopApp(App[None]):
                             self.action_force_quit)
         yield SystemCommand("Checkpoint now", "Write a checkpoint at the next step (c)", self.action_checkpoint)
         yield SystemCommand("Profile", f"Profile the next {self.profile_steps} steps (p)", self.action_profile)
+        yield SystemCommand("Profile summary", "The newest profile window's summary (v)", self.action_view_profile)
         if self.state.run_dir:
             yield SystemCommand("Sample", "Text from the newest checkpoint, training goes on (s)", self.action_sample)
         yield SystemCommand("Toggle log panel", "Zoom the trainer's stdout/stderr (l)", self.action_toggle_log)

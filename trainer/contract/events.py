@@ -169,6 +169,28 @@ class MeasureProgress(Record):
     max_seconds: float | None = None    # when it stops measuring even if still noisy
 
 
+@dataclass(frozen=True, kw_only=True)
+class OpTime(Record):
+    """An operator (CPU) or kernel (GPU) in a profile summary: its self time over the window and its share."""
+
+    name: str
+    ms: float                           # self time summed over the window's steps
+    share: float                        # of its phase's time (ops) or of the phase's GPU time (kernels), 0..1
+    calls: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class PhaseProfile(Record):
+    """One step phase of a profile window: its time and where it went."""
+
+    phase: str                          # one of PHASES
+    ms: float                           # wall time of the phase, summed over the window's steps
+    ops: list[OpTime] = field(default_factory=list)       # top CPU operators by self time
+    op_share: float = 0.0               # share of the phase inside any operator (the rest: Python, waiting)
+    kernels: list[OpTime] = field(default_factory=list)   # top GPU kernels launched in the phase (CUDA)
+    gpu_ms: float | None = None         # GPU time of the kernels launched in the phase (CUDA)
+
+
 # --------------------------------------------------------------------------- events
 
 
@@ -418,6 +440,26 @@ class TunerEvent(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class ProfileEvent(Event):
+    """A torch.profiler window was captured and summarized where it ran (trainer.profile_summary): per phase
+    the top operators and kernels, and the signs of a launch-bound or host-bound step."""
+
+    type: ClassVar[str] = "profile"
+    first: int                          # the window's steps, numbered from 1
+    last: int
+    path: str                           # the Chrome trace
+    summary_path: str | None = None     # this summary as JSON, next to the trace
+    step_ms: float                      # mean wall time of a step in the window
+    phases: list[PhaseProfile] = field(default_factory=list)
+    # share of the steps' time spent in operators (CPU) or kernels (GPU) shorter than SHORT_OP_US: launch-bound
+    short_op_share: float | None = None
+    short_kernel_share: float | None = None
+    gpu_idle_share: float | None = None      # CUDA: share of the step the GPU ran no kernel ...
+    gpu_idle_host_share: float | None = None  # ... of it while the host was in a compute phase (launching)
+    comm_overlap: float | None = None        # several ranks on CUDA: share of NCCL kernel time overlapping compute
+
+
+@dataclass(frozen=True, kw_only=True)
 class StatusEvent(Event):
     """The session's status (starting, running, done, failed, ...): gptop's --json output."""
 
@@ -455,8 +497,8 @@ class UnknownEvent(Event):
 
 EVENT_TYPES: dict[str, type[Event]] = {c.type: c for c in (
     HelloEvent, StepEvent, EvalEvent, CheckpointEvent, LogEvent, WarningEvent, ErrorEvent, DoneEvent,
-    DeviceEvent, TrialEvent, ApplyEvent, TunerEvent, StatusEvent, ProgressEvent, PhaseEvent, AlertEvent)}
-RECORDS: tuple[type[Record], ...] = (GpuReading, CpuReading, ModelInfo, MeasureProgress)
+    DeviceEvent, TrialEvent, ApplyEvent, TunerEvent, StatusEvent, ProgressEvent, PhaseEvent, ProfileEvent, AlertEvent)}
+RECORDS: tuple[type[Record], ...] = (GpuReading, CpuReading, ModelInfo, MeasureProgress, OpTime, PhaseProfile)
 _BASE = ("v", "type", "time", "rank")
 
 
