@@ -367,7 +367,7 @@ def _energy(run_dir: Path, steps: list[StepEvent], skipped: _Skipped,
     return total, ("" if total is not None else why)
 
 
-ENERGY_CHUNK = 4096     # device samples measured at a time: energy is additive over adjoining windows
+ENERGY_CHUNK = 1024     # device samples measured at a time: energy is additive over adjoining windows
 
 
 def _energy_of(path: Path, t0: float, t1: float, skipped: _Skipped,
