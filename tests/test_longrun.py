@@ -108,3 +108,56 @@ def _template() -> Path:
     """A run directory shaped like a real tiny run's (tests/fixtures), to clone lines from."""
     run = ROOT / "tests" / "fixtures" / "longrun-template"
     return run
+
+
+def test_attaching_to_a_long_run_reads_its_head_newest_hello_and_tail(tmp_path, monkeypatch):
+    from gptop import monitor
+
+    monkeypatch.setattr(monitor, "TAIL_BYTES", 200_000)
+    monkeypatch.setattr(monitor, "HEAD_BYTES", 50_000)
+    monkeypatch.setattr(monitor, "SCAN_CHUNK", 4096)
+    tpl = longrun.template_lines(_template())
+    counts = {}
+    for n in (4_000, 16_000):
+        run = tmp_path / f"run{n}"
+        longrun.write_run(run, n, tpl)
+        session = monitor.MonitorSession(run, sampler=_NoSampler())
+        seen = []
+        session.add_view(type("V", (), {"on_event": lambda self, e: seen.append(e), "on_log": lambda *a: None,
+                                        "on_status": lambda *a: None})())
+        session.start()
+        assert session.replayed.wait(60)
+        session.close()
+        s = session.state
+        counts[n] = len(seen)
+        assert s.step == n and s.done is not None                       # the tail: the run's end
+        assert s.first_loss is not None and s.start_time == seen[0].time   # the head: the first start
+        assert s.hello is not None and not s.hello.early and s.total_steps == n   # the newest full hello
+        assert any("a long run" in line for _, line in s.logs)
+        assert s.malformed == 0                                          # the tail starts at a whole line
+    assert counts[16_000] < counts[4_000] * 1.2                          # the same work, 4x the run
+
+
+def test_the_newest_hello_is_found_across_chunk_boundaries(tmp_path, monkeypatch):
+    from gptop import monitor
+
+    path = tmp_path / "events.jsonl"
+    lines = [b'{"type":"hello","early":true,"n":0}'] + [b'{"type":"step","n":%d}' % i for i in range(50)] + \
+        [b'{"type":"hello","n":1,"pad":"' + b"x" * 300 + b'"}', b'{"type":"hello","early":true,"n":2}'] + \
+        [b'{"type":"step","n":%d}' % i for i in range(500)]
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    with open(path, "rb") as f:
+        for chunk in (7, 64, 100, 4096):
+            monkeypatch.setattr(monitor, "SCAN_CHUNK", chunk)
+            assert monitor._newest_hello(f, 0, path.stat().st_size - 2000) == lines[51]
+
+
+class _NoSampler:
+    def subscribe(self, fn):
+        pass
+
+    def start(self):
+        pass
+
+    def stop(self):
+        pass
