@@ -192,8 +192,10 @@ class RunState:
         # logs and incidents
         self.logs: deque[tuple[str, str]] = deque(maxlen=log_lines)   # (stream, line)
         self.log_count = 0       # lines ever added: views append what is new since they last looked
-        self.checkpoints: list[CheckpointEvent] = []
-        self.errors: list[ErrorEvent] = []
+        # bounded like every history here: a week-long run's dashboard costs what its first hour did
+        self.checkpoints: deque[CheckpointEvent] = deque(maxlen=1000)
+        self.checkpoints_written = 0
+        self.errors: deque[ErrorEvent] = deque(maxlen=1000)
         self.warnings: deque[str] = deque(maxlen=200)
         self.malformed = 0
         self.last_malformed: str | None = None
@@ -357,6 +359,7 @@ class RunState:
 
     def _on_checkpoint(self, e: CheckpointEvent) -> None:
         self.checkpoints.append(e)
+        self.checkpoints_written += 1
         self._bump("run")
 
     def _on_log(self, e: LogEvent) -> None:
