@@ -46,11 +46,13 @@ from trainer.contract.events import (PHASES, AlertEvent, AlertKind, CheckpointEv
 CHECKPOINT_GRACE_S = 120.0    # a checkpoint or eval step before any was timed: what a large model's first may take
 MIN_SPIKE_RISE = 0.05         # a loss spike rises at least this share of the median (a flat loss has no MAD)
 LOSS_WINDOW = 100             # logged losses the median/MAD look at
+LOSS_RECOMPUTE = 10           # ... recomputed every this many (they move slowly; each loss is judged against them)
 MIN_LOSSES = 20               # ... and at least this many before a spike can be judged
 STEP_WINDOW = 50              # step intervals the stall's median looks at
 MIN_STEPS = 3                 # ... and at least this many before a stall can be judged
 RATE_HISTORY = 2000           # step events (time, tokens/s, phases) kept for the throughput baseline
 MIN_RATE_EVENTS = 3           # step events the recent window needs, and twice that the baseline
+RATE_CHECKS = 30              # the throughput is judged this many times per --alert-throughput-after window
 BAD_CLOCK_REASONS = ("hw slowdown", "hw thermal", "sw thermal", "power brake")   # gptop.nvml.THROTTLE_REASONS
 MAD_SCALE = 1.4826            # MAD * this estimates the standard deviation of normal noise
 
@@ -161,10 +163,13 @@ class AlertMonitor:
         # loss
         self._primary: int | None = None
         self._losses: deque[float] = deque(maxlen=LOSS_WINDOW)
+        self._loss_stats: tuple[float, float] | None = None   # (median, MAD), recomputed every LOSS_RECOMPUTE
+        self._losses_since = 0
         # throughput: (event time, tokens/s, phases) of this process's steady step events
         self._rates: deque[tuple[float, float, dict[str, float]]] = deque(maxlen=RATE_HISTORY)
         self._warm = True
         self._frozen_base: tuple[float, dict[str, float]] | None = None
+        self._rate_checked = float("-inf")
         # devices
         self._gpus: dict[str, _Gpu] = {}
         self._run_gpus: set[str] | None = None
@@ -272,6 +277,7 @@ class AlertMonitor:
         self._rates.clear()         # new toggles, a new steady rate
         self._warm = True
         self._frozen_base = None
+        self._rate_checked = float("-inf")
 
     def _on_progress(self, e: ProgressEvent | StepEvent, now: float, out: list[AlertEvent]) -> None:
         if self._primary is None or e.rank < self._primary:
@@ -347,8 +353,11 @@ class AlertMonitor:
             return
         key = AlertKind.LOSS_SPIKE.value
         if len(self._losses) >= MIN_LOSSES:
-            med = statistics.median(self._losses)
-            mad = statistics.median(abs(x - med) for x in self._losses)
+            if self._loss_stats is None or self._losses_since >= LOSS_RECOMPUTE:
+                m = statistics.median(self._losses)
+                self._loss_stats = (m, statistics.median(abs(x - m) for x in self._losses))
+                self._losses_since = 0
+            med, mad = self._loss_stats
             scale = MAD_SCALE * mad
             line = med + max(self.options.loss_spike_mads * scale, MIN_SPIKE_RISE * abs(med))
             if loss > line:
@@ -362,6 +371,7 @@ class AlertMonitor:
                 self._resolve(out, key, f"loss back to {loss:.4g} at step {e.step} (median {med:.4g})",
                               back_loss=loss)
         self._losses.append(loss)
+        self._losses_since += 1
 
     def _on_rollback(self, e: WarningEvent, out: list[AlertEvent]) -> None:
         figures = {"reached": self._reached, "rolled_back_to": e.step, "lr_scale": e.lr_scale,
@@ -380,6 +390,9 @@ class AlertMonitor:
         o = self.options
         window = o.throughput_after_s
         t_end = e.time
+        if t_end - self._rate_checked < window / RATE_CHECKS:
+            return                          # judged a few dozen times per window, not per step event
+        self._rate_checked = t_end
         recent = [x for x in self._rates if x[0] > t_end - window]
         older = [x for x in self._rates if x[0] <= t_end - window]
         if len(recent) < MIN_RATE_EVENTS or recent[-1][0] - recent[0][0] < 0.8 * window:
