@@ -6,8 +6,10 @@ the live session's memory over a week of events.
 
 `report`: builds a run directory per N (events.jsonl with N step events of `--log-every 1`, device.jsonl with
 2N device samples, both cloned from a real tiny run's lines: `--template RUN_DIR`, or a 12-step run this script
-makes first), then runs `gptop report RUN_DIR` and the monitor's replay `gptop --no-ui --run-dir RUN_DIR` in
-their own processes and reports each one's wall time and peak RSS (the kernel's `ru_maxrss` of that child).
+makes first), then runs `gptop report RUN_DIR`, the monitor's replay `gptop --no-ui --run-dir RUN_DIR` (which
+prints a line per step event it reads) and an attach (the monitor's session filling the dashboard's state, the
+TUI's work less the drawing) in their own processes and reports each one's wall time and peak RSS (the
+kernel's `ru_maxrss` of that child).
 Bounded memory: the peak RSS stays flat as N grows; linear time: seconds per million step events stays flat.
 
 `live`: streams a run's events (a step event per `--log-every` steps, a progress event for every other step, a
@@ -100,6 +102,24 @@ def write_run(run: Path, n: int, tpl: dict, step_s: float = 0.1) -> tuple[int, i
     return (run / "events.jsonl").stat().st_size, (run / "device.jsonl").stat().st_size
 
 
+# What the dashboard does when it attaches (the monitor's session filling its state, without the TUI's drawing):
+# a child process, from start to the state holding the run's last step.
+ATTACH = """
+import sys
+from pathlib import Path
+from gptop.monitor import MonitorSession
+class NoSampler:
+    def subscribe(self, fn): pass
+    def start(self): pass
+    def stop(self): pass
+s = MonitorSession(Path(sys.argv[1]), sampler=NoSampler())
+s.start()
+assert s.replayed.wait(3600)
+assert s.state.done is not None, "the run's end was not read"
+s.close()
+"""
+
+
 def measure_child(argv: list[str], timeout: float = 3600) -> tuple[float, int, int]:
     """(wall seconds, peak RSS bytes, exit code) of one child process."""
     t = time.perf_counter()
@@ -125,15 +145,18 @@ def bench_report(args: argparse.Namespace) -> list[dict]:
             built = time.perf_counter() - t
             rep = measure_child(env_py + ["report", str(run)])
             mon = measure_child(env_py + ["--no-ui", "--run-dir", str(run)])
+            att = measure_child([sys.executable, "-c", ATTACH, str(run)])
             row = {"steps": n, "events_mb": size_e / 1e6, "device_mb": size_d / 1e6, "built_s": built,
                    "report_s": rep[0], "report_rss_mb": rep[1] / 1e6, "report_exit": rep[2],
                    "replay_s": mon[0], "replay_rss_mb": mon[1] / 1e6, "replay_exit": mon[2],
+                   "attach_s": att[0], "attach_rss_mb": att[1] / 1e6,
                    "report_s_per_m": rep[0] / n * 1e6, "load": os.getloadavg()[0]}
             rows.append(row)
             if not args.json:
                 print(f"{n:>9,} steps | events.jsonl {row['events_mb']:7.1f} MB, device.jsonl {row['device_mb']:7.1f} MB"
                       f" | report {rep[0]:6.2f} s {row['report_rss_mb']:6.0f} MB"
-                      f" | replay {mon[0]:6.2f} s {row['replay_rss_mb']:6.0f} MB | load {row['load']:.1f}",
+                      f" | replay {mon[0]:6.2f} s {row['replay_rss_mb']:6.0f} MB"
+                      f" | attach {att[0]:5.2f} s {row['attach_rss_mb']:4.0f} MB | load {row['load']:.1f}",
                       flush=True)
             import shutil
 

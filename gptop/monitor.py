@@ -42,7 +42,7 @@ def find_run(path: str | None) -> Path | None:
     return max(runs, key=lambda p: (p / "events.jsonl").stat().st_mtime) if runs else None
 
 
-TAIL_BYTES = 8 << 20        # the end of a long run's events.jsonl that an attach reads (many times the panels' history)
+TAIL_BYTES = 2 << 20        # the end of a long run's events.jsonl an attach reads (about the panels' 2000 step events)
 HEAD_BYTES = 1 << 20        # at most this much of its head (the first start's hello and startup, the first step)
 SCAN_CHUNK = 1 << 20        # the backward search for the newest hello reads this much at a time
 
