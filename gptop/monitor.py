@@ -3,7 +3,8 @@
 If the newest run in ./runs (or --run-dir) is alive, its events.jsonl is
 followed; if it has finished, it is replayed into the dashboard. A long run's
 file is not read whole: its head (the first start, up to the first step), its
-newest full hello and its last TAIL_BYTES fill the dashboard, whose panels keep
+newest full hello (within HELLO_SCAN_BYTES before the tail; the head's otherwise)
+and its last TAIL_BYTES fill the dashboard, whose panels keep
 a bounded history anyway, so attaching costs the same on day seven as in minute
 one (`gptop report` reads the whole run, in one streaming pass). Quitting the
 monitor never stops the run it watches; `c` asks a live trainer for a
@@ -44,7 +45,8 @@ def find_run(path: str | None) -> Path | None:
 
 TAIL_BYTES = 2 << 20        # the end of a long run's events.jsonl an attach reads (about the panels' 2000 step events)
 HEAD_BYTES = 1 << 20        # at most this much of its head (the first start's hello and startup, the first step)
-SCAN_CHUNK = 1 << 20        # the backward search for the newest hello reads this much at a time
+SCAN_CHUNK = 1 << 20        # the backward search for the newest hello reads this much at a time ...
+HELLO_SCAN_BYTES = 64 << 20  # ... and this much at most before the tail (else the head's hello stands)
 
 
 @dataclass
@@ -83,7 +85,7 @@ def attach_plan(path: Path, tail_bytes: int | None = None) -> Attach:
         f.seek(size - tail_bytes)
         f.readline()                                   # the tail starts at a whole line
         tail = f.tell()
-        hello = _newest_hello(f, head_end, tail)
+        hello = _newest_hello(f, max(head_end, tail - HELLO_SCAN_BYTES), tail)
     return Attach(head, hello, tail, size)
 
 
