@@ -46,7 +46,7 @@ def find_run(path: str | None) -> Path | None:
 TAIL_BYTES = 2 << 20        # the end of a long run's events.jsonl an attach reads (about the panels' 2000 step events)
 HEAD_BYTES = 1 << 20        # at most this much of its head (the first start's hello and startup, the first step)
 SCAN_CHUNK = 1 << 20        # the backward search for the newest hello reads this much at a time ...
-HELLO_SCAN_BYTES = 64 << 20  # ... and this much at most before the tail (else the head's hello stands)
+HELLO_SCAN_BYTES = 16 << 20  # ... and this much at most before the tail (else the head's hello stands)
 
 
 @dataclass
@@ -112,7 +112,8 @@ def trainer_pid(run_dir: Path) -> int | None:
     path = run_dir / "events.jsonl"
     plan = attach_plan(path)
     lines = plan.head + ([plan.hello] if plan.hello else []) + FileTail(path, plan.tail_offset).read_all()
-    for e in _parse(lines):     # malformed lines: counted when followed
+    ends = (b'"type":"hello"', b'"type":"done"', b'"type":"error"')
+    for e in _parse(x for x in lines if any(k in x for k in ends)):     # malformed lines: counted when followed
         if isinstance(e, ev.HelloEvent):
             pid = e.pid
         elif isinstance(e, (ev.DoneEvent, ev.ErrorEvent)):
