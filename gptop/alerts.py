@@ -227,8 +227,8 @@ class AlertMonitor:
             alert_id = f"{key}-{self._serial}"
         else:
             alert_id = old.id
-        alert = AlertEvent(time=self.clock(), id=alert_id, kind=kind, severity=severity, message=message, step=self._step,
-                           node=kw.pop("node", self.node), **kw)
+        alert = AlertEvent(time=self.clock(), id=alert_id, kind=kind, severity=severity, message=message,
+                           step=self._step, node=kw.pop("node", self.node), **kw)
         self._open[key] = alert
         out.append(alert)
 
@@ -236,8 +236,8 @@ class AlertMonitor:
         old = self._open.pop(key, None)
         if old is None:
             return
-        out.append(AlertEvent(time=self.clock(), id=old.id, kind=old.kind, severity=old.severity, message=message, resolved=True,
-                              step=self._step, figures={**old.figures, **figures}, ranks=old.ranks, node=old.node,
+        out.append(AlertEvent(time=self.clock(), id=old.id, kind=old.kind, severity=old.severity, message=message,
+                              resolved=True, step=self._step, figures={**old.figures, **figures}, ranks=old.ranks, node=old.node,
                               device=old.device))
 
     def is_open(self, key: str) -> bool:
@@ -296,8 +296,9 @@ class AlertMonitor:
         self._stepped = True
         stalled = self._open.get(AlertKind.STALL.value)
         if stalled is not None and self._last_progress is not None:
-            self._resolve(out, AlertKind.STALL.value, f"progress again: step {step} after "
-                          f"{now - self._last_progress:.0f} s without one", stalled_s=round(now - self._last_progress, 1))
+            quiet = now - self._last_progress
+            self._resolve(out, AlertKind.STALL.value, f"progress again: step {step} after {quiet:.0f} s without one",
+                          stalled_s=round(quiet, 1))
         self._last_progress = now
 
     def stall_limit(self) -> float | None:

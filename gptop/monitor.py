@@ -62,7 +62,8 @@ class Attach:
     @property
     def skipped(self) -> int:
         """Bytes in the middle that are not read."""
-        return max(0, self.tail_offset - sum(len(x) + 1 for x in self.head) - (len(self.hello) + 1 if self.hello else 0))
+        read = sum(len(x) + 1 for x in self.head) + (len(self.hello) + 1 if self.hello else 0)
+        return max(0, self.tail_offset - read)
 
 
 def attach_plan(path: Path, tail_bytes: int | None = None) -> Attach:

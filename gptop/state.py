@@ -30,17 +30,18 @@ from gptop.energy import Energy, unavailable_reason
 from gptop.energy import measure as energy_measure
 from trainer.contract import capabilities
 from trainer.contract.device import DeviceInfo
-from trainer.contract.events import (MAX_STEPS, PHASES, AlertEvent, ApplyEvent, CheckpointEvent, CpuReading, DeviceEvent,
-                                     DoneEvent, ErrorEvent, EvalEvent, Event, GpuReading, HelloEvent, LogEvent,
-                                     MeasureProgress, ModelInfo, PhaseEvent, ProfileEvent, ProgressEvent, StepEvent,
-                                     TrialEvent, TunerEvent, UnknownEvent, WarningEvent)
+from trainer.contract.events import (MAX_STEPS, PHASES, AlertEvent, ApplyEvent, CheckpointEvent, CpuReading,
+                                     DeviceEvent, DoneEvent, ErrorEvent, EvalEvent, Event, GpuReading, HelloEvent,
+                                     LogEvent, MeasureProgress, ModelInfo, PhaseEvent, ProfileEvent, ProgressEvent,
+                                     StepEvent, TrialEvent, TunerEvent, UnknownEvent, WarningEvent)
 
 STATUSES = ("starting", "running", "checkpointing", "stopping", "done", "stopped", "failed", "restarting", "replay",
             "monitor")
 ENDED = ("done", "stopped", "failed")      # the run is over: elapsed time stops
 
 # Areas a view can watch separately (`RunState.versions[area]`).
-AREAS = ("run", "step", "device", "log", "tuner", "progress", "profile", "alert")   # progress: the per-step counter only
+# progress: the per-step counter only
+AREAS = ("run", "step", "device", "log", "tuner", "progress", "profile", "alert")
 
 # Step-event series kept as histories, by name.
 STEP_SERIES = ("loss", "tokens_per_s", "mfu", "lr", "grad_norm", "step_ms", "gpu_idle_ms", "mem_bytes")
