@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import threading
 import time
 from collections import deque
@@ -113,8 +112,12 @@ def alert_options(ns: argparse.Namespace) -> AlertOptions:
 
 
 def _median(xs: Iterable[float]) -> float | None:
-    xs = list(xs)
-    return statistics.median(xs) if xs else None
+    """The median (statistics.median, without importing it and its decimal/fractions at gptop's start)."""
+    v = sorted(xs)
+    n = len(v)
+    if not n:
+        return None
+    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
 
 
 @dataclass
@@ -355,8 +358,8 @@ class AlertMonitor:
         key = AlertKind.LOSS_SPIKE.value
         if len(self._losses) >= MIN_LOSSES:
             if self._loss_stats is None or self._losses_since >= LOSS_RECOMPUTE:
-                m = statistics.median(self._losses)
-                self._loss_stats = (m, statistics.median(abs(x - m) for x in self._losses))
+                m = _median(self._losses)
+                self._loss_stats = (m, _median(abs(x - m) for x in self._losses))
                 self._losses_since = 0
             med, mad = self._loss_stats
             scale = MAD_SCALE * mad
@@ -404,9 +407,9 @@ class AlertMonitor:
         else:
             if len(older) < 2 * MIN_RATE_EVENTS or older[-1][0] - older[0][0] < window:
                 return
-            base = statistics.median(x[1] for x in older)
+            base = _median(x[1] for x in older)
             base_phases = _phase_means(older)
-        now_rate = statistics.median(x[1] for x in recent)
+        now_rate = _median(x[1] for x in recent)
         if now_rate < (1 - o.throughput_drop) * base:
             if key not in self._open:
                 recent_phases = _phase_means(recent)
@@ -482,7 +485,7 @@ def _phase_means(rows: list[tuple[float, float, dict[str, float]]]) -> dict[str,
     for p in PHASES:
         vals = [r[2][p] for r in rows if p in r[2]]
         if vals:
-            out[p] = statistics.median(vals)      # as the rate: a few odd steps do not move it
+            out[p] = _median(vals)      # as the rate: a few odd steps do not move it
     return out
 
 

@@ -20,12 +20,13 @@ import ipaddress
 import socket
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from trainer.contract.config import ConfigError, number_arg
 from trainer.contract.events import PHASES, AlertKind, Severity
 
-from .state import STATUSES, RunState
+if TYPE_CHECKING:
+    from .state import RunState
 
 DEFAULT_ADDR = "127.0.0.1"
 
@@ -113,13 +114,15 @@ class RunCollector:
 
     def __init__(self, node: str | None = None) -> None:
         self.node = node or socket.gethostname()
-        self.state: RunState | None = None
+        self.state: "RunState | None" = None
 
     def describe(self) -> list[Any]:
         return []          # families depend on the run (GPUs, ranks): not described ahead of a scrape
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+
+        from .state import STATUSES
 
         state = self.state
         if state is None:
@@ -243,7 +246,7 @@ class MetricsServer:
                                                 "(or --metrics-addr)") from None
         return cls(httpd, thread, collector, addr)
 
-    def serve(self, state: RunState) -> None:
+    def serve(self, state: "RunState") -> None:
         self.collector.state = state
 
     def close(self) -> None:
