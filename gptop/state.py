@@ -23,13 +23,15 @@ import math
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from gptop.alerts import alert_line
 from gptop.energy import Energy, unavailable_reason
 from gptop.energy import measure as energy_measure
-from trainer.contract import capabilities
 from trainer.contract.device import DeviceInfo
+
+if TYPE_CHECKING:
+    from gptop.advice import Advice
 from trainer.contract.events import (MAX_STEPS, PHASES, AlertEvent, ApplyEvent, CheckpointEvent, CpuReading,
                                      DeviceEvent, DoneEvent, ErrorEvent, EvalEvent, Event, GpuReading, HelloEvent,
                                      LogEvent, MeasureProgress, ModelInfo, PhaseEvent, ProfileEvent, ProgressEvent,
@@ -208,6 +210,7 @@ class RunState:
         self.tuner = TunerState()
         self._applied: dict[str, Any] = {}   # toggles applied since the last hello
         self.profile: ProfileEvent | None = None   # the newest profile window's summary (the primary rank's)
+        self.recompiles: deque[WarningEvent] = deque(maxlen=50)   # the compile watchdog's warnings
 
     # --- writing ------------------------------------------------------------
     def _bump(self, *areas: str) -> None:
@@ -373,6 +376,8 @@ class RunState:
 
     def _on_warning(self, e: WarningEvent) -> None:
         self.warnings.append(e.message)
+        if e.kind in ("recompile", "compile_fallback"):
+            self.recompiles.append(e)
         if e.kind == "estimate":
             self.estimate_warning = e
         self.add_log("warning: " + e.message, "event")
@@ -724,45 +729,15 @@ class RunState:
         return 100.0 * idle / step
 
     def bottleneck_hint(self) -> str | None:
-        """One line saying what limits the step and which existing toggle to try, or None."""
-        pct = self.phase_percent()
-        if not pct:
-            return None
-        t = self.toggles
-        dev = self.device
-        cuda = dev is not None and dev.is_cuda
-        data = pct.get("data", 0.0)
-        opt = pct.get("optimizer", 0.0)
-        compute = pct.get("forward", 0.0) + pct.get("backward", 0.0)
-        other = pct.get("other", 0.0)
-        idle = self.gpu_idle_percent()
-        if data >= 15:
-            prefetch, workers = t.get("prefetch"), t.get("workers")
-            p = f" (now {prefetch})" if prefetch is not None else ""
-            w = f" (now {workers})" if workers is not None else ""
-            return f"data loading is {data:.0f}% of the step: raise --prefetch{p} or --workers{w}"
-        if opt >= 20 and not t.get("fused_adamw", False):
-            return f"optimizer is {opt:.0f}% of the step: try --fused-adamw"
-        if cuda and idle is not None and idle >= 20:
-            accumulation = self.hello.accumulation if self.hello is not None else None
-            if t.get("compile") in (None, "off", "default") and capabilities.worth_trying(
-                    "compile", "reduce-overhead", dev, accumulation=accumulation or None):
-                return (f"GPU idle {idle:.0f}% of the step (launch-bound): try --compile reduce-overhead "
-                        "or a larger --micro-batch")
-            return f"GPU idle {idle:.0f}% of the step (launch-bound): try a larger --micro-batch"
-        if other >= 25:
-            return f"{other:.0f}% of the step is outside the phases (host overhead, syncs): try --compile default"
-        if compute >= 60:
-            tips = []
-            if t.get("compile", "off") == "off" and capabilities.worth_trying("compile", "default", dev):
-                tips.append("--compile default")
-            # native bf16 only: CUDA 8.0+, or a CPU whose oneDNN has bf16 kernels (not emulated, 30-100x slower)
-            if t.get("precision", "fp32") in ("fp32", "tf32") and capabilities.worth_trying("precision", "bf16", dev):
-                tips.append("--precision bf16")
-            if not tips:
-                return f"compute-bound: forward+backward are {compute:.0f}% of the step"
-            return f"compute-bound (forward+backward {compute:.0f}%): try {' or '.join(tips)}"
-        return None
+        """The first item of `advice()` in one line: what limits the step and the toggle to try, or None."""
+        items = self.advice()
+        return items[0].line if items else None
+
+    def advice(self) -> list[Advice]:
+        """Why the step is slow, ranked, each with its evidence and what to try (gptop.advice)."""
+        from .advice import advise
+
+        return advise(self)
 
     # --- reading: ranks, experts, energy ------------------------------------
     def rank_spread(self) -> dict[str, Spread]:

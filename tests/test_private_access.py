@@ -34,6 +34,8 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("trainer/models.py", "getattr(model.config, '_attn_implementation', None)"):
         "transformers keeps the model's active attention kernel only there (set_attn_implementation writes it); "
         "read to skip a switch that is not needed",
+    ("trainer/compile_watch.py", "torch._logging"):
+        "torch._logging.set_logs is torch's documented way to turn on the recompiles log (TORCH_LOGS=recompiles)",
     ("trainer/train.py", "getattr(self.model, '_orig_mod', self.model)"):
         "torch.compile's wrapper exposes the module it compiled only as _orig_mod (torch's own docs use it)",
 }

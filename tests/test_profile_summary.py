@@ -153,3 +153,29 @@ def test_headless_and_report_show_the_newest_window(tmp_path):
     s = report_summary(run)
     assert s["profile"]["first"] == 101
     assert "profile of steps 101-103" in format_report(s)
+
+
+@pytest.mark.compile
+@pytest.mark.slow
+@pytest.mark.process            # inductor builds its C++ kernels in worker processes
+def test_the_compile_watchdog_reports_a_recompilation_where_it_happened(tmp_path):
+    """Eval after training changes the guards (no_grad, eval mode): one recompilation in the first eval,
+    tied to it; the training steps after it (and the second eval, cached) recompile nothing."""
+    from trainer.cli import parse_config
+    from trainer.train import EXIT_OK, main_run
+
+    run_dir = tmp_path / "c"
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        assert main_run(parse_config([*TINY, "--run-dir", str(run_dir), "--max-steps", "5", "--compile", "default",
+                                      "--eval-every", "2", "--eval-batches", "1"])) == EXIT_OK
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+    events = list(read_events(run_dir / "events.jsonl", strict=True))
+    built = [e for e in events if e.type in ("log", "warning") and "torch.compile:" in e.message]
+    assert len(built) == 1 and "graph(s)" in built[0].message
+    recompiles = [e for e in events if e.type == "warning" and e.kind == "recompile"]
+    assert len(recompiles) == 1, [e.message for e in recompiles]
+    assert recompiles[0].step == 2 and "in the eval after step 2" in recompiles[0].message
+    assert not [e for e in events if e.type == "warning" and e.kind == "compile_fallback"]

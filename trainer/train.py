@@ -86,6 +86,9 @@ class Trainer:
         self.faults = faults.Faults(cfg.run.fault, self.rank)
         self.resumed_from: str | None = None
         self.run_lock: RunLock | None = None
+        self.compile_watch = None                    # trainer.compile_watch.CompileWatch of a compiled run
+        self._compiled_once = False
+        self._last_step_ms: float | None = None
         self.notices: list[str] = []                 # warnings found before the channel exists
         self.auto_options = [name for name, value in (("size", cfg.model.size), ("micro_batch", cfg.toggles.micro_batch),
                                                       ("precision", cfg.toggles.precision)) if value == AUTO]
@@ -341,7 +344,46 @@ class Trainer:
         mode = self.cfg.toggles.compile
         if mode == "off":
             return model
+        from .compile_watch import CompileWatch
+
+        self.compile_watch = CompileWatch()
         return torch.compile(model, mode=None if mode == "default" else mode)
+
+    def _watch_compile(self, step: int, step_ms: float | None, *, eval_: bool = False) -> None:
+        """After the first step, what the compile built; after later ones (and after an eval), a
+        recompilation (a guard that failed: a new shape, eval after train) or a fallback to eager, tied to
+        the step where it happened."""
+        watch = self.compile_watch
+        if watch is None or (eval_ and not self._compiled_once):
+            return
+        if not self._compiled_once:
+            self._compiled_once = True
+            watch.poll()                              # the first step's compilations are the compile itself
+            st = watch.stats()
+            msg = f"torch.compile: {st.graphs} graph(s)"
+            if st.graph_breaks:
+                msg += f", {st.graph_breaks} graph break(s): " + "; ".join(st.break_reasons[:3])
+                self.emit0("warning", message=msg, kind="graph_break", step=step)
+            else:
+                self.emit0("log", message=msg, source="compile")
+            self.log(msg)
+            return
+        change = watch.poll()
+        if change is None:
+            return
+        where = f"in the eval after step {step}" if eval_ else f"at step {step}"
+        before = f"; the step before took {self._last_step_ms:.0f} ms" if self._last_step_ms and not eval_ else ""
+        took = f", this one {step_ms:.0f} ms" if step_ms is not None else ""
+        if change.fell_back:
+            msg = (f"torch.compile gave up {where} and runs a frame eagerly from now on (recompile limit): "
+                   f"{change.fell_back[0]}")
+            self.emit0("warning", message=msg, kind="compile_fallback", step=step)
+            self.log(f"warning: {msg}")
+        if change.recompiles:
+            why = "; ".join(change.reasons[:2]) or "a new frame or guard"
+            msg = f"torch.compile recompiled {change.recompiles}x {where} ({why}){before}{took}"
+            self.emit0("warning", message=msg, kind="recompile", step=step)
+            self.log(f"warning: {msg}")
 
     # ---------------------------------------------------------------- checkpoints
     def save_checkpoint(self, reason: str = "interval") -> Path:
@@ -564,6 +606,7 @@ class Trainer:
                 self.prefetcher.get()
             p.batch_cursor += 1
         step, bi = p.step, p.batch_cursor
+        t0 = time.perf_counter()
         self.profiler.step_begin(step + 1, self.timer)      # numbered from 1, as the step events
         fault = self.faults.take(step)
         optim.set_lr(self.optimizer, optim.lr_at(step, cfg) * p.lr_scale)
@@ -606,6 +649,10 @@ class Trainer:
         p.batch_cursor += 1
         p.tokens += self.tokens_per_step
         self.profiler.step_end(step + 1)
+        if self.compile_watch is not None:           # the host's time: a compile is host work
+            wall = (time.perf_counter() - t0) * 1e3
+            self._watch_compile(step + 1, wall)
+            self._last_step_ms = wall
 
     def _grad_norm_now(self) -> torch.Tensor:
         """The global gradient norm (clipping when --grad-clip is set); NaN or inf when a gradient is."""
@@ -723,6 +770,7 @@ class Trainer:
             self.balancer.reset()
         loss = (total / len(self._val)).item()
         self.emit0("eval", step=self.progress.step, loss=loss, seconds=time.perf_counter() - t)
+        self._watch_compile(self.progress.step, None, eval_=True)
 
     def _rollback(self, e: NonFiniteStep) -> None:
         cfg = self.cfg

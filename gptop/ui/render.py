@@ -496,6 +496,9 @@ def stacked_bar(pct: dict[str, float], width: int) -> Text:
     return text
 
 
+ADVICE_TWO_ROWS = 14            # the breakdown panel's height from which a second reason fits below the first
+
+
 def breakdown(state: RunState, width: int, height: int) -> RenderableType:
     """Stacked bar, per-phase ms and %, GPU idle, the bottleneck hint and the rank spread."""
     means = state.phase_means()
@@ -538,9 +541,10 @@ def breakdown(state: RunState, width: int, height: int) -> RenderableType:
             if worst is not None and worst.max > worst.min:
                 line.append(f"; {name} {worst.min:.0f}–{worst.max:.0f} ms (rank {worst.slowest_rank})")
             lines.append(line)
-    hint = state.bottleneck_hint()
-    if hint:
-        lines.append(Text.assemble(("▶ ", "bold yellow"), (hint, "yellow")))
+    items = state.advice()[:2 if height >= ADVICE_TWO_ROWS else 1]    # the top reasons, ranked (gptop.advice)
+    for i, item in enumerate(items):
+        lines.append(Text.assemble(("▶ " if i == 0 else "  ", "bold yellow"), (item.line, "yellow" if i == 0
+                                                                             else "grey62")))
     return Group(*lines)
 
 
