@@ -11,6 +11,7 @@ healthy run always is.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -129,4 +130,6 @@ def advise(state: RunState) -> list[Advice]:
         else:
             out.append(Advice(Concern.COMPUTE, f"compute-bound: forward+backward are {compute:.0f}% of the step",
                               ""))
+    if state.command:        # a user's program (gptop run) has none of gptop's toggles: only what limits the step
+        out = [dataclasses.replace(a, action="", toggles=()) for a in out]
     return out

@@ -4,6 +4,7 @@
     gptop train --nproc 8 [options]      the same on 8 ranks of this node (torchrun; --parallel ddp|fsdp)
     gptop train --resume RUN_DIR         continue a run from its newest valid checkpoint
     gptop tune --budget 30m [options]    train while tuning the toggles on the live run
+    gptop run [options] -- CMD [ARGS]    your own training command, watched (gptop.integrations inside it)
     gptop report RUN_DIR                 summarize a run
     gptop export RUN_DIR OUT_DIR         write a checkpoint as a Hugging Face model directory
     gptop sample RUN_DIR --prompt TEXT   generate text from a checkpoint
@@ -22,7 +23,7 @@ from typing import Any
 
 from trainer.contract import inputs
 from trainer.contract.config import AUTO, ConfigError, TrainConfig, add_arguments, config_from_args, number_arg
-from trainer.contract.rundir import default_run_dir, resume_config, resumes_into
+from trainer.contract.rundir import MAX_STEP, default_run_dir, resume_config, resumes_into
 from trainer.contract.runlock import RunLock, node_key
 from trainer.contract.tools import add_export_arguments, add_sample_arguments
 
@@ -35,6 +36,7 @@ from .session import EXIT_FAILED, EXIT_PIPE, EXIT_USAGE, Session, SessionOptions
 # trainer.contract.inputs.path_arg): a bad value is exit 2 naming the flag before anything starts.
 MAX_NODES = 100_000
 MAX_RESTARTS = 1000
+MAX_GRACE_S = 86400.0
 
 
 def nnodes_arg(text: str) -> str:
@@ -148,6 +150,30 @@ def build_parser() -> Parser:
                             "(default: a SQLite file in ~/.cache/gptop)")
     tune.add_argument("--tune-only", action="store_true", help="stop after writing best.toml (default: off)")
 
+    run = sub.add_parser("run", help="run your own training command under gptop",
+                         description="Run your own training command as gptop's trainer: its devices, logs and exit "
+                                     "code; with gptop.integrations in it (a probe or a callback), its steps, "
+                                     "breakdown, loss and checkpoints, and gptop's commands. docs/your-code.md.")
+    _global_flags(run, suppress=True)
+    run.add_argument("--run-dir", metavar="DIR", default=None, type=inputs.path_arg(inputs.check_run_dir, "--run-dir"),
+                     help="run directory (default: runs/<time>-<script name>)")
+    run.add_argument("--log-every", type=number_arg(int, 1, MAX_STEP), default=None, metavar="N",
+                     help=f"steps between step events (default: the program's own; 1 <= N <= {MAX_STEP})")
+    run.add_argument("--grace", type=number_arg(float, 0, MAX_GRACE_S, low_open=True), default=30.0, metavar="S",
+                     help="seconds between the stop signal and SIGKILL when the command does not end "
+                          f"(default: 30; 0 < S <= {MAX_GRACE_S:g})")
+    g = run.add_argument_group("session")
+    g.add_argument("--restart-on-failure", type=number_arg(int, 0, MAX_RESTARTS), default=0, metavar="N",
+                   help=f"start the command again if it fails, up to N times (default: 0; at most {MAX_RESTARTS})")
+    g.add_argument("--tensorboard", action="store_true",
+                   help="also write step metrics and device samples as TensorBoard scalars (default: off)")
+    g.add_argument("--wandb", action="store_true",
+                   help="also log them to a Weights & Biases run in RUN_DIR/wandb (default: off)")
+    add_alert_arguments(run)
+    add_metrics_arguments(run, suppress=True)
+    run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS]",
+                     help="the command, after --: e.g. -- python train.py --lr 3e-4")
+
     report = sub.add_parser("report", help="summarize a run directory")
     _global_flags(report, suppress=True)
     report.add_argument("run_dir", metavar="RUN_DIR", type=inputs.path_arg(inputs.check_run_to_read, "RUN_DIR"))
@@ -168,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if ns.command in ("train", "tune"):
             return cmd_run(ns)
+        if ns.command == "run":
+            return cmd_program(ns)
         if ns.command == "report":
             from .report import print_report
 
@@ -321,6 +349,47 @@ def _run_locked(ns: argparse.Namespace, cfg: TrainConfig, resume: str | None, la
     tuning = _tuning_request(ns)
     if tuning is not None:
         session.start_tuning(TuningOptions(**tuning))
+    return _show(ns, session, resume, signals)
+
+
+def cmd_program(ns: argparse.Namespace) -> int:
+    """`gptop run -- CMD`: the command checked (exit 2 naming it, nothing created), the run directory locked,
+    then the session shown as for `gptop train`."""
+    from .program import ProgramSession, check_command, default_run_dir
+
+    signals = StopSignals(STOP_SIGNALS if ns.no_ui else TUI_STOP_SIGNALS).install()
+    try:
+        command = check_command(ns.cmd)
+        if ns.wandb:
+            from .wandb_writer import require_wandb
+
+            require_wandb()
+        run_dir = Path(ns.run_dir or default_run_dir(command))
+        metrics = bind_metrics(ns)            # a port in use: exit 2 here, before the lock or anything else
+        try:
+            lock = RunLock.acquire(run_dir, command="gptop run")
+            try:
+                if lock.warning:
+                    print(f"gptop: warning: {lock.warning}", file=sys.stderr)
+                options = SessionOptions(interval=ns.interval, restart_on_failure=ns.restart_on_failure,
+                                         tensorboard=ns.tensorboard, wandb=ns.wandb, run_lock=lock,
+                                         alerts=alert_options(ns), notify=ns.notify, notify_cmd=ns.notify_cmd)
+                session = ProgramSession(command, run_dir, options, log_every=ns.log_every, grace_s=ns.grace,
+                                         signals=signals)
+                if metrics is not None:
+                    metrics.serve(session.state)
+                return _show(ns, session, None, signals)
+            finally:
+                lock.release()
+        finally:
+            if metrics is not None:
+                metrics.close()
+    finally:
+        signals.restore()
+
+
+def _show(ns: argparse.Namespace, session: Session, resume: str | None, signals: StopSignals) -> int:
+    """Run the session in its view (the dashboard, or --no-ui lines) to its end, then the summary."""
     if ns.no_ui:
         from .headless import HeadlessView
 

@@ -87,6 +87,7 @@ class StopSignals:
     def __init__(self, signals: Iterable[int] = STOP_SIGNALS) -> None:
         self.signals = tuple(signals)
         self.count = 0
+        self.last_signal: int | None = None    # the latest one (`gptop run` passes on SIGTERM as SIGTERM)
         self._stop: Callable[[bool], None] | None = None
         self._old: dict[int, Any] = {}
 
@@ -98,6 +99,7 @@ class StopSignals:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.count += 1
+        self.last_signal = signum
         stop = self._stop
         if stop is not None:
             # on a thread of its own: the handler interrupts the main thread wherever it is, perhaps holding

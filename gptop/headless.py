@@ -111,6 +111,9 @@ def event_line(event: Event, state: RunState) -> str | None:
     if isinstance(event, HelloEvent):
         total = state.total_steps
         where = event.device.name or event.device.type
+        if event.command is not None:   # `gptop run`: the command gptop started (its client's hello follows)
+            return f"starting: {state.command_line()}" + (f" (pid {event.pid})" if event.pid else "") + \
+                (f", run dir {state.run_dir}" if state.run_dir else "")
         if event.early:     # before anything is built: the run as configured and what it will cost
             line = f"starting: {model_summary(state.model) or 'model'} on {where}"
             if total is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+import shlex
 import statistics
 from array import array
 from collections import deque
@@ -93,6 +94,7 @@ class _Scan:
 
     def __init__(self) -> None:
         self.hello: HelloEvent | None = None          # the newest full hello (else the newest hello)
+        self.command: list[str] | None = None         # `gptop run -- CMD`: the newest hello's command
         self.hellos = self.early_hellos = 0
         self.run_gpus: set[str] = set()
         self.tuner_restarts = 0
@@ -128,6 +130,8 @@ class _Scan:
         elif isinstance(e, HelloEvent):
             self.hellos += 1
             self.run_gpus.update(e.gpus or ())
+            if e.command is not None:
+                self.command = e.command
             if e.early:
                 self.early_hellos += 1
             if e.early or not self.early_hellos:          # a new trainer process: its end is what counts
@@ -211,6 +215,9 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     end = standing_of(run_dir, scan.last_done, scan.last_error)
     out["state"], out["state_words"] = end.state.value, end.words
     out["done"] = end.done is not None and end.done.reason       # the last trainer's end (a tuner's restart is not)
+    command = scan.command
+    if command is not None:
+        out["command"] = command        # `gptop run -- CMD`
     last_step = scan.last_step
     if last_step is not None or (end.done is not None and end.done.step):
         last = max((*([last_step] if last_step is not None else []), *([end.done] if end.done is not None else [])),
@@ -234,7 +241,10 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         out["eval_loss"] = scan.eval_loss
     out["checkpoints"] = [{"step": e.step, "path": e.path, "seconds": e.seconds} for e in scan.checkpoints]
     out["checkpoints_written"] = scan.checkpoints_written
-    out["checkpoints_kept"] = [{"step": c.step, "path": str(c.path)} for c in rundir.list_checkpoints(run_dir)]
+    if command is None:
+        out["checkpoints_kept"] = [{"step": c.step, "path": str(c.path)} for c in rundir.list_checkpoints(run_dir)]
+    else:               # the program's own checkpoints, where it said it wrote them, that are still there
+        out["checkpoints_kept"] = [{"step": e.step, "path": e.path} for e in scan.checkpoints if Path(e.path).exists()]
     out["errors"] = [_error(e) for e in scan.errors]
     if scan.errors_total > len(scan.errors):
         out["errors_total"] = scan.errors_total
@@ -450,9 +460,12 @@ def _tuning(path: Path) -> tuple[dict[str, Any] | None, str | None]:
 
 def format_report(s: dict[str, Any]) -> str:
     lines = [f"run       {s['run_dir']}"]
+    if s.get("command"):
+        lines.append(f"command   {shlex.join(s['command'])}")
     m = s.get("model")
     if m:
-        lines.append(f"model     {m.get('family')}/{m.get('size')}  {(m.get('total_params') or 0) / 1e6:.1f}M params "
+        name = "/".join(str(x) for x in (m.get("family"), m.get("size")) if x) or "?"
+        lines.append(f"model     {name}  {(m.get('total_params') or 0) / 1e6:.1f}M params "
                      f"({(m.get('active_params') or 0) / 1e6:.1f}M active)  on {s.get('device')}")
     if s.get("toggles"):
         t = s["toggles"]

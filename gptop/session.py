@@ -193,6 +193,9 @@ class SessionBase:
 
 
 class Session(SessionBase):
+    process_name = "the trainer"        # what the views call the process the session runs
+    command: list[str] | None = None    # a user's program (gptop run -- CMD) instead of gptop's trainer
+
     def __init__(self, cfg: TrainConfig, options: SessionOptions | None = None, *, sampler: Any = None):
         super().__init__(Path(cfg.run.run_dir), sampler)
         self.cfg = cfg
@@ -227,7 +230,7 @@ class Session(SessionBase):
         if self.options.wandb:      # first: a refused W&B login (exit 2) leaves no files of the run behind
             from .wandb_writer import WandbWriter
 
-            self._wandb = WandbWriter(self.run_dir, self.cfg.to_dict())
+            self._wandb = WandbWriter(self.run_dir, self.run_config())
         self._device_file = open(self.layout.device, "a", buffering=1)
         if self.options.tensorboard:
             from .tensorboard import TensorBoardWriter
@@ -240,6 +243,10 @@ class Session(SessionBase):
         self.sampler.subscribe(self._on_device_sample)
         self.sampler.start()
         self.spawn(resume=resume)
+
+    def run_config(self) -> dict[str, dict[str, Any]]:
+        """The run's configuration as a W&B run records it (sections of settings)."""
+        return self.cfg.to_dict()
 
     def spawn(self, cfg: TrainConfig | None = None, resume: str | None = None) -> None:
         """Start (or restart) the trainer process with `cfg` (default: the session's). A session that is over
@@ -502,9 +509,11 @@ class Session(SessionBase):
         """What a stop that ended the trainer before its own clean exit kept and lost, from the checkpoints on
         disk (an atomic write is there or not, whether or not its event arrived) against the last step done."""
         how = f"exit code {code}" if code >= 0 else f"signal {-code}"
-        who = f"a second stop (Ctrl-C or q twice) ended the trainer ({how})" if self.forced else \
-            f"the trainer ended ({how})"
+        who = f"a second stop (Ctrl-C or q twice) ended {self.process_name} ({how})" if self.forced else \
+            f"{self.process_name} ended ({how})"
         reached = self.state.step
+        if self.command:                      # a user's program keeps its checkpoints where it chooses
+            return f"{who} " + ("before its first step" if reached is None else f"at step {reached}")
         kept = list_checkpoints(self.run_dir)
         newest = kept[-1].step if kept else None
         if reached is None:

@@ -155,6 +155,7 @@ class RunState:
         self.model: ModelInfo | None = None
         self.hellos = 0                        # full hellos: > 1 after a restart / resume / applied toggles
         self.estimate: dict[str, Any] | None = None   # the early hello's (trainer.contract.estimate)
+        self.command: list[str] | None = None  # `gptop run -- CMD`: the user's command (None: gptop's trainer)
         self.startup: PhaseEvent | None = None  # the startup phase now (None once a step is done)
         self.startup_since: float | None = None  # when that phase began (its percent updates do not reset it)
         self.estimate_warning: WarningEvent | None = None   # "deepseek medium on this CPU: ~N GiB, ~M min per step"
@@ -276,6 +277,8 @@ class RunState:
     def _on_hello(self, e: HelloEvent) -> None:
         self.hello = e
         self.config = e.config
+        if e.command is not None:              # gptop's record of a command's start; its client's hello follows
+            self.command = e.command
         self.device = e.device
         self.model = e.model
         if e.early:                            # a trainer process started; nothing is built yet
@@ -573,6 +576,12 @@ class RunState:
         """The toggles that differ from what the run started with (trial and apply events carry all)."""
         base = self.initial_toggles or {}
         return {k: v for k, v in (toggles or {}).items() if k not in base or base[k] != v}
+
+    def command_line(self) -> str | None:
+        """The user's command as a shell would show it (`gptop run`), or None for gptop's own trainer."""
+        import shlex
+
+        return shlex.join(self.command) if self.command else None
 
     def last_error(self) -> ErrorEvent | None:
         """The latest error event, or None."""

@@ -18,6 +18,7 @@ from trainer.contract.events import ERROR_WORDS
 from .state import RunState, fmt_duration, fmt_mfu, fmt_num
 
 EXIT_INTERRUPTED = 130
+STDERR_LINES = 5          # a failed command's last stderr lines in the summary
 
 
 def outcome(state: RunState, exit_code: int | None = None) -> str:
@@ -33,7 +34,9 @@ def outcome(state: RunState, exit_code: int | None = None) -> str:
         return "finished"
     if done is not None:
         return "stopped"
-    return "failed" if exit_code not in (None, 0) else "stopped"
+    if exit_code not in (None, 0):
+        return "failed"
+    return "finished" if status == "done" else "stopped"     # done without a `done` event: a command exited 0
 
 
 def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
@@ -54,11 +57,13 @@ def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
         done = state.done
         precision = state.precision_label()
         every = (state.config.get("checkpoint") or {}).get("checkpoint_every")
+        command = state.command_line()
+        stderr = [line for stream, line in state.logs if stream == "stderr"][-STDERR_LINES:] if how == "failed" else []
     if done is not None and done.step > (step or 0):   # steps after the last logged one
         step, tokens = done.step, done.tokens
     quoted = shlex.quote(run_dir) if run_dir else "RUN_DIR"
     at = f" at step {step}" if step is not None else " before the first step"
-    head = {"finished": f"run finished: {step} steps", "stopped": f"run stopped{at}",
+    head = {"finished": "run finished" + (f": {step} steps" if step is not None else ""), "stopped": f"run stopped{at}",
             "failed": f"run failed{at}"}[how]
     lines = [f"gptop: {head}" + (f" after {fmt_duration(elapsed)}" if elapsed is not None else "")]
 
@@ -66,6 +71,8 @@ def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
         lines.append(f"  {label:<11}{text}")
 
     add("run dir", run_dir or "n/a")
+    if command:
+        add("command", command)
     if how == "failed":
         if err is not None:
             words = ERROR_WORDS.get(err.kind, err.kind.replace("_", " "))
@@ -74,6 +81,9 @@ def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
             add("error", message)
         if run_dir:
             add("log", str(rundir.RunDir(run_dir).trainer_stderr))
+        if command and stderr:          # a program's own words on why it failed
+            add("stderr", f"last {len(stderr)} line{'s' if len(stderr) > 1 else ''}:")
+            lines.extend(f"    {line}" for line in stderr)
     if step is not None:
         add("progress", f"{step}/{total if total is not None else '?'} steps, {fmt_num(tokens)} tokens")
         loss = f"{_f(first_loss)} -> {_f(last_loss)}" if first_loss is not None else "n/a"
@@ -91,9 +101,15 @@ def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
             add("energy", f"n/a: {state.energy_reason() or 'no energy reading'}")
     else:
         add("progress", "no step was completed")
-    kept = rundir.list_checkpoints(run_dir) if run_dir else []
+    kept = rundir.list_checkpoints(run_dir) if run_dir and not command else []
     cut_short = message if how == "stopped" else None      # what a stop that cut the trainer short kept and lost
-    if kept:
+    if command:      # the program's own checkpoints, where it said it wrote them
+        with state.lock:
+            ckpts = list(state.checkpoints)
+        there = [c for c in ckpts if Path(c.path).exists()]
+        add("checkpoint", f"{there[-1].path} (step {there[-1].step}; {written} written)" if there else
+            "none" + (f" ({written} written, none left)" if written else ""))
+    elif kept:
         if cut_short:
             add("stopped", cut_short)
         add("checkpoint", f"{kept[-1].path} (step {kept[-1].step}; {written} written, {len(kept)} kept)")
@@ -111,7 +127,7 @@ def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
         best = Path(run_dir) / rundir.BEST_TOML if run_dir else None
         add("tuning", f"applied trial {applied.number}"
             + (f"; its settings are in {best}" if best is not None and best.is_file() else ""))
-    if kept and how != "finished":
+    if kept and how != "finished":           # (a program's own checkpoints: resuming is its own business)
         add("resume", f"gptop train --resume {quoted}")
     elif kept:
         add("export", f"gptop export {quoted} OUT_DIR")

@@ -16,6 +16,11 @@
   the ranks themselves (not to torchrun, which would turn it into a kill after
   30 s), and a kill or the launcher's exit reaches each of them. Which rank
   failed is read from torchrun's failure summary (`torchrun_failures`).
+- A user's command (`gptop run -- CMD`, `command=True`) is not gptop's trainer: it may not listen to the
+  channel at all. A graceful stop sends it the stop command and a signal (SIGINT, or SIGTERM when gptop got
+  one: `stop_signal`) to its main process only (not to its DataLoader workers, which would die of it), then
+  SIGKILL to all of it after `grace_s`. Its descendants are tracked as a launcher's are, and a warden
+  process (gptop.warden) ends it if gptop dies without a chance to (kill -9).
 - Library chatter that says nothing to a user stays in the log files but not
   in the log panel (`LogFilter`): kineto's `USDT:`/`STAGE:` lines around a
   profiler window, inductor's autotune tables during a `max-autotune` compile
@@ -113,11 +118,17 @@ class Supervisor:
     def __init__(self, argv: list[str], run_dir: Path, *, on_event: EventCallback, on_log: LogCallback,
                  on_exit: Callable[[int], None], on_malformed: Callable[[bytes, str], None] | None = None,
                  env: dict[str, str] | None = None, log_poll_s: float = 0.25, launcher: bool = False,
-                 pass_fds: tuple[int, ...] = (), node: str | None = None):
+                 pass_fds: tuple[int, ...] = (), node: str | None = None, command: bool = False,
+                 grace_s: float = 30.0, stop_signal: Callable[[], int] | None = None):
         self.argv = list(argv)
         self.pass_fds = tuple(pass_fds)     # the run directory's lock (trainer.contract.runlock), held by the child too
         self.layout = RunDir(run_dir, node)
         self.launcher = launcher            # argv starts a launcher whose children are the ranks
+        self.command = command              # argv is a user's command (see the module docstring)
+        self.grace_s = grace_s              # a command's time between the stop signal and SIGKILL
+        self.stop_signal = stop_signal or (lambda: signal.SIGINT)
+        self._warden_fd: int | None = None  # the write end of the warden's pipe (gptop.warden)
+        self._escalation: threading.Timer | None = None
         self._known: dict[int, Any] = {}     # pid -> psutil.Process of every descendant seen
         self._pids_cache: tuple[int, float, list[int]] | None = None   # (trainer pid, when, its descendants)
         self._seq = 0
@@ -160,13 +171,43 @@ class Supervisor:
                                      start_new_session=True, close_fds=True, pass_fds=self.pass_fds)
         out.close()
         err.close()
+        if self.command:
+            self._start_warden()
         loops = [(self._accept_loop, "accept"), (self._wait_loop, "wait"), (self._tail_loop, "tail")]
-        if self.launcher:
+        if self.launcher or self.command:
             loops.append((self._track_loop, "track"))
         for target, name in loops:
             t = threading.Thread(target=target, name=f"gptop-supervisor-{name}", daemon=True)
             t.start()
             self._threads.append(t)
+
+    def _start_warden(self) -> None:
+        """gptop.warden beside the command, holding a pipe's read end: gptop's death closes it."""
+        assert self.proc is not None
+        r, w = os.pipe()                    # not inheritable (PEP 446): the command never holds the write end
+        try:
+            subprocess.Popen([sys.executable, "-m", "gptop.warden", str(r), str(self.proc.pid), str(self.grace_s)],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             pass_fds=(r,), start_new_session=True, close_fds=True, env=self.env)
+        except OSError as e:                # the command runs; only the kill -9 protection is lost: say so
+            os.close(w)
+            self.on_log(f"[gptop] warning: no warden for the command ({e}): if gptop is killed with kill -9, "
+                        f"the command may outlive it", "gptop")
+            return
+        finally:
+            os.close(r)
+        self._warden_fd = w
+
+    def _release_warden(self) -> None:
+        """The command ended while gptop lives: the warden leaves without touching anything."""
+        with self._lock:
+            fd, self._warden_fd = self._warden_fd, None
+        if fd is not None:
+            try:
+                os.write(fd, b"done")
+            except OSError:
+                pass
+            os.close(fd)
 
     @property
     def pid(self) -> int | None:
@@ -301,9 +342,12 @@ class Supervisor:
     def _wait_loop(self) -> None:
         assert self.proc is not None
         code = self.proc.wait()
+        if self._escalation is not None:
+            self._escalation.cancel()
         # Reap what is left of the group and the ranks seen (torchrun's, in their own sessions), so nothing
         # outlives its launcher.
         self._signal_group(signal.SIGKILL)
+        self._release_warden()
         time.sleep(0.05)
         self.returncode = code
         self._exited.set()
@@ -329,8 +373,12 @@ class Supervisor:
 
     # ------------------------------------------------------------------ stop
     def request_stop(self, reason: str = "stop requested") -> None:
-        """Graceful: the trainer finishes its step, checkpoints and exits 0; `reason` is what its `done` says."""
+        """Graceful: the trainer finishes its step, checkpoints and exits 0; `reason` is what its `done` says.
+        A user's command also gets a signal, and SIGKILL after the grace period."""
         self.send({"cmd": "stop", "reason": reason})
+        if self.command:
+            self._stop_command()
+            return
         ranks = self.rank_processes() if self.launcher else []
         if not ranks:
             self._signal_group(signal.SIGTERM)
@@ -341,6 +389,26 @@ class Supervisor:
             except Exception:
                 pass
 
+    def _stop_command(self) -> None:
+        """A user's command: the signal to its main process, SIGKILL to all of it after the grace period."""
+        if self.proc is None or self.returncode is not None:
+            return
+        sig = self.stop_signal()
+        try:
+            os.kill(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self._escalation is None:
+            self._escalation = threading.Timer(self.grace_s, self._escalate, args=(sig,))
+            self._escalation.daemon = True
+            self._escalation.start()
+
+    def _escalate(self, sig: int) -> None:
+        if self.alive():
+            self.on_log(f"[gptop] the command did not end within {self.grace_s:g} s of "
+                        f"{signal.Signals(sig).name}: killed (SIGKILL)", "gptop")
+            self.kill()
+
     def kill(self) -> None:
         """At once: SIGKILL to the whole process group."""
         self._signal_group(signal.SIGKILL)
@@ -348,7 +416,7 @@ class Supervisor:
     def _signal_group(self, sig: int) -> None:
         if self.proc is None:
             return
-        if self.launcher:
+        if self.launcher or self.command:
             try:
                 self._descendants()
             except Exception:
@@ -390,9 +458,10 @@ class Supervisor:
         """Never leave a trainer behind: ask, wait a little, then kill the group."""
         if self.alive():
             self.request_stop()
-            if self.wait(30) is None:
+            if self.wait(self.grace_s if self.command else 30) is None:
                 self.kill()
                 self.wait(5)
+        self._release_warden()
         if self._server is not None:
             try:
                 self._server.close()

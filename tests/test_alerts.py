@@ -426,6 +426,8 @@ def test_the_alert_options_reach_the_session():
     o = alert_options(ns)
     assert o == AlertOptions(enabled=False, stall_after_s=3.0, loss_spike_mads=20.0)
     assert alert_options(build_parser().parse_args(["tune"])) == AlertOptions()
+    ns = build_parser().parse_args(["run", "--alert-stall-after", "60", "--notify-cmd", "true", "--", "true"])
+    assert alert_options(ns) == AlertOptions(stall_after_s=60.0) and ns.notify_cmd == ["true"]
 
 
 # --- end to end: a trainer stopped with SIGSTOP --------------------------------------------------------------------------

@@ -16,7 +16,12 @@ TORCH_FREE = ["trainer.contract.config", "trainer.contract.events", "trainer.con
               "trainer.contract.protect",
               "gptop.cli", "gptop.session", "gptop.tuning", "gptop.ui.app", "gptop.monitor", "gptop.headless",
               "gptop.report", "gptop.tools", "trainer.contract.tools", "tuner.controller", "tuner.study", "tuner.space",
-              "tuner.report"]
+              "tuner.report", "trainer.contract.client", "gptop.program", "gptop.warden", "gptop.integrations"]
+
+# gptop.integrations' modules run inside the user's training program, which has torch loaded anyway: they are the
+# client side of the trainer's protocol and reuse the trainer's torch-side pieces (its channel, commands, timer,
+# profiler, memory meter, FLOPs count). Nothing in gptop imports them (checked below), so gptop stays torch-free.
+CLIENT_SIDE = "gptop/integrations/"
 
 
 @pytest.mark.process
@@ -54,11 +59,30 @@ def test_gptop_and_tuner_import_only_the_contract_of_trainer():
     bad = []
     for pkg in ("gptop", "tuner"):
         for path in sorted((ROOT / pkg).rglob("*.py")):
+            if path.relative_to(ROOT).as_posix().startswith(CLIENT_SIDE) and path.name != "__init__.py":
+                continue                    # the client side, imported only by the user's program (see above)
             for line, name in _imports(path):
                 if name.split(".")[0] == "torch":
                     bad.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
                 if name.startswith("trainer.") and not name.startswith("trainer.contract"):
                     bad.append(f"{path.relative_to(ROOT)}:{line} imports {name} (not trainer.contract)")
+    assert not bad, "\n".join(bad)
+
+
+def test_nothing_in_gptop_imports_the_integrations():
+    """The integrations may import torch because only the user's program imports them."""
+    bad = []
+    for pkg in ("gptop", "tuner", "trainer"):
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            if path.relative_to(ROOT).as_posix().startswith(CLIENT_SIDE):
+                continue
+            bad += [f"{path.relative_to(ROOT)}:{line} imports {name}" for line, name in _imports(path)
+                    if name.startswith("gptop.integrations")]
+            relative = [node for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ImportFrom)
+                        and node.level == 1 and path.parent == ROOT / "gptop"
+                        and ((node.module or "").startswith("integrations")
+                             or any(a.name == "integrations" for a in node.names))]
+            bad += [f"{path.relative_to(ROOT)}:{node.lineno} imports .integrations" for node in relative]
     assert not bad, "\n".join(bad)
 
 

@@ -169,6 +169,14 @@ RULES: list[Rule] = [
     Rule(r"^gptop --no-ui train --model llada .*--run-dir runs/llada$", "run", "", SHORT_TRAIN),
     # monitor and report on the shared run
     Rule(r"^gptop --no-ui --run-dir ", "run"),
+    # your own code (docs/your-code.md): the examples, under gptop run and without it
+    Rule(r"^gptop --no-ui run .*examples/train_lightning\.py", "parse",
+         "Lightning is an optional extra (pip install 'gptop[lightning]'); tests/test_gptop_run.py and "
+         "tests/test_integrations_lightning.py run it where it is installed"),
+    Rule(r"^gptop --no-ui run .*examples/", "run"),
+    Rule(r"^python3? examples/", "run"),
+    Rule(r"^gptop run -- torchrun ", "parse", "a script of yours on two ranks (tests/test_gptop_run.py runs two "
+                                              "ranks of a test loop under gptop run)"),
     Rule(r"^gptop report ", "run"),
     # minutes of tuning or training, several GPUs or nodes, a database: parsed (tests/test_tuning_e2e.py,
     # tests/test_distributed.py and BENCHMARKS.md run them at test size)
@@ -233,7 +241,9 @@ def argv_of(text: str) -> tuple[dict[str, str], list[str]]:
         words = [sys.executable, "-m", "gptop", *words[1:]]
     elif words[0] in ("python", "python3"):
         words = [sys.executable, *words[1:]]
-    return env, [str(ROOT / w) if re.match(r"(bench|docs)/\S+\.py$", w) else w for w in words]
+    if "--" in words and words[words.index("--") + 1:][:1] in (["python"], ["python3"]):
+        words[words.index("--") + 1] = sys.executable          # `gptop run -- python ...`: this interpreter too
+    return env, [str(ROOT / w) if re.match(r"(bench|docs|examples)/\S+\.py$", w) else w for w in words]
 
 
 # --------------------------------------------------------------------------- parse without running
@@ -377,7 +387,7 @@ def shared_run(work: Path) -> Path:
 # --------------------------------------------------------------------------- tests
 def test_the_docs_show_commands():
     docs = {c.doc for c in COMMANDS}
-    assert {"README.md", "docs/dashboard.md", "docs/models.md", "docs/tuning.md", "docs/distributed.md",
+    assert {"README.md", "docs/dashboard.md", "docs/models.md", "docs/tuning.md", "docs/distributed.md", "docs/your-code.md",
             "BENCHMARKS.md"} <= docs
     assert any(c.text == "gptop train --max-steps 200" for c in COMMANDS)
 
@@ -429,8 +439,11 @@ RUN = [c for c in COMMANDS if not c.inline and (r := rule_for(c)) is not None an
 
 
 def chain_of(text: str) -> str:
-    """Which run a documented command reads or makes: the llada run and its export are one chain, everything
-    else (the shared run, its export) the other; each chain keeps document order, the two run side by side."""
+    """Which run a documented command reads or makes: the llada run and its export are one chain, the examples
+    of your own code another, everything else (the shared run, its export) the third; each chain keeps document
+    order, the chains run side by side."""
+    if re.search(r"\bexamples/", text):
+        return "examples"
     return "llada" if re.search(r"\b(runs|hf)/llada\b", text) else "shared"
 
 
@@ -473,7 +486,7 @@ def test_the_documented_runs_split_into_two_ordered_chains():
     for cmd in RUN:
         verb = next((w for w in cmd.text.split()[1:] if not w.startswith("-")), "")     # train, export, ...
         chains.setdefault(chain_of(cmd.text), []).append(verb)
-    assert set(chains) == {"shared", "llada"}
+    assert set(chains) == {"shared", "llada", "examples"}
     llada = chains["llada"]
     assert llada.index("train") < llada.index("export") < llada.index("sample"), llada
     shared = chains["shared"]

@@ -78,6 +78,7 @@ def test_a_port_in_use_is_exit_2_naming_it_before_anything_starts(tmp_path, caps
         busy.listen()
         port = busy.getsockname()[1]
         for argv in (["train", "--run-dir", str(tmp_path / "run"), "--metrics-port", str(port)],
+                     ["run", "--run-dir", str(tmp_path / "run"), "--metrics-port", str(port), "--", "true"],
                      ["--no-ui", "--metrics-port", str(port)]):          # the monitor
             code = cli.main(argv)
             err = capsys.readouterr().err

@@ -62,6 +62,21 @@ def die_with_parent() -> None:
         pass
 
 
+def host_max(values: list[int], ctrl: Any = None) -> list[int]:
+    """Element-wise MAX of a few host integers over the ranks, on the gloo group `ctrl` (None: the default
+    group, when it is gloo): the per-step agreement of trainer.commands."""
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctrl)
+    return [int(v) for v in t.tolist()]
+
+
+def control_group() -> Any:
+    """A gloo group for host integers beside a default group that someone else initialized (the user's
+    program, for gptop.integrations); None when the default group is gloo already. Collective: every rank
+    calls it once, at the same point."""
+    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+
+
 class Group:
     """The process group of a multi-rank run and its control plane."""
 
@@ -92,9 +107,7 @@ class Group:
     # ------------------------------------------------------------ collectives
     def agree(self, values: list[int]) -> list[int]:
         """Element-wise MAX over the ranks of a few host integers (the per-step command agreement)."""
-        t = torch.tensor(values, dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctrl)
-        return [int(v) for v in t.tolist()]
+        return host_max(values, self.ctrl)
 
     def host_max(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64)

@@ -203,6 +203,19 @@ class CudaTimer(_Ranges):
         return out
 
 
+def interval_means(timings: list[StepTiming]) -> tuple[float | None, dict[str, float] | None, float | None]:
+    """(step_ms, phases_ms, gpu_idle_ms) of a log interval: the means over its timed steps, as a step event
+    carries them (None where nothing was timed). One place for the trainer and gptop.integrations."""
+    if not timings:
+        return None, None, None
+    step_ms = sum(t.step_ms for t in timings) / len(timings)
+    phases = None
+    if timings[0].phases_ms is not None:
+        phases = {k: sum(t.phases_ms[k] for t in timings) / len(timings) for k in timings[0].phases_ms}
+    idle = [t.gpu_idle_ms for t in timings if t.gpu_idle_ms is not None]
+    return step_ms, phases, (sum(idle) / len(idle) if idle else None)
+
+
 def make_timer(device: Any, enabled: bool) -> StepTimer:
     """The timer for a run on `device` (a torch.device): CUDA events on its stream, else host clocks."""
     if not enabled:

@@ -46,7 +46,7 @@ from .contract.runlock import RunLock
 from .device import detect
 from .memory import make_meter
 from .profiler import StepProfiler
-from .timing import StepTiming, make_timer
+from .timing import interval_means, make_timer
 
 EXIT_OK, EXIT_CRASH, EXIT_CONFIG, EXIT_OOM, EXIT_NAN, EXIT_COMPILE = 0, 1, 2, 3, 4, 5
 EXIT_NO_CHECKPOINT, EXIT_CORRUPT_CHECKPOINT = 6, 7       # --resume found nothing / nothing that verifies
@@ -691,13 +691,9 @@ class Trainer:
         self._check_finite_now()
         now = time.perf_counter()
         wall = now - self._interval_t0
-        timings: list[StepTiming] = self.timer.collect()
+        timed_ms, phases, idle = interval_means(self.timer.collect())
         tokens_per_s = n * self.tokens_per_step / wall if wall > 0 else None
-        step_ms = sum(t.step_ms for t in timings) / len(timings) if timings else wall * 1e3 / n
-        phases = None
-        if timings and timings[0].phases_ms is not None:
-            phases = {k: sum(t.phases_ms[k] for t in timings) / len(timings) for k in timings[0].phases_ms}
-        idle = [t.gpu_idle_ms for t in timings if t.gpu_idle_ms is not None]
+        step_ms = timed_ms if timed_ms is not None else wall * 1e3 / n
         fields: dict[str, Any] = dict(
             step=self.progress.step, tokens=self.progress.tokens, loss=loss,
             lr=float(self.optimizer.param_groups[0]["lr"]), grad_norm=grad_norm, step_ms=step_ms, phases_ms=phases,
@@ -705,8 +701,8 @@ class Trainer:
             mem_bytes=self.meter.peak(), interval_steps=n, wall_ms=wall * 1e3 / n,
             optim_state_bytes=optim.state_bytes(self.optimizer))
         fields["batch"] = self.progress.batch_cursor - 1   # global batch index of the last step (data-order checks)
-        if idle:
-            fields["gpu_idle_ms"] = sum(idle) / len(idle)
+        if idle is not None:
+            fields["gpu_idle_ms"] = idle
         comm = [c for c in self._comm_ms if c is not None]
         if comm:
             fields["comm_ms"] = sum(comm) / len(comm)

@@ -149,7 +149,7 @@ def header(state: RunState, width: int) -> RenderableType:
         dev = state.device.name if state.device else ""
         no_run = status == "monitor" and state.last_step is None
         line1 = Text.assemble(("gptop ", "bold"), (state.run_name or ("devices" if no_run else "run"), "bold cyan"))
-        summary = model_summary(state.model)
+        summary = model_summary(state.model) or state.command_line()   # a command before its client's hello
         if summary:
             line1.append(" · " + summary)
         if dev:

@@ -240,6 +240,11 @@ class HelloEvent(Event):
     # Options given as auto (size, micro_batch, precision): the config holds what each became, so views can
     # say "precision auto -> bf16".
     auto: list[str] = field(default_factory=list)
+    # A process gptop did not build (`gptop run -- CMD`): the integration speaking for it
+    # (trainer.contract.client.ClientKind) and, on the hello gptop records when it starts CMD, the command.
+    # None on gptop's own trainer.
+    client: str | None = None
+    command: list[str] | None = None
 
     @property
     def toggles(self) -> dict[str, Any]:

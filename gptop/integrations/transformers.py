@@ -1,0 +1,219 @@
+"""gptop for a `transformers.Trainer` script: `GptopCallback`, `tuned_args`, `resume_checkpoint`.
+
+    from gptop.integrations.transformers import GptopCallback, tuned_args, resume_checkpoint
+
+    args = tuned_args(TrainingArguments(...))          # the tuner's toggles applied; unchanged outside gptop
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[GptopCallback()])
+    trainer.train(resume_from_checkpoint=resume_checkpoint(args))   # None unless gptop restarts the run
+
+Each optimizer step is reported with its breakdown, taken from the Trainer's callbacks and two hooks on the
+model (a forward pre-hook and a forward hook):
+
+- data: from the end of the previous step (after its logging, evaluation or saving) to `on_step_begin`,
+  which the Trainer calls once the step's batches are fetched;
+- forward: the model's forward, per micro-batch (summed over gradient accumulation);
+- backward: from the end of a forward to the next forward or `on_pre_optimizer_step`; it includes the
+  gradient clipping, which the Trainer runs there with no callback of its own;
+- optimizer: `on_pre_optimizer_step` -> `on_optimizer_step`;
+- other: what the step's time leaves (the learning-rate scheduler, zero_grad, the callbacks).
+
+Loss, learning rate and gradient norm come from the Trainer's own logs (`on_log`), so nothing is read from
+the device that the Trainer does not read itself; at gptop's log steps (`gptop run --log-every`, else the
+Trainer's `logging_steps`) the callback asks the Trainer to log. Tokens come from the shape of the batch the
+model is called with (`input_ids`, else `inputs_embeds`). gptop's checkpoint command becomes
+`control.should_save`, its stop `should_save` and `should_training_stop`. Outside gptop every callback returns
+at once.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from trainer.contract.client import ClientEnv, ClientKind
+
+from .client import DEFAULT_LOG_EVERY, Client, describe_model, model_precision, module_device
+
+CHECKPOINT_PREFIX = "checkpoint"       # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR: <output_dir>/checkpoint-N
+
+
+def tuned_args(args: TrainingArguments) -> TrainingArguments:
+    """`args` with the toggles gptop's tuner chose applied. No toggles reach a program yet (`gptop run` tunes
+    nothing), so these are `args` unchanged, also outside gptop; scripts written against this call keep
+    working when `gptop tune -- CMD` starts handing toggles down."""
+    return args
+
+
+def resume_checkpoint(args: TrainingArguments) -> str | None:
+    """The checkpoint gptop restarts this run from (`trainer.train(resume_from_checkpoint=...)`), or None: a
+    fresh start, and always outside gptop. `gptop run` never restarts from one of the program's own
+    checkpoints, so under it this is None too unless GPTOP_RESUME names one."""
+    env = ClientEnv.from_environ()
+    return None if env is None else env.resume
+
+
+def _token_ids(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The batch the model is called with: `input_ids`, else `inputs_embeds` (batch x sequence x hidden)."""
+    for key in ("input_ids", "inputs_embeds"):
+        v = kwargs.get(key)
+        if isinstance(v, torch.Tensor):
+            return v if key == "input_ids" else v[..., 0]
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0]
+    return None
+
+
+class GptopCallback(TrainerCallback):
+    """Reports a transformers.Trainer run to gptop (see the module docstring); a no-op outside gptop.
+
+    `flops_per_token`: FLOPs per trained token (forward + backward) when the count from the model's
+    parameters and config is not right for it. `log_every`: steps between step events when gptop gives none
+    (default: the Trainer's `logging_steps`)."""
+
+    def __init__(self, *, flops_per_token: float | None = None, log_every: int | None = None):
+        if log_every is not None and (isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1):
+            raise ValueError(f"GptopCallback(log_every={log_every!r}): a whole number of at least 1, or None")
+        self.flops_per_token, self.log_every = flops_per_token, log_every
+        self.env = ClientEnv.from_environ()
+        self.client: Client | None = None
+        self._model: torch.nn.Module | None = None
+        self._hooks: list[Any] = []
+        self._flush_due = False
+        self._mark = time.perf_counter()      # where the data wait of the next step began
+
+    # ------------------------------------------------------------------ start and end
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       model: torch.nn.Module | None = None, optimizer: Any = None, **kwargs: Any) -> None:
+        if self.env is None or self.client is not None:
+            return
+        device = module_device(model)
+        precision = ("bf16" if args.bf16 else "fp16" if args.fp16 else "tf32" if args.tf32
+                     else model_precision(model, device))
+        logging_steps = int(state.logging_steps) if state.logging_steps and state.logging_steps >= 1 else None
+        self.client = Client.connect(self.env, ClientKind.TRANSFORMERS, device=device,
+                                     log_every=self.log_every or logging_steps or DEFAULT_LOG_EVERY,
+                                     max_steps=state.max_steps or None, precision=precision, optimizer=optimizer,
+                                     reduce_loss=False, start_step=state.global_step)
+        if self.client is None:
+            return
+        self._model = model
+        if model is not None:
+            self._hooks = [model.register_forward_pre_hook(self._forward_begins, with_kwargs=True),
+                           model.register_forward_hook(self._forward_ends)]
+        self._next_step(state)
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
+        client = self.client
+        if client is None:
+            return
+        client.abandon_step()              # the step begun after the last one is not taken
+        if not client.said_hello:
+            client.hello(describe_model(self._model, flops_per_token=self.flops_per_token))
+        reason = None if client.should_stop or state.global_step >= state.max_steps else \
+            "the Trainer stopped (control.should_training_stop)"
+        client.done(reason)
+        client.close()
+        for h in self._hooks:
+            h.remove()
+        self._hooks, self.client, self._model = [], None, None
+
+    # ------------------------------------------------------------------ a step
+    def _next_step(self, state: TrainerState) -> None:
+        self._mark = time.perf_counter()
+        assert self.client is not None
+        self.client.begin_step(state.global_step + 1)
+        self.client.enter("data")
+
+    def _restart(self) -> None:
+        """Logging, evaluation or a save ran since the step's boundary: the data wait begins now."""
+        self._mark = time.perf_counter()
+        if self.client is not None:
+            self.client.restart_step()
+            self.client.enter("data")
+
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                      **kwargs: Any) -> None:
+        if self.client is not None:
+            self.client.leave("data")          # the Trainer fetched the step's batches before calling this
+
+    def _forward_begins(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        client = self.client
+        if client is None or not client.in_step or not module.training:
+            return
+        ids = _token_ids(args, kwargs)
+        if not client.said_hello:
+            seq_len = int(ids.shape[-1]) if ids is not None and ids.dim() >= 2 else None
+            client.hello(describe_model(module, seq_len=seq_len, flops_per_token=self.flops_per_token))
+        if ids is not None:
+            client.add_tokens(ids.numel())
+        client.leave("data")
+        client.leave("backward")               # the previous micro-batch's
+        client.enter("forward")
+
+    def _forward_ends(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        client = self.client
+        if client is None or not client.in_step or not client.is_open("forward"):
+            return
+        client.leave("forward")
+        client.enter("backward")
+
+    def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                              **kwargs: Any) -> None:
+        if self.client is not None:
+            self.client.leave("backward")
+            self.client.enter("optimizer")
+
+    def on_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                          **kwargs: Any) -> None:
+        if self.client is not None:
+            self.client.leave("optimizer")
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        client = self.client
+        if client is None:
+            return
+        if not client.said_hello:
+            client.hello(describe_model(self._model, flops_per_token=self.flops_per_token))
+        client.end_step()
+        client.poll()
+        if client.is_log_step():
+            self._flush_due = True
+            control.should_log = True          # the Trainer reads its loss back now; on_log reports it
+        if client.should_checkpoint or client.should_stop:
+            control.should_save = True
+        if client.should_stop:
+            control.should_training_stop = True
+        self._next_step(state)
+
+    # ------------------------------------------------------------------ what runs between steps
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: dict[str, float] | None = None, **kwargs: Any) -> None:
+        client = self.client
+        if client is None:
+            return
+        logs = logs or {}
+        if "loss" in logs:
+            client.log(loss=logs["loss"], lr=logs.get("learning_rate"), grad_norm=logs.get("grad_norm"))
+            if self._flush_due:
+                self._flush_due = False
+                client.flush()
+        self._restart()
+
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        self._restart()
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                **kwargs: Any) -> None:
+        client = self.client
+        if client is None:
+            return
+        path = os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}-{state.global_step}")
+        client.checkpointed(path, seconds=time.perf_counter() - self._mark, step=state.global_step)
+        self._restart()

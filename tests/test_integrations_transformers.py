@@ -1,0 +1,148 @@
+"""gptop.integrations.transformers: GptopCallback on a real transformers.Trainer, in-process against a fake gptop
+channel. The training here is not the example's (examples/train_transformers.py): a GPT-2 from its config, a
+dataset class of its own that also hands out attention masks, 4 sequences per device with 2 accumulation steps.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+from gptop.integrations.transformers import GptopCallback, resume_checkpoint, tuned_args
+from trainer.contract import events as ev
+from trainer.contract.client import CHANNEL_ENV, RESUME_ENV
+
+from fixtures.fake_gptop import FakeGptop
+from fixtures.waiting import wait_for
+
+SEQ, BATCH, ACCUM = 16, 4, 2
+
+
+class Palindromes(Dataset):
+    """Sequences that read the same backwards, with their attention mask (all ones)."""
+
+    def __init__(self, n: int):
+        g = torch.Generator().manual_seed(1)
+        half = torch.randint(50, (n, SEQ // 2), generator=g)
+        self.ids = torch.cat([half, half.flip(1)], dim=1)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = self.ids[i]
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+
+def make_trainer(tmp_path, steps: int, callbacks: list) -> Trainer:
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2))
+    args = tuned_args(TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=ACCUM, learning_rate=1e-3, logging_steps=2, save_strategy="no",
+        report_to="none", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0))
+    return Trainer(model=model, args=args, train_dataset=Palindromes(steps * BATCH * ACCUM), callbacks=callbacks)
+
+
+@pytest.fixture
+def gptop(tmp_path, monkeypatch):
+    g = FakeGptop(tmp_path / "run").install(monkeypatch)
+    yield g
+    g.close()
+
+
+def losses(trainer: Trainer) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.mark.slow
+def test_outside_gptop_the_callback_changes_nothing(tmp_path, monkeypatch):
+    monkeypatch.delenv(CHANNEL_ENV, raising=False)
+    plain = make_trainer(tmp_path / "a", 6, [])
+    plain.train()
+    cb = GptopCallback()
+    with_cb = make_trainer(tmp_path / "b", 6, [cb])
+    with_cb.train(resume_from_checkpoint=resume_checkpoint(with_cb.args))
+    assert cb.client is None and resume_checkpoint(with_cb.args) is None
+    assert losses(with_cb) == losses(plain) and len(losses(plain)) == 3
+
+
+@pytest.mark.slow
+def test_each_optimizer_step_is_reported_with_its_breakdown(gptop, tmp_path):
+    trainer = make_trainer(tmp_path, 6, [GptopCallback()])
+    trainer.train()
+    hello = gptop.file_events("hello")[0]
+    assert hello.client == "transformers" and hello.max_steps == 6 and hello.config["log"]["log_every"] == 2
+    assert hello.model.family == "GPT2LMHeadModel"
+    assert hello.model.flops_per_token == describe(trainer.model)       # with the attention term at SEQ
+    steps = gptop.file_events("step")
+    assert [e.step for e in steps] == [2, 4, 6]                           # the Trainer's logging_steps
+    logged = losses(trainer)
+    for e, loss in zip(steps, logged):
+        assert e.loss == pytest.approx(loss) and e.lr is not None and e.grad_norm is not None
+        assert list(e.phases_ms) == list(ev.PHASES)
+        for phase in ("forward", "backward", "optimizer"):
+            assert e.phases_ms[phase] > 0, phase
+        timed = sum(v for k, v in e.phases_ms.items() if k != "other")
+        assert math.isclose(e.phases_ms["other"], e.step_ms - timed, rel_tol=1e-6, abs_tol=1e-6)
+        assert e.tokens == e.step * BATCH * ACCUM * SEQ                    # every micro-batch's tokens
+    live = [e.step for e in gptop.events("progress")]
+    assert live[0] == 1 and live == sorted(set(live)) and set(live) <= set(range(1, 7))
+    done = gptop.file_events("done")
+    assert len(done) == 1 and done[0].reason == "max_steps" and done[0].step == 6
+
+
+def describe(model) -> int:
+    from trainer.models import training_flops_per_token
+
+    return training_flops_per_token(model, model.config, SEQ)
+
+
+@pytest.mark.slow
+def test_gptops_log_interval_makes_the_trainer_log(tmp_path, monkeypatch):
+    gptop = FakeGptop(tmp_path / "run", log_every=3).install(monkeypatch)      # gptop run --log-every 3
+    try:
+        trainer = make_trainer(tmp_path, 6, [GptopCallback()])
+        trainer.train()
+        assert [e.step for e in gptop.file_events("step")] == [3, 6]
+        assert {h["step"] for h in trainer.state.log_history if "loss" in h} >= {3, 6}
+    finally:
+        gptop.close()
+
+
+@pytest.mark.slow
+def test_checkpoint_and_stop_commands(gptop, tmp_path):
+    class Commander(TrainerCallback):            # plays gptop's keys, just before the callback looks
+        def on_step_end(self, args, state, control, **kw):
+            command = {1: {"cmd": "checkpoint"}, 3: {"cmd": "stop"}}.get(state.global_step)
+            if command is not None:
+                gptop.send(command)
+                wait_for(lambda: not cb.client.channel.commands.empty(), timeout=30, what="the command")
+
+    cb = GptopCallback()
+    trainer = make_trainer(tmp_path, 100, [Commander(), cb])
+    trainer.train()
+    assert trainer.state.global_step == 3                # the stop came at step 3's end: saved and stopped there
+    ckpts = gptop.file_events("checkpoint")
+    assert [(c.step, c.reason) for c in ckpts] == [(1, "requested"), (3, "stop")]
+    for c in ckpts:
+        assert c.path.endswith(f"checkpoint-{c.step}") and (tmp_path / "out" / f"checkpoint-{c.step}").is_dir()
+    assert gptop.file_events("done")[0].reason == "stop requested"
+
+
+def test_tuned_args_and_resume_checkpoint(tmp_path, monkeypatch):
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    assert tuned_args(args) is args
+    monkeypatch.delenv(CHANNEL_ENV, raising=False)
+    assert resume_checkpoint(args) is None
+    g = FakeGptop(tmp_path / "run").install(monkeypatch)
+    try:
+        assert resume_checkpoint(args) is None                       # gptop run restarts from nothing of yours
+        monkeypatch.setenv(RESUME_ENV, str(tmp_path / "checkpoint-4"))
+        assert resume_checkpoint(args) == str(tmp_path / "checkpoint-4")
+    finally:
+        g.close()
