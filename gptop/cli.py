@@ -8,6 +8,7 @@
     gptop report RUN_DIR                 summarize a run
     gptop export RUN_DIR OUT_DIR         write a checkpoint as a Hugging Face model directory
     gptop sample RUN_DIR --prompt TEXT   generate text from a checkpoint
+    gptop doctor [--device cuda]         check every device path on this machine, and what works
     gptop                                monitor: device dashboard, attach to or replay a run
 
 Global flags (before or after the command): --no-ui, --json, --interval.
@@ -185,6 +186,14 @@ def build_parser() -> Parser:
         p.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print the result as one "
                        "JSON line (progress stays on stderr)")
         p.add_argument("--no-ui", dest="no_ui", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    from .doctor import add_arguments as add_doctor_arguments
+
+    doctor = sub.add_parser("doctor", help="check every device path gptop uses on this machine, and what works",
+                            description="Detect the device, show what each toggle value can do there, and exercise "
+                                        "each device path in a child process (exit 0 only when every path that "
+                                        "applies passed).")
+    add_doctor_arguments(doctor)
+    doctor.add_argument("--no-ui", dest="no_ui", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser
 
 
@@ -200,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
             from .report import print_report
 
             return print_report(Path(ns.run_dir), json_out=ns.json)
+        if ns.command == "doctor":
+            from .doctor import cmd_doctor
+
+            return cmd_doctor(ns)
         if ns.command in ("export", "sample"):
             from .tools import cmd_export, cmd_sample
 

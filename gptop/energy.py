@@ -26,7 +26,7 @@ import os
 import re
 import statistics
 from dataclasses import dataclass
-from typing import Iterable, Literal, Sequence
+from typing import Any, Iterable, Literal, Sequence
 
 from trainer.contract.device import gpu_key
 from trainer.contract.events import DeviceEvent
@@ -274,3 +274,31 @@ def _read_int(path: str) -> int | None:
         return int(s.strip()) if s is not None else None
     except ValueError:
         return None
+
+
+def check_rapl(root: str = "/sys/class/powercap", sleep: Any = None) -> Any:
+    """gptop doctor's `rapl` path: the RAPL package counter reads and moves over a second of CPU work
+    (a CPU run's energy per token); unreadable (root-only since Linux 5.10) it is skipped with the reason."""
+    import time
+
+    from trainer.contract.doctor import Outcome
+
+    rapl = Rapl(root)
+    if not rapl.available:
+        return Outcome.skip(f"{rapl.reason}: a CPU run's energy per token is n/a (run as root, or make "
+                            f"{root}/intel-rapl:*/energy_uj readable)")
+    sleep = sleep or time.sleep
+    rapl.read(time.time())
+    end = time.monotonic() + 1.0
+    x = 0
+    while time.monotonic() < end:                 # a second of work for the counter to see
+        x += sum(range(1000))
+    sleep(0.01)
+    power, joules = rapl.read(time.time())
+    ok = joules is not None and joules > 0
+    return Outcome.verdict(ok, f"{_fmt(joules, 'J')} over about 1 s ({_fmt(power, 'W')})",
+                           "the RAPL counter did not move", joules=joules, watts=power)
+
+
+def _fmt(v: float | None, unit: str) -> str:
+    return "n/a" if v is None else f"{v:.1f} {unit}"

@@ -371,3 +371,106 @@ class Nvml:
         elif code == self._code("UNINITIALIZED"):
             self._initialized = False
         # Unknown, Timeout, ...: transient, asked again next sample.
+
+
+# --- gptop doctor: NVML's paths, exercised against the GPU under a workload ------------------------------
+
+def index_of(nv: Nvml, keys: Iterable[str | None]) -> int | None:
+    """The NVML index of the GPU with one of these identities (trainer.contract.device.gpu_key: its UUID or
+    its PCI address, as DeviceInfo.keys gives them)."""
+    from trainer.contract.device import gpu_key
+
+    wanted = {k for k in keys if k}
+    for i in range(nv.device_count if wanted else 0):
+        uuid = nv.device_query(i, "nvmlDeviceGetUUID")
+        pci = nv.device_query(i, "nvmlDeviceGetPciInfo")
+        bus = getattr(pci, "busId", None)
+        bus = bus.decode("ascii", "replace") if isinstance(bus, bytes) else bus
+        if wanted & {gpu_key(uuid), gpu_key(None, bus)}:
+            return i
+    return None
+
+
+def check(nv: Nvml, index: int, sleep: Any = None) -> Any:
+    """gptop doctor's `nvml` path (the GPU is kept busy meanwhile): what the sampler reads for the run's GPU
+    (gptop.telemetry's reading: utilization, memory, power, SM clock and its maximum, clock-event reasons;
+    GPM SM and tensor activity where the GPU has GPM) reads, and utilization is above 0 under the workload."""
+    import time
+
+    from gptop.telemetry import sample_gpu
+    from trainer.contract.doctor import Outcome
+
+    sleep = sleep or time.sleep
+    nv.gpm(index)                                   # GPM's first sample: an interval needs two
+    readings = []
+    for _ in range(4):
+        sleep(0.5)
+        readings.append(sample_gpu(nv, index, "GPU", set()))
+    last = readings[-1]
+    fields = {"utilization": max((r.util_pct or 0) for r in readings) if any(r.util_pct is not None
+                                                                            for r in readings) else None,
+              "memory": last.mem_used, "power": last.power_w, "sm clock": last.sm_clock_mhz,
+              "max sm clock": last.sm_clock_max_mhz, "clock reasons": last.clock_reasons}
+    missing = [k for k, v in fields.items() if v is None]
+    gpm_supported = bool(getattr(nv.device_query(index, "nvmlGpmQueryDeviceSupport"), "isSupportedDevice", 0))
+    gpm = [r for r in readings if r.sm_active_pct is not None]
+    problems = list(missing and [f"{', '.join(missing)} did not read"])
+    if fields["utilization"] is not None and fields["utilization"] <= 0:
+        problems.append("utilization stayed 0 under a workload")
+    if gpm_supported and not gpm:
+        problems.append("GPM metrics did not read although NVML says the GPU supports them")
+    util = fields["utilization"]
+    observed = (f"util {_num(util, '%')}, mem {_gib(last.mem_used)}, power "
+                f"{_num(last.power_w, 'W')}, SM clock {_num(last.sm_clock_mhz, 'MHz')} of "
+                f"{_num(last.sm_clock_max_mhz, 'MHz')}, reasons {last.clock_reasons}, GPM "
+                + (f"SM {_num(gpm[-1].sm_active_pct, '%')} tensor {_num(gpm[-1].tensor_active_pct, '%')}"
+                   if gpm else "n/a (" + ("not supported here" + (": NVML hides it on this Hopper-or-later GPU"
+                                                                   if _capability(nv, index) >= (9, 0) else "")
+                                          + ")" if not gpm_supported else "no reading)")))
+    return Outcome.verdict(not problems, observed, "; ".join(problems),
+                           utilization_pct=util, gpm=bool(gpm), gpm_supported=gpm_supported,
+                           driver=nv.query("nvmlSystemGetDriverVersion"))
+
+
+def check_energy(nv: Nvml, index: int, sleep: Any = None, clock: Any = None) -> Any:
+    """gptop doctor's `energy` path (the GPU is kept busy meanwhile): NVML's total-energy counter moves
+    across the workload, and its average power agrees with the sampled power readings within a factor 2."""
+    import time
+
+    from trainer.contract.doctor import Outcome
+
+    sleep, clock = sleep or time.sleep, clock or time.monotonic
+    e0, t0 = nv.device_query(index, "nvmlDeviceGetTotalEnergyConsumption"), clock()
+    powers = []
+    for _ in range(6):
+        sleep(0.5)
+        p = nv.device_query(index, "nvmlDeviceGetPowerUsage")
+        if p is not None:
+            powers.append(p / 1000.0)
+    e1, t1 = nv.device_query(index, "nvmlDeviceGetTotalEnergyConsumption"), clock()
+    if e0 is None or e1 is None:
+        return Outcome.verdict(False, "the energy counter does not read",
+                               "NVML gives no total-energy counter for this GPU")
+    joules = (e1 - e0) / 1000.0
+    counter_w = joules / (t1 - t0) if t1 > t0 else 0.0
+    sampled_w = sum(powers) / len(powers) if powers else None
+    agrees = sampled_w is None or (sampled_w / 2 <= counter_w <= sampled_w * 2)
+    ok = joules > 0 and agrees
+    observed = (f"{joules:.1f} J over {t1 - t0:.1f} s ({counter_w:.0f} W from the counter; sampled power "
+                f"{_num(sampled_w, 'W')})")
+    return Outcome.verdict(ok, observed, "the energy counter did not move with the workload, or disagrees "
+                                         "with the power readings", joules=joules, counter_w=counter_w,
+                           sampled_w=sampled_w)
+
+
+def _capability(nv: Nvml, index: int) -> tuple[int, int]:
+    cc = nv.device_query(index, "nvmlDeviceGetCudaComputeCapability")
+    return (int(cc[0]), int(cc[1])) if isinstance(cc, tuple) and len(cc) == 2 else (0, 0)
+
+
+def _gib(b: Any) -> str:
+    return "n/a" if b is None else f"{b / 2**30:.1f} GiB"
+
+
+def _num(v: Any, unit: str) -> str:
+    return "n/a" if v is None else f"{v:.0f} {unit}".replace(" %", "%")

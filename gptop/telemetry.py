@@ -172,8 +172,10 @@ def gpu_identity(nv: Nvml, index: int) -> tuple[str | None, str | None]:
     return (str(uuid) if uuid else None), (str(bus) if bus else None)
 
 
-def _sample_gpu(nv: Nvml, index: int, name: str, pids: set[int],
-                identity: tuple[str | None, str | None] = (None, None), xids: list[int] | None = None) -> GpuReading:
+def sample_gpu(nv: Nvml, index: int, name: str, pids: set[int],
+               identity: tuple[str | None, str | None] = (None, None), xids: list[int] | None = None) -> GpuReading:
+    """One GPU's reading, as the sampler (and gptop doctor's NVML check) takes it; `xids`: the critical Xid errors
+    the driver reported for it since the previous sample (Nvml.xid_errors, read once for every GPU)."""
     q = nv.device_query
     util = q(index, "nvmlDeviceGetUtilizationRates")
     mem = q(index, "nvmlDeviceGetMemoryInfo")
@@ -361,8 +363,8 @@ class DeviceSampler:
                             self._gpu_names[i] = str(name)
                     if i not in self._gpu_ids:
                         self._gpu_ids[i] = gpu_identity(self._nvml, i)
-                    gpus.append(_sample_gpu(self._nvml, i, self._gpu_names.get(i, f"GPU {i}"), procs.pids,
-                                            self._gpu_ids[i], xids.get(i)))
+                    gpus.append(sample_gpu(self._nvml, i, self._gpu_names.get(i, f"GPU {i}"), procs.pids,
+                                           self._gpu_ids[i], xids.get(i)))
             cpu = self._sample_cpu(now, procs)
             sample = DeviceEvent(time=now, devices=gpus, cpu=cpu, mode="gpu" if gpus else "cpu")
         self._record(sample)

@@ -16,7 +16,8 @@ TORCH_FREE = ["trainer.contract.config", "trainer.contract.events", "trainer.con
               "trainer.contract.protect",
               "gptop.cli", "gptop.session", "gptop.tuning", "gptop.ui.app", "gptop.monitor", "gptop.headless",
               "gptop.report", "gptop.tools", "trainer.contract.tools", "tuner.controller", "tuner.study", "tuner.space",
-              "tuner.report", "trainer.contract.client", "gptop.program", "gptop.warden", "gptop.integrations"]
+              "tuner.report", "trainer.contract.client", "gptop.program", "gptop.warden", "gptop.integrations",
+              "gptop.doctor", "trainer.contract.doctor"]
 
 # gptop.integrations' modules run inside the user's training program, which has torch loaded anyway: they are the
 # client side of the trainer's protocol and reuse the trainer's torch-side pieces (its channel, commands, timer,

@@ -194,6 +194,7 @@ RULES: list[Rule] = [
     Rule(r"^wandb sync ", "skip", "uploads to Weights & Biases: needs the network and an account"),
     Rule(r"^tensorboard --logdir ", "skip", "a separate tool serving a web page (tests/test_tensorboard.py reads the files)"),
     Rule(r"^python3? -m trainer", "parse", "the trainer's flags, as `gptop train` takes them"),
+    Rule(r"^python3? -m gptop\.doctor ", "parse", "prints the README's table or the schema (tests/test_doctor.py)"),
     Rule(r"^python3? -c ", "skip", "a Python one-liner quoted as a baseline, not a gptop command"),
 ]
 

@@ -15,7 +15,7 @@ predicted peak would pass the margin are never run.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -75,3 +75,72 @@ def find_micro_batch(probe: Callable[[int], int], local_batch: int, capacity: in
             nxt = max(fitting)
         attempt(nxt)
     raise torch.OutOfMemoryError(f"even micro-batch {cands[0]} does not fit with the safety margin")
+
+
+def check(dev: Any, quick: bool) -> Any:
+    """gptop doctor's `autobatch` path: `find_micro_batch` with a real probe (forward and backward of a
+    small model at micro-batch m, the peak read by this device's memory meter), against a capacity set
+    between the measured peaks of 4 and 8: it must choose 4. On CUDA, a probe that really runs out of memory
+    is caught, and the device's memory is usable afterwards."""
+    from .contract.doctor import Outcome
+    from .memory import make_meter
+
+    device = dev.torch_device
+    if dev.is_cuda:
+        torch.cuda.set_device(device)
+    meter = make_meter(device)
+    model = _WideActivations().to(device)
+    rows = 512
+    peaks: dict[int, int] = {}
+
+    def measure(mb: int) -> int:
+        if mb not in peaks:
+            meter.reset_peak()
+            model(torch.randn(mb * rows, model.width, device=device)).square().mean().backward()
+            model.zero_grad(set_to_none=True)
+            peaks[mb] = meter.peak()
+        return peaks[mb]
+
+    for mb in (1, 2, 4, 8):
+        measure(mb)
+    if not peaks[1] < peaks[2] < peaks[4] < peaks[8]:
+        return Outcome.verdict(False, f"peaks {peaks} do not grow with the micro-batch",
+                               "the memory meter does not see the probe's memory")
+    capacity = int((peaks[4] + peaks[8]) / 2 / 0.9)
+    chosen = find_micro_batch(measure, 16, capacity, margin=0.1)
+    problems = [] if chosen == 4 else [f"chose {chosen}, not 4"]
+    oom_note = "no real out-of-memory on the CPU (the OS would kill the process)"
+    if dev.is_cuda:
+        free, _ = torch.cuda.mem_get_info(device)
+
+        def exhausting(mb: int) -> int:
+            if mb >= 8:
+                torch.empty(free + (8 << 30), dtype=torch.uint8, device=device)   # more than the device has
+            return measure(mb)
+        try:
+            got = find_micro_batch(exhausting, 16, 1 << 62, margin=0.1)
+        except torch.OutOfMemoryError:
+            got = None
+        after = torch.empty(256 << 20, dtype=torch.uint8, device=device)    # the memory is usable again
+        del after
+        oom_note = f"a real out-of-memory at 8 was caught and chose {got}"
+        if got != 4:
+            problems.append(f"with a real out-of-memory at 8 it chose {got}, not 4")
+    peak_txt = ", ".join(f"{m}: {p / 2**20:.0f} MiB" for m, p in sorted(peaks.items()))
+    observed = f"peaks {peak_txt}; capacity between 4 and 8 -> chose {chosen}; {oom_note}"
+    return Outcome.verdict(not problems, observed, "; ".join(problems) or "", peaks=peaks, chosen=chosen)
+
+
+class _WideActivations(torch.nn.Module):
+    """A probe's model for the doctor: wide activations for little compute (each micro-batch of 512 rows
+    keeps about 24 MiB for backward), so a CPU resident-set peak's noise does not decide the answer."""
+
+    width, factor = 64, 64
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(self.width, self.width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = torch.nn.functional.gelu(self.inp(x).repeat(1, self.factor))
+        return wide.view(x.shape[0], self.factor, self.width).mean(1)

@@ -396,3 +396,68 @@ class Checkpointer:
                 continue
             return path, progress
         return None
+
+
+def check(dev: DeviceInfo, quick: bool) -> Any:
+    """gptop doctor's `checkpoint` path: a model and its AdamW state on the device, saved by a Checkpointer
+    and restored into a changed model: weights, moments, step counts (where this run's kernel wants them)
+    and the RNG states come back exactly (the restore of every resume, NaN rollback and tuner trial)."""
+    import tempfile
+
+    from .contract.doctor import Outcome
+    from .optim import step_count_device
+
+    device = dev.torch_device
+    if dev.is_cuda:
+        torch.cuda.set_device(device)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64)).to(device)
+    cfg = TrainConfig()
+    cfg.toggles.fused_adamw = True
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **kernel_flags(cfg))
+    for _ in range(2):
+        model(torch.randn(8, 64, device=device)).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    moments = {i: {k: v.detach().clone() for k, v in s.items()} for i, s in enumerate(opt.state.values())}
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(device) if dev.is_cuda else None
+    warnings: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="gptop-doctor-") as tmp:
+        cp = Checkpointer(cfg, dev, Path(tmp), None, warnings.append)
+        cp.bind(model, opt, torch.amp.GradScaler(device.type, enabled=False))
+        cp.save(Progress(step=2, tokens=2, batch_cursor=2))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        torch.rand(7)
+        if dev.is_cuda:
+            torch.rand(7, device=device)
+        try:
+            _, progress = cp.resume(tmp)
+        except Exception as e:          # the failure is what the doctor reports
+            first = str(e).splitlines()[0] if str(e) else ""
+            return Outcome.verdict(False, f"restore failed: {type(e).__name__}: {first}",
+                                   "the checkpoint does not restore on this device")
+    problems = list(warnings)
+    if progress.step != 2:
+        problems.append(f"restored step {progress.step}, not 2")
+    if not all(torch.equal(model.state_dict()[k], v) for k, v in saved.items()):
+        problems.append("weights differ")
+    for i, s in enumerate(opt.state.values()):
+        for k, v in moments[i].items():
+            if not torch.equal(s[k].cpu(), v.cpu()):
+                problems.append(f"optimizer {k} differs")
+        group = opt.param_groups[0]
+        want = step_count_device(group, next(iter(model.parameters())))
+        if s["step"].device.type != want.type:
+            problems.append(f"step count on {s['step'].device}, the kernel wants {want}")
+    if not torch.equal(torch.get_rng_state(), rng):
+        problems.append("CPU RNG state differs")
+    if cuda_rng is not None and not torch.equal(torch.cuda.get_rng_state(device), cuda_rng):
+        problems.append("CUDA RNG state differs")
+    problems = list(dict.fromkeys(problems))
+    observed = "weights, AdamW moments and step counts, RNG states restored exactly" if not problems else \
+        "; ".join(problems)
+    return Outcome.verdict(not problems, observed, "the restored state differs from the saved one")

@@ -11,10 +11,14 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .contract.device import DeviceInfo, cpu_has_native_bf16, cpu_name
+
+if TYPE_CHECKING:
+    from .contract.doctor import Outcome
 
 
 def detect(requested: str = "auto") -> DeviceInfo:
@@ -85,3 +89,81 @@ def _cpu_has_bf16_kernels() -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):       # a torch built without oneDNN
         return False
+
+
+def _matmul_rate(a: torch.Tensor, reps: int, sync) -> float:
+    """Matmuls of `a` by itself per second (after one warm-up)."""
+    import time
+
+    a @ a
+    sync()
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ a
+    sync()
+    return reps / max(time.perf_counter() - t, 1e-9)
+
+
+def check_bf16(dev: DeviceInfo, quick: bool) -> "Outcome":
+    """gptop doctor's `bf16` path: a matmul under bf16 autocast (as the trainer runs `--precision bf16`)
+    computes in bf16, within 2% of fp32, and how fast bf16 is against fp32 here (native or emulated)."""
+    from .contract.capabilities import slow, support
+    from .contract.doctor import Outcome
+
+    reason = support("precision", "bf16", dev)
+    if reason:
+        return Outcome.skip(reason)
+    device = dev.torch_device
+    if dev.is_cuda:
+        torch.cuda.set_device(device)
+    sync = (lambda: torch.cuda.synchronize(device)) if dev.is_cuda else (lambda: None)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    n = 4096 if dev.is_cuda else 256
+    a = torch.randn(n, n, generator=g).to(device)
+    b = torch.randn(n, n, generator=g).to(device)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        out = a @ b
+    ref = a @ b
+    err = float((out.float() - ref).norm() / ref.norm())
+    fp32 = _matmul_rate(a, 10 if dev.is_cuda else 3, sync)
+    bf = _matmul_rate(a.to(torch.bfloat16), 10 if dev.is_cuda else 3, sync)
+    speed = bf / fp32
+    why_slow = slow("precision", "bf16", dev)
+    kind = "emulated" if why_slow else "native"
+    ok = out.dtype == torch.bfloat16 and err < 2e-2
+    observed = f"{out.dtype}, error {err:.1e} vs fp32; {kind}: a bf16 matmul at {speed:.2f}x fp32's rate"
+    if why_slow:
+        observed += " (--precision bf16 runs with a warning; the tuner leaves it out)"
+    return Outcome.verdict(ok, observed, f"bf16 autocast gave {out.dtype} with error {err:.1e}",
+                           relative_error=err, bf16_over_fp32=speed, native=not why_slow)
+
+
+def check_tf32(dev: DeviceInfo, quick: bool, *, device: Any = None) -> "Outcome":
+    """gptop doctor's `tf32` path: with TF32 allowed (as the trainer sets it), an fp32 matmul rounds its
+    inputs to TF32's 10-bit mantissa, an error far above fp32's; with it off, the result is plain fp32."""
+    from .contract.capabilities import support
+    from .contract.doctor import Outcome
+
+    reason = support("precision", "tf32", dev)
+    if reason and device is None:
+        return Outcome.skip(reason)
+    device = torch.device(device) if device is not None else dev.torch_device   # tests: the CPU ignores the flag
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    a64, b64 = torch.randn(2048, 2048, generator=g, dtype=torch.float64), torch.randn(2048, 2048, generator=g,
+                                                                                        dtype=torch.float64)
+    ref = a64.to(device) @ b64.to(device)
+    a, b = a64.float().to(device), b64.float().to(device)
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        off = float(((a @ b).double() - ref).norm() / ref.norm())
+        torch.backends.cuda.matmul.allow_tf32 = True
+        on = float(((a @ b).double() - ref).norm() / ref.norm())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    ok = on > 4 * off and on < 1e-2
+    return Outcome.verdict(ok, f"error vs fp64: {on:.1e} with TF32, {off:.1e} without",
+                           "allowing TF32 did not change the rounding (it does not take effect)",
+                           error_tf32=on, error_fp32=off)

@@ -235,3 +235,48 @@ class CommTimer:
             else:
                 b = max(b, e)
         return (total + b - a) * 1e3
+
+
+def _nccl_rank(rank: int, world: int, port: int) -> None:
+    """One rank of check_nccl: the process group as Group.init forms it, one all-reduce, checked."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    group = Group(rank, world, rank, torch.device(f"cuda:{rank}"))
+    group.init(timeout_s=60.0)
+    try:
+        t = torch.full((1 << 20,), float(rank + 1), device=group.device)
+        group.sum_(t)
+        want = world * (world + 1) / 2
+        if not bool((t == want).all()):
+            raise AssertionError(f"rank {rank}: all-reduce gave {float(t[0])}, not {want}")
+        if group.agree([rank]) != [world - 1]:
+            raise AssertionError(f"rank {rank}: the control plane's agreement is wrong")
+    finally:
+        group.destroy()
+
+
+def check_nccl(dev: Any, quick: bool) -> Any:
+    """gptop doctor's `nccl` path: two ranks on two GPUs form the group the trainer forms (NCCL, with the
+    gloo control plane) and all-reduce to the right sum."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from .contract.doctor import Outcome
+
+    if not dev.is_cuda:
+        return Outcome.skip("NCCL is for CUDA devices")
+    count = torch.cuda.device_count()
+    if count < 2:
+        return Outcome.skip(f"{count} GPU visible: two NCCL ranks need two GPUs")
+    if not dist.is_available() or not dist.is_nccl_available():
+        return Outcome.verdict(False, "torch.distributed has no NCCL", "this torch build lacks NCCL")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    try:
+        mp.spawn(_nccl_rank, args=(2, port), nprocs=2, join=True)
+    except Exception as e:
+        first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        return Outcome.verdict(False, f"two ranks failed: {first}"[:300], "the NCCL all-reduce failed")
+    return Outcome.verdict(True, "2 ranks (cuda:0, cuda:1) all-reduced 1M floats to the right sum", "")

@@ -19,11 +19,17 @@ on the CPU.
 
 from __future__ import annotations
 
+import math
+from typing import TYPE_CHECKING
+
 import torch
 
 from .contract.capabilities import support
 from .contract.config import ConfigError
 from .contract.device import DeviceInfo
+
+if TYPE_CHECKING:
+    from .contract.doctor import Outcome
 
 RECIPES = {"fp8-tensorwise": "tensorwise", "fp8-rowwise": "rowwise"}
 SKIP_NAMES = ("lm_head",)
@@ -81,3 +87,33 @@ def _convert(model: torch.nn.Module, recipe: str) -> int:
     convert_to_float8_training(model, module_filter_fn=module_filter,
                                config=Float8LinearConfig.from_recipe_name(recipe))
     return n
+
+
+def check(dev: DeviceInfo, quick: bool, recipe: str) -> "Outcome":
+    """gptop doctor's `fp8.<recipe>` paths: `convert` a small model (what `--precision fp8-<recipe>` does to
+    the built model) and take one training step under bf16 autocast: the eligible layers are Float8Linear,
+    the loss is finite and the weights change."""
+    from .contract.doctor import Outcome
+
+    precision = f"fp8-{recipe}"
+    reason = support("precision", precision, dev)
+    if reason:
+        return Outcome.skip(reason)
+    device = dev.torch_device
+    torch.cuda.set_device(device)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256)).to(device)
+    converted = convert(model, precision, dev)
+    kinds = sorted({type(m).__name__ for m in model.modules() if "Linear" in type(m).__name__})
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(torch.randn(64, 256, device=device)).float().square().mean()
+    loss.backward()
+    opt.step()
+    value = float(loss)
+    moved = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    ok = converted == 2 and kinds == ["Float8Linear"] and math.isfinite(value) and moved
+    return Outcome.verdict(ok, f"{converted} layers as {', '.join(kinds)}; loss {value:.4g}; weights "
+                               f"{'changed' if moved else 'unchanged'}",
+                           f"the {recipe} fp8 step did not train", loss=value)

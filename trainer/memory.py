@@ -117,3 +117,36 @@ def enable_expandable_segments(environ: MutableMapping[str, str]) -> str | None:
 
 def make_meter(device: torch.device) -> MemoryMeter:
     return CudaMemory(device) if device.type == "cuda" else CpuMemory()
+
+
+def check_expandable_segments(dev: Any, quick: bool, *, cuda: Any = None,
+                              environ: MutableMapping[str, str] | None = None) -> Any:
+    """gptop doctor's `expandable_segments` path: in a fresh process, `--cuda-allocator expandable_segments`
+    (enable_expandable_segments, as trainer.train.main_run calls it, here over a PYTORCH_CUDA_ALLOC_CONF the
+    user set) must leave the allocator's segments expandable."""
+    import os
+
+    from .contract.capabilities import support
+    from .contract.doctor import Outcome
+
+    reason = support("cuda_allocator", "expandable_segments", dev)
+    if reason:
+        return Outcome.skip(reason)
+    real = cuda is None
+    cuda = torch.cuda if real else cuda                  # tests: a fake of the calls below
+    env = os.environ if environ is None else environ
+    if cuda.is_initialized():
+        return Outcome.verdict(False, "CUDA was initialized before the setting", "the check needs a fresh process")
+    env.pop("PYTORCH_ALLOC_CONF", None)
+    env["PYTORCH_CUDA_ALLOC_CONF"] = "garbage_collection_threshold:0.9"     # a user's own setting
+    note = enable_expandable_segments(env)
+    device = dev.torch_device
+    cuda.set_device(device)
+    x = torch.empty(64 << 20, dtype=torch.uint8, device=device) if real else None
+    segments = [s for s in cuda.memory_snapshot() if s.get("device", device.index) == device.index]
+    expandable = [s for s in segments if s.get("is_expandable")]
+    del x
+    ok = bool(expandable) and len(expandable) == len(segments)
+    observed = (f"{len(expandable)} of {len(segments)} segments expandable with "
+                f"PYTORCH_CUDA_ALLOC_CONF={env['PYTORCH_CUDA_ALLOC_CONF']!r}")
+    return Outcome.verdict(ok, observed, "the allocator did not take the setting", merged_warning=note)

@@ -215,3 +215,87 @@ def step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, finite:
     elif bool(finite):
         optimizer.step()
     scaler.update()
+
+
+def check_grad_scaler(dev: Any, quick: bool, *, device: Any = None) -> Any:
+    """gptop doctor's `fp16` path: steps under fp16 autocast through `step` with a GradScaler, as the loop
+    takes them: a normal step changes the weights; a step whose gradient overflows is skipped (weights and
+    moments untouched) and the scale halves."""
+    from .contract.capabilities import support
+    from .contract.doctor import Outcome
+
+    reason = support("precision", "fp16", dev)
+    if reason and device is None:
+        return Outcome.skip(reason)
+    device = torch.device(device) if device is not None else dev.torch_device   # tests: the CPU's fp16 autocast
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **adamw_flags(True))
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 12)
+
+    def train_step(overflow: bool) -> None:
+        with torch.autocast(device.type, dtype=torch.float16):
+            loss = model(torch.randn(16, 64, device=device)).float().square().mean()
+        scaler.scale(loss).backward()
+        if overflow:
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+        scaler.unscale_(opt)
+        step(opt, scaler, finite=torch.ones((), dtype=torch.bool, device=device))
+        opt.zero_grad(set_to_none=True)
+
+    before = [p.detach().clone() for p in model.parameters()]
+    train_step(False)
+    moved = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    kept = [p.detach().clone() for p in model.parameters()]
+    moments = [s["exp_avg"].clone() for s in opt.state.values()]
+    scale = scaler.get_scale()
+    train_step(True)
+    untouched = all(torch.equal(a, p) for a, p in zip(kept, model.parameters())) and all(
+        torch.equal(m, s["exp_avg"]) for m, s in zip(moments, opt.state.values()))
+    dropped = scaler.get_scale() == scale * 0.5
+    ok = moved and untouched and dropped
+    observed = (f"normal step {'changed' if moved else 'did not change'} the weights; overflowing step "
+                f"{'skipped' if untouched else 'APPLIED'}; scale {scale:g} -> {scaler.get_scale():g}")
+    return Outcome.verdict(ok, observed, "GradScaler did not skip the overflow or lower its scale")
+
+
+def check_fused_adamw(dev: Any, quick: bool) -> Any:
+    """gptop doctor's `fused_adamw` path: fused AdamW's updates equal foreach AdamW's on this device, and a
+    step flagged non-finite on the device (`step`'s found_inf protocol, no host read) changes nothing."""
+    from .contract.doctor import Outcome
+
+    device = dev.torch_device
+    if dev.is_cuda:
+        torch.cuda.set_device(device)
+    torch.manual_seed(0)
+    base = torch.nn.Linear(128, 64).to(device)
+    models = {k: torch.nn.Linear(128, 64).to(device) for k in ("fused", "foreach")}
+    for m in models.values():
+        m.load_state_dict(base.state_dict())
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-2, betas=BETAS, eps=EPS, weight_decay=0.1,
+                                 **adamw_flags(k == "fused")) for k, m in models.items()}
+    scaler = torch.amp.GradScaler(device.type, enabled=False)
+    ones = torch.ones((), dtype=torch.bool, device=device)
+    try:
+        for i in range(3):
+            x = torch.randn(32, 128, device=device)
+            for k, m in models.items():
+                m(x).square().mean().backward()
+                step(opts[k], scaler, finite=ones)
+                opts[k].zero_grad(set_to_none=True)
+    except (RuntimeError, NotImplementedError) as e:
+        return Outcome.verdict(False, f"fused AdamW failed: {str(e).splitlines()[0]}", "fused AdamW does not run here")
+    diff = max(float((a - b).detach().abs().max()) for a, b in zip(models["fused"].parameters(),
+                                                                  models["foreach"].parameters()))
+    m = models["fused"]
+    kept = [p.detach().clone() for p in m.parameters()]
+    m(torch.randn(32, 128, device=device)).square().mean().backward()
+    step(opts["fused"], scaler, finite=~ones)
+    skipped = all(torch.equal(a, p) for a, p in zip(kept, m.parameters()))
+    ok = diff < 1e-5 and skipped
+    observed = (f"fused vs foreach after 3 steps: max difference {diff:.1e}; a step flagged non-finite "
+                f"{'was skipped' if skipped else 'CHANGED the weights'}")
+    return Outcome.verdict(ok, observed, "fused AdamW disagrees with foreach, or applies a flagged step",
+                           max_difference=diff)

@@ -267,3 +267,58 @@ class Prefetcher:
         with contextlib.suppress(Exception):
             self.close()
 
+
+
+def check(dev: Any, quick: bool, *, copier_factory: Any = None, device: Any = None) -> Any:
+    """gptop doctor's `prefetch` path: micro-batches through the prefetcher this device uses (CudaCopier:
+    pinned memory, a side stream; CpuCopier on the CPU), from a thread and from workers, must equal the
+    synchronous path's, in order, and still read back intact after later batches were copied (on CUDA each
+    is checksummed on the compute stream behind a long kernel: memory the allocator reused too early would
+    change it)."""
+    import numpy as np
+
+    from .contract.doctor import Outcome
+
+    device = torch.device(device) if device is not None else dev.torch_device   # tests: fake CUDA ops on CPU
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)
+    make_copier = copier_factory or (lambda: choose_copier(device))
+    tokens = np.random.default_rng(0).integers(0, 50_000, size=200_000).astype(np.int64)
+    sampler = BatchSampler(tokens, 256, 16, seed=3)
+    n = 24 if quick else 64
+    reference = Prefetcher(sampler, 4, 0, "cpu", depth=0)
+    want = [reference.get() for _ in range(n)]
+    reference.close()
+    weights = torch.arange(1, 257, dtype=torch.float64, device=device)
+    load = torch.randn(1024, 1024, device=device) if cuda else None
+    problems = []
+    for depth, workers in ((2, 0), (2, 2)):
+        sums = []
+        copier = make_copier()
+        with Prefetcher(sampler, 4, 0, device, depth=depth, workers=workers, copier=copier) as p:
+            for i in range(n):
+                b, k, x, y = p.get()
+                if (b, k) != want[i][:2]:
+                    problems.append(f"depth {depth} workers {workers}: batch {i} came as {b}/{k}")
+                    break
+                if x.device != device:
+                    problems.append(f"batch on {x.device}, not {device}")
+                    break
+                if load is not None:                 # keep the compute stream busy while later copies land
+                    for _ in range(4):
+                        load = (load @ load) * (1.0 / 1024)
+                sums.append(((x.double() * weights).sum(), (y.double() * weights).sum()))
+                del x, y                              # freed on the consumer side: reuse must wait for it
+        got = torch.stack([torch.stack(s) for s in sums]).cpu() if sums else torch.zeros(0, 2)
+        host = weights.cpu()
+        expect = torch.tensor([[float((w[2].double() * host).sum()), float((w[3].double() * host).sum())]
+                               for w in want[:len(sums)]], dtype=torch.float64)
+        if not torch.equal(got, expect):
+            bad = int((got != expect).any(dim=1).nonzero()[0]) if got.shape == expect.shape else -1
+            problems.append(f"depth {depth} workers {workers}: batch {bad} differs from the synchronous path")
+    kind = type(copier).__name__
+    observed = (f"{n} micro-batches x 2 ways ({kind}) equal to the synchronous path" if not problems
+                else "; ".join(problems))
+    return Outcome.verdict(not problems, observed, "prefetched data differs from the synchronous path",
+                           batches=n, copier=kind)

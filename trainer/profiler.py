@@ -113,3 +113,17 @@ class StepProfiler:
         except OSError:
             pass
         return summary
+
+
+def report_written(channel: Any, path: Path, first: int, last: int, summary: dict[str, Any] | None) -> None:
+    """Tell gptop a window was written: a log line naming the trace and, when it could be summarized, the
+    `profile` event. The trainer and gptop.integrations' clients both report through here."""
+    channel.emit("log", message=f"profiler trace of steps {first}-{last} written to {path}", path=str(path))
+    if summary is not None:
+        channel.emit("profile", first=first, last=last, path=str(path),
+                     summary_path=summary.get("summary_path"), step_ms=summary["step_ms"],
+                     phases=summary["phases"], short_op_share=summary.get("short_op_share"),
+                     short_kernel_share=summary.get("short_kernel_share"),
+                     gpu_idle_share=summary.get("gpu_idle_share"),
+                     gpu_idle_host_share=summary.get("gpu_idle_host_share"),
+                     comm_overlap=summary.get("comm_overlap"))

@@ -21,9 +21,13 @@ from __future__ import annotations
 import time
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 from .contract.events import PHASES
+
+if TYPE_CHECKING:
+    from .contract.device import DeviceInfo
+    from .contract.doctor import Outcome
 
 TIMED = ("data", "forward", "backward", "optimizer")
 
@@ -221,3 +225,74 @@ def make_timer(device: Any, enabled: bool) -> StepTimer:
     if not enabled:
         return WallTimer()
     return CudaTimer(device=device) if getattr(device, "type", device) == "cuda" else CpuTimer()
+
+
+def check(dev: "DeviceInfo", quick: bool, *, timer_factory: Callable[[], StepTimer] | None = None,
+          device: Any = None) -> "Outcome":
+    """gptop doctor's `timing` path: time a known workload with this device's timer (make_timer) the way the
+    loop does, and compare with a synchronized wall clock: the steps must add up to it, and a phase with
+    twice the matmuls of another must measure about twice as long in the median step on CUDA (events on the
+    wrong stream or device measure an idle GPU, i.e. the host). Up to three attempts, the first that agrees
+    counts (a machine shared with other work preempts some steps)."""
+    import torch
+
+    from .contract.doctor import Outcome
+
+    device = device if device is not None else dev.torch_device     # tests: a fake timer over CPU work
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)
+    n = 2048 if cuda else 128
+    a = torch.randn(n, n, device=device)
+    sync = torch.cuda.synchronize if cuda else (lambda *args: None)
+
+    def work(k: int) -> None:
+        x = a
+        for _ in range(k):
+            x = (x @ a) * n ** -0.5           # keeps the values near 1 (no denormals, no overflow)
+
+    def attempt() -> tuple[bool, str, dict]:
+        timer = timer_factory() if timer_factory is not None else make_timer(device, True)
+        steps = 8 if quick else 12
+        work(3)                                     # warm-up: kernels, caches
+        sync()
+        t0 = time.perf_counter()
+        for s in range(steps):
+            timer.begin_step(s)
+            with timer.phase("data"):
+                pass
+            with timer.phase("forward"):
+                work(4 if cuda else 6)
+            with timer.phase("backward"):
+                work(8 if cuda else 12)
+            with timer.phase("optimizer"):
+                work(1)
+            timer.end_step()
+        sync()
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        got = timer.collect()
+        if len(got) != steps or any(t.phases_ms is None for t in got):
+            return False, f"{len(got)} of {steps} steps timed", {}
+        total = sum(t.step_ms for t in got)
+        adds_up = all(abs(sum(t.phases_ms.values()) - t.step_ms) <= 1e-6 * max(1.0, t.step_ms) for t in got)
+        ratios = sorted(t.phases_ms["backward"] / t.phases_ms["forward"] if t.phases_ms["forward"] > 0
+                        else float("inf") for t in got)
+        ratio = ratios[len(ratios) // 2]
+        share = total / wall_ms if wall_ms > 0 else 0.0
+        # The ratio judges CUDA events (recorded on the wrong stream they time nothing); a shared CPU's host
+        # clocks are exact but the work between them is not steady, so there it is only reported.
+        ok = adds_up and 0.9 <= share <= 1.1 and (not cuda or 1.5 <= ratio <= 2.6)
+        observed = (f"steps sum to {share:.0%} of the wall clock ({total:.1f} of {wall_ms:.1f} ms); median "
+                    f"backward/forward {ratio:.2f} (2x the work{'' if cuda else ', not judged on the CPU'})"
+                    + ("" if adds_up else "; phases do not add up"))
+        return ok, observed, dict(wall_ms=wall_ms, timed_ms=total, backward_over_forward=ratio,
+                                  timer=type(timer).__name__)
+
+    for tries in range(1, 4):
+        ok, observed, data = attempt()
+        if ok:
+            break
+    if tries > 1:
+        observed += f" (attempt {tries} of 3)"
+    return Outcome.verdict(ok, observed, "the timer's steps or phases disagree with the synchronized clock",
+                           attempts=tries, **data)

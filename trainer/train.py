@@ -45,7 +45,7 @@ from .contract.events import MAX_STEPS, STOPPED_BEFORE_FIRST_STEP
 from .contract.runlock import RunLock
 from .device import detect
 from .memory import make_meter
-from .profiler import StepProfiler
+from .profiler import StepProfiler, report_written
 from .timing import interval_means, make_timer
 
 EXIT_OK, EXIT_CRASH, EXIT_CONFIG, EXIT_OOM, EXIT_NAN, EXIT_COMPILE = 0, 1, 2, 3, 4, 5
@@ -172,8 +172,12 @@ class Trainer:
         from .contract.device import gpu_key
         from .device import gpu_identity
 
-        keys = [self.dev.key] if self.world == 1 else [gpu_key(*gpu_identity(i)) for i in range(self._local_procs)]
-        return [k for k in keys if k] or None
+        if self.world == 1:
+            keys = self.dev.keys
+        else:
+            ids = [gpu_identity(i) for i in range(self._local_procs)]
+            keys = [k for uuid, pci in ids for k in (gpu_key(uuid), gpu_key(None, pci)) if k]
+        return keys or None
 
     @property
     def parallel(self) -> str | None:
@@ -341,13 +345,15 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def _compile(self, model: torch.nn.Module) -> torch.nn.Module:
+        from .compiling import compile_model
+
         mode = self.cfg.toggles.compile
         if mode == "off":
             return model
         from .compile_watch import CompileWatch
 
         self.compile_watch = CompileWatch()
-        return torch.compile(model, mode=None if mode == "default" else mode)
+        return compile_model(model, mode)
 
     def _watch_compile(self, step: int, step_ms: float | None, *, eval_: bool = False) -> None:
         """After the first step, what the compile built; after later ones (and after an eval), a
@@ -577,15 +583,7 @@ class Trainer:
         return decision.stop
 
     def _profile_written(self, path: Path, first: int, last: int, summary: dict[str, Any] | None) -> None:
-        self.channel.emit("log", message=f"profiler trace of steps {first}-{last} written to {path}", path=str(path))
-        if summary is not None:
-            self.channel.emit("profile", first=first, last=last, path=str(path),
-                              summary_path=summary.get("summary_path"), step_ms=summary["step_ms"],
-                              phases=summary["phases"], short_op_share=summary.get("short_op_share"),
-                              short_kernel_share=summary.get("short_kernel_share"),
-                              gpu_idle_share=summary.get("gpu_idle_share"),
-                              gpu_idle_host_share=summary.get("gpu_idle_host_share"),
-                              comm_overlap=summary.get("comm_overlap"))
+        report_written(self.channel, path, first, last, summary)
 
     def _is_log_step(self) -> bool:
         return self.progress.step % self.cfg.log.log_every == 0

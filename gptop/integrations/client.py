@@ -464,8 +464,10 @@ class Client:
             self._old_handlers = {}
         atexit.unregister(self.close)
 
-    def _profile_written(self, path: Any, first: int, last: int) -> None:
-        self.channel.emit("log", message=f"profiler trace of steps {first}-{last} written to {path}", path=str(path))
+    def _profile_written(self, path: Any, first: int, last: int, summary: dict[str, Any] | None) -> None:
+        from trainer.profiler import report_written
+
+        report_written(self.channel, path, first, last, summary)
 
 
 __all__ = ["Client", "DEFAULT_LOG_EVERY", "TIMED", "describe_model", "env_world", "model_precision", "module_device"]

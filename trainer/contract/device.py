@@ -36,6 +36,13 @@ class DeviceInfo:
         return gpu_key(self.uuid, self.pci_bus_id) if self.is_cuda else None
 
     @property
+    def keys(self) -> list[str]:
+        """Both spellings torch gave of the GPU's identity (UUID, PCI address): either matches NVML's."""
+        if not self.is_cuda:
+            return []
+        return [k for k in (gpu_key(self.uuid), gpu_key(None, self.pci_bus_id)) if k]
+
+    @property
     def torch_device(self) -> "torch.device":
         import torch        # the trainer's side only: gptop and the tuner never ask for it
 
