@@ -16,6 +16,11 @@
    checkpoint on disk finite, and the run recovers or stops with the `nan` error (or the input is refused).
 4. Two writers on one run directory: a second gptop and a bare trainer are refused (exit 2, naming the
    holder's pid and host) while the first run finishes alone.
+5. `gptop export --force` aimed at a live run, a run's checkpoints/, a folder holding runs, the current
+   directory, a symlink to a live run, a `..` path to a run and a directory export did not write: exit 2
+   before anything loads, nothing changed, the live run goes on; an earlier export is replaced; a kill -9 of
+   the export worker leaves the previous export and the next export removes its debris; a new run in a
+   copied run directory is refused.
 
 Tiny llama on the CPU (219-286 s on a 2-core machine at load 9-12, 2026-11-25). Exit status 1 if any check fails.
 """
@@ -378,6 +383,95 @@ def two_writers(work: Path) -> None:
         print(f"  refused: exit {s['exit']} in {s['seconds']} s: {s['said']}", flush=True)
 
 
+# --------------------------------------------------------------------------- 5. export --force and run reuse
+
+def tree(d: Path) -> dict[str, int]:
+    """Every file under `d` with its size (what must not change)."""
+    return {str(q.relative_to(d)): q.stat().st_size for q in sorted(d.rglob("*")) if q.is_file()} if d.exists() else {}
+
+
+def export_checks(work: Path) -> None:
+    """`gptop export --force` aimed at what it must never destroy (issue 28 §1): a live run, a finished run's
+    checkpoints/, a folder holding runs, the current directory, a symlink to a live run, a directory with files
+    export did not write; an earlier export it may replace; a kill -9 of the export worker; and a new run in a
+    copied run directory (§2). Each refusal: exit 2, before anything loads, nothing changed."""
+    print("export --force and run-directory reuse", flush=True)
+    runs = work / "runs"
+    base, live = runs / "base", runs / "live"
+    p = run([*TRAINER, *TINY, "--max-steps", "4", "--checkpoint-every", "2", "--run-dir", str(base)])
+    if not check(p.returncode == 0, f"base run exit {p.returncode}: {p.stderr[-500:]}"):
+        return
+    trainer = start([*TRAINER, *TINY, "--max-steps", "100000", "--checkpoint-every", "5", "--run-dir", str(live)],
+                    work / "live.log")
+    if not check(wait_for(lambda: rundir.has_checkpoint(live), trainer, poll=0.05), "the live run checkpoints"):
+        trainer.kill()
+        return
+    (work / "D").mkdir()
+    (work / "links").mkdir()
+    (work / "links" / "live").symlink_to(live)
+    mine = work / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("not an export")
+    cases = {"live run": str(live), "finished run's checkpoints/": str(base / "checkpoints"),
+             "a checkpoint's folder inside": str(base / "checkpoints" / "new"), "folder holding runs": str(runs) + "/",
+             "the current directory": ".", "symlink to the live run": str(work / "links" / "live"),
+             "a directory export did not write": str(mine), "finished run via ..": str(runs / "live" / ".." / "base")}
+    refused = {}
+    for name, out in cases.items():
+        before = {d: tree(d) for d in (base, mine)}
+        t = time.monotonic()
+        r = subprocess.run([*GPTOP, "export", str(base), out, "--force"], capture_output=True, text=True, env=ENV,
+                           cwd=work / "D" if out == "." else ROOT, timeout=300)
+        said = (r.stderr.strip().splitlines() or [""])[-1]
+        intact = all(tree(d) == v for d, v in before.items()) and trainer.poll() is None and (live / "config.toml").is_file()
+        refused[name] = {"exit": r.returncode, "seconds": round(time.monotonic() - t, 2), "said": said[:200],
+                         "loaded_nothing": "loading" not in r.stderr, "intact": intact}
+        check(r.returncode == 2 and "OUT_DIR" in said and "loading" not in r.stderr and intact,
+              f"export --force into {name}: {refused[name]}")
+        print(f"  {name}: exit {r.returncode} in {refused[name]['seconds']} s: {said[:150]}", flush=True)
+    os.kill(trainer.pid, signal.SIGTERM)
+    live_exit = trainer.wait(300)
+    live_ok = live_exit == 0 and all_checkpoints_load(live)[1] == [] and rundir.has_checkpoint(live)
+    check(live_ok, f"the live run went on and stopped cleanly (exit {live_exit})")
+    # an earlier export may be replaced; a kill -9 of the worker leaves it as it was and its debris is cleaned next time
+    out = work / "exports" / "base"
+    first = run([*GPTOP, "export", str(base), str(out)])
+    again = run([*GPTOP, "export", str(base), str(out), "--force"])
+    check(first.returncode == 0 and again.returncode == 0, f"export and replace: {first.stderr[-300:]} {again.stderr[-300:]}")
+    before = tree(out)
+    proc = subprocess.Popen([*GPTOP, "export", str(base), str(out), "--force"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+    hit = wait_for(lambda: list(out.parent.glob(".base.export-*")), proc, poll=0.01)
+    if hit:
+        import psutil
+
+        for c in psutil.Process(proc.pid).children(recursive=True):
+            c.kill()
+    _, err = proc.communicate(timeout=300)
+    said = (err.strip().splitlines() or [""])[-1]
+    debris = [q.name for q in out.parent.glob(".base.*")]
+    after = run([*GPTOP, "export", str(base), str(out), "--force"])
+    killed = {"exit": proc.returncode, "said": said[:200], "previous_export_intact": tree(out) == before if hit else None,
+              "debris_after_kill": len(debris), "next_export_exit": after.returncode,
+              "debris_after_next": len(list(out.parent.glob(".base.*")))}
+    check(not hit or (proc.returncode == 1 and "killed by signal 9" in said and killed["previous_export_intact"]
+                      and after.returncode == 0 and killed["debris_after_next"] == 0), f"killed export: {killed}")
+    print(f"  kill -9 of the export worker: {killed}", flush=True)
+    # a new run in a copy of a run directory
+    import shutil
+
+    reuse = runs / "reuse"
+    shutil.copytree(base, reuse)
+    before = tree(reuse)
+    r = run([*GPTOP, "train", *TINY, "--max-steps", "3", "--run-dir", str(reuse)])
+    said = (r.stderr.strip().splitlines() or [""])[-1]
+    reused = {"exit": r.returncode, "said": said[:200], "intact": tree(reuse) == before}
+    check(r.returncode == 2 and "holds another run" in said and reused["intact"], f"reused run directory: {reused}")
+    print(f"  new run in a copied run directory: {reused}", flush=True)
+    results["export"] = {"refused": refused, "live_run_exit": live_exit, "live_run_ok": live_ok,
+                         "replace_earlier_export": again.returncode, "killed_worker": killed, "reused_run_dir": reused}
+
+
 # --------------------------------------------------------------------------- main
 
 def machine() -> str:
@@ -393,10 +487,10 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--checkpoint-every", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--only", choices=("kill", "disk", "nan", "writers"), action="append")
+    ap.add_argument("--only", choices=("kill", "disk", "nan", "writers", "export"), action="append")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object at the end")
     ns = ap.parse_args()
-    only = set(ns.only or ("kill", "disk", "nan", "writers"))
+    only = set(ns.only or ("kill", "disk", "nan", "writers", "export"))
     print(f"bench/faults.py, {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {machine()}, "
           f"torch {torch.__version__}, seed {ns.seed}", flush=True)
     t0 = time.monotonic()
@@ -410,6 +504,8 @@ def main() -> int:
             nan_checks(work)
         if "writers" in only:
             two_writers(work)
+        if "export" in only:
+            export_checks(work)
     results["seconds"] = round(time.monotonic() - t0, 1)
     results["failures"] = failures
     k = results.get("kill")
@@ -430,6 +526,15 @@ def main() -> int:
         print(f"  two writers: the first ran to exit {w['first_exit']} alone ({w['hello_events']} start, steps in "
               f"order: {w['steps_in_order']}); the others exited {[s['exit'] for s in w['refused']]} in "
               f"{[s['seconds'] for s in w['refused']]} s")
+    x = results.get("export")
+    if x:
+        r = x["refused"]
+        print(f"  export --force: {sum(v['exit'] == 2 and v['intact'] for v in r.values())}/{len(r)} protected paths "
+              f"refused with exit 2 and nothing changed, in {min(v['seconds'] for v in r.values())}-"
+              f"{max(v['seconds'] for v in r.values())} s, none loading anything: "
+              f"{all(v['loaded_nothing'] for v in r.values())}; the live run exited {x['live_run_exit']}; an earlier "
+              f"export replaced: exit {x['replace_earlier_export']}; killed worker: {x['killed_worker']}; reused run "
+              f"directory: exit {x['reused_run_dir']['exit']}")
     print(f"  {len(failures)} failed checks, {results['seconds']} s")
     if ns.json:
         print(json.dumps(results, default=str))

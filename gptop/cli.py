@@ -22,8 +22,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from trainer.contract import inputs
-from trainer.contract.config import AUTO, ConfigError, TrainConfig, add_arguments, config_from_args, number_arg
+from trainer.contract import inputs, protect
+from trainer.contract.config import (AUTO, ConfigError, TrainConfig, add_arguments, check_resumable, config_from_args,
+                                    number_arg)
 from trainer.contract.rundir import MAX_STEP, default_run_dir, resume_config, resumes_into
 from trainer.contract.runlock import RunLock, node_key
 from trainer.contract.tools import add_export_arguments, add_sample_arguments
@@ -243,6 +244,8 @@ def resolve_config(ns: argparse.Namespace) -> TrainConfig:
     is started or created."""
     base = resume_config(getattr(ns, "checkpoint.resume", None))
     cfg = config_from_args(ns, base, world_size=world_size(ns))
+    if base is not None:
+        check_resumable(base.to_dict(), cfg, f"the run in {base.run.run_dir}")
     if cfg.run.run_dir is None:
         from .telemetry import resolved_size   # a --size auto run is named by the size it resolves to
 
@@ -251,10 +254,25 @@ def resolve_config(ns: argparse.Namespace) -> TrainConfig:
 
 
 def check_run_args(ns: argparse.Namespace, cfg: TrainConfig) -> None:
-    """The checks of `train`/`tune` flags that need more than one flag (or the config)."""
+    """The checks of `train`/`tune` flags that need more than one flag (or the config), before anything is
+    created: what the trainer would refuse once it runs is refused here already where gptop can tell without
+    torch (a LoRA target or rank a family cannot take, an option the device cannot run, a resume that
+    changes what is learned)."""
     node_rank = getattr(ns, "node_rank", None)
     if node_rank is not None and ":" not in ns.nnodes and node_rank >= max_nodes(ns.nnodes):
         raise ConfigError("--node-rank", f"{node_rank} is not below --nnodes {ns.nnodes}")
+    from trainer.contract import estimate
+
+    from .telemetry import certain_cpu, resolved_size
+
+    ft = cfg.finetune
+    size = (resolved_size(cfg) or "tiny") if cfg.model.size == "auto" else cfg.model.size
+    estimate.check_lora(cfg.model.model, size, ft.lora, ft.lora_targets)
+    cpu = certain_cpu(cfg.run.device)
+    if cpu is not None:
+        from trainer.contract.capabilities import check_config
+
+        check_config(cfg, cpu)
     spec = getattr(ns, "tune_space", None)
     if spec is not None:
         from tuner.space import SearchSpace, quantizable
@@ -337,10 +355,16 @@ def _run(ns: argparse.Namespace, signals: StopSignals) -> int:
     node = node_key(ns.node_rank) if multi_node else None
     metrics = bind_metrics(ns, node)          # a port in use: exit 2 here, before the lock or anything else
     try:
+        created = [] if multi_node else protect.dirs_to_create(cfg.run.run_dir)
         lock = RunLock.acquire(cfg.run.run_dir, command=f"gptop {ns.command}", node=node,
                                new_run=not resumes_into(resume, cfg.run.run_dir))
         try:
             return _run_locked(ns, cfg, resume, launcher, lock, signals, metrics)
+        except ConfigError:
+            # refused once the directory was made (W&B's login, a check only the trainer can make): nothing is kept
+            lock.release()
+            protect.remove_created(created)
+            raise
         finally:
             lock.release()
     finally:
@@ -407,13 +431,16 @@ def _show(ns: argparse.Namespace, session: Session, resume: str | None, signals:
         from .headless import HeadlessView
 
         code = session.run_headless(HeadlessView(session.state, json=ns.json), resume=resume, signals=signals)
-        if code == EXIT_FAILED:
+        if code == EXIT_FAILED and session.refusal() is None:
             print(f"gptop: {session.state.status_message or 'the run failed'}", file=sys.stderr)
         code = code if code is not None else EXIT_FAILED
     else:
         from .ui.app import run_app
 
         code = run_app(session, resume=resume, signals=signals)
+    refusal = session.refusal()
+    if refusal is not None:               # the trainer refused the configuration before its first step
+        raise TrainerRefused(refusal)
     from .summary import print_summary   # the closing lines; with --json on stderr, stdout stays JSON
 
     print_summary(session.state, code, sys.stderr if ns.no_ui and ns.json else sys.stdout)
@@ -421,6 +448,17 @@ def _show(ns: argparse.Namespace, session: Session, resume: str | None, signals:
     if code == EXIT_FAILED and err is not None and err.kind == "config":
         return EXIT_USAGE
     return code
+
+
+class TrainerRefused(ConfigError):
+    """The trainer refused the run's configuration before its first step (a check only it can make, on the
+    built model): one line, exit 2, and the run directory this command made is removed."""
+
+    def __init__(self, said: str):
+        super().__init__("", said)
+
+    def __str__(self) -> str:
+        return self.message
 
 
 def _launcher(ns: argparse.Namespace):

@@ -371,7 +371,9 @@ class HeadlessView:
                 self._print(f"status: {status}" + (f": {message}" if message else ""))
                 if self._progress is not None and self._task is not None:
                     self._progress.update(self._task, description=status)
-            if status == "failed" and self._stderr and not self.echo_logs:
+            err = self.state.last_error()
+            refused = err is not None and err.kind == "config"     # gptop says it in one line: nothing to add
+            if status == "failed" and self._stderr and not self.echo_logs and not refused:
                 self._print_err(f"last {len(self._stderr)} lines of the trainer's stderr:")
                 for line in self._stderr:
                     self._print_err("  " + line)

@@ -235,7 +235,7 @@ class Session(SessionBase):
         if self.options.tensorboard:
             from .tensorboard import TensorBoardWriter
 
-            self._tb = TensorBoardWriter(self.run_dir / "tensorboard")
+            self._tb = TensorBoardWriter(self.layout.tensorboard)
         if self.sampler is None:
             from .telemetry import DeviceSampler
 
@@ -525,6 +525,15 @@ class Session(SessionBase):
         if newest is not None:
             return f"{who} before it checkpointed step {reached}: {lost}, --resume continues from step {newest}"
         return f"{who} before its first checkpoint: {lost}"
+
+    def refusal(self) -> str | None:
+        """The trainer's refusal of the configuration ("--lora-targets: ..."), when that is how the run ended:
+        a config error before any step, nothing checkpointed. None for any other end."""
+        err = self.state.last_error()
+        if (self._exit_code != EXIT_FAILED or err is None or err.kind != "config" or self.state.step is not None
+                or has_checkpoint(self.run_dir)):
+            return None
+        return err.message
 
     def failure_summary(self, code: int) -> str:
         if self.options.launcher is not None:

@@ -30,7 +30,7 @@ import psutil
 
 from gptop.energy import Rapl
 from gptop.nvml import Nvml
-from trainer.contract.device import DeviceInfo, cpu_has_native_bf16, cpu_name
+from trainer.contract.device import DeviceInfo, cpu_has_native_bf16, cpu_name, has_compiler
 from trainer.contract.events import CpuReading, DeviceEvent, GpuReading, finite_or_none
 
 if TYPE_CHECKING:
@@ -488,6 +488,22 @@ def training_device(requested: str = "auto", nvml: Nvml | None = None) -> Device
     finally:
         if nvml is None:
             nv.close()
+
+
+def certain_cpu(requested: str = "auto") -> DeviceInfo | None:
+    """The CPU as a trainer given `--device requested` will describe it, when it will certainly train there
+    (`cpu`, CUDA hidden, or `auto` on a machine without an NVIDIA driver); None when a GPU may be used. What
+    the CPU cannot run (`--quantize-base`, fp16, CUDA-graph compile modes) is then refused before anything starts."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    hidden = visible is not None and visible.strip() in ("", "-1")
+    if not (requested == "cpu" or hidden or (requested == "auto" and not os.path.exists(NVIDIA_DRIVER))):
+        return None
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return DeviceInfo(type="cpu", name=cpu_name(), total_memory=psutil.virtual_memory().total, cpu_count=cpus,
+                      has_compiler=has_compiler())
+
+
+NVIDIA_DRIVER = "/proc/driver/nvidia/version"     # present wherever the NVIDIA kernel driver is loaded
 
 
 def resolved_size(cfg: "TrainConfig") -> str | None:

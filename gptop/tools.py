@@ -31,9 +31,44 @@ EXIT_FAILED, EXIT_INTERRUPTED = 1, 130
 GRACE_S = 15.0            # past a tool's own --timeout before gptop ends it (it stops itself at the deadline)
 
 
+def oom_kills() -> int | None:
+    """How many processes the kernel's out-of-memory killer has ended since boot (/proc/vmstat, Linux 4.13+)."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def killed_words(what: str, signum: int, oom_before: int | None) -> str:
+    """`the export was killed by signal 9 (SIGKILL): ...`, saying when it was most likely the OOM killer."""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    after = oom_kills()
+    if oom_before is not None and after is not None and after > oom_before:
+        why = "the kernel's out-of-memory killer ended it: the model did not fit in the memory left"
+    elif signum == signal.SIGKILL:
+        why = "most likely out of memory (the kernel's OOM killer sends it; so does kill -9)"
+    else:
+        why = "not by gptop"
+    return f"{what} was killed by signal {signum} ({name}): {why}"
+
+
+TOOL_NAMES = {tools.EXPORT_MODULE: "the export", tools.SAMPLE_MODULE: "the sampler"}
+AFTER_KILL = {tools.EXPORT_MODULE: "OUT_DIR is as it was; free some memory and run it again (the next export "
+                                   "removes what this one left)",
+              tools.SAMPLE_MODULE: "free some memory and run it again"}
+
+
 def run_tool(module: str, argv: list[str], *, timeout: float | None = None) -> int:
     """Run `python -m module argv` to the end; its exit code (0 done, 1 failed, 2 bad input, 130 stopped)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    oom_before = oom_kills()
     proc = subprocess.Popen(tools.tool_command(module, argv), stdin=subprocess.DEVNULL, env=env)
     stopped = {"signal": None}
 
@@ -58,7 +93,12 @@ def run_tool(module: str, argv: list[str], *, timeout: float | None = None) -> i
         for s, h in old.items():
             signal.signal(s, h)
     if code < 0:                            # killed by a signal
-        return EXIT_INTERRUPTED if stopped["signal"] is not None else EXIT_FAILED
+        if stopped["signal"] is not None:
+            return EXIT_INTERRUPTED
+        what = TOOL_NAMES.get(module, module)
+        print(f"gptop: {killed_words(what, -code, oom_before)}; {AFTER_KILL.get(module, 'run it again')}",
+              file=sys.stderr)
+        return EXIT_FAILED
     return code
 
 
@@ -115,6 +155,7 @@ async def sample_newest(run_dir: str | Path, *, prompt: str = "", max_new_tokens
     except ConfigError as e:
         return SampleOutcome(None, e.message, time.monotonic() - t0)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    oom_before = oom_kills()
     proc = await asyncio.create_subprocess_exec(*cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                                 stderr=subprocess.PIPE, env=env, start_new_session=True)
     try:
@@ -131,16 +172,18 @@ async def sample_newest(run_dir: str | Path, *, prompt: str = "", max_new_tokens
         if proc.returncode is None:          # cancelled (the app quit, another sample asked for)
             await _end_async(proc)
     return _outcome(proc.returncode, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"),
-                    time.monotonic() - t0)
+                    time.monotonic() - t0, oom_before)
 
 
-def _outcome(code: int | None, out: str, err: str, seconds: float) -> SampleOutcome:
+def _outcome(code: int | None, out: str, err: str, seconds: float, oom_before: int | None = None) -> SampleOutcome:
     lines = [line for line in out.splitlines() if line.strip()]
     if code == 0 and lines:
         try:
             return SampleOutcome(tools.SampleResult.from_json(lines[-1]), None, seconds)
         except (ValueError, TypeError) as e:
             return SampleOutcome(None, f"unreadable result from the sampler: {e}", seconds)
+    if code is not None and code < 0:
+        return SampleOutcome(None, killed_words("the sampler", -code, oom_before), seconds)
     said = [line.strip() for line in err.splitlines() if line.strip() and not line.startswith((" ", "Traceback"))]
     why = said[-1] if said else f"exit code {code}"
     return SampleOutcome(None, f"the sampler failed: {why}", seconds)

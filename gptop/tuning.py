@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainer.contract import events as ev
-from trainer.contract.events import TUNER_RESTART
 from trainer.contract import rundir
 from trainer.contract.config import AUTO, Toggles, TrainConfig
 from trainer.contract.device import DeviceInfo
@@ -465,7 +464,7 @@ class TuningDriver:
         if kill:
             sup.kill()
         else:
-            sup.request_stop(reason=TUNER_RESTART)
+            sup.request_stop(reason=ev.TUNER_RESTART)     # its `done`: a trainer's end, not the run's
         step_s = 0.0
         if self.ctl is not None and self.ctl.in_trial:
             import math

@@ -24,19 +24,27 @@ INSTALL = "pip install -e '.[wandb]' (in a gptop checkout) or pip install wandb"
 
 
 def require_wandb() -> None:
-    """Refuse `--wandb` (exit 2) before anything starts when the package is missing."""
+    """Refuse `--wandb` (exit 2) before anything starts when the package is missing or does not import."""
     if importlib.util.find_spec("wandb") is None:
         raise ConfigError("--wandb", f"needs the wandb package, which is not installed: {INSTALL}")
+    import_wandb()
+
+
+def import_wandb() -> Any:
+    """The wandb module; a package that fails to import, whatever it raises, is a ConfigError naming --wandb."""
+    try:
+        import wandb
+    except Exception as e:     # a broken install raises anything at import: a refusal, not a traceback
+        raise ConfigError("--wandb", f"the wandb package does not import ({type(e).__name__}: {e}); reinstall it "
+                                     f"({INSTALL}) or drop --wandb") from None
+    return wandb
 
 
 class WandbWriter:
     """Feeds a session's events to one W&B run; thread-safe, closed once."""
 
     def __init__(self, run_dir: Path, config: dict[str, Any]):
-        try:
-            import wandb
-        except ImportError as e:
-            raise ConfigError("--wandb", f"needs the wandb package: {INSTALL} ({e})")
+        wandb = import_wandb()
         try:
             # console="off": W&B must not wrap stdout/stderr under the TUI; silent: no banner over it.
             self._run = wandb.init(dir=str(run_dir), name=run_dir.name, config=settings(config),

@@ -39,6 +39,23 @@ def test_corrupt_checkpoint_falls_back_and_is_named(tmp_path):
     assert len(reports) == 2 and "step-00000004.pt" in reports[0] and "step-00000003.pt" in reports[1]
 
 
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "zip garbage", "empty"])
+def test_a_corrupt_checkpoint_is_one_line_naming_the_file(tmp_path, damage):
+    """torch's own advice ("This is an internal miniz error...", "Please file an issue...") stays out of
+    the message; the whole error stays on the exception's chain (for a log's traceback)."""
+    p = rundir.path_for(tmp_path, 5)
+    ckpt.save(state(5), p)
+    data = p.read_bytes()
+    p.write_bytes({"truncated": data[: len(data) // 2], "garbage": b"not a checkpoint", "empty": b"",
+                   "zip garbage": b"PK\x03\x04" + b"\x00" * 64}[damage])
+    with pytest.raises(ckpt.CorruptCheckpoint) as e:
+        ckpt.load(p)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(str(p)) and len(msg) < 400, msg
+    assert "Please file an issue" not in msg and "internal miniz error" not in msg and "weights_only" not in msg
+    assert e.value.__cause__ is not None
+
+
 def test_all_corrupt_is_an_error(tmp_path):
     p = rundir.path_for(tmp_path, 1)
     p.parent.mkdir(parents=True)

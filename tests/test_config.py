@@ -172,3 +172,26 @@ def test_the_compiler_toolchain_is_checked_per_device(monkeypatch):
     no_triton = DeviceInfo(type="cuda", index=0, name="H100", capability=(9, 0), has_compiler=False)
     assert "triton" in capabilities.support("compile", "default", no_triton)
     assert capabilities.supported_values("compile", no_triton) == ["off"]
+
+
+@pytest.mark.parametrize("section, key, value, words", [
+    ("optim", "optimizer", '"sgd"', "'sgd' is not one of"),
+    ("optim", "optimizer", "3", "is not a string"),
+    ("finetune", "quantize_base", '"nf2"', "'nf2' is not one of"),
+    ("finetune", "quantize_base", "true", "is not a string"),
+])
+def test_an_option_in_its_old_table_is_named_as_the_file_has_it(tmp_path, section, key, value, words):
+    """`[optim] optimizer = "sgd"` (the layout before the option moved to [toggles]) is refused naming
+    `[optim] optimizer`, what the user wrote, and where it lives now; its good values still read."""
+    from trainer.contract.config import MOVED
+
+    home = MOVED[(section, key)]
+    p = tmp_path / "old.toml"
+    p.write_text(f"[{section}]\n{key} = {value}\n")
+    with pytest.raises(ConfigError) as e:
+        TrainConfig.from_toml(p)
+    assert e.value.message.startswith(f"[{section}] {key}: ") and words in e.value.message, e.value.message
+    assert f"lives in [{home}] now" in e.value.message and f"{home}.{key}" not in e.value.message
+    good = {"optimizer": '"adafactor"', "quantize_base": '"none"'}[key]
+    p.write_text(f"[{section}]\n{key} = {good}\n")
+    assert getattr(getattr(TrainConfig.from_toml(p), home), key) == good.strip('"')

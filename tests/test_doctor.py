@@ -366,6 +366,22 @@ def test_each_check_runs_in_a_child_that_a_hang_or_a_crash_cannot_take_down(monk
 
 
 @pytest.mark.process
+def test_a_process_that_initialized_cuda_spawns_its_checks_instead_of_forking(monkeypatch):
+    """Seen on an H100: an import had initialized CUDA in the runner, and every forked check failed with
+    "Cannot re-initialize CUDA in forked subprocess". Such a runner spawns its children, and a spawned child
+    runs a real check."""
+    import torch
+
+    import trainer.doctor as runner
+
+    assert runner.start_method() == "fork"                 # this CPU machine: CUDA never initialized
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert runner.start_method() == "spawn"
+    kind, payload = runner.run_in_child("detect", "cpu", True, 120.0)
+    assert kind == "ok" and payload["device"]["type"] == "cpu"
+
+
+@pytest.mark.process
 def test_gptop_doctor_quick_on_this_cpu(tmp_path):
     """The command as a user types it: every CPU path passes or says why it cannot run here, every CUDA path is
     skipped with its reason, the record validates, exit 0."""

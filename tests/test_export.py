@@ -128,6 +128,8 @@ def test_export_check_accepts_new_empty_or_forced_out_dirs(tmp_path):
     ({"temperature": float("nan")}, "--temperature"), ({"diffusion_steps": 0}, "--diffusion-steps"),
     ({"diffusion_steps": 65}, "--diffusion-steps"), ({"timeout": 0.0}, "--timeout"),
     ({"timeout": float("inf")}, "--timeout"), ({"step": 3}, "--step"), ({"step": -2}, "--step"),
+    ({"prompt": "a\udcff\udcfeb"}, "--prompt"), ({"prompt": "x\ud800"}, "--prompt"),      # not UTF-8 (argv's bytes)
+    ({"device": "cuda:x"}, "--device"), ({"device": "gpu"}, "--device"),
 ])
 def test_sample_checks_name_the_option(tmp_path, change, option):
     ns = sample_ns(fake_run(tmp_path), **change)
@@ -189,13 +191,29 @@ def test_gptop_rejects_bad_input_before_starting_anything(tmp_path, monkeypatch,
     assert "OUT_DIR" in capsys.readouterr().err and (tmp_path / "full" / "x").read_text() == "keep me"
     assert cli.main(["sample", str(run), "--step", "5"]) == 2
     assert "--step" in capsys.readouterr().err
+    assert cli.main(["sample", str(run), "--prompt", "a\udcff\udcfeb"]) == 2        # `$(printf 'a\xff\xfeb')`
+    err = capsys.readouterr().err
+    assert "--prompt" in err and "byte 0xff" in err and "Traceback" not in err
     with pytest.raises(SystemExit) as exited:            # argparse refuses the path itself (its type checks it)
         cli.main(["--no-ui", "sample", str(tmp_path / "nope"), "--json"])
     assert exited.value.code == 2 and "does not exist" in capsys.readouterr().err
 
 
+def test_a_killed_tool_is_named_with_its_signal_and_the_oom_killer_when_the_kernel_counted_one(monkeypatch):
+    from gptop import tools as gtools
+
+    counts = iter([7])
+    monkeypatch.setattr(gtools, "oom_kills", lambda: next(counts))
+    assert gtools.killed_words("the export", 9, 6) == ("the export was killed by signal 9 (SIGKILL): the kernel's "
+                                                       "out-of-memory killer ended it: the model did not fit in the "
+                                                       "memory left")
+    monkeypatch.setattr(gtools, "oom_kills", lambda: None)
+    assert "most likely out of memory" in gtools.killed_words("the sampler", 9, None)
+    assert gtools.killed_words("the sampler", 15, None).endswith("(SIGTERM): not by gptop")
+
+
 @pytest.mark.process
-def test_gptop_runs_a_tool_to_its_end(monkeypatch):
+def test_gptop_runs_a_tool_to_its_end(monkeypatch, capsys):
     """Exit codes pass through; a tool past its time limit, or asked to stop, is ended, not left behind."""
     import threading
 
@@ -208,6 +226,10 @@ def test_gptop_runs_a_tool_to_its_end(monkeypatch):
 
     script("import sys; sys.exit(2)")
     assert gtools.run_tool("x", []) == 2
+    script("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")      # what the OOM killer does
+    assert gtools.run_tool(tools.SAMPLE_MODULE, []) == 1
+    said = capsys.readouterr().err
+    assert "the sampler was killed by signal 9 (SIGKILL)" in said and "out of memory" in said
     script("import time; time.sleep(60)")
     children = lambda: [c for c in psutil.Process().children() if "time.sleep(60)" in " ".join(c.cmdline())]
     t0 = time.monotonic()
@@ -443,6 +465,11 @@ def test_sample_in_process(runs, family):
     assert a.completion == b.completion                    # seeded
     with pytest.raises(TimeoutError):
         sample(ns, started=time.time() - 1000)             # --timeout passed while loading
+    for tiny in (1e-45, 1e-40, 1e-39, 1e-31):              # below what float32 divides logits by: greedy
+        cold = sample_ns(runs[family], prompt="def main(", max_new_tokens=12, temperature=tiny, seed=3)
+        assert generate(loaded, cold).completion == r.completion, tiny
+    assert generate(loaded, sample_ns(runs[family], prompt="def main(", max_new_tokens=4, temperature=1e-29,
+                                      seed=3)).new_tokens >= 0       # just above: sampled, no crash
 
 
 # --- the real commands (slow) --------------------------------------------------------------------
@@ -634,3 +661,35 @@ def test_export_force_never_touches_a_live_run(tmp_path):
     for name in ("config.toml", "events.jsonl"):
         assert (live / name).is_file()
     assert rundir.list_checkpoints(live) and not list(live.parent.glob(".*"))
+
+
+@pytest.mark.process
+@pytest.mark.slow
+def test_a_killed_export_says_why_and_the_next_one_cleans_up(runs, tmp_path):
+    """SIGKILL of the export worker (what the OOM killer does) while it writes: gptop exits 1 saying so;
+    the next export into the same OUT_DIR removes the hidden temporary folder the killed one left."""
+    import psutil
+
+    out = tmp_path / "out"
+    p = subprocess.Popen(gptop_cmd("export", str(runs["llama"]), str(out)), cwd=ROOT, env=_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob(".out.export-*")):
+            assert p.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        for child in psutil.Process(p.pid).children(recursive=True):
+            child.kill()
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 1 and "the export was killed by signal 9 (SIGKILL)" in err, err
+    assert "out of memory" in err and "Traceback" not in err
+    assert list(tmp_path.glob(".out.export-*")) and not out.exists()
+    r = subprocess.run(gptop_cmd("export", str(runs["llama"]), str(out)), cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "left next to out by an export that was killed" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

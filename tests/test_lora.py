@@ -131,10 +131,17 @@ def test_lora_resume_is_exact(tmp_path, model_dir):
 def test_resume_with_other_lora_options_is_refused(tmp_path):
     code, _, run_dir = run(tmp_path, "--model", "llama", *LORA, "--max-steps", "2")
     assert code == EXIT_OK
-    code, events, _ = run(tmp_path, "--resume", str(run_dir), "--lora", "4", "--max-steps", "4")
-    assert code == EXIT_CONFIG
-    (err,) = of(events, "error")[-1:]
-    assert "--lora" in err.message and "resume needs the same value" in err.message
+    before = sorted(p.name for p in run_dir.rglob("*"))
+    with pytest.raises(ConfigError) as e:                    # refused where the options enter, before anything
+        parse_config([*TINY, "--run-dir", str(run_dir), "--resume", str(run_dir), "--lora", "4", "--max-steps", "4"])
+    assert e.value.option == "--lora" and "resume needs the same value" in e.value.message
+    assert sorted(p.name for p in run_dir.rglob("*")) == before
+    from trainer.checkpointer import Checkpointer             # and by the trainer, from the checkpoint's own config
+
+    cfg = parse_config([*TINY, "--run-dir", str(run_dir), "--max-steps", "4", "--lora", "4"])
+    saved = ckpt.load(rundir.list_checkpoints(run_dir)[-1].path)["config"]
+    with pytest.raises(ConfigError, match="--lora"):
+        Checkpointer(cfg, CPU, run_dir, None, warn=print).check_compatible(saved)
 
 
 def test_lora_on_a_builtin_family(tmp_path):
@@ -143,6 +150,35 @@ def test_lora_on_a_builtin_family(tmp_path):
         assert code == EXIT_OK
         m = [h for h in of(events, "hello") if not h.early][0].model
         assert 0 < m.trainable_params < m.total_params
+
+
+@pytest.mark.parametrize("family", ["llama", "llada", "deepseek"])
+def test_a_rank_above_the_smallest_adapted_dimension_and_unknown_targets_are_refused(family):
+    """The same rule before anything is built (trainer.contract.estimate, from the dimensions) and on the built
+    model (trainer.lora, which a model directory gets): a rank above the smallest dimension of a layer it adapts
+    is refused naming --lora; a target that is not there, or the output head, naming --lora-targets, with what
+    can be targeted (never lm_head)."""
+    from trainer.contract import estimate
+    from trainer.lora import targets
+    from trainer.models import build_model
+
+    b = build_model(ModelConfig(model=family, size="tiny"), vocab_size=512, seq_len=64, toggles=Toggles(), dev=CPU)
+    limit = min(min(t.shape[-2:]) for t in estimate.adapted_tensors(family, "tiny"))
+    estimate.check_lora(family, "tiny", limit)
+    with pytest.raises(ConfigError, match=f"use --lora {limit} or less") as e:
+        estimate.check_lora(family, "tiny", limit + 1)
+    assert e.value.option == "--lora"
+    if family != "deepseek":                 # its fused experts are no Linear modules: the dimensions' rule only
+        targets(b.model, FinetuneConfig(lora=limit))
+        with pytest.raises(ConfigError, match=f"use --lora {limit} or less"):
+            targets(b.model, FinetuneConfig(lora=limit + 1))
+    for bad in ("nonexistent", "q_proj,lm_head"):
+        for check in (lambda: estimate.check_lora(family, "tiny", 8, bad),
+                      lambda: targets(b.model, FinetuneConfig(lora=8, lora_targets=bad))):
+            with pytest.raises(ConfigError) as e:
+                check()
+            listed = e.value.message.split("what can be targeted: ")[1]
+            assert e.value.option == "--lora-targets" and "q_proj" in listed and "lm_head" not in listed
 
 
 def test_lora_targets_are_checked_against_the_model():
@@ -190,11 +226,12 @@ def test_quantized_base_is_gated_with_a_reason(monkeypatch):
     assert e.value.option == "--quantize-base" and "CUDA" in e.value.message
 
 
-def test_quantized_base_on_cpu_exits_2_naming_the_option(tmp_path, model_dir):
-    code, events, _ = run(tmp_path, "--model", str(model_dir), "--lora", "8", "--quantize-base", "nf4",
-                          "--max-steps", "2")
+def test_quantized_base_on_cpu_exits_2_naming_the_option(tmp_path, model_dir, capsys):
+    code, events, run_dir = run(tmp_path, "--model", str(model_dir), "--lora", "8", "--quantize-base", "nf4",
+                                "--max-steps", "2")
     assert code == EXIT_CONFIG
-    assert "--quantize-base" in of(events, "error")[0].message
+    assert "error (config): --quantize-base" in capsys.readouterr().err
+    assert not run_dir.exists()                 # a refusal leaves no run directory behind
 
 
 def test_low_bit_optimizers_are_gated_on_a_compiler(monkeypatch):
@@ -294,9 +331,10 @@ def test_views_show_trainable_params_and_optimizer_state():
 # --- export: the adapter in peft's format, or merged --------------------------------------------
 
 # Runs in `python -I` outside the repository, with gptop's packages made unimportable: what a user
-# without gptop does with each export.
+# without gptop does with each export. Each load is (how, where): peft's AutoPeftModelForCausalLM from a
+# working directory, PeftModel on a base loaded explicitly, or plain transformers.
 PLAIN = """
-import importlib.abc, json, sys
+import importlib.abc, json, os, sys
 class NoGptop(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in ("gptop", "trainer", "tuner"):
@@ -304,15 +342,24 @@ class NoGptop(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, NoGptop())
 import torch
 from transformers import AutoModelForCausalLM
-from peft import AutoPeftModelForCausalLM
+from peft import AutoPeftModelForCausalLM, PeftModel
 torch.set_num_threads(1)
 job = json.loads(sys.argv[1])
 ids = torch.load(job["ids"])
-adapter = AutoPeftModelForCausalLM.from_pretrained(job["adapter"]).eval()
-merged = AutoModelForCausalLM.from_pretrained(job["merged"]).eval()
-with torch.no_grad():
-    torch.save({"adapter": adapter(input_ids=ids).logits, "merged": merged(input_ids=ids).logits}, job["out"])
-print(json.dumps({"adapter": type(adapter).__name__, "merged": type(merged).__name__}))
+out, kinds = {}, {}
+for name, load in job["loads"].items():
+    if load["how"] == "auto":
+        os.chdir(load["cwd"])
+        model = AutoPeftModelForCausalLM.from_pretrained(load["dir"])
+    elif load["how"] == "peft":
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(load["base"]), load["dir"])
+    else:
+        model = AutoModelForCausalLM.from_pretrained(load["dir"])
+    with torch.no_grad():
+        out[name] = model.eval()(input_ids=ids).logits
+    kinds[name] = type(model).__name__
+torch.save(out, job["out"])
+print(json.dumps(kinds))
 """
 
 
@@ -327,14 +374,26 @@ def _export(run_dir, out_dir, *flags):
     return export(p.parse_args([str(run_dir), str(out_dir), *flags]), log=lambda s: None)
 
 
+def _plain(tmp_path, ids, loads):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    torch.save(ids, tmp_path / "ids.pt")
+    job = {"ids": str(tmp_path / "ids.pt"), "loads": loads, "out": str(tmp_path / "logits.pt")}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-I", "-c", PLAIN, json.dumps(job)], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1]), torch.load(tmp_path / "logits.pt")
+
+
 @pytest.mark.process
 @pytest.mark.slow        # starts a plain Python
 @pytest.mark.parametrize("source", ["model_dir", "llama"])
 def test_lora_exports_load_with_peft_and_plain_transformers(tmp_path, model_dir, source):
     import json
-    import os
-    import subprocess
-    import sys
 
     from trainer.contract import tools
     from trainer.export import check_batch, load_for_inference
@@ -344,13 +403,13 @@ def test_lora_exports_load_with_peft_and_plain_transformers(tmp_path, model_dir,
     assert code == EXIT_OK
     adapter = _export(run_dir, tmp_path / "adapter")
     assert adapter["format"] == "peft-adapter"
-    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= set(adapter["files"])
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "README.md"} <= set(adapter["files"])
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 8 and config["base_model_name_or_path"] == adapter["base_model"]
     if source == "model_dir":
-        assert adapter["base_model"] == str(model_dir.resolve())
+        assert adapter["base_model"] == str(model_dir.resolve())       # outside the export: where it is
     else:
-        assert adapter["base_model"] == str((tmp_path / "adapter" / "base").resolve())
+        assert adapter["base_model"] == "base"                         # inside: relative, it moves with the export
     merged = _export(run_dir, tmp_path / "merged", "--merge")
     assert merged["format"] == "merged" and "model.safetensors" in merged["files"]
     assert not any("lora" in k for k in json.loads((tmp_path / "merged" / "config.json").read_text()))
@@ -359,18 +418,68 @@ def test_lora_exports_load_with_peft_and_plain_transformers(tmp_path, model_dir,
     ids = check_batch(len(ref.tokenizer), None, 32, seed=3)
     with torch.no_grad():
         want = ref.model(input_ids=ids).logits
-    torch.save(ids, tmp_path / "ids.pt")
-    job = {"ids": str(tmp_path / "ids.pt"), "adapter": str(tmp_path / "adapter"), "merged": str(tmp_path / "merged"),
-           "out": str(tmp_path / "logits.pt")}
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    r = subprocess.run([sys.executable, "-I", "-c", PLAIN, json.dumps(job)], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"adapter": "PeftModelForCausalLM",
-                                                             "merged": "LlamaForCausalLM"}
-    got = torch.load(tmp_path / "logits.pt")
-    assert torch.equal(got["adapter"], want)
+    adapter_dir = tmp_path / "adapter"
+    base = str(adapter_dir / "base") if source == "llama" else str(model_dir)
+    auto = {"how": "auto", "dir": "." if source == "llama" else str(adapter_dir), "cwd": str(adapter_dir)}
+    kinds, got = _plain(tmp_path, ids, {"auto": auto, "peft": {"how": "peft", "dir": str(adapter_dir), "base": base},
+                                        "merged": {"how": "plain", "dir": str(tmp_path / "merged")}})
+    assert kinds == {"auto": "PeftModelForCausalLM", "peft": "PeftModelForCausalLM", "merged": "LlamaForCausalLM"}
+    assert torch.equal(got["auto"], want) and torch.equal(got["peft"], want)
     assert torch.allclose(got["merged"], want, atol=1e-4, rtol=0)     # merging rounds W + (a/r) B A once
+
+
+@pytest.mark.process
+@pytest.mark.slow        # starts a plain Python
+def test_a_copied_or_moved_adapter_export_keeps_its_own_base(tmp_path):
+    """Export, copy the export away and move the original, then export another run (another seed: another
+    base) to the original place: the copy and the moved one still load their own base, with peft as the
+    README says and with gptop sample; a base replaced under an export is refused, not silently used."""
+    import argparse
+    import json
+    import shutil
+
+    from trainer.contract import tools
+    from trainer.export import check_batch, load_for_inference
+    from trainer.sample import generate
+
+    code, _, run_a = run(tmp_path, "--model", "llama", *LORA, "--max-steps", "2", name="a")
+    code_b, _, run_b = run(tmp_path, "--model", "llama", *LORA, "--max-steps", "2", "--seed", "5", name="b")
+    assert code == code_b == EXIT_OK
+    out = tmp_path / "exports" / "out"
+    _export(run_a, out)
+    assert "PeftModel.from_pretrained" in (out / "README.md").read_text()
+    shutil.copytree(out, tmp_path / "copy")
+    shutil.move(str(out), str(tmp_path / "moved"))
+    _export(run_b, out)                                           # another base where the first one was
+
+    ref = load_for_inference(run_a, tools.check_export(argparse_ns(run_a, tmp_path / "x")), log=lambda s: None)
+    ids = check_batch(len(ref.tokenizer), None, 32, seed=3)
+    with torch.no_grad():
+        want = ref.model(input_ids=ids).logits
+    loads = {name: {"how": "peft", "dir": str(tmp_path / name), "base": str(tmp_path / name / "base")}
+             for name in ("copy", "moved")}
+    loads["auto"] = {"how": "auto", "dir": ".", "cwd": str(tmp_path / "copy")}
+    loads["other"] = {"how": "peft", "dir": str(out), "base": str(out / "base")}
+    _, got = _plain(tmp_path, ids, loads)
+    for name in ("copy", "moved", "auto"):
+        assert torch.equal(got[name], want), name
+    assert not torch.allclose(got["other"], want)                # the re-export is another model
+
+    p = argparse.ArgumentParser()
+    tools.add_sample_arguments(p)
+    for name in ("copy", "moved"):                               # gptop sample takes an adapter export
+        ns = p.parse_args([str(tmp_path / name), "--prompt", "def f(", "--max-new-tokens", "4", "--temperature", "0"])
+        loaded = load_for_inference(ns.path, tools.check_sample(ns), log=lambda s: None)
+        with torch.no_grad():
+            assert torch.equal(loaded.model(input_ids=ids).logits, want), name
+        assert generate(loaded, ns).new_tokens >= 0
+    shutil.rmtree(tmp_path / "copy" / "base")                    # a copy without its base ...
+    shutil.copytree(out / "base", tmp_path / "copy" / "base")    # ... given another one
+    ns = p.parse_args([str(tmp_path / "copy")])
+    with pytest.raises(ConfigError, match="not the one this adapter was trained on"):
+        tools.check_sample(ns)
+    marker = json.loads((tmp_path / "moved" / "gptop-export.json").read_text())
+    assert marker["format"] == "peft-adapter" and marker["base"] == "base" and marker["base_fingerprint"]
 
 
 def argparse_ns(run_dir, out_dir):

@@ -179,3 +179,25 @@ def test_the_compile_watchdog_reports_a_recompilation_where_it_happened(tmp_path
     assert len(recompiles) == 1, [e.message for e in recompiles]
     assert recompiles[0].step == 2 and "in the eval after step 2" in recompiles[0].message
     assert not [e for e in events if e.type == "warning" and e.kind == "compile_fallback"]
+
+
+def test_the_gpu_timelines_copies_of_the_phase_ranges_are_not_kernels():
+    """Seen on an H100: kineto lists each record_function range again on the GPU's timeline; taken for
+    kernels they covered the whole step and a launch-bound run showed 1% GPU idle instead of ~75%."""
+    from types import SimpleNamespace as NS
+
+    from trainer.profile_summary import spans_from_profiler
+
+    def fe(name, a, b, device, kernels=(), self_us=None, annotation=False):
+        return NS(name=name, time_range=NS(start=a, end=b), device_type=f"DeviceType.{device}", kernels=list(kernels),
+                  self_cpu_time_total=self_us if self_us is not None else b - a, is_user_annotation=annotation)
+
+    events = [fe("ProfilerStep#1", 0, 1000, "CPU", annotation=True), fe("forward", 0, 1000, "CPU", annotation=True),
+              fe("aten::mm", 10, 20, "CPU", kernels=[NS(name="gemm", duration=250.0)]),
+              fe("ProfilerStep#1", 5, 1000, "CUDA", annotation=True), fe("forward", 5, 990, "CUDA", annotation=True),
+              fe("gemm", 20, 270, "CUDA")]
+    spans = spans_from_profiler(events)
+    assert [s.name for s in spans if s.kind == "kernel"] == ["gemm"]
+    out = summarize(spans)
+    assert out["gpu_idle_share"] == pytest.approx(0.75)
+    assert out["phases"][0].kernels[0].name == "gemm"

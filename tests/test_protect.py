@@ -94,7 +94,7 @@ PROTECTED = [
     ("runs/finished/checkpoints", Kind.RUN_PART), ("runs/live/checkpoints", Kind.RUN_PART),
     ("runs/finished/checkpoints/step-00000006.dcp", Kind.RUN_PART),
     ("runs/finished/checkpoints/new", Kind.RUN_PART),            # not there yet: still inside checkpoints/
-    ("runs/finished/profiles", Kind.RUN_PART),
+    ("runs/finished/profiles", Kind.RUN_PART), ("runs/live/wandb", Kind.RUN_PART),
     ("runs", Kind.HOLDS_RUN), ("", Kind.CURRENT_DIR),           # "" is the world itself: it holds the cwd
     (".", Kind.CURRENT_DIR), ("..", Kind.CURRENT_DIR), ("./", Kind.CURRENT_DIR),
     ("notes", Kind.OTHER), ("file.txt", Kind.FILE),

@@ -162,10 +162,10 @@ def rundir_record(path) -> dict | None:
 
 def old_run(path, *, events: bool = True, steps=(8, 16)):
     """What a finished run leaves (as `cp -r runs/a runs/reuse` copies it): config, events, checkpoints, lock."""
-    from trainer.contract.config import TrainConfig
+    from trainer.cli import parse_config
 
     (path / "checkpoints").mkdir(parents=True)
-    (path / "config.toml").write_text(TrainConfig().to_toml())
+    (path / "config.toml").write_text(parse_config([*TINY, "--run-dir", str(path)]).to_toml())
     if events:
         (path / "events.jsonl").write_text('{"v": 1, "type": "hello", "time": 0, "rank": 0}\n')
     for s in steps:
@@ -229,3 +229,12 @@ def test_gptop_and_the_trainer_refuse_a_reused_run_dir_before_writing_anything(t
     assert len(err) == 2 and all("--run-dir" in line and "holds another run" in line for line in err), err
     assert all("--resume " + str(reuse) in line for line in err)
     assert tree(tmp_path / "runs") == before
+
+
+def test_a_new_run_inside_another_runs_folders_is_refused_creating_nothing(tmp_path):
+    run = old_run(tmp_path / "a")
+    for where in (run / "checkpoints", run / "checkpoints" / "new", run / "profiles" / "x"):
+        with pytest.raises(RunDirTaken, match="only that run writes") as e:
+            RunLock.acquire(where, command="gptop train", new_run=True)
+        assert e.value.option == "--run-dir"
+    assert not (run / "checkpoints" / "new").exists() and not (run / "profiles").exists()

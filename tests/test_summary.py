@@ -278,3 +278,51 @@ def test_report_of_a_run_stopped_before_its_first_step(tmp_path):
             check()
         assert "not a run directory" not in e.value.message
         assert "stopped before its first step" in e.value.message and "no checkpoint" in e.value.message
+
+
+@pytest.mark.slow
+@pytest.mark.process
+def test_report_of_a_live_tuned_run_says_running_then_how_it_ended(tmp_path):
+    """`gptop report` while `gptop tune` restarts the trainer between trials: running (the tuner's restarts are
+    not the run's end, whatever their `done` says); after a stop: stopped."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT, TINY
+    from trainer.contract.events import TUNER_RESTART, read_events
+
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    gptop = subprocess.Popen([sys.executable, "-m", "gptop", "--no-ui", "tune", "--budget", "10m", *TINY,
+                              "--global-batch", "8", "--max-steps", "100000", "--tune-space",
+                              "-all micro_batch=1,2,4,8", "--storage", f"sqlite:///{tmp_path / 's.db'}",
+                              "--run-dir", str(run)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True, env=env)
+
+    def restarted() -> bool:
+        evs = list(read_events(run / "events.jsonl")) if (run / "events.jsonl").exists() else []
+        ends = [i for i, e in enumerate(evs) if e.type == "done" and e.reason == TUNER_RESTART]
+        return bool(ends) and any(e.type == "step" for e in evs[ends[0]:])
+
+    try:
+        deadline = time.monotonic() + 400
+        while not restarted():
+            assert gptop.poll() is None and time.monotonic() < deadline, gptop.stderr.read()[-2000:]
+            time.sleep(0.5)
+        report = subprocess.run([sys.executable, "-m", "gptop", "report", str(run)], capture_output=True, text=True,
+                                env=env, timeout=120)
+        assert report.returncode == 0, report.stderr
+        assert "state     running now (pid" in report.stdout and "gptop tune" in report.stdout, report.stdout
+        assert "finished" not in report.stdout and "by the tuner's restarts" in report.stdout
+        gptop.send_signal(signal.SIGTERM)
+        assert gptop.wait(300) == 130
+    finally:
+        if gptop.poll() is None:
+            gptop.kill()
+            gptop.wait()
+    after = subprocess.run([sys.executable, "-m", "gptop", "report", str(run)], capture_output=True, text=True,
+                           env=env, timeout=120)
+    assert "state     stopped at step" in after.stdout and "running" not in after.stdout, after.stdout

@@ -194,11 +194,14 @@ def test_oom_is_reported_with_toggles_and_memory(tmp_path):
     assert err.kind == "oom" and err.toggles["micro_batch"] and "rss" in err.memory
 
 
-def test_unsupported_toggle_is_a_config_error(tmp_path):
-    code, events, _ = run(tmp_path, "--precision", "fp8-rowwise")
+def test_unsupported_toggle_is_a_config_error(tmp_path, capsys):
+    """Refused once the device is known: the error says why, and the run directory the trainer made for it
+    is gone again (a refusal creates nothing)."""
+    code, events, run_dir = run(tmp_path, "--precision", "fp8-rowwise")
     assert code == EXIT_CONFIG
-    (err,) = of(events, "error")
-    assert err.kind == "config" and "--precision" in err.message and "8.9" in err.message
+    err = capsys.readouterr().err
+    assert "error (config): --precision" in err and "8.9" in err
+    assert not run_dir.exists()
 
 
 @pytest.mark.process

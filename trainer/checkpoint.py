@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Callable
@@ -38,6 +39,17 @@ REQUIRED_KEYS = ("format", "step", "model", "optimizer", "config")
 
 class CorruptCheckpoint(RuntimeError):
     """A checkpoint that does not load, or (trainer.checkpointer) loads but holds non-finite values."""
+
+
+def brief(e: BaseException, limit: int = 240) -> str:
+    """A library's error in one line: its first sentence, without the advice torch appends ("This is an
+    internal miniz error...", "Please file an issue..."); the whole of it stays on the exception's chain."""
+    text = " ".join(str(e).split())
+    found = re.search(r"(WeightsUnpickler error: .*?)(?: Check the documentation|$)", text)
+    if found:
+        text = found.group(1)
+    text = re.split(r"(?<=[a-z0-9)])\. (?=[A-Z])", text, maxsplit=1)[0]
+    return f"{type(e).__name__}: {text[:limit] + ('...' if len(text) > limit else '')}"
 
 
 class PeerSaveFailed(RuntimeError):
@@ -154,7 +166,7 @@ def _load_meta(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise CorruptCheckpoint(f"{path}: incomplete sharded checkpoint (no {META})") from None
     except (OSError, ValueError) as e:
-        raise CorruptCheckpoint(f"{path}: {META} cannot be read ({type(e).__name__}: {e})") from None
+        raise CorruptCheckpoint(f"{path}: {META} cannot be read ({brief(e)})") from e
     if not isinstance(meta, dict) or meta.get("format") != DCP_FORMAT:
         raise CorruptCheckpoint(f"{path}: not a gptop sharded checkpoint")
     if not (path / ".metadata").is_file():
@@ -179,7 +191,7 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str
     except FileNotFoundError:
         raise
     except Exception as e:  # truncated zip, bad pickle, ...
-        raise CorruptCheckpoint(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
+        raise CorruptCheckpoint(f"{path}: cannot be read, the file is damaged ({brief(e)})") from e
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CorruptCheckpoint(f"{path}: not a gptop checkpoint")
     missing = [k for k in REQUIRED_KEYS if k not in state]

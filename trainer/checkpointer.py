@@ -28,7 +28,7 @@ from . import checkpoint as ckpt
 from . import dist as D
 from .contract import rundir
 from .contract.capabilities import optimizer_switch
-from .contract.config import ConfigError, TrainConfig, current_layout
+from .contract.config import ConfigError, TrainConfig, check_resumable, current_layout
 from .contract.device import DeviceInfo
 from .optim import convert_state, kernel_flags, param_names, place_step_counts
 
@@ -265,16 +265,7 @@ class Checkpointer:
         Toggles may differ: the optimizer's state is converted (`load_state`), and a quantized base
         (`--quantize-base`) is rebuilt from its source while the adapters are the same tensors. A key an older
         checkpoint lacks has its default; one stored in its old section (config.MOVED) is read there."""
-        now, defaults = self.cfg.to_dict(), TrainConfig().to_dict()
-        saved = current_layout(saved)
-        for section, key, flag in (("model", "model", "--model"), ("model", "size", "--size"),
-                                   ("data", "seq_len", "--seq-len"), ("optim", "global_batch", "--global-batch"),
-                                   ("optim", "seed", "--seed"), ("data", "data", "--data"),
-                                   ("finetune", "lora", "--lora"), ("finetune", "lora_targets", "--lora-targets")):
-            was = saved.get(section, {}).get(key, defaults[section][key])
-            if was != now[section][key]:
-                raise ConfigError(flag, f"the checkpoint was trained with {was!r}, "
-                                        f"this run asks for {now[section][key]!r}; resume needs the same value")
+        check_resumable(saved, self.cfg)        # the one rule (trainer.contract.config), also gptop's before it starts
 
     # --------------------------------------------------------------- finiteness
     def state_tensors(self) -> list[torch.Tensor]:

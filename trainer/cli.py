@@ -7,7 +7,8 @@ import os
 import sys
 from typing import Any
 
-from .contract.config import ConfigError, TrainConfig, add_arguments, config_from_args
+from .contract.config import ConfigError, TrainConfig, add_arguments, check_resumable, config_from_args
+from .contract import protect
 from .contract.rundir import resume_config, resumes_into
 from .contract.runlock import RunLock
 
@@ -24,7 +25,10 @@ def parse_config(argv: list[str] | None = None, prog: str = "python -m trainer")
     """Every input checked where it enters (numbers, files, directories), before a directory is created."""
     ns = build_parser(prog).parse_args(argv)
     base = resume_config(getattr(ns, "checkpoint.resume", None))
-    return config_from_args(ns, base, world_size=_launched_world_size())
+    cfg = config_from_args(ns, base, world_size=_launched_world_size())
+    if base is not None:
+        check_resumable(base.to_dict(), cfg, f"the run in {base.run.run_dir}")
+    return cfg
 
 
 def _launched_world_size() -> int:
@@ -71,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse_config(argv)
         # One writer per run directory, and one run: refused at once, before torch is imported (a default run
         # directory is new: the trainer locks it when it has named it).
+        created = protect.dirs_to_create(cfg.run.run_dir) if cfg.run.run_dir else []   # a refusal removes them
         lock = RunLock.for_trainer(cfg.run.run_dir, new_run=not resumes_into(cfg.checkpoint.resume, cfg.run.run_dir)) \
             if cfg.run.run_dir else None
     except ConfigError as e:
@@ -81,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     except StartupStopped:
         print("[trainer] stopped before the first step", flush=True)
         return 0
-    code = main_run(cfg, run_lock=lock)
+    code = main_run(cfg, run_lock=lock, created_dirs=created)
     if stopped_in_startup():          # the events are written and closed: skip freeing a model tensor by tensor
         sys.stdout.flush()
         sys.stderr.flush()

@@ -1,9 +1,9 @@
 """`python -m trainer.doctor`: the trainer's side of `gptop doctor` (gptop starts it; it needs torch).
 
 It detects the device, then calls each trainer-side path's check (trainer.contract.doctor.PATHS: the
-function in the module that owns the path) in a child process of its own, forked from this process, which
-imports torch but never initializes CUDA: every child starts CUDA afresh, a crash or a CUDA error stays in
-its child, and a child that outlives its path's timeout is killed and the path failed. Each result is one
+function in the module that owns the path) in a child process of its own, forked from this process while it
+has not initialized CUDA (else spawned: `start_method`): every child starts CUDA afresh, a crash or a CUDA
+error stays in its child, and a child that outlives its path's timeout is killed and the path failed. Each result is one
 JSON line on stdout, as it completes:
 
     {"kind": "detect", "device": {...DeviceInfo...}, "machine": {...}, "error": null}
@@ -109,7 +109,7 @@ def _child(fn_name: str, requested: str, quick: bool, conn: Any) -> None:
 
 def run_in_child(name: str, requested: str, quick: bool, timeout_s: float) -> tuple[str, Any]:
     """("ok", payload), ("error", message) from the child, or ("died"/"timeout", message)."""
-    ctx = multiprocessing.get_context("fork")
+    ctx = multiprocessing.get_context(start_method())
     receive, send = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child, args=(name, requested, quick, send), name=f"gptop-doctor-{name}")
     proc.start()
@@ -136,6 +136,16 @@ def run_in_child(name: str, requested: str, quick: bool, timeout_s: float) -> tu
 
 
 _THREADS = 0          # torch's intra-op threads before preload held this process to one
+
+
+def start_method() -> str:
+    """How a check's child starts: forked (torch and the owners' modules already imported: fast) while this
+    process has not initialized CUDA, else spawned, since CUDA cannot be used again in a forked child
+    ("Cannot re-initialize CUDA in forked subprocess"); an import (torchao reads the GPU's capability) may
+    have initialized it."""
+    import torch
+
+    return "spawn" if torch.cuda.is_initialized() else "fork"
 
 
 def preload() -> None:

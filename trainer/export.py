@@ -30,6 +30,7 @@ files it wrote, so a later --force recognizes it.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -137,8 +138,7 @@ def _load_checkpoint(run_dir: Path, info: CheckpointInfo, dev: Any, log: Log) ->
                 warnings.simplefilter("ignore", UserWarning)
                 ckpt.load_sharded(tensors, info.path)
         except Exception as e:  # a missing or truncated shard, a changed model
-            raise ckpt.CorruptCheckpoint(f"{info.path}: the model shards do not load ({type(e).__name__}: "
-                                         f"{str(e)[:500]})") from None
+            raise ckpt.CorruptCheckpoint(f"{info.path}: the model shards do not load ({ckpt.brief(e)})") from e
         weights = tensors["model"]
     else:
         weights = state["model"]
@@ -151,7 +151,7 @@ def _load_checkpoint(run_dir: Path, info: CheckpointInfo, dev: Any, log: Log) ->
             model.load_state_dict(weights)
     except RuntimeError as e:
         raise ckpt.CorruptCheckpoint(f"{info.path}: its weights do not fit the model {bundle.family}/{bundle.size} "
-                                     f"rebuilt from its config ({str(e)[:500]})") from None
+                                     f"rebuilt from its config ({ckpt.brief(e)})") from e
     del state, weights
     model.to(dev.torch_device).eval()
     return LoadedModel(model=model, bundle=bundle, tokenizer=hf_tokenizer(tok, bundle, cfg.data.seq_len),
@@ -211,8 +211,11 @@ def _recorded_fingerprint(run_dir: Path) -> str | None:
 
 
 def _load_model_dir(path: Path, dev: Any, log: Log) -> LoadedModel:
-    """An exported (or any local HF) model: gptop's own loader restores a llada export's objective and mask."""
+    """An exported (or any local HF) model: gptop's own loader restores a llada export's objective and mask.
+    An adapter export is its base (the export's own `base/`, or the model directory it names, checked against
+    the fingerprint recorded at export: tools.adapter_base) with the adapter loaded by peft."""
     log(f"loading {path}")
+    base = tools.adapter_base(path)
     with quiet_imports():
         from transformers import AutoTokenizer
 
@@ -222,8 +225,13 @@ def _load_model_dir(path: Path, dev: Any, log: Log) -> LoadedModel:
             raise ConfigError("RUN_DIR", f"{path} has no tokenizer transformers can load ({type(e).__name__}: "
                                          f"{e})") from None
         mask = getattr(tokenizer, "mask_token_id", None)
-        bundle = build_model(ModelConfig(model=str(path)), vocab_size=len(tokenizer), seq_len=2048,
+        bundle = build_model(ModelConfig(model=str(base or path)), vocab_size=len(tokenizer), seq_len=2048,
                              toggles=Toggles(), dev=dev, mask_id=mask)
+        if base is not None:
+            from peft import PeftModel
+
+            log(f"the LoRA adapter of {path} on its base {base}")
+            bundle.model = PeftModel.from_pretrained(bundle.model, str(path))
     bundle.model.to(dev.torch_device).eval()
     return LoadedModel(model=bundle.model, bundle=bundle, tokenizer=tokenizer, source=path, step=None, cfg=None)
 
@@ -326,7 +334,8 @@ def export(ns: argparse.Namespace, log: Log = stderr_log("export")) -> dict[str,
             log("reading it back with transformers (AutoModelForCausalLM, AutoTokenizer) to check it")
             check = check_export_dir(tmp, model, tokenizer, bundle)
         protect.write_marker(tmp, run=str(Path(ns.run_dir).resolve()), checkpoint=str(loaded.source),
-                             step=loaded.step, format=fmt, family=bundle.family, size=bundle.size)
+                             step=loaded.step, format=fmt, family=bundle.family, size=bundle.size,
+                             **{k: check[k] for k in ("base", "base_fingerprint") if k in check})
         _usual_permissions(tmp)
         protect.replace_dir(tmp, out, "OUT_DIR", force=ns.force)
     except BaseException:
@@ -349,38 +358,84 @@ def _logits_diff(model: torch.nn.Module, ids: torch.Tensor, want: torch.Tensor) 
         return float((model(input_ids=ids.to(next(model.parameters()).device)).logits.cpu() - want).abs().max())
 
 
-def _write_adapter(loaded: LoadedModel, tmp: Path, out: Path, log: Log) -> dict[str, Any]:
-    """A LoRA run's adapter in peft's format (adapter_config.json, adapter_model.safetensors) and the tokenizer.
+BASE_DIR = tools.ADAPTER_BASE_DIR
+BASE_CONFIG_KEYS = ("is_causal", "mask_token_id", "use_cache", "gptop")   # what _prepare_config says of the model
+ADAPTER_README = """\
+# A LoRA adapter exported by gptop
 
-    `base_model_name_or_path` names the base: the model directory the run fine-tuned (absolute), or for a
-    built-in family, whose base exists only as the run's seeded initialization, a copy written to
-    OUT_DIR/base. Read back with plain transformers + `peft.PeftModel.from_pretrained` and compared."""
+`adapter_config.json` and `adapter_model.safetensors` are the adapter in peft's format; the tokenizer
+files are the run's. The frozen base the adapter was trained on is {base_words}.
+
+Load it with transformers and peft:
+
+```python
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+export = "{example}"                          # this directory, wherever it is now
+base = AutoModelForCausalLM.from_pretrained({base_expr})
+model = PeftModel.from_pretrained(base, export)
+tokenizer = AutoTokenizer.from_pretrained(export)
+```
+
+{relative}`gptop sample` takes this directory too; it checks that the base it finds is the one the adapter was
+trained on (`base_fingerprint` in `gptop-export.json`) and refuses another.
+"""
+
+
+def _write_adapter(loaded: LoadedModel, tmp: Path, out: Path, log: Log) -> dict[str, Any]:
+    """A LoRA run's adapter in peft's format (adapter_config.json, adapter_model.safetensors), the tokenizer
+    and a README.md saying how to load it.
+
+    `base_model_name_or_path` names the base: the model directory the run fine-tuned (absolute: it lies
+    outside the export), or for a built-in family, whose base exists only as the run's seeded initialization,
+    `base`: the copy in OUT_DIR/base, relative, so a copied or moved export keeps its own base (peft and
+    transformers resolve it against the working directory: from elsewhere, load OUT_DIR/base as the README
+    says). The base's fingerprint goes into gptop-export.json, so gptop never binds the adapter to another
+    base. Read back with plain transformers + `peft.PeftModel.from_pretrained` and compared."""
     model, bundle, cfg = loaded.model, loaded.bundle, loaded.cfg
     if bundle.family == "pretrained":
-        base_path = str(Path(cfg.model.model).expanduser().resolve())
+        base_dir = Path(cfg.model.model).expanduser().resolve()
+        base_ref = str(base_dir)
     else:
-        base_path = str((out / "base").resolve())
-        log(f"writing the base of {bundle.family}/{bundle.size} (the run's initialization) to {out / 'base'}")
+        base_dir, base_ref = tmp / BASE_DIR, BASE_DIR
+        log(f"writing the base of {bundle.family}/{bundle.size} (the run's initialization) to {out / BASE_DIR}")
         tok = tokenizer_info(cfg.data, log=log)
         base = _build(cfg.model, tok, cfg, detect_cpu(), loaded.source).model
+        trained = model.get_base_model()
+        for key in BASE_CONFIG_KEYS:           # a llada base is bidirectional with its mask token, as the model
+            if hasattr(trained.config, key):
+                setattr(base.config, key, getattr(trained.config, key))
+        base.generation_config = trained.generation_config
         with quiet_imports():
-            base.save_pretrained(tmp / "base")
-            loaded.tokenizer.save_pretrained(tmp / "base")
-    model.peft_config["default"].base_model_name_or_path = base_path
+            base.save_pretrained(base_dir)
+            loaded.tokenizer.save_pretrained(base_dir)
+    # saved naming the base where it is now (peft reads its config.json to see whether the vocabulary grew)
+    model.peft_config["default"].base_model_name_or_path = str(base_dir)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) or bundle.trainable_params
-    log(f"writing the LoRA adapter ({(bundle.trainable_params or trainable) / 1e6:.2f}M params, base {base_path}) "
+    log(f"writing the LoRA adapter ({(bundle.trainable_params or trainable) / 1e6:.2f}M params, base {base_ref}) "
         f"to {out}")
-    with quiet_imports(), warnings.catch_warnings():
-        # peft looks for the base's config.json to see whether the vocabulary grew: OUT_DIR/base is not in place yet
-        warnings.filterwarnings("ignore", message="Could not find a config file", category=UserWarning)
+    with quiet_imports():
         model.save_pretrained(tmp)
         loaded.tokenizer.save_pretrained(tmp)
+    config_path = tmp / "adapter_config.json"
+    adapter_config = json.loads(config_path.read_text())
+    adapter_config["base_model_name_or_path"] = base_ref
+    config_path.write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
+    relative = bundle.family != "pretrained"
+    (tmp / "README.md").write_text(ADAPTER_README.format(
+        base_words=f"in `{BASE_DIR}/` here (the run's seeded initialization of {bundle.family} {bundle.size})"
+        if relative else f"the model directory `{base_ref}`",
+        example=str(out), base_expr=f'export + "/{BASE_DIR}"' if relative else repr(base_ref),
+        relative=("`adapter_config.json` names the base as `base`, relative: peft's AutoPeftModelForCausalLM "
+                  "resolves that against the working directory, so it loads the export from inside it "
+                  "(`AutoPeftModelForCausalLM.from_pretrained(\".\")`) and refuses it from elsewhere; the lines "
+                  "above work from anywhere.\n\n") if relative else ""))
     log("reading it back with transformers and peft (PeftModel.from_pretrained) to check it")
     with quiet_imports():
         from peft import PeftModel
         from transformers import AutoModelForCausalLM
 
-        base_dir = tmp / "base" if bundle.family != "pretrained" else Path(base_path)
         reloaded = PeftModel.from_pretrained(
             AutoModelForCausalLM.from_pretrained(str(base_dir), local_files_only=True, dtype=torch.float32),
             str(tmp)).eval()
@@ -392,7 +447,8 @@ def _write_adapter(loaded: LoadedModel, tmp: Path, out: Path, log: Log) -> dict[
     if not diff <= 1e-5 * max(1.0, float(a.abs().max())):
         raise ExportError(f"the written adapter's logits differ from the checkpoint's by up to {diff:.3g}; "
                           f"nothing was written to OUT_DIR")
-    return {"equal": bool(torch.equal(a, b)), "max_abs_diff": diff, "base": base_path}
+    return {"equal": bool(torch.equal(a, b)), "max_abs_diff": diff, "base": base_ref,
+            "base_fingerprint": tools.base_fingerprint(base_dir)}
 
 
 def detect_cpu() -> Any:

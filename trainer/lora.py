@@ -50,22 +50,35 @@ def linear_names(model: torch.nn.Module) -> list[str]:
     return sorted(out)
 
 
+NEVER_TARGETS = ("lm_head",)      # the output head (and the embeddings, no linear layers) keep their weights
+
+
 def targets(model: torch.nn.Module, fcfg: FinetuneConfig) -> list[str]:
-    """The module names that get adapters; ConfigError naming --lora-targets when none would."""
-    present = linear_names(model)
+    """The module names that get adapters; ConfigError naming --lora-targets when none would or one is not
+    there, or --lora when the rank is above the smallest dimension of a layer it adapts (the rule
+    trainer.contract.estimate.check_lora applies to the families before anything is built)."""
+    present = [n for n in linear_names(model) if n not in NEVER_TARGETS]
     if fcfg.lora_targets == AUTO:
         chosen = [n for n in DEFAULT_TARGETS if n in present]
         if not chosen:
             raise ConfigError("--lora-targets", f"auto knows no attention or MLP projection of this architecture; "
-                                                f"name its linear layers, e.g. --lora-targets "
-                                                f"{','.join(n for n in present if n != 'lm_head')}")
-        return chosen
-    asked = fcfg.lora_targets.split(",")
-    missing = [n for n in asked if n not in present]
-    if missing:
-        raise ConfigError("--lora-targets", f"{','.join(missing)}: no linear layer of that name in this model; "
-                                            f"its linear layers: {','.join(present)}")
-    return asked
+                                                f"name its linear layers, e.g. --lora-targets {','.join(present)}")
+    else:
+        chosen = fcfg.lora_targets.split(",")
+        missing = [n for n in chosen if n not in present]
+        if missing:
+            head = " (the output head is never adapted)" if any(n in NEVER_TARGETS for n in missing) else ""
+            raise ConfigError("--lora-targets", f"{','.join(missing)}: no layer of that name to adapt in this "
+                                                f"model{head}; what can be targeted: {','.join(present)}")
+    dims = [(min(m.in_features, m.out_features), name.rsplit(".", 1)[-1], m.out_features, m.in_features)
+            for name, m in model.named_modules() if name.rsplit(".", 1)[-1] in chosen
+            and isinstance(getattr(m, "in_features", None), int) and isinstance(getattr(m, "out_features", None), int)]
+    if dims and fcfg.lora > min(dims)[0]:
+        limit, name, rows, cols = min(dims)
+        raise ConfigError("--lora", f"{fcfg.lora} is above {limit}, the smallest dimension of the layers it adapts "
+                                    f"({name} is {rows}x{cols}): such an adapter is no low-rank update and has more "
+                                    f"parameters than the layer; use --lora {limit} or less")
+    return chosen
 
 
 def lora_config(model: torch.nn.Module, fcfg: FinetuneConfig) -> Any:

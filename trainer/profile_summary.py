@@ -174,5 +174,9 @@ def spans_from_profiler(events: Iterable[Any]) -> list[Span]:
             spans.append(Span(e.name, start, end, "op", self_us=float(e.self_cpu_time_total),
                               kernels=[(k.name, float(k.duration)) for k in getattr(e, "kernels", ()) or ()]))
         elif device == "CUDA":
+            # kineto mirrors the record_function ranges on the GPU's timeline (gpu_user_annotation): they
+            # span whole phases and are not work; counting them as kernels made a launch-bound GPU look busy
+            if getattr(e, "is_user_annotation", False) or e.name.startswith(STEP_PREFIX) or e.name in TIMED_PHASES:
+                continue
             spans.append(Span(e.name, start, end, "kernel"))
     return spans

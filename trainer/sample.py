@@ -149,6 +149,10 @@ def generate(loaded: LoadedModel, ns: argparse.Namespace, *, deadline: float | N
     model, tok = loaded.model, loaded.tokenizer
     device = next(model.parameters()).device
     ids = encode_prompt(tok, ns.prompt)
+    temperature = tools.sampling_temperature(ns.temperature)
+    if temperature != ns.temperature:
+        log(f"temperature {ns.temperature:g} is below {tools.GREEDY_BELOW:g}, where sampling is greedy decoding "
+            "(the limit as T -> 0): decoding greedily")
     context = loaded.cfg.data.seq_len if loaded.cfg else tok.model_max_length
     if len(ids) + ns.max_new_tokens > context:
         log(f"warning: {len(ids)} prompt + {ns.max_new_tokens} new tokens is longer than the {context} tokens "
@@ -161,17 +165,17 @@ def generate(loaded: LoadedModel, ns: argparse.Namespace, *, deadline: float | N
     if loaded.objective == "llada":
         steps = ns.diffusion_steps or ns.max_new_tokens
         log(f"{loaded.bundle.family}: {ns.max_new_tokens} tokens in {steps} reverse steps (low-confidence "
-            f"remasking), temperature {ns.temperature:g}")
+            f"remasking), temperature {temperature:g}")
         gen = torch.Generator(device=device).manual_seed(ns.seed)
         new, done = llada_generate(model, prompt, mask_id=loaded.mask_id, length=ns.max_new_tokens, steps=steps,
-                                   temperature=ns.temperature, generator=gen, vocab=vocab, deadline=deadline)
+                                   temperature=temperature, generator=gen, vocab=vocab, deadline=deadline)
         stopped = "timeout" if done < steps else "max_new_tokens"
     else:
         if ns.diffusion_steps is not None:
             log("note: --diffusion-steps applies to llada models only; ignored")
         log(f"{loaded.bundle.family}: up to {ns.max_new_tokens} tokens with transformers' generate, "
-            f"{'greedy' if ns.temperature == 0 else f'temperature {ns.temperature:g}'}")
-        new = causal_generate(model, prompt, max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, eos=eos,
+            f"{'greedy' if temperature == 0 else f'temperature {temperature:g}'}")
+        new = causal_generate(model, prompt, max_new_tokens=ns.max_new_tokens, temperature=temperature, eos=eos,
                               pad=tok.pad_token_id, vocab=vocab,
                               max_time=None if deadline is None else deadline - time.time())
         ended = eos is not None and eos in new.tolist()

@@ -37,7 +37,7 @@ from .channel import Channel, StartupStopped, honour_startup_stop
 from .contract import estimate as E
 from .checkpointer import Checkpointer, NonFiniteState, Progress
 from .commands import Commands
-from .contract import capabilities, rundir
+from .contract import capabilities, protect, rundir
 from .contract.atomic import DiskError, atomic_write, disk_error
 from .contract.config import AUTO, ConfigError, TrainConfig, parse_step_range
 from .contract.device import DeviceInfo
@@ -92,6 +92,7 @@ class Trainer:
         self.notices: list[str] = []                 # warnings found before the channel exists
         self.auto_options = [name for name, value in (("size", cfg.model.size), ("micro_batch", cfg.toggles.micro_batch),
                                                       ("precision", cfg.toggles.precision)) if value == AUTO]
+        self.created_dirs: list[Path] = []         # the run directory and parents this trainer made (setup)
 
     # ------------------------------------------------------------------ setup
     def log(self, msg: str) -> None:
@@ -206,6 +207,8 @@ class Trainer:
 
         self.run_dir = Path(cfg.run.run_dir or rundir.default_run_dir(cfg))
         cfg.run.run_dir = str(self.run_dir)
+        if not self.created_dirs:      # what a refusal before the first step removes
+            self.created_dirs = protect.dirs_to_create(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # One writer per run directory, before anything is written into it (RunDirBusy: exit 2).
         if self.run_lock is None or self.run_lock.run_dir.resolve() != self.run_dir.resolve():
@@ -226,6 +229,8 @@ class Trainer:
             self.group.init()
 
         capabilities.check_config(cfg, self.dev, self.world)
+        if not is_pretrained_path(cfg.model.model):      # a family's LoRA targets and rank, from its dimensions
+            E.check_lora(cfg.model.model, cfg.model.size, cfg.finetune.lora, cfg.finetune.lora_targets)
         cfg.validate(world_size=self.world)     # the per-rank batch and micro-batch, now that the world is known
         from .flops import peak
 
@@ -847,21 +852,24 @@ def stopped_in_startup() -> bool:
     return _startup_stopped
 
 
-def main_run(cfg: TrainConfig, run_lock: RunLock | None = None) -> int:
+def main_run(cfg: TrainConfig, run_lock: RunLock | None = None, created_dirs: list[Path] | None = None) -> int:
     """Run a configured trainer, turning every failure into an `error` event and a distinct exit code.
 
-    `run_lock`: the run directory's lock when the caller took it (trainer.cli); else setup takes it."""
+    `run_lock`: the run directory's lock when the caller took it (trainer.cli); else setup takes it.
+    `created_dirs`: the directories the caller made for the run (taking the lock): a refusal before the first
+    step removes them, as those setup makes."""
     notice = None
     if cfg.toggles.cuda_allocator == "expandable_segments":
         from .memory import enable_expandable_segments
 
         notice = enable_expandable_segments(os.environ)      # before anything initializes CUDA
-    trainer = None
+    trainer = refused = None
     try:
         trainer = Trainer(cfg)
         if notice:
             trainer.notices.append(notice)
         trainer.run_lock = run_lock
+        trainer.created_dirs = list(created_dirs or [])
         trainer.setup()
         return trainer.run()
     except Stop as s:
@@ -876,7 +884,9 @@ def main_run(cfg: TrainConfig, run_lock: RunLock | None = None) -> int:
                           reason=STOPPED_BEFORE_FIRST_STEP, checkpoint=None)
         return EXIT_OK
     except ConfigError as e:
-        return _report(trainer, "config", str(e), EXIT_CONFIG)
+        code = _report(trainer, "config", str(e), EXIT_CONFIG)
+        refused = trainer       # a refusal before the first step leaves nothing of what this trainer created
+        return code
     except ckpt.NothingToResume as e:               # known ends: one line; the traceback only into a log file
         return _report(trainer, "no_checkpoint", str(e), EXIT_NO_CHECKPOINT, traceback=_log_only_traceback())
     except ckpt.CorruptCheckpoint as e:
@@ -910,6 +920,8 @@ def main_run(cfg: TrainConfig, run_lock: RunLock | None = None) -> int:
             trainer.group.destroy()
         if trainer is not None and trainer.run_lock is not None:
             trainer.run_lock.release()
+        if refused is not None and refused.world == 1 and refused.progress.step == 0:
+            protect.remove_created(refused.created_dirs)
 
 
 def _disk_message(trainer: Trainer | None, disk: DiskError) -> str:

@@ -135,7 +135,8 @@ def opt(default: Any, help: str, *, flag: str | None = None, choices: tuple | No
     return field(default=default, metadata=meta)
 
 
-def _device_format(value: str) -> str | None:
+def device_format(value: str) -> str | None:
+    """Why `value` is not a device name (auto, cpu, cuda, cuda:N), or None."""
     if re.fullmatch(r"auto|cpu|cuda(:\d{1,4})?", value):
         return None
     return f"{value!r} is not auto, cpu, cuda or cuda:N"
@@ -263,7 +264,7 @@ class LogConfig:
 class RunConfig:
     run_dir: str | None = opt(None, "run directory (default: runs/<time>-<model>-<size>)", metavar="DIR",
                               path="run_dir")
-    device: str = opt("auto", "torch device: auto, cpu, cuda, cuda:N", check=_device_format)
+    device: str = opt("auto", "torch device: auto, cpu, cuda, cuda:N", check=device_format)
     nan_policy: str = opt("rollback", "on a non-finite step (loss, gradient norm or weights): roll back to the "
                           "newest checkpoint that verifies, or stop", choices=NAN_POLICIES)
     nan_retries: int = opt(3, "rollbacks allowed before stopping with an error", low=0, high=1000)
@@ -314,6 +315,8 @@ class TrainConfig:
         cfg = cls(**{name: dataclasses.replace(getattr(cfg, name)) for name in SECTIONS})
         if not isinstance(d, dict):
             raise ConfigError("(top level)", f"expected tables of options, got {type(d).__name__}")
+        old_places = {(home, key): sec for (sec, key), home in MOVED.items()
+                      if isinstance(d.get(sec), dict) and key in d[sec]}
         d = current_layout(d)
         for section, values in d.items():
             if section not in SECTIONS:
@@ -328,7 +331,15 @@ class TrainConfig:
             for key, value in values.items():
                 if key not in known:
                     raise ConfigError(f"{section}.{key}", f"unknown option; known: {', '.join(known)}")
-                setattr(obj, key, _coerce(known[key], value, f"{section}.{key}", text=text))
+                old = old_places.get((section, key))
+                try:
+                    setattr(obj, key, _coerce(known[key], value, f"{section}.{key}", text=text))
+                except ConfigError as e:
+                    if old is None:
+                        raise
+                    # named as the file has it: the user wrote [optim] optimizer, not toggles.optimizer
+                    raise ConfigError(f"[{old}] {key}", f"{e.message} ({key} lives in [{section}] now; it is "
+                                                        f"still read from [{old}])") from None
         return cfg
 
     @classmethod
@@ -373,6 +384,13 @@ class TrainConfig:
         if qb != "none" and not ft.enabled:
             raise ConfigError("--quantize-base", f"{qb} quantizes the frozen base of a LoRA run; "
                                                  f"add --lora R (e.g. --lora 8), or drop --quantize-base")
+        if not ft.enabled:                # LoRA's own options mean nothing without it: never silently ignored
+            for f in fields(ft):
+                value = getattr(ft, f.name)
+                if f.name != "lora" and value != f.default:
+                    raise ConfigError(flag_of(f), f"{show(value)} sets up LoRA adapters, but this run trains every "
+                                                  "weight (no --lora); add --lora R (e.g. --lora 8), or drop "
+                                                  f"{flag_of(f)}")
         if ft.enabled and world_size > 1 and self.run.parallel == "fsdp":
             raise ConfigError("--parallel", "fsdp with --lora is not supported (FSDP2 would shard the frozen base "
                                             "and the adapters together); use --parallel ddp, which replicates the "
@@ -384,6 +402,32 @@ class TrainConfig:
             over = f" ({o.global_batch} over {world_size} ranks)" if world_size > 1 else ""
             raise ConfigError("--micro-batch", f"{mb} does not divide the per-rank batch {per_rank}{over}; "
                                                f"pick a divisor of {per_rank} or auto")
+
+
+# What a resumed run must keep of the run it continues (what is learned); toggles may change (the optimizer's
+# state is converted, a quantized base rebuilt).
+RESUME_MUST_MATCH = (("model", "model", "--model"), ("model", "size", "--size"), ("data", "seq_len", "--seq-len"),
+                     ("optim", "global_batch", "--global-batch"), ("optim", "seed", "--seed"), ("data", "data", "--data"),
+                     ("finetune", "lora", "--lora"), ("finetune", "lora_targets", "--lora-targets"))
+
+
+def check_resumable(saved: dict[str, Any], now: "TrainConfig", what: str = "the checkpoint") -> None:
+    """ConfigError naming the flag when `now` changes what the saved run (a checkpoint's config, or a run
+    directory's config.toml) learns. A key an older config lacks has its default; one stored in its old
+    section (MOVED) is read there; `--size auto` is the trainer's to resolve."""
+    current, defaults = now.to_dict(), TrainConfig().to_dict()
+    saved = current_layout(saved)
+    for section, key, flag in RESUME_MUST_MATCH:
+        was = (saved.get(section) or {}).get(key, defaults[section][key])
+        want = current[section][key]
+        if was == want or (key == "size" and AUTO in (was, want)):
+            continue
+        hint = ""
+        if section == "finetune":
+            hint = ("; to fine-tune its model with other LoRA options, export it (gptop export RUN_DIR OUT_DIR) and "
+                    "train --model OUT_DIR with them")
+        raise ConfigError(flag, f"{what} was trained with {was!r}, this run asks for {want!r}; resume needs the "
+                                f"same value{hint}")
 
 
 # Options that moved to another section: (old section, key) -> the section that holds them now. A TOML file,

@@ -7,7 +7,9 @@ hello event, or a fake H100 in tests) without importing torch.
 
 from __future__ import annotations
 
+import os
 import platform
+import shutil
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -129,3 +131,8 @@ def gpu_key(uuid: str | None = None, pci_bus_id: str | None = None) -> str | Non
         except ValueError:
             return None
     return None
+
+
+def has_compiler() -> bool:
+    """Whether a C++ compiler is on the PATH (what torch.compile's inductor needs on the CPU)."""
+    return shutil.which(os.environ.get("CXX", "c++")) is not None or shutil.which("g++") is not None

@@ -43,7 +43,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .config import AUTO, LORA_DEFAULT_TARGETS
+from .config import AUTO, LORA_DEFAULT_TARGETS, ConfigError
 
 GiB = 1 << 30
 SIZE_ORDER = ("tiny", "small", "medium", "large")
@@ -200,6 +200,39 @@ def lora_targets(family: str, targets: str = AUTO) -> list[str]:
     return [n for n in wanted if n in names]
 
 
+def lora_targetable(family: str) -> list[str]:
+    """The linear layers `--lora-targets` may name for a family: every one but the output head (the head and
+    the embeddings are never adapted, trainer.lora)."""
+    return sorted({t.linear for t in tensor_shapes(family, "tiny") if t.linear} - {"lm_head"})
+
+
+def check_lora(family: str, size: str, lora: int, targets: str = AUTO) -> None:
+    """A LoRA run's targets and rank for a family, from its dimensions (no model built), before anything is
+    created: a target the family lacks, or a rank above the smallest dimension of a layer it adapts (such an
+    adapter is no low-rank update, and has more parameters than the layer), is a ConfigError. trainer.lora
+    applies the same rule to any built model, a model directory's too."""
+    if not lora or family not in FAMILIES:
+        return
+    if targets != AUTO:
+        can = lora_targetable(family)
+        missing = [n for n in targets.split(",") if n not in can]
+        if missing:
+            head = " (the output head is never adapted)" if "lm_head" in missing else ""
+            raise ConfigError("--lora-targets", f"{','.join(missing)}: no layer of that name to adapt in {family}"
+                                                f"{head}; what can be targeted: {','.join(can)} (or auto)")
+    chosen = adapted_tensors(family, size, targets)
+    if not chosen:
+        return
+    smallest = min(chosen, key=lambda t: min(t.shape[-2:]))
+    limit = min(smallest.shape[-2:])
+    if lora > limit:
+        name = smallest.linear or smallest.fused
+        raise ConfigError("--lora", f"{lora} is above {limit}, the smallest dimension of the layers it adapts in "
+                                    f"{family} {size} ({name} is {smallest.shape[-2]}x{smallest.shape[-1]}): such an "
+                                    f"adapter is no low-rank update and has more parameters than the layer; use "
+                                    f"--lora {limit} or less")
+
+
 def trained_tensors(family: str, size: str, lora: int = 0, targets: str = AUTO,
                     vocab_size: int = DEFAULT_VOCAB) -> list[Tensor]:
     """The tensors that have gradients and optimizer state: all of them, or with `lora` R the adapters
@@ -210,25 +243,31 @@ def trained_tensors(family: str, size: str, lora: int = 0, targets: str = AUTO,
     A (R*E x in), B (out x R*E) per parameter, rank doubled for gate_up_proj, which holds two matrices) and
     the dense and shared-expert MLPs of those names get none; tests/test_estimate.py checks the counts
     against the built model."""
-    tensors = tensor_shapes(family, size, vocab_size)
     if not lora:
-        return tensors
+        return tensor_shapes(family, size, vocab_size)
+    out = []
+    for t in adapted_tensors(family, size, targets, vocab_size):
+        if t.linear:
+            rows, cols = t.shape
+            out += [Tensor((lora, cols), t.count), Tensor((rows, lora), t.count)]
+        else:
+            experts, rows, cols = t.shape
+            r = lora * experts * (2 if t.fused == "gate_up_proj" else 1)
+            out += [Tensor((r, cols), t.count), Tensor((rows, r), t.count)]
+    return out
+
+
+def adapted_tensors(family: str, size: str, targets: str = AUTO, vocab_size: int = DEFAULT_VOCAB) -> list[Tensor]:
+    """The weights that get LoRA adapters (see `trained_tensors` for how peft maps MLP targets onto fused
+    experts)."""
+    tensors = tensor_shapes(family, size, vocab_size)
     chosen = set(lora_targets(family, targets))
     fused = {t.fused for t in tensors if t.fused}
     if fused:
         mlp = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
         fused = {mlp[n] for n in chosen if n in mlp}
         chosen -= set(mlp)
-    out = []
-    for t in tensors:
-        if t.linear in chosen:
-            rows, cols = t.shape
-            out += [Tensor((lora, cols), t.count), Tensor((rows, lora), t.count)]
-        elif t.fused in fused:
-            experts, rows, cols = t.shape
-            r = lora * experts * (2 if t.fused == "gate_up_proj" else 1)
-            out += [Tensor((r, cols), t.count), Tensor((rows, r), t.count)]
-    return out
+    return [t for t in tensors if (t.linear and t.linear in chosen) or (t.fused and t.fused in fused)]
 
 
 def optimizer_state_bytes(optimizer: str, tensors: list[Tensor]) -> int:

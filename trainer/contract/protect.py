@@ -7,13 +7,14 @@ path is (`classify`):
 - a run directory (config.toml, events.jsonl or a rank's, checkpoints/, a lock), live (its lock held)
   or finished;
 - a directory that holds a run directory at any depth (a parent of runs);
-- a run's checkpoints/ or profiles/, or anything inside them;
+- a run's checkpoints/ (or profiles/, tensorboard/, wandb/), or anything inside them;
 - the current directory or one that holds it (replacing it would leave the shell in a deleted one);
 - a file, and a non-empty directory that is not an export: an export is recognized by what export
   writes (its `gptop-export.json` lists every file it wrote; an older export by its files and the
   `gptop` provenance in config.json), so an export with a file added by hand is not replaced either.
 
 Paths are resolved first (symlinks, `..`, `.`, a trailing slash), so a link to a run is the run.
+The one other deletion is a refused run's own new directory (`remove_created`): a refusal creates nothing.
 `replace_dir` checks again just before it swaps a finished temporary directory into place (a run may
 have started in OUT_DIR while the export worked), and the old directory is removed only after the new
 one is in place. Temporary directories carry their writer's host and pid (`make_temp_dir`), so the
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import ConfigError
-from .rundir import CHECKPOINTS, PROFILES, pid_alive, run_markers
+from .rundir import has_checkpoint, pid_alive, run_markers, run_part
 from .runlock import holder_words, lock_holders
 
 EXPORT_MARKER = "gptop-export.json"     # written by `gptop export`: what it wrote, so a later --force knows it
@@ -41,7 +42,6 @@ MARKER_VERSION = 1
 MAX_EXPORT_ENTRIES = 10_000             # an export holds a dozen files; past this it is not one
 SEARCH_DEPTH = 4                        # how deep a refused directory is searched for a run (to name it)
 SEARCH_ENTRIES = 5_000
-RUN_OWNED = (CHECKPOINTS, PROFILES)     # a run's folders that nothing but the run writes into
 # What `save_pretrained` (transformers, peft, tokenizers) writes: an export without a marker (an older gptop)
 # is recognized by holding only these, with the `gptop` provenance in its config.json or a peft adapter.
 _EXPORT_NAMES = re.compile(r"^(config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors|"
@@ -99,10 +99,11 @@ def classify(value: str | Path) -> Finding:
     if cwd is not None and (p == cwd or p in cwd.parents):
         return Finding(Kind.CURRENT_DIR, p, "is the current directory" if p == cwd else
                        f"holds the current directory {cwd}")
-    for a in (p, *p.parents):
-        if a.name in RUN_OWNED and run_markers(a.parent):
-            where = f"the {a.name}/ of the run {a.parent}"
-            return Finding(Kind.RUN_PART, p, f"is {where}" if a == p else f"lies inside {where}", run=a.parent)
+    part = run_part(p)
+    if part is not None:
+        run, folder = part
+        where = f"the {folder}/ of the run {run}"
+        return Finding(Kind.RUN_PART, p, f"is {where}" if p == run / folder else f"lies inside {where}", run=run)
     if not os.path.lexists(p):
         return Finding(Kind.MISSING, p, "does not exist")
     if not p.is_dir():
@@ -292,3 +293,36 @@ def write_marker(directory: Path, **fields: object) -> None:
     files = [f for f in (_walk(directory) or []) if (directory / f).is_file() and f != EXPORT_MARKER]
     (directory / EXPORT_MARKER).write_text(json.dumps({"v": MARKER_VERSION, "type": "export", **fields,
                                                        "files": files}, indent=1, default=str) + "\n")
+
+
+# --- a refused run leaves nothing ----------------------------------------------------------------------------
+
+def dirs_to_create(path: str | Path) -> list[Path]:
+    """`path` and each of its parents that does not exist yet, deepest first: what making `path` creates."""
+    p = Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
+    out = []
+    while not os.path.lexists(p) and p != p.parent:
+        out.append(p)
+        p = p.parent
+    return out
+
+
+def remove_created(created: list[Path]) -> list[Path]:
+    """Remove what a refused run made (`created` from `dirs_to_create` before it made them): its run directory,
+    only while it holds no checkpoint, then each parent it made that is empty now. Returns what was removed."""
+    done: list[Path] = []
+    if not created:
+        return done
+    run = created[0]
+    if os.path.lexists(run):
+        if run.is_symlink() or not run.is_dir() or has_checkpoint(run):
+            return done
+        shutil.rmtree(run, ignore_errors=True)
+        done.append(run)
+    for d in created[1:]:
+        try:
+            d.rmdir()                     # only if empty: another process may have put something there since
+        except OSError:
+            break
+        done.append(d)
+    return done

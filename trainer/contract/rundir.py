@@ -9,6 +9,7 @@ A run directory holds everything a run produces:
     checkpoints/           step-NNNNNNNN.pt (one process) or step-NNNNNNNN.dcp/ (several ranks)
     checkpoints/pins.json  steps that pruning must keep (the tuner's rollback target)
     profiles/              torch.profiler traces
+    tensorboard/, wandb/   with --tensorboard, --wandb
     tuning.json, tuning.md, best.toml   after tuning
     .gptop.lock            the owner's lock (trainer.contract.runlock); .gptop.lock.<node> per node of a multi-node run
 
@@ -46,6 +47,8 @@ TRAINER_LOG = "trainer.log"
 TRAINER_STDERR = "trainer.stderr.log"
 CHECKPOINTS = "checkpoints"
 PROFILES = "profiles"
+TENSORBOARD = "tensorboard"          # --tensorboard's event files
+WANDB = "wandb"                      # --wandb: W&B keeps its run there (wandb.init(dir=RUN_DIR))
 PINS = "pins.json"
 LOCK = ".gptop.lock"                 # the owner's lock (trainer.contract.runlock); LOCK.<node> per node
 TUNING_JSON, TUNING_MD, BEST_TOML = "tuning.json", "tuning.md", "best.toml"
@@ -101,6 +104,10 @@ class RunDir:
     def profiles(self) -> Path:
         return self.path / PROFILES
 
+    @property
+    def tensorboard(self) -> Path:
+        return self.path / TENSORBOARD
+
     def tuning(self, name: str) -> Path:
         """tuning.json, tuning.md or best.toml."""
         return self.path / name
@@ -122,6 +129,19 @@ def run_markers(path: str | Path) -> list[str]:
 
 def is_run_dir(path: str | Path) -> bool:
     return bool(run_markers(path))
+
+
+RUN_OWNED = (CHECKPOINTS, PROFILES, TENSORBOARD, WANDB)     # a run's folders that only the run writes into
+
+
+def run_part(path: str | Path) -> tuple[Path, str] | None:
+    """(the run, its folder) when `path` (resolved) is or lies inside a folder a run owns (checkpoints/,
+    profiles/, tensorboard/, wandb/), where neither a new run nor an export may go; else None."""
+    p = Path(os.path.realpath(os.path.expanduser(os.fspath(path))))
+    for a in (p, *p.parents):
+        if a.name in RUN_OWNED and run_markers(a.parent):
+            return a.parent, a.name
+    return None
 
 
 def without_checkpoint(run_dir: str | Path) -> str:

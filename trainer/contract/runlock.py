@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 
 from .config import ConfigError
-from .rundir import LOCK, has_checkpoint, other_run, pid_alive
+from .rundir import LOCK, has_checkpoint, other_run, pid_alive, run_part
 
 LOCK_TOKEN_ENV = "GPTOP_RUN_LOCK_TOKEN"     # set by the lock's owner for the processes it starts
 LOCK_NODE_ENV = "GPTOP_RUN_LOCK_NODE"
@@ -38,6 +38,10 @@ class RunDirTaken(ConfigError):
 def check_new_run(run_dir: Path) -> None:
     """A new run may start in `run_dir` only if no other run left its events or checkpoints there: mixed in
     one directory, the report would add both runs up and a resume or an export could pick the other's weights."""
+    part = run_part(run_dir)
+    if part is not None:
+        raise RunDirTaken("--run-dir", f"{run_dir} lies inside the {part[1]}/ of the run {part[0]}, which only that run "
+                                       "writes; choose another --run-dir")
     found = other_run(run_dir)
     if found is None:
         return
@@ -84,6 +88,8 @@ class RunLock:
         if another run left its events or checkpoints there, checked under the lock before its record is
         written (the sibling ranks of one torchrun wait for the record), leaving no lock file behind."""
         run_dir = Path(run_dir)
+        if new_run and node is None:
+            check_new_run(run_dir)          # before making anything; again under the lock, against a race
         run_dir.mkdir(parents=True, exist_ok=True)
         token = token or uuid.uuid4().hex
         plan = [(run_dir / LOCK, fcntl.LOCK_EX)] if node is None else \

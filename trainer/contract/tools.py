@@ -14,6 +14,7 @@ Both tools write progress lines to stderr and their result to stdout: text, or w
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -22,9 +23,9 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from .config import MAX_SEED, MAX_SEQ_LEN, ConfigError, number_arg
+from .config import MAX_SEED, MAX_SEQ_LEN, ConfigError, device_format, number_arg
 from .inputs import check_writable_dir, path_arg
-from .protect import check_replaceable
+from .protect import EXPORT_MARKER, check_replaceable
 from .rundir import (CONFIG, EVENTS, MAX_STEP, CheckpointInfo, checkpoint_dir, is_run_dir, list_checkpoints,
                      without_checkpoint)
 
@@ -37,6 +38,9 @@ MAX_NEW_TOKENS = 64
 TEMPERATURE = 0.8
 SEED = 0
 TIMEOUT_S = 120.0
+# A temperature this small is greedy decoding: sampling from softmax(logits / T) is the argmax as T -> 0, and
+# below this logits / T overflows float32 (3.4e38) for logits near 1e8, or T itself rounds to 0 (from 1e-46).
+GREEDY_BELOW = 1e-30
 
 
 # --- arguments ----------------------------------------------------------------------------------
@@ -71,7 +75,7 @@ def add_sample_arguments(parser: argparse.ArgumentParser, json_flag: bool = True
     parser.add_argument("--max-new-tokens", type=number_arg(int, 1, MAX_SEQ_LEN), default=MAX_NEW_TOKENS, metavar="N",
                         help=f"tokens to generate (default: {MAX_NEW_TOKENS})")
     parser.add_argument("--temperature", type=number_arg(float, 0, 1e3), default=TEMPERATURE, metavar="T",
-                        help=f"sampling temperature; 0 is greedy (default: {TEMPERATURE})")
+                        help=f"sampling temperature; 0 (or below {GREEDY_BELOW:g}) is greedy (default: {TEMPERATURE})")
     parser.add_argument("--seed", type=number_arg(int, 0, MAX_SEED), default=SEED, metavar="S",
                         help=f"random seed of the sampling (default: {SEED})")
     parser.add_argument("--step", type=STEP, default=None, metavar="N",
@@ -100,9 +104,59 @@ def _run_or_model_dir(value: str, option: str) -> None:
 
 
 def is_model_dir(path: str | Path) -> bool:
-    """A Hugging Face model directory (config.json), as `gptop export` writes, rather than a run directory."""
+    """A Hugging Face model directory (config.json) or a peft adapter (adapter_config.json), as `gptop export`
+    writes them, rather than a run directory."""
     p = Path(path)
-    return (p / "config.json").is_file() and not (p / CONFIG).is_file() and not checkpoint_dir(p).is_dir()
+    return ((p / "config.json").is_file() or (p / ADAPTER_CONFIG).is_file()) and not is_run_dir(p)
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_BASE_DIR = "base"          # a built-in family's base, inside its adapter export
+
+
+def adapter_base(path: str | Path) -> Path | None:
+    """The base model directory of an adapter export (None for a plain model directory): the export's own
+    `base/` (a copied or moved export keeps it), else the directory `base_model_name_or_path` names (a relative
+    one against the export, never the working directory). The base must be the one the adapter was trained on:
+    its fingerprint is checked against the one gptop-export.json recorded. ConfigError naming RUN_DIR when it
+    is missing or another."""
+    p = Path(path)
+    if not (p / ADAPTER_CONFIG).is_file():
+        return None
+    try:
+        ref = json.loads((p / ADAPTER_CONFIG).read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ConfigError("RUN_DIR", f"{p / ADAPTER_CONFIG} cannot be read ({e})") from None
+    own = p / ADAPTER_BASE_DIR
+    base = own if (own / "config.json").is_file() else (p / ref if isinstance(ref, str) and ref else None)
+    if base is None or not (base / "config.json").is_file():
+        raise ConfigError("RUN_DIR", f"{p} is a LoRA adapter whose base ({ref!r}) is not there; put the model "
+                                     "directory it was trained on there, or export the run again")
+    try:
+        marker = json.loads((p / EXPORT_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        marker = {}
+    want = marker.get("base_fingerprint") if isinstance(marker, dict) else None
+    if want and base_fingerprint(base) != want:
+        raise ConfigError("RUN_DIR", f"{p}: the base at {base} is not the one this adapter was trained on (its "
+                                     "weights or config changed since the export); export the run again")
+    return base
+
+
+def base_fingerprint(path: str | Path) -> str:
+    """A fingerprint of a model directory's weights and config: each file's size and its first and last MiB
+    (cheap for a large model, and changed by a re-export or a replacement of it)."""
+    h = hashlib.sha256()
+    for f in sorted(q for q in Path(path).iterdir() if q.is_file() and (q.suffix in (".safetensors", ".bin")
+                                                                        or q.name == "config.json")):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}\n".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            if size > 2 << 20:
+                fh.seek(-(1 << 20), os.SEEK_END)
+                h.update(fh.read())
+    return h.hexdigest()[:32]
 
 
 def checkpoints_to_try(run_dir: str | Path, step: int | None, option: str = "RUN_DIR") -> list[CheckpointInfo]:
@@ -144,6 +198,10 @@ def check_sample(ns: argparse.Namespace) -> list[CheckpointInfo] | None:
         raise ConfigError("--max-new-tokens", f"must be at least 1, got {ns.max_new_tokens}")
     if not (math.isfinite(ns.temperature) and ns.temperature >= 0):
         raise ConfigError("--temperature", f"must be 0 (greedy) or positive, got {ns.temperature}")
+    check_text(ns.prompt, "--prompt")
+    problem = device_format(ns.device)
+    if problem:
+        raise ConfigError("--device", problem)
     if ns.diffusion_steps is not None and not 1 <= ns.diffusion_steps <= ns.max_new_tokens:
         raise ConfigError("--diffusion-steps", f"must be between 1 and --max-new-tokens ({ns.max_new_tokens}), "
                                                f"got {ns.diffusion_steps}")
@@ -154,8 +212,26 @@ def check_sample(ns: argparse.Namespace) -> list[CheckpointInfo] | None:
     if is_model_dir(ns.path):
         if ns.step is not None:
             raise ConfigError("--step", f"{ns.path} is an exported model, which has no checkpoints to choose from")
+        adapter_base(ns.path)            # an adapter export's base is there, and is the one it was trained on
         return None
     return checkpoints_to_try(ns.path, ns.step)
+
+
+def check_text(value: str, option: str) -> None:
+    """Text from the command line must be UTF-8: Python keeps bytes that are not as lone surrogates
+    (surrogateescape), which no tokenizer takes."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = value[e.start]
+        what = f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF else f"character U+{ord(bad):04X}"
+        raise ConfigError(option, f"is not valid UTF-8 text ({what} at character {e.start}); give text in UTF-8") \
+            from None
+
+
+def sampling_temperature(temperature: float) -> float:
+    """The temperature sampling uses: 0 (greedy) below GREEDY_BELOW."""
+    return 0.0 if temperature < GREEDY_BELOW else float(temperature)
 
 
 # --- command lines ------------------------------------------------------------------------------
