@@ -29,7 +29,9 @@ from trainer.contract.rundir import MAX_STEP, default_run_dir, resume_config, re
 from trainer.contract.runlock import RunLock, node_key
 from trainer.contract.tools import add_export_arguments, add_sample_arguments
 
+from .alerts import add_alert_arguments, alert_options
 from .commands import STOP_SIGNALS, TUI_STOP_SIGNALS, StopSignals
+from .metrics import add_metrics_arguments, bind_metrics
 from .session import EXIT_FAILED, EXIT_PIPE, EXIT_USAGE, Session, SessionOptions, TuningOptions
 
 # gptop's own flags, converted and checked at parse time like the config's (trainer.contract.config.number_arg,
@@ -111,6 +113,7 @@ def build_parser() -> Parser:
     parser = Parser(prog="gptop", description="htop for a training run, with a live autotuner.")
     parser.add_argument("--version", action="version", version=f"gptop {_version()}")
     _global_flags(parser, suppress=False)
+    add_metrics_arguments(parser)
     parser.add_argument("--run-dir", dest="monitor_run_dir", metavar="DIR", default=None,
                         type=inputs.path_arg(inputs.check_runs_folder, "--run-dir"),
                         help="monitor mode: the run (or folder of runs) to attach to (default: newest in ./runs)")
@@ -129,6 +132,8 @@ def build_parser() -> Parser:
         g.add_argument("--wandb", action="store_true",
                        help="also log them to a Weights & Biases run in RUN_DIR/wandb (pip install -e '.[wandb]'; "
                             "WANDB_MODE=offline: no account or network) (default: off)")
+        add_alert_arguments(p)
+        add_metrics_arguments(p, suppress=True)
         d = p.add_argument_group("distributed (torchrun; see --parallel)")
         d.add_argument("--nproc", type=number_arg(int, 1, 1024), default=1, metavar="N",
                        help="ranks (processes, one per GPU) on this node; above 1, or with several nodes, the "
@@ -181,6 +186,8 @@ def build_parser() -> Parser:
                    help="also write step metrics and device samples as TensorBoard scalars (default: off)")
     g.add_argument("--wandb", action="store_true",
                    help="also log them to a Weights & Biases run in RUN_DIR/wandb (default: off)")
+    add_alert_arguments(run)
+    add_metrics_arguments(run, suppress=True)
     run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS]",
                      help="the command, after --: e.g. -- python train.py --lr 3e-4")
 
@@ -360,29 +367,37 @@ def _run(ns: argparse.Namespace, signals: StopSignals) -> int:
     # A new run (not a resume of the run there) in a directory another run left its events or checkpoints
     # in is refused the same way: one run per run directory.
     multi_node = launcher is not None and launcher.multi_node
-    created = [] if multi_node else protect.dirs_to_create(cfg.run.run_dir)
-    lock = RunLock.acquire(cfg.run.run_dir, command=f"gptop {ns.command}",
-                           node=node_key(ns.node_rank) if multi_node else None,
-                           new_run=not resumes_into(resume, cfg.run.run_dir))
+    node = node_key(ns.node_rank) if multi_node else None
+    metrics = bind_metrics(ns, node)          # a port in use: exit 2 here, before the lock or anything else
     try:
-        return _run_locked(ns, cfg, resume, launcher, lock, signals)
-    except ConfigError:
-        # refused once the directory was made (W&B's login, a check only the trainer can make): nothing is kept
-        lock.release()
-        protect.remove_created(created)
-        raise
+        created = [] if multi_node else protect.dirs_to_create(cfg.run.run_dir)
+        lock = RunLock.acquire(cfg.run.run_dir, command=f"gptop {ns.command}", node=node,
+                               new_run=not resumes_into(resume, cfg.run.run_dir))
+        try:
+            return _run_locked(ns, cfg, resume, launcher, lock, signals, metrics)
+        except ConfigError:
+            # refused once the directory was made (W&B's login, a check only the trainer can make): nothing is kept
+            lock.release()
+            protect.remove_created(created)
+            raise
+        finally:
+            lock.release()
     finally:
-        lock.release()
+        if metrics is not None:
+            metrics.close()
 
 
 def _run_locked(ns: argparse.Namespace, cfg: TrainConfig, resume: str | None, launcher, lock: RunLock,
-                signals: StopSignals) -> int:
+                signals: StopSignals, metrics=None) -> int:
     options = SessionOptions(interval=ns.interval, restart_on_failure=ns.restart_on_failure,
                              tensorboard=ns.tensorboard, wandb=ns.wandb, launcher=launcher, run_lock=lock,
-                             tuning=TuningOptions(space_spec=ns.tune_space, storage=ns.storage))   # the `t` key
+                             tuning=TuningOptions(space_spec=ns.tune_space, storage=ns.storage),   # the `t` key
+                             alerts=alert_options(ns), notify=ns.notify, notify_cmd=ns.notify_cmd)
     if lock.warning:
         print(f"gptop: warning: {lock.warning}", file=sys.stderr)
     session = Session(cfg, options)
+    if metrics is not None:
+        metrics.serve(session.state)
     tuning = _tuning_request(ns)
     if tuning is not None:
         session.start_tuning(TuningOptions(**tuning))
@@ -402,17 +417,25 @@ def cmd_program(ns: argparse.Namespace) -> int:
 
             require_wandb()
         run_dir = Path(ns.run_dir or default_run_dir(command))
-        lock = RunLock.acquire(run_dir, command="gptop run")
+        metrics = bind_metrics(ns)            # a port in use: exit 2 here, before the lock or anything else
         try:
-            if lock.warning:
-                print(f"gptop: warning: {lock.warning}", file=sys.stderr)
-            options = SessionOptions(interval=ns.interval, restart_on_failure=ns.restart_on_failure,
-                                     tensorboard=ns.tensorboard, wandb=ns.wandb, run_lock=lock)
-            session = ProgramSession(command, run_dir, options, log_every=ns.log_every, grace_s=ns.grace,
-                                     signals=signals)
-            return _show(ns, session, None, signals)
+            lock = RunLock.acquire(run_dir, command="gptop run")
+            try:
+                if lock.warning:
+                    print(f"gptop: warning: {lock.warning}", file=sys.stderr)
+                options = SessionOptions(interval=ns.interval, restart_on_failure=ns.restart_on_failure,
+                                         tensorboard=ns.tensorboard, wandb=ns.wandb, run_lock=lock,
+                                         alerts=alert_options(ns), notify=ns.notify, notify_cmd=ns.notify_cmd)
+                session = ProgramSession(command, run_dir, options, log_every=ns.log_every, grace_s=ns.grace,
+                                         signals=signals)
+                if metrics is not None:
+                    metrics.serve(session.state)
+                return _show(ns, session, None, signals)
+            finally:
+                lock.release()
         finally:
-            lock.release()
+            if metrics is not None:
+                metrics.close()
     finally:
         signals.restore()
 

@@ -46,9 +46,10 @@ from typing import IO
 from gptop.profile_text import profile_lines
 from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_eta, fmt_mfu, fmt_num, fmt_peak, fmt_toggles,
                          measure_line, model_summary, phase_label, spread_pct)
-from trainer.contract.events import (PHASES, ApplyEvent, CheckpointEvent, DeviceEvent, DoneEvent, ErrorEvent,
-                                     EvalEvent, Event, HelloEvent, LogEvent, PhaseEvent, ProfileEvent, ProgressEvent,
-                                     StatusEvent, StepEvent, TrialEvent, TunerEvent, WarningEvent, dumps)
+from gptop.alerts import alert_line
+from trainer.contract.events import (PHASES, AlertEvent, ApplyEvent, CheckpointEvent, DeviceEvent, DoneEvent,
+                                     ErrorEvent, EvalEvent, Event, HelloEvent, LogEvent, PhaseEvent, ProfileEvent,
+                                     ProgressEvent, StatusEvent, StepEvent, TrialEvent, TunerEvent, WarningEvent, dumps)
 
 MEASURE_EVERY_S = 10.0
 SHORT = {"data": "data", "forward": "fwd", "backward": "bwd", "optimizer": "opt", "other": "other"}
@@ -145,6 +146,8 @@ def event_line(event: Event, state: RunState) -> str | None:
         return f"warning: {event.message}"
     if isinstance(event, ErrorEvent):
         return f"error [{event.kind}]: {event.message}"
+    if isinstance(event, AlertEvent):
+        return alert_line(event)
     if isinstance(event, ProfileEvent):
         if state.primary_rank is not None and event.rank != state.primary_rank:
             return None

@@ -1,7 +1,12 @@
 """`gptop` with no command: a live device dashboard that attaches to a run.
 
 If the newest run in ./runs (or --run-dir) is alive, its events.jsonl is
-followed; if it has finished, it is replayed into the dashboard. Quitting the
+followed; if it has finished, it is replayed into the dashboard. A long run's
+file is not read whole: its head (the first start, up to the first step), its
+newest full hello (within HELLO_SCAN_BYTES before the tail; the head's otherwise)
+and its last TAIL_BYTES fill the dashboard, whose panels keep
+a bounded history anyway, so attaching costs the same on day seven as in minute
+one (`gptop report` reads the whole run, in one streaming pass). Quitting the
 monitor never stops the run it watches; `c` asks a live trainer for a
 checkpoint (SIGUSR1, which the trainer handles).
 """
@@ -13,8 +18,9 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 from trainer.contract import events as ev
 
@@ -37,10 +43,78 @@ def find_run(path: str | None) -> Path | None:
     return max(runs, key=lambda p: (p / "events.jsonl").stat().st_mtime) if runs else None
 
 
+TAIL_BYTES = 2 << 20        # the end of a long run's events.jsonl an attach reads (about the panels' 2000 step events)
+HEAD_BYTES = 1 << 20        # at most this much of its head (the first start's hello and startup, the first step)
+SCAN_CHUNK = 1 << 20        # the backward search for the newest hello reads this much at a time ...
+HELLO_SCAN_BYTES = 16 << 20  # ... and this much at most before the tail (else the head's hello stands)
+
+
+@dataclass
+class Attach:
+    """Where an attach reads a run's events.jsonl: all of it (`tail_offset` 0), or its head lines, its newest
+    full hello before the tail, and the tail from `tail_offset` (the start of a line)."""
+
+    head: list[bytes]
+    hello: bytes | None
+    tail_offset: int
+    size: int
+
+    @property
+    def skipped(self) -> int:
+        """Bytes in the middle that are not read."""
+        read = sum(len(x) + 1 for x in self.head) + (len(self.hello) + 1 if self.hello else 0)
+        return max(0, self.tail_offset - read)
+
+
+def attach_plan(path: Path, tail_bytes: int | None = None) -> Attach:
+    """How to attach to `path` in time and memory bounded whatever its length (see the module's docstring)."""
+    tail_bytes = TAIL_BYTES if tail_bytes is None else tail_bytes
+    size = path.stat().st_size
+    if size <= tail_bytes + HEAD_BYTES:
+        return Attach([], None, 0, size)
+    head: list[bytes] = []
+    with open(path, "rb") as f:
+        data = f.read(HEAD_BYTES)
+        cut = data.rfind(b"\n") + 1
+        for line in data[:cut].split(b"\n"):
+            if not line.strip():
+                continue
+            head.append(line)
+            if b'"type":"step"' in line:
+                break
+        head_end = sum(len(x) + 1 for x in head)
+        f.seek(size - tail_bytes)
+        f.readline()                                   # the tail starts at a whole line
+        tail = f.tell()
+        hello = _newest_hello(f, max(head_end, tail - HELLO_SCAN_BYTES), tail)
+    return Attach(head, hello, tail, size)
+
+
+def _newest_hello(f: Any, lo: int, hi: int) -> bytes | None:
+    """The last full (not early) hello line in [lo, hi) of the open file, searched backwards chunk by chunk."""
+    end = hi
+    carry = b""
+    while end > lo:
+        start = max(lo, end - SCAN_CHUNK)
+        f.seek(start)
+        data = f.read(end - start) + carry
+        lines = data.split(b"\n")
+        carry = lines[0] if start > lo else b""       # a line cut by the chunk's start: joined with the next chunk
+        for line in reversed(lines[1:] if start > lo else lines):
+            if b'"type":"hello"' in line and b'"early":true' not in line:
+                return line
+        end = start
+    return None
+
+
 def trainer_pid(run_dir: Path) -> int | None:
     """The pid of the run's trainer if it is still running (its last hello, and no done/error after it)."""
     pid = None
-    for e in ev.read_events(run_dir / "events.jsonl"):     # malformed lines: counted when followed
+    path = run_dir / "events.jsonl"
+    plan = attach_plan(path)
+    lines = plan.head + ([plan.hello] if plan.hello else []) + FileTail(path, plan.tail_offset).read_all()
+    ends = (b'"type":"hello"', b'"type":"done"', b'"type":"error"')
+    for e in _parse(x for x in lines if any(k in x for k in ends)):     # malformed lines: counted when followed
         if isinstance(e, ev.HelloEvent):
             pid = e.pid
         elif isinstance(e, (ev.DoneEvent, ev.ErrorEvent)):
@@ -86,7 +160,14 @@ class MonitorSession(SessionBase):
 
     def _follow(self) -> None:
         assert self.run_dir is not None
-        tail = FileTail(self.run_dir / "events.jsonl")
+        path = self.run_dir / "events.jsonl"
+        plan = attach_plan(path)
+        if plan.tail_offset:
+            feed_events(plan.head + ([plan.hello] if plan.hello else []), self._dispatch, self._on_malformed)
+            self._on_log(f"[gptop] a long run: read its first start and its last {plan.size - plan.tail_offset >> 20} "
+                         f"MiB of events, not the {plan.skipped >> 20} MiB between (gptop report reads them all)",
+                         "gptop")
+        tail = FileTail(path, plan.tail_offset)
         while not self._finished.is_set():
             lines = tail.read_lines()
             if lines:
@@ -123,6 +204,15 @@ class MonitorSession(SessionBase):
         super().close()
 
 
+def _parse(lines: Iterable[bytes]) -> Iterator[ev.Event]:
+    for line in lines:
+        if line.strip():
+            try:
+                yield ev.parse(line)
+            except ev.MalformedEvent:
+                continue
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -134,12 +224,22 @@ def _alive(pid: int) -> bool:
 
 
 def run_monitor(ns: argparse.Namespace) -> int:
-    session = MonitorSession(find_run(ns.monitor_run_dir), interval=ns.interval)
-    if not ns.no_ui:
-        from .ui.app import run_app
+    from .metrics import bind_metrics
 
-        return run_app(session)
-    from .headless import HeadlessView
+    run_dir = find_run(ns.monitor_run_dir)
+    metrics = bind_metrics(ns)                # a port in use: exit 2 before anything starts
+    try:
+        session = MonitorSession(run_dir, interval=ns.interval)
+        if metrics is not None:
+            metrics.serve(session.state)
+        if not ns.no_ui:
+            from .ui.app import run_app
 
-    code = session.run_headless(HeadlessView(session.state, json=ns.json))
-    return code or EXIT_DONE
+            return run_app(session)
+        from .headless import HeadlessView
+
+        code = session.run_headless(HeadlessView(session.state, json=ns.json))
+        return code or EXIT_DONE
+    finally:
+        if metrics is not None:
+            metrics.close()

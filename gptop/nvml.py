@@ -106,6 +106,8 @@ class Nvml:
         self._lost: set[int] = set()
         self._gpm_prev: dict[int, Any] = {}     # device -> its previous GPM sample (freed on close)
         self._gpm_ok: dict[int, bool] = {}      # device -> GPM supported
+        self._event_set: Any = None             # Xid events (nvmlEventSetCreate), registered per device
+        self._xid_registered: set[int] = set()
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -154,6 +156,10 @@ class Nvml:
 
     def _shutdown(self) -> None:
         if self._initialized:
+            if self._event_set is not None:
+                self.query("nvmlEventSetFree", self._event_set)
+            self._event_set = None
+            self._xid_registered.clear()
             for sample in self._gpm_prev.values():
                 self.query("nvmlGpmSampleFree", sample)
             self._gpm_prev.clear()
@@ -208,6 +214,47 @@ class Nvml:
         mask = self.device_query_first(index, [("nvmlDeviceGetCurrentClocksEventReasons", ()),
                                                ("nvmlDeviceGetCurrentClocksThrottleReasons", ())])
         return throttle_reasons(mask)
+
+    def ecc_uncorrected(self, index: int) -> int | None:
+        """Uncorrected ECC memory errors since the driver loaded (volatile count); None without ECC."""
+        value = self.device_query(index, "nvmlDeviceGetTotalEccErrors",
+                                  self.constant("NVML_MEMORY_ERROR_TYPE_UNCORRECTED", 1),
+                                  self.constant("NVML_VOLATILE_ECC", 0))
+        return None if value is None else int(value)
+
+    def is_lost(self, index: int) -> bool:
+        """NVML answered GPUIsLost for this device (it fell off the bus): nothing more is asked of it."""
+        return index in self._lost
+
+    MAX_XIDS_PER_CALL = 64
+
+    def xid_errors(self) -> dict[int, list[int]]:
+        """Critical Xid errors reported since the previous call: NVML index -> the Xid codes. Registers every
+        device for them on the first call (where the driver allows: not in every container); never waits."""
+        with self._lock:
+            if not self._initialized:
+                return {}
+            if self._event_set is None:
+                self._event_set = self.query("nvmlEventSetCreate")
+                if self._event_set is None:
+                    return {}
+            kind = self.constant("nvmlEventTypeXidCriticalError", 0x8)
+            for i in range(self.device_count):
+                if i not in self._xid_registered:
+                    self._xid_registered.add(i)    # asked once: NotSupported is remembered by device_query anyway
+                    self.device_query(i, "nvmlDeviceRegisterEvents", kind, self._event_set)
+            out: dict[int, list[int]] = {}
+            for _ in range(self.MAX_XIDS_PER_CALL):
+                data = self.query("nvmlEventSetWait_v2", self._event_set, 0)   # Timeout (none waiting): None
+                if data is None:
+                    break
+                if not int(getattr(data, "eventType", 0) or 0) & kind:
+                    continue
+                index = self.query("nvmlDeviceGetIndex", getattr(data, "device", None))
+                if index is None:
+                    continue
+                out.setdefault(int(index), []).append(int(getattr(data, "eventData", 0) or 0))
+            return out
 
     def gpm(self, index: int) -> dict[str, float | None] | None:
         """GPM metrics (GPM_METRICS, percent) over the interval since this device's previous call;

@@ -12,20 +12,24 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import shlex
 import statistics
+from array import array
+from collections import deque
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from trainer.contract import rundir
-from trainer.contract.events import (MAX_STEPS, PHASES, STOPPED_BEFORE_FIRST_STEP, TUNER_RESTART, CheckpointEvent,
+from trainer.contract.events import (MAX_STEPS, PHASES, STOPPED_BEFORE_FIRST_STEP, TUNER_RESTART, AlertEvent,
+                                     CheckpointEvent,
                                      DeviceEvent, DoneEvent, ErrorEvent, EvalEvent, Event, HelloEvent, MalformedEvent,
                                      ProfileEvent, StepEvent, WarningEvent, from_dict, read_events, to_dict)
 from trainer.contract.runlock import holder_words, lock_holders
 
-from .energy import Energy, measure, unavailable_reason
+from .energy import INTEGRATED, Energy, measure, unavailable_reason
 from .state import fmt_mfu
 
 
@@ -42,7 +46,150 @@ class _Skipped:
             self.first = str(error)
 
 
+class _Median:
+    """The median of a stream of numbers in bounded memory: exact (a float array) up to EXACT values, then a
+    histogram of log-spaced buckets RESOLUTION apart (its median is within RESOLUTION / 2 of the true one)."""
+
+    EXACT = 200_000
+    RESOLUTION = 1e-3
+
+    def __init__(self) -> None:
+        self.values: array | None = array("d")
+        self.buckets: dict[int, int] = {}
+        self.n = 0
+
+    def add(self, x: float) -> None:
+        self.n += 1
+        if self.values is not None:
+            self.values.append(x)
+            if len(self.values) > self.EXACT:
+                for v in self.values:
+                    self._bucket(v)
+                self.values = None
+            return
+        self._bucket(x)
+
+    def _bucket(self, x: float) -> None:
+        k = -(1 << 62) if x <= 0 else round(math.log(x) / math.log1p(self.RESOLUTION))
+        self.buckets[k] = self.buckets.get(k, 0) + 1
+
+    def median(self) -> float | None:
+        if not self.n:
+            return None
+        if self.values is not None:
+            return statistics.median(self.values)
+        seen, half = 0, self.n / 2
+        for k in sorted(self.buckets):
+            seen += self.buckets[k]
+            if seen >= half:
+                return 0.0 if k == -(1 << 62) else math.exp(k * math.log1p(self.RESOLUTION))
+        return None
+
+
+class _Scan:
+    """One streaming pass over a run's events: what the report needs, in memory bounded whatever the run's
+    length (the newest MAX_ROWS checkpoints and errors, MAX_ALERTS alerts, medians in `_Median`)."""
+
+    MAX_ROWS = 1000
+
+    def __init__(self) -> None:
+        self.hello: HelloEvent | None = None          # the newest full hello (else the newest hello)
+        self.command: list[str] | None = None         # `gptop run -- CMD`: the newest hello's command
+        self.hellos = self.early_hellos = 0
+        self.run_gpus: set[str] = set()
+        self.tuner_restarts = 0
+        self.last_done: DoneEvent | None = None       # the last trainer process's own end and error
+        self.last_error: ErrorEvent | None = None
+        self.first_step: StepEvent | None = None
+        self.last_step: StepEvent | None = None
+        self.first_loss: float | None = None
+        self.final_loss: float | None = None
+        self.peak_mem = 0
+        self.eval_loss: float | None = None
+        self.eval_seen = False
+        self.checkpoints: deque[CheckpointEvent] = deque(maxlen=self.MAX_ROWS)
+        self.checkpoints_written = 0
+        self.errors: deque[ErrorEvent] = deque(maxlen=self.MAX_ROWS)
+        self.errors_total = 0
+        self.warnings = 0
+        self.alerts: list[AlertEvent] = []
+        self.profile: ProfileEvent | None = None
+        # steady state: the step events that are not a start's first (compilation, allocator warm-up); the
+        # first ones too, in case no other comes (a run of one interval per start)
+        self._first = True
+        self.steady = {k: _Median() for k in ("tokens_per_s", "mfu", "step_ms")}
+        self.firsts = {k: _Median() for k in ("tokens_per_s", "mfu", "step_ms")}
+        self.phase_sum = {k: 0.0 for k in PHASES}
+        self.phase_w = 0.0
+        self.first_phase_sum = {k: 0.0 for k in PHASES}
+        self.first_phase_w = 0.0
+
+    def feed(self, e: Event) -> None:
+        if isinstance(e, StepEvent):
+            self._step(e)
+        elif isinstance(e, HelloEvent):
+            self.hellos += 1
+            self.run_gpus.update(e.gpus or ())
+            if e.command is not None:
+                self.command = e.command
+            if e.early:
+                self.early_hellos += 1
+            if e.early or not self.early_hellos:          # a new trainer process: its end is what counts
+                self.last_done = self.last_error = None
+            if not e.early or self.hello is None or self.hello.early:
+                self.hello = e
+            self._first = True
+        elif isinstance(e, DoneEvent):
+            self.last_done = e
+            if e.reason == TUNER_RESTART:
+                self.tuner_restarts += 1
+        elif isinstance(e, ErrorEvent):
+            self.last_error = e
+            self.errors.append(e)
+            self.errors_total += 1
+        elif isinstance(e, EvalEvent):
+            self.eval_loss, self.eval_seen = e.loss, True
+        elif isinstance(e, CheckpointEvent):
+            self.checkpoints.append(e)
+            self.checkpoints_written += 1
+        elif isinstance(e, WarningEvent):
+            self.warnings += 1
+        elif isinstance(e, AlertEvent):
+            self.alerts.append(e)
+            if len(self.alerts) > 4 * MAX_ALERTS:         # keep what alert_rows keeps, and a margin
+                self.alerts = [a for a in self.alerts if a.id in {r["id"] for r in alert_rows(self.alerts)}]
+        elif isinstance(e, ProfileEvent) and e.rank == 0:
+            self.profile = e
+
+    def _step(self, e: StepEvent) -> None:
+        if self.first_step is None:
+            self.first_step = e
+        self.last_step = e
+        if e.loss is not None:
+            if self.first_loss is None:
+                self.first_loss = e.loss
+            self.final_loss = e.loss
+        self.peak_mem = max(self.peak_mem, e.mem_bytes or 0)
+        medians, sums = (self.firsts, self.first_phase_sum) if self._first else (self.steady, self.phase_sum)
+        self._first = False
+        if e.tokens_per_s:
+            medians["tokens_per_s"].add(e.tokens_per_s)
+        if e.mfu is not None:
+            medians["mfu"].add(e.mfu)
+        if e.step_ms is not None:
+            medians["step_ms"].add(e.step_ms)
+        if e.phases_ms:
+            w = e.interval_steps or 1
+            for k in PHASES:
+                sums[k] += (e.phases_ms.get(k) or 0.0) * w
+            if sums is self.phase_sum:
+                self.phase_w += w
+            else:
+                self.first_phase_w += w
+
+
 def summarize(run_dir: Path) -> dict[str, Any]:
+    """The report of a run, from one streaming pass over its events and one over its device samples."""
     run_dir = Path(run_dir)
     events_path = run_dir / "events.jsonl"
     if not events_path.is_file():
@@ -50,15 +197,10 @@ def summarize(run_dir: Path) -> dict[str, Any]:
 
         raise ConfigError("RUN_DIR", f"{run_dir} has no events.jsonl; is it a gptop run directory?")
     skipped = {"events.jsonl": _Skipped(), "device.jsonl": _Skipped()}
-    events = list(read_events(events_path, on_malformed=skipped["events.jsonl"]))
-    hellos = [e for e in events if isinstance(e, HelloEvent)]
-    hello = next((e for e in reversed(hellos) if not e.early), hellos[-1] if hellos else None)
-    steps = [e for e in events if isinstance(e, StepEvent)]
-    evals = [e for e in events if isinstance(e, EvalEvent)]
-    ckpts = [e for e in events if isinstance(e, CheckpointEvent)]
-    errors = [e for e in events if isinstance(e, ErrorEvent)]
-    warnings = [e for e in events if isinstance(e, WarningEvent)]
-    done = [e for e in events if isinstance(e, DoneEvent)]
+    scan = _Scan()
+    for e in read_events(events_path, on_malformed=skipped["events.jsonl"]):
+        scan.feed(e)
+    hello = scan.hello
     out: dict[str, Any] = {"run_dir": str(run_dir)}
     if hello:
         out["model"] = to_dict(hello.model)
@@ -68,48 +210,52 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         out["peak_source"] = hello.peak_source
         out["mfu_is_estimate"] = hello.mfu_is_estimate
         out["max_steps"] = hello.max_steps
-    out["starts"] = sum(1 for e in hellos if e.early) or len(hellos)   # one early hello per trainer process
-    out["tuner_restarts"] = sum(1 for e in done if e.reason == TUNER_RESTART)
-    end = standing(run_dir, events)
+    out["starts"] = scan.early_hellos or scan.hellos   # one early hello per trainer process
+    out["tuner_restarts"] = scan.tuner_restarts
+    end = standing_of(run_dir, scan.last_done, scan.last_error)
     out["state"], out["state_words"] = end.state.value, end.words
     out["done"] = end.done is not None and end.done.reason       # the last trainer's end (a tuner's restart is not)
-    command = next((e.command for e in reversed(hellos) if e.command is not None), None)
+    command = scan.command
     if command is not None:
         out["command"] = command        # `gptop run -- CMD`
-    if steps or (end.done is not None and end.done.step):
-        last = max((*steps[-1:], *([end.done] if end.done is not None else [])), key=lambda e: e.step)
+    last_step = scan.last_step
+    if last_step is not None or (end.done is not None and end.done.step):
+        last = max((*([last_step] if last_step is not None else []), *([end.done] if end.done is not None else [])),
+                   key=lambda e: e.step)
         out["steps"] = last.step
         out["tokens"] = last.tokens
-    if steps:
+    if last_step is not None:
         # steady state: drop the first interval of each start (compilation, allocator warm-up)
-        steady = _steady(events)
-        tps = [e.tokens_per_s for e in steady if e.tokens_per_s]
-        out["tokens_per_s"] = statistics.median(tps) if tps else None
-        mfus = [e.mfu for e in steady if e.mfu is not None]
-        out["mfu"] = statistics.median(mfus) if mfus else None
-        timed = [(e.phases_ms, e.interval_steps or 1) for e in steady if e.phases_ms]
-        if timed:
-            total_w = sum(w for _, w in timed)
-            out["phases_ms"] = {k: sum((p.get(k) or 0.0) * w for p, w in timed) / total_w for k in PHASES}
-        step_ms = [e.step_ms for e in steady if e.step_ms is not None]
-        out["step_ms"] = statistics.median(step_ms) if step_ms else None
-        out["final_loss"] = next((e.loss for e in reversed(steps) if e.loss is not None), None)
-        out["first_loss"] = next((e.loss for e in steps if e.loss is not None), None)
-        out["peak_mem_bytes"] = max((e.mem_bytes or 0) for e in steps)
-    if evals:
-        out["eval_loss"] = evals[-1].loss
-    out["checkpoints"] = [{"step": e.step, "path": e.path, "seconds": e.seconds} for e in ckpts]
+        steady = scan.steady if any(m.n for m in scan.steady.values()) else scan.firsts
+        out["tokens_per_s"] = steady["tokens_per_s"].median()
+        out["mfu"] = steady["mfu"].median()
+        sums, w = (scan.phase_sum, scan.phase_w) if steady is scan.steady else (scan.first_phase_sum,
+                                                                              scan.first_phase_w)
+        if w:
+            out["phases_ms"] = {k: sums[k] / w for k in PHASES}
+        out["step_ms"] = steady["step_ms"].median()
+        out["final_loss"] = scan.final_loss
+        out["first_loss"] = scan.first_loss
+        out["peak_mem_bytes"] = scan.peak_mem
+    if scan.eval_seen:
+        out["eval_loss"] = scan.eval_loss
+    out["checkpoints"] = [{"step": e.step, "path": e.path, "seconds": e.seconds} for e in scan.checkpoints]
+    out["checkpoints_written"] = scan.checkpoints_written
     if command is None:
         out["checkpoints_kept"] = [{"step": c.step, "path": str(c.path)} for c in rundir.list_checkpoints(run_dir)]
     else:               # the program's own checkpoints, where it said it wrote them, that are still there
-        out["checkpoints_kept"] = [{"step": e.step, "path": e.path} for e in ckpts if Path(e.path).exists()]
-    out["errors"] = [_error(e) for e in errors]
-    out["warnings"] = len(warnings)
-    profiles = [e for e in events if isinstance(e, ProfileEvent) and e.rank == 0]
-    if profiles:
-        out["profile"] = to_dict(profiles[-1])         # the newest window (trainer.profile_summary)
-    run_gpus = {k for e in hellos for k in (e.gpus or ())}
-    energy, why = _energy(run_dir, steps, skipped["device.jsonl"], run_gpus)
+        out["checkpoints_kept"] = [{"step": e.step, "path": e.path} for e in scan.checkpoints if Path(e.path).exists()]
+    out["errors"] = [_error(e) for e in scan.errors]
+    if scan.errors_total > len(scan.errors):
+        out["errors_total"] = scan.errors_total
+    out["warnings"] = scan.warnings
+    out["alerts"] = alert_rows(scan.alerts)
+    if scan.profile is not None:
+        out["profile"] = to_dict(scan.profile)          # the newest window (trainer.profile_summary)
+    steps = [x for x in (scan.first_step, last_step) if x is not None]
+    if scan.first_step is last_step:
+        steps = steps[:1]
+    energy, why = _energy(run_dir, steps, skipped["device.jsonl"], scan.run_gpus)
     if energy is not None:
         out["energy_j"] = energy.joules
         out["energy_source"] = energy.source
@@ -148,12 +294,17 @@ class Standing:
 def standing(run_dir: Path, events: list[Event]) -> Standing:
     """How the run stands. A live run (its lock held) is running whatever its events say; else the last trainer
     process's events say how it ended (an earlier process's `done`, a tuner's restart, is not the run's end)."""
-    holders = lock_holders(run_dir)
     starts = [i for i, e in enumerate(events) if isinstance(e, HelloEvent) and e.early] or \
         [i for i, e in enumerate(events) if isinstance(e, HelloEvent)][-1:] or [0]
     last = events[starts[-1]:]
     done = next((e for e in reversed(last) if isinstance(e, DoneEvent)), None)
     error = next((e for e in reversed(last) if isinstance(e, ErrorEvent)), None)
+    return standing_of(run_dir, done, error)
+
+
+def standing_of(run_dir: Path, done: DoneEvent | None, error: ErrorEvent | None) -> Standing:
+    """`standing` from the last trainer process's own end (`done`) and error, as a streaming reader keeps them."""
+    holders = lock_holders(run_dir)
     if holders is not None:
         return Standing(RunStanding.RUNNING, f"running now ({'; '.join(holder_words(h) for h in holders)})", None)
     if done is not None and done.reason == MAX_STEPS:
@@ -171,6 +322,27 @@ def standing(run_dir: Path, events: list[Event]) -> Standing:
                                         f"died); see {rundir.RunDir(run_dir).trainer_stderr}", None)
 
 
+MAX_ALERTS = 100     # alert rows a report keeps (the newest): a flapping alert on a week-long run stays readable
+
+
+def alert_rows(alerts: Any) -> list[dict[str, Any]]:
+    """Alerts as the report lists them: one row per alert (its latest raise), with when it was resolved."""
+    rows: dict[str, dict[str, Any]] = {}
+    for a in alerts:
+        row = rows.get(a.id)
+        if a.resolved:
+            if row is not None:
+                row.update(resolved_time=a.time, resolved=a.message)
+            continue
+        if row is None:
+            if len(rows) >= MAX_ALERTS:
+                rows.pop(next(iter(rows)))
+            row = rows[a.id] = {"id": a.id, "time": a.time, "resolved_time": None, "resolved": None}
+        row.update(kind=a.kind.value, severity=a.severity.value, message=a.message, step=a.step, figures=a.figures,
+                   ranks=a.ranks, node=a.node, device=a.device)
+    return list(rows.values())
+
+
 def _error(e: ErrorEvent) -> dict[str, Any]:
     """An error for the report; a disk error with its file, errno text and free bytes."""
     out: dict[str, Any] = {"kind": e.kind, "message": e.message, "step": e.step}
@@ -179,19 +351,8 @@ def _error(e: ErrorEvent) -> dict[str, Any]:
     return out
 
 
-def _steady(events: list[Event]) -> list[StepEvent]:
-    out, first = [], True
-    for e in events:
-        if isinstance(e, HelloEvent):
-            first = True
-        elif isinstance(e, StepEvent):
-            if not first:
-                out.append(e)
-            first = False
-    return out or [e for e in events if isinstance(e, StepEvent)]
-
-
 def _tokens_in_window(steps: list[StepEvent]) -> int:
+    """Tokens between the first and the last step event (`steps`: those two, or all of them)."""
     return steps[-1].tokens - steps[0].tokens if len(steps) > 1 else steps[-1].tokens
 
 
@@ -206,15 +367,79 @@ def _energy(run_dir: Path, steps: list[StepEvent], skipped: _Skipped,
     for path in [run_dir / "device.jsonl", *sorted(run_dir.glob("device.*.jsonl"))]:
         if not path.is_file():
             continue
-        samples = [e for e in read_events(path, on_malformed=skipped) if isinstance(e, DeviceEvent)]
-        got = measure(samples, steps[0].time, steps[-1].time, run_gpus=run_gpus) if samples else None
+        got, problem = _energy_of(path, steps[0].time, steps[-1].time, skipped, run_gpus)
         if got is None:
-            why = unavailable_reason(samples)
+            why = problem
         elif total is None:
             total = got
         else:
             total = Energy(joules=total.joules + got.joules, source=total.source)
     return total, ("" if total is not None else why)
+
+
+ENERGY_CHUNK = 1024     # device samples measured at a time: energy is additive over adjoining windows
+
+
+def _energy_of(path: Path, t0: float, t1: float, skipped: _Skipped,
+               run_gpus: set[str] | None) -> tuple[Energy | None, str]:
+    """Energy in [t0, t1] from one device file, read in chunks of ENERGY_CHUNK samples that share their boundary
+    sample: `measure` over each chunk's part of the window, summed (the first chunk's window starts at t0, the
+    last's ends at t1, as one `measure` over all samples would extrapolate), in memory bounded by the chunk."""
+    total: Energy | None = None
+    chunk: list[DeviceEvent] = []
+    pending: list[DeviceEvent] | None = None
+    first = True
+
+    def window(c: list[DeviceEvent], last: bool) -> tuple[Energy | None, str] | None:
+        nonlocal first
+        lo = t0 if first else max(t0, c[0].time)
+        hi = t1 if last else min(t1, c[-1].time)
+        if hi < lo or (not last and c[-1].time < t0):
+            return None                                   # before the window: nothing to add
+        first = False
+        got = measure(c, lo, hi, run_gpus=run_gpus)
+        return got, ("" if got is not None else unavailable_reason(c))
+
+    def add(c: list[DeviceEvent], last: bool) -> str | None:
+        nonlocal total
+        r = window(c, last)
+        if r is None:
+            return None
+        got, why = r
+        if got is None:
+            return why
+        total = got if total is None else Energy(total.joules + got.joules,
+                                                 INTEGRATED if INTEGRATED in (got.source, total.source) else got.source)
+        return None
+
+    for e in read_events(path, on_malformed=skipped):
+        if not isinstance(e, DeviceEvent):
+            continue
+        if e.time > t1 and chunk and chunk[-1].time > t1:
+            break                                          # past the window (one sample beyond is kept)
+        chunk.append(e)
+        if len(chunk) >= ENERGY_CHUNK:
+            if pending is not None:
+                problem = add(pending, False)
+                if problem:
+                    return None, problem
+            pending, chunk = chunk, [chunk[-1]]
+    if pending is not None:
+        if len(chunk) > 1:
+            problem = add(pending, False)
+            if problem:
+                return None, problem
+            pending = chunk
+        problem = add(pending, True)
+    elif chunk:
+        problem = add(chunk, True)
+    else:
+        return None, unavailable_reason([])
+    if problem:
+        return None, problem
+    if total is None:
+        return None, "the device samples do not cover the steps' time"
+    return total, ""
 
 
 def _tuning(path: Path) -> tuple[dict[str, Any] | None, str | None]:
@@ -271,13 +496,25 @@ def format_report(s: dict[str, Any]) -> str:
     else:
         lines.append(f"energy    n/a ({s.get('energy_unavailable') or 'no energy reading'})")
     kept = s.get("checkpoints_kept") or []    # on disk now (pruned by --keep-checkpoints, rolled back by the tuner)
-    lines.append(f"checkpts  {len(s['checkpoints'])} written, {len(kept)} kept"
+    lines.append(f"checkpts  {s.get('checkpoints_written', len(s['checkpoints']))} written, {len(kept)} kept"
                  + (f", newest {kept[-1]['path']}" if kept else ""))
     if s["errors"]:
         for e in s["errors"]:
             lines.append(f"error     step {e.get('step')}: {e['kind']}: {e['message']}")
     else:
         lines.append("errors    none")
+    alerts = s.get("alerts") or []
+    if alerts:
+        active = sum(1 for a in alerts if a["resolved_time"] is None)
+        lines.append(f"alerts    {len(alerts)} raised, " + (f"{active} not resolved" if active else "all resolved"))
+        for a in alerts:
+            where = " ".join(x for x in (a.get("node"), a.get("device")) if x)
+            when = (f"resolved after {a['resolved_time'] - a['time']:.0f} s" if a["resolved_time"] is not None
+                    else "not resolved")
+            lines.append(f"  {a['kind']} [{a['severity']}]" + (f" ({where})" if where else "")
+                         + f" at step {a.get('step')}, {when}: {a['message']}")
+    else:
+        lines.append("alerts    none")
     if s.get("profile"):
         from .profile_text import profile_lines
 

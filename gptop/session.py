@@ -28,6 +28,7 @@ from trainer.contract.config import TrainConfig, cli_args
 from trainer.contract.rundir import RunDir, has_checkpoint, list_checkpoints
 from trainer.contract.runlock import RunLock
 
+from .alerts import AlertMonitor, AlertOptions
 from .commands import StopSignals
 from .state import RunState
 from .supervisor import Supervisor, torchrun_failures, trainer_argv
@@ -77,6 +78,9 @@ class SessionOptions:
     launcher: Callable[[list[str]], list[str]] | None = None   # argv builder (torchrun for --nproc)
     tuning: TuningOptions | None = None   # what the `t` key starts (None: `t` is not offered)
     run_lock: RunLock | None = None    # the run directory's lock, held by the caller for the session's life
+    alerts: AlertOptions = dataclasses.field(default_factory=AlertOptions)   # gptop.alerts; enabled=False: none
+    notify: list[str] = dataclasses.field(default_factory=list)        # --notify URLs (gptop.notify)
+    notify_cmd: list[str] = dataclasses.field(default_factory=list)    # --notify-cmd commands
 
 
 class SessionBase:
@@ -211,10 +215,18 @@ class Session(SessionBase):
         self._tb = None
         self._wandb = None
         self._controller: Controller | None = None
+        self.alerts = AlertMonitor(self.options.alerts, alive=self._trainer_working,
+                                   node=lock.node if lock is not None else None)
+        self.notifier = None                   # gptop.notify.Notifier, from start() when --notify/--notify-cmd
 
     # ------------------------------------------------------------- lifecycle
     def start(self, resume: str | None = None) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.options.notify or self.options.notify_cmd:
+            from .notify import Notifier
+
+            self.notifier = Notifier(self.options.notify, self.options.notify_cmd, self.log,
+                                     run_name=self.state.run_name)
         if self.options.wandb:      # first: a refused W&B login (exit 2) leaves no files of the run behind
             from .wandb_writer import WandbWriter
 
@@ -269,6 +281,11 @@ class Session(SessionBase):
         sup = self.supervisor
         return sup.pids() if sup else []
 
+    def _trainer_working(self) -> bool:
+        """A trainer process is alive and nobody asked it to stop: a run that can stall."""
+        sup = self.supervisor
+        return sup is not None and sup.alive() and not self.stopping and not self.finished
+
     def energy_between(self, t0: float, t1: float) -> float | None:
         """Joules the run's devices used in [t0, t1] (unix time), from the sampler's history through the
         one energy computation (gptop.energy); None without a reading. The tuner measures trials with it."""
@@ -291,6 +308,8 @@ class Session(SessionBase):
             self._tb.close()
         if self._wandb is not None:
             self._wandb.close()
+        if self.notifier is not None:
+            self.notifier.close()
 
     # --------------------------------------------------------------- commands
     def stop(self, force: bool = False, *, interrupted: bool = True) -> None:
@@ -409,6 +428,15 @@ class Session(SessionBase):
         controller = self._controller
         if controller is not None:
             controller.on_event(event)
+        if isinstance(event, ev.AlertEvent):
+            if self.notifier is not None:
+                self.notifier.send(event)
+            return
+        for alert in self.alerts.on_event(event):
+            try:
+                self.publish(alert)
+            except OSError as e:       # shown, not kept: a full disk must not take the alert (or the run) down
+                self.log(f"alert not written to events.jsonl: {e}")
 
     def _on_event(self, event: ev.Event) -> None:
         started = isinstance(event, (ev.StepEvent, ev.ProgressEvent)) or (

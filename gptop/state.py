@@ -25,23 +25,25 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
+from gptop.alerts import alert_line
 from gptop.energy import Energy, unavailable_reason
 from gptop.energy import measure as energy_measure
 from trainer.contract.device import DeviceInfo
 
 if TYPE_CHECKING:
     from gptop.advice import Advice
-from trainer.contract.events import (MAX_STEPS, PHASES, ApplyEvent, CheckpointEvent, CpuReading, DeviceEvent,
-                                     DoneEvent, ErrorEvent, EvalEvent, Event, GpuReading, HelloEvent, LogEvent,
-                                     MeasureProgress, ModelInfo, PhaseEvent, ProfileEvent, ProgressEvent, StepEvent,
-                                     TrialEvent, TunerEvent, UnknownEvent, WarningEvent)
+from trainer.contract.events import (MAX_STEPS, PHASES, AlertEvent, ApplyEvent, CheckpointEvent, CpuReading,
+                                     DeviceEvent, DoneEvent, ErrorEvent, EvalEvent, Event, GpuReading, HelloEvent,
+                                     LogEvent, MeasureProgress, ModelInfo, PhaseEvent, ProfileEvent, ProgressEvent,
+                                     StepEvent, TrialEvent, TunerEvent, UnknownEvent, WarningEvent)
 
 STATUSES = ("starting", "running", "checkpointing", "stopping", "done", "stopped", "failed", "restarting", "replay",
             "monitor")
 ENDED = ("done", "stopped", "failed")      # the run is over: elapsed time stops
 
 # Areas a view can watch separately (`RunState.versions[area]`).
-AREAS = ("run", "step", "device", "log", "tuner", "progress", "profile")   # progress: the per-step counter only
+# progress: the per-step counter only
+AREAS = ("run", "step", "device", "log", "tuner", "progress", "profile", "alert")
 
 # Step-event series kept as histories, by name.
 STEP_SERIES = ("loss", "tokens_per_s", "mfu", "lr", "grad_norm", "step_ms", "gpu_idle_ms", "mem_bytes")
@@ -194,11 +196,17 @@ class RunState:
         # logs and incidents
         self.logs: deque[tuple[str, str]] = deque(maxlen=log_lines)   # (stream, line)
         self.log_count = 0       # lines ever added: views append what is new since they last looked
-        self.checkpoints: list[CheckpointEvent] = []
-        self.errors: list[ErrorEvent] = []
+        # bounded like every history here: a week-long run's dashboard costs what its first hour did
+        self.checkpoints: deque[CheckpointEvent] = deque(maxlen=1000)
+        self.checkpoints_written = 0
+        self.errors: deque[ErrorEvent] = deque(maxlen=1000)
         self.warnings: deque[str] = deque(maxlen=200)
         self.malformed = 0
         self.last_malformed: str | None = None
+        # alerts (gptop.alerts): the open ones by id, and the latest raises and resolutions
+        self.alerts_active: dict[str, AlertEvent] = {}
+        self.alerts: deque[AlertEvent] = deque(maxlen=200)
+        self.alerts_raised = 0                 # alerts ever raised (an update of an open one is not counted)
 
         self.tuner = TunerState()
         self._applied: dict[str, Any] = {}   # toggles applied since the last hello
@@ -358,6 +366,7 @@ class RunState:
 
     def _on_checkpoint(self, e: CheckpointEvent) -> None:
         self.checkpoints.append(e)
+        self.checkpoints_written += 1
         self._bump("run")
 
     def _on_log(self, e: LogEvent) -> None:
@@ -382,6 +391,31 @@ class RunState:
         self.startup = None
         self.add_log(f"error [{e.kind}]: {e.message}", "event")
         self._bump("run")
+
+    def _on_alert(self, e: AlertEvent) -> None:
+        if e.resolved:
+            self.alerts_active.pop(e.id, None)
+        else:
+            if e.id not in self.alerts_active:
+                self.alerts_raised += 1
+            self.alerts_active[e.id] = e
+        self.alerts.append(e)
+        self.add_log(alert_line(e), "event")
+        self._bump("alert", "run")
+
+    def alert_summary(self) -> list[str]:
+        """Each alert raised (latest 200 events), in words: 'stall (critical, resolved): no step for 31 s ...'."""
+        with self.lock:
+            events = list(self.alerts)
+        raised: dict[str, AlertEvent] = {}
+        resolved: set[str] = set()
+        for e in events:
+            if e.resolved:
+                resolved.add(e.id)
+            else:
+                raised[e.id] = e
+        return [f"{a.kind.value} ({a.severity.value}, {'resolved' if i in resolved else 'active'}): {a.message}"
+                for i, a in raised.items()]
 
     def _on_done(self, e: DoneEvent) -> None:
         self.done = e

@@ -50,7 +50,7 @@ def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
         last_eval = state.last_eval
         err = state.errors[-1] if state.errors else None
         message = state.status_message
-        written = len(state.checkpoints)
+        written = state.checkpoints_written
         tuner = state.tuner
         applied = tuner.applied[-1] if tuner.applied else None
         elapsed = state.elapsed()
@@ -116,6 +116,13 @@ def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
     else:
         add("checkpoint", "none" + (f" ({written} written, none kept)" if written else "")
             + f": {cut_short or _why_none(how, step, every)}")
+    alerts = state.alert_summary()
+    if alerts:
+        active = sum(1 for a in alerts if ", active)" in a)
+        add("alerts", f"{len(alerts)} raised" + (f", {active} still active" if active else ", all resolved")
+            + (f" (see gptop report {quoted})" if run_dir and len(alerts) > 3 else ""))
+        for line in alerts[-3:]:
+            add("", line if len(line) <= 160 else line[:159] + "…")
     if applied is not None:
         best = Path(run_dir) / rundir.BEST_TOML if run_dir else None
         add("tuning", f"applied trial {applied.number}"

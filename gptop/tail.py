@@ -32,9 +32,13 @@ class LineSplitter:
 
 
 class FileTail:
-    """A file read as it grows, from `offset`: reopened at each read, so it may not exist yet or be replaced."""
+    """A file read as it grows, from `offset`: reopened at each read, so it may not exist yet or be replaced.
+    Each read takes at most `max_read` bytes (a long file is read in pieces, in bounded memory)."""
 
-    def __init__(self, path: str | Path, offset: int = 0) -> None:
+    MAX_READ = 4 << 20
+
+    def __init__(self, path: str | Path, offset: int = 0, max_read: int = MAX_READ) -> None:
+        self.max_read = max_read
         self.path = Path(path)
         self.offset = offset
         self._lines = LineSplitter()
@@ -44,7 +48,7 @@ class FileTail:
         try:
             with open(self.path, "rb") as f:
                 f.seek(self.offset)
-                data = f.read()
+                data = f.read(self.max_read)
         except OSError:
             return []
         if not data:
@@ -54,6 +58,21 @@ class FileTail:
 
     def rest(self) -> bytes:
         return self._lines.rest()
+
+    def read_all(self) -> list[bytes]:
+        """Every complete line to the end of the file now (in pieces of `max_read`)."""
+        out: list[bytes] = []
+        while True:
+            lines = self.read_lines()
+            if not lines and not self._more():
+                return out
+            out += lines
+
+    def _more(self) -> bool:
+        try:
+            return self.path.stat().st_size > self.offset
+        except OSError:
+            return False
 
 
 def feed_events(lines: Iterable[bytes], on_event: Callable[[ev.Event], None],

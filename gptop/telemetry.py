@@ -173,8 +173,9 @@ def gpu_identity(nv: Nvml, index: int) -> tuple[str | None, str | None]:
 
 
 def sample_gpu(nv: Nvml, index: int, name: str, pids: set[int],
-               identity: tuple[str | None, str | None] = (None, None)) -> GpuReading:
-    """One GPU's reading, as the sampler (and gptop doctor's NVML check) takes it."""
+               identity: tuple[str | None, str | None] = (None, None), xids: list[int] | None = None) -> GpuReading:
+    """One GPU's reading, as the sampler (and gptop doctor's NVML check) takes it; `xids`: the critical Xid errors
+    the driver reported for it since the previous sample (Nvml.xid_errors, read once for every GPU)."""
     q = nv.device_query
     util = q(index, "nvmlDeviceGetUtilizationRates")
     mem = q(index, "nvmlDeviceGetMemoryInfo")
@@ -215,6 +216,9 @@ def sample_gpu(nv: Nvml, index: int, name: str, pids: set[int],
         power_note=None if power_mw is not None else "the driver reports no power for this GPU",
         uuid=identity[0],
         pci_bus_id=identity[1],
+        ecc_uncorrected=nv.ecc_uncorrected(index),
+        xids=xids or None,
+        lost=True if nv.is_lost(index) else None,
     )
 
 
@@ -351,6 +355,7 @@ class DeviceSampler:
             procs = self._procs.update(self._trainer_pids())
             gpus = []
             if self._nvml.available:
+                xids = self._nvml.xid_errors()
                 for i in range(self._nvml.device_count):
                     if i not in self._gpu_names:
                         name = self._nvml.device_query(i, "nvmlDeviceGetName")
@@ -359,7 +364,7 @@ class DeviceSampler:
                     if i not in self._gpu_ids:
                         self._gpu_ids[i] = gpu_identity(self._nvml, i)
                     gpus.append(sample_gpu(self._nvml, i, self._gpu_names.get(i, f"GPU {i}"), procs.pids,
-                                            self._gpu_ids[i]))
+                                           self._gpu_ids[i], xids.get(i)))
             cpu = self._sample_cpu(now, procs)
             sample = DeviceEvent(time=now, devices=gpus, cpu=cpu, mode="gpu" if gpus else "cpu")
         self._record(sample)

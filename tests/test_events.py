@@ -67,6 +67,9 @@ def full_instances() -> list[ev.Event]:
         ev.StatusEvent(time=t, status="failed", message="why"),
         ev.ProgressEvent(time=t, step=8, tokens=800, step_ms=99.0),
         ev.PhaseEvent(time=t, phase="tokenizing", message="tokenizing builtin", pct=40.0),
+        ev.AlertEvent(time=t, id="stall-1", kind=ev.AlertKind.STALL, severity=ev.Severity.CRITICAL,
+                      message="no step for 31 s", resolved=True, step=7, figures={"seconds": 31.0}, ranks=[1],
+                      node="n1", device="gpu0"),
         ev.ProfileEvent(time=t, first=3, last=5, path="/r/profiles/steps-3-5.json",
                         summary_path="/r/profiles/steps-3-5.summary.json", step_ms=12.5,
                         phases=[ev.PhaseProfile(phase="forward", ms=20.0, op_share=0.8, gpu_ms=18.0,
@@ -117,7 +120,7 @@ def test_a_previous_versions_lines_parse_into_their_classes_with_nothing_unknown
         assert all(_kept(x, new.get(k)) for k, x in old.items()), line
         assert all(new[k] is not None and new[k] == getattr(e, k) for k in set(new) - set(old)), line
         seen.add(e.type)
-    assert seen == set(ev.EVENT_TYPES) - {"progress", "phase", "profile"}     # the types added since
+    assert seen == set(ev.EVENT_TYPES) - {"progress", "phase", "profile", "alert"}     # the types added since
 
 
 def test_a_previous_versions_run_replays_in_the_views_and_the_report(tmp_path):

@@ -813,3 +813,28 @@ def test_cpu_panel_says_what_the_trainer_share_is_of_and_why_power_is_na():
     app, _, _ = make("gpu")        # a GPU run's CPU line: the same label
     drive(app, [], size=LARGE, check=lambda a: "trainer 6% of 4 cores" in text(a.query_one("#devices"))
           or pytest.fail(text(a.query_one("#devices"))))
+
+
+def test_an_open_alert_is_a_banner_with_the_bell_and_goes_when_resolved():
+    from trainer.contract.events import AlertEvent, AlertKind, Severity
+
+    app, state, _ = make(status="running")
+    bells = []
+    app.bell = lambda: bells.append(1)
+    raised = AlertEvent(id="stall-1", kind=AlertKind.STALL, severity=Severity.CRITICAL,
+                        message="no step for 31 s (last: step 12)")
+
+    async def go():
+        async with app.run_test(size=SMALL) as pilot:
+            await pilot.pause(0.3)
+            banner = app.query_one("#alerts")
+            assert not banner.display and bells == []
+            state.apply(raised)
+            await pilot.pause(0.5)
+            assert banner.display and "stall" in text(banner) and "no step for 31 s" in text(banner)
+            assert bells == [1]
+            state.apply(AlertEvent(id="stall-1", kind=AlertKind.STALL, severity=Severity.CRITICAL,
+                                   message="progress again", resolved=True))
+            await pilot.pause(0.5)
+            assert not banner.display and bells == [1]
+    run(go())

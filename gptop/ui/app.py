@@ -45,7 +45,7 @@ from gptop.profile_text import profile_lines
 from gptop.state import RunState
 from gptop.tools import SampleOutcome, sample_newest
 from gptop.ui.sample import SamplePanel
-from gptop.ui.widgets import (DevicePanel, FailurePanel, GptopFooter, LogPanel, RunHeader, StepPanel, TrainPanel,
+from gptop.ui.widgets import (AlertBanner, DevicePanel, FailurePanel, GptopFooter, LogPanel, RunHeader, StepPanel, TrainPanel,
                               TunerPanel, Watcher)
 
 # Statuses in which there is no live trainer to stop gracefully: q exits at once.
@@ -72,6 +72,8 @@ HELP = [
 ]
 
 PANELS_HELP = [
+    ("alerts", "a line under the header for each open alert (a stall, a loss spike, a NaN rollback, a throughput "
+               "drop, GPU trouble), with the terminal bell when one is raised; gone once resolved"),
     ("devices", "utilization, memory and power per GPU (or the CPU) with history charts; 'trainer N% of M "
                 "cores' is the trainer's processes' share of the whole machine"),
     ("step breakdown", "where a step's time goes: data, forward, backward, optimizer, other; GPU idle "
@@ -196,6 +198,7 @@ class GptopApp(App[None]):
         self._quiet_areas: frozenset[str] = frozenset()   # state areas whose change cannot bring the frame forward
         self._wake_versions: dict[str, int] = {}          # the state's area versions when they were computed
         self._watchers: list[Watcher] | None = None
+        self._alerts_seen = 0                    # alerts raised that the bell has rung for
         if state.run_name:
             self.title = f"gptop · {state.run_name}"
 
@@ -203,6 +206,7 @@ class GptopApp(App[None]):
     def compose(self) -> ComposeResult:
         s = self.state
         yield RunHeader(s, id="header")
+        yield AlertBanner(s, id="alerts")
         with Vertical(id="body"):
             yield FailurePanel(s, id="failure", title="failed")
             with Horizontal(id="top"):
@@ -246,7 +250,7 @@ class GptopApp(App[None]):
     def watchers(self) -> list[Watcher]:
         """The panels (looked up once: the layout never adds or removes any)."""
         if not self._watchers:
-            self._watchers = list(self.query("#header, #failure, #devices, #steps, #training, #tuner, #log"
+            self._watchers = list(self.query("#header, #alerts, #failure, #devices, #steps, #training, #tuner, #log"
                                              ).results(Watcher))
         return self._watchers
 
@@ -334,8 +338,12 @@ class GptopApp(App[None]):
     def _sync_layout(self) -> None:
         """Classes on #body that the stylesheet uses: failed, tuner idle; bindings follow the status."""
         s = self.state
+        if s.alerts_raised > self._alerts_seen:     # a new alert: the terminal bell, once per alert
+            self._alerts_seen = s.alerts_raised
+            if s.status != "replay":
+                self.bell()
         key = (s.status, s.tuner.phase is None and not s.tuner.trials, bool(s.expert_load), s.tuner.active,
-               s.status == "monitor" and s.last_step is None, s.profile is not None)
+               s.status == "monitor" and s.last_step is None, s.profile is not None, min(len(s.alerts_active), 3))
         if key == self._layout_key:
             return
         self._layout_key = key
@@ -343,6 +351,9 @@ class GptopApp(App[None]):
         body.set_class(s.status == "failed", "-failed")
         body.set_class(key[1], "-no-tuner")
         body.set_class(key[4], "-no-run")
+        banner = self.query_one("#alerts")
+        banner.display = key[6] > 0
+        banner.styles.height = key[6]
         self.refresh_bindings()
 
     # --- actions ------------------------------------------------------------

@@ -699,6 +699,26 @@ def trial_rows(state: RunState) -> list[tuple[Any, ...]]:
     return rows
 
 
+# --- alerts ---------------------------------------------------------------------
+
+def alerts(state: RunState, width: int, height: int) -> RenderableType:
+    """The open alerts, newest first, one line each (critical in red), as many as fit."""
+    with state.lock:
+        active = list(state.alerts_active.values())
+    out: list[Text] = []
+    for a in reversed(active):
+        style = "bold white on red" if a.severity.value == "critical" else "bold black on yellow"
+        where = " ".join(x for x in (a.node, a.device) if x)
+        t = Text.assemble((f" {a.kind.value.replace('_', ' ')} ", style), " ",
+                          (f"[{where}] " if where else ""), a.message)
+        t.truncate(width, overflow="ellipsis")
+        out.append(t)
+    if len(out) > height and height > 0:
+        extra = len(out) - height + 1
+        out = out[:height - 1] + [Text(f"... and {extra} more (gptop report lists them)", style="grey62")]
+    return Group(*out)
+
+
 # --- failure --------------------------------------------------------------------
 
 def failure(state: RunState, width: int, height: int) -> RenderableType:

@@ -148,6 +148,15 @@ class TrainPanel(StatePanel):
         return render.training(self.state, width, height, self.expert_layer)
 
 
+class AlertBanner(StatePanel):
+    """The alerts that are open (gptop.alerts), above the panels; hidden when there are none."""
+
+    AREAS = ("alert",)
+
+    def build(self, width: int, height: int) -> RenderableType:
+        return render.alerts(self.state, width, height)
+
+
 class FailurePanel(StatePanel):
     AREAS = ("run", "log")
 

@@ -33,6 +33,7 @@ read-only too.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import math
 import time as _time
@@ -55,6 +56,24 @@ ERROR_WORDS = {"oom": "out of memory", "nan": "the loss or the gradients became 
                "compile": "torch.compile failed", "no_checkpoint": "there was no checkpoint to resume from",
                "corrupt_checkpoint": "no checkpoint could be read (all corrupt)",
                "disk": "the run directory could not be written (disk full or read-only)"}
+
+
+class AlertKind(str, enum.Enum):
+    """What an alert is about (gptop.alerts raises them; docs/dashboard.md says when each fires)."""
+
+    STALL = "stall"                     # no step for several times the recent step time, the process alive
+    LOSS_SPIKE = "loss_spike"           # the loss far above its running median (in MADs)
+    NAN_ROLLBACK = "nan_rollback"       # the trainer rolled back after a non-finite step
+    THROUGHPUT_DROP = "throughput_drop" # tokens/s sustained well below the run's steady rate
+    THROTTLE = "throttle"               # the GPU's clocks held down by heat or the hardware (not a power cap)
+    ECC = "ecc"                         # new uncorrected ECC memory errors
+    XID = "xid"                         # the driver reported a critical Xid error
+    GPU_LOST = "gpu_lost"               # the GPU fell off the bus (NVML: GPU is lost)
+
+
+class Severity(str, enum.Enum):
+    WARNING = "warning"                 # the run goes on, slower or noisier: look when you can
+    CRITICAL = "critical"               # the run makes no progress or its hardware fails: look now
 
 
 class MalformedEvent(ValueError):
@@ -97,6 +116,9 @@ class GpuReading(Record):
     power_note: str | None = None       # why power_w is None, in a few words
     uuid: str | None = None             # NVML's UUID ("GPU-..."): with pci_bus_id, which GPU a run's is (gpu_key)
     pci_bus_id: str | None = None       # NVML's PCI bus id ("00000000:17:00.0")
+    ecc_uncorrected: int | None = None  # volatile uncorrected ECC errors since the driver loaded (None: no ECC)
+    xids: list[int] | None = None       # critical Xid errors the driver reported since the previous sample
+    lost: bool | None = None            # True: NVML says the GPU is lost (fell off the bus), nothing more is read
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -452,6 +474,26 @@ class StatusEvent(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class AlertEvent(Event):
+    """Something went wrong with a run (gptop.alerts), or stopped going wrong (`resolved`, same `id`).
+
+    `figures` are the numbers behind it (seconds without progress, the median it was judged against, ...);
+    `ranks` and `node`/`device` say where it applies when it is not the whole run."""
+
+    type: ClassVar[str] = "alert"
+    id: str                             # one alert's raise and its resolution share it
+    kind: AlertKind
+    severity: Severity
+    message: str
+    resolved: bool = False
+    step: int | None = None             # the run's latest step when it was raised (or resolved)
+    figures: dict[str, Any] = field(default_factory=dict)
+    ranks: list[int] | None = None      # the ranks it concerns (a stall: the ranks behind)
+    node: str | None = None             # the node whose device it concerns
+    device: str | None = None           # "gpu0": the device it concerns
+
+
+@dataclass(frozen=True, kw_only=True)
 class UnknownEvent(Event):
     """An event of a type this version does not know (a newer producer): kept, ignored by consumers."""
 
@@ -460,7 +502,7 @@ class UnknownEvent(Event):
 
 EVENT_TYPES: dict[str, type[Event]] = {c.type: c for c in (
     HelloEvent, StepEvent, EvalEvent, CheckpointEvent, LogEvent, WarningEvent, ErrorEvent, DoneEvent,
-    DeviceEvent, TrialEvent, ApplyEvent, TunerEvent, StatusEvent, ProgressEvent, PhaseEvent, ProfileEvent)}
+    DeviceEvent, TrialEvent, ApplyEvent, TunerEvent, StatusEvent, ProgressEvent, PhaseEvent, ProfileEvent, AlertEvent)}
 RECORDS: tuple[type[Record], ...] = (GpuReading, CpuReading, ModelInfo, MeasureProgress, OpTime, PhaseProfile)
 _BASE = ("v", "type", "time", "rank")
 
@@ -706,6 +748,15 @@ def _checker(tp: Any) -> Callable[[Any], Any]:
         return _str
     if tp is bool:
         return _bool
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        def check_enum(x: Any) -> Any:
+            if isinstance(x, tp):
+                return x
+            try:
+                return tp(x)
+            except ValueError:
+                raise _fail(f"one of {', '.join(str(m.value) for m in tp)}", x) from None
+        return check_enum
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         rest = [a for a in args if a is not type(None)]
@@ -781,7 +832,13 @@ def _writer(tp: Any) -> Callable[[Any], Any] | None:
         return to_dict
     if tp is DeviceInfo:
         return DeviceInfo.to_dict
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return _enum_value
     return None
+
+
+def _enum_value(x: enum.Enum) -> Any:
+    return x.value
 
 
 def _same(x: Any) -> Any:
