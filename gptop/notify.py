@@ -10,7 +10,6 @@ for a raise and for its resolution; it is killed, with its process group, after 
 
 from __future__ import annotations
 
-import argparse
 import os
 import queue
 import shlex
@@ -21,6 +20,7 @@ import threading
 from typing import Any, Callable
 
 from trainer.contract.config import ConfigError
+from trainer.contract.inputs import path_arg
 from trainer.contract.events import AlertEvent, dumps
 
 NOTIFY_TIMEOUT_S = 30.0       # one notification (a webhook, a command) at most
@@ -58,27 +58,14 @@ def check_notify_cmd(cmd: str, option: str = "--notify-cmd") -> list[str]:
     return argv
 
 
-def _arg(check: Callable[[str, str], Any], option: str) -> Callable[[str], str]:
-    def convert(text: str) -> str:
-        try:
-            check(text, option)
-        except ConfigError as e:
-            raise argparse.ArgumentTypeError(e.message) from None
-        return text
-
-    convert.__name__ = "notify"
-    convert.check = check            # type: ignore[attr-defined]   (the input tests find checked flags by it)
-    return convert
-
-
 def add_notify_arguments(group: Any) -> None:
     group.add_argument("--notify", metavar="URL", action="append", default=[],
-                       type=_arg(check_notify_url, "--notify"),
+                       type=path_arg(check_notify_url, "--notify"),
                        help="send each alert (and its resolution) to this Apprise URL: slack://..., discord://..., "
                             "mailto://..., ntfys://..., json://...; repeatable (pip install 'gptop[notify]') "
                             "(default: none)")
     group.add_argument("--notify-cmd", metavar="CMD", action="append", default=[],
-                       type=_arg(check_notify_cmd, "--notify-cmd"),
+                       type=path_arg(check_notify_cmd, "--notify-cmd"),
                        help="run CMD for each alert (and its resolution) with the alert as JSON on its stdin; "
                             "repeatable (default: none)")
 

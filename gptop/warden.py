@@ -18,23 +18,9 @@ import signal
 import sys
 import time
 
+from trainer.contract.rundir import pid_alive
+
 POLL_S = 5.0          # how often the warden looks whether the command is still there, while gptop lives
-
-
-def alive(pid: int) -> bool:
-    """The process exists and has not exited (a zombie, which an init that does not reap keeps, has)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]       # the field after the command's name
-    except (OSError, IndexError):
-        return True
-    return state not in (b"Z", b"X")
 
 
 def group_alive(pgid: int) -> bool:
@@ -53,7 +39,7 @@ def wait_for_gptop(fd: int, pid: int) -> bool:
         ready, _, _ = select.select([fd], [], [], POLL_S)
         if ready:
             return os.read(fd, 64) == b""
-        if not alive(pid) and not group_alive(pid):
+        if not pid_alive(pid) and not group_alive(pid):
             return False
 
 
@@ -64,7 +50,7 @@ def end_command(pid: int, grace_s: float) -> None:
     except ProcessLookupError:
         pass
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and alive(pid):
+    while time.monotonic() < deadline and pid_alive(pid):
         time.sleep(0.1)
     try:
         os.killpg(pid, signal.SIGKILL)

@@ -147,5 +147,5 @@ def test_report_of_a_command_run(tmp_path):
 
 
 def test_the_warden_tells_a_running_process_from_a_gone_one():
-    assert warden.alive(os.getpid()) and warden.group_alive(os.getpgid(0))
-    assert not warden.alive(2 ** 22 + 12345) and not warden.group_alive(2 ** 22 + 12345)    # above pid_max
+    assert warden.pid_alive(os.getpid()) and warden.group_alive(os.getpgid(0))
+    assert not warden.pid_alive(2 ** 22 + 12345) and not warden.group_alive(2 ** 22 + 12345)    # above pid_max

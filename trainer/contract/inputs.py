@@ -452,8 +452,9 @@ def check_storage(url: str | None, option: str = "--storage") -> None:
 
 
 def path_arg(check: Callable[[str, str], Any], option: str = "") -> Callable[[str], str]:
-    """An argparse `type=` running an input check on a path argument of gptop's own (`--storage`, `RUN_DIR`),
-    so a subcommand's path gets the same checks as the config's, at parse time; the value stays the text."""
+    """An argparse `type=` running an input check on an argument of gptop's own (a path: `--storage`, `RUN_DIR`;
+    a URL or a command: `--notify`, `--notify-cmd`), so it gets the same checks as the config's, at parse
+    time; the value stays the text."""
     import argparse
 
     def convert(text: str) -> str:

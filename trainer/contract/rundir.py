@@ -363,6 +363,7 @@ def unpin(run_dir: str | Path, step: int | None = None) -> None:
 
 
 def pid_alive(pid: int) -> bool:
+    """The process exists and has not exited: a zombie (which an init that does not reap keeps) is not alive."""
     if pid == os.getpid():
         return True
     try:
@@ -371,5 +372,10 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]       # the field after the command's name
+    except (OSError, IndexError):
+        return True
+    return state not in (b"Z", b"X")
 
