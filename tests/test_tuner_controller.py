@@ -287,8 +287,12 @@ def test_close_candidates_are_remeasured_best_last(tmp_path):
     apply = seen[-2]
     assert isinstance(apply, Apply) and apply.toggles.compile == "default"
     assert apply.restart is (apply.toggles != last.toggles)       # the presumed best ran last
-    if not apply.restart:
-        assert apply.decision.cost_s == 0.0                        # already running it: switching is free
+    # never "0 s": the trial's own process trains on only after a restart with the user's settings (nan policy),
+    # which costs what this setup's restarts into that configuration cost
+    measured = [r["overhead_s"] for r in ctl.results if r["overhead_s"] is not None
+                and r["toggles"] == dataclasses.asdict(apply.toggles)]
+    assert measured and apply.decision.cost_s == pytest.approx(sorted(measured)[len(measured) // 2], rel=0.5)
+    assert apply.decision.cost_s > 0 and "0s switch" not in apply.decision.reason
 
 
 def test_second_run_starts_from_what_was_learned(tmp_path):

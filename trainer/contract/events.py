@@ -145,6 +145,18 @@ class MeasureProgress(Record):
     max_seconds: float | None = None    # when it stops measuring even if still noisy
 
 
+@dataclass(frozen=True, kw_only=True)
+class TunerBest(Record):
+    """The tuner's best so far (a tuner event's `best`): the trial its decision and report would name."""
+
+    number: int | None = None
+    toggles: dict[str, Any] = field(default_factory=dict)
+    tokens_per_s: float | None = None   # as measured (on this run, or on the earlier run it comes from)
+    spread: float | None = None
+    speedup: float | None = None        # against the start's measurement of the same run
+    earlier: bool = False               # measured by an earlier run of the same setup, not re-measured on this one
+
+
 # --------------------------------------------------------------------------- events
 
 
@@ -353,6 +365,7 @@ class TrialEvent(Event):
     remeasure_tokens_per_s: float | None = None
     remeasure_spread: float | None = None
     rollback: dict[str, Any] | None = None
+    earlier: bool = False               # the trial ran in an earlier run of the same setup (a re-measurement)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -364,6 +377,7 @@ class ApplyEvent(Event):
     tokens_per_s: float | None = None
     baseline_tokens_per_s: float | None = None
     step: int | None = None
+    earlier: bool = False               # the applied trial ran in an earlier run of the same setup
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -378,6 +392,8 @@ class TunerEvent(Event):
     outcome: str | None = None          # phase done: the decision, or why tuning ended
     applied: bool | None = None
     measure: MeasureProgress | None = None   # while a configuration is measured
+    budget_s: float | None = None       # the budget in effect: the one asked for, or the share the run affords
+    best: TunerBest | None = None       # the best so far, as the decision and the report see it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -399,7 +415,7 @@ class UnknownEvent(Event):
 EVENT_TYPES: dict[str, type[Event]] = {c.type: c for c in (
     HelloEvent, StepEvent, EvalEvent, CheckpointEvent, LogEvent, WarningEvent, ErrorEvent, DoneEvent,
     DeviceEvent, TrialEvent, ApplyEvent, TunerEvent, StatusEvent, ProgressEvent, PhaseEvent)}
-RECORDS: tuple[type[Record], ...] = (GpuReading, CpuReading, ModelInfo, MeasureProgress)
+RECORDS: tuple[type[Record], ...] = (GpuReading, CpuReading, ModelInfo, MeasureProgress, TunerBest)
 _BASE = ("v", "type", "time", "rank")
 
 
