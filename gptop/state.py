@@ -31,8 +31,8 @@ from trainer.contract import capabilities
 from trainer.contract.device import DeviceInfo
 from trainer.contract.events import (PHASES, ApplyEvent, CheckpointEvent, CpuReading, DeviceEvent, DoneEvent,
                                      ErrorEvent, EvalEvent, Event, GpuReading, HelloEvent, LogEvent, MeasureProgress,
-                                     ModelInfo, PhaseEvent, ProgressEvent, StepEvent, TrialEvent, TunerEvent,
-                                     UnknownEvent, WarningEvent)
+                                     ModelInfo, PhaseEvent, ProgressEvent, StepEvent, TrialEvent, TunerBest,
+                                     TunerEvent, UnknownEvent, WarningEvent)
 
 STATUSES = ("starting", "running", "checkpointing", "stopping", "done", "stopped", "failed", "restarting", "replay",
             "monitor")
@@ -116,14 +116,20 @@ class TunerState:
     trials: dict[int, TrialEvent] = field(default_factory=dict)   # number -> its latest trial event
     applied: list[ApplyEvent] = field(default_factory=list)
     measure: MeasureProgress | None = None   # the measurement running now (baseline, trial, remeasure)
+    budget_s: float | None = None      # the budget in effect (the share of the run it affords, if less)
+    told_best: TunerBest | None = None  # the tuner's own best, from its latest event
+    tells_best: bool = False           # the tuner's events say its best (older streams do not)
 
     @property
     def active(self) -> bool:
         return self.phase is not None and self.phase != "done"
 
     @property
-    def best(self) -> TrialEvent | None:
-        """The measured (ok/cut/kept) trial with the highest throughput."""
+    def best(self) -> TunerBest | TrialEvent | None:
+        """The best so far: the one the tuner names (what its decision and report call best); for a stream from
+        a tuner that did not name it, the measured (ok/cut/kept) trial with the highest throughput."""
+        if self.tells_best:
+            return self.told_best
         good = [t for t in self.trials.values() if t.status in GOOD_TRIALS and t.tokens_per_s]
         return max(good, key=lambda t: t.tokens_per_s or 0.0, default=None)
 
@@ -420,6 +426,8 @@ class RunState:
         if e.trials_run is not None:
             tu.trials_run = e.trials_run
         tu.measure = e.measure                # every tuner event says what is measured now (None: nothing)
+        if e.budget_s is not None:            # a tuner that says its budget says its best too (None: none yet)
+            tu.budget_s, tu.tells_best, tu.told_best = e.budget_s, True, e.best
         self._bump("tuner")
 
     def tuner_budget_left(self) -> float | None:

@@ -562,8 +562,15 @@ class TuneController:
         durations = [r["duration_s"] for r in self.results if r["kind"] != "baseline" and r.get("ran", True)]
         if durations:
             return float(median(durations))
-        base = self.baseline["duration_s"] if self.baseline else self.measure_kw["max_seconds"] / 2
-        return base + self._restart_s(self._cheapest())
+        step_s = self._step_s()
+        if self.baseline:
+            measuring = self.baseline["duration_s"]
+        elif step_s is not None:         # the fewest steps a measurement takes: the skip, two settling windows, a sample
+            m = Measurement(**self.measure_kw)
+            measuring = min(m.max_seconds, (m.skip + 2 * m.window + m.min_steps) * step_s)
+        else:
+            measuring = self.measure_kw["max_seconds"] / 2
+        return measuring + self._restart_s(self._cheapest())
 
     def _next_trial(self) -> RunTrial | None:
         if not self._warm_started:
@@ -694,8 +701,8 @@ class TuneController:
         summary = m.summary(energy=self.energy)
         if a.oom_mem is not None:    # what ran out of memory had reached at least this: the trial's peak
             summary["peak_mem"] = max(summary.get("peak_mem") or 0, a.oom_mem)
-        overhead = self._overhead(a)
-        if overhead is None and a.stop == "timeout" and a.kind != "baseline":
+        overhead = self._overhead(a) if a.action.restart else None     # a restart's cost: only where there was one
+        if overhead is None and a.stop == "timeout" and a.action.restart:
             overhead = round(duration, 3)        # still warming up (compiling) when cut: all of it was overhead
         extra = {"duration_s": round(duration, 3), "overhead_s": overhead, "kind_of_run": a.kind}
         if outcome == "ok" and a.failure:
@@ -908,7 +915,7 @@ class TuneController:
         cost = self._restart_s(t)
         best, switch, _ = self._judge()
         target = best.cand.toggles if best is not None and switch is not None and switch.apply else self.base
-        if t != self.running and self.running == target and self.continue_free:
+        if self.running == target and self.continue_free:
             cost += self._restart_s(target)
         return cost
 
@@ -1121,10 +1128,10 @@ class TuneController:
             return best, Decision(True, saving, self._switch_s(c.toggles), "the starting configuration has no "
                                   "measurement (it failed)", remaining_steps=remaining), ""
         if base is None:
-            return None, None, f"no measurement of the starting configuration to compare with"
+            return None, None, "no measurement of the starting configuration to compare with"
         if best is None:
-            if not self._standings() and not self.study.candidates(run=self.study.run_id):
-                return None, None, f"no feasible configuration was measured ({self.stop_note or 'no trials'})"
+            if not self._standings():
+                return None, None, f"no other feasible configuration was measured ({self.stop_note or 'no trials'})"
             if not self._holds(*base):
                 return None, None, (f"the start's own measurement does not hold ({base[0]:.0f} tokens/s, "
                                     f"±{(base[2] - base[1]) / 2 / base[0]:.0%}, wider than ±{self.trust_spread:.0%}):"
