@@ -797,11 +797,12 @@ class RunState:
             return "not enough step events yet"
         return unavailable_reason(samples)
 
-    def steady_medians(self) -> tuple[float | None, float | None]:
+    def steady_medians(self, last: int | None = None) -> tuple[float | None, float | None]:
         """(tokens/s, MFU): medians over the step events that are not a process's first (which carries
-        compilation and allocator warm-up); all step events when there are no others yet."""
+        compilation and allocator warm-up), the `last` of them if given; all step events when there are no
+        others yet."""
         with self.lock:
-            rows = list(self._steady)
+            rows = list(self._steady)[-last:] if last else list(self._steady)
             if not rows and self.last_step is not None:
                 rows = [(self.last_step.tokens_per_s, self.last_step.mfu)]
         tps = sorted(x for x, _ in rows if x is not None)

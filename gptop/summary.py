@@ -50,6 +50,7 @@ def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
         written = len(state.checkpoints)
         tuner = state.tuner
         applied = tuner.applied[-1] if tuner.applied else None
+        tuned = tuner.phase is not None
         elapsed = state.elapsed()
         done = state.done
     if done is not None and done.step > (step or 0):   # steps after the last logged one
@@ -93,10 +94,14 @@ def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
         add("checkpoint", f"{kept[-1].path} (step {kept[-1].step}; {written} written, {len(kept)} kept)")
     else:
         add("checkpoint", "none" + (f" ({written} written, none kept)" if written else ""))
+    net = tuning_net(run_dir) if tuned and run_dir else None
     if applied is not None:
         best = Path(run_dir) / rundir.BEST_TOML if run_dir else None
         add("tuning", f"applied trial {applied.number}"
-            + (f"; its settings are in {best}" if best is not None and best.is_file() else ""))
+            + (f"; its settings are in {best}" if best is not None and best.is_file() else "")
+            + (f"; {net}" if net else ""))
+    elif net:
+        add("tuning", f"kept the starting configuration; {net}")
     if kept and how != "finished":
         add("resume", f"gptop train --resume {quoted}")
     elif kept:
@@ -104,6 +109,25 @@ def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
     if run_dir:
         add("report", f"gptop report {quoted}")
     return lines
+
+
+def tuning_net(run_dir: str) -> str | None:
+    """The tuning ledger's net from the run's tuning.json ('net +1m02s against not tuning (...)'), None without
+    one that reads (a damaged file never costs the summary)."""
+    path = Path(run_dir) / rundir.TUNING_JSON
+    if not path.is_file():
+        return None
+    import json
+
+    from tuner.report import check_report, net_line
+
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if check_report(report) is not None:
+        return None
+    return net_line(report.get("ledger") or {})
 
 
 def print_summary(state: RunState, exit_code: int | None, stream: IO[str]) -> None:

@@ -138,6 +138,7 @@ class Supervisor:
         self._threads: list[threading.Thread] = []
         self._log_offsets = {"stdout": 0, "stderr": 0}
         self._stderr_start = 0
+        self.started_at: float | None = None   # unix time the process was started (its events' clock)
 
     @property
     def channel_uri(self) -> str:
@@ -155,6 +156,7 @@ class Supervisor:
         self._stderr_start = err.tell()
         env = dict(os.environ if self.env is None else self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        self.started_at = time.time()
         self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
                                      start_new_session=True, close_fds=True, pass_fds=self.pass_fds)
         out.close()
