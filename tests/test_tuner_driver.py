@@ -371,7 +371,7 @@ def test_t_near_the_end_of_a_run_says_tuning_cannot_pay_and_leaves_the_trainer_a
     decided = [m for m in lines if "cannot pay" in m]
     assert decided == ["tuner: keeping the starting configuration: tuning cannot pay: the run ends in 1:11 "
                        "(157 steps at 0.45 s); a trial costs ~16 s here, more than the 7 s tuning may still lose "
-                       "(it may lose at most 10% of the rest of the run)"], lines
+                       "(10% of the rest of the run)"], lines
     assert sup.sent == [] and sup.stops == 0 and not [e for e in s.emitted if e.type == "trial"]
     led = json.loads((tmp_path / "tuning.json").read_text())["ledger"]
     assert led["decisions"][0]["choice"] == "plan" and led["decisions"][0]["cost_s"] == 16.0

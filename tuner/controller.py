@@ -942,6 +942,10 @@ class TuneController:
         secured = max(0.0, switch.expected_saving_s - switch.cost_s) if switch is not None and switch.apply else 0.0
         return self.loss_allowance_s + secured - (self._cost_so_far() or 0.0)
 
+    def _loss_note(self) -> str:
+        return (f" ({self.max_loss:.0%} of the rest of the run at the start, plus what the best found saves, "
+                "minus what tuning has cost)")
+
     def _record(self, d: Decision, say: bool = False) -> None:
         """A decision into the ledger (and, `say`, a line in the stream)."""
         self.decisions.append(dataclasses.replace(d, step=self.last_step if d.step is None else d.step))
@@ -964,20 +968,20 @@ class TuneController:
         self._planned = measured
         remaining = self._remaining()
         left_s = remaining * step_s
-        if self.budget.limit(self.max_share * left_s) and self.budget.total_s < self.budget.requested_s:
-            self._emit(LogEvent(message=f"tuner: budget {format_duration(self.budget.total_s)}: at most "
-                                        f"{self.max_share:.0%} of the {format_duration(left_s)} the run has left "
-                                        f"(asked for {format_duration(self.budget.requested_s)})", source="tuner"))
         self.loss_allowance_s = self.max_loss * left_s
+        limited = self.budget.limit(self.max_share * left_s)
         d = trial_pays(self._trial_cost(self._cheapest()), self._trial_estimate(), remaining, step_s,
                        self.gain_bound(), self._loss_left(), what="a trial", choice=Choice.PLAN,
-                       step=self.last_step)
+                       step=self.last_step, loss_note=f" ({self.max_loss:.0%} of the rest of the run)")
         if not d.apply:
-            d = dataclasses.replace(d, reason=f"tuning cannot pay: {d.reason} "
-                                              f"(it may lose at most {self.max_loss:.0%} of the rest of the run)")
+            d = dataclasses.replace(d, reason=f"tuning cannot pay: {d.reason}")
             self._record(d)
             self.stop_note = d.reason
             return self._done(d.reason, self.base)
+        if limited and measured:
+            self._emit(LogEvent(message=f"tuner: budget {format_duration(self.budget.total_s)}: at most "
+                                        f"{self.max_share:.0%} of the {format_duration(left_s)} the run has left "
+                                        f"(asked for {format_duration(self.budget.requested_s)})", source="tuner"))
         self._record(dataclasses.replace(d, reason=f"tuning can pay: {d.reason}"), say=measured)
         return None
 
@@ -990,7 +994,7 @@ class TuneController:
         remaining = self._remaining()
         cheap = self._trial_cost(self._cheapest())
         d = trial_pays(cheap, est, remaining, step_s, self.gain_bound(), self._loss_left(), what="a trial",
-                       step=self.last_step)
+                       step=self.last_step, loss_note=self._loss_note())
         if not d.apply:
             d = dataclasses.replace(d, reason=f"no trial can pay any more: {d.reason}")
             self._record(d, say=True)
@@ -1025,7 +1029,7 @@ class TuneController:
             cost = self._trial_cost(t)
             trial_s = est + max(0.0, cost - cheap)
             d = trial_pays(cost, trial_s, remaining, step_s, bound, loss_left, what=f"a {kind} trial",
-                           step=self.last_step)
+                           step=self.last_step, loss_note=self._loss_note())
             if not d.apply:
                 self._dropped.add(kind)
                 self._record(dataclasses.replace(d, reason=f"{kind} trials cannot pay any more: {d.reason}"),

@@ -123,11 +123,11 @@ def _clock(seconds: float) -> str:
 
 def trial_pays(cost_s: float, trial_s: float, remaining_steps: int, step_s: float, gain_bound: float,
                loss_left_s: float, *, what: str = "a trial", choice: Choice = Choice.TRIAL,
-               step: int | None = None) -> Decision:
+               step: int | None = None, loss_note: str = "") -> Decision:
     """Whether a trial costing `cost_s` (restart, warm-up, compile, the switch back) and lasting `trial_s` can
     pay: at most `gain_bound` times faster than the start, over the steps left after it (at `step_s` seconds
     each), it must save more than it costs, and its cost must fit in `loss_left_s`, what tuning may still
-    lose. `expected_saving_s` is that most it could save."""
+    lose (`loss_note` says how that is set). `expected_saving_s` is that most it could save."""
     cost = max(0.0, float(cost_s))
     left_s = max(0, remaining_steps) * step_s
     after = max(0.0, left_s - max(0.0, trial_s))
@@ -139,7 +139,7 @@ def trial_pays(cost_s: float, trial_s: float, remaining_steps: int, step_s: floa
                         f"(at {gain_bound:.2f}x over the {_clock(after)} after it)", choice, step, remaining_steps)
     if cost > loss_left_s:
         return Decision(False, bound, cost, f"{figures}, more than the {max(0.0, loss_left_s):.0f} s tuning may "
-                        "still lose", choice, step, remaining_steps)
+                        f"still lose{loss_note}", choice, step, remaining_steps)
     return Decision(True, bound, cost, f"{figures}; it could save up to {bound:.0f} s "
                     f"(at {gain_bound:.2f}x over the {_clock(after)} after it)", choice, step, remaining_steps)
 
