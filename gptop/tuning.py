@@ -145,6 +145,7 @@ class TuningDriver:
         self._spawned_at: float | None = None
         self._restart_s: list[float] = []
         self._pace_known = False
+        self._per_trial = 0.0
         self.user_cfg: TrainConfig | None = None
         self.test_fault = parse_test_fault(os.environ.get(TEST_FAULT_ENV, ""))
 
@@ -274,8 +275,10 @@ class TuningDriver:
         if self.ctl is not None and self._restart_s:
             from statistics import median
 
-            self.ctl.startup_s = median(self._restart_s)
-            self.ctl.switch_reserve_s = median(self._restart_s) + self.ctl.checkpoint_s
+            restart = median(self._restart_s)
+            self.ctl.startup_s = restart
+            self.ctl.switch_reserve_s = restart + self.ctl.checkpoint_s
+            self.ctl.trial_timeout_s = max(self.ctl.trial_timeout_s, 2 * self._per_trial + 2 * restart)
 
     def _startup_s(self, hello: ev.HelloEvent) -> float | None:
         """How long the running trainer took from its start to its built hello: what a restart costs at least."""
@@ -307,15 +310,20 @@ class TuningDriver:
         # one that has not produced a measurement in twice that (a slow compile) is cut.
         per_trial = max(8.0, min(300.0, self.budget_s / 12))
         restart_guess = min(30.0, max(5.0, self.budget_s / 20))
+        self._per_trial = per_trial
+        startup = self._startup_s(hello)
+        # a trial that has not warmed up after twice its measuring time plus two starts of this setup's trainer
+        # (a compile that does not finish) is cut; a loaded machine's slow starts do not cut healthy trials
+        restart = max(restart_guess, startup or 0.0)
         self.ctl = ctl = TuneController(cfg, dev, space, self.study, Budget(self.budget_s), max_seconds=per_trial,
                                         default_restart_s=restart_guess,
                                         # re-measuring the top two is worth a trial only in longer budgets;
                                         # in short ones more configurations measured once win
                                         reserve_trials=1 if self.budget_s >= 600 else 0,
-                                        trial_timeout_s=2 * per_trial + 2 * restart_guess,
-                                        switch_reserve_s=restart_guess,
+                                        trial_timeout_s=2 * per_trial + 2 * restart,
+                                        switch_reserve_s=restart,
                                         energy=self.session.energy_between,
-                                        run_pays=not self.tune_only, startup_s=self._startup_s(hello),
+                                        run_pays=not self.tune_only, startup_s=startup,
                                         # a trial's process trains on as it is only if its settings are the user's
                                         trial_process_continues=self.user_cfg.run.nan_policy == "stop")
         if self._pace_known and self.session.state.step:   # the `t` key: where the run is and how fast it goes
