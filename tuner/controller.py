@@ -211,10 +211,13 @@ class Standing:
     remeasured: bool                # ... and this run re-measured it
     anchor: str | None
     holds: bool
+    start: bool = False             # the starting configuration itself (re-measured to make its baseline hold)
 
     @property
     def label(self) -> str:
         n = self.cand.number
+        if self.start:
+            return "the starting configuration"
         if not self.earlier:
             return f"trial {n}"
         how = "re-measured on this one" if self.remeasured else "against that run's own baseline"
@@ -254,6 +257,8 @@ class TuneController:
         self._planned = False                      # planned with the baseline's own measurement
         self._stopped_exploring = False
         self._dropped: set[str] = set()            # kinds of trial that can no longer pay
+        self._base_failed = False                  # the start itself failed (OOM, ...): anything that runs beats it
+        self._aborted = False                      # tuning was abandoned (the run ended or was interrupted)
         self._best_cache: tuple[int, Any] | None = None
         self.max_trials = max_trials
         self.measure_kw = dict(min_steps=min_steps, rel_ci=rel_ci, max_steps=max_steps, max_seconds=max_seconds)
@@ -636,15 +641,20 @@ class TuneController:
             self._remeasure_plan = self._plan_remeasures()
         while self._remeasure_plan:
             st = self._remeasure_plan.pop(0)
+            base = self._base_estimate()
+            if not st.start and st.anchor == "this run" and (base is None or not self._holds(*base)):
+                continue                 # compared with a start that does not hold, a re-measurement proves nothing
             est = self._trial_estimate()
             if not self.budget.can_afford(est + self.switch_reserve_s):
                 self._remeasure_plan = []
                 break
             step_s = self._step_s()
             if self.run_pays and step_s is not None:
-                d = trial_pays(self._trial_cost(st.cand.toggles), est, self._remaining(), step_s,
-                               max(st.speedup, 1.0), self._loss_left(), what=f"re-measuring {st.label}",
-                               step=self.last_step)
+                # worth what the speed-up it may confirm saves (the start's own: what the best it makes claimable saves)
+                gain = max([st.speedup] + [o.speedup for o in self._remeasure_plan])
+                d = trial_pays(self._trial_cost(st.cand.toggles), est, self._remaining(), step_s, gain,
+                               self._loss_left(), what=f"re-measuring {st.label}", step=self.last_step,
+                               loss_note=self._loss_note())
                 if not d.apply:
                     self._record(dataclasses.replace(d, reason=f"not re-measuring {st.label}: {d.reason}"),
                                  say=True)
@@ -717,6 +727,7 @@ class TuneController:
                 self.study.record_remeasure(a.number, summary, status="infeasible", reason=f"{outcome}: {reason}")
             else:
                 self.baseline = None
+                self._base_failed = True
                 self.stop_note = f"the starting configuration failed: {reason}"
                 if outcome == "oom":
                     self._widen_for_memory(f"the starting configuration ran out of memory ({reason})")
@@ -800,6 +811,7 @@ class TuneController:
         if a is not None and a.proposal is not None:
             self.study.tell_failed(a.proposal, reason)
         self._final = Done(reason, self.running or self.base, restart=False)
+        self._aborted = True
         self.budget.stop()
         self._set_phase("done")
 
@@ -1073,7 +1085,7 @@ class TuneController:
         if base is None or number is None or self._holds(*base):
             return None
         c = Candidate(number, self.base, base[0], (base[2] - base[1]) / 2, base[1], base[2], 0, run=self.study.run_id)
-        return Standing(c, 1.0, 1.0, 1.0, False, False, "this run", False)
+        return Standing(c, 1.0, 1.0, 1.0, False, False, "this run", False, start=True)
 
     def _standings(self) -> list[Standing]:
         """Every measured configuration but the start, fastest first, with its speed-up (see `Standing`)."""
@@ -1114,7 +1126,7 @@ class TuneController:
         """The best so far: the fastest configuration whose comparison with the start holds; when the start
         failed (nothing to compare with), the fastest of this run's steady measurements."""
         st = next((st for st in self._standings() if st.holds), None)
-        if st is not None or self.baseline is not None:
+        if st is not None or not self._base_failed:
             return st
         cands = [c for c in self.study.candidates(run=self.study.run_id) if self._holds(c.tokens_per_s, c.lo, c.hi)]
         if not cands:
@@ -1207,8 +1219,8 @@ class TuneController:
         final = self._final
         if applied and self.decision is not None:
             switch = self.decision.cost_s
-        elif final is None or not self.run_pays or remaining == 0:
-            switch = 0.0                 # the run ended while tuning, or --tune-only stops it: no switch follows
+        elif final is None or self._aborted or not self.run_pays or remaining == 0:
+            switch = 0.0                 # the run ended or stopped while tuning, or --tune-only stops it: no switch
         else:
             switch = self._switch_s(final.toggles)
         return {
