@@ -295,6 +295,9 @@ def format_summary(report: dict[str, Any]) -> str:
             if "own baseline" not in (report.get("best_label") or ""):     # else against that run's start
                 line += f" ({_fmt_tps(baseline.get('tokens_per_s'))})"
         lines.append(line)
+    elif baseline.get("tokens_per_s"):
+        lines.append(f"tuning    best: the start ({_fmt_tps(baseline.get('tokens_per_s'), baseline.get('spread'))} "
+                     "tokens/s); no other configuration measured holds against it")
     else:
         lines.append("tuning    no feasible configuration measured")
     outcome = report.get("outcome") or "-"
