@@ -98,7 +98,7 @@ from trainer.contract.events import (ApplyEvent, CheckpointEvent, ErrorEvent, Ev
                                      StepEvent, TrialEvent, TunerBest, TunerEvent)
 
 from .budget import Budget, format_duration
-from .decide import (Choice, Decision, clearly_better, hopeless, keep_exploring, should_prune, switch_pays,
+from .decide import (Choice, Decision, hopeless, keep_exploring, should_prune, significantly_faster, switch_pays,
                      trial_pays)
 from .measure import LossGuard, LossTrend, Measurement, median_ci
 from .space import MEMORY_SAVING, SearchSpace
@@ -1157,7 +1157,7 @@ class TuneController:
         c = best.cand
         if best.speedup <= 1.0:
             return best, None, "the starting configuration is the fastest measured"
-        if not best.lo > 1.0:
+        if not significantly_faster(best.lo, 1.0):          # as speed-ups: its CI's lower end over the start
             return best, None, (f"the best ({best.label}, {best.speedup:.2f}x, CI from {best.lo:.2f}x) is not "
                                 f"significantly faster than the start ({base[0]:.0f} tokens/s)")
         d = switch_pays(base[0], base[0] * best.speedup, remaining, self.tokens_per_step, self._switch_s(c.toggles),

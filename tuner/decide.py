@@ -1,5 +1,5 @@
-"""Decisions: prune a slow trial, whether switching pays, whether a trial can still pay, which candidates to
-re-measure.
+"""Decisions: prune a slow trial, whether switching pays, whether a trial can still pay, whether exploring on is
+worth more than applying the best now.
 
 Pruning is conservative: a trial is stopped only when even the optimistic end
 of its confidence interval is clearly below the best measured so far, so a
@@ -34,7 +34,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .measure import Measurement
-from .study import Candidate, TuneStudy
 
 
 def should_prune(measurement: Measurement, best_tokens_per_s: float | None, margin: float = 0.05,
@@ -163,16 +162,6 @@ def keep_exploring(best_gain: float, gain_bound: float, trial_cost_s: float, tri
     return Decision(False, value, cost, f"stopped exploring{at}: {remaining_steps} steps left, applying {which} "
                     f"saves {net_now:.0f} s, another trial costs ~{cost:.0f} s and could add at most {value:.0f} s",
                     Choice.EXPLORE, step, remaining_steps)
-
-
-def top_candidates(study: TuneStudy, k: int) -> list[Candidate]:
-    """The k best feasible configurations (pooled over re-measurements), best first."""
-    return study.candidates()[:max(0, k)]
-
-
-def clearly_better(a: Candidate, b: Candidate) -> bool:
-    """a's CI lies entirely above b's: a re-measurement would not change the order."""
-    return a.lo > b.hi
 
 
 def significantly_faster(best_lo: float, current_tps: float) -> bool:
