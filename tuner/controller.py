@@ -26,8 +26,8 @@ does it, and reports back; trial steps are real training steps.
                 break
         for ev in ctl.drain_events(): emit(ev)                 # trial / apply / tuner events
 
-Events: `tuner` {phase, budget_left_s, trial, trials_run, trials_planned,
-study} at every phase change, trial start and end; `trial` {number, toggles,
+Events: `tuner` {phase, budget_left_s, budget_s, trial, trials_run, trials_planned,
+study, best} at every phase change, trial start and end; `trial` {number, toggles,
 status, tokens_per_s, spread, peak_mem, energy_per_token, reason, kind,
 source, duration_s} with status "running" when a numbered trial starts (the
 unnumbered baseline only reports at its end) and ok / cut / pruned /
@@ -62,6 +62,28 @@ Phases: find-micro-batch -> baseline -> trials -> remeasure -> decide -> done.
 * Decide: apply only if the best is significantly faster than the start
   (its CI lower bound above the start's estimate) and the saving over the
   remaining steps exceeds the switch cost (`decide.switch_pays`).
+
+Paying for itself (docs/tuning.md; `run_pays`, off with --tune-only). Before
+the first trial (`_plan`: on the pace the session reported with `set_pace`,
+again on the baseline's) the budget is limited to `max_share` of the time the
+rest of the run takes, tuning may lose `max_loss` of it, and if a trial of the
+cheapest kind cannot pay (`decide.trial_pays`) tuning ends at once, keeping
+the start's process. Before each trial (`_gate`) the same test, then
+`decide.keep_exploring` once the best pays: when exploring is worth less, it
+stops and applies. Each proposal of a kind (a compile mode) that cannot pay is
+refused through the study's `ask(accept=...)` (skipped, not a result; the
+kind is dropped for the run), cheaper kinds first while little time is left.
+Costs come from figures: restarts as measured on this setup (`_restart_s`:
+this run's trials, the study's stored ones, this setup's measured trainer
+start, a compile prior), the baseline's pace, and the ledger's running cost;
+every decision is recorded (`decisions`) for the report.
+
+Claims (`_standings`, `best`, `_judge`): a speed-up is a ratio of two
+measurements of the same run (this run's, re-measurements included, or an
+earlier run's against that run's own baseline of the same start), both within
+`trust_spread`; a start that does not hold is re-measured and is never a
+denominator. The best the views show (`tuner` event `best`) is the one the
+decision and the report use.
 
 Loss health: the run's loss trend (`LossTrend`) is fitted over healthy steps
 outside numerics-changing trials; a trial that changes precision, the
