@@ -75,12 +75,12 @@ def test_exploring_on_against_applying_now():
 
     switch = switch_pays(1000, 2000, remaining_steps=200, tokens_per_step=1000, switch_cost_s=5)   # saves 100 s
     assert switch.apply
-    # 200 steps at 1 s: 190 s after a 10 s trial; from 2x to 2.5x saves 190 * (1/2 - 1/2.5) = 19 s at most;
-    # it costs 5 s plus the 5 s the best would have saved during those 10 s
-    d = keep_exploring(2.0, 2.5, 5.0, 10.0, 200, 1.0, switch, best_number=4, step=120)
-    assert d.apply and d.expected_saving_s == pytest.approx(19.0) and d.cost_s == pytest.approx(10.0)
-    d = keep_exploring(2.0, 2.5, 5.0, 10.0, 100, 1.0, switch, best_number=4, step=220)           # 9 s < 10 s
+    # 200 steps at 1 s: 185 s after a 15 s trial; from 2x to 2.5x saves 185 * (1/2 - 1/2.5) = 18.5 s at most;
+    # it costs its 5 s restart plus the 5 s the best would have saved during its 10 s of steps
+    d = keep_exploring(2.0, 2.5, 5.0, 15.0, 200, 1.0, switch, best_number=4, step=120)
+    assert d.apply and d.expected_saving_s == pytest.approx(18.5) and d.cost_s == pytest.approx(10.0)
+    d = keep_exploring(2.0, 2.5, 5.0, 15.0, 100, 1.0, switch, best_number=4, step=220)           # 8.5 s < 10 s
     assert not d.apply and d.choice is Choice.EXPLORE
     assert d.reason == ("stopped exploring at step 220: 100 steps left, applying trial 4 saves 95 s, another "
-                        "trial costs ~10 s and could add at most 9 s")
+                        "trial costs ~10 s and could add at most 8 s")
     assert switch.to_dict()["choice"] == "switch"

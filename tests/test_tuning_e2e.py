@@ -170,10 +170,10 @@ def finished_trials(run_dir):
 def tuned(tmp_path_factory):
     root = tmp_path_factory.mktemp("tune")
     run_dir, storage = root / "run", f"sqlite:///{root / 'study.sqlite3'}"
-    # A long run: trials must pay for themselves within it (docs/tuning.md, "Paying for itself"), and one of a few
-    # hundred steps pays for none here (a trial costs a trainer's start, several seconds; the first trial finds
-    # ~2.3x and exploring on is worth less than applying it). 1600 steps leave room for the full search.
-    n = 1600
+    # A long run: trials must pay for themselves within it (docs/tuning.md, "Paying for itself"): a trial costs a
+    # trainer's start (8-25 s here), and at 600 steps none could pay (it may lose 10% of the rest of the run: ~14 s).
+    # 1000 steps leave room for the search until the budget ends.
+    n = 1000
     rc, out, err = run_gptop("tune", "--budget", "90s", *SETUP, *SLOW_START, "--max-steps", str(n),
                              "--checkpoint-every", "100", "--keep-checkpoints", "1000", "--tune-space", SPACE,
                              "--storage", storage, "--run-dir", str(run_dir), timeout=900,

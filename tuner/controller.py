@@ -257,7 +257,7 @@ class TuneController:
                  reserve_trials: int | None = None, switch_reserve_s: float = 0.0,
                  energy: Callable[[float, float], float | None] | None = None, progress_every_s: float = 1.0,
                  run_pays: bool = True, max_share: float = 0.5, max_loss: float = 0.1, prior_gain: float = 1.5,
-                 explore_gain: float = 1.25, trust_spread: float = 0.10, compile_prior_s: float = 45.0,
+                 explore_gain: float = 1.5, trust_spread: float = 0.10, compile_prior_s: float = 45.0,
                  startup_s: float | None = None, trial_process_continues: bool = False):
         self.cfg, self.dev, self.space, self.study, self.budget, self.clock = base_cfg, dev, space, study, budget, clock
         # The economics (module doc, "Paying for itself"): trials must pay within this run (False with

@@ -147,11 +147,13 @@ def keep_exploring(best_gain: float, gain_bound: float, trial_cost_s: float, tri
                    step_s: float, switch: Decision, best_number: int | None = None,
                    step: int | None = None) -> Decision:
     """One more trial, or apply the best now (`switch`, which pays)? Another trial can at most add the step from
-    `best_gain` to `gain_bound` over the steps left after it; it costs its own cost plus the saving forgone
-    while it runs instead of the best. `apply` True: explore on."""
+    `best_gain` to `gain_bound` over the steps left after it; it costs its own cost (its restart) plus the
+    saving forgone while its steps run at about the start's speed instead of the best's. `apply` True: explore
+    on."""
     after = max(0.0, max(0, remaining_steps) * step_s - max(0.0, trial_s))
     value = after * (1.0 / best_gain - 1.0 / gain_bound) if gain_bound > best_gain > 0 else 0.0
-    forgone = max(0.0, trial_s) * (1.0 - 1.0 / best_gain) if best_gain > 1.0 else 0.0
+    stepping = max(0.0, trial_s - max(0.0, trial_cost_s))       # the trial's time that is not its restart
+    forgone = stepping * (1.0 - 1.0 / best_gain) if best_gain > 1.0 else 0.0
     cost = max(0.0, trial_cost_s) + forgone
     net_now = switch.expected_saving_s - switch.cost_s
     if value > cost:
