@@ -522,13 +522,13 @@ def test_a_stored_trial_is_compared_only_within_its_own_run(tmp_path):
 
 
 def test_an_unstable_baseline_is_never_a_denominator(tmp_path):
-    """The start's steps swing 4x on a loaded machine: its interval stays wider than ±10%, even re-measured, and
+    """The start's steps swing 4x on a loaded machine: its interval stays wider than ±25%, even re-measured, and
     however fast a trial looks against it, no speed-up is claimed; the report says why."""
     clock = Clock()
     ctl = make_ctl(tmp_path, clock, spec=NEUTRAL, startup_s=5.0, max_trials=3)
     seen = drive(ctl, clock, Machine(clock, noisy_start=True))
     base = ctl.baseline
-    assert base["spread"] > 0.1 * base["tokens_per_s"]
+    assert base["spread"] > 0.25 * base["tokens_per_s"]
     assert any(isinstance(a, Remeasure) and a.toggles == ctl.base for a in seen)     # it tried to make it hold
     assert not any(isinstance(a, Apply) for a in seen)
     assert "does not hold" in seen[-1].reason and "no speed-up can be claimed" in seen[-1].reason
@@ -560,7 +560,7 @@ def test_the_panels_best_is_the_reports_best_and_never_a_wide_measurement(tmp_pa
     events = ctl.drain_events()
     noisy = [e for e in events if e.type == "trial" and e.toggles["prefetch"] == 0 and e.toggles["fused_adamw"]
              and e.status in ("ok", "cut")]
-    assert noisy and noisy[-1].spread > 0.1 * noisy[-1].tokens_per_s          # it ran, and measured wide
+    assert noisy and noisy[-1].spread > 0.25 * noisy[-1].tokens_per_s         # it ran, and measured wide
     state = RunState()
     for e in events:
         state.apply(e)

@@ -60,7 +60,7 @@ Phases: find-micro-batch -> baseline -> trials -> remeasure -> decide -> done.
   second's; estimates pool both measurements (the maximum of noisy estimates
   is biased up: the winner's curse).
 * Decide: apply only if the best is significantly faster than the start
-  (its CI lower bound above the start's estimate) and the saving over the
+  (its CI lower bound above the upper end of the start's) and the saving over the
   remaining steps exceeds the switch cost (`decide.switch_pays`).
 
 Paying for itself (docs/tuning.md; `run_pays`, off with --tune-only). Before
@@ -234,6 +234,7 @@ class Standing:
     anchor: str | None
     holds: bool
     start: bool = False             # the starting configuration itself (re-measured to make its baseline hold)
+    floor: float = math.nan         # the speed-up's lower end counting both intervals (its lo over the start's hi)
 
     @property
     def label(self) -> str:
@@ -257,7 +258,7 @@ class TuneController:
                  reserve_trials: int | None = None, switch_reserve_s: float = 0.0,
                  energy: Callable[[float, float], float | None] | None = None, progress_every_s: float = 1.0,
                  run_pays: bool = True, max_share: float = 0.5, max_loss: float = 0.1, prior_gain: float = 1.5,
-                 explore_gain: float = 1.5, trust_spread: float = 0.10, compile_prior_s: float = 45.0,
+                 explore_gain: float = 1.5, trust_spread: float = 0.25, compile_prior_s: float = 45.0,
                  startup_s: float | None = None, trial_process_continues: bool = False):
         self.cfg, self.dev, self.space, self.study, self.budget, self.clock = base_cfg, dev, space, study, budget, clock
         # The economics (module doc, "Paying for itself"): trials must pay within this run (False with
@@ -1123,7 +1124,8 @@ class TuneController:
                     continue
                 earlier = c.run != run
                 out[c.number] = Standing(c, c.tokens_per_s / base[0], c.lo / base[0], c.hi / base[0], earlier,
-                                         earlier, "this run", base_holds and self._holds(c.tokens_per_s, c.lo, c.hi))
+                                         earlier, "this run", base_holds and self._holds(c.tokens_per_s, c.lo, c.hi),
+                                         floor=c.lo / base[2])
         mine = dataclasses.asdict(self.base)
         for other, b in self.study.baselines().items():
             tps, sp = b.get("tokens_per_s"), b.get("spread")
@@ -1134,7 +1136,7 @@ class TuneController:
                 if c.number in out or c.toggles == self.base:
                     continue
                 out[c.number] = Standing(c, c.tokens_per_s / tps, c.lo / tps, c.hi / tps, True, False, "its run",
-                                         self._holds(c.tokens_per_s, c.lo, c.hi))
+                                         self._holds(c.tokens_per_s, c.lo, c.hi), floor=c.lo / (tps + sp))
         if base is not None and base[0] > 0:        # earlier runs' trials without a baseline to compare with
             for c in self.study.candidates():
                 if c.number not in out and c.toggles != self.base and c.run != run:
@@ -1179,9 +1181,9 @@ class TuneController:
         c = best.cand
         if best.speedup <= 1.0:
             return best, None, "the starting configuration is the fastest measured"
-        if not significantly_faster(best.lo, 1.0):          # as speed-ups: its CI's lower end over the start
-            return best, None, (f"the best ({best.label}, {best.speedup:.2f}x, CI from {best.lo:.2f}x) is not "
-                                f"significantly faster than the start ({base[0]:.0f} tokens/s)")
+        if not significantly_faster(best.floor, 1.0):     # its CI's lower end over the start's upper end
+            return best, None, (f"the best ({best.label}, {best.speedup:.2f}x) is not significantly faster than the "
+                                f"start: its interval's lower end over the start's upper end is {best.floor:.2f}x")
         d = switch_pays(base[0], base[0] * best.speedup, remaining, self.tokens_per_step, self._switch_s(c.toggles),
                         fallback_cost_s=self._switch_s(self.base))
         return best, d, "" if d.apply else d.reason
