@@ -178,10 +178,13 @@ def event_line(event: Event, state: RunState) -> str | None:
             line += f" | peak {fmt_bytes(event.peak_mem)}"
         if event.reason:
             line += f" | {event.reason}"
+        if event.earlier:
+            line += f" | trial {event.number} comes from an earlier run of this setup"
         return line
     if isinstance(event, ApplyEvent):
         at = f" at step {event.step}" if event.step is not None else ""
-        line = f"apply{at}: {fmt_toggles(state.toggle_diff(event.toggles))}"
+        earlier = f" (trial {event.number}, from an earlier run)" if event.earlier else ""
+        line = f"apply{earlier}{at}: {fmt_toggles(state.toggle_diff(event.toggles))}"
         tps, base = event.tokens_per_s, event.baseline_tokens_per_s
         if tps is not None and base:
             line += f" | {fmt_num(tps)} tok/s ({(tps / base - 1) * 100:+.0f}%)"

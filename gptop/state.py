@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 from trainer.contract.events import (MAX_STEPS, PHASES, AlertEvent, ApplyEvent, CheckpointEvent, CpuReading,
                                      DeviceEvent, DoneEvent, ErrorEvent, EvalEvent, Event, GpuReading, HelloEvent,
                                      LogEvent, MeasureProgress, ModelInfo, PhaseEvent, ProfileEvent, ProgressEvent,
-                                     StepEvent, TrialEvent, TunerEvent, UnknownEvent, WarningEvent)
+                                     StepEvent, TrialEvent, TunerBest, TunerEvent, UnknownEvent, WarningEvent)
 
 STATUSES = ("starting", "running", "checkpointing", "stopping", "done", "stopped", "failed", "restarting", "replay",
             "monitor")
@@ -120,14 +120,20 @@ class TunerState:
     trials: dict[int, TrialEvent] = field(default_factory=dict)   # number -> its latest trial event
     applied: list[ApplyEvent] = field(default_factory=list)
     measure: MeasureProgress | None = None   # the measurement running now (baseline, trial, remeasure)
+    budget_s: float | None = None      # the budget in effect (the share of the run it affords, if less)
+    told_best: TunerBest | None = None  # the tuner's own best, from its latest event
+    tells_best: bool = False           # the tuner's events say its best (older streams do not)
 
     @property
     def active(self) -> bool:
         return self.phase is not None and self.phase != "done"
 
     @property
-    def best(self) -> TrialEvent | None:
-        """The measured (ok/cut/kept) trial with the highest throughput."""
+    def best(self) -> TunerBest | TrialEvent | None:
+        """The best so far: the one the tuner names (what its decision and report call best); for a stream from
+        a tuner that did not name it, the measured (ok/cut/kept) trial with the highest throughput."""
+        if self.tells_best:
+            return self.told_best
         good = [t for t in self.trials.values() if t.status in GOOD_TRIALS and t.tokens_per_s]
         return max(good, key=lambda t: t.tokens_per_s or 0.0, default=None)
 
@@ -468,6 +474,8 @@ class RunState:
         if e.trials_run is not None:
             tu.trials_run = e.trials_run
         tu.measure = e.measure                # every tuner event says what is measured now (None: nothing)
+        if e.budget_s is not None:            # a tuner that says its budget says its best too (None: none yet)
+            tu.budget_s, tu.tells_best, tu.told_best = e.budget_s, True, e.best
         self._bump("tuner")
 
     def tuner_budget_left(self) -> float | None:
@@ -832,11 +840,12 @@ class RunState:
             return "not enough step events yet"
         return unavailable_reason(samples)
 
-    def steady_medians(self) -> tuple[float | None, float | None]:
+    def steady_medians(self, last: int | None = None) -> tuple[float | None, float | None]:
         """(tokens/s, MFU): medians over the step events that are not a process's first (which carries
-        compilation and allocator warm-up); all step events when there are no others yet."""
+        compilation and allocator warm-up), the `last` of them if given; all step events when there are no
+        others yet."""
         with self.lock:
-            rows = list(self._steady)
+            rows = list(self._steady)[-last:] if last else list(self._steady)
             if not rows and self.last_step is not None:
                 rows = [(self.last_step.tokens_per_s, self.last_step.mfu)]
         tps = sorted(x for x, _ in rows if x is not None)

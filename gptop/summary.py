@@ -53,6 +53,7 @@ def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
         written = state.checkpoints_written
         tuner = state.tuner
         applied = tuner.applied[-1] if tuner.applied else None
+        tuned = tuner.phase is not None
         elapsed = state.elapsed()
         done = state.done
         precision = state.precision_label()
@@ -123,10 +124,14 @@ def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
             + (f" (see gptop report {quoted})" if run_dir and len(alerts) > 3 else ""))
         for line in alerts[-3:]:
             add("", line if len(line) <= 160 else line[:159] + "…")
+    net = tuning_net(run_dir) if tuned and run_dir else None
     if applied is not None:
         best = Path(run_dir) / rundir.BEST_TOML if run_dir else None
         add("tuning", f"applied trial {applied.number}"
-            + (f"; its settings are in {best}" if best is not None and best.is_file() else ""))
+            + (f"; its settings are in {best}" if best is not None and best.is_file() else "")
+            + (f"; {net}" if net else ""))
+    elif net:
+        add("tuning", f"kept the starting configuration; {net}")
     if kept and how != "finished":           # (a program's own checkpoints: resuming is its own business)
         add("resume", f"gptop train --resume {quoted}")
     elif kept:
@@ -142,6 +147,25 @@ def _why_none(how: str, step: int | None, every: int | None) -> str:
         return f"the run {how} before its first step (nothing to checkpoint)"
     when = f" (--checkpoint-every {every})" if every else " (--checkpoint-every 0: only at the end)"
     return f"the run {how} at step {step}, before its first checkpoint{when}"
+
+
+def tuning_net(run_dir: str) -> str | None:
+    """The tuning ledger's net from the run's tuning.json ('net +1m02s against not tuning (...)'), None without
+    one that reads (a damaged file never costs the summary)."""
+    path = Path(run_dir) / rundir.TUNING_JSON
+    if not path.is_file():
+        return None
+    import json
+
+    from tuner.report import check_report, net_line
+
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if check_report(report) is not None:
+        return None
+    return net_line(report.get("ledger") or {})
 
 
 def print_summary(state: RunState, exit_code: int | None, stream: IO[str]) -> None:

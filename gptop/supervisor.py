@@ -65,16 +65,24 @@ def is_library_chatter(line: str) -> bool:
 
 
 _RANK = r"(?:\[rank\d+\]:)?"
-# torch._inductor.select_algorithm prints, per autotuned op, to stderr:
+# torch._inductor.select_algorithm prints, per autotuned op, to stderr (tests/fixtures/inductor_autotune_stderr.txt,
+# as torch 2.11 wrote it on an H100):
 #   AUTOTUNE bmm(16x256x64, 16x64x256)            <- starts a table
 #   strides: [...] / dtypes: ... / "  choice 0.0123 ms 100.0% ..." rows
 #   SingleProcess AUTOTUNE benchmarking takes 1.2 seconds and 0.0 seconds precompiling for 20 choices  <- ends it
-AUTOTUNE_START = re.compile(_RANK + r"AUTOTUNE \S+\(")
+#   Autotune Choices Stats: / {"num_choices": ...}
+# and logs each choice that fails to build (a harmless skip) glog-style, a traceback line by line:
+#   E1126 16:11:07.515000 478 torch/_inductor/select_algorithm.py:3541] [0/0] Exception No valid triton configs...
+AUTOTUNE_START = re.compile(_RANK + r"(?:AUTOTUNE \S+\(|Autotune Choices Stats:)")
 AUTOTUNE_END = re.compile(_RANK + r"(?:SingleProcess|SubProcess) AUTOTUNE benchmarking takes ")
-AUTOTUNE_ROW = re.compile(_RANK + r"(?:strides: |dtypes: |\s+\S)")
-# Python's warnings format: `/.../site-packages/x.py:12: FutureWarning: message`, then the source line, indented
-LIBRARY_DEPRECATION = re.compile(_RANK + r"\S*(?:site-packages|dist-packages|/lib/python3[.\d]*)/\S+:\d+: "
-                                 r"(?:DeprecationWarning|PendingDeprecationWarning|FutureWarning): ")
+AUTOTUNE_ROW = re.compile(_RANK + r"(?:strides: |dtypes: |\s+\S|\{\"num_choices\")")
+AUTOTUNE_LOG = re.compile(_RANK + r"[EWI]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S*torch/_inductor/"
+                          r"(?:select_algorithm|autotune_process)\.py:\d+\]")
+# Python's warnings format: `/.../site-packages/x.py:12: FutureWarning: message`, then the source line, indented;
+# a deprecation said in a UserWarning's words counts too (torch: "TypedStorage is deprecated")
+LIBRARY_WARNING = re.compile(_RANK + r"\S*(?:site-packages|dist-packages|/lib/python3[.\d]*)/\S+:\d+: "
+                             r"(?:(?:DeprecationWarning|PendingDeprecationWarning|FutureWarning): |"
+                             r"\w*Warning: .*\bdeprecated\b)")
 AUTOTUNE_NOTE = "torch.compile is autotuning kernels (its timing tables are in trainer.stderr.log)"
 
 
@@ -97,8 +105,9 @@ class LogFilter:
         if AUTOTUNE_END.match(line):
             self._table = False
             return None
-        if AUTOTUNE_START.match(line):
-            self._table = True
+        start = AUTOTUNE_START.match(line) is not None
+        if start or AUTOTUNE_LOG.match(line):
+            self._table = start
             if self._noted:
                 return None
             self._noted = True
@@ -106,7 +115,7 @@ class LogFilter:
         if self._table and AUTOTUNE_ROW.match(line):
             return None
         self._table = False
-        if LIBRARY_DEPRECATION.match(line):
+        if LIBRARY_WARNING.match(line):
             self._after_warning = True
             return None
         if after_warning and line[:1].isspace():
@@ -150,6 +159,7 @@ class Supervisor:
         self._threads: list[threading.Thread] = []
         self._log_offsets = {"stdout": 0, "stderr": 0}
         self._stderr_start = 0
+        self.started_at: float | None = None   # unix time the process was started (its events' clock)
 
     @property
     def channel_uri(self) -> str:
@@ -167,6 +177,7 @@ class Supervisor:
         self._stderr_start = err.tell()
         env = dict(os.environ if self.env is None else self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        self.started_at = time.time()
         self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
                                      start_new_session=True, close_fds=True, pass_fds=self.pass_fds)
         out.close()

@@ -17,7 +17,15 @@ controller's actions into process restarts:
   goes on to --max-steps. Trial processes run with `--nan-policy stop` (a NaN
   must end the trial, not be trained around) and log every step; the process
   that trains on after tuning runs with the user's own settings, so it is
-  restarted when those differ.
+  restarted when those differ (the log interval alone is a command: the
+  start's own process trains on without a restart when tuning cannot pay).
+
+What a trial costs and whether it can pay is the controller's (tuner.decide);
+the driver gives it the figures only the session has: where a running run is
+and its pace (the `t` key), and how long this setup's trainer takes to start
+(the first process's start to its built hello; every restart's to its first
+step). With `--tune-only` the trials pay off in later runs (best.toml), not in
+this one: the controller then keeps the whole budget and search.
 
 The driver is the session's controller (`Session.set_controller`, the
 `gptop.session.Controller` protocol) while it tunes: it sees every event and
@@ -52,6 +60,7 @@ if TYPE_CHECKING:
     from .session import Session
 
 STEADY = ("done", "prune", "budget", "timeout")
+PACE_STEPS = 50                            # the recent step events whose median pace a `t` key plans on
 TEST_FAULT_ENV = "GPTOP_TEST_TRIAL_FAULT"   # "N:KIND[@K][+KIND@K...]": trainer faults (trainer/faults.py) K
 DEFAULT_FAULT_OFFSET = 2                   # steps into this session's N-th trial (tests only; default K=2)
 CPU_COMPILE_MIN_BUDGET_S = 600.0           # below this, a CPU run's tuning leaves compile alone by default
@@ -135,6 +144,8 @@ class TuningDriver:
         self._running_cfg: TrainConfig | None = None   # the config of the process we started (None: the session's)
         self._spawned_at: float | None = None
         self._restart_s: list[float] = []
+        self._pace_known = False
+        self._per_trial = 0.0
         self.user_cfg: TrainConfig | None = None
         self.test_fault = parse_test_fault(os.environ.get(TEST_FAULT_ENV, ""))
 
@@ -259,17 +270,28 @@ class TuningDriver:
                 return None
 
     def _update_reserve(self) -> None:
-        """Keep enough budget for the final switch: a restart as long as the ones seen, plus a checkpoint."""
+        """Keep enough budget for the final switch: a restart as long as the ones seen, plus a checkpoint; and
+        tell the controller how long this setup's trainer takes to start."""
         if self.ctl is not None and self._restart_s:
             from statistics import median
 
-            self.ctl.switch_reserve_s = median(self._restart_s) + self.ctl.checkpoint_s
+            restart = median(self._restart_s)
+            self.ctl.startup_s = restart
+            self.ctl.switch_reserve_s = restart + self.ctl.checkpoint_s
+            self.ctl.trial_timeout_s = max(self.ctl.trial_timeout_s, 2 * self._per_trial + 2 * restart)
+
+    def _startup_s(self, hello: ev.HelloEvent) -> float | None:
+        """How long the running trainer took from its start to its built hello: what a restart costs at least."""
+        sup = self.session.supervisor
+        started = sup.started_at if sup is not None else None
+        return max(0.0, hello.time - started) if started is not None and hello.time >= started else None
 
     def _run(self) -> None:
         from tuner.budget import Budget
         from tuner.controller import Apply, Done, FindMicroBatch, Remeasure, RunTrial, TuneController
         from tuner.study import TuneStudy
 
+        self._pace_known = self._hello is not None       # a trainer that ran before tuning (the `t` key)
         hello = self._hello or self._wait_hello()
         if hello is None:
             return self._conclude(None)
@@ -288,14 +310,25 @@ class TuningDriver:
         # one that has not produced a measurement in twice that (a slow compile) is cut.
         per_trial = max(8.0, min(300.0, self.budget_s / 12))
         restart_guess = min(30.0, max(5.0, self.budget_s / 20))
+        self._per_trial = per_trial
+        startup = self._startup_s(hello)
+        # a trial that has not warmed up after twice its measuring time plus two starts of this setup's trainer
+        # (a compile that does not finish) is cut; a loaded machine's slow starts do not cut healthy trials
+        restart = max(restart_guess, startup or 0.0)
         self.ctl = ctl = TuneController(cfg, dev, space, self.study, Budget(self.budget_s), max_seconds=per_trial,
                                         default_restart_s=restart_guess,
                                         # re-measuring the top two is worth a trial only in longer budgets;
                                         # in short ones more configurations measured once win
                                         reserve_trials=1 if self.budget_s >= 600 else 0,
-                                        trial_timeout_s=2 * per_trial + 2 * restart_guess,
-                                        switch_reserve_s=restart_guess,
-                                        energy=self.session.energy_between)
+                                        trial_timeout_s=2 * per_trial + 2 * restart,
+                                        switch_reserve_s=restart,
+                                        energy=self.session.energy_between,
+                                        run_pays=not self.tune_only, startup_s=startup,
+                                        # a trial's process trains on as it is only if its settings are the user's
+                                        trial_process_continues=self.user_cfg.run.nan_policy == "stop")
+        if self._pace_known and self.session.state.step:   # the `t` key: where the run is and how fast it goes
+            tps, _ = self.session.state.steady_medians(last=PACE_STEPS)
+            ctl.set_pace(self.session.state.step, ctl.tokens_per_step / tps if tps else None)
         self._say(f"tuning for up to {self.budget_s:.0f} s over {', '.join(space.params) or 'nothing'} "
                   f"(study {self.study.name}){note}", study=self.study.name)
         trial_index = 0
@@ -403,7 +436,7 @@ class TuningDriver:
             self._publish()
             early = f"{self._abort}: " if self._abort else ""
             if isinstance(action, Apply):
-                self._say(f"{early}applying trial {action.number}: {action.decision.reason}",
+                self._say(f"{early}applying {action.label or f'trial {action.number}'}: {action.decision.reason}",
                           decision=action.decision.to_dict())
             elif action is not None:
                 self._say(f"keeping the starting configuration: {action.reason}")
@@ -418,8 +451,12 @@ class TuningDriver:
                 self._exit_code = 0
             else:
                 want = self._cfg_for(toggles, strict=False)
-                if not self._alive or self._differs(want):
+                if not self._alive or self._differs(want, log_every=False):
                     self._restart(toggles, strict=False)
+                elif self._differs(want):         # only the log interval: a command, no restart
+                    self._log_every(want.log.log_every)
+                    if self._running_cfg is not None:
+                        self._running_cfg.log.log_every = want.log.log_every
         elif action is None and not ended and ctl is not None:
             # tuning ended early without a decision: train on with what runs, or (nothing runs) the start
             if not self._alive and not self._complete:
@@ -440,11 +477,15 @@ class TuningDriver:
         self._detach()
 
     # ------------------------------------------------------------ processes
-    def _differs(self, want: TrainConfig) -> bool:
-        """Whether the running process was started with other toggles or run settings than `want`."""
+    def _differs(self, want: TrainConfig, log_every: bool = True) -> bool:
+        """Whether the running process was started with other toggles or run settings than `want` (the log
+        interval counted only with `log_every`: a command changes it)."""
         have = self._running_cfg or self.session.cfg
-        return (have.toggles != want.toggles or have.run.nan_policy != want.run.nan_policy
-                or have.log.log_every != want.log.log_every)
+        toggles = have.toggles
+        if toggles.micro_batch == AUTO and self._running_cfg is None and self._hello is not None:
+            toggles = dataclasses.replace(toggles, micro_batch=self._hello.micro_batch)   # what `auto` resolved to
+        return (toggles != want.toggles or have.run.nan_policy != want.run.nan_policy
+                or (log_every and have.log.log_every != want.log.log_every))
 
     def _log_every(self, steps: int) -> None:
         """Ask the running trainer for a step event every `steps` steps (a command: no restart). One

@@ -1,7 +1,11 @@
 """What of the trainer's output the log panel shows (gptop.supervisor.LogFilter): the trainer's own lines and
 tracebacks, not the tables and warnings libraries print for their developers (those stay in the log files)."""
 
+from pathlib import Path
+
 from gptop.supervisor import AUTOTUNE_NOTE, LogFilter
+
+FIXTURES = Path(__file__).parent / "fixtures"
 
 # as torch._inductor.select_algorithm writes them during a max-autotune compile, twice, with a line of the
 # trainer's own between and after
@@ -58,3 +62,15 @@ def test_kineto_chatter_and_plain_lines():
     out = shown("STAGE:2024-01-22 16:37:54 3419:3419 ActivityProfilerController.cpp:314] Completed Stage: Warm Up\n"
                 "  indented output of the model\nAUTOTUNE is a word too\n", "stdout")
     assert out == [("  indented output of the model", "stdout"), ("AUTOTUNE is a word too", "stdout")]
+
+
+def test_a_real_max_autotune_compile_leaves_one_line_and_the_advice():
+    """stderr of two `torch.compile(mode="max-autotune-no-cudagraphs")` calls as torch 2.11 wrote it on an H100
+    (2026-11-26; failed-choice tracebacks trimmed): deprecation warnings, failed choices logged glog-style, two
+    autotune tables and their stats. What is left: one line that the compile autotunes, and torch's TF32 advice."""
+    text = (FIXTURES / "inductor_autotune_stderr.txt").read_text()
+    assert "AUTOTUNE mm(512x512, 512x512)" in text and "E1126 " in text and "TypedStorage is deprecated" in text
+    out = shown(text)
+    assert out.count((AUTOTUNE_NOTE, "gptop")) == 1
+    rest = [line for line, stream in out if stream == "stderr"]
+    assert len(rest) == 2 and "UserWarning: TensorFloat32 tensor cores" in rest[0] and rest[1] == "  warnings.warn("

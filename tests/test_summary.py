@@ -60,6 +60,27 @@ def test_a_finished_run_says_where_what_and_how_fast(tmp_path):
     assert outcome(state, 0) == "finished"
 
 
+def test_the_tuning_line_says_what_tuning_gained_or_lost(tmp_path):
+    """The end summary carries the tuning ledger's net (tuning.json): what the run gained or lost against not
+    tuning, the trials' own cost included; a damaged tuning.json costs only that part."""
+    import json
+
+    events = gpu_run(tuning_done=True)
+    events.append(ev("done", 80.0, step=300, tokens=300 * 32 * 256, reason="max_steps"))
+    ledger = {"tuning_s": 60.0, "budget_s": 600.0, "cost_s": 20.0, "switch_s": 6.0, "saving_s": 90.0, "net_s": 64.0}
+    (tmp_path / rundir.TUNING_JSON).write_text(json.dumps({"ledger": ledger}))
+    lines = summary_lines(state_of(events, tmp_path, "done"), 0)
+    assert line(lines, "tuning").endswith("applied trial 1; net +1m04s against not tuning (saves 1m30s; tuning "
+                                          "cost 20s; switch 6s)")
+    kept = [e for e in events if e.type != "apply"]                 # tuning that kept the start: a net loss
+    (tmp_path / rundir.TUNING_JSON).write_text(json.dumps({"ledger": {**ledger, "saving_s": 0.0, "switch_s": 0.0,
+                                                                      "net_s": -20.0}}))
+    assert line(summary_lines(state_of(kept, tmp_path, "done"), 0), "tuning").endswith(
+        "kept the starting configuration; net -20s against not tuning (tuning cost 20s)")
+    (tmp_path / rundir.TUNING_JSON).write_text('{"ledger": {"net_s": "a lot"}}')
+    assert not [l for l in summary_lines(state_of(kept, tmp_path, "done"), 0) if l.strip().startswith("tuning")]
+
+
 def test_a_stopped_run_says_how_to_resume(tmp_path):
     events = cpu_run(steps=60)
     events.append(ev("done", 40.0, step=60, tokens=60 * 1024, reason="stop requested"))

@@ -13,6 +13,7 @@ from trainer.contract.device import DeviceInfo
 from trainer.contract.events import TrialEvent, dumps, make, parse
 from tuner.budget import Budget
 from tuner.controller import Apply, Done, FindMicroBatch, Remeasure, RunTrial, TuneController
+from tuner.decide import Choice
 from tuner.report import best_toml, format_summary, write_report
 from tuner.space import SearchSpace, params_key
 from tuner.study import TuneStudy
@@ -32,9 +33,10 @@ class Clock:
 class FakeTrainer:
     """Step times from the toggles; compile=default warms up slowly; some configurations fail."""
 
-    def __init__(self, clock, seed=0, bf16_diverges=True, base_oom=False):
+    def __init__(self, clock, seed=0, bf16_diverges=True, base_oom=False, restart_s=5.0):
         self.clock, self.rng, self.bf16_diverges, self.base_oom = clock, random.Random(seed), bf16_diverges, base_oom
         self.restarts = 0
+        self.restart_s = restart_s                       # a process start: import, build, first step
 
     def step_ms(self, t: Toggles, i: int) -> float:
         ms = 400.0
@@ -81,7 +83,7 @@ def drive(ctl: TuneController, clock: Clock, trainer: FakeTrainer, pre_steps: in
         if isinstance(action, (RunTrial, Remeasure)):
             t = action.toggles
             if action.restart:
-                clock.t += 5.0                          # restart from the checkpoint
+                clock.t += trainer.restart_s            # restart from the checkpoint
                 trainer.restarts += 1
                 ctl.observe(make("checkpoint", step=checkpoint_step, path="ckpt", seconds=2.0))
             fail = trainer.failure(t)
@@ -115,11 +117,11 @@ def drive(ctl: TuneController, clock: Clock, trainer: FakeTrainer, pre_steps: in
     raise AssertionError("the controller never finished")
 
 
-def make_ctl(tmp_path, clock, budget_s=900.0, spec=SPEC, storage=None, **kw):
+def make_ctl(tmp_path, clock, budget_s=900.0, spec=SPEC, storage=None, run_steps=20_000, **kw):
     cfg = TrainConfig()
     cfg.data.seq_len = 128
     cfg.optim.global_batch = 32
-    cfg.optim.max_steps = 20_000
+    cfg.optim.max_steps = run_steps
     cfg.toggles.micro_batch = "auto"
     cfg.toggles.fused_adamw = False                   # a start the recipe improves on
     space = SearchSpace.for_device(dataclasses.replace(cfg.toggles, micro_batch=8), CPU, 32, spec=spec)
@@ -288,8 +290,12 @@ def test_close_candidates_are_remeasured_best_last(tmp_path):
     apply = seen[-2]
     assert isinstance(apply, Apply) and apply.toggles.compile == "default"
     assert apply.restart is (apply.toggles != last.toggles)       # the presumed best ran last
-    if not apply.restart:
-        assert apply.decision.cost_s == 0.0                        # already running it: switching is free
+    # never "0 s": the trial's own process trains on only after a restart with the user's settings (nan policy),
+    # which costs what this setup's restarts into that configuration cost
+    measured = [r["overhead_s"] for r in ctl.results if r["overhead_s"] is not None
+                and r["toggles"] == dataclasses.asdict(apply.toggles)]
+    assert measured and apply.decision.cost_s == pytest.approx(sorted(measured)[len(measured) // 2], rel=0.5)
+    assert apply.decision.cost_s > 0 and "0s switch" not in apply.decision.reason
 
 
 def test_second_run_starts_from_what_was_learned(tmp_path):
@@ -376,3 +382,209 @@ def test_cuda_graph_modes_with_accumulation_are_never_run(tmp_path):
     screened = [e for e in ctl.drain_events() if e.type == "trial" and e.toggles["compile"] == "reduce-overhead"
                 and e.toggles["micro_batch"] < 32]
     assert screened and all(e.status == "infeasible" and "CUDA graphs" in e.reason for e in screened)
+
+
+# --- paying for itself within the run (a fake clock; every figure is one the ledger then shows) ------------------
+
+NEUTRAL = "-all compile=off,default fused_adamw=on,off prefetch=0,2"
+
+
+def short_run(tmp_path, clock, max_steps, spec=NEUTRAL, **kw):
+    """A run of `max_steps` whose trainer starts in 5 s (as the session measured it); the micro-batch is known."""
+    kw.setdefault("startup_s", 5.0)
+    ctl = make_ctl(tmp_path, clock, spec=spec, run_steps=max_steps, **kw)
+    ctl.set_max_micro_batch(8)
+    return ctl
+
+
+def test_no_trial_runs_when_none_can_pay(tmp_path):
+    """200 steps at ~0.46 s: ~70 s left after the baseline. A trial costs a 5 s restart in and a 5 s switch back
+    (the start's own process could have trained on), more than the 10% of the rest tuning may lose: one line,
+    no trial, the start's process trains on."""
+    clock = Clock()
+    ctl = short_run(tmp_path, clock, 200)
+    seen = drive(ctl, clock, FakeTrainer(clock))
+    assert [a for a in seen if isinstance(a, RunTrial) and not a.baseline] == []
+    done = seen[-1]
+    assert isinstance(done, Done) and not done.restart and done.toggles == ctl.base
+    assert done.reason.startswith("tuning cannot pay: the run ends in 1:") and "a trial costs ~10 s here" in done.reason
+    plan = ctl.decisions[-1]
+    left = plan.remaining_steps * 4096 / ctl.baseline["tokens_per_s"]
+    assert plan.choice is Choice.PLAN and not plan.apply and plan.cost_s == pytest.approx(10.0)
+    assert plan.remaining_steps == 200 - ctl.last_step and ctl.loss_allowance_s == pytest.approx(0.1 * left)
+    assert f"more than the {0.1 * left:.0f} s tuning may still lose" in plan.reason
+    led = ctl.report_info()["ledger"]
+    assert led["decisions"][-1]["choice"] == "plan" and led["decisions"][-1]["cost_s"] == pytest.approx(10.0)
+    assert led["switch_s"] == 0.0 and led["saving_s"] == 0.0 and led["net_s"] == pytest.approx(-led["cost_s"])
+    assert led["cost_s"] < 1.0                      # the baseline's steps were the run's own, at its own speed
+    assert led["budget_s"] < 900.0 and led["budget_s"] == pytest.approx(0.5 * left, rel=0.05)
+    md = write_report(tmp_path / "run", ctl.study, ctl.report_info())["md"].read_text()
+    assert "tuning cannot pay" in md and "Net against not tuning: -" in md and "asked for 15m00s" in md
+
+
+def test_the_t_key_on_a_run_near_its_end_plans_before_measuring(tmp_path):
+    """`t` at step 43 of 200 at 0.45 s per step (the pace the session saw): the decision comes before the
+    baseline, from the figures alone."""
+    clock = Clock()
+    ctl = short_run(tmp_path, clock, 200)
+    ctl.set_pace(43, 0.45)
+    first = ctl.next_action()
+    assert isinstance(first, Done) and not first.restart
+    assert first.reason.startswith("tuning cannot pay: the run ends in 1:11 (157 steps at 0.45 s); a trial "
+                                   "costs ~10 s here, more than the 7 s tuning may still lose")
+    assert ctl.trials_run == 0 and ctl.baseline is None
+    assert [e.phase for e in ctl.drain_events() if e.type == "tuner"][-1] == "done"
+
+
+def test_expensive_trials_are_dropped_first(tmp_path):
+    """~300 s left: a plain restart (10 s with the switch back) can pay, a compile nobody has measured on this
+    setup (45 s more) cannot fit in the 10% tuning may lose. Compile proposals are skipped (not told to the
+    sampler as results: a longer run of the same setup still tries them), cheap ones run."""
+    clock = Clock()
+    ctl = short_run(tmp_path, clock, 700)
+    seen = drive(ctl, clock, FakeTrainer(clock, bf16_diverges=False))
+    ran = [a for a in seen if isinstance(a, (RunTrial, Remeasure)) and not getattr(a, "baseline", False)]
+    assert ran and all(a.toggles.compile == "off" for a in ran)
+    dropped = [d for d in ctl.decisions if d.choice is Choice.TRIAL and d.reason.startswith("compile=default")]
+    assert len(dropped) == 1 and not dropped[0].apply and dropped[0].cost_s >= 45.0
+    assert "compile=default trials cannot pay any more" in dropped[0].reason
+    skipped = [t for t in ctl.study.trials() if t.user_attrs.get("status") == "skipped"]
+    assert skipped and all(t.state.name == "FAIL" and t.user_attrs["toggles"]["compile"] == "default" for t in skipped)
+    info = ctl.report_info()
+    assert info["ledger"]["skipped"] == len(skipped)
+    report = json.loads(write_report(tmp_path / "run", ctl.study, info)["json"].read_text())
+    assert not any(r["status"] == "skipped" for r in report["trials"])          # counted, not listed
+    assert any(d["reason"].startswith("compile=default trials cannot pay") for d in report["ledger"]["decisions"])
+
+
+class BigWin(FakeTrainer):
+    """Slow steps (2 s), and fused AdamW makes them 8x faster: the recipe (fused on) wins big at once."""
+
+    def step_ms(self, t, i):
+        return (250.0 if t.fused_adamw else 2000.0) * (1.15 if t.prefetch == 0 else 1.0) * (1 + self.rng.gauss(0, 0.01))
+
+    def failure(self, t):
+        return None
+
+
+def test_it_applies_the_best_once_exploring_is_worth_less(tmp_path):
+    """An 8x setting found by the first trial of a 200-step run of 2 s steps whose restarts take 8 s: each further
+    trial could add at most the step from the best to the bound over the steps after it; once that is less than
+    its restart plus the saving it forgoes while it runs, the best is applied at once, with most of the run left
+    to gain on, and the ledger's net counts what tuning cost."""
+    clock = Clock()
+    ctl = short_run(tmp_path, clock, 200, spec="-all fused_adamw=on,off prefetch=0,1,2,4 workers=0,1,2",
+                    startup_s=8.0, max_trials=16)
+    seen = drive(ctl, clock, BigWin(clock, restart_s=8.0))
+    apply = seen[-2]
+    assert isinstance(apply, Apply) and apply.toggles.fused_adamw and isinstance(seen[-1], Done)
+    stop = [d for d in ctl.decisions if d.choice is Choice.EXPLORE]
+    assert len(stop) == 1 and not stop[0].apply and stop[0].expected_saving_s < stop[0].cost_s
+    assert stop[0].reason.startswith(f"stopped exploring at step {stop[0].step}: {stop[0].remaining_steps} steps "
+                                     f"left, applying trial {apply.number} saves ")
+    assert stop[0].remaining_steps > 100 and 1 <= ctl.trials_run < 6     # applied with most of the run left
+    assert ctl.budget.elapsed() < ctl.budget.total_s - 30                # not because the budget ran out
+    switch = ctl.decisions[-1]
+    assert switch.choice is Choice.SWITCH and switch.apply and switch.cost_s > 0
+    led = ctl.report_info()["ledger"]
+    assert led["net_s"] == pytest.approx(led["saving_s"] - led["cost_s"] - led["switch_s"])
+    assert led["saving_s"] == pytest.approx(switch.expected_saving_s) and led["net_s"] > 0
+    assert [d["choice"] for d in led["decisions"]][-2:] == ["explore", "switch"]
+    md = write_report(tmp_path / "run", ctl.study, ctl.report_info())["md"].read_text()
+    assert "stopped exploring at step" in md and "Net against not tuning: +" in md
+    summary = format_summary(json.loads((tmp_path / "run" / "tuning.json").read_text()))
+    assert "net +" in summary and "against not tuning" in summary
+
+
+class Machine(FakeTrainer):
+    """Another machine (or the same one, loaded): every step `factor` times as long; with `noisy_start`, every
+    other step of the start takes 4x as long (another job on the cores), so its interval never narrows."""
+
+    def __init__(self, clock, factor=1.0, noisy_start=False, **kw):
+        super().__init__(clock, bf16_diverges=False, **kw)
+        self.factor, self.noisy_start = factor, noisy_start
+
+    def step_ms(self, t, i):
+        ms = super().step_ms(t, i) * self.factor
+        if self.noisy_start and not t.fused_adamw and t.compile == "off" and t.prefetch == 2:
+            ms *= 4.0 if i % 2 else 1.0
+        return ms
+
+    def failure(self, t):
+        return None
+
+
+def test_a_stored_trial_is_compared_only_within_its_own_run(tmp_path):
+    """Run 1 finds its best; run 2 is the same setup on a machine twice as slow. Dividing run 1's measurement by
+    run 2's baseline would claim twice the real speed-up: run 2 either re-measures the stored trial or compares it
+    with run 1's own baseline, and says it comes from an earlier run."""
+    clock = Clock()
+    first = make_ctl(tmp_path, clock, spec=NEUTRAL, startup_s=5.0)
+    drive(first, clock, Machine(clock))
+    best1 = first.best()
+    assert best1 is not None and not best1.earlier and best1.speedup > 1.2
+
+    clock2 = Clock()
+    second = make_ctl(tmp_path, clock2, spec=NEUTRAL, startup_s=5.0, max_trials=1)
+    seen = drive(second, clock2, Machine(clock2, factor=2.0, seed=1))
+    apply = next(a for a in seen if isinstance(a, Apply))
+    events = second.drain_events()
+    ev = next(e for e in events if e.type == "apply")
+    assert ev.tokens_per_s / ev.baseline_tokens_per_s == pytest.approx(best1.speedup, rel=0.1)   # not ~2x that
+    if apply.number == best1.cand.number:
+        assert "from an earlier run" in apply.label
+        remeasured = [e for e in events if e.type == "trial" and e.number == apply.number and e.kind == "remeasure"]
+        assert all(e.earlier for e in remeasured) and ev.earlier
+        assert ("re-measured on this one" in apply.label) == bool(remeasured)
+    tuner = [e for e in events if e.type == "tuner" and e.best is not None][-1]
+    assert tuner.best.number == apply.number
+    report = json.loads(write_report(tmp_path / "run2", second.study, second.report_info())["json"].read_text())
+    assert report["best_number"] == apply.number and report["speedup"] == pytest.approx(best1.speedup, rel=0.1)
+
+
+def test_an_unstable_baseline_is_never_a_denominator(tmp_path):
+    """The start's steps swing 4x on a loaded machine: its interval stays wider than ±25%, even re-measured, and
+    however fast a trial looks against it, no speed-up is claimed; the report says why."""
+    clock = Clock()
+    ctl = make_ctl(tmp_path, clock, spec=NEUTRAL, startup_s=5.0, max_trials=3)
+    seen = drive(ctl, clock, Machine(clock, noisy_start=True))
+    base = ctl.baseline
+    assert base["spread"] > 0.25 * base["tokens_per_s"]
+    assert any(isinstance(a, Remeasure) and a.toggles == ctl.base for a in seen)     # it tried to make it hold
+    assert not any(isinstance(a, Apply) for a in seen)
+    assert "does not hold" in seen[-1].reason and "no speed-up can be claimed" in seen[-1].reason
+    assert all(e.best is None for e in ctl.drain_events() if e.type == "tuner")
+    md = write_report(tmp_path / "run", ctl.study, ctl.report_info())["md"].read_text()
+    assert "too noisy to compare a speed-up with" in md
+
+
+class NoisyWinner(FakeTrainer):
+    """Prefetch 0 with fused AdamW: half its steps take 80 ms, half 600 ms (a shared machine): its median may look
+    fastest, but its interval stays wide however long it is measured."""
+
+    def step_ms(self, t, i):
+        if t.prefetch == 0 and t.fused_adamw:
+            return 80.0 if self.rng.random() < 0.5 else 600.0
+        return 400.0 * (0.9 if t.fused_adamw else 1.0) * (1 + self.rng.gauss(0, 0.01))
+
+    def failure(self, t):
+        return None
+
+
+def test_the_panels_best_is_the_reports_best_and_never_a_wide_measurement(tmp_path):
+    from gptop.state import RunState
+
+    clock = Clock()
+    ctl = make_ctl(tmp_path, clock, spec=NEUTRAL, startup_s=5.0, run_steps=100_000, max_seconds=30.0,
+                   max_trials=8)
+    drive(ctl, clock, NoisyWinner(clock, seed=3))
+    events = ctl.drain_events()
+    noisy = [e for e in events if e.type == "trial" and e.toggles["prefetch"] == 0 and e.toggles["fused_adamw"]
+             and e.status in ("ok", "cut")]
+    assert noisy and noisy[-1].spread > 0.25 * noisy[-1].tokens_per_s         # it ran, and measured wide
+    state = RunState()
+    for e in events:
+        state.apply(e)
+    report = json.loads(write_report(tmp_path / "run", ctl.study, ctl.report_info())["json"].read_text())
+    assert report["best_number"] is not None and report["best_number"] != noisy[-1].number
+    assert state.tuner.best.number == report["best_number"]

@@ -18,9 +18,12 @@ class FakeSession:
     """The public side of gptop.session.Session that the driver uses, recording what it is asked."""
 
     def __init__(self, run_dir):
+        from gptop.state import RunState
+
         self.cfg = TrainConfig()
         self.cfg.run.run_dir = str(run_dir)
         self.run_dir = Path(run_dir)
+        self.state = RunState(run_dir=str(run_dir))
         self.controller = None
         self.supervisor = None
         self.interrupted = False
@@ -278,6 +281,7 @@ def test_train_tune_is_tune_budget():
 class FakeSupervisor:
     def __init__(self):
         self.sent, self.stops = [], 0
+        self.started_at = None
 
     def alive(self):
         return True
@@ -334,3 +338,41 @@ def test_the_baseline_on_the_running_trainer_logs_every_step_then_gives_the_inte
     assert last.warmed_up and last.samples >= 1 and last.tokens_per_s and last.spread is not None
     trial = next(e for e in s.emitted if e.type == "trial" and e.kind == "baseline")
     assert trial.status == "ok" and "stable after" in trial.reason
+
+
+def test_t_near_the_end_of_a_run_says_tuning_cannot_pay_and_leaves_the_trainer_alone(tmp_path):
+    """`t` at step 43 of 200, 0.45 s a step, a trainer that took 8 s to start: ~71 s left, a trial would cost
+    ~16 s (its restart and the switch back), more than the 7 s tuning may lose. One line, no trial, no restart,
+    no command to the trainer; the report's ledger has the decision and its figures."""
+    import json
+    import time
+
+    from fixtures.streams import T0, config, ev
+
+    s = FakeSession(tmp_path)
+    s.supervisor = sup = FakeSupervisor()
+    sup.started_at = T0 - 8.0
+    s.energy_between = lambda t0, t1: None
+    (tmp_path / "events.jsonl").touch()
+    hello = ev("hello", 0.0, config=config("llama", "tiny", "cpu", max_steps=200, micro_batch=8), micro_batch=8,
+               device={"type": "cpu", "name": "cpu", "cpu_count": 2, "total_memory": 8 << 30},
+               model={"family": "llama", "size": "tiny"})
+    s.cfg = TrainConfig.from_dict(hello.config)              # the session runs what the trainer says it runs
+    s.cfg.run.run_dir = str(tmp_path)
+    tokens_per_step = s.cfg.optim.global_batch * s.cfg.data.seq_len
+    s.state.apply(hello)
+    for step in range(1, 44):
+        s.state.apply(make("step", step=step, tokens=step * tokens_per_step, loss=3.0, lr=1e-3, grad_norm=1.0,
+                           step_ms=450.0, phases_ms={}, tokens_per_s=tokens_per_step / 0.45, mfu=None, mem_bytes=1,
+                           time=T0 + 8 + step * 0.45))
+    d = TuningDriver(s, 600.0, storage=f"sqlite:///{tmp_path / 'study.db'}", hello=hello).attach()
+    assert d.finished.wait(60) and d.error is None
+    lines = [e.message for e in s.emitted if e.type == "log"]
+    decided = [m for m in lines if "cannot pay" in m]
+    assert decided == ["tuner: keeping the starting configuration: tuning cannot pay: the run ends in 1:11 "
+                       "(157 steps at 0.45 s); a trial costs ~16 s here, more than the 7 s tuning may still lose "
+                       "(10% of the rest of the run)"], lines
+    assert sup.sent == [] and sup.stops == 0 and not [e for e in s.emitted if e.type == "trial"]
+    led = json.loads((tmp_path / "tuning.json").read_text())["ledger"]
+    assert led["decisions"][0]["choice"] == "plan" and led["decisions"][0]["cost_s"] == 16.0
+    assert led["switch_s"] == 0.0 and led["trials_run"] == 0

@@ -170,16 +170,17 @@ def finished_trials(run_dir):
 def tuned(tmp_path_factory):
     root = tmp_path_factory.mktemp("tune")
     run_dir, storage = root / "run", f"sqlite:///{root / 'study.sqlite3'}"
-    # Long enough that the steps left after 90 s of tuning pay for the switch even on a noisy machine,
-    # where a measurement may need 70 steps instead of 13 (seen on CI: 400 steps left too few to pay).
-    n = 600
+    # A long run: trials must pay for themselves within it (docs/tuning.md, "Paying for itself"): a trial costs a
+    # trainer's start (8-25 s here), and at 600 steps none could pay (it may lose 10% of the rest of the run: ~14 s).
+    # 1000 steps leave room for the search until the budget ends.
+    n = 1000
     rc, out, err = run_gptop("tune", "--budget", "90s", *SETUP, *SLOW_START, "--max-steps", str(n),
-                             "--checkpoint-every", "50", "--keep-checkpoints", "1000", "--tune-space", SPACE,
-                             "--storage", storage, "--run-dir", str(run_dir),
+                             "--checkpoint-every", "100", "--keep-checkpoints", "1000", "--tune-space", SPACE,
+                             "--storage", storage, "--run-dir", str(run_dir), timeout=900,
                              env=gptop_env(GPTOP_TEST_TRIAL_FAULT="2:checkpoint@2+nan@3"))
     assert rc == 0, err[-3000:] + out[-3000:]
     yield {"root": root, "run_dir": run_dir, "storage": storage, "n": n, "out": out}
-    # ~30 checkpoints of 35 MB each (all kept, for the comparisons): not worth keeping in pytest's basetemp
+    # ~25 checkpoints of 35 MB each (all kept, for the comparisons): not worth keeping in pytest's basetemp
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     shutil.rmtree(root / "replay", ignore_errors=True)
 

@@ -838,3 +838,25 @@ def test_an_open_alert_is_a_banner_with_the_bell_and_goes_when_resolved():
             await pilot.pause(0.5)
             assert not banner.display and bells == [1]
     run(go())
+
+
+def test_tuner_header_and_best_are_the_tuners_own():
+    """A tuner that says its budget and its best: the header shows the budget in effect (the share of the run it
+    affords), the panel's best is the tuner's (its speed-up, marked when from an earlier run), not the fastest
+    trial row, which may be a measurement too noisy to compare."""
+    state = build_state("gpu", measuring="samples")
+    best = {"number": 3, "toggles": dict(state.initial_toggles, fused_adamw=True), "tokens_per_s": 36000.0,
+            "spread": 400.0, "speedup": 1.31, "earlier": True}
+    state.apply(ev("trial", state.last_time - T0 + 0.5, number=9, toggles=dict(state.initial_toggles, prefetch=0),
+                   status="cut", tokens_per_s=90000.0, spread=41000.0, kind="trial"))
+    state.apply(ev("tuner", state.last_time - T0 + 1, phase="trials", budget_left_s=50.0, budget_s=69.0, trial=None,
+                   trials_run=6, trials_planned=12, best=best))
+    app, _, _ = make(state=state)
+
+    def check(app: GptopApp) -> None:
+        assert "tuning (budget 1:09)" in text(app.query_one("#header"))
+        tuner = text(app.query_one("#tuner"))
+        assert "best #3 36.0k tok/s 1.31x (earlier run) fused_adamw=on" in tuner, tuner
+        assert "best #9" not in tuner
+
+    drive(app, [], size=LARGE, check=check)

@@ -102,14 +102,27 @@ def format_duration(seconds: float) -> str:
 
 
 class Budget:
-    """Wall time granted to tuning. Starts on `start()`; before that nothing is spent."""
+    """Wall time granted to tuning. Starts on `start()`; before that nothing is spent. `limit()` lowers it to
+    what the run can afford (`requested_s` keeps what was asked); `stop()` ends the count when tuning ends."""
 
     def __init__(self, total_s: float, clock: Callable[[], float] = time.monotonic):
         if not total_s > 0:
             raise ConfigError("--budget", f"must be positive, got {total_s}")
         self.total_s = float(total_s)
+        self.requested_s = self.total_s
         self.clock = clock
         self._t0: float | None = None
+        self._t1: float | None = None
+
+    def limit(self, total_s: float) -> bool:
+        """Lower the budget to `total_s` (from the budget asked for; never above it); True if it is lower."""
+        self.total_s = max(0.0, min(self.requested_s, float(total_s)))
+        return self.total_s < self.requested_s
+
+    def stop(self) -> None:
+        """Tuning is over: `elapsed()` stays at what it spent (idempotent)."""
+        if self._t0 is not None and self._t1 is None:
+            self._t1 = self.clock()
 
     @property
     def started(self) -> bool:
@@ -121,7 +134,9 @@ class Budget:
             self._t0 = self.clock()
 
     def elapsed(self) -> float:
-        return 0.0 if self._t0 is None else max(0.0, self.clock() - self._t0)
+        if self._t0 is None:
+            return 0.0
+        return max(0.0, (self._t1 if self._t1 is not None else self.clock()) - self._t0)
 
     def left(self) -> float:
         return max(0.0, self.total_s - self.elapsed())

@@ -26,8 +26,8 @@ does it, and reports back; trial steps are real training steps.
                 break
         for ev in ctl.drain_events(): emit(ev)                 # trial / apply / tuner events
 
-Events: `tuner` {phase, budget_left_s, trial, trials_run, trials_planned,
-study} at every phase change, trial start and end; `trial` {number, toggles,
+Events: `tuner` {phase, budget_left_s, budget_s, trial, trials_run, trials_planned,
+study, best} at every phase change, trial start and end; `trial` {number, toggles,
 status, tokens_per_s, spread, peak_mem, energy_per_token, reason, kind,
 source, duration_s} with status "running" when a numbered trial starts (the
 unnumbered baseline only reports at its end) and ok / cut / pruned /
@@ -60,8 +60,30 @@ Phases: find-micro-batch -> baseline -> trials -> remeasure -> decide -> done.
   second's; estimates pool both measurements (the maximum of noisy estimates
   is biased up: the winner's curse).
 * Decide: apply only if the best is significantly faster than the start
-  (its CI lower bound above the start's estimate) and the saving over the
+  (its CI lower bound above the upper end of the start's) and the saving over the
   remaining steps exceeds the switch cost (`decide.switch_pays`).
+
+Paying for itself (docs/tuning.md; `run_pays`, off with --tune-only). Before
+the first trial (`_plan`: on the pace the session reported with `set_pace`,
+again on the baseline's) the budget is limited to `max_share` of the time the
+rest of the run takes, tuning may lose `max_loss` of it, and if a trial of the
+cheapest kind cannot pay (`decide.trial_pays`) tuning ends at once, keeping
+the start's process. Before each trial (`_gate`) the same test, then
+`decide.keep_exploring` once the best pays: when exploring is worth less, it
+stops and applies. Each proposal of a kind (a compile mode) that cannot pay is
+refused through the study's `ask(accept=...)` (skipped, not a result; the
+kind is dropped for the run), cheaper kinds first while little time is left.
+Costs come from figures: restarts as measured on this setup (`_restart_s`:
+this run's trials, the study's stored ones, this setup's measured trainer
+start, a compile prior), the baseline's pace, and the ledger's running cost;
+every decision is recorded (`decisions`) for the report.
+
+Claims (`_standings`, `best`, `_judge`): a speed-up is a ratio of two
+measurements of the same run (this run's, re-measurements included, or an
+earlier run's against that run's own baseline of the same start), both within
+`trust_spread`; a start that does not hold is re-measured and is never a
+denominator. The best the views show (`tuner` event `best`) is the one the
+decision and the report use.
 
 Loss health: the run's loss trend (`LossTrend`) is fitted over healthy steps
 outside numerics-changing trials; a trial that changes precision, the
@@ -94,17 +116,19 @@ from typing import Any, Callable
 from trainer.contract import capabilities
 from trainer.contract.config import AUTO, TrainConfig, Toggles
 from trainer.contract.device import DeviceInfo
-from trainer.contract.events import (ApplyEvent, CheckpointEvent, ErrorEvent, Event, MeasureProgress, StepEvent,
-                                     TrialEvent, TunerEvent)
+from trainer.contract.events import (ApplyEvent, CheckpointEvent, ErrorEvent, Event, LogEvent, MeasureProgress,
+                                     StepEvent, TrialEvent, TunerBest, TunerEvent)
 
-from .budget import Budget
-from .decide import (Decision, clearly_better, hopeless, should_prune, significantly_faster, switch_pays,
-                     top_candidates)
-from .measure import LossGuard, LossTrend, Measurement
+from .budget import Budget, format_duration
+from .decide import (Choice, Decision, hopeless, keep_exploring, should_prune, significantly_faster, switch_pays,
+                     trial_pays)
+from .measure import LossGuard, LossTrend, Measurement, median_ci
 from .space import MEMORY_SAVING, SearchSpace
 from .study import FAILURE_KINDS, Candidate, Proposal, TuneStudy
 
 FAILURES: tuple[str, ...] = FAILURE_KINDS
+# when a trial's most possible saving is under this many times its cost, cheaper trials go first
+CHEAP_FIRST = 3.0
 
 
 # --- actions ----------------------------------------------------------------------------
@@ -151,12 +175,14 @@ class Remeasure:
 
 @dataclass
 class Apply:
-    """Switch the run to `toggles` after a checkpoint (no-op restart if `restart` is False)."""
+    """Switch the run to `toggles` after a checkpoint (no-op restart if `restart` is False). `label` names
+    the trial in words ("trial 7 (from an earlier run, re-measured on this one)")."""
 
     toggles: Toggles
     decision: Decision
     restart: bool = True
     number: int | None = None
+    label: str = ""
 
 
 @dataclass
@@ -189,6 +215,36 @@ class _Active:
     last_touch: float = 0.0
     oom_mem: int | None = None      # the peak an out-of-memory error reported (no step event may have come)
     note: str = ""                  # what the switch does to the optimizer state, for the trial's reason
+    earlier: bool = False           # re-measures a trial of an earlier run
+
+
+@dataclass
+class Standing:
+    """A measured configuration as the decision sees it: its speed-up over the start, measured against a
+    baseline of the same run (`anchor` "this run": its trial or a re-measurement ran on this run; "its run": an
+    earlier run whose own baseline holds; None: no such baseline, a guess against this run's start that only
+    ranks it for re-measurement), and whether both measurements hold (intervals within the trust spread)."""
+
+    cand: Candidate
+    speedup: float
+    lo: float                       # the speed-up's lower end (the candidate's CI over the baseline)
+    hi: float
+    earlier: bool                   # its trial ran in an earlier run
+    remeasured: bool                # ... and this run re-measured it
+    anchor: str | None
+    holds: bool
+    start: bool = False             # the starting configuration itself (re-measured to make its baseline hold)
+    floor: float = math.nan         # the speed-up's lower end counting both intervals (its lo over the start's hi)
+
+    @property
+    def label(self) -> str:
+        n = self.cand.number
+        if self.start:
+            return "the starting configuration"
+        if not self.earlier:
+            return f"trial {n}"
+        how = "re-measured on this one" if self.remeasured else "against that run's own baseline"
+        return f"trial {n} (from an earlier run, {how})"
 
 
 class TuneController:
@@ -200,8 +256,33 @@ class TuneController:
                  prune_margin: float = 0.05, remeasure_top: int = 2, default_restart_s: float = 60.0,
                  trial_timeout_s: float | None = None, max_micro_batch: int | None = None,
                  reserve_trials: int | None = None, switch_reserve_s: float = 0.0,
-                 energy: Callable[[float, float], float | None] | None = None, progress_every_s: float = 1.0):
+                 energy: Callable[[float, float], float | None] | None = None, progress_every_s: float = 1.0,
+                 run_pays: bool = True, max_share: float = 0.5, max_loss: float = 0.1, prior_gain: float = 1.5,
+                 explore_gain: float = 1.5, trust_spread: float = 0.25, compile_prior_s: float = 45.0,
+                 startup_s: float | None = None, trial_process_continues: bool = False):
         self.cfg, self.dev, self.space, self.study, self.budget, self.clock = base_cfg, dev, space, study, budget, clock
+        # The economics (module doc, "Paying for itself"): trials must pay within this run (False with
+        # --tune-only: best.toml is for later runs); the budget is at most `max_share` of the rest of the run, and
+        # tuning may lose at most `max_loss` of it; a trial is assumed at most `prior_gain` times faster than the
+        # start, or `explore_gain` times the best found; a measurement holds when its interval is within
+        # `trust_spread`; a compile nobody has measured on this setup is assumed to take `compile_prior_s`.
+        self.run_pays = run_pays
+        self.max_share, self.max_loss = max_share, max_loss
+        self.prior_gain, self.explore_gain, self.trust_spread = prior_gain, explore_gain, trust_spread
+        self.compile_prior_s = compile_prior_s
+        self.startup_s = startup_s                 # how long this setup's trainer took to start (measured)
+        # the run can train on in a trial's own process (its settings are the user's); else applying means a restart
+        self.trial_process_continues = trial_process_continues
+        self.continue_free = True                  # the process running now can train on without a restart
+        self.pace_s: float | None = None           # seconds per step at the start's speed (before the baseline)
+        self.loss_allowance_s: float | None = None # what tuning may lose, decided before the first trial
+        self.decisions: list[Decision] = []        # the ledger's decisions, in order
+        self._planned = False                      # planned with the baseline's own measurement
+        self._stopped_exploring = False
+        self._dropped: set[str] = set()            # kinds of trial that can no longer pay
+        self._base_failed = False                  # the start itself failed (OOM, ...): anything that runs beats it
+        self._aborted = False                      # tuning was abandoned (the run ended or was interrupted)
+        self._best_cache: tuple[int, Any] | None = None
         self.max_trials = max_trials
         self.measure_kw = dict(min_steps=min_steps, rel_ci=rel_ci, max_steps=max_steps, max_seconds=max_seconds)
         self.prune_margin = prune_margin
@@ -243,6 +324,7 @@ class TuneController:
         self._final: Done | None = None
         self._prefix = ""                                       # "stopped by the user: " before the decision
         self._events: list[Event] = []
+        self._version = 0                        # bumped when a measurement is recorded (the best may change)
         self.running = self.base
         # the optimizer whose state the newest kept checkpoint holds: what a trial's switch converts from
         self.state_optimizer = self.cfg.toggles.optimizer
@@ -301,7 +383,18 @@ class TuneController:
                           trials_planned=self.trials_planned, study=self.study.name,
                           outcome=final.reason if final is not None else None,
                           applied=(self.applied is not None) if final is not None else None,
-                          measure=self.measure_progress())
+                          measure=self.measure_progress(), budget_s=round(self.budget.total_s, 1),
+                          best=self.best_event())
+
+    def best_event(self) -> TunerBest | None:
+        """The best so far as the views show it: the trial `_decide` and the report would name."""
+        st = self.best()
+        if st is None:
+            return None
+        c = st.cand
+        return TunerBest(number=c.number, toggles=dataclasses.asdict(c.toggles), tokens_per_s=round(c.tokens_per_s, 1),
+                         spread=round(c.spread, 1) if math.isfinite(c.spread) else None,
+                         speedup=round(st.speedup, 3), earlier=st.earlier and not st.remeasured)
 
     def measure_progress(self) -> MeasureProgress | None:
         """The running measurement: samples collected of those needed, the estimate and its spread."""
@@ -323,6 +416,13 @@ class TuneController:
             self._emit(self.tuner_event())
 
     # --- session inputs -----------------------------------------------------------------
+    def set_pace(self, step: int, step_s: float | None) -> None:
+        """Where the run is before tuning starts (the `t` key on a running trainer): its step and its seconds per
+        step, so the plan can be made before the baseline is measured."""
+        self.last_step = max(self.last_step, int(step))
+        if step_s is not None and math.isfinite(step_s) and step_s > 0:
+            self.pace_s = float(step_s)
+
     def set_max_micro_batch(self, n: int | None) -> None:
         """The largest micro-batch that fits with the starting toggles (None: could not be found)."""
         self.max_mb = int(n) if n else None
@@ -412,8 +512,14 @@ class TuneController:
                 return FindMicroBatch()
             self._set_phase("baseline")
         if self.phase == "baseline":
+            done = self._plan()
+            if done is not None:
+                return done
             return self._start("baseline", self.base, None)
         if self.phase == "trials":
+            done = self._plan()
+            if done is not None:
+                return done
             action = self._next_trial()
             if action is not None:
                 return action
@@ -426,10 +532,12 @@ class TuneController:
         return self._decide()
 
     def _start(self, kind: str, toggles: Toggles, proposal: Proposal | None, number: int | None = None,
-               source: str = "sampler") -> RunTrial | Remeasure:
+               source: str = "sampler", earlier: bool = False) -> RunTrial | Remeasure:
         measure = Measurement(**self.measure_kw)
         strict = self.space.numerics_changing(toggles)
         restart = toggles != self.running
+        if restart:          # a trial's process: training on in it needs a restart unless its settings are the user's
+            self.continue_free = self.trial_process_continues
         if proposal is not None:
             number = proposal.number
         note = capabilities.optimizer_switch(self.state_optimizer, toggles.optimizer) if restart else None
@@ -441,11 +549,12 @@ class TuneController:
             action = RunTrial(number, toggles, measure, baseline=kind == "baseline", restart=restart,
                               numerics_changing=strict, source=source, keep_steps=keep)
         self._active = _Active(kind, action, toggles, proposal, number, self.clock(), measure,
-                               LossGuard(self.trend, strict), strict, last_touch=self.clock(), note=note or "")
+                               LossGuard(self.trend, strict), strict, last_touch=self.clock(), note=note or "",
+                               earlier=earlier)
         if number is not None:   # views key trials by number; an unnumbered baseline gets one row, at its end
             self._emit(TrialEvent(number=number, toggles=dataclasses.asdict(toggles), status="running",
                                   tokens_per_s=None, spread=None, peak_mem=None, reason="", kind=kind,
-                                  source=source if kind == "trial" else kind))
+                                  source=source if kind == "trial" else kind, earlier=earlier))
         self._emit(self.tuner_event())
         return action
 
@@ -476,11 +585,20 @@ class TuneController:
         return self.space.clamp(t)
 
     def _trial_estimate(self) -> float:
+        """How long a trial takes, restart and measurement: this run's trials so far, else the baseline's
+        measuring time plus a restart."""
         durations = [r["duration_s"] for r in self.results if r["kind"] != "baseline" and r.get("ran", True)]
         if durations:
             return float(median(durations))
-        base = self.baseline["duration_s"] if self.baseline else self.measure_kw["max_seconds"] / 2
-        return base + self.default_restart_s
+        step_s = self._step_s()
+        if self.baseline:
+            measuring = self.baseline["duration_s"]
+        elif step_s is not None:         # the fewest steps a measurement takes: the skip, two settling windows, a sample
+            m = Measurement(**self.measure_kw)
+            measuring = min(m.max_seconds, (m.skip + 2 * m.window + m.min_steps) * step_s)
+        else:
+            measuring = self.measure_kw["max_seconds"] / 2
+        return measuring + self._restart_s(self._cheapest())
 
     def _next_trial(self) -> RunTrial | None:
         if not self._warm_started:
@@ -497,9 +615,14 @@ class TuneController:
             if not self.budget.can_afford(est * (1 + self.reserve_trials) + self.switch_reserve_s):
                 self.stop_note = f"budget: {self.budget.left():.0f}s left, a trial takes about {est:.0f}s"
                 return None
-            p = self.study.ask()
+            if self.run_pays and self._gate(est) is not None:
+                return None
+            p = self.study.ask(accept=self._accept(est, cheap_first=True) if self.run_pays else None)
+            if p is None and self.run_pays:      # nothing cheap is left: what can still pay, however expensive
+                p = self.study.ask(accept=self._accept(est, cheap_first=False))
             if p is None:
-                self.stop_note = "every configuration in the space has been measured"
+                self.stop_note = ("every configuration in the space has been measured" if not self._dropped else
+                                  "no configuration left to try can pay for itself in this run")
                 return None
             why = self._predicted_oom(p.toggles)
             if why:
@@ -547,23 +670,57 @@ class TuneController:
 
     def _next_remeasure(self) -> Remeasure | None:
         if self._remeasure_plan is None:
-            top = top_candidates(self.study, self.remeasure_top) if self.remeasure_top > 0 else []
-            plan = [c for c in top if c.toggles != self.base]
-            fresh = len(top) >= 2 and top[0].run == self.study.run_id and clearly_better(top[0], top[1])
-            if len(top) < 2 and top and top[0].run == self.study.run_id:
-                fresh = True
-            self._remeasure_plan = [] if fresh else sorted(plan, key=lambda c: c.tokens_per_s)
+            self._remeasure_plan = self._plan_remeasures()
         while self._remeasure_plan:
-            c = self._remeasure_plan.pop(0)
-            if not self.budget.can_afford(self._trial_estimate() + self.switch_reserve_s):
+            st = self._remeasure_plan.pop(0)
+            base = self._base_estimate()
+            if not st.start and st.anchor == "this run" and (base is None or not self._holds(*base)):
+                continue                 # compared with a start that does not hold, a re-measurement proves nothing
+            est = self._trial_estimate()
+            if not self.budget.can_afford(est + self.switch_reserve_s):
                 self._remeasure_plan = []
                 break
-            return self._start("remeasure", c.toggles, None, number=c.number)  # type: ignore[return-value]
+            step_s = self._step_s()
+            if self.run_pays and step_s is not None:
+                # worth what the speed-up it may confirm saves (the start's own: what the best it makes claimable saves)
+                gain = max([st.speedup] + [o.speedup for o in self._remeasure_plan])
+                d = trial_pays(self._trial_cost(st.cand.toggles), est, self._remaining(), step_s, gain,
+                               self._loss_left(), what=f"re-measuring {st.label}", step=self.last_step,
+                               loss_note=self._loss_note())
+                if not d.apply:
+                    self._record(dataclasses.replace(d, reason=f"not re-measuring {st.label}: {d.reason}"),
+                                 say=True)
+                    continue
+            return self._start("remeasure", st.cand.toggles, None, number=st.cand.number,  # type: ignore[return-value]
+                               earlier=st.earlier)
         return None
 
+    def _plan_remeasures(self) -> list[Standing]:
+        """What to measure again before deciding, best last (it is then what runs when the decision comes):
+        the start when its own measurement does not hold; among the top `remeasure_top`, one that does not hold
+        (too noisy, or an earlier run's without a baseline of its own run to compare with), one of an earlier
+        run (a same-run comparison beats a comparison across runs), and, unless the best is clearly ahead or
+        time is short (exploring stopped), the rest (the maximum of noisy estimates is biased up)."""
+        if self.remeasure_top <= 0:
+            return []
+        top = [st for st in self._standings() if st.speedup > 1.0][:self.remeasure_top]
+        fresh = bool(top) and top[0].anchor == "this run" and top[0].holds and (
+            len(top) < 2 or top[0].lo > top[1].hi)
+        wanted = [st for st in top if not st.holds or (st.earlier and not st.remeasured)
+                  or not (fresh or self._stopped_exploring)]
+        if self._stopped_exploring:
+            wanted = wanted[:1] if wanted and top and wanted[0] is top[0] else []
+        plan = sorted(wanted, key=lambda st: st.speedup)
+        base = self._base_standing()
+        if base is not None and plan:
+            plan.insert(0, base)
+        return plan
+
     def _best_this_run(self) -> float | None:
+        """The fastest measurement of this run that holds: the pruning reference."""
         vals = [r["tokens_per_s"] for r in self.results
-                if r["status"] in ("ok", "cut") and r.get("tokens_per_s") is not None]
+                if r["status"] in ("ok", "cut") and r.get("tokens_per_s") and r.get("spread") is not None
+                and r["spread"] <= self.trust_spread * r["tokens_per_s"]]
         return max(vals) if vals else None
 
     # --- finishing a trial ------------------------------------------------------------
@@ -578,6 +735,7 @@ class TuneController:
         if outcome != "ok" and outcome not in FAILURES:
             raise ValueError(f"outcome {outcome!r} is not ok or one of {', '.join(FAILURES)}")
         self._active = None
+        self._version += 1
         if a.kind == "baseline":
             self.phase = "trials"
         duration = self.clock() - a.start
@@ -585,7 +743,9 @@ class TuneController:
         summary = m.summary(energy=self.energy)
         if a.oom_mem is not None:    # what ran out of memory had reached at least this: the trial's peak
             summary["peak_mem"] = max(summary.get("peak_mem") or 0, a.oom_mem)
-        overhead = self._overhead(a)
+        overhead = self._overhead(a) if a.action.restart else None     # a restart's cost: only where there was one
+        if overhead is None and a.stop == "timeout" and a.action.restart:
+            overhead = round(duration, 3)        # still warming up (compiling) when cut: all of it was overhead
         extra = {"duration_s": round(duration, 3), "overhead_s": overhead, "kind_of_run": a.kind}
         if outcome == "ok" and a.failure:
             outcome, reason = a.failure[0], reason or a.failure[1]
@@ -599,12 +759,13 @@ class TuneController:
                 self.study.record_remeasure(a.number, summary, status="infeasible", reason=f"{outcome}: {reason}")
             else:
                 self.baseline = None
+                self._base_failed = True
                 self.stop_note = f"the starting configuration failed: {reason}"
                 if outcome == "oom":
                     self._widen_for_memory(f"the starting configuration ran out of memory ({reason})")
             return self._finish_event(a.number, a.kind, a.toggles, "infeasible", summary, f"{outcome}: {reason}",
                                       duration, failure=outcome, overhead_s=overhead, source=_source(a),
-                                      rollback=rollback)
+                                      rollback=rollback, earlier=a.earlier)
         if rollback is not None:                          # measured, then rolled back (keep_steps False)
             self.running = None
             self.rolled_back_s += duration
@@ -646,7 +807,7 @@ class TuneController:
         elif a.kind == "remeasure":
             ok = status in ("ok", "cut")
             self.study.record_remeasure(a.number, summary, status="ok" if ok else "pruned", reason=reason)
-            pooled = next((c for c in self.study.candidates() if c.number == a.number), None)
+            pooled = next((c for c in self.study.candidates(run=self.study.run_id) if c.number == a.number), None)
             if pooled is not None:   # the event updates the trial's row: show the pooled estimate
                 summary = {**summary, "tokens_per_s": pooled.tokens_per_s, "spread": pooled.spread,
                            "remeasure_tokens_per_s": est, "remeasure_spread": spread}
@@ -656,14 +817,12 @@ class TuneController:
                 self.baseline_number = self.study.record(a.toggles, summary, "baseline", status, reason,
                                                          {**extra, "overhead_s": None})
                 a.number = self.baseline_number
-                self.study.set_attr("baseline", {"run": self.study.run_id, "tokens_per_s": est, "spread": spread,
-                                                 "energy_per_token": summary.get("energy_per_token"),
-                                                 "toggles": dataclasses.asdict(a.toggles)})
+                self.study.record_baseline(a.toggles, summary, status)
             else:
                 self.baseline = None
                 self.stop_note = "the starting configuration gave no steady measurement"
         return self._finish_event(a.number, a.kind, a.toggles, status, summary, reason, duration,
-                                  overhead_s=overhead, source=_source(a), rollback=rollback)
+                                  overhead_s=overhead, source=_source(a), rollback=rollback, earlier=a.earlier)
 
     def _widen_for_memory(self, reason: str) -> None:
         """Memory is the constraint after all: the trials to come search the space widened to the memory-saving
@@ -684,6 +843,8 @@ class TuneController:
         if a is not None and a.proposal is not None:
             self.study.tell_failed(a.proposal, reason)
         self._final = Done(reason, self.running or self.base, restart=False)
+        self._aborted = True
+        self.budget.stop()
         self._set_phase("done")
 
     def stop_early(self, reason: str = "stopped by the user", rolled_back: bool = False) -> Apply | Done:
@@ -695,6 +856,7 @@ class TuneController:
             return self._final
         a = self._active
         self._active = None
+        self._version += 1
         if a is not None:
             if a.proposal is not None:
                 self.study.tell_failed(a.proposal, reason)
@@ -715,14 +877,15 @@ class TuneController:
     def _finish_event(self, number: int | None, kind: str, toggles: Toggles, status: str,
                       summary: dict[str, Any] | None, reason: str, duration: float, *, ran: bool = True,
                       failure: str | None = None, overhead_s: float | None = None,
-                      source: str | None = None, rollback: dict[str, Any] | None = None) -> TrialEvent:
+                      source: str | None = None, rollback: dict[str, Any] | None = None,
+                      earlier: bool = False) -> TrialEvent:
         s = summary or {}
         ev = TrialEvent(number=number, toggles=dataclasses.asdict(toggles), status=status,
                         tokens_per_s=s.get("tokens_per_s"), spread=s.get("spread"), peak_mem=s.get("peak_mem"),
                         energy_per_token=s.get("energy_per_token"), reason=reason, kind=kind,
                         source=source or (kind if kind != "trial" else None), duration_s=round(duration, 3),
                         remeasure_tokens_per_s=s.get("remeasure_tokens_per_s"),
-                        remeasure_spread=s.get("remeasure_spread"), rollback=rollback)
+                        remeasure_spread=s.get("remeasure_spread"), rollback=rollback, earlier=earlier)
         fields = {f.name: getattr(ev, f.name) for f in dataclasses.fields(ev) if f.name != "extra"}
         self.results.append({**fields, "duration_s": duration, "ran": ran, "failure": failure,
                              "overhead_s": overhead_s, "summary": s})
@@ -740,84 +903,372 @@ class TuneController:
         step_s = m.step_ms / 1000.0
         return round(max(0.0, (a.arrivals[idx] - a.start) - steps_before * step_s), 3)
 
-    # --- deciding -------------------------------------------------------------------
-    def _restart_cost(self, toggles: Toggles, cand: Candidate | None) -> float:
-        if toggles == self.running:
-            return 0.0
-        overheads = [r["overhead_s"] for r in self.results
-                     if r["overhead_s"] is not None and Toggles(**r["toggles"]) == toggles]
-        if not overheads and cand is not None and cand.overhead_s is not None:
-            overheads = [cand.overhead_s]
-        if not overheads:
-            overheads = [r["overhead_s"] for r in self.results
-                         if r["overhead_s"] is not None and r["kind"] != "baseline"
-                         and r["toggles"]["compile"] == toggles.compile]
-        restart = median(overheads) if overheads else self.default_restart_s
-        return restart + self.checkpoint_s
+    # --- costs ---------------------------------------------------------------------
+    def _remaining(self) -> int:
+        return max(0, self.cfg.optim.max_steps - self.last_step)
 
+    def _step_s(self) -> float | None:
+        """Seconds per step at the start's speed: this run's baseline, else the pace the session reported."""
+        base = self._base_estimate()
+        if base is not None and base[0] > 0:
+            return self.tokens_per_step / base[0]
+        return self.pace_s
+
+    def _cheapest(self) -> Toggles:
+        """A trial of the cheapest kind: a plain restart, no compile."""
+        return dataclasses.replace(self.base, compile="off")
+
+    @staticmethod
+    def _kind(t: Toggles) -> str:
+        """The kind of trial, as its cost goes: a compile mode compiles at every restart; the rest restart."""
+        return f"compile={t.compile}" if t.compile != "off" else "restart"
+
+    def _overheads(self, match: Callable[[Toggles], bool]) -> list[float]:
+        """Restart overheads measured on this setup for toggles that `match`: this run's trials and
+        re-measurements first, else every run's trials in the study."""
+        mine = [r["overhead_s"] for r in self.results if r["kind"] != "baseline" and r["overhead_s"] is not None
+                and match(Toggles(**r["toggles"]))]
+        if mine:
+            return mine
+        return [float(t.user_attrs["overhead_s"]) for t in self.study.trials()
+                if isinstance(t.user_attrs.get("overhead_s"), (int, float))
+                and t.user_attrs.get("kind_of_run", "trial") != "baseline" and match(self.study.toggles_of(t))]
+
+    def _restart_s(self, t: Toggles) -> float:
+        """What a restart into `t` costs beyond its steps' own time (checkpoint, process start, build, warm-up,
+        compile): as measured on this setup for the same toggles, else the same compile mode and micro-batch,
+        else the same compile mode; else this setup's measured process start (or `default_restart_s`) and, for
+        a compile, `compile_prior_s`."""
+        for match in (lambda o: o == t,
+                      lambda o: o.compile == t.compile and (t.compile == "off" or o.micro_batch == t.micro_batch),
+                      lambda o: o.compile == t.compile):
+            xs = self._overheads(match)
+            if xs:
+                return float(median(xs))
+        start = self.startup_s if self.startup_s is not None else self.default_restart_s
+        return start + self.checkpoint_s + (self.compile_prior_s if t.compile != "off" else 0.0)
+
+    def _switch_s(self, t: Toggles) -> float:
+        """What training on with `t` after tuning costs: nothing when the process running now runs it and may
+        go on, else a restart."""
+        return 0.0 if t == self.running and self.continue_free else self._restart_s(t)
+
+    def _trial_cost(self, t: Toggles) -> float:
+        """What a trial of `t` costs the run if it finds nothing: its restart, and the switch back when it
+        displaces a process that could have trained on (the start's own, or the best's)."""
+        cost = self._restart_s(t)
+        best, switch, _ = self._judge()
+        target = best.cand.toggles if best is not None and switch is not None and switch.apply else self.base
+        if self.running == target and self.continue_free:
+            cost += self._restart_s(target)
+        return cost
+
+    def _cost_so_far(self) -> float | None:
+        """The tuning's own cost so far: its time beyond what the steps it kept take at the start's speed."""
+        base = self._base_estimate()
+        if base is None or not base[0] > 0:
+            return None
+        return max(0.0, self.budget.elapsed() - self.kept_tokens / base[0])
+
+    def gain_bound(self) -> float:
+        """The most a trial may be assumed to gain over the start: `prior_gain`, or `explore_gain` beyond the best
+        speed-up that holds (this run's, or an earlier run's against its own baseline)."""
+        best = self.best()
+        seen = best.speedup if best is not None and best.holds and math.isfinite(best.speedup) else 1.0
+        return max(self.prior_gain, seen * self.explore_gain)
+
+    def _loss_left(self) -> float:
+        """What tuning may still lose: its allowance, plus what switching to the best would save now, minus
+        what it has cost so far."""
+        if self.loss_allowance_s is None:
+            return math.inf
+        _, switch, _ = self._judge()
+        secured = max(0.0, switch.expected_saving_s - switch.cost_s) if switch is not None and switch.apply else 0.0
+        return self.loss_allowance_s + secured - (self._cost_so_far() or 0.0)
+
+    def _loss_note(self) -> str:
+        return (f" ({self.max_loss:.0%} of the rest of the run at the start, plus what the best found saves, "
+                "minus what tuning has cost)")
+
+    def _record(self, d: Decision, say: bool = False) -> None:
+        """A decision into the ledger (and, `say`, a line in the stream)."""
+        self.decisions.append(dataclasses.replace(d, step=self.last_step if d.step is None else d.step))
+        if say:
+            self._emit(LogEvent(message=f"tuner: {d.reason}", source="tuner"))
+
+    # --- paying for itself ------------------------------------------------------------
+    def _plan(self) -> Done | None:
+        """Before the first trial: the budget the run affords (at most `max_share` of the time it has left), what
+        tuning may lose (`max_loss` of it) and whether any trial can pay. Made on the pace the session reported
+        (the `t` key), and again on the baseline's own measurement; None to go on, or the Done that ends tuning."""
+        if not self.run_pays or self._planned:
+            return None
+        step_s = self._step_s()
+        if step_s is None:
+            return None
+        measured = self._base_estimate() is not None
+        if not measured and self.decisions:         # planned on the reported pace already; wait for the baseline
+            return None
+        self._planned = measured
+        remaining = self._remaining()
+        left_s = remaining * step_s
+        self.loss_allowance_s = self.max_loss * left_s
+        limited = self.budget.limit(self.max_share * left_s)
+        d = trial_pays(self._trial_cost(self._cheapest()), self._trial_estimate(), remaining, step_s,
+                       self.gain_bound(), self._loss_left(), what="a trial", choice=Choice.PLAN,
+                       step=self.last_step, loss_note=f" ({self.max_loss:.0%} of the rest of the run)")
+        if not d.apply:
+            d = dataclasses.replace(d, reason=f"tuning cannot pay: {d.reason}")
+            self._record(d)
+            self.stop_note = d.reason
+            return self._done(d.reason, self.base)
+        if limited and measured:
+            self._emit(LogEvent(message=f"tuner: budget {format_duration(self.budget.total_s)}: at most "
+                                        f"{self.max_share:.0%} of the {format_duration(left_s)} the run has left "
+                                        f"(asked for {format_duration(self.budget.requested_s)})", source="tuner"))
+        self._record(dataclasses.replace(d, reason=f"tuning can pay: {d.reason}"), say=measured)
+        return None
+
+    def _gate(self, est: float) -> Decision | None:
+        """Before a trial: None to go on; else why not (recorded): no trial can pay any more, or exploring is
+        worth less than applying the best now."""
+        step_s = self._step_s()
+        if step_s is None:
+            return None
+        remaining = self._remaining()
+        cheap = self._trial_cost(self._cheapest())
+        d = trial_pays(cheap, est, remaining, step_s, self.gain_bound(), self._loss_left(), what="a trial",
+                       step=self.last_step, loss_note=self._loss_note())
+        if not d.apply:
+            d = dataclasses.replace(d, reason=f"no trial can pay any more: {d.reason}")
+            self._record(d, say=True)
+            self.stop_note = d.reason
+            return d
+        best, switch, _ = self._judge()
+        if best is not None and switch is not None and switch.apply:
+            e = keep_exploring(best.speedup, self.gain_bound(), cheap, est, remaining, step_s, switch,
+                               best.cand.number, self.last_step)
+            if not e.apply:
+                self._record(e, say=True)
+                self.stop_note = e.reason
+                self._stopped_exploring = True
+                return e
+        return None
+
+    def _accept(self, est: float, cheap_first: bool) -> Callable[[Toggles], str | None]:
+        """The study's `accept` for this trial: None to run a proposal, or why not. A kind of trial (a compile
+        mode) that cannot pay is dropped for the run (said once); with `cheap_first`, when the most it could save
+        is under `CHEAP_FIRST` times its cost, it waits while cheaper configurations are left."""
+        step_s = self._step_s()
+        remaining = self._remaining()
+        cheap = self._trial_cost(self._cheapest())
+        bound, loss_left = self.gain_bound(), self._loss_left()
+
+        def accept(t: Toggles) -> str | None:
+            kind = self._kind(t)
+            if kind in self._dropped:
+                return f"{kind} trials cannot pay for themselves any more in this run"
+            if step_s is None:
+                return None
+            cost = self._trial_cost(t)
+            trial_s = est + max(0.0, cost - cheap)
+            d = trial_pays(cost, trial_s, remaining, step_s, bound, loss_left, what=f"a {kind} trial",
+                           step=self.last_step, loss_note=self._loss_note())
+            if not d.apply:
+                self._dropped.add(kind)
+                self._record(dataclasses.replace(d, reason=f"{kind} trials cannot pay any more: {d.reason}"),
+                             say=True)
+                return d.reason
+            if cheap_first and cost > 1.5 * cheap and d.expected_saving_s < CHEAP_FIRST * cost:
+                return f"cheaper trials first while little time is left: a {kind} trial costs ~{cost:.0f} s"
+            return None
+
+        return accept
+
+    # --- standings ------------------------------------------------------------------
+    def _base_number(self) -> int | None:
+        """The start's trial in the study (this run's baseline, or an earlier run's trial of the same toggles)."""
+        if self.baseline_number is not None:
+            return self.baseline_number
+        return next((c.number for c in self.study.candidates() if c.toggles == self.base), None)
+
+    def _base_estimate(self) -> tuple[float, float, float] | None:
+        """This run's measurement of the start (tokens/s, lo, hi): its baseline pooled with this run's
+        re-measurements of it; None before it was measured (or when it failed)."""
+        if self.baseline is None:
+            return None
+        samples = list(self.baseline.get("samples") or [])
+        number = self._base_number()
+        if number is not None:
+            for r in self.study.get_attr(f"remeasure:{number}", []):
+                if r.get("run") == self.study.run_id and r.get("status") == "ok":
+                    samples += list(r.get("samples") or [])
+        if samples:
+            return median_ci(samples)
+        tps, sp = self.baseline.get("tokens_per_s"), self.baseline.get("spread") or 0.0
+        return (tps, tps - sp, tps + sp) if tps else None
+
+    def _holds(self, est: float, lo: float, hi: float) -> bool:
+        return est > 0 and math.isfinite(lo) and math.isfinite(hi) and (hi - lo) / 2 <= self.trust_spread * est
+
+    def _base_standing(self) -> Standing | None:
+        """The start as something to re-measure: only when its own measurement does not hold and it has a trial."""
+        base, number = self._base_estimate(), self._base_number()
+        if base is None or number is None or self._holds(*base):
+            return None
+        c = Candidate(number, self.base, base[0], (base[2] - base[1]) / 2, base[1], base[2], 0, run=self.study.run_id)
+        return Standing(c, 1.0, 1.0, 1.0, False, False, "this run", False, start=True)
+
+    def _standings(self) -> list[Standing]:
+        """Every measured configuration but the start, fastest first, with its speed-up (see `Standing`)."""
+        if self._best_cache is not None and self._best_cache[0] == self._version:
+            return self._best_cache[1]
+        run = self.study.run_id
+        out: dict[int, Standing] = {}
+        base = self._base_estimate()
+        if base is not None and base[0] > 0:
+            base_holds = self._holds(*base)
+            for c in self.study.candidates(run=run):
+                if c.toggles == self.base:
+                    continue
+                earlier = c.run != run
+                out[c.number] = Standing(c, c.tokens_per_s / base[0], c.lo / base[0], c.hi / base[0], earlier,
+                                         earlier, "this run", base_holds and self._holds(c.tokens_per_s, c.lo, c.hi),
+                                         floor=c.lo / base[2])
+        mine = dataclasses.asdict(self.base)
+        for other, b in self.study.baselines().items():
+            tps, sp = b.get("tokens_per_s"), b.get("spread")
+            if other == run or b.get("toggles") != mine or not tps or sp is None or not self._holds(tps, tps - sp,
+                                                                                                    tps + sp):
+                continue
+            for c in self.study.candidates(run=other):
+                if c.number in out or c.toggles == self.base:
+                    continue
+                out[c.number] = Standing(c, c.tokens_per_s / tps, c.lo / tps, c.hi / tps, True, False, "its run",
+                                         self._holds(c.tokens_per_s, c.lo, c.hi), floor=c.lo / (tps + sp))
+        if base is not None and base[0] > 0:        # earlier runs' trials without a baseline to compare with
+            for c in self.study.candidates():
+                if c.number not in out and c.toggles != self.base and c.run != run:
+                    out[c.number] = Standing(c, c.tokens_per_s / base[0], c.lo / base[0], c.hi / base[0], True,
+                                             False, None, False)
+        ranked = sorted(out.values(), key=lambda st: st.speedup, reverse=True)
+        self._best_cache = (self._version, ranked)
+        return ranked
+
+    def best(self) -> Standing | None:
+        """The best so far: the fastest configuration whose comparison with the start holds; when the start
+        failed (nothing to compare with), the fastest of this run's steady measurements."""
+        st = next((st for st in self._standings() if st.holds), None)
+        if st is not None or not self._base_failed:
+            return st
+        cands = [c for c in self.study.candidates(run=self.study.run_id) if self._holds(c.tokens_per_s, c.lo, c.hi)]
+        if not cands:
+            return None
+        return Standing(cands[0], math.inf, math.inf, math.inf, False, False, None, True)
+
+    def _judge(self) -> tuple[Standing | None, Decision | None, str]:
+        """The best and whether switching to it now pays: (best, the switch decision, why there is none)."""
+        best = self.best()
+        remaining = self._remaining()
+        base = self._base_estimate()
+        if best is not None and not math.isfinite(best.speedup):       # the start failed: anything that runs wins
+            c = best.cand
+            saving = remaining * self.tokens_per_step / c.tokens_per_s if c.tokens_per_s > 0 else 0.0
+            return best, Decision(True, saving, self._switch_s(c.toggles), "the starting configuration has no "
+                                  "measurement (it failed)", remaining_steps=remaining), ""
+        if base is None:
+            return None, None, "no measurement of the starting configuration to compare with"
+        if best is None:
+            if not self._standings():
+                return None, None, f"no other feasible configuration was measured ({self.stop_note or 'no trials'})"
+            if not self._holds(*base):
+                return None, None, (f"the start's own measurement does not hold ({base[0]:.0f} tokens/s, "
+                                    f"±{(base[2] - base[1]) / 2 / base[0]:.0%}, wider than ±{self.trust_spread:.0%}):"
+                                    " no speed-up can be claimed against it")
+            return None, None, (f"no configuration was measured steadily enough to compare (within "
+                                f"±{self.trust_spread:.0%})")
+        c = best.cand
+        if best.speedup <= 1.0:
+            return best, None, "the starting configuration is the fastest measured"
+        if not significantly_faster(best.floor, 1.0):     # its CI's lower end over the start's upper end
+            return best, None, (f"the best ({best.label}, {best.speedup:.2f}x) is not significantly faster than the "
+                                f"start: its interval's lower end over the start's upper end is {best.floor:.2f}x")
+        d = switch_pays(base[0], base[0] * best.speedup, remaining, self.tokens_per_step, self._switch_s(c.toggles),
+                        fallback_cost_s=self._switch_s(self.base))
+        return best, d, "" if d.apply else d.reason
+
+    # --- deciding -------------------------------------------------------------------
     def _decide(self, prefix: str = "") -> Apply | Done:
         self._prefix = prefix
         self._set_phase("decide")
         base = self.base
-        cands = self.study.candidates()
-        if not cands:
-            return self._done(f"no feasible configuration was measured ({self.stop_note or 'no trials'})", base)
-        best = cands[0]
-        base_c = next((c for c in cands if c.toggles == base), None)
-        base_tps = self.baseline["tokens_per_s"] if self.baseline else (base_c.tokens_per_s if base_c else None)
-        if best.toggles == base:
-            return self._done("the starting configuration is the fastest measured", base)
-        remaining = max(0, self.cfg.optim.max_steps - self.last_step)
-        cost = max(0.0, self._restart_cost(best.toggles, best) - self._restart_cost(base, base_c))
-        if base_tps is None:
-            saving = remaining * self.tokens_per_step / best.tokens_per_s if best.tokens_per_s > 0 else 0.0
-            decision = Decision(True, saving, cost, "the starting configuration has no measurement (it failed)")
-        elif not significantly_faster(best.lo, base_tps):
-            return self._done(f"the best ({best.tokens_per_s:.0f} tokens/s, CI from {best.lo:.0f}) is not "
-                              f"significantly faster than the start ({base_tps:.0f})", base)
-        else:
-            decision = switch_pays(base_tps, best.tokens_per_s, remaining, self.tokens_per_step, cost)
+        best, decision, why = self._judge()
+        if decision is None:
+            return self._done(why, base)
+        decision = dataclasses.replace(decision, step=self.last_step)
         self.decision = decision
+        self._record(decision)
         if not decision.apply:
             return self._done(decision.reason, base)
-        self.applied = best.toggles
-        restart = best.toggles != self.running
-        self._emit(ApplyEvent(toggles=dataclasses.asdict(best.toggles), decision=decision.to_dict(),
-                              number=best.number, tokens_per_s=best.tokens_per_s, baseline_tokens_per_s=base_tps,
-                              step=self.last_step))
-        self._final = Done(f"{prefix}applied trial {best.number}: {decision.reason}", best.toggles, restart=False)
+        assert best is not None
+        c = best.cand
+        base_est = self._base_estimate()
+        self.applied = c.toggles
+        restart = c.toggles != self.running
+        best_tps = base_est[0] * best.speedup if base_est is not None and math.isfinite(best.speedup) else c.tokens_per_s
+        self._emit(ApplyEvent(toggles=dataclasses.asdict(c.toggles), decision=decision.to_dict(), number=c.number,
+                              tokens_per_s=best_tps, baseline_tokens_per_s=base_est[0] if base_est else None,
+                              step=self.last_step, earlier=best.earlier))
+        self._final = Done(f"{prefix}applied {best.label}: {decision.reason}", c.toggles, restart=False)
+        self.budget.stop()
         self.phase = "done"
         self._emit(self.tuner_event())
-        return Apply(best.toggles, decision, restart, number=best.number)
+        return Apply(c.toggles, decision, restart, number=c.number, label=best.label)
 
     def _done(self, reason: str, toggles: Toggles) -> Done:
         reason = self._prefix + reason
         self._final = Done(reason, toggles, restart=toggles != self.running)
+        self.budget.stop()
         self._set_phase("done")
         return self._final
 
     # --- report ------------------------------------------------------------------------
     def report_info(self) -> dict[str, Any]:
-        """What `tuner.report.write_report` needs besides the study: this run's baseline, decision, ledger."""
-        cands = self.study.candidates()
-        best = cands[0] if cands else None
-        base_tps = self.baseline["tokens_per_s"] if self.baseline else None
+        """What `tuner.report.write_report` needs besides the study: this run's baseline, best, decision, ledger.
+
+        The ledger weighs the whole tuning against not tuning: `cost_s` is its time beyond what the steps it
+        kept take at the start's speed (slow, rolled-back and restarting trials all count), `switch_s` the
+        switch that follows it (to the applied setting, or back to the start), `saving_s` what the applied
+        setting saves over the remaining steps, and `net_s` = saving - cost - switch; `decisions` are the
+        plan, the kinds of trial dropped, the stop of exploring and the switch, with their figures."""
+        best = self.best()
+        c = best.cand if best is not None else None
+        base = self._base_estimate()
         tuning_s = self.budget.elapsed()
-        remaining = max(0, self.cfg.optim.max_steps - self.last_step)
-        at_base_s = self.kept_tokens / base_tps if base_tps else None
-        saved = None
-        if self.decision is not None and self.decision.apply:
-            saved = self.decision.expected_saving_s - self.decision.cost_s
+        remaining = self._remaining()
+        cost = self._cost_so_far()
+        applied = self.decision is not None and self.decision.apply and self.applied is not None
+        saving = self.decision.expected_saving_s if applied and self.decision is not None else 0.0
+        final = self._final
+        if applied and self.decision is not None:
+            switch = self.decision.cost_s
+        elif final is None or self._aborted or not self.run_pays or remaining == 0:
+            switch = 0.0                 # the run ended or stopped while tuning, or --tune-only stops it: no switch
+        else:
+            switch = self._switch_s(final.toggles)
         return {
             "run": self.study.run_id, "study": self.study.name, "key": self.study.key,
             "device": self.dev.to_dict(), "base": dataclasses.asdict(self.base),
-            "baseline": {k: self.baseline.get(k) for k in ("tokens_per_s", "spread", "peak_mem", "energy_per_token",
-                                                            "n", "steps")} if self.baseline else None,
+            "baseline": {**{k: self.baseline.get(k) for k in ("tokens_per_s", "spread", "peak_mem", "energy_per_token",
+                                                               "n", "steps")},
+                         "holds": self._holds(*base) if base is not None else False} if self.baseline else None,
             "baseline_number": self.baseline_number,
-            "best": dataclasses.asdict(best.toggles) if best else None,
-            "best_number": best.number if best else None,
-            "best_tokens_per_s": best.tokens_per_s if best else None,
-            "best_spread": best.spread if best else None,
+            "best": dataclasses.asdict(c.toggles) if c else None,
+            "best_number": c.number if c else None,
+            "best_tokens_per_s": c.tokens_per_s if c else None,
+            "best_spread": c.spread if c else None,
+            "best_speedup": best.speedup if best is not None and math.isfinite(best.speedup) else None,
+            "best_label": best.label if best is not None else None,
             "applied": dataclasses.asdict(self.applied) if self.applied else None,
             "decision": self.decision.to_dict() if self.decision else None,
             "outcome": self._final.reason if self._final else self.stop_note,
@@ -827,12 +1278,16 @@ class TuneController:
                        if self.space.memory else None),
             "results": [{k: v for k, v in r.items() if k not in ("summary",)} for r in self.results],
             "ledger": {
-                "budget_s": self.budget.total_s, "tuning_s": tuning_s, "trials_run": self.trials_run,
-                "screened": self.screened, "kept_tokens": self.kept_tokens,
-                "rolled_back_s": self.rolled_back_s,
-                "cost_s": (tuning_s - at_base_s) if at_base_s is not None else None,
-                "remaining_steps": remaining, "tokens_per_step": self.tokens_per_step,
-                "projected_saving_s": saved,
+                "budget_s": self.budget.total_s, "requested_budget_s": self.budget.requested_s,
+                "tuning_s": tuning_s, "trials_run": self.trials_run,
+                "screened": self.screened, "skipped": self.study.skipped(self.study.run_id),
+                "kept_tokens": self.kept_tokens, "rolled_back_s": self.rolled_back_s,
+                "cost_s": cost, "switch_s": switch, "saving_s": saving,
+                "net_s": saving - cost - switch if cost is not None else None,
+                "remaining_steps": remaining, "tokens_per_step": self.tokens_per_step, "step_s": self._step_s(),
+                "loss_allowance_s": self.loss_allowance_s,
+                "projected_saving_s": saving - switch if applied else None,
+                "decisions": [d.to_dict() for d in self.decisions],
             },
         }
 

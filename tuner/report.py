@@ -2,10 +2,14 @@
 
 The table lists every trial of the study (this run's and earlier runs' of the
 same setup, marked), each as its changes against the starting configuration,
-so a reader sees what was tried and why it won or lost. The ledger weighs
-what tuning cost (wall time minus the time the kept steps would have taken at
-the starting speed, so slow and rolled-back trials count, useful steps do
-not) against the projected saving over the rest of the run.
+so a reader sees what was tried and why it won or lost; proposals skipped
+because they could not pay in this run, repeats and withdrawn ones are only
+counted. The ledger weighs what tuning cost (wall time minus the time the
+kept steps would have taken at the starting speed, so slow, restarting and
+rolled-back trials count, useful steps do not) and the switch that follows
+it against the projected saving over the rest of the run: its net is what
+the run gains or loses against not tuning. It lists the decisions that
+shaped the tuning with their figures (`TuneController.report_info`).
 
 `best.toml` holds only a `[toggles]` table: `gptop train --config best.toml`
 (or `python -m trainer --config best.toml`) reproduces the best setting with
@@ -72,10 +76,13 @@ def _fmt_jpt(v: Any) -> str:
 
 
 def trial_rows(study: TuneStudy, run_id: str | None, base: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
-    """One row per distinct trial (duplicates and withdrawn proposals are only counted)."""
+    """One row per distinct trial (duplicates and withdrawn proposals are only counted; skipped ones are
+    counted by `TuneStudy.skipped`)."""
     rows, hidden = [], 0
     for t in study.trials():
         ua = t.user_attrs
+        if t.state == TrialState.FAIL and ua.get("status") == "skipped":
+            continue
         if "duplicate_of" in ua or t.state in (TrialState.WAITING, TrialState.FAIL) and ua.get("status") == "withdrawn":
             hidden += 1
             continue
@@ -104,15 +111,14 @@ def build_report(study: TuneStudy, info: dict[str, Any]) -> dict[str, Any]:
     """The report as data (what tuning.json holds) from the study and `TuneController.report_info()`."""
     base = info["base"]
     rows, hidden = trial_rows(study, info.get("run"), base)
-    base_tps = (info.get("baseline") or {}).get("tokens_per_s")
-    best_tps = info.get("best_tokens_per_s")
-    speedup = best_tps / base_tps if base_tps and best_tps else None
+    speedup = info.get("best_speedup")
     return {
         "study": info.get("study", study.name), "storage": study.storage_url,
         "key": info.get("key", study.key), "run": info.get("run"),
         "device": info.get("device"), "base": base, "baseline": info.get("baseline"),
-        "best": info.get("best"), "best_number": info.get("best_number"), "best_tokens_per_s": best_tps,
-        "best_spread": info.get("best_spread"), "speedup": speedup, "applied": info.get("applied"),
+        "best": info.get("best"), "best_number": info.get("best_number"), "best_tokens_per_s": info.get("best_tokens_per_s"),
+        "best_spread": info.get("best_spread"), "speedup": speedup, "best_label": info.get("best_label"),
+        "applied": info.get("applied"),
         "decision": info.get("decision"), "outcome": info.get("outcome"), "ledger": info.get("ledger", {}),
         "trials": rows, "hidden_duplicates": hidden, "memory": info.get("memory"),
     }
@@ -135,9 +141,11 @@ def render_markdown(report: dict[str, Any]) -> str:
     energy = any(_fmt_jpt(r.get("energy_per_token")) != "-" for r in report["trials"])
     lines.append(f"- Starting configuration: {_fmt_tps(baseline.get('tokens_per_s'), baseline.get('spread'))} tokens/s"
                  + (f", {_fmt_jpt(baseline.get('energy_per_token'))}/token"
-                    if _fmt_jpt(baseline.get("energy_per_token")) != "-" else ""))
+                    if _fmt_jpt(baseline.get("energy_per_token")) != "-" else "")
+                 + (" (too noisy to compare a speed-up with)" if baseline and baseline.get("holds") is False else ""))
     if report.get("best"):
-        lines.append(f"- Best (trial {report.get('best_number')}): {toggles_diff(report['best'], base)} — "
+        lines.append(f"- Best ({report.get('best_label') or 'trial ' + str(report.get('best_number'))}): "
+                     f"{toggles_diff(report['best'], base)} — "
                      f"{_fmt_tps(report.get('best_tokens_per_s'), report.get('best_spread'))} tokens/s"
                      + (f", **{report['speedup']:.2f}x** the start" if report.get("speedup") else ""))
     lines.append(f"- Applied: {toggles_diff(report['applied'], base) if report.get('applied') else 'no'}")
@@ -153,19 +161,23 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines.append(f"- Decision: {dec['reason']} (saving {dec['expected_saving_s']:.0f}s, switch cost "
                      f"{dec['cost_s']:.0f}s)")
     lines += ["", "## Ledger", ""]
-    lines.append(f"- Tuning time: {format_duration(led.get('tuning_s', 0.0))} of a "
-                 f"{format_duration(led.get('budget_s', 0.0))} budget; {led.get('trials_run', 0)} trials run, "
-                 f"{led.get('screened', 0)} screened out without running")
-    cost = led.get("cost_s")
-    lines.append("- Cost of tuning (time beyond what the kept steps take at the starting speed): "
-                 + (format_duration(cost) if isinstance(cost, (int, float)) and cost > 0 else
-                    ("none" if isinstance(cost, (int, float)) else "-")))
+    budget = led.get("budget_s", 0.0) or 0.0
+    asked = led.get("requested_budget_s")
+    lines.append(f"- Tuning time: {format_duration(led.get('tuning_s', 0.0))} of a {format_duration(budget)} budget"
+                 + (f" (asked for {format_duration(asked)}; the rest of the run affords less)"
+                    if isinstance(asked, (int, float)) and asked > budget else "")
+                 + f"; {led.get('trials_run', 0)} trials run, {led.get('screened', 0)} screened out without running"
+                 + (f", {led['skipped']} proposals skipped (they could not pay in this run)" if led.get("skipped") else ""))
+    for line in ledger_lines(led):
+        lines.append(f"- {line}")
     lines.append(f"- Rolled back (failed trials): {format_duration(led.get('rolled_back_s', 0.0))}")
-    saved = led.get("projected_saving_s")
-    lines.append(f"- Projected saving over the remaining {led.get('remaining_steps', '?')} steps: "
-                 + (format_duration(saved) if isinstance(saved, (int, float)) else "none (not applied)"))
-    if isinstance(saved, (int, float)) and isinstance(cost, (int, float)):
-        lines.append(f"- Net: {'+' if saved - cost >= 0 else '-'}{format_duration(abs(saved - cost))}")
+    decisions = [d for d in led.get("decisions") or [] if isinstance(d, dict) and d.get("reason")]
+    if decisions:
+        lines += ["", "### Decisions", ""]
+        for d in decisions:
+            at = f"step {d['step']}: " if isinstance(d.get("step"), int) else ""
+            lines.append(f"- {at}{d['reason']} (saving {_secs(d.get('expected_saving_s'))}, cost "
+                         f"{_secs(d.get('cost_s'))})")
     lines += ["", "## Trials", "",
               "| # | run | source | changes vs start | tokens/s | peak mem |" + (" energy/token |" if energy else "")
               + " status | reason |",
@@ -191,14 +203,41 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _secs(v: Any) -> str:
+    return f"{v:.0f} s" if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else "-"
+
+
+def _signed(v: float) -> str:
+    return f"{'+' if v >= 0 else '-'}{format_duration(abs(v))}"
+
+
+def ledger_lines(led: dict[str, Any]) -> list[str]:
+    """The ledger's money lines: cost of tuning, the switch, the saving and the net against not tuning."""
+    num = (int, float)
+    cost, switch, saving, net = (led.get(k) for k in ("cost_s", "switch_s", "saving_s", "net_s"))
+    lines = ["Cost of tuning (time beyond what the kept steps take at the starting speed): "
+             + (format_duration(cost) if isinstance(cost, num) and cost > 0 else
+                ("none" if isinstance(cost, num) else "- (the start has no measurement)"))]
+    if isinstance(switch, num):
+        lines.append(f"Switch after tuning (restart, warm-up, compile): "
+                     + (format_duration(switch) if switch > 0 else "none (training goes on in the same process)"))
+    if isinstance(saving, num):
+        lines.append(f"Projected saving over the remaining {led.get('remaining_steps', '?')} steps: "
+                     + (format_duration(saving) if saving > 0 else "none (not applied)"))
+    if isinstance(net, num):
+        lines.append(f"Net against not tuning: {_signed(net)}")
+    return lines
+
+
 _NUMBER = (int, float)
 # What format_summary reads from tuning.json, and the types it may hold (None allowed everywhere).
 _REPORT_FIELDS: dict[str, tuple[type, ...]] = {
     "base": (dict,), "ledger": (dict,), "baseline": (dict,), "trials": (list,), "best": (dict,),
     "best_number": (int,), "best_tokens_per_s": _NUMBER, "best_spread": _NUMBER, "speedup": _NUMBER,
     "outcome": (str,), "applied": (dict,), "study": (str,), "storage": (str,), "memory": (dict,),
+    "best_label": (str,),
 }
-_LEDGER_FIELDS = ("tuning_s", "budget_s", "projected_saving_s")
+_LEDGER_FIELDS = ("tuning_s", "budget_s", "projected_saving_s", "cost_s", "switch_s", "saving_s", "net_s")
 _BASELINE_FIELDS = ("tokens_per_s",)
 
 
@@ -244,15 +283,21 @@ def format_summary(report: dict[str, Any]) -> str:
     lines = []
     best = report.get("best")
     if best:
-        line = (f"tuning    best (trial {report.get('best_number')}): {toggles_diff(best, base)}, "
+        line = (f"tuning    best ({report.get('best_label') or 'trial ' + str(report.get('best_number'))}): "
+                f"{toggles_diff(best, base)}, "
                 f"{_fmt_tps(report.get('best_tokens_per_s'), report.get('best_spread'))} tokens/s")
         best_row = next((t for t in trials if isinstance(t, dict) and t.get("number") == report.get("best_number")),
                         None)
         if best_row is not None and _fmt_jpt(best_row.get("energy_per_token")) != "-":
             line += f", {_fmt_jpt(best_row.get('energy_per_token'))}/token"
         if report.get("speedup"):
-            line += f", {report['speedup']:.2f}x the start ({_fmt_tps(baseline.get('tokens_per_s'))})"
+            line += f", {report['speedup']:.2f}x the start"
+            if "own baseline" not in (report.get("best_label") or ""):     # else against that run's start
+                line += f" ({_fmt_tps(baseline.get('tokens_per_s'))})"
         lines.append(line)
+    elif baseline.get("tokens_per_s"):
+        lines.append(f"tuning    best: the start ({_fmt_tps(baseline.get('tokens_per_s'), baseline.get('spread'))} "
+                     "tokens/s); no other configuration measured holds against it")
     else:
         lines.append("tuning    no feasible configuration measured")
     outcome = report.get("outcome") or "-"
@@ -262,6 +307,9 @@ def format_summary(report: dict[str, Any]) -> str:
                  f"{format_duration(led.get('tuning_s') or 0.0)} of {format_duration(led.get('budget_s') or 0.0)}"
                  + (f"; projected saving {format_duration(led['projected_saving_s'])}"
                     if isinstance(led.get("projected_saving_s"), (int, float)) else ""))
+    net = net_line(led)
+    if net:
+        lines.append(f"          {net}")
     mem = report.get("memory")
     if isinstance(mem, dict) and isinstance(mem.get("reason"), str):
         lines.append(f"          memory-constrained: {mem['reason']}")
@@ -269,6 +317,19 @@ def format_summary(report: dict[str, Any]) -> str:
         lines.append(f"          study {report.get('study') or '?'} in {report['storage']}")
         lines.append(f"          browse it: {dashboard_command(report['storage'])}")
     return "\n".join(lines)
+
+
+def net_line(led: dict[str, Any]) -> str | None:
+    """'net +1m02s against not tuning (saves 1m30s; tuning cost 20s, switch 8s)', or None without figures."""
+    num = (int, float)
+    net, cost = led.get("net_s"), led.get("cost_s")
+    if not isinstance(net, num) or isinstance(net, bool) or not isinstance(cost, num):
+        return None
+    saving, switch = led.get("saving_s") or 0.0, led.get("switch_s") or 0.0
+    parts = ([f"saves {format_duration(saving)}"] if isinstance(saving, num) and saving > 0 else []) + \
+        [f"tuning cost {format_duration(cost)}"] + \
+        ([f"switch {format_duration(switch)}"] if isinstance(switch, num) and switch > 0 else [])
+    return f"net {_signed(net)} against not tuning ({'; '.join(parts)})"
 
 
 def best_toml(toggles: Toggles | dict[str, Any]) -> str:

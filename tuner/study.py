@@ -50,6 +50,20 @@ other: two processes never run the same configuration at once. The price is
 that both may withdraw in a tie, and the configuration is proposed again
 later. A claim older than `stale_after_s` without a heartbeat (`touch`) is
 from a dead process and is ignored.
+
+Skipped proposals. `ask(accept=...)` lets the caller turn down a proposal
+that this run cannot afford (a compile trial in a run too short to pay for
+it): it is told FAIL with status "skipped", which the sampler ignores and
+which is not a result, so a later, longer run of the same setup still tries
+it. After `max_asks` refusals an untried configuration that `accept` takes
+is enqueued instead.
+
+Which run measured what. Every trial records its run (`user_attrs["run"]`),
+every re-measurement too, and each run's baseline is kept as
+`baseline:<run>` (`baseline_of`). `candidates(run=R)` estimates each
+configuration from run R's measurements only: a speed-up is a ratio of two
+measurements made on the same machine at the same time, never of one from
+an earlier run over a baseline of this one.
 """
 
 from __future__ import annotations
@@ -67,7 +81,7 @@ import uuid
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -243,7 +257,8 @@ class Proposal:
 
 @dataclass
 class Candidate:
-    """A measured feasible configuration, pooled over its trial and any re-measurements."""
+    """A measured feasible configuration, pooled over its trial and any re-measurements (of one run, with
+    `candidates(run=...)`). `run` is the run of its trial."""
 
     number: int
     toggles: Toggles
@@ -255,6 +270,11 @@ class Candidate:
     remeasured: int = 0
     overhead_s: float | None = None
     run: str | None = None
+
+    @property
+    def rel_spread(self) -> float:
+        """The interval's half-width as a share of the estimate (inf without an estimate)."""
+        return self.spread / self.tokens_per_s if self.tokens_per_s > 0 and math.isfinite(self.spread) else math.inf
 
 
 def _intended(t: FrozenTrial) -> dict[str, Any]:
@@ -359,8 +379,10 @@ class TuneStudy:
         return out
 
     # --- asking -----------------------------------------------------------------------
-    def ask(self) -> Proposal | None:
-        """The next configuration to run, never one already measured or running; None when the space is used up."""
+    def ask(self, accept: Callable[[Toggles], str | None] | None = None) -> Proposal | None:
+        """The next configuration to run, never one already measured or running; None when the space is used up
+        (or nothing untried is left that `accept` takes). `accept(toggles)` returns None to take a proposal or
+        why not: a refused one is told FAIL as "skipped" (see the module doc)."""
         if len(self.tried_keys(waiting=False)) >= self.space.size():
             return None
         for round_ in range(2):
@@ -371,6 +393,10 @@ class TuneStudy:
                 source = trial.user_attrs.get("source", "sampler")
                 if self._settle_duplicate(trial, params):
                     continue
+                why = accept(toggles) if accept is not None else None
+                if why:
+                    self._skip(trial, toggles, source, why)
+                    continue
                 trial.set_user_attr("claimed", self.wall())
                 trial.set_user_attr("run", self.run_id)
                 trial.set_user_attr("owner", f"{socket.gethostname()}:{os.getpid()}")
@@ -380,20 +406,37 @@ class TuneStudy:
                 trial.set_user_attr("source", source)
                 return Proposal(trial, toggles, params, source)
             if round_ == 0:
-                params = self._untried()
+                params = self._untried(accept)
                 if params is None:
                     return None
                 self.study.enqueue_trial(params, user_attrs={"source": "fallback"})
         return None
 
-    def _untried(self) -> dict[str, Any] | None:
+    def _skip(self, trial: optuna.Trial, toggles: Toggles, source: str, why: str) -> None:
+        trial.set_user_attr("toggles", dataclasses.asdict(toggles))
+        trial.set_user_attr("source", source)
+        trial.set_user_attr("run", self.run_id)
+        trial.set_user_attr("status", "skipped")
+        trial.set_user_attr("reason", why)
+        self.study.tell(trial, state=TrialState.FAIL)
+
+    def skipped(self, run: str | None = None) -> int:
+        """How many proposals `ask(accept=...)` turned down (in `run`, or in every run)."""
+        return sum(1 for t in self.trials((TrialState.FAIL,)) if t.user_attrs.get("status") == "skipped"
+                   and (run is None or t.user_attrs.get("run") == run))
+
+    def _untried(self, accept: Callable[[Toggles], str | None] | None = None) -> dict[str, Any] | None:
         tried = self.tried_keys()
+
+        def ok(p: dict[str, Any]) -> bool:
+            return params_key(p) not in tried and (accept is None or not accept(self.space.to_toggles(p)))
+
         if self.space.size() <= 20000:
-            todo = [p for p in self.space.all_params() if params_key(p) not in tried]
+            todo = [p for p in self.space.all_params() if ok(p)]
             return self._rng.choice(todo) if todo else None
         for _ in range(2000):
             p = self.space.random_params(self._rng)
-            if params_key(p) not in tried:
+            if ok(p):
                 return p
         return None
 
@@ -510,6 +553,25 @@ class TuneStudy:
         self.study.add_trial(optuna.trial.create_trial(**kwargs))
         return self.trials()[-1].number
 
+    def record_baseline(self, toggles: Toggles, summary: dict[str, Any], status: str) -> None:
+        """This run's measurement of its starting configuration: the study's `baseline` (the latest) and
+        `baseline:<run>` (`baseline_of`), whether or not the configuration lies in the space."""
+        entry = {"run": self.run_id, "tokens_per_s": summary.get("tokens_per_s"), "spread": summary.get("spread"),
+                 "energy_per_token": summary.get("energy_per_token"), "status": status,
+                 "samples": summary.get("samples", []), "toggles": dataclasses.asdict(toggles)}
+        self.set_attr("baseline", {k: v for k, v in entry.items() if k != "samples"})
+        self.set_attr(f"baseline:{self.run_id}", entry)
+
+    def baseline_of(self, run: str | None) -> dict[str, Any] | None:
+        """Run `run`'s baseline as `record_baseline` stored it, or None."""
+        entry = self.get_attr(f"baseline:{run}") if run else None
+        return entry if isinstance(entry, dict) else None
+
+    def baselines(self) -> dict[str, dict[str, Any]]:
+        """Every run's baseline (`record_baseline`), by run."""
+        return {k.split(":", 1)[1]: v for k, v in self.study.user_attrs.items()
+                if k.startswith("baseline:") and isinstance(v, dict)}
+
     def record_remeasure(self, number: int, summary: dict[str, Any], status: str = "ok", reason: str = "") -> None:
         """Keep a re-measurement of trial `number` (study attrs: a finished trial cannot be changed)."""
         key = f"remeasure:{number}"
@@ -520,10 +582,11 @@ class TuneStudy:
         self.set_attr(key, entries)
 
     # --- results ----------------------------------------------------------------------
-    def candidates(self) -> list[Candidate]:
+    def candidates(self, run: str | None = None) -> list[Candidate]:
         """Feasible measured configurations, best first, each once, pooled with its re-measurements.
 
-        A configuration whose latest re-measurement failed is left out: it did not hold up.
+        A configuration whose latest re-measurement failed is left out: it did not hold up. With `run`, only
+        that run's measurements count (a configuration it did not measure is left out).
         """
         seen: set[tuple] = set()
         out: list[Candidate] = []
@@ -540,11 +603,18 @@ class TuneStudy:
             remeasures = self.get_attr(f"remeasure:{t.number}", [])
             if remeasures and remeasures[-1].get("status") != "ok":
                 continue
-            samples = list(ua.get("samples") or [])
+            own = run is None or ua.get("run") == run
+            if run is not None:
+                remeasures = [r for r in remeasures if r.get("run") == run]
+                if not own and not remeasures:
+                    continue
+            samples = list(ua.get("samples") or []) if own else []
             for r in remeasures:
                 samples += list(r.get("samples") or [])
             if samples:
                 est, lo, hi = median_ci(samples)
+            elif not own:
+                continue
             else:
                 est = float(t.value)
                 sp = float(ua.get("spread") or 0.0)

@@ -19,7 +19,7 @@ from rich.text import Text
 
 from gptop.state import (SLOWING_REASONS, RunState, fmt_bytes, fmt_duration, fmt_eta, fmt_mfu, fmt_num, fmt_toggles,
                          gpu_verdict, measure_line, measure_parts, model_summary, phase_label, spread_pct)
-from trainer.contract.events import PHASES, CpuReading, GpuReading
+from trainer.contract.events import PHASES, CpuReading, GpuReading, TunerBest
 
 PHASE_STYLE = {"data": "yellow", "forward": "green", "backward": "dodger_blue1", "optimizer": "magenta",
                "other": "grey62"}
@@ -159,7 +159,9 @@ def header(state: RunState, width: int) -> RenderableType:
             line1.append(" · precision " + precision)
         tag = Text.assemble(" ● ", (status, STATUS_STYLE.get(status, "bold")))
         if state.tuner.active:
-            tag = Text.assemble((" tuning", "bold yellow"), tag)
+            budget = state.tuner.budget_s       # the budget in effect: the share of the run it affords, if less
+            tag = Text.assemble((" tuning", "bold yellow"),
+                                (f" (budget {fmt_duration(budget)})" if budget is not None else "", "yellow"), tag)
         line1.truncate(max(0, width - tag.cell_len), overflow="ellipsis")
         line1.append(" " * max(0, width - line1.cell_len - tag.cell_len))
         line1.append_text(tag)
@@ -635,8 +637,11 @@ def tuner_summary(state: RunState, width: int) -> RenderableType:
                     lines.append(Text(second))
         best = tu.best
         if best:
+            speedup = best.speedup if isinstance(best, TunerBest) and best.speedup is not None else None
             lines.append(Text.assemble(("best ", "bold"), f"#{best.number} ",
-                                       (f"{fmt_num(best.tokens_per_s)} tok/s", "bold green"), " ",
+                                       (f"{fmt_num(best.tokens_per_s)} tok/s", "bold green"),
+                                       f" {speedup:.2f}x" if speedup is not None and speedup < 1e6 else "",
+                                       " (earlier run)" if best.earlier else "", " ",
                                        fmt_toggles(state.toggle_diff(best.toggles))))
         if tu.applied:
             a = tu.applied[-1]
@@ -688,7 +693,7 @@ def trial_rows(state: RunState) -> list[tuple[Any, ...]]:
     rows = []
     for t in trials:
         status, kind = t.status, t.kind
-        label = status + (f" {kind}" if kind and kind != "trial" else "")
+        label = status + (f" {kind}" if kind and kind != "trial" else "") + (" (earlier run)" if t.earlier else "")
         pct = spread_pct(t)
         rows.append(("–" if t.number is None else str(t.number), Text(label, style=TRIAL_STYLE.get(status, "")),
                      fmt_toggles(state.toggle_diff(t.toggles)),

@@ -191,6 +191,18 @@ class PhaseProfile(Record):
     gpu_ms: float | None = None         # GPU time of the kernels launched in the phase (CUDA)
 
 
+@dataclass(frozen=True, kw_only=True)
+class TunerBest(Record):
+    """The tuner's best so far (a tuner event's `best`): the trial its decision and report would name."""
+
+    number: int | None = None
+    toggles: dict[str, Any] = field(default_factory=dict)
+    tokens_per_s: float | None = None   # as measured (on this run, or on the earlier run it comes from)
+    spread: float | None = None
+    speedup: float | None = None        # against the start's measurement of the same run
+    earlier: bool = False               # measured by an earlier run of the same setup, not re-measured on this one
+
+
 # --------------------------------------------------------------------------- events
 
 
@@ -417,6 +429,7 @@ class TrialEvent(Event):
     remeasure_tokens_per_s: float | None = None
     remeasure_spread: float | None = None
     rollback: dict[str, Any] | None = None
+    earlier: bool = False               # the trial ran in an earlier run of the same setup (a re-measurement)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -428,6 +441,7 @@ class ApplyEvent(Event):
     tokens_per_s: float | None = None
     baseline_tokens_per_s: float | None = None
     step: int | None = None
+    earlier: bool = False               # the applied trial ran in an earlier run of the same setup
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -442,6 +456,8 @@ class TunerEvent(Event):
     outcome: str | None = None          # phase done: the decision, or why tuning ended
     applied: bool | None = None
     measure: MeasureProgress | None = None   # while a configuration is measured
+    budget_s: float | None = None       # the budget in effect: the one asked for, or the share the run affords
+    best: TunerBest | None = None       # the best so far, as the decision and the report see it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -503,7 +519,8 @@ class UnknownEvent(Event):
 EVENT_TYPES: dict[str, type[Event]] = {c.type: c for c in (
     HelloEvent, StepEvent, EvalEvent, CheckpointEvent, LogEvent, WarningEvent, ErrorEvent, DoneEvent,
     DeviceEvent, TrialEvent, ApplyEvent, TunerEvent, StatusEvent, ProgressEvent, PhaseEvent, ProfileEvent, AlertEvent)}
-RECORDS: tuple[type[Record], ...] = (GpuReading, CpuReading, ModelInfo, MeasureProgress, OpTime, PhaseProfile)
+RECORDS: tuple[type[Record], ...] = (GpuReading, CpuReading, ModelInfo, MeasureProgress, OpTime, PhaseProfile,
+                                     TunerBest)
 _BASE = ("v", "type", "time", "rank")
 
 
