@@ -260,6 +260,9 @@ class TuneController:
                  run_pays: bool = True, max_share: float = 0.5, max_loss: float = 0.1, prior_gain: float = 1.5,
                  explore_gain: float = 1.5, trust_spread: float = 0.25, compile_prior_s: float = 45.0,
                  startup_s: float | None = None, trial_process_continues: bool = False):
+        if base_cfg.toggles.precision == AUTO:         # trials run concrete precisions: what auto is on `dev`
+            base_cfg = dataclasses.replace(base_cfg, toggles=dataclasses.replace(
+                base_cfg.toggles, precision=capabilities.resolve_precision(AUTO, dev)))
         self.cfg, self.dev, self.space, self.study, self.budget, self.clock = base_cfg, dev, space, study, budget, clock
         # The economics (module doc, "Paying for itself"): trials must pay within this run (False with
         # --tune-only: best.toml is for later runs); the budget is at most `max_share` of the rest of the run, and
