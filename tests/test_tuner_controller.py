@@ -398,8 +398,9 @@ def short_run(tmp_path, clock, max_steps, spec=NEUTRAL, **kw):
 
 
 def test_no_trial_runs_when_none_can_pay(tmp_path):
-    """200 steps at ~0.46 s: ~70 s left after the baseline. A trial costs a 5 s restart in and a 5 s switch back
-    (the start's own process could have trained on), more than the 10% of the rest tuning may lose: one line,
+    """200 steps at ~0.46 s: ~70 s left after the baseline. A trial costs a 5 s restart in, a 5 s switch back
+    (the start's own process could have trained on) and what its measurement may lose (a quarter of the
+    baseline's measuring time, nothing measured yet), more than the 10% of the rest tuning may lose: one line,
     no trial, the start's process trains on."""
     clock = Clock()
     ctl = short_run(tmp_path, clock, 200)
@@ -407,14 +408,15 @@ def test_no_trial_runs_when_none_can_pay(tmp_path):
     assert [a for a in seen if isinstance(a, RunTrial) and not a.baseline] == []
     done = seen[-1]
     assert isinstance(done, Done) and not done.restart and done.toggles == ctl.base
-    assert done.reason.startswith("tuning cannot pay: the run ends in 1:") and "a trial costs ~10 s here" in done.reason
+    cost = 10.0 + 0.25 * ctl.baseline["duration_s"]
+    assert done.reason.startswith("tuning cannot pay: the run ends in 1:") and f"a trial costs ~{cost:.0f} s here" in done.reason
     plan = ctl.decisions[-1]
     left = plan.remaining_steps * 4096 / ctl.baseline["tokens_per_s"]
-    assert plan.choice is Choice.PLAN and not plan.apply and plan.cost_s == pytest.approx(10.0)
+    assert plan.choice is Choice.PLAN and not plan.apply and plan.cost_s == pytest.approx(cost)
     assert plan.remaining_steps == 200 - ctl.last_step and ctl.loss_allowance_s == pytest.approx(0.1 * left)
     assert f"more than the {0.1 * left:.0f} s tuning may still lose" in plan.reason
     led = ctl.report_info()["ledger"]
-    assert led["decisions"][-1]["choice"] == "plan" and led["decisions"][-1]["cost_s"] == pytest.approx(10.0)
+    assert led["decisions"][-1]["choice"] == "plan" and led["decisions"][-1]["cost_s"] == pytest.approx(cost)
     assert led["switch_s"] == 0.0 and led["saving_s"] == 0.0 and led["net_s"] == pytest.approx(-led["cost_s"])
     assert led["cost_s"] < 1.0                      # the baseline's steps were the run's own, at its own speed
     assert led["budget_s"] < 900.0 and led["budget_s"] == pytest.approx(0.5 * left, rel=0.05)
@@ -424,14 +426,16 @@ def test_no_trial_runs_when_none_can_pay(tmp_path):
 
 def test_the_t_key_on_a_run_near_its_end_plans_before_measuring(tmp_path):
     """`t` at step 43 of 200 at 0.45 s per step (the pace the session saw): the decision comes before the
-    baseline, from the figures alone."""
+    baseline, from the figures alone: a trial costs its 5 s restart, the 5 s switch back and a quarter of the
+    18 steps (8.1 s) a measurement takes at least."""
     clock = Clock()
     ctl = short_run(tmp_path, clock, 200)
     ctl.set_pace(43, 0.45)
     first = ctl.next_action()
     assert isinstance(first, Done) and not first.restart
     assert first.reason.startswith("tuning cannot pay: the run ends in 1:11 (157 steps at 0.45 s); a trial "
-                                   "costs ~10 s here, more than the 7 s tuning may still lose")
+                                   "costs ~12 s here, more than the 7 s tuning may still lose")
+    assert ctl.decisions[-1].cost_s == pytest.approx(10.0 + 0.25 * 18 * 0.45)
     assert ctl.trials_run == 0 and ctl.baseline is None
     assert [e.phase for e in ctl.drain_events() if e.type == "tuner"][-1] == "done"
 

@@ -956,10 +956,28 @@ class TuneController:
         go on, else a restart."""
         return 0.0 if t == self.running and self.continue_free else self._restart_s(t)
 
+    def _measuring_cost(self) -> float:
+        """What a trial's measurement costs beyond its steps' time at the start's speed (a slower setting, a slow
+        warm-up, steps rolled back): as this run's trials cost, else a quarter of the measuring time (a trial a
+        fifth slower than the start)."""
+        step_s = self._step_s()
+        if step_s is None:
+            return 0.0
+        seen = []
+        for r in self.results:
+            if r["kind"] == "baseline" or not r.get("ran", True):
+                continue
+            measuring = r["duration_s"] - (r["overhead_s"] or 0.0)
+            kept = 0.0 if r["failure"] or r.get("rollback") else (r["summary"].get("steps") or 0) * step_s
+            seen.append(max(0.0, measuring - kept))
+        if seen:
+            return float(median(seen))
+        return 0.25 * max(0.0, self._trial_estimate() - self._restart_s(self._cheapest()))
+
     def _trial_cost(self, t: Toggles) -> float:
-        """What a trial of `t` costs the run if it finds nothing: its restart, and the switch back when it
-        displaces a process that could have trained on (the start's own, or the best's)."""
-        cost = self._restart_s(t)
+        """What a trial of `t` costs the run if it finds nothing: its restart, its measurement's cost, and the
+        switch back when it displaces a process that could have trained on (the start's own, or the best's)."""
+        cost = self._restart_s(t) + self._measuring_cost()
         best, switch, _ = self._judge()
         target = best.cand.toggles if best is not None and switch is not None and switch.apply else self.base
         if self.running == target and self.continue_free:
@@ -1287,7 +1305,9 @@ class TuneController:
                 "kept_tokens": self.kept_tokens, "rolled_back_s": self.rolled_back_s,
                 "cost_s": cost, "switch_s": switch, "saving_s": saving,
                 "net_s": saving - cost - switch if cost is not None else None,
-                "remaining_steps": remaining, "tokens_per_step": self.tokens_per_step, "step_s": self._step_s(),
+                # the steps the saving is over: the decision's (a few more ran while the switch was made)
+                "remaining_steps": self.decision.remaining_steps if applied and self.decision is not None else remaining,
+                "tokens_per_step": self.tokens_per_step, "step_s": self._step_s(),
                 "loss_allowance_s": self.loss_allowance_s,
                 "projected_saving_s": saving - switch if applied else None,
                 "decisions": [d.to_dict() for d in self.decisions],
