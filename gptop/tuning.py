@@ -55,6 +55,7 @@ from trainer.contract import events as ev
 from trainer.contract import rundir
 from trainer.contract.config import AUTO, Toggles, TrainConfig
 from trainer.contract.device import DeviceInfo
+from trainer.contract.states import TrialOutcome
 
 if TYPE_CHECKING:
     from .session import Session
@@ -372,14 +373,14 @@ class TuningDriver:
                     return self._conclude(ctl.stop_early(reason, rolled_back=not action.keep_steps))
                 if outcome in ("interrupted", "finished"):
                     if outcome == "finished" and ctl.in_trial:
-                        ctl.finish_trial("ok")            # its steps are the run's last: kept
+                        ctl.finish_trial(TrialOutcome.OK)            # its steps are the run's last: kept
                     ctl.abort(reason)
                     self._publish()
                     return self._conclude(None)
                 if outcome in STEADY and action.keep_steps:
-                    ctl.finish_trial("ok")
+                    ctl.finish_trial(TrialOutcome.OK)
                 elif outcome in STEADY:            # measured; rolled back so the run keeps its optimizer state
-                    ctl.finish_trial("ok", rollback=self._rollback(pre))
+                    ctl.finish_trial(TrialOutcome.OK, rollback=self._rollback(pre))
                 else:
                     ctl.finish_trial(outcome, reason, rollback=self._rollback(pre))
                 self._publish()

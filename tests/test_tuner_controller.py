@@ -166,9 +166,9 @@ def test_full_simulated_tuning_ends_in_apply(tmp_path):
     assert not any(a.toggles.micro_batch in (16, 32) and a.toggles.precision == "fp32"
                    for a in trials)
     # bf16 changes numerics: its loss runs off the trend and the trial is rolled back as diverged
-    bf16 = [e for e in trial_events if e.toggles["precision"] == "bf16" and e.kind == "trial"]
+    bf16 = [e for e in trial_events if e.toggles.precision == "bf16" and e.kind == "trial"]
     for e in bf16:
-        if e.toggles["micro_batch"] in (8, 4):
+        if e.toggles.micro_batch in (8, 4):
             assert e.status == "infeasible" and "diverged" in e.reason
     tuner = [e for e in events if e.type == "tuner"]
     assert tuner[-1].phase == "done" and tuner[-1].budget_left_s >= 0
@@ -379,8 +379,8 @@ def test_cuda_graph_modes_with_accumulation_are_never_run(tmp_path):
     seen = drive(ctl, clock, FakeTrainer(clock))
     ran = [a for a in seen if isinstance(a, (RunTrial, Remeasure))]
     assert ran and not any(a.toggles.compile == "reduce-overhead" and a.toggles.micro_batch < 32 for a in ran)
-    screened = [e for e in ctl.drain_events() if e.type == "trial" and e.toggles["compile"] == "reduce-overhead"
-                and e.toggles["micro_batch"] < 32]
+    screened = [e for e in ctl.drain_events() if e.type == "trial" and e.toggles.compile == "reduce-overhead"
+                and e.toggles.micro_batch < 32]
     assert screened and all(e.status == "infeasible" and "CUDA graphs" in e.reason for e in screened)
 
 
@@ -583,7 +583,7 @@ def test_the_panels_best_is_the_reports_best_and_never_a_wide_measurement(tmp_pa
                    max_trials=8)
     drive(ctl, clock, NoisyWinner(clock, seed=3))
     events = ctl.drain_events()
-    noisy = [e for e in events if e.type == "trial" and e.toggles["prefetch"] == 0 and e.toggles["fused_adamw"]
+    noisy = [e for e in events if e.type == "trial" and e.toggles.prefetch == 0 and e.toggles.fused_adamw
              and e.status in ("ok", "cut")]
     assert noisy and noisy[-1].spread > 0.25 * noisy[-1].tokens_per_s         # it ran, and measured wide
     state = RunState()
