@@ -148,7 +148,7 @@ class RunCollector:
             fam(name).add_metric([node, *labels], float(value))
 
         with state.lock:
-            hello, last = state.hello, state.last_step
+            last = state.last_step
             model = state.model
             info = {"run": state.run_name or "", "run_dir": state.run_dir or "",
                     "model": (model.family or "") if model else "", "size": (model.size or "") if model else "",

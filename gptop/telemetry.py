@@ -456,7 +456,7 @@ def resolved_size(cfg: "TrainConfig") -> str | None:
     """What `--size auto` will resolve to on the device the trainer will use (None: a size was given, or the
     model is a path), so the run directory is named by it (trainer.contract.capabilities.auto_size)."""
     from trainer.contract.capabilities import auto_size
-    from trainer.contract.config import FAMILIES
+    from trainer.contract.common import FAMILIES
     from trainer.contract.estimate import run_options
 
     if cfg.model.size != "auto" or cfg.model.model not in FAMILIES:

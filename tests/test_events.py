@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import sys
 import threading
 import time
@@ -306,7 +305,7 @@ def test_a_damaged_tuning_json_is_reported_and_skipped(tmp_path, content, why):
     (tmp_path / "tuning.json").write_bytes(content)
     s = summarize(tmp_path)
     assert "tuning" not in s and why in s["tuning_skipped"]
-    assert f"tuning    skipped: tuning.json: " in format_report(s)
+    assert "tuning    skipped: tuning.json: " in format_report(s)
 
 
 def test_a_tuning_json_with_nulls_is_summarized(tmp_path):

@@ -11,7 +11,6 @@ import psutil
 import pytest
 
 from conftest import TINY
-from trainer import checkpoint as ckpt
 from trainer.contract import rundir
 from trainer.contract.events import parse, read_events, to_dict
 from fixtures.waiting import wait_for

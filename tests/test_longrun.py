@@ -3,11 +3,9 @@ monitor attaches to a long run by reading its head and tail."""
 
 from __future__ import annotations
 
-import math
 import random
 import statistics
 import sys
-import time
 import tracemalloc
 from pathlib import Path
 

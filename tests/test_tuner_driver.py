@@ -346,7 +346,6 @@ def test_t_near_the_end_of_a_run_says_tuning_cannot_pay_and_leaves_the_trainer_a
     it could save over the 54 s after it (and more than the 7 s tuning may lose). One line, no trial, no restart,
     no command to the trainer; the report's ledger has the decision and its figures."""
     import json
-    import time
 
     from fixtures.streams import T0, config, ev
 

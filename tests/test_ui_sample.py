@@ -7,7 +7,6 @@ Pilot tests drive the app with a fake sampler (an awaitable the test releases); 
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 
 import pytest

@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from .contract.capabilities import auto_size
-from .contract.config import FAMILIES, ConfigError, FinetuneConfig, ModelConfig, Toggles
+from .contract.common import FAMILIES
+from .contract.config import ConfigError, FinetuneConfig, ModelConfig, Toggles
 from .contract.inputs import is_model_path
 from .contract.device import DeviceInfo
 from .contract.estimate import DEFAULT_VOCAB, SIZE_ORDER, SIZES, TRAIN_BYTES_PER_PARAM, VOCAB_MULTIPLE, Dims  # noqa: F401

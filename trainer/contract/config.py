@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Literal, Union
 
-from .common import FAMILIES, MAX_STEP, ConfigError, flag_of, show
+from .common import MAX_STEP, ConfigError, flag_of, show
 from .rundir import CONFIG as RUN_CONFIG
 from .rundir import run_dir_of
 
@@ -198,7 +198,7 @@ class Toggles:
 
     def micro_batch_int(self) -> int | None:
         """The fixed micro-batch, or None for auto."""
-        return None if self.micro_batch == AUTO else self.micro_batch
+        return self.micro_batch if isinstance(self.micro_batch, int) else None
 
 
 def _lora_targets_format(value: str) -> str | None:
@@ -385,7 +385,7 @@ class TrainConfig:
         if qb != "none" and world_size > 1:
             raise ConfigError("--quantize-base", f"{qb} runs on one process; drop --nproc or --quantize-base")
         per_rank = o.global_batch // world_size
-        if mb != AUTO and per_rank % mb:
+        if isinstance(mb, int) and per_rank % mb:
             over = f" ({o.global_batch} over {world_size} ranks)" if world_size > 1 else ""
             raise ConfigError("--micro-batch", f"{mb} does not divide the per-rank batch {per_rank}{over}; "
                                                f"pick a divisor of {per_rank} or auto")
@@ -605,7 +605,7 @@ def number_arg(kind: type, low: float | None = None, high: float | None = None, 
         return value
 
     convert.__name__ = kind.__name__
-    convert.range = rng              # type: ignore[attr-defined]   (what --help and the tests read)
+    convert.range = rng              # type: ignore[attr-defined]  # what --help and the tests read
     return convert
 
 

@@ -43,11 +43,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .common import FAMILIES
 from .config import AUTO, LORA_DEFAULT_TARGETS, ConfigError
 
 GiB = 1 << 30
 SIZE_ORDER = ("tiny", "small", "medium", "large")
-FAMILIES = ("llama", "deepseek", "llada")
 VOCAB_MULTIPLE = 64
 DEFAULT_VOCAB = 8192          # the builtin BPE tokenizer
 

@@ -693,7 +693,8 @@ def _spec(cls: type) -> _Spec:
                 # (a device reading) writes every field, null for what the device cannot tell
                 omit = is_event and f.default is None
                 writers.append((f.name, _writer(hints[f.name]), omit))
-        where = cls.type if is_event and isinstance(cls.type, str) else cls.__name__
+        wire = getattr(cls, "type", None) if is_event else None
+        where = wire if isinstance(wire, str) else cls.__name__
         spec = _SPECS[cls] = _Spec(tuple(checks), by_name, tuple(writers), frozenset(names), tuple(required),
                                    defaults, factories, where)
     return spec

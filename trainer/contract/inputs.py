@@ -466,7 +466,7 @@ def path_arg(check: Callable[[str, str], Any], option: str = "") -> Callable[[st
         return text
 
     convert.__name__ = "path"
-    convert.check = check            # type: ignore[attr-defined]   (the input tests find path flags by it)
+    convert.check = check            # type: ignore[attr-defined]  # the input tests find path flags by it
     return convert
 
 

@@ -27,7 +27,7 @@ from .config import MAX_SEED, MAX_SEQ_LEN, ConfigError, device_format, number_ar
 from .inputs import check_writable_dir, path_arg
 from .common import MAX_STEP
 from .protect import EXPORT_MARKER, check_replaceable
-from .rundir import CONFIG, EVENTS, CheckpointInfo, checkpoint_dir, is_run_dir, list_checkpoints
+from .rundir import CONFIG, EVENTS, CheckpointInfo, is_run_dir, list_checkpoints
 from .runlock import without_checkpoint
 
 EXPORT_MODULE = "trainer.export"
