@@ -82,9 +82,9 @@ class _ProcStats:
 
 
 # How often the trainer's process tree is walked again (new children: data workers, torchrun ranks). A walk
-# reads every process's /proc/PID/stat (psutil's children()): 2.6 ms of CPU with 139 processes, twice per
-# 0.5 s sample (the supervisor's walk and this one), about 1% of a core on a busy machine (issue 13). Between walks the known
-# processes are read directly; a change of the roots (a restarted trainer) walks at once.
+# reads every process's /proc/PID/stat (psutil's children()), so its cost grows with the machine's process
+# count; between walks the known processes are read directly, and a change of the roots (a restarted
+# trainer) walks at once.
 TREE_REFRESH_S = 5.0
 
 
