@@ -33,7 +33,7 @@ from typing import Callable
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "BENCHMARKS.md"]
 SHARED_RUN = "runs/demo"          # made by the README's first command (short form) in the scratch directory
@@ -402,6 +402,8 @@ def test_every_command_has_a_rule(cmd: Command):
 
 
 def test_code_blocks_are_shell_toml_or_python():
+    langs = {lang for _, _, lang, _ in OTHER_BLOCKS}
+    assert COMMANDS and {"toml", "python"} <= langs, "the docs scan found no commands or no toml/python blocks"
     for doc, line, lang, body in OTHER_BLOCKS:
         assert lang in ("toml", "python"), f"{doc}:{line}: a ```{lang} block the docs check does not read"
 

@@ -18,7 +18,7 @@ import pynvml
 import pytest
 import torch
 
-from conftest import ROOT
+from helpers import ROOT
 from test_data import FakeCuda
 from test_telemetry import fake_pynvml
 from trainer.contract import capabilities

@@ -7,13 +7,13 @@ import io
 import json
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from fixtures.streams import cpu_run, gpu_run
 from gptop.headless import HeadlessView, event_line
+from helpers import wait_for
 from gptop.monitor import MonitorSession
 from gptop.report import format_report, summarize
 from gptop.state import RunState
@@ -347,10 +347,10 @@ def test_monitor_replay_counts_malformed_lines(tmp_path):
     good = mixed_file(tmp_path / "events.jsonl")
     m = MonitorSession(tmp_path, sampler=NoSampler())
     m.start()
-    deadline = time.monotonic() + 10
-    while m.state.step != 30 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    m.close()
+    try:
+        wait_for(lambda: m.state.step == 30, 10, "the replay's last step", poll=0.02)
+    finally:
+        m.close()
     assert m.state.status == "replay" and m.state.step == 30
     assert m.state.malformed == len(BAD_LINES)
     assert len([e for e in good if isinstance(e, ev.StepEvent)]) == 3

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 from fixtures.streams import gpu_run
 from gptop import report
 from gptop.energy import measure

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, TINY
+from helpers import ROOT, TINY
 from trainer.contract import rundir
 
 

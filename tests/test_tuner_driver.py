@@ -226,7 +226,7 @@ def test_a_compile_mode_that_never_warms_up_is_screened_for_the_run(tmp_path):
         ctl.finish_trial("ok")
     assert seen_compile == 1                                      # the others were screened, not run
     screened = [e for e in ctl.drain_events() if e.type == "trial" and "not worth this budget" in e.reason]
-    assert all(e.toggles.compile == "default" for e in screened)
+    assert screened and all(e.toggles.compile == "default" for e in screened)
 
 
 def test_stop_early_decides_on_what_was_measured(tmp_path):
