@@ -155,6 +155,7 @@ RULES: list[Rule] = [
     Rule(r"^python3 -m venv |^\. \S+/activate$|^pip install|^createdb ", "skip",
          "sets up an environment or a database server (network, root); the tests run in the installed one"),
     Rule(r"-m pytest", "skip", "the test suite itself"),
+    Rule(r"^ruff check|^mypy$", "skip", "the lint and type check before the test suite (.ci/run runs them)"),
     Rule(r"^optuna-dashboard ", "skip", "a separate tool (pip install optuna-dashboard) serving a web page"),
     Rule(r"^tensorboard ", "skip", "a separate tool (pip install 'gptop[tensorboard]') serving a web page"),
     FIRST,

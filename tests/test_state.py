@@ -100,7 +100,7 @@ def test_version_bumps_on_every_change_and_per_area():
     s.add_log("hi")
     s.set_status("running")
     s.count_malformed("garbage")
-    s.apply(ev("tuner", 2.0, phase="trial"))
+    s.apply(ev("tuner", 2.0, phase="trials"))
     assert s.version == v0 + 7
     assert all(s.versions[a] >= 1 for a in ("run", "step", "device", "log", "tuner"))
     dev = s.versions["device"]

@@ -9,6 +9,7 @@ import pytest
 
 from trainer.contract.config import TrainConfig
 from fixtures.toggles import Toggles
+from trainer.contract.config import Toggles as ToggleValues
 from trainer.contract.device import DeviceInfo
 from trainer.contract.events import TrialEvent, dumps, make, parse
 from tuner.budget import Budget
@@ -160,7 +161,7 @@ def test_full_simulated_tuning_ends_in_apply(tmp_path):
     statuses = {e.status for e in trial_events}
     assert "infeasible" in statuses                       # screened OOM, compile error or divergence
     for e in trial_events:
-        assert isinstance(e, TrialEvent) and isinstance(e.toggles, dict) and e.reason is not None
+        assert isinstance(e, TrialEvent) and isinstance(e.toggles, ToggleValues) and e.reason is not None
         assert parse(dumps(e)) == e
     # micro-batch 16 and 32 can never fit (max 8, same precision): screened, not run
     assert not any(a.toggles.micro_batch in (16, 32) and a.toggles.precision == "fp32"
@@ -293,7 +294,7 @@ def test_close_candidates_are_remeasured_best_last(tmp_path):
     # never "0 s": the trial's own process trains on only after a restart with the user's settings (nan policy),
     # which costs what this setup's restarts into that configuration cost
     measured = [r["overhead_s"] for r in ctl.results if r["overhead_s"] is not None
-                and r["toggles"] == dataclasses.asdict(apply.toggles)]
+                and r["toggles"] == apply.toggles]
     assert measured and apply.decision.cost_s == pytest.approx(sorted(measured)[len(measured) // 2], rel=0.5)
     assert apply.decision.cost_s > 0 and "0s switch" not in apply.decision.reason
 
