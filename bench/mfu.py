@@ -117,7 +117,6 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="gptop-mfu-") as d:
         rows = [run(ranks, loaded, args, Path(d)) for ranks in (1, 2) for loaded in (False, True)]
     mfus = [r["mfu"] for r in rows if r["mfu"]]
-    peaks = [r["peak_flops"] for r in rows if r["peak_flops"]]
     per_rank = {r["ranks"]: [x["peak_flops"] for x in rows if x["ranks"] == r["ranks"]] for r in rows}
     olds = {r["ranks"]: [x["old_method_peak_flops"] for x in rows if x["ranks"] == r["ranks"]] for r in rows}
     summary = {

@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from trainer.contract import inputs, protect
+from trainer.contract.common import MAX_STEP
 from trainer.contract.config import (AUTO, ConfigError, TrainConfig, add_arguments, check_resumable, config_from_args,
-                                    number_arg)
-from trainer.contract.rundir import MAX_STEP, default_run_dir, resume_config, resumes_into
+                                    number_arg, resume_config)
+from trainer.contract.rundir import default_run_dir, resumes_into
 from trainer.contract.runlock import RunLock, node_key
 from trainer.contract.tools import add_export_arguments, add_sample_arguments
 

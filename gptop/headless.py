@@ -47,6 +47,7 @@ from gptop.profile_text import profile_lines
 from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_eta, fmt_mfu, fmt_num, fmt_peak, fmt_toggles,
                          measure_line, model_summary, phase_label, spread_pct)
 from gptop.alerts import alert_line
+from trainer.contract.states import RunStatus, TrialKind, TrialStatus
 from trainer.contract.events import (PHASES, AlertEvent, ApplyEvent, CheckpointEvent, DeviceEvent, DoneEvent,
                                      ErrorEvent, EvalEvent, Event, HelloEvent, LogEvent, PhaseEvent, ProfileEvent,
                                      ProgressEvent, StatusEvent, StepEvent, TrialEvent, TunerEvent, WarningEvent, dumps)
@@ -166,9 +167,9 @@ def event_line(event: Event, state: RunState) -> str | None:
             return line + f"; energy {jpt * 1e3:.3g} mJ/token over the last steps ({energy.source})"  # type: ignore[union-attr]
         return line + f"; energy n/a: {state.energy_reason()}"
     if isinstance(event, TrialEvent):
-        if event.status == "running":
+        if event.status is TrialStatus.RUNNING:
             return None            # one line per trial, when it ends (the JSON mode has both)
-        what = "trial" if event.kind in (None, "trial") else event.kind
+        what = event.kind or TrialKind.TRIAL
         number = "" if event.number is None else f" {event.number}"
         line = f"{what}{number} {event.status}: {fmt_toggles(state.toggle_diff(event.toggles))}"
         tps, pct = event.tokens_per_s, spread_pct(event)
@@ -210,7 +211,7 @@ class HeadlessView:
         # set when stdout's reader has gone away: the caller stops the run (gptop/cli.py) and exits quietly
         self.stdout_closed = threading.Event()
         self._last_device: float | None = None
-        self._status: str | None = None
+        self._status: RunStatus | None = None
         self._tuner_phase: str | None = None
         self._hint_kind: str | None = None
         self._verdicts: dict[str, str] = {}     # GPU key -> the kind of its last printed verdict
@@ -361,8 +362,9 @@ class HeadlessView:
             if self.echo_logs:
                 self._print_err(line.rstrip("\n"))
 
-    def on_status(self, status: str, message: str | None = None) -> None:
+    def on_status(self, status: RunStatus, message: str | None = None) -> None:
         """The session's status changed: a line (or a JSON status object); the stderr tail on failure."""
+        status = RunStatus(status)
         with self._lock:
             if status == self._status and not message:
                 return
@@ -376,7 +378,7 @@ class HeadlessView:
                     self._progress.update(self._task, description=status)
             err = self.state.last_error()
             refused = err is not None and err.kind == "config"     # gptop says it in one line: nothing to add
-            if status == "failed" and self._stderr and not self.echo_logs and not refused:
+            if status is RunStatus.FAILED and self._stderr and not self.echo_logs and not refused:
                 self._print_err(f"last {len(self._stderr)} lines of the trainer's stderr:")
                 for line in self._stderr:
                     self._print_err("  " + line)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from trainer.contract.config import ConfigError, number_arg
 from trainer.contract.events import PHASES, AlertKind, Severity
+from trainer.contract.states import RunStatus
 
 if TYPE_CHECKING:
     from .state import RunState
@@ -122,8 +123,6 @@ class RunCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
-        from .state import STATUSES
-
         state = self.state
         if state is None:
             return
@@ -149,15 +148,15 @@ class RunCollector:
             fam(name).add_metric([node, *labels], float(value))
 
         with state.lock:
-            hello, last = state.hello, state.last_step
+            last = state.last_step
             model = state.model
             info = {"run": state.run_name or "", "run_dir": state.run_dir or "",
                     "model": (model.family or "") if model else "", "size": (model.size or "") if model else "",
                     "device": (state.device.name or state.device.type) if state.device else "",
                     "precision": state.precision_label() or ""}
             fam("gptop_run_info").add_metric([node], info)
-            for s in STATUSES:
-                fam("gptop_status").add_metric([node, s], 1.0 if state.status == s else 0.0)
+            for s in RunStatus:
+                fam("gptop_status").add_metric([node, s.value], 1.0 if state.status is s else 0.0)
             put("gptop_step", state.step)
             put("gptop_max_steps", state.total_steps)
             put("gptop_tokens", state.tokens)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from trainer.contract import events as ev
+from trainer.contract.states import RunStatus
 
 from .session import EXIT_DONE, EXIT_INTERRUPTED, SessionBase
 from .tail import FileTail, feed_events
@@ -150,10 +151,10 @@ class MonitorSession(SessionBase):
         self.sampler.subscribe(self._dispatch)
         self.sampler.start()
         if self.run_dir is None:
-            self._set_status("monitor", "no run found in ./runs; showing devices only")
+            self._set_status(RunStatus.MONITOR, "no run found in ./runs; showing devices only")
             return
         self.pid = trainer_pid(self.run_dir)
-        self._set_status("running" if self.pid else "replay",
+        self._set_status(RunStatus.RUNNING if self.pid else RunStatus.REPLAY,
                          f"attached to pid {self.pid}" if self.pid else "finished run, replayed")
         self._thread = threading.Thread(target=self._follow, name="gptop-follow", daemon=True)
         self._thread.start()
@@ -178,7 +179,8 @@ class MonitorSession(SessionBase):
                 return
             if not _alive(self.pid):
                 self.pid = None
-                self._set_status("done" if self.state.status != "failed" else "failed", "the run ended")
+                self._set_status(RunStatus.FAILED if self.state.status is RunStatus.FAILED else RunStatus.DONE,
+                                 "the run ended")
                 continue
             time.sleep(self._poll)
 

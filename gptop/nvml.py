@@ -32,6 +32,8 @@ import logging
 import threading
 from typing import Any, Iterable
 
+from trainer.contract.events import GpuReading, finite_or_none
+
 log = logging.getLogger(__name__)
 
 NA = None
@@ -391,13 +393,66 @@ def index_of(nv: Nvml, keys: Iterable[str | None]) -> int | None:
     return None
 
 
+def sample_gpu(nv: Nvml, index: int, name: str, pids: set[int],
+               identity: tuple[str | None, str | None] = (None, None), xids: list[int] | None = None) -> GpuReading:
+    """One GPU's reading, as the sampler (and gptop doctor's NVML check) takes it; `xids`: the critical Xid errors
+    the driver reported for it since the previous sample (Nvml.xid_errors, read once for every GPU)."""
+    q = nv.device_query
+    util = q(index, "nvmlDeviceGetUtilizationRates")
+    mem = q(index, "nvmlDeviceGetMemoryInfo")
+    power_mw = q(index, "nvmlDeviceGetPowerUsage")
+    limit_mw = nv.device_query_first(index, [("nvmlDeviceGetEnforcedPowerLimit", ()),
+                                             ("nvmlDeviceGetPowerManagementLimit", ())])
+    energy_mj = q(index, "nvmlDeviceGetTotalEnergyConsumption")
+    sensor = nv.constant("NVML_TEMPERATURE_GPU", 0)
+    temp = nv.device_query_first(index, [("nvmlDeviceGetTemperatureV", (sensor,)),
+                                         ("nvmlDeviceGetTemperature", (sensor,))])
+    sm = q(index, "nvmlDeviceGetClockInfo", nv.constant("NVML_CLOCK_SM", 1))
+    sm_max = q(index, "nvmlDeviceGetMaxClockInfo", nv.constant("NVML_CLOCK_SM", 1))
+    gpm = nv.gpm(index) or {}
+    proc_mem = None
+    if pids:
+        procs = nv.device_query_first(index, [("nvmlDeviceGetComputeRunningProcesses", ()),
+                                              ("nvmlDeviceGetComputeRunningProcesses_v2", ())])
+        # NVML reports host PIDs: inside a PID namespace (container) ours may not match; then n/a, not 0.
+        used = [getattr(p, "usedGpuMemory", None) for p in procs or () if getattr(p, "pid", None) in pids]
+        known = [u for u in used if u is not None]
+        proc_mem = sum(known) if known else None
+    return GpuReading(
+        index=index,
+        name=name,
+        util_pct=finite_or_none(getattr(util, "gpu", None)),
+        mem_used=_int(getattr(mem, "used", None)),
+        mem_total=_int(getattr(mem, "total", None)),
+        power_w=finite_or_none(power_mw, 1e-3),
+        power_limit_w=finite_or_none(limit_mw, 1e-3),
+        energy_j=finite_or_none(energy_mj, 1e-3),
+        temp_c=finite_or_none(temp),
+        sm_clock_mhz=finite_or_none(sm),
+        proc_mem=proc_mem,
+        sm_clock_max_mhz=finite_or_none(sm_max),
+        clock_reasons=nv.clock_reasons(index),
+        sm_active_pct=finite_or_none(gpm.get("sm_active")),
+        tensor_active_pct=finite_or_none(gpm.get("tensor_active")),
+        power_note=None if power_mw is not None else "the driver reports no power for this GPU",
+        uuid=identity[0],
+        pci_bus_id=identity[1],
+        ecc_uncorrected=nv.ecc_uncorrected(index),
+        xids=xids or None,
+        lost=True if nv.is_lost(index) else None,
+    )
+
+
+def _int(v: Any) -> int | None:
+    return None if v is None else int(v)
+
+
 def check(nv: Nvml, index: int, sleep: Any = None) -> Any:
     """gptop doctor's `nvml` path (the GPU is kept busy meanwhile): what the sampler reads for the run's GPU
     (gptop.telemetry's reading: utilization, memory, power, SM clock and its maximum, clock-event reasons;
     GPM SM and tensor activity where the GPU has GPM) reads, and utilization is above 0 under the workload."""
     import time
 
-    from gptop.telemetry import sample_gpu
     from trainer.contract.doctor import Outcome
 
     sleep = sleep or time.sleep

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.contract import events as ev
+from trainer.contract.states import RunStatus
 from trainer.contract.client import ClientEnv
 from trainer.contract.config import ConfigError, TrainConfig
 
@@ -132,7 +133,7 @@ class ProgramSession(Session):
             # follows with the model
             self.publish(ev.HelloEvent(early=True, pid=sup.pid, config={}, device=training_device(),
                                        model=ev.ModelInfo(), command=self.command))
-            self._set_status("running")
+            self._set_status(RunStatus.RUNNING)
 
     def failure_summary(self, code: int) -> str:
         err = self.state.last_error()

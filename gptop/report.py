@@ -17,7 +17,6 @@ import shlex
 import statistics
 from array import array
 from collections import deque
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from trainer.contract import events as ev
+from trainer.contract.states import RunStatus
 from trainer.contract.config import TrainConfig, cli_args
 from trainer.contract.rundir import RunDir, has_checkpoint, list_checkpoints
 from trainer.contract.runlock import RunLock
@@ -43,7 +44,7 @@ NO_RESTART_KINDS = ("disk",)
 class View(Protocol):
     def on_event(self, event: ev.Event) -> None: ...
     def on_log(self, line: str, stream: str) -> None: ...
-    def on_status(self, status: str, message: str | None) -> None: ...
+    def on_status(self, status: RunStatus, message: str | None) -> None: ...
 
 
 class Controller(Protocol):
@@ -139,7 +140,8 @@ class SessionBase:
         with self._lock:
             self.state.count_malformed(line.decode("utf-8", "replace"))
 
-    def _set_status(self, status: str, message: str | None = None) -> None:
+    def _set_status(self, status: RunStatus, message: str | None = None) -> None:
+        status = RunStatus(status)
         with self._lock:
             self.state.set_status(status, message)
         for view in self.views:
@@ -274,7 +276,7 @@ class Session(SessionBase):
             sup.argv = self.options.launcher(args) if self.options.launcher else trainer_argv(args)
             self.supervisor = sup
             self.stopping = False
-            self._set_status("starting" if resume is None else "restarting")
+            self._set_status(RunStatus.STARTING if resume is None else RunStatus.RESTARTING)
             sup.start()
 
     def pids(self) -> list[int]:
@@ -329,19 +331,19 @@ class Session(SessionBase):
             return      # the trainer just exited: handle_exit, on its way, says how the run ended and what it kept
         if sup is None or not sup.alive():
             if self._exit_code is None and self.interrupted:
-                self._set_status("stopped")
+                self._set_status(RunStatus.STOPPED)
             self._finish(EXIT_INTERRUPTED if self._exit_code is None else self._exit_code)
             return
         if force or self.stopping:
             self.forced = True
-            self._set_status("stopping", "a second stop: ending the trainer at once, without a checkpoint of its own")
+            self._set_status(RunStatus.STOPPING, "a second stop: ending the trainer at once, without a checkpoint of its own")
             sup.kill()
         else:
             self.stopping = True
             if self.state.stepped:
-                self._set_status("stopping", "finishing the step and checkpointing")
+                self._set_status(RunStatus.STOPPING, "finishing the step and checkpointing")
             else:               # the trainer abandons its startup at once (trainer.channel.StartupStopped)
-                self._set_status("stopping", "stopping before the first step (nothing to checkpoint)")
+                self._set_status(RunStatus.STOPPING, "stopping before the first step (nothing to checkpoint)")
             sup.request_stop()
 
     def checkpoint(self) -> None:
@@ -441,8 +443,8 @@ class Session(SessionBase):
     def _on_event(self, event: ev.Event) -> None:
         started = isinstance(event, (ev.StepEvent, ev.ProgressEvent)) or (
             isinstance(event, ev.HelloEvent) and not event.early)   # the early hello: nothing is built yet
-        if started and self.state.status in ("starting", "restarting"):
-            self._set_status("running")
+        if started and self.state.status.launching:
+            self._set_status(RunStatus.RUNNING)
         if isinstance(event, ev.ErrorEvent):
             self.rank_errors.setdefault(event.rank, event)
         if isinstance(event, ev.HelloEvent) and event.rank == 0:
@@ -479,18 +481,18 @@ class Session(SessionBase):
             self._stopped(code)
             return
         if code == 0 or (self.killed_after_completion and self.state.completed):
-            self._set_status("done")
+            self._set_status(RunStatus.DONE)
             self._finish(EXIT_DONE)
             return
         summary = self.failure_summary(code)
         curable = not any(e.kind in NO_RESTART_KINDS for e in self.rank_errors.values())
         if self.restarts_left > 0 and curable:
             self.restarts_left -= 1
-            self._set_status("restarting", f"{summary}; restarting from the last checkpoint "
+            self._set_status(RunStatus.RESTARTING, f"{summary}; restarting from the last checkpoint "
                                            f"({self.restarts_left} restarts left)")
             self.spawn(resume=str(self.run_dir) if has_checkpoint(self.run_dir) else None)
             return
-        self._set_status("failed", summary)
+        self._set_status(RunStatus.FAILED, summary)
         self._finish(EXIT_FAILED)
 
     def _stopped(self, code: int) -> None:
@@ -498,11 +500,11 @@ class Session(SessionBase):
         also while the trainer was still starting and died of the signal. Only an error the trainer itself
         reported (a checkpoint it could not write while stopping) is shown as a failure."""
         if code != 0 and self.rank_errors:
-            self._set_status("failed", f"stopped: {self.failure_summary(code)}")
+            self._set_status(RunStatus.FAILED, f"stopped: {self.failure_summary(code)}")
         elif code == 0:
-            self._set_status("stopped")
+            self._set_status(RunStatus.STOPPED)
         else:
-            self._set_status("stopped", self.cut_short(code))
+            self._set_status(RunStatus.STOPPED, self.cut_short(code))
         self._finish(EXIT_INTERRUPTED)
 
     def cut_short(self, code: int) -> str:

@@ -19,6 +19,7 @@ attributes at once can hold it too (it is re-entrant and only held briefly).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from collections import deque
@@ -28,7 +29,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 from gptop.alerts import alert_line
 from gptop.energy import Energy, unavailable_reason
 from gptop.energy import measure as energy_measure
+from trainer.contract.config import Toggles
 from trainer.contract.device import DeviceInfo
+from trainer.contract.states import RunStatus, TrialKind, TrialStatus, TunerPhase
 
 if TYPE_CHECKING:
     from gptop.advice import Advice
@@ -37,9 +40,8 @@ from trainer.contract.events import (MAX_STEPS, PHASES, AlertEvent, ApplyEvent, 
                                      LogEvent, MeasureProgress, ModelInfo, PhaseEvent, ProfileEvent, ProgressEvent,
                                      StepEvent, TrialEvent, TunerBest, TunerEvent, UnknownEvent, WarningEvent)
 
-STATUSES = ("starting", "running", "checkpointing", "stopping", "done", "stopped", "failed", "restarting", "replay",
-            "monitor")
-ENDED = ("done", "stopped", "failed")      # the run is over: elapsed time stops
+
+TOGGLE_DEFAULTS = dataclasses.asdict(Toggles())   # what a toggle a start does not name ran at
 
 # Areas a view can watch separately (`RunState.versions[area]`).
 # progress: the per-step counter only
@@ -102,16 +104,12 @@ class Spread:
         return self.max / self.mean - 1 if self.mean > 0 else 0.0
 
 
-# Trial statuses whose measurement counts (the tuner's "ok"/"cut", or "kept"), and failed ones.
-GOOD_TRIALS = ("ok", "cut", "kept")
-BAD_TRIALS = ("infeasible", "rolled_back", "failed")
-
 
 @dataclass
 class TunerState:
     """The autotuner as the views see it: `tuner`, `trial` and `apply` events folded together."""
 
-    phase: str | None = None           # e.g. "find-micro-batch", "baseline", "trials", "decide", "done"
+    phase: TunerPhase | None = None
     budget_left_s: float | None = None
     budget_at: float | None = None     # the time of the event that said budget_left_s
     trial: int | None = None           # the trial running now
@@ -126,7 +124,7 @@ class TunerState:
 
     @property
     def active(self) -> bool:
-        return self.phase is not None and self.phase != "done"
+        return self.phase is not None and self.phase is not TunerPhase.DONE
 
     @property
     def best(self) -> TunerBest | TrialEvent | None:
@@ -134,7 +132,7 @@ class TunerState:
         a tuner that did not name it, the measured (ok/cut/kept) trial with the highest throughput."""
         if self.tells_best:
             return self.told_best
-        good = [t for t in self.trials.values() if t.status in GOOD_TRIALS and t.tokens_per_s]
+        good = [t for t in self.trials.values() if t.status.measured and t.tokens_per_s]
         return max(good, key=lambda t: t.tokens_per_s or 0.0, default=None)
 
 
@@ -144,14 +142,14 @@ class RunState:
     def __init__(self, *, run_name: str = "", run_dir: str | None = None, history: int = 2000,
                  device_history: int = 3600, phase_window: int = 20, rate_window: int = 20,
                  log_lines: int = 5000, clock: Callable[[], float] | None = None,
-                 status: str = "starting") -> None:
+                 status: RunStatus = RunStatus.STARTING) -> None:
         self.lock = threading.RLock()
         self.version = 0
         self.versions: dict[str, int] = {a: 0 for a in AREAS}
         self.clock = clock
         self.run_name = run_name or (run_dir.rstrip("/").rsplit("/", 1)[-1] if run_dir else "")
         self.run_dir = run_dir
-        self.status = status
+        self.status = RunStatus(status)
         self.status_message: str | None = None
 
         # from hello
@@ -260,12 +258,12 @@ class RunState:
             self.log_count += 1
             self._bump("log")
 
-    def set_status(self, status: str, message: str | None = None) -> None:
+    def set_status(self, status: RunStatus, message: str | None = None) -> None:
         """Set by the Session: the run's lifecycle is its business, not the events'."""
         with self.lock:
-            self.status = status
+            self.status = status = RunStatus(status)
             self.status_message = message
-            if status in ENDED:
+            if status.ended:
                 if self.end_time is None:
                     self.end_time = self.now()
             else:
@@ -454,13 +452,13 @@ class RunState:
         else:
             n = e.number
         self.tuner.trials[n] = e    # each trial event carries the whole row
-        if e.status == "running":
+        if e.status is TrialStatus.RUNNING:
             self.tuner.trial = n
         self._bump("tuner")
 
     def _on_apply(self, e: ApplyEvent) -> None:
         self.tuner.applied.append(e)
-        self._applied.update(e.toggles)
+        self._applied.update(dataclasses.asdict(e.toggles))
         self._bump("tuner", "run")
 
     def _on_tuner(self, e: TunerEvent) -> None:
@@ -491,7 +489,7 @@ class RunState:
     def now(self) -> float | None:
         """The clock if injected, else the latest event time (deterministic for replays and
         snapshots). A replayed run's time is its events' time even with a clock."""
-        if self.clock is not None and self.status != "replay":
+        if self.clock is not None and self.status is not RunStatus.REPLAY:
             return self.clock()
         return self.last_time
 
@@ -525,8 +523,8 @@ class RunState:
         with self.lock:
             p = self.startup
             if p is None:
-                if self.stepped or self.hello is None or self.hello.early or self.status not in (
-                        "starting", "running", "restarting"):
+                if self.stepped or self.hello is None or self.hello.early or not (
+                        self.status.launching or self.status is RunStatus.RUNNING):
                     return None
                 line = "first step"           # built; the first step (data, warm-up) is running
             else:
@@ -580,9 +578,12 @@ class RunState:
         auto = "precision" in self.hello.auto and precision == self.hello.toggles.get("precision")
         return f"auto -> {precision}" if auto else str(precision)
 
-    def toggle_diff(self, toggles: dict[str, Any] | None) -> dict[str, Any]:
-        """The toggles that differ from what the run started with (trial and apply events carry all)."""
-        base = self.initial_toggles or {}
+    def toggle_diff(self, toggles: Toggles | dict[str, Any] | None) -> dict[str, Any]:
+        """The toggles that differ from what the run started with (trial and apply events carry all); a toggle
+        the start does not name (an older trainer's hello) ran at its default."""
+        if isinstance(toggles, Toggles):
+            toggles = dataclasses.asdict(toggles)
+        base = {**TOGGLE_DEFAULTS, **self.initial_toggles} if self.initial_toggles else {}
         return {k: v for k, v in (toggles or {}).items() if k not in base or base[k] != v}
 
     def command_line(self) -> str | None:
@@ -605,7 +606,7 @@ class RunState:
         """Seconds since the first event (until the run ended, once it has; a replay's run, not the
         live device samples a monitor adds)."""
         now = self.end_time if self.end_time is not None else (
-            self.last_run_time if self.status == "replay" else self.now())
+            self.last_run_time if self.status is RunStatus.REPLAY else self.now())
         if self.start_time is None or now is None:
             return None
         return max(0.0, now - self.start_time)
@@ -972,8 +973,8 @@ def spread_pct(trial: TrialEvent) -> float | None:
 def measure_parts(m: MeasureProgress) -> tuple[str, str, str]:
     """(what and how far, the estimate so far, time measured of the most it may take), e.g.
     ('trial 5: 5/8 samples', '41.2k tok/s ±4.1% (goal ±3%)', '0:31/2:30'); empty parts are ''."""
-    what = m.kind if m.kind != "trial" or m.number is None else f"trial {m.number}"
-    if m.kind == "remeasure" and m.number is not None:
+    what = m.kind if m.kind is not TrialKind.TRIAL or m.number is None else f"trial {m.number}"
+    if m.kind is TrialKind.REMEASURE and m.number is not None:
         what = f"trial {m.number} again"
     if not m.warmed_up:
         head = f"{what}: warming up, {m.steps} steps"

@@ -14,6 +14,7 @@ from typing import IO
 
 from trainer.contract import rundir
 from trainer.contract.events import ERROR_WORDS
+from trainer.contract.states import RunStatus
 
 from .state import RunState, fmt_duration, fmt_mfu, fmt_num
 
@@ -26,9 +27,9 @@ def outcome(state: RunState, exit_code: int | None = None) -> str:
     error, also one the trainer reported while it was being stopped)."""
     with state.lock:
         status, done, completed = state.status, state.done, state.completed
-    if status == "failed":
+    if status is RunStatus.FAILED:
         return "failed"
-    if status == "stopped" or exit_code == EXIT_INTERRUPTED:
+    if status is RunStatus.STOPPED or exit_code == EXIT_INTERRUPTED:
         return "stopped"
     if completed:
         return "finished"
@@ -36,7 +37,7 @@ def outcome(state: RunState, exit_code: int | None = None) -> str:
         return "stopped"
     if exit_code not in (None, 0):
         return "failed"
-    return "finished" if status == "done" else "stopped"     # done without a `done` event: a command exited 0
+    return "finished" if status is RunStatus.DONE else "stopped"     # done without a `done` event: a command exited 0
 
 
 def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:

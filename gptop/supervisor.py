@@ -145,8 +145,9 @@ class Supervisor:
         self.on_event, self.on_log, self.on_exit = on_event, on_log, on_exit
         self.on_malformed = on_malformed or (lambda line, why: None)
         self.env = env
-        self.log_poll_s = log_poll_s        # the log files' poll: a line is in the log panel within this (issue 13: 10 wake-ups a
-                                            # second were a tenth of the dashboard's cost on an idle machine)
+        # the log files' poll: a line is in the log panel within this; each wake-up costs the dashboard CPU
+        # even when nothing was written, so it is no faster than a reader notices
+        self.log_poll_s = log_poll_s
         self.proc: subprocess.Popen | None = None
         self.returncode: int | None = None
         self.exit_reported = threading.Event()     # on_exit has run for this process

@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal
 import psutil
 
 from gptop.energy import Rapl
-from gptop.nvml import Nvml
+from gptop.nvml import Nvml, sample_gpu
 from trainer.contract.device import DeviceInfo, cpu_has_native_bf16, cpu_name, has_compiler
-from trainer.contract.events import CpuReading, DeviceEvent, GpuReading, finite_or_none
+from trainer.contract.events import CpuReading, DeviceEvent
 
 if TYPE_CHECKING:
     from trainer.contract.config import TrainConfig
@@ -82,9 +82,9 @@ class _ProcStats:
 
 
 # How often the trainer's process tree is walked again (new children: data workers, torchrun ranks). A walk
-# reads every process's /proc/PID/stat (psutil's children()): 2.6 ms of CPU with 139 processes, twice per
-# 0.5 s sample (the supervisor's walk and this one), about 1% of a core on a busy machine (issue 13). Between walks the known
-# processes are read directly; a change of the roots (a restarted trainer) walks at once.
+# reads every process's /proc/PID/stat (psutil's children()), so its cost grows with the machine's process
+# count; between walks the known processes are read directly, and a change of the roots (a restarted
+# trainer) walks at once.
 TREE_REFRESH_S = 5.0
 
 
@@ -170,60 +170,6 @@ def gpu_identity(nv: Nvml, index: int) -> tuple[str | None, str | None]:
     if isinstance(bus, bytes):
         bus = bus.decode("ascii", errors="replace")
     return (str(uuid) if uuid else None), (str(bus) if bus else None)
-
-
-def sample_gpu(nv: Nvml, index: int, name: str, pids: set[int],
-               identity: tuple[str | None, str | None] = (None, None), xids: list[int] | None = None) -> GpuReading:
-    """One GPU's reading, as the sampler (and gptop doctor's NVML check) takes it; `xids`: the critical Xid errors
-    the driver reported for it since the previous sample (Nvml.xid_errors, read once for every GPU)."""
-    q = nv.device_query
-    util = q(index, "nvmlDeviceGetUtilizationRates")
-    mem = q(index, "nvmlDeviceGetMemoryInfo")
-    power_mw = q(index, "nvmlDeviceGetPowerUsage")
-    limit_mw = nv.device_query_first(index, [("nvmlDeviceGetEnforcedPowerLimit", ()),
-                                             ("nvmlDeviceGetPowerManagementLimit", ())])
-    energy_mj = q(index, "nvmlDeviceGetTotalEnergyConsumption")
-    sensor = nv.constant("NVML_TEMPERATURE_GPU", 0)
-    temp = nv.device_query_first(index, [("nvmlDeviceGetTemperatureV", (sensor,)),
-                                         ("nvmlDeviceGetTemperature", (sensor,))])
-    sm = q(index, "nvmlDeviceGetClockInfo", nv.constant("NVML_CLOCK_SM", 1))
-    sm_max = q(index, "nvmlDeviceGetMaxClockInfo", nv.constant("NVML_CLOCK_SM", 1))
-    gpm = nv.gpm(index) or {}
-    proc_mem = None
-    if pids:
-        procs = nv.device_query_first(index, [("nvmlDeviceGetComputeRunningProcesses", ()),
-                                              ("nvmlDeviceGetComputeRunningProcesses_v2", ())])
-        # NVML reports host PIDs: inside a PID namespace (container) ours may not match; then n/a, not 0.
-        used = [getattr(p, "usedGpuMemory", None) for p in procs or () if getattr(p, "pid", None) in pids]
-        known = [u for u in used if u is not None]
-        proc_mem = sum(known) if known else None
-    return GpuReading(
-        index=index,
-        name=name,
-        util_pct=finite_or_none(getattr(util, "gpu", None)),
-        mem_used=_int(getattr(mem, "used", None)),
-        mem_total=_int(getattr(mem, "total", None)),
-        power_w=finite_or_none(power_mw, 1e-3),
-        power_limit_w=finite_or_none(limit_mw, 1e-3),
-        energy_j=finite_or_none(energy_mj, 1e-3),
-        temp_c=finite_or_none(temp),
-        sm_clock_mhz=finite_or_none(sm),
-        proc_mem=proc_mem,
-        sm_clock_max_mhz=finite_or_none(sm_max),
-        clock_reasons=nv.clock_reasons(index),
-        sm_active_pct=finite_or_none(gpm.get("sm_active")),
-        tensor_active_pct=finite_or_none(gpm.get("tensor_active")),
-        power_note=None if power_mw is not None else "the driver reports no power for this GPU",
-        uuid=identity[0],
-        pci_bus_id=identity[1],
-        ecc_uncorrected=nv.ecc_uncorrected(index),
-        xids=xids or None,
-        lost=True if nv.is_lost(index) else None,
-    )
-
-
-def _int(v: Any) -> int | None:
-    return None if v is None else int(v)
 
 
 # --------------------------------------------------------------------------- sampler
@@ -510,7 +456,7 @@ def resolved_size(cfg: "TrainConfig") -> str | None:
     """What `--size auto` will resolve to on the device the trainer will use (None: a size was given, or the
     model is a path), so the run directory is named by it (trainer.contract.capabilities.auto_size)."""
     from trainer.contract.capabilities import auto_size
-    from trainer.contract.config import FAMILIES
+    from trainer.contract.common import FAMILIES
     from trainer.contract.estimate import run_options
 
     if cfg.model.size != "auto" or cfg.model.model not in FAMILIES:

@@ -47,7 +47,8 @@ class TensorBoardWriter:
         except ImportError as e:  # tensorboard is an optional extra
             from trainer.contract.config import ConfigError
 
-            raise ConfigError("--tensorboard", f"needs the tensorboard package: pip install 'gptop[tensorboard]' ({e})")
+            raise ConfigError("--tensorboard",
+                              f"needs the tensorboard package: pip install 'gptop[tensorboard]' ({e})") from None
         self._event_pb2, self._summary_pb2 = event_pb2, summary_pb2
         self._api_pb2, self._hp_meta, self._hp_data = api_pb2, metadata, plugin_data_pb2
         self._w = EventFileWriter(str(log_dir))

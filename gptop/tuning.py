@@ -49,15 +49,17 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from trainer.contract import events as ev
 from trainer.contract import rundir
 from trainer.contract.config import AUTO, Toggles, TrainConfig
 from trainer.contract.device import DeviceInfo
+from trainer.contract.states import TrialOutcome
 
 if TYPE_CHECKING:
-    from .session import Session
+    from .state import RunState
+    from .supervisor import Supervisor
 
 STEADY = ("done", "prune", "budget", "timeout")
 PACE_STEPS = 50                            # the recent step events whose median pace a `t` key plans on
@@ -112,10 +114,30 @@ def tuning_space(cfg: TrainConfig, dev: DeviceInfo, fits: int | None, world: int
     return space, note
 
 
+class TuningHost(Protocol):
+    """What the driver needs of the session that runs it (gptop.session.Session is one): the run's config,
+    directory, state and process, and the session's controller slot, event log and exit handling."""
+
+    cfg: TrainConfig
+    run_dir: Path
+    state: RunState
+    supervisor: Supervisor | None
+    interrupted: bool
+
+    @property
+    def finished(self) -> bool: ...
+    def set_controller(self, controller: TuningDriver | None) -> None: ...
+    def publish(self, event: ev.Event) -> None: ...
+    def log(self, message: str) -> None: ...
+    def spawn(self, cfg: TrainConfig | None = None, resume: str | None = None) -> None: ...
+    def handle_exit(self, code: int) -> None: ...
+    def energy_between(self, t0: float, t1: float) -> float | None: ...
+
+
 class TuningDriver:
     """The session's controller while it tunes (gptop.session.Controller); `Session.start_tuning` makes one."""
 
-    def __init__(self, session: "Session", budget_s: float, space_spec: str | None = None,
+    def __init__(self, session: TuningHost, budget_s: float, space_spec: str | None = None,
                  storage: str | None = None, tune_only: bool = False, trial_log_every: int = 1,
                  hello: ev.HelloEvent | None = None):
         self.session = session
@@ -372,14 +394,14 @@ class TuningDriver:
                     return self._conclude(ctl.stop_early(reason, rolled_back=not action.keep_steps))
                 if outcome in ("interrupted", "finished"):
                     if outcome == "finished" and ctl.in_trial:
-                        ctl.finish_trial("ok")            # its steps are the run's last: kept
+                        ctl.finish_trial(TrialOutcome.OK)            # its steps are the run's last: kept
                     ctl.abort(reason)
                     self._publish()
                     return self._conclude(None)
                 if outcome in STEADY and action.keep_steps:
-                    ctl.finish_trial("ok")
+                    ctl.finish_trial(TrialOutcome.OK)
                 elif outcome in STEADY:            # measured; rolled back so the run keeps its optimizer state
-                    ctl.finish_trial("ok", rollback=self._rollback(pre))
+                    ctl.finish_trial(TrialOutcome.OK, rollback=self._rollback(pre))
                 else:
                     ctl.finish_trial(outcome, reason, rollback=self._rollback(pre))
                 self._publish()

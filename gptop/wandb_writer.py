@@ -51,7 +51,7 @@ class WandbWriter:
                                    settings=wandb.Settings(console="off", silent=True))
         except Exception as e:   # no account, no network, a bad WANDB_* setting: say so, as a usage error
             raise ConfigError("--wandb", f"wandb.init failed ({e}); run `wandb login`, or set "
-                                         "WANDB_MODE=offline to log without an account or network")
+                                         "WANDB_MODE=offline to log without an account or network") from None
         self._run.define_metric("step")
         self._run.define_metric("*", step_metric="step")
         self._metrics = RunMetrics()

@@ -1,5 +1,4 @@
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,11 +17,7 @@ import torch  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-ROOT = Path(__file__).resolve().parent.parent
-
-# Tiny runs for tests: small sequences and batches so a step takes milliseconds.
-TINY = ["--size", "tiny", "--seq-len", "64", "--global-batch", "4", "--warmup-steps", "2", "--eval-every", "0",
-        "--log-every", "1", "--checkpoint-every", "0", "--device", "cpu"]
+from helpers import TINY  # noqa: E402  (the shared helpers: tests/helpers.py)
 
 
 @pytest.fixture
@@ -30,8 +25,14 @@ def tiny_args():
     return list(TINY)
 
 
-def trainer_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "trainer", *args]
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matmuls gain nothing from threads, and on a busy CI box OpenMP spinning makes them slower
+    (`pytestmark = pytest.mark.usefixtures("one_thread")` in a module of in-process model tests)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 # --- the `process` marker: the inner loop (`-m "not process"`) starts no process ---------------------------

@@ -441,8 +441,8 @@ def test_a_sigstopped_trainer_raises_a_stall_that_is_resolved_after_sigcont(tmp_
     import signal
     import subprocess
 
-    from conftest import TINY
-    from fixtures.waiting import wait_for
+    from helpers import TINY
+    from helpers import wait_for
     from gptop.report import summarize
     from trainer.contract.events import read_events
 

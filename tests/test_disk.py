@@ -9,7 +9,6 @@ from __future__ import annotations
 import builtins
 import errno
 import os
-import signal
 import subprocess
 import sys
 import uuid
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, TINY, trainer_cmd
+from helpers import ROOT, TINY, restoring_signals, train_in_process, trainer_cmd
 from trainer import checkpoint as ckpt
 from trainer.channel import Channel
 from trainer.cli import parse_config
@@ -127,12 +126,8 @@ def test_a_full_events_file_does_not_raise_and_stops_the_run_once():
 def test_a_run_whose_events_cannot_be_written_stops_with_a_disk_error(tmp_path, capfd):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "events.jsonl").symlink_to("/dev/full")
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
-    try:
+    with restoring_signals():          # the events file is /dev/full: nothing to read back
         code = main_run(parse_config([*TINY, "--run-dir", str(tmp_path / "run"), "--max-steps", "50"]))
-    finally:
-        for s, h in saved.items():
-            signal.signal(s, h)
     assert code == EXIT_DISK
     err = capfd.readouterr().err
     assert "error (disk): No space left on device: cannot write" in err and "events.jsonl" in err
@@ -140,14 +135,7 @@ def test_a_run_whose_events_cannot_be_written_stops_with_a_disk_error(tmp_path, 
 
 
 def _run(tmp_path, *args):
-    run_dir = tmp_path / "run"
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        code = main_run(parse_config([*TINY, "--run-dir", str(run_dir), *args]))
-    finally:
-        for s, h in saved.items():
-            signal.signal(s, h)
-    return code, list(read_events(run_dir / "events.jsonl")), run_dir
+    return train_in_process(tmp_path / "run", *args, strict=False)
 
 
 def test_a_checkpoint_on_a_full_disk_is_a_disk_error_and_the_previous_one_stays(tmp_path, monkeypatch):

@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import ROOT, TINY
+from helpers import ROOT, TINY, wait_for
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2"]
 
@@ -299,10 +299,8 @@ def test_commands_take_effect_on_the_same_step_on_every_rank(tmp_path):
         s.start()
         assert seen.wait(90), s.state.logs
         s.checkpoint()
-        deadline = time.monotonic() + 30
-        while not ckpts and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert ckpts and ckpts[0].reason == "requested"
+        wait_for(lambda: ckpts, 30, "the requested checkpoint")
+        assert ckpts[0].reason == "requested"
         s.stop(interrupted=False)
         assert s.wait(60) == 0, s.state.status_message
     finally:

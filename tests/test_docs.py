@@ -33,7 +33,7 @@ from typing import Callable
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "BENCHMARKS.md"]
 SHARED_RUN = "runs/demo"          # made by the README's first command (short form) in the scratch directory
@@ -155,6 +155,7 @@ RULES: list[Rule] = [
     Rule(r"^python3 -m venv |^\. \S+/activate$|^pip install|^createdb ", "skip",
          "sets up an environment or a database server (network, root); the tests run in the installed one"),
     Rule(r"-m pytest", "skip", "the test suite itself"),
+    Rule(r"^ruff check|^mypy$", "skip", "the lint and type check before the test suite (.ci/run runs them)"),
     Rule(r"^optuna-dashboard ", "skip", "a separate tool (pip install optuna-dashboard) serving a web page"),
     Rule(r"^tensorboard ", "skip", "a separate tool (pip install 'gptop[tensorboard]') serving a web page"),
     FIRST,
@@ -402,6 +403,8 @@ def test_every_command_has_a_rule(cmd: Command):
 
 
 def test_code_blocks_are_shell_toml_or_python():
+    langs = {lang for _, _, lang, _ in OTHER_BLOCKS}
+    assert COMMANDS and {"toml", "python"} <= langs, "the docs scan found no commands or no toml/python blocks"
     for doc, line, lang, body in OTHER_BLOCKS:
         assert lang in ("toml", "python"), f"{doc}:{line}: a ```{lang} block the docs check does not read"
 

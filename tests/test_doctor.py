@@ -18,7 +18,7 @@ import pynvml
 import pytest
 import torch
 
-from conftest import ROOT
+from helpers import ROOT
 from test_data import FakeCuda
 from test_telemetry import fake_pynvml
 from trainer.contract import capabilities
@@ -309,7 +309,7 @@ def test_a_path_the_device_rules_out_is_skipped_with_the_capabilitys_reason(name
 
 def test_qlora_without_bitsandbytes_and_nccl_on_one_gpu_are_skipped(monkeypatch):
     from trainer.dist import check_nccl
-    from trainer.lora import check_qlora
+    from trainer.models import check_qlora
 
     monkeypatch.setattr(capabilities, "_installed", lambda m: m != "bitsandbytes")
     assert "pip install 'gptop[qlora]'" in check_qlora(H100, True).reason

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import ROOT, TINY
+from helpers import ROOT, TINY, train_in_process
 from trainer.contract import rundir, tools
 from trainer.contract.config import ConfigError, ModelConfig, Toggles
 from trainer.contract.device import DeviceInfo
@@ -33,16 +33,10 @@ FAMILIES = ("llama", "deepseek", "llada")
 CPU = DeviceInfo(type="cpu", name="test-cpu", cpu_count=2, total_memory=8 << 30)
 
 
-def train_in_process(run_dir: Path, *args: str) -> None:
-    from trainer.cli import parse_config
-    from trainer.train import EXIT_OK, main_run
+def train_ok(run_dir: Path, *args: str) -> None:
+    from trainer.train import EXIT_OK
 
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        assert main_run(parse_config([*TINY, "--run-dir", str(run_dir), *args])) == EXIT_OK
-    finally:
-        for s, h in saved.items():
-            signal.signal(s, h)
+    assert train_in_process(run_dir, *args)[0] == EXIT_OK
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +46,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     out = {}
     for family in FAMILIES:
         out[family] = base / family
-        train_in_process(out[family], "--model", family, "--max-steps", "4", "--checkpoint-every", "2",
+        train_ok(out[family], "--model", family, "--max-steps", "4", "--checkpoint-every", "2",
                          "--lr", "3e-3")
     return out
 

@@ -10,11 +10,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import TINY
-from trainer import checkpoint as ckpt
+from helpers import TINY
 from trainer.contract import rundir
 from trainer.contract.events import parse, read_events, to_dict
-from fixtures.waiting import wait_for
+from helpers import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.process]
 

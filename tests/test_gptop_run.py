@@ -13,9 +13,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 from trainer.contract.events import parse, read_events
-from fixtures.waiting import wait_for
+from helpers import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.process]
 

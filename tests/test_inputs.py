@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from trainer.contract import inputs
-from trainer.contract.config import (AUTO, SECTIONS, ConfigError, Range, Toggles, TrainConfig, add_arguments,
+from trainer.contract.config import (AUTO, ConfigError, Range, Toggles, TrainConfig, add_arguments,
                                      config_from_args, flag_of, kind_of, opt, range_of)
 
 ROOT = Path(__file__).resolve().parent.parent

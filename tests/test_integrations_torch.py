@@ -17,7 +17,7 @@ from trainer.contract.client import CHANNEL_ENV, LOG_EVERY_ENV, RESUME_ENV, RUN_
 from trainer.contract.config import ConfigError
 
 from fixtures.fake_gptop import FakeGptop
-from fixtures.waiting import wait_for
+from helpers import wait_for
 
 VOCAB, BATCH, SEQ = 32, 4, 8
 

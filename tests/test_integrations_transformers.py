@@ -17,7 +17,7 @@ from trainer.contract import events as ev
 from trainer.contract.client import CHANNEL_ENV, RESUME_ENV
 
 from fixtures.fake_gptop import FakeGptop
-from fixtures.waiting import wait_for
+from helpers import wait_for
 
 SEQ, BATCH, ACCUM = 16, 4, 2
 

@@ -3,17 +3,15 @@ monitor attaches to a long run by reading its head and tail."""
 
 from __future__ import annotations
 
-import math
 import random
 import statistics
 import sys
-import time
 import tracemalloc
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 from fixtures.streams import gpu_run
 from gptop import report
 from gptop.energy import measure

@@ -1,21 +1,20 @@
 """Fine-tuning in small memory: LoRA adapters on a frozen base, the optimizer choices, QLoRA's gate,
 honest FLOPs with frozen weights, and the adapter / merged exports."""
 
-import signal
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import TINY
+from helpers import TINY, of, restoring_signals, train_in_process
 from trainer import checkpoint as ckpt
 from trainer.cli import parse_config
 from trainer.contract import capabilities, rundir
 from trainer.contract.config import ConfigError, FinetuneConfig, ModelConfig, Toggles
 from trainer.contract.device import DeviceInfo
 from trainer.contract.events import read_events
-from trainer.train import EXIT_CONFIG, EXIT_OK, Trainer, main_run
+from trainer.train import EXIT_CONFIG, EXIT_OK, Trainer
 
 CPU = DeviceInfo(type="cpu", name="test cpu", total_memory=8 << 30, cpu_count=2)
 H100 = DeviceInfo(type="cuda", name="NVIDIA H100 80GB HBM3", total_memory=80 << 30, capability=(9, 0))
@@ -39,39 +38,21 @@ def model_dir(tmp_path_factory) -> Path:
     return out
 
 
-def _signals():
-    return {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
-
-
 def run(tmp_path, *args, name="run"):
     """Run the trainer in this process; (exit code, events, run dir)."""
-    run_dir = tmp_path / name
-    saved = _signals()
-    try:
-        code = main_run(parse_config([*TINY, "--run-dir", str(run_dir), *args]))
-    finally:
-        for s, h in saved.items():
-            signal.signal(s, h)
-    events = list(read_events(run_dir / "events.jsonl", strict=True)) if (run_dir / "events.jsonl").exists() else []
-    return code, events, run_dir
+    return train_in_process(tmp_path / name, *args)
 
 
 def trained_model(tmp_path, *args, name="live") -> torch.nn.Module:
     """Train in this process and keep the Trainer's model to look at."""
-    saved = _signals()
-    t = Trainer(parse_config([*TINY, "--run-dir", str(tmp_path / name), *args]))
-    try:
-        t.setup()
-        assert t.run() == EXIT_OK
-    finally:
-        t.channel.close()
-        for s, h in saved.items():
-            signal.signal(s, h)
+    with restoring_signals():
+        t = Trainer(parse_config([*TINY, "--run-dir", str(tmp_path / name), *args]))
+        try:
+            t.setup()
+            assert t.run() == EXIT_OK
+        finally:
+            t.channel.close()
     return t.raw_model
-
-
-def of(events, kind):
-    return [e for e in events if e.type == kind]
 
 
 # --- LoRA on a model directory ------------------------------------------------------------------
@@ -203,11 +184,13 @@ def test_lora_targets_are_checked_against_the_model():
     (["--quantize-base", "nf4"], "--quantize-base"),                   # needs --lora
     (["--optimizer", "sgd"], "--optimizer"),
 ])
-def test_bad_finetune_options_name_the_option(args, option):
+def test_bad_finetune_options_name_the_option(args, option, capsys):
     with pytest.raises((ConfigError, SystemExit)) as e:
         parse_config([*TINY, *args])
     if isinstance(e.value, ConfigError):
         assert e.value.option == option
+    else:                                   # argparse refused it: exit 2, the option named on stderr
+        assert e.value.code == 2 and option in capsys.readouterr().err
 
 
 # --- capabilities -------------------------------------------------------------------------------

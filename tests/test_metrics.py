@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 from fixtures.streams import gpu_run
 from gptop.metrics import METRICS, MetricsServer
 from gptop.state import RunState

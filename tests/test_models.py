@@ -38,13 +38,7 @@ def batch(b: int = 2, n: int = SEQ, vocab: int = VOCAB, seed: int = 0) -> tuple[
     return tokens[:, :-1], tokens[:, 1:]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a busy CI box OpenMP spinning makes them slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

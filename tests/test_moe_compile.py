@@ -15,18 +15,12 @@ from trainer.contract.config import ModelConfig, Toggles
 from trainer.contract.device import DeviceInfo
 from trainer.models import build_model
 
-pytestmark = [pytest.mark.compile, pytest.mark.process]   # inductor may start compile workers
+# inductor may start compile workers
+pytestmark = [pytest.mark.compile, pytest.mark.process, pytest.mark.usefixtures("one_thread")]
 
 VOCAB, SEQ = 500, 32
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a busy CI box OpenMP spinning makes them slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def build(family: str, *, ac: bool = False):

@@ -7,12 +7,11 @@ test_distributed.py.
 """
 
 import math
-import signal
 
 import pytest
 import torch
 
-from conftest import TINY
+from helpers import TINY, of, restoring_signals, train_in_process
 from trainer import checkpoint as ckpt
 from trainer import optim
 from trainer.checkpointer import all_finite
@@ -20,29 +19,11 @@ from trainer.cli import parse_config
 from trainer.contract import rundir
 from trainer.contract.config import ConfigError
 from trainer.contract.events import ERROR_KINDS, read_events
-from trainer.train import (EXIT_CORRUPT_CHECKPOINT, EXIT_NAN, EXIT_NO_CHECKPOINT, EXIT_OK, Stop, Trainer,
-                           main_run)
-
-
-def _restoring_signals(fn):
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        return fn()
-    finally:
-        for s, h in saved.items():
-            signal.signal(s, h)
+from trainer.train import (EXIT_CORRUPT_CHECKPOINT, EXIT_NAN, EXIT_NO_CHECKPOINT, EXIT_OK, Stop, Trainer)
 
 
 def run(tmp_path, *args, name="run", base=TINY):
-    run_dir = tmp_path / name
-    code = _restoring_signals(lambda: main_run(parse_config([*base, "--run-dir", str(run_dir), *args])))
-    events = list(read_events(run_dir / "events.jsonl", strict=True)) if (run_dir / "events.jsonl").exists() else []
-    return code, events, run_dir
-
-
-def of(events, kind):
-    """Events of a type; for "hello" the full ones (each process also sends an early hello first)."""
-    return [e for e in events if e.type == kind and not (kind == "hello" and e.early)]
+    return train_in_process(tmp_path / name, *args, base=base)
 
 
 def state_tensors(state):
@@ -116,13 +97,12 @@ def test_a_non_finite_gradient_norm_skips_the_update_and_applies_the_nan_policy(
                         "--fault", "nan-grad@2", "--nan-policy", "stop", *flag])
     trainer = Trainer(cfg)
 
-    def go():
-        trainer.setup()
-        with pytest.raises(Stop) as stop:
-            trainer.run()
-        return stop.value.code
     try:
-        assert _restoring_signals(go) == EXIT_NAN
+        with restoring_signals():
+            trainer.setup()
+            with pytest.raises(Stop) as stop:
+                trainer.run()
+        assert stop.value.code == EXIT_NAN
     finally:
         trainer.channel.close()
     events = list(read_events(tmp_path / "t" / "events.jsonl"))
@@ -222,9 +202,7 @@ def test_nothing_to_resume_is_an_error_of_its_kind(tmp_path):
     # trainer reports the known end as an error event of its kind.
     cfg = parse_config([*TINY, "--run-dir", str(tmp_path / "run")])
     cfg.checkpoint.resume = str(empty)
-    run_dir = tmp_path / "run"
-    code = _restoring_signals(lambda: main_run(cfg))
-    events = list(read_events(run_dir / "events.jsonl", strict=True))
+    code, events, run_dir = train_in_process(tmp_path / "run", cfg=cfg)
     assert code == EXIT_NO_CHECKPOINT
     (err,) = of(events, "error")
     assert err.kind == "no_checkpoint" in ERROR_KINDS and err.exit_code == EXIT_NO_CHECKPOINT

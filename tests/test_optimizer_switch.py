@@ -5,7 +5,7 @@ starts fresh; once switched, resume is exact."""
 import pytest
 import torch
 
-from conftest import TINY
+from helpers import TINY
 from test_lora import of, run
 from trainer import optim
 from trainer.cli import parse_config

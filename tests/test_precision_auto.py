@@ -2,16 +2,14 @@
 records the resolved value (config.toml, hello), resumes with it, and the views say what auto became."""
 
 import dataclasses
-import signal
 
 import pytest
 
-from conftest import TINY
+from helpers import train_in_process
 from fixtures.streams import config, ev
 from trainer.contract import capabilities
 from trainer.contract.config import PRECISIONS, TrainConfig
 from trainer.contract.device import DeviceInfo, cpu_has_native_bf16
-from trainer.contract.events import read_events
 
 H100 = DeviceInfo(type="cuda", name="NVIDIA H100 80GB HBM3", capability=(9, 0), total_memory=int(80e9))
 A100 = DeviceInfo(type="cuda", name="NVIDIA A100-SXM4-80GB", capability=(8, 0), total_memory=int(80e9))
@@ -67,20 +65,11 @@ def _run(tmp_path, monkeypatch, *args, native: bool, name: str = "run"):
     """The trainer in this process on this CPU, with bf16 instructions faked present or absent at the one
     boundary that asks (trainer.device.detect)."""
     from trainer import train
-    from trainer.cli import parse_config
 
     real = train.detect
     monkeypatch.setattr(train, "detect", lambda requested="auto": dataclasses.replace(
         real(requested), cpu_bf16=native, cpu_bf16_native=native))
-    run_dir = tmp_path / name
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        code = train.main_run(parse_config([*TINY, "--micro-batch", "4", "--run-dir", str(run_dir), *args]))
-    finally:
-        for s, h in saved.items():
-            signal.signal(s, h)
-    events = list(read_events(run_dir / "events.jsonl", strict=True))
-    return code, events, run_dir
+    return train_in_process(tmp_path / name, "--micro-batch", "4", *args)
 
 
 def _hello(events):

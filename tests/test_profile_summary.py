@@ -4,12 +4,11 @@ and kernels with their shares, the launch-bound and host-bound signs; the `profi
 from __future__ import annotations
 
 import json
-import signal
 
 import pytest
 
-from conftest import TINY
-from trainer.contract.events import PHASES, ProfileEvent, dumps, parse, read_events
+from helpers import train_in_process
+from trainer.contract.events import PHASES, ProfileEvent, dumps, parse
 from trainer.profile_summary import SHORT_OP_US, Span, summarize
 
 
@@ -101,18 +100,10 @@ def test_the_event_round_trips_with_its_nested_records():
 
 
 def test_a_profiled_run_emits_the_summary_and_writes_it_next_to_the_trace(tmp_path):
-    from trainer.cli import parse_config
-    from trainer.train import EXIT_OK, main_run
+    from trainer.train import EXIT_OK
 
-    run_dir = tmp_path / "r"
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        assert main_run(parse_config([*TINY, "--run-dir", str(run_dir), "--max-steps", "5",
-                                      "--profile-steps", "3-5"])) == EXIT_OK
-    finally:
-        for s, h in saved.items():
-            signal.signal(s, h)
-    events = list(read_events(run_dir / "events.jsonl", strict=True))
+    code, events, run_dir = train_in_process(tmp_path / "r", "--max-steps", "5", "--profile-steps", "3-5")
+    assert code == EXIT_OK
     (prof,) = [e for e in events if e.type == "profile"]
     assert (prof.first, prof.last) == (3, 5)
     assert prof.path.endswith("steps-3-5.json") and prof.summary_path.endswith("steps-3-5.summary.json")
@@ -161,18 +152,11 @@ def test_headless_and_report_show_the_newest_window(tmp_path):
 def test_the_compile_watchdog_reports_a_recompilation_where_it_happened(tmp_path):
     """Eval after training changes the guards (no_grad, eval mode): one recompilation in the first eval,
     tied to it; the training steps after it (and the second eval, cached) recompile nothing."""
-    from trainer.cli import parse_config
-    from trainer.train import EXIT_OK, main_run
+    from trainer.train import EXIT_OK
 
-    run_dir = tmp_path / "c"
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        assert main_run(parse_config([*TINY, "--run-dir", str(run_dir), "--max-steps", "5", "--compile", "default",
-                                      "--eval-every", "2", "--eval-batches", "1"])) == EXIT_OK
-    finally:
-        for s, h in saved.items():
-            signal.signal(s, h)
-    events = list(read_events(run_dir / "events.jsonl", strict=True))
+    code, events, run_dir = train_in_process(tmp_path / "c", "--max-steps", "5", "--compile", "default",
+                                             "--eval-every", "2", "--eval-batches", "1")
+    assert code == EXIT_OK
     built = [e for e in events if e.type in ("log", "warning") and "torch.compile:" in e.message]
     assert len(built) == 1 and "graph(s)" in built[0].message
     recompiles = [e for e in events if e.type == "warning" and e.kind == "recompile"]

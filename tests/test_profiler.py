@@ -6,30 +6,23 @@ The trainer runs in this process; the traces are read back with a JSON parser, a
 from __future__ import annotations
 
 import json
-import signal
 from pathlib import Path
 
 import pytest
 
-from conftest import TINY
+from helpers import TINY, train_in_process
 from gptop.supervisor import is_library_chatter
-from trainer.cli import parse_config
 from trainer.contract.config import ConfigError, parse_step_range
-from trainer.contract.events import read_events
 from trainer.timing import CpuTimer, WallTimer
-from trainer.train import EXIT_OK, main_run
+from trainer.train import EXIT_OK
 
 PHASES = ("data", "forward", "backward", "optimizer")
 
 
 def train(run_dir: Path, *args: str) -> list:
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        assert main_run(parse_config([*TINY, "--run-dir", str(run_dir), *args])) == EXIT_OK
-    finally:
-        for s, h in saved.items():
-            signal.signal(s, h)
-    return list(read_events(run_dir / "events.jsonl", strict=True))
+    code, events, _ = train_in_process(run_dir, *args)
+    assert code == EXIT_OK
+    return events
 
 
 def ranges(trace: Path) -> list[dict]:
@@ -149,7 +142,7 @@ def test_headless_log_has_no_kineto_lines(tmp_path):
     import subprocess
     import sys
 
-    from conftest import ROOT
+    from helpers import ROOT
 
     run_dir = tmp_path / "r"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -199,7 +199,7 @@ def test_what_a_killed_export_left_is_cleaned_by_the_next_one(world, monkeypatch
     gone = live.with_name(live.name.replace(f"-{os.getpid()}-", "-999999999-"))
     gone.mkdir()
     (gone / "model.safetensors").write_bytes(b"partial")
-    other_host = out.parent / f".old.export-otherhost-999999999-abc"
+    other_host = out.parent / ".old.export-otherhost-999999999-abc"
     other_host.mkdir()
     assert protect.remove_stale(out) == [gone]
     assert live.exists() and other_host.exists() and not gone.exists()

@@ -11,11 +11,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import types
 
 import pytest
 
-from conftest import ROOT, TINY
+from helpers import ROOT, TINY
 from trainer.contract import rundir
 
 

@@ -8,11 +8,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
-from conftest import ROOT, TINY, trainer_cmd
+from helpers import ROOT, TINY, trainer_cmd, wait_for
 from trainer.contract import rundir
 from trainer.contract.runlock import LOCK_NODE_ENV, LOCK_TOKEN_ENV, RunDirBusy, RunDirTaken, RunLock
 
@@ -130,10 +129,11 @@ def test_a_multi_node_run_shares_the_directory_and_keeps_out_a_one_node_run(tmp_
     nodes = [subprocess.Popen([*gptop, *args, "--node-rank", str(n)], stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True, env=ENV) for n in (0, 1)]
     try:
-        deadline = time.monotonic() + 60
-        while not all(rundir_record(run_dir / f".gptop.lock.node{n}") for n in (0, 1)):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in nodes)
-            time.sleep(0.1)
+        def both_locked():
+            assert all(p.poll() is None for p in nodes), "a node exited before taking its lock"
+            return all(rundir_record(run_dir / f".gptop.lock.node{n}") for n in (0, 1))
+
+        wait_for(both_locked, 60, "both nodes' lock records", poll=0.1)
         single = subprocess.run([*gptop, *TINY, "--max-steps", "2", "--run-dir", str(run_dir)], capture_output=True,
                                 text=True, env=ENV, timeout=120)
         assert single.returncode == 2 and "multi-node run" in single.stderr, single.stderr

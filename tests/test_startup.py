@@ -13,11 +13,11 @@ import time
 
 import pytest
 
-from conftest import TINY, trainer_cmd
+from helpers import TINY, trainer_cmd
 from trainer.channel import REPEAT_S, Channel, StartupStopped, honour_startup_stop
 from trainer.contract import rundir
 from trainer.contract.events import read_events
-from fixtures.waiting import wait_for
+from helpers import wait_for
 
 
 

@@ -100,7 +100,7 @@ def test_version_bumps_on_every_change_and_per_area():
     s.add_log("hi")
     s.set_status("running")
     s.count_malformed("garbage")
-    s.apply(ev("tuner", 2.0, phase="trial"))
+    s.apply(ev("tuner", 2.0, phase="trials"))
     assert s.version == v0 + 7
     assert all(s.versions[a] >= 1 for a in ("run", "step", "device", "log", "tuner"))
     dev = s.versions["device"]
@@ -468,24 +468,29 @@ def test_concurrent_writer_and_reader():
     s = RunState(history=50, log_lines=50)
     s.apply(hello())
     stop = threading.Event()
+    written: list[int] = []
 
     def writer():
         i = 0
-        while not stop.is_set():
+        while not stop.is_set() or i == 0:
             i += 1
             s.apply(step(i, float(i)))
             s.add_log(f"line {i}")
             s.apply(ev("device", float(i), devices=[{"index": 0, "util_pct": 1.0}]))
+        written.append(i)
 
-    t = threading.Thread(target=writer)
+    t = threading.Thread(target=writer)     # an exception in it fails the test (pyproject's filterwarnings)
     t.start()
     try:
         for _ in range(300):
             s.phase_percent(), s.history("loss"), s.logs_tail(20), s.device_history("gpu0", "util_pct", 10)
             s.rank_spread(), s.joules_per_token(), s.eta(), s.bottleneck_hint()
+            assert len(s.logs_tail(20)) <= 20
     finally:
         stop.set()
         t.join()
+    assert written, "the writer thread did not finish"
+    assert s.step == written[0] and s.logs_tail(1) == [("stdout", f"line {written[0]}")]
 
 
 def test_formatting_helpers():

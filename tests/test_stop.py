@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from conftest import TINY
+from helpers import TINY, wait_for
 from gptop.session import EXIT_INTERRUPTED, Session
 from trainer.contract.config import TrainConfig
 from trainer.contract.events import DoneEvent, ErrorEvent, StepEvent, read_events
@@ -148,10 +148,7 @@ def test_two_ctrl_c_in_no_ui_say_truly_what_was_kept(tmp_path):
     p = subprocess.Popen([sys.executable, "-m", "gptop", "--no-ui", "train", *TINY, "--max-steps", "100000",
                           "--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 180
-        while not _steps(run_dir):
-            assert time.monotonic() < deadline and p.poll() is None
-            time.sleep(0.05)
+        wait_for(lambda: _steps(run_dir), 180, "the first step", proc=p)
         p.send_signal(signal.SIGINT)
         time.sleep(0.2)
         p.send_signal(signal.SIGINT)

@@ -312,7 +312,7 @@ def test_report_of_a_live_tuned_run_says_running_then_how_it_ended(tmp_path):
     import sys
     import time
 
-    from conftest import ROOT, TINY
+    from helpers import ROOT, TINY
     from trainer.contract.events import TUNER_RESTART, read_events
 
     run = tmp_path / "run"

@@ -21,7 +21,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.hparams import metadata as hp_metadata  # noqa: E402
 from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2  # noqa: E402
 
-from conftest import ROOT, TINY  # noqa: E402
+from helpers import ROOT, TINY  # noqa: E402
 from gptop.tensorboard import FINAL_METRICS, TensorBoardWriter, flat_hparams  # noqa: E402
 from trainer.contract import events as ev  # noqa: E402
 from trainer.contract.device import DeviceInfo  # noqa: E402

@@ -7,30 +7,17 @@ import subprocess
 import pytest
 import torch
 
-from conftest import TINY, trainer_cmd
+from helpers import TINY, of, train_in_process, trainer_cmd, wait_for
 from trainer import checkpoint as ckpt
 from trainer.contract import rundir
 from trainer.cli import parse_config
 from trainer.contract.events import EVENT_TYPES, PHASES, read_events
-from trainer.train import EXIT_CONFIG, EXIT_NAN, EXIT_OK, EXIT_OOM, main_run
+from trainer.train import EXIT_CONFIG, EXIT_NAN, EXIT_OK, EXIT_OOM
 
 
 def run(tmp_path, *args, name="run"):
     """Run the trainer in this process; returns (exit code, events, run dir)."""
-    run_dir = tmp_path / name
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        code = main_run(parse_config([*TINY, "--run-dir", str(run_dir), *args]))
-    finally:
-        for s, h in saved.items():
-            signal.signal(s, h)
-    events = list(read_events(run_dir / "events.jsonl", strict=True)) if (run_dir / "events.jsonl").exists() else []
-    return code, events, run_dir
-
-
-def of(events, kind):
-    """Events of a type; for "hello" the full ones (each process also sends an early hello first)."""
-    return [e for e in events if e.type == kind and not (kind == "hello" and e.early)]
+    return train_in_process(tmp_path / name, *args)
 
 
 @pytest.mark.parametrize("family", ["llama", "deepseek", "llada"])
@@ -249,13 +236,8 @@ def test_sigterm_is_a_graceful_stop(tmp_path):
     for line in proc.stdout:
         if "micro-batch" in line and "x" in line and "accumulation" in line:
             break
-    import time
-
-    deadline = time.time() + 60
-    while not list(read_events(run_dir / "events.jsonl")) or not of(list(read_events(run_dir / "events.jsonl")),
-                                                                     "step"):
-        assert time.time() < deadline
-        time.sleep(0.1)
+    wait_for(lambda: (run_dir / "events.jsonl").exists() and of(list(read_events(run_dir / "events.jsonl")), "step"),
+             60, "the first step event", poll=0.1, proc=proc)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0
     events = list(read_events(run_dir / "events.jsonl"))
@@ -282,13 +264,8 @@ def test_size_auto_resolves_in_the_trainer(tmp_path, extra):
     cfg = parse_config(args)
     assert cfg.model.size == "auto"
     expected = resolved_size(cfg)                   # gptop's torch-free answer, before the trainer starts
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        cfg.run.run_dir = str(tmp_path / "run")
-        assert main_run(cfg) == EXIT_OK
-    finally:
-        for s, h in saved.items():
-            signal.signal(s, h)
+    cfg.run.run_dir = str(tmp_path / "run")
+    assert train_in_process(tmp_path / "run", cfg=cfg)[0] == EXIT_OK
     hello = [e for e in read_events(tmp_path / "run" / "events.jsonl") if e.type == "hello" and not e.early]
     assert hello[-1].model.size == expected == "tiny"      # this CPU: 2 cores
     assert parse_config(["--size", "auto"]).model.size == "auto"

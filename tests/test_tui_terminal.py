@@ -15,9 +15,9 @@ import time
 import psutil
 import pytest
 
-from conftest import TINY
+from helpers import TINY
 from fixtures.terminal import Terminal
-from fixtures.waiting import wait_for
+from helpers import wait_for
 from trainer.contract import rundir
 from trainer.contract.events import read_events
 

@@ -9,6 +9,7 @@ import pytest
 
 from trainer.contract.config import TrainConfig
 from fixtures.toggles import Toggles
+from trainer.contract.config import Toggles as ToggleValues
 from trainer.contract.device import DeviceInfo
 from trainer.contract.events import TrialEvent, dumps, make, parse
 from tuner.budget import Budget
@@ -160,16 +161,15 @@ def test_full_simulated_tuning_ends_in_apply(tmp_path):
     statuses = {e.status for e in trial_events}
     assert "infeasible" in statuses                       # screened OOM, compile error or divergence
     for e in trial_events:
-        assert isinstance(e, TrialEvent) and isinstance(e.toggles, dict) and e.reason is not None
+        assert isinstance(e, TrialEvent) and isinstance(e.toggles, ToggleValues) and e.reason is not None
         assert parse(dumps(e)) == e
     # micro-batch 16 and 32 can never fit (max 8, same precision): screened, not run
     assert not any(a.toggles.micro_batch in (16, 32) and a.toggles.precision == "fp32"
                    for a in trials)
     # bf16 changes numerics: its loss runs off the trend and the trial is rolled back as diverged
-    bf16 = [e for e in trial_events if e.toggles["precision"] == "bf16" and e.kind == "trial"]
-    for e in bf16:
-        if e.toggles["micro_batch"] in (8, 4):
-            assert e.status == "infeasible" and "diverged" in e.reason
+    bf16 = [e for e in trial_events if e.toggles.precision == "bf16" and e.kind == "trial"
+            and e.toggles.micro_batch in (8, 4)]
+    assert bf16 and all(e.status == "infeasible" and "diverged" in e.reason for e in bf16)
     tuner = [e for e in events if e.type == "tuner"]
     assert tuner[-1].phase == "done" and tuner[-1].budget_left_s >= 0
     info = ctl.report_info()
@@ -214,7 +214,8 @@ def test_trials_carry_energy_per_token_from_the_sessions_energy(tmp_path):
     clock = Clock()                                      # no reading: no column, no figure, never 0
     ctl = make_ctl(tmp_path / "none", clock, energy=lambda t0, t1: None)
     drive(ctl, clock, FakeTrainer(clock))
-    assert all(e.energy_per_token is None for e in ctl.drain_events() if e.type == "trial")
+    trial_events = [e for e in ctl.drain_events() if e.type == "trial"]
+    assert trial_events and all(e.energy_per_token is None for e in trial_events)
     md = write_report(tmp_path / "out2", ctl.study, ctl.report_info())["md"].read_text()
     assert "energy" not in md.replace(str(tmp_path), "")      # (the study's storage path names this test)
 
@@ -293,7 +294,7 @@ def test_close_candidates_are_remeasured_best_last(tmp_path):
     # never "0 s": the trial's own process trains on only after a restart with the user's settings (nan policy),
     # which costs what this setup's restarts into that configuration cost
     measured = [r["overhead_s"] for r in ctl.results if r["overhead_s"] is not None
-                and r["toggles"] == dataclasses.asdict(apply.toggles)]
+                and r["toggles"] == apply.toggles]
     assert measured and apply.decision.cost_s == pytest.approx(sorted(measured)[len(measured) // 2], rel=0.5)
     assert apply.decision.cost_s > 0 and "0s switch" not in apply.decision.reason
 
@@ -311,7 +312,7 @@ def test_second_run_starts_from_what_was_learned(tmp_path):
     seen = drive(second, clock2, FakeTrainer(clock2, seed=1))
     assert not isinstance(seen[0], FindMicroBatch)       # max micro-batch remembered in the study
     trials = [a for a in seen if isinstance(a, RunTrial) and not a.baseline]
-    assert all(a.source != "recipe" for a in trials)     # warm start not repeated
+    assert trials and all(a.source != "recipe" for a in trials)     # warm start not repeated
     first_keys = {params_key(t.params) for t in first.study.trials()[:n_first]
                   if t.user_attrs.get("status") in ("ok", "cut", "pruned", "infeasible")}
     assert trials and all(params_key(second.space.to_params(a.toggles)) not in first_keys for a in trials)
@@ -379,8 +380,8 @@ def test_cuda_graph_modes_with_accumulation_are_never_run(tmp_path):
     seen = drive(ctl, clock, FakeTrainer(clock))
     ran = [a for a in seen if isinstance(a, (RunTrial, Remeasure))]
     assert ran and not any(a.toggles.compile == "reduce-overhead" and a.toggles.micro_batch < 32 for a in ran)
-    screened = [e for e in ctl.drain_events() if e.type == "trial" and e.toggles["compile"] == "reduce-overhead"
-                and e.toggles["micro_batch"] < 32]
+    screened = [e for e in ctl.drain_events() if e.type == "trial" and e.toggles.compile == "reduce-overhead"
+                and e.toggles.micro_batch < 32]
     assert screened and all(e.status == "infeasible" and "CUDA graphs" in e.reason for e in screened)
 
 
@@ -538,7 +539,7 @@ def test_a_stored_trial_is_compared_only_within_its_own_run(tmp_path):
     if apply.number == best1.cand.number:
         assert "from an earlier run" in apply.label
         remeasured = [e for e in events if e.type == "trial" and e.number == apply.number and e.kind == "remeasure"]
-        assert all(e.earlier for e in remeasured) and ev.earlier
+        assert remeasured and all(e.earlier for e in remeasured) and ev.earlier
         assert ("re-measured on this one" in apply.label) == bool(remeasured)
     tuner = [e for e in events if e.type == "tuner" and e.best is not None][-1]
     assert tuner.best.number == apply.number
@@ -557,7 +558,8 @@ def test_an_unstable_baseline_is_never_a_denominator(tmp_path):
     assert any(isinstance(a, Remeasure) and a.toggles == ctl.base for a in seen)     # it tried to make it hold
     assert not any(isinstance(a, Apply) for a in seen)
     assert "does not hold" in seen[-1].reason and "no speed-up can be claimed" in seen[-1].reason
-    assert all(e.best is None for e in ctl.drain_events() if e.type == "tuner")
+    tuner_events = [e for e in ctl.drain_events() if e.type == "tuner"]
+    assert tuner_events and all(e.best is None for e in tuner_events)
     md = write_report(tmp_path / "run", ctl.study, ctl.report_info())["md"].read_text()
     assert "too noisy to compare a speed-up with" in md
 
@@ -583,7 +585,7 @@ def test_the_panels_best_is_the_reports_best_and_never_a_wide_measurement(tmp_pa
                    max_trials=8)
     drive(ctl, clock, NoisyWinner(clock, seed=3))
     events = ctl.drain_events()
-    noisy = [e for e in events if e.type == "trial" and e.toggles["prefetch"] == 0 and e.toggles["fused_adamw"]
+    noisy = [e for e in events if e.type == "trial" and e.toggles.prefetch == 0 and e.toggles.fused_adamw
              and e.status in ("ok", "cut")]
     assert noisy and noisy[-1].spread > 0.25 * noisy[-1].tokens_per_s         # it ran, and measured wide
     state = RunState()

@@ -226,7 +226,7 @@ def test_a_compile_mode_that_never_warms_up_is_screened_for_the_run(tmp_path):
         ctl.finish_trial("ok")
     assert seen_compile == 1                                      # the others were screened, not run
     screened = [e for e in ctl.drain_events() if e.type == "trial" and "not worth this budget" in e.reason]
-    assert all(e.toggles["compile"] == "default" for e in screened)
+    assert screened and all(e.toggles.compile == "default" for e in screened)
 
 
 def test_stop_early_decides_on_what_was_measured(tmp_path):
@@ -346,7 +346,6 @@ def test_t_near_the_end_of_a_run_says_tuning_cannot_pay_and_leaves_the_trainer_a
     it could save over the 54 s after it (and more than the 7 s tuning may lose). One line, no trial, no restart,
     no command to the trainer; the report's ledger has the decision and its figures."""
     import json
-    import time
 
     from fixtures.streams import T0, config, ev
 

@@ -250,7 +250,7 @@ def test_a_memory_constrained_tuning_trades_memory_checks_the_loss_and_reports_p
     assert all(a.numerics_changing == (a.toggles.optimizer != "adamw") for a in trials)
 
     results = {r["number"]: r for r in ctl.results if r["kind"] == "trial"}
-    by_toggles = {(r["toggles"]["micro_batch"], r["toggles"]["activation_checkpointing"], r["toggles"]["optimizer"]): r
+    by_toggles = {(r["toggles"].micro_batch, r["toggles"].activation_checkpointing, r["toggles"].optimizer): r
                   for r in results.values()}
     # micro-batch 32 without a memory saver is screened as a predicted OOM (never run, no peak); with a
     # smaller optimizer it is tried, since the state it frees may make room
@@ -261,10 +261,11 @@ def test_a_memory_constrained_tuning_trades_memory_checks_the_loss_and_reports_p
     ran = [r for r in results.values() if r["ran"]]
     assert ran and all(r["peak_mem"] for r in ran)                     # every trial that ran has its peak
     ooms = [r for r in ran if r["failure"] == "oom"]
+    assert ooms
     for r in ooms:                                                    # an OOM's peak comes from its error event
-        t = Toggles(**r["toggles"])
+        t = r["toggles"]
         assert r["peak_mem"] == trainer.mem(t) and not trainer.fits(t)
-    drifted = [r for r in ran if r["toggles"]["optimizer"] == "adamw-4bit"]
+    drifted = [r for r in ran if r["toggles"].optimizer == "adamw-4bit"]
     assert drifted and all(r["status"] == "infeasible" and r["failure"] == "diverged" for r in drifted)
     # a switch says what happens to the optimizer state (from what the kept checkpoint holds)
     assert any("the AdamW moments carry over from adamw to adamw-8bit" in r["reason"] for r in ran)

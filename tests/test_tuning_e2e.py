@@ -40,7 +40,7 @@ from trainer import checkpoint as ckpt
 from trainer.contract import rundir
 from trainer.contract.config import TrainConfig
 from trainer.contract.events import read_events, to_dict
-from fixtures.waiting import wait_for
+from helpers import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.process]
 

@@ -7,14 +7,12 @@ Pilot tests drive the app with a fake sampler (an awaitable the test releases); 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 
 import pytest
 from textual.geometry import Region
 from textual.widget import Widget
 
-from conftest import TINY
+from helpers import train_in_process
 from fixtures.streams import T0, build_state, ev
 from gptop.commands import RecordingCommands
 from gptop.state import RunState
@@ -143,17 +141,10 @@ def test_quitting_while_sampling_cancels_the_sample():
 @pytest.mark.slow
 @pytest.mark.process
 def test_sample_newest_runs_the_tool_on_the_newest_checkpoint(tmp_path):
-    from trainer.cli import parse_config
-    from trainer.train import EXIT_OK, main_run
+    from trainer.train import EXIT_OK
 
     run_dir = tmp_path / "run"
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        assert main_run(parse_config([*TINY, "--run-dir", str(run_dir), "--max-steps", "3",
-                                      "--checkpoint-every", "2"])) == EXIT_OK
-    finally:
-        for s, h in saved.items():
-            signal.signal(s, h)
+    assert train_in_process(run_dir, "--max-steps", "3", "--checkpoint-every", "2")[0] == EXIT_OK
 
     async def both():
         return await asyncio.gather(sample_newest(run_dir, max_new_tokens=8, timeout=120),

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from conftest import ROOT, TINY
+from helpers import ROOT, TINY
 from fixtures.streams import cpu_run
 from gptop.run_metrics import FINAL_METRICS
 from gptop.wandb_writer import WandbWriter

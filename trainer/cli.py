@@ -7,9 +7,10 @@ import os
 import sys
 from typing import Any
 
-from .contract.config import ConfigError, TrainConfig, add_arguments, check_resumable, config_from_args
+from .contract.config import (ConfigError, TrainConfig, add_arguments, check_resumable, config_from_args,
+                              resume_config)
 from .contract import protect
-from .contract.rundir import resume_config, resumes_into
+from .contract.rundir import resumes_into
 from .contract.runlock import RunLock
 
 

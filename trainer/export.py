@@ -46,7 +46,7 @@ import torch
 from . import checkpoint as ckpt
 from .contract import protect, tools
 from .contract.config import ConfigError, FinetuneConfig, ModelConfig, TrainConfig, Toggles
-from .contract.rundir import CheckpointInfo, RunDir, is_sharded
+from .contract.rundir import CheckpointInfo, RunDir
 from .data import EOS, MASK, PAD, TokenizerInfo, data_fingerprint, tokenizer_info
 from .models import ModelBundle, build_model, quiet_imports
 
@@ -88,7 +88,8 @@ class LoadedModel:
 
 
 def load_for_inference(path: str | Path, candidates: list[CheckpointInfo] | None, *, step_given: bool = False,
-                       device: str = "cpu", log: Log = stderr_log("export")) -> LoadedModel:
+                       device: str = "cpu",
+                       log: Log = stderr_log("export")) -> LoadedModel:  # noqa: B008  (one shared default logger)
     """The model of a run's checkpoint (the first of `candidates` that loads), or of a model directory.
 
     Candidates come from `tools.check_export/check_sample`. A corrupt one is reported and the next
@@ -291,7 +292,7 @@ def eos_id(tokenizer: Any) -> int | None:
 
 # --- export -------------------------------------------------------------------------------------
 
-def export(ns: argparse.Namespace, log: Log = stderr_log("export")) -> dict[str, Any]:
+def export(ns: argparse.Namespace, log: Log = stderr_log("export")) -> dict[str, Any]:  # noqa: B008  (shared logger)
     """Write OUT_DIR from RUN_DIR's checkpoint (see the module docstring); returns the result fields."""
     t0 = time.monotonic()
     candidates = tools.check_export(ns)

@@ -4,13 +4,12 @@ On the CPU every tensor comes from malloc. glibc serves blocks above its mmap
 threshold (which can never exceed 32 MiB) with a fresh `mmap` and gives them back
 with `munmap` when freed, so the logits, their log-softmax and their gradients
 (67 MB each for llama tiny at 16 x 128 tokens) are page-faulted and zeroed by the
-kernel again at every step. Measured on a 2-core EPYC, llama tiny, 16 x 128 tokens,
-one thread: 68k minor page faults and ~130 ms of system time per step, about a
-fifth of the step's CPU time.
+kernel again at every step: tens of thousands of minor page faults and a large share
+of the step's CPU time in the kernel (BENCHMARKS.md has the figures).
 
 `keep_freed_memory()` turns glibc's mmap path off and raises its trim threshold, so
-freed blocks stay in the heap and the next step reuses them: ~0 page faults, and
-15-25% less CPU time per step on that setup. This is what preloading jemalloc or
+freed blocks stay in the heap and the next step reuses them: almost no page faults,
+and less CPU time per step. This is what preloading jemalloc or
 tcmalloc does for PyTorch CPU training, done in-process with `mallopt(3)`, no preload.
 The price: the process keeps its peak heap (RSS does not shrink after a peak), which
 a training loop reaches again every step anyway.

@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from .contract.capabilities import auto_size
-from .contract.config import FAMILIES, ConfigError, FinetuneConfig, ModelConfig, Toggles
+from .contract.common import FAMILIES
+from .contract.config import ConfigError, FinetuneConfig, ModelConfig, Toggles
 from .contract.inputs import is_model_path
 from .contract.device import DeviceInfo
 from .contract.estimate import DEFAULT_VOCAB, SIZE_ORDER, SIZES, TRAIN_BYTES_PER_PARAM, VOCAB_MULTIPLE, Dims  # noqa: F401
@@ -672,3 +673,47 @@ generated. The completion ends at its first end-of-text token.
 
 if __name__ == "__main__":  # python -m trainer.models > docs/models.md
     print(models_markdown(), end="")
+
+
+def check_qlora(dev: Any, quick: bool) -> Any:
+    """gptop doctor's `qlora` path: a tiny llama saved as a model directory, built the way a run with
+    `--model DIR --lora 4 --quantize-base nf4` builds it (trainer.models.build_model: bitsandbytes' nf4
+    base, peft adapters), moved to the device as the trainer does, one step under bf16 autocast: the loss
+    is finite, the adapters change and the quantized base does not."""
+    import tempfile
+
+    from .contract.capabilities import support
+    from .contract.doctor import Outcome
+
+    reason = support("quantize_base", "nf4", dev)
+    if reason:
+        return Outcome.skip(reason)
+    from transformers import LlamaForCausalLM
+
+    device = dev.torch_device
+    torch.cuda.set_device(device)
+    with tempfile.TemporaryDirectory(prefix="gptop-doctor-qlora-") as tmp:
+        torch.manual_seed(0)
+        LlamaForCausalLM(hf_config("llama", "tiny", vocab_size=512, seq_len=64)).save_pretrained(tmp)
+        toggles = Toggles(precision="bf16", quantize_base="nf4")
+        bundle = build_model(ModelConfig(model=tmp), vocab_size=512, seq_len=64, toggles=toggles, dev=dev,
+                             finetune=FinetuneConfig(lora=4))
+        model = bundle.model.to(device)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    trained = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    x = torch.randint(0, 512, (2, 64), device=device)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(input_ids=x, labels=x).loss
+    loss.backward()
+    opt.step()
+    value = float(loss)
+    now = dict(model.named_parameters())
+    adapters_moved = any(not torch.equal(v, now[n]) for n, v in trained.items())
+    base_kept = all(torch.equal(v, now[n]) for n, v in frozen.items())
+    quantized = sorted({type(m).__name__ for m in model.modules() if "4bit" in type(m).__name__})
+    ok = math.isfinite(value) and adapters_moved and base_kept and bool(quantized)
+    return Outcome.verdict(ok, f"base {', '.join(quantized) or 'NOT quantized'}; loss {value:.4g}; adapters "
+                               f"{'changed' if adapters_moved else 'unchanged'}, base "
+                               f"{'unchanged' if base_kept else 'CHANGED'}",
+                           "the nf4 base with LoRA adapters did not train as expected", loss=value)

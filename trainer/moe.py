@@ -100,12 +100,6 @@ class MoEBalancer:
         for c in self._counts:
             c.zero_()
 
-    @torch.no_grad()
-    def reset(self) -> None:
-        """Forget counts gathered outside a training step (micro-batch probes, rolled-back steps)."""
-        for c in self._counts:
-            c.zero_()
-
     def reset(self) -> None:
         """Drop the counts gathered since the last update without using them (probe forwards, rollbacks)."""
         for c in self._counts:

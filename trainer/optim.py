@@ -279,7 +279,7 @@ def check_fused_adamw(dev: Any, quick: bool) -> Any:
     scaler = torch.amp.GradScaler(device.type, enabled=False)
     ones = torch.ones((), dtype=torch.bool, device=device)
     try:
-        for i in range(3):
+        for _ in range(3):
             x = torch.randn(32, 128, device=device)
             for k, m in models.items():
                 m(x).square().mean().backward()

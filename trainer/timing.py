@@ -288,7 +288,7 @@ def check(dev: "DeviceInfo", quick: bool, *, timer_factory: Callable[[], StepTim
         return ok, observed, dict(wall_ms=wall_ms, timed_ms=total, backward_over_forward=ratio,
                                   timer=type(timer).__name__)
 
-    for tries in range(1, 4):
+    for tries in range(1, 4):  # noqa: B007  (read after the loop: the attempt that held)
         ok, observed, data = attempt()
         if ok:
             break

@@ -17,7 +17,7 @@ does it, and reports back; trial steps are real training steps.
                     stop = ctl.trial_should_stop()             # polled also when no event comes
                     if stop: break
                 # stop in ("done", "prune", "budget"): healthy, steps kept -> finish_trial("ok")
-                # stop in FAILURES, or the process died: roll back to the checkpoint taken
+                # stop in TRIAL_FAILURES, or the process died: roll back to the checkpoint taken
                 # before the trial -> finish_trial(kind)  (kind: oom, nan, diverged, compile, crash)
                 ctl.finish_trial(outcome)
             case Apply():                 # after a checkpoint, restart with action.toggles
@@ -118,15 +118,15 @@ from trainer.contract.config import AUTO, TrainConfig, Toggles
 from trainer.contract.device import DeviceInfo
 from trainer.contract.events import (ApplyEvent, CheckpointEvent, ErrorEvent, Event, LogEvent, MeasureProgress,
                                      StepEvent, TrialEvent, TunerBest, TunerEvent)
+from trainer.contract.states import TRIAL_FAILURES, TrialKind, TrialOutcome, TrialStatus, TunerPhase
 
 from .budget import Budget, format_duration
 from .decide import (Choice, Decision, hopeless, keep_exploring, should_prune, significantly_faster, switch_pays,
                      trial_pays)
 from .measure import LossGuard, LossTrend, Measurement, median_ci
 from .space import MEMORY_SAVING, SearchSpace
-from .study import FAILURE_KINDS, Candidate, Proposal, TuneStudy
+from .study import Candidate, Proposal, TuneStudy
 
-FAILURES: tuple[str, ...] = FAILURE_KINDS
 # when a trial's most possible saving is under this many times its cost, cheaper trials go first
 CHEAP_FIRST = 3.0
 
@@ -199,7 +199,7 @@ Action = FindMicroBatch | RunTrial | Remeasure | Apply | Done
 
 @dataclass
 class _Active:
-    kind: str                      # baseline | trial | remeasure
+    kind: TrialKind
     action: RunTrial | Remeasure
     toggles: Toggles
     proposal: Proposal | None
@@ -211,7 +211,7 @@ class _Active:
     arrivals: list[float] = field(default_factory=list)
     losses: list[tuple[int, float]] = field(default_factory=list)
     stop: str | None = None
-    failure: tuple[str, str] | None = None
+    failure: tuple[TrialOutcome, str] | None = None
     last_touch: float = 0.0
     oom_mem: int | None = None      # the peak an out-of-memory error reported (no step event may have come)
     note: str = ""                  # what the switch does to the optimizer state, for the trial's reason
@@ -304,7 +304,7 @@ class TuneController:
         self.default_restart_s = default_restart_s
         self.trial_timeout_s = trial_timeout_s or (max_seconds + 2 * default_restart_s + 600.0)
         self.tokens_per_step = base_cfg.optim.global_batch * base_cfg.data.seq_len
-        self.phase = "init"
+        self.phase = TunerPhase.INIT
         self.max_mb: int | None = max_micro_batch
         self._mb_known = max_micro_batch is not None
         self.running: Toggles | None = None                     # what the trainer process runs, as far as we know
@@ -380,7 +380,7 @@ class TuneController:
 
     def tuner_event(self) -> TunerEvent:
         a = self._active
-        final = self._final if self.phase == "done" else None
+        final = self._final if self.phase is TunerPhase.DONE else None
         return TunerEvent(phase=self.phase, budget_left_s=round(self.budget.left(), 1),
                           trial=a.number if a else None, trials_run=self.trials_run,
                           trials_planned=self.trials_planned, study=self.study.name,
@@ -413,7 +413,7 @@ class TuneController:
                                spread=round(spread, 1) if finite else None, target=m.rel_ci,
                                seconds=round(m.seconds, 1), max_seconds=m.cap_seconds)
 
-    def _set_phase(self, phase: str) -> None:
+    def _set_phase(self, phase: TunerPhase) -> None:
         if phase != self.phase:
             self.phase = phase
             self._emit(self.tuner_event())
@@ -445,7 +445,8 @@ class TuneController:
             return
         if isinstance(event, ErrorEvent):
             if a is not None and a.failure is None:
-                a.failure = (event.kind if event.kind in FAILURES else "crash", event.message)
+                kind = TrialOutcome(event.kind) if event.kind in TRIAL_FAILURES else TrialOutcome.CRASH
+                a.failure = (kind, event.message)
             if a is not None:
                 a.oom_mem = reported_peak(event.memory) or a.oom_mem
             return
@@ -468,7 +469,7 @@ class TuneController:
         if a.failure is None:
             verdict = a.guard.check(loss, step)
             if verdict:
-                a.failure = (verdict, a.guard.reason)
+                a.failure = (TrialOutcome(verdict), a.guard.reason)
         if a.proposal is not None and self.clock() - a.last_touch > 60.0:
             self.study.touch(a.proposal)
             a.last_touch = self.clock()
@@ -485,7 +486,7 @@ class TuneController:
             a.stop = "done"
         elif self.budget.expired() or (self.budget.started and self.budget.left() <= self.switch_reserve_s):
             a.stop = "budget"
-        elif a.kind == "trial" and (should_prune(a.measure, self._best_this_run(), self.prune_margin)
+        elif a.kind is TrialKind.TRIAL and (should_prune(a.measure, self._best_this_run(), self.prune_margin)
                                     or hopeless(a.measure, self._best_this_run())):
             a.stop = "prune"
         elif self.clock() - a.start > self.trial_timeout_s:
@@ -501,40 +502,40 @@ class TuneController:
         if self._final is not None:
             return self._final
         self.budget.start()
-        if self.phase == "init":
+        if self.phase is TunerPhase.INIT:
             if not self._mb_known:
                 known = self.study.get_attr(self._mb_attr())
                 if known:
                     self.set_max_micro_batch(int(known))
             if not self._mb_known and (self.cfg.toggles.micro_batch == AUTO or "micro_batch" in self.space.params):
-                self._set_phase("find-micro-batch")
+                self._set_phase(TunerPhase.FIND_MICRO_BATCH)
             else:
-                self._set_phase("baseline")
-        if self.phase == "find-micro-batch":
+                self._set_phase(TunerPhase.BASELINE)
+        if self.phase is TunerPhase.FIND_MICRO_BATCH:
             if not self._mb_known:
                 return FindMicroBatch()
-            self._set_phase("baseline")
-        if self.phase == "baseline":
+            self._set_phase(TunerPhase.BASELINE)
+        if self.phase is TunerPhase.BASELINE:
             done = self._plan()
             if done is not None:
                 return done
-            return self._start("baseline", self.base, None)
-        if self.phase == "trials":
+            return self._start(TrialKind.BASELINE, self.base, None)
+        if self.phase is TunerPhase.TRIALS:
             done = self._plan()
             if done is not None:
                 return done
             action = self._next_trial()
             if action is not None:
                 return action
-            self._set_phase("remeasure")
-        if self.phase == "remeasure":
+            self._set_phase(TunerPhase.REMEASURE)
+        if self.phase is TunerPhase.REMEASURE:
             action = self._next_remeasure()
             if action is not None:
                 return action
-            self._set_phase("decide")
+            self._set_phase(TunerPhase.DECIDE)
         return self._decide()
 
-    def _start(self, kind: str, toggles: Toggles, proposal: Proposal | None, number: int | None = None,
+    def _start(self, kind: TrialKind, toggles: Toggles, proposal: Proposal | None, number: int | None = None,
                source: str = "sampler", earlier: bool = False) -> RunTrial | Remeasure:
         measure = Measurement(**self.measure_kw)
         strict = self.space.numerics_changing(toggles)
@@ -546,18 +547,18 @@ class TuneController:
         note = capabilities.optimizer_switch(self.state_optimizer, toggles.optimizer) if restart else None
         # a switch that starts the optimizer state fresh is measured, then rolled back: the run keeps its state
         keep = not note or capabilities.optimizer_state_carries(self.state_optimizer, toggles.optimizer)
-        if kind == "remeasure":
+        if kind is TrialKind.REMEASURE:
             action: RunTrial | Remeasure = Remeasure(number, toggles, measure, restart, keep_steps=keep)
         else:
-            action = RunTrial(number, toggles, measure, baseline=kind == "baseline", restart=restart,
+            action = RunTrial(number, toggles, measure, baseline=kind is TrialKind.BASELINE, restart=restart,
                               numerics_changing=strict, source=source, keep_steps=keep)
         self._active = _Active(kind, action, toggles, proposal, number, self.clock(), measure,
                                LossGuard(self.trend, strict), strict, last_touch=self.clock(), note=note or "",
                                earlier=earlier)
         if number is not None:   # views key trials by number; an unnumbered baseline gets one row, at its end
-            self._emit(TrialEvent(number=number, toggles=dataclasses.asdict(toggles), status="running",
+            self._emit(TrialEvent(number=number, toggles=toggles, status=TrialStatus.RUNNING,
                                   tokens_per_s=None, spread=None, peak_mem=None, reason="", kind=kind,
-                                  source=source if kind == "trial" else kind, earlier=earlier))
+                                  source=source if kind is TrialKind.TRIAL else kind, earlier=earlier))
         self._emit(self.tuner_event())
         return action
 
@@ -590,7 +591,7 @@ class TuneController:
     def _trial_estimate(self) -> float:
         """How long a trial takes, restart and measurement: this run's trials so far, else the baseline's
         measuring time plus a restart."""
-        durations = [r["duration_s"] for r in self.results if r["kind"] != "baseline" and r.get("ran", True)]
+        durations = [r["duration_s"] for r in self.results if r["kind"] != TrialKind.BASELINE and r.get("ran", True)]
         if durations:
             return float(median(durations))
         step_s = self._step_s()
@@ -631,7 +632,7 @@ class TuneController:
             if why:
                 self.study.tell_infeasible(p, "oom", why, extra={"predicted": True})
                 self.screened += 1
-                self._finish_event(p.number, "trial", p.toggles, "infeasible", None, why, 0.0, ran=False,
+                self._finish_event(p.number, TrialKind.TRIAL, p.toggles, TrialStatus.INFEASIBLE, None, why, 0.0, ran=False,
                                    source=p.source)
                 continue
             bad = capabilities.unsupported(p.toggles, self.dev, self.space.per_rank)
@@ -640,7 +641,7 @@ class TuneController:
                 self.study.tell_infeasible(p, "compile" if bad[0] == "compile" else "crash", why,
                                            extra={"predicted": True})
                 self.screened += 1
-                self._finish_event(p.number, "trial", p.toggles, "infeasible", None, why, 0.0, ran=False,
+                self._finish_event(p.number, TrialKind.TRIAL, p.toggles, TrialStatus.INFEASIBLE, None, why, 0.0, ran=False,
                                    source=p.source)
                 continue
             if p.toggles.compile in self.slow_compile:
@@ -648,11 +649,11 @@ class TuneController:
                        f"{self.trial_timeout_s:.0f} s earlier in this run: not worth this budget")
                 self.study.tell_pruned(p, None, why, extra={"screened": True})
                 self.screened += 1
-                self._finish_event(p.number, "trial", p.toggles, "pruned", None, why, 0.0, ran=False,
+                self._finish_event(p.number, TrialKind.TRIAL, p.toggles, TrialStatus.PRUNED, None, why, 0.0, ran=False,
                                    source=p.source)
                 continue
             self.trials_run += 1
-            return self._start("trial", p.toggles, p, source=p.source)  # type: ignore[return-value]
+            return self._start(TrialKind.TRIAL, p.toggles, p, source=p.source)  # type: ignore[return-value]
         self.stop_note = "the sampler keeps proposing configurations that cannot fit"
         return None
 
@@ -694,7 +695,7 @@ class TuneController:
                     self._record(dataclasses.replace(d, reason=f"not re-measuring {st.label}: {d.reason}"),
                                  say=True)
                     continue
-            return self._start("remeasure", st.cand.toggles, None, number=st.cand.number,  # type: ignore[return-value]
+            return self._start(TrialKind.REMEASURE, st.cand.toggles, None, number=st.cand.number,  # type: ignore[return-value]
                                earlier=st.earlier)
         return None
 
@@ -722,12 +723,12 @@ class TuneController:
     def _best_this_run(self) -> float | None:
         """The fastest measurement of this run that holds: the pruning reference."""
         vals = [r["tokens_per_s"] for r in self.results
-                if r["status"] in ("ok", "cut") and r.get("tokens_per_s") and r.get("spread") is not None
+                if r["status"].measured and r.get("tokens_per_s") and r.get("spread") is not None
                 and r["spread"] <= self.trust_spread * r["tokens_per_s"]]
         return max(vals) if vals else None
 
     # --- finishing a trial ------------------------------------------------------------
-    def finish_trial(self, outcome: str = "ok", reason: str = "",
+    def finish_trial(self, outcome: TrialOutcome = TrialOutcome.OK, reason: str = "",
                      rollback: dict[str, Any] | None = None) -> TrialEvent:
         """Record the active trial: "ok" (healthy, steps kept) or a failure kind (rolled back; `rollback`
         says to where, for the event). "ok" with `rollback`: healthy and measured, but rolled back as its
@@ -735,12 +736,14 @@ class TuneController:
         a = self._active
         if a is None:
             raise RuntimeError("finish_trial without a running trial")
-        if outcome != "ok" and outcome not in FAILURES:
-            raise ValueError(f"outcome {outcome!r} is not ok or one of {', '.join(FAILURES)}")
+        try:
+            outcome = TrialOutcome(outcome)
+        except ValueError:
+            raise ValueError(f"outcome {outcome!r} is not ok or one of {', '.join(TRIAL_FAILURES)}") from None
         self._active = None
         self._version += 1
-        if a.kind == "baseline":
-            self.phase = "trials"
+        if a.kind is TrialKind.BASELINE:
+            self.phase = TunerPhase.TRIALS
         duration = self.clock() - a.start
         m = a.measure
         summary = m.summary(energy=self.energy)
@@ -750,23 +753,24 @@ class TuneController:
         if overhead is None and a.stop == "timeout" and a.action.restart:
             overhead = round(duration, 3)        # still warming up (compiling) when cut: all of it was overhead
         extra = {"duration_s": round(duration, 3), "overhead_s": overhead, "kind_of_run": a.kind}
-        if outcome == "ok" and a.failure:
+        if outcome is TrialOutcome.OK and a.failure:
             outcome, reason = a.failure[0], reason or a.failure[1]
-        if outcome != "ok":
+        if outcome.failed:
             reason = _noted(reason or (a.failure[1] if a.failure else outcome), a.note)
             self.running = None
             self.rolled_back_s += duration
-            if a.kind == "trial":
+            if a.kind is TrialKind.TRIAL:
                 self.study.tell_infeasible(a.proposal, outcome, reason, summary, extra)
-            elif a.kind == "remeasure":
-                self.study.record_remeasure(a.number, summary, status="infeasible", reason=f"{outcome}: {reason}")
+            elif a.kind is TrialKind.REMEASURE:
+                self.study.record_remeasure(a.number, summary, status=TrialStatus.INFEASIBLE,
+                                            reason=f"{outcome}: {reason}")
             else:
                 self.baseline = None
                 self._base_failed = True
                 self.stop_note = f"the starting configuration failed: {reason}"
-                if outcome == "oom":
+                if outcome is TrialOutcome.OOM:
                     self._widen_for_memory(f"the starting configuration ran out of memory ({reason})")
-            return self._finish_event(a.number, a.kind, a.toggles, "infeasible", summary, f"{outcome}: {reason}",
+            return self._finish_event(a.number, a.kind, a.toggles, TrialStatus.INFEASIBLE, summary, f"{outcome}: {reason}",
                                       duration, failure=outcome, overhead_s=overhead, source=_source(a),
                                       rollback=rollback, earlier=a.earlier)
         if rollback is not None:                          # measured, then rolled back (keep_steps False)
@@ -785,7 +789,7 @@ class TuneController:
         n = len(m.kept)
         if a.stop == "prune":
             _, hi = m.interval()
-            status = "pruned"
+            status = TrialStatus.PRUNED
             if math.isfinite(hi):
                 reason = reason or (f"slower than the best: at most {hi:.0f} tokens/s "
                                     f"(CI upper end) vs {self._best_this_run():.0f}")
@@ -794,28 +798,28 @@ class TuneController:
                 reason = reason or (f"far slower than the best: no step above {fastest:.0f} tokens/s "
                                     f"vs {self._best_this_run():.0f}")
         elif n >= 3 and math.isfinite(est):
-            status = "ok" if m.stable else "cut"
+            status = TrialStatus.OK if m.stable else TrialStatus.CUT
             reason = reason or m.stop_words(m.done_reason or a.stop)
         else:
-            status = "pruned"
+            status = TrialStatus.PRUNED
             reason = reason or f"no steady measurement: {m.stop_words(m.done_reason or a.stop)}"
             if a.stop == "timeout" and not m.kept and a.toggles.compile != "off":
                 self.slow_compile.add(a.toggles.compile)   # still compiling: screen this mode for the run
         reason = _noted(reason, a.note)
-        if a.kind == "trial":
-            if status == "pruned":
+        if a.kind is TrialKind.TRIAL:
+            if status is TrialStatus.PRUNED:
                 self.study.tell_pruned(a.proposal, summary, reason, extra)
             else:
                 self.study.tell_ok(a.proposal, summary, status, reason, extra)
-        elif a.kind == "remeasure":
-            ok = status in ("ok", "cut")
-            self.study.record_remeasure(a.number, summary, status="ok" if ok else "pruned", reason=reason)
+        elif a.kind is TrialKind.REMEASURE:
+            self.study.record_remeasure(a.number, summary, reason=reason,
+                                        status=TrialStatus.OK if status.measured else TrialStatus.PRUNED)
             pooled = next((c for c in self.study.candidates(run=self.study.run_id) if c.number == a.number), None)
             if pooled is not None:   # the event updates the trial's row: show the pooled estimate
                 summary = {**summary, "tokens_per_s": pooled.tokens_per_s, "spread": pooled.spread,
                            "remeasure_tokens_per_s": est, "remeasure_spread": spread}
         else:
-            if status in ("ok", "cut"):
+            if status.measured:
                 self.baseline = {**summary, "duration_s": duration}
                 self.baseline_number = self.study.record(a.toggles, summary, "baseline", status, reason,
                                                          {**extra, "overhead_s": None})
@@ -848,7 +852,7 @@ class TuneController:
         self._final = Done(reason, self.running or self.base, restart=False)
         self._aborted = True
         self.budget.stop()
-        self._set_phase("done")
+        self._set_phase(TunerPhase.DONE)
 
     def stop_early(self, reason: str = "stopped by the user", rolled_back: bool = False) -> Apply | Done:
         """Tuning is stopped before its end (the `t` key) while the run goes on: the running trial, if any,
@@ -869,24 +873,24 @@ class TuneController:
             else:
                 self.kept_tokens += a.measure.steps * self.tokens_per_step
                 self.state_optimizer = a.toggles.optimizer
-            if a.kind == "baseline":
-                self.phase = "trials"
+            if a.kind is TrialKind.BASELINE:
+                self.phase = TunerPhase.TRIALS
         if self.baseline is None:
             self.stop_note = f"{reason} before the starting configuration was measured"
             return self._done(f"{reason}; nothing measured to decide on", self.base)
         self.stop_note = reason
         return self._decide(prefix=f"{reason}: ")
 
-    def _finish_event(self, number: int | None, kind: str, toggles: Toggles, status: str,
+    def _finish_event(self, number: int | None, kind: TrialKind, toggles: Toggles, status: TrialStatus,
                       summary: dict[str, Any] | None, reason: str, duration: float, *, ran: bool = True,
-                      failure: str | None = None, overhead_s: float | None = None,
+                      failure: TrialOutcome | None = None, overhead_s: float | None = None,
                       source: str | None = None, rollback: dict[str, Any] | None = None,
                       earlier: bool = False) -> TrialEvent:
         s = summary or {}
-        ev = TrialEvent(number=number, toggles=dataclasses.asdict(toggles), status=status,
+        ev = TrialEvent(number=number, toggles=toggles, status=status,
                         tokens_per_s=s.get("tokens_per_s"), spread=s.get("spread"), peak_mem=s.get("peak_mem"),
                         energy_per_token=s.get("energy_per_token"), reason=reason, kind=kind,
-                        source=source or (kind if kind != "trial" else None), duration_s=round(duration, 3),
+                        source=source or (kind if kind is not TrialKind.TRIAL else None), duration_s=round(duration, 3),
                         remeasure_tokens_per_s=s.get("remeasure_tokens_per_s"),
                         remeasure_spread=s.get("remeasure_spread"), rollback=rollback, earlier=earlier)
         fields = {f.name: getattr(ev, f.name) for f in dataclasses.fields(ev) if f.name != "extra"}
@@ -929,13 +933,13 @@ class TuneController:
     def _overheads(self, match: Callable[[Toggles], bool]) -> list[float]:
         """Restart overheads measured on this setup for toggles that `match`: this run's trials and
         re-measurements first, else every run's trials in the study."""
-        mine = [r["overhead_s"] for r in self.results if r["kind"] != "baseline" and r["overhead_s"] is not None
-                and match(Toggles(**r["toggles"]))]
+        mine = [r["overhead_s"] for r in self.results if r["kind"] != TrialKind.BASELINE and r["overhead_s"] is not None
+                and match(r["toggles"])]
         if mine:
             return mine
         return [float(t.user_attrs["overhead_s"]) for t in self.study.trials()
                 if isinstance(t.user_attrs.get("overhead_s"), (int, float))
-                and t.user_attrs.get("kind_of_run", "trial") != "baseline" and match(self.study.toggles_of(t))]
+                and t.user_attrs.get("kind_of_run", TrialKind.TRIAL) != TrialKind.BASELINE and match(self.study.toggles_of(t))]
 
     def _restart_s(self, t: Toggles) -> float:
         """What a restart into `t` costs beyond its steps' own time (checkpoint, process start, build, warm-up,
@@ -965,7 +969,7 @@ class TuneController:
             return 0.0
         seen = []
         for r in self.results:
-            if r["kind"] == "baseline" or not r.get("ran", True):
+            if r["kind"] == TrialKind.BASELINE or not r.get("ran", True):
                 continue
             measuring = r["duration_s"] - (r["overhead_s"] or 0.0)
             kept = 0.0 if r["failure"] or r.get("rollback") else (r["summary"].get("steps") or 0) * step_s
@@ -1122,7 +1126,7 @@ class TuneController:
         number = self._base_number()
         if number is not None:
             for r in self.study.get_attr(f"remeasure:{number}", []):
-                if r.get("run") == self.study.run_id and r.get("status") == "ok":
+                if r.get("run") == self.study.run_id and r.get("status") == TrialStatus.OK:
                     samples += list(r.get("samples") or [])
         if samples:
             return median_ci(samples)
@@ -1221,7 +1225,7 @@ class TuneController:
     # --- deciding -------------------------------------------------------------------
     def _decide(self, prefix: str = "") -> Apply | Done:
         self._prefix = prefix
-        self._set_phase("decide")
+        self._set_phase(TunerPhase.DECIDE)
         base = self.base
         best, decision, why = self._judge()
         if decision is None:
@@ -1237,12 +1241,12 @@ class TuneController:
         self.applied = c.toggles
         restart = c.toggles != self.running
         best_tps = base_est[0] * best.speedup if base_est is not None and math.isfinite(best.speedup) else c.tokens_per_s
-        self._emit(ApplyEvent(toggles=dataclasses.asdict(c.toggles), decision=decision.to_dict(), number=c.number,
+        self._emit(ApplyEvent(toggles=c.toggles, decision=decision.to_dict(), number=c.number,
                               tokens_per_s=best_tps, baseline_tokens_per_s=base_est[0] if base_est else None,
                               step=self.last_step, earlier=best.earlier))
         self._final = Done(f"{prefix}applied {best.label}: {decision.reason}", c.toggles, restart=False)
         self.budget.stop()
-        self.phase = "done"
+        self.phase = TunerPhase.DONE
         self._emit(self.tuner_event())
         return Apply(c.toggles, decision, restart, number=c.number, label=best.label)
 
@@ -1250,7 +1254,7 @@ class TuneController:
         reason = self._prefix + reason
         self._final = Done(reason, toggles, restart=toggles != self.running)
         self.budget.stop()
-        self._set_phase("done")
+        self._set_phase(TunerPhase.DONE)
         return self._final
 
     # --- report ------------------------------------------------------------------------
@@ -1297,7 +1301,8 @@ class TuneController:
             "memory": ({"reason": self.space.memory,
                         "choices": {n: list(self.space.choices[n]) for n in MEMORY_SAVING}}
                        if self.space.memory else None),
-            "results": [{k: v for k, v in r.items() if k not in ("summary",)} for r in self.results],
+            "results": [{**{k: v for k, v in r.items() if k not in ("summary",)},
+                         "toggles": dataclasses.asdict(r["toggles"])} for r in self.results],
             "ledger": {
                 "budget_s": self.budget.total_s, "requested_budget_s": self.budget.requested_s,
                 "tuning_s": tuning_s, "trials_run": self.trials_run,
@@ -1329,4 +1334,4 @@ def _noted(reason: str, note: str) -> str:
 
 
 def _source(a: _Active) -> str:
-    return a.action.source if isinstance(a.action, RunTrial) and a.kind == "trial" else a.kind
+    return a.action.source if isinstance(a.action, RunTrial) and a.kind is TrialKind.TRIAL else a.kind

@@ -219,7 +219,7 @@ def ledger_lines(led: dict[str, Any]) -> list[str]:
              + (format_duration(cost) if isinstance(cost, num) and cost > 0 else
                 ("none" if isinstance(cost, num) else "- (the start has no measurement)"))]
     if isinstance(switch, num):
-        lines.append(f"Switch after tuning (restart, warm-up, compile): "
+        lines.append("Switch after tuning (restart, warm-up, compile): "
                      + (format_duration(switch) if switch > 0 else "none (training goes on in the same process)"))
     if isinstance(saving, num):
         lines.append(f"Projected saving over the remaining {led.get('remaining_steps', '?')} steps: "

@@ -60,7 +60,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from trainer.contract.capabilities import CHOICES, default_values, memory_saving, resolve_precision, support
-from trainer.contract.config import AUTO, FAMILIES, MAX_BATCH, MAX_THREADS, ConfigError, Toggles, TrainConfig
+from trainer.contract.common import FAMILIES
+from trainer.contract.config import AUTO, MAX_BATCH, MAX_THREADS, ConfigError, Toggles, TrainConfig
 from trainer.contract.device import DeviceInfo
 
 OPTION = "--tune-space"

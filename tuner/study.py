@@ -96,7 +96,6 @@ from .space import SearchSpace, params_key
 KEY_SCHEMA = 1
 _HAS_SET_CONSTRAINT = hasattr(optuna.trial.Trial, "set_constraint")
 FEASIBLE, INFEASIBLE = -1.0, 1.0
-FAILURE_KINDS = ("oom", "nan", "diverged", "compile", "crash")
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)  # one INFO line per trial would scribble over the TUI
 

@@ -45,12 +45,9 @@ from gptop.profile_text import profile_lines
 from gptop.state import RunState
 from gptop.tools import SampleOutcome, sample_newest
 from gptop.ui.sample import SamplePanel
+from trainer.contract.states import RunStatus
 from gptop.ui.widgets import (AlertBanner, DevicePanel, FailurePanel, GptopFooter, LogPanel, RunHeader, StepPanel, TrainPanel,
                               TunerPanel, Watcher)
-
-# Statuses in which there is no live trainer to stop gracefully: q exits at once.
-IDLE_STATUSES = ("done", "stopped", "failed", "replay", "monitor")
-LIVE_STATUSES = ("running", "checkpointing")
 
 HELP = [
     ("q", "Quit: finish the step, checkpoint and stop the trainer, then exit (press again to stop at once, "
@@ -333,22 +330,22 @@ class GptopApp(App[None]):
         (done or failed) stays on screen, with its error and the restart offer, until `q`."""
         if self.finished is None or not self.finished():
             return False
-        return self.stop_requested or self.state.status not in ("done", "stopped", "failed")
+        return self.stop_requested or not self.state.status.ended
 
     def _sync_layout(self) -> None:
         """Classes on #body that the stylesheet uses: failed, tuner idle; bindings follow the status."""
         s = self.state
         if s.alerts_raised > self._alerts_seen:     # a new alert: the terminal bell, once per alert
             self._alerts_seen = s.alerts_raised
-            if s.status != "replay":
+            if s.status is not RunStatus.REPLAY:
                 self.bell()
         key = (s.status, s.tuner.phase is None and not s.tuner.trials, bool(s.expert_load), s.tuner.active,
-               s.status == "monitor" and s.last_step is None, s.profile is not None, min(len(s.alerts_active), 3))
+               s.status is RunStatus.MONITOR and s.last_step is None, s.profile is not None, min(len(s.alerts_active), 3))
         if key == self._layout_key:
             return
         self._layout_key = key
         body = self.query_one("#body")
-        body.set_class(s.status == "failed", "-failed")
+        body.set_class(s.status is RunStatus.FAILED, "-failed")
         body.set_class(key[1], "-no-tuner")
         body.set_class(key[4], "-no-run")
         banner = self.query_one("#alerts")
@@ -361,13 +358,14 @@ class GptopApp(App[None]):
         """Keys that make no sense in the current status stay in the footer, dimmed (None)."""
         status = self.state.status
         if action in ("checkpoint", "profile"):
-            return True if status in LIVE_STATUSES else None
+            return True if status.live else None
         if action == "toggle_tuning":
             if self.state.tuner.active:          # a tuner restarts the trainer often: stopping it works throughout
-                return True if status not in IDLE_STATUSES else None
-            return True if status in LIVE_STATUSES + ("starting",) and self.commands.can_start_tuning else None
+                return True if not status.idle else None
+            startable = status.live or status is RunStatus.STARTING
+            return True if startable and self.commands.can_start_tuning else None
         if action == "restart":
-            return True if status == "failed" else None
+            return True if status is RunStatus.FAILED else None
         if action == "sample":
             return True if self.state.run_dir and not self.sampling else None
         if action == "close_sample":
@@ -398,7 +396,8 @@ class GptopApp(App[None]):
             return
         self.stop_requested = True
         self._call("stop", self.commands.stop, force=False)
-        if self.finished is None or self.state.status in IDLE_STATUSES or self.finished():
+        # no live trainer to stop gracefully: q exits at once
+        if self.finished is None or self.state.status.idle or self.finished():
             self.exit()
             return
         self.notify("checkpointing, then stopping; press q or ctrl+c again to stop now, without a checkpoint",
@@ -479,7 +478,7 @@ class GptopApp(App[None]):
         if self.can_toggle_tuning():
             yield SystemCommand("Start/stop tuning", "Stop the autotuner, or start it where the session can (t)",
                                 self.action_toggle_tuning)
-        if self.state.status == "failed":
+        if self.state.status is RunStatus.FAILED:
             yield SystemCommand("Restart", "Restart from the last good checkpoint (r)", self.action_restart)
         yield SystemCommand("Chart window", "Cycle the device charts' window (w)", self.action_cycle_window)
         if self.state.expert_load:

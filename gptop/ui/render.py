@@ -20,16 +20,17 @@ from rich.text import Text
 from gptop.state import (SLOWING_REASONS, RunState, fmt_bytes, fmt_duration, fmt_eta, fmt_mfu, fmt_num, fmt_toggles,
                          gpu_verdict, measure_line, measure_parts, model_summary, phase_label, spread_pct)
 from trainer.contract.events import PHASES, CpuReading, GpuReading, TunerBest
+from trainer.contract.states import RunStatus, TrialKind, TrialStatus
 
 PHASE_STYLE = {"data": "yellow", "forward": "green", "backward": "dodger_blue1", "optimizer": "magenta",
                "other": "grey62"}
 PHASE_SHORT = {"data": "data", "forward": "fwd", "backward": "bwd", "optimizer": "opt", "other": "other"}
-STATUS_STYLE = {"running": "bold green", "starting": "bold yellow", "restarting": "bold yellow",
-                "checkpointing": "bold cyan", "stopping": "bold yellow", "done": "bold dodger_blue1",
-                "stopped": "bold dodger_blue1", "failed": "bold red", "replay": "bold magenta",
-                "monitor": "bold magenta"}
-TRIAL_STYLE = {"running": "yellow", "ok": "green", "kept": "green", "cut": "dark_khaki", "pruned": "grey62",
-               "rolled_back": "red", "infeasible": "red", "failed": "red"}
+STATUS_STYLE = {RunStatus.RUNNING: "bold green", RunStatus.STARTING: "bold yellow", RunStatus.RESTARTING: "bold yellow",
+                RunStatus.CHECKPOINTING: "bold cyan", RunStatus.STOPPING: "bold yellow",
+                RunStatus.DONE: "bold dodger_blue1", RunStatus.STOPPED: "bold dodger_blue1", RunStatus.FAILED: "bold red",
+                RunStatus.REPLAY: "bold magenta", RunStatus.MONITOR: "bold magenta"}
+TRIAL_STYLE = {TrialStatus.RUNNING: "yellow", TrialStatus.OK: "green", TrialStatus.CUT: "dark_khaki",
+               TrialStatus.PRUNED: "grey62", TrialStatus.INFEASIBLE: "red"}
 TRACK = "grey23"
 _EIGHTHS = " ▏▎▍▌▋▊▉█"
 _LEVELS = " ▁▂▃▄▅▆▇█"
@@ -147,7 +148,7 @@ def header(state: RunState, width: int) -> RenderableType:
     with state.lock:
         status = state.status
         dev = state.device.name if state.device else ""
-        no_run = status == "monitor" and state.last_step is None
+        no_run = status is RunStatus.MONITOR and state.last_step is None
         line1 = Text.assemble(("gptop ", "bold"), (state.run_name or ("devices" if no_run else "run"), "bold cyan"))
         summary = model_summary(state.model) or state.command_line()   # a command before its client's hello
         if summary:
@@ -175,7 +176,7 @@ def header(state: RunState, width: int) -> RenderableType:
         steps = f"step {step if step is not None else '–'}/{total if total is not None else '?'}"
         startup = state.startup_line()
         estimate = state.estimate_line(short=True)
-        if step is None and (startup or estimate) and status not in ("done", "stopped", "replay", "failed"):
+        if step is None and (startup or estimate) and not status.over:
             # before the first step: what it is doing and what a step will cost, not "0 tokens · ETA n/a"
             slow = state.estimate_warning is not None       # the whole warning is in the log panel
             parts = [x for x in (startup, estimate + (" ⚠" if slow else "") if estimate else None) if x]
@@ -185,15 +186,15 @@ def header(state: RunState, width: int) -> RenderableType:
             return Group(line1, line2)
         else:
             parts = [f"{fmt_num(state.tokens)} tokens", f"elapsed {fmt_duration(state.elapsed())}"]
-            if status not in ("done", "stopped", "replay", "failed"):
+            if not status.over:
                 parts.append(f"ETA {fmt_eta(state)}")
         if state.malformed:
             parts.append(f"{state.malformed} bad events")
-        if status not in ("running", "failed", "replay") and state.status_message:
+        if status not in (RunStatus.RUNNING, RunStatus.FAILED, RunStatus.REPLAY) and state.status_message:
             parts.append(state.status_message)
         if startup:                  # compiling in the first step of a resumed run: what, and for how long
             parts.append(startup)
-        if status in ("done", "stopped", "replay"):
+        if status.over and status is not RunStatus.FAILED:
             parts.append("q to quit")
         tail = " · " + " · ".join(parts)
         room = width - len(steps) - 7
@@ -618,7 +619,7 @@ def tuner_summary(state: RunState, width: int) -> RenderableType:
             head.append(f" · {fmt_duration(left)} left")
         if tu.trials_planned:
             run = tu.trials_run if tu.trials_run is not None else len([t for t in tu.trials.values()
-                                                                       if t.status != "running"])
+                                                                       if t.status is not TrialStatus.RUNNING])
             head.append(f" · {run}/{tu.trials_planned} run")
         if tu.active and tu.trial is not None:
             head.append(f" · #{tu.trial} running")
@@ -693,7 +694,8 @@ def trial_rows(state: RunState) -> list[tuple[Any, ...]]:
     rows = []
     for t in trials:
         status, kind = t.status, t.kind
-        label = status + (f" {kind}" if kind and kind != "trial" else "") + (" (earlier run)" if t.earlier else "")
+        label = (status + (f" {kind}" if kind and kind is not TrialKind.TRIAL else "")
+                 + (" (earlier run)" if t.earlier else ""))
         pct = spread_pct(t)
         rows.append(("–" if t.number is None else str(t.number), Text(label, style=TRIAL_STYLE.get(status, "")),
                      fmt_toggles(state.toggle_diff(t.toggles)),

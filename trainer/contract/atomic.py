@@ -23,7 +23,7 @@ import errno
 import os
 import shutil
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Iterator, cast
 
 # errnos that mean "this filesystem cannot take the write": full, over quota, too large, read-only
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
@@ -35,7 +35,7 @@ class DiskError(OSError):
     `path` is what was being written, `strerror` the errno text ("No space left on device",
     "Read-only file system"), `free_bytes` what the filesystem had free for this user (None if unknown)."""
 
-    def __init__(self, err: int, strerror: str, path: str | Path, free_bytes: int | None):
+    def __init__(self, err: int | None, strerror: str | None, path: str | Path, free_bytes: int | None):
         super().__init__(err, strerror, str(path))
         self.path = str(path)
         self.free_bytes = free_bytes
@@ -190,7 +190,7 @@ def atomic_file(path: str | Path, mode: str = "wb", *, perms: int | None = 0o644
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, mode) as f:
             rec = _Recording(f)
-            yield rec
+            yield cast(IO[Any], rec)         # a file object to the block: it writes and flushes through it
             f.flush()
             os.fsync(f.fileno())
         if perms is not None:

@@ -24,7 +24,8 @@ from typing import Any, Sequence
 from .config import (ATTENTIONS, ALLOCATORS, AUTO, COMPILE_MODES, OPTIMIZERS, PRECISIONS, QUANTIZE_BASE,
                      ConfigError, Toggles, TrainConfig, flag_of)
 from .device import DeviceInfo
-from .estimate import FAMILIES as SIZED_FAMILIES, SIZE_ORDER, state_bytes
+from .common import FAMILIES as SIZED_FAMILIES
+from .estimate import SIZE_ORDER, state_bytes
 
 # Enumerated toggles and their values; numeric ones (micro_batch, prefetch, workers) are always supported.
 CHOICES: dict[str, tuple] = {

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Mapping
 
 from .config import ConfigError
-from .rundir import MAX_STEP
+from .common import MAX_STEP
 
 CHANNEL_ENV = "GPTOP_CHANNEL"         # unix:PATH of the supervisor's socket
 RUN_DIR_ENV = "GPTOP_RUN_DIR"         # where events.jsonl, profiles/ and the logs go

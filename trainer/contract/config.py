@@ -27,7 +27,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Literal, Union
 
-from .rundir import MAX_STEP
+from .common import MAX_STEP, ConfigError, flag_of, show
+from .rundir import CONFIG as RUN_CONFIG
+from .rundir import run_dir_of
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8-tensorwise", "fp8-rowwise")
 # What `--precision` accepts: a precision, or auto (trainer.contract.capabilities.auto_precision decides on the
@@ -36,7 +38,6 @@ PRECISION_CHOICES = ("auto",) + PRECISIONS
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
 ATTENTIONS = ("sdpa", "eager")
 ALLOCATORS = ("default", "expandable_segments")
-FAMILIES = ("llama", "deepseek", "llada")
 SIZES = ("tiny", "small", "medium", "large", "auto")
 NAN_POLICIES = ("rollback", "stop")
 PARALLEL = ("ddp", "fsdp")
@@ -61,15 +62,6 @@ MAX_SEED = 2 ** 63 - 1
 MAX_SEQ_LEN = 1 << 20
 MAX_BATCH = 1 << 20
 MAX_THREADS = 256
-
-
-class ConfigError(ValueError):
-    """A bad option value. `option` names the flag so the user knows what to fix."""
-
-    def __init__(self, option: str, message: str):
-        super().__init__(f"{option}: {message}")
-        self.option = option
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -100,12 +92,6 @@ class Range:
         if self.high is not None:
             text = f"{text} {'<' if self.high_open else '<='} {_num(self.high)}"
         return text
-
-
-def show(value: Any, limit: int = 60) -> str:
-    """`repr(value)` cut to `limit` characters, for error messages about what a user gave."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def _num(v: float) -> str:
@@ -212,7 +198,7 @@ class Toggles:
 
     def micro_batch_int(self) -> int | None:
         """The fixed micro-batch, or None for auto."""
-        return None if self.micro_batch == AUTO else self.micro_batch
+        return self.micro_batch if isinstance(self.micro_batch, int) else None
 
 
 def _lora_targets_format(value: str) -> str | None:
@@ -399,7 +385,7 @@ class TrainConfig:
         if qb != "none" and world_size > 1:
             raise ConfigError("--quantize-base", f"{qb} runs on one process; drop --nproc or --quantize-base")
         per_rank = o.global_batch // world_size
-        if mb != AUTO and per_rank % mb:
+        if isinstance(mb, int) and per_rank % mb:
             over = f" ({o.global_batch} over {world_size} ranks)" if world_size > 1 else ""
             raise ConfigError("--micro-batch", f"{mb} does not divide the per-rank batch {per_rank}{over}; "
                                                f"pick a divisor of {per_rank} or auto")
@@ -473,10 +459,6 @@ def parse_step_range(text: str) -> tuple[int, int]:
         raise ConfigError("--profile-steps", f"{text!r}: steps are numbered from 1 (the first step is 1, as on the "
                                              f"dashboard); need 1 <= A <= B <= {MAX_STEP}, e.g. 10-12")
     return a, b
-
-
-def flag_of(f: dataclasses.Field) -> str:
-    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
 def range_of(f: dataclasses.Field) -> Range | None:
@@ -623,7 +605,7 @@ def number_arg(kind: type, low: float | None = None, high: float | None = None, 
         return value
 
     convert.__name__ = kind.__name__
-    convert.range = rng              # type: ignore[attr-defined]   (what --help and the tests read)
+    convert.range = rng              # type: ignore[attr-defined]  # what --help and the tests read
     return convert
 
 
@@ -700,6 +682,27 @@ def config_from_args(ns: argparse.Namespace, base: TrainConfig | None = None, *,
         from .inputs import check_config_paths
 
         check_config_paths(cfg)
+    return cfg
+
+
+def resume_config(target: str | None) -> TrainConfig | None:
+    """The configuration a resumed run starts from: its run directory's config.toml (flags override it).
+
+    `target` is a run directory or a checkpoint in one (checked by trainer.contract.inputs: a ConfigError
+    if there is nothing to resume); None when its run directory has no config.toml."""
+    from .inputs import check_resume
+
+    if not target:
+        return None
+    run_dir = run_dir_of(check_resume(target))
+    toml = run_dir / RUN_CONFIG
+    if not toml.exists():
+        return None
+    cfg = TrainConfig.from_toml(toml, option="--resume")
+    cfg.run.run_dir = str(run_dir)
+    cfg.checkpoint.resume = None
+    cfg.run.channel = None
+    cfg.run.fault = None
     return cfg
 
 

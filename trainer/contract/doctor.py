@@ -154,7 +154,7 @@ PATHS: tuple[DevicePath, ...] = (
     DevicePath("qlora", "QLoRA nf4 base (bitsandbytes)", Where.CUDA,
                "a tiny transformers model with an nf4 base and LoRA adapters trains one step; only the "
                "adapters change",
-               "trainer.lora:check_qlora", "--quantize-base nf4",
+               "trainer.models:check_qlora", "--quantize-base nf4",
                "--quantize-base nf4 fails here: check the bitsandbytes install against the CUDA version",
                quick=False, timeout_s=240.0),
 )

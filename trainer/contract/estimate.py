@@ -1,7 +1,7 @@
 """What a run will cost, before anything is built: parameters, FLOPs, memory and the time of one step.
 
 Torch-free, so gptop can refuse a run that cannot fit before it starts a trainer, and the trainer can say
-what the first step will cost before it spends minutes building the model (issue 11 §2).
+what the first step will cost before it spends minutes building the model.
 
 - **Parameters** are counted analytically from the size's dimensions (`SIZES`) for the stock transformers
   classes the families build (`LlamaForCausalLM`, `DeepseekV3ForCausalLM` with multi-head latent attention
@@ -43,11 +43,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .common import FAMILIES
 from .config import AUTO, LORA_DEFAULT_TARGETS, ConfigError
 
 GiB = 1 << 30
 SIZE_ORDER = ("tiny", "small", "medium", "large")
-FAMILIES = ("llama", "deepseek", "llada")
 VOCAB_MULTIPLE = 64
 DEFAULT_VOCAB = 8192          # the builtin BPE tokenizer
 
@@ -67,10 +67,10 @@ QUANTIZED_BASE_BYTES = {"nf4": 0.5 + 1 / 64, "int8": 1.0}
 RUNTIME_BYTES = {"cpu": int(0.75 * GiB), "cuda": int(1.0 * GiB)}
 # Share of the device's memory a run may plan to use (the OS, other processes, fragmentation keep the rest).
 USABLE_SHARE = 0.9
-# MFU assumed for the step-time estimate: what an eager fp32 run of these models reaches on this project's CPU
-# (BENCHMARKS.md) and a modest figure for a GPU; the real MFU is measured from the first step on.
+# MFU assumed for the step-time estimate: about what an eager fp32 run of these models reaches on a CPU
+# (BENCHMARKS.md has the measurement) and a modest figure for a GPU; the real MFU is measured from the first step on.
 ASSUMED_MFU = 0.4
-# A step slower than this is worth a warning before the first one (issue 11: "about a minute").
+# A step slower than this is worth a warning before the first one: a user waits minutes to see any progress.
 SLOW_STEP_S = 60.0
 
 

@@ -43,7 +43,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator
 
+from .config import ConfigError, Toggles, section_from_dict
 from .device import DeviceInfo
+from .states import RunStatus, TrialKind, TrialStatus, TunerPhase
 
 SCHEMA_VERSION = 1
 
@@ -156,7 +158,7 @@ class ModelInfo(Record):
 class MeasureProgress(Record):
     """How far the tuner's measurement of the running configuration is (a tuner event's `measure`)."""
 
-    kind: str                           # baseline, trial, remeasure
+    kind: TrialKind
     number: int | None = None           # the trial's number (None: a baseline not yet recorded)
     steps: int = 0                      # step samples seen, warm-up included
     samples: int = 0                    # samples the estimate uses (after warm-up)
@@ -416,14 +418,14 @@ class TrialEvent(Event):
 
     type: ClassVar[str] = "trial"
     number: int | None
-    toggles: dict[str, Any]
-    status: str                         # running, ok, cut, pruned, infeasible
+    toggles: Toggles
+    status: TrialStatus
     tokens_per_s: float | None = None
     spread: float | None = None         # tokens/s
     peak_mem: int | None = None
     energy_per_token: float | None = None
     reason: str | None = None
-    kind: str | None = None             # trial, baseline, remeasure
+    kind: TrialKind | None = None
     source: str | None = None
     duration_s: float | None = None
     remeasure_tokens_per_s: float | None = None
@@ -435,7 +437,7 @@ class TrialEvent(Event):
 @dataclass(frozen=True, kw_only=True)
 class ApplyEvent(Event):
     type: ClassVar[str] = "apply"
-    toggles: dict[str, Any]
+    toggles: Toggles
     decision: dict[str, Any] | None = None
     number: int | None = None
     tokens_per_s: float | None = None
@@ -447,7 +449,7 @@ class ApplyEvent(Event):
 @dataclass(frozen=True, kw_only=True)
 class TunerEvent(Event):
     type: ClassVar[str] = "tuner"
-    phase: str
+    phase: TunerPhase
     budget_left_s: float | None = None
     trial: int | None = None
     trials_run: int | None = None
@@ -485,7 +487,7 @@ class StatusEvent(Event):
     """The session's status (starting, running, done, failed, ...): gptop's --json output."""
 
     type: ClassVar[str] = "status"
-    status: str
+    status: RunStatus
     message: str | None = None
 
 
@@ -691,7 +693,8 @@ def _spec(cls: type) -> _Spec:
                 # (a device reading) writes every field, null for what the device cannot tell
                 omit = is_event and f.default is None
                 writers.append((f.name, _writer(hints[f.name]), omit))
-        where = cls.type if is_event and isinstance(cls.type, str) else cls.__name__
+        wire = getattr(cls, "type", None) if is_event else None
+        where = wire if isinstance(wire, str) else cls.__name__
         spec = _SPECS[cls] = _Spec(tuple(checks), by_name, tuple(writers), frozenset(names), tuple(required),
                                    defaults, factories, where)
     return spec
@@ -765,6 +768,8 @@ def _checker(tp: Any) -> Callable[[Any], Any]:
         return _str
     if tp is bool:
         return _bool
+    if tp is Toggles:
+        return _toggles
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         def check_enum(x: Any) -> Any:
             if isinstance(x, tp):
@@ -849,6 +854,8 @@ def _writer(tp: Any) -> Callable[[Any], Any] | None:
         return to_dict
     if tp is DeviceInfo:
         return DeviceInfo.to_dict
+    if tp is Toggles:
+        return dataclasses.asdict
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return _enum_value
     return None
@@ -922,6 +929,20 @@ def _str(x: Any) -> str:
     if isinstance(x, str):
         return x
     raise _fail("a string", x)
+
+
+def _toggles(x: Any) -> Toggles:
+    """Toggles decoded once, as a stored config's are (an older version's values read as today's). A toggle
+    this version does not know (a newer producer's) is left out rather than losing the whole event."""
+    if isinstance(x, Toggles):
+        return dataclasses.replace(x)            # the event's own copy: the producer's object may change later
+    if not isinstance(x, dict):
+        raise _fail("a mapping of toggles", x)
+    known = {f.name for f in dataclasses.fields(Toggles)}
+    try:
+        return section_from_dict(Toggles, {k: v for k, v in x.items() if k in known})
+    except ConfigError as e:
+        raise MalformedEvent(str(e)) from None
 
 
 def _bool(x: Any) -> bool:

@@ -29,7 +29,7 @@ import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from .config import FAMILIES, ConfigError, flag_of, show
+from .common import FAMILIES, ConfigError, flag_of, show
 
 if TYPE_CHECKING:
     from .config import TrainConfig
@@ -346,6 +346,7 @@ def check_model(model: str, option: str = "--model") -> dict[str, Any] | None:
 def check_resume(value: str, option: str = "--resume") -> Path:
     """`--resume`: a checkpoint file, a sharded checkpoint directory, or a run directory with a checkpoint."""
     from . import rundir
+    from .runlock import without_checkpoint
 
     what = "a run directory or one of its checkpoints/step-NNNNNNNN.pt files"
     p = _existing(value, option, what)
@@ -362,7 +363,7 @@ def check_resume(value: str, option: str = "--resume") -> Path:
             return p
         if rundir.is_run_dir(p):
             again = f"--config {rundir.RunDir(p).config} " if rundir.RunDir(p).config.is_file() else ""
-            raise ConfigError(option, f"nothing to resume: {p} {rundir.without_checkpoint(p)}; start it again "
+            raise ConfigError(option, f"nothing to resume: {p} {without_checkpoint(p)}; start it again "
                                       f"with {again}--run-dir NEW_DIR")
         raise ConfigError(option, f"nothing to resume: {p} is not a run directory (no checkpoints, no "
                                   f"{rundir.CONFIG}, no {rundir.EVENTS}); give {what}")
@@ -465,7 +466,7 @@ def path_arg(check: Callable[[str, str], Any], option: str = "") -> Callable[[st
         return text
 
     convert.__name__ = "path"
-    convert.check = check            # type: ignore[attr-defined]   (the input tests find path flags by it)
+    convert.check = check            # type: ignore[attr-defined]  # the input tests find path flags by it
     return convert
 
 

@@ -117,9 +117,9 @@ def classify(value: str | Path) -> Finding:
         return Finding(Kind.OTHER, p, f"cannot be listed ({e.strerror or e})")
     if not entries:
         return Finding(Kind.EMPTY, p, "is empty")
-    run = find_run(p)
-    if run is not None:
-        return Finding(Kind.HOLDS_RUN, p, f"holds {_run_words(run)} at {run}")
+    found = find_run(p)
+    if found is not None:
+        return Finding(Kind.HOLDS_RUN, p, f"holds {_run_words(found)} at {found}")
     extra = _not_written_by_export(p, entries)
     if extra is None:
         return Finding(Kind.EXPORT, p, "is an earlier export")
@@ -254,7 +254,7 @@ def remove_stale(out: Path) -> list[Path]:
     previous export it had moved aside (put back when `out` itself is missing). Only this host's, and only
     of processes that are gone. Returns what was removed or put back."""
     pattern = _temp_pattern(out)
-    done = []
+    done: list[Path] = []
     try:
         entries = sorted(out.parent.iterdir())
     except OSError:

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .atomic import atomic_write
+from .common import STEP_DIGITS
 
 if TYPE_CHECKING:
     from .config import TrainConfig
@@ -53,8 +54,6 @@ PINS = "pins.json"
 LOCK = ".gptop.lock"                 # the owner's lock (trainer.contract.runlock); LOCK.<node> per node
 TUNING_JSON, TUNING_MD, BEST_TOML = "tuning.json", "tuning.md", "best.toml"
 
-STEP_DIGITS = 8
-MAX_STEP = 10 ** STEP_DIGITS - 1     # checkpoint names hold 8 digits: the largest step a run can reach
 _CKPT_NAME = re.compile(rf"^step-(\d{{{STEP_DIGITS}}})\.(pt|dcp)$")
 
 
@@ -144,34 +143,6 @@ def run_part(path: str | Path) -> tuple[Path, str] | None:
     return None
 
 
-def without_checkpoint(run_dir: str | Path) -> str:
-    """What a run directory that has no checkpoint is, in words (`... is a run that made no checkpoint: it
-    stopped before its first step`), from its lock and the end its last trainer reported."""
-    from .events import DoneEvent, ErrorEvent, HelloEvent, read_events
-    from .runlock import lock_holders
-
-    if lock_holders(run_dir) is not None:
-        return "is a live run that has made no checkpoint yet; wait for its first one (--checkpoint-every) or ask " \
-               "for one (the c key)"
-    last = None
-    try:
-        for e in read_events(RunDir(run_dir).events()):
-            if isinstance(e, HelloEvent) and e.early:
-                last = None                  # a new trainer process: only the last one's end counts
-            elif isinstance(e, (DoneEvent, ErrorEvent)):
-                last = e
-    except OSError:
-        pass
-    what = "is a run that made no checkpoint"
-    if isinstance(last, DoneEvent) and last.step == 0:
-        return f"{what}: it stopped before its first step"
-    if isinstance(last, DoneEvent):
-        return f"{what}: it stopped at step {last.step} ({last.reason}), before its first one"
-    if isinstance(last, ErrorEvent):
-        return f"{what}: it failed at step {last.step} ({last.kind}: {last.message})"
-    return f"{what} (it ended before its first one)"
-
-
 def run_name(cfg: "TrainConfig", when: float | None = None, size: str | None = None) -> str:
     """`<time>-<model>-<size>`; a model given as a path contributes its last component. `size`: what
     `--size auto` resolves to (trainer.contract.capabilities.auto_size), when the caller knows it."""
@@ -182,28 +153,6 @@ def run_name(cfg: "TrainConfig", when: float | None = None, size: str | None = N
 
 def default_run_dir(cfg: "TrainConfig", size: str | None = None) -> str:
     return os.path.join("runs", run_name(cfg, size=size))
-
-
-def resume_config(target: str | None) -> "TrainConfig | None":
-    """The configuration a resumed run starts from: its run directory's config.toml (flags override it).
-
-    `target` is a run directory or a checkpoint in one (checked by trainer.contract.inputs: a ConfigError
-    if there is nothing to resume); None when its run directory has no config.toml."""
-    from .config import TrainConfig
-    from .inputs import check_resume
-
-    if not target:
-        return None
-    run_dir = run_dir_of(check_resume(target))
-    toml = run_dir / CONFIG
-    if not toml.exists():
-        return None
-    cfg = TrainConfig.from_toml(toml, option="--resume")
-    cfg.run.run_dir = str(run_dir)
-    cfg.checkpoint.resume = None
-    cfg.run.channel = None
-    cfg.run.fault = None
-    return cfg
 
 
 def run_dir_of(target: str | Path) -> Path:

@@ -19,8 +19,9 @@ import time
 import uuid
 from pathlib import Path
 
-from .config import ConfigError
-from .rundir import LOCK, has_checkpoint, other_run, pid_alive, run_part
+from .common import ConfigError
+from .events import DoneEvent, ErrorEvent, HelloEvent, read_events
+from .rundir import LOCK, RunDir, has_checkpoint, other_run, pid_alive, run_part
 
 LOCK_TOKEN_ENV = "GPTOP_RUN_LOCK_TOKEN"     # set by the lock's owner for the processes it starts
 LOCK_NODE_ENV = "GPTOP_RUN_LOCK_NODE"
@@ -263,3 +264,28 @@ def _busy_message(run_dir: Path, holders: list[dict]) -> str:
     what = "a multi-node run: " if len(holders) > 1 or holders[0].get("node") else ""
     return (f"{run_dir} is in use by {what}{'; '.join(parts)}. One run writes a run directory at a time: wait for "
             f"it to finish, stop it, or choose another --run-dir")
+
+
+def without_checkpoint(run_dir: str | Path) -> str:
+    """What a run directory that has no checkpoint is, in words (`... is a run that made no checkpoint: it
+    stopped before its first step`), from its lock and the end its last trainer reported."""
+    if lock_holders(run_dir) is not None:
+        return "is a live run that has made no checkpoint yet; wait for its first one (--checkpoint-every) or ask " \
+               "for one (the c key)"
+    last = None
+    try:
+        for e in read_events(RunDir(run_dir).events()):
+            if isinstance(e, HelloEvent) and e.early:
+                last = None                  # a new trainer process: only the last one's end counts
+            elif isinstance(e, (DoneEvent, ErrorEvent)):
+                last = e
+    except OSError:
+        pass
+    what = "is a run that made no checkpoint"
+    if isinstance(last, DoneEvent) and last.step == 0:
+        return f"{what}: it stopped before its first step"
+    if isinstance(last, DoneEvent):
+        return f"{what}: it stopped at step {last.step} ({last.reason}), before its first one"
+    if isinstance(last, ErrorEvent):
+        return f"{what}: it failed at step {last.step} ({last.kind}: {last.message})"
+    return f"{what} (it ended before its first one)"

@@ -25,9 +25,10 @@ from typing import Any
 
 from .config import MAX_SEED, MAX_SEQ_LEN, ConfigError, device_format, number_arg
 from .inputs import check_writable_dir, path_arg
+from .common import MAX_STEP
 from .protect import EXPORT_MARKER, check_replaceable
-from .rundir import (CONFIG, EVENTS, MAX_STEP, CheckpointInfo, checkpoint_dir, is_run_dir, list_checkpoints,
-                     without_checkpoint)
+from .rundir import CONFIG, EVENTS, CheckpointInfo, is_run_dir, list_checkpoints
+from .runlock import without_checkpoint
 
 EXPORT_MODULE = "trainer.export"
 SAMPLE_MODULE = "trainer.sample"

@@ -1,0 +1,62 @@
+"""What the tests share: the tiny run's arguments, the trainer run in this process, waiting, event picking.
+
+Imported by name (`from helpers import TINY, train_in_process`); pytest puts tests/ on the path. Fixtures
+live in conftest.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+from fixtures.waiting import wait_for  # noqa: F401  (re-exported: the one way tests wait)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Tiny runs for tests: small sequences and batches so a step takes milliseconds.
+TINY = ["--size", "tiny", "--seq-len", "64", "--global-batch", "4", "--warmup-steps", "2", "--eval-every", "0",
+        "--log-every", "1", "--checkpoint-every", "0", "--device", "cpu"]
+
+# The trainer installs its own handlers for these (graceful stop, checkpoint on request).
+TRAINER_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+def trainer_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "trainer", *args]
+
+
+@contextlib.contextmanager
+def restoring_signals() -> Iterator[None]:
+    """Run the trainer in this process and give pytest its signal handlers back afterwards."""
+    saved = {s: signal.getsignal(s) for s in TRAINER_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+def train_in_process(run_dir: str | Path, *args: str, base: list[str] = TINY, cfg: Any = None,
+                     strict: bool = True) -> tuple[int, list[Any], Path]:
+    """The trainer's `main_run` in this process on `base + args` (or on `cfg`): (exit code, the events it
+    wrote, read back strictly unless told, run dir)."""
+    from trainer.cli import parse_config
+    from trainer.contract.events import read_events
+    from trainer.train import main_run
+
+    run_dir = Path(run_dir)
+    if cfg is None:
+        cfg = parse_config([*base, "--run-dir", str(run_dir), *args])
+    with restoring_signals():
+        code = main_run(cfg)
+    path = run_dir / "events.jsonl"
+    events = list(read_events(path, strict=strict)) if path.exists() else []
+    return code, events, run_dir
+
+
+def of(events: list[Any], kind: str) -> list[Any]:
+    """Events of a type; for "hello" the full ones (each process also sends an early hello first)."""
+    return [e for e in events if e.type == kind and not (kind == "hello" and e.early)]

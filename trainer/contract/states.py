@@ -1,0 +1,116 @@
+"""The contract's closed vocabularies: a run's status, the tuner's phase, a trial's kind, status and outcome.
+
+Each is a `StrEnum`, so a member is its wire string (`TunerPhase.DONE == "done"`, `json.dumps` writes "done")
+and events written before these types existed read back unchanged. The event schema declares its fields
+with these types, so a consumer gets a member, never a free string; a value outside the set makes the line
+malformed, so a new member is a schema change (older readers skip such lines).
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class RunStatus(enum.StrEnum):
+    """What the session is doing (gptop's `status` event, the dashboard's status line)."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    CHECKPOINTING = "checkpointing"
+    STOPPING = "stopping"
+    DONE = "done"
+    STOPPED = "stopped"
+    FAILED = "failed"
+    RESTARTING = "restarting"
+    REPLAY = "replay"               # a finished run's events, read back
+    MONITOR = "monitor"             # attached to a run (or to the devices alone), not supervising it
+
+    @property
+    def ended(self) -> bool:
+        """The run is over: its elapsed time stops."""
+        return self in _ENDED
+
+    @property
+    def over(self) -> bool:
+        """The run's figures move no more: it ended, or this is a replay of its events."""
+        return self in _OVER
+
+    @property
+    def idle(self) -> bool:
+        """Nothing is training under this session (ended, or a view of events that are already written)."""
+        return self in _IDLE
+
+    @property
+    def live(self) -> bool:
+        """A trainer is training now: commands that act on the running process make sense."""
+        return self in _LIVE
+
+    @property
+    def launching(self) -> bool:
+        """A trainer is being started (or restarted) and has not reported its first step yet."""
+        return self in _LAUNCHING
+
+
+_ENDED = frozenset({RunStatus.DONE, RunStatus.STOPPED, RunStatus.FAILED})
+_OVER = _ENDED | {RunStatus.REPLAY}
+_IDLE = _OVER | {RunStatus.MONITOR}
+_LIVE = frozenset({RunStatus.RUNNING, RunStatus.CHECKPOINTING})
+_LAUNCHING = frozenset({RunStatus.STARTING, RunStatus.RESTARTING})
+
+
+class TunerPhase(enum.StrEnum):
+    """Where the tuner's state machine is (the `tuner` event's `phase`), in the order it goes through them."""
+
+    INIT = "init"
+    FIND_MICRO_BATCH = "find-micro-batch"
+    BASELINE = "baseline"
+    TRIALS = "trials"
+    REMEASURE = "remeasure"
+    DECIDE = "decide"
+    DONE = "done"
+
+
+class TrialKind(enum.StrEnum):
+    """What a measured configuration is to the tuner (a trial event's and a measurement's `kind`)."""
+
+    BASELINE = "baseline"           # the run's starting configuration
+    TRIAL = "trial"                 # a configuration the study proposed
+    REMEASURE = "remeasure"         # a measured candidate measured again before the decision
+
+
+class TrialStatus(enum.StrEnum):
+    """A trial's state in its `trial` events: running, then how its measurement ended."""
+
+    RUNNING = "running"
+    OK = "ok"                       # measured to a stable estimate
+    CUT = "cut"                     # measured, but the time ran out before the estimate was stable
+    PRUNED = "pruned"               # stopped early (or skipped): it could not beat the best
+    INFEASIBLE = "infeasible"       # failed (out of memory, NaN, compile error, ...): rolled back
+
+    @property
+    def measured(self) -> bool:
+        """Its throughput counts (a candidate for the best)."""
+        return self in _MEASURED
+
+
+_MEASURED = frozenset({TrialStatus.OK, TrialStatus.CUT})
+
+
+class TrialOutcome(enum.StrEnum):
+    """How a trial's run ended, as the driver tells the controller (`TuneController.finish_trial`): healthy,
+    or the failure it was rolled back for."""
+
+    OK = "ok"
+    OOM = "oom"
+    NAN = "nan"
+    DIVERGED = "diverged"
+    COMPILE = "compile"
+    CRASH = "crash"
+
+    @property
+    def failed(self) -> bool:
+        return self is not TrialOutcome.OK
+
+
+# The outcomes a trial is rolled back for (an Optuna trial told infeasible with this kind).
+TRIAL_FAILURES: tuple[TrialOutcome, ...] = tuple(o for o in TrialOutcome if o.failed)
