@@ -41,7 +41,7 @@ from .contract import capabilities, protect, rundir
 from .contract.atomic import DiskError, atomic_write, disk_error
 from .contract.config import AUTO, ConfigError, TrainConfig, parse_step_range
 from .contract.device import DeviceInfo
-from .contract.events import MAX_STEPS, STOPPED_BEFORE_FIRST_STEP
+from .contract.events import MAX_STEPS, STOPPED_BEFORE_FIRST_STEP, CompileWarning
 from .contract.runlock import RunLock
 from .device import detect
 from .memory import make_meter
@@ -374,7 +374,7 @@ class Trainer:
             msg = f"torch.compile: {st.graphs} graph(s)"
             if st.graph_breaks:
                 msg += f", {st.graph_breaks} graph break(s): " + "; ".join(st.break_reasons[:3])
-                self.emit0("warning", message=msg, kind="graph_break", step=step)
+                self.emit0("warning", message=msg, kind=CompileWarning.GRAPH_BREAK, step=step)
             else:
                 self.emit0("log", message=msg, source="compile")
             self.log(msg)
@@ -388,12 +388,12 @@ class Trainer:
         if change.fell_back:
             msg = (f"torch.compile gave up {where} and runs a frame eagerly from now on (recompile limit): "
                    f"{change.fell_back[0]}")
-            self.emit0("warning", message=msg, kind="compile_fallback", step=step)
+            self.emit0("warning", message=msg, kind=CompileWarning.COMPILE_FALLBACK, step=step)
             self.log(f"warning: {msg}")
         if change.recompiles:
             why = "; ".join(change.reasons[:2]) or "a new frame or guard"
             msg = f"torch.compile recompiled {change.recompiles}x {where} ({why}){before}{took}"
-            self.emit0("warning", message=msg, kind="recompile", step=step)
+            self.emit0("warning", message=msg, kind=CompileWarning.RECOMPILE, step=step)
             self.log(f"warning: {msg}")
 
     # ---------------------------------------------------------------- checkpoints
