@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from trainer.contract import capabilities
+from trainer.contract.events import CompileWarning
 
 if TYPE_CHECKING:
     from .state import RunState
@@ -53,6 +54,12 @@ class Advice:
         return f"{self.evidence}: {self.action}" if self.action else self.evidence
 
 
+def tries(items: list[Advice]) -> list[tuple[str, object, str]]:
+    """What the tuner tries first (tuner.controller's `advice`): each (toggle, value) of each item, best first,
+    with the evidence it rests on. An item's toggles are alternatives ("--prefetch or --workers"): one each."""
+    return [(name, value, a.evidence) for a in items for name, value in a.toggles]
+
+
 def advise(state: RunState) -> list[Advice]:
     """The ranked list for the run as `state` sees it now (empty before the first logged step)."""
     pct = state.phase_percent()
@@ -70,7 +77,7 @@ def advise(state: RunState) -> list[Advice]:
         profile = state.profile
     if recompiles:
         last = recompiles[-1]
-        fell = any(w.kind == "compile_fallback" for w in recompiles)
+        fell = any(w.kind == CompileWarning.COMPILE_FALLBACK for w in recompiles)
         what = "fell back to eager" if fell else f"recompiled {len(recompiles)}x"
         out.append(Advice(Concern.COMPILE, f"torch.compile {what} (last at step {last.step})",
                           "a shape or a Python value changes between steps; --compile off if it keeps on",

@@ -179,6 +179,8 @@ def event_line(event: Event, state: RunState) -> str | None:
             line += f" | peak {fmt_bytes(event.peak_mem)}"
         if event.reason:
             line += f" | {event.reason}"
+        if event.advice:
+            line += f" | from the advice: {event.advice}"
         if event.earlier:
             line += f" | trial {event.number} comes from an earlier run of this setup"
         return line

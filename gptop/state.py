@@ -35,10 +35,10 @@ from trainer.contract.states import RunStatus, TrialKind, TrialStatus, TunerPhas
 
 if TYPE_CHECKING:
     from gptop.advice import Advice
-from trainer.contract.events import (MAX_STEPS, PHASES, AlertEvent, ApplyEvent, CheckpointEvent, CpuReading,
-                                     DeviceEvent, DoneEvent, ErrorEvent, EvalEvent, Event, GpuReading, HelloEvent,
-                                     LogEvent, MeasureProgress, ModelInfo, PhaseEvent, ProfileEvent, ProgressEvent,
-                                     StepEvent, TrialEvent, TunerBest, TunerEvent, UnknownEvent, WarningEvent)
+from trainer.contract.events import (MAX_STEPS, PHASES, AlertEvent, ApplyEvent, CheckpointEvent, CompileWarning,
+                                     CpuReading, DeviceEvent, DoneEvent, ErrorEvent, EvalEvent, Event, GpuReading,
+                                     HelloEvent, LogEvent, MeasureProgress, ModelInfo, PhaseEvent, ProfileEvent,
+                                     ProgressEvent, StepEvent, TrialEvent, TunerBest, TunerEvent, UnknownEvent, WarningEvent)
 
 
 TOGGLE_DEFAULTS = dataclasses.asdict(Toggles())   # what a toggle a start does not name ran at
@@ -383,7 +383,7 @@ class RunState:
 
     def _on_warning(self, e: WarningEvent) -> None:
         self.warnings.append(e.message)
-        if e.kind in ("recompile", "compile_fallback"):
+        if e.kind in (CompileWarning.RECOMPILE, CompileWarning.COMPILE_FALLBACK):
             self.recompiles.append(e)
         if e.kind == "estimate":
             self.estimate_warning = e

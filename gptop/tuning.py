@@ -57,6 +57,8 @@ from trainer.contract.config import AUTO, Toggles, TrainConfig
 from trainer.contract.device import DeviceInfo
 from trainer.contract.states import TrialOutcome
 
+from .advice import tries as advice_tries
+
 if TYPE_CHECKING:
     from .state import RunState
     from .supervisor import Supervisor
@@ -191,7 +193,9 @@ class TuningDriver:
         """Every event the session sees: the ones a tuning decides on go to this driver's thread."""
         if isinstance(event, ev.CheckpointEvent) and event.rank == 0:
             self.last_ckpt = (event.step, event.path)
-        if isinstance(event, (ev.HelloEvent, ev.StepEvent, ev.CheckpointEvent, ev.ErrorEvent, ev.DoneEvent)):
+        # warnings: the compile watchdog's, which mark a trial that recompiled (tuner.controller)
+        if isinstance(event, (ev.HelloEvent, ev.StepEvent, ev.CheckpointEvent, ev.ErrorEvent, ev.DoneEvent,
+                              ev.WarningEvent)):
             self.q.put(("event", event))
 
     def on_trainer_exit(self, code: int) -> bool:
@@ -347,7 +351,9 @@ class TuningDriver:
                                         energy=self.session.energy_between,
                                         run_pays=not self.tune_only, startup_s=startup,
                                         # a trial's process trains on as it is only if its settings are the user's
-                                        trial_process_continues=self.user_cfg.run.nan_policy == "stop")
+                                        trial_process_continues=self.user_cfg.run.nan_policy == "stop",
+                                        # the advice's toggles are the first proposals (asked when trials start)
+                                        advice=lambda: advice_tries(self.session.state.advice()))
         if self._pace_known and self.session.state.step:   # the `t` key: where the run is and how fast it goes
             tps, _ = self.session.state.steady_medians(last=PACE_STEPS)
             ctl.set_pace(self.session.state.step, ctl.tokens_per_step / tps if tps else None)

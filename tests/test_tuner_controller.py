@@ -57,6 +57,10 @@ class FakeTrainer:
             return ("compile", 1)
         return None
 
+    def warnings(self, t: Toggles, i: int) -> list[str]:
+        """The compile watchdog's warning kinds at the trial's i-th step (none by default)."""
+        return []
+
     @staticmethod
     def loss(step: int, t: Toggles, diverge: bool) -> float:
         v = 2.0 + 6.0 / math.sqrt(step + 1)
@@ -102,6 +106,8 @@ def drive(ctl: TuneController, clock: Clock, trainer: FakeTrainer, pre_steps: in
                                            lr=1e-3, grad_norm=1.0, step_ms=ms, phases_ms={}, tokens_per_s=0.0,
                                            mfu=0.0, mem_bytes=2 * 10 ** 9 + t.micro_batch * 10 ** 8,
                                            time=clock.t))
+                for kind in trainer.warnings(t, i):        # the compile watchdog's, at this step
+                    ctl.observe(make("warning", message=f"simulated {kind}", kind=kind, step=step))
                 stop = ctl.trial_should_stop()
                 if stop:
                     break
@@ -594,3 +600,88 @@ def test_the_panels_best_is_the_reports_best_and_never_a_wide_measurement(tmp_pa
     report = json.loads(write_report(tmp_path / "run", ctl.study, ctl.report_info())["json"].read_text())
     assert report["best_number"] is not None and report["best_number"] != noisy[-1].number
     assert state.tuner.best.number == report["best_number"]
+
+
+# --- the advice and the compile watchdog (issue 20) ----------------------------------------------------------
+
+def test_the_advices_toggles_are_the_first_proposals_and_say_so(tmp_path):
+    """The advice names fused AdamW (optimizer-bound) and a deeper prefetch (data-bound; 8 is not in the space,
+    its nearest, 2, is where the start is already: nothing to try), and a compile mode the space does not hold:
+    the first trial is fused AdamW alone on the start, from the advice, with its evidence on the row."""
+    clock = Clock()
+    advice = [("fused_adamw", True, "optimizer is 31% of the step"), ("prefetch", 8, "data loading is 18% of the step"),
+              ("compile", "reduce-overhead", "GPU idle 40% of the step"), ("precision", "bf16", "compute-bound")]
+    ctl = make_ctl(tmp_path, clock, advice=lambda: advice)
+    seen = drive(ctl, clock, FakeTrainer(clock, bf16_diverges=False))
+    trials = [a for a in seen if isinstance(a, RunTrial) and not a.baseline]
+    first, second = trials[0], trials[1]
+    assert first.source == "advice" and first.advice == "optimizer is 31% of the step: fused_adamw=on"
+    assert dataclasses.replace(first.toggles, fused_adamw=False) == ctl.base
+    assert second.source == "advice" and second.toggles == dataclasses.replace(ctl.base, precision="bf16")
+    assert not any(a.source == "advice" for a in trials[2:])          # each once; the recipe and TPE after
+    events = [e for e in ctl.drain_events() if e.type == "trial" and e.number == first.number]
+    assert events and all(e.source == "advice" and e.advice == first.advice for e in events)
+    md = write_report(tmp_path / "run", ctl.study, ctl.report_info())["md"].read_text()
+    row = next(x for x in md.splitlines() if x.startswith(f"| {first.number} |"))
+    assert "| advice |" in row and "advice: optimizer is 31% of the step: fused_adamw=on" in row
+
+
+def test_an_advised_trial_still_has_to_pay(tmp_path):
+    """The advice says compile=default, but ~300 s are left: a compile nobody has measured cannot pay. The
+    advised proposal goes through the same gate as any other: skipped (not run, not a result), cheap trials run."""
+    clock = Clock()
+    ctl = short_run(tmp_path, clock, 700, advice=lambda: [("compile", "default", "compute-bound (forward+backward 80%)")])
+    seen = drive(ctl, clock, FakeTrainer(clock, bf16_diverges=False))
+    ran = [a for a in seen if isinstance(a, RunTrial) and not a.baseline]
+    assert ran and not any(a.toggles.compile == "default" for a in ran)
+    skipped = [t for t in ctl.study.trials() if t.user_attrs.get("status") == "skipped"
+               and t.user_attrs.get("source") == "advice"]
+    assert len(skipped) == 1 and skipped[0].user_attrs["toggles"]["compile"] == "default"
+
+
+class Recompiling(FakeTrainer):
+    """compile=default is the fastest by far, but its frame recompiles every 3rd step (a Python value that
+    changes), and prefetch=0 recompiles once (a one-off: a shape made dynamic); nothing fails."""
+
+    def failure(self, t):
+        return None
+
+    def warnings(self, t, i):
+        if t.compile == "default" and t.prefetch != 0 and i >= 3 and i % 3 == 0:
+            return ["recompile"]
+        if t.compile == "default" and t.prefetch == 0 and i == 4:
+            return ["recompile"]
+        return []
+
+
+def test_a_setting_that_kept_recompiling_is_never_applied(tmp_path):
+    """Rule (docs/tuning.md): a measurement whose compile recompiled at 2+ distinct steps, or fell back to eager,
+    is marked in its row and is not a candidate, however fast it measured; one recompilation is warm-up. Here
+    compile=default with prefetch=2 measures fastest but kept recompiling: not applied; with prefetch=0 it
+    recompiled once and may win."""
+    clock = Clock()
+    spec = "-all compile=off,default prefetch=0,2"
+    ctl = make_ctl(tmp_path, clock, spec=spec, max_trials=6)
+    seen = drive(ctl, clock, Recompiling(clock, bf16_diverges=False))
+    events = [e for e in ctl.drain_events() if e.type == "trial" and e.status != "running"]
+    unsteady = [e for e in events if e.unsteady]
+    assert unsteady and all(e.toggles.compile == "default" and e.toggles.prefetch == 2 for e in unsteady)
+    for e in unsteady:
+        assert e.compile["recompile"] >= 2 and "kept recompiling" in e.reason
+    once = [e for e in events if e.toggles.compile == "default" and e.toggles.prefetch == 0
+            and e.kind == "trial"]
+    assert once and all(not e.unsteady and e.compile == {"recompile": 1} for e in once)
+    assert "recompiled once" in once[0].reason
+    applied = [a for a in seen if isinstance(a, Apply)]
+    assert not any(a.toggles.compile == "default" and a.toggles.prefetch == 2 for a in applied)
+    best = ctl.best()
+    assert best is None or not (best.cand.toggles.compile == "default" and best.cand.toggles.prefetch == 2)
+    refused = [d for d in ctl.decisions if d.choice is Choice.CANDIDATE]
+    assert refused and all(not d.apply and "kept recompiling" in d.reason for d in refused)
+    paths = write_report(tmp_path / "run", ctl.study, ctl.report_info())
+    report = json.loads(paths["json"].read_text())
+    rows = [r for r in report["trials"] if r["unsteady"]]
+    assert rows and all(r["compile"]["recompile"] >= 2 for r in rows)
+    assert "kept recompiling" in paths["md"].read_text()
+    # the sampler and later runs do not build on it: a violated constraint
+    assert all(c.toggles.prefetch != 2 or c.toggles.compile != "default" for c in ctl.study.candidates())

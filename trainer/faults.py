@@ -8,6 +8,8 @@ on every rank. The kinds and where they strike:
     nan-grad     a gradient becomes NaN after backward while the loss stays finite
     nan-weights  a weight becomes NaN after the optimizer step (gradients and loss were finite)
     oom, crash, compile   the forward raises the matching error
+    compile-cache  the forward fails as a half-written library of the shared inductor cache does: a file that
+                   is not one is left in the cache and an ImportError names it (trainer.inductor_cache)
     kill         the process SIGKILLs itself in the forward
     stop         a graceful stop at the step boundary, as if a stop command had arrived
     checkpoint   a checkpoint at the step boundary, as if a checkpoint command had arrived
@@ -24,7 +26,7 @@ import torch
 
 from .contract.config import ConfigError
 
-KINDS = ("nan", "nan-grad", "nan-weights", "oom", "crash", "kill", "compile", "stop", "checkpoint")
+KINDS = ("nan", "nan-grad", "nan-weights", "oom", "crash", "kill", "compile", "compile-cache", "stop", "checkpoint")
 
 
 class Faults:
@@ -69,6 +71,16 @@ def on_loss(kind: str | None, loss: torch.Tensor, step: int) -> torch.Tensor:
         from torch._dynamo.exc import BackendCompilerFailed
 
         raise BackendCompilerFailed(lambda *a: None, RuntimeError("injected compile error (--fault)"))
+    if kind == "compile-cache":
+        from .inductor_cache import ENV
+
+        cache = os.environ.get(ENV) or os.path.join("/tmp", f"torchinductor_{os.getuid()}")
+        path = os.path.join(cache, "zz", f"injected{step}.main.so")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(b"\0" * 16)         # what a killed linker leaves
+        os.environ[ENV] = cache
+        raise ImportError(f"{path}: invalid ELF header")
     return loss
 
 

@@ -25,7 +25,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -41,9 +41,10 @@ from .contract import capabilities, protect, rundir
 from .contract.atomic import DiskError, atomic_write, disk_error
 from .contract.config import AUTO, ConfigError, TrainConfig, parse_step_range
 from .contract.device import DeviceInfo
-from .contract.events import MAX_STEPS, STOPPED_BEFORE_FIRST_STEP
+from .contract.events import MAX_STEPS, STOPPED_BEFORE_FIRST_STEP, CompileWarning
 from .contract.runlock import RunLock
 from .device import detect
+from .inductor_cache import OwnCache, artefact_failure
 from .memory import make_meter
 from .profiler import StepProfiler, report_written
 from .timing import interval_means, make_timer
@@ -87,6 +88,7 @@ class Trainer:
         self.resumed_from: str | None = None
         self.run_lock: RunLock | None = None
         self.compile_watch = None                    # trainer.compile_watch.CompileWatch of a compiled run
+        self.own_cache: OwnCache | None = None       # the run's own inductor cache, after a corrupt shared artefact
         self._compiled_once = False
         self._last_step_ms: float | None = None
         self.notices: list[str] = []                 # warnings found before the channel exists
@@ -207,6 +209,7 @@ class Trainer:
 
         self.run_dir = Path(cfg.run.run_dir or rundir.default_run_dir(cfg))
         cfg.run.run_dir = str(self.run_dir)
+        self.own_cache = OwnCache(self.run_dir / "inductor-cache")
         if not self.created_dirs:      # what a refusal before the first step removes
             self.created_dirs = protect.dirs_to_create(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -374,7 +377,7 @@ class Trainer:
             msg = f"torch.compile: {st.graphs} graph(s)"
             if st.graph_breaks:
                 msg += f", {st.graph_breaks} graph break(s): " + "; ".join(st.break_reasons[:3])
-                self.emit0("warning", message=msg, kind="graph_break", step=step)
+                self.emit0("warning", message=msg, kind=CompileWarning.GRAPH_BREAK, step=step)
             else:
                 self.emit0("log", message=msg, source="compile")
             self.log(msg)
@@ -388,12 +391,12 @@ class Trainer:
         if change.fell_back:
             msg = (f"torch.compile gave up {where} and runs a frame eagerly from now on (recompile limit): "
                    f"{change.fell_back[0]}")
-            self.emit0("warning", message=msg, kind="compile_fallback", step=step)
+            self.emit0("warning", message=msg, kind=CompileWarning.COMPILE_FALLBACK, step=step)
             self.log(f"warning: {msg}")
         if change.recompiles:
             why = "; ".join(change.reasons[:2]) or "a new frame or guard"
             msg = f"torch.compile recompiled {change.recompiles}x {where} ({why}){before}{took}"
-            self.emit0("warning", message=msg, kind="recompile", step=step)
+            self.emit0("warning", message=msg, kind=CompileWarning.RECOMPILE, step=step)
             self.log(f"warning: {msg}")
 
     # ---------------------------------------------------------------- checkpoints
@@ -547,13 +550,13 @@ class Trainer:
             stop_reason = self._step_boundary()
             if stop_reason:
                 return stop_reason
-            self._train_step()
+            self._own_cache_retry(self._train_step, self._restart_step)
             step = self.progress.step
             self._progress_event()
             if self._is_log_step() or step == cfg.optim.max_steps:
                 self._flush_interval()
             if cfg.log.eval_every and step % cfg.log.eval_every == 0:
-                self._evaluate()
+                self._own_cache_retry(self._evaluate, lambda: None)
             if cfg.checkpoint.checkpoint_every and step % cfg.checkpoint.checkpoint_every == 0 \
                     and step < cfg.optim.max_steps:
                 self.save_checkpoint()
@@ -656,6 +659,30 @@ class Trainer:
             wall = (time.perf_counter() - t0) * 1e3
             self._watch_compile(step + 1, wall)
             self._last_step_ms = wall
+
+    def _own_cache_retry(self, fn: Callable[[], Any], reset: Callable[[], None]) -> Any:
+        """`fn()`; when it fails to load a compiled artefact of the shared inductor cache (a file a killed process
+        left half-written), once per process: `reset()` and `fn()` again in the run's own cache
+        (trainer.inductor_cache). Any other failure, or a second one, is raised."""
+        try:
+            return fn()
+        except Exception as e:
+            art = self.own_cache.recover(e) if self.own_cache is not None else None
+            if art is None:
+                raise
+            msg = (f"torch.compile could not load {art.path} from the shared inductor cache ({art.reason}); "
+                   f"compiling again in the run's own cache {self.own_cache.own_dir}")
+            self.emit0("warning", message=msg, kind=CompileWarning.COMPILE_CACHE, step=self.progress.step + 1)
+            self.log(f"warning: {msg}")
+        reset()
+        return fn()
+
+    def _restart_step(self) -> None:
+        """Undo a step that failed before it changed anything but gradients and the data position: no
+        gradients, and the data from the step's first micro-batch again."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.prefetcher.close()
+        self.prefetcher = self._new_prefetcher()
 
     def _grad_norm_now(self) -> torch.Tensor:
         """The global gradient norm (clipping when --grad-clip is set); NaN or inf when a gradient is."""
@@ -908,8 +935,10 @@ def main_run(cfg: TrainConfig, run_lock: RunLock | None = None, created_dirs: li
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             return _report(trainer, "crash", f"lost contact with another rank, which probably failed (see its "
                                              f"error): {first}", EXIT_CRASH, lost_peer=True)
-        if _is_compile_error(e):
-            return _report(trainer, "compile", f"torch.compile failed ({cfg.toggles.compile}): "
+        if _is_compile_error(e) or artefact_failure(e) is not None:
+            own = trainer.own_cache if trainer is not None else None
+            again = f" (again in the run's own inductor cache {own.own_dir})" if own is not None and own.used else ""
+            return _report(trainer, "compile", f"torch.compile failed ({cfg.toggles.compile}){again}: "
                                                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                            EXIT_COMPILE, traceback=traceback.format_exc())
         return _report(trainer, "crash", f"{type(e).__name__}: {e}", EXIT_CRASH, traceback=traceback.format_exc())

@@ -116,8 +116,8 @@ from typing import Any, Callable
 from trainer.contract import capabilities
 from trainer.contract.config import AUTO, TrainConfig, Toggles
 from trainer.contract.device import DeviceInfo
-from trainer.contract.events import (ApplyEvent, CheckpointEvent, ErrorEvent, Event, LogEvent, MeasureProgress,
-                                     StepEvent, TrialEvent, TunerBest, TunerEvent)
+from trainer.contract.events import (ApplyEvent, CheckpointEvent, CompileWarning, ErrorEvent, Event, LogEvent,
+                                     MeasureProgress, StepEvent, TrialEvent, TunerBest, TunerEvent, WarningEvent)
 from trainer.contract.states import TRIAL_FAILURES, TrialKind, TrialOutcome, TrialStatus, TunerPhase
 
 from .budget import Budget, format_duration
@@ -129,6 +129,12 @@ from .study import Candidate, Proposal, TuneStudy
 
 # when a trial's most possible saving is under this many times its cost, cheaper trials go first
 CHEAP_FIRST = 3.0
+# a compile that recompiled at this many distinct steps of one measurement (or fell back to eager) kept
+# recompiling: a one-off recompilation (the first eval, a new shape made dynamic) is warm-up, not a trait
+RECOMPILE_STEPS = 2
+# What the advice says to try (gptop.advice, through the session), best first: each one change to the start,
+# the tuner's first proposals.
+AdviceTry = tuple[str, Any, str]         # (toggle, value, the evidence in words)
 
 
 # --- actions ----------------------------------------------------------------------------
@@ -160,6 +166,7 @@ class RunTrial:
     numerics_changing: bool = False
     source: str = "sampler"
     keep_steps: bool = True
+    advice: str | None = None       # source "advice": the evidence of the advice it tries
 
 
 @dataclass
@@ -216,6 +223,14 @@ class _Active:
     oom_mem: int | None = None      # the peak an out-of-memory error reported (no step event may have come)
     note: str = ""                  # what the switch does to the optimizer state, for the trial's reason
     earlier: bool = False           # re-measures a trial of an earlier run
+    advice: str | None = None       # the advice's evidence, for a trial the advice proposed
+    compile: dict[str, int] = field(default_factory=dict)      # CompileWarning kind -> count in this measurement
+    recompile_steps: set[int] = field(default_factory=set)     # the steps a recompilation happened at
+
+    @property
+    def unsteady(self) -> bool:
+        """Its compile kept recompiling: fell back to eager, or recompiled at RECOMPILE_STEPS distinct steps."""
+        return bool(self.compile.get(CompileWarning.COMPILE_FALLBACK)) or len(self.recompile_steps) >= RECOMPILE_STEPS
 
 
 @dataclass
@@ -259,7 +274,8 @@ class TuneController:
                  energy: Callable[[float, float], float | None] | None = None, progress_every_s: float = 1.0,
                  run_pays: bool = True, max_share: float = 0.5, max_loss: float = 0.1, prior_gain: float = 1.5,
                  explore_gain: float = 1.5, trust_spread: float = 0.25, compile_prior_s: float = 45.0,
-                 startup_s: float | None = None, trial_process_continues: bool = False):
+                 startup_s: float | None = None, trial_process_continues: bool = False,
+                 advice: Callable[[], list[AdviceTry]] | None = None):
         if base_cfg.toggles.precision == AUTO:         # trials run concrete precisions: what auto is on `dev`
             base_cfg = dataclasses.replace(base_cfg, toggles=dataclasses.replace(
                 base_cfg.toggles, precision=capabilities.resolve_precision(AUTO, dev)))
@@ -276,6 +292,8 @@ class TuneController:
         self.startup_s = startup_s                 # how long this setup's trainer took to start (measured)
         # the run can train on in a trial's own process (its settings are the user's); else applying means a restart
         self.trial_process_continues = trial_process_continues
+        # what the advice says to try, asked once when the trials start (the evidence is then the freshest)
+        self.advice = advice
         self.continue_free = True                  # the process running now can train on without a restart
         self.pace_s: float | None = None           # seconds per step at the start's speed (before the baseline)
         self.loss_allowance_s: float | None = None # what tuning may lose, decided before the first trial
@@ -443,6 +461,13 @@ class TuneController:
         if isinstance(event, CheckpointEvent):
             self.checkpoint_s = event.seconds or 0.0
             return
+        if isinstance(event, WarningEvent):
+            if a is not None and event.kind in tuple(CompileWarning):     # the compile watchdog, during this trial
+                kind = CompileWarning(event.kind)
+                a.compile[kind.value] = a.compile.get(kind.value, 0) + 1
+                if kind == CompileWarning.RECOMPILE and event.step is not None:
+                    a.recompile_steps.add(event.step)
+            return
         if isinstance(event, ErrorEvent):
             if a is not None and a.failure is None:
                 kind = TrialOutcome(event.kind) if event.kind in TRIAL_FAILURES else TrialOutcome.CRASH
@@ -536,7 +561,7 @@ class TuneController:
         return self._decide()
 
     def _start(self, kind: TrialKind, toggles: Toggles, proposal: Proposal | None, number: int | None = None,
-               source: str = "sampler", earlier: bool = False) -> RunTrial | Remeasure:
+               source: str = "sampler", earlier: bool = False, advice: str | None = None) -> RunTrial | Remeasure:
         measure = Measurement(**self.measure_kw)
         strict = self.space.numerics_changing(toggles)
         restart = toggles != self.running
@@ -551,14 +576,15 @@ class TuneController:
             action: RunTrial | Remeasure = Remeasure(number, toggles, measure, restart, keep_steps=keep)
         else:
             action = RunTrial(number, toggles, measure, baseline=kind is TrialKind.BASELINE, restart=restart,
-                              numerics_changing=strict, source=source, keep_steps=keep)
+                              numerics_changing=strict, source=source, keep_steps=keep, advice=advice)
         self._active = _Active(kind, action, toggles, proposal, number, self.clock(), measure,
                                LossGuard(self.trend, strict), strict, last_touch=self.clock(), note=note or "",
-                               earlier=earlier)
+                               earlier=earlier, advice=advice)
         if number is not None:   # views key trials by number; an unnumbered baseline gets one row, at its end
             self._emit(TrialEvent(number=number, toggles=toggles, status=TrialStatus.RUNNING,
                                   tokens_per_s=None, spread=None, peak_mem=None, reason="", kind=kind,
-                                  source=source if kind is TrialKind.TRIAL else kind, earlier=earlier))
+                                  source=source if kind is TrialKind.TRIAL else kind, earlier=earlier,
+                                  advice=advice, compile=None, unsteady=False))
         self._emit(self.tuner_event())
         return action
 
@@ -607,9 +633,11 @@ class TuneController:
     def _next_trial(self) -> RunTrial | None:
         if not self._warm_started:
             self._warm_started = True
-            starts = [(self.base, "current"), (self._recipe(), "recipe")]
+            starts: list[tuple[Toggles, str, dict[str, Any]]] = [(self.base, "current", {})]
+            starts += self._advised()
+            starts.append((self._recipe(), "recipe", {}))
             if self.space.memory:
-                starts.append((self._memory_recipe(), "memory"))
+                starts.append((self._memory_recipe(), "memory", {}))
             self.study.warm_start(starts)
         for _ in range(200):
             if self.trials_run >= self.max_trials:
@@ -653,9 +681,31 @@ class TuneController:
                                    source=p.source)
                 continue
             self.trials_run += 1
-            return self._start(TrialKind.TRIAL, p.toggles, p, source=p.source)  # type: ignore[return-value]
+            return self._start(TrialKind.TRIAL, p.toggles, p, source=p.source,  # type: ignore[return-value]
+                               advice=p.advice)
         self.stop_note = "the sampler keeps proposing configurations that cannot fit"
         return None
+
+    def _advised(self) -> list[tuple[Toggles, str, dict[str, Any]]]:
+        """The advice's tries as warm-start entries (source "advice"): each change alone on the start, best
+        first. A toggle the space holds frozen is left alone; a value the space lacks becomes the nearest one
+        it has (prefetch 8 -> 4); a change that ends where the start is, or repeats an earlier one, is dropped.
+        What the device cannot run is screened as any proposal is (`capabilities.unsupported`)."""
+        if self.advice is None:
+            return []
+        out: list[tuple[Toggles, str, dict[str, Any]]] = []
+        for name, value, evidence in self.advice():
+            if name not in self.space.params:
+                continue
+            v = _nearest(self.space.choices[name], value)
+            if v is None or v == getattr(self.base, name):
+                continue
+            t = dataclasses.replace(self.base, **{name: v})
+            if any(t == o for o, _, _ in out):
+                continue
+            shown = ("on" if v else "off") if isinstance(v, bool) else v
+            out.append((t, "advice", {"advice": f"{evidence}: {name}={shown}"}))
+        return out
 
     def _predicted_oom(self, t: Toggles) -> str | None:
         mb = t.micro_batch_int()
@@ -723,7 +773,8 @@ class TuneController:
     def _best_this_run(self) -> float | None:
         """The fastest measurement of this run that holds: the pruning reference."""
         vals = [r["tokens_per_s"] for r in self.results
-                if r["status"].measured and r.get("tokens_per_s") and r.get("spread") is not None
+                if r["status"].measured and not r.get("unsteady") and r.get("tokens_per_s")
+                and r.get("spread") is not None
                 and r["spread"] <= self.trust_spread * r["tokens_per_s"]]
         return max(vals) if vals else None
 
@@ -752,11 +803,15 @@ class TuneController:
         overhead = self._overhead(a) if a.action.restart else None     # a restart's cost: only where there was one
         if overhead is None and a.stop == "timeout" and a.action.restart:
             overhead = round(duration, 3)        # still warming up (compiling) when cut: all of it was overhead
-        extra = {"duration_s": round(duration, 3), "overhead_s": overhead, "kind_of_run": a.kind}
+        extra: dict[str, Any] = {"duration_s": round(duration, 3), "overhead_s": overhead, "kind_of_run": a.kind}
+        if a.compile:        # the compile watchdog's warnings during the measurement (docs/tuning.md)
+            extra.update(compile=dict(a.compile), unsteady=a.unsteady)
+        marks = dict(advice=a.advice, compile=dict(a.compile) or None, unsteady=a.unsteady)
         if outcome is TrialOutcome.OK and a.failure:
             outcome, reason = a.failure[0], reason or a.failure[1]
         if outcome.failed:
-            reason = _noted(reason or (a.failure[1] if a.failure else outcome), a.note)
+            reason = _noted(_noted(reason or (a.failure[1] if a.failure else outcome), a.note),
+                            compile_words(a.compile, False))
             self.running = None
             self.rolled_back_s += duration
             if a.kind is TrialKind.TRIAL:
@@ -772,7 +827,7 @@ class TuneController:
                     self._widen_for_memory(f"the starting configuration ran out of memory ({reason})")
             return self._finish_event(a.number, a.kind, a.toggles, TrialStatus.INFEASIBLE, summary, f"{outcome}: {reason}",
                                       duration, failure=outcome, overhead_s=overhead, source=_source(a),
-                                      rollback=rollback, earlier=a.earlier)
+                                      rollback=rollback, earlier=a.earlier, **marks)
         if rollback is not None:                          # measured, then rolled back (keep_steps False)
             self.running = None
             self.rolled_back_s += duration
@@ -805,15 +860,20 @@ class TuneController:
             reason = reason or f"no steady measurement: {m.stop_words(m.done_reason or a.stop)}"
             if a.stop == "timeout" and not m.kept and a.toggles.compile != "off":
                 self.slow_compile.add(a.toggles.compile)   # still compiling: screen this mode for the run
-        reason = _noted(reason, a.note)
+        unsteady = a.unsteady and a.kind is not TrialKind.BASELINE
+        reason = _noted(_noted(reason, a.note), compile_words(a.compile, unsteady))
+        if unsteady and status.measured:
+            self._refuse_unsteady(a, est)
         if a.kind is TrialKind.TRIAL:
             if status is TrialStatus.PRUNED:
                 self.study.tell_pruned(a.proposal, summary, reason, extra)
-            else:
-                self.study.tell_ok(a.proposal, summary, status, reason, extra)
+            else:     # one that kept recompiling is told with a violated constraint: never a candidate, in any run
+                self.study.tell_ok(a.proposal, summary, status, reason, extra, feasible=not a.unsteady)
         elif a.kind is TrialKind.REMEASURE:
+            ok = status.measured and not a.unsteady
             self.study.record_remeasure(a.number, summary, reason=reason,
-                                        status=TrialStatus.OK if status.measured else TrialStatus.PRUNED)
+                                        status=TrialStatus.OK if ok else "unsteady" if a.unsteady
+                                        else TrialStatus.PRUNED)
             pooled = next((c for c in self.study.candidates(run=self.study.run_id) if c.number == a.number), None)
             if pooled is not None:   # the event updates the trial's row: show the pooled estimate
                 summary = {**summary, "tokens_per_s": pooled.tokens_per_s, "spread": pooled.spread,
@@ -829,7 +889,26 @@ class TuneController:
                 self.baseline = None
                 self.stop_note = "the starting configuration gave no steady measurement"
         return self._finish_event(a.number, a.kind, a.toggles, status, summary, reason, duration,
-                                  overhead_s=overhead, source=_source(a), rollback=rollback, earlier=a.earlier)
+                                  overhead_s=overhead, source=_source(a), rollback=rollback, earlier=a.earlier,
+                                  **marks)
+
+    def _refuse_unsteady(self, a: _Active, est: float) -> None:
+        """Into the ledger: a configuration whose compile kept recompiling is not a candidate, whatever it measured
+        (a measurement between recompilations, or of a frame that fell back to eager, is luck, not the setting)."""
+        base = self._base_estimate()
+        remaining = self._remaining()
+        saving = 0.0
+        if base is not None and base[0] > 0 and math.isfinite(est) and est > 0:
+            saving = max(0.0, remaining * self.tokens_per_step * (1.0 / base[0] - 1.0 / est))
+        what = "trial" if a.kind == "trial" else "re-measured trial"
+        times = f", {est / base[0]:.2f}x the start" if base is not None and base[0] > 0 and math.isfinite(est) else ""
+        steps = sorted(a.recompile_steps)
+        how = ("fell back to eager" if a.compile.get(CompileWarning.COMPILE_FALLBACK) else
+               f"recompiled at steps {', '.join(map(str, steps[:5]))}")
+        self._record(Decision(False, saving, self._switch_s(a.toggles),
+                              f"{what} {a.number} kept recompiling ({how}): not a candidate however fast it measured "
+                              f"({est:.0f} tokens/s{times})", choice=Choice.CANDIDATE,
+                              remaining_steps=remaining), say=True)
 
     def _widen_for_memory(self, reason: str) -> None:
         """Memory is the constraint after all: the trials to come search the space widened to the memory-saving
@@ -885,14 +964,16 @@ class TuneController:
                       summary: dict[str, Any] | None, reason: str, duration: float, *, ran: bool = True,
                       failure: TrialOutcome | None = None, overhead_s: float | None = None,
                       source: str | None = None, rollback: dict[str, Any] | None = None,
-                      earlier: bool = False) -> TrialEvent:
+                      earlier: bool = False, advice: str | None = None, compile: dict[str, int] | None = None,
+                      unsteady: bool = False) -> TrialEvent:
         s = summary or {}
         ev = TrialEvent(number=number, toggles=toggles, status=status,
                         tokens_per_s=s.get("tokens_per_s"), spread=s.get("spread"), peak_mem=s.get("peak_mem"),
                         energy_per_token=s.get("energy_per_token"), reason=reason, kind=kind,
                         source=source or (kind if kind is not TrialKind.TRIAL else None), duration_s=round(duration, 3),
                         remeasure_tokens_per_s=s.get("remeasure_tokens_per_s"),
-                        remeasure_spread=s.get("remeasure_spread"), rollback=rollback, earlier=earlier)
+                        remeasure_spread=s.get("remeasure_spread"), rollback=rollback, earlier=earlier,
+                        advice=advice, compile=compile, unsteady=unsteady)
         fields = {f.name: getattr(ev, f.name) for f in dataclasses.fields(ev) if f.name != "extra"}
         self.results.append({**fields, "duration_s": duration, "ran": ran, "failure": failure,
                              "overhead_s": overhead_s, "summary": s})
@@ -1331,6 +1412,36 @@ def reported_peak(memory: dict[str, Any] | None) -> int | None:
 def _noted(reason: str, note: str) -> str:
     """`reason; note`, or whichever of them is not empty."""
     return f"{reason}; {note}" if note and reason else (reason or note)
+
+
+def _nearest(choices: tuple[Any, ...] | list[Any], value: Any) -> Any:
+    """`value` if the space allows it, else the nearest allowed integer to an integer (ties: the larger), else
+    None."""
+    if value in choices:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        ints = [c for c in choices if isinstance(c, int) and not isinstance(c, bool)]
+        if ints:
+            return min(ints, key=lambda c: (abs(c - value), -c))
+    return None
+
+
+def compile_words(counts: dict[str, int], unsteady: bool) -> str:
+    """What the compile watchdog said during a measurement, in words ("" when it said nothing)."""
+    parts = []
+    n = counts.get(CompileWarning.RECOMPILE, 0)
+    if n:
+        parts.append(f"torch.compile recompiled {n}x" if n > 1 else "torch.compile recompiled once")
+    if counts.get(CompileWarning.COMPILE_FALLBACK):
+        parts.append("fell back to eager (recompile limit)")
+    if counts.get(CompileWarning.GRAPH_BREAK):
+        parts.append("graph breaks")
+    if counts.get(CompileWarning.COMPILE_CACHE):
+        parts.append("a corrupt artefact of the shared inductor cache: compiled again in the run's own cache")
+    words = "; ".join(parts)
+    if unsteady:
+        words += ": it kept recompiling, so it is not applied however fast it measured"
+    return words
 
 
 def _source(a: _Active) -> str:

@@ -69,6 +69,7 @@ class Choice(enum.Enum):
     TRIAL = "trial"        # can a kind of trial (a compile mode, a plain restart) still pay?
     EXPLORE = "explore"    # one more trial, or apply the best found now?
     SWITCH = "switch"      # apply the best, or keep the start?
+    CANDIDATE = "candidate"  # can a measured configuration win at all? (one whose compile kept recompiling cannot)
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,8 @@ def trial_rows(study: TuneStudy, run_id: str | None, base: dict[str, Any]) -> tu
             "tokens_per_s": ua.get("tokens_per_s"), "spread": ua.get("spread"), "peak_mem": ua.get("peak_mem"),
             "energy_per_token": ua.get("energy_per_token"), "duration_s": ua.get("duration_s"),
             "overhead_s": ua.get("overhead_s"),
+            # the advice it tried (source "advice"), and what the compile watchdog said while it ran
+            "advice": ua.get("advice"), "compile": ua.get("compile"), "unsteady": bool(ua.get("unsteady")),
             "remeasures": [{k: r.get(k) for k in ("run", "status", "tokens_per_s", "spread", "reason")}
                            for r in remeasures],
         })
@@ -186,10 +188,14 @@ def render_markdown(report: dict[str, Any]) -> str:
         tps = _fmt_tps(r.get("tokens_per_s"), r.get("spread"))
         for rm in r.get("remeasures", []):
             tps += f"; re: {_fmt_tps(rm.get('tokens_per_s'), rm.get('spread'))}"
-        reason = (r.get("reason") or "").replace("|", "/")
+        reason = r.get("reason") or ""
+        if r.get("advice"):
+            reason = f"advice: {r['advice']}" + (f"; {reason}" if reason else "")
+        reason = reason.replace("|", "/")
+        status = r["status"] + (", kept recompiling" if r.get("unsteady") else "")
         jpt = f" {_fmt_jpt(r.get('energy_per_token'))} |" if energy else ""
         lines.append(f"| {r['number']} | {r['run']} | {r['source']} | {r['changes']} | {tps} | "
-                     f"{_fmt_bytes(r.get('peak_mem'))} |{jpt} {r['status']} | {reason} |")
+                     f"{_fmt_bytes(r.get('peak_mem'))} |{jpt} {status} | {reason} |")
     if report.get("hidden_duplicates"):
         lines += ["", f"{report['hidden_duplicates']} repeated proposals were answered from earlier trials "
                       "without running (not listed)."]

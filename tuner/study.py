@@ -248,6 +248,7 @@ class Proposal:
     toggles: Toggles
     params: dict[str, Any]
     source: str = "sampler"
+    advice: str | None = None           # source "advice": the evidence of the advice it tries
 
     @property
     def number(self) -> int:
@@ -361,18 +362,21 @@ class TuneStudy:
         return {params_key(_intended(t)) for t in self.trials() if t.state in states or self._live(t)}
 
     # --- warm start -------------------------------------------------------------------
-    def warm_start(self, configs: list[tuple[Toggles, str]]) -> list[Toggles]:
-        """Enqueue (toggles, source) pairs that the study has neither measured nor queued; returns those enqueued."""
+    def warm_start(self, configs: list[tuple[Toggles, str]] | list[tuple[Toggles, str, dict[str, Any]]]
+                   ) -> list[Toggles]:
+        """Enqueue (toggles, source[, user attrs]) entries, in order, that the study has neither measured nor
+        queued; returns those enqueued. The attrs go with the trial (the advice's evidence: `Proposal.advice`)."""
         queued = {params_key(_intended(t)) for t in self.trials((TrialState.WAITING,))}
         out = []
-        for toggles, source in configs:
+        for toggles, source, *rest in configs:
+            attrs = dict(rest[0]) if rest else {}
             if not self.space.contains(toggles):
                 continue
             params = self.space.to_params(toggles)
             key = params_key(params)
             if key in queued or self._known(key) is not None:
                 continue
-            self.study.enqueue_trial(params, user_attrs={"source": source})
+            self.study.enqueue_trial(params, user_attrs={**attrs, "source": source})
             queued.add(key)
             out.append(toggles)
         return out
@@ -403,7 +407,7 @@ class TuneStudy:
                     continue
                 trial.set_user_attr("toggles", dataclasses.asdict(toggles))
                 trial.set_user_attr("source", source)
-                return Proposal(trial, toggles, params, source)
+                return Proposal(trial, toggles, params, source, trial.user_attrs.get("advice"))
             if round_ == 0:
                 params = self._untried(accept)
                 if params is None:
@@ -494,13 +498,15 @@ class TuneStudy:
             trial.set_user_attr(k, v)
 
     def tell_ok(self, p: Proposal, summary: dict[str, Any], status: str = "ok", reason: str = "",
-                extra: dict[str, Any] | None = None) -> None:
-        """A healthy measured trial: COMPLETE with its tokens/s."""
+                extra: dict[str, Any] | None = None, feasible: bool = True) -> None:
+        """A healthy measured trial: COMPLETE with its tokens/s. `feasible` False: measured, but not a setting
+        to apply (its compile kept recompiling): a violated constraint, so neither the sampler nor
+        `candidates` takes it as a result to build on."""
         value = summary.get("tokens_per_s")
         if value is None or not math.isfinite(value):
             raise ValueError("tell_ok needs a measured tokens_per_s; use tell_pruned for trials without one")
         self._attrs(p.trial, summary, status, reason, extra)
-        self._set_feasible(p.trial, True)
+        self._set_feasible(p.trial, feasible)
         self.study.tell(p.trial, float(value))
 
     def tell_pruned(self, p: Proposal, summary: dict[str, Any] | None, reason: str,

@@ -73,6 +73,17 @@ class AlertKind(str, enum.Enum):
     GPU_LOST = "gpu_lost"               # the GPU fell off the bus (NVML: GPU is lost)
 
 
+class CompileWarning(enum.StrEnum):
+    """The `warning` kinds of the torch.compile watchdog (trainer.compile_watch) and of the compile-cache retry
+    (trainer.inductor_cache): a tuner trial that saw them is marked so in its ledger row."""
+
+    GRAPH_BREAK = "graph_break"         # after the first step: the compile split the model (the first reasons)
+    RECOMPILE = "recompile"             # a guard failed after the first step and a frame compiled again
+    COMPILE_FALLBACK = "compile_fallback"   # a frame hit the recompile limit and runs eagerly from then on
+    COMPILE_CACHE = "compile_cache"     # a compiled artefact of the shared cache did not load: retried with
+    #                                     the run's own inductor cache
+
+
 class Severity(str, enum.Enum):
     WARNING = "warning"                 # the run goes on, slower or noisier: look when you can
     CRITICAL = "critical"               # the run makes no progress or its hardware fails: look now
@@ -363,7 +374,7 @@ class LogEvent(Event):
 class WarningEvent(Event):
     type: ClassVar[str] = "warning"
     message: str
-    kind: str | None = None             # slow_toggle, peak_flops, nan_rollback, ...
+    kind: str | None = None             # slow_toggle, peak_flops, nan_rollback, a CompileWarning, ...
     step: int | None = None
     batch: int | None = None
     skip_batches: list[int] | None = None
@@ -432,6 +443,10 @@ class TrialEvent(Event):
     remeasure_spread: float | None = None
     rollback: dict[str, Any] | None = None
     earlier: bool = False               # the trial ran in an earlier run of the same setup (a re-measurement)
+    advice: str | None = None           # source advice: the evidence of the advice it tries (gptop.advice)
+    # CompileWarning kind -> how many came during the trial; None: none came
+    compile: dict[str, int] | None = None
+    unsteady: bool = False              # its compile kept recompiling: never applied however fast it measured
 
 
 @dataclass(frozen=True, kw_only=True)
