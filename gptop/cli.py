@@ -423,7 +423,7 @@ def check_command_tune(ns: argparse.Namespace) -> tuple[Path | None, int | None]
 
     from trainer.contract.config import SECTIONS, flag_of
 
-    from .integrations.training_args import check_spec
+    from tuner.command_space import check_spec
 
     typed = [k for k in vars(ns) if "." in k and k not in COMMAND_TUNE_OPTIONS] + \
         (["config"] if "config" in vars(ns) else [])

@@ -94,7 +94,7 @@ def tuning_space(cfg: TrainConfig, dev: DeviceInfo, fits: int | None, world: int
     (tuner.space.memory_pressure): the space then includes the memory-saving toggles. On a CPU with a short
     budget, compile is left alone unless the spec names it. `command`: the run is a user's script whose
     client can take these toggles (`gptop tune -- CMD`): the space is narrowed to what its TrainingArguments
-    hold (gptop.integrations.training_args.command_space) before the spec applies."""
+    hold (tuner.command_space) before the spec applies."""
     from tuner.space import MEMORY_SAVING, SearchSpace, memory_pressure, quantizable
 
     memory = memory_pressure(cfg, fits, world)
@@ -102,7 +102,7 @@ def tuning_space(cfg: TrainConfig, dev: DeviceInfo, fits: int | None, world: int
                                    spec=spec if command is None else None, memory=memory,
                                    quantizable=quantizable(cfg))
     if command is not None:
-        from .integrations.training_args import command_space
+        from tuner.command_space import command_space
 
         space = command_space(space, dev, command, spec)
     note = ""

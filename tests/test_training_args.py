@@ -1,4 +1,4 @@
-"""The toggles <-> TrainingArguments mapping of `gptop tune -- CMD` (gptop.integrations.training_args)."""
+"""The toggles <-> TrainingArguments mapping of `gptop tune -- CMD` (trainer.contract.training_args)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from gptop.integrations.training_args import (COMMAND_PREFETCH, FROZEN, TUNED, args_fields, command_space,
-                                              per_device_batch, read_fields, start_toggles, tunable)
+from trainer.contract.training_args import (COMMAND_PREFETCH, FROZEN, TUNED, args_fields, per_device_batch,
+                                            read_fields, start_toggles, tunable)
 from trainer.contract.client import TOGGLES_ENV, ClientEnv, parse_toggles
 from trainer.contract.config import ConfigError, Toggles
 from trainer.contract.device import DeviceInfo
+from tuner.command_space import command_space
 from tuner.space import SearchSpace, micro_batch_choices
 
 

@@ -51,11 +51,11 @@ TUNE_USAGE = ("args = tuned_args(TrainingArguments(...)) and trainer.train(resum
 
 
 def tuned_args(args: TrainingArguments) -> TrainingArguments:
-    """`args` with the toggles gptop's tuner chose applied (gptop.integrations.training_args maps them to
+    """`args` with the toggles gptop's tuner chose applied (trainer.contract.training_args maps them to
     fields: precision, torch_compile, per_device_train_batch_size with gradient_accumulation_steps keeping
     the batch of an optimizer step, the DataLoader's workers and prefetch, fused AdamW, gradient
     checkpointing). Outside `gptop tune`, and in the process it measures as the start, `args` unchanged."""
-    from .training_args import args_fields, read_fields
+    from trainer.contract.training_args import args_fields, read_fields
 
     _called.add("tuned_args")
     env = ClientEnv.from_environ()
@@ -77,7 +77,7 @@ def resume_checkpoint(args: TrainingArguments) -> str | None:
 def tuning_refusal(env: ClientEnv, args: TrainingArguments, state: TrainerState) -> str | None:
     """Why this process cannot be tuned the way gptop asked (None: it can): a call missing, a checkpoint
     the Trainer did not resume from, or toggles the Trainer was not given."""
-    from .training_args import TUNED, read_fields, start_toggles
+    from trainer.contract.training_args import TUNED, read_fields, start_toggles
 
     missing = [c for c in TUNE_CALLS if c not in _called]
     if missing:
@@ -142,7 +142,7 @@ class GptopCallback(TrainerCallback):
                                      reduce_loss=False, start_step=state.global_step)
         if self.client is None:
             return
-        from .training_args import read_fields, tunable
+        from trainer.contract.training_args import read_fields, tunable
 
         if self.env.tune:
             why = tuning_refusal(self.env, args, state)
@@ -163,7 +163,7 @@ class GptopCallback(TrainerCallback):
     def _hello(self, client: Client, model: torch.nn.Module | None, seq_len: int | None = None) -> None:
         """The hello, with what the tuner starts from: the Trainer's arguments as toggles, the batch of an
         optimizer step over all processes, the sequence length, and which toggles the script can take."""
-        from .training_args import per_device_batch, read_fields, start_toggles
+        from trainer.contract.training_args import per_device_batch, read_fields, start_toggles
 
         desc = describe_model(model, seq_len=seq_len, flops_per_token=self.flops_per_token)
         config: dict[str, dict[str, Any]] = {}
@@ -173,7 +173,7 @@ class GptopCallback(TrainerCallback):
             toggles = start_toggles(fields)
             config["toggles"] = dataclasses.asdict(toggles)
             config["optim"] = {"global_batch": per_device_batch(fields) * client.world}
-            name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
+            name = getattr(getattr(model, "config", None), "name_or_path", "") or type(model).__name__
             config["model"] = {"model": f"{name}-{desc.get('total_params') or 0}p"}
             extra = dict(micro_batch=toggles.micro_batch_int(),
                          accumulation=int(fields.get("gradient_accumulation_steps") or 1), tunable=self._tunable)
