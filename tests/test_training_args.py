@@ -8,20 +8,28 @@ from pathlib import Path
 
 import pytest
 
-from trainer.contract.training_args import (COMMAND_PREFETCH, FROZEN, TUNED, args_fields, per_device_batch,
-                                            read_fields, start_toggles, tunable)
 from trainer.contract.client import TOGGLES_ENV, ClientEnv, parse_toggles
 from trainer.contract.config import ConfigError, Toggles
 from trainer.contract.device import DeviceInfo
+from trainer.contract.training_args import (
+    COMMAND_PREFETCH,
+    FROZEN,
+    TUNED,
+    args_fields,
+    per_device_batch,
+    read_fields,
+    start_toggles,
+    tunable,
+)
 from tuner.command_space import command_space
 from tuner.space import SearchSpace, micro_batch_choices
 
 
 def fields(**kw):
-    base = dict(bf16=False, fp16=False, tf32=None, torch_compile=False, torch_compile_mode=None,
-                torch_compile_backend=None, per_device_train_batch_size=4, gradient_accumulation_steps=4,
-                dataloader_num_workers=0, dataloader_prefetch_factor=None, optim="adamw_torch_fused",
-                gradient_checkpointing=False)
+    base = {"bf16": False, "fp16": False, "tf32": None, "torch_compile": False, "torch_compile_mode": None,
+            "torch_compile_backend": None, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 4,
+            "dataloader_num_workers": 0, "dataloader_prefetch_factor": None, "optim": "adamw_torch_fused",
+            "gradient_checkpointing": False}
     base.update(kw)
     return base
 

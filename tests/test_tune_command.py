@@ -28,7 +28,7 @@ def env_one_thread() -> dict[str, str]:
 
 def gptop(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "gptop", "--no-ui", "--json", *args], capture_output=True,
-                          text=True, env=env_one_thread(), timeout=timeout)
+                          check=False, text=True, env=env_one_thread(), timeout=timeout)
 
 
 def run_events(run_dir: Path, kind: str | None = None) -> list[dict]:

@@ -25,8 +25,8 @@ optimizer's state cannot be loaded from the checkpoint the Trainer resumes from)
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from .config import Toggles
 
