@@ -4,6 +4,7 @@
     gptop train --nproc 8 [options]      the same on 8 ranks of this node (torchrun; --parallel ddp|fsdp)
     gptop train --resume RUN_DIR         continue a run from its newest valid checkpoint
     gptop tune --budget 30m [options]    train while tuning the toggles on the live run
+    gptop tune --budget 5m -- CMD [ARGS] tune your own transformers.Trainer script on its live run
     gptop run [options] -- CMD [ARGS]    your own training command, watched (gptop.integrations inside it)
     gptop report RUN_DIR                 summarize a run
     gptop export RUN_DIR OUT_DIR         write a checkpoint as a Hugging Face model directory
@@ -167,6 +168,10 @@ def build_parser() -> Parser:
                        help="Optuna storage URL (sqlite:///..., postgresql://..., journal:PATH) to share studies "
                             "(default: a SQLite file in ~/.cache/gptop)")
     tune.add_argument("--tune-only", action="store_true", help="stop after writing best.toml (default: off)")
+    tune.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS]",
+                      help="tune your own transformers.Trainer script instead of gptop's trainer, e.g. -- python "
+                           "train.py (it calls tuned_args and resume_checkpoint: docs/your-code.md); with a "
+                           "command, --run-dir and --log-every are the only trainer options")
 
     run = sub.add_parser("run", help="run your own training command under gptop",
                          description="Run your own training command as gptop's trainer: its devices, logs and exit "
@@ -218,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     try:
+        if ns.command == "tune" and ns.cmd:
+            return cmd_program(ns, tune=True)
         if ns.command in ("train", "tune"):
             return cmd_run(ns)
         if ns.command == "run":
@@ -405,33 +412,91 @@ def _run_locked(ns: argparse.Namespace, cfg: TrainConfig, resume: str | None, la
     return _show(ns, session, resume, signals)
 
 
-def cmd_program(ns: argparse.Namespace) -> int:
-    """`gptop run -- CMD`: the command checked (exit 2 naming it, nothing created), the run directory locked,
-    then the session shown as for `gptop train`."""
+COMMAND_TUNE_OPTIONS = ("run.run_dir", "log.log_every")   # trainer options that mean something for a command
+
+
+def check_command_tune(ns: argparse.Namespace) -> tuple[Path | None, int | None]:
+    """`gptop tune [options] -- CMD`: the options of gptop's own trainer (the model, the data, the toggles, ...)
+    are CMD's business, so giving one is an error naming it (exit 2); --run-dir and --log-every keep their
+    meaning. Returns them, checked. The --tune-space grammar and names are checked here too (the values a
+    script's batch allows once its client says hello)."""
+    import dataclasses
+
+    from trainer.contract.config import SECTIONS, flag_of
+
+    from tuner.command_space import check_spec
+
+    typed = [k for k in vars(ns) if "." in k and k not in COMMAND_TUNE_OPTIONS] + \
+        (["config"] if "config" in vars(ns) else [])
+    if typed:
+        flags = {f"{sec}.{f.name}": flag_of(f) for sec, c in SECTIONS.items() for f in dataclasses.fields(c)}
+        flag = flags.get(typed[0], "--" + typed[0].rpartition(".")[2])
+        raise ConfigError(flag, "is an option of gptop's own trainer; with a command, what trains is the "
+                                "command's (set it in your script); gptop tune -- CMD takes --run-dir, --log-every "
+                                "and the tuning and session options")
+    if ns.nproc != 1 or ns.nnodes != "1":
+        raise ConfigError("--nproc" if ns.nproc != 1 else "--nnodes",
+                          "tuning a command runs it as one process (put torchrun in CMD for gptop run, untuned)")
+    if ns.tune_space:
+        from tuner.space import SearchSpace
+        from trainer.contract.config import Toggles
+
+        check_spec(ns.tune_space)
+        # grammar, names and values; which micro-batches divide the script's batch is known at its hello
+        SearchSpace.check_spec(ns.tune_space, Toggles(micro_batch=1), global_batch=MAX_GRAMMAR_BATCH)
+    run_dir = getattr(ns, "run.run_dir", None)
+    log_every = getattr(ns, "log.log_every", None)
+    cfg = TrainConfig.from_dict({"log": {"log_every": log_every}} if log_every is not None else {}, text=True)
+    return (inputs.check_run_dir(run_dir) if run_dir is not None else None,
+            cfg.log.log_every if log_every is not None else None)
+
+
+MAX_GRAMMAR_BATCH = 2 ** 20      # a per-device batch every power-of-two micro-batch divides: --tune-space's grammar
+
+
+def cmd_program(ns: argparse.Namespace, tune: bool = False) -> int:
+    """`gptop run -- CMD` (and `gptop tune -- CMD`): the command checked (exit 2 naming it, nothing created),
+    the run directory locked, then the session shown as for `gptop train`; with `tune`, a tuning driver
+    attached before CMD starts (its first process is the baseline)."""
     from .program import ProgramSession, check_command, default_run_dir
 
     signals = StopSignals(STOP_SIGNALS if ns.no_ui else TUI_STOP_SIGNALS).install()
     try:
+        if tune:
+            given_dir, log_every = check_command_tune(ns)
+            grace = 30.0
+        else:
+            given_dir, log_every, grace = (Path(ns.run_dir) if ns.run_dir else None), ns.log_every, ns.grace
         command = check_command(ns.cmd)
         if ns.wandb:
             from .wandb_writer import require_wandb
 
             require_wandb()
-        run_dir = Path(ns.run_dir or default_run_dir(command))
+        run_dir = Path(given_dir or default_run_dir(command))
         metrics = bind_metrics(ns)            # a port in use: exit 2 here, before the lock or anything else
         try:
-            lock = RunLock.acquire(run_dir, command="gptop run")
+            created = protect.dirs_to_create(run_dir)
+            lock = RunLock.acquire(run_dir, command=f"gptop {ns.command}")
             try:
                 if lock.warning:
                     print(f"gptop: warning: {lock.warning}", file=sys.stderr)
                 options = SessionOptions(interval=ns.interval, restart_on_failure=ns.restart_on_failure,
                                          tensorboard=ns.tensorboard, wandb=ns.wandb, run_lock=lock,
                                          alerts=alert_options(ns), notify=ns.notify, notify_cmd=ns.notify_cmd)
-                session = ProgramSession(command, run_dir, options, log_every=ns.log_every, grace_s=ns.grace,
-                                         signals=signals)
+                session = ProgramSession(command, run_dir, options, log_every=log_every, grace_s=grace,
+                                         signals=signals, tune=tune)
                 if metrics is not None:
                     metrics.serve(session.state)
+                if tune:
+                    session.start_tuning(TuningOptions(budget_s=float(ns.budget), space_spec=ns.tune_space,
+                                                       storage=ns.storage, tune_only=ns.tune_only))
                 return _show(ns, session, None, signals)
+            except ConfigError:
+                # refused (a script gptop tune cannot hand toggles to says so before its first step): the
+                # run directory this command made is removed, as for gptop train
+                lock.release()
+                protect.remove_created(created)
+                raise
             finally:
                 lock.release()
         finally:

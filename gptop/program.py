@@ -84,14 +84,20 @@ class ProgramSession(Session):
 
     def __init__(self, command: list[str], run_dir: Path, options: SessionOptions | None = None, *,
                  log_every: int | None = None, grace_s: float = 30.0, signals: StopSignals | None = None,
-                 sampler: Any = None):
+                 sampler: Any = None, tune: bool = False):
+        """`tune`: `gptop tune -- CMD`: CMD's client is told so (it refuses when the script cannot take
+        toggles), and each start after the first carries the toggles, checkpoint and log interval of the
+        tuning driver's config (see `spawn`)."""
         cfg = TrainConfig()
         cfg.run.run_dir = str(run_dir)
+        if log_every is not None:
+            cfg.log.log_every = log_every
         super().__init__(cfg, options, sampler=sampler)
         self.command = list(command)
         self.log_every = log_every
         self.grace_s = grace_s
         self.signals = signals
+        self.tune = tune
 
     @property
     def command_line(self) -> str:
@@ -109,8 +115,11 @@ class ProgramSession(Session):
         return signal.SIGTERM if last in (signal.SIGTERM, signal.SIGHUP) else signal.SIGINT
 
     def spawn(self, cfg: TrainConfig | None = None, resume: str | None = None) -> None:
-        """Start (or, after a failure with --restart-on-failure, start again) CMD; `resume` is CMD's own
-        business (its client's `resume_checkpoint`), so it is not passed."""
+        """Start (or start again) CMD. Under `gptop run`, `resume` is CMD's own business and not passed. Under
+        `gptop tune` the tuning driver starts each trial and the decision with `cfg` (its toggles, the log
+        interval) and `resume`, the checkpoint CMD saved on gptop's command; they reach CMD through its
+        client (GPTOP_TOGGLES, GPTOP_LOG_EVERY, GPTOP_RESUME: `tuned_args`, `resume_checkpoint`). The
+        first start runs CMD's own settings, logging at the session's interval (the driver's baseline)."""
         from .telemetry import training_device
 
         with self._lock:
@@ -121,7 +130,13 @@ class ProgramSession(Session):
                              on_exit=self._on_exit, on_malformed=self._on_malformed,
                              pass_fds=lock.fds if lock is not None else (), node=self.layout.node, command=True,
                              grace_s=self.grace_s, stop_signal=self.stop_signal)
-            client = ClientEnv(channel=sup.channel_uri, run_dir=self.run_dir.resolve(), log_every=self.log_every)
+            if self.tune:
+                client = ClientEnv(channel=sup.channel_uri, run_dir=self.run_dir.resolve(),
+                                   log_every=(cfg or self.cfg).log.log_every, tune=True,
+                                   toggles=cfg.toggles if cfg is not None else None,
+                                   resume=resume if cfg is not None else None)
+            else:
+                client = ClientEnv(channel=sup.channel_uri, run_dir=self.run_dir.resolve(), log_every=self.log_every)
             sup.env = {**os.environ, **(lock.env() if lock is not None else {}), **client.to_environ()}
             self.rank_errors = {}
             self.hello = None

@@ -90,18 +90,25 @@ def parse_test_fault(spec: str) -> tuple[int, tuple[tuple[str, int], ...]] | Non
 
 
 def tuning_space(cfg: TrainConfig, dev: DeviceInfo, fits: int | None, world: int, spec: str | None,
-                 budget_s: float) -> tuple[Any, str]:
+                 budget_s: float, command: list[str] | None = None) -> tuple[Any, str]:
     """The search space of this run's tuning and what the first line says about it beyond its toggles.
 
     `cfg` holds the starting toggles (micro-batch as the user gave it), `fits` what `--micro-batch auto`
     found to fit (None: not probed). Memory is the constraint when the wanted micro-batch does not fit
     (tuner.space.memory_pressure): the space then includes the memory-saving toggles. On a CPU with a short
-    budget, compile is left alone unless the spec names it."""
+    budget, compile is left alone unless the spec names it. `command`: the run is a user's script whose
+    client can take these toggles (`gptop tune -- CMD`): the space is narrowed to what its TrainingArguments
+    hold (tuner.command_space) before the spec applies."""
     from tuner.space import MEMORY_SAVING, SearchSpace, memory_pressure, quantizable
 
     memory = memory_pressure(cfg, fits, world)
-    space = SearchSpace.for_device(cfg.toggles, dev, cfg.optim.global_batch, world_size=world, spec=spec,
-                                   memory=memory, quantizable=quantizable(cfg))
+    space = SearchSpace.for_device(cfg.toggles, dev, cfg.optim.global_batch, world_size=world,
+                                   spec=spec if command is None else None, memory=memory,
+                                   quantizable=quantizable(cfg))
+    if command is not None:
+        from tuner.command_space import command_space
+
+        space = command_space(space, dev, command, spec)
     note = ""
     if memory:
         savers = [f"{n} {'/'.join(str(v) for v in space.choices[n])}" for n in MEMORY_SAVING if n in space.params]
@@ -171,6 +178,8 @@ class TuningDriver:
         self._pace_known = False
         self._per_trial = 0.0
         self.user_cfg: TrainConfig | None = None
+        self._reported: list[tuple[int, str]] = []    # checkpoints the processes reported (step, path)
+        self._command = False             # the run is a user's script (gptop tune -- CMD), known at its hello
         self.test_fault = parse_test_fault(os.environ.get(TEST_FAULT_ENV, ""))
 
     # ------------------------------------------------------------- wiring
@@ -193,6 +202,7 @@ class TuningDriver:
         """Every event the session sees: the ones a tuning decides on go to this driver's thread."""
         if isinstance(event, ev.CheckpointEvent) and event.rank == 0:
             self.last_ckpt = (event.step, event.path)
+            self._reported.append((event.step, event.path))
         # warnings: the compile watchdog's, which mark a trial that recompiled (tuner.controller)
         if isinstance(event, (ev.HelloEvent, ev.StepEvent, ev.CheckpointEvent, ev.ErrorEvent, ev.DoneEvent,
                               ev.WarningEvent)):
@@ -323,13 +333,21 @@ class TuningDriver:
             return self._conclude(None)
         self._hello = hello
         dev = hello.device
+        command = hello.client is not None        # a user's script (gptop tune -- CMD) through its client
+        if command:
+            if hello.tunable is None:             # its client refuses a tune itself; an old one may not
+                self._say(f"the command's {hello.client} client takes no toggles: nothing to tune")
+                return self._conclude(None)
+            self._command = True
+            self.user_cfg = self._command_cfg(hello)
+            self._running_cfg = self._cfg_for(self.user_cfg.toggles, strict=True)   # the baseline's process
         cfg = TrainConfig.from_dict(hello.config)
         base_mb = self.user_cfg.toggles.micro_batch
         start = dataclasses.replace(cfg.toggles, micro_batch=base_mb)
         world = hello.world_size
         space, note = tuning_space(dataclasses.replace(cfg, toggles=start), dev,
                                    hello.micro_batch if base_mb == AUTO else None, world, self.space_spec,
-                                   self.budget_s)
+                                   self.budget_s, command=hello.tunable if command else None)
         cfg.toggles = start
         self.study = TuneStudy.open(cfg, dev, space, storage=self.storage, world_size=world)
         # A trial measures for at most ~1/12 of the budget (>= 8 s), so a short budget still sees several trials;
@@ -351,7 +369,7 @@ class TuningDriver:
                                         energy=self.session.energy_between,
                                         run_pays=not self.tune_only, startup_s=startup,
                                         # a trial's process trains on as it is only if its settings are the user's
-                                        trial_process_continues=self.user_cfg.run.nan_policy == "stop",
+                                        trial_process_continues=command or self.user_cfg.run.nan_policy == "stop",
                                         # the advice's toggles are the first proposals (asked when trials start)
                                         advice=lambda: advice_tries(self.session.state.advice()))
         if self._pace_known and self.session.state.step:   # the `t` key: where the run is and how fast it goes
@@ -419,6 +437,16 @@ class TuningDriver:
                 continue
             if isinstance(action, (Apply, Done)):
                 return self._conclude(action)
+
+    def _command_cfg(self, hello: ev.HelloEvent) -> TrainConfig:
+        """A command's own settings as the tuner's config, from its client's first hello: its toggles,
+        the batch of an optimizer step, sequence length, max_steps and model (the study's key); the log
+        interval gptop asks of the process that trains on after tuning (--log-every, else the default)."""
+        cfg = TrainConfig.from_dict(hello.config)
+        cfg.run.run_dir = self.session.cfg.run.run_dir
+        given = getattr(self.session, "log_every", None)
+        cfg.log.log_every = given if given is not None else TrainConfig().log.log_every
+        return cfg
 
     def _end_reason(self) -> str:
         if self._abort:
@@ -500,7 +528,8 @@ class TuningDriver:
 
                 self._say(f"study {self.study.name}; browse it: {dashboard_command(self.study.storage_url)}")
         self._cleanup_guard()
-        if self._running_cfg is None:     # gptop tune's first process logged every step for the baseline
+        if self._running_cfg is None or self._hello is not None and self._hello.client is not None:
+            # gptop tune's first process logged every step for the baseline
             s.cfg.log.log_every = self.user_cfg.log.log_every
         self._detach()
 
@@ -589,7 +618,8 @@ class TuningDriver:
         cfg.toggles = dataclasses.replace(toggles)
         cfg.run.fault = None
         if strict:
-            cfg.run.nan_policy = "stop"       # a NaN ends the trial; the driver rolls back
+            if not self._command:         # a command's NaN is the loss check's (its step events)
+                cfg.run.nan_policy = "stop"   # a NaN ends the trial; the driver rolls back
             cfg.log.log_every = min(cfg.log.log_every, self.trial_log_every)
         return cfg
 
@@ -605,13 +635,32 @@ class TuningDriver:
     def _cleanup_guard(self) -> None:
         rundir.unpin(self.session.run_dir)
 
+    def _delete_reported(self, keep_step: int) -> list[str]:
+        """Delete the checkpoints after `keep_step` that a failed trial's process reported outside the run
+        directory (a command's own, e.g. a Trainer's output_dir/checkpoint-N): the next process resumes from
+        the pre-trial one, and the script's own rotation (save_total_limit) must not count the failed ones."""
+        import shutil
+
+        run_dir = Path(self.session.run_dir).resolve()
+        deleted, kept = [], []
+        for step, path in self._reported:
+            p = Path(path)
+            inside = p.resolve().is_relative_to(run_dir)
+            if step <= keep_step or inside:
+                kept.append((step, path))
+            elif p.exists():
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+                deleted.append(path)
+        self._reported = kept
+        return deleted
+
     def _rollback(self, pre: tuple[int, str] | None) -> dict[str, Any]:
         """Kill the failed trial if it still runs and delete the checkpoints it wrote: the run directory's
         newest checkpoint is the pinned pre-trial one again (or none: the start)."""
         self._stop_trainer(kill=True)
         run_dir = Path(self.session.run_dir)
         keep_step = pre[0] if pre and pre[1] else -1
-        deleted = [str(p) for p in rundir.rollback_to(run_dir, keep_step)]
+        deleted = [str(p) for p in rundir.rollback_to(run_dir, keep_step)] + self._delete_reported(keep_step)
         self.last_ckpt = pre if pre and pre[1] and Path(pre[1]).exists() else None
         step = max(keep_step, 0)
         self._say(f"trial rolled back to step {step}" + (f" ({pre[1]})" if self.last_ckpt else " (the start)")

@@ -35,6 +35,7 @@ from trainer.contract.device import DeviceInfo
 from trainer.contract.rundir import RunDir
 from trainer.timing import TIMED, interval_means, make_timer
 
+TUNABLE_KINDS = (ClientKind.TRANSFORMERS,)   # the clients that take gptop tune's toggles (tuned_args)
 DEFAULT_LOG_EVERY = 10      # the trainer's --log-every default, when neither gptop nor the program says
 # `progress` events at most this often: a loop of millisecond steps would otherwise spend more on them than on
 # its work, and the dashboard redraws its step counter once a second (a step event always comes at a log step)
@@ -168,25 +169,32 @@ class Client:
         sys.excepthook = self._excepthook
         atexit.register(self.close)
 
-    def hello(self, model: dict[str, Any]) -> None:
+    def hello(self, model: dict[str, Any], *, config: dict[str, dict[str, Any]] | None = None,
+              **fields: Any) -> None:
         """The hello event (once, from each node's first rank): what runs where (`model`: describe_model's),
-        before the first step is reported. The FLOPs per token it gives are the MFU numerator."""
+        before the first step is reported. The FLOPs per token it gives are the MFU numerator. `config`:
+        sections of the run's configuration the integration knows (a Trainer's toggles, batch and sequence
+        length, which the tuner starts from), over the client's own; `fields`: more of the hello's fields
+        (micro_batch, accumulation, tunable)."""
         if self.said_hello:
             return
         self.said_hello = True
         self.flops_per_token = model.get("flops_per_token")
         if self.local_rank != 0:
             return
-        config: dict[str, dict[str, Any]] = {"log": {"log_every": self.log_every},
-                                             "toggles": {"precision": self.precision}}
+        config_: dict[str, dict[str, Any]] = {"log": {"log_every": self.log_every},
+                                              "toggles": {"precision": self.precision}}
         if self.max_steps:
-            config["optim"] = {"max_steps": self.max_steps}
+            config_["optim"] = {"max_steps": self.max_steps}
+        for section, values in (config or {}).items():
+            config_[section] = {**config_.get(section, {}), **values}
+        config = config_
         tps = self.tokens_per_step
         self.channel.emit(
             "hello", pid=os.getpid(), world_size=self.world, config=config, device=self.dev.to_dict(),
             model=model, tokens_per_step=tps * self.world if tps else None, peak_flops=self.peak_flops,
             peak_source=self.peak_source, start_step=self.start_step, torch=torch.__version__,
-            client=self.kind.value)
+            client=self.kind.value, **fields)
 
     @classmethod
     def connect(cls, env: ClientEnv | None, kind: ClientKind, **kwargs: Any) -> "Client | None":
@@ -196,11 +204,19 @@ class Client:
         if env is None:
             return None
         try:
-            return cls(env, kind, **kwargs)
+            client = cls(env, kind, **kwargs)
         except OSError as e:
             print(f"[gptop] cannot reach gptop at {env.channel} ({e}); training on without it", file=sys.stderr,
                   flush=True)
             return None
+        if env.tune and kind not in TUNABLE_KINDS:
+            # gptop tune -- CMD hands toggles to a transformers.Trainer script only: said before the first step
+            client.refuse(f"gptop tune: this program's gptop client ({kind.value}) takes no toggles; gptop tune "
+                          f"-- CMD tunes a transformers.Trainer script (GptopCallback, tuned_args, "
+                          f"resume_checkpoint); run this one with gptop run")
+            client.close()
+            raise SystemExit(1)
+        return client
 
     # ------------------------------------------------------------------ setup
     def _agreement(self) -> Callable[[list[int]], list[int]] | None:
@@ -431,6 +447,15 @@ class Client:
         first = str(e).splitlines()[0] if str(e) else ""
         self.channel.emit("error", kind=kind, message=f"{type(e).__name__}: {first}".rstrip(": "),
                           step=self.done_step, exit_code=1)
+
+    def refuse(self, message: str) -> None:
+        """The program cannot run the way gptop asked (a `gptop tune` of a script that does not take toggles):
+        a `config` error event before the first step, which gptop reports in one line with exit 2. The caller
+        ends the program (exit code 1)."""
+        if self._crashed:
+            return
+        self._crashed = True
+        self.channel.emit("error", kind="config", message=message, step=self.done_step, exit_code=1)
 
     def _excepthook(self, kind: type[BaseException], value: BaseException, tb: Any) -> None:
         try:

@@ -27,6 +27,7 @@ at once.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any
@@ -41,19 +42,58 @@ from .client import DEFAULT_LOG_EVERY, Client, describe_model, model_precision, 
 CHECKPOINT_PREFIX = "checkpoint"       # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR: <output_dir>/checkpoint-N
 
 
+# Which of the two calls this process made: `gptop tune -- CMD` restarts the script with toggles and a
+# checkpoint, which reach the Trainer only through them (GptopCallback refuses a tune without them).
+_called: set[str] = set()
+TUNE_CALLS = ("tuned_args", "resume_checkpoint")
+TUNE_USAGE = ("args = tuned_args(TrainingArguments(...)) and trainer.train(resume_from_checkpoint="
+              "resume_checkpoint(args)) (docs/your-code.md, \"Tuning your script\")")
+
+
 def tuned_args(args: TrainingArguments) -> TrainingArguments:
-    """`args` with the toggles gptop's tuner chose applied. No toggles reach a program yet (`gptop run` tunes
-    nothing), so these are `args` unchanged, also outside gptop; scripts written against this call keep
-    working when `gptop tune -- CMD` starts handing toggles down."""
-    return args
+    """`args` with the toggles gptop's tuner chose applied (trainer.contract.training_args maps them to
+    fields: precision, torch_compile, per_device_train_batch_size with gradient_accumulation_steps keeping
+    the batch of an optimizer step, the DataLoader's workers and prefetch, fused AdamW, gradient
+    checkpointing). Outside `gptop tune`, and in the process it measures as the start, `args` unchanged."""
+    from trainer.contract.training_args import args_fields, read_fields
+
+    _called.add("tuned_args")
+    env = ClientEnv.from_environ()
+    if env is None or env.toggles is None:
+        return args
+    change = args_fields(env.toggles, read_fields(args))
+    return dataclasses.replace(args, **change) if change else args
 
 
 def resume_checkpoint(args: TrainingArguments) -> str | None:
     """The checkpoint gptop restarts this run from (`trainer.train(resume_from_checkpoint=...)`), or None: a
-    fresh start, and always outside gptop. `gptop run` never restarts from one of the program's own
-    checkpoints, so under it this is None too unless GPTOP_RESUME names one."""
+    fresh start, and always outside gptop. `gptop tune -- CMD` restarts the script from the checkpoint the
+    callback saved on its command, for each trial and for the setting it applies."""
+    _called.add("resume_checkpoint")
     env = ClientEnv.from_environ()
     return None if env is None else env.resume
+
+
+def tuning_refusal(env: ClientEnv, args: TrainingArguments, state: TrainerState) -> str | None:
+    """Why this process cannot be tuned the way gptop asked (None: it can): a call missing, a checkpoint
+    the Trainer did not resume from, or toggles the Trainer was not given."""
+    from trainer.contract.training_args import TUNED, read_fields, start_toggles
+
+    missing = [c for c in TUNE_CALLS if c not in _called]
+    if missing:
+        return (f"gptop tune: the script does not call {' or '.join(missing)} from "
+                f"gptop.integrations.transformers, so gptop cannot hand it a trial's settings or checkpoint; "
+                f"use {TUNE_USAGE}")
+    if env.resume is not None and state.global_step == 0:
+        return (f"gptop tune: the Trainer did not resume from {env.resume}; pass resume_checkpoint(args) to "
+                f"trainer.train(resume_from_checkpoint=...)")
+    if env.toggles is not None:
+        have = start_toggles(read_fields(args))
+        off = [n for n in TUNED if getattr(have, n) != getattr(env.toggles, n)]
+        if off:
+            return (f"gptop tune: the Trainer's arguments are not tuned_args's ({', '.join(off)} differ); give "
+                    f"the Trainer the TrainingArguments tuned_args returned, and do not change them after")
+    return None
 
 
 def _token_ids(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
@@ -84,6 +124,8 @@ class GptopCallback(TrainerCallback):
         self._hooks: list[Any] = []
         self._flush_due = False
         self._mark = time.perf_counter()      # where the data wait of the next step began
+        self._args: TrainingArguments | None = None
+        self._tunable: list[str] | None = None
 
     # ------------------------------------------------------------------ start and end
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -100,11 +142,44 @@ class GptopCallback(TrainerCallback):
                                      reduce_loss=False, start_step=state.global_step)
         if self.client is None:
             return
+        from trainer.contract.training_args import read_fields, tunable
+
+        if self.env.tune:
+            why = tuning_refusal(self.env, args, state)
+            if why is not None:
+                self.client.refuse(why)
+                self.client.close()
+                self.client = None
+                raise SystemExit(1)
+        fields = read_fields(args)
+        self._tunable = tunable(fields)
+        self._args = args
         self._model = model
         if model is not None:
             self._hooks = [model.register_forward_pre_hook(self._forward_begins, with_kwargs=True),
                            model.register_forward_hook(self._forward_ends)]
         self._next_step(state)
+
+    def _hello(self, client: Client, model: torch.nn.Module | None, seq_len: int | None = None) -> None:
+        """The hello, with what the tuner starts from: the Trainer's arguments as toggles, the batch of an
+        optimizer step over all processes, the sequence length, and which toggles the script can take."""
+        from trainer.contract.training_args import per_device_batch, read_fields, start_toggles
+
+        desc = describe_model(model, seq_len=seq_len, flops_per_token=self.flops_per_token)
+        config: dict[str, dict[str, Any]] = {}
+        extra: dict[str, Any] = {}
+        if self._args is not None:
+            fields = read_fields(self._args)
+            toggles = start_toggles(fields)
+            config["toggles"] = dataclasses.asdict(toggles)
+            config["optim"] = {"global_batch": per_device_batch(fields) * client.world}
+            name = getattr(getattr(model, "config", None), "name_or_path", "") or type(model).__name__
+            config["model"] = {"model": f"{name}-{desc.get('total_params') or 0}p"}
+            extra = dict(micro_batch=toggles.micro_batch_int(),
+                         accumulation=int(fields.get("gradient_accumulation_steps") or 1), tunable=self._tunable)
+        if seq_len:
+            config["data"] = {"seq_len": seq_len}
+        client.hello(desc, config=config, **extra)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
@@ -113,7 +188,7 @@ class GptopCallback(TrainerCallback):
             return
         client.abandon_step()              # the step begun after the last one is not taken
         if not client.said_hello:
-            client.hello(describe_model(self._model, flops_per_token=self.flops_per_token))
+            self._hello(client, self._model)
         reason = None if client.should_stop or state.global_step >= state.max_steps else \
             "the Trainer stopped (control.should_training_stop)"
         client.done(reason)
@@ -148,7 +223,7 @@ class GptopCallback(TrainerCallback):
         ids = _token_ids(args, kwargs)
         if not client.said_hello:
             seq_len = int(ids.shape[-1]) if ids is not None and ids.dim() >= 2 else None
-            client.hello(describe_model(module, seq_len=seq_len, flops_per_token=self.flops_per_token))
+            self._hello(client, module, seq_len)
         if ids is not None:
             client.add_tokens(ids.numel())
         client.leave("data")
@@ -179,7 +254,7 @@ class GptopCallback(TrainerCallback):
         if client is None:
             return
         if not client.said_hello:
-            client.hello(describe_model(self._model, flops_per_token=self.flops_per_token))
+            self._hello(client, self._model)
         client.end_step()
         client.poll()
         if client.is_log_step():

@@ -13,19 +13,23 @@ descriptor, as the built-in trainer does, and a client takes no lock of its own.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from .config import ConfigError
 from .common import MAX_STEP
+from .config import ConfigError, Toggles, TrainConfig
 
 CHANNEL_ENV = "GPTOP_CHANNEL"         # unix:PATH of the supervisor's socket
 RUN_DIR_ENV = "GPTOP_RUN_DIR"         # where events.jsonl, profiles/ and the logs go
 LOG_EVERY_ENV = "GPTOP_LOG_EVERY"     # `gptop run --log-every N`: overrides the client's own interval
 RESUME_ENV = "GPTOP_RESUME"           # a checkpoint of the program's own to continue from (gptop restarting it)
+TUNE_ENV = "GPTOP_TUNE"               # "1": `gptop tune -- CMD` tunes this program (it must take toggles)
+TOGGLES_ENV = "GPTOP_TOGGLES"         # the toggles this process runs with (JSON of Toggles); unset: its own
 
 
 class ClientKind(str, enum.Enum):
@@ -44,6 +48,8 @@ class ClientEnv:
     run_dir: Path
     log_every: int | None = None      # None: the client's own interval
     resume: str | None = None         # a checkpoint path of the program's own format, or None
+    tune: bool = False                # gptop tunes this program: it must be able to take toggles
+    toggles: Toggles | None = None    # the toggles to run with (a trial's, the decision's); None: its own
 
     def to_environ(self) -> dict[str, str]:
         env = {CHANNEL_ENV: self.channel, RUN_DIR_ENV: str(self.run_dir)}
@@ -51,6 +57,10 @@ class ClientEnv:
             env[LOG_EVERY_ENV] = str(self.log_every)
         if self.resume is not None:
             env[RESUME_ENV] = self.resume
+        if self.tune:
+            env[TUNE_ENV] = "1"
+        if self.toggles is not None:
+            env[TOGGLES_ENV] = json.dumps(dataclasses.asdict(self.toggles), sort_keys=True)
         return env
 
     @classmethod
@@ -77,4 +87,25 @@ class ClientEnv:
                 every = 0
             if not 1 <= every <= MAX_STEP:
                 raise ConfigError(LOG_EVERY_ENV, f"{log_every!r} is not a whole number of steps from 1 to {MAX_STEP}")
-        return cls(channel=channel, run_dir=Path(run_dir), log_every=every, resume=env.get(RESUME_ENV) or None)
+        tune = env.get(TUNE_ENV) or ""
+        if tune not in ("", "0", "1"):
+            raise ConfigError(TUNE_ENV, f"{tune!r} is not 1 or 0 (gptop tune sets it)")
+        return cls(channel=channel, run_dir=Path(run_dir), log_every=every, resume=env.get(RESUME_ENV) or None,
+                   tune=tune == "1", toggles=parse_toggles(env.get(TOGGLES_ENV)))
+
+
+def parse_toggles(text: str | None) -> Toggles | None:
+    """GPTOP_TOGGLES read back: a JSON object of Toggles fields, checked as a config file's [toggles] table is
+    (ConfigError naming the variable)."""
+    if not text:
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(TOGGLES_ENV, f"not JSON ({e}); gptop tune sets it") from None
+    if not isinstance(data, dict):
+        raise ConfigError(TOGGLES_ENV, f"expected a JSON object of toggles, got {type(data).__name__}")
+    try:
+        return TrainConfig.from_dict({"toggles": data}).toggles
+    except ConfigError as e:
+        raise ConfigError(TOGGLES_ENV, str(e)) from None

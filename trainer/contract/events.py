@@ -270,6 +270,10 @@ class HelloEvent(Event):
     # None on gptop's own trainer.
     client: str | None = None
     command: list[str] | None = None
+    # What a client can take from `gptop tune -- CMD` (trainer.contract.training_args.tunable): the toggles
+    # it can change through its script's arguments. None: it takes no toggles (gptop's own trainer takes them
+    # all through its config; a probe or Lightning client none).
+    tunable: list[str] | None = None
 
     @property
     def toggles(self) -> dict[str, Any]:

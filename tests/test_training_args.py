@@ -1,0 +1,174 @@
+"""The toggles <-> TrainingArguments mapping of `gptop tune -- CMD` (trainer.contract.training_args)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from trainer.contract.client import TOGGLES_ENV, ClientEnv, parse_toggles
+from trainer.contract.config import ConfigError, Toggles
+from trainer.contract.device import DeviceInfo
+from trainer.contract.training_args import (
+    COMMAND_PREFETCH,
+    FROZEN,
+    TUNED,
+    args_fields,
+    per_device_batch,
+    read_fields,
+    start_toggles,
+    tunable,
+)
+from tuner.command_space import command_space
+from tuner.space import SearchSpace, micro_batch_choices
+
+
+def fields(**kw):
+    base = {"bf16": False, "fp16": False, "tf32": None, "torch_compile": False, "torch_compile_mode": None,
+            "torch_compile_backend": None, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 4,
+            "dataloader_num_workers": 0, "dataloader_prefetch_factor": None, "optim": "adamw_torch_fused",
+            "gradient_checkpointing": False}
+    base.update(kw)
+    return base
+
+
+def apply(f, change):
+    return {**f, **change}
+
+
+CPU = DeviceInfo(type="cpu", name="test CPU", has_compiler=True)
+GPU = DeviceInfo(type="cuda", name="NVIDIA H100", capability=(9, 0), has_compiler=True)
+OLD_GPU = DeviceInfo(type="cuda", name="Tesla V100", capability=(7, 0), has_compiler=True)
+
+
+@pytest.mark.parametrize("per_device,accum", [(4, 4), (16, 1), (1, 16), (6, 2), (3, 1)])
+def test_every_micro_batch_keeps_the_global_batch(per_device, accum):
+    f = fields(per_device_train_batch_size=per_device, gradient_accumulation_steps=accum)
+    batch = per_device * accum
+    for mb in micro_batch_choices(batch) + (per_device,):
+        t = dataclasses.replace(start_toggles(f), micro_batch=mb)
+        got = apply(f, args_fields(t, f))
+        assert got["per_device_train_batch_size"] == mb
+        assert got["per_device_train_batch_size"] * got["gradient_accumulation_steps"] == batch
+        assert per_device_batch(got) == batch
+    with pytest.raises(ValueError, match="does not divide"):
+        args_fields(dataclasses.replace(start_toggles(f), micro_batch=batch * 2 + 1), f)
+
+
+def test_the_start_maps_to_no_change_and_back():
+    for f in (fields(), fields(bf16=True, torch_compile=True, torch_compile_mode="max-autotune",
+                               dataloader_num_workers=2, dataloader_prefetch_factor=4, optim="adamw_torch",
+                               gradient_checkpointing=True), fields(tf32=True), fields(fp16=True)):
+        t = start_toggles(f)
+        assert args_fields(t, f) == {}
+        for name in TUNED:
+            assert getattr(start_toggles(apply(f, args_fields(t, f))), name) == getattr(t, name)
+
+
+def test_each_toggle_sets_its_fields():
+    f = fields(tf32=True)
+    t = start_toggles(f)
+    assert t.precision == "tf32"
+    assert args_fields(dataclasses.replace(t, precision="bf16"), f) == {"bf16": True}      # tf32 kept for fp32 matmuls
+    assert args_fields(dataclasses.replace(t, precision="fp32"), f) == {"tf32": False}
+    assert args_fields(dataclasses.replace(t, precision="fp16"), f) == {"fp16": True}
+    assert args_fields(dataclasses.replace(t, compile="default"), f) == {"torch_compile": True}
+    assert args_fields(dataclasses.replace(t, compile="reduce-overhead"), f) == \
+        {"torch_compile": True, "torch_compile_mode": "reduce-overhead"}
+    compiled = fields(torch_compile=True, torch_compile_backend="inductor", torch_compile_mode="default")
+    assert start_toggles(compiled).compile == "default"
+    assert args_fields(dataclasses.replace(start_toggles(compiled), compile="off"), compiled) == \
+        {"torch_compile": False, "torch_compile_mode": None, "torch_compile_backend": None}
+    assert args_fields(dataclasses.replace(t, workers=2, prefetch=4), f) == \
+        {"dataloader_num_workers": 2, "dataloader_prefetch_factor": 4}
+    # no workers: no prefetch factor (a DataLoader refuses one)
+    w = fields(dataloader_num_workers=2, dataloader_prefetch_factor=4)
+    assert args_fields(dataclasses.replace(start_toggles(w), workers=0), w) == \
+        {"dataloader_num_workers": 0, "dataloader_prefetch_factor": None}
+    assert args_fields(dataclasses.replace(t, fused_adamw=False), f) == {"optim": "adamw_torch"}
+    assert args_fields(dataclasses.replace(t, activation_checkpointing=True), f) == {"gradient_checkpointing": True}
+
+
+def test_what_no_field_holds_is_refused():
+    f = fields()
+    t = start_toggles(f)
+    with pytest.raises(ValueError, match="precision=fp8-rowwise"):
+        args_fields(dataclasses.replace(t, precision="fp8-rowwise"), f)
+    for name, value in (("attention", "eager"), ("cuda_allocator", "expandable_segments"), ("optimizer", "adafactor")):
+        with pytest.raises(ValueError, match=name):
+            args_fields(dataclasses.replace(t, **{name: value}), f)
+    other = fields(optim="adafactor")
+    assert "fused_adamw" not in tunable(other) and "fused_adamw" in tunable(f)
+    assert start_toggles(other).optimizer == "adafactor"
+    with pytest.raises(ValueError, match="adafactor"):
+        args_fields(dataclasses.replace(start_toggles(other), fused_adamw=not start_toggles(other).fused_adamw), other)
+
+
+def test_read_fields_of_real_training_arguments(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2,
+                                          gradient_accumulation_steps=8, use_cpu=True, report_to="none",
+                                          optim="adamw_torch")
+    f = read_fields(args)
+    assert f["optim"] == "adamw_torch" and per_device_batch(f) == 16
+    t = dataclasses.replace(start_toggles(f), micro_batch=8, fused_adamw=True, workers=1, prefetch=2)
+    tuned = dataclasses.replace(args, **args_fields(t, f))
+    assert (tuned.per_device_train_batch_size, tuned.gradient_accumulation_steps) == (8, 2)
+    assert tuned.optim.value == "adamw_torch_fused" and tuned.dataloader_num_workers == 1
+    assert start_toggles(read_fields(tuned)) == t
+
+
+def space_for(f, dev, spec=None, tunable_names=None):
+    start = start_toggles(f)
+    space = SearchSpace.for_device(start, dev, per_device_batch(f))
+    return command_space(space, dev, tunable_names if tunable_names is not None else tunable(f), spec)
+
+
+@pytest.mark.parametrize("dev", [CPU, GPU, OLD_GPU], ids=["cpu", "h100", "v100"])
+def test_the_command_space_respects_the_device_and_the_fields(dev):
+    f = fields()
+    space = space_for(f, dev)
+    for name in FROZEN:
+        assert name not in space.params
+    assert set(space.choices["precision"]) <= {"fp32", "tf32", "bf16", "fp16"}
+    if dev is CPU:
+        assert "fp16" not in space.choices["precision"] and "tf32" not in space.choices["precision"]
+    if dev is OLD_GPU:
+        assert "bf16" not in space.choices["precision"] and "tf32" not in space.choices["precision"]
+    if dev is GPU:
+        assert {"bf16", "tf32", "fp16"} <= set(space.choices["precision"])
+    assert 0 not in space.choices["prefetch"] and set(COMMAND_PREFETCH) <= set(space.choices["prefetch"])
+    # every point of the space maps to fields the script can take, with its batch
+    for params in space.all_params():
+        t = space.to_toggles(params)
+        got = apply(f, args_fields(t, f))
+        assert per_device_batch(got) == per_device_batch(f)
+
+
+def test_tune_space_pins_and_refuses_what_a_command_cannot_change():
+    f = fields()
+    space = space_for(f, CPU, "-all micro_batch=2,4 workers=0,1")
+    assert space.params == ("micro_batch", "workers")
+    assert space_for(f, CPU, "micro_batch=8").choices["micro_batch"] == (8,)
+    assert "fused_adamw" not in space_for(fields(optim="adafactor"), CPU).params
+    for spec, what in (("attention=eager", "attention"), ("-cuda_allocator", "cuda_allocator"),
+                       ("prefetch=0,2", "prefetch")):
+        with pytest.raises(ConfigError, match=what):
+            space_for(f, CPU, spec)
+    with pytest.raises(ConfigError, match="does not divide"):
+        space_for(f, CPU, "micro_batch=3")
+
+
+def test_toggles_travel_in_the_environment(tmp_path: Path):
+    t = Toggles(precision="bf16", micro_batch=4, workers=2)
+    env = ClientEnv(channel="unix:/x", run_dir=tmp_path, tune=True, toggles=t, resume="/ck/checkpoint-7")
+    back = ClientEnv.from_environ(env.to_environ())
+    assert back == env
+    assert ClientEnv.from_environ({**env.to_environ(), TOGGLES_ENV: ""}).toggles is None
+    for bad in ("{", "[1]", json.dumps({"micro_batch": 0}), json.dumps({"nope": 1})):
+        with pytest.raises(ConfigError, match=TOGGLES_ENV):
+            parse_toggles(bad)
+    with pytest.raises(ConfigError, match="GPTOP_TUNE"):
+        ClientEnv.from_environ({**env.to_environ(), "GPTOP_TUNE": "yes"})
