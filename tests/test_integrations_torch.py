@@ -224,6 +224,8 @@ def test_progress_events_are_spaced_in_a_fast_loop(gptop, monkeypatch):
         with probe.step(step):
             pass
     probe.close()
+    # the channel is read by another thread: wait for what was sent before judging it
+    wait_for(lambda: len(gptop.events("progress")) >= 25, timeout=30, what="25 progress events")
     live = [e.step for e in gptop.events("progress")]
     assert live[:3] == [1, 5, 9] and len(live) == 25
 
