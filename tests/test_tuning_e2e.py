@@ -25,6 +25,7 @@ the global batch index, which must be step - 1 in every process (no skip, no
 repeat), and the kept lineage covers steps 1..N exactly once.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -85,7 +86,10 @@ def run_gptop(*args, env=None, timeout=540):
 
 
 def events(run_dir, kind=None):
-    return [to_dict(e) for e in read_events(Path(run_dir) / "events.jsonl")     # validated, as on the wire
+    """Rank 0's events as on the wire (validated), with every field the event declares: the wire leaves out an
+    optional field that is None (absent and null mean the same to a reader), so a test reads it as None."""
+    return [{**{f.name: None for f in dataclasses.fields(e)}, **to_dict(e)}
+            for e in read_events(Path(run_dir) / "events.jsonl")
             if e.rank == 0 and (kind is None or e.type == kind)
             and not (e.type == "hello" and e.early)]     # each process's early hello comes before its full one
 
@@ -280,7 +284,9 @@ def test_report_best_toml_and_gptop_report(tuned):
 
 def test_second_run_warm_starts_and_rolls_back_an_oom(tuned, tmp_path):
     run_dir = tmp_path / "run2"
-    rc, out, err = run_gptop("tune", "--tune-only", "--budget", "30s", *SETUP, *SLOW_START, "--max-steps", "1000",
+    # 45 s: room for the baseline (up to 8 s when it stays noisy) and one trial of its own, with the reserve the
+    # tuner keeps (a 30 s budget left ~23 s after a noisy baseline, under what the tuner asks of a trial)
+    rc, out, err = run_gptop("tune", "--tune-only", "--budget", "45s", *SETUP, *SLOW_START, "--max-steps", "1000",
                              "--checkpoint-every", "3", "--keep-checkpoints", "2", "--tune-space", SPACE,
                              "--storage", tuned["storage"], "--run-dir", str(run_dir),
                              env=gptop_env(GPTOP_TEST_TRIAL_FAULT="1:oom@4"))
