@@ -447,6 +447,32 @@ def test_the_t_key_on_a_run_near_its_end_plans_before_measuring(tmp_path):
     assert [e.phase for e in ctl.drain_events() if e.type == "tuner"][-1] == "done"
 
 
+def test_the_plan_counts_the_runs_time_between_steps(tmp_path):
+    """The same run as above, but its step events come 0.9 s apart for 0.45 s steps (checkpoint saves, evals:
+    a script saving every few steps): the run has twice the time left that its steps say, so 10% of it
+    covers a trial, and the plan says where the time goes. A faster setting shortens only the steps, so
+    the most a trial could save stays what the steps' time allows. A restart's gap is not the run's pace."""
+    clock = Clock()
+    ctl = short_run(tmp_path, clock, 200)
+    t = 5000.0
+    for i in range(1, 44):
+        t += 0.9 if i != 20 else 30.0                   # step 20 came after a 30 s restart: not the run's pace
+        if i == 20:
+            ctl.observe(make("hello", config=TrainConfig().to_dict(), device=CPU, model={}, start_step=19))
+        ctl.observe(make("step", step=i, tokens=4096, loss=3.0, lr=1e-3, grad_norm=1.0, step_ms=450.0,
+                         phases_ms={}, tokens_per_s=1.0, mfu=0.0, mem_bytes=10 ** 9, time=t))
+    assert ctl.run_pace.between_s() == pytest.approx(0.45)
+    ctl.set_pace(43, 0.45)
+    first = ctl.next_action()
+    assert isinstance(first, RunTrial) and first.baseline            # it measures the start: tuning can pay
+    plan = ctl.decisions[-1]
+    assert plan.choice is Choice.PLAN and plan.apply
+    assert plan.reason.startswith("tuning can pay: the run ends in 2:21 (157 steps at 0.90 s, 0.45 s of it "
+                                  "between steps)")
+    assert ctl.loss_allowance_s == pytest.approx(0.1 * 157 * 0.9)
+    assert ctl.report_info()["ledger"]["between_s"] == pytest.approx(0.45)
+
+
 def test_expensive_trials_are_dropped_first(tmp_path):
     """~300 s left: a plain restart (10 s with the switch back) can pay, a compile nobody has measured on this
     setup (45 s more) cannot fit in the 10% tuning may lose. Compile proposals are skipped (not told to the

@@ -70,6 +70,19 @@ def test_a_trial_pays_only_when_the_most_it_could_save_covers_its_cost():
     assert not trial_pays(1.0, 10.0, 1000, 0.45, 1.0, 100.0).apply        # no gain assumed: nothing to pay with
 
 
+def test_a_trial_pays_on_the_runs_wall_time_but_saves_only_on_its_steps():
+    from tuner.decide import trial_pays
+
+    # 157 steps of 0.45 s with 0.45 s between them: 141.3 s left; a 10 s trial leaves 131.3 s, half of it
+    # steps, and at 1.5x a setting saves at most a third of those
+    d = trial_pays(15.0, 10.0, 157, 0.45, 1.5, loss_left_s=100.0, between_s=0.45)
+    assert d.apply and d.expected_saving_s == pytest.approx(131.3 / 2 / 3)
+    assert d.reason.startswith("the run ends in 2:21 (157 steps at 0.90 s, 0.45 s of it between steps); a trial")
+    same = trial_pays(15.0, 10.0, 157, 0.45, 1.5, loss_left_s=100.0, between_s=0.0)
+    assert "between steps" not in same.reason and same.expected_saving_s == pytest.approx(60.65 / 3)
+    assert trial_pays(15.0, 10.0, 157, 0.45, 1.5, 100.0, between_s=-1.0).reason == same.reason   # never negative
+
+
 def test_exploring_on_against_applying_now():
     from tuner.decide import Choice, keep_exploring
 

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from tuner.measure import LossGuard, LossTrend, Measurement, median_ci
+from tuner.measure import LossGuard, LossTrend, Measurement, RunPace, median_ci
 
 TOK = 8192
 
@@ -145,3 +145,33 @@ def test_slow_steps_get_a_longer_cap_and_the_progress_says_so():
     m.add(1, 6000.0, 1000, 6.0)
     m.add(2, 6000.0, 1000, 12.0)              # past the cap with 2 samples: up to 3x for a few more
     assert m.cap_seconds == 30.0 and not m.done
+
+
+def test_run_pace_is_the_time_between_steps_that_their_own_time_leaves_out():
+    pace = RunPace()
+    assert pace.between_s() == 0.0
+    t = 100.0
+    for step in range(1, 101):                      # 0.1 s steps, a 0.5 s checkpoint save after every 5th
+        t += 0.1 + (0.5 if step % 5 == 1 and step > 1 else 0.0)
+        pace.add(step, 100.0, t)
+    assert pace.between_s() == pytest.approx(0.1, abs=0.006)
+    pace.restart()                                  # another process: the gap to its first step is not pace
+    pace.add(101, 100.0, t + 40.0)
+    pace.add(102, 100.0, t + 40.1)
+    assert pace.between_s() == pytest.approx(0.1, abs=0.006)
+    pace.add(103, 100.0, t + 400.0)                 # a pause (or a restart nobody said): left out
+    pace.add(104, 100.0, t + 400.1)
+    assert pace.between_s() == pytest.approx(0.1, abs=0.006)
+    for bad in ((104, 100.0, t + 401.0), (105, None, t + 402.0), (106, 100.0, None), (107, 100.0, math.nan)):
+        pace.add(*bad)                              # a repeated step, no step time, no time: no interval
+    assert pace.between_s() == pytest.approx(0.1, abs=0.006)
+
+
+def test_run_pace_of_events_every_ten_steps_and_of_a_window():
+    pace = RunPace(window=3)
+    for i in range(6):                              # a log interval of 10 steps of 50 ms, 1.5 s apart
+        pace.add(10 * (i + 1), 50.0, 1.5 * i)
+    assert pace.between_s() == pytest.approx(0.1)
+    for i in range(6, 10):                          # the newest three intervals count: no time between
+        pace.add(10 * (i + 1), 50.0, 1.5 * 5 + 0.5 * (i - 5))
+    assert pace.between_s() == pytest.approx(0.0)

@@ -116,14 +116,14 @@ from typing import Any, Callable
 from trainer.contract import capabilities
 from trainer.contract.config import AUTO, TrainConfig, Toggles
 from trainer.contract.device import DeviceInfo
-from trainer.contract.events import (ApplyEvent, CheckpointEvent, CompileWarning, ErrorEvent, Event, LogEvent,
+from trainer.contract.events import (ApplyEvent, CheckpointEvent, CompileWarning, ErrorEvent, Event, HelloEvent, LogEvent,
                                      MeasureProgress, StepEvent, TrialEvent, TunerBest, TunerEvent, WarningEvent)
 from trainer.contract.states import TRIAL_FAILURES, TrialKind, TrialOutcome, TrialStatus, TunerPhase
 
 from .budget import Budget, format_duration
 from .decide import (Choice, Decision, hopeless, keep_exploring, should_prune, significantly_faster, switch_pays,
                      trial_pays)
-from .measure import LossGuard, LossTrend, Measurement, median_ci
+from .measure import LossGuard, LossTrend, Measurement, RunPace, median_ci
 from .space import MEMORY_SAVING, SearchSpace
 from .study import Candidate, Proposal, TuneStudy
 
@@ -296,6 +296,7 @@ class TuneController:
         self.advice = advice
         self.continue_free = True                  # the process running now can train on without a restart
         self.pace_s: float | None = None           # seconds per step at the start's speed (before the baseline)
+        self.run_pace = RunPace()                  # the run's time between its steps (checkpoints, evals, logging)
         self.loss_allowance_s: float | None = None # what tuning may lose, decided before the first trial
         self.decisions: list[Decision] = []        # the ledger's decisions, in order
         self._planned = False                      # planned with the baseline's own measurement
@@ -461,6 +462,9 @@ class TuneController:
         if isinstance(event, CheckpointEvent):
             self.checkpoint_s = event.seconds or 0.0
             return
+        if isinstance(event, HelloEvent):
+            self.run_pace.restart()
+            return
         if isinstance(event, WarningEvent):
             if a is not None and event.kind in tuple(CompileWarning):     # the compile watchdog, during this trial
                 kind = CompileWarning(event.kind)
@@ -479,6 +483,7 @@ class TuneController:
             return
         step = event.step
         self.last_step = step
+        self.run_pace.add(step, event.step_ms, event.time)
         loss = event.loss
         if a is None:
             self.trend.add(step, loss)          # healthy training between trials
@@ -566,6 +571,7 @@ class TuneController:
         strict = self.space.numerics_changing(toggles)
         restart = toggles != self.running
         if restart:          # a trial's process: training on in it needs a restart unless its settings are the user's
+            self.run_pace.restart()
             self.continue_free = self.trial_process_continues
         if proposal is not None:
             number = proposal.number
@@ -625,7 +631,7 @@ class TuneController:
             measuring = self.baseline["duration_s"]
         elif step_s is not None:         # the fewest steps a measurement takes: the skip, two settling windows, a sample
             m = Measurement(**self.measure_kw)
-            measuring = min(m.max_seconds, (m.skip + 2 * m.window + m.min_steps) * step_s)
+            measuring = min(m.max_seconds, (m.skip + 2 * m.window + m.min_steps) * (step_s + self.run_pace.between_s()))
         else:
             measuring = self.measure_kw["max_seconds"] / 2
         return measuring + self._restart_s(self._cheapest())
@@ -740,7 +746,7 @@ class TuneController:
                 gain = max([st.speedup] + [o.speedup for o in self._remeasure_plan])
                 d = trial_pays(self._trial_cost(st.cand.toggles), est, self._remaining(), step_s, gain,
                                self._loss_left(), what=f"re-measuring {st.label}", step=self.last_step,
-                               loss_note=self._loss_note())
+                               loss_note=self._loss_note(), between_s=self.run_pace.between_s())
                 if not d.apply:
                     self._record(dataclasses.replace(d, reason=f"not re-measuring {st.label}: {d.reason}"),
                                  say=True)
@@ -1117,12 +1123,13 @@ class TuneController:
             return None
         self._planned = measured
         remaining = self._remaining()
-        left_s = remaining * step_s
+        left_s = remaining * (step_s + self.run_pace.between_s())     # the run's wall time, not only its steps'
         self.loss_allowance_s = self.max_loss * left_s
         limited = self.budget.limit(self.max_share * left_s)
         d = trial_pays(self._trial_cost(self._cheapest()), self._trial_estimate(), remaining, step_s,
                        self.gain_bound(), self._loss_left(), what="a trial", choice=Choice.PLAN,
-                       step=self.last_step, loss_note=f" ({self.max_loss:.0%} of the rest of the run)")
+                       step=self.last_step, loss_note=f" ({self.max_loss:.0%} of the rest of the run)",
+                       between_s=self.run_pace.between_s())
         if not d.apply:
             d = dataclasses.replace(d, reason=f"tuning cannot pay: {d.reason}")
             self._record(d)
@@ -1144,7 +1151,7 @@ class TuneController:
         remaining = self._remaining()
         cheap = self._trial_cost(self._cheapest())
         d = trial_pays(cheap, est, remaining, step_s, self.gain_bound(), self._loss_left(), what="a trial",
-                       step=self.last_step, loss_note=self._loss_note())
+                       step=self.last_step, loss_note=self._loss_note(), between_s=self.run_pace.between_s())
         if not d.apply:
             d = dataclasses.replace(d, reason=f"no trial can pay any more: {d.reason}")
             self._record(d, say=True)
@@ -1168,7 +1175,7 @@ class TuneController:
         step_s = self._step_s()
         remaining = self._remaining()
         cheap = self._trial_cost(self._cheapest())
-        bound, loss_left = self.gain_bound(), self._loss_left()
+        bound, loss_left, between = self.gain_bound(), self._loss_left(), self.run_pace.between_s()
 
         def accept(t: Toggles) -> str | None:
             kind = self._kind(t)
@@ -1179,7 +1186,7 @@ class TuneController:
             cost = self._trial_cost(t)
             trial_s = est + max(0.0, cost - cheap)
             d = trial_pays(cost, trial_s, remaining, step_s, bound, loss_left, what=f"a {kind} trial",
-                           step=self.last_step, loss_note=self._loss_note())
+                           step=self.last_step, loss_note=self._loss_note(), between_s=between)
             if not d.apply:
                 self._dropped.add(kind)
                 self._record(dataclasses.replace(d, reason=f"{kind} trials cannot pay any more: {d.reason}"),
@@ -1394,6 +1401,7 @@ class TuneController:
                 # the steps the saving is over: the decision's (a few more ran while the switch was made)
                 "remaining_steps": self.decision.remaining_steps if applied and self.decision is not None else remaining,
                 "tokens_per_step": self.tokens_per_step, "step_s": self._step_s(),
+                "between_s": self.run_pace.between_s(),
                 "loss_allowance_s": self.loss_allowance_s,
                 "projected_saving_s": saving - switch if applied else None,
                 "decisions": [d.to_dict() for d in self.decisions],

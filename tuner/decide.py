@@ -123,17 +123,22 @@ def _clock(seconds: float) -> str:
 
 def trial_pays(cost_s: float, trial_s: float, remaining_steps: int, step_s: float, gain_bound: float,
                loss_left_s: float, *, what: str = "a trial", choice: Choice = Choice.TRIAL,
-               step: int | None = None, loss_note: str = "") -> Decision:
+               step: int | None = None, loss_note: str = "", between_s: float = 0.0) -> Decision:
     """Whether a trial costing `cost_s` (restart, warm-up, compile, the switch back) and lasting `trial_s` can
     pay: at most `gain_bound` times faster than the start, over the steps left after it (at `step_s` seconds
-    each), it must save more than it costs, and its cost must fit in `loss_left_s`, what tuning may still
-    lose (`loss_note` says how that is set). `expected_saving_s` is that most it could save."""
+    each, plus `between_s` of the run's time between steps, which a faster setting does not shorten), it must
+    save more than it costs, and its cost must fit in `loss_left_s`, what tuning may still lose (`loss_note`
+    says how that is set). `expected_saving_s` is that most it could save."""
     cost = max(0.0, float(cost_s))
-    left_s = max(0, remaining_steps) * step_s
+    between = max(0.0, float(between_s))
+    pace = step_s + between
+    left_s = max(0, remaining_steps) * pace
     after = max(0.0, left_s - max(0.0, trial_s))
-    bound = after * (1.0 - 1.0 / gain_bound) if gain_bound > 1.0 else 0.0
-    figures = (f"the run ends in {_clock(left_s)} ({remaining_steps} steps at {step_s:.2f} s); {what} costs "
-               f"~{cost:.0f} s here")
+    share = step_s / pace if pace > 0 else 0.0           # the part of the time after it that a setting speeds up
+    bound = after * share * (1.0 - 1.0 / gain_bound) if gain_bound > 1.0 else 0.0
+    figures = (f"the run ends in {_clock(left_s)} ({remaining_steps} steps at {pace:.2f} s"
+               + (f", {between:.2f} s of it between steps" if between >= 0.005 else "")
+               + f"); {what} costs ~{cost:.0f} s here")
     if cost >= bound:
         return Decision(False, bound, cost, f"{figures}, more than the {bound:.0f} s it could save "
                         f"(at {gain_bound:.2f}x over the {_clock(after)} after it)", choice, step, remaining_steps)

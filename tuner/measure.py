@@ -38,6 +38,7 @@ time reported for the interval stands for its steps.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 from statistics import NormalDist, median
 from typing import Any, Callable, Iterable
@@ -299,6 +300,49 @@ class Measurement:
 
 
 # --- loss health ------------------------------------------------------------------------
+
+class RunPace:
+    """The wall time a run spends between its steps: what a step's own time leaves out (checkpoint saves,
+    evals, logging). A run's length is its steps' time plus this; a faster setting shortens only the steps.
+
+    Fed each step event (`add`); consecutive events of one process form an interval of `dstep` steps taking
+    `dt` seconds of event time, of which `step_ms * dstep` is the steps' own. A new process (`restart`), a
+    step that went back, or an interval longer than `max_gap_s` and `gap_factor` times its steps' time (a
+    pause, a stall, a restart it did not see) breaks the chain. The estimate pools the last `window`
+    intervals, so a checkpoint every N steps weighs as often as it comes."""
+
+    def __init__(self, window: int = 500, max_gap_s: float = 60.0, gap_factor: float = 20.0):
+        self.window, self.max_gap_s, self.gap_factor = window, max_gap_s, gap_factor
+        self._last: tuple[int, float] | None = None          # (step, event time) of the previous event
+        self._intervals: deque[tuple[int, float, float]] = deque(maxlen=window)   # (steps, wall s, step s)
+
+    def restart(self) -> None:
+        """The next step event comes from another process: the time since the last one is not the run's pace."""
+        self._last = None
+
+    def add(self, step: int, step_ms: float | None, time: float | None) -> None:
+        if time is None or not math.isfinite(time):
+            return
+        last, self._last = self._last, (int(step), float(time))
+        if last is None or step_ms is None or not math.isfinite(step_ms) or step_ms <= 0:
+            return
+        dstep, dt = int(step) - last[0], float(time) - last[1]
+        if dstep <= 0 or dt <= 0:
+            return
+        steps_s = dstep * step_ms / 1000.0
+        if dt > max(self.max_gap_s, self.gap_factor * steps_s):
+            return
+        self._intervals.append((dstep, dt, steps_s))
+
+    def between_s(self) -> float:
+        """Seconds per step outside the steps themselves (0 with no interval seen yet)."""
+        steps = sum(n for n, _, _ in self._intervals)
+        if steps == 0:
+            return 0.0
+        wall = sum(w for _, w, _ in self._intervals)
+        own = sum(s for _, _, s in self._intervals)
+        return max(0.0, (wall - own) / steps)
+
 
 class LossTrend:
     """The run's own loss curve, to judge whether a numerics-changing trial still learns the same.
