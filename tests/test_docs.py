@@ -350,9 +350,9 @@ def check_parses(text: str, inline: bool = False) -> None:
 # --------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="session")
 def docs_toml(tmp_path_factory) -> Path:
-    """README's TOML example as a file: the config `--config FILE.toml` and `best.toml` stand for."""
-    tomls = [body for doc, _, lang, body in OTHER_BLOCKS if lang == "toml" and doc == "README.md"]
-    assert tomls, "README.md shows a --config TOML example"
+    """docs/reference.md's TOML example as a file: the config `--config FILE.toml` and `best.toml` stand for."""
+    tomls = [body for doc, _, lang, body in OTHER_BLOCKS if lang == "toml" and doc == "docs/reference.md"]
+    assert tomls, "docs/reference.md shows a --config TOML example"
     path = tmp_path_factory.mktemp("toml") / "best.toml"
     path.write_text(tomls[0])
     return path
@@ -389,7 +389,8 @@ def shared_run(work: Path) -> Path:
 # --------------------------------------------------------------------------- tests
 def test_the_docs_show_commands():
     docs = {c.doc for c in COMMANDS}
-    assert {"README.md", "docs/dashboard.md", "docs/models.md", "docs/tuning.md", "docs/distributed.md", "docs/your-code.md",
+    assert {"README.md", "docs/reference.md", "docs/run-directory.md", "docs/dashboard.md", "docs/models.md", "docs/tuning.md",
+            "docs/distributed.md", "docs/your-code.md",
             "BENCHMARKS.md"} <= docs
     assert any(c.text == "gptop train --max-steps 200" for c in COMMANDS)
 
@@ -502,3 +503,27 @@ def test_the_documented_runs_split_into_two_ordered_chains():
 def test_documented_commands_run(ran_docs: dict[str, str]):
     assert RUN, "the docs show commands that run"
     assert not ran_docs, "\n\n".join(f"{k}\n  {v}" for k, v in ran_docs.items())
+
+
+def _anchors(text: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation other than - and _ dropped, spaces to -."""
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+
+
+def test_every_relative_link_in_the_docs_resolves():
+    """A link from README.md, docs/*.md or BENCHMARKS.md to a file of the repository names one that exists, and
+    its #anchor a heading there (the docs moved between files; a dead link is what a reader meets first)."""
+    checked = 0
+    for doc in DOCS:
+        text = doc.read_text()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"^[a-z]+:", target):          # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (doc.parent / path).resolve() if path else doc
+            assert dest.exists(), f"{doc.relative_to(ROOT)}: link to {target}: no such file"
+            if anchor and dest.suffix == ".md":
+                assert anchor in _anchors(dest.read_text()), f"{doc.relative_to(ROOT)}: link to {target}: no such heading"
+            checked += 1
+    assert checked > 30, checked

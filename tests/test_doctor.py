@@ -421,17 +421,20 @@ def test_bad_doctor_options_exit_2_naming_the_option(argv, option):
     assert r.returncode == 2 and option in r.stderr
 
 
-# --- the README ------------------------------------------------------------------------------------------------------
+# --- docs/verified.md ------------------------------------------------------------------------------------------------
 
-def test_the_readme_says_what_was_verified_where_from_the_doctors_records():
-    """README's "What was verified where" table is `python -m gptop.doctor --readme`: every path, and what each
-    record committed under docs/doctor/ says of it."""
+def test_the_docs_say_what_was_verified_where_from_the_doctors_records():
+    """docs/verified.md's "What was verified where" table is `python -m gptop.doctor --readme`: every path, and
+    what each record committed under docs/doctor/ says of it, its links resolving from docs/."""
     from gptop.doctor import load_records, readme_table
 
     records = load_records()
     assert records, "no doctor record under docs/doctor/"
     table = readme_table(records)
-    assert table in (ROOT / "README.md").read_text(), "README's table is stale: python -m gptop.doctor --readme"
+    assert table in (ROOT / "docs" / "verified.md").read_text(), \
+        "docs/verified.md's table is stale: python -m gptop.doctor --readme"
+    for name, _ in records:
+        assert f"](doctor/{name})" in table and (ROOT / "docs" / "doctor" / name).is_file()
     for p in PATHS:
         assert f"(`{p.name}`)" in table
 
