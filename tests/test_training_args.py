@@ -172,3 +172,28 @@ def test_toggles_travel_in_the_environment(tmp_path: Path):
             parse_toggles(bad)
     with pytest.raises(ConfigError, match="GPTOP_TUNE"):
         ClientEnv.from_environ({**env.to_environ(), "GPTOP_TUNE": "yes"})
+
+
+def test_a_prefetch_factor_without_workers_is_one_configuration(tmp_path):
+    """dataloader_prefetch_factor acts only with workers: with workers=0 every prefetch value runs the same
+    TrainingArguments, so the space counts them once and the study never runs a second of them."""
+    from trainer.contract.config import TrainConfig
+    from tuner.study import TuneStudy
+
+    f = fields()
+    space = space_for(f, CPU, "-all workers=0,1 prefetch=1,2,4")
+    assert space.params == ("prefetch", "workers") and space.size() == 1 + 3      # workers=0 once, 1 x 3
+    idle = [space.to_params(dataclasses.replace(space.base, workers=0, prefetch=p)) for p in (1, 2, 4)]
+    assert len({space.config_key(p) for p in idle}) == 1
+    assert {json.dumps(args_fields(space.to_toggles(p), f), sort_keys=True) for p in idle} == {"{}"}
+    busy = [space.to_params(dataclasses.replace(space.base, workers=1, prefetch=p)) for p in (1, 2, 4)]
+    assert len({space.config_key(p) for p in busy}) == 3
+
+    study = TuneStudy.open(TrainConfig(), CPU, space, storage=f"journal:{tmp_path}/tuning.log", seed=0)
+    seen = []
+    while (p := study.ask()) is not None:
+        seen.append(p.toggles)
+        study.tell_ok(p, {"tokens_per_s": 100.0 + len(seen), "spread": 1.0, "samples": [100.0] * 3,
+                          "peak_mem": 1, "steps": 10})
+    assert len(seen) == 4 and sum(t.workers == 0 for t in seen) == 1
+    assert study.warm_start([(dataclasses.replace(space.base, workers=0, prefetch=4), "recipe")]) == []

@@ -46,5 +46,6 @@ def command_space(space: SearchSpace, dev: DeviceInfo, tunable_names: list[str] 
             choices[name] = tuple(dict.fromkeys(sorted({*(v for v in values if v > 0), *COMMAND_PREFETCH, start})))
         if start not in choices[name]:
             choices[name] = (start,) + choices[name]
-    out = dataclasses.replace(space, choices=choices)
+    # a prefetch factor acts only with workers: trials that differ only in it while workers=0 are one
+    out = dataclasses.replace(space, choices=choices, needs=(("prefetch", "workers"),))
     return out.apply_spec(spec, dev) if spec else out

@@ -132,6 +132,9 @@ class SearchSpace:
     quantizable: bool = False
     world_size: int = 1
     spec: str | None = None          # the --tune-space items applied, in order (replayed by `for_memory`)
+    # (toggle, the toggle it needs): the first acts only while the second is non-zero (a DataLoader's
+    # prefetch factor needs workers); configurations that differ only in an idle toggle are one configuration
+    needs: tuple[tuple[str, str], ...] = ()
 
     # --- construction ------------------------------------------------------------
     @classmethod
@@ -276,7 +279,27 @@ class SearchSpace:
         return {n: self.choices[n][0] for n in TUNABLE if len(self.choices[n]) == 1}
 
     def size(self) -> int:
-        return math.prod(len(self.choices[n]) for n in TUNABLE)
+        """How many distinct configurations the space holds (those equal but for an idle toggle count once)."""
+        raw = math.prod(len(self.choices[n]) for n in TUNABLE)
+        if not self.needs or raw > 20000:
+            return raw
+        return len({self.config_key(p) for p in self.all_params()})
+
+    def canonical(self, params: dict[str, Any]) -> dict[str, Any]:
+        """`params` with every idle toggle (see `needs`) at the start's value: the configuration it runs."""
+        if not self.needs:
+            return params
+        out = dict(params)
+        for name, needed in self.needs:
+            if name in out and not out.get(needed, getattr(self.base, needed)):
+                start = getattr(self.base, name)
+                out[name] = start if start in self.choices[name] else self.choices[name][0]
+        return out
+
+    def config_key(self, params: dict[str, Any]) -> tuple:
+        """The identity of the configuration `params` run, for duplicate detection (`params_key` of the
+        canonical parameters)."""
+        return params_key(self.canonical(params))
 
     def key(self) -> str:
         """Canonical text of the space, part of the study name: a different space is a different study."""

@@ -91,7 +91,7 @@ from trainer.contract.inputs import check_storage
 from trainer.contract.device import DeviceInfo
 
 from .measure import median_ci
-from .space import SearchSpace, params_key
+from .space import SearchSpace
 
 KEY_SCHEMA = 1
 _HAS_SET_CONSTRAINT = hasattr(optuna.trial.Trial, "set_constraint")
@@ -346,7 +346,7 @@ class TuneStudy:
         """A finished (COMPLETE/PRUNED) or live claimed trial with parameters `key`: the config needs no run."""
         finished = None
         for t in self.trials():
-            if t.number == exclude or params_key(_intended(t)) != key:
+            if t.number == exclude or self.space.config_key(_intended(t)) != key:
                 continue
             if t.state in (TrialState.COMPLETE, TrialState.PRUNED):
                 if "duplicate_of" not in t.user_attrs:
@@ -359,21 +359,21 @@ class TuneStudy:
     def tried_keys(self, waiting: bool = True) -> set[tuple]:
         """Configurations measured, claimed by a live trial, or (with `waiting`) queued."""
         states = (TrialState.COMPLETE, TrialState.PRUNED) + ((TrialState.WAITING,) if waiting else ())
-        return {params_key(_intended(t)) for t in self.trials() if t.state in states or self._live(t)}
+        return {self.space.config_key(_intended(t)) for t in self.trials() if t.state in states or self._live(t)}
 
     # --- warm start -------------------------------------------------------------------
     def warm_start(self, configs: list[tuple[Toggles, str]] | list[tuple[Toggles, str, dict[str, Any]]]
                    ) -> list[Toggles]:
         """Enqueue (toggles, source[, user attrs]) entries, in order, that the study has neither measured nor
         queued; returns those enqueued. The attrs go with the trial (the advice's evidence: `Proposal.advice`)."""
-        queued = {params_key(_intended(t)) for t in self.trials((TrialState.WAITING,))}
+        queued = {self.space.config_key(_intended(t)) for t in self.trials((TrialState.WAITING,))}
         out = []
         for toggles, source, *rest in configs:
             attrs = dict(rest[0]) if rest else {}
             if not self.space.contains(toggles):
                 continue
             params = self.space.to_params(toggles)
-            key = params_key(params)
+            key = self.space.config_key(params)
             if key in queued or self._known(key) is not None:
                 continue
             self.study.enqueue_trial(params, user_attrs={**attrs, "source": source})
@@ -432,7 +432,7 @@ class TuneStudy:
         tried = self.tried_keys()
 
         def ok(p: dict[str, Any]) -> bool:
-            return params_key(p) not in tried and (accept is None or not accept(self.space.to_toggles(p)))
+            return self.space.config_key(p) not in tried and (accept is None or not accept(self.space.to_toggles(p)))
 
         if self.space.size() <= 20000:
             todo = [p for p in self.space.all_params() if ok(p)]
@@ -445,7 +445,7 @@ class TuneStudy:
 
     def _settle_duplicate(self, trial: optuna.Trial, params: dict[str, Any]) -> bool:
         """Finish `trial` without running it if its configuration is known; True when it was."""
-        other = self._known(params_key(params), exclude=trial.number)
+        other = self._known(self.space.config_key(params), exclude=trial.number)
         if other is None:
             return False
         if other.state == TrialState.RUNNING:
@@ -543,7 +543,7 @@ class TuneStudy:
         if not self.space.contains(toggles) or value is None or not math.isfinite(value):
             return None
         params = self.space.to_params(toggles)
-        if self._known(params_key(params)) is not None:
+        if self._known(self.space.config_key(params)) is not None:
             return None
         attrs = {"status": status, "reason": reason, "source": source, "run": self.run_id,
                  "toggles": dataclasses.asdict(toggles), "tokens_per_s": value, "spread": summary.get("spread"),
@@ -601,7 +601,7 @@ class TuneStudy:
                 continue
             if any(v > 0 for v in ua.get("constraint", [FEASIBLE])):
                 continue
-            key = params_key(t.params)
+            key = self.space.config_key(t.params)
             if key in seen:
                 continue
             seen.add(key)
