@@ -197,3 +197,41 @@ def test_a_prefetch_factor_without_workers_is_one_configuration(tmp_path):
                           "peak_mem": 1, "steps": 10})
     assert len(seen) == 4 and sum(t.workers == 0 for t in seen) == 1
     assert study.warm_start([(dataclasses.replace(space.base, workers=0, prefetch=4), "recipe")]) == []
+
+
+def test_every_toggle_reaches_real_training_arguments_through_tuned_args(tmp_path, monkeypatch):
+    """Through the installed transformers' own TrainingArguments (its `__post_init__` resolves aliases on a
+    copy: transformers 5 made `gradient_checkpointing` a mirror of `activation_checkpointing`), each toggle
+    gptop hands over is what the Trainer gets, and the run-time check agrees; arguments changed after
+    tuned_args are refused naming the field."""
+    pytest.importorskip("transformers")
+    from transformers import TrainerState, TrainingArguments
+
+    from gptop.integrations import transformers as gi
+
+    base = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2,
+                             gradient_accumulation_steps=8, use_cpu=True, report_to="none", optim="adamw_torch")
+    start = start_toggles(read_fields(base))
+    changes = [dict(micro_batch=8), dict(micro_batch=1), dict(workers=1, prefetch=4), dict(workers=2),
+               dict(prefetch=4), dict(fused_adamw=True), dict(activation_checkpointing=True),
+               dict(compile="default"), dict(compile="max-autotune-no-cudagraphs"),
+               dict(micro_batch=4, workers=1, prefetch=1, fused_adamw=True, activation_checkpointing=True)]
+    for change in changes:
+        t = dataclasses.replace(start, **change)
+        env = ClientEnv(channel=f"unix:{tmp_path / 'gptop.sock'}", run_dir=tmp_path, tune=True, toggles=t)
+        for k, v in env.to_environ().items():
+            monkeypatch.setenv(k, v)
+        args = gi.tuned_args(base)
+        assert gi.resume_checkpoint(args) is None
+        assert args_fields(t, read_fields(args)) == {}, change
+        got = start_toggles(read_fields(args))
+        for name, value in change.items():
+            if name != "prefetch" or t.workers:             # a prefetch factor without workers is idle
+                assert getattr(got, name) == value, (change, name)
+        if t.activation_checkpointing:
+            assert args.activation_checkpointing is True and args.gradient_checkpointing is True
+        assert gi.tuning_refusal(ClientEnv.from_environ(), args, TrainerState()) is None, change
+    env = ClientEnv(channel=f"unix:{tmp_path / 'gptop.sock'}", run_dir=tmp_path, tune=True,
+                    toggles=dataclasses.replace(start, workers=1, activation_checkpointing=True))
+    why = gi.tuning_refusal(env, base, TrainerState())
+    assert why and "dataloader_num_workers" in why and "activation_checkpointing" in why

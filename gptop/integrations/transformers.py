@@ -77,7 +77,7 @@ def resume_checkpoint(args: TrainingArguments) -> str | None:
 def tuning_refusal(env: ClientEnv, args: TrainingArguments, state: TrainerState) -> str | None:
     """Why this process cannot be tuned the way gptop asked (None: it can): a call missing, a checkpoint
     the Trainer did not resume from, or toggles the Trainer was not given."""
-    from trainer.contract.training_args import TUNED, read_fields, start_toggles
+    from trainer.contract.training_args import args_fields, read_fields
 
     missing = [c for c in TUNE_CALLS if c not in _called]
     if missing:
@@ -88,8 +88,12 @@ def tuning_refusal(env: ClientEnv, args: TrainingArguments, state: TrainerState)
         return (f"gptop tune: the Trainer did not resume from {env.resume}; pass resume_checkpoint(args) to "
                 f"trainer.train(resume_from_checkpoint=...)")
     if env.toggles is not None:
-        have = start_toggles(read_fields(args))
-        off = [n for n in TUNED if getattr(have, n) != getattr(env.toggles, n)]
+        # the fields the toggles map to, not the toggles read back: toggles that run the same arguments
+        # (a prefetch factor without workers) are the same
+        try:
+            off = sorted(args_fields(env.toggles, read_fields(args)))
+        except ValueError as e:
+            off = [str(e)]
         if off:
             return (f"gptop tune: the Trainer's arguments are not tuned_args's ({', '.join(off)} differ); give "
                     f"the Trainer the TrainingArguments tuned_args returned, and do not change them after")

@@ -15,7 +15,9 @@ torch nor transformers, so gptop's side (the search space) and the client's side
     workers                   dataloader_num_workers
     prefetch                  dataloader_prefetch_factor (batches each worker loads ahead; only with workers)
     fused_adamw               optim: adamw_torch / adamw_torch_fused (only when the script uses one of them)
-    activation_checkpointing  gradient_checkpointing
+    activation_checkpointing  activation_checkpointing (transformers 5; there `gradient_checkpointing` is a
+                              deprecated alias that only mirrors it, so setting it on a copy does nothing),
+                              else gradient_checkpointing
 
 The other toggles are frozen at the script's own values for a command: `attention` (the model's
 `attn_implementation`, not an argument), `cuda_allocator` (an environment variable), `optimizer` (another
@@ -38,7 +40,7 @@ TOGGLE_FIELDS: dict[str, tuple[str, ...]] = {
     "workers": ("dataloader_num_workers",),
     "prefetch": ("dataloader_prefetch_factor",),
     "fused_adamw": ("optim",),
-    "activation_checkpointing": ("gradient_checkpointing",),
+    "activation_checkpointing": ("activation_checkpointing", "gradient_checkpointing"),
 }
 FIELDS: tuple[str, ...] = tuple(dict.fromkeys(f for fs in TOGGLE_FIELDS.values() for f in fs))
 TUNED: tuple[str, ...] = tuple(TOGGLE_FIELDS)
@@ -92,8 +94,14 @@ def start_toggles(fields: Mapping[str, Any]) -> Toggles:
                    micro_batch=int(fields.get("per_device_train_batch_size") or 1),
                    prefetch=int(factor) if factor else TORCH_PREFETCH,
                    workers=int(fields.get("dataloader_num_workers") or 0),
-                   fused_adamw=ADAMW.get(optim, True), activation_checkpointing=bool(fields.get("gradient_checkpointing")),
+                   fused_adamw=ADAMW.get(optim, True), activation_checkpointing=bool(fields.get(checkpointing_field(fields))),
                    optimizer=OPTIMIZER_OF.get(optim, "adamw"))
+
+
+def checkpointing_field(fields: Mapping[str, Any]) -> str:
+    """The field that turns activation checkpointing on for these arguments: `activation_checkpointing` where
+    the installed transformers has it (resolved to a bool in `__post_init__`), else `gradient_checkpointing`."""
+    return "activation_checkpointing" if fields.get("activation_checkpointing") is not None else "gradient_checkpointing"
 
 
 def per_device_batch(fields: Mapping[str, Any]) -> int:
@@ -136,5 +144,5 @@ def args_fields(toggles: Toggles, fields: Mapping[str, Any]) -> dict[str, Any]:
         want["optim"] = "adamw_torch_fused" if toggles.fused_adamw else "adamw_torch"
     elif toggles.fused_adamw != start.fused_adamw:
         raise ValueError(f"fused_adamw: the script's optimizer is {optim_name(fields)}, not adamw_torch(_fused)")
-    want["gradient_checkpointing"] = toggles.activation_checkpointing
+    want[checkpointing_field(fields)] = toggles.activation_checkpointing
     return {k: v for k, v in want.items() if fields.get(k) != v}
