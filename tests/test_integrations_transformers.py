@@ -146,3 +146,44 @@ def test_tuned_args_and_resume_checkpoint(tmp_path, monkeypatch):
         assert resume_checkpoint(args) == str(tmp_path / "checkpoint-4")
     finally:
         g.close()
+
+
+@pytest.mark.slow
+def test_a_resume_restores_every_weight_of_gptops_checkpoint(gptop, tmp_path, monkeypatch):
+    """GPT-NeoX saves its output layer as `embed_out` and, in transformers 5, names it `lm_head`: the Trainer's
+    resume loads the raw file and leaves lm_head at its initialization (the loss jumps back to where it
+    started). The callback fingerprints the weights of every checkpoint gptop asks for and, on a resume,
+    loads what the Trainer left out with from_pretrained, saying so: the resumed run's losses are the
+    uninterrupted run's."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from gptop.integrations.transformers import WEIGHTS_FILE
+
+    def neox_trainer(out, steps, callbacks):
+        torch.manual_seed(0)
+        model = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=50, hidden_size=32, intermediate_size=64,
+                                                 num_hidden_layers=2, num_attention_heads=2,
+                                                 max_position_embeddings=SEQ))
+        args = tuned_args(TrainingArguments(
+            output_dir=str(out), max_steps=steps, per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUM,
+            learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
+            disable_tqdm=True, seed=0))
+        return Trainer(model=model, args=args, train_dataset=Palindromes(steps * BATCH * ACCUM), callbacks=callbacks)
+
+    class Commander(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 3:
+                gptop.send({"cmd": "checkpoint"})
+                wait_for(lambda: not cb.client.channel.commands.empty(), timeout=30, what="the command")
+
+    cb = GptopCallback()
+    whole = neox_trainer(tmp_path / "out", 6, [Commander(), cb])
+    whole.train()
+    ckpt = tmp_path / "out" / "checkpoint-3"
+    assert (ckpt / WEIGHTS_FILE).is_file()
+    monkeypatch.setenv(RESUME_ENV, str(ckpt))
+    resumed = neox_trainer(tmp_path / "out", 6, [GptopCallback()])
+    resumed.train(resume_from_checkpoint=resume_checkpoint(resumed.args))
+    assert losses(resumed)[-3:] == pytest.approx(losses(whole)[-3:], rel=1e-4)
+    said = [e.message for e in gptop.file_events("warning")]
+    assert any("without restoring lm_head.weight" in m and "from_pretrained" in m for m in said), said

@@ -28,13 +28,16 @@ at once.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import PreTrainedModel, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from trainer.contract.atomic import atomic_write
 from trainer.contract.client import ClientEnv, ClientKind
 
 from .client import DEFAULT_LOG_EVERY, Client, describe_model, model_precision, module_device
@@ -100,6 +103,31 @@ def tuning_refusal(env: ClientEnv, args: TrainingArguments, state: TrainerState)
     return None
 
 
+WEIGHTS_FILE = "gptop-weights.json"      # in each checkpoint gptop asked for: what its weights look like
+
+
+def weights_fingerprint(model: torch.nn.Module) -> dict[str, list[float]] | None:
+    """Per parameter, the float64 sum and sum of squares of its values: enough to tell that a resume restored
+    a checkpoint's weights. None where the parameters are not whole local tensors (sharded, on `meta`)."""
+    out: dict[str, list[float]] = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.device.type == "meta" or p.numel() == 0 or hasattr(p, "device_mesh"):
+                return None
+            x = p.detach().to(torch.float64)
+            out[name] = [float(x.sum()), float((x * x).sum())]
+    return out
+
+
+def differing(saved: dict[str, list[float]], now: dict[str, list[float]], rel: float = 1e-6) -> list[str]:
+    """The parameters whose fingerprints differ (beyond float64 reduction noise), or that one side lacks."""
+    off = [n for n in saved.keys() | now.keys() if n not in saved or n not in now]
+    for n in saved.keys() & now.keys():
+        if any(abs(a - b) > rel * max(1.0, abs(a)) for a, b in zip(saved[n], now[n])):
+            off.append(n)
+    return sorted(off)
+
+
 def _token_ids(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
     """The batch the model is called with: `input_ids`, else `inputs_embeds` (batch x sequence x hidden)."""
     for key in ("input_ids", "inputs_embeds"):
@@ -148,13 +176,16 @@ class GptopCallback(TrainerCallback):
             return
         from trainer.contract.training_args import read_fields, tunable
 
+        why = None
         if self.env.tune:
             why = tuning_refusal(self.env, args, state)
-            if why is not None:
-                self.client.refuse(why)
-                self.client.close()
-                self.client = None
-                raise SystemExit(1)
+        if why is None and self.env.resume is not None and model is not None:
+            why = self._restored(model, self.env.resume)
+        if why is not None:
+            self.client.refuse(why)
+            self.client.close()
+            self.client = None
+            raise SystemExit(1)
         fields = read_fields(args)
         self._tunable = tunable(fields)
         self._args = args
@@ -163,6 +194,37 @@ class GptopCallback(TrainerCallback):
             self._hooks = [model.register_forward_pre_hook(self._forward_begins, with_kwargs=True),
                            model.register_forward_hook(self._forward_ends)]
         self._next_step(state)
+
+    def _restored(self, model: torch.nn.Module, checkpoint: str) -> str | None:
+        """None when `model` holds the weights gptop's checkpoint had (repairing a partial load first), else
+        why the run cannot go on. transformers' resume loads the raw file into the model, without the key
+        renames `from_pretrained` applies (GPT-NeoX's `embed_out` became `lm_head` in transformers 5): a
+        renamed weight stays at its initialization and the run loses what it learned, silently."""
+        try:
+            saved = json.loads(Path(checkpoint, WEIGHTS_FILE).read_text())
+        except (OSError, ValueError):
+            return None                      # a checkpoint gptop did not fingerprint: nothing to compare with
+        now = weights_fingerprint(model)
+        if now is None or not isinstance(saved, dict):
+            return None
+        off = differing(saved, now)
+        if not off:
+            return None
+        named = ", ".join(off[:3]) + (f" and {len(off) - 3} more" if len(off) > 3 else "")
+        if isinstance(model, PreTrainedModel):
+            fresh = type(model).from_pretrained(checkpoint, dtype=next(model.parameters()).dtype)
+            model.load_state_dict(fresh.state_dict(), strict=False)
+            del fresh
+            again = weights_fingerprint(model)
+            if again is not None and not differing(saved, again):
+                assert self.client is not None
+                self.client.warn(f"transformers resumed from {checkpoint} without restoring {named} (the "
+                                 f"checkpoint names them otherwise); gptop loaded them with "
+                                 f"{type(model).__name__}.from_pretrained, so every weight is the checkpoint's")
+                return None
+        return (f"the Trainer resumed from {checkpoint} but {named} are not the checkpoint's weights: training on "
+                f"would lose what the run learned. Load the model so that Trainer(resume_from_checkpoint=...) "
+                f"restores it (its state_dict keys as saved), or run without gptop's restarts (gptop run)")
 
     def _hello(self, client: Client, model: torch.nn.Module | None, seq_len: int | None = None) -> None:
         """The hello, with what the tuner starts from: the Trainer's arguments as toggles, the batch of an
@@ -294,5 +356,9 @@ class GptopCallback(TrainerCallback):
         if client is None:
             return
         path = os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}-{state.global_step}")
+        if state.is_world_process_zero and self._model is not None and os.path.isdir(path):
+            prints = weights_fingerprint(self._model)
+            if prints is not None:
+                atomic_write(os.path.join(path, WEIGHTS_FILE), json.dumps(prints))
         client.checkpointed(path, seconds=time.perf_counter() - self._mark, step=state.global_step)
         self._restart()
