@@ -537,7 +537,7 @@ def _f(v: float | None, spec: str = ".4f") -> str:
 def print_report(run_dir: Path, json_out: bool = False) -> int:
     s = summarize(run_dir)
     if json_out:
-        print(json.dumps(s, indent=2, default=str))
+        print(json.dumps(s, default=str))          # one line: --json's one meaning (JSON lines)
     else:
         print(format_report(s))
     return 0 if not s["errors"] or s.get("done") or s["state"] == RunStanding.RUNNING.value else 1
