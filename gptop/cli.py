@@ -21,14 +21,14 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from trainer.contract import inputs, protect
 from trainer.contract.common import MAX_STEP
-from trainer.contract.config import (AUTO, ConfigError, TrainConfig, add_arguments, check_resumable, config_from_args,
-                                    number_arg, resume_config)
+from trainer.contract.config import (AUTO, ConfigError, OneLineParser, TrainConfig, add_arguments, check_resumable,
+                                    config_from_args, number_arg, resume_config)
 from trainer.contract.rundir import default_run_dir, resumes_into
-from trainer.contract.runlock import RunLock, node_key
+from trainer.contract.runlock import RunLock, lock_option, node_key
 from trainer.contract.tools import add_export_arguments, add_sample_arguments
 
 from .alerts import add_alert_arguments, alert_options
@@ -71,7 +71,7 @@ def max_nodes(nnodes: str) -> int:
     return int(nnodes.split(":")[-1])
 
 
-class Parser(argparse.ArgumentParser):
+class Parser(OneLineParser):
     """argparse, with its options and subcommands readable: the input tests iterate every flag of every
     subcommand (a new one included) and check that its values are checked."""
 
@@ -83,21 +83,57 @@ class Parser(argparse.ArgumentParser):
     def commands(self) -> dict[str, "Parser"]:
         return next((dict(a.choices) for a in self._actions if isinstance(a.choices, dict)), {})
 
-    def error(self, message: str) -> NoReturn:
-        """One line, as every other refusal: the option, the value and what is accepted (argparse's choice
-        errors say all three), then where to read more; exit 2. argparse prints the whole usage first."""
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+# The global flags, given before or after the command, and where each acts. `--json` means one thing
+# everywhere: the command's output is JSON lines on stdout (a run's every event, a report, a result), for a
+# script, and no dashboard (it implies --no-ui); every command has output to give so. `--no-ui` is accepted
+# everywhere (a command without a dashboard has none to turn off). The device-sampling and metrics flags act
+# where gptop samples a run (train, tune, run and the monitor, command None); given to another command, they
+# are refused (exit 2, naming the flag) rather than ignored.
+SAMPLING = ("train", "tune", "run", None)
+GLOBAL_FLAGS = {   # dest -> (flag, default, the commands it acts on)
+    "no_ui": ("--no-ui", False, None),
+    "json": ("--json", False, None),
+    "interval": ("--interval", 0.5, SAMPLING),
+    "metrics_port": ("--metrics-port", None, SAMPLING),
+    "metrics_addr": ("--metrics-addr", None, SAMPLING),
+}
+JSON_HELP = {
+    "run": "JSON lines on stdout: every event of the run, one per line (the closing summary goes to stderr); no "
+           "dashboard (implies --no-ui)",
+    "monitor": "JSON lines on stdout: every event of the watched run, one per line; no dashboard (implies --no-ui)",
+    "report": "the report as one JSON line on stdout",
+}
 
 
-def _global_flags(parser: argparse.ArgumentParser, suppress: bool) -> None:
-    d = (lambda v: argparse.SUPPRESS) if suppress else (lambda v: v)
+def _global_flags(parser: argparse.ArgumentParser, json_help: str = JSON_HELP["run"], sampling: bool = True) -> None:
+    """The global flags that act on this command; their defaults are filled in by `_check_global_flags`, so
+    that one given before the command is not overwritten by the subcommand's."""
     g = parser.add_argument_group("display")
-    g.add_argument("--no-ui", dest="no_ui", action="store_true", default=d(False),
-                   help="no terminal UI: readable lines (or JSON lines with --json) on stdout")
-    g.add_argument("--json", action="store_true", default=d(False),
-                   help="with --no-ui: print every event as one JSON line")
-    g.add_argument("--interval", type=number_arg(float, 0.01, 3600), default=d(0.5), metavar="S",
-                   help="device sampling period in seconds (default: 0.5; 0.01 <= S <= 3600)")
+    g.add_argument("--no-ui", dest="no_ui", action="store_true", default=argparse.SUPPRESS,
+                   help="no terminal UI: readable lines (or JSON lines with --json) on stdout" if sampling
+                   else argparse.SUPPRESS)
+    g.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help=json_help)
+    if sampling:
+        g.add_argument("--interval", type=number_arg(float, 0.01, 3600), default=argparse.SUPPRESS, metavar="S",
+                       help="device sampling period in seconds (default: 0.5; 0.01 <= S <= 3600)")
+
+
+def _check_global_flags(parser: "Parser", ns: argparse.Namespace) -> None:
+    """A global flag given to a command it does nothing for is refused (one line, exit 2); the others get
+    their defaults. `--json` implies `--no-ui`."""
+    for dest, (flag, default, acts_on) in GLOBAL_FLAGS.items():
+        if not hasattr(ns, dest):
+            setattr(ns, dest, default)
+        elif acts_on is not None and ns.command not in acts_on:
+            where = ", ".join(c for c in acts_on if c) + " and the monitor (gptop with no command)"
+            parser.commands[ns.command].error(f"{flag} does nothing here; it acts on gptop {where}")
+    if ns.json:
+        ns.no_ui = True
+    if ns.metrics_addr is None:
+        from .metrics import DEFAULT_ADDR
+
+        ns.metrics_addr = DEFAULT_ADDR
 
 
 def _version() -> str:
@@ -112,10 +148,11 @@ def _version() -> str:
 def build_parser() -> Parser:
     from tuner.budget import duration_arg
 
-    parser = Parser(prog="gptop", description="htop for a training run, with a live autotuner.")
+    parser = Parser(prog="gptop", description="htop for a training run, with a live autotuner. With no command: "
+                                              "the monitor (devices, and the newest run in ./runs or --run-dir).")
     parser.add_argument("--version", action="version", version=f"gptop {_version()}")
-    _global_flags(parser, suppress=False)
-    add_metrics_arguments(parser)
+    _global_flags(parser, json_help=JSON_HELP["monitor"])
+    add_metrics_arguments(parser, suppress=True)
     parser.add_argument("--run-dir", dest="monitor_run_dir", metavar="DIR", default=None,
                         type=inputs.path_arg(inputs.check_runs_folder, "--run-dir"),
                         help="monitor mode: the run (or folder of runs) to attach to (default: newest in ./runs)")
@@ -123,7 +160,7 @@ def build_parser() -> Parser:
 
     def run_command(name: str, help: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help)
-        _global_flags(p, suppress=True)
+        _global_flags(p)
         add_arguments(p)
         g = p.add_argument_group("session")
         g.add_argument("--restart-on-failure", type=number_arg(int, 0, MAX_RESTARTS), default=0, metavar="N",
@@ -177,7 +214,7 @@ def build_parser() -> Parser:
                          description="Run your own training command as gptop's trainer: its devices, logs and exit "
                                      "code; with gptop.integrations in it (a probe or a callback), its steps, "
                                      "breakdown, loss and checkpoints, and gptop's commands. docs/your-code.md.")
-    _global_flags(run, suppress=True)
+    _global_flags(run)
     run.add_argument("--run-dir", metavar="DIR", default=None, type=inputs.path_arg(inputs.check_run_dir, "--run-dir"),
                      help="run directory (default: runs/<time>-<script name>)")
     run.add_argument("--log-every", type=number_arg(int, 1, MAX_STEP), default=None, metavar="N",
@@ -197,9 +234,16 @@ def build_parser() -> Parser:
     run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS]",
                      help="the command, after --: e.g. -- python train.py --lr 3e-4")
 
-    report = sub.add_parser("report", help="summarize a run directory")
-    _global_flags(report, suppress=True)
-    report.add_argument("run_dir", metavar="RUN_DIR", type=inputs.path_arg(inputs.check_run_to_read, "RUN_DIR"))
+    report = sub.add_parser("report", help="summarize a run directory",
+                            description="Summarize a run from its files alone (events.jsonl, device.jsonl, "
+                                        "tuning.json): where it stands, progress, loss, speed (medians of its "
+                                        "steady log intervals), the step's phases (means), energy, checkpoints, "
+                                        "errors, alerts and tuning. One streaming pass: a week-long run's report "
+                                        "costs memory bounded whatever its length. Exit 1 when the run failed.")
+    _global_flags(report, json_help=JSON_HELP["report"], sampling=False)
+    report.add_argument("run_dir", metavar="RUN_DIR", type=inputs.path_arg(inputs.check_run_to_read, "RUN_DIR"),
+                        help="the run directory to summarize (one that holds an events.jsonl; a run that is still "
+                             "going is summarized as far as it got)")
     for name, add, help in (("export", add_export_arguments, "write a run's checkpoint as a Hugging Face model "
                              "directory (safetensors, config, tokenizer) that plain transformers loads"),
                             ("sample", add_sample_arguments, "generate text from a run's checkpoint")):
@@ -222,6 +266,7 @@ def build_parser() -> Parser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
+    _check_global_flags(parser, ns)
     try:
         if ns.command == "tune" and ns.cmd:
             return cmd_program(ns, tune=True)
@@ -380,7 +425,8 @@ def _run(ns: argparse.Namespace, signals: StopSignals) -> int:
     try:
         created = [] if multi_node else protect.dirs_to_create(cfg.run.run_dir)
         lock = RunLock.acquire(cfg.run.run_dir, command=f"gptop {ns.command}", node=node,
-                               new_run=not resumes_into(resume, cfg.run.run_dir))
+                               new_run=not resumes_into(resume, cfg.run.run_dir),
+                               option=lock_option(resume, cfg.run.run_dir))
         try:
             return _run_locked(ns, cfg, resume, launcher, lock, signals, metrics)
         except ConfigError:

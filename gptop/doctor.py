@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
                    help="the quick paths only: no torch.compile, NCCL or QLoRA (default: all)")
     p.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
-                   help="print the record as one JSON document (trainer.contract.doctor.REPORT_SCHEMA)")
+                   help="print the record as one JSON line on stdout (trainer.contract.doctor.REPORT_SCHEMA)")
     p.add_argument("--timeout-scale", type=_scale_arg, default=1.0, metavar="F",
                    help="multiply every path's timeout by F, for a slow or busy machine (default: 1; 0.1-100)")
 
@@ -325,7 +325,7 @@ def cmd_doctor(ns: argparse.Namespace, out: IO[str] | None = None) -> int:
     record = report.to_dict()
     problems = validate_report(record)
     if as_json:
-        out.write(json.dumps(record, indent=1, default=str) + "\n")
+        out.write(json.dumps(record, default=str) + "\n")        # one line: --json's one meaning
     else:
         out.write(format_report(report, log_path) + "\n")
     if problems:                          # our own record must match its schema: say so, never silently

@@ -119,7 +119,7 @@ def event_line(event: Event, state: RunState) -> str | None:
             line = f"starting: {model_summary(state.model) or 'model'} on {where}"
             if total is not None:
                 line += f", {total} steps"
-            est = state.estimate_line()
+            est = state.estimate_line() if not state.estimate_is_slow() else None   # the warning that follows says it
             return line + (f"; {est}" if est else "")
         line = f"gptop: {model_summary(state.model) or 'model'} on {where}"
         if total is not None:

@@ -6,9 +6,12 @@ file is not read whole: its head (the first start, up to the first step), its
 newest full hello (within HELLO_SCAN_BYTES before the tail; the head's otherwise)
 and its last TAIL_BYTES fill the dashboard, whose panels keep
 a bounded history anyway, so attaching costs the same on day seven as in minute
-one (`gptop report` reads the whole run, in one streaming pass). Quitting the
-monitor never stops the run it watches; `c` asks a live trainer for a
-checkpoint (SIGUSR1, which the trainer handles).
+one (`gptop report` reads the whole run, in one streaming pass). Its log panel
+shows the last LOG_TAIL_BYTES of the trainer's `trainer.log` and
+`trainer.stderr.log` and follows them. Quitting the monitor never stops the run
+it watches; `c` asks a live trainer for a checkpoint (SIGUSR1, which the
+trainer handles); nothing else acts on the run (the state says it is watched:
+`RunState.watching`, `observer`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from trainer.contract import events as ev
+from trainer.contract.rundir import RunDir
 from trainer.contract.states import RunStatus
 
 from .session import EXIT_DONE, EXIT_INTERRUPTED, SessionBase
@@ -48,6 +52,7 @@ TAIL_BYTES = 2 << 20        # the end of a long run's events.jsonl an attach rea
 HEAD_BYTES = 1 << 20        # at most this much of its head (the first start's hello and startup, the first step)
 SCAN_CHUNK = 1 << 20        # the backward search for the newest hello reads this much at a time ...
 HELLO_SCAN_BYTES = 16 << 20  # ... and this much at most before the tail (else the head's hello stands)
+LOG_TAIL_BYTES = 64 << 10   # the end of the trainer's log files an attach shows (the log panel keeps 2000 lines)
 
 
 @dataclass
@@ -108,6 +113,21 @@ def _newest_hello(f: Any, lo: int, hi: int) -> bytes | None:
     return None
 
 
+def log_tail(path: Path, tail_bytes: int = LOG_TAIL_BYTES) -> FileTail:
+    """A FileTail of a log file from the start of its line at most `tail_bytes` before its end (its start when
+    shorter, or when it does not exist yet)."""
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return FileTail(path, 0)
+    if size <= tail_bytes:
+        return FileTail(path, 0)
+    with open(path, "rb") as f:
+        f.seek(size - tail_bytes)
+        f.readline()                                   # the tail starts at a whole line
+        return FileTail(path, f.tell())
+
+
 def trainer_pid(run_dir: Path) -> int | None:
     """The pid of the run's trainer if it is still running (its last hello, and no done/error after it)."""
     pid = None
@@ -154,8 +174,9 @@ class MonitorSession(SessionBase):
             self._set_status(RunStatus.MONITOR, "no run found in ./runs; showing devices only")
             return
         self.pid = trainer_pid(self.run_dir)
+        self.state.set_watching(self.pid)
         self._set_status(RunStatus.RUNNING if self.pid else RunStatus.REPLAY,
-                         f"attached to pid {self.pid}" if self.pid else "finished run, replayed")
+                         f"watching pid {self.pid}" if self.pid else "finished run, replayed")
         self._thread = threading.Thread(target=self._follow, name="gptop-follow", daemon=True)
         self._thread.start()
 
@@ -168,8 +189,14 @@ class MonitorSession(SessionBase):
             self._on_log(f"[gptop] a long run: read its first start and its last {plan.size - plan.tail_offset >> 20} "
                          f"MiB of events, not the {plan.skipped >> 20} MiB between (gptop report reads them all)",
                          "gptop")
+        layout = RunDir(self.run_dir)
+        logs = [(stream, log_tail(p)) for stream, p in (("stdout", layout.trainer_log),
+                                                          ("stderr", layout.trainer_stderr))]
         tail = FileTail(path, plan.tail_offset)
         while not self._finished.is_set():
+            for stream, log in logs:
+                for line in log.read_all():
+                    self._on_log(line.decode("utf-8", "replace"), stream)
             lines = tail.read_lines()
             if lines:
                 feed_events(lines, self._dispatch, self._on_malformed)
@@ -179,6 +206,7 @@ class MonitorSession(SessionBase):
                 return
             if not _alive(self.pid):
                 self.pid = None
+                self.state.set_watching(None)
                 self._set_status(RunStatus.FAILED if self.state.status is RunStatus.FAILED else RunStatus.DONE,
                                  "the run ended")
                 continue

@@ -118,9 +118,10 @@ class _Scan:
         self._first = True
         self.steady = {k: _Median() for k in ("tokens_per_s", "mfu", "step_ms")}
         self.firsts = {k: _Median() for k in ("tokens_per_s", "mfu", "step_ms")}
-        self.phase_sum = {k: 0.0 for k in PHASES}
+        # the phases' means per step over the same intervals, with the step's own mean beside them ("step_ms")
+        self.phase_sum = {k: 0.0 for k in (*PHASES, "step_ms")}
         self.phase_w = 0.0
-        self.first_phase_sum = {k: 0.0 for k in PHASES}
+        self.first_phase_sum = {k: 0.0 for k in (*PHASES, "step_ms")}
         self.first_phase_w = 0.0
 
     def feed(self, e: Event) -> None:
@@ -181,6 +182,7 @@ class _Scan:
             w = e.interval_steps or 1
             for k in PHASES:
                 sums[k] += (e.phases_ms.get(k) or 0.0) * w
+            sums["step_ms"] += (e.step_ms if e.step_ms is not None else sum(v or 0.0 for v in e.phases_ms.values())) * w
             if sums is self.phase_sum:
                 self.phase_w += w
             else:
@@ -232,7 +234,9 @@ def summarize(run_dir: Path) -> dict[str, Any]:
                                                                               scan.first_phase_w)
         if w:
             out["phases_ms"] = {k: sums[k] / w for k in PHASES}
+            out["phases_step_ms"] = sums["step_ms"] / w        # the mean step of the same steps as phases_ms
         out["step_ms"] = steady["step_ms"].median()
+        out["speed_intervals"] = max(m.n for m in steady.values())   # the log intervals the medians are of
         out["final_loss"] = scan.final_loss
         out["first_loss"] = scan.first_loss
         out["peak_mem_bytes"] = scan.peak_mem
@@ -480,15 +484,18 @@ def format_report(s: dict[str, Any]) -> str:
         lines.append(f"loss      {_f(s.get('first_loss'))} -> {_f(s.get('final_loss'))}"
                      + (f"  (eval {_f(s.get('eval_loss'))})" if s.get("eval_loss") is not None else ""))
         mfu = s.get("mfu")
-        lines.append(f"speed     {_f(s.get('tokens_per_s'), '.0f')} tokens/s (median, steady state), "
-                     f"step {_f(s.get('step_ms'), '.1f')} ms, MFU {fmt_mfu(mfu, bool(s.get('mfu_is_estimate')))}, "
-                     f"peak memory {s.get('peak_mem_bytes', 0) / 2**30:.2f} GiB")
+        n = s.get("speed_intervals")
+        lines.append(f"speed     {_f(s.get('tokens_per_s'), '.0f')} tokens/s, step {_f(s.get('step_ms'), '.1f')} ms, "
+                     f"MFU {fmt_mfu(mfu, bool(s.get('mfu_is_estimate')))}: medians of "
+                     + (f"{n} " if n else "the ") + "steady log intervals (a start's first left out)")
+        lines.append(f"memory    peak {s.get('peak_mem_bytes', 0) / 2**30:.2f} GiB")
         if s.get("peak_flops"):
             lines.append(f"mfu peak  {s['peak_flops'] / 1e9:,.1f} GFLOP/s per process"
                          + (f" ({s['peak_source']})" if s.get("peak_source") else ""))
         if s.get("phases_ms"):
-            total = sum(s["phases_ms"].values()) or 1
-            lines.append("phases    " + "  ".join(f"{k} {v:.1f} ms ({v / total:.0%})" for k, v in s["phases_ms"].items()))
+            step = s.get("phases_step_ms") or sum(s["phases_ms"].values()) or 1
+            lines.append("phases    " + "  ".join(f"{k} {v:.1f} ms ({v / step:.0%})" for k, v in s["phases_ms"].items())
+                         + f"  = step {step:.1f} ms: means per step of the same intervals")
     if s.get("energy_j") is not None:
         lines.append(f"energy    {s['energy_j'] / 3600:.2f} Wh, {s.get('energy_j_per_token', 0) * 1e3:.3f} mJ/token"
                      f" ({s.get('energy_source', 'measured')})")
@@ -536,7 +543,7 @@ def _f(v: float | None, spec: str = ".4f") -> str:
 def print_report(run_dir: Path, json_out: bool = False) -> int:
     s = summarize(run_dir)
     if json_out:
-        print(json.dumps(s, indent=2, default=str))
+        print(json.dumps(s, default=str))          # one line: --json's one meaning (JSON lines)
     else:
         print(format_report(s))
     return 0 if not s["errors"] or s.get("done") or s["state"] == RunStanding.RUNNING.value else 1

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -104,6 +105,48 @@ class Spread:
         return self.max / self.mean - 1 if self.mean > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class StepWindow:
+    """The step figures the panels show side by side (the breakdown's step and phases, the training panel's
+    tokens/s and MFU), all one statistic over one window: the mean per step over the steps of the latest
+    `events` step events of the primary rank. A process's first step event (compilation, allocator warm-up)
+    is left out while later ones exist; `warm_up` says the window has nothing else yet."""
+
+    events: int                        # step events in the window
+    steps: int                         # the optimizer steps they cover
+    step_ms: float | None
+    phases_ms: dict[str, float]        # absent phases omitted
+    gpu_idle_ms: float | None
+    tokens_per_s: float | None         # tokens over wall time: the mean rate of the same steps
+    mfu: float | None                  # time-weighted as tokens/s (MFU is proportional to it)
+    warm_up: bool
+
+    def label(self) -> str:
+        """What the figures are, in words: 'mean of the last 200 steps' ('…, warm-up included')."""
+        what = f"mean of the last {self.steps} step{'s' if self.steps != 1 else ''}"
+        return what + (", warm-up included" if self.warm_up else "")
+
+
+@dataclass(frozen=True)
+class _StepRow:
+    """One step event as the window keeps it."""
+
+    steps: int
+    step_ms: float | None
+    phases_ms: dict[str, float]
+    gpu_idle_ms: float | None
+    wall_ms: float | None              # wall time per step (the tokens/s's denominator)
+    tokens_per_s: float | None
+    mfu: float | None
+    warm: bool
+
+
+def _weighted(pairs: list[tuple[float, float | None]]) -> float | None:
+    """The weighted mean of the values that are not None, or None."""
+    got = [(w, v) for w, v in pairs if v is not None and w > 0]
+    total = sum(w for w, _ in got)
+    return sum(w * v for w, v in got) / total if total else None
+
 
 @dataclass
 class TunerState:
@@ -164,9 +207,13 @@ class RunState:
         self.startup_since: float | None = None  # when that phase began (its percent updates do not reset it)
         self.estimate_warning: WarningEvent | None = None   # "deepseek medium on this CPU: ~N GiB, ~M min per step"
         self.live_step: tuple[float, int, int] | None = None   # (time, step, tokens) of the latest progress/step
+        self._progress_ms: float | None = None  # the latest progress event's step time (host)
         self.stepped = False                   # this trainer process has done a step (a stop then checkpoints)
         self.initial_toggles: dict[str, Any] | None = None   # what the run started with
-        self.start_time: float | None = None   # time of the first event
+        self.start_time: float | None = None   # time of the earliest event
+        # the pid of a run this gptop watches but did not start (the monitor attached to it; None once it ended)
+        self.watching: int | None = None
+        self.observer = False                  # a monitor: q only leaves, and only the run's channel acts on it
         self.last_time: float | None = None    # time of the latest event
         self.end_time: float | None = None     # when the run was seen to end (done/failed): elapsed stops
         self.last_run_time: float | None = None   # time of the latest event that is not a device sample
@@ -188,6 +235,7 @@ class RunState:
         self.first_loss: float | None = None               # the run's first logged loss (the summary's "from")
         # (tokens/s, mfu) of step events that are not a process's first (warm-up: compile, allocator)
         self._steady: deque[tuple[float | None, float | None]] = deque(maxlen=history)
+        self._rows: deque[_StepRow] = deque(maxlen=history)   # the primary rank's step events, for `window`
         self._warm = True                                  # the next step event is a process's first
 
         # devices
@@ -200,6 +248,7 @@ class RunState:
         # logs and incidents
         self.logs: deque[tuple[str, str]] = deque(maxlen=log_lines)   # (stream, line)
         self.log_count = 0       # lines ever added: views append what is new since they last looked
+        self._said: dict[str, tuple[int, int]] = {}   # message -> (events, prints) of recent warnings/errors
         # bounded like every history here: a week-long run's dashboard costs what its first hour did
         self.checkpoints: deque[CheckpointEvent] = deque(maxlen=1000)
         self.checkpoints_written = 0
@@ -240,7 +289,9 @@ class RunState:
         """Fold one parsed (validated) event in. Unknown types only move the clock."""
         with self.lock:
             t = event.time
-            if self.start_time is None:
+            if self.start_time is None or t < self.start_time:
+                # the earliest event, not the first to arrive: a monitor's live device sample can come before
+                # the run's recorded events it reads (replay, attach), whose start is the run's start
                 self.start_time = t
             self.last_time = t if self.last_time is None else max(self.last_time, t)
             if not isinstance(event, DeviceEvent):
@@ -252,9 +303,14 @@ class RunState:
             handler(event)
 
     def add_log(self, line: str, stream: str = "stdout") -> None:
-        """One line of the trainer's stdout/stderr (or gptop's own messages, stream="gptop")."""
+        """One line of the trainer's stdout/stderr (or gptop's own messages, stream="gptop"). The trainer's print
+        of a warning or error it also sent as an event is shown once: whichever of the two comes first."""
         with self.lock:
-            self.logs.append((stream, line.rstrip("\n")))
+            line = line.rstrip("\n")
+            said = _trainer_says(line) if stream in ("stdout", "stderr") else None
+            if said is not None and not self._first_saying(said, printed=True):
+                return
+            self.logs.append((stream, line))
             self.log_count += 1
             self._bump("log")
 
@@ -268,6 +324,13 @@ class RunState:
                     self.end_time = self.now()
             else:
                 self.end_time = None
+            self._bump("run")
+
+    def set_watching(self, pid: int | None) -> None:
+        """Set by a session that watches a run it did not start (gptop.monitor): `pid` while it runs."""
+        with self.lock:
+            self.observer = True
+            self.watching = pid
             self._bump("run")
 
     def count_malformed(self, line: str) -> None:
@@ -316,6 +379,7 @@ class RunState:
     def _on_progress(self, e: ProgressEvent) -> None:
         """A step done between step events: the counter, rate and ETA move; the histories do not."""
         self._live(e.time, e.step, e.tokens)
+        self._progress_ms = e.step_ms
         self._bump("progress")     # the header's counter, rate and ETA; no panel that shows histories
 
     def _live(self, t: float, step: int, tokens: int) -> None:
@@ -345,10 +409,12 @@ class RunState:
             self._live(e.time, step, e.tokens)
         if self.first_loss is None and e.loss is not None:
             self.first_loss = e.loss
-        if self._warm:
-            self._warm = False
-        else:
+        warm, self._warm = self._warm, False
+        if not warm:
             self._steady.append((e.tokens_per_s, e.mfu))
+        phases = {p: float(v) for p, v in (e.phases_ms or {}).items() if v is not None}
+        self._rows.append(_StepRow(max(1, e.interval_steps or 1), e.step_ms, phases, e.gpu_idle_ms,
+                                   e.wall_ms if e.wall_ms is not None else e.step_ms, e.tokens_per_s, e.mfu, warm))
         for name in STEP_SERIES:
             v = getattr(e, name)
             if v is not None:
@@ -376,6 +442,22 @@ class RunState:
     def _on_log(self, e: LogEvent) -> None:
         self.add_log(e.message, "event")
 
+    def _first_saying(self, message: str, printed: bool) -> bool:
+        """Whether this saying of a warning or error is shown: each event and the trainer's print of it are a
+        pair, shown once (whichever came first); a message said again later (another event) is shown again."""
+        events, prints = self._said.pop(message, (0, 0))
+        paired = events > prints if printed else prints > events
+        events, prints = (events, prints + 1) if printed else (events + 1, prints)
+        self._said[message] = (events, prints)
+        while len(self._said) > 64:
+            self._said.pop(next(iter(self._said)))
+        return not paired
+
+    def _add_event_log(self, line: str, message: str) -> None:
+        """An event's line in the log panel, unless the trainer's print of the same message is there already."""
+        if self._first_saying(message, printed=False):
+            self.add_log(line, "event")
+
     def _on_profile(self, e: ProfileEvent) -> None:
         if self.primary_rank is None or e.rank == self.primary_rank:
             self.profile = e
@@ -387,13 +469,13 @@ class RunState:
             self.recompiles.append(e)
         if e.kind == "estimate":
             self.estimate_warning = e
-        self.add_log("warning: " + e.message, "event")
+        self._add_event_log("warning: " + e.message, e.message)
         self._bump("run")
 
     def _on_error(self, e: ErrorEvent) -> None:
         self.errors.append(e)
         self.startup = None
-        self.add_log(f"error [{e.kind}]: {e.message}", "event")
+        self._add_event_log(f"error [{e.kind}]: {e.message}", e.message)
         self._bump("run")
 
     def _on_alert(self, e: AlertEvent) -> None:
@@ -560,6 +642,14 @@ class RunState:
             return None
         return "est. " + ", ".join(parts) if short else ", ".join(parts) + " (estimate)"
 
+    def estimate_is_slow(self) -> bool:
+        """The early hello's estimate says a step will be slow: the trainer's `estimate` warning follows and
+        says the whole estimate (a view shows it there, once)."""
+        from trainer.contract.estimate import SLOW_STEP_S
+
+        step_s = (self.estimate or {}).get("step_s")
+        return isinstance(step_s, (int, float)) and step_s > SLOW_STEP_S
+
     @property
     def toggles(self) -> dict[str, Any]:
         """The toggles in force: the last applied ones over the hello config."""
@@ -709,28 +799,63 @@ class RunState:
             return (list(self.logs)[-new:] if new > 0 else []), self.log_count
 
     # --- reading: the step breakdown ----------------------------------------
-    def phase_means(self, n: int | None = None) -> dict[str, float]:
-        """Mean ms per phase over the last `n` step events (default `phase_window`); absent phases omitted."""
+    def window(self, n: int | None = None) -> StepWindow | None:
+        """The step figures over the last `n` step events (default `phase_window`) that are not a process's
+        first (those only when there is nothing else yet): see StepWindow. None before the first step event."""
         n = n or self.phase_window
         with self.lock:
-            out = {}
-            for p, s in self.phases.items():
-                vals = list(s.y)[-n:]
-                if vals:
-                    out[p] = sum(vals) / len(vals)
-            return out
+            rows = [r for r in self._rows if not r.warm][-n:]
+            warm_up = not rows
+            if warm_up:
+                rows = list(self._rows)[-n:]
+        if not rows:
+            return None
+        phases: dict[str, float] = {}
+        for p in PHASES:
+            v = _weighted([(r.steps, r.phases_ms.get(p)) for r in rows])
+            if v is not None:
+                phases[p] = v
+        timed = [r for r in rows if r.wall_ms and r.tokens_per_s is not None]
+        seconds = sum(r.steps * r.wall_ms for r in timed) / 1000     # type: ignore[operator]
+        tokens = sum(r.steps * r.wall_ms * r.tokens_per_s for r in timed) / 1000   # type: ignore[operator]
+        tps = tokens / seconds if seconds > 0 else _weighted([(r.steps, r.tokens_per_s) for r in rows])
+        mfu = _weighted([(r.steps * (r.wall_ms or 1.0), r.mfu) for r in rows])
+        return StepWindow(events=len(rows), steps=sum(r.steps for r in rows),
+                          step_ms=_weighted([(r.steps, r.step_ms) for r in rows]), phases_ms=phases,
+                          gpu_idle_ms=_weighted([(r.steps, r.gpu_idle_ms) for r in rows]), tokens_per_s=tps,
+                          mfu=mfu, warm_up=warm_up)
+
+    def phase_means(self, n: int | None = None) -> dict[str, float]:
+        """Mean ms per phase and step over the window (`window`); absent phases omitted."""
+        w = self.window(n)
+        return dict(w.phases_ms) if w is not None else {}
 
     def mean_step_ms(self, n: int | None = None) -> float | None:
-        n = n or self.phase_window
-        with self.lock:
-            vals = list(self.series["step_ms"].y)[-n:]
-        return sum(vals) / len(vals) if vals else None
+        """Mean step time over the window (`window`), the same steps as `phase_means`."""
+        w = self.window(n)
+        return w.step_ms if w is not None else None
 
     def mean_gpu_idle_ms(self, n: int | None = None) -> float | None:
-        n = n or self.phase_window
+        w = self.window(n)
+        return w.gpu_idle_ms if w is not None else None
+
+    def first_figures_at(self) -> int | None:
+        """Between a run's first step and its first step event (`--log-every`): the step at which the panels'
+        first figures come (the next multiple of the log interval); None when there are figures already, no
+        step yet, or no known log interval."""
         with self.lock:
-            vals = list(self.series["gpu_idle_ms"].y)[-n:]
-        return sum(vals) / len(vals) if vals else None
+            if self.last_step is not None or self.live_step is None:
+                return None
+            every = (self.config.get("log") or {}).get("log_every")
+            step = self.live_step[1]
+        if not isinstance(every, int) or every < 1:
+            return None
+        return (step // every + 1) * every if step % every else step
+
+    def last_step_ms(self) -> float | None:
+        """The latest progress event's step time (the host's, between step boundaries), or None."""
+        with self.lock:
+            return self._progress_ms
 
     def phase_percent(self, n: int | None = None) -> dict[str, float]:
         """Each phase as % of the mean step time (of the phases' sum when step_ms is missing)."""
@@ -852,6 +977,16 @@ class RunState:
         tps = sorted(x for x, _ in rows if x is not None)
         mfu = sorted(m for _, m in rows if m is not None)
         return _median(tps), _median(mfu)
+
+
+# The trainer's print of a warning or an error it also emits as an event (trainer.train: `_warn`, `_fail`):
+# '[trainer] warning: MESSAGE', '[trainer rank 1] error (config): MESSAGE'.
+_TRAINER_SAYS = re.compile(r"^\[trainer(?: rank \d+)?\] (?:warning: |error \([\w-]+\): )(.+)$")
+
+
+def _trainer_says(line: str) -> str | None:
+    m = _TRAINER_SAYS.match(line)
+    return m.group(1) if m else None
 
 
 def _median(xs: list[float]) -> float | None:

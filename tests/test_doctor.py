@@ -391,6 +391,7 @@ def test_gptop_doctor_quick_on_this_cpu(tmp_path):
     r = subprocess.run([sys.executable, "-m", "gptop", "doctor", "--quick", "--device", "cpu", "--json"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert len(r.stdout.splitlines()) == 1, r.stdout[-3000:]   # --json: one JSON line, as everywhere
     record = json.loads(r.stdout)
     assert validate_report(record) == []
     assert record["ok"] and record["device"]["type"] == "cpu" and record["precision_auto"] in ("fp32", "bf16")

@@ -141,6 +141,7 @@ def test_report_of_a_finished_run(tmp_path):
     assert "6/6 steps" in p.stdout and "tokens/s" in p.stdout and "forward" in p.stdout
     p = subprocess.run([sys.executable, "-m", "gptop", "--json", "report", str(run_dir)], capture_output=True,
                        text=True)
+    assert len(p.stdout.splitlines()) == 1, p.stdout          # --json: one JSON line, as everywhere
     s = json.loads(p.stdout)
     assert s["steps"] == 6 and s["tokens"] == 6 * 4 * 64 and len(s["checkpoints"]) == 1
 

@@ -103,6 +103,7 @@ def test_ctrl_c_stops_a_plain_loop_with_its_own_checkpoint(tmp_path):
     assert "gptop: run stopped at step" in out and f"checkpoint {ckpt.path}" in out
     r = subprocess.run([sys.executable, "-m", "gptop", "--json", "report", "run"], cwd=tmp_path, env=env(),
                        capture_output=True, text=True, timeout=120)
+    assert len(r.stdout.splitlines()) == 1, r.stdout          # --json: one JSON line, as everywhere
     s = json.loads(r.stdout)
     assert s["steps"] >= 2 and s["checkpoints_kept"] == [{"step": ckpt.step, "path": ckpt.path}]
     assert s["done"] == done.reason and s["command"][1] == str(EXAMPLES / "train_loop.py")

@@ -60,3 +60,73 @@ def test_a_switch_default_reads_on_or_off():
     text = " ".join(PARSER.commands["train"].format_help().split())
     assert "(default: on)" in text and "(default: off)" in text
     assert isinstance(PARSER.commands["train"], argparse.ArgumentParser)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_subcommand_has_a_description_and_its_positionals_have_help(command):
+    sub = PARSER.commands[command]
+    assert sub.description and len(sub.description) > 20, command
+    for a in sub.actions:
+        if not a.option_strings and a.dest != "help":
+            assert a.help and a.help is not argparse.SUPPRESS, f"gptop {command} {a.metavar or a.dest}"
+
+
+SAMPLING = {"train", "tune", "run"}
+
+
+@pytest.mark.parametrize("command", COMMANDS + [None])
+def test_json_means_json_lines_everywhere_and_sampling_flags_only_where_they_act(command, capsys, tmp_path,
+                                                                                   monkeypatch):
+    """--json: the command's output as JSON lines on stdout (and no dashboard); --interval and the metrics
+    flags act where gptop samples a run, and are refused elsewhere: one line naming the flag, exit 2."""
+    from gptop.cli import _check_global_flags
+
+    sub = PARSER if command is None else PARSER.commands[command]
+    flags = {s: a for a in sub.actions for s in a.option_strings}
+    assert "--json" in flags and "JSON line" in " ".join(flags["--json"].help.split()), command
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "events.jsonl").write_text("")
+    monkeypatch.chdir(tmp_path)
+    for a in sub.actions:              # what a positional must be is tested elsewhere; the flags are tested here
+        if not a.option_strings and a.type is not None:
+            monkeypatch.setattr(a, "type", str)
+    extra = {"report": ["run"], "export": ["run", "out"], "sample": ["run"], "run": ["--", "true"]}.get(command, [])
+    ns = PARSER.parse_args(["--json"] + ([command] if command else []) + extra)
+    _check_global_flags(PARSER, ns)
+    assert ns.json and ns.no_ui                               # one meaning: JSON lines, no dashboard
+    if command in SAMPLING or command is None:
+        assert "--interval" in flags
+        return
+    assert "--interval" not in flags and "--metrics-port" not in flags
+    for flag, value in (("--interval", "2"), ("--metrics-port", "9100")):
+        ns = PARSER.parse_args([flag, value, command] + extra)
+        with pytest.raises(SystemExit) as e:
+            _check_global_flags(PARSER, ns)
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and len(err.splitlines()) == 1 and flag in err and "does nothing" in err
+
+
+def test_python_m_trainer_errors_in_one_line(capsys):
+    from trainer.cli import build_parser as trainer_parser
+
+    with pytest.raises(SystemExit) as e:
+        trainer_parser().parse_args(["--size", "huge"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "--size" in err and "huge" in err
+
+
+def test_a_busy_run_directory_names_the_option_the_user_typed(tmp_path):
+    from trainer.contract.config import ConfigError
+    from trainer.contract.runlock import RunLock, lock_option
+
+    run = tmp_path / "run"
+    held = RunLock.acquire(run, command="test")
+    try:
+        for resume, option in ((str(run), "--resume"), (None, "--run-dir")):
+            assert lock_option(resume, run) == option
+            with pytest.raises(ConfigError) as e:
+                RunLock.acquire(run, command="gptop train", option=lock_option(resume, run))
+            assert e.value.option == option and str(e.value).startswith(option + ":")
+    finally:
+        held.release()

@@ -323,7 +323,8 @@ def test_panels_show_the_gpu_stream():
         for word in ("data", "fwd", "bwd", "opt", "other", "idle", "compute-bound"):
             assert word in steps
         train = text(app.query_one("#training"))
-        for word in ("loss", "eval 2.264", "tok/s", "MFU 30.0%", "experts"):
+        mfu = f"MFU {app.state.window().mfu * 100:.1f}%"        # the breakdown's window and statistic
+        for word in ("loss", "eval 2.264", "tok/s", mfu, "experts"):
             assert word in train
         tuner = text(app.query_one("#tuner"))
         # 21:20 left at the last tuner event, which came 25 s before the stream's last event: it runs down

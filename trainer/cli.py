@@ -7,15 +7,15 @@ import os
 import sys
 from typing import Any
 
-from .contract.config import (ConfigError, TrainConfig, add_arguments, check_resumable, config_from_args,
+from .contract.config import (ConfigError, OneLineParser, TrainConfig, add_arguments, check_resumable, config_from_args,
                               resume_config)
 from .contract import protect
 from .contract.rundir import resumes_into
-from .contract.runlock import RunLock
+from .contract.runlock import RunLock, lock_option
 
 
 def build_parser(prog: str = "python -m trainer") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=prog, description="Train a language model with instrumented steps, exact resume and JSON-line events.",
         )
     add_arguments(parser)
@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         # One writer per run directory, and one run: refused at once, before torch is imported (a default run
         # directory is new: the trainer locks it when it has named it).
         created = protect.dirs_to_create(cfg.run.run_dir) if cfg.run.run_dir else []   # a refusal removes them
-        lock = RunLock.for_trainer(cfg.run.run_dir, new_run=not resumes_into(cfg.checkpoint.resume, cfg.run.run_dir)) \
+        lock = RunLock.for_trainer(cfg.run.run_dir, new_run=not resumes_into(cfg.checkpoint.resume, cfg.run.run_dir),
+                                   option=lock_option(cfg.checkpoint.resume, cfg.run.run_dir)) \
             if cfg.run.run_dir else None
     except ConfigError as e:
         print(f"python -m trainer: error: {e}", file=sys.stderr)

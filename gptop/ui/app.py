@@ -68,6 +68,23 @@ HELP = [
     ("ctrl+c", "As q: the first stops with a checkpoint, a second one at once (without a checkpoint)"),
 ]
 
+# The keys of a monitor watching a run it did not start (RunState.observer): q only leaves, c reaches the trainer
+# through its signal channel (SIGUSR1), and the keys that would act on the run otherwise (p, t, r) are not offered.
+WATCHING_HELP = [
+    ("q", "Leave the monitor: the watched run goes on (it was not started here; stop it where it runs)"),
+    ("c", "Checkpoint now: asks the watched trainer (SIGUSR1) for a checkpoint at the next step boundary"),
+    ("v", HELP[3][1]),
+    ("s", HELP[4][1]),
+    ("l", "Log panel: zoom the watched trainer's trainer.log and trainer.stderr.log (their tail, followed) to the "
+          "whole window, and back"),
+    ("w", HELP[8][1]),
+    ("e", HELP[9][1]),
+    ("?", "This help"),
+    ("ctrl+p", "Command palette: every action by name"),
+    ("ctrl+c", "As q: leave the monitor; the run goes on"),
+]
+OBSERVER_HIDDEN = ("profile", "toggle_tuning", "restart", "quit")   # keys that act on a run gptop runs
+
 PANELS_HELP = [
     ("alerts", "a line under the header for each open alert (a stall, a loss spike, a NaN rollback, a throughput "
                "drop, GPU trouble), with the terminal bell when one is raised; gone once resolved"),
@@ -89,16 +106,21 @@ class StateChanged(Message):
 
 
 class HelpScreen(ModalScreen[None]):
-    """Every key and what each panel shows."""
+    """Every key and what each panel shows (a monitor's own keys while it watches a run: `watching`)."""
 
     BINDINGS = [Binding("escape", "dismiss", "Close"), Binding("question_mark", "dismiss", "Close", show=False),
                 Binding("q", "dismiss", "Close", show=False)]
+
+    def __init__(self, state: RunState | None = None) -> None:
+        super().__init__()
+        self.state = state
 
     def compose(self) -> ComposeResult:
         keys = Table.grid(padding=(0, 2))
         keys.add_column(style="bold cyan", no_wrap=True)
         keys.add_column()
-        for k, v in HELP:
+        observer = self.state is not None and self.state.observer
+        for k, v in WATCHING_HELP if observer else HELP:
             keys.add_row(k, v)
         panels = Table.grid(padding=(0, 2))
         panels.add_column(style="bold", no_wrap=True)
@@ -106,6 +128,8 @@ class HelpScreen(ModalScreen[None]):
         for k, v in PANELS_HELP:
             panels.add_row(k, v)
         with Vertical(id="help"):
+            if observer:
+                yield Static(Text(watching_words(self.state), style="bold magenta"))   # type: ignore[arg-type]
             yield Static(Text("keys", style="bold underline"))
             yield Static(keys)
             yield Static(Text("panels", style="bold underline"), classes="gap")
@@ -114,6 +138,15 @@ class HelpScreen(ModalScreen[None]):
 
     async def action_dismiss(self, result: None = None) -> None:
         self.dismiss(result)
+
+
+def watching_words(state: RunState) -> str:
+    """'watching pid 4242 (started elsewhere; q leaves, the run goes on)', or a replay's or an ended run's words."""
+    if state.watching is not None:
+        return f"watching pid {state.watching} (started elsewhere; q leaves, the run goes on)"
+    if state.status is RunStatus.REPLAY:
+        return "replaying a finished run (q leaves)"
+    return "watching a run that has ended (q leaves)"
 
 
 class ProfileScreen(ModalScreen[None]):
@@ -153,6 +186,7 @@ class GptopApp(App[None]):
 
     BINDINGS = [
         Binding("q", "quit", "Quit", tooltip="Checkpoint, stop the trainer and exit (twice: stop now)"),
+        Binding("q", "leave", "Leave", tooltip="Leave the monitor; the watched run goes on"),
         Binding("c", "checkpoint", "Checkpoint", tooltip="Checkpoint at the next step"),
         Binding("p", "profile", "Trace", tooltip="Profile the next 3 steps with torch.profiler (a trace for Perfetto)"),
         Binding("v", "view_profile", "Profile", tooltip="The newest profile window's summary"),
@@ -165,6 +199,7 @@ class GptopApp(App[None]):
         Binding("e", "next_expert_layer", "MoE", tooltip="Next MoE layer in the expert-load bars"),
         Binding("question_mark", "help", "Help", key_display="?"),
         Binding("ctrl+c", "quit", "Stop", show=False, priority=True),     # the reflex key keeps the work, as q
+        Binding("ctrl+c", "leave", "Leave", show=False, priority=True),
     ]
 
     def __init__(self, state: RunState, commands: Commands, *, finished: Callable[[], bool] | None = None,
@@ -340,7 +375,8 @@ class GptopApp(App[None]):
             if s.status is not RunStatus.REPLAY:
                 self.bell()
         key = (s.status, s.tuner.phase is None and not s.tuner.trials, bool(s.expert_load), s.tuner.active,
-               s.status is RunStatus.MONITOR and s.last_step is None, s.profile is not None, min(len(s.alerts_active), 3))
+               s.status is RunStatus.MONITOR and s.last_step is None, s.profile is not None, min(len(s.alerts_active), 3),
+               s.observer, s.watching)
         if key == self._layout_key:
             return
         self._layout_key = key
@@ -355,8 +391,17 @@ class GptopApp(App[None]):
 
     # --- actions ------------------------------------------------------------
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        """Keys that make no sense in the current status stay in the footer, dimmed (None)."""
+        """Keys that make no sense in the current status stay in the footer, dimmed (None). A monitor watching a
+        run it did not start (RunState.observer) offers only what reaches that run (c, through its signal
+        channel) and what only reads (its own `leave` for q): the other run keys are not shown (False)."""
         status = self.state.status
+        observer = self.state.observer
+        if action == "leave":
+            return observer
+        if observer and action in OBSERVER_HIDDEN:
+            return False
+        if observer and action == "checkpoint":
+            return True if self.state.watching is not None else None
         if action in ("checkpoint", "profile"):
             return True if status.live else None
         if action == "toggle_tuning":
@@ -402,6 +447,12 @@ class GptopApp(App[None]):
             return
         self.notify("checkpointing, then stopping; press q or ctrl+c again to stop now, without a checkpoint",
                     title="stopping")
+
+    async def action_leave(self) -> None:
+        """A monitor's q: leave; the watched run goes on (MonitorSession.stop stops nothing but the monitor)."""
+        self.stop_requested = True
+        self._call("leave", self.commands.stop, force=False)
+        self.exit()
 
     async def action_force_quit(self) -> None:
         self._call("force stop", self.commands.stop, force=True)
@@ -462,13 +513,22 @@ class GptopApp(App[None]):
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
-            self.push_screen(HelpScreen())
+            self.push_screen(HelpScreen(self.state))
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
-        """The palette lists every key's action by name (and Textual's own: theme, keys, screenshot)."""
+        """The palette lists every key's action by name (and Textual's own: theme, keys, screenshot); a
+        monitor's, only what its keys offer (check_action)."""
+        for cmd in self._system_commands(screen):
+            action = getattr(cmd.callback, "__name__", "").removeprefix("action_")
+            if not self.state.observer or self.check_action(action, ()) is not False:
+                yield cmd
+
+    def _system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield SystemCommand("Leave", "Leave the monitor; the watched run goes on (q, ctrl+c)", self.action_leave)
         yield SystemCommand("Stop run", "Checkpoint, stop the trainer and exit (q, ctrl+c)", self.action_quit)
-        yield SystemCommand("Force stop", "Kill the trainer now, no checkpoint, and exit (q or ctrl+c twice)",
-                            self.action_force_quit)
+        if not self.state.observer:
+            yield SystemCommand("Force stop", "Kill the trainer now, no checkpoint, and exit (q or ctrl+c twice)",
+                                self.action_force_quit)
         yield SystemCommand("Checkpoint now", "Write a checkpoint at the next step (c)", self.action_checkpoint)
         yield SystemCommand("Profile", f"Profile the next {self.profile_steps} steps (p)", self.action_profile)
         yield SystemCommand("Profile summary", "The newest profile window's summary (v)", self.action_view_profile)

@@ -159,6 +159,8 @@ def header(state: RunState, width: int) -> RenderableType:
         if precision:
             line1.append(" · precision " + precision)
         tag = Text.assemble(" ● ", (status, STATUS_STYLE.get(status, "bold")))
+        if state.watching is not None:     # a monitor attached to a run it did not start
+            tag = Text.assemble(tag, (f" · watching pid {state.watching}", "bold magenta"))
         if state.tuner.active:
             budget = state.tuner.budget_s       # the budget in effect: the share of the run it affords, if less
             tag = Text.assemble((" tuning", "bold yellow"),
@@ -502,13 +504,36 @@ def stacked_bar(pct: dict[str, float], width: int) -> Text:
 ADVICE_TWO_ROWS = 14            # the breakdown panel's height from which a second reason fits below the first
 
 
+def no_figures(state: RunState) -> str:
+    """What a step panel says before it has figures: never "waiting" once the step counter moves (between
+    the first step and the first step event, which comes at the log interval)."""
+    at = state.first_figures_at()
+    if at is not None:
+        last = state.last_step_ms()
+        took = f" · the last step took {fmt_duration(last / 1000) if last >= 60_000 else f'{last:.0f} ms'}" \
+            if last is not None else ""
+        return f"first figures at step {at} (step {state.step} now){took}"
+    if state.step is not None:
+        return f"first figures at the first logged step (step {state.step} now)"
+    return "waiting for the first step…"
+
+
+def window_label(state: RunState) -> str:
+    """The panels' subtitle: which steps and statistic their step figures are (RunState.window)."""
+    w = state.window()
+    return w.label() if w is not None else ""
+
+
 def breakdown(state: RunState, width: int, height: int) -> RenderableType:
-    """Stacked bar, per-phase ms and %, GPU idle, the bottleneck hint and the rank spread."""
-    means = state.phase_means()
-    pct = state.phase_percent()
-    step_ms = state.mean_step_ms()
-    if not means and step_ms is None:
-        return Text("waiting for the first step…", style="grey62")
+    """Stacked bar, per-phase ms and %, GPU idle, the bottleneck hint and the rank spread: the phases, the step
+    and the idle time are all means over the same steps (RunState.window; the panel's subtitle says which)."""
+    w = state.window()
+    if w is None or (not w.phases_ms and w.step_ms is None):
+        return Text(no_figures(state), style="grey62")
+    means = w.phases_ms
+    step_ms = w.step_ms
+    total = step_ms or sum(means.values())
+    pct = {p: 100.0 * v / total for p, v in means.items()} if total else {}
     lines: list[RenderableType] = []
     if pct:
         lines.append(stacked_bar(pct, width))
@@ -524,11 +549,12 @@ def breakdown(state: RunState, width: int, height: int) -> RenderableType:
             row = Text(" ").join(cells[i:i + 2])
             row.truncate(width, overflow="ellipsis")
             lines.append(row)
-    idle = state.mean_gpu_idle_ms()
+    idle = w.gpu_idle_ms
     digits = 1 if width >= 44 else 0
     summary = Text.assemble(("step ", "bold"), f"{step_ms:.{digits}f} ms" if step_ms is not None else "n/a")
     if idle is not None:
-        summary.append(f" · {'GPU ' if digits else ''}idle {idle:.{digits}f} ms ({state.gpu_idle_percent() or 0:.0f}%)")
+        share = 100.0 * idle / step_ms if step_ms else 0.0
+        summary.append(f" · {'GPU ' if digits else ''}idle {idle:.{digits}f} ms ({share:.0f}%)")
     elif state.device is not None and state.device.is_cuda:
         summary.append(" · GPU idle n/a")
     lines.append(summary)
@@ -561,7 +587,8 @@ def training(state: RunState, width: int, height: int, expert_layer: int) -> Ren
         loss = state.history("loss")
         eval_loss = state.series["eval_loss"].last
     if last is None:
-        return Text("waiting for the first step…", style="grey62")
+        return Text(no_figures(state), style="grey62")
+    w = state.window()            # tokens/s and MFU: the breakdown's steps and statistic (the subtitle says)
     moe = state.expert_imbalance() is not None
     numbers: list[Text] = []
     lv = last.loss
@@ -569,9 +596,10 @@ def training(state: RunState, width: int, height: int, expert_layer: int) -> Ren
                                  "  eval ", "n/a" if eval_loss is None else f"{eval_loss:.3f}",
                                  "  grad ", "n/a" if last.grad_norm is None else f"{last.grad_norm:.2f}",
                                  "  lr ", "n/a" if last.lr is None else f"{last.lr:.2e}"))
-    mfu = last.mfu
+    mfu = w.mfu if w is not None else last.mfu
+    tps = w.tokens_per_s if w is not None else last.tokens_per_s
     jpt = state.joules_per_token()
-    numbers.append(Text.assemble((fmt_num(last.tokens_per_s), "bold cyan"), " tok/s",
+    numbers.append(Text.assemble((fmt_num(tps), "bold cyan"), " tok/s",
                                  "  MFU ", fmt_mfu(mfu, state.mfu_is_estimate),
                                  "  mem ", fmt_bytes(last.mem_bytes),
                                  "" if last.optim_state_bytes is None else
@@ -595,12 +623,13 @@ def training(state: RunState, width: int, height: int, expert_layer: int) -> Ren
         label = Text(f"loss {min(loss):.3f}–{max(loss):.3f} · last {len(loss)} logs", style="grey62")
         label.truncate(width, overflow="ellipsis")
         lines.append(label)
-        tps = state.history("tokens_per_s")
-        rows = room - 3 if room >= 8 and tps else room
+        rates = state.history("tokens_per_s")
+        rows = room - 3 if room >= 8 and rates else room
         lines.append(Rows(spark_rows(loss, width, "dark_green", "green1", height=rows, stretch=True)))
-        if room >= 8 and tps:
-            lines.append(Text(f"tokens/s {fmt_num(min(tps))}–{fmt_num(max(tps))}", style="grey62"))
-            lines.append(Rows(spark_rows(tps, width, "dark_cyan", "cyan1", height=2, stretch=True)))
+        if room >= 8 and rates:
+            lines.append(Text(f"tokens/s {fmt_num(min(rates))}–{fmt_num(max(rates))} · last {len(rates)} logs",
+                              style="grey62"))
+            lines.append(Rows(spark_rows(rates, width, "dark_cyan", "cyan1", height=2, stretch=True)))
     return Group(*lines, *numbers, *expert_lines)
 
 

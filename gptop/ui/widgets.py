@@ -8,7 +8,8 @@ from rich.console import RenderableType
 from rich.text import Text
 from textual.events import Resize
 from textual.widget import Widget
-from textual.widgets import Footer, RichLog
+from textual.widgets import Footer, RichLog, Static
+
 
 from gptop.state import RunState
 from gptop.ui import render
@@ -122,17 +123,30 @@ class DevicePanel(StatePanel):
         return render.devices(self.state, width, height, self.window_s)
 
 
-class StepPanel(StatePanel):
+class WindowPanel(StatePanel):
+    """A panel whose step figures are a window's means: its subtitle says which steps (render.window_label)."""
+
+    SUBTITLE = ""
+
+    def sync(self, state: RunState) -> None:
+        label = render.window_label(state)
+        self.border_subtitle = f"{self.SUBTITLE}{label}" if label else ""
+        super().sync(state)
+
+
+class StepPanel(WindowPanel):
     AREAS = ("step", "run")
     MIN_REDRAW_S = 1.0      # a history panel: see Watcher.MIN_REDRAW_S
+    SUBTITLE = "ms: "
 
     def build(self, width: int, height: int) -> RenderableType:
         return render.breakdown(self.state, width, height)
 
 
-class TrainPanel(StatePanel):
+class TrainPanel(WindowPanel):
     AREAS = ("step",)   # energy per token moves with the steps; device samples alone need no redraw
     MIN_REDRAW_S = 1.0      # a history panel (the loss chart): see Watcher.MIN_REDRAW_S
+    SUBTITLE = "tok/s, MFU: "
 
     def __init__(self, state: RunState, **kwargs) -> None:
         super().__init__(state, **kwargs)
@@ -185,6 +199,14 @@ class GptopFooter(Footer):
         width = self.app.size.width
         self.compact = width < 120
         self.show_command_palette = width >= 100
+
+    def compose(self):
+        """The keys, then, in a monitor watching a run it did not start, whose run it is ('watching pid N')."""
+        yield from super().compose()
+        state = getattr(self.app, "state", None)
+        if state is not None and state.observer and state.watching is not None:
+            self.styles.grid_size_columns = (self.styles.grid_size_columns or 0) + 1
+            yield Static(f"watching pid {state.watching}", classes="watching")
 
 
 class LogPanel(Watcher, RichLog):

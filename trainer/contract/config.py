@@ -25,7 +25,7 @@ import os
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Literal, Union
+from typing import Any, Callable, Literal, NoReturn, Union
 
 from .common import MAX_STEP, ConfigError, flag_of, show
 from .rundir import CONFIG as RUN_CONFIG
@@ -610,6 +610,18 @@ def number_arg(kind: type, low: float | None = None, high: float | None = None, 
 
 
 # --- command line ----------------------------------------------------------------
+
+EXIT_USAGE = 2          # a bad command line: the exit status of every refusal of an input
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with its errors in one line, as every other refusal: the option, the value and what is
+    accepted (argparse's own messages say all three), then where to read more; exit 2. argparse prints the
+    whole usage first. `gptop` and `python -m trainer` both parse with it."""
+
+    def error(self, message: str) -> "NoReturn":
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
 
 def add_arguments(parser: argparse.ArgumentParser, sections: tuple[str, ...] = tuple(SECTIONS)) -> None:
     """Add every option of the given sections to `parser`, with its default and range shown in --help.

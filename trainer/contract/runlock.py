@@ -53,6 +53,14 @@ def check_new_run(run_dir: Path) -> None:
     raise RunDirTaken("--run-dir", f"{run_dir} holds another run ({found}); a run directory holds one run: {what}")
 
 
+def lock_option(resume: str | None, run_dir: str | Path) -> str:
+    """The option that named a run directory on the command line: `--resume` for a run that continues the run it
+    resumes (the directory came from it), else `--run-dir`. A refusal about the directory names this one."""
+    from .rundir import resumes_into
+
+    return "--resume" if resumes_into(resume, run_dir) else "--run-dir"
+
+
 def node_key(node_rank: int | None) -> str:
     """The name of one node of a multi-node run: `nodeN` when its rank is known, else `host-NAME`."""
     if node_rank is not None:
@@ -82,8 +90,10 @@ class RunLock:
     # ------------------------------------------------------------------ taking it
     @classmethod
     def acquire(cls, run_dir: str | Path, *, command: str, token: str | None = None,
-                node: str | None = None, new_run: bool = False) -> "RunLock":
+                node: str | None = None, new_run: bool = False, option: str = "--run-dir") -> "RunLock":
         """Take the lock (creating the directory), or raise RunDirBusy naming the holder at once.
+
+        `option`: the option the user named the directory with (`lock_option`), which a refusal names.
 
         `new_run`: a run that does not resume the one in `run_dir` (one node's only): refused with RunDirTaken
         if another run left its events or checkpoints there, checked under the lock before its record is
@@ -102,7 +112,7 @@ class RunLock:
                 try:
                     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
                 except OSError as e:
-                    raise ConfigError("--run-dir", f"cannot open its lock file {path}: {e.strerror}") from None
+                    raise ConfigError(option, f"cannot open its lock file {path}: {e.strerror}") from None
                 try:
                     fcntl.flock(fd, mode | fcntl.LOCK_NB)
                 except OSError as e:
@@ -111,7 +121,7 @@ class RunLock:
                         holders = _holders(run_dir, path)
                         if any(h.get("token") == token for h in holders):
                             continue            # our launcher (or a sibling rank) holds it
-                        raise RunDirBusy("--run-dir", _busy_message(run_dir, holders)) from None
+                        raise RunDirBusy(option, _busy_message(run_dir, holders)) from None
                     if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                         if new_run and node is None:
                             check_new_run(run_dir)
@@ -138,7 +148,7 @@ class RunLock:
         return cls(run_dir, token, node, fds)
 
     @classmethod
-    def for_trainer(cls, run_dir: str | Path, *, new_run: bool = False) -> "RunLock":
+    def for_trainer(cls, run_dir: str | Path, *, new_run: bool = False, option: str = "--run-dir") -> "RunLock":
         """The trainer's lock: its launcher's (gptop's token in the environment), its torchrun's (ranks of
         one torchrun share it, a node each with several nodes), or its own. `new_run` as for `acquire`; a
         trainer gptop started is gptop's (gptop checked the directory, and restarts its own run there)."""
@@ -152,7 +162,8 @@ class RunLock:
                 node = node_key(int(env["GROUP_RANK"])) if several_nodes else None
             except (KeyError, ValueError):
                 node = None
-        return cls.acquire(run_dir, command="python -m trainer", token=token, node=node, new_run=new_run)
+        return cls.acquire(run_dir, command="python -m trainer", token=token, node=node, new_run=new_run,
+                           option=option)
 
     # ------------------------------------------------------------------ using it
     @property
