@@ -146,6 +146,8 @@ def event_line(event: Event, state: RunState) -> str | None:
     if isinstance(event, WarningEvent):
         return f"warning: {event.message}"
     if isinstance(event, ErrorEvent):
+        if event.kind == "config" and state.step is None:
+            return None     # a refusal before the first step: gptop ends with it in one line (gptop: error: ...)
         return f"error [{event.kind}]: {event.message}"
     if isinstance(event, AlertEvent):
         return alert_line(event)
@@ -371,15 +373,17 @@ class HeadlessView:
             if status == self._status and not message:
                 return
             self._status = status
+            err = self.state.last_error()
+            refused = err is not None and err.kind == "config"     # gptop says it in one line: nothing to add
             if self.json:
                 obj = StatusEvent(status=status, message=message)
                 self._write(self.stream, dumps(obj) + "\n")
             else:
+                if refused and status is RunStatus.FAILED and self.state.step is None:
+                    message = None          # the refusal's own line ends the command: said once
                 self._print(f"status: {status}" + (f": {message}" if message else ""))
                 if self._progress is not None and self._task is not None:
                     self._progress.update(self._task, description=status)
-            err = self.state.last_error()
-            refused = err is not None and err.kind == "config"     # gptop says it in one line: nothing to add
             if status is RunStatus.FAILED and self._stderr and not self.echo_logs and not refused:
                 self._print_err(f"last {len(self._stderr)} lines of the trainer's stderr:")
                 for line in self._stderr:

@@ -262,3 +262,25 @@ def test_a_trainer_stop_is_not_printed_as_the_runs_end():
     line = event_line(ev("done", 303.0, step=125, tokens=128_000, reason="stop requested"), state)
     assert line == "trainer stopped at step 125 (stop requested), 128.0k tokens"
     assert event_line(ev("done", 304.0, step=1000, tokens=1, reason="max_steps"), state).startswith("done: step 1000")
+
+
+def test_a_refusal_before_the_first_step_is_said_once():
+    """A configuration the trainer refuses before its first step (a corpus too small for --seq-len) ends the
+    command with one `gptop: error: ...` line: the stream neither prints the error event nor repeats it in
+    the status line. After a step, a config error is part of the run's story and is printed."""
+    said = "--data: corpus too small: 16 tokens, but --seq-len 256 needs at least 1,025 training tokens"
+    state, out = RunState(), io.StringIO()
+    view = HeadlessView(state, json=False, stream=out)
+    play(view, state, [cpu_run(0)[0], ev("error", 1.0, kind="config", message=said)],
+         final=("failed", f"trainer failed (exit code 2): config: {said}"))
+    text = out.getvalue()
+    assert said not in text and "status: failed\n" in text
+    later, out = RunState(), io.StringIO()
+    view = HeadlessView(later, json=False, stream=out)
+    play(view, later, cpu_run(20) + [ev("error", 99.0, kind="config", message="--lr: refused mid-run")],
+         final=("failed", "trainer failed (exit code 2): config: --lr: refused mid-run"))
+    assert out.getvalue().count("--lr: refused mid-run") == 2
+    js, out = RunState(), io.StringIO()                  # --json keeps every event as it came
+    view = HeadlessView(js, json=True, stream=out)
+    play(view, js, [cpu_run(0)[0], ev("error", 1.0, kind="config", message=said)], final=("failed", said))
+    assert [json.loads(line)["type"] for line in out.getvalue().splitlines()].count("error") == 1
