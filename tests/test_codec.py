@@ -34,6 +34,8 @@ class Money:
 
 
 def money(x: Any) -> Money:
+    if isinstance(x, Money):
+        return x
     if not isinstance(x, str) or not x.endswith("$"):
         raise expected("an amount like 1.50$", x)
     return Money(round(float(x[:-1]) * 100))

@@ -18,12 +18,13 @@ error elsewhere. An int is a number where a float is declared and stays an int, 
 the same bytes; a bool is never a number. Errors name the field ("step.loss: expected a number, ...") and are
 raised as the schema's own error class.
 
-Why hand-written rather than msgspec or pydantic: both are faster at decoding a line into a typed class, but
-neither keeps the keys a class does not declare in one mapping that is written back in place (forward
-compatibility of the wire), turns a non-finite float into None, or decodes a nested type through a function
-of the schema's without a second pass over the decoded object in Python, which is where this codec spends
-its time; msgspec is one more dependency, and pydantic's import alone costs more than gptop's whole reading
-of a run's events. BENCHMARKS.md section 6 has the comparison.
+Why hand-written rather than msgspec or pydantic, both of which decode a line into typed classes several times
+faster (BENCHMARKS.md section 6): the wire would change and so would the classes. Both read an int in a float
+field as a float, so a line written back gains ".0"; msgspec refuses a NaN where this codec reads null, and
+keeps no unknown keys (a second, untyped decode of every line would have to find them); both would replace
+the stdlib dataclasses that consumers copy with `dataclasses.replace`, or validate each one twice. Neither is
+a dependency of gptop, and importing pydantic would add to every start of it. A dashboard reads a few events
+a second: what decoding costs matters less than the wire staying byte for byte what it was.
 """
 
 from __future__ import annotations
@@ -95,8 +96,8 @@ class Codec:
         self._structs[base] = form if form is not None else Form()
 
     def register(self, tp: Any, *, decode: Check, encode: Check) -> None:
-        """Decode values of type `tp` with `decode` (it raises Invalid for a bad value) and write them with
-        `encode`."""
+        """Decode values of type `tp` with `decode` and write them with `encode`. `decode` gets a wire value,
+        or an instance given to a struct's constructor; it returns the field's value or raises Invalid."""
         self._types[tp] = (decode, encode)
 
     # ------------------------------------------------------------------ the three operations
@@ -129,7 +130,7 @@ class Codec:
         if spec.form is None:
             return cls(**values)            # a plain dataclass: its own __init__
         values["extra"] = extra
-        obj = object.__new__(cls)
+        obj: Any = object.__new__(cls)
         obj.__dict__.update(values)         # what __init__ and __post_init__ (validate) would do again
         return obj
 
