@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-TORCH_FREE = ["trainer.contract.config", "trainer.contract.events", "trainer.contract.device",
+TORCH_FREE = ["trainer.contract.config", "trainer.contract.events", "trainer.contract.device", "trainer.contract.codec",
               "trainer.contract.capabilities", "trainer.contract.rundir", "trainer.contract.atomic", "trainer.contract.inputs",
               "trainer.contract.protect",
               "gptop.cli", "gptop.session", "gptop.tuning", "gptop.ui.app", "gptop.monitor", "gptop.headless",

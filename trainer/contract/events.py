@@ -3,7 +3,8 @@
 Events are JSON objects, one per line. Every event has `v` (schema version),
 `type`, `time` (unix seconds) and `rank`. Each type is one frozen dataclass
 below (`StepEvent`, `DeviceEvent`, ...), and this module is the only place that
-turns them into JSON lines (`dumps`) and back (`parse`):
+turns them into JSON lines (`dumps`) and back (`parse`), through the codec of
+trainer.contract.codec, which derives each field's check from its annotation:
 
 - Parsing validates once, at the boundary: the JSON, the required fields and
   every field's type (numbers finite or None, ints as ints, nested mappings and
@@ -37,12 +38,11 @@ import enum
 import json
 import math
 import time as _time
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator
 
+from .codec import Codec, Form, Invalid, expected
 from .config import ConfigError, Toggles, section_from_dict
 from .device import DeviceInfo
 from .states import RunStatus, TrialKind, TrialStatus, TunerPhase
@@ -93,6 +93,28 @@ class MalformedEvent(ValueError):
     """A line or record that is not a valid event: bad JSON, a missing field, a field of the wrong type."""
 
 
+# Turns the classes below into JSON objects and back (trainer.contract.codec): the events and their records
+# are its structs, the toggles decode as a stored config does.
+_CODEC = Codec(MalformedEvent)
+
+
+def _toggles(x: Any) -> Toggles:
+    """Toggles decoded once, as a stored config's are (an older version's values read as today's). A toggle
+    this version does not know (a newer producer's) is left out rather than losing the whole event."""
+    if isinstance(x, Toggles):
+        return dataclasses.replace(x)            # the event's own copy: the producer's object may change later
+    if not isinstance(x, dict):
+        raise expected("a mapping of toggles", x)
+    known = {f.name for f in dataclasses.fields(Toggles)}
+    try:
+        return section_from_dict(Toggles, {k: v for k, v in x.items() if k in known})
+    except ConfigError as e:
+        raise Invalid(str(e)) from None
+
+
+_CODEC.register(Toggles, decode=_toggles, encode=dataclasses.asdict)
+
+
 # --------------------------------------------------------------------------- nested records
 
 
@@ -104,7 +126,11 @@ class Record:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _validate(self)
+        _CODEC.validate(self)
+
+
+# a record writes every field, null for what the device cannot tell
+_CODEC.struct(Record)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -230,7 +256,11 @@ class Event:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _validate(self)
+        _CODEC.validate(self)
+
+
+# `v` and `type` lead every line; an optional field left at None is not written (as producers always did)
+_CODEC.struct(Event, Form(first=("v", "type"), omit_none=True, label="type", noun="event"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -554,7 +584,7 @@ def make(type: str, **fields: Any) -> Event:
     cls = EVENT_TYPES.get(type)
     if cls is None:
         raise MalformedEvent(f"unknown event type {type!r}; declare it in trainer.contract.events")
-    spec = _spec(cls)
+    spec = _CODEC.spec(cls)
     unknown = [k for k in fields if k not in spec.names]
     if unknown:
         raise MalformedEvent(f"{type} event has no field {', '.join(map(repr, unknown))}; declare it in "
@@ -568,20 +598,7 @@ def make(type: str, **fields: Any) -> Event:
 def to_dict(event: Event | Record) -> dict[str, Any]:
     """The wire form of an event: plain JSON-able values, `extra` merged back in. An event's optional
     field that is None is left out (absent and null mean the same to a reader)."""
-    cls = event.__class__
-    spec = _spec(cls)
-    out: dict[str, Any] = {"v": event.v, "type": event.type} if isinstance(event, Event) else {}
-    for name, wire, omit_none in spec.writers:
-        value = getattr(event, name)
-        if value is None:
-            if not omit_none:
-                out[name] = None
-        else:
-            out[name] = value if wire is None else wire(value)
-    if event.extra:
-        for k, value in event.extra.items():
-            out.setdefault(k, value)
-    return out
+    return _CODEC.encode(event)
 
 
 def json_safe(obj: Any) -> Any:
@@ -644,7 +661,7 @@ def from_dict(obj: Any) -> Event:
     if cls is None:
         return UnknownEvent(type=kind, v=v, time=obj["time"], rank=obj["rank"],
                             extra={k: x for k, x in obj.items() if k not in _BASE})
-    return _build(cls, obj, skip=("type",))
+    return _CODEC.decode(cls, obj)
 
 
 def read_events(path: str | Path, *, strict: bool = False,
@@ -662,309 +679,3 @@ def read_events(path: str | Path, *, strict: bool = False,
                     raise
                 if on_malformed is not None:
                     on_malformed(line.rstrip(b"\r\n"), e)
-
-
-# --------------------------------------------------------------------------- validation (internal)
-
-
-class _NonFinite(Exception):
-    pass
-
-
-@dataclass(frozen=True)
-class _Spec:
-    checks: tuple[tuple[str, Callable[[Any], Any]], ...]     # fields whose type needs a check: validate, normalise
-    by_name: dict[str, Callable[[Any], Any]]                  # every field a producer may set -> its check
-    writers: tuple[tuple[str, Callable[[Any], Any] | None, bool], ...]   # (field, to wire (None: as is), omit None)
-    names: frozenset[str]                                     # fields a producer may set by name
-    required: tuple[str, ...]
-    defaults: dict[str, Any]                                  # the other fields' defaults ...
-    factories: dict[str, Callable[[], Any]]                   # ... or default factories
-    where: str                                                # "step" (an event) or "GpuReading" (a record)
-
-
-_SPECS: dict[type, _Spec] = {}
-
-
-def _spec(cls: type) -> _Spec:
-    spec = _SPECS.get(cls)
-    if spec is None:
-        hints = typing.get_type_hints(cls)
-        checks, writers, names, required = [], [], [], []
-        by_name, defaults, factories = {}, {}, {}
-        is_event = issubclass(cls, Event)
-        for f in dataclasses.fields(cls):
-            check = _checker(hints[f.name])
-            if check is not _same:                            # Any: nothing to check
-                checks.append((f.name, check))
-            if f.default is not dataclasses.MISSING:
-                defaults[f.name] = f.default
-            elif f.default_factory is not dataclasses.MISSING:
-                factories[f.name] = f.default_factory
-            if f.name == "extra" or (is_event and f.name == "type"):
-                continue
-            names.append(f.name)
-            by_name[f.name] = check
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                required.append(f.name)
-            if not (is_event and f.name == "v"):
-                # an event's optional field left at None is not written (as producers always did); a record
-                # (a device reading) writes every field, null for what the device cannot tell
-                omit = is_event and f.default is None
-                writers.append((f.name, _writer(hints[f.name]), omit))
-        wire = getattr(cls, "type", None) if is_event else None
-        where = wire if isinstance(wire, str) else cls.__name__
-        spec = _SPECS[cls] = _Spec(tuple(checks), by_name, tuple(writers), frozenset(names), tuple(required),
-                                   defaults, factories, where)
-    return spec
-
-
-def _validate(obj: Event | Record) -> None:
-    """Check and normalise every field in place (the instance is frozen: set through object)."""
-    for name, check in _spec(obj.__class__).checks:
-        value = getattr(obj, name)
-        try:
-            new = check(value)
-        except _NonFinite:
-            raise MalformedEvent(f"{_where(obj)}.{name}: {value!r} is not a finite number") from None
-        except MalformedEvent as e:
-            raise MalformedEvent(f"{_where(obj)}.{name}: {e}") from None
-        if new is not value:
-            object.__setattr__(obj, name, new)
-
-
-def _where(obj: Any) -> str:
-    return obj.type if isinstance(obj, Event) else type(obj).__name__
-
-
-def _build(cls: type, d: dict[str, Any], skip: tuple[str, ...] = ()) -> Any:
-    """An instance of a dataclass from a mapping: declared fields by name (checked here, once), the rest
-    into `extra`. The instance is filled directly: what `__init__` and `__post_init__` would do again."""
-    spec = _spec(cls)
-    values = dict(spec.defaults)
-    extra: dict[str, Any] = {}
-    by_name = spec.by_name
-    for k, x in d.items():
-        check = by_name.get(k)
-        if check is None:
-            if k not in skip:
-                extra[k] = x
-            continue
-        try:
-            values[k] = check(x)
-        except _NonFinite:
-            raise MalformedEvent(f"{spec.where}.{k}: {x!r} is not a finite number") from None
-        except MalformedEvent as e:
-            raise MalformedEvent(f"{spec.where}.{k}: {e}") from None
-    for k in spec.required:
-        if k not in values:
-            what = f"{spec.where} event" if issubclass(cls, Event) else spec.where
-            raise MalformedEvent(f"{what} missing {', '.join(k for k in spec.required if k not in values)}")
-    for k, factory in spec.factories.items():
-        if k not in values:
-            values[k] = factory()
-    if not issubclass(cls, (Event, Record)):
-        return cls(**values)              # a contract dataclass of its own (DeviceInfo): its own __init__
-    values["extra"] = extra
-    obj = object.__new__(cls)
-    obj.__dict__.update(values)
-    return obj
-
-
-def _fail(expected: str, x: Any) -> MalformedEvent:
-    return MalformedEvent(f"expected {expected}, got {type(x).__name__} {str(x)[:60]!r}")
-
-
-def _checker(tp: Any) -> Callable[[Any], Any]:
-    """A function that validates a value of type `tp` and returns it normalised (or raises)."""
-    if tp is Any:
-        return _same
-    if tp is int:
-        return _int
-    if tp is float:
-        return _float
-    if tp is str:
-        return _str
-    if tp is bool:
-        return _bool
-    if tp is Toggles:
-        return _toggles
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        def check_enum(x: Any) -> Any:
-            if isinstance(x, tp):
-                return x
-            try:
-                return tp(x)
-            except ValueError:
-                raise _fail(f"one of {', '.join(str(m.value) for m in tp)}", x) from None
-        return check_enum
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        rest = [a for a in args if a is not type(None)]
-        if len(rest) != 1:
-            raise TypeError(f"unsupported union {tp!r} in the event schema")
-        fast = _OPTIONAL.get(rest[0])
-        if fast is not None:
-            return fast
-        inner = _checker(rest[0])
-
-        def optional(x: Any) -> Any:
-            if x is None:
-                return None
-            try:
-                return inner(x)
-            except _NonFinite:
-                if isinstance(x, float):
-                    return None      # JSON has no NaN: null
-                raise                # a non-finite number inside a list or mapping of numbers
-        return optional
-    if origin is list:
-        item = _checker(args[0])
-        if item is _float:
-            return _float_list
-
-        def check_list(x: Any) -> Any:
-            if not isinstance(x, (list, tuple)):
-                raise _fail("a list", x)
-            if item is _same:
-                return x if isinstance(x, list) else list(x)
-            return [item(i) for i in x]
-        return check_list
-    if origin is tuple:
-        items = [_checker(a) for a in args]
-
-        def check_tuple(x: Any) -> Any:
-            if not isinstance(x, (list, tuple)) or len(x) != len(items):
-                raise _fail(f"a list of {len(items)}", x)
-            return tuple(c(i) for c, i in zip(items, x))
-        return check_tuple
-    if origin is dict:
-        value = _checker(args[1])
-
-        def check_dict(x: Any) -> Any:
-            if not isinstance(x, dict) or not all(isinstance(k, str) for k in x):
-                raise _fail("a mapping", x)
-            if value is _same:
-                return x
-            return {k: value(i) for k, i in x.items()}
-        return check_dict
-    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        def check_record(x: Any) -> Any:
-            if isinstance(x, tp):
-                return x
-            if not isinstance(x, dict):
-                raise _fail("a mapping", x)
-            return _build(tp, x)
-        return check_record
-    raise TypeError(f"unsupported type {tp!r} in the event schema")
-
-
-def _writer(tp: Any) -> Callable[[Any], Any] | None:
-    """How a validated value of type `tp` goes on the wire (None: as it is)."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        return _writer(next(a for a in args if a is not type(None)))
-    if origin is list:
-        item = _writer(args[0])
-        return None if item is None else (lambda x: [item(i) for i in x])
-    if origin is tuple:
-        return list
-    if isinstance(tp, type) and issubclass(tp, Record):
-        return to_dict
-    if tp is DeviceInfo:
-        return DeviceInfo.to_dict
-    if tp is Toggles:
-        return dataclasses.asdict
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        return _enum_value
-    return None
-
-
-def _enum_value(x: enum.Enum) -> Any:
-    return x.value
-
-
-def _same(x: Any) -> Any:
-    return x
-
-
-# The common cases without a call per level (events are parsed on the dashboard's reader thread).
-
-def _opt_float(x: Any) -> float | None:
-    if x is None:
-        return None
-    t = type(x)
-    if t is float:
-        return x if x - x == 0.0 else None      # JSON has no NaN: null
-    if t is int:
-        return x
-    return None if _float(x) is None else x    # raises for what is not a number
-
-
-def _opt_int(x: Any) -> int | None:
-    if x is None or type(x) is int:
-        return x
-    return _int(x)
-
-
-def _opt_str(x: Any) -> str | None:
-    if x is None or type(x) is str:
-        return x
-    return _str(x)
-
-
-def _float_list(x: Any) -> list[float]:
-    if type(x) is list:
-        for i in x:
-            if type(i) is not float or i - i != 0.0:
-                break
-        else:
-            return x                            # all finite floats: the list as it is
-    if not isinstance(x, (list, tuple)):
-        raise _fail("a list", x)
-    return [_float(i) for i in x]
-
-
-_OPTIONAL: dict[Any, Callable[[Any], Any]] = {float: _opt_float, int: _opt_int, str: _opt_str}
-
-
-def _int(x: Any) -> int:
-    if isinstance(x, int) and not isinstance(x, bool):
-        return x
-    raise _fail("an integer", x)
-
-
-def _float(x: Any) -> float:
-    if isinstance(x, float):
-        if x - x == 0.0:
-            return x
-        raise _NonFinite()
-    if isinstance(x, int) and not isinstance(x, bool):
-        return x
-    raise _fail("a number", x)
-
-
-def _str(x: Any) -> str:
-    if isinstance(x, str):
-        return x
-    raise _fail("a string", x)
-
-
-def _toggles(x: Any) -> Toggles:
-    """Toggles decoded once, as a stored config's are (an older version's values read as today's). A toggle
-    this version does not know (a newer producer's) is left out rather than losing the whole event."""
-    if isinstance(x, Toggles):
-        return dataclasses.replace(x)            # the event's own copy: the producer's object may change later
-    if not isinstance(x, dict):
-        raise _fail("a mapping of toggles", x)
-    known = {f.name for f in dataclasses.fields(Toggles)}
-    try:
-        return section_from_dict(Toggles, {k: v for k, v in x.items() if k in known})
-    except ConfigError as e:
-        raise MalformedEvent(str(e)) from None
-
-
-def _bool(x: Any) -> bool:
-    if isinstance(x, bool):
-        return x
-    raise _fail("true or false", x)
