@@ -162,13 +162,13 @@ def remeasure_plan(ranked: list[Standing], start: Standing | None, top: int,
     time is short (exploring stopped), the rest (the maximum of noisy estimates is biased up)."""
     if top <= 0:
         return []
-    best = [st for st in ranked if st.speedup > 1.0][:top]
-    fresh = bool(best) and best[0].anchor == "this run" and best[0].holds and (
-        len(best) < 2 or best[0].lo > best[1].hi)
-    wanted = [st for st in best if not st.holds or (st.earlier and not st.remeasured)
+    leaders = [st for st in ranked if st.speedup > 1.0][:top]
+    fresh = bool(leaders) and leaders[0].anchor == "this run" and leaders[0].holds and (
+        len(leaders) < 2 or leaders[0].lo > leaders[1].hi)
+    wanted = [st for st in leaders if not st.holds or (st.earlier and not st.remeasured)
               or not (fresh or stopped_exploring)]
     if stopped_exploring:
-        wanted = wanted[:1] if wanted and best and wanted[0] is best[0] else []
+        wanted = wanted[:1] if wanted and leaders and wanted[0] is leaders[0] else []
     plan = sorted(wanted, key=lambda st: st.speedup)
     if start is not None and plan:
         plan.insert(0, start)
