@@ -52,7 +52,7 @@ from .standings import Estimate, Judgement, Standing
 from .study import Proposal, TuneStudy
 from .trial import ActiveTrial, TrialEnd, compile_words, noted, reported_peak
 
-# the session's names, importable from here as before the controller was split
+# the names the session drives the tuner with, importable from here
 __all__ = ["Action", "AdviceTry", "Apply", "Done", "FindMicroBatch", "Remeasure", "RunTrial", "Standing",
            "TuneController", "compile_words", "reported_peak"]
 
@@ -75,15 +75,12 @@ class TuneController:
             base_cfg = dataclasses.replace(base_cfg, toggles=dataclasses.replace(
                 base_cfg.toggles, precision=capabilities.resolve_precision(AUTO, dev)))
         self.cfg, self.dev, self.space, self.study, self.budget, self.clock = base_cfg, dev, space, study, budget, clock
-        # The economics (tuner.economics): trials must pay within this run (False with --tune-only: best.toml is
-        # for later runs); the ledger holds the shares and gains that say when they do. A measurement holds
-        # when its interval is within `trust_spread`; a compile nobody has measured on this setup is assumed
-        # to take `compile_prior_s`.
+        # trials must pay within this run (tuner.economics; False with --tune-only: best.toml is for later runs)
         self.run_pays = run_pays
         self.ledger = Ledger(max_share=max_share, max_loss=max_loss, prior_gain=prior_gain,
                              explore_gain=explore_gain, say=self._say)
-        self.trust_spread = trust_spread
-        self.compile_prior_s = compile_prior_s
+        self.trust_spread = trust_spread           # a measurement holds when its interval is within this share
+        self.compile_prior_s = compile_prior_s     # a compile nobody has measured on this setup is assumed to take this
         self.startup_s = startup_s                 # how long this setup's trainer took to start (measured)
         # the run can train on in a trial's own process (its settings are the user's); else applying means a restart
         self.trial_process_continues = trial_process_continues
