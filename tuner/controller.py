@@ -1,107 +1,29 @@
 """The tuning state machine, driven by the training loop's events (Zeus style).
 
-The controller never starts a process. The session asks it what to do next,
-does it, and reports back; trial steps are real training steps.
+The session asks it what to do next (`tuner.actions` has the loop), does it, and reports back; trial steps
+are real training steps. docs/tuning.md says what a tuning does; this module keeps its state and moves it
+through the phases: find-micro-batch -> baseline -> trials -> remeasure -> decide -> done.
 
-    ctl = TuneController(cfg, dev, space, study, Budget(parse_duration("30m")))
-    while True:
-        action = ctl.next_action()
-        match action:
-            case FindMicroBatch():        # run `--micro-batch auto` once, report what fits
-                ctl.set_max_micro_batch(n)                     # or None if it could not be found
-            case RunTrial() | Remeasure():
-                # checkpoint, then (if action.restart) restart the trainer from it with
-                # action.toggles; the baseline runs on (restart=False).
-                for event in trainer_events():                 # every event: step, checkpoint, error
-                    ctl.observe(event)
-                    stop = ctl.trial_should_stop()             # polled also when no event comes
-                    if stop: break
-                # stop in ("done", "prune", "budget"): healthy, steps kept -> finish_trial("ok")
-                # stop in TRIAL_FAILURES, or the process died: roll back to the checkpoint taken
-                # before the trial -> finish_trial(kind)  (kind: oom, nan, diverged, compile, crash)
-                ctl.finish_trial(outcome)
-            case Apply():                 # after a checkpoint, restart with action.toggles
-                ...                       # if action.restart; write the report
-            case Done():                  # continue with action.toggles (restart if action.restart)
-                break
-        for ev in ctl.drain_events(): emit(ev)                 # trial / apply / tuner events
+* baseline: the start runs on and is measured (`RunTrial(baseline=True, restart=False)`).
+* trials: the first guesses, then TPE (`tuner.proposals`, which also screens what cannot run), each started
+  only if the budget affords it plus `reserve_trials` more plus `switch_reserve_s` and only if it can pay
+  (`tuner.economics`). A trial is cut when only `switch_reserve_s` is left (the budget covers tuning up to
+  training on with the chosen setting), or when still warming up after `trial_timeout_s`: its compile mode
+  is then screened out for the run (`slow_compile`).
+* remeasure: `standings.remeasure_plan`; estimates pool both measurements.
+* decide: `standings.judge`; Apply or Done.
 
-Events: `tuner` {phase, budget_left_s, budget_s, trial, trials_run, trials_planned,
-study, best} at every phase change, trial start and end; `trial` {number, toggles,
-status, tokens_per_s, spread, peak_mem, energy_per_token, reason, kind,
-source, duration_s} with status "running" when a numbered trial starts (the
-unnumbered baseline only reports at its end) and ok / cut / pruned /
-infeasible when it ends; a remeasure updates its trial's row with the pooled
-estimate (plus remeasure_tokens_per_s); `apply` {toggles, decision, number,
-tokens_per_s, baseline_tokens_per_s, step}; the `tuner` event of phase done
-also carries `outcome` (the decision or why tuning ended, in words) and
+A finished measurement (`finish_trial`) goes to its kind's handler, healthy or failed: a trial is told to
+the study, a re-measurement pools into its trial, the baseline becomes the start's measurement; a failed one
+was rolled back. When the start itself runs out of memory the space is widened to the memory savers
+(`space.for_memory`) and tuning goes on in that space's study (`study` changes: the session reports from
+`ctl.study`).
+
+Events: a `trial` event when a numbered trial starts (status running; the unnumbered baseline only reports
+at its end) and when it ends (a re-measurement updates its trial's row with the pooled estimate); a `tuner`
+event at every phase change, trial start and end and, at most every `progress_every_s`, on a measurement's
+progress; an `apply` event with the decision; the `tuner` event of phase done carries `outcome` and
 `applied`.
-
-Phases: find-micro-batch -> baseline -> trials -> remeasure -> decide -> done.
-
-* Baseline: the starting configuration is measured first; it is already
-  running, so this costs nothing but patience, and every speedup is relative
-  to it. It is recorded in the study when it lies in the search space.
-* Trials: the starting configuration and the device recipe are enqueued
-  (`TuneStudy.warm_start`), then TPE proposes. A trial is started only if the
-  budget can afford its estimated duration plus `reserve_trials` more (for
-  re-measurements) plus `switch_reserve_s`; one that overruns is cut
-  (`trial_should_stop() == "budget"`) when only `switch_reserve_s` is left,
-  the time the final checkpoint-and-restart takes, so the budget covers
-  tuning up to training on with the chosen setting. A trial still warming up
-  after `trial_timeout_s` (a compile on a CPU) is cut, and its compile mode is
-  screened out for the rest of the run (`slow_compile`). Proposals whose
-  micro-batch cannot fit (above the largest that fits without activation
-  checkpointing, 2x for a narrower precision) are recorded infeasible
-  without running, unless they also hold less state than the start (a
-  smaller optimizer state, a quantized base): those are tried.
-* Remeasure: the top-2 are measured again (best last, so it is what runs when
-  the decision comes) unless the best's interval is already clear of the
-  second's; estimates pool both measurements (the maximum of noisy estimates
-  is biased up: the winner's curse).
-* Decide: apply only if the best is significantly faster than the start
-  (its CI lower bound above the upper end of the start's) and the saving over the
-  remaining steps exceeds the switch cost (`decide.switch_pays`).
-
-Paying for itself (docs/tuning.md; `run_pays`, off with --tune-only). Before
-the first trial (`_plan`: on the pace the session reported with `set_pace`,
-again on the baseline's) the budget is limited to `max_share` of the time the
-rest of the run takes, tuning may lose `max_loss` of it, and if a trial of the
-cheapest kind cannot pay (`decide.trial_pays`) tuning ends at once, keeping
-the start's process. Before each trial (`_gate`) the same test, then
-`decide.keep_exploring` once the best pays: when exploring is worth less, it
-stops and applies. Each proposal of a kind (a compile mode) that cannot pay is
-refused through the study's `ask(accept=...)` (skipped, not a result; the
-kind is dropped for the run), cheaper kinds first while little time is left.
-Costs come from figures: restarts as measured on this setup (`_restart_s`:
-this run's trials, the study's stored ones, this setup's measured trainer
-start, a compile prior), the baseline's pace, and the ledger's running cost;
-every decision is recorded (`decisions`) for the report.
-
-Claims (`_standings`, `best`, `_judge`): a speed-up is a ratio of two
-measurements of the same run (this run's, re-measurements included, or an
-earlier run's against that run's own baseline of the same start), both within
-`trust_spread`; a start that does not hold is re-measured and is never a
-denominator. The best the views show (`tuner` event `best`) is the one the
-decision and the report use.
-
-Loss health: the run's loss trend (`LossTrend`) is fitted over healthy steps
-outside numerics-changing trials; a trial that changes precision, the
-optimizer or the base's quantization (`tuner.space.NUMERICS_CHANGING`) must
-stay within its tolerance, every trial must stay finite and below 1.5x the
-recent maximum. `trial_should_stop()` then returns "nan" or "diverged".
-
-Memory: when the wanted micro-batch does not fit, the space the session
-builds is already widened to the memory savers (`tuner.space`); when the
-starting configuration itself runs out of memory, the controller widens it
-then (`space.for_memory`) and goes on in the study of the wider space
-(`study` changes: the session reports from `ctl.study`). A memory-constrained
-study enqueues a `memory` first guess: the largest micro-batch with every
-saver on. A trial that switches the optimizer says in its reason what happens
-to the optimizer state (`capabilities.optimizer_switch`: the AdamW moments
-carry over, Adafactor's state starts fresh), relative to `state_optimizer`,
-the optimizer of the newest kept checkpoint. A trial's `peak_mem` is the
-largest its step events reported, or what its out-of-memory error reported.
 """
 
 from __future__ import annotations
@@ -109,157 +31,30 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from dataclasses import dataclass, field
-from statistics import median
 from typing import Any, Callable
 
 from trainer.contract import capabilities
 from trainer.contract.config import AUTO, TrainConfig, Toggles
 from trainer.contract.device import DeviceInfo
-from trainer.contract.events import (ApplyEvent, CheckpointEvent, CompileWarning, ErrorEvent, Event, HelloEvent, LogEvent,
+from trainer.contract.events import (ApplyEvent, CheckpointEvent, ErrorEvent, Event, HelloEvent, LogEvent,
                                      MeasureProgress, StepEvent, TrialEvent, TunerBest, TunerEvent, WarningEvent)
 from trainer.contract.states import TRIAL_FAILURES, TrialKind, TrialOutcome, TrialStatus, TunerPhase
 
+from . import standings
+from .actions import Action, Apply, Done, FindMicroBatch, Remeasure, RunTrial
 from .budget import Budget, format_duration
-from .decide import (Choice, Decision, hopeless, keep_exploring, should_prune, significantly_faster, switch_pays,
-                     trial_pays)
-from .measure import LossGuard, LossTrend, Measurement, RunPace, median_ci
+from .decide import Decision, hopeless, should_prune
+from .economics import Costs, Ledger, Outlook, not_a_candidate
+from .measure import LossGuard, LossTrend, Measurement, RunPace
+from .proposals import AdviceTry, first_guesses, screen
 from .space import MEMORY_SAVING, SearchSpace
-from .study import Candidate, Proposal, TuneStudy
+from .standings import Estimate, Judgement, Standing
+from .study import Proposal, TuneStudy
+from .trial import ActiveTrial, TrialEnd, compile_words, noted, reported_peak
 
-# when a trial's most possible saving is under this many times its cost, cheaper trials go first
-CHEAP_FIRST = 3.0
-# a compile that recompiled at this many distinct steps of one measurement (or fell back to eager) kept
-# recompiling: a one-off recompilation (the first eval, a new shape made dynamic) is warm-up, not a trait
-RECOMPILE_STEPS = 2
-# What the advice says to try (gptop.advice, through the session), best first: each one change to the start,
-# the tuner's first proposals.
-AdviceTry = tuple[str, Any, str]         # (toggle, value, the evidence in words)
-
-
-# --- actions ----------------------------------------------------------------------------
-
-@dataclass
-class FindMicroBatch:
-    """Run `--micro-batch auto` with the starting toggles and report the largest micro-batch that fits."""
-
-    reason: str = "the largest micro-batch that fits bounds the search and the recipe"
-
-
-@dataclass
-class RunTrial:
-    """Train with `toggles` from the latest checkpoint and feed the step events to `observe`.
-
-    `number` is the Optuna trial number (None for a baseline outside the space
-    or not yet recorded). `restart` is False when the process already runs
-    these toggles (the baseline). `keep_steps` False: the trial switches to an
-    optimizer whose state cannot be converted from the checkpoint's (Adafactor
-    to or from AdamW), so once measured it is rolled back like a failure,
-    `finish_trial("ok", rollback=...)`: the run keeps its own optimizer state.
-    """
-
-    number: int | None
-    toggles: Toggles
-    measure: Measurement
-    baseline: bool = False
-    restart: bool = True
-    numerics_changing: bool = False
-    source: str = "sampler"
-    keep_steps: bool = True
-    advice: str | None = None       # source "advice": the evidence of the advice it tries
-
-
-@dataclass
-class Remeasure:
-    """Measure trial `number`'s configuration again before deciding (same protocol as RunTrial)."""
-
-    number: int
-    toggles: Toggles
-    measure: Measurement
-    restart: bool = True
-    keep_steps: bool = True
-
-
-@dataclass
-class Apply:
-    """Switch the run to `toggles` after a checkpoint (no-op restart if `restart` is False). `label` names
-    the trial in words ("trial 7 (from an earlier run, re-measured on this one)")."""
-
-    toggles: Toggles
-    decision: Decision
-    restart: bool = True
-    number: int | None = None
-    label: str = ""
-
-
-@dataclass
-class Done:
-    """Tuning is over: continue training with `toggles` (restart first if `restart`)."""
-
-    reason: str
-    toggles: Toggles
-    restart: bool = False
-
-
-Action = FindMicroBatch | RunTrial | Remeasure | Apply | Done
-
-
-@dataclass
-class _Active:
-    kind: TrialKind
-    action: RunTrial | Remeasure
-    toggles: Toggles
-    proposal: Proposal | None
-    number: int | None
-    start: float
-    measure: Measurement
-    guard: LossGuard
-    strict: bool
-    arrivals: list[float] = field(default_factory=list)
-    losses: list[tuple[int, float]] = field(default_factory=list)
-    stop: str | None = None
-    failure: tuple[TrialOutcome, str] | None = None
-    last_touch: float = 0.0
-    oom_mem: int | None = None      # the peak an out-of-memory error reported (no step event may have come)
-    note: str = ""                  # what the switch does to the optimizer state, for the trial's reason
-    earlier: bool = False           # re-measures a trial of an earlier run
-    advice: str | None = None       # the advice's evidence, for a trial the advice proposed
-    compile: dict[str, int] = field(default_factory=dict)      # CompileWarning kind -> count in this measurement
-    recompile_steps: set[int] = field(default_factory=set)     # the steps a recompilation happened at
-
-    @property
-    def unsteady(self) -> bool:
-        """Its compile kept recompiling: fell back to eager, or recompiled at RECOMPILE_STEPS distinct steps."""
-        return bool(self.compile.get(CompileWarning.COMPILE_FALLBACK)) or len(self.recompile_steps) >= RECOMPILE_STEPS
-
-
-@dataclass
-class Standing:
-    """A measured configuration as the decision sees it: its speed-up over the start, measured against a
-    baseline of the same run (`anchor` "this run": its trial or a re-measurement ran on this run; "its run": an
-    earlier run whose own baseline holds; None: no such baseline, a guess against this run's start that only
-    ranks it for re-measurement), and whether both measurements hold (intervals within the trust spread)."""
-
-    cand: Candidate
-    speedup: float
-    lo: float                       # the speed-up's lower end (the candidate's CI over the baseline)
-    hi: float
-    earlier: bool                   # its trial ran in an earlier run
-    remeasured: bool                # ... and this run re-measured it
-    anchor: str | None
-    holds: bool
-    start: bool = False             # the starting configuration itself (re-measured to make its baseline hold)
-    floor: float = math.nan         # the speed-up's lower end counting both intervals (its lo over the start's hi)
-
-    @property
-    def label(self) -> str:
-        n = self.cand.number
-        if self.start:
-            return "the starting configuration"
-        if not self.earlier:
-            return f"trial {n}"
-        how = "re-measured on this one" if self.remeasured else "against that run's own baseline"
-        return f"trial {n} (from an earlier run, {how})"
+# the names the session drives the tuner with, importable from here
+__all__ = ["Action", "AdviceTry", "Apply", "Done", "FindMicroBatch", "Remeasure", "RunTrial", "Standing",
+           "TuneController", "compile_words", "reported_peak"]
 
 
 class TuneController:
@@ -280,15 +75,12 @@ class TuneController:
             base_cfg = dataclasses.replace(base_cfg, toggles=dataclasses.replace(
                 base_cfg.toggles, precision=capabilities.resolve_precision(AUTO, dev)))
         self.cfg, self.dev, self.space, self.study, self.budget, self.clock = base_cfg, dev, space, study, budget, clock
-        # The economics (module doc, "Paying for itself"): trials must pay within this run (False with
-        # --tune-only: best.toml is for later runs); the budget is at most `max_share` of the rest of the run, and
-        # tuning may lose at most `max_loss` of it; a trial is assumed at most `prior_gain` times faster than the
-        # start, or `explore_gain` times the best found; a measurement holds when its interval is within
-        # `trust_spread`; a compile nobody has measured on this setup is assumed to take `compile_prior_s`.
+        # trials must pay within this run (tuner.economics; False with --tune-only: best.toml is for later runs)
         self.run_pays = run_pays
-        self.max_share, self.max_loss = max_share, max_loss
-        self.prior_gain, self.explore_gain, self.trust_spread = prior_gain, explore_gain, trust_spread
-        self.compile_prior_s = compile_prior_s
+        self.ledger = Ledger(max_share=max_share, max_loss=max_loss, prior_gain=prior_gain,
+                             explore_gain=explore_gain, say=self._say)
+        self.trust_spread = trust_spread           # a measurement holds when its interval is within this share
+        self.compile_prior_s = compile_prior_s     # a compile nobody has measured on this setup is assumed to take this
         self.startup_s = startup_s                 # how long this setup's trainer took to start (measured)
         # the run can train on in a trial's own process (its settings are the user's); else applying means a restart
         self.trial_process_continues = trial_process_continues
@@ -297,16 +89,12 @@ class TuneController:
         self.continue_free = True                  # the process running now can train on without a restart
         self.pace_s: float | None = None           # seconds per step at the start's speed (before the baseline)
         self.run_pace = RunPace()                  # the run's time between its steps (checkpoints, evals, logging)
-        self.loss_allowance_s: float | None = None # what tuning may lose, decided before the first trial
-        self.decisions: list[Decision] = []        # the ledger's decisions, in order
-        self._planned = False                      # planned with the baseline's own measurement
-        self._stopped_exploring = False
-        self._dropped: set[str] = set()            # kinds of trial that can no longer pay
         self._base_failed = False                  # the start itself failed (OOM, ...): anything that runs beats it
         self._aborted = False                      # tuning was abandoned (the run ended or was interrupted)
-        self._best_cache: tuple[int, Any] | None = None
+        self._ranked: tuple[int, list[Standing]] | None = None
         self.max_trials = max_trials
-        self.measure_kw = dict(min_steps=min_steps, rel_ci=rel_ci, max_steps=max_steps, max_seconds=max_seconds)
+        self.measure_kw: dict[str, Any] = dict(min_steps=min_steps, rel_ci=rel_ci, max_steps=max_steps,
+                                               max_seconds=max_seconds)
         self.prune_margin = prune_margin
         self.progress_every_s = progress_every_s   # a measurement's progress: a tuner event at most this often
         self._progress_at = 0.0
@@ -340,9 +128,9 @@ class TuneController:
         self.stop_note = ""
         self.decision: Decision | None = None
         self.applied: Toggles | None = None
-        self._active: _Active | None = None
+        self._active: ActiveTrial | None = None
         self._warm_started = False
-        self._remeasure_plan: list[Candidate] | None = None
+        self._remeasure_plan: list[Standing] | None = None
         self._final: Done | None = None
         self._prefix = ""                                       # "stopped by the user: " before the decision
         self._events: list[Event] = []
@@ -384,6 +172,16 @@ class TuneController:
         """The final decision once tuning is over (what to train on with, and why), else None."""
         return self._final
 
+    @property
+    def decisions(self) -> list[Decision]:
+        """The ledger's decisions, in order."""
+        return self.ledger.decisions
+
+    @property
+    def loss_allowance_s(self) -> float | None:
+        """What tuning may lose, decided before the first trial (None before, or with --tune-only)."""
+        return self.ledger.loss_allowance_s
+
     def _mb_attr(self) -> str:
         t = self.cfg.toggles
         return f"max_micro_batch:{t.precision}:{int(t.activation_checkpointing)}:{t.optimizer}:{t.quantize_base}"
@@ -391,6 +189,9 @@ class TuneController:
     # --- events -------------------------------------------------------------------------
     def _emit(self, event: Event) -> None:
         self._events.append(event)
+
+    def _say(self, message: str) -> None:
+        self._emit(LogEvent(message=message, source="tuner"))
 
     def drain_events(self) -> list[Event]:
         """trial / apply / tuner events produced since the last call, for the session to publish."""
@@ -411,26 +212,11 @@ class TuneController:
     def best_event(self) -> TunerBest | None:
         """The best so far as the views show it: the trial `_decide` and the report would name."""
         st = self.best()
-        if st is None:
-            return None
-        c = st.cand
-        return TunerBest(number=c.number, toggles=dataclasses.asdict(c.toggles), tokens_per_s=round(c.tokens_per_s, 1),
-                         spread=round(c.spread, 1) if math.isfinite(c.spread) else None,
-                         speedup=round(st.speedup, 3), earlier=st.earlier and not st.remeasured)
+        return st.event() if st is not None else None
 
     def measure_progress(self) -> MeasureProgress | None:
-        """The running measurement: samples collected of those needed, the estimate and its spread."""
-        a = self._active
-        if a is None:
-            return None
-        m = a.measure
-        est, spread = m.estimate if m.has_estimate else (math.nan, math.nan)
-        finite = math.isfinite(est) and math.isfinite(spread)
-        return MeasureProgress(kind=a.kind, number=a.number, steps=len(m.samples), samples=len(m.kept),
-                               needed=m.min_steps, warmed_up=m.warmed_up,
-                               tokens_per_s=round(est, 1) if finite else None,
-                               spread=round(spread, 1) if finite else None, target=m.rel_ci,
-                               seconds=round(m.seconds, 1), max_seconds=m.cap_seconds)
+        """The running measurement's progress (None outside one)."""
+        return self._active.progress() if self._active is not None else None
 
     def _set_phase(self, phase: TunerPhase) -> None:
         if phase != self.phase:
@@ -461,45 +247,27 @@ class TuneController:
         a = self._active
         if isinstance(event, CheckpointEvent):
             self.checkpoint_s = event.seconds or 0.0
-            return
-        if isinstance(event, HelloEvent):
+        elif isinstance(event, HelloEvent):
             self.run_pace.restart()
-            return
-        if isinstance(event, WarningEvent):
-            if a is not None and event.kind in tuple(CompileWarning):     # the compile watchdog, during this trial
-                kind = CompileWarning(event.kind)
-                a.compile[kind.value] = a.compile.get(kind.value, 0) + 1
-                if kind == CompileWarning.RECOMPILE and event.step is not None:
-                    a.recompile_steps.add(event.step)
-            return
-        if isinstance(event, ErrorEvent):
-            if a is not None and a.failure is None:
-                kind = TrialOutcome(event.kind) if event.kind in TRIAL_FAILURES else TrialOutcome.CRASH
-                a.failure = (kind, event.message)
+        elif isinstance(event, WarningEvent):
+            if a is not None:                     # the compile watchdog, during this trial
+                a.note_warning(event)
+        elif isinstance(event, ErrorEvent):
             if a is not None:
-                a.oom_mem = reported_peak(event.memory) or a.oom_mem
-            return
-        if not isinstance(event, StepEvent):
-            return
-        step = event.step
-        self.last_step = step
-        self.run_pace.add(step, event.step_ms, event.time)
-        loss = event.loss
-        if a is None:
-            self.trend.add(step, loss)          # healthy training between trials
-            return
-        warm = a.measure.warmed_up
-        a.measure.add(step, event.step_ms or 0.0, self.tokens_per_step, event.time, loss, event.mem_bytes)
-        a.arrivals.append(self.clock())
-        if a.measure.warmed_up != warm or self.clock() - self._progress_at >= self.progress_every_s:
+                a.note_error(event)
+        elif isinstance(event, StepEvent):
+            self.last_step = event.step
+            self.run_pace.add(event.step, event.step_ms, event.time)
+            if a is None:
+                self.trend.add(event.step, event.loss)          # healthy training between trials
+            else:
+                self._observe_trial_step(a, event)
+
+    def _observe_trial_step(self, a: ActiveTrial, event: StepEvent) -> None:
+        warmed = a.note_step(event, self.tokens_per_step, self.clock())
+        if warmed or self.clock() - self._progress_at >= self.progress_every_s:
             self._progress_at = self.clock()
             self._emit(self.tuner_event())       # the views show the measurement's progress
-        if loss is not None:
-            a.losses.append((step, loss))
-        if a.failure is None:
-            verdict = a.guard.check(loss, step)
-            if verdict:
-                a.failure = (TrialOutcome(verdict), a.guard.reason)
         if a.proposal is not None and self.clock() - a.last_touch > 60.0:
             self.study.touch(a.proposal)
             a.last_touch = self.clock()
@@ -517,7 +285,7 @@ class TuneController:
         elif self.budget.expired() or (self.budget.started and self.budget.left() <= self.switch_reserve_s):
             a.stop = "budget"
         elif a.kind is TrialKind.TRIAL and (should_prune(a.measure, self._best_this_run(), self.prune_margin)
-                                    or hopeless(a.measure, self._best_this_run())):
+                                            or hopeless(a.measure, self._best_this_run())):
             a.stop = "prune"
         elif self.clock() - a.start > self.trial_timeout_s:
             a.stop = "timeout"
@@ -554,14 +322,14 @@ class TuneController:
             done = self._plan()
             if done is not None:
                 return done
-            action = self._next_trial()
-            if action is not None:
-                return action
+            trial = self._next_trial()
+            if trial is not None:
+                return trial
             self._set_phase(TunerPhase.REMEASURE)
         if self.phase is TunerPhase.REMEASURE:
-            action = self._next_remeasure()
-            if action is not None:
-                return action
+            again = self._next_remeasure()
+            if again is not None:
+                return again
             self._set_phase(TunerPhase.DECIDE)
         return self._decide()
 
@@ -579,13 +347,14 @@ class TuneController:
         # a switch that starts the optimizer state fresh is measured, then rolled back: the run keeps its state
         keep = not note or capabilities.optimizer_state_carries(self.state_optimizer, toggles.optimizer)
         if kind is TrialKind.REMEASURE:
+            assert number is not None
             action: RunTrial | Remeasure = Remeasure(number, toggles, measure, restart, keep_steps=keep)
         else:
             action = RunTrial(number, toggles, measure, baseline=kind is TrialKind.BASELINE, restart=restart,
                               numerics_changing=strict, source=source, keep_steps=keep, advice=advice)
-        self._active = _Active(kind, action, toggles, proposal, number, self.clock(), measure,
-                               LossGuard(self.trend, strict), strict, last_touch=self.clock(), note=note or "",
-                               earlier=earlier, advice=advice)
+        self._active = ActiveTrial(kind, action, toggles, proposal, number, self.clock(), measure,
+                                   LossGuard(self.trend, strict), strict, last_touch=self.clock(), note=note or "",
+                                   earlier=earlier, advice=advice)
         if number is not None:   # views key trials by number; an unnumbered baseline gets one row, at its end
             self._emit(TrialEvent(number=number, toggles=toggles, status=TrialStatus.RUNNING,
                                   tokens_per_s=None, spread=None, peak_mem=None, reason="", kind=kind,
@@ -594,57 +363,11 @@ class TuneController:
         self._emit(self.tuner_event())
         return action
 
-    def _recipe(self) -> Toggles:
-        """A known-good starting point for the device (clamped into the space)."""
-        choices = self.space.choices
-        t = capabilities.recipe(self.base, self.dev, choices["precision"])
-        mbs = [m for m in choices["micro_batch"] if isinstance(m, int) and (self.max_mb is None or m <= self.max_mb)]
-        if mbs:
-            t.micro_batch = max(mbs)
-        return self.space.clamp(t)
-
-    def _memory_recipe(self) -> Toggles:
-        """A first guess for a memory-constrained run: the whole per-rank batch (or the largest micro-batch in
-        the space) with every memory saver in the space on: activation checkpointing, the smallest AdamW
-        variant (its moments carry over; Adafactor is left to the sampler) and the most quantized base."""
-        choices = self.space.choices
-        t = dataclasses.replace(self.base)
-        if True in choices["activation_checkpointing"]:
-            t.activation_checkpointing = True
-        adam = [v for v in choices["optimizer"] if capabilities.optimizer_state_carries(self.base.optimizer, v)]
-        if adam:
-            t.optimizer = min(adam, key=lambda v: capabilities.OPTIMIZER_STATE_BYTES[v])
-        t.quantize_base = min(choices["quantize_base"], key=lambda v: capabilities.BASE_BYTES[v])
-        mbs = [m for m in choices["micro_batch"] if isinstance(m, int)]
-        if mbs:
-            t.micro_batch = max(mbs)
-        return self.space.clamp(t)
-
-    def _trial_estimate(self) -> float:
-        """How long a trial takes, restart and measurement: this run's trials so far, else the baseline's
-        measuring time plus a restart."""
-        durations = [r["duration_s"] for r in self.results if r["kind"] != TrialKind.BASELINE and r.get("ran", True)]
-        if durations:
-            return float(median(durations))
-        step_s = self._step_s()
-        if self.baseline:
-            measuring = self.baseline["duration_s"]
-        elif step_s is not None:         # the fewest steps a measurement takes: the skip, two settling windows, a sample
-            m = Measurement(**self.measure_kw)
-            measuring = min(m.max_seconds, (m.skip + 2 * m.window + m.min_steps) * (step_s + self.run_pace.between_s()))
-        else:
-            measuring = self.measure_kw["max_seconds"] / 2
-        return measuring + self._restart_s(self._cheapest())
-
     def _next_trial(self) -> RunTrial | None:
         if not self._warm_started:
             self._warm_started = True
-            starts: list[tuple[Toggles, str, dict[str, Any]]] = [(self.base, "current", {})]
-            starts += self._advised()
-            starts.append((self._recipe(), "recipe", {}))
-            if self.space.memory:
-                starts.append((self._memory_recipe(), "memory", {}))
-            self.study.warm_start(starts)
+            tries = self.advice() if self.advice is not None else []
+            self.study.warm_start(first_guesses(self.base, self.space, self.dev, self.max_mb, tries))
         for _ in range(200):
             if self.trials_run >= self.max_trials:
                 self.stop_note = f"ran the maximum of {self.max_trials} trials"
@@ -655,82 +378,45 @@ class TuneController:
                 return None
             if self.run_pays and self._gate(est) is not None:
                 return None
-            p = self.study.ask(accept=self._accept(est, cheap_first=True) if self.run_pays else None)
-            if p is None and self.run_pays:      # nothing cheap is left: what can still pay, however expensive
-                p = self.study.ask(accept=self._accept(est, cheap_first=False))
+            p = self._ask(est)
             if p is None:
-                self.stop_note = ("every configuration in the space has been measured" if not self._dropped else
-                                  "no configuration left to try can pay for itself in this run")
+                self.stop_note = ("every configuration in the space has been measured" if not self.ledger.dropped
+                                  else "no configuration left to try can pay for itself in this run")
                 return None
-            why = self._predicted_oom(p.toggles)
-            if why:
-                self.study.tell_infeasible(p, "oom", why, extra={"predicted": True})
+            s = screen(p.toggles, start=self.cfg.toggles, max_mb=self.max_mb, dev=self.dev, space=self.space,
+                       slow_compile=self.slow_compile, trial_timeout_s=self.trial_timeout_s)
+            if s is not None:
+                if s.failure is None:
+                    self.study.tell_pruned(p, None, s.reason, extra={"screened": True})
+                else:
+                    self.study.tell_infeasible(p, s.failure, s.reason, extra={"predicted": True})
                 self.screened += 1
-                self._finish_event(p.number, TrialKind.TRIAL, p.toggles, TrialStatus.INFEASIBLE, None, why, 0.0, ran=False,
-                                   source=p.source)
-                continue
-            bad = capabilities.unsupported(p.toggles, self.dev, self.space.per_rank)
-            if bad:          # a combination the trainer would refuse (a CUDA-graph compile mode with accumulation)
-                why = f"{bad[0]}={getattr(p.toggles, bad[0])}: {bad[1]}"
-                self.study.tell_infeasible(p, "compile" if bad[0] == "compile" else "crash", why,
-                                           extra={"predicted": True})
-                self.screened += 1
-                self._finish_event(p.number, TrialKind.TRIAL, p.toggles, TrialStatus.INFEASIBLE, None, why, 0.0, ran=False,
-                                   source=p.source)
-                continue
-            if p.toggles.compile in self.slow_compile:
-                why = (f"compile={p.toggles.compile} did not finish warming up within a trial's "
-                       f"{self.trial_timeout_s:.0f} s earlier in this run: not worth this budget")
-                self.study.tell_pruned(p, None, why, extra={"screened": True})
-                self.screened += 1
-                self._finish_event(p.number, TrialKind.TRIAL, p.toggles, TrialStatus.PRUNED, None, why, 0.0, ran=False,
+                self._finish_event(p.number, TrialKind.TRIAL, p.toggles, s.status, None, s.reason, 0.0, ran=False,
                                    source=p.source)
                 continue
             self.trials_run += 1
-            return self._start(TrialKind.TRIAL, p.toggles, p, source=p.source,  # type: ignore[return-value]
-                               advice=p.advice)
+            action = self._start(TrialKind.TRIAL, p.toggles, p, source=p.source, advice=p.advice)
+            assert isinstance(action, RunTrial)
+            return action
         self.stop_note = "the sampler keeps proposing configurations that cannot fit"
         return None
 
-    def _advised(self) -> list[tuple[Toggles, str, dict[str, Any]]]:
-        """The advice's tries as warm-start entries (source "advice"): each change alone on the start, best
-        first. A toggle the space holds frozen is left alone; a value the space lacks becomes the nearest one
-        it has (prefetch 8 -> 4); a change that ends where the start is, or repeats an earlier one, is dropped.
-        What the device cannot run is screened as any proposal is (`capabilities.unsupported`)."""
-        if self.advice is None:
-            return []
-        out: list[tuple[Toggles, str, dict[str, Any]]] = []
-        for name, value, evidence in self.advice():
-            if name not in self.space.params:
-                continue
-            v = _nearest(self.space.choices[name], value)
-            if v is None or v == getattr(self.base, name):
-                continue
-            t = dataclasses.replace(self.base, **{name: v})
-            if any(t == o for o, _, _ in out):
-                continue
-            shown = ("on" if v else "off") if isinstance(v, bool) else v
-            out.append((t, "advice", {"advice": f"{evidence}: {name}={shown}"}))
-        return out
-
-    def _predicted_oom(self, t: Toggles) -> str | None:
-        mb = t.micro_batch_int()
-        if self.max_mb is None or mb is None or t.activation_checkpointing:
-            return None
-        if capabilities.saves_memory(t, self.cfg.toggles):
-            return None            # less optimizer state or a quantized base: the micro-batch may fit, try it
-        bytes_of = capabilities.activation_bytes
-        narrower = bytes_of(t.precision) < bytes_of(self.cfg.toggles.precision)
-        limit = self.max_mb * (2 if narrower else 1)
-        if mb > limit:
-            return (f"predicted OOM: micro-batch {mb} > {limit} (largest that fits with the starting toggles: "
-                    f"{self.max_mb}{', x2 for the narrower precision' if narrower else ''}) "
-                    "without activation checkpointing")
-        return None
+    def _ask(self, est: float) -> Proposal | None:
+        """The study's next proposal: the cheap ones that can pay first, then what can still pay, however
+        expensive (any proposal with --tune-only)."""
+        if not self.run_pays:
+            return self.study.ask(accept=None)
+        p = self.study.ask(accept=self.ledger.accept(self._outlook(), est, cheap_first=True))
+        if p is None:
+            p = self.study.ask(accept=self.ledger.accept(self._outlook(), est, cheap_first=False))
+        return p
 
     def _next_remeasure(self) -> Remeasure | None:
         if self._remeasure_plan is None:
-            self._remeasure_plan = self._plan_remeasures()
+            start = standings.start_standing(self.base, self._base_estimate(), self._base_number(),
+                                             self.study.run_id, self.trust_spread)
+            self._remeasure_plan = standings.remeasure_plan(self._standings(), start, self.remeasure_top,
+                                                            self.ledger.stopped_exploring)
         while self._remeasure_plan:
             st = self._remeasure_plan.pop(0)
             base = self._base_estimate()
@@ -744,45 +430,17 @@ class TuneController:
             if self.run_pays and step_s is not None:
                 # worth what the speed-up it may confirm saves (the start's own: what the best it makes claimable saves)
                 gain = max([st.speedup] + [o.speedup for o in self._remeasure_plan])
-                d = trial_pays(self._trial_cost(st.cand.toggles), est, self._remaining(), step_s, gain,
-                               self._loss_left(), what=f"re-measuring {st.label}", step=self.last_step,
-                               loss_note=self._loss_note(), between_s=self.run_pace.between_s())
-                if not d.apply:
-                    self._record(dataclasses.replace(d, reason=f"not re-measuring {st.label}: {d.reason}"),
-                                 say=True)
+                if not self.ledger.remeasure(self._outlook(), st, est, gain).apply:
                     continue
-            return self._start(TrialKind.REMEASURE, st.cand.toggles, None, number=st.cand.number,  # type: ignore[return-value]
-                               earlier=st.earlier)
+            action = self._start(TrialKind.REMEASURE, st.cand.toggles, None, number=st.cand.number,
+                                 earlier=st.earlier)
+            assert isinstance(action, Remeasure)
+            return action
         return None
-
-    def _plan_remeasures(self) -> list[Standing]:
-        """What to measure again before deciding, best last (it is then what runs when the decision comes):
-        the start when its own measurement does not hold; among the top `remeasure_top`, one that does not hold
-        (too noisy, or an earlier run's without a baseline of its own run to compare with), one of an earlier
-        run (a same-run comparison beats a comparison across runs), and, unless the best is clearly ahead or
-        time is short (exploring stopped), the rest (the maximum of noisy estimates is biased up)."""
-        if self.remeasure_top <= 0:
-            return []
-        top = [st for st in self._standings() if st.speedup > 1.0][:self.remeasure_top]
-        fresh = bool(top) and top[0].anchor == "this run" and top[0].holds and (
-            len(top) < 2 or top[0].lo > top[1].hi)
-        wanted = [st for st in top if not st.holds or (st.earlier and not st.remeasured)
-                  or not (fresh or self._stopped_exploring)]
-        if self._stopped_exploring:
-            wanted = wanted[:1] if wanted and top and wanted[0] is top[0] else []
-        plan = sorted(wanted, key=lambda st: st.speedup)
-        base = self._base_standing()
-        if base is not None and plan:
-            plan.insert(0, base)
-        return plan
 
     def _best_this_run(self) -> float | None:
         """The fastest measurement of this run that holds: the pruning reference."""
-        vals = [r["tokens_per_s"] for r in self.results
-                if r["status"].measured and not r.get("unsteady") and r.get("tokens_per_s")
-                and r.get("spread") is not None
-                and r["spread"] <= self.trust_spread * r["tokens_per_s"]]
-        return max(vals) if vals else None
+        return standings.pruning_reference(self.results, self.trust_spread)
 
     # --- finishing a trial ------------------------------------------------------------
     def finish_trial(self, outcome: TrialOutcome = TrialOutcome.OK, reason: str = "",
@@ -801,120 +459,116 @@ class TuneController:
         self._version += 1
         if a.kind is TrialKind.BASELINE:
             self.phase = TunerPhase.TRIALS
-        duration = self.clock() - a.start
-        m = a.measure
-        summary = m.summary(energy=self.energy)
-        if a.oom_mem is not None:    # what ran out of memory had reached at least this: the trial's peak
-            summary["peak_mem"] = max(summary.get("peak_mem") or 0, a.oom_mem)
-        overhead = self._overhead(a) if a.action.restart else None     # a restart's cost: only where there was one
-        if overhead is None and a.stop == "timeout" and a.action.restart:
-            overhead = round(duration, 3)        # still warming up (compiling) when cut: all of it was overhead
-        extra: dict[str, Any] = {"duration_s": round(duration, 3), "overhead_s": overhead, "kind_of_run": a.kind}
-        if a.compile:        # the compile watchdog's warnings during the measurement (docs/tuning.md)
-            extra.update(compile=dict(a.compile), unsteady=a.unsteady)
-        marks = dict(advice=a.advice, compile=dict(a.compile) or None, unsteady=a.unsteady)
+        end = a.end(self.clock(), self.energy)
         if outcome is TrialOutcome.OK and a.failure:
             outcome, reason = a.failure[0], reason or a.failure[1]
         if outcome.failed:
-            reason = _noted(_noted(reason or (a.failure[1] if a.failure else outcome), a.note),
-                            compile_words(a.compile, False))
-            self.running = None
-            self.rolled_back_s += duration
-            if a.kind is TrialKind.TRIAL:
-                self.study.tell_infeasible(a.proposal, outcome, reason, summary, extra)
-            elif a.kind is TrialKind.REMEASURE:
-                self.study.record_remeasure(a.number, summary, status=TrialStatus.INFEASIBLE,
-                                            reason=f"{outcome}: {reason}")
-            else:
-                self.baseline = None
-                self._base_failed = True
-                self.stop_note = f"the starting configuration failed: {reason}"
-                if outcome is TrialOutcome.OOM:
-                    self._widen_for_memory(f"the starting configuration ran out of memory ({reason})")
-            return self._finish_event(a.number, a.kind, a.toggles, TrialStatus.INFEASIBLE, summary, f"{outcome}: {reason}",
-                                      duration, failure=outcome, overhead_s=overhead, source=_source(a),
-                                      rollback=rollback, earlier=a.earlier, **marks)
+            return self._finish_failed(a, end, outcome, reason, rollback)
+        return self._finish_measured(a, end, reason, rollback)
+
+    def _finish_failed(self, a: ActiveTrial, end: TrialEnd, outcome: TrialOutcome, reason: str,
+                       rollback: dict[str, Any] | None) -> TrialEvent:
+        """A measurement that failed: rolled back, and its kind's handler records why."""
+        reason = noted(noted(reason or (a.failure[1] if a.failure else outcome), a.note),
+                       compile_words(a.compile, False))
+        self.running = None
+        self.rolled_back_s += end.duration
+        self._FAILED[a.kind](self, a, end, outcome, reason)
+        return self._finish_event(a.number, a.kind, a.toggles, TrialStatus.INFEASIBLE, end.summary,
+                                  f"{outcome}: {reason}", end.duration, failure=outcome, overhead_s=end.overhead_s,
+                                  source=a.source, rollback=rollback, earlier=a.earlier, **a.marks)
+
+    def _finish_measured(self, a: ActiveTrial, end: TrialEnd, reason: str,
+                         rollback: dict[str, Any] | None) -> TrialEvent:
+        """A healthy measurement: its steps kept (or rolled back as its action asked), its verdict, and its
+        kind's handler records it."""
         if rollback is not None:                          # measured, then rolled back (keep_steps False)
             self.running = None
-            self.rolled_back_s += duration
-            a.note = _noted(a.note, f"measured, then rolled back to the pre-trial checkpoint so the run keeps "
-                                    f"its {self.state_optimizer} state")
+            self.rolled_back_s += end.duration
+            a.note = noted(a.note, f"measured, then rolled back to the pre-trial checkpoint so the run keeps "
+                                   f"its {self.state_optimizer} state")
         else:
             self.running = a.toggles
             self.state_optimizer = a.toggles.optimizer   # its steps (and checkpoints) are kept
-            self.kept_tokens += m.steps * self.tokens_per_step
+            self.kept_tokens += a.measure.steps * self.tokens_per_step
         if not a.strict and rollback is None:
             for step, loss in a.losses:
                 self.trend.add(step, loss)
-        est, spread = m.estimate
-        n = len(m.kept)
-        if a.stop == "prune":
-            _, hi = m.interval()
-            status = TrialStatus.PRUNED
-            if math.isfinite(hi):
-                reason = reason or (f"slower than the best: at most {hi:.0f} tokens/s "
-                                    f"(CI upper end) vs {self._best_this_run():.0f}")
-            else:
-                fastest = max((s.tokens_per_s for s in m.samples[m.skip:]), default=0.0)
-                reason = reason or (f"far slower than the best: no step above {fastest:.0f} tokens/s "
-                                    f"vs {self._best_this_run():.0f}")
-        elif n >= 3 and math.isfinite(est):
-            status = TrialStatus.OK if m.stable else TrialStatus.CUT
-            reason = reason or m.stop_words(m.done_reason or a.stop)
-        else:
-            status = TrialStatus.PRUNED
-            reason = reason or f"no steady measurement: {m.stop_words(m.done_reason or a.stop)}"
-            if a.stop == "timeout" and not m.kept and a.toggles.compile != "off":
-                self.slow_compile.add(a.toggles.compile)   # still compiling: screen this mode for the run
+        status, reason = a.verdict(reason, self._best_this_run())
+        if a.still_compiling:
+            self.slow_compile.add(a.toggles.compile)   # still compiling: screen this mode for the run
         unsteady = a.unsteady and a.kind is not TrialKind.BASELINE
-        reason = _noted(_noted(reason, a.note), compile_words(a.compile, unsteady))
+        reason = noted(noted(reason, a.note), compile_words(a.compile, unsteady))
         if unsteady and status.measured:
-            self._refuse_unsteady(a, est)
-        if a.kind is TrialKind.TRIAL:
-            if status is TrialStatus.PRUNED:
-                self.study.tell_pruned(a.proposal, summary, reason, extra)
-            else:     # one that kept recompiling is told with a violated constraint: never a candidate, in any run
-                self.study.tell_ok(a.proposal, summary, status, reason, extra, feasible=not a.unsteady)
-        elif a.kind is TrialKind.REMEASURE:
-            ok = status.measured and not a.unsteady
-            self.study.record_remeasure(a.number, summary, reason=reason,
-                                        status=TrialStatus.OK if ok else "unsteady" if a.unsteady
-                                        else TrialStatus.PRUNED)
-            pooled = next((c for c in self.study.candidates(run=self.study.run_id) if c.number == a.number), None)
-            if pooled is not None:   # the event updates the trial's row: show the pooled estimate
-                summary = {**summary, "tokens_per_s": pooled.tokens_per_s, "spread": pooled.spread,
-                           "remeasure_tokens_per_s": est, "remeasure_spread": spread}
-        else:
-            if status.measured:
-                self.baseline = {**summary, "duration_s": duration}
-                self.baseline_number = self.study.record(a.toggles, summary, "baseline", status, reason,
-                                                         {**extra, "overhead_s": None})
-                a.number = self.baseline_number
-                self.study.record_baseline(a.toggles, summary, status)
-            else:
-                self.baseline = None
-                self.stop_note = "the starting configuration gave no steady measurement"
-        return self._finish_event(a.number, a.kind, a.toggles, status, summary, reason, duration,
-                                  overhead_s=overhead, source=_source(a), rollback=rollback, earlier=a.earlier,
-                                  **marks)
+            self._refuse_unsteady(a, a.measure.estimate[0])
+        summary = self._MEASURED[a.kind](self, a, end, status, reason)
+        return self._finish_event(a.number, a.kind, a.toggles, status, summary, reason, end.duration,
+                                  overhead_s=end.overhead_s, source=a.source, rollback=rollback, earlier=a.earlier,
+                                  **a.marks)
 
-    def _refuse_unsteady(self, a: _Active, est: float) -> None:
+    # the handlers per kind: a failed one records why (the measurement was rolled back), a measured one records
+    # the measurement and returns the summary its event shows
+    def _trial_failed(self, a: ActiveTrial, end: TrialEnd, outcome: TrialOutcome, reason: str) -> None:
+        assert a.proposal is not None
+        self.study.tell_infeasible(a.proposal, outcome, reason, end.summary, end.extra)
+
+    def _remeasure_failed(self, a: ActiveTrial, end: TrialEnd, outcome: TrialOutcome, reason: str) -> None:
+        assert a.number is not None
+        self.study.record_remeasure(a.number, end.summary, status=TrialStatus.INFEASIBLE, reason=f"{outcome}: {reason}")
+
+    def _baseline_failed(self, a: ActiveTrial, end: TrialEnd, outcome: TrialOutcome, reason: str) -> None:
+        self.baseline = None
+        self._base_failed = True
+        self.stop_note = f"the starting configuration failed: {reason}"
+        if outcome is TrialOutcome.OOM:
+            self._widen_for_memory(f"the starting configuration ran out of memory ({reason})")
+
+    def _trial_measured(self, a: ActiveTrial, end: TrialEnd, status: TrialStatus, reason: str) -> dict[str, Any]:
+        assert a.proposal is not None
+        if status is TrialStatus.PRUNED:
+            self.study.tell_pruned(a.proposal, end.summary, reason, end.extra)
+        else:     # one that kept recompiling is told with a violated constraint: never a candidate, in any run
+            self.study.tell_ok(a.proposal, end.summary, status, reason, end.extra, feasible=not a.unsteady)
+        return end.summary
+
+    def _remeasure_measured(self, a: ActiveTrial, end: TrialEnd, status: TrialStatus, reason: str) -> dict[str, Any]:
+        assert a.number is not None
+        ok = status.measured and not a.unsteady
+        self.study.record_remeasure(a.number, end.summary, reason=reason,
+                                    status=TrialStatus.OK if ok else "unsteady" if a.unsteady else TrialStatus.PRUNED)
+        pooled = next((c for c in self.study.candidates(run=self.study.run_id) if c.number == a.number), None)
+        if pooled is None:
+            return end.summary
+        est, spread = a.measure.estimate      # the event updates the trial's row: show the pooled estimate
+        return {**end.summary, "tokens_per_s": pooled.tokens_per_s, "spread": pooled.spread,
+                "remeasure_tokens_per_s": est, "remeasure_spread": spread}
+
+    def _baseline_measured(self, a: ActiveTrial, end: TrialEnd, status: TrialStatus, reason: str) -> dict[str, Any]:
+        if status.measured:
+            self.baseline = {**end.summary, "duration_s": end.duration}
+            self.baseline_number = self.study.record(a.toggles, end.summary, "baseline", status, reason,
+                                                     {**end.extra, "overhead_s": None})
+            a.number = self.baseline_number
+            self.study.record_baseline(a.toggles, end.summary, status)
+        else:
+            self.baseline = None
+            self.stop_note = "the starting configuration gave no steady measurement"
+        return end.summary
+
+    _FAILED: dict[TrialKind, Callable[[TuneController, ActiveTrial, TrialEnd, TrialOutcome, str], None]] = {
+        TrialKind.TRIAL: _trial_failed, TrialKind.REMEASURE: _remeasure_failed,
+        TrialKind.BASELINE: _baseline_failed}
+    _MEASURED: dict[TrialKind, Callable[[TuneController, ActiveTrial, TrialEnd, TrialStatus, str], dict[str, Any]]] = {
+        TrialKind.TRIAL: _trial_measured, TrialKind.REMEASURE: _remeasure_measured,
+        TrialKind.BASELINE: _baseline_measured}
+
+    def _refuse_unsteady(self, a: ActiveTrial, est: float) -> None:
         """Into the ledger: a configuration whose compile kept recompiling is not a candidate, whatever it measured
         (a measurement between recompilations, or of a frame that fell back to eager, is luck, not the setting)."""
-        base = self._base_estimate()
-        remaining = self._remaining()
-        saving = 0.0
-        if base is not None and base[0] > 0 and math.isfinite(est) and est > 0:
-            saving = max(0.0, remaining * self.tokens_per_step * (1.0 / base[0] - 1.0 / est))
-        what = "trial" if a.kind == "trial" else "re-measured trial"
-        times = f", {est / base[0]:.2f}x the start" if base is not None and base[0] > 0 and math.isfinite(est) else ""
-        steps = sorted(a.recompile_steps)
-        how = ("fell back to eager" if a.compile.get(CompileWarning.COMPILE_FALLBACK) else
-               f"recompiled at steps {', '.join(map(str, steps[:5]))}")
-        self._record(Decision(False, saving, self._switch_s(a.toggles),
-                              f"{what} {a.number} kept recompiling ({how}): not a candidate however fast it measured "
-                              f"({est:.0f} tokens/s{times})", choice=Choice.CANDIDATE,
-                              remaining_steps=remaining), say=True)
+        what = "trial" if a.kind is TrialKind.TRIAL else "re-measured trial"
+        d = not_a_candidate(f"{what} {a.number} kept recompiling ({a.recompiling})", est, self._base_estimate(),
+                            self._remaining(), self.tokens_per_step, self._costs().switch_s(a.toggles))
+        self.ledger.record(d, self.last_step, say=True)
 
     def _widen_for_memory(self, reason: str) -> None:
         """Memory is the constraint after all: the trials to come search the space widened to the memory-saving
@@ -987,17 +641,7 @@ class TuneController:
         self._emit(self.tuner_event())
         return ev
 
-    def _overhead(self, a: _Active) -> float | None:
-        """Seconds the restart/compile cost beyond the steps' own time, up to the first kept sample."""
-        m = a.measure
-        if not m.warmed_up or not m.kept or not a.arrivals:
-            return None
-        idx = m.warmup_samples
-        steps_before = m.kept[0].step - m.samples[0].step + 1
-        step_s = m.step_ms / 1000.0
-        return round(max(0.0, (a.arrivals[idx] - a.start) - steps_before * step_s), 3)
-
-    # --- costs ---------------------------------------------------------------------
+    # --- the figures the economics take -------------------------------------------------
     def _remaining(self) -> int:
         return max(0, self.cfg.optim.max_steps - self.last_step)
 
@@ -1008,72 +652,15 @@ class TuneController:
             return self.tokens_per_step / base[0]
         return self.pace_s
 
-    def _cheapest(self) -> Toggles:
-        """A trial of the cheapest kind: a plain restart, no compile."""
-        return dataclasses.replace(self.base, compile="off")
-
-    @staticmethod
-    def _kind(t: Toggles) -> str:
-        """The kind of trial, as its cost goes: a compile mode compiles at every restart; the rest restart."""
-        return f"compile={t.compile}" if t.compile != "off" else "restart"
-
-    def _overheads(self, match: Callable[[Toggles], bool]) -> list[float]:
-        """Restart overheads measured on this setup for toggles that `match`: this run's trials and
-        re-measurements first, else every run's trials in the study."""
-        mine = [r["overhead_s"] for r in self.results if r["kind"] != TrialKind.BASELINE and r["overhead_s"] is not None
-                and match(r["toggles"])]
-        if mine:
-            return mine
-        return [float(t.user_attrs["overhead_s"]) for t in self.study.trials()
-                if isinstance(t.user_attrs.get("overhead_s"), (int, float))
-                and t.user_attrs.get("kind_of_run", TrialKind.TRIAL) != TrialKind.BASELINE and match(self.study.toggles_of(t))]
-
-    def _restart_s(self, t: Toggles) -> float:
-        """What a restart into `t` costs beyond its steps' own time (checkpoint, process start, build, warm-up,
-        compile): as measured on this setup for the same toggles, else the same compile mode and micro-batch,
-        else the same compile mode; else this setup's measured process start (or `default_restart_s`) and, for
-        a compile, `compile_prior_s`."""
-        for match in (lambda o: o == t,
-                      lambda o: o.compile == t.compile and (t.compile == "off" or o.micro_batch == t.micro_batch),
-                      lambda o: o.compile == t.compile):
-            xs = self._overheads(match)
-            if xs:
-                return float(median(xs))
+    def _costs(self) -> Costs:
         start = self.startup_s if self.startup_s is not None else self.default_restart_s
-        return start + self.checkpoint_s + (self.compile_prior_s if t.compile != "off" else 0.0)
+        return Costs(self.results, self.study, self.base, self.running, self.continue_free, start + self.checkpoint_s,
+                     self.compile_prior_s, self.measure_kw, self.run_pace,
+                     self.baseline["duration_s"] if self.baseline else None)
 
-    def _switch_s(self, t: Toggles) -> float:
-        """What training on with `t` after tuning costs: nothing when the process running now runs it and may
-        go on, else a restart."""
-        return 0.0 if t == self.running and self.continue_free else self._restart_s(t)
-
-    def _measuring_cost(self) -> float:
-        """What a trial's measurement costs beyond its steps' time at the start's speed (a slower setting, a slow
-        warm-up, steps rolled back): as this run's trials cost, else a quarter of the measuring time (a trial a
-        fifth slower than the start)."""
-        step_s = self._step_s()
-        if step_s is None:
-            return 0.0
-        seen = []
-        for r in self.results:
-            if r["kind"] == TrialKind.BASELINE or not r.get("ran", True):
-                continue
-            measuring = r["duration_s"] - (r["overhead_s"] or 0.0)
-            kept = 0.0 if r["failure"] or r.get("rollback") else (r["summary"].get("steps") or 0) * step_s
-            seen.append(max(0.0, measuring - kept))
-        if seen:
-            return float(median(seen))
-        return 0.25 * max(0.0, self._trial_estimate() - self._restart_s(self._cheapest()))
-
-    def _trial_cost(self, t: Toggles) -> float:
-        """What a trial of `t` costs the run if it finds nothing: its restart, its measurement's cost, and the
-        switch back when it displaces a process that could have trained on (the start's own, or the best's)."""
-        cost = self._restart_s(t) + self._measuring_cost()
-        best, switch, _ = self._judge()
-        target = best.cand.toggles if best is not None and switch is not None and switch.apply else self.base
-        if self.running == target and self.continue_free:
-            cost += self._restart_s(target)
-        return cost
+    def _trial_estimate(self) -> float:
+        """How long a trial takes, restart and measurement (`Costs.trial_estimate`)."""
+        return self._costs().trial_estimate(self._step_s())
 
     def _cost_so_far(self) -> float | None:
         """The tuning's own cost so far: its time beyond what the steps it kept take at the start's speed."""
@@ -1082,121 +669,53 @@ class TuneController:
             return None
         return max(0.0, self.budget.elapsed() - self.kept_tokens / base[0])
 
+    def _outlook(self) -> Outlook:
+        best, switch, _ = self._judge()
+        return Outlook(self._costs(), self.last_step, self._remaining(), self._step_s(), self.run_pace.between_s(),
+                       best, switch, self._cost_so_far())
+
     def gain_bound(self) -> float:
-        """The most a trial may be assumed to gain over the start: `prior_gain`, or `explore_gain` beyond the best
-        speed-up that holds (this run's, or an earlier run's against its own baseline)."""
-        best = self.best()
-        seen = best.speedup if best is not None and best.holds and math.isfinite(best.speedup) else 1.0
-        return max(self.prior_gain, seen * self.explore_gain)
-
-    def _loss_left(self) -> float:
-        """What tuning may still lose: its allowance, plus what switching to the best would save now, minus
-        what it has cost so far."""
-        if self.loss_allowance_s is None:
-            return math.inf
-        _, switch, _ = self._judge()
-        secured = max(0.0, switch.expected_saving_s - switch.cost_s) if switch is not None and switch.apply else 0.0
-        return self.loss_allowance_s + secured - (self._cost_so_far() or 0.0)
-
-    def _loss_note(self) -> str:
-        return (f" ({self.max_loss:.0%} of the rest of the run at the start, plus what the best found saves, "
-                "minus what tuning has cost)")
-
-    def _record(self, d: Decision, say: bool = False) -> None:
-        """A decision into the ledger (and, `say`, a line in the stream)."""
-        self.decisions.append(dataclasses.replace(d, step=self.last_step if d.step is None else d.step))
-        if say:
-            self._emit(LogEvent(message=f"tuner: {d.reason}", source="tuner"))
+        """The most a trial may be assumed to gain over the start (`Ledger.gain_bound`)."""
+        return self.ledger.gain_bound(self.best())
 
     # --- paying for itself ------------------------------------------------------------
     def _plan(self) -> Done | None:
         """Before the first trial: the budget the run affords (at most `max_share` of the time it has left), what
         tuning may lose (`max_loss` of it) and whether any trial can pay. Made on the pace the session reported
         (the `t` key), and again on the baseline's own measurement; None to go on, or the Done that ends tuning."""
-        if not self.run_pays or self._planned:
+        ledger = self.ledger
+        if not self.run_pays or ledger.planned:
             return None
         step_s = self._step_s()
         if step_s is None:
             return None
         measured = self._base_estimate() is not None
-        if not measured and self.decisions:         # planned on the reported pace already; wait for the baseline
+        if not measured and ledger.decisions:         # planned on the reported pace already; wait for the baseline
             return None
-        self._planned = measured
-        remaining = self._remaining()
-        left_s = remaining * (step_s + self.run_pace.between_s())     # the run's wall time, not only its steps'
-        self.loss_allowance_s = self.max_loss * left_s
-        limited = self.budget.limit(self.max_share * left_s)
-        d = trial_pays(self._trial_cost(self._cheapest()), self._trial_estimate(), remaining, step_s,
-                       self.gain_bound(), self._loss_left(), what="a trial", choice=Choice.PLAN,
-                       step=self.last_step, loss_note=f" ({self.max_loss:.0%} of the rest of the run)",
-                       between_s=self.run_pace.between_s())
+        ledger.planned = measured
+        left_s = self._remaining() * (step_s + self.run_pace.between_s())     # the run's wall time, not only its steps'
+        ledger.loss_allowance_s = ledger.max_loss * left_s
+        limited = self.budget.limit(ledger.max_share * left_s)
+        d = ledger.plan(self._outlook(), self._trial_estimate())
         if not d.apply:
-            d = dataclasses.replace(d, reason=f"tuning cannot pay: {d.reason}")
-            self._record(d)
+            ledger.record(d, self.last_step)
             self.stop_note = d.reason
             return self._done(d.reason, self.base)
         if limited and measured:
-            self._emit(LogEvent(message=f"tuner: budget {format_duration(self.budget.total_s)}: at most "
-                                        f"{self.max_share:.0%} of the {format_duration(left_s)} the run has left "
-                                        f"(asked for {format_duration(self.budget.requested_s)})", source="tuner"))
-        self._record(dataclasses.replace(d, reason=f"tuning can pay: {d.reason}"), say=measured)
+            self._say(f"tuner: budget {format_duration(self.budget.total_s)}: at most {ledger.max_share:.0%} of the "
+                      f"{format_duration(left_s)} the run has left "
+                      f"(asked for {format_duration(self.budget.requested_s)})")
+        ledger.record(d, self.last_step, say=measured)
         return None
 
     def _gate(self, est: float) -> Decision | None:
-        """Before a trial: None to go on; else why not (recorded): no trial can pay any more, or exploring is
-        worth less than applying the best now."""
-        step_s = self._step_s()
-        if step_s is None:
+        """Before a trial: None to go on; else why not (`Ledger.gate`, recorded)."""
+        if self._step_s() is None:
             return None
-        remaining = self._remaining()
-        cheap = self._trial_cost(self._cheapest())
-        d = trial_pays(cheap, est, remaining, step_s, self.gain_bound(), self._loss_left(), what="a trial",
-                       step=self.last_step, loss_note=self._loss_note(), between_s=self.run_pace.between_s())
-        if not d.apply:
-            d = dataclasses.replace(d, reason=f"no trial can pay any more: {d.reason}")
-            self._record(d, say=True)
+        d = self.ledger.gate(self._outlook(), est)
+        if d is not None:
             self.stop_note = d.reason
-            return d
-        best, switch, _ = self._judge()
-        if best is not None and switch is not None and switch.apply:
-            e = keep_exploring(best.speedup, self.gain_bound(), cheap, est, remaining, step_s, switch,
-                               best.cand.number, self.last_step)
-            if not e.apply:
-                self._record(e, say=True)
-                self.stop_note = e.reason
-                self._stopped_exploring = True
-                return e
-        return None
-
-    def _accept(self, est: float, cheap_first: bool) -> Callable[[Toggles], str | None]:
-        """The study's `accept` for this trial: None to run a proposal, or why not. A kind of trial (a compile
-        mode) that cannot pay is dropped for the run (said once); with `cheap_first`, when the most it could save
-        is under `CHEAP_FIRST` times its cost, it waits while cheaper configurations are left."""
-        step_s = self._step_s()
-        remaining = self._remaining()
-        cheap = self._trial_cost(self._cheapest())
-        bound, loss_left, between = self.gain_bound(), self._loss_left(), self.run_pace.between_s()
-
-        def accept(t: Toggles) -> str | None:
-            kind = self._kind(t)
-            if kind in self._dropped:
-                return f"{kind} trials cannot pay for themselves any more in this run"
-            if step_s is None:
-                return None
-            cost = self._trial_cost(t)
-            trial_s = est + max(0.0, cost - cheap)
-            d = trial_pays(cost, trial_s, remaining, step_s, bound, loss_left, what=f"a {kind} trial",
-                           step=self.last_step, loss_note=self._loss_note(), between_s=between)
-            if not d.apply:
-                self._dropped.add(kind)
-                self._record(dataclasses.replace(d, reason=f"{kind} trials cannot pay any more: {d.reason}"),
-                             say=True)
-                return d.reason
-            if cheap_first and cost > 1.5 * cheap and d.expected_saving_s < CHEAP_FIRST * cost:
-                return f"cheaper trials first while little time is left: a {kind} trial costs ~{cost:.0f} s"
-            return None
-
-        return accept
+        return d
 
     # --- standings ------------------------------------------------------------------
     def _base_number(self) -> int | None:
@@ -1205,110 +724,36 @@ class TuneController:
             return self.baseline_number
         return next((c.number for c in self.study.candidates() if c.toggles == self.base), None)
 
-    def _base_estimate(self) -> tuple[float, float, float] | None:
+    def _base_estimate(self) -> Estimate | None:
         """This run's measurement of the start (tokens/s, lo, hi): its baseline pooled with this run's
         re-measurements of it; None before it was measured (or when it failed)."""
         if self.baseline is None:
             return None
-        samples = list(self.baseline.get("samples") or [])
-        number = self._base_number()
-        if number is not None:
-            for r in self.study.get_attr(f"remeasure:{number}", []):
-                if r.get("run") == self.study.run_id and r.get("status") == TrialStatus.OK:
-                    samples += list(r.get("samples") or [])
-        if samples:
-            return median_ci(samples)
-        tps, sp = self.baseline.get("tokens_per_s"), self.baseline.get("spread") or 0.0
-        return (tps, tps - sp, tps + sp) if tps else None
+        return standings.start_estimate(self.study, self.baseline, self._base_number())
 
     def _holds(self, est: float, lo: float, hi: float) -> bool:
-        return est > 0 and math.isfinite(lo) and math.isfinite(hi) and (hi - lo) / 2 <= self.trust_spread * est
-
-    def _base_standing(self) -> Standing | None:
-        """The start as something to re-measure: only when its own measurement does not hold and it has a trial."""
-        base, number = self._base_estimate(), self._base_number()
-        if base is None or number is None or self._holds(*base):
-            return None
-        c = Candidate(number, self.base, base[0], (base[2] - base[1]) / 2, base[1], base[2], 0, run=self.study.run_id)
-        return Standing(c, 1.0, 1.0, 1.0, False, False, "this run", False, start=True)
+        return standings.holds(est, lo, hi, self.trust_spread)
 
     def _standings(self) -> list[Standing]:
-        """Every measured configuration but the start, fastest first, with its speed-up (see `Standing`)."""
-        if self._best_cache is not None and self._best_cache[0] == self._version:
-            return self._best_cache[1]
-        run = self.study.run_id
-        out: dict[int, Standing] = {}
-        base = self._base_estimate()
-        if base is not None and base[0] > 0:
-            base_holds = self._holds(*base)
-            for c in self.study.candidates(run=run):
-                if c.toggles == self.base:
-                    continue
-                earlier = c.run != run
-                out[c.number] = Standing(c, c.tokens_per_s / base[0], c.lo / base[0], c.hi / base[0], earlier,
-                                         earlier, "this run", base_holds and self._holds(c.tokens_per_s, c.lo, c.hi),
-                                         floor=c.lo / base[2])
-        mine = dataclasses.asdict(self.base)
-        for other, b in self.study.baselines().items():
-            tps, sp = b.get("tokens_per_s"), b.get("spread")
-            if other == run or b.get("toggles") != mine or not tps or sp is None or not self._holds(tps, tps - sp,
-                                                                                                    tps + sp):
-                continue
-            for c in self.study.candidates(run=other):
-                if c.number in out or c.toggles == self.base:
-                    continue
-                out[c.number] = Standing(c, c.tokens_per_s / tps, c.lo / tps, c.hi / tps, True, False, "its run",
-                                         self._holds(c.tokens_per_s, c.lo, c.hi), floor=c.lo / (tps + sp))
-        if base is not None and base[0] > 0:        # earlier runs' trials without a baseline to compare with
-            for c in self.study.candidates():
-                if c.number not in out and c.toggles != self.base and c.run != run:
-                    out[c.number] = Standing(c, c.tokens_per_s / base[0], c.lo / base[0], c.hi / base[0], True,
-                                             False, None, False)
-        ranked = sorted(out.values(), key=lambda st: st.speedup, reverse=True)
-        self._best_cache = (self._version, ranked)
+        """Every measured configuration but the start, fastest first (`standings.rank`), until the next
+        measurement is recorded."""
+        if self._ranked is not None and self._ranked[0] == self._version:
+            return self._ranked[1]
+        ranked = standings.rank(self.study, self.base, self._base_estimate(), self.trust_spread)
+        self._ranked = (self._version, ranked)
         return ranked
 
     def best(self) -> Standing | None:
-        """The best so far: the fastest configuration whose comparison with the start holds; when the start
-        failed (nothing to compare with), the fastest of this run's steady measurements."""
-        st = next((st for st in self._standings() if st.holds), None)
-        if st is not None or not self._base_failed:
-            return st
-        cands = [c for c in self.study.candidates(run=self.study.run_id) if self._holds(c.tokens_per_s, c.lo, c.hi)]
-        if not cands:
-            return None
-        return Standing(cands[0], math.inf, math.inf, math.inf, False, False, None, True)
+        """The best so far (`standings.best_of`): what the views, the decision and the report name."""
+        return standings.best_of(self._standings(), self.study, self._base_failed, self.trust_spread)
 
-    def _judge(self) -> tuple[Standing | None, Decision | None, str]:
-        """The best and whether switching to it now pays: (best, the switch decision, why there is none)."""
+    def _judge(self) -> Judgement:
+        """The best and whether switching to it now pays (`standings.judge`)."""
         best = self.best()
-        remaining = self._remaining()
-        base = self._base_estimate()
-        if best is not None and not math.isfinite(best.speedup):       # the start failed: anything that runs wins
-            c = best.cand
-            saving = remaining * self.tokens_per_step / c.tokens_per_s if c.tokens_per_s > 0 else 0.0
-            return best, Decision(True, saving, self._switch_s(c.toggles), "the starting configuration has no "
-                                  "measurement (it failed)", remaining_steps=remaining), ""
-        if base is None:
-            return None, None, "no measurement of the starting configuration to compare with"
-        if best is None:
-            if not self._standings():
-                return None, None, f"no other feasible configuration was measured ({self.stop_note or 'no trials'})"
-            if not self._holds(*base):
-                return None, None, (f"the start's own measurement does not hold ({base[0]:.0f} tokens/s, "
-                                    f"±{(base[2] - base[1]) / 2 / base[0]:.0%}, wider than ±{self.trust_spread:.0%}):"
-                                    " no speed-up can be claimed against it")
-            return None, None, (f"no configuration was measured steadily enough to compare (within "
-                                f"±{self.trust_spread:.0%})")
-        c = best.cand
-        if best.speedup <= 1.0:
-            return best, None, "the starting configuration is the fastest measured"
-        if not significantly_faster(best.floor, 1.0):     # its CI's lower end over the start's upper end
-            return best, None, (f"the best ({best.label}, {best.speedup:.2f}x) is not significantly faster than the "
-                                f"start: its interval's lower end over the start's upper end is {best.floor:.2f}x")
-        d = switch_pays(base[0], base[0] * best.speedup, remaining, self.tokens_per_step, self._switch_s(c.toggles),
-                        fallback_cost_s=self._switch_s(self.base))
-        return best, d, "" if d.apply else d.reason
+        return standings.judge(best, self._standings(), self._base_estimate(), base=self.base,
+                               remaining=self._remaining(), tokens_per_step=self.tokens_per_step,
+                               switch_s=self._costs().switch_s, trust_spread=self.trust_spread,
+                               stop_note=self.stop_note)
 
     # --- deciding -------------------------------------------------------------------
     def _decide(self, prefix: str = "") -> Apply | Done:
@@ -1320,7 +765,7 @@ class TuneController:
             return self._done(why, base)
         decision = dataclasses.replace(decision, step=self.last_step)
         self.decision = decision
-        self._record(decision)
+        self.ledger.record(decision, self.last_step)
         if not decision.apply:
             return self._done(decision.reason, base)
         assert best is not None
@@ -1368,7 +813,7 @@ class TuneController:
         elif final is None or self._aborted or not self.run_pays or remaining == 0:
             switch = 0.0                 # the run ended or stopped while tuning, or --tune-only stops it: no switch
         else:
-            switch = self._switch_s(final.toggles)
+            switch = self._costs().switch_s(final.toggles)
         return {
             "run": self.study.run_id, "study": self.study.name, "key": self.study.key,
             "device": self.dev.to_dict(), "base": dataclasses.asdict(self.base),
@@ -1407,50 +852,3 @@ class TuneController:
                 "decisions": [d.to_dict() for d in self.decisions],
             },
         }
-
-
-def reported_peak(memory: dict[str, Any] | None) -> int | None:
-    """The peak bytes in an error event's memory figures (CUDA: allocated; CPU: resident), None if absent."""
-    if not memory:
-        return None
-    peak = memory.get("allocated_peak") or memory.get("rss_peak")
-    return int(peak) if isinstance(peak, (int, float)) and peak > 0 else None
-
-
-def _noted(reason: str, note: str) -> str:
-    """`reason; note`, or whichever of them is not empty."""
-    return f"{reason}; {note}" if note and reason else (reason or note)
-
-
-def _nearest(choices: tuple[Any, ...] | list[Any], value: Any) -> Any:
-    """`value` if the space allows it, else the nearest allowed integer to an integer (ties: the larger), else
-    None."""
-    if value in choices:
-        return value
-    if isinstance(value, int) and not isinstance(value, bool):
-        ints = [c for c in choices if isinstance(c, int) and not isinstance(c, bool)]
-        if ints:
-            return min(ints, key=lambda c: (abs(c - value), -c))
-    return None
-
-
-def compile_words(counts: dict[str, int], unsteady: bool) -> str:
-    """What the compile watchdog said during a measurement, in words ("" when it said nothing)."""
-    parts = []
-    n = counts.get(CompileWarning.RECOMPILE, 0)
-    if n:
-        parts.append(f"torch.compile recompiled {n}x" if n > 1 else "torch.compile recompiled once")
-    if counts.get(CompileWarning.COMPILE_FALLBACK):
-        parts.append("fell back to eager (recompile limit)")
-    if counts.get(CompileWarning.GRAPH_BREAK):
-        parts.append("graph breaks")
-    if counts.get(CompileWarning.COMPILE_CACHE):
-        parts.append("a corrupt artefact of the shared inductor cache: compiled again in the run's own cache")
-    words = "; ".join(parts)
-    if unsteady:
-        words += ": it kept recompiling, so it is not applied however fast it measured"
-    return words
-
-
-def _source(a: _Active) -> str:
-    return a.action.source if isinstance(a.action, RunTrial) and a.kind is TrialKind.TRIAL else a.kind
