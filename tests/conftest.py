@@ -84,10 +84,11 @@ def pytest_runtest_protocol(item, nextitem):
         return (yield)
 
 
-# The longest file first, then the files whose tests start no process, then the rest: under `pytest -n 2
-# --dist loadfile --no-loadscope-reorder` one worker starts the long tuning run while the other works through the
-# in-process tests (beside a measuring tuner they are steady load, process tests are not). Only workers reorder;
-# a run without -n keeps the files in their order.
+# The longest file first, then the files whose tests start no process, then those with tests that measure speed
+# (solo), then the rest: under `pytest -n 2 --dist loadfile --no-loadscope-reorder` one worker starts the long
+# tuning run while the other works through the in-process tests (steady load beside a measuring tuner, which process
+# tests are not), and the solo tests run while the long run's trainer trains on, before both workers start
+# processes. Only workers reorder; a run without -n keeps the files in their order.
 LONGEST_FIRST = ("test_tuning_e2e.py",)
 
 
@@ -95,10 +96,11 @@ def pytest_collection_modifyitems(config, items):
     if not hasattr(config, "workerinput"):
         return
     starts_processes = {item.path for item in items if item.get_closest_marker("process")}
+    measures = {item.path for item in items if item.get_closest_marker("solo")}
     order = {path: i for i, path in enumerate(dict.fromkeys(item.path for item in items))}
 
     def rank(item):
-        first = item.path.name in LONGEST_FIRST
-        return (not first, item.path in starts_processes, order[item.path])
+        return (item.path.name not in LONGEST_FIRST, item.path in starts_processes, item.path not in measures,
+                order[item.path])
 
     items.sort(key=rank)        # stable: a file's tests keep their order
