@@ -17,7 +17,10 @@ import torch  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
+from fixtures import cpu_share  # noqa: E402
 from helpers import TINY  # noqa: E402  (the shared helpers: tests/helpers.py)
+
+_CPU_LOCK = pytest.StashKey[Path]()
 
 
 @pytest.fixture
@@ -58,3 +61,46 @@ def _process_guard(request, monkeypatch):
             if hasattr(os, name):
                 monkeypatch.setattr(os, name, _no_process(f"os.{name}"))
     yield
+
+
+# --- pytest -n 2: tests that measure speed get the CPU to themselves (tests/fixtures/cpu_share.py) --------------
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):          # the controlling process (or the only one)
+        config.stash[_CPU_LOCK] = cpu_share.make()
+
+
+def pytest_unconfigure(config):
+    path = config.stash.get(_CPU_LOCK, None)
+    if path is not None:
+        cpu_share.remove(path)
+        os.environ.pop(cpu_share.ENV, None)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    solo, process = item.get_closest_marker("solo"), item.get_closest_marker("process")
+    with cpu_share.hold(cpu_share.EXCLUSIVE if solo else cpu_share.SHARED if process else 0):
+        return (yield)
+
+
+# The longest file first, then the files whose tests start no process, then those with tests that measure speed
+# (solo), then the rest: under `pytest -n 2 --dist loadfile --no-loadscope-reorder` one worker starts the long
+# tuning run while the other works through the in-process tests (steady load beside a measuring tuner, which process
+# tests are not), and the solo tests run while the long run's trainer trains on, before both workers start
+# processes. Only workers reorder; a run without -n keeps the files in their order.
+LONGEST_FIRST = ("test_tuning_e2e.py",)
+
+
+def pytest_collection_modifyitems(config, items):
+    if not hasattr(config, "workerinput"):
+        return
+    starts_processes = {item.path for item in items if item.get_closest_marker("process")}
+    measures = {item.path for item in items if item.get_closest_marker("solo")}
+    order = {path: i for i, path in enumerate(dict.fromkeys(item.path for item in items))}
+
+    def rank(item):
+        return (item.path.name not in LONGEST_FIRST, item.path in starts_processes, item.path not in measures,
+                order[item.path])
+
+    items.sort(key=rank)        # stable: a file's tests keep their order

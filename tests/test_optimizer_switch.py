@@ -190,6 +190,7 @@ def test_several_ranks_resume_only_with_the_checkpoints_optimizer(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.process
+@pytest.mark.solo          # the tuner measures trials: the CPU to itself under pytest -n
 def test_a_tuning_over_the_optimizer_switches_live_and_reports_every_trials_peak(tmp_path):
     from test_tuning_e2e import SETUP, events, finished_trials, gptop_env, run_gptop
 

@@ -36,6 +36,7 @@ def run_events(run_dir: Path, kind: str | None = None) -> list[dict]:
             if e.rank == 0 and (kind is None or e.type == kind)]
 
 
+@pytest.mark.solo          # the tuner measures trials: the CPU to itself under pytest -n
 def test_tune_a_trainer_script_runs_trials_decides_and_ends_at_max_steps(tmp_path):
     run_dir, out, steps = tmp_path / "run", tmp_path / "out", 1200
     # The start is slow on purpose (one sequence per forward, 16 accumulation steps: ~3x slower than 16 at

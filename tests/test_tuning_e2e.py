@@ -41,6 +41,7 @@ from trainer import checkpoint as ckpt
 from trainer.contract import rundir
 from trainer.contract.config import TrainConfig
 from trainer.contract.events import read_events, to_dict
+from fixtures.cpu_share import quiet, steady
 from helpers import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.process]
@@ -170,6 +171,19 @@ def finished_trials(run_dir):
 
 # --- run A -----------------------------------------------------------------------------
 
+def decided_and_training_on(run_dir) -> bool:
+    """The tuner is done, and the process that trains on (the applied setting's, restarted) has made a step."""
+    evs = events(run_dir) if (Path(run_dir) / "events.jsonl").exists() else []
+    done = next((i for i, e in enumerate(evs) if e["type"] == "tuner" and e["phase"] == "done"), None)
+    if done is None:
+        return False
+    after = evs[done + 1:]
+    if any(e["type"] == "apply" for e in evs):
+        hellos = [i for i, e in enumerate(after) if e["type"] == "hello"]
+        after = after[hellos[-1]:] if hellos else []
+    return any(e["type"] == "step" for e in after)
+
+
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory):
     root = tmp_path_factory.mktemp("tune")
@@ -178,10 +192,25 @@ def tuned(tmp_path_factory):
     # trainer's start (8-25 s here), and at 600 steps none could pay (it may lose 10% of the rest of the run: ~14 s).
     # 1000 steps leave room for the search until the budget ends.
     n = 1000
-    rc, out, err = run_gptop("tune", "--budget", "90s", *SETUP, *SLOW_START, "--max-steps", str(n),
-                             "--checkpoint-every", "100", "--keep-checkpoints", "1000", "--tune-space", SPACE,
-                             "--storage", storage, "--run-dir", str(run_dir), timeout=900,
-                             env=gptop_env(GPTOP_TEST_TRIAL_FAULT="2:checkpoint@2+nan@3"))
+    out_path, err_path = root / "gptop.out", root / "gptop.err"
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        p = subprocess.Popen([sys.executable, "-m", "gptop", "--no-ui", "tune", "--budget", "90s", *SETUP, *SLOW_START,
+                              "--max-steps", str(n), "--checkpoint-every", "100", "--keep-checkpoints", "1000",
+                              "--tune-space", SPACE, "--storage", storage, "--run-dir", str(run_dir)],
+                             stdout=out, stderr=err, text=True, env=gptop_env(GPTOP_TEST_TRIAL_FAULT="2:checkpoint@2+nan@3"))
+    try:
+        # The tuner measures trials against each other: no other test's processes beside it (pytest -n) until it
+        # decided; the rest of the run (one trainer training on to step n) can run beside a measuring test.
+        with quiet():
+            wait_for(lambda: p.poll() is not None or decided_and_training_on(run_dir), 600, "the tuner's decision",
+                     poll=1.0)
+        with steady():
+            rc = p.wait(900)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    out, err = out_path.read_text(), err_path.read_text()
     assert rc == 0, err[-3000:] + out[-3000:]
     yield {"root": root, "run_dir": run_dir, "storage": storage, "n": n, "out": out}
     # ~25 checkpoints of 35 MB each (all kept, for the comparisons): not worth keeping in pytest's basetemp
@@ -282,6 +311,7 @@ def test_report_best_toml_and_gptop_report(tuned):
 
 # --- run B: the same setup again ---------------------------------------------------------
 
+@pytest.mark.solo          # the tuner measures trials: the CPU to itself under pytest -n
 def test_second_run_warm_starts_and_rolls_back_an_oom(tuned, tmp_path):
     run_dir = tmp_path / "run2"
     # 45 s: room for the baseline (up to 8 s when it stays noisy) and one trial of its own, with the reserve the
@@ -326,6 +356,7 @@ def test_second_run_warm_starts_and_rolls_back_an_oom(tuned, tmp_path):
 
 # --- the `t` key in a plain `gptop train` session ---------------------------------------
 
+@pytest.mark.solo          # the tuner measures trials: the CPU to itself under pytest -n
 def test_t_starts_and_stops_tuning_in_a_train_session(tmp_path, monkeypatch):
     """`t` (Session.toggle_tuning) attaches a tuner to a running train session; `t` again stops it and the
     run trains on; a third `t` starts another tuning, and Ctrl-C (Session.stop) during it still writes the
@@ -368,6 +399,7 @@ def test_t_starts_and_stops_tuning_in_a_train_session(tmp_path, monkeypatch):
                             for p in pids)
 
 
+@pytest.mark.solo          # the tuner measures trials: the CPU to itself under pytest -n
 def test_t_on_a_run_that_logs_every_10_steps_measures_every_step(tmp_path, monkeypatch):
     """The baseline after `t` is measured on the running trainer: it is asked (a command, no restart) to log
     every step while measured, so the tuner gets a sample per step instead of one per 10."""

@@ -1,0 +1,83 @@
+"""tests/fixtures/cpu_share.py: the lock that keeps other workers' process tests away from a measuring test.
+
+Two holders in one process stand for two pytest-xdist workers (flock locks belong to an open file, so two
+holders conflict as two processes would)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from fixtures import cpu_share
+from fixtures.cpu_share import EXCLUSIVE, SHARED
+
+
+@pytest.fixture
+def lock_file(tmp_path, monkeypatch):
+    path = tmp_path / "cpu.lock"
+    path.touch()
+    monkeypatch.setenv(cpu_share.ENV, str(path))
+    return path
+
+
+def in_thread(fn) -> threading.Thread:
+    t = threading.Thread(target=fn, daemon=True)
+    t.start()
+    return t
+
+
+def test_an_exclusive_holder_waits_for_a_shared_one_and_keeps_new_shared_ones_out(lock_file):
+    a, b, c = cpu_share.Holder(), cpu_share.Holder(), cpu_share.Holder()
+    a.set(SHARED)                                   # worker A runs a process test
+    got = threading.Event()
+    t = in_thread(lambda: (b.set(EXCLUSIVE), got.set()))     # worker B's measuring test waits for it
+    assert not got.wait(0.3)
+    a.set(0)
+    assert got.wait(5) and b.mode == EXCLUSIVE
+    t.join(5)
+    shared = threading.Event()
+    t = in_thread(lambda: (c.set(SHARED), shared.set()))     # a process test waits while B measures
+    assert not shared.wait(0.3)
+    b.set(0)
+    assert shared.wait(5)
+    t.join(5)
+    c.set(0)
+
+
+def test_a_waiting_exclusive_holder_is_not_starved_by_shared_ones_coming_and_going(lock_file):
+    a, b, c = cpu_share.Holder(), cpu_share.Holder(), cpu_share.Holder()
+    a.set(SHARED)
+    got = threading.Event()
+    t = in_thread(lambda: (b.set(EXCLUSIVE), got.set()))
+    time.sleep(0.2)                                 # B waits at the turnstile's far side
+    late = threading.Event()
+    t2 = in_thread(lambda: (c.set(SHARED), late.set()))     # a new shared holder queues behind B
+    assert not late.wait(0.3)
+    a.set(0)
+    assert got.wait(5) and not late.wait(0.3)
+    b.set(0)
+    assert late.wait(5)
+    t.join(5)
+    t2.join(5)
+    c.set(0)
+
+
+def test_a_block_inside_a_test_goes_back_to_what_the_test_held(lock_file):
+    holder = cpu_share.Holder()
+    with holder.hold(SHARED):                       # a process test
+        with holder.hold(EXCLUSIVE):                # quiet(): the tuner measures
+            assert holder.mode == EXCLUSIVE
+            with holder.hold(0):                    # steady(): one trainer trains on
+                assert holder.mode == 0
+            assert holder.mode == EXCLUSIVE
+        assert holder.mode == SHARED
+    assert holder.mode == 0
+
+
+def test_without_the_variable_nothing_is_locked(monkeypatch):
+    monkeypatch.delenv(cpu_share.ENV, raising=False)
+    holder = cpu_share.Holder()
+    holder.set(EXCLUSIVE)
+    assert holder.mode == 0 and holder.fd is None
