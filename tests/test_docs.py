@@ -412,13 +412,15 @@ def test_code_blocks_are_shell_toml_or_python():
 
 def test_the_readme_test_command_is_what_ci_runs():
     """The README's test command and .ci/run's are one command (CI only quiets pip), so what a contributor runs
-    is what CI runs, and both end by listing the slowest tests."""
+    is what CI runs: two workers (tests/conftest.py orders the files and keeps speed tests alone), and both end
+    by listing the slowest tests."""
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
     readme = [line for line in (ROOT / "README.md").read_text().splitlines()
               if line.startswith("python3 -m venv ") and " -m pytest " in line]
     assert len(readme) == 1, readme
     assert re.sub(r"\bpip install -q ", "pip install ", ci) == readme[0]
-    assert readme[0].endswith(" && python -m pytest -q -p no:cacheprovider --durations=25")
+    assert readme[0].endswith(" && python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder"
+                              " --durations=25")
 
 
 def test_the_toml_example_is_a_valid_config(docs_toml: Path):
