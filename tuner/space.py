@@ -53,6 +53,7 @@ base run on one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import random
@@ -280,6 +281,11 @@ class SearchSpace:
 
     def size(self) -> int:
         """How many distinct configurations the space holds (those equal but for an idle toggle count once)."""
+        return self._distinct
+
+    @functools.cached_property
+    def _distinct(self) -> int:
+        # counted once: the views ask for it with every tuner event, and the space never changes
         raw = math.prod(len(self.choices[n]) for n in TUNABLE)
         if not self.needs or raw > 20000:
             return raw
