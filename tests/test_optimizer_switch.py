@@ -195,9 +195,11 @@ def test_a_tuning_over_the_optimizer_switches_live_and_reports_every_trials_peak
     from test_tuning_e2e import SETUP, events, finished_trials, gptop_env, run_gptop
 
     run_dir = tmp_path / "run"
-    rc, out, err = run_gptop("tune", "--tune-only", "--budget", "40s", *SETUP, "--max-steps", "300",
+    # the optimizer alone: the sampler's first pick in a wider space depends on its seed, and a loaded machine's
+    # budget may hold one trial only
+    rc, out, err = run_gptop("tune", "--tune-only", "--budget", "60s", *SETUP, "--max-steps", "300",
                              "--checkpoint-every", "5",
-                             "--tune-space", "-all optimizer=adamw,adafactor micro_batch=4,8",
+                             "--tune-space", "-all optimizer=adamw,adafactor",
                              "--storage", f"sqlite:///{tmp_path / 'study.sqlite3'}", "--run-dir", str(run_dir),
                              env=gptop_env())
     assert rc == 0, err[-3000:] + out[-3000:]
