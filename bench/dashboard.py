@@ -274,7 +274,7 @@ def synthetic_child(rate: float, progress_rate: float, run_dir: Path) -> None:
     import random
 
     sys.path.append(str(Path(__file__).resolve().parents[1]))   # after PYTHONPATH: BEFORE/AFTER trees
-    from gptop.commands import RecordingCommands
+    from gptop.controls import RecordingCommands
     from gptop.state import RunState
     from gptop.ui.app import GptopApp
     from trainer.contract import events as ev

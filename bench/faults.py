@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from trainer import checkpoint as ckpt  # noqa: E402
+from trainer import checkpoint_files as ckpt  # noqa: E402
 from trainer.contract import rundir  # noqa: E402
 from trainer.contract.events import ErrorEvent, HelloEvent, StepEvent, read_events  # noqa: E402
 

@@ -109,7 +109,7 @@ def _setup(spec: Spec):
     sys.path.insert(0, str(ROOT))
     from trainer.contract.config import DataConfig, ModelConfig, Toggles
     from trainer.data import BatchSampler, load_data
-    from trainer.device import detect
+    from trainer.device_probe import detect
     from trainer.models import build_model
 
     dev = detect(spec.device)
@@ -524,7 +524,7 @@ def model_flops(spec: Spec) -> tuple[float | None, dict[str, float | None]]:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from trainer.device import detect
+    from trainer.device_probe import detect
     from trainer.flops import peak_flops
     from trainer.models import DEFAULT_VOCAB, hf_config, pad_vocab, training_flops_per_token, _model_class
 
@@ -648,7 +648,7 @@ def main() -> int:
         prec = _toml_toggles(tuned).get("precision", "fp32")
         try:
             sys.path.insert(0, str(ROOT))
-            from trainer.device import detect
+            from trainer.device_probe import detect
             from trainer.flops import peak_flops
 
             peaks["gptop-tuned"] = peak_flops(detect(spec.device), prec)

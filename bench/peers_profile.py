@@ -64,7 +64,7 @@ def profiled(spec: peers.Spec, name: str, first: int, last: int) -> dict:
     elif name in ("hf", "hf-fast"):
         peers.worker_hf(spec, fast=name == "hf-fast")
     else:
-        from trainer.cli import main
+        from trainer.worker_cli import main
 
         with tempfile.TemporaryDirectory(prefix="peers-profile-") as tmp:
             # The sampler is asked from the profiling thread only without prefetch (a profiler started in the

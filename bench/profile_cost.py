@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 from trainer.compile_watch import CompileWatch  # noqa: E402
 from trainer.contract.config import TrainConfig  # noqa: E402
-from trainer.device import detect  # noqa: E402
+from trainer.device_probe import detect  # noqa: E402
 from trainer.models import build_model  # noqa: E402
 from trainer.profile_summary import spans_from_profiler, summarize  # noqa: E402
 from trainer.profiler import STEP_RANGE  # noqa: E402

@@ -60,7 +60,7 @@ def toggles_argv(t: dict) -> list[str]:
 
 def space_configs(spec: str, start_argv: list[str]) -> list[dict]:
     from trainer.contract.config import TrainConfig, add_arguments, config_from_args
-    from trainer.device import detect
+    from trainer.device_probe import detect
     from tuner.space import SearchSpace
 
     p = argparse.ArgumentParser()

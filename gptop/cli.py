@@ -32,7 +32,7 @@ from trainer.contract.runlock import RunLock, lock_option, node_key
 from trainer.contract.tools import add_export_arguments, add_sample_arguments
 
 from .alerts import add_alert_arguments, alert_options
-from .commands import STOP_SIGNALS, TUI_STOP_SIGNALS, StopSignals
+from .controls import STOP_SIGNALS, TUI_STOP_SIGNALS, StopSignals
 from .metrics import add_metrics_arguments, bind_metrics
 from .session import EXIT_FAILED, EXIT_PIPE, EXIT_USAGE, Session, SessionOptions, TuningOptions
 
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return cmd_doctor(ns)
         if ns.command in ("export", "sample"):
-            from .tools import cmd_export, cmd_sample
+            from .tool_runner import cmd_export, cmd_sample
 
             return cmd_export(ns) if ns.command == "export" else cmd_sample(ns)
         from .monitor import run_monitor

@@ -27,7 +27,7 @@ from trainer.contract.states import RunStatus
 from trainer.contract.client import ClientEnv
 from trainer.contract.config import ConfigError, TrainConfig
 
-from .commands import StopSignals
+from .controls import StopSignals
 from .session import Session, SessionOptions
 from .supervisor import Supervisor
 

@@ -449,7 +449,7 @@ def _tuning(path: Path) -> tuple[dict[str, Any] | None, str | None]:
     """tuning.json as the tuner wrote it, or (None, why it was skipped): a damaged file is reported, not fatal."""
     if not path.is_file():
         return None, None
-    from tuner.report import check_report
+    from tuner.tuning_report import check_report
 
     try:
         data = json.loads(path.read_bytes())
@@ -526,7 +526,7 @@ def format_report(s: dict[str, Any]) -> str:
 
         lines += profile_lines(from_dict(s["profile"]))
     if s.get("tuning"):
-        from tuner.report import format_summary
+        from tuner.tuning_report import format_summary
 
         lines.append(format_summary(s["tuning"]))
     if s.get("tuning_skipped"):

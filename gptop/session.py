@@ -30,7 +30,7 @@ from trainer.contract.rundir import RunDir, has_checkpoint, list_checkpoints
 from trainer.contract.runlock import RunLock
 
 from .alerts import AlertMonitor, AlertOptions
-from .commands import StopSignals
+from .controls import StopSignals
 from .state import RunState
 from .supervisor import Supervisor, torchrun_failures, trainer_argv
 
@@ -101,7 +101,7 @@ class SessionBase:
         self._finished = threading.Event()
         self._exit_code: int | None = None
 
-    # Commands (gptop.commands): what a session cannot do is a no-op
+    # Commands (gptop.controls): what a session cannot do is a no-op
     def start(self, resume: str | None = None) -> None:
         raise NotImplementedError
 

@@ -158,7 +158,7 @@ def tuning_net(run_dir: str) -> str | None:
         return None
     import json
 
-    from tuner.report import check_report, net_line
+    from tuner.tuning_report import check_report, net_line
 
     try:
         report = json.loads(path.read_text())

@@ -388,7 +388,7 @@ class DeviceSampler:
 
 def training_device(requested: str = "auto", nvml: Nvml | None = None) -> DeviceInfo:
     """The device a trainer given `--device requested` will use, as far as NVML and the OS tell without torch
-    (trainer.device.detect asks torch): enough to name a `--size auto` run directory by the size that
+    (trainer.device_probe.detect asks torch): enough to name a `--size auto` run directory by the size that
     trainer.contract.capabilities.auto_size picks. CUDA_VISIBLE_DEVICES is honoured whether it lists indices
     or UUIDs (GPU-..., and MIG-... for a MIG instance, sized by its own memory); its indices are taken as
     NVML's, which CUDA's match when CUDA_DEVICE_ORDER=PCI_BUS_ID or the GPUs are alike (the trainer's hello

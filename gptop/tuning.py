@@ -519,7 +519,7 @@ class TuningDriver:
                 self._restart(ctl.base, strict=False)
         if ctl is not None:
             self._publish()
-            from tuner.report import write_report
+            from tuner.tuning_report import write_report
 
             self.report_paths = write_report(s.run_dir, self.study, ctl.report_info())
             self._say(f"report {self.report_paths['md']}; best configuration {self.report_paths['toml']}")

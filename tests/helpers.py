@@ -43,7 +43,7 @@ def train_in_process(run_dir: str | Path, *args: str, base: list[str] = TINY, cf
                      strict: bool = True) -> tuple[int, list[Any], Path]:
     """The trainer's `main_run` in this process on `base + args` (or on `cfg`): (exit code, the events it
     wrote, read back strictly unless told, run dir)."""
-    from trainer.cli import parse_config
+    from trainer.worker_cli import parse_config
     from trainer.contract.events import read_events
     from trainer.train import main_run
 

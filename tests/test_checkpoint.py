@@ -6,7 +6,7 @@ import textwrap
 import pytest
 import torch
 
-from trainer import checkpoint as ckpt
+from trainer import checkpoint_files as ckpt
 
 from trainer.contract import rundir
 
@@ -76,7 +76,7 @@ def test_kill_during_save_leaves_previous_intact(tmp_path):
     ckpt.save(state(1), rundir.path_for(tmp_path, 1))
     script = textwrap.dedent(f"""
         import os, sys, torch
-        from trainer import checkpoint as ckpt
+        from trainer import checkpoint_files as ckpt
         from trainer.contract import rundir
         big = {{"step": 2, "model": {{"w": torch.randn(64 * 2**20 // 4 * 8)}}, "optimizer": {{}}, "config": {{}}}}
         real_save = torch.save

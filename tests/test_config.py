@@ -148,7 +148,7 @@ def test_the_compiler_toolchain_is_checked_per_device(monkeypatch):
     import importlib.util
     import shutil
 
-    from trainer import device
+    from trainer import device_probe as device
 
     have = {"c++", "cc"}
     triton = [True]

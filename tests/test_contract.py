@@ -15,8 +15,8 @@ TORCH_FREE = ["trainer.contract.config", "trainer.contract.events", "trainer.con
               "trainer.contract.capabilities", "trainer.contract.rundir", "trainer.contract.atomic", "trainer.contract.inputs",
               "trainer.contract.protect",
               "gptop.cli", "gptop.session", "gptop.tuning", "gptop.ui.app", "gptop.monitor", "gptop.headless",
-              "gptop.report", "gptop.tools", "trainer.contract.tools", "tuner.controller", "tuner.study", "tuner.space",
-              "tuner.report", "trainer.contract.client", "gptop.program", "gptop.warden", "gptop.integrations",
+              "gptop.report", "gptop.tool_runner", "trainer.contract.tools", "tuner.controller", "tuner.study", "tuner.space",
+              "tuner.tuning_report", "trainer.contract.client", "gptop.program", "gptop.warden", "gptop.integrations",
               "gptop.doctor", "trainer.contract.doctor"]
 
 # gptop.integrations' modules run inside the user's training program, which has torch loaded anyway: they are the

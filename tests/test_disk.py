@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from helpers import ROOT, TINY, restoring_signals, train_in_process, trainer_cmd
-from trainer import checkpoint as ckpt
+from trainer import checkpoint_files as ckpt
 from trainer.channel import Channel
-from trainer.cli import parse_config
+from trainer.worker_cli import parse_config
 from trainer.contract import atomic, rundir
 from trainer.contract.atomic import DiskError, atomic_write, disk_error
 from trainer.contract.events import ErrorEvent, HelloEvent, read_events

@@ -166,7 +166,7 @@ def test_faults_for_one_rank():
 
 
 def test_sharded_checkpoints_are_listed_resolved_and_pruned(tmp_path):
-    from trainer import checkpoint as ckpt
+    from trainer import checkpoint_files as ckpt
     from trainer.contract import rundir
 
     d = rundir.checkpoint_dir(tmp_path)
@@ -268,7 +268,7 @@ def test_commands_take_effect_on_the_same_step_on_every_rank(tmp_path):
     """A checkpoint request and a graceful stop through the session reach both ranks and are agreed."""
     from gptop.session import Session, SessionOptions
     from gptop.supervisor import TorchrunLauncher
-    from trainer.cli import parse_config
+    from trainer.worker_cli import parse_config
     from trainer.contract.events import CheckpointEvent, StepEvent
 
     old = os.environ.get("OMP_NUM_THREADS")

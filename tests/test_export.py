@@ -194,7 +194,7 @@ def test_gptop_rejects_bad_input_before_starting_anything(tmp_path, monkeypatch,
 
 
 def test_a_killed_tool_is_named_with_its_signal_and_the_oom_killer_when_the_kernel_counted_one(monkeypatch):
-    from gptop import tools as gtools
+    from gptop import tool_runner as gtools
 
     counts = iter([7])
     monkeypatch.setattr(gtools, "oom_kills", lambda: next(counts))
@@ -213,7 +213,7 @@ def test_gptop_runs_a_tool_to_its_end(monkeypatch, capsys):
 
     import psutil
 
-    from gptop import tools as gtools
+    from gptop import tool_runner as gtools
 
     def script(code: str):
         monkeypatch.setattr(tools, "tool_command", lambda module, argv: [sys.executable, "-c", code])

@@ -14,7 +14,7 @@ import pytest
 from textual.geometry import Region
 
 from fixtures.streams import GiB, T0, build_state, ev, startup_run, step_event
-from gptop.commands import RecordingCommands
+from gptop.controls import RecordingCommands
 from gptop.state import RunState
 from gptop.ui import render
 from gptop.ui.app import GptopApp, HelpScreen

@@ -131,7 +131,7 @@ def test_progress_bar_on_a_tty():
 
 @pytest.mark.process
 def test_headless_does_not_import_textual():
-    code = ("import sys; import gptop.headless, gptop.state, gptop.commands; "
+    code = ("import sys; import gptop.headless, gptop.state, gptop.controls; "
             "bad = [m for m in sys.modules if m.split('.')[0] == 'textual' or m.startswith('gptop.ui')]; "
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)

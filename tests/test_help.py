@@ -108,7 +108,7 @@ def test_json_means_json_lines_everywhere_and_sampling_flags_only_where_they_act
 
 
 def test_python_m_trainer_errors_in_one_line(capsys):
-    from trainer.cli import build_parser as trainer_parser
+    from trainer.worker_cli import build_parser as trainer_parser
 
     with pytest.raises(SystemExit) as e:
         trainer_parser().parse_args(["--size", "huge"])

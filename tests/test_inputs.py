@@ -168,7 +168,7 @@ def test_micro_batch_is_an_int_or_auto_everywhere(tmp_path):
     old = tmp_path / "old.toml"                       # config.toml / best.toml written before it was a number
     old.write_text('[toggles]\nmicro_batch = "8"\n')
     assert TrainConfig.from_toml(old).toggles.micro_batch == 8
-    from tuner.report import best_toml, check_best_toml
+    from tuner.tuning_report import best_toml, check_best_toml
 
     for mb in (8, AUTO):
         text = best_toml(Toggles(micro_batch=mb))
@@ -472,7 +472,7 @@ def run_gptop(argv, monkeypatch) -> tuple[int, str]:
 
 def run_trainer(argv, monkeypatch) -> tuple[int, str]:
     import trainer.train
-    from trainer import cli
+    from trainer import worker_cli as cli
 
     monkeypatch.setattr(trainer.train, "main_run", _never)
     return cli.main(argv), ""
@@ -533,7 +533,7 @@ def test_valid_paths_pass(tmp_path, monkeypatch):
     cfg = parse(["--data", str(tmp_path / "data"), "--model", str(good_model(tmp_path / "m")),
                  "--run-dir", str(tmp_path / "new" / "run"), "--seq-len", "512"])
     assert cfg.model.model.endswith("m")
-    from trainer.cli import parse_config
+    from trainer.worker_cli import parse_config
 
     resumed = parse_config(["--resume", str(run)])
     assert resumed.run.run_dir == str(run) and resumed.checkpoint.resume == str(run)

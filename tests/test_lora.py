@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from helpers import TINY, of, restoring_signals, train_in_process
-from trainer import checkpoint as ckpt
-from trainer.cli import parse_config
+from trainer import checkpoint_files as ckpt
+from trainer.worker_cli import parse_config
 from trainer.contract import capabilities, rundir
 from trainer.contract.config import ConfigError, FinetuneConfig, ModelConfig, Toggles
 from trainer.contract.device import DeviceInfo

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from helpers import TINY, of, restoring_signals, train_in_process
-from trainer import checkpoint as ckpt
+from trainer import checkpoint_files as ckpt
 from trainer import optim
 from trainer.checkpointer import all_finite
-from trainer.cli import parse_config
+from trainer.worker_cli import parse_config
 from trainer.contract import rundir
 from trainer.contract.config import ConfigError
 from trainer.contract.events import ERROR_KINDS, read_events

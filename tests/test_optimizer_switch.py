@@ -8,7 +8,7 @@ import torch
 from helpers import TINY
 from test_lora import of, run
 from trainer import optim
-from trainer.cli import parse_config
+from trainer.worker_cli import parse_config
 from trainer.contract import capabilities
 from trainer.contract.config import ConfigError, TrainConfig, current_layout
 from trainer.train import EXIT_OK

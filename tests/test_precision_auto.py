@@ -63,7 +63,7 @@ def test_the_cpu_recipe_takes_native_bf16():
 
 def _run(tmp_path, monkeypatch, *args, native: bool, name: str = "run"):
     """The trainer in this process on this CPU, with bf16 instructions faked present or absent at the one
-    boundary that asks (trainer.device.detect)."""
+    boundary that asks (trainer.device_probe.detect)."""
     from trainer import train
 
     real = train.detect

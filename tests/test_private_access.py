@@ -21,10 +21,10 @@ PACKAGES = ("gptop", "tuner", "trainer")
 
 # (file, the flagged expression as ast.unparse writes it): why it is allowed
 ALLOWED: dict[tuple[str, str], str] = {
-    ("trainer/cli.py", "os._exit"):
+    ("trainer/worker_cli.py", "os._exit"):
         "the standard library's documented exit without interpreter teardown (a run stopped before its first "
         "step skips freeing a large model tensor by tensor)",
-    ("trainer/device.py", "torch.ops.mkldnn._is_mkldnn_bf16_supported"):
+    ("trainer/device_probe.py", "torch.ops.mkldnn._is_mkldnn_bf16_supported"):
         "torch offers no public check for native CPU bf16 (oneDNN) kernels; this is the one torch itself uses",
     ("trainer/moe.py", "torch._C._current_graph_task_id"):
         "the only way to tell a backward pass's recomputation (activation checkpointing) from the forward; "

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gptop import cli, warden
-from gptop.commands import StopSignals
+from gptop.controls import StopSignals
 from gptop.headless import event_line
 from gptop.program import ProgramSession, check_command, default_run_dir, program_name
 from gptop.report import format_report, summarize

@@ -20,7 +20,7 @@ from trainer.contract import rundir
 
 def old_run(path):
     """A finished full-training (non-LoRA) run: its config.toml and a checkpoint."""
-    from trainer.cli import parse_config
+    from trainer.worker_cli import parse_config
 
     (path / "checkpoints").mkdir(parents=True)
     cfg = parse_config([*TINY, "--run-dir", str(path)])          # what the run was started with
@@ -123,7 +123,7 @@ def test_a_standalone_trainers_refusal_leaves_nothing(tmp_path, monkeypatch, cap
     stderr, and the run directory it made for the run (and ./runs) removed again."""
     import signal
 
-    from trainer import cli as tcli
+    from trainer import worker_cli as tcli
 
     work = tmp_path / "work"
     work.mkdir()

@@ -162,7 +162,7 @@ def rundir_record(path) -> dict | None:
 
 def old_run(path, *, events: bool = True, steps=(8, 16)):
     """What a finished run leaves (as `cp -r runs/a runs/reuse` copies it): config, events, checkpoints, lock."""
-    from trainer.cli import parse_config
+    from trainer.worker_cli import parse_config
 
     (path / "checkpoints").mkdir(parents=True)
     (path / "config.toml").write_text(parse_config([*TINY, "--run-dir", str(path)]).to_toml())
@@ -217,7 +217,7 @@ def test_gptop_and_the_trainer_refuse_a_reused_run_dir_before_writing_anything(t
     """`cp -r runs/a runs/reuse; gptop --no-ui train --run-dir runs/reuse` (or `--resume runs/a --run-dir
     runs/reuse`, another run's weights into a third run's directory): exit 2, one line, nothing changed."""
     from gptop import cli as gcli
-    from trainer import cli as tcli
+    from trainer import worker_cli as tcli
 
     a = old_run(tmp_path / "runs" / "a")
     reuse = old_run(tmp_path / "runs" / "reuse")

@@ -193,9 +193,9 @@ def test_progress_events_reach_gptop_every_step_and_the_stop_during_startup_is_1
 
 
 def test_cpu_auto_micro_batch_takes_the_whole_batch_when_the_estimate_has_room(tmp_path):
-    from trainer.cli import parse_config
+    from trainer.worker_cli import parse_config
     from trainer.contract.device import DeviceInfo
-    from trainer.device import detect
+    from trainer.device_probe import detect
     from trainer.train import Trainer
 
     def setup(name, total_memory):
@@ -226,10 +226,10 @@ def test_auto_micro_batch_counts_the_optimizer_state_the_first_step_allocates(tm
     first optimizer step and stay: each probed peak includes them, counted by the estimate's rule (a probe
     without them picked a micro-batch that ran out of memory at step 2 on a large model)."""
     import trainer.autobatch as autobatch
-    from trainer.cli import parse_config
+    from trainer.worker_cli import parse_config
     from trainer.contract import estimate as E
     from trainer.contract.device import DeviceInfo
-    from trainer.device import detect
+    from trainer.device_probe import detect
     from trainer.memory import CpuMemory
     from trainer.train import Trainer
 

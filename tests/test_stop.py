@@ -177,7 +177,7 @@ def test_a_stop_signal_before_the_session_runs_starts_nothing(tmp_path):
     soon as the session runs, and nothing is started or created."""
     import os
 
-    from gptop.commands import StopSignals
+    from gptop.controls import StopSignals
 
     class View:
         statuses: list = []

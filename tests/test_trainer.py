@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from helpers import TINY, of, train_in_process, trainer_cmd, wait_for
-from trainer import checkpoint as ckpt
+from trainer import checkpoint_files as ckpt
 from trainer.contract import rundir
-from trainer.cli import parse_config
+from trainer.worker_cli import parse_config
 from trainer.contract.events import EVENT_TYPES, PHASES, read_events
 from trainer.train import EXIT_CONFIG, EXIT_NAN, EXIT_OK, EXIT_OOM
 
@@ -211,7 +211,7 @@ def test_cpu_toggles_train(tmp_path, toggle):
 
 
 def test_a_slow_toggle_runs_with_a_warning(tmp_path, monkeypatch):
-    from trainer import device
+    from trainer import device_probe as device
 
     monkeypatch.setattr(device, "_cpu_has_bf16_kernels", lambda: False)     # as on an AVX2-only CPU
     code, events, _ = run(tmp_path, "--max-steps", "2", "--precision", "bf16", "--micro-batch", "4")

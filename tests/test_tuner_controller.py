@@ -15,7 +15,7 @@ from trainer.contract.events import TrialEvent, dumps, make, parse
 from tuner.budget import Budget
 from tuner.controller import Apply, Done, FindMicroBatch, Remeasure, RunTrial, TuneController
 from tuner.decide import Choice
-from tuner.report import best_toml, format_summary, write_report
+from tuner.tuning_report import best_toml, format_summary, write_report
 from tuner.space import SearchSpace, params_key
 from tuner.study import TuneStudy
 

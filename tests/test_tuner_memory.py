@@ -15,7 +15,7 @@ from trainer.contract.device import DeviceInfo
 from trainer.contract.events import make
 from tuner.budget import Budget
 from tuner.controller import Apply, Done, FindMicroBatch, Remeasure, RunTrial, TuneController
-from tuner.report import best_toml, build_report, check_best_toml, format_summary, render_markdown
+from tuner.tuning_report import best_toml, build_report, check_best_toml, format_summary, render_markdown
 from tuner.space import MEMORY_SAVING, SearchSpace, memory_pressure, quantizable
 from tuner.study import TuneStudy
 
@@ -347,7 +347,7 @@ def test_a_start_that_runs_out_of_memory_widens_the_space_into_a_study_of_its_ow
 
 
 def test_a_reports_memory_field_is_checked_before_it_is_shown():
-    from tuner.report import check_report
+    from tuner.tuning_report import check_report
 
     assert check_report({"memory": {"reason": "x", "choices": {}}}) is None
     assert "'memory' is str" in check_report({"memory": "x"})

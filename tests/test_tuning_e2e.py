@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import checkpoint as ckpt
+from trainer import checkpoint_files as ckpt
 
 from trainer.contract import rundir
 from trainer.contract.config import TrainConfig
@@ -129,7 +129,7 @@ REPLAY = r"""
 import json, sys
 from trainer.contract.config import TrainConfig
 from trainer.train import Trainer
-from trainer import checkpoint as ckpt
+from trainer import checkpoint_files as ckpt
 from trainer.contract import rundir
 from trainer.contract.runlock import RunLock
 segments, out = json.loads(sys.argv[1]), sys.argv[2]

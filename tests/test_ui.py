@@ -18,7 +18,7 @@ from textual.geometry import Region
 from textual.widget import Widget
 
 from fixtures.streams import T0, build_state, cpu_run, ev, gpu_run
-from gptop.commands import Commands, RecordingCommands
+from gptop.controls import Commands, RecordingCommands
 from gptop.state import RunState
 from gptop.ui.app import GptopApp, HelpScreen
 from gptop.ui.widgets import DevicePanel, RunHeader, StepPanel

@@ -1,7 +1,7 @@
 """The `s` key: a sample of the newest checkpoint in a panel, made without stopping the dashboard.
 
 Pilot tests drive the app with a fake sampler (an awaitable the test releases); the slow test runs
-`gptop.tools.sample_newest` for real on a tiny run's checkpoint: a `python -m trainer.sample` process.
+`gptop.tool_runner.sample_newest` for real on a tiny run's checkpoint: a `python -m trainer.sample` process.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from textual.widget import Widget
 
 from helpers import train_in_process
 from fixtures.streams import T0, build_state, ev
-from gptop.commands import RecordingCommands
+from gptop.controls import RecordingCommands
 from gptop.state import RunState
-from gptop.tools import SampleOutcome, sample_newest
+from gptop.tool_runner import SampleOutcome, sample_newest
 from gptop.ui.app import GptopApp
-from gptop.ui.sample import SamplePanel
+from gptop.ui.sample_panel import SamplePanel
 from trainer.contract.tools import SampleResult
 
 SIZE = (160, 48)

@@ -3,7 +3,7 @@ CheckpointManager, smaller).
 
 A `Checkpointer` is bound to the model, optimizer and grad scaler and turns them and the run's
 `Progress` into a checkpoint and back: one file with one process, a sharded DCP directory with several
-ranks (trainer.checkpoint writes both atomically). It keeps the run's history of checkpoints (the ones
+ranks (trainer.checkpoint_files writes both atomically). It keeps the run's history of checkpoints (the ones
 it resumed from and wrote) so that a rollback can go to the newest one that still verifies.
 
 Verified means finite. Before a checkpoint is written, the parameters and optimizer state are checked
@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import checkpoint as ckpt
+from . import checkpoint_files as ckpt
 from . import dist as D
 from .contract import rundir
 from .contract.capabilities import optimizer_switch

@@ -54,7 +54,7 @@ def detect_machine(requested: str) -> dict[str, Any]:
     import torch
 
     from .contract.device import cpu_name
-    from .device import compiler_missing, detect
+    from .device_probe import compiler_missing, detect
 
     machine: dict[str, Any] = {
         "host": socket.gethostname(), "platform": platform.platform(), "python": platform.python_version(),
@@ -93,7 +93,7 @@ def _child(fn_name: str, requested: str, quick: bool, conn: Any) -> None:
         if fn_name == "detect":
             conn.send(("ok", detect_machine(requested)))
             return
-        from .device import detect
+        from .device_probe import detect
 
         p = next(p for p in PATHS if p.name == fn_name)
         outcome = _owner(p)(detect(requested), quick, **dict(p.args))
@@ -207,7 +207,7 @@ def burn(requested: str, seconds: float) -> int:
 
     import torch
 
-    from .device import detect
+    from .device_probe import detect
 
     dev = detect(requested)
     device = dev.torch_device

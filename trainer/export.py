@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import checkpoint as ckpt
+from . import checkpoint_files as ckpt
 from .contract import protect, tools
 from .contract.config import ConfigError, FinetuneConfig, ModelConfig, TrainConfig, Toggles
 from .contract.rundir import CheckpointInfo, RunDir
@@ -94,7 +94,7 @@ def load_for_inference(path: str | Path, candidates: list[CheckpointInfo] | None
 
     Candidates come from `tools.check_export/check_sample`. A corrupt one is reported and the next
     tried; with `step_given` (the user chose it) it is an error naming --step instead."""
-    from .device import detect
+    from .device_probe import detect
 
     dev = detect(device)
     if candidates is None:
@@ -453,7 +453,7 @@ def _write_adapter(loaded: LoadedModel, tmp: Path, out: Path, log: Log) -> dict[
 
 
 def detect_cpu() -> Any:
-    from .device import detect
+    from .device_probe import detect
 
     return detect("cpu")
 

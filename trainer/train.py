@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import checkpoint as ckpt
+from . import checkpoint_files as ckpt
 from . import dist as D
 from . import faults
 from . import optim
@@ -43,7 +43,7 @@ from .contract.config import AUTO, ConfigError, TrainConfig, parse_step_range
 from .contract.device import DeviceInfo
 from .contract.events import MAX_STEPS, STOPPED_BEFORE_FIRST_STEP, CompileWarning
 from .contract.runlock import RunLock
-from .device import detect
+from .device_probe import detect
 from .inductor_cache import OwnCache, artefact_failure
 from .memory import make_meter
 from .profiler import StepProfiler, report_written
@@ -173,7 +173,7 @@ class Trainer:
         if not self.dev.is_cuda:
             return None
         from .contract.device import gpu_key
-        from .device import gpu_identity
+        from .device_probe import gpu_identity
 
         if self.world == 1:
             keys = self.dev.keys
@@ -882,7 +882,7 @@ def stopped_in_startup() -> bool:
 def main_run(cfg: TrainConfig, run_lock: RunLock | None = None, created_dirs: list[Path] | None = None) -> int:
     """Run a configured trainer, turning every failure into an `error` event and a distinct exit code.
 
-    `run_lock`: the run directory's lock when the caller took it (trainer.cli); else setup takes it.
+    `run_lock`: the run directory's lock when the caller took it (trainer.worker_cli); else setup takes it.
     `created_dirs`: the directories the caller made for the run (taking the lock): a refusal before the first
     step removes them, as those setup makes."""
     notice = None

@@ -792,7 +792,7 @@ class TuneController:
 
     # --- report ------------------------------------------------------------------------
     def report_info(self) -> dict[str, Any]:
-        """What `tuner.report.write_report` needs besides the study: this run's baseline, best, decision, ledger.
+        """What `tuner.tuning_report.write_report` needs besides the study: this run's baseline, best, decision, ledger.
 
         The ledger weighs the whole tuning against not tuning: `cost_s` is its time beyond what the steps it
         kept take at the start's speed (slow, rolled-back and restarting trials all count), `switch_s` the

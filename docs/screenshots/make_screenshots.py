@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from gptop.commands import RecordingCommands  # noqa: E402
+from gptop.controls import RecordingCommands  # noqa: E402
 from gptop.state import RunState  # noqa: E402
 from gptop.ui.app import GptopApp  # noqa: E402
 from trainer.contract.events import DoneEvent, read_events  # noqa: E402

@@ -233,7 +233,7 @@ class Client:
     @staticmethod
     def _device_info(device: torch.device) -> DeviceInfo:
         from trainer.contract.config import ConfigError
-        from trainer.device import detect
+        from trainer.device_probe import detect
 
         try:
             return detect(str(device) if device.type == "cuda" and device.index is not None else device.type)

@@ -40,11 +40,11 @@ from textual.screen import ModalScreen, Screen
 from textual.timer import Timer
 from textual.widgets import Static
 
-from gptop.commands import TUI_STOP_SIGNALS, Commands, StopSignals
+from gptop.controls import TUI_STOP_SIGNALS, Commands, StopSignals
 from gptop.profile_text import profile_lines
 from gptop.state import RunState
-from gptop.tools import SampleOutcome, sample_newest
-from gptop.ui.sample import SamplePanel
+from gptop.tool_runner import SampleOutcome, sample_newest
+from gptop.ui.sample_panel import SamplePanel
 from trainer.contract.states import RunStatus
 from gptop.ui.widgets import (AlertBanner, DevicePanel, FailurePanel, GptopFooter, LogPanel, RunHeader, StepPanel, TrainPanel,
                               TunerPanel, Watcher)
@@ -209,7 +209,7 @@ class GptopApp(App[None]):
         Without it, `q` exits right after asking the session to stop. `frame_s`: at most one frame
         (a redraw of what changed) this often; a change is on screen within `frame_s` plus a render
         (budget: 250 ms), a history panel's within its `MIN_REDRAW_S`.
-        `sampler`: makes the `s` key's sample of a run directory (gptop.tools.sample_newest; tests pass
+        `sampler`: makes the `s` key's sample of a run directory (gptop.tool_runner.sample_newest; tests pass
         a fake)."""
         super().__init__()
         self.state = state
@@ -550,8 +550,8 @@ class GptopApp(App[None]):
                 yield cmd
 
 
-class Session(Commands, Protocol):
-    """What `run_app` needs of a session (gptop.session.Session, gptop.monitor.MonitorSession)."""
+class DrivenRun(Commands, Protocol):
+    """What `run_app` needs of the run it shows and drives (gptop.session.Session, gptop.monitor.MonitorSession)."""
 
     state: RunState
 
@@ -565,7 +565,7 @@ class Session(Commands, Protocol):
     def close(self) -> None: ...
 
 
-def run_app(session: Session, *, resume: str | None = None, headless: bool = False,
+def run_app(session: DrivenRun, *, resume: str | None = None, headless: bool = False,
             signals: StopSignals | None = None) -> int:
     """Start the session, show the dashboard in this (main) thread until the session is over, and
     return the session's exit code. If the dashboard goes away first (a crash, a closed terminal),

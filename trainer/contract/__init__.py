@@ -3,7 +3,7 @@
 - `config`: the one configuration object (sections, flags, TOML, validation).
 - `events`: the one event schema (typed events, parsing, JSON lines).
 - `device`: the device description as data (`DeviceInfo`); probing it needs torch
-  and lives in `trainer.device`.
+  and lives in `trainer.device_probe`.
 - `capabilities`: which toggle values a device supports, runs slowly, or lacks.
 - `rundir`: the run-directory layout: run naming, checkpoint paths, listing,
   pruning and pinning.

@@ -1,6 +1,6 @@
 """The training device as data: what gptop, the tuner and capability gating need to know.
 
-Probing a real device needs torch and lives in `trainer.device.detect`; this
+Probing a real device needs torch and lives in `trainer.device_probe.detect`; this
 module stays torch-free so gptop and the tuner can describe a device (from a
 hello event, or a fake H100 in tests) without importing torch.
 """

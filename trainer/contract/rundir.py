@@ -17,7 +17,7 @@ A multi-node run shares the directory on purpose: each node's gptop writes its o
 trainer.<node>.log, trainer.<node>.stderr.log and device.<node>.jsonl (RunDir(path, node)),
 each rank its own events file and checkpoint shards, rank 0 the rest.
 
-The trainer writes checkpoints (trainer.checkpoint, with torch); gptop and the
+The trainer writes checkpoints (trainer.checkpoint_files, with torch); gptop and the
 tuner list, pin and roll back through this module without importing torch.
 Pruning keeps the newest `keep` checkpoints, every pinned one and the newest
 verified-good one, so a tuning trial's own pruning can never delete the checkpoint

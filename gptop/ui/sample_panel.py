@@ -1,6 +1,6 @@
 """The sample panel (the `s` key): text from the newest checkpoint, under the other panels.
 
-It only renders: the sample is made by `gptop.tools.sample_newest` (which checkpoint, the command,
+It only renders: the sample is made by `gptop.tool_runner.sample_newest` (which checkpoint, the command,
 the time limit, the parsing), run by the app as a Textual worker so the dashboard never waits.
 """
 
@@ -10,7 +10,7 @@ from rich.console import Group
 from rich.text import Text
 from textual.widgets import Static
 
-from gptop.tools import SampleOutcome
+from gptop.tool_runner import SampleOutcome
 
 
 class SamplePanel(Static):
