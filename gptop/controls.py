@@ -76,6 +76,12 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)     # --no-ui
 TUI_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)                # SIGHUP: see gptop.ui.app.run_app
 
 
+def handled(signals: Iterable[int]) -> tuple[int, ...]:
+    """The stop signals gptop takes over: a hangup ignored when gptop started (`nohup gptop ...`) stays ignored,
+    as the user asked for a run that outlives its terminal."""
+    return tuple(s for s in signals if not (s == signal.SIGHUP and signal.getsignal(s) == signal.SIG_IGN))
+
+
 class StopSignals:
     """SIGINT, SIGTERM and SIGHUP to gptop are the user asking to stop, as `q` is: the first a graceful stop,
     the next a forced one.
@@ -92,7 +98,7 @@ class StopSignals:
         self._old: dict[int, Any] = {}
 
     def install(self) -> "StopSignals":
-        for s in self.signals:
+        for s in handled(self.signals):
             if s not in self._old:
                 self._old[s] = signal.signal(s, self._on_signal)
         return self

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from trainer.contract import tools
 from trainer.contract.config import ConfigError
+from .controls import handled
 
 EXIT_FAILED, EXIT_INTERRUPTED = 1, 130
 GRACE_S = 15.0            # past a tool's own --timeout before gptop ends it (it stops itself at the deadline)
@@ -79,7 +80,7 @@ def run_tool(module: str, argv: list[str], *, timeout: float | None = None) -> i
             proc.send_signal(signal.SIGTERM)
         stopped["signal"] = signum
 
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    old = {s: signal.signal(s, forward) for s in handled((signal.SIGINT, signal.SIGTERM, signal.SIGHUP))}
     try:
         try:
             code = proc.wait(timeout=timeout)

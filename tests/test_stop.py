@@ -12,6 +12,7 @@ import pytest
 from helpers import TINY, wait_for
 from gptop.session import EXIT_INTERRUPTED, Session
 from trainer.contract.config import TrainConfig
+from trainer.contract import rundir
 from trainer.contract.events import DoneEvent, ErrorEvent, StepEvent, read_events
 
 
@@ -249,3 +250,46 @@ def test_a_stop_after_a_trial_trainer_stopped_still_stops_the_run(tmp_path):
     s.state.apply(DoneEvent(step=3, tokens=768, seconds=1.0, reason="stop requested", checkpoint="c", time=1.0))
     s.stop()
     assert s.supervisor.calls == ["stop"] and s.interrupted
+
+
+@pytest.mark.process      # a gptop started as `nohup` starts it
+def test_nohup_keeps_a_no_ui_run_through_a_hangup(tmp_path):
+    """A hangup ignored when gptop starts stays ignored (the user asked for a run that outlives its terminal);
+    SIGTERM still stops it with a checkpoint."""
+    run_dir = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "gptop", "--no-ui", "train", *TINY, "--max-steps", "100000",
+                          "--run-dir", str(run_dir)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    try:
+        step = lambda: [e for e in read_events(run_dir / "events.jsonl") if e.type == "step"] \
+            if (run_dir / "events.jsonl").exists() else []
+        wait_for(step, proc=p, what="a step event")
+        p.send_signal(signal.SIGHUP)
+        seen = len(step())
+        wait_for(lambda: len(step()) > seen + 2, proc=p, what="steps after the hangup")
+        assert p.poll() is None
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(120) == EXIT_INTERRUPTED
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert rundir.list_checkpoints(run_dir)
+
+
+def test_stop_signals_leave_an_ignored_hangup_ignored():
+    from gptop.controls import STOP_SIGNALS, StopSignals, handled
+
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        assert signal.SIGHUP not in handled(STOP_SIGNALS) and signal.SIGTERM in handled(STOP_SIGNALS)
+        signals = StopSignals().install()
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN and signal.getsignal(signal.SIGTERM) != before
+        signals.restore()
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        signals = StopSignals().install()
+        assert signal.getsignal(signal.SIGHUP) not in (signal.SIG_DFL, signal.SIG_IGN)
+        signals.restore()
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGHUP, before)
