@@ -524,7 +524,7 @@ class TuningDriver:
             self.report_paths = write_report(s.run_dir, self.study, ctl.report_info())
             self._say(f"report {self.report_paths['md']}; best configuration {self.report_paths['toml']}")
             if self.study.storage_url:
-                from tuner.study import dashboard_command
+                from tuner.storage import dashboard_command
 
                 self._say(f"study {self.study.name}; browse it: {dashboard_command(self.study.storage_url)}")
         self._cleanup_guard()

@@ -149,6 +149,7 @@ class SearchSpace:
         per_rank = per_rank_batch(global_batch, world_size)
         choices: dict[str, tuple] = {}
         for name in TUNABLE:
+            vals: list[Any]
             if name in ONE_PROCESS:
                 # as the run has them; a memory-constrained run of one process may trade them for memory
                 vals = [getattr(base, name)]
@@ -157,9 +158,9 @@ class SearchSpace:
             elif name == "activation_checkpointing" and memory:
                 vals = [base.activation_checkpointing, True]
             elif name == "micro_batch":
-                vals: list = list(micro_batch_choices(per_rank))
+                vals = list(micro_batch_choices(per_rank))
                 b = base.micro_batch
-                if b != AUTO and per_rank % b == 0:
+                if isinstance(b, int) and per_rank % b == 0:
                     vals.append(b)
             elif name == "prefetch":
                 vals = list(DEFAULT_PREFETCH) + [base.prefetch]
@@ -233,10 +234,10 @@ class SearchSpace:
 
     def _parse_value(self, item: str, name: str, raw: str, dev: DeviceInfo | None) -> Any:
         if name in _BOOLS:
-            low = raw.lower()
-            if low in _TRUE:
+            word = raw.lower()
+            if word in _TRUE:
                 return True
-            if low in _FALSE:
+            if word in _FALSE:
                 return False
             raise ConfigError(OPTION, f"{item!r}: {raw!r} is not on/off")
         if name in _INTS:
@@ -265,7 +266,7 @@ class SearchSpace:
             raise ConfigError(OPTION, f"{item!r}: a quantized base is for a LoRA run of a model directory "
                                       f"(--lora R --model DIR); drop quantize_base from --tune-space")
         reason = support(name, raw, dev) if dev is not None else None
-        if reason:
+        if reason and dev is not None:
             raise ConfigError(OPTION, f"{item!r}: {raw} is not supported on {dev.name}: {reason}")
         return raw
 
@@ -383,7 +384,7 @@ def memory_pressure(cfg: TrainConfig, fits: int | None, world_size: int = 1) -> 
     (gptop.cli.check_fits, the trainer's early hello), so it never reaches the tuner."""
     per_rank = per_rank_batch(cfg.optim.global_batch, world_size)
     t = cfg.toggles
-    wanted = per_rank if t.micro_batch == AUTO else t.micro_batch
+    wanted = t.micro_batch if isinstance(t.micro_batch, int) else per_rank     # else AUTO
     if fits is None or fits >= wanted:
         return None
     what = f"--micro-batch {wanted}" if t.micro_batch != AUTO else f"the whole per-rank batch ({wanted})"

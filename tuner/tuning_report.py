@@ -36,7 +36,8 @@ from trainer.contract.events import json_safe
 
 from .budget import format_duration
 from .space import TUNABLE
-from .study import TuneStudy, dashboard_command
+from .storage import dashboard_command
+from .study import TuneStudy
 
 
 def _fmt_val(v: Any) -> str:
