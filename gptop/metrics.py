@@ -121,99 +121,122 @@ class RunCollector:
         return []          # families depend on the run (GPUs, ranks): not described ahead of a scrape
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
-
         state = self.state
         if state is None:
             return
-        node = self.node
-        fams: dict[str, Any] = {}
-
-        def fam(name: str) -> Any:
-            f = fams.get(name)
-            if f is None:
-                m = _BY_NAME[name]
-                if m.type == "counter":
-                    f = CounterMetricFamily(name[:-len("_total")], m.help, labels=m.labels)
-                elif m.type == "info":
-                    f = InfoMetricFamily(name[:-len("_info")], m.help, labels=m.labels[:1])
-                else:
-                    f = GaugeMetricFamily(name, m.help, labels=m.labels)
-                fams[name] = f
-            return f
-
-        def put(name: str, value: Any, *labels: str) -> None:
-            if value is None or isinstance(value, bool):
-                return
-            fam(name).add_metric([node, *labels], float(value))
-
+        out = Families(self.node)
         with state.lock:
-            last = state.last_step
-            model = state.model
-            info = {"run": state.run_name or "", "run_dir": state.run_dir or "",
-                    "model": (model.family or "") if model else "", "size": (model.size or "") if model else "",
-                    "device": (state.device.name or state.device.type) if state.device else "",
-                    "precision": state.precision_label() or ""}
-            fam("gptop_run_info").add_metric([node], info)
-            for s in RunStatus:
-                fam("gptop_status").add_metric([node, s.value], 1.0 if state.status is s else 0.0)
-            put("gptop_step", state.step)
-            put("gptop_max_steps", state.total_steps)
-            put("gptop_tokens", state.tokens)
-            if last is not None:
-                put("gptop_tokens_per_second", last.tokens_per_s)
-                put("gptop_mfu_ratio", last.mfu)
-                put("gptop_loss", last.loss)
-                put("gptop_learning_rate", last.lr)
-                put("gptop_grad_norm", last.grad_norm)
-            if state.last_eval is not None:
-                put("gptop_eval_loss", state.last_eval.loss)
-            for rank, e in sorted(state.ranks.items()):
-                r = str(rank)
-                put("gptop_rank_step", e.step, r)
-                put("gptop_step_seconds", None if e.step_ms is None else e.step_ms / 1000, r)
-                for p in PHASES:
-                    ms = (e.phases_ms or {}).get(p)
-                    put("gptop_phase_seconds", None if ms is None else ms / 1000, r, p)
-                put("gptop_memory_bytes", e.mem_bytes, r)
-            sample = state.device_sample
-            if sample is not None:
-                for g in sample.devices:
-                    i = str(g.index)
-                    put("gptop_gpu_utilization_percent", g.util_pct, i)
-                    put("gptop_gpu_memory_used_bytes", g.mem_used, i)
-                    put("gptop_gpu_memory_total_bytes", g.mem_total, i)
-                    put("gptop_gpu_power_watts", g.power_w, i)
-                    put("gptop_gpu_power_limit_watts", g.power_limit_w, i)
-                    put("gptop_gpu_energy_joules_total", g.energy_j, i)
-                    put("gptop_gpu_temperature_celsius", g.temp_c, i)
-                    put("gptop_gpu_sm_clock_mhz", g.sm_clock_mhz, i)
-                    put("gptop_gpu_ecc_uncorrected_errors", g.ecc_uncorrected, i)
-                c = sample.cpu
-                if c is not None:
-                    put("gptop_cpu_utilization_percent", c.util_pct)
-                    put("gptop_cpu_memory_used_bytes", c.mem_used)
-                    put("gptop_cpu_power_watts", c.power_w)
-                    put("gptop_trainer_rss_bytes", c.proc_rss)
-                    put("gptop_trainer_cpu_percent", c.proc_cpu_pct)
-            active = list(state.alerts_active.values())
-            for kind in AlertKind:
-                for sev in Severity:
-                    n = sum(1 for a in active if a.kind is kind and a.severity is sev)
-                    fam("gptop_alerts_active").add_metric([node, kind.value, sev.value], float(n))
-            fam("gptop_alerts_raised_total").add_metric([node], float(state.alerts_raised))
-            tu = state.tuner
-            put("gptop_tuner_active", 1.0 if tu.active else 0.0)
-            if tu.phase is not None:
-                fam("gptop_tuner_phase_info").add_metric([node], {"phase": tu.phase})
-            put("gptop_tuner_budget_left_seconds", state.tuner_budget_left() if tu.active else None)
-            put("gptop_tuner_trials", tu.trials_run if tu.trials_run is not None else len(tu.trials) or None)
-            best = tu.best
-            put("gptop_tuner_best_tokens_per_second", best.tokens_per_s if best is not None else None)
+            _run_metrics(out, state)
+            _rank_metrics(out, state)
+            _device_metrics(out, state)
+            _alert_and_tuner_metrics(out, state)
         jpt = state.joules_per_token()
         if jpt is not None:
-            put("gptop_energy_joules_per_token", jpt)
-        yield from fams.values()
+            out.put("gptop_energy_joules_per_token", jpt)
+        yield from out.families.values()
+
+
+class Families:
+    """One scrape's metric families, created as their first sample comes, each sample labelled with the node."""
+
+    def __init__(self, node: str) -> None:
+        self.node = node
+        self.families: dict[str, Any] = {}
+
+    def family(self, name: str) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+
+        f = self.families.get(name)
+        if f is None:
+            m = _BY_NAME[name]
+            if m.type == "counter":
+                f = CounterMetricFamily(name[:-len("_total")], m.help, labels=m.labels)
+            elif m.type == "info":
+                f = InfoMetricFamily(name[:-len("_info")], m.help, labels=m.labels[:1])
+            else:
+                f = GaugeMetricFamily(name, m.help, labels=m.labels)
+            self.families[name] = f
+        return f
+
+    def put(self, name: str, value: Any, *labels: str) -> None:
+        """A sample; an unknown value (None) is left out, not exported as 0."""
+        if value is None or isinstance(value, bool):
+            return
+        self.family(name).add_metric([self.node, *labels], float(value))
+
+
+def _run_metrics(out: Families, state: "RunState") -> None:
+    last, model = state.last_step, state.model
+    info = {"run": state.run_name or "", "run_dir": state.run_dir or "",
+            "model": (model.family or "") if model else "", "size": (model.size or "") if model else "",
+            "device": (state.device.name or state.device.type) if state.device else "",
+            "precision": state.precision_label() or ""}
+    out.family("gptop_run_info").add_metric([out.node], info)
+    for s in RunStatus:
+        out.family("gptop_status").add_metric([out.node, s.value], 1.0 if state.status is s else 0.0)
+    out.put("gptop_step", state.step)
+    out.put("gptop_max_steps", state.total_steps)
+    out.put("gptop_tokens", state.tokens)
+    if last is not None:
+        out.put("gptop_tokens_per_second", last.tokens_per_s)
+        out.put("gptop_mfu_ratio", last.mfu)
+        out.put("gptop_loss", last.loss)
+        out.put("gptop_learning_rate", last.lr)
+        out.put("gptop_grad_norm", last.grad_norm)
+    if state.last_eval is not None:
+        out.put("gptop_eval_loss", state.last_eval.loss)
+
+
+def _rank_metrics(out: Families, state: "RunState") -> None:
+    for rank, e in sorted(state.ranks.items()):
+        r = str(rank)
+        out.put("gptop_rank_step", e.step, r)
+        out.put("gptop_step_seconds", None if e.step_ms is None else e.step_ms / 1000, r)
+        for p in PHASES:
+            ms = (e.phases_ms or {}).get(p)
+            out.put("gptop_phase_seconds", None if ms is None else ms / 1000, r, p)
+        out.put("gptop_memory_bytes", e.mem_bytes, r)
+
+
+def _device_metrics(out: Families, state: "RunState") -> None:
+    sample = state.device_sample
+    if sample is None:
+        return
+    for g in sample.devices:
+        i = str(g.index)
+        out.put("gptop_gpu_utilization_percent", g.util_pct, i)
+        out.put("gptop_gpu_memory_used_bytes", g.mem_used, i)
+        out.put("gptop_gpu_memory_total_bytes", g.mem_total, i)
+        out.put("gptop_gpu_power_watts", g.power_w, i)
+        out.put("gptop_gpu_power_limit_watts", g.power_limit_w, i)
+        out.put("gptop_gpu_energy_joules_total", g.energy_j, i)
+        out.put("gptop_gpu_temperature_celsius", g.temp_c, i)
+        out.put("gptop_gpu_sm_clock_mhz", g.sm_clock_mhz, i)
+        out.put("gptop_gpu_ecc_uncorrected_errors", g.ecc_uncorrected, i)
+    c = sample.cpu
+    if c is not None:
+        out.put("gptop_cpu_utilization_percent", c.util_pct)
+        out.put("gptop_cpu_memory_used_bytes", c.mem_used)
+        out.put("gptop_cpu_power_watts", c.power_w)
+        out.put("gptop_trainer_rss_bytes", c.proc_rss)
+        out.put("gptop_trainer_cpu_percent", c.proc_cpu_pct)
+
+
+def _alert_and_tuner_metrics(out: Families, state: "RunState") -> None:
+    active = list(state.alerts_active.values())
+    for kind in AlertKind:
+        for sev in Severity:
+            n = sum(1 for a in active if a.kind is kind and a.severity is sev)
+            out.family("gptop_alerts_active").add_metric([out.node, kind.value, sev.value], float(n))
+    out.family("gptop_alerts_raised_total").add_metric([out.node], float(state.alerts_raised))
+    tu = state.tuner
+    out.put("gptop_tuner_active", 1.0 if tu.active else 0.0)
+    if tu.phase is not None:
+        out.family("gptop_tuner_phase_info").add_metric([out.node], {"phase": tu.phase})
+    out.put("gptop_tuner_budget_left_seconds", state.tuner_budget_left() if tu.active else None)
+    out.put("gptop_tuner_trials", tu.trials_run if tu.trials_run is not None else len(tu.trials) or None)
+    best = tu.best
+    out.put("gptop_tuner_best_tokens_per_second", best.tokens_per_s if best is not None else None)
 
 
 class MetricsServer:
