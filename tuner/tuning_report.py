@@ -129,10 +129,17 @@ def build_report(study: TuneStudy, info: dict[str, Any]) -> dict[str, Any]:
 
 def render_markdown(report: dict[str, Any]) -> str:
     """tuning.md: the summary, the ledger and the trial table."""
+    energy = any(_fmt_jpt(r.get("energy_per_token")) != "-" for r in report["trials"])
+    lines = ["# Tuning report", "", *_summary_lines(report),
+             "", "## Ledger", "", *_ledger_lines(report.get("ledger") or {}),
+             "", "## Trials", "", *_trial_table(report, energy), ""]
+    return "\n".join(lines)
+
+
+def _summary_lines(report: dict[str, Any]) -> list[str]:
     base = report["base"]
-    led = report.get("ledger") or {}
     baseline = report.get("baseline") or {}
-    lines = ["# Tuning report", ""]
+    lines: list[str] = []
     key = report.get("key") or {}
     lines.append(f"Study `{report['study']}`: {key.get('device', '?')} x{key.get('device_count', 1)}, "
                  f"{key.get('model', '?')} {key.get('size', '')}, seq_len {key.get('seq_len')}, "
@@ -141,7 +148,6 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += ["", f"Storage `{report['storage']}`; to browse every trial: `{dashboard_command(report['storage'])}`"]
     lines.append("")
     lines.append(f"- Outcome: {report.get('outcome') or '-'}")
-    energy = any(_fmt_jpt(r.get("energy_per_token")) != "-" for r in report["trials"])
     lines.append(f"- Starting configuration: {_fmt_tps(baseline.get('tokens_per_s'), baseline.get('spread'))} tokens/s"
                  + (f", {_fmt_jpt(baseline.get('energy_per_token'))}/token"
                     if _fmt_jpt(baseline.get("energy_per_token")) != "-" else "")
@@ -163,7 +169,11 @@ def render_markdown(report: dict[str, Any]) -> str:
     if dec:
         lines.append(f"- Decision: {dec['reason']} (saving {dec['expected_saving_s']:.0f}s, switch cost "
                      f"{dec['cost_s']:.0f}s)")
-    lines += ["", "## Ledger", ""]
+    return lines
+
+
+def _ledger_lines(led: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
     budget = led.get("budget_s", 0.0) or 0.0
     asked = led.get("requested_budget_s")
     lines.append(f"- Tuning time: {format_duration(led.get('tuning_s', 0.0))} of a {format_duration(budget)} budget"
@@ -181,10 +191,13 @@ def render_markdown(report: dict[str, Any]) -> str:
             at = f"step {d['step']}: " if isinstance(d.get("step"), int) else ""
             lines.append(f"- {at}{d['reason']} (saving {_secs(d.get('expected_saving_s'))}, cost "
                          f"{_secs(d.get('cost_s'))})")
-    lines += ["", "## Trials", "",
-              "| # | run | source | changes vs start | tokens/s | peak mem |" + (" energy/token |" if energy else "")
-              + " status | reason |",
-              "|---|---|---|---|---|---|" + ("---|" if energy else "") + "---|---|"]
+    return lines
+
+
+def _trial_table(report: dict[str, Any], energy: bool) -> list[str]:
+    lines = ["| # | run | source | changes vs start | tokens/s | peak mem |" + (" energy/token |" if energy else "")
+             + " status | reason |",
+             "|---|---|---|---|---|---|" + ("---|" if energy else "") + "---|---|"]
     for r in report["trials"]:
         tps = _fmt_tps(r.get("tokens_per_s"), r.get("spread"))
         for rm in r.get("remeasures", []):
@@ -206,8 +219,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     if energy:
         lines.append("Energy/token: the devices' energy over the trial's measured steps (hardware counters where "
                      "the device has them, else integrated power) / the tokens of those steps.")
-    lines.append("")
-    return "\n".join(lines)
+    return lines
 
 
 def _secs(v: Any) -> str:
