@@ -59,7 +59,7 @@ def test_a_stop_command_before_the_first_step_interrupts_the_main_thread(channel
         conn.sendall(b'{"cmd": "stop", "reason": "q"}\n')
         for _ in range(600):             # "building a model": the stop cannot wait for a step boundary
             time.sleep(0.05)
-    honour_startup_stop()                # as trainer.train.main_run does when it catches it
+    honour_startup_stop()                # as trainer.runner.main_run does when it catches it
 
 
 def test_a_library_catch_all_does_not_swallow_the_startup_stop(channel):
