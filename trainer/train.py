@@ -1,10 +1,14 @@
 """The instrumented, resumable training loop, assembled from components (after torchtitan's trainer):
 
+    trainer.build         builders that return the resolved config, the data, the model and its precision and
+                          parallel wrapping, and the hello's fields (`Trainer.setup` composes them)
+    trainer.autobatch     what `--micro-batch auto` becomes
     trainer.checkpointer  the state a checkpoint holds, verified finite; resume and rollback targets
     trainer.commands      commands at step boundaries, one path (the agreement is a no-op for one rank)
     trainer.optim         AdamW's groups, the learning-rate schedule, a step a non-finite step skips
     trainer.profiler      torch.profiler windows
     trainer.faults        test-only fault injection (the hidden --fault flag)
+    trainer.runner        main_run: one run, every failure an error event and an exit code
 
 One optimizer step = `accum` micro-steps of forward+backward, then the optimizer. Everything the loop
 needs per step stays on the device: the loss, the gradient norm and the step's non-finite flags are
