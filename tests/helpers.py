@@ -45,7 +45,7 @@ def train_in_process(run_dir: str | Path, *args: str, base: list[str] = TINY, cf
     wrote, read back strictly unless told, run dir)."""
     from trainer.worker_cli import parse_config
     from trainer.contract.events import read_events
-    from trainer.train import main_run
+    from trainer.runner import main_run
 
     run_dir = Path(run_dir)
     if cfg is None:

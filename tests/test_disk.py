@@ -24,7 +24,8 @@ from trainer.worker_cli import parse_config
 from trainer.contract import atomic, rundir
 from trainer.contract.atomic import DiskError, atomic_write, disk_error
 from trainer.contract.events import ErrorEvent, HelloEvent, read_events
-from trainer.train import EXIT_DISK, main_run
+from trainer.runner import main_run
+from trainer.train import EXIT_DISK
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 

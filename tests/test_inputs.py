@@ -471,10 +471,10 @@ def run_gptop(argv, monkeypatch) -> tuple[int, str]:
 
 
 def run_trainer(argv, monkeypatch) -> tuple[int, str]:
-    import trainer.train
+    import trainer.runner
     from trainer import worker_cli as cli
 
-    monkeypatch.setattr(trainer.train, "main_run", _never)
+    monkeypatch.setattr(trainer.runner, "main_run", _never)
     return cli.main(argv), ""
 
 

@@ -59,7 +59,7 @@ def test_a_stop_command_before_the_first_step_interrupts_the_main_thread(channel
         conn.sendall(b'{"cmd": "stop", "reason": "q"}\n')
         for _ in range(600):             # "building a model": the stop cannot wait for a step boundary
             time.sleep(0.05)
-    honour_startup_stop()                # as trainer.train.main_run does when it catches it
+    honour_startup_stop()                # as trainer.runner.main_run does when it catches it
 
 
 def test_a_library_catch_all_does_not_swallow_the_startup_stop(channel):
@@ -255,3 +255,38 @@ def test_auto_micro_batch_counts_the_optimizer_state_the_first_step_allocates(tm
     shapes = [E.Tensor(tuple(p.shape)) for p in trainer.raw_model.parameters() if p.requires_grad]
     state = E.optimizer_state_bytes("adamw", shapes)
     assert state > 8 * 10**6 and got["peaks"] == {1: 10**9 + state, 2: 10**9 + state}
+
+
+def test_setup_resolves_into_its_own_config_and_leaves_the_callers(tmp_path, monkeypatch):
+    """What auto and the defaults become (size, precision, micro-batch, run directory) is a new config the
+    trainer keeps and records (the hello, config.toml, the checkpointer's); the config it was given is as given."""
+    import tomllib
+
+    from helpers import restoring_signals
+    from trainer.train import Trainer
+    from trainer.worker_cli import parse_config
+
+    monkeypatch.chdir(tmp_path)                     # the default run directory is relative
+    args = [a for a in TINY if a not in ("--size", "tiny")]
+    cfg = parse_config([*args, "--size", "auto", "--micro-batch", "auto", "--precision", "auto", "--max-steps", "1"])
+    given = cfg.to_dict()
+    trainer = Trainer(cfg)
+    with restoring_signals():
+        try:
+            trainer.setup()
+        finally:
+            if trainer.channel is not None:
+                trainer.channel.close()
+            if trainer.run_lock is not None:
+                trainer.run_lock.release()
+    assert cfg.to_dict() == given
+    resolved = trainer.cfg.to_dict()
+    assert "auto" not in (resolved["model"]["size"], resolved["toggles"]["precision"], resolved["toggles"]["micro_batch"])
+    assert resolved["toggles"]["micro_batch"] == trainer.micro_batch
+    assert resolved["run"]["run_dir"] == str(trainer.run_dir) and given["run"]["run_dir"] is None
+    assert trainer.ckpt.cfg is trainer.cfg          # every checkpoint records the resolved config
+    hello = [e for e in read_events(trainer.run_dir / "events.jsonl") if e.type == "hello" and not e.early][-1]
+    assert hello.config == resolved
+    with open(trainer.run_dir / "config.toml", "rb") as f:
+        written = tomllib.load(f)
+    assert all(written[s][k] == v for s, values in resolved.items() for k, v in values.items() if v is not None)

@@ -274,7 +274,7 @@ def test_size_auto_resolves_in_the_trainer(tmp_path, extra):
 def test_a_cuda_graph_replay_error_is_a_compile_error():
     """The overwritten-output error of a CUDA-graph compile mode is raised where the storage is next touched
     (autograd, the optimizer), as a plain RuntimeError: it is a compile error (exit 5), not a crash."""
-    from trainer.train import _is_compile_error
+    from trainer.runner import _is_compile_error
 
     assert _is_compile_error(RuntimeError("Error: accessing tensor output of CUDAGraphs that has been "
                                           "overwritten by a subsequent run."))

@@ -15,9 +15,17 @@ predicted peak would pass the margin are never run.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import math
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+
+from .contract import capabilities
+from .contract import estimate as E
+from .contract.config import ConfigError, TrainConfig
+
+if TYPE_CHECKING:
+    from .dist import Group
 
 
 def candidates(local_batch: int) -> list[int]:
@@ -75,6 +83,56 @@ def find_micro_batch(probe: Callable[[int], int], local_batch: int, capacity: in
             nxt = max(fitting)
         attempt(nxt)
     raise torch.OutOfMemoryError(f"even micro-batch {cands[0]} does not fit with the safety margin")
+
+
+def roomy_cpu_batch(cfg: TrainConfig, family: str, size: str, *, local: int, share: int | None, vocab_size: int,
+                    log: Callable[[str], None]) -> int | None:
+    """On the CPU (`share`: this rank's share of the RAM), the whole per-rank batch `local` when its estimate
+    (trainer.contract.estimate, within a factor of about 1.5 of the measured peak) takes under half of the
+    share: probing would cost more than a step of work (1 + 2 + the whole batch) for an answer known in
+    advance. None: probe."""
+    if not share or family not in E.FAMILIES:
+        return None
+    est = E.estimate(family, size, seq_len=cfg.data.seq_len, global_batch=cfg.optim.global_batch,
+                     micro_batch=local, precision=cfg.toggles.precision, vocab_size=vocab_size,
+                     checkpointing=cfg.toggles.activation_checkpointing, **E.run_options(cfg))
+    if est.total_bytes > 0.5 * share:
+        return None
+    log(f"--micro-batch auto: {local}, the whole batch (estimated {est.total_bytes / E.GiB:.1f} GiB of "
+        f"{share / E.GiB:.1f} GiB RAM: no probe needed)")
+    return local
+
+
+def probe_micro_batch(probe_local: Callable[[int], int], local: int, *, capacity: int, group: Group | None,
+                      compile_mode: str, log: Callable[[str], None]) -> int:
+    """`find_micro_batch` for a run: `probe_local(mb)` is this rank's peak at micro-batch `mb`. Several ranks
+    decide together (FSDP's forward is collective): the worst rank's peak and the smallest capacity count.
+    A CUDA-graph compile mode runs without accumulation (capabilities.support): the whole batch or nothing."""
+
+    def probe(mb: int) -> int:
+        if group is None:
+            return probe_local(mb)
+        try:
+            peak = float(probe_local(mb))
+        except torch.OutOfMemoryError:
+            peak = math.inf
+        peak = group.host_max(peak)
+        if math.isinf(peak):
+            raise torch.OutOfMemoryError(f"micro-batch {mb} ran out of memory on a rank")
+        return int(peak)
+
+    if group is not None:
+        capacity = int(group.host_min(float(capacity)))
+    only = [local] if compile_mode in capabilities.CUDA_GRAPH_MODES else None
+    try:
+        return find_micro_batch(probe, local, capacity, margin=0.1, log=log, only=only)
+    except torch.OutOfMemoryError:
+        if only is None:
+            raise
+        raise ConfigError("--compile", f"{compile_mode} uses CUDA graphs, which run without gradient "
+                                       f"accumulation, and the whole per-rank batch ({local}) does not fit: use "
+                                       f"--compile default or max-autotune-no-cudagraphs, or a smaller "
+                                       f"--global-batch") from None
 
 
 def check(dev: Any, quick: bool) -> Any:

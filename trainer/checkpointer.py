@@ -134,6 +134,10 @@ class Checkpointer:
         """The live objects a checkpoint saves and restores (again after the optimizer is rebuilt)."""
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
 
+    def use_config(self, cfg: TrainConfig) -> None:
+        """The run's config once the trainer resolved more of it (the micro-batch): what a checkpoint records."""
+        self.cfg = cfg
+
     @property
     def newest(self) -> Path | None:
         return self.history[max(self.history)] if self.history else None

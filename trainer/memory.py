@@ -122,7 +122,7 @@ def make_meter(device: torch.device) -> MemoryMeter:
 def check_expandable_segments(dev: Any, quick: bool, *, cuda: Any = None,
                               environ: MutableMapping[str, str] | None = None) -> Any:
     """gptop doctor's `expandable_segments` path: in a fresh process, `--cuda-allocator expandable_segments`
-    (enable_expandable_segments, as trainer.train.main_run calls it, here over a PYTORCH_CUDA_ALLOC_CONF the
+    (enable_expandable_segments, as trainer.runner.main_run calls it, here over a PYTORCH_CUDA_ALLOC_CONF the
     user set) must leave the allocator's segments expandable."""
     import os
 

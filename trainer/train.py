@@ -1,10 +1,14 @@
 """The instrumented, resumable training loop, assembled from components (after torchtitan's trainer):
 
+    trainer.build         builders that return the resolved config, the data, the model and its precision and
+                          parallel wrapping, and the hello's fields (`Trainer.setup` composes them)
+    trainer.autobatch     what `--micro-batch auto` becomes
     trainer.checkpointer  the state a checkpoint holds, verified finite; resume and rollback targets
     trainer.commands      commands at step boundaries, one path (the agreement is a no-op for one rank)
     trainer.optim         AdamW's groups, the learning-rate schedule, a step a non-finite step skips
     trainer.profiler      torch.profiler windows
     trainer.faults        test-only fault injection (the hidden --fault flag)
+    trainer.runner        main_run: one run, every failure an error event and an exit code
 
 One optimizer step = `accum` micro-steps of forward+backward, then the optimizer. Everything the loop
 needs per step stays on the device: the loss, the gradient norm and the step's non-finite flags are
@@ -19,33 +23,33 @@ non-finite step too.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from . import autobatch, build, faults, optim
 from . import checkpoint_files as ckpt
 from . import dist as D
-from . import faults
-from . import optim
-from .channel import Channel, StartupStopped, honour_startup_stop
+from .channel import Channel
 from .contract import estimate as E
 from .checkpointer import Checkpointer, NonFiniteState, Progress
 from .commands import Commands
 from .contract import capabilities, protect, rundir
-from .contract.atomic import DiskError, atomic_write, disk_error
+from .contract.atomic import atomic_write
 from .contract.config import AUTO, ConfigError, TrainConfig, parse_step_range
 from .contract.device import DeviceInfo
-from .contract.events import MAX_STEPS, STOPPED_BEFORE_FIRST_STEP, CompileWarning
+from .contract.events import MAX_STEPS, CompileWarning
 from .contract.runlock import RunLock
 from .device_probe import detect
-from .inductor_cache import OwnCache, artefact_failure
+from .flops import REMEASURE_MFU, cpu_dtype, forget_cpu_peak, mfu, peak
+from .inductor_cache import OwnCache
 from .memory import make_meter
+from .models import is_pretrained_path
+from .moe import MoEBalancer
 from .profiler import StepProfiler, report_written
 from .timing import interval_means, make_timer
 
@@ -131,24 +135,11 @@ class Trainer:
         """The first event, before anything is built: the run as configured and what it will cost. A run
         that cannot fit in the device's memory stops here (exit 2) with the estimate and the largest size
         that fits; a step longer than a minute is a warning before it is taken."""
-        from .models import is_pretrained_path
-
         cfg = self.cfg
-        est = None
-        if not is_pretrained_path(cfg.model.model) and cfg.model.size in E.SIZES:
-            kw = dict(seq_len=cfg.data.seq_len, global_batch=cfg.optim.global_batch,
-                      micro_batch=cfg.toggles.micro_batch_int(), precision=cfg.toggles.precision,
-                      device=self.dev.type, capacity=self._rank_memory(),
-                      peak_flops=self.peak_flops, world_size=self.world, fsdp=self.parallel == "fsdp",
-                      checkpointing=cfg.toggles.activation_checkpointing, **E.run_options(cfg))
-            est = E.estimate(cfg.model.model, cfg.model.size, **kw)
-        model = {"family": cfg.model.model, "size": cfg.model.size}
-        if est is not None:
-            model.update(total_params=est.total_params, active_params=est.active_params,
-                         flops_per_token=est.flops_per_token)
-        self.emit0("hello", pid=os.getpid(), world_size=self.world, parallel=self.parallel, config=cfg.to_dict(),
-                   device=self.dev.to_dict(), model=model, early=True, auto=self.auto_options,
-                   estimate=est.to_dict() if est is not None else None, torch=torch.__version__)
+        est, kw = build.run_estimate(cfg, self.dev, capacity=build.rank_memory(self.dev, self.local_procs),
+                                     peak_flops=self.peak_flops, world=self.world, parallel=self.parallel)
+        self.emit0("hello", **build.early_hello(cfg, self.dev, est, world=self.world, parallel=self.parallel,
+                                                auto=self.auto_options))
         if est is None:
             return
         where = "this CPU" if not self.dev.is_cuda else self.dev.name
@@ -162,58 +153,35 @@ class Trainer:
             self.emit0("warning", message=msg, kind="estimate")
             self.log(f"warning: {msg}")
 
-    def _rank_memory(self) -> int | None:
-        """The memory one rank trains in: its GPU's, or its share of the RAM (the node's ranks share it)."""
-        if not self.dev.total_memory:
-            return None
-        return self.dev.total_memory if self.dev.is_cuda else self.dev.total_memory // self._local_procs
-
-    def _node_gpus(self) -> list[str] | None:
-        """gpu_key of each GPU this node's ranks train on (rank i on cuda:LOCAL_RANK, dist.rank_device)."""
-        if not self.dev.is_cuda:
-            return None
-        from .contract.device import gpu_key
-        from .device_probe import gpu_identity
-
-        if self.world == 1:
-            keys = self.dev.keys
-        else:
-            ids = [gpu_identity(i) for i in range(self._local_procs)]
-            keys = [k for uuid, pci in ids for k in (gpu_key(uuid), gpu_key(None, pci)) if k]
-        return keys or None
-
     @property
     def parallel(self) -> str | None:
         return self.cfg.run.parallel if self.world > 1 else None
 
     def setup(self) -> None:
-        from .data import BatchSampler, load_data
-        from .models import build_model, is_pretrained_path, resolve_size
+        """Build the run's components in order, each from a builder that returns it (trainer.build); what
+        `auto` and the defaults become is a new config the trainer keeps (`self.cfg`), never the caller's."""
+        build.select_device(self.dev)
+        self.cfg = build.resolve_config(self.cfg, self.dev)
+        self._open_run_dir()
+        self._join_ranks()
+        self._check_config()
+        self._early_hello()
+        self._build_components()
+        if self.cfg.checkpoint.resume:
+            self._resume()
+        self.model = self._compile(self.ddp if self.ddp is not None else self.raw_model)
+        self._resolve_micro_batch()
+        self._announce()
 
+    def _open_run_dir(self) -> None:
+        """The run directory, its lock (one writer, before anything is written into it) and the event channel."""
         cfg = self.cfg
-        if self.dev.is_cuda:
-            # One process on cuda:N too (several ranks set it in dist.Group.init): whatever uses the current
-            # device (an event or a stream without one named, a library's allocation) then uses the run's GPU.
-            torch.cuda.set_device(self.device)
-        else:
-            from .hostalloc import keep_freed_memory
-
-            keep_freed_memory()        # reuse freed tensors instead of page-faulting them in every step
-        if is_pretrained_path(cfg.model.model):
-            if cfg.data.tokenizer is None:
-                cfg.data.tokenizer = cfg.model.model
-        elif cfg.model.size == "auto":
-            cfg.model.size = resolve_size("auto", cfg.model.model, self.dev, **E.run_options(cfg))
-        # The run records what auto became (config.toml, hello), so a resume or a tuner trial runs the same.
-        cfg.toggles.precision = capabilities.resolve_precision(cfg.toggles.precision, self.dev)
-
-        self.run_dir = Path(cfg.run.run_dir or rundir.default_run_dir(cfg))
-        cfg.run.run_dir = str(self.run_dir)
+        self.run_dir = Path(cfg.run.run_dir)
         self.own_cache = OwnCache(self.run_dir / "inductor-cache")
         if not self.created_dirs:      # what a refusal before the first step removes
             self.created_dirs = protect.dirs_to_create(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        # One writer per run directory, before anything is written into it (RunDirBusy: exit 2).
+        # RunDirBusy: exit 2
         if self.run_lock is None or self.run_lock.run_dir.resolve() != self.run_dir.resolve():
             self.run_lock = RunLock.for_trainer(self.run_dir,
                                                 new_run=not rundir.resumes_into(cfg.checkpoint.resume, self.run_dir))
@@ -223,41 +191,47 @@ class Trainer:
         self.channel.install_signal_handlers()
         for notice in self.notices:
             self._warn(notice)
-        if self.world > 1:
-            if os.environ.get("TORCHELASTIC_RUN_ID"):
-                D.die_with_parent()
-            if self.parallel == "fsdp":
-                D.fsdp_precision(cfg.toggles.precision)      # unsupported combinations fail before the group forms
-            self.group = D.Group(self.rank, self.world, self.local_rank, self.device)
-            self.group.init()
 
+    def _join_ranks(self) -> None:
+        """Several ranks: the process group and its control plane."""
+        if self.world == 1:
+            return
+        if os.environ.get("TORCHELASTIC_RUN_ID"):
+            D.die_with_parent()
+        if self.parallel == "fsdp":
+            D.fsdp_precision(self.cfg.toggles.precision)      # unsupported combinations fail before the group forms
+        self.group = D.Group(self.rank, self.world, self.local_rank, self.device)
+        self.group.init()
+
+    def _check_config(self) -> None:
+        """What the device, the model family and the number of ranks allow; then the peak MFU is measured against."""
+        cfg = self.cfg
         capabilities.check_config(cfg, self.dev, self.world)
         if not is_pretrained_path(cfg.model.model):      # a family's LoRA targets and rank, from its dimensions
             E.check_lora(cfg.model.model, cfg.model.size, cfg.finetune.lora, cfg.finetune.lora_targets)
         cfg.validate(world_size=self.world)     # the per-rank batch and micro-batch, now that the world is known
-        from .flops import peak
-
-        self._local_procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)   # ranks sharing this node's CPU
-        p = peak(self.dev, cfg.toggles.precision, procs=self._local_procs)
+        self.local_procs = build.local_procs()
+        p = peak(self.dev, cfg.toggles.precision, procs=self.local_procs)
         self.peak_flops, self.peak_source = p.flops, p.source
         self._peak_remeasured = False
-        self._early_hello()
+
+    def _build_components(self) -> None:
+        """The data, the model (on the device, in its precision, wrapped for several ranks), the optimizer and
+        what works on them: the checkpointer, the commands, the profiler."""
+        cfg = self.cfg
         torch.manual_seed(cfg.optim.seed)
-        self.data = load_data(cfg.data, log=self.log, phase=self._tokenizing)
-        self.sampler = BatchSampler(self.data.train, cfg.data.seq_len, cfg.optim.global_batch, cfg.optim.seed,
-                                    rank=self.rank, world_size=self.world)
-        what = cfg.model.model if is_pretrained_path(cfg.model.model) else f"{cfg.model.model} {cfg.model.size}"
-        self.phase("building", f"building {what}")
-        self.bundle = build_model(cfg.model, vocab_size=self.data.vocab_size, seq_len=cfg.data.seq_len,
-                                  toggles=cfg.toggles, dev=self.dev, mask_id=self.data.mask_id, seed=cfg.optim.seed,
-                                  finetune=cfg.finetune)
+        self.data, self.sampler = build.build_data(cfg, rank=self.rank, world=self.world, log=self.log,
+                                                   phase=self._tokenizing)
+        self.phase("building", f"building {build.model_name(cfg)}")
+        self.bundle = build.build_bundle(cfg, self.data, self.dev)
         self.raw_model = self.bundle.model.to(self.device)
-        self._setup_precision()
-        self._wrap_parallel()
+        precision = build.build_precision(self.raw_model, cfg.toggles.precision, self.dev, self.parallel)
+        self.autocast_dtype, self.scaler = precision.autocast_dtype, precision.scaler
+        wrapped = build.wrap_parallel(self.raw_model, self.group, self.parallel, cfg.toggles.precision, self.dev,
+                                      is_moe=self.bundle.is_moe)
+        self.ddp, self.comm = wrapped.ddp, wrapped.comm
         self.optimizer = optim.build_optimizer(self.raw_model, cfg)
         self.meter = make_meter(self.device)
-        from .moe import MoEBalancer
-
         self.balancer = MoEBalancer(self.raw_model) if self.bundle.is_moe else None
         self.ckpt = Checkpointer(cfg, self.dev, self.run_dir, self.group, warn=self._warn)
         self.ckpt.bind(self.raw_model, self.optimizer, self.scaler)
@@ -266,38 +240,36 @@ class Trainer:
                                      parse_step_range(cfg.log.profile_steps) if cfg.log.profile_steps else None,
                                      on_written=self._profile_written)
 
-        if cfg.checkpoint.resume:
-            self.phase("loading", "loading the checkpoint to resume from")
-            path, self.progress = self.ckpt.resume(cfg.checkpoint.resume)
-            self.resumed_from = str(path)
-            self.log(f"resumed from {path} at step {self.progress.step}")
-            w = self.profiler.window
-            if w and w[1] <= self.progress.step:
-                self.emit0("warning", message=f"--profile-steps {w[0]}-{w[1]}: this run resumes after step "
-                                              f"{self.progress.step}, so no trace is written")
-        self.model = self._compile(self.ddp if self.ddp is not None else self.raw_model)
+    def _resume(self) -> None:
+        self.phase("loading", "loading the checkpoint to resume from")
+        path, self.progress = self.ckpt.resume(self.cfg.checkpoint.resume)
+        self.resumed_from = str(path)
+        self.log(f"resumed from {path} at step {self.progress.step}")
+        w = self.profiler.window
+        if w and w[1] <= self.progress.step:
+            self.emit0("warning", message=f"--profile-steps {w[0]}-{w[1]}: this run resumes after step "
+                                          f"{self.progress.step}, so no trace is written")
 
-        if cfg.toggles.micro_batch == AUTO:
-            cfg.toggles.micro_batch = self._auto_micro_batch()
-            capabilities.check_config(cfg, self.dev, self.world)     # what depends on the accumulation
-        self.micro_batch = cfg.toggles.micro_batch
-        self.accum = self.sampler.accumulation_steps(self.micro_batch)
-        self.tokens_per_step = cfg.optim.global_batch * cfg.data.seq_len
+    def _resolve_micro_batch(self) -> None:
+        """`--micro-batch auto` becomes the probed number, in a new config the trainer and its checkpointer
+        keep; then the step's batching."""
+        if self.cfg.toggles.micro_batch == AUTO:
+            self.cfg = build.replaced(self.cfg, "toggles", micro_batch=self._auto_micro_batch())
+            self.ckpt.use_config(self.cfg)
+            capabilities.check_config(self.cfg, self.dev, self.world)     # what depends on the accumulation
+        b = build.batching(self.cfg, self.sampler)
+        self.micro_batch, self.accum, self.tokens_per_step = b.micro_batch, b.accumulation, b.tokens_per_step
 
+    def _announce(self) -> None:
+        """The resolved config into the run directory, the hello, a summary line and the slow choices."""
+        cfg = self.cfg
         if self.rank == 0:
             atomic_write(rundir.RunDir(self.run_dir).config, cfg.to_toml())
-        self.emit_node(
-            "hello", pid=os.getpid(), world_size=self.world, parallel=self.parallel, config=cfg.to_dict(), device=self.dev.to_dict(),
-            model={"family": self.bundle.family, "size": self.bundle.size, "total_params": self.bundle.total_params,
-                   "active_params": self.bundle.active_params, "embedding_params": self.bundle.embedding_params,
-                   "trainable_params": self.bundle.trainable_params,
-                   "vocab_size": self.bundle.vocab_size, "flops_per_token": self.bundle.flops_per_token,
-                   "objective": self.bundle.objective},
-            data={"train_tokens": int(len(self.data.train)), "val_tokens": int(len(self.data.val)),
-                  "fingerprint": self.data.fingerprint},
-            accumulation=self.accum, micro_batch=self.micro_batch, tokens_per_step=self.tokens_per_step,
-            peak_flops=self.peak_flops, peak_source=self.peak_source, resumed_from=self.resumed_from, start_step=self.progress.step,
-            torch=torch.__version__, gpus=self._node_gpus(), auto=self.auto_options)
+        self.emit_node("hello", **build.hello(
+            cfg, self.dev, self.bundle, self.data, build.Batching(self.micro_batch, self.accum, self.tokens_per_step),
+            world=self.world, parallel=self.parallel, peak_flops=self.peak_flops, peak_source=self.peak_source,
+            resumed_from=self.resumed_from, start_step=self.progress.step,
+            gpus=build.node_gpus(self.dev, self.world, self.local_procs), auto=self.auto_options))
         ranks = f"; {self.world} ranks ({self.parallel}, {self.group.backend})" if self.group else ""
         self.log(f"{self.bundle.family}/{self.bundle.size}: {self.bundle.total_params / 1e6:.1f}M params "
                  f"({self.bundle.active_params / 1e6:.1f}M active, {self.bundle.trainable_params / 1e6:.2f}M trained) "
@@ -306,38 +278,6 @@ class Trainer:
         for slow in capabilities.slow_config(cfg, self.dev):   # runs, but the user should know
             self.log(f"warning: {slow}")
             self.emit0("warning", message=slow, kind="slow_toggle")
-
-    def _setup_precision(self) -> None:
-        p = self.cfg.toggles.precision
-        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16,
-                               "fp8-tensorwise": torch.bfloat16, "fp8-rowwise": torch.bfloat16}.get(p)
-        if self.parallel == "fsdp":
-            self.autocast_dtype = D.fsdp_precision(p)[1]     # FSDP2's MixedPrecisionPolicy casts instead
-        if self.dev.is_cuda:
-            # A mixed-precision run lets the fp32 matmuls left outside autocast use TF32 too; fp32 means fp32.
-            tf32 = p != "fp32" and self.dev.at_least(8, 0)
-            torch.backends.cuda.matmul.allow_tf32 = tf32
-            torch.backends.cudnn.allow_tf32 = tf32
-        if p.startswith("fp8"):
-            from .fp8 import convert_to_fp8
-
-            convert_to_fp8(self.raw_model, p.split("-", 1)[1])
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=(p == "fp16"))
-
-    def _wrap_parallel(self) -> None:
-        """Several ranks: DDP (gradient all-reduce overlapping backward) or FSDP2 (sharded parameters)."""
-        if self.group is None:
-            return
-        if self.parallel == "fsdp":
-            D.apply_fsdp(self.raw_model, self.cfg.toggles.precision)
-            return
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        self.ddp = DDP(self.raw_model, device_ids=[self.device.index] if self.dev.is_cuda else None,
-                       find_unused_parameters=self.bundle.is_moe)   # experts a batch did not route to
-        if self.group.backend == "gloo":
-            self.comm = D.CommTimer(self.world)
-            self.comm.register(self.ddp)
 
     def _sync_grads(self, last_micro: bool) -> contextlib.AbstractContextManager:
         """Gradient accumulation without communication until the last micro-batch (used with `with`)."""
@@ -417,16 +357,16 @@ class Trainer:
 
     # --------------------------------------------------------------- micro-batch
     def _auto_micro_batch(self) -> int:
-        from .autobatch import find_micro_batch
-
+        """The largest micro-batch that fits (trainer.autobatch): known in advance on a roomy CPU, else probed
+        with a forward and backward per candidate."""
         local = self.cfg.optim.global_batch // self.world
-        roomy = self._roomy_cpu_batch(local)
-        if roomy is not None:
-            return roomy
+        if not self.dev.is_cuda:
+            roomy = autobatch.roomy_cpu_batch(self.cfg, self.bundle.family, self.bundle.size, local=local,
+                                              share=build.rank_memory(self.dev, self.local_procs),
+                                              vocab_size=self.data.vocab_size, log=self.log)
+            if roomy is not None:
+                return roomy
         x_all, y_all = self.sampler.micro_batch(0, 0, local)
-        # Probe without torch.compile: compiling once per probed size would cost minutes and leave the run
-        # with a dynamic-shape graph; eager's peak is usually above the compiled one (a safe estimate).
-        eager = getattr(self.model, "_orig_mod", self.model)
         # The probe runs forward and backward only; the optimizer's state (AdamW's moments: 8 bytes per
         # trained parameter) appears at the first step and stays through every later forward and backward.
         pending = optim.pending_state_bytes(self.optimizer, self.cfg.toggles.optimizer)
@@ -435,69 +375,32 @@ class Trainer:
                      f"allocates")
 
         def probe_local(mb: int) -> int:
-            self.phase("probing", f"probing micro-batch {mb}")
-            self.meter.reset_peak()
-            try:
-                # DDP: no gradient all-reduce. FSDP2 keeps its reduce-scatter (the ranks probe in lockstep), so
-                # no unsharded gradient is left accumulated for the first real step.
-                with self._sync_grads(last_micro=self.parallel == "fsdp"), self._autocast():
-                    loss = self._loss(x_all[:mb].to(self.device), y_all[:mb].to(self.device), 0, 0, model=eager)
-                    self.scaler.scale(loss).backward()
-                return self.meter.peak() + pending
-            finally:
-                self.optimizer.zero_grad(set_to_none=True)
-                if self.balancer is not None:
-                    self.balancer.reset()
+            return self._probe_peak(x_all[:mb], y_all[:mb]) + pending
 
-        def probe(mb: int) -> int:
-            """Several ranks decide together (FSDP's forward is collective): the worst rank's peak counts."""
-            if self.group is None:
-                return probe_local(mb)
-            try:
-                peak = float(probe_local(mb))
-            except torch.OutOfMemoryError:
-                peak = math.inf
-            peak = self.group.host_max(peak)
-            if math.isinf(peak):
-                raise torch.OutOfMemoryError(f"micro-batch {mb} ran out of memory on a rank")
-            return int(peak)
-
-        capacity = self.meter.capacity()
-        if self.group is not None:
-            capacity = int(self.group.host_min(float(capacity)))
-        # CUDA-graph compile modes run without accumulation (capabilities.support): the whole batch or nothing
-        only = [local] if self.cfg.toggles.compile in capabilities.CUDA_GRAPH_MODES else None
-        try:
-            mb = find_micro_batch(probe, local, capacity, margin=0.1,
-                                  log=self.log if self.rank == 0 else lambda s: None, only=only)
-        except torch.OutOfMemoryError:
-            if only is None:
-                raise
-            raise ConfigError("--compile", f"{self.cfg.toggles.compile} uses CUDA graphs, which run without "
-                                           f"gradient accumulation, and the whole per-rank batch ({local}) does "
-                                           f"not fit: use --compile default or max-autotune-no-cudagraphs, or a "
-                                           f"smaller --global-batch") from None
+        mb = autobatch.probe_micro_batch(probe_local, local, capacity=self.meter.capacity(), group=self.group,
+                                         compile_mode=self.cfg.toggles.compile,
+                                         log=self.log if self.rank == 0 else lambda s: None)
         self.log(f"--micro-batch auto: {mb}")
         return mb
 
-    def _roomy_cpu_batch(self, local: int) -> int | None:
-        """On the CPU, the whole per-rank batch when its estimate (trainer.contract.estimate, within a factor
-        of about 1.5 of the measured peak) takes under half of this rank's share of the RAM: probing would
-        cost more than a step of work (1 + 2 + the whole batch) for an answer known in advance. None: probe."""
-
-        cfg = self.cfg
-        share = self._rank_memory()
-        if self.dev.is_cuda or not share or self.bundle.family not in E.FAMILIES:
-            return None
-        est = E.estimate(self.bundle.family, self.bundle.size, seq_len=cfg.data.seq_len,
-                         global_batch=cfg.optim.global_batch, micro_batch=local, precision=cfg.toggles.precision,
-                         vocab_size=self.data.vocab_size, checkpointing=cfg.toggles.activation_checkpointing,
-                         **E.run_options(cfg))
-        if est.total_bytes > 0.5 * share:
-            return None
-        self.log(f"--micro-batch auto: {local}, the whole batch (estimated {est.total_bytes / E.GiB:.1f} GiB of "
-                 f"{share / E.GiB:.1f} GiB RAM: no probe needed)")
-        return local
+    def _probe_peak(self, x: torch.Tensor, y: torch.Tensor) -> int:
+        """The peak memory of one forward and backward on `x`, leaving no gradient behind."""
+        self.phase("probing", f"probing micro-batch {len(x)}")
+        # Probe without torch.compile: compiling once per probed size would cost minutes and leave the run
+        # with a dynamic-shape graph; eager's peak is usually above the compiled one (a safe estimate).
+        eager = getattr(self.model, "_orig_mod", self.model)
+        self.meter.reset_peak()
+        try:
+            # DDP: no gradient all-reduce. FSDP2 keeps its reduce-scatter (the ranks probe in lockstep), so
+            # no unsharded gradient is left accumulated for the first real step.
+            with self._sync_grads(last_micro=self.parallel == "fsdp"), self._autocast():
+                loss = self._loss(x.to(self.device), y.to(self.device), 0, 0, model=eager)
+                self.scaler.scale(loss).backward()
+            return self.meter.peak()
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.balancer is not None:
+                self.balancer.reset()
 
     # --------------------------------------------------------------------- loop
     def _loss(self, x: torch.Tensor, y: torch.Tensor, batch_index: int, micro_index: int,
@@ -746,8 +649,6 @@ class Trainer:
         REMEASURE_MFU) is measured again once, the best measurement kept: a peak taken on a busy machine
         is too low. Above 1 the peak is wrong: say so once, drop that cached peak so the next run
         measures again, and report null from here on."""
-        from .flops import REMEASURE_MFU, cpu_dtype, forget_cpu_peak, mfu, peak
-
         def value() -> float | None:
             return mfu(tokens_per_s, self.bundle.flops_per_token,
                        self.peak_flops * self.world if self.peak_flops else None)
@@ -756,7 +657,7 @@ class Trainer:
         if got is not None and got > REMEASURE_MFU and not self.dev.is_cuda and not self._peak_remeasured:
             self._peak_remeasured = True
             old = self.peak_flops
-            again = peak(self.dev, self.cfg.toggles.precision, procs=self._local_procs, remeasure=True)
+            again = peak(self.dev, self.cfg.toggles.precision, procs=self.local_procs, remeasure=True)
             self.peak_flops, self.peak_source = max(old or 0.0, again.flops or 0.0), again.source
             self.emit0("log", message=f"MFU {got:.0%} is close to the measured CPU peak "
                                       f"({old / 1e9:,.1f} GFLOP/s per process): measured it again, "
@@ -770,7 +671,7 @@ class Trainer:
                f"below what the model achieves, so it is not a peak; MFU is not reported for the rest of this run")
         if not self.dev.is_cuda:
             dtypes = {cpu_dtype(self.cfg.toggles.precision), torch.float32}   # a bf16 peak is never below fp32's
-            dropped = [forget_cpu_peak(d, cpu_name=self.dev.name, procs=self._local_procs) for d in dtypes]
+            dropped = [forget_cpu_peak(d, cpu_name=self.dev.name, procs=self.local_procs) for d in dtypes]
             if any(dropped):
                 msg += " and the cached peak is dropped (the next run measures it again, best on an idle machine)"
         self.emit0("warning", message=msg, kind="peak_flops")
@@ -833,12 +734,8 @@ class Trainer:
         self.prefetcher = self._new_prefetcher()
 
     def _reinitialize(self) -> None:
-        from .models import build_model
-
         torch.manual_seed(self.cfg.optim.seed)
-        fresh = build_model(self.cfg.model, vocab_size=self.data.vocab_size, seq_len=self.cfg.data.seq_len,
-                            toggles=self.cfg.toggles, dev=self.dev, mask_id=self.data.mask_id, seed=self.cfg.optim.seed,
-                            finetune=self.cfg.finetune)
+        fresh = build.build_bundle(self.cfg, self.data, self.dev)
         if self.group is not None:
             self.ckpt.load_full(fresh.model.state_dict(), None)
         else:
@@ -868,130 +765,3 @@ def hash_seed(*parts: int) -> int:
     for x in parts:
         h = ((h ^ (x & 0xFFFFFFFFFFFFFFFF)) * 1099511628211) & 0x7FFFFFFFFFFFFFFF
     return h
-
-
-_startup_stopped = False
-
-
-def stopped_in_startup() -> bool:
-    """True once main_run ended a run that was stopped before its first step (nothing was saved, nothing
-    needs tearing down: `python -m trainer` then exits without freeing a large model piece by piece)."""
-    return _startup_stopped
-
-
-def main_run(cfg: TrainConfig, run_lock: RunLock | None = None, created_dirs: list[Path] | None = None) -> int:
-    """Run a configured trainer, turning every failure into an `error` event and a distinct exit code.
-
-    `run_lock`: the run directory's lock when the caller took it (trainer.worker_cli); else setup takes it.
-    `created_dirs`: the directories the caller made for the run (taking the lock): a refusal before the first
-    step removes them, as those setup makes."""
-    notice = None
-    if cfg.toggles.cuda_allocator == "expandable_segments":
-        from .memory import enable_expandable_segments
-
-        notice = enable_expandable_segments(os.environ)      # before anything initializes CUDA
-    trainer = refused = None
-    try:
-        trainer = Trainer(cfg)
-        if notice:
-            trainer.notices.append(notice)
-        trainer.run_lock = run_lock
-        trainer.created_dirs = list(created_dirs or [])
-        trainer.setup()
-        return trainer.run()
-    except Stop as s:
-        return s.code
-    except StartupStopped as e:                     # nothing to checkpoint before the first step
-        honour_startup_stop()                       # first: no raise again during this way out
-        global _startup_stopped
-        _startup_stopped = True
-        if trainer is not None:
-            trainer.log(f"stopped before the first step ({e})")
-            trainer.emit0("done", step=trainer.progress.step, tokens=trainer.progress.tokens, seconds=None,
-                          reason=STOPPED_BEFORE_FIRST_STEP, checkpoint=None)
-        return EXIT_OK
-    except ConfigError as e:
-        code = _report(trainer, "config", str(e), EXIT_CONFIG)
-        refused = trainer       # a refusal before the first step leaves nothing of what this trainer created
-        return code
-    except ckpt.NothingToResume as e:               # known ends: one line; the traceback only into a log file
-        return _report(trainer, "no_checkpoint", str(e), EXIT_NO_CHECKPOINT, traceback=_log_only_traceback())
-    except ckpt.CorruptCheckpoint as e:
-        return _report(trainer, "corrupt_checkpoint", str(e), EXIT_CORRUPT_CHECKPOINT,
-                       traceback=_log_only_traceback())
-    except torch.OutOfMemoryError as e:
-        extra = {"toggles": cfg.to_dict()["toggles"], "memory": trainer.memory_figures() if trainer else {}}
-        return _report(trainer, "oom", f"out of memory: {str(e).splitlines()[0] if str(e) else ''} -- try a smaller "
-                                       f"--micro-batch, --activation-checkpointing, bf16, --optimizer adamw-8bit or "
-                                       f"--lora R", EXIT_OOM, **extra)
-    except ckpt.PeerSaveFailed as e:
-        return _report(trainer, "crash", str(e), EXIT_CRASH, lost_peer=True)
-    except Exception as e:
-        disk = disk_error(e)
-        if disk is not None:           # a full or read-only filesystem: one line, the traceback to the log only
-            return _report(trainer, "disk", _disk_message(trainer, disk), EXIT_DISK, path=disk.path,
-                           os_error=disk.strerror, free_bytes=disk.free_bytes, traceback=_log_only_traceback())
-        if trainer is not None and trainer.world > 1 and D.is_comm_error(e):
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            return _report(trainer, "crash", f"lost contact with another rank, which probably failed (see its "
-                                             f"error): {first}", EXIT_CRASH, lost_peer=True)
-        if _is_compile_error(e) or artefact_failure(e) is not None:
-            own = trainer.own_cache if trainer is not None else None
-            again = f" (again in the run's own inductor cache {own.own_dir})" if own is not None and own.used else ""
-            return _report(trainer, "compile", f"torch.compile failed ({cfg.toggles.compile}){again}: "
-                                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                           EXIT_COMPILE, traceback=traceback.format_exc())
-        return _report(trainer, "crash", f"{type(e).__name__}: {e}", EXIT_CRASH, traceback=traceback.format_exc())
-    finally:
-        if trainer is not None and trainer.channel is not None:
-            trainer.channel.close()
-        if trainer is not None and trainer.group is not None:
-            trainer.group.destroy()
-        if trainer is not None and trainer.run_lock is not None:
-            trainer.run_lock.release()
-        if refused is not None and refused.world == 1 and refused.progress.step == 0:
-            protect.remove_created(refused.created_dirs)
-
-
-def _disk_message(trainer: Trainer | None, disk: DiskError) -> str:
-    """What failed, and what is safe: the newest checkpoint is intact (atomic writes leave no partial one)."""
-    newest = trainer.ckpt.newest if trainer is not None and getattr(trainer, "ckpt", None) is not None else None
-    what = "Make it writable" if disk.read_only else "Free some space"
-    if newest is None:
-        return f"{disk}; no checkpoint was written yet. {what} and start the run again"
-    return f"{disk}; the previous checkpoint {newest.name} is intact. {what} and resume with --resume {trainer.run_dir}"
-
-
-def _log_only_traceback() -> str | None:
-    """The traceback of a known end, for trainer.stderr.log (where gptop sends stderr), not a terminal."""
-    return None if sys.stderr.isatty() else traceback.format_exc()
-
-
-_COMPILER_MODULES = ("torch._dynamo", "torch._inductor", "torch._functorch")
-
-
-def _is_compile_error(e: BaseException) -> bool:
-    """An error of torch.compile: an exception type of the compiler, one raised inside its code, or a CUDA
-    graph's output read after a replay overwrote it (raised wherever the storage is next touched, e.g. by
-    autograd or the optimizer, so only its message tells)."""
-    if type(e).__module__.startswith(_COMPILER_MODULES):
-        return True
-    if "CUDAGraphs" in str(e):
-        return True
-    tb = e.__traceback__
-    while tb is not None:
-        if str(tb.tb_frame.f_globals.get("__name__", "")).startswith(_COMPILER_MODULES):
-            return True
-        tb = tb.tb_next
-    return False
-
-
-def _report(trainer: Trainer | None, kind: str, message: str, code: int, **extra: Any) -> int:
-    tb = extra.pop("traceback", None)
-    if tb:
-        print(tb, file=sys.stderr, flush=True)
-    print(f"[trainer] error ({kind}): {message}", file=sys.stderr, flush=True)
-    if trainer is not None and trainer.channel is not None:
-        step = trainer.progress.step
-        trainer.channel.emit("error", kind=kind, message=message, step=step, exit_code=code, **extra)
-    return code

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m trainer: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     try:
-        from .train import main_run, stopped_in_startup
+        from .runner import main_run, stopped_in_startup
     except StartupStopped:
         print("[trainer] stopped before the first step", flush=True)
         return 0
