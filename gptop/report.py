@@ -204,13 +204,9 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     hello = scan.hello
     out: dict[str, Any] = {"run_dir": str(run_dir)}
     if hello:
-        out["model"] = to_dict(hello.model)
-        out["device"] = hello.device.name
-        out["toggles"] = hello.toggles
-        out["peak_flops"] = hello.peak_flops
-        out["peak_source"] = hello.peak_source
-        out["mfu_is_estimate"] = hello.mfu_is_estimate
-        out["max_steps"] = hello.max_steps
+        out.update(model=to_dict(hello.model), device=hello.device.name, toggles=hello.toggles,
+                   peak_flops=hello.peak_flops, peak_source=hello.peak_source,
+                   mfu_is_estimate=hello.mfu_is_estimate, max_steps=hello.max_steps)
     out["starts"] = scan.early_hellos or scan.hellos   # one early hello per trainer process
     out["tuner_restarts"] = scan.tuner_restarts
     end = standing_of(run_dir, scan.last_done, scan.last_error)
@@ -226,20 +222,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         out["steps"] = last.step
         out["tokens"] = last.tokens
     if last_step is not None:
-        # steady state: drop the first interval of each start (compilation, allocator warm-up)
-        steady = scan.steady if any(m.n for m in scan.steady.values()) else scan.firsts
-        out["tokens_per_s"] = steady["tokens_per_s"].median()
-        out["mfu"] = steady["mfu"].median()
-        sums, w = (scan.phase_sum, scan.phase_w) if steady is scan.steady else (scan.first_phase_sum,
-                                                                              scan.first_phase_w)
-        if w:
-            out["phases_ms"] = {k: sums[k] / w for k in PHASES}
-            out["phases_step_ms"] = sums["step_ms"] / w        # the mean step of the same steps as phases_ms
-        out["step_ms"] = steady["step_ms"].median()
-        out["speed_intervals"] = max(m.n for m in steady.values())   # the log intervals the medians are of
-        out["final_loss"] = scan.final_loss
-        out["first_loss"] = scan.first_loss
-        out["peak_mem_bytes"] = scan.peak_mem
+        out.update(_speed(scan))
     if scan.eval_seen:
         out["eval_loss"] = scan.eval_loss
     out["checkpoints"] = [{"step": e.step, "path": e.path, "seconds": e.seconds} for e in scan.checkpoints]
@@ -255,17 +238,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     out["alerts"] = alert_rows(scan.alerts)
     if scan.profile is not None:
         out["profile"] = to_dict(scan.profile)          # the newest window (trainer.profile_summary)
-    steps = [x for x in (scan.first_step, last_step) if x is not None]
-    if scan.first_step is last_step:
-        steps = steps[:1]
-    energy, why = _energy(run_dir, steps, skipped["device.jsonl"], scan.run_gpus)
-    if energy is not None:
-        out["energy_j"] = energy.joules
-        out["energy_source"] = energy.source
-        if out.get("tokens"):
-            out["energy_j_per_token"] = energy.joules / max(1, _tokens_in_window(steps))
-    else:
-        out["energy_unavailable"] = why
+    out.update(_energy_fields(run_dir, scan, skipped["device.jsonl"], bool(out.get("tokens"))))
     tuning, problem = _tuning(run_dir / "tuning.json")
     if tuning is not None:
         out["tuning"] = tuning
@@ -274,6 +247,36 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     bad = {name: {"lines": s.count, "first": s.first} for name, s in skipped.items() if s.count}
     if bad:
         out["malformed"] = bad
+    return out
+
+
+def _speed(scan: "_Scan") -> dict[str, Any]:
+    """The run's speed, phases and loss, from its steady state: the first interval of each start (compilation,
+    allocator warm-up) is left out where there is more."""
+    steady = scan.steady if any(m.n for m in scan.steady.values()) else scan.firsts
+    out: dict[str, Any] = {"tokens_per_s": steady["tokens_per_s"].median(), "mfu": steady["mfu"].median()}
+    sums, w = (scan.phase_sum, scan.phase_w) if steady is scan.steady else (scan.first_phase_sum,
+                                                                          scan.first_phase_w)
+    if w:
+        out["phases_ms"] = {k: sums[k] / w for k in PHASES}
+        out["phases_step_ms"] = sums["step_ms"] / w        # the mean step of the same steps as phases_ms
+    out["step_ms"] = steady["step_ms"].median()
+    out["speed_intervals"] = max(m.n for m in steady.values())   # the log intervals the medians are of
+    out.update(final_loss=scan.final_loss, first_loss=scan.first_loss, peak_mem_bytes=scan.peak_mem)
+    return out
+
+
+def _energy_fields(run_dir: Path, scan: "_Scan", skipped: "_Skipped", tokens: bool) -> dict[str, Any]:
+    """The energy between the run's first and last step, or why there is none."""
+    steps = [x for x in (scan.first_step, scan.last_step) if x is not None]
+    if scan.first_step is scan.last_step:
+        steps = steps[:1]
+    energy, why = _energy(run_dir, steps, skipped, scan.run_gpus)
+    if energy is None:
+        return {"energy_unavailable": why}
+    out: dict[str, Any] = {"energy_j": energy.joules, "energy_source": energy.source}
+    if tokens:
+        out["energy_j_per_token"] = energy.joules / max(1, _tokens_in_window(steps))
     return out
 
 
