@@ -22,7 +22,7 @@ import pytest
 
 from trainer.contract import inputs
 from trainer.contract.config import (AUTO, ConfigError, Range, Toggles, TrainConfig, add_arguments,
-                                     config_from_args, flag_of, kind_of, opt, range_of)
+                                     config_from_args, config_from_toml, flag_of, kind_of, opt, range_of)
 
 ROOT = Path(__file__).resolve().parent.parent
 NUMERIC = [(s, f) for s, f, _ in TrainConfig().items() if kind_of(f) in (int, float)]
@@ -167,14 +167,14 @@ def test_micro_batch_is_an_int_or_auto_everywhere(tmp_path):
     assert parse([]).toggles.micro_batch_int() is None
     old = tmp_path / "old.toml"                       # config.toml / best.toml written before it was a number
     old.write_text('[toggles]\nmicro_batch = "8"\n')
-    assert TrainConfig.from_toml(old).toggles.micro_batch == 8
+    assert config_from_toml(old).toggles.micro_batch == 8
     from tuner.tuning_report import best_toml, check_best_toml
 
     for mb in (8, AUTO):
         text = best_toml(Toggles(micro_batch=mb))
         check_best_toml(text, Toggles(micro_batch=mb))
         (tmp_path / "best.toml").write_text(text)
-        assert TrainConfig.from_toml(tmp_path / "best.toml").toggles.micro_batch == mb
+        assert config_from_toml(tmp_path / "best.toml").toggles.micro_batch == mb
     check_best_toml(best_toml({**Toggles().__dict__, "micro_batch": "16"}), {**Toggles().__dict__, "micro_batch": 16})
 
 

@@ -10,7 +10,7 @@ from test_lora import of, run
 from trainer import optim
 from trainer.worker_cli import parse_config
 from trainer.contract import capabilities
-from trainer.contract.config import ConfigError, TrainConfig, current_layout
+from trainer.contract.config import ConfigError, TrainConfig, config_from_toml, current_layout
 from trainer.train import EXIT_OK
 
 
@@ -32,7 +32,7 @@ def cfg_args(cfg):
 def test_old_toml_places_still_read(tmp_path):
     old = tmp_path / "old.toml"
     old.write_text('[optim]\noptimizer = "adamw-8bit"\nlr = 0.01\n[finetune]\nlora = 8\nquantize_base = "nf4"\n')
-    cfg = TrainConfig.from_toml(old)
+    cfg = config_from_toml(old)
     assert (cfg.toggles.optimizer, cfg.toggles.quantize_base, cfg.optim.lr) == ("adamw-8bit", "nf4", 0.01)
     # written back, it is in its current place, and reads the same
     again = TrainConfig.from_dict(__import__("tomllib").loads(cfg.to_toml()))
@@ -44,7 +44,7 @@ def test_an_option_given_in_both_places_must_agree(tmp_path):
     both = tmp_path / "both.toml"
     both.write_text('[optim]\noptimizer = "adafactor"\n[toggles]\noptimizer = "adamw"\n')
     with pytest.raises(ConfigError) as e:
-        TrainConfig.from_toml(both)
+        config_from_toml(both)
     assert "optim.optimizer" in str(e.value) and "[toggles]" in e.value.message
     same = {"optim": {"optimizer": "adafactor"}, "toggles": {"optimizer": "adafactor"}}
     assert TrainConfig.from_dict(same).toggles.optimizer == "adafactor"

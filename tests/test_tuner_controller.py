@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from trainer.contract.config import TrainConfig
+from trainer.contract.config import TrainConfig, config_from_toml
 from fixtures.toggles import Toggles
 from trainer.contract.config import Toggles as ToggleValues
 from trainer.contract.device import DeviceInfo
@@ -193,7 +193,7 @@ def test_full_simulated_tuning_ends_in_apply(tmp_path):
     assert f"optuna-dashboard {tmp_path}/tuning.log" in summary
     md = paths["md"].read_text()
     assert "| # | run |" in md and "compile=default" in md and "Ledger" in md and "infeasible" in md
-    cfg = TrainConfig.from_toml(paths["toml"])
+    cfg = config_from_toml(paths["toml"])
     cfg.validate()
     assert cfg.toggles == apply.toggles
     assert paths["toml"].read_text().count("[") == 1      # only the [toggles] table
@@ -354,7 +354,7 @@ def test_best_toml_alone_round_trips(tmp_path):
     t = Toggles(precision="bf16", compile="default", micro_batch=16, prefetch=4, workers=1, fused_adamw=True)
     p = tmp_path / "best.toml"
     p.write_text(best_toml(t))
-    assert TrainConfig.from_toml(p).toggles == t
+    assert config_from_toml(p).toggles == t
 
 
 def test_start_outside_the_space_is_still_the_baseline(tmp_path):

@@ -39,7 +39,7 @@ import torch
 from trainer import checkpoint_files as ckpt
 
 from trainer.contract import rundir
-from trainer.contract.config import TrainConfig
+from trainer.contract.config import config_from_toml
 from trainer.contract.events import read_events, to_dict
 from fixtures.cpu_share import quiet, steady
 from helpers import wait_for
@@ -299,7 +299,7 @@ def test_report_best_toml_and_gptop_report(tuned):
     ns = build_parser().parse_args(["train", "--config", str(run_dir / "best.toml"), "--max-steps", "3"])
     cfg = resolve_config(ns)
     assert cfg.toggles.micro_batch == report["best"]["micro_batch"]
-    assert TrainConfig.from_toml(run_dir / "best.toml").toggles.__dict__ == report["best"]
+    assert config_from_toml(run_dir / "best.toml").toggles.__dict__ == report["best"]
     rc, out, err = run_gptop("report", str(run_dir))
     assert rc == 0 and "tuning    best (trial" in out, err
     # where the study lives and the command that opens it, in the report and at the end of tuning

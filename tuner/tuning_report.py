@@ -14,7 +14,7 @@ shaped the tuning with their figures (`TuneController.report_info`).
 `best.toml` holds only a `[toggles]` table: `gptop train --config best.toml`
 (or `python -m trainer --config best.toml`) reproduces the best setting with
 every other option from the command line. It is checked to round-trip
-through `TrainConfig.from_toml` before it is written.
+through `config_from_toml` before it is written.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from optuna.trial import TrialState
 
 from trainer.contract import rundir
 from trainer.contract.atomic import atomic_write
-from trainer.contract.config import TrainConfig, Toggles, section_from_dict
+from trainer.contract.config import Toggles, config_from_toml, section_from_dict
 from trainer.contract.events import json_safe
 
 from .budget import format_duration
@@ -359,12 +359,12 @@ def best_toml(toggles: Toggles | dict[str, Any]) -> str:
 
 
 def check_best_toml(text: str, expected: Toggles | dict[str, Any]) -> None:
-    """Raise if `text` does not load through TrainConfig.from_toml to exactly `expected` and validate."""
+    """Raise if `text` does not load through config_from_toml to exactly `expected` and validate."""
     exp = expected if isinstance(expected, Toggles) else section_from_dict(Toggles, expected)
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / "best.toml"
         p.write_text(text)
-        cfg = TrainConfig.from_toml(p)
+        cfg = config_from_toml(p)
     if cfg.toggles.quantize_base != "none":
         cfg.finetune.lora = 8    # a quantized base is a LoRA run's: best.toml is used beside the run's --lora R
     cfg.validate()

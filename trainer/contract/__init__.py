@@ -1,6 +1,7 @@
 """The trainer's torch-free contract: everything gptop and the tuner may import.
 
-- `config`: the one configuration object (sections, flags, TOML, validation).
+- `config`: the one configuration object (sections, flags, TOML, validation), re-exported from its
+  parts: `config_schema`, `config_options`, `config_layouts`, `config_files`, `config_args`.
 - `events`: the one event schema (typed events, parsing, JSON lines).
 - `device`: the device description as data (`DeviceInfo`); probing it needs torch
   and lives in `trainer.device_probe`.

@@ -21,8 +21,9 @@ import dataclasses
 import importlib.util
 from typing import Any, Sequence
 
-from .config import (ATTENTIONS, ALLOCATORS, AUTO, COMPILE_MODES, OPTIMIZERS, PRECISIONS, QUANTIZE_BASE,
-                     ConfigError, Toggles, TrainConfig, flag_of)
+from .common import ConfigError, flag_of
+from .config_schema import (ATTENTIONS, ALLOCATORS, AUTO, COMPILE_MODES, OPTIMIZERS, PRECISIONS, QUANTIZE_BASE,
+                            Toggles, TrainConfig)
 from .device import DeviceInfo
 from .common import FAMILIES as SIZED_FAMILIES
 from .estimate import SIZE_ORDER, state_bytes

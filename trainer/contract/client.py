@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from .common import MAX_STEP
-from .config import ConfigError, Toggles, TrainConfig
+from .common import MAX_STEP, ConfigError
+from .config_schema import Toggles, TrainConfig
 
 CHANNEL_ENV = "GPTOP_CHANNEL"         # unix:PATH of the supervisor's socket
 RUN_DIR_ENV = "GPTOP_RUN_DIR"         # where events.jsonl, profiles/ and the logs go

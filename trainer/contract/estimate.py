@@ -43,8 +43,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .common import FAMILIES
-from .config import AUTO, LORA_DEFAULT_TARGETS, ConfigError
+from .common import FAMILIES, ConfigError
+from .config_schema import AUTO, LORA_DEFAULT_TARGETS
 
 GiB = 1 << 30
 SIZE_ORDER = ("tiny", "small", "medium", "large")

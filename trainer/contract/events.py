@@ -43,7 +43,8 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator
 
 from .codec import Codec, Form, Invalid, expected
-from .config import ConfigError, Toggles, section_from_dict
+from .common import ConfigError
+from .config_schema import Toggles, section_from_dict
 from .device import DeviceInfo
 from .states import RunStatus, TrialKind, TrialStatus, TunerPhase
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from .common import FAMILIES, ConfigError, flag_of, show
 
 if TYPE_CHECKING:
-    from .config import TrainConfig
+    from .config_schema import TrainConfig
 
 DATA_EXTENSIONS = (".txt", ".jsonl", ".parquet")
 DATA_KINDS = ".txt, .jsonl (one {\"text\": ...} object per line) or .parquet (a 'text' column)"

@@ -33,7 +33,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import ConfigError
+from .common import ConfigError
 from .rundir import has_checkpoint, pid_alive, run_markers, run_part
 from .runlock import holder_words, lock_holders
 

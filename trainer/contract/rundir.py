@@ -39,7 +39,7 @@ from .atomic import atomic_write
 from .common import STEP_DIGITS
 
 if TYPE_CHECKING:
-    from .config import TrainConfig
+    from .config_schema import TrainConfig
 
 CONFIG = "config.toml"
 EVENTS = "events.jsonl"

@@ -23,7 +23,9 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from .config import MAX_SEED, MAX_SEQ_LEN, ConfigError, device_format, number_arg
+from .common import ConfigError
+from .config_options import number_arg
+from .config_schema import MAX_SEED, MAX_SEQ_LEN, device_format
 from .inputs import check_writable_dir, path_arg
 from .common import MAX_STEP
 from .protect import EXPORT_MARKER, check_replaceable

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .config import Toggles
+from .config_schema import Toggles
 
 # Which TrainingArguments fields each tuned toggle sets (docs/your-code.md lists the same).
 TOGGLE_FIELDS: dict[str, tuple[str, ...]] = {
