@@ -878,7 +878,7 @@ class RunState:
 
     def advice(self) -> list[Advice]:
         """Why the step is slow, ranked, each with its evidence and what to try (gptop.advice)."""
-        from .advice import advise
+        from gptop.advice import advise
 
         return advise(self)
 
