@@ -48,6 +48,7 @@ def gpu_verdicts(latest: dict[str, GpuReading | CpuReading]) -> dict[str, str]:
     """Device key ("gpu0") -> its gpu_verdict, for the GPUs among the `latest` readings where there is one."""
     return {k: v for k, d in latest.items() if isinstance(d, GpuReading) and (v := gpu_verdict(d))}
 
+
 def advice(state: RunState) -> list[Advice]:
     """Why the step is slow, ranked, each with its evidence and what to try (gptop.advice)."""
     from gptop.advice import advise
