@@ -23,11 +23,10 @@ from trainer.contract.events import (MAX_STEPS, AlertEvent, ApplyEvent, Checkpoi
                                      StepEvent, TrialEvent, TunerEvent, UnknownEvent, WarningEvent)
 from trainer.contract.states import RunStatus
 
-from . import formatting, hints
-from .autotuner import TunerState, toggle_diff
+from . import autotuner, formatting, hints, statistics
+from .autotuner import TunerState
 from .histories import AlertBook, DeviceHistory, LogBook, Series, StepHistory
-from .statistics import (Spread, StepTiming, StepWindow, energy_over, expert_imbalance, expert_layer, first_figures_at,
-                         rank_spread, rate_medians, step_window)
+from .statistics import Spread, StepTiming, StepWindow
 
 if TYPE_CHECKING:
     from gptop.advice import Advice
@@ -389,7 +388,7 @@ class RunState:
     def toggle_diff(self, toggles: Toggles | dict[str, Any] | None) -> dict[str, Any]:
         """The toggles that differ from what the run started with (trial and apply events carry all); a toggle
         the start does not name (an older trainer's hello) ran at its default."""
-        return toggle_diff(toggles, self.initial_toggles)
+        return autotuner.toggle_diff(toggles, self.initial_toggles)
 
     def command_line(self) -> str | None:
         """The user's command as a shell would show it (`gptop run`), or None for gptop's own trainer."""
@@ -489,7 +488,7 @@ class RunState:
         first (those only when there is nothing else yet): see StepWindow. None before the first step event."""
         with self.lock:
             rows, warm_up = self._timing.window_rows(n or self.phase_window)
-        return step_window(rows, warm_up)
+        return statistics.step_window(rows, warm_up)
 
     def phase_means(self, n: int | None = None) -> dict[str, float]:
         """Mean ms per phase and step over the window (`window`); absent phases omitted."""
@@ -514,7 +513,7 @@ class RunState:
                 return None
             every = (self.config.get("log") or {}).get("log_every")
             step = self.live_step[1]
-        return first_figures_at(step, every)
+        return statistics.first_figures_at(step, every)
 
     def last_step_ms(self) -> float | None:
         """The latest progress event's step time (the host's, between step boundaries), or None."""
@@ -543,19 +542,19 @@ class RunState:
         """For step_ms and each phase: min/max/mean over the ranks' latest step events. Empty with one rank."""
         with self.lock:
             ranks = dict(self.ranks)
-        return rank_spread(ranks)
+        return statistics.rank_spread(ranks)
 
     def expert_imbalance(self) -> tuple[float, float] | None:
         """(max, mean) over layers of max_load * n_experts: 1.0 is perfectly balanced routing."""
         with self.lock:
             load = self.expert_load
-        return expert_imbalance(load)
+        return statistics.expert_imbalance(load)
 
     def expert_layer(self, layer: int) -> list[float]:
         """Per-expert load fractions of one MoE layer (clamped index)."""
         with self.lock:
             load = self.expert_load
-        return expert_layer(load, layer)
+        return statistics.expert_layer(load, layer)
 
     def energy(self) -> tuple[Energy | None, int]:
         """(energy over the recent step events, tokens trained in that window), from gptop.energy (the one
@@ -563,7 +562,7 @@ class RunState:
         with self.lock:
             rate = list(self._timing.rate)
             samples = [x for x in self.devices.samples if not rate or x.time >= rate[0][0] - 10.0]
-        return energy_over(rate, samples, self.run_gpus())
+        return statistics.energy_over(rate, samples, self.run_gpus())
 
     def run_gpus(self) -> list[str] | None:
         """The run's GPUs (the hello's trainer.contract.device.gpu_key list): whose energy counts."""
@@ -597,4 +596,4 @@ class RunState:
             rows = list(steady)[-last:] if last else list(steady)
             if not rows and self.last_step is not None:
                 rows = [(self.last_step.tokens_per_s, self.last_step.mfu)]
-        return rate_medians(rows)
+        return statistics.rate_medians(rows)
