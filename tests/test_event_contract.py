@@ -3,7 +3,8 @@
 Consumers read event attributes (typed dataclasses), so they can only read declared fields; this test
 proves every declared field is set by name somewhere in the producers' source (trainer/, gptop/, tuner/),
 scanned with `ast`: keywords of a call that builds the event (`StepEvent(...)`, `emit("step", ...)`,
-`make("step", ...)`), the keys of a local dict splatted into it (`emit("step", **fields)`), keywords given
+`make("step", ...)`), the keys of a local dict splatted into it (`emit("step", **fields)`) or of the `return
+dict(...)` of a builder splatted into it (`emit("hello", **build.hello(...))`), keywords given
 to a function that forwards its `**kwargs` into one (`_fail(..., lost_peer=True)`), and the keys of a dict
 literal given for a nested record (`model={"family": ...}`). A field declared but produced nowhere (the
 tuner once read `energy_j` from step events that nobody wrote) fails here.
@@ -113,6 +114,18 @@ def produced_fields(sources: dict[str, str], event_types: dict[str, type] | None
     scopes = functions + [(tree, tree) for tree in trees]
     calls = [(node, scope) for scope, _ in scopes for node in ast.walk(scope) if isinstance(node, ast.Call)]
 
+    def returned_dicts(name: str | None) -> list[tuple[ast.AST, ast.Call]]:
+        """The `return dict(k=...)` of the functions named `name` (a builder of an event's fields), as calls."""
+        out = []
+        for fn, _ in functions:
+            if fn.name != name:                                      # type: ignore[attr-defined]
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Return) and isinstance(node.value, ast.Call) \
+                        and _name(node.value.func) == "dict":
+                    out.append((fn, node.value))
+        return out
+
     def add(key: str, call: ast.Call, scope: ast.AST, is_direct: bool) -> bool:
         before = (len(produced.get(key, ())), len(forwarders))
         names = produced.setdefault(key, set())
@@ -125,6 +138,9 @@ def produced_fields(sources: dict[str, str], event_types: dict[str, type] | None
                 if rec is not None and isinstance(kw.value, ast.Dict):
                     produced.setdefault(rec, set()).update(
                         k.value for k in kw.value.keys if isinstance(k, ast.Constant))
+            elif isinstance(kw.value, ast.Call):                # emit("hello", **build.hello(...))
+                for fn, built in returned_dicts(_name(kw.value.func)):
+                    add(key, built, fn, is_direct)
             elif isinstance(kw.value, ast.Name):
                 kwarg = getattr(getattr(scope, "args", None), "kwarg", None)
                 if kwarg is not None and kwarg.arg == kw.value.id:
