@@ -41,7 +41,7 @@ import re
 import sys
 import threading
 from collections import deque
-from typing import IO
+from typing import IO, Any, Callable
 
 from gptop.profile_text import profile_lines
 from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_eta, fmt_mfu, fmt_num, fmt_peak, fmt_toggles,
@@ -105,96 +105,120 @@ def first_step_line(event: ProgressEvent, state: RunState) -> str | None:
 
 def event_line(event: Event, state: RunState) -> str | None:
     """The readable line for one event, or None for events that get none (device samples, other ranks)."""
-    if isinstance(event, StepEvent):
-        if state.primary_rank is not None and event.rank != state.primary_rank:
-            return None
-        return step_line(event, state)
-    if isinstance(event, HelloEvent):
-        total = state.total_steps
-        where = event.device.name or event.device.type
-        if event.command is not None:   # `gptop run`: the command gptop started (its client's hello follows)
-            return f"starting: {state.command_line()}" + (f" (pid {event.pid})" if event.pid else "") + \
-                (f", run dir {state.run_dir}" if state.run_dir else "")
-        if event.early:     # before anything is built: the run as configured and what it will cost
-            line = f"starting: {model_summary(state.model) or 'model'} on {where}"
-            if total is not None:
-                line += f", {total} steps"
-            est = state.estimate_line() if not state.estimate_is_slow() else None   # the warning that follows says it
-            return line + (f"; {est}" if est else "")
-        line = f"gptop: {model_summary(state.model) or 'model'} on {where}"
+    for cls in type(event).__mro__:
+        line = _LINES.get(cls)
+        if line is not None:
+            return line(event, state)
+    return None
+
+
+def _primary(event: StepEvent | ProfileEvent, state: RunState) -> bool:
+    return state.primary_rank is None or event.rank == state.primary_rank
+
+
+def _hello_line(event: HelloEvent, state: RunState) -> str:
+    total = state.total_steps
+    where = event.device.name or event.device.type
+    if event.command is not None:   # `gptop run`: the command gptop started (its client's hello follows)
+        return f"starting: {state.command_line()}" + (f" (pid {event.pid})" if event.pid else "") + \
+            (f", run dir {state.run_dir}" if state.run_dir else "")
+    if event.early:     # before anything is built: the run as configured and what it will cost
+        line = f"starting: {model_summary(state.model) or 'model'} on {where}"
         if total is not None:
             line += f", {total} steps"
-        precision = state.precision_label()
-        if precision:
-            line += f", precision {precision}"
-        if state.run_dir:
-            line += f", run dir {state.run_dir}"
-        peak = fmt_peak(event)
-        if peak:
-            line += f"; {peak}"
-        if state.hellos > 1:
-            line = "restarted: " + line
-        return line
-    if isinstance(event, PhaseEvent):
-        return f"startup: {event.message}"
-    if isinstance(event, EvalEvent):
-        loss = event.loss
-        return f"eval step {event.step} loss {'n/a' if loss is None else f'{loss:.3f}'}"
-    if isinstance(event, CheckpointEvent):
-        secs = event.seconds
-        return f"checkpoint step {event.step} -> {event.path}" + (f" ({secs:.1f} s)" if secs is not None else "")
-    if isinstance(event, WarningEvent):
-        return f"warning: {event.message}"
-    if isinstance(event, ErrorEvent):
-        if event.kind == "config" and state.step is None:
-            return None     # a refusal before the first step: gptop ends with it in one line (gptop: error: ...)
-        return f"error [{event.kind}]: {event.message}"
-    if isinstance(event, AlertEvent):
-        return alert_line(event)
-    if isinstance(event, ProfileEvent):
-        if state.primary_rank is not None and event.rank != state.primary_rank:
-            return None
-        return "\n".join(profile_lines(event))
-    if isinstance(event, LogEvent):
-        return event.message
-    if isinstance(event, DoneEvent):
-        if event.reason not in (None, "max_steps"):
-            if state.tuner.active:     # the tuner restarts the trainer between configurations: not the run's end
-                return f"trainer stopped at step {event.step} to restart with the next settings (tuning)"
-            return f"trainer stopped at step {event.step} ({event.reason}), {fmt_num(event.tokens)} tokens"
-        line = f"done: step {event.step}, {fmt_num(event.tokens)} tokens in {fmt_duration(state.elapsed())}"
-        energy, tokens = state.energy()
-        jpt = energy.per_token(tokens) if energy is not None else None
-        if jpt is not None:
-            return line + f"; energy {jpt * 1e3:.3g} mJ/token over the last steps ({energy.source})"  # type: ignore[union-attr]
-        return line + f"; energy n/a: {state.energy_reason()}"
-    if isinstance(event, TrialEvent):
-        if event.status is TrialStatus.RUNNING:
-            return None            # one line per trial, when it ends (the JSON mode has both)
-        what = event.kind or TrialKind.TRIAL
-        number = "" if event.number is None else f" {event.number}"
-        line = f"{what}{number} {event.status}: {fmt_toggles(state.toggle_diff(event.toggles))}"
-        tps, pct = event.tokens_per_s, spread_pct(event)
-        if tps is not None:
-            line += f" | {fmt_num(tps)} tok/s" + (f" ±{pct:.1f}%" if pct is not None else "")
-        if event.peak_mem is not None:
-            line += f" | peak {fmt_bytes(event.peak_mem)}"
-        if event.reason:
-            line += f" | {event.reason}"
-        if event.advice:
-            line += f" | from the advice: {event.advice}"
-        if event.earlier:
-            line += f" | trial {event.number} comes from an earlier run of this setup"
-        return line
-    if isinstance(event, ApplyEvent):
-        at = f" at step {event.step}" if event.step is not None else ""
-        earlier = f" (trial {event.number}, from an earlier run)" if event.earlier else ""
-        line = f"apply{earlier}{at}: {fmt_toggles(state.toggle_diff(event.toggles))}"
-        tps, base = event.tokens_per_s, event.baseline_tokens_per_s
-        if tps is not None and base:
-            line += f" | {fmt_num(tps)} tok/s ({(tps / base - 1) * 100:+.0f}%)"
-        return line
-    return None
+        est = state.estimate_line() if not state.estimate_is_slow() else None   # the warning that follows says it
+        return line + (f"; {est}" if est else "")
+    line = f"gptop: {model_summary(state.model) or 'model'} on {where}"
+    if total is not None:
+        line += f", {total} steps"
+    precision = state.precision_label()
+    if precision:
+        line += f", precision {precision}"
+    if state.run_dir:
+        line += f", run dir {state.run_dir}"
+    peak = fmt_peak(event)
+    if peak:
+        line += f"; {peak}"
+    if state.hellos > 1:
+        line = "restarted: " + line
+    return line
+
+
+def _eval_line(event: EvalEvent, state: RunState) -> str:
+    loss = event.loss
+    return f"eval step {event.step} loss {'n/a' if loss is None else f'{loss:.3f}'}"
+
+
+def _checkpoint_line(event: CheckpointEvent, state: RunState) -> str:
+    secs = event.seconds
+    return f"checkpoint step {event.step} -> {event.path}" + (f" ({secs:.1f} s)" if secs is not None else "")
+
+
+def _error_line(event: ErrorEvent, state: RunState) -> str | None:
+    if event.kind == "config" and state.step is None:
+        return None     # a refusal before the first step: gptop ends with it in one line (gptop: error: ...)
+    return f"error [{event.kind}]: {event.message}"
+
+
+def _done_line(event: DoneEvent, state: RunState) -> str:
+    if event.reason not in (None, "max_steps"):
+        if state.tuner.active:     # the tuner restarts the trainer between configurations: not the run's end
+            return f"trainer stopped at step {event.step} to restart with the next settings (tuning)"
+        return f"trainer stopped at step {event.step} ({event.reason}), {fmt_num(event.tokens)} tokens"
+    line = f"done: step {event.step}, {fmt_num(event.tokens)} tokens in {fmt_duration(state.elapsed())}"
+    energy, tokens = state.energy()
+    jpt = energy.per_token(tokens) if energy is not None else None
+    if jpt is not None:
+        return line + f"; energy {jpt * 1e3:.3g} mJ/token over the last steps ({energy.source})"  # type: ignore[union-attr]
+    return line + f"; energy n/a: {state.energy_reason()}"
+
+
+def _trial_line(event: TrialEvent, state: RunState) -> str | None:
+    if event.status is TrialStatus.RUNNING:
+        return None            # one line per trial, when it ends (the JSON mode has both)
+    what = event.kind or TrialKind.TRIAL
+    number = "" if event.number is None else f" {event.number}"
+    line = f"{what}{number} {event.status}: {fmt_toggles(state.toggle_diff(event.toggles))}"
+    tps, pct = event.tokens_per_s, spread_pct(event)
+    if tps is not None:
+        line += f" | {fmt_num(tps)} tok/s" + (f" ±{pct:.1f}%" if pct is not None else "")
+    if event.peak_mem is not None:
+        line += f" | peak {fmt_bytes(event.peak_mem)}"
+    if event.reason:
+        line += f" | {event.reason}"
+    if event.advice:
+        line += f" | from the advice: {event.advice}"
+    if event.earlier:
+        line += f" | trial {event.number} comes from an earlier run of this setup"
+    return line
+
+
+def _apply_line(event: ApplyEvent, state: RunState) -> str:
+    at = f" at step {event.step}" if event.step is not None else ""
+    earlier = f" (trial {event.number}, from an earlier run)" if event.earlier else ""
+    line = f"apply{earlier}{at}: {fmt_toggles(state.toggle_diff(event.toggles))}"
+    tps, base = event.tokens_per_s, event.baseline_tokens_per_s
+    if tps is not None and base:
+        line += f" | {fmt_num(tps)} tok/s ({(tps / base - 1) * 100:+.0f}%)"
+    return line
+
+
+# one line-maker per event type that gets a line
+_LINES: dict[type, Callable[[Any, RunState], str | None]] = {
+    StepEvent: lambda e, s: step_line(e, s) if _primary(e, s) else None,
+    HelloEvent: _hello_line,
+    PhaseEvent: lambda e, s: f"startup: {e.message}",
+    EvalEvent: _eval_line,
+    CheckpointEvent: _checkpoint_line,
+    WarningEvent: lambda e, s: f"warning: {e.message}",
+    ErrorEvent: _error_line,
+    AlertEvent: lambda e, s: alert_line(e),
+    ProfileEvent: lambda e, s: "\n".join(profile_lines(e)) if _primary(e, s) else None,
+    LogEvent: lambda e, s: e.message,
+    DoneEvent: _done_line,
+    TrialEvent: _trial_line,
+    ApplyEvent: _apply_line,
+}
 
 
 class HeadlessView:
