@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import IO
 
 from trainer.contract import rundir
-from trainer.contract.events import ERROR_WORDS
+from trainer.contract.events import ERROR_WORDS, ErrorEvent
 from trainer.contract.states import RunStatus
 
 from .state import RunState, fmt_duration, fmt_mfu, fmt_num
@@ -45,20 +45,14 @@ def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
     how = outcome(state, exit_code)
     with state.lock:
         run_dir = state.run_dir or ""
-        step, total, tokens = state.step, state.total_steps, state.tokens
-        first_loss = state.first_loss
-        last_loss = next((v for v in reversed(state.history("loss"))), None)
-        last_eval = state.last_eval
+        step, tokens = state.step, state.tokens
         err = state.errors[-1] if state.errors else None
         message = state.status_message
-        written = state.checkpoints_written
         tuner = state.tuner
         applied = tuner.applied[-1] if tuner.applied else None
         tuned = tuner.phase is not None
         elapsed = state.elapsed()
         done = state.done
-        precision = state.precision_label()
-        every = (state.config.get("checkpoint") or {}).get("checkpoint_every")
         command = state.command_line()
         stderr = [line for stream, line in state.logs if stream == "stderr"][-STDERR_LINES:] if how == "failed" else []
     if done is not None and done.step > (step or 0):   # steps after the last logged one
@@ -67,79 +61,112 @@ def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
     at = f" at step {step}" if step is not None else " before the first step"
     head = {"finished": "run finished" + (f": {step} steps" if step is not None else ""), "stopped": f"run stopped{at}",
             "failed": f"run failed{at}"}[how]
-    lines = [f"gptop: {head}" + (f" after {fmt_duration(elapsed)}" if elapsed is not None else "")]
-
-    def add(label: str, text: str) -> None:
-        lines.append(f"  {label:<11}{text}")
-
-    add("run dir", run_dir or "n/a")
+    out = _Lines(f"gptop: {head}" + (f" after {fmt_duration(elapsed)}" if elapsed is not None else ""))
+    out.add("run dir", run_dir or "n/a")
     if command:
-        add("command", command)
+        out.add("command", command)
     if how == "failed":
-        if err is not None:
-            words = ERROR_WORDS.get(err.kind, err.kind.replace("_", " "))
-            add("error", f"{words}: {err.message}")
-        elif message:
-            add("error", message)
-        if run_dir:
-            add("log", str(rundir.RunDir(run_dir).trainer_stderr))
-        if command and stderr:          # a program's own words on why it failed
-            add("stderr", f"last {len(stderr)} line{'s' if len(stderr) > 1 else ''}:")
-            lines.extend(f"    {line}" for line in stderr)
+        _failure(out, err, message, run_dir, stderr if command else [])
     if step is not None:
-        add("progress", f"{step}/{total if total is not None else '?'} steps, {fmt_num(tokens)} tokens")
-        loss = f"{_f(first_loss)} -> {_f(last_loss)}" if first_loss is not None else "n/a"
-        if last_eval is not None and last_eval.loss is not None:
-            loss += f" (last eval {last_eval.loss:.3f} at step {last_eval.step})"
-        add("loss", loss)
-        tps, mfu = state.steady_medians()
-        add("speed", f"{fmt_num(tps)} tokens/s (median) · MFU {fmt_mfu(mfu, state.mfu_is_estimate)}"
-            + (f" · precision {precision}" if precision else ""))
-        energy, trained = state.energy()          # gptop.energy over the recent steps, as the dashboard shows it
-        per_token = energy.per_token(trained) if energy is not None else None
-        if per_token is not None:
-            add("energy", f"{per_token * 1000:.2f} mJ/token over the last steps ({energy.source})")  # type: ignore[union-attr]
-        else:
-            add("energy", f"n/a: {state.energy_reason() or 'no energy reading'}")
+        _progress(out, state, step, tokens)
     else:
-        add("progress", "no step was completed")
-    kept = rundir.list_checkpoints(run_dir) if run_dir and not command else []
-    cut_short = message if how == "stopped" else None      # what a stop that cut the trainer short kept and lost
-    if command:      # the program's own checkpoints, where it said it wrote them
-        with state.lock:
-            ckpts = list(state.checkpoints)
-        there = [c for c in ckpts if Path(c.path).exists()]
-        add("checkpoint", f"{there[-1].path} (step {there[-1].step}; {written} written)" if there else
-            "none" + (f" ({written} written, none left)" if written else ""))
-    elif kept:
-        if cut_short:
-            add("stopped", cut_short)
-        add("checkpoint", f"{kept[-1].path} (step {kept[-1].step}; {written} written, {len(kept)} kept)")
-    else:
-        add("checkpoint", "none" + (f" ({written} written, none kept)" if written else "")
-            + f": {cut_short or _why_none(how, step, every)}")
-    alerts = state.alert_summary()
-    if alerts:
-        active = sum(1 for a in alerts if ", active)" in a)
-        add("alerts", f"{len(alerts)} raised" + (f", {active} still active" if active else ", all resolved")
-            + (f" (see gptop report {quoted})" if run_dir and len(alerts) > 3 else ""))
-        for line in alerts[-3:]:
-            add("", line if len(line) <= 160 else line[:159] + "…")
+        out.add("progress", "no step was completed")
+    kept = _checkpoints(out, state, how, step, run_dir, command, message)
+    _alerts(out, state, run_dir, quoted)
     net = tuning_net(run_dir) if tuned and run_dir else None
     if applied is not None:
         best = Path(run_dir) / rundir.BEST_TOML if run_dir else None
-        add("tuning", f"applied trial {applied.number}"
-            + (f"; its settings are in {best}" if best is not None and best.is_file() else "")
-            + (f"; {net}" if net else ""))
+        out.add("tuning", f"applied trial {applied.number}"
+                + (f"; its settings are in {best}" if best is not None and best.is_file() else "")
+                + (f"; {net}" if net else ""))
     elif net:
-        add("tuning", f"kept the starting configuration; {net}")
+        out.add("tuning", f"kept the starting configuration; {net}")
     if kept and how != "finished":           # (a program's own checkpoints: resuming is its own business)
-        add("resume", f"gptop train --resume {quoted}")
+        out.add("resume", f"gptop train --resume {quoted}")
     elif kept:
-        add("export", f"gptop export {quoted} OUT_DIR")
+        out.add("export", f"gptop export {quoted} OUT_DIR")
     if run_dir:
-        add("report", f"gptop report {quoted}")
-    return lines
+        out.add("report", f"gptop report {quoted}")
+    return out.lines
+
+
+class _Lines:
+    """The summary's lines: a head, then labelled rows."""
+
+    def __init__(self, head: str) -> None:
+        self.lines = [head]
+
+    def add(self, label: str, text: str) -> None:
+        self.lines.append(f"  {label:<11}{text}")
+
+
+def _failure(out: _Lines, err: ErrorEvent | None, message: str | None, run_dir: str, stderr: list[str]) -> None:
+    """Why the run failed, where its log is, and a program's own last words on it."""
+    if err is not None:
+        words = ERROR_WORDS.get(err.kind, err.kind.replace("_", " "))
+        out.add("error", f"{words}: {err.message}")
+    elif message:
+        out.add("error", message)
+    if run_dir:
+        out.add("log", str(rundir.RunDir(run_dir).trainer_stderr))
+    if stderr:
+        out.add("stderr", f"last {len(stderr)} line{'s' if len(stderr) > 1 else ''}:")
+        out.lines.extend(f"    {line}" for line in stderr)
+
+
+def _progress(out: _Lines, state: RunState, step: int, tokens: int | None) -> None:
+    """Steps and tokens, loss, speed and energy."""
+    with state.lock:
+        total, first_loss, last_eval = state.total_steps, state.first_loss, state.last_eval
+        last_loss = next((v for v in reversed(state.history("loss"))), None)
+        precision = state.precision_label()
+    out.add("progress", f"{step}/{total if total is not None else '?'} steps, {fmt_num(tokens)} tokens")
+    loss = f"{_f(first_loss)} -> {_f(last_loss)}" if first_loss is not None else "n/a"
+    if last_eval is not None and last_eval.loss is not None:
+        loss += f" (last eval {last_eval.loss:.3f} at step {last_eval.step})"
+    out.add("loss", loss)
+    tps, mfu = state.steady_medians()
+    out.add("speed", f"{fmt_num(tps)} tokens/s (median) · MFU {fmt_mfu(mfu, state.mfu_is_estimate)}"
+            + (f" · precision {precision}" if precision else ""))
+    energy, trained = state.energy()          # gptop.energy over the recent steps, as the dashboard shows it
+    per_token = energy.per_token(trained) if energy is not None else None
+    if per_token is not None:
+        out.add("energy", f"{per_token * 1000:.2f} mJ/token over the last steps ({energy.source})")  # type: ignore[union-attr]
+    else:
+        out.add("energy", f"n/a: {state.energy_reason() or 'no energy reading'}")
+
+
+def _checkpoints(out: _Lines, state: RunState, how: str, step: int | None, run_dir: str, command: str | None,
+                 message: str | None) -> list[rundir.CheckpointInfo]:
+    """The newest checkpoint there is now (or why there is none); returns gptop's own that are kept."""
+    with state.lock:
+        written = state.checkpoints_written
+        every = (state.config.get("checkpoint") or {}).get("checkpoint_every")
+        ckpts = list(state.checkpoints)
+    kept = rundir.list_checkpoints(run_dir) if run_dir and not command else []
+    cut_short = message if how == "stopped" else None      # what a stop that cut the trainer short kept and lost
+    if command:      # the program's own checkpoints, where it said it wrote them
+        there = [c for c in ckpts if Path(c.path).exists()]
+        out.add("checkpoint", f"{there[-1].path} (step {there[-1].step}; {written} written)" if there else
+                "none" + (f" ({written} written, none left)" if written else ""))
+    elif kept:
+        if cut_short:
+            out.add("stopped", cut_short)
+        out.add("checkpoint", f"{kept[-1].path} (step {kept[-1].step}; {written} written, {len(kept)} kept)")
+    else:
+        out.add("checkpoint", "none" + (f" ({written} written, none kept)" if written else "")
+                + f": {cut_short or _why_none(how, step, every)}")
+    return kept
+
+
+def _alerts(out: _Lines, state: RunState, run_dir: str, quoted: str) -> None:
+    alerts = state.alert_summary()
+    if alerts:
+        active = sum(1 for a in alerts if ", active)" in a)
+        out.add("alerts", f"{len(alerts)} raised" + (f", {active} still active" if active else ", all resolved")
+                + (f" (see gptop report {quoted})" if run_dir and len(alerts) > 3 else ""))
+        for line in alerts[-3:]:
+            out.add("", line if len(line) <= 160 else line[:159] + "…")
 
 
 def _why_none(how: str, step: int | None, every: int | None) -> str:
