@@ -71,6 +71,7 @@ class Spec:
     checks: tuple[tuple[str, Check], ...]                 # fields whose type needs a check
     by_name: dict[str, Check]                             # every field a mapping may set -> its check
     writers: tuple[tuple[str, Check | None, bool], ...]   # (field, to wire (None: as is), omit None)
+    first: tuple[str, ...]                                # written first (the form's `first`)
     names: frozenset[str]                                 # fields a producer may set by name
     ignore: frozenset[str]                                # keys that are no field and no extra (a class tag)
     required: tuple[str, ...]
@@ -152,8 +153,9 @@ class Codec:
     def encode(self, obj: Any) -> dict[str, Any]:
         """The wire form of an instance: plain JSON-able values, a struct's `extra` merged back in."""
         spec = self._specs.get(obj.__class__) or self.spec(obj.__class__)
-        form = spec.form
-        out: dict[str, Any] = {k: getattr(obj, k) for k in form.first} if form is not None and form.first else {}
+        out: dict[str, Any] = {}
+        for k in spec.first:
+            out[k] = getattr(obj, k)
         for name, wire, omit_none in spec.writers:
             value = getattr(obj, name)
             if value is None:
@@ -161,7 +163,7 @@ class Codec:
                     out[name] = None
             else:
                 out[name] = value if wire is None else wire(value)
-        if form is not None and obj.extra:
+        if spec.form is not None and obj.extra:
             for k, value in obj.extra.items():
                 out.setdefault(k, value)
         return out
@@ -202,7 +204,7 @@ class Codec:
         label = getattr(cls, form.label, None) if form is not None and form.label else None
         where = label if isinstance(label, str) else cls.__name__
         what = f"{where} {form.noun}" if form is not None and form.noun else where
-        spec = self._specs[cls] = Spec(tuple(checks), by_name, tuple(writers), frozenset(names), ignore,
+        spec = self._specs[cls] = Spec(tuple(checks), by_name, tuple(writers), first, frozenset(names), ignore,
                                        tuple(required), defaults, factories, where, what, form)
         return spec
 

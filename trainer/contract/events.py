@@ -627,7 +627,7 @@ def finite_or_none(x: Any, scale: float = 1.0) -> float | None:
 def dumps(event: Event) -> str:
     """One JSON line (without the newline). Validated fields are already finite; free-form mappings
     (`config`, `extra`, ...) are made JSON-safe only when they need it."""
-    d = to_dict(event)
+    d = _CODEC.encode(event)
     try:
         return json.dumps(d, separators=(",", ":"), allow_nan=False, default=str)
     except ValueError:
