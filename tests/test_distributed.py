@@ -144,11 +144,12 @@ def test_launcher_argv():
 
 
 def test_cli_nproc_builds_a_launcher():
-    from gptop.cli import _launcher, build_parser
+    from gptop.cli import build_parser
+    from gptop.preflight import launcher_of
 
     ns = build_parser().parse_args(["train", "--nproc", "2", "--parallel", "fsdp"])
-    assert _launcher(ns) is not None and getattr(ns, "run.parallel") == "fsdp"
-    assert _launcher(build_parser().parse_args(["train"])) is None
+    assert launcher_of(ns) is not None and getattr(ns, "run.parallel") == "fsdp"
+    assert launcher_of(build_parser().parse_args(["train"])) is None
 
 
 def test_faults_for_one_rank():
