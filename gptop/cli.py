@@ -22,7 +22,7 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from trainer.contract import inputs
 from trainer.contract.common import MAX_STEP
@@ -142,8 +142,6 @@ def _version() -> str:
 
 
 def build_parser() -> Parser:
-    from tuner.budget import duration_arg
-
     parser = Parser(prog="gptop", description="htop for a training run, with a live autotuner. With no command: "
                                               "the monitor (devices, and the newest run in ./runs or --run-dir).")
     parser.add_argument("--version", action="version", version=f"gptop {_version()}")
@@ -153,43 +151,54 @@ def build_parser() -> Parser:
                         type=inputs.path_arg(inputs.check_runs_folder, "--run-dir"),
                         help="monitor mode: the run (or folder of runs) to attach to (default: newest in ./runs)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_train_and_tune(sub)
+    _add_run(sub)
+    _add_readers(sub)
+    return parser
 
-    def run_command(name: str, help: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=help)
-        _global_flags(p)
-        add_arguments(p)
-        g = p.add_argument_group("session")
-        g.add_argument("--restart-on-failure", type=number_arg(int, 0, MAX_RESTARTS), default=0, metavar="N",
-                       help="restart the trainer from its last checkpoint up to N times if it dies "
-                            f"(default: 0; at most {MAX_RESTARTS})")
-        g.add_argument("--tensorboard", action="store_true",
-                       help="also write step metrics and device samples as TensorBoard scalars (default: off)")
-        g.add_argument("--wandb", action="store_true",
-                       help="also log them to a Weights & Biases run in RUN_DIR/wandb (pip install -e '.[wandb]'; "
-                            "WANDB_MODE=offline: no account or network) (default: off)")
-        add_alert_arguments(p)
-        add_metrics_arguments(p, suppress=True)
-        d = p.add_argument_group("distributed (torchrun; see --parallel)")
-        d.add_argument("--nproc", type=number_arg(int, 1, 1024), default=1, metavar="N",
-                       help="ranks (processes, one per GPU) on this node; above 1, or with several nodes, the "
-                            "trainer is launched through torchrun (default: 1)")
-        d.add_argument("--nnodes", type=nnodes_arg, default="1", metavar="N|MIN:MAX",
-                       help="nodes in the run, passed to torchrun (default: 1)")
-        d.add_argument("--node-rank", type=number_arg(int, 0, MAX_NODES - 1), default=None, metavar="N",
-                       help="this node's rank, passed to torchrun (static rendezvous) (default: torchrun's)")
-        d.add_argument("--rdzv-endpoint", type=endpoint_arg, default=None, metavar="HOST:PORT",
-                       help="rendezvous endpoint shared by all nodes, passed to torchrun (default: none)")
-        d.add_argument("--rdzv-backend", default=None, metavar="NAME",
-                       help="rendezvous backend, passed to torchrun (default: c10d with several nodes)")
-        d.add_argument("--rdzv-id", default=None, metavar="ID",
-                       help="rendezvous id, the same on all nodes, passed to torchrun (default: torchrun's)")
-        return p
 
-    train = run_command("train", "train a model and show the run live")
+def _run_command(sub: Any, name: str, help: str) -> argparse.ArgumentParser:
+    """A `train`/`tune` subcommand: the trainer's options, the session's, the alerts, the metrics and torchrun's."""
+    p = sub.add_parser(name, help=help, description=help)
+    _global_flags(p)
+    add_arguments(p)
+    g = p.add_argument_group("session")
+    g.add_argument("--restart-on-failure", type=number_arg(int, 0, MAX_RESTARTS), default=0, metavar="N",
+                   help="restart the trainer from its last checkpoint up to N times if it dies "
+                        f"(default: 0; at most {MAX_RESTARTS})")
+    g.add_argument("--tensorboard", action="store_true",
+                   help="also write step metrics and device samples as TensorBoard scalars (default: off)")
+    g.add_argument("--wandb", action="store_true",
+                   help="also log them to a Weights & Biases run in RUN_DIR/wandb (pip install -e '.[wandb]'; "
+                        "WANDB_MODE=offline: no account or network) (default: off)")
+    add_alert_arguments(p)
+    add_metrics_arguments(p, suppress=True)
+    d = p.add_argument_group("distributed (torchrun; see --parallel)")
+    d.add_argument("--nproc", type=number_arg(int, 1, 1024), default=1, metavar="N",
+                   help="ranks (processes, one per GPU) on this node; above 1, or with several nodes, the "
+                        "trainer is launched through torchrun (default: 1)")
+    d.add_argument("--nnodes", type=nnodes_arg, default="1", metavar="N|MIN:MAX",
+                   help="nodes in the run, passed to torchrun (default: 1)")
+    d.add_argument("--node-rank", type=number_arg(int, 0, MAX_NODES - 1), default=None, metavar="N",
+                   help="this node's rank, passed to torchrun (static rendezvous) (default: torchrun's)")
+    d.add_argument("--rdzv-endpoint", type=endpoint_arg, default=None, metavar="HOST:PORT",
+                   help="rendezvous endpoint shared by all nodes, passed to torchrun (default: none)")
+    d.add_argument("--rdzv-backend", default=None, metavar="NAME",
+                   help="rendezvous backend, passed to torchrun (default: c10d with several nodes)")
+    d.add_argument("--rdzv-id", default=None, metavar="ID",
+                   help="rendezvous id, the same on all nodes, passed to torchrun (default: torchrun's)")
+    return p
+
+
+def _add_train_and_tune(sub: Any) -> None:
+    """`train` and `tune`: gptop's trainer run (or, for `tune -- CMD`, a script tuned)."""
+    from tuner.budget import duration_arg
+
+    train = _run_command(sub, "train", "train a model and show the run live")
     train.add_argument("--tune", metavar="DURATION", default=None, type=duration_arg("--tune"),
                        help="tune the toggles for up to DURATION, a number with a unit (90s, 30m, 1h30m, 2h) while "
                             "training (default: off)")
-    tune = run_command("tune", "train while an Optuna study tunes the toggles on the live run")
+    tune = _run_command(sub, "tune", "train while an Optuna study tunes the toggles on the live run")
     tune.add_argument("--budget", metavar="DURATION", default="30m", type=duration_arg("--budget"),
                       help="tuning budget, a number with a unit: 90s, 30m, 1h30m, 2h (default: 30m)")
     for p in (train, tune):
@@ -206,6 +215,9 @@ def build_parser() -> Parser:
                            "train.py (it calls tuned_args and resume_checkpoint: docs/your-code.md); with a "
                            "command, --run-dir and --log-every are the only trainer options")
 
+
+def _add_run(sub: Any) -> None:
+    """`gptop run [options] -- CMD`."""
     run = sub.add_parser("run", help="run your own training command under gptop",
                          description="Run your own training command as gptop's trainer: its devices, logs and exit "
                                      "code; with gptop.integrations in it (a probe or a callback), its steps, "
@@ -230,6 +242,9 @@ def build_parser() -> Parser:
     run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS]",
                      help="the command, after --: e.g. -- python train.py --lr 3e-4")
 
+
+def _add_readers(sub: Any) -> None:
+    """The commands that read a run directory or the machine: report, export, sample, doctor."""
     report = sub.add_parser("report", help="summarize a run directory",
                             description="Summarize a run from its files alone (events.jsonl, device.jsonl, "
                                         "tuning.json): where it stands, progress, loss, speed (medians of its "
@@ -256,7 +271,6 @@ def build_parser() -> Parser:
                                         "applies passed).")
     add_doctor_arguments(doctor)
     doctor.add_argument("--no-ui", dest="no_ui", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
