@@ -273,10 +273,16 @@ def _add_readers(sub: Any) -> None:
     doctor.add_argument("--no-ui", dest="no_ui", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line parsed, each flag checked and the global flags' defaults filled in (exit 2 on bad usage)."""
     parser = build_parser()
     ns = parser.parse_args(argv)
     _check_global_flags(parser, ns)
+    return ns
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_args(argv)
     try:
         if ns.command == "tune" and ns.cmd:
             return cmd_program(ns, tune=True)

@@ -72,10 +72,6 @@ class RunPlan:
     options: SessionOptions               # the session's, less the lock (taken by claim_run_dir)
     lock: LockRequest
 
-    @property
-    def multi_node(self) -> bool:
-        return self.launcher is not None and self.launcher.multi_node
-
 
 @dataclasses.dataclass
 class ProgramPlan:
