@@ -106,13 +106,12 @@ def plan_run(ns: argparse.Namespace) -> RunPlan:
     if multi_node and tuning is not None:
         raise ConfigError("--nnodes", "tuning restarts the trainer, which one gptop cannot do for other nodes; "
                                       "tune on one node (--nproc N) and train the nodes with its best.toml")
-    resume = cfg.checkpoint.resume
+    resume, run_dir = cfg.checkpoint.resume, cfg.run.run_dir
+    assert run_dir is not None                # resolve_config names every run's directory
     # A new run (not a resume of the run there) in a directory another run left its events or checkpoints in
     # is refused when the lock is taken: one run per run directory.
-    lock = LockRequest(cfg.run.run_dir, command=f"gptop {ns.command}",
-                       node=node_key(ns.node_rank) if multi_node else None,
-                       new_run=not resumes_into(resume, cfg.run.run_dir),
-                       option=lock_option(resume, cfg.run.run_dir))
+    lock = LockRequest(run_dir, command=f"gptop {ns.command}", node=node_key(ns.node_rank) if multi_node else None,
+                       new_run=not resumes_into(resume, run_dir), option=lock_option(resume, run_dir))
     options = SessionOptions(interval=ns.interval, restart_on_failure=ns.restart_on_failure,
                              tensorboard=ns.tensorboard, wandb=ns.wandb, launcher=launcher,
                              tuning=TuningOptions(space_spec=ns.tune_space, storage=ns.storage),   # the `t` key
