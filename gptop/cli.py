@@ -19,22 +19,22 @@ Exit codes: 0 done, 1 the run failed, 2 bad usage, 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from trainer.contract import inputs, protect
+from trainer.contract import inputs
 from trainer.contract.common import MAX_STEP
-from trainer.contract.config import (AUTO, ConfigError, OneLineParser, TrainConfig, add_arguments, check_resumable,
-                                    config_from_args, number_arg, resume_config)
-from trainer.contract.rundir import default_run_dir, resumes_into
-from trainer.contract.runlock import RunLock, lock_option, node_key
+from trainer.contract.config import ConfigError, OneLineParser, add_arguments, number_arg
 from trainer.contract.tools import add_export_arguments, add_sample_arguments
 
-from .alerts import add_alert_arguments, alert_options
+from . import preflight
+from .alerts import add_alert_arguments
 from .controls import STOP_SIGNALS, TUI_STOP_SIGNALS, StopSignals
 from .metrics import add_metrics_arguments, bind_metrics
-from .session import EXIT_FAILED, EXIT_PIPE, EXIT_USAGE, Session, SessionOptions, TuningOptions
+from .preflight import ProgramPlan, RunPlan
+from .session import EXIT_FAILED, EXIT_PIPE, EXIT_USAGE, Session, SessionOptions
 
 # gptop's own flags, converted and checked at parse time like the config's (trainer.contract.config.number_arg,
 # trainer.contract.inputs.path_arg): a bad value is exit 2 naming the flag before anything starts.
@@ -65,10 +65,6 @@ def endpoint_arg(text: str) -> str:
     if port:
         number_arg(int, 1, 65535)(port)
     return text.strip()
-
-
-def max_nodes(nnodes: str) -> int:
-    return int(nnodes.split(":")[-1])
 
 
 class Parser(OneLineParser):
@@ -146,8 +142,6 @@ def _version() -> str:
 
 
 def build_parser() -> Parser:
-    from tuner.budget import duration_arg
-
     parser = Parser(prog="gptop", description="htop for a training run, with a live autotuner. With no command: "
                                               "the monitor (devices, and the newest run in ./runs or --run-dir).")
     parser.add_argument("--version", action="version", version=f"gptop {_version()}")
@@ -157,43 +151,54 @@ def build_parser() -> Parser:
                         type=inputs.path_arg(inputs.check_runs_folder, "--run-dir"),
                         help="monitor mode: the run (or folder of runs) to attach to (default: newest in ./runs)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_train_and_tune(sub)
+    _add_run(sub)
+    _add_readers(sub)
+    return parser
 
-    def run_command(name: str, help: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=help)
-        _global_flags(p)
-        add_arguments(p)
-        g = p.add_argument_group("session")
-        g.add_argument("--restart-on-failure", type=number_arg(int, 0, MAX_RESTARTS), default=0, metavar="N",
-                       help="restart the trainer from its last checkpoint up to N times if it dies "
-                            f"(default: 0; at most {MAX_RESTARTS})")
-        g.add_argument("--tensorboard", action="store_true",
-                       help="also write step metrics and device samples as TensorBoard scalars (default: off)")
-        g.add_argument("--wandb", action="store_true",
-                       help="also log them to a Weights & Biases run in RUN_DIR/wandb (pip install -e '.[wandb]'; "
-                            "WANDB_MODE=offline: no account or network) (default: off)")
-        add_alert_arguments(p)
-        add_metrics_arguments(p, suppress=True)
-        d = p.add_argument_group("distributed (torchrun; see --parallel)")
-        d.add_argument("--nproc", type=number_arg(int, 1, 1024), default=1, metavar="N",
-                       help="ranks (processes, one per GPU) on this node; above 1, or with several nodes, the "
-                            "trainer is launched through torchrun (default: 1)")
-        d.add_argument("--nnodes", type=nnodes_arg, default="1", metavar="N|MIN:MAX",
-                       help="nodes in the run, passed to torchrun (default: 1)")
-        d.add_argument("--node-rank", type=number_arg(int, 0, MAX_NODES - 1), default=None, metavar="N",
-                       help="this node's rank, passed to torchrun (static rendezvous) (default: torchrun's)")
-        d.add_argument("--rdzv-endpoint", type=endpoint_arg, default=None, metavar="HOST:PORT",
-                       help="rendezvous endpoint shared by all nodes, passed to torchrun (default: none)")
-        d.add_argument("--rdzv-backend", default=None, metavar="NAME",
-                       help="rendezvous backend, passed to torchrun (default: c10d with several nodes)")
-        d.add_argument("--rdzv-id", default=None, metavar="ID",
-                       help="rendezvous id, the same on all nodes, passed to torchrun (default: torchrun's)")
-        return p
 
-    train = run_command("train", "train a model and show the run live")
+def _run_command(sub: Any, name: str, help: str) -> argparse.ArgumentParser:
+    """A `train`/`tune` subcommand: the trainer's options, the session's, the alerts, the metrics and torchrun's."""
+    p = sub.add_parser(name, help=help, description=help)
+    _global_flags(p)
+    add_arguments(p)
+    g = p.add_argument_group("session")
+    g.add_argument("--restart-on-failure", type=number_arg(int, 0, MAX_RESTARTS), default=0, metavar="N",
+                   help="restart the trainer from its last checkpoint up to N times if it dies "
+                        f"(default: 0; at most {MAX_RESTARTS})")
+    g.add_argument("--tensorboard", action="store_true",
+                   help="also write step metrics and device samples as TensorBoard scalars (default: off)")
+    g.add_argument("--wandb", action="store_true",
+                   help="also log them to a Weights & Biases run in RUN_DIR/wandb (pip install -e '.[wandb]'; "
+                        "WANDB_MODE=offline: no account or network) (default: off)")
+    add_alert_arguments(p)
+    add_metrics_arguments(p, suppress=True)
+    d = p.add_argument_group("distributed (torchrun; see --parallel)")
+    d.add_argument("--nproc", type=number_arg(int, 1, 1024), default=1, metavar="N",
+                   help="ranks (processes, one per GPU) on this node; above 1, or with several nodes, the "
+                        "trainer is launched through torchrun (default: 1)")
+    d.add_argument("--nnodes", type=nnodes_arg, default="1", metavar="N|MIN:MAX",
+                   help="nodes in the run, passed to torchrun (default: 1)")
+    d.add_argument("--node-rank", type=number_arg(int, 0, MAX_NODES - 1), default=None, metavar="N",
+                   help="this node's rank, passed to torchrun (static rendezvous) (default: torchrun's)")
+    d.add_argument("--rdzv-endpoint", type=endpoint_arg, default=None, metavar="HOST:PORT",
+                   help="rendezvous endpoint shared by all nodes, passed to torchrun (default: none)")
+    d.add_argument("--rdzv-backend", default=None, metavar="NAME",
+                   help="rendezvous backend, passed to torchrun (default: c10d with several nodes)")
+    d.add_argument("--rdzv-id", default=None, metavar="ID",
+                   help="rendezvous id, the same on all nodes, passed to torchrun (default: torchrun's)")
+    return p
+
+
+def _add_train_and_tune(sub: Any) -> None:
+    """`train` and `tune`: gptop's trainer run (or, for `tune -- CMD`, a script tuned)."""
+    from tuner.budget import duration_arg
+
+    train = _run_command(sub, "train", "train a model and show the run live")
     train.add_argument("--tune", metavar="DURATION", default=None, type=duration_arg("--tune"),
                        help="tune the toggles for up to DURATION, a number with a unit (90s, 30m, 1h30m, 2h) while "
                             "training (default: off)")
-    tune = run_command("tune", "train while an Optuna study tunes the toggles on the live run")
+    tune = _run_command(sub, "tune", "train while an Optuna study tunes the toggles on the live run")
     tune.add_argument("--budget", metavar="DURATION", default="30m", type=duration_arg("--budget"),
                       help="tuning budget, a number with a unit: 90s, 30m, 1h30m, 2h (default: 30m)")
     for p in (train, tune):
@@ -210,6 +215,9 @@ def build_parser() -> Parser:
                            "train.py (it calls tuned_args and resume_checkpoint: docs/your-code.md); with a "
                            "command, --run-dir and --log-every are the only trainer options")
 
+
+def _add_run(sub: Any) -> None:
+    """`gptop run [options] -- CMD`."""
     run = sub.add_parser("run", help="run your own training command under gptop",
                          description="Run your own training command as gptop's trainer: its devices, logs and exit "
                                      "code; with gptop.integrations in it (a probe or a callback), its steps, "
@@ -234,6 +242,9 @@ def build_parser() -> Parser:
     run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS]",
                      help="the command, after --: e.g. -- python train.py --lr 3e-4")
 
+
+def _add_readers(sub: Any) -> None:
+    """The commands that read a run directory or the machine: report, export, sample, doctor."""
     report = sub.add_parser("report", help="summarize a run directory",
                             description="Summarize a run from its files alone (events.jsonl, device.jsonl, "
                                         "tuning.json): where it stands, progress, loss, speed (medians of its "
@@ -260,13 +271,18 @@ def build_parser() -> Parser:
                                         "applies passed).")
     add_doctor_arguments(doctor)
     doctor.add_argument("--no-ui", dest="no_ui", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line parsed, each flag checked and the global flags' defaults filled in (exit 2 on bad usage)."""
     parser = build_parser()
     ns = parser.parse_args(argv)
     _check_global_flags(parser, ns)
+    return ns
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_args(argv)
     try:
         if ns.command == "tune" and ns.cmd:
             return cmd_program(ns, tune=True)
@@ -299,257 +315,52 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_PIPE
 
 
-def world_size(ns: argparse.Namespace) -> int:
-    """The ranks of a `gptop train`/`tune` (--nproc per node, times --nnodes when fixed; an elastic range
-    is left to the trainer, which knows its world when it starts)."""
-    nproc = getattr(ns, "nproc", 1)
-    nnodes = getattr(ns, "nnodes", "1")
-    return nproc * int(nnodes) if ":" not in nnodes else nproc
-
-
-def resolve_config(ns: argparse.Namespace) -> TrainConfig:
-    """The run's config with every input checked (numbers, paths, the world's batch split), before anything
-    is started or created."""
-    base = resume_config(getattr(ns, "checkpoint.resume", None))
-    cfg = config_from_args(ns, base, world_size=world_size(ns))
-    if base is not None:
-        check_resumable(base.to_dict(), cfg, f"the run in {base.run.run_dir}")
-    if cfg.run.run_dir is None:
-        from .telemetry import resolved_size   # a --size auto run is named by the size it resolves to
-
-        cfg.run.run_dir = default_run_dir(cfg, size=resolved_size(cfg))
-    return cfg
-
-
-def check_run_args(ns: argparse.Namespace, cfg: TrainConfig) -> None:
-    """The checks of `train`/`tune` flags that need more than one flag (or the config), before anything is
-    created: what the trainer would refuse once it runs is refused here already where gptop can tell without
-    torch (a LoRA target or rank a family cannot take, an option the device cannot run, a resume that
-    changes what is learned)."""
-    node_rank = getattr(ns, "node_rank", None)
-    if node_rank is not None and ":" not in ns.nnodes and node_rank >= max_nodes(ns.nnodes):
-        raise ConfigError("--node-rank", f"{node_rank} is not below --nnodes {ns.nnodes}")
-    from trainer.contract import estimate
-
-    from .telemetry import certain_cpu, resolved_size
-
-    ft = cfg.finetune
-    size = (resolved_size(cfg) or "tiny") if cfg.model.size == "auto" else cfg.model.size
-    estimate.check_lora(cfg.model.model, size, ft.lora, ft.lora_targets)
-    cpu = certain_cpu(cfg.run.device)
-    if cpu is not None:
-        from trainer.contract.capabilities import check_config
-
-        check_config(cfg, cpu)
-    spec = getattr(ns, "tune_space", None)
-    if spec is not None:
-        from tuner.space import SearchSpace, quantizable
-
-        SearchSpace.check_spec(spec, cfg.toggles, cfg.optim.global_batch, world_size(ns), quantizable(cfg))
-
-
-def device_memory(cfg: TrainConfig) -> tuple[str, str, int] | None:
-    """(kind, name, bytes) of the memory one rank of this run will train in, without torch: the GPU's for
-    cuda, else the machine's RAM (gptop.telemetry.training_device, the guess that also names `--size auto`
-    run directories); None for an explicit cuda device gptop cannot see: the trainer checks again once it
-    knows its device."""
-    from .telemetry import training_device
-
-    dev = training_device(cfg.run.device)
-    if dev.is_cuda:
-        return "cuda", dev.name or f"cuda:{dev.index}", int(dev.total_memory)
-    if cfg.run.device not in ("auto", "cpu"):
-        return None
-    return "cpu", "this CPU", int(dev.total_memory)
-
-
-def check_fits(ns: argparse.Namespace, cfg: TrainConfig) -> None:
-    """Refuse a run whose estimated memory (trainer.contract.estimate) exceeds the device's, before a
-    trainer is started: exit 2 with the estimate and the largest size that fits. `--size auto` and a
-    model directory are left to the trainer (it resolves them), and so are other nodes' devices."""
-    from trainer.contract import estimate as E
-
-    if cfg.model.size not in E.SIZES or inputs.is_model_path(cfg.model.model) or (
-            _launcher(ns) is not None and _launcher(ns).multi_node):
-        return
-    found = device_memory(cfg)
-    if found is None:
-        return
-    kind, name, total = found
-    world, nproc = world_size(ns), getattr(ns, "nproc", 1)
-    capacity = total // nproc if kind == "cpu" else total         # ranks on one CPU share its RAM
-    precision = cfg.toggles.precision
-    if precision == AUTO:                     # what the trainer will resolve it to there
-        from trainer.contract.capabilities import auto_precision
-        from .telemetry import training_device
-
-        precision = auto_precision(training_device(cfg.run.device))
-    kw = dict(seq_len=cfg.data.seq_len, global_batch=cfg.optim.global_batch, micro_batch=cfg.toggles.micro_batch_int(),
-              precision=precision, device=kind, capacity=capacity, world_size=world,
-              fsdp=world > 1 and cfg.run.parallel == "fsdp", checkpointing=cfg.toggles.activation_checkpointing,
-              **E.run_options(cfg))
-    est = E.estimate(cfg.model.model, cfg.model.size, **kw)
-    if not est.fits:
-        raise ConfigError("--size", E.refusal(est, name, E.largest_fitting(cfg.model.model, **kw)))
-
-
 def cmd_run(ns: argparse.Namespace) -> int:
+    """`gptop train` / `gptop tune`: the checked plan (gptop.preflight), then its session run to its end."""
     # A stop asked for from here on (Ctrl-C, SIGTERM) is kept and acted on once the session runs.
     signals = StopSignals(STOP_SIGNALS if ns.no_ui else TUI_STOP_SIGNALS).install()
     try:
-        return _run(ns, signals)
+        plan = preflight.plan_run(ns)
+        return _hold_and_show(ns, plan, lambda options: Session(plan.cfg, options), signals)
     finally:
         signals.restore()
-
-
-def _run(ns: argparse.Namespace, signals: StopSignals) -> int:
-    cfg = resolve_config(ns)
-    check_run_args(ns, cfg)
-    if ns.wandb:
-        from .wandb_writer import require_wandb
-
-        require_wandb()
-    check_fits(ns, cfg)
-    resume = cfg.checkpoint.resume
-    launcher = _launcher(ns)
-    if launcher is not None and launcher.multi_node and _tuning_request(ns) is not None:
-        raise ConfigError("--nnodes", "tuning restarts the trainer, which one gptop cannot do for other nodes; "
-                                      "tune on one node (--nproc N) and train the nodes with its best.toml")
-    # One writer per run directory: held until gptop exits (and by the trainer it starts); a second gptop
-    # or trainer on the directory is refused here, exit 2, before anything starts.
-    # A new run (not a resume of the run there) in a directory another run left its events or checkpoints
-    # in is refused the same way: one run per run directory.
-    multi_node = launcher is not None and launcher.multi_node
-    node = node_key(ns.node_rank) if multi_node else None
-    metrics = bind_metrics(ns, node)          # a port in use: exit 2 here, before the lock or anything else
-    try:
-        created = [] if multi_node else protect.dirs_to_create(cfg.run.run_dir)
-        lock = RunLock.acquire(cfg.run.run_dir, command=f"gptop {ns.command}", node=node,
-                               new_run=not resumes_into(resume, cfg.run.run_dir),
-                               option=lock_option(resume, cfg.run.run_dir))
-        try:
-            return _run_locked(ns, cfg, resume, launcher, lock, signals, metrics)
-        except ConfigError:
-            # refused once the directory was made (W&B's login, a check only the trainer can make): nothing is kept
-            lock.release()
-            protect.remove_created(created)
-            raise
-        finally:
-            lock.release()
-    finally:
-        if metrics is not None:
-            metrics.close()
-
-
-def _run_locked(ns: argparse.Namespace, cfg: TrainConfig, resume: str | None, launcher, lock: RunLock,
-                signals: StopSignals, metrics=None) -> int:
-    options = SessionOptions(interval=ns.interval, restart_on_failure=ns.restart_on_failure,
-                             tensorboard=ns.tensorboard, wandb=ns.wandb, launcher=launcher, run_lock=lock,
-                             tuning=TuningOptions(space_spec=ns.tune_space, storage=ns.storage),   # the `t` key
-                             alerts=alert_options(ns), notify=ns.notify, notify_cmd=ns.notify_cmd)
-    if lock.warning:
-        print(f"gptop: warning: {lock.warning}", file=sys.stderr)
-    session = Session(cfg, options)
-    if metrics is not None:
-        metrics.serve(session.state)
-    tuning = _tuning_request(ns)
-    if tuning is not None:
-        session.start_tuning(TuningOptions(**tuning))
-    return _show(ns, session, resume, signals)
-
-
-COMMAND_TUNE_OPTIONS = ("run.run_dir", "log.log_every")   # trainer options that mean something for a command
-
-
-def check_command_tune(ns: argparse.Namespace) -> tuple[Path | None, int | None]:
-    """`gptop tune [options] -- CMD`: the options of gptop's own trainer (the model, the data, the toggles, ...)
-    are CMD's business, so giving one is an error naming it (exit 2); --run-dir and --log-every keep their
-    meaning. Returns them, checked. The --tune-space grammar and names are checked here too (the values a
-    script's batch allows once its client says hello)."""
-    import dataclasses
-
-    from trainer.contract.config import SECTIONS, flag_of
-
-    from tuner.command_space import check_spec
-
-    typed = [k for k in vars(ns) if "." in k and k not in COMMAND_TUNE_OPTIONS] + \
-        (["config"] if "config" in vars(ns) else [])
-    if typed:
-        flags = {f"{sec}.{f.name}": flag_of(f) for sec, c in SECTIONS.items() for f in dataclasses.fields(c)}
-        flag = flags.get(typed[0], "--" + typed[0].rpartition(".")[2])
-        raise ConfigError(flag, "is an option of gptop's own trainer; with a command, what trains is the "
-                                "command's (set it in your script); gptop tune -- CMD takes --run-dir, --log-every "
-                                "and the tuning and session options")
-    if ns.nproc != 1 or ns.nnodes != "1":
-        raise ConfigError("--nproc" if ns.nproc != 1 else "--nnodes",
-                          "tuning a command runs it as one process (put torchrun in CMD for gptop run, untuned)")
-    if ns.tune_space:
-        from tuner.space import SearchSpace
-        from trainer.contract.config import Toggles
-
-        check_spec(ns.tune_space)
-        # grammar, names and values; which micro-batches divide the script's batch is known at its hello
-        SearchSpace.check_spec(ns.tune_space, Toggles(micro_batch=1), global_batch=MAX_GRAMMAR_BATCH)
-    run_dir = getattr(ns, "run.run_dir", None)
-    log_every = getattr(ns, "log.log_every", None)
-    cfg = TrainConfig.from_dict({"log": {"log_every": log_every}} if log_every is not None else {}, text=True)
-    return (inputs.check_run_dir(run_dir) if run_dir is not None else None,
-            cfg.log.log_every if log_every is not None else None)
-
-
-MAX_GRAMMAR_BATCH = 2 ** 20      # a per-device batch every power-of-two micro-batch divides: --tune-space's grammar
 
 
 def cmd_program(ns: argparse.Namespace, tune: bool = False) -> int:
-    """`gptop run -- CMD` (and `gptop tune -- CMD`): the command checked (exit 2 naming it, nothing created),
-    the run directory locked, then the session shown as for `gptop train`; with `tune`, a tuning driver
-    attached before CMD starts (its first process is the baseline)."""
-    from .program import ProgramSession, check_command, default_run_dir
+    """`gptop run -- CMD` (and `gptop tune -- CMD`): the checked plan (gptop.preflight), then the session shown
+    as for `gptop train`; with `tune`, a tuning driver attached before CMD starts (its first process is the
+    baseline)."""
+    from .program import ProgramSession
 
     signals = StopSignals(STOP_SIGNALS if ns.no_ui else TUI_STOP_SIGNALS).install()
     try:
-        if tune:
-            given_dir, log_every = check_command_tune(ns)
-            grace = 30.0
-        else:
-            given_dir, log_every, grace = (Path(ns.run_dir) if ns.run_dir else None), ns.log_every, ns.grace
-        command = check_command(ns.cmd)
-        if ns.wandb:
-            from .wandb_writer import require_wandb
-
-            require_wandb()
-        run_dir = Path(given_dir or default_run_dir(command))
-        metrics = bind_metrics(ns)            # a port in use: exit 2 here, before the lock or anything else
-        try:
-            created = protect.dirs_to_create(run_dir)
-            lock = RunLock.acquire(run_dir, command=f"gptop {ns.command}")
-            try:
-                if lock.warning:
-                    print(f"gptop: warning: {lock.warning}", file=sys.stderr)
-                options = SessionOptions(interval=ns.interval, restart_on_failure=ns.restart_on_failure,
-                                         tensorboard=ns.tensorboard, wandb=ns.wandb, run_lock=lock,
-                                         alerts=alert_options(ns), notify=ns.notify, notify_cmd=ns.notify_cmd)
-                session = ProgramSession(command, run_dir, options, log_every=log_every, grace_s=grace,
-                                         signals=signals, tune=tune)
-                if metrics is not None:
-                    metrics.serve(session.state)
-                if tune:
-                    session.start_tuning(TuningOptions(budget_s=float(ns.budget), space_spec=ns.tune_space,
-                                                       storage=ns.storage, tune_only=ns.tune_only))
-                return _show(ns, session, None, signals)
-            except ConfigError:
-                # refused (a script gptop tune cannot hand toggles to says so before its first step): the
-                # run directory this command made is removed, as for gptop train
-                lock.release()
-                protect.remove_created(created)
-                raise
-            finally:
-                lock.release()
-        finally:
-            if metrics is not None:
-                metrics.close()
+        plan = preflight.plan_program(ns, tune)
+        return _hold_and_show(ns, plan, lambda options: ProgramSession(
+            plan.command, plan.run_dir, options, log_every=plan.log_every, grace_s=plan.grace_s, signals=signals,
+            tune=plan.tune), signals)
     finally:
         signals.restore()
+
+
+def _hold_and_show(ns: argparse.Namespace, plan: RunPlan | ProgramPlan,
+                   make_session: Callable[[SessionOptions], Session], signals: StopSignals) -> int:
+    """Bind the metrics port (in use: exit 2, before the lock or anything else), take the run directory
+    (preflight.claim_run_dir: a refusal from here on removes what was made), then build the session on the
+    plan and show it to its end."""
+    metrics = bind_metrics(ns, plan.lock.node)
+    try:
+        with preflight.claim_run_dir(plan.lock) as lock:
+            if lock.warning:
+                print(f"gptop: warning: {lock.warning}", file=sys.stderr)
+            session = make_session(dataclasses.replace(plan.options, run_lock=lock))
+            if metrics is not None:
+                metrics.serve(session.state)
+            if plan.tuning is not None:
+                session.start_tuning(plan.tuning)
+            return _show(ns, session, plan.resume, signals)
+    finally:
+        if metrics is not None:
+            metrics.close()
 
 
 def _show(ns: argparse.Namespace, session: Session, resume: str | None, signals: StopSignals) -> int:
@@ -586,21 +397,3 @@ class TrainerRefused(ConfigError):
 
     def __str__(self) -> str:
         return self.message
-
-
-def _launcher(ns: argparse.Namespace):
-    """torchrun for --nproc > 1 or several nodes; None runs the trainer as one plain process."""
-    from .supervisor import TorchrunLauncher
-
-    launcher = TorchrunLauncher(ns.nproc, ns.nnodes, ns.node_rank, ns.rdzv_endpoint, ns.rdzv_backend, ns.rdzv_id)
-    if ns.nproc == 1 and not launcher.multi_node:
-        return None
-    return launcher
-
-
-def _tuning_request(ns: argparse.Namespace) -> dict[str, Any] | None:
-    budget = ns.budget if ns.command == "tune" else getattr(ns, "tune", None)
-    if budget is None:
-        return None
-    return {"budget_s": float(budget), "space_spec": ns.tune_space, "storage": ns.storage,
-            "tune_only": getattr(ns, "tune_only", False)}

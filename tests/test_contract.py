@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TORCH_FREE = ["trainer.contract.config", "trainer.contract.events", "trainer.contract.device", "trainer.contract.codec",
               "trainer.contract.capabilities", "trainer.contract.rundir", "trainer.contract.atomic", "trainer.contract.inputs",
               "trainer.contract.protect",
-              "gptop.cli", "gptop.session", "gptop.tuning", "gptop.ui.app", "gptop.monitor", "gptop.headless",
+              "gptop.cli", "gptop.preflight", "gptop.session", "gptop.tuning", "gptop.ui.app", "gptop.monitor", "gptop.headless",
               "gptop.report", "gptop.tool_runner", "trainer.contract.tools", "tuner.controller", "tuner.study", "tuner.space",
               "tuner.tuning_report", "trainer.contract.client", "gptop.program", "gptop.warden", "gptop.integrations",
               "gptop.doctor", "trainer.contract.doctor"]
@@ -37,7 +37,7 @@ def test_importing_leaves_torch_out(module):
 
 @pytest.mark.process
 def test_resolving_a_train_config_leaves_torch_out():
-    code = ("import sys; from gptop.cli import build_parser, resolve_config; "
+    code = ("import sys; from gptop.cli import build_parser; from gptop.preflight import resolve_config; "
             "ns = build_parser().parse_args(['train', '--model', 'deepseek', '--size', 'medium']); "
             "cfg = resolve_config(ns); assert cfg.model.model == 'deepseek'; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")

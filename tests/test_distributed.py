@@ -144,11 +144,12 @@ def test_launcher_argv():
 
 
 def test_cli_nproc_builds_a_launcher():
-    from gptop.cli import _launcher, build_parser
+    from gptop.cli import build_parser
+    from gptop.preflight import launcher_of
 
     ns = build_parser().parse_args(["train", "--nproc", "2", "--parallel", "fsdp"])
-    assert _launcher(ns) is not None and getattr(ns, "run.parallel") == "fsdp"
-    assert _launcher(build_parser().parse_args(["train"])) is None
+    assert launcher_of(ns) is not None and getattr(ns, "run.parallel") == "fsdp"
+    assert launcher_of(build_parser().parse_args(["train"])) is None
 
 
 def test_faults_for_one_rank():
@@ -453,7 +454,7 @@ def test_two_nodes_on_one_host_each_know_the_run(tmp_path):
     args = [sys.executable, "-m", "gptop", "--no-ui", "train", "--nproc", "1", "--nnodes", "2",
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-backend", "c10d", "--rdzv-id", "issue13", *TINY,
             "--max-steps", "6", "--log-every", "3", "--checkpoint-every", "0", "--run-dir", str(run)]
-    # --node-rank names each node's lock on the shared run directory (gptop.cli: node_key); c10d still
+    # --node-rank names each node's lock on the shared run directory (gptop.preflight: node_key); c10d still
     # assigns the ranks
     procs = [subprocess.Popen([*args, "--node-rank", str(i)], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(2)]

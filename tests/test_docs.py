@@ -6,7 +6,7 @@ skipped for a stated reason, by an explicit rule table.
   every command that needs a run directory). It must exit 0.
 * parse: the command line is parsed as the program would parse it, without running it: `gptop` through its
   own parser and, for train/tune, the same config resolution and input checks that run before anything starts
-  (`gptop.cli.resolve_config`, `check_run_args`); a Python script or module through its argparse parser (the
+  (`gptop.preflight.resolve_config`, `check_run_args`); a Python script or module through its argparse parser (the
   run stops when the top-level parse returns). A bad flag, value or path fails the check.
 * skip: only with a reason (a GPU, a database server, the network, several machines).
 
@@ -278,13 +278,13 @@ def stop_after_parse():
 def parse_gptop(argv: list[str]) -> None:
     """`gptop ARGV` up to the point where it would start something: its parser, then for train/tune the
     config resolution and the input checks that run before a process starts or a directory is made."""
-    from gptop import cli
+    from gptop import cli, preflight
     from trainer.contract.config import ConfigError
 
     ns = cli.build_parser().parse_args(argv)
     if ns.command in ("train", "tune"):
         try:
-            cli.check_run_args(ns, cli.resolve_config(ns))
+            preflight.check_run_args(ns, preflight.resolve_config(ns))
         except ConfigError as e:
             pytest.fail(f"gptop: error: {e}")
 

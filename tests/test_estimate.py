@@ -108,9 +108,9 @@ def test_estimate_is_torch_free():
 # --- where the refusal happens ---------------------------------------------------------------------------
 
 def test_gptop_refuses_what_cannot_fit_before_starting_a_trainer(tmp_path, monkeypatch, capsys):
-    from gptop import cli
+    from gptop import cli, preflight
 
-    monkeypatch.setattr(cli, "device_memory", lambda cfg: ("cpu", "this CPU", 6 * GiB))
+    monkeypatch.setattr(preflight, "device_memory", lambda cfg: ("cpu", "this CPU", 6 * GiB))
     monkeypatch.setattr(cli, "Session", None)        # nothing may be started
     run_dir = tmp_path / "run"
     code = cli.main(["--no-ui", "train", "--model", "llama", "--size", "medium", "--run-dir", str(run_dir)])
@@ -121,22 +121,22 @@ def test_gptop_refuses_what_cannot_fit_before_starting_a_trainer(tmp_path, monke
 
 
 def test_gptop_leaves_auto_sizes_and_model_directories_to_the_trainer(monkeypatch):
-    from gptop import cli
+    from gptop import preflight
     from trainer.contract.config import TrainConfig
 
     asked = []
-    monkeypatch.setattr(cli, "device_memory", lambda cfg: asked.append(cfg) or ("cpu", "this CPU", GiB))
+    monkeypatch.setattr(preflight, "device_memory", lambda cfg: asked.append(cfg) or ("cpu", "this CPU", GiB))
     ns = argparse.Namespace(nproc=1, nnodes="1", node_rank=None, rdzv_endpoint=None, rdzv_backend=None,
                             rdzv_id=None)
     cfg = TrainConfig()
     cfg.model.size = "auto"
-    cli.check_fits(ns, cfg)
+    assert preflight.check_fits(ns, cfg) is None      # left to the trainer: nothing was checked here
     cfg.model.size, cfg.model.model = "large", "./my-model"
-    cli.check_fits(ns, cfg)
+    assert preflight.check_fits(ns, cfg) is None
     assert asked == []
     cfg.model.model = "llama"
-    with pytest.raises(cli.ConfigError, match="does not fit"):
-        cli.check_fits(ns, cfg)
+    with pytest.raises(preflight.ConfigError, match="does not fit"):
+        preflight.check_fits(ns, cfg)
 
 
 def test_the_trainer_refuses_before_building_and_says_the_early_hello_first(tmp_path):
@@ -262,20 +262,21 @@ def test_lora_runs_fit_where_full_fine_tuning_does_not():
 
 
 def test_gptop_and_the_trainer_estimate_with_the_runs_optimizer_and_lora(monkeypatch):
-    from gptop import cli
+    from gptop import preflight
     from trainer.contract.config import TrainConfig
 
-    monkeypatch.setattr(cli, "device_memory", lambda cfg: ("cuda", "a 12 GiB GPU", 12 * GiB))
+    monkeypatch.setattr(preflight, "device_memory", lambda cfg: ("cuda", "a 12 GiB GPU", 12 * GiB))
     ns = argparse.Namespace(nproc=1, nnodes="1", node_rank=None, rdzv_endpoint=None, rdzv_backend=None,
                             rdzv_id=None)
     cfg = TrainConfig()
     cfg.model.model, cfg.model.size = "llama", "large"
-    with pytest.raises(cli.ConfigError, match=r"adamw state.*--size medium"):
-        cli.check_fits(ns, cfg)
+    with pytest.raises(preflight.ConfigError, match=r"adamw state.*--size medium"):
+        preflight.check_fits(ns, cfg)
     cfg.finetune.lora = 8
-    cli.check_fits(ns, cfg)                         # the adapters' state fits where full training's does not
+    fit = preflight.check_fits(ns, cfg)             # the adapters' state fits where full training's does not
+    assert fit is not None and fit.estimate.fits and fit.device == ("cuda", "a 12 GiB GPU", 12 * GiB)
     cfg.finetune.lora, cfg.toggles.optimizer = 0, "adafactor"
-    cli.check_fits(ns, cfg)
+    preflight.check_fits(ns, cfg)
 
 
 @pytest.mark.parametrize("family", ["llama", "deepseek", "llada"])

@@ -540,7 +540,8 @@ def test_samples_carry_each_gpus_identity(tmp_path):
 
 def test_a_size_auto_run_directory_is_named_by_the_size_it_resolves_to(monkeypatch, tmp_path):
     import gptop.telemetry
-    from gptop.cli import build_parser, resolve_config
+    from gptop.cli import build_parser
+    from gptop.preflight import resolve_config
     from trainer.contract.device import DeviceInfo
 
     monkeypatch.chdir(tmp_path)

@@ -268,14 +268,16 @@ def test_stop_early_decides_on_what_was_measured(tmp_path):
 
 
 def test_train_tune_is_tune_budget():
-    from gptop.cli import _tuning_request, build_parser
+    from gptop.cli import build_parser
+    from gptop.preflight import tuning_request
+    from gptop.session import TuningOptions
 
     p = build_parser()
-    a = _tuning_request(p.parse_args(["train", "--tune", "10m", "--tune-space=-compile"]))   # = : a leading -
-    b = _tuning_request(p.parse_args(["tune", "--budget", "10m", "--tune-space=-compile"]))
-    assert a == b == {"budget_s": 600.0, "space_spec": "-compile", "storage": None, "tune_only": False}
-    assert _tuning_request(p.parse_args(["train"])) is None
-    assert _tuning_request(p.parse_args(["tune", "--tune-only"]))["tune_only"] is True
+    a = tuning_request(p.parse_args(["train", "--tune", "10m", "--tune-space=-compile"]))   # = : a leading -
+    b = tuning_request(p.parse_args(["tune", "--budget", "10m", "--tune-space=-compile"]))
+    assert a == b == TuningOptions(budget_s=600.0, space_spec="-compile", storage=None, tune_only=False)
+    assert tuning_request(p.parse_args(["train"])) is None
+    assert tuning_request(p.parse_args(["tune", "--tune-only"])).tune_only is True
 
 
 class FakeSupervisor:

@@ -294,7 +294,8 @@ def test_report_best_toml_and_gptop_report(tuned):
     apply = events(run_dir, "apply")[0]
     assert report["applied"] == apply["toggles"]
     assert "| # | run |" in (run_dir / "tuning.md").read_text()
-    from gptop.cli import build_parser, resolve_config
+    from gptop.cli import build_parser
+    from gptop.preflight import resolve_config
 
     ns = build_parser().parse_args(["train", "--config", str(run_dir / "best.toml"), "--max-steps", "3"])
     cfg = resolve_config(ns)

@@ -381,7 +381,7 @@ def memory_pressure(cfg: TrainConfig, fits: int | None, world_size: int = 1) -> 
     forward/backward per step: no accumulation). It does not fit when it is above `fits`, the largest the
     trainer's `--micro-batch auto` found to fit (its probe, or on a roomy CPU the estimate against the RAM;
     None: not probed). An explicit micro-batch whose estimate does not fit is refused before the run starts
-    (gptop.cli.check_fits, the trainer's early hello), so it never reaches the tuner."""
+    (gptop.preflight.check_fits, the trainer's early hello), so it never reaches the tuner."""
     per_rank = per_rank_batch(cfg.optim.global_batch, world_size)
     t = cfg.toggles
     wanted = t.micro_batch if isinstance(t.micro_batch, int) else per_rank     # else AUTO

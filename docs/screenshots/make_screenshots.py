@@ -73,12 +73,12 @@ async def shot(state: RunState, size: tuple[int, int], name: str, out: Path, key
 async def live(train_argv: list[str], out: Path, at_step: int | None) -> int:
     """`gptop train TRAIN_ARGV` in the real dashboard until the run ends (or reaches `at_step`: the pictures
     are taken live, then the run is stopped as `q` stops it); the two screenshots."""
-    from gptop import cli
+    from gptop import cli, preflight
     from gptop.session import Session, SessionOptions
 
     ns = cli.build_parser().parse_args(["train", *train_argv])
-    cfg = cli.resolve_config(ns)
-    cli.check_run_args(ns, cfg)
+    cfg = preflight.resolve_config(ns)
+    preflight.check_run_args(ns, cfg)
     session = Session(cfg, SessionOptions(interval=ns.interval))
     session.state.clock = time.time
     app = GptopApp(session.state, session)
