@@ -21,7 +21,7 @@ import dataclasses
 import os
 import threading
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import IO, TYPE_CHECKING, Any, Callable, Protocol
 
 from trainer.contract import events as ev
 from trainer.contract.states import RunStatus
@@ -34,6 +34,11 @@ from .controls import StopSignals
 from .state import RunState
 from .supervisor import Supervisor, torchrun_failures, trainer_argv
 
+if TYPE_CHECKING:      # imported where used: each is an optional extra or costs start-up time
+    from .notify import Notifier
+    from .tensorboard import TensorBoardWriter
+    from .wandb_writer import WandbWriter
+
 EXIT_DONE, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 EXIT_PIPE = 141     # stdout's reader went away (`gptop --no-ui ... | head`): what a shell shows for SIGPIPE
 DEFAULT_T_BUDGET_S = 600.0                 # the `t` key in a plain `gptop train`
@@ -45,6 +50,12 @@ class View(Protocol):
     def on_event(self, event: ev.Event) -> None: ...
     def on_log(self, line: str, stream: str) -> None: ...
     def on_status(self, status: RunStatus, message: str | None) -> None: ...
+
+
+class ClosingView(View, Protocol):
+    """A view `run_headless` owns: closed when the session is over."""
+
+    def close(self) -> None: ...
 
 
 class Controller(Protocol):
@@ -167,7 +178,7 @@ class SessionBase:
         """Whether a `--no-ui` run of this session is over; waits up to `timeout` seconds."""
         return self.wait(timeout) is not None
 
-    def run_headless(self, view: View, resume: str | None = None,
+    def run_headless(self, view: ClosingView, resume: str | None = None,
                      signals: StopSignals | None = None) -> int | None:
         """Run without the UI until the session is over, and return its exit code. Ctrl-C, SIGTERM or SIGHUP
         is a graceful stop, a second one a forced stop (as `q` twice in the TUI); `signals` installed earlier
@@ -199,7 +210,11 @@ class Session(SessionBase):
     command: list[str] | None = None    # a user's program (gptop run -- CMD) instead of gptop's trainer
 
     def __init__(self, cfg: TrainConfig, options: SessionOptions | None = None, *, sampler: Any = None):
-        super().__init__(Path(cfg.run.run_dir), sampler)
+        if cfg.run.run_dir is None:
+            raise ValueError("a session runs in a run directory: resolve cfg.run.run_dir first (gptop.preflight)")
+        run_dir = Path(cfg.run.run_dir)
+        super().__init__(run_dir, sampler)
+        self.run_dir: Path = run_dir
         self.cfg = cfg
         self.options = options or SessionOptions()
         lock = self.options.run_lock
@@ -213,13 +228,13 @@ class Session(SessionBase):
         self.spawns = 0
         self.rank_errors: dict[int, ev.ErrorEvent] = {}           # this spawn's first error event per rank
         self.hello: ev.HelloEvent | None = None                    # this spawn's rank-0 hello, once it came
-        self._device_file = None
-        self._tb = None
-        self._wandb = None
+        self._device_file: IO[str] | None = None
+        self._tb: TensorBoardWriter | None = None
+        self._wandb: WandbWriter | None = None
         self._controller: Controller | None = None
         self.alerts = AlertMonitor(self.options.alerts, alive=self._trainer_working,
                                    node=lock.node if lock is not None else None)
-        self.notifier = None                   # gptop.notify.Notifier, from start() when --notify/--notify-cmd
+        self.notifier: Notifier | None = None  # from start() when --notify/--notify-cmd
 
     # ------------------------------------------------------------- lifecycle
     def start(self, resume: str | None = None) -> None:

@@ -60,6 +60,9 @@ from trainer.contract.states import TrialOutcome
 from .advice import tries as advice_tries
 
 if TYPE_CHECKING:
+    from tuner.controller import Remeasure, RunTrial, TuneController
+    from tuner.study import TuneStudy
+
     from .state import RunState
     from .supervisor import Supervisor
 
@@ -156,8 +159,8 @@ class TuningDriver:
         self.tune_only = tune_only
         self.trial_log_every = trial_log_every
         self.q: "queue.Queue[tuple[str, Any]]" = queue.Queue()
-        self.ctl = None
-        self.study = None
+        self.ctl: TuneController | None = None
+        self.study: TuneStudy | None = None
         self.thread: threading.Thread | None = None
         self.finished = threading.Event()
         self.error: str | None = None
@@ -251,7 +254,8 @@ class TuningDriver:
             self._say(f"tuning stopped by an internal error: {self.error}")
             self.session.log(traceback.format_exc())
             try:
-                if not self._alive and not self.session.interrupted and not self._complete:
+                if self.user_cfg is not None and not self._alive and not self.session.interrupted \
+                        and not self._complete:
                     self._spawn(self._cfg_for(self.user_cfg.toggles, strict=False), self.last_ckpt)
             finally:
                 self._detach()
@@ -259,6 +263,8 @@ class TuningDriver:
             self.finished.set()
 
     def _publish(self) -> None:
+        if self.ctl is None:
+            return
         for event in self.ctl.drain_events():
             self.session.publish(event)
 
@@ -323,16 +329,13 @@ class TuningDriver:
         return max(0.0, hello.time - started) if started is not None and hello.time >= started else None
 
     def _run(self) -> None:
-        from tuner.budget import Budget
-        from tuner.controller import Apply, Done, FindMicroBatch, Remeasure, RunTrial, TuneController
-        from tuner.study import TuneStudy
+        from tuner.controller import Apply, Done, FindMicroBatch, Remeasure, RunTrial
 
         self._pace_known = self._hello is not None       # a trainer that ran before tuning (the `t` key)
         hello = self._hello or self._wait_hello()
         if hello is None:
             return self._conclude(None)
         self._hello = hello
-        dev = hello.device
         command = hello.client is not None        # a user's script (gptop tune -- CMD) through its client
         if command:
             if hello.tunable is None:             # its client refuses a tune itself; an old one may not
@@ -341,15 +344,51 @@ class TuningDriver:
             self._command = True
             self.user_cfg = self._command_cfg(hello)
             self._running_cfg = self._cfg_for(self.user_cfg.toggles, strict=True)   # the baseline's process
+        user_mb = self._user().toggles.micro_batch
+        ctl = self._open_controller(hello, command)
+        trial_index = 0
+        while True:
+            if self._abort:
+                return self._conclude(ctl.stop_early(self._abort))
+            action = ctl.next_action()
+            self._publish()
+            if isinstance(action, FindMicroBatch):
+                ctl.set_max_micro_batch(hello.micro_batch if user_mb == AUTO else None)
+                continue
+            if isinstance(action, (RunTrial, Remeasure)):
+                fault = None
+                if isinstance(action, RunTrial) and not action.baseline:
+                    trial_index += 1
+                    if self.test_fault and self.test_fault[0] == trial_index:
+                        fault = self.test_fault[1]
+                if not self._run_trial(ctl, action, fault):
+                    return None
+                continue
+            if isinstance(action, (Apply, Done)):
+                return self._conclude(action)
+
+    def _user(self) -> TrainConfig:
+        """The user's own settings: known from `attach` on (a command's from its client's first hello)."""
+        if self.user_cfg is None:
+            raise RuntimeError("the tuning driver was not attached")
+        return self.user_cfg
+
+    def _open_controller(self, hello: ev.HelloEvent, command: bool) -> "TuneController":
+        """The study of this setup and the controller that tunes over it, from the trainer's hello."""
+        from tuner.budget import Budget
+        from tuner.controller import TuneController
+        from tuner.study import TuneStudy
+
+        dev = hello.device
         cfg = TrainConfig.from_dict(hello.config)
-        base_mb = self.user_cfg.toggles.micro_batch
+        base_mb = self._user().toggles.micro_batch
         start = dataclasses.replace(cfg.toggles, micro_batch=base_mb)
         world = hello.world_size
         space, note = tuning_space(dataclasses.replace(cfg, toggles=start), dev,
                                    hello.micro_batch if base_mb == AUTO else None, world, self.space_spec,
                                    self.budget_s, command=hello.tunable if command else None)
         cfg.toggles = start
-        self.study = TuneStudy.open(cfg, dev, space, storage=self.storage, world_size=world)
+        self.study = study = TuneStudy.open(cfg, dev, space, storage=self.storage, world_size=world)
         # A trial measures for at most ~1/12 of the budget (>= 8 s), so a short budget still sees several trials;
         # one that has not produced a measurement in twice that (a slow compile) is cut.
         per_trial = max(8.0, min(300.0, self.budget_s / 12))
@@ -359,7 +398,7 @@ class TuningDriver:
         # a trial that has not warmed up after twice its measuring time plus two starts of this setup's trainer
         # (a compile that does not finish) is cut; a loaded machine's slow starts do not cut healthy trials
         restart = max(restart_guess, startup or 0.0)
-        self.ctl = ctl = TuneController(cfg, dev, space, self.study, Budget(self.budget_s), max_seconds=per_trial,
+        self.ctl = ctl = TuneController(cfg, dev, space, study, Budget(self.budget_s), max_seconds=per_trial,
                                         default_restart_s=restart_guess,
                                         # re-measuring the top two is worth a trial only in longer budgets;
                                         # in short ones more configurations measured once win
@@ -369,74 +408,67 @@ class TuningDriver:
                                         energy=self.session.energy_between,
                                         run_pays=not self.tune_only, startup_s=startup,
                                         # a trial's process trains on as it is only if its settings are the user's
-                                        trial_process_continues=command or self.user_cfg.run.nan_policy == "stop",
+                                        trial_process_continues=command or self._user().run.nan_policy == "stop",
                                         # the advice's toggles are the first proposals (asked when trials start)
                                         advice=lambda: advice_tries(self.session.state.advice()))
         if self._pace_known and self.session.state.step:   # the `t` key: where the run is and how fast it goes
             tps, _ = self.session.state.steady_medians(last=PACE_STEPS)
             ctl.set_pace(self.session.state.step, ctl.tokens_per_step / tps if tps else None)
         self._say(f"tuning for up to {self.budget_s:.0f} s over {', '.join(space.params) or 'nothing'} "
-                  f"(study {self.study.name}){note}", study=self.study.name)
-        trial_index = 0
-        while True:
-            if self._abort:
-                return self._conclude(ctl.stop_early(self._abort))
-            action = ctl.next_action()
-            self._publish()
-            if isinstance(action, FindMicroBatch):
-                ctl.set_max_micro_batch(hello.micro_batch if base_mb == AUTO else None)
-                continue
-            if isinstance(action, (RunTrial, Remeasure)):
-                fault = None
-                if isinstance(action, RunTrial) and not action.baseline:
-                    trial_index += 1
-                    if self.test_fault and self.test_fault[0] == trial_index:
-                        fault = self.test_fault[1]
-                pre = self.last_ckpt
+                  f"(study {study.name}){note}", study=study.name)
+        return ctl
+
+    def _run_trial(self, ctl: "TuneController", action: "RunTrial | Remeasure",
+                   fault: tuple[tuple[str, int], ...] | None) -> bool:
+        """Run one measurement the controller asked for and tell it how it went; False when the tuning
+        concluded meanwhile (interrupted, finished, stopped by the user)."""
+        pre = self.last_ckpt
+        restore_log = None
+        if not action.restart and self._alive:
+            # measured on the running process (the baseline after `t`): it logs every step meanwhile
+            restore_log = (self._running_cfg or self.session.cfg).log.log_every
+            if restore_log > self.trial_log_every:
+                self._log_every(self.trial_log_every)
+            else:
                 restore_log = None
-                if not action.restart and self._alive:
-                    # measured on the running process (the baseline after `t`): it logs every step meanwhile
-                    restore_log = (self._running_cfg or self.session.cfg).log.log_every
-                    if restore_log > self.trial_log_every:
-                        self._log_every(self.trial_log_every)
-                    else:
-                        restore_log = None
-                if action.restart or not self._alive:
-                    pre = self._restart(action.toggles, fault=fault, strict=True)
-                    if pre is None:            # interrupted, stopped or finished while switching
-                        if self._abort and not (self.session.interrupted or self._complete):
-                            return self._conclude(ctl.stop_early(self._abort))
-                        ctl.abort(self._end_reason())
-                        self._publish()
-                        return self._conclude(None)
-                outcome, reason = self._measure()
-                if restore_log is not None:
-                    self._log_every(restore_log)
-                if outcome == "abort":             # the `t` key: decide on what was measured, train on
-                    if not action.keep_steps:      # its fresh optimizer state must not become the run's
-                        self._rollback(pre)
-                    return self._conclude(ctl.stop_early(reason, rolled_back=not action.keep_steps))
-                if outcome in ("interrupted", "finished"):
-                    if outcome == "finished" and ctl.in_trial:
-                        ctl.finish_trial(TrialOutcome.OK)            # its steps are the run's last: kept
-                    ctl.abort(reason)
-                    self._publish()
-                    return self._conclude(None)
-                if outcome in STEADY and action.keep_steps:
-                    ctl.finish_trial(TrialOutcome.OK)
-                elif outcome in STEADY:            # measured; rolled back so the run keeps its optimizer state
-                    ctl.finish_trial(TrialOutcome.OK, rollback=self._rollback(pre))
-                else:
-                    ctl.finish_trial(outcome, reason, rollback=self._rollback(pre))
+        if action.restart or not self._alive:
+            pre = self._restart(action.toggles, fault=fault, strict=True)
+            if pre is None:            # interrupted, stopped or finished while switching
+                if self._abort and not (self.session.interrupted or self._complete):
+                    self._conclude(ctl.stop_early(self._abort))
+                    return False
+                ctl.abort(self._end_reason())
                 self._publish()
-                if ctl.study is not self.study:      # the start ran out of memory: memory is the constraint
-                    self.study = ctl.study
-                    self._say(f"memory is the constraint ({ctl.space.memory}): tuning over "
-                              f"{', '.join(ctl.space.params) or 'nothing'} (study {self.study.name})",
-                              study=self.study.name)
-                continue
-            if isinstance(action, (Apply, Done)):
-                return self._conclude(action)
+                self._conclude(None)
+                return False
+        outcome, reason = self._measure(ctl)
+        if restore_log is not None:
+            self._log_every(restore_log)
+        if outcome == "abort":             # the `t` key: decide on what was measured, train on
+            if not action.keep_steps:      # its fresh optimizer state must not become the run's
+                self._rollback(pre)
+            self._conclude(ctl.stop_early(reason, rolled_back=not action.keep_steps))
+            return False
+        if outcome in ("interrupted", "finished"):
+            if outcome == "finished" and ctl.in_trial:
+                ctl.finish_trial(TrialOutcome.OK)            # its steps are the run's last: kept
+            ctl.abort(reason)
+            self._publish()
+            self._conclude(None)
+            return False
+        if outcome in STEADY and action.keep_steps:
+            ctl.finish_trial(TrialOutcome.OK)
+        elif outcome in STEADY:            # measured; rolled back so the run keeps its optimizer state
+            ctl.finish_trial(TrialOutcome.OK, rollback=self._rollback(pre))
+        else:
+            ctl.finish_trial(TrialOutcome(outcome), reason, rollback=self._rollback(pre))
+        self._publish()
+        if ctl.study is not self.study:      # the start ran out of memory: memory is the constraint
+            self.study = ctl.study
+            self._say(f"memory is the constraint ({ctl.space.memory}): tuning over "
+                      f"{', '.join(ctl.space.params) or 'nothing'} (study {ctl.study.name})",
+                      study=ctl.study.name)
+        return True
 
     def _command_cfg(self, hello: ev.HelloEvent) -> TrainConfig:
         """A command's own settings as the tuner's config, from its client's first hello: its toggles,
@@ -457,9 +489,8 @@ class TuningDriver:
             return "the run reached --max-steps while tuning"
         return "the trainer stopped while tuning"
 
-    def _measure(self) -> tuple[str, str]:
+    def _measure(self, ctl: "TuneController") -> tuple[str, str]:
         """Feed events to the controller until the trial should stop; returns (stop kind, reason)."""
-        ctl = self.ctl
         while True:
             item = self._next()
             if self._abort:
@@ -521,16 +552,17 @@ class TuningDriver:
             self._publish()
             from tuner.tuning_report import write_report
 
-            self.report_paths = write_report(s.run_dir, self.study, ctl.report_info())
+            study = ctl.study          # the one the controller tuned over last (memory may have changed it)
+            self.report_paths = write_report(s.run_dir, study, ctl.report_info())
             self._say(f"report {self.report_paths['md']}; best configuration {self.report_paths['toml']}")
-            if self.study.storage_url:
+            if study.storage_url:
                 from tuner.storage import dashboard_command
 
-                self._say(f"study {self.study.name}; browse it: {dashboard_command(self.study.storage_url)}")
+                self._say(f"study {study.name}; browse it: {dashboard_command(study.storage_url)}")
         self._cleanup_guard()
         if self._running_cfg is None or self._hello is not None and self._hello.client is not None:
             # gptop tune's first process logged every step for the baseline
-            s.cfg.log.log_every = self.user_cfg.log.log_every
+            s.cfg.log.log_every = self._user().log.log_every
         self._detach()
 
     # ------------------------------------------------------------ processes
@@ -539,7 +571,8 @@ class TuningDriver:
         interval counted only with `log_every`: a command changes it)."""
         have = self._running_cfg or self.session.cfg
         toggles = have.toggles
-        if toggles.micro_batch == AUTO and self._running_cfg is None and self._hello is not None:
+        if toggles.micro_batch == AUTO and self._running_cfg is None and self._hello is not None \
+                and self._hello.micro_batch is not None:
             toggles = dataclasses.replace(toggles, micro_batch=self._hello.micro_batch)   # what `auto` resolved to
         return (toggles != want.toggles or have.run.nan_policy != want.run.nan_policy
                 or (log_every and have.log.log_every != want.log.log_every))
@@ -614,7 +647,7 @@ class TuningDriver:
 
     def _cfg_for(self, toggles: Toggles, strict: bool) -> TrainConfig:
         """The user's config with `toggles`; trial processes (strict) stop on NaN and log every step."""
-        cfg = TrainConfig.from_dict(self.user_cfg.to_dict())
+        cfg = TrainConfig.from_dict(self._user().to_dict())
         cfg.toggles = dataclasses.replace(toggles)
         cfg.run.fault = None
         if strict:
@@ -663,7 +696,8 @@ class TuningDriver:
         deleted = [str(p) for p in rundir.rollback_to(run_dir, keep_step)] + self._delete_reported(keep_step)
         self.last_ckpt = pre if pre and pre[1] and Path(pre[1]).exists() else None
         step = max(keep_step, 0)
-        self._say(f"trial rolled back to step {step}" + (f" ({pre[1]})" if self.last_ckpt else " (the start)")
+        self._say(f"trial rolled back to step {step}"
+                  + (f" ({self.last_ckpt[1]})" if self.last_ckpt else " (the start)")
                   + (f"; deleted {len(deleted)} checkpoint(s) it wrote" if deleted else ""))
         return {"step": step, "path": self.last_ckpt[1] if self.last_ckpt else None, "deleted": deleted}
 
