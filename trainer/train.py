@@ -7,6 +7,7 @@
     trainer.commands      commands at step boundaries, one path (the agreement is a no-op for one rank)
     trainer.optim         AdamW's groups, the learning-rate schedule, a step a non-finite step skips
     trainer.profiler      torch.profiler windows
+    trainer.step_metrics  the per-step progress event and the per-interval step event (loss, timing, MFU)
     trainer.faults        test-only fault injection (the hidden --fault flag)
     trainer.runner        main_run: one run, every failure an error event and an exit code
 
@@ -45,13 +46,14 @@ from .contract.device import DeviceInfo
 from .contract.events import MAX_STEPS, CompileWarning
 from .contract.runlock import RunLock
 from .device_probe import detect
-from .flops import REMEASURE_MFU, cpu_dtype, forget_cpu_peak, mfu, peak
+from .flops import peak
 from .inductor_cache import OwnCache
 from .memory import make_meter
 from .models import is_pretrained_path
 from .moe import MoEBalancer
 from .profiler import StepProfiler, report_written
-from .timing import interval_means, make_timer
+from .step_metrics import MfuCheck, StepMetrics
+from .timing import make_timer
 
 EXIT_OK, EXIT_CRASH, EXIT_CONFIG, EXIT_OOM, EXIT_NAN, EXIT_COMPILE = 0, 1, 2, 3, 4, 5
 EXIT_NO_CHECKPOINT, EXIT_CORRUPT_CHECKPOINT = 6, 7       # --resume found nothing / nothing that verifies
@@ -213,7 +215,6 @@ class Trainer:
         self.local_procs = build.local_procs()
         p = peak(self.dev, cfg.toggles.precision, procs=self.local_procs)
         self.peak_flops, self.peak_source = p.flops, p.source
-        self._peak_remeasured = False
 
     def _build_components(self) -> None:
         """The data, the model (on the device, in its precision, wrapped for several ranks), the optimizer and
@@ -423,8 +424,13 @@ class Trainer:
         cfg = self.cfg
         self.timer = make_timer(self.device, cfg.log.timing)
         self.prefetcher = self._new_prefetcher()
-        self._interval_reset()
-        self._t_run = self._t_boundary = time.perf_counter()
+        mfu = MfuCheck(self.dev, cfg.toggles.precision, peak_flops=self.peak_flops, procs=self.local_procs,
+                       world=self.world, flops_per_token=self.bundle.flops_per_token, emit0=self.emit0)
+        self.metrics = StepMetrics(self.channel, rank=self.rank, world=self.world, group=self.group,
+                                   device=self.device, meter=self.meter, balancer=self.balancer,
+                                   tokens_per_step=self.tokens_per_step, mfu=mfu)
+        self._bad = []
+        t_run = time.perf_counter()
         stop_reason = None
         if self.cfg.toggles.compile != "off" and self.progress.step < cfg.optim.max_steps:
             self.phase("compiling", f"compiling (torch.compile {self.cfg.toggles.compile})")
@@ -440,7 +446,7 @@ class Trainer:
         finally:
             self.prefetcher.close()
             self.profiler.close()
-        elapsed = time.perf_counter() - self._t_run
+        elapsed = time.perf_counter() - t_run
         self.emit0("done", step=self.progress.step, tokens=self.progress.tokens, seconds=elapsed,
                    reason=stop_reason or MAX_STEPS, checkpoint=str(self.ckpt.newest))
         self.log(f"done at step {self.progress.step} ({stop_reason or 'max_steps'}) in {elapsed:.1f} s")
@@ -455,27 +461,17 @@ class Trainer:
                 return stop_reason
             self._own_cache_retry(self._train_step, self._restart_step)
             step = self.progress.step
-            self._progress_event()
+            if self.channel.starting:
+                self.channel.started()          # from here a stop finishes the step and checkpoints
+            self.metrics.progress(self.progress)
             if self._is_log_step() or step == cfg.optim.max_steps:
-                self._flush_interval()
+                self.metrics.flush(self.progress, self.optimizer, self.timer, self._check_finite_now)
             if cfg.log.eval_every and step % cfg.log.eval_every == 0:
                 self._own_cache_retry(self._evaluate, lambda: None)
             if cfg.checkpoint.checkpoint_every and step % cfg.checkpoint.checkpoint_every == 0 \
                     and step < cfg.optim.max_steps:
                 self.save_checkpoint()
         return None
-
-    def _progress_event(self) -> None:
-        """Every step: the light `progress` event on the live channel (no loss, no synchronization; the
-        host's time since the last step boundary), so the counter, rate and ETA move between log steps."""
-        now = time.perf_counter()
-        step_ms = (now - self._t_boundary) * 1e3
-        self._t_boundary = now
-        if self.channel.starting:
-            self.channel.started()          # from here a stop finishes the step and checkpoints
-        if self.rank == 0:
-            self.channel.emit_live("progress", step=self.progress.step, tokens=self.progress.tokens,
-                                   step_ms=step_ms)
 
     def _step_boundary(self) -> str | None:
         """Act on what the ranks agreed (trainer.commands); returns a stop reason."""
@@ -500,13 +496,8 @@ class Trainer:
         return self.progress.step % self.cfg.log.log_every == 0
 
     def _interval_reset(self) -> None:
-        self._loss_sum = torch.zeros((), device=self.device)
-        self._grad_norm = torch.zeros((), device=self.device)
+        self.metrics.reset()
         self._bad = []      # (step, batch_index, device int8 of _LOSS | _GRAD bits)
-        self._comm_ms: list[float | None] = []
-        self._interval_steps = 0
-        self._interval_t0 = time.perf_counter()
-        self.meter.reset_peak()
 
     def _train_step(self) -> None:
         p, cfg = self.progress, self.cfg
@@ -548,12 +539,8 @@ class Trainer:
                 self.balancer.update()
             faults.on_weights(fault, self.raw_model)
         timer.end_step()
-        if self.comm is not None:
-            self._comm_ms.append(self.comm.take_ms())
+        self.metrics.add_step(step_loss, norm, self.comm.take_ms() if self.comm is not None else None)
         self._bad.append((step, bi, bad))
-        self._loss_sum += step_loss
-        self._grad_norm = norm.detach()
-        self._interval_steps += 1
         p.step += 1
         p.batch_cursor += 1
         p.tokens += self.tokens_per_step
@@ -611,72 +598,6 @@ class Trainer:
             if bad:
                 raise NonFiniteStep(step, bi, _WHAT.get(bad, "loss"))
         self._bad = []
-
-    def _flush_interval(self) -> None:
-        n = self._interval_steps
-        if n == 0:
-            return
-        if self.group is not None:                  # the global batch's loss: mean over ranks
-            self.group.sum_(self._loss_sum)
-            self._loss_sum /= self.world
-        loss = (self._loss_sum / n).item()          # the one sync per log interval
-        grad_norm = self._grad_norm.item()
-        self._check_finite_now()
-        now = time.perf_counter()
-        wall = now - self._interval_t0
-        timed_ms, phases, idle = interval_means(self.timer.collect())
-        tokens_per_s = n * self.tokens_per_step / wall if wall > 0 else None
-        step_ms = timed_ms if timed_ms is not None else wall * 1e3 / n
-        fields: dict[str, Any] = dict(
-            step=self.progress.step, tokens=self.progress.tokens, loss=loss,
-            lr=float(self.optimizer.param_groups[0]["lr"]), grad_norm=grad_norm, step_ms=step_ms, phases_ms=phases,
-            tokens_per_s=tokens_per_s, mfu=self._checked_mfu(tokens_per_s),
-            mem_bytes=self.meter.peak(), interval_steps=n, wall_ms=wall * 1e3 / n,
-            optim_state_bytes=optim.state_bytes(self.optimizer))
-        fields["batch"] = self.progress.batch_cursor - 1   # global batch index of the last step (data-order checks)
-        if idle is not None:
-            fields["gpu_idle_ms"] = idle
-        comm = [c for c in self._comm_ms if c is not None]
-        if comm:
-            fields["comm_ms"] = sum(comm) / len(comm)
-        if self.balancer is not None:
-            fields["expert_load"] = self.balancer.load()
-        self.channel.emit("step", **fields)
-        self._interval_reset()
-
-    def _checked_mfu(self, tokens_per_s: float | None) -> float | None:
-        """MFU of the run, or None. A measured (CPU) peak that the run comes within reach of (MFU above
-        REMEASURE_MFU) is measured again once, the best measurement kept: a peak taken on a busy machine
-        is too low. Above 1 the peak is wrong: say so once, drop that cached peak so the next run
-        measures again, and report null from here on."""
-        def value() -> float | None:
-            return mfu(tokens_per_s, self.bundle.flops_per_token,
-                       self.peak_flops * self.world if self.peak_flops else None)
-
-        got = value()
-        if got is not None and got > REMEASURE_MFU and not self.dev.is_cuda and not self._peak_remeasured:
-            self._peak_remeasured = True
-            old = self.peak_flops
-            again = peak(self.dev, self.cfg.toggles.precision, procs=self.local_procs, remeasure=True)
-            self.peak_flops, self.peak_source = max(old or 0.0, again.flops or 0.0), again.source
-            self.emit0("log", message=f"MFU {got:.0%} is close to the measured CPU peak "
-                                      f"({old / 1e9:,.1f} GFLOP/s per process): measured it again, "
-                                      f"{(again.flops or 0) / 1e9:,.1f}; using {self.peak_flops / 1e9:,.1f}",
-                       source="trainer")
-            got = value()
-        if got is None or got <= 1.0:
-            return got
-        where = "the datasheet peak" if self.dev.is_cuda else "the measured CPU matmul peak"
-        msg = (f"MFU would be {got:.2f} (> 1): {where} ({self.peak_flops / 1e9:,.1f} GFLOP/s per process) is "
-               f"below what the model achieves, so it is not a peak; MFU is not reported for the rest of this run")
-        if not self.dev.is_cuda:
-            dtypes = {cpu_dtype(self.cfg.toggles.precision), torch.float32}   # a bf16 peak is never below fp32's
-            dropped = [forget_cpu_peak(d, cpu_name=self.dev.name, procs=self.local_procs) for d in dtypes]
-            if any(dropped):
-                msg += " and the cached peak is dropped (the next run measures it again, best on an idle machine)"
-        self.emit0("warning", message=msg, kind="peak_flops")
-        self.peak_flops = None
-        return None
 
     def _evaluate(self) -> None:
         from .data import val_batches
