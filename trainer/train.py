@@ -5,6 +5,7 @@
     trainer.autobatch     what `--micro-batch auto` becomes
     trainer.checkpointer  the state a checkpoint holds, verified finite; resume and rollback targets
     trainer.commands      commands at step boundaries, one path (the agreement is a no-op for one rank)
+    trainer.nonfinite     a step's non-finite flags on the device, read back before a state is used; the NaN policy
     trainer.optim         AdamW's groups, the learning-rate schedule, a step a non-finite step skips
     trainer.profiler      torch.profiler windows
     trainer.step_metrics  the per-step progress event and the per-interval step event (loss, timing, MFU)
@@ -28,12 +29,11 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch
 
 from . import autobatch, build, faults, optim
-from . import checkpoint_files as ckpt
 from . import dist as D
 from .channel import Channel
 from .contract import estimate as E
@@ -51,6 +51,7 @@ from .inductor_cache import OwnCache
 from .memory import make_meter
 from .models import is_pretrained_path
 from .moe import MoEBalancer
+from .nonfinite import NonFiniteGuard, NonFiniteStep, step_flags
 from .profiler import StepProfiler, report_written
 from .step_metrics import MfuCheck, StepMetrics
 from .timing import make_timer
@@ -58,19 +59,6 @@ from .timing import make_timer
 EXIT_OK, EXIT_CRASH, EXIT_CONFIG, EXIT_OOM, EXIT_NAN, EXIT_COMPILE = 0, 1, 2, 3, 4, 5
 EXIT_NO_CHECKPOINT, EXIT_CORRUPT_CHECKPOINT = 6, 7       # --resume found nothing / nothing that verifies
 EXIT_DISK = 8                                            # a write failed: filesystem full or read-only
-
-# The bits of a step's non-finite flag (device int8): what went non-finite.
-_LOSS, _GRAD = 1, 2
-_WHAT = {_LOSS: "loss", _GRAD: "gradient norm", _LOSS | _GRAD: "loss and gradient norm"}
-
-
-class NonFiniteStep(RuntimeError):
-    """A step whose loss, gradient norm or resulting state is not finite: the NaN policy applies."""
-
-    def __init__(self, step: int, batch_index: int, what: str = "loss"):
-        super().__init__(f"non-finite {what} at step {step} (batch {batch_index})")
-        self.step, self.batch_index = step, batch_index
-
 
 class Stop(Exception):
     """Raised to end the run early with an exit code after the error was reported."""
@@ -343,7 +331,7 @@ class Trainer:
     # ---------------------------------------------------------------- checkpoints
     def save_checkpoint(self, reason: str = "interval") -> Path:
         """Collective with several ranks. A state that is not finite is not written: a non-finite step."""
-        self._check_finite_now()
+        self.nonfinite.check()
         t = time.perf_counter()
         p = self.progress
         try:
@@ -429,7 +417,7 @@ class Trainer:
         self.metrics = StepMetrics(self.channel, rank=self.rank, world=self.world, group=self.group,
                                    device=self.device, meter=self.meter, balancer=self.balancer,
                                    tokens_per_step=self.tokens_per_step, mfu=mfu)
-        self._bad = []
+        self.nonfinite = NonFiniteGuard(cfg.run, group=self.group, emit0=self.emit0, log=self.log, fail=self._fail)
         t_run = time.perf_counter()
         stop_reason = None
         if self.cfg.toggles.compile != "off" and self.progress.step < cfg.optim.max_steps:
@@ -465,7 +453,7 @@ class Trainer:
                 self.channel.started()          # from here a stop finishes the step and checkpoints
             self.metrics.progress(self.progress)
             if self._is_log_step() or step == cfg.optim.max_steps:
-                self.metrics.flush(self.progress, self.optimizer, self.timer, self._check_finite_now)
+                self.metrics.flush(self.progress, self.optimizer, self.timer, self.nonfinite.check)
             if cfg.log.eval_every and step % cfg.log.eval_every == 0:
                 self._own_cache_retry(self._evaluate, lambda: None)
             if cfg.checkpoint.checkpoint_every and step % cfg.checkpoint.checkpoint_every == 0 \
@@ -494,10 +482,6 @@ class Trainer:
 
     def _is_log_step(self) -> bool:
         return self.progress.step % self.cfg.log.log_every == 0
-
-    def _interval_reset(self) -> None:
-        self.metrics.reset()
-        self._bad = []      # (step, batch_index, device int8 of _LOSS | _GRAD bits)
 
     def _train_step(self) -> None:
         p, cfg = self.progress, self.cfg
@@ -530,9 +514,7 @@ class Trainer:
             self.scaler.unscale_(self.optimizer)
             faults.on_grads(fault, self.raw_model)
             norm = self._grad_norm_now()
-            bad = (~torch.isfinite(step_loss)).to(torch.int8) * _LOSS
-            if not self.scaler.is_enabled():     # fp16: an overflow is the scaler's signal to skip, not a failure
-                bad = bad + (~torch.isfinite(norm)).to(torch.int8) * _GRAD
+            bad = step_flags(step_loss, norm, scaled=self.scaler.is_enabled())
             optim.step(self.optimizer, self.scaler, finite=bad == 0)
             self.optimizer.zero_grad(set_to_none=True)
             if self.balancer is not None:
@@ -540,7 +522,7 @@ class Trainer:
             faults.on_weights(fault, self.raw_model)
         timer.end_step()
         self.metrics.add_step(step_loss, norm, self.comm.take_ms() if self.comm is not None else None)
-        self._bad.append((step, bi, bad))
+        self.nonfinite.record(step, bi, bad)
         p.step += 1
         p.batch_cursor += 1
         p.tokens += self.tokens_per_step
@@ -586,23 +568,10 @@ class Trainer:
             norm = norm.full_tensor()
         return norm
 
-    def _check_finite_now(self) -> None:
-        """Read back the interval's non-finite flags (one sync); raise before a poisoned state is used."""
-        if not self._bad:
-            return
-        stacked = torch.stack([b for _, _, b in self._bad]).to(torch.int32)
-        if self.group is not None:       # a non-finite step on any rank rolls every rank back
-            self.group.max_(stacked)
-        flags = stacked.cpu().tolist()
-        for (step, bi, _), bad in zip(self._bad, flags):
-            if bad:
-                raise NonFiniteStep(step, bi, _WHAT.get(bad, "loss"))
-        self._bad = []
-
     def _evaluate(self) -> None:
         from .data import val_batches
 
-        self._check_finite_now()            # never evaluate a model that a non-finite step has touched
+        self.nonfinite.check()            # never evaluate a model that a non-finite step has touched
         if not hasattr(self, "_val"):
             self._val = val_batches(self.data, self.cfg.data.seq_len, self.micro_batch, self.cfg.log.eval_batches,
                                     self.cfg.optim.seed)
@@ -621,40 +590,19 @@ class Trainer:
         self._watch_compile(self.progress.step, None, eval_=True)
 
     def _rollback(self, e: NonFiniteStep) -> None:
-        cfg = self.cfg
-        p = self.progress
-        self.emit0("warning", message=str(e), step=e.step, batch=e.batch_index)
-        if cfg.run.nan_policy == "stop" or p.nan_rollbacks >= cfg.run.nan_retries:
-            why = "--nan-policy stop" if cfg.run.nan_policy == "stop" else f"{p.nan_rollbacks} rollbacks already"
-            self._fail("nan", f"{e}; giving up ({why}). Try a lower --lr or another --precision.")
-        skips = sorted(set(p.skip_batches) | {e.batch_index})
-        rollbacks, scale = p.nan_rollbacks + 1, p.lr_scale * cfg.run.nan_lr_factor
+        """The NaN policy (trainer.nonfinite): on from the restored progress with fresh data and metrics."""
         self.prefetcher.close()
-        had_checkpoint = self.ckpt.newest is not None
-        restored = self.ckpt.rollback(p.step)
-        if restored is not None:
-            path, self.progress = restored
-            source = path.name
-        elif self.resumed_from is not None:       # this process cannot rebuild what came before the resume
-            raise ckpt.CorruptCheckpoint(f"no checkpoint of this run verifies any more (it resumed from "
-                                         f"{self.resumed_from}; see the warnings above), nothing to roll back to")
-        else:
-            self._reinitialize()
-            source = f"initialization ({'no checkpoint verifies' if had_checkpoint else 'no checkpoint yet'})"
+        self.progress = self.nonfinite.roll_back(e, self.progress, self.ckpt, resumed_from=self.resumed_from,
+                                                 reinitialize=self._reinitialize)
         self.optimizer.zero_grad(set_to_none=True)
         if self.balancer is not None:
             self.balancer.reset()
-        p = self.progress
-        p.skip_batches, p.nan_rollbacks, p.lr_scale = skips, rollbacks, scale
-        msg = (f"rolled back to {source} at step {p.step}; skipping batch {e.batch_index}; "
-               f"learning rate x{scale:g} (rollback {rollbacks}/{cfg.run.nan_retries})")
-        self.emit0("warning", message=msg, kind="nan_rollback", step=p.step, skip_batches=skips, lr_scale=scale)
-        self.log(msg)
         self.timer.collect()
-        self._interval_reset()
+        self.metrics.reset()
         self.prefetcher = self._new_prefetcher()
 
     def _reinitialize(self) -> None:
+        """The model and optimizer as a fresh run starts them (a rollback with no checkpoint to go to)."""
         torch.manual_seed(self.cfg.optim.seed)
         fresh = build.build_bundle(self.cfg, self.data, self.dev)
         if self.group is not None:
@@ -663,9 +611,8 @@ class Trainer:
             self.raw_model.load_state_dict(fresh.model.state_dict())
         self.optimizer = optim.build_optimizer(self.raw_model, self.cfg)
         self.ckpt.bind(self.raw_model, self.optimizer, self.scaler)
-        self.progress = Progress()
 
-    def _fail(self, kind: str, message: str, **extra: Any) -> None:
+    def _fail(self, kind: str, message: str, **extra: Any) -> NoReturn:
         code = {"oom": EXIT_OOM, "nan": EXIT_NAN, "config": EXIT_CONFIG, "compile": EXIT_COMPILE,
                 "disk": EXIT_DISK}.get(kind, EXIT_CRASH)
         if self.channel:
