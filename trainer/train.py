@@ -4,6 +4,7 @@
                           parallel wrapping, and the hello's fields (`Trainer.setup` composes them)
     trainer.autobatch     what `--micro-batch auto` becomes
     trainer.checkpointer  the state a checkpoint holds, verified finite; resume and rollback targets
+    trainer.compile_watch what torch.compile built, recompiled or gave up on, at the step where it happened
     trainer.commands      commands at step boundaries, one path (the agreement is a no-op for one rank)
     trainer.nonfinite     a step's non-finite flags on the device, read back before a state is used; the NaN policy
     trainer.optim         AdamW's groups, the learning-rate schedule, a step a non-finite step skips
@@ -81,10 +82,8 @@ class Trainer:
         self.faults = faults.Faults(cfg.run.fault, self.rank)
         self.resumed_from: str | None = None
         self.run_lock: RunLock | None = None
-        self.compile_watch = None                    # trainer.compile_watch.CompileWatch of a compiled run
+        self.compile_report = None                   # trainer.compile_watch.CompileReport of a compiled run
         self.own_cache: OwnCache | None = None       # the run's own inductor cache, after a corrupt shared artefact
-        self._compiled_once = False
-        self._last_step_ms: float | None = None
         self.notices: list[str] = []                 # warnings found before the channel exists
         self.auto_options = [name for name, value in (("size", cfg.model.size), ("micro_batch", cfg.toggles.micro_batch),
                                                       ("precision", cfg.toggles.precision)) if value == AUTO]
@@ -287,46 +286,10 @@ class Trainer:
         mode = self.cfg.toggles.compile
         if mode == "off":
             return model
-        from .compile_watch import CompileWatch
+        from .compile_watch import CompileReport, CompileWatch
 
-        self.compile_watch = CompileWatch()
+        self.compile_report = CompileReport(CompileWatch(), emit0=self.emit0, log=self.log)
         return compile_model(model, mode)
-
-    def _watch_compile(self, step: int, step_ms: float | None, *, eval_: bool = False) -> None:
-        """After the first step, what the compile built; after later ones (and after an eval), a
-        recompilation (a guard that failed: a new shape, eval after train) or a fallback to eager, tied to
-        the step where it happened."""
-        watch = self.compile_watch
-        if watch is None or (eval_ and not self._compiled_once):
-            return
-        if not self._compiled_once:
-            self._compiled_once = True
-            watch.poll()                              # the first step's compilations are the compile itself
-            st = watch.stats()
-            msg = f"torch.compile: {st.graphs} graph(s)"
-            if st.graph_breaks:
-                msg += f", {st.graph_breaks} graph break(s): " + "; ".join(st.break_reasons[:3])
-                self.emit0("warning", message=msg, kind=CompileWarning.GRAPH_BREAK, step=step)
-            else:
-                self.emit0("log", message=msg, source="compile")
-            self.log(msg)
-            return
-        change = watch.poll()
-        if change is None:
-            return
-        where = f"in the eval after step {step}" if eval_ else f"at step {step}"
-        before = f"; the step before took {self._last_step_ms:.0f} ms" if self._last_step_ms and not eval_ else ""
-        took = f", this one {step_ms:.0f} ms" if step_ms is not None else ""
-        if change.fell_back:
-            msg = (f"torch.compile gave up {where} and runs a frame eagerly from now on (recompile limit): "
-                   f"{change.fell_back[0]}")
-            self.emit0("warning", message=msg, kind=CompileWarning.COMPILE_FALLBACK, step=step)
-            self.log(f"warning: {msg}")
-        if change.recompiles:
-            why = "; ".join(change.reasons[:2]) or "a new frame or guard"
-            msg = f"torch.compile recompiled {change.recompiles}x {where} ({why}){before}{took}"
-            self.emit0("warning", message=msg, kind=CompileWarning.RECOMPILE, step=step)
-            self.log(f"warning: {msg}")
 
     # ---------------------------------------------------------------- checkpoints
     def save_checkpoint(self, reason: str = "interval") -> Path:
@@ -527,10 +490,8 @@ class Trainer:
         p.batch_cursor += 1
         p.tokens += self.tokens_per_step
         self.profiler.step_end(step + 1)
-        if self.compile_watch is not None:           # the host's time: a compile is host work
-            wall = (time.perf_counter() - t0) * 1e3
-            self._watch_compile(step + 1, wall)
-            self._last_step_ms = wall
+        if self.compile_report is not None:          # the host's time: a compile is host work
+            self.compile_report.after_step(step + 1, (time.perf_counter() - t0) * 1e3)
 
     def _own_cache_retry(self, fn: Callable[[], Any], reset: Callable[[], None]) -> Any:
         """`fn()`; when it fails to load a compiled artefact of the shared inductor cache (a file a killed process
@@ -587,7 +548,8 @@ class Trainer:
             self.balancer.reset()
         loss = (total / len(self._val)).item()
         self.emit0("eval", step=self.progress.step, loss=loss, seconds=time.perf_counter() - t)
-        self._watch_compile(self.progress.step, None, eval_=True)
+        if self.compile_report is not None:
+            self.compile_report.after_eval(self.progress.step)
 
     def _rollback(self, e: NonFiniteStep) -> None:
         """The NaN policy (trainer.nonfinite): on from the restored progress with fresh data and metrics."""
