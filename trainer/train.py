@@ -530,7 +530,7 @@ class Trainer:
         return norm
 
     def _evaluate(self) -> None:
-        from .data import val_batches
+        from .batches import val_batches
 
         self.nonfinite.check()            # never evaluate a model that a non-finite step has touched
         if not hasattr(self, "_val"):
