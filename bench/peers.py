@@ -2,7 +2,7 @@
 
 Every contender trains the same model (trainer.models.build_model, same seed, so the
 same initial weights), on the same token batches in the same order
-(trainer.data.BatchSampler), with the same global batch, sequence length, AdamW
+(trainer.batches.BatchSampler), with the same global batch, sequence length, AdamW
 hyperparameters (betas 0.9/0.95, eps 1e-8, the same weight-decay groups), gradient
 clipping, a constant learning rate (no warm-up, no decay: the one schedule every
 contender can express identically) and the same number of steps:
@@ -108,7 +108,8 @@ def _setup(spec: Spec):
     torch.set_num_threads(spec.threads)
     sys.path.insert(0, str(ROOT))
     from trainer.contract.config import DataConfig, ModelConfig, Toggles
-    from trainer.data import BatchSampler, load_data
+    from trainer.batches import BatchSampler
+    from trainer.data import load_data
     from trainer.device_probe import detect
     from trainer.models import build_model
 

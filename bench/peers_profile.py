@@ -42,7 +42,7 @@ def profiled(spec: peers.Spec, name: str, first: int, last: int) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from trainer.data import BatchSampler
+    from trainer.batches import BatchSampler
 
     torch.set_num_threads(spec.threads)
     prof = profile(activities=[ProfilerActivity.CPU])

@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 import torch
 
+from trainer import batches as B
 from trainer import data as D
 from trainer import prefetch as P
 from trainer.contract.config import ConfigError, DataConfig
-from trainer.data import BatchSampler, TokenData, load_data, load_tokenizer, val_batches
+from trainer.batches import BatchSampler, val_batches
+from trainer.data import TokenData, load_data, load_tokenizer
 from trainer.prefetch import CpuCopier, CudaCopier, Prefetcher
 
 SMALL_BUILTIN = "300000"     # bytes of stdlib source: the tokenizer trains in a fraction of a second
@@ -468,7 +470,7 @@ def test_batch_offsets_match_the_documented_hash():
         return x ^ (x >> 31)
 
     def offsets(seed, b, count, n_starts):
-        key = mix(mix((seed % (1 << 64)) ^ D._TRAIN_STREAM) ^ b)
+        key = mix(mix((seed % (1 << 64)) ^ B._TRAIN_STREAM) ^ b)
         return [mix((key + i * 0x9E3779B97F4A7C15) & MASK) % n_starts for i in range(1, count + 1)]
 
     assert offsets(1234, 0, 8, len(TOKENS) - 16) == GOLDEN_0

@@ -3,8 +3,8 @@
 Consumers read event attributes (typed dataclasses), so they can only read declared fields; this test
 proves every declared field is set by name somewhere in the producers' source (trainer/, gptop/, tuner/),
 scanned with `ast`: keywords of a call that builds the event (`StepEvent(...)`, `emit("step", ...)`,
-`make("step", ...)`), the keys of a local dict splatted into it (`emit("step", **fields)`) or of the `return
-dict(...)` of a builder splatted into it (`emit("hello", **build.hello(...))`), keywords given
+`make("step", ...)`), the keys of a local dict splatted into it (`emit("step", **fields)`), the keys of the
+`dict(...)` a function returns when its call is splatted in (`emit0("hello", **build.hello(...))`), keywords given
 to a function that forwards its `**kwargs` into one (`_fail(..., lost_peer=True)`), and the keys of a dict
 literal given for a nested record (`model={"family": ...}`). A field declared but produced nowhere (the
 tuner once read `energy_j` from step events that nobody wrote) fails here.
@@ -113,18 +113,11 @@ def produced_fields(sources: dict[str, str], event_types: dict[str, type] | None
                  if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))]
     scopes = functions + [(tree, tree) for tree in trees]
     calls = [(node, scope) for scope, _ in scopes for node in ast.walk(scope) if isinstance(node, ast.Call)]
-
-    def returned_dicts(name: str | None) -> list[tuple[ast.AST, ast.Call]]:
-        """The `return dict(k=...)` of the functions named `name` (a builder of an event's fields), as calls."""
-        out = []
-        for fn, _ in functions:
-            if fn.name != name:                                      # type: ignore[attr-defined]
-                continue
-            for node in ast.walk(fn):
-                if isinstance(node, ast.Return) and isinstance(node.value, ast.Call) \
-                        and _name(node.value.func) == "dict":
-                    out.append((fn, node.value))
-        return out
+    returned: dict[str, list[tuple[ast.AST, ast.Call]]] = {}     # function name -> the dict(...) calls it returns
+    for fn, _ in functions:
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Return) and isinstance(node.value, ast.Call) and _name(node.value.func) == "dict":
+                returned.setdefault(fn.name, []).append((fn, node.value))
 
     def add(key: str, call: ast.Call, scope: ast.AST, is_direct: bool) -> bool:
         before = (len(produced.get(key, ())), len(forwarders))
@@ -138,9 +131,9 @@ def produced_fields(sources: dict[str, str], event_types: dict[str, type] | None
                 if rec is not None and isinstance(kw.value, ast.Dict):
                     produced.setdefault(rec, set()).update(
                         k.value for k in kw.value.keys if isinstance(k, ast.Constant))
-            elif isinstance(kw.value, ast.Call):                # emit("hello", **build.hello(...))
-                for fn, built in returned_dicts(_name(kw.value.func)):
-                    add(key, built, fn, is_direct)
+            elif isinstance(kw.value, ast.Call) and _name(kw.value.func) in returned:
+                for fn, ret in returned[_name(kw.value.func)]:
+                    add(key, ret, fn, is_direct)
             elif isinstance(kw.value, ast.Name):
                 kwarg = getattr(getattr(scope, "args", None), "kwarg", None)
                 if kwarg is not None and kwarg.arg == kw.value.id:
@@ -242,12 +235,19 @@ def main(ch):
     _report(ch, lost_peer=True, **extra)
     ch.emit0("hello", config={}, device={}, model={"family": "llama"})
     GpuReading(index=0, name="g")
+
+def hello_fields(n):
+    return dict(world_size=n, model={"size": "tiny"})
+
+def announce(ch):
+    ch.emit0("hello", **hello_fields(2))
 '''
     produced, direct = produced_fields({"x.py": src})
     assert {"step", "tokens", "loss"} <= produced["step"]
     assert {"kind", "message", "lost_peer", "toggles"} <= produced["error"]
     assert "lost_peer" not in direct["error"]                 # forwarded, not set at the building call
-    assert produced["ModelInfo"] == {"family"} and produced["GpuReading"] == {"index", "name"}
+    assert produced["ModelInfo"] == {"family", "size"} and produced["GpuReading"] == {"index", "name"}
+    assert {"world_size", "model"} <= direct["hello"]                 # from the dict hello_fields returns
     missing = unproduced(produced)
     assert "interval_steps" in missing["StepEvent"] and "exit_code" in missing["ErrorEvent"]
 

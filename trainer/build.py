@@ -22,7 +22,8 @@ from .contract import capabilities, rundir
 from .contract import estimate as E
 from .contract.config import AUTO, TrainConfig
 from .contract.device import DeviceInfo, gpu_key
-from .data import BatchSampler, TokenData, load_data
+from .batches import BatchSampler
+from .data import TokenData, load_data
 from .device_probe import gpu_identity
 from .models import ModelBundle, build_model, is_pretrained_path, resolve_size
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
+
+from .contract.events import CompileWarning
 
 RECOMPILE_LOGGER = "torch._dynamo.guards.__recompiles"       # the `recompiles` artifact (TORCH_LOGS=recompiles)
 LIMIT_LOGGERS = ("torch._dynamo.convert_frame", "torch._dynamo.eval_frame")
@@ -113,3 +115,59 @@ class CompileWatch:
     @staticmethod
     def describe(stats: CompileStats) -> dict[str, Any]:
         return {"frames": stats.frames, "graphs": stats.graphs, "graph_breaks": stats.graph_breaks}
+
+
+class CompileReport:
+    """What a compiled run says about torch.compile, from a `CompileWatch`: after the first step, what the
+    compile built; after later steps (and after an eval), a recompilation (a guard that failed: a new shape,
+    eval after train) or a fallback to eager, tied to the step where it happened. `emit0` sends an event,
+    `log` writes the trainer's log line."""
+
+    def __init__(self, watch: CompileWatch, *, emit0: Callable[..., None], log: Callable[[str], None]):
+        self.watch, self.emit0, self.log = watch, emit0, log
+        self.compiled_once = False
+        self.last_step_ms: float | None = None       # the host's time of the step before
+
+    def after_step(self, step: int, step_ms: float) -> None:
+        self.report(step, step_ms)
+        self.last_step_ms = step_ms
+
+    def after_eval(self, step: int) -> None:
+        if self.compiled_once:
+            self.report(step, None, eval_=True)
+
+    def report(self, step: int, step_ms: float | None, *, eval_: bool = False) -> None:
+        if not self.compiled_once:
+            self.compiled_once = True
+            self.first_compile(step)
+            return
+        change = self.watch.poll()
+        if change is None:
+            return
+        where = f"in the eval after step {step}" if eval_ else f"at step {step}"
+        before = f"; the step before took {self.last_step_ms:.0f} ms" if self.last_step_ms and not eval_ else ""
+        took = f", this one {step_ms:.0f} ms" if step_ms is not None else ""
+        if change.fell_back:
+            self.warn(f"torch.compile gave up {where} and runs a frame eagerly from now on (recompile limit): "
+                      f"{change.fell_back[0]}", CompileWarning.COMPILE_FALLBACK, step)
+        if change.recompiles:
+            why = "; ".join(change.reasons[:2]) or "a new frame or guard"
+            self.warn(f"torch.compile recompiled {change.recompiles}x {where} ({why}){before}{took}",
+                      CompileWarning.RECOMPILE, step)
+
+    def first_compile(self, step: int) -> None:
+        """The first step's compilations are the compile itself: its graphs, and its graph breaks as a
+        warning event (the log line has no `warning:` prefix: a graph break is not a failure)."""
+        self.watch.poll()
+        st = self.watch.stats()
+        msg = f"torch.compile: {st.graphs} graph(s)"
+        if st.graph_breaks:
+            msg += f", {st.graph_breaks} graph break(s): " + "; ".join(st.break_reasons[:3])
+            self.emit0("warning", message=msg, kind=CompileWarning.GRAPH_BREAK, step=step)
+        else:
+            self.emit0("log", message=msg, source="compile")
+        self.log(msg)
+
+    def warn(self, message: str, kind: CompileWarning, step: int) -> None:
+        self.emit0("warning", message=message, kind=kind, step=step)
+        self.log(f"warning: {message}")

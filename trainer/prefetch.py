@@ -25,7 +25,7 @@ from typing import Any, Iterator
 import torch
 
 from .contract.config import ConfigError
-from .data import BatchSampler
+from .batches import BatchSampler
 
 
 # --- moving batches to the device ---------------------------------------------------------------

@@ -4,9 +4,12 @@
                           parallel wrapping, and the hello's fields (`Trainer.setup` composes them)
     trainer.autobatch     what `--micro-batch auto` becomes
     trainer.checkpointer  the state a checkpoint holds, verified finite; resume and rollback targets
+    trainer.compile_watch what torch.compile built, recompiled or gave up on, at the step where it happened
     trainer.commands      commands at step boundaries, one path (the agreement is a no-op for one rank)
+    trainer.nonfinite     a step's non-finite flags on the device, read back before a state is used; the NaN policy
     trainer.optim         AdamW's groups, the learning-rate schedule, a step a non-finite step skips
     trainer.profiler      torch.profiler windows
+    trainer.step_metrics  the per-step progress event and the per-interval step event (loss, timing, MFU)
     trainer.faults        test-only fault injection (the hidden --fault flag)
     trainer.runner        main_run: one run, every failure an error event and an exit code
 
@@ -27,12 +30,11 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch
 
 from . import autobatch, build, faults, optim
-from . import checkpoint_files as ckpt
 from . import dist as D
 from .channel import Channel
 from .contract import estimate as E
@@ -45,30 +47,19 @@ from .contract.device import DeviceInfo
 from .contract.events import MAX_STEPS, CompileWarning
 from .contract.runlock import RunLock
 from .device_probe import detect
-from .flops import REMEASURE_MFU, cpu_dtype, forget_cpu_peak, mfu, peak
+from .flops import peak
 from .inductor_cache import OwnCache
 from .memory import make_meter
 from .models import is_pretrained_path
 from .moe import MoEBalancer
+from .nonfinite import NonFiniteGuard, NonFiniteStep, step_flags
 from .profiler import StepProfiler, report_written
-from .timing import interval_means, make_timer
+from .step_metrics import MfuCheck, StepMetrics
+from .timing import make_timer
 
 EXIT_OK, EXIT_CRASH, EXIT_CONFIG, EXIT_OOM, EXIT_NAN, EXIT_COMPILE = 0, 1, 2, 3, 4, 5
 EXIT_NO_CHECKPOINT, EXIT_CORRUPT_CHECKPOINT = 6, 7       # --resume found nothing / nothing that verifies
 EXIT_DISK = 8                                            # a write failed: filesystem full or read-only
-
-# The bits of a step's non-finite flag (device int8): what went non-finite.
-_LOSS, _GRAD = 1, 2
-_WHAT = {_LOSS: "loss", _GRAD: "gradient norm", _LOSS | _GRAD: "loss and gradient norm"}
-
-
-class NonFiniteStep(RuntimeError):
-    """A step whose loss, gradient norm or resulting state is not finite: the NaN policy applies."""
-
-    def __init__(self, step: int, batch_index: int, what: str = "loss"):
-        super().__init__(f"non-finite {what} at step {step} (batch {batch_index})")
-        self.step, self.batch_index = step, batch_index
-
 
 class Stop(Exception):
     """Raised to end the run early with an exit code after the error was reported."""
@@ -91,10 +82,8 @@ class Trainer:
         self.faults = faults.Faults(cfg.run.fault, self.rank)
         self.resumed_from: str | None = None
         self.run_lock: RunLock | None = None
-        self.compile_watch = None                    # trainer.compile_watch.CompileWatch of a compiled run
+        self.compile_report = None                   # trainer.compile_watch.CompileReport of a compiled run
         self.own_cache: OwnCache | None = None       # the run's own inductor cache, after a corrupt shared artefact
-        self._compiled_once = False
-        self._last_step_ms: float | None = None
         self.notices: list[str] = []                 # warnings found before the channel exists
         self.auto_options = [name for name, value in (("size", cfg.model.size), ("micro_batch", cfg.toggles.micro_batch),
                                                       ("precision", cfg.toggles.precision)) if value == AUTO]
@@ -213,7 +202,6 @@ class Trainer:
         self.local_procs = build.local_procs()
         p = peak(self.dev, cfg.toggles.precision, procs=self.local_procs)
         self.peak_flops, self.peak_source = p.flops, p.source
-        self._peak_remeasured = False
 
     def _build_components(self) -> None:
         """The data, the model (on the device, in its precision, wrapped for several ranks), the optimizer and
@@ -298,51 +286,15 @@ class Trainer:
         mode = self.cfg.toggles.compile
         if mode == "off":
             return model
-        from .compile_watch import CompileWatch
+        from .compile_watch import CompileReport, CompileWatch
 
-        self.compile_watch = CompileWatch()
+        self.compile_report = CompileReport(CompileWatch(), emit0=self.emit0, log=self.log)
         return compile_model(model, mode)
-
-    def _watch_compile(self, step: int, step_ms: float | None, *, eval_: bool = False) -> None:
-        """After the first step, what the compile built; after later ones (and after an eval), a
-        recompilation (a guard that failed: a new shape, eval after train) or a fallback to eager, tied to
-        the step where it happened."""
-        watch = self.compile_watch
-        if watch is None or (eval_ and not self._compiled_once):
-            return
-        if not self._compiled_once:
-            self._compiled_once = True
-            watch.poll()                              # the first step's compilations are the compile itself
-            st = watch.stats()
-            msg = f"torch.compile: {st.graphs} graph(s)"
-            if st.graph_breaks:
-                msg += f", {st.graph_breaks} graph break(s): " + "; ".join(st.break_reasons[:3])
-                self.emit0("warning", message=msg, kind=CompileWarning.GRAPH_BREAK, step=step)
-            else:
-                self.emit0("log", message=msg, source="compile")
-            self.log(msg)
-            return
-        change = watch.poll()
-        if change is None:
-            return
-        where = f"in the eval after step {step}" if eval_ else f"at step {step}"
-        before = f"; the step before took {self._last_step_ms:.0f} ms" if self._last_step_ms and not eval_ else ""
-        took = f", this one {step_ms:.0f} ms" if step_ms is not None else ""
-        if change.fell_back:
-            msg = (f"torch.compile gave up {where} and runs a frame eagerly from now on (recompile limit): "
-                   f"{change.fell_back[0]}")
-            self.emit0("warning", message=msg, kind=CompileWarning.COMPILE_FALLBACK, step=step)
-            self.log(f"warning: {msg}")
-        if change.recompiles:
-            why = "; ".join(change.reasons[:2]) or "a new frame or guard"
-            msg = f"torch.compile recompiled {change.recompiles}x {where} ({why}){before}{took}"
-            self.emit0("warning", message=msg, kind=CompileWarning.RECOMPILE, step=step)
-            self.log(f"warning: {msg}")
 
     # ---------------------------------------------------------------- checkpoints
     def save_checkpoint(self, reason: str = "interval") -> Path:
         """Collective with several ranks. A state that is not finite is not written: a non-finite step."""
-        self._check_finite_now()
+        self.nonfinite.check()
         t = time.perf_counter()
         p = self.progress
         try:
@@ -423,8 +375,13 @@ class Trainer:
         cfg = self.cfg
         self.timer = make_timer(self.device, cfg.log.timing)
         self.prefetcher = self._new_prefetcher()
-        self._interval_reset()
-        self._t_run = self._t_boundary = time.perf_counter()
+        mfu = MfuCheck(self.dev, cfg.toggles.precision, peak_flops=self.peak_flops, procs=self.local_procs,
+                       world=self.world, flops_per_token=self.bundle.flops_per_token, emit0=self.emit0)
+        self.metrics = StepMetrics(self.channel, rank=self.rank, world=self.world, group=self.group,
+                                   device=self.device, meter=self.meter, balancer=self.balancer,
+                                   tokens_per_step=self.tokens_per_step, mfu=mfu)
+        self.nonfinite = NonFiniteGuard(cfg.run, group=self.group, emit0=self.emit0, log=self.log, fail=self._fail)
+        t_run = time.perf_counter()
         stop_reason = None
         if self.cfg.toggles.compile != "off" and self.progress.step < cfg.optim.max_steps:
             self.phase("compiling", f"compiling (torch.compile {self.cfg.toggles.compile})")
@@ -440,7 +397,7 @@ class Trainer:
         finally:
             self.prefetcher.close()
             self.profiler.close()
-        elapsed = time.perf_counter() - self._t_run
+        elapsed = time.perf_counter() - t_run
         self.emit0("done", step=self.progress.step, tokens=self.progress.tokens, seconds=elapsed,
                    reason=stop_reason or MAX_STEPS, checkpoint=str(self.ckpt.newest))
         self.log(f"done at step {self.progress.step} ({stop_reason or 'max_steps'}) in {elapsed:.1f} s")
@@ -455,27 +412,17 @@ class Trainer:
                 return stop_reason
             self._own_cache_retry(self._train_step, self._restart_step)
             step = self.progress.step
-            self._progress_event()
+            if self.channel.starting:
+                self.channel.started()          # from here a stop finishes the step and checkpoints
+            self.metrics.progress(self.progress)
             if self._is_log_step() or step == cfg.optim.max_steps:
-                self._flush_interval()
+                self.metrics.flush(self.progress, self.optimizer, self.timer, self.nonfinite.check)
             if cfg.log.eval_every and step % cfg.log.eval_every == 0:
                 self._own_cache_retry(self._evaluate, lambda: None)
             if cfg.checkpoint.checkpoint_every and step % cfg.checkpoint.checkpoint_every == 0 \
                     and step < cfg.optim.max_steps:
                 self.save_checkpoint()
         return None
-
-    def _progress_event(self) -> None:
-        """Every step: the light `progress` event on the live channel (no loss, no synchronization; the
-        host's time since the last step boundary), so the counter, rate and ETA move between log steps."""
-        now = time.perf_counter()
-        step_ms = (now - self._t_boundary) * 1e3
-        self._t_boundary = now
-        if self.channel.starting:
-            self.channel.started()          # from here a stop finishes the step and checkpoints
-        if self.rank == 0:
-            self.channel.emit_live("progress", step=self.progress.step, tokens=self.progress.tokens,
-                                   step_ms=step_ms)
 
     def _step_boundary(self) -> str | None:
         """Act on what the ranks agreed (trainer.commands); returns a stop reason."""
@@ -498,15 +445,6 @@ class Trainer:
 
     def _is_log_step(self) -> bool:
         return self.progress.step % self.cfg.log.log_every == 0
-
-    def _interval_reset(self) -> None:
-        self._loss_sum = torch.zeros((), device=self.device)
-        self._grad_norm = torch.zeros((), device=self.device)
-        self._bad = []      # (step, batch_index, device int8 of _LOSS | _GRAD bits)
-        self._comm_ms: list[float | None] = []
-        self._interval_steps = 0
-        self._interval_t0 = time.perf_counter()
-        self.meter.reset_peak()
 
     def _train_step(self) -> None:
         p, cfg = self.progress, self.cfg
@@ -539,29 +477,21 @@ class Trainer:
             self.scaler.unscale_(self.optimizer)
             faults.on_grads(fault, self.raw_model)
             norm = self._grad_norm_now()
-            bad = (~torch.isfinite(step_loss)).to(torch.int8) * _LOSS
-            if not self.scaler.is_enabled():     # fp16: an overflow is the scaler's signal to skip, not a failure
-                bad = bad + (~torch.isfinite(norm)).to(torch.int8) * _GRAD
+            bad = step_flags(step_loss, norm, scaled=self.scaler.is_enabled())
             optim.step(self.optimizer, self.scaler, finite=bad == 0)
             self.optimizer.zero_grad(set_to_none=True)
             if self.balancer is not None:
                 self.balancer.update()
             faults.on_weights(fault, self.raw_model)
         timer.end_step()
-        if self.comm is not None:
-            self._comm_ms.append(self.comm.take_ms())
-        self._bad.append((step, bi, bad))
-        self._loss_sum += step_loss
-        self._grad_norm = norm.detach()
-        self._interval_steps += 1
+        self.metrics.add_step(step_loss, norm, self.comm.take_ms() if self.comm is not None else None)
+        self.nonfinite.record(step, bi, bad)
         p.step += 1
         p.batch_cursor += 1
         p.tokens += self.tokens_per_step
         self.profiler.step_end(step + 1)
-        if self.compile_watch is not None:           # the host's time: a compile is host work
-            wall = (time.perf_counter() - t0) * 1e3
-            self._watch_compile(step + 1, wall)
-            self._last_step_ms = wall
+        if self.compile_report is not None:          # the host's time: a compile is host work
+            self.compile_report.after_step(step + 1, (time.perf_counter() - t0) * 1e3)
 
     def _own_cache_retry(self, fn: Callable[[], Any], reset: Callable[[], None]) -> Any:
         """`fn()`; when it fails to load a compiled artefact of the shared inductor cache (a file a killed process
@@ -599,89 +529,10 @@ class Trainer:
             norm = norm.full_tensor()
         return norm
 
-    def _check_finite_now(self) -> None:
-        """Read back the interval's non-finite flags (one sync); raise before a poisoned state is used."""
-        if not self._bad:
-            return
-        stacked = torch.stack([b for _, _, b in self._bad]).to(torch.int32)
-        if self.group is not None:       # a non-finite step on any rank rolls every rank back
-            self.group.max_(stacked)
-        flags = stacked.cpu().tolist()
-        for (step, bi, _), bad in zip(self._bad, flags):
-            if bad:
-                raise NonFiniteStep(step, bi, _WHAT.get(bad, "loss"))
-        self._bad = []
-
-    def _flush_interval(self) -> None:
-        n = self._interval_steps
-        if n == 0:
-            return
-        if self.group is not None:                  # the global batch's loss: mean over ranks
-            self.group.sum_(self._loss_sum)
-            self._loss_sum /= self.world
-        loss = (self._loss_sum / n).item()          # the one sync per log interval
-        grad_norm = self._grad_norm.item()
-        self._check_finite_now()
-        now = time.perf_counter()
-        wall = now - self._interval_t0
-        timed_ms, phases, idle = interval_means(self.timer.collect())
-        tokens_per_s = n * self.tokens_per_step / wall if wall > 0 else None
-        step_ms = timed_ms if timed_ms is not None else wall * 1e3 / n
-        fields: dict[str, Any] = dict(
-            step=self.progress.step, tokens=self.progress.tokens, loss=loss,
-            lr=float(self.optimizer.param_groups[0]["lr"]), grad_norm=grad_norm, step_ms=step_ms, phases_ms=phases,
-            tokens_per_s=tokens_per_s, mfu=self._checked_mfu(tokens_per_s),
-            mem_bytes=self.meter.peak(), interval_steps=n, wall_ms=wall * 1e3 / n,
-            optim_state_bytes=optim.state_bytes(self.optimizer))
-        fields["batch"] = self.progress.batch_cursor - 1   # global batch index of the last step (data-order checks)
-        if idle is not None:
-            fields["gpu_idle_ms"] = idle
-        comm = [c for c in self._comm_ms if c is not None]
-        if comm:
-            fields["comm_ms"] = sum(comm) / len(comm)
-        if self.balancer is not None:
-            fields["expert_load"] = self.balancer.load()
-        self.channel.emit("step", **fields)
-        self._interval_reset()
-
-    def _checked_mfu(self, tokens_per_s: float | None) -> float | None:
-        """MFU of the run, or None. A measured (CPU) peak that the run comes within reach of (MFU above
-        REMEASURE_MFU) is measured again once, the best measurement kept: a peak taken on a busy machine
-        is too low. Above 1 the peak is wrong: say so once, drop that cached peak so the next run
-        measures again, and report null from here on."""
-        def value() -> float | None:
-            return mfu(tokens_per_s, self.bundle.flops_per_token,
-                       self.peak_flops * self.world if self.peak_flops else None)
-
-        got = value()
-        if got is not None and got > REMEASURE_MFU and not self.dev.is_cuda and not self._peak_remeasured:
-            self._peak_remeasured = True
-            old = self.peak_flops
-            again = peak(self.dev, self.cfg.toggles.precision, procs=self.local_procs, remeasure=True)
-            self.peak_flops, self.peak_source = max(old or 0.0, again.flops or 0.0), again.source
-            self.emit0("log", message=f"MFU {got:.0%} is close to the measured CPU peak "
-                                      f"({old / 1e9:,.1f} GFLOP/s per process): measured it again, "
-                                      f"{(again.flops or 0) / 1e9:,.1f}; using {self.peak_flops / 1e9:,.1f}",
-                       source="trainer")
-            got = value()
-        if got is None or got <= 1.0:
-            return got
-        where = "the datasheet peak" if self.dev.is_cuda else "the measured CPU matmul peak"
-        msg = (f"MFU would be {got:.2f} (> 1): {where} ({self.peak_flops / 1e9:,.1f} GFLOP/s per process) is "
-               f"below what the model achieves, so it is not a peak; MFU is not reported for the rest of this run")
-        if not self.dev.is_cuda:
-            dtypes = {cpu_dtype(self.cfg.toggles.precision), torch.float32}   # a bf16 peak is never below fp32's
-            dropped = [forget_cpu_peak(d, cpu_name=self.dev.name, procs=self.local_procs) for d in dtypes]
-            if any(dropped):
-                msg += " and the cached peak is dropped (the next run measures it again, best on an idle machine)"
-        self.emit0("warning", message=msg, kind="peak_flops")
-        self.peak_flops = None
-        return None
-
     def _evaluate(self) -> None:
-        from .data import val_batches
+        from .batches import val_batches
 
-        self._check_finite_now()            # never evaluate a model that a non-finite step has touched
+        self.nonfinite.check()            # never evaluate a model that a non-finite step has touched
         if not hasattr(self, "_val"):
             self._val = val_batches(self.data, self.cfg.data.seq_len, self.micro_batch, self.cfg.log.eval_batches,
                                     self.cfg.optim.seed)
@@ -697,43 +548,23 @@ class Trainer:
             self.balancer.reset()
         loss = (total / len(self._val)).item()
         self.emit0("eval", step=self.progress.step, loss=loss, seconds=time.perf_counter() - t)
-        self._watch_compile(self.progress.step, None, eval_=True)
+        if self.compile_report is not None:
+            self.compile_report.after_eval(self.progress.step)
 
     def _rollback(self, e: NonFiniteStep) -> None:
-        cfg = self.cfg
-        p = self.progress
-        self.emit0("warning", message=str(e), step=e.step, batch=e.batch_index)
-        if cfg.run.nan_policy == "stop" or p.nan_rollbacks >= cfg.run.nan_retries:
-            why = "--nan-policy stop" if cfg.run.nan_policy == "stop" else f"{p.nan_rollbacks} rollbacks already"
-            self._fail("nan", f"{e}; giving up ({why}). Try a lower --lr or another --precision.")
-        skips = sorted(set(p.skip_batches) | {e.batch_index})
-        rollbacks, scale = p.nan_rollbacks + 1, p.lr_scale * cfg.run.nan_lr_factor
+        """The NaN policy (trainer.nonfinite): on from the restored progress with fresh data and metrics."""
         self.prefetcher.close()
-        had_checkpoint = self.ckpt.newest is not None
-        restored = self.ckpt.rollback(p.step)
-        if restored is not None:
-            path, self.progress = restored
-            source = path.name
-        elif self.resumed_from is not None:       # this process cannot rebuild what came before the resume
-            raise ckpt.CorruptCheckpoint(f"no checkpoint of this run verifies any more (it resumed from "
-                                         f"{self.resumed_from}; see the warnings above), nothing to roll back to")
-        else:
-            self._reinitialize()
-            source = f"initialization ({'no checkpoint verifies' if had_checkpoint else 'no checkpoint yet'})"
+        self.progress = self.nonfinite.roll_back(e, self.progress, self.ckpt, resumed_from=self.resumed_from,
+                                                 reinitialize=self._reinitialize)
         self.optimizer.zero_grad(set_to_none=True)
         if self.balancer is not None:
             self.balancer.reset()
-        p = self.progress
-        p.skip_batches, p.nan_rollbacks, p.lr_scale = skips, rollbacks, scale
-        msg = (f"rolled back to {source} at step {p.step}; skipping batch {e.batch_index}; "
-               f"learning rate x{scale:g} (rollback {rollbacks}/{cfg.run.nan_retries})")
-        self.emit0("warning", message=msg, kind="nan_rollback", step=p.step, skip_batches=skips, lr_scale=scale)
-        self.log(msg)
         self.timer.collect()
-        self._interval_reset()
+        self.metrics.reset()
         self.prefetcher = self._new_prefetcher()
 
     def _reinitialize(self) -> None:
+        """The model and optimizer as a fresh run starts them (a rollback with no checkpoint to go to)."""
         torch.manual_seed(self.cfg.optim.seed)
         fresh = build.build_bundle(self.cfg, self.data, self.dev)
         if self.group is not None:
@@ -742,9 +573,8 @@ class Trainer:
             self.raw_model.load_state_dict(fresh.model.state_dict())
         self.optimizer = optim.build_optimizer(self.raw_model, self.cfg)
         self.ckpt.bind(self.raw_model, self.optimizer, self.scaler)
-        self.progress = Progress()
 
-    def _fail(self, kind: str, message: str, **extra: Any) -> None:
+    def _fail(self, kind: str, message: str, **extra: Any) -> NoReturn:
         code = {"oom": EXIT_OOM, "nan": EXIT_NAN, "config": EXIT_CONFIG, "compile": EXIT_COMPILE,
                 "disk": EXIT_DISK}.get(kind, EXIT_CRASH)
         if self.channel:
