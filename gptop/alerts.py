@@ -111,12 +111,13 @@ def alert_options(ns: argparse.Namespace) -> AlertOptions:
     return AlertOptions(enabled=getattr(ns, "alerts", True), **values)
 
 
-def _median(xs: Iterable[float]) -> float | None:
-    """The median (statistics.median, without importing it and its decimal/fractions at gptop's start)."""
+def _median(xs: Iterable[float]) -> float:
+    """The median (statistics.median, without importing it and its decimal/fractions at gptop's start).
+    Every caller has checked that it has values, so none is a ValueError as statistics' StatisticsError is."""
     v = sorted(xs)
     n = len(v)
     if not n:
-        return None
+        raise ValueError("the median of no values")
     return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
 
 
@@ -309,7 +310,7 @@ class AlertMonitor:
         o = self.options
         if len(self._intervals) < MIN_STEPS:
             return None
-        limit = max(o.stall_after_s, o.stall_factor * (_median(self._intervals) or 0.0))
+        limit = max(o.stall_after_s, o.stall_factor * _median(self._intervals))
         nxt = (self._step or 0) + 1
         if any(every and nxt % every == 0 for every in (self._checkpoint_every, self._eval_every)):
             limit += max(CHECKPOINT_GRACE_S, 3 * self._slowest_pause)
@@ -322,7 +323,7 @@ class AlertMonitor:
         if limit is None or now - self._last_progress < limit or not self.alive():
             return
         quiet = now - self._last_progress
-        median = _median(self._intervals) or 0.0
+        median = _median(self._intervals)     # stall_limit is not None: MIN_STEPS intervals at least
         msg = (f"no step for {quiet:.0f} s (last: step {self._step}; recent median {median:.3g} s per step, "
                f"alert after {limit:.0f} s); the trainer process is alive")
         behind: list[int] = []

@@ -140,13 +140,13 @@ def gptop_side(dev: DeviceInfo | None, requested: str, quick: bool, log: IO[str]
     from .nvml import check, check_energy, index_of
 
     mine = [p for p in PATHS if p.in_gptop]
+    if dev is None:
+        return [CheckResult.of(p, Outcome.skip("the device was not detected"), 0.0) for p in mine]
     out: list[CheckResult] = []
-    device_type = dev.type if dev is not None else None
+    device_type = dev.type
     todo: list[DevicePath] = []
     for p in mine:
-        if device_type is None:
-            out.append(CheckResult.of(p, Outcome.skip("the device was not detected"), 0.0))
-        elif not p.applies_to(device_type):
+        if not p.applies_to(device_type):
             out.append(CheckResult.of(p, Outcome.skip(
                 f"a {p.where.value.upper()} path; the doctor ran on {device_type} (gptop doctor --device "
                 f"{p.where.value} on a machine that has one)"), 0.0))
@@ -165,8 +165,8 @@ def gptop_side(dev: DeviceInfo | None, requested: str, quick: bool, log: IO[str]
                 out += [CheckResult.of(p, Outcome.verdict(False, "NVML does not open", nv.reason or "no NVML"), 0.0)
                         for p in gpu_paths]
             else:
-                index = index_of(nv, dev.keys) if dev is not None else None
-                if index is None and dev is not None and dev.index is not None and dev.index < nv.device_count \
+                index = index_of(nv, dev.keys)
+                if index is None and dev.index is not None and dev.index < nv.device_count \
                         and not os.environ.get("CUDA_VISIBLE_DEVICES"):
                     index = dev.index         # torch gave no identity; without renumbering the indices agree
                 if index is None:

@@ -176,11 +176,11 @@ def _cumulative(series: list[tuple[float, float | None, float | None]]
 
 
 def _trapezoid(ta: float, pa: float | None, tb: float, pb: float | None) -> float | None:
-    if pa is None and pb is None:
+    a = pb if pa is None else pa        # one missing end: the other's power over the whole segment
+    b = pa if pb is None else pb
+    if a is None or b is None:
         return None
-    pa = pb if pa is None else pa
-    pb = pa if pb is None else pb
-    return 0.5 * (pa + pb) * (tb - ta)
+    return 0.5 * (a + b) * (tb - ta)
 
 
 def _at(cum: list[tuple[float, float]], t: float) -> float:

@@ -41,7 +41,7 @@ import re
 import sys
 import threading
 from collections import deque
-from typing import IO, Any, Callable
+from typing import IO, TYPE_CHECKING, Any, Callable
 
 from gptop.profile_text import profile_lines
 from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_eta, fmt_mfu, fmt_num, fmt_peak, fmt_toggles,
@@ -51,6 +51,9 @@ from trainer.contract.states import RunStatus, TrialKind, TrialStatus
 from trainer.contract.events import (PHASES, AlertEvent, ApplyEvent, CheckpointEvent, DeviceEvent, DoneEvent,
                                      ErrorEvent, EvalEvent, Event, HelloEvent, LogEvent, PhaseEvent, ProfileEvent,
                                      ProgressEvent, StatusEvent, StepEvent, TrialEvent, TunerEvent, WarningEvent, dumps)
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
 
 MEASURE_EVERY_S = 10.0
 SHORT = {"data": "data", "forward": "fwd", "backward": "bwd", "optimizer": "opt", "other": "other"}
@@ -249,8 +252,8 @@ class HeadlessView:
         self._measure_at = 0.0
         if progress is None:
             progress = not json and _isatty(self.stream)
-        self._progress = None
-        self._task = None
+        self._progress: Progress | None = None      # rich's bar on a terminal (imported only then)
+        self._task: TaskID | None = None
         if progress and not json:
             self._start_progress()
 

@@ -259,7 +259,7 @@ class MetricsServer:
 
         collector = RunCollector(node)
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(collector)       # type: ignore[arg-type]   (a duck-typed Collector, as the docs show)
+        registry.register(collector)       # a duck-typed Collector, as the docs show
         try:
             httpd, thread = start_http_server(port, addr=addr, registry=registry)
         except OSError as e:

@@ -149,7 +149,7 @@ class Notifier:
             one = apprise.Apprise()
             one.add(url)
             try:
-                ok = one.notify(title=title, body=alert.message, notify_type=kind)
+                ok = bool(one.notify(title=title, body=alert.message, notify_type=kind))   # AppriseResult: truthy
             except Exception as e:     # a plugin's own bug: a notification, never the run
                 ok, why = False, f"{type(e).__name__}: {e}"
             else:

@@ -462,19 +462,18 @@ def check(nv: Nvml, index: int, sleep: Any = None) -> Any:
         sleep(0.5)
         readings.append(sample_gpu(nv, index, "GPU", set()))
     last = readings[-1]
-    fields = {"utilization": max((r.util_pct or 0) for r in readings) if any(r.util_pct is not None
-                                                                            for r in readings) else None,
-              "memory": last.mem_used, "power": last.power_w, "sm clock": last.sm_clock_mhz,
+    utils = [r.util_pct for r in readings if r.util_pct is not None]
+    util = max(utils) if utils else None
+    fields = {"utilization": util, "memory": last.mem_used, "power": last.power_w, "sm clock": last.sm_clock_mhz,
               "max sm clock": last.sm_clock_max_mhz, "clock reasons": last.clock_reasons}
     missing = [k for k, v in fields.items() if v is None]
     gpm_supported = bool(getattr(nv.device_query(index, "nvmlGpmQueryDeviceSupport"), "isSupportedDevice", 0))
     gpm = [r for r in readings if r.sm_active_pct is not None]
     problems = list(missing and [f"{', '.join(missing)} did not read"])
-    if fields["utilization"] is not None and fields["utilization"] <= 0:
+    if util is not None and util <= 0:
         problems.append("utilization stayed 0 under a workload")
     if gpm_supported and not gpm:
         problems.append("GPM metrics did not read although NVML says the GPU supports them")
-    util = fields["utilization"]
     observed = (f"util {_num(util, '%')}, mem {_gib(last.mem_used)}, power "
                 f"{_num(last.power_w, 'W')}, SM clock {_num(last.sm_clock_mhz, 'MHz')} of "
                 f"{_num(last.sm_clock_max_mhz, 'MHz')}, reasons {last.clock_reasons}, GPM "

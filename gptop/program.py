@@ -81,6 +81,8 @@ class ProgramSession(Session):
     what CMD trains is CMD's business (the hello of its client says)."""
 
     process_name = "the command"
+    command: list[str]          # always a program here (Session's may be None: gptop's own trainer)
+    run_dir: Path               # always given (SessionBase's may be None: a monitor without a run)
 
     def __init__(self, command: list[str], run_dir: Path, options: SessionOptions | None = None, *,
                  log_every: int | None = None, grace_s: float = 30.0, signals: StopSignals | None = None,

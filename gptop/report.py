@@ -217,8 +217,8 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         out["command"] = command        # `gptop run -- CMD`
     last_step = scan.last_step
     if last_step is not None or (end.done is not None and end.done.step):
-        last = max((*([last_step] if last_step is not None else []), *([end.done] if end.done is not None else [])),
-                   key=lambda e: e.step)
+        ends: list[StepEvent | DoneEvent] = [e for e in (last_step, end.done) if e is not None]
+        last = max(ends, key=lambda e: e.step)
         out["steps"] = last.step
         out["tokens"] = last.tokens
     if last_step is not None:
@@ -527,7 +527,9 @@ def format_report(s: dict[str, Any]) -> str:
     if s.get("profile"):
         from .profile_text import profile_lines
 
-        lines += profile_lines(from_dict(s["profile"]))
+        profile = from_dict(s["profile"])
+        if isinstance(profile, ProfileEvent):
+            lines += profile_lines(profile)
     if s.get("tuning"):
         from tuner.tuning_report import format_summary
 

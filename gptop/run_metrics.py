@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from trainer.contract.events import DeviceEvent, DoneEvent, ErrorEvent, EvalEvent, Event, HelloEvent, StepEvent
+from trainer.contract.events import (CpuReading, DeviceEvent, DoneEvent, ErrorEvent, EvalEvent, Event, GpuReading,
+                                     HelloEvent, StepEvent)
 
 STEP_SCALARS = ("loss", "lr", "grad_norm", "step_ms", "tokens_per_s", "mfu", "mem_bytes")
 GPU_SCALARS = ("util_pct", "mem_used", "power_w", "temp_c", "sm_clock_mhz", "sm_active_pct", "tensor_active_pct")
@@ -76,7 +77,8 @@ class RunMetrics:
             self.final["final/eval_loss"] = event.loss
             return Scalars(event.step, event.time, {"eval/loss": float(event.loss)})
         if isinstance(event, DeviceEvent):
-            readings = [(f"gpu{gpu.index}", gpu, GPU_SCALARS) for gpu in event.devices]
+            readings: list[tuple[str, GpuReading | CpuReading, tuple[str, ...]]] = [
+                (f"gpu{gpu.index}", gpu, GPU_SCALARS) for gpu in event.devices]
             if event.cpu is not None:
                 readings.append(("cpu", event.cpu, CPU_SCALARS))
             for prefix, reading, keys in readings:

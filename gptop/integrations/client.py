@@ -117,6 +117,10 @@ class Client:
     """The protocol's client in one process (see the module docstring). Start it with `Client.connect`, which
     returns None outside gptop."""
 
+    _loss: list[Value]          # the current log interval's values (set by _interval_reset)
+    _grad: list[Value]
+    _lr: Value | None
+
     def __init__(self, env: ClientEnv, kind: ClientKind, *, device: torch.device, log_every: int | None = None,
                  tokens_per_step: int | None = None, max_steps: int | None = None, precision: str = "fp32",
                  optimizer: Any = None, reduce_loss: bool = True, start_step: int = 0, signals: bool = True):
@@ -333,9 +337,9 @@ class Client:
 
     def _interval_reset(self) -> None:
         self._n = self._n_tokens = 0
-        self._loss: list[Value] = []
-        self._grad: list[Value] = []
-        self._lr: Value | None = None
+        self._loss = []
+        self._grad = []
+        self._lr = None
         self._t0 = time.perf_counter()
         self.meter.reset_peak()
 

@@ -35,7 +35,8 @@ try:
     import lightning.pytorch as pl
 except ImportError:                                   # the older package name
     try:
-        import pytorch_lightning as pl  # type: ignore[no-redef]
+        # no-redef where both packages are installed for the type checker; unused where neither is
+        import pytorch_lightning as pl  # type: ignore[no-redef, unused-ignore]
     except ImportError:
         raise ImportError("gptop.integrations.lightning needs Lightning: pip install 'gptop[lightning]'") from None
 

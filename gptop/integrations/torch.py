@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -46,7 +47,9 @@ class _Step:
     __slots__ = ("probe", "number", "tokens")
 
     def __init__(self, probe: "Probe"):
-        self.probe, self.number, self.tokens = probe, 0, None
+        self.probe = probe
+        self.number = 0
+        self.tokens: int | None = None
 
     def __enter__(self) -> None:
         self.probe.begin(self.number)
@@ -54,6 +57,18 @@ class _Step:
     def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.probe.end(self.tokens, failed=kind is not None)
+
+
+@dataclass(frozen=True)
+class _Options:
+    """What the program told its Probe, kept until the first step connects."""
+
+    tokens_per_step: int | None
+    flops_per_token: float | None
+    seq_len: int | None
+    log_every: int | None
+    max_steps: int | None
+    precision: str | None
 
 
 class Probe:
@@ -79,8 +94,8 @@ class Probe:
         self._env = ClientEnv.from_environ()
         self.active = self._env is not None          # under gptop
         self._model, self._optimizer = model, optimizer
-        self._options = dict(tokens_per_step=tokens_per_step, flops_per_token=flops_per_token, seq_len=seq_len,
-                             log_every=log_every, max_steps=max_steps, precision=precision)
+        self._options = _Options(tokens_per_step=tokens_per_step, flops_per_token=flops_per_token, seq_len=seq_len,
+                                 log_every=log_every, max_steps=max_steps, precision=precision)
         self._client: Client | None = None
         self._step = _Step(self)
 
@@ -154,10 +169,10 @@ class Probe:
     def _connect(self, first_step: int) -> Client | None:
         o = self._options
         model, device = self._model, module_device(self._model)
-        client = Client.connect(self._env, ClientKind.PROBE, device=device, log_every=o["log_every"],
-                                tokens_per_step=o["tokens_per_step"], max_steps=o["max_steps"],
-                                precision=o["precision"] or model_precision(model, device), optimizer=self._optimizer,
+        client = Client.connect(self._env, ClientKind.PROBE, device=device, log_every=o.log_every,
+                                tokens_per_step=o.tokens_per_step, max_steps=o.max_steps,
+                                precision=o.precision or model_precision(model, device), optimizer=self._optimizer,
                                 reduce_loss=True, start_step=first_step - 1)
         if client is not None:
-            client.hello(describe_model(model, seq_len=o["seq_len"], flops_per_token=o["flops_per_token"]))
+            client.hello(describe_model(model, seq_len=o.seq_len, flops_per_token=o.flops_per_token))
         return client

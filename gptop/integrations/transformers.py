@@ -355,6 +355,7 @@ class GptopCallback(TrainerCallback):
         client = self.client
         if client is None:
             return
+        assert args.output_dir is not None      # TrainingArguments.__post_init__ sets its default
         path = os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}-{state.global_step}")
         if state.is_world_process_zero and self._model is not None and os.path.isdir(path):
             prints = weights_fingerprint(self._model)

@@ -120,9 +120,9 @@ def step_window(rows: list[StepRow], warm_up: bool) -> StepWindow | None:
         v = weighted([(r.steps, r.phases_ms.get(p)) for r in rows])
         if v is not None:
             phases[p] = v
-    timed = [r for r in rows if r.wall_ms and r.tokens_per_s is not None]
-    seconds = sum(r.steps * r.wall_ms for r in timed) / 1000     # type: ignore[operator]
-    tokens = sum(r.steps * r.wall_ms * r.tokens_per_s for r in timed) / 1000   # type: ignore[operator]
+    timed = [(r.steps * r.wall_ms, r.tokens_per_s) for r in rows if r.wall_ms and r.tokens_per_s is not None]
+    seconds = sum(ms for ms, _ in timed) / 1000
+    tokens = sum(ms * tps for ms, tps in timed) / 1000
     tps = tokens / seconds if seconds > 0 else weighted([(r.steps, r.tokens_per_s) for r in rows])
     mfu = weighted([(r.steps * (r.wall_ms or 1.0), r.mfu) for r in rows])
     return StepWindow(events=len(rows), steps=sum(r.steps for r in rows),
@@ -159,11 +159,13 @@ class Pace:
     UNSTABLE = 0.15      # relative standard deviation above which the ETA is a range
     RECENT = 8           # intervals that bound the range
 
+    mean: float | None
+    var: float
+    recent: deque[float]
+    last_steps: int
+
     def __init__(self) -> None:
-        self.mean: float | None = None
-        self.var = 0.0
-        self.recent: deque[float] = deque(maxlen=self.RECENT)
-        self.last_steps = 1
+        self.clear()
 
     def add(self, seconds: float, steps: int) -> None:
         """One step event's interval: `steps` steps took `seconds`."""
@@ -191,7 +193,10 @@ class Pace:
         return (lo, hi) if hi > lo else None
 
     def clear(self) -> None:
-        self.__init__()
+        self.mean = None
+        self.var = 0.0
+        self.recent = deque(maxlen=self.RECENT)
+        self.last_steps = 1
 
     def eta_range(self, parts: tuple[int, float, int] | None) -> tuple[float, float] | None:
         """(soonest, latest) seconds to go for `parts` (StepTiming.eta_parts): equal when the recent step rate

@@ -583,7 +583,8 @@ def run_app(session: DrivenRun, *, resume: str | None = None, headless: bool = F
             # too; before the app runs, the session's own stop
             if app.is_running:
                 try:
-                    app.call_from_thread(app.run_action, "force_quit" if force else "quit")
+                    # textual types the callback T | Awaitable[T]: mypy cannot solve T for a coroutine function
+                    app.call_from_thread(app.run_action, "force_quit" if force else "quit")  # type: ignore[arg-type]
                     return
                 except RuntimeError:        # the app closed in between
                     pass

@@ -78,8 +78,8 @@ def _cpu_block(state: RunState, d: CpuReading | None, width: int, chart_rows: in
     util = d.util_pct
     proc = []
     if d.proc_cpu_pct is not None:   # the trainer's processes, as a share of the whole machine
-        cores = f"{len(d.per_core)} cores" if d.per_core else "all cores"
-        proc.append(f"trainer {d.proc_cpu_pct:.0f}% of {cores}")
+        of = f"{len(d.per_core)} cores" if d.per_core else "all cores"
+        proc.append(f"trainer {d.proc_cpu_pct:.0f}% of {of}")
     if d.proc_rss is not None:
         proc.append(f"rss {fmt_bytes(d.proc_rss)}")
     if compact:
@@ -109,7 +109,8 @@ def _cpu_block(state: RunState, d: CpuReading | None, width: int, chart_rows: in
     if cores and chart_rows > 1:
         lines.append(Text.assemble(("cores ", "bold"), core_bars(cores, width - 6)))
     room = chart_rows - (len(lines) - 4)
-    charts = [("util_pct", "util", "dark_green", "green1", (0.0, 100.0))]
+    charts: list[tuple[str, str, str, str, tuple[float | None, float | None]]] = [
+        ("util_pct", "util", "dark_green", "green1", (0.0, 100.0))]
     if room >= 6:    # room for two charts of 3+ rows (CPU runs from 120x40 up, the monitor without a run)
         charts.append(("mem_used", "mem", "navy_blue", "dodger_blue1", (0.0, mem_total or None)))
     for i, (metric, label, low, high, scale) in enumerate(charts):

@@ -40,8 +40,8 @@ def tuner_summary(state: RunState, width: int) -> RenderableType:
             if len(line) <= width:
                 lines.append(Text.assemble(("measuring ", "bold"), line[10:]))
             else:   # narrow: how far on one line, the estimate and the time on the next (the goal if it fits)
-                head, est, when = measure_parts(tu.measure)
-                lines.append(Text.assemble(("measuring ", "bold"), head))
+                far, est, when = measure_parts(tu.measure)
+                lines.append(Text.assemble(("measuring ", "bold"), far))
                 second = "  " + " · ".join(p for p in (est, when) if p)
                 if len(second) > width:
                     second = "  " + " · ".join(p for p in (est.split(" (goal")[0], when) if p)
