@@ -212,7 +212,8 @@ def test_cpu_auto_micro_batch_takes_the_whole_batch_when_the_estimate_has_room(t
             for s, h in saved.items():
                 signal.signal(s, h)
         evs = events(tmp_path / name)
-        return trainer, [e.message for e in evs if e.type == "phase"]
+        # a cold token cache (a fresh checkout, or another worker building it) adds its tokenizing phases
+        return trainer, [e.message for e in evs if e.type == "phase" and e.phase != "tokenizing"]
 
     roomy, phases = setup("roomy", 64 << 30)
     assert roomy.micro_batch == 4 and not [p for p in phases if p.startswith("probing")]
