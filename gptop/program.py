@@ -145,10 +145,11 @@ class ProgramSession(Session):
             self.spawns += 1
             self.supervisor = sup
             self.stopping = False
+            device = training_device()      # asked before the start, so the record follows it at once
             sup.start()
             # gptop's record of the start: what runs, on which device it most likely runs; a client's hello
             # follows with the model
-            self.publish(ev.HelloEvent(early=True, pid=sup.pid, config={}, device=training_device(),
+            self.publish(ev.HelloEvent(early=True, pid=sup.pid, config={}, device=device,
                                        model=ev.ModelInfo(), command=self.command))
             self._set_status(RunStatus.RUNNING)
 

@@ -148,8 +148,10 @@ def test_exit_codes_of_plain_commands(tmp_path):
     ignore = ("import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); print('up', flush=True); "
               "time.sleep(600)")
     p = gptop("--no-ui", "run", "--run-dir", "stuck", "--grace", "1", "--", sys.executable, "-c", ignore, cwd=tmp_path)
+    # its output and gptop's record of the start (the hello, with its pid) are written by two threads
     wait_for(lambda: "up" in (tmp_path / "stuck" / "trainer.log").read_text()
              if (tmp_path / "stuck" / "trainer.log").exists() else False, timeout=120, what="the command to start")
+    wait_for(lambda: events(tmp_path / "stuck", "hello"), timeout=60, what="gptop's record of the start")
     pid = events(tmp_path / "stuck", "hello")[0].pid
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=120)
