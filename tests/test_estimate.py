@@ -154,7 +154,7 @@ def test_the_trainer_refuses_before_building_and_says_the_early_hello_first(tmp_
     assert not hasattr(trainer, "bundle")            # nothing was built
     trainer.channel.close()
     (hello,) = list(read_events(tmp_path / "events.jsonl"))
-    assert hello.type == "hello" and hello.early and hello.estimate["total_bytes"] > 4 * GiB
+    assert hello.type == "hello" and hello.early and hello.estimate.total_bytes > 4 * GiB
     assert hello.model.family == "deepseek" and hello.model.total_params == E.param_counts("deepseek", "small").total
 
 

@@ -152,7 +152,7 @@ def test_sigint_while_building_stops_at_once_without_a_checkpoint(tmp_path):
         if proc.poll() is None:
             proc.kill()
     evs = events(run_dir)
-    assert evs[0].type == "hello" and evs[0].early and evs[0].estimate["total_bytes"] > 0
+    assert evs[0].type == "hello" and evs[0].early and evs[0].estimate.total_bytes > 0
     assert not [e for e in evs if e.type in ("step", "checkpoint")]
     assert [e for e in evs if e.type == "hello" and not e.early] == []       # stopped before it was built
     assert evs[-1].type == "done" and evs[-1].reason == "stopped before the first step"

@@ -197,7 +197,7 @@ def early_hello(cfg: TrainConfig, dev: DeviceInfo, est: E.Estimate | None, *, wo
         model.update(total_params=est.total_params, active_params=est.active_params,
                      flops_per_token=est.flops_per_token)
     return dict(pid=os.getpid(), world_size=world, parallel=parallel, config=cfg.to_dict(), device=dev.to_dict(),
-                model=model, early=True, auto=auto, estimate=est.to_dict() if est is not None else None,
+                model=model, early=True, auto=auto, estimate=est.to_info() if est is not None else None,
                 torch=torch.__version__)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gptop.energy import unavailable_reason
-from trainer.contract.events import DeviceEvent, HelloEvent, MeasureProgress, ModelInfo, TrialEvent
+from trainer.contract.events import DeviceEvent, EstimateInfo, HelloEvent, MeasureProgress, ModelInfo, TrialEvent
 from trainer.contract.states import RunStatus, TrialKind
 
 if TYPE_CHECKING:
@@ -138,36 +138,33 @@ def model_summary(model: ModelInfo | None) -> str:
     return " · ".join(x for x in (name, params) if x)
 
 
-def estimate_line(est: dict[str, Any] | None, total_steps: int | None, short: bool = False) -> str | None:
+def estimate_line(est: EstimateInfo | None, total_steps: int | None, short: bool = False) -> str | None:
     """The early hello's estimate in words: '~0.8 GiB (optimizer 24 MiB), ~1 s per step (estimate)' ('est.
     ~0.8 GiB, ~1 s/step' with `short`, for the header)."""
     from trainer.contract.estimate import GiB, fmt_seconds, fmt_size
 
-    if not est:
+    if est is None:
         return None
     parts = []
-    total = est.get("total_bytes")
-    if isinstance(total, (int, float)):
-        opt = est.get("optimizer_bytes")
-        parts.append(f"~{total / GiB:.1f} GiB" + (f" (optimizer {fmt_size(opt)})"
-                                                   if isinstance(opt, (int, float)) and not short else ""))
-    step_s = est.get("step_s")
-    if isinstance(step_s, (int, float)):
-        parts.append(f"~{fmt_seconds(step_s)}{'/step' if short else ' per step'}")
+    if est.total_bytes is not None:
+        opt = est.optimizer_bytes
+        parts.append(f"~{est.total_bytes / GiB:.1f} GiB" + (f" (optimizer {fmt_size(opt)})"
+                                                            if opt is not None and not short else ""))
+    if est.step_s is not None:
+        parts.append(f"~{fmt_seconds(est.step_s)}{'/step' if short else ' per step'}")
         if total_steps and not short:
-            parts.append(f"~{fmt_seconds(step_s * total_steps)} for {total_steps} steps")
+            parts.append(f"~{fmt_seconds(est.step_s * total_steps)} for {total_steps} steps")
     if not parts:
         return None
     return "est. " + ", ".join(parts) if short else ", ".join(parts) + " (estimate)"
 
 
-def estimate_is_slow(est: dict[str, Any] | None) -> bool:
+def estimate_is_slow(est: EstimateInfo | None) -> bool:
     """The early hello's estimate says a step will be slow: the trainer's `estimate` warning follows and says
     the whole estimate (a view shows it there, once)."""
     from trainer.contract.estimate import SLOW_STEP_S
 
-    step_s = (est or {}).get("step_s")
-    return isinstance(step_s, (int, float)) and step_s > SLOW_STEP_S
+    return est is not None and est.step_s is not None and est.step_s > SLOW_STEP_S
 
 
 def startup_line(state: RunState) -> str | None:

@@ -19,8 +19,8 @@ from trainer.contract.config import Toggles
 from trainer.contract.device import DeviceInfo
 from trainer.contract.events import (MAX_STEPS, AlertEvent, ApplyEvent, CheckpointEvent, CompileWarning,
                                      CpuReading, DeviceEvent, DoneEvent, ErrorEvent, EvalEvent, Event, GpuReading,
-                                     HelloEvent, LogEvent, ModelInfo, PhaseEvent, ProfileEvent, ProgressEvent,
-                                     StepEvent, TrialEvent, TunerEvent, UnknownEvent, WarningEvent)
+                                     EstimateInfo, HelloEvent, LogEvent, ModelInfo, PhaseEvent, ProfileEvent,
+                                     ProgressEvent, StepEvent, TrialEvent, TunerEvent, UnknownEvent, WarningEvent)
 from trainer.contract.states import RunStatus
 
 from . import autotuner, formatting, hints, statistics
@@ -58,7 +58,7 @@ class RunState:
         self.device: DeviceInfo | None = None
         self.model: ModelInfo | None = None
         self.hellos = 0                        # full hellos: > 1 after a restart / resume / applied toggles
-        self.estimate: dict[str, Any] | None = None   # the early hello's (trainer.contract.estimate)
+        self.estimate: EstimateInfo | None = None   # the early hello's (trainer.contract.estimate)
         self.command: list[str] | None = None  # `gptop run -- CMD`: the user's command (None: gptop's trainer)
         self.startup: PhaseEvent | None = None  # the startup phase now (None once a step is done)
         self.startup_since: float | None = None  # when that phase began (its percent updates do not reset it)

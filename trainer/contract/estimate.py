@@ -45,6 +45,7 @@ from typing import Any
 
 from .common import FAMILIES, ConfigError
 from .config_schema import AUTO, LORA_DEFAULT_TARGETS
+from .events import EstimateInfo
 
 GiB = 1 << 30
 SIZE_ORDER = ("tiny", "small", "medium", "large")
@@ -378,14 +379,14 @@ class Estimate:
     def slow(self) -> bool:
         return self.step_s is not None and self.step_s > SLOW_STEP_S
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_info(self) -> EstimateInfo:
         """The estimate as the early hello carries it (bytes, seconds)."""
-        return {"params": self.total_params, "active_params": self.active_params,
-                "flops_per_token": self.flops_per_token, "state_bytes": self.state_bytes,
-                "optimizer_bytes": self.optimizer_bytes,
-                "activation_bytes": self.activation_bytes, "runtime_bytes": self.runtime_bytes,
-                "total_bytes": self.total_bytes, "capacity_bytes": self.capacity, "micro_batch": self.micro_batch,
-                "step_s": self.step_s, "assumed_mfu": ASSUMED_MFU}
+        return EstimateInfo(params=self.total_params, active_params=self.active_params,
+                            flops_per_token=self.flops_per_token, state_bytes=self.state_bytes,
+                            optimizer_bytes=self.optimizer_bytes, activation_bytes=self.activation_bytes,
+                            runtime_bytes=self.runtime_bytes, total_bytes=self.total_bytes,
+                            capacity_bytes=self.capacity, micro_batch=self.micro_batch, step_s=self.step_s,
+                            assumed_mfu=ASSUMED_MFU)
 
     def summary(self, where: str, steps: int | None = None, optimizer: bool = True) -> str:
         """'deepseek medium on this CPU: ~14.2 GiB (optimizer 6.8 GiB), ~3.5 min per step' (', ~2.5 h for 40

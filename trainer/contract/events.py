@@ -193,6 +193,25 @@ class ModelInfo(Record):
 
 
 @dataclass(frozen=True, kw_only=True)
+class EstimateInfo(Record):
+    """What the early hello says one process will need, before anything is built
+    (trainer.contract.estimate.Estimate.to_info): bytes and seconds."""
+
+    params: int | None = None
+    active_params: int | None = None
+    flops_per_token: int | None = None
+    state_bytes: int | None = None      # weights + gradients + optimizer state
+    optimizer_bytes: int | None = None  # the optimizer state alone (part of state_bytes)
+    activation_bytes: int | None = None
+    runtime_bytes: int | None = None
+    total_bytes: int | None = None
+    capacity_bytes: int | None = None   # usable bytes of the device (RAM on the CPU); None: unknown
+    micro_batch: int | None = None
+    step_s: float | None = None         # None without a peak to time against
+    assumed_mfu: float | None = None    # the MFU the step time assumes
+
+
+@dataclass(frozen=True, kw_only=True)
 class MeasureProgress(Record):
     """How far the tuner's measurement of the running configuration is (a tuner event's `measure`)."""
 
@@ -285,11 +304,11 @@ class HelloEvent(Event):
     start_step: int = 0
     torch: str | None = None
     # The first hello comes before anything is built (early=True): the config, the device, the model as
-    # configured and what it will cost (trainer.contract.estimate.Estimate.to_dict: bytes, seconds); the full
+    # configured and what it will cost (EstimateInfo: bytes, seconds); the full
     # hello follows once the model is built. Consumers that need the built run (micro-batch, parameters)
     # wait for a hello that is not early.
     early: bool = False
-    estimate: dict[str, Any] | None = None
+    estimate: EstimateInfo | None = None
     # trainer.contract.device.gpu_key of every GPU this node's ranks train on: which NVML devices are the run's
     # (energy per token counts those, not idle neighbours), also where a container hides the PIDs.
     gpus: list[str] | None = None
@@ -571,8 +590,8 @@ class UnknownEvent(Event):
 EVENT_TYPES: dict[str, type[Event]] = {c.type: c for c in (
     HelloEvent, StepEvent, EvalEvent, CheckpointEvent, LogEvent, WarningEvent, ErrorEvent, DoneEvent,
     DeviceEvent, TrialEvent, ApplyEvent, TunerEvent, StatusEvent, ProgressEvent, PhaseEvent, ProfileEvent, AlertEvent)}
-RECORDS: tuple[type[Record], ...] = (GpuReading, CpuReading, ModelInfo, MeasureProgress, OpTime, PhaseProfile,
-                                     TunerBest)
+RECORDS: tuple[type[Record], ...] = (GpuReading, CpuReading, ModelInfo, EstimateInfo, MeasureProgress, OpTime,
+                                     PhaseProfile, TunerBest)
 _BASE = ("v", "type", "time", "rank")
 
 
