@@ -381,3 +381,23 @@ def test_supervisor_counts_malformed_lines_from_the_socket(tmp_path):
     sup.close()
     assert [ev.dumps(e) for e in events] == good
     assert len(bad) == 2 and "not JSON" in bad[0] and "device.devices" in bad[1]
+
+
+def test_the_hellos_estimate_and_the_tuners_best_cross_as_typed_records():
+    """The early hello's estimate and a tuner event's best toggles are decoded once where a line is read, so
+    views read fields instead of re-checking a dict; the wire keeps its keys (an older line still reads)."""
+    from trainer.contract.config import Toggles
+
+    hello = ev.parse(json.dumps({"v": 1, "type": "hello", "time": 1.0, "rank": 0, "pid": 7, "config": {},
+                                 "device": {"type": "cpu", "name": "cpu"}, "model": {}, "early": True,
+                                 "estimate": {"total_bytes": 1 << 30, "step_s": 2, "capacity_bytes": None,
+                                              "newer_key": 1}}))
+    est = hello.estimate
+    assert isinstance(est, ev.EstimateInfo) and est.total_bytes == 1 << 30 and est.step_s == 2
+    assert est.capacity_bytes is None and est.extra == {"newer_key": 1}
+    assert json.loads(ev.dumps(hello))["estimate"]["newer_key"] == 1          # kept for a newer reader
+    tuner = ev.parse(json.dumps({"v": 1, "type": "tuner", "time": 1.0, "rank": 0, "phase": "trials",
+                                 "best": {"number": 3, "toggles": {"micro_batch": "8", "precision": "bf16"}}}))
+    assert isinstance(tuner.best.toggles, Toggles)
+    assert tuner.best.toggles.micro_batch == 8 and tuner.best.toggles.precision == "bf16"
+    assert json.loads(ev.dumps(tuner))["best"]["toggles"]["micro_batch"] == 8

@@ -57,7 +57,7 @@ class Standing:
     def event(self) -> TunerBest:
         """As the views show the best (the `tuner` event's `best`)."""
         c = self.cand
-        return TunerBest(number=c.number, toggles=dataclasses.asdict(c.toggles), tokens_per_s=round(c.tokens_per_s, 1),
+        return TunerBest(number=c.number, toggles=c.toggles, tokens_per_s=round(c.tokens_per_s, 1),
                          spread=round(c.spread, 1) if math.isfinite(c.spread) else None,
                          speedup=round(self.speedup, 3), earlier=self.earlier and not self.remeasured)
 

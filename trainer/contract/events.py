@@ -255,7 +255,7 @@ class TunerBest(Record):
     """The tuner's best so far (a tuner event's `best`): the trial its decision and report would name."""
 
     number: int | None = None
-    toggles: dict[str, Any] = field(default_factory=dict)
+    toggles: Toggles | None = None
     tokens_per_s: float | None = None   # as measured (on this run, or on the earlier run it comes from)
     spread: float | None = None
     speedup: float | None = None        # against the start's measurement of the same run
