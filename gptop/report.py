@@ -29,7 +29,7 @@ from trainer.contract.events import (MAX_STEPS, PHASES, STOPPED_BEFORE_FIRST_STE
 from trainer.contract.runlock import holder_words, lock_holders
 
 from .energy import INTEGRATED, Energy, measure, unavailable_reason
-from .state import fmt_mfu
+from .state import fmt_mfu, loss_range
 
 
 class _Skipped:
@@ -103,6 +103,7 @@ class _Scan:
         self.last_step: StepEvent | None = None
         self.first_loss: float | None = None
         self.final_loss: float | None = None
+        self.loss_steps = 0                 # logged steps with a loss: one gives a value, not a range
         self.peak_mem = 0
         self.eval_loss: float | None = None
         self.eval_seen = False
@@ -169,6 +170,7 @@ class _Scan:
             if self.first_loss is None:
                 self.first_loss = e.loss
             self.final_loss = e.loss
+            self.loss_steps += 1
         self.peak_mem = max(self.peak_mem, e.mem_bytes or 0)
         medians, sums = (self.firsts, self.first_phase_sum) if self._first else (self.steady, self.phase_sum)
         self._first = False
@@ -262,7 +264,8 @@ def _speed(scan: "_Scan") -> dict[str, Any]:
         out["phases_step_ms"] = sums["step_ms"] / w        # the mean step of the same steps as phases_ms
     out["step_ms"] = steady["step_ms"].median()
     out["speed_intervals"] = max(m.n for m in steady.values())   # the log intervals the medians are of
-    out.update(final_loss=scan.final_loss, first_loss=scan.first_loss, peak_mem_bytes=scan.peak_mem)
+    out.update(final_loss=scan.final_loss, first_loss=scan.first_loss, loss_steps=scan.loss_steps,
+               peak_mem_bytes=scan.peak_mem)
     return out
 
 
@@ -484,7 +487,7 @@ def format_report(s: dict[str, Any]) -> str:
     else:
         lines.append(f"progress  {s['steps']}/{s.get('max_steps')} steps, {s['tokens']:,} tokens, {starts}")
     if "final_loss" in s:
-        lines.append(f"loss      {_f(s.get('first_loss'))} -> {_f(s.get('final_loss'))}"
+        lines.append(f"loss      {loss_range(s.get('first_loss'), s.get('final_loss'), s.get('loss_steps'), '.4f')}"
                      + (f"  (eval {_f(s.get('eval_loss'))})" if s.get("eval_loss") is not None else ""))
         mfu = s.get("mfu")
         n = s.get("speed_intervals")

@@ -16,7 +16,7 @@ from trainer.contract import rundir
 from trainer.contract.events import ERROR_WORDS, ErrorEvent
 from trainer.contract.states import RunStatus
 
-from .state import RunState, fmt_duration, fmt_mfu, fmt_num
+from .state import RunState, fmt_duration, fmt_mfu, fmt_num, loss_range
 
 EXIT_INTERRUPTED = 130
 STDERR_LINES = 5          # a failed command's last stderr lines in the summary
@@ -118,10 +118,11 @@ def _progress(out: _Lines, state: RunState, step: int, tokens: int | None) -> No
     """Steps and tokens, loss, speed and energy."""
     with state.lock:
         total, first_loss, last_eval = state.total_steps, state.first_loss, state.last_eval
-        last_loss = next((v for v in reversed(state.history("loss"))), None)
+        losses = state.history("loss")
+        last_loss = next((v for v in reversed(losses)), None)
         precision = state.precision_label()
     out.add("progress", f"{step}/{total if total is not None else '?'} steps, {fmt_num(tokens)} tokens")
-    loss = f"{_f(first_loss)} -> {_f(last_loss)}" if first_loss is not None else "n/a"
+    loss = loss_range(first_loss, last_loss, len(losses)) if first_loss is not None else "n/a"
     if last_eval is not None and last_eval.loss is not None:
         loss += f" (last eval {last_eval.loss:.3f} at step {last_eval.step})"
     out.add("loss", loss)
@@ -203,7 +204,3 @@ def print_summary(state: RunState, exit_code: int | None, stream: IO[str]) -> No
         stream.flush()
     except (OSError, ValueError):
         pass
-
-
-def _f(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:.3f}"

@@ -78,6 +78,7 @@ def test_the_report_of_a_run_with_several_starts_is_what_the_events_say(tmp_path
     assert s["tokens_per_s"] == statistics.median(e.tokens_per_s for e in steady if e.tokens_per_s)
     assert s["step_ms"] == statistics.median(e.step_ms for e in steady if e.step_ms is not None)
     assert s["steps"] == steps[-1].step and s["first_loss"] == steps[0].loss and s["final_loss"] == steps[-1].loss
+    assert s["loss_steps"] == sum(e.loss is not None for e in steps)
     assert s["checkpoints_written"] == sum(e.type == "checkpoint" for e in events)
 
 

@@ -347,3 +347,29 @@ def test_report_of_a_live_tuned_run_says_running_then_how_it_ended(tmp_path):
     after = subprocess.run([sys.executable, "-m", "gptop", "report", str(run)], capture_output=True, text=True,
                            env=env, timeout=120)
     assert "state     stopped at step" in after.stdout and "running" not in after.stdout, after.stdout
+
+
+def test_one_logged_step_is_a_loss_value_not_a_range(tmp_path):
+    """A run shorter than its log interval logs one step: its loss is one value, not 'x -> x' (which reads as
+    nothing learned); the report says the same from the files."""
+    from gptop.state import loss_range
+
+    events = cpu_run(steps=10)                       # one step event, at step 10
+    events.append(ev("done", 9.0, step=10, tokens=10 * 8 * 128, reason="max_steps"))
+    lines = summary_lines(state_of(events, tmp_path, "done"), 0)
+    assert line(lines, "loss").endswith(f"{loss_at(10):.3f} (one logged step)")
+    assert loss_range(9.5, 4.25, 2) == "9.500 -> 4.250" and loss_range(None, None, 0) == "n/a -> n/a"
+    assert loss_range(9.5, 9.5, 1, ".4f") == "9.5000 (one logged step)"
+
+
+def test_the_report_of_one_logged_step_gives_its_loss_as_a_value(tmp_path):
+    from gptop.report import format_report, summarize
+    from trainer.contract.events import dumps
+
+    run = tmp_path / "run"
+    run.mkdir()
+    events = cpu_run(steps=10) + [ev("done", 9.0, step=10, tokens=10 * 8 * 128, reason="max_steps")]
+    (run / "events.jsonl").write_text("".join(dumps(e) + "\n" for e in events))
+    s = summarize(run)
+    assert s["loss_steps"] == 1
+    assert f"{loss_at(10):.4f} (one logged step)" in format_report(s)

@@ -205,3 +205,13 @@ def energy_reason(steps: int, samples: list[DeviceEvent]) -> str:
     if steps < 2:
         return "not enough step events yet"
     return unavailable_reason(samples)
+
+
+def loss_range(first: float | None, last: float | None, logged: int | None, spec: str = ".3f") -> str:
+    """'9.512 -> 4.203', the first logged loss to the last; from one logged step a value, not a range."""
+    def f(v: float | None) -> str:
+        return "n/a" if v is None else format(v, spec)
+
+    if logged == 1:
+        return f"{f(last)} (one logged step)"
+    return f"{f(first)} -> {f(last)}"
