@@ -26,12 +26,12 @@ def measure(n: int, seconds: float) -> dict[str, float]:
     out = {}
     for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)
-        a @ b                                   # warm-up: oneDNN picks and JITs its kernel
+        a @ b  # warm-up: oneDNN picks and JITs its kernel
         reps, t0 = 0, time.process_time()
         while time.process_time() - t0 < seconds:
             a @ b
             reps += 1
-        out[name] = 2 * n ** 3 * reps / (time.process_time() - t0) / 1e9
+        out[name] = 2 * n**3 * reps / (time.process_time() - t0) / 1e9
     return out
 
 
@@ -46,16 +46,23 @@ def main() -> int:
         return 0
     rows = {}
     for label, extra in (("native", {}), ("oneDNN held to AVX2", {"ONEDNN_MAX_CPU_ISA": "AVX2"})):
-        r = subprocess.run([sys.executable, __file__, "--child", "--n", str(args.n), "--seconds", str(args.seconds)],
-                           env={**os.environ, **extra}, capture_output=True, text=True, check=True)
+        r = subprocess.run(
+            [sys.executable, __file__, "--child", "--n", str(args.n), "--seconds", str(args.seconds)],
+            env={**os.environ, **extra},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         rows[label] = json.loads(r.stdout)
     from trainer.contract.device import cpu_name
 
     cpu = cpu_name()
     print(f"{args.n}x{args.n} matmul, 1 thread, {cpu}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
     for label, r in rows.items():
-        print(f"  {label:20s} fp32 {r['fp32']:6.1f} GFLOP/s  bf16 {r['bf16']:6.1f} GFLOP/s  "
-              f"bf16/fp32 {r['bf16'] / r['fp32']:.3g}x")
+        print(
+            f"  {label:20s} fp32 {r['fp32']:6.1f} GFLOP/s  bf16 {r['bf16']:6.1f} GFLOP/s  "
+            f"bf16/fp32 {r['bf16'] / r['fp32']:.3g}x"
+        )
     return 0
 
 

@@ -29,8 +29,24 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SETUP = ["--model", "llama", "--size", "tiny", "--seq-len", "128", "--global-batch", "16", "--eval-every", "0",
-         "--log-every", "1", "--checkpoint-every", "0", "--device", "cpu"]
+SETUP = [
+    "--model",
+    "llama",
+    "--size",
+    "tiny",
+    "--seq-len",
+    "128",
+    "--global-batch",
+    "16",
+    "--eval-every",
+    "0",
+    "--log-every",
+    "1",
+    "--checkpoint-every",
+    "0",
+    "--device",
+    "cpu",
+]
 
 
 def _events(run_dir: Path) -> list[dict]:
@@ -40,25 +56,39 @@ def _events(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
 
 
-def launch(root: Path, args: list[str], env: dict[str, str], log: Path, run_dir: Path,
-           after: float = 0.0) -> dict[str, float | None]:
+def launch(
+    root: Path, args: list[str], env: dict[str, str], log: Path, run_dir: Path, after: float = 0.0
+) -> dict[str, float | None]:
     """Spawn gptop; seconds from spawn to the first hello and first step event newer than `after`."""
     t0 = time.time()
     with open(log, "ab") as fh:
-        code = subprocess.run([sys.executable, "-m", "gptop", "--no-ui", "train", *args], cwd=root, env=env,
-                              stdout=fh, stderr=subprocess.STDOUT).returncode
+        code = subprocess.run(
+            [sys.executable, "-m", "gptop", "--no-ui", "train", *args],
+            cwd=root,
+            env=env,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+        ).returncode
     evs = [e for e in _events(run_dir) if e.get("time", 0) >= max(after, t0 - 1)]
     hello = next((e["time"] for e in evs if e.get("type") == "hello"), None)
     step = next((e["time"] for e in evs if e.get("type") == "step"), None)
-    return {"code": code, "hello": hello - t0 if hello else None, "first_step": step - t0 if step else None,
-            "total": time.time() - t0}
+    return {
+        "code": code,
+        "hello": hello - t0 if hello else None,
+        "first_step": step - t0 if step else None,
+        "total": time.time() - t0,
+    }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--root", action="append", default=None,
-                    help="checkout to run (default: this one); repeat the flag to alternate several")
+    ap.add_argument(
+        "--root",
+        action="append",
+        default=None,
+        help="checkout to run (default: this one); repeat the flag to alternate several",
+    )
     ap.add_argument("--no-compile", action="store_true", help="skip the --compile default scenarios")
     ap.add_argument("--threads", type=int, default=0)
     args, extra = ap.parse_known_args()
@@ -70,8 +100,12 @@ def main() -> int:
     print(f"setup {' '.join(setup)}", flush=True)
     for i, root in enumerate(roots):
         print(f"root {i}: {root}", flush=True)
-    order = [(rep, ri, compiled) for rep in range(args.repeats) for ri in range(len(roots))
-             for compiled in ([False] if args.no_compile else [False, True])]
+    order = [
+        (rep, ri, compiled)
+        for rep in range(args.repeats)
+        for ri in range(len(roots))
+        for compiled in ([False] if args.no_compile else [False, True])
+    ]
     for rep, ri, compiled in order:
         env = dict(os.environ, PYTHONPATH=str(roots[ri]))
         if args.threads:
@@ -79,7 +113,7 @@ def main() -> int:
         tag = "+compile" if compiled else ""
         flags = setup + (["--compile", "default"] if compiled else [])
         if compiled:
-            cache = work / f"inductor-{ri}-{rep}"     # cold: an empty inductor cache for this run
+            cache = work / f"inductor-{ri}-{rep}"  # cold: an empty inductor cache for this run
             shutil.rmtree(cache, ignore_errors=True)
             env["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
         run_dir = work / f"run{tag}-{ri}-{rep}"
@@ -87,11 +121,20 @@ def main() -> int:
         r = launch(roots[ri], flags + ["--max-steps", "2", "--run-dir", str(run_dir)], env, log, run_dir)
         res[(ri, "train" + tag)].append(r)
         t_after = time.time()
-        r2 = launch(roots[ri], ["--resume", str(run_dir), "--max-steps", "4", "--log-every", "1"], env, log,
-                    run_dir, after=t_after)
+        r2 = launch(
+            roots[ri],
+            ["--resume", str(run_dir), "--max-steps", "4", "--log-every", "1"],
+            env,
+            log,
+            run_dir,
+            after=t_after,
+        )
         res[(ri, "resume" + tag)].append(r2)
-        print(f"repeat {rep + 1} root {ri}{tag}: train hello {r['hello']} first step {r['first_step']} | "
-              f"resume hello {r2['hello']} first step {r2['first_step']}", flush=True)
+        print(
+            f"repeat {rep + 1} root {ri}{tag}: train hello {r['hello']} first step {r['first_step']} | "
+            f"resume hello {r2['hello']} first step {r2['first_step']}",
+            flush=True,
+        )
     print()
     print("| root | scenario | spawn -> hello (s) | spawn -> first step (s) | runs |")
     print("|---|---|---:|---:|---:|")
@@ -102,8 +145,10 @@ def main() -> int:
             continue
         h = [r["hello"] for r in ok]
         f = [r["first_step"] for r in ok]
-        print(f"| {ri} | {s} | {statistics.median(h):.1f} ({min(h):.1f}-{max(h):.1f}) | "
-              f"{statistics.median(f):.1f} ({min(f):.1f}-{max(f):.1f}) | {len(ok)} |")
+        print(
+            f"| {ri} | {s} | {statistics.median(h):.1f} ({min(h):.1f}-{max(h):.1f}) | "
+            f"{statistics.median(f):.1f} ({min(f):.1f}-{max(f):.1f}) | {len(ok)} |"
+        )
     print(f"\nlogs in {work}")
     return 0
 

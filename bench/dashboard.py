@@ -60,13 +60,25 @@ import time
 from pathlib import Path
 
 import psutil
-from trainer.contract.device import cpu_name   # noqa: E402  (the project's one reader of /proc/cpuinfo)
+from trainer.contract.device import cpu_name  # noqa: E402  (the project's one reader of /proc/cpuinfo)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from fixtures.terminal import Terminal as PtyTerminal  # noqa: E402  (the tests' pty driver, one copy)
 
-DEFAULT_TRAINER = ["--model", "llama", "--size", "tiny", "--seq-len", "64", "--global-batch", "8",
-                   "--eval-every", "0", "--checkpoint-every", "0"]
+DEFAULT_TRAINER = [
+    "--model",
+    "llama",
+    "--size",
+    "tiny",
+    "--seq-len",
+    "64",
+    "--global-batch",
+    "8",
+    "--eval-every",
+    "0",
+    "--checkpoint-every",
+    "0",
+]
 STEP_RE = re.compile(rb"step (\d+)/(\d+|\?)")
 
 
@@ -123,8 +135,15 @@ LOAD_CODE = "while True: pass"
 def start_load(n: int) -> list[subprocess.Popen]:
     """`n` processes that each keep one core busy (a pure-Python spin: no memory traffic, no I/O), so the
     dashboard is measured on a machine whose cores are all taken, as on a busy training box."""
-    return [subprocess.Popen([sys.executable, "-c", LOAD_CODE], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True) for _ in range(n)]
+    return [
+        subprocess.Popen(
+            [sys.executable, "-c", LOAD_CODE],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        for _ in range(n)
+    ]
 
 
 def start_compare(what: str, interval: float) -> subprocess.Popen | None:
@@ -133,8 +152,12 @@ def start_compare(what: str, interval: float) -> subprocess.Popen | None:
     import shutil
 
     if what == "top" and shutil.which("top"):
-        return subprocess.Popen(["top", "-b", "-d", str(interval)], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
+        return subprocess.Popen(
+            ["top", "-b", "-d", str(interval)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     return None
 
 
@@ -153,21 +176,41 @@ def measure(args: argparse.Namespace, trainer: list[str], tree: Path = REPO) -> 
     directory (`python -m` puts the working directory first on sys.path)."""
     cols, rows = (int(x) for x in args.size.lower().split("x"))
     env = dict(os.environ, TERM="xterm-256color", COLORTERM="truecolor", LINES=str(rows), COLUMNS=str(cols))
-    env["PYTHONPATH"] = os.pathsep.join([str(tree)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-                                                       if p and Path(p).resolve() not in (REPO, tree.resolve())])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(tree)]
+        + [
+            p
+            for p in env.get("PYTHONPATH", "").split(os.pathsep)
+            if p and Path(p).resolve() not in (REPO, tree.resolve())
+        ]
+    )
     env.pop("TEXTUAL", None)
     run_dir = Path(tempfile.mkdtemp(prefix="gptop-bench-"))
     flags = trainer + ["--max-steps", str(args.max_steps), "--log-every", str(args.log_every)]
     bare = None
     if args.mode == "synthetic":
-        argv = [sys.executable, str(Path(__file__).resolve()), "--synthetic-child", "--rate", str(args.rate),
-                "--progress-rate", str(args.progress_rate), "--run-dir", str(run_dir)]
+        argv = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--synthetic-child",
+            "--rate",
+            str(args.rate),
+            "--progress-rate",
+            str(args.progress_rate),
+            "--run-dir",
+            str(run_dir),
+        ]
     elif args.mode == "train":
         argv = [sys.executable, "-m", "gptop", "train", *flags, "--run-dir", str(run_dir)]
     else:
-        bare = subprocess.Popen([sys.executable, "-m", "trainer", *flags, "--run-dir", str(run_dir)], env=env,
-                                cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
+        bare = subprocess.Popen(
+            [sys.executable, "-m", "trainer", *flags, "--run-dir", str(run_dir)],
+            env=env,
+            cwd=tree,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         events = run_dir / "events.jsonl"
         wait_for(lambda: events.exists() and b'"hello"' in events.read_bytes(), 300, "the trainer's hello", bare)
         argv = [sys.executable, "-m", "gptop", "--run-dir", str(run_dir)]
@@ -176,10 +219,15 @@ def measure(args: argparse.Namespace, trainer: list[str], tree: Path = REPO) -> 
     ref = None
     try:
         gptop = psutil.Process(term.proc.pid)
-        wait_for(lambda: (bool(read_steps(run_dir / "events.jsonl")) or bool(read_steps(run_dir / "events.jsonl",
-                                                                                      "progress")))
-                 and bool(term.first_seen), 600,
-                 "the first step on screen", term.proc)
+        wait_for(
+            lambda: (
+                (bool(read_steps(run_dir / "events.jsonl")) or bool(read_steps(run_dir / "events.jsonl", "progress")))
+                and bool(term.first_seen)
+            ),
+            600,
+            "the first step on screen",
+            term.proc,
+        )
         load = start_load(args.load)
         ref = start_compare(args.compare, args.compare_interval) if args.compare else None
         refp = psutil.Process(ref.pid) if ref is not None else None
@@ -192,8 +240,9 @@ def measure(args: argparse.Namespace, trainer: list[str], tree: Path = REPO) -> 
         while time.monotonic() - t0 < args.seconds:
             time.sleep(1.0)
             if term.proc.poll() is not None:
-                raise SystemExit(f"bench: gptop exited with {term.proc.returncode} during the measurement "
-                                 "(raise --max-steps?)")
+                raise SystemExit(
+                    f"bench: gptop exited with {term.proc.returncode} during the measurement (raise --max-steps?)"
+                )
             now, c = time.monotonic(), gptop.cpu_times()
             per_second.append(100.0 * (c.user + c.system - last_c.user - last_c.system) / (now - last_t))
             last_t, last_c = now, c
@@ -216,19 +265,27 @@ def measure(args: argparse.Namespace, trainer: list[str], tree: Path = REPO) -> 
             except subprocess.TimeoutExpired:
                 bare.kill()
     steps = read_steps(run_dir / "events.jsonl")
-    lat = [1000.0 * (term.first_seen[s] - steps[s]) for s in sorted(set(term.first_seen) - seen0)
-           if s in steps and s > 0]
-    progress = read_steps(run_dir / "events.jsonl", "progress")   # synthetic --progress-rate only
-    plat = [1000.0 * (term.first_seen[s] - progress[s]) for s in sorted(set(term.first_seen) - seen0)
-            if s in progress and s not in steps and s > 0]
+    lat = [
+        1000.0 * (term.first_seen[s] - steps[s]) for s in sorted(set(term.first_seen) - seen0) if s in steps and s > 0
+    ]
+    progress = read_steps(run_dir / "events.jsonl", "progress")  # synthetic --progress-rate only
+    plat = [
+        1000.0 * (term.first_seen[s] - progress[s])
+        for s in sorted(set(term.first_seen) - seen0)
+        if s in progress and s not in steps and s > 0
+    ]
     wall = t1 - t0
     cpu_s = (c1.user + c1.system) - (c0.user + c0.system)
     result = {
-        "mode": args.mode, "size": f"{cols}x{rows}", "log_every": args.log_every, "seconds": round(wall, 1),
+        "mode": args.mode,
+        "size": f"{cols}x{rows}",
+        "log_every": args.log_every,
+        "seconds": round(wall, 1),
         **({"rate": args.rate, "progress_rate": args.progress_rate} if args.mode == "synthetic" else {}),
         "gptop_cpu_pct_of_one_core": round(100.0 * cpu_s / wall, 2),
         "gptop_cpu_pct_per_second_max": round(max(per_second), 1) if per_second else None,
-        "gptop_rss_mb": round(rss / 2**20, 1), "gptop_threads": threads,
+        "gptop_rss_mb": round(rss / 2**20, 1),
+        "gptop_threads": threads,
         "latency_samples": len(lat),
         "latency_ms_median": round(statistics.median(lat), 1) if lat else None,
         "latency_ms_p95": round(pct(lat, 0.95), 1) if lat else None,
@@ -244,8 +301,9 @@ def measure(args: argparse.Namespace, trainer: list[str], tree: Path = REPO) -> 
         "steps_per_s": round((max(seen1) - max(seen0)) / wall, 2) if seen0 and seen1 else None,
         # the load-independent figure: CPU per unit of input (the CPU share moves with the step rate, which a
         # loaded machine changes; at a fixed rate, as in the synthetic mode, the two say the same)
-        "gptop_cpu_ms_per_100_steps": (round(1e5 * cpu_s / (max(seen1) - max(seen0)), 1)
-                                       if seen0 and seen1 and max(seen1) > max(seen0) else None),
+        "gptop_cpu_ms_per_100_steps": (
+            round(1e5 * cpu_s / (max(seen1) - max(seen0)), 1) if seen0 and seen1 and max(seen1) > max(seen0) else None
+        ),
         "gptop_exit_code": code,
         "machine_cpus": os.cpu_count(),
         "load_avg_1m": round(os.getloadavg()[0], 2),
@@ -259,10 +317,9 @@ def measure(args: argparse.Namespace, trainer: list[str], tree: Path = REPO) -> 
     if args.compare:
         result["compare"] = f"{args.compare} every {args.compare_interval:g} s"
         result["compare_cpu_pct_of_one_core"] = (
-            round(100.0 * ((r1.user + r1.system) - (r0.user + r0.system)) / wall, 2) if r0 is not None else None)
+            round(100.0 * ((r1.user + r1.system) - (r0.user + r0.system)) / wall, 2) if r0 is not None else None
+        )
     return result
-
-
 
 
 def synthetic_child(rate: float, progress_rate: float, run_dir: Path) -> None:
@@ -273,7 +330,7 @@ def synthetic_child(rate: float, progress_rate: float, run_dir: Path) -> None:
     import math
     import random
 
-    sys.path.append(str(Path(__file__).resolve().parents[1]))   # after PYTHONPATH: BEFORE/AFTER trees
+    sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: BEFORE/AFTER trees
     from gptop.controls import RecordingCommands
     from gptop.state import RunState
     from gptop.ui.app import GptopApp
@@ -281,11 +338,14 @@ def synthetic_child(rate: float, progress_rate: float, run_dir: Path) -> None:
 
     state = RunState(run_name="synthetic", run_dir=str(run_dir), clock=time.time, status="running")
     total = 1_000_000
-    state.apply(ev.make("hello", config={"optim": {"max_steps": total},
-                                         "toggles": {"precision": "fp32", "compile": "off"}},
-                        device={"type": "cpu", "name": "synthetic CPU"},
-                        model={"family": "llama", "size": "tiny", "total_params": 3_000_000,
-                               "active_params": 3_000_000}))
+    state.apply(
+        ev.make(
+            "hello",
+            config={"optim": {"max_steps": total}, "toggles": {"precision": "fp32", "compile": "off"}},
+            device={"type": "cpu", "name": "synthetic CPU"},
+            model={"family": "llama", "size": "tiny", "total_params": 3_000_000, "active_params": 3_000_000},
+        )
+    )
     out = open(run_dir / "events.jsonl", "a", buffering=1)
     stop = threading.Event()
 
@@ -296,24 +356,52 @@ def synthetic_child(rate: float, progress_rate: float, run_dir: Path) -> None:
         while not stop.is_set():
             now = time.time()
             if now >= next_dev:
-                state.apply(ev.DeviceEvent(time=now, devices=[], mode="cpu", cpu=ev.CpuReading(
-                    name="synthetic CPU", util_pct=50 + 40 * math.sin(now / 5), per_core=[50.0, 70.0],
-                    mem_used=2 << 30, mem_total=16 << 30, proc_rss=1 << 29, proc_cpu_pct=90.0, power_w=None,
-                    energy_j=None)))
+                state.apply(
+                    ev.DeviceEvent(
+                        time=now,
+                        devices=[],
+                        mode="cpu",
+                        cpu=ev.CpuReading(
+                            name="synthetic CPU",
+                            util_pct=50 + 40 * math.sin(now / 5),
+                            per_core=[50.0, 70.0],
+                            mem_used=2 << 30,
+                            mem_total=16 << 30,
+                            proc_rss=1 << 29,
+                            proc_cpu_pct=90.0,
+                            power_w=None,
+                            energy_j=None,
+                        ),
+                    )
+                )
                 next_dev += 0.5
             if now >= next_step:
                 step += 1
                 ms = 1000 * every if every is not None else 200 + 20 * math.sin(step / 10)
-                if every is not None:        # a run's stream: a progress event each step, a step event every 10th
+                if every is not None:  # a run's stream: a progress event each step, a step event every 10th
                     p = ev.ProgressEvent(time=now, step=step, tokens=step * 512, step_ms=ms)
                     out.write(ev.dumps(p) + "\n")
                     state.apply(p)
                 if every is None or step % 10 == 0:
-                    e = ev.StepEvent(time=now, step=step, tokens=step * 512, loss=2 + 8 * math.exp(-step / 300),
-                                     lr=1e-3, grad_norm=1.0, step_ms=ms,
-                                     phases_ms={"data": 2.0, "forward": ms * .3, "backward": ms * .55,
-                                                "optimizer": ms * .14, "other": ms * .01},
-                                     tokens_per_s=512 / ms * 1000, mfu=None, mem_bytes=600_000_000)
+                    e = ev.StepEvent(
+                        time=now,
+                        step=step,
+                        tokens=step * 512,
+                        loss=2 + 8 * math.exp(-step / 300),
+                        lr=1e-3,
+                        grad_norm=1.0,
+                        step_ms=ms,
+                        phases_ms={
+                            "data": 2.0,
+                            "forward": ms * 0.3,
+                            "backward": ms * 0.55,
+                            "optimizer": ms * 0.14,
+                            "other": ms * 0.01,
+                        },
+                        tokens_per_s=512 / ms * 1000,
+                        mfu=None,
+                        mem_bytes=600_000_000,
+                    )
                     out.write(ev.dumps(e) + "\n")
                     state.apply(e)
                 # jittered, not in phase with any timer
@@ -327,35 +415,67 @@ def synthetic_child(rate: float, progress_rate: float, run_dir: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--mode", choices=("train", "monitor", "synthetic"), default="train",
-                    help="train: `gptop train` runs the trainer; monitor: `gptop --run-dir` attached to a live "
-                         "trainer; synthetic: the dashboard fed by a thread, no trainer (default: train)")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
+    ap.add_argument(
+        "--mode",
+        choices=("train", "monitor", "synthetic"),
+        default="train",
+        help="train: `gptop train` runs the trainer; monitor: `gptop --run-dir` attached to a live "
+        "trainer; synthetic: the dashboard fed by a thread, no trainer (default: train)",
+    )
     ap.add_argument("--rate", type=float, default=5.0, help="synthetic: step events per second (default: 5)")
-    ap.add_argument("--progress-rate", type=float, default=0.0, metavar="R",
-                    help="synthetic: a run's stream instead, a progress event R times a second (one per step, as a "
-                         "trainer sends them) and a step event every 10th step (default: 0, off)")
+    ap.add_argument(
+        "--progress-rate",
+        type=float,
+        default=0.0,
+        metavar="R",
+        help="synthetic: a run's stream instead, a progress event R times a second (one per step, as a "
+        "trainer sends them) and a step event every 10th step (default: 0, off)",
+    )
     ap.add_argument("--synthetic-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--size", default="160x48", help="terminal COLSxROWS (default: 160x48)")
     ap.add_argument("--seconds", type=float, default=30.0, help="measurement length (default: 30)")
-    ap.add_argument("--warmup", type=float, default=5.0,
-                    help="seconds after the first step is on screen before measuring (default: 5)")
+    ap.add_argument(
+        "--warmup",
+        type=float,
+        default=5.0,
+        help="seconds after the first step is on screen before measuring (default: 5)",
+    )
     ap.add_argument("--log-every", type=int, default=10, help="trainer's --log-every (default: 10, its default)")
     ap.add_argument("--max-steps", type=int, default=100000, help="trainer's --max-steps (default: 100000)")
-    ap.add_argument("--load", type=int, default=0, metavar="N",
-                    help="keep N more processes spinning on the CPU during the measurement, e.g. one per core "
-                         "for a busy machine (default: 0)")
-    ap.add_argument("--compare", choices=("top",), default=None,
-                    help="run this monitor side by side during the same window and report its CPU too")
-    ap.add_argument("--compare-interval", type=float, default=1.0, metavar="S",
-                    help="the compared monitor's refresh period (default: 1 s)")
+    ap.add_argument(
+        "--load",
+        type=int,
+        default=0,
+        metavar="N",
+        help="keep N more processes spinning on the CPU during the measurement, e.g. one per core "
+        "for a busy machine (default: 0)",
+    )
+    ap.add_argument(
+        "--compare",
+        choices=("top",),
+        default=None,
+        help="run this monitor side by side during the same window and report its CPU too",
+    )
+    ap.add_argument(
+        "--compare-interval",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="the compared monitor's refresh period (default: 1 s)",
+    )
     ap.add_argument("--rounds", type=int, default=1, metavar="N", help="measure N times (default: 1)")
-    ap.add_argument("--baseline-tree", default=None, metavar="DIR",
-                    help="also measure gptop imported from DIR (another checkout, e.g. `git worktree add "
-                         "/tmp/gptop-base main`), alternating with this tree for --rounds rounds, and print the "
-                         "medians and the ratio this tree / DIR")
+    ap.add_argument(
+        "--baseline-tree",
+        default=None,
+        metavar="DIR",
+        help="also measure gptop imported from DIR (another checkout, e.g. `git worktree add "
+        "/tmp/gptop-base main`), alternating with this tree for --rounds rounds, and print the "
+        "medians and the ratio this tree / DIR",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object per measurement")
     args, extra = ap.parse_known_args()
     if args.synthetic_child:
@@ -377,8 +497,10 @@ def compare_trees(args: argparse.Namespace, trainer: list[str], base: Path) -> N
     """`--rounds` measurements of each tree, alternating (baseline first), so that both see the same
     machine; one line each, then the medians and the ratio this tree / baseline."""
     if not (base / "gptop" / "ui" / "app.py").exists():
-        raise SystemExit(f"bench: --baseline-tree {base}: no gptop/ui/app.py there; give a checkout of gptop, "
-                         "e.g. `git worktree add /tmp/gptop-base main`")
+        raise SystemExit(
+            f"bench: --baseline-tree {base}: no gptop/ui/app.py there; give a checkout of gptop, "
+            "e.g. `git worktree add /tmp/gptop-base main`"
+        )
     results: dict[str, list[dict]] = {"baseline": [], "this tree": []}
     for i in range(args.rounds):
         for name, tree in (("baseline", base), ("this tree", REPO)):
@@ -388,11 +510,14 @@ def compare_trees(args: argparse.Namespace, trainer: list[str], base: Path) -> N
             if args.json:
                 print(json.dumps(r))
             else:
-                print(f"round {i + 1} {name:9s} ({tree}): {r['gptop_cpu_pct_of_one_core']:.2f}% of one core "
-                      f"(worst second {r['gptop_cpu_pct_per_second_max']}%), "
-                      f"{r['gptop_cpu_ms_per_100_steps']} ms CPU per 100 steps, {r['steps_per_s']} steps/s, "
-                      f"latency p95 {r['latency_ms_p95']} ms, top {r.get('compare_cpu_pct_of_one_core')}%, load "
-                      f"{r['load_avg_1m_during'][0]}-{r['load_avg_1m_during'][1]}", flush=True)
+                print(
+                    f"round {i + 1} {name:9s} ({tree}): {r['gptop_cpu_pct_of_one_core']:.2f}% of one core "
+                    f"(worst second {r['gptop_cpu_pct_per_second_max']}%), "
+                    f"{r['gptop_cpu_ms_per_100_steps']} ms CPU per 100 steps, {r['steps_per_s']} steps/s, "
+                    f"latency p95 {r['latency_ms_p95']} ms, top {r.get('compare_cpu_pct_of_one_core')}%, load "
+                    f"{r['load_avg_1m_during'][0]}-{r['load_avg_1m_during'][1]}",
+                    flush=True,
+                )
 
     def med(name: str, key: str) -> float | None:
         vals = [r[key] for r in results[name] if r.get(key) is not None]
@@ -401,43 +526,57 @@ def compare_trees(args: argparse.Namespace, trainer: list[str], base: Path) -> N
     if args.json:
         return
     print(f"medians over {args.rounds} round(s), {REPO} vs baseline {base}:")
-    for key, label in (("gptop_cpu_pct_of_one_core", "% of one core"),
-                       ("gptop_cpu_ms_per_100_steps", "ms CPU per 100 steps"),
-                       ("latency_ms_p95", "latency p95 ms")):
+    for key, label in (
+        ("gptop_cpu_pct_of_one_core", "% of one core"),
+        ("gptop_cpu_ms_per_100_steps", "ms CPU per 100 steps"),
+        ("latency_ms_p95", "latency p95 ms"),
+    ):
         b, t = med("baseline", key), med("this tree", key)
         ratio = f"{t / b:.2f}" if b and t is not None else "n/a"
-        print(f"  {label:22s} baseline {b if b is None else round(b, 2)}  this tree "
-              f"{t if t is None else round(t, 2)}  ratio {ratio}")
+        print(
+            f"  {label:22s} baseline {b if b is None else round(b, 2)}  this tree "
+            f"{t if t is None else round(t, 2)}  ratio {ratio}"
+        )
 
 
 def report(r: dict) -> None:
     ok_cpu = r["gptop_cpu_pct_of_one_core"] <= 3.0
     ok_lat = r["latency_ms_p95"] is not None and r["latency_ms_p95"] <= 250.0
-    print(f"gptop dashboard cost: mode {r['mode']}, {r['size']}, --log-every {r['log_every']}, "
-          f"{r['seconds']:.0f} s measured, {r['cpu_model']}, {r['machine_cpus']} CPUs, load "
-          f"{r['load_avg_1m_during'][0]}-{r['load_avg_1m_during'][1]}"
-          + (f" (with {r['load_procs']} spinning processes)" if r["load_procs"] else ""))
-    print(f"  CPU of the gptop process: {r['gptop_cpu_pct_of_one_core']:.2f}% of one core "
-          f"(worst second {r['gptop_cpu_pct_per_second_max']}%)  target <= 3%: {'ok' if ok_cpu else 'MISSED'}")
+    print(
+        f"gptop dashboard cost: mode {r['mode']}, {r['size']}, --log-every {r['log_every']}, "
+        f"{r['seconds']:.0f} s measured, {r['cpu_model']}, {r['machine_cpus']} CPUs, load "
+        f"{r['load_avg_1m_during'][0]}-{r['load_avg_1m_during'][1]}"
+        + (f" (with {r['load_procs']} spinning processes)" if r["load_procs"] else "")
+    )
+    print(
+        f"  CPU of the gptop process: {r['gptop_cpu_pct_of_one_core']:.2f}% of one core "
+        f"(worst second {r['gptop_cpu_pct_per_second_max']}%)  target <= 3%: {'ok' if ok_cpu else 'MISSED'}"
+    )
     if r.get("compare"):
         print(f"  side by side, {r['compare']}: {r['compare_cpu_pct_of_one_core']}% of one core")
     if r["latency_samples"]:
-        print(f"  event -> screen: median {r['latency_ms_median']:.0f} ms, p95 {r['latency_ms_p95']:.0f} ms, "
-              f"max {r['latency_ms_max']:.0f} ms over {r['latency_samples']} step events  "
-              f"target <= 250 ms: {'ok' if ok_lat else 'MISSED'}")
+        print(
+            f"  event -> screen: median {r['latency_ms_median']:.0f} ms, p95 {r['latency_ms_p95']:.0f} ms, "
+            f"max {r['latency_ms_max']:.0f} ms over {r['latency_samples']} step events  "
+            f"target <= 250 ms: {'ok' if ok_lat else 'MISSED'}"
+        )
     else:
         print("  event -> screen: no step event during the measurement (raise --seconds or lower --log-every)")
     if r.get("progress_latency_samples"):
-        print(f"  progress event -> screen (the counter between log steps): median "
-              f"{r['progress_latency_ms_median']:.0f} ms, max {r['progress_latency_ms_max']:.0f} ms over "
-              f"{r['progress_latency_samples']} steps shown")
+        print(
+            f"  progress event -> screen (the counter between log steps): median "
+            f"{r['progress_latency_ms_median']:.0f} ms, max {r['progress_latency_ms_max']:.0f} ms over "
+            f"{r['progress_latency_samples']} steps shown"
+        )
     if r["steps_per_s"] is not None:
         print(f"  steps counted on screen: {r['steps_per_s']} a second")
     if r["gptop_cpu_ms_per_100_steps"] is not None:
         print(f"  CPU per 100 steps on screen: {r['gptop_cpu_ms_per_100_steps']} ms")
-    print(f"  gptop RSS {r['gptop_rss_mb']} MB, {r['gptop_threads']} threads, terminal output "
-          f"{r['terminal_kb_per_s']} KB/s" + (f"; trainer {r['trainer_cpu_pct_of_one_core']}% of one core"
-                                              if "trainer_cpu_pct_of_one_core" in r else ""))
+    print(
+        f"  gptop RSS {r['gptop_rss_mb']} MB, {r['gptop_threads']} threads, terminal output "
+        f"{r['terminal_kb_per_s']} KB/s"
+        + (f"; trainer {r['trainer_cpu_pct_of_one_core']}% of one core" if "trainer_cpu_pct_of_one_core" in r else "")
+    )
 
 
 if __name__ == "__main__":

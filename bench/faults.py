@@ -49,10 +49,32 @@ from trainer import checkpoint_files as ckpt  # noqa: E402
 from trainer.contract import rundir  # noqa: E402
 from trainer.contract.events import ErrorEvent, HelloEvent, StepEvent, read_events  # noqa: E402
 
-ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-       "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-TINY = ["--model", "llama", "--size", "tiny", "--seq-len", "64", "--global-batch", "4", "--micro-batch", "4",
-        "--warmup-steps", "2", "--eval-every", "0", "--log-every", "1", "--device", "cpu"]
+ENV = {
+    **os.environ,
+    "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+TINY = [
+    "--model",
+    "llama",
+    "--size",
+    "tiny",
+    "--seq-len",
+    "64",
+    "--global-batch",
+    "4",
+    "--micro-batch",
+    "4",
+    "--warmup-steps",
+    "2",
+    "--eval-every",
+    "0",
+    "--log-every",
+    "1",
+    "--device",
+    "cpu",
+]
 TRAINER = [sys.executable, "-m", "trainer"]
 GPTOP = [sys.executable, "-m", "gptop", "--no-ui"]
 
@@ -70,8 +92,9 @@ def check(ok: bool, what: str) -> bool:
 def start(cmd: list[str], log: Path) -> subprocess.Popen:
     f = open(log, "ab")
     try:
-        return subprocess.Popen(cmd, stdout=f, stderr=f, stdin=subprocess.DEVNULL, env=ENV, cwd=ROOT,
-                                start_new_session=True)
+        return subprocess.Popen(
+            cmd, stdout=f, stderr=f, stdin=subprocess.DEVNULL, env=ENV, cwd=ROOT, start_new_session=True
+        )
     finally:
         f.close()
 
@@ -142,10 +165,15 @@ def same_state(a: dict, b: dict) -> bool:
         elif isinstance(x, (list, tuple)):
             for i, v in enumerate(x):
                 yield from flat(v, f"{prefix}/{i}")
+
     ta, tb = dict(flat(a["model"])), dict(flat(b["model"]))
     oa, ob = dict(flat(a["optimizer"]["state"])), dict(flat(b["optimizer"]["state"]))
-    return ta.keys() == tb.keys() and oa.keys() == ob.keys() and \
-        all(torch.equal(ta[k], tb[k]) for k in ta) and all(torch.equal(oa[k], ob[k]) for k in oa)
+    return (
+        ta.keys() == tb.keys()
+        and oa.keys() == ob.keys()
+        and all(torch.equal(ta[k], tb[k]) for k in ta)
+        and all(torch.equal(oa[k], ob[k]) for k in oa)
+    )
 
 
 def all_checkpoints_load(run_dir: Path) -> tuple[int, list[str]]:
@@ -154,19 +182,21 @@ def all_checkpoints_load(run_dir: Path) -> tuple[int, list[str]]:
     for info in infos:
         try:
             ckpt.load(info.path)
-        except Exception as e:     # noqa: BLE001 - any failure to load is what this counts
+        except Exception as e:  # noqa: BLE001 - any failure to load is what this counts
             bad.append(f"{info.path.name}: {e}")
     return len(infos), bad
 
 
 def all_finite(path: Path) -> bool:
     state = state_of(path)
-    tensors = list(state["model"].values()) + [v for s in state["optimizer"]["state"].values() for v in s.values()
-                                               if isinstance(v, torch.Tensor)]
+    tensors = list(state["model"].values()) + [
+        v for s in state["optimizer"]["state"].values() for v in s.values() if isinstance(v, torch.Tensor)
+    ]
     return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
 
 
 # --------------------------------------------------------------------------- 1. kill -9 and resume
+
 
 def kill_campaign(work: Path, kills: int, rng: random.Random, max_steps: int, every: int) -> None:
     print(f"kill -9 campaign: {kills} kills, {max_steps} steps, a checkpoint every {every}", flush=True)
@@ -187,17 +217,18 @@ def kill_campaign(work: Path, kills: int, rng: random.Random, max_steps: int, ev
     for i, how in enumerate(plan):
         first = not rundir.has_checkpoint(run_dir)
         cmd = [*TRAINER, *args, "--run-dir", str(run_dir)] if first else [*TRAINER, "--resume", str(run_dir)]
-        before, stale = n_steps(run_dir), tmp_names(run_dir)     # a killed writer's leftover is not a write
+        before, stale = n_steps(run_dir), tmp_names(run_dir)  # a killed writer's leftover is not a write
         proc = start(cmd, log)
-        if how == "checkpoint":         # during the k-th checkpoint write of this start (k = 1..3)
+        if how == "checkpoint":  # during the k-th checkpoint write of this start (k = 1..3)
             k, seen = rng.randint(1, 3), set()
 
             def writing() -> bool:
                 now = tmp_names(run_dir) - stale
                 seen.update(now)
                 return len(seen) >= k and bool(now)
+
             hit = wait_for(writing, proc)
-        else:                           # at a random moment: 1..4 steps into this start, plus a part of a step
+        else:  # at a random moment: 1..4 steps into this start, plus a part of a step
             target = before + rng.randint(1, 4)
             hit = wait_for(lambda: n_steps(run_dir) >= target, proc, poll=0.01)
             if hit:
@@ -217,8 +248,11 @@ def kill_campaign(work: Path, kills: int, rng: random.Random, max_steps: int, ev
         check(not bad, f"kill {i + 1}: checkpoints that do not load: {bad}")
         resumes += 0 if first else 1
         segments.append({"kill": i + 1, "how": how, "killed": alive, "exit": code, "checkpoints": n})
-        print(f"  kill {i + 1}/{kills} ({how}): {'killed' if alive else f'exited {code} first'}, "
-              f"{n} checkpoints, newest step {rundir.list_checkpoints(run_dir)[-1].step if n else '-'}", flush=True)
+        print(
+            f"  kill {i + 1}/{kills} ({how}): {'killed' if alive else f'exited {code} first'}, "
+            f"{n} checkpoints, newest step {rundir.list_checkpoints(run_dir)[-1].step if n else '-'}",
+            flush=True,
+        )
     p = run([*TRAINER, "--resume", str(run_dir)])
     resumes += 1
     check(p.returncode == 0, f"final resume exit {p.returncode}: {p.stderr[-500:]}")
@@ -231,14 +265,23 @@ def kill_campaign(work: Path, kills: int, rng: random.Random, max_steps: int, ev
     leftovers = [q.name for q in rundir.checkpoint_dir(run_dir).iterdir() if q.name.endswith(".tmp")]
     check(not leftovers, f"temporary files left after the run: {leftovers}")
     results["kill"] = {
-        "kills": done_kills, "during_checkpoint_write": during_write, "random_moment": done_kills - during_write,
-        "resumes": resumes, "steps_logged": len(logged), "steps_rerun": len(logged) - len({s for s, _ in logged}),
-        "loss_mismatches": len(mismatched), "final_state_exact": exact_weights, "partial_checkpoints": partial,
-        "lock_refused_after_kill": lock_refusals, "tmp_left_at_end": len(leftovers),
-        "seconds": round(time.monotonic() - t0, 1)}
+        "kills": done_kills,
+        "during_checkpoint_write": during_write,
+        "random_moment": done_kills - during_write,
+        "resumes": resumes,
+        "steps_logged": len(logged),
+        "steps_rerun": len(logged) - len({s for s, _ in logged}),
+        "loss_mismatches": len(mismatched),
+        "final_state_exact": exact_weights,
+        "partial_checkpoints": partial,
+        "lock_refused_after_kill": lock_refusals,
+        "tmp_left_at_end": len(leftovers),
+        "seconds": round(time.monotonic() - t0, 1),
+    }
 
 
 # --------------------------------------------------------------------------- 2. disk full / read-only
+
 
 class Tmpfs:
     def __init__(self, where: Path, size: str):
@@ -247,8 +290,9 @@ class Tmpfs:
 
     def __enter__(self) -> Path | None:
         self.path.mkdir(parents=True, exist_ok=True)
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.size}", "tmpfs", str(self.path)],
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={self.size}", "tmpfs", str(self.path)], capture_output=True, text=True
+        )
         self.mounted = r.returncode == 0
         return self.path if self.mounted else None
 
@@ -273,8 +317,22 @@ def disk_checks(work: Path) -> None:
     # b) the disk fills up while events are written, under gptop with --restart-on-failure 3
     with Tmpfs(work / "events", "80m") as fs:
         d = fs / "run"
-        gptop = start([*GPTOP, "train", *TINY, "--max-steps", "400", "--checkpoint-every", "0", "--run-dir", str(d),
-                       "--restart-on-failure", "3"], work / "events-gptop.log")
+        gptop = start(
+            [
+                *GPTOP,
+                "train",
+                *TINY,
+                "--max-steps",
+                "400",
+                "--checkpoint-every",
+                "0",
+                "--run-dir",
+                str(d),
+                "--restart-on-failure",
+                "3",
+            ],
+            work / "events-gptop.log",
+        )
         ok = wait_for(lambda: n_steps(d) >= 2, gptop, poll=0.05)
         filler = fs / "filler"
         if ok:
@@ -283,22 +341,31 @@ def disk_checks(work: Path) -> None:
         text = (work / "events-gptop.log").read_text(errors="replace")
         starts = n_starts(events(d))
         said = next((line for line in reversed(text.splitlines()) if line.startswith("gptop: ")), "")
-        out["events_full"] = {"exit": code, "starts": starts, "gptop_says": said[:240],
-                              "disk_error_named": "No space left on device" in said}
-        check(code == 1 and starts == 1 and "No space left on device" in said,
-              f"a full disk under events: gptop exit {code}, {starts} starts, said {said!r}; log: {text[-1500:]}")
+        out["events_full"] = {
+            "exit": code,
+            "starts": starts,
+            "gptop_says": said[:240],
+            "disk_error_named": "No space left on device" in said,
+        }
+        check(
+            code == 1 and starts == 1 and "No space left on device" in said,
+            f"a full disk under events: gptop exit {code}, {starts} starts, said {said!r}; log: {text[-1500:]}",
+        )
         print(f"  {out['events_full']}", flush=True)
     # c) the checkpoint directory turns read-only mid-run (a read-only bind mount over it, between two saves:
     # a filesystem with files open for writing cannot be remounted read-only as a whole)
     d = work / "ro" / "run"
     ckdir = rundir.checkpoint_dir(d)
-    proc = start([*TRAINER, *TINY, "--max-steps", "400", "--checkpoint-every", "3", "--run-dir", str(d)],
-                 work / "ro.log")
+    proc = start(
+        [*TRAINER, *TINY, "--max-steps", "400", "--checkpoint-every", "3", "--run-dir", str(d)], work / "ro.log"
+    )
     mounted = False
     if wait_for(lambda: rundir.has_checkpoint(d) and not tmp_in_checkpoints(d), proc, poll=0.01):
         mounted = subprocess.run(["mount", "--bind", str(ckdir), str(ckdir)], capture_output=True).returncode == 0
-        ro = mounted and subprocess.run(["mount", "-o", "remount,bind,ro", str(ckdir)],
-                                        capture_output=True).returncode == 0
+        ro = (
+            mounted
+            and subprocess.run(["mount", "-o", "remount,bind,ro", str(ckdir)], capture_output=True).returncode == 0
+        )
         if not ro:
             os.kill(proc.pid, signal.SIGTERM)
     try:
@@ -306,84 +373,146 @@ def disk_checks(work: Path) -> None:
     finally:
         if mounted:
             subprocess.run(["umount", "-l", str(ckdir)], capture_output=True)
-    said = next((line for line in (work / "ro.log").read_text(errors="replace").splitlines()
-                 if "error (disk)" in line), "")
+    said = next(
+        (line for line in (work / "ro.log").read_text(errors="replace").splitlines() if "error (disk)" in line), ""
+    )
     n, bad = all_checkpoints_load(d)
-    out["read_only"] = {"exit": code, "stderr_says": said[:240], "checkpoints": n, "corrupt": len(bad),
-                        "tmp_left": tmp_in_checkpoints(d)}
-    check(code == 8 and "Read-only file system" in said and n >= 1 and not bad and not tmp_in_checkpoints(d),
-          f"read-only mid-run: exit {code}, {said!r}, {n} checkpoints, {bad}")
+    out["read_only"] = {
+        "exit": code,
+        "stderr_says": said[:240],
+        "checkpoints": n,
+        "corrupt": len(bad),
+        "tmp_left": tmp_in_checkpoints(d),
+    }
+    check(
+        code == 8 and "Read-only file system" in said and n >= 1 and not bad and not tmp_in_checkpoints(d),
+        f"read-only mid-run: exit {code}, {said!r}, {n} checkpoints, {bad}",
+    )
     results["disk"] = out
 
 
 def _disk_figures(code: int, err: ErrorEvent | None, d: Path, expect: str) -> dict:
     n, bad = all_checkpoints_load(d)
     tmp = [q.name for q in d.rglob("*.tmp")]
-    fig = {"exit": code, "kind": err.kind if err else None, "os_error": err.os_error if err else None,
-           "path": err.path if err else None, "free_bytes": err.free_bytes if err else None,
-           "checkpoints_intact": n - len(bad), "tmp_left": len(tmp), "message": err.message if err else None}
-    check(code == 8 and err is not None and err.kind == "disk" and err.os_error == expect and n >= 1 and not bad
-          and not tmp, f"disk full: {fig}")
+    fig = {
+        "exit": code,
+        "kind": err.kind if err else None,
+        "os_error": err.os_error if err else None,
+        "path": err.path if err else None,
+        "free_bytes": err.free_bytes if err else None,
+        "checkpoints_intact": n - len(bad),
+        "tmp_left": len(tmp),
+        "message": err.message if err else None,
+    }
+    check(
+        code == 8
+        and err is not None
+        and err.kind == "disk"
+        and err.os_error == expect
+        and n >= 1
+        and not bad
+        and not tmp,
+        f"disk full: {fig}",
+    )
     print(f"  {fig}", flush=True)
     return fig
 
 
 # --------------------------------------------------------------------------- 3. NaN cases
 
+
 def nan_checks(work: Path) -> None:
     print("NaN cases", flush=True)
     out = {}
-    for name, extra in (("lr_1e4", ["--lr", "1e4", "--warmup-steps", "0", "--checkpoint-every", "1"]),
-                        ("lr_inf", ["--lr", "inf"])):
+    for name, extra in (
+        ("lr_1e4", ["--lr", "1e4", "--warmup-steps", "0", "--checkpoint-every", "1"]),
+        ("lr_inf", ["--lr", "inf"]),
+    ):
         d = work / f"nan-{name}"
         base = [a for a in TINY if a not in ()]
         i = base.index("--warmup-steps")
-        base = base[:i] + base[i + 2:]
+        base = base[:i] + base[i + 2 :]
         p = run([*GPTOP, "train", *base, "--max-steps", "30", *extra, "--run-dir", str(d)])
         infos = rundir.list_checkpoints(d) if d.exists() else []
         finite = [all_finite(c.path) for c in infos]
         err = (errors(events(d)) or [None])[-1] if d.exists() else None
-        rollbacks = sum(1 for e in events(d) if e.type == "warning" and getattr(e, "kind", None) == "nan_rollback") \
-            if d.exists() else 0
-        outcome = "refused (exit 2)" if p.returncode == 2 else "recovered" if p.returncode == 0 else \
-            f"stopped: {err.kind}" if err else f"exit {p.returncode}"
-        out[name] = {"exit": p.returncode, "outcome": outcome, "checkpoints": len(infos),
-                     "all_finite": all(finite), "rollbacks": rollbacks,
-                     "said": (p.stderr.strip().splitlines() or [""])[-1][:200]}
-        check(all(finite) and (p.returncode in (0, 2) or (err is not None and err.kind == "nan")),
-              f"NaN case {name}: {out[name]}")
+        rollbacks = (
+            sum(1 for e in events(d) if e.type == "warning" and getattr(e, "kind", None) == "nan_rollback")
+            if d.exists()
+            else 0
+        )
+        outcome = (
+            "refused (exit 2)"
+            if p.returncode == 2
+            else "recovered"
+            if p.returncode == 0
+            else f"stopped: {err.kind}"
+            if err
+            else f"exit {p.returncode}"
+        )
+        out[name] = {
+            "exit": p.returncode,
+            "outcome": outcome,
+            "checkpoints": len(infos),
+            "all_finite": all(finite),
+            "rollbacks": rollbacks,
+            "said": (p.stderr.strip().splitlines() or [""])[-1][:200],
+        }
+        check(
+            all(finite) and (p.returncode in (0, 2) or (err is not None and err.kind == "nan")),
+            f"NaN case {name}: {out[name]}",
+        )
         print(f"  {name}: {out[name]}", flush=True)
     results["nan"] = out
 
 
 # --------------------------------------------------------------------------- 4. two writers
 
+
 def two_writers(work: Path) -> None:
     print("two writers on one run directory", flush=True)
     d = work / "shared"
-    first = start([*GPTOP, "train", *TINY, "--max-steps", "12", "--checkpoint-every", "4", "--run-dir", str(d)],
-                  work / "first.log")
+    first = start(
+        [*GPTOP, "train", *TINY, "--max-steps", "12", "--checkpoint-every", "4", "--run-dir", str(d)],
+        work / "first.log",
+    )
     wait_for(lambda: n_steps(d) >= 1, first, poll=0.05)
     second = []
-    for cmd in ([*GPTOP, "train", *TINY, "--max-steps", "12", "--run-dir", str(d)],
-                [*TRAINER, *TINY, "--max-steps", "12", "--run-dir", str(d)]):
+    for cmd in (
+        [*GPTOP, "train", *TINY, "--max-steps", "12", "--run-dir", str(d)],
+        [*TRAINER, *TINY, "--max-steps", "12", "--run-dir", str(d)],
+    ):
         t = time.monotonic()
         p = run(cmd)
-        second.append({"exit": p.returncode, "seconds": round(time.monotonic() - t, 2),
-                       "said": p.stderr.strip().splitlines()[-1][:240] if p.stderr.strip() else ""})
+        second.append(
+            {
+                "exit": p.returncode,
+                "seconds": round(time.monotonic() - t, 2),
+                "said": p.stderr.strip().splitlines()[-1][:240] if p.stderr.strip() else "",
+            }
+        )
     code = first.wait(600)
     evs = events(d)
     steps = [e.step for e in evs if isinstance(e, StepEvent)]
-    ok = code == 0 and all(s["exit"] == 2 and f"pid {first.pid} on host {socket.gethostname()}" in s["said"]
-                           for s in second) and n_starts(evs) == 1 and steps == list(range(1, 13))
+    ok = (
+        code == 0
+        and all(s["exit"] == 2 and f"pid {first.pid} on host {socket.gethostname()}" in s["said"] for s in second)
+        and n_starts(evs) == 1
+        and steps == list(range(1, 13))
+    )
     check(ok, f"two writers: first exit {code}, refused {second}, steps {steps}")
-    results["two_writers"] = {"first_exit": code, "refused": second, "hello_events": n_starts(evs),
-                              "steps_in_order": steps == list(range(1, 13))}
+    results["two_writers"] = {
+        "first_exit": code,
+        "refused": second,
+        "hello_events": n_starts(evs),
+        "steps_in_order": steps == list(range(1, 13)),
+    }
     for s in second:
         print(f"  refused: exit {s['exit']} in {s['seconds']} s: {s['said']}", flush=True)
 
 
 # --------------------------------------------------------------------------- 5. export --force and run reuse
+
 
 def tree(d: Path) -> dict[str, int]:
     """Every file under `d` with its size (what must not change)."""
@@ -401,8 +530,9 @@ def export_checks(work: Path) -> None:
     p = run([*TRAINER, *TINY, "--max-steps", "4", "--checkpoint-every", "2", "--run-dir", str(base)])
     if not check(p.returncode == 0, f"base run exit {p.returncode}: {p.stderr[-500:]}"):
         return
-    trainer = start([*TRAINER, *TINY, "--max-steps", "100000", "--checkpoint-every", "5", "--run-dir", str(live)],
-                    work / "live.log")
+    trainer = start(
+        [*TRAINER, *TINY, "--max-steps", "100000", "--checkpoint-every", "5", "--run-dir", str(live)], work / "live.log"
+    )
     if not check(wait_for(lambda: rundir.has_checkpoint(live), trainer, poll=0.05), "the live run checkpoints"):
         trainer.kill()
         return
@@ -412,22 +542,43 @@ def export_checks(work: Path) -> None:
     mine = work / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("not an export")
-    cases = {"live run": str(live), "finished run's checkpoints/": str(base / "checkpoints"),
-             "a checkpoint's folder inside": str(base / "checkpoints" / "new"), "folder holding runs": str(runs) + "/",
-             "the current directory": ".", "symlink to the live run": str(work / "links" / "live"),
-             "a directory export did not write": str(mine), "finished run via ..": str(runs / "live" / ".." / "base")}
+    cases = {
+        "live run": str(live),
+        "finished run's checkpoints/": str(base / "checkpoints"),
+        "a checkpoint's folder inside": str(base / "checkpoints" / "new"),
+        "folder holding runs": str(runs) + "/",
+        "the current directory": ".",
+        "symlink to the live run": str(work / "links" / "live"),
+        "a directory export did not write": str(mine),
+        "finished run via ..": str(runs / "live" / ".." / "base"),
+    }
     refused = {}
     for name, out in cases.items():
         before = {d: tree(d) for d in (base, mine)}
         t = time.monotonic()
-        r = subprocess.run([*GPTOP, "export", str(base), out, "--force"], capture_output=True, text=True, env=ENV,
-                           cwd=work / "D" if out == "." else ROOT, timeout=300)
+        r = subprocess.run(
+            [*GPTOP, "export", str(base), out, "--force"],
+            capture_output=True,
+            text=True,
+            env=ENV,
+            cwd=work / "D" if out == "." else ROOT,
+            timeout=300,
+        )
         said = (r.stderr.strip().splitlines() or [""])[-1]
-        intact = all(tree(d) == v for d, v in before.items()) and trainer.poll() is None and (live / "config.toml").is_file()
-        refused[name] = {"exit": r.returncode, "seconds": round(time.monotonic() - t, 2), "said": said[:200],
-                         "loaded_nothing": "loading" not in r.stderr, "intact": intact}
-        check(r.returncode == 2 and "OUT_DIR" in said and "loading" not in r.stderr and intact,
-              f"export --force into {name}: {refused[name]}")
+        intact = (
+            all(tree(d) == v for d, v in before.items()) and trainer.poll() is None and (live / "config.toml").is_file()
+        )
+        refused[name] = {
+            "exit": r.returncode,
+            "seconds": round(time.monotonic() - t, 2),
+            "said": said[:200],
+            "loaded_nothing": "loading" not in r.stderr,
+            "intact": intact,
+        }
+        check(
+            r.returncode == 2 and "OUT_DIR" in said and "loading" not in r.stderr and intact,
+            f"export --force into {name}: {refused[name]}",
+        )
         print(f"  {name}: exit {r.returncode} in {refused[name]['seconds']} s: {said[:150]}", flush=True)
     os.kill(trainer.pid, signal.SIGTERM)
     live_exit = trainer.wait(300)
@@ -437,10 +588,19 @@ def export_checks(work: Path) -> None:
     out = work / "exports" / "base"
     first = run([*GPTOP, "export", str(base), str(out)])
     again = run([*GPTOP, "export", str(base), str(out), "--force"])
-    check(first.returncode == 0 and again.returncode == 0, f"export and replace: {first.stderr[-300:]} {again.stderr[-300:]}")
+    check(
+        first.returncode == 0 and again.returncode == 0,
+        f"export and replace: {first.stderr[-300:]} {again.stderr[-300:]}",
+    )
     before = tree(out)
-    proc = subprocess.Popen([*GPTOP, "export", str(base), str(out), "--force"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+    proc = subprocess.Popen(
+        [*GPTOP, "export", str(base), str(out), "--force"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        cwd=ROOT,
+    )
     hit = wait_for(lambda: list(out.parent.glob(".base.export-*")), proc, poll=0.01)
     if hit:
         import psutil
@@ -451,11 +611,25 @@ def export_checks(work: Path) -> None:
     said = (err.strip().splitlines() or [""])[-1]
     debris = [q.name for q in out.parent.glob(".base.*")]
     after = run([*GPTOP, "export", str(base), str(out), "--force"])
-    killed = {"exit": proc.returncode, "said": said[:200], "previous_export_intact": tree(out) == before if hit else None,
-              "debris_after_kill": len(debris), "next_export_exit": after.returncode,
-              "debris_after_next": len(list(out.parent.glob(".base.*")))}
-    check(not hit or (proc.returncode == 1 and "killed by signal 9" in said and killed["previous_export_intact"]
-                      and after.returncode == 0 and killed["debris_after_next"] == 0), f"killed export: {killed}")
+    killed = {
+        "exit": proc.returncode,
+        "said": said[:200],
+        "previous_export_intact": tree(out) == before if hit else None,
+        "debris_after_kill": len(debris),
+        "next_export_exit": after.returncode,
+        "debris_after_next": len(list(out.parent.glob(".base.*"))),
+    }
+    check(
+        not hit
+        or (
+            proc.returncode == 1
+            and "killed by signal 9" in said
+            and killed["previous_export_intact"]
+            and after.returncode == 0
+            and killed["debris_after_next"] == 0
+        ),
+        f"killed export: {killed}",
+    )
     print(f"  kill -9 of the export worker: {killed}", flush=True)
     # a new run in a copy of a run directory
     import shutil
@@ -468,11 +642,18 @@ def export_checks(work: Path) -> None:
     reused = {"exit": r.returncode, "said": said[:200], "intact": tree(reuse) == before}
     check(r.returncode == 2 and "holds another run" in said and reused["intact"], f"reused run directory: {reused}")
     print(f"  new run in a copied run directory: {reused}", flush=True)
-    results["export"] = {"refused": refused, "live_run_exit": live_exit, "live_run_ok": live_ok,
-                         "replace_earlier_export": again.returncode, "killed_worker": killed, "reused_run_dir": reused}
+    results["export"] = {
+        "refused": refused,
+        "live_run_exit": live_exit,
+        "live_run_ok": live_ok,
+        "replace_earlier_export": again.returncode,
+        "killed_worker": killed,
+        "reused_run_dir": reused,
+    }
 
 
 # --------------------------------------------------------------------------- main
+
 
 def machine() -> str:
     from trainer.contract.device import cpu_name
@@ -491,8 +672,11 @@ def main() -> int:
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object at the end")
     ns = ap.parse_args()
     only = set(ns.only or ("kill", "disk", "nan", "writers", "export"))
-    print(f"bench/faults.py, {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {machine()}, "
-          f"torch {torch.__version__}, seed {ns.seed}", flush=True)
+    print(
+        f"bench/faults.py, {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {machine()}, "
+        f"torch {torch.__version__}, seed {ns.seed}",
+        flush=True,
+    )
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gptop-faults-") as tmp:
         work = Path(tmp)
@@ -511,30 +695,38 @@ def main() -> int:
     k = results.get("kill")
     print("\nsummary")
     if k:
-        print(f"  kill -9: {k['kills']} kills ({k['during_checkpoint_write']} during a checkpoint write, "
-              f"{k['random_moment']} at random moments), {k['resumes']} resumes: {k['steps_logged']} step losses "
-              f"({k['steps_rerun']} re-run after a resume), {k['loss_mismatches']} differ from the reference; final "
-              f"weights and optimizer state {'equal' if k['final_state_exact'] else 'DIFFER'}; "
-              f"{k['partial_checkpoints']} partial checkpoints; {k['lock_refused_after_kill']} stale-lock refusals")
+        print(
+            f"  kill -9: {k['kills']} kills ({k['during_checkpoint_write']} during a checkpoint write, "
+            f"{k['random_moment']} at random moments), {k['resumes']} resumes: {k['steps_logged']} step losses "
+            f"({k['steps_rerun']} re-run after a resume), {k['loss_mismatches']} differ from the reference; final "
+            f"weights and optimizer state {'equal' if k['final_state_exact'] else 'DIFFER'}; "
+            f"{k['partial_checkpoints']} partial checkpoints; {k['lock_refused_after_kill']} stale-lock refusals"
+        )
     for key, fig in (results.get("disk") or {}).items():
         print(f"  disk {key}: {fig}")
     for key, fig in (results.get("nan") or {}).items():
-        print(f"  nan {key}: {fig['outcome']}, {fig['checkpoints']} checkpoints, all finite: {fig['all_finite']}, "
-              f"{fig['rollbacks']} rollbacks")
+        print(
+            f"  nan {key}: {fig['outcome']}, {fig['checkpoints']} checkpoints, all finite: {fig['all_finite']}, "
+            f"{fig['rollbacks']} rollbacks"
+        )
     w = results.get("two_writers")
     if w:
-        print(f"  two writers: the first ran to exit {w['first_exit']} alone ({w['hello_events']} start, steps in "
-              f"order: {w['steps_in_order']}); the others exited {[s['exit'] for s in w['refused']]} in "
-              f"{[s['seconds'] for s in w['refused']]} s")
+        print(
+            f"  two writers: the first ran to exit {w['first_exit']} alone ({w['hello_events']} start, steps in "
+            f"order: {w['steps_in_order']}); the others exited {[s['exit'] for s in w['refused']]} in "
+            f"{[s['seconds'] for s in w['refused']]} s"
+        )
     x = results.get("export")
     if x:
         r = x["refused"]
-        print(f"  export --force: {sum(v['exit'] == 2 and v['intact'] for v in r.values())}/{len(r)} protected paths "
-              f"refused with exit 2 and nothing changed, in {min(v['seconds'] for v in r.values())}-"
-              f"{max(v['seconds'] for v in r.values())} s, none loading anything: "
-              f"{all(v['loaded_nothing'] for v in r.values())}; the live run exited {x['live_run_exit']}; an earlier "
-              f"export replaced: exit {x['replace_earlier_export']}; killed worker: {x['killed_worker']}; reused run "
-              f"directory: exit {x['reused_run_dir']['exit']}")
+        print(
+            f"  export --force: {sum(v['exit'] == 2 and v['intact'] for v in r.values())}/{len(r)} protected paths "
+            f"refused with exit 2 and nothing changed, in {min(v['seconds'] for v in r.values())}-"
+            f"{max(v['seconds'] for v in r.values())} s, none loading anything: "
+            f"{all(v['loaded_nothing'] for v in r.values())}; the live run exited {x['live_run_exit']}; an earlier "
+            f"export replaced: exit {x['replace_earlier_export']}; killed worker: {x['killed_worker']}; reused run "
+            f"directory: exit {x['reused_run_dir']['exit']}"
+        )
     print(f"  {len(failures)} failed checks, {results['seconds']} s")
     if ns.json:
         print(json.dumps(results, default=str))

@@ -53,33 +53,76 @@ def make_model(out: Path, hidden: int, layers: int) -> int:
     from trainer.models import build_model, pad_vocab
 
     tok = tokenizer_info(DataConfig(), log=lambda s: None)
-    cfg = LlamaConfig(vocab_size=pad_vocab(tok.vocab_size), hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-                      num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64,
-                      max_position_embeddings=2048, use_cache=False, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=pad_vocab(tok.vocab_size),
+        hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 64,
+        max_position_embeddings=2048,
+        use_cache=False,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(out)
-    tiny = build_model(ModelConfig(model="llama", size="tiny"), vocab_size=tok.vocab_size, seq_len=64,
-                       toggles=Toggles(), dev=DeviceInfo(type="cpu", name="cpu"))
+    tiny = build_model(
+        ModelConfig(model="llama", size="tiny"),
+        vocab_size=tok.vocab_size,
+        seq_len=64,
+        toggles=Toggles(),
+        dev=DeviceInfo(type="cpu", name="cpu"),
+    )
     hf_tokenizer(tok, tiny, 2048).save_pretrained(out)
     return sum(p.numel() for p in model.parameters())
 
 
 def run(model: Path, extra: list[str], args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as d:
-        argv = [sys.executable, "-m", "trainer", "--model", str(model), "--run-dir", d, "--max-steps",
-                str(args.steps), "--log-every", "1", "--eval-every", "0", "--checkpoint-every", "0",
-                "--seq-len", str(args.seq_len), "--global-batch", str(args.batch), "--micro-batch", str(args.batch),
-                "--warmup-steps", "2", "--lr", "1e-4", "--device", args.device, *extra]
+        argv = [
+            sys.executable,
+            "-m",
+            "trainer",
+            "--model",
+            str(model),
+            "--run-dir",
+            d,
+            "--max-steps",
+            str(args.steps),
+            "--log-every",
+            "1",
+            "--eval-every",
+            "0",
+            "--checkpoint-every",
+            "0",
+            "--seq-len",
+            str(args.seq_len),
+            "--global-batch",
+            str(args.batch),
+            "--micro-batch",
+            str(args.batch),
+            "--warmup-steps",
+            "2",
+            "--lr",
+            "1e-4",
+            "--device",
+            args.device,
+            *extra,
+        ]
         r = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if r.returncode != 0:
             return {"error": r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}"}
         events = [json.loads(line) for line in (Path(d) / "events.jsonl").read_text().splitlines()]
     hello = next(e for e in events if e["type"] == "hello")
     steps = [e for e in events if e["type"] == "step"]
-    return {"peak": max(e["mem_bytes"] for e in steps), "optim": steps[-1].get("optim_state_bytes"),
-            "tps": statistics.median(e["tokens_per_s"] for e in steps[2:]),
-            "trainable": hello["model"]["trainable_params"], "loss": steps[-1]["loss"]}
+    return {
+        "peak": max(e["mem_bytes"] for e in steps),
+        "optim": steps[-1].get("optim_state_bytes"),
+        "tps": statistics.median(e["tokens_per_s"] for e in steps[2:]),
+        "trainable": hello["model"]["trainable_params"],
+        "loss": steps[-1]["loss"],
+    }
 
 
 def main() -> None:
@@ -95,8 +138,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         model = Path(d) / "model"
         n = make_model(model, args.hidden, args.layers)
-        print(f"model: llama {args.hidden} x {args.layers} layers, {n / 1e6:.1f}M params; seq {args.seq_len}, "
-              f"batch {args.batch}, {args.steps} steps, {args.device}", flush=True)
+        print(
+            f"model: llama {args.hidden} x {args.layers} layers, {n / 1e6:.1f}M params; seq {args.seq_len}, "
+            f"batch {args.batch}, {args.steps} steps, {args.device}",
+            flush=True,
+        )
         rounds: dict[str, list[dict]] = {name: [] for name, _ in CONFIGS}
         for i in range(args.rounds):
             for name, extra in CONFIGS:
@@ -108,16 +154,20 @@ def main() -> None:
         results[name] = {k: statistics.median(r[k] for r in ok) for k in ok[0]} if ok else rs[0]
     base = results[CONFIGS[0][0]]
     mib = 1 << 20
-    print("\n| configuration | trainable params | peak memory | x full | optimizer state | x full | tokens/s | x full |")
+    print(
+        "\n| configuration | trainable params | peak memory | x full | optimizer state | x full | tokens/s | x full |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, _ in CONFIGS:
         r = results[name]
         if "error" in r:
             print(f"| {name} | failed: {r['error']} |||||||")
             continue
-        print(f"| {name} | {r['trainable'] / 1e6:.2f}M | {r['peak'] / mib:.0f} MiB | {r['peak'] / base['peak']:.2f} "
-              f"| {r['optim'] / mib:.1f} MiB | {r['optim'] / base['optim']:.3f} | {r['tps']:.0f} "
-              f"| {r['tps'] / base['tps']:.2f} |")
+        print(
+            f"| {name} | {r['trainable'] / 1e6:.2f}M | {r['peak'] / mib:.0f} MiB | {r['peak'] / base['peak']:.2f} "
+            f"| {r['optim'] / mib:.1f} MiB | {r['optim'] / base['optim']:.3f} | {r['tps']:.0f} "
+            f"| {r['tps'] / base['tps']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -49,8 +49,9 @@ def headless(cwd: Path, extra: list[str], full: bool = False, timeout: float = 3
     """Spawn the headless command; the times of its first lines (and the end with `full`)."""
     argv = [sys.executable, "-m", "gptop", "--no-ui", *README, *extra]
     t0 = time.perf_counter()
-    p = subprocess.Popen(argv, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                         text=True, start_new_session=True)
+    p = subprocess.Popen(
+        argv, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True
+    )
     assert p.stdout is not None
     out: dict[str, float | None] = {"starting": None, "startup": None, "first step line": None, "done": None}
     step_ms: list[float] = []
@@ -71,7 +72,7 @@ def headless(cwd: Path, extra: list[str], full: bool = False, timeout: float = 3
                     break
             if now > timeout:
                 break
-        if full and p.wait() == 0:            # the stream ended: the process is exiting
+        if full and p.wait() == 0:  # the stream ended: the process is exiting
             out["done"] = time.perf_counter() - t0
     finally:
         if p.poll() is None:
@@ -103,7 +104,7 @@ def progress_cost(n: int = 20000) -> float:
         t = threading.Thread(target=read, daemon=True)
         t.start()
         ch = Channel(None, f"unix:{path}")
-        for i in range(200):                   # warm-up
+        for i in range(200):  # warm-up
             ch.emit_live("progress", step=i, tokens=i * 4096, step_ms=500.0)
         t0 = time.perf_counter()
         for i in range(n):
@@ -134,7 +135,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         warm = Path(tmp) / "warm"
         warm.mkdir()
-        headless(warm, extra)                  # the caches: tokenizer, tokens, CPU peak
+        headless(warm, extra)  # the caches: tokenizer, tokens, CPU peak
         for i in range(args.repeats):
             cwd = Path(tmp) / f"h{i}"
             cwd.mkdir()
@@ -146,9 +147,13 @@ def main() -> int:
                 cwd.mkdir()
                 argv = [sys.executable, "-m", "gptop", *README, *extra]
                 results.setdefault("tui step 1/200 on screen", []).append(
-                    time_first_frame(argv, ROOT, cwd, marker=b"step 1/200", timeout=300.0))
-            print(f"round {i + 1}/{args.repeats} done ({machine()}): "
-                  f"{ {k: round(v[-1], 2) for k, v in results.items()} }", file=sys.stderr)
+                    time_first_frame(argv, ROOT, cwd, marker=b"step 1/200", timeout=300.0)
+                )
+            print(
+                f"round {i + 1}/{args.repeats} done ({machine()}): "
+                f"{ {k: round(v[-1], 2) for k, v in results.items()} }",
+                file=sys.stderr,
+            )
         if args.full:
             cwd = Path(tmp) / "full"
             cwd.mkdir()

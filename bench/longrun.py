@@ -39,15 +39,44 @@ sys.path.insert(0, str(ROOT))
 
 # --- building a long run directory ----------------------------------------------------------------------------------
 
+
 def make_template(where: Path) -> Path:
     """A real tiny run (12 steps, --log-every 1) to clone lines from."""
     run = where / "template"
     if (run / "events.jsonl").is_file():
         return run
-    subprocess.run([sys.executable, "-m", "gptop", "--no-ui", "train", "--model", "llama", "--size", "tiny",
-                    "--seq-len", "64", "--global-batch", "4", "--max-steps", "12", "--log-every", "1",
-                    "--eval-every", "0", "--checkpoint-every", "0", "--device", "cpu", "--run-dir", str(run)],
-                   check=True, stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gptop",
+            "--no-ui",
+            "train",
+            "--model",
+            "llama",
+            "--size",
+            "tiny",
+            "--seq-len",
+            "64",
+            "--global-batch",
+            "4",
+            "--max-steps",
+            "12",
+            "--log-every",
+            "1",
+            "--eval-every",
+            "0",
+            "--checkpoint-every",
+            "0",
+            "--device",
+            "cpu",
+            "--run-dir",
+            str(run),
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     return run
 
 
@@ -96,8 +125,15 @@ def write_run(run: Path, n: int, tpl: dict, step_s: float = 0.1) -> tuple[int, i
                 buf_e, buf_d = [], []
         ev.write("".join(buf_e))
         dv.write("".join(buf_d))
-        done = {"v": 1, "type": "done", "time": t0 + 3 + n * step_s, "rank": 0, "step": n, "tokens": n * per,
-                "reason": "max_steps"}
+        done = {
+            "v": 1,
+            "type": "done",
+            "time": t0 + 3 + n * step_s,
+            "rank": 0,
+            "step": n,
+            "tokens": n * per,
+            "reason": "max_steps",
+        }
         ev.write(json.dumps(done) + "\n")
     return (run / "events.jsonl").stat().st_size, (run / "device.jsonl").stat().st_size
 
@@ -146,18 +182,31 @@ def bench_report(args: argparse.Namespace) -> list[dict]:
             rep = measure_child(env_py + ["report", str(run)])
             mon = measure_child(env_py + ["--no-ui", "--run-dir", str(run)])
             att = measure_child([sys.executable, "-c", ATTACH, str(run)])
-            row = {"steps": n, "events_mb": size_e / 1e6, "device_mb": size_d / 1e6, "built_s": built,
-                   "report_s": rep[0], "report_rss_mb": rep[1] / 1e6, "report_exit": rep[2],
-                   "replay_s": mon[0], "replay_rss_mb": mon[1] / 1e6, "replay_exit": mon[2],
-                   "attach_s": att[0], "attach_rss_mb": att[1] / 1e6,
-                   "report_s_per_m": rep[0] / n * 1e6, "load": os.getloadavg()[0]}
+            row = {
+                "steps": n,
+                "events_mb": size_e / 1e6,
+                "device_mb": size_d / 1e6,
+                "built_s": built,
+                "report_s": rep[0],
+                "report_rss_mb": rep[1] / 1e6,
+                "report_exit": rep[2],
+                "replay_s": mon[0],
+                "replay_rss_mb": mon[1] / 1e6,
+                "replay_exit": mon[2],
+                "attach_s": att[0],
+                "attach_rss_mb": att[1] / 1e6,
+                "report_s_per_m": rep[0] / n * 1e6,
+                "load": os.getloadavg()[0],
+            }
             rows.append(row)
             if not args.json:
-                print(f"{n:>9,} steps | events.jsonl {row['events_mb']:7.1f} MB, device.jsonl {row['device_mb']:7.1f} MB"
-                      f" | report {rep[0]:6.2f} s {row['report_rss_mb']:6.0f} MB"
-                      f" | replay {mon[0]:6.2f} s {row['replay_rss_mb']:6.0f} MB"
-                      f" | attach {att[0]:5.2f} s {row['attach_rss_mb']:4.0f} MB | load {row['load']:.1f}",
-                      flush=True)
+                print(
+                    f"{n:>9,} steps | events.jsonl {row['events_mb']:7.1f} MB, device.jsonl {row['device_mb']:7.1f} MB"
+                    f" | report {rep[0]:6.2f} s {row['report_rss_mb']:6.0f} MB"
+                    f" | replay {mon[0]:6.2f} s {row['replay_rss_mb']:6.0f} MB"
+                    f" | attach {att[0]:5.2f} s {row['attach_rss_mb']:4.0f} MB | load {row['load']:.1f}",
+                    flush=True,
+                )
             import shutil
 
             shutil.rmtree(run)
@@ -165,6 +214,7 @@ def bench_report(args: argparse.Namespace) -> list[dict]:
 
 
 # --- the live session -------------------------------------------------------------------------------------------------
+
 
 def rss() -> int:
     import psutil
@@ -179,8 +229,16 @@ def live_run(days: float, steps_per_s: float, log_every: int, json_out: bool) ->
     from gptop.metrics import RunCollector
     from gptop.state import RunState
     from trainer.contract.device import DeviceInfo
-    from trainer.contract.events import (CheckpointEvent, CpuReading, DeviceEvent, GpuReading, HelloEvent, ModelInfo,
-                                         ProgressEvent, StepEvent)
+    from trainer.contract.events import (
+        CheckpointEvent,
+        CpuReading,
+        DeviceEvent,
+        GpuReading,
+        HelloEvent,
+        ModelInfo,
+        ProgressEvent,
+        StepEvent,
+    )
 
     clock = [1_800_000_000.0]
     state = RunState(run_name="live", clock=lambda: clock[0])
@@ -198,11 +256,27 @@ def live_run(days: float, steps_per_s: float, log_every: int, json_out: bool) ->
             view.on_event(a)
 
     total_steps = int(days * 86400 * steps_per_s)
-    feed(HelloEvent(time=clock[0], early=True, config={"optim": {"max_steps": total_steps}, "log": {"log_every": log_every}},
-                    device=DeviceInfo(type="cuda", name="H100"), model=ModelInfo(family="llama", size="small")))
-    feed(HelloEvent(time=clock[0], config={"optim": {"max_steps": total_steps}, "log": {"log_every": log_every},
-                                          "checkpoint": {"checkpoint_every": 5000}},
-                    device=DeviceInfo(type="cuda", name="H100"), model=ModelInfo(family="llama", size="small")))
+    feed(
+        HelloEvent(
+            time=clock[0],
+            early=True,
+            config={"optim": {"max_steps": total_steps}, "log": {"log_every": log_every}},
+            device=DeviceInfo(type="cuda", name="H100"),
+            model=ModelInfo(family="llama", size="small"),
+        )
+    )
+    feed(
+        HelloEvent(
+            time=clock[0],
+            config={
+                "optim": {"max_steps": total_steps},
+                "log": {"log_every": log_every},
+                "checkpoint": {"checkpoint_every": 5000},
+            },
+            device=DeviceInfo(type="cuda", name="H100"),
+            model=ModelInfo(family="llama", size="small"),
+        )
+    )
     dt = 1.0 / steps_per_s
     next_dev = clock[0]
     marks = []
@@ -213,33 +287,76 @@ def live_run(days: float, steps_per_s: float, log_every: int, json_out: bool) ->
         clock[0] += dt
         t = clock[0]
         if i % log_every == 0:
-            feed(StepEvent(time=t, step=i, tokens=i * 4096, loss=2.0 + 1.0 / (1 + i / 1e5) + (i % 7) * 0.01,
-                           lr=3e-4, grad_norm=1.0, step_ms=dt * 1000, phases_ms=phases,
-                           tokens_per_s=4096 * steps_per_s, mfu=0.4, mem_bytes=40 << 30, interval_steps=log_every))
+            feed(
+                StepEvent(
+                    time=t,
+                    step=i,
+                    tokens=i * 4096,
+                    loss=2.0 + 1.0 / (1 + i / 1e5) + (i % 7) * 0.01,
+                    lr=3e-4,
+                    grad_norm=1.0,
+                    step_ms=dt * 1000,
+                    phases_ms=phases,
+                    tokens_per_s=4096 * steps_per_s,
+                    mfu=0.4,
+                    mem_bytes=40 << 30,
+                    interval_steps=log_every,
+                )
+            )
         else:
             feed(ProgressEvent(time=t, step=i, tokens=i * 4096, step_ms=dt * 1000))
         while next_dev <= t:
             next_dev += 0.5
-            feed(DeviceEvent(time=next_dev, mode="gpu", devices=[GpuReading(
-                index=0, name="H100", util_pct=97.0, mem_used=50 << 30, mem_total=80 << 30, power_w=600.0,
-                power_limit_w=700.0, energy_j=next_dev * 600.0, temp_c=65.0, sm_clock_mhz=1980.0,
-                sm_clock_max_mhz=1980.0, clock_reasons=[])], cpu=CpuReading(util_pct=10.0, per_core=[10.0] * 16,
-                                                                           mem_used=1 << 34, mem_total=1 << 37)))
+            feed(
+                DeviceEvent(
+                    time=next_dev,
+                    mode="gpu",
+                    devices=[
+                        GpuReading(
+                            index=0,
+                            name="H100",
+                            util_pct=97.0,
+                            mem_used=50 << 30,
+                            mem_total=80 << 30,
+                            power_w=600.0,
+                            power_limit_w=700.0,
+                            energy_j=next_dev * 600.0,
+                            temp_c=65.0,
+                            sm_clock_mhz=1980.0,
+                            sm_clock_max_mhz=1980.0,
+                            clock_reasons=[],
+                        )
+                    ],
+                    cpu=CpuReading(util_pct=10.0, per_core=[10.0] * 16, mem_used=1 << 34, mem_total=1 << 37),
+                )
+            )
         if i % 5000 == 0:
             feed(CheckpointEvent(time=t, step=i, path=f"/runs/live/checkpoints/step-{i:08d}.pt", seconds=2.0))
-            list(collector.collect())         # a scrape now and then
+            list(collector.collect())  # a scrape now and then
         if i % max(1, total_steps // 10) == 0:
             marks.append((i, rss()))
             sink.seek(0)
-            sink.truncate()                   # the view's output is the terminal's, not ours to keep
-    out = {"days": days, "steps_per_s": steps_per_s, "log_every": log_every, "steps": total_steps,
-           "rss_start_mb": start / 1e6, "rss_end_mb": rss() / 1e6, "rss_marks_mb": [m / 1e6 for _, m in marks],
-           "seconds": time.perf_counter() - t_start, "alerts": state.alerts_raised, "load": os.getloadavg()[0]}
+            sink.truncate()  # the view's output is the terminal's, not ours to keep
+    out = {
+        "days": days,
+        "steps_per_s": steps_per_s,
+        "log_every": log_every,
+        "steps": total_steps,
+        "rss_start_mb": start / 1e6,
+        "rss_end_mb": rss() / 1e6,
+        "rss_marks_mb": [m / 1e6 for _, m in marks],
+        "seconds": time.perf_counter() - t_start,
+        "alerts": state.alerts_raised,
+        "load": os.getloadavg()[0],
+    }
     if not json_out:
-        print(f"{days:g} days at {steps_per_s:g} steps/s, --log-every {log_every}: {total_steps:,} steps in "
-              f"{out['seconds']:.0f} s | RSS start {out['rss_start_mb']:.0f} MB, end {out['rss_end_mb']:.0f} MB, "
-              f"at each tenth {', '.join(f'{m:.0f}' for m in out['rss_marks_mb'])} MB | alerts {out['alerts']} "
-              f"| load {out['load']:.1f}", flush=True)
+        print(
+            f"{days:g} days at {steps_per_s:g} steps/s, --log-every {log_every}: {total_steps:,} steps in "
+            f"{out['seconds']:.0f} s | RSS start {out['rss_start_mb']:.0f} MB, end {out['rss_end_mb']:.0f} MB, "
+            f"at each tenth {', '.join(f'{m:.0f}' for m in out['rss_marks_mb'])} MB | alerts {out['alerts']} "
+            f"| load {out['load']:.1f}",
+            flush=True,
+        )
     return out
 
 

@@ -75,8 +75,10 @@ def main() -> None:
         return time.perf_counter() - t0, opt
 
     def worst(opt: torch.optim.Optimizer, key: str) -> float:
-        return max(float((optim.dense(opt.state[p][key]) - ref[i][key]).abs().max() / ref[i][key].abs().max())
-                   for i, p in enumerate(params))
+        return max(
+            float((optim.dense(opt.state[p][key]) - ref[i][key]).abs().max() / ref[i][key].abs().max())
+            for i, p in enumerate(params)
+        )
 
     times: dict[str, list[float]] = {"adamw": [], "adamw-8bit": [], "adamw-4bit": []}
     errors: dict[str, tuple[float, float, float]] = {}
@@ -87,19 +89,24 @@ def main() -> None:
             if name != "adamw" and name not in errors:
                 back = make("adamw")
                 optim.convert_state(back, opt.state_dict(), name, "adamw")
-                errors[name] = (worst(opt, "exp_avg"), worst(opt, "exp_avg_sq"),
-                                max(worst(back, "exp_avg"), worst(back, "exp_avg_sq")) - max(worst(opt, "exp_avg"),
-                                                                                            worst(opt, "exp_avg_sq")))
+                errors[name] = (
+                    worst(opt, "exp_avg"),
+                    worst(opt, "exp_avg_sq"),
+                    max(worst(back, "exp_avg"), worst(back, "exp_avg_sq"))
+                    - max(worst(opt, "exp_avg"), worst(opt, "exp_avg_sq")),
+                )
     base = statistics.median(times["adamw"])
     n = sum(p.numel() for p in params)
-    print(f"# optimizer switch: {n / 1e6:.1f}M parameters, AdamW state after {args.steps} steps, "
-          f"{args.rounds} rounds, {cpu_name()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
+    print(
+        f"# optimizer switch: {n / 1e6:.1f}M parameters, AdamW state after {args.steps} steps, "
+        f"{args.rounds} rounds, {cpu_name()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
+    )
     print("| into | load time | vs plain resume | max error exp_avg | max error exp_avg_sq | round trip adds |")
     print("|---|---|---|---|---|---|")
     for name, ts in times.items():
         t = statistics.median(ts)
         e = errors.get(name)
-        err = (f"{e[0]:.2%} | {e[1]:.2%} | {max(e[2], 0.0):.2%}" if e else "0 (same format) | 0 | -")
+        err = f"{e[0]:.2%} | {e[1]:.2%} | {max(e[2], 0.0):.2%}" if e else "0 (same format) | 0 | -"
         print(f"| {name} | {t * 1000:.0f} ms | {t / base:.2f}x | {err} |")
 
 

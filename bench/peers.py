@@ -70,7 +70,7 @@ class Spec:
     size: str = "tiny"
     seq_len: int = 128
     global_batch: int = 16
-    micro_batch: int = 16          # for plain and HF (gptop picks its own: default `auto`, or the tuned one)
+    micro_batch: int = 16  # for plain and HF (gptop picks its own: default `auto`, or the tuned one)
     steps: int = 25
     warmup: int = 5
     log_every: int = 5
@@ -92,7 +92,7 @@ class RunResult:
 
     contender: str
     round: int
-    intervals: list[dict[str, Any]] = field(default_factory=list)   # {"end_step", "tokens_per_s", "loss"}
+    intervals: list[dict[str, Any]] = field(default_factory=list)  # {"end_step", "tokens_per_s", "loss"}
     peak_mem: int | None = None
     wall_s: float | None = None
     error: str | None = None
@@ -101,6 +101,7 @@ class RunResult:
 
 # ----------------------------------------------------------------------------------- workers
 # These run inside the fresh subprocess of one contender.
+
 
 def _setup(spec: Spec):
     import torch
@@ -117,8 +118,15 @@ def _setup(spec: Spec):
     data = load_data(DataConfig(seq_len=spec.seq_len), log=lambda m: None)
     sampler = BatchSampler(data.train, spec.seq_len, spec.global_batch, spec.seed)
     torch.manual_seed(spec.seed)
-    bundle = build_model(ModelConfig(model=spec.model, size=spec.size), vocab_size=data.vocab_size,
-                         seq_len=spec.seq_len, toggles=Toggles(), dev=dev, mask_id=data.mask_id, seed=spec.seed)
+    bundle = build_model(
+        ModelConfig(model=spec.model, size=spec.size),
+        vocab_size=data.vocab_size,
+        seq_len=spec.seq_len,
+        toggles=Toggles(),
+        dev=dev,
+        mask_id=data.mask_id,
+        seed=spec.seed,
+    )
     return dev, sampler, bundle
 
 
@@ -134,7 +142,7 @@ def _peak_mem(dev) -> int | None:
         import torch
 
         return int(torch.cuda.max_memory_allocated(dev.torch_device))
-    return None            # the parent reads the child's peak RSS from wait4
+    return None  # the parent reads the child's peak RSS from wait4
 
 
 def _intervals(spec: Spec, ends: dict[int, float], losses: dict[int, float]) -> list[dict[str, Any]]:
@@ -145,8 +153,7 @@ def _intervals(spec: Spec, ends: dict[int, float], losses: dict[int, float]) -> 
         if prev < spec.warmup or prev not in ends:
             continue
         dt = ends[s] - ends[prev]
-        out.append({"end_step": s, "tokens_per_s": spec.log_every * spec.tokens_per_step / dt,
-                    "loss": losses.get(s)})
+        out.append({"end_step": s, "tokens_per_s": spec.log_every * spec.tokens_per_step / dt, "loss": losses.get(s)})
     # The last interval's loss is reported even when it is inside warm-up (tiny runs).
     if out == [] and losses:
         s = max(losses)
@@ -159,7 +166,7 @@ def worker_plain(spec: Spec) -> dict[str, Any]:
     import torch.nn.functional as F
 
     dev, sampler, bundle = _setup(spec)
-    from trainer.optim import BETAS, EPS, param_groups      # gptop's weight-decay groups and AdamW constants
+    from trainer.optim import BETAS, EPS, param_groups  # gptop's weight-decay groups and AdamW constants
 
     model = bundle.model.to(dev.torch_device)
     model.train()
@@ -184,7 +191,7 @@ def worker_plain(spec: Spec) -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
         interval.append(total)
         if (step + 1) % spec.log_every == 0:
-            losses[step + 1] = torch.stack(interval).mean().item()     # the one read-back per interval
+            losses[step + 1] = torch.stack(interval).mean().item()  # the one read-back per interval
             interval = []
             ends[step + 1] = time.perf_counter()
     return {"intervals": _intervals(spec, ends, losses), "peak_mem": _peak_mem(dev)}
@@ -201,7 +208,7 @@ def hf_speed_args(dev) -> dict[str, Any]:
         if dev.at_least(8, 0):
             args["tf32"] = True
     elif dev.cpu_bf16:
-        args["bf16"] = True       # CPU autocast to bf16: worth it only where oneDNN has bf16 kernels (AVX-512+)
+        args["bf16"] = True  # CPU autocast to bf16: worth it only where oneDNN has bf16 kernels (AVX-512+)
     return args
 
 
@@ -219,7 +226,7 @@ def worker_hf(spec: Spec, fast: bool) -> dict[str, Any]:
         """Exactly the sequences of the other contenders, in their order (no shuffling)."""
 
         def __iter__(self):
-            for step in range(spec.steps + 1):      # one spare step: the dataloader may look ahead
+            for step in range(spec.steps + 1):  # one spare step: the dataloader may look ahead
                 x, y = sampler.micro_batch(step, 0, spec.global_batch)
                 for i in range(spec.global_batch):
                     # shift_labels: y is already the next token of x (the loss must not shift again)
@@ -250,22 +257,39 @@ def worker_hf(spec: Spec, fast: bool) -> dict[str, Any]:
 
     out = tempfile.mkdtemp(prefix="peers-hf-")
     kwargs: dict[str, Any] = dict(
-        output_dir=out, max_steps=spec.steps, per_device_train_batch_size=spec.micro_batch,
-        gradient_accumulation_steps=spec.global_batch // spec.micro_batch, learning_rate=spec.lr,
-        adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=EPS, weight_decay=spec.weight_decay,
-        max_grad_norm=spec.grad_clip, lr_scheduler_type="constant", warmup_steps=0, seed=spec.seed,
-        logging_steps=spec.log_every, save_strategy="no", report_to="none", dataloader_num_workers=0,
-        disable_tqdm=True, use_cpu=not dev.is_cuda,
+        output_dir=out,
+        max_steps=spec.steps,
+        per_device_train_batch_size=spec.micro_batch,
+        gradient_accumulation_steps=spec.global_batch // spec.micro_batch,
+        learning_rate=spec.lr,
+        adam_beta1=BETAS[0],
+        adam_beta2=BETAS[1],
+        adam_epsilon=EPS,
+        weight_decay=spec.weight_decay,
+        max_grad_norm=spec.grad_clip,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        seed=spec.seed,
+        logging_steps=spec.log_every,
+        save_strategy="no",
+        report_to="none",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        use_cpu=not dev.is_cuda,
         # Keep `shift_labels` (not in the model's signature, so the default would drop it and the loss would
         # shift the already shifted targets again); a column filter, nothing on the speed path.
-        remove_unused_columns=False)
+        remove_unused_columns=False,
+    )
     if fast:
         kwargs.update(hf_speed_args(dev))
     args = TrainingArguments(**kwargs)
     trainer = SameDecayTrainer(model=bundle.model, args=args, train_dataset=Sequences(), callbacks=[Clock()])
     trainer.train()
-    return {"intervals": _intervals(spec, ends, losses), "peak_mem": _peak_mem(dev),
-            "note": ", ".join(f"{k}={v}" for k, v in hf_speed_args(dev).items()) if fast else None}
+    return {
+        "intervals": _intervals(spec, ends, losses),
+        "peak_mem": _peak_mem(dev),
+        "note": ", ".join(f"{k}={v}" for k, v in hf_speed_args(dev).items()) if fast else None,
+    }
 
 
 def worker_main(name: str, spec: Spec, out: Path) -> None:
@@ -292,6 +316,7 @@ def worker_main(name: str, spec: Spec, out: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------ parent
+
 
 def child_env(spec: Spec) -> dict[str, str]:
     env = dict(os.environ)
@@ -323,17 +348,48 @@ def spawn(argv: list[str], spec: Spec, log: Path, timeout: float) -> tuple[int, 
 
 
 def gptop_argv(spec: Spec, run_dir: Path, tuned: Path | None) -> list[str]:
-    argv = [sys.executable, "-m", "trainer", "--model", spec.model, "--size", spec.size,
-            "--seq-len", str(spec.seq_len), "--global-batch", str(spec.global_batch),
-            "--max-steps", str(spec.steps), "--lr", str(spec.lr), "--warmup-steps", "0", "--min-lr-ratio", "1",
-            "--weight-decay", str(spec.weight_decay), "--grad-clip", str(spec.grad_clip), "--seed", str(spec.seed),
-            "--log-every", str(spec.log_every), "--eval-every", "0", "--checkpoint-every", "0",
-            "--device", spec.device, "--run-dir", str(run_dir)]
+    argv = [
+        sys.executable,
+        "-m",
+        "trainer",
+        "--model",
+        spec.model,
+        "--size",
+        spec.size,
+        "--seq-len",
+        str(spec.seq_len),
+        "--global-batch",
+        str(spec.global_batch),
+        "--max-steps",
+        str(spec.steps),
+        "--lr",
+        str(spec.lr),
+        "--warmup-steps",
+        "0",
+        "--min-lr-ratio",
+        "1",
+        "--weight-decay",
+        str(spec.weight_decay),
+        "--grad-clip",
+        str(spec.grad_clip),
+        "--seed",
+        str(spec.seed),
+        "--log-every",
+        str(spec.log_every),
+        "--eval-every",
+        "0",
+        "--checkpoint-every",
+        "0",
+        "--device",
+        spec.device,
+        "--run-dir",
+        str(run_dir),
+    ]
     if tuned is not None:
         argv[3:3] = ["--config", str(tuned)]
         mb = _toml_toggles(tuned).get("micro_batch", "auto")
         if str(mb).isdigit() and spec.global_batch % int(mb):
-            argv += ["--micro-batch", "auto"]      # tuned on another batch: its micro-batch does not divide this one
+            argv += ["--micro-batch", "auto"]  # tuned on another batch: its micro-batch does not divide this one
     return argv
 
 
@@ -342,8 +398,7 @@ def run_contender(name: str, rnd: int, spec: Spec, tuned: Path | None, work: Pat
     log = work / f"{name}-{rnd}.log"
     if name.startswith("gptop"):
         run_dir = work / f"{name}-{rnd}"
-        code, rss, wall = spawn(gptop_argv(spec, run_dir, tuned if name == "gptop-tuned" else None), spec, log,
-                                timeout)
+        code, rss, wall = spawn(gptop_argv(spec, run_dir, tuned if name == "gptop-tuned" else None), spec, log, timeout)
         res.wall_s = wall
         events = []
         ev_path = run_dir / "events.jsonl"
@@ -369,8 +424,16 @@ def run_contender(name: str, rnd: int, spec: Spec, tuned: Path | None, work: Pat
             res.peak_mem = rss
         return res
     out = work / f"{name}-{rnd}.json"
-    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--spec", json.dumps(asdict(spec)),
-            "--out", str(out)]
+    argv = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        name,
+        "--spec",
+        json.dumps(asdict(spec)),
+        "--out",
+        str(out),
+    ]
     code, rss, wall = spawn(argv, spec, log, timeout)
     res.wall_s = wall
     try:
@@ -388,6 +451,7 @@ def run_contender(name: str, rnd: int, spec: Spec, tuned: Path | None, work: Pat
 
 # ------------------------------------------------------------------------------ tuned toggles
 
+
 def default_tuned_path(spec: Spec) -> Path:
     """Tuned toggles per kind of device: CUDA, or the CPU's vector ISA as torch sees it (avx2, avx512, ...),
     since what wins differs (bf16 is native on AVX-512 CPUs with AVX512_BF16, emulated on AVX2 ones)."""
@@ -404,27 +468,41 @@ def run_tune(spec: Spec, budget: str, work: Path) -> Path | None:
     """`gptop --no-ui tune --tune-only` on the benchmark's setup; returns its best.toml."""
     run_dir = work / "tune"
     # A study of its own: a shared study would mix in trials measured with another thread count or load.
-    argv = [sys.executable, "-m", "gptop", "--no-ui", "tune", "--budget", budget, "--tune-only",
-            "--storage", f"sqlite:///{work / 'study.db'}", *gptop_argv(spec, run_dir, None)[3:]]
+    argv = [
+        sys.executable,
+        "-m",
+        "gptop",
+        "--no-ui",
+        "tune",
+        "--budget",
+        budget,
+        "--tune-only",
+        "--storage",
+        f"sqlite:///{work / 'study.db'}",
+        *gptop_argv(spec, run_dir, None)[3:],
+    ]
     # The tune needs room to measure trials: enough steps for the budget; the lr stays constant.
     i = argv.index("--max-steps")
     argv[i + 1] = "100000"
     print(f"tuning: {' '.join(argv[1:])}", flush=True)
     t0 = time.perf_counter()
-    subprocess.run(argv, cwd=ROOT, env=child_env(spec), stdout=open(work / "tune.log", "wb"),
-                   stderr=subprocess.STDOUT)
+    subprocess.run(argv, cwd=ROOT, env=child_env(spec), stdout=open(work / "tune.log", "wb"), stderr=subprocess.STDOUT)
     best = run_dir / "best.toml"
-    print(f"tuning took {time.perf_counter() - t0:.0f} s; best.toml {'written' if best.is_file() else 'missing'}",
-          flush=True)
+    print(
+        f"tuning took {time.perf_counter() - t0:.0f} s; best.toml {'written' if best.is_file() else 'missing'}",
+        flush=True,
+    )
     if not best.is_file():
         return None
     dest = default_tuned_path(spec)
     dest.parent.mkdir(parents=True, exist_ok=True)
     md = run_dir / "tuning.md"
-    shown = [a for i, a in enumerate(argv[3:], 3) if a not in ("--run-dir", "--storage")
-             and argv[i - 1] not in ("--run-dir", "--storage")]
-    header = (f"# from: OMP_NUM_THREADS={spec.threads} gptop {' '.join(shown)}\n"
-              f"# on: {machine_line(spec)}\n")
+    shown = [
+        a
+        for i, a in enumerate(argv[3:], 3)
+        if a not in ("--run-dir", "--storage") and argv[i - 1] not in ("--run-dir", "--storage")
+    ]
+    header = f"# from: OMP_NUM_THREADS={spec.threads} gptop {' '.join(shown)}\n# on: {machine_line(spec)}\n"
     dest.write_text(header + best.read_text())
     if md.is_file():
         (dest.with_suffix(".md")).write_text(md.read_text())
@@ -432,6 +510,7 @@ def run_tune(spec: Spec, budget: str, work: Path) -> Path | None:
 
 
 # ------------------------------------------------------------------------------------ report
+
 
 def machine_line(spec: Spec) -> str:
     import torch
@@ -445,8 +524,10 @@ def machine_line(spec: Spec) -> str:
         dev = f"{cpu_name()}, {len(os.sched_getaffinity(0))} cores"
     import psutil
 
-    return (f"{dev}; {psutil.virtual_memory().total / 2**30:.0f} GiB RAM; {spec.threads} torch threads; "
-            f"torch {torch.__version__}; transformers {_version('transformers')}; Python {platform.python_version()}")
+    return (
+        f"{dev}; {psutil.virtual_memory().total / 2**30:.0f} GiB RAM; {spec.threads} torch threads; "
+        f"torch {torch.__version__}; transformers {_version('transformers')}; Python {platform.python_version()}"
+    )
 
 
 def _version(mod: str) -> str:
@@ -458,28 +539,39 @@ def _version(mod: str) -> str:
         return "?"
 
 
-def summarize(results: list[RunResult], spec: Spec, flops_per_token: float | None,
-              peaks: dict[str, float | None]) -> list[dict[str, Any]]:
+def summarize(
+    results: list[RunResult], spec: Spec, flops_per_token: float | None, peaks: dict[str, float | None]
+) -> list[dict[str, Any]]:
     rows = []
     for name in dict.fromkeys(r.contender for r in results):
         runs = [r for r in results if r.contender == name]
         ok = [r for r in runs if not r.error]
         tps = [i["tokens_per_s"] for r in ok for i in r.intervals if i["tokens_per_s"]]
-        by_round = {r.round: statistics.median(v) for r in ok if (v := [i["tokens_per_s"] for i in r.intervals
-                                                                       if i["tokens_per_s"]])}
+        by_round = {
+            r.round: statistics.median(v)
+            for r in ok
+            if (v := [i["tokens_per_s"] for i in r.intervals if i["tokens_per_s"]])
+        }
         per_round = list(by_round.values())
         last_losses = [r.intervals[-1]["loss"] for r in ok if r.intervals and r.intervals[-1].get("loss") is not None]
         mems = [r.peak_mem for r in ok if r.peak_mem]
-        row = {"contender": name, "rounds": len(ok), "errors": [r.error for r in runs if r.error],
-               "tokens_per_s": statistics.median(tps) if tps else None,
-               "spread": (min(per_round), max(per_round)) if per_round else None,
-               "intervals": len(tps), "loss": statistics.median(last_losses) if last_losses else None,
-               "loss_step": ok[0].intervals[-1]["end_step"] if ok and ok[0].intervals else None,
-               "peak_mem": max(mems) if mems else None, "note": next((r.note for r in ok if r.note), None),
-               "per_round": by_round}
+        row = {
+            "contender": name,
+            "rounds": len(ok),
+            "errors": [r.error for r in runs if r.error],
+            "tokens_per_s": statistics.median(tps) if tps else None,
+            "spread": (min(per_round), max(per_round)) if per_round else None,
+            "intervals": len(tps),
+            "loss": statistics.median(last_losses) if last_losses else None,
+            "loss_step": ok[0].intervals[-1]["end_step"] if ok and ok[0].intervals else None,
+            "peak_mem": max(mems) if mems else None,
+            "note": next((r.note for r in ok if r.note), None),
+            "per_round": by_round,
+        }
         peak = peaks.get(name)
-        row["mfu"] = (row["tokens_per_s"] * flops_per_token / peak
-                      if row["tokens_per_s"] and flops_per_token and peak else None)
+        row["mfu"] = (
+            row["tokens_per_s"] * flops_per_token / peak if row["tokens_per_s"] and flops_per_token and peak else None
+        )
         rows.append(row)
     return rows
 
@@ -496,8 +588,15 @@ def table(rows: list[dict[str, Any]], show_mfu: bool) -> str:
         pairs = [row["per_round"][k] / base["per_round"][k] for k in row["per_round"] if k in base["per_round"]]
         return f"{statistics.median(pairs):.2f}x" if pairs else "-"
 
-    head = ["contender", "tokens/s (median)", "spread (round medians)", "vs plain", "vs hf default", "loss @ step",
-            "peak mem"]
+    head = [
+        "contender",
+        "tokens/s (median)",
+        "spread (round medians)",
+        "vs plain",
+        "vs hf default",
+        "loss @ step",
+        "peak mem",
+    ]
     if show_mfu:
         head.insert(3, "MFU")
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
@@ -507,16 +606,24 @@ def table(rows: list[dict[str, Any]], show_mfu: bool) -> str:
             lines.append(f"| {r['contender']} | failed: {why} |" + " |" * (len(head) - 2))
             continue
         lo, hi = r["spread"]
-        cells = [r["contender"], f"{r['tokens_per_s']:,.0f}", f"{lo:,.0f} - {hi:,.0f}",
-                 ratio(r, base_plain), ratio(r, base_hf),
-                 f"{r['loss']:.4f} @ {r['loss_step']}" if r["loss"] is not None else "-",
-                 f"{r['peak_mem'] / 2**30:.2f} GiB" if r["peak_mem"] else "-"]
+        cells = [
+            r["contender"],
+            f"{r['tokens_per_s']:,.0f}",
+            f"{lo:,.0f} - {hi:,.0f}",
+            ratio(r, base_plain),
+            ratio(r, base_hf),
+            f"{r['loss']:.4f} @ {r['loss_step']}" if r["loss"] is not None else "-",
+            f"{r['peak_mem'] / 2**30:.2f} GiB" if r["peak_mem"] else "-",
+        ]
         if show_mfu:
             cells.insert(3, f"{r['mfu'] * 100:.1f}%" if r["mfu"] else "-")
         lines.append("| " + " | ".join(cells) + " |")
     notes = [f"- {r['contender']}: {r['note']}" for r in rows if r.get("note")]
-    notes += [f"- {r['contender']}: {len(r['errors'])} failed round(s): {r['errors'][0]}" for r in rows
-              if r["errors"] and r["tokens_per_s"] is not None]
+    notes += [
+        f"- {r['contender']}: {len(r['errors'])} failed round(s): {r['errors'][0]}"
+        for r in rows
+        if r["errors"] and r["tokens_per_s"] is not None
+    ]
     return "\n".join(lines + ([""] + notes if notes else []))
 
 
@@ -540,7 +647,7 @@ def model_flops(spec: Spec) -> tuple[float | None, dict[str, float | None]]:
     for name in CONTENDERS:
         prec = "bf16" if name == "hf-fast" and hf_speed_args(dev).get("bf16") else "fp32"
         if name == "gptop":
-            prec = auto_precision(dev)       # its default, --precision auto
+            prec = auto_precision(dev)  # its default, --precision auto
         peaks[name] = (prec, None)
     cache: dict[str, float | None] = {}
     out = {}
@@ -559,26 +666,42 @@ def model_flops(spec: Spec) -> tuple[float | None, dict[str, float | None]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     d = Spec()
-    ap.add_argument("--model", default=d.model, choices=("llama",),
-                    help="model family (llama: the HF Trainer contender needs a plain causal LM)")
+    ap.add_argument(
+        "--model",
+        default=d.model,
+        choices=("llama",),
+        help="model family (llama: the HF Trainer contender needs a plain causal LM)",
+    )
     ap.add_argument("--size", default=d.size, choices=("tiny", "small", "medium", "large"))
     ap.add_argument("--seq-len", type=int, default=d.seq_len)
     ap.add_argument("--global-batch", type=int, default=d.global_batch)
-    ap.add_argument("--micro-batch", type=int, default=None,
-                    help="micro-batch of plain and HF (default: the global batch, no accumulation)")
+    ap.add_argument(
+        "--micro-batch",
+        type=int,
+        default=None,
+        help="micro-batch of plain and HF (default: the global batch, no accumulation)",
+    )
     ap.add_argument("--steps", type=int, default=d.steps, help="optimizer steps per run")
     ap.add_argument("--warmup", type=int, default=d.warmup, help="first steps excluded (multiple of --log-every)")
     ap.add_argument("--log-every", type=int, default=d.log_every, help="steps per measured interval")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--lr", type=float, default=d.lr)
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads in every contender (default: 1; 0: all cores). On a shared machine two "
-                         "OpenMP threads stall at every barrier whenever another process holds a core")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads in every contender (default: 1; 0: all cores). On a shared machine two "
+        "OpenMP threads stall at every barrier whenever another process holds a core",
+    )
     ap.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated subset, in run order")
     ap.add_argument("--tuned", metavar="TOML", default=None, help="best.toml of a gptop tune for gptop-tuned")
-    ap.add_argument("--tune", metavar="DURATION", default=None,
-                    help="run `gptop tune --tune-only --budget DURATION` first and use its best.toml")
+    ap.add_argument(
+        "--tune",
+        metavar="DURATION",
+        default=None,
+        help="run `gptop tune --tune-only --budget DURATION` first and use its best.toml",
+    )
     ap.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
     ap.add_argument("--keep", metavar="DIR", default=None, help="keep run logs and directories here")
     ap.add_argument("--timeout", type=float, default=600, help="seconds before a contender's run is killed")
@@ -591,10 +714,19 @@ def main() -> int:
         worker_main(a.worker, Spec(**json.loads(a.spec)), Path(a.out))
         return 0
 
-    spec = Spec(model=a.model, size=a.size, seq_len=a.seq_len, global_batch=a.global_batch,
-                micro_batch=a.micro_batch or a.global_batch, steps=a.steps, warmup=a.warmup,
-                log_every=a.log_every, lr=a.lr, device=a.device,
-                threads=a.threads or len(os.sched_getaffinity(0)))
+    spec = Spec(
+        model=a.model,
+        size=a.size,
+        seq_len=a.seq_len,
+        global_batch=a.global_batch,
+        micro_batch=a.micro_batch or a.global_batch,
+        steps=a.steps,
+        warmup=a.warmup,
+        log_every=a.log_every,
+        lr=a.lr,
+        device=a.device,
+        threads=a.threads or len(os.sched_getaffinity(0)),
+    )
     if spec.global_batch % spec.micro_batch:
         ap.error("--micro-batch must divide --global-batch")
     if spec.warmup % spec.log_every or spec.steps < spec.warmup + spec.log_every:
@@ -629,11 +761,13 @@ def main() -> int:
     sys.path.insert(0, str(ROOT))
     from trainer.optim import BETAS, EPS
 
-    print(f"setup: {spec.model}/{spec.size}, seq-len {spec.seq_len}, global batch {spec.global_batch} "
-          f"({spec.tokens_per_step} tokens/step), {spec.steps} steps (first {spec.warmup} excluded, intervals of "
-          f"{spec.log_every}), constant lr {spec.lr}, AdamW betas {BETAS} eps {EPS} wd {spec.weight_decay}, "
-          f"clip {spec.grad_clip}, seed {spec.seed}; {a.rounds} rounds x {len(contenders)} contenders, alternating",
-          flush=True)
+    print(
+        f"setup: {spec.model}/{spec.size}, seq-len {spec.seq_len}, global batch {spec.global_batch} "
+        f"({spec.tokens_per_step} tokens/step), {spec.steps} steps (first {spec.warmup} excluded, intervals of "
+        f"{spec.log_every}), constant lr {spec.lr}, AdamW betas {BETAS} eps {EPS} wd {spec.weight_decay}, "
+        f"clip {spec.grad_clip}, seed {spec.seed}; {a.rounds} rounds x {len(contenders)} contenders, alternating",
+        flush=True,
+    )
     results: list[RunResult] = []
     for rnd in range(a.rounds):
         for name in contenders:
@@ -660,9 +794,19 @@ def main() -> int:
     print(table(rows, show_mfu))
     print(f"\ntotal time {time.perf_counter() - t_start:.0f} s; logs in {work}")
     if a.json:
-        Path(a.json).write_text(json.dumps({"command": command, "machine": machine_line(spec), "spec": asdict(spec),
-                                            "tuned": str(tuned) if tuned else None, "rows": rows,
-                                            "runs": [asdict(r) for r in results]}, indent=1))
+        Path(a.json).write_text(
+            json.dumps(
+                {
+                    "command": command,
+                    "machine": machine_line(spec),
+                    "spec": asdict(spec),
+                    "tuned": str(tuned) if tuned else None,
+                    "rows": rows,
+                    "runs": [asdict(r) for r in results],
+                },
+                indent=1,
+            )
+        )
     return 0
 
 

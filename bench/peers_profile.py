@@ -81,15 +81,15 @@ def profiled(spec: peers.Spec, name: str, first: int, last: int) -> dict:
 
 def table(results: dict[str, dict], top: int) -> list[str]:
     names = list(results)
-    per: dict[str, dict[str, float]] = {n: {o["op"]: o["self_us"] / 1000 for o in r["ops"]}
-                                        for n, r in results.items()}
+    per: dict[str, dict[str, float]] = {n: {o["op"]: o["self_us"] / 1000 for o in r["ops"]} for n, r in results.items()}
     ops = sorted({op for d in per.values() for op in d}, key=lambda op: -max(d.get(op, 0.0) for d in per.values()))
     head = "| operator | " + " | ".join(f"{n} ms/step (calls)" for n in names) + " |"
     calls = {n: {o["op"]: o["count"] for o in r["ops"]} for n, r in results.items()}
     lines = [head, "|---|" + "---:|" * len(names)]
     for op in ops[:top]:
-        lines.append(f"| `{op}` | " + " | ".join(f"{per[n].get(op, 0.0):.1f} ({calls[n].get(op, 0):g})"
-                                                for n in names) + " |")
+        lines.append(
+            f"| `{op}` | " + " | ".join(f"{per[n].get(op, 0.0):.1f} ({calls[n].get(op, 0):g})" for n in names) + " |"
+        )
     lines.append("| all operators (self) | " + " | ".join(f"{sum(per[n].values()):.1f}" for n in names) + " |")
     lines.append("| wall / step | " + " | ".join(f"{results[n]['wall_s'] * 1000:.1f}" for n in names) + " |")
     return lines
@@ -128,23 +128,42 @@ def main() -> None:
         ap.error(f"--contenders: {', '.join(bad) or 'none given'}: choose from {', '.join(CHOICES)}")
     if not 0 <= a.skip < a.steps - 2:
         ap.error(f"--skip {a.skip}: must leave at least 3 of the {a.steps} steps (--steps) to profile")
-    spec = peers.Spec(size=a.size, seq_len=a.seq_len, global_batch=a.global_batch,
-                      micro_batch=a.micro_batch or a.global_batch, steps=a.steps, warmup=0,
-                      log_every=min(d.log_every, a.steps), threads=1)
-    first, last = a.skip, a.steps - 2           # the last batch may never be asked for by a contender without look-ahead
+    spec = peers.Spec(
+        size=a.size,
+        seq_len=a.seq_len,
+        global_batch=a.global_batch,
+        micro_batch=a.micro_batch or a.global_batch,
+        steps=a.steps,
+        warmup=0,
+        log_every=min(d.log_every, a.steps),
+        threads=1,
+    )
+    first, last = a.skip, a.steps - 2  # the last batch may never be asked for by a contender without look-ahead
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="peers-profile-") as tmp:
         for n in names:
             out = Path(tmp) / f"{n}.json"
-            argv = [sys.executable, __file__, "--worker", n, "--spec", json.dumps(asdict(spec)), "--out", str(out),
-                    "--window", f"{first}-{last}"]
+            argv = [
+                sys.executable,
+                __file__,
+                "--worker",
+                n,
+                "--spec",
+                json.dumps(asdict(spec)),
+                "--out",
+                str(out),
+                "--window",
+                f"{first}-{last}",
+            ]
             p = subprocess.run(argv, cwd=ROOT, env=peers.child_env(spec), capture_output=True, text=True)
             if p.returncode != 0 or not out.is_file():
                 sys.exit(f"{n}: exit {p.returncode}\n{p.stderr[-2000:]}")
             results[n] = json.loads(out.read_text())
             print(f"{n}: {results[n]['wall_s'] * 1000:.1f} ms/step in the window", flush=True)
-    print(f"llama/{a.size}, seq-len {a.seq_len}, global batch {a.global_batch}, batches {first}-{last - 1} profiled, "
-          f"1 thread, self CPU time per step:")
+    print(
+        f"llama/{a.size}, seq-len {a.seq_len}, global batch {a.global_batch}, batches {first}-{last - 1} profiled, "
+        f"1 thread, self CPU time per step:"
+    )
     print("\n".join(table(results, a.top)))
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "window": [first, last], "results": results}, indent=1))

@@ -94,7 +94,7 @@ def measure(rounds: int, steps: int, empty: int) -> dict[str, float]:
         fn()
         return time.perf_counter() - t
 
-    train_plain()                                     # warm-up: allocator, first-call costs
+    train_plain()  # warm-up: allocator, first-call costs
     train_probe()
     res: dict[str, list[float]] = {"empty_plain": [], "empty_probe": [], "train_plain": [], "train_probe": []}
     ratios = []
@@ -107,17 +107,40 @@ def measure(rounds: int, steps: int, empty: int) -> dict[str, float]:
         ratios.append(b / a)
     probe.close()
     med = {k: statistics.median(v) for k, v in res.items()}
-    return {"active": probe.active, "probe_us_per_step": (med["empty_probe"] - med["empty_plain"]) * 1e6,
-            "train_plain_ms": med["train_plain"] * 1e3, "train_probe_ms": med["train_probe"] * 1e3,
-            "train_ratio": statistics.median(ratios), "train_ratio_min": min(ratios), "train_ratio_max": max(ratios)}
+    return {
+        "active": probe.active,
+        "probe_us_per_step": (med["empty_probe"] - med["empty_plain"]) * 1e6,
+        "train_plain_ms": med["train_plain"] * 1e3,
+        "train_probe_ms": med["train_probe"] * 1e3,
+        "train_ratio": statistics.median(ratios),
+        "train_ratio_min": min(ratios),
+        "train_ratio_max": max(ratios),
+    }
 
 
 def under_gptop(args: argparse.Namespace) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "result.json"
-        argv = [sys.executable, "-m", "gptop", "--no-ui", "run", "--run-dir", str(Path(d) / "run"), "--",
-                sys.executable, __file__, "--rounds", str(args.rounds), "--steps", str(args.steps), "--empty",
-                str(args.empty), "--result", str(out)]
+        argv = [
+            sys.executable,
+            "-m",
+            "gptop",
+            "--no-ui",
+            "run",
+            "--run-dir",
+            str(Path(d) / "run"),
+            "--",
+            sys.executable,
+            __file__,
+            "--rounds",
+            str(args.rounds),
+            "--steps",
+            str(args.steps),
+            "--empty",
+            str(args.empty),
+            "--result",
+            str(out),
+        ]
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
         subprocess.run(argv, check=True, env=env, stdout=subprocess.DEVNULL)
         return json.loads(out.read_text())
@@ -128,7 +151,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=30, help="training steps per round and variant")
     ap.add_argument("--empty", type=int, default=5000, help="empty steps per round and variant")
-    ap.add_argument("--result", help=argparse.SUPPRESS)        # the run under gptop writes its figures here
+    ap.add_argument("--result", help=argparse.SUPPRESS)  # the run under gptop writes its figures here
     args = ap.parse_args()
     if args.result:
         Path(args.result).write_text(json.dumps(measure(args.rounds, args.steps, args.empty)))
@@ -142,8 +165,10 @@ def main() -> None:
     print("| where | probe's own cost per step | tiny Llama step without / with the probe | ratio (min-max) |")
     print("|---|---:|---:|---:|")
     for name, r in (("outside gptop", outside), ("under gptop run", inside)):
-        print(f"| {name} | {r['probe_us_per_step']:.2f} µs | {r['train_plain_ms']:.1f} / {r['train_probe_ms']:.1f} ms "
-              f"| {r['train_ratio']:.3f} ({r['train_ratio_min']:.3f}-{r['train_ratio_max']:.3f}) |")
+        print(
+            f"| {name} | {r['probe_us_per_step']:.2f} µs | {r['train_plain_ms']:.1f} / {r['train_probe_ms']:.1f} ms "
+            f"| {r['train_ratio']:.3f} ({r['train_ratio_min']:.3f}-{r['train_ratio_max']:.3f}) |"
+        )
 
 
 if __name__ == "__main__":

@@ -91,7 +91,8 @@ def main() -> int:
     a = ap.parse_args()
 
     step, params = make_step(a.size, a.seq_len, a.batch)
-    step(False)                                           # warm-up: allocator, first-touch
+    step(False)  # warm-up: allocator, first-touch
+
     # --- the summary of one window
     def window() -> tuple[torch.profiler.profile, float]:
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
@@ -107,7 +108,7 @@ def main() -> int:
     # timed pass runs without it
     prof, window_s = window()
     t0 = time.perf_counter()
-    events = prof.events()            # torch.profiler builds its FunctionEvents (lazily, on first use)
+    events = prof.events()  # torch.profiler builds its FunctionEvents (lazily, on first use)
     events_s = time.perf_counter() - t0
     summary = summarize(spans_from_profiler(events))
     summary_s = time.perf_counter() - t0
@@ -136,26 +137,46 @@ def main() -> int:
     poll_s = (time.perf_counter() - t0) / poll_calls
     step_s = statistics.median(plain)
     result = {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": platform.processor() or
-        platform.machine(), "cpus": os.cpu_count(), "load": os.getloadavg(), "torch": torch.__version__,
-        "model": f"llama {a.size}", "params": params, "seq_len": a.seq_len, "batch": a.batch,
-        "window_steps": a.window, "window_s": window_s, "profiler_events": n_events,
-        "summary_s": summary_s, "summary_over_window": summary_s / window_s, "events_s": events_s,
-        "own_s": summary_s - events_s, "own_over_window": (summary_s - events_s) / window_s,
-        "summary_peak_bytes": peak, "summary_peak_over_rss": peak / rss0 if rss0 else None,
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "load": os.getloadavg(),
+        "torch": torch.__version__,
+        "model": f"llama {a.size}",
+        "params": params,
+        "seq_len": a.seq_len,
+        "batch": a.batch,
+        "window_steps": a.window,
+        "window_s": window_s,
+        "profiler_events": n_events,
+        "summary_s": summary_s,
+        "summary_over_window": summary_s / window_s,
+        "events_s": events_s,
+        "own_s": summary_s - events_s,
+        "own_over_window": (summary_s - events_s) / window_s,
+        "summary_peak_bytes": peak,
+        "summary_peak_over_rss": peak / rss0 if rss0 else None,
         "summary_ok": summary is not None,
-        "step_s": step_s, "step_with_poll_s": statistics.median(polled), "poll_s": poll_s,
+        "step_s": step_s,
+        "step_with_poll_s": statistics.median(polled),
+        "poll_s": poll_s,
         "poll_over_step": poll_s / step_s,
     }
-    print(f"llama {a.size} ({params / 1e6:.0f}M params), {a.batch}x{a.seq_len} tokens, on {result['cpus']} CPUs, "
-          f"load {result['load'][0]:.2f}")
-    print(f"summary of a {a.window}-step window ({n_events} profiler events): {summary_s * 1e3:.0f} ms, "
-          f"{result['summary_over_window']:.2%} of the window's {window_s:.1f} s (prof.events() {events_s * 1e3:.0f} ms, "
-          f"the summary's own arithmetic {(summary_s - events_s) * 1e3:.0f} ms, "
-          f"{result['own_over_window']:.2%}); peak {peak / 2**20:.1f} MiB "
-          f"allocated ({result['summary_peak_over_rss']:.2%} of the process's resident peak)")
-    print(f"watchdog poll: {poll_s * 1e6:.1f} us a step, {result['poll_over_step']:.5%} of a {step_s:.2f} s step "
-          f"(steps with it {result['step_with_poll_s']:.2f} s, without {step_s:.2f} s, medians of {a.rounds})")
+    print(
+        f"llama {a.size} ({params / 1e6:.0f}M params), {a.batch}x{a.seq_len} tokens, on {result['cpus']} CPUs, "
+        f"load {result['load'][0]:.2f}"
+    )
+    print(
+        f"summary of a {a.window}-step window ({n_events} profiler events): {summary_s * 1e3:.0f} ms, "
+        f"{result['summary_over_window']:.2%} of the window's {window_s:.1f} s (prof.events() {events_s * 1e3:.0f} ms, "
+        f"the summary's own arithmetic {(summary_s - events_s) * 1e3:.0f} ms, "
+        f"{result['own_over_window']:.2%}); peak {peak / 2**20:.1f} MiB "
+        f"allocated ({result['summary_peak_over_rss']:.2%} of the process's resident peak)"
+    )
+    print(
+        f"watchdog poll: {poll_s * 1e6:.1f} us a step, {result['poll_over_step']:.5%} of a {step_s:.2f} s step "
+        f"(steps with it {result['step_with_poll_s']:.2f} s, without {step_s:.2f} s, medians of {a.rounds})"
+    )
     if a.json:
         a.json.write_text(json.dumps(result, indent=2))
     return 0

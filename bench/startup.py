@@ -48,8 +48,9 @@ def time_run(argv: list[str], root: Path) -> float:
 
 def time_first_line(argv: list[str], root: Path, cwd: Path) -> float:
     t0 = time.perf_counter()
-    p = subprocess.Popen(argv, cwd=cwd, env=_env(root), stdout=subprocess.PIPE,
-                         stderr=subprocess.DEVNULL, start_new_session=True)
+    p = subprocess.Popen(
+        argv, cwd=cwd, env=_env(root), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     assert p.stdout is not None
     line = p.stdout.readline()
     dt = time.perf_counter() - t0
@@ -64,7 +65,7 @@ def time_first_frame(argv: list[str], root: Path, cwd: Path, marker: bytes, time
     """Spawn in a pseudo-terminal (120x40) and wait until `marker` has been written to the screen."""
     t0 = time.perf_counter()
     pid, fd = pty.fork()
-    if pid == 0:                      # child
+    if pid == 0:  # child
         os.chdir(cwd)
         env = _env(root)
         env.update(TERM="xterm-256color", COLUMNS="120", LINES="40")
@@ -112,14 +113,12 @@ def main() -> int:
             for root in roots:
                 base = time_run([py, "-c", "pass"], root)
                 results.setdefault((str(root), "python -c pass (s)"), []).append(base)
-                cwd = Path(tmp) / f"{root.name}-{i}"      # runs/<time>-llama-tiny is created here
+                cwd = Path(tmp) / f"{root.name}-{i}"  # runs/<time>-llama-tiny is created here
                 cwd.mkdir()
                 scen = {
                     "help": lambda: time_run([py, "-m", "gptop", "--help"], root),
-                    "first line": lambda: time_first_line([py, "-m", "gptop", "--no-ui", "--json", *TRAIN], root,
-                                                          cwd),
-                    "first frame": lambda: time_first_frame([py, "-m", "gptop", *TRAIN], root, cwd,
-                                                            marker=b"llama"),
+                    "first line": lambda: time_first_line([py, "-m", "gptop", "--no-ui", "--json", *TRAIN], root, cwd),
+                    "first frame": lambda: time_first_frame([py, "-m", "gptop", *TRAIN], root, cwd, marker=b"llama"),
                 }
                 for label, fn in scen.items():
                     dt = fn()
@@ -128,8 +127,7 @@ def main() -> int:
     print(f"{'checkout':<40} {'scenario':<22} {'median':>8} {'range':>16}")
     for (root, label), vals in results.items():
         unit = "" if "(s)" in label else "x"
-        print(f"{root:<40} {label:<22} {statistics.median(vals):>7.2f}{unit} "
-              f"{min(vals):>7.2f}-{max(vals):.2f}{unit}")
+        print(f"{root:<40} {label:<22} {statistics.median(vals):>7.2f}{unit} {min(vals):>7.2f}-{max(vals):.2f}{unit}")
     return 0
 
 

@@ -35,8 +35,26 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 MOMENTS = ("spawned", "1.5s", "hello", "step", "step+5")
-TRAINER = ["--model", "llama", "--size", "tiny", "--seq-len", "64", "--global-batch", "4", "--log-every", "1",
-           "--eval-every", "0", "--checkpoint-every", "0", "--device", "cpu", "--max-steps", "1000000"]
+TRAINER = [
+    "--model",
+    "llama",
+    "--size",
+    "tiny",
+    "--seq-len",
+    "64",
+    "--global-batch",
+    "4",
+    "--log-every",
+    "1",
+    "--eval-every",
+    "0",
+    "--checkpoint-every",
+    "0",
+    "--device",
+    "cpu",
+    "--max-steps",
+    "1000000",
+]
 
 
 def _events(run_dir: Path) -> list[dict]:
@@ -79,9 +97,13 @@ def stop_at(moment: str, timeout: float = 300.0) -> dict:
     with tempfile.TemporaryDirectory() as d:
         run_dir = Path(d) / "run"
         started = time.monotonic()
-        proc = subprocess.Popen([sys.executable, "-m", "gptop", "--no-ui", "train", *TRAINER, "--run-dir",
-                                 str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gptop", "--no-ui", "train", *TRAINER, "--run-dir", str(run_dir)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             while not _reached(moment, proc, started, run_dir):
                 if proc.poll() is not None or time.monotonic() - started > timeout:
@@ -97,8 +119,13 @@ def stop_at(moment: str, timeout: float = 300.0) -> dict:
                 proc.kill()
                 proc.communicate()
         status = [line for line in out.splitlines() if line.startswith("status: ")]
-        return {"moment": moment, "at_s": round(at, 2), "stop_s": round(latency, 3), "code": proc.returncode,
-                "status": status[-1] if status else None}
+        return {
+            "moment": moment,
+            "at_s": round(at, 2),
+            "stop_s": round(latency, 3),
+            "code": proc.returncode,
+            "status": status[-1] if status else None,
+        }
 
 
 def main() -> int:

@@ -20,8 +20,22 @@ from pathlib import Path
 
 def run_once(extra: list[str], timing: bool, steps: int, log_every: int) -> float:
     with tempfile.TemporaryDirectory() as d:
-        argv = [sys.executable, "-m", "trainer", "--run-dir", d, "--max-steps", str(steps), "--log-every",
-                str(log_every), "--eval-every", "0", "--checkpoint-every", "0", *extra]
+        argv = [
+            sys.executable,
+            "-m",
+            "trainer",
+            "--run-dir",
+            d,
+            "--max-steps",
+            str(steps),
+            "--log-every",
+            str(log_every),
+            "--eval-every",
+            "0",
+            "--checkpoint-every",
+            "0",
+            *extra,
+        ]
         argv.append("--timing" if timing else "--no-timing")
         subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
         steps_ev = [json.loads(line) for line in (Path(d) / "events.jsonl").read_text().splitlines()]
@@ -36,8 +50,7 @@ def main() -> None:
     ap.add_argument("--log-every", type=int, default=10)
     args, extra = ap.parse_known_args()
     if not extra:
-        extra = ["--model", "llama", "--size", "tiny", "--micro-batch", "8", "--global-batch", "16",
-                 "--seq-len", "128"]
+        extra = ["--model", "llama", "--size", "tiny", "--micro-batch", "8", "--global-batch", "16", "--seq-len", "128"]
     on, off = [], []
     for r in range(args.rounds):
         on.append(run_once(extra, True, args.steps, args.log_every))

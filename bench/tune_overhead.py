@@ -40,23 +40,54 @@ def loadavg() -> list[float]:
 
 def run(kind: str, args: list[str], budget: str, workdir: Path, env: dict[str, str]) -> dict:
     run_dir = workdir / f"{kind}-{time.strftime('%H%M%S')}"
-    argv = [sys.executable, "-m", "gptop", "--no-ui", kind, *(["--budget", budget] if kind == "tune" else []),
-            *args, "--run-dir", str(run_dir)]
+    argv = [
+        sys.executable,
+        "-m",
+        "gptop",
+        "--no-ui",
+        kind,
+        *(["--budget", budget] if kind == "tune" else []),
+        *args,
+        "--run-dir",
+        str(run_dir),
+    ]
     before = loadavg()
     t0 = time.monotonic()
     p = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=str(workdir))
     wall = time.monotonic() - t0
-    out = {"kind": kind, "argv": argv[3:], "wall_s": round(wall, 2), "rc": p.returncode, "load_before": before,
-           "load_after": loadavg()}
+    out = {
+        "kind": kind,
+        "argv": argv[3:],
+        "wall_s": round(wall, 2),
+        "rc": p.returncode,
+        "load_before": before,
+        "load_after": loadavg(),
+    }
     lines = (p.stdout + p.stderr).splitlines()
-    out["tuner"] = [line for line in lines if line.startswith(("tuner: keeping", "tuner: applying", "tuner: tuning ended",
-                                                               "tuner: stopped exploring", "tuner: no trial"))]
+    out["tuner"] = [
+        line
+        for line in lines
+        if line.startswith(
+            ("tuner: keeping", "tuner: applying", "tuner: tuning ended", "tuner: stopped exploring", "tuner: no trial")
+        )
+    ]
     out["trials"] = sum(1 for line in lines if line.startswith("trial "))
     report = run_dir / "tuning.json"
     if report.is_file():
         led = json.loads(report.read_text()).get("ledger") or {}
-        out["ledger"] = {k: led.get(k) for k in ("budget_s", "requested_budget_s", "tuning_s", "trials_run", "cost_s",
-                                                 "switch_s", "saving_s", "net_s")}
+        out["ledger"] = {
+            k: led.get(k)
+            for k in (
+                "budget_s",
+                "requested_budget_s",
+                "tuning_s",
+                "trials_run",
+                "cost_s",
+                "switch_s",
+                "saving_s",
+                "net_s",
+            )
+        }
     if p.returncode != 0:
         out["stderr_tail"] = p.stderr[-2000:]
     return out
@@ -67,11 +98,16 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=200, help="--max-steps of both runs (default: 200)")
     ap.add_argument("--budget", default="10m", help="the tuning budget (default: 10m)")
     ap.add_argument("--rounds", type=int, default=1, help="pairs of runs, the order alternating (default: 1)")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="OMP_NUM_THREADS for the trainers (default: unset, as a user runs it)")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="OMP_NUM_THREADS for the trainers (default: unset, as a user runs it)"
+    )
     ap.add_argument("--json", type=Path, default=None, help="write the results to this file")
-    ap.add_argument("args", nargs="*", default=["--model", "llama", "--size", "tiny"],
-                    help="the run's options after -- (default: --model llama --size tiny)")
+    ap.add_argument(
+        "args",
+        nargs="*",
+        default=["--model", "llama", "--size", "tiny"],
+        help="the run's options after -- (default: --model llama --size tiny)",
+    )
     a = ap.parse_args()
     args = [*a.args, "--max-steps", str(a.steps)]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -84,12 +120,15 @@ def main() -> int:
             order = ("train", "tune") if r % 2 == 0 else ("tune", "train")
             pair = {}
             for kind in order:
-                env["GPTOP_CACHE"] = str(workdir / f"cache-{r}")          # a fresh study for every tuning
+                env["GPTOP_CACHE"] = str(workdir / f"cache-{r}")  # a fresh study for every tuning
                 res = run(kind, args, a.budget, workdir, env)
                 pair[kind] = res
                 results.append(res)
-                print(f"round {r + 1} {kind:5}: {res['wall_s']:7.1f} s  rc {res['rc']}  load {res['load_before']} -> "
-                      f"{res['load_after']}" + (f"  {res['trials']} trials" if kind == "tune" else ""), flush=True)
+                print(
+                    f"round {r + 1} {kind:5}: {res['wall_s']:7.1f} s  rc {res['rc']}  load {res['load_before']} -> "
+                    f"{res['load_after']}" + (f"  {res['trials']} trials" if kind == "tune" else ""),
+                    flush=True,
+                )
                 for line in res["tuner"]:
                     print(f"              {line}", flush=True)
                 if "ledger" in res:
@@ -99,11 +138,17 @@ def main() -> int:
             print(f"round {r + 1} ratio tune/train: {ratio:.3f}", flush=True)
     ratio = statistics.median(ratios)
     verdict = "meets" if ratio <= BAR else "misses"
-    print(f"\ngptop tune --budget {a.budget} {' '.join(args)}: {ratio:.3f}x the same run without tuning "
-          f"({verdict} the {BAR}x bar; median of {len(ratios)} pair(s))")
+    print(
+        f"\ngptop tune --budget {a.budget} {' '.join(args)}: {ratio:.3f}x the same run without tuning "
+        f"({verdict} the {BAR}x bar; median of {len(ratios)} pair(s))"
+    )
     if a.json:
-        a.json.write_text(json.dumps({"args": args, "budget": a.budget, "ratios": ratios, "ratio": ratio,
-                                      "bar": BAR, "runs": results}, indent=2))
+        a.json.write_text(
+            json.dumps(
+                {"args": args, "budget": a.budget, "ratios": ratios, "ratio": ratio, "bar": BAR, "runs": results},
+                indent=2,
+            )
+        )
     return 0 if all(r["rc"] == 0 for r in results) else 1
 
 

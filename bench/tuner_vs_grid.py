@@ -45,16 +45,44 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 DEFAULT_SPACE = "-all micro_batch=1,2,4,8 prefetch=0,2 fused_adamw=on,off attention=sdpa,eager"
-SETUP = ["--model", "llama", "--size", "tiny", "--seq-len", "64", "--global-batch", "8", "--warmup-steps", "2",
-         "--eval-every", "0", "--checkpoint-every", "0", "--device", "cpu"]
+SETUP = [
+    "--model",
+    "llama",
+    "--size",
+    "tiny",
+    "--seq-len",
+    "64",
+    "--global-batch",
+    "8",
+    "--warmup-steps",
+    "2",
+    "--eval-every",
+    "0",
+    "--checkpoint-every",
+    "0",
+    "--device",
+    "cpu",
+]
 START = ["--micro-batch", "1", "--attention", "eager", "--prefetch", "0"]
 
 
 def toggles_argv(t: dict) -> list[str]:
-    out = ["--micro-batch", str(t["micro_batch"]), "--prefetch", str(t["prefetch"]), "--workers", str(t["workers"]),
-           "--attention", t["attention"], "--precision", t["precision"], "--compile", t["compile"],
-           "--fused-adamw" if t["fused_adamw"] else "--no-fused-adamw",
-           "--activation-checkpointing" if t["activation_checkpointing"] else "--no-activation-checkpointing"]
+    out = [
+        "--micro-batch",
+        str(t["micro_batch"]),
+        "--prefetch",
+        str(t["prefetch"]),
+        "--workers",
+        str(t["workers"]),
+        "--attention",
+        t["attention"],
+        "--precision",
+        t["precision"],
+        "--compile",
+        t["compile"],
+        "--fused-adamw" if t["fused_adamw"] else "--no-fused-adamw",
+        "--activation-checkpointing" if t["activation_checkpointing"] else "--no-activation-checkpointing",
+    ]
     return out
 
 
@@ -74,15 +102,29 @@ def measure(toggles: dict, steps: int, warmup: int, env: dict, work: Path) -> di
     from trainer.contract.events import StepEvent, read_events
 
     run_dir = Path(tempfile.mkdtemp(dir=work, prefix="grid-"))
-    argv = [sys.executable, "-m", "trainer", *SETUP, *toggles_argv(toggles), "--max-steps", str(warmup + steps),
-            "--log-every", "1", "--run-dir", str(run_dir)]
+    argv = [
+        sys.executable,
+        "-m",
+        "trainer",
+        *SETUP,
+        *toggles_argv(toggles),
+        "--max-steps",
+        str(warmup + steps),
+        "--log-every",
+        "1",
+        "--run-dir",
+        str(run_dir),
+    ]
     t0 = time.monotonic()
     p = subprocess.run(argv, capture_output=True, text=True, env=env)
     wall = time.monotonic() - t0
     if p.returncode != 0:
         return {"toggles": toggles, "tokens_per_s": None, "wall_s": wall, "error": p.stderr.strip()[-300:]}
-    tps = [e.tokens_per_s for e in read_events(run_dir / "events.jsonl")
-           if isinstance(e, StepEvent) and e.step > warmup and e.tokens_per_s]
+    tps = [
+        e.tokens_per_s
+        for e in read_events(run_dir / "events.jsonl")
+        if isinstance(e, StepEvent) and e.step > warmup and e.tokens_per_s
+    ]
     q = statistics.quantiles(tps, n=4) if len(tps) >= 4 else [min(tps), 0, max(tps)]
     return {"toggles": toggles, "tokens_per_s": statistics.median(tps), "iqr": [q[0], q[2]], "wall_s": wall}
 
@@ -90,9 +132,28 @@ def measure(toggles: dict, steps: int, warmup: int, env: dict, work: Path) -> di
 def run_tuner(spec: str, budget: str, start_argv: list[str], env: dict, work: Path) -> dict:
     run_dir = work / "tune"
     storage = f"sqlite:///{work / 'study.sqlite3'}"
-    argv = [sys.executable, "-m", "gptop", "--no-ui", "tune", "--tune-only", "--budget", budget,
-            "--tune-space", spec, "--storage", storage, *SETUP, *start_argv, "--max-steps", "100000",
-            "--log-every", "1", "--run-dir", str(run_dir)]
+    argv = [
+        sys.executable,
+        "-m",
+        "gptop",
+        "--no-ui",
+        "tune",
+        "--tune-only",
+        "--budget",
+        budget,
+        "--tune-space",
+        spec,
+        "--storage",
+        storage,
+        *SETUP,
+        *start_argv,
+        "--max-steps",
+        "100000",
+        "--log-every",
+        "1",
+        "--run-dir",
+        str(run_dir),
+    ]
     t0 = time.monotonic()
     p = subprocess.run(argv, capture_output=True, text=True, env=env)
     wall = time.monotonic() - t0
@@ -100,9 +161,14 @@ def run_tuner(spec: str, budget: str, start_argv: list[str], env: dict, work: Pa
         raise SystemExit(f"gptop tune failed ({p.returncode}):\n{p.stderr[-2000:]}\n{p.stdout[-2000:]}")
     report = json.loads((run_dir / "tuning.json").read_text())
     this = [t for t in report["trials"] if t["run"] == "this"]
-    return {"wall_s": wall, "best": report["best"], "best_tokens_per_s": report["best_tokens_per_s"],
-            "trials": len([t for t in this if t.get("duration_s")]), "applied": report["applied"],
-            "outcome": report["outcome"]}
+    return {
+        "wall_s": wall,
+        "best": report["best"],
+        "best_tokens_per_s": report["best_tokens_per_s"],
+        "trials": len([t for t in this if t.get("duration_s")]),
+        "applied": report["applied"],
+        "outcome": report["outcome"],
+    }
 
 
 def key(t: dict) -> str:
@@ -121,8 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=30, help="grid: measured steps per configuration (default: 30)")
     ap.add_argument("--warmup", type=int, default=5, help="grid: discarded steps per configuration (default: 5)")
     ap.add_argument("--threads", default="1", help="OMP_NUM_THREADS for the trainers (default: 1)")
-    ap.add_argument("--confirm", type=int, default=3,
-                    help="rounds re-measuring the grid's top 3 and the tuner's pick alternately (default: 3)")
+    ap.add_argument(
+        "--confirm",
+        type=int,
+        default=3,
+        help="rounds re-measuring the grid's top 3 and the tuner's pick alternately (default: 3)",
+    )
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = ap.parse_args(argv)
 
@@ -134,14 +204,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     add_arguments(p)
     start = dataclasses.asdict(config_from_args(p.parse_args(SETUP + START)).toggles)
-    print(f"grid: {len(configs)} configurations x ({args.warmup} + {args.steps}) steps, each in a fresh process",
-          flush=True)
+    print(
+        f"grid: {len(configs)} configurations x ({args.warmup} + {args.steps}) steps, each in a fresh process",
+        flush=True,
+    )
     grid = []
     for i, t in enumerate(configs, 1):
         r = measure(t, args.steps, args.warmup, env, work)
         grid.append(r)
-        print(f"  {i:2d}/{len(configs)} {diff(t, start):55s} "
-              f"{(r['tokens_per_s'] or 0):8.0f} tok/s  {r['wall_s']:5.1f} s", flush=True)
+        print(
+            f"  {i:2d}/{len(configs)} {diff(t, start):55s} {(r['tokens_per_s'] or 0):8.0f} tok/s  {r['wall_s']:5.1f} s",
+            flush=True,
+        )
     grid_s = sum(r["wall_s"] for r in grid)
     ok = [r for r in grid if r["tokens_per_s"]]
     best = max(ok, key=lambda r: r["tokens_per_s"])
@@ -161,22 +235,30 @@ def main(argv: list[str] | None = None) -> int:
             r = measure(t, args.steps, args.warmup, env, work)
             if r["tokens_per_s"]:
                 again[k].append(r["tokens_per_s"])
-        print(f"  confirmation round {rnd + 1}/{args.confirm}: " + ", ".join(
-            f"{diff(contenders[k], start) or '(start)'} {v[-1]:.0f}" for k, v in again.items() if v), flush=True)
+        print(
+            f"  confirmation round {rnd + 1}/{args.confirm}: "
+            + ", ".join(f"{diff(contenders[k], start) or '(start)'} {v[-1]:.0f}" for k, v in again.items() if v),
+            flush=True,
+        )
     confirmed = {k: statistics.median(v) for k, v in again.items() if v}
     confirmed_share = None
     if confirmed and key(tuner["best"]) in confirmed:
         confirmed_share = confirmed[key(tuner["best"])] / max(confirmed.values())
     result = {
-        "space": args.space, "configurations": len(configs), "start": start, "budget": args.budget,
-        "grid": {"wall_s": grid_s, "best": best["toggles"], "best_tokens_per_s": best["tokens_per_s"],
-                 "results": grid},
-        "tuner": tuner | {"grid_tokens_per_s_of_pick": picked["tokens_per_s"] if picked else None,
-                          "rank_in_grid": rank},
-        "share_of_best_throughput": reached, "share_of_grid_time": tuner["wall_s"] / grid_s,
-        "confirmation": {"rounds": args.confirm,
-                         "tokens_per_s": [{"toggles": contenders[k], "runs": again[k]} for k in contenders],
-                         "share_of_best_throughput": confirmed_share},
+        "space": args.space,
+        "configurations": len(configs),
+        "start": start,
+        "budget": args.budget,
+        "grid": {"wall_s": grid_s, "best": best["toggles"], "best_tokens_per_s": best["tokens_per_s"], "results": grid},
+        "tuner": tuner
+        | {"grid_tokens_per_s_of_pick": picked["tokens_per_s"] if picked else None, "rank_in_grid": rank},
+        "share_of_best_throughput": reached,
+        "share_of_grid_time": tuner["wall_s"] / grid_s,
+        "confirmation": {
+            "rounds": args.confirm,
+            "tokens_per_s": [{"toggles": contenders[k], "runs": again[k]} for k in contenders],
+            "share_of_best_throughput": confirmed_share,
+        },
         "start_tokens_per_s": by_key.get(key(start), {}).get("tokens_per_s"),
         "machine": {"cpus": os.cpu_count(), "load_avg": os.getloadavg(), "threads": args.threads},
     }
@@ -184,17 +266,28 @@ def main(argv: list[str] | None = None) -> int:
     print("| | grid | tuner |")
     print("|---|---|---|")
     print(f"| configurations measured | {len(configs)} | {tuner['trials']} |")
-    print(f"| wall time | {grid_s:.0f} s | {tuner['wall_s']:.0f} s ({result['share_of_grid_time']:.0%} of the grid's) |")
-    print(f"| best found | {diff(best['toggles'], start)}: {best['tokens_per_s']:.0f} tok/s | "
-          f"{diff(tuner['best'], start)}: {(picked or {}).get('tokens_per_s') or 0:.0f} tok/s in the grid "
-          f"(rank {rank}/{len(ok)}; tuner's estimate {tuner['best_tokens_per_s'] or 0:.0f}) |")
-    print(f"| share of the grid's best throughput | 100% | "
-          f"{reached:.0%} |" if reached is not None else "| share of the grid's best throughput | 100% | n/a |")
+    print(
+        f"| wall time | {grid_s:.0f} s | {tuner['wall_s']:.0f} s ({result['share_of_grid_time']:.0%} of the grid's) |"
+    )
+    print(
+        f"| best found | {diff(best['toggles'], start)}: {best['tokens_per_s']:.0f} tok/s | "
+        f"{diff(tuner['best'], start)}: {(picked or {}).get('tokens_per_s') or 0:.0f} tok/s in the grid "
+        f"(rank {rank}/{len(ok)}; tuner's estimate {tuner['best_tokens_per_s'] or 0:.0f}) |"
+    )
+    print(
+        f"| share of the grid's best throughput | 100% | {reached:.0%} |"
+        if reached is not None
+        else "| share of the grid's best throughput | 100% | n/a |"
+    )
     if confirmed_share is not None:
-        print(f"| same, re-measured alternately with the grid's top 3 ({args.confirm} rounds, medians) | "
-              f"{max(confirmed.values()):.0f} tok/s | {confirmed_share:.0%} |")
-    print(f"\nstart ({diff(start, start)}): {result['start_tokens_per_s'] or 0:.0f} tok/s in the grid; "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+        print(
+            f"| same, re-measured alternately with the grid's top 3 ({args.confirm} rounds, medians) | "
+            f"{max(confirmed.values()):.0f} tok/s | {confirmed_share:.0%} |"
+        )
+    print(
+        f"\nstart ({diff(start, start)}): {result['start_tokens_per_s'] or 0:.0f} tok/s in the grid; "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2, default=str) + "\n")
     return 0

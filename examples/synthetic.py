@@ -40,6 +40,14 @@ class SyntheticText(Dataset):
 def tiny_llama(seq_len: int) -> LlamaForCausalLM:
     """A 115k-parameter Llama: 2 layers of width 64."""
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=4,
-                                        max_position_embeddings=seq_len))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=seq_len,
+        )
+    )

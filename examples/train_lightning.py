@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from gptop.integrations.lightning import GptopCallback
-from synthetic import SyntheticText, tiny_llama          # examples/synthetic.py: the data and the model
+from synthetic import SyntheticText, tiny_llama  # examples/synthetic.py: the data and the model
 
 
 class CausalLM(L.LightningModule):
@@ -38,14 +38,25 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8, help="sequences per step (default: 8)")
     ap.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default: 64)")
     ap.add_argument("--out", default="lightning-run", help="default_root_dir (default: lightning-run)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                    help="cuda or cpu (default: cuda when there is one)")
+    ap.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cuda or cpu (default: cuda when there is one)",
+    )
     args = ap.parse_args()
 
     data = DataLoader(SyntheticText(args.steps * args.batch, args.seq_len), batch_size=args.batch)
-    trainer = L.Trainer(max_steps=args.steps, accelerator="gpu" if args.device == "cuda" else "cpu", devices=1,
-                        default_root_dir=args.out, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        log_every_n_steps=10, callbacks=[GptopCallback()])
+    trainer = L.Trainer(
+        max_steps=args.steps,
+        accelerator="gpu" if args.device == "cuda" else "cpu",
+        devices=1,
+        default_root_dir=args.out,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=10,
+        callbacks=[GptopCallback()],
+    )
     trainer.fit(CausalLM(args.seq_len, lr=3e-3), train_dataloaders=data)
     print(f"trained to step {trainer.global_step}", flush=True)
 

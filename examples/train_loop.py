@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from gptop.integrations.torch import Probe
-from synthetic import sequences, tiny_llama             # examples/synthetic.py: the data and the model
+from synthetic import sequences, tiny_llama  # examples/synthetic.py: the data and the model
+
 
 def batches(batch: int, seq_len: int, seed: int):
     """Batches of the synthetic language, endlessly (a resumed run draws from its own seed)."""
@@ -37,12 +38,19 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8, help="sequences per step (default: 8)")
     ap.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default: 64)")
     ap.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
-    ap.add_argument("--step-sleep", type=float, default=0.0,
-                    help="seconds to wait in each data phase, to watch a slow input pipeline (default: 0)")
+    ap.add_argument(
+        "--step-sleep",
+        type=float,
+        default=0.0,
+        help="seconds to wait in each data phase, to watch a slow input pipeline (default: 0)",
+    )
     ap.add_argument("--out", default="checkpoints-loop", help="checkpoint directory (default: checkpoints-loop)")
     ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                    help="where to train (default: cuda when there is one, else cpu)")
+    ap.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where to train (default: cuda when there is one, else cpu)",
+    )
     args = ap.parse_args()
 
     model = tiny_llama(args.seq_len).to(args.device)
@@ -65,8 +73,9 @@ def main() -> None:
     if start >= args.steps:
         print(f"{ckpt} is at step {start}, already --steps {args.steps}: nothing to train", flush=True)
         return
-    probe = Probe(model, tokens_per_step=args.batch * args.seq_len, seq_len=args.seq_len, optimizer=opt,
-                  max_steps=args.steps)
+    probe = Probe(
+        model, tokens_per_step=args.batch * args.seq_len, seq_len=args.seq_len, optimizer=opt, max_steps=args.steps
+    )
     data = batches(args.batch, args.seq_len, seed=start)
     step = start
     for step in range(start + 1, args.steps + 1):
@@ -83,7 +92,7 @@ def main() -> None:
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-            probe.log(loss=loss, grad_norm=norm)       # tensors: read back only at gptop's log steps
+            probe.log(loss=loss, grad_norm=norm)  # tensors: read back only at gptop's log steps
         if probe.should_checkpoint or probe.should_stop:
             probe.checkpointed(save(step))
         if probe.should_stop:

@@ -13,7 +13,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from gptop.integrations.transformers import GptopCallback, resume_checkpoint, tuned_args
-from synthetic import SyntheticText, tiny_llama          # examples/synthetic.py: the data and the model
+from synthetic import SyntheticText, tiny_llama  # examples/synthetic.py: the data and the model
 
 
 def main() -> None:
@@ -23,19 +23,38 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default: 64)")
     ap.add_argument("--accumulation", type=int, default=1, help="gradient accumulation steps (default: 1)")
     ap.add_argument("--out", default="checkpoints-hf", help="output_dir (default: checkpoints-hf)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                    help="cuda or cpu (default: cuda when there is one)")
+    ap.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cuda or cpu (default: cuda when there is one)",
+    )
     ap.add_argument("--bf16", action="store_true", help="bf16 mixed precision (TrainingArguments.bf16)")
     args = ap.parse_args()
 
     model = tiny_llama(args.seq_len)
-    training = tuned_args(TrainingArguments(
-        output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=args.batch,
-        gradient_accumulation_steps=args.accumulation, learning_rate=3e-3, lr_scheduler_type="constant",
-        logging_steps=10, save_steps=1000, report_to="none", use_cpu=args.device == "cpu", bf16=args.bf16,
-        disable_tqdm=True, dataloader_num_workers=0))
-    trainer = Trainer(model=model, args=training, callbacks=[GptopCallback()],
-                      train_dataset=SyntheticText(args.steps * args.batch * args.accumulation, args.seq_len))
+    training = tuned_args(
+        TrainingArguments(
+            output_dir=args.out,
+            max_steps=args.steps,
+            per_device_train_batch_size=args.batch,
+            gradient_accumulation_steps=args.accumulation,
+            learning_rate=3e-3,
+            lr_scheduler_type="constant",
+            logging_steps=10,
+            save_steps=1000,
+            report_to="none",
+            use_cpu=args.device == "cpu",
+            bf16=args.bf16,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+        )
+    )
+    trainer = Trainer(
+        model=model,
+        args=training,
+        callbacks=[GptopCallback()],
+        train_dataset=SyntheticText(args.steps * args.batch * args.accumulation, args.seq_len),
+    )
     result = trainer.train(resume_from_checkpoint=resume_checkpoint(training))
     print(f"trained to step {trainer.state.global_step}; mean loss {result.training_loss:.3f}", flush=True)
 

@@ -38,27 +38,40 @@ from typing import Any, Callable, Iterable
 
 from trainer.contract.config import Range, number_arg
 from trainer.contract.device import gpu_key
-from trainer.contract.events import (PHASES, AlertEvent, AlertKind, CheckpointEvent, DeviceEvent, DoneEvent,
-                                     ErrorEvent, EvalEvent, Event, HelloEvent, PhaseEvent, ProgressEvent, Severity,
-                                     StepEvent, WarningEvent)
+from trainer.contract.events import (
+    PHASES,
+    AlertEvent,
+    AlertKind,
+    CheckpointEvent,
+    DeviceEvent,
+    DoneEvent,
+    ErrorEvent,
+    EvalEvent,
+    Event,
+    HelloEvent,
+    PhaseEvent,
+    ProgressEvent,
+    Severity,
+    StepEvent,
+    WarningEvent,
+)
 
-CHECKPOINT_GRACE_S = 120.0    # a checkpoint or eval step before any was timed: what a large model's first may take
-MIN_SPIKE_RISE = 0.05         # a loss spike rises at least this share of the median (a flat loss has no MAD)
-LOSS_WINDOW = 100             # logged losses the median/MAD look at
-LOSS_RECOMPUTE = 10           # ... recomputed every this many (they move slowly; each loss is judged against them)
-MIN_LOSSES = 20               # ... and at least this many before a spike can be judged
-STEP_WINDOW = 50              # step intervals the stall's median looks at
-MIN_STEPS = 3                 # ... and at least this many before a stall can be judged
-RATE_HISTORY = 2000           # step events (time, tokens/s, phases) kept for the throughput baseline
-MIN_RATE_EVENTS = 3           # step events the recent window needs, and twice that the baseline
-RATE_CHECKS = 30              # the throughput is judged this many times per --alert-throughput-after window
-BAD_CLOCK_REASONS = ("hw slowdown", "hw thermal", "sw thermal", "power brake")   # gptop.nvml.THROTTLE_REASONS
-MAD_SCALE = 1.4826            # MAD * this estimates the standard deviation of normal noise
+CHECKPOINT_GRACE_S = 120.0  # a checkpoint or eval step before any was timed: what a large model's first may take
+MIN_SPIKE_RISE = 0.05  # a loss spike rises at least this share of the median (a flat loss has no MAD)
+LOSS_WINDOW = 100  # logged losses the median/MAD look at
+LOSS_RECOMPUTE = 10  # ... recomputed every this many (they move slowly; each loss is judged against them)
+MIN_LOSSES = 20  # ... and at least this many before a spike can be judged
+STEP_WINDOW = 50  # step intervals the stall's median looks at
+MIN_STEPS = 3  # ... and at least this many before a stall can be judged
+RATE_HISTORY = 2000  # step events (time, tokens/s, phases) kept for the throughput baseline
+MIN_RATE_EVENTS = 3  # step events the recent window needs, and twice that the baseline
+RATE_CHECKS = 30  # the throughput is judged this many times per --alert-throughput-after window
+BAD_CLOCK_REASONS = ("hw slowdown", "hw thermal", "sw thermal", "power brake")  # gptop.nvml.THROTTLE_REASONS
+MAD_SCALE = 1.4826  # MAD * this estimates the standard deviation of normal noise
 
 
 def _opt(default: float, low: float, high: float, flag: str, metavar: str, help: str) -> Any:
-    return field(default=default, metadata={"range": Range(low, high), "flag": flag, "metavar": metavar,
-                                            "help": help})
+    return field(default=default, metadata={"range": Range(low, high), "flag": flag, "metavar": metavar, "help": help})
 
 
 @dataclass(frozen=True)
@@ -66,19 +79,42 @@ class AlertOptions:
     """When each alert fires. The one declaration of the thresholds: the `--alert-*` flags come from it."""
 
     enabled: bool = True
-    stall_factor: float = _opt(10.0, 2.0, 10_000.0, "--alert-stall-factor", "X",
-                               "a stall is no step for X times the recent median step time")
-    stall_after_s: float = _opt(15.0, 1.0, 7 * 86400.0, "--alert-stall-after", "S",
-                                "... and for at least S seconds")
-    loss_spike_mads: float = _opt(10.0, 3.0, 1000.0, "--alert-loss-spike", "N",
-                                  "a loss spike is a loss N scaled MADs above the median of the last "
-                                  f"{LOSS_WINDOW} logged losses")
-    throughput_drop: float = _opt(0.4, 0.05, 0.95, "--alert-throughput-drop", "F",
-                                  "a throughput drop is tokens/s below (1 - F) of the steady rate ...")
-    throughput_after_s: float = _opt(120.0, 5.0, 7 * 86400.0, "--alert-throughput-after", "S",
-                                     "... for S seconds (the median of the step events in them)")
-    throttle_after_s: float = _opt(30.0, 0.0, 7 * 86400.0, "--alert-throttle-after", "S",
-                                   "GPU clocks held down by heat, the hardware or a power brake for S seconds")
+    stall_factor: float = _opt(
+        10.0, 2.0, 10_000.0, "--alert-stall-factor", "X", "a stall is no step for X times the recent median step time"
+    )
+    stall_after_s: float = _opt(15.0, 1.0, 7 * 86400.0, "--alert-stall-after", "S", "... and for at least S seconds")
+    loss_spike_mads: float = _opt(
+        10.0,
+        3.0,
+        1000.0,
+        "--alert-loss-spike",
+        "N",
+        f"a loss spike is a loss N scaled MADs above the median of the last {LOSS_WINDOW} logged losses",
+    )
+    throughput_drop: float = _opt(
+        0.4,
+        0.05,
+        0.95,
+        "--alert-throughput-drop",
+        "F",
+        "a throughput drop is tokens/s below (1 - F) of the steady rate ...",
+    )
+    throughput_after_s: float = _opt(
+        120.0,
+        5.0,
+        7 * 86400.0,
+        "--alert-throughput-after",
+        "S",
+        "... for S seconds (the median of the step events in them)",
+    )
+    throttle_after_s: float = _opt(
+        30.0,
+        0.0,
+        7 * 86400.0,
+        "--alert-throttle-after",
+        "S",
+        "GPU clocks held down by heat, the hardware or a power brake for S seconds",
+    )
 
     @staticmethod
     def thresholds() -> list[dataclasses.Field]:
@@ -91,23 +127,32 @@ def add_alert_arguments(parser: argparse.ArgumentParser) -> None:
     from .notify import add_notify_arguments
 
     g = parser.add_argument_group("alerts (docs/dashboard.md)")
-    g.add_argument("--no-alerts", dest="alerts", action="store_false", default=True,
-                   help="raise no alerts (stall, loss spike, NaN rollback, throughput drop, device trouble) "
-                        "(default: on)")
+    g.add_argument(
+        "--no-alerts",
+        dest="alerts",
+        action="store_false",
+        default=True,
+        help="raise no alerts (stall, loss spike, NaN rollback, throughput drop, device trouble) (default: on)",
+    )
     defaults = AlertOptions()
     for f in AlertOptions.thresholds():
         rng: Range = f.metadata["range"]
-        g.add_argument(f.metadata["flag"], dest=f"alert_{f.name}", metavar=f.metadata["metavar"],
-                       type=number_arg(float, rng.low, rng.high), default=getattr(defaults, f.name),
-                       help=f"{f.metadata['help']} "
-                            f"(default: {getattr(defaults, f.name):g}; {rng})".replace("%", "%%"))
+        g.add_argument(
+            f.metadata["flag"],
+            dest=f"alert_{f.name}",
+            metavar=f.metadata["metavar"],
+            type=number_arg(float, rng.low, rng.high),
+            default=getattr(defaults, f.name),
+            help=f"{f.metadata['help']} (default: {getattr(defaults, f.name):g}; {rng})".replace("%", "%%"),
+        )
     add_notify_arguments(g)
 
 
 def alert_options(ns: argparse.Namespace) -> AlertOptions:
     """The AlertOptions a parsed command line asks for (defaults where a flag is absent)."""
-    values = {f.name: getattr(ns, f"alert_{f.name}") for f in AlertOptions.thresholds()
-              if hasattr(ns, f"alert_{f.name}")}
+    values = {
+        f.name: getattr(ns, f"alert_{f.name}") for f in AlertOptions.thresholds() if hasattr(ns, f"alert_{f.name}")
+    }
     return AlertOptions(enabled=getattr(ns, "alerts", True), **values)
 
 
@@ -127,7 +172,7 @@ class _Rank:
 
     step: int | None = None
     what: str = "nothing yet"
-    at: float | None = None      # receipt time
+    at: float | None = None  # receipt time
 
 
 @dataclass
@@ -143,31 +188,37 @@ class AlertMonitor:
     `alive()` says whether the trainer process runs (no stall without one); `clock` is the receipt clock the
     stall is judged on (the trainer's own event times can come from another machine's clock)."""
 
-    def __init__(self, options: AlertOptions | None = None, *, alive: Callable[[], bool] = lambda: True,
-                 clock: Callable[[], float] = time.time, node: str | None = None) -> None:
+    def __init__(
+        self,
+        options: AlertOptions | None = None,
+        *,
+        alive: Callable[[], bool] = lambda: True,
+        clock: Callable[[], float] = time.time,
+        node: str | None = None,
+    ) -> None:
         self.options = options or AlertOptions()
         self.alive = alive
         self.clock = clock
         self.node = node
         self._lock = threading.Lock()
-        self._open: dict[str, AlertEvent] = {}            # id -> the raise, while not resolved
+        self._open: dict[str, AlertEvent] = {}  # id -> the raise, while not resolved
         self._serial = 0
-        self._step: int | None = None                      # the run's latest step
-        self._reached: int = 0                             # the highest step the run has reached
+        self._step: int | None = None  # the run's latest step
+        self._reached: int = 0  # the highest step the run has reached
         # stall
-        self._stepped = False                              # this trainer process has done a step
-        self._ended = False                                # it said done or failed
-        self._last_progress: float | None = None           # receipt time of its latest step
-        self._last_step_time: tuple[float, int] | None = None   # (event time, step) of the latest progress
-        self._intervals: deque[float] = deque(maxlen=STEP_WINDOW)   # seconds per step
-        self._slowest_pause = 0.0                          # longest checkpoint or eval seen, seconds
+        self._stepped = False  # this trainer process has done a step
+        self._ended = False  # it said done or failed
+        self._last_progress: float | None = None  # receipt time of its latest step
+        self._last_step_time: tuple[float, int] | None = None  # (event time, step) of the latest progress
+        self._intervals: deque[float] = deque(maxlen=STEP_WINDOW)  # seconds per step
+        self._slowest_pause = 0.0  # longest checkpoint or eval seen, seconds
         self._checkpoint_every: int | None = None
         self._eval_every: int | None = None
         self._ranks: dict[int, _Rank] = {}
         # loss
         self._primary: int | None = None
         self._losses: deque[float] = deque(maxlen=LOSS_WINDOW)
-        self._loss_stats: tuple[float, float] | None = None   # (median, MAD), recomputed every LOSS_RECOMPUTE
+        self._loss_stats: tuple[float, float] | None = None  # (median, MAD), recomputed every LOSS_RECOMPUTE
         self._losses_since = 0
         # throughput: (event time, tokens/s, phases) of this process's steady step events
         self._rates: deque[tuple[float, float, dict[str, float]]] = deque(maxlen=RATE_HISTORY)
@@ -220,8 +271,16 @@ class AlertMonitor:
             return list(self._open.values())
 
     # --- raising and resolving --------------------------------------------------------------------------------
-    def _raise(self, out: list[AlertEvent], kind: AlertKind, severity: Severity, message: str, *,
-               key: str | None = None, **kw: Any) -> None:
+    def _raise(
+        self,
+        out: list[AlertEvent],
+        kind: AlertKind,
+        severity: Severity,
+        message: str,
+        *,
+        key: str | None = None,
+        **kw: Any,
+    ) -> None:
         """Raise an alert of `kind` (one open per `key`, default the kind): a second raise while it is open
         updates it (same id)."""
         key = key or kind.value
@@ -231,8 +290,16 @@ class AlertMonitor:
             alert_id = f"{key}-{self._serial}"
         else:
             alert_id = old.id
-        alert = AlertEvent(time=self.clock(), id=alert_id, kind=kind, severity=severity, message=message,
-                           step=self._step, node=kw.pop("node", self.node), **kw)
+        alert = AlertEvent(
+            time=self.clock(),
+            id=alert_id,
+            kind=kind,
+            severity=severity,
+            message=message,
+            step=self._step,
+            node=kw.pop("node", self.node),
+            **kw,
+        )
         self._open[key] = alert
         out.append(alert)
 
@@ -240,9 +307,21 @@ class AlertMonitor:
         old = self._open.pop(key, None)
         if old is None:
             return
-        out.append(AlertEvent(time=self.clock(), id=old.id, kind=old.kind, severity=old.severity, message=message,
-                              resolved=True, step=self._step, figures={**old.figures, **figures}, ranks=old.ranks, node=old.node,
-                              device=old.device))
+        out.append(
+            AlertEvent(
+                time=self.clock(),
+                id=old.id,
+                kind=old.kind,
+                severity=old.severity,
+                message=message,
+                resolved=True,
+                step=self._step,
+                figures={**old.figures, **figures},
+                ranks=old.ranks,
+                node=old.node,
+                device=old.device,
+            )
+        )
 
     def is_open(self, key: str) -> bool:
         with self._lock:
@@ -254,7 +333,7 @@ class AlertMonitor:
             return
         r = self._ranks.setdefault(event.rank, _Rank())
         if isinstance(event, (StepEvent, ProgressEvent)):
-            r.step = event.step            # a rollback lowers it: the latest is what the rank is at
+            r.step = event.step  # a rollback lowers it: the latest is what the rank is at
             r.what = f"step {event.step}"
         elif isinstance(event, PhaseEvent):
             r.what = f"startup: {event.message}"
@@ -267,7 +346,7 @@ class AlertMonitor:
         r.at = now
 
     def _on_hello(self, e: HelloEvent) -> None:
-        if e.early:                 # a new trainer process: not judged until its first step
+        if e.early:  # a new trainer process: not judged until its first step
             self._stepped = False
             self._ended = False
             self._last_progress = None
@@ -278,7 +357,7 @@ class AlertMonitor:
         self._eval_every = _int((cfg.get("log") or {}).get("eval_every"))
         if e.gpus:
             self._run_gpus = set(e.gpus)
-        self._rates.clear()         # new toggles, a new steady rate
+        self._rates.clear()  # new toggles, a new steady rate
         self._warm = True
         self._frozen_base = None
         self._rate_checked = float("-inf")
@@ -301,8 +380,12 @@ class AlertMonitor:
         stalled = self._open.get(AlertKind.STALL.value)
         if stalled is not None and self._last_progress is not None:
             quiet = now - self._last_progress
-            self._resolve(out, AlertKind.STALL.value, f"progress again: step {step} after {quiet:.0f} s without one",
-                          stalled_s=round(quiet, 1))
+            self._resolve(
+                out,
+                AlertKind.STALL.value,
+                f"progress again: step {step} after {quiet:.0f} s without one",
+                stalled_s=round(quiet, 1),
+            )
         self._last_progress = now
 
     def stall_limit(self) -> float | None:
@@ -323,9 +406,11 @@ class AlertMonitor:
         if limit is None or now - self._last_progress < limit or not self.alive():
             return
         quiet = now - self._last_progress
-        median = _median(self._intervals)     # stall_limit is not None: MIN_STEPS intervals at least
-        msg = (f"no step for {quiet:.0f} s (last: step {self._step}; recent median {median:.3g} s per step, "
-               f"alert after {limit:.0f} s); the trainer process is alive")
+        median = _median(self._intervals)  # stall_limit is not None: MIN_STEPS intervals at least
+        msg = (
+            f"no step for {quiet:.0f} s (last: step {self._step}; recent median {median:.3g} s per step, "
+            f"alert after {limit:.0f} s); the trainer process is alive"
+        )
         behind: list[int] = []
         steps = {r: x.step for r, x in self._ranks.items() if x.step is not None}
         if len(steps) > 1:
@@ -337,10 +422,20 @@ class AlertMonitor:
                 ago = f", {now - x.at:.0f} s ago" if x.at is not None else ""
                 parts.append(f"rank {r}{' (behind)' if r in behind else ''}: {x.what}{ago}")
             msg += "; " + "; ".join(parts)
-        self._raise(out, AlertKind.STALL, Severity.CRITICAL, msg, ranks=behind or None,
-                    figures={"seconds": round(quiet, 1), "median_step_s": median, "limit_s": round(limit, 1),
-                             "last_step": self._step,
-                             "rank_steps": {str(r): s for r, s in sorted(steps.items())} if len(steps) > 1 else None})
+        self._raise(
+            out,
+            AlertKind.STALL,
+            Severity.CRITICAL,
+            msg,
+            ranks=behind or None,
+            figures={
+                "seconds": round(quiet, 1),
+                "median_step_s": median,
+                "limit_s": round(limit, 1),
+                "last_step": self._step,
+                "rank_steps": {str(r): s for r, s in sorted(steps.items())} if len(steps) > 1 else None,
+            },
+        )
 
     def _on_step(self, e: StepEvent, out: list[AlertEvent]) -> None:
         if e.rank != self._primary:
@@ -348,8 +443,9 @@ class AlertMonitor:
         self._loss(e, out)
         nan = self._open.get(AlertKind.NAN_ROLLBACK.value)
         if nan is not None and e.loss is not None and e.step > (nan.figures.get("reached") or 0):
-            self._resolve(out, AlertKind.NAN_ROLLBACK.value, f"past the rollback: step {e.step} with a finite "
-                          f"loss ({e.loss:.4g})")
+            self._resolve(
+                out, AlertKind.NAN_ROLLBACK.value, f"past the rollback: step {e.step} with a finite loss ({e.loss:.4g})"
+            )
         self._throughput(e, out)
 
     def _loss(self, e: StepEvent, out: list[AlertEvent]) -> None:
@@ -367,25 +463,31 @@ class AlertMonitor:
             line = med + max(self.options.loss_spike_mads * scale, MIN_SPIKE_RISE * abs(med))
             if loss > line:
                 mads = (loss - med) / scale if scale > 0 else float("inf")
-                self._raise(out, AlertKind.LOSS_SPIKE, Severity.WARNING,
-                            f"loss {loss:.4g} at step {e.step}: {'%.0f' % mads if mads != float('inf') else 'many'} "
-                            f"MADs above the median {med:.4g} of the last {len(self._losses)} logged losses "
-                            f"(alert above {line:.4g})",
-                            figures={"loss": loss, "median": med, "mad": mad, "line": line, "step": e.step})
+                self._raise(
+                    out,
+                    AlertKind.LOSS_SPIKE,
+                    Severity.WARNING,
+                    f"loss {loss:.4g} at step {e.step}: {'%.0f' % mads if mads != float('inf') else 'many'} "
+                    f"MADs above the median {med:.4g} of the last {len(self._losses)} logged losses "
+                    f"(alert above {line:.4g})",
+                    figures={"loss": loss, "median": med, "mad": mad, "line": line, "step": e.step},
+                )
             elif key in self._open:
-                self._resolve(out, key, f"loss back to {loss:.4g} at step {e.step} (median {med:.4g})",
-                              back_loss=loss)
+                self._resolve(out, key, f"loss back to {loss:.4g} at step {e.step} (median {med:.4g})", back_loss=loss)
         self._losses.append(loss)
         self._losses_since += 1
 
     def _on_rollback(self, e: WarningEvent, out: list[AlertEvent]) -> None:
-        figures = {"reached": self._reached, "rolled_back_to": e.step, "lr_scale": e.lr_scale,
-                   "skipped_batches": len(e.skip_batches or [])}
-        self._raise(out, AlertKind.NAN_ROLLBACK, Severity.WARNING,
-                    f"non-finite step: {e.message}", figures=figures)
+        figures = {
+            "reached": self._reached,
+            "rolled_back_to": e.step,
+            "lr_scale": e.lr_scale,
+            "skipped_batches": len(e.skip_batches or []),
+        }
+        self._raise(out, AlertKind.NAN_ROLLBACK, Severity.WARNING, f"non-finite step: {e.message}", figures=figures)
 
     def _throughput(self, e: StepEvent, out: list[AlertEvent]) -> None:
-        if self._warm:                      # a process's first step event carries compilation and warm-up
+        if self._warm:  # a process's first step event carries compilation and warm-up
             self._warm = False
             return
         if e.tokens_per_s is None:
@@ -396,7 +498,7 @@ class AlertMonitor:
         window = o.throughput_after_s
         t_end = e.time
         if t_end - self._rate_checked < window / RATE_CHECKS:
-            return                          # judged a few dozen times per window, not per step event
+            return  # judged a few dozen times per window, not per step event
         self._rate_checked = t_end
         recent = [x for x in self._rates if x[0] > t_end - window]
         older = [x for x in self._rates if x[0] <= t_end - window]
@@ -417,49 +519,82 @@ class AlertMonitor:
                 grew = max(recent_phases, key=lambda p: recent_phases[p] - base_phases.get(p, 0.0), default=None)
                 what = ""
                 if grew is not None and recent_phases[grew] > base_phases.get(grew, 0.0):
-                    what = (f"; {grew} grew most ({base_phases.get(grew, 0.0):.0f} -> {recent_phases[grew]:.0f} ms "
-                            "per step)")
+                    what = (
+                        f"; {grew} grew most ({base_phases.get(grew, 0.0):.0f} -> {recent_phases[grew]:.0f} ms "
+                        "per step)"
+                    )
                 self._frozen_base = (base, base_phases)
-                self._raise(out, AlertKind.THROUGHPUT_DROP, Severity.WARNING,
-                            f"{now_rate:,.0f} tokens/s over the last {window:.0f} s, {1 - now_rate / base:.0%} below "
-                            f"the steady {base:,.0f}{what}",
-                            figures={"tokens_per_s": now_rate, "steady_tokens_per_s": base, "phase": grew,
-                                     "phases_ms": recent_phases, "steady_phases_ms": base_phases})
+                self._raise(
+                    out,
+                    AlertKind.THROUGHPUT_DROP,
+                    Severity.WARNING,
+                    f"{now_rate:,.0f} tokens/s over the last {window:.0f} s, {1 - now_rate / base:.0%} below "
+                    f"the steady {base:,.0f}{what}",
+                    figures={
+                        "tokens_per_s": now_rate,
+                        "steady_tokens_per_s": base,
+                        "phase": grew,
+                        "phases_ms": recent_phases,
+                        "steady_phases_ms": base_phases,
+                    },
+                )
         elif key in self._open and now_rate >= (1 - o.throughput_drop / 2) * base:
             self._frozen_base = None
-            self._resolve(out, key, f"throughput back to {now_rate:,.0f} tokens/s (steady {base:,.0f})",
-                          back_tokens_per_s=now_rate)
+            self._resolve(
+                out,
+                key,
+                f"throughput back to {now_rate:,.0f} tokens/s (steady {base:,.0f})",
+                back_tokens_per_s=now_rate,
+            )
 
     def _on_device(self, e: DeviceEvent, now: float, out: list[AlertEvent]) -> None:
         for g in e.devices:
             ident = gpu_key(g.uuid, g.pci_bus_id)
             if self._run_gpus and ident is not None and ident not in self._run_gpus:
-                continue                   # a neighbour's GPU: not this run's trouble
+                continue  # a neighbour's GPU: not this run's trouble
             name = f"gpu{g.index}"
             where = f"{name} ({g.name})" if g.name else name
             state = self._gpus.setdefault(name, _Gpu())
             tag = f"{self.node}:{name}" if self.node else name
             if g.lost:
                 if f"gpu_lost:{tag}" not in self._open:
-                    self._raise(out, AlertKind.GPU_LOST, Severity.CRITICAL,
-                                f"{where} fell off the bus (NVML: GPU is lost); the run cannot use it until the "
-                                "machine is reset", key=f"gpu_lost:{tag}", device=name, figures={"index": g.index})
+                    self._raise(
+                        out,
+                        AlertKind.GPU_LOST,
+                        Severity.CRITICAL,
+                        f"{where} fell off the bus (NVML: GPU is lost); the run cannot use it until the "
+                        "machine is reset",
+                        key=f"gpu_lost:{tag}",
+                        device=name,
+                        figures={"index": g.index},
+                    )
                 continue
             if g.ecc_uncorrected is not None:
                 if state.ecc_base is None:
                     state.ecc_base = g.ecc_uncorrected
                 elif g.ecc_uncorrected > state.ecc_base:
-                    self._raise(out, AlertKind.ECC, Severity.CRITICAL,
-                                f"{where}: {g.ecc_uncorrected - state.ecc_base} new uncorrected ECC error(s) during "
-                                f"the run ({g.ecc_uncorrected} since the driver loaded)", key=f"ecc:{tag}",
-                                device=name, figures={"new": g.ecc_uncorrected - state.ecc_base,
-                                                      "total": g.ecc_uncorrected})
+                    self._raise(
+                        out,
+                        AlertKind.ECC,
+                        Severity.CRITICAL,
+                        f"{where}: {g.ecc_uncorrected - state.ecc_base} new uncorrected ECC error(s) during "
+                        f"the run ({g.ecc_uncorrected} since the driver loaded)",
+                        key=f"ecc:{tag}",
+                        device=name,
+                        figures={"new": g.ecc_uncorrected - state.ecc_base, "total": g.ecc_uncorrected},
+                    )
             if g.xids:
                 old = self._open.get(f"xid:{tag}")
                 seen = list((old.figures.get("xids") or []) if old is not None else []) + list(g.xids)
-                self._raise(out, AlertKind.XID, Severity.CRITICAL,
-                            f"{where}: the driver reported Xid error(s) {', '.join(map(str, seen[-10:]))}",
-                            key=f"xid:{tag}", device=name, figures={"xids": seen[-50:]})
+                self._raise(
+                    out,
+                    AlertKind.XID,
+                    Severity.CRITICAL,
+                    f"{where}: the driver reported Xid error(s) {', '.join(map(str, seen[-10:]))}",
+                    key=f"xid:{tag}",
+                    device=name,
+                    figures={"xids": seen[-50:]},
+                )
             bad = [r for r in (g.clock_reasons or []) if r in BAD_CLOCK_REASONS]
             key = f"throttle:{tag}"
             if bad:
@@ -467,13 +602,26 @@ class AlertMonitor:
                 if state.throttled_since is None:
                     state.throttled_since = now
                 if key not in self._open and now - state.throttled_since >= self.options.throttle_after_s:
-                    clock = (f" (SM clock {g.sm_clock_mhz:.0f} of {g.sm_clock_max_mhz:.0f} MHz)"
-                             if g.sm_clock_mhz is not None and g.sm_clock_max_mhz else "")
-                    self._raise(out, AlertKind.THROTTLE, Severity.WARNING,
-                                f"{where} throttled for {now - state.throttled_since:.0f} s: {', '.join(bad)}{clock}"
-                                + (f", {g.temp_c:.0f} °C" if g.temp_c is not None else ""), key=key, device=name,
-                                figures={"reasons": bad, "sm_clock_mhz": g.sm_clock_mhz,
-                                         "sm_clock_max_mhz": g.sm_clock_max_mhz, "temp_c": g.temp_c})
+                    clock = (
+                        f" (SM clock {g.sm_clock_mhz:.0f} of {g.sm_clock_max_mhz:.0f} MHz)"
+                        if g.sm_clock_mhz is not None and g.sm_clock_max_mhz
+                        else ""
+                    )
+                    self._raise(
+                        out,
+                        AlertKind.THROTTLE,
+                        Severity.WARNING,
+                        f"{where} throttled for {now - state.throttled_since:.0f} s: {', '.join(bad)}{clock}"
+                        + (f", {g.temp_c:.0f} °C" if g.temp_c is not None else ""),
+                        key=key,
+                        device=name,
+                        figures={
+                            "reasons": bad,
+                            "sm_clock_mhz": g.sm_clock_mhz,
+                            "sm_clock_max_mhz": g.sm_clock_max_mhz,
+                            "temp_c": g.temp_c,
+                        },
+                    )
             else:
                 state.clear_samples += 1
                 if state.clear_samples >= 3:
@@ -486,7 +634,7 @@ def _phase_means(rows: list[tuple[float, float, dict[str, float]]]) -> dict[str,
     for p in PHASES:
         vals = [r[2][p] for r in rows if p in r[2]]
         if vals:
-            out[p] = _median(vals)      # as the rate: a few odd steps do not move it
+            out[p] = _median(vals)  # as the rate: a few odd steps do not move it
     return out
 
 

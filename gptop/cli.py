@@ -87,7 +87,7 @@ class Parser(OneLineParser):
 # where gptop samples a run (train, tune, run and the monitor, command None); given to another command, they
 # are refused (exit 2, naming the flag) rather than ignored.
 SAMPLING = ("train", "tune", "run", None)
-GLOBAL_FLAGS = {   # dest -> (flag, default, the commands it acts on)
+GLOBAL_FLAGS = {  # dest -> (flag, default, the commands it acts on)
     "no_ui": ("--no-ui", False, None),
     "json": ("--json", False, None),
     "interval": ("--interval", 0.5, SAMPLING),
@@ -96,7 +96,7 @@ GLOBAL_FLAGS = {   # dest -> (flag, default, the commands it acts on)
 }
 JSON_HELP = {
     "run": "JSON lines on stdout: every event of the run, one per line (the closing summary goes to stderr); no "
-           "dashboard (implies --no-ui)",
+    "dashboard (implies --no-ui)",
     "monitor": "JSON lines on stdout: every event of the watched run, one per line; no dashboard (implies --no-ui)",
     "report": "the report as one JSON line on stdout",
 }
@@ -106,13 +106,22 @@ def _global_flags(parser: argparse.ArgumentParser, json_help: str = JSON_HELP["r
     """The global flags that act on this command; their defaults are filled in by `_check_global_flags`, so
     that one given before the command is not overwritten by the subcommand's."""
     g = parser.add_argument_group("display")
-    g.add_argument("--no-ui", dest="no_ui", action="store_true", default=argparse.SUPPRESS,
-                   help="no terminal UI: readable lines (or JSON lines with --json) on stdout" if sampling
-                   else argparse.SUPPRESS)
+    g.add_argument(
+        "--no-ui",
+        dest="no_ui",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="no terminal UI: readable lines (or JSON lines with --json) on stdout" if sampling else argparse.SUPPRESS,
+    )
     g.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help=json_help)
     if sampling:
-        g.add_argument("--interval", type=number_arg(float, 0.01, 3600), default=argparse.SUPPRESS, metavar="S",
-                       help="device sampling period in seconds (default: 0.5; 0.01 <= S <= 3600)")
+        g.add_argument(
+            "--interval",
+            type=number_arg(float, 0.01, 3600),
+            default=argparse.SUPPRESS,
+            metavar="S",
+            help="device sampling period in seconds (default: 0.5; 0.01 <= S <= 3600)",
+        )
 
 
 def _check_global_flags(parser: "Parser", ns: argparse.Namespace) -> None:
@@ -137,19 +146,27 @@ def _version() -> str:
 
     try:
         return metadata.version("gptop")
-    except metadata.PackageNotFoundError:     # run from a source tree that was not installed
+    except metadata.PackageNotFoundError:  # run from a source tree that was not installed
         return "unknown (not installed)"
 
 
 def build_parser() -> Parser:
-    parser = Parser(prog="gptop", description="htop for a training run, with a live autotuner. With no command: "
-                                              "the monitor (devices, and the newest run in ./runs or --run-dir).")
+    parser = Parser(
+        prog="gptop",
+        description="htop for a training run, with a live autotuner. With no command: "
+        "the monitor (devices, and the newest run in ./runs or --run-dir).",
+    )
     parser.add_argument("--version", action="version", version=f"gptop {_version()}")
     _global_flags(parser, json_help=JSON_HELP["monitor"])
     add_metrics_arguments(parser, suppress=True)
-    parser.add_argument("--run-dir", dest="monitor_run_dir", metavar="DIR", default=None,
-                        type=inputs.path_arg(inputs.check_runs_folder, "--run-dir"),
-                        help="monitor mode: the run (or folder of runs) to attach to (default: newest in ./runs)")
+    parser.add_argument(
+        "--run-dir",
+        dest="monitor_run_dir",
+        metavar="DIR",
+        default=None,
+        type=inputs.path_arg(inputs.check_runs_folder, "--run-dir"),
+        help="monitor mode: the run (or folder of runs) to attach to (default: newest in ./runs)",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_train_and_tune(sub)
     _add_run(sub)
@@ -163,30 +180,69 @@ def _run_command(sub: Any, name: str, help: str) -> argparse.ArgumentParser:
     _global_flags(p)
     add_arguments(p)
     g = p.add_argument_group("session")
-    g.add_argument("--restart-on-failure", type=number_arg(int, 0, MAX_RESTARTS), default=0, metavar="N",
-                   help="restart the trainer from its last checkpoint up to N times if it dies "
-                        f"(default: 0; at most {MAX_RESTARTS})")
-    g.add_argument("--tensorboard", action="store_true",
-                   help="also write step metrics and device samples as TensorBoard scalars (default: off)")
-    g.add_argument("--wandb", action="store_true",
-                   help="also log them to a Weights & Biases run in RUN_DIR/wandb (pip install -e '.[wandb]'; "
-                        "WANDB_MODE=offline: no account or network) (default: off)")
+    g.add_argument(
+        "--restart-on-failure",
+        type=number_arg(int, 0, MAX_RESTARTS),
+        default=0,
+        metavar="N",
+        help="restart the trainer from its last checkpoint up to N times if it dies "
+        f"(default: 0; at most {MAX_RESTARTS})",
+    )
+    g.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="also write step metrics and device samples as TensorBoard scalars (default: off)",
+    )
+    g.add_argument(
+        "--wandb",
+        action="store_true",
+        help="also log them to a Weights & Biases run in RUN_DIR/wandb (pip install -e '.[wandb]'; "
+        "WANDB_MODE=offline: no account or network) (default: off)",
+    )
     add_alert_arguments(p)
     add_metrics_arguments(p, suppress=True)
     d = p.add_argument_group("distributed (torchrun; see --parallel)")
-    d.add_argument("--nproc", type=number_arg(int, 1, 1024), default=1, metavar="N",
-                   help="ranks (processes, one per GPU) on this node; above 1, or with several nodes, the "
-                        "trainer is launched through torchrun (default: 1)")
-    d.add_argument("--nnodes", type=nnodes_arg, default="1", metavar="N|MIN:MAX",
-                   help="nodes in the run, passed to torchrun (default: 1)")
-    d.add_argument("--node-rank", type=number_arg(int, 0, MAX_NODES - 1), default=None, metavar="N",
-                   help="this node's rank, passed to torchrun (static rendezvous) (default: torchrun's)")
-    d.add_argument("--rdzv-endpoint", type=endpoint_arg, default=None, metavar="HOST:PORT",
-                   help="rendezvous endpoint shared by all nodes, passed to torchrun (default: none)")
-    d.add_argument("--rdzv-backend", default=None, metavar="NAME",
-                   help="rendezvous backend, passed to torchrun (default: c10d with several nodes)")
-    d.add_argument("--rdzv-id", default=None, metavar="ID",
-                   help="rendezvous id, the same on all nodes, passed to torchrun (default: torchrun's)")
+    d.add_argument(
+        "--nproc",
+        type=number_arg(int, 1, 1024),
+        default=1,
+        metavar="N",
+        help="ranks (processes, one per GPU) on this node; above 1, or with several nodes, the "
+        "trainer is launched through torchrun (default: 1)",
+    )
+    d.add_argument(
+        "--nnodes",
+        type=nnodes_arg,
+        default="1",
+        metavar="N|MIN:MAX",
+        help="nodes in the run, passed to torchrun (default: 1)",
+    )
+    d.add_argument(
+        "--node-rank",
+        type=number_arg(int, 0, MAX_NODES - 1),
+        default=None,
+        metavar="N",
+        help="this node's rank, passed to torchrun (static rendezvous) (default: torchrun's)",
+    )
+    d.add_argument(
+        "--rdzv-endpoint",
+        type=endpoint_arg,
+        default=None,
+        metavar="HOST:PORT",
+        help="rendezvous endpoint shared by all nodes, passed to torchrun (default: none)",
+    )
+    d.add_argument(
+        "--rdzv-backend",
+        default=None,
+        metavar="NAME",
+        help="rendezvous backend, passed to torchrun (default: c10d with several nodes)",
+    )
+    d.add_argument(
+        "--rdzv-id",
+        default=None,
+        metavar="ID",
+        help="rendezvous id, the same on all nodes, passed to torchrun (default: torchrun's)",
+    )
     return p
 
 
@@ -195,80 +251,154 @@ def _add_train_and_tune(sub: Any) -> None:
     from tuner.budget import duration_arg
 
     train = _run_command(sub, "train", "train a model and show the run live")
-    train.add_argument("--tune", metavar="DURATION", default=None, type=duration_arg("--tune"),
-                       help="tune the toggles for up to DURATION, a number with a unit (90s, 30m, 1h30m, 2h) while "
-                            "training (default: off)")
+    train.add_argument(
+        "--tune",
+        metavar="DURATION",
+        default=None,
+        type=duration_arg("--tune"),
+        help="tune the toggles for up to DURATION, a number with a unit (90s, 30m, 1h30m, 2h) while "
+        "training (default: off)",
+    )
     tune = _run_command(sub, "tune", "train while an Optuna study tunes the toggles on the live run")
-    tune.add_argument("--budget", metavar="DURATION", default="30m", type=duration_arg("--budget"),
-                      help="tuning budget, a number with a unit: 90s, 30m, 1h30m, 2h (default: 30m)")
+    tune.add_argument(
+        "--budget",
+        metavar="DURATION",
+        default="30m",
+        type=duration_arg("--budget"),
+        help="tuning budget, a number with a unit: 90s, 30m, 1h30m, 2h (default: 30m)",
+    )
     for p in (train, tune):
         g = p.add_argument_group("tuning")
-        g.add_argument("--tune-space", metavar="SPEC", default=None,
-                       help="narrow or widen the search, e.g. 'precision=bf16;compile=off,default' (default: all "
-                            "supported values)")
-        g.add_argument("--storage", metavar="URL", default=None, type=inputs.path_arg(inputs.check_storage),
-                       help="Optuna storage URL (sqlite:///..., postgresql://..., journal:PATH) to share studies "
-                            "(default: a SQLite file in ~/.cache/gptop)")
+        g.add_argument(
+            "--tune-space",
+            metavar="SPEC",
+            default=None,
+            help="narrow or widen the search, e.g. 'precision=bf16;compile=off,default' (default: all "
+            "supported values)",
+        )
+        g.add_argument(
+            "--storage",
+            metavar="URL",
+            default=None,
+            type=inputs.path_arg(inputs.check_storage),
+            help="Optuna storage URL (sqlite:///..., postgresql://..., journal:PATH) to share studies "
+            "(default: a SQLite file in ~/.cache/gptop)",
+        )
     tune.add_argument("--tune-only", action="store_true", help="stop after writing best.toml (default: off)")
-    tune.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS]",
-                      help="tune your own transformers.Trainer script instead of gptop's trainer, e.g. -- python "
-                           "train.py (it calls tuned_args and resume_checkpoint: docs/your-code.md); with a "
-                           "command, --run-dir and --log-every are the only trainer options")
+    tune.add_argument(
+        "cmd",
+        nargs=argparse.REMAINDER,
+        metavar="-- CMD [ARGS]",
+        help="tune your own transformers.Trainer script instead of gptop's trainer, e.g. -- python "
+        "train.py (it calls tuned_args and resume_checkpoint: docs/your-code.md); with a "
+        "command, --run-dir and --log-every are the only trainer options",
+    )
 
 
 def _add_run(sub: Any) -> None:
     """`gptop run [options] -- CMD`."""
-    run = sub.add_parser("run", help="run your own training command under gptop",
-                         description="Run your own training command as gptop's trainer: its devices, logs and exit "
-                                     "code; with gptop.integrations in it (a probe or a callback), its steps, "
-                                     "breakdown, loss and checkpoints, and gptop's commands. docs/your-code.md.")
+    run = sub.add_parser(
+        "run",
+        help="run your own training command under gptop",
+        description="Run your own training command as gptop's trainer: its devices, logs and exit "
+        "code; with gptop.integrations in it (a probe or a callback), its steps, "
+        "breakdown, loss and checkpoints, and gptop's commands. docs/your-code.md.",
+    )
     _global_flags(run)
-    run.add_argument("--run-dir", metavar="DIR", default=None, type=inputs.path_arg(inputs.check_run_dir, "--run-dir"),
-                     help="run directory (default: runs/<time>-<script name>)")
-    run.add_argument("--log-every", type=number_arg(int, 1, MAX_STEP), default=None, metavar="N",
-                     help=f"steps between step events (default: the program's own; 1 <= N <= {MAX_STEP})")
-    run.add_argument("--grace", type=number_arg(float, 0, MAX_GRACE_S, low_open=True), default=30.0, metavar="S",
-                     help="seconds between the stop signal and SIGKILL when the command does not end "
-                          f"(default: 30; 0 < S <= {MAX_GRACE_S:g})")
+    run.add_argument(
+        "--run-dir",
+        metavar="DIR",
+        default=None,
+        type=inputs.path_arg(inputs.check_run_dir, "--run-dir"),
+        help="run directory (default: runs/<time>-<script name>)",
+    )
+    run.add_argument(
+        "--log-every",
+        type=number_arg(int, 1, MAX_STEP),
+        default=None,
+        metavar="N",
+        help=f"steps between step events (default: the program's own; 1 <= N <= {MAX_STEP})",
+    )
+    run.add_argument(
+        "--grace",
+        type=number_arg(float, 0, MAX_GRACE_S, low_open=True),
+        default=30.0,
+        metavar="S",
+        help="seconds between the stop signal and SIGKILL when the command does not end "
+        f"(default: 30; 0 < S <= {MAX_GRACE_S:g})",
+    )
     g = run.add_argument_group("session")
-    g.add_argument("--restart-on-failure", type=number_arg(int, 0, MAX_RESTARTS), default=0, metavar="N",
-                   help=f"start the command again if it fails, up to N times (default: 0; at most {MAX_RESTARTS})")
-    g.add_argument("--tensorboard", action="store_true",
-                   help="also write step metrics and device samples as TensorBoard scalars (default: off)")
-    g.add_argument("--wandb", action="store_true",
-                   help="also log them to a Weights & Biases run in RUN_DIR/wandb (default: off)")
+    g.add_argument(
+        "--restart-on-failure",
+        type=number_arg(int, 0, MAX_RESTARTS),
+        default=0,
+        metavar="N",
+        help=f"start the command again if it fails, up to N times (default: 0; at most {MAX_RESTARTS})",
+    )
+    g.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="also write step metrics and device samples as TensorBoard scalars (default: off)",
+    )
+    g.add_argument(
+        "--wandb", action="store_true", help="also log them to a Weights & Biases run in RUN_DIR/wandb (default: off)"
+    )
     add_alert_arguments(run)
     add_metrics_arguments(run, suppress=True)
-    run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS]",
-                     help="the command, after --: e.g. -- python train.py --lr 3e-4")
+    run.add_argument(
+        "cmd",
+        nargs=argparse.REMAINDER,
+        metavar="-- CMD [ARGS]",
+        help="the command, after --: e.g. -- python train.py --lr 3e-4",
+    )
 
 
 def _add_readers(sub: Any) -> None:
     """The commands that read a run directory or the machine: report, export, sample, doctor."""
-    report = sub.add_parser("report", help="summarize a run directory",
-                            description="Summarize a run from its files alone (events.jsonl, device.jsonl, "
-                                        "tuning.json): where it stands, progress, loss, speed (medians of its "
-                                        "steady log intervals), the step's phases (means), energy, checkpoints, "
-                                        "errors, alerts and tuning. One streaming pass: a week-long run's report "
-                                        "costs memory bounded whatever its length. Exit 1 when the run failed.")
+    report = sub.add_parser(
+        "report",
+        help="summarize a run directory",
+        description="Summarize a run from its files alone (events.jsonl, device.jsonl, "
+        "tuning.json): where it stands, progress, loss, speed (medians of its "
+        "steady log intervals), the step's phases (means), energy, checkpoints, "
+        "errors, alerts and tuning. One streaming pass: a week-long run's report "
+        "costs memory bounded whatever its length. Exit 1 when the run failed.",
+    )
     _global_flags(report, json_help=JSON_HELP["report"], sampling=False)
-    report.add_argument("run_dir", metavar="RUN_DIR", type=inputs.path_arg(inputs.check_run_to_read, "RUN_DIR"),
-                        help="the run directory to summarize (one that holds an events.jsonl; a run that is still "
-                             "going is summarized as far as it got)")
-    for name, add, help in (("export", add_export_arguments, "write a run's checkpoint as a Hugging Face model "
-                             "directory (safetensors, config, tokenizer) that plain transformers loads"),
-                            ("sample", add_sample_arguments, "generate text from a run's checkpoint")):
+    report.add_argument(
+        "run_dir",
+        metavar="RUN_DIR",
+        type=inputs.path_arg(inputs.check_run_to_read, "RUN_DIR"),
+        help="the run directory to summarize (one that holds an events.jsonl; a run that is still "
+        "going is summarized as far as it got)",
+    )
+    for name, add, help in (
+        (
+            "export",
+            add_export_arguments,
+            "write a run's checkpoint as a Hugging Face model "
+            "directory (safetensors, config, tokenizer) that plain transformers loads",
+        ),
+        ("sample", add_sample_arguments, "generate text from a run's checkpoint"),
+    ):
         p = sub.add_parser(name, help=help, description=help)
-        add(p, json_flag=False)         # --json and --no-ui are the global flags (no UI either way)
-        p.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print the result as one "
-                       "JSON line (progress stays on stderr)")
+        add(p, json_flag=False)  # --json and --no-ui are the global flags (no UI either way)
+        p.add_argument(
+            "--json",
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help="print the result as one JSON line (progress stays on stderr)",
+        )
         p.add_argument("--no-ui", dest="no_ui", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     from .doctor import add_arguments as add_doctor_arguments
 
-    doctor = sub.add_parser("doctor", help="check every device path gptop uses on this machine, and what works",
-                            description="Detect the device, show what each toggle value can do there, and exercise "
-                                        "each device path in a child process (exit 0 only when every path that "
-                                        "applies passed).")
+    doctor = sub.add_parser(
+        "doctor",
+        help="check every device path gptop uses on this machine, and what works",
+        description="Detect the device, show what each toggle value can do there, and exercise "
+        "each device path in a child process (exit 0 only when every path that "
+        "applies passed).",
+    )
     add_doctor_arguments(doctor)
     doctor.add_argument("--no-ui", dest="no_ui", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
@@ -308,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"gptop: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except BrokenPipeError:     # `gptop report RUN | head`: the reader has what it wanted; no traceback
+    except BrokenPipeError:  # `gptop report RUN | head`: the reader has what it wanted; no traceback
         from .headless import quiet_closed_stream
 
         quiet_closed_stream(sys.stdout)
@@ -335,15 +465,30 @@ def cmd_program(ns: argparse.Namespace, tune: bool = False) -> int:
     signals = StopSignals(STOP_SIGNALS if ns.no_ui else TUI_STOP_SIGNALS).install()
     try:
         plan = preflight.plan_program(ns, tune)
-        return _hold_and_show(ns, plan, lambda options: ProgramSession(
-            plan.command, plan.run_dir, options, log_every=plan.log_every, grace_s=plan.grace_s, signals=signals,
-            tune=plan.tune), signals)
+        return _hold_and_show(
+            ns,
+            plan,
+            lambda options: ProgramSession(
+                plan.command,
+                plan.run_dir,
+                options,
+                log_every=plan.log_every,
+                grace_s=plan.grace_s,
+                signals=signals,
+                tune=plan.tune,
+            ),
+            signals,
+        )
     finally:
         signals.restore()
 
 
-def _hold_and_show(ns: argparse.Namespace, plan: RunPlan | ProgramPlan,
-                   make_session: Callable[[SessionOptions], Session], signals: StopSignals) -> int:
+def _hold_and_show(
+    ns: argparse.Namespace,
+    plan: RunPlan | ProgramPlan,
+    make_session: Callable[[SessionOptions], Session],
+    signals: StopSignals,
+) -> int:
     """Bind the metrics port (in use: exit 2, before the lock or anything else), take the run directory
     (preflight.claim_run_dir: a refusal from here on removes what was made), then build the session on the
     plan and show it to its end."""
@@ -377,9 +522,9 @@ def _show(ns: argparse.Namespace, session: Session, resume: str | None, signals:
 
         code = run_app(session, resume=resume, signals=signals)
     refusal = session.refusal()
-    if refusal is not None:               # the trainer refused the configuration before its first step
+    if refusal is not None:  # the trainer refused the configuration before its first step
         raise TrainerRefused(refusal)
-    from .summary import print_summary   # the closing lines; with --json on stderr, stdout stays JSON
+    from .summary import print_summary  # the closing lines; with --json on stderr, stdout stays JSON
 
     print_summary(session.state, code, sys.stderr if ns.no_ui and ns.json else sys.stdout)
     err = session.state.last_error()

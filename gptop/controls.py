@@ -72,8 +72,8 @@ class RecordingCommands:
             return [name for name, _ in self.calls]
 
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)     # --no-ui
-TUI_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)                # SIGHUP: see gptop.ui.app.run_app
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # --no-ui
+TUI_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # SIGHUP: see gptop.ui.app.run_app
 
 
 def handled(signals: Iterable[int]) -> tuple[int, ...]:
@@ -93,7 +93,7 @@ class StopSignals:
     def __init__(self, signals: Iterable[int] = STOP_SIGNALS) -> None:
         self.signals = tuple(signals)
         self.count = 0
-        self.last_signal: int | None = None    # the latest one (`gptop run` passes on SIGTERM as SIGTERM)
+        self.last_signal: int | None = None  # the latest one (`gptop run` passes on SIGTERM as SIGTERM)
         self._stop: Callable[[bool], None] | None = None
         self._old: dict[int, Any] = {}
 

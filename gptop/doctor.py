@@ -29,8 +29,17 @@ from typing import IO, Any, Callable, Iterator
 
 from trainer.contract import capabilities
 from trainer.contract.device import DeviceInfo
-from trainer.contract.doctor import (PATHS, REPORT_SCHEMA, CheckResult, DevicePath, DoctorReport, Outcome, Status,
-                                     exit_code, validate_report)
+from trainer.contract.doctor import (
+    PATHS,
+    REPORT_SCHEMA,
+    CheckResult,
+    DevicePath,
+    DoctorReport,
+    Outcome,
+    Status,
+    exit_code,
+    validate_report,
+)
 
 from .nvml import Nvml
 
@@ -46,14 +55,29 @@ def device_arg(text: str) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", type=device_arg, default="auto", metavar="cpu|cuda|cuda:N",
-                   help="the device to check (default: auto, the one a run would use)")
-    p.add_argument("--quick", action="store_true",
-                   help="the quick paths only: no torch.compile, NCCL or QLoRA (default: all)")
-    p.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
-                   help="print the record as one JSON line on stdout (trainer.contract.doctor.REPORT_SCHEMA)")
-    p.add_argument("--timeout-scale", type=_scale_arg, default=1.0, metavar="F",
-                   help="multiply every path's timeout by F, for a slow or busy machine (default: 1; 0.1-100)")
+    p.add_argument(
+        "--device",
+        type=device_arg,
+        default="auto",
+        metavar="cpu|cuda|cuda:N",
+        help="the device to check (default: auto, the one a run would use)",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="the quick paths only: no torch.compile, NCCL or QLoRA (default: all)"
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="print the record as one JSON line on stdout (trainer.contract.doctor.REPORT_SCHEMA)",
+    )
+    p.add_argument(
+        "--timeout-scale",
+        type=_scale_arg,
+        default=1.0,
+        metavar="F",
+        help="multiply every path's timeout by F, for a slow or busy machine (default: 1; 0.1-100)",
+    )
 
 
 def _scale_arg(text: str) -> float:
@@ -68,6 +92,7 @@ def _scale_arg(text: str) -> float:
 
 # --- the trainer's side ---------------------------------------------------------------------------------
 
+
 def _trainer_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "trainer.doctor", *args]
 
@@ -76,8 +101,9 @@ def _child_env() -> dict[str, str]:
     return dict(os.environ, PYTHONUNBUFFERED="1")
 
 
-def trainer_side(requested: str, quick: bool, timeout_scale: float, log: IO[str],
-                 on_line: Callable[[dict[str, Any]], None]) -> int | None:
+def trainer_side(
+    requested: str, quick: bool, timeout_scale: float, log: IO[str], on_line: Callable[[dict[str, Any]], None]
+) -> int | None:
     """Run `python -m trainer.doctor`, handing each JSON line to `on_line`; its exit code (None: killed)."""
     args = ["--device", requested, "--timeout-scale", str(timeout_scale)] + (["--quick"] if quick else [])
     limit = 120 + sum(p.timeout_s for p in PATHS if not p.in_gptop) * timeout_scale
@@ -102,20 +128,30 @@ def trainer_side(requested: str, quick: bool, timeout_scale: float, log: IO[str]
 
 
 @contextmanager
-def gpu_workload(requested: str, log: IO[str], seconds: float = 60.0, start_timeout: float = 180.0
-                 ) -> Iterator[str | None]:
+def gpu_workload(
+    requested: str, log: IO[str], seconds: float = 60.0, start_timeout: float = 180.0
+) -> Iterator[str | None]:
     """Keep the GPU busy (`python -m trainer.doctor --load`) while the block runs; yields None once it is
     busy, else why it could not start. Closing its stdin stops it."""
-    proc = subprocess.Popen(_trainer_cmd("--device", requested, "--load", str(seconds)), stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=log, text=True, env=_child_env())
+    proc = subprocess.Popen(
+        _trainer_cmd("--device", requested, "--load", str(seconds)),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        env=_child_env(),
+    )
     got: list[str] = []
     reader = threading.Thread(target=lambda: got.append(proc.stdout.readline() if proc.stdout else ""), daemon=True)
     reader.start()
     reader.join(start_timeout)
     problem = None
     if not got or '"busy"' not in got[0]:
-        problem = (f"the GPU workload did not start within {start_timeout:.0f} s" if not got else
-                   f"the GPU workload failed to start (exit code {proc.poll()})")
+        problem = (
+            f"the GPU workload did not start within {start_timeout:.0f} s"
+            if not got
+            else f"the GPU workload failed to start (exit code {proc.poll()})"
+        )
     try:
         yield problem
     finally:
@@ -133,8 +169,10 @@ def gpu_workload(requested: str, log: IO[str], seconds: float = 60.0, start_time
 
 # --- gptop's own paths ------------------------------------------------------------------------------------
 
-def gptop_side(dev: DeviceInfo | None, requested: str, quick: bool, log: IO[str],
-               nvml: Any = None) -> list[CheckResult]:
+
+def gptop_side(
+    dev: DeviceInfo | None, requested: str, quick: bool, log: IO[str], nvml: Any = None
+) -> list[CheckResult]:
     """NVML (under a workload on the run's GPU) and RAPL: the paths gptop itself owns."""
     from .energy import check_rapl
     from .nvml import check, check_energy, index_of
@@ -147,9 +185,16 @@ def gptop_side(dev: DeviceInfo | None, requested: str, quick: bool, log: IO[str]
     todo: list[DevicePath] = []
     for p in mine:
         if not p.applies_to(device_type):
-            out.append(CheckResult.of(p, Outcome.skip(
-                f"a {p.where.value.upper()} path; the doctor ran on {device_type} (gptop doctor --device "
-                f"{p.where.value} on a machine that has one)"), 0.0))
+            out.append(
+                CheckResult.of(
+                    p,
+                    Outcome.skip(
+                        f"a {p.where.value.upper()} path; the doctor ran on {device_type} (gptop doctor --device "
+                        f"{p.where.value} on a machine that has one)"
+                    ),
+                    0.0,
+                )
+            )
         elif quick and not p.quick:
             out.append(CheckResult.of(p, Outcome.skip("left out by --quick"), 0.0))
         else:
@@ -162,17 +207,32 @@ def gptop_side(dev: DeviceInfo | None, requested: str, quick: bool, log: IO[str]
         nv = nvml if isinstance(nvml, Nvml) else Nvml(nvml)
         try:
             if not nv.open():
-                out += [CheckResult.of(p, Outcome.verdict(False, "NVML does not open", nv.reason or "no NVML"), 0.0)
-                        for p in gpu_paths]
+                out += [
+                    CheckResult.of(p, Outcome.verdict(False, "NVML does not open", nv.reason or "no NVML"), 0.0)
+                    for p in gpu_paths
+                ]
             else:
                 index = index_of(nv, dev.keys)
-                if index is None and dev.index is not None and dev.index < nv.device_count \
-                        and not os.environ.get("CUDA_VISIBLE_DEVICES"):
-                    index = dev.index         # torch gave no identity; without renumbering the indices agree
+                if (
+                    index is None
+                    and dev.index is not None
+                    and dev.index < nv.device_count
+                    and not os.environ.get("CUDA_VISIBLE_DEVICES")
+                ):
+                    index = dev.index  # torch gave no identity; without renumbering the indices agree
                 if index is None:
-                    out += [CheckResult.of(p, Outcome.verdict(False, "the run's GPU is not among NVML's devices",
-                                                              f"no NVML device has the identity {dev.keys}"), 0.0)
-                            for p in gpu_paths]
+                    out += [
+                        CheckResult.of(
+                            p,
+                            Outcome.verdict(
+                                False,
+                                "the run's GPU is not among NVML's devices",
+                                f"no NVML device has the identity {dev.keys}",
+                            ),
+                            0.0,
+                        )
+                        for p in gpu_paths
+                    ]
                 else:
                     with gpu_workload(requested, log) as problem:
                         for p in gpu_paths:
@@ -194,25 +254,41 @@ def nvml_machine(nvml: Any = None) -> dict[str, Any]:
         if not nv.open():
             return {"nvml": None, "nvml_reason": nv.reason}
         cuda = nv.query("nvmlSystemGetCudaDriverVersion_v2") or nv.query("nvmlSystemGetCudaDriverVersion")
-        return {"driver": nv.query("nvmlSystemGetDriverVersion"), "nvml": nv.query("nvmlSystemGetNVMLVersion"),
-                "cuda_driver": f"{int(cuda) // 1000}.{int(cuda) % 1000 // 10}" if cuda else None,
-                "nvml_gpus": [nv.device_query(i, "nvmlDeviceGetName") for i in range(nv.device_count)]}
+        return {
+            "driver": nv.query("nvmlSystemGetDriverVersion"),
+            "nvml": nv.query("nvmlSystemGetNVMLVersion"),
+            "cuda_driver": f"{int(cuda) // 1000}.{int(cuda) % 1000 // 10}" if cuda else None,
+            "nvml_gpus": [nv.device_query(i, "nvmlDeviceGetName") for i in range(nv.device_count)],
+        }
     finally:
         nv.close()
 
 
 def capability_table(dev: DeviceInfo) -> dict[str, dict[str, dict[str, str | None]]]:
     """Every toggle value's support on `dev` (trainer.contract.capabilities: one source), and whether slow."""
-    return {name: {str(v).lower() if isinstance(v, bool) else str(v):
-                   {"unsupported": capabilities.support(name, v, dev), "slow": capabilities.slow(name, v, dev)}
-                   for v in values}
-            for name, values in capabilities.CHOICES.items()}
+    return {
+        name: {
+            str(v).lower() if isinstance(v, bool) else str(v): {
+                "unsupported": capabilities.support(name, v, dev),
+                "slow": capabilities.slow(name, v, dev),
+            }
+            for v in values
+        }
+        for name, values in capabilities.CHOICES.items()
+    }
 
 
 # --- the whole run -----------------------------------------------------------------------------------------
 
-def run_doctor(requested: str, quick: bool = False, timeout_scale: float = 1.0, *, nvml: Any = None,
-               progress: Callable[[str], None] = lambda s: None) -> tuple[DoctorReport, str]:
+
+def run_doctor(
+    requested: str,
+    quick: bool = False,
+    timeout_scale: float = 1.0,
+    *,
+    nvml: Any = None,
+    progress: Callable[[str], None] = lambda s: None,
+) -> tuple[DoctorReport, str]:
     """Run every path; returns the report and the path of the log of the checks' processes (tracebacks)."""
     log_fd, log_path = tempfile.mkstemp(prefix="gptop-doctor-", suffix=".log")
     detected: dict[str, Any] = {}
@@ -233,22 +309,28 @@ def run_doctor(requested: str, quick: bool = False, timeout_scale: float = 1.0, 
         for r in gptop_side(dev, requested, quick, log, nvml=nvml):
             results[r.name] = r
             progress(format_row(r))
-    for p in PATHS:                     # what the trainer's side never reported (it died, or detection failed)
+    for p in PATHS:  # what the trainer's side never reported (it died, or detection failed)
         if p.name not in results:
             why = detected.get("error") or f"the doctor's trainer process ended early (exit code {code})"
             results[p.name] = CheckResult.of(p, Outcome.verdict(False, "not run", f"{why}; see {log_path}"), None)
             progress(format_row(results[p.name]))
     machine = dict(detected.get("machine") or {})
     machine.update(nvml_machine(nvml))
-    report = DoctorReport(requested=requested, time=time.time(), machine=machine,
-                          device=dev.to_dict() if dev is not None else None,
-                          precision_auto=capabilities.auto_precision(dev) if dev is not None else None,
-                          capabilities=capability_table(dev) if dev is not None else {},
-                          checks=[results[p.name] for p in PATHS], quick=quick)
+    report = DoctorReport(
+        requested=requested,
+        time=time.time(),
+        machine=machine,
+        device=dev.to_dict() if dev is not None else None,
+        precision_auto=capabilities.auto_precision(dev) if dev is not None else None,
+        capabilities=capability_table(dev) if dev is not None else {},
+        checks=[results[p.name] for p in PATHS],
+        quick=quick,
+    )
     return report, log_path
 
 
 # --- words ----------------------------------------------------------------------------------------------------
+
 
 def describe_detection(record: dict[str, Any]) -> str:
     if record.get("error"):
@@ -256,13 +338,19 @@ def describe_detection(record: dict[str, Any]) -> str:
     d, m = record["device"], record.get("machine", {})
     dev = DeviceInfo.from_dict(d)
     if dev.is_cuda:
-        where = (f"{dev.name} (cuda:{dev.index}, compute capability {'.'.join(map(str, dev.capability or ()))}, "
-                 f"{dev.total_memory / 2**30:.1f} GiB)")
+        where = (
+            f"{dev.name} (cuda:{dev.index}, compute capability {'.'.join(map(str, dev.capability or ()))}, "
+            f"{dev.total_memory / 2**30:.1f} GiB)"
+        )
     else:
         bf16 = "native bf16" if dev.cpu_bf16_native or dev.cpu_bf16 else "no native bf16 (emulated)"
         where = f"{dev.name} ({dev.cpu_count} cores, {m.get('cpu_isa')}, {bf16}, {dev.total_memory / 2**30:.1f} GiB)"
-    soft = f"torch {m.get('torch')}" + (f", CUDA {m['torch_cuda']}" if m.get("torch_cuda") else "") + \
-        (f", cuDNN {m['cudnn']}" if m.get("cudnn") else "") + (f", NCCL {m['nccl']}" if m.get("nccl") else "")
+    soft = (
+        f"torch {m.get('torch')}"
+        + (f", CUDA {m['torch_cuda']}" if m.get("torch_cuda") else "")
+        + (f", cuDNN {m['cudnn']}" if m.get("cudnn") else "")
+        + (f", NCCL {m['nccl']}" if m.get("nccl") else "")
+    )
     return f"device: {where}; {soft}; --precision auto -> {capabilities.auto_precision(dev)}"
 
 
@@ -294,30 +382,36 @@ def format_report(report: DoctorReport, log_path: str) -> str:
             ok = [v for v, c in values.items() if c["unsupported"] is None and c["slow"] is None]
             slow = [f"{v} (slow: {c['slow']})" for v, c in values.items() if c["unsupported"] is None and c["slow"]]
             no = [f"{v} ({c['unsupported']})" for v, c in values.items() if c["unsupported"]]
-            out.append(f"  {name}: {', '.join(ok) or '-'}" + (f"; slow: {'; '.join(slow)}" if slow else "")
-                       + (f"; refused: {'; '.join(no)}" if no else ""))
+            out.append(
+                f"  {name}: {', '.join(ok) or '-'}"
+                + (f"; slow: {'; '.join(slow)}" if slow else "")
+                + (f"; refused: {'; '.join(no)}" if no else "")
+            )
     out.append("paths:")
     out += [format_row(r) for r in report.checks]
     c = report.counts
     verdict = "every path that applies passed" if report.ok else "a path that applies FAILED"
-    out.append(f"{c['pass']} passed, {c['fail']} failed, {c['skip']} skipped: {verdict}"
-               + ("" if report.ok else f" (the checks' log: {log_path})"))
+    out.append(
+        f"{c['pass']} passed, {c['fail']} failed, {c['skip']} skipped: {verdict}"
+        + ("" if report.ok else f" (the checks' log: {log_path})")
+    )
     return "\n".join(out)
 
 
 def _terminate(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)        # through the finally blocks that stop the doctor's processes
+    raise SystemExit(128 + signum)  # through the finally blocks that stop the doctor's processes
 
 
 def cmd_doctor(ns: argparse.Namespace, out: IO[str] | None = None) -> int:
     out = out or sys.stdout
     as_json = getattr(ns, "json", False)
-    live = (lambda s: print(s, file=sys.stderr, flush=True)) if not as_json and sys.stderr.isatty() else \
-        (lambda s: None)
+    live = (
+        (lambda s: print(s, file=sys.stderr, flush=True)) if not as_json and sys.stderr.isatty() else (lambda s: None)
+    )
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         report, log_path = run_doctor(ns.device, ns.quick, ns.timeout_scale, progress=live)
-    except KeyboardInterrupt:             # Ctrl-C: the processes are stopped (finally blocks); no traceback
+    except KeyboardInterrupt:  # Ctrl-C: the processes are stopped (finally blocks); no traceback
         print("gptop doctor: stopped", file=sys.stderr)
         return 130
     finally:
@@ -325,10 +419,10 @@ def cmd_doctor(ns: argparse.Namespace, out: IO[str] | None = None) -> int:
     record = report.to_dict()
     problems = validate_report(record)
     if as_json:
-        out.write(json.dumps(record, default=str) + "\n")        # one line: --json's one meaning
+        out.write(json.dumps(record, default=str) + "\n")  # one line: --json's one meaning
     else:
         out.write(format_report(report, log_path) + "\n")
-    if problems:                          # our own record must match its schema: say so, never silently
+    if problems:  # our own record must match its schema: say so, never silently
         print("gptop doctor: the record does not match its schema: " + "; ".join(problems[:5]), file=sys.stderr)
         return 1
     if report.ok:
@@ -361,8 +455,12 @@ def readme_table(records: list[tuple[str, dict[str, Any]]] | None = None) -> str
     relative to docs/)."""
     records = load_records() if records is None else records
     heads = [f"[{_machine_name(r)}](doctor/{name})" for name, r in records]
-    lines = [README_BEGIN, "", "| path | " + " | ".join(heads) + " |" if heads else "| path |",
-             "|---|" + "---|" * len(heads)]
+    lines = [
+        README_BEGIN,
+        "",
+        "| path | " + " | ".join(heads) + " |" if heads else "| path |",
+        "|---|" + "---|" * len(heads),
+    ]
     for p in PATHS:
         cells = []
         for _, r in records:
@@ -370,9 +468,17 @@ def readme_table(records: list[tuple[str, dict[str, Any]]] | None = None) -> str
             if got is None:
                 cells.append("not in this record")
             elif got["status"] == "skip":
-                cells.append("skipped (" + ("quick" if "--quick" in (got["reason"] or "") else
-                                            "n/a here" if "path; the doctor ran on" in (got["reason"] or "")
-                                            else "not available") + ")")
+                cells.append(
+                    "skipped ("
+                    + (
+                        "quick"
+                        if "--quick" in (got["reason"] or "")
+                        else "n/a here"
+                        if "path; the doctor ran on" in (got["reason"] or "")
+                        else "not available"
+                    )
+                    + ")"
+                )
             else:
                 cells.append("**passed**" if got["status"] == "pass" else "**FAILED**")
         lines.append(f"| {p.title} (`{p.name}`) | " + " | ".join(cells) + " |")
@@ -390,7 +496,9 @@ def _machine_name(record: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gptop.doctor")
-    parser.add_argument("--readme", action="store_true", help="print the 'What was verified where' table of docs/verified.md")
+    parser.add_argument(
+        "--readme", action="store_true", help="print the 'What was verified where' table of docs/verified.md"
+    )
     parser.add_argument("--schema", action="store_true", help="print the record's JSON Schema")
     ns = parser.parse_args(argv)
     if ns.schema:

@@ -41,16 +41,22 @@ class Energy:
     """Joules used in a window, and which reading gave them (the weakest of the devices' readings)."""
 
     joules: float
-    source: str             # COUNTER_GPU, COUNTER_CPU or INTEGRATED
+    source: str  # COUNTER_GPU, COUNTER_CPU or INTEGRATED
 
     def per_token(self, tokens: float) -> float | None:
         """Joules per token, None for no tokens."""
         return self.joules / tokens if tokens > 0 else None
 
 
-def measure(samples: Sequence[DeviceEvent], t0: float, t1: float, *,
-            source: Literal["auto", "gpu", "cpu"] = "auto",
-            devices: Iterable[int] | None = None, run_gpus: Iterable[str] | None = None) -> Energy | None:
+def measure(
+    samples: Sequence[DeviceEvent],
+    t0: float,
+    t1: float,
+    *,
+    source: Literal["auto", "gpu", "cpu"] = "auto",
+    devices: Iterable[int] | None = None,
+    run_gpus: Iterable[str] | None = None,
+) -> Energy | None:
     """Energy used in [t0, t1], or None when the samples cannot say.
 
     Per device, the energy counter is read as a piecewise-linear function of
@@ -90,9 +96,15 @@ def measure(samples: Sequence[DeviceEvent], t0: float, t1: float, *,
     return Energy(got[0], INTEGRATED if got[1] == "power" else COUNTER_CPU)
 
 
-def energy_between(samples: Sequence[DeviceEvent], t0: float, t1: float, *,
-                   source: Literal["auto", "gpu", "cpu"] = "auto",
-                   devices: Iterable[int] | None = None, run_gpus: Iterable[str] | None = None) -> float | None:
+def energy_between(
+    samples: Sequence[DeviceEvent],
+    t0: float,
+    t1: float,
+    *,
+    source: Literal["auto", "gpu", "cpu"] = "auto",
+    devices: Iterable[int] | None = None,
+    run_gpus: Iterable[str] | None = None,
+) -> float | None:
     """Joules used in [t0, t1] (`measure` without the source), or None."""
     e = measure(samples, t0, t1, source=source, devices=devices, run_gpus=run_gpus)
     return None if e is None else e.joules
@@ -103,27 +115,35 @@ def unavailable_reason(samples: Sequence[DeviceEvent]) -> str:
     if len(samples) < 2:
         return "not enough device samples yet"
     if any(s.devices for s in samples):
-        gpus = sorted({g.index for s in samples for g in s.devices
-                       if all(x.energy_j is None and x.power_w is None
-                              for t in samples for x in t.devices if x.index == g.index)})
+        gpus = sorted(
+            {
+                g.index
+                for s in samples
+                for g in s.devices
+                if all(
+                    x.energy_j is None and x.power_w is None for t in samples for x in t.devices if x.index == g.index
+                )
+            }
+        )
         if gpus:
-            return (f"NVML gives neither an energy counter nor a power reading for GPU "
-                    f"{', '.join(map(str, gpus))}")
+            return f"NVML gives neither an energy counter nor a power reading for GPU {', '.join(map(str, gpus))}"
         return "the device samples do not cover the steps' time"
     if all(s.cpu is None or (s.cpu.energy_j is None and s.cpu.power_w is None) for s in samples):
-        return "no CPU package energy: RAPL (/sys/class/powercap) is absent or not readable (root-only since Linux 5.10)"
+        return (
+            "no CPU package energy: RAPL (/sys/class/powercap) is absent or not readable (root-only since Linux 5.10)"
+        )
     return "the device samples do not cover the steps' time"
 
 
-def _run_gpus(samples: Sequence[DeviceEvent], t0: float, t1: float,
-              run_gpus: Iterable[str] | None = None) -> set[int]:
+def _run_gpus(samples: Sequence[DeviceEvent], t0: float, t1: float, run_gpus: Iterable[str] | None = None) -> set[int]:
     """The run's GPUs: those whose identity (UUID, else PCI address) the trainer named, else those its
     processes hold memory on in the window (NVML's per-process memory, which a container's PID namespace
     hides), else all GPUs (idle neighbours included: nothing tells them apart)."""
     keys = set(run_gpus or ())
     if keys:
-        named = {g.index for s in samples for g in s.devices
-                 if keys & {gpu_key(g.uuid), gpu_key(None, g.pci_bus_id)}}     # torch may know only one
+        named = {
+            g.index for s in samples for g in s.devices if keys & {gpu_key(g.uuid), gpu_key(None, g.pci_bus_id)}
+        }  # torch may know only one
         if named:
             return named
     near = [s for s in samples if t0 - 5.0 <= s.time <= t1 + 5.0] or list(samples)
@@ -131,8 +151,9 @@ def _run_gpus(samples: Sequence[DeviceEvent], t0: float, t1: float,
     return used or {g.index for s in samples for g in s.devices}
 
 
-def _series_energy(series: list[tuple[float, float | None, float | None]], t0: float, t1: float
-                   ) -> tuple[float, str] | None:
+def _series_energy(
+    series: list[tuple[float, float | None, float | None]], t0: float, t1: float
+) -> tuple[float, str] | None:
     """(joules over [t0, t1], "counter" or "power") from (time, counter J, power W) points of one device."""
     made = _cumulative(series)
     if made is None:
@@ -148,8 +169,7 @@ def _series_energy(series: list[tuple[float, float | None, float | None]], t0: f
     return max(0.0, _at(cum, t1) - _at(cum, t0)), kind
 
 
-def _cumulative(series: list[tuple[float, float | None, float | None]]
-                ) -> tuple[list[tuple[float, float]], str] | None:
+def _cumulative(series: list[tuple[float, float | None, float | None]]) -> tuple[list[tuple[float, float]], str] | None:
     """(time, joules since the first point), from counter differences where possible, else power."""
     counters = [(t, e, p) for t, e, p in series if e is not None]
     if len(counters) >= 2:
@@ -176,7 +196,7 @@ def _cumulative(series: list[tuple[float, float | None, float | None]]
 
 
 def _trapezoid(ta: float, pa: float | None, tb: float, pb: float | None) -> float | None:
-    a = pb if pa is None else pa        # one missing end: the other's power over the whole segment
+    a = pb if pa is None else pa  # one missing end: the other's power over the whole segment
     b = pa if pb is None else pb
     if a is None or b is None:
         return None
@@ -221,8 +241,11 @@ class Rapl:
             self.domains.append((path, _read_int(os.path.join(path, "max_energy_range_uj"))))
         self.reason: str | None = None
         if not self.domains:
-            self.reason = (f"RAPL package energy under {root} is not readable (root-only since Linux 5.10)"
-                           if unreadable else f"no RAPL package domain under {root}")
+            self.reason = (
+                f"RAPL package energy under {root} is not readable (root-only since Linux 5.10)"
+                if unreadable
+                else f"no RAPL package domain under {root}"
+            )
         self._last_raw: dict[str, int] = {}
         self._total_uj = 0
         self._last_total: int | None = None
@@ -285,19 +308,26 @@ def check_rapl(root: str = "/sys/class/powercap", sleep: Any = None) -> Any:
 
     rapl = Rapl(root)
     if not rapl.available:
-        return Outcome.skip(f"{rapl.reason}: a CPU run's energy per token is n/a (run as root, or make "
-                            f"{root}/intel-rapl:*/energy_uj readable)")
+        return Outcome.skip(
+            f"{rapl.reason}: a CPU run's energy per token is n/a (run as root, or make "
+            f"{root}/intel-rapl:*/energy_uj readable)"
+        )
     sleep = sleep or time.sleep
     rapl.read(time.time())
     end = time.monotonic() + 1.0
     x = 0
-    while time.monotonic() < end:                 # a second of work for the counter to see
+    while time.monotonic() < end:  # a second of work for the counter to see
         x += sum(range(1000))
     sleep(0.01)
     power, joules = rapl.read(time.time())
     ok = joules is not None and joules > 0
-    return Outcome.verdict(ok, f"{_fmt(joules, 'J')} over about 1 s ({_fmt(power, 'W')})",
-                           "the RAPL counter did not move", joules=joules, watts=power)
+    return Outcome.verdict(
+        ok,
+        f"{_fmt(joules, 'J')} over about 1 s ({_fmt(power, 'W')})",
+        "the RAPL counter did not move",
+        joules=joules,
+        watts=power,
+    )
 
 
 def _fmt(v: float | None, unit: str) -> str:

@@ -44,13 +44,44 @@ from collections import deque
 from typing import IO, TYPE_CHECKING, Any, Callable
 
 from gptop.profile_text import profile_lines
-from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_eta, fmt_mfu, fmt_num, fmt_peak, fmt_toggles,
-                         measure_line, model_summary, phase_label, spread_pct)
+from gptop.state import (
+    RunState,
+    fmt_bytes,
+    fmt_duration,
+    fmt_eta,
+    fmt_mfu,
+    fmt_num,
+    fmt_peak,
+    fmt_toggles,
+    measure_line,
+    model_summary,
+    phase_label,
+    spread_pct,
+)
 from gptop.alerts import alert_line
 from trainer.contract.states import RunStatus, TrialKind, TrialStatus
-from trainer.contract.events import (PHASES, AlertEvent, ApplyEvent, CheckpointEvent, DeviceEvent, DoneEvent,
-                                     ErrorEvent, EvalEvent, Event, HelloEvent, LogEvent, PhaseEvent, ProfileEvent,
-                                     ProgressEvent, StatusEvent, StepEvent, TrialEvent, TunerEvent, WarningEvent, dumps)
+from trainer.contract.events import (
+    PHASES,
+    AlertEvent,
+    ApplyEvent,
+    CheckpointEvent,
+    DeviceEvent,
+    DoneEvent,
+    ErrorEvent,
+    EvalEvent,
+    Event,
+    HelloEvent,
+    LogEvent,
+    PhaseEvent,
+    ProfileEvent,
+    ProgressEvent,
+    StatusEvent,
+    StepEvent,
+    TrialEvent,
+    TunerEvent,
+    WarningEvent,
+    dumps,
+)
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
@@ -63,9 +94,10 @@ def step_line(event: StepEvent, state: RunState) -> str:
     """`step 120/1000 loss 2.310 | 12.3k tok/s | mfu 31.2% | step 250 ms (data 2% fwd 30% ...) | mem 1.2 GB`."""
     total = state.total_steps
     loss, mfu, step_ms = event.loss, event.mfu, event.step_ms
-    parts = [f"step {event.step}/{total if total is not None else '?'} "
-             f"loss {'n/a' if loss is None else f'{loss:.3f}'}",
-             f"{fmt_num(event.tokens_per_s)} tok/s"]
+    parts = [
+        f"step {event.step}/{total if total is not None else '?'} loss {'n/a' if loss is None else f'{loss:.3f}'}",
+        f"{fmt_num(event.tokens_per_s)} tok/s",
+    ]
     parts.append(f"mfu {fmt_mfu(mfu, state.mfu_is_estimate)}")
     phases = event.phases_ms or {}
     seg = f"step {'n/a' if step_ms is None else f'{step_ms:.0f} ms'}"
@@ -102,8 +134,7 @@ def first_step_line(event: ProgressEvent, state: RunState) -> str | None:
         return None
     total = state.total_steps
     took = f" in {event.step_ms / 1000:.1f} s (warm-up included)" if event.step_ms is not None else ""
-    return (f"step {event.step}/{total if total is not None else '?'} done{took}; "
-            f"a line every {log_every} steps")
+    return f"step {event.step}/{total if total is not None else '?'} done{took}; a line every {log_every} steps"
 
 
 def event_line(event: Event, state: RunState) -> str | None:
@@ -122,14 +153,17 @@ def _primary(event: StepEvent | ProfileEvent, state: RunState) -> bool:
 def _hello_line(event: HelloEvent, state: RunState) -> str:
     total = state.total_steps
     where = event.device.name or event.device.type
-    if event.command is not None:   # `gptop run`: the command gptop started (its client's hello follows)
-        return f"starting: {state.command_line()}" + (f" (pid {event.pid})" if event.pid else "") + \
-            (f", run dir {state.run_dir}" if state.run_dir else "")
-    if event.early:     # before anything is built: the run as configured and what it will cost
+    if event.command is not None:  # `gptop run`: the command gptop started (its client's hello follows)
+        return (
+            f"starting: {state.command_line()}"
+            + (f" (pid {event.pid})" if event.pid else "")
+            + (f", run dir {state.run_dir}" if state.run_dir else "")
+        )
+    if event.early:  # before anything is built: the run as configured and what it will cost
         line = f"starting: {model_summary(state.model) or 'model'} on {where}"
         if total is not None:
             line += f", {total} steps"
-        est = state.estimate_line() if not state.estimate_is_slow() else None   # the warning that follows says it
+        est = state.estimate_line() if not state.estimate_is_slow() else None  # the warning that follows says it
         return line + (f"; {est}" if est else "")
     line = f"gptop: {model_summary(state.model) or 'model'} on {where}"
     if total is not None:
@@ -159,13 +193,13 @@ def _checkpoint_line(event: CheckpointEvent, state: RunState) -> str:
 
 def _error_line(event: ErrorEvent, state: RunState) -> str | None:
     if event.kind == "config" and state.step is None:
-        return None     # a refusal before the first step: gptop ends with it in one line (gptop: error: ...)
+        return None  # a refusal before the first step: gptop ends with it in one line (gptop: error: ...)
     return f"error [{event.kind}]: {event.message}"
 
 
 def _done_line(event: DoneEvent, state: RunState) -> str:
     if event.reason not in (None, "max_steps"):
-        if state.tuner.active:     # the tuner restarts the trainer between configurations: not the run's end
+        if state.tuner.active:  # the tuner restarts the trainer between configurations: not the run's end
             return f"trainer stopped at step {event.step} to restart with the next settings (tuning)"
         return f"trainer stopped at step {event.step} ({event.reason}), {fmt_num(event.tokens)} tokens"
     line = f"done: step {event.step}, {fmt_num(event.tokens)} tokens in {fmt_duration(state.elapsed())}"
@@ -178,7 +212,7 @@ def _done_line(event: DoneEvent, state: RunState) -> str:
 
 def _trial_line(event: TrialEvent, state: RunState) -> str | None:
     if event.status is TrialStatus.RUNNING:
-        return None            # one line per trial, when it ends (the JSON mode has both)
+        return None  # one line per trial, when it ends (the JSON mode has both)
     what = event.kind or TrialKind.TRIAL
     number = "" if event.number is None else f" {event.number}"
     line = f"{what}{number} {event.status}: {fmt_toggles(state.toggle_diff(event.toggles))}"
@@ -227,9 +261,18 @@ _LINES: dict[type, Callable[[Any, RunState], str | None]] = {
 class HeadlessView:
     """Prints a run for scripts and CI: JSON lines (`json=True`) or readable lines."""
 
-    def __init__(self, state: RunState, *, json: bool, stream: IO[str] | None = None,
-                 progress: bool | None = None, err: IO[str] | None = None, device_interval: float | None = None,
-                 echo_logs: bool = False, stderr_tail: int = 20) -> None:
+    def __init__(
+        self,
+        state: RunState,
+        *,
+        json: bool,
+        stream: IO[str] | None = None,
+        progress: bool | None = None,
+        err: IO[str] | None = None,
+        device_interval: float | None = None,
+        echo_logs: bool = False,
+        stderr_tail: int = 20,
+    ) -> None:
         """`progress`: None shows a progress bar when `stream` is a TTY (never in JSON mode)."""
         self.state = state
         self.json = json
@@ -245,14 +288,14 @@ class HeadlessView:
         self._status: RunStatus | None = None
         self._tuner_phase: str | None = None
         self._hint_kind: str | None = None
-        self._verdicts: dict[str, str] = {}     # GPU key -> the kind of its last printed verdict
+        self._verdicts: dict[str, str] = {}  # GPU key -> the kind of its last printed verdict
         self._phase_message: str | None = None
         self._first_progress = True
-        self._measuring: tuple | None = None      # the measurement the last progress line was about
+        self._measuring: tuple | None = None  # the measurement the last progress line was about
         self._measure_at = 0.0
         if progress is None:
             progress = not json and _isatty(self.stream)
-        self._progress: Progress | None = None      # rich's bar on a terminal (imported only then)
+        self._progress: Progress | None = None  # rich's bar on a terminal (imported only then)
         self._task: TaskID | None = None
         if progress and not json:
             self._start_progress()
@@ -263,8 +306,13 @@ class HeadlessView:
         from rich.progress import BarColumn, Progress, TextColumn
 
         console = Console(file=self.stream, highlight=False)
-        self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
-                                  TextColumn("{task.fields[info]}"), console=console, transient=True)
+        self._progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            TextColumn("{task.fields[info]}"),
+            console=console,
+            transient=True,
+        )
         self._task = self._progress.add_task("starting", total=None, info="")
         self._progress.start()
 
@@ -309,13 +357,15 @@ class HeadlessView:
                 if phase and phase != self._tuner_phase:
                     self._tuner_phase = phase
                     left = event.budget_left_s
-                    self._print(f"tuner: {phase_label(phase)}" + (f" ({fmt_duration(left)} budget left)" if left is not None
-                                                      else ""))
+                    self._print(
+                        f"tuner: {phase_label(phase)}"
+                        + (f" ({fmt_duration(left)} budget left)" if left is not None else "")
+                    )
                 self._measure_progress(event)
                 return
             if isinstance(event, ProgressEvent):
-                self._update_bar()          # every step: the bar moves; lines stay at the log interval
-                if self._first_progress:    # but the first step of a process gets a line: it is alive
+                self._update_bar()  # every step: the bar moves; lines stay at the log interval
+                if self._first_progress:  # but the first step of a process gets a line: it is alive
                     self._first_progress = False
                     line = first_step_line(event, self.state)
                     if line:
@@ -325,10 +375,9 @@ class HeadlessView:
                 self._first_progress = True
             if isinstance(event, PhaseEvent):
                 if self._progress is not None and self._task is not None:
-                    self._progress.update(self._task, description=event.phase,
-                                          info=self.state.startup_line() or "")
+                    self._progress.update(self._task, description=event.phase, info=self.state.startup_line() or "")
                 if event.message == self._phase_message:
-                    return                  # a percent update of the same phase: the bar, not a line
+                    return  # a percent update of the same phase: the bar, not a line
                 self._phase_message = event.message
             line = event_line(event, self.state)
             if line is not None:
@@ -379,11 +428,18 @@ class HeadlessView:
     def _update_bar(self) -> None:
         if self._progress is not None and self._task is not None:
             s = self.state
-            info = " · ".join(x for x in (
-                f"{s.step}/{s.total_steps}" if s.total_steps else f"{s.step}",
-                f"{fmt_num(s.tokens)} tokens", f"eta {fmt_eta(s)}") if x)
-            self._progress.update(self._task, description="training", completed=s.step or 0,
-                                  total=s.total_steps, info=info)
+            info = " · ".join(
+                x
+                for x in (
+                    f"{s.step}/{s.total_steps}" if s.total_steps else f"{s.step}",
+                    f"{fmt_num(s.tokens)} tokens",
+                    f"eta {fmt_eta(s)}",
+                )
+                if x
+            )
+            self._progress.update(
+                self._task, description="training", completed=s.step or 0, total=s.total_steps, info=info
+            )
 
     def on_log(self, line: str, stream: str = "stdout") -> None:
         """A trainer stdout/stderr line: kept for the failure report, printed only with `echo_logs`."""
@@ -401,13 +457,13 @@ class HeadlessView:
                 return
             self._status = status
             err = self.state.last_error()
-            refused = err is not None and err.kind == "config"     # gptop says it in one line: nothing to add
+            refused = err is not None and err.kind == "config"  # gptop says it in one line: nothing to add
             if self.json:
                 obj = StatusEvent(status=status, message=message)
                 self._write(self.stream, dumps(obj) + "\n")
             else:
                 if refused and status is RunStatus.FAILED and self.state.step is None:
-                    message = None          # the refusal's own line ends the command: said once
+                    message = None  # the refusal's own line ends the command: said once
                 self._print(f"status: {status}" + (f": {message}" if message else ""))
                 if self._progress is not None and self._task is not None:
                     self._progress.update(self._task, description=status)
@@ -432,7 +488,7 @@ def quiet_closed_stream(stream: IO[str]) -> None:
     try:
         fd = stream.fileno()
     except (AttributeError, OSError, ValueError):
-        return      # not a real file (a StringIO in tests): nothing buffered below it
+        return  # not a real file (a StringIO in tests): nothing buffered below it
     devnull = os.open(os.devnull, os.O_WRONLY)
     try:
         os.dup2(devnull, fd)

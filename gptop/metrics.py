@@ -34,15 +34,19 @@ DEFAULT_ADDR = "127.0.0.1"
 
 @dataclass(frozen=True)
 class Metric:
-    name: str            # as exposed (a counter's `_total` included)
-    type: str            # gauge, counter, info
+    name: str  # as exposed (a counter's `_total` included)
+    type: str  # gauge, counter, info
     labels: tuple[str, ...]
     help: str
 
 
 METRICS: tuple[Metric, ...] = (
-    Metric("gptop_run_info", "info", ("node", "run", "run_dir", "model", "size", "device", "precision"),
-           "the run: its name, directory, model, device and precision"),
+    Metric(
+        "gptop_run_info",
+        "info",
+        ("node", "run", "run_dir", "model", "size", "device", "precision"),
+        "the run: its name, directory, model, device and precision",
+    ),
     Metric("gptop_status", "gauge", ("node", "status"), "1 for the session's status now, 0 for the others"),
     Metric("gptop_step", "gauge", ("node",), "the latest optimizer step done"),
     Metric("gptop_max_steps", "gauge", ("node",), "the step the run trains to"),
@@ -56,20 +60,29 @@ METRICS: tuple[Metric, ...] = (
     Metric("gptop_energy_joules_per_token", "gauge", ("node",), "energy per token over the recent steps"),
     Metric("gptop_rank_step", "gauge", ("node", "rank"), "each rank's latest logged step"),
     Metric("gptop_step_seconds", "gauge", ("node", "rank"), "each rank's mean step time over its latest interval"),
-    Metric("gptop_phase_seconds", "gauge", ("node", "rank", "phase"),
-           "each rank's mean time per step in each phase (data, forward, backward, optimizer, other)"),
+    Metric(
+        "gptop_phase_seconds",
+        "gauge",
+        ("node", "rank", "phase"),
+        "each rank's mean time per step in each phase (data, forward, backward, optimizer, other)",
+    ),
     Metric("gptop_memory_bytes", "gauge", ("node", "rank"), "each rank's device memory in use by the trainer"),
     Metric("gptop_gpu_utilization_percent", "gauge", ("node", "gpu"), "share of time a kernel ran (NVML)"),
     Metric("gptop_gpu_memory_used_bytes", "gauge", ("node", "gpu"), "GPU memory used, whole device"),
     Metric("gptop_gpu_memory_total_bytes", "gauge", ("node", "gpu"), "GPU memory"),
     Metric("gptop_gpu_power_watts", "gauge", ("node", "gpu"), "GPU power draw"),
     Metric("gptop_gpu_power_limit_watts", "gauge", ("node", "gpu"), "GPU enforced power limit"),
-    Metric("gptop_gpu_energy_joules_total", "counter", ("node", "gpu"),
-           "NVML's energy counter (since the driver loaded: use rate() or increase())"),
+    Metric(
+        "gptop_gpu_energy_joules_total",
+        "counter",
+        ("node", "gpu"),
+        "NVML's energy counter (since the driver loaded: use rate() or increase())",
+    ),
     Metric("gptop_gpu_temperature_celsius", "gauge", ("node", "gpu"), "GPU temperature"),
     Metric("gptop_gpu_sm_clock_mhz", "gauge", ("node", "gpu"), "SM clock"),
-    Metric("gptop_gpu_ecc_uncorrected_errors", "gauge", ("node", "gpu"),
-           "uncorrected ECC errors since the driver loaded"),
+    Metric(
+        "gptop_gpu_ecc_uncorrected_errors", "gauge", ("node", "gpu"), "uncorrected ECC errors since the driver loaded"
+    ),
     Metric("gptop_cpu_utilization_percent", "gauge", ("node",), "whole-machine CPU utilization"),
     Metric("gptop_cpu_memory_used_bytes", "gauge", ("node",), "host memory used (total - available)"),
     Metric("gptop_cpu_power_watts", "gauge", ("node",), "CPU package power (RAPL)"),
@@ -93,8 +106,9 @@ def addr_arg(text: str) -> str:
         try:
             ipaddress.ip_address(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an IP address (127.0.0.1, 0.0.0.0, ::1) or "
-                                             "localhost") from None
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not an IP address (127.0.0.1, 0.0.0.0, ::1) or localhost"
+            ) from None
     return text
 
 
@@ -102,12 +116,22 @@ def add_metrics_arguments(parser: argparse.ArgumentParser, suppress: bool = Fals
     """`--metrics-port`/`--metrics-addr` (`suppress`: on a subcommand whose parent has them too)."""
     d = (lambda v: argparse.SUPPRESS) if suppress else (lambda v: v)
     g = parser.add_argument_group("metrics (Prometheus)")
-    g.add_argument("--metrics-port", type=number_arg(int, 1, 65535), default=d(None), metavar="PORT",
-                   help="serve Prometheus metrics at http://ADDR:PORT/metrics (docs/dashboard.md lists them) "
-                        "(default: off; 1 <= x <= 65535)")
-    g.add_argument("--metrics-addr", type=addr_arg, default=d(DEFAULT_ADDR), metavar="ADDR",
-                   help="the address the metrics listen on; they reveal the run's configuration and paths "
-                        f"(default: {DEFAULT_ADDR}; 0.0.0.0 for every interface)")
+    g.add_argument(
+        "--metrics-port",
+        type=number_arg(int, 1, 65535),
+        default=d(None),
+        metavar="PORT",
+        help="serve Prometheus metrics at http://ADDR:PORT/metrics (docs/dashboard.md lists them) "
+        "(default: off; 1 <= x <= 65535)",
+    )
+    g.add_argument(
+        "--metrics-addr",
+        type=addr_arg,
+        default=d(DEFAULT_ADDR),
+        metavar="ADDR",
+        help="the address the metrics listen on; they reveal the run's configuration and paths "
+        f"(default: {DEFAULT_ADDR}; 0.0.0.0 for every interface)",
+    )
 
 
 class RunCollector:
@@ -118,7 +142,7 @@ class RunCollector:
         self.state: "RunState | None" = None
 
     def describe(self) -> list[Any]:
-        return []          # families depend on the run (GPUs, ranks): not described ahead of a scrape
+        return []  # families depend on the run (GPUs, ranks): not described ahead of a scrape
 
     def collect(self) -> Iterator[Any]:
         state = self.state
@@ -150,9 +174,9 @@ class Families:
         if f is None:
             m = _BY_NAME[name]
             if m.type == "counter":
-                f = CounterMetricFamily(name[:-len("_total")], m.help, labels=m.labels)
+                f = CounterMetricFamily(name[: -len("_total")], m.help, labels=m.labels)
             elif m.type == "info":
-                f = InfoMetricFamily(name[:-len("_info")], m.help, labels=m.labels[:1])
+                f = InfoMetricFamily(name[: -len("_info")], m.help, labels=m.labels[:1])
             else:
                 f = GaugeMetricFamily(name, m.help, labels=m.labels)
             self.families[name] = f
@@ -167,10 +191,14 @@ class Families:
 
 def _run_metrics(out: Families, state: "RunState") -> None:
     last, model = state.last_step, state.model
-    info = {"run": state.run_name or "", "run_dir": state.run_dir or "",
-            "model": (model.family or "") if model else "", "size": (model.size or "") if model else "",
-            "device": (state.device.name or state.device.type) if state.device else "",
-            "precision": state.precision_label() or ""}
+    info = {
+        "run": state.run_name or "",
+        "run_dir": state.run_dir or "",
+        "model": (model.family or "") if model else "",
+        "size": (model.size or "") if model else "",
+        "device": (state.device.name or state.device.type) if state.device else "",
+        "precision": state.precision_label() or "",
+    }
     out.family("gptop_run_info").add_metric([out.node], info)
     for s in RunStatus:
         out.family("gptop_status").add_metric([out.node, s.value], 1.0 if state.status is s else 0.0)
@@ -259,13 +287,14 @@ class MetricsServer:
 
         collector = RunCollector(node)
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(collector)       # a duck-typed Collector, as the docs show
+        registry.register(collector)  # a duck-typed Collector, as the docs show
         try:
             httpd, thread = start_http_server(port, addr=addr, registry=registry)
         except OSError as e:
             what = "is in use" if e.errno == errno.EADDRINUSE else f"cannot be listened on ({e.strerror or e})"
-            raise ConfigError("--metrics-port", f"port {port} on {addr} {what}; choose another --metrics-port "
-                                                "(or --metrics-addr)") from None
+            raise ConfigError(
+                "--metrics-port", f"port {port} on {addr} {what}; choose another --metrics-port (or --metrics-addr)"
+            ) from None
         return cls(httpd, thread, collector, addr)
 
     def serve(self, state: "RunState") -> None:

@@ -48,11 +48,11 @@ def find_run(path: str | None) -> Path | None:
     return max(runs, key=lambda p: (p / "events.jsonl").stat().st_mtime) if runs else None
 
 
-TAIL_BYTES = 2 << 20        # the end of a long run's events.jsonl an attach reads (about the panels' 2000 step events)
-HEAD_BYTES = 1 << 20        # at most this much of its head (the first start's hello and startup, the first step)
-SCAN_CHUNK = 1 << 20        # the backward search for the newest hello reads this much at a time ...
+TAIL_BYTES = 2 << 20  # the end of a long run's events.jsonl an attach reads (about the panels' 2000 step events)
+HEAD_BYTES = 1 << 20  # at most this much of its head (the first start's hello and startup, the first step)
+SCAN_CHUNK = 1 << 20  # the backward search for the newest hello reads this much at a time ...
 HELLO_SCAN_BYTES = 16 << 20  # ... and this much at most before the tail (else the head's hello stands)
-LOG_TAIL_BYTES = 64 << 10   # the end of the trainer's log files an attach shows (the log panel keeps 2000 lines)
+LOG_TAIL_BYTES = 64 << 10  # the end of the trainer's log files an attach shows (the log panel keeps 2000 lines)
 
 
 @dataclass
@@ -90,7 +90,7 @@ def attach_plan(path: Path, tail_bytes: int | None = None) -> Attach:
                 break
         head_end = sum(len(x) + 1 for x in head)
         f.seek(size - tail_bytes)
-        f.readline()                                   # the tail starts at a whole line
+        f.readline()  # the tail starts at a whole line
         tail = f.tell()
         hello = _newest_hello(f, max(head_end, tail - HELLO_SCAN_BYTES), tail)
     return Attach(head, hello, tail, size)
@@ -105,7 +105,7 @@ def _newest_hello(f: Any, lo: int, hi: int) -> bytes | None:
         f.seek(start)
         data = f.read(end - start) + carry
         lines = data.split(b"\n")
-        carry = lines[0] if start > lo else b""       # a line cut by the chunk's start: joined with the next chunk
+        carry = lines[0] if start > lo else b""  # a line cut by the chunk's start: joined with the next chunk
         for line in reversed(lines[1:] if start > lo else lines):
             if b'"type":"hello"' in line and b'"early":true' not in line:
                 return line
@@ -124,7 +124,7 @@ def log_tail(path: Path, tail_bytes: int = LOG_TAIL_BYTES) -> FileTail:
         return FileTail(path, 0)
     with open(path, "rb") as f:
         f.seek(size - tail_bytes)
-        f.readline()                                   # the tail starts at a whole line
+        f.readline()  # the tail starts at a whole line
         return FileTail(path, f.tell())
 
 
@@ -135,7 +135,7 @@ def trainer_pid(run_dir: Path) -> int | None:
     plan = attach_plan(path)
     lines = plan.head + ([plan.hello] if plan.hello else []) + FileTail(path, plan.tail_offset).read_all()
     ends = (b'"type":"hello"', b'"type":"done"', b'"type":"error"')
-    for e in _parse(x for x in lines if any(k in x for k in ends)):     # malformed lines: counted when followed
+    for e in _parse(x for x in lines if any(k in x for k in ends)):  # malformed lines: counted when followed
         if isinstance(e, ev.HelloEvent):
             pid = e.pid
         elif isinstance(e, (ev.DoneEvent, ev.ErrorEvent)):
@@ -154,12 +154,11 @@ def trainer_pid(run_dir: Path) -> int | None:
 class MonitorSession(SessionBase):
     """A session for watching rather than running: it follows or replays a run's events.jsonl."""
 
-    def __init__(self, run_dir: Path | None, interval: float = 0.5, sampler: Any = None,
-                 follow_poll_s: float = 0.1):
+    def __init__(self, run_dir: Path | None, interval: float = 0.5, sampler: Any = None, follow_poll_s: float = 0.1):
         super().__init__(run_dir, sampler)
         self.interval = interval
         self.pid: int | None = None
-        self.replayed = threading.Event()       # a finished run's events were all read
+        self.replayed = threading.Event()  # a finished run's events were all read
         self._poll = follow_poll_s
         self._thread: threading.Thread | None = None
 
@@ -175,8 +174,10 @@ class MonitorSession(SessionBase):
             return
         self.pid = trainer_pid(self.run_dir)
         self.state.set_watching(self.pid)
-        self._set_status(RunStatus.RUNNING if self.pid else RunStatus.REPLAY,
-                         f"watching pid {self.pid}" if self.pid else "finished run, replayed")
+        self._set_status(
+            RunStatus.RUNNING if self.pid else RunStatus.REPLAY,
+            f"watching pid {self.pid}" if self.pid else "finished run, replayed",
+        )
         self._thread = threading.Thread(target=self._follow, name="gptop-follow", daemon=True)
         self._thread.start()
 
@@ -186,12 +187,15 @@ class MonitorSession(SessionBase):
         plan = attach_plan(path)
         if plan.tail_offset:
             feed_events(plan.head + ([plan.hello] if plan.hello else []), self._dispatch, self._on_malformed)
-            self._on_log(f"[gptop] a long run: read its first start and its last {plan.size - plan.tail_offset >> 20} "
-                         f"MiB of events, not the {plan.skipped >> 20} MiB between (gptop report reads them all)",
-                         "gptop")
+            self._on_log(
+                f"[gptop] a long run: read its first start and its last {plan.size - plan.tail_offset >> 20} "
+                f"MiB of events, not the {plan.skipped >> 20} MiB between (gptop report reads them all)",
+                "gptop",
+            )
         layout = RunDir(self.run_dir)
-        logs = [(stream, log_tail(p)) for stream, p in (("stdout", layout.trainer_log),
-                                                          ("stderr", layout.trainer_stderr))]
+        logs = [
+            (stream, log_tail(p)) for stream, p in (("stdout", layout.trainer_log), ("stderr", layout.trainer_stderr))
+        ]
         tail = FileTail(path, plan.tail_offset)
         while not self._finished.is_set():
             for stream, log in logs:
@@ -202,13 +206,14 @@ class MonitorSession(SessionBase):
                 feed_events(lines, self._dispatch, self._on_malformed)
                 continue
             if self.pid is None:
-                self.replayed.set()     # replay: everything read
+                self.replayed.set()  # replay: everything read
                 return
             if not _alive(self.pid):
                 self.pid = None
                 self.state.set_watching(None)
-                self._set_status(RunStatus.FAILED if self.state.status is RunStatus.FAILED else RunStatus.DONE,
-                                 "the run ended")
+                self._set_status(
+                    RunStatus.FAILED if self.state.status is RunStatus.FAILED else RunStatus.DONE, "the run ended"
+                )
                 continue
             time.sleep(self._poll)
 
@@ -257,7 +262,7 @@ def run_monitor(ns: argparse.Namespace) -> int:
     from .metrics import bind_metrics
 
     run_dir = find_run(ns.monitor_run_dir)
-    metrics = bind_metrics(ns)                # a port in use: exit 2 before anything starts
+    metrics = bind_metrics(ns)  # a port in use: exit 2 before anything starts
     try:
         session = MonitorSession(run_dir, interval=ns.interval)
         if metrics is not None:

@@ -23,8 +23,8 @@ from trainer.contract.config import ConfigError
 from trainer.contract.inputs import path_arg
 from trainer.contract.events import AlertEvent, dumps
 
-NOTIFY_TIMEOUT_S = 30.0       # one notification (a webhook, a command) at most
-QUEUE = 256                   # notifications waiting at most; beyond, the oldest are dropped (and logged once)
+NOTIFY_TIMEOUT_S = 30.0  # one notification (a webhook, a command) at most
+QUEUE = 256  # notifications waiting at most; beyond, the oldest are dropped (and logged once)
 
 
 def _apprise() -> Any:
@@ -39,8 +39,11 @@ def check_notify_url(url: str, option: str = "--notify") -> None:
     """A URL Apprise can send to (its scheme known, its parts well formed), else ConfigError naming the flag."""
     apprise = _apprise()
     if not apprise.Apprise().add(url):
-        raise ConfigError(option, f"{url.split('://', 1)[0]!r}... is not a notification URL Apprise supports "
-                                  "(see https://github.com/caronc/apprise/wiki for the forms)")
+        raise ConfigError(
+            option,
+            f"{url.split('://', 1)[0]!r}... is not a notification URL Apprise supports "
+            "(see https://github.com/caronc/apprise/wiki for the forms)",
+        )
 
 
 def check_notify_cmd(cmd: str, option: str = "--notify-cmd") -> list[str]:
@@ -59,22 +62,39 @@ def check_notify_cmd(cmd: str, option: str = "--notify-cmd") -> list[str]:
 
 
 def add_notify_arguments(group: Any) -> None:
-    group.add_argument("--notify", metavar="URL", action="append", default=[],
-                       type=path_arg(check_notify_url, "--notify"),
-                       help="send each alert (and its resolution) to this Apprise URL: slack://..., discord://..., "
-                            "mailto://..., ntfys://..., json://...; repeatable (pip install 'gptop[notify]') "
-                            "(default: none)")
-    group.add_argument("--notify-cmd", metavar="CMD", action="append", default=[],
-                       type=path_arg(check_notify_cmd, "--notify-cmd"),
-                       help="run CMD for each alert (and its resolution) with the alert as JSON on its stdin; "
-                            "repeatable (default: none)")
+    group.add_argument(
+        "--notify",
+        metavar="URL",
+        action="append",
+        default=[],
+        type=path_arg(check_notify_url, "--notify"),
+        help="send each alert (and its resolution) to this Apprise URL: slack://..., discord://..., "
+        "mailto://..., ntfys://..., json://...; repeatable (pip install 'gptop[notify]') "
+        "(default: none)",
+    )
+    group.add_argument(
+        "--notify-cmd",
+        metavar="CMD",
+        action="append",
+        default=[],
+        type=path_arg(check_notify_cmd, "--notify-cmd"),
+        help="run CMD for each alert (and its resolution) with the alert as JSON on its stdin; "
+        "repeatable (default: none)",
+    )
 
 
 class Notifier:
     """Sends alerts to every target from one worker thread. `log(message)` says what failed (once per target)."""
 
-    def __init__(self, urls: list[str], commands: list[str], log: Callable[[str], None], *, run_name: str = "",
-                 timeout_s: float = NOTIFY_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        commands: list[str],
+        log: Callable[[str], None],
+        *,
+        run_name: str = "",
+        timeout_s: float = NOTIFY_TIMEOUT_S,
+    ) -> None:
         self.urls = list(urls)
         self.commands = [check_notify_cmd(c) for c in commands]
         self.log = log
@@ -143,14 +163,19 @@ class Notifier:
 
         what = "resolved" if alert.resolved else alert.severity.value
         title = f"gptop {what}: {alert.kind.value}" + (f" on {self.run_name}" if self.run_name else "")
-        kind = (apprise.NotifyType.SUCCESS if alert.resolved else
-                apprise.NotifyType.FAILURE if alert.severity.value == "critical" else apprise.NotifyType.WARNING)
+        kind = (
+            apprise.NotifyType.SUCCESS
+            if alert.resolved
+            else apprise.NotifyType.FAILURE
+            if alert.severity.value == "critical"
+            else apprise.NotifyType.WARNING
+        )
         for url in self.urls:
             one = apprise.Apprise()
             one.add(url)
             try:
-                ok = bool(one.notify(title=title, body=alert.message, notify_type=kind))   # AppriseResult: truthy
-            except Exception as e:     # a plugin's own bug: a notification, never the run
+                ok = bool(one.notify(title=title, body=alert.message, notify_type=kind))  # AppriseResult: truthy
+            except Exception as e:  # a plugin's own bug: a notification, never the run
                 ok, why = False, f"{type(e).__name__}: {e}"
             else:
                 why = "Apprise could not deliver it (see its log)"
@@ -162,8 +187,9 @@ class Notifier:
     def _send_cmd(self, argv: list[str], alert: AlertEvent) -> None:
         name = shlex.join(argv)[:80]
         try:
-            proc = self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                                 stderr=subprocess.PIPE, start_new_session=True)
+            proc = self._proc = subprocess.Popen(
+                argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+            )
         except OSError as e:
             self._fail_once(name, str(e))
             return

@@ -66,6 +66,7 @@ def throttle_reasons(mask: Any) -> list[str] | None:
         return None
     return [name for bit, name in THROTTLE_REASONS if m & bit]
 
+
 # Error codes from nvml.h; stable across driver versions. Read from the module
 # when it has them, so a fake module with its own numbering also works.
 _CODES = {
@@ -103,12 +104,12 @@ class Nvml:
         self.reason: str | None = None
         self.device_count = 0
         self._handles: dict[int, Any] = {}
-        self._unsupported: set[tuple[int, str, tuple]] = set()   # (device, function, extra args)
+        self._unsupported: set[tuple[int, str, tuple]] = set()  # (device, function, extra args)
         self._missing_functions: set[str] = set()
         self._lost: set[int] = set()
-        self._gpm_prev: dict[int, Any] = {}     # device -> its previous GPM sample (freed on close)
-        self._gpm_ok: dict[int, bool] = {}      # device -> GPM supported
-        self._event_set: Any = None             # Xid events (nvmlEventSetCreate), registered per device
+        self._gpm_prev: dict[int, Any] = {}  # device -> its previous GPM sample (freed on close)
+        self._gpm_ok: dict[int, bool] = {}  # device -> GPM supported
+        self._event_set: Any = None  # Xid events (nvmlEventSetCreate), registered per device
         self._xid_registered: set[int] = set()
 
     # -- lifecycle ---------------------------------------------------------
@@ -213,15 +214,19 @@ class Nvml:
     def clock_reasons(self, index: int) -> list[str] | None:
         """Why the clocks are below their maximum now (THROTTLE_REASONS names), [] when nothing holds
         them; None when NVML cannot tell."""
-        mask = self.device_query_first(index, [("nvmlDeviceGetCurrentClocksEventReasons", ()),
-                                               ("nvmlDeviceGetCurrentClocksThrottleReasons", ())])
+        mask = self.device_query_first(
+            index, [("nvmlDeviceGetCurrentClocksEventReasons", ()), ("nvmlDeviceGetCurrentClocksThrottleReasons", ())]
+        )
         return throttle_reasons(mask)
 
     def ecc_uncorrected(self, index: int) -> int | None:
         """Uncorrected ECC memory errors since the driver loaded (volatile count); None without ECC."""
-        value = self.device_query(index, "nvmlDeviceGetTotalEccErrors",
-                                  self.constant("NVML_MEMORY_ERROR_TYPE_UNCORRECTED", 1),
-                                  self.constant("NVML_VOLATILE_ECC", 0))
+        value = self.device_query(
+            index,
+            "nvmlDeviceGetTotalEccErrors",
+            self.constant("NVML_MEMORY_ERROR_TYPE_UNCORRECTED", 1),
+            self.constant("NVML_VOLATILE_ECC", 0),
+        )
         return None if value is None else int(value)
 
     def is_lost(self, index: int) -> bool:
@@ -243,11 +248,11 @@ class Nvml:
             kind = self.constant("nvmlEventTypeXidCriticalError", 0x8)
             for i in range(self.device_count):
                 if i not in self._xid_registered:
-                    self._xid_registered.add(i)    # asked once: NotSupported is remembered by device_query anyway
+                    self._xid_registered.add(i)  # asked once: NotSupported is remembered by device_query anyway
                     self.device_query(i, "nvmlDeviceRegisterEvents", kind, self._event_set)
             out: dict[int, list[int]] = {}
             for _ in range(self.MAX_XIDS_PER_CALL):
-                data = self.query("nvmlEventSetWait_v2", self._event_set, 0)   # Timeout (none waiting): None
+                data = self.query("nvmlEventSetWait_v2", self._event_set, 0)  # Timeout (none waiting): None
                 if data is None:
                     break
                 if not int(getattr(data, "eventType", 0) or 0) & kind:
@@ -266,10 +271,15 @@ class Nvml:
             supported = self._gpm_ok.get(index)
             if supported is None:
                 handle = self.handle(index)
-                support = self._query("nvmlGpmQueryDeviceSupport", (handle,), device=index, extra=()) \
-                    if handle is not None else None
-                supported = bool(getattr(support, "isSupportedDevice", 0)) and \
-                    getattr(self._mod, "c_nvmlGpmMetricsGet_t", None) is not None
+                support = (
+                    self._query("nvmlGpmQueryDeviceSupport", (handle,), device=index, extra=())
+                    if handle is not None
+                    else None
+                )
+                supported = (
+                    bool(getattr(support, "isSupportedDevice", 0))
+                    and getattr(self._mod, "c_nvmlGpmMetricsGet_t", None) is not None
+                )
                 self._gpm_ok[index] = supported
             if not supported:
                 return None
@@ -279,9 +289,12 @@ class Nvml:
                 return None
             if self._query("nvmlGpmSampleGet", (handle, sample), device=index, extra=()) is None:
                 self.query("nvmlGpmSampleFree", sample)
-                if (index, "nvmlGpmSampleGet", ()) in self._unsupported or \
-                        "nvmlGpmSampleGet" in self._missing_functions:
-                    self._gpm_ok[index] = False          # NotSupported / NoPermission: not asked again
+                if (
+                    index,
+                    "nvmlGpmSampleGet",
+                    (),
+                ) in self._unsupported or "nvmlGpmSampleGet" in self._missing_functions:
+                    self._gpm_ok[index] = False  # NotSupported / NoPermission: not asked again
                 return None
             prev, self._gpm_prev[index] = self._gpm_prev.get(index), sample
             if prev is None:
@@ -377,6 +390,7 @@ class Nvml:
 
 # --- gptop doctor: NVML's paths, exercised against the GPU under a workload ------------------------------
 
+
 def index_of(nv: Nvml, keys: Iterable[str | None]) -> int | None:
     """The NVML index of the GPU with one of these identities (trainer.contract.device.gpu_key: its UUID or
     its PCI address, as DeviceInfo.keys gives them)."""
@@ -393,27 +407,36 @@ def index_of(nv: Nvml, keys: Iterable[str | None]) -> int | None:
     return None
 
 
-def sample_gpu(nv: Nvml, index: int, name: str, pids: set[int],
-               identity: tuple[str | None, str | None] = (None, None), xids: list[int] | None = None) -> GpuReading:
+def sample_gpu(
+    nv: Nvml,
+    index: int,
+    name: str,
+    pids: set[int],
+    identity: tuple[str | None, str | None] = (None, None),
+    xids: list[int] | None = None,
+) -> GpuReading:
     """One GPU's reading, as the sampler (and gptop doctor's NVML check) takes it; `xids`: the critical Xid errors
     the driver reported for it since the previous sample (Nvml.xid_errors, read once for every GPU)."""
     q = nv.device_query
     util = q(index, "nvmlDeviceGetUtilizationRates")
     mem = q(index, "nvmlDeviceGetMemoryInfo")
     power_mw = q(index, "nvmlDeviceGetPowerUsage")
-    limit_mw = nv.device_query_first(index, [("nvmlDeviceGetEnforcedPowerLimit", ()),
-                                             ("nvmlDeviceGetPowerManagementLimit", ())])
+    limit_mw = nv.device_query_first(
+        index, [("nvmlDeviceGetEnforcedPowerLimit", ()), ("nvmlDeviceGetPowerManagementLimit", ())]
+    )
     energy_mj = q(index, "nvmlDeviceGetTotalEnergyConsumption")
     sensor = nv.constant("NVML_TEMPERATURE_GPU", 0)
-    temp = nv.device_query_first(index, [("nvmlDeviceGetTemperatureV", (sensor,)),
-                                         ("nvmlDeviceGetTemperature", (sensor,))])
+    temp = nv.device_query_first(
+        index, [("nvmlDeviceGetTemperatureV", (sensor,)), ("nvmlDeviceGetTemperature", (sensor,))]
+    )
     sm = q(index, "nvmlDeviceGetClockInfo", nv.constant("NVML_CLOCK_SM", 1))
     sm_max = q(index, "nvmlDeviceGetMaxClockInfo", nv.constant("NVML_CLOCK_SM", 1))
     gpm = nv.gpm(index) or {}
     proc_mem = None
     if pids:
-        procs = nv.device_query_first(index, [("nvmlDeviceGetComputeRunningProcesses", ()),
-                                              ("nvmlDeviceGetComputeRunningProcesses_v2", ())])
+        procs = nv.device_query_first(
+            index, [("nvmlDeviceGetComputeRunningProcesses", ()), ("nvmlDeviceGetComputeRunningProcesses_v2", ())]
+        )
         # NVML reports host PIDs: inside a PID namespace (container) ours may not match; then n/a, not 0.
         used = [getattr(p, "usedGpuMemory", None) for p in procs or () if getattr(p, "pid", None) in pids]
         known = [u for u in used if u is not None]
@@ -456,7 +479,7 @@ def check(nv: Nvml, index: int, sleep: Any = None) -> Any:
     from trainer.contract.doctor import Outcome
 
     sleep = sleep or time.sleep
-    nv.gpm(index)                                   # GPM's first sample: an interval needs two
+    nv.gpm(index)  # GPM's first sample: an interval needs two
     readings = []
     for _ in range(4):
         sleep(0.5)
@@ -464,8 +487,14 @@ def check(nv: Nvml, index: int, sleep: Any = None) -> Any:
     last = readings[-1]
     utils = [r.util_pct for r in readings if r.util_pct is not None]
     util = max(utils) if utils else None
-    fields = {"utilization": util, "memory": last.mem_used, "power": last.power_w, "sm clock": last.sm_clock_mhz,
-              "max sm clock": last.sm_clock_max_mhz, "clock reasons": last.clock_reasons}
+    fields = {
+        "utilization": util,
+        "memory": last.mem_used,
+        "power": last.power_w,
+        "sm clock": last.sm_clock_mhz,
+        "max sm clock": last.sm_clock_max_mhz,
+        "clock reasons": last.clock_reasons,
+    }
     missing = [k for k, v in fields.items() if v is None]
     gpm_supported = bool(getattr(nv.device_query(index, "nvmlGpmQueryDeviceSupport"), "isSupportedDevice", 0))
     gpm = [r for r in readings if r.sm_active_pct is not None]
@@ -474,16 +503,32 @@ def check(nv: Nvml, index: int, sleep: Any = None) -> Any:
         problems.append("utilization stayed 0 under a workload")
     if gpm_supported and not gpm:
         problems.append("GPM metrics did not read although NVML says the GPU supports them")
-    observed = (f"util {_num(util, '%')}, mem {_gib(last.mem_used)}, power "
-                f"{_num(last.power_w, 'W')}, SM clock {_num(last.sm_clock_mhz, 'MHz')} of "
-                f"{_num(last.sm_clock_max_mhz, 'MHz')}, reasons {last.clock_reasons}, GPM "
-                + (f"SM {_num(gpm[-1].sm_active_pct, '%')} tensor {_num(gpm[-1].tensor_active_pct, '%')}"
-                   if gpm else "n/a (" + ("not supported here" + (": NVML hides it on this Hopper-or-later GPU"
-                                                                   if _capability(nv, index) >= (9, 0) else "")
-                                          + ")" if not gpm_supported else "no reading)")))
-    return Outcome.verdict(not problems, observed, "; ".join(problems),
-                           utilization_pct=util, gpm=bool(gpm), gpm_supported=gpm_supported,
-                           driver=nv.query("nvmlSystemGetDriverVersion"))
+    observed = (
+        f"util {_num(util, '%')}, mem {_gib(last.mem_used)}, power "
+        f"{_num(last.power_w, 'W')}, SM clock {_num(last.sm_clock_mhz, 'MHz')} of "
+        f"{_num(last.sm_clock_max_mhz, 'MHz')}, reasons {last.clock_reasons}, GPM "
+        + (
+            f"SM {_num(gpm[-1].sm_active_pct, '%')} tensor {_num(gpm[-1].tensor_active_pct, '%')}"
+            if gpm
+            else "n/a ("
+            + (
+                "not supported here"
+                + (": NVML hides it on this Hopper-or-later GPU" if _capability(nv, index) >= (9, 0) else "")
+                + ")"
+                if not gpm_supported
+                else "no reading)"
+            )
+        )
+    )
+    return Outcome.verdict(
+        not problems,
+        observed,
+        "; ".join(problems),
+        utilization_pct=util,
+        gpm=bool(gpm),
+        gpm_supported=gpm_supported,
+        driver=nv.query("nvmlSystemGetDriverVersion"),
+    )
 
 
 def check_energy(nv: Nvml, index: int, sleep: Any = None, clock: Any = None) -> Any:
@@ -503,18 +548,26 @@ def check_energy(nv: Nvml, index: int, sleep: Any = None, clock: Any = None) -> 
             powers.append(p / 1000.0)
     e1, t1 = nv.device_query(index, "nvmlDeviceGetTotalEnergyConsumption"), clock()
     if e0 is None or e1 is None:
-        return Outcome.verdict(False, "the energy counter does not read",
-                               "NVML gives no total-energy counter for this GPU")
+        return Outcome.verdict(
+            False, "the energy counter does not read", "NVML gives no total-energy counter for this GPU"
+        )
     joules = (e1 - e0) / 1000.0
     counter_w = joules / (t1 - t0) if t1 > t0 else 0.0
     sampled_w = sum(powers) / len(powers) if powers else None
     agrees = sampled_w is None or (sampled_w / 2 <= counter_w <= sampled_w * 2)
     ok = joules > 0 and agrees
-    observed = (f"{joules:.1f} J over {t1 - t0:.1f} s ({counter_w:.0f} W from the counter; sampled power "
-                f"{_num(sampled_w, 'W')})")
-    return Outcome.verdict(ok, observed, "the energy counter did not move with the workload, or disagrees "
-                                         "with the power readings", joules=joules, counter_w=counter_w,
-                           sampled_w=sampled_w)
+    observed = (
+        f"{joules:.1f} J over {t1 - t0:.1f} s ({counter_w:.0f} W from the counter; sampled power "
+        f"{_num(sampled_w, 'W')})"
+    )
+    return Outcome.verdict(
+        ok,
+        observed,
+        "the energy counter did not move with the workload, or disagrees with the power readings",
+        joules=joules,
+        counter_w=counter_w,
+        sampled_w=sampled_w,
+    )
 
 
 def _capability(nv: Nvml, index: int) -> tuple[int, int]:

@@ -64,12 +64,12 @@ class RunPlan:
     """A `gptop train`/`tune` run, resolved and checked: what the session runs and how."""
 
     cfg: TrainConfig
-    resume: str | None                    # the checkpoint or run directory it continues from
-    world_size: int                       # ranks, when fixed (an elastic range: the ranks of this node)
-    launcher: "TorchrunLauncher | None"   # torchrun, or None for one plain process
-    fit: MemoryFit | None                 # None: the trainer checks (--size auto, a model directory, other nodes)
-    tuning: TuningOptions | None          # a tuning started with the run (gptop tune, --tune)
-    options: SessionOptions               # the session's, less the lock (taken by claim_run_dir)
+    resume: str | None  # the checkpoint or run directory it continues from
+    world_size: int  # ranks, when fixed (an elastic range: the ranks of this node)
+    launcher: "TorchrunLauncher | None"  # torchrun, or None for one plain process
+    fit: MemoryFit | None  # None: the trainer checks (--size auto, a model directory, other nodes)
+    tuning: TuningOptions | None  # a tuning started with the run (gptop tune, --tune)
+    options: SessionOptions  # the session's, less the lock (taken by claim_run_dir)
     lock: LockRequest
 
 
@@ -79,16 +79,17 @@ class ProgramPlan:
 
     command: list[str]
     run_dir: Path
-    log_every: int | None                 # --log-every, else the program's own
-    grace_s: float                        # seconds between the stop signal and SIGKILL
+    log_every: int | None  # --log-every, else the program's own
+    grace_s: float  # seconds between the stop signal and SIGKILL
     tune: bool
     tuning: TuningOptions | None
     options: SessionOptions
     lock: LockRequest
-    resume: str | None = None             # a command resumes itself
+    resume: str | None = None  # a command resumes itself
 
 
 # ---------------------------------------------------------------------------------------- gptop train / tune
+
 
 def plan_run(ns: argparse.Namespace) -> RunPlan:
     """The checked plan of `gptop train`/`tune` from its parsed arguments; ConfigError (exit 2) for what
@@ -104,20 +105,43 @@ def plan_run(ns: argparse.Namespace) -> RunPlan:
     tuning = tuning_request(ns)
     multi_node = launcher is not None and launcher.multi_node
     if multi_node and tuning is not None:
-        raise ConfigError("--nnodes", "tuning restarts the trainer, which one gptop cannot do for other nodes; "
-                                      "tune on one node (--nproc N) and train the nodes with its best.toml")
+        raise ConfigError(
+            "--nnodes",
+            "tuning restarts the trainer, which one gptop cannot do for other nodes; "
+            "tune on one node (--nproc N) and train the nodes with its best.toml",
+        )
     resume, run_dir = cfg.checkpoint.resume, cfg.run.run_dir
-    assert run_dir is not None                # resolve_config names every run's directory
+    assert run_dir is not None  # resolve_config names every run's directory
     # A new run (not a resume of the run there) in a directory another run left its events or checkpoints in
     # is refused when the lock is taken: one run per run directory.
-    lock = LockRequest(run_dir, command=f"gptop {ns.command}", node=node_key(ns.node_rank) if multi_node else None,
-                       new_run=not resumes_into(resume, run_dir), option=lock_option(resume, run_dir))
-    options = SessionOptions(interval=ns.interval, restart_on_failure=ns.restart_on_failure,
-                             tensorboard=ns.tensorboard, wandb=ns.wandb, launcher=launcher,
-                             tuning=TuningOptions(space_spec=ns.tune_space, storage=ns.storage),   # the `t` key
-                             alerts=alert_options(ns), notify=ns.notify, notify_cmd=ns.notify_cmd)
-    return RunPlan(cfg=cfg, resume=resume, world_size=world_size(ns), launcher=launcher, fit=fit, tuning=tuning,
-                   options=options, lock=lock)
+    lock = LockRequest(
+        run_dir,
+        command=f"gptop {ns.command}",
+        node=node_key(ns.node_rank) if multi_node else None,
+        new_run=not resumes_into(resume, run_dir),
+        option=lock_option(resume, run_dir),
+    )
+    options = SessionOptions(
+        interval=ns.interval,
+        restart_on_failure=ns.restart_on_failure,
+        tensorboard=ns.tensorboard,
+        wandb=ns.wandb,
+        launcher=launcher,
+        tuning=TuningOptions(space_spec=ns.tune_space, storage=ns.storage),  # the `t` key
+        alerts=alert_options(ns),
+        notify=ns.notify,
+        notify_cmd=ns.notify_cmd,
+    )
+    return RunPlan(
+        cfg=cfg,
+        resume=resume,
+        world_size=world_size(ns),
+        launcher=launcher,
+        fit=fit,
+        tuning=tuning,
+        options=options,
+        lock=lock,
+    )
 
 
 def world_size(ns: argparse.Namespace) -> int:
@@ -148,8 +172,9 @@ def tuning_request(ns: argparse.Namespace) -> TuningOptions | None:
     budget = ns.budget if ns.command == "tune" else getattr(ns, "tune", None)
     if budget is None:
         return None
-    return TuningOptions(budget_s=float(budget), space_spec=ns.tune_space, storage=ns.storage,
-                         tune_only=getattr(ns, "tune_only", False))
+    return TuningOptions(
+        budget_s=float(budget), space_spec=ns.tune_space, storage=ns.storage, tune_only=getattr(ns, "tune_only", False)
+    )
 
 
 def resolve_config(ns: argparse.Namespace) -> TrainConfig:
@@ -160,7 +185,7 @@ def resolve_config(ns: argparse.Namespace) -> TrainConfig:
     if base is not None:
         check_resumable(base.to_dict(), cfg, f"the run in {base.run.run_dir}")
     if cfg.run.run_dir is None:
-        from .telemetry import resolved_size   # a --size auto run is named by the size it resolves to
+        from .telemetry import resolved_size  # a --size auto run is named by the size it resolves to
 
         cfg.run.run_dir = default_run_dir(cfg, size=resolved_size(cfg))
     return cfg
@@ -214,26 +239,37 @@ def check_fits(ns: argparse.Namespace, cfg: TrainConfig) -> MemoryFit | None:
     from trainer.contract import estimate as E
 
     launcher = launcher_of(ns)
-    if cfg.model.size not in E.SIZES or inputs.is_model_path(cfg.model.model) or (
-            launcher is not None and launcher.multi_node):
+    if (
+        cfg.model.size not in E.SIZES
+        or inputs.is_model_path(cfg.model.model)
+        or (launcher is not None and launcher.multi_node)
+    ):
         return None
     found = device_memory(cfg)
     if found is None:
         return None
     device = DeviceMemory(*found)
     world, nproc = world_size(ns), getattr(ns, "nproc", 1)
-    capacity = device.total // nproc if device.kind == "cpu" else device.total   # ranks on one CPU share its RAM
+    capacity = device.total // nproc if device.kind == "cpu" else device.total  # ranks on one CPU share its RAM
     precision = cfg.toggles.precision
-    if precision == AUTO:                     # what the trainer will resolve it to there
+    if precision == AUTO:  # what the trainer will resolve it to there
         from trainer.contract.capabilities import auto_precision
 
         from .telemetry import training_device
 
         precision = auto_precision(training_device(cfg.run.device))
-    kw = dict(seq_len=cfg.data.seq_len, global_batch=cfg.optim.global_batch, micro_batch=cfg.toggles.micro_batch_int(),
-              precision=precision, device=device.kind, capacity=capacity, world_size=world,
-              fsdp=world > 1 and cfg.run.parallel == "fsdp", checkpointing=cfg.toggles.activation_checkpointing,
-              **E.run_options(cfg))
+    kw = dict(
+        seq_len=cfg.data.seq_len,
+        global_batch=cfg.optim.global_batch,
+        micro_batch=cfg.toggles.micro_batch_int(),
+        precision=precision,
+        device=device.kind,
+        capacity=capacity,
+        world_size=world,
+        fsdp=world > 1 and cfg.run.parallel == "fsdp",
+        checkpointing=cfg.toggles.activation_checkpointing,
+        **E.run_options(cfg),
+    )
     est = E.estimate(cfg.model.model, cfg.model.size, **kw)
     if not est.fits:
         raise ConfigError("--size", E.refusal(est, device.name, E.largest_fitting(cfg.model.model, **kw)))
@@ -242,8 +278,8 @@ def check_fits(ns: argparse.Namespace, cfg: TrainConfig) -> MemoryFit | None:
 
 # ------------------------------------------------------------------------------ gptop run / tune -- CMD
 
-COMMAND_TUNE_OPTIONS = ("run.run_dir", "log.log_every")   # trainer options that mean something for a command
-MAX_GRAMMAR_BATCH = 2 ** 20      # a per-device batch every power-of-two micro-batch divides: --tune-space's grammar
+COMMAND_TUNE_OPTIONS = ("run.run_dir", "log.log_every")  # trainer options that mean something for a command
+MAX_GRAMMAR_BATCH = 2**20  # a per-device batch every power-of-two micro-batch divides: --tune-space's grammar
 
 
 def plan_program(ns: argparse.Namespace, tune: bool = False) -> ProgramPlan:
@@ -263,13 +299,30 @@ def plan_program(ns: argparse.Namespace, tune: bool = False) -> ProgramPlan:
 
         require_wandb()
     run_dir = Path(given_dir or program_run_dir(command))
-    tuning = TuningOptions(budget_s=float(ns.budget), space_spec=ns.tune_space, storage=ns.storage,
-                           tune_only=ns.tune_only) if tune else None
-    options = SessionOptions(interval=ns.interval, restart_on_failure=ns.restart_on_failure,
-                             tensorboard=ns.tensorboard, wandb=ns.wandb,
-                             alerts=alert_options(ns), notify=ns.notify, notify_cmd=ns.notify_cmd)
-    return ProgramPlan(command=command, run_dir=run_dir, log_every=log_every, grace_s=grace, tune=tune,
-                       tuning=tuning, options=options, lock=LockRequest(run_dir, command=f"gptop {ns.command}"))
+    tuning = (
+        TuningOptions(budget_s=float(ns.budget), space_spec=ns.tune_space, storage=ns.storage, tune_only=ns.tune_only)
+        if tune
+        else None
+    )
+    options = SessionOptions(
+        interval=ns.interval,
+        restart_on_failure=ns.restart_on_failure,
+        tensorboard=ns.tensorboard,
+        wandb=ns.wandb,
+        alerts=alert_options(ns),
+        notify=ns.notify,
+        notify_cmd=ns.notify_cmd,
+    )
+    return ProgramPlan(
+        command=command,
+        run_dir=run_dir,
+        log_every=log_every,
+        grace_s=grace,
+        tune=tune,
+        tuning=tuning,
+        options=options,
+        lock=LockRequest(run_dir, command=f"gptop {ns.command}"),
+    )
 
 
 def check_command_tune(ns: argparse.Namespace) -> tuple[Path | None, int | None]:
@@ -281,17 +334,23 @@ def check_command_tune(ns: argparse.Namespace) -> tuple[Path | None, int | None]
 
     from tuner.command_space import check_spec
 
-    typed = [k for k in vars(ns) if "." in k and k not in COMMAND_TUNE_OPTIONS] + \
-        (["config"] if "config" in vars(ns) else [])
+    typed = [k for k in vars(ns) if "." in k and k not in COMMAND_TUNE_OPTIONS] + (
+        ["config"] if "config" in vars(ns) else []
+    )
     if typed:
         flags = {f"{sec}.{f.name}": flag_of(f) for sec, c in SECTIONS.items() for f in dataclasses.fields(c)}
         flag = flags.get(typed[0], "--" + typed[0].rpartition(".")[2])
-        raise ConfigError(flag, "is an option of gptop's own trainer; with a command, what trains is the "
-                                "command's (set it in your script); gptop tune -- CMD takes --run-dir, --log-every "
-                                "and the tuning and session options")
+        raise ConfigError(
+            flag,
+            "is an option of gptop's own trainer; with a command, what trains is the "
+            "command's (set it in your script); gptop tune -- CMD takes --run-dir, --log-every "
+            "and the tuning and session options",
+        )
     if ns.nproc != 1 or ns.nnodes != "1":
-        raise ConfigError("--nproc" if ns.nproc != 1 else "--nnodes",
-                          "tuning a command runs it as one process (put torchrun in CMD for gptop run, untuned)")
+        raise ConfigError(
+            "--nproc" if ns.nproc != 1 else "--nnodes",
+            "tuning a command runs it as one process (put torchrun in CMD for gptop run, untuned)",
+        )
     if ns.tune_space:
         from tuner.space import SearchSpace
         from trainer.contract.config import Toggles
@@ -302,11 +361,14 @@ def check_command_tune(ns: argparse.Namespace) -> tuple[Path | None, int | None]
     run_dir = getattr(ns, "run.run_dir", None)
     log_every = getattr(ns, "log.log_every", None)
     cfg = TrainConfig.from_dict({"log": {"log_every": log_every}} if log_every is not None else {}, text=True)
-    return (inputs.check_run_dir(run_dir) if run_dir is not None else None,
-            cfg.log.log_every if log_every is not None else None)
+    return (
+        inputs.check_run_dir(run_dir) if run_dir is not None else None,
+        cfg.log.log_every if log_every is not None else None,
+    )
 
 
 # ------------------------------------------------------------------------------------------ the run directory
+
 
 @contextlib.contextmanager
 def claim_run_dir(request: LockRequest) -> Iterator[RunLock]:
@@ -316,8 +378,9 @@ def claim_run_dir(request: LockRequest) -> Iterator[RunLock]:
     leaves nothing behind: the directories taking the lock made are removed (one node of a multi-node run
     shares the directory and removes nothing)."""
     created = [] if request.node is not None else protect.dirs_to_create(request.run_dir)
-    lock = RunLock.acquire(request.run_dir, command=request.command, node=request.node, new_run=request.new_run,
-                           option=request.option)
+    lock = RunLock.acquire(
+        request.run_dir, command=request.command, node=request.node, new_run=request.new_run, option=request.option
+    )
     try:
         yield lock
     except ConfigError:

@@ -44,11 +44,16 @@ def profile_lines(p: ProfileEvent, *, top: int = 3) -> list[str]:
         out.append(line)
     if p.gpu_idle_share is not None:
         host = p.gpu_idle_host_share or 0.0
-        line = (f"  GPU idle {_pct(p.gpu_idle_share)} of the step, {_pct(host)} while the host was in forward, "
-                f"backward or the optimizer")
+        line = (
+            f"  GPU idle {_pct(p.gpu_idle_share)} of the step, {_pct(host)} while the host was in forward, "
+            f"backward or the optimizer"
+        )
         if p.gpu_idle_share >= GPU_IDLE_SHARE:
-            line += (" (host-bound: the GPU waits for launches)" if host >= p.gpu_idle_share / 2
-                     else " (waiting on data or between phases: --prefetch, --workers)")
+            line += (
+                " (host-bound: the GPU waits for launches)"
+                if host >= p.gpu_idle_share / 2
+                else " (waiting on data or between phases: --prefetch, --workers)"
+            )
         out.append(line)
     if p.comm_overlap is not None:
         out.append(f"  communication overlapped with compute: {_pct(p.comm_overlap)}")

@@ -31,7 +31,7 @@ from .controls import StopSignals
 from .session import Session, SessionOptions
 from .supervisor import Supervisor
 
-OPTION = "CMD"                       # how errors name the command
+OPTION = "CMD"  # how errors name the command
 PYTHON = re.compile(r"python(\d+(\.\d+)?)?$")
 
 
@@ -49,8 +49,9 @@ def check_command(words: list[str]) -> list[str]:
         if p.is_dir():
             raise ConfigError(OPTION, f"{prog} is a directory, not a program")
         if not os.access(p, os.X_OK):
-            raise ConfigError(OPTION, f"{prog} is not executable (chmod +x it, or give its interpreter: "
-                                      f"gptop run -- python {prog})")
+            raise ConfigError(
+                OPTION, f"{prog} is not executable (chmod +x it, or give its interpreter: gptop run -- python {prog})"
+            )
     elif shutil.which(prog) is None:
         if shutil.which(prog, mode=os.F_OK) is not None:
             raise ConfigError(OPTION, f"{prog} is on PATH but not executable")
@@ -81,12 +82,21 @@ class ProgramSession(Session):
     what CMD trains is CMD's business (the hello of its client says)."""
 
     process_name = "the command"
-    command: list[str]          # always a program here (Session's may be None: gptop's own trainer)
-    run_dir: Path               # always given (SessionBase's may be None: a monitor without a run)
+    command: list[str]  # always a program here (Session's may be None: gptop's own trainer)
+    run_dir: Path  # always given (SessionBase's may be None: a monitor without a run)
 
-    def __init__(self, command: list[str], run_dir: Path, options: SessionOptions | None = None, *,
-                 log_every: int | None = None, grace_s: float = 30.0, signals: StopSignals | None = None,
-                 sampler: Any = None, tune: bool = False):
+    def __init__(
+        self,
+        command: list[str],
+        run_dir: Path,
+        options: SessionOptions | None = None,
+        *,
+        log_every: int | None = None,
+        grace_s: float = 30.0,
+        signals: StopSignals | None = None,
+        sampler: Any = None,
+        tune: bool = False,
+    ):
         """`tune`: `gptop tune -- CMD`: CMD's client is told so (it refuses when the script cannot take
         toggles), and each start after the first carries the toggles, checkpoint and log interval of the
         tuning driver's config (see `spawn`)."""
@@ -128,15 +138,28 @@ class ProgramSession(Session):
             if self.finished:
                 return
             lock = self.options.run_lock
-            sup = Supervisor(list(self.command), self.run_dir, on_event=self._on_event, on_log=self._on_log,
-                             on_exit=self._on_exit, on_malformed=self._on_malformed,
-                             pass_fds=lock.fds if lock is not None else (), node=self.layout.node, command=True,
-                             grace_s=self.grace_s, stop_signal=self.stop_signal)
+            sup = Supervisor(
+                list(self.command),
+                self.run_dir,
+                on_event=self._on_event,
+                on_log=self._on_log,
+                on_exit=self._on_exit,
+                on_malformed=self._on_malformed,
+                pass_fds=lock.fds if lock is not None else (),
+                node=self.layout.node,
+                command=True,
+                grace_s=self.grace_s,
+                stop_signal=self.stop_signal,
+            )
             if self.tune:
-                client = ClientEnv(channel=sup.channel_uri, run_dir=self.run_dir.resolve(),
-                                   log_every=(cfg or self.cfg).log.log_every, tune=True,
-                                   toggles=cfg.toggles if cfg is not None else None,
-                                   resume=resume if cfg is not None else None)
+                client = ClientEnv(
+                    channel=sup.channel_uri,
+                    run_dir=self.run_dir.resolve(),
+                    log_every=(cfg or self.cfg).log.log_every,
+                    tune=True,
+                    toggles=cfg.toggles if cfg is not None else None,
+                    resume=resume if cfg is not None else None,
+                )
             else:
                 client = ClientEnv(channel=sup.channel_uri, run_dir=self.run_dir.resolve(), log_every=self.log_every)
             sup.env = {**os.environ, **(lock.env() if lock is not None else {}), **client.to_environ()}
@@ -145,12 +168,15 @@ class ProgramSession(Session):
             self.spawns += 1
             self.supervisor = sup
             self.stopping = False
-            device = training_device()      # asked before the start, so the record follows it at once
+            device = training_device()  # asked before the start, so the record follows it at once
             sup.start()
             # gptop's record of the start: what runs, on which device it most likely runs; a client's hello
             # follows with the model
-            self.publish(ev.HelloEvent(early=True, pid=sup.pid, config={}, device=device,
-                                       model=ev.ModelInfo(), command=self.command))
+            self.publish(
+                ev.HelloEvent(
+                    early=True, pid=sup.pid, config={}, device=device, model=ev.ModelInfo(), command=self.command
+                )
+            )
             self._set_status(RunStatus.RUNNING)
 
     def failure_summary(self, code: int) -> str:

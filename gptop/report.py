@@ -22,10 +22,27 @@ from pathlib import Path
 from typing import Any
 
 from trainer.contract import rundir
-from trainer.contract.events import (MAX_STEPS, PHASES, STOPPED_BEFORE_FIRST_STEP, TUNER_RESTART, AlertEvent,
-                                     CheckpointEvent,
-                                     DeviceEvent, DoneEvent, ErrorEvent, EvalEvent, Event, HelloEvent, MalformedEvent,
-                                     ProfileEvent, StepEvent, WarningEvent, from_dict, read_events, to_dict)
+from trainer.contract.events import (
+    MAX_STEPS,
+    PHASES,
+    STOPPED_BEFORE_FIRST_STEP,
+    TUNER_RESTART,
+    AlertEvent,
+    CheckpointEvent,
+    DeviceEvent,
+    DoneEvent,
+    ErrorEvent,
+    EvalEvent,
+    Event,
+    HelloEvent,
+    MalformedEvent,
+    ProfileEvent,
+    StepEvent,
+    WarningEvent,
+    from_dict,
+    read_events,
+    to_dict,
+)
 from trainer.contract.runlock import holder_words, lock_holders
 
 from .energy import INTEGRATED, Energy, measure, unavailable_reason
@@ -92,18 +109,18 @@ class _Scan:
     MAX_ROWS = 1000
 
     def __init__(self) -> None:
-        self.hello: HelloEvent | None = None          # the newest full hello (else the newest hello)
-        self.command: list[str] | None = None         # `gptop run -- CMD`: the newest hello's command
+        self.hello: HelloEvent | None = None  # the newest full hello (else the newest hello)
+        self.command: list[str] | None = None  # `gptop run -- CMD`: the newest hello's command
         self.hellos = self.early_hellos = 0
         self.run_gpus: set[str] = set()
         self.tuner_restarts = 0
-        self.last_done: DoneEvent | None = None       # the last trainer process's own end and error
+        self.last_done: DoneEvent | None = None  # the last trainer process's own end and error
         self.last_error: ErrorEvent | None = None
         self.first_step: StepEvent | None = None
         self.last_step: StepEvent | None = None
         self.first_loss: float | None = None
         self.final_loss: float | None = None
-        self.loss_steps = 0                 # logged steps with a loss: one gives a value, not a range
+        self.loss_steps = 0  # logged steps with a loss: one gives a value, not a range
         self.peak_mem = 0
         self.eval_loss: float | None = None
         self.eval_seen = False
@@ -135,7 +152,7 @@ class _Scan:
                 self.command = e.command
             if e.early:
                 self.early_hellos += 1
-            if e.early or not self.early_hellos:          # a new trainer process: its end is what counts
+            if e.early or not self.early_hellos:  # a new trainer process: its end is what counts
                 self.last_done = self.last_error = None
             if not e.early or self.hello is None or self.hello.early:
                 self.hello = e
@@ -157,7 +174,7 @@ class _Scan:
             self.warnings += 1
         elif isinstance(e, AlertEvent):
             self.alerts.append(e)
-            if len(self.alerts) > 4 * MAX_ALERTS:         # keep what alert_rows keeps, and a margin
+            if len(self.alerts) > 4 * MAX_ALERTS:  # keep what alert_rows keeps, and a margin
                 self.alerts = [a for a in self.alerts if a.id in {r["id"] for r in alert_rows(self.alerts)}]
         elif isinstance(e, ProfileEvent) and e.rank == 0:
             self.profile = e
@@ -206,17 +223,23 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     hello = scan.hello
     out: dict[str, Any] = {"run_dir": str(run_dir)}
     if hello:
-        out.update(model=to_dict(hello.model), device=hello.device.name, toggles=hello.toggles,
-                   peak_flops=hello.peak_flops, peak_source=hello.peak_source,
-                   mfu_is_estimate=hello.mfu_is_estimate, max_steps=hello.max_steps)
-    out["starts"] = scan.early_hellos or scan.hellos   # one early hello per trainer process
+        out.update(
+            model=to_dict(hello.model),
+            device=hello.device.name,
+            toggles=hello.toggles,
+            peak_flops=hello.peak_flops,
+            peak_source=hello.peak_source,
+            mfu_is_estimate=hello.mfu_is_estimate,
+            max_steps=hello.max_steps,
+        )
+    out["starts"] = scan.early_hellos or scan.hellos  # one early hello per trainer process
     out["tuner_restarts"] = scan.tuner_restarts
     end = standing_of(run_dir, scan.last_done, scan.last_error)
     out["state"], out["state_words"] = end.state.value, end.words
-    out["done"] = end.done is not None and end.done.reason       # the last trainer's end (a tuner's restart is not)
+    out["done"] = end.done is not None and end.done.reason  # the last trainer's end (a tuner's restart is not)
     command = scan.command
     if command is not None:
-        out["command"] = command        # `gptop run -- CMD`
+        out["command"] = command  # `gptop run -- CMD`
     last_step = scan.last_step
     if last_step is not None or (end.done is not None and end.done.step):
         ends: list[StepEvent | DoneEvent] = [e for e in (last_step, end.done) if e is not None]
@@ -231,7 +254,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     out["checkpoints_written"] = scan.checkpoints_written
     if command is None:
         out["checkpoints_kept"] = [{"step": c.step, "path": str(c.path)} for c in rundir.list_checkpoints(run_dir)]
-    else:               # the program's own checkpoints, where it said it wrote them, that are still there
+    else:  # the program's own checkpoints, where it said it wrote them, that are still there
         out["checkpoints_kept"] = [{"step": e.step, "path": e.path} for e in scan.checkpoints if Path(e.path).exists()]
     out["errors"] = [_error(e) for e in scan.errors]
     if scan.errors_total > len(scan.errors):
@@ -239,7 +262,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     out["warnings"] = scan.warnings
     out["alerts"] = alert_rows(scan.alerts)
     if scan.profile is not None:
-        out["profile"] = to_dict(scan.profile)          # the newest window (trainer.profile_summary)
+        out["profile"] = to_dict(scan.profile)  # the newest window (trainer.profile_summary)
     out.update(_energy_fields(run_dir, scan, skipped["device.jsonl"], bool(out.get("tokens"))))
     tuning, problem = _tuning(run_dir / "tuning.json")
     if tuning is not None:
@@ -257,15 +280,15 @@ def _speed(scan: "_Scan") -> dict[str, Any]:
     allocator warm-up) is left out where there is more."""
     steady = scan.steady if any(m.n for m in scan.steady.values()) else scan.firsts
     out: dict[str, Any] = {"tokens_per_s": steady["tokens_per_s"].median(), "mfu": steady["mfu"].median()}
-    sums, w = (scan.phase_sum, scan.phase_w) if steady is scan.steady else (scan.first_phase_sum,
-                                                                          scan.first_phase_w)
+    sums, w = (scan.phase_sum, scan.phase_w) if steady is scan.steady else (scan.first_phase_sum, scan.first_phase_w)
     if w:
         out["phases_ms"] = {k: sums[k] / w for k in PHASES}
-        out["phases_step_ms"] = sums["step_ms"] / w        # the mean step of the same steps as phases_ms
+        out["phases_step_ms"] = sums["step_ms"] / w  # the mean step of the same steps as phases_ms
     out["step_ms"] = steady["step_ms"].median()
-    out["speed_intervals"] = max(m.n for m in steady.values())   # the log intervals the medians are of
-    out.update(final_loss=scan.final_loss, first_loss=scan.first_loss, loss_steps=scan.loss_steps,
-               peak_mem_bytes=scan.peak_mem)
+    out["speed_intervals"] = max(m.n for m in steady.values())  # the log intervals the medians are of
+    out.update(
+        final_loss=scan.final_loss, first_loss=scan.first_loss, loss_steps=scan.loss_steps, peak_mem_bytes=scan.peak_mem
+    )
     return out
 
 
@@ -286,26 +309,29 @@ def _energy_fields(run_dir: Path, scan: "_Scan", skipped: "_Skipped", tokens: bo
 class RunStanding(enum.Enum):
     """Where a run stands, from its lock and the events of its last trainer process."""
 
-    RUNNING = "running"            # its lock is held: gptop (or a trainer) is at it now
-    FINISHED = "finished"          # trained to --max-steps
-    STOPPED = "stopped"            # stopped on request (a user, a signal, a planned end)
-    FAILED = "failed"              # its last trainer reported an error and ended
-    CUT_SHORT = "cut short"        # its last trainer ended without a word (killed), or gptop ended mid-restart
+    RUNNING = "running"  # its lock is held: gptop (or a trainer) is at it now
+    FINISHED = "finished"  # trained to --max-steps
+    STOPPED = "stopped"  # stopped on request (a user, a signal, a planned end)
+    FAILED = "failed"  # its last trainer reported an error and ended
+    CUT_SHORT = "cut short"  # its last trainer ended without a word (killed), or gptop ended mid-restart
 
 
 @dataclass(frozen=True)
 class Standing:
     state: RunStanding
-    words: str                     # in words, for the report's `state` line
-    done: DoneEvent | None         # the last trainer's own end, if it said one
+    words: str  # in words, for the report's `state` line
+    done: DoneEvent | None  # the last trainer's own end, if it said one
 
 
 def standing(run_dir: Path, events: list[Event]) -> Standing:
     """How the run stands. A live run (its lock held) is running whatever its events say; else the last trainer
     process's events say how it ended (an earlier process's `done`, a tuner's restart, is not the run's end)."""
-    starts = [i for i, e in enumerate(events) if isinstance(e, HelloEvent) and e.early] or \
-        [i for i, e in enumerate(events) if isinstance(e, HelloEvent)][-1:] or [0]
-    last = events[starts[-1]:]
+    starts = (
+        [i for i, e in enumerate(events) if isinstance(e, HelloEvent) and e.early]
+        or [i for i, e in enumerate(events) if isinstance(e, HelloEvent)][-1:]
+        or [0]
+    )
+    last = events[starts[-1] :]
     done = next((e for e in reversed(last) if isinstance(e, DoneEvent)), None)
     error = next((e for e in reversed(last) if isinstance(e, ErrorEvent)), None)
     return standing_of(run_dir, done, error)
@@ -319,19 +345,26 @@ def standing_of(run_dir: Path, done: DoneEvent | None, error: ErrorEvent | None)
     if done is not None and done.reason == MAX_STEPS:
         return Standing(RunStanding.FINISHED, f"finished at step {done.step} (--max-steps)", done)
     if done is not None and done.reason == TUNER_RESTART:
-        return Standing(RunStanding.CUT_SHORT, f"ended during a restart by the tuner at step {done.step} (gptop ended "
-                                            "before the next trainer started)", done)
+        return Standing(
+            RunStanding.CUT_SHORT,
+            f"ended during a restart by the tuner at step {done.step} (gptop ended before the next trainer started)",
+            done,
+        )
     if done is not None and done.reason == STOPPED_BEFORE_FIRST_STEP:
         return Standing(RunStanding.STOPPED, "stopped before its first step: a run that made no checkpoint", done)
     if done is not None:
         return Standing(RunStanding.STOPPED, f"stopped at step {done.step} ({done.reason or 'no reason given'})", done)
     if error is not None:
         return Standing(RunStanding.FAILED, f"failed at step {error.step}: {error.kind}: {error.message}", None)
-    return Standing(RunStanding.CUT_SHORT, "ended without a word from its last trainer (killed, or gptop and the trainer "
-                                        f"died); see {rundir.RunDir(run_dir).trainer_stderr}", None)
+    return Standing(
+        RunStanding.CUT_SHORT,
+        "ended without a word from its last trainer (killed, or gptop and the trainer "
+        f"died); see {rundir.RunDir(run_dir).trainer_stderr}",
+        None,
+    )
 
 
-MAX_ALERTS = 100     # alert rows a report keeps (the newest): a flapping alert on a week-long run stays readable
+MAX_ALERTS = 100  # alert rows a report keeps (the newest): a flapping alert on a week-long run stays readable
 
 
 def alert_rows(alerts: Any) -> list[dict[str, Any]]:
@@ -347,8 +380,16 @@ def alert_rows(alerts: Any) -> list[dict[str, Any]]:
             if len(rows) >= MAX_ALERTS:
                 rows.pop(next(iter(rows)))
             row = rows[a.id] = {"id": a.id, "time": a.time, "resolved_time": None, "resolved": None}
-        row.update(kind=a.kind.value, severity=a.severity.value, message=a.message, step=a.step, figures=a.figures,
-                   ranks=a.ranks, node=a.node, device=a.device)
+        row.update(
+            kind=a.kind.value,
+            severity=a.severity.value,
+            message=a.message,
+            step=a.step,
+            figures=a.figures,
+            ranks=a.ranks,
+            node=a.node,
+            device=a.device,
+        )
     return list(rows.values())
 
 
@@ -365,8 +406,9 @@ def _tokens_in_window(steps: list[StepEvent]) -> int:
     return steps[-1].tokens - steps[0].tokens if len(steps) > 1 else steps[-1].tokens
 
 
-def _energy(run_dir: Path, steps: list[StepEvent], skipped: _Skipped,
-            run_gpus: set[str] | None = None) -> tuple[Energy | None, str]:
+def _energy(
+    run_dir: Path, steps: list[StepEvent], skipped: _Skipped, run_gpus: set[str] | None = None
+) -> tuple[Energy | None, str]:
     """The run's energy over its step events (gptop.energy), or (None, why not): device.jsonl, or the sum over
     the nodes' device.<node>.jsonl of a multi-node run; `run_gpus`: the hellos' GPU identities."""
     if len(steps) < 2:
@@ -386,11 +428,12 @@ def _energy(run_dir: Path, steps: list[StepEvent], skipped: _Skipped,
     return total, ("" if total is not None else why)
 
 
-ENERGY_CHUNK = 1024     # device samples measured at a time: energy is additive over adjoining windows
+ENERGY_CHUNK = 1024  # device samples measured at a time: energy is additive over adjoining windows
 
 
-def _energy_of(path: Path, t0: float, t1: float, skipped: _Skipped,
-               run_gpus: set[str] | None) -> tuple[Energy | None, str]:
+def _energy_of(
+    path: Path, t0: float, t1: float, skipped: _Skipped, run_gpus: set[str] | None
+) -> tuple[Energy | None, str]:
     """Energy in [t0, t1] from one device file, read in chunks of ENERGY_CHUNK samples that share their boundary
     sample: `measure` over each chunk's part of the window, summed (the first chunk's window starts at t0, the
     last's ends at t1, as one `measure` over all samples would extrapolate), in memory bounded by the chunk."""
@@ -404,7 +447,7 @@ def _energy_of(path: Path, t0: float, t1: float, skipped: _Skipped,
         lo = t0 if first else max(t0, c[0].time)
         hi = t1 if last else min(t1, c[-1].time)
         if hi < lo or (not last and c[-1].time < t0):
-            return None                                   # before the window: nothing to add
+            return None  # before the window: nothing to add
         first = False
         got = measure(c, lo, hi, run_gpus=run_gpus)
         return got, ("" if got is not None else unavailable_reason(c))
@@ -417,15 +460,20 @@ def _energy_of(path: Path, t0: float, t1: float, skipped: _Skipped,
         got, why = r
         if got is None:
             return why
-        total = got if total is None else Energy(total.joules + got.joules,
-                                                 INTEGRATED if INTEGRATED in (got.source, total.source) else got.source)
+        total = (
+            got
+            if total is None
+            else Energy(
+                total.joules + got.joules, INTEGRATED if INTEGRATED in (got.source, total.source) else got.source
+            )
+        )
         return None
 
     for e in read_events(path, on_malformed=skipped):
         if not isinstance(e, DeviceEvent):
             continue
         if e.time > t1 and chunk and chunk[-1].time > t1:
-            break                                          # past the window (one sample beyond is kept)
+            break  # past the window (one sample beyond is kept)
         chunk.append(e)
         if len(chunk) >= ENERGY_CHUNK:
             if pending is not None:
@@ -459,7 +507,7 @@ def _tuning(path: Path) -> tuple[dict[str, Any] | None, str | None]:
 
     try:
         data = json.loads(path.read_bytes())
-    except (OSError, ValueError) as e:     # UnicodeDecodeError and JSONDecodeError are ValueErrors
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         return None, f"{path.name}: not readable JSON ({e})"
     problem = check_report(data)
     if problem is not None:
@@ -474,42 +522,59 @@ def format_report(s: dict[str, Any]) -> str:
     m = s.get("model")
     if m:
         name = "/".join(str(x) for x in (m.get("family"), m.get("size")) if x) or "?"
-        lines.append(f"model     {name}  {(m.get('total_params') or 0) / 1e6:.1f}M params "
-                     f"({(m.get('active_params') or 0) / 1e6:.1f}M active)  on {s.get('device')}")
+        lines.append(
+            f"model     {name}  {(m.get('total_params') or 0) / 1e6:.1f}M params "
+            f"({(m.get('active_params') or 0) / 1e6:.1f}M active)  on {s.get('device')}"
+        )
     if s.get("toggles"):
         t = s["toggles"]
         lines.append("toggles   " + "  ".join(f"{k}={v}" for k, v in t.items()))
     lines.append(f"state     {s['state_words']}")
-    starts = f"{s['starts']} start(s)" + (f" ({s['tuner_restarts']} by the tuner's restarts)"
-                                         if s.get("tuner_restarts") else "")
+    starts = f"{s['starts']} start(s)" + (
+        f" ({s['tuner_restarts']} by the tuner's restarts)" if s.get("tuner_restarts") else ""
+    )
     if "steps" not in s:
         lines.append(f"progress  no step done, {starts}")
     else:
         lines.append(f"progress  {s['steps']}/{s.get('max_steps')} steps, {s['tokens']:,} tokens, {starts}")
     if "final_loss" in s:
-        lines.append(f"loss      {loss_range(s.get('first_loss'), s.get('final_loss'), s.get('loss_steps'), '.4f')}"
-                     + (f"  (eval {_f(s.get('eval_loss'))})" if s.get("eval_loss") is not None else ""))
+        lines.append(
+            f"loss      {loss_range(s.get('first_loss'), s.get('final_loss'), s.get('loss_steps'), '.4f')}"
+            + (f"  (eval {_f(s.get('eval_loss'))})" if s.get("eval_loss") is not None else "")
+        )
         mfu = s.get("mfu")
         n = s.get("speed_intervals")
-        lines.append(f"speed     {_f(s.get('tokens_per_s'), '.0f')} tokens/s, step {_f(s.get('step_ms'), '.1f')} ms, "
-                     f"MFU {fmt_mfu(mfu, bool(s.get('mfu_is_estimate')))}: medians of "
-                     + (f"{n} " if n else "the ") + "steady log intervals (a start's first left out)")
+        lines.append(
+            f"speed     {_f(s.get('tokens_per_s'), '.0f')} tokens/s, step {_f(s.get('step_ms'), '.1f')} ms, "
+            f"MFU {fmt_mfu(mfu, bool(s.get('mfu_is_estimate')))}: medians of "
+            + (f"{n} " if n else "the ")
+            + "steady log intervals (a start's first left out)"
+        )
         lines.append(f"memory    peak {s.get('peak_mem_bytes', 0) / 2**30:.2f} GiB")
         if s.get("peak_flops"):
-            lines.append(f"mfu peak  {s['peak_flops'] / 1e9:,.1f} GFLOP/s per process"
-                         + (f" ({s['peak_source']})" if s.get("peak_source") else ""))
+            lines.append(
+                f"mfu peak  {s['peak_flops'] / 1e9:,.1f} GFLOP/s per process"
+                + (f" ({s['peak_source']})" if s.get("peak_source") else "")
+            )
         if s.get("phases_ms"):
             step = s.get("phases_step_ms") or sum(s["phases_ms"].values()) or 1
-            lines.append("phases    " + "  ".join(f"{k} {v:.1f} ms ({v / step:.0%})" for k, v in s["phases_ms"].items())
-                         + f"  = step {step:.1f} ms: means per step of the same intervals")
+            lines.append(
+                "phases    "
+                + "  ".join(f"{k} {v:.1f} ms ({v / step:.0%})" for k, v in s["phases_ms"].items())
+                + f"  = step {step:.1f} ms: means per step of the same intervals"
+            )
     if s.get("energy_j") is not None:
-        lines.append(f"energy    {s['energy_j'] / 3600:.2f} Wh, {s.get('energy_j_per_token', 0) * 1e3:.3f} mJ/token"
-                     f" ({s.get('energy_source', 'measured')})")
+        lines.append(
+            f"energy    {s['energy_j'] / 3600:.2f} Wh, {s.get('energy_j_per_token', 0) * 1e3:.3f} mJ/token"
+            f" ({s.get('energy_source', 'measured')})"
+        )
     else:
         lines.append(f"energy    n/a ({s.get('energy_unavailable') or 'no energy reading'})")
-    kept = s.get("checkpoints_kept") or []    # on disk now (pruned by --keep-checkpoints, rolled back by the tuner)
-    lines.append(f"checkpts  {s.get('checkpoints_written', len(s['checkpoints']))} written, {len(kept)} kept"
-                 + (f", newest {kept[-1]['path']}" if kept else ""))
+    kept = s.get("checkpoints_kept") or []  # on disk now (pruned by --keep-checkpoints, rolled back by the tuner)
+    lines.append(
+        f"checkpts  {s.get('checkpoints_written', len(s['checkpoints']))} written, {len(kept)} kept"
+        + (f", newest {kept[-1]['path']}" if kept else "")
+    )
     if s["errors"]:
         for e in s["errors"]:
             lines.append(f"error     step {e.get('step')}: {e['kind']}: {e['message']}")
@@ -521,10 +586,16 @@ def format_report(s: dict[str, Any]) -> str:
         lines.append(f"alerts    {len(alerts)} raised, " + (f"{active} not resolved" if active else "all resolved"))
         for a in alerts:
             where = " ".join(x for x in (a.get("node"), a.get("device")) if x)
-            when = (f"resolved after {a['resolved_time'] - a['time']:.0f} s" if a["resolved_time"] is not None
-                    else "not resolved")
-            lines.append(f"  {a['kind']} [{a['severity']}]" + (f" ({where})" if where else "")
-                         + f" at step {a.get('step')}, {when}: {a['message']}")
+            when = (
+                f"resolved after {a['resolved_time'] - a['time']:.0f} s"
+                if a["resolved_time"] is not None
+                else "not resolved"
+            )
+            lines.append(
+                f"  {a['kind']} [{a['severity']}]"
+                + (f" ({where})" if where else "")
+                + f" at step {a.get('step')}, {when}: {a['message']}"
+            )
     else:
         lines.append("alerts    none")
     if s.get("profile"):
@@ -551,7 +622,7 @@ def _f(v: float | None, spec: str = ".4f") -> str:
 def print_report(run_dir: Path, json_out: bool = False) -> int:
     s = summarize(run_dir)
     if json_out:
-        print(json.dumps(s, default=str))          # one line: --json's one meaning (JSON lines)
+        print(json.dumps(s, default=str))  # one line: --json's one meaning (JSON lines)
     else:
         print(format_report(s))
     return 0 if not s["errors"] or s.get("done") or s["state"] == RunStanding.RUNNING.value else 1

@@ -15,21 +15,34 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from trainer.contract.events import (CpuReading, DeviceEvent, DoneEvent, ErrorEvent, EvalEvent, Event, GpuReading,
-                                     HelloEvent, StepEvent)
+from trainer.contract.events import (
+    CpuReading,
+    DeviceEvent,
+    DoneEvent,
+    ErrorEvent,
+    EvalEvent,
+    Event,
+    GpuReading,
+    HelloEvent,
+    StepEvent,
+)
 
 STEP_SCALARS = ("loss", "lr", "grad_norm", "step_ms", "tokens_per_s", "mfu", "mem_bytes")
 GPU_SCALARS = ("util_pct", "mem_used", "power_w", "temp_c", "sm_clock_mhz", "sm_active_pct", "tensor_active_pct")
 CPU_SCALARS = ("util_pct", "mem_used", "proc_rss", "power_w")
 # What the run ended with (TensorBoard's hparams metric columns, W&B's run summary).
 FINAL_METRICS = ("final/loss", "final/eval_loss", "final/tokens_per_s", "final/mfu", "final/step")
-PLUMBING = {"run.channel"}      # the event socket of one trainer start: plumbing, not a setting
+PLUMBING = {"run.channel"}  # the event socket of one trainer start: plumbing, not a setting
 
 
 def settings(config: dict[str, Any]) -> dict[str, Any]:
     """A resolved config (`TrainConfig.to_dict()`, a hello's `config`) without its plumbing fields."""
-    return {section: {k: v for k, v in values.items() if f"{section}.{k}" not in PLUMBING}
-            if isinstance(values, dict) else values for section, values in config.items()}
+    return {
+        section: {k: v for k, v in values.items() if f"{section}.{k}" not in PLUMBING}
+        if isinstance(values, dict)
+        else values
+        for section, values in config.items()
+    }
 
 
 @dataclasses.dataclass
@@ -47,21 +60,23 @@ class RunMetrics:
     `status` is "running" until a trainer says done ("success") or fails ("failure")."""
 
     def __init__(self) -> None:
-        self.step: int | None = None                          # the newest step of rank 0
+        self.step: int | None = None  # the newest step of rank 0
         self.config: dict[str, dict[str, Any]] | None = None  # the newest rank-0 hello's resolved config
         self.final: dict[str, float] = {}
         self.status = "running"
-        self._device: dict[str, list[float]] = {}             # readings since the last step event, per tag
+        self._device: dict[str, list[float]] = {}  # readings since the last step event, per tag
 
     def feed(self, event: Event) -> Scalars | None:
         """Update from one event; the scalars to write now, if it yields any."""
         if isinstance(event, StepEvent):
             if event.rank != 0:
                 return None
-            values = {f"train/{key}": float(getattr(event, key)) for key in STEP_SCALARS
-                      if getattr(event, key) is not None}
-            values.update({f"phases_ms/{phase}": float(ms) for phase, ms in (event.phases_ms or {}).items()
-                           if ms is not None})
+            values = {
+                f"train/{key}": float(getattr(event, key)) for key in STEP_SCALARS if getattr(event, key) is not None
+            }
+            values.update(
+                {f"phases_ms/{phase}": float(ms) for phase, ms in (event.phases_ms or {}).items() if ms is not None}
+            )
             values.update({tag: sum(v) / len(v) for tag, v in self._device.items()})
             self._device = {}
             self.step = event.step
@@ -78,7 +93,8 @@ class RunMetrics:
             return Scalars(event.step, event.time, {"eval/loss": float(event.loss)})
         if isinstance(event, DeviceEvent):
             readings: list[tuple[str, GpuReading | CpuReading, tuple[str, ...]]] = [
-                (f"gpu{gpu.index}", gpu, GPU_SCALARS) for gpu in event.devices]
+                (f"gpu{gpu.index}", gpu, GPU_SCALARS) for gpu in event.devices
+            ]
             if event.cpu is not None:
                 readings.append(("cpu", event.cpu, CPU_SCALARS))
             for prefix, reading, keys in readings:

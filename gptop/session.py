@@ -34,14 +34,14 @@ from .controls import StopSignals
 from .state import RunState
 from .supervisor import Supervisor, torchrun_failures, trainer_argv
 
-if TYPE_CHECKING:      # imported where used: each is an optional extra or costs start-up time
+if TYPE_CHECKING:  # imported where used: each is an optional extra or costs start-up time
     from .notify import Notifier
     from .tensorboard import TensorBoardWriter
     from .wandb_writer import WandbWriter
 
 EXIT_DONE, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-EXIT_PIPE = 141     # stdout's reader went away (`gptop --no-ui ... | head`): what a shell shows for SIGPIPE
-DEFAULT_T_BUDGET_S = 600.0                 # the `t` key in a plain `gptop train`
+EXIT_PIPE = 141  # stdout's reader went away (`gptop --no-ui ... | head`): what a shell shows for SIGPIPE
+DEFAULT_T_BUDGET_S = 600.0  # the `t` key in a plain `gptop train`
 # Failures a restart from the last checkpoint cannot cure: restarting would only loop (a full disk).
 NO_RESTART_KINDS = ("disk",)
 
@@ -76,23 +76,23 @@ class TuningOptions:
     """How a tuning started in this session runs (`gptop tune`, `--tune`, the `t` key)."""
 
     budget_s: float = DEFAULT_T_BUDGET_S
-    space_spec: str | None = None      # --tune-space
-    storage: str | None = None         # --storage: the Optuna storage URL
-    tune_only: bool = False            # --tune-only: stop after writing best.toml
+    space_spec: str | None = None  # --tune-space
+    storage: str | None = None  # --storage: the Optuna storage URL
+    tune_only: bool = False  # --tune-only: stop after writing best.toml
 
 
 @dataclasses.dataclass
 class SessionOptions:
-    interval: float = 0.5              # device sampling period (s)
-    restart_on_failure: int = 0        # automatic restarts from the last checkpoint
+    interval: float = 0.5  # device sampling period (s)
+    restart_on_failure: int = 0  # automatic restarts from the last checkpoint
     tensorboard: bool = False
-    wandb: bool = False                # --wandb: a Weights & Biases run (gptop.wandb_writer)
-    launcher: Callable[[list[str]], list[str]] | None = None   # argv builder (torchrun for --nproc)
-    tuning: TuningOptions | None = None   # what the `t` key starts (None: `t` is not offered)
-    run_lock: RunLock | None = None    # the run directory's lock, held by the caller for the session's life
-    alerts: AlertOptions = dataclasses.field(default_factory=AlertOptions)   # gptop.alerts; enabled=False: none
-    notify: list[str] = dataclasses.field(default_factory=list)        # --notify URLs (gptop.notify)
-    notify_cmd: list[str] = dataclasses.field(default_factory=list)    # --notify-cmd commands
+    wandb: bool = False  # --wandb: a Weights & Biases run (gptop.wandb_writer)
+    launcher: Callable[[list[str]], list[str]] | None = None  # argv builder (torchrun for --nproc)
+    tuning: TuningOptions | None = None  # what the `t` key starts (None: `t` is not offered)
+    run_lock: RunLock | None = None  # the run directory's lock, held by the caller for the session's life
+    alerts: AlertOptions = dataclasses.field(default_factory=AlertOptions)  # gptop.alerts; enabled=False: none
+    notify: list[str] = dataclasses.field(default_factory=list)  # --notify URLs (gptop.notify)
+    notify_cmd: list[str] = dataclasses.field(default_factory=list)  # --notify-cmd commands
 
 
 class SessionBase:
@@ -178,8 +178,9 @@ class SessionBase:
         """Whether a `--no-ui` run of this session is over; waits up to `timeout` seconds."""
         return self.wait(timeout) is not None
 
-    def run_headless(self, view: ClosingView, resume: str | None = None,
-                     signals: StopSignals | None = None) -> int | None:
+    def run_headless(
+        self, view: ClosingView, resume: str | None = None, signals: StopSignals | None = None
+    ) -> int | None:
         """Run without the UI until the session is over, and return its exit code. Ctrl-C, SIGTERM or SIGHUP
         is a graceful stop, a second one a forced stop (as `q` twice in the TUI); `signals` installed earlier
         by the caller carries a stop asked for before the session ran (then nothing is started)."""
@@ -190,11 +191,11 @@ class SessionBase:
             signals.attach(lambda force: self.stop(force=force))
             if not self.finished:
                 self.start(resume=resume)
-            closed = getattr(view, "stdout_closed", None)     # HeadlessView: stdout's reader went away
+            closed = getattr(view, "stdout_closed", None)  # HeadlessView: stdout's reader went away
             stopped = False
             while not self.headless_over(0.2):
                 if closed is not None and closed.is_set() and not stopped:
-                    stopped = True            # `gptop --no-ui ... | head`: stop as Ctrl-C does (checkpoint first)
+                    stopped = True  # `gptop --no-ui ... | head`: stop as Ctrl-C does (checkpoint first)
                     self.stop()
             if closed is not None and closed.is_set():
                 return EXIT_PIPE
@@ -206,8 +207,8 @@ class SessionBase:
 
 
 class Session(SessionBase):
-    process_name = "the trainer"        # what the views call the process the session runs
-    command: list[str] | None = None    # a user's program (gptop run -- CMD) instead of gptop's trainer
+    process_name = "the trainer"  # what the views call the process the session runs
+    command: list[str] | None = None  # a user's program (gptop run -- CMD) instead of gptop's trainer
 
     def __init__(self, cfg: TrainConfig, options: SessionOptions | None = None, *, sampler: Any = None):
         if cfg.run.run_dir is None:
@@ -218,22 +219,23 @@ class Session(SessionBase):
         self.cfg = cfg
         self.options = options or SessionOptions()
         lock = self.options.run_lock
-        self.layout = RunDir(self.run_dir, lock.node if lock is not None else None)   # this node's files
+        self.layout = RunDir(self.run_dir, lock.node if lock is not None else None)  # this node's files
         self.supervisor: Supervisor | None = None
         self.restarts_left = self.options.restart_on_failure
         self.interrupted = False
         self.stopping = False
-        self.forced = False                    # the user's second stop killed the trainer (no checkpoint of its own)
-        self.killed_after_completion = False   # a forced stop after the trainer's `done`: still a finished run
+        self.forced = False  # the user's second stop killed the trainer (no checkpoint of its own)
+        self.killed_after_completion = False  # a forced stop after the trainer's `done`: still a finished run
         self.spawns = 0
-        self.rank_errors: dict[int, ev.ErrorEvent] = {}           # this spawn's first error event per rank
-        self.hello: ev.HelloEvent | None = None                    # this spawn's rank-0 hello, once it came
+        self.rank_errors: dict[int, ev.ErrorEvent] = {}  # this spawn's first error event per rank
+        self.hello: ev.HelloEvent | None = None  # this spawn's rank-0 hello, once it came
         self._device_file: IO[str] | None = None
         self._tb: TensorBoardWriter | None = None
         self._wandb: WandbWriter | None = None
         self._controller: Controller | None = None
-        self.alerts = AlertMonitor(self.options.alerts, alive=self._trainer_working,
-                                   node=lock.node if lock is not None else None)
+        self.alerts = AlertMonitor(
+            self.options.alerts, alive=self._trainer_working, node=lock.node if lock is not None else None
+        )
         self.notifier: Notifier | None = None  # from start() when --notify/--notify-cmd
 
     # ------------------------------------------------------------- lifecycle
@@ -242,9 +244,10 @@ class Session(SessionBase):
         if self.options.notify or self.options.notify_cmd:
             from .notify import Notifier
 
-            self.notifier = Notifier(self.options.notify, self.options.notify_cmd, self.log,
-                                     run_name=self.state.run_name)
-        if self.options.wandb:      # first: a refused W&B login (exit 2) leaves no files of the run behind
+            self.notifier = Notifier(
+                self.options.notify, self.options.notify_cmd, self.log, run_name=self.state.run_name
+            )
+        if self.options.wandb:  # first: a refused W&B login (exit 2) leaves no files of the run behind
             from .wandb_writer import WandbWriter
 
             self._wandb = WandbWriter(self.run_dir, self.run_config())
@@ -276,16 +279,23 @@ class Session(SessionBase):
             run_cfg = dataclasses.replace(self.cfg)
             run_cfg.checkpoint = dataclasses.replace(self.cfg.checkpoint, resume=resume)
             lock = self.options.run_lock
-            sup = Supervisor([], self.run_dir, on_event=self._on_event, on_log=self._on_log,
-                             on_exit=self._on_exit, on_malformed=self._on_malformed,
-                             launcher=self.options.launcher is not None,
-                             env=None if lock is None else {**os.environ, **lock.env()},
-                             pass_fds=lock.fds if lock is not None else (), node=self.layout.node)
+            sup = Supervisor(
+                [],
+                self.run_dir,
+                on_event=self._on_event,
+                on_log=self._on_log,
+                on_exit=self._on_exit,
+                on_malformed=self._on_malformed,
+                launcher=self.options.launcher is not None,
+                env=None if lock is None else {**os.environ, **lock.env()},
+                pass_fds=lock.fds if lock is not None else (),
+                node=self.layout.node,
+            )
             self.rank_errors = {}
             self.hello = None
             run_cfg.run = dataclasses.replace(self.cfg.run, run_dir=str(self.run_dir), channel=sup.channel_uri)
             if cfg is None and self.spawns > 0:
-                run_cfg.run.fault = None     # a restart after a failure does not re-inject a test fault
+                run_cfg.run.fault = None  # a restart after a failure does not re-inject a test fault
             self.spawns += 1
             args = cli_args(run_cfg, full=True)
             sup.argv = self.options.launcher(args) if self.options.launcher else trainer_argv(args)
@@ -318,7 +328,7 @@ class Session(SessionBase):
             self.supervisor.close()
         super().close()
         if self._device_file:
-            with contextlib.suppress(OSError):      # a full disk fails the last flush too
+            with contextlib.suppress(OSError):  # a full disk fails the last flush too
                 self._device_file.close()
             self._device_file = None
         if self._tb is not None:
@@ -343,7 +353,7 @@ class Session(SessionBase):
             return
         self.interrupted = self.interrupted or interrupted
         if sup is not None and sup.exiting:
-            return      # the trainer just exited: handle_exit, on its way, says how the run ended and what it kept
+            return  # the trainer just exited: handle_exit, on its way, says how the run ended and what it kept
         if sup is None or not sup.alive():
             if self._exit_code is None and self.interrupted:
                 self._set_status(RunStatus.STOPPED)
@@ -351,13 +361,15 @@ class Session(SessionBase):
             return
         if force or self.stopping:
             self.forced = True
-            self._set_status(RunStatus.STOPPING, "a second stop: ending the trainer at once, without a checkpoint of its own")
+            self._set_status(
+                RunStatus.STOPPING, "a second stop: ending the trainer at once, without a checkpoint of its own"
+            )
             sup.kill()
         else:
             self.stopping = True
             if self.state.stepped:
                 self._set_status(RunStatus.STOPPING, "finishing the step and checkpointing")
-            else:               # the trainer abandons its startup at once (trainer.channel.StartupStopped)
+            else:  # the trainer abandons its startup at once (trainer.channel.StartupStopped)
                 self._set_status(RunStatus.STOPPING, "stopping before the first step (nothing to checkpoint)")
             sup.request_stop()
 
@@ -370,7 +382,7 @@ class Session(SessionBase):
             self.supervisor.send({"cmd": "profile", "steps": steps})
 
     @property
-    def can_start_tuning(self) -> bool:   # type: ignore[override]
+    def can_start_tuning(self) -> bool:  # type: ignore[override]
         return self.options.tuning is not None or self._controller is not None
 
     def toggle_tuning(self) -> None:
@@ -392,8 +404,14 @@ class Session(SessionBase):
         or on the running trainer (from its hello)."""
         from .tuning import TuningDriver
 
-        return TuningDriver(self, options.budget_s, space_spec=options.space_spec, storage=options.storage,
-                            tune_only=options.tune_only, hello=self.hello).attach()
+        return TuningDriver(
+            self,
+            options.budget_s,
+            space_spec=options.space_spec,
+            storage=options.storage,
+            tune_only=options.tune_only,
+            hello=self.hello,
+        ).attach()
 
     def stop_tuning(self) -> None:
         """Stop the tuning that runs, if one does: it decides on what it measured and training goes on."""
@@ -427,8 +445,8 @@ class Session(SessionBase):
         """One of gptop's own events (a trial, a decision, a log event): shown like the trainer's, and
         appended to the run's events.jsonl so that a replay or `gptop report` sees it."""
         self._dispatch(event)
-        with open(self.run_dir / "events.jsonl", "a") as f:   # one small O_APPEND write per line: no
-            f.write(ev.dumps(event) + "\n")                    # tearing with the trainer's own lines
+        with open(self.run_dir / "events.jsonl", "a") as f:  # one small O_APPEND write per line: no
+            f.write(ev.dumps(event) + "\n")  # tearing with the trainer's own lines
 
     def log(self, message: str) -> None:
         """A line of gptop's own in the log panel (not kept in events.jsonl: see `publish` for that)."""
@@ -452,12 +470,13 @@ class Session(SessionBase):
         for alert in self.alerts.on_event(event):
             try:
                 self.publish(alert)
-            except OSError as e:       # shown, not kept: a full disk must not take the alert (or the run) down
+            except OSError as e:  # shown, not kept: a full disk must not take the alert (or the run) down
                 self.log(f"alert not written to events.jsonl: {e}")
 
     def _on_event(self, event: ev.Event) -> None:
         started = isinstance(event, (ev.StepEvent, ev.ProgressEvent)) or (
-            isinstance(event, ev.HelloEvent) and not event.early)   # the early hello: nothing is built yet
+            isinstance(event, ev.HelloEvent) and not event.early
+        )  # the early hello: nothing is built yet
         if started and self.state.status.launching:
             self._set_status(RunStatus.RUNNING)
         if isinstance(event, ev.ErrorEvent):
@@ -472,7 +491,7 @@ class Session(SessionBase):
                 self._device_file.write(ev.dumps(sample) + "\n")
             except ValueError:
                 return
-            except OSError as e:       # a full or read-only disk: keep showing samples, stop writing them
+            except OSError as e:  # a full or read-only disk: keep showing samples, stop writing them
                 f, self._device_file = self._device_file, None
                 with contextlib.suppress(OSError):
                     f.close()
@@ -503,8 +522,10 @@ class Session(SessionBase):
         curable = not any(e.kind in NO_RESTART_KINDS for e in self.rank_errors.values())
         if self.restarts_left > 0 and curable:
             self.restarts_left -= 1
-            self._set_status(RunStatus.RESTARTING, f"{summary}; restarting from the last checkpoint "
-                                           f"({self.restarts_left} restarts left)")
+            self._set_status(
+                RunStatus.RESTARTING,
+                f"{summary}; restarting from the last checkpoint ({self.restarts_left} restarts left)",
+            )
             self.spawn(resume=str(self.run_dir) if has_checkpoint(self.run_dir) else None)
             return
         self._set_status(RunStatus.FAILED, summary)
@@ -526,10 +547,13 @@ class Session(SessionBase):
         """What a stop that ended the trainer before its own clean exit kept and lost, from the checkpoints on
         disk (an atomic write is there or not, whether or not its event arrived) against the last step done."""
         how = f"exit code {code}" if code >= 0 else f"signal {-code}"
-        who = f"a second stop (Ctrl-C or q twice) ended {self.process_name} ({how})" if self.forced else \
-            f"{self.process_name} ended ({how})"
+        who = (
+            f"a second stop (Ctrl-C or q twice) ended {self.process_name} ({how})"
+            if self.forced
+            else f"{self.process_name} ended ({how})"
+        )
         reached = self.state.step
-        if self.command:                      # a user's program keeps its checkpoints where it chooses
+        if self.command:  # a user's program keeps its checkpoints where it chooses
             return f"{who} " + ("before its first step" if reached is None else f"at step {reached}")
         kept = list_checkpoints(self.run_dir)
         newest = kept[-1].step if kept else None
@@ -547,8 +571,13 @@ class Session(SessionBase):
         """The trainer's refusal of the configuration ("--lora-targets: ..."), when that is how the run ended:
         a config error before any step, nothing checkpointed. None for any other end."""
         err = self.state.last_error()
-        if (self._exit_code != EXIT_FAILED or err is None or err.kind != "config" or self.state.step is not None
-                or has_checkpoint(self.run_dir)):
+        if (
+            self._exit_code != EXIT_FAILED
+            or err is None
+            or err.kind != "config"
+            or self.state.step is not None
+            or has_checkpoint(self.run_dir)
+        ):
             return None
         return err.message
 
@@ -599,14 +628,15 @@ class Session(SessionBase):
         silent = [f for f in failures if f["rank"] not in errors]
         if silent:
             f = min(silent, key=lambda f: (f["exitcode"] >= 0, not f["root"], f["rank"]))
-            return (f"rank {f['rank']} died ({how(f['exitcode'])}) without reporting an error{tail(f['rank'])}; "
-                    f"see {self.layout.trainer_stderr}")
+            return (
+                f"rank {f['rank']} died ({how(f['exitcode'])}) without reporting an error{tail(f['rank'])}; "
+                f"see {self.layout.trainer_stderr}"
+            )
         if errors:
             e = min(errors.values(), key=lambda e: e.time)
             return f"rank {e.rank} failed: {e.kind}: {e.message}{tail(e.rank)}"
         root = [f for f in failures if f["root"]] or failures
         if root:
             f = root[0]
-            return (f"rank {f['rank']} failed ({how(f['exitcode'])}): {f['traceback']}; "
-                    f"see {self.layout.trainer_stderr}")
+            return f"rank {f['rank']} failed ({how(f['exitcode'])}): {f['traceback']}; see {self.layout.trainer_stderr}"
         return None

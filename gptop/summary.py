@@ -19,11 +19,11 @@ from trainer.contract.states import RunStatus
 from .state import RunState, fmt_duration, fmt_mfu, fmt_num, loss_range
 
 EXIT_INTERRUPTED = 130
-STDERR_LINES = 5          # a failed command's last stderr lines in the summary
+STDERR_LINES = 5  # a failed command's last stderr lines in the summary
 
 
 def outcome(state: RunState, exit_code: int | None = None) -> str:
-    """"finished" (reached --max-steps), "stopped" (by the user, or a planned end before it) or "failed" (an
+    """ "finished" (reached --max-steps), "stopped" (by the user, or a planned end before it) or "failed" (an
     error, also one the trainer reported while it was being stopped)."""
     with state.lock:
         status, done, completed = state.status, state.done, state.completed
@@ -37,7 +37,7 @@ def outcome(state: RunState, exit_code: int | None = None) -> str:
         return "stopped"
     if exit_code not in (None, 0):
         return "failed"
-    return "finished" if status is RunStatus.DONE else "stopped"     # done without a `done` event: a command exited 0
+    return "finished" if status is RunStatus.DONE else "stopped"  # done without a `done` event: a command exited 0
 
 
 def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
@@ -55,12 +55,15 @@ def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
         done = state.done
         command = state.command_line()
         stderr = [line for stream, line in state.logs if stream == "stderr"][-STDERR_LINES:] if how == "failed" else []
-    if done is not None and done.step > (step or 0):   # steps after the last logged one
+    if done is not None and done.step > (step or 0):  # steps after the last logged one
         step, tokens = done.step, done.tokens
     quoted = shlex.quote(run_dir) if run_dir else "RUN_DIR"
     at = f" at step {step}" if step is not None else " before the first step"
-    head = {"finished": "run finished" + (f": {step} steps" if step is not None else ""), "stopped": f"run stopped{at}",
-            "failed": f"run failed{at}"}[how]
+    head = {
+        "finished": "run finished" + (f": {step} steps" if step is not None else ""),
+        "stopped": f"run stopped{at}",
+        "failed": f"run failed{at}",
+    }[how]
     out = _Lines(f"gptop: {head}" + (f" after {fmt_duration(elapsed)}" if elapsed is not None else ""))
     out.add("run dir", run_dir or "n/a")
     if command:
@@ -76,12 +79,15 @@ def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
     net = tuning_net(run_dir) if tuned and run_dir else None
     if applied is not None:
         best = Path(run_dir) / rundir.BEST_TOML if run_dir else None
-        out.add("tuning", f"applied trial {applied.number}"
-                + (f"; its settings are in {best}" if best is not None and best.is_file() else "")
-                + (f"; {net}" if net else ""))
+        out.add(
+            "tuning",
+            f"applied trial {applied.number}"
+            + (f"; its settings are in {best}" if best is not None and best.is_file() else "")
+            + (f"; {net}" if net else ""),
+        )
     elif net:
         out.add("tuning", f"kept the starting configuration; {net}")
-    if kept and how != "finished":           # (a program's own checkpoints: resuming is its own business)
+    if kept and how != "finished":  # (a program's own checkpoints: resuming is its own business)
         out.add("resume", f"gptop train --resume {quoted}")
     elif kept:
         out.add("export", f"gptop export {quoted} OUT_DIR")
@@ -127,9 +133,12 @@ def _progress(out: _Lines, state: RunState, step: int, tokens: int | None) -> No
         loss += f" (last eval {last_eval.loss:.3f} at step {last_eval.step})"
     out.add("loss", loss)
     tps, mfu = state.steady_medians()
-    out.add("speed", f"{fmt_num(tps)} tokens/s (median) · MFU {fmt_mfu(mfu, state.mfu_is_estimate)}"
-            + (f" · precision {precision}" if precision else ""))
-    energy, trained = state.energy()          # gptop.energy over the recent steps, as the dashboard shows it
+    out.add(
+        "speed",
+        f"{fmt_num(tps)} tokens/s (median) · MFU {fmt_mfu(mfu, state.mfu_is_estimate)}"
+        + (f" · precision {precision}" if precision else ""),
+    )
+    energy, trained = state.energy()  # gptop.energy over the recent steps, as the dashboard shows it
     per_token = energy.per_token(trained) if energy is not None else None
     if per_token is not None:
         out.add("energy", f"{per_token * 1000:.2f} mJ/token over the last steps ({energy.source})")  # type: ignore[union-attr]
@@ -137,26 +146,35 @@ def _progress(out: _Lines, state: RunState, step: int, tokens: int | None) -> No
         out.add("energy", f"n/a: {state.energy_reason() or 'no energy reading'}")
 
 
-def _checkpoints(out: _Lines, state: RunState, how: str, step: int | None, run_dir: str, command: str | None,
-                 message: str | None) -> list[rundir.CheckpointInfo]:
+def _checkpoints(
+    out: _Lines, state: RunState, how: str, step: int | None, run_dir: str, command: str | None, message: str | None
+) -> list[rundir.CheckpointInfo]:
     """The newest checkpoint there is now (or why there is none); returns gptop's own that are kept."""
     with state.lock:
         written = state.checkpoints_written
         every = (state.config.get("checkpoint") or {}).get("checkpoint_every")
         ckpts = list(state.checkpoints)
     kept = rundir.list_checkpoints(run_dir) if run_dir and not command else []
-    cut_short = message if how == "stopped" else None      # what a stop that cut the trainer short kept and lost
-    if command:      # the program's own checkpoints, where it said it wrote them
+    cut_short = message if how == "stopped" else None  # what a stop that cut the trainer short kept and lost
+    if command:  # the program's own checkpoints, where it said it wrote them
         there = [c for c in ckpts if Path(c.path).exists()]
-        out.add("checkpoint", f"{there[-1].path} (step {there[-1].step}; {written} written)" if there else
-                "none" + (f" ({written} written, none left)" if written else ""))
+        out.add(
+            "checkpoint",
+            f"{there[-1].path} (step {there[-1].step}; {written} written)"
+            if there
+            else "none" + (f" ({written} written, none left)" if written else ""),
+        )
     elif kept:
         if cut_short:
             out.add("stopped", cut_short)
         out.add("checkpoint", f"{kept[-1].path} (step {kept[-1].step}; {written} written, {len(kept)} kept)")
     else:
-        out.add("checkpoint", "none" + (f" ({written} written, none kept)" if written else "")
-                + f": {cut_short or _why_none(how, step, every)}")
+        out.add(
+            "checkpoint",
+            "none"
+            + (f" ({written} written, none kept)" if written else "")
+            + f": {cut_short or _why_none(how, step, every)}",
+        )
     return kept
 
 
@@ -164,8 +182,12 @@ def _alerts(out: _Lines, state: RunState, run_dir: str, quoted: str) -> None:
     alerts = state.alert_summary()
     if alerts:
         active = sum(1 for a in alerts if ", active)" in a)
-        out.add("alerts", f"{len(alerts)} raised" + (f", {active} still active" if active else ", all resolved")
-                + (f" (see gptop report {quoted})" if run_dir and len(alerts) > 3 else ""))
+        out.add(
+            "alerts",
+            f"{len(alerts)} raised"
+            + (f", {active} still active" if active else ", all resolved")
+            + (f" (see gptop report {quoted})" if run_dir and len(alerts) > 3 else ""),
+        )
         for line in alerts[-3:]:
             out.add("", line if len(line) <= 160 else line[:159] + "…")
 

@@ -76,13 +76,17 @@ _RANK = r"(?:\[rank\d+\]:)?"
 AUTOTUNE_START = re.compile(_RANK + r"(?:AUTOTUNE \S+\(|Autotune Choices Stats:)")
 AUTOTUNE_END = re.compile(_RANK + r"(?:SingleProcess|SubProcess) AUTOTUNE benchmarking takes ")
 AUTOTUNE_ROW = re.compile(_RANK + r"(?:strides: |dtypes: |\s+\S|\{\"num_choices\")")
-AUTOTUNE_LOG = re.compile(_RANK + r"[EWI]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S*torch/_inductor/"
-                          r"(?:select_algorithm|autotune_process)\.py:\d+\]")
+AUTOTUNE_LOG = re.compile(
+    _RANK + r"[EWI]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S*torch/_inductor/"
+    r"(?:select_algorithm|autotune_process)\.py:\d+\]"
+)
 # Python's warnings format: `/.../site-packages/x.py:12: FutureWarning: message`, then the source line, indented;
 # a deprecation said in a UserWarning's words counts too (torch: "TypedStorage is deprecated")
-LIBRARY_WARNING = re.compile(_RANK + r"\S*(?:site-packages|dist-packages|/lib/python3[.\d]*)/\S+:\d+: "
-                             r"(?:(?:DeprecationWarning|PendingDeprecationWarning|FutureWarning): |"
-                             r"\w*Warning: .*\bdeprecated\b)")
+LIBRARY_WARNING = re.compile(
+    _RANK + r"\S*(?:site-packages|dist-packages|/lib/python3[.\d]*)/\S+:\d+: "
+    r"(?:(?:DeprecationWarning|PendingDeprecationWarning|FutureWarning): |"
+    r"\w*Warning: .*\bdeprecated\b)"
+)
 AUTOTUNE_NOTE = "torch.compile is autotuning kernels (its timing tables are in trainer.stderr.log)"
 
 
@@ -94,8 +98,8 @@ class LogFilter:
 
     def __init__(self, stream: str) -> None:
         self.stream = stream
-        self._table = False          # inside an autotune table
-        self._noted = False          # the note was shown for this process
+        self._table = False  # inside an autotune table
+        self._noted = False  # the note was shown for this process
         self._after_warning = False  # the next indented line is a hidden warning's source line
 
     def __call__(self, line: str) -> tuple[str, str] | None:
@@ -124,22 +128,35 @@ class LogFilter:
 
 
 class Supervisor:
-    def __init__(self, argv: list[str], run_dir: Path, *, on_event: EventCallback, on_log: LogCallback,
-                 on_exit: Callable[[int], None], on_malformed: Callable[[bytes, str], None] | None = None,
-                 env: dict[str, str] | None = None, log_poll_s: float = 0.25, launcher: bool = False,
-                 pass_fds: tuple[int, ...] = (), node: str | None = None, command: bool = False,
-                 grace_s: float = 30.0, stop_signal: Callable[[], int] | None = None):
+    def __init__(
+        self,
+        argv: list[str],
+        run_dir: Path,
+        *,
+        on_event: EventCallback,
+        on_log: LogCallback,
+        on_exit: Callable[[int], None],
+        on_malformed: Callable[[bytes, str], None] | None = None,
+        env: dict[str, str] | None = None,
+        log_poll_s: float = 0.25,
+        launcher: bool = False,
+        pass_fds: tuple[int, ...] = (),
+        node: str | None = None,
+        command: bool = False,
+        grace_s: float = 30.0,
+        stop_signal: Callable[[], int] | None = None,
+    ):
         self.argv = list(argv)
-        self.pass_fds = tuple(pass_fds)     # the run directory's lock (trainer.contract.runlock), held by the child too
+        self.pass_fds = tuple(pass_fds)  # the run directory's lock (trainer.contract.runlock), held by the child too
         self.layout = RunDir(run_dir, node)
-        self.launcher = launcher            # argv starts a launcher whose children are the ranks
-        self.command = command              # argv is a user's command (see the module docstring)
-        self.grace_s = grace_s              # a command's time between the stop signal and SIGKILL
+        self.launcher = launcher  # argv starts a launcher whose children are the ranks
+        self.command = command  # argv is a user's command (see the module docstring)
+        self.grace_s = grace_s  # a command's time between the stop signal and SIGKILL
         self.stop_signal = stop_signal or (lambda: signal.SIGINT)
         self._warden_fd: int | None = None  # the write end of the warden's pipe (gptop.warden)
         self._escalation: threading.Timer | None = None
-        self._known: dict[int, Any] = {}     # pid -> psutil.Process of every descendant seen
-        self._pids_cache: tuple[int, float, list[int]] | None = None   # (trainer pid, when, its descendants)
+        self._known: dict[int, Any] = {}  # pid -> psutil.Process of every descendant seen
+        self._pids_cache: tuple[int, float, list[int]] | None = None  # (trainer pid, when, its descendants)
         self._seq = 0
         self.run_dir = Path(run_dir)
         self.on_event, self.on_log, self.on_exit = on_event, on_log, on_exit
@@ -150,7 +167,7 @@ class Supervisor:
         self.log_poll_s = log_poll_s
         self.proc: subprocess.Popen | None = None
         self.returncode: int | None = None
-        self.exit_reported = threading.Event()     # on_exit has run for this process
+        self.exit_reported = threading.Event()  # on_exit has run for this process
         self._conns: list[socket.socket] = []
         self._lock = threading.Lock()
         self._sockdir = tempfile.mkdtemp(prefix="gptop-")
@@ -160,7 +177,7 @@ class Supervisor:
         self._threads: list[threading.Thread] = []
         self._log_offsets = {"stdout": 0, "stderr": 0}
         self._stderr_start = 0
-        self.started_at: float | None = None   # unix time the process was started (its events' clock)
+        self.started_at: float | None = None  # unix time the process was started (its events' clock)
 
     @property
     def channel_uri(self) -> str:
@@ -179,8 +196,16 @@ class Supervisor:
         env = dict(os.environ if self.env is None else self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         self.started_at = time.time()
-        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
-                                     start_new_session=True, close_fds=True, pass_fds=self.pass_fds)
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+            env=env,
+            start_new_session=True,
+            close_fds=True,
+            pass_fds=self.pass_fds,
+        )
         out.close()
         err.close()
         if self.command:
@@ -196,15 +221,25 @@ class Supervisor:
     def _start_warden(self) -> None:
         """gptop.warden beside the command, holding a pipe's read end: gptop's death closes it."""
         assert self.proc is not None
-        r, w = os.pipe()                    # not inheritable (PEP 446): the command never holds the write end
+        r, w = os.pipe()  # not inheritable (PEP 446): the command never holds the write end
         try:
-            subprocess.Popen([sys.executable, "-m", "gptop.warden", str(r), str(self.proc.pid), str(self.grace_s)],
-                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             pass_fds=(r,), start_new_session=True, close_fds=True, env=self.env)
-        except OSError as e:                # the command runs; only the kill -9 protection is lost: say so
+            subprocess.Popen(
+                [sys.executable, "-m", "gptop.warden", str(r), str(self.proc.pid), str(self.grace_s)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                pass_fds=(r,),
+                start_new_session=True,
+                close_fds=True,
+                env=self.env,
+            )
+        except OSError as e:  # the command runs; only the kill -9 protection is lost: say so
             os.close(w)
-            self.on_log(f"[gptop] warning: no warden for the command ({e}): if gptop is killed with kill -9, "
-                        f"the command may outlive it", "gptop")
+            self.on_log(
+                f"[gptop] warning: no warden for the command ({e}): if gptop is killed with kill -9, "
+                f"the command may outlive it",
+                "gptop",
+            )
             return
         finally:
             os.close(r)
@@ -293,8 +328,7 @@ class Supervisor:
             conn.settimeout(None)
             with self._lock:
                 self._conns.append(conn)
-            threading.Thread(target=self._read_loop, args=(conn,), name="gptop-supervisor-read",
-                             daemon=True).start()
+            threading.Thread(target=self._read_loop, args=(conn,), name="gptop-supervisor-read", daemon=True).start()
 
     def _read_loop(self, conn: socket.socket) -> None:
         lines = LineSplitter()
@@ -332,8 +366,10 @@ class Supervisor:
 
     # ------------------------------------------------------------------ logs
     def _tail_loop(self) -> None:
-        tails = {s: FileTail(p, self._log_offsets[s])
-                 for s, p in (("stdout", self.layout.trainer_log), ("stderr", self.layout.trainer_stderr))}
+        tails = {
+            s: FileTail(p, self._log_offsets[s])
+            for s, p in (("stdout", self.layout.trainer_log), ("stderr", self.layout.trainer_stderr))
+        }
         shown = {s: LogFilter(s) for s in tails}
         while True:
             done = self._exited.is_set()
@@ -395,7 +431,7 @@ class Supervisor:
         if not ranks:
             self._signal_group(signal.SIGTERM)
             return
-        for p in ranks:            # the ranks agree on a step and stop; torchrun then exits 0 by itself
+        for p in ranks:  # the ranks agree on a step and stop; torchrun then exits 0 by itself
             try:
                 p.send_signal(signal.SIGTERM)
             except Exception:
@@ -417,8 +453,11 @@ class Supervisor:
 
     def _escalate(self, sig: int) -> None:
         if self.alive():
-            self.on_log(f"[gptop] the command did not end within {self.grace_s:g} s of "
-                        f"{signal.Signals(sig).name}: killed (SIGKILL)", "gptop")
+            self.on_log(
+                f"[gptop] the command did not end within {self.grace_s:g} s of "
+                f"{signal.Signals(sig).name}: killed (SIGKILL)",
+                "gptop",
+            )
             self.kill()
 
     def kill(self) -> None:
@@ -439,7 +478,7 @@ class Supervisor:
             pass
         with self._lock:
             known = list(self._known.values())
-        for p in known:              # torchrun's ranks live in their own sessions
+        for p in known:  # torchrun's ranks live in their own sessions
             try:
                 if not p.is_running():
                     continue
@@ -498,8 +537,15 @@ class TorchrunLauncher:
     (and `--rdzv-id`) pass through. `--max-restarts 0`: a failed rank ends the
     run (gptop's --restart-on-failure restarts it from a checkpoint instead)."""
 
-    def __init__(self, nproc: int, nnodes: str = "1", node_rank: int | None = None,
-                 rdzv_endpoint: str | None = None, rdzv_backend: str | None = None, rdzv_id: str | None = None):
+    def __init__(
+        self,
+        nproc: int,
+        nnodes: str = "1",
+        node_rank: int | None = None,
+        rdzv_endpoint: str | None = None,
+        rdzv_backend: str | None = None,
+        rdzv_id: str | None = None,
+    ):
         self.nproc, self.nnodes, self.node_rank = nproc, str(nnodes), node_rank
         self.rdzv_endpoint, self.rdzv_backend, self.rdzv_id = rdzv_endpoint, rdzv_backend, rdzv_id
 
@@ -527,7 +573,8 @@ _FAILURE = re.compile(
     r"rank\s*:\s*(?P<rank>\d+)\s*\(local_rank:\s*(?P<local>\d+)\)\s*\n"
     r"\s*exitcode\s*:\s*(?P<code>-?\d+)\s*\(pid:\s*(?P<pid>\d+)\)[^\n]*\n"
     r"(?:\s*error_file\s*:[^\n]*\n)?"
-    r"(?:\s*traceback\s*:\s*(?P<tb>[^\n]*))?")
+    r"(?:\s*traceback\s*:\s*(?P<tb>[^\n]*))?"
+)
 
 
 def torchrun_failures(text: str) -> list[dict[str, Any]]:
@@ -540,7 +587,14 @@ def torchrun_failures(text: str) -> list[dict[str, Any]]:
     text = text[start:]
     root_at = text.find("Root Cause")
     for m in _FAILURE.finditer(text):
-        out.append({"rank": int(m["rank"]), "local_rank": int(m["local"]), "exitcode": int(m["code"]),
-                    "pid": int(m["pid"]), "traceback": (m["tb"] or "").strip(),
-                    "root": root_at >= 0 and m.start() > root_at})
+        out.append(
+            {
+                "rank": int(m["rank"]),
+                "local_rank": int(m["local"]),
+                "exitcode": int(m["code"]),
+                "pid": int(m["pid"]),
+                "traceback": (m["tb"] or "").strip(),
+                "root": root_at >= 0 and m.start() > root_at,
+            }
+        )
     return out

@@ -75,8 +75,9 @@ class FileTail:
             return False
 
 
-def feed_events(lines: Iterable[bytes], on_event: Callable[[ev.Event], None],
-                on_malformed: Callable[[bytes, str], None]) -> None:
+def feed_events(
+    lines: Iterable[bytes], on_event: Callable[[ev.Event], None], on_malformed: Callable[[bytes, str], None]
+) -> None:
     """Parse each non-blank line as an event: `on_event` for a valid one, `on_malformed(line, why)` otherwise."""
     for line in lines:
         if not line.strip():

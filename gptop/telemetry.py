@@ -205,15 +205,16 @@ class DeviceSampler:
         self._nvml = nvml if isinstance(nvml, Nvml) else Nvml(nvml)
         self._rapl_root = rapl_root
         self._history: deque[DeviceEvent] = deque(
-            maxlen=math.ceil(self.history_seconds / self.interval) + HISTORY_SLACK)
-        self._lock = threading.Lock()          # guards _history and _subscribers
-        self._sample_lock = threading.Lock()   # one sample at a time: the trackers are stateful
+            maxlen=math.ceil(self.history_seconds / self.interval) + HISTORY_SLACK
+        )
+        self._lock = threading.Lock()  # guards _history and _subscribers
+        self._sample_lock = threading.Lock()  # one sample at a time: the trackers are stateful
         self._subscribers: list[Callable[[DeviceEvent], None]] = []
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._ready = False
         self._gpu_names: dict[int, str] = {}
-        self._gpu_ids: dict[int, tuple[str | None, str | None]] = {}   # NVML index -> (UUID, PCI bus id)
+        self._gpu_ids: dict[int, tuple[str | None, str | None]] = {}  # NVML index -> (UUID, PCI bus id)
         self._cpu_name = ""
         self._cores: _CoreLoad | None = None
         self._procs = _ProcTracker()
@@ -309,8 +310,11 @@ class DeviceSampler:
                             self._gpu_names[i] = str(name)
                     if i not in self._gpu_ids:
                         self._gpu_ids[i] = gpu_identity(self._nvml, i)
-                    gpus.append(sample_gpu(self._nvml, i, self._gpu_names.get(i, f"GPU {i}"), procs.pids,
-                                           self._gpu_ids[i], xids.get(i)))
+                    gpus.append(
+                        sample_gpu(
+                            self._nvml, i, self._gpu_names.get(i, f"GPU {i}"), procs.pids, self._gpu_ids[i], xids.get(i)
+                        )
+                    )
             cpu = self._sample_cpu(now, procs)
             sample = DeviceEvent(time=now, devices=gpus, cpu=cpu, mode="gpu" if gpus else "cpu")
         self._record(sample)
@@ -330,7 +334,7 @@ class DeviceSampler:
         power, energy = self._rapl.read(now)
         return CpuReading(
             util_pct=sum(per_core) / len(per_core) if per_core else 0.0,
-            per_core=[round(x, 1) for x in per_core],   # many cores x 2 Hz: keep the event lines short
+            per_core=[round(x, 1) for x in per_core],  # many cores x 2 Hz: keep the event lines short
             mem_used=int(vm.total - vm.available),
             mem_total=int(vm.total),
             proc_rss=procs.rss,
@@ -395,8 +399,14 @@ def training_device(requested: str = "auto", nvml: Nvml | None = None) -> Device
     then names its GPU by UUID: trainer.contract.device.gpu_key)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     native = cpu_has_native_bf16()
-    cpu = DeviceInfo(type="cpu", name=cpu_name(), total_memory=psutil.virtual_memory().total, cpu_count=cpus,
-                     cpu_bf16=native, cpu_bf16_native=native)
+    cpu = DeviceInfo(
+        type="cpu",
+        name=cpu_name(),
+        total_memory=psutil.virtual_memory().total,
+        cpu_count=cpus,
+        cpu_bf16=native,
+        cpu_bf16_native=native,
+    )
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if requested == "cpu" or (visible is not None and visible.strip() in ("", "-1")):
         return cpu
@@ -417,7 +427,7 @@ def training_device(requested: str = "auto", nvml: Nvml | None = None) -> Device
             if nvml_index >= nv.device_count:
                 return cpu
             handle = nv.handle(nvml_index)
-        else:                               # a UUID: NVML finds GPUs and MIG instances by it
+        else:  # a UUID: NVML finds GPUs and MIG instances by it
             handle = nv.query("nvmlDeviceGetHandleByUUID", entry)
             nvml_index = nv.query("nvmlDeviceGetIndex", handle) if handle is not None else None
         if handle is None:
@@ -428,9 +438,15 @@ def training_device(requested: str = "auto", nvml: Nvml | None = None) -> Device
         name = nv.query("nvmlDeviceGetName", handle)
         uuid = nv.query("nvmlDeviceGetUUID", handle)
         cc = nv.query("nvmlDeviceGetCudaComputeCapability", handle)
-        return DeviceInfo(type="cuda", index=nvml_index if nvml_index is not None else index, name=str(name or ""),
-                          capability=(int(cc[0]), int(cc[1])) if isinstance(cc, tuple) and len(cc) == 2 else None,
-                          total_memory=int(total), cpu_count=cpus, uuid=str(uuid) if uuid else None)
+        return DeviceInfo(
+            type="cuda",
+            index=nvml_index if nvml_index is not None else index,
+            name=str(name or ""),
+            capability=(int(cc[0]), int(cc[1])) if isinstance(cc, tuple) and len(cc) == 2 else None,
+            total_memory=int(total),
+            cpu_count=cpus,
+            uuid=str(uuid) if uuid else None,
+        )
     finally:
         if nvml is None:
             nv.close()
@@ -445,11 +461,16 @@ def certain_cpu(requested: str = "auto") -> DeviceInfo | None:
     if not (requested == "cpu" or hidden or (requested == "auto" and not os.path.exists(NVIDIA_DRIVER))):
         return None
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return DeviceInfo(type="cpu", name=cpu_name(), total_memory=psutil.virtual_memory().total, cpu_count=cpus,
-                      has_compiler=has_compiler())
+    return DeviceInfo(
+        type="cpu",
+        name=cpu_name(),
+        total_memory=psutil.virtual_memory().total,
+        cpu_count=cpus,
+        has_compiler=has_compiler(),
+    )
 
 
-NVIDIA_DRIVER = "/proc/driver/nvidia/version"     # present wherever the NVIDIA kernel driver is loaded
+NVIDIA_DRIVER = "/proc/driver/nvidia/version"  # present wherever the NVIDIA kernel driver is loaded
 
 
 def resolved_size(cfg: "TrainConfig") -> str | None:

@@ -21,7 +21,7 @@ from trainer.contract.events import Event
 
 from .run_metrics import FINAL_METRICS, RunMetrics, settings
 
-STATUS = {"running": "STATUS_UNKNOWN", "success": "STATUS_SUCCESS", "failure": "STATUS_FAILURE"}   # hparams plugin
+STATUS = {"running": "STATUS_UNKNOWN", "success": "STATUS_SUCCESS", "failure": "STATUS_FAILURE"}  # hparams plugin
 
 
 def flat_hparams(config: dict[str, dict[str, Any]]) -> dict[str, bool | float | str]:
@@ -47,8 +47,9 @@ class TensorBoardWriter:
         except ImportError as e:  # tensorboard is an optional extra
             from trainer.contract.config import ConfigError
 
-            raise ConfigError("--tensorboard",
-                              f"needs the tensorboard package: pip install 'gptop[tensorboard]' ({e})") from None
+            raise ConfigError(
+                "--tensorboard", f"needs the tensorboard package: pip install 'gptop[tensorboard]' ({e})"
+            ) from None
         self._event_pb2, self._summary_pb2 = event_pb2, summary_pb2
         self._api_pb2, self._hp_meta, self._hp_data = api_pb2, metadata, plugin_data_pb2
         self._w = EventFileWriter(str(log_dir))
@@ -67,8 +68,11 @@ class TensorBoardWriter:
     def _plugin_summary(self, tag: str, **data: Any) -> Any:
         """One hparams-plugin record (experiment, session start or end) as a Summary with its metadata."""
         content = self._hp_data.HParamsPluginData(version=self._hp_meta.PLUGIN_DATA_VERSION, **data)
-        meta = self._summary_pb2.SummaryMetadata(plugin_data=self._summary_pb2.SummaryMetadata.PluginData(
-            plugin_name=self._hp_meta.PLUGIN_NAME, content=content.SerializeToString()))
+        meta = self._summary_pb2.SummaryMetadata(
+            plugin_data=self._summary_pb2.SummaryMetadata.PluginData(
+                plugin_name=self._hp_meta.PLUGIN_NAME, content=content.SerializeToString()
+            )
+        )
         return self._summary_pb2.Summary(value=[self._summary_pb2.Summary.Value(tag=tag, metadata=meta)])
 
     def _write_hparams(self) -> None:
@@ -84,14 +88,15 @@ class TensorBoardWriter:
             else:
                 start.hparams[key].string_value, kind = value, "DATA_TYPE_STRING"
             infos.append(api.HParamInfo(name=key, type=api.DataType.Value(kind)))
-        experiment = api.Experiment(hparam_infos=infos,
-                                    metric_infos=[api.MetricInfo(name=api.MetricName(tag=t)) for t in FINAL_METRICS])
+        experiment = api.Experiment(
+            hparam_infos=infos, metric_infos=[api.MetricInfo(name=api.MetricName(tag=t)) for t in FINAL_METRICS]
+        )
         step = self._metrics.step or 0
         self._add(self._plugin_summary(self._hp_meta.EXPERIMENT_TAG, experiment=experiment), step)
         self._add(self._plugin_summary(self._hp_meta.SESSION_START_INFO_TAG, session_start_info=start), step)
         for tag, value in self._metrics.final.items():
             self.add_scalar(tag, value, step)
-        status = STATUS[self._metrics.status]       # still "running" at close: ended without a word
+        status = STATUS[self._metrics.status]  # still "running" at close: ended without a word
         end = data.SessionEndInfo(status=api.Status.Value(status), end_time_secs=time.time())
         self._add(self._plugin_summary(self._hp_meta.SESSION_END_INFO_TAG, session_end_info=end), step)
 

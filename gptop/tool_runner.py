@@ -29,7 +29,7 @@ from trainer.contract.config import ConfigError
 from .controls import handled
 
 EXIT_FAILED, EXIT_INTERRUPTED = 1, 130
-GRACE_S = 15.0            # past a tool's own --timeout before gptop ends it (it stops itself at the deadline)
+GRACE_S = 15.0  # past a tool's own --timeout before gptop ends it (it stops itself at the deadline)
 
 
 def oom_kills() -> int | None:
@@ -61,9 +61,11 @@ def killed_words(what: str, signum: int, oom_before: int | None) -> str:
 
 
 TOOL_NAMES = {tools.EXPORT_MODULE: "the export", tools.SAMPLE_MODULE: "the sampler"}
-AFTER_KILL = {tools.EXPORT_MODULE: "OUT_DIR is as it was; free some memory and run it again (the next export "
-                                   "removes what this one left)",
-              tools.SAMPLE_MODULE: "free some memory and run it again"}
+AFTER_KILL = {
+    tools.EXPORT_MODULE: "OUT_DIR is as it was; free some memory and run it again (the next export "
+    "removes what this one left)",
+    tools.SAMPLE_MODULE: "free some memory and run it again",
+}
 
 
 def run_tool(module: str, argv: list[str], *, timeout: float | None = None) -> int:
@@ -74,9 +76,9 @@ def run_tool(module: str, argv: list[str], *, timeout: float | None = None) -> i
     stopped = {"signal": None}
 
     def forward(signum, frame):
-        if stopped["signal"] is not None:   # asked a second time: now
+        if stopped["signal"] is not None:  # asked a second time: now
             proc.kill()
-        elif signum != signal.SIGINT:       # Ctrl-C reaches the tool itself (the terminal's process group)
+        elif signum != signal.SIGINT:  # Ctrl-C reaches the tool itself (the terminal's process group)
             proc.send_signal(signal.SIGTERM)
         stopped["signal"] = signum
 
@@ -93,12 +95,13 @@ def run_tool(module: str, argv: list[str], *, timeout: float | None = None) -> i
             _end(proc)
         for s, h in old.items():
             signal.signal(s, h)
-    if code < 0:                            # killed by a signal
+    if code < 0:  # killed by a signal
         if stopped["signal"] is not None:
             return EXIT_INTERRUPTED
         what = TOOL_NAMES.get(module, module)
-        print(f"gptop: {killed_words(what, -code, oom_before)}; {AFTER_KILL.get(module, 'run it again')}",
-              file=sys.stderr)
+        print(
+            f"gptop: {killed_words(what, -code, oom_before)}; {AFTER_KILL.get(module, 'run it again')}", file=sys.stderr
+        )
         return EXIT_FAILED
     return code
 
@@ -113,7 +116,7 @@ def _end(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
 
 
 def cmd_export(ns: argparse.Namespace) -> int:
-    tools.check_export(ns)                  # bad input: ConfigError, exit 2, before any process starts
+    tools.check_export(ns)  # bad input: ConfigError, exit 2, before any process starts
     return run_tool(tools.EXPORT_MODULE, tools.export_argv(ns))
 
 
@@ -128,7 +131,7 @@ def cmd_sample(ns: argparse.Namespace) -> int:
 PANEL_MAX_NEW_TOKENS = 48
 PANEL_TEMPERATURE = 0.8
 PANEL_TIMEOUT_S = 60.0
-NICE = 10                 # the sampler yields the CPU to the training run
+NICE = 10  # the sampler yields the CPU to the training run
 
 
 @dataclass
@@ -140,25 +143,39 @@ class SampleOutcome:
     seconds: float
 
 
-async def sample_newest(run_dir: str | Path, *, prompt: str = "", max_new_tokens: int = PANEL_MAX_NEW_TOKENS,
-                        temperature: float = PANEL_TEMPERATURE, seed: int | None = None,
-                        timeout: float = PANEL_TIMEOUT_S) -> SampleOutcome:
+async def sample_newest(
+    run_dir: str | Path,
+    *,
+    prompt: str = "",
+    max_new_tokens: int = PANEL_MAX_NEW_TOKENS,
+    temperature: float = PANEL_TEMPERATURE,
+    seed: int | None = None,
+    timeout: float = PANEL_TIMEOUT_S,
+) -> SampleOutcome:
     """Sample the newest checkpoint of `run_dir` that loads, on the CPU, in a process of its own.
 
     Bounded in time: the tool stops itself at `timeout` (keeping what it generated), and is killed
     GRACE_S later if it has not. Cancelling the awaiting task kills the process too. Never raises for
     a run without a checkpoint or a failed tool: the outcome says what happened."""
     t0 = time.monotonic()
-    seed = int(time.time()) % 100_000 if seed is None else seed     # each press: another sample
+    seed = int(time.time()) % 100_000 if seed is None else seed  # each press: another sample
     try:
-        cmd = tools.sample_command(run_dir, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                                   seed=seed, timeout=timeout, device="cpu")
+        cmd = tools.sample_command(
+            run_dir,
+            prompt,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed,
+            timeout=timeout,
+            device="cpu",
+        )
     except ConfigError as e:
         return SampleOutcome(None, e.message, time.monotonic() - t0)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     oom_before = oom_kills()
-    proc = await asyncio.create_subprocess_exec(*cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                                stderr=subprocess.PIPE, env=env, start_new_session=True)
+    proc = await asyncio.create_subprocess_exec(
+        *cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True
+    )
     try:
         os.setpriority(os.PRIO_PROCESS, proc.pid, NICE)
     except OSError:
@@ -167,13 +184,17 @@ async def sample_newest(run_dir: str | Path, *, prompt: str = "", max_new_tokens
         out, err = await asyncio.wait_for(proc.communicate(), timeout + GRACE_S)
     except asyncio.TimeoutError:
         await _end_async(proc)
-        return SampleOutcome(None, f"no sample within {timeout + GRACE_S:.0f} s; stopped it",
-                             time.monotonic() - t0)
+        return SampleOutcome(None, f"no sample within {timeout + GRACE_S:.0f} s; stopped it", time.monotonic() - t0)
     finally:
-        if proc.returncode is None:          # cancelled (the app quit, another sample asked for)
+        if proc.returncode is None:  # cancelled (the app quit, another sample asked for)
             await _end_async(proc)
-    return _outcome(proc.returncode, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"),
-                    time.monotonic() - t0, oom_before)
+    return _outcome(
+        proc.returncode,
+        out.decode("utf-8", "replace"),
+        err.decode("utf-8", "replace"),
+        time.monotonic() - t0,
+        oom_before,
+    )
 
 
 def _outcome(code: int | None, out: str, err: str, seconds: float, oom_before: int | None = None) -> SampleOutcome:

@@ -67,10 +67,10 @@ if TYPE_CHECKING:
     from .supervisor import Supervisor
 
 STEADY = ("done", "prune", "budget", "timeout")
-PACE_STEPS = 50                            # the recent step events whose median pace a `t` key plans on
-TEST_FAULT_ENV = "GPTOP_TEST_TRIAL_FAULT"   # "N:KIND[@K][+KIND@K...]": trainer faults (trainer/faults.py) K
-DEFAULT_FAULT_OFFSET = 2                   # steps into this session's N-th trial (tests only; default K=2)
-CPU_COMPILE_MIN_BUDGET_S = 600.0           # below this, a CPU run's tuning leaves compile alone by default
+PACE_STEPS = 50  # the recent step events whose median pace a `t` key plans on
+TEST_FAULT_ENV = "GPTOP_TEST_TRIAL_FAULT"  # "N:KIND[@K][+KIND@K...]": trainer faults (trainer/faults.py) K
+DEFAULT_FAULT_OFFSET = 2  # steps into this session's N-th trial (tests only; default K=2)
+CPU_COMPILE_MIN_BUDGET_S = 600.0  # below this, a CPU run's tuning leaves compile alone by default
 
 
 def parse_test_fault(spec: str) -> tuple[int, tuple[tuple[str, int], ...]] | None:
@@ -92,8 +92,15 @@ def parse_test_fault(spec: str) -> tuple[int, tuple[tuple[str, int], ...]] | Non
         return None
 
 
-def tuning_space(cfg: TrainConfig, dev: DeviceInfo, fits: int | None, world: int, spec: str | None,
-                 budget_s: float, command: list[str] | None = None) -> tuple[Any, str]:
+def tuning_space(
+    cfg: TrainConfig,
+    dev: DeviceInfo,
+    fits: int | None,
+    world: int,
+    spec: str | None,
+    budget_s: float,
+    command: list[str] | None = None,
+) -> tuple[Any, str]:
     """The search space of this run's tuning and what the first line says about it beyond its toggles.
 
     `cfg` holds the starting toggles (micro-batch as the user gave it), `fits` what `--micro-batch auto`
@@ -105,9 +112,15 @@ def tuning_space(cfg: TrainConfig, dev: DeviceInfo, fits: int | None, world: int
     from tuner.space import MEMORY_SAVING, SearchSpace, memory_pressure, quantizable
 
     memory = memory_pressure(cfg, fits, world)
-    space = SearchSpace.for_device(cfg.toggles, dev, cfg.optim.global_batch, world_size=world,
-                                   spec=spec if command is None else None, memory=memory,
-                                   quantizable=quantizable(cfg))
+    space = SearchSpace.for_device(
+        cfg.toggles,
+        dev,
+        cfg.optim.global_batch,
+        world_size=world,
+        spec=spec if command is None else None,
+        memory=memory,
+        quantizable=quantizable(cfg),
+    )
     if command is not None:
         from tuner.command_space import command_space
 
@@ -116,13 +129,19 @@ def tuning_space(cfg: TrainConfig, dev: DeviceInfo, fits: int | None, world: int
     if memory:
         savers = [f"{n} {'/'.join(str(v) for v in space.choices[n])}" for n in MEMORY_SAVING if n in space.params]
         note = f"; memory is the constraint ({memory}): trying {', '.join(savers) or 'no memory saver'}"
-    if not dev.is_cuda and budget_s < CPU_COMPILE_MIN_BUDGET_S and "compile" in space.params \
-            and "compile" not in (spec or ""):
+    if (
+        not dev.is_cuda
+        and budget_s < CPU_COMPILE_MIN_BUDGET_S
+        and "compile" in space.params
+        and "compile" not in (spec or "")
+    ):
         # inductor's C++ build takes from 20 s to minutes on a CPU: in a short budget a compile trial
         # costs several others and rarely finishes warming up; naming compile in --tune-space opts in
         space = space.apply_spec("-compile", dev)
-        note += (f"; compile stays {cfg.toggles.compile} (on a CPU its warm-up does not fit a budget under "
-                 f"{CPU_COMPILE_MIN_BUDGET_S / 60:.0f} minutes; name it in --tune-space to try it)")
+        note += (
+            f"; compile stays {cfg.toggles.compile} (on a CPU its warm-up does not fit a budget under "
+            f"{CPU_COMPILE_MIN_BUDGET_S / 60:.0f} minutes; name it in --tune-space to try it)"
+        )
     return space, note
 
 
@@ -149,9 +168,16 @@ class TuningHost(Protocol):
 class TuningDriver:
     """The session's controller while it tunes (gptop.session.Controller); `Session.start_tuning` makes one."""
 
-    def __init__(self, session: TuningHost, budget_s: float, space_spec: str | None = None,
-                 storage: str | None = None, tune_only: bool = False, trial_log_every: int = 1,
-                 hello: ev.HelloEvent | None = None):
+    def __init__(
+        self,
+        session: TuningHost,
+        budget_s: float,
+        space_spec: str | None = None,
+        storage: str | None = None,
+        tune_only: bool = False,
+        trial_log_every: int = 1,
+        hello: ev.HelloEvent | None = None,
+    ):
         self.session = session
         self.budget_s = budget_s
         self.space_spec = space_spec
@@ -169,20 +195,20 @@ class TuningDriver:
         self._hello = hello
         self._lock = threading.Lock()
         self._attached = False
-        self._alive = False              # a trainer process runs (as far as the queue has told this thread)
+        self._alive = False  # a trainer process runs (as far as the queue has told this thread)
         self._expect_exit = False
         self._exit_code: int | None = None
         self._steps_since_spawn = 0
-        self._complete = False            # the run reached --max-steps
+        self._complete = False  # the run reached --max-steps
         self._abort: str | None = None
-        self._running_cfg: TrainConfig | None = None   # the config of the process we started (None: the session's)
+        self._running_cfg: TrainConfig | None = None  # the config of the process we started (None: the session's)
         self._spawned_at: float | None = None
         self._restart_s: list[float] = []
         self._pace_known = False
         self._per_trial = 0.0
         self.user_cfg: TrainConfig | None = None
-        self._reported: list[tuple[int, str]] = []    # checkpoints the processes reported (step, path)
-        self._command = False             # the run is a user's script (gptop tune -- CMD), known at its hello
+        self._reported: list[tuple[int, str]] = []  # checkpoints the processes reported (step, path)
+        self._command = False  # the run is a user's script (gptop tune -- CMD), known at its hello
         self.test_fault = parse_test_fault(os.environ.get(TEST_FAULT_ENV, ""))
 
     # ------------------------------------------------------------- wiring
@@ -207,8 +233,9 @@ class TuningDriver:
             self.last_ckpt = (event.step, event.path)
             self._reported.append((event.step, event.path))
         # warnings: the compile watchdog's, which mark a trial that recompiled (tuner.controller)
-        if isinstance(event, (ev.HelloEvent, ev.StepEvent, ev.CheckpointEvent, ev.ErrorEvent, ev.DoneEvent,
-                              ev.WarningEvent)):
+        if isinstance(
+            event, (ev.HelloEvent, ev.StepEvent, ev.CheckpointEvent, ev.ErrorEvent, ev.DoneEvent, ev.WarningEvent)
+        ):
             self.q.put(("event", event))
 
     def on_trainer_exit(self, code: int) -> bool:
@@ -231,7 +258,7 @@ class TuningDriver:
                 return
             self._attached = False
             s.set_controller(None)
-            while True:                   # exits queued but not yet seen by this thread
+            while True:  # exits queued but not yet seen by this thread
                 try:
                     kind, payload = self.q.get_nowait()
                 except queue.Empty:
@@ -247,15 +274,19 @@ class TuningDriver:
     def _run_safely(self) -> None:
         try:
             self._run()
-        except Exception as e:   # tuning must never take the run down with it
+        except Exception as e:  # tuning must never take the run down with it
             import traceback
 
             self.error = f"{type(e).__name__}: {e}"
             self._say(f"tuning stopped by an internal error: {self.error}")
             self.session.log(traceback.format_exc())
             try:
-                if self.user_cfg is not None and not self._alive and not self.session.interrupted \
-                        and not self._complete:
+                if (
+                    self.user_cfg is not None
+                    and not self._alive
+                    and not self.session.interrupted
+                    and not self._complete
+                ):
                     self._spawn(self._cfg_for(self.user_cfg.toggles, strict=False), self.last_ckpt)
             finally:
                 self._detach()
@@ -307,7 +338,7 @@ class TuningDriver:
                 continue
             kind, payload = item
             if kind == "event" and isinstance(payload, ev.HelloEvent) and not payload.early:
-                return payload          # the built run (an early hello comes before anything is built)
+                return payload  # the built run (an early hello comes before anything is built)
             if kind == "exit" or (kind == "abort"):
                 return None
 
@@ -331,19 +362,19 @@ class TuningDriver:
     def _run(self) -> None:
         from tuner.controller import Apply, Done, FindMicroBatch, Remeasure, RunTrial
 
-        self._pace_known = self._hello is not None       # a trainer that ran before tuning (the `t` key)
+        self._pace_known = self._hello is not None  # a trainer that ran before tuning (the `t` key)
         hello = self._hello or self._wait_hello()
         if hello is None:
             return self._conclude(None)
         self._hello = hello
-        command = hello.client is not None        # a user's script (gptop tune -- CMD) through its client
+        command = hello.client is not None  # a user's script (gptop tune -- CMD) through its client
         if command:
-            if hello.tunable is None:             # its client refuses a tune itself; an old one may not
+            if hello.tunable is None:  # its client refuses a tune itself; an old one may not
                 self._say(f"the command's {hello.client} client takes no toggles: nothing to tune")
                 return self._conclude(None)
             self._command = True
             self.user_cfg = self._command_cfg(hello)
-            self._running_cfg = self._cfg_for(self.user_cfg.toggles, strict=True)   # the baseline's process
+            self._running_cfg = self._cfg_for(self.user_cfg.toggles, strict=True)  # the baseline's process
         user_mb = self._user().toggles.micro_batch
         ctl = self._open_controller(hello, command)
         trial_index = 0
@@ -384,9 +415,15 @@ class TuningDriver:
         base_mb = self._user().toggles.micro_batch
         start = dataclasses.replace(cfg.toggles, micro_batch=base_mb)
         world = hello.world_size
-        space, note = tuning_space(dataclasses.replace(cfg, toggles=start), dev,
-                                   hello.micro_batch if base_mb == AUTO else None, world, self.space_spec,
-                                   self.budget_s, command=hello.tunable if command else None)
+        space, note = tuning_space(
+            dataclasses.replace(cfg, toggles=start),
+            dev,
+            hello.micro_batch if base_mb == AUTO else None,
+            world,
+            self.space_spec,
+            self.budget_s,
+            command=hello.tunable if command else None,
+        )
         cfg.toggles = start
         self.study = study = TuneStudy.open(cfg, dev, space, storage=self.storage, world_size=world)
         # A trial measures for at most ~1/12 of the budget (>= 8 s), so a short budget still sees several trials;
@@ -398,28 +435,40 @@ class TuningDriver:
         # a trial that has not warmed up after twice its measuring time plus two starts of this setup's trainer
         # (a compile that does not finish) is cut; a loaded machine's slow starts do not cut healthy trials
         restart = max(restart_guess, startup or 0.0)
-        self.ctl = ctl = TuneController(cfg, dev, space, study, Budget(self.budget_s), max_seconds=per_trial,
-                                        default_restart_s=restart_guess,
-                                        # re-measuring the top two is worth a trial only in longer budgets;
-                                        # in short ones more configurations measured once win
-                                        reserve_trials=1 if self.budget_s >= 600 else 0,
-                                        trial_timeout_s=2 * per_trial + 2 * restart,
-                                        switch_reserve_s=restart,
-                                        energy=self.session.energy_between,
-                                        run_pays=not self.tune_only, startup_s=startup,
-                                        # a trial's process trains on as it is only if its settings are the user's
-                                        trial_process_continues=command or self._user().run.nan_policy == "stop",
-                                        # the advice's toggles are the first proposals (asked when trials start)
-                                        advice=lambda: advice_tries(self.session.state.advice()))
-        if self._pace_known and self.session.state.step:   # the `t` key: where the run is and how fast it goes
+        self.ctl = ctl = TuneController(
+            cfg,
+            dev,
+            space,
+            study,
+            Budget(self.budget_s),
+            max_seconds=per_trial,
+            default_restart_s=restart_guess,
+            # re-measuring the top two is worth a trial only in longer budgets;
+            # in short ones more configurations measured once win
+            reserve_trials=1 if self.budget_s >= 600 else 0,
+            trial_timeout_s=2 * per_trial + 2 * restart,
+            switch_reserve_s=restart,
+            energy=self.session.energy_between,
+            run_pays=not self.tune_only,
+            startup_s=startup,
+            # a trial's process trains on as it is only if its settings are the user's
+            trial_process_continues=command or self._user().run.nan_policy == "stop",
+            # the advice's toggles are the first proposals (asked when trials start)
+            advice=lambda: advice_tries(self.session.state.advice()),
+        )
+        if self._pace_known and self.session.state.step:  # the `t` key: where the run is and how fast it goes
             tps, _ = self.session.state.steady_medians(last=PACE_STEPS)
             ctl.set_pace(self.session.state.step, ctl.tokens_per_step / tps if tps else None)
-        self._say(f"tuning for up to {self.budget_s:.0f} s over {', '.join(space.params) or 'nothing'} "
-                  f"(study {study.name}){note}", study=study.name)
+        self._say(
+            f"tuning for up to {self.budget_s:.0f} s over {', '.join(space.params) or 'nothing'} "
+            f"(study {study.name}){note}",
+            study=study.name,
+        )
         return ctl
 
-    def _run_trial(self, ctl: "TuneController", action: "RunTrial | Remeasure",
-                   fault: tuple[tuple[str, int], ...] | None) -> bool:
+    def _run_trial(
+        self, ctl: "TuneController", action: "RunTrial | Remeasure", fault: tuple[tuple[str, int], ...] | None
+    ) -> bool:
         """Run one measurement the controller asked for and tell it how it went; False when the tuning
         concluded meanwhile (interrupted, finished, stopped by the user)."""
         pre = self.last_ckpt
@@ -433,7 +482,7 @@ class TuningDriver:
                 restore_log = None
         if action.restart or not self._alive:
             pre = self._restart(action.toggles, fault=fault, strict=True)
-            if pre is None:            # interrupted, stopped or finished while switching
+            if pre is None:  # interrupted, stopped or finished while switching
                 if self._abort and not (self.session.interrupted or self._complete):
                     self._conclude(ctl.stop_early(self._abort))
                     return False
@@ -444,30 +493,32 @@ class TuningDriver:
         outcome, reason = self._measure(ctl)
         if restore_log is not None:
             self._log_every(restore_log)
-        if outcome == "abort":             # the `t` key: decide on what was measured, train on
-            if not action.keep_steps:      # its fresh optimizer state must not become the run's
+        if outcome == "abort":  # the `t` key: decide on what was measured, train on
+            if not action.keep_steps:  # its fresh optimizer state must not become the run's
                 self._rollback(pre)
             self._conclude(ctl.stop_early(reason, rolled_back=not action.keep_steps))
             return False
         if outcome in ("interrupted", "finished"):
             if outcome == "finished" and ctl.in_trial:
-                ctl.finish_trial(TrialOutcome.OK)            # its steps are the run's last: kept
+                ctl.finish_trial(TrialOutcome.OK)  # its steps are the run's last: kept
             ctl.abort(reason)
             self._publish()
             self._conclude(None)
             return False
         if outcome in STEADY and action.keep_steps:
             ctl.finish_trial(TrialOutcome.OK)
-        elif outcome in STEADY:            # measured; rolled back so the run keeps its optimizer state
+        elif outcome in STEADY:  # measured; rolled back so the run keeps its optimizer state
             ctl.finish_trial(TrialOutcome.OK, rollback=self._rollback(pre))
         else:
             ctl.finish_trial(TrialOutcome(outcome), reason, rollback=self._rollback(pre))
         self._publish()
-        if ctl.study is not self.study:      # the start ran out of memory: memory is the constraint
+        if ctl.study is not self.study:  # the start ran out of memory: memory is the constraint
             self.study = ctl.study
-            self._say(f"memory is the constraint ({ctl.space.memory}): tuning over "
-                      f"{', '.join(ctl.space.params) or 'nothing'} (study {ctl.study.name})",
-                      study=ctl.study.name)
+            self._say(
+                f"memory is the constraint ({ctl.space.memory}): tuning over "
+                f"{', '.join(ctl.space.params) or 'nothing'} (study {ctl.study.name})",
+                study=ctl.study.name,
+            )
         return True
 
     def _command_cfg(self, hello: ev.HelloEvent) -> TrainConfig:
@@ -499,7 +550,7 @@ class TuningDriver:
                 kind, payload = item
                 if kind == "event":
                     ctl.observe(payload)
-                    self._publish()             # the measurement's progress (about once a second)
+                    self._publish()  # the measurement's progress (about once a second)
                 elif kind == "exit":
                     stop = ctl.trial_should_stop()
                     if self.session.interrupted:
@@ -523,8 +574,10 @@ class TuningDriver:
             self._publish()
             early = f"{self._abort}: " if self._abort else ""
             if isinstance(action, Apply):
-                self._say(f"{early}applying {action.label or f'trial {action.number}'}: {action.decision.reason}",
-                          decision=action.decision.to_dict())
+                self._say(
+                    f"{early}applying {action.label or f'trial {action.number}'}: {action.decision.reason}",
+                    decision=action.decision.to_dict(),
+                )
             elif action is not None:
                 self._say(f"keeping the starting configuration: {action.reason}")
             else:
@@ -540,7 +593,7 @@ class TuningDriver:
                 want = self._cfg_for(toggles, strict=False)
                 if not self._alive or self._differs(want, log_every=False):
                     self._restart(toggles, strict=False)
-                elif self._differs(want):         # only the log interval: a command, no restart
+                elif self._differs(want):  # only the log interval: a command, no restart
                     self._log_every(want.log.log_every)
                     if self._running_cfg is not None:
                         self._running_cfg.log.log_every = want.log.log_every
@@ -552,7 +605,7 @@ class TuningDriver:
             self._publish()
             from tuner.tuning_report import write_report
 
-            study = ctl.study          # the one the controller tuned over last (memory may have changed it)
+            study = ctl.study  # the one the controller tuned over last (memory may have changed it)
             self.report_paths = write_report(s.run_dir, study, ctl.report_info())
             self._say(f"report {self.report_paths['md']}; best configuration {self.report_paths['toml']}")
             if study.storage_url:
@@ -571,11 +624,18 @@ class TuningDriver:
         interval counted only with `log_every`: a command changes it)."""
         have = self._running_cfg or self.session.cfg
         toggles = have.toggles
-        if toggles.micro_batch == AUTO and self._running_cfg is None and self._hello is not None \
-                and self._hello.micro_batch is not None:
-            toggles = dataclasses.replace(toggles, micro_batch=self._hello.micro_batch)   # what `auto` resolved to
-        return (toggles != want.toggles or have.run.nan_policy != want.run.nan_policy
-                or (log_every and have.log.log_every != want.log.log_every))
+        if (
+            toggles.micro_batch == AUTO
+            and self._running_cfg is None
+            and self._hello is not None
+            and self._hello.micro_batch is not None
+        ):
+            toggles = dataclasses.replace(toggles, micro_batch=self._hello.micro_batch)  # what `auto` resolved to
+        return (
+            toggles != want.toggles
+            or have.run.nan_policy != want.run.nan_policy
+            or (log_every and have.log.log_every != want.log.log_every)
+        )
 
     def _log_every(self, steps: int) -> None:
         """Ask the running trainer for a step event every `steps` steps (a command: no restart). One
@@ -595,7 +655,7 @@ class TuningDriver:
         if kill:
             sup.kill()
         else:
-            sup.request_stop(reason=ev.TUNER_RESTART)     # its `done`: a trainer's end, not the run's
+            sup.request_stop(reason=ev.TUNER_RESTART)  # its `done`: a trainer's end, not the run's
         step_s = 0.0
         if self.ctl is not None and self.ctl.in_trial:
             import math
@@ -626,15 +686,16 @@ class TuningDriver:
         self._spawned_at = time.monotonic()
         self.session.spawn(cfg, resume=pre[1] if pre and pre[1] else None)
 
-    def _restart(self, toggles: Toggles, fault: tuple[tuple[str, int], ...] | None = None,
-                 strict: bool = True) -> tuple[int, str] | None:
+    def _restart(
+        self, toggles: Toggles, fault: tuple[tuple[str, int], ...] | None = None, strict: bool = True
+    ) -> tuple[int, str] | None:
         """Checkpoint (graceful stop), then start a trainer with `toggles` from that checkpoint.
         Returns the checkpoint it resumes from ((0, "") for none), or None if the run must not go on."""
         self._stop_trainer()
         if self.session.interrupted or self._complete or (self._abort and strict):
             return None
         pre = self.last_ckpt
-        if pre is not None and not Path(pre[1]).exists():   # pruned between trials: the newest there is
+        if pre is not None and not Path(pre[1]).exists():  # pruned between trials: the newest there is
             newest = rundir.list_checkpoints(self.session.run_dir)
             pre = (newest[-1].step, str(newest[-1].path)) if newest else None
         cfg = self._cfg_for(toggles, strict)
@@ -651,8 +712,8 @@ class TuningDriver:
         cfg.toggles = dataclasses.replace(toggles)
         cfg.run.fault = None
         if strict:
-            if not self._command:         # a command's NaN is the loss check's (its step events)
-                cfg.run.nan_policy = "stop"   # a NaN ends the trial; the driver rolls back
+            if not self._command:  # a command's NaN is the loss check's (its step events)
+                cfg.run.nan_policy = "stop"  # a NaN ends the trial; the driver rolls back
             cfg.log.log_every = min(cfg.log.log_every, self.trial_log_every)
         return cfg
 
@@ -696,8 +757,9 @@ class TuningDriver:
         deleted = [str(p) for p in rundir.rollback_to(run_dir, keep_step)] + self._delete_reported(keep_step)
         self.last_ckpt = pre if pre and pre[1] and Path(pre[1]).exists() else None
         step = max(keep_step, 0)
-        self._say(f"trial rolled back to step {step}"
-                  + (f" ({self.last_ckpt[1]})" if self.last_ckpt else " (the start)")
-                  + (f"; deleted {len(deleted)} checkpoint(s) it wrote" if deleted else ""))
+        self._say(
+            f"trial rolled back to step {step}"
+            + (f" ({self.last_ckpt[1]})" if self.last_ckpt else " (the start)")
+            + (f"; deleted {len(deleted)} checkpoint(s) it wrote" if deleted else "")
+        )
         return {"step": step, "path": self.last_ckpt[1] if self.last_ckpt else None, "deleted": deleted}
-

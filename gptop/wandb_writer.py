@@ -34,9 +34,11 @@ def import_wandb() -> Any:
     """The wandb module; a package that fails to import, whatever it raises, is a ConfigError naming --wandb."""
     try:
         import wandb
-    except Exception as e:     # a broken install raises anything at import: a refusal, not a traceback
-        raise ConfigError("--wandb", f"the wandb package does not import ({type(e).__name__}: {e}); reinstall it "
-                                     f"({INSTALL}) or drop --wandb") from None
+    except Exception as e:  # a broken install raises anything at import: a refusal, not a traceback
+        raise ConfigError(
+            "--wandb",
+            f"the wandb package does not import ({type(e).__name__}: {e}); reinstall it ({INSTALL}) or drop --wandb",
+        ) from None
     return wandb
 
 
@@ -47,11 +49,18 @@ class WandbWriter:
         wandb = import_wandb()
         try:
             # console="off": W&B must not wrap stdout/stderr under the TUI; silent: no banner over it.
-            self._run = wandb.init(dir=str(run_dir), name=run_dir.name, config=settings(config),
-                                   settings=wandb.Settings(console="off", silent=True))
-        except Exception as e:   # no account, no network, a bad WANDB_* setting: say so, as a usage error
-            raise ConfigError("--wandb", f"wandb.init failed ({e}); run `wandb login`, or set "
-                                         "WANDB_MODE=offline to log without an account or network") from None
+            self._run = wandb.init(
+                dir=str(run_dir),
+                name=run_dir.name,
+                config=settings(config),
+                settings=wandb.Settings(console="off", silent=True),
+            )
+        except Exception as e:  # no account, no network, a bad WANDB_* setting: say so, as a usage error
+            raise ConfigError(
+                "--wandb",
+                f"wandb.init failed ({e}); run `wandb login`, or set "
+                "WANDB_MODE=offline to log without an account or network",
+            ) from None
         self._run.define_metric("step")
         self._run.define_metric("*", step_metric="step")
         self._metrics = RunMetrics()

@@ -20,7 +20,7 @@ import time
 
 from trainer.contract.rundir import pid_alive
 
-POLL_S = 5.0          # how often the warden looks whether the command is still there, while gptop lives
+POLL_S = 5.0  # how often the warden looks whether the command is still there, while gptop lives
 
 
 def group_alive(pgid: int) -> bool:
@@ -60,7 +60,7 @@ def end_command(pid: int, grace_s: float) -> None:
 
 def main(argv: list[str]) -> int:
     fd, pid, grace_s = int(argv[0]), int(argv[1]), float(argv[2])
-    signal.signal(signal.SIGINT, signal.SIG_IGN)      # a terminal's Ctrl-C is gptop's to handle
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is gptop's to handle
     if wait_for_gptop(fd, pid):
         end_command(pid, grace_s)
     return 0

@@ -43,9 +43,11 @@ def one_thread():
 # is marked `process`; a test that starts one without the marker fails here, so the tier that runs in
 # seconds stays free of process start-up times and of leftover processes.
 
+
 def _no_process(what: str):
     def refuse(*args, **kwargs):
         pytest.fail(f"this test starts a process ({what}) but is not marked @pytest.mark.process", pytrace=False)
+
     return refuse
 
 
@@ -65,8 +67,9 @@ def _process_guard(request, monkeypatch):
 
 # --- pytest -n 2: tests that measure speed get the CPU to themselves (tests/fixtures/cpu_share.py) --------------
 
+
 def pytest_configure(config):
-    if not hasattr(config, "workerinput"):          # the controlling process (or the only one)
+    if not hasattr(config, "workerinput"):  # the controlling process (or the only one)
         config.stash[_CPU_LOCK] = cpu_share.make()
 
 
@@ -100,7 +103,11 @@ def pytest_collection_modifyitems(config, items):
     order = {path: i for i, path in enumerate(dict.fromkeys(item.path for item in items))}
 
     def rank(item):
-        return (item.path.name not in LONGEST_FIRST, item.path in starts_processes, item.path not in measures,
-                order[item.path])
+        return (
+            item.path.name not in LONGEST_FIRST,
+            item.path in starts_processes,
+            item.path not in measures,
+            order[item.path],
+        )
 
-    items.sort(key=rank)        # stable: a file's tests keep their order
+    items.sort(key=rank)  # stable: a file's tests keep their order

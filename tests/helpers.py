@@ -17,8 +17,24 @@ from fixtures.waiting import wait_for  # noqa: F401  (re-exported: the one way t
 ROOT = Path(__file__).resolve().parent.parent
 
 # Tiny runs for tests: small sequences and batches so a step takes milliseconds.
-TINY = ["--size", "tiny", "--seq-len", "64", "--global-batch", "4", "--warmup-steps", "2", "--eval-every", "0",
-        "--log-every", "1", "--checkpoint-every", "0", "--device", "cpu"]
+TINY = [
+    "--size",
+    "tiny",
+    "--seq-len",
+    "64",
+    "--global-batch",
+    "4",
+    "--warmup-steps",
+    "2",
+    "--eval-every",
+    "0",
+    "--log-every",
+    "1",
+    "--checkpoint-every",
+    "0",
+    "--device",
+    "cpu",
+]
 
 # The trainer installs its own handlers for these (graceful stop, checkpoint on request).
 TRAINER_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
@@ -39,8 +55,9 @@ def restoring_signals() -> Iterator[None]:
             signal.signal(s, h)
 
 
-def train_in_process(run_dir: str | Path, *args: str, base: list[str] = TINY, cfg: Any = None,
-                     strict: bool = True) -> tuple[int, list[Any], Path]:
+def train_in_process(
+    run_dir: str | Path, *args: str, base: list[str] = TINY, cfg: Any = None, strict: bool = True
+) -> tuple[int, list[Any], Path]:
     """The trainer's `main_run` in this process on `base + args` (or on `cfg`): (exit code, the events it
     wrote, read back strictly unless told, run dir)."""
     from trainer.worker_cli import parse_config

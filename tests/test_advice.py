@@ -17,15 +17,18 @@ def test_a_data_bound_run_names_data_first_and_a_compute_bound_one_compute():
     assert concerns(data_bound)[0] is Concern.DATA
     first = data_bound.advice()[0]
     assert first.evidence == "data loading is 40% of the step"
-    assert dict(first.toggles) == {"prefetch": 4, "workers": 2}          # what the tuner would try first
+    assert dict(first.toggles) == {"prefetch": 4, "workers": 2}  # what the tuner would try first
     compute = fed(hello(precision="fp32"), step(1, 1.0, PH))
     assert concerns(compute) == [Concern.COMPUTE]
     assert dict(compute.advice()[0].toggles) == {"compile": "default", "precision": "bf16"}
 
 
 def test_recompilations_come_first_with_their_step():
-    s = fed(hello(compile="default"), step(1, 1.0, PH),
-            ev("warning", 2.0, message="torch.compile recompiled 1x at step 7 (...)", kind="recompile", step=7))
+    s = fed(
+        hello(compile="default"),
+        step(1, 1.0, PH),
+        ev("warning", 2.0, message="torch.compile recompiled 1x at step 7 (...)", kind="recompile", step=7),
+    )
     first = s.advice()[0]
     assert first.concern is Concern.COMPILE and "recompiled 1x (last at step 7)" in first.evidence
     assert s.bottleneck_hint() == first.line
@@ -33,8 +36,7 @@ def test_recompilations_come_first_with_their_step():
 
 def test_a_profile_with_short_operators_is_launch_bound_on_the_cpu():
     p = gpu_profile()
-    cpu_profile = ev("profile", 3.0, first=4, last=6, path="t.json", step_ms=100.0, phases=[],
-                     short_op_share=0.35)
+    cpu_profile = ev("profile", 3.0, first=4, last=6, path="t.json", step_ms=100.0, phases=[], short_op_share=0.35)
     s = fed(hello("cpu", compile="off"), step(1, 1.0, PH), cpu_profile)
     launch = [a for a in s.advice() if a.concern is Concern.LAUNCH]
     assert launch and "35% of the step in operators under 10 µs (profile of steps 4-6)" in launch[0].evidence
@@ -46,8 +48,14 @@ def test_a_profile_with_short_operators_is_launch_bound_on_the_cpu():
 
 def test_cuda_graphs_are_never_advised_with_gradient_accumulation():
     acc = hello()
-    acc = ev("hello", 0.0, config=acc.config, device=acc.device.to_dict(), model={"family": "llama", "size": "small"},
-             accumulation=4)
+    acc = ev(
+        "hello",
+        0.0,
+        config=acc.config,
+        device=acc.device.to_dict(),
+        model={"family": "llama", "size": "small"},
+        accumulation=4,
+    )
     s = fed(acc, step(1, 1.0, PH, gpu_idle_ms=30.0))
     host = [a for a in s.advice() if a.concern is Concern.HOST]
     assert host and "reduce-overhead" not in host[0].action and host[0].toggles == ()

@@ -20,8 +20,20 @@ from gptop.headless import HeadlessView
 from gptop.state import RunState
 from gptop.summary import summary_lines
 from trainer.contract.device import DeviceInfo
-from trainer.contract.events import (AlertEvent, AlertKind, CheckpointEvent, DoneEvent, HelloEvent, ModelInfo,
-                                     ProgressEvent, Severity, StepEvent, WarningEvent, dumps, parse)
+from trainer.contract.events import (
+    AlertEvent,
+    AlertKind,
+    CheckpointEvent,
+    DoneEvent,
+    HelloEvent,
+    ModelInfo,
+    ProgressEvent,
+    Severity,
+    StepEvent,
+    WarningEvent,
+    dumps,
+    parse,
+)
 
 from test_telemetry import fake_pynvml, make_sampler
 
@@ -38,16 +50,29 @@ def hello(t: float, early: bool = False, **config) -> HelloEvent:
     cfg = {"optim": {"max_steps": 10_000}, "checkpoint": {"checkpoint_every": 0}, "log": {"eval_every": 0}}
     for k, v in config.items():
         cfg.setdefault(k, {}).update(v)
-    return HelloEvent(time=t, config=cfg, device=DeviceInfo(type="cpu", name="cpu"), model=ModelInfo(), early=early,
-                      pid=1)
+    return HelloEvent(
+        time=t, config=cfg, device=DeviceInfo(type="cpu", name="cpu"), model=ModelInfo(), early=early, pid=1
+    )
 
 
-def step(t: float, n: int, loss: float | None = 2.0, tps: float | None = 1000.0, rank: int = 0,
-         phases: dict | None = None) -> StepEvent:
-    return StepEvent(time=t, rank=rank, step=n, tokens=n * 100, loss=loss, lr=1e-3, grad_norm=1.0, step_ms=100.0,
-                     phases_ms=phases or {"data": 5.0, "forward": 30.0, "backward": 50.0, "optimizer": 10.0,
-                                          "other": 5.0},
-                     tokens_per_s=tps, mfu=None, mem_bytes=None, interval_steps=1)
+def step(
+    t: float, n: int, loss: float | None = 2.0, tps: float | None = 1000.0, rank: int = 0, phases: dict | None = None
+) -> StepEvent:
+    return StepEvent(
+        time=t,
+        rank=rank,
+        step=n,
+        tokens=n * 100,
+        loss=loss,
+        lr=1e-3,
+        grad_norm=1.0,
+        step_ms=100.0,
+        phases_ms=phases or {"data": 5.0, "forward": 30.0, "backward": 50.0, "optimizer": 10.0, "other": 5.0},
+        tokens_per_s=tps,
+        mfu=None,
+        mem_bytes=None,
+        interval_steps=1,
+    )
 
 
 def started(clock: Clock, **kw) -> tuple[AlertMonitor, list[AlertEvent]]:
@@ -64,11 +89,12 @@ def started(clock: Clock, **kw) -> tuple[AlertMonitor, list[AlertEvent]]:
 
 # --- stall ----------------------------------------------------------------------------------------------------------
 
+
 def test_stall_is_raised_after_the_floor_and_resolved_by_the_next_step():
     clock = Clock()
     m, out = started(clock, stall_after_s=15.0)
     assert out == []
-    assert m.stall_limit() == 15.0               # 10 x 0.1 s is under the floor
+    assert m.stall_limit() == 15.0  # 10 x 0.1 s is under the floor
     clock.t += 14.0
     assert m.check() == []
     clock.t += 2.0
@@ -76,7 +102,7 @@ def test_stall_is_raised_after_the_floor_and_resolved_by_the_next_step():
     assert a.kind is AlertKind.STALL and a.severity is Severity.CRITICAL and not a.resolved
     assert a.figures["seconds"] == pytest.approx(16.0, abs=0.2) and a.figures["last_step"] == 10
     assert "no step for 16 s" in a.message and "alive" in a.message
-    assert m.check() == []                       # raised once
+    assert m.check() == []  # raised once
     clock.t += 10.0
     (r,) = m.on_event(ProgressEvent(time=clock.t, step=11, tokens=1100))
     assert r.resolved and r.id == a.id and r.figures["stalled_s"] == pytest.approx(26.0, abs=0.2)
@@ -88,7 +114,7 @@ def test_no_stall_without_a_live_process_before_the_first_step_or_after_done():
     m = AlertMonitor(AlertOptions(stall_after_s=5.0), clock=clock, alive=lambda: alive[0])
     m.on_event(hello(clock.t, early=True))
     m.on_event(hello(clock.t))
-    clock.t += 600                                 # compiling: no step yet
+    clock.t += 600  # compiling: no step yet
     alive[0] = True
     assert m.check() == []
     for i in range(1, 6):
@@ -96,7 +122,7 @@ def test_no_stall_without_a_live_process_before_the_first_step_or_after_done():
         m.on_event(ProgressEvent(time=clock.t, step=i, tokens=i))
     alive[0] = False
     clock.t += 60
-    assert m.check() == []                          # the process is gone: its exit is the session's business
+    assert m.check() == []  # the process is gone: its exit is the session's business
     alive[0] = True
     m.on_event(DoneEvent(time=clock.t, step=5, tokens=5, reason="max_steps"))
     clock.t += 60
@@ -111,7 +137,7 @@ def test_stall_scales_with_the_step_time_and_a_checkpoint_step_gets_its_grace():
     for i in range(1, 10):
         clock.t += 2.0
         m.on_event(ProgressEvent(time=clock.t, step=i, tokens=i))
-    assert m.stall_limit() == pytest.approx(20.0)           # 10 x 2 s per step
+    assert m.stall_limit() == pytest.approx(20.0)  # 10 x 2 s per step
     clock.t += 19.0
     assert m.check() == []
     for i in range(10, 20):
@@ -136,6 +162,7 @@ def test_a_stall_names_the_ranks_behind_and_what_each_said_last():
 
 
 # --- loss -----------------------------------------------------------------------------------------------------------
+
 
 def noisy_losses(n: int, seed: int = 0):
     rng = random.Random(seed)
@@ -164,18 +191,27 @@ def test_a_flat_loss_is_judged_by_its_relative_rise():
     m, _ = started(clock)
     for i in range(50):
         assert m.on_event(step(clock.t + i, 11 + i, loss=2.0)) == []
-    assert m.on_event(step(clock.t + 60, 70, loss=2.05)) == []      # 2.5% over a MAD of 0: under MIN_SPIKE_RISE
+    assert m.on_event(step(clock.t + 60, 70, loss=2.05)) == []  # 2.5% over a MAD of 0: under MIN_SPIKE_RISE
     assert [a.kind for a in m.on_event(step(clock.t + 61, 71, loss=2.5))] == [AlertKind.LOSS_SPIKE]
 
 
 # --- NaN rollbacks ----------------------------------------------------------------------------------------------------
 
+
 def test_a_nan_rollback_is_resolved_once_the_run_passes_where_it_was():
     clock = Clock()
     m, _ = started(clock)
     m.on_event(step(clock.t, 10))
-    (a,) = m.on_event(WarningEvent(time=clock.t, message="rolled back to step-4 at step 4", kind="nan_rollback",
-                                   step=4, lr_scale=0.5, skip_batches=[9]))
+    (a,) = m.on_event(
+        WarningEvent(
+            time=clock.t,
+            message="rolled back to step-4 at step 4",
+            kind="nan_rollback",
+            step=4,
+            lr_scale=0.5,
+            skip_batches=[9],
+        )
+    )
     assert a.kind is AlertKind.NAN_ROLLBACK and a.figures["reached"] == 10 and a.figures["rolled_back_to"] == 4
     assert m.on_event(step(clock.t + 1, 8)) == []
     assert m.on_event(step(clock.t + 2, 10)) == []
@@ -185,15 +221,16 @@ def test_a_nan_rollback_is_resolved_once_the_run_passes_where_it_was():
 
 # --- throughput -------------------------------------------------------------------------------------------------------
 
+
 def test_a_sustained_throughput_drop_names_the_phase_that_grew_and_a_dip_does_not():
     clock = Clock()
     m, _ = started(clock, throughput_after_s=60.0)
     t = clock.t
     out = []
-    for i in range(300):                                   # 5 minutes at 1000 tok/s, one event a second
+    for i in range(300):  # 5 minutes at 1000 tok/s, one event a second
         t += 1
         out += m.on_event(step(t, 11 + i, tps=1000 + (i % 7) * 10))
-    for i in range(20):                                    # a 20 s dip: not sustained
+    for i in range(20):  # a 20 s dip: not sustained
         t += 1
         out += m.on_event(step(t, 400 + i, tps=300))
     for i in range(60):
@@ -223,7 +260,7 @@ def test_a_new_trainer_process_starts_a_new_steady_rate():
         t += 1
         out += m.on_event(step(t, 11 + i, tps=1000))
     out += m.on_event(hello(t, early=True))
-    out += m.on_event(hello(t))                             # the tuner's trial: other toggles, another speed
+    out += m.on_event(hello(t))  # the tuner's trial: other toggles, another speed
     for i in range(60):
         t += 1
         out += m.on_event(step(t, 100 + i, tps=300))
@@ -231,6 +268,7 @@ def test_a_new_trainer_process_starts_a_new_steady_rate():
 
 
 # --- devices (the fake NVML) ------------------------------------------------------------------------------------------
+
 
 def test_device_trouble_from_nvml(tmp_path):
     mod = fake_pynvml(count=2)
@@ -249,10 +287,11 @@ def test_device_trouble_from_nvml(tmp_path):
     mod.nvmlEventSetFree = lambda s: None
 
     def wait(s, timeout):
-        assert timeout == 0                                  # the sampler never waits for an event
+        assert timeout == 0  # the sampler never waits for an event
         if not pending:
             raise pynvml.NVMLError_Timeout()
         return pending.pop(0)
+
     mod.nvmlEventSetWait_v2 = wait
     sampler = make_sampler(mod, tmp_path)
     clock = Clock()
@@ -264,10 +303,10 @@ def test_device_trouble_from_nvml(tmp_path):
 
     assert sample() == []
     assert {h for h, _ in mod.registered} == {0, 1}
-    reasons[1] = 0x4                                         # a power cap: a GPU at its limit, not trouble
+    reasons[1] = 0x4  # a power cap: a GPU at its limit, not trouble
     for _ in range(15):
         assert sample() == []
-    reasons[1] = 0x40 | 0x4                                  # HW thermal slowdown
+    reasons[1] = 0x40 | 0x4  # HW thermal slowdown
     out = []
     for _ in range(12):
         out += sample()
@@ -285,24 +324,42 @@ def test_device_trouble_from_nvml(tmp_path):
     e = next(x for x in out if x.kind is AlertKind.ECC)
     assert e.device == "gpu0" and e.figures == {"new": 2, "total": 2}
     mod_err = {(0, "nvmlDeviceGetUtilizationRates"): pynvml.NVMLError_GpuIsLost}
-    mod.nvmlDeviceGetUtilizationRates = lambda h: (_ for _ in ()).throw(mod_err[(h, "nvmlDeviceGetUtilizationRates")]()) \
-        if (h, "nvmlDeviceGetUtilizationRates") in mod_err else ns(gpu=50, memory=1)
+    mod.nvmlDeviceGetUtilizationRates = lambda h: (
+        (_ for _ in ()).throw(mod_err[(h, "nvmlDeviceGetUtilizationRates")]())
+        if (h, "nvmlDeviceGetUtilizationRates") in mod_err
+        else ns(gpu=50, memory=1)
+    )
     out = sample()
     lost = [x for x in out if x.kind is AlertKind.GPU_LOST]
     assert len(lost) == 1 and lost[0].device == "gpu0" and "fell off the bus" in lost[0].message
-    assert not [x for x in sample() if x.kind is AlertKind.GPU_LOST]     # once
+    assert not [x for x in sample() if x.kind is AlertKind.GPU_LOST]  # once
     sampler.stop()
 
 
 # --- the contract and the views ---------------------------------------------------------------------------------------
 
+
 def test_the_alert_event_round_trips_and_shows_in_every_view():
-    a = AlertEvent(time=5.0, id="stall-1", kind=AlertKind.STALL, severity=Severity.CRITICAL, message="no step for 31 s",
-                   figures={"seconds": 31.0}, ranks=[1], step=10)
+    a = AlertEvent(
+        time=5.0,
+        id="stall-1",
+        kind=AlertKind.STALL,
+        severity=Severity.CRITICAL,
+        message="no step for 31 s",
+        figures={"seconds": 31.0},
+        ranks=[1],
+        step=10,
+    )
     line = dumps(a)
     assert json.loads(line)["kind"] == "stall" and parse(line) == a
-    r = AlertEvent(time=9.0, id="stall-1", kind=AlertKind.STALL, severity=Severity.CRITICAL, message="progress again",
-                   resolved=True)
+    r = AlertEvent(
+        time=9.0,
+        id="stall-1",
+        kind=AlertKind.STALL,
+        severity=Severity.CRITICAL,
+        message="progress again",
+        resolved=True,
+    )
     state = RunState()
     out = io.StringIO()
     view = HeadlessView(state, json=False, stream=out, progress=False)
@@ -316,15 +373,26 @@ def test_the_alert_event_round_trips_and_shows_in_every_view():
     js = io.StringIO()
     HeadlessView(state, json=True, stream=js, progress=False).on_event(a)
     assert parse(js.getvalue()) == a
-    assert alert_line(AlertEvent(id="x", kind=AlertKind.XID, severity=Severity.CRITICAL, message="m", node="n1",
-                                 device="gpu0")) == "ALERT xid [critical] (n1 gpu0): m"
+    assert (
+        alert_line(
+            AlertEvent(id="x", kind=AlertKind.XID, severity=Severity.CRITICAL, message="m", node="n1", device="gpu0")
+        )
+        == "ALERT xid [critical] (n1 gpu0): m"
+    )
 
 
 # --- notifications ----------------------------------------------------------------------------------------------------
 
+
 def _alert(resolved: bool = False) -> AlertEvent:
-    return AlertEvent(time=5.0, id="stall-1", kind=AlertKind.STALL, severity=Severity.CRITICAL,
-                      message="no step for 31 s", resolved=resolved)
+    return AlertEvent(
+        time=5.0,
+        id="stall-1",
+        kind=AlertKind.STALL,
+        severity=Severity.CRITICAL,
+        message="no step for 31 s",
+        resolved=resolved,
+    )
 
 
 @pytest.mark.process
@@ -350,9 +418,15 @@ def test_a_hanging_notify_cmd_is_killed_with_its_children(tmp_path):
     from gptop.notify import Notifier
 
     logs: list[str] = []
-    n = Notifier([], [f"{sys.executable} -c 'import subprocess, sys, time; "
-                      f"subprocess.Popen([sys.executable, \"-c\", \"import time; time.sleep(60)\"]); time.sleep(60)'"],
-                 logs.append, timeout_s=1.0)
+    n = Notifier(
+        [],
+        [
+            f"{sys.executable} -c 'import subprocess, sys, time; "
+            f'subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]); time.sleep(60)\''
+        ],
+        logs.append,
+        timeout_s=1.0,
+    )
     n.send(_alert())
     n.close(timeout=30)
     assert len(logs) == 1 and "killed" in logs[0]
@@ -386,17 +460,20 @@ def test_notify_url_through_apprise_to_a_local_endpoint():
         server.shutdown()
     assert [g["title"] for g in got] == ["gptop critical: stall on demo", "gptop resolved: stall on demo"]
     assert got[0]["message"] == "no step for 31 s" and got[0]["type"] == "failure" and got[1]["type"] == "success"
-    assert len(logs) == 1 and "json://..." in logs[0]      # the dead endpoint, once; the run never sees an error
+    assert len(logs) == 1 and "json://..." in logs[0]  # the dead endpoint, once; the run never sees an error
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["train", "--notify-cmd", "no-such-program-xyz --flag"], "--notify-cmd"),
-    (["train", "--notify-cmd", "'unbalanced"], "--notify-cmd"),
-    (["tune", "--notify-cmd", ""], "--notify-cmd"),
-    (["train", "--notify", "nonsense://where"], "--notify"),
-    (["train", "--alert-stall-after", "0"], "--alert-stall-after"),
-    (["train", "--alert-throughput-drop", "1"], "--alert-throughput-drop"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["train", "--notify-cmd", "no-such-program-xyz --flag"], "--notify-cmd"),
+        (["train", "--notify-cmd", "'unbalanced"], "--notify-cmd"),
+        (["tune", "--notify-cmd", ""], "--notify-cmd"),
+        (["train", "--notify", "nonsense://where"], "--notify"),
+        (["train", "--alert-stall-after", "0"], "--alert-stall-after"),
+        (["train", "--alert-throughput-drop", "1"], "--alert-throughput-drop"),
+    ],
+)
 def test_alert_flags_are_checked_at_entry(argv, needle, capsys, monkeypatch):
     from gptop import cli
 
@@ -432,6 +509,7 @@ def test_the_alert_options_reach_the_session():
 
 # --- end to end: a trainer stopped with SIGSTOP --------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 @pytest.mark.process
 def test_a_sigstopped_trainer_raises_a_stall_that_is_resolved_after_sigcont(tmp_path):
@@ -452,11 +530,34 @@ def test_a_sigstopped_trainer_raises_a_stall_that_is_resolved_after_sigcont(tmp_
     script.write_text(f"import sys\nopen({str(got)!r}, 'a').write(sys.stdin.read())\n")
     out_path = tmp_path / "out.jsonl"
     with open(out_path, "w") as out:
-        p = subprocess.Popen([sys.executable, "-m", "gptop", "--no-ui", "--json", "--interval", "0.25", "train",
-                              "--model", "llama", *TINY, "--max-steps", "100000", "--run-dir", str(run_dir),
-                              "--alert-stall-after", "3", "--notify-cmd", f"{sys.executable} {script}"],
-                             stdout=out, stderr=subprocess.PIPE, text=True)
+        p = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gptop",
+                "--no-ui",
+                "--json",
+                "--interval",
+                "0.25",
+                "train",
+                "--model",
+                "llama",
+                *TINY,
+                "--max-steps",
+                "100000",
+                "--run-dir",
+                str(run_dir),
+                "--alert-stall-after",
+                "3",
+                "--notify-cmd",
+                f"{sys.executable} {script}",
+            ],
+            stdout=out,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
     try:
+
         def lines():
             return [parse(x) for x in out_path.read_text().splitlines() if x.strip()]
 
@@ -469,21 +570,23 @@ def test_a_sigstopped_trainer_raises_a_stall_that_is_resolved_after_sigcont(tmp_
             time.sleep(max(0.0, 8.0 - raised.figures["seconds"]))
         finally:
             os.kill(hello.pid, signal.SIGCONT)
-        resolved = wait_for(lambda: next((e for e in lines() if e.type == "alert" and e.resolved), None), 60,
-                            "the resolution")
+        resolved = wait_for(
+            lambda: next((e for e in lines() if e.type == "alert" and e.resolved), None), 60, "the resolution"
+        )
         assert resolved.id == raised.id and resolved.figures["stalled_s"] >= 7.0
-        steps_after = wait_for(lambda: [e for e in lines() if e.type == "progress" and e.time > resolved.time], 60,
-                               "steps after SIGCONT")
+        steps_after = wait_for(
+            lambda: [e for e in lines() if e.type == "progress" and e.time > resolved.time], 60, "steps after SIGCONT"
+        )
         assert steps_after
     finally:
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=120)
     assert p.returncode == 130, err
     alerts = [e for e in lines() if e.type == "alert"]
-    assert [(a.id, a.resolved) for a in alerts] == [(raised.id, False), (raised.id, True)]   # nothing else raised
+    assert [(a.id, a.resolved) for a in alerts] == [(raised.id, False), (raised.id, True)]  # nothing else raised
     kept = [e for e in read_events(run_dir / "events.jsonl") if e.type == "alert"]
     assert kept == alerts
     assert [parse(x) for x in got.read_text().splitlines()] == alerts
     (row,) = summarize(run_dir)["alerts"]
     assert row["kind"] == "stall" and row["resolved_time"] is not None
-    assert "alerts" in err and "1 raised, all resolved" in err            # the end summary (stderr with --json)
+    assert "alerts" in err and "1 raised, all resolved" in err  # the end summary (stderr with --json)

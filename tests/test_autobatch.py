@@ -19,7 +19,7 @@ def test_largest_that_fits_with_margin():
         return 100 + 50 * mb
 
     assert find_micro_batch(probe, 64, capacity=10_000, margin=0.1) == 16
-    assert find_micro_batch(lambda mb: 100 + 50 * mb, 64, capacity=950, margin=0.1) == 8   # 16 would need 900 > 855
+    assert find_micro_batch(lambda mb: 100 + 50 * mb, 64, capacity=950, margin=0.1) == 8  # 16 would need 900 > 855
     # sizes predicted to exceed the limit are never run
     tried.clear()
     find_micro_batch(lambda mb: tried.append(mb) or 100 + 100 * mb, 1024, capacity=2000)
@@ -34,13 +34,13 @@ def test_nothing_fits():
 def test_jumps_to_the_largest_predicted_to_fit():
     tried = []
     assert find_micro_batch(lambda mb: tried.append(mb) or 100 + 10 * mb, 16, capacity=10_000) == 16
-    assert tried == [1, 2, 16]          # not 4 and 8: the line through 1 and 2 says 16 fits
+    assert tried == [1, 2, 16]  # not 4 and 8: the line through 1 and 2 says 16 fits
 
 
 def test_steps_down_when_the_jump_does_not_fit():
     tried = []
 
-    def probe(mb):                      # memory grows faster than the first two probes suggest
+    def probe(mb):  # memory grows faster than the first two probes suggest
         tried.append(mb)
         return 100 + 10 * mb + (40 * mb if mb >= 8 else 0)
 
@@ -55,6 +55,7 @@ def test_only_the_allowed_candidates_are_probed():
     def probe(mb):
         probed.append(mb)
         return mb * 10
+
     assert find_micro_batch(probe, 16, capacity=1000, only=[16]) == 16 and probed == [16]
     with pytest.raises(torch.OutOfMemoryError, match="even micro-batch 16 does not fit"):
         find_micro_batch(probe, 16, capacity=100, only=[16])
@@ -73,8 +74,8 @@ def test_the_state_counted_for_the_first_step_is_what_the_step_allocates(name):
     assert pending > 0 and optim.state_bytes(opt) == 0
     model(torch.randn(4, 64)).sum().backward()
     opt.step()
-    assert optim.state_bytes(opt) == pending            # counted exactly as the step allocated it
-    assert optim.pending_state_bytes(opt, name) == 0     # nothing left to allocate (also after a resume)
+    assert optim.state_bytes(opt) == pending  # counted exactly as the step allocated it
+    assert optim.pending_state_bytes(opt, name) == 0  # nothing left to allocate (also after a resume)
 
 
 class FakeCudaMemoryApi:
@@ -83,10 +84,10 @@ class FakeCudaMemoryApi:
     GiB = 2**30
 
     def mem_get_info(self, device):
-        return 40 * self.GiB, 80 * self.GiB           # free, total
+        return 40 * self.GiB, 80 * self.GiB  # free, total
 
     def memory_reserved(self, device):
-        return 10 * self.GiB                          # this process's caching allocator
+        return 10 * self.GiB  # this process's caching allocator
 
     def max_memory_reserved(self, device):
         return 12 * self.GiB
@@ -102,21 +103,44 @@ def test_gpu_capacity_is_free_memory_plus_what_this_process_holds():
 
     m = CudaMemory(torch.device("cuda:1"), cuda=FakeCudaMemoryApi())
     assert m.capacity() == 50 * 2**30
-    assert m.figures() == {"allocated_peak": 9 * 2**30, "reserved_peak": 12 * 2**30, "total": 80 * 2**30,
-                           "capacity": 50 * 2**30}
+    assert m.figures() == {
+        "allocated_peak": 9 * 2**30,
+        "reserved_peak": 12 * 2**30,
+        "total": 80 * 2**30,
+        "capacity": 50 * 2**30,
+    }
 
 
-@pytest.mark.parametrize("environ, var, want, warned", [
-    ({}, "PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", False),
-    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}, "PYTORCH_CUDA_ALLOC_CONF",
-     "max_split_size_mb:128,expandable_segments:True", True),
-    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False,roundup_power2_divisions:4"}, "PYTORCH_CUDA_ALLOC_CONF",
-     "expandable_segments:True,roundup_power2_divisions:4", True),
-    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "PYTORCH_CUDA_ALLOC_CONF",
-     "expandable_segments:True", False),
-    ({"PYTORCH_ALLOC_CONF": "garbage_collection_threshold:0.8", "PYTORCH_CUDA_ALLOC_CONF": "x:1"},
-     "PYTORCH_ALLOC_CONF", "garbage_collection_threshold:0.8,expandable_segments:True", True),
-])
+@pytest.mark.parametrize(
+    "environ, var, want, warned",
+    [
+        ({}, "PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", False),
+        (
+            {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"},
+            "PYTORCH_CUDA_ALLOC_CONF",
+            "max_split_size_mb:128,expandable_segments:True",
+            True,
+        ),
+        (
+            {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False,roundup_power2_divisions:4"},
+            "PYTORCH_CUDA_ALLOC_CONF",
+            "expandable_segments:True,roundup_power2_divisions:4",
+            True,
+        ),
+        (
+            {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+            "PYTORCH_CUDA_ALLOC_CONF",
+            "expandable_segments:True",
+            False,
+        ),
+        (
+            {"PYTORCH_ALLOC_CONF": "garbage_collection_threshold:0.8", "PYTORCH_CUDA_ALLOC_CONF": "x:1"},
+            "PYTORCH_ALLOC_CONF",
+            "garbage_collection_threshold:0.8,expandable_segments:True",
+            True,
+        ),
+    ],
+)
 def test_expandable_segments_merge_into_the_users_allocator_settings(environ, var, want, warned):
     """`--cuda-allocator expandable_segments` was a silent no-op for anyone who had set the allocator
     variable: now it is merged into the variable torch reads, keeping the user's options, with a warning."""

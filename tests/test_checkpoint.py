@@ -29,7 +29,7 @@ def test_corrupt_checkpoint_falls_back_and_is_named(tmp_path):
     for s in (1, 2, 3):
         ckpt.save(state(s), rundir.path_for(tmp_path, s))
     newest = rundir.path_for(tmp_path, 3)
-    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])   # truncated
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated
     garbage = rundir.path_for(tmp_path, 4)
     garbage.write_bytes(b"not a checkpoint")
     reports = []
@@ -45,8 +45,14 @@ def test_a_corrupt_checkpoint_is_one_line_naming_the_file(tmp_path, damage):
     p = rundir.path_for(tmp_path, 5)
     ckpt.save(state(5), p)
     data = p.read_bytes()
-    p.write_bytes({"truncated": data[: len(data) // 2], "garbage": b"not a checkpoint", "empty": b"",
-                   "zip garbage": b"PK\x03\x04" + b"\x00" * 64}[damage])
+    p.write_bytes(
+        {
+            "truncated": data[: len(data) // 2],
+            "garbage": b"not a checkpoint",
+            "empty": b"",
+            "zip garbage": b"PK\x03\x04" + b"\x00" * 64,
+        }[damage]
+    )
     with pytest.raises(ckpt.CorruptCheckpoint) as e:
         ckpt.load(p)
     msg = str(e.value)
@@ -96,5 +102,5 @@ def test_kill_during_save_leaves_previous_intact(tmp_path):
     assert "step-00000002.pt" not in names and any(n.endswith(".tmp") for n in names)
     path, st = ckpt.resolve_resume(tmp_path)
     assert st["step"] == 1
-    rundir.prune(tmp_path, keep=3)             # the dead writer's temp file is cleaned up
+    rundir.prune(tmp_path, keep=3)  # the dead writer's temp file is cleaned up
     assert not any(p.name.endswith(".tmp") for p in (tmp_path / "checkpoints").iterdir())

@@ -46,7 +46,7 @@ CODEC.register(Money, decode=money, encode=lambda m: f"{m.cents / 100:.2f}$")
 
 
 @dataclass
-class Point:                                   # a plain dataclass: no `extra`, built by its __init__
+class Point:  # a plain dataclass: no `extra`, built by its __init__
     x: int
     y: int = 0
     pair: tuple[int, int] | None = None
@@ -87,22 +87,43 @@ CODEC.struct(Message, Form(first=("v", "kind"), omit_none=True, label="kind", no
 
 
 def test_a_struct_round_trips_with_its_tag_first_and_none_left_out():
-    m = Message(items=[Item(name="pen", price=Money(150), colour=Colour.RED, weights=[1, 2.5],
-                            where=Point(x=1, pair=(2, 3)), tags={"a": 1, "b": None})])
+    m = Message(
+        items=[
+            Item(
+                name="pen",
+                price=Money(150),
+                colour=Colour.RED,
+                weights=[1, 2.5],
+                where=Point(x=1, pair=(2, 3)),
+                tags={"a": 1, "b": None},
+            )
+        ]
+    )
     d = CODEC.encode(m)
     assert list(d)[:2] == ["v", "kind"] and d["kind"] == "order" and "note" not in d and "meta" not in d
     item = d["items"][0]
-    assert item == {"name": "pen", "price": "1.50$", "colour": "red", "weights": [1, 2.5],   # a record writes nulls
-                    "where": {"x": 1, "y": 0, "pair": [2, 3]}, "tags": {"a": 1, "b": None}, "discount": None}
-    assert type(item["weights"][0]) is int                   # an int stays an int where a float is declared
+    assert item == {
+        "name": "pen",
+        "price": "1.50$",
+        "colour": "red",
+        "weights": [1, 2.5],  # a record writes nulls
+        "where": {"x": 1, "y": 0, "pair": [2, 3]},
+        "tags": {"a": 1, "b": None},
+        "discount": None,
+    }
+    assert type(item["weights"][0]) is int  # an int stays an int where a float is declared
     back = CODEC.decode(Message, json.loads(json.dumps(d)))
-    assert back == m and "kind" not in back.extra             # the tag is the class's, not an unknown key
+    assert back == m and "kind" not in back.extra  # the tag is the class's, not an unknown key
     assert CODEC.encode(back) == d
 
 
 def test_unknown_keys_are_kept_by_a_struct_and_dropped_by_a_plain_dataclass():
-    d = {"v": 1, "kind": "order", "items": [{"name": "pen", "price": "1$", "where": {"x": 1, "z": 9},
-                                            "size": "XL"}], "coupon": "SAVE"}
+    d = {
+        "v": 1,
+        "kind": "order",
+        "items": [{"name": "pen", "price": "1$", "where": {"x": 1, "z": 9}, "size": "XL"}],
+        "coupon": "SAVE",
+    }
     m = CODEC.decode(Message, d)
     assert m.extra == {"coupon": "SAVE"} and m.items[0].extra == {"size": "XL"}
     assert m.items[0].where == Point(x=1)
@@ -118,19 +139,27 @@ def test_non_finite_floats_are_none_where_allowed_and_an_error_elsewhere():
         CODEC.decode(Item, {"name": "a", "price": "1$", "weights": [1.0, float("nan")]})
 
 
-@pytest.mark.parametrize("d, why", [
-    ({"v": 1, "items": 3}, "order.items: expected a list, got int '3'"),
-    ({"v": 1}, "order message missing items"),
-    ({"v": 1, "items": [{"name": "a"}]}, "order.items: Item missing price"),
-    ({"v": 1, "items": [{"name": "a", "price": 5}]}, r"order.items: Item.price: expected an amount like 1.50\$"),
-    ({"v": 1, "items": [{"name": "a", "price": "1$", "colour": "green"}]}, "Item.colour: expected one of red, blue"),
-    ({"v": 1, "items": [{"name": "a", "price": "1$", "where": {"y": 1}}]}, "Item.where: Point missing x"),
-    ({"v": 1, "items": [{"name": "a", "price": "1$", "where": {"x": 1, "pair": [1]}}]},
-     "Point.pair: expected a list of 2"),
-    ({"v": True, "items": []}, "order.v: expected an integer"),
-    ({"v": 1, "items": [], "note": 5}, "order.note"),
-    ({"v": 1, "items": [{"name": "a", "price": "1$", "tags": {"a": "x"}}]}, "Item.tags"),
-])
+@pytest.mark.parametrize(
+    "d, why",
+    [
+        ({"v": 1, "items": 3}, "order.items: expected a list, got int '3'"),
+        ({"v": 1}, "order message missing items"),
+        ({"v": 1, "items": [{"name": "a"}]}, "order.items: Item missing price"),
+        ({"v": 1, "items": [{"name": "a", "price": 5}]}, r"order.items: Item.price: expected an amount like 1.50\$"),
+        (
+            {"v": 1, "items": [{"name": "a", "price": "1$", "colour": "green"}]},
+            "Item.colour: expected one of red, blue",
+        ),
+        ({"v": 1, "items": [{"name": "a", "price": "1$", "where": {"y": 1}}]}, "Item.where: Point missing x"),
+        (
+            {"v": 1, "items": [{"name": "a", "price": "1$", "where": {"x": 1, "pair": [1]}}]},
+            "Point.pair: expected a list of 2",
+        ),
+        ({"v": True, "items": []}, "order.v: expected an integer"),
+        ({"v": 1, "items": [], "note": 5}, "order.note"),
+        ({"v": 1, "items": [{"name": "a", "price": "1$", "tags": {"a": "x"}}]}, "Item.tags"),
+    ],
+)
 def test_errors_name_the_field_and_use_the_schemas_error(d, why):
     with pytest.raises(Bad, match=why):
         CODEC.decode(Message, d)
@@ -167,6 +196,7 @@ def test_the_codec_knows_no_schema():
             imported |= {a.name for a in node.names}
     assert imported <= {"__future__", "dataclasses", "enum", "types", "typing"}, imported
     from trainer.contract import events as ev
+
     schema = {c.__name__ for c in (*ev.EVENT_TYPES.values(), *ev.RECORDS, ev.Event, ev.Record)}
     schema |= {"Toggles", "DeviceInfo", "MalformedEvent"}
     used = set()

@@ -24,11 +24,11 @@ def test_log_every_takes_effect_once_and_the_newest_request_wins():
     assert c.poll().log_every is None
     ch.pending = [{"cmd": "log_every", "steps": 1, "seq": 100}]
     assert c.poll().log_every == 1
-    assert c.poll().log_every is None                       # acted on once
+    assert c.poll().log_every is None  # acted on once
     ch.pending = [{"cmd": "log_every", "steps": 10, "seq": 102}, {"cmd": "log_every", "steps": 1, "seq": 101}]
-    assert c.poll().log_every == 10                         # the newest request, with its own interval
+    assert c.poll().log_every == 10  # the newest request, with its own interval
     ch.pending = [{"cmd": "log_every", "steps": 5, "seq": 99}]
-    assert c.poll().log_every is None                       # older than one acted on: a late duplicate
+    assert c.poll().log_every is None  # older than one acted on: a late duplicate
     assert not ch.emitted
 
 
@@ -42,6 +42,7 @@ def test_a_rank_that_saw_an_older_request_agrees_on_the_newest():
         def f(values):
             vectors[rank] = values
             return values
+
         return f
 
     a.pending = [{"cmd": "log_every", "steps": 1, "seq": 200}]
@@ -76,4 +77,4 @@ def test_a_checkpoint_fault_is_agreed_like_a_command_and_acted_on_once():
     with_fault = seen["v"]
     assert not c.poll().checkpoint
     other_rank = Commands(FakeChannel(), 1, lambda values: [max(x, y) for x, y in zip(values, with_fault)])
-    assert other_rank.poll().checkpoint                     # the rank without the fault saves too
+    assert other_rank.poll().checkpoint  # the rank without the fault saves too

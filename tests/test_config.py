@@ -3,7 +3,14 @@ import argparse
 import pytest
 
 from trainer.contract import capabilities
-from trainer.contract.config import ConfigError, TrainConfig, add_arguments, cli_args, config_from_args, config_from_toml
+from trainer.contract.config import (
+    ConfigError,
+    TrainConfig,
+    add_arguments,
+    cli_args,
+    config_from_args,
+    config_from_toml,
+)
 from trainer.contract.device import DeviceInfo
 
 CPU = DeviceInfo(type="cpu", name="Test CPU", cpu_count=2)
@@ -30,7 +37,7 @@ def test_toml_then_flags_override(tmp_path):
     toml.write_text('[toggles]\nprecision = "bf16"\nprefetch = 4\n[optim]\nlr = 0.01\n')
     cfg = parse(["--config", str(toml), "--prefetch", "1"])
     assert cfg.toggles.precision == "bf16"
-    assert cfg.toggles.prefetch == 1          # the flag wins
+    assert cfg.toggles.prefetch == 1  # the flag wins
     assert cfg.optim.lr == 0.01
 
 
@@ -42,15 +49,18 @@ def test_toml_round_trip():
     assert again == cfg
 
 
-@pytest.mark.parametrize("argv,flag", [
-    (["--micro-batch", "zero"], "--micro-batch"),
-    (["--micro-batch", "0"], "--micro-batch"),
-    (["--seq-len", "abc"], "--seq-len"),
-    (["--lr", "-1"], "--lr"),
-    (["--max-steps", "0"], "--max-steps"),
-    (["--profile-steps", "5"], "--profile-steps"),
-    (["--fault", "boom"], None),
-])
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["--micro-batch", "zero"], "--micro-batch"),
+        (["--micro-batch", "0"], "--micro-batch"),
+        (["--seq-len", "abc"], "--seq-len"),
+        (["--lr", "-1"], "--lr"),
+        (["--max-steps", "0"], "--max-steps"),
+        (["--profile-steps", "5"], "--profile-steps"),
+        (["--fault", "boom"], None),
+    ],
+)
 def test_bad_values_name_the_flag(argv, flag):
     if flag is None:
         from trainer.faults import Faults
@@ -77,15 +87,27 @@ def test_cli_args_round_trip():
     assert parse(cli_args(cfg)) == cfg
 
 
-@pytest.mark.parametrize("dev,name,value,ok", [
-    (CPU, "precision", "fp32", True), (CPU, "precision", "bf16", True), (CPU, "precision", "fp16", False),
-    (CPU, "precision", "fp8-rowwise", False), (CPU, "precision", "tf32", False),
-    (CPU, "compile", "default", True), (CPU, "compile", "reduce-overhead", False),
-    (CPU, "compile", "max-autotune-no-cudagraphs", True), (CPU, "cuda_allocator", "expandable_segments", False),
-    (H100, "precision", "fp8-tensorwise", True), (H100, "precision", "tf32", True),
-    (H100, "compile", "max-autotune", True), (H100, "cuda_allocator", "expandable_segments", True),
-    (T4, "precision", "fp8-rowwise", False), (T4, "precision", "bf16", False), (T4, "precision", "fp16", True),
-])
+@pytest.mark.parametrize(
+    "dev,name,value,ok",
+    [
+        (CPU, "precision", "fp32", True),
+        (CPU, "precision", "bf16", True),
+        (CPU, "precision", "fp16", False),
+        (CPU, "precision", "fp8-rowwise", False),
+        (CPU, "precision", "tf32", False),
+        (CPU, "compile", "default", True),
+        (CPU, "compile", "reduce-overhead", False),
+        (CPU, "compile", "max-autotune-no-cudagraphs", True),
+        (CPU, "cuda_allocator", "expandable_segments", False),
+        (H100, "precision", "fp8-tensorwise", True),
+        (H100, "precision", "tf32", True),
+        (H100, "compile", "max-autotune", True),
+        (H100, "cuda_allocator", "expandable_segments", True),
+        (T4, "precision", "fp8-rowwise", False),
+        (T4, "precision", "bf16", False),
+        (T4, "precision", "fp16", True),
+    ],
+)
 def test_capability_gating(dev, name, value, ok):
     reason = capabilities.support(name, value, dev)
     assert (reason is None) == ok
@@ -103,10 +125,10 @@ def test_unsupported_toggle_rejected_with_reason():
 
 def test_emulated_bf16_runs_but_is_flagged_slow():
     old_cpu = DeviceInfo(type="cpu", name="AVX2-only CPU", cpu_bf16=False)
-    assert capabilities.support("precision", "bf16", old_cpu) is None         # it runs: asked for, it is allowed
+    assert capabilities.support("precision", "bf16", old_cpu) is None  # it runs: asked for, it is allowed
     assert "emulated" in capabilities.slow("precision", "bf16", old_cpu)
-    assert capabilities.default_values("precision", old_cpu) == ["fp32"]     # but is not worth a tuning trial
-    assert capabilities.slow("precision", "bf16", CPU) is None                 # oneDNN has bf16 kernels
+    assert capabilities.default_values("precision", old_cpu) == ["fp32"]  # but is not worth a tuning trial
+    assert capabilities.slow("precision", "bf16", CPU) is None  # oneDNN has bf16 kernels
     assert capabilities.slow("precision", "bf16", H100) is None
     (line,) = capabilities.slow_choices(parse(["--precision", "bf16"]).toggles, old_cpu)
     assert line.startswith("--precision bf16: ")
@@ -127,19 +149,24 @@ def test_cuda_graph_compile_modes_refuse_gradient_accumulation():
         why = capabilities.support("compile", mode, H100, accumulation=4)
         assert "CUDA graphs" in why and "accumulation over 4" in why and "--compile default" in why
         assert capabilities.support("compile", mode, H100, accumulation=1) is None
-        assert capabilities.support("compile", mode, H100) is None          # micro-batch auto: not known yet
+        assert capabilities.support("compile", mode, H100) is None  # micro-batch auto: not known yet
     assert capabilities.support("compile", "max-autotune-no-cudagraphs", H100, accumulation=4) is None
     assert capabilities.supported_values("compile", H100, accumulation=2) == [
-        "off", "default", "max-autotune-no-cudagraphs"]
+        "off",
+        "default",
+        "max-autotune-no-cudagraphs",
+    ]
     cfg = parse(["--compile", "reduce-overhead", "--micro-batch", "2", "--global-batch", "8"])
     with pytest.raises(ConfigError) as e:
         capabilities.check_config(cfg, H100)
     assert e.value.option == "--compile" and "accumulation over 4" in str(e.value)
-    capabilities.check_config(cfg, H100, world_size=4)          # 2 sequences a rank: no accumulation
-    assert capabilities.unsupported(cfg.toggles, H100, 8) == ("compile", capabilities.support(
-        "compile", "reduce-overhead", H100, accumulation=4))
+    capabilities.check_config(cfg, H100, world_size=4)  # 2 sequences a rank: no accumulation
+    assert capabilities.unsupported(cfg.toggles, H100, 8) == (
+        "compile",
+        capabilities.support("compile", "reduce-overhead", H100, accumulation=4),
+    )
     assert capabilities.accumulation_of(parse(["--micro-batch", "auto"]).toggles, 8) is None
-    capabilities.check_config(parse(["--compile", "reduce-overhead", "--global-batch", "8"]), H100)   # auto
+    capabilities.check_config(parse(["--compile", "reduce-overhead", "--global-batch", "8"]), H100)  # auto
 
 
 def test_the_compiler_toolchain_is_checked_per_device(monkeypatch):
@@ -156,8 +183,11 @@ def test_the_compiler_toolchain_is_checked_per_device(monkeypatch):
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}" if name in have else None)
     real_find = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: (object() if triton[0] else None) if name == "triton" else real_find(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: (object() if triton[0] else None) if name == "triton" else real_find(name, *a),
+    )
     assert device.compiler_missing("cpu") is None and device.compiler_missing("cuda") is None
     triton[0] = False
     assert "triton" in device.compiler_missing("cuda") and device.compiler_missing("cpu") is None
@@ -174,12 +204,15 @@ def test_the_compiler_toolchain_is_checked_per_device(monkeypatch):
     assert capabilities.supported_values("compile", no_triton) == ["off"]
 
 
-@pytest.mark.parametrize("section, key, value, words", [
-    ("optim", "optimizer", '"sgd"', "'sgd' is not one of"),
-    ("optim", "optimizer", "3", "is not a string"),
-    ("finetune", "quantize_base", '"nf2"', "'nf2' is not one of"),
-    ("finetune", "quantize_base", "true", "is not a string"),
-])
+@pytest.mark.parametrize(
+    "section, key, value, words",
+    [
+        ("optim", "optimizer", '"sgd"', "'sgd' is not one of"),
+        ("optim", "optimizer", "3", "is not a string"),
+        ("finetune", "quantize_base", '"nf2"', "'nf2' is not one of"),
+        ("finetune", "quantize_base", "true", "is not a string"),
+    ],
+)
 def test_an_option_in_its_old_table_is_named_as_the_file_has_it(tmp_path, section, key, value, words):
     """`[optim] optimizer = "sgd"` (the layout before the option moved to [toggles]) is refused naming
     `[optim] optimizer`, what the user wrote, and where it lives now; its good values still read."""

@@ -11,13 +11,37 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-TORCH_FREE = ["trainer.contract.config", "trainer.contract.events", "trainer.contract.device", "trainer.contract.codec",
-              "trainer.contract.capabilities", "trainer.contract.rundir", "trainer.contract.atomic", "trainer.contract.inputs",
-              "trainer.contract.protect",
-              "gptop.cli", "gptop.preflight", "gptop.session", "gptop.tuning", "gptop.ui.app", "gptop.monitor", "gptop.headless",
-              "gptop.report", "gptop.tool_runner", "trainer.contract.tools", "tuner.controller", "tuner.study", "tuner.space",
-              "tuner.tuning_report", "trainer.contract.client", "gptop.program", "gptop.warden", "gptop.integrations",
-              "gptop.doctor", "trainer.contract.doctor"]
+TORCH_FREE = [
+    "trainer.contract.config",
+    "trainer.contract.events",
+    "trainer.contract.device",
+    "trainer.contract.codec",
+    "trainer.contract.capabilities",
+    "trainer.contract.rundir",
+    "trainer.contract.atomic",
+    "trainer.contract.inputs",
+    "trainer.contract.protect",
+    "gptop.cli",
+    "gptop.preflight",
+    "gptop.session",
+    "gptop.tuning",
+    "gptop.ui.app",
+    "gptop.monitor",
+    "gptop.headless",
+    "gptop.report",
+    "gptop.tool_runner",
+    "trainer.contract.tools",
+    "tuner.controller",
+    "tuner.study",
+    "tuner.space",
+    "tuner.tuning_report",
+    "trainer.contract.client",
+    "gptop.program",
+    "gptop.warden",
+    "gptop.integrations",
+    "gptop.doctor",
+    "trainer.contract.doctor",
+]
 
 # gptop.integrations' modules run inside the user's training program, which has torch loaded anyway: they are the
 # client side of the trainer's protocol and reuse the trainer's torch-side pieces (its channel, commands, timer,
@@ -28,19 +52,23 @@ CLIENT_SIDE = "gptop/integrations/"
 @pytest.mark.process
 @pytest.mark.parametrize("module", TORCH_FREE)
 def test_importing_leaves_torch_out(module):
-    code = (f"import sys, importlib; importlib.import_module({module!r}); "
-            "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')); "
-            "print(bad[:5]); sys.exit(1 if bad else 0)")
+    code = (
+        f"import sys, importlib; importlib.import_module({module!r}); "
+        "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')); "
+        "print(bad[:5]); sys.exit(1 if bad else 0)"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, f"importing {module} loaded torch: {r.stdout}{r.stderr[-2000:]}"
 
 
 @pytest.mark.process
 def test_resolving_a_train_config_leaves_torch_out():
-    code = ("import sys; from gptop.cli import build_parser; from gptop.preflight import resolve_config; "
-            "ns = build_parser().parse_args(['train', '--model', 'deepseek', '--size', 'medium']); "
-            "cfg = resolve_config(ns); assert cfg.model.model == 'deepseek'; "
-            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    code = (
+        "import sys; from gptop.cli import build_parser; from gptop.preflight import resolve_config; "
+        "ns = build_parser().parse_args(['train', '--model', 'deepseek', '--size', 'medium']); "
+        "cfg = resolve_config(ns); assert cfg.model.model == 'deepseek'; "
+        "sys.exit(1 if 'torch' in sys.modules else 0)"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
 
@@ -61,7 +89,7 @@ def test_gptop_and_tuner_import_only_the_contract_of_trainer():
     for pkg in ("gptop", "tuner"):
         for path in sorted((ROOT / pkg).rglob("*.py")):
             if path.relative_to(ROOT).as_posix().startswith(CLIENT_SIDE) and path.name != "__init__.py":
-                continue                    # the client side, imported only by the user's program (see above)
+                continue  # the client side, imported only by the user's program (see above)
             for line, name in _imports(path):
                 if name.split(".")[0] == "torch":
                     bad.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
@@ -77,12 +105,21 @@ def test_nothing_in_gptop_imports_the_integrations():
         for path in sorted((ROOT / pkg).rglob("*.py")):
             if path.relative_to(ROOT).as_posix().startswith(CLIENT_SIDE):
                 continue
-            bad += [f"{path.relative_to(ROOT)}:{line} imports {name}" for line, name in _imports(path)
-                    if name.startswith("gptop.integrations")]
-            relative = [node for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ImportFrom)
-                        and node.level == 1 and path.parent == ROOT / "gptop"
-                        and ((node.module or "").startswith("integrations")
-                             or any(a.name == "integrations" for a in node.names))]
+            bad += [
+                f"{path.relative_to(ROOT)}:{line} imports {name}"
+                for line, name in _imports(path)
+                if name.startswith("gptop.integrations")
+            ]
+            relative = [
+                node
+                for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.ImportFrom)
+                and node.level == 1
+                and path.parent == ROOT / "gptop"
+                and (
+                    (node.module or "").startswith("integrations") or any(a.name == "integrations" for a in node.names)
+                )
+            ]
             bad += [f"{path.relative_to(ROOT)}:{node.lineno} imports .integrations" for node in relative]
     assert not bad, "\n".join(bad)
 
@@ -94,8 +131,12 @@ def test_the_contract_imports_nothing_of_the_trainers_torch_code():
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.level == 2:
                 bad.append(f"{path.name}:{node.lineno} imports from trainer.{node.module}")
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("trainer.") \
-                    and not node.module.startswith("trainer.contract"):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.level == 0
+                and (node.module or "").startswith("trainer.")
+                and not node.module.startswith("trainer.contract")
+            ):
                 bad.append(f"{path.name}:{node.lineno} imports {node.module}")
     assert not bad, "\n".join(bad)
 
@@ -129,7 +170,7 @@ def test_pins_survive_pruning_and_rollback_deletes_newer(tmp_path):
     rundir.unpin(tmp_path, 2)
     assert rundir.pinned(tmp_path) == set()
     (rundir.checkpoint_dir(tmp_path) / rundir.PINS).write_text("{not json")
-    assert rundir.pinned(tmp_path) == set()          # an unreadable pins file pins nothing, never crashes
+    assert rundir.pinned(tmp_path) == set()  # an unreadable pins file pins nothing, never crashes
 
 
 def test_requires_python_covers_the_stdlib_modules_used():
@@ -140,8 +181,12 @@ def test_requires_python_covers_the_stdlib_modules_used():
     spec = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
     m = re.fullmatch(r">=\s*(\d+)\.(\d+)", spec.strip())
     assert m, f"requires-python {spec!r}: expected a lower bound like >=3.11"
-    uses_tomllib = any("tomllib" in name for pkg in ("gptop", "tuner", "trainer")
-                       for path in (ROOT / pkg).rglob("*.py") for _, name in _imports(path))
+    uses_tomllib = any(
+        "tomllib" in name
+        for pkg in ("gptop", "tuner", "trainer")
+        for path in (ROOT / pkg).rglob("*.py")
+        for _, name in _imports(path)
+    )
     assert uses_tomllib and (int(m[1]), int(m[2])) >= (3, 11)
 
 

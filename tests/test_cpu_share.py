@@ -30,15 +30,15 @@ def in_thread(fn) -> threading.Thread:
 
 def test_an_exclusive_holder_waits_for_a_shared_one_and_keeps_new_shared_ones_out(lock_file):
     a, b, c = cpu_share.Holder(), cpu_share.Holder(), cpu_share.Holder()
-    a.set(SHARED)                                   # worker A runs a process test
+    a.set(SHARED)  # worker A runs a process test
     got = threading.Event()
-    t = in_thread(lambda: (b.set(EXCLUSIVE), got.set()))     # worker B's measuring test waits for it
+    t = in_thread(lambda: (b.set(EXCLUSIVE), got.set()))  # worker B's measuring test waits for it
     assert not got.wait(0.3)
     a.set(0)
     assert got.wait(5) and b.mode == EXCLUSIVE
     t.join(5)
     shared = threading.Event()
-    t = in_thread(lambda: (c.set(SHARED), shared.set()))     # a process test waits while B measures
+    t = in_thread(lambda: (c.set(SHARED), shared.set()))  # a process test waits while B measures
     assert not shared.wait(0.3)
     b.set(0)
     assert shared.wait(5)
@@ -51,9 +51,9 @@ def test_a_waiting_exclusive_holder_is_not_starved_by_shared_ones_coming_and_goi
     a.set(SHARED)
     got = threading.Event()
     t = in_thread(lambda: (b.set(EXCLUSIVE), got.set()))
-    time.sleep(0.2)                                 # B waits at the turnstile's far side
+    time.sleep(0.2)  # B waits at the turnstile's far side
     late = threading.Event()
-    t2 = in_thread(lambda: (c.set(SHARED), late.set()))     # a new shared holder queues behind B
+    t2 = in_thread(lambda: (c.set(SHARED), late.set()))  # a new shared holder queues behind B
     assert not late.wait(0.3)
     a.set(0)
     assert got.wait(5) and not late.wait(0.3)
@@ -66,10 +66,10 @@ def test_a_waiting_exclusive_holder_is_not_starved_by_shared_ones_coming_and_goi
 
 def test_a_block_inside_a_test_goes_back_to_what_the_test_held(lock_file):
     holder = cpu_share.Holder()
-    with holder.hold(SHARED):                       # a process test
-        with holder.hold(EXCLUSIVE):                # quiet(): the tuner measures
+    with holder.hold(SHARED):  # a process test
+        with holder.hold(EXCLUSIVE):  # quiet(): the tuner measures
             assert holder.mode == EXCLUSIVE
-            with holder.hold(0):                    # steady(): one trainer trains on
+            with holder.hold(0):  # steady(): one trainer trains on
                 assert holder.mode == 0
             assert holder.mode == EXCLUSIVE
         assert holder.mode == SHARED

@@ -19,7 +19,7 @@ from trainer.batches import BatchSampler, val_batches
 from trainer.data import TokenData, load_data, load_tokenizer
 from trainer.prefetch import CpuCopier, CudaCopier, Prefetcher
 
-SMALL_BUILTIN = "300000"     # bytes of stdlib source: the tokenizer trains in a fraction of a second
+SMALL_BUILTIN = "300000"  # bytes of stdlib source: the tokenizer trains in a fraction of a second
 
 
 class Logs(list):
@@ -65,6 +65,7 @@ DOCS = [f"Document number {i}. " + "The quick brown fox jumps over the lazy dog.
 
 
 # --- builtin corpus and the cache -----------------------------------------------------------------
+
 
 def test_builtin_trains_once_then_uses_the_cache(tmp_path):
     logs1, logs2 = Logs(), Logs()
@@ -144,6 +145,7 @@ def test_long_documents_are_cut_without_changing_tokens(tok, monkeypatch):
 
 
 # --- user files -----------------------------------------------------------------------------------
+
 
 def write_jsonl(path: Path, docs: list, extra_lines: tuple[str, ...] = ()) -> None:
     lines = [json.dumps({"text": d, "id": i}) for i, d in enumerate(docs)] + list(extra_lines)
@@ -226,6 +228,7 @@ def test_progress_is_logged(tmp_path, cache, monkeypatch):
 
 # --- tokenizers -----------------------------------------------------------------------------------
 
+
 def test_tokenizer_directory_with_tokenizer_json(tmp_path, cache, tok):
     d = tmp_path / "tok"
     d.mkdir()
@@ -241,9 +244,10 @@ def test_tokenizer_directory_with_tokenizer_json(tmp_path, cache, tok):
 def test_tokenizer_directory_loaded_with_transformers(tmp_path, cache, tok):
     d = tmp_path / "tok"
     d.mkdir()
-    tok.tokenizer.model.save(str(d))      # vocab.json + merges.txt, no tokenizer.json
-    (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer",
-                                                         "eos_token": "<|endoftext|>"}))
+    tok.tokenizer.model.save(str(d))  # vocab.json + merges.txt, no tokenizer.json
+    (d / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "GPT2Tokenizer", "eos_token": "<|endoftext|>"})
+    )
     info = D.tokenizer_info(DataConfig(tokenizer=str(d)))
     assert not type(info.tokenizer).__module__.startswith("tokenizers")
     assert info.eos_id == tok.eos_id and info.vocab_size == 8192
@@ -272,11 +276,13 @@ def test_large_vocabulary_is_stored_as_uint32(tmp_path, cache):
 
 # --- clear errors ---------------------------------------------------------------------------------
 
+
 def _expect(option: str, *words: str):
     def check(err: ConfigError) -> None:
         assert err.option == option, err
         for w in words:
             assert w in str(err), (w, str(err))
+
     return check
 
 
@@ -313,11 +319,15 @@ def _setup_error_case(case: str, tmp: Path) -> tuple[DataConfig, object]:
         return DataConfig(data=str(tmp / "a.txt"), seq_len=64), _expect("--data", "too small", "--seq-len 64")
     if case == "val-too-small":
         (tmp / "a.txt").write_text("".join(DOCS))
-        return (DataConfig(data=str(tmp / "a.txt"), seq_len=16, val_fraction=0.01),
-                _expect("--val-fraction", "validation tokens"))
+        return (
+            DataConfig(data=str(tmp / "a.txt"), seq_len=16, val_fraction=0.01),
+            _expect("--val-fraction", "validation tokens"),
+        )
     if case == "tokenizer-missing":
-        return (DataConfig(tokenizer=str(tmp / "nope")),
-                _expect("--tokenizer", "does not exist", "nothing is downloaded"))
+        return (
+            DataConfig(tokenizer=str(tmp / "nope")),
+            _expect("--tokenizer", "does not exist", "nothing is downloaded"),
+        )
     if case == "tokenizer-bad-json":
         (tmp / "t").mkdir()
         (tmp / "t" / "tokenizer.json").write_text("{broken")
@@ -328,9 +338,22 @@ def _setup_error_case(case: str, tmp: Path) -> tuple[DataConfig, object]:
     raise AssertionError(case)
 
 
-ERROR_CASES = ["missing", "extension", "empty-folder", "empty-corpus", "jsonl-no-text", "jsonl-bad-json",
-               "jsonl-text-not-string", "parquet-no-text", "parquet-bad-file", "too-small", "val-too-small",
-               "tokenizer-missing", "tokenizer-bad-json", "tokenizer-empty-dir"]
+ERROR_CASES = [
+    "missing",
+    "extension",
+    "empty-folder",
+    "empty-corpus",
+    "jsonl-no-text",
+    "jsonl-bad-json",
+    "jsonl-text-not-string",
+    "parquet-no-text",
+    "parquet-bad-file",
+    "too-small",
+    "val-too-small",
+    "tokenizer-missing",
+    "tokenizer-bad-json",
+    "tokenizer-empty-dir",
+]
 
 
 @pytest.mark.parametrize("case", ERROR_CASES)
@@ -352,6 +375,7 @@ def test_tokenizer_without_eos_is_refused(tmp_path):
 
 
 # --- atomic cache -----------------------------------------------------------------------------------
+
 
 def _entry(cache: Path, cfg: DataConfig) -> tuple[Path, Path]:
     load_data(cfg, cache_dir=cache, log=Logs())
@@ -433,13 +457,13 @@ def test_concurrent_loads_build_the_cache_once(tmp_path):
 
 # --- batches ------------------------------------------------------------------------------------------
 
-TOKENS = np.arange(10_000, dtype=np.uint32)   # token value == position: x[:, 0] are the offsets
+TOKENS = np.arange(10_000, dtype=np.uint32)  # token value == position: x[:, 0] are the offsets
 
 
 def test_batches_are_a_function_of_seed_and_batch_index():
     a = BatchSampler(TOKENS, 16, 8, seed=7)
     b = BatchSampler(TOKENS, 16, 8, seed=7)
-    for i in (5, 0, 3, 5):          # any order of calls
+    for i in (5, 0, 3, 5):  # any order of calls
         xa, ya = a.micro_batch(i, 1, 4)
         xb, yb = b.micro_batch(i, 1, 4)
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
@@ -537,6 +561,7 @@ def test_indivisible_micro_batch_names_the_numbers():
 
 # --- validation split -----------------------------------------------------------------------------------
 
+
 def test_val_split_is_the_tail_and_disjoint(cache):
     cfg = DataConfig(seq_len=32, val_fraction=0.05)
     td = load_data(cfg, cache_dir=cache, log=Logs())
@@ -544,15 +569,22 @@ def test_val_split_is_the_tail_and_disjoint(cache):
     bin_path = next(p for p in (cache / "tokens").glob("*.bin") if p.stat().st_size == size)
     full = np.fromfile(bin_path, dtype=np.uint16)
     assert len(td.val) == int(len(full) * 0.05)
-    assert np.array_equal(td.train, full[:len(td.train)]) and np.array_equal(td.val, full[len(td.train):])
+    assert np.array_equal(td.train, full[: len(td.train)]) and np.array_equal(td.val, full[len(td.train) :])
     assert not np.shares_memory(np.asarray(td.train), np.asarray(td.val))
     assert td.fingerprint != load_data(DataConfig(seq_len=32), cache_dir=cache, log=Logs()).fingerprint
 
 
 def synthetic(n_train: int = 1000, n_val: int = 500) -> TokenData:
     tokens = np.arange(n_train + n_val, dtype=np.uint16)
-    return TokenData(train=tokens[:n_train], val=tokens[n_train:], vocab_size=n_train + n_val, eos_id=0,
-                     mask_id=None, fingerprint="x", tokenizer_path="x")
+    return TokenData(
+        train=tokens[:n_train],
+        val=tokens[n_train:],
+        vocab_size=n_train + n_val,
+        eos_id=0,
+        mask_id=None,
+        fingerprint="x",
+        tokenizer_path="x",
+    )
 
 
 def test_val_batches_are_fixed_and_inside_the_val_split():
@@ -566,17 +598,18 @@ def test_val_batches_are_fixed_and_inside_the_val_split():
         assert int(xa.min()) >= 1000 and int(ya.max()) < 1500
         assert torch.equal(xa[:, 1:], ya[:, :-1])
     starts = torch.cat([x[:, 0] for x, _ in a]).tolist()
-    assert len(set(starts)) == 12 and all((s - 1000) % 16 == 0 for s in starts)   # non-overlapping windows
+    assert len(set(starts)) == 12 and all((s - 1000) % 16 == 0 for s in starts)  # non-overlapping windows
     assert starts != torch.cat([x[:, 0] for x, _ in val_batches(td, 16, 4, 3, seed=2)]).tolist()
 
 
 def test_val_batches_small_or_empty_split():
     assert val_batches(synthetic(n_val=0), 16, 4, 3, seed=1) == []
-    few = val_batches(synthetic(n_val=40), 16, 2, 3, seed=1)        # 2 windows, 6 sequences: repeats
+    few = val_batches(synthetic(n_val=40), 16, 2, 3, seed=1)  # 2 windows, 6 sequences: repeats
     assert len(few) == 3 and {int(v) for x, _ in few for v in x[:, 0]} == {1000, 1016}
 
 
 # --- prefetcher -----------------------------------------------------------------------------------------
+
 
 def expected(sampler: BatchSampler, start: int, m: int, n: int) -> list:
     out = []
@@ -603,12 +636,12 @@ def test_prefetcher_close_is_prompt_and_idempotent():
     s = BatchSampler(TOKENS, 16, 8, seed=2)
     for workers in (0, 2):
         p = Prefetcher(s, 1, 0, "cpu", depth=1, workers=workers)
-        time.sleep(0.2)                 # the queue is full and the producer blocks on it
-        assert p._queue.qsize() == 1 * p.accum == 8     # depth counts optimizer steps
+        time.sleep(0.2)  # the queue is full and the producer blocks on it
+        assert p._queue.qsize() == 1 * p.accum == 8  # depth counts optimizer steps
         t0 = time.monotonic()
         p.close()
         p.close()
-        assert time.monotonic() - t0 < 2.0          # prompt (not the producer's blocking put), slack for CI
+        assert time.monotonic() - t0 < 2.0  # prompt (not the producer's blocking put), slack for CI
         assert not p._thread.is_alive()
         with pytest.raises(RuntimeError, match="closed"):
             p.get()
@@ -648,8 +681,8 @@ class FakeCuda:
     def __init__(self):
         self.log: list = []
         self.current = "compute"
-        self.devices = threading.local()         # each thread's current device: 0 until set_device
-        self.used: list = []                     # (call, thread, device it ran on)
+        self.devices = threading.local()  # each thread's current device: 0 until set_device
+        self.used: list = []  # (call, thread, device it ran on)
         fake = self
 
         class Stream:
@@ -699,6 +732,7 @@ class FakeCuda:
             yield
             self.log.append(("exit", stream.name))
             self.current = before
+
         return ctx()
 
     def copy(self, t):
@@ -722,12 +756,22 @@ def test_cuda_copier_pins_copies_on_side_stream_then_orders_the_consumer():
     c = CudaCopier(torch.device("cuda"), ops=fake)
     x, y = torch.arange(6).view(2, 3), torch.arange(1, 7).view(2, 3)
     prepared = c.prepare(x, y)
-    assert fake.log == [("pin", "compute"), ("pin", "compute"), ("enter", "side"), ("copy", "side"),
-                        ("copy", "side"), ("record_event", "side", prepared.done.id), ("exit", "side")]
+    assert fake.log == [
+        ("pin", "compute"),
+        ("pin", "compute"),
+        ("enter", "side"),
+        ("copy", "side"),
+        ("copy", "side"),
+        ("record_event", "side", prepared.done.id),
+        ("exit", "side"),
+    ]
     fake.log.clear()
     xd, yd = c.finish(prepared)
-    assert fake.log == [("wait_event", "compute", prepared.done.id), ("record_stream", "compute"),
-                        ("record_stream", "compute")]
+    assert fake.log == [
+        ("wait_event", "compute", prepared.done.id),
+        ("record_stream", "compute"),
+        ("record_stream", "compute"),
+    ]
     assert torch.equal(xd, x) and torch.equal(yd, y)
 
 
@@ -738,7 +782,7 @@ def test_prefetcher_with_cuda_copier_finishes_each_batch_in_the_consumer():
     with Prefetcher(s, 2, 0, torch.device("cuda"), depth=2, workers=2, copier=copier) as p:
         got = [p.get() for _ in range(6)]
         waits = [e for e in fake.log if e[0] == "wait_event"]
-    assert len(waits) == 6 and len({w[2] for w in waits}) == 6     # one event per micro-batch, each waited on
+    assert len(waits) == 6 and len({w[2] for w in waits}) == 6  # one event per micro-batch, each waited on
     for (b, k, x, y), (eb, ek, ex, ey) in zip(got, expected(s, 0, 2, 6)):
         assert (b, k) == (eb, ek) and torch.equal(x, ex) and torch.equal(y, ey)
 
@@ -749,12 +793,13 @@ def test_producer_threads_use_the_runs_gpu_not_gpu_0(depth, workers):
     before they pin, enter the copy stream or make an event, or every rank >= 1 and every --device cuda:N
     would create a CUDA context (about 0.5 GiB) on GPU 0."""
     fake = FakeCuda()
-    fake.set_device("cuda:3")                           # the training thread's device (trainer.train sets it)
+    fake.set_device("cuda:3")  # the training thread's device (trainer.train sets it)
     s = BatchSampler(TOKENS, 16, 4, seed=9)
-    with Prefetcher(s, 2, 0, torch.device("cuda:3"), depth=depth, workers=workers,
-                    copier=CudaCopier("cuda:3", ops=fake)) as p:
+    with Prefetcher(
+        s, 2, 0, torch.device("cuda:3"), depth=depth, workers=workers, copier=CudaCopier("cuda:3", ops=fake)
+    ) as p:
         for _ in range(6):
             p.get()
     threads = {t for _, t, _ in fake.used}
     assert fake.used and all(d == 3 for _, _, d in fake.used), [u for u in fake.used if u[2] != 3]
-    assert (threads == {"MainThread"}) == (depth == 0)            # with depth > 0 only producer threads copy
+    assert (threads == {"MainThread"}) == (depth == 0)  # with depth > 0 only producer threads copy

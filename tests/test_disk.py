@@ -67,7 +67,9 @@ def tmp_files(d):
     return [p for p in d.rglob("*") if p.name.endswith(".tmp")]
 
 
-@pytest.mark.parametrize("err,text", [(errno.ENOSPC, "No space left on device"), (errno.EROFS, "Read-only file system")])
+@pytest.mark.parametrize(
+    "err,text", [(errno.ENOSPC, "No space left on device"), (errno.EROFS, "Read-only file system")]
+)
 def test_a_failed_atomic_write_names_path_errno_and_free_space_and_keeps_the_old_file(tmp_path, monkeypatch, err, text):
     target = tmp_path / "config.toml"
     target.write_text("old\n")
@@ -87,16 +89,18 @@ def test_torch_save_swallowing_the_oserror_is_still_a_disk_error(tmp_path, monke
     ckpt.save({"step": 2, "model": {"w": torch.ones(3)}, "optimizer": {}, "config": {}}, path)
     fail_writes(monkeypatch, budget=1000)
     with pytest.raises(DiskError, match="No space left on device") as e:
-        ckpt.save({"step": 4, "model": {"w": torch.randn(100_000)}, "optimizer": {}, "config": {}},
-                  rundir.path_for(tmp_path, 4))
+        ckpt.save(
+            {"step": 4, "model": {"w": torch.randn(100_000)}, "optimizer": {}, "config": {}},
+            rundir.path_for(tmp_path, 4),
+        )
     assert e.value.path == str(rundir.path_for(tmp_path, 4))
-    assert isinstance(e.value.__cause__, RuntimeError)               # what torch raised
+    assert isinstance(e.value.__cause__, RuntimeError)  # what torch raised
     assert ckpt.load(path)["step"] == 2 and tmp_files(tmp_path) == []
     assert [c.step for c in rundir.list_checkpoints(tmp_path)] == [2]
 
 
 def test_disk_error_finds_the_cause_in_chains_and_dcp_failures():
-    class CheckpointException(Exception):     # torch.distributed.checkpoint's: per-rank (exception, traceback)
+    class CheckpointException(Exception):  # torch.distributed.checkpoint's: per-rank (exception, traceback)
         def __init__(self, failures):
             self.failures = failures
 
@@ -115,8 +119,8 @@ def test_disk_error_finds_the_cause_in_chains_and_dcp_failures():
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
 def test_a_full_events_file_does_not_raise_and_stops_the_run_once():
-    ch = Channel(Path("/dev/full"))                         # every write: No space left on device
-    ch.emit("log", message="lost")                          # no exception: an event is not a crash
+    ch = Channel(Path("/dev/full"))  # every write: No space left on device
+    ch.emit("log", message="lost")  # no exception: an event is not a crash
     ch.emit("log", message="also lost")
     assert isinstance(ch.write_error, DiskError) and ch.write_error.path == "/dev/full"
     assert ch.write_error.strerror == "No space left on device"
@@ -127,12 +131,12 @@ def test_a_full_events_file_does_not_raise_and_stops_the_run_once():
 def test_a_run_whose_events_cannot_be_written_stops_with_a_disk_error(tmp_path, capfd):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "events.jsonl").symlink_to("/dev/full")
-    with restoring_signals():          # the events file is /dev/full: nothing to read back
+    with restoring_signals():  # the events file is /dev/full: nothing to read back
         code = main_run(parse_config([*TINY, "--run-dir", str(tmp_path / "run"), "--max-steps", "50"]))
     assert code == EXIT_DISK
     err = capfd.readouterr().err
     assert "error (disk): No space left on device: cannot write" in err and "events.jsonl" in err
-    assert not rundir.list_checkpoints(tmp_path / "run")           # stopped at the first step boundary
+    assert not rundir.list_checkpoints(tmp_path / "run")  # stopped at the first step boundary
 
 
 def _run(tmp_path, *args):
@@ -153,6 +157,7 @@ def test_a_checkpoint_on_a_full_disk_is_a_disk_error_and_the_previous_one_stays(
 
 
 # --- real filesystems (root) ------------------------------------------------------------------------------
+
 
 def _mount(*args: str) -> None:
     r = subprocess.run(["mount", *args], capture_output=True, text=True)
@@ -178,18 +183,37 @@ def small_tmpfs(tmp_path):
 @pytest.mark.slow
 def test_gptop_on_a_full_tmpfs_says_why_and_does_not_restart(small_tmpfs):
     run_dir = small_tmpfs / "run"
-    p = subprocess.run([sys.executable, "-m", "gptop", "--no-ui", "train", *TINY, "--max-steps", "6",
-                        "--checkpoint-every", "2", "--run-dir", str(run_dir), "--restart-on-failure", "3"],
-                       capture_output=True, text=True, env=ENV, timeout=600)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gptop",
+            "--no-ui",
+            "train",
+            *TINY,
+            "--max-steps",
+            "6",
+            "--checkpoint-every",
+            "2",
+            "--run-dir",
+            str(run_dir),
+            "--restart-on-failure",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=600,
+    )
     assert p.returncode == 1, p.stderr
     assert "disk: No space left on device: cannot write" in p.stderr and "step-00000004.pt" in p.stderr
     events = list(read_events(run_dir / "events.jsonl"))
     starts = [e for e in events if isinstance(e, HelloEvent) and not e.early]
-    assert len(starts) == 1                                             # no restart into the same full disk
+    assert len(starts) == 1  # no restart into the same full disk
     err = [e for e in events if isinstance(e, ErrorEvent)][-1]
     assert err.kind == "disk" and err.exit_code == 8 and err.free_bytes < 34 << 20
     assert [c.step for c in rundir.list_checkpoints(run_dir)] == [2] and tmp_files(run_dir) == []
-    assert "Traceback" in rundir.RunDir(run_dir).trainer_stderr.read_text()    # the traceback is in the log only
+    assert "Traceback" in rundir.RunDir(run_dir).trainer_stderr.read_text()  # the traceback is in the log only
     assert "Traceback" not in p.stderr
 
 
@@ -199,15 +223,25 @@ def test_a_read_only_checkpoint_directory_is_a_disk_error(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("a read-only bind mount needs root")
     run_dir = tmp_path / "run"
-    first = subprocess.run(trainer_cmd(*TINY, "--max-steps", "2", "--run-dir", str(run_dir)), capture_output=True,
-                           text=True, env=ENV, timeout=600)
+    first = subprocess.run(
+        trainer_cmd(*TINY, "--max-steps", "2", "--run-dir", str(run_dir)),
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=600,
+    )
     assert first.returncode == 0, first.stderr
     d = rundir.checkpoint_dir(run_dir)
     _mount("--bind", str(d), str(d))
     try:
         _mount("-o", "remount,bind,ro", str(d))
-        p = subprocess.run(trainer_cmd("--resume", str(run_dir), "--max-steps", "4"), capture_output=True, text=True,
-                           env=ENV, timeout=600)
+        p = subprocess.run(
+            trainer_cmd("--resume", str(run_dir), "--max-steps", "4"),
+            capture_output=True,
+            text=True,
+            env=ENV,
+            timeout=600,
+        )
     finally:
         subprocess.run(["umount", "-l", str(d)], check=False)
     assert p.returncode == EXIT_DISK, p.stderr
@@ -222,13 +256,37 @@ def test_a_read_only_checkpoint_directory_is_a_disk_error(tmp_path):
 @pytest.mark.slow
 def test_two_ranks_on_a_full_tmpfs_name_the_disk_and_leave_no_partial_sharded_checkpoint(small_tmpfs):
     run_dir = small_tmpfs / "run"
-    p = subprocess.run([sys.executable, "-m", "gptop", "--no-ui", "train", "--nproc", "2", *TINY, "--max-steps", "6",
-                        "--checkpoint-every", "2", "--run-dir", str(run_dir)], capture_output=True, text=True,
-                       env={**ENV, "OMP_NUM_THREADS": "1"}, timeout=600)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gptop",
+            "--no-ui",
+            "train",
+            "--nproc",
+            "2",
+            *TINY,
+            "--max-steps",
+            "6",
+            "--checkpoint-every",
+            "2",
+            "--run-dir",
+            str(run_dir),
+        ],
+        capture_output=True,
+        text=True,
+        env={**ENV, "OMP_NUM_THREADS": "1"},
+        timeout=600,
+    )
     assert p.returncode == 1, p.stderr[-3000:]
     assert "disk: No space left on device" in p.stderr, p.stderr[-3000:]
-    errors = [e for r in (0, 1) if rundir.RunDir(run_dir).events(r).exists()
-              for e in read_events(rundir.RunDir(run_dir).events(r)) if isinstance(e, ErrorEvent)]
+    errors = [
+        e
+        for r in (0, 1)
+        if rundir.RunDir(run_dir).events(r).exists()
+        for e in read_events(rundir.RunDir(run_dir).events(r))
+        if isinstance(e, ErrorEvent)
+    ]
     assert any(e.kind == "disk" and e.exit_code == EXIT_DISK for e in errors)
     assert [c.step for c in rundir.list_checkpoints(run_dir)] == [2]
     assert not list(rundir.checkpoint_dir(run_dir).glob("*.tmp")) and tmp_files(run_dir) == []

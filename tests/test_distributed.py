@@ -34,8 +34,14 @@ def _env() -> dict[str, str]:
 
 
 def gptop(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gptop", "--no-ui", *args], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "gptop", "--no-ui", *args],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def events(run_dir: Path, rank: int = 0) -> list[dict]:
@@ -51,10 +57,17 @@ def full_and_stopped(tmp_path: Path, args: list[str], stop_at: int) -> tuple[Pat
     """Two 2-rank `gptop train` runs side by side (their start-up dominates on this machine): one
     uninterrupted, one stopped at `stop_at` with a checkpoint; (its run dir, the stopped one's)."""
     full, part = tmp_path / "full", tmp_path / "part"
-    procs = [subprocess.Popen([sys.executable, "-m", "gptop", "--no-ui", "train", "--nproc", "2", *args,
-                               "--run-dir", str(d), *extra], cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
-             for d, extra in ((full, []), (part, ["--fault", f"stop@{stop_at}"]))]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "gptop", "--no-ui", "train", "--nproc", "2", *args, "--run-dir", str(d), *extra],
+            cwd=ROOT,
+            env=_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for d, extra in ((full, []), (part, ["--fault", f"stop@{stop_at}"]))
+    ]
     for p in procs:
         _, err = p.communicate(timeout=240)
         assert p.returncode == 0, err[-3000:]
@@ -138,8 +151,13 @@ def test_launcher_argv():
     assert one[-4:] == ["-m", "trainer", "--max-steps", "3"]
     multi = TorchrunLauncher(8, "2", 1, "node0:29500", None, "job7")([])
     assert "--standalone" not in multi
-    for flag, value in (("--nnodes", "2"), ("--node-rank", "1"), ("--rdzv-endpoint", "node0:29500"),
-                        ("--rdzv-backend", "c10d"), ("--rdzv-id", "job7")):
+    for flag, value in (
+        ("--nnodes", "2"),
+        ("--node-rank", "1"),
+        ("--rdzv-endpoint", "node0:29500"),
+        ("--rdzv-backend", "c10d"),
+        ("--rdzv-id", "job7"),
+    ):
         assert multi[multi.index(flag) + 1] == value
 
 
@@ -158,12 +176,12 @@ def test_faults_for_one_rank():
 
     assert Faults("kill@5:1", rank=1).at == {5: "kill"}
     assert Faults("kill@5:1", rank=0).at == {}
-    assert Faults("nan@3,stop@7", rank=1).at == {3: "nan", 7: "stop"}     # no rank: every rank
+    assert Faults("nan@3,stop@7", rank=1).at == {3: "nan", 7: "stop"}  # no rank: every rank
     with pytest.raises(ConfigError):
         Faults("kill@5:x")
     with pytest.raises(ConfigError, match="one fault per step"):
         Faults("checkpoint@2,nan@2")
-    assert Faults("kill@5:1,crash@5:0", rank=0).at == {5: "crash"}      # one per step on each rank
+    assert Faults("kill@5:1,crash@5:0", rank=0).at == {5: "crash"}  # one per step on each rank
 
 
 def test_sharded_checkpoints_are_listed_resolved_and_pruned(tmp_path):
@@ -175,11 +193,10 @@ def test_sharded_checkpoints_are_listed_resolved_and_pruned(tmp_path):
         p = rundir.dcp_path_for(tmp_path, step)
         p.mkdir(parents=True)
         (p / ".metadata").write_bytes(b"x")
-        (p / ckpt.META).write_text(json.dumps({"format": ckpt.DCP_FORMAT, "step": step, "config": {},
-                                               "world_size": 2}))
-    incomplete = rundir.dcp_path_for(tmp_path, 8)     # renamed without gptop.json: cannot happen, but is skipped
+        (p / ckpt.META).write_text(json.dumps({"format": ckpt.DCP_FORMAT, "step": step, "config": {}, "world_size": 2}))
+    incomplete = rundir.dcp_path_for(tmp_path, 8)  # renamed without gptop.json: cannot happen, but is skipped
     incomplete.mkdir()
-    (d / "step-00000010.dcp.tmp").mkdir()           # a save that was killed
+    (d / "step-00000010.dcp.tmp").mkdir()  # a save that was killed
     assert [c.step for c in rundir.list_checkpoints(tmp_path)] == [2, 4, 6, 8]
     seen = []
     path, meta = ckpt.resolve_resume(tmp_path, on_corrupt=seen.append)
@@ -212,14 +229,14 @@ def test_two_ranks_train_checkpoint_and_resume_exactly(tmp_path, parallel):
     ck = part / "checkpoints" / "step-00000006.dcp"
     names = {p.name for p in ck.iterdir()}
     assert {".metadata", "gptop.json", "rank0.pt", "rank1.pt"} <= names
-    assert sum(n.endswith(".distcp") for n in names) == 2          # each rank wrote its shards
+    assert sum(n.endswith(".distcp") for n in names) == 2  # each rank wrote its shards
     assert not list((part / "checkpoints").glob("*.tmp"))
     r = gptop("train", "--nproc", "2", "--resume", str(part))
     assert r.returncode == 0, r.stderr[-3000:]
 
     a, b = losses(full), losses(part)
     assert sorted(a) == list(range(2, 13, 2))
-    assert {s: b[s] for s in range(8, 13, 2)} == {s: a[s] for s in range(8, 13, 2)}   # exact, not close
+    assert {s: b[s] for s in range(8, 13, 2)} == {s: a[s] for s in range(8, 13, 2)}  # exact, not close
 
     hello = [e for e in events(full) if e["type"] == "hello" and not e.get("early")]
     assert len(hello) == 1 and hello[0]["world_size"] == 2 and hello[0]["parallel"] == parallel
@@ -227,7 +244,7 @@ def test_two_ranks_train_checkpoint_and_resume_exactly(tmp_path, parallel):
         steps = [e for e in events(full, rank) if e["type"] == "step"]
         assert [e["step"] for e in steps] == list(range(2, 13, 2)) and all(e["rank"] == rank for e in steps)
         for e in steps:
-            assert e["tokens"] == e["step"] * 4 * 64                  # global tokens: both ranks' batches
+            assert e["tokens"] == e["step"] * 4 * 64  # global tokens: both ranks' batches
             assert abs(sum(e["phases_ms"].values()) - e["step_ms"]) < 1e-3 * e["step_ms"] + 1e-6
             if parallel == "ddp":
                 assert 0 <= e["comm_ms"] <= e["phases_ms"]["backward"] + 1.0
@@ -235,7 +252,7 @@ def test_two_ranks_train_checkpoint_and_resume_exactly(tmp_path, parallel):
                 assert "comm_ms" not in e
     r0 = [e for e in events(full, 0) if e["type"] == "step"]
     r1 = [e for e in events(full, 1) if e["type"] == "step"]
-    assert [e["loss"] for e in r0] == [e["loss"] for e in r1]          # the global loss, the same on all ranks
+    assert [e["loss"] for e in r0] == [e["loss"] for e in r1]  # the global loss, the same on all ranks
 
     if parallel == "fsdp":
         # Another world size: the 2-rank sharded checkpoint resumes in one process (DCP reshards).
@@ -243,8 +260,14 @@ def test_two_ranks_train_checkpoint_and_resume_exactly(tmp_path, parallel):
         (one / "checkpoints").mkdir(parents=True)
         shutil.copytree(ck, one / "checkpoints" / ck.name)
         shutil.copy(part / "config.toml", one / "config.toml")
-        r = subprocess.run([sys.executable, "-m", "trainer", "--resume", str(one)], cwd=ROOT, env=_env(),
-                           capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [sys.executable, "-m", "trainer", "--resume", str(one)],
+            cwd=ROOT,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         c = losses(one)
         assert c[8] == pytest.approx(a[8], rel=1e-4) and c[12] == pytest.approx(a[12], rel=1e-3)
@@ -277,24 +300,33 @@ def test_commands_take_effect_on_the_same_step_on_every_rank(tmp_path):
     run = tmp_path / "cmds"
     cfg = parse_config([*TINY, "--max-steps", "100000", "--run-dir", str(run)])
 
-    class Sampler:      # no device telemetry needed here
-        def subscribe(self, fn): pass
-        def start(self): pass
-        def stop(self): pass
+    class Sampler:  # no device telemetry needed here
+        def subscribe(self, fn):
+            pass
+
+        def start(self):
+            pass
+
+        def stop(self):
+            pass
 
     s = Session(cfg, SessionOptions(launcher=TorchrunLauncher(2)), sampler=Sampler())
     seen = threading.Event()
     ckpts: list[CheckpointEvent] = []
 
-    class Watch:         # a view: sees every event the session sees
+    class Watch:  # a view: sees every event the session sees
         def on_event(self, e):
             if isinstance(e, StepEvent) and e.step >= 3:
                 seen.set()
             if isinstance(e, CheckpointEvent):
                 ckpts.append(e)
 
-        def on_log(self, line, stream): pass
-        def on_status(self, status, message): pass
+        def on_log(self, line, stream):
+            pass
+
+        def on_status(self, status, message):
+            pass
+
     s.add_view(Watch())
     try:
         s.start()
@@ -313,7 +345,7 @@ def test_commands_take_effect_on_the_same_step_on_every_rank(tmp_path):
     import torch
 
     requested = Path(ckpts[0].path)
-    for rank in (0, 1):     # both ranks wrote their part of the requested checkpoint at the same step
+    for rank in (0, 1):  # both ranks wrote their part of the requested checkpoint at the same step
         assert torch.load(requested / f"rank{rank}.pt", weights_only=True)["step"] == ckpts[0].step
     done = done_steps(run)
     assert len(done) == 2 and done[0] == done[1]
@@ -327,9 +359,15 @@ def test_sigterm_from_torchrun_by_hand_is_one_agreed_stop(tmp_path):
     """`python -m torch.distributed.run ... -m trainer`: SIGTERM to torchrun reaches every rank, which stop
     on one step with a checkpoint."""
     run = tmp_path / "byhand"
-    p = subprocess.Popen([*TORCHRUN, "-m", "trainer", *TINY, "--max-steps", "100000", "--run-dir", str(run)],
-                         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        [*TORCHRUN, "-m", "trainer", *TINY, "--max-steps", "100000", "--run-dir", str(run)],
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
@@ -357,9 +395,26 @@ def test_sigterm_from_torchrun_by_hand_is_one_agreed_stop(tmp_path):
 def test_gptop_killed_hard_leaves_no_rank_behind(tmp_path):
     """kill -9 of gptop: the ranks see their socket close, agree to stop, checkpoint and exit; torchrun too."""
     run = tmp_path / "orphans"
-    p = subprocess.Popen([sys.executable, "-m", "gptop", "--no-ui", "train", "--nproc", "2", *TINY,
-                          "--max-steps", "100000", "--run-dir", str(run)], cwd=ROOT, env=_env(),
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gptop",
+            "--no-ui",
+            "train",
+            "--nproc",
+            "2",
+            *TINY,
+            "--max-steps",
+            "100000",
+            "--run-dir",
+            str(run),
+        ],
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         if (run / "events.rank1.jsonl").exists() and any(e["type"] == "step" for e in events(run, 1)):
@@ -405,12 +460,35 @@ def test_two_ranks_never_checkpoint_a_non_finite_state(tmp_path):
     import torch
 
     lr_run, w_run = tmp_path / "lr", tmp_path / "weights"
-    jobs = [(lr_run, ["--max-steps", "30", "--lr", "1e4", "--warmup-steps", "0", "--checkpoint-every", "1",
-                      "--parallel", "fsdp"]),
-            (w_run, ["--max-steps", "8", "--checkpoint-every", "2", "--fault", "nan-weights@3:1"])]
-    procs = [subprocess.Popen([sys.executable, "-m", "gptop", "--no-ui", "train", "--nproc", "2", *TINY,
-                               "--run-dir", str(d), *extra], cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True) for d, extra in jobs]
+    jobs = [
+        (
+            lr_run,
+            [
+                "--max-steps",
+                "30",
+                "--lr",
+                "1e4",
+                "--warmup-steps",
+                "0",
+                "--checkpoint-every",
+                "1",
+                "--parallel",
+                "fsdp",
+            ],
+        ),
+        (w_run, ["--max-steps", "8", "--checkpoint-every", "2", "--fault", "nan-weights@3:1"]),
+    ]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "gptop", "--no-ui", "train", "--nproc", "2", *TINY, "--run-dir", str(d), *extra],
+            cwd=ROOT,
+            env=_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for d, extra in jobs
+    ]
     codes = []
     for p in procs:
         _, err = p.communicate(timeout=300)
@@ -432,7 +510,7 @@ def test_two_ranks_never_checkpoint_a_non_finite_state(tmp_path):
     assert any("non-finite weights or optimizer state" in e["message"] for e in ev if e["type"] == "warning")
     (rb,) = [e for e in ev if e["type"] == "warning" and e.get("kind") == "nan_rollback"]
     assert rb["step"] == 2 and "step-00000002.dcp" in rb["message"]
-    assert [e["step"] for e in ev if e["type"] == "checkpoint"] == [2, 4, 6, 8]     # 4 only after the rollback
+    assert [e["step"] for e in ev if e["type"] == "checkpoint"] == [2, 4, 6, 8]  # 4 only after the rollback
     done = done_steps(w_run)
     assert done == {0: 8, 1: 8}
     for ck in sorted((w_run / "checkpoints").glob("*.dcp")):
@@ -451,20 +529,52 @@ def test_two_nodes_on_one_host_each_know_the_run(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     run = tmp_path / "run"
-    args = [sys.executable, "-m", "gptop", "--no-ui", "train", "--nproc", "1", "--nnodes", "2",
-            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-backend", "c10d", "--rdzv-id", "issue13", *TINY,
-            "--max-steps", "6", "--log-every", "3", "--checkpoint-every", "0", "--run-dir", str(run)]
+    args = [
+        sys.executable,
+        "-m",
+        "gptop",
+        "--no-ui",
+        "train",
+        "--nproc",
+        "1",
+        "--nnodes",
+        "2",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-id",
+        "issue13",
+        *TINY,
+        "--max-steps",
+        "6",
+        "--log-every",
+        "3",
+        "--checkpoint-every",
+        "0",
+        "--run-dir",
+        str(run),
+    ]
     # --node-rank names each node's lock on the shared run directory (gptop.preflight: node_key); c10d still
     # assigns the ranks
-    procs = [subprocess.Popen([*args, "--node-rank", str(i)], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [*args, "--node-rank", str(i)],
+            cwd=ROOT,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     outs = []
     for p in procs:
         out, err = p.communicate(timeout=240)
         assert p.returncode == 0, err[-3000:]
         outs.append(out)
     hellos = {r: [e for e in events(run, r) if e["type"] == "hello" and not e.get("early")] for r in (0, 1)}
-    assert all(len(h) == 1 for h in hellos.values()), hellos          # one per node, from its first rank
+    assert all(len(h) == 1 for h in hellos.values()), hellos  # one per node, from its first rank
     for out in outs:
         assert "step 6/6 " in out and "/?" not in out, out
         for line in out.splitlines():
@@ -491,8 +601,14 @@ def test_lora_on_two_ranks_checkpoints_only_the_adapters_and_resumes_exactly(tmp
     assert sorted(a) == [2, 4, 6, 8] and {s: b[s] for s in (6, 8)} == {s: a[s] for s in (6, 8)}
 
     out = tmp_path / "adapter"
-    r = subprocess.run([sys.executable, "-m", "gptop", "export", str(part), str(out)], cwd=ROOT, env=_env(),
-                       capture_output=True, text=True, timeout=240)
+    r = subprocess.run(
+        [sys.executable, "-m", "gptop", "export", str(part), str(out)],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert (out / "adapter_model.safetensors").is_file()
 
@@ -508,7 +624,7 @@ def test_fsdp2_is_found_on_every_torch_the_project_allows(monkeypatch):
 
     fully_shard, policy = D.fsdp2()
     assert fully_shard is public.fully_shard and policy is public.MixedPrecisionPolicy
-    old = types.ModuleType("torch.distributed.fsdp")             # torch 2.5: FSDP1's names only
+    old = types.ModuleType("torch.distributed.fsdp")  # torch 2.5: FSDP1's names only
     composable = types.ModuleType("torch.distributed._composable.fsdp")
     composable.fully_shard, composable.MixedPrecisionPolicy = (lambda m, **kw: m), type("Policy", (), {})
     monkeypatch.setitem(sys.modules, "torch.distributed.fsdp", old)

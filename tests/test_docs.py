@@ -36,14 +36,14 @@ import pytest
 from helpers import ROOT
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "BENCHMARKS.md"]
-SHARED_RUN = "runs/demo"          # made by the README's first command (short form) in the scratch directory
+SHARED_RUN = "runs/demo"  # made by the README's first command (short form) in the scratch directory
 
 
 @dataclass(frozen=True)
 class Command:
     doc: str
     line: int
-    text: str            # one command, continuations joined, comment and `$ ` removed
+    text: str  # one command, continuations joined, comment and `$ ` removed
     inline: bool
 
     @property
@@ -78,7 +78,7 @@ def block_commands(body: str) -> list[tuple[int, str]]:
         i += 1
         if prompted:
             if not text.startswith("$ "):
-                continue                      # the command's output, shown
+                continue  # the command's output, shown
             text = text[2:]
         text = _strip_comment(text).strip()
         if not text:
@@ -99,37 +99,38 @@ def extract() -> tuple[list[Command], list[tuple[str, int, str, str]]]:
         text = path.read_text()
         name = str(path.relative_to(ROOT))
         for m in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.S | re.M):
-            line = text[:m.start()].count("\n") + 2
+            line = text[: m.start()].count("\n") + 2
             lang, body = m.group(1), m.group(2)
             if lang not in SHELL_LANGS:
                 blocks.append((name, line - 1, lang, body))
                 continue
             if LISTING.match(body):
-                continue                      # a directory listing, not commands
+                continue  # a directory listing, not commands
             for off, c in block_commands(body):
                 cmds.append(Command(name, line + off, c, inline=False))
         prose = re.sub(r"^```.*?^```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S | re.M)
         for m in re.finditer(r"`([^`\n]+)`", prose):
             c = m.group(1)
             if re.match(r"(gptop|python3?|OMP_NUM_THREADS=\S+ python)( |$)", c):
-                cmds.append(Command(name, prose[:m.start()].count("\n") + 1, c, inline=True))
+                cmds.append(Command(name, prose[: m.start()].count("\n") + 1, c, inline=True))
     return cmds, blocks
 
 
-LISTING = re.compile(r"\s*\w+/\s{2,}")      # README's "trainer/   the training worker ..." tree
+LISTING = re.compile(r"\s*\w+/\s{2,}")  # README's "trainer/   the training worker ..." tree
 
 
 # --------------------------------------------------------------------------- the rule table
 @dataclass(frozen=True)
 class Rule:
-    pattern: str                       # re.search on the command text
-    action: str                        # run | parse | skip
+    pattern: str  # re.search on the command text
+    action: str  # run | parse | skip
     reason: str = ""
-    short: Callable[[str], str] | None = None     # run: the short form of a command too long to run whole
+    short: Callable[[str], str] | None = None  # run: the short form of a command too long to run whole
 
 
 def flags(**kv: str) -> Callable[[str], str]:
     """A short form: set each --flag to its value (replacing it if the command has it)."""
+
     def f(cmd: str) -> str:
         for k, v in kv.items():
             flag = "--" + k.replace("_", "-")
@@ -137,6 +138,7 @@ def flags(**kv: str) -> Callable[[str], str]:
             if not n:
                 cmd += f" {flag} {v}"
         return cmd
+
     return f
 
 
@@ -147,23 +149,40 @@ def no_ui(cmd: str) -> str:
 SHORT_TRAIN = flags(max_steps="3", seq_len="64", global_batch="4", log_every="1")
 
 # the README's first command: the shared run every later command uses
-FIRST = Rule(r"^gptop train --max-steps 200$", "run", "the shared run (runs/demo), 3 steps",
-             lambda c: no_ui(SHORT_TRAIN(c)) + f" --run-dir {SHARED_RUN}")   # its own --size auto, as typed
+FIRST = Rule(
+    r"^gptop train --max-steps 200$",
+    "run",
+    "the shared run (runs/demo), 3 steps",
+    lambda c: no_ui(SHORT_TRAIN(c)) + f" --run-dir {SHARED_RUN}",
+)  # its own --size auto, as typed
 
 RULES: list[Rule] = [
     # setting up: not what a test does
-    Rule(r"^python3 -m venv |^\. \S+/activate$|^pip install|^createdb ", "skip",
-         "sets up an environment or a database server (network, root); the tests run in the installed one"),
+    Rule(
+        r"^python3 -m venv |^\. \S+/activate$|^pip install|^createdb ",
+        "skip",
+        "sets up an environment or a database server (network, root); the tests run in the installed one",
+    ),
     Rule(r"-m pytest", "skip", "the test suite itself"),
-    Rule(r"^ruff check|^mypy$", "skip", "the lint and type check before the test suite (.ci/run runs them)"),
+    Rule(
+        r"^ruff (check|format --check) \.$|^mypy$",
+        "skip",
+        "the lint, format and type checks before the test suite (.ci/run runs them)",
+    ),
     Rule(r"^optuna-dashboard ", "skip", "a separate tool (pip install optuna-dashboard) serving a web page"),
     Rule(r"^tensorboard ", "skip", "a separate tool (pip install 'gptop[tensorboard]') serving a web page"),
     FIRST,
-    Rule(r"^gptop --no-ui train --model llama --size tiny --max-steps 200 --run-dir runs/demo$", "parse",
-         "the README's first command made this run (llama tiny is what --size auto picks on this CPU)"),
+    Rule(
+        r"^gptop --no-ui train --model llama --size tiny --max-steps 200 --run-dir runs/demo$",
+        "parse",
+        "the README's first command made this run (llama tiny is what --size auto picks on this CPU)",
+    ),
     # models.md: export, load with transformers, sample; the llada family end to end
-    Rule(r"^gptop export \S+ hf/(adapter|merged)", "parse",
-         "exports a --lora run's adapters (tests/test_lora.py trains and exports one)"),
+    Rule(
+        r"^gptop export \S+ hf/(adapter|merged)",
+        "parse",
+        "exports a --lora run's adapters (tests/test_lora.py trains and exports one)",
+    ),
     Rule(r"^gptop export ", "run"),
     Rule(r"^gptop sample .*--diffusion-steps", "run", "", flags(max_new_tokens="8", diffusion_steps="4")),
     Rule(r"^gptop sample ", "run", "", flags(max_new_tokens="4")),
@@ -171,13 +190,19 @@ RULES: list[Rule] = [
     # monitor and report on the shared run
     Rule(r"^gptop --no-ui --run-dir ", "run"),
     # your own code (docs/your-code.md): the examples, under gptop run and without it
-    Rule(r"^gptop --no-ui run .*examples/train_lightning\.py", "parse",
-         "Lightning is an optional extra (pip install 'gptop[lightning]'); tests/test_gptop_run.py and "
-         "tests/test_integrations_lightning.py run it where it is installed"),
+    Rule(
+        r"^gptop --no-ui run .*examples/train_lightning\.py",
+        "parse",
+        "Lightning is an optional extra (pip install 'gptop[lightning]'); tests/test_gptop_run.py and "
+        "tests/test_integrations_lightning.py run it where it is installed",
+    ),
     Rule(r"^gptop --no-ui run .*examples/", "run"),
     Rule(r"^python3? examples/", "run"),
-    Rule(r"^gptop run -- torchrun ", "parse", "a script of yours on two ranks (tests/test_gptop_run.py runs two "
-                                              "ranks of a test loop under gptop run)"),
+    Rule(
+        r"^gptop run -- torchrun ",
+        "parse",
+        "a script of yours on two ranks (tests/test_gptop_run.py runs two ranks of a test loop under gptop run)",
+    ),
     Rule(r"^gptop report ", "run"),
     # minutes of tuning or training, several GPUs or nodes, a database: parsed (tests/test_tuning_e2e.py,
     # tests/test_distributed.py and BENCHMARKS.md run them at test size)
@@ -187,13 +212,24 @@ RULES: list[Rule] = [
     Rule(r"-m torch\.distributed\.run ", "parse", "torchrun with 8 GPUs: the trainer's own flags are parsed"),
     Rule(r"^gptop", "parse", "trains for minutes or waits for input; parsed and checked as on a real start"),
     Rule(r"^([A-Z_]+=\S+ )*python3? (bench|docs)/", "parse", "a benchmark or tool that runs for minutes"),
-    Rule(r"^python3? -m trainer\.sample$", "skip", "named in prose: the module `gptop sample` runs (its commands run above)"),
+    Rule(
+        r"^python3? -m trainer\.sample$",
+        "skip",
+        "named in prose: the module `gptop sample` runs (its commands run above)",
+    ),
     Rule(r"^ls ", "skip", "lists the files the command above it wrote"),
     Rule(r"^git worktree add ", "skip", "makes a second checkout to compare with (bench/dashboard.py --baseline-tree)"),
-    Rule(r"^WANDB_MODE=offline gptop --no-ui train .*--wandb", "parse",
-         "trains with wandb, an optional extra (tests/test_wandb.py runs real offline runs)"),
+    Rule(
+        r"^WANDB_MODE=offline gptop --no-ui train .*--wandb",
+        "parse",
+        "trains with wandb, an optional extra (tests/test_wandb.py runs real offline runs)",
+    ),
     Rule(r"^wandb sync ", "skip", "uploads to Weights & Biases: needs the network and an account"),
-    Rule(r"^tensorboard --logdir ", "skip", "a separate tool serving a web page (tests/test_tensorboard.py reads the files)"),
+    Rule(
+        r"^tensorboard --logdir ",
+        "skip",
+        "a separate tool serving a web page (tests/test_tensorboard.py reads the files)",
+    ),
     Rule(r"^python3? -m trainer", "parse", "the trainer's flags, as `gptop train` takes them"),
     Rule(r"^python3? -m gptop\.doctor ", "parse", "prints the README's table or the schema (tests/test_doctor.py)"),
     Rule(r"^python3? -c ", "skip", "a Python one-liner quoted as a baseline, not a gptop command"),
@@ -215,14 +251,24 @@ def fill(text: str, work: Path, toml: Path) -> str:
     """Placeholders and elisions of the docs made concrete: RUN_DIR and friends are the shared run."""
     run = str(work / SHARED_RUN)
     subs = [
-        (r" \.\.\.", ""), (r" \[options\]", ""), (r"\[RUN_DIR\]", run),
+        (r" \.\.\.", ""),
+        (r" \[options\]", ""),
+        (r"\[RUN_DIR\]", run),
         (r"runs/<run>/best\.toml|FILE\.toml|(?<![/\w])best\.toml", str(toml)),
-        (r"runs/<run>", run), (r"\bRUN_DIR\b", run), (r"--resume RUN\b", f"--resume {run}"),
-        (r"/tmp/ui1", run), (r"--model OUT_DIR\b", "--model hf/demo"), (r"\./my-model\b", "hf/demo"), (r"\bOUT_DIR\b", str(work / "hf" / "out")),
+        (r"runs/<run>", run),
+        (r"\bRUN_DIR\b", run),
+        (r"--resume RUN\b", f"--resume {run}"),
+        (r"/tmp/ui1", run),
+        (r"--model OUT_DIR\b", "--model hf/demo"),
+        (r"\./my-model\b", "hf/demo"),
+        (r"\bOUT_DIR\b", str(work / "hf" / "out")),
         (r"\bTEXT\b", "'def main('"),
-        (r"--nproc N\b", "--nproc 1"), (r"/shared/runs/run42", str(work / "shared" / "run42")),
-        (r"journal:/shared/gptop/", f"journal:{work}/"), (r"\bBEFORE\b|\bAFTER\b", str(ROOT)),
-        (r"cpu-<isa>-", "cpu-avx512-"), (r"\bgptop --budget\b", "gptop tune --budget"),
+        (r"--nproc N\b", "--nproc 1"),
+        (r"/shared/runs/run42", str(work / "shared" / "run42")),
+        (r"journal:/shared/gptop/", f"journal:{work}/"),
+        (r"\bBEFORE\b|\bAFTER\b", str(ROOT)),
+        (r"cpu-<isa>-", "cpu-avx512-"),
+        (r"\bgptop --budget\b", "gptop tune --budget"),
         (r"tuned/cpu-", str(ROOT / "bench" / "tuned") + "/cpu-"),
     ]
     for pat, rep in subs:
@@ -234,7 +280,7 @@ def argv_of(text: str) -> tuple[dict[str, str], list[str]]:
     """Environment assignments and the argv, with `gptop`/`python` as this interpreter."""
     words = shlex.split(text)
     if "|" in words:
-        words = words[:words.index("|")]        # `gptop ... | head`: gptop's own command line
+        words = words[: words.index("|")]  # `gptop ... | head`: gptop's own command line
     env = {}
     while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
         k, v = words.pop(0).split("=", 1)
@@ -243,8 +289,8 @@ def argv_of(text: str) -> tuple[dict[str, str], list[str]]:
         words = [sys.executable, "-m", "gptop", *words[1:]]
     elif words[0] in ("python", "python3"):
         words = [sys.executable, *words[1:]]
-    if "--" in words and words[words.index("--") + 1:][:1] in (["python"], ["python3"]):
-        words[words.index("--") + 1] = sys.executable          # `gptop run -- python ...`: this interpreter too
+    if "--" in words and words[words.index("--") + 1 :][:1] in (["python"], ["python3"]):
+        words[words.index("--") + 1] = sys.executable  # `gptop run -- python ...`: this interpreter too
     return env, [str(ROOT / w) if re.match(r"(bench|docs|examples)/\S+\.py$", w) else w for w in words]
 
 
@@ -259,7 +305,7 @@ def stop_after_parse():
     depth = {"n": 0}
 
     def parse_known_args(self, args=None, namespace=None):
-        depth["n"] += 1           # subparsers parse inside their parent's parse
+        depth["n"] += 1  # subparsers parse inside their parent's parse
         try:
             result = original(self, args, namespace)
         finally:
@@ -389,9 +435,17 @@ def shared_run(work: Path) -> Path:
 # --------------------------------------------------------------------------- tests
 def test_the_docs_show_commands():
     docs = {c.doc for c in COMMANDS}
-    assert {"README.md", "docs/reference.md", "docs/run-directory.md", "docs/dashboard.md", "docs/models.md", "docs/tuning.md",
-            "docs/distributed.md", "docs/your-code.md",
-            "BENCHMARKS.md"} <= docs
+    assert {
+        "README.md",
+        "docs/reference.md",
+        "docs/run-directory.md",
+        "docs/dashboard.md",
+        "docs/models.md",
+        "docs/tuning.md",
+        "docs/distributed.md",
+        "docs/your-code.md",
+        "BENCHMARKS.md",
+    } <= docs
     assert any(c.text == "gptop train --max-steps 200" for c in COMMANDS)
 
 
@@ -415,12 +469,16 @@ def test_the_readme_test_command_is_what_ci_runs():
     is what CI runs: two workers (tests/conftest.py orders the files and keeps speed tests alone), and both end
     by listing the slowest tests."""
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
-    readme = [line for line in (ROOT / "README.md").read_text().splitlines()
-              if line.startswith("python3 -m venv ") and " -m pytest " in line]
+    readme = [
+        line
+        for line in (ROOT / "README.md").read_text().splitlines()
+        if line.startswith("python3 -m venv ") and " -m pytest " in line
+    ]
     assert len(readme) == 1, readme
     assert re.sub(r"\bpip install -q ", "pip install ", ci) == readme[0]
-    assert readme[0].endswith(" && python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder"
-                              " --durations=25")
+    assert readme[0].endswith(
+        " && python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --durations=25"
+    )
 
 
 def test_the_toml_example_is_a_valid_config(docs_toml: Path):
@@ -431,29 +489,33 @@ def test_the_toml_example_is_a_valid_config(docs_toml: Path):
 
 def _needs_run(text: str) -> bool:
     """Does the command read a run directory or an export (made by the slow fixtures)?"""
-    return bool(re.search(r"RUN_DIR|OUT_DIR|runs/<run>|runs/demo|--resume RUN\b|/tmp/ui1|runs/llada|hf/|my-model", text))
+    return bool(
+        re.search(r"RUN_DIR|OUT_DIR|runs/<run>|runs/demo|--resume RUN\b|/tmp/ui1|runs/llada|hf/|my-model", text)
+    )
 
 
-PARSED = [c for c in COMMANDS if (r := rule_for(c)) is not None and (r.action == "parse" or c.inline)
-          and r.action != "skip"]
+PARSED = [
+    c for c in COMMANDS if (r := rule_for(c)) is not None and (r.action == "parse" or c.inline) and r.action != "skip"
+]
 
 
-@pytest.mark.parametrize("cmd", [c if not _needs_run(c.text) else
-                                 pytest.param(c, marks=[pytest.mark.slow, pytest.mark.process]) for c in PARSED],
-                         ids=lambda c: c.id)
+@pytest.mark.parametrize(
+    "cmd",
+    [c if not _needs_run(c.text) else pytest.param(c, marks=[pytest.mark.slow, pytest.mark.process]) for c in PARSED],
+    ids=lambda c: c.id,
+)
 def test_command_parses(cmd: Command, request, work: Path, docs_toml: Path):
     if _needs_run(cmd.text):
-        request.getfixturevalue("ran_docs")            # the shared run, and models.md's exports and llada run
+        request.getfixturevalue("ran_docs")  # the shared run, and models.md's exports and llada run
     old = os.getcwd()
-    os.chdir(work)                 # relative paths as a user in the scratch directory would type them
+    os.chdir(work)  # relative paths as a user in the scratch directory would type them
     try:
         check_parses(fill(cmd.text, work, docs_toml), inline=cmd.inline)
     finally:
         os.chdir(old)
 
 
-RUN = [c for c in COMMANDS if not c.inline and (r := rule_for(c)) is not None and r.action == "run"
-       and r is not FIRST]
+RUN = [c for c in COMMANDS if not c.inline and (r := rule_for(c)) is not None and r.action == "run" and r is not FIRST]
 
 
 def chain_of(text: str) -> str:
@@ -491,8 +553,9 @@ def ran_docs(shared_run: Path, work: Path, docs_toml: Path) -> dict[str, str]:
         list(pool.map(run_chain, chains.values()))
     for doc, line, lang, body in OTHER_BLOCKS:
         if lang == "python":
-            r = subprocess.run([sys.executable, "-c", body], cwd=work, env=env_for({}), capture_output=True,
-                               text=True, timeout=300)
+            r = subprocess.run(
+                [sys.executable, "-c", body], cwd=work, env=env_for({}), capture_output=True, text=True, timeout=300
+            )
             if r.returncode != 0:
                 failed[f"{doc}:{line} (python)"] = f"exit {r.returncode}: {r.stderr[-1500:]}"
     return failed
@@ -502,7 +565,7 @@ def test_the_documented_runs_split_into_two_ordered_chains():
     """The side-by-side chains of ran_docs: each keeps what it reads after what makes it."""
     chains: dict[str, list[str]] = {}
     for cmd in RUN:
-        verb = next((w for w in cmd.text.split()[1:] if not w.startswith("-")), "")     # train, export, ...
+        verb = next((w for w in cmd.text.split()[1:] if not w.startswith("-")), "")  # train, export, ...
         chains.setdefault(chain_of(cmd.text), []).append(verb)
     assert set(chains) == {"shared", "llada", "examples"}
     llada = chains["llada"]
@@ -520,8 +583,9 @@ def test_documented_commands_run(ran_docs: dict[str, str]):
 
 def _anchors(text: str) -> set[str]:
     """GitHub's heading anchors: lower case, punctuation other than - and _ dropped, spaces to -."""
-    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
-            for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+    return {
+        re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#+ (.+)$", text, flags=re.M)
+    }
 
 
 def test_every_relative_link_in_the_docs_resolves():
@@ -531,12 +595,14 @@ def test_every_relative_link_in_the_docs_resolves():
     for doc in DOCS:
         text = doc.read_text()
         for target in re.findall(r"\]\(([^)\s]+)\)", text):
-            if re.match(r"^[a-z]+:", target):          # https:, mailto:
+            if re.match(r"^[a-z]+:", target):  # https:, mailto:
                 continue
             path, _, anchor = target.partition("#")
             dest = (doc.parent / path).resolve() if path else doc
             assert dest.exists(), f"{doc.relative_to(ROOT)}: link to {target}: no such file"
             if anchor and dest.suffix == ".md":
-                assert anchor in _anchors(dest.read_text()), f"{doc.relative_to(ROOT)}: link to {target}: no such heading"
+                assert anchor in _anchors(dest.read_text()), (
+                    f"{doc.relative_to(ROOT)}: link to {target}: no such heading"
+                )
             checked += 1
     assert checked > 30, checked

@@ -23,8 +23,18 @@ from test_data import FakeCuda
 from test_telemetry import fake_pynvml
 from trainer.contract import capabilities
 from trainer.contract.device import DeviceInfo
-from trainer.contract.doctor import (PATHS, REPORT_SCHEMA, CheckResult, DoctorReport, Outcome, Status, Where,
-                                     exit_code, path, validate_report)
+from trainer.contract.doctor import (
+    PATHS,
+    REPORT_SCHEMA,
+    CheckResult,
+    DoctorReport,
+    Outcome,
+    Status,
+    Where,
+    exit_code,
+    path,
+    validate_report,
+)
 
 CPU = DeviceInfo(type="cpu", name="Test CPU", cpu_count=2, total_memory=8 << 30)
 H100 = DeviceInfo(type="cuda", index=0, name="NVIDIA H100 80GB HBM3", capability=(9, 0), total_memory=80 << 30)
@@ -39,6 +49,7 @@ def owner(p):
 
 # --- the list of paths ------------------------------------------------------------------------------------
 
+
 def test_every_path_names_a_check_in_the_module_that_owns_it():
     assert len({p.name for p in PATHS}) == len(PATHS)
     for p in PATHS:
@@ -46,25 +57,36 @@ def test_every_path_names_a_check_in_the_module_that_owns_it():
         assert callable(fn) and fn.__module__ == p.owner.partition(":")[0], p.name
         params = inspect.signature(fn).parameters
         if p.in_gptop:
-            continue                       # gptop's own: called by gptop.doctor with what they need
+            continue  # gptop's own: called by gptop.doctor with what they need
         assert list(params)[:2] == ["dev", "quick"], p.name
         for key, _ in p.args:
             assert key in params, f"{p.name}: {p.owner} takes no {key!r}"
     # every compile mode and fp8 recipe the config offers has its path
     assert {p.name for p in PATHS if p.name.startswith("compile.")} == {
-        f"compile.{m}" for m in capabilities.CHOICES["compile"] if m != "off"}
+        f"compile.{m}" for m in capabilities.CHOICES["compile"] if m != "off"
+    }
     assert {p.name for p in PATHS if p.name.startswith("fp8.")} == {
-        f"fp8.{m.split('-', 1)[1]}" for m in capabilities.CHOICES["precision"] if m.startswith("fp8")}
+        f"fp8.{m.split('-', 1)[1]}" for m in capabilities.CHOICES["precision"] if m.startswith("fp8")
+    }
 
 
 # --- the record -------------------------------------------------------------------------------------------
 
+
 def report(*statuses: Status) -> DoctorReport:
-    checks = [CheckResult.of(p, Outcome(s, "seen", None if s is Status.PASS else "why", {"n": 1}), 0.5)
-              for p, s in zip(PATHS, statuses)]
-    return DoctorReport(requested="cpu", time=time.time(), machine={"torch": torch.__version__},
-                        device=CPU.to_dict(), precision_auto="fp32",
-                        capabilities={"precision": {"fp32": {"unsupported": None, "slow": None}}}, checks=checks)
+    checks = [
+        CheckResult.of(p, Outcome(s, "seen", None if s is Status.PASS else "why", {"n": 1}), 0.5)
+        for p, s in zip(PATHS, statuses)
+    ]
+    return DoctorReport(
+        requested="cpu",
+        time=time.time(),
+        machine={"torch": torch.__version__},
+        device=CPU.to_dict(),
+        precision_auto="fp32",
+        capabilities={"precision": {"fp32": {"unsupported": None, "slow": None}}},
+        checks=checks,
+    )
 
 
 def test_the_record_validates_against_its_schema_and_broken_ones_do_not():
@@ -92,10 +114,11 @@ def test_the_exit_code_is_0_only_when_no_path_that_applies_failed():
     failed = report(Status.PASS, Status.FAIL)
     assert exit_code(failed.checks) == 1 and not failed.ok
     (row,) = [c for c in failed.checks if c.status is Status.FAIL]
-    assert row.reason.startswith("why. ") and path(row.name).on_fail in row.reason    # says what it means
+    assert row.reason.startswith("why. ") and path(row.name).on_fail in row.reason  # says what it means
 
 
 # --- timing: CudaTimer(make_event=...) ----------------------------------------------------------------------
+
 
 class SyncEvent:
     """A CUDA event on a GPU that runs synchronously: record() stamps the host clock."""
@@ -124,8 +147,12 @@ class IdleStreamEvent(SyncEvent):
 def test_the_timing_check_fails_a_timer_whose_events_do_not_see_the_work(event, status):
     from trainer.timing import CudaTimer, check
 
-    got = check(H100, True, timer_factory=lambda: CudaTimer(make_event=event, stream=lambda: "compute"),
-                device=torch.device("cpu"))
+    got = check(
+        H100,
+        True,
+        timer_factory=lambda: CudaTimer(make_event=event, stream=lambda: "compute"),
+        device=torch.device("cpu"),
+    )
     assert got.status is status, got.observed
     if status is Status.FAIL:
         assert got.reason == "the timer's steps or phases disagree with the synchronized clock"
@@ -133,6 +160,7 @@ def test_the_timing_check_fails_a_timer_whose_events_do_not_see_the_work(event, 
 
 
 # --- prefetch: CudaCopier(ops=...) ------------------------------------------------------------------------------
+
 
 class StaleCopies(FakeCuda):
     """Hands out the previous copy's memory (an allocator reusing a buffer too early): stale data."""
@@ -159,6 +187,7 @@ def test_the_prefetch_check_fails_a_copier_that_hands_over_the_wrong_memory(ops,
 
 
 # --- NVML: Nvml(module=...) ---------------------------------------------------------------------------------------
+
 
 def nvml_with(module):
     from gptop.nvml import Nvml
@@ -188,17 +217,18 @@ def test_the_nvml_check_reads_every_metric_and_fails_what_does_not_read():
     # a Hopper GPU whose GPM does not read
     mod = fake_pynvml(count=1)
     mod.nvmlGpmQueryDeviceSupport = lambda h: types.SimpleNamespace(isSupportedDevice=1)
-    mod.c_nvmlGpmMetricsGet_t = object                     # the bindings have GPM ...
+    mod.c_nvmlGpmMetricsGet_t = object  # the bindings have GPM ...
     mod.nvmlGpmSampleAlloc = lambda: object()
     mod.nvmlGpmSampleFree = lambda s: None
 
-    def no_sample(handle, sample):                         # ... but no sample reads
+    def no_sample(handle, sample):  # ... but no sample reads
         raise pynvml.NVMLError_Unknown()
+
     mod.nvmlGpmSampleGet = no_sample
     got = check(nvml_with(mod), 0, sleep=no_sleep)
     assert got.status is Status.FAIL and "GPM metrics did not read although NVML says" in got.reason
     hidden = fake_pynvml(count=1)
-    hidden.nvmlDeviceGetCudaComputeCapability = lambda h: (9, 0)   # Hopper, GPM not offered (a VM): reported
+    hidden.nvmlDeviceGetCudaComputeCapability = lambda h: (9, 0)  # Hopper, GPM not offered (a VM): reported
     hidden.nvmlDeviceGetMaxClockInfo = lambda h, c: 1980
     hidden.nvmlDeviceGetCurrentClocksEventReasons = lambda h: 0
     got = check(nvml_with(hidden), 0, sleep=no_sleep)
@@ -212,13 +242,14 @@ def test_the_energy_check_needs_a_counter_that_moves_with_the_power():
     nv = nvml_with(fake)
     t = [0.0]
 
-    def working(s):                 # 300 W for s seconds, as the counter sees it
+    def working(s):  # 300 W for s seconds, as the counter sees it
         t[0] += s
         fake.energy[0] += int(300 * s * 1000)
+
     got = check_energy(nv, 0, sleep=working, clock=lambda: t[0])
     assert got.status is Status.PASS and got.data["counter_w"] == pytest.approx(300.0)
     t[0] = 0.0
-    got = check_energy(nv, 0, sleep=lambda s: t.__setitem__(0, t[0] + s), clock=lambda: t[0])   # never moves
+    got = check_energy(nv, 0, sleep=lambda s: t.__setitem__(0, t[0] + s), clock=lambda: t[0])  # never moves
     assert got.status is Status.FAIL and "did not move" in got.reason
     errors = {(0, "nvmlDeviceGetTotalEnergyConsumption"): pynvml.NVMLError_NotSupported}
     got = check_energy(nvml_with(fake_pynvml(count=1, errors=errors)), 0, sleep=lambda s: None)
@@ -232,11 +263,12 @@ def test_the_run_gpu_is_found_in_nvml_by_identity():
     nv = nvml_with(fake)
     assert index_of(nv, [fake.uuids[2].lower().removeprefix("gpu-")]) == 2
     assert index_of(nv, ["pci:0000:18:00"]) == 1 and index_of(nv, ["nothing"]) is None and index_of(nv, []) is None
-    dev = dataclasses.replace(H100, uuid="not-what-nvml-says", pci_bus_id="0000:19:00")   # the PCI address decides
+    dev = dataclasses.replace(H100, uuid="not-what-nvml-says", pci_bus_id="0000:19:00")  # the PCI address decides
     assert dev.keys == ["not-what-nvml-says", "pci:0000:19:00"] and index_of(nv, dev.keys) == 2
 
 
 # --- the allocator, GradScaler, TF32: their calls faked or run on the CPU ----------------------------------------------
+
 
 class FakeAllocator:
     def __init__(self, expandable):
@@ -268,11 +300,14 @@ def test_the_expandable_segments_check_reads_what_the_allocator_made(expandable,
 def test_the_grad_scaler_check_fails_a_scaler_that_does_not_back_off(monkeypatch):
     from trainer.optim import check_grad_scaler
 
-    got = check_grad_scaler(H100, True, device="cpu")          # fp16 autocast and GradScaler on the CPU
+    got = check_grad_scaler(H100, True, device="cpu")  # fp16 autocast and GradScaler on the CPU
     assert got.status is Status.PASS and "skipped; scale 4096 -> 2048" in got.observed
     real = torch.amp.GradScaler.update
-    monkeypatch.setattr(torch.amp.GradScaler, "update",          # a scaler that never backs off
-                        lambda self, new_scale=None: real(self, new_scale=self.get_scale()))
+    monkeypatch.setattr(
+        torch.amp.GradScaler,
+        "update",  # a scaler that never backs off
+        lambda self, new_scale=None: real(self, new_scale=self.get_scale()),
+    )
     got = check_grad_scaler(H100, True, device="cpu")
     assert got.status is Status.FAIL and "scale 4096 -> 4096" in got.observed
     assert got.reason == "GradScaler did not skip the overflow or lower its scale"
@@ -288,19 +323,23 @@ def test_the_tf32_check_fails_where_the_flag_has_no_effect():
 
 # --- where a path does not apply, it says why (the capability rules, one source) -----------------------------------------
 
-@pytest.mark.parametrize("name, dev, reason", [
-    ("tf32", T4, "compute capability 8.0"),
-    ("fp16", CPU, "fp16 autocast is for CUDA"),
-    ("bf16", T4, "compute capability 8.0"),
-    ("fp8.tensorwise", A100, "8.9 or newer"),
-    ("fp8.rowwise", CPU, "8.9 or newer"),
-    ("compile.reduce-overhead", CPU, "uses CUDA graphs"),
-    ("compile.max-autotune", CPU, "uses CUDA graphs"),
-    ("compile.default", dataclasses.replace(H100, has_compiler=False), "triton"),
-    ("expandable_segments", CPU, "CUDA allocator setting"),
-    ("qlora", CPU, "bitsandbytes' CUDA kernels"),
-    ("nccl", CPU, "NCCL is for CUDA devices"),
-])
+
+@pytest.mark.parametrize(
+    "name, dev, reason",
+    [
+        ("tf32", T4, "compute capability 8.0"),
+        ("fp16", CPU, "fp16 autocast is for CUDA"),
+        ("bf16", T4, "compute capability 8.0"),
+        ("fp8.tensorwise", A100, "8.9 or newer"),
+        ("fp8.rowwise", CPU, "8.9 or newer"),
+        ("compile.reduce-overhead", CPU, "uses CUDA graphs"),
+        ("compile.max-autotune", CPU, "uses CUDA graphs"),
+        ("compile.default", dataclasses.replace(H100, has_compiler=False), "triton"),
+        ("expandable_segments", CPU, "CUDA allocator setting"),
+        ("qlora", CPU, "bitsandbytes' CUDA kernels"),
+        ("nccl", CPU, "NCCL is for CUDA devices"),
+    ],
+)
 def test_a_path_the_device_rules_out_is_skipped_with_the_capabilitys_reason(name, dev, reason):
     p = path(name)
     got = owner(p)(dev, True, **dict(p.args))
@@ -343,6 +382,7 @@ def test_a_capability_table_entry_for_every_toggle_value():
 
 # --- the child processes -------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.process
 def test_each_check_runs_in_a_child_that_a_hang_or_a_crash_cannot_take_down(monkeypatch):
     import trainer.doctor as runner
@@ -359,10 +399,12 @@ def test_each_check_runs_in_a_child_that_a_hang_or_a_crash_cannot_take_down(monk
     def fine(dev, quick, **kw):
         return Outcome(Status.PASS, "fine", None, {"x": 1})
 
-    for fn, want in ((hang, ("timeout", "did not finish within 2 s (killed)")),
-                     (crash, ("died", "the check's process died (exit code 3) before it reported")),
-                     (boom, ("error", "ValueError: boom")),
-                     (fine, ("ok", {"status": "pass", "observed": "fine", "reason": None, "data": {"x": 1}}))):
+    for fn, want in (
+        (hang, ("timeout", "did not finish within 2 s (killed)")),
+        (crash, ("died", "the check's process died (exit code 3) before it reported")),
+        (boom, ("error", "ValueError: boom")),
+        (fine, ("ok", {"status": "pass", "observed": "fine", "reason": None, "data": {"x": 1}})),
+    ):
         monkeypatch.setattr(runner, "_owner", lambda p, fn=fn: fn)
         assert runner.run_in_child("timing", "cpu", True, 2.0) == want
 
@@ -376,7 +418,7 @@ def test_a_process_that_initialized_cuda_spawns_its_checks_instead_of_forking(mo
 
     import trainer.doctor as runner
 
-    assert runner.start_method() == "fork"                 # this CPU machine: CUDA never initialized
+    assert runner.start_method() == "fork"  # this CPU machine: CUDA never initialized
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert runner.start_method() == "spawn"
     kind, payload = runner.run_in_child("detect", "cpu", True, 120.0)
@@ -388,10 +430,16 @@ def test_gptop_doctor_quick_on_this_cpu(tmp_path):
     """The command as a user types it: every CPU path passes or says why it cannot run here, every CUDA path is
     skipped with its reason, the record validates, exit 0."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-m", "gptop", "doctor", "--quick", "--device", "cpu", "--json"], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300, env=env)
+    r = subprocess.run(
+        [sys.executable, "-m", "gptop", "doctor", "--quick", "--device", "cpu", "--json"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert len(r.stdout.splitlines()) == 1, r.stdout[-3000:]   # --json: one JSON line, as everywhere
+    assert len(r.stdout.splitlines()) == 1, r.stdout[-3000:]  # --json: one JSON line, as everywhere
     record = json.loads(r.stdout)
     assert validate_report(record) == []
     assert record["ok"] and record["device"]["type"] == "cpu" and record["precision_auto"] in ("fp32", "bf16")
@@ -404,25 +452,39 @@ def test_gptop_doctor_quick_on_this_cpu(tmp_path):
         elif not p.quick:
             assert row["status"] == "skip" and row["reason"] == "left out by --quick"
         elif row["status"] == "skip":
-            assert p.name == "rapl" and "RAPL" in row["reason"]        # root-only here; says so
+            assert p.name == "rapl" and "RAPL" in row["reason"]  # root-only here; says so
         else:
             assert row["status"] == "pass", row
     assert set(record["capabilities"]) == set(capabilities.CHOICES)
-    text = subprocess.run([sys.executable, "-m", "gptop", "doctor", "--quick", "--device", "cpu"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300, env=env)
+    text = subprocess.run(
+        [sys.executable, "-m", "gptop", "doctor", "--quick", "--device", "cpu"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert text.returncode == 0 and "every path that applies passed" in text.stdout
     assert "--precision auto ->" in text.stdout and "toggle values on this device" in text.stdout
 
 
 @pytest.mark.process
-@pytest.mark.parametrize("argv, option", [(["--device", "tpu"], "--device"), (["--timeout-scale", "0"], "--timeout-scale")])
+@pytest.mark.parametrize(
+    "argv, option", [(["--device", "tpu"], "--device"), (["--timeout-scale", "0"], "--timeout-scale")]
+)
 def test_bad_doctor_options_exit_2_naming_the_option(argv, option):
-    r = subprocess.run([sys.executable, "-m", "gptop", "doctor", *argv], capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    r = subprocess.run(
+        [sys.executable, "-m", "gptop", "doctor", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     assert r.returncode == 2 and option in r.stderr
 
 
 # --- docs/verified.md ------------------------------------------------------------------------------------------------
+
 
 def test_the_docs_say_what_was_verified_where_from_the_doctors_records():
     """docs/verified.md's "What was verified where" table is `python -m gptop.doctor --readme`: every path, and
@@ -432,8 +494,9 @@ def test_the_docs_say_what_was_verified_where_from_the_doctors_records():
     records = load_records()
     assert records, "no doctor record under docs/doctor/"
     table = readme_table(records)
-    assert table in (ROOT / "docs" / "verified.md").read_text(), \
+    assert table in (ROOT / "docs" / "verified.md").read_text(), (
         "docs/verified.md's table is stale: python -m gptop.doctor --readme"
+    )
     for name, _ in records:
         assert f"](doctor/{name})" in table and (ROOT / "docs" / "doctor" / name).is_file()
     for p in PATHS:
@@ -449,20 +512,26 @@ def test_a_stopped_doctor_leaves_no_process_behind(tmp_path):
     import psutil
 
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "gptop", "doctor", "--device", "cpu", "--json"], cwd=tmp_path,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gptop", "doctor", "--device", "cpu", "--json"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
     me = psutil.Process(proc.pid)
     family: set = set()
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and len(family) < 2:     # the runner, and a check's child under it
+    while time.monotonic() < deadline and len(family) < 2:  # the runner, and a check's child under it
         family |= {p.pid for p in me.children(recursive=True)}
         time.sleep(0.2)
     assert len(family) >= 2, "the doctor never started its processes"
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 128 + signal.SIGTERM
     gone_by = time.monotonic() + 30
-    while time.monotonic() < gone_by and any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
-                                             for p in family):
+    while time.monotonic() < gone_by and any(
+        psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in family
+    ):
         time.sleep(0.2)
     left = [p for p in family if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
     assert not left, f"left behind: {left}"

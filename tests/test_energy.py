@@ -20,8 +20,20 @@ from trainer.contract.events import StepEvent, dumps, make
 
 
 def step(n: int, t: float, tokens_per_step: int = 1000) -> StepEvent:
-    return make("step", step=n, tokens=n * tokens_per_step, loss=1.0, lr=1e-3, grad_norm=1.0, step_ms=100.0,
-                phases_ms=None, tokens_per_s=None, mfu=None, mem_bytes=None, time=t)
+    return make(
+        "step",
+        step=n,
+        tokens=n * tokens_per_step,
+        loss=1.0,
+        lr=1e-3,
+        grad_norm=1.0,
+        step_ms=100.0,
+        phases_ms=None,
+        tokens_per_s=None,
+        mfu=None,
+        mem_bytes=None,
+        time=t,
+    )
 
 
 def gpu_samples(mod, tmp_path, watts: list[float], clock: FakeClock, **kw):
@@ -31,7 +43,7 @@ def gpu_samples(mod, tmp_path, watts: list[float], clock: FakeClock, **kw):
     for w in watts:
         clock.t += 1.0
         for i in mod.energy:
-            mod.energy[i] += int(w * 1000)          # mJ
+            mod.energy[i] += int(w * 1000)  # mJ
         out.append(s.sample_once())
     s.stop()
     return out
@@ -39,13 +51,13 @@ def gpu_samples(mod, tmp_path, watts: list[float], clock: FakeClock, **kw):
 
 def test_nvml_counter_is_the_reading_and_the_dashboard_uses_it(tmp_path):
     clock = FakeClock(1_000.0)
-    mod = fake_pynvml(count=2, power_mw=1_000)      # sampled power (1 W) disagrees: the counter wins
+    mod = fake_pynvml(count=2, power_mw=1_000)  # sampled power (1 W) disagrees: the counter wins
     samples = gpu_samples(mod, tmp_path, [200.0, 400.0, 400.0], clock)
     e = E.measure(samples, 1_000.0, 1_003.0)
     assert e == E.Energy(2 * 1000.0, E.COUNTER_GPU)
     assert E.measure(samples, 1_001.5, 1_002.5).joules == pytest.approx(2 * 400.0)
 
-    state = RunState()                              # the dashboard: same samples, same computation
+    state = RunState()  # the dashboard: same samples, same computation
     for x in samples:
         state.apply(x)
     state.apply(step(10, 1_001.0))
@@ -62,7 +74,7 @@ def test_only_the_trainers_gpus_count_when_nvml_says_which(tmp_path):
     mod.nvmlDeviceGetComputeRunningProcesses = lambda h: ours if h == 1 else []
     samples = gpu_samples(mod, tmp_path, [100.0, 100.0], clock, pids=lambda: [os.getpid()])
     assert [g.proc_mem for g in samples[-1].devices] == [None, 2**30]
-    assert E.energy_between(samples, 1_000.0, 1_002.0) == pytest.approx(200.0)          # GPU 1 only
+    assert E.energy_between(samples, 1_000.0, 1_002.0) == pytest.approx(200.0)  # GPU 1 only
     assert E.energy_between(samples, 1_000.0, 1_002.0, devices=[0, 1]) == pytest.approx(400.0)
 
 
@@ -73,20 +85,26 @@ def test_the_runs_gpus_count_by_identity_when_the_pids_do_not_match(tmp_path):
 
     clock = FakeClock(1_000.0)
     mod = fake_pynvml(count=3)
-    stranger = [types.SimpleNamespace(pid=1, usedGpuMemory=2**30)]        # a PID from another namespace
+    stranger = [types.SimpleNamespace(pid=1, usedGpuMemory=2**30)]  # a PID from another namespace
     mod.nvmlDeviceGetComputeRunningProcesses = lambda h: stranger
     samples = gpu_samples(mod, tmp_path, [100.0, 100.0], clock, pids=lambda: [os.getpid()])
     assert all(g.proc_mem is None for g in samples[-1].devices)
-    assert E.energy_between(samples, 1_000.0, 1_002.0) == pytest.approx(600.0)          # all three
-    run = [gpu_key(mod.uuids[2].lower().removeprefix("gpu-"))]                          # torch's spelling
+    assert E.energy_between(samples, 1_000.0, 1_002.0) == pytest.approx(600.0)  # all three
+    run = [gpu_key(mod.uuids[2].lower().removeprefix("gpu-"))]  # torch's spelling
     assert E.energy_between(samples, 1_000.0, 1_002.0, run_gpus=run) == pytest.approx(200.0)
     by_pci = [gpu_key(None, "0000:17:00"), gpu_key(None, "0000:18:00")]
     assert E.energy_between(samples, 1_000.0, 1_002.0, run_gpus=by_pci) == pytest.approx(400.0)
     assert E.energy_between(samples, 1_000.0, 1_002.0, run_gpus=["not-a-gpu-here"]) == pytest.approx(600.0)
 
-    state = RunState()                                                   # the dashboard reads the hello's list
-    hello = make("hello", config={}, device={"type": "cuda", "index": 0, "name": "H100"},
-                 model={"family": "llama", "size": "tiny"}, gpus=run, time=999.0)
+    state = RunState()  # the dashboard reads the hello's list
+    hello = make(
+        "hello",
+        config={},
+        device={"type": "cuda", "index": 0, "name": "H100"},
+        model={"family": "llama", "size": "tiny"},
+        gpus=run,
+        time=999.0,
+    )
     for x in [hello, *samples]:
         state.apply(x)
     state.apply(step(10, 1_000.0))
@@ -98,7 +116,7 @@ def test_the_runs_gpus_count_by_identity_when_the_pids_do_not_match(tmp_path):
 def test_power_is_integrated_without_a_counter(tmp_path):
     clock = FakeClock(1_000.0)
     errors = {(0, "nvmlDeviceGetTotalEnergyConsumption"): pynvml.NVMLError_NotSupported}
-    mod = fake_pynvml(count=1, power_mw=300_000, errors=errors)      # pre-Volta: no counter
+    mod = fake_pynvml(count=1, power_mw=300_000, errors=errors)  # pre-Volta: no counter
     samples = gpu_samples(mod, tmp_path, [0.0, 0.0, 0.0], clock)
     assert all(x.devices[0].energy_j is None for x in samples)
     assert E.measure(samples, 1_000.0, 1_003.0) == E.Energy(pytest.approx(900.0), E.INTEGRATED)
@@ -111,7 +129,7 @@ def test_rapl_counter_on_a_cpu_run(tmp_path):
     s = make_sampler(fake_pynvml(init_error=pynvml.NVMLError_LibraryNotFound), tmp_path, clock=clock)
     s._rapl_root = str(root)
     samples = [s.sample_once()]
-    for uj in (30_000_000, 60_000_000, 90_000_000):              # 30 J per second: 30 W
+    for uj in (30_000_000, 60_000_000, 90_000_000):  # 30 J per second: 30 W
         clock.t += 1.0
         set_energy(root, "intel-rapl:0", uj)
         samples.append(s.sample_once())
@@ -125,7 +143,7 @@ def test_no_reading_is_none_with_a_reason(tmp_path):
     root = tmp_path / "powercap"
     rapl_tree(root, {"intel-rapl:0": ("package-0", 1, 100)})
     (root / "intel-rapl:0" / "energy_uj").unlink()
-    (root / "intel-rapl:0" / "energy_uj").mkdir()                     # unreadable, as for a non-root user
+    (root / "intel-rapl:0" / "energy_uj").mkdir()  # unreadable, as for a non-root user
     assert "not readable" in E.Rapl(str(root)).reason
     assert "no RAPL package domain" in E.Rapl(str(tmp_path / "absent")).reason
 
@@ -138,8 +156,10 @@ def test_no_reading_is_none_with_a_reason(tmp_path):
     assert E.measure(samples, 1_000.0, 1_001.0) is None
     assert "RAPL" in E.unavailable_reason(samples)
 
-    errors = {(0, f): pynvml.NVMLError_NotSupported
-              for f in ("nvmlDeviceGetTotalEnergyConsumption", "nvmlDeviceGetPowerUsage")}
+    errors = {
+        (0, f): pynvml.NVMLError_NotSupported
+        for f in ("nvmlDeviceGetTotalEnergyConsumption", "nvmlDeviceGetPowerUsage")
+    }
     gpu = gpu_samples(fake_pynvml(count=1, errors=errors), tmp_path, [0.0], FakeClock(1_000.0))
     assert E.measure(gpu, 1_000.0, 1_001.0) is None
     assert "neither an energy counter nor a power reading for GPU 0" in E.unavailable_reason(gpu)

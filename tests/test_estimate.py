@@ -45,14 +45,14 @@ def test_the_sizes_are_the_models_sizes():
 def test_memory_is_state_plus_activations_plus_runtime():
     est = E.estimate("llama", "small", seq_len=256, global_batch=16, micro_batch=None, capacity=None)
     tensors = sum(t.count for t in E.tensor_shapes("llama", "small"))
-    assert est.optimizer_bytes == 8 * est.total_params + 4 * tensors     # adamw: two fp32 moments, a step count
+    assert est.optimizer_bytes == 8 * est.total_params + 4 * tensors  # adamw: two fp32 moments, a step count
     assert est.state_bytes == 8 * est.total_params + est.optimizer_bytes  # + fp32 weights and gradients
     assert est.trainable_params == est.total_params
-    assert est.micro_batch == 1                      # auto: the first probe's
+    assert est.micro_batch == 1  # auto: the first probe's
     eight = E.estimate("llama", "small", seq_len=256, global_batch=16, micro_batch=8, capacity=None)
     assert eight.activation_bytes == 8 * est.activation_bytes
     assert est.total_bytes == est.state_bytes + est.activation_bytes + E.RUNTIME_BYTES["cpu"]
-    assert est.fits and est.step_s is None          # no capacity: nothing to refuse; no peak: no time
+    assert est.fits and est.step_s is None  # no capacity: nothing to refuse; no peak: no time
     bf16 = E.estimate("llama", "small", seq_len=256, global_batch=16, micro_batch=8, precision="bf16")
     assert bf16.activation_bytes < eight.activation_bytes
     ckpt = E.estimate("llama", "small", seq_len=256, global_batch=16, micro_batch=8, checkpointing=True)
@@ -72,13 +72,15 @@ def test_step_time_from_the_peak_and_the_assumed_mfu():
     est = E.estimate("llama", "tiny", seq_len=256, global_batch=16, micro_batch=16, peak_flops=1e11)
     assert est.step_s == pytest.approx(est.flops_per_token * 16 * 256 / (1e11 * E.ASSUMED_MFU))
     assert not est.slow
-    big = E.estimate("deepseek", "medium", seq_len=256, global_batch=16, micro_batch=None, peak_flops=2e11,
-                     capacity=24 * GiB)
+    big = E.estimate(
+        "deepseek", "medium", seq_len=256, global_batch=16, micro_batch=None, peak_flops=2e11, capacity=24 * GiB
+    )
     assert big.slow and big.fits
     assert big.summary("this CPU").startswith("deepseek medium on this CPU: ~14.")
     assert "min per step" in big.summary("this CPU")
-    two = E.estimate("deepseek", "medium", seq_len=256, global_batch=16, micro_batch=None, peak_flops=2e11,
-                     world_size=2)
+    two = E.estimate(
+        "deepseek", "medium", seq_len=256, global_batch=16, micro_batch=None, peak_flops=2e11, world_size=2
+    )
     assert two.step_s == pytest.approx(big.step_s / 2)
 
 
@@ -100,18 +102,21 @@ def test_fmt_seconds():
 
 @pytest.mark.process
 def test_estimate_is_torch_free():
-    code = ("import sys, trainer.contract.estimate as E; E.estimate('deepseek', 'large', seq_len=256, "
-            "global_batch=16, micro_batch=None); assert 'torch' not in sys.modules")
+    code = (
+        "import sys, trainer.contract.estimate as E; E.estimate('deepseek', 'large', seq_len=256, "
+        "global_batch=16, micro_batch=None); assert 'torch' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 # --- where the refusal happens ---------------------------------------------------------------------------
 
+
 def test_gptop_refuses_what_cannot_fit_before_starting_a_trainer(tmp_path, monkeypatch, capsys):
     from gptop import cli, preflight
 
     monkeypatch.setattr(preflight, "device_memory", lambda cfg: ("cpu", "this CPU", 6 * GiB))
-    monkeypatch.setattr(cli, "Session", None)        # nothing may be started
+    monkeypatch.setattr(cli, "Session", None)  # nothing may be started
     run_dir = tmp_path / "run"
     code = cli.main(["--no-ui", "train", "--model", "llama", "--size", "medium", "--run-dir", str(run_dir)])
     assert code == 2
@@ -126,11 +131,10 @@ def test_gptop_leaves_auto_sizes_and_model_directories_to_the_trainer(monkeypatc
 
     asked = []
     monkeypatch.setattr(preflight, "device_memory", lambda cfg: asked.append(cfg) or ("cpu", "this CPU", GiB))
-    ns = argparse.Namespace(nproc=1, nnodes="1", node_rank=None, rdzv_endpoint=None, rdzv_backend=None,
-                            rdzv_id=None)
+    ns = argparse.Namespace(nproc=1, nnodes="1", node_rank=None, rdzv_endpoint=None, rdzv_backend=None, rdzv_id=None)
     cfg = TrainConfig()
     cfg.model.size = "auto"
-    assert preflight.check_fits(ns, cfg) is None      # left to the trainer: nothing was checked here
+    assert preflight.check_fits(ns, cfg) is None  # left to the trainer: nothing was checked here
     cfg.model.size, cfg.model.model = "large", "./my-model"
     assert preflight.check_fits(ns, cfg) is None
     assert asked == []
@@ -151,7 +155,7 @@ def test_the_trainer_refuses_before_building_and_says_the_early_hello_first(tmp_
     trainer = Trainer(cfg, dev=small_machine)
     with pytest.raises(ConfigError, match="deepseek small on this CPU.*does not fit.*--size tiny"):
         trainer.setup()
-    assert not hasattr(trainer, "bundle")            # nothing was built
+    assert not hasattr(trainer, "bundle")  # nothing was built
     trainer.channel.close()
     (hello,) = list(read_events(tmp_path / "events.jsonl"))
     assert hello.type == "hello" and hello.early and hello.estimate.total_bytes > 4 * GiB
@@ -159,6 +163,7 @@ def test_the_trainer_refuses_before_building_and_says_the_early_hello_first(tmp_
 
 
 # --- the optimizer and LoRA: the state the run's options keep (issue 14) -----------------------------------
+
 
 def test_tensor_shapes_are_the_models_parameters():
     import torch
@@ -188,8 +193,15 @@ def _one_step(family: str, optimizer: str, lora: int):
     cfg = TrainConfig()
     cfg.model.model, cfg.model.size, cfg.toggles.optimizer, cfg.finetune.lora = family, "tiny", optimizer, lora
     dev = DeviceInfo(type="cpu", name="test cpu", total_memory=8 * GiB, cpu_count=2)
-    model = build_model(cfg.model, vocab_size=E.DEFAULT_VOCAB, seq_len=64, toggles=cfg.toggles, dev=dev,
-                        mask_id=E.DEFAULT_VOCAB if family == "llada" else None, seed=1).model
+    model = build_model(
+        cfg.model,
+        vocab_size=E.DEFAULT_VOCAB,
+        seq_len=64,
+        toggles=cfg.toggles,
+        dev=dev,
+        mask_id=E.DEFAULT_VOCAB if family == "llada" else None,
+        seed=1,
+    ).model
     if lora:
         model = apply_lora(model, cfg.finetune, seed=1)
     opt = optim.build_optimizer(model, cfg)
@@ -217,7 +229,7 @@ def test_optimizer_state_matches_torch_after_a_step(family, optimizer, lora):
 
 
 @pytest.mark.process
-@pytest.mark.compile      # torchao's low-bit AdamW compiles its update with torch.compile
+@pytest.mark.compile  # torchao's low-bit AdamW compiles its update with torch.compile
 @pytest.mark.parametrize("optimizer", ["adamw-8bit", "adamw-4bit"])
 @pytest.mark.parametrize("lora", [0, 8])
 def test_low_bit_optimizer_state_matches_torchao_after_a_step(optimizer, lora):
@@ -227,21 +239,30 @@ def test_low_bit_optimizer_state_matches_torchao_after_a_step(optimizer, lora):
 def test_the_options_shrink_the_state_and_the_lines_show_the_optimizer():
     kw = dict(seq_len=256, global_batch=16, micro_batch=None)
     full = E.estimate("llama", "large", **kw)
-    by = {o: E.estimate("llama", "large", optimizer=o, **kw).optimizer_bytes for o in
-          ("adamw", "adamw-8bit", "adamw-4bit", "adafactor")}
+    by = {
+        o: E.estimate("llama", "large", optimizer=o, **kw).optimizer_bytes
+        for o in ("adamw", "adamw-8bit", "adamw-4bit", "adafactor")
+    }
     assert by["adamw"] == full.optimizer_bytes
     assert 3.8 < by["adamw"] / by["adamw-8bit"] < 4.0 and 7.0 < by["adamw"] / by["adamw-4bit"] < 8.0
-    assert by["adamw"] / by["adafactor"] > 500     # rows + columns of 2048-wide matrices
+    assert by["adamw"] / by["adafactor"] > 500  # rows + columns of 2048-wide matrices
     lora = E.estimate("llama", "large", lora=8, **kw)
     assert lora.trainable_params < full.total_params / 100 and lora.optimizer_bytes < by["adamw"] / 100
-    assert lora.state_bytes < full.state_bytes / 3.5                  # the base keeps its weights only
+    assert lora.state_bytes < full.state_bytes / 3.5  # the base keeps its weights only
     nf4 = E.estimate("llama", "large", lora=8, quantize_base="nf4", **kw)
     int8 = E.estimate("llama", "large", lora=8, quantize_base="int8", **kw)
     assert nf4.state_bytes < int8.state_bytes < lora.state_bytes
     only_q = E.estimate("llama", "large", lora=8, lora_targets="q_proj", **kw)
-    assert only_q.trainable_params == 20 * 8 * (2048 + 2048)          # 20 layers, A and B of one 2048 x 2048
-    assert E.lora_targets("deepseek") == ["q_proj", "o_proj", "kv_a_proj_with_mqa", "kv_b_proj", "gate_proj",
-                                          "up_proj", "down_proj"]
+    assert only_q.trainable_params == 20 * 8 * (2048 + 2048)  # 20 layers, A and B of one 2048 x 2048
+    assert E.lora_targets("deepseek") == [
+        "q_proj",
+        "o_proj",
+        "kv_a_proj_with_mqa",
+        "kv_b_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ]
     assert E.fmt_size(3 * GiB) == "3.0 GiB" and E.fmt_size(24 << 20) == "24 MiB" and E.fmt_size(5000) == "5 KiB"
     summary = full.summary("this CPU")
     assert summary.startswith("llama large on this CPU: ~") and f"(optimizer {E.fmt_size(by['adamw'])})" in summary
@@ -266,22 +287,23 @@ def test_gptop_and_the_trainer_estimate_with_the_runs_optimizer_and_lora(monkeyp
     from trainer.contract.config import TrainConfig
 
     monkeypatch.setattr(preflight, "device_memory", lambda cfg: ("cuda", "a 12 GiB GPU", 12 * GiB))
-    ns = argparse.Namespace(nproc=1, nnodes="1", node_rank=None, rdzv_endpoint=None, rdzv_backend=None,
-                            rdzv_id=None)
+    ns = argparse.Namespace(nproc=1, nnodes="1", node_rank=None, rdzv_endpoint=None, rdzv_backend=None, rdzv_id=None)
     cfg = TrainConfig()
     cfg.model.model, cfg.model.size = "llama", "large"
     with pytest.raises(preflight.ConfigError, match=r"adamw state.*--size medium"):
         preflight.check_fits(ns, cfg)
     cfg.finetune.lora = 8
-    fit = preflight.check_fits(ns, cfg)             # the adapters' state fits where full training's does not
+    fit = preflight.check_fits(ns, cfg)  # the adapters' state fits where full training's does not
     assert fit is not None and fit.estimate.fits and fit.device == ("cuda", "a 12 GiB GPU", 12 * GiB)
     cfg.finetune.lora, cfg.toggles.optimizer = 0, "adafactor"
     preflight.check_fits(ns, cfg)
 
 
 @pytest.mark.parametrize("family", ["llama", "deepseek", "llada"])
-@pytest.mark.parametrize("options", [{}, {"optimizer": "adamw-8bit"}, {"optimizer": "adafactor"}, {"lora": 8},
-                                     {"lora": 4, "optimizer": "adamw-4bit"}])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"optimizer": "adamw-8bit"}, {"optimizer": "adafactor"}, {"lora": 8}, {"lora": 4, "optimizer": "adamw-4bit"}],
+)
 def test_auto_size_plans_with_the_estimates_own_state(family, options):
     """`--size auto` and the first run's estimate count the same persistent state (one formula)."""
     from trainer.contract.estimate import estimate, state_bytes

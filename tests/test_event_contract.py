@@ -24,8 +24,8 @@ from trainer.contract import events as ev
 
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCER_PACKAGES = ("trainer", "gptop", "tuner")
-EMITTERS = {"emit", "emit0", "emit_live", "emit_node", "make"}   # calls whose first argument names the event type
-BASE = {"v", "time", "rank", "extra"}         # set by every constructor
+EMITTERS = {"emit", "emit0", "emit_live", "emit_node", "make"}  # calls whose first argument names the event type
+BASE = {"v", "time", "rank", "extra"}  # set by every constructor
 
 
 @functools.lru_cache(maxsize=1)
@@ -84,36 +84,42 @@ def _local_keys(fn: ast.AST, var: str) -> set[str]:
             keys |= {k.value for k in value.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
         if isinstance(node, ast.Assign):
             for t in node.targets:
-                if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id == var \
-                        and isinstance(t.slice, ast.Constant) and isinstance(t.slice.value, str):
+                if (
+                    isinstance(t, ast.Subscript)
+                    and isinstance(t.value, ast.Name)
+                    and t.value.id == var
+                    and isinstance(t.slice, ast.Constant)
+                    and isinstance(t.slice.value, str)
+                ):
                     keys.add(t.slice.value)
     return keys
 
 
-def produced_fields(sources: dict[str, str], event_types: dict[str, type] | None = None
-                    ) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+def produced_fields(
+    sources: dict[str, str], event_types: dict[str, type] | None = None
+) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
     """(key -> every field name producers set, key -> names set directly at a building call), where key is an
     event's wire type or a record's class name."""
     classes, nested = schema(event_types)
     produced: dict[str, set[str]] = {}
     direct: dict[str, set[str]] = {}
-    forwarders: dict[str, str] = {}            # function name -> the key its **kwargs build
+    forwarders: dict[str, str] = {}  # function name -> the key its **kwargs build
 
     def target(call: ast.Call) -> str | None:
         name = _name(call.func)
         if name in classes and name not in (event_types or ev.EVENT_TYPES):
             return _key(classes[name])
-        if name in EMITTERS and call.args and isinstance(call.args[0], ast.Constant) \
-                and call.args[0].value in classes:
+        if name in EMITTERS and call.args and isinstance(call.args[0], ast.Constant) and call.args[0].value in classes:
             return _key(classes[call.args[0].value])
         return None
 
     trees = [ast.parse(src) for src in sources.values()]
-    functions = [(fn, tree) for tree in trees for fn in ast.walk(tree)
-                 if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    functions = [
+        (fn, tree) for tree in trees for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
     scopes = functions + [(tree, tree) for tree in trees]
     calls = [(node, scope) for scope, _ in scopes for node in ast.walk(scope) if isinstance(node, ast.Call)]
-    returned: dict[str, list[tuple[ast.AST, ast.Call]]] = {}     # function name -> the dict(...) calls it returns
+    returned: dict[str, list[tuple[ast.AST, ast.Call]]] = {}  # function name -> the dict(...) calls it returns
     for fn, _ in functions:
         for node in ast.walk(fn):
             if isinstance(node, ast.Return) and isinstance(node.value, ast.Call) and _name(node.value.func) == "dict":
@@ -130,14 +136,15 @@ def produced_fields(sources: dict[str, str], event_types: dict[str, type] | None
                 rec = nested.get((key, kw.arg))
                 if rec is not None and isinstance(kw.value, ast.Dict):
                     produced.setdefault(rec, set()).update(
-                        k.value for k in kw.value.keys if isinstance(k, ast.Constant))
+                        k.value for k in kw.value.keys if isinstance(k, ast.Constant)
+                    )
             elif isinstance(kw.value, ast.Call) and _name(kw.value.func) in returned:
                 for fn, ret in returned[_name(kw.value.func)]:
                     add(key, ret, fn, is_direct)
             elif isinstance(kw.value, ast.Name):
                 kwarg = getattr(getattr(scope, "args", None), "kwarg", None)
                 if kwarg is not None and kwarg.arg == kw.value.id:
-                    forwarders[scope.name] = key            # type: ignore[attr-defined]
+                    forwarders[scope.name] = key  # type: ignore[attr-defined]
                 else:
                     names |= _local_keys(scope, kw.value.id)
         return (len(names), len(forwarders)) != before
@@ -146,7 +153,7 @@ def produced_fields(sources: dict[str, str], event_types: dict[str, type] | None
         if (key := target(node)) is not None:
             add(key, node, scope, is_direct=True)
     changed = True
-    while changed:                                           # forwarders of forwarders (_report -> emit)
+    while changed:  # forwarders of forwarders (_report -> emit)
         changed = False
         for node, scope in calls:
             if _name(node.func) in forwarders:
@@ -178,8 +185,11 @@ def test_every_declared_field_is_written_by_some_producer():
 def test_producers_set_only_declared_fields():
     _, direct = real_scan()
     classes, _ = schema()
-    bad = {key: names - declared(classes[key]) - BASE for key, names in direct.items()
-           if names - declared(classes[key]) - BASE}
+    bad = {
+        key: names - declared(classes[key]) - BASE
+        for key, names in direct.items()
+        if names - declared(classes[key]) - BASE
+    }
     assert bad == {}
 
 
@@ -194,12 +204,20 @@ def test_consumers_do_not_read_events_as_dicts():
     for pkg in ("gptop", "tuner"):
         for path in sorted((ROOT / pkg).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) \
-                        and node.slice.value == "type":
-                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno} [\"type\"]")
-                if isinstance(node, ast.Call) and _name(node.func) == "get" and node.args \
-                        and isinstance(node.args[0], ast.Constant) and node.args[0].value == "type":
-                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno} .get(\"type\")")
+                if (
+                    isinstance(node, ast.Subscript)
+                    and isinstance(node.slice, ast.Constant)
+                    and node.slice.value == "type"
+                ):
+                    bad.append(f'{path.relative_to(ROOT)}:{node.lineno} ["type"]')
+                if (
+                    isinstance(node, ast.Call)
+                    and _name(node.func) == "get"
+                    and node.args
+                    and isinstance(node.args[0], ast.Constant)
+                    and node.args[0].value == "type"
+                ):
+                    bad.append(f'{path.relative_to(ROOT)}:{node.lineno} .get("type")')
     assert bad == []
 
 
@@ -208,6 +226,7 @@ def test_consumers_do_not_read_events_as_dicts():
 
 def test_a_declared_field_that_nobody_produces_fails_the_contract():
     """Today's mistake, replayed: a step field consumers read (energy_j) that no producer writes."""
+
     @dataclasses.dataclass(frozen=True, kw_only=True)
     class StepWithEnergy(ev.StepEvent):
         energy_j: float | None = None
@@ -218,7 +237,7 @@ def test_a_declared_field_that_nobody_produces_fails_the_contract():
 
 
 def test_the_scan_follows_local_dicts_forwarders_and_nested_records():
-    src = '''
+    src = """
 def flush(ch):
     fields: dict = dict(step=1, tokens=2)
     fields["loss"] = 3.0
@@ -241,13 +260,13 @@ def hello_fields(n):
 
 def announce(ch):
     ch.emit0("hello", **hello_fields(2))
-'''
+"""
     produced, direct = produced_fields({"x.py": src})
     assert {"step", "tokens", "loss"} <= produced["step"]
     assert {"kind", "message", "lost_peer", "toggles"} <= produced["error"]
-    assert "lost_peer" not in direct["error"]                 # forwarded, not set at the building call
+    assert "lost_peer" not in direct["error"]  # forwarded, not set at the building call
     assert produced["ModelInfo"] == {"family", "size"} and produced["GpuReading"] == {"index", "name"}
-    assert {"world_size", "model"} <= direct["hello"]                 # from the dict hello_fields returns
+    assert {"world_size", "model"} <= direct["hello"]  # from the dict hello_fields returns
     missing = unproduced(produced)
     assert "interval_steps" in missing["StepEvent"] and "exit_code" in missing["ErrorEvent"]
 
@@ -257,7 +276,18 @@ def test_attributes_are_the_only_way_in():
     tests, instead of getting a silent None from `.get` in production."""
     for cls in [*ev.EVENT_TYPES.values(), *ev.RECORDS]:
         assert not hasattr(cls, "get") and not hasattr(cls, "__getitem__"), cls
-    step = ev.make("step", step=1, tokens=1, loss=None, lr=None, grad_norm=None, step_ms=None, phases_ms=None,
-                   tokens_per_s=None, mfu=None, mem_bytes=None)
+    step = ev.make(
+        "step",
+        step=1,
+        tokens=1,
+        loss=None,
+        lr=None,
+        grad_norm=None,
+        step_ms=None,
+        phases_ms=None,
+        tokens_per_s=None,
+        mfu=None,
+        mem_bytes=None,
+    )
     with pytest.raises(AttributeError):
-        step.energy_j                                       # noqa: B018
+        step.energy_j  # noqa: B018

@@ -24,7 +24,7 @@ from trainer.contract.config import Toggles, section_from_dict
 from trainer.contract.device import DeviceInfo
 
 HERE = Path(__file__).resolve().parent
-V1 = HERE / "fixtures" / "events_v1.jsonl"    # lines written by the previous version (b2eeb9a), unchanged
+V1 = HERE / "fixtures" / "events_v1.jsonl"  # lines written by the previous version (b2eeb9a), unchanged
 
 
 def full_instances() -> list[ev.Event]:
@@ -32,52 +32,178 @@ def full_instances() -> list[ev.Event]:
     t = 1_700_000_000.5
     toggles = {"precision": "bf16", "compile": "default", "micro_batch": "8"}
     return [
-        ev.HelloEvent(time=t, rank=0, config={"toggles": toggles, "optim": {"max_steps": 10}},
-                      device=DeviceInfo(type="cuda", index=0, name="H100", capability=(9, 0), total_memory=80,
-                                        cpu_count=16, has_compiler=True, cpu_bf16=False),
-                      model=ev.ModelInfo(family="deepseek", size="tiny", total_params=3, active_params=2,
-                                         embedding_params=1, vocab_size=64, flops_per_token=18, objective="causal"),
-                      pid=42, world_size=2, parallel="ddp", data={"train_tokens": 5, "fingerprint": "ab"},
-                      accumulation=2, micro_batch=4, tokens_per_step=256, peak_flops=1e12, resumed_from="/r/c.pt",
-                      start_step=6, torch="2.13.0", early=True, estimate={"total_bytes": 1 << 30, "step_s": 2.5}),
-        ev.StepEvent(time=t, rank=1, step=7, tokens=700, loss=2.5, lr=1e-3, grad_norm=0.5, step_ms=100.0,
-                     phases_ms={p: 20.0 for p in ev.PHASES}, tokens_per_s=7000.0, mfu=0.3, mem_bytes=1 << 30,
-                     interval_steps=2, wall_ms=101.0, batch=6, gpu_idle_ms=3.0, comm_ms=4.0,
-                     expert_load=[[0.5, 0.5], [0.25, 0.75]]),
+        ev.HelloEvent(
+            time=t,
+            rank=0,
+            config={"toggles": toggles, "optim": {"max_steps": 10}},
+            device=DeviceInfo(
+                type="cuda",
+                index=0,
+                name="H100",
+                capability=(9, 0),
+                total_memory=80,
+                cpu_count=16,
+                has_compiler=True,
+                cpu_bf16=False,
+            ),
+            model=ev.ModelInfo(
+                family="deepseek",
+                size="tiny",
+                total_params=3,
+                active_params=2,
+                embedding_params=1,
+                vocab_size=64,
+                flops_per_token=18,
+                objective="causal",
+            ),
+            pid=42,
+            world_size=2,
+            parallel="ddp",
+            data={"train_tokens": 5, "fingerprint": "ab"},
+            accumulation=2,
+            micro_batch=4,
+            tokens_per_step=256,
+            peak_flops=1e12,
+            resumed_from="/r/c.pt",
+            start_step=6,
+            torch="2.13.0",
+            early=True,
+            estimate={"total_bytes": 1 << 30, "step_s": 2.5},
+        ),
+        ev.StepEvent(
+            time=t,
+            rank=1,
+            step=7,
+            tokens=700,
+            loss=2.5,
+            lr=1e-3,
+            grad_norm=0.5,
+            step_ms=100.0,
+            phases_ms={p: 20.0 for p in ev.PHASES},
+            tokens_per_s=7000.0,
+            mfu=0.3,
+            mem_bytes=1 << 30,
+            interval_steps=2,
+            wall_ms=101.0,
+            batch=6,
+            gpu_idle_ms=3.0,
+            comm_ms=4.0,
+            expert_load=[[0.5, 0.5], [0.25, 0.75]],
+        ),
         ev.EvalEvent(time=t, step=7, loss=2.6, seconds=0.5),
         ev.CheckpointEvent(time=t, step=7, path="/r/c.pt", seconds=0.2, reason="interval", tokens=700),
-        ev.LogEvent(time=t, message="hi", source="tuner", path="/r/p.json", study="s",
-                    decision={"apply": True}),
+        ev.LogEvent(time=t, message="hi", source="tuner", path="/r/p.json", study="s", decision={"apply": True}),
         ev.WarningEvent(time=t, message="w", kind="nan_rollback", step=4, batch=5, skip_batches=[5], lr_scale=0.5),
-        ev.ErrorEvent(time=t, kind="oom", message="m", step=3, exit_code=3, toggles=toggles, memory={"rss": 1},
-                      lost_peer=True),
+        ev.ErrorEvent(
+            time=t, kind="oom", message="m", step=3, exit_code=3, toggles=toggles, memory={"rss": 1}, lost_peer=True
+        ),
         ev.DoneEvent(time=t, step=10, tokens=1000, seconds=9.5, reason="max_steps", checkpoint="/r/c.pt"),
-        ev.DeviceEvent(time=t, mode="gpu", devices=[ev.GpuReading(
-            index=0, name="H100", util_pct=90.0, mem_used=1, mem_total=2, power_w=500.0, power_limit_w=700.0,
-            energy_j=1e5, temp_c=60.0, sm_clock_mhz=1980.0, proc_mem=1)],
-            cpu=ev.CpuReading(name="Xeon", util_pct=10.0, per_core=[5.0, 15.0], mem_used=1, mem_total=2,
-                              proc_rss=1, proc_cpu_pct=3.0, power_w=90.0, energy_j=10.0)),
-        ev.TrialEvent(time=t, number=3, toggles=toggles, status="infeasible", tokens_per_s=1.0, spread=0.1,
-                      peak_mem=5, energy_per_token=0.01, reason="nan", kind="trial", source="sampler",
-                      duration_s=3.0, remeasure_tokens_per_s=1.1, remeasure_spread=0.2,
-                      rollback={"step": 2, "path": None, "deleted": []}),
-        ev.ApplyEvent(time=t, toggles=toggles, decision={"apply": True}, number=3, tokens_per_s=2.0,
-                      baseline_tokens_per_s=1.0, step=9),
-        ev.TunerEvent(time=t, phase="done", budget_left_s=10.0, trial=3, trials_run=4, trials_planned=8,
-                      study="s", outcome="applied trial 3", applied=True),
+        ev.DeviceEvent(
+            time=t,
+            mode="gpu",
+            devices=[
+                ev.GpuReading(
+                    index=0,
+                    name="H100",
+                    util_pct=90.0,
+                    mem_used=1,
+                    mem_total=2,
+                    power_w=500.0,
+                    power_limit_w=700.0,
+                    energy_j=1e5,
+                    temp_c=60.0,
+                    sm_clock_mhz=1980.0,
+                    proc_mem=1,
+                )
+            ],
+            cpu=ev.CpuReading(
+                name="Xeon",
+                util_pct=10.0,
+                per_core=[5.0, 15.0],
+                mem_used=1,
+                mem_total=2,
+                proc_rss=1,
+                proc_cpu_pct=3.0,
+                power_w=90.0,
+                energy_j=10.0,
+            ),
+        ),
+        ev.TrialEvent(
+            time=t,
+            number=3,
+            toggles=toggles,
+            status="infeasible",
+            tokens_per_s=1.0,
+            spread=0.1,
+            peak_mem=5,
+            energy_per_token=0.01,
+            reason="nan",
+            kind="trial",
+            source="sampler",
+            duration_s=3.0,
+            remeasure_tokens_per_s=1.1,
+            remeasure_spread=0.2,
+            rollback={"step": 2, "path": None, "deleted": []},
+        ),
+        ev.ApplyEvent(
+            time=t,
+            toggles=toggles,
+            decision={"apply": True},
+            number=3,
+            tokens_per_s=2.0,
+            baseline_tokens_per_s=1.0,
+            step=9,
+        ),
+        ev.TunerEvent(
+            time=t,
+            phase="done",
+            budget_left_s=10.0,
+            trial=3,
+            trials_run=4,
+            trials_planned=8,
+            study="s",
+            outcome="applied trial 3",
+            applied=True,
+        ),
         ev.StatusEvent(time=t, status="failed", message="why"),
         ev.ProgressEvent(time=t, step=8, tokens=800, step_ms=99.0),
         ev.PhaseEvent(time=t, phase="tokenizing", message="tokenizing builtin", pct=40.0),
-        ev.AlertEvent(time=t, id="stall-1", kind=ev.AlertKind.STALL, severity=ev.Severity.CRITICAL,
-                      message="no step for 31 s", resolved=True, step=7, figures={"seconds": 31.0}, ranks=[1],
-                      node="n1", device="gpu0"),
-        ev.ProfileEvent(time=t, first=3, last=5, path="/r/profiles/steps-3-5.json",
-                        summary_path="/r/profiles/steps-3-5.summary.json", step_ms=12.5,
-                        phases=[ev.PhaseProfile(phase="forward", ms=20.0, op_share=0.8, gpu_ms=18.0,
-                                                ops=[ev.OpTime(name="aten::mm", ms=10.0, share=0.5, calls=6)],
-                                                kernels=[ev.OpTime(name="gemm", ms=9.0, share=0.5, calls=6)])],
-                        short_op_share=0.1, short_kernel_share=0.2, gpu_idle_share=0.3, gpu_idle_host_share=0.2,
-                        comm_overlap=0.7),
+        ev.AlertEvent(
+            time=t,
+            id="stall-1",
+            kind=ev.AlertKind.STALL,
+            severity=ev.Severity.CRITICAL,
+            message="no step for 31 s",
+            resolved=True,
+            step=7,
+            figures={"seconds": 31.0},
+            ranks=[1],
+            node="n1",
+            device="gpu0",
+        ),
+        ev.ProfileEvent(
+            time=t,
+            first=3,
+            last=5,
+            path="/r/profiles/steps-3-5.json",
+            summary_path="/r/profiles/steps-3-5.summary.json",
+            step_ms=12.5,
+            phases=[
+                ev.PhaseProfile(
+                    phase="forward",
+                    ms=20.0,
+                    op_share=0.8,
+                    gpu_ms=18.0,
+                    ops=[ev.OpTime(name="aten::mm", ms=10.0, share=0.5, calls=6)],
+                    kernels=[ev.OpTime(name="gemm", ms=9.0, share=0.5, calls=6)],
+                )
+            ],
+            short_op_share=0.1,
+            short_kernel_share=0.2,
+            gpu_idle_share=0.3,
+            gpu_idle_host_share=0.2,
+            comm_overlap=0.7,
+        ),
     ]
 
 
@@ -88,8 +214,9 @@ def test_full_instances_cover_every_type():
     assert {type(e) for e in full_instances()} == set(ev.EVENT_TYPES.values())
 
 
-@pytest.mark.parametrize("event", full_instances() + gpu_run(60, ranks=2, tuning_done=True) + cpu_run(30),
-                         ids=lambda e: e.type)
+@pytest.mark.parametrize(
+    "event", full_instances() + gpu_run(60, ranks=2, tuning_done=True) + cpu_run(30), ids=lambda e: e.type
+)
 def test_dumps_round_trips_through_parse(event):
     line = ev.dumps(event)
     back = ev.parse(line)
@@ -113,7 +240,7 @@ def test_a_previous_versions_lines_parse_into_their_classes_with_nothing_unknown
     for line in lines:
         e = ev.parse(line)
         old = json.loads(line)
-        assert type(e) is ev.EVENT_TYPES[old["type"]] and e.extra == {}, line     # every field they wrote is declared
+        assert type(e) is ev.EVENT_TYPES[old["type"]] and e.extra == {}, line  # every field they wrote is declared
         new = json.loads(ev.dumps(e))
         if e.type in ("trial", "apply"):
             # toggles are decoded as a stored config is: an older version's values as today's (micro_batch
@@ -126,7 +253,7 @@ def test_a_previous_versions_lines_parse_into_their_classes_with_nothing_unknown
         assert all(_kept(x, new.get(k)) for k, x in old.items()), line
         assert all(new[k] is not None and new[k] == getattr(e, k) for k in set(new) - set(old) - {"toggles"}), line
         seen.add(e.type)
-    assert seen == set(ev.EVENT_TYPES) - {"progress", "phase", "profile", "alert"}     # the types added since
+    assert seen == set(ev.EVENT_TYPES) - {"progress", "phase", "profile", "alert"}  # the types added since
 
 
 def test_a_previous_versions_run_replays_in_the_views_and_the_report(tmp_path):
@@ -145,10 +272,16 @@ def test_a_previous_versions_run_replays_in_the_views_and_the_report(tmp_path):
     assert "step 4/4 loss" in out.getvalue() and "error [oom]" in out.getvalue()
     run = tmp_path / "run"
     run.mkdir()
-    (run / "events.jsonl").write_text("".join(line + "\n" for line in V1.read_text().splitlines()   # rank 0's file
-                                              if '"rank":1' not in line))
-    (run / "device.jsonl").write_text("".join(line + "\n" for line in V1.read_text().splitlines()
-                                              if '"type":"device"' in line))
+    (run / "events.jsonl").write_text(
+        "".join(
+            line + "\n"
+            for line in V1.read_text().splitlines()  # rank 0's file
+            if '"rank":1' not in line
+        )
+    )
+    (run / "device.jsonl").write_text(
+        "".join(line + "\n" for line in V1.read_text().splitlines() if '"type":"device"' in line)
+    )
     s = summarize(run)
     assert s["steps"] == 4 and s["model"]["family"] == "deepseek" and "malformed" not in s
     assert {e["kind"] for e in s["errors"]} == {"nan", "oom"} and s["done"] == "max_steps"
@@ -158,48 +291,83 @@ def test_a_previous_versions_run_replays_in_the_views_and_the_report(tmp_path):
 # --------------------------------------------------------------------------- validation
 
 
-@pytest.mark.parametrize("line, why", [
-    ("not json", "not JSON"),
-    (b"\xff\xfe", "not JSON"),
-    ("[1, 2]", "not a JSON object"),
-    ('{"type":"log","time":1,"rank":0,"message":"m"}', "missing 'v'"),
-    ('{"v":1,"time":1,"rank":0,"message":"m"}', "missing 'type'"),
-    ('{"v":1,"type":"log","rank":0,"message":"m"}', "missing 'time'"),
-    ('{"v":1,"type":"log","time":1,"message":"m"}', "missing 'rank'"),
-    ('{"v":2,"type":"log","time":1,"rank":0,"message":"m"}', "schema version"),
-    ('{"v":true,"type":"log","time":1,"rank":0,"message":"m"}', "schema version"),
-    ('{"v":1,"type":7,"time":1,"rank":0}', "'type'"),
-    ('{"v":1,"type":"log","time":"now","rank":0,"message":"m"}', "log.time"),
-    ('{"v":1,"type":"log","time":NaN,"rank":0,"message":"m"}', "not a finite number"),
-    ('{"v":1,"type":"log","time":1,"rank":0.5,"message":"m"}', "log.rank"),
-    ('{"v":1,"type":"log","time":1,"rank":0}', "log event missing message"),
-    ('{"v":1,"type":"log","time":1,"rank":0,"message":5}', "log.message"),
-    ('{"v":1,"type":"step","time":1,"rank":0,"step":1}', "step event missing tokens"),
-    ('{"v":1,"type":"device","time":1,"rank":0,"devices":5}', "device.devices"),
-    ('{"v":1,"type":"device","time":1,"rank":0,"devices":[{"name":"g"}]}', "GpuReading missing index"),
-    ('{"v":1,"type":"hello","time":1,"rank":0,"config":{"toggles":3},"device":{"type":"cpu"},"model":{}}',
-     "hello.config"),
-    ('{"v":1,"type":"hello","time":1,"rank":0,"config":{},"device":{"type":"cpu","capability":[9]},"model":{}}',
-     "capability"),
-    ('{"v":1,"type":"hello","time":1,"rank":0,"config":{},"device":{"type":"cpu"},"model":{"total_params":1.5}}',
-     "total_params"),
-    ('{"v":1,"type":"trial","time":1,"rank":0,"number":1,"toggles":[],"status":"ok"}', "trial.toggles"),
-    ('{"v":1,"type":"error","time":1,"rank":0,"kind":"oom","message":"m","lost_peer":"yes"}', "error.lost_peer"),
-])
+@pytest.mark.parametrize(
+    "line, why",
+    [
+        ("not json", "not JSON"),
+        (b"\xff\xfe", "not JSON"),
+        ("[1, 2]", "not a JSON object"),
+        ('{"type":"log","time":1,"rank":0,"message":"m"}', "missing 'v'"),
+        ('{"v":1,"time":1,"rank":0,"message":"m"}', "missing 'type'"),
+        ('{"v":1,"type":"log","rank":0,"message":"m"}', "missing 'time'"),
+        ('{"v":1,"type":"log","time":1,"message":"m"}', "missing 'rank'"),
+        ('{"v":2,"type":"log","time":1,"rank":0,"message":"m"}', "schema version"),
+        ('{"v":true,"type":"log","time":1,"rank":0,"message":"m"}', "schema version"),
+        ('{"v":1,"type":7,"time":1,"rank":0}', "'type'"),
+        ('{"v":1,"type":"log","time":"now","rank":0,"message":"m"}', "log.time"),
+        ('{"v":1,"type":"log","time":NaN,"rank":0,"message":"m"}', "not a finite number"),
+        ('{"v":1,"type":"log","time":1,"rank":0.5,"message":"m"}', "log.rank"),
+        ('{"v":1,"type":"log","time":1,"rank":0}', "log event missing message"),
+        ('{"v":1,"type":"log","time":1,"rank":0,"message":5}', "log.message"),
+        ('{"v":1,"type":"step","time":1,"rank":0,"step":1}', "step event missing tokens"),
+        ('{"v":1,"type":"device","time":1,"rank":0,"devices":5}', "device.devices"),
+        ('{"v":1,"type":"device","time":1,"rank":0,"devices":[{"name":"g"}]}', "GpuReading missing index"),
+        (
+            '{"v":1,"type":"hello","time":1,"rank":0,"config":{"toggles":3},"device":{"type":"cpu"},"model":{}}',
+            "hello.config",
+        ),
+        (
+            '{"v":1,"type":"hello","time":1,"rank":0,"config":{},"device":{"type":"cpu","capability":[9]},"model":{}}',
+            "capability",
+        ),
+        (
+            '{"v":1,"type":"hello","time":1,"rank":0,"config":{},"device":{"type":"cpu"},"model":{"total_params":1.5}}',
+            "total_params",
+        ),
+        ('{"v":1,"type":"trial","time":1,"rank":0,"number":1,"toggles":[],"status":"ok"}', "trial.toggles"),
+        ('{"v":1,"type":"error","time":1,"rank":0,"kind":"oom","message":"m","lost_peer":"yes"}', "error.lost_peer"),
+    ],
+)
 def test_malformed_records_raise_malformed_event(line, why):
     with pytest.raises(ev.MalformedEvent, match=why):
         ev.parse(line)
 
 
-STEP = dict(v=1, type="step", time=1.0, rank=0, step=1, tokens=4, loss=2.0, lr=1e-3, grad_norm=1.0, step_ms=10.0,
-            phases_ms={"data": 1.0}, tokens_per_s=400.0, mfu=None, mem_bytes=1)
+STEP = dict(
+    v=1,
+    type="step",
+    time=1.0,
+    rank=0,
+    step=1,
+    tokens=4,
+    loss=2.0,
+    lr=1e-3,
+    grad_norm=1.0,
+    step_ms=10.0,
+    phases_ms={"data": 1.0},
+    tokens_per_s=400.0,
+    mfu=None,
+    mem_bytes=1,
+)
 
 
-@pytest.mark.parametrize("field, value", [
-    ("phases_ms", "x"), ("phases_ms", {"data": "x"}), ("phases_ms", [1.0]), ("step", 1.5), ("step", True),
-    ("tokens", "4"), ("loss", "2.0"), ("loss", True), ("mem_bytes", 1.0), ("expert_load", [1.0, 2.0]),
-    ("expert_load", [["a"]]), ("interval_steps", 2.0),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("phases_ms", "x"),
+        ("phases_ms", {"data": "x"}),
+        ("phases_ms", [1.0]),
+        ("step", 1.5),
+        ("step", True),
+        ("tokens", "4"),
+        ("loss", "2.0"),
+        ("loss", True),
+        ("mem_bytes", 1.0),
+        ("expert_load", [1.0, 2.0]),
+        ("expert_load", [["a"]]),
+        ("interval_steps", 2.0),
+    ],
+)
 def test_every_field_is_type_checked(field, value):
     with pytest.raises(ev.MalformedEvent, match=f"step.{field}"):
         ev.from_dict(dict(STEP, **{field: value}))
@@ -208,12 +376,13 @@ def test_every_field_is_type_checked(field, value):
 def test_non_finite_numbers_are_null_where_a_field_allows_it():
     e = ev.parse(json.dumps(dict(STEP, loss=None)).replace("null", "NaN"))
     assert e.loss is None
-    made = ev.make("step", **{k: v for k, v in STEP.items() if k not in ("v", "type", "time", "grad_norm")},
-                   grad_norm=float("inf"))
+    made = ev.make(
+        "step", **{k: v for k, v in STEP.items() if k not in ("v", "type", "time", "grad_norm")}, grad_norm=float("inf")
+    )
     assert made.grad_norm is None and ev.parse(ev.dumps(made)) == made
     assert ev.from_dict(dict(STEP, phases_ms={"data": float("nan")})).phases_ms == {"data": None}
     with pytest.raises(ev.MalformedEvent, match="not a finite number"):
-        ev.from_dict(dict(STEP, expert_load=[[float("inf")]]))       # inside a list a number must be a number
+        ev.from_dict(dict(STEP, expert_load=[[float("inf")]]))  # inside a list a number must be a number
 
 
 def test_unknown_fields_are_kept_and_written_back():
@@ -252,15 +421,19 @@ def test_make_builds_by_name_and_refuses_what_is_not_declared():
 def test_events_are_immutable_values():
     e = full_instances()[1]
     with pytest.raises(AttributeError):
-        e.step = 8                                           # type: ignore[misc]
+        e.step = 8  # type: ignore[misc]
     assert e == ev.parse(ev.dumps(e)) and e != ev.from_dict(dict(json.loads(ev.dumps(e)), step=8))
 
 
 # --------------------------------------------------------------------------- every reader counts and skips
 
 
-BAD_LINES = [b"{not json", b'{"v":1,"type":"device","time":1,"rank":0,"devices":5}',
-             b'{"v":1,"type":"step","time":1,"rank":0,"step":"ten"}', b'[]']
+BAD_LINES = [
+    b"{not json",
+    b'{"v":1,"type":"device","time":1,"rank":0,"devices":5}',
+    b'{"v":1,"type":"step","time":1,"rank":0,"step":"ten"}',
+    b"[]",
+]
 
 
 def mixed_file(path: Path) -> list[ev.Event]:
@@ -293,18 +466,21 @@ def test_report_counts_malformed_lines_in_events_and_device_files(tmp_path):
     assert "skipped   4 malformed line(s) in events.jsonl" in text and "in device.jsonl" in text
 
 
-@pytest.mark.parametrize("content, why", [
-    (b"{oops", "not readable JSON"),
-    (b"\xff\xfe\x00", "not readable JSON"),
-    (b"[1, 2]", "not a JSON object"),
-    (b'{"best": 5}', "'best' is int"),
-    (b'{"speedup": "fast"}', "'speedup' is str"),
-    (b'{"trials": {"a": 1}}', "'trials' is dict"),
-    (b'{"trials": [5]}', "trials[0] is int"),
-    (b'{"trials": [{"run": "this", "status": 3}]}', "trials[0].status"),
-    (b'{"ledger": {"tuning_s": "10s"}}', "'ledger.tuning_s'"),
-    (b'{"best_number": true}', "'best_number' is bool"),
-])
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        (b"{oops", "not readable JSON"),
+        (b"\xff\xfe\x00", "not readable JSON"),
+        (b"[1, 2]", "not a JSON object"),
+        (b'{"best": 5}', "'best' is int"),
+        (b'{"speedup": "fast"}', "'speedup' is str"),
+        (b'{"trials": {"a": 1}}', "'trials' is dict"),
+        (b'{"trials": [5]}', "trials[0] is int"),
+        (b'{"trials": [{"run": "this", "status": 3}]}', "trials[0].status"),
+        (b'{"ledger": {"tuning_s": "10s"}}', "'ledger.tuning_s'"),
+        (b'{"best_number": true}', "'best_number' is bool"),
+    ],
+)
 def test_a_damaged_tuning_json_is_reported_and_skipped(tmp_path, content, why):
     for e in cpu_run(20):
         with open(tmp_path / "events.jsonl", "a") as f:
@@ -330,8 +506,9 @@ def test_a_report_never_prints_empty_parentheses(tmp_path, trials):
     for e in cpu_run(20):
         with open(tmp_path / "events.jsonl", "a") as f:
             f.write(ev.dumps(e) + "\n")
-    (tmp_path / "tuning.json").write_text(json.dumps({"best": None, "trials": trials,
-                                                      "ledger": {"tuning_s": 12.0, "budget_s": 60.0}}))
+    (tmp_path / "tuning.json").write_text(
+        json.dumps({"best": None, "trials": trials, "ledger": {"tuning_s": 12.0, "budget_s": 60.0}})
+    )
     text = format_report(summarize(tmp_path))
     assert "0 trials this run in " in text
     assert "()" not in text and "( " not in text
@@ -370,11 +547,19 @@ def test_supervisor_counts_malformed_lines_from_the_socket(tmp_path):
     good = [ev.dumps(e) for e in cpu_run(10)[:5]]
     lines = [good[0], BAD_LINES[0].decode(), good[1], BAD_LINES[1].decode(), *good[2:]]
     (tmp_path / "lines").write_text("\n".join(lines) + "\n")
-    script = ("import socket, sys; s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); "
-              "s.sendall(open(sys.argv[2], 'rb').read()); s.close()")
+    script = (
+        "import socket, sys; s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); "
+        "s.sendall(open(sys.argv[2], 'rb').read()); s.close()"
+    )
     events, bad, done = [], [], threading.Event()
-    sup = Supervisor([], tmp_path, on_event=events.append, on_log=lambda line, stream: None,
-                     on_exit=lambda code: done.set(), on_malformed=lambda line, why: bad.append(why))
+    sup = Supervisor(
+        [],
+        tmp_path,
+        on_event=events.append,
+        on_log=lambda line, stream: None,
+        on_exit=lambda code: done.set(),
+        on_malformed=lambda line, why: bad.append(why),
+    )
     sup.argv = [sys.executable, "-c", script, sup.socket_path, str(tmp_path / "lines")]
     sup.start()
     assert done.wait(30)
@@ -388,16 +573,38 @@ def test_the_hellos_estimate_and_the_tuners_best_cross_as_typed_records():
     views read fields instead of re-checking a dict; the wire keeps its keys (an older line still reads)."""
     from trainer.contract.config import Toggles
 
-    hello = ev.parse(json.dumps({"v": 1, "type": "hello", "time": 1.0, "rank": 0, "pid": 7, "config": {},
-                                 "device": {"type": "cpu", "name": "cpu"}, "model": {}, "early": True,
-                                 "estimate": {"total_bytes": 1 << 30, "step_s": 2, "capacity_bytes": None,
-                                              "newer_key": 1}}))
+    hello = ev.parse(
+        json.dumps(
+            {
+                "v": 1,
+                "type": "hello",
+                "time": 1.0,
+                "rank": 0,
+                "pid": 7,
+                "config": {},
+                "device": {"type": "cpu", "name": "cpu"},
+                "model": {},
+                "early": True,
+                "estimate": {"total_bytes": 1 << 30, "step_s": 2, "capacity_bytes": None, "newer_key": 1},
+            }
+        )
+    )
     est = hello.estimate
     assert isinstance(est, ev.EstimateInfo) and est.total_bytes == 1 << 30 and est.step_s == 2
     assert est.capacity_bytes is None and est.extra == {"newer_key": 1}
-    assert json.loads(ev.dumps(hello))["estimate"]["newer_key"] == 1          # kept for a newer reader
-    tuner = ev.parse(json.dumps({"v": 1, "type": "tuner", "time": 1.0, "rank": 0, "phase": "trials",
-                                 "best": {"number": 3, "toggles": {"micro_batch": "8", "precision": "bf16"}}}))
+    assert json.loads(ev.dumps(hello))["estimate"]["newer_key"] == 1  # kept for a newer reader
+    tuner = ev.parse(
+        json.dumps(
+            {
+                "v": 1,
+                "type": "tuner",
+                "time": 1.0,
+                "rank": 0,
+                "phase": "trials",
+                "best": {"number": 3, "toggles": {"micro_batch": "8", "precision": "bf16"}},
+            }
+        )
+    )
     assert isinstance(tuner.best.toggles, Toggles)
     assert tuner.best.toggles.micro_batch == 8 and tuner.best.toggles.precision == "bf16"
     assert json.loads(ev.dumps(tuner))["best"]["toggles"]["micro_batch"] == 8

@@ -46,15 +46,16 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     out = {}
     for family in FAMILIES:
         out[family] = base / family
-        train_ok(out[family], "--model", family, "--max-steps", "4", "--checkpoint-every", "2",
-                         "--lr", "3e-3")
+        train_ok(out[family], "--model", family, "--max-steps", "4", "--checkpoint-every", "2", "--lr", "3e-3")
     return out
 
 
-def export_ns(run_dir: Path, out_dir: Path, step: int | None = None, force: bool = False,
-              merge: bool = False) -> argparse.Namespace:
-    return argparse.Namespace(run_dir=str(run_dir), out_dir=str(out_dir), step=step, force=force, merge=merge,
-                              json=True)
+def export_ns(
+    run_dir: Path, out_dir: Path, step: int | None = None, force: bool = False, merge: bool = False
+) -> argparse.Namespace:
+    return argparse.Namespace(
+        run_dir=str(run_dir), out_dir=str(out_dir), step=step, force=force, merge=merge, json=True
+    )
 
 
 def sample_ns(path: Path, **kw) -> argparse.Namespace:
@@ -76,6 +77,7 @@ quiet = lambda msg: None  # noqa: E731
 
 # --- the contract: arguments and checks, without torch ------------------------------------------
 
+
 def fake_run(tmp_path: Path, steps=(2, 4)) -> Path:
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
@@ -85,17 +87,20 @@ def fake_run(tmp_path: Path, steps=(2, 4)) -> Path:
     return run
 
 
-@pytest.mark.parametrize("case, option", [
-    (lambda t, run: export_ns(t / "missing", t / "out"), "RUN_DIR"),
-    (lambda t, run: export_ns(run / "config.toml", t / "out"), "RUN_DIR"),
-    (lambda t, run: export_ns(t, t / "out"), "RUN_DIR"),                         # not a run
-    (lambda t, run: export_ns(run, t / "out", step=3), "--step"),
-    (lambda t, run: export_ns(run, t / "out", step=-1), "--step"),
-    (lambda t, run: export_ns(run, run / "config.toml"), "OUT_DIR"),             # a file
-    (lambda t, run: export_ns(run, run), "OUT_DIR"),                             # the run itself
-    (lambda t, run: export_ns(run, t, force=True), "OUT_DIR"),                   # holds the run
-    (lambda t, run: export_ns(run, run / "checkpoints"), "OUT_DIR"),             # not empty
-])
+@pytest.mark.parametrize(
+    "case, option",
+    [
+        (lambda t, run: export_ns(t / "missing", t / "out"), "RUN_DIR"),
+        (lambda t, run: export_ns(run / "config.toml", t / "out"), "RUN_DIR"),
+        (lambda t, run: export_ns(t, t / "out"), "RUN_DIR"),  # not a run
+        (lambda t, run: export_ns(run, t / "out", step=3), "--step"),
+        (lambda t, run: export_ns(run, t / "out", step=-1), "--step"),
+        (lambda t, run: export_ns(run, run / "config.toml"), "OUT_DIR"),  # a file
+        (lambda t, run: export_ns(run, run), "OUT_DIR"),  # the run itself
+        (lambda t, run: export_ns(run, t, force=True), "OUT_DIR"),  # holds the run
+        (lambda t, run: export_ns(run, run / "checkpoints"), "OUT_DIR"),  # not empty
+    ],
+)
 def test_export_checks_name_the_option(tmp_path, case, option):
     run = fake_run(tmp_path)
     with pytest.raises(ConfigError) as e:
@@ -105,26 +110,36 @@ def test_export_checks_name_the_option(tmp_path, case, option):
 
 def test_export_check_accepts_new_empty_or_forced_out_dirs(tmp_path):
     run = fake_run(tmp_path)
-    assert [c.step for c in tools.check_export(export_ns(run, tmp_path / "new"))] == [4, 2]   # newest first
+    assert [c.step for c in tools.check_export(export_ns(run, tmp_path / "new"))] == [4, 2]  # newest first
     (tmp_path / "empty").mkdir()
     assert [c.step for c in tools.check_export(export_ns(run, tmp_path / "empty", step=2))] == [2]
-    with pytest.raises(ConfigError, match="checkpoints"):       # --force never replaces a run's checkpoints/
+    with pytest.raises(ConfigError, match="checkpoints"):  # --force never replaces a run's checkpoints/
         tools.check_export(export_ns(run, run / "checkpoints", force=True))
-    assert tools.check_export(export_ns(run, run / "hf"))                    # inside the run is fine
+    assert tools.check_export(export_ns(run, run / "hf"))  # inside the run is fine
     (run / "checkpoints" / "step-00000004.pt").unlink()
     (run / "checkpoints" / "step-00000002.pt").unlink()
     with pytest.raises(ConfigError, match="made no checkpoint"):
         tools.check_export(export_ns(run, tmp_path / "new"))
 
 
-@pytest.mark.parametrize("change, option", [
-    ({"max_new_tokens": 0}, "--max-new-tokens"), ({"temperature": -0.5}, "--temperature"),
-    ({"temperature": float("nan")}, "--temperature"), ({"diffusion_steps": 0}, "--diffusion-steps"),
-    ({"diffusion_steps": 65}, "--diffusion-steps"), ({"timeout": 0.0}, "--timeout"),
-    ({"timeout": float("inf")}, "--timeout"), ({"step": 3}, "--step"), ({"step": -2}, "--step"),
-    ({"prompt": "a\udcff\udcfeb"}, "--prompt"), ({"prompt": "x\ud800"}, "--prompt"),      # not UTF-8 (argv's bytes)
-    ({"device": "cuda:x"}, "--device"), ({"device": "gpu"}, "--device"),
-])
+@pytest.mark.parametrize(
+    "change, option",
+    [
+        ({"max_new_tokens": 0}, "--max-new-tokens"),
+        ({"temperature": -0.5}, "--temperature"),
+        ({"temperature": float("nan")}, "--temperature"),
+        ({"diffusion_steps": 0}, "--diffusion-steps"),
+        ({"diffusion_steps": 65}, "--diffusion-steps"),
+        ({"timeout": 0.0}, "--timeout"),
+        ({"timeout": float("inf")}, "--timeout"),
+        ({"step": 3}, "--step"),
+        ({"step": -2}, "--step"),
+        ({"prompt": "a\udcff\udcfeb"}, "--prompt"),
+        ({"prompt": "x\ud800"}, "--prompt"),  # not UTF-8 (argv's bytes)
+        ({"device": "cuda:x"}, "--device"),
+        ({"device": "gpu"}, "--device"),
+    ],
+)
 def test_sample_checks_name_the_option(tmp_path, change, option):
     ns = sample_ns(fake_run(tmp_path), **change)
     with pytest.raises(ConfigError) as e:
@@ -145,8 +160,18 @@ def test_argv_round_trips_through_the_tool_parsers(tmp_path):
     run = fake_run(tmp_path)
     p = argparse.ArgumentParser()
     tools.add_sample_arguments(p)
-    ns = sample_ns(run, prompt="-- a prompt that looks like a flag", max_new_tokens=7, temperature=0.3, seed=9,
-                   step=2, diffusion_steps=3, timeout=12.5, device="cpu", json=True)
+    ns = sample_ns(
+        run,
+        prompt="-- a prompt that looks like a flag",
+        max_new_tokens=7,
+        temperature=0.3,
+        seed=9,
+        step=2,
+        diffusion_steps=3,
+        timeout=12.5,
+        device="cpu",
+        json=True,
+    )
     assert vars(p.parse_args(tools.sample_argv(ns))) == vars(ns)
     q = argparse.ArgumentParser()
     tools.add_export_arguments(q)
@@ -158,9 +183,21 @@ def test_argv_round_trips_through_the_tool_parsers(tmp_path):
 
 
 def test_sample_result_json_line():
-    r = SampleResult(source="s", step=4, family="llada", objective="llada", prompt="a", completion="b\nc",
-                     new_tokens=3, stopped="eos", temperature=0.0, seed=1, seconds=0.5, load_seconds=2.0,
-                     diffusion_steps=3)
+    r = SampleResult(
+        source="s",
+        step=4,
+        family="llada",
+        objective="llada",
+        prompt="a",
+        completion="b\nc",
+        new_tokens=3,
+        stopped="eos",
+        temperature=0.0,
+        seed=1,
+        seconds=0.5,
+        load_seconds=2.0,
+        diffusion_steps=3,
+    )
     line = r.to_json()
     assert "\n" not in line
     assert SampleResult.from_json(line) == r and r.text == "ab\nc"
@@ -185,10 +222,10 @@ def test_gptop_rejects_bad_input_before_starting_anything(tmp_path, monkeypatch,
     assert "OUT_DIR" in capsys.readouterr().err and (tmp_path / "full" / "x").read_text() == "keep me"
     assert cli.main(["sample", str(run), "--step", "5"]) == 2
     assert "--step" in capsys.readouterr().err
-    assert cli.main(["sample", str(run), "--prompt", "a\udcff\udcfeb"]) == 2        # `$(printf 'a\xff\xfeb')`
+    assert cli.main(["sample", str(run), "--prompt", "a\udcff\udcfeb"]) == 2  # `$(printf 'a\xff\xfeb')`
     err = capsys.readouterr().err
     assert "--prompt" in err and "byte 0xff" in err and "Traceback" not in err
-    with pytest.raises(SystemExit) as exited:            # argparse refuses the path itself (its type checks it)
+    with pytest.raises(SystemExit) as exited:  # argparse refuses the path itself (its type checks it)
         cli.main(["--no-ui", "sample", str(tmp_path / "nope"), "--json"])
     assert exited.value.code == 2 and "does not exist" in capsys.readouterr().err
 
@@ -198,9 +235,11 @@ def test_a_killed_tool_is_named_with_its_signal_and_the_oom_killer_when_the_kern
 
     counts = iter([7])
     monkeypatch.setattr(gtools, "oom_kills", lambda: next(counts))
-    assert gtools.killed_words("the export", 9, 6) == ("the export was killed by signal 9 (SIGKILL): the kernel's "
-                                                       "out-of-memory killer ended it: the model did not fit in the "
-                                                       "memory left")
+    assert gtools.killed_words("the export", 9, 6) == (
+        "the export was killed by signal 9 (SIGKILL): the kernel's "
+        "out-of-memory killer ended it: the model did not fit in the "
+        "memory left"
+    )
     monkeypatch.setattr(gtools, "oom_kills", lambda: None)
     assert "most likely out of memory" in gtools.killed_words("the sampler", 9, None)
     assert gtools.killed_words("the sampler", 15, None).endswith("(SIGTERM): not by gptop")
@@ -220,7 +259,7 @@ def test_gptop_runs_a_tool_to_its_end(monkeypatch, capsys):
 
     script("import sys; sys.exit(2)")
     assert gtools.run_tool("x", []) == 2
-    script("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")      # what the OOM killer does
+    script("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")  # what the OOM killer does
     assert gtools.run_tool(tools.SAMPLE_MODULE, []) == 1
     said = capsys.readouterr().err
     assert "the sampler was killed by signal 9 (SIGKILL)" in said and "out of memory" in said
@@ -231,13 +270,13 @@ def test_gptop_runs_a_tool_to_its_end(monkeypatch, capsys):
     assert children() == []
     before = signal.getsignal(signal.SIGTERM)
     threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
-    assert gtools.run_tool("x", []) == 130                 # SIGTERM to gptop reaches the tool
+    assert gtools.run_tool("x", []) == 130  # SIGTERM to gptop reaches the tool
     assert children() == [] and signal.getsignal(signal.SIGTERM) == before
 
 
 # --- llada's reverse process on a predictor whose confidences are known ---------------------------
 
-MASK, VOCAB, ROWS = 1, 10, 12         # ids 10, 11: padding rows of the model's vocabulary
+MASK, VOCAB, ROWS = 1, 10, 12  # ids 10, 11: padding rows of the model's vocabulary
 
 
 class FixedPredictor(torch.nn.Module):
@@ -250,7 +289,7 @@ class FixedPredictor(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor):
         self.inputs.append(input_ids.clone())
-        return SimpleNamespace(logits=self.table[None, :input_ids.shape[1]].clone())
+        return SimpleNamespace(logits=self.table[None, : input_ids.shape[1]].clone())
 
 
 def fixed_table(prompt_len: int, confidence: list[float], tokens: list[int]) -> torch.Tensor:
@@ -269,13 +308,13 @@ def test_llada_unmasks_the_most_confident_predictions_first():
 
     prompt = torch.tensor([[7, 8]])
     tokens = [2, 3, 4, 5, 6, 9]
-    conf = [5.0, 3.0, 1.0, 6.0, 2.0, 4.0]           # order: pos 3, 0, 5, 1, 4, 2
+    conf = [5.0, 3.0, 1.0, 6.0, 2.0, 4.0]  # order: pos 3, 0, 5, 1, 4, 2
     model = FixedPredictor(fixed_table(2, conf, tokens))
     out, done = llada_generate(model, prompt, mask_id=MASK, length=6, steps=3, vocab=VOCAB)
     assert done == 3 and out.tolist() == tokens
     masked = [(x[0, 2:] == MASK).nonzero().flatten().tolist() for x in model.inputs]
-    assert masked == [[0, 1, 2, 3, 4, 5], [1, 2, 4, 5], [2, 4]]     # 2 unmasked per step, most confident first
-    assert all(x[0, :2].tolist() == [7, 8] for x in model.inputs)   # the prompt is never touched
+    assert masked == [[0, 1, 2, 3, 4, 5], [1, 2, 4, 5], [2, 4]]  # 2 unmasked per step, most confident first
+    assert all(x[0, :2].tolist() == [7, 8] for x in model.inputs)  # the prompt is never touched
 
 
 def test_llada_step_counts_follow_the_linear_schedule():
@@ -284,7 +323,7 @@ def test_llada_step_counts_follow_the_linear_schedule():
     model = FixedPredictor(fixed_table(1, [float(i) for i in range(7)], [2] * 7))
     llada_generate(model, torch.tensor([[3]]), mask_id=MASK, length=7, steps=3, vocab=VOCAB)
     still = [int((x[0, 1:] == MASK).sum()) for x in model.inputs]
-    assert still == [7, 7 - 7 * 1 // 3, 7 - 7 * 2 // 3]             # floor(L * k / N) unmasked after step k
+    assert still == [7, 7 - 7 * 1 // 3, 7 - 7 * 2 // 3]  # floor(L * k / N) unmasked after step k
 
 
 def test_llada_sampling_is_reproducible_and_stays_in_the_vocabulary():
@@ -295,8 +334,16 @@ def test_llada_sampling_is_reproducible_and_stays_in_the_vocabulary():
     table[:, MASK] += 5
     runs = []
     for seed in (1, 1, 2):
-        out, _ = llada_generate(FixedPredictor(table), torch.tensor([[3, 4]]), mask_id=MASK, length=8, steps=4,
-                                temperature=1.5, generator=torch.Generator().manual_seed(seed), vocab=VOCAB)
+        out, _ = llada_generate(
+            FixedPredictor(table),
+            torch.tensor([[3, 4]]),
+            mask_id=MASK,
+            length=8,
+            steps=4,
+            temperature=1.5,
+            generator=torch.Generator().manual_seed(seed),
+            vocab=VOCAB,
+        )
         assert all(0 <= t < VOCAB and t != MASK for t in out.tolist())
         runs.append(out.tolist())
     assert runs[0] == runs[1] and runs[0] != runs[2]
@@ -306,12 +353,14 @@ def test_llada_deadline_keeps_what_it_has():
     from trainer.sample import llada_generate
 
     model = FixedPredictor(fixed_table(1, [1.0, 2.0, 3.0, 4.0], [2, 3, 4, 5]))
-    out, done = llada_generate(model, torch.tensor([[6]]), mask_id=MASK, length=4, steps=4, vocab=VOCAB,
-                               deadline=time.time() - 1)
-    assert done == 1 and len(model.inputs) == 1 and out.tolist() == [2, 3, 4, 5]   # filled with the predictions
+    out, done = llada_generate(
+        model, torch.tensor([[6]]), mask_id=MASK, length=4, steps=4, vocab=VOCAB, deadline=time.time() - 1
+    )
+    assert done == 1 and len(model.inputs) == 1 and out.tolist() == [2, 3, 4, 5]  # filled with the predictions
 
 
 # --- export and sample in this process -----------------------------------------------------------
+
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_export_round_trip(runs, tmp_path, family):
@@ -322,9 +371,14 @@ def test_export_round_trip(runs, tmp_path, family):
     out = tmp_path / "hf"
     result = export(export_ns(runs[family], out), log=quiet)
     assert result["step"] == 4 and result["family"] == family and result["logits_equal"]
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-            "tokenizer_config.json"} <= set(os.listdir(out))
-    assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]        # no temporary left
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    } <= set(os.listdir(out))
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temporary left
     config = json.loads((out / "config.json").read_text())
     assert config["gptop"]["family"] == family and config["gptop"]["step"] == 4
 
@@ -333,7 +387,7 @@ def test_export_round_trip(runs, tmp_path, family):
     tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
     assert type(model).__name__ == ("DeepseekV3ForCausalLM" if family == "deepseek" else "LlamaForCausalLM")
     ids = check_batch(len(tok), ref.mask_id, 48, seed=3)
-    assert torch.equal(logits(model, ids), logits(ref.model, ids))               # bit-identical: see the docs
+    assert torch.equal(logits(model, ids), logits(ref.model, ids))  # bit-identical: see the docs
     text = "for i in range(10):\n    print(i)\n"
     assert tok(text)["input_ids"] == ref.tokenizer(text)["input_ids"]
     if family == "llada":
@@ -353,7 +407,7 @@ def test_the_documented_snippet_runs(runs, tmp_path, capsys):
 
     export(export_ns(runs["llama"], tmp_path / "hf"), log=quiet)
     code = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "models.md").read_text(), re.S)[0]
-    assert len(code.strip().splitlines()) == 3 and '"hf/demo"' in code
+    assert len([line for line in code.splitlines() if line.strip()]) == 3 and '"hf/demo"' in code
     exec(code.replace('"hf/demo"', repr(str(tmp_path / "hf"))), {})
     assert capsys.readouterr().out.startswith("def main(")
 
@@ -366,17 +420,19 @@ def test_gptop_restores_a_llada_export(runs, tmp_path):
     out = tmp_path / "hf"
     export(export_ns(runs["llada"], out), log=quiet)
     mask = json.loads((out / "config.json").read_text())["mask_token_id"]
-    bundle = build_model(ModelConfig(model=str(out)), vocab_size=8192, seq_len=64, toggles=Toggles(), dev=CPU,
-                         mask_id=None)
+    bundle = build_model(
+        ModelConfig(model=str(out)), vocab_size=8192, seq_len=64, toggles=Toggles(), dev=CPU, mask_id=None
+    )
     assert bundle.objective == "llada" and bundle.mask_id == mask
     ids = torch.randint(0, 100, (1, 16))
     changed = ids.clone()
     changed[0, -1] += 1
     first = logits(bundle.model.eval(), ids)[0, 0] - logits(bundle.model, changed)[0, 0]
-    assert first.abs().max() > 0                 # the first position sees the last one: bidirectional
+    assert first.abs().max() > 0  # the first position sees the last one: bidirectional
     # The model's own mask token wins over a data tokenizer that calls another id the mask.
-    other = build_model(ModelConfig(model=str(out)), vocab_size=8192, seq_len=64, toggles=Toggles(), dev=CPU,
-                        mask_id=mask + 1)
+    other = build_model(
+        ModelConfig(model=str(out)), vocab_size=8192, seq_len=64, toggles=Toggles(), dev=CPU, mask_id=mask + 1
+    )
     assert other.mask_id == mask
 
 
@@ -388,13 +444,13 @@ def test_export_step_corrupt_checkpoints_and_force(runs, tmp_path):
     assert export(export_ns(run, tmp_path / "a", step=2), log=quiet)["step"] == 2
     rundir.path_for(run, 4).write_bytes(b"not a checkpoint")
     seen = []
-    assert export(export_ns(run, tmp_path / "b"), log=seen.append)["step"] == 2   # the newest that loads
+    assert export(export_ns(run, tmp_path / "b"), log=seen.append)["step"] == 2  # the newest that loads
     assert any("skipping step-00000004.pt" in line for line in seen)
     with pytest.raises(ConfigError) as e:
         export(export_ns(run, tmp_path / "c", step=4), log=quiet)
     assert e.value.option == "--step" and not (tmp_path / "c").exists()
     with pytest.raises(ConfigError):
-        export(export_ns(run, tmp_path / "a"), log=quiet)                          # not empty, no --force
+        export(export_ns(run, tmp_path / "a"), log=quiet)  # not empty, no --force
     before = (tmp_path / "a" / "model.safetensors").stat().st_ino
     assert export(export_ns(run, tmp_path / "a", force=True), log=quiet)["step"] == 2
     assert (tmp_path / "a" / "model.safetensors").stat().st_ino != before
@@ -410,7 +466,7 @@ def test_export_refuses_another_builtin_tokenizer(runs, tmp_path):
     events = run / "events.jsonl"
     lines = [json.loads(line) for line in events.read_text().splitlines()]
     for e in lines:
-        if e["type"] == "hello" and not e.get("early"):       # the early hello has no data yet
+        if e["type"] == "hello" and not e.get("early"):  # the early hello has no data yet
             e["data"]["fingerprint"] = "0" * 16
     events.write_text("".join(json.dumps(e) + "\n" for e in lines))
     with pytest.raises(ExportError, match="GPTOP_BUILTIN_BYTES"):
@@ -446,27 +502,32 @@ def test_sample_in_process(runs, family):
     assert SampleResult.from_json(r.to_json()) == r
     tok = loaded.tokenizer
     ids = encode_prompt(tok, ns.prompt)
-    assert ids[0] == tok.eos_token_id                      # no BOS: the prompt starts a document
+    assert ids[0] == tok.eos_token_id  # no BOS: the prompt starts a document
     if family != "llada":
         want = greedy(loaded.model, ids, 12, len(tok), eos_id(tok))
         assert r.completion == tok.decode(want, skip_special_tokens=True)
         assert r.diffusion_steps is None
     else:
         assert r.objective == "llada" and r.diffusion_steps == 12
-        assert generate(loaded, ns).completion == r.completion          # greedy: deterministic
+        assert generate(loaded, ns).completion == r.completion  # greedy: deterministic
     hot = sample_ns(runs[family], prompt="x", max_new_tokens=6, temperature=1.0, seed=5)
     a, b = generate(loaded, hot), generate(loaded, hot)
-    assert a.completion == b.completion                    # seeded
+    assert a.completion == b.completion  # seeded
     with pytest.raises(TimeoutError):
-        sample(ns, started=time.time() - 1000)             # --timeout passed while loading
-    for tiny in (1e-45, 1e-40, 1e-39, 1e-31):              # below what float32 divides logits by: greedy
+        sample(ns, started=time.time() - 1000)  # --timeout passed while loading
+    for tiny in (1e-45, 1e-40, 1e-39, 1e-31):  # below what float32 divides logits by: greedy
         cold = sample_ns(runs[family], prompt="def main(", max_new_tokens=12, temperature=tiny, seed=3)
         assert generate(loaded, cold).completion == r.completion, tiny
-    assert generate(loaded, sample_ns(runs[family], prompt="def main(", max_new_tokens=4, temperature=1e-29,
-                                      seed=3)).new_tokens >= 0       # just above: sampled, no crash
+    assert (
+        generate(
+            loaded, sample_ns(runs[family], prompt="def main(", max_new_tokens=4, temperature=1e-29, seed=3)
+        ).new_tokens
+        >= 0
+    )  # just above: sampled, no crash
 
 
 # --- the real commands (slow) --------------------------------------------------------------------
+
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)
@@ -475,11 +536,14 @@ def _env() -> dict[str, str]:
     return env
 
 
-def run_all(cmds: dict[str, list[str]], timeout: float = 300, cwd: Path = ROOT,
-            env: dict[str, str] | None = None) -> dict[str, subprocess.CompletedProcess]:
+def run_all(
+    cmds: dict[str, list[str]], timeout: float = 300, cwd: Path = ROOT, env: dict[str, str] | None = None
+) -> dict[str, subprocess.CompletedProcess]:
     """Several commands side by side (their start-up, importing torch, dominates)."""
-    procs = {k: subprocess.Popen(c, cwd=cwd, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True) for k, c in cmds.items()}
+    procs = {
+        k: subprocess.Popen(c, cwd=cwd, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for k, c in cmds.items()
+    }
     out = {}
     for k, p in procs.items():
         so, se = p.communicate(timeout=timeout)
@@ -495,10 +559,36 @@ def gptop_cmd(*args: str) -> list[str]:
 def all_runs(runs, tmp_path_factory) -> dict[str, Path]:
     """The three one-process runs and a llama run of two ranks (FSDP2, sharded DCP checkpoints)."""
     dcp = tmp_path_factory.mktemp("export-dcp") / "dcp"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-                        "--nproc-per-node", "2", "-m", "trainer", *TINY, "--max-steps", "4", "--checkpoint-every",
-                        "2", "--lr", "3e-3", "--parallel", "fsdp", "--run-dir", str(dcp)],
-                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "trainer",
+            *TINY,
+            "--max-steps",
+            "4",
+            "--checkpoint-every",
+            "2",
+            "--lr",
+            "3e-3",
+            "--parallel",
+            "fsdp",
+            "--run-dir",
+            str(dcp),
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert [c.step for c in rundir.list_checkpoints(dcp)] == [2, 4]
     assert all(c.sharded for c in rundir.list_checkpoints(dcp))
@@ -559,12 +649,21 @@ def test_plain_transformers_loads_every_export(all_runs, exports, tmp_path):
         ids = check_batch(len(ref.tokenizer), ref.mask_id, 64, seed=7)
         torch.save(ids, tmp_path / f"{k}.ids.pt")
         refs[k] = (ref, logits(ref.model, ids))
-        jobs[k] = {"dir": str(exports[k]), "batch": str(tmp_path / f"{k}.ids.pt"),
-                   "logits": str(tmp_path / f"{k}.logits.pt")}
+        jobs[k] = {
+            "dir": str(exports[k]),
+            "batch": str(tmp_path / f"{k}.ids.pt"),
+            "logits": str(tmp_path / f"{k}.logits.pt"),
+        }
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["OMP_NUM_THREADS"] = "1"
-    r = subprocess.run([sys.executable, "-I", "-c", PLAIN, json.dumps(jobs)], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-I", "-c", PLAIN, json.dumps(jobs)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     seen = json.loads(r.stdout.strip().splitlines()[-1])
     for k, (ref, want) in refs.items():
@@ -587,8 +686,14 @@ def test_gptop_sample_every_family(all_runs, exports):
     from trainer.sample import generate
 
     targets = {**all_runs, "llada-export": exports["llada"]}
-    done = run_all({k: gptop_cmd("sample", str(p), "--prompt", "import ", "--max-new-tokens", "8",
-                                 "--temperature", "0", "--json") for k, p in targets.items()})
+    done = run_all(
+        {
+            k: gptop_cmd(
+                "sample", str(p), "--prompt", "import ", "--max-new-tokens", "8", "--temperature", "0", "--json"
+            )
+            for k, p in targets.items()
+        }
+    )
     for k, r in done.items():
         assert r.returncode == 0, f"{k}: {r.stderr[-3000:]}"
         res = SampleResult.from_json(r.stdout.strip().splitlines()[-1])
@@ -598,7 +703,7 @@ def test_gptop_sample_every_family(all_runs, exports):
             assert res.step == 4 and res.source.endswith("step-00000004" + (".dcp" if k == "dcp" else ".pt"))
             ns = sample_ns(all_runs[k], prompt="import ", max_new_tokens=8, temperature=0.0)
             loaded = load_for_inference(ns.path, tools.check_sample(ns), log=quiet)
-            assert res.completion == generate(loaded, ns).completion      # the same text as in this process
+            assert res.completion == generate(loaded, ns).completion  # the same text as in this process
     # The export samples what its run samples: the same model, tokenizer, mask and algorithm.
     a = SampleResult.from_json(done["llada"].stdout.strip().splitlines()[-1])
     b = SampleResult.from_json(done["llada-export"].stdout.strip().splitlines()[-1])
@@ -611,8 +716,12 @@ def test_gptop_train_fine_tunes_exports(exports, tmp_path):
     """`gptop train --model OUT_DIR` fine-tunes an export of every family and of a two-rank checkpoint; a llada
     export trains with the llada objective."""
     args = [*TINY, "--max-steps", "2"]
-    done = run_all({k: gptop_cmd("train", "--model", str(exports[k]), *args, "--run-dir", str(tmp_path / k))
-                    for k in ("llama", "llada", "deepseek", "dcp")})
+    done = run_all(
+        {
+            k: gptop_cmd("train", "--model", str(exports[k]), *args, "--run-dir", str(tmp_path / k))
+            for k in ("llama", "llada", "deepseek", "dcp")
+        }
+    )
     for k, r in done.items():
         assert r.returncode == 0, f"{k}: {r.stderr[-3000:]}"
         events = [json.loads(line) for line in (tmp_path / k / "events.jsonl").read_text().splitlines()]
@@ -629,23 +738,44 @@ def test_export_force_never_touches_a_live_run(tmp_path):
     """`gptop export RUN runs/live --force` and `... runs/live/checkpoints --force` while runs/live trains: both
     exit 2 naming what OUT_DIR is, and the run goes on to a clean stop with every file it wrote."""
     live = tmp_path / "runs" / "live"
-    trainer = subprocess.Popen([sys.executable, "-m", "trainer", *TINY, "--max-steps", "100000", "--checkpoint-every",
-                                "2", "--run-dir", str(live)], cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True)
+    trainer = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "trainer",
+            *TINY,
+            "--max-steps",
+            "100000",
+            "--checkpoint-every",
+            "2",
+            "--run-dir",
+            str(live),
+        ],
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 240
         while not rundir.list_checkpoints(live):
             assert trainer.poll() is None and time.monotonic() < deadline, trainer.stderr.read()[-3000:]
             time.sleep(0.2)
-        done = run_all({"run": gptop_cmd("export", str(live), str(live), "--force"),
-                        "checkpoints": gptop_cmd("export", str(live), str(live / "checkpoints"), "--force"),
-                        "parent": gptop_cmd("export", str(live), str(live.parent) + "/", "--force")}, timeout=120)
+        done = run_all(
+            {
+                "run": gptop_cmd("export", str(live), str(live), "--force"),
+                "checkpoints": gptop_cmd("export", str(live), str(live / "checkpoints"), "--force"),
+                "parent": gptop_cmd("export", str(live), str(live.parent) + "/", "--force"),
+            },
+            timeout=120,
+        )
         for name, r in done.items():
             assert r.returncode == 2, f"{name}: {r.stderr}"
             assert "OUT_DIR" in r.stderr and "Traceback" not in r.stderr and "loading" not in r.stderr, r.stderr
         assert "live run" in done["run"].stderr and f"pid {trainer.pid}" in done["run"].stderr
         assert "checkpoints/ of the run" in done["checkpoints"].stderr and "holds" in done["parent"].stderr
-        assert trainer.poll() is None                          # still training
+        assert trainer.poll() is None  # still training
         trainer.send_signal(signal.SIGTERM)
         assert trainer.wait(120) == 0
     finally:
@@ -665,8 +795,14 @@ def test_a_killed_export_says_why_and_the_next_one_cleans_up(runs, tmp_path):
     import psutil
 
     out = tmp_path / "out"
-    p = subprocess.Popen(gptop_cmd("export", str(runs["llama"]), str(out)), cwd=ROOT, env=_env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        gptop_cmd("export", str(runs["llama"]), str(out)),
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not list(tmp_path.glob(".out.export-*")):
@@ -682,8 +818,14 @@ def test_a_killed_export_says_why_and_the_next_one_cleans_up(runs, tmp_path):
     assert p.returncode == 1 and "the export was killed by signal 9 (SIGKILL)" in err, err
     assert "out of memory" in err and "Traceback" not in err
     assert list(tmp_path.glob(".out.export-*")) and not out.exists()
-    r = subprocess.run(gptop_cmd("export", str(runs["llama"]), str(out)), cwd=ROOT, env=_env(),
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        gptop_cmd("export", str(runs["llama"]), str(out)),
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert "left next to out by an export that was killed" in r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

@@ -19,18 +19,21 @@ pytestmark = [pytest.mark.slow, pytest.mark.process]
 
 
 def gptop(*args, **kw):
-    return subprocess.Popen([sys.executable, "-m", "gptop", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, **kw)
-
-
+    return subprocess.Popen(
+        [sys.executable, "-m", "gptop", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw
+    )
 
 
 def events_of(run_dir, kind=None):
     p = Path(run_dir) / "events.jsonl"
     if not p.exists():
         return []
-    return [to_dict(e) for e in read_events(p) if kind is None or e.type == kind   # validated, as on the wire
-            if not (kind == "hello" and e.early)]          # "hello": the full ones (an early one comes first)
+    return [
+        to_dict(e)
+        for e in read_events(p)
+        if kind is None or e.type == kind  # validated, as on the wire
+        if not (kind == "hello" and e.early)
+    ]  # "hello": the full ones (an early one comes first)
 
 
 def trainer_pid(run_dir):
@@ -48,11 +51,23 @@ def gone(pid, timeout=60):
 
 def test_json_run_prints_step_and_device_events(tmp_path):
     run_dir = tmp_path / "run"
-    p = gptop("--no-ui", "--json", "train", "--model", "deepseek", *TINY, "--max-steps", "30", "--log-every", "5",
-              "--run-dir", str(run_dir))
+    p = gptop(
+        "--no-ui",
+        "--json",
+        "train",
+        "--model",
+        "deepseek",
+        *TINY,
+        "--max-steps",
+        "30",
+        "--log-every",
+        "5",
+        "--run-dir",
+        str(run_dir),
+    )
     out, err = p.communicate(timeout=600)
     assert p.returncode == 0, err
-    events = [parse(line) for line in out.splitlines()]       # every line is a valid event
+    events = [parse(line) for line in out.splitlines()]  # every line is a valid event
     kinds = [e.type for e in events]
     assert "step" in kinds and "device" in kinds and "hello" in kinds and kinds.count("done") == 1
     steps = [e for e in events if e.type == "step"]
@@ -73,7 +88,7 @@ def test_ctrl_c_stops_gracefully_and_leaves_no_process(tmp_path):
     done = events_of(run_dir, "done")[-1]
     assert rundir.list_checkpoints(run_dir)[-1].step == done["step"]
     assert gone(pid)
-    summary = out[out.index("gptop: run stopped at step"):]         # the summary ends the output
+    summary = out[out.index("gptop: run stopped at step") :]  # the summary ends the output
     assert f"run dir    {run_dir}" in summary and f"gptop train --resume {run_dir}" in summary
 
 
@@ -82,18 +97,17 @@ def test_kill_of_gptop_leaves_no_orphan(tmp_path):
     p = gptop("--no-ui", "train", *TINY, "--max-steps", "100000", "--run-dir", str(run_dir))
     wait_for(lambda: events_of(run_dir, "step"), what="first step")
     pid = trainer_pid(run_dir)
-    p.kill()                                                   # SIGKILL: gptop gets no chance to clean up
+    p.kill()  # SIGKILL: gptop gets no chance to clean up
     p.wait()
     assert gone(pid, timeout=120), "trainer outlived gptop"
-    done = events_of(run_dir, "done")[-1]                      # it noticed, checkpointed and exited
+    done = events_of(run_dir, "done")[-1]  # it noticed, checkpointed and exited
     assert done["reason"] == "launcher went away"
     assert rundir.list_checkpoints(run_dir)[-1].step == done["step"]
 
 
 def test_kill9_of_trainer_fails_then_restarts_from_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
-    p = gptop("--no-ui", "train", *TINY, "--max-steps", "100000", "--checkpoint-every", "3",
-              "--run-dir", str(run_dir))
+    p = gptop("--no-ui", "train", *TINY, "--max-steps", "100000", "--checkpoint-every", "3", "--run-dir", str(run_dir))
     wait_for(lambda: rundir.list_checkpoints(run_dir), what="a checkpoint")
     os.kill(trainer_pid(run_dir), signal.SIGKILL)
     out, err = p.communicate(timeout=120)
@@ -102,8 +116,22 @@ def test_kill9_of_trainer_fails_then_restarts_from_checkpoint(tmp_path):
 
     # the same failure with --restart-on-failure: it resumes from the last checkpoint and finishes
     run2 = tmp_path / "run2"
-    p = gptop("--no-ui", "--json", "train", *TINY, "--max-steps", "30", "--checkpoint-every", "3",
-              "--restart-on-failure", "1", "--fault", "kill@7", "--run-dir", str(run2))
+    p = gptop(
+        "--no-ui",
+        "--json",
+        "train",
+        *TINY,
+        "--max-steps",
+        "30",
+        "--checkpoint-every",
+        "3",
+        "--restart-on-failure",
+        "1",
+        "--fault",
+        "kill@7",
+        "--run-dir",
+        str(run2),
+    )
     out, err = p.communicate(timeout=600)
     assert p.returncode == 0, err
     hellos = events_of(run2, "hello")
@@ -139,9 +167,10 @@ def test_report_of_a_finished_run(tmp_path):
     p = subprocess.run([sys.executable, "-m", "gptop", "report", str(run_dir)], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     assert "6/6 steps" in p.stdout and "tokens/s" in p.stdout and "forward" in p.stdout
-    p = subprocess.run([sys.executable, "-m", "gptop", "--json", "report", str(run_dir)], capture_output=True,
-                       text=True)
-    assert len(p.stdout.splitlines()) == 1, p.stdout          # --json: one JSON line, as everywhere
+    p = subprocess.run(
+        [sys.executable, "-m", "gptop", "--json", "report", str(run_dir)], capture_output=True, text=True
+    )
+    assert len(p.stdout.splitlines()) == 1, p.stdout  # --json: one JSON line, as everywhere
     s = json.loads(p.stdout)
     assert s["steps"] == 6 and s["tokens"] == 6 * 4 * 64 and len(s["checkpoints"]) == 1
 
@@ -149,8 +178,12 @@ def test_report_of_a_finished_run(tmp_path):
 def test_monitor_replays_a_finished_run(tmp_path):
     run_dir = tmp_path / "run"
     assert gptop("--no-ui", "train", *TINY, "--max-steps", "4", "--run-dir", str(run_dir)).wait(300) == 0
-    p = subprocess.run([sys.executable, "-m", "gptop", "--no-ui", "--json", "--run-dir", str(run_dir)],
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "gptop", "--no-ui", "--json", "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     kinds = [parse(l).type for l in p.stdout.splitlines()]
     assert kinds.count("step") == 4 and "done" in kinds

@@ -30,8 +30,14 @@ def env() -> dict[str, str]:
 
 
 def gptop(*args: str, cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "gptop", *args], cwd=cwd, env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "gptop", *args],
+        cwd=cwd,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def events(run_dir: Path, kind: str | None = None) -> list:
@@ -54,31 +60,54 @@ def gone(pid: int, timeout: float = 60) -> bool:
 
 
 def test_a_transformers_script_as_json_lines_and_the_same_script_without_gptop(tmp_path):
-    p = gptop("--no-ui", "--json", "run", "--run-dir", "run", "--", sys.executable, str(HF_SCRIPT), "--out", "hf",
-              cwd=tmp_path)
+    p = gptop(
+        "--no-ui",
+        "--json",
+        "run",
+        "--run-dir",
+        "run",
+        "--",
+        sys.executable,
+        str(HF_SCRIPT),
+        "--out",
+        "hf",
+        cwd=tmp_path,
+    )
     out, err = p.communicate(timeout=600)
     assert p.returncode == 0, err
-    evs = [parse(line) for line in out.splitlines()]          # every stdout line is an event of the one schema
+    evs = [parse(line) for line in out.splitlines()]  # every stdout line is an event of the one schema
     kinds = {e.type for e in evs}
     assert {"hello", "step", "device", "status", "done", "checkpoint"} <= kinds
     hello = next(e for e in evs if e.type == "hello" and e.client == "transformers")
     assert hello.max_steps == 12 and hello.model.family == "GPTNeoXForCausalLM"
     steps = [e for e in evs if e.type == "step"]
-    assert [e.step for e in steps] == [3, 6, 9, 12]              # the script's logging_steps
+    assert [e.step for e in steps] == [3, 6, 9, 12]  # the script's logging_steps
     assert all(e.loss is not None and e.phases_ms["forward"] > 0 and e.phases_ms["backward"] > 0 for e in steps)
     assert steps[-1].tokens == 12 * 4 * 2 * 20
-    assert any(e.type == "device" and e.cpu is not None and e.cpu.proc_rss for e in evs)   # its process tree
+    assert any(e.type == "device" and e.cpu is not None and e.cpu.proc_rss for e in evs)  # its process tree
     assert [e.step for e in evs if e.type == "checkpoint"] == [6, 12] and (tmp_path / "hf" / "checkpoint-12").is_dir()
-    assert "gptop: run finished: 12 steps" in err and "command" in err      # the summary, on stderr with --json
+    assert "gptop: run finished: 12 steps" in err and "command" in err  # the summary, on stderr with --json
     with_gptop = json.loads((tmp_path / "run" / "trainer.log").read_text().strip().splitlines()[-1])
 
-    plain = subprocess.run([sys.executable, str(HF_SCRIPT), "--out", "hf2"], cwd=tmp_path, env=env(),
-                           capture_output=True, text=True, timeout=600)
+    plain = subprocess.run(
+        [sys.executable, str(HF_SCRIPT), "--out", "hf2"],
+        cwd=tmp_path,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert plain.returncode == 0, plain.stderr
-    assert json.loads(plain.stdout.strip().splitlines()[-1]) == with_gptop   # trains as before, bit for bit
+    assert json.loads(plain.stdout.strip().splitlines()[-1]) == with_gptop  # trains as before, bit for bit
 
-    r = subprocess.run([sys.executable, "-m", "gptop", "report", "run"], cwd=tmp_path, env=env(), capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "gptop", "report", "run"],
+        cwd=tmp_path,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert "12/12 steps" in r.stdout and f"command   {sys.executable} {HF_SCRIPT}" in r.stdout
     assert "phases    data" in r.stdout and "2 written, 2 kept" in r.stdout
@@ -86,9 +115,24 @@ def test_a_transformers_script_as_json_lines_and_the_same_script_without_gptop(t
 
 def test_ctrl_c_stops_a_plain_loop_with_its_own_checkpoint(tmp_path):
     run = tmp_path / "run"
-    p = gptop("--no-ui", "run", "--run-dir", "run", "--log-every", "2", "--", sys.executable,
-              str(EXAMPLES / "train_loop.py"), "--steps", "100000", "--step-sleep", "0.02", "--out", "ckpt",
-              cwd=tmp_path)
+    p = gptop(
+        "--no-ui",
+        "run",
+        "--run-dir",
+        "run",
+        "--log-every",
+        "2",
+        "--",
+        sys.executable,
+        str(EXAMPLES / "train_loop.py"),
+        "--steps",
+        "100000",
+        "--step-sleep",
+        "0.02",
+        "--out",
+        "ckpt",
+        cwd=tmp_path,
+    )
     wait_for(lambda: events(run, "step"), timeout=300, what="the first step event")
     pid = client_hello(run).pid
     p.send_signal(signal.SIGINT)
@@ -101,9 +145,15 @@ def test_ctrl_c_stops_a_plain_loop_with_its_own_checkpoint(tmp_path):
     assert done.reason in ("stop requested", "SIGINT") and ckpt.reason == "stop" and ckpt.step == done.step
     assert Path(ckpt.path) == tmp_path / "ckpt" / f"step-{done.step}.pt" and Path(ckpt.path).exists()
     assert "gptop: run stopped at step" in out and f"checkpoint {ckpt.path}" in out
-    r = subprocess.run([sys.executable, "-m", "gptop", "--json", "report", "run"], cwd=tmp_path, env=env(),
-                       capture_output=True, text=True, timeout=120)
-    assert len(r.stdout.splitlines()) == 1, r.stdout          # --json: one JSON line, as everywhere
+    r = subprocess.run(
+        [sys.executable, "-m", "gptop", "--json", "report", "run"],
+        cwd=tmp_path,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert len(r.stdout.splitlines()) == 1, r.stdout  # --json: one JSON line, as everywhere
     s = json.loads(r.stdout)
     assert s["steps"] >= 2 and s["checkpoints_kept"] == [{"step": ckpt.step, "path": ckpt.path}]
     assert s["done"] == done.reason and s["command"][1] == str(EXAMPLES / "train_loop.py")
@@ -112,14 +162,29 @@ def test_ctrl_c_stops_a_plain_loop_with_its_own_checkpoint(tmp_path):
 def test_kill_9_of_gptop_leaves_nothing_running(tmp_path):
     # a loop with the probe: it sees its channel close, checkpoints and exits
     run = tmp_path / "run"
-    p = gptop("--no-ui", "run", "--run-dir", "run", "--", sys.executable, str(EXAMPLES / "train_loop.py"),
-              "--steps", "100000", "--step-sleep", "0.02", "--out", "ckpt", cwd=tmp_path)
+    p = gptop(
+        "--no-ui",
+        "run",
+        "--run-dir",
+        "run",
+        "--",
+        sys.executable,
+        str(EXAMPLES / "train_loop.py"),
+        "--steps",
+        "100000",
+        "--step-sleep",
+        "0.02",
+        "--out",
+        "ckpt",
+        cwd=tmp_path,
+    )
     wait_for(lambda: client_hello(run) and events(run, "step"), timeout=300, what="a step")
     pid = client_hello(run).pid
     # a command without a client: the warden ends it
     run2 = tmp_path / "run2"
-    p2 = gptop("--no-ui", "run", "--run-dir", "run2", "--", sys.executable, "-c", "import time; time.sleep(600)",
-               cwd=tmp_path)
+    p2 = gptop(
+        "--no-ui", "run", "--run-dir", "run2", "--", sys.executable, "-c", "import time; time.sleep(600)", cwd=tmp_path
+    )
     wait_for(lambda: events(run2, "hello"), timeout=120, what="the command's start")
     pid2 = events(run2, "hello")[0].pid
     for gp in (p, p2):
@@ -129,8 +194,11 @@ def test_kill_9_of_gptop_leaves_nothing_running(tmp_path):
     assert gone(pid2, timeout=120), "the plain command outlived gptop"
     done = events(run, "done")[-1]
     assert done.reason == "launcher went away" and events(run, "checkpoint")[-1].step == done.step
-    wardens = [q for q in psutil.process_iter(["cmdline"])         # [python, -m, gptop.warden, FD, PID, GRACE]
-               if (q.info["cmdline"] or [])[2:3] == ["gptop.warden"] and q.info["cmdline"][4] in (str(pid), str(pid2))]
+    wardens = [
+        q
+        for q in psutil.process_iter(["cmdline"])  # [python, -m, gptop.warden, FD, PID, GRACE]
+        if (q.info["cmdline"] or [])[2:3] == ["gptop.warden"] and q.info["cmdline"][4] in (str(pid), str(pid2))
+    ]
     assert all(gone(q.pid, timeout=60) for q in wardens)
 
 
@@ -143,14 +211,22 @@ def test_exit_codes_of_plain_commands(tmp_path):
     p = gptop("--no-ui", "run", "--run-dir", "bad", "--", sys.executable, "-c", fail, cwd=tmp_path)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 1, out + err
-    assert "failed (exit code 3)" in err and "    something broke" in out      # the summary's stderr lines
+    assert "failed (exit code 3)" in err and "    something broke" in out  # the summary's stderr lines
     # stopped, but it ignores SIGINT: killed after --grace, exit 130, nothing left
-    ignore = ("import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); print('up', flush=True); "
-              "time.sleep(600)")
+    ignore = (
+        "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"
+    )
     p = gptop("--no-ui", "run", "--run-dir", "stuck", "--grace", "1", "--", sys.executable, "-c", ignore, cwd=tmp_path)
     # its output and gptop's record of the start (the hello, with its pid) are written by two threads
-    wait_for(lambda: "up" in (tmp_path / "stuck" / "trainer.log").read_text()
-             if (tmp_path / "stuck" / "trainer.log").exists() else False, timeout=120, what="the command to start")
+    wait_for(
+        lambda: (
+            "up" in (tmp_path / "stuck" / "trainer.log").read_text()
+            if (tmp_path / "stuck" / "trainer.log").exists()
+            else False
+        ),
+        timeout=120,
+        what="the command to start",
+    )
     wait_for(lambda: events(tmp_path / "stuck", "hello"), timeout=60, what="gptop's record of the start")
     pid = events(tmp_path / "stuck", "hello")[0].pid
     p.send_signal(signal.SIGINT)
@@ -171,8 +247,23 @@ def test_a_lightning_script(tmp_path):
     probe = subprocess.run([sys.executable, "-c", "import lightning"], env=env(), capture_output=True)
     if probe.returncode != 0:
         pytest.skip("Lightning is an optional extra: pip install 'gptop[lightning]'")
-    p = gptop("--no-ui", "--json", "run", "--run-dir", "run", "--log-every", "5", "--", sys.executable,
-              str(EXAMPLES / "train_lightning.py"), "--steps", "10", "--out", "pl", cwd=tmp_path)
+    p = gptop(
+        "--no-ui",
+        "--json",
+        "run",
+        "--run-dir",
+        "run",
+        "--log-every",
+        "5",
+        "--",
+        sys.executable,
+        str(EXAMPLES / "train_lightning.py"),
+        "--steps",
+        "10",
+        "--out",
+        "pl",
+        cwd=tmp_path,
+    )
     out, err = p.communicate(timeout=600)
     assert p.returncode == 0, err
     steps = [e for e in map(parse, out.splitlines()) if e.type == "step"]
@@ -182,19 +273,36 @@ def test_a_lightning_script(tmp_path):
 def test_two_ranks_stop_on_the_same_step(tmp_path):
     """torchrun as the command: each rank's probe reports with its rank, and a stop lands on one step."""
     run = tmp_path / "run"
-    p = gptop("--no-ui", "run", "--run-dir", "run", "--", sys.executable, "-m", "torch.distributed.run",
-              "--nproc-per-node", "2", "--standalone", str(ROOT / "tests" / "fixtures" / "ddp_loop.py"), "--out",
-              "ckpt", cwd=tmp_path)
+    p = gptop(
+        "--no-ui",
+        "run",
+        "--run-dir",
+        "run",
+        "--",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--standalone",
+        str(ROOT / "tests" / "fixtures" / "ddp_loop.py"),
+        "--out",
+        "ckpt",
+        cwd=tmp_path,
+    )
     rank1 = run / "events.rank1.jsonl"
-    wait_for(lambda: events(run, "step") and rank1.exists() and rank1.stat().st_size, timeout=300,
-             what="step events of both ranks")
+    wait_for(
+        lambda: events(run, "step") and rank1.exists() and rank1.stat().st_size,
+        timeout=300,
+        what="step events of both ranks",
+    )
     pids = [e.pid for e in events(run, "hello") if e.client is not None]
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=300)
     assert p.returncode == 130, out + err
     done = events(run, "done")[-1]
     last = {0: events(run, "step")[-1].step, 1: [e for e in read_events(rank1) if e.type == "step"][-1].step}
-    assert last == {0: done.step, 1: done.step}, (last, done)       # both ranks stopped after the same step
+    assert last == {0: done.step, 1: done.step}, (last, done)  # both ranks stopped after the same step
     ckpt = events(run, "checkpoint")[-1]
     assert ckpt.reason == "stop" and ckpt.step == done.step and Path(ckpt.path).exists()
     steps = events(run, "step")
@@ -207,10 +315,30 @@ def test_the_dashboard_shows_a_loop_and_q_stops_it(tmp_path):
     from test_tui_terminal import screen_text
 
     run = tmp_path / "run"
-    term = Terminal([sys.executable, "-m", "gptop", "run", "--run-dir", str(run), "--log-every", "2", "--",
-                     sys.executable, str(EXAMPLES / "train_loop.py"), "--steps", "100000", "--step-sleep", "0.02",
-                     "--out", str(tmp_path / "ckpt")],
-                    cols=120, rows=40, env=dict(env(), TERM="xterm-256color", COLUMNS="120", LINES="40"))
+    term = Terminal(
+        [
+            sys.executable,
+            "-m",
+            "gptop",
+            "run",
+            "--run-dir",
+            str(run),
+            "--log-every",
+            "2",
+            "--",
+            sys.executable,
+            str(EXAMPLES / "train_loop.py"),
+            "--steps",
+            "100000",
+            "--step-sleep",
+            "0.02",
+            "--out",
+            str(tmp_path / "ckpt"),
+        ],
+        cols=120,
+        rows=40,
+        env=dict(env(), TERM="xterm-256color", COLUMNS="120", LINES="40"),
+    )
     try:
         wait_for(lambda: events(run, "step"), timeout=300, what="a step event")
         wait_for(lambda: "LlamaForCausalLM" in screen_text(term)[-20000:], timeout=60, what="the client's hello")

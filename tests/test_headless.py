@@ -38,17 +38,22 @@ def test_json_mode_prints_every_event_as_a_parseable_line_and_nothing_else():
     out, err = io.StringIO(), io.StringIO()
     state = RunState()
     events = gpu_run(failed=True)
-    play(HeadlessView(state, json=True, stream=out, err=err), state, events, gpu_logs(True),
-         ("failed", "trainer exited with code 1"))
+    play(
+        HeadlessView(state, json=True, stream=out, err=err),
+        state,
+        events,
+        gpu_logs(True),
+        ("failed", "trainer exited with code 1"),
+    )
     lines = out.getvalue().splitlines()
-    parsed = [parse(line) for line in lines]             # every line is a valid event
+    parsed = [parse(line) for line in lines]  # every line is a valid event
     trainer = [p for p in parsed if not isinstance(p, StatusEvent)]
-    assert trainer == events                             # and the same event, field for field
+    assert trainer == events  # and the same event, field for field
     statuses = [p for p in parsed if isinstance(p, StatusEvent)]
     assert [s.status for s in statuses] == ["running", "failed"]
     assert statuses[-1].message == "trainer exited with code 1"
-    assert "Traceback" not in out.getvalue()            # trainer logs never on stdout in JSON mode
-    assert "Traceback (most recent call last):" in err.getvalue()   # the failure's stderr tail goes to stderr
+    assert "Traceback" not in out.getvalue()  # trainer logs never on stdout in JSON mode
+    assert "Traceback (most recent call last):" in err.getvalue()  # the failure's stderr tail goes to stderr
 
 
 def test_json_mode_thins_device_samples_by_event_time():
@@ -67,41 +72,52 @@ def test_json_mode_thins_device_samples_by_event_time():
 def test_readable_lines():
     out, err = io.StringIO(), io.StringIO()
     state = RunState(run_dir="runs/x")
-    play(HeadlessView(state, json=False, stream=out, err=err), state, gpu_run(failed=True, tuning_done=True),
-         gpu_logs(True),
-         ("failed", "trainer exited with code 1"))
+    play(
+        HeadlessView(state, json=False, stream=out, err=err),
+        state,
+        gpu_run(failed=True, tuning_done=True),
+        gpu_logs(True),
+        ("failed", "trainer exited with code 1"),
+    )
     text = out.getvalue()
     lines = text.splitlines()
     assert lines[0] == "status: running"
     assert lines[1].startswith("gptop: deepseek medium · 887.4M params (344.8M active) on NVIDIA H100")
     steps = [line for line in lines if line.startswith("step ")]
     assert len(steps) == 30
-    assert steps[0].startswith("step 10/1000 loss 9.698 | 32.5k tok/s | mfu 30.5% | step 252 ms (data 3% fwd 29% "
-                               "bwd 56% opt 10% other 3%) gpu idle 6% | mem 19.0 GB")
+    assert steps[0].startswith(
+        "step 10/1000 loss 9.698 | 32.5k tok/s | mfu 30.5% | step 252 ms (data 3% fwd 29% "
+        "bwd 56% opt 10% other 3%) gpu idle 6% | mem 19.0 GB"
+    )
     assert steps[-1].endswith("| eta 2:55")
-    for expected in ("eval step 100 loss 3.992", "checkpoint step 200 -> runs/fixture/checkpoints/step_000200.pt (1.4 s)",
-                     "warning: loss spike at step 150", "error [oom]: CUDA out of memory",
-                     "trial 1 ok: compile=default fused_adamw=on | 41.9k tok/s ±1.8% | peak 36.0 GB | +28.8% tokens/s",
-                     "baseline 0 ok: (as started) | 32.5k tok/s ±1.2%", "trial 2 infeasible: compile=default "
-                     "micro_batch=32 | peak 79.0 GB | oom: rolled back", "apply: compile=default fused_adamw=on | "
-                     "41.9k tok/s (+29%)", "tuner: find micro batch (30:00 budget left)", "tuner: done",
-                     "hint: compute-bound",
-                     "status: failed: trainer exited with code 1"):
+    for expected in (
+        "eval step 100 loss 3.992",
+        "checkpoint step 200 -> runs/fixture/checkpoints/step_000200.pt (1.4 s)",
+        "warning: loss spike at step 150",
+        "error [oom]: CUDA out of memory",
+        "trial 1 ok: compile=default fused_adamw=on | 41.9k tok/s ±1.8% | peak 36.0 GB | +28.8% tokens/s",
+        "baseline 0 ok: (as started) | 32.5k tok/s ±1.2%",
+        "trial 2 infeasible: compile=default micro_batch=32 | peak 79.0 GB | oom: rolled back",
+        "apply: compile=default fused_adamw=on | 41.9k tok/s (+29%)",
+        "tuner: find micro batch (30:00 budget left)",
+        "tuner: done",
+        "hint: compute-bound",
+        "status: failed: trainer exited with code 1",
+    ):
         assert expected in text, expected
     assert not any(line.startswith("{") for line in lines)
-    assert "UserWarning" not in text                     # trainer logs are not echoed by default
+    assert "UserWarning" not in text  # trainer logs are not echoed by default
     assert "last 5 lines of the trainer's stderr:" in err.getvalue() and "loss.backward()" in err.getvalue()
-    assert "\x1b[" not in text                            # not a TTY: no progress bar, no escapes
+    assert "\x1b[" not in text  # not a TTY: no progress bar, no escapes
 
 
 def test_readable_mode_echoes_logs_when_asked_and_only_prints_primary_rank_steps():
     out, err = io.StringIO(), io.StringIO()
     state = RunState()
-    play(HeadlessView(state, json=False, stream=out, err=err, echo_logs=True), state, gpu_run(60, ranks=2),
-         gpu_logs())
+    play(HeadlessView(state, json=False, stream=out, err=err, echo_logs=True), state, gpu_run(60, ranks=2), gpu_logs())
     assert "UserWarning: TypedStorage is deprecated" in err.getvalue()
     steps = [line for line in out.getvalue().splitlines() if line.startswith("step ")]
-    assert len(steps) == 6 and all("ranks" in line for line in steps[1:])   # rank 1 arrives after rank 0
+    assert len(steps) == 6 and all("ranks" in line for line in steps[1:])  # rank 1 arrives after rank 0
 
 
 def test_cpu_run_lines_say_na_for_missing_numbers():
@@ -125,20 +141,23 @@ def test_progress_bar_on_a_tty():
     assert view._progress is not None
     play(view, state, cpu_run())
     assert "step 120/200" in out.getvalue()
-    json_view = HeadlessView(RunState(), json=True, stream=TTY())   # never a bar in JSON mode
+    json_view = HeadlessView(RunState(), json=True, stream=TTY())  # never a bar in JSON mode
     assert json_view._progress is None
 
 
 @pytest.mark.process
 def test_headless_does_not_import_textual():
-    code = ("import sys; import gptop.headless, gptop.state, gptop.controls; "
-            "bad = [m for m in sys.modules if m.split('.')[0] == 'textual' or m.startswith('gptop.ui')]; "
-            "print(bad); sys.exit(1 if bad else 0)")
+    code = (
+        "import sys; import gptop.headless, gptop.state, gptop.controls; "
+        "bad = [m for m in sys.modules if m.split('.')[0] == 'textual' or m.startswith('gptop.ui')]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
 # --- issue 11: startup phases, the estimate, progress between log steps ---------------------------------------
+
 
 def test_startup_lines_say_what_it_costs_and_what_it_does():
     from fixtures.streams import startup_run
@@ -148,16 +167,21 @@ def test_startup_lines_say_what_it_costs_and_what_it_does():
     play(HeadlessView(state, json=False, stream=out), state, startup_run("steps"))
     lines = out.getvalue().splitlines()
     # a slow estimate is said once, by the warning line that follows (issue 26)
-    assert lines[1] == ("starting: deepseek medium · 887.4M params (344.8M active) on AMD EPYC 7763 64-Core "
-                        "Processor, 200 steps")
-    assert lines[2] == ("warning: deepseek medium on this CPU: ~14.8 GiB (optimizer 6.6 GiB), ~1.8 min per step, "
-                        "~6.1 h for 200 steps (estimated at 40% MFU)")
+    assert lines[1] == (
+        "starting: deepseek medium · 887.4M params (344.8M active) on AMD EPYC 7763 64-Core Processor, 200 steps"
+    )
+    assert lines[2] == (
+        "warning: deepseek medium on this CPU: ~14.8 GiB (optimizer 6.6 GiB), ~1.8 min per step, "
+        "~6.1 h for 200 steps (estimated at 40% MFU)"
+    )
     startup = [line for line in lines if line.startswith("startup: ")]
-    assert startup == ["startup: tokenizing builtin",       # once, not per percent
-                       "startup: building deepseek medium",
-                       "startup: probing micro-batch 1",
-                       "startup: probing micro-batch 2",
-                       "startup: compiling (torch.compile default)"]
+    assert startup == [
+        "startup: tokenizing builtin",  # once, not per percent
+        "startup: building deepseek medium",
+        "startup: probing micro-batch 1",
+        "startup: probing micro-batch 2",
+        "startup: compiling (torch.compile default)",
+    ]
     assert sum(line.startswith("gptop: deepseek medium") for line in lines) == 1
     steps = [line.split(" loss")[0] for line in lines if line.startswith("step ")]
     assert steps == ["step 1/200 done in 95.0 s (warm-up included); a line every 10 steps", "step 10/200"]
@@ -173,7 +197,7 @@ def test_progress_events_move_the_bar_and_are_json_lines():
     out = TTY()
     state = RunState()
     play(HeadlessView(state, json=False, stream=out), state, startup_run("steps"))
-    assert "13/200" in out.getvalue()                # the bar moved past the last step line (10)
+    assert "13/200" in out.getvalue()  # the bar moved past the last step line (10)
     out = io.StringIO()
     state = RunState()
     play(HeadlessView(state, json=True, stream=out), state, startup_run("steps"))
@@ -190,7 +214,7 @@ def test_no_first_step_line_when_every_step_has_one():
     state.config["log"]["log_every"] = 1
     assert first_step_line(ev("progress", 1.0, step=1, tokens=1), state) is None
     state.config["log"]["log_every"] = 10
-    assert first_step_line(ev("progress", 1.0, step=10, tokens=1), state) is None     # a log step: its own line
+    assert first_step_line(ev("progress", 1.0, step=10, tokens=1), state) is None  # a log step: its own line
     assert first_step_line(ev("progress", 1.0, step=1, tokens=1), state).startswith("step 1/200 done")
 
 
@@ -216,11 +240,15 @@ def test_gptop_piped_into_head_exits_quietly(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     with open(run / "events.jsonl", "w") as f:
-        for _ in range(4):                      # ~200 kB: the writer blocks on a full pipe, then gets EPIPE
+        for _ in range(4):  # ~200 kB: the writer blocks on a full pipe, then gets EPIPE
             for e in gpu_run():
                 f.write(dumps(e) + "\n")
-    p = subprocess.Popen([sys.executable, "-m", "gptop", "--no-ui", "--json", "--run-dir", str(run)],
-                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "gptop", "--no-ui", "--json", "--run-dir", str(run)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     assert p.stdout.readline().startswith(b"{")
     p.stdout.close()
     err = p.stderr.read().decode()
@@ -229,26 +257,44 @@ def test_gptop_piped_into_head_exits_quietly(tmp_path):
 
 
 def measuring(t: float, samples: int, warmed_up: bool = True, kind: str = "baseline", number=None):
-    return ev("tuner", t, phase="baseline" if kind == "baseline" else "trials", budget_left_s=500.0, trial=number,
-              measure={"kind": kind, "number": number, "steps": samples + 3, "samples": samples, "needed": 8,
-                       "warmed_up": warmed_up, "tokens_per_s": 4000.0 if samples else None,
-                       "spread": 600.0 if samples else None, "target": 0.03, "seconds": t, "max_seconds": 90.0})
+    return ev(
+        "tuner",
+        t,
+        phase="baseline" if kind == "baseline" else "trials",
+        budget_left_s=500.0,
+        trial=number,
+        measure={
+            "kind": kind,
+            "number": number,
+            "steps": samples + 3,
+            "samples": samples,
+            "needed": 8,
+            "warmed_up": warmed_up,
+            "tokens_per_s": 4000.0 if samples else None,
+            "spread": 600.0 if samples else None,
+            "target": 0.03,
+            "seconds": t,
+            "max_seconds": 90.0,
+        },
+    )
 
 
 def test_the_tuners_measurement_is_a_line_when_it_starts_warms_up_and_every_ten_seconds():
     out = io.StringIO()
     state = RunState()
     events = [measuring(0.0, 0, warmed_up=False)]
-    events += [measuring(t, 0, warmed_up=False) for t in (1.0, 2.0)]          # still warming up: quiet
-    events += [measuring(3.0 + t, 1 + t) for t in range(12)]                  # warmed up at 3 s, then 13 s
-    events += [ev("tuner", 16.0, phase="trials", budget_left_s=400.0, trial=None)]   # it ended: no line
-    events += [measuring(17.0, 0, warmed_up=False, kind="trial", number=1)]   # the next one: a line
+    events += [measuring(t, 0, warmed_up=False) for t in (1.0, 2.0)]  # still warming up: quiet
+    events += [measuring(3.0 + t, 1 + t) for t in range(12)]  # warmed up at 3 s, then 13 s
+    events += [ev("tuner", 16.0, phase="trials", budget_left_s=400.0, trial=None)]  # it ended: no line
+    events += [measuring(17.0, 0, warmed_up=False, kind="trial", number=1)]  # the next one: a line
     play(HeadlessView(state, json=False, stream=out), state, events)
     lines = [l for l in out.getvalue().splitlines() if l.startswith("tuner: measuring")]
-    assert lines == ["tuner: measuring baseline: warming up, 3 steps · 0:00/1:30",
-                     "tuner: measuring baseline: 1/8 samples · 4.0k tok/s ±15.0% (goal ±3%) · 0:03/1:30",
-                     "tuner: measuring baseline: 11 samples · 4.0k tok/s ±15.0% (goal ±3%) · 0:13/1:30",
-                     "tuner: measuring trial 1: warming up, 3 steps · 0:17/1:30"]
+    assert lines == [
+        "tuner: measuring baseline: warming up, 3 steps · 0:00/1:30",
+        "tuner: measuring baseline: 1/8 samples · 4.0k tok/s ±15.0% (goal ±3%) · 0:03/1:30",
+        "tuner: measuring baseline: 11 samples · 4.0k tok/s ±15.0% (goal ±3%) · 0:13/1:30",
+        "tuner: measuring trial 1: warming up, 3 steps · 0:17/1:30",
+    ]
 
 
 def test_a_trainer_stop_is_not_printed_as_the_runs_end():
@@ -271,16 +317,24 @@ def test_a_refusal_before_the_first_step_is_said_once():
     said = "--data: corpus too small: 16 tokens, but --seq-len 256 needs at least 1,025 training tokens"
     state, out = RunState(), io.StringIO()
     view = HeadlessView(state, json=False, stream=out)
-    play(view, state, [cpu_run(0)[0], ev("error", 1.0, kind="config", message=said)],
-         final=("failed", f"trainer failed (exit code 2): config: {said}"))
+    play(
+        view,
+        state,
+        [cpu_run(0)[0], ev("error", 1.0, kind="config", message=said)],
+        final=("failed", f"trainer failed (exit code 2): config: {said}"),
+    )
     text = out.getvalue()
     assert said not in text and "status: failed\n" in text
     later, out = RunState(), io.StringIO()
     view = HeadlessView(later, json=False, stream=out)
-    play(view, later, cpu_run(20) + [ev("error", 99.0, kind="config", message="--lr: refused mid-run")],
-         final=("failed", "trainer failed (exit code 2): config: --lr: refused mid-run"))
+    play(
+        view,
+        later,
+        cpu_run(20) + [ev("error", 99.0, kind="config", message="--lr: refused mid-run")],
+        final=("failed", "trainer failed (exit code 2): config: --lr: refused mid-run"),
+    )
     assert out.getvalue().count("--lr: refused mid-run") == 2
-    js, out = RunState(), io.StringIO()                  # --json keeps every event as it came
+    js, out = RunState(), io.StringIO()  # --json keeps every event as it came
     view = HeadlessView(js, json=True, stream=out)
     play(view, js, [cpu_run(0)[0], ev("error", 1.0, kind="config", message=said)], final=("failed", said))
     assert [json.loads(line)["type"] for line in out.getvalue().splitlines()].count("error") == 1

@@ -24,7 +24,9 @@ def test_there_are_subcommands_to_check():
     assert {"train", "tune", "report", "export", "sample"} <= set(COMMANDS)
 
 
-@pytest.mark.parametrize("name, text", list(helps()), ids=lambda x: x if isinstance(x, str) and x.startswith("gptop") else "")
+@pytest.mark.parametrize(
+    "name, text", list(helps()), ids=lambda x: x if isinstance(x, str) and x.startswith("gptop") else ""
+)
 def test_defaults_are_written_one_way_and_internals_are_hidden(name, text):
     flat = " ".join(text.split())
     assert not re.search(r"\(default: (True|False|None)\b", flat), name
@@ -34,8 +36,7 @@ def test_defaults_are_written_one_way_and_internals_are_hidden(name, text):
 @pytest.mark.parametrize("command", COMMANDS)
 def test_a_bad_choice_is_one_line_naming_the_option(command, capsys):
     sub = PARSER.commands[command]
-    choice = next((a for a in sub.actions if a.choices and a.option_strings and not isinstance(a.choices, dict)),
-                  None)
+    choice = next((a for a in sub.actions if a.choices and a.option_strings and not isinstance(a.choices, dict)), None)
     if choice is None:
         pytest.skip(f"gptop {command} has no option with choices")
     flag = choice.option_strings[-1]
@@ -75,8 +76,9 @@ SAMPLING = {"train", "tune", "run"}
 
 
 @pytest.mark.parametrize("command", COMMANDS + [None])
-def test_json_means_json_lines_everywhere_and_sampling_flags_only_where_they_act(command, capsys, tmp_path,
-                                                                                   monkeypatch):
+def test_json_means_json_lines_everywhere_and_sampling_flags_only_where_they_act(
+    command, capsys, tmp_path, monkeypatch
+):
     """--json: the command's output as JSON lines on stdout (and no dashboard); --interval and the metrics
     flags act where gptop samples a run, and are refused elsewhere: one line naming the flag, exit 2."""
     from gptop.cli import _check_global_flags
@@ -88,13 +90,13 @@ def test_json_means_json_lines_everywhere_and_sampling_flags_only_where_they_act
     run.mkdir()
     (run / "events.jsonl").write_text("")
     monkeypatch.chdir(tmp_path)
-    for a in sub.actions:              # what a positional must be is tested elsewhere; the flags are tested here
+    for a in sub.actions:  # what a positional must be is tested elsewhere; the flags are tested here
         if not a.option_strings and a.type is not None:
             monkeypatch.setattr(a, "type", str)
     extra = {"report": ["run"], "export": ["run", "out"], "sample": ["run"], "run": ["--", "true"]}.get(command, [])
     ns = PARSER.parse_args(["--json"] + ([command] if command else []) + extra)
     _check_global_flags(PARSER, ns)
-    assert ns.json and ns.no_ui                               # one meaning: JSON lines, no dashboard
+    assert ns.json and ns.no_ui  # one meaning: JSON lines, no dashboard
     if command in SAMPLING or command is None:
         assert "--interval" in flags
         return

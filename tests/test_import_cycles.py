@@ -27,7 +27,8 @@ def _modules() -> dict[str, Path]:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _import_nodes(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
@@ -70,7 +71,7 @@ def import_graph() -> dict[str, dict[str, int]]:
             else:
                 if node.level:
                     base = package.split(".")
-                    base = base[:len(base) - (node.level - 1)]
+                    base = base[: len(base) - (node.level - 1)]
                     prefix = ".".join(base + ([node.module] if node.module else []))
                 else:
                     prefix = node.module or ""
@@ -165,5 +166,8 @@ def test_the_config_schema_is_below_the_input_checks():
                 reached.add(dep)
                 todo.append(dep)
     assert "trainer.contract.config_schema" in graph["trainer.contract.events"]
-    assert reached <= {"trainer.contract.common", "trainer.contract.config_options", "trainer.contract.config_layouts"}, \
-        sorted(reached)
+    assert reached <= {
+        "trainer.contract.common",
+        "trainer.contract.config_options",
+        "trainer.contract.config_layouts",
+    }, sorted(reached)

@@ -38,9 +38,13 @@ def test_only_a_library_that_does_not_load_is_an_artefact_failure(tmp_path):
     art = artefact_failure(wrapped(so))
     assert art is not None and art.path == so and art.reason == "invalid ELF header"
     assert artefact_failure(OSError(f"{so}: file too short")).reason == "file too short"
-    for other in (RuntimeError("LoweringException: aten.foo"), ImportError("No module named 'triton'"),
-                  OSError("[Errno 28] No space left on device"), InductorError("CppCompileError: error: ...")):
-        assert artefact_failure(other) is None       # the setting's (or the disk's): not retried
+    for other in (
+        RuntimeError("LoweringException: aten.foo"),
+        ImportError("No module named 'triton'"),
+        OSError("[Errno 28] No space left on device"),
+        InductorError("CppCompileError: error: ..."),
+    ):
+        assert artefact_failure(other) is None  # the setting's (or the disk's): not retried
 
 
 def test_recover_removes_the_bad_file_and_switches_to_the_runs_own_cache_once(tmp_path, monkeypatch):
@@ -55,10 +59,12 @@ def test_recover_removes_the_bad_file_and_switches_to_the_runs_own_cache_once(tm
     assert own.recover(RuntimeError("a lowering error")) is None and not own.used
     art = own.recover(wrapped(bad))
     assert art is not None and art.path == bad
-    assert not bad.exists()                            # the next build makes it again, for every run
-    assert os.environ[ENV] == str(tmp_path / "run" / "inductor-cache") and (tmp_path / "run" / "inductor-cache").is_dir()
+    assert not bad.exists()  # the next build makes it again, for every run
+    assert (
+        os.environ[ENV] == str(tmp_path / "run" / "inductor-cache") and (tmp_path / "run" / "inductor-cache").is_dir()
+    )
     assert cleared == [1]
-    assert own.recover(wrapped(good)) is None          # once per process: a second failure is the setting's
+    assert own.recover(wrapped(good)) is None  # once per process: a second failure is the setting's
     assert good.exists()
     # a library that loads is never removed, even when a failure names it
     monkeypatch.setenv(ENV, str(shared))
@@ -74,7 +80,7 @@ def test_a_run_that_hits_a_corrupt_artefact_retries_the_step_and_learns_the_same
     assert code == EXIT_OK
     warned = [w for w in of(events, "warning") if w.kind == CompileWarning.COMPILE_CACHE]
     assert len(warned) == 1 and warned[0].step == 3 and "invalid ELF header" in warned[0].message
-    assert not list((tmp_path / "shared").rglob("*.so"))          # the bad file is gone from the shared cache
+    assert not list((tmp_path / "shared").rglob("*.so"))  # the bad file is gone from the shared cache
     assert os.environ[ENV] == str(run_dir / "inductor-cache")
     assert [s.step for s in of(events, "step")][-1] == 4
     monkeypatch.setenv(ENV, str(tmp_path / "shared"))

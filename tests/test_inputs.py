@@ -21,8 +21,20 @@ from pathlib import Path
 import pytest
 
 from trainer.contract import inputs
-from trainer.contract.config import (AUTO, ConfigError, Range, Toggles, TrainConfig, add_arguments,
-                                     config_from_args, config_from_toml, flag_of, kind_of, opt, range_of)
+from trainer.contract.config import (
+    AUTO,
+    ConfigError,
+    Range,
+    Toggles,
+    TrainConfig,
+    add_arguments,
+    config_from_args,
+    config_from_toml,
+    flag_of,
+    kind_of,
+    opt,
+    range_of,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 NUMERIC = [(s, f) for s, f, _ in TrainConfig().items() if kind_of(f) in (int, float)]
@@ -30,6 +42,7 @@ PATH_FIELDS = {f.metadata["path"]: flag_of(f) for _, f, _ in TrainConfig().items
 
 
 # --- numbers ------------------------------------------------------------------------------------------------------
+
 
 def test_every_numeric_option_declares_a_range():
     assert len(NUMERIC) >= 15
@@ -43,7 +56,7 @@ def test_every_numeric_option_declares_a_range():
 
 def bad_values(f) -> list[float | int | str]:
     """NaN, infinities, a huge number, and the first values outside the range on each side."""
-    rng, out = range_of(f), [float("nan"), float("inf"), float("-inf"), 10 ** 30, "9" * 40]
+    rng, out = range_of(f), [float("nan"), float("inf"), float("-inf"), 10**30, "9" * 40]
     if rng.low is not None:
         out.append(rng.low if rng.low_open else rng.low - 1)
     if rng.high is not None:
@@ -77,14 +90,14 @@ def test_numeric_flag_refuses_nan_inf_out_of_range_and_huge(section, f):
         assert e.value.option == flag, msg
         assert f"accepted: {range_of(f)}" in msg, msg
         shown = _text(value)
-        assert shown[:20] in msg or repr(float(shown)) in msg, msg           # the value, as given or as read
+        assert shown[:20] in msg or repr(float(shown)) in msg, msg  # the value, as given or as read
 
 
 @pytest.mark.parametrize("section,f", NUMERIC, ids=[f.name for _, f in NUMERIC])
 def test_numeric_toml_key_refuses_the_same_naming_the_file_and_key(section, f, tmp_path):
     toml = tmp_path / "c.toml"
     for value in bad_values(f):
-        literal = _toml(value) if not isinstance(value, str) else value      # "9"*40: a TOML integer
+        literal = _toml(value) if not isinstance(value, str) else value  # "9"*40: a TOML integer
         toml.write_text(f"[{section}]\n{f.name} = {literal}\n")
         with pytest.raises(ConfigError) as e:
             parse(["--config", str(toml)])
@@ -104,9 +117,17 @@ def test_numeric_range_ends_are_accepted(section, f):
 
 
 def test_the_examples_of_the_issue():
-    for flag, value in (("--min-lr-ratio", "nan"), ("--weight-decay", "-1"), ("--lr", "inf"), ("--grad-clip", "-1"),
-                        ("--nan-lr-factor", "0"), ("--val-fraction", "nan"), ("--seed", str(2 ** 64)),
-                        ("--max-steps", str(10 ** 8)), ("--seq-len", str(1 << 21))):
+    for flag, value in (
+        ("--min-lr-ratio", "nan"),
+        ("--weight-decay", "-1"),
+        ("--lr", "inf"),
+        ("--grad-clip", "-1"),
+        ("--nan-lr-factor", "0"),
+        ("--val-fraction", "nan"),
+        ("--seed", str(2**64)),
+        ("--max-steps", str(10**8)),
+        ("--seq-len", str(1 << 21)),
+    ):
         with pytest.raises(ConfigError) as e:
             parse([flag, value])
         assert e.value.option == flag
@@ -124,15 +145,19 @@ def test_validate_checks_every_field_of_a_config_built_in_code():
     with pytest.raises(ConfigError, match="--precision"):
         cfg.validate()
     cfg = TrainConfig()
-    cfg.toggles.micro_batch = "8"          # the old string form, set in code: one type now
+    cfg.toggles.micro_batch = "8"  # the old string form, set in code: one type now
     with pytest.raises(ConfigError, match="--micro-batch"):
         cfg.validate()
 
 
 def test_formats_and_world_split():
-    for argv, flag in ((["--device", "gpu"], "--device"), (["--device", "cuda:x"], "--device"),
-                       (["--profile-steps", "3-1"], "--profile-steps"), (["--micro-batch", "3"], "--micro-batch"),
-                       (["--size", "huge"], "--size")):
+    for argv, flag in (
+        (["--device", "gpu"], "--device"),
+        (["--device", "cuda:x"], "--device"),
+        (["--profile-steps", "3-1"], "--profile-steps"),
+        (["--micro-batch", "3"], "--micro-batch"),
+        (["--size", "huge"], "--size"),
+    ):
         with pytest.raises((ConfigError, SystemExit)) as e:
             parse(argv)
         if isinstance(e.value, ConfigError):
@@ -147,12 +172,16 @@ def test_formats_and_world_split():
 
 def test_wrongly_typed_toml_names_the_file_and_key(tmp_path):
     toml = tmp_path / "c.toml"
-    for body, key in (('[optim]\nlr = "fast"\n', "optim.lr"), ("[model]\nmodel = 5\n", "model.model"),
-                      ("[toggles]\nfused_adamw = \"yes\"\n", "toggles.fused_adamw"),
-                      ("[toggles]\nprecision = \"fp64\"\n", "toggles.precision"),
-                      ("[log]\nprofile_steps = [1, 2]\n", "log.profile_steps"),
-                      ("optim = 3\n", "[optim]"), ("lr = 0.1\n", "[lr]"),
-                      ("[optim]\nseed = true\n", "optim.seed")):
+    for body, key in (
+        ('[optim]\nlr = "fast"\n', "optim.lr"),
+        ("[model]\nmodel = 5\n", "model.model"),
+        ('[toggles]\nfused_adamw = "yes"\n', "toggles.fused_adamw"),
+        ('[toggles]\nprecision = "fp64"\n', "toggles.precision"),
+        ("[log]\nprofile_steps = [1, 2]\n", "log.profile_steps"),
+        ("optim = 3\n", "[optim]"),
+        ("lr = 0.1\n", "[lr]"),
+        ("[optim]\nseed = true\n", "optim.seed"),
+    ):
         toml.write_text(body)
         with pytest.raises(ConfigError) as e:
             parse(["--config", str(toml)])
@@ -161,11 +190,12 @@ def test_wrongly_typed_toml_names_the_file_and_key(tmp_path):
 
 # --- micro_batch: one type --------------------------------------------------------------------------------------
 
+
 def test_micro_batch_is_an_int_or_auto_everywhere(tmp_path):
     assert parse(["--micro-batch", "8"]).toggles.micro_batch == 8
     assert parse(["--micro-batch", "auto"]).toggles.micro_batch == AUTO
     assert parse([]).toggles.micro_batch_int() is None
-    old = tmp_path / "old.toml"                       # config.toml / best.toml written before it was a number
+    old = tmp_path / "old.toml"  # config.toml / best.toml written before it was a number
     old.write_text('[toggles]\nmicro_batch = "8"\n')
     assert config_from_toml(old).toggles.micro_batch == 8
     from tuner.tuning_report import best_toml, check_best_toml
@@ -179,6 +209,7 @@ def test_micro_batch_is_an_int_or_auto_everywhere(tmp_path):
 
 
 # --- gptop's own numeric flags ----------------------------------------------------------------------------------
+
 
 def _gptop_number_actions():
     from gptop.cli import build_parser
@@ -201,7 +232,9 @@ def test_gptop_numeric_flags_are_found():
     assert {"--interval", "--nproc", "--restart-on-failure", "--node-rank"} <= flags
 
 
-@pytest.mark.parametrize("command,flag,convert", GPTOP_NUMBERS, ids=[f"{c or 'monitor'}{f}" for c, f, _ in GPTOP_NUMBERS])
+@pytest.mark.parametrize(
+    "command,flag,convert", GPTOP_NUMBERS, ids=[f"{c or 'monitor'}{f}" for c, f, _ in GPTOP_NUMBERS]
+)
 def test_gptop_numeric_flag_refusals(command, flag, convert, capsys, monkeypatch):
     from gptop import cli
 
@@ -219,16 +252,23 @@ def test_gptop_numeric_flag_refusals(command, flag, convert, capsys, monkeypatch
         assert e.value.code == 2 and flag in err and "accepted: " in err and "Traceback" not in err, err
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["tune", "--budget", "nan"], "--budget"), (["tune", "--budget", "400d"], "--budget"),
-    (["train", "--tune=-5m"], "--tune"), (["tune", "--budget", "0.5s"], "--budget"),
-    (["train", "--profile-steps", "2000-2001", "--max-steps", "100"], "--profile-steps"), (["train", "--nnodes", "0"], "--nnodes"),
-    (["train", "--nnodes", "4:2"], "--nnodes"), (["train", "--rdzv-endpoint", "host:99999"], "--rdzv-endpoint"),
-    (["train", "--nnodes", "2", "--node-rank", "2"], "--node-rank"),
-    (["train", "--tune-space", "micro_batch=0"], "--tune-space"),
-    (["train", "--tune-space", "workers=nan"], "--tune-space"),
-    (["train", "--tune-space", "nonsense"], "--tune-space"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["tune", "--budget", "nan"], "--budget"),
+        (["tune", "--budget", "400d"], "--budget"),
+        (["train", "--tune=-5m"], "--tune"),
+        (["tune", "--budget", "0.5s"], "--budget"),
+        (["train", "--profile-steps", "2000-2001", "--max-steps", "100"], "--profile-steps"),
+        (["train", "--nnodes", "0"], "--nnodes"),
+        (["train", "--nnodes", "4:2"], "--nnodes"),
+        (["train", "--rdzv-endpoint", "host:99999"], "--rdzv-endpoint"),
+        (["train", "--nnodes", "2", "--node-rank", "2"], "--node-rank"),
+        (["train", "--tune-space", "micro_batch=0"], "--tune-space"),
+        (["train", "--tune-space", "workers=nan"], "--tune-space"),
+        (["train", "--tune-space", "nonsense"], "--tune-space"),
+    ],
+)
 def test_gptop_other_flags(argv, needle, capsys, monkeypatch):
     from gptop import cli
 
@@ -246,8 +286,12 @@ def _duration_actions():
     from gptop.cli import build_parser
 
     parser = build_parser()
-    return [(name, a) for name, p in [("", parser), *parser.commands.items()] for a in p.actions
-            if getattr(a.type, "__name__", "") == "duration"]
+    return [
+        (name, a)
+        for name, p in [("", parser), *parser.commands.items()]
+        for a in p.actions
+        if getattr(a.type, "__name__", "") == "duration"
+    ]
 
 
 def test_every_duration_flag_needs_a_unit_and_says_so(capsys, monkeypatch):
@@ -278,8 +322,12 @@ def test_every_duration_flag_needs_a_unit_and_says_so(capsys, monkeypatch):
     for name, p in [("", parser), *parser.commands.items()]:
         for a in p.actions:
             words = (a.help or "").lower()
-            if a.option_strings and any(w in words for w in ("seconds", "minutes", "duration")) \
-                    and getattr(a.type, "__name__", "") != "duration" and a.type is not None:
+            if (
+                a.option_strings
+                and any(w in words for w in ("seconds", "minutes", "duration"))
+                and getattr(a.type, "__name__", "") != "duration"
+                and a.type is not None
+            ):
                 assert a.metavar == "S" and "seconds" in words, (name, a.option_strings, a.help)
 
 
@@ -288,6 +336,7 @@ def _never(*a, **kw):
 
 
 # --- paths ----------------------------------------------------------------------------------------------------------
+
 
 def write(p: Path, data: bytes | str) -> Path:
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -326,79 +375,203 @@ UNREADABLE = PermissionError(13, "Permission denied")
 PATH_CASES = [
     ("--config", "missing", lambda t: (["--config", str(t / "nope.toml")], None), "does not exist"),
     ("--config", "directory", lambda t: (["--config", str((t / "d").mkdir() or t / "d")], None), "is a directory"),
-    ("--config", "not utf-8", lambda t: (["--config", str(write(t / "c.toml", b"\xff\xfe[optim]"))], None),
-     "not UTF-8"),
-    ("--config", "not what it claims", lambda t: (["--config", str(write(t / "c.toml", "a = = b"))], None),
-     "not valid TOML"),
-    ("--config", "unreadable", lambda t: (["--config", str(write(t / "c.toml", ""))], ("unreadable", t / "c.toml")),
-     "Permission denied"),
+    (
+        "--config",
+        "not utf-8",
+        lambda t: (["--config", str(write(t / "c.toml", b"\xff\xfe[optim]"))], None),
+        "not UTF-8",
+    ),
+    (
+        "--config",
+        "not what it claims",
+        lambda t: (["--config", str(write(t / "c.toml", "a = = b"))], None),
+        "not valid TOML",
+    ),
+    (
+        "--config",
+        "unreadable",
+        lambda t: (["--config", str(write(t / "c.toml", ""))], ("unreadable", t / "c.toml")),
+        "Permission denied",
+    ),
     ("--data", "missing", lambda t: (["--data", str(t / "nope.txt")], None), "does not exist"),
-    ("--data", "directory without data", lambda t: (["--data", str(write(t / "d" / "x.csv", "a").parent)], None),
-     "holds no"),
-    ("--data", "unknown extension", lambda t: (["--data", str(write(t / "x.csv", "a,b"))], None),
-     "unsupported file type"),
+    (
+        "--data",
+        "directory without data",
+        lambda t: (["--data", str(write(t / "d" / "x.csv", "a").parent)], None),
+        "holds no",
+    ),
+    (
+        "--data",
+        "unknown extension",
+        lambda t: (["--data", str(write(t / "x.csv", "a,b"))], None),
+        "unsupported file type",
+    ),
     ("--data", "not utf-8", lambda t: (["--data", str(write(t / "x.txt", b"caf\xe9 " * 10))], None), "not UTF-8"),
     ("--data", "binary", lambda t: (["--data", str(write(t / "x.txt", b"\x00\x01\x02" * 10))], None), "binary"),
-    ("--data", "not what it claims (jsonl)", lambda t: (["--data", str(write(t / "x.jsonl", "plain text\n"))], None),
-     "not valid JSON"),
-    ("--data", "not what it claims (parquet)", lambda t: (["--data", str(write(t / "x.parquet", "text"))], None),
-     "not a parquet file"),
-    ("--data", "unreadable", lambda t: (["--data", str(write(t / "x.txt", "hello"))], ("unreadable", t / "x.txt")),
-     "Permission denied"),
-    ("--data", "unreadable folder", lambda t: (["--data", str(write(t / "d" / "x.txt", "hi").parent)],
-                                               ("unreadable", t / "d" / "x.txt")), "Permission denied"),
+    (
+        "--data",
+        "not what it claims (jsonl)",
+        lambda t: (["--data", str(write(t / "x.jsonl", "plain text\n"))], None),
+        "not valid JSON",
+    ),
+    (
+        "--data",
+        "not what it claims (parquet)",
+        lambda t: (["--data", str(write(t / "x.parquet", "text"))], None),
+        "not a parquet file",
+    ),
+    (
+        "--data",
+        "unreadable",
+        lambda t: (["--data", str(write(t / "x.txt", "hello"))], ("unreadable", t / "x.txt")),
+        "Permission denied",
+    ),
+    (
+        "--data",
+        "unreadable folder",
+        lambda t: (["--data", str(write(t / "d" / "x.txt", "hi").parent)], ("unreadable", t / "d" / "x.txt")),
+        "Permission denied",
+    ),
     ("--data", "empty file", lambda t: (["--data", str(write(t / "x.txt", ""))], None), "is empty"),
     ("--data", "empty string", lambda t: (["--data", ""], None), "is empty"),
     ("--tokenizer", "missing", lambda t: (["--tokenizer", str(t / "nope")], None), "does not exist"),
-    ("--tokenizer", "no tokenizer files", lambda t: (["--tokenizer", str((t / "d").mkdir() or t / "d")], None),
-     "holds no tokenizer files"),
-    ("--tokenizer", "not utf-8", lambda t: (["--tokenizer", str(write(t / "d" / "tokenizer.json", b"\xff").parent)],
-                                            None), "not UTF-8"),
-    ("--tokenizer", "not what it claims", lambda t: (["--tokenizer", str(write(t / "tokenizer.json", "[1, 2]"))],
-                                                     None), "not an object"),
-    ("--tokenizer", "unreadable", lambda t: (["--tokenizer", str(good_tokenizer(t / "d"))],
-                                             ("unreadable", t / "d" / "tokenizer.json")), "Permission denied"),
+    (
+        "--tokenizer",
+        "no tokenizer files",
+        lambda t: (["--tokenizer", str((t / "d").mkdir() or t / "d")], None),
+        "holds no tokenizer files",
+    ),
+    (
+        "--tokenizer",
+        "not utf-8",
+        lambda t: (["--tokenizer", str(write(t / "d" / "tokenizer.json", b"\xff").parent)], None),
+        "not UTF-8",
+    ),
+    (
+        "--tokenizer",
+        "not what it claims",
+        lambda t: (["--tokenizer", str(write(t / "tokenizer.json", "[1, 2]"))], None),
+        "not an object",
+    ),
+    (
+        "--tokenizer",
+        "unreadable",
+        lambda t: (["--tokenizer", str(good_tokenizer(t / "d"))], ("unreadable", t / "d" / "tokenizer.json")),
+        "Permission denied",
+    ),
     ("--model", "missing", lambda t: (["--model", str(t / "nope")], None), "neither a model family"),
     ("--model", "a file", lambda t: (["--model", str(write(t / "m.bin", "x"))], None), "is a file"),
-    ("--model", "no config.json", lambda t: (["--model", str((t / "d").mkdir() or t / "d")], None),
-     "has no config.json"),
-    ("--model", "no weights", lambda t: (["--model", str(write(t / "d" / "config.json", '{"model_type": "llama"}')
-                                                         .parent)], None), "has no weights"),
-    ("--model", "not utf-8", lambda t: (["--model", str(write(t / "d" / "config.json", b"\xff{").parent)], None),
-     "not UTF-8"),
-    ("--model", "unreadable", lambda t: (["--model", str(good_model(t / "d"))], ("unreadable", t / "d" / "config.json")),
-     "Permission denied"),
-    ("--model", "no tokenizer", lambda t: (["--model", str(model_without_tokenizer(t / "d"))], None),
-     "holds no tokenizer files"),
-    ("--model", "not a transformers config", lambda t: (["--model", str(write(good_model(t / "d") / "config.json",
-                                                                               "{}").parent)], None), "model_type"),
-    ("--seq-len", "beyond a gpt2-style n_positions", lambda t: (
-        ["--model", str(write(good_model(t / "d") / "config.json", '{"model_type": "gpt2", "n_positions": 64}').parent),
-         "--seq-len", "128"], None), "64 positions"),
-    ("--seq-len", "beyond the model's positions", lambda t: (["--model", str(good_model(t / "d", 128)),
-                                                               "--seq-len", "256"], None), "128 positions"),
+    (
+        "--model",
+        "no config.json",
+        lambda t: (["--model", str((t / "d").mkdir() or t / "d")], None),
+        "has no config.json",
+    ),
+    (
+        "--model",
+        "no weights",
+        lambda t: (["--model", str(write(t / "d" / "config.json", '{"model_type": "llama"}').parent)], None),
+        "has no weights",
+    ),
+    (
+        "--model",
+        "not utf-8",
+        lambda t: (["--model", str(write(t / "d" / "config.json", b"\xff{").parent)], None),
+        "not UTF-8",
+    ),
+    (
+        "--model",
+        "unreadable",
+        lambda t: (["--model", str(good_model(t / "d"))], ("unreadable", t / "d" / "config.json")),
+        "Permission denied",
+    ),
+    (
+        "--model",
+        "no tokenizer",
+        lambda t: (["--model", str(model_without_tokenizer(t / "d"))], None),
+        "holds no tokenizer files",
+    ),
+    (
+        "--model",
+        "not a transformers config",
+        lambda t: (["--model", str(write(good_model(t / "d") / "config.json", "{}").parent)], None),
+        "model_type",
+    ),
+    (
+        "--seq-len",
+        "beyond a gpt2-style n_positions",
+        lambda t: (
+            [
+                "--model",
+                str(write(good_model(t / "d") / "config.json", '{"model_type": "gpt2", "n_positions": 64}').parent),
+                "--seq-len",
+                "128",
+            ],
+            None,
+        ),
+        "64 positions",
+    ),
+    (
+        "--seq-len",
+        "beyond the model's positions",
+        lambda t: (["--model", str(good_model(t / "d", 128)), "--seq-len", "256"], None),
+        "128 positions",
+    ),
     ("--resume", "missing", lambda t: (["--resume", str(t / "nope")], None), "does not exist"),
-    ("--resume", "nothing to resume", lambda t: (["--resume", str((t / "d").mkdir() or t / "d")], None),
-     "nothing to resume"),
-    ("--resume", "made no checkpoint", lambda t: (["--resume", str(write(t / "r" / "config.toml", "").parent)], None),
-     "made no checkpoint"),
-    ("--resume", "not a checkpoint", lambda t: (["--resume", str(write(t / "step-00000001.pt", "hello"))], None),
-     "not a checkpoint"),
-    ("--resume", "unreadable", lambda t: (["--resume", str(write(t / "c.pt", b"PK\x03\x04"))],
-                                          ("unreadable", t / "c.pt")), "Permission denied"),
-    ("--resume", "malformed config.toml", lambda t: (["--resume", str(write(good_run(t / "r") / "config.toml",
-                                                                            "[optim\n").parent)], None),
-     "config.toml is not valid TOML"),
-    ("--resume", "wrongly typed config.toml", lambda t: (["--resume", str(write(good_run(t / "r") / "config.toml",
-                                                                                "[optim]\nmax_steps = 'x'\n").parent)],
-                                                         None), "optim.max_steps"),
+    (
+        "--resume",
+        "nothing to resume",
+        lambda t: (["--resume", str((t / "d").mkdir() or t / "d")], None),
+        "nothing to resume",
+    ),
+    (
+        "--resume",
+        "made no checkpoint",
+        lambda t: (["--resume", str(write(t / "r" / "config.toml", "").parent)], None),
+        "made no checkpoint",
+    ),
+    (
+        "--resume",
+        "not a checkpoint",
+        lambda t: (["--resume", str(write(t / "step-00000001.pt", "hello"))], None),
+        "not a checkpoint",
+    ),
+    (
+        "--resume",
+        "unreadable",
+        lambda t: (["--resume", str(write(t / "c.pt", b"PK\x03\x04"))], ("unreadable", t / "c.pt")),
+        "Permission denied",
+    ),
+    (
+        "--resume",
+        "malformed config.toml",
+        lambda t: (["--resume", str(write(good_run(t / "r") / "config.toml", "[optim\n").parent)], None),
+        "config.toml is not valid TOML",
+    ),
+    (
+        "--resume",
+        "wrongly typed config.toml",
+        lambda t: (
+            ["--resume", str(write(good_run(t / "r") / "config.toml", "[optim]\nmax_steps = 'x'\n").parent)],
+            None,
+        ),
+        "optim.max_steps",
+    ),
     ("--run-dir", "empty string", lambda t: (["--run-dir", ""], None), "is empty"),
     ("--run-dir", "a file", lambda t: (["--run-dir", str(write(t / "f", "x"))], None), "is a file"),
     ("--run-dir", "under a file", lambda t: (["--run-dir", str(write(t / "f", "x") / "run")], None), "is a file"),
-    ("--run-dir", "read-only", lambda t: (["--run-dir", str(t / "ro" / "run")], ("readonly", t / "ro")),
-     "read-only file system"),
-    ("--run-dir", "not writable", lambda t: (["--run-dir", str(t / "locked")], ("notwritable", t / "locked")),
-     "not writable"),
+    (
+        "--run-dir",
+        "read-only",
+        lambda t: (["--run-dir", str(t / "ro" / "run")], ("readonly", t / "ro")),
+        "read-only file system",
+    ),
+    (
+        "--run-dir",
+        "not writable",
+        lambda t: (["--run-dir", str(t / "locked")], ("notwritable", t / "locked")),
+        "not writable",
+    ),
 ]
 
 ROOT_CASES_BY_OPTION = {c[0] for c in PATH_CASES}
@@ -530,15 +703,25 @@ def test_valid_paths_pass(tmp_path, monkeypatch):
     run = good_run(tmp_path / "run")
     write(tmp_path / "data" / "a.txt", "hello world\n")
     write(tmp_path / "data" / "b.jsonl", '{"text": "hi"}\n')
-    cfg = parse(["--data", str(tmp_path / "data"), "--model", str(good_model(tmp_path / "m")),
-                 "--run-dir", str(tmp_path / "new" / "run"), "--seq-len", "512"])
+    cfg = parse(
+        [
+            "--data",
+            str(tmp_path / "data"),
+            "--model",
+            str(good_model(tmp_path / "m")),
+            "--run-dir",
+            str(tmp_path / "new" / "run"),
+            "--seq-len",
+            "512",
+        ]
+    )
     assert cfg.model.model.endswith("m")
     from trainer.worker_cli import parse_config
 
     resumed = parse_config(["--resume", str(run)])
     assert resumed.run.run_dir == str(run) and resumed.checkpoint.resume == str(run)
     old = good_run(tmp_path / "old")
-    write(old / "config.toml", '[toggles]\nmicro_batch = "8"\n')     # written before micro_batch was a number
+    write(old / "config.toml", '[toggles]\nmicro_batch = "8"\n')  # written before micro_batch was a number
     assert parse_config(["--resume", str(old)]).toggles.micro_batch == 8
     assert not (tmp_path / "new").exists() and not (tmp_path / "runs").exists()
 
@@ -568,8 +751,9 @@ def test_storage_url_checks(url, fake, reason, tmp_path, monkeypatch, capsys):
     if fake is not None:
         target = Path(fake[1].format(t=tmp_path))
         if fake[0] == "notwritable":
-            monkeypatch.setattr(inputs, "writable", lambda p: "not writable (permission denied)" if Path(p) == target
-                                else None)
+            monkeypatch.setattr(
+                inputs, "writable", lambda p: "not writable (permission denied)" if Path(p) == target else None
+            )
         else:
             apply_fake(monkeypatch, (fake[0], target))
     code, _ = run_gptop(["--storage", url.format(t=tmp_path)], monkeypatch)
@@ -578,18 +762,27 @@ def test_storage_url_checks(url, fake, reason, tmp_path, monkeypatch, capsys):
 
 
 def test_storage_accepts_what_optuna_takes(tmp_path):
-    for url in (None, f"sqlite:///{tmp_path}/new/x.db", f"journal:{tmp_path}/j.log", "postgresql://u@h/db",
-                "mysql+pymysql://u@h/db", "sqlite://"):
+    for url in (
+        None,
+        f"sqlite:///{tmp_path}/new/x.db",
+        f"journal:{tmp_path}/j.log",
+        "postgresql://u@h/db",
+        "mysql+pymysql://u@h/db",
+        "sqlite://",
+    ):
         inputs.check_storage(url)
     assert not (tmp_path / "new").exists()
 
 
-@pytest.mark.parametrize("make,reason", [
-    (lambda t: t / "nope", "does not exist"),
-    (lambda t: write(t / "f", "x"), "is a file"),
-    (lambda t: t / "empty", "has no events.jsonl"),
-    (lambda t: write(t / "r" / "events.jsonl", "").parent, "Permission denied"),
-])
+@pytest.mark.parametrize(
+    "make,reason",
+    [
+        (lambda t: t / "nope", "does not exist"),
+        (lambda t: write(t / "f", "x"), "is a file"),
+        (lambda t: t / "empty", "has no events.jsonl"),
+        (lambda t: write(t / "r" / "events.jsonl", "").parent, "Permission denied"),
+    ],
+)
 def test_report_and_monitor_run_dirs(make, reason, tmp_path, monkeypatch, capsys):
     from gptop import cli
 
@@ -607,28 +800,38 @@ def test_report_and_monitor_run_dirs(make, reason, tmp_path, monkeypatch, capsys
 
 # --- real processes: exit 2, nothing created, no traceback ---------------------------------------------------------
 
+
 def _env():
     return {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
-@pytest.mark.parametrize("cmd,option", [
-    (["-m", "gptop", "--no-ui", "train", "--resume", "{empty}"], "--resume"),
-    (["-m", "gptop", "--no-ui", "train", "--config", "{empty}"], "--config"),
-    (["-m", "gptop", "--no-ui", "tune", "--lr", "inf"], "--lr"),
-    (["-m", "gptop", "--no-ui", "train", "--interval", "nan"], "--interval"),
-    (["-m", "trainer", "--resume", "{empty}"], "--resume"),
-    (["-m", "trainer", "--min-lr-ratio", "nan"], "--min-lr-ratio"),
-    (["-m", "trainer", "--data", "{empty}/x.csv"], "--data"),
-])
+@pytest.mark.parametrize(
+    "cmd,option",
+    [
+        (["-m", "gptop", "--no-ui", "train", "--resume", "{empty}"], "--resume"),
+        (["-m", "gptop", "--no-ui", "train", "--config", "{empty}"], "--config"),
+        (["-m", "gptop", "--no-ui", "tune", "--lr", "inf"], "--lr"),
+        (["-m", "gptop", "--no-ui", "train", "--interval", "nan"], "--interval"),
+        (["-m", "trainer", "--resume", "{empty}"], "--resume"),
+        (["-m", "trainer", "--min-lr-ratio", "nan"], "--min-lr-ratio"),
+        (["-m", "trainer", "--data", "{empty}/x.csv"], "--data"),
+    ],
+)
 @pytest.mark.process
 def test_real_processes_exit_2_and_create_nothing(cmd, option, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     work = tmp_path / "work"
     work.mkdir()
-    r = subprocess.run([sys.executable, *[c.format(empty=empty) for c in cmd]], cwd=work, env=_env(),
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, *[c.format(empty=empty) for c in cmd]],
+        cwd=work,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2, r.stderr
     assert option in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert list(work.iterdir()) == [] and list(empty.iterdir()) == [], "something was created"
-    assert "[trainer]" not in r.stdout + r.stderr          # no trainer process said anything
+    assert "[trainer]" not in r.stdout + r.stderr  # no trainer process said anything

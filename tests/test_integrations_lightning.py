@@ -42,10 +42,19 @@ class BigramLM(L.LightningModule):
 def fit(tmp_path, steps: int, callbacks: list) -> L.Trainer:
     torch.manual_seed(0)
     data = torch.randint(VOCAB, (steps * BATCH * ACCUM, SEQ))
-    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, accumulate_grad_batches=ACCUM,
-                        default_root_dir=str(tmp_path / "pl"), logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, enable_checkpointing=False, log_every_n_steps=2,
-                        callbacks=callbacks)
+    trainer = L.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        accumulate_grad_batches=ACCUM,
+        default_root_dir=str(tmp_path / "pl"),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        log_every_n_steps=2,
+        callbacks=callbacks,
+    )
     trainer.fit(BigramLM(), train_dataloaders=DataLoader(data, batch_size=BATCH))
     return trainer
 

@@ -66,13 +66,13 @@ def test_outside_gptop_every_call_is_a_no_op(monkeypatch):
     model, opt = tiny()
     probe = Probe(model, tokens_per_step=BATCH * SEQ)
     assert not probe.active
-    assert probe.step(1) is probe.step(2) is probe.phase("forward")        # one shared null context
+    assert probe.step(1) is probe.step(2) is probe.phase("forward")  # one shared null context
     assert train(probe, model, opt, 3) == 3
     assert not probe.should_checkpoint and not probe.should_stop
     probe.checkpointed("nowhere")
     probe.close()
     with pytest.raises(ValueError, match="forwrd"):
-        probe.phase("forwrd")                       # a typo fails without gptop too, not only under it
+        probe.phase("forwrd")  # a typo fails without gptop too, not only under it
     for bad in (dict(tokens_per_step=0), dict(log_every=-1), dict(max_steps=1.5), dict(precision="fp64")):
         with pytest.raises(ValueError):
             Probe(model, **bad)
@@ -88,7 +88,7 @@ def test_the_same_events_as_the_trainer(gptop, tmp_path):
     assert hello.client == "probe" and hello.start_step == 0 and hello.tokens_per_step == BATCH * SEQ
     assert hello.max_steps == 6 and hello.config["log"]["log_every"] == 2
     assert hello.model.family == "Sequential" and hello.model.total_params == sum(p.numel() for p in model.parameters())
-    assert hello.model.flops_per_token == 6 * (16 * VOCAB + VOCAB)           # the Linear; the lookup is free
+    assert hello.model.flops_per_token == 6 * (16 * VOCAB + VOCAB)  # the Linear; the lookup is free
     steps = gptop.file_events("step")
     assert [e.step for e in steps] == [2, 4, 6] and all(e.interval_steps == 2 for e in steps)
     for e in steps:
@@ -98,7 +98,7 @@ def test_the_same_events_as_the_trainer(gptop, tmp_path):
         assert e.phases_ms["forward"] > 0 and e.phases_ms["backward"] > 0
         assert e.tokens == e.step * BATCH * SEQ and e.tokens_per_s > 0 and e.loss > 0 and e.lr == 0.1
         assert e.mem_bytes > 0
-    live = [e.step for e in gptop.events("progress")]         # live only, at most every PROGRESS_MIN_S
+    live = [e.step for e in gptop.events("progress")]  # live only, at most every PROGRESS_MIN_S
     assert live[0] == 1 and live == sorted(set(live)) and set(live) <= set(range(1, 7))
     assert not gptop.file_events("progress")
     done = gptop.file_events("done")
@@ -115,12 +115,12 @@ def test_commands_reach_the_loop(gptop, tmp_path):
             gptop.send(command)
             wait_for(lambda: not probe._client.channel.commands.empty(), timeout=30, what="the command")
 
-    assert train(probe, model, opt, 100, on_step=on_step, ckpt_dir=tmp_path) == 6    # acted on at the next step
+    assert train(probe, model, opt, 100, on_step=on_step, ckpt_dir=tmp_path) == 6  # acted on at the next step
     probe.close()
     ckpts = gptop.file_events("checkpoint")
     assert [(c.step, c.reason) for c in ckpts] == [(3, "requested"), (6, "stop")]
     assert all((tmp_path / f"step-{c.step}.pt").exists() for c in ckpts)
-    assert [e.step for e in gptop.file_events("step")] == [4, 5, 6]             # every step from step 4
+    assert [e.step for e in gptop.file_events("step")] == [4, 5, 6]  # every step from step 4
     assert gptop.file_events("done")[0].reason == "stop requested"
 
 
@@ -128,7 +128,7 @@ def test_a_stop_signal_is_a_graceful_stop_and_the_handlers_come_back(gptop, tmp_
     before = signal.getsignal(signal.SIGINT)
     model, opt = tiny()
     probe = Probe(model, tokens_per_step=BATCH * SEQ)
-    on_step = lambda step: signal.raise_signal(signal.SIGINT) if step == 2 else None   # noqa: E731
+    on_step = lambda step: signal.raise_signal(signal.SIGINT) if step == 2 else None  # noqa: E731
     assert train(probe, model, opt, 100, on_step=on_step, ckpt_dir=tmp_path) == 3
     probe.close()
     assert gptop.file_events("done")[0].reason == "SIGINT"
@@ -144,14 +144,16 @@ def test_tensors_are_read_back_only_at_log_steps(gptop, monkeypatch):
         def counted(self, *a, _real=real, **k):
             reads.append(current["step"])
             return _real(self, *a, **k)
+
         monkeypatch.setattr(torch.Tensor, name, counted)
     model, opt = tiny()
     probe = Probe(model, tokens_per_step=BATCH * SEQ, log_every=3)
     for step in range(1, 7):
         current["step"] = step
         with probe.step(step):
-            loss = F.cross_entropy(model(torch.randint(VOCAB, (BATCH, SEQ))).flatten(0, 1),
-                                   torch.randint(VOCAB, (BATCH * SEQ,)))
+            loss = F.cross_entropy(
+                model(torch.randint(VOCAB, (BATCH, SEQ))).flatten(0, 1), torch.randint(VOCAB, (BATCH * SEQ,))
+            )
             loss.backward()
             probe.log(loss=loss, grad_norm=loss.detach() * 0 + 1)
     assert sorted(set(reads)) == [3, 6]
@@ -176,11 +178,11 @@ def test_an_uncaught_exception_is_an_error_event(gptop):
     try:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
     except torch.OutOfMemoryError as e:
-        sys.excepthook(type(e), e, e.__traceback__)          # what Python does with an uncaught one
+        sys.excepthook(type(e), e, e.__traceback__)  # what Python does with an uncaught one
     probe.close()
     err = gptop.file_events("error")
     assert len(err) == 1 and err[0].kind == "oom" and "Tried to allocate" in err[0].message
-    assert not gptop.file_events("done")                     # a failed run is not done
+    assert not gptop.file_events("done")  # a failed run is not done
     assert sys.excepthook is not hook
 
 
@@ -189,8 +191,12 @@ def test_client_env_round_trip_and_refusals(tmp_path):
     assert ClientEnv.from_environ(env.to_environ()) == env
     assert ClientEnv.from_environ({}) is None
     base = env.to_environ()
-    for key, value in ((CHANNEL_ENV, "tcp:1.2.3.4"), (RUN_DIR_ENV, str(tmp_path / "missing")),
-                       (LOG_EVERY_ENV, "0"), (LOG_EVERY_ENV, "ten")):
+    for key, value in (
+        (CHANNEL_ENV, "tcp:1.2.3.4"),
+        (RUN_DIR_ENV, str(tmp_path / "missing")),
+        (LOG_EVERY_ENV, "0"),
+        (LOG_EVERY_ENV, "ten"),
+    ):
         with pytest.raises(ConfigError) as e:
             ClientEnv.from_environ({**base, key: value})
         assert e.value.option == key
@@ -205,7 +211,7 @@ def test_flops_per_token_are_counted_as_for_the_built_in_families():
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2))
     got = describe_model(model, seq_len=32)
     assert got["flops_per_token"] == training_flops_per_token(model, model.config, 32)
-    assert got["family"] == "GPT2LMHeadModel" and got["embedding_params"] == 64 * 32    # wte; the head is tied
+    assert got["family"] == "GPT2LMHeadModel" and got["embedding_params"] == 64 * 32  # wte; the head is tied
     generic = describe_model(torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10)))
     assert generic["flops_per_token"] == 6 * (4 * 10 + 10)
     assert describe_model(None, flops_per_token=123.0)["flops_per_token"] == 123
@@ -220,7 +226,7 @@ def test_progress_events_are_spaced_in_a_fast_loop(gptop, monkeypatch):
     clock = {"t": 0.0}
     monkeypatch.setattr(client.time, "perf_counter", lambda: clock["t"])
     for step in range(1, 101):
-        clock["t"] += 1 / 64          # exact in binary: 3 steps are under PROGRESS_MIN_S, 4 over
+        clock["t"] += 1 / 64  # exact in binary: 3 steps are under PROGRESS_MIN_S, 4 over
         with probe.step(step):
             pass
     probe.close()
@@ -241,7 +247,7 @@ def test_on_cuda_the_phases_are_cuda_events_read_back_with_the_loss(gptop):
     hello = gptop.file_events("hello")[0]
     assert hello.device.type == "cuda" and hello.config["toggles"]["precision"] in ("fp32", "tf32")
     for e in gptop.file_events("step"):
-        assert e.gpu_idle_ms is not None and 0 <= e.gpu_idle_ms <= e.step_ms      # the CUDA timer's
+        assert e.gpu_idle_ms is not None and 0 <= e.gpu_idle_ms <= e.step_ms  # the CUDA timer's
         assert e.phases_ms["forward"] > 0 and e.phases_ms["backward"] > 0 and e.mem_bytes > 0
         assert e.mfu is None or 0 < e.mfu < 1
 
@@ -267,6 +273,6 @@ def test_the_profile_command_writes_a_trace_of_the_next_steps(gptop):
 
     train(probe, model, opt, 5, on_step=on_step)
     probe.close()
-    trace = gptop.run_dir / "profiles" / "steps-3-4.json"            # seen at step 2's end: steps 3 and 4
+    trace = gptop.run_dir / "profiles" / "steps-3-4.json"  # seen at step 2's end: steps 3 and 4
     assert trace.exists() and "ProfilerStep#3" in trace.read_text()
     assert any(e.path == str(trace) for e in gptop.file_events("log"))

@@ -41,10 +41,22 @@ class Palindromes(Dataset):
 def make_trainer(tmp_path, steps: int, callbacks: list) -> Trainer:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2))
-    args = tuned_args(TrainingArguments(
-        output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=BATCH,
-        gradient_accumulation_steps=ACCUM, learning_rate=1e-3, logging_steps=2, save_strategy="no",
-        report_to="none", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0))
+    args = tuned_args(
+        TrainingArguments(
+            output_dir=str(tmp_path / "out"),
+            max_steps=steps,
+            per_device_train_batch_size=BATCH,
+            gradient_accumulation_steps=ACCUM,
+            learning_rate=1e-3,
+            logging_steps=2,
+            save_strategy="no",
+            report_to="none",
+            use_cpu=True,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            seed=0,
+        )
+    )
     return Trainer(model=model, args=args, train_dataset=Palindromes(steps * BATCH * ACCUM), callbacks=callbacks)
 
 
@@ -78,9 +90,9 @@ def test_each_optimizer_step_is_reported_with_its_breakdown(gptop, tmp_path):
     hello = gptop.file_events("hello")[0]
     assert hello.client == "transformers" and hello.max_steps == 6 and hello.config["log"]["log_every"] == 2
     assert hello.model.family == "GPT2LMHeadModel"
-    assert hello.model.flops_per_token == describe(trainer.model)       # with the attention term at SEQ
+    assert hello.model.flops_per_token == describe(trainer.model)  # with the attention term at SEQ
     steps = gptop.file_events("step")
-    assert [e.step for e in steps] == [2, 4, 6]                           # the Trainer's logging_steps
+    assert [e.step for e in steps] == [2, 4, 6]  # the Trainer's logging_steps
     logged = losses(trainer)
     for e, loss in zip(steps, logged):
         assert e.loss == pytest.approx(loss) and e.lr is not None and e.grad_norm is not None
@@ -89,7 +101,7 @@ def test_each_optimizer_step_is_reported_with_its_breakdown(gptop, tmp_path):
             assert e.phases_ms[phase] > 0, phase
         timed = sum(v for k, v in e.phases_ms.items() if k != "other")
         assert math.isclose(e.phases_ms["other"], e.step_ms - timed, rel_tol=1e-6, abs_tol=1e-6)
-        assert e.tokens == e.step * BATCH * ACCUM * SEQ                    # every micro-batch's tokens
+        assert e.tokens == e.step * BATCH * ACCUM * SEQ  # every micro-batch's tokens
     live = [e.step for e in gptop.events("progress")]
     assert live[0] == 1 and live == sorted(set(live)) and set(live) <= set(range(1, 7))
     done = gptop.file_events("done")
@@ -104,7 +116,7 @@ def describe(model) -> int:
 
 @pytest.mark.slow
 def test_gptops_log_interval_makes_the_trainer_log(tmp_path, monkeypatch):
-    gptop = FakeGptop(tmp_path / "run", log_every=3).install(monkeypatch)      # gptop run --log-every 3
+    gptop = FakeGptop(tmp_path / "run", log_every=3).install(monkeypatch)  # gptop run --log-every 3
     try:
         trainer = make_trainer(tmp_path, 6, [GptopCallback()])
         trainer.train()
@@ -116,7 +128,7 @@ def test_gptops_log_interval_makes_the_trainer_log(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_checkpoint_and_stop_commands(gptop, tmp_path):
-    class Commander(TrainerCallback):            # plays gptop's keys, just before the callback looks
+    class Commander(TrainerCallback):  # plays gptop's keys, just before the callback looks
         def on_step_end(self, args, state, control, **kw):
             command = {1: {"cmd": "checkpoint"}, 3: {"cmd": "stop"}}.get(state.global_step)
             if command is not None:
@@ -126,7 +138,7 @@ def test_checkpoint_and_stop_commands(gptop, tmp_path):
     cb = GptopCallback()
     trainer = make_trainer(tmp_path, 100, [Commander(), cb])
     trainer.train()
-    assert trainer.state.global_step == 3                # the stop came at step 3's end: saved and stopped there
+    assert trainer.state.global_step == 3  # the stop came at step 3's end: saved and stopped there
     ckpts = gptop.file_events("checkpoint")
     assert [(c.step, c.reason) for c in ckpts] == [(1, "requested"), (3, "stop")]
     for c in ckpts:
@@ -141,7 +153,7 @@ def test_tuned_args_and_resume_checkpoint(tmp_path, monkeypatch):
     assert resume_checkpoint(args) is None
     g = FakeGptop(tmp_path / "run").install(monkeypatch)
     try:
-        assert resume_checkpoint(args) is None                       # gptop run restarts from nothing of yours
+        assert resume_checkpoint(args) is None  # gptop run restarts from nothing of yours
         monkeypatch.setenv(RESUME_ENV, str(tmp_path / "checkpoint-4"))
         assert resume_checkpoint(args) == str(tmp_path / "checkpoint-4")
     finally:
@@ -161,13 +173,31 @@ def test_a_resume_restores_every_weight_of_gptops_checkpoint(gptop, tmp_path, mo
 
     def neox_trainer(out, steps, callbacks):
         torch.manual_seed(0)
-        model = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=50, hidden_size=32, intermediate_size=64,
-                                                 num_hidden_layers=2, num_attention_heads=2,
-                                                 max_position_embeddings=SEQ))
-        args = tuned_args(TrainingArguments(
-            output_dir=str(out), max_steps=steps, per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUM,
-            learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
-            disable_tqdm=True, seed=0))
+        model = GPTNeoXForCausalLM(
+            GPTNeoXConfig(
+                vocab_size=50,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                max_position_embeddings=SEQ,
+            )
+        )
+        args = tuned_args(
+            TrainingArguments(
+                output_dir=str(out),
+                max_steps=steps,
+                per_device_train_batch_size=BATCH,
+                gradient_accumulation_steps=ACCUM,
+                learning_rate=1e-3,
+                logging_steps=1,
+                save_strategy="no",
+                report_to="none",
+                use_cpu=True,
+                disable_tqdm=True,
+                seed=0,
+            )
+        )
         return Trainer(model=model, args=args, train_dataset=Palindromes(steps * BATCH * ACCUM), callbacks=callbacks)
 
     class Commander(TrainerCallback):

@@ -44,23 +44,31 @@ def shown(text: str, stream: str = "stderr") -> list[tuple[str, str]]:
 
 
 def test_autotune_tables_become_one_line_of_gptop_per_process():
-    assert shown(AUTOTUNE) == [(AUTOTUNE_NOTE, "gptop"), ("step 3 compiled", "stderr"),
-                               ("Traceback (most recent call last):", "stderr"),
-                               ('  File "/work/train.py", line 3, in <module>', "stderr")]
-    assert shown(AUTOTUNE)[0] == (AUTOTUNE_NOTE, "gptop")      # a new process (a new filter) says it again
+    assert shown(AUTOTUNE) == [
+        (AUTOTUNE_NOTE, "gptop"),
+        ("step 3 compiled", "stderr"),
+        ("Traceback (most recent call last):", "stderr"),
+        ('  File "/work/train.py", line 3, in <module>', "stderr"),
+    ]
+    assert shown(AUTOTUNE)[0] == (AUTOTUNE_NOTE, "gptop")  # a new process (a new filter) says it again
 
 
 def test_library_deprecation_warnings_stay_in_the_file_the_users_own_do_not():
     lines = [line for line, _ in shown(WARNINGS)]
-    assert lines == ["/home/me/project/model.py:12: UserWarning: my own model warns",
-                     '  warnings.warn("my own model warns")',
-                     "/home/me/project/model.py:20: DeprecationWarning: my own API is deprecated",
-                     "    indented line of the user's own output"]
+    assert lines == [
+        "/home/me/project/model.py:12: UserWarning: my own model warns",
+        '  warnings.warn("my own model warns")',
+        "/home/me/project/model.py:20: DeprecationWarning: my own API is deprecated",
+        "    indented line of the user's own output",
+    ]
 
 
 def test_kineto_chatter_and_plain_lines():
-    out = shown("STAGE:2024-01-22 16:37:54 3419:3419 ActivityProfilerController.cpp:314] Completed Stage: Warm Up\n"
-                "  indented output of the model\nAUTOTUNE is a word too\n", "stdout")
+    out = shown(
+        "STAGE:2024-01-22 16:37:54 3419:3419 ActivityProfilerController.cpp:314] Completed Stage: Warm Up\n"
+        "  indented output of the model\nAUTOTUNE is a word too\n",
+        "stdout",
+    )
     assert out == [("  indented output of the model", "stdout"), ("AUTOTUNE is a word too", "stdout")]
 
 

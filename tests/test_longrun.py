@@ -38,7 +38,7 @@ def test_the_median_is_exact_then_within_its_resolution():
     small = type("M", (report._Median,), {"EXACT": 100})()
     for x in xs:
         small.add(x)
-    assert small.values is None and len(small.buckets) < 2000             # switched to buckets, bounded
+    assert small.values is None and len(small.buckets) < 2000  # switched to buckets, bounded
     assert small.median() == pytest.approx(statistics.median(xs), rel=report._Median.RESOLUTION)
     zeros = type("M", (report._Median,), {"EXACT": 1})()
     for x in (0.0, 0.0, 0.0, 5.0):
@@ -92,7 +92,7 @@ def _peak(fn) -> int:
 
 
 def test_report_memory_does_not_grow_with_the_run(tmp_path, monkeypatch):
-    monkeypatch.setattr(report, "ENERGY_CHUNK", 256)     # the device samples held at a time: both runs fill it
+    monkeypatch.setattr(report, "ENERGY_CHUNK", 256)  # the device samples held at a time: both runs fill it
     tpl = longrun.template_lines(_template())
     small, large = tmp_path / "small", tmp_path / "large"
     longrun.write_run(small, 2_000, tpl)
@@ -122,28 +122,36 @@ def test_attaching_to_a_long_run_reads_its_head_newest_hello_and_tail(tmp_path, 
         longrun.write_run(run, n, tpl)
         session = monitor.MonitorSession(run, sampler=_NoSampler())
         seen = []
-        session.add_view(type("V", (), {"on_event": lambda self, e: seen.append(e), "on_log": lambda *a: None,
-                                        "on_status": lambda *a: None})())
+        session.add_view(
+            type(
+                "V",
+                (),
+                {"on_event": lambda self, e: seen.append(e), "on_log": lambda *a: None, "on_status": lambda *a: None},
+            )()
+        )
         session.start()
         assert session.replayed.wait(60)
         session.close()
         s = session.state
         counts[n] = len(seen)
-        assert s.step == n and s.done is not None                       # the tail: the run's end
-        assert s.first_loss is not None and s.start_time == seen[0].time   # the head: the first start
-        assert s.hello is not None and not s.hello.early and s.total_steps == n   # the newest full hello
+        assert s.step == n and s.done is not None  # the tail: the run's end
+        assert s.first_loss is not None and s.start_time == seen[0].time  # the head: the first start
+        assert s.hello is not None and not s.hello.early and s.total_steps == n  # the newest full hello
         assert any("a long run" in line for _, line in s.logs)
-        assert s.malformed == 0                                          # the tail starts at a whole line
-    assert counts[16_000] < counts[4_000] * 1.2                          # the same work, 4x the run
+        assert s.malformed == 0  # the tail starts at a whole line
+    assert counts[16_000] < counts[4_000] * 1.2  # the same work, 4x the run
 
 
 def test_the_newest_hello_is_found_across_chunk_boundaries(tmp_path, monkeypatch):
     from gptop import monitor
 
     path = tmp_path / "events.jsonl"
-    lines = [b'{"type":"hello","early":true,"n":0}'] + [b'{"type":"step","n":%d}' % i for i in range(50)] + \
-        [b'{"type":"hello","n":1,"pad":"' + b"x" * 300 + b'"}', b'{"type":"hello","early":true,"n":2}'] + \
-        [b'{"type":"step","n":%d}' % i for i in range(500)]
+    lines = (
+        [b'{"type":"hello","early":true,"n":0}']
+        + [b'{"type":"step","n":%d}' % i for i in range(50)]
+        + [b'{"type":"hello","n":1,"pad":"' + b"x" * 300 + b'"}', b'{"type":"hello","early":true,"n":2}']
+        + [b'{"type":"step","n":%d}' % i for i in range(500)]
+    )
     path.write_bytes(b"\n".join(lines) + b"\n")
     with open(path, "rb") as f:
         for chunk in (7, 64, 100, 4096):

@@ -31,8 +31,14 @@ def model_dir(tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("hf-tiny")
     tok = tokenizer_info(DataConfig(), log=lambda s: None)
-    bundle = build_model(ModelConfig(model="llama", size="tiny"), vocab_size=tok.vocab_size, seq_len=64,
-                         toggles=Toggles(), dev=CPU, seed=7)
+    bundle = build_model(
+        ModelConfig(model="llama", size="tiny"),
+        vocab_size=tok.vocab_size,
+        seq_len=64,
+        toggles=Toggles(),
+        dev=CPU,
+        seed=7,
+    )
     bundle.model.save_pretrained(out)
     hf_tokenizer(tok, bundle, 64).save_pretrained(out)
     return out
@@ -57,6 +63,7 @@ def trained_model(tmp_path, *args, name="live") -> torch.nn.Module:
 
 # --- LoRA on a model directory ------------------------------------------------------------------
 
+
 def test_lora_trains_only_the_adapters_of_a_model_directory(tmp_path, model_dir):
     from safetensors.torch import load_file
 
@@ -67,19 +74,20 @@ def test_lora_trains_only_the_adapters_of_a_model_directory(tmp_path, model_dir)
         if "lora_" in name:
             assert p.requires_grad
             seen_adapter += 1
-            if "lora_B" in name:                       # starts at zero; training moved it
+            if "lora_B" in name:  # starts at zero; training moved it
                 assert p.abs().max() > 0
         else:
             assert not p.requires_grad, name
             key = name.replace("base_model.model.", "").replace(".base_layer", "")
             assert torch.equal(p.detach(), base[key]), f"frozen weight {key} changed"
             seen_frozen += 1
-    assert seen_frozen == len(base) and seen_adapter == 4 * 7 * 2      # 4 layers x 7 projections x (A, B)
+    assert seen_frozen == len(base) and seen_adapter == 4 * 7 * 2  # 4 layers x 7 projections x (A, B)
 
 
 def test_lora_run_reports_trainable_params_and_checkpoints_only_adapters(tmp_path, model_dir):
-    code, events, run_dir = run(tmp_path, "--model", str(model_dir), *LORA, "--max-steps", "4",
-                                "--checkpoint-every", "2")
+    code, events, run_dir = run(
+        tmp_path, "--model", str(model_dir), *LORA, "--max-steps", "4", "--checkpoint-every", "2"
+    )
     assert code == EXIT_OK
     m = [h for h in of(events, "hello") if not h.early][0].model
     assert 0 < m.trainable_params < m.total_params / 10
@@ -89,12 +97,12 @@ def test_lora_run_reports_trainable_params_and_checkpoints_only_adapters(tmp_pat
     assert state["model"] and all("lora_" in k for k in state["model"])
     assert sum(v.numel() for v in state["model"].values()) == m.trainable_params
     steps = of(events, "step")
-    assert steps[-1].optim_state_bytes == 2 * 4 * m.trainable_params + 4 * 56     # fp32 moments + step counts
+    assert steps[-1].optim_state_bytes == 2 * 4 * m.trainable_params + 4 * 56  # fp32 moments + step counts
     assert steps[-1].loss < steps[0].loss
 
 
 def test_lora_resume_is_exact(tmp_path, model_dir):
-    common = ["--model", str(model_dir), *LORA, "--lora-dropout", "0.1"]      # dropout: the RNG is restored too
+    common = ["--model", str(model_dir), *LORA, "--lora-dropout", "0.1"]  # dropout: the RNG is restored too
     code, full, _ = run(tmp_path, *common, "--max-steps", "6", name="full")
     assert code == EXIT_OK
     code, _, part = run(tmp_path, *common, "--max-steps", "6", "--fault", "stop@3", name="part")
@@ -113,11 +121,11 @@ def test_resume_with_other_lora_options_is_refused(tmp_path):
     code, _, run_dir = run(tmp_path, "--model", "llama", *LORA, "--max-steps", "2")
     assert code == EXIT_OK
     before = sorted(p.name for p in run_dir.rglob("*"))
-    with pytest.raises(ConfigError) as e:                    # refused where the options enter, before anything
+    with pytest.raises(ConfigError) as e:  # refused where the options enter, before anything
         parse_config([*TINY, "--run-dir", str(run_dir), "--resume", str(run_dir), "--lora", "4", "--max-steps", "4"])
     assert e.value.option == "--lora" and "resume needs the same value" in e.value.message
     assert sorted(p.name for p in run_dir.rglob("*")) == before
-    from trainer.checkpointer import Checkpointer             # and by the trainer, from the checkpoint's own config
+    from trainer.checkpointer import Checkpointer  # and by the trainer, from the checkpoint's own config
 
     cfg = parse_config([*TINY, "--run-dir", str(run_dir), "--max-steps", "4", "--lora", "4"])
     saved = ckpt.load(rundir.list_checkpoints(run_dir)[-1].path)["config"]
@@ -149,13 +157,15 @@ def test_a_rank_above_the_smallest_adapted_dimension_and_unknown_targets_are_ref
     with pytest.raises(ConfigError, match=f"use --lora {limit} or less") as e:
         estimate.check_lora(family, "tiny", limit + 1)
     assert e.value.option == "--lora"
-    if family != "deepseek":                 # its fused experts are no Linear modules: the dimensions' rule only
+    if family != "deepseek":  # its fused experts are no Linear modules: the dimensions' rule only
         targets(b.model, FinetuneConfig(lora=limit))
         with pytest.raises(ConfigError, match=f"use --lora {limit} or less"):
             targets(b.model, FinetuneConfig(lora=limit + 1))
     for bad in ("nonexistent", "q_proj,lm_head"):
-        for check in (lambda: estimate.check_lora(family, "tiny", 8, bad),
-                      lambda: targets(b.model, FinetuneConfig(lora=8, lora_targets=bad))):
+        for check in (
+            lambda: estimate.check_lora(family, "tiny", 8, bad),
+            lambda: targets(b.model, FinetuneConfig(lora=8, lora_targets=bad)),
+        ):
             with pytest.raises(ConfigError) as e:
                 check()
             listed = e.value.message.split("what can be targeted: ")[1]
@@ -166,34 +176,44 @@ def test_lora_targets_are_checked_against_the_model():
     from trainer.lora import targets
     from trainer.models import build_model
 
-    b = build_model(ModelConfig(model="deepseek", size="tiny"), vocab_size=512, seq_len=64, toggles=Toggles(),
-                    dev=CPU)
-    assert targets(b.model, FinetuneConfig(lora=8)) == ["q_proj", "o_proj", "kv_a_proj_with_mqa", "kv_b_proj",
-                                                        "gate_proj", "up_proj", "down_proj"]
+    b = build_model(ModelConfig(model="deepseek", size="tiny"), vocab_size=512, seq_len=64, toggles=Toggles(), dev=CPU)
+    assert targets(b.model, FinetuneConfig(lora=8)) == [
+        "q_proj",
+        "o_proj",
+        "kv_a_proj_with_mqa",
+        "kv_b_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ]
     assert targets(b.model, FinetuneConfig(lora=8, lora_targets="q_proj,kv_b_proj")) == ["q_proj", "kv_b_proj"]
     with pytest.raises(ConfigError) as e:
         targets(b.model, FinetuneConfig(lora=8, lora_targets="q_proj,c_attn"))
     assert e.value.option == "--lora-targets" and "c_attn" in e.value.message and "kv_b_proj" in e.value.message
 
 
-@pytest.mark.parametrize("args,option", [
-    (["--lora", "-1"], "--lora"),
-    (["--lora", "8", "--lora-dropout", "1"], "--lora-dropout"),
-    (["--lora", "8", "--lora-alpha", "0"], "--lora-alpha"),
-    (["--lora", "8", "--lora-targets", "q_proj;v_proj"], "--lora-targets"),
-    (["--quantize-base", "nf4"], "--quantize-base"),                   # needs --lora
-    (["--optimizer", "sgd"], "--optimizer"),
-])
+@pytest.mark.parametrize(
+    "args,option",
+    [
+        (["--lora", "-1"], "--lora"),
+        (["--lora", "8", "--lora-dropout", "1"], "--lora-dropout"),
+        (["--lora", "8", "--lora-alpha", "0"], "--lora-alpha"),
+        (["--lora", "8", "--lora-targets", "q_proj;v_proj"], "--lora-targets"),
+        (["--quantize-base", "nf4"], "--quantize-base"),  # needs --lora
+        (["--optimizer", "sgd"], "--optimizer"),
+    ],
+)
 def test_bad_finetune_options_name_the_option(args, option, capsys):
     with pytest.raises((ConfigError, SystemExit)) as e:
         parse_config([*TINY, *args])
     if isinstance(e.value, ConfigError):
         assert e.value.option == option
-    else:                                   # argparse refused it: exit 2, the option named on stderr
+    else:  # argparse refused it: exit 2, the option named on stderr
         assert e.value.code == 2 and option in capsys.readouterr().err
 
 
 # --- capabilities -------------------------------------------------------------------------------
+
 
 def test_quantized_base_is_gated_with_a_reason(monkeypatch):
     assert "CUDA" in capabilities.support("quantize_base", "nf4", CPU)
@@ -202,7 +222,7 @@ def test_quantized_base_is_gated_with_a_reason(monkeypatch):
     monkeypatch.setattr(capabilities, "_installed", lambda m: m != "bitsandbytes")
     assert "pip install 'gptop[qlora]'" in capabilities.support("quantize_base", "nf4", H100)
     monkeypatch.setattr(capabilities, "_installed", lambda m: True)
-    assert capabilities.support("quantize_base", "nf4", H100) is None          # documentation-verified only
+    assert capabilities.support("quantize_base", "nf4", H100) is None  # documentation-verified only
     cfg = parse_config([*TINY, "--lora", "8", "--quantize-base", "nf4"])
     with pytest.raises(ConfigError) as e:
         capabilities.check_config(cfg, CPU)
@@ -210,11 +230,12 @@ def test_quantized_base_is_gated_with_a_reason(monkeypatch):
 
 
 def test_quantized_base_on_cpu_exits_2_naming_the_option(tmp_path, model_dir, capsys):
-    code, events, run_dir = run(tmp_path, "--model", str(model_dir), "--lora", "8", "--quantize-base", "nf4",
-                                "--max-steps", "2")
+    code, events, run_dir = run(
+        tmp_path, "--model", str(model_dir), "--lora", "8", "--quantize-base", "nf4", "--max-steps", "2"
+    )
     assert code == EXIT_CONFIG
     assert "error (config): --quantize-base" in capsys.readouterr().err
-    assert not run_dir.exists()                 # a refusal leaves no run directory behind
+    assert not run_dir.exists()  # a refusal leaves no run directory behind
 
 
 def test_low_bit_optimizers_are_gated_on_a_compiler(monkeypatch):
@@ -226,7 +247,7 @@ def test_low_bit_optimizers_are_gated_on_a_compiler(monkeypatch):
         assert "compiler" in capabilities.support("optimizer", value, no_cc)
     for value in ("adamw", "adafactor"):
         assert capabilities.support("optimizer", value, no_cc) is None
-    assert "7-12x slower" in capabilities.slow("optimizer", "adamw-8bit", CPU)     # runs, with a warning
+    assert "7-12x slower" in capabilities.slow("optimizer", "adamw-8bit", CPU)  # runs, with a warning
     assert capabilities.slow("optimizer", "adamw-8bit", H100) is None
     (line,) = capabilities.slow_config(parse_config([*TINY, "--optimizer", "adamw-4bit"]), CPU)
     assert line.startswith("--optimizer adamw-4bit: torchao's")
@@ -236,6 +257,7 @@ def test_low_bit_optimizers_are_gated_on_a_compiler(monkeypatch):
 
 # --- FLOPs with frozen weights ------------------------------------------------------------------
 
+
 def test_frozen_weights_count_four_flops_per_token():
     from trainer.flops import flops_per_token
     from trainer.models import _attention_shape, build_model
@@ -243,7 +265,7 @@ def test_frozen_weights_count_four_flops_per_token():
     kw = dict(vocab_size=512, seq_len=64, toggles=Toggles(), dev=CPU)
     full = build_model(ModelConfig(model="llama", size="tiny"), **kw)
     lora = build_model(ModelConfig(model="llama", size="tiny"), finetune=FinetuneConfig(lora=8), **kw)
-    n = full.total_params - full.embedding_params                 # untied: the head is a matmul, the embedding not
+    n = full.total_params - full.embedding_params  # untied: the head is a matmul, the embedding not
     a = lora.trainable_params
     L, H, Q, V = _attention_shape(full.hf_config)
     attention = 6 * L * H * (Q + V) * 64
@@ -254,6 +276,7 @@ def test_frozen_weights_count_four_flops_per_token():
 
 
 # --- optimizers ---------------------------------------------------------------------------------
+
 
 def _train_and_resume(tmp_path, *args):
     code, full, _ = run(tmp_path, *args, "--max-steps", "6", name="full")
@@ -270,19 +293,21 @@ def _train_and_resume(tmp_path, *args):
 
 
 def test_adafactor_trains_and_resumes(tmp_path):
-    steps = _train_and_resume(tmp_path, "--model", "llama", "--optimizer", "adafactor", "--lr", "1e-2",
-                              "--micro-batch", "2")
+    steps = _train_and_resume(
+        tmp_path, "--model", "llama", "--optimizer", "adafactor", "--lr", "1e-2", "--micro-batch", "2"
+    )
     adamw = run(tmp_path, "--model", "llama", "--max-steps", "1", "--micro-batch", "2", name="adamw")[1]
     # a factored second moment: far smaller than AdamW's two fp32 moments
     assert steps[-1].optim_state_bytes < of(adamw, "step")[-1].optim_state_bytes / 10
 
 
 @pytest.mark.process
-@pytest.mark.compile      # torchao's low-bit AdamW compiles its update with torch.compile
+@pytest.mark.compile  # torchao's low-bit AdamW compiles its update with torch.compile
 @pytest.mark.parametrize("optimizer,ratio", [("adamw-8bit", 3.0), ("adamw-4bit", 5.0)])
 def test_low_bit_adamw_trains_and_resumes(tmp_path, optimizer, ratio):
-    steps = _train_and_resume(tmp_path, "--model", "llama", "--optimizer", optimizer, "--lr", "3e-3",
-                              "--micro-batch", "2")
+    steps = _train_and_resume(
+        tmp_path, "--model", "llama", "--optimizer", optimizer, "--lr", "3e-3", "--micro-batch", "2"
+    )
     adamw = run(tmp_path, "--model", "llama", "--max-steps", "1", "--micro-batch", "2", name="adamw")[1]
     assert steps[-1].optim_state_bytes < of(adamw, "step")[-1].optim_state_bytes / ratio
 
@@ -295,19 +320,33 @@ def test_lora_with_an_8bit_optimizer_resumes(tmp_path, model_dir):
 
 # --- what the dashboard and the headless lines show -------------------------------------------
 
+
 def test_views_show_trainable_params_and_optimizer_state():
     from gptop.headless import step_line
     from gptop.state import RunState, model_summary
     from trainer.contract.events import ModelInfo, StepEvent
 
-    lora = ModelInfo(family="pretrained", size="pretrained", total_params=3_000_000, active_params=3_000_000,
-                     trainable_params=75_000)
+    lora = ModelInfo(
+        family="pretrained", size="pretrained", total_params=3_000_000, active_params=3_000_000, trainable_params=75_000
+    )
     assert model_summary(lora).endswith("3.0M params · 75.0k trainable (2.5%)")
-    full = ModelInfo(family="llama", size="tiny", total_params=3_000_000, active_params=3_000_000,
-                     trainable_params=3_000_000)
+    full = ModelInfo(
+        family="llama", size="tiny", total_params=3_000_000, active_params=3_000_000, trainable_params=3_000_000
+    )
     assert "trainable" not in model_summary(full)
-    step = StepEvent(step=1, tokens=256, loss=2.0, lr=1e-3, grad_norm=1.0, step_ms=10.0, phases_ms=None,
-                     tokens_per_s=100.0, mfu=None, mem_bytes=1 << 20, optim_state_bytes=2 << 20)
+    step = StepEvent(
+        step=1,
+        tokens=256,
+        loss=2.0,
+        lr=1e-3,
+        grad_norm=1.0,
+        step_ms=10.0,
+        phases_ms=None,
+        tokens_per_s=100.0,
+        mfu=None,
+        mem_bytes=1 << 20,
+        optim_state_bytes=2 << 20,
+    )
     assert "mem 1.0 MB (optimizer 2.0 MB)" in step_line(step, RunState())
 
 
@@ -366,14 +405,20 @@ def _plain(tmp_path, ids, loads):
     torch.save(ids, tmp_path / "ids.pt")
     job = {"ids": str(tmp_path / "ids.pt"), "loads": loads, "out": str(tmp_path / "logits.pt")}
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    r = subprocess.run([sys.executable, "-I", "-c", PLAIN, json.dumps(job)], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-I", "-c", PLAIN, json.dumps(job)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1]), torch.load(tmp_path / "logits.pt")
 
 
 @pytest.mark.process
-@pytest.mark.slow        # starts a plain Python
+@pytest.mark.slow  # starts a plain Python
 @pytest.mark.parametrize("source", ["model_dir", "llama"])
 def test_lora_exports_load_with_peft_and_plain_transformers(tmp_path, model_dir, source):
     import json
@@ -390,9 +435,9 @@ def test_lora_exports_load_with_peft_and_plain_transformers(tmp_path, model_dir,
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 8 and config["base_model_name_or_path"] == adapter["base_model"]
     if source == "model_dir":
-        assert adapter["base_model"] == str(model_dir.resolve())       # outside the export: where it is
+        assert adapter["base_model"] == str(model_dir.resolve())  # outside the export: where it is
     else:
-        assert adapter["base_model"] == "base"                         # inside: relative, it moves with the export
+        assert adapter["base_model"] == "base"  # inside: relative, it moves with the export
     merged = _export(run_dir, tmp_path / "merged", "--merge")
     assert merged["format"] == "merged" and "model.safetensors" in merged["files"]
     assert not any("lora" in k for k in json.loads((tmp_path / "merged" / "config.json").read_text()))
@@ -404,15 +449,22 @@ def test_lora_exports_load_with_peft_and_plain_transformers(tmp_path, model_dir,
     adapter_dir = tmp_path / "adapter"
     base = str(adapter_dir / "base") if source == "llama" else str(model_dir)
     auto = {"how": "auto", "dir": "." if source == "llama" else str(adapter_dir), "cwd": str(adapter_dir)}
-    kinds, got = _plain(tmp_path, ids, {"auto": auto, "peft": {"how": "peft", "dir": str(adapter_dir), "base": base},
-                                        "merged": {"how": "plain", "dir": str(tmp_path / "merged")}})
+    kinds, got = _plain(
+        tmp_path,
+        ids,
+        {
+            "auto": auto,
+            "peft": {"how": "peft", "dir": str(adapter_dir), "base": base},
+            "merged": {"how": "plain", "dir": str(tmp_path / "merged")},
+        },
+    )
     assert kinds == {"auto": "PeftModelForCausalLM", "peft": "PeftModelForCausalLM", "merged": "LlamaForCausalLM"}
     assert torch.equal(got["auto"], want) and torch.equal(got["peft"], want)
-    assert torch.allclose(got["merged"], want, atol=1e-4, rtol=0)     # merging rounds W + (a/r) B A once
+    assert torch.allclose(got["merged"], want, atol=1e-4, rtol=0)  # merging rounds W + (a/r) B A once
 
 
 @pytest.mark.process
-@pytest.mark.slow        # starts a plain Python
+@pytest.mark.slow  # starts a plain Python
 def test_a_copied_or_moved_adapter_export_keeps_its_own_base(tmp_path):
     """Export, copy the export away and move the original, then export another run (another seed: another
     base) to the original place: the copy and the moved one still load their own base, with peft as the
@@ -433,31 +485,33 @@ def test_a_copied_or_moved_adapter_export_keeps_its_own_base(tmp_path):
     assert "PeftModel.from_pretrained" in (out / "README.md").read_text()
     shutil.copytree(out, tmp_path / "copy")
     shutil.move(str(out), str(tmp_path / "moved"))
-    _export(run_b, out)                                           # another base where the first one was
+    _export(run_b, out)  # another base where the first one was
 
     ref = load_for_inference(run_a, tools.check_export(argparse_ns(run_a, tmp_path / "x")), log=lambda s: None)
     ids = check_batch(len(ref.tokenizer), None, 32, seed=3)
     with torch.no_grad():
         want = ref.model(input_ids=ids).logits
-    loads = {name: {"how": "peft", "dir": str(tmp_path / name), "base": str(tmp_path / name / "base")}
-             for name in ("copy", "moved")}
+    loads = {
+        name: {"how": "peft", "dir": str(tmp_path / name), "base": str(tmp_path / name / "base")}
+        for name in ("copy", "moved")
+    }
     loads["auto"] = {"how": "auto", "dir": ".", "cwd": str(tmp_path / "copy")}
     loads["other"] = {"how": "peft", "dir": str(out), "base": str(out / "base")}
     _, got = _plain(tmp_path, ids, loads)
     for name in ("copy", "moved", "auto"):
         assert torch.equal(got[name], want), name
-    assert not torch.allclose(got["other"], want)                # the re-export is another model
+    assert not torch.allclose(got["other"], want)  # the re-export is another model
 
     p = argparse.ArgumentParser()
     tools.add_sample_arguments(p)
-    for name in ("copy", "moved"):                               # gptop sample takes an adapter export
+    for name in ("copy", "moved"):  # gptop sample takes an adapter export
         ns = p.parse_args([str(tmp_path / name), "--prompt", "def f(", "--max-new-tokens", "4", "--temperature", "0"])
         loaded = load_for_inference(ns.path, tools.check_sample(ns), log=lambda s: None)
         with torch.no_grad():
             assert torch.equal(loaded.model(input_ids=ids).logits, want), name
         assert generate(loaded, ns).new_tokens >= 0
-    shutil.rmtree(tmp_path / "copy" / "base")                    # a copy without its base ...
-    shutil.copytree(out / "base", tmp_path / "copy" / "base")    # ... given another one
+    shutil.rmtree(tmp_path / "copy" / "base")  # a copy without its base ...
+    shutil.copytree(out / "base", tmp_path / "copy" / "base")  # ... given another one
     ns = p.parse_args([str(tmp_path / "copy")])
     with pytest.raises(ConfigError, match="not the one this adapter was trained on"):
         tools.check_sample(ns)
@@ -468,8 +522,9 @@ def test_a_copied_or_moved_adapter_export_keeps_its_own_base(tmp_path):
 def argparse_ns(run_dir, out_dir):
     import argparse
 
-    return argparse.Namespace(run_dir=str(run_dir), out_dir=str(out_dir), step=None, force=False, json=True,
-                              merge=False)
+    return argparse.Namespace(
+        run_dir=str(run_dir), out_dir=str(out_dir), step=None, force=False, json=True, merge=False
+    )
 
 
 def test_merge_without_lora_is_refused(tmp_path):
@@ -482,7 +537,7 @@ def test_merge_without_lora_is_refused(tmp_path):
 
 
 def test_lora_with_fsdp_is_refused_naming_the_option():
-    cfg = parse_config([*TINY, "--lora", "8", "--parallel", "fsdp"])       # one process: --parallel is ignored
+    cfg = parse_config([*TINY, "--lora", "8", "--parallel", "fsdp"])  # one process: --parallel is ignored
     with pytest.raises(ConfigError) as e:
         cfg.validate(world_size=2)
     assert e.value.option == "--parallel" and "ddp" in e.value.message
@@ -499,5 +554,5 @@ def test_a_lora_run_samples(tmp_path):
     p = argparse.ArgumentParser()
     tools.add_sample_arguments(p)
     ns = p.parse_args([str(run_dir), "--prompt", "def f(", "--max-new-tokens", "5", "--temperature", "0"])
-    result = sample(ns, started=time.time())          # --timeout counts from now, not from pytest's start
+    result = sample(ns, started=time.time())  # --timeout counts from now, not from pytest's start
     assert result.step == 2 and result.new_tokens == 5 and result.stopped == "max_new_tokens"

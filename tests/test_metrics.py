@@ -46,7 +46,7 @@ def test_a_run_read_back_by_prometheus_parser():
         server.close()
     names = {m.name for m in METRICS}
     exposed = {re.sub(r"_(created)$", "", n) for n in got}
-    assert exposed <= names, exposed - names           # every family exposed is documented in METRICS
+    assert exposed <= names, exposed - names  # every family exposed is documented in METRICS
     (step,) = got["gptop_step"]
     assert step.labels == {"node": "node-a"} and step.value == state.step
     ranks = {s.labels["rank"]: s.value for s in got["gptop_rank_step"]}
@@ -54,7 +54,8 @@ def test_a_run_read_back_by_prometheus_parser():
     phases = {(s.labels["rank"], s.labels["phase"]) for s in got["gptop_phase_seconds"]}
     assert ("1", "backward") in phases
     assert {s.labels["gpu"] for s in got["gptop_gpu_utilization_percent"]} == {
-        str(g.index) for g in state.device_sample.devices}
+        str(g.index) for g in state.device_sample.devices
+    }
     assert got["gptop_gpu_energy_joules_total"][0].value > 0
     assert got["gptop_run_info"][0].labels["run_dir"] == "/runs/demo"
     active = {(s.labels["kind"], s.labels["severity"]): s.value for s in got["gptop_alerts_active"]}
@@ -62,8 +63,13 @@ def test_a_run_read_back_by_prometheus_parser():
     assert got["gptop_alerts_raised_total"][0].value == 1
     status = {s.labels["status"]: s.value for s in got["gptop_status"]}
     assert sum(status.values()) == 1
-    for m in ("gptop_tokens_per_second", "gptop_loss", "gptop_mfu_ratio", "gptop_step_seconds",
-              "gptop_cpu_utilization_percent"):
+    for m in (
+        "gptop_tokens_per_second",
+        "gptop_loss",
+        "gptop_mfu_ratio",
+        "gptop_step_seconds",
+        "gptop_cpu_utilization_percent",
+    ):
         assert got[m], m
 
 
@@ -77,17 +83,26 @@ def test_a_port_in_use_is_exit_2_naming_it_before_anything_starts(tmp_path, caps
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        for argv in (["train", "--run-dir", str(tmp_path / "run"), "--metrics-port", str(port)],
-                     ["run", "--run-dir", str(tmp_path / "run"), "--metrics-port", str(port), "--", "true"],
-                     ["--no-ui", "--metrics-port", str(port)]):          # the monitor
+        for argv in (
+            ["train", "--run-dir", str(tmp_path / "run"), "--metrics-port", str(port)],
+            ["run", "--run-dir", str(tmp_path / "run"), "--metrics-port", str(port), "--", "true"],
+            ["--no-ui", "--metrics-port", str(port)],
+        ):  # the monitor
             code = cli.main(argv)
             err = capsys.readouterr().err
             assert code == 2 and "--metrics-port" in err and f"port {port} on 127.0.0.1 is in use" in err, err
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("argv", [["--metrics-addr", "example.com"], ["train", "--metrics-addr", "1.2.3"],
-                                  ["tune", "--metrics-port", "0"], ["--metrics-port", "70000"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--metrics-addr", "example.com"],
+        ["train", "--metrics-addr", "1.2.3"],
+        ["tune", "--metrics-port", "0"],
+        ["--metrics-port", "70000"],
+    ],
+)
 def test_bad_metrics_flags(argv, capsys):
     from gptop import cli
 

@@ -12,24 +12,49 @@ import torch
 from trainer import flops, fp8, moe, objectives
 from trainer.contract.config import ConfigError, ModelConfig, Toggles
 from trainer.contract.device import DeviceInfo
-from trainer.models import (SIZES, SIZE_ORDER, ModelBundle, build_model, is_pretrained_path, model_table,
-                            model_table_markdown, pad_vocab, param_counts, resolve_size, vocab_and_mask)
+from trainer.models import (
+    SIZES,
+    SIZE_ORDER,
+    ModelBundle,
+    build_model,
+    is_pretrained_path,
+    model_table,
+    model_table_markdown,
+    pad_vocab,
+    param_counts,
+    resolve_size,
+    vocab_and_mask,
+)
 
 CPU = DeviceInfo(type="cpu", name="test-cpu", cpu_count=2, total_memory=8 << 30)
-VOCAB = 500          # a small tokenizer keeps the tiny models' embeddings small and the tests fast
+VOCAB = 500  # a small tokenizer keeps the tiny models' embeddings small and the tests fast
 SEQ = 32
 
 
 def cuda_dev(gib: float, name: str = "NVIDIA H100 80GB HBM3") -> DeviceInfo:
-    return DeviceInfo(type="cuda", index=0, name=name, capability=(9, 0), total_memory=int(gib * (1 << 30)),
-                      cpu_count=16)
+    return DeviceInfo(
+        type="cuda", index=0, name=name, capability=(9, 0), total_memory=int(gib * (1 << 30)), cpu_count=16
+    )
 
 
-def build(family: str, *, attention: str = "sdpa", ac: bool = False, mask_id: int | None = None,
-          seed: int = 0, vocab: int = VOCAB) -> ModelBundle:
-    return build_model(ModelConfig(model=family, size="tiny"), vocab_size=vocab, seq_len=SEQ,
-                       toggles=Toggles(attention=attention, activation_checkpointing=ac), dev=CPU,
-                       mask_id=mask_id, seed=seed)
+def build(
+    family: str,
+    *,
+    attention: str = "sdpa",
+    ac: bool = False,
+    mask_id: int | None = None,
+    seed: int = 0,
+    vocab: int = VOCAB,
+) -> ModelBundle:
+    return build_model(
+        ModelConfig(model=family, size="tiny"),
+        vocab_size=vocab,
+        seq_len=SEQ,
+        toggles=Toggles(attention=attention, activation_checkpointing=ac),
+        dev=CPU,
+        mask_id=mask_id,
+        seed=seed,
+    )
 
 
 def batch(b: int = 2, n: int = SEQ, vocab: int = VOCAB, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,6 +73,7 @@ def tiny() -> dict[str, ModelBundle]:
 
 # --- building ------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("family", ["llama", "deepseek", "llada"])
 def test_tiny_builds_and_trains_one_step(tiny, family):
     b = tiny[family]
@@ -56,7 +82,7 @@ def test_tiny_builds_and_trains_one_step(tiny, family):
     assert next(b.model.parameters()).dtype == torch.float32
     assert b.total_params == sum(p.numel() for p in b.model.parameters())
     assert b.embedding_params == b.model.get_input_embeddings().weight.numel()
-    assert 0.5e6 < b.total_params < 10e6        # a few million with the builtin 8192-token vocabulary
+    assert 0.5e6 < b.total_params < 10e6  # a few million with the builtin 8192-token vocabulary
     x, y = batch()
     b.model.train()
     b.model.zero_grad()
@@ -83,8 +109,8 @@ def test_active_params(tiny):
 def test_deepseek_is_mla_and_routed_moe(tiny):
     m = tiny["deepseek"].model
     cfg = tiny["deepseek"].hf_config
-    assert hasattr(m.model.layers[0].self_attn, "kv_a_proj_with_mqa")      # multi-head latent attention
-    assert type(m.model.layers[0].mlp).__name__ == "DeepseekV3MLP"          # first_k_dense_replace = 1
+    assert hasattr(m.model.layers[0].self_attn, "kv_a_proj_with_mqa")  # multi-head latent attention
+    assert type(m.model.layers[0].mlp).__name__ == "DeepseekV3MLP"  # first_k_dense_replace = 1
     assert type(m.model.layers[1].mlp).__name__ == "DeepseekV3MoE"
     assert cfg.n_routed_experts % cfg.n_group == 0
     per_group = cfg.n_routed_experts // cfg.n_group
@@ -103,11 +129,11 @@ def test_vocab_padding_and_mask_id():
     assert pad_vocab(8192) == 8192 and pad_vocab(8193) == 8256 and pad_vocab(1) == 64
     assert vocab_and_mask("llama", 8192, None) == (8192, None)
     assert vocab_and_mask("deepseek", 8001, None) == (8064, None)
-    assert vocab_and_mask("llada", 8192, None) == (8256, 8192)       # first padded slot
-    assert vocab_and_mask("llada", 8000, None) == (8064, 8000)       # 8000 is a multiple of 64: still a slot
-    assert vocab_and_mask("llada", 8192, 3) == (8192, 3)             # the data's own mask token
+    assert vocab_and_mask("llada", 8192, None) == (8256, 8192)  # first padded slot
+    assert vocab_and_mask("llada", 8000, None) == (8064, 8000)  # 8000 is a multiple of 64: still a slot
+    assert vocab_and_mask("llada", 8192, 3) == (8192, 3)  # the data's own mask token
     assert vocab_and_mask("llada", 8192, 8200) == (8256, 8200)
-    b = build("llada", vocab=448)                                    # 448 = 7 * 64
+    b = build("llada", vocab=448)  # 448 = 7 * 64
     assert b.vocab_size == 512 and b.mask_id == 448
     assert b.model.get_input_embeddings().weight.shape[0] == 512
     assert b.model.lm_head.out_features == 512
@@ -116,11 +142,12 @@ def test_vocab_padding_and_mask_id():
 
 # --- llada: bidirectional attention ----------------------------------------------------
 
+
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_llada_attends_to_later_tokens_and_llama_does_not(attention):
     x, _ = batch(1)
     x2 = x.clone()
-    x2[0, -1] = (x2[0, -1] + 1) % VOCAB                     # change only the last token
+    x2[0, -1] = (x2[0, -1] + 1) % VOCAB  # change only the last token
     for family, expect_change in (("llada", True), ("llama", False)):
         m = build(family, attention=attention).model.eval()
         with torch.no_grad():
@@ -132,13 +159,14 @@ def test_llada_attends_to_later_tokens_and_llama_does_not(attention):
 
 # --- objectives ------------------------------------------------------------------------
 
+
 def test_llada_loss_is_deterministic_given_the_generator(tiny):
     b = tiny["llada"]
     b.model.eval()
     x, y = batch()
     with torch.no_grad():
         l1 = objectives.loss_fn(b, b.model, x, y, generator=torch.Generator().manual_seed(7))
-        torch.manual_seed(123)                                      # the global RNG must not matter
+        torch.manual_seed(123)  # the global RNG must not matter
         l2 = objectives.loss_fn(b, b.model, x, y, generator=torch.Generator().manual_seed(7))
         l3 = objectives.loss_fn(b, b.model, x, y, generator=torch.Generator().manual_seed(8))
     assert torch.equal(l1, l2)
@@ -153,7 +181,7 @@ def test_llada_loss_matches_the_paper_formula(tiny):
     noisy, masked, t = objectives.llada_mask(x, b.mask_id, torch.Generator().manual_seed(3))
     assert torch.equal(noisy[masked], torch.full_like(noisy[masked], b.mask_id))
     assert torch.equal(noisy[~masked], x[~masked])
-    assert ((t > 0) & (t <= 1)).all() and (t == t[:, :1]).all()     # one t per sequence
+    assert ((t > 0) & (t <= 1)).all() and (t == t[:, :1]).all()  # one t per sequence
     with torch.no_grad():
         loss = objectives.loss_fn("llada", b.model, x, None, generator=g, mask_id=b.mask_id)
         logits = b.model(input_ids=noisy).logits
@@ -216,6 +244,7 @@ def test_activation_checkpointing_gives_the_same_loss_and_grads():
 
 # --- sizes -------------------------------------------------------------------------------
 
+
 def test_resolve_size_rule():
     assert resolve_size("small", "llama", CPU) == "small"
     assert resolve_size("auto", "llama", CPU) == "tiny"
@@ -229,8 +258,7 @@ def test_resolve_size_rule():
     assert resolve_size("auto", "llama", cuda_dev(15.8, "Tesla V100-SXM2-16GB")) == "medium"
     assert resolve_size("auto", "deepseek", cuda_dev(15.8, "Tesla V100-SXM2-16GB")) == "small"
     # ... the run's own state decides: a low-bit optimizer, Adafactor or LoRA keep medium there
-    for options in ({"optimizer": "adamw-8bit"}, {"optimizer": "adamw-4bit"}, {"optimizer": "adafactor"},
-                    {"lora": 8}):
+    for options in ({"optimizer": "adamw-8bit"}, {"optimizer": "adamw-4bit"}, {"optimizer": "adafactor"}, {"lora": 8}):
         assert resolve_size("auto", "deepseek", cuda_dev(15.8, "Tesla V100-SXM2-16GB"), **options) == "medium"
     with pytest.raises(ConfigError):
         resolve_size("huge", "llama", CPU)
@@ -238,21 +266,27 @@ def test_resolve_size_rule():
 
 def test_model_table_and_nominal_sizes():
     rows = model_table()
-    assert [(r["family"], r["size"]) for r in rows] == [(f, s) for f in ("llama", "deepseek", "llada")
-                                                         for s in SIZE_ORDER]
+    assert [(r["family"], r["size"]) for r in rows] == [
+        (f, s) for f in ("llama", "deepseek", "llada") for s in SIZE_ORDER
+    ]
     by = {(r["family"], r["size"]): r for r in rows}
     for r in rows:
         assert 0 < r["active"] <= r["total"]
-    for size, (low, high) in {"tiny": (1e6, 10e6), "small": (100e6, 150e6), "medium": (300e6, 400e6),
-                              "large": (1e9, 1.3e9)}.items():
+    for size, (low, high) in {
+        "tiny": (1e6, 10e6),
+        "small": (100e6, 150e6),
+        "medium": (300e6, 400e6),
+        "large": (1e9, 1.3e9),
+    }.items():
         assert low < by[("llama", size)]["total"] < high
-        assert low < by[("deepseek", size)]["active"] < high       # deepseek matches in active params
+        assert low < by[("deepseek", size)]["active"] < high  # deepseek matches in active params
         assert by[("deepseek", size)]["total"] > by[("deepseek", size)]["active"]
     assert param_counts("llama", "tiny", VOCAB)["total"] == build("llama").total_params
     assert "| deepseek | large |" in model_table_markdown()
 
 
 # --- FLOPs and MFU ---------------------------------------------------------------------
+
 
 def test_flops_formula_by_hand():
     # 6 * N + 12 * L * H * Q * T with N = 1e6, L = 4, H = 8, Q = 64, T = 512
@@ -264,13 +298,19 @@ def test_flops_formula_by_hand():
 def test_bundle_flops_use_active_non_embedding_params(tiny):
     b = tiny["llama"]
     cfg = b.hf_config
-    n = b.total_params - b.embedding_params                     # the untied lm_head stays in N
+    n = b.total_params - b.embedding_params  # the untied lm_head stays in N
     hd = cfg.hidden_size // cfg.num_attention_heads
     assert b.flops_per_token == 6 * n + 12 * cfg.num_hidden_layers * cfg.num_attention_heads * hd * SEQ
     d = tiny["deepseek"]
     dc = d.hf_config
-    expected = 6 * (d.active_params - d.embedding_params) + 6 * dc.num_hidden_layers * dc.num_attention_heads * (
-        dc.qk_nope_head_dim + dc.qk_rope_head_dim + dc.v_head_dim) * SEQ
+    expected = (
+        6 * (d.active_params - d.embedding_params)
+        + 6
+        * dc.num_hidden_layers
+        * dc.num_attention_heads
+        * (dc.qk_nope_head_dim + dc.qk_rope_head_dim + dc.v_head_dim)
+        * SEQ
+    )
     assert d.flops_per_token == expected
 
 
@@ -290,7 +330,7 @@ def test_gpu_peak_table():
     assert flops.gpu_entry("NVIDIA GeForce RTX 4090")[0] == "RTX 4090"
     assert flops.gpu_entry("NVIDIA GeForce RTX 3090")[0] == "RTX 3090"
     assert flops.gpu_entry("NVIDIA GeForce RTX 3090 Ti") is None
-    assert flops.gpu_peak_flops("Tesla V100-SXM2-16GB", "bf16") is None          # no bf16 tensor cores
+    assert flops.gpu_peak_flops("Tesla V100-SXM2-16GB", "bf16") is None  # no bf16 tensor cores
     assert flops.gpu_peak_flops("Tesla V100-SXM2-16GB", "fp16") == pytest.approx(125e12)
     for _, _, peaks, source in flops.PEAK_TABLE:
         assert source and set(peaks) == {"fp32", "tf32", "bf16", "fp16", "fp8"}
@@ -325,12 +365,12 @@ def test_cpu_peak_is_kept_per_number_of_processes_and_can_be_forgotten(tmp_path,
     monkeypatch.setattr(flops, "measure_cpu_matmul_flops", lambda *a, **k: next(rates))
     assert flops.peak_flops(CPU, "fp32") == 100e9
     assert flops.peak_flops(CPU, "fp32", procs=2) == 45e9
-    assert flops.peak_flops(CPU, "fp32") == 100e9                      # cached, not the 2-process figure
+    assert flops.peak_flops(CPU, "fp32") == 100e9  # cached, not the 2-process figure
     keys = sorted(json.loads((tmp_path / "cpu_peak.json").read_text()))
     assert [("procs=1" in k, "procs=2" in k) for k in keys] == [(True, False), (False, True)]
     assert flops.forget_cpu_peak(torch.float32, cpu_name="test-cpu") is True
-    assert flops.forget_cpu_peak(torch.float32, cpu_name="test-cpu") is False   # already gone
-    assert flops.peak_flops(CPU, "fp32") == 90e9                        # measured again
+    assert flops.forget_cpu_peak(torch.float32, cpu_name="test-cpu") is False  # already gone
+    assert flops.peak_flops(CPU, "fp32") == 90e9  # measured again
     assert flops.peak_flops(CPU, "fp32", procs=2) == 45e9
 
 
@@ -341,9 +381,9 @@ def test_cpu_peak_cache_keeps_the_best_measurement_per_key(tmp_path, monkeypatch
     monkeypatch.setattr(flops, "measure_cpu_matmul_flops", lambda *a, **k: next(rates))
     e = flops.cpu_peak_entry(cpu_name="test-cpu")
     assert (e["best"], e["n"]) == (50e9, 1)
-    assert flops.cpu_peak_entry(cpu_name="test-cpu")["n"] == 1                  # cached: not measured
+    assert flops.cpu_peak_entry(cpu_name="test-cpu")["n"] == 1  # cached: not measured
     e = flops.cpu_peak_entry(cpu_name="test-cpu", remeasure=True)
-    assert (e["best"], e["n"], e["last"]) == (50e9, 2, 30e9)                     # the busy one is counted, not kept
+    assert (e["best"], e["n"], e["last"]) == (50e9, 2, 30e9)  # the busy one is counted, not kept
     e = flops.cpu_peak_entry(cpu_name="test-cpu", remeasure=True)
     assert (e["best"], e["n"]) == (80e9, 3)
     (entry,) = json.loads((tmp_path / "cpu_peak.json").read_text()).values()
@@ -352,7 +392,7 @@ def test_cpu_peak_cache_keeps_the_best_measurement_per_key(tmp_path, monkeypatch
     assert p.flops == 80e9 and p.measured and p.source.startswith("measured: best of 3 CPU matmul measurements")
 
     key = next(iter(json.loads((tmp_path / "cpu_peak.json").read_text())))
-    (tmp_path / "cpu_peak.json").write_text(json.dumps({key: 42e9}))            # an older gptop's bare number
+    (tmp_path / "cpu_peak.json").write_text(json.dumps({key: 42e9}))  # an older gptop's bare number
     assert flops.cpu_peak_entry(cpu_name="test-cpu") == {"best": 42e9, "n": 1, "threads": torch.get_num_threads()}
 
 
@@ -366,30 +406,36 @@ def test_peak_says_where_it_came_from():
 def test_cpu_peak_is_timed_in_busy_cpu_seconds_not_wall_seconds():
     """The same work timed while another process holds the core half the time: the wall clock runs twice
     as fast as the thread's CPU clock, and the peak is the same."""
+
     def clocks(wall_per_cpu):
-        cpu = iter(0.001 * i for i in range(10_000))               # every matmul: 1 ms of busy CPU time
-        wall = iter(0.05 * wall_per_cpu * i for i in range(10_000))    # a wall-clock tick per call
+        cpu = iter(0.001 * i for i in range(10_000))  # every matmul: 1 ms of busy CPU time
+        wall = iter(0.05 * wall_per_cpu * i for i in range(10_000))  # a wall-clock tick per call
         return dict(cpu_time=lambda: next(cpu), wall=lambda: next(wall), budget_s=1.0)
+
     idle = flops.measure_cpu_matmul_flops(**clocks(1.0))
     busy = flops.measure_cpu_matmul_flops(**clocks(2.0))
     assert idle == pytest.approx(busy) and idle > 0
     one = flops.measure_cpu_matmul_flops(procs=2, threads=1, **clocks(1.0))
     assert flops.measure_cpu_matmul_flops(procs=1, threads=2, **clocks(1.0)) == pytest.approx(
-        one * flops.usable_cores(2, 1))                             # per core x the cores one process may use
+        one * flops.usable_cores(2, 1)
+    )  # per core x the cores one process may use
 
 
 # --- MoE balancing -------------------------------------------------------------------------
 
+
 def test_moe_balancer_evens_out_a_skewed_router():
     b = build("deepseek")
     bal = moe.MoEBalancer(b.model, update_rate=0.02)
-    assert len(bal) == SIZES["tiny"].layers - 1            # every MoE layer, not the dense first one
+    assert len(bal) == SIZES["tiny"].layers - 1  # every MoE layer, not the dense first one
     x, y = batch(4)
     # Skew every router: experts 0 and 1 get weights along the mean direction of the router's
     # inputs, so they score highest for almost every token.
     inputs: dict[int, torch.Tensor] = {}
-    hooks = [router.register_forward_hook(lambda m, a, o, i=i: inputs.__setitem__(i, a[0].reshape(-1, a[0].shape[-1])))
-             for i, (_, router) in enumerate(bal.routers)]
+    hooks = [
+        router.register_forward_hook(lambda m, a, o, i=i: inputs.__setitem__(i, a[0].reshape(-1, a[0].shape[-1])))
+        for i, (_, router) in enumerate(bal.routers)
+    ]
     with torch.no_grad():
         b.model(input_ids=x)
         for h in hooks:
@@ -400,12 +446,12 @@ def test_moe_balancer_evens_out_a_skewed_router():
     b.model.train()
 
     def step() -> dict:
-        b.model(input_ids=x)                                 # a training forward (grad enabled) is counted
+        b.model(input_ids=x)  # a training forward (grad enabled) is counted
         bal.update()
         return bal.summary()
 
     first = step()
-    assert first["max_load_ratio"] > 3.5                     # 4.0 would be: all tokens on 2 of 8 experts
+    assert first["max_load_ratio"] > 3.5  # 4.0 would be: all tokens on 2 of 8 experts
     ratios = [step()["max_load_ratio"] for _ in range(30)]
     # sign updates oscillate around balance by about one rate step: judge the last few steps
     assert sum(ratios[-5:]) / 5 < 0.6 * first["max_load_ratio"]
@@ -414,7 +460,7 @@ def test_moe_balancer_evens_out_a_skewed_router():
     for _, router in bal.routers:
         bias = router.e_score_correction_bias
         assert not bias.requires_grad and bias.grad_fn is None
-        assert bias[:2].max() < 0 < bias[2:].max()          # the favored experts were pushed down
+        assert bias[:2].max() < 0 < bias[2:].max()  # the favored experts were pushed down
     assert "model.layers.1.mlp.gate.e_score_correction_bias" in b.model.state_dict()
 
 
@@ -425,10 +471,10 @@ def test_moe_balancer_counts_training_forwards_once():
         b = build("deepseek", ac=ac)
         bal = moe.MoEBalancer(b.model)
         b.model.train()
-        with torch.no_grad():                                # eval forwards are not counted
+        with torch.no_grad():  # eval forwards are not counted
             b.model(input_ids=x)
         assert all(int(c.sum()) == 0 for c in bal._counts)
-        objectives.loss_fn(b, b.model, x, y).backward()      # with AC the backward recomputes the forward
+        objectives.loss_fn(b, b.model, x, y).backward()  # with AC the backward recomputes the forward
         counts.append(torch.stack(bal._counts).clone())
         bal.remove()
     k = SIZES["tiny"].top_k
@@ -440,16 +486,16 @@ def test_moe_balancer_update_rule():
     b = build("deepseek")
     bal = moe.MoEBalancer(b.model, update_rate=0.1)
     for c in bal._counts:
-        c.copy_(torch.tensor([10, 0, 2, 4, 4, 4, 4, 4]))          # mean 4: over, under, under, equal...
+        c.copy_(torch.tensor([10, 0, 2, 4, 4, 4, 4, 4]))  # mean 4: over, under, under, equal...
     bal.update()
     bias = bal.routers[0][1].e_score_correction_bias
     assert torch.allclose(bias, torch.tensor([-0.1, 0.1, 0.1, 0, 0, 0, 0, 0]))
     assert all(int(c.sum()) == 0 for c in bal._counts)
     assert bal.load()[0][0] == pytest.approx(10 / 32)
     bal._counts[0].fill_(3)
-    bal.reset()                                                     # probe forwards are discarded
+    bal.reset()  # probe forwards are discarded
     assert all(int(c.sum()) == 0 for c in bal._counts)
-    assert moe.MoEBalancer(b.model).load() == []                    # nothing to show before a step
+    assert moe.MoEBalancer(b.model).load() == []  # nothing to show before a step
 
 
 def test_no_balancer_hooks_on_dense_models(tiny):
@@ -458,12 +504,13 @@ def test_no_balancer_hooks_on_dense_models(tiny):
 
 # --- fp8 ------------------------------------------------------------------------------------
 
+
 def test_fp8_module_filter():
     lin = torch.nn.Linear
     assert fp8.module_filter(lin(128, 256), "model.layers.0.mlp.up_proj")
     assert not fp8.module_filter(lin(128, 256), "lm_head")
     assert not fp8.module_filter(lin(128, 256), "model.lm_head")
-    assert not fp8.module_filter(lin(128, 200), "model.layers.0.mlp.up_proj")   # 200 % 16 != 0
+    assert not fp8.module_filter(lin(128, 200), "model.layers.0.mlp.up_proj")  # 200 % 16 != 0
     assert not fp8.module_filter(lin(24, 128), "model.layers.0.mlp.down_proj")
     assert not fp8.module_filter(torch.nn.Embedding(64, 128), "model.embed_tokens")
     assert not fp8.module_filter(torch.nn.LayerNorm(128), "model.norm")
@@ -472,23 +519,27 @@ def test_fp8_module_filter():
 def test_fp8_eligible_layers_and_cpu_refusal(tiny):
     names = fp8.eligible(tiny["llama"].model)
     assert "lm_head" not in names and "model.layers.0.self_attn.q_proj" in names
-    assert len(names) == 7 * SIZES["tiny"].layers                 # q k v o gate up down per layer
+    assert len(names) == 7 * SIZES["tiny"].layers  # q k v o gate up down per layer
     with pytest.raises(ConfigError, match="fp8"):
         fp8.convert(tiny["llama"].model, "fp8-tensorwise", CPU)
-    with pytest.raises(ConfigError, match="CUDA"):                 # the trainer's entry point: model on CPU
+    with pytest.raises(ConfigError, match="CUDA"):  # the trainer's entry point: model on CPU
         fp8.convert_to_fp8(tiny["llama"].model, "tensorwise")
     with pytest.raises(ValueError):
         fp8.convert_to_fp8(tiny["llama"].model, "fp8-rowwise")
-    with pytest.raises(ConfigError):                               # Ampere has no fp8 tensor cores
-        fp8.convert(tiny["llama"].model, "fp8-rowwise",
-                    dataclasses.replace(cuda_dev(80, "NVIDIA A100-SXM4-80GB"), capability=(8, 0)))
+    with pytest.raises(ConfigError):  # Ampere has no fp8 tensor cores
+        fp8.convert(
+            tiny["llama"].model,
+            "fp8-rowwise",
+            dataclasses.replace(cuda_dev(80, "NVIDIA A100-SXM4-80GB"), capability=(8, 0)),
+        )
 
 
 # --- pretrained directories -------------------------------------------------------------------
 
+
 def test_is_pretrained_path(tmp_path):
     assert not is_pretrained_path("llama")
-    assert not is_pretrained_path(str(tmp_path))                   # no config.json
+    assert not is_pretrained_path(str(tmp_path))  # no config.json
     assert not is_pretrained_path(str(tmp_path / "missing"))
     (tmp_path / "config.json").write_text("{}")
     assert is_pretrained_path(str(tmp_path))
@@ -498,8 +549,13 @@ def test_fine_tune_a_local_pretrained_model(tmp_path, tiny):
     src = tiny["llama"]
     src.model.save_pretrained(tmp_path)
     assert is_pretrained_path(str(tmp_path))
-    b = build_model(ModelConfig(model=str(tmp_path), size="auto"), vocab_size=VOCAB, seq_len=SEQ,
-                    toggles=Toggles(attention="eager"), dev=CPU)
+    b = build_model(
+        ModelConfig(model=str(tmp_path), size="auto"),
+        vocab_size=VOCAB,
+        seq_len=SEQ,
+        toggles=Toggles(attention="eager"),
+        dev=CPU,
+    )
     assert (b.family, b.size, b.objective, b.mask_id) == ("pretrained", "pretrained", "causal", None)
     assert b.model.config._attn_implementation == "eager"
     assert next(b.model.parameters()).dtype == torch.float32
@@ -526,8 +582,7 @@ def test_a_saved_llada_model_fine_tunes_as_llada(tmp_path):
 
 def test_unknown_family_is_a_config_error():
     with pytest.raises(ConfigError, match="--model"):
-        build_model(ModelConfig(model="gpt5", size="tiny"), vocab_size=VOCAB, seq_len=SEQ, toggles=Toggles(),
-                    dev=CPU)
+        build_model(ModelConfig(model="gpt5", size="tiny"), vocab_size=VOCAB, seq_len=SEQ, toggles=Toggles(), dev=CPU)
 
 
 def test_docs_models_md_is_generated():

@@ -21,11 +21,14 @@ pytestmark = [pytest.mark.compile, pytest.mark.process, pytest.mark.usefixtures(
 VOCAB, SEQ = 500, 32
 
 
-
-
 def build(family: str, *, ac: bool = False):
-    return build_model(ModelConfig(model=family, size="tiny"), vocab_size=VOCAB, seq_len=SEQ,
-                       toggles=Toggles(activation_checkpointing=ac), dev=DeviceInfo(type="cpu"))
+    return build_model(
+        ModelConfig(model=family, size="tiny"),
+        vocab_size=VOCAB,
+        seq_len=SEQ,
+        toggles=Toggles(activation_checkpointing=ac),
+        dev=DeviceInfo(type="cpu"),
+    )
 
 
 def batch(b: int) -> tuple[torch.Tensor, torch.Tensor]:

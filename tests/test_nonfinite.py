@@ -19,7 +19,7 @@ from trainer.worker_cli import parse_config
 from trainer.contract import rundir
 from trainer.contract.config import ConfigError
 from trainer.contract.events import ERROR_KINDS, read_events
-from trainer.train import (EXIT_CORRUPT_CHECKPOINT, EXIT_NAN, EXIT_NO_CHECKPOINT, EXIT_OK, Stop, Trainer)
+from trainer.train import EXIT_CORRUPT_CHECKPOINT, EXIT_NAN, EXIT_NO_CHECKPOINT, EXIT_OK, Stop, Trainer
 
 
 def run(tmp_path, *args, name="run", base=TINY):
@@ -63,22 +63,23 @@ def test_a_non_finite_step_takes_no_optimizer_update(fused):
         assert all(torch.equal(was[k], now[k]) for k in was)
     assert not hasattr(opt, "found_inf")
     model(torch.randn(2, 4)).sum().backward()
-    optim.step(opt, scaler, finite=torch.tensor(True))      # the next finite step is taken
+    optim.step(opt, scaler, finite=torch.tensor(True))  # the next finite step is taken
     assert not torch.equal(model.weight, before["weight"])
 
 
 def test_the_finiteness_check_is_exact_and_cannot_overflow():
-    big = torch.full((3,), 3e38)                  # a sum of squares would overflow; the max-abs norm does not
+    big = torch.full((3,), 3e38)  # a sum of squares would overflow; the max-abs norm does not
     assert all_finite([big, torch.ones(2, dtype=torch.bfloat16)])
     assert not all_finite([big, torch.tensor([1.0, float("nan")])])
     assert not all_finite([torch.tensor([-math.inf]), torch.zeros(2)])
     assert not all_finite([torch.zeros(2), torch.tensor([float("nan")], dtype=torch.bfloat16)])
-    assert all_finite([torch.arange(3)]) and all_finite([])     # integer tensors cannot be non-finite
+    assert all_finite([torch.arange(3)]) and all_finite([])  # integer tensors cannot be non-finite
 
 
 def test_the_param_groups_rule_is_one():
-    model = torch.nn.ModuleDict({"embed": torch.nn.Embedding(5, 4), "proj": torch.nn.Linear(4, 4),
-                                 "norm": torch.nn.LayerNorm(4)})
+    model = torch.nn.ModuleDict(
+        {"embed": torch.nn.Embedding(5, 4), "proj": torch.nn.Linear(4, 4), "norm": torch.nn.LayerNorm(4)}
+    )
     decay, no_decay = optim.param_groups(model, 0.1)
     assert [p.shape for p in decay["params"]] == [torch.Size([4, 4])] and decay["weight_decay"] == 0.1
     assert len(no_decay["params"]) == 4 and no_decay["weight_decay"] == 0.0
@@ -93,8 +94,22 @@ def test_a_non_finite_gradient_norm_skips_the_update_and_applies_the_nan_policy(
     flag = [] if fused else ["--no-fused-adamw"]
     code, _, ref = run(tmp_path, "--max-steps", "2", "--micro-batch", "2", *flag, name="ref")
     assert code == EXIT_OK
-    cfg = parse_config([*TINY, "--run-dir", str(tmp_path / "t"), "--max-steps", "6", "--micro-batch", "2",
-                        "--fault", "nan-grad@2", "--nan-policy", "stop", *flag])
+    cfg = parse_config(
+        [
+            *TINY,
+            "--run-dir",
+            str(tmp_path / "t"),
+            "--max-steps",
+            "6",
+            "--micro-batch",
+            "2",
+            "--fault",
+            "nan-grad@2",
+            "--nan-policy",
+            "stop",
+            *flag,
+        ]
+    )
     trainer = Trainer(cfg)
 
     try:
@@ -108,7 +123,7 @@ def test_a_non_finite_gradient_norm_skips_the_update_and_applies_the_nan_policy(
     events = list(read_events(tmp_path / "t" / "events.jsonl"))
     (err,) = of(events, "error")
     assert err.kind == "nan" and "non-finite gradient norm at step 2" in err.message
-    assert [s.step for s in of(events, "step")] == [1, 2]           # the poisoned step is never reported
+    assert [s.step for s in of(events, "step")] == [1, 2]  # the poisoned step is never reported
     want = ckpt.load(rundir.path_for(ref, 2))
     got = trainer.raw_model.state_dict()
     assert all(torch.equal(got[k], want["model"][k]) for k in want["model"])
@@ -134,14 +149,15 @@ def test_weights_that_turn_non_finite_after_a_finite_step_are_not_checkpointed(t
     assert any("non-finite weights or optimizer state" in w for w in warnings), warnings
     (rb,) = [w for w in of(events, "warning") if w.kind == "nan_rollback"]
     assert rb.step == 2 and "step-00000002.pt" in rb.message
-    assert [c.step for c in of(events, "checkpoint")] == [2, 4, 6, 8]   # 4 only after the rollback
+    assert [c.step for c in of(events, "checkpoint")] == [2, 4, 6, 8]  # 4 only after the rollback
     assert_all_checkpoints_finite(run_dir)
 
 
 def test_the_issue_command_never_checkpoints_a_non_finite_state(tmp_path):
     """`--lr 1e4 --warmup-steps 0 --checkpoint-every 1` (issue 10): every checkpoint finite; recovered or nan."""
-    code, events, run_dir = run(tmp_path, "--max-steps", "30", "--lr", "1e4", "--warmup-steps", "0",
-                                "--checkpoint-every", "1")
+    code, events, run_dir = run(
+        tmp_path, "--max-steps", "30", "--lr", "1e4", "--warmup-steps", "0", "--checkpoint-every", "1"
+    )
     assert code in (EXIT_OK, EXIT_NAN)
     if code == EXIT_NAN:
         assert [e.kind for e in of(events, "error")] == ["nan"]
@@ -157,11 +173,13 @@ def test_rollback_skips_a_corrupt_or_non_finite_newest_checkpoint(tmp_path, monk
 
     def damaging_save(state, path):
         if state["step"] == 6:
-            state = dict(state, model={k: v * float("nan") if v.is_floating_point() else v
-                                       for k, v in state["model"].items()})
+            state = dict(
+                state, model={k: v * float("nan") if v.is_floating_point() else v for k, v in state["model"].items()}
+            )
         real_save(state, path)
         if state["step"] == 4:
             path.write_bytes(path.read_bytes()[:1000])
+
     monkeypatch.setattr(ckpt, "save", damaging_save)
     code, events, run_dir = run(tmp_path, "--max-steps", "8", "--checkpoint-every", "2", "--fault", "nan@6")
     assert code == EXIT_OK
@@ -181,7 +199,7 @@ def test_resume_skips_a_non_finite_newest_checkpoint(tmp_path):
     assert code == EXIT_OK
     newest = rundir.path_for(run_dir, 6)
     state = ckpt.load(newest)
-    state["optimizer"]["state"][0]["exp_avg_sq"].fill_(float("inf"))      # the optimizer state counts too
+    state["optimizer"]["state"][0]["exp_avg_sq"].fill_(float("inf"))  # the optimizer state counts too
     ckpt.save(state, newest)
     code, _, _ = run(tmp_path, "--resume", str(run_dir), "--max-steps", "8")
     assert code == EXIT_OK
@@ -278,6 +296,7 @@ def test_a_restore_failure_that_is_not_the_files_fault_is_not_called_corrupt(tmp
 
     def refusing(state):
         raise TypeError("RNG state must be a torch.ByteTensor")
+
     with monkeypatch.context() as m:
         m.setattr(torch, "set_rng_state", refusing)
         code, _, _ = run(tmp_path, "--resume", str(run_dir), "--max-steps", "6")
@@ -295,5 +314,6 @@ def test_a_restore_failure_that_is_not_the_files_fault_is_not_called_corrupt(tmp
     assert code == EXIT_OK
     events = list(read_events(run_dir / "events.jsonl"))
     assert of(events, "hello")[-1].start_step == 2
-    assert any("step-00000004.pt" in w.message and "corrupt checkpoint skipped" in w.message
-               for w in of(events, "warning"))
+    assert any(
+        "step-00000004.pt" in w.message and "corrupt checkpoint skipped" in w.message for w in of(events, "warning")
+    )

@@ -16,6 +16,7 @@ from trainer.train import EXIT_OK
 
 # --- one config field ----------------------------------------------------------------------------
 
+
 def test_optimizer_and_quantized_base_are_toggles_with_their_flags():
     cfg = parse_config([*TINY, "--optimizer", "adafactor"])
     assert cfg.toggles.optimizer == "adafactor"
@@ -62,6 +63,7 @@ def test_switch_words():
 
 # --- converting the state ----------------------------------------------------------------------------
 
+
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
     # 128x64 = 8192 values: quantized by torchao (>= 4096, a multiple of the block); the bias (64) stays fp32
@@ -91,8 +93,8 @@ def test_adam_moments_round_trip_through_a_low_bit_optimizer(name, tol):
     low = _low_bit(name, model.parameters())
     assert optim.convert_state(low, saved, "adamw", name)
     big = low.state[model[0].weight]
-    assert type(big["exp_avg"]) is not torch.Tensor          # stored quantized, as torchao allocates it
-    assert type(low.state[model[0].bias]["exp_avg"]) is torch.Tensor    # small tensors keep fp32
+    assert type(big["exp_avg"]) is not torch.Tensor  # stored quantized, as torchao allocates it
+    assert type(low.state[model[0].bias]["exp_avg"]) is torch.Tensor  # small tensors keep fp32
     assert optim.state_bytes(low) < optim.state_bytes(src) / 2
     for p in model.parameters():
         for key in ("exp_avg", "exp_avg_sq"):
@@ -107,7 +109,7 @@ def test_adam_moments_round_trip_through_a_low_bit_optimizer(name, tol):
         for key in ("exp_avg", "exp_avg_sq"):
             got = back.state[p][key]
             assert type(got) is torch.Tensor and got.dtype == torch.float32
-            assert torch.equal(got, optim.dense(low.state[p][key]))     # fp32 holds the codes' values exactly
+            assert torch.equal(got, optim.dense(low.state[p][key]))  # fp32 holds the codes' values exactly
         assert back.state[p]["step"].device == p.device
     # and AdamW goes on from there (fused: the step count on the parameter's device)
     model(torch.randn(4, 128)).sum().backward()
@@ -120,10 +122,11 @@ def test_adafactor_state_does_not_convert():
     saved = _trained_adamw(model).state_dict()
     ada = torch.optim.Adafactor(model.parameters(), lr=1e-2)
     assert not optim.convert_state(ada, saved, "adamw", "adafactor")
-    assert len(ada.state) == 0                               # fresh: what optimizer_switch says
+    assert len(ada.state) == 0  # fresh: what optimizer_switch says
 
 
 # --- on a run: the switch, then an exact resume ------------------------------------------------------------
+
 
 def _switch_then_resume(tmp_path, new: str, *extra: str) -> tuple[list, list]:
     """adamw to step 3, then `new` from that checkpoint to step 7 straight (a) and with a stop at 5 and a
@@ -132,11 +135,11 @@ def _switch_then_resume(tmp_path, new: str, *extra: str) -> tuple[list, list]:
     for name in ("a", "b"):
         code, _, _ = run(tmp_path, *base, "--max-steps", "7", "--fault", "stop@3", name=name)
         assert code == EXIT_OK
-    code, a_events, a = run(tmp_path, "--resume", str(tmp_path / "a"), "--optimizer", new, "--max-steps", "7",
-                            name="a")
+    code, a_events, a = run(tmp_path, "--resume", str(tmp_path / "a"), "--optimizer", new, "--max-steps", "7", name="a")
     assert code == EXIT_OK
-    code, _, b = run(tmp_path, "--resume", str(tmp_path / "b"), "--optimizer", new, "--max-steps", "7",
-                     "--fault", "stop@5", name="b")
+    code, _, b = run(
+        tmp_path, "--resume", str(tmp_path / "b"), "--optimizer", new, "--max-steps", "7", "--fault", "stop@5", name="b"
+    )
     assert code == EXIT_OK
     code, b_events, _ = run(tmp_path, "--resume", str(b), "--max-steps", "7", name="b")
     assert code == EXIT_OK
@@ -154,14 +157,14 @@ def test_switch_to_adafactor_says_it_starts_fresh_and_resumes_exactly(tmp_path):
     assert any("starts with fresh state" in m for m in warned), warned
 
 
-@pytest.mark.process      # torch.compile's workers are processes
-@pytest.mark.compile      # torchao's low-bit AdamW compiles its update
+@pytest.mark.process  # torch.compile's workers are processes
+@pytest.mark.compile  # torchao's low-bit AdamW compiles its update
 def test_switch_to_8bit_carries_the_moments_and_resumes_exactly(tmp_path):
     a, b = _switch_then_resume(tmp_path, "adamw-8bit")
     assert _after(a, 3) and _after(a, 3) == _after(b, 3)
     steps = of(a, "step")
     before, after = [s for s in steps if s.step <= 3], [s for s in steps if s.step > 3]
-    assert after[-1].optim_state_bytes < before[-1].optim_state_bytes / 3      # really stored in 8 bits
+    assert after[-1].optim_state_bytes < before[-1].optim_state_bytes / 3  # really stored in 8 bits
     assert any("carry over" in getattr(e, "message", "") for e in a)
 
 
@@ -180,7 +183,7 @@ def test_several_ranks_resume_only_with_the_checkpoints_optimizer(tmp_path):
     model = _model()
     c.bind(model, torch.optim.Adafactor(model.parameters()), torch.amp.GradScaler("cpu", enabled=False))
     saved = TrainConfig().to_dict()
-    saved["optim"]["optimizer"] = saved["toggles"].pop("optimizer")      # stored by an older version
+    saved["optim"]["optimizer"] = saved["toggles"].pop("optimizer")  # stored by an older version
     with pytest.raises(ConfigError) as e:
         c.load_state({"config": saved, "model": {}, "optimizer": {}, "step": 3})
     assert e.value.option == "--optimizer" and "resume with --optimizer adamw" in e.value.message
@@ -188,20 +191,34 @@ def test_several_ranks_resume_only_with_the_checkpoints_optimizer(tmp_path):
 
 # --- in a real tuning: processes switch optimizers from each other's checkpoints ---------------------------
 
+
 @pytest.mark.slow
 @pytest.mark.process
-@pytest.mark.solo          # the tuner measures trials: the CPU to itself under pytest -n
+@pytest.mark.solo  # the tuner measures trials: the CPU to itself under pytest -n
 def test_a_tuning_over_the_optimizer_switches_live_and_reports_every_trials_peak(tmp_path):
     from test_tuning_e2e import SETUP, events, finished_trials, gptop_env, run_gptop
 
     run_dir = tmp_path / "run"
     # the optimizer alone: the sampler's first pick in a wider space depends on its seed, and a loaded machine's
     # budget may hold one trial only
-    rc, out, err = run_gptop("tune", "--tune-only", "--budget", "60s", *SETUP, "--max-steps", "300",
-                             "--checkpoint-every", "5",
-                             "--tune-space", "-all optimizer=adamw,adafactor",
-                             "--storage", f"sqlite:///{tmp_path / 'study.sqlite3'}", "--run-dir", str(run_dir),
-                             env=gptop_env())
+    rc, out, err = run_gptop(
+        "tune",
+        "--tune-only",
+        "--budget",
+        "60s",
+        *SETUP,
+        "--max-steps",
+        "300",
+        "--checkpoint-every",
+        "5",
+        "--tune-space",
+        "-all optimizer=adamw,adafactor",
+        "--storage",
+        f"sqlite:///{tmp_path / 'study.sqlite3'}",
+        "--run-dir",
+        str(run_dir),
+        env=gptop_env(),
+    )
     assert rc == 0, err[-3000:] + out[-3000:]
     trials = [t for t in finished_trials(run_dir) if t["kind"] == "trial"]
     ada = [t for t in trials if t["toggles"]["optimizer"] == "adafactor"]
@@ -255,9 +272,9 @@ def test_adamw_step_counts_go_where_this_runs_kernel_expects_them():
     assert place_step_counts(opt) == 2
     steps = [opt.state[p]["step"] for p in model.parameters()]
     assert all(isinstance(s, torch.Tensor) and s.device.type == "cpu" and float(s) == 1.0 for s in steps)
-    assert place_step_counts(opt) == 0                  # already where they belong
+    assert place_step_counts(opt) == 0  # already where they belong
 
     fused = torch.optim.AdamW([on_gpu], fused=None)
-    fused.param_groups[0]["fused"] = True               # as resuming with fused AdamW sets it
-    fused.state[on_gpu]["step"] = torch.tensor(3.0)     # saved by foreach AdamW: on the CPU
+    fused.param_groups[0]["fused"] = True  # as resuming with fused AdamW sets it
+    fused.state[on_gpu]["step"] = torch.tensor(3.0)  # saved by foreach AdamW: on the CPU
     assert place_step_counts(fused) == 1 and fused.state[on_gpu]["step"].device.type == "meta"

@@ -20,28 +20,39 @@ SKYLAKE_AVX512 = DeviceInfo(type="cpu", name="Xeon 6148", cpu_bf16=True, cpu_bf1
 AVX2 = DeviceInfo(type="cpu", name="EPYC", cpu_bf16=False, cpu_bf16_native=False)
 
 
-@pytest.mark.parametrize("dev, expected", [
-    (H100, "bf16"), (A100, "bf16"), (T4, "fp32"), (V100, "fp32"),
-    (SAPPHIRE_RAPIDS, "bf16"),
-    (SKYLAKE_AVX512, "fp32"),     # oneDNN runs bf16 there, but without bf16 instructions it does not beat fp32
-    (AVX2, "fp32"),
-])
+@pytest.mark.parametrize(
+    "dev, expected",
+    [
+        (H100, "bf16"),
+        (A100, "bf16"),
+        (T4, "fp32"),
+        (V100, "fp32"),
+        (SAPPHIRE_RAPIDS, "bf16"),
+        (SKYLAKE_AVX512, "fp32"),  # oneDNN runs bf16 there, but without bf16 instructions it does not beat fp32
+        (AVX2, "fp32"),
+    ],
+)
 def test_auto_resolves_by_the_device(dev, expected):
     assert capabilities.auto_precision(dev) == expected
     assert capabilities.resolve_precision("auto", dev) == expected
-    for p in PRECISIONS:                          # anything else is kept as given
+    for p in PRECISIONS:  # anything else is kept as given
         assert capabilities.resolve_precision(p, dev) == p
     # what auto picks is always supported and never marked slow there
     assert capabilities.support("precision", expected, dev) is None
     assert capabilities.slow("precision", expected, dev) is None
 
 
-@pytest.mark.parametrize("flags, native", [
-    ({"avx2", "fma"}, False), ({"avx512f", "avx512bw", "avx512vl"}, False),
-    ({"avx512f", "avx512_bf16"}, True), ({"amx_tile", "amx_bf16"}, True),
-    ({"fp", "asimd", "bf16"}, True),              # Arm's Features line
-    (set(), False),
-])
+@pytest.mark.parametrize(
+    "flags, native",
+    [
+        ({"avx2", "fma"}, False),
+        ({"avx512f", "avx512bw", "avx512vl"}, False),
+        ({"avx512f", "avx512_bf16"}, True),
+        ({"amx_tile", "amx_bf16"}, True),
+        ({"fp", "asimd", "bf16"}, True),  # Arm's Features line
+        (set(), False),
+    ],
+)
 def test_native_bf16_from_the_cpu_flags(flags, native):
     assert cpu_has_native_bf16(frozenset(flags)) is native
 
@@ -67,8 +78,11 @@ def _run(tmp_path, monkeypatch, *args, native: bool, name: str = "run"):
     from trainer import train
 
     real = train.detect
-    monkeypatch.setattr(train, "detect", lambda requested="auto": dataclasses.replace(
-        real(requested), cpu_bf16=native, cpu_bf16_native=native))
+    monkeypatch.setattr(
+        train,
+        "detect",
+        lambda requested="auto": dataclasses.replace(real(requested), cpu_bf16=native, cpu_bf16_native=native),
+    )
     return train_in_process(tmp_path / name, "--micro-batch", "4", *args)
 
 
@@ -83,18 +97,19 @@ def test_an_auto_run_records_what_it_resolved_to(tmp_path, monkeypatch, native, 
     hello = _hello(events)
     assert hello.toggles["precision"] == expected and "precision" in hello.auto
     early = [e for e in events if e.type == "hello" and e.early][0]
-    assert early.toggles["precision"] == expected      # the estimate is made for the resolved precision too
+    assert early.toggles["precision"] == expected  # the estimate is made for the resolved precision too
     assert f'precision = "{expected}"' in (run_dir / "config.toml").read_text()
 
 
 def test_a_resume_keeps_the_resolved_precision_on_another_device(tmp_path, monkeypatch):
     code, _, run_dir = _run(tmp_path, monkeypatch, "--max-steps", "1", "--checkpoint-every", "1", native=True)
     assert code == 0
-    code, events, _ = _run(tmp_path, monkeypatch, "--max-steps", "2", "--resume", str(run_dir), native=False,
-                           name="resumed")
+    code, events, _ = _run(
+        tmp_path, monkeypatch, "--max-steps", "2", "--resume", str(run_dir), native=False, name="resumed"
+    )
     assert code == 0
     hello = _hello(events)
-    assert hello.toggles["precision"] == "bf16" and hello.auto == []   # resolved once, kept by the run
+    assert hello.toggles["precision"] == "bf16" and hello.auto == []  # resolved once, kept by the run
 
 
 def test_an_explicit_precision_is_not_called_auto(tmp_path, monkeypatch):
@@ -105,8 +120,14 @@ def test_an_explicit_precision_is_not_called_auto(tmp_path, monkeypatch):
 
 
 def _hello_ev(precision, auto=()):
-    return ev("hello", 0.0, config=config("llama", "tiny", "cpu", precision=precision), auto=list(auto),
-              device={"type": "cpu", "name": "cpu"}, model={"family": "llama", "size": "tiny"})
+    return ev(
+        "hello",
+        0.0,
+        config=config("llama", "tiny", "cpu", precision=precision),
+        auto=list(auto),
+        device={"type": "cpu", "name": "cpu"},
+        model={"family": "llama", "size": "tiny"},
+    )
 
 
 def test_the_views_say_what_auto_became():

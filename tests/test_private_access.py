@@ -21,23 +21,34 @@ PACKAGES = ("gptop", "tuner", "trainer")
 
 # (file, the flagged expression as ast.unparse writes it): why it is allowed
 ALLOWED: dict[tuple[str, str], str] = {
-    ("trainer/worker_cli.py", "os._exit"):
-        "the standard library's documented exit without interpreter teardown (a run stopped before its first "
-        "step skips freeing a large model tensor by tensor)",
-    ("trainer/device_probe.py", "torch.ops.mkldnn._is_mkldnn_bf16_supported"):
-        "torch offers no public check for native CPU bf16 (oneDNN) kernels; this is the one torch itself uses",
-    ("trainer/moe.py", "torch._C._current_graph_task_id"):
-        "the only way to tell a backward pass's recomputation (activation checkpointing) from the forward; "
-        "torch.utils.checkpoint uses the same call",
-    ("trainer/moe.py", "torch._C"):
-        "the module holding _current_graph_task_id (see above)",
-    ("trainer/models.py", "getattr(model.config, '_attn_implementation', None)"):
-        "transformers keeps the model's active attention kernel only there (set_attn_implementation writes it); "
-        "read to skip a switch that is not needed",
-    ("trainer/compile_watch.py", "torch._logging"):
-        "torch._logging.set_logs is torch's documented way to turn on the recompiles log (TORCH_LOGS=recompiles)",
-    ("trainer/train.py", "getattr(self.model, '_orig_mod', self.model)"):
-        "torch.compile's wrapper exposes the module it compiled only as _orig_mod (torch's own docs use it)",
+    (
+        "trainer/worker_cli.py",
+        "os._exit",
+    ): "the standard library's documented exit without interpreter teardown (a run stopped before its first "
+    "step skips freeing a large model tensor by tensor)",
+    (
+        "trainer/device_probe.py",
+        "torch.ops.mkldnn._is_mkldnn_bf16_supported",
+    ): "torch offers no public check for native CPU bf16 (oneDNN) kernels; this is the one torch itself uses",
+    (
+        "trainer/moe.py",
+        "torch._C._current_graph_task_id",
+    ): "the only way to tell a backward pass's recomputation (activation checkpointing) from the forward; "
+    "torch.utils.checkpoint uses the same call",
+    ("trainer/moe.py", "torch._C"): "the module holding _current_graph_task_id (see above)",
+    (
+        "trainer/models.py",
+        "getattr(model.config, '_attn_implementation', None)",
+    ): "transformers keeps the model's active attention kernel only there (set_attn_implementation writes it); "
+    "read to skip a switch that is not needed",
+    (
+        "trainer/compile_watch.py",
+        "torch._logging",
+    ): "torch._logging.set_logs is torch's documented way to turn on the recompiles log (TORCH_LOGS=recompiles)",
+    (
+        "trainer/train.py",
+        "getattr(self.model, '_orig_mod', self.model)",
+    ): "torch.compile's wrapper exposes the module it compiled only as _orig_mod (torch's own docs use it)",
 }
 
 
@@ -58,10 +69,16 @@ def violations(source: str) -> list[tuple[int, str]]:
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Attribute) and _private(node.attr) and not _own(node.value):
             out.append((node.lineno, ast.unparse(node)))
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-              and node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) >= 2
-              and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
-              and _private(node.args[1].value) and not _own(node.args[0])):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and _private(node.args[1].value)
+            and not _own(node.args[0])
+        ):
             out.append((node.lineno, ast.unparse(node)))
         elif isinstance(node, ast.ImportFrom):
             for alias in node.names:
@@ -71,11 +88,13 @@ def violations(source: str) -> list[tuple[int, str]]:
 
 
 def test_the_checker_finds_each_kind_of_reach_in():
-    src = ("class A:\n"
-           "    def f(self, other):\n"
-           "        self._ok = super()._ok2\n"
-           "        return other._x, getattr(other, '_y'), getattr(self, '_z'), other.__dict__\n"
-           "from m import _helper, public\n")
+    src = (
+        "class A:\n"
+        "    def f(self, other):\n"
+        "        self._ok = super()._ok2\n"
+        "        return other._x, getattr(other, '_y'), getattr(self, '_z'), other.__dict__\n"
+        "from m import _helper, public\n"
+    )
     found = sorted(expr for _, expr in violations(src))
     assert found == sorted(["other._x", "getattr(other, '_y')", "from m import _helper"])
 
@@ -88,8 +107,7 @@ def test_no_module_touches_another_modules_underscore_names():
             for line, expr in violations(path.read_text()):
                 if (rel, expr) not in ALLOWED:
                     bad.append(f"{rel}:{line}: {expr}")
-    assert not bad, "underscore names reached from outside their owner (add a public API instead):\n" + \
-        "\n".join(bad)
+    assert not bad, "underscore names reached from outside their owner (add a public API instead):\n" + "\n".join(bad)
 
 
 def test_every_allowance_is_still_needed():

@@ -29,14 +29,21 @@ def _phase(out, name):
 
 
 def test_operators_are_attributed_to_the_phase_they_start_in_by_self_time():
-    spans = [ann("ProfilerStep#1", 0, 1000),
-             ann("data", 0, 100), op("aten::randn", 10, 60),
-             ann("forward", 100, 500), op("aten::linear", 110, 400, self_us=20), op("aten::addmm", 120, 390),
-             op("aten::relu", 400, 480),
-             ann("backward", 500, 900), op("aten::mm", 510, 890),     # on another thread: time decides
-             ann("optimizer", 900, 980), op("Optimizer.step#AdamW.step", 905, 975),
-             op("aten::zeros", 985, 990),                              # in the step, in no phase: other
-             op("aten::outside", 2000, 2100)]                          # outside every step: not counted
+    spans = [
+        ann("ProfilerStep#1", 0, 1000),
+        ann("data", 0, 100),
+        op("aten::randn", 10, 60),
+        ann("forward", 100, 500),
+        op("aten::linear", 110, 400, self_us=20),
+        op("aten::addmm", 120, 390),
+        op("aten::relu", 400, 480),
+        ann("backward", 500, 900),
+        op("aten::mm", 510, 890),  # on another thread: time decides
+        ann("optimizer", 900, 980),
+        op("Optimizer.step#AdamW.step", 905, 975),
+        op("aten::zeros", 985, 990),  # in the step, in no phase: other
+        op("aten::outside", 2000, 2100),
+    ]  # outside every step: not counted
     out = summarize(spans)
     assert out["step_ms"] == pytest.approx(1.0)
     fwd = _phase(out, "forward")
@@ -50,14 +57,14 @@ def test_operators_are_attributed_to_the_phase_they_start_in_by_self_time():
     assert other.ms == pytest.approx(0.02) and other.ops[0].name == "aten::zeros"
     # the phases add up to the step
     assert sum(p.ms for p in out["phases"]) == pytest.approx(1.0)
-    assert all(p.kernels == [] and p.gpu_ms is None for p in out["phases"])      # no GPU
+    assert all(p.kernels == [] and p.gpu_ms is None for p in out["phases"])  # no GPU
     assert "gpu_idle_share" not in out and {p.phase for p in out["phases"]} == set(PHASES)
 
 
 def test_short_operators_make_the_launch_bound_share():
     spans = [ann("ProfilerStep#1", 0, 100), ann("forward", 0, 100)]
-    spans += [op("aten::view", 2 * i, 2 * i + 1) for i in range(30)]                   # 30 x 1 µs, short
-    spans += [op("aten::mm", 60, 60 + 2 * SHORT_OP_US)]                                 # one long
+    spans += [op("aten::view", 2 * i, 2 * i + 1) for i in range(30)]  # 30 x 1 µs, short
+    spans += [op("aten::mm", 60, 60 + 2 * SHORT_OP_US)]  # one long
     out = summarize(spans)
     assert out["short_op_share"] == pytest.approx(30 / 100)
 
@@ -65,17 +72,25 @@ def test_short_operators_make_the_launch_bound_share():
 def test_kernels_follow_their_launch_and_the_gpu_idle_time_is_split():
     # forward launches two kernels (they run later, during backward's time); backward one; the GPU idles
     # 0-300 (while the host is in data, then forward: waiting on launches), and after 700
-    spans = [ann("ProfilerStep#1", 0, 1000),
-             ann("data", 0, 200), ann("forward", 200, 500), ann("backward", 500, 800), ann("optimizer", 800, 1000),
-             op("aten::mm", 210, 260, kernels=[("sm90_gemm", 200.0)]), op("aten::add", 270, 280, kernels=[("add_kernel", 5.0)]),
-             op("aten::mm_bw", 510, 560, kernels=[("sm90_gemm", 195.0)]),
-             kernel("sm90_gemm", 300, 500), kernel("add_kernel", 500, 505), kernel("sm90_gemm", 505, 700)]
+    spans = [
+        ann("ProfilerStep#1", 0, 1000),
+        ann("data", 0, 200),
+        ann("forward", 200, 500),
+        ann("backward", 500, 800),
+        ann("optimizer", 800, 1000),
+        op("aten::mm", 210, 260, kernels=[("sm90_gemm", 200.0)]),
+        op("aten::add", 270, 280, kernels=[("add_kernel", 5.0)]),
+        op("aten::mm_bw", 510, 560, kernels=[("sm90_gemm", 195.0)]),
+        kernel("sm90_gemm", 300, 500),
+        kernel("add_kernel", 500, 505),
+        kernel("sm90_gemm", 505, 700),
+    ]
     out = summarize(spans)
     fwd, bwd = _phase(out, "forward"), _phase(out, "backward")
     assert fwd.gpu_ms == pytest.approx(0.205) and bwd.gpu_ms == pytest.approx(0.195)
     assert [k.name for k in fwd.kernels] == ["sm90_gemm", "add_kernel"]
     assert fwd.kernels[0].share == pytest.approx(200 / 205)
-    assert out["gpu_idle_share"] == pytest.approx(0.6)                     # 0-300 and 700-1000
+    assert out["gpu_idle_share"] == pytest.approx(0.6)  # 0-300 and 700-1000
     # idle while the host was in forward/backward/optimizer: 200-300 and 700-1000 (data's 0-200 is not)
     assert out["gpu_idle_host_share"] == pytest.approx(0.4)
     assert out["short_kernel_share"] == pytest.approx(5 / 400)
@@ -83,8 +98,12 @@ def test_kernels_follow_their_launch_and_the_gpu_idle_time_is_split():
 
 
 def test_communication_overlap_of_several_ranks():
-    spans = [ann("ProfilerStep#1", 0, 1000), ann("backward", 0, 1000),
-             kernel("sm90_gemm", 0, 400), kernel("ncclDevKernel_AllReduce_Sum_f32", 300, 500)]
+    spans = [
+        ann("ProfilerStep#1", 0, 1000),
+        ann("backward", 0, 1000),
+        kernel("sm90_gemm", 0, 400),
+        kernel("ncclDevKernel_AllReduce_Sum_f32", 300, 500),
+    ]
     assert summarize(spans)["comm_overlap"] == pytest.approx(0.5)
 
 
@@ -148,14 +167,15 @@ def test_headless_and_report_show_the_newest_window(tmp_path):
 
 @pytest.mark.compile
 @pytest.mark.slow
-@pytest.mark.process            # inductor builds its C++ kernels in worker processes
+@pytest.mark.process  # inductor builds its C++ kernels in worker processes
 def test_the_compile_watchdog_reports_a_recompilation_where_it_happened(tmp_path):
     """Eval after training changes the guards (no_grad, eval mode): one recompilation in the first eval,
     tied to it; the training steps after it (and the second eval, cached) recompile nothing."""
     from trainer.train import EXIT_OK
 
-    code, events, run_dir = train_in_process(tmp_path / "c", "--max-steps", "5", "--compile", "default",
-                                             "--eval-every", "2", "--eval-batches", "1")
+    code, events, run_dir = train_in_process(
+        tmp_path / "c", "--max-steps", "5", "--compile", "default", "--eval-every", "2", "--eval-batches", "1"
+    )
     assert code == EXIT_OK
     built = [e for e in events if e.type in ("log", "warning") and "torch.compile:" in e.message]
     assert len(built) == 1 and "graph(s)" in built[0].message
@@ -173,13 +193,23 @@ def test_the_gpu_timelines_copies_of_the_phase_ranges_are_not_kernels():
     from trainer.profile_summary import spans_from_profiler
 
     def fe(name, a, b, device, kernels=(), self_us=None, annotation=False):
-        return NS(name=name, time_range=NS(start=a, end=b), device_type=f"DeviceType.{device}", kernels=list(kernels),
-                  self_cpu_time_total=self_us if self_us is not None else b - a, is_user_annotation=annotation)
+        return NS(
+            name=name,
+            time_range=NS(start=a, end=b),
+            device_type=f"DeviceType.{device}",
+            kernels=list(kernels),
+            self_cpu_time_total=self_us if self_us is not None else b - a,
+            is_user_annotation=annotation,
+        )
 
-    events = [fe("ProfilerStep#1", 0, 1000, "CPU", annotation=True), fe("forward", 0, 1000, "CPU", annotation=True),
-              fe("aten::mm", 10, 20, "CPU", kernels=[NS(name="gemm", duration=250.0)]),
-              fe("ProfilerStep#1", 5, 1000, "CUDA", annotation=True), fe("forward", 5, 990, "CUDA", annotation=True),
-              fe("gemm", 20, 270, "CUDA")]
+    events = [
+        fe("ProfilerStep#1", 0, 1000, "CPU", annotation=True),
+        fe("forward", 0, 1000, "CPU", annotation=True),
+        fe("aten::mm", 10, 20, "CPU", kernels=[NS(name="gemm", duration=250.0)]),
+        fe("ProfilerStep#1", 5, 1000, "CUDA", annotation=True),
+        fe("forward", 5, 990, "CUDA", annotation=True),
+        fe("gemm", 20, 270, "CUDA"),
+    ]
     spans = spans_from_profiler(events)
     assert [s.name for s in spans if s.kind == "kernel"] == ["gemm"]
     out = summarize(spans)

@@ -42,13 +42,13 @@ def test_trace_has_a_range_per_step_and_phase(tmp_path):
     got = ranges(trace)
     steps = {e["name"]: e for e in got if e["name"].startswith("ProfilerStep#")}
     assert sorted(steps) == ["ProfilerStep#2", "ProfilerStep#3"]
-    assert [e.step for e in events if e.type == "step"] == [1, 2, 3, 4]          # the same numbering
+    assert [e.step for e in events if e.type == "step"] == [1, 2, 3, 4]  # the same numbering
     for name in PHASES:
         spans = [e for e in got if e["name"] == name]
         per_step = {s: [e for e in spans if within(e, steps[s])] for s in steps}
-        want = 1 if name == "optimizer" else 2                                   # once per micro-batch
+        want = 1 if name == "optimizer" else 2  # once per micro-batch
         assert all(len(v) == want for v in per_step.values()), (name, per_step)
-        assert len(spans) == 2 * want                                             # none outside a step
+        assert len(spans) == 2 * want  # none outside a step
     logs = [e for e in events if e.type == "log" and "profiler trace" in e.message]
     assert len(logs) == 1 and "steps 2-3" in logs[0].message and logs[0].path == str(trace)
 
@@ -56,7 +56,7 @@ def test_trace_has_a_range_per_step_and_phase(tmp_path):
 def test_a_run_that_ends_inside_the_window_writes_what_it_recorded(tmp_path):
     train(tmp_path / "r", "--max-steps", "3", "--profile-steps", "2-9")
     files = sorted(p.name for p in (tmp_path / "r" / "profiles").iterdir())
-    assert files == ["steps-2-3.json", "steps-2-3.summary.json"]        # the trace and its summary
+    assert files == ["steps-2-3.json", "steps-2-3.summary.json"]  # the trace and its summary
     trace = tmp_path / "r" / "profiles" / "steps-2-3.json"
     names = {e["name"] for e in ranges(trace)}
     assert {"ProfilerStep#2", "ProfilerStep#3", *PHASES} <= names and "ProfilerStep#1" not in names
@@ -83,7 +83,7 @@ def test_phase_ranges_only_while_recording(tmp_path):
     assert written == [("steps-5-6.json", 5, 6)] and timer.annotate is None
     names = [e["name"] for e in ranges(tmp_path / "steps-5-6.json")]
     assert sorted(names) == ["ProfilerStep#5", "ProfilerStep#6", "forward", "forward"]
-    assert [t.step for t in timer.collect()] == [4, 5, 6, 7]                    # timing unchanged throughout
+    assert [t.step for t in timer.collect()] == [4, 5, 6, 7]  # timing unchanged throughout
 
 
 def test_wall_timer_still_marks_phases_while_profiling(tmp_path):
@@ -122,13 +122,16 @@ def test_gptop_refuses_step_zero(capsys, monkeypatch):
     assert code == 2 and "--profile-steps" in err and "numbered from 1" in err and "Traceback" not in err, err
 
 
-@pytest.mark.parametrize("line, chatter", [
-    ("USDT:2026-11-25 13:05:21 6702:6702 SyncActivityProfilerHandler.cpp:52] profiler_start", True),
-    ("STAGE:2024-01-22 16:37:54 3419:3419 ActivityProfilerController.cpp:314] Completed Stage: Warm Up", True),
-    ("[rank1]:USDT:2026-11-25 13:05:21 6702:6702 SyncActivityProfilerHandler.cpp:59] profiler_stop", True),
-    ("USDT: a line of the model's own", False),
-    ("Traceback (most recent call last):", False),
-])
+@pytest.mark.parametrize(
+    "line, chatter",
+    [
+        ("USDT:2026-11-25 13:05:21 6702:6702 SyncActivityProfilerHandler.cpp:52] profiler_start", True),
+        ("STAGE:2024-01-22 16:37:54 3419:3419 ActivityProfilerController.cpp:314] Completed Stage: Warm Up", True),
+        ("[rank1]:USDT:2026-11-25 13:05:21 6702:6702 SyncActivityProfilerHandler.cpp:59] profiler_stop", True),
+        ("USDT: a line of the model's own", False),
+        ("Traceback (most recent call last):", False),
+    ],
+)
 def test_kineto_lines_stay_out_of_the_log_panel(line, chatter):
     assert is_library_chatter(line) is chatter
 
@@ -146,13 +149,31 @@ def test_headless_log_has_no_kineto_lines(tmp_path):
 
     run_dir = tmp_path / "r"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-m", "gptop", "--no-ui", "train", *TINY, "--max-steps", "2",
-                        "--profile-steps", "1-1", "--run-dir", str(run_dir)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gptop",
+            "--no-ui",
+            "train",
+            *TINY,
+            "--max-steps",
+            "2",
+            "--profile-steps",
+            "1-1",
+            "--run-dir",
+            str(run_dir),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert (run_dir / "profiles" / "steps-1-1.json").is_file()
     assert "profiler trace of steps 1-1" in r.stdout + r.stderr
     kept = (run_dir / "trainer.stderr.log").read_text()
     shown = r.stdout + r.stderr
     assert not [line for line in shown.splitlines() if "USDT:" in line or "STAGE:" in line], shown[-3000:]
-    assert "USDT:" in kept or "STAGE:" in kept      # this torch's kineto does print them: the filter is what hides them
+    assert "USDT:" in kept or "STAGE:" in kept  # this torch's kineto does print them: the filter is what hides them

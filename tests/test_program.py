@@ -66,9 +66,12 @@ def test_a_run_is_named_after_its_script():
 def test_a_graceful_stop_passes_on_sigterm_else_sends_sigint(tmp_path):
     signals = StopSignals()
     session = ProgramSession(["true"], tmp_path / "r", signals=signals)
-    assert session.stop_signal() == signal.SIGINT                     # q, or Ctrl-C
-    for got, sent in ((signal.SIGINT, signal.SIGINT), (signal.SIGTERM, signal.SIGTERM),
-                      (signal.SIGHUP, signal.SIGTERM)):
+    assert session.stop_signal() == signal.SIGINT  # q, or Ctrl-C
+    for got, sent in (
+        (signal.SIGINT, signal.SIGINT),
+        (signal.SIGTERM, signal.SIGTERM),
+        (signal.SIGHUP, signal.SIGTERM),
+    ):
         signals.last_signal = got
         assert session.stop_signal() == sent
     assert session.run_config() == {"command": {"argv": ["true"], "log_every": None}}
@@ -76,16 +79,44 @@ def test_a_graceful_stop_passes_on_sigterm_else_sends_sigint(tmp_path):
 
 def command_state(tmp_path: Path, *, client: bool = True) -> RunState:
     state = RunState(run_dir=str(tmp_path / "run"))
-    state.apply(ev.HelloEvent(early=True, pid=42, config={}, device=CPU, model=ev.ModelInfo(), time=1.0,
-                              command=["python", "train.py", "--lr", "1e-3"]))
+    state.apply(
+        ev.HelloEvent(
+            early=True,
+            pid=42,
+            config={},
+            device=CPU,
+            model=ev.ModelInfo(),
+            time=1.0,
+            command=["python", "train.py", "--lr", "1e-3"],
+        )
+    )
     if client:
-        state.apply(ev.HelloEvent(pid=43, config={"optim": {"max_steps": 4}, "toggles": {"precision": "fp32"}},
-                                  device=CPU, model=ev.ModelInfo(family="LlamaForCausalLM", total_params=1000),
-                                  client="probe", time=2.0))
+        state.apply(
+            ev.HelloEvent(
+                pid=43,
+                config={"optim": {"max_steps": 4}, "toggles": {"precision": "fp32"}},
+                device=CPU,
+                model=ev.ModelInfo(family="LlamaForCausalLM", total_params=1000),
+                client="probe",
+                time=2.0,
+            )
+        )
         for step in (2, 4):
-            state.apply(ev.StepEvent(step=step, tokens=step * 10, loss=3.0 / step, lr=1e-3, grad_norm=1.0, step_ms=100,
-                                     phases_ms={"data": 1, "forward": 80, "backward": 10, "optimizer": 5, "other": 4},
-                                     tokens_per_s=100.0, mfu=None, mem_bytes=1, time=2.0 + step))
+            state.apply(
+                ev.StepEvent(
+                    step=step,
+                    tokens=step * 10,
+                    loss=3.0 / step,
+                    lr=1e-3,
+                    grad_norm=1.0,
+                    step_ms=100,
+                    phases_ms={"data": 1, "forward": 80, "backward": 10, "optimizer": 5, "other": 4},
+                    tokens_per_s=100.0,
+                    mfu=None,
+                    mem_bytes=1,
+                    time=2.0 + step,
+                )
+            )
     return state
 
 
@@ -100,8 +131,8 @@ def test_summary_of_a_command_run(tmp_path):
     text = "\n".join(summary_lines(state, 0))
     assert "gptop: run finished: 4 steps" in text and "command    python train.py --lr 1e-3" in text
     assert f"checkpoint {ckpt} (step 4; 1 written)" in text
-    assert "resume" not in text and "export" not in text            # the program's own business
-    assert state.bottleneck_hint() == "compute-bound (forward+backward 90%)"    # no gptop flags to try
+    assert "resume" not in text and "export" not in text  # the program's own business
+    assert state.bottleneck_hint() == "compute-bound (forward+backward 90%)"  # no gptop flags to try
 
 
 def test_a_command_without_a_client_that_exits_0_finished(tmp_path):
@@ -121,7 +152,7 @@ def test_a_failed_command_shows_its_last_stderr_lines(tmp_path):
     lines = summary_lines(state, 1)
     i = next(i for i, line in enumerate(lines) if line.strip().startswith("stderr"))
     assert lines[i].endswith("last 5 lines:")
-    assert [x.strip() for x in lines[i + 1:i + 6]] == [f"line {k}" for k in range(3, 8)]
+    assert [x.strip() for x in lines[i + 1 : i + 6]] == [f"line {k}" for k in range(3, 8)]
 
 
 def test_report_of_a_command_run(tmp_path):
@@ -131,13 +162,25 @@ def test_report_of_a_command_run(tmp_path):
     ckpt.write_bytes(b"x")
     state_events = [
         ev.HelloEvent(early=True, pid=1, config={}, device=CPU, model=ev.ModelInfo(), command=["python", "t.py"]),
-        ev.HelloEvent(pid=2, config={"optim": {"max_steps": 2}}, device=CPU, model=ev.ModelInfo(family="M"),
-                      client="probe"),
-        ev.StepEvent(step=2, tokens=20, loss=1.0, lr=None, grad_norm=None, step_ms=10.0, phases_ms=None,
-                     tokens_per_s=2.0, mfu=None, mem_bytes=None),
+        ev.HelloEvent(
+            pid=2, config={"optim": {"max_steps": 2}}, device=CPU, model=ev.ModelInfo(family="M"), client="probe"
+        ),
+        ev.StepEvent(
+            step=2,
+            tokens=20,
+            loss=1.0,
+            lr=None,
+            grad_norm=None,
+            step_ms=10.0,
+            phases_ms=None,
+            tokens_per_s=2.0,
+            mfu=None,
+            mem_bytes=None,
+        ),
         ev.CheckpointEvent(step=1, path=str(tmp_path / "gone.pt"), seconds=None),
         ev.CheckpointEvent(step=2, path=str(ckpt), seconds=None),
-        ev.DoneEvent(step=2, tokens=20, reason="max_steps")]
+        ev.DoneEvent(step=2, tokens=20, reason="max_steps"),
+    ]
     (run / "events.jsonl").write_text("".join(ev.dumps(e) + "\n" for e in state_events))
     s = summarize(run)
     assert s["command"] == ["python", "t.py"] and s["steps"] == 2 and s["starts"] == 1
@@ -148,4 +191,4 @@ def test_report_of_a_command_run(tmp_path):
 
 def test_the_warden_tells_a_running_process_from_a_gone_one():
     assert warden.pid_alive(os.getpid()) and warden.group_alive(os.getpgid(0))
-    assert not warden.pid_alive(2 ** 22 + 12345) and not warden.group_alive(2 ** 22 + 12345)    # above pid_max
+    assert not warden.pid_alive(2**22 + 12345) and not warden.group_alive(2**22 + 12345)  # above pid_max

@@ -23,7 +23,7 @@ from trainer.contract.runlock import RunLock
 def make_run(path: Path, *, steps=(2, 4), config: bool = True) -> Path:
     (path / "checkpoints").mkdir(parents=True)
     if config:
-        (path / "config.toml").write_text("[model]\nmodel = \"llama\"\n")
+        (path / "config.toml").write_text('[model]\nmodel = "llama"\n')
     (path / "events.jsonl").write_text('{"v": 1, "type": "hello"}\n')
     (path / "trainer.log").write_text("log\n")
     for s in steps:
@@ -90,14 +90,22 @@ def link(world: Path, target: str) -> str:
 
 # (how OUT_DIR is written, relative to world unless it starts with "."; the kind it must be found)
 PROTECTED = [
-    ("runs/live", Kind.LIVE_RUN), ("runs/finished", Kind.RUN), ("runs/early", Kind.RUN),
-    ("runs/finished/checkpoints", Kind.RUN_PART), ("runs/live/checkpoints", Kind.RUN_PART),
+    ("runs/live", Kind.LIVE_RUN),
+    ("runs/finished", Kind.RUN),
+    ("runs/early", Kind.RUN),
+    ("runs/finished/checkpoints", Kind.RUN_PART),
+    ("runs/live/checkpoints", Kind.RUN_PART),
     ("runs/finished/checkpoints/step-00000006.dcp", Kind.RUN_PART),
-    ("runs/finished/checkpoints/new", Kind.RUN_PART),            # not there yet: still inside checkpoints/
-    ("runs/finished/profiles", Kind.RUN_PART), ("runs/live/wandb", Kind.RUN_PART),
-    ("runs", Kind.HOLDS_RUN), ("", Kind.CURRENT_DIR),           # "" is the world itself: it holds the cwd
-    (".", Kind.CURRENT_DIR), ("..", Kind.CURRENT_DIR), ("./", Kind.CURRENT_DIR),
-    ("notes", Kind.OTHER), ("file.txt", Kind.FILE),
+    ("runs/finished/checkpoints/new", Kind.RUN_PART),  # not there yet: still inside checkpoints/
+    ("runs/finished/profiles", Kind.RUN_PART),
+    ("runs/live/wandb", Kind.RUN_PART),
+    ("runs", Kind.HOLDS_RUN),
+    ("", Kind.CURRENT_DIR),  # "" is the world itself: it holds the cwd
+    (".", Kind.CURRENT_DIR),
+    ("..", Kind.CURRENT_DIR),
+    ("./", Kind.CURRENT_DIR),
+    ("notes", Kind.OTHER),
+    ("file.txt", Kind.FILE),
 ]
 SPELLINGS = ["plain", "trailing slash", "dotdot", "symlink"]
 
@@ -125,9 +133,15 @@ def test_every_protected_path_is_refused_and_kept(world, rel, kind, how, force):
     with pytest.raises(ConfigError) as e:
         protect.check_replaceable(out, "OUT_DIR", force=force)
     assert e.value.option == "OUT_DIR"
-    words = {Kind.LIVE_RUN: "live run", Kind.RUN: "run directory", Kind.RUN_PART: "of the run",
-             Kind.HOLDS_RUN: "holds", Kind.CURRENT_DIR: "current directory", Kind.OTHER: "not an export",
-             Kind.FILE: "not a directory"}[kind]
+    words = {
+        Kind.LIVE_RUN: "live run",
+        Kind.RUN: "run directory",
+        Kind.RUN_PART: "of the run",
+        Kind.HOLDS_RUN: "holds",
+        Kind.CURRENT_DIR: "current directory",
+        Kind.OTHER: "not an export",
+        Kind.FILE: "not a directory",
+    }[kind]
     assert words in e.value.message, e.value.message
     assert snapshot(world) == before
 
@@ -154,21 +168,21 @@ def test_new_and_empty_directories_need_no_force(world):
 
 def test_an_export_is_recognized_by_what_export_wrote(world):
     exports = world / "exports"
-    make_export(exports / "legacy", marker=False)                    # before the marker: config.json's gptop
+    make_export(exports / "legacy", marker=False)  # before the marker: config.json's gptop
     assert protect.classify(exports / "legacy").kind is Kind.EXPORT
-    make_export(exports / "added", extra={"notes.txt": "mine"})      # a file export did not write
+    make_export(exports / "added", extra={"notes.txt": "mine"})  # a file export did not write
     assert protect.classify(exports / "added").kind is Kind.OTHER
     make_export(exports / "deep", extra={"base/mine.txt": "x"})
     assert protect.classify(exports / "deep").kind is Kind.OTHER
-    plain = exports / "plain"                                        # config.json of some other model: not ours
+    plain = exports / "plain"  # config.json of some other model: not ours
     plain.mkdir()
     (plain / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (plain / "model.safetensors").write_bytes(b"w")
     assert protect.classify(plain).kind is Kind.OTHER
-    make_export(exports / "holder")                                  # an export with a run put inside it
+    make_export(exports / "holder")  # an export with a run put inside it
     make_run(exports / "holder" / "base" / "run")
     assert protect.classify(exports / "holder").kind is Kind.HOLDS_RUN
-    assert protect.classify(world / "runs" / "finished").kind is Kind.RUN   # run files win over a marker
+    assert protect.classify(world / "runs" / "finished").kind is Kind.RUN  # run files win over a marker
     protect.write_marker(world / "runs" / "finished", run="x", step=1, format="model")
     assert protect.classify(world / "runs" / "finished").kind is Kind.RUN
 
@@ -187,7 +201,7 @@ def test_replace_checks_again_and_keeps_the_old_export_until_the_new_one_is_in_p
     assert (out / "config.json").read_text() == "{}" and not tmp.exists()
     assert [p.name for p in out.parent.iterdir()] == ["old"]
     tmp = protect.make_temp_dir(out)
-    (out / "events.jsonl").write_text("")             # a run started there while the export worked
+    (out / "events.jsonl").write_text("")  # a run started there while the export worked
     with pytest.raises(ConfigError, match="run directory"):
         protect.replace_dir(tmp, out, "OUT_DIR", force=True)
     assert (out / "config.json").exists() and tmp.exists()
@@ -195,7 +209,7 @@ def test_replace_checks_again_and_keeps_the_old_export_until_the_new_one_is_in_p
 
 def test_what_a_killed_export_left_is_cleaned_by_the_next_one(world, monkeypatch):
     out = world / "exports" / "old"
-    live = protect.make_temp_dir(out)                               # this process: alive, kept
+    live = protect.make_temp_dir(out)  # this process: alive, kept
     gone = live.with_name(live.name.replace(f"-{os.getpid()}-", "-999999999-"))
     gone.mkdir()
     (gone / "model.safetensors").write_bytes(b"partial")
@@ -225,9 +239,9 @@ def test_gptop_export_force_refuses_before_starting_anything(world, rel, kind, m
     before = snapshot(world)
     try:
         code = cli.main(["export", str(world / "runs" / "finished"), out, "--force"])
-    except SystemExit as e:            # argparse's own check of the path (a file where a directory goes)
+    except SystemExit as e:  # argparse's own check of the path (a file where a directory goes)
         code = e.code
     err = capsys.readouterr().err
     assert code == 2 and "OUT_DIR" in err and "Traceback" not in err, err
-    said = [line for line in err.splitlines() if line.startswith("gptop")]      # argparse adds its usage lines
+    said = [line for line in err.splitlines() if line.startswith("gptop")]  # argparse adds its usage lines
     assert len(said) == 1 and snapshot(world) == before

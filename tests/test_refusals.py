@@ -23,7 +23,7 @@ def old_run(path):
     from trainer.worker_cli import parse_config
 
     (path / "checkpoints").mkdir(parents=True)
-    cfg = parse_config([*TINY, "--run-dir", str(path)])          # what the run was started with
+    cfg = parse_config([*TINY, "--run-dir", str(path)])  # what the run was started with
     (path / "config.toml").write_text(cfg.to_toml())
     (path / "events.jsonl").write_text("")
     rundir.path_for(path, 4).write_bytes(b"PK\x03\x04")
@@ -36,8 +36,8 @@ def fake_wandb(monkeypatch, tmp_path, body: str) -> None:
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text(body)
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    monkeypatch.setitem(sys.modules, "wandb", None)      # recorded, so the fake is gone after the test ...
-    del sys.modules["wandb"]                             # ... and imported from the path meanwhile
+    monkeypatch.setitem(sys.modules, "wandb", None)  # recorded, so the fake is gone after the test ...
+    del sys.modules["wandb"]  # ... and imported from the path meanwhile
 
 
 CASES = {
@@ -66,8 +66,12 @@ def test_a_refusal_is_one_line_and_creates_nothing(tmp_path, monkeypatch, capsys
     monkeypatch.chdir(work)
     monkeypatch.setenv("WANDB_MODE", "offline")
     if case == "wandb.init fails":
-        fake_wandb(monkeypatch, tmp_path, "class Settings:\n    def __init__(self, **kw): pass\n"
-                                          "def init(**kw):\n    raise RuntimeError('No API key configured')\n")
+        fake_wandb(
+            monkeypatch,
+            tmp_path,
+            "class Settings:\n    def __init__(self, **kw): pass\n"
+            "def init(**kw):\n    raise RuntimeError('No API key configured')\n",
+        )
     elif case == "wandb raises at import":
         fake_wandb(monkeypatch, tmp_path, "raise AttributeError('module protobuf has no attribute x')\n")
     argv = ["--no-ui", "train", *TINY, "--max-steps", "3", *[a.format(old=old) for a in args]]
@@ -80,7 +84,7 @@ def test_a_refusal_is_one_line_and_creates_nothing(tmp_path, monkeypatch, capsys
     said = [line for line in err.splitlines() if line.strip()]
     assert len(said) == 1 and said[0].startswith(f"gptop: error: {option}"), err
     assert "Traceback" not in err
-    assert list(work.iterdir()) == [], list(work.rglob("*"))          # no run directory, no ./runs
+    assert list(work.iterdir()) == [], list(work.rglob("*"))  # no run directory, no ./runs
     assert sorted(p.name for p in old.rglob("*")) == before
 
 
@@ -96,16 +100,36 @@ def test_a_refusal_only_the_trainer_can_make_leaves_nothing_either(tmp_path, wit
     from trainer.export import hf_tokenizer
     from trainer.models import build_model
 
-    model = tmp_path / "model"          # a Hugging Face model directory (llama tiny) with the builtin tokenizer
+    model = tmp_path / "model"  # a Hugging Face model directory (llama tiny) with the builtin tokenizer
     tok = tokenizer_info(DataConfig(), log=lambda s: None)
-    bundle = build_model(ModelConfig(model="llama", size="tiny"), vocab_size=tok.vocab_size, seq_len=64,
-                         toggles=Toggles(), dev=DeviceInfo(type="cpu", total_memory=8 << 30), seed=7)
+    bundle = build_model(
+        ModelConfig(model="llama", size="tiny"),
+        vocab_size=tok.vocab_size,
+        seq_len=64,
+        toggles=Toggles(),
+        dev=DeviceInfo(type="cpu", total_memory=8 << 30),
+        seed=7,
+    )
     bundle.model.save_pretrained(model)
     hf_tokenizer(tok, bundle, 64).save_pretrained(model)
     work = tmp_path / "work"
     work.mkdir()
-    args = [sys.executable, "-m", "gptop", "--no-ui", "train", *TINY, "--model", str(model), "--max-steps", "2",
-            "--lora", "8", "--lora-targets", "nonexistent"]
+    args = [
+        sys.executable,
+        "-m",
+        "gptop",
+        "--no-ui",
+        "train",
+        *TINY,
+        "--model",
+        str(model),
+        "--max-steps",
+        "2",
+        "--lora",
+        "8",
+        "--lora-targets",
+        "nonexistent",
+    ]
     if with_run_dir:
         args += ["--run-dir", str(work / "new")]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -130,8 +154,10 @@ def test_a_standalone_trainers_refusal_leaves_nothing(tmp_path, monkeypatch, cap
     monkeypatch.chdir(work)
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     try:
-        code = tcli.main([*TINY, "--precision", "fp8-rowwise", "--max-steps", "2"]
-                         + (["--run-dir", str(work / "new")] if with_run_dir else []))
+        code = tcli.main(
+            [*TINY, "--precision", "fp8-rowwise", "--max-steps", "2"]
+            + (["--run-dir", str(work / "new")] if with_run_dir else [])
+        )
     finally:
         for s, h in saved.items():
             signal.signal(s, h)

@@ -16,8 +16,10 @@ from trainer.contract import rundir
 from trainer.contract.runlock import LOCK_NODE_ENV, LOCK_TOKEN_ENV, RunDirBusy, RunDirTaken, RunLock
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
-HOLD = ("import sys, time\nfrom trainer.contract.runlock import RunLock\n"
-        "lock = RunLock.acquire(sys.argv[1], command='holder')\nprint('locked', flush=True)\ntime.sleep(600)\n")
+HOLD = (
+    "import sys, time\nfrom trainer.contract.runlock import RunLock\n"
+    "lock = RunLock.acquire(sys.argv[1], command='holder')\nprint('locked', flush=True)\ntime.sleep(600)\n"
+)
 
 
 def test_a_second_writer_is_refused_naming_pid_and_host(tmp_path):
@@ -28,14 +30,14 @@ def test_a_second_writer_is_refused_naming_pid_and_host(tmp_path):
         msg = str(e.value)
         assert e.value.option == "--run-dir"
         assert f"pid {os.getpid()}" in msg and socket.gethostname() in msg and "gptop train" in msg
-    RunLock.acquire(tmp_path / "run", command="again").release()      # released: free again
+    RunLock.acquire(tmp_path / "run", command="again").release()  # released: free again
 
 
 def test_the_owners_token_lets_its_children_in(tmp_path, monkeypatch):
     with RunLock.acquire(tmp_path, command="gptop train") as lock:
         monkeypatch.setenv(LOCK_TOKEN_ENV, lock.token)
         monkeypatch.setenv(LOCK_NODE_ENV, "")
-        child = RunLock.for_trainer(tmp_path)          # the trainer gptop started
+        child = RunLock.for_trainer(tmp_path)  # the trainer gptop started
         assert not child.held
         monkeypatch.setenv(LOCK_TOKEN_ENV, "someone-else")
         with pytest.raises(RunDirBusy):
@@ -47,9 +49,9 @@ def test_ranks_of_one_torchrun_share_the_lock_and_another_torchrun_is_refused(tm
     for k, v in {"TORCHELASTIC_RUN_ID": "abc", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"}.items():
         monkeypatch.setenv(k, v)
     rank0 = RunLock.for_trainer(tmp_path)
-    rank1 = RunLock.for_trainer(tmp_path)              # same host, same torchrun agent (parent pid)
+    rank1 = RunLock.for_trainer(tmp_path)  # same host, same torchrun agent (parent pid)
     assert rank0.held and not rank1.held
-    monkeypatch.setattr(os, "getppid", lambda: 1)      # another torchrun's rank
+    monkeypatch.setattr(os, "getppid", lambda: 1)  # another torchrun's rank
     with pytest.raises(RunDirBusy, match="python -m trainer"):
         RunLock.for_trainer(tmp_path)
     rank0.release()
@@ -57,17 +59,17 @@ def test_ranks_of_one_torchrun_share_the_lock_and_another_torchrun_is_refused(tm
 
 def test_multi_node_runs_lock_per_node(tmp_path):
     node0 = RunLock.acquire(tmp_path, command="gptop train", node="node0")
-    node1 = RunLock.acquire(tmp_path, command="gptop train", node="node1")     # nodes share the directory
+    node1 = RunLock.acquire(tmp_path, command="gptop train", node="node1")  # nodes share the directory
     assert (tmp_path / ".gptop.lock.node0").is_file() and (tmp_path / ".gptop.lock.node1").is_file()
     with pytest.raises(RunDirBusy, match="node node1"):
-        RunLock.acquire(tmp_path, command="gptop train", node="node1")          # a second run's node 1
+        RunLock.acquire(tmp_path, command="gptop train", node="node1")  # a second run's node 1
     with pytest.raises(RunDirBusy, match="multi-node run"):
-        RunLock.acquire(tmp_path, command="gptop train")                        # a one-node run
+        RunLock.acquire(tmp_path, command="gptop train")  # a one-node run
     node0.release()
     node1.release()
-    with RunLock.acquire(tmp_path, command="gptop train") as single:           # all gone: free
+    with RunLock.acquire(tmp_path, command="gptop train") as single:  # all gone: free
         with pytest.raises(RunDirBusy, match="gptop train"):
-            RunLock.acquire(tmp_path, command="gptop train", node="node0")      # and the reverse
+            RunLock.acquire(tmp_path, command="gptop train", node="node0")  # and the reverse
         assert single.held
 
 
@@ -92,7 +94,7 @@ def test_the_lock_is_released_by_kill_9(tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
-    with RunLock.acquire(tmp_path, command="after the kill") as lock:      # no stale pid file to clean up
+    with RunLock.acquire(tmp_path, command="after the kill") as lock:  # no stale pid file to clean up
         assert lock.held
         assert json.loads((tmp_path / ".gptop.lock").read_text())["command"] == "after the kill"
 
@@ -108,7 +110,7 @@ def test_trainer_and_gptop_refuse_a_run_dir_in_use_before_writing_anything(tmp_p
             assert p.returncode == 2, p.stderr
             assert f"pid {os.getpid()} on host {socket.gethostname()}" in p.stderr and "--run-dir" in p.stderr
             assert "Traceback" not in p.stderr
-        assert sorted(x.name for x in run_dir.iterdir()) == [".gptop.lock"]     # nothing written, nothing started
+        assert sorted(x.name for x in run_dir.iterdir()) == [".gptop.lock"]  # nothing written, nothing started
 
 
 def _free_port() -> int:
@@ -123,19 +125,48 @@ def test_a_multi_node_run_shares_the_directory_and_keeps_out_a_one_node_run(tmp_
     """Two nodes on this machine (static rendezvous, one rank each) train into one run directory; each node
     writes its own logs and device samples; a one-node run started meanwhile is refused."""
     run_dir = tmp_path / "run"
-    args = [*TINY, "--max-steps", "4", "--checkpoint-every", "2", "--run-dir", str(run_dir), "--nproc", "1",
-            "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-backend", "static"]
+    args = [
+        *TINY,
+        "--max-steps",
+        "4",
+        "--checkpoint-every",
+        "2",
+        "--run-dir",
+        str(run_dir),
+        "--nproc",
+        "1",
+        "--nnodes",
+        "2",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{_free_port()}",
+        "--rdzv-backend",
+        "static",
+    ]
     gptop = [sys.executable, "-m", "gptop", "--no-ui", "train"]
-    nodes = [subprocess.Popen([*gptop, *args, "--node-rank", str(n)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True, env=ENV) for n in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            [*gptop, *args, "--node-rank", str(n)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=ENV,
+        )
+        for n in (0, 1)
+    ]
     try:
+
         def both_locked():
             assert all(p.poll() is None for p in nodes), "a node exited before taking its lock"
             return all(rundir_record(run_dir / f".gptop.lock.node{n}") for n in (0, 1))
 
         wait_for(both_locked, 60, "both nodes' lock records", poll=0.1)
-        single = subprocess.run([*gptop, *TINY, "--max-steps", "2", "--run-dir", str(run_dir)], capture_output=True,
-                                text=True, env=ENV, timeout=120)
+        single = subprocess.run(
+            [*gptop, *TINY, "--max-steps", "2", "--run-dir", str(run_dir)],
+            capture_output=True,
+            text=True,
+            env=ENV,
+            timeout=120,
+        )
         assert single.returncode == 2 and "multi-node run" in single.stderr, single.stderr
         for p in nodes:
             assert p.wait(300) == 0, p.stderr.read()
@@ -160,6 +191,7 @@ def rundir_record(path) -> dict | None:
 
 # --- one run per run directory ----------------------------------------------------------------------------
 
+
 def old_run(path, *, events: bool = True, steps=(8, 16)):
     """What a finished run leaves (as `cp -r runs/a runs/reuse` copies it): config, events, checkpoints, lock."""
     from trainer.worker_cli import parse_config
@@ -178,8 +210,10 @@ def tree(path) -> dict:
     return {str(p.relative_to(path)): p.read_bytes() if p.is_file() else None for p in sorted(path.rglob("*"))}
 
 
-@pytest.mark.parametrize("events, steps, hint", [(True, (8, 16), "--resume"), (False, (16,), "--resume"),
-                                                 (True, (), "choose another --run-dir")])
+@pytest.mark.parametrize(
+    "events, steps, hint",
+    [(True, (8, 16), "--resume"), (False, (16,), "--resume"), (True, (), "choose another --run-dir")],
+)
 def test_a_new_run_in_a_directory_holding_another_run_is_refused(tmp_path, events, steps, hint):
     run = old_run(tmp_path / "reuse", events=events, steps=steps)
     (run / ".gptop.lock").unlink()
@@ -189,14 +223,14 @@ def test_a_new_run_in_a_directory_holding_another_run_is_refused(tmp_path, event
     assert e.value.option == "--run-dir" and "holds another run" in e.value.message and hint in e.value.message
     if steps:
         assert f"up to step {steps[-1]}" in e.value.message
-    assert tree(run) == before                              # not even a lock file
-    RunLock.acquire(run, command="gptop train --resume").release()   # resuming it is fine
+    assert tree(run) == before  # not even a lock file
+    RunLock.acquire(run, command="gptop train --resume").release()  # resuming it is fine
 
 
 def test_a_directory_without_another_runs_events_or_checkpoints_takes_a_new_run(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    (run / "events.jsonl").write_text("")                  # empty: nothing to mix with
+    (run / "events.jsonl").write_text("")  # empty: nothing to mix with
     (run / "device.jsonl").write_text("{}\n")
     (run / "notes.txt").write_text("mine")
     RunLock.acquire(run, command="gptop train", new_run=True).release()
@@ -205,11 +239,11 @@ def test_a_directory_without_another_runs_events_or_checkpoints_takes_a_new_run(
 
 def test_gptops_own_trainer_and_other_nodes_are_not_new_runs(tmp_path, monkeypatch):
     run = old_run(tmp_path / "run")
-    with RunLock.acquire(run, command="gptop train") as lock:   # gptop resumed it (or restarts its own run)
+    with RunLock.acquire(run, command="gptop train") as lock:  # gptop resumed it (or restarts its own run)
         monkeypatch.setenv(LOCK_TOKEN_ENV, lock.token)
         monkeypatch.setenv(LOCK_NODE_ENV, "")
         assert not RunLock.for_trainer(run, new_run=True).held
-    RunLock.acquire(run, command="gptop train", node="node1", new_run=True).release()   # nodes share the dir
+    RunLock.acquire(run, command="gptop train", node="node1", new_run=True).release()  # nodes share the dir
 
 
 @pytest.mark.parametrize("how", ["new", "fork"])

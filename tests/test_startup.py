@@ -20,8 +20,6 @@ from trainer.contract.events import read_events
 from helpers import wait_for
 
 
-
-
 def events(run_dir):
     p = run_dir / "events.jsonl"
     return list(read_events(p)) if p.exists() else []
@@ -57,9 +55,9 @@ def test_a_stop_command_before_the_first_step_interrupts_the_main_thread(channel
     ch, conn = channel
     with pytest.raises(StartupStopped):
         conn.sendall(b'{"cmd": "stop", "reason": "q"}\n')
-        for _ in range(600):             # "building a model": the stop cannot wait for a step boundary
+        for _ in range(600):  # "building a model": the stop cannot wait for a step boundary
             time.sleep(0.05)
-    honour_startup_stop()                # as trainer.runner.main_run does when it catches it
+    honour_startup_stop()  # as trainer.runner.main_run does when it catches it
 
 
 def test_a_library_catch_all_does_not_swallow_the_startup_stop(channel):
@@ -70,7 +68,7 @@ def test_a_library_catch_all_does_not_swallow_the_startup_stop(channel):
         for _ in range(600):
             try:
                 time.sleep(0.05)
-            except Exception:        # what transformers or torch may do around a model's construction
+            except Exception:  # what transformers or torch may do around a model's construction
                 pass
     honour_startup_stop()
 
@@ -83,29 +81,29 @@ def test_a_stop_whose_raise_was_lost_is_raised_again_until_honoured(channel):
     swallowed = 0
     t0 = time.monotonic()
     with pytest.raises(StartupStopped):
-        try:                             # the send inside: the raise can land before the next line runs
+        try:  # the send inside: the raise can land before the next line runs
             conn.sendall(b'{"cmd": "stop", "reason": "q"}\n')
             for _ in range(600):
                 time.sleep(0.05)
-        except StartupStopped:           # swallowed, as an "Exception ignored in __del__" would be
+        except StartupStopped:  # swallowed, as an "Exception ignored in __del__" would be
             swallowed += 1
-        os.kill(os.getpid(), signal.SIGTERM)          # a signal right after the raise: only queued
-        for _ in range(600):             # startup goes on ... and the stop comes again
+        os.kill(os.getpid(), signal.SIGTERM)  # a signal right after the raise: only queued
+        for _ in range(600):  # startup goes on ... and the stop comes again
             time.sleep(0.05)
     assert swallowed == 1 and time.monotonic() - t0 >= REPEAT_S
     honour_startup_stop()
     wait_for(lambda: ch.pending_commands(), 10, "the queued signal")
-    time.sleep(2 * REPEAT_S)            # honoured: nothing is raised any more
+    time.sleep(2 * REPEAT_S)  # honoured: nothing is raised any more
     assert ch.startup_stop == "stop command"
 
 
 def test_a_stop_that_never_got_raised_is_raised_at_the_next_phase(channel):
     """The synchronous fallback: startup's phases and the first step boundary raise a pending stop."""
     ch, conn = channel
-    ch.startup_stop = "stop command"     # arrived, but its raise has not come (yet)
+    ch.startup_stop = "stop command"  # arrived, but its raise has not come (yet)
     with pytest.raises(StartupStopped):
         ch.check_startup()
-    ch.check_startup()                   # once: startup is over
+    ch.check_startup()  # once: startup is over
 
 
 def test_after_the_first_step_a_stop_waits_for_the_step_boundary(channel):
@@ -131,7 +129,7 @@ def test_progress_goes_on_the_socket_only(tmp_path, launcher):
         data += chunk
     assert [json.loads(line)["type"] for line in data.splitlines()] == ["progress", "log"]
     assert [e.type for e in read_events(tmp_path / "events.jsonl")] == ["log"]
-    Channel(None).emit_live("progress", step=1, tokens=1)          # no launcher: nothing, no error
+    Channel(None).emit_live("progress", step=1, tokens=1)  # no launcher: nothing, no error
 
 
 @pytest.mark.slow
@@ -139,13 +137,34 @@ def test_progress_goes_on_the_socket_only(tmp_path, launcher):
 def test_sigint_while_building_stops_at_once_without_a_checkpoint(tmp_path):
     run_dir = tmp_path / "r"
     # medium (344M): building takes seconds, longer than a swallowed raise takes to come again (REPEAT_S)
-    proc = subprocess.Popen(trainer_cmd("--model", "llama", "--size", "medium", "--max-steps", "5",
-                                        "--micro-batch", "1", "--global-batch", "1", "--seq-len", "64",
-                                        "--device", "cpu", "--run-dir", str(run_dir)),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        trainer_cmd(
+            "--model",
+            "llama",
+            "--size",
+            "medium",
+            "--max-steps",
+            "5",
+            "--micro-batch",
+            "1",
+            "--global-batch",
+            "1",
+            "--seq-len",
+            "64",
+            "--device",
+            "cpu",
+            "--run-dir",
+            str(run_dir),
+        ),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        wait_for(lambda: [e for e in events(run_dir) if e.type == "phase" and e.phase == "building"],
-                 what="the building phase")
+        wait_for(
+            lambda: [e for e in events(run_dir) if e.type == "phase" and e.phase == "building"],
+            what="the building phase",
+        )
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
     finally:
@@ -154,7 +173,7 @@ def test_sigint_while_building_stops_at_once_without_a_checkpoint(tmp_path):
     evs = events(run_dir)
     assert evs[0].type == "hello" and evs[0].early and evs[0].estimate.total_bytes > 0
     assert not [e for e in evs if e.type in ("step", "checkpoint")]
-    assert [e for e in evs if e.type == "hello" and not e.early] == []       # stopped before it was built
+    assert [e for e in evs if e.type == "hello" and not e.early] == []  # stopped before it was built
     assert evs[-1].type == "done" and evs[-1].reason == "stopped before the first step"
     assert rundir.list_checkpoints(run_dir) == []
 
@@ -163,22 +182,63 @@ def test_sigint_while_building_stops_at_once_without_a_checkpoint(tmp_path):
 @pytest.mark.process
 def test_progress_events_reach_gptop_every_step_and_the_stop_during_startup_is_130(tmp_path):
     run_dir = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "gptop", "--no-ui", "--json", "train", *TINY, "--log-every", "4",
-                          "--max-steps", "4", "--run-dir", str(run_dir)], capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gptop",
+            "--no-ui",
+            "--json",
+            "train",
+            *TINY,
+            "--log-every",
+            "4",
+            "--max-steps",
+            "4",
+            "--run-dir",
+            str(run_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     lines = [json.loads(line) for line in out.stdout.splitlines()]
     trainer = [e for e in lines if e["type"] not in ("status", "device")]
     assert trainer[0]["type"] == "hello" and trainer[0]["early"] and "estimate" in trainer[0]
     assert [e["step"] for e in lines if e["type"] == "progress"] == [1, 2, 3, 4]
     assert [e["step"] for e in lines if e["type"] == "step"] == [4]
-    assert "progress" not in {e.type for e in events(run_dir)}             # the live channel only
+    assert "progress" not in {e.type for e in events(run_dir)}  # the live channel only
 
     run_dir = tmp_path / "stopped"
-    p = subprocess.Popen([sys.executable, "-m", "gptop", "--no-ui", "train", "--model", "llama", "--size", "small",
-                          "--max-steps", "5", "--micro-batch", "1", "--global-batch", "1", "--seq-len", "64",
-                          "--device", "cpu", "--run-dir", str(run_dir)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gptop",
+            "--no-ui",
+            "train",
+            "--model",
+            "llama",
+            "--size",
+            "small",
+            "--max-steps",
+            "5",
+            "--micro-batch",
+            "1",
+            "--global-batch",
+            "1",
+            "--seq-len",
+            "64",
+            "--device",
+            "cpu",
+            "--run-dir",
+            str(run_dir),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for(lambda: [e for e in events(run_dir) if e.type == "phase"], what="a startup phase")
         p.send_signal(signal.SIGINT)
@@ -218,7 +278,7 @@ def test_cpu_auto_micro_batch_takes_the_whole_batch_when_the_estimate_has_room(t
     roomy, phases = setup("roomy", 64 << 30)
     assert roomy.micro_batch == 4 and not [p for p in phases if p.startswith("probing")]
     assert phases == ["building llama tiny"]
-    tight, phases = setup("tight", 1 << 30)        # fits at micro-batch 1, but the whole batch is over half
+    tight, phases = setup("tight", 1 << 30)  # fits at micro-batch 1, but the whole batch is over half
     assert [p for p in phases if p.startswith("probing")][:2] == ["probing micro-batch 1", "probing micro-batch 2"]
 
 
@@ -240,6 +300,7 @@ def test_auto_micro_batch_counts_the_optimizer_state_the_first_step_allocates(tm
     def spying(probe, local, capacity, **kw):
         got["peaks"] = {mb: probe(mb) for mb in (1, 2)}
         return real_find(probe, local, capacity, **kw)
+
     monkeypatch.setattr(autobatch, "find_micro_batch", spying)
     monkeypatch.setattr(CpuMemory, "peak", lambda self: 10**9)
     cfg = parse_config([*TINY, "--micro-batch", "auto", "--run-dir", str(tmp_path / "r")])
@@ -267,7 +328,7 @@ def test_setup_resolves_into_its_own_config_and_leaves_the_callers(tmp_path, mon
     from trainer.train import Trainer
     from trainer.worker_cli import parse_config
 
-    monkeypatch.chdir(tmp_path)                     # the default run directory is relative
+    monkeypatch.chdir(tmp_path)  # the default run directory is relative
     args = [a for a in TINY if a not in ("--size", "tiny")]
     cfg = parse_config([*args, "--size", "auto", "--micro-batch", "auto", "--precision", "auto", "--max-steps", "1"])
     given = cfg.to_dict()
@@ -282,10 +343,14 @@ def test_setup_resolves_into_its_own_config_and_leaves_the_callers(tmp_path, mon
                 trainer.run_lock.release()
     assert cfg.to_dict() == given
     resolved = trainer.cfg.to_dict()
-    assert "auto" not in (resolved["model"]["size"], resolved["toggles"]["precision"], resolved["toggles"]["micro_batch"])
+    assert "auto" not in (
+        resolved["model"]["size"],
+        resolved["toggles"]["precision"],
+        resolved["toggles"]["micro_batch"],
+    )
     assert resolved["toggles"]["micro_batch"] == trainer.micro_batch
     assert resolved["run"]["run_dir"] == str(trainer.run_dir) and given["run"]["run_dir"] is None
-    assert trainer.ckpt.cfg is trainer.cfg          # every checkpoint records the resolved config
+    assert trainer.ckpt.cfg is trainer.cfg  # every checkpoint records the resolved config
     hello = [e for e in read_events(trainer.run_dir / "events.jsonl") if e.type == "hello" and not e.early][-1]
     assert hello.config == resolved
     with open(trainer.run_dir / "config.toml", "rb") as f:

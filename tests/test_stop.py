@@ -20,7 +20,7 @@ def session(tmp_path):
     cfg = TrainConfig()
     cfg.run.run_dir = str(tmp_path / "run")
     s = Session(cfg)
-    s.interrupted = True             # what Session.stop sets: the user asked
+    s.interrupted = True  # what Session.stop sets: the user asked
     return s
 
 
@@ -38,43 +38,74 @@ def test_a_graceful_stop_is_stopped_and_an_error_while_stopping_is_shown(tmp_pat
     assert (s.state.status, s.state.status_message, s.wait(0)) == ("stopped", None, EXIT_INTERRUPTED)
 
     s = session(tmp_path)
-    s.state.apply(StepEvent(step=3, tokens=0, loss=1.0, lr=0.0, grad_norm=None, step_ms=1.0, phases_ms={},
-                            tokens_per_s=0.0, mfu=0.0, mem_bytes=0, time=1.0))
-    s.handle_exit(-signal.SIGKILL)                  # killed after its steps, before it checkpointed
-    assert s.state.status == "stopped" and "before its first checkpoint: steps 1-3 are lost" in \
-        s.state.status_message
+    s.state.apply(
+        StepEvent(
+            step=3,
+            tokens=0,
+            loss=1.0,
+            lr=0.0,
+            grad_norm=None,
+            step_ms=1.0,
+            phases_ms={},
+            tokens_per_s=0.0,
+            mfu=0.0,
+            mem_bytes=0,
+            time=1.0,
+        )
+    )
+    s.handle_exit(-signal.SIGKILL)  # killed after its steps, before it checkpointed
+    assert s.state.status == "stopped" and "before its first checkpoint: steps 1-3 are lost" in s.state.status_message
 
     s = session(tmp_path)
     err = ErrorEvent(kind="disk", message="No space left on device", time=2.0)
-    s.rank_errors[0] = err                          # the trainer reported a failure of its own while stopping
+    s.rank_errors[0] = err  # the trainer reported a failure of its own while stopping
     s.state.apply(err)
     s.handle_exit(1)
     assert s.state.status == "failed" and s.state.status_message.startswith("stopped: ")
     assert "No space left on device" in s.state.status_message and s.wait(0) == EXIT_INTERRUPTED
 
 
-@pytest.mark.parametrize("reached, on_disk, words", [
-    (14, (14,), "after its checkpoint of step 14: nothing is lost"),       # the second Ctrl-C came after the save
-    (14, (10, 15), "after its checkpoint of step 15: nothing is lost"),
-    (14, (10,), "before it checkpointed step 14: steps 11-14 are lost, --resume continues from step 10"),
-    (14, (), "before its first checkpoint: steps 1-14 are lost"),
-])
+@pytest.mark.parametrize(
+    "reached, on_disk, words",
+    [
+        (14, (14,), "after its checkpoint of step 14: nothing is lost"),  # the second Ctrl-C came after the save
+        (14, (10, 15), "after its checkpoint of step 15: nothing is lost"),
+        (14, (10,), "before it checkpointed step 14: steps 11-14 are lost, --resume continues from step 10"),
+        (14, (), "before its first checkpoint: steps 1-14 are lost"),
+    ],
+)
 def test_a_forced_stop_says_from_the_disk_what_it_kept(tmp_path, reached, on_disk, words):
     """Two Ctrl-C 0.2 s apart: the first one's checkpoint may be on disk before the second one's kill (its
     event perhaps not read yet); what is said comes from the checkpoints there, never a false 'lost'."""
     from trainer.contract import rundir
 
     s = session(tmp_path)
-    s.forced = True                                 # what Session.stop sets on the second stop
-    s.state.apply(StepEvent(step=reached, tokens=0, loss=1.0, lr=0.0, grad_norm=None, step_ms=1.0, phases_ms={},
-                            tokens_per_s=0.0, mfu=0.0, mem_bytes=0, time=1.0))
+    s.forced = True  # what Session.stop sets on the second stop
+    s.state.apply(
+        StepEvent(
+            step=reached,
+            tokens=0,
+            loss=1.0,
+            lr=0.0,
+            grad_norm=None,
+            step_ms=1.0,
+            phases_ms={},
+            tokens_per_s=0.0,
+            mfu=0.0,
+            mem_bytes=0,
+            time=1.0,
+        )
+    )
     for step in on_disk:
         rundir.path_for(s.run_dir, step).parent.mkdir(parents=True, exist_ok=True)
         rundir.path_for(s.run_dir, step).write_bytes(b"x")
     s.handle_exit(-signal.SIGKILL)
     msg = s.state.status_message
-    assert s.state.status == "stopped" and msg.startswith("a second stop (Ctrl-C or q twice) ended the trainer "
-                                                          "(signal 9) ") and msg.endswith(words), msg
+    assert (
+        s.state.status == "stopped"
+        and msg.startswith("a second stop (Ctrl-C or q twice) ended the trainer (signal 9) ")
+        and msg.endswith(words)
+    ), msg
 
 
 def test_stop_before_the_trainer_was_started_is_stopped(tmp_path):
@@ -86,6 +117,7 @@ def test_stop_before_the_trainer_was_started_is_stopped(tmp_path):
 
 
 # --- real processes ----------------------------------------------------------------------
+
 
 def _steps(run_dir):
     p = run_dir / "events.jsonl"
@@ -99,12 +131,17 @@ def _hello(run_dir):
 
 @pytest.mark.slow
 @pytest.mark.process
-@pytest.mark.parametrize("moment,sig", [("spawned", signal.SIGTERM), ("1.5s", signal.SIGINT),
-                                        ("first step", signal.SIGTERM)])
+@pytest.mark.parametrize(
+    "moment,sig", [("spawned", signal.SIGTERM), ("1.5s", signal.SIGINT), ("first step", signal.SIGTERM)]
+)
 def test_stop_at_any_moment_is_stopped_with_130(tmp_path, moment, sig):
     run_dir = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "-m", "gptop", "--no-ui", "train", *TINY, "--max-steps", "100000",
-                          "--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "gptop", "--no-ui", "train", *TINY, "--max-steps", "100000", "--run-dir", str(run_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     me = psutil.Process(p.pid)
     deadline = time.monotonic() + 180
     try:
@@ -136,7 +173,7 @@ def test_stop_at_any_moment_is_stopped_with_130(tmp_path, moment, sig):
             pass
         assert not k.is_running() or k.status() == psutil.STATUS_ZOMBIE
     if moment == "first step":
-        assert _hello(run_dir)                  # it ran, and stopped gracefully (a checkpoint and a done event)
+        assert _hello(run_dir)  # it ran, and stopped gracefully (a checkpoint and a done event)
         assert any(e.type == "done" for e in read_events(run_dir / "events.jsonl"))
 
 
@@ -146,8 +183,12 @@ def test_two_ctrl_c_in_no_ui_say_truly_what_was_kept(tmp_path):
     """Ctrl-C twice, 0.2 s apart, during a run: the second one ends the trainer at once; the status says from the
     checkpoints on disk whether that lost anything (never 'before it checkpointed' beside a written checkpoint)."""
     run_dir = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "-m", "gptop", "--no-ui", "train", *TINY, "--max-steps", "100000",
-                          "--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "gptop", "--no-ui", "train", *TINY, "--max-steps", "100000", "--run-dir", str(run_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for(lambda: _steps(run_dir), 180, "the first step", proc=p)
         p.send_signal(signal.SIGINT)
@@ -164,7 +205,7 @@ def test_two_ctrl_c_in_no_ui_say_truly_what_was_kept(tmp_path):
     last = [line for line in out.splitlines() if line.startswith("status: ")][-1]
     kept = rundir.list_checkpoints(run_dir)
     done = [e for e in read_events(run_dir / "events.jsonl") if e.type == "done"]
-    if done:                       # the trainer's own stop was complete (its checkpoint written) before the kill
+    if done:  # the trainer's own stop was complete (its checkpoint written) before the kill
         assert kept and kept[-1].step == done[-1].step
         assert last == "status: stopped" or last.endswith("nothing is lost"), last
     elif kept:
@@ -183,15 +224,27 @@ def test_a_stop_signal_before_the_session_runs_starts_nothing(tmp_path):
     class View:
         statuses: list = []
 
-        def on_event(self, e): pass
-        def on_log(self, line, stream): pass
-        def on_status(self, status, message): self.statuses.append(status)
-        def close(self): pass
+        def on_event(self, e):
+            pass
+
+        def on_log(self, line, stream):
+            pass
+
+        def on_status(self, status, message):
+            self.statuses.append(status)
+
+        def close(self):
+            pass
 
     class NoSampler:
-        def subscribe(self, fn): pass
-        def start(self): pass
-        def stop(self): pass
+        def subscribe(self, fn):
+            pass
+
+        def start(self):
+            pass
+
+        def stop(self):
+            pass
 
     cfg = TrainConfig()
     cfg.run.run_dir = str(tmp_path / "run")
@@ -199,14 +252,14 @@ def test_a_stop_signal_before_the_session_runs_starts_nothing(tmp_path):
     before = signal.getsignal(signal.SIGTERM)
     signals = StopSignals().install()
     try:
-        os.kill(os.getpid(), signal.SIGTERM)            # delivered to this (main) thread: counted, nothing to stop
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered to this (main) thread: counted, nothing to stop
         assert signals.count == 1
         view = View()
         assert s.run_headless(view, signals=signals) == EXIT_INTERRUPTED
     finally:
         signals.restore()
     assert view.statuses == ["stopped"] and s.supervisor is None and not (tmp_path / "run").exists()
-    assert signal.getsignal(signal.SIGTERM) is before     # the handlers are given back
+    assert signal.getsignal(signal.SIGTERM) is before  # the handlers are given back
 
 
 class AliveTrainer:
@@ -252,17 +305,23 @@ def test_a_stop_after_a_trial_trainer_stopped_still_stops_the_run(tmp_path):
     assert s.supervisor.calls == ["stop"] and s.interrupted
 
 
-@pytest.mark.process      # a gptop started as `nohup` starts it
+@pytest.mark.process  # a gptop started as `nohup` starts it
 def test_nohup_keeps_a_no_ui_run_through_a_hangup(tmp_path):
     """A hangup ignored when gptop starts stays ignored (the user asked for a run that outlives its terminal);
     SIGTERM still stops it with a checkpoint."""
     run_dir = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "-m", "gptop", "--no-ui", "train", *TINY, "--max-steps", "100000",
-                          "--run-dir", str(run_dir)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    p = subprocess.Popen(
+        [sys.executable, "-m", "gptop", "--no-ui", "train", *TINY, "--max-steps", "100000", "--run-dir", str(run_dir)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),
+    )
     try:
-        step = lambda: [e for e in read_events(run_dir / "events.jsonl") if e.type == "step"] \
-            if (run_dir / "events.jsonl").exists() else []
+        step = lambda: (
+            [e for e in read_events(run_dir / "events.jsonl") if e.type == "step"]
+            if (run_dir / "events.jsonl").exists()
+            else []
+        )
         wait_for(step, proc=p, what="a step event")
         p.send_signal(signal.SIGHUP)
         seen = len(step())

@@ -45,16 +45,17 @@ def test_a_finished_run_says_where_what_and_how_fast(tmp_path):
     assert line(lines, "run dir").endswith(str(tmp_path))
     assert "300/1000 steps, 2.5M tokens" in line(lines, "progress")
     # the first logged loss (step 10) to the last (step 300), and the last eval
-    assert line(lines, "loss").endswith(f"{loss_at(10):.3f} -> {loss_at(300):.3f} "
-                                        f"(last eval {loss_at(300) + 0.05:.3f} at step 300)")
+    assert line(lines, "loss").endswith(
+        f"{loss_at(10):.3f} -> {loss_at(300):.3f} (last eval {loss_at(300) + 0.05:.3f} at step 300)"
+    )
     speed = line(lines, "speed")
     assert "tokens/s (median)" in speed and "MFU 3" in speed
-    energy = line(lines, "energy")            # the fake H100's counter: 450 J/s, as the dashboard shows it
+    energy = line(lines, "energy")  # the fake H100's counter: 450 J/s, as the dashboard shows it
     assert energy.endswith("mJ/token over the last steps (NVML energy counter)")
     ckpt = line(lines, "checkpoint")
     assert "step-00000300.pt (step 300; 1 written, 2 kept)" in ckpt
     assert "applied trial 1; its settings are in" in line(lines, "tuning")
-    assert line(lines, "export").endswith(f"gptop export {tmp_path} OUT_DIR")   # nothing left to resume
+    assert line(lines, "export").endswith(f"gptop export {tmp_path} OUT_DIR")  # nothing left to resume
     assert not [l for l in lines if "--resume" in l]
     assert line(lines, "report").endswith(f"gptop report {tmp_path}")
     assert outcome(state, 0) == "finished"
@@ -70,13 +71,16 @@ def test_the_tuning_line_says_what_tuning_gained_or_lost(tmp_path):
     ledger = {"tuning_s": 60.0, "budget_s": 600.0, "cost_s": 20.0, "switch_s": 6.0, "saving_s": 90.0, "net_s": 64.0}
     (tmp_path / rundir.TUNING_JSON).write_text(json.dumps({"ledger": ledger}))
     lines = summary_lines(state_of(events, tmp_path, "done"), 0)
-    assert line(lines, "tuning").endswith("applied trial 1; net +1m04s against not tuning (saves 1m30s; tuning "
-                                          "cost 20s; switch 6s)")
-    kept = [e for e in events if e.type != "apply"]                 # tuning that kept the start: a net loss
-    (tmp_path / rundir.TUNING_JSON).write_text(json.dumps({"ledger": {**ledger, "saving_s": 0.0, "switch_s": 0.0,
-                                                                      "net_s": -20.0}}))
+    assert line(lines, "tuning").endswith(
+        "applied trial 1; net +1m04s against not tuning (saves 1m30s; tuning cost 20s; switch 6s)"
+    )
+    kept = [e for e in events if e.type != "apply"]  # tuning that kept the start: a net loss
+    (tmp_path / rundir.TUNING_JSON).write_text(
+        json.dumps({"ledger": {**ledger, "saving_s": 0.0, "switch_s": 0.0, "net_s": -20.0}})
+    )
     assert line(summary_lines(state_of(kept, tmp_path, "done"), 0), "tuning").endswith(
-        "kept the starting configuration; net -20s against not tuning (tuning cost 20s)")
+        "kept the starting configuration; net -20s against not tuning (tuning cost 20s)"
+    )
     (tmp_path / rundir.TUNING_JSON).write_text('{"ledger": {"net_s": "a lot"}}')
     assert not [l for l in summary_lines(state_of(kept, tmp_path, "done"), 0) if l.strip().startswith("tuning")]
 
@@ -104,16 +108,21 @@ def test_a_run_stopped_before_any_step(tmp_path):
 
 
 def test_the_summary_says_why_there_is_no_checkpoint(tmp_path):
-    forced = "a second stop (Ctrl-C or q twice) ended the trainer (signal 9) before its first checkpoint: steps " \
-             "1-20 are lost"
+    forced = (
+        "a second stop (Ctrl-C or q twice) ended the trainer (signal 9) before its first checkpoint: steps "
+        "1-20 are lost"
+    )
     state = state_of(cpu_run(steps=20), tmp_path, "stopped", forced)
     assert line(summary_lines(state, 130), "checkpoint").endswith(f"none: {forced}")
     events = cpu_run(steps=20) + [ev("error", 12.0, kind="oom", message="out of memory", step=20)]
     state = state_of(events, tmp_path, "failed")
-    assert line(summary_lines(state, 1), "checkpoint").endswith("none: the run failed at step 20, before its first "
-                                                                "checkpoint (--checkpoint-every 200)")
-    kept = "a second stop (Ctrl-C or q twice) ended the trainer (signal 9) after its checkpoint of step 20: nothing " \
-           "is lost"
+    assert line(summary_lines(state, 1), "checkpoint").endswith(
+        "none: the run failed at step 20, before its first checkpoint (--checkpoint-every 200)"
+    )
+    kept = (
+        "a second stop (Ctrl-C or q twice) ended the trainer (signal 9) after its checkpoint of step 20: nothing "
+        "is lost"
+    )
     checkpoint(tmp_path, 20)
     state = state_of(cpu_run(steps=20), tmp_path, "stopped", kept)
     lines = summary_lines(state, 130)
@@ -121,9 +130,9 @@ def test_the_summary_says_why_there_is_no_checkpoint(tmp_path):
 
 
 def test_no_energy_reading_says_why(tmp_path):
-    state = state_of(cpu_run(), tmp_path, "stopped")     # the telemetry said why
+    state = state_of(cpu_run(), tmp_path, "stopped")  # the telemetry said why
     assert "n/a: no CPU package energy: RAPL" in line(summary_lines(state, 130), "energy")
-    no_samples = [e for e in cpu_run() if e.type != "device"]    # nothing said why (no samples, an older gptop)
+    no_samples = [e for e in cpu_run() if e.type != "device"]  # nothing said why (no samples, an older gptop)
     state = state_of(no_samples, tmp_path, "stopped")
     assert "n/a: not enough device samples yet" in line(summary_lines(state, 130), "energy")
     assert "MFU n/a" in line(summary_lines(state, 130), "speed")
@@ -174,7 +183,7 @@ def test_print_summary_writes_the_lines_and_survives_a_closed_stream(tmp_path):
     assert out.getvalue().splitlines() == summary_lines(state, 130)
     closed = io.StringIO()
     closed.close()
-    print_summary(state, 130, closed)      # no exception
+    print_summary(state, 130, closed)  # no exception
 
 
 def test_the_dashboard_path_prints_the_summary_after_the_app_closes(tmp_path, monkeypatch, capsys):
@@ -200,8 +209,9 @@ def test_report_says_checkpoints_written_and_kept(tmp_path):
     from gptop.report import format_report, summarize
     from trainer.contract.events import dumps
 
-    events = cpu_run(steps=30) + [ev("checkpoint", 20.0 + s, step=s, path=str(rundir.path_for(tmp_path, s)),
-                                     seconds=0.1) for s in (10, 20, 30)]
+    events = cpu_run(steps=30) + [
+        ev("checkpoint", 20.0 + s, step=s, path=str(rundir.path_for(tmp_path, s)), seconds=0.1) for s in (10, 20, 30)
+    ]
     (tmp_path / "events.jsonl").write_text("".join(dumps(e) + "\n" for e in events))
     checkpoint(tmp_path, 30)
     text = format_report(summarize(tmp_path))
@@ -218,6 +228,7 @@ def test_steps_after_the_last_logged_one_count(tmp_path):
 
 
 # --- gptop report: where a run stands ----------------------------------------------------------------------
+
 
 def write_events(run_dir, events) -> None:
     from trainer.contract.events import dumps
@@ -261,15 +272,24 @@ def test_report_of_a_run_whose_lock_is_held_says_running(tmp_path):
     assert "2 start(s) (1 by the tuner's restarts)" in text and "60/200 steps" in text
 
 
-@pytest.mark.parametrize("tail, state, words", [
-    ([], "cut short", "ended without a word from its last trainer"),
-    ([("done", {"step": 60, "tokens": 60 * 1024, "reason": "max_steps"})], "finished", "finished at step 60"),
-    ([("done", {"step": 60, "tokens": 60 * 1024, "reason": "stop requested"})], "stopped",
-     "stopped at step 60 (stop requested)"),
-    ([("error", {"kind": "oom", "message": "out of memory", "step": 60})], "failed", "failed at step 60: oom"),
-    ([("done", {"step": 60, "tokens": 60 * 1024, "reason": "restart by the tuner"})], "cut short",
-     "ended during a restart by the tuner"),
-])
+@pytest.mark.parametrize(
+    "tail, state, words",
+    [
+        ([], "cut short", "ended without a word from its last trainer"),
+        ([("done", {"step": 60, "tokens": 60 * 1024, "reason": "max_steps"})], "finished", "finished at step 60"),
+        (
+            [("done", {"step": 60, "tokens": 60 * 1024, "reason": "stop requested"})],
+            "stopped",
+            "stopped at step 60 (stop requested)",
+        ),
+        ([("error", {"kind": "oom", "message": "out of memory", "step": 60})], "failed", "failed at step 60: oom"),
+        (
+            [("done", {"step": 60, "tokens": 60 * 1024, "reason": "restart by the tuner"})],
+            "cut short",
+            "ended during a restart by the tuner",
+        ),
+    ],
+)
 def test_report_of_an_ended_run_says_how_its_last_trainer_ended(tmp_path, tail, state, words):
     from gptop.report import format_report, summarize
 
@@ -317,24 +337,46 @@ def test_report_of_a_live_tuned_run_says_running_then_how_it_ended(tmp_path):
 
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    gptop = subprocess.Popen([sys.executable, "-m", "gptop", "--no-ui", "tune", "--budget", "10m", *TINY,
-                              "--global-batch", "8", "--max-steps", "100000", "--tune-space",
-                              "-all micro_batch=1,2,4,8", "--storage", f"sqlite:///{tmp_path / 's.db'}",
-                              "--run-dir", str(run)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             text=True, env=env)
+    gptop = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gptop",
+            "--no-ui",
+            "tune",
+            "--budget",
+            "10m",
+            *TINY,
+            "--global-batch",
+            "8",
+            "--max-steps",
+            "100000",
+            "--tune-space",
+            "-all micro_batch=1,2,4,8",
+            "--storage",
+            f"sqlite:///{tmp_path / 's.db'}",
+            "--run-dir",
+            str(run),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
     def restarted() -> bool:
         evs = list(read_events(run / "events.jsonl")) if (run / "events.jsonl").exists() else []
         ends = [i for i, e in enumerate(evs) if e.type == "done" and e.reason == TUNER_RESTART]
-        return bool(ends) and any(e.type == "step" for e in evs[ends[0]:])
+        return bool(ends) and any(e.type == "step" for e in evs[ends[0] :])
 
     try:
         deadline = time.monotonic() + 400
         while not restarted():
             assert gptop.poll() is None and time.monotonic() < deadline, gptop.stderr.read()[-2000:]
             time.sleep(0.5)
-        report = subprocess.run([sys.executable, "-m", "gptop", "report", str(run)], capture_output=True, text=True,
-                                env=env, timeout=120)
+        report = subprocess.run(
+            [sys.executable, "-m", "gptop", "report", str(run)], capture_output=True, text=True, env=env, timeout=120
+        )
         assert report.returncode == 0, report.stderr
         assert "state     running now (pid" in report.stdout and "gptop tune" in report.stdout, report.stdout
         assert "finished" not in report.stdout and "by the tuner's restarts" in report.stdout
@@ -344,8 +386,9 @@ def test_report_of_a_live_tuned_run_says_running_then_how_it_ended(tmp_path):
         if gptop.poll() is None:
             gptop.kill()
             gptop.wait()
-    after = subprocess.run([sys.executable, "-m", "gptop", "report", str(run)], capture_output=True, text=True,
-                           env=env, timeout=120)
+    after = subprocess.run(
+        [sys.executable, "-m", "gptop", "report", str(run)], capture_output=True, text=True, env=env, timeout=120
+    )
     assert "state     stopped at step" in after.stdout and "running" not in after.stdout, after.stdout
 
 
@@ -354,7 +397,7 @@ def test_one_logged_step_is_a_loss_value_not_a_range(tmp_path):
     nothing learned); the report says the same from the files."""
     from gptop.state import loss_range
 
-    events = cpu_run(steps=10)                       # one step event, at step 10
+    events = cpu_run(steps=10)  # one step event, at step 10
     events.append(ev("done", 9.0, step=10, tokens=10 * 8 * 128, reason="max_steps"))
     lines = summary_lines(state_of(events, tmp_path, "done"), 0)
     assert line(lines, "loss").endswith(f"{loss_at(10):.3f} (one logged step)")

@@ -15,22 +15,25 @@ def test_chunks_that_end_mid_line_give_whole_lines():
 def test_a_file_is_followed_from_its_offset_as_it_grows(tmp_path):
     p = tmp_path / "log"
     t = FileTail(p)
-    assert t.read_lines() == []                        # not there yet: no error
+    assert t.read_lines() == []  # not there yet: no error
     p.write_bytes(b"one\ntw")
     assert t.read_lines() == [b"one"]
     with open(p, "ab") as f:
         f.write(b"o\nthree")
     assert t.read_lines() == [b"two"] and t.read_lines() == []
     assert t.rest() == b"three"
-    later = FileTail(p, offset=len(b"one\n"))          # a restart's logs start where the last one ended
+    later = FileTail(p, offset=len(b"one\n"))  # a restart's logs start where the last one ended
     assert later.read_lines() == [b"two"]
 
 
 def test_events_are_parsed_and_a_malformed_line_is_reported_not_raised():
     good = ev.LogEvent(message="hi", source="tuner", time=1.0)
     seen, bad = [], []
-    feed_events([ev.dumps(good).encode(), b"", b"  ", b"{not json", ev.dumps(good).encode()], seen.append,
-                lambda line, why: bad.append((line, why)))
+    feed_events(
+        [ev.dumps(good).encode(), b"", b"  ", b"{not json", ev.dumps(good).encode()],
+        seen.append,
+        lambda line, why: bad.append((line, why)),
+    )
     assert seen == [good, good]
     assert len(bad) == 1 and bad[0][0] == b"{not json" and "JSON" in bad[0][1]
 
@@ -45,18 +48,30 @@ def test_a_replay_without_the_ui_prints_the_run_and_ends_by_itself(tmp_path):
     (tmp_path / "events.jsonl").write_text("".join(ev.dumps(e) + "\n" for e in run if e.type != "device"))
 
     class NoSampler:
-        def subscribe(self, fn): pass
-        def start(self): pass
-        def stop(self): pass
+        def subscribe(self, fn):
+            pass
+
+        def start(self):
+            pass
+
+        def stop(self):
+            pass
 
     class View:
         def __init__(self):
             self.events, self.statuses, self.closed = [], [], False
 
-        def on_event(self, e): self.events.append(e)
-        def on_log(self, line, stream): pass
-        def on_status(self, status, message): self.statuses.append(status)
-        def close(self): self.closed = True
+        def on_event(self, e):
+            self.events.append(e)
+
+        def on_log(self, line, stream):
+            pass
+
+        def on_status(self, status, message):
+            self.statuses.append(status)
+
+        def close(self):
+            self.closed = True
 
     view = View()
     m = MonitorSession(tmp_path, sampler=NoSampler())

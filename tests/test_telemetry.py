@@ -58,6 +58,7 @@ def fake_pynvml(*, init_error=None, count=2, errors=None, procs=None, power_mw=2
             if err is not None:
                 raise err()
             return result(handle, *args)
+
         fn.__name__ = name
         return fn
 
@@ -68,8 +69,9 @@ def fake_pynvml(*, init_error=None, count=2, errors=None, procs=None, power_mw=2
     ns = types.SimpleNamespace
     mod.nvmlDeviceGetName = device_fn("nvmlDeviceGetName", lambda h: b"NVIDIA H100 80GB HBM3")
     mod.nvmlDeviceGetUtilizationRates = device_fn("nvmlDeviceGetUtilizationRates", lambda h: ns(gpu=87, memory=40))
-    mod.nvmlDeviceGetMemoryInfo = device_fn("nvmlDeviceGetMemoryInfo",
-                                            lambda h: ns(used=10 * 2**30, total=80 * 2**30, free=70 * 2**30))
+    mod.nvmlDeviceGetMemoryInfo = device_fn(
+        "nvmlDeviceGetMemoryInfo", lambda h: ns(used=10 * 2**30, total=80 * 2**30, free=70 * 2**30)
+    )
     mod.nvmlDeviceGetPowerUsage = device_fn("nvmlDeviceGetPowerUsage", lambda h: power_mw)
     mod.nvmlDeviceGetEnforcedPowerLimit = device_fn("nvmlDeviceGetEnforcedPowerLimit", lambda h: 700_000)
     mod.nvmlDeviceGetPowerManagementLimit = device_fn("nvmlDeviceGetPowerManagementLimit", lambda h: 650_000)
@@ -78,12 +80,14 @@ def fake_pynvml(*, init_error=None, count=2, errors=None, procs=None, power_mw=2
     mod.nvmlDeviceGetTemperature = device_fn("nvmlDeviceGetTemperature", lambda h, s: 60)
     mod.nvmlDeviceGetClockInfo = device_fn("nvmlDeviceGetClockInfo", lambda h, c: 1980)
     mod.nvmlDeviceGetComputeRunningProcesses = device_fn(
-        "nvmlDeviceGetComputeRunningProcesses", lambda h: list(procs or []))
+        "nvmlDeviceGetComputeRunningProcesses", lambda h: list(procs or [])
+    )
     # identity: UUID and PCI address per GPU (GPU h sits on bus 0x17 + h), as NVML spells them
     mod.uuids = {i: f"GPU-{i:08x}-1111-2222-3333-44445555666{i}" for i in range(count)}
     mod.nvmlDeviceGetUUID = device_fn("nvmlDeviceGetUUID", lambda h: mod.uuids[h])
-    mod.nvmlDeviceGetPciInfo = device_fn("nvmlDeviceGetPciInfo",
-                                         lambda h: ns(busId=f"00000000:{0x17 + h:02X}:00.0".encode()))
+    mod.nvmlDeviceGetPciInfo = device_fn(
+        "nvmlDeviceGetPciInfo", lambda h: ns(busId=f"00000000:{0x17 + h:02X}:00.0".encode())
+    )
     mod.nvmlDeviceGetIndex = device_fn("nvmlDeviceGetIndex", lambda h: h)
 
     def by_uuid(uuid):
@@ -92,6 +96,7 @@ def fake_pynvml(*, init_error=None, count=2, errors=None, procs=None, power_mw=2
             if u == uuid:
                 return i
         raise pynvml.NVMLError_NotFound()
+
     mod.nvmlDeviceGetHandleByUUID = by_uuid
     return mod
 
@@ -108,17 +113,17 @@ def test_nvml_errors_become_na_and_permanent_ones_are_not_retried(tmp_path):
         (0, "nvmlDeviceGetPowerUsage"): NOT_SUPPORTED,
         (0, "nvmlDeviceGetTotalEnergyConsumption"): NO_PERMISSION,
         (0, "nvmlDeviceGetTemperatureV"): pynvml.NVMLError_FunctionNotFound,  # old driver: falls back
-        (1, "nvmlDeviceGetClockInfo"): UNKNOWN,                               # transient: asked again
-        (1, "nvmlDeviceGetEnforcedPowerLimit"): NOT_SUPPORTED,               # falls back to the other limit
+        (1, "nvmlDeviceGetClockInfo"): UNKNOWN,  # transient: asked again
+        (1, "nvmlDeviceGetEnforcedPowerLimit"): NOT_SUPPORTED,  # falls back to the other limit
     }
     mod = fake_pynvml(errors=errors)
     s = make_sampler(mod, tmp_path)
     assert s.mode == "gpu"
     first = s.sample_once()
     g0, g1 = first.devices
-    assert g0.name == "NVIDIA H100 80GB HBM3"     # bytes decoded
+    assert g0.name == "NVIDIA H100 80GB HBM3"  # bytes decoded
     assert g0.power_w is None and g0.energy_j is None
-    assert g0.temp_c == 60.0                       # deprecated call used when the V call is missing
+    assert g0.temp_c == 60.0  # deprecated call used when the V call is missing
     assert g0.util_pct == 87.0 and g0.mem_used == 10 * 2**30 and g0.mem_total == 80 * 2**30
     assert g0.power_limit_w == 700.0 and g0.sm_clock_mhz == 1980.0
     assert g1.sm_clock_mhz is None and g1.power_w == 250.0 and g1.energy_j == 1000.0
@@ -135,9 +140,9 @@ def test_nvml_errors_become_na_and_permanent_ones_are_not_retried(tmp_path):
     assert c[(0, "nvmlDeviceGetTemperatureV")] == 1
     assert c[(1, "nvmlDeviceGetTemperatureV")] == 0  # FunctionNotFound is remembered for every device
     assert c[(1, "nvmlDeviceGetEnforcedPowerLimit")] == 1
-    assert c[(1, "nvmlDeviceGetClockInfo")] == 4     # Unknown is retried each sample
+    assert c[(1, "nvmlDeviceGetClockInfo")] == 4  # Unknown is retried each sample
     assert c[(1, "nvmlDeviceGetPowerUsage")] == 4
-    assert c[(0, "nvmlDeviceGetName")] == 1          # static, cached
+    assert c[(0, "nvmlDeviceGetName")] == 1  # static, cached
     assert c["nvmlInit"] == 1
     s.stop()
     s.stop()
@@ -151,7 +156,7 @@ def test_gpu_is_lost_makes_device_na_without_hammering(tmp_path):
     g = s.sample_once().devices[0]
     assert g.util_pct is None and g.power_w is None and g.mem_used is None
     assert mod.calls[(0, "nvmlDeviceGetUtilizationRates")] == 1
-    assert mod.calls[(0, "nvmlDeviceGetPowerUsage")] == 0   # nothing more is asked of a lost GPU
+    assert mod.calls[(0, "nvmlDeviceGetPowerUsage")] == 0  # nothing more is asked of a lost GPU
     s.stop()
 
 
@@ -190,10 +195,12 @@ def test_real_pynvml_on_this_machine_does_not_raise(tmp_path):
 def test_proc_mem_counts_trainer_pids_and_children(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        procs = [types.SimpleNamespace(pid=os.getpid(), usedGpuMemory=3 * 2**30),
-                 types.SimpleNamespace(pid=child.pid, usedGpuMemory=2**30),
-                 types.SimpleNamespace(pid=1, usedGpuMemory=7 * 2**30),            # not ours
-                 types.SimpleNamespace(pid=child.pid + 10**6, usedGpuMemory=None)]
+        procs = [
+            types.SimpleNamespace(pid=os.getpid(), usedGpuMemory=3 * 2**30),
+            types.SimpleNamespace(pid=child.pid, usedGpuMemory=2**30),
+            types.SimpleNamespace(pid=1, usedGpuMemory=7 * 2**30),  # not ours
+            types.SimpleNamespace(pid=child.pid + 10**6, usedGpuMemory=None),
+        ]
         mod = fake_pynvml(count=1, procs=procs)
         s = make_sampler(mod, tmp_path, pids=lambda: [os.getpid()])
         assert s.sample_once().devices[0].proc_mem == 4 * 2**30
@@ -221,7 +228,7 @@ def test_the_process_tree_is_walked_only_now_and_then(tmp_path, monkeypatch):
     for _ in range(5):
         assert s.sample_once().cpu.proc_rss > 0
     assert walks == [os.getpid()]
-    roots = [os.getpid(), os.getppid()]                 # a restarted trainer, a new rank: walked at once
+    roots = [os.getpid(), os.getppid()]  # a restarted trainer, a new rank: walked at once
     s.sample_once()
     assert sorted(walks[1:]) == sorted(roots)
     s.stop()
@@ -231,8 +238,7 @@ def test_the_process_tree_is_walked_only_now_and_then(tmp_path, monkeypatch):
 
 
 def test_cpu_mode_values_are_sane(tmp_path):
-    s = make_sampler(fake_pynvml(init_error=pynvml.NVMLError_LibraryNotFound), tmp_path,
-                     pids=lambda: [os.getpid()])
+    s = make_sampler(fake_pynvml(init_error=pynvml.NVMLError_LibraryNotFound), tmp_path, pids=lambda: [os.getpid()])
     first = s.sample_once()
     assert first.cpu.proc_cpu_pct is None  # no baseline yet
     deadline = time.perf_counter() + 0.15
@@ -255,8 +261,7 @@ def test_cpu_mode_values_are_sane(tmp_path):
 def test_dead_or_missing_trainer_pid_is_na(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
-    s = make_sampler(fake_pynvml(init_error=pynvml.NVMLError_LibraryNotFound), tmp_path,
-                     pids=lambda: [child.pid])
+    s = make_sampler(fake_pynvml(init_error=pynvml.NVMLError_LibraryNotFound), tmp_path, pids=lambda: [child.pid])
     c = s.sample_once().cpu
     assert c.proc_rss is None and c.proc_cpu_pct is None
     s._pids = lambda: 1 / 0  # a broken pids() callable must not break sampling
@@ -283,20 +288,22 @@ def set_energy(root, d, value):
 
 def test_rapl_sums_packages_and_undoes_wraparound(tmp_path):
     root = tmp_path / "powercap"
-    rapl_tree(root, {
-        "intel-rapl:0": ("package-0", 900_000, 1_000_000),
-        "intel-rapl:0:0": ("core", 1, 1_000_000),        # inside the package: ignored
-        "intel-rapl:1": ("package-1", 10_000_000, 2**32),
-        "intel-rapl:2": ("psys", 5, 2**32),               # platform total: would double count
-    })
-    (root / "intel-rapl").mkdir()                         # the control-type dir, no counters
+    rapl_tree(
+        root,
+        {
+            "intel-rapl:0": ("package-0", 900_000, 1_000_000),
+            "intel-rapl:0:0": ("core", 1, 1_000_000),  # inside the package: ignored
+            "intel-rapl:1": ("package-1", 10_000_000, 2**32),
+            "intel-rapl:2": ("psys", 5, 2**32),  # platform total: would double count
+        },
+    )
+    (root / "intel-rapl").mkdir()  # the control-type dir, no counters
     clock = FakeClock()
-    s = DeviceSampler(nvml=fake_pynvml(init_error=pynvml.NVMLError_LibraryNotFound), rapl_root=str(root),
-                      clock=clock)
+    s = DeviceSampler(nvml=fake_pynvml(init_error=pynvml.NVMLError_LibraryNotFound), rapl_root=str(root), clock=clock)
     first = s.sample_once().cpu
     assert first.energy_j == 0.0 and first.power_w is None
-    set_energy(root, "intel-rapl:0", 100_000)             # wrapped: +200_000 uJ
-    set_energy(root, "intel-rapl:1", 10_300_000)          # +300_000 uJ
+    set_energy(root, "intel-rapl:0", 100_000)  # wrapped: +200_000 uJ
+    set_energy(root, "intel-rapl:1", 10_300_000)  # +300_000 uJ
     clock.t += 0.5
     c = s.sample_once().cpu
     assert c.energy_j == pytest.approx(0.5)
@@ -319,7 +326,7 @@ def test_rapl_unreadable_is_none(tmp_path):
     root = tmp_path / "powercap"
     rapl_tree(root, {"intel-rapl:0": ("package-0", 1, 100)})
     (root / "intel-rapl:0" / "energy_uj").unlink()
-    (root / "intel-rapl:0" / "energy_uj").mkdir()         # reading raises, as root-only files do for users
+    (root / "intel-rapl:0" / "energy_uj").mkdir()  # reading raises, as root-only files do for users
     r = Rapl(str(root))
     assert not r.available and r.read(1.0) == (None, None)
 
@@ -348,29 +355,50 @@ def test_history_is_bounded_and_windowed(tmp_path):
 
 
 def gpu(index, energy=None, power=None):
-    return GpuReading(index=index, name="g", util_pct=None, mem_used=None, mem_total=None, power_w=power,
-                      power_limit_w=None, energy_j=energy, temp_c=None, sm_clock_mhz=None, proc_mem=None)
+    return GpuReading(
+        index=index,
+        name="g",
+        util_pct=None,
+        mem_used=None,
+        mem_total=None,
+        power_w=power,
+        power_limit_w=None,
+        energy_j=energy,
+        temp_c=None,
+        sm_clock_mhz=None,
+        proc_mem=None,
+    )
 
 
 def cpu(energy=None, power=None):
-    return CpuReading(util_pct=0.0, per_core=[0.0], mem_used=1, mem_total=2, proc_rss=None, proc_cpu_pct=None,
-                      power_w=power, energy_j=energy)
+    return CpuReading(
+        util_pct=0.0,
+        per_core=[0.0],
+        mem_used=1,
+        mem_total=2,
+        proc_rss=None,
+        proc_cpu_pct=None,
+        power_w=power,
+        energy_j=energy,
+    )
 
 
-def DeviceSample(t, gpus, cpu):   # noqa: N802 - a sample at time t, as the sampler makes them
+def DeviceSample(t, gpus, cpu):  # noqa: N802 - a sample at time t, as the sampler makes them
     return DeviceEvent(time=t, devices=gpus, cpu=cpu, mode="gpu" if gpus else "cpu")
 
 
 def test_energy_between_gpu_counters_interpolate_and_skip_missing():
     # GPU 0 at 100 W by counter, one sample missing its counter; GPU 1 with no counter at 50 W.
-    samples = [DeviceSample(t, [gpu(0, None if t == 2 else 1000 + 100 * t, 100.0), gpu(1, None, 50.0)], cpu())
-               for t in range(0, 6)]
+    samples = [
+        DeviceSample(t, [gpu(0, None if t == 2 else 1000 + 100 * t, 100.0), gpu(1, None, 50.0)], cpu())
+        for t in range(0, 6)
+    ]
     assert energy_between(samples, 1.0, 4.0) == pytest.approx(300 + 150)
     assert energy_between(samples, 1.25, 1.75) == pytest.approx(75)
     assert energy_between(samples, 2.0, 2.0) == 0.0
     assert energy_between(samples, 1.0, 4.0, devices=[0]) == pytest.approx(300)
     assert energy_between(samples, 4.5, 5.5) == pytest.approx(150)  # a little past the last sample
-    assert energy_between(samples, 50.0, 60.0) is None               # not sampled: not invented
+    assert energy_between(samples, 50.0, 60.0) is None  # not sampled: not invented
     assert energy_between(samples, 1.0, 4.0, devices=[7]) is None
     assert energy_between([], 0, 1) is None
     with pytest.raises(ValueError):
@@ -378,14 +406,16 @@ def test_energy_between_gpu_counters_interpolate_and_skip_missing():
 
 
 def test_energy_between_power_fallback_and_counter_reset():
-    samples = [DeviceSample(0.0, [gpu(0, 5000.0, 200.0)], cpu()),
-               DeviceSample(1.0, [gpu(0, 5200.0, 200.0)], cpu()),
-               DeviceSample(2.0, [gpu(0, 10.0, 100.0)], cpu()),     # driver reload: counter restarted
-               DeviceSample(3.0, [gpu(0, 110.0, 100.0)], cpu())]
+    samples = [
+        DeviceSample(0.0, [gpu(0, 5000.0, 200.0)], cpu()),
+        DeviceSample(1.0, [gpu(0, 5200.0, 200.0)], cpu()),
+        DeviceSample(2.0, [gpu(0, 10.0, 100.0)], cpu()),  # driver reload: counter restarted
+        DeviceSample(3.0, [gpu(0, 110.0, 100.0)], cpu()),
+    ]
     assert energy_between(samples, 0.0, 3.0) == pytest.approx(200 + 150 + 100)
     trapezoid = [DeviceSample(float(t), [gpu(0, None, p)], cpu()) for t, p in enumerate([100.0, 300.0, None, 300.0])]
     assert energy_between(trapezoid, 0.0, 1.0) == pytest.approx(200)
-    assert energy_between(trapezoid, 1.0, 3.0) == pytest.approx(600)   # gap bridged
+    assert energy_between(trapezoid, 1.0, 3.0) == pytest.approx(600)  # gap bridged
     nothing = [DeviceSample(float(t), [gpu(0)], cpu()) for t in range(3)]
     assert energy_between(nothing, 0.0, 2.0) is None
 
@@ -413,7 +443,7 @@ def test_thread_starts_stops_promptly_and_notifies(tmp_path):
         while len(seen) < 3 and time.monotonic() - t0 < 1.0:
             time.sleep(0.01)
         t_stop = time.monotonic()
-    assert time.monotonic() - t_stop < 1.0          # prompt: one 0.02 s interval, with slack for a busy CI
+    assert time.monotonic() - t_stop < 1.0  # prompt: one 0.02 s interval, with slack for a busy CI
     assert len(seen) >= 3 and seen[-1] is s.latest()
     assert mod.calls["nvmlInit"] == 1 and mod.calls["nvmlShutdown"] == 1
     unsubscribe()
@@ -435,8 +465,11 @@ def test_stop_without_start_is_fine(tmp_path):
 
 @pytest.mark.parametrize("gpu_mode", [True, False])
 def test_samples_are_device_events_that_round_trip_through_the_schema(tmp_path, gpu_mode):
-    mod = fake_pynvml(errors={(0, "nvmlDeviceGetPowerUsage"): NOT_SUPPORTED}) if gpu_mode else \
-        fake_pynvml(init_error=pynvml.NVMLError_LibraryNotFound)
+    mod = (
+        fake_pynvml(errors={(0, "nvmlDeviceGetPowerUsage"): NOT_SUPPORTED})
+        if gpu_mode
+        else fake_pynvml(init_error=pynvml.NVMLError_LibraryNotFound)
+    )
     s = make_sampler(mod, tmp_path, pids=lambda: [os.getpid()])
     sample = s.sample_once()
     assert isinstance(sample, DeviceEvent)
@@ -454,14 +487,17 @@ def test_samples_are_device_events_that_round_trip_through_the_schema(tmp_path, 
     s.stop()
 
 
-@pytest.mark.parametrize("line", [
-    '{"v":1,"type":"device","time":1.0,"rank":0,"devices":5}',
-    '{"v":1,"type":"device","time":1.0,"rank":0,"devices":[5]}',
-    '{"v":1,"type":"device","time":1.0,"rank":0,"devices":[{"index":"0"}]}',
-    '{"v":1,"type":"device","time":1.0,"rank":0,"devices":[],"cpu":{"per_core":"x"}}',
-    '{"v":1,"type":"device","time":1.0,"rank":0,"devices":[],"cpu":{"per_core":[1, null]}}',
-    '{"v":1,"type":"device","time":1.0,"rank":0,"devices":[],"cpu":[]}',
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        '{"v":1,"type":"device","time":1.0,"rank":0,"devices":5}',
+        '{"v":1,"type":"device","time":1.0,"rank":0,"devices":[5]}',
+        '{"v":1,"type":"device","time":1.0,"rank":0,"devices":[{"index":"0"}]}',
+        '{"v":1,"type":"device","time":1.0,"rank":0,"devices":[],"cpu":{"per_core":"x"}}',
+        '{"v":1,"type":"device","time":1.0,"rank":0,"devices":[],"cpu":{"per_core":[1, null]}}',
+        '{"v":1,"type":"device","time":1.0,"rank":0,"devices":[],"cpu":[]}',
+    ],
+)
 def test_a_wrongly_typed_device_record_is_malformed_not_a_crash_later(line):
     with pytest.raises(MalformedEvent):
         parse(line)
@@ -471,19 +507,24 @@ def test_a_cpu_reading_says_why_there_is_no_power(tmp_path):
     """The CPU panel says why power is n/a: the sample carries the RAPL reader's reason (gptop.energy.Rapl)."""
     root = tmp_path / "powercap"
     rapl_tree(root, {"intel-rapl:0": ("package-0", 1, 2**32)})
-    (root / "intel-rapl:0" / "energy_uj").unlink()           # unreadable (Linux 5.10+ as a user): absent here
-    s = DeviceSampler(nvml=fake_pynvml(init_error=pynvml.NVMLError_LibraryNotFound), rapl_root=str(root),
-                      clock=FakeClock())
+    (root / "intel-rapl:0" / "energy_uj").unlink()  # unreadable (Linux 5.10+ as a user): absent here
+    s = DeviceSampler(
+        nvml=fake_pynvml(init_error=pynvml.NVMLError_LibraryNotFound), rapl_root=str(root), clock=FakeClock()
+    )
     c = s.sample_once().cpu
     assert c.power_w is None and c.power_note == Rapl(str(root)).reason and "root-only" in c.power_note
     s.stop()
-    s = DeviceSampler(nvml=fake_pynvml(init_error=pynvml.NVMLError_LibraryNotFound),
-                      rapl_root=str(tmp_path / "absent"), clock=FakeClock())
+    s = DeviceSampler(
+        nvml=fake_pynvml(init_error=pynvml.NVMLError_LibraryNotFound),
+        rapl_root=str(tmp_path / "absent"),
+        clock=FakeClock(),
+    )
     assert "no RAPL package domain" in s.sample_once().cpu.power_note
     s.stop()
 
 
 # --------------------------------------------------------------------------- the training device, without torch
+
 
 def test_training_device_from_nvml_and_the_environment(monkeypatch):
     """What `--size auto` resolves on, guessed before the trainer starts (gptop names the run directory by it)."""
@@ -498,11 +539,11 @@ def test_training_device_from_nvml_and_the_environment(monkeypatch):
     no_gpu = training_device("auto", Nvml(fake_pynvml(init_error=pynvml.NVMLError_LibraryNotFound)))
     assert no_gpu.type == "cpu" and no_gpu.cpu_count >= 1 and no_gpu.total_memory > 0
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    assert training_device("auto", Nvml(fake_pynvml(count=2))).index == 1      # CUDA's 0 is NVML's 1
+    assert training_device("auto", Nvml(fake_pynvml(count=2))).index == 1  # CUDA's 0 is NVML's 1
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert not training_device("auto", Nvml(fake_pynvml(count=2))).is_cuda   # no GPU visible to torch
+    assert not training_device("auto", Nvml(fake_pynvml(count=2))).is_cuda  # no GPU visible to torch
     mod = fake_pynvml(count=2)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", mod.uuids[1])                 # UUIDs, as schedulers set them
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", mod.uuids[1])  # UUIDs, as schedulers set them
     dev = training_device("auto", Nvml(mod))
     assert dev.is_cuda and dev.index == 1 and dev.uuid == mod.uuids[1] and dev.total_memory == 80 * 2**30
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-not-here")
@@ -520,7 +561,7 @@ def test_torch_and_nvml_spell_a_gpus_identity_the_same():
     assert gpu_key(nvml_uuid) == gpu_key(torch_uuid) == torch_uuid
     assert gpu_key("MIG-58d1b8b4-e1c8-11ee-0000-0123456789ab") == torch_uuid
     assert gpu_key(None, "00000000:17:00.0") == gpu_key(None, "0000:17:00") == "pci:0000:17:00"
-    assert gpu_key(torch_uuid, "0000:17:00") == torch_uuid                    # the UUID first
+    assert gpu_key(torch_uuid, "0000:17:00") == torch_uuid  # the UUID first
     assert gpu_key(None, "garbage") is None and gpu_key() is None
     dev = DeviceInfo(type="cuda", index=0, name="H100", uuid=torch_uuid, pci_bus_id="0000:17:00")
     assert dev.key == torch_uuid and DeviceInfo.from_dict(dev.to_dict()) == dev
@@ -535,7 +576,7 @@ def test_samples_carry_each_gpus_identity(tmp_path):
     s.stop()
     assert [g.uuid for g in second.devices] == [mod.uuids[0], mod.uuids[1]]
     assert [g.pci_bus_id for g in second.devices] == ["00000000:17:00.0", "00000000:18:00.0"]
-    assert mod.calls[(0, "nvmlDeviceGetUUID")] == 1                           # asked once per GPU, not per sample
+    assert mod.calls[(0, "nvmlDeviceGetUUID")] == 1  # asked once per GPU, not per sample
 
 
 def test_a_size_auto_run_directory_is_named_by_the_size_it_resolves_to(monkeypatch, tmp_path):

@@ -26,9 +26,12 @@ from gptop.tensorboard import FINAL_METRICS, TensorBoardWriter, flat_hparams  # 
 from trainer.contract import events as ev  # noqa: E402
 from trainer.contract.device import DeviceInfo  # noqa: E402
 
-CONFIG = {"model": {"model": "llama", "size": "tiny", "dropout": None},
-          "toggles": {"precision": "bf16", "compile": "off", "fused_adamw": True, "micro_batch": 4},
-          "optim": {"lr": 3e-4, "max_steps": 20}, "run": {"channel": "unix:/tmp/x/channel.sock", "device": "cpu"}}
+CONFIG = {
+    "model": {"model": "llama", "size": "tiny", "dropout": None},
+    "toggles": {"precision": "bf16", "compile": "off", "fused_adamw": True, "micro_batch": 4},
+    "optim": {"lr": 3e-4, "max_steps": 20},
+    "run": {"channel": "unix:/tmp/x/channel.sock", "device": "cpu"},
+}
 
 
 def read(log_dir: Path) -> EventAccumulator:
@@ -44,7 +47,7 @@ def series(acc: EventAccumulator, tag: str) -> list[tuple[int, float]]:
 def hparams_records(acc: EventAccumulator) -> dict[str, plugin_data_pb2.HParamsPluginData]:
     try:
         content = acc.PluginTagToContent(hp_metadata.PLUGIN_NAME)
-    except KeyError:                             # no record of that plugin in the files
+    except KeyError:  # no record of that plugin in the files
         return {}
     return {tag: plugin_data_pb2.HParamsPluginData.FromString(data) for tag, data in content.items()}
 
@@ -54,27 +57,41 @@ def hello(rank: int = 0) -> ev.HelloEvent:
 
 
 def step(n: int, rank: int = 0, loss: float = 3.0) -> ev.StepEvent:
-    return ev.StepEvent(rank=rank, step=n, tokens=256 * n, loss=loss, lr=1e-3, grad_norm=1.0, step_ms=10.0,
-                        phases_ms={p: 2.0 for p in ev.PHASES}, tokens_per_s=1000.0 + n, mfu=0.25, mem_bytes=1 << 20)
+    return ev.StepEvent(
+        rank=rank,
+        step=n,
+        tokens=256 * n,
+        loss=loss,
+        lr=1e-3,
+        grad_norm=1.0,
+        step_ms=10.0,
+        phases_ms={p: 2.0 for p in ev.PHASES},
+        tokens_per_s=1000.0 + n,
+        mfu=0.25,
+        mem_bytes=1 << 20,
+    )
 
 
 def device(util: float, power: float | None = 300.0) -> ev.DeviceEvent:
-    return ev.DeviceEvent(mode="gpu", devices=[ev.GpuReading(index=0, util_pct=util, power_w=power, mem_used=10)],
-                          cpu=ev.CpuReading(util_pct=util / 2, mem_used=5))
+    return ev.DeviceEvent(
+        mode="gpu",
+        devices=[ev.GpuReading(index=0, util_pct=util, power_w=power, mem_used=10)],
+        cpu=ev.CpuReading(util_pct=util / 2, mem_used=5),
+    )
 
 
 def test_device_scalars_are_interval_means_on_the_step_axis(tmp_path):
     w = TensorBoardWriter(tmp_path)
     w.on_event(hello())
-    w.on_event(device(10.0))                     # before the first step: belongs to the interval ending at 10
-    w.on_event(device(30.0, power=None))         # a missing reading is left out of the mean, not counted as 0
+    w.on_event(device(10.0))  # before the first step: belongs to the interval ending at 10
+    w.on_event(device(30.0, power=None))  # a missing reading is left out of the mean, not counted as 0
     w.on_event(step(10))
-    w.on_event(step(10, rank=1, loss=99.0))      # another rank's step event: not written
+    w.on_event(step(10, rank=1, loss=99.0))  # another rank's step event: not written
     w.on_event(device(50.0))
     w.on_event(device(70.0))
     w.on_event(device(90.0))
     w.on_event(step(20, loss=2.0))
-    w.on_event(device(0.0))                      # after the last step: no step to put it on
+    w.on_event(device(0.0))  # after the last step: no step to put it on
     w.close()
     acc = read(tmp_path)
     assert series(acc, "gpu0/util_pct") == [(10, 20.0), (20, 70.0)]
@@ -89,14 +106,14 @@ def test_device_scalars_are_interval_means_on_the_step_axis(tmp_path):
 
 def test_hparams_hold_the_configuration_and_the_final_metrics(tmp_path):
     w = TensorBoardWriter(tmp_path)
-    w.on_event(hello(rank=1))                    # only rank 0's configuration counts
+    w.on_event(hello(rank=1))  # only rank 0's configuration counts
     w.on_event(hello())
     w.on_event(step(10))
     w.on_event(ev.EvalEvent(step=10, loss=2.75))
     w.on_event(step(20, loss=2.5))
     w.on_event(ev.DoneEvent(step=20, tokens=5120, reason="max_steps"))
     w.close()
-    w.close()                                    # idempotent
+    w.close()  # idempotent
     acc = read(tmp_path)
     records = hparams_records(acc)
     experiment = records[hp_metadata.EXPERIMENT_TAG].experiment
@@ -104,7 +121,7 @@ def test_hparams_hold_the_configuration_and_the_final_metrics(tmp_path):
     end = records[hp_metadata.SESSION_END_INFO_TAG].session_end_info
     assert [m.name.tag for m in experiment.metric_infos] == list(FINAL_METRICS)
     assert {h.name for h in experiment.hparam_infos} == set(start.hparams) == set(flat_hparams(CONFIG))
-    assert "model.dropout" not in start.hparams                         # None: no such value in TensorBoard
+    assert "model.dropout" not in start.hparams  # None: no such value in TensorBoard
     assert "run.channel" not in start.hparams and start.hparams["run.device"].string_value == "cpu"
     assert start.hparams["toggles.precision"].string_value == "bf16"
     assert start.hparams["toggles.fused_adamw"].bool_value is True
@@ -124,7 +141,7 @@ def test_a_failed_run_ends_as_failure_and_no_hello_writes_no_hparams(tmp_path):
     w.close()
     end = hparams_records(read(tmp_path / "a"))[hp_metadata.SESSION_END_INFO_TAG].session_end_info
     assert end.status == api_pb2.Status.Value("STATUS_FAILURE")
-    w = TensorBoardWriter(tmp_path / "b")          # the trainer never started: nothing to describe
+    w = TensorBoardWriter(tmp_path / "b")  # the trainer never started: nothing to describe
     w.close()
     assert hparams_records(read(tmp_path / "b")) == {}
 
@@ -134,9 +151,30 @@ def test_a_failed_run_ends_as_failure_and_no_hello_writes_no_hparams(tmp_path):
 def test_gptop_train_tensorboard_matches_events(tmp_path):
     run_dir = tmp_path / "r"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-m", "gptop", "--no-ui", "--interval", "0.1", "train", *TINY,
-                        "--max-steps", "6", "--eval-every", "3", "--tensorboard", "--run-dir", str(run_dir)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gptop",
+            "--no-ui",
+            "--interval",
+            "0.1",
+            "train",
+            *TINY,
+            "--max-steps",
+            "6",
+            "--eval-every",
+            "3",
+            "--tensorboard",
+            "--run-dir",
+            str(run_dir),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     steps = [e for e in events if e["type"] == "step"]
@@ -145,7 +183,7 @@ def test_gptop_train_tensorboard_matches_events(tmp_path):
     assert [s for s, _ in loss] == [e["step"] for e in steps] == list(range(1, 7))
     assert [v for _, v in loss] == pytest.approx([e["loss"] for e in steps])
     cpu = series(acc, "cpu/util_pct")
-    assert cpu and {s for s, _ in cpu} <= set(range(1, 7))           # on the step axis, not milliseconds
+    assert cpu and {s for s, _ in cpu} <= set(range(1, 7))  # on the step axis, not milliseconds
     start = hparams_records(acc)[hp_metadata.SESSION_START_INFO_TAG].session_start_info
     assert start.hparams["optim.max_steps"].number_value == 6 and start.hparams["model.size"].string_value == "tiny"
     assert series(acc, "final/step") == [(6, 6.0)]

@@ -18,14 +18,14 @@ def test_cpu_phases_add_up_to_step():
     clock = FakeClock()
     timer = CpuTimer(clock)
     timer.begin_step(0)
-    for _ in range(2):                      # two accumulation micro-steps
+    for _ in range(2):  # two accumulation micro-steps
         with timer.phase("data"):
             clock.advance(1)
         with timer.phase("forward"):
             clock.advance(10)
         with timer.phase("backward"):
             clock.advance(20)
-    clock.advance(3)                        # unaccounted
+    clock.advance(3)  # unaccounted
     with timer.phase("optimizer"):
         clock.advance(5)
     timer.end_step()
@@ -73,13 +73,13 @@ def test_cuda_timer_reads_events_only_on_collect():
     for step in range(3):
         timer.begin_step(step)
         with timer.phase("data"):
-            host.advance(2)                  # host waits for the batch; GPU timeline idles
+            host.advance(2)  # host waits for the batch; GPU timeline idles
             gpu.advance(2)
         with timer.phase("forward"):
             gpu.advance(30)
         with timer.phase("backward"):
             gpu.advance(60)
-        gpu.advance(4)                       # idle gap between phases
+        gpu.advance(4)  # idle gap between phases
         with timer.phase("optimizer"):
             gpu.advance(10)
         timer.end_step()
@@ -104,7 +104,9 @@ def test_cuda_events_are_recorded_on_the_runs_device_stream(monkeypatch):
     import trainer.timing as timing
 
     asked = []
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: (asked.append(device), f"stream of {device}")[1])
+    monkeypatch.setattr(
+        torch.cuda, "current_stream", lambda device=None: (asked.append(device), f"stream of {device}")[1]
+    )
     FakeEvent.stream = "stream of cuda:2"
     FakeEvent.gpu = FakeClock()
     try:

@@ -22,12 +22,13 @@ def run(tmp_path, *args, name="run"):
 
 @pytest.mark.parametrize("family", ["llama", "deepseek", "llada"])
 def test_each_family_trains_and_reports(tmp_path, family):
-    code, events, run_dir = run(tmp_path, "--model", family, "--max-steps", "12", "--eval-every", "6",
-                                "--checkpoint-every", "6", "--lr", "3e-3")
+    code, events, run_dir = run(
+        tmp_path, "--model", family, "--max-steps", "12", "--eval-every", "6", "--checkpoint-every", "6", "--lr", "3e-3"
+    )
     assert code == EXIT_OK
     kinds = {e.type for e in events}
     assert {"hello", "step", "eval", "checkpoint", "done"} <= kinds
-    for e in events:                                   # every line parsed (strictly) into its own class
+    for e in events:  # every line parsed (strictly) into its own class
         assert type(e) is EVENT_TYPES[e.type]
     hello = of(events, "hello")[0]
     assert hello.model.family == family and hello.model.flops_per_token > 0
@@ -53,7 +54,7 @@ def test_a_peak_below_the_achieved_rate_is_dropped_not_reported(tmp_path, monkey
     from trainer import flops
 
     monkeypatch.setattr(flops, "_cache_file", lambda cache_dir: tmp_path / "cpu_peak.json")
-    monkeypatch.setattr(flops, "measure_cpu_matmul_flops", lambda *a, **k: 1e6)   # 1 MFLOP/s: far too low
+    monkeypatch.setattr(flops, "measure_cpu_matmul_flops", lambda *a, **k: 1e6)  # 1 MFLOP/s: far too low
     code, events, _ = run(tmp_path, "--model", "llama", "--max-steps", "4", "--micro-batch", "4")
     assert code == EXIT_OK
     assert of(events, "hello")[0].peak_flops == 1e6
@@ -67,7 +68,7 @@ def test_mfu_close_to_a_measured_peak_measures_it_again_and_keeps_the_best(tmp_p
     from trainer import flops
 
     monkeypatch.setattr(flops, "_cache_file", lambda cache_dir: tmp_path / "cpu_peak.json")
-    rates = iter([1e6, 1e15])             # the first taken on a "busy" machine, the second as it should be
+    rates = iter([1e6, 1e15])  # the first taken on a "busy" machine, the second as it should be
     monkeypatch.setattr(flops, "measure_cpu_matmul_flops", lambda *a, **k: next(rates))
     code, events, _ = run(tmp_path, "--model", "llama", "--max-steps", "4", "--micro-batch", "4")
     assert code == EXIT_OK
@@ -114,7 +115,7 @@ def test_exact_resume(tmp_path, family):
     assert of(resumed, "hello")[-1].start_step == 4
     want = [s.loss for s in of(full, "step")]
     got = [s.loss for s in of(resumed, "step")]
-    assert got == want                               # bit-identical
+    assert got == want  # bit-identical
     a = ckpt.load(rundir.path_for(tmp_path / "full", 8))["model"]
     b = ckpt.load(rundir.path_for(part, 8))["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -136,7 +137,7 @@ def test_nan_rollback_skips_the_batch_and_continues(tmp_path):
     assert len(rb) == 1 and rb[0].step == 4 and rb[0].skip_batches == [6] and rb[0].lr_scale == 0.5
     assert of(events, "done")[0].step == 10
     losses = [s.loss for s in of(events, "step")]
-    assert all(l is not None and l == l for l in losses)    # a poisoned interval is never reported as a step
+    assert all(l is not None and l == l for l in losses)  # a poisoned interval is never reported as a step
     final = ckpt.load(rundir.path_for(run_dir, 10))
     assert final["skip_batches"] == [6] and final["batch_cursor"] == 11
     assert all(torch.isfinite(v).all() for v in final["model"].values() if v.is_floating_point())
@@ -193,17 +194,38 @@ def test_unsupported_toggle_is_a_config_error(tmp_path, capsys):
 
 @pytest.mark.process
 def test_bad_usage_exits_2_naming_the_option(tmp_path):
-    proc = subprocess.run(trainer_cmd("--micro-batch", "3", "--global-batch", "4", "--size", "tiny",
-                                      "--run-dir", str(tmp_path / "r"), "--device", "cpu"),
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        trainer_cmd(
+            "--micro-batch",
+            "3",
+            "--global-batch",
+            "4",
+            "--size",
+            "tiny",
+            "--run-dir",
+            str(tmp_path / "r"),
+            "--device",
+            "cpu",
+        ),
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2
     assert "--micro-batch" in proc.stderr
 
 
-@pytest.mark.parametrize("toggle", [
-    ["--precision", "bf16"], ["--no-fused-adamw"], ["--activation-checkpointing"], ["--attention", "eager"],
-    ["--prefetch", "0"], ["--workers", "2"], ["--micro-batch", "1"],
-])
+@pytest.mark.parametrize(
+    "toggle",
+    [
+        ["--precision", "bf16"],
+        ["--no-fused-adamw"],
+        ["--activation-checkpointing"],
+        ["--attention", "eager"],
+        ["--prefetch", "0"],
+        ["--workers", "2"],
+        ["--micro-batch", "1"],
+    ],
+)
 def test_cpu_toggles_train(tmp_path, toggle):
     code, events, _ = run(tmp_path, "--max-steps", "3", *toggle)
     assert code == EXIT_OK
@@ -213,7 +235,7 @@ def test_cpu_toggles_train(tmp_path, toggle):
 def test_a_slow_toggle_runs_with_a_warning(tmp_path, monkeypatch):
     from trainer import device_probe as device
 
-    monkeypatch.setattr(device, "_cpu_has_bf16_kernels", lambda: False)     # as on an AVX2-only CPU
+    monkeypatch.setattr(device, "_cpu_has_bf16_kernels", lambda: False)  # as on an AVX2-only CPU
     code, events, _ = run(tmp_path, "--max-steps", "2", "--precision", "bf16", "--micro-batch", "4")
     assert code == EXIT_OK and len(of(events, "step")) == 2
     (w,) = [w for w in of(events, "warning") if w.kind == "slow_toggle"]
@@ -231,13 +253,19 @@ def test_profile_trace_written(tmp_path):
 @pytest.mark.process
 def test_sigterm_is_a_graceful_stop(tmp_path):
     run_dir = tmp_path / "r"
-    proc = subprocess.Popen(trainer_cmd(*TINY, "--max-steps", "100000", "--run-dir", str(run_dir)),
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        trainer_cmd(*TINY, "--max-steps", "100000", "--run-dir", str(run_dir)), stdout=subprocess.PIPE, text=True
+    )
     for line in proc.stdout:
         if "micro-batch" in line and "x" in line and "accumulation" in line:
             break
-    wait_for(lambda: (run_dir / "events.jsonl").exists() and of(list(read_events(run_dir / "events.jsonl")), "step"),
-             60, "the first step event", poll=0.1, proc=proc)
+    wait_for(
+        lambda: (run_dir / "events.jsonl").exists() and of(list(read_events(run_dir / "events.jsonl")), "step"),
+        60,
+        "the first step event",
+        poll=0.1,
+        proc=proc,
+    )
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0
     events = list(read_events(run_dir / "events.jsonl"))
@@ -263,11 +291,11 @@ def test_size_auto_resolves_in_the_trainer(tmp_path, extra):
     args = [a for a in TINY if a not in ("--size", "tiny")] + ["--size", "auto", "--max-steps", "1", *extra]
     cfg = parse_config(args)
     assert cfg.model.size == "auto"
-    expected = resolved_size(cfg)                   # gptop's torch-free answer, before the trainer starts
+    expected = resolved_size(cfg)  # gptop's torch-free answer, before the trainer starts
     cfg.run.run_dir = str(tmp_path / "run")
     assert train_in_process(tmp_path / "run", cfg=cfg)[0] == EXIT_OK
     hello = [e for e in read_events(tmp_path / "run" / "events.jsonl") if e.type == "hello" and not e.early]
-    assert hello[-1].model.size == expected == "tiny"      # this CPU: 2 cores
+    assert hello[-1].model.size == expected == "tiny"  # this CPU: 2 cores
     assert parse_config(["--size", "auto"]).model.size == "auto"
 
 
@@ -276,12 +304,13 @@ def test_a_cuda_graph_replay_error_is_a_compile_error():
     (autograd, the optimizer), as a plain RuntimeError: it is a compile error (exit 5), not a crash."""
     from trainer.runner import _is_compile_error
 
-    assert _is_compile_error(RuntimeError("Error: accessing tensor output of CUDAGraphs that has been "
-                                          "overwritten by a subsequent run."))
+    assert _is_compile_error(
+        RuntimeError("Error: accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run.")
+    )
     assert not _is_compile_error(RuntimeError("CUDA error: an illegal memory access was encountered"))
     scope = {"__name__": "torch._inductor.codecache"}
     exec("def compile_something():\n    raise ValueError('bad kernel')", scope)
     try:
         scope["compile_something"]()
     except ValueError as e:
-        assert _is_compile_error(e)                  # raised inside the compiler's code
+        assert _is_compile_error(e)  # raised inside the compiler's code

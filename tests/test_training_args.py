@@ -26,10 +26,20 @@ from tuner.space import SearchSpace, micro_batch_choices
 
 
 def fields(**kw):
-    base = {"bf16": False, "fp16": False, "tf32": None, "torch_compile": False, "torch_compile_mode": None,
-            "torch_compile_backend": None, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 4,
-            "dataloader_num_workers": 0, "dataloader_prefetch_factor": None, "optim": "adamw_torch_fused",
-            "gradient_checkpointing": False}
+    base = {
+        "bf16": False,
+        "fp16": False,
+        "tf32": None,
+        "torch_compile": False,
+        "torch_compile_mode": None,
+        "torch_compile_backend": None,
+        "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 4,
+        "dataloader_num_workers": 0,
+        "dataloader_prefetch_factor": None,
+        "optim": "adamw_torch_fused",
+        "gradient_checkpointing": False,
+    }
     base.update(kw)
     return base
 
@@ -58,9 +68,20 @@ def test_every_micro_batch_keeps_the_global_batch(per_device, accum):
 
 
 def test_the_start_maps_to_no_change_and_back():
-    for f in (fields(), fields(bf16=True, torch_compile=True, torch_compile_mode="max-autotune",
-                               dataloader_num_workers=2, dataloader_prefetch_factor=4, optim="adamw_torch",
-                               gradient_checkpointing=True), fields(tf32=True), fields(fp16=True)):
+    for f in (
+        fields(),
+        fields(
+            bf16=True,
+            torch_compile=True,
+            torch_compile_mode="max-autotune",
+            dataloader_num_workers=2,
+            dataloader_prefetch_factor=4,
+            optim="adamw_torch",
+            gradient_checkpointing=True,
+        ),
+        fields(tf32=True),
+        fields(fp16=True),
+    ):
         t = start_toggles(f)
         assert args_fields(t, f) == {}
         for name in TUNED:
@@ -71,22 +92,31 @@ def test_each_toggle_sets_its_fields():
     f = fields(tf32=True)
     t = start_toggles(f)
     assert t.precision == "tf32"
-    assert args_fields(dataclasses.replace(t, precision="bf16"), f) == {"bf16": True}      # tf32 kept for fp32 matmuls
+    assert args_fields(dataclasses.replace(t, precision="bf16"), f) == {"bf16": True}  # tf32 kept for fp32 matmuls
     assert args_fields(dataclasses.replace(t, precision="fp32"), f) == {"tf32": False}
     assert args_fields(dataclasses.replace(t, precision="fp16"), f) == {"fp16": True}
     assert args_fields(dataclasses.replace(t, compile="default"), f) == {"torch_compile": True}
-    assert args_fields(dataclasses.replace(t, compile="reduce-overhead"), f) == \
-        {"torch_compile": True, "torch_compile_mode": "reduce-overhead"}
+    assert args_fields(dataclasses.replace(t, compile="reduce-overhead"), f) == {
+        "torch_compile": True,
+        "torch_compile_mode": "reduce-overhead",
+    }
     compiled = fields(torch_compile=True, torch_compile_backend="inductor", torch_compile_mode="default")
     assert start_toggles(compiled).compile == "default"
-    assert args_fields(dataclasses.replace(start_toggles(compiled), compile="off"), compiled) == \
-        {"torch_compile": False, "torch_compile_mode": None, "torch_compile_backend": None}
-    assert args_fields(dataclasses.replace(t, workers=2, prefetch=4), f) == \
-        {"dataloader_num_workers": 2, "dataloader_prefetch_factor": 4}
+    assert args_fields(dataclasses.replace(start_toggles(compiled), compile="off"), compiled) == {
+        "torch_compile": False,
+        "torch_compile_mode": None,
+        "torch_compile_backend": None,
+    }
+    assert args_fields(dataclasses.replace(t, workers=2, prefetch=4), f) == {
+        "dataloader_num_workers": 2,
+        "dataloader_prefetch_factor": 4,
+    }
     # no workers: no prefetch factor (a DataLoader refuses one)
     w = fields(dataloader_num_workers=2, dataloader_prefetch_factor=4)
-    assert args_fields(dataclasses.replace(start_toggles(w), workers=0), w) == \
-        {"dataloader_num_workers": 0, "dataloader_prefetch_factor": None}
+    assert args_fields(dataclasses.replace(start_toggles(w), workers=0), w) == {
+        "dataloader_num_workers": 0,
+        "dataloader_prefetch_factor": None,
+    }
     assert args_fields(dataclasses.replace(t, fused_adamw=False), f) == {"optim": "adamw_torch"}
     assert args_fields(dataclasses.replace(t, activation_checkpointing=True), f) == {"gradient_checkpointing": True}
 
@@ -108,9 +138,14 @@ def test_what_no_field_holds_is_refused():
 
 def test_read_fields_of_real_training_arguments(tmp_path):
     transformers = pytest.importorskip("transformers")
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2,
-                                          gradient_accumulation_steps=8, use_cpu=True, report_to="none",
-                                          optim="adamw_torch")
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=8,
+        use_cpu=True,
+        report_to="none",
+        optim="adamw_torch",
+    )
     f = read_fields(args)
     assert f["optim"] == "adamw_torch" and per_device_batch(f) == 16
     t = dataclasses.replace(start_toggles(f), micro_batch=8, fused_adamw=True, workers=1, prefetch=2)
@@ -153,8 +188,11 @@ def test_tune_space_pins_and_refuses_what_a_command_cannot_change():
     assert space.params == ("micro_batch", "workers")
     assert space_for(f, CPU, "micro_batch=8").choices["micro_batch"] == (8,)
     assert "fused_adamw" not in space_for(fields(optim="adafactor"), CPU).params
-    for spec, what in (("attention=eager", "attention"), ("-cuda_allocator", "cuda_allocator"),
-                       ("prefetch=0,2", "prefetch")):
+    for spec, what in (
+        ("attention=eager", "attention"),
+        ("-cuda_allocator", "cuda_allocator"),
+        ("prefetch=0,2", "prefetch"),
+    ):
         with pytest.raises(ConfigError, match=what):
             space_for(f, CPU, spec)
     with pytest.raises(ConfigError, match="does not divide"):
@@ -182,7 +220,7 @@ def test_a_prefetch_factor_without_workers_is_one_configuration(tmp_path):
 
     f = fields()
     space = space_for(f, CPU, "-all workers=0,1 prefetch=1,2,4")
-    assert space.params == ("prefetch", "workers") and space.size() == 1 + 3      # workers=0 once, 1 x 3
+    assert space.params == ("prefetch", "workers") and space.size() == 1 + 3  # workers=0 once, 1 x 3
     idle = [space.to_params(dataclasses.replace(space.base, workers=0, prefetch=p)) for p in (1, 2, 4)]
     assert len({space.config_key(p) for p in idle}) == 1
     assert {json.dumps(args_fields(space.to_toggles(p), f), sort_keys=True) for p in idle} == {"{}"}
@@ -193,8 +231,9 @@ def test_a_prefetch_factor_without_workers_is_one_configuration(tmp_path):
     seen = []
     while (p := study.ask()) is not None:
         seen.append(p.toggles)
-        study.tell_ok(p, {"tokens_per_s": 100.0 + len(seen), "spread": 1.0, "samples": [100.0] * 3,
-                          "peak_mem": 1, "steps": 10})
+        study.tell_ok(
+            p, {"tokens_per_s": 100.0 + len(seen), "spread": 1.0, "samples": [100.0] * 3, "peak_mem": 1, "steps": 10}
+        )
     assert len(seen) == 4 and sum(t.workers == 0 for t in seen) == 1
     assert study.warm_start([(dataclasses.replace(space.base, workers=0, prefetch=4), "recipe")]) == []
 
@@ -209,13 +248,27 @@ def test_every_toggle_reaches_real_training_arguments_through_tuned_args(tmp_pat
 
     from gptop.integrations import transformers as gi
 
-    base = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2,
-                             gradient_accumulation_steps=8, use_cpu=True, report_to="none", optim="adamw_torch")
+    base = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=8,
+        use_cpu=True,
+        report_to="none",
+        optim="adamw_torch",
+    )
     start = start_toggles(read_fields(base))
-    changes = [dict(micro_batch=8), dict(micro_batch=1), dict(workers=1, prefetch=4), dict(workers=2),
-               dict(prefetch=4), dict(fused_adamw=True), dict(activation_checkpointing=True),
-               dict(compile="default"), dict(compile="max-autotune-no-cudagraphs"),
-               dict(micro_batch=4, workers=1, prefetch=1, fused_adamw=True, activation_checkpointing=True)]
+    changes = [
+        dict(micro_batch=8),
+        dict(micro_batch=1),
+        dict(workers=1, prefetch=4),
+        dict(workers=2),
+        dict(prefetch=4),
+        dict(fused_adamw=True),
+        dict(activation_checkpointing=True),
+        dict(compile="default"),
+        dict(compile="max-autotune-no-cudagraphs"),
+        dict(micro_batch=4, workers=1, prefetch=1, fused_adamw=True, activation_checkpointing=True),
+    ]
     for change in changes:
         t = dataclasses.replace(start, **change)
         env = ClientEnv(channel=f"unix:{tmp_path / 'gptop.sock'}", run_dir=tmp_path, tune=True, toggles=t)
@@ -226,12 +279,16 @@ def test_every_toggle_reaches_real_training_arguments_through_tuned_args(tmp_pat
         assert args_fields(t, read_fields(args)) == {}, change
         got = start_toggles(read_fields(args))
         for name, value in change.items():
-            if name != "prefetch" or t.workers:             # a prefetch factor without workers is idle
+            if name != "prefetch" or t.workers:  # a prefetch factor without workers is idle
                 assert getattr(got, name) == value, (change, name)
         if t.activation_checkpointing:
             assert args.activation_checkpointing is True and args.gradient_checkpointing is True
         assert gi.tuning_refusal(ClientEnv.from_environ(), args, TrainerState()) is None, change
-    env = ClientEnv(channel=f"unix:{tmp_path / 'gptop.sock'}", run_dir=tmp_path, tune=True,
-                    toggles=dataclasses.replace(start, workers=1, activation_checkpointing=True))
+    env = ClientEnv(
+        channel=f"unix:{tmp_path / 'gptop.sock'}",
+        run_dir=tmp_path,
+        tune=True,
+        toggles=dataclasses.replace(start, workers=1, activation_checkpointing=True),
+    )
     why = gi.tuning_refusal(env, base, TrainerState())
     assert why and "dataloader_num_workers" in why and "activation_checkpointing" in why

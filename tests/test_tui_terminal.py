@@ -33,8 +33,9 @@ def events(run_dir):
 
 def dashboard(run_dir, *args: str) -> Terminal:
     env = dict(os.environ, TERM="xterm-256color", COLUMNS="120", LINES="40")
-    return Terminal([sys.executable, "-m", "gptop", "train", *TINY, "--run-dir", str(run_dir), *args],
-                    cols=120, rows=40, env=env)
+    return Terminal(
+        [sys.executable, "-m", "gptop", "train", *TINY, "--run-dir", str(run_dir), *args], cols=120, rows=40, env=env
+    )
 
 
 def trainer_pids(run_dir) -> list[int]:
@@ -82,7 +83,7 @@ def test_two_ctrl_c_stop_at_once_and_the_summary_says_what_was_kept(tmp_path):
     text = screen_text(term)
     kept = rundir.list_checkpoints(run_dir)
     assert "gptop: run stopped at step" in text
-    if events(run_dir)[-1].type == "done":     # the trainer finished its stop before the second Ctrl-C landed
+    if events(run_dir)[-1].type == "done":  # the trainer finished its stop before the second Ctrl-C landed
         assert kept
     elif kept:
         assert "a second stop (Ctrl-C or q twice) ended the trainer" in text and f"step {kept[-1].step}" in text
@@ -127,5 +128,5 @@ def test_a_closed_terminal_leaves_no_trainer_behind(tmp_path):
             assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     finally:
         term.close()
-    assert events(run_dir)[-1].type == "done"        # the trainer stopped by itself, with a checkpoint
+    assert events(run_dir)[-1].type == "done"  # the trainer stopped by itself, with a checkpoint
     assert rundir.list_checkpoints(run_dir)

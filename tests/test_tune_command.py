@@ -21,45 +21,70 @@ EXAMPLE = ROOT / "examples" / "train_transformers.py"
 
 def env_one_thread() -> dict[str, str]:
     env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"      # a small shared box: several threads per process make step times swing
+    env["OMP_NUM_THREADS"] = "1"  # a small shared box: several threads per process make step times swing
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     return env
 
 
 def gptop(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gptop", "--no-ui", "--json", *args], capture_output=True,
-                          check=False, text=True, env=env_one_thread(), timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "gptop", "--no-ui", "--json", *args],
+        capture_output=True,
+        check=False,
+        text=True,
+        env=env_one_thread(),
+        timeout=timeout,
+    )
 
 
 def run_events(run_dir: Path, kind: str | None = None) -> list[dict]:
-    return [to_dict(e) for e in read_events(run_dir / "events.jsonl")
-            if e.rank == 0 and (kind is None or e.type == kind)]
+    return [
+        to_dict(e) for e in read_events(run_dir / "events.jsonl") if e.rank == 0 and (kind is None or e.type == kind)
+    ]
 
 
-@pytest.mark.solo          # the tuner measures trials: the CPU to itself under pytest -n
+@pytest.mark.solo  # the tuner measures trials: the CPU to itself under pytest -n
 def test_tune_a_trainer_script_runs_trials_decides_and_ends_at_max_steps(tmp_path):
     run_dir, out, steps = tmp_path / "run", tmp_path / "out", 1200
     # The start is slow on purpose (one sequence per forward, 16 accumulation steps: ~3x slower than 16 at
     # once here) and the run long enough (~5 minutes) for trials to pay for their restarts (~20 s each).
-    p = gptop("tune", "--budget", "90s", "--run-dir", str(run_dir), "--storage", f"sqlite:///{tmp_path / 's.db'}",
-              "--tune-space", "-all micro_batch=1,4,16 fused_adamw=on,off workers=0,1",
-              "--", sys.executable, str(EXAMPLE), "--steps", str(steps), "--batch", "1", "--accumulation", "16",
-              "--out", str(out))
+    p = gptop(
+        "tune",
+        "--budget",
+        "90s",
+        "--run-dir",
+        str(run_dir),
+        "--storage",
+        f"sqlite:///{tmp_path / 's.db'}",
+        "--tune-space",
+        "-all micro_batch=1,4,16 fused_adamw=on,off workers=0,1",
+        "--",
+        sys.executable,
+        str(EXAMPLE),
+        "--steps",
+        str(steps),
+        "--batch",
+        "1",
+        "--accumulation",
+        "16",
+        "--out",
+        str(out),
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     for line in p.stdout.splitlines():
-        json.loads(line)                              # --json: every stdout line is one JSON object
+        json.loads(line)  # --json: every stdout line is one JSON object
     hellos = [e for e in run_events(run_dir, "hello") if not e["early"]]
     assert hellos[0]["client"] == "transformers" and hellos[0]["tunable"]
     assert hellos[0]["config"]["optim"]["global_batch"] == 16
     trials = [e for e in run_events(run_dir, "trial") if e["kind"] == "trial" and e["status"] != "running"]
     assert trials, "no trial ran"
-    assert len(hellos) >= 2                           # each trial (and the apply) is a restart of the script
+    assert len(hellos) >= 2  # each trial (and the apply) is a restart of the script
     # every restart resumed from the checkpoint the script saved on gptop's command
     for h in hellos[1:]:
         assert h["start_step"] > 0
     for h in hellos:
         mb, acc = h["micro_batch"], h["accumulation"]
-        assert mb * acc == 16                         # the global batch stays the script's
+        assert mb * acc == 16  # the global batch stays the script's
     report = (run_dir / "tuning.md").read_text()
     assert "- Outcome:" in report and "Applied:" in report
     assert (run_dir / "best.toml").is_file()
@@ -93,7 +118,7 @@ def test_a_script_without_the_two_calls_is_refused_in_one_line(tmp_path):
     errors = [line for line in p.stderr.splitlines() if line.startswith("gptop: error:")]
     assert len(errors) == 1 and "tuned_args" in errors[0] and "resume_checkpoint" in errors[0], p.stderr
     assert "trained untuned" not in p.stdout + p.stderr
-    assert not run_dir.exists()                       # nothing kept of a refused run
+    assert not run_dir.exists()  # nothing kept of a refused run
 
 
 def test_trainer_options_with_a_command_are_refused(tmp_path):

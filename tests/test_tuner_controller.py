@@ -37,7 +37,7 @@ class FakeTrainer:
     def __init__(self, clock, seed=0, bf16_diverges=True, base_oom=False, restart_s=5.0):
         self.clock, self.rng, self.bf16_diverges, self.base_oom = clock, random.Random(seed), bf16_diverges, base_oom
         self.restarts = 0
-        self.restart_s = restart_s                       # a process start: import, build, first step
+        self.restart_s = restart_s  # a process start: import, build, first step
 
     def step_ms(self, t: Toggles, i: int) -> float:
         ms = 400.0
@@ -47,12 +47,12 @@ class FakeTrainer:
         ms *= {4: 1.2, 8: 1.0, 16: 0.95, 32: 0.95}.get(t.micro_batch, 1.0)
         ms *= 0.8 if t.precision == "bf16" else 1.0
         if t.compile == "default" and i < 3:
-            ms += 20000.0 / (i + 1)                      # compilation
+            ms += 20000.0 / (i + 1)  # compilation
         return ms * (1 + self.rng.gauss(0, 0.01))
 
     def failure(self, t: Toggles):
         if t.micro_batch == 16 and not t.activation_checkpointing:
-            return ("oom", 2)                            # OOM at the second step
+            return ("oom", 2)  # OOM at the second step
         if t.compile == "default" and t.prefetch == 0 and t.fused_adamw:
             return ("compile", 1)
         return None
@@ -71,12 +71,24 @@ def drive(ctl: TuneController, clock: Clock, trainer: FakeTrainer, pre_steps: in
     """What the gptop session does, minus processes. Returns the actions seen."""
     seen = []
     step = 0
-    for _ in range(pre_steps):                             # training before tuning starts
+    for _ in range(pre_steps):  # training before tuning starts
         step += 1
         clock.t += 0.4
-        ctl.observe(make("step", step=step, tokens=4096, loss=trainer.loss(step, Toggles(), False), lr=1e-3,
-                               grad_norm=1.0, step_ms=400.0, phases_ms={}, tokens_per_s=1.0, mfu=0.0,
-                               mem_bytes=10 ** 9))
+        ctl.observe(
+            make(
+                "step",
+                step=step,
+                tokens=4096,
+                loss=trainer.loss(step, Toggles(), False),
+                lr=1e-3,
+                grad_norm=1.0,
+                step_ms=400.0,
+                phases_ms={},
+                tokens_per_s=1.0,
+                mfu=0.0,
+                mem_bytes=10**9,
+            )
+        )
     checkpoint_step = step
     for _ in range(200):
         action = ctl.next_action()
@@ -88,7 +100,7 @@ def drive(ctl: TuneController, clock: Clock, trainer: FakeTrainer, pre_steps: in
         if isinstance(action, (RunTrial, Remeasure)):
             t = action.toggles
             if action.restart:
-                clock.t += trainer.restart_s            # restart from the checkpoint
+                clock.t += trainer.restart_s  # restart from the checkpoint
                 trainer.restarts += 1
                 ctl.observe(make("checkpoint", step=checkpoint_step, path="ckpt", seconds=2.0))
             fail = trainer.failure(t)
@@ -102,20 +114,32 @@ def drive(ctl: TuneController, clock: Clock, trainer: FakeTrainer, pre_steps: in
                 if fail and i + 1 >= fail[1]:
                     ctl.observe(make("error", kind=fail[0], message=f"simulated {fail[0]}"))
                 else:
-                    ctl.observe(make("step", step=step, tokens=4096, loss=trainer.loss(step, t, diverge),
-                                           lr=1e-3, grad_norm=1.0, step_ms=ms, phases_ms={}, tokens_per_s=0.0,
-                                           mfu=0.0, mem_bytes=2 * 10 ** 9 + t.micro_batch * 10 ** 8,
-                                           time=clock.t))
-                for kind in trainer.warnings(t, i):        # the compile watchdog's, at this step
+                    ctl.observe(
+                        make(
+                            "step",
+                            step=step,
+                            tokens=4096,
+                            loss=trainer.loss(step, t, diverge),
+                            lr=1e-3,
+                            grad_norm=1.0,
+                            step_ms=ms,
+                            phases_ms={},
+                            tokens_per_s=0.0,
+                            mfu=0.0,
+                            mem_bytes=2 * 10**9 + t.micro_batch * 10**8,
+                            time=clock.t,
+                        )
+                    )
+                for kind in trainer.warnings(t, i):  # the compile watchdog's, at this step
                     ctl.observe(make("warning", message=f"simulated {kind}", kind=kind, step=step))
                 stop = ctl.trial_should_stop()
                 if stop:
                     break
             if stop in ("done", "prune", "budget"):
-                checkpoint_step = step                   # healthy: steps kept, checkpoint taken
+                checkpoint_step = step  # healthy: steps kept, checkpoint taken
                 ctl.finish_trial("ok")
             else:
-                ctl.finish_trial(stop)                   # rolled back to checkpoint_step
+                ctl.finish_trial(stop)  # rolled back to checkpoint_step
             continue
         if isinstance(action, Apply):
             continue
@@ -130,10 +154,9 @@ def make_ctl(tmp_path, clock, budget_s=900.0, spec=SPEC, storage=None, run_steps
     cfg.optim.global_batch = 32
     cfg.optim.max_steps = run_steps
     cfg.toggles.micro_batch = "auto"
-    cfg.toggles.fused_adamw = False                   # a start the recipe improves on
+    cfg.toggles.fused_adamw = False  # a start the recipe improves on
     space = SearchSpace.for_device(dataclasses.replace(cfg.toggles, micro_batch=8), CPU, 32, spec=spec)
-    study = TuneStudy.open(cfg, CPU, space, storage=storage or f"journal:{tmp_path}/tuning.log", seed=0,
-                           wall=clock)
+    study = TuneStudy.open(cfg, CPU, space, storage=storage or f"journal:{tmp_path}/tuning.log", seed=0, wall=clock)
     kw.setdefault("max_trials", 8)
     kw.setdefault("min_steps", 6)
     return TuneController(cfg, CPU, space, study, Budget(budget_s, clock=clock), clock=clock, **kw)
@@ -148,9 +171,9 @@ def test_full_simulated_tuning_ends_in_apply(tmp_path):
     assert isinstance(seen[0], FindMicroBatch)
     baseline = seen[1]
     assert isinstance(baseline, RunTrial) and baseline.baseline and not baseline.restart
-    assert baseline.toggles.micro_batch == 8          # auto resolved to what fits
+    assert baseline.toggles.micro_batch == 8  # auto resolved to what fits
     trials = [a for a in seen if isinstance(a, RunTrial) and not a.baseline]
-    assert trials[0].source == "recipe" and trials[0].toggles.compile == "off"   # no compile in the CPU recipe
+    assert trials[0].source == "recipe" and trials[0].toggles.compile == "off"  # no compile in the CPU recipe
     assert 1 <= len(trials) <= 8
     assert isinstance(seen[-2], Apply) and isinstance(seen[-1], Done)
     apply = seen[-2]
@@ -162,19 +185,21 @@ def test_full_simulated_tuning_ends_in_apply(tmp_path):
     types = [e.type for e in events]
     assert "apply" in types and "tuner" in types and "trial" in types
     running = [e for e in events if e.type == "trial" and e.status == "running"]
-    assert running and all(e.number is not None for e in running)      # views key rows by number
+    assert running and all(e.number is not None for e in running)  # views key rows by number
     trial_events = [e for e in events if e.type == "trial" and e.status != "running"]
     statuses = {e.status for e in trial_events}
-    assert "infeasible" in statuses                       # screened OOM, compile error or divergence
+    assert "infeasible" in statuses  # screened OOM, compile error or divergence
     for e in trial_events:
         assert isinstance(e, TrialEvent) and isinstance(e.toggles, ToggleValues) and e.reason is not None
         assert parse(dumps(e)) == e
     # micro-batch 16 and 32 can never fit (max 8, same precision): screened, not run
-    assert not any(a.toggles.micro_batch in (16, 32) and a.toggles.precision == "fp32"
-                   for a in trials)
+    assert not any(a.toggles.micro_batch in (16, 32) and a.toggles.precision == "fp32" for a in trials)
     # bf16 changes numerics: its loss runs off the trend and the trial is rolled back as diverged
-    bf16 = [e for e in trial_events if e.toggles.precision == "bf16" and e.kind == "trial"
-            and e.toggles.micro_batch in (8, 4)]
+    bf16 = [
+        e
+        for e in trial_events
+        if e.toggles.precision == "bf16" and e.kind == "trial" and e.toggles.micro_batch in (8, 4)
+    ]
     assert bf16 and all(e.status == "infeasible" and "diverged" in e.reason for e in bf16)
     tuner = [e for e in events if e.type == "tuner"]
     assert tuner[-1].phase == "done" and tuner[-1].budget_left_s >= 0
@@ -185,7 +210,7 @@ def test_full_simulated_tuning_ends_in_apply(tmp_path):
     paths = write_report(tmp_path / "run", ctl.study, info)
     report = json.loads(paths["json"].read_text())
     assert report["speedup"] > 1.3 and report["trials"]
-    summary = format_summary(report)                      # what `gptop report` prints
+    summary = format_summary(report)  # what `gptop report` prints
     assert summary.startswith("tuning    best (trial") and "applied" in summary and "x the start" in summary
     # where the study lives, and the command that browses it (docs/tuning.md)
     assert report["study"] == ctl.study.name and report["storage"] == f"journal:{tmp_path}/tuning.log"
@@ -196,7 +221,7 @@ def test_full_simulated_tuning_ends_in_apply(tmp_path):
     cfg = config_from_toml(paths["toml"])
     cfg.validate()
     assert cfg.toggles == apply.toggles
-    assert paths["toml"].read_text().count("[") == 1      # only the [toggles] table
+    assert paths["toml"].read_text().count("[") == 1  # only the [toggles] table
 
 
 def test_trials_carry_energy_per_token_from_the_sessions_energy(tmp_path):
@@ -208,7 +233,7 @@ def test_trials_carry_energy_per_token_from_the_sessions_energy(tmp_path):
     drive(ctl, clock, FakeTrainer(clock))
     measured = [e for e in ctl.drain_events() if e.type == "trial" and e.status in ("ok", "cut")]
     assert measured
-    for e in measured:       # J/token = W / (tokens/s), the median throughput within a few %
+    for e in measured:  # J/token = W / (tokens/s), the median throughput within a few %
         assert e.energy_per_token == pytest.approx(watts / e.tokens_per_s, rel=0.05)
     attrs = [t.user_attrs for t in ctl.study.trials() if t.user_attrs.get("status") in ("ok", "cut")]
     assert attrs and all(a["energy_per_token"] > 0 for a in attrs)
@@ -217,13 +242,13 @@ def test_trials_carry_energy_per_token_from_the_sessions_energy(tmp_path):
     assert "| energy/token |" in md and " mJ |" in md and "mJ/token" in md
     assert "mJ/token" in format_summary(json.loads((tmp_path / "out" / "tuning.json").read_text()))
 
-    clock = Clock()                                      # no reading: no column, no figure, never 0
+    clock = Clock()  # no reading: no column, no figure, never 0
     ctl = make_ctl(tmp_path / "none", clock, energy=lambda t0, t1: None)
     drive(ctl, clock, FakeTrainer(clock))
     trial_events = [e for e in ctl.drain_events() if e.type == "trial"]
     assert trial_events and all(e.energy_per_token is None for e in trial_events)
     md = write_report(tmp_path / "out2", ctl.study, ctl.report_info())["md"].read_text()
-    assert "energy" not in md.replace(str(tmp_path), "")      # (the study's storage path names this test)
+    assert "energy" not in md.replace(str(tmp_path), "")  # (the study's storage path names this test)
 
 
 def test_budget_stops_starting_trials_it_cannot_afford(tmp_path):
@@ -232,22 +257,44 @@ def test_budget_stops_starting_trials_it_cannot_afford(tmp_path):
     seen = drive(ctl, clock, FakeTrainer(clock))
     assert isinstance(seen[-1], Done) or isinstance(seen[-2], Apply)
     assert 1 <= ctl.trials_run < 50 and ctl.stop_note.startswith("budget")
-    assert ctl.budget.elapsed() <= 300.0                # nothing was started that could not finish
+    assert ctl.budget.elapsed() <= 300.0  # nothing was started that could not finish
 
 
 def test_a_trial_that_overruns_is_cut_by_the_budget(tmp_path):
     clock = Clock()
     # rel_ci so tight nothing is ever stable: the first real trial runs into the end of the budget
-    ctl = make_ctl(tmp_path, clock, budget_s=400.0, rel_ci=1e-6, max_steps=100_000, max_seconds=10_000,
-                   default_restart_s=1.0, remeasure_top=0)
+    ctl = make_ctl(
+        tmp_path,
+        clock,
+        budget_s=400.0,
+        rel_ci=1e-6,
+        max_steps=100_000,
+        max_seconds=10_000,
+        default_restart_s=1.0,
+        remeasure_top=0,
+    )
     ctl.set_max_micro_batch(8)
     trainer = FakeTrainer(clock)
     a = ctl.next_action()
     assert a.baseline
-    for i in range(40):                                  # a short, healthy baseline
+    for i in range(40):  # a short, healthy baseline
         clock.t += 0.4
-        ctl.observe(make("step", step=i + 1, tokens=0, loss=3.0, lr=0, grad_norm=0, step_ms=400.0 + i % 3,
-                               phases_ms={}, tokens_per_s=0, mfu=0, mem_bytes=1, time=clock.t))
+        ctl.observe(
+            make(
+                "step",
+                step=i + 1,
+                tokens=0,
+                loss=3.0,
+                lr=0,
+                grad_norm=0,
+                step_ms=400.0 + i % 3,
+                phases_ms={},
+                tokens_per_s=0,
+                mfu=0,
+                mem_bytes=1,
+                time=clock.t,
+            )
+        )
     ctl.finish_trial("ok")
     a = ctl.next_action()
     assert isinstance(a, RunTrial) and not a.baseline
@@ -255,9 +302,22 @@ def test_a_trial_that_overruns_is_cut_by_the_budget(tmp_path):
     while stop is None:
         i += 1
         clock.t += trainer.step_ms(a.toggles, i) / 1000.0
-        ctl.observe(make("step", step=100 + i, tokens=0, loss=3.0, lr=0, grad_norm=0,
-                               step_ms=trainer.step_ms(a.toggles, i), phases_ms={}, tokens_per_s=0, mfu=0,
-                               mem_bytes=1, time=clock.t))
+        ctl.observe(
+            make(
+                "step",
+                step=100 + i,
+                tokens=0,
+                loss=3.0,
+                lr=0,
+                grad_norm=0,
+                step_ms=trainer.step_ms(a.toggles, i),
+                phases_ms={},
+                tokens_per_s=0,
+                mfu=0,
+                mem_bytes=1,
+                time=clock.t,
+            )
+        )
         stop = ctl.trial_should_stop()
     assert stop == "budget"
     ev = ctl.finish_trial("ok")
@@ -265,7 +325,7 @@ def test_a_trial_that_overruns_is_cut_by_the_budget(tmp_path):
     # the reason in words, with the noise left (never an internal name like "budget: not stable")
     assert ev.reason.startswith("the tuning budget ran out after ") and "% noisy (stable is ±" in ev.reason
     assert "not stable" not in ev.reason and "max_seconds" not in ev.reason
-    assert ctl.study.trials()[a.number].state.name == "COMPLETE"   # a usable, if wider, measurement
+    assert ctl.study.trials()[a.number].state.name == "COMPLETE"  # a usable, if wider, measurement
     assert isinstance(ctl.next_action(), (Apply, Done))
 
 
@@ -283,8 +343,7 @@ class CloseRace(FakeTrainer):
 
 def test_close_candidates_are_remeasured_best_last(tmp_path):
     clock = Clock()
-    ctl = make_ctl(tmp_path, clock, spec="-all compile=off,default fused_adamw=on,off", rel_ci=0.05,
-                   max_trials=3)
+    ctl = make_ctl(tmp_path, clock, spec="-all compile=off,default fused_adamw=on,off", rel_ci=0.05, max_trials=3)
     seen = drive(ctl, clock, CloseRace(clock, bf16_diverges=False))
     rem = [a for a in seen if isinstance(a, Remeasure)]
     assert len(rem) == 2
@@ -293,14 +352,13 @@ def test_close_candidates_are_remeasured_best_last(tmp_path):
     assert first.number != last.number
     pooled = {c.number: c for c in ctl.study.candidates()}
     assert pooled[last.number].remeasured == 1 and pooled[first.number].remeasured == 1
-    assert pooled[first.number].n > len(ctl.study.trials()[first.number].user_attrs["samples"])   # pooled
+    assert pooled[first.number].n > len(ctl.study.trials()[first.number].user_attrs["samples"])  # pooled
     apply = seen[-2]
     assert isinstance(apply, Apply) and apply.toggles.compile == "default"
-    assert apply.restart is (apply.toggles != last.toggles)       # the presumed best ran last
+    assert apply.restart is (apply.toggles != last.toggles)  # the presumed best ran last
     # never "0 s": the trial's own process trains on only after a restart with the user's settings (nan policy),
     # which costs what this setup's restarts into that configuration cost
-    measured = [r["overhead_s"] for r in ctl.results if r["overhead_s"] is not None
-                and r["toggles"] == apply.toggles]
+    measured = [r["overhead_s"] for r in ctl.results if r["overhead_s"] is not None and r["toggles"] == apply.toggles]
     assert measured and apply.decision.cost_s == pytest.approx(sorted(measured)[len(measured) // 2], rel=0.5)
     assert apply.decision.cost_s > 0 and "0s switch" not in apply.decision.reason
 
@@ -314,18 +372,21 @@ def test_second_run_starts_from_what_was_learned(tmp_path):
 
     clock2 = Clock()
     second = make_ctl(tmp_path, clock2, max_trials=3)
-    assert second.study.best_known()[0] == best1         # the session could skip tuning entirely
+    assert second.study.best_known()[0] == best1  # the session could skip tuning entirely
     seen = drive(second, clock2, FakeTrainer(clock2, seed=1))
-    assert not isinstance(seen[0], FindMicroBatch)       # max micro-batch remembered in the study
+    assert not isinstance(seen[0], FindMicroBatch)  # max micro-batch remembered in the study
     trials = [a for a in seen if isinstance(a, RunTrial) and not a.baseline]
-    assert trials and all(a.source != "recipe" for a in trials)     # warm start not repeated
-    first_keys = {params_key(t.params) for t in first.study.trials()[:n_first]
-                  if t.user_attrs.get("status") in ("ok", "cut", "pruned", "infeasible")}
+    assert trials and all(a.source != "recipe" for a in trials)  # warm start not repeated
+    first_keys = {
+        params_key(t.params)
+        for t in first.study.trials()[:n_first]
+        if t.user_attrs.get("status") in ("ok", "cut", "pruned", "infeasible")
+    }
     assert trials and all(params_key(second.space.to_params(a.toggles)) not in first_keys for a in trials)
     assert isinstance(seen[-1], Done)
     report = json.loads(write_report(tmp_path / "run2", second.study, second.report_info())["json"].read_text())
     runs = {r["run"] for r in report["trials"]}
-    assert runs == {"this", "earlier"}                   # the table marks what earlier runs learned
+    assert runs == {"this", "earlier"}  # the table marks what earlier runs learned
 
 
 def test_failing_baseline_and_abort(tmp_path):
@@ -340,7 +401,7 @@ def test_failing_baseline_and_abort(tmp_path):
     assert ev.status == "infeasible" and ctl.baseline is None
     b = ctl.next_action()
     assert isinstance(b, RunTrial) and not b.baseline and b.restart
-    assert ctl.next_action() is b                          # same action until finished
+    assert ctl.next_action() is b  # same action until finished
     ctl.abort("user quit")
     done = ctl.next_action()
     assert isinstance(done, Done) and done.reason == "user quit"
@@ -362,7 +423,7 @@ def test_start_outside_the_space_is_still_the_baseline(tmp_path):
     ctl = make_ctl(tmp_path, clock, spec="-all precision=bf16 compile=off,default", max_trials=4)
     seen = drive(ctl, clock, FakeTrainer(clock, bf16_diverges=False))
     base = seen[1]
-    assert isinstance(base, RunTrial) and base.baseline and base.number is None   # measured, not a trial
+    assert isinstance(base, RunTrial) and base.baseline and base.number is None  # measured, not a trial
     assert ctl.baseline is not None and ctl.baseline_number is None
     runs = [a for a in seen if isinstance(a, RunTrial) and not a.baseline]
     assert runs and all(a.toggles.precision == "bf16" and a.numerics_changing for a in runs)
@@ -386,8 +447,11 @@ def test_cuda_graph_modes_with_accumulation_are_never_run(tmp_path):
     seen = drive(ctl, clock, FakeTrainer(clock))
     ran = [a for a in seen if isinstance(a, (RunTrial, Remeasure))]
     assert ran and not any(a.toggles.compile == "reduce-overhead" and a.toggles.micro_batch < 32 for a in ran)
-    screened = [e for e in ctl.drain_events() if e.type == "trial" and e.toggles.compile == "reduce-overhead"
-                and e.toggles.micro_batch < 32]
+    screened = [
+        e
+        for e in ctl.drain_events()
+        if e.type == "trial" and e.toggles.compile == "reduce-overhead" and e.toggles.micro_batch < 32
+    ]
     assert screened and all(e.status == "infeasible" and "CUDA graphs" in e.reason for e in screened)
 
 
@@ -416,7 +480,10 @@ def test_no_trial_runs_when_none_can_pay(tmp_path):
     done = seen[-1]
     assert isinstance(done, Done) and not done.restart and done.toggles == ctl.base
     cost = 10.0 + 0.25 * ctl.baseline["duration_s"]
-    assert done.reason.startswith("tuning cannot pay: the run ends in 1:") and f"a trial costs ~{cost:.0f} s here" in done.reason
+    assert (
+        done.reason.startswith("tuning cannot pay: the run ends in 1:")
+        and f"a trial costs ~{cost:.0f} s here" in done.reason
+    )
     plan = ctl.decisions[-1]
     left = plan.remaining_steps * 4096 / ctl.baseline["tokens_per_s"]
     assert plan.choice is Choice.PLAN and not plan.apply and plan.cost_s == pytest.approx(cost)
@@ -425,7 +492,7 @@ def test_no_trial_runs_when_none_can_pay(tmp_path):
     led = ctl.report_info()["ledger"]
     assert led["decisions"][-1]["choice"] == "plan" and led["decisions"][-1]["cost_s"] == pytest.approx(cost)
     assert led["switch_s"] == 0.0 and led["saving_s"] == 0.0 and led["net_s"] == pytest.approx(-led["cost_s"])
-    assert led["cost_s"] < 1.0                      # the baseline's steps were the run's own, at its own speed
+    assert led["cost_s"] < 1.0  # the baseline's steps were the run's own, at its own speed
     assert led["budget_s"] < 900.0 and led["budget_s"] == pytest.approx(0.5 * left, rel=0.05)
     md = write_report(tmp_path / "run", ctl.study, ctl.report_info())["md"].read_text()
     assert "tuning cannot pay" in md and "Net against not tuning: -" in md and "asked for 15m00s" in md
@@ -440,8 +507,10 @@ def test_the_t_key_on_a_run_near_its_end_plans_before_measuring(tmp_path):
     ctl.set_pace(43, 0.45)
     first = ctl.next_action()
     assert isinstance(first, Done) and not first.restart
-    assert first.reason.startswith("tuning cannot pay: the run ends in 1:11 (157 steps at 0.45 s); a trial "
-                                   "costs ~12 s here, more than the 7 s tuning may still lose")
+    assert first.reason.startswith(
+        "tuning cannot pay: the run ends in 1:11 (157 steps at 0.45 s); a trial "
+        "costs ~12 s here, more than the 7 s tuning may still lose"
+    )
     assert ctl.decisions[-1].cost_s == pytest.approx(10.0 + 0.25 * 18 * 0.45)
     assert ctl.trials_run == 0 and ctl.baseline is None
     assert [e.phase for e in ctl.drain_events() if e.type == "tuner"][-1] == "done"
@@ -456,19 +525,34 @@ def test_the_plan_counts_the_runs_time_between_steps(tmp_path):
     ctl = short_run(tmp_path, clock, 200)
     t = 5000.0
     for i in range(1, 44):
-        t += 0.9 if i != 20 else 30.0                   # step 20 came after a 30 s restart: not the run's pace
+        t += 0.9 if i != 20 else 30.0  # step 20 came after a 30 s restart: not the run's pace
         if i == 20:
             ctl.observe(make("hello", config=TrainConfig().to_dict(), device=CPU, model={}, start_step=19))
-        ctl.observe(make("step", step=i, tokens=4096, loss=3.0, lr=1e-3, grad_norm=1.0, step_ms=450.0,
-                         phases_ms={}, tokens_per_s=1.0, mfu=0.0, mem_bytes=10 ** 9, time=t))
+        ctl.observe(
+            make(
+                "step",
+                step=i,
+                tokens=4096,
+                loss=3.0,
+                lr=1e-3,
+                grad_norm=1.0,
+                step_ms=450.0,
+                phases_ms={},
+                tokens_per_s=1.0,
+                mfu=0.0,
+                mem_bytes=10**9,
+                time=t,
+            )
+        )
     assert ctl.run_pace.between_s() == pytest.approx(0.45)
     ctl.set_pace(43, 0.45)
     first = ctl.next_action()
-    assert isinstance(first, RunTrial) and first.baseline            # it measures the start: tuning can pay
+    assert isinstance(first, RunTrial) and first.baseline  # it measures the start: tuning can pay
     plan = ctl.decisions[-1]
     assert plan.choice is Choice.PLAN and plan.apply
-    assert plan.reason.startswith("tuning can pay: the run ends in 2:21 (157 steps at 0.90 s, 0.45 s of it "
-                                  "between steps)")
+    assert plan.reason.startswith(
+        "tuning can pay: the run ends in 2:21 (157 steps at 0.90 s, 0.45 s of it between steps)"
+    )
     assert ctl.loss_allowance_s == pytest.approx(0.1 * 157 * 0.9)
     assert ctl.report_info()["ledger"]["between_s"] == pytest.approx(0.45)
 
@@ -490,7 +574,7 @@ def test_expensive_trials_are_dropped_first(tmp_path):
     info = ctl.report_info()
     assert info["ledger"]["skipped"] == len(skipped)
     report = json.loads(write_report(tmp_path / "run", ctl.study, info)["json"].read_text())
-    assert not any(r["status"] == "skipped" for r in report["trials"])          # counted, not listed
+    assert not any(r["status"] == "skipped" for r in report["trials"])  # counted, not listed
     assert any(d["reason"].startswith("compile=default trials cannot pay") for d in report["ledger"]["decisions"])
 
 
@@ -510,17 +594,25 @@ def test_it_applies_the_best_once_exploring_is_worth_less(tmp_path):
     its restart plus the saving it forgoes while it runs, the best is applied at once, with most of the run left
     to gain on, and the ledger's net counts what tuning cost."""
     clock = Clock()
-    ctl = short_run(tmp_path, clock, 200, spec="-all fused_adamw=on,off prefetch=0,1,2,4 workers=0,1,2",
-                    startup_s=8.0, max_trials=16)
+    ctl = short_run(
+        tmp_path,
+        clock,
+        200,
+        spec="-all fused_adamw=on,off prefetch=0,1,2,4 workers=0,1,2",
+        startup_s=8.0,
+        max_trials=16,
+    )
     seen = drive(ctl, clock, BigWin(clock, restart_s=8.0))
     apply = seen[-2]
     assert isinstance(apply, Apply) and apply.toggles.fused_adamw and isinstance(seen[-1], Done)
     stop = [d for d in ctl.decisions if d.choice is Choice.EXPLORE]
     assert len(stop) == 1 and not stop[0].apply and stop[0].expected_saving_s < stop[0].cost_s
-    assert stop[0].reason.startswith(f"stopped exploring at step {stop[0].step}: {stop[0].remaining_steps} steps "
-                                     f"left, applying trial {apply.number} saves ")
-    assert stop[0].remaining_steps > 100 and 1 <= ctl.trials_run < 6     # applied with most of the run left
-    assert ctl.budget.elapsed() < ctl.budget.total_s - 30                # not because the budget ran out
+    assert stop[0].reason.startswith(
+        f"stopped exploring at step {stop[0].step}: {stop[0].remaining_steps} steps "
+        f"left, applying trial {apply.number} saves "
+    )
+    assert stop[0].remaining_steps > 100 and 1 <= ctl.trials_run < 6  # applied with most of the run left
+    assert ctl.budget.elapsed() < ctl.budget.total_s - 30  # not because the budget ran out
     switch = ctl.decisions[-1]
     assert switch.choice is Choice.SWITCH and switch.apply and switch.cost_s > 0
     led = ctl.report_info()["ledger"]
@@ -567,7 +659,7 @@ def test_a_stored_trial_is_compared_only_within_its_own_run(tmp_path):
     apply = next(a for a in seen if isinstance(a, Apply))
     events = second.drain_events()
     ev = next(e for e in events if e.type == "apply")
-    assert ev.tokens_per_s / ev.baseline_tokens_per_s == pytest.approx(best1.speedup, rel=0.1)   # not ~2x that
+    assert ev.tokens_per_s / ev.baseline_tokens_per_s == pytest.approx(best1.speedup, rel=0.1)  # not ~2x that
     if apply.number == best1.cand.number:
         assert "from an earlier run" in apply.label
         remeasured = [e for e in events if e.type == "trial" and e.number == apply.number and e.kind == "remeasure"]
@@ -587,7 +679,7 @@ def test_an_unstable_baseline_is_never_a_denominator(tmp_path):
     seen = drive(ctl, clock, Machine(clock, noisy_start=True))
     base = ctl.baseline
     assert base["spread"] > 0.25 * base["tokens_per_s"]
-    assert any(isinstance(a, Remeasure) and a.toggles == ctl.base for a in seen)     # it tried to make it hold
+    assert any(isinstance(a, Remeasure) and a.toggles == ctl.base for a in seen)  # it tried to make it hold
     assert not any(isinstance(a, Apply) for a in seen)
     assert "does not hold" in seen[-1].reason and "no speed-up can be claimed" in seen[-1].reason
     tuner_events = [e for e in ctl.drain_events() if e.type == "tuner"]
@@ -613,13 +705,15 @@ def test_the_panels_best_is_the_reports_best_and_never_a_wide_measurement(tmp_pa
     from gptop.state import RunState
 
     clock = Clock()
-    ctl = make_ctl(tmp_path, clock, spec=NEUTRAL, startup_s=5.0, run_steps=100_000, max_seconds=30.0,
-                   max_trials=8)
+    ctl = make_ctl(tmp_path, clock, spec=NEUTRAL, startup_s=5.0, run_steps=100_000, max_seconds=30.0, max_trials=8)
     drive(ctl, clock, NoisyWinner(clock, seed=3))
     events = ctl.drain_events()
-    noisy = [e for e in events if e.type == "trial" and e.toggles.prefetch == 0 and e.toggles.fused_adamw
-             and e.status in ("ok", "cut")]
-    assert noisy and noisy[-1].spread > 0.25 * noisy[-1].tokens_per_s         # it ran, and measured wide
+    noisy = [
+        e
+        for e in events
+        if e.type == "trial" and e.toggles.prefetch == 0 and e.toggles.fused_adamw and e.status in ("ok", "cut")
+    ]
+    assert noisy and noisy[-1].spread > 0.25 * noisy[-1].tokens_per_s  # it ran, and measured wide
     state = RunState()
     for e in events:
         state.apply(e)
@@ -630,13 +724,18 @@ def test_the_panels_best_is_the_reports_best_and_never_a_wide_measurement(tmp_pa
 
 # --- the advice and the compile watchdog (issue 20) ----------------------------------------------------------
 
+
 def test_the_advices_toggles_are_the_first_proposals_and_say_so(tmp_path):
     """The advice names fused AdamW (optimizer-bound) and a deeper prefetch (data-bound; 8 is not in the space,
     its nearest, 2, is where the start is already: nothing to try), and a compile mode the space does not hold:
     the first trial is fused AdamW alone on the start, from the advice, with its evidence on the row."""
     clock = Clock()
-    advice = [("fused_adamw", True, "optimizer is 31% of the step"), ("prefetch", 8, "data loading is 18% of the step"),
-              ("compile", "reduce-overhead", "GPU idle 40% of the step"), ("precision", "bf16", "compute-bound")]
+    advice = [
+        ("fused_adamw", True, "optimizer is 31% of the step"),
+        ("prefetch", 8, "data loading is 18% of the step"),
+        ("compile", "reduce-overhead", "GPU idle 40% of the step"),
+        ("precision", "bf16", "compute-bound"),
+    ]
     ctl = make_ctl(tmp_path, clock, advice=lambda: advice)
     seen = drive(ctl, clock, FakeTrainer(clock, bf16_diverges=False))
     trials = [a for a in seen if isinstance(a, RunTrial) and not a.baseline]
@@ -644,7 +743,7 @@ def test_the_advices_toggles_are_the_first_proposals_and_say_so(tmp_path):
     assert first.source == "advice" and first.advice == "optimizer is 31% of the step: fused_adamw=on"
     assert dataclasses.replace(first.toggles, fused_adamw=False) == ctl.base
     assert second.source == "advice" and second.toggles == dataclasses.replace(ctl.base, precision="bf16")
-    assert not any(a.source == "advice" for a in trials[2:])          # each once; the recipe and TPE after
+    assert not any(a.source == "advice" for a in trials[2:])  # each once; the recipe and TPE after
     events = [e for e in ctl.drain_events() if e.type == "trial" and e.number == first.number]
     assert events and all(e.source == "advice" and e.advice == first.advice for e in events)
     md = write_report(tmp_path / "run", ctl.study, ctl.report_info())["md"].read_text()
@@ -656,12 +755,17 @@ def test_an_advised_trial_still_has_to_pay(tmp_path):
     """The advice says compile=default, but ~300 s are left: a compile nobody has measured cannot pay. The
     advised proposal goes through the same gate as any other: skipped (not run, not a result), cheap trials run."""
     clock = Clock()
-    ctl = short_run(tmp_path, clock, 700, advice=lambda: [("compile", "default", "compute-bound (forward+backward 80%)")])
+    ctl = short_run(
+        tmp_path, clock, 700, advice=lambda: [("compile", "default", "compute-bound (forward+backward 80%)")]
+    )
     seen = drive(ctl, clock, FakeTrainer(clock, bf16_diverges=False))
     ran = [a for a in seen if isinstance(a, RunTrial) and not a.baseline]
     assert ran and not any(a.toggles.compile == "default" for a in ran)
-    skipped = [t for t in ctl.study.trials() if t.user_attrs.get("status") == "skipped"
-               and t.user_attrs.get("source") == "advice"]
+    skipped = [
+        t
+        for t in ctl.study.trials()
+        if t.user_attrs.get("status") == "skipped" and t.user_attrs.get("source") == "advice"
+    ]
     assert len(skipped) == 1 and skipped[0].user_attrs["toggles"]["compile"] == "default"
 
 
@@ -694,8 +798,7 @@ def test_a_setting_that_kept_recompiling_is_never_applied(tmp_path):
     assert unsteady and all(e.toggles.compile == "default" and e.toggles.prefetch == 2 for e in unsteady)
     for e in unsteady:
         assert e.compile["recompile"] >= 2 and "kept recompiling" in e.reason
-    once = [e for e in events if e.toggles.compile == "default" and e.toggles.prefetch == 0
-            and e.kind == "trial"]
+    once = [e for e in events if e.toggles.compile == "default" and e.toggles.prefetch == 0 and e.kind == "trial"]
     assert once and all(not e.unsteady and e.compile == {"recompile": 1} for e in once)
     assert "recompiled once" in once[0].reason
     applied = [a for a in seen if isinstance(a, Apply)]

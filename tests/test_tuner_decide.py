@@ -14,12 +14,12 @@ def measured(step_ms, n=12):
 
 
 def test_prune_only_when_clearly_slower_after_warmup():
-    slow = measured(200.0)                 # 5000 tokens/s
+    slow = measured(200.0)  # 5000 tokens/s
     assert should_prune(slow, best_tokens_per_s=10000)
-    assert not should_prune(slow, best_tokens_per_s=5100)   # within the margin
+    assert not should_prune(slow, best_tokens_per_s=5100)  # within the margin
     assert not should_prune(slow, best_tokens_per_s=None)
     cold = Measurement()
-    for i in range(4):                      # not warmed up yet: never pruned
+    for i in range(4):  # not warmed up yet: never pruned
         cold.add(i, 200.0, TOK, float(i))
     assert not should_prune(cold, 10000)
 
@@ -41,18 +41,18 @@ def test_hopeless_needs_every_early_step_far_below_the_best():
     from tuner.measure import Measurement
 
     m = Measurement()
-    for i, ms in enumerate([9000, 5000, 4100, 4000, 3900]):      # 2 skipped, then 3 at ~1/4 of the best
+    for i, ms in enumerate([9000, 5000, 4100, 4000, 3900]):  # 2 skipped, then 3 at ~1/4 of the best
         m.add(i + 1, ms, 4096, float(i))
-    assert hopeless(m, best_tokens_per_s=4096 / 0.9)           # best: 900 ms a step
+    assert hopeless(m, best_tokens_per_s=4096 / 0.9)  # best: 900 ms a step
     assert not hopeless(m, best_tokens_per_s=None)
     close = Measurement()
-    for i, ms in enumerate([9000, 5000, 4100, 1500, 3900]):      # one step within 2x of the best: wait
+    for i, ms in enumerate([9000, 5000, 4100, 1500, 3900]):  # one step within 2x of the best: wait
         close.add(i + 1, ms, 4096, float(i))
     assert not hopeless(close, best_tokens_per_s=4096 / 0.9)
     short = Measurement()
     for i, ms in enumerate([9000, 5000, 4100]):
         short.add(i + 1, ms, 4096, float(i))
-    assert not hopeless(short, best_tokens_per_s=4096 / 0.9)   # too few steps to say
+    assert not hopeless(short, best_tokens_per_s=4096 / 0.9)  # too few steps to say
 
 
 def test_a_trial_pays_only_when_the_most_it_could_save_covers_its_cost():
@@ -62,12 +62,12 @@ def test_a_trial_pays_only_when_the_most_it_could_save_covers_its_cost():
     d = trial_pays(15.0, 10.0, 157, 0.45, 1.5, loss_left_s=100.0)
     assert d.apply and d.expected_saving_s == pytest.approx(60.65 / 3) and d.choice is Choice.TRIAL
     assert d.reason.startswith("the run ends in 1:11 (157 steps at 0.45 s); a trial costs ~15 s here")
-    d = trial_pays(25.0, 10.0, 157, 0.45, 1.5, loss_left_s=100.0)        # costs more than it could save
+    d = trial_pays(25.0, 10.0, 157, 0.45, 1.5, loss_left_s=100.0)  # costs more than it could save
     assert not d.apply and "more than the 20 s it could save" in d.reason
-    d = trial_pays(15.0, 10.0, 157, 0.45, 1.5, loss_left_s=7.0)          # more than tuning may still lose
+    d = trial_pays(15.0, 10.0, 157, 0.45, 1.5, loss_left_s=7.0)  # more than tuning may still lose
     assert not d.apply and "more than the 7 s tuning may still lose" in d.reason
-    assert not trial_pays(1.0, 10.0, 0, 0.45, 3.0, 100.0).apply           # nothing left to save on
-    assert not trial_pays(1.0, 10.0, 1000, 0.45, 1.0, 100.0).apply        # no gain assumed: nothing to pay with
+    assert not trial_pays(1.0, 10.0, 0, 0.45, 3.0, 100.0).apply  # nothing left to save on
+    assert not trial_pays(1.0, 10.0, 1000, 0.45, 1.0, 100.0).apply  # no gain assumed: nothing to pay with
 
 
 def test_a_trial_pays_on_the_runs_wall_time_but_saves_only_on_its_steps():
@@ -80,20 +80,22 @@ def test_a_trial_pays_on_the_runs_wall_time_but_saves_only_on_its_steps():
     assert d.reason.startswith("the run ends in 2:21 (157 steps at 0.90 s, 0.45 s of it between steps); a trial")
     same = trial_pays(15.0, 10.0, 157, 0.45, 1.5, loss_left_s=100.0, between_s=0.0)
     assert "between steps" not in same.reason and same.expected_saving_s == pytest.approx(60.65 / 3)
-    assert trial_pays(15.0, 10.0, 157, 0.45, 1.5, 100.0, between_s=-1.0).reason == same.reason   # never negative
+    assert trial_pays(15.0, 10.0, 157, 0.45, 1.5, 100.0, between_s=-1.0).reason == same.reason  # never negative
 
 
 def test_exploring_on_against_applying_now():
     from tuner.decide import Choice, keep_exploring
 
-    switch = switch_pays(1000, 2000, remaining_steps=200, tokens_per_step=1000, switch_cost_s=5)   # saves 100 s
+    switch = switch_pays(1000, 2000, remaining_steps=200, tokens_per_step=1000, switch_cost_s=5)  # saves 100 s
     assert switch.apply
     # 200 steps at 1 s: 185 s after a 15 s trial; from 2x to 2.5x saves 185 * (1/2 - 1/2.5) = 18.5 s at most;
     # it costs its 5 s restart plus the 5 s the best would have saved during its 10 s of steps
     d = keep_exploring(2.0, 2.5, 5.0, 15.0, 200, 1.0, switch, best_number=4, step=120)
     assert d.apply and d.expected_saving_s == pytest.approx(18.5) and d.cost_s == pytest.approx(10.0)
-    d = keep_exploring(2.0, 2.5, 5.0, 15.0, 100, 1.0, switch, best_number=4, step=220)           # 8.5 s < 10 s
+    d = keep_exploring(2.0, 2.5, 5.0, 15.0, 100, 1.0, switch, best_number=4, step=220)  # 8.5 s < 10 s
     assert not d.apply and d.choice is Choice.EXPLORE
-    assert d.reason == ("stopped exploring at step 220: 100 steps left, applying trial 4 saves 95 s, another "
-                        "trial costs ~10 s and could add at most 8 s")
+    assert d.reason == (
+        "stopped exploring at step 220: 100 steps left, applying trial 4 saves 95 s, another "
+        "trial costs ~10 s and could add at most 8 s"
+    )
     assert switch.to_dict()["choice"] == "switch"

@@ -73,7 +73,7 @@ def test_rollback_deletes_the_trials_checkpoints_and_keeps_the_pinned_pre_trial_
     assert [c.step for c in rundir.list_checkpoints(tmp_path)] == [10, 12, 14]
     info = d._rollback((10, str(pre)))
     assert [c.step for c in rundir.list_checkpoints(tmp_path)] == [10]
-    assert pre.read_bytes() == b"p" * 10                              # the pre-trial state
+    assert pre.read_bytes() == b"p" * 10  # the pre-trial state
     assert info["step"] == 10 and len(info["deleted"]) == 2
     assert d.last_ckpt == (10, str(pre))
     assert any("rolled back to step 10" in e.message for e in s.emitted if e.type == "log")
@@ -99,7 +99,7 @@ def test_trial_configs_stop_on_nan_and_the_final_one_is_the_users(tmp_path):
     t = dataclasses.replace(s.cfg.toggles, micro_batch=2, fused_adamw=True)
     trial = d._cfg_for(t, strict=True)
     assert trial.toggles == t and trial.run.nan_policy == "stop" and trial.log.log_every == 1
-    assert trial.run.fault is None                                    # a user's test fault is not re-injected
+    assert trial.run.fault is None  # a user's test fault is not re-injected
     final = d._cfg_for(t, strict=False)
     assert final.run.nan_policy == "rollback" and final.log.log_every == 10
     d._running_cfg = trial
@@ -111,10 +111,10 @@ def test_exit_hook_and_detach_hand_an_unhandled_exit_back(tmp_path):
     d = TuningDriver(s, 60.0)
     d._attached = True
     s.set_controller(d)
-    assert d.on_trainer_exit(0) is True                   # attached: the driver handles it
-    d._detach()                                           # ... and hands it back when it did not
+    assert d.on_trainer_exit(0) is True  # attached: the driver handles it
+    d._detach()  # ... and hands it back when it did not
     assert s.exits == [0] and s.controller is None
-    assert d.on_trainer_exit(1) is False                  # detached: the session's own handling
+    assert d.on_trainer_exit(1) is False  # detached: the session's own handling
 
 
 def test_t_starts_tuning_only_once_the_trainer_runs(tmp_path):
@@ -123,17 +123,17 @@ def test_t_starts_tuning_only_once_the_trainer_runs(tmp_path):
     s = Session(cfg, SessionOptions(tuning=TuningOptions()))
     assert s.can_start_tuning and s.controller is None
     with pytest.raises(RuntimeError):
-        s.toggle_tuning()                                 # nothing runs yet: the UI shows why
+        s.toggle_tuning()  # nothing runs yet: the UI shows why
     assert s.state.logs and "once the trainer runs" in s.state.logs[-1][1]
-    assert not (tmp_path / "run").exists()                # nothing was started or created
+    assert not (tmp_path / "run").exists()  # nothing was started or created
 
 
 def test_the_session_has_one_controller_slot(tmp_path):
     cfg = TrainConfig()
     cfg.run.run_dir = str(tmp_path / "run")
     s = Session(cfg)
-    assert not s.can_start_tuning                          # `t` is not offered without TuningOptions
-    s.toggle_tuning()                                      # says why, starts nothing
+    assert not s.can_start_tuning  # `t` is not offered without TuningOptions
+    s.toggle_tuning()  # says why, starts nothing
     assert "not available" in s.state.logs[-1][1]
     seen = []
 
@@ -150,16 +150,17 @@ def test_the_session_has_one_controller_slot(tmp_path):
     first = Recorder()
     s.set_controller(first)
     with pytest.raises(RuntimeError):
-        s.set_controller(Recorder())                       # two controllers would both claim every exit
+        s.set_controller(Recorder())  # two controllers would both claim every exit
     assert s.can_start_tuning
-    s.toggle_tuning()                                      # `t` while tuning: stop it
-    s.log("hello")                                         # a log line is not an event
+    s.toggle_tuning()  # `t` while tuning: stop it
+    s.log("hello")  # a log line is not an event
     assert seen == ["stop"]
     s.set_controller(None)
     assert s.controller is None
 
 
 # --- controller rules the driver relies on -----------------------------------------------
+
 
 def _ctl(tmp_path, clock, **kw):
     from test_tuner_controller import make_ctl
@@ -171,8 +172,7 @@ def test_trials_are_cut_when_only_the_switch_reserve_is_left(tmp_path):
     from test_tuner_controller import Clock
 
     clock = Clock()
-    ctl = _ctl(tmp_path, clock, budget_s=100.0, switch_reserve_s=30.0, rel_ci=1e-6, max_seconds=1000,
-               max_steps=10_000)
+    ctl = _ctl(tmp_path, clock, budget_s=100.0, switch_reserve_s=30.0, rel_ci=1e-6, max_seconds=1000, max_steps=10_000)
     ctl.set_max_micro_batch(8)
     a = ctl.next_action()
     assert a.baseline
@@ -181,11 +181,24 @@ def test_trials_are_cut_when_only_the_switch_reserve_is_left(tmp_path):
     while stop is None:
         i += 1
         clock.t += 0.4
-        ctl.observe(make("step", step=i, tokens=0, loss=3.0, lr=0, grad_norm=0,
-                               step_ms=400.0 * (1 + rng.gauss(0, 0.05)),
-                               phases_ms={}, tokens_per_s=0, mfu=0, mem_bytes=1, time=clock.t))
+        ctl.observe(
+            make(
+                "step",
+                step=i,
+                tokens=0,
+                loss=3.0,
+                lr=0,
+                grad_norm=0,
+                step_ms=400.0 * (1 + rng.gauss(0, 0.05)),
+                phases_ms={},
+                tokens_per_s=0,
+                mfu=0,
+                mem_bytes=1,
+                time=clock.t,
+            )
+        )
         stop = ctl.trial_should_stop()
-    assert stop == "budget" and 69.0 <= ctl.budget.elapsed() <= 71.0   # 30 s kept for the final switch
+    assert stop == "budget" and 69.0 <= ctl.budget.elapsed() <= 71.0  # 30 s kept for the final switch
     ctl.finish_trial("ok")
     done = ctl.next_action()
     ev = [e for e in ctl.drain_events() if e.type == "tuner"][-1]
@@ -197,14 +210,33 @@ def test_a_compile_mode_that_never_warms_up_is_screened_for_the_run(tmp_path):
     from tuner.controller import RunTrial
 
     clock = Clock()
-    ctl = _ctl(tmp_path, clock, spec="-all compile=off,default fused_adamw=on,off prefetch=0,2",
-               trial_timeout_s=50.0, max_trials=8)
+    ctl = _ctl(
+        tmp_path,
+        clock,
+        spec="-all compile=off,default fused_adamw=on,off prefetch=0,2",
+        trial_timeout_s=50.0,
+        max_trials=8,
+    )
     ctl.set_max_micro_batch(8)
     a = ctl.next_action()
     for i in range(40):
         clock.t += 0.4
-        ctl.observe(make("step", step=i + 1, tokens=0, loss=3.0, lr=0, grad_norm=0, step_ms=400.0,
-                               phases_ms={}, tokens_per_s=0, mfu=0, mem_bytes=1, time=clock.t))
+        ctl.observe(
+            make(
+                "step",
+                step=i + 1,
+                tokens=0,
+                loss=3.0,
+                lr=0,
+                grad_norm=0,
+                step_ms=400.0,
+                phases_ms={},
+                tokens_per_s=0,
+                mfu=0,
+                mem_bytes=1,
+                time=clock.t,
+            )
+        )
     ctl.finish_trial("ok")
     seen_compile = 0
     for _ in range(8):
@@ -213,18 +245,32 @@ def test_a_compile_mode_that_never_warms_up_is_screened_for_the_run(tmp_path):
             break
         if a.toggles.compile == "default":
             seen_compile += 1
-            clock.t += 60.0                                       # compiling, no step: cut by the timeout
+            clock.t += 60.0  # compiling, no step: cut by the timeout
             assert ctl.trial_should_stop() == "done" and ctl.trial_stop == "timeout"
             ev = ctl.finish_trial("ok")
             assert ev.status == "pruned"
             continue
         for i in range(30):
             clock.t += 0.3
-            ctl.observe(make("step", step=100 + i, tokens=0, loss=3.0, lr=0, grad_norm=0, step_ms=300.0,
-                                   phases_ms={}, tokens_per_s=0, mfu=0, mem_bytes=1, time=clock.t))
+            ctl.observe(
+                make(
+                    "step",
+                    step=100 + i,
+                    tokens=0,
+                    loss=3.0,
+                    lr=0,
+                    grad_norm=0,
+                    step_ms=300.0,
+                    phases_ms={},
+                    tokens_per_s=0,
+                    mfu=0,
+                    mem_bytes=1,
+                    time=clock.t,
+                )
+            )
         ctl.trial_should_stop()
         ctl.finish_trial("ok")
-    assert seen_compile == 1                                      # the others were screened, not run
+    assert seen_compile == 1  # the others were screened, not run
     screened = [e for e in ctl.drain_events() if e.type == "trial" and "not worth this budget" in e.reason]
     assert screened and all(e.toggles.compile == "default" for e in screened)
 
@@ -236,7 +282,7 @@ def test_stop_early_decides_on_what_was_measured(tmp_path):
     clock = Clock()
     ctl = _ctl(tmp_path, clock, spec="-all fused_adamw=on,off prefetch=0,2", max_trials=8)
     ctl.set_max_micro_batch(8)
-    assert isinstance(ctl.stop_early(), Done)                 # nothing measured yet: keep the start
+    assert isinstance(ctl.stop_early(), Done)  # nothing measured yet: keep the start
     assert ctl.next_action().reason.startswith("stopped by the user")
 
     clock = Clock()
@@ -247,23 +293,36 @@ def test_stop_early_decides_on_what_was_measured(tmp_path):
     def steps(ms, start, n=40):
         for i in range(n):
             clock.t += ms / 1000
-            ctl.observe(make("step", step=start + i, tokens=0, loss=3.0, lr=0, grad_norm=0,
-                                   step_ms=ms * (1 + rng.gauss(0, 0.01)), phases_ms={}, tokens_per_s=0, mfu=0,
-                                   mem_bytes=1, time=clock.t))
+            ctl.observe(
+                make(
+                    "step",
+                    step=start + i,
+                    tokens=0,
+                    loss=3.0,
+                    lr=0,
+                    grad_norm=0,
+                    step_ms=ms * (1 + rng.gauss(0, 0.01)),
+                    phases_ms={},
+                    tokens_per_s=0,
+                    mfu=0,
+                    mem_bytes=1,
+                    time=clock.t,
+                )
+            )
 
     ctl.next_action()
-    steps(400.0, 1)                                            # the start: 400 ms a step
+    steps(400.0, 1)  # the start: 400 ms a step
     ctl.finish_trial("ok")
     a = ctl.next_action()
     assert isinstance(a, RunTrial) and not a.baseline
-    steps(200.0, 100)                                          # twice as fast
+    steps(200.0, 100)  # twice as fast
     ctl.trial_should_stop()
     ctl.finish_trial("ok")
-    b = ctl.next_action()                                      # a third trial is running when `t` comes
+    b = ctl.next_action()  # a third trial is running when `t` comes
     steps(390.0, 200, n=5)
     action = ctl.stop_early()
     assert isinstance(action, Apply) and action.toggles == a.toggles
-    assert ctl.study.trials()[b.number].state.name == "FAIL"   # abandoned: teaches the sampler nothing
+    assert ctl.study.trials()[b.number].state.name == "FAIL"  # abandoned: teaches the sampler nothing
     assert ctl.next_action().reason.startswith("stopped by the user: applied trial")
 
 
@@ -273,7 +332,7 @@ def test_train_tune_is_tune_budget():
     from gptop.session import TuningOptions
 
     p = build_parser()
-    a = tuning_request(p.parse_args(["train", "--tune", "10m", "--tune-space=-compile"]))   # = : a leading -
+    a = tuning_request(p.parse_args(["train", "--tune", "10m", "--tune-space=-compile"]))  # = : a leading -
     b = tuning_request(p.parse_args(["tune", "--budget", "10m", "--tune-space=-compile"]))
     assert a == b == TuningOptions(budget_s=600.0, space_spec="-compile", storage=None, tune_only=False)
     assert tuning_request(p.parse_args(["train"])) is None
@@ -309,11 +368,16 @@ def test_the_baseline_on_the_running_trainer_logs_every_step_then_gives_the_inte
     s = FakeSession(tmp_path)
     s.cfg.log.log_every = 10
     s.supervisor = sup = FakeSupervisor()
-    s.energy_between = lambda t0, t1: None            # no energy reading
+    s.energy_between = lambda t0, t1: None  # no energy reading
     (tmp_path / "events.jsonl").touch()
-    hello = ev("hello", 0.0, config=config("llama", "tiny", "cpu", micro_batch=8), micro_batch=8,
-               device={"type": "cpu", "name": "cpu", "cpu_count": 2, "total_memory": 8 << 30},
-               model={"family": "llama", "size": "tiny"})
+    hello = ev(
+        "hello",
+        0.0,
+        config=config("llama", "tiny", "cpu", micro_batch=8),
+        micro_batch=8,
+        device={"type": "cpu", "name": "cpu", "cpu_count": 2, "total_memory": 8 << 30},
+        model={"family": "llama", "size": "tiny"},
+    )
     d = TuningDriver(s, 600.0, storage=f"sqlite:///{tmp_path / 'study.db'}", hello=hello).attach()
     try:
         deadline = time.time() + 30
@@ -321,21 +385,35 @@ def test_the_baseline_on_the_running_trainer_logs_every_step_then_gives_the_inte
             time.sleep(0.02)
         assert sup.sent[0]["cmd"] == "log_every" and sup.sent[0]["steps"] == 1
         step = 10
-        while len(sup.sent) < 2 and time.time() < deadline:      # steady 200 ms steps until it is measured
+        while len(sup.sent) < 2 and time.time() < deadline:  # steady 200 ms steps until it is measured
             step += 1
-            d.on_event(make("step", step=step, tokens=step * 64, loss=3.0, lr=1e-3, grad_norm=1.0,
-                             step_ms=200.0 + (step % 3), phases_ms={}, tokens_per_s=320.0, mfu=None,
-                             mem_bytes=1, time=T0 + step * 0.2))
+            d.on_event(
+                make(
+                    "step",
+                    step=step,
+                    tokens=step * 64,
+                    loss=3.0,
+                    lr=1e-3,
+                    grad_norm=1.0,
+                    step_ms=200.0 + (step % 3),
+                    phases_ms={},
+                    tokens_per_s=320.0,
+                    mfu=None,
+                    mem_bytes=1,
+                    time=T0 + step * 0.2,
+                )
+            )
             time.sleep(0.01)
         assert sup.sent[1] == {"cmd": "log_every", "steps": 10}
     finally:
         d.stop_tuning()
         d.on_trainer_exit(0)
         d.finished.wait(30)
-    progress = [e.measure for e in s.emitted if e.type == "tuner" and e.measure is not None
-                and e.measure.kind == "baseline"]
+    progress = [
+        e.measure for e in s.emitted if e.type == "tuner" and e.measure is not None and e.measure.kind == "baseline"
+    ]
     assert progress and progress[0].samples == 0 and progress[0].needed >= 1
-    assert len(progress) < 40                                 # about one a second, not one per step
+    assert len(progress) < 40  # about one a second, not one per step
     last = progress[-1]
     assert last.warmed_up and last.samples >= 1 and last.tokens_per_s and last.spread is not None
     trial = next(e for e in s.emitted if e.type == "trial" and e.kind == "baseline")
@@ -356,24 +434,44 @@ def test_t_near_the_end_of_a_run_says_tuning_cannot_pay_and_leaves_the_trainer_a
     sup.started_at = T0 - 8.0
     s.energy_between = lambda t0, t1: None
     (tmp_path / "events.jsonl").touch()
-    hello = ev("hello", 0.0, config=config("llama", "tiny", "cpu", max_steps=200, micro_batch=8), micro_batch=8,
-               device={"type": "cpu", "name": "cpu", "cpu_count": 2, "total_memory": 8 << 30},
-               model={"family": "llama", "size": "tiny"})
-    s.cfg = TrainConfig.from_dict(hello.config)              # the session runs what the trainer says it runs
+    hello = ev(
+        "hello",
+        0.0,
+        config=config("llama", "tiny", "cpu", max_steps=200, micro_batch=8),
+        micro_batch=8,
+        device={"type": "cpu", "name": "cpu", "cpu_count": 2, "total_memory": 8 << 30},
+        model={"family": "llama", "size": "tiny"},
+    )
+    s.cfg = TrainConfig.from_dict(hello.config)  # the session runs what the trainer says it runs
     s.cfg.run.run_dir = str(tmp_path)
     tokens_per_step = s.cfg.optim.global_batch * s.cfg.data.seq_len
     s.state.apply(hello)
     for step in range(1, 44):
-        s.state.apply(make("step", step=step, tokens=step * tokens_per_step, loss=3.0, lr=1e-3, grad_norm=1.0,
-                           step_ms=450.0, phases_ms={}, tokens_per_s=tokens_per_step / 0.45, mfu=None, mem_bytes=1,
-                           time=T0 + 8 + step * 0.45))
+        s.state.apply(
+            make(
+                "step",
+                step=step,
+                tokens=step * tokens_per_step,
+                loss=3.0,
+                lr=1e-3,
+                grad_norm=1.0,
+                step_ms=450.0,
+                phases_ms={},
+                tokens_per_s=tokens_per_step / 0.45,
+                mfu=None,
+                mem_bytes=1,
+                time=T0 + 8 + step * 0.45,
+            )
+        )
     d = TuningDriver(s, 600.0, storage=f"sqlite:///{tmp_path / 'study.db'}", hello=hello).attach()
     assert d.finished.wait(60) and d.error is None
     lines = [e.message for e in s.emitted if e.type == "log"]
     decided = [m for m in lines if "cannot pay" in m]
-    assert decided == ["tuner: keeping the starting configuration: tuning cannot pay: the run ends in 1:11 "
-                       "(157 steps at 0.45 s); a trial costs ~18 s here, more than the 18 s it could save (at 1.50x "
-                       "over the 0:54 after it)"], lines
+    assert decided == [
+        "tuner: keeping the starting configuration: tuning cannot pay: the run ends in 1:11 "
+        "(157 steps at 0.45 s); a trial costs ~18 s here, more than the 18 s it could save (at 1.50x "
+        "over the 0:54 after it)"
+    ], lines
     assert sup.sent == [] and sup.stops == 0 and not [e for e in s.emitted if e.type == "trial"]
     led = json.loads((tmp_path / "tuning.json").read_text())["ledger"]
     assert led["decisions"][0]["choice"] == "plan" and led["decisions"][0]["cost_s"] == 16.0 + 0.25 * 20 * 0.45

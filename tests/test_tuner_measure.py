@@ -25,14 +25,14 @@ def steady(n, ms=100.0, noise=0.01, seed=0):
 
 def test_median_ci_order_statistics():
     est, lo, hi = median_ci(range(1, 101))
-    assert (est, lo, hi) == (50.5, 40, 61)     # ranks 40 and 61 of 100: the textbook 95% interval
-    assert median_ci([3, 1, 2])[1:] == (1, 3)         # too few for 95%: [min, max]
+    assert (est, lo, hi) == (50.5, 40, 61)  # ranks 40 and 61 of 100: the textbook 95% interval
+    assert median_ci([3, 1, 2])[1:] == (1, 3)  # too few for 95%: [min, max]
     assert all(math.isnan(x) for x in median_ci([]))
     _, lo, hi = median_ci(range(1, 201))
-    assert (lo, hi) == (86, 115)                      # exact binomial ranks at n = 200
-    _, lo, hi = median_ci(range(1, 202))              # normal approximation just above: the same ranks
+    assert (lo, hi) == (86, 115)  # exact binomial ranks at n = 200
+    _, lo, hi = median_ci(range(1, 202))  # normal approximation just above: the same ranks
     assert (lo, hi) == (86, 116)
-    est, lo, hi = median_ci(range(100_000))           # large n: no overflow, about +-310 ranks
+    est, lo, hi = median_ci(range(100_000))  # large n: no overflow, about +-310 ranks
     assert 49_000 < lo < est < hi < 51_000
 
 
@@ -40,7 +40,7 @@ def test_warmup_excludes_compile_steps():
     m = Measurement(min_steps=8, rel_ci=0.03)
     feed(m, [25000, 4000, 800, 140] + steady(60))
     assert m.warmed_up
-    assert m.warmup_samples == 4                      # the 140 ms straggler goes too (> 10% over the level)
+    assert m.warmup_samples == 4  # the 140 ms straggler goes too (> 10% over the level)
     assert m.done and m.done_reason == "stable"
     tps, spread = m.estimate
     assert abs(tps - TOK / 0.1) / (TOK / 0.1) < 0.02
@@ -51,7 +51,7 @@ def test_warmup_tolerates_a_single_outlier():
     series = [9000, 3000] + steady(6) + [400] + steady(30, seed=1)
     m = Measurement()
     feed(m, series)
-    assert m.warmed_up and m.warmup_samples <= 3      # one checkpoint-like spike does not delay settling
+    assert m.warmed_up and m.warmup_samples <= 3  # one checkpoint-like spike does not delay settling
     assert abs(m.estimate[0] - TOK / 0.1) / (TOK / 0.1) < 0.03
 
 
@@ -70,7 +70,7 @@ def test_caps_stop_an_unstable_measurement():
     m = Measurement(rel_ci=0.01, max_steps=50)
     assert feed(m, wild) == 50
     assert m.done_reason == "max_steps" and not m.stable
-    assert m.has_estimate                              # second half after skip when never settled
+    assert m.has_estimate  # second half after skip when never settled
     s = m.summary()
     assert s["done_reason"] == "max_steps" and s["n"] > 0 and s["peak_mem"] is not None
 
@@ -89,33 +89,33 @@ def test_caps_stop_an_unstable_measurement():
 
 def test_energy_and_garbage_samples():
     m = Measurement(min_steps=3)
-    m.add(1, float("nan"), TOK, 0.0)                   # ignored
-    m.add(2, 0.0, TOK, 0.0)                            # ignored
+    m.add(1, float("nan"), TOK, 0.0)  # ignored
+    m.add(2, 0.0, TOK, 0.0)  # ignored
     assert m.samples == []
     for i in range(40):
         m.add(i, 100.0, TOK, i * 0.1)
     t0, t1, tokens = m.kept_span()
     assert t1 == pytest.approx(3.9) and tokens == (m.kept[-1].step - m.kept[0].step + 1) * TOK
-    assert t0 == pytest.approx(m.kept[0].time - 0.1)          # from the event before the first kept one
-    watts = 400.0                                              # the session's energy: 400 W
+    assert t0 == pytest.approx(m.kept[0].time - 0.1)  # from the event before the first kept one
+    watts = 400.0  # the session's energy: 400 W
     assert m.energy_per_token(lambda a, b: watts * (b - a)) == pytest.approx(40.0 / TOK)
     assert m.summary(energy=lambda a, b: watts * (b - a))["energy_per_token"] == pytest.approx(40.0 / TOK)
     assert m.energy_per_token(None) is None and m.summary()["energy_per_token"] is None
-    assert m.energy_per_token(lambda a, b: None) is None        # no reading: none, not 0
+    assert m.energy_per_token(lambda a, b: None) is None  # no reading: none, not 0
 
 
 def test_loss_trend_and_guard():
     pts = [(s, 2.0 + 6.0 / math.sqrt(s + 1)) for s in range(10, 200, 10)]
     trend = LossTrend(pts)
     assert trend.within_tolerance(2.0 + 6.0 / math.sqrt(211), 210)
-    assert trend.within_tolerance(1.0, 210)                     # lower is fine
+    assert trend.within_tolerance(1.0, 210)  # lower is fine
     assert not trend.within_tolerance(2.0 + 6.0 / math.sqrt(211) + 0.5, 210)
     assert not trend.within_tolerance(float("nan"), 210)
-    assert LossTrend(pts[:2]).within_tolerance(99.0, 300)       # too few points: no verdict
+    assert LossTrend(pts[:2]).within_tolerance(99.0, 300)  # too few points: no verdict
 
     strict = LossGuard(trend, strict=True)
     assert strict.check(None, 200) is None
-    assert strict.check(2.9, 210) is None                       # one off-trend point is noise
+    assert strict.check(2.9, 210) is None  # one off-trend point is noise
     assert strict.check(2.9, 220) == "diverged" and "off the run's trend" in strict.reason
     lax = LossGuard(trend, strict=False)
     assert lax.check(2.9, 210) is None
@@ -126,7 +126,7 @@ def test_loss_trend_and_guard():
 def test_why_a_measurement_stopped_is_said_in_words():
     m = Measurement(min_steps=4, rel_ci=0.03, max_seconds=10.0)
     assert m.stop_words("max_seconds") == "stopped measuring after 0 s before the warm-up ended: no estimate yet"
-    for i in range(30):                       # settled, but noisy: +-20% around 1000 ms
+    for i in range(30):  # settled, but noisy: +-20% around 1000 ms
         m.add(i, 1000.0 * (0.8, 1.0, 1.2)[i % 3], 1000, float(i))
     text = m.stop_words(m.done_reason)
     assert m.done_reason == "max_seconds" and text.startswith("stopped measuring after 30 s: still ±")
@@ -143,7 +143,7 @@ def test_why_a_measurement_stopped_is_said_in_words():
 def test_slow_steps_get_a_longer_cap_and_the_progress_says_so():
     m = Measurement(max_seconds=10.0, skip=2)
     m.add(1, 6000.0, 1000, 6.0)
-    m.add(2, 6000.0, 1000, 12.0)              # past the cap with 2 samples: up to 3x for a few more
+    m.add(2, 6000.0, 1000, 12.0)  # past the cap with 2 samples: up to 3x for a few more
     assert m.cap_seconds == 30.0 and not m.done
 
 
@@ -151,27 +151,27 @@ def test_run_pace_is_the_time_between_steps_that_their_own_time_leaves_out():
     pace = RunPace()
     assert pace.between_s() == 0.0
     t = 100.0
-    for step in range(1, 101):                      # 0.1 s steps, a 0.5 s checkpoint save after every 5th
+    for step in range(1, 101):  # 0.1 s steps, a 0.5 s checkpoint save after every 5th
         t += 0.1 + (0.5 if step % 5 == 1 and step > 1 else 0.0)
         pace.add(step, 100.0, t)
     assert pace.between_s() == pytest.approx(0.1, abs=0.006)
-    pace.restart()                                  # another process: the gap to its first step is not pace
+    pace.restart()  # another process: the gap to its first step is not pace
     pace.add(101, 100.0, t + 40.0)
     pace.add(102, 100.0, t + 40.1)
     assert pace.between_s() == pytest.approx(0.1, abs=0.006)
-    pace.add(103, 100.0, t + 400.0)                 # a pause (or a restart nobody said): left out
+    pace.add(103, 100.0, t + 400.0)  # a pause (or a restart nobody said): left out
     pace.add(104, 100.0, t + 400.1)
     assert pace.between_s() == pytest.approx(0.1, abs=0.006)
     for bad in ((104, 100.0, t + 401.0), (105, None, t + 402.0), (106, 100.0, None), (107, 100.0, math.nan)):
-        pace.add(*bad)                              # a repeated step, no step time, no time: no interval
+        pace.add(*bad)  # a repeated step, no step time, no time: no interval
     assert pace.between_s() == pytest.approx(0.1, abs=0.006)
 
 
 def test_run_pace_of_events_every_ten_steps_and_of_a_window():
     pace = RunPace(window=3)
-    for i in range(6):                              # a log interval of 10 steps of 50 ms, 1.5 s apart
+    for i in range(6):  # a log interval of 10 steps of 50 ms, 1.5 s apart
         pace.add(10 * (i + 1), 50.0, 1.5 * i)
     assert pace.between_s() == pytest.approx(0.1)
-    for i in range(6, 10):                          # the newest three intervals count: no time between
+    for i in range(6, 10):  # the newest three intervals count: no time between
         pace.add(10 * (i + 1), 50.0, 1.5 * 5 + 0.5 * (i - 5))
     assert pace.between_s() == pytest.approx(0.0)

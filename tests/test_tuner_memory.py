@@ -20,8 +20,9 @@ from tuner.space import MEMORY_SAVING, SearchSpace, memory_pressure, quantizable
 from tuner.study import TuneStudy
 
 CPU = DeviceInfo(type="cpu", name="cpu", has_compiler=True)
-H100 = DeviceInfo(type="cuda", name="NVIDIA H100 80GB HBM3", total_memory=80 << 30, capability=(9, 0),
-                  has_compiler=True)
+H100 = DeviceInfo(
+    type="cuda", name="NVIDIA H100 80GB HBM3", total_memory=80 << 30, capability=(9, 0), has_compiler=True
+)
 FULL_BATCH = "the whole per-rank batch (32) does not fit: 8 is the largest micro-batch that fits"
 
 
@@ -33,29 +34,31 @@ def torchao_and_bnb(monkeypatch):
 
 # --- when memory is the constraint ----------------------------------------------------------------
 
+
 def test_memory_pressure_is_the_wanted_micro_batch_above_what_fits():
     cfg = TrainConfig()
     cfg.optim.global_batch = 32
     assert memory_pressure(cfg, 8).startswith(FULL_BATCH)
     assert "4 accumulation steps" in memory_pressure(cfg, 8)
-    assert memory_pressure(cfg, 32) is None                  # the whole batch fits
-    assert memory_pressure(cfg, None) is None                # not probed
-    cfg.toggles.micro_batch = 16                             # asked for, and it ran: nothing to trade
+    assert memory_pressure(cfg, 32) is None  # the whole batch fits
+    assert memory_pressure(cfg, None) is None  # not probed
+    cfg.toggles.micro_batch = 16  # asked for, and it ran: nothing to trade
     assert memory_pressure(cfg, None) is None
     assert memory_pressure(cfg, 4).startswith("--micro-batch 16 does not fit")
-    assert memory_pressure(cfg, 16, world_size=2) is None     # 16 per rank is the whole per-rank batch
+    assert memory_pressure(cfg, 16, world_size=2) is None  # 16 per rank is the whole per-rank batch
 
 
 def test_quantizable_only_for_lora_on_a_model_directory():
     cfg = TrainConfig()
     assert not quantizable(cfg)
     cfg.finetune.lora = 8
-    assert not quantizable(cfg)                              # a family starts from random weights
+    assert not quantizable(cfg)  # a family starts from random weights
     cfg.model.model = "/models/llama-3-8b"
     assert quantizable(cfg)
 
 
 # --- the space ------------------------------------------------------------------------------------
+
 
 def test_default_space_keeps_the_runs_optimizer_and_base(torchao_and_bnb):
     s = SearchSpace.for_device(Toggles(), CPU, 32)
@@ -75,7 +78,7 @@ def test_memory_widens_to_checkpointing_and_smaller_optimizers_never_a_quantized
     s = SearchSpace.for_device(start, CPU, 32, memory=FULL_BATCH, quantizable=True)
     assert s.choices["activation_checkpointing"] == (False, True)
     assert s.choices["optimizer"] == ("adamw", "adamw-8bit", "adamw-4bit", "adafactor")
-    assert s.choices["quantize_base"] == ("none",)           # gated: bitsandbytes needs CUDA
+    assert s.choices["quantize_base"] == ("none",)  # gated: bitsandbytes needs CUDA
     assert s.memory == FULL_BATCH
     # only values with a smaller state than the start's
     s = SearchSpace.for_device(Toggles(optimizer="adamw-8bit"), CPU, 32, memory=FULL_BATCH)
@@ -130,13 +133,13 @@ def test_the_tuning_driver_widens_the_space_from_what_auto_found(torchao_and_bnb
 
     cfg = TrainConfig()
     cfg.optim.global_batch = 32
-    space, note = tuning_space(cfg, CPU, 8, 1, None, 60.0)        # --micro-batch auto found 8 of 32
+    space, note = tuning_space(cfg, CPU, 8, 1, None, 60.0)  # --micro-batch auto found 8 of 32
     assert space.memory.startswith(FULL_BATCH)
     assert "memory is the constraint (the whole per-rank batch (32) does not fit" in note
     assert "optimizer adamw/adamw-8bit/adamw-4bit/adafactor" in note and "compile stays off" in note
-    space, note = tuning_space(cfg, CPU, 32, 1, None, 60.0)       # it all fits: nothing traded
+    space, note = tuning_space(cfg, CPU, 32, 1, None, 60.0)  # it all fits: nothing traded
     assert space.memory is None and "memory" not in note and space.choices["optimizer"] == ("adamw",)
-    cfg.toggles.micro_batch = 8                                   # asked for: not probed
+    cfg.toggles.micro_batch = 8  # asked for: not probed
     assert tuning_space(cfg, CPU, None, 1, None, 60.0)[0].memory is None
 
 
@@ -147,6 +150,7 @@ def test_best_toml_with_a_quantized_base_round_trips():
 
 # --- a memory-constrained tuning, simulated -----------------------------------------------------------
 
+
 def _memory_ctl(tmp_path, clock, spec):
     cfg = TrainConfig()
     cfg.data.seq_len = 128
@@ -154,11 +158,13 @@ def _memory_ctl(tmp_path, clock, spec):
     cfg.optim.max_steps = 50_000
     cfg.toggles.micro_batch = "auto"
     memory = memory_pressure(cfg, 8)
-    space = SearchSpace.for_device(dataclasses.replace(cfg.toggles, micro_batch="auto"), CPU, 32, spec=spec,
-                                   memory=memory)
+    space = SearchSpace.for_device(
+        dataclasses.replace(cfg.toggles, micro_batch="auto"), CPU, 32, spec=spec, memory=memory
+    )
     study = TuneStudy.open(cfg, CPU, space, storage=f"journal:{tmp_path}/tuning.log", seed=0, wall=clock)
-    ctl = TuneController(cfg, CPU, space, study, Budget(3600.0, clock=clock), clock=clock, max_trials=12,
-                         min_steps=6, max_micro_batch=8)
+    ctl = TuneController(
+        cfg, CPU, space, study, Budget(3600.0, clock=clock), clock=clock, max_trials=12, min_steps=6, max_micro_batch=8
+    )
     return ctl, space
 
 
@@ -167,12 +173,12 @@ class MemoryTrainer:
     the whole batch in one pass wins; the 4-bit optimizer's loss drifts off the trend (caught by the check)."""
 
     def mem(self, t: Toggles) -> int:
-        state = {"adamw": 8, "adamw-8bit": 2, "adamw-4bit": 1, "adafactor": 0}[t.optimizer] * 10 ** 8
-        act = t.micro_batch * 10 ** 8 // (4 if t.activation_checkpointing else 1)
-        return 10 ** 9 + state + act
+        state = {"adamw": 8, "adamw-8bit": 2, "adamw-4bit": 1, "adafactor": 0}[t.optimizer] * 10**8
+        act = t.micro_batch * 10**8 // (4 if t.activation_checkpointing else 1)
+        return 10**9 + state + act
 
     def fits(self, t: Toggles) -> bool:
-        return self.mem(t) <= 10 ** 9 + 8 * 10 ** 8 + 8 * 10 ** 8      # what micro-batch 8 with adamw takes
+        return self.mem(t) <= 10**9 + 8 * 10**8 + 8 * 10**8  # what micro-batch 8 with adamw takes
 
     def step_ms(self, t: Toggles) -> float:
         ms = 400.0 * {8: 1.0, 32: 0.7}[t.micro_batch]
@@ -191,8 +197,21 @@ def _drive(ctl, clock, trainer):
     for _ in range(30):
         step += 1
         clock.t += 0.4
-        ctl.observe(make("step", step=step, tokens=4096, loss=trainer.loss(step, Toggles()), lr=1e-3, grad_norm=1.0,
-                         step_ms=400.0, phases_ms={}, tokens_per_s=1.0, mfu=0.0, mem_bytes=1_900_000_000))
+        ctl.observe(
+            make(
+                "step",
+                step=step,
+                tokens=4096,
+                loss=trainer.loss(step, Toggles()),
+                lr=1e-3,
+                grad_norm=1.0,
+                step_ms=400.0,
+                phases_ms={},
+                tokens_per_s=1.0,
+                mfu=0.0,
+                mem_bytes=1_900_000_000,
+            )
+        )
     ckpt = step
     for _ in range(200):
         action = ctl.next_action()
@@ -210,19 +229,38 @@ def _drive(ctl, clock, trainer):
                 step += 1
                 clock.t += trainer.step_ms(t) / 1000.0
                 if not trainer.fits(t):
-                    ctl.observe(make("error", kind="oom", message="out of memory",
-                                     memory={"rss": 10 ** 9, "rss_peak": trainer.mem(t), "total": 8 << 30}))
+                    ctl.observe(
+                        make(
+                            "error",
+                            kind="oom",
+                            message="out of memory",
+                            memory={"rss": 10**9, "rss_peak": trainer.mem(t), "total": 8 << 30},
+                        )
+                    )
                 else:
-                    ctl.observe(make("step", step=step, tokens=4096, loss=trainer.loss(step, t), lr=1e-3,
-                                     grad_norm=1.0, step_ms=trainer.step_ms(t), phases_ms={}, tokens_per_s=0.0,
-                                     mfu=0.0, mem_bytes=trainer.mem(t), time=clock.t))
+                    ctl.observe(
+                        make(
+                            "step",
+                            step=step,
+                            tokens=4096,
+                            loss=trainer.loss(step, t),
+                            lr=1e-3,
+                            grad_norm=1.0,
+                            step_ms=trainer.step_ms(t),
+                            phases_ms={},
+                            tokens_per_s=0.0,
+                            mfu=0.0,
+                            mem_bytes=trainer.mem(t),
+                            time=clock.t,
+                        )
+                    )
                 stop = ctl.trial_should_stop()
                 if stop:
                     break
             if stop in ("done", "prune", "budget") and action.keep_steps:
                 ckpt = step
                 ctl.finish_trial("ok")
-            elif stop in ("done", "prune", "budget"):           # measured, then rolled back to ckpt
+            elif stop in ("done", "prune", "budget"):  # measured, then rolled back to ckpt
                 ctl.finish_trial("ok", rollback={"step": ckpt, "path": "ckpt", "deleted": []})
             else:
                 ctl.finish_trial(stop)
@@ -250,19 +288,21 @@ def test_a_memory_constrained_tuning_trades_memory_checks_the_loss_and_reports_p
     assert all(a.numerics_changing == (a.toggles.optimizer != "adamw") for a in trials)
 
     results = {r["number"]: r for r in ctl.results if r["kind"] == "trial"}
-    by_toggles = {(r["toggles"].micro_batch, r["toggles"].activation_checkpointing, r["toggles"].optimizer): r
-                  for r in results.values()}
+    by_toggles = {
+        (r["toggles"].micro_batch, r["toggles"].activation_checkpointing, r["toggles"].optimizer): r
+        for r in results.values()
+    }
     # micro-batch 32 without a memory saver is screened as a predicted OOM (never run, no peak); with a
     # smaller optimizer it is tried, since the state it frees may make room
     screened = by_toggles[(32, False, "adamw")]
     assert screened["status"] == "infeasible" and "predicted OOM" in screened["reason"] and not screened["ran"]
     tried = by_toggles[(32, False, "adamw-8bit")]
-    assert tried["ran"] and tried["failure"] == "oom"                 # not screened: it had to be tried
+    assert tried["ran"] and tried["failure"] == "oom"  # not screened: it had to be tried
     ran = [r for r in results.values() if r["ran"]]
-    assert ran and all(r["peak_mem"] for r in ran)                     # every trial that ran has its peak
+    assert ran and all(r["peak_mem"] for r in ran)  # every trial that ran has its peak
     ooms = [r for r in ran if r["failure"] == "oom"]
     assert ooms
-    for r in ooms:                                                    # an OOM's peak comes from its error event
+    for r in ooms:  # an OOM's peak comes from its error event
         t = r["toggles"]
         assert r["peak_mem"] == trainer.mem(t) and not trainer.fits(t)
     drifted = [r for r in ran if r["toggles"].optimizer == "adamw-4bit"]
@@ -273,8 +313,11 @@ def test_a_memory_constrained_tuning_trades_memory_checks_the_loss_and_reports_p
     assert to_ada and all("adafactor starts with fresh state" in r["reason"] for r in to_ada)
     # such a trial is measured, then rolled back: the run keeps its AdamW state, so no later trial starts
     # AdamW fresh from an Adafactor checkpoint
-    assert all("rolled back to the pre-trial checkpoint so the run keeps its adamw state" in r["reason"]
-               and r["rollback"] for r in to_ada if r["status"] != "infeasible")
+    assert all(
+        "rolled back to the pre-trial checkpoint so the run keeps its adamw state" in r["reason"] and r["rollback"]
+        for r in to_ada
+        if r["status"] != "infeasible"
+    )
     assert not any("adafactor -> adamw" in r["reason"] for r in ran)
 
     info = ctl.report_info()
@@ -285,8 +328,10 @@ def test_a_memory_constrained_tuning_trades_memory_checks_the_loss_and_reports_p
     assert "- Memory: the whole per-rank batch (32) does not fit" in md
     assert "so the space was widened to the memory-saving choices" in md
     assert "optimizer adamw, adamw-8bit, adamw-4bit, adafactor" in md
-    rows = [line for line in md.splitlines() if line.startswith("| ") and "infeasible" in line and "out of memory" in line]
-    assert rows and all(" MiB |" in row or " GiB |" in row for row in rows)   # the OOM rows show their peak
+    rows = [
+        line for line in md.splitlines() if line.startswith("| ") and "infeasible" in line and "out of memory" in line
+    ]
+    assert rows and all(" MiB |" in row or " GiB |" in row for row in rows)  # the OOM rows show their peak
     assert "memory-constrained: the whole per-rank batch" in format_summary(report)
 
 
@@ -297,12 +342,26 @@ def test_the_optimizer_state_note_follows_the_kept_checkpoint(tmp_path):
     ctl, _ = _memory_ctl(tmp_path, clock, SPACE)
     assert ctl.state_optimizer == "adamw"
     ctl.set_max_micro_batch(8)
-    base = ctl.next_action()                  # the baseline
+    base = ctl.next_action()  # the baseline
     assert isinstance(base, RunTrial) and base.baseline
     for i in range(12):
         clock.t += 0.4
-        ctl.observe(make("step", step=31 + i, tokens=4096, loss=3.0, lr=1e-3, grad_norm=1.0, step_ms=400.0,
-                         phases_ms={}, tokens_per_s=1.0, mfu=0.0, mem_bytes=10 ** 9, time=clock.t))
+        ctl.observe(
+            make(
+                "step",
+                step=31 + i,
+                tokens=4096,
+                loss=3.0,
+                lr=1e-3,
+                grad_norm=1.0,
+                step_ms=400.0,
+                phases_ms={},
+                tokens_per_s=1.0,
+                mfu=0.0,
+                mem_bytes=10**9,
+                time=clock.t,
+            )
+        )
     ctl.finish_trial("ok")
     assert ctl.state_optimizer == "adamw"
     first = ctl.next_action()
@@ -310,7 +369,7 @@ def test_the_optimizer_state_note_follows_the_kept_checkpoint(tmp_path):
     ctl.observe(make("error", kind="oom", message="out of memory", memory={"allocated_peak": 5 << 30}))
     ev = ctl.finish_trial("oom")
     assert ev.peak_mem == 5 << 30
-    assert ctl.state_optimizer == "adamw"     # rolled back: the checkpoint still holds adamw's state
+    assert ctl.state_optimizer == "adamw"  # rolled back: the checkpoint still holds adamw's state
 
 
 def test_a_start_that_runs_out_of_memory_widens_the_space_into_a_study_of_its_own(tmp_path, torchao_and_bnb):
@@ -325,17 +384,18 @@ def test_a_start_that_runs_out_of_memory_widens_the_space_into_a_study_of_its_ow
     study = TuneStudy.open(cfg, CPU, space, storage=f"journal:{tmp_path}/tuning.log", seed=0, wall=clock)
     ctl = TuneController(cfg, CPU, space, study, Budget(3600.0, clock=clock), clock=clock, min_steps=4)
     assert isinstance(ctl.next_action(), FindMicroBatch)
-    ctl.set_max_micro_batch(None)                          # an explicit micro-batch: nothing probed
+    ctl.set_max_micro_batch(None)  # an explicit micro-batch: nothing probed
     base = ctl.next_action()
     assert isinstance(base, RunTrial) and base.baseline and base.toggles.micro_batch == 32
-    ctl.observe(make("error", kind="oom", message="out of memory: tried to allocate 2 GiB",
-                     memory={"rss_peak": 7 << 30}))
+    ctl.observe(
+        make("error", kind="oom", message="out of memory: tried to allocate 2 GiB", memory={"rss_peak": 7 << 30})
+    )
     ev = ctl.finish_trial("oom")
     assert ev.peak_mem == 7 << 30 and ev.status == "infeasible"
     assert ctl.space.memory.startswith("the starting configuration ran out of memory (out of memory: tried")
     assert ctl.space.choices["activation_checkpointing"] == (False, True)
     assert ctl.space.choices["optimizer"] == ("adamw", "adamw-8bit", "adamw-4bit", "adafactor")
-    assert ctl.space.choices["compile"] == ("off",)          # the spec is replayed over the widened space
+    assert ctl.space.choices["compile"] == ("off",)  # the spec is replayed over the widened space
     assert ctl.study is not study and ctl.study.name != study.name
     assert ctl.study.storage_url == study.storage_url and ctl.study.run_id == study.run_id
     # the memory recipe is among the first trials of the new study
@@ -360,14 +420,28 @@ def test_stopping_tuning_during_a_fresh_state_trial_keeps_the_runs_optimizer(tmp
     clock = Clock()
     ctl, _ = _memory_ctl(tmp_path, clock, "-all optimizer=adamw,adafactor")
     ctl.set_max_micro_batch(8)
-    ctl.next_action()                                       # the baseline, on the running process
+    ctl.next_action()  # the baseline, on the running process
     for i in range(12):
         clock.t += 0.4
-        ctl.observe(make("step", step=31 + i, tokens=4096, loss=3.0, lr=1e-3, grad_norm=1.0, step_ms=400.0,
-                         phases_ms={}, tokens_per_s=1.0, mfu=0.0, mem_bytes=10 ** 9, time=clock.t))
+        ctl.observe(
+            make(
+                "step",
+                step=31 + i,
+                tokens=4096,
+                loss=3.0,
+                lr=1e-3,
+                grad_norm=1.0,
+                step_ms=400.0,
+                phases_ms={},
+                tokens_per_s=1.0,
+                mfu=0.0,
+                mem_bytes=10**9,
+                time=clock.t,
+            )
+        )
     ctl.finish_trial("ok")
     step = 43
-    for _ in range(5):                                      # until the sampler proposes Adafactor
+    for _ in range(5):  # until the sampler proposes Adafactor
         trial = ctl.next_action()
         assert isinstance(trial, RunTrial)
         if trial.toggles.optimizer == "adafactor":
@@ -375,8 +449,22 @@ def test_stopping_tuning_during_a_fresh_state_trial_keeps_the_runs_optimizer(tmp
         for _ in range(12):
             clock.t += 0.4
             step += 1
-            ctl.observe(make("step", step=step, tokens=4096, loss=3.0, lr=1e-3, grad_norm=1.0, step_ms=400.0,
-                             phases_ms={}, tokens_per_s=1.0, mfu=0.0, mem_bytes=10 ** 9, time=clock.t))
+            ctl.observe(
+                make(
+                    "step",
+                    step=step,
+                    tokens=4096,
+                    loss=3.0,
+                    lr=1e-3,
+                    grad_norm=1.0,
+                    step_ms=400.0,
+                    phases_ms={},
+                    tokens_per_s=1.0,
+                    mfu=0.0,
+                    mem_bytes=10**9,
+                    time=clock.t,
+                )
+            )
         ctl.trial_should_stop()
         ctl.finish_trial("ok")
     assert trial.toggles.optimizer == "adafactor" and not trial.keep_steps

@@ -29,7 +29,7 @@ def test_cpu_without_native_bf16_leaves_it_out_unless_asked():
     widened = SearchSpace.for_device(Toggles(), avx2, 32, spec="precision+=bf16")
     assert widened.choices["precision"] == ("fp32", "bf16")
     started_in_bf16 = SearchSpace.for_device(Toggles(precision="bf16"), avx2, 32)
-    assert started_in_bf16.choices["precision"] == ("fp32", "bf16")      # the start is always in the space
+    assert started_in_bf16.choices["precision"] == ("fp32", "bf16")  # the start is always in the space
 
 
 def test_h100_space_and_older_gpu():
@@ -62,20 +62,23 @@ def test_spec_grammar_restrict_freeze_widen():
     assert s2.to_toggles({"fused_adamw": True}) == Toggles(precision="fp32", fused_adamw=True, prefetch=2)
 
 
-@pytest.mark.parametrize("spec,fragment", [
-    ("foo=1", "'foo=1': unknown toggle 'foo'"),
-    ("compile=fast", "'fast' is not one of"),
-    ("precision=fp16", "fp16 is not supported on cpu"),
-    ("micro_batch=3", "does not divide the per-rank batch 32"),
-    ("prefetch=x", "'x' is not a whole number"),
-    ("workers=-1", "'workers=-1': -1 must be at least 0"),
-    ("compile=", "empty value"),
-    ("compile=off,,default", "empty value"),
-    ("fused_adamw=maybe", "'maybe' is not on/off"),
-    ("junk", "expected NAME=V1,V2"),
-    ("-bogus", "unknown toggle 'bogus'"),
-    ("   ", "empty"),
-])
+@pytest.mark.parametrize(
+    "spec,fragment",
+    [
+        ("foo=1", "'foo=1': unknown toggle 'foo'"),
+        ("compile=fast", "'fast' is not one of"),
+        ("precision=fp16", "fp16 is not supported on cpu"),
+        ("micro_batch=3", "does not divide the per-rank batch 32"),
+        ("prefetch=x", "'x' is not a whole number"),
+        ("workers=-1", "'workers=-1': -1 must be at least 0"),
+        ("compile=", "empty value"),
+        ("compile=off,,default", "empty value"),
+        ("fused_adamw=maybe", "'maybe' is not on/off"),
+        ("junk", "expected NAME=V1,V2"),
+        ("-bogus", "unknown toggle 'bogus'"),
+        ("   ", "empty"),
+    ],
+)
 def test_spec_errors_name_the_bad_part(spec, fragment):
     with pytest.raises(ConfigError) as e:
         SearchSpace.for_device(Toggles(), CPU, 32, spec=spec)

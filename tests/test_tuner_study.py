@@ -20,17 +20,15 @@ from tuner.study import TuneStudy, study_key, study_name
 REPO = Path(__file__).resolve().parents[1]
 CPU = DeviceInfo(type="cpu", name="cpu", has_compiler=True)
 H100 = DeviceInfo(type="cuda", name="NVIDIA H100 80GB HBM3", capability=(9, 0), total_memory=int(80e9))
-SPEC = "-all compile=off,default fused_adamw=on,off prefetch=0,1,2,4 micro_batch=4,8"   # 32 configs
+SPEC = "-all compile=off,default fused_adamw=on,off prefetch=0,1,2,4 micro_batch=4,8"  # 32 configs
 
 
 def speed(t: Toggles) -> float:
-    return (1000 + 300 * (t.compile == "default") + 50 * t.fused_adamw + 10 * t.prefetch
-            + 100 * (t.micro_batch == 8))
+    return 1000 + 300 * (t.compile == "default") + 50 * t.fused_adamw + 10 * t.prefetch + 100 * (t.micro_batch == 8)
 
 
 def summary(v):
-    return {"tokens_per_s": v, "spread": v * 0.01, "samples": [v * 0.99, v, v * 1.01], "peak_mem": 123,
-            "steps": 20}
+    return {"tokens_per_s": v, "spread": v * 0.01, "samples": [v * 0.99, v, v * 1.01], "peak_mem": 123, "steps": 20}
 
 
 def make(tmp_path, storage=None, seed=0, spec=SPEC):
@@ -53,16 +51,25 @@ def test_storage_urls(tmp_path, monkeypatch):
     assert e.value.option == "--storage"
 
 
-@pytest.mark.parametrize("url, shown, command", [
-    (None, "sqlite:///{cache}/tuning.sqlite3", "optuna-dashboard sqlite:///{cache}/tuning.sqlite3"),
-    ("sqlite:///rel/s.db", "sqlite:///{cwd}/rel/s.db", "optuna-dashboard sqlite:///{cwd}/rel/s.db"),
-    ("journal:j.log", "journal:{cwd}/j.log", "optuna-dashboard {cwd}/j.log"),
-    ("postgresql://bob:s3cret@db.example:5432/optuna", "postgresql://bob:***@db.example:5432/optuna",
-     "optuna-dashboard 'postgresql://bob:***@db.example:5432/optuna'"),
-    ("mysql+pymysql://u@h/db?password=s3cret&charset=utf8", "mysql+pymysql://u@h/db?password=***&charset=utf8",
-     "optuna-dashboard 'mysql+pymysql://u@h/db?password=***&charset=utf8'"),
-    ("postgresql://h/db", "postgresql://h/db", "optuna-dashboard postgresql://h/db"),
-])
+@pytest.mark.parametrize(
+    "url, shown, command",
+    [
+        (None, "sqlite:///{cache}/tuning.sqlite3", "optuna-dashboard sqlite:///{cache}/tuning.sqlite3"),
+        ("sqlite:///rel/s.db", "sqlite:///{cwd}/rel/s.db", "optuna-dashboard sqlite:///{cwd}/rel/s.db"),
+        ("journal:j.log", "journal:{cwd}/j.log", "optuna-dashboard {cwd}/j.log"),
+        (
+            "postgresql://bob:s3cret@db.example:5432/optuna",
+            "postgresql://bob:***@db.example:5432/optuna",
+            "optuna-dashboard 'postgresql://bob:***@db.example:5432/optuna'",
+        ),
+        (
+            "mysql+pymysql://u@h/db?password=s3cret&charset=utf8",
+            "mysql+pymysql://u@h/db?password=***&charset=utf8",
+            "optuna-dashboard 'mysql+pymysql://u@h/db?password=***&charset=utf8'",
+        ),
+        ("postgresql://h/db", "postgresql://h/db", "optuna-dashboard postgresql://h/db"),
+    ],
+)
 def test_the_storage_a_report_records(tmp_path, monkeypatch, url, shown, command):
     """Absolute (a dashboard started elsewhere finds it), the default explicit, no password in it."""
     monkeypatch.setenv("GPTOP_CACHE", str(tmp_path / "cache"))
@@ -84,15 +91,16 @@ def test_study_key_is_readable_and_distinguishes_setups():
 
 
 def test_persistence_and_warm_start_across_two_study_objects(tmp_path, monkeypatch):
-    monkeypatch.setenv("GPTOP_CACHE", str(tmp_path))          # the default per-user SQLite file
+    monkeypatch.setenv("GPTOP_CACHE", str(tmp_path))  # the default per-user SQLite file
     sqlite = storage_from_url(None)
     s1 = make(tmp_path, storage=sqlite)
     import sqlite3
+
     assert sqlite3.connect(tmp_path / "tuning.sqlite3").execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     base = Toggles(micro_batch=4)
     recipe = Toggles(compile="default", fused_adamw=True, micro_batch=8)
     assert s1.warm_start([(base, "current"), (recipe, "recipe")]) == [base, recipe]
-    assert s1.warm_start([(base, "current")]) == []                 # already queued
+    assert s1.warm_start([(base, "current")]) == []  # already queued
     sources = []
     for _ in range(6):
         p = s1.ask()
@@ -103,22 +111,22 @@ def test_persistence_and_warm_start_across_two_study_objects(tmp_path, monkeypat
     assert best1 is not None and best1[1] == pytest.approx(speed(best1[0]))
     assert s1.study.user_attrs["key"]["space"] == s1.space.key()
 
-    s2 = make(tmp_path, storage=storage_from_url(None), seed=1)       # a second run, a fresh connection
+    s2 = make(tmp_path, storage=storage_from_url(None), seed=1)  # a second run, a fresh connection
     assert s2.name == s1.name
     assert len([t for t in s2.trials() if "duplicate_of" not in t.user_attrs]) == 6
     assert s2.best_known()[0] == best1[0]
-    assert s2.warm_start([(base, "current"), (recipe, "recipe")]) == []   # known: not enqueued again
+    assert s2.warm_start([(base, "current"), (recipe, "recipe")]) == []  # known: not enqueued again
     ran = {params_key(t.params) for t in s2.trials()}
     for _ in range(6):
         p = s2.ask()
-        assert params_key(p.params) not in ran                        # never runs a known configuration
+        assert params_key(p.params) not in ran  # never runs a known configuration
         ran.add(params_key(p.params))
         s2.tell_ok(p, summary(speed(p.toggles)))
         assert p.trial.user_attrs["run"] == s2.run_id
 
 
 def test_infeasible_recorded_via_constraints_and_not_reproposed(tmp_path):
-    s = make(tmp_path, spec="-all compile=off,default fused_adamw=on,off prefetch=0,2")   # 8 configs
+    s = make(tmp_path, spec="-all compile=off,default fused_adamw=on,off prefetch=0,2")  # 8 configs
     failed = set()
     measured = []
     while (p := s.ask()) is not None:
@@ -130,11 +138,11 @@ def test_infeasible_recorded_via_constraints_and_not_reproposed(tmp_path):
         else:
             s.tell_ok(p, summary(speed(p.toggles)))
             measured.append(key)
-    assert len(failed) == 2 and len(measured) == 6                    # the space was used up, once each
+    assert len(failed) == 2 and len(measured) == 6  # the space was used up, once each
     bad = [t for t in s.trials() if t.user_attrs.get("status") == "infeasible"]
     assert bad and all(t.state == TrialState.COMPLETE and t.value == 0.0 for t in bad)
     assert all(t.constraints == {"failure": 1.0} and t.user_attrs["constraint"] == [1.0] for t in bad)
-    assert s.study.best_trial.user_attrs["status"] == "ok"            # Optuna's own best skips infeasible
+    assert s.study.best_trial.user_attrs["status"] == "ok"  # Optuna's own best skips infeasible
     best, value = s.best_known()
     assert best.compile == "default" and best.prefetch == 2 and best.fused_adamw
 
@@ -148,8 +156,8 @@ def test_pruned_and_duplicate_handling(tmp_path):
     q = s.ask()
     assert params_key(q.params) != params_key(p.params)
     s.tell_ok(q, summary(900.0))
-    assert s.ask() is None                                            # 2 configs, both known
-    assert s.record(q.toggles, summary(950.0)) is None                # already measured: not added twice
+    assert s.ask() is None  # 2 configs, both known
+    assert s.record(q.toggles, summary(950.0)) is None  # already measured: not added twice
 
 
 def test_baseline_record_and_remeasure_pooling(tmp_path):
@@ -198,8 +206,14 @@ def test_two_processes_share_a_journal_without_repeats(tmp_path):
     journal = str(tmp_path / "shared.log")
     procs = []
     for seed in (1, 2):
-        code = WORKER.format(repo=str(REPO), spec=SPEC, journal=journal, seed=seed,
-                             ready=str(tmp_path / f"ready{seed}"), go=str(tmp_path / "go"))
+        code = WORKER.format(
+            repo=str(REPO),
+            spec=SPEC,
+            journal=journal,
+            seed=seed,
+            ready=str(tmp_path / f"ready{seed}"),
+            go=str(tmp_path / "go"),
+        )
         procs.append(subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True))
     deadline = time.time() + 60
     while not all((tmp_path / f"ready{s}").exists() for s in (1, 2)):
@@ -209,12 +223,15 @@ def test_two_processes_share_a_journal_without_repeats(tmp_path):
     for p in procs:
         assert p.wait(timeout=120) == 0, p.stderr.read()
 
-    s = make(tmp_path, storage=f"journal:{journal}")                   # the journal still loads
-    ran = [t for t in s.trials() if t.user_attrs.get("status") in ("ok", "infeasible")
-           and "duplicate_of" not in t.user_attrs]
+    s = make(tmp_path, storage=f"journal:{journal}")  # the journal still loads
+    ran = [
+        t
+        for t in s.trials()
+        if t.user_attrs.get("status") in ("ok", "infeasible") and "duplicate_of" not in t.user_attrs
+    ]
     keys = [params_key(t.params) for t in ran]
     assert len(keys) == len(set(keys)), "a configuration was run twice"
-    assert {t.user_attrs["run"] for t in ran} == {"w1", "w2"}          # both contributed
+    assert {t.user_attrs["run"] for t in ran} == {"w1", "w2"}  # both contributed
     assert len(ran) == 16
     assert not [t for t in s.trials() if t.state == TrialState.RUNNING]
 
@@ -224,9 +241,14 @@ def test_toggles_stored_by_an_older_version_read_as_todays_types(tmp_path):
     s = make(tmp_path)
     params = {"compile": "off", "fused_adamw": True, "prefetch": 2, "micro_batch": 8}
     legacy = {**dataclasses.asdict(s.space.to_toggles(params)), "micro_batch": "8"}
-    old = optuna.trial.create_trial(params=params, distributions=s.space.distributions(), value=1000.0,
-                                    user_attrs={"toggles": legacy})
+    old = optuna.trial.create_trial(
+        params=params, distributions=s.space.distributions(), value=1000.0, user_attrs={"toggles": legacy}
+    )
     assert s.toggles_of(old).micro_batch == 8 and s.toggles_of(old) == s.space.to_toggles(params)
-    broken = optuna.trial.create_trial(params=params, distributions=s.space.distributions(), value=1000.0,
-                                       user_attrs={"toggles": {**legacy, "removed_toggle": 1}})
-    assert s.toggles_of(broken) == s.space.to_toggles(params)       # a record that does not load: the params
+    broken = optuna.trial.create_trial(
+        params=params,
+        distributions=s.space.distributions(),
+        value=1000.0,
+        user_attrs={"toggles": {**legacy, "removed_toggle": 1}},
+    )
+    assert s.toggles_of(broken) == s.space.to_toggles(params)  # a record that does not load: the params

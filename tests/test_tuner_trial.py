@@ -13,15 +13,36 @@ TOKENS = 4096
 def active(toggles=None, stop=None, restart=True, trend=()):
     t = toggles or Toggles(micro_batch=8)
     m = Measurement(min_steps=6)
-    a = ActiveTrial(TrialKind.TRIAL, RunTrial(1, t, m, restart=restart), t, None, 1, 100.0, m,
-                    LossGuard(LossTrend(trend), False), False)
+    a = ActiveTrial(
+        TrialKind.TRIAL,
+        RunTrial(1, t, m, restart=restart),
+        t,
+        None,
+        1,
+        100.0,
+        m,
+        LossGuard(LossTrend(trend), False),
+        False,
+    )
     a.stop = stop
     return a
 
 
 def step(i, ms=100.0, loss=2.0):
-    return make("step", step=i, tokens=TOKENS, loss=loss, lr=1e-3, grad_norm=1.0, step_ms=ms, phases_ms={},
-                tokens_per_s=0.0, mfu=0.0, mem_bytes=10 ** 9, time=100.0 + i * ms / 1000.0)
+    return make(
+        "step",
+        step=i,
+        tokens=TOKENS,
+        loss=loss,
+        lr=1e-3,
+        grad_norm=1.0,
+        step_ms=ms,
+        phases_ms={},
+        tokens_per_s=0.0,
+        mfu=0.0,
+        mem_bytes=10**9,
+        time=100.0 + i * ms / 1000.0,
+    )
 
 
 def warning(kind, at):
@@ -32,23 +53,24 @@ def test_recompiling_at_two_distinct_steps_or_falling_back_is_unsteady():
     a = active()
     a.note_warning(warning(CompileWarning.RECOMPILE, 5))
     a.note_warning(warning(CompileWarning.RECOMPILE, 5))
-    a.note_warning(warning("something else", 6))                 # not the compile watchdog's: not counted
-    assert a.compile == {"recompile": 2} and not a.unsteady        # one step: warm-up
+    a.note_warning(warning("something else", 6))  # not the compile watchdog's: not counted
+    assert a.compile == {"recompile": 2} and not a.unsteady  # one step: warm-up
     a.note_warning(warning(CompileWarning.RECOMPILE, 9))
     assert a.unsteady and a.recompiling == "recompiled at steps 5, 9"
     b = active()
     b.note_warning(warning(CompileWarning.COMPILE_FALLBACK, 3))
     assert b.unsteady and b.recompiling == "fell back to eager"
-    assert compile_words(a.compile, True) == ("torch.compile recompiled 3x: it kept recompiling, so it is not "
-                                              "applied however fast it measured")
+    assert compile_words(a.compile, True) == (
+        "torch.compile recompiled 3x: it kept recompiling, so it is not applied however fast it measured"
+    )
     assert compile_words({}, False) == ""
 
 
 def test_the_first_failure_is_the_trials_and_an_oom_reports_its_peak():
     a = active()
-    a.note_error(make("error", kind="oom", message="CUDA out of memory", memory={"allocated_peak": 5 * 2 ** 30}))
+    a.note_error(make("error", kind="oom", message="CUDA out of memory", memory={"allocated_peak": 5 * 2**30}))
     a.note_error(make("error", kind="weird", message="then it crashed"))
-    assert a.failure == (TrialOutcome.OOM, "CUDA out of memory") and a.oom_mem == 5 * 2 ** 30
+    assert a.failure == (TrialOutcome.OOM, "CUDA out of memory") and a.oom_mem == 5 * 2**30
     b = active()
     b.note_error(make("error", kind="weird", message="segfault"))
     assert b.failure == (TrialOutcome.CRASH, "segfault")
@@ -57,12 +79,12 @@ def test_the_first_failure_is_the_trials_and_an_oom_reports_its_peak():
 
 
 def test_a_diverging_loss_fails_the_trial_through_its_guard():
-    a = active(trend=[(i, 2.0) for i in range(10)])          # the run's healthy losses: at most 2.0
+    a = active(trend=[(i, 2.0) for i in range(10)])  # the run's healthy losses: at most 2.0
     for i in range(1, 5):
         a.note_step(step(i, loss=2.0), TOKENS, 100.0 + i)
     assert a.failure is None
-    a.note_step(step(5, loss=3.5), TOKENS, 105.0)              # above 1.5x the recent maximum
-    a.note_step(step(6, loss=9.0), TOKENS, 106.0)              # the first failure stays the trial's
+    a.note_step(step(5, loss=3.5), TOKENS, 105.0)  # above 1.5x the recent maximum
+    a.note_step(step(6, loss=9.0), TOKENS, 106.0)  # the first failure stays the trial's
     assert a.failure is not None and a.failure[0] is TrialOutcome.DIVERGED and "at step 5" in a.failure[1]
     assert a.losses[-1] == (6, 9.0) and len(a.arrivals) == 6
 
@@ -75,9 +97,9 @@ def test_a_measured_trial_ends_with_its_verdict_summary_and_overhead():
     assert status in (TrialStatus.OK, TrialStatus.CUT) and reason
     end = a.end(now=140.0, energy=None)
     assert end.duration == 40.0 and end.summary["steps"] == 39
-    assert end.overhead_s == a.overhead_s() and end.overhead_s > 25.0       # the 30 s before its first step
+    assert end.overhead_s == a.overhead_s() and end.overhead_s > 25.0  # the 30 s before its first step
     assert end.extra["kind_of_run"] is TrialKind.TRIAL and "compile" not in end.extra
-    assert active(restart=False).end(now=150.0, energy=None).overhead_s is None   # no restart: no overhead
+    assert active(restart=False).end(now=150.0, energy=None).overhead_s is None  # no restart: no overhead
     assert a.verdict("told by the session", None) == (status, "told by the session")
 
 
@@ -86,8 +108,8 @@ def test_cut_for_time_while_compiling_is_pruned_and_marks_the_mode_slow():
     assert a.still_compiling
     status, reason = a.verdict("", None)
     assert status is TrialStatus.PRUNED and reason.startswith("no steady measurement: took longer than a trial may")
-    assert a.end(now=900.0, energy=None).overhead_s == 800.0        # all of it was overhead
-    assert not active(stop="timeout").still_compiling              # no compile: not the mode's fault
+    assert a.end(now=900.0, energy=None).overhead_s == 800.0  # all of it was overhead
+    assert not active(stop="timeout").still_compiling  # no compile: not the mode's fault
 
 
 def test_noted_joins_what_is_there():

@@ -46,8 +46,24 @@ from helpers import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.process]
 
-SETUP = ["--model", "llama", "--size", "tiny", "--seq-len", "64", "--global-batch", "8", "--warmup-steps", "2",
-         "--eval-every", "0", "--log-every", "1", "--device", "cpu"]
+SETUP = [
+    "--model",
+    "llama",
+    "--size",
+    "tiny",
+    "--seq-len",
+    "64",
+    "--global-batch",
+    "8",
+    "--warmup-steps",
+    "2",
+    "--eval-every",
+    "0",
+    "--log-every",
+    "1",
+    "--device",
+    "cpu",
+]
 # Numerics-neutral toggles only, so the loss trend never decides; 32 configurations, more than run A can
 # measure in its budget, so run B has new ones to try. The start is deliberately slow (micro-batch 1 with
 # activation checkpointing: ~2.5x slower than the best here).
@@ -65,8 +81,11 @@ def train_session_with_t(tmp_path: Path, extra: list[str]):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     run_dir = tmp_path / "run"
-    cfg = config_from_args(parser.parse_args(SETUP + extra + ["--max-steps", "100000", "--checkpoint-every", "0",
-                                                              "--run-dir", str(run_dir)]))
+    cfg = config_from_args(
+        parser.parse_args(
+            SETUP + extra + ["--max-steps", "100000", "--checkpoint-every", "0", "--run-dir", str(run_dir)]
+        )
+    )
     tuning = TuningOptions(budget_s=60.0, space_spec=SPACE, storage=f"sqlite:///{tmp_path / 's.sqlite3'}")
     return Session(cfg, SessionOptions(interval=1.0, tuning=tuning)), run_dir
 
@@ -81,18 +100,24 @@ def gptop_env(**extra):
 
 
 def run_gptop(*args, env=None, timeout=540):
-    p = subprocess.run([sys.executable, "-m", "gptop", "--no-ui", *args], capture_output=True, text=True,
-                       env=env or gptop_env(), timeout=timeout)
+    p = subprocess.run(
+        [sys.executable, "-m", "gptop", "--no-ui", *args],
+        capture_output=True,
+        text=True,
+        env=env or gptop_env(),
+        timeout=timeout,
+    )
     return p.returncode, p.stdout, p.stderr
 
 
 def events(run_dir, kind=None):
     """Rank 0's events as on the wire (validated), with every field the event declares: the wire leaves out an
     optional field that is None (absent and null mean the same to a reader), so a test reads it as None."""
-    return [{**{f.name: None for f in dataclasses.fields(e)}, **to_dict(e)}
-            for e in read_events(Path(run_dir) / "events.jsonl")
-            if e.rank == 0 and (kind is None or e.type == kind)
-            and not (e.type == "hello" and e.early)]     # each process's early hello comes before its full one
+    return [
+        {**{f.name: None for f in dataclasses.fields(e)}, **to_dict(e)}
+        for e in read_events(Path(run_dir) / "events.jsonl")
+        if e.rank == 0 and (kind is None or e.type == kind) and not (e.type == "hello" and e.early)
+    ]  # each process's early hello comes before its full one
 
 
 def processes(run_dir):
@@ -118,8 +143,12 @@ def lineage(procs):
     while procs[chain[0]]["hello"]["start_step"] > 0:
         hello = procs[chain[0]]["hello"]
         start, resumed = hello["start_step"], hello["resumed_from"]
-        writer = max(i for i in range(chain[0]) for c in procs[i]["checkpoints"]
-                     if c["step"] == start and Path(c["path"]).name == Path(resumed).name)
+        writer = max(
+            i
+            for i in range(chain[0])
+            for c in procs[i]["checkpoints"]
+            if c["step"] == start and Path(c["path"]).name == Path(resumed).name
+        )
         chain.insert(0, writer)
     ends = [procs[j]["hello"]["start_step"] for j in chain[1:]] + [procs[chain[-1]]["done"]["step"]]
     return [(i, end) for i, end in zip(chain, ends)]
@@ -153,8 +182,13 @@ for config, end in segments:
 
 def replay(procs, chain, out):
     segments = [(procs[i]["hello"]["config"], end) for i, end in chain]
-    p = subprocess.run([sys.executable, "-c", REPLAY, json.dumps(segments), str(out)], capture_output=True,
-                       text=True, env=gptop_env(), timeout=600)
+    p = subprocess.run(
+        [sys.executable, "-c", REPLAY, json.dumps(segments), str(out)],
+        capture_output=True,
+        text=True,
+        env=gptop_env(),
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     return out
 
@@ -171,16 +205,17 @@ def finished_trials(run_dir):
 
 # --- run A -----------------------------------------------------------------------------
 
+
 def decided_and_training_on(run_dir) -> bool:
     """The tuner is done, and the process that trains on (the applied setting's, restarted) has made a step."""
     evs = events(run_dir) if (Path(run_dir) / "events.jsonl").exists() else []
     done = next((i for i, e in enumerate(evs) if e["type"] == "tuner" and e["phase"] == "done"), None)
     if done is None:
         return False
-    after = evs[done + 1:]
+    after = evs[done + 1 :]
     if any(e["type"] == "apply" for e in evs):
         hellos = [i for i, e in enumerate(after) if e["type"] == "hello"]
-        after = after[hellos[-1]:] if hellos else []
+        after = after[hellos[-1] :] if hellos else []
     return any(e["type"] == "step" for e in after)
 
 
@@ -194,16 +229,42 @@ def tuned(tmp_path_factory):
     n = 1000
     out_path, err_path = root / "gptop.out", root / "gptop.err"
     with open(out_path, "w") as out, open(err_path, "w") as err:
-        p = subprocess.Popen([sys.executable, "-m", "gptop", "--no-ui", "tune", "--budget", "90s", *SETUP, *SLOW_START,
-                              "--max-steps", str(n), "--checkpoint-every", "100", "--keep-checkpoints", "1000",
-                              "--tune-space", SPACE, "--storage", storage, "--run-dir", str(run_dir)],
-                             stdout=out, stderr=err, text=True, env=gptop_env(GPTOP_TEST_TRIAL_FAULT="2:checkpoint@2+nan@3"))
+        p = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gptop",
+                "--no-ui",
+                "tune",
+                "--budget",
+                "90s",
+                *SETUP,
+                *SLOW_START,
+                "--max-steps",
+                str(n),
+                "--checkpoint-every",
+                "100",
+                "--keep-checkpoints",
+                "1000",
+                "--tune-space",
+                SPACE,
+                "--storage",
+                storage,
+                "--run-dir",
+                str(run_dir),
+            ],
+            stdout=out,
+            stderr=err,
+            text=True,
+            env=gptop_env(GPTOP_TEST_TRIAL_FAULT="2:checkpoint@2+nan@3"),
+        )
     try:
         # The tuner measures trials against each other: no other test's processes beside it (pytest -n) until it
         # decided; the rest of the run (one trainer training on to step n) can run beside a measuring test.
         with quiet():
-            wait_for(lambda: p.poll() is not None or decided_and_training_on(run_dir), 600, "the tuner's decision",
-                     poll=1.0)
+            wait_for(
+                lambda: p.poll() is not None or decided_and_training_on(run_dir), 600, "the tuner's decision", poll=1.0
+            )
         with steady():
             rc = p.wait(900)
     finally:
@@ -230,18 +291,21 @@ def test_tune_runs_trials_applies_and_finishes_exactly(tuned):
     assert apply["tokens_per_s"] > apply["baseline_tokens_per_s"]
     procs = processes(run_dir)
     final = procs[-1]
-    assert final["hello"]["config"]["toggles"] == apply["toggles"]          # training went on with it
-    assert final["hello"]["config"]["run"]["nan_policy"] == "rollback"     # and the user's own settings
+    assert final["hello"]["config"]["toggles"] == apply["toggles"]  # training went on with it
+    assert final["hello"]["config"]["run"]["nan_policy"] == "rollback"  # and the user's own settings
     assert final["done"]["step"] == n and final["done"]["reason"] == "max_steps"
     assert rundir.list_checkpoints(run_dir)[-1].step == n
     # headless: one line per finished trial, and the decision in words
     lines = out.splitlines()
     for e in finished_trials(run_dir):
         what = "trial" if e["kind"] == "trial" else e["kind"]
-        assert any(line.startswith(f"{what} {e['number']} {e['status']}:") or
-                   (e["number"] is None and line.startswith(f"{what} {e['status']}:")) for line in lines), e
+        assert any(
+            line.startswith(f"{what} {e['number']} {e['status']}:")
+            or (e["number"] is None and line.startswith(f"{what} {e['status']}:"))
+            for line in lines
+        ), e
     assert any(line.startswith("tuner: applying trial") for line in lines)
-    assert not any(line.startswith("trial ") and " running:" in line for line in lines)   # one line per trial
+    assert not any(line.startswith("trial ") and " running:" in line for line in lines)  # one line per trial
     done = [e for e in events(run_dir, "tuner") if e["phase"] == "done"]
     assert done and done[-1]["applied"] and done[-1]["outcome"].startswith("applied trial")
 
@@ -249,12 +313,12 @@ def test_tune_runs_trials_applies_and_finishes_exactly(tuned):
 def test_data_order_and_the_applied_model_equal_the_kept_steps(tuned):
     run_dir, n = tuned["run_dir"], tuned["n"]
     procs = processes(run_dir)
-    for p in procs:                                   # every process trains the batch of its step
+    for p in procs:  # every process trains the batch of its step
         assert all(e["batch"] == e["step"] - 1 for e in p["steps"]), p["hello"]["pid"]
     chain = lineage(procs)
     kept = [s["step"] for i, end in chain for s in procs[i]["steps"] if s["step"] <= end]
-    assert kept == list(range(1, n + 1))             # log every step: 1..N once each, no skip, no repeat
-    assert len(chain) >= 3                            # baseline, trials, applied setting
+    assert kept == list(range(1, n + 1))  # log every step: 1..N once each, no skip, no repeat
+    assert len(chain) >= 3  # baseline, trials, applied setting
     last, _ = chain[-1]
     at = min((c["step"] for c in procs[last]["checkpoints"] if c["reason"] == "interval"), default=n)
     out = replay(procs, chain[:-1] + [(last, at)], tuned["root"] / "replay")
@@ -312,22 +376,43 @@ def test_report_best_toml_and_gptop_report(tuned):
 
 # --- run B: the same setup again ---------------------------------------------------------
 
-@pytest.mark.solo          # the tuner measures trials: the CPU to itself under pytest -n
+
+@pytest.mark.solo  # the tuner measures trials: the CPU to itself under pytest -n
 def test_second_run_warm_starts_and_rolls_back_an_oom(tuned, tmp_path):
     run_dir = tmp_path / "run2"
     # 45 s: room for the baseline (up to 8 s when it stays noisy) and one trial of its own, with the reserve the
     # tuner keeps (a 30 s budget left ~23 s after a noisy baseline, under what the tuner asks of a trial)
-    rc, out, err = run_gptop("tune", "--tune-only", "--budget", "45s", *SETUP, *SLOW_START, "--max-steps", "1000",
-                             "--checkpoint-every", "3", "--keep-checkpoints", "2", "--tune-space", SPACE,
-                             "--storage", tuned["storage"], "--run-dir", str(run_dir),
-                             env=gptop_env(GPTOP_TEST_TRIAL_FAULT="1:oom@4"))
+    rc, out, err = run_gptop(
+        "tune",
+        "--tune-only",
+        "--budget",
+        "45s",
+        *SETUP,
+        *SLOW_START,
+        "--max-steps",
+        "1000",
+        "--checkpoint-every",
+        "3",
+        "--keep-checkpoints",
+        "2",
+        "--tune-space",
+        SPACE,
+        "--storage",
+        tuned["storage"],
+        "--run-dir",
+        str(run_dir),
+        env=gptop_env(GPTOP_TEST_TRIAL_FAULT="1:oom@4"),
+    )
     assert rc == 0, err[-3000:] + out[-3000:]
     report = json.loads((run_dir / "tuning.json").read_text())
     first = json.loads((tuned["run_dir"] / "tuning.json").read_text())
-    assert report["study"] == first["study"], (report["key"], first["key"])   # the same stored study
+    assert report["study"] == first["study"], (report["key"], first["key"])  # the same stored study
     assert {r["run"] for r in report["trials"]} == {"this", "earlier"}, out[-4000:]  # it saw what run A learned
-    measured_a = {json.dumps(e["toggles"], sort_keys=True) for e in finished_trials(tuned["run_dir"])
-                  if e["kind"] == "trial" and e["status"] in ("ok", "cut", "pruned", "infeasible")}
+    measured_a = {
+        json.dumps(e["toggles"], sort_keys=True)
+        for e in finished_trials(tuned["run_dir"])
+        if e["kind"] == "trial" and e["status"] in ("ok", "cut", "pruned", "infeasible")
+    }
     ran_b = [e for e in finished_trials(run_dir) if e["kind"] == "trial" and e["duration_s"] > 0]
     assert ran_b and not {json.dumps(e["toggles"], sort_keys=True) for e in ran_b} & measured_a  # no repeats
     # the OOM trial: rolled back, its checkpoints deleted, the pre-trial one kept (or restored) for the resume
@@ -357,7 +442,8 @@ def test_second_run_warm_starts_and_rolls_back_an_oom(tuned, tmp_path):
 
 # --- the `t` key in a plain `gptop train` session ---------------------------------------
 
-@pytest.mark.solo          # the tuner measures trials: the CPU to itself under pytest -n
+
+@pytest.mark.solo  # the tuner measures trials: the CPU to itself under pytest -n
 def test_t_starts_and_stops_tuning_in_a_train_session(tmp_path, monkeypatch):
     """`t` (Session.toggle_tuning) attaches a tuner to a running train session; `t` again stops it and the
     run trains on; a third `t` starts another tuning, and Ctrl-C (Session.stop) during it still writes the
@@ -369,13 +455,19 @@ def test_t_starts_and_stops_tuning_in_a_train_session(tmp_path, monkeypatch):
 
     try:
         session.start()
-        wait_for(lambda: (run_dir / "events.jsonl").exists() and events(run_dir, "step"), 180,
-                 "the first step event (a log step)")
-        session.toggle_tuning()                                          # t: start
+        wait_for(
+            lambda: (run_dir / "events.jsonl").exists() and events(run_dir, "step"),
+            180,
+            "the first step event (a log step)",
+        )
+        session.toggle_tuning()  # t: start
         first = session.controller
-        wait_for(lambda: any(e["kind"] == "trial" and e["status"] == "running" for e in events(run_dir, "trial")),
-                 180, "a trial")
-        session.toggle_tuning()                                          # t: stop
+        wait_for(
+            lambda: any(e["kind"] == "trial" and e["status"] == "running" for e in events(run_dir, "trial")),
+            180,
+            "a trial",
+        )
+        session.toggle_tuning()  # t: stop
         wait_for(first.finished.is_set, 180, "the tuner to stop")
         assert first.error is None
         done = [e for e in events(run_dir, "tuner") if e["phase"] == "done"]
@@ -383,24 +475,23 @@ def test_t_starts_and_stops_tuning_in_a_train_session(tmp_path, monkeypatch):
         assert (run_dir / "tuning.md").is_file()
         step = session.state.step
         wait_for(lambda: session.state.step and session.state.step > step + 3, 180, "training to go on")
-        assert session.controller is None                                # exits are the session's again
-        session.toggle_tuning()                                          # t: a new tuning
+        assert session.controller is None  # exits are the session's again
+        session.toggle_tuning()  # t: a new tuning
         second = session.controller
         assert second is not first
         wait_for(lambda: second.ctl is not None and second.ctl.in_trial, 180, "the second tuning")
-        session.stop()                                                   # Ctrl-C
+        session.stop()  # Ctrl-C
         assert session.wait(120) == 130
         wait_for(second.finished.is_set, 30, "the report")
         report = json.loads((run_dir / "tuning.json").read_text())
-        assert report["run"] == second.study.run_id                      # rewritten by the second tuning
+        assert report["run"] == second.study.run_id  # rewritten by the second tuning
     finally:
         session.close()
     pids = [e["pid"] for e in events(run_dir, "hello")]
-    assert pids and not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                            for p in pids)
+    assert pids and not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
 
 
-@pytest.mark.solo          # the tuner measures trials: the CPU to itself under pytest -n
+@pytest.mark.solo  # the tuner measures trials: the CPU to itself under pytest -n
 def test_t_on_a_run_that_logs_every_10_steps_measures_every_step(tmp_path, monkeypatch):
     """The baseline after `t` is measured on the running trainer: it is asked (a command, no restart) to log
     every step while measured, so the tuner gets a sample per step instead of one per 10."""
@@ -409,13 +500,17 @@ def test_t_on_a_run_that_logs_every_10_steps_measures_every_step(tmp_path, monke
 
     try:
         session.start()
-        wait_for(lambda: (run_dir / "events.jsonl").exists() and events(run_dir, "step"), 180,
-                 "the first step event (a log step)")
+        wait_for(
+            lambda: (run_dir / "events.jsonl").exists() and events(run_dir, "step"),
+            180,
+            "the first step event (a log step)",
+        )
         pid = events(run_dir, "hello")[-1]["pid"]
         session.toggle_tuning()
-        wait_for(lambda: sum(e["interval_steps"] == 1 for e in events(run_dir, "step")) >= 3, 180,
-                 "steps logged one by one")
-        assert events(run_dir, "hello")[-1]["pid"] == pid                # the same process: no restart for it
+        wait_for(
+            lambda: sum(e["interval_steps"] == 1 for e in events(run_dir, "step")) >= 3, 180, "steps logged one by one"
+        )
+        assert events(run_dir, "hello")[-1]["pid"] == pid  # the same process: no restart for it
         steps = events(run_dir, "step")
         assert steps[0]["interval_steps"] == 10 and steps[0]["step"] == 10
         wait_for(lambda: [e for e in events(run_dir, "tuner") if e.get("measure")], 180, "the measurement's progress")

@@ -36,8 +36,15 @@ def text(widget: Widget) -> str:
     return "\n".join(strip.text for strip in widget.render_lines(Region(0, 0, w, h)))
 
 
-def make(kind: str = "gpu", *, failed: bool = False, status: str | None = None, state: RunState | None = None,
-         finished: Callable[[], bool] | None = None, **kwargs) -> tuple[GptopApp, RunState, RecordingCommands]:
+def make(
+    kind: str = "gpu",
+    *,
+    failed: bool = False,
+    status: str | None = None,
+    state: RunState | None = None,
+    finished: Callable[[], bool] | None = None,
+    **kwargs,
+) -> tuple[GptopApp, RunState, RecordingCommands]:
     state = state if state is not None else build_state(kind, failed=failed, status=status, **kwargs)
     cmds = RecordingCommands()
     return GptopApp(state, cmds, finished=finished), state, cmds
@@ -52,10 +59,12 @@ def drive(app: GptopApp, keys: list[str], size=SMALL, check: Callable[[GptopApp]
                 await pilot.pause()
             if check:
                 check(app)
+
     run(go())
 
 
 # --- keys ------------------------------------------------------------------------
+
 
 def test_recording_commands_satisfy_the_protocol():
     assert isinstance(RecordingCommands(), Commands)
@@ -73,7 +82,7 @@ def test_t_stops_a_tuner_while_it_restarts_the_trainer(status):
     app, state, cmds = make(status=status)
     assert state.tuner.active
     drive(app, ["t", "c"])
-    assert cmds.names == ["toggle_tuning"]          # checkpoint needs a live trainer; stopping the tuner does not
+    assert cmds.names == ["toggle_tuning"]  # checkpoint needs a live trainer; stopping the tuner does not
 
 
 def test_restart_only_after_failure():
@@ -81,7 +90,7 @@ def test_restart_only_after_failure():
     drive(app, ["r"])
     assert cmds.names == []
     app, _, cmds = make(failed=True)
-    drive(app, ["r", "c", "p"])     # no live trainer: checkpoint/profile are disabled
+    drive(app, ["r", "c", "p"])  # no live trainer: checkpoint/profile are disabled
     assert cmds.names == ["restart"]
 
 
@@ -97,7 +106,7 @@ def test_quit_is_graceful_and_a_second_quit_forces():
 
     def after_first(app: GptopApp) -> None:
         assert cmds.calls == [("stop", {"force": False})]
-        assert app.return_code is None           # still up: waiting for the session to finish
+        assert app.return_code is None  # still up: waiting for the session to finish
 
     drive(app, ["q"], check=after_first)
     app, _, cmds = make(finished=done.is_set)
@@ -129,7 +138,7 @@ def test_quit_exits_at_once_without_a_live_trainer_or_finished_check():
         app, _, cmds = make(status=status, finished=lambda: False)
         drive(app, ["q"])
         assert cmds.calls == [("stop", {"force": False})] and app.return_code == 0
-    app, _, cmds = make()   # no finished callable: nothing to wait on
+    app, _, cmds = make()  # no finished callable: nothing to wait on
     drive(app, ["q"])
     assert cmds.calls == [("stop", {"force": False})] and app.return_code == 0
 
@@ -143,8 +152,9 @@ def test_app_exits_when_the_session_is_finished():
             await pilot.pause()
             assert app.return_code is None
             done.set()
-            await pilot.pause(app.poll_interval + 0.2)   # the poll timer checks the session
+            await pilot.pause(app.poll_interval + 0.2)  # the poll timer checks the session
             assert app.return_code == 0
+
     run(go())
     assert cmds.calls == []
 
@@ -161,6 +171,7 @@ def test_a_run_that_ends_by_itself_stays_on_screen_until_q():
                 await pilot.press("q")
                 await pilot.pause()
                 assert app.return_code == 0
+
         run(go())
         assert cmds.calls == [("stop", {"force": False})]
 
@@ -191,6 +202,7 @@ class FakeSession(RecordingCommands):
             self.state.set_status(self.end)
             if self.end != "running":
                 self._done.set()
+
         threading.Thread(target=play, daemon=True).start()
 
     def stop(self, force: bool = False) -> None:
@@ -218,13 +230,19 @@ def test_log_key_zooms_the_log_panel():
 
     def check(app: GptopApp) -> None:
         log = app.query_one("#log")
-        assert log.display and log.size.height > 15       # the whole body at 80x24
+        assert log.display and log.size.height > 15  # the whole body at 80x24
         assert not app.query_one("#top").display
 
     drive(app, ["l"], check=check)
     app, _, _ = make()
-    drive(app, ["l", "l"], check=lambda a: (a.query_one("#top").display and not a.query_one("#log").display) or
-          pytest.fail("log should be hidden again at 80x24"))
+    drive(
+        app,
+        ["l", "l"],
+        check=lambda a: (
+            (a.query_one("#top").display and not a.query_one("#log").display)
+            or pytest.fail("log should be hidden again at 80x24")
+        ),
+    )
 
 
 def test_window_key_cycles_device_chart_window():
@@ -239,8 +257,12 @@ def test_window_key_cycles_device_chart_window():
 
 def test_expert_key_cycles_moe_layers():
     app, _, _ = make()
-    drive(app, ["e"], size=LARGE, check=lambda a: "layer 2/4" in text(a.query_one("#training")) or
-          pytest.fail(text(a.query_one("#training"))))
+    drive(
+        app,
+        ["e"],
+        size=LARGE,
+        check=lambda a: "layer 2/4" in text(a.query_one("#training")) or pytest.fail(text(a.query_one("#training"))),
+    )
 
 
 def test_help_screen_opens_and_closes_without_quitting():
@@ -251,12 +273,13 @@ def test_help_screen_opens_and_closes_without_quitting():
             await pilot.press("question_mark")
             await pilot.pause()
             assert isinstance(app.screen, HelpScreen)
-            await pilot.press("q")           # closes the help, does not stop the run
+            await pilot.press("q")  # closes the help, does not stop the run
             await pilot.pause()
             assert not isinstance(app.screen, HelpScreen)
             await pilot.press("question_mark", "escape")
             await pilot.pause()
             assert not isinstance(app.screen, HelpScreen)
+
     run(go())
     assert cmds.calls == []
 
@@ -269,10 +292,10 @@ def test_every_binding_is_in_the_footer_at_80_columns():
         for key in ("q", "c", "p", "s", "l", "t", "r", "w", "e", "question_mark"):
             assert key in keys, key
             assert keys[key].right <= 80
-        assert len({r.x for r in keys.values()}) == len(keys)   # no two keys on top of each other
+        assert len({r.x for r in keys.values()}) == len(keys)  # no two keys on top of each other
 
     drive(app, [], check=check)
-    app, _, _ = make("cpu")   # dense model: no expert key
+    app, _, _ = make("cpu")  # dense model: no expert key
     drive(app, [], check=lambda a: "e" not in {k.key for k in a.query("FooterKey")} or pytest.fail())
 
 
@@ -282,16 +305,26 @@ def test_command_palette_lists_and_runs_the_actions():
     async def go():
         async with app.run_test(size=LARGE) as pilot:
             titles = [c.title for c in app.get_system_commands(app.screen)]
-            for t in ("Stop run", "Force stop", "Checkpoint now", "Profile", "Toggle log panel", "Start/stop tuning",
-                      "Chart window", "Next expert layer", "Help"):
+            for t in (
+                "Stop run",
+                "Force stop",
+                "Checkpoint now",
+                "Profile",
+                "Toggle log panel",
+                "Start/stop tuning",
+                "Chart window",
+                "Next expert layer",
+                "Help",
+            ):
                 assert t in titles
-            assert "Quit" not in titles and "Restart" not in titles   # restart only after a failure
+            assert "Quit" not in titles and "Restart" not in titles  # restart only after a failure
             await pilot.press("ctrl+p")
             await pilot.pause()
             await pilot.press(*"checkpoint now")
             await pilot.pause(0.3)
             await pilot.press("enter")
             await pilot.pause(0.2)
+
     run(go())
     assert cmds.names == ["checkpoint"]
 
@@ -303,11 +336,15 @@ def test_a_failing_command_is_reported_not_raised():
 
     state = build_state("gpu")
     app = GptopApp(state, Broken())
-    drive(app, ["c"], check=lambda a: any("no trainer" in str(n.message) for n in a._notifications) or
-          pytest.fail("no notification"))
+    drive(
+        app,
+        ["c"],
+        check=lambda a: any("no trainer" in str(n.message) for n in a._notifications) or pytest.fail("no notification"),
+    )
 
 
 # --- panels ----------------------------------------------------------------------
+
 
 def test_panels_show_the_gpu_stream():
     app, _, _ = make()
@@ -323,14 +360,14 @@ def test_panels_show_the_gpu_stream():
         for word in ("data", "fwd", "bwd", "opt", "other", "idle", "compute-bound"):
             assert word in steps
         train = text(app.query_one("#training"))
-        mfu = f"MFU {app.state.window().mfu * 100:.1f}%"        # the breakdown's window and statistic
+        mfu = f"MFU {app.state.window().mfu * 100:.1f}%"  # the breakdown's window and statistic
         for word in ("loss", "eval 2.264", "tok/s", mfu, "experts"):
             assert word in train
         tuner = text(app.query_one("#tuner"))
         # 21:20 left at the last tuner event, which came 25 s before the stream's last event: it runs down
         for word in ("trials · 20:55 left · 5/12 run", "best", "41.9k", "infeasible", "pruned", "cut"):
             assert word in tuner
-        assert not app.query_one("#log").display     # hidden at 80x24
+        assert not app.query_one("#log").display  # hidden at 80x24
 
     drive(app, [], check=check)
 
@@ -344,15 +381,15 @@ def test_log_panel_wraps_at_its_width_and_shows_the_newest_lines():
         assert "compiling model" in shown[0] and "checkpoint step 200 written" in shown[-1]
         assert max(len(s) for s in shown) <= log.scrollable_content_region.width
         assert any(s.startswith("error [oom]") for s in shown) and any(s == "micro-batch 32)" for s in shown)
-        assert "checkpoint step 200 written" in text(log)    # scrolled to the newest line
+        assert "checkpoint step 200 written" in text(log)  # scrolled to the newest line
 
-    drive(app, ["l"], check=check)   # zoomed at 80x24: the long OOM line wraps once
+    drive(app, ["l"], check=check)  # zoomed at 80x24: the long OOM line wraps once
 
     def check_large(app: GptopApp) -> None:
         shown = [strip.text.rstrip() for strip in app.query_one("#log").lines]
-        assert any(s.endswith("(trial 2, micro-batch 32)") for s in shown)   # room for it: one line
+        assert any(s.endswith("(trial 2, micro-batch 32)") for s in shown)  # room for it: one line
         view = text(app.query_one("#log"))
-        assert "filler 29" in view and "filler 10" not in view                # the newest lines in view
+        assert "filler 29" in view and "filler 10" not in view  # the newest lines in view
 
     app, state, _ = make()
     for i in range(30):
@@ -365,15 +402,15 @@ def test_panels_show_the_cpu_stream_at_large_size():
 
     def check(app: GptopApp) -> None:
         dev = text(app.query_one("#devices"))
-        assert "CPU" in dev and "AMD EPYC" in dev and "cores" in dev and "n/a" in dev   # power n/a
+        assert "CPU" in dev and "AMD EPYC" in dev and "cores" in dev and "n/a" in dev  # power n/a
         rows = [r.strip("│ ") for r in dev.splitlines()]
         # docs/dashboard.md: the CPU's util and memory history, each a chart with its label on its last row
         assert any(r.startswith("util  ") and "█" in r and "%" not in r for r in rows)
         assert any(r.startswith("mem   ") and "GB" not in r for r in rows)
-        assert re.search(r"Processor +trainer \d+% of", dev)                # the model name, a gap, the process
+        assert re.search(r"Processor +trainer \d+% of", dev)  # the model name, a gap, the process
         assert "data loading is 30%" in text(app.query_one("#steps"))
         assert "MFU n/a" in text(app.query_one("#training"))
-        assert not app.query_one("#tuner").display      # no tuner activity: the panel gives way
+        assert not app.query_one("#tuner").display  # no tuner activity: the panel gives way
         assert app.query_one("#log").display and "llama tiny" in "\n".join(s.text for s in app.query_one("#log").lines)
 
     drive(app, [], size=LARGE, check=check)
@@ -425,6 +462,7 @@ def test_empty_state_renders_placeholders():
 
 # --- live updates ----------------------------------------------------------------
 
+
 def test_events_from_another_thread_reach_the_screen_quickly():
     state = RunState(run_name="live", status="running")
     app, _, _ = make(state=state)
@@ -445,7 +483,8 @@ def test_events_from_another_thread_reach_the_screen_quickly():
                 await asyncio.sleep(0.01)
                 assert time.monotonic() - t0 < 2.0, "event not on screen within 2 s"
             latency = time.monotonic() - t0
-            assert latency < 1.0, latency      # the frame budget is 200 ms; a loaded CI machine gets slack
+            assert latency < 1.0, latency  # the frame budget is 200 ms; a loaded CI machine gets slack
+
     run(go())
 
 
@@ -462,10 +501,11 @@ def test_only_changed_panels_are_synced():
                 def counted(s, _orig=orig, _id=w.id):
                     calls[_id] = calls.get(_id, 0) + 1
                     _orig(s)
+
                 w.sync = counted
             await pilot.pause(0.25)
-            assert calls == {}            # nothing changed: nothing re-rendered
-            t = state.last_time - T0                 # a sample at the same time: the clocks shown stay
+            assert calls == {}  # nothing changed: nothing re-rendered
+            t = state.last_time - T0  # a sample at the same time: the clocks shown stay
             # samples every 0.25 s, faster than the panel's MIN_REDRAW_S: redrawn at most once per MIN_REDRAW_S
             # (plus the first, at once), and the last sample is on screen in the end
             t0 = time.monotonic()
@@ -481,8 +521,9 @@ def test_only_changed_panels_are_synced():
             await pilot.pause(0.25)
             assert set(calls) == {"devices", "log", "failure"}
             state.apply(ev("device", t + 30, devices=[], cpu={"util_pct": 1.0}))
-            await pilot.pause(0.25)                  # 30 s on: elapsed (header) and budget left (tuner) moved
+            await pilot.pause(0.25)  # 30 s on: elapsed (header) and budget left (tuner) moved
             assert set(calls) == {"devices", "log", "failure", "header", "tuner"}
+
     run(go())
 
 
@@ -490,9 +531,11 @@ def count_syncs(app: GptopApp) -> dict[str, int]:
     """Count each panel's redraws (its sync) from here on."""
     calls: dict[str, int] = {}
     for w in app.watchers():
+
         def counted(s, _orig=w.sync, _id=w.id):
             calls[_id] = calls.get(_id, 0) + 1
             _orig(s)
+
         w.sync = counted
     return calls
 
@@ -509,21 +552,24 @@ def test_a_fast_progress_stream_is_drawn_at_the_frame_rate_and_ends_on_its_last_
             await pilot.pause()
             calls = count_syncs(app)
             t0 = time.monotonic()
-            for i in range(80):                      # a step every 20 ms for 1.6 s, from the reader's thread
+            for i in range(80):  # a step every 20 ms for 1.6 s, from the reader's thread
                 step = 14 + i
-                threading.Thread(target=state.apply, args=(
-                    ev("progress", 1600.0 + 0.02 * i, step=step, tokens=step * 8192, step_ms=20.0),)).start()
+                threading.Thread(
+                    target=state.apply,
+                    args=(ev("progress", 1600.0 + 0.02 * i, step=step, tokens=step * 8192, step_ms=20.0),),
+                ).start()
                 await asyncio.sleep(0.02)
                 seen.append(text(app.query_one("#header")))
             window = time.monotonic() - t0
             every = RunHeader.SLOW_AREAS["progress"]  # progress alone moves the counter at most this often
             # plus a redraw for each second the elapsed clock shows (event time: 1.6 s over the stream)
             assert 2 <= calls["header"] <= 1 + window / every + math.ceil(window), (calls, window)
-            assert set(calls) <= {"header", "failure", "log"}     # no history panel for progress events
+            assert set(calls) <= {"header", "failure", "log"}  # no history panel for progress events
             shown = {int(m.group(1)) for h in seen for m in re.finditer(r"step (\d+)/200", h)}
-            assert len(shown) >= 3, shown            # the counter moved while the stream lasted
+            assert len(shown) >= 3, shown  # the counter moved while the stream lasted
             await pilot.pause(every + 0.1)
-            assert "step 93/200" in text(app.query_one("#header"))   # the last one is drawn
+            assert "step 93/200" in text(app.query_one("#header"))  # the last one is drawn
+
     run(go())
 
 
@@ -541,22 +587,24 @@ def test_history_panels_redraw_once_a_second_under_a_fast_step_stream_and_show_t
             await pilot.pause()
             calls = count_syncs(app)
             t0 = time.monotonic()
-            for e in steps[6:]:                      # steps 70..200, one every 0.1 s
+            for e in steps[6:]:  # steps 70..200, one every 0.1 s
                 threading.Thread(target=state.apply, args=(e,)).start()
                 await asyncio.sleep(0.1)
             window = time.monotonic() - t0
             for panel in ("steps", "training"):
                 assert calls.get(panel, 0) <= 1 + window / StepPanel.MIN_REDRAW_S, (calls, window)
-            assert calls["header"] > calls.get("steps", 0)   # the counter follows the frames, the charts 1/s
+            assert calls["header"] > calls.get("steps", 0)  # the counter follows the frames, the charts 1/s
             await pilot.pause(StepPanel.MIN_REDRAW_S + 0.2)
             assert calls["steps"] >= 1 and calls["training"] >= 1
             assert "step 200/200" in text(app.query_one("#header"))
             last = steps[-1]
             assert f"{last.loss:.3f}" in text(app.query_one("#training")), text(app.query_one("#training"))
+
     run(go())
 
 
 # --- snapshots -------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("kind", ["gpu", "cpu"])
 @pytest.mark.parametrize("size", [SMALL, LARGE], ids=["80x24", "160x48"])
@@ -593,8 +641,8 @@ def test_profile_screen_before_any_profile_says_how_to_get_one():
 
     async def go():
         async with app.run_test(size=LARGE) as pilot:
-            assert "v" not in {k.key for k in app.query("FooterKey")}     # nothing to view yet
-            app.action_view_profile()                                     # the palette's way in
+            assert "v" not in {k.key for k in app.query("FooterKey")}  # nothing to view yet
+            app.action_view_profile()  # the palette's way in
             await pilot.pause()
             text = " ".join(str(w.render()) for w in app.screen.query("Static"))
             assert "no profile yet: press p" in text
@@ -615,7 +663,7 @@ def test_fixture_streams_are_deterministic():
 
 
 def test_tune_key_only_where_it_does_something():
-    app, _, cmds = make(tuning_done=True)   # the tuner is done: nothing to stop, and this session can't start one
+    app, _, cmds = make(tuning_done=True)  # the tuner is done: nothing to stop, and this session can't start one
     drive(app, ["t"], check=lambda a: a.check_action("toggle_tuning", ()) is None or pytest.fail())
     assert cmds.names == []
 
@@ -664,17 +712,18 @@ def test_elapsed_stops_when_the_run_ends_and_replays_use_run_time():
     state.clock = lambda: now[0]
     running = state.elapsed()
     now[0] += 50
-    assert state.elapsed() == running + 50        # live: the clock moves it between events
+    assert state.elapsed() == running + 50  # live: the clock moves it between events
     state.set_status("done")
     now[0] += 50
-    assert state.elapsed() == running + 50        # done: it stops
+    assert state.elapsed() == running + 50  # done: it stops
     replay = build_state("cpu", status="replay")
     replay.clock = lambda: now[0]
-    replay.apply(ev("device", 10_000.0, devices=[], cpu={"util_pct": 1.0}))   # a monitor's live sample
-    assert replay.elapsed() == pytest.approx(61.0)   # first to last run event of cpu_run(): 0 .. 61 s
+    replay.apply(ev("device", 10_000.0, devices=[], cpu={"util_pct": 1.0}))  # a monitor's live sample
+    assert replay.elapsed() == pytest.approx(61.0)  # first to last run event of cpu_run(): 0 .. 61 s
 
 
 # --- issue 11: startup phases, the estimate warning, progress between log steps -----------------------------
+
 
 def startup_state(until: str, status: str = "starting", clock=None) -> RunState:
     from fixtures.streams import startup_run
@@ -700,10 +749,14 @@ def test_header_names_the_startup_phase_and_the_estimate_warning():
 
 # --- the tuner's measurement ---------------------------------------------------------
 
-@pytest.mark.parametrize("measuring, shown", [
-    ("warmup", ["measuring trial 5: warming up, 4 steps · 0:12/2:30"]),
-    ("samples", ["measuring trial 5: 5/8 samples · 41.2k tok/s ±4.1% (goal ±3%) · 0:31/2:30"]),
-])
+
+@pytest.mark.parametrize(
+    "measuring, shown",
+    [
+        ("warmup", ["measuring trial 5: warming up, 4 steps · 0:12/2:30"]),
+        ("samples", ["measuring trial 5: 5/8 samples · 41.2k tok/s ±4.1% (goal ±3%) · 0:31/2:30"]),
+    ],
+)
 def test_tuner_panel_shows_the_measurement_in_progress(measuring, shown):
     app, state, _ = make(measuring=measuring)
 
@@ -725,10 +778,10 @@ def test_compiling_shows_its_elapsed_time_ticking():
             assert "compiling (torch.compile default)" in text(app.query_one("#header"))
             assert "· 0:00" in text(app.query_one("#header"))
             clock[0] = T0 + 75.0
-            state.apply(ev("device", 75.0, devices=[]))     # anything that wakes the view; the clock moved
+            state.apply(ev("device", 75.0, devices=[]))  # anything that wakes the view; the clock moved
             await pilot.pause(0.3)
-            assert "compiling (torch.compile default) · 0:15" in \
-                " ".join(text(app.query_one("#header")).split())
+            assert "compiling (torch.compile default) · 0:15" in " ".join(text(app.query_one("#header")).split())
+
     run(go())
 
 
@@ -741,10 +794,11 @@ def test_progress_between_log_steps_moves_the_header():
             await pilot.pause()
             assert "step 13/200" in text(app.query_one("#header"))
             state.apply(ev("progress", 1600.0, step=14, tokens=14 * 8192, step_ms=95_000.0))
-            await pilot.pause(RunHeader.SLOW_AREAS["progress"] + 0.1)   # the counter's interval, then it is shown
+            await pilot.pause(RunHeader.SLOW_AREAS["progress"] + 0.1)  # the counter's interval, then it is shown
             header = text(app.query_one("#header"))
             assert "step 14/200" in header and "114.7k tokens" in header
-            assert "compiling" not in header and "14.8 GiB" not in header   # startup is over
+            assert "compiling" not in header and "14.8 GiB" not in header  # startup is over
+
     run(go())
 
 
@@ -769,8 +823,14 @@ def test_cpu_title_keeps_a_gap_between_the_model_and_the_process_figures(width, 
     from gptop.ui.render import devices
 
     state = RunState()
-    state.apply(ev("device", 1.0, devices=[], cpu={"name": name, "util_pct": 50.0, "proc_cpu_pct": 16.0,
-                                                   "proc_rss": 2_500_000_000}))
+    state.apply(
+        ev(
+            "device",
+            1.0,
+            devices=[],
+            cpu={"name": name, "util_pct": 50.0, "proc_cpu_pct": 16.0, "proc_rss": 2_500_000_000},
+        )
+    )
     title = devices(state, width, 12, 60.0).renderables[0].plain
     assert title.startswith("CPU") and len(title) <= width
     if "trainer" in title:
@@ -791,8 +851,17 @@ def test_a_narrow_tuner_panel_puts_the_estimate_on_its_own_line():
 
 def test_tuner_panel_drops_the_measurement_line_when_a_trial_ends():
     state = build_state("gpu", measuring="samples")
-    state.apply(ev("tuner", state.last_time - T0 + 1, phase="trials", budget_left_s=1200.0, trial=None,
-                   trials_run=6, trials_planned=12))
+    state.apply(
+        ev(
+            "tuner",
+            state.last_time - T0 + 1,
+            phase="trials",
+            budget_left_s=1200.0,
+            trial=None,
+            trials_run=6,
+            trials_planned=12,
+        )
+    )
     app, _, _ = make(state=state)
     drive(app, [], size=LARGE, check=lambda a: "measuring" not in text(a.query_one("#tuner")) or pytest.fail())
 
@@ -811,9 +880,15 @@ def test_cpu_panel_says_what_the_trainer_share_is_of_and_why_power_is_na():
         assert "power n/a: RAPL energy counters are root-only here" in t
 
     drive(app, [], size=LARGE, check=check)
-    app, _, _ = make("gpu")        # a GPU run's CPU line: the same label
-    drive(app, [], size=LARGE, check=lambda a: "trainer 6% of 4 cores" in text(a.query_one("#devices"))
-          or pytest.fail(text(a.query_one("#devices"))))
+    app, _, _ = make("gpu")  # a GPU run's CPU line: the same label
+    drive(
+        app,
+        [],
+        size=LARGE,
+        check=lambda a: (
+            "trainer 6% of 4 cores" in text(a.query_one("#devices")) or pytest.fail(text(a.query_one("#devices")))
+        ),
+    )
 
 
 def test_an_open_alert_is_a_banner_with_the_bell_and_goes_when_resolved():
@@ -822,8 +897,9 @@ def test_an_open_alert_is_a_banner_with_the_bell_and_goes_when_resolved():
     app, state, _ = make(status="running")
     bells = []
     app.bell = lambda: bells.append(1)
-    raised = AlertEvent(id="stall-1", kind=AlertKind.STALL, severity=Severity.CRITICAL,
-                        message="no step for 31 s (last: step 12)")
+    raised = AlertEvent(
+        id="stall-1", kind=AlertKind.STALL, severity=Severity.CRITICAL, message="no step for 31 s (last: step 12)"
+    )
 
     async def go():
         async with app.run_test(size=SMALL) as pilot:
@@ -834,10 +910,18 @@ def test_an_open_alert_is_a_banner_with_the_bell_and_goes_when_resolved():
             await pilot.pause(0.5)
             assert banner.display and "stall" in text(banner) and "no step for 31 s" in text(banner)
             assert bells == [1]
-            state.apply(AlertEvent(id="stall-1", kind=AlertKind.STALL, severity=Severity.CRITICAL,
-                                   message="progress again", resolved=True))
+            state.apply(
+                AlertEvent(
+                    id="stall-1",
+                    kind=AlertKind.STALL,
+                    severity=Severity.CRITICAL,
+                    message="progress again",
+                    resolved=True,
+                )
+            )
             await pilot.pause(0.5)
             assert not banner.display and bells == [1]
+
     run(go())
 
 
@@ -846,12 +930,39 @@ def test_tuner_header_and_best_are_the_tuners_own():
     affords), the panel's best is the tuner's (its speed-up, marked when from an earlier run), not the fastest
     trial row, which may be a measurement too noisy to compare."""
     state = build_state("gpu", measuring="samples")
-    best = {"number": 3, "toggles": dict(state.initial_toggles, fused_adamw=True), "tokens_per_s": 36000.0,
-            "spread": 400.0, "speedup": 1.31, "earlier": True}
-    state.apply(ev("trial", state.last_time - T0 + 0.5, number=9, toggles=dict(state.initial_toggles, prefetch=0),
-                   status="cut", tokens_per_s=90000.0, spread=41000.0, kind="trial"))
-    state.apply(ev("tuner", state.last_time - T0 + 1, phase="trials", budget_left_s=50.0, budget_s=69.0, trial=None,
-                   trials_run=6, trials_planned=12, best=best))
+    best = {
+        "number": 3,
+        "toggles": dict(state.initial_toggles, fused_adamw=True),
+        "tokens_per_s": 36000.0,
+        "spread": 400.0,
+        "speedup": 1.31,
+        "earlier": True,
+    }
+    state.apply(
+        ev(
+            "trial",
+            state.last_time - T0 + 0.5,
+            number=9,
+            toggles=dict(state.initial_toggles, prefetch=0),
+            status="cut",
+            tokens_per_s=90000.0,
+            spread=41000.0,
+            kind="trial",
+        )
+    )
+    state.apply(
+        ev(
+            "tuner",
+            state.last_time - T0 + 1,
+            phase="trials",
+            budget_left_s=50.0,
+            budget_s=69.0,
+            trial=None,
+            trials_run=6,
+            trials_planned=12,
+            best=best,
+        )
+    )
     app, _, _ = make(state=state)
 
     def check(app: GptopApp) -> None:

@@ -30,9 +30,20 @@ def text(widget: Widget) -> str:
 
 
 def result(step: int = 40, completion: str = " = 1\nprint(x)") -> SampleResult:
-    return SampleResult(source=f"runs/r/checkpoints/step-{step:08d}.pt", step=step, family="llama",
-                        objective="causal", prompt="", completion=completion, new_tokens=7, stopped="max_new_tokens",
-                        temperature=0.8, seed=1, seconds=0.4, load_seconds=3.0)
+    return SampleResult(
+        source=f"runs/r/checkpoints/step-{step:08d}.pt",
+        step=step,
+        family="llama",
+        objective="causal",
+        prompt="",
+        completion=completion,
+        new_tokens=7,
+        stopped="max_new_tokens",
+        temperature=0.8,
+        seed=1,
+        seconds=0.4,
+        load_seconds=3.0,
+    )
 
 
 class FakeSampler:
@@ -59,17 +70,31 @@ def test_s_shows_a_sample_while_the_dashboard_goes_on():
         async with app.run_test(size=SIZE) as pilot:
             await pilot.pause()
             panel = app.query_one(SamplePanel)
-            assert not panel.display                                # hidden until asked for
+            assert not panel.display  # hidden until asked for
             await pilot.press("s")
             await pilot.pause()
             assert panel.display and "sampling the newest checkpoint of runs/fixture-gpu" in text(panel)
             assert sampler.calls == ["runs/fixture-gpu"]
             # the sample is still being made: keys and events go on
-            await pilot.press("s")                                  # one sample at a time
+            await pilot.press("s")  # one sample at a time
             await pilot.press("c")
             last = state.last_step.step
-            state.apply(ev("step", state.last_step.time - T0 + 1, step=last + 10, tokens=1, loss=1.25, lr=1e-4, grad_norm=0.5, step_ms=100.0,
-                           phases_ms=None, tokens_per_s=1000.0, mfu=None, mem_bytes=None))
+            state.apply(
+                ev(
+                    "step",
+                    state.last_step.time - T0 + 1,
+                    step=last + 10,
+                    tokens=1,
+                    loss=1.25,
+                    lr=1e-4,
+                    grad_norm=0.5,
+                    step_ms=100.0,
+                    phases_ms=None,
+                    tokens_per_s=1000.0,
+                    mfu=None,
+                    mem_bytes=None,
+                )
+            )
             await pilot.pause(0.3)
             assert cmds.names == ["checkpoint"] and sampler.calls == ["runs/fixture-gpu"]
             assert f"{last + 10}" in text(app.query_one("#header")) + text(app.query_one("#training"))
@@ -82,9 +107,10 @@ def test_s_shows_a_sample_while_the_dashboard_goes_on():
             await pilot.pause()
             assert not panel.display
             sampler.release = asyncio.Event()
-            await pilot.press("s")                                  # another one
+            await pilot.press("s")  # another one
             await pilot.pause()
             assert len(sampler.calls) == 2 and panel.display
+
     asyncio.run(go())
 
 
@@ -98,6 +124,7 @@ def test_a_sample_that_fails_says_why():
             await pilot.press("s")
             await pilot.pause(0.2)
             assert "has no checkpoint yet" in text(app.query_one(SamplePanel))
+
     asyncio.run(go())
 
 
@@ -110,6 +137,7 @@ def test_no_run_directory_no_sample():
             await pilot.press("s")
             await pilot.pause()
             assert sampler.calls == [] and not app.query_one(SamplePanel).display
+
     asyncio.run(go())
 
 
@@ -132,11 +160,13 @@ def test_quitting_while_sampling_cancels_the_sample():
             await pilot.pause()
             await pilot.press("q")
             await pilot.pause()
+
     asyncio.run(go())
     assert cancelled == ["runs/fixture-cpu"]
 
 
 # --- the real sampler ----------------------------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 @pytest.mark.process
@@ -147,8 +177,10 @@ def test_sample_newest_runs_the_tool_on_the_newest_checkpoint(tmp_path):
     assert train_in_process(run_dir, "--max-steps", "3", "--checkpoint-every", "2")[0] == EXIT_OK
 
     async def both():
-        return await asyncio.gather(sample_newest(run_dir, max_new_tokens=8, timeout=120),
-                                    sample_newest(tmp_path / "empty", timeout=120))
+        return await asyncio.gather(
+            sample_newest(run_dir, max_new_tokens=8, timeout=120), sample_newest(tmp_path / "empty", timeout=120)
+        )
+
     (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
     got, empty = asyncio.run(both())
     assert got.error is None and got.result is not None, got.error

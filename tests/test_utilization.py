@@ -63,23 +63,25 @@ def test_gpm_activity_clocks_and_reasons_are_sampled(tmp_path):
     mod = with_gpm(fake_pynvml(count=2), reasons=0x4 | 0x1)
     s = make_sampler(mod, tmp_path, clock=FakeClock())
     first = s.sample_once().devices[0]
-    assert first.sm_active_pct is None and first.tensor_active_pct is None     # one sample is no interval
+    assert first.sm_active_pct is None and first.tensor_active_pct is None  # one sample is no interval
     assert first.sm_clock_mhz == 1980 and first.sm_clock_max_mhz == 1980
     assert first.clock_reasons == ["idle", "power cap"]
     g = s.sample_once().devices[1]
     assert (g.sm_active_pct, g.tensor_active_pct) == (42.0, 30.0)
-    assert mod.gpm["alloc"] - mod.gpm["free"] == 2                              # one kept per GPU
+    assert mod.gpm["alloc"] - mod.gpm["free"] == 2  # one kept per GPU
     s.stop()
-    assert mod.gpm["alloc"] == mod.gpm["free"]                                  # and freed on close
+    assert mod.gpm["alloc"] == mod.gpm["free"]  # and freed on close
 
 
 @pytest.mark.parametrize("how", ["unsupported device", "NotSupported", "old bindings"])
 def test_no_gpm_is_none_and_not_asked_again(tmp_path, how):
     mod = with_gpm(fake_pynvml(count=1), supported=how != "unsupported device")
     if how == "NotSupported":
+
         def get(handle, sample):
             mod.gpm["get"] += 1
             raise pynvml.NVMLError_NotSupported()
+
         mod.nvmlGpmSampleGet = get
     elif how == "old bindings":
         del mod.nvmlGpmQueryDeviceSupport
@@ -87,7 +89,7 @@ def test_no_gpm_is_none_and_not_asked_again(tmp_path, how):
     for _ in range(4):
         g = s.sample_once().devices[0]
         assert g.sm_active_pct is None and g.tensor_active_pct is None
-        assert g.util_pct == 87                                                  # the rest of the sample is there
+        assert g.util_pct == 87  # the rest of the sample is there
     assert mod.gpm["get"] <= 1 and mod.gpm["alloc"] <= 1
     s.stop()
     assert mod.gpm["alloc"] == mod.gpm["free"]
@@ -106,18 +108,29 @@ def test_clock_reasons_fall_back_to_the_deprecated_call_or_are_none(tmp_path):
 
 
 def reading(**kw) -> GpuReading:
-    base = dict(index=0, name="NVIDIA H100 80GB HBM3", util_pct=97.0, sm_clock_mhz=1980.0, sm_clock_max_mhz=1980.0,
-                clock_reasons=[], sm_active_pct=85.0, tensor_active_pct=60.0)
+    base = dict(
+        index=0,
+        name="NVIDIA H100 80GB HBM3",
+        util_pct=97.0,
+        sm_clock_mhz=1980.0,
+        sm_clock_max_mhz=1980.0,
+        clock_reasons=[],
+        sm_active_pct=85.0,
+        tensor_active_pct=60.0,
+    )
     return GpuReading(**{**base, **kw})
 
 
 def test_the_verdict_says_when_a_busy_gpu_is_slow():
-    assert gpu_verdict(reading()) is None                                        # busy and working
-    assert gpu_verdict(reading(util_pct=10.0, sm_active_pct=1.0)) is None         # idle: nothing to judge
-    assert gpu_verdict(reading(clock_reasons=["power cap"], sm_clock_mhz=1410.0)) == \
-        "busy but power-capped (SM clock 1410 of 1980 MHz)"
+    assert gpu_verdict(reading()) is None  # busy and working
+    assert gpu_verdict(reading(util_pct=10.0, sm_active_pct=1.0)) is None  # idle: nothing to judge
+    assert (
+        gpu_verdict(reading(clock_reasons=["power cap"], sm_clock_mhz=1410.0))
+        == "busy but power-capped (SM clock 1410 of 1980 MHz)"
+    )
     assert gpu_verdict(reading(clock_reasons=["idle", "sw thermal", "hw thermal"])).startswith(
-        "busy but thermally throttled and thermally throttled (HW)")
+        "busy but thermally throttled and thermally throttled (HW)"
+    )
     low = gpu_verdict(reading(sm_active_pct=20.0, tensor_active_pct=5.0))
     assert low.startswith("util 97% but SMs only 20% active, tensor pipes 5%")
     assert gpu_verdict(reading(sm_clock_mhz=900.0)) == "busy but slow clocks (SM clock 900 of 1980 MHz)"
@@ -141,5 +154,7 @@ def test_views_show_activity_next_to_utilization_and_the_verdict():
         e = DeviceEvent(time=t, devices=[r])
         state.apply(e)
         view.on_event(e)
-    assert out.getvalue().splitlines() == ["gpu0: busy but power-capped (SM clock 1410 of 1980 MHz)",
-                                           "gpu0: no longer slowed"]
+    assert out.getvalue().splitlines() == [
+        "gpu0: busy but power-capped (SM clock 1410 of 1980 MHz)",
+        "gpu0: no longer slowed",
+    ]

@@ -35,15 +35,21 @@ def candidates(local_batch: int) -> list[int]:
     return sorted(out)
 
 
-def find_micro_batch(probe: Callable[[int], int], local_batch: int, capacity: int, margin: float = 0.1,
-                     log: Callable[[str], None] = lambda s: None, only: list[int] | None = None) -> int:
+def find_micro_batch(
+    probe: Callable[[int], int],
+    local_batch: int,
+    capacity: int,
+    margin: float = 0.1,
+    log: Callable[[str], None] = lambda s: None,
+    only: list[int] | None = None,
+) -> int:
     """`probe(mb)` runs one training step's work at micro-batch `mb` and returns peak bytes, or raises
     torch.OutOfMemoryError. `only`: the candidates allowed (default: every divisor `candidates` gives)."""
     limit = capacity * (1.0 - margin)
     cands = sorted(only) if only else candidates(local_batch)
-    points: dict[int, int] = {}          # micro-batch -> measured peak (fitting or not)
+    points: dict[int, int] = {}  # micro-batch -> measured peak (fitting or not)
     fits: list[int] = []
-    too_big: int | None = None           # smallest micro-batch known not to fit
+    too_big: int | None = None  # smallest micro-batch known not to fit
 
     def attempt(mb: int) -> bool:
         nonlocal too_big
@@ -61,7 +67,7 @@ def find_micro_batch(probe: Callable[[int], int], local_batch: int, capacity: in
         fits.append(mb)
         return True
 
-    for mb in cands[:2]:                 # the line's two points
+    for mb in cands[:2]:  # the line's two points
         if not attempt(mb):
             break
     while fits:
@@ -70,41 +76,68 @@ def find_micro_batch(probe: Callable[[int], int], local_batch: int, capacity: in
         if not rest:
             return best
         if len(points) < 2:
-            nxt = rest[0]                # no line yet: one step up
+            nxt = rest[0]  # no line yet: one step up
         else:
             (m0, p0), (m1, p1) = sorted(points.items())[-2:]
             slope = max(0.0, (p1 - p0) / (m1 - m0))
             predicted = {c: p1 + slope * (c - m1) for c in rest}
             fitting = [c for c in rest if predicted[c] <= limit]
             if not fitting:
-                log(f"micro-batch {rest[0]}: predicted peak {predicted[rest[0]] / 2**30:.2f} GiB exceeds "
-                    f"{limit / 2**30:.2f} GiB, stopping")
+                log(
+                    f"micro-batch {rest[0]}: predicted peak {predicted[rest[0]] / 2**30:.2f} GiB exceeds "
+                    f"{limit / 2**30:.2f} GiB, stopping"
+                )
                 return best
             nxt = max(fitting)
         attempt(nxt)
     raise torch.OutOfMemoryError(f"even micro-batch {cands[0]} does not fit with the safety margin")
 
 
-def roomy_cpu_batch(cfg: TrainConfig, family: str, size: str, *, local: int, share: int | None, vocab_size: int,
-                    log: Callable[[str], None]) -> int | None:
+def roomy_cpu_batch(
+    cfg: TrainConfig,
+    family: str,
+    size: str,
+    *,
+    local: int,
+    share: int | None,
+    vocab_size: int,
+    log: Callable[[str], None],
+) -> int | None:
     """On the CPU (`share`: this rank's share of the RAM), the whole per-rank batch `local` when its estimate
     (trainer.contract.estimate, within a factor of about 1.5 of the measured peak) takes under half of the
     share: probing would cost more than a step of work (1 + 2 + the whole batch) for an answer known in
     advance. None: probe."""
     if not share or family not in E.FAMILIES:
         return None
-    est = E.estimate(family, size, seq_len=cfg.data.seq_len, global_batch=cfg.optim.global_batch,
-                     micro_batch=local, precision=cfg.toggles.precision, vocab_size=vocab_size,
-                     checkpointing=cfg.toggles.activation_checkpointing, **E.run_options(cfg))
+    est = E.estimate(
+        family,
+        size,
+        seq_len=cfg.data.seq_len,
+        global_batch=cfg.optim.global_batch,
+        micro_batch=local,
+        precision=cfg.toggles.precision,
+        vocab_size=vocab_size,
+        checkpointing=cfg.toggles.activation_checkpointing,
+        **E.run_options(cfg),
+    )
     if est.total_bytes > 0.5 * share:
         return None
-    log(f"--micro-batch auto: {local}, the whole batch (estimated {est.total_bytes / E.GiB:.1f} GiB of "
-        f"{share / E.GiB:.1f} GiB RAM: no probe needed)")
+    log(
+        f"--micro-batch auto: {local}, the whole batch (estimated {est.total_bytes / E.GiB:.1f} GiB of "
+        f"{share / E.GiB:.1f} GiB RAM: no probe needed)"
+    )
     return local
 
 
-def probe_micro_batch(probe_local: Callable[[int], int], local: int, *, capacity: int, group: Group | None,
-                      compile_mode: str, log: Callable[[str], None]) -> int:
+def probe_micro_batch(
+    probe_local: Callable[[int], int],
+    local: int,
+    *,
+    capacity: int,
+    group: Group | None,
+    compile_mode: str,
+    log: Callable[[str], None],
+) -> int:
     """`find_micro_batch` for a run: `probe_local(mb)` is this rank's peak at micro-batch `mb`. Several ranks
     decide together (FSDP's forward is collective): the worst rank's peak and the smallest capacity count.
     A CUDA-graph compile mode runs without accumulation (capabilities.support): the whole batch or nothing."""
@@ -129,10 +162,13 @@ def probe_micro_batch(probe_local: Callable[[int], int], local: int, *, capacity
     except torch.OutOfMemoryError:
         if only is None:
             raise
-        raise ConfigError("--compile", f"{compile_mode} uses CUDA graphs, which run without gradient "
-                                       f"accumulation, and the whole per-rank batch ({local}) does not fit: use "
-                                       f"--compile default or max-autotune-no-cudagraphs, or a smaller "
-                                       f"--global-batch") from None
+        raise ConfigError(
+            "--compile",
+            f"{compile_mode} uses CUDA graphs, which run without gradient "
+            f"accumulation, and the whole per-rank batch ({local}) does not fit: use "
+            f"--compile default or max-autotune-no-cudagraphs, or a smaller "
+            f"--global-batch",
+        ) from None
 
 
 def check(dev: Any, quick: bool) -> Any:
@@ -162,8 +198,9 @@ def check(dev: Any, quick: bool) -> Any:
     for mb in (1, 2, 4, 8):
         measure(mb)
     if not peaks[1] < peaks[2] < peaks[4] < peaks[8]:
-        return Outcome.verdict(False, f"peaks {peaks} do not grow with the micro-batch",
-                               "the memory meter does not see the probe's memory")
+        return Outcome.verdict(
+            False, f"peaks {peaks} do not grow with the micro-batch", "the memory meter does not see the probe's memory"
+        )
     capacity = int((peaks[4] + peaks[8]) / 2 / 0.9)
     chosen = find_micro_batch(measure, 16, capacity, margin=0.1)
     problems = [] if chosen == 4 else [f"chose {chosen}, not 4"]
@@ -173,13 +210,14 @@ def check(dev: Any, quick: bool) -> Any:
 
         def exhausting(mb: int) -> int:
             if mb >= 8:
-                torch.empty(free + (8 << 30), dtype=torch.uint8, device=device)   # more than the device has
+                torch.empty(free + (8 << 30), dtype=torch.uint8, device=device)  # more than the device has
             return measure(mb)
+
         try:
             got = find_micro_batch(exhausting, 16, 1 << 62, margin=0.1)
         except torch.OutOfMemoryError:
             got = None
-        after = torch.empty(256 << 20, dtype=torch.uint8, device=device)    # the memory is usable again
+        after = torch.empty(256 << 20, dtype=torch.uint8, device=device)  # the memory is usable again
         del after
         oom_note = f"a real out-of-memory at 8 was caught and chose {got}"
         if got != 4:

@@ -54,14 +54,18 @@ class BatchSampler:
     and a resumed run sees exactly the batches the uninterrupted run would have.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int, rank: int = 0,
-                 world_size: int = 1):
+    def __init__(
+        self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int, rank: int = 0, world_size: int = 1
+    ):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a world of {world_size}")
         if global_batch < 1 or global_batch % world_size:
-            raise ConfigError("--global-batch", f"{global_batch} sequences cannot be split evenly over "
-                              f"{world_size} ranks; use a multiple of {world_size}")
-        self.n_starts = len(tokens) - seq_len      # offset o needs tokens[o : o + seq_len + 1]
+            raise ConfigError(
+                "--global-batch",
+                f"{global_batch} sequences cannot be split evenly over "
+                f"{world_size} ranks; use a multiple of {world_size}",
+            )
+        self.n_starts = len(tokens) - seq_len  # offset o needs tokens[o : o + seq_len + 1]
         if seq_len < 1 or self.n_starts < 1:
             raise ConfigError("--seq-len", f"{seq_len} needs more than {len(tokens):,} tokens per sequence")
         self.tokens = tokens
@@ -79,9 +83,9 @@ class BatchSampler:
         return (h % np.uint64(self.n_starts)).astype(np.int64)
 
     def local_offsets(self, batch_index: int) -> np.ndarray:
-        last = self._last                         # one-entry cache: the micro-batches of a step share it
+        last = self._last  # one-entry cache: the micro-batches of a step share it
         if last is None or last[0] != batch_index:
-            offs = self.offsets(batch_index)[self.rank * self.local_batch:(self.rank + 1) * self.local_batch]
+            offs = self.offsets(batch_index)[self.rank * self.local_batch : (self.rank + 1) * self.local_batch]
             last = self._last = (batch_index, offs)
         return last[1]
 
@@ -89,10 +93,13 @@ class BatchSampler:
         """Micro-batches per optimizer step on this rank; the micro-batch must divide the rank's share."""
         m, G, W = micro_batch, self.global_batch, self.world_size
         if m < 1 or self.local_batch % m:
-            raise ConfigError("--micro-batch", f"--global-batch {G} over {W} rank{'s' if W > 1 else ''} is "
-                              f"{self.local_batch} sequences per rank, not divisible by --micro-batch {m}; "
-                              f"--global-batch must be a multiple of {W} x {m} = {W * m}, or pick a micro-batch "
-                              f"dividing {self.local_batch}")
+            raise ConfigError(
+                "--micro-batch",
+                f"--global-batch {G} over {W} rank{'s' if W > 1 else ''} is "
+                f"{self.local_batch} sequences per rank, not divisible by --micro-batch {m}; "
+                f"--global-batch must be a multiple of {W} x {m} = {W * m}, or pick a micro-batch "
+                f"dividing {self.local_batch}",
+            )
         return self.local_batch // m
 
     def micro_batch(self, batch_index: int, micro_index: int, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,12 +107,13 @@ class BatchSampler:
         accum = self.accumulation_steps(micro_batch)
         if not 0 <= micro_index < accum:
             raise IndexError(f"micro_index {micro_index} not in [0, {accum})")
-        offs = self.local_offsets(batch_index)[micro_index * micro_batch:(micro_index + 1) * micro_batch]
+        offs = self.local_offsets(batch_index)[micro_index * micro_batch : (micro_index + 1) * micro_batch]
         return _gather(self.tokens, offs, self.seq_len)
 
 
-def val_batches(data: TokenData, seq_len: int, micro_batch: int, n: int,
-                seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def val_batches(
+    data: TokenData, seq_len: int, micro_batch: int, n: int, seed: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A fixed set of `n` validation micro-batches, so every evaluation of a run measures the same text.
 
     Sequences are non-overlapping windows of the validation split chosen by (seed); if the split holds
@@ -117,4 +125,4 @@ def val_batches(data: TokenData, seq_len: int, micro_batch: int, n: int,
         return []
     order = np.argsort(_counter_hash(seed, _VAL_STREAM, 0, windows), kind="stable")
     offsets = order[np.arange(n * micro_batch) % windows].astype(np.int64) * seq_len
-    return [_gather(val, offsets[i * micro_batch:(i + 1) * micro_batch], seq_len) for i in range(n)]
+    return [_gather(val, offsets[i * micro_batch : (i + 1) * micro_batch], seq_len) for i in range(n)]

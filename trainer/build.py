@@ -59,7 +59,7 @@ def select_device(dev: DeviceInfo) -> None:
     else:
         from .hostalloc import keep_freed_memory
 
-        keep_freed_memory()        # reuse freed tensors instead of page-faulting them in every step
+        keep_freed_memory()  # reuse freed tensors instead of page-faulting them in every step
 
 
 def local_procs() -> int:
@@ -87,12 +87,14 @@ def node_gpus(dev: DeviceInfo, world: int, procs: int) -> list[str] | None:
 
 
 # ----------------------------------------------------------------------- data
-def build_data(cfg: TrainConfig, *, rank: int, world: int, log: Callable[[str], None],
-               phase: Callable[[str, float | None], None]) -> tuple[TokenData, BatchSampler]:
+def build_data(
+    cfg: TrainConfig, *, rank: int, world: int, log: Callable[[str], None], phase: Callable[[str, float | None], None]
+) -> tuple[TokenData, BatchSampler]:
     """The tokenized corpus (cached) and this rank's sampler over its training split."""
     data = load_data(cfg.data, log=log, phase=phase)
-    sampler = BatchSampler(data.train, cfg.data.seq_len, cfg.optim.global_batch, cfg.optim.seed,
-                           rank=rank, world_size=world)
+    sampler = BatchSampler(
+        data.train, cfg.data.seq_len, cfg.optim.global_batch, cfg.optim.seed, rank=rank, world_size=world
+    )
     return data, sampler
 
 
@@ -104,13 +106,22 @@ def model_name(cfg: TrainConfig) -> str:
 
 def build_bundle(cfg: TrainConfig, data: TokenData, dev: DeviceInfo) -> ModelBundle:
     """The run's model, freshly initialized from the seed, on the CPU in fp32 (trainer.models)."""
-    return build_model(cfg.model, vocab_size=data.vocab_size, seq_len=cfg.data.seq_len, toggles=cfg.toggles,
-                       dev=dev, mask_id=data.mask_id, seed=cfg.optim.seed, finetune=cfg.finetune)
+    return build_model(
+        cfg.model,
+        vocab_size=data.vocab_size,
+        seq_len=cfg.data.seq_len,
+        toggles=cfg.toggles,
+        dev=dev,
+        mask_id=data.mask_id,
+        seed=cfg.optim.seed,
+        finetune=cfg.finetune,
+    )
 
 
 @dataclass
 class Precision:
     """How the run computes: the autocast dtype (None: none) and the grad scaler (enabled for fp16)."""
+
     autocast_dtype: torch.dtype | None
     scaler: torch.amp.GradScaler
 
@@ -118,10 +129,14 @@ class Precision:
 def build_precision(model: torch.nn.Module, precision: str, dev: DeviceInfo, parallel: str | None) -> Precision:
     """The run's precision on `model` (on its device): fp8 converts its linear layers in place, and on a GPU
     the TF32 matmul setting is process-wide."""
-    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16,
-                      "fp8-tensorwise": torch.bfloat16, "fp8-rowwise": torch.bfloat16}.get(precision)
+    autocast_dtype = {
+        "bf16": torch.bfloat16,
+        "fp16": torch.float16,
+        "fp8-tensorwise": torch.bfloat16,
+        "fp8-rowwise": torch.bfloat16,
+    }.get(precision)
     if parallel == "fsdp":
-        autocast_dtype = D.fsdp_precision(precision)[1]     # FSDP2's MixedPrecisionPolicy casts instead
+        autocast_dtype = D.fsdp_precision(precision)[1]  # FSDP2's MixedPrecisionPolicy casts instead
     if dev.is_cuda:
         # A mixed-precision run lets the fp32 matmuls left outside autocast use TF32 too; fp32 means fp32.
         tf32 = precision != "fp32" and dev.at_least(8, 0)
@@ -137,12 +152,20 @@ def build_precision(model: torch.nn.Module, precision: str, dev: DeviceInfo, par
 @dataclass
 class Wrapped:
     """The parallel wrapping of a model: DDP's wrapper and, over gloo, its communication timer."""
+
     ddp: torch.nn.Module | None = None
     comm: D.CommTimer | None = None
 
 
-def wrap_parallel(model: torch.nn.Module, group: D.Group | None, parallel: str | None, precision: str,
-                  dev: DeviceInfo, *, is_moe: bool) -> Wrapped:
+def wrap_parallel(
+    model: torch.nn.Module,
+    group: D.Group | None,
+    parallel: str | None,
+    precision: str,
+    dev: DeviceInfo,
+    *,
+    is_moe: bool,
+) -> Wrapped:
     """Several ranks: DDP (gradient all-reduce overlapping backward) or FSDP2 (sharded parameters, in place)."""
     if group is None:
         return Wrapped()
@@ -151,8 +174,9 @@ def wrap_parallel(model: torch.nn.Module, group: D.Group | None, parallel: str |
         return Wrapped()
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    ddp = DDP(model, device_ids=[dev.torch_device.index] if dev.is_cuda else None,
-              find_unused_parameters=is_moe)   # experts a batch did not route to
+    ddp = DDP(
+        model, device_ids=[dev.torch_device.index] if dev.is_cuda else None, find_unused_parameters=is_moe
+    )  # experts a batch did not route to
     if group.backend != "gloo":
         return Wrapped(ddp)
     comm = D.CommTimer(group.world)
@@ -164,6 +188,7 @@ def wrap_parallel(model: torch.nn.Module, group: D.Group | None, parallel: str |
 @dataclass
 class Batching:
     """How a step is cut: micro-batch x accumulation sequences per rank, and the global tokens per step."""
+
     micro_batch: int
     accumulation: int
     tokens_per_step: int
@@ -176,45 +201,103 @@ def batching(cfg: TrainConfig, sampler: BatchSampler) -> Batching:
 
 
 # ---------------------------------------------------------------------- hello
-def run_estimate(cfg: TrainConfig, dev: DeviceInfo, *, capacity: int | None, peak_flops: float | None,
-                 world: int, parallel: str | None) -> tuple[E.Estimate | None, dict[str, Any]]:
+def run_estimate(
+    cfg: TrainConfig,
+    dev: DeviceInfo,
+    *,
+    capacity: int | None,
+    peak_flops: float | None,
+    world: int,
+    parallel: str | None,
+) -> tuple[E.Estimate | None, dict[str, Any]]:
     """What the run will cost before anything is built (None for a pretrained model or an unknown size),
     and the estimate's arguments (for the largest size that fits, when it does not)."""
     if is_pretrained_path(cfg.model.model) or cfg.model.size not in E.SIZES:
         return None, {}
-    kw = dict(seq_len=cfg.data.seq_len, global_batch=cfg.optim.global_batch,
-              micro_batch=cfg.toggles.micro_batch_int(), precision=cfg.toggles.precision,
-              device=dev.type, capacity=capacity, peak_flops=peak_flops, world_size=world,
-              fsdp=parallel == "fsdp", checkpointing=cfg.toggles.activation_checkpointing, **E.run_options(cfg))
+    kw = dict(
+        seq_len=cfg.data.seq_len,
+        global_batch=cfg.optim.global_batch,
+        micro_batch=cfg.toggles.micro_batch_int(),
+        precision=cfg.toggles.precision,
+        device=dev.type,
+        capacity=capacity,
+        peak_flops=peak_flops,
+        world_size=world,
+        fsdp=parallel == "fsdp",
+        checkpointing=cfg.toggles.activation_checkpointing,
+        **E.run_options(cfg),
+    )
     return E.estimate(cfg.model.model, cfg.model.size, **kw), kw
 
 
-def early_hello(cfg: TrainConfig, dev: DeviceInfo, est: E.Estimate | None, *, world: int, parallel: str | None,
-                auto: list[str]) -> dict[str, Any]:
+def early_hello(
+    cfg: TrainConfig, dev: DeviceInfo, est: E.Estimate | None, *, world: int, parallel: str | None, auto: list[str]
+) -> dict[str, Any]:
     """The first event's fields: the run as configured and what it will cost."""
     model: dict[str, Any] = {"family": cfg.model.model, "size": cfg.model.size}
     if est is not None:
-        model.update(total_params=est.total_params, active_params=est.active_params,
-                     flops_per_token=est.flops_per_token)
-    return dict(pid=os.getpid(), world_size=world, parallel=parallel, config=cfg.to_dict(), device=dev.to_dict(),
-                model=model, early=True, auto=auto, estimate=est.to_info() if est is not None else None,
-                torch=torch.__version__)
+        model.update(
+            total_params=est.total_params, active_params=est.active_params, flops_per_token=est.flops_per_token
+        )
+    return dict(
+        pid=os.getpid(),
+        world_size=world,
+        parallel=parallel,
+        config=cfg.to_dict(),
+        device=dev.to_dict(),
+        model=model,
+        early=True,
+        auto=auto,
+        estimate=est.to_info() if est is not None else None,
+        torch=torch.__version__,
+    )
 
 
-
-def hello(cfg: TrainConfig, dev: DeviceInfo, bundle: ModelBundle, data: TokenData, batching: Batching, *,
-          world: int, parallel: str | None, peak_flops: float | None, peak_source: str | None,
-          resumed_from: str | None, start_step: int, gpus: list[str] | None, auto: list[str]) -> dict[str, Any]:
+def hello(
+    cfg: TrainConfig,
+    dev: DeviceInfo,
+    bundle: ModelBundle,
+    data: TokenData,
+    batching: Batching,
+    *,
+    world: int,
+    parallel: str | None,
+    peak_flops: float | None,
+    peak_source: str | None,
+    resumed_from: str | None,
+    start_step: int,
+    gpus: list[str] | None,
+    auto: list[str],
+) -> dict[str, Any]:
     """The hello's fields once the run is built: the model, the data, the batching, the peak it is measured
     against and where it starts."""
     b = bundle
     return dict(
-        pid=os.getpid(), world_size=world, parallel=parallel, config=cfg.to_dict(), device=dev.to_dict(),
-        model={"family": b.family, "size": b.size, "total_params": b.total_params, "active_params": b.active_params,
-               "embedding_params": b.embedding_params, "trainable_params": b.trainable_params,
-               "vocab_size": b.vocab_size, "flops_per_token": b.flops_per_token, "objective": b.objective},
-        data={"train_tokens": int(len(data.train)), "val_tokens": int(len(data.val)),
-              "fingerprint": data.fingerprint},
-        accumulation=batching.accumulation, micro_batch=batching.micro_batch,
-        tokens_per_step=batching.tokens_per_step, peak_flops=peak_flops, peak_source=peak_source,
-        resumed_from=resumed_from, start_step=start_step, torch=torch.__version__, gpus=gpus, auto=auto)
+        pid=os.getpid(),
+        world_size=world,
+        parallel=parallel,
+        config=cfg.to_dict(),
+        device=dev.to_dict(),
+        model={
+            "family": b.family,
+            "size": b.size,
+            "total_params": b.total_params,
+            "active_params": b.active_params,
+            "embedding_params": b.embedding_params,
+            "trainable_params": b.trainable_params,
+            "vocab_size": b.vocab_size,
+            "flops_per_token": b.flops_per_token,
+            "objective": b.objective,
+        },
+        data={"train_tokens": int(len(data.train)), "val_tokens": int(len(data.val)), "fingerprint": data.fingerprint},
+        accumulation=batching.accumulation,
+        micro_batch=batching.micro_batch,
+        tokens_per_step=batching.tokens_per_step,
+        peak_flops=peak_flops,
+        peak_source=peak_source,
+        resumed_from=resumed_from,
+        start_step=start_step,
+        torch=torch.__version__,
+        gpus=gpus,
+        auto=auto,
+    )

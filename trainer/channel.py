@@ -50,7 +50,7 @@ class StartupStopped(BaseException):
     thread happens to be: an `except Exception` in a library building the model must not swallow it."""
 
 
-REPEAT_S = 0.5           # a startup stop not honoured this long after its raise was lost: raise it again
+REPEAT_S = 0.5  # a startup stop not honoured this long after its raise was lost: raise it again
 _honoured = threading.Event()
 
 
@@ -61,7 +61,7 @@ def honour_startup_stop() -> None:
 
 
 def _raise_stopped(signum: int, frame: Any) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)      # once: a second stop must not interrupt the way out
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second stop must not interrupt the way out
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     raise StartupStopped(signal.Signals(signum).name)
 
@@ -76,16 +76,16 @@ def install_startup_handlers() -> None:
 class Channel:
     def __init__(self, events_path: Path | None, uri: str | None = None, rank: int = 0):
         self.rank = rank
-        self.starting = True           # until the first step is done: a stop raises StartupStopped
-        self.startup_stop: str | None = None    # a stop that arrived while starting (why), until it is honoured
-        self._raised_at: float | None = None     # when the signal handler last raised StartupStopped
-        _honoured.clear()              # a new trainer in this process (tests run several) starts unhonoured
+        self.starting = True  # until the first step is done: a stop raises StartupStopped
+        self.startup_stop: str | None = None  # a stop that arrived while starting (why), until it is honoured
+        self._raised_at: float | None = None  # when the signal handler last raised StartupStopped
+        _honoured.clear()  # a new trainer in this process (tests run several) starts unhonoured
         self._handlers = False
         self.commands: "queue.SimpleQueue[dict[str, Any]]" = queue.SimpleQueue()
         self._lock = threading.Lock()
         self.events_path = events_path
         self._file = open(events_path, "a", buffering=1) if events_path else None
-        self.write_error: OSError | None = None     # the events file could not be written (see emit)
+        self.write_error: OSError | None = None  # the events file could not be written (see emit)
         self._sock: socket.socket | None = None
         self._closed = False
         if uri:
@@ -97,7 +97,7 @@ class Channel:
 
             raise ConfigError("--channel", f"{uri!r}: only unix:PATH is supported")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.connect(uri[len("unix:"):])
+        sock.connect(uri[len("unix:") :])
         self._sock = sock
         threading.Thread(target=self._read_commands, name="gptop-commands", daemon=True).start()
 
@@ -122,7 +122,7 @@ class Channel:
                 except json.JSONDecodeError:
                     continue
                 if isinstance(cmd, dict) and "cmd" in cmd:
-                    cmd.pop("source", None)          # only the trainer itself marks signal/eof commands
+                    cmd.pop("source", None)  # only the trainer itself marks signal/eof commands
                     self.commands.put(cmd)
                     if cmd["cmd"] == "stop":
                         self._interrupt_startup()
@@ -141,8 +141,13 @@ class Channel:
         while not self._closed and self.starting and not _honoured.is_set():
             time.sleep(REPEAT_S / 4)
             raised = self._raised_at
-            if (raised is not None and time.monotonic() - raised >= REPEAT_S and self.starting
-                    and not _honoured.is_set() and not self._closed):
+            if (
+                raised is not None
+                and time.monotonic() - raised >= REPEAT_S
+                and self.starting
+                and not _honoured.is_set()
+                and not self._closed
+            ):
                 _thread.interrupt_main(signal.SIGINT)
 
     def check_startup(self) -> None:
@@ -159,6 +164,7 @@ class Channel:
 
     def install_signal_handlers(self) -> None:
         """SIGTERM/SIGINT: graceful stop (a second one is honoured at the next step too); SIGUSR1: checkpoint."""
+
         def stop(signum, frame):
             if self.starting and not _honoured.is_set():
                 self.startup_stop = self.startup_stop or signal.Signals(signum).name
@@ -236,7 +242,7 @@ class Channel:
             if self._file:
                 try:
                     self._file.close()
-                except OSError as e:         # the last flush hit a full disk
+                except OSError as e:  # the last flush hit a full disk
                     self.write_error = self.write_error or disk_error(e, self.events_path) or e
                 self._file = None
             if self._sock is not None:

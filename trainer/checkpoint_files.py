@@ -66,8 +66,16 @@ def save(state: dict[str, Any], path: Path) -> None:
         torch.save(dict(state, format=FORMAT), f)
 
 
-def save_sharded(tensors: dict[str, Any], meta: dict[str, Any], rank_state: dict[str, Any], path: Path, *,
-                 rank: int, barrier: Callable[[], None], any_rank: Callable[[bool], bool] | None = None) -> None:
+def save_sharded(
+    tensors: dict[str, Any],
+    meta: dict[str, Any],
+    rank_state: dict[str, Any],
+    path: Path,
+    *,
+    rank: int,
+    barrier: Callable[[], None],
+    any_rank: Callable[[bool], bool] | None = None,
+) -> None:
     """Collective: every rank calls it with its (sharded) state dict; see the module docstring.
 
     `any_rank(flag)` (a collective: True when any rank passed True) lets the ranks agree after each stage
@@ -86,23 +94,26 @@ def save_sharded(tensors: dict[str, Any], meta: dict[str, Any], rank_state: dict
                 fn()
             except (KeyboardInterrupt, SystemExit):
                 raise
-            except BaseException as e:      # DCP's CheckpointException is a BaseException
+            except BaseException as e:  # DCP's CheckpointException is a BaseException
                 error = e
-        disk = disk_error(error, tmp, probe=True) if error is not None else None   # before tmp is removed
+        disk = disk_error(error, tmp, probe=True) if error is not None else None  # before tmp is removed
         if agree(error is not None):
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-            barrier()                       # the partial checkpoint is gone: what is free now is what is free
+            barrier()  # the partial checkpoint is gone: what is free now is what is free
             if disk is not None:
                 raise DiskError(disk.errno, disk.strerror, path, free_bytes(path)) from error
             if isinstance(error, Exception):
                 raise error
             if error is not None:
                 first = str(error).splitlines()[0] if str(error) else ""
-                raise RuntimeError(f"writing the sharded checkpoint {path.name} failed: {type(error).__name__}: "
-                                   f"{first}") from error
-            raise PeerSaveFailed(f"writing the sharded checkpoint {path.name} failed on another rank (see its "
-                                 f"error); the previous checkpoint is intact")
+                raise RuntimeError(
+                    f"writing the sharded checkpoint {path.name} failed: {type(error).__name__}: {first}"
+                ) from error
+            raise PeerSaveFailed(
+                f"writing the sharded checkpoint {path.name} failed on another rank (see its "
+                f"error); the previous checkpoint is intact"
+            )
 
     def prepare() -> None:
         if tmp.exists():
@@ -118,7 +129,7 @@ def save_sharded(tensors: dict[str, Any], meta: dict[str, Any], rank_state: dict
         with atomic_file(tmp / META, "w", perms=None) as f:
             f.write(json.dumps(dict(meta, format=DCP_FORMAT), default=str))
         old = None
-        if path.exists():          # the same step saved again (e.g. a requested checkpoint, then the stop)
+        if path.exists():  # the same step saved again (e.g. a requested checkpoint, then the stop)
             old = path.with_name(path.name + ".old")
             if old.exists():
                 shutil.rmtree(old)
@@ -149,8 +160,10 @@ def load_sharded(tensors: dict[str, Any], path: str | Path) -> None:
         if oom is not None:
             raise oom from e
         first = failures[0] if failures else e
-        raise CorruptCheckpoint(f"{path}: a shard does not load ({type(first).__name__}: "
-                                f"{str(first).splitlines()[0] if str(first) else ''})") from None
+        raise CorruptCheckpoint(
+            f"{path}: a shard does not load ({type(first).__name__}: "
+            f"{str(first).splitlines()[0] if str(first) else ''})"
+        ) from None
 
 
 def load_rank_state(path: str | Path, rank: int) -> dict[str, Any] | None:
@@ -215,8 +228,9 @@ def candidates(target: str | Path) -> list[Path]:
     return found
 
 
-def resolve_resume(target: str | Path, on_corrupt: Callable[[str], None] = lambda msg: None,
-                   map_location: str | torch.device = "cpu") -> tuple[Path, dict[str, Any]]:
+def resolve_resume(
+    target: str | Path, on_corrupt: Callable[[str], None] = lambda msg: None, map_location: str | torch.device = "cpu"
+) -> tuple[Path, dict[str, Any]]:
     """A checkpoint file, or a run directory's newest checkpoint that loads; corrupt ones are reported and skipped."""
     found = candidates(target)
     if len(found) == 1 and found[0] == Path(target):

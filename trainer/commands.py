@@ -23,34 +23,38 @@ from .channel import Channel
 
 # Stop reasons in the agreement vector (MAX wins: a rank's own reason is kept for its own log).
 STOP_REQUESTED, STOP_SIGNAL, STOP_LAUNCHER_GONE, STOP_FAULT = 1, 2, 3, 4
-STOP_TEXT = {STOP_REQUESTED: "stop requested", STOP_SIGNAL: "stop signal", STOP_LAUNCHER_GONE: "launcher went away",
-             STOP_FAULT: "stop (--fault)"}
+STOP_TEXT = {
+    STOP_REQUESTED: "stop requested",
+    STOP_SIGNAL: "stop signal",
+    STOP_LAUNCHER_GONE: "launcher went away",
+    STOP_FAULT: "stop (--fault)",
+}
 
 Agree = Callable[[list[int]], list[int]]
-LOG_SHIFT = 1 << 20      # log intervals above this many steps are clamped (the request number fits in int64)
+LOG_SHIFT = 1 << 20  # log intervals above this many steps are clamped (the request number fits in int64)
 
 
 @dataclass
 class Decision:
     """What every rank does at this step boundary."""
 
-    stop: str | None = None               # the reason, when the run stops here
+    stop: str | None = None  # the reason, when the run stops here
     checkpoint: bool = False
-    profile_steps: int | None = None      # profile this many steps from here
-    log_every: int | None = None          # log a step event every this many steps from here
+    profile_steps: int | None = None  # profile this many steps from here
+    log_every: int | None = None  # log a step event every this many steps from here
 
 
 class Commands:
     def __init__(self, channel: Channel, rank: int = 0, agree: Agree | None = None):
         self.channel, self.rank = channel, rank
         self.agree: Agree = agree if agree is not None else (lambda values: values)
-        self._done = {"checkpoint": 0, "profile": 0, "log_every": 0}      # request numbers already acted on
+        self._done = {"checkpoint": 0, "profile": 0, "log_every": 0}  # request numbers already acted on
 
     def poll(self, stop_fault: bool = False, checkpoint_fault: bool = False) -> Decision:
         stop_code, stop_reason = (STOP_FAULT, STOP_TEXT[STOP_FAULT]) if stop_fault else (0, None)
-        said = None         # the launcher's words for its stop (gptop also signals; the words say why)
+        said = None  # the launcher's words for its stop (gptop also signals; the words say why)
         want, profile_steps, log_req = {"checkpoint": 0, "profile": 0}, 0, 0
-        if checkpoint_fault:             # (trainer/faults.py) agreed like a command: every rank saves
+        if checkpoint_fault:  # (trainer/faults.py) agreed like a command: every rank saves
             want["checkpoint"] = time.time_ns() // 1_000_000
         for cmd in self.channel.pending_commands():
             name, source, seq = cmd.get("cmd"), cmd.get("source", "socket"), cmd.get("seq")
@@ -74,7 +78,8 @@ class Commands:
             elif self.rank == 0:
                 self.channel.emit("warning", message=f"unknown command {name!r} ignored")
         stop_code, ckpt_seq, prof_seq, prof_steps, log_req = self.agree(
-            [stop_code, want["checkpoint"], want["profile"], profile_steps, log_req])
+            [stop_code, want["checkpoint"], want["profile"], profile_steps, log_req]
+        )
         decision = Decision()
         if ckpt_seq > self._done["checkpoint"]:
             self._done["checkpoint"] = ckpt_seq

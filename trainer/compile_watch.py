@@ -16,18 +16,18 @@ from typing import Any, Callable
 
 from .contract.events import CompileWarning
 
-RECOMPILE_LOGGER = "torch._dynamo.guards.__recompiles"       # the `recompiles` artifact (TORCH_LOGS=recompiles)
+RECOMPILE_LOGGER = "torch._dynamo.guards.__recompiles"  # the `recompiles` artifact (TORCH_LOGS=recompiles)
 LIMIT_LOGGERS = ("torch._dynamo.convert_frame", "torch._dynamo.eval_frame")
-LIMIT_WORDS = ("recompile_limit", "cache_size_limit")          # dynamo's warning when it gives up on a frame
+LIMIT_WORDS = ("recompile_limit", "cache_size_limit")  # dynamo's warning when it gives up on a frame
 MAX_REASONS = 5
 
 
 @dataclass
 class CompileStats:
-    frames: int = 0                     # frames dynamo compiled (a recompilation is one more)
-    graphs: int = 0                     # unique graphs
+    frames: int = 0  # frames dynamo compiled (a recompilation is one more)
+    graphs: int = 0  # unique graphs
     graph_breaks: int = 0
-    break_reasons: list[str] = field(default_factory=list)     # the first few, one line each
+    break_reasons: list[str] = field(default_factory=list)  # the first few, one line each
 
 
 @dataclass
@@ -35,8 +35,8 @@ class Change:
     """What happened since the last poll."""
 
     recompiles: int = 0
-    reasons: list[str] = field(default_factory=list)           # the guard failures, one line each
-    fell_back: list[str] = field(default_factory=list)         # frames that hit the recompile limit
+    reasons: list[str] = field(default_factory=list)  # the guard failures, one line each
+    fell_back: list[str] = field(default_factory=list)  # frames that hit the recompile limit
 
 
 class _Collect(logging.Handler):
@@ -49,7 +49,7 @@ class _Collect(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             text = record.getMessage()
-        except Exception:           # a record whose arguments do not format: nothing to learn from it
+        except Exception:  # a record whose arguments do not format: nothing to learn from it
             return
         with self.lock_:
             if record.name == RECOMPILE_LOGGER:
@@ -91,9 +91,12 @@ class CompileWatch:
 
     def stats(self) -> CompileStats:
         breaks = self._counters["graph_break"]
-        return CompileStats(frames=self._total(), graphs=int(self._counters["stats"].get("unique_graphs", 0)),
-                            graph_breaks=int(sum(breaks.values())),
-                            break_reasons=[_first_line(r) for r in list(breaks)[:MAX_REASONS]])
+        return CompileStats(
+            frames=self._total(),
+            graphs=int(self._counters["stats"].get("unique_graphs", 0)),
+            graph_breaks=int(sum(breaks.values())),
+            break_reasons=[_first_line(r) for r in list(breaks)[:MAX_REASONS]],
+        )
 
     def poll(self) -> Change | None:
         """Recompilations and fallbacks since the last call; None when nothing happened."""
@@ -126,7 +129,7 @@ class CompileReport:
     def __init__(self, watch: CompileWatch, *, emit0: Callable[..., None], log: Callable[[str], None]):
         self.watch, self.emit0, self.log = watch, emit0, log
         self.compiled_once = False
-        self.last_step_ms: float | None = None       # the host's time of the step before
+        self.last_step_ms: float | None = None  # the host's time of the step before
 
     def after_step(self, step: int, step_ms: float) -> None:
         self.report(step, step_ms)
@@ -148,12 +151,19 @@ class CompileReport:
         before = f"; the step before took {self.last_step_ms:.0f} ms" if self.last_step_ms and not eval_ else ""
         took = f", this one {step_ms:.0f} ms" if step_ms is not None else ""
         if change.fell_back:
-            self.warn(f"torch.compile gave up {where} and runs a frame eagerly from now on (recompile limit): "
-                      f"{change.fell_back[0]}", CompileWarning.COMPILE_FALLBACK, step)
+            self.warn(
+                f"torch.compile gave up {where} and runs a frame eagerly from now on (recompile limit): "
+                f"{change.fell_back[0]}",
+                CompileWarning.COMPILE_FALLBACK,
+                step,
+            )
         if change.recompiles:
             why = "; ".join(change.reasons[:2]) or "a new frame or guard"
-            self.warn(f"torch.compile recompiled {change.recompiles}x {where} ({why}){before}{took}",
-                      CompileWarning.RECOMPILE, step)
+            self.warn(
+                f"torch.compile recompiled {change.recompiles}x {where} ({why}){before}{took}",
+                CompileWarning.RECOMPILE,
+                step,
+            )
 
     def first_compile(self, step: int) -> None:
         """The first step's compilations are the compile itself: its graphs, and its graph breaks as a

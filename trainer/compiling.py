@@ -42,7 +42,7 @@ def check(dev: "DeviceInfo", quick: bool, mode: str) -> "Outcome":
     g = torch.Generator(device="cpu").manual_seed(0)
     batches = [torch.randn(16, 64, generator=g).to(device) for _ in range(steps)]
 
-    stance = getattr(torch.compiler, "set_stance", None)      # torch >= 2.6
+    stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
 
     def train(compiled: bool) -> list[float]:
         torch.manual_seed(0)
@@ -71,8 +71,11 @@ def check(dev: "DeviceInfo", quick: bool, mode: str) -> "Outcome":
     worst = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(eager, compiled))
     finite = all(math.isfinite(v) for v in compiled)
     ok = finite and worst < 1e-3
-    recompile = "no recompilation after the first step" if stance is not None else \
-        "recompilation not checked (torch < 2.6)"
-    observed = (f"{steps} steps: worst relative loss difference {worst:.1e} (eager {eager[-1]:.5f}, compiled "
-                f"{compiled[-1]:.5f}); {recompile}")
+    recompile = (
+        "no recompilation after the first step" if stance is not None else "recompilation not checked (torch < 2.6)"
+    )
+    observed = (
+        f"{steps} steps: worst relative loss difference {worst:.1e} (eager {eager[-1]:.5f}, compiled "
+        f"{compiled[-1]:.5f}); {recompile}"
+    )
     return Outcome.verdict(ok, observed, "the compiled steps disagree with eager", worst_relative_difference=worst)

@@ -38,22 +38,22 @@ from .contract.inputs import DATA_EXTENSIONS, TOKENIZER_FILES, data_files
 
 Log = Callable[[str], None]
 
-FORMAT_VERSION = 1                 # bump when the token file layout or the document reading changes
+FORMAT_VERSION = 1  # bump when the token file layout or the document reading changes
 CACHE_ENV = "GPTOP_CACHE"
-BUILTIN_BYTES_ENV = "GPTOP_BUILTIN_BYTES"   # caps the builtin corpus (tests use a small one)
-BUILTIN_MAX_BYTES = 6_000_000      # ~6 MB of stdlib source: tokenizer training + tokenization take seconds
+BUILTIN_BYTES_ENV = "GPTOP_BUILTIN_BYTES"  # caps the builtin corpus (tests use a small one)
+BUILTIN_MAX_BYTES = 6_000_000  # ~6 MB of stdlib source: tokenizer training + tokenization take seconds
 BUILTIN_VOCAB = 8192
 EOS, PAD, MASK = "<|endoftext|>", "<|pad|>", "<|mask|>"
 SPECIAL_TOKENS = (EOS, PAD, MASK)
 EXTENSIONS = DATA_EXTENSIONS
-MIN_TRAIN_SEQUENCES = 4            # a corpus must hold at least this many non-overlapping training sequences
-PROGRESS_EVERY_S = 5.0             # tokenization logs progress at most this often
+MIN_TRAIN_SEQUENCES = 4  # a corpus must hold at least this many non-overlapping training sequences
+PROGRESS_EVERY_S = 5.0  # tokenization logs progress at most this often
 
 # Standard-library folders left out of the builtin corpus: installed packages (they differ between
 # machines), tests (deliberately odd or badly encoded files) and generated codec tables.
 _BUILTIN_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "encodings"}
-_BATCH_CHARS = 1 << 20             # text handed to one encode_batch call
-_PIECE_CHARS = 1 << 16             # long documents are cut into pieces of about this size to encode in parallel
+_BATCH_CHARS = 1 << 20  # text handed to one encode_batch call
+_PIECE_CHARS = 1 << 16  # long documents are cut into pieces of about this size to encode in parallel
 _EOS_CANDIDATES = (EOS, "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "<|im_end|>")
 _MASK_CANDIDATES = (MASK, "<|mdm_mask|>", "<mask>", "[MASK]")
 _TOKENIZER_FILES = TOKENIZER_FILES
@@ -61,24 +61,25 @@ _TOKENIZER_FILES = TOKENIZER_FILES
 
 # --- the data a run trains on ---------------------------------------------------------------
 
+
 @dataclass
 class TokenData:
     """The tokenized corpus, split into train and held-out validation tokens (both memory-mapped)."""
 
-    train: np.ndarray      # memmap
-    val: np.ndarray        # memmap: the last `val_fraction` of the tokens
-    vocab_size: int        # tokenizer's vocab size (unpadded; the model pads to a multiple of 64)
+    train: np.ndarray  # memmap
+    val: np.ndarray  # memmap: the last `val_fraction` of the tokens
+    vocab_size: int  # tokenizer's vocab size (unpadded; the model pads to a multiple of 64)
     eos_id: int
-    mask_id: int | None    # <|mask|> for the builtin tokenizer; None if the tokenizer has none
-    fingerprint: str       # identifies tokens + split: record it to check a resume sees the same data
-    tokenizer_path: str    # tokenizer.json file or tokenizer directory, to record in the run config
+    mask_id: int | None  # <|mask|> for the builtin tokenizer; None if the tokenizer has none
+    fingerprint: str  # identifies tokens + split: record it to check a resume sees the same data
+    tokenizer_path: str  # tokenizer.json file or tokenizer directory, to record in the run config
 
 
 @dataclass
 class TokenizerInfo:
     """A loaded tokenizer and what the data pipeline needs to know about it."""
 
-    tokenizer: Any         # tokenizers.Tokenizer or a transformers tokenizer
+    tokenizer: Any  # tokenizers.Tokenizer or a transformers tokenizer
     path: str
     fingerprint: str
     vocab_size: int
@@ -106,8 +107,12 @@ def load_tokenizer(cfg: DataConfig, cache_dir: Path | str | None = None, log: Lo
     return tokenizer_info(cfg, cache_dir, log).tokenizer
 
 
-def tokenizer_info(cfg: DataConfig, cache_dir: Path | str | None = None, log: Log = print,
-                   phase: Callable[[str, float | None], None] | None = None) -> TokenizerInfo:
+def tokenizer_info(
+    cfg: DataConfig,
+    cache_dir: Path | str | None = None,
+    log: Log = print,
+    phase: Callable[[str, float | None], None] | None = None,
+) -> TokenizerInfo:
     """Like `load_tokenizer`, with the vocab size, special ids and fingerprint the cache keys need."""
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if cfg.tokenizer is None:
@@ -115,8 +120,13 @@ def tokenizer_info(cfg: DataConfig, cache_dir: Path | str | None = None, log: Lo
     return _user_tokenizer(Path(cfg.tokenizer).expanduser())
 
 
-def load_data(cfg: DataConfig, *, cache_dir: Path | str | None = None, log: Log = print,
-              phase: Callable[[str, float | None], None] | None = None) -> TokenData:
+def load_data(
+    cfg: DataConfig,
+    *,
+    cache_dir: Path | str | None = None,
+    log: Log = print,
+    phase: Callable[[str, float | None], None] | None = None,
+) -> TokenData:
     """Tokenize `cfg.data` once (cached), memory-map the tokens and split off the validation tail.
 
     Raises ConfigError naming `--data`, `--tokenizer`, `--seq-len` or `--val-fraction` with what to do
@@ -179,20 +189,33 @@ def _split(tokens: np.ndarray, cfg: DataConfig, tok: TokenizerInfo, key: str, lo
     L = cfg.seq_len
     need = MIN_TRAIN_SEQUENCES * L + 1
     if n_train < need:
-        raise ConfigError("--data", f"corpus too small: {n:,} tokens ({n_train:,} for training), but --seq-len {L} "
-                          f"needs at least {need:,} training tokens ({MIN_TRAIN_SEQUENCES} sequences); "
-                          "give more text or lower --seq-len")
+        raise ConfigError(
+            "--data",
+            f"corpus too small: {n:,} tokens ({n_train:,} for training), but --seq-len {L} "
+            f"needs at least {need:,} training tokens ({MIN_TRAIN_SEQUENCES} sequences); "
+            "give more text or lower --seq-len",
+        )
     if cfg.val_fraction > 0 and n_val < L + 1:
-        raise ConfigError("--val-fraction", f"{cfg.val_fraction} of {n:,} tokens is {n_val:,} validation tokens, "
-                          f"less than one sequence of --seq-len {L} (+1); raise --val-fraction, give more text, "
-                          "or use --val-fraction 0 to train without validation")
+        raise ConfigError(
+            "--val-fraction",
+            f"{cfg.val_fraction} of {n:,} tokens is {n_val:,} validation tokens, "
+            f"less than one sequence of --seq-len {L} (+1); raise --val-fraction, give more text, "
+            "or use --val-fraction 0 to train without validation",
+        )
     log(f"data: {n_train:,} train / {n_val:,} validation tokens, vocab {tok.vocab_size}")
-    return TokenData(train=tokens[:n_train], val=tokens[n_train:], vocab_size=tok.vocab_size, eos_id=tok.eos_id,
-                     mask_id=tok.mask_id, fingerprint=_fingerprint(key, cfg.val_fraction),
-                     tokenizer_path=tok.path)
+    return TokenData(
+        train=tokens[:n_train],
+        val=tokens[n_train:],
+        vocab_size=tok.vocab_size,
+        eos_id=tok.eos_id,
+        mask_id=tok.mask_id,
+        fingerprint=_fingerprint(key, cfg.val_fraction),
+        tokenizer_path=tok.path,
+    )
 
 
 # --- corpora ------------------------------------------------------------------------------------
+
 
 def _stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
@@ -222,21 +245,23 @@ def builtin_files(max_bytes: int | None = None) -> list[Path]:
             files.append(p)
             total += size
     if not files:
-        raise ConfigError("--data", f"no Python source found under {root} for the builtin corpus; "
-                          "give --data PATH with your own text")
+        raise ConfigError(
+            "--data", f"no Python source found under {root} for the builtin corpus; give --data PATH with your own text"
+        )
     return files
 
 
 def _data_files(spec: str) -> list[Path]:
-    files = data_files(spec)            # which files are data: one rule, shared with gptop's input checks
+    files = data_files(spec)  # which files are data: one rule, shared with gptop's input checks
     for f in files:
         if f.suffix.lower() == ".parquet":
-            _parquet_text_column(f)     # fail now, not after tokenizing the files before it
+            _parquet_text_column(f)  # fail now, not after tokenizing the files before it
     return files
 
 
 # Readers yield (text, ends_document, source_bytes): documents are cut into pieces for parallel
 # encoding; EOS follows the last piece of each document.
+
 
 def _read_builtin(files: list[Path]) -> Iterator[tuple[str, bool, int]]:
     for f in files:
@@ -264,7 +289,7 @@ def _read_txt(path: Path) -> Iterator[tuple[str, bool, int]]:
                 cut = len(text)
             yield text[:cut], False, len(text[:cut].encode("utf-8", "replace"))
             carry = text[cut:]
-        if any_text:      # an empty file is no document (no EOS for it)
+        if any_text:  # an empty file is no document (no EOS for it)
             yield carry, True, len(carry.encode("utf-8", "replace"))
 
 
@@ -279,13 +304,14 @@ def _read_jsonl(path: Path) -> Iterator[tuple[str, bool, int]]:
             except ValueError as e:
                 raise ConfigError("--data", f"{path}:{lineno}: not valid JSON ({e}); {example}") from None
             if not isinstance(obj, dict) or "text" not in obj:
-                raise ConfigError("--data", f"{path}:{lineno}: no \"text\" field; {example}")
+                raise ConfigError("--data", f'{path}:{lineno}: no "text" field; {example}')
             text = obj["text"]
             if text is None:
                 continue
             if not isinstance(text, str):
-                raise ConfigError("--data", f"{path}:{lineno}: \"text\" is a {type(text).__name__}, not a string; "
-                                  f"{example}")
+                raise ConfigError(
+                    "--data", f'{path}:{lineno}: "text" is a {type(text).__name__}, not a string; {example}'
+                )
             yield from _pieces(text, len(raw))
 
 
@@ -299,11 +325,17 @@ def _parquet_text_column(path: Path) -> Any:
         raise ConfigError("--data", f"{path}: not a readable parquet file ({e})") from None
     schema = pf.schema_arrow
     if "text" not in schema.names:
-        raise ConfigError("--data", f"{path}: no 'text' column (columns: {', '.join(schema.names)}); "
-                          "rename the column holding the documents to 'text'")
+        raise ConfigError(
+            "--data",
+            f"{path}: no 'text' column (columns: {', '.join(schema.names)}); "
+            "rename the column holding the documents to 'text'",
+        )
     kind = schema.field("text").type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
-            or getattr(pa.types, "is_string_view", lambda t: False)(kind)):
+    if not (
+        pa.types.is_string(kind)
+        or pa.types.is_large_string(kind)
+        or getattr(pa.types, "is_string_view", lambda t: False)(kind)
+    ):
         raise ConfigError("--data", f"{path}: column 'text' has type {kind}, not string")
     return pf
 
@@ -323,7 +355,7 @@ def _pieces(text: str, nbytes: int) -> Iterator[tuple[str, bool, int]]:
         return
     start, n = 0, len(text)
     while n - start > _PIECE_CHARS:
-        window = text[start:start + _PIECE_CHARS]
+        window = text[start : start + _PIECE_CHARS]
         cut = _cut_point(window) or len(window)
         yield window[:cut], False, nbytes * cut // n
         start += cut
@@ -346,15 +378,24 @@ def _cut_point(text: str) -> int:
 
 # --- tokenizers ---------------------------------------------------------------------------------
 
-def _builtin_tokenizer(cache: Path, log: Log,
-                       phase: Callable[[str, float | None], None] | None = None) -> TokenizerInfo:
+
+def _builtin_tokenizer(
+    cache: Path, log: Log, phase: Callable[[str, float | None], None] | None = None
+) -> TokenizerInfo:
     """Byte-level BPE, vocab 8192, trained on the builtin corpus once and cached as tokenizer.json."""
     from tokenizers import Tokenizer
 
     files = builtin_files()
     root = _stdlib_root()
-    corpus_fp = _hash(["bpe", BUILTIN_VOCAB, SPECIAL_TOKENS, sys.version,
-                       [(f.relative_to(root).as_posix(), f.stat().st_size) for f in files]])
+    corpus_fp = _hash(
+        [
+            "bpe",
+            BUILTIN_VOCAB,
+            SPECIAL_TOKENS,
+            sys.version,
+            [(f.relative_to(root).as_posix(), f.stat().st_size) for f in files],
+        ]
+    )
     path = cache / "tokenizers" / f"builtin-{corpus_fp[:24]}.json"
     if not path.is_file():
         with _locked(path, log):
@@ -365,27 +406,40 @@ def _builtin_tokenizer(cache: Path, log: Log,
     try:
         tok = Tokenizer.from_file(str(path))
     except Exception as e:
-        raise ConfigError("--tokenizer", f"cached builtin tokenizer {path} is unreadable ({e}); delete it and "
-                          "run again") from None
-    return TokenizerInfo(tokenizer=tok, path=str(path), fingerprint=_hash(["file", path.read_bytes()]),
-                         vocab_size=tok.get_vocab_size(with_added_tokens=True), eos_id=tok.token_to_id(EOS),
-                         mask_id=tok.token_to_id(MASK))
+        raise ConfigError(
+            "--tokenizer", f"cached builtin tokenizer {path} is unreadable ({e}); delete it and run again"
+        ) from None
+    return TokenizerInfo(
+        tokenizer=tok,
+        path=str(path),
+        fingerprint=_hash(["file", path.read_bytes()]),
+        vocab_size=tok.get_vocab_size(with_added_tokens=True),
+        eos_id=tok.token_to_id(EOS),
+        mask_id=tok.token_to_id(MASK),
+    )
 
 
 def _train_builtin(files: list[Path], path: Path, log: Log) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     size = sum(f.stat().st_size for f in files)
-    log(f"data: training the builtin tokenizer (byte-level BPE, vocab {BUILTIN_VOCAB}) on {size / 1e6:.1f} MB "
-        f"of Python stdlib source ({len(files)} files); done once, then cached")
+    log(
+        f"data: training the builtin tokenizer (byte-level BPE, vocab {BUILTIN_VOCAB}) on {size / 1e6:.1f} MB "
+        f"of Python stdlib source ({len(files)} files); done once, then cached"
+    )
     t0 = time.monotonic()
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=BUILTIN_VOCAB, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator((f.read_text(encoding="utf-8", errors="replace") for f in files), trainer,
-                            length=len(files))
+    trainer = trainers.BpeTrainer(
+        vocab_size=BUILTIN_VOCAB,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(
+        (f.read_text(encoding="utf-8", errors="replace") for f in files), trainer, length=len(files)
+    )
     atomic_write(path, tok.to_str().encode("utf-8"))
     log(f"data: tokenizer trained in {time.monotonic() - t0:.1f} s, saved to {path}")
 
@@ -393,8 +447,11 @@ def _train_builtin(files: list[Path], path: Path, log: Log) -> None:
 def _user_tokenizer(path: Path) -> TokenizerInfo:
     """A local Hugging Face tokenizer: tokenizer.json directly, else transformers' AutoTokenizer."""
     if not path.exists():
-        raise ConfigError("--tokenizer", f"{path} does not exist; give a local Hugging Face tokenizer directory "
-                          "(with tokenizer.json); nothing is downloaded")
+        raise ConfigError(
+            "--tokenizer",
+            f"{path} does not exist; give a local Hugging Face tokenizer directory "
+            "(with tokenizer.json); nothing is downloaded",
+        )
     directory = path if path.is_dir() else path.parent
     json_file = path if path.is_file() else path / "tokenizer.json"
     fingerprint = _hash(["dir", _tokenizer_files_fingerprint(directory, json_file)])
@@ -416,8 +473,11 @@ def _user_tokenizer(path: Path) -> TokenizerInfo:
 
             tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except Exception as e:
-            raise ConfigError("--tokenizer", f"{path} has no tokenizer.json and transformers cannot load it "
-                              f"({type(e).__name__}: {e}); give a directory saved with save_pretrained()") from None
+            raise ConfigError(
+                "--tokenizer",
+                f"{path} has no tokenizer.json and transformers cannot load it "
+                f"({type(e).__name__}: {e}); give a directory saved with save_pretrained()",
+            ) from None
         vocab_size = len(tok)
 
         def to_id(token: str) -> int | None:
@@ -431,10 +491,19 @@ def _user_tokenizer(path: Path) -> TokenizerInfo:
     else:
         raise ConfigError("--tokenizer", f"{path} is a file but not tokenizer.json; give the tokenizer directory")
     if eos is None:
-        raise ConfigError("--tokenizer", f"{path}: no end-of-text token found (looked for eos_token in "
-                          f"tokenizer_config.json and {', '.join(_EOS_CANDIDATES)}); documents need one between them")
-    return TokenizerInfo(tokenizer=tok, path=str(path), fingerprint=fingerprint, vocab_size=int(vocab_size),
-                         eos_id=int(eos), mask_id=None if mask is None else int(mask))
+        raise ConfigError(
+            "--tokenizer",
+            f"{path}: no end-of-text token found (looked for eos_token in "
+            f"tokenizer_config.json and {', '.join(_EOS_CANDIDATES)}); documents need one between them",
+        )
+    return TokenizerInfo(
+        tokenizer=tok,
+        path=str(path),
+        fingerprint=fingerprint,
+        vocab_size=int(vocab_size),
+        eos_id=int(eos),
+        mask_id=None if mask is None else int(mask),
+    )
 
 
 def _special_token_settings(directory: Path) -> dict[str, str]:
@@ -466,8 +535,14 @@ def _tokenizer_files_fingerprint(directory: Path, json_file: Path) -> list:
     for f in sorted(directory.iterdir()) if directory.is_dir() else []:
         if f.is_file() and (f.name in _TOKENIZER_FILES or f == json_file or f.suffix == ".tiktoken"):
             st = f.stat()
-            out.append([f.name, hashlib.sha256(f.read_bytes()).hexdigest() if st.st_size < 64 << 20
-                        else [st.st_size, st.st_mtime_ns]])
+            out.append(
+                [
+                    f.name,
+                    hashlib.sha256(f.read_bytes()).hexdigest()
+                    if st.st_size < 64 << 20
+                    else [st.st_size, st.st_mtime_ns],
+                ]
+            )
     return out
 
 
@@ -481,11 +556,18 @@ def _fast_backend(tok: Any) -> Any:
 
 # --- tokenization into the cache ----------------------------------------------------------------
 
-def _tokenize(tok: TokenizerInfo, docs: Callable[[], Iterator[tuple[str, bool, int]]], total_bytes: int,
-              bin_path: Path, label: str, log: Log,
-              phase: Callable[[str, float | None], None] | None = None) -> dict:
+
+def _tokenize(
+    tok: TokenizerInfo,
+    docs: Callable[[], Iterator[tuple[str, bool, int]]],
+    total_bytes: int,
+    bin_path: Path,
+    label: str,
+    log: Log,
+    phase: Callable[[str, float | None], None] | None = None,
+) -> dict:
     """Encode all documents in batches (encode_batch uses every core) and stream the ids to the cache."""
-    dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)   # ids are < vocab_size
+    dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)  # ids are < vocab_size
     log(f"data: tokenizing {label}, {total_bytes / 1e6:.1f} MB; done once, then cached at {bin_path}")
     t0 = last = last_phase = time.monotonic()
     count = ndocs = done_bytes = 0
@@ -503,8 +585,10 @@ def _tokenize(tok: TokenizerInfo, docs: Callable[[], Iterator[tuple[str, bool, i
             n = sum(len(s) for s in seqs)
             arr = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=n)
             if n and (arr.min() < 0 or arr.max() >= tok.vocab_size):
-                raise ConfigError("--tokenizer", f"{tok.path} produced token id {int(arr.max())} outside its "
-                                  f"vocabulary of {tok.vocab_size}")
+                raise ConfigError(
+                    "--tokenizer",
+                    f"{tok.path} produced token id {int(arr.max())} outside its vocabulary of {tok.vocab_size}",
+                )
             arr.astype(dtype).tofile(out)
             count += n
             ndocs += sum(ends)
@@ -526,14 +610,24 @@ def _tokenize(tok: TokenizerInfo, docs: Callable[[], Iterator[tuple[str, bool, i
                 if now - last >= PROGRESS_EVERY_S:
                     last = now
                     pct = min(100.0, 100.0 * done_bytes / max(1, total_bytes))
-                    log(f"data: tokenizing {pct:.0f}% ({done_bytes / 1e6:.1f}/{total_bytes / 1e6:.1f} MB, "
-                        f"{count / 1e6:.1f}M tokens, {done_bytes / 1e6 / (now - t0):.1f} MB/s)")
+                    log(
+                        f"data: tokenizing {pct:.0f}% ({done_bytes / 1e6:.1f}/{total_bytes / 1e6:.1f} MB, "
+                        f"{count / 1e6:.1f}M tokens, {done_bytes / 1e6 / (now - t0):.1f} MB/s)"
+                    )
         if batch:
             flush()
         if count == 0:
             raise ConfigError("--data", f"{label}: the corpus is empty (no text found); give files with text")
-    meta = {"format": FORMAT_VERSION, "dtype": dtype.name, "count": count, "documents": ndocs,
-            "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "tokenizer": tok.path, "source": label}
+    meta = {
+        "format": FORMAT_VERSION,
+        "dtype": dtype.name,
+        "count": count,
+        "documents": ndocs,
+        "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id,
+        "tokenizer": tok.path,
+        "source": label,
+    }
     atomic_write(bin_path.with_suffix(".json"), json.dumps(meta, indent=1).encode("utf-8"))
     log(f"data: {count:,} tokens from {ndocs:,} documents in {time.monotonic() - t0:.1f} s ({dtype.name}), cached")
     return meta
@@ -554,6 +648,7 @@ def _read_meta(bin_path: Path) -> dict | None:
 
 # --- atomic cache writes ------------------------------------------------------------------------
 
+
 @contextlib.contextmanager
 def _locked(path: Path, log: Log) -> Iterator[None]:
     """Hold an exclusive lock for building the cache entry `path`, so concurrent runs build it once.
@@ -572,8 +667,9 @@ def _locked(path: Path, log: Log) -> Iterator[None]:
         log(f"data: waiting for another process building {path.name}")
         lock.acquire()
     try:
-        for stale in itertools.chain(path.parent.glob(f"{path.name}.*.tmp"),
-                                     path.parent.glob(f"{path.with_suffix('.json').name}.*.tmp")):
+        for stale in itertools.chain(
+            path.parent.glob(f"{path.name}.*.tmp"), path.parent.glob(f"{path.with_suffix('.json').name}.*.tmp")
+        ):
             with contextlib.suppress(OSError):
                 stale.unlink()
         yield

@@ -31,21 +31,38 @@ def detect(requested: str = "auto") -> DeviceInfo:
     if requested == "cpu":
         import psutil
 
-        return DeviceInfo(type="cpu", name=cpu_name(), total_memory=psutil.virtual_memory().total,
-                          cpu_count=cpus, has_compiler=compiler_missing("cpu") is None,
-                          cpu_bf16=_cpu_has_bf16_kernels(), cpu_bf16_native=cpu_has_native_bf16())
+        return DeviceInfo(
+            type="cpu",
+            name=cpu_name(),
+            total_memory=psutil.virtual_memory().total,
+            cpu_count=cpus,
+            has_compiler=compiler_missing("cpu") is None,
+            cpu_bf16=_cpu_has_bf16_kernels(),
+            cpu_bf16_native=cpu_has_native_bf16(),
+        )
     if requested.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise ConfigError("--device", f"{requested} asked for but torch sees no CUDA device "
-                              f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})")
+            raise ConfigError(
+                "--device",
+                f"{requested} asked for but torch sees no CUDA device "
+                f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})",
+            )
         index = int(requested.split(":")[1]) if ":" in requested else torch.cuda.current_device()
         if index >= torch.cuda.device_count():
             raise ConfigError("--device", f"{requested}: only {torch.cuda.device_count()} CUDA devices")
         props = torch.cuda.get_device_properties(index)
         uuid, pci = gpu_identity(index)
-        return DeviceInfo(type="cuda", index=index, name=props.name, capability=(props.major, props.minor),
-                          total_memory=props.total_memory, cpu_count=cpus,
-                          has_compiler=compiler_missing("cuda") is None, uuid=uuid, pci_bus_id=pci)
+        return DeviceInfo(
+            type="cuda",
+            index=index,
+            name=props.name,
+            capability=(props.major, props.minor),
+            total_memory=props.total_memory,
+            cpu_count=cpus,
+            has_compiler=compiler_missing("cuda") is None,
+            uuid=uuid,
+            pci_bus_id=pci,
+        )
     raise ConfigError("--device", f"{requested!r} is not auto, cpu, cuda or cuda:N")
 
 
@@ -87,7 +104,7 @@ def _cpu_has_bf16_kernels() -> bool:
     matmul falls back to a path about 100x slower than fp32 (measured: 1.4 vs 160 GFLOP/s)."""
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):       # a torch built without oneDNN
+    except (AttributeError, RuntimeError):  # a torch built without oneDNN
         return False
 
 
@@ -134,8 +151,14 @@ def check_bf16(dev: DeviceInfo, quick: bool) -> "Outcome":
     observed = f"{out.dtype}, error {err:.1e} vs fp32; {kind}: a bf16 matmul at {speed:.2f}x fp32's rate"
     if why_slow:
         observed += " (--precision bf16 runs with a warning; the tuner leaves it out)"
-    return Outcome.verdict(ok, observed, f"bf16 autocast gave {out.dtype} with error {err:.1e}",
-                           relative_error=err, bf16_over_fp32=speed, native=not why_slow)
+    return Outcome.verdict(
+        ok,
+        observed,
+        f"bf16 autocast gave {out.dtype} with error {err:.1e}",
+        relative_error=err,
+        bf16_over_fp32=speed,
+        native=not why_slow,
+    )
 
 
 def check_tf32(dev: DeviceInfo, quick: bool, *, device: Any = None) -> "Outcome":
@@ -147,12 +170,14 @@ def check_tf32(dev: DeviceInfo, quick: bool, *, device: Any = None) -> "Outcome"
     reason = support("precision", "tf32", dev)
     if reason and device is None:
         return Outcome.skip(reason)
-    device = torch.device(device) if device is not None else dev.torch_device   # tests: the CPU ignores the flag
+    device = torch.device(device) if device is not None else dev.torch_device  # tests: the CPU ignores the flag
     if device.type == "cuda":
         torch.cuda.set_device(device)
     g = torch.Generator(device="cpu").manual_seed(0)
-    a64, b64 = torch.randn(2048, 2048, generator=g, dtype=torch.float64), torch.randn(2048, 2048, generator=g,
-                                                                                        dtype=torch.float64)
+    a64, b64 = (
+        torch.randn(2048, 2048, generator=g, dtype=torch.float64),
+        torch.randn(2048, 2048, generator=g, dtype=torch.float64),
+    )
     ref = a64.to(device) @ b64.to(device)
     a, b = a64.float().to(device), b64.float().to(device)
     before = torch.backends.cuda.matmul.allow_tf32
@@ -164,6 +189,10 @@ def check_tf32(dev: DeviceInfo, quick: bool, *, device: Any = None) -> "Outcome"
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
     ok = on > 4 * off and on < 1e-2
-    return Outcome.verdict(ok, f"error vs fp64: {on:.1e} with TF32, {off:.1e} without",
-                           "allowing TF32 did not change the rounding (it does not take effect)",
-                           error_tf32=on, error_fp32=off)
+    return Outcome.verdict(
+        ok,
+        f"error vs fp64: {on:.1e} with TF32, {off:.1e} without",
+        "allowing TF32 did not change the rounding (it does not take effect)",
+        error_tf32=on,
+        error_fp32=off,
+    )

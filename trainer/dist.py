@@ -35,10 +35,10 @@ from .contract.config import ConfigError
 
 PARALLEL_MODES = ("ddp", "fsdp")
 
+
 def env_world() -> tuple[int, int, int]:
     """(rank, world size, local rank) from torchrun's environment; (0, 1, 0) for one process."""
-    return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
-            int(os.environ.get("LOCAL_RANK", 0)))
+    return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)))
 
 
 def rank_device(requested: str, world: int, local_rank: int) -> str:
@@ -46,8 +46,11 @@ def rank_device(requested: str, world: int, local_rank: int) -> str:
     if world <= 1:
         return requested
     if requested.startswith("cuda:"):
-        raise ConfigError("--device", f"{requested}: with several ranks each one uses cuda:LOCAL_RANK; "
-                                      f"pass --device cuda (or auto) and pick GPUs with CUDA_VISIBLE_DEVICES")
+        raise ConfigError(
+            "--device",
+            f"{requested}: with several ranks each one uses cuda:LOCAL_RANK; "
+            f"pass --device cuda (or auto) and pick GPUs with CUDA_VISIBLE_DEVICES",
+        )
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         return f"cuda:{local_rank}"
     return requested
@@ -57,7 +60,7 @@ def die_with_parent() -> None:
     """Linux: SIGTERM this rank (a graceful, agreed stop) if its launcher (torchrun) dies."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM, 0, 0, 0)          # PR_SET_PDEATHSIG
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
 
@@ -84,7 +87,7 @@ class Group:
         self.rank, self.world, self.local_rank = rank, world, local_rank
         self.device = device
         self.backend = "nccl" if device.type == "cuda" else "gloo"
-        self.ctrl: Any = None           # gloo group for CPU control tensors (None: the default group is gloo)
+        self.ctrl: Any = None  # gloo group for CPU control tensors (None: the default group is gloo)
 
     def init(self, timeout_s: float = 600.0) -> None:
         if dist.is_initialized():
@@ -137,9 +140,19 @@ def is_comm_error(e: BaseException) -> bool:
     if isinstance(e, getattr(dist, "DistError", ())):
         return True
     text = str(e)
-    return any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "remote worker",
-                                   "Broken pipe", "NCCL communicator was aborted", "ProcessGroupNCCL",
-                                   "ProcessGroupGloo", "gloo/transport"))
+    return any(
+        s in text
+        for s in (
+            "Connection closed by peer",
+            "Connection reset by peer",
+            "remote worker",
+            "Broken pipe",
+            "NCCL communicator was aborted",
+            "ProcessGroupNCCL",
+            "ProcessGroupGloo",
+            "gloo/transport",
+        )
+    )
 
 
 # ----------------------------------------------------------------- wrapping
@@ -171,9 +184,12 @@ def fsdp_precision(precision: str):
     if precision in ("bf16", "fp8-tensorwise", "fp8-rowwise"):
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), None
     if precision == "fp16":
-        raise ConfigError("--precision", "fp16 with --parallel fsdp is not supported (its loss scaler would "
-                                         "need sharded inf checks); use bf16, or --parallel ddp")
-    return None, None          # fp32 / tf32: full precision
+        raise ConfigError(
+            "--precision",
+            "fp16 with --parallel fsdp is not supported (its loss scaler would "
+            "need sharded inf checks); use bf16, or --parallel ddp",
+        )
+    return None, None  # fp32 / tf32: full precision
 
 
 def apply_fsdp(model: torch.nn.Module, precision: str) -> torch.nn.Module:
@@ -205,8 +221,11 @@ class CommTimer:
             return self._hook(state, bucket)
 
         # DDP checks the annotations; this module's are strings (postponed evaluation), so set real ones.
-        hook.__annotations__ = {"state": object, "bucket": dist.GradBucket,
-                                "return": torch.futures.Future[torch.Tensor]}
+        hook.__annotations__ = {
+            "state": object,
+            "bucket": dist.GradBucket,
+            "return": torch.futures.Future[torch.Tensor],
+        }
         ddp.register_comm_hook(None, hook)
 
     def _hook(self, state: Any, bucket: Any) -> torch.futures.Future:
@@ -239,8 +258,9 @@ class CommTimer:
 
 def _nccl_rank(rank: int, world: int, port: int) -> None:
     """One rank of check_nccl: the process group as Group.init forms it, one all-reduce, checked."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     group = Group(rank, world, rank, torch.device(f"cuda:{rank}"))
     group.init(timeout_s=60.0)
     try:

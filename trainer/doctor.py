@@ -32,8 +32,18 @@ from typing import Any
 
 from .contract.doctor import PATHS, CheckResult, DevicePath, Outcome, Status
 
-LIBRARIES = ("transformers", "peft", "torchao", "triton", "bitsandbytes", "nvidia-ml-py", "optuna", "textual",
-             "tomli-w", "accelerate")
+LIBRARIES = (
+    "transformers",
+    "peft",
+    "torchao",
+    "triton",
+    "bitsandbytes",
+    "nvidia-ml-py",
+    "optuna",
+    "textual",
+    "tomli-w",
+    "accelerate",
+)
 
 
 def emit(kind: str, **fields: Any) -> None:
@@ -57,9 +67,14 @@ def detect_machine(requested: str) -> dict[str, Any]:
     from .device_probe import compiler_missing, detect
 
     machine: dict[str, Any] = {
-        "host": socket.gethostname(), "platform": platform.platform(), "python": platform.python_version(),
-        "cpu": cpu_name(), "cpu_count": os.cpu_count(), "cpu_isa": torch.backends.cpu.get_cpu_capability(),
-        "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "cpu_isa": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
         "libraries": {name: _version(name) for name in LIBRARIES},
     }
     dev = detect(requested)
@@ -69,7 +84,7 @@ def detect_machine(requested: str) -> dict[str, Any]:
         machine["cudnn"] = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
         try:
             machine["nccl"] = ".".join(str(v) for v in torch.cuda.nccl.version())
-        except Exception:                 # a build without NCCL
+        except Exception:  # a build without NCCL
             machine["nccl"] = None
     return {"device": dev.to_dict(), "machine": machine}
 
@@ -83,7 +98,7 @@ def _child(fn_name: str, requested: str, quick: bool, conn: Any) -> None:
     """In the forked child: run one path's check (or the detection) and send back what it returned."""
     from .dist import die_with_parent
 
-    die_with_parent()                     # never outlive the runner (killed, or its gptop gone)
+    die_with_parent()  # never outlive the runner (killed, or its gptop gone)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         if _THREADS:
@@ -97,9 +112,18 @@ def _child(fn_name: str, requested: str, quick: bool, conn: Any) -> None:
 
         p = next(p for p in PATHS if p.name == fn_name)
         outcome = _owner(p)(detect(requested), quick, **dict(p.args))
-        conn.send(("ok", {"status": outcome.status.value, "observed": outcome.observed, "reason": outcome.reason,
-                          "data": json.loads(json.dumps(outcome.data, default=str))}))
-    except BaseException as e:            # the check's own failure is its result
+        conn.send(
+            (
+                "ok",
+                {
+                    "status": outcome.status.value,
+                    "observed": outcome.observed,
+                    "reason": outcome.reason,
+                    "data": json.loads(json.dumps(outcome.data, default=str)),
+                },
+            )
+        )
+    except BaseException as e:  # the check's own failure is its result
         traceback.print_exc(file=sys.stderr)
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         conn.send(("error", f"{type(e).__name__}: {first}"[:500]))
@@ -135,7 +159,7 @@ def run_in_child(name: str, requested: str, quick: bool, timeout_s: float) -> tu
     return got
 
 
-_THREADS = 0          # torch's intra-op threads before preload held this process to one
+_THREADS = 0  # torch's intra-op threads before preload held this process to one
 
 
 def start_method() -> str:
@@ -184,8 +208,10 @@ def run_checks(requested: str, quick: bool, only: set[str] | None, timeout_scale
             continue
         t0 = time.monotonic()
         if not p.applies_to(device_type):
-            outcome = Outcome.skip(f"a {p.where.value.upper()} path; the doctor ran on {device_type} "
-                                   f"(gptop doctor --device {p.where.value} on a machine that has one)")
+            outcome = Outcome.skip(
+                f"a {p.where.value.upper()} path; the doctor ran on {device_type} "
+                f"(gptop doctor --device {p.where.value} on a machine that has one)"
+            )
         elif quick and not p.quick:
             outcome = Outcome.skip("left out by --quick")
         else:
@@ -226,13 +252,13 @@ def burn(requested: str, seconds: float) -> int:
         if dev.is_cuda:
             torch.cuda.synchronize(device)
         ready, _, _ = select.select([sys.stdin], [], [], 0)
-        if ready and not sys.stdin.read(1):       # gptop closed our stdin: stop now
+        if ready and not sys.stdin.read(1):  # gptop closed our stdin: stop now
             break
     emit("idle")
     return 0
 
 
-_ACTIVE: list[Any] = []                  # the check's child process while one runs
+_ACTIVE: list[Any] = []  # the check's child process while one runs
 
 
 def _stop(signum: int, frame: Any) -> None:
@@ -243,19 +269,26 @@ def _stop(signum: int, frame: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.doctor",
-                                     description="The trainer's side of gptop doctor (JSON lines on stdout).")
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.doctor", description="The trainer's side of gptop doctor (JSON lines on stdout)."
+    )
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     parser.add_argument("--quick", action="store_true", help="only the quick paths")
     parser.add_argument("--only", default=None, metavar="NAMES", help="comma-separated path names")
-    parser.add_argument("--timeout-scale", type=float, default=1.0, metavar="F",
-                        help="multiply every path's timeout (default: 1)")
-    parser.add_argument("--load", type=float, default=None, metavar="SECONDS",
-                        help="keep the device busy for SECONDS instead of checking")
+    parser.add_argument(
+        "--timeout-scale", type=float, default=1.0, metavar="F", help="multiply every path's timeout (default: 1)"
+    )
+    parser.add_argument(
+        "--load",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="keep the device busy for SECONDS instead of checking",
+    )
     ns = parser.parse_args(argv)
     from .dist import die_with_parent
 
-    die_with_parent()                     # gptop gone (killed, or its timeout): stop too
+    die_with_parent()  # gptop gone (killed, or its timeout): stop too
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     if ns.load is not None:

@@ -53,7 +53,7 @@ from .models import ModelBundle, build_model, quiet_imports
 Log = Callable[[str], None]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-CHECK_TOKENS = 64            # tokens per sequence of the logits check
+CHECK_TOKENS = 64  # tokens per sequence of the logits check
 CHECK_TEXT = "def main(argv):\n    return sorted(set(argv), key=len)\n"
 
 
@@ -67,16 +67,17 @@ def stderr_log(prefix: str) -> Log:
 
 # --- loading a run's model ----------------------------------------------------------------------
 
+
 @dataclass
 class LoadedModel:
     """A trained model ready for inference, with the tokenizer its token ids come from."""
 
-    model: torch.nn.Module        # eval mode, fp32
+    model: torch.nn.Module  # eval mode, fp32
     bundle: ModelBundle
-    tokenizer: Any                # a transformers PreTrainedTokenizerFast
-    source: Path                  # the checkpoint, or the model directory
-    step: int | None              # the checkpoint's step (None for a model directory)
-    cfg: TrainConfig | None       # the run's configuration (None for a model directory)
+    tokenizer: Any  # a transformers PreTrainedTokenizerFast
+    source: Path  # the checkpoint, or the model directory
+    step: int | None  # the checkpoint's step (None for a model directory)
+    cfg: TrainConfig | None  # the run's configuration (None for a model directory)
 
     @property
     def objective(self) -> str:
@@ -87,9 +88,14 @@ class LoadedModel:
         return self.bundle.mask_id
 
 
-def load_for_inference(path: str | Path, candidates: list[CheckpointInfo] | None, *, step_given: bool = False,
-                       device: str = "cpu",
-                       log: Log = stderr_log("export")) -> LoadedModel:  # noqa: B008  (one shared default logger)
+def load_for_inference(
+    path: str | Path,
+    candidates: list[CheckpointInfo] | None,
+    *,
+    step_given: bool = False,
+    device: str = "cpu",
+    log: Log = stderr_log("export"),  # noqa: B008  (one shared default logger)
+) -> LoadedModel:
     """The model of a run's checkpoint (the first of `candidates` that loads), or of a model directory.
 
     Candidates come from `tools.check_export/check_sample`. A corrupt one is reported and the next
@@ -115,7 +121,7 @@ def load_for_inference(path: str | Path, candidates: list[CheckpointInfo] | None
 def _load_checkpoint(run_dir: Path, info: CheckpointInfo, dev: Any, log: Log) -> LoadedModel:
     kind = "sharded (DCP)" if info.sharded else "one-file"
     log(f"loading {info.path} (step {info.step}, {kind})")
-    state = ckpt.load(info.path)             # a sharded checkpoint: its gptop.json only
+    state = ckpt.load(info.path)  # a sharded checkpoint: its gptop.json only
     try:
         cfg = TrainConfig.from_dict(state["config"])
     except ConfigError as e:
@@ -123,11 +129,13 @@ def _load_checkpoint(run_dir: Path, info: CheckpointInfo, dev: Any, log: Log) ->
     tok = tokenizer_info(cfg.data, log=log)
     _check_tokenizer(run_dir, cfg, tok, log)
     if cfg.toggles.quantize_base != "none":
-        raise ExportError(f"{info.path} was trained on a {cfg.toggles.quantize_base}-quantized base (QLoRA); "
-                          f"exporting it is not supported yet")
+        raise ExportError(
+            f"{info.path} was trained on a {cfg.toggles.quantize_base}-quantized base (QLoRA); "
+            f"exporting it is not supported yet"
+        )
     bundle = _build(cfg.model, tok, cfg, dev, info.path, finetune=cfg.finetune)
     model = bundle.model
-    if info.sharded:     # a LoRA run's shards: the adapters (older ones also hold the base; only these load)
+    if info.sharded:  # a LoRA run's shards: the adapters (older ones also hold the base; only these load)
         if cfg.finetune.enabled:
             from .lora import trainable_state_dict
 
@@ -135,7 +143,7 @@ def _load_checkpoint(run_dir: Path, info: CheckpointInfo, dev: Any, log: Log) ->
         else:
             tensors = {"model": model.state_dict()}
         try:
-            with warnings.catch_warnings():      # "assuming the intent is to load in a single process": it is
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
                 warnings.simplefilter("ignore", UserWarning)
                 ckpt.load_sharded(tensors, info.path)
         except Exception as e:  # a missing or truncated shard, a changed model
@@ -144,32 +152,56 @@ def _load_checkpoint(run_dir: Path, info: CheckpointInfo, dev: Any, log: Log) ->
     else:
         weights = state["model"]
     try:
-        if cfg.finetune.enabled:            # a LoRA checkpoint holds the adapters
+        if cfg.finetune.enabled:  # a LoRA checkpoint holds the adapters
             from .lora import load_trainable_state
 
             load_trainable_state(model, weights)
         else:
             model.load_state_dict(weights)
     except RuntimeError as e:
-        raise ckpt.CorruptCheckpoint(f"{info.path}: its weights do not fit the model {bundle.family}/{bundle.size} "
-                                     f"rebuilt from its config ({ckpt.brief(e)})") from e
+        raise ckpt.CorruptCheckpoint(
+            f"{info.path}: its weights do not fit the model {bundle.family}/{bundle.size} "
+            f"rebuilt from its config ({ckpt.brief(e)})"
+        ) from e
     del state, weights
     model.to(dev.torch_device).eval()
-    return LoadedModel(model=model, bundle=bundle, tokenizer=hf_tokenizer(tok, bundle, cfg.data.seq_len),
-                       source=info.path, step=info.step, cfg=cfg)
+    return LoadedModel(
+        model=model,
+        bundle=bundle,
+        tokenizer=hf_tokenizer(tok, bundle, cfg.data.seq_len),
+        source=info.path,
+        step=info.step,
+        cfg=cfg,
+    )
 
 
-def _build(mcfg: ModelConfig, tok: TokenizerInfo, cfg: TrainConfig, dev: Any, where: Path,
-           finetune: FinetuneConfig | None = None) -> ModelBundle:
+def _build(
+    mcfg: ModelConfig,
+    tok: TokenizerInfo,
+    cfg: TrainConfig,
+    dev: Any,
+    where: Path,
+    finetune: FinetuneConfig | None = None,
+) -> ModelBundle:
     """The run's model, built by the trainer's own builder (fp32, sdpa, no activation checkpointing); with
     `finetune` (a LoRA run) wrapped with its adapters, as the trainer did."""
     try:
         with quiet_imports():
-            return build_model(mcfg, vocab_size=tok.vocab_size, seq_len=cfg.data.seq_len, toggles=Toggles(),
-                               dev=dev, mask_id=tok.mask_id, seed=cfg.optim.seed, finetune=finetune)
+            return build_model(
+                mcfg,
+                vocab_size=tok.vocab_size,
+                seq_len=cfg.data.seq_len,
+                toggles=Toggles(),
+                dev=dev,
+                mask_id=tok.mask_id,
+                seed=cfg.optim.seed,
+                finetune=finetune,
+            )
     except ConfigError as e:
-        raise ExportError(f"cannot rebuild the model of {where} ({e}); a run that fine-tuned a model "
-                          "directory needs that directory for its architecture") from None
+        raise ExportError(
+            f"cannot rebuild the model of {where} ({e}); a run that fine-tuned a model "
+            "directory needs that directory for its architecture"
+        ) from None
 
 
 def _check_tokenizer(run_dir: Path, cfg: TrainConfig, tok: TokenizerInfo, log: Log) -> None:
@@ -188,13 +220,21 @@ def _check_tokenizer(run_dir: Path, cfg: TrainConfig, tok: TokenizerInfo, log: L
         return
     if now == recorded:
         return
-    what = (f"the builtin tokenizer of this environment ({tok.path}) is not the one the run trained with: it is "
+    what = (
+        (
+            f"the builtin tokenizer of this environment ({tok.path}) is not the one the run trained with: it is "
             "trained on this Python's standard library, capped by $GPTOP_BUILTIN_BYTES; export with the same "
-            "Python and environment as the run") if cfg.data.tokenizer is None and cfg.data.data == "builtin" else None
+            "Python and environment as the run"
+        )
+        if cfg.data.tokenizer is None and cfg.data.data == "builtin"
+        else None
+    )
     if what:
         raise ExportError(what)
-    log(f"warning: the data or tokenizer ({cfg.data.data}, {tok.path}) changed since the run trained; the "
-        "tokenizer written is this environment's")
+    log(
+        f"warning: the data or tokenizer ({cfg.data.data}, {tok.path}) changed since the run trained; the "
+        "tokenizer written is this environment's"
+    )
 
 
 def _recorded_fingerprint(run_dir: Path) -> str | None:
@@ -223,11 +263,18 @@ def _load_model_dir(path: Path, dev: Any, log: Log) -> LoadedModel:
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except Exception as e:  # transformers raises several types for a missing or bad tokenizer
-            raise ConfigError("RUN_DIR", f"{path} has no tokenizer transformers can load ({type(e).__name__}: "
-                                         f"{e})") from None
+            raise ConfigError(
+                "RUN_DIR", f"{path} has no tokenizer transformers can load ({type(e).__name__}: {e})"
+            ) from None
         mask = getattr(tokenizer, "mask_token_id", None)
-        bundle = build_model(ModelConfig(model=str(base or path)), vocab_size=len(tokenizer), seq_len=2048,
-                             toggles=Toggles(), dev=dev, mask_id=mask)
+        bundle = build_model(
+            ModelConfig(model=str(base or path)),
+            vocab_size=len(tokenizer),
+            seq_len=2048,
+            toggles=Toggles(),
+            dev=dev,
+            mask_id=mask,
+        )
         if base is not None:
             from peft import PeftModel
 
@@ -238,6 +285,7 @@ def _load_model_dir(path: Path, dev: Any, log: Log) -> LoadedModel:
 
 
 # --- the tokenizer as transformers sees it ------------------------------------------------------
+
 
 def hf_tokenizer(tok: TokenizerInfo, bundle: ModelBundle, seq_len: int) -> Any:
     """The run's tokenizer as a transformers tokenizer with the run's special tokens.
@@ -269,7 +317,7 @@ def hf_tokenizer(tok: TokenizerInfo, bundle: ModelBundle, seq_len: int) -> Any:
             hf = PreTrainedTokenizerFast(tokenizer_object=backend, **names)
     else:
         hf = tok.tokenizer
-    hf.model_max_length = seq_len           # the context the model was trained on
+    hf.model_max_length = seq_len  # the context the model was trained on
     if bundle.mask_id is not None and hf.mask_token_id != bundle.mask_id:
         existing = hf.convert_ids_to_tokens(bundle.mask_id) if bundle.mask_id < len(hf) else None
         if existing is not None:
@@ -277,8 +325,9 @@ def hf_tokenizer(tok: TokenizerInfo, bundle: ModelBundle, seq_len: int) -> Any:
         elif bundle.mask_id == len(hf):
             hf.add_special_tokens({"mask_token": MASK})
         if hf.mask_token_id != bundle.mask_id:
-            raise ExportError(f"the model's mask id {bundle.mask_id} is not a token of the tokenizer {tok.path} "
-                              f"({len(hf)} tokens)")
+            raise ExportError(
+                f"the model's mask id {bundle.mask_id} is not a token of the tokenizer {tok.path} ({len(hf)} tokens)"
+            )
     return hf
 
 
@@ -292,6 +341,7 @@ def eos_id(tokenizer: Any) -> int | None:
 
 # --- export -------------------------------------------------------------------------------------
 
+
 def export(ns: argparse.Namespace, log: Log = stderr_log("export")) -> dict[str, Any]:  # noqa: B008  (shared logger)
     """Write OUT_DIR from RUN_DIR's checkpoint (see the module docstring); returns the result fields."""
     t0 = time.monotonic()
@@ -301,8 +351,11 @@ def export(ns: argparse.Namespace, log: Log = stderr_log("export")) -> dict[str,
     lora = loaded.cfg is not None and loaded.cfg.finetune.enabled
     merge = bool(getattr(ns, "merge", False))
     if merge and not lora:
-        raise ConfigError("--merge", f"{ns.run_dir} trained every weight (no --lora), so there is no adapter to "
-                                     f"merge; its export is already a full model: drop --merge")
+        raise ConfigError(
+            "--merge",
+            f"{ns.run_dir} trained every weight (no --lora), so there is no adapter to "
+            f"merge; its export is already a full model: drop --merge",
+        )
     adapter_logits = None
     if lora:
         ids = check_batch(len(tokenizer), bundle.mask_id, CHECK_TOKENS)
@@ -334,21 +387,38 @@ def export(ns: argparse.Namespace, log: Log = stderr_log("export")) -> dict[str,
                 tokenizer.save_pretrained(tmp)
             log("reading it back with transformers (AutoModelForCausalLM, AutoTokenizer) to check it")
             check = check_export_dir(tmp, model, tokenizer, bundle)
-        protect.write_marker(tmp, run=str(Path(ns.run_dir).resolve()), checkpoint=str(loaded.source),
-                             step=loaded.step, format=fmt, family=bundle.family, size=bundle.size,
-                             **{k: check[k] for k in ("base", "base_fingerprint") if k in check})
+        protect.write_marker(
+            tmp,
+            run=str(Path(ns.run_dir).resolve()),
+            checkpoint=str(loaded.source),
+            step=loaded.step,
+            format=fmt,
+            family=bundle.family,
+            size=bundle.size,
+            **{k: check[k] for k in ("base", "base_fingerprint") if k in check},
+        )
         _usual_permissions(tmp)
         protect.replace_dir(tmp, out, "OUT_DIR", force=ns.force)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     files = sorted(p.name for p in out.iterdir())
-    result = {"out_dir": str(out), "run_dir": str(ns.run_dir), "checkpoint": str(loaded.source), "step": loaded.step,
-              "family": bundle.family, "size": bundle.size, "objective": bundle.objective,
-              "mask_token_id": bundle.mask_id, "params": bundle.total_params, "files": files,
-              "logits_max_abs_diff": check["max_abs_diff"], "logits_equal": check["equal"],
-              "seconds": round(time.monotonic() - t0, 3),
-              "format": fmt}
+    result = {
+        "out_dir": str(out),
+        "run_dir": str(ns.run_dir),
+        "checkpoint": str(loaded.source),
+        "step": loaded.step,
+        "family": bundle.family,
+        "size": bundle.size,
+        "objective": bundle.objective,
+        "mask_token_id": bundle.mask_id,
+        "params": bundle.total_params,
+        "files": files,
+        "logits_max_abs_diff": check["max_abs_diff"],
+        "logits_equal": check["equal"],
+        "seconds": round(time.monotonic() - t0, 3),
+        "format": fmt,
+    }
     if lora and not merge:
         result["base_model"] = check["base"]
     return result
@@ -360,7 +430,7 @@ def _logits_diff(model: torch.nn.Module, ids: torch.Tensor, want: torch.Tensor) 
 
 
 BASE_DIR = tools.ADAPTER_BASE_DIR
-BASE_CONFIG_KEYS = ("is_causal", "mask_token_id", "use_cache", "gptop")   # what _prepare_config says of the model
+BASE_CONFIG_KEYS = ("is_causal", "mask_token_id", "use_cache", "gptop")  # what _prepare_config says of the model
 ADAPTER_README = """\
 # A LoRA adapter exported by gptop
 
@@ -404,7 +474,7 @@ def _write_adapter(loaded: LoadedModel, tmp: Path, out: Path, log: Log) -> dict[
         tok = tokenizer_info(cfg.data, log=log)
         base = _build(cfg.model, tok, cfg, detect_cpu(), loaded.source).model
         trained = model.get_base_model()
-        for key in BASE_CONFIG_KEYS:           # a llada base is bidirectional with its mask token, as the model
+        for key in BASE_CONFIG_KEYS:  # a llada base is bidirectional with its mask token, as the model
             if hasattr(trained.config, key):
                 setattr(base.config, key, getattr(trained.config, key))
         base.generation_config = trained.generation_config
@@ -414,8 +484,10 @@ def _write_adapter(loaded: LoadedModel, tmp: Path, out: Path, log: Log) -> dict[
     # saved naming the base where it is now (peft reads its config.json to see whether the vocabulary grew)
     model.peft_config["default"].base_model_name_or_path = str(base_dir)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) or bundle.trainable_params
-    log(f"writing the LoRA adapter ({(bundle.trainable_params or trainable) / 1e6:.2f}M params, base {base_ref}) "
-        f"to {out}")
+    log(
+        f"writing the LoRA adapter ({(bundle.trainable_params or trainable) / 1e6:.2f}M params, base {base_ref}) "
+        f"to {out}"
+    )
     with quiet_imports():
         model.save_pretrained(tmp)
         loaded.tokenizer.save_pretrained(tmp)
@@ -424,32 +496,47 @@ def _write_adapter(loaded: LoadedModel, tmp: Path, out: Path, log: Log) -> dict[
     adapter_config["base_model_name_or_path"] = base_ref
     config_path.write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
     relative = bundle.family != "pretrained"
-    (tmp / "README.md").write_text(ADAPTER_README.format(
-        base_words=f"in `{BASE_DIR}/` here (the run's seeded initialization of {bundle.family} {bundle.size})"
-        if relative else f"the model directory `{base_ref}`",
-        example=str(out), base_expr=f'export + "/{BASE_DIR}"' if relative else repr(base_ref),
-        relative=("`adapter_config.json` names the base as `base`, relative: peft's AutoPeftModelForCausalLM "
-                  "resolves that against the working directory, so it loads the export from inside it "
-                  "(`AutoPeftModelForCausalLM.from_pretrained(\".\")`) and refuses it from elsewhere; the lines "
-                  "above work from anywhere.\n\n") if relative else ""))
+    (tmp / "README.md").write_text(
+        ADAPTER_README.format(
+            base_words=f"in `{BASE_DIR}/` here (the run's seeded initialization of {bundle.family} {bundle.size})"
+            if relative
+            else f"the model directory `{base_ref}`",
+            example=str(out),
+            base_expr=f'export + "/{BASE_DIR}"' if relative else repr(base_ref),
+            relative=(
+                "`adapter_config.json` names the base as `base`, relative: peft's AutoPeftModelForCausalLM "
+                "resolves that against the working directory, so it loads the export from inside it "
+                '(`AutoPeftModelForCausalLM.from_pretrained(".")`) and refuses it from elsewhere; the lines '
+                "above work from anywhere.\n\n"
+            )
+            if relative
+            else "",
+        )
+    )
     log("reading it back with transformers and peft (PeftModel.from_pretrained) to check it")
     with quiet_imports():
         from peft import PeftModel
         from transformers import AutoModelForCausalLM
 
         reloaded = PeftModel.from_pretrained(
-            AutoModelForCausalLM.from_pretrained(str(base_dir), local_files_only=True, dtype=torch.float32),
-            str(tmp)).eval()
+            AutoModelForCausalLM.from_pretrained(str(base_dir), local_files_only=True, dtype=torch.float32), str(tmp)
+        ).eval()
     ids = check_batch(len(loaded.tokenizer), bundle.mask_id, CHECK_TOKENS)
     with torch.no_grad():
         a = model(input_ids=ids.to(next(model.parameters()).device)).logits.cpu()
         b = reloaded(input_ids=ids).logits
     diff = float((a - b).abs().max())
     if not diff <= 1e-5 * max(1.0, float(a.abs().max())):
-        raise ExportError(f"the written adapter's logits differ from the checkpoint's by up to {diff:.3g}; "
-                          f"nothing was written to OUT_DIR")
-    return {"equal": bool(torch.equal(a, b)), "max_abs_diff": diff, "base": base_ref,
-            "base_fingerprint": tools.base_fingerprint(base_dir)}
+        raise ExportError(
+            f"the written adapter's logits differ from the checkpoint's by up to {diff:.3g}; "
+            f"nothing was written to OUT_DIR"
+        )
+    return {
+        "equal": bool(torch.equal(a, b)),
+        "max_abs_diff": diff,
+        "base": base_ref,
+        "base_fingerprint": tools.base_fingerprint(base_dir),
+    }
 
 
 def detect_cpu() -> Any:
@@ -462,14 +549,20 @@ def _prepare_config(loaded: LoadedModel, run_dir: Path) -> None:
     """What config.json and generation_config.json should say for someone loading the export."""
     model, bundle, tokenizer = loaded.model, loaded.bundle, loaded.tokenizer
     cfg = model.config
-    cfg.gptop = {"family": bundle.family, "size": bundle.size, "objective": bundle.objective, "step": loaded.step,
-                 "seq_len": loaded.cfg.data.seq_len if loaded.cfg else None, "run": run_dir.name}
+    cfg.gptop = {
+        "family": bundle.family,
+        "size": bundle.size,
+        "objective": bundle.objective,
+        "step": loaded.step,
+        "seq_len": loaded.cfg.data.seq_len if loaded.cfg else None,
+        "run": run_dir.name,
+    }
     if bundle.objective == "llada":
-        cfg.is_causal = False                 # transformers 5 attends bidirectionally; gptop trains it as llada
+        cfg.is_causal = False  # transformers 5 attends bidirectionally; gptop trains it as llada
         cfg.mask_token_id = bundle.mask_id
-        cfg.use_cache = False                 # no KV cache for a bidirectional model
+        cfg.use_cache = False  # no KV cache for a bidirectional model
         return
-    cfg.use_cache = True                      # trained without it; generation wants it
+    cfg.use_cache = True  # trained without it; generation wants it
     gen = model.generation_config
     eos = eos_id(tokenizer)
     if gen.eos_token_id is None and eos is not None:
@@ -497,15 +590,19 @@ def check_export_dir(path: Path, model: torch.nn.Module, tokenizer: Any, bundle:
     diff = float((a - b).abs().max())
     scale = float(a.abs().max())
     if not diff <= 1e-5 * max(1.0, scale):
-        raise ExportError(f"the written model's logits differ from the checkpoint's by up to {diff:.3g} "
-                          f"(logits up to {scale:.3g}); nothing was written to OUT_DIR")
+        raise ExportError(
+            f"the written model's logits differ from the checkpoint's by up to {diff:.3g} "
+            f"(logits up to {scale:.3g}); nothing was written to OUT_DIR"
+        )
     want = tokenizer(CHECK_TEXT, add_special_tokens=False)["input_ids"]
     got = retok(CHECK_TEXT, add_special_tokens=False)["input_ids"]
     if want != got:
         raise ExportError("the written tokenizer encodes text differently from the run's; nothing was written")
     if bundle.mask_id is not None and retok.mask_token_id != bundle.mask_id:
-        raise ExportError(f"the written tokenizer's mask token is {retok.mask_token_id}, the model's "
-                          f"{bundle.mask_id}; nothing was written")
+        raise ExportError(
+            f"the written tokenizer's mask token is {retok.mask_token_id}, the model's "
+            f"{bundle.mask_id}; nothing was written"
+        )
     return {"equal": bool(torch.equal(a, b)), "max_abs_diff": diff}
 
 
@@ -523,11 +620,12 @@ def _usual_permissions(path: Path) -> None:
     umask = os.umask(0)
     os.umask(umask)
     path.chmod(0o777 & ~umask)
-    for f in path.rglob("*"):                  # a LoRA export of a built-in family has base/ inside
+    for f in path.rglob("*"):  # a LoRA export of a built-in family has base/ inside
         f.chmod((0o777 if f.is_dir() else 0o666) & ~umask)
 
 
 # --- command line -------------------------------------------------------------------------------
+
 
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
@@ -537,12 +635,12 @@ def tool_main(name: str, work: Callable[[], int]) -> int:
     """Exit codes and messages shared by the tools: 0 done, 1 failed, 2 bad input, 130 interrupted."""
     from .dist import die_with_parent
 
-    die_with_parent()                       # started by gptop: never outlive it
+    die_with_parent()  # started by gptop: never outlive it
     with quiet_imports():
         from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()       # the tool's own progress lines say what happens
-    for s in (signal.SIGTERM, signal.SIGHUP):       # like Ctrl-C: clean up (the temporary directory) and exit
+    hf_logging.disable_progress_bar()  # the tool's own progress lines say what happens
+    for s in (signal.SIGTERM, signal.SIGHUP):  # like Ctrl-C: clean up (the temporary directory) and exit
         signal.signal(s, _interrupt)
     try:
         return work()
@@ -558,8 +656,9 @@ def tool_main(name: str, work: Callable[[], int]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.export",
-                                     description="Write a run's checkpoint as a Hugging Face model directory.")
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.export", description="Write a run's checkpoint as a Hugging Face model directory."
+    )
     tools.add_export_arguments(parser)
     ns = parser.parse_args(argv)
 
@@ -569,9 +668,11 @@ def main(argv: list[str] | None = None) -> int:
             print(tools.result_line("export", **result), flush=True)
         else:
             same = "bit-identical" if result["logits_equal"] else f"max |diff| {result['logits_max_abs_diff']:.2g}"
-            print(f"exported step {result['step']} of {ns.run_dir} to {result['out_dir']} ({result['family']}, "
-                  f"{result['params'] / 1e6:.1f}M params; logits read back {same}) in {result['seconds']:.1f} s",
-                  flush=True)
+            print(
+                f"exported step {result['step']} of {ns.run_dir} to {result['out_dir']} ({result['family']}, "
+                f"{result['params'] / 1e6:.1f}M params; logits read back {same}) in {result['seconds']:.1f} s",
+                flush=True,
+            )
         return EXIT_OK
 
     return tool_main("export", work)

@@ -41,8 +41,9 @@ class Faults:
                 raise ConfigError("--fault", f"{part!r}: expected KIND@STEP[:RANK] with KIND in {', '.join(KINDS)}")
             if not only or int(only) == rank:
                 if int(step) in self.at:
-                    raise ConfigError("--fault", f"{part!r}: step {step} already has {self.at[int(step)]!r}; "
-                                                 "one fault per step")
+                    raise ConfigError(
+                        "--fault", f"{part!r}: step {step} already has {self.at[int(step)]!r}; one fault per step"
+                    )
                 self.at[int(step)] = kind
 
     def take(self, step: int) -> str | None:
@@ -78,7 +79,7 @@ def on_loss(kind: str | None, loss: torch.Tensor, step: int) -> torch.Tensor:
         path = os.path.join(cache, "zz", f"injected{step}.main.so")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
-            f.write(b"\0" * 16)         # what a killed linker leaves
+            f.write(b"\0" * 16)  # what a killed linker leaves
         os.environ[ENV] = cache
         raise ImportError(f"{path}: invalid ELF header")
     return loss

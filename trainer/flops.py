@@ -75,7 +75,7 @@ from .contract.device import cpu_name as default_cpu_name
 
 T = 1e12
 
-REMEASURE_MFU = 0.8   # a measured peak the run's MFU comes this close to is measured again (once per run)
+REMEASURE_MFU = 0.8  # a measured peak the run's MFU comes this close to is measured again (once per run)
 
 # Which table column a run's --precision uses. fp32 means plain fp32 matmuls
 # (CUDA cores; torch does not use TF32 unless asked). fp8 runs keep attention,
@@ -83,8 +83,12 @@ REMEASURE_MFU = 0.8   # a measured peak the run's MFU comes this close to is mea
 # reports float8 MFU against the bf16 peak; we do the same, so fp8 MFU is
 # comparable with bf16 MFU (the fp8 column is there for reference).
 PRECISION_COLUMN = {
-    "fp32": "fp32", "tf32": "tf32", "bf16": "bf16", "fp16": "fp16",
-    "fp8-tensorwise": "bf16", "fp8-rowwise": "bf16",
+    "fp32": "fp32",
+    "tf32": "tf32",
+    "bf16": "bf16",
+    "fp16": "fp16",
+    "fp8-tensorwise": "bf16",
+    "fp8-rowwise": "bf16",
 }
 
 # name, regex on the lowercased torch device name, dense peak FLOPs per column
@@ -92,47 +96,127 @@ PRECISION_COLUMN = {
 # more specific names come first.
 _NVIDIA = "https://www.nvidia.com/en-us/data-center/"
 PEAK_TABLE: list[tuple[str, str, dict[str, float | None], str]] = [
-    ("H100 NVL", r"h100.*nvl", dict(fp32=60 * T, tf32=417.5 * T, bf16=835.5 * T, fp16=835.5 * T, fp8=1670.5 * T),
-     _NVIDIA + "h100/ (datasheet, sparse figures halved)"),
-    ("H100 PCIe", r"h100.*pcie", dict(fp32=51 * T, tf32=378 * T, bf16=756 * T, fp16=756 * T, fp8=1513 * T),
-     _NVIDIA + "h100/ (datasheet, sparse figures halved)"),
-    ("H100 SXM", r"h100", dict(fp32=67 * T, tf32=494.5 * T, bf16=989.5 * T, fp16=989.5 * T, fp8=1979 * T),
-     _NVIDIA + "h100/ (datasheet, sparse figures halved)"),
-    ("H200 NVL", r"h200.*nvl", dict(fp32=60 * T, tf32=417.5 * T, bf16=835.5 * T, fp16=835.5 * T, fp8=1670.5 * T),
-     _NVIDIA + "h200/ (datasheet, sparse figures halved)"),
-    ("H200 SXM", r"h200", dict(fp32=67 * T, tf32=494.5 * T, bf16=989.5 * T, fp16=989.5 * T, fp8=1979 * T),
-     _NVIDIA + "h200/ (datasheet, sparse figures halved)"),
-    ("A100", r"a100", dict(fp32=19.5 * T, tf32=156 * T, bf16=312 * T, fp16=312 * T, fp8=None),
-     _NVIDIA + "a100/ (datasheet; 40GB and 80GB, SXM and PCIe have the same peaks)"),
-    ("L40S", r"l40s|l40-s|l40 s", dict(fp32=91.6 * T, tf32=183 * T, bf16=362.05 * T, fp16=362.05 * T, fp8=733 * T),
-     _NVIDIA + "l40s/ (datasheet, dense figures)"),
-    ("L40", r"\bl40\b", dict(fp32=90.5 * T, tf32=90.5 * T, bf16=181.05 * T, fp16=181.05 * T, fp8=362 * T),
-     _NVIDIA + "l40/ (datasheet, dense figures)"),
-    ("L4", r"\bl4\b", dict(fp32=30.3 * T, tf32=60 * T, bf16=121 * T, fp16=121 * T, fp8=242.5 * T),
-     _NVIDIA + "l4/ (datasheet, sparse figures halved)"),
-    ("A40", r"\ba40\b", dict(fp32=37.4 * T, tf32=74.8 * T, bf16=149.7 * T, fp16=149.7 * T, fp8=None),
-     _NVIDIA + "a40/ (datasheet, dense figures)"),
-    ("A10G", r"a10g", dict(fp32=35 * T, tf32=35 * T, bf16=70 * T, fp16=70 * T, fp8=None),
-     "https://www.baseten.co/blog/nvidia-a10-vs-a10g-for-ml-model-inference/ (AWS publishes no datasheet)"),
-    ("A10", r"\ba10\b", dict(fp32=31.2 * T, tf32=62.5 * T, bf16=125 * T, fp16=125 * T, fp8=None),
-     _NVIDIA + "products/a10-gpu/ (datasheet, dense figures)"),
-    ("RTX 4090", r"4090(?!\s*d\b)", dict(fp32=82.6 * T, tf32=82.6 * T, bf16=165.2 * T, fp16=165.2 * T, fp8=330.3 * T),
-     "NVIDIA Ada Lovelace architecture whitepaper, Appendix A (dense, FP32 accumulate)"),
-    ("RTX 3090", r"3090(?!\s*ti)", dict(fp32=35.6 * T, tf32=35.6 * T, bf16=71 * T, fp16=71 * T, fp8=None),
-     "NVIDIA Ampere GA102 GPU architecture whitepaper, Appendix A (dense, FP32 accumulate)"),
-    ("V100S", r"v100s", dict(fp32=16.4 * T, tf32=None, bf16=None, fp16=130 * T, fp8=None),
-     _NVIDIA + "v100/ (datasheet, PCIe V100S)"),
-    ("V100 PCIe", r"v100.*pcie", dict(fp32=14 * T, tf32=None, bf16=None, fp16=112 * T, fp8=None),
-     _NVIDIA + "v100/ (datasheet)"),
-    ("V100 SXM2", r"v100", dict(fp32=15.7 * T, tf32=None, bf16=None, fp16=125 * T, fp8=None),
-     _NVIDIA + "v100/ (datasheet)"),
-    ("T4", r"\bt4\b", dict(fp32=8.1 * T, tf32=None, bf16=None, fp16=65 * T, fp8=None),
-     _NVIDIA + "tesla-t4/ (datasheet)"),
+    (
+        "H100 NVL",
+        r"h100.*nvl",
+        dict(fp32=60 * T, tf32=417.5 * T, bf16=835.5 * T, fp16=835.5 * T, fp8=1670.5 * T),
+        _NVIDIA + "h100/ (datasheet, sparse figures halved)",
+    ),
+    (
+        "H100 PCIe",
+        r"h100.*pcie",
+        dict(fp32=51 * T, tf32=378 * T, bf16=756 * T, fp16=756 * T, fp8=1513 * T),
+        _NVIDIA + "h100/ (datasheet, sparse figures halved)",
+    ),
+    (
+        "H100 SXM",
+        r"h100",
+        dict(fp32=67 * T, tf32=494.5 * T, bf16=989.5 * T, fp16=989.5 * T, fp8=1979 * T),
+        _NVIDIA + "h100/ (datasheet, sparse figures halved)",
+    ),
+    (
+        "H200 NVL",
+        r"h200.*nvl",
+        dict(fp32=60 * T, tf32=417.5 * T, bf16=835.5 * T, fp16=835.5 * T, fp8=1670.5 * T),
+        _NVIDIA + "h200/ (datasheet, sparse figures halved)",
+    ),
+    (
+        "H200 SXM",
+        r"h200",
+        dict(fp32=67 * T, tf32=494.5 * T, bf16=989.5 * T, fp16=989.5 * T, fp8=1979 * T),
+        _NVIDIA + "h200/ (datasheet, sparse figures halved)",
+    ),
+    (
+        "A100",
+        r"a100",
+        dict(fp32=19.5 * T, tf32=156 * T, bf16=312 * T, fp16=312 * T, fp8=None),
+        _NVIDIA + "a100/ (datasheet; 40GB and 80GB, SXM and PCIe have the same peaks)",
+    ),
+    (
+        "L40S",
+        r"l40s|l40-s|l40 s",
+        dict(fp32=91.6 * T, tf32=183 * T, bf16=362.05 * T, fp16=362.05 * T, fp8=733 * T),
+        _NVIDIA + "l40s/ (datasheet, dense figures)",
+    ),
+    (
+        "L40",
+        r"\bl40\b",
+        dict(fp32=90.5 * T, tf32=90.5 * T, bf16=181.05 * T, fp16=181.05 * T, fp8=362 * T),
+        _NVIDIA + "l40/ (datasheet, dense figures)",
+    ),
+    (
+        "L4",
+        r"\bl4\b",
+        dict(fp32=30.3 * T, tf32=60 * T, bf16=121 * T, fp16=121 * T, fp8=242.5 * T),
+        _NVIDIA + "l4/ (datasheet, sparse figures halved)",
+    ),
+    (
+        "A40",
+        r"\ba40\b",
+        dict(fp32=37.4 * T, tf32=74.8 * T, bf16=149.7 * T, fp16=149.7 * T, fp8=None),
+        _NVIDIA + "a40/ (datasheet, dense figures)",
+    ),
+    (
+        "A10G",
+        r"a10g",
+        dict(fp32=35 * T, tf32=35 * T, bf16=70 * T, fp16=70 * T, fp8=None),
+        "https://www.baseten.co/blog/nvidia-a10-vs-a10g-for-ml-model-inference/ (AWS publishes no datasheet)",
+    ),
+    (
+        "A10",
+        r"\ba10\b",
+        dict(fp32=31.2 * T, tf32=62.5 * T, bf16=125 * T, fp16=125 * T, fp8=None),
+        _NVIDIA + "products/a10-gpu/ (datasheet, dense figures)",
+    ),
+    (
+        "RTX 4090",
+        r"4090(?!\s*d\b)",
+        dict(fp32=82.6 * T, tf32=82.6 * T, bf16=165.2 * T, fp16=165.2 * T, fp8=330.3 * T),
+        "NVIDIA Ada Lovelace architecture whitepaper, Appendix A (dense, FP32 accumulate)",
+    ),
+    (
+        "RTX 3090",
+        r"3090(?!\s*ti)",
+        dict(fp32=35.6 * T, tf32=35.6 * T, bf16=71 * T, fp16=71 * T, fp8=None),
+        "NVIDIA Ampere GA102 GPU architecture whitepaper, Appendix A (dense, FP32 accumulate)",
+    ),
+    (
+        "V100S",
+        r"v100s",
+        dict(fp32=16.4 * T, tf32=None, bf16=None, fp16=130 * T, fp8=None),
+        _NVIDIA + "v100/ (datasheet, PCIe V100S)",
+    ),
+    (
+        "V100 PCIe",
+        r"v100.*pcie",
+        dict(fp32=14 * T, tf32=None, bf16=None, fp16=112 * T, fp8=None),
+        _NVIDIA + "v100/ (datasheet)",
+    ),
+    (
+        "V100 SXM2",
+        r"v100",
+        dict(fp32=15.7 * T, tf32=None, bf16=None, fp16=125 * T, fp8=None),
+        _NVIDIA + "v100/ (datasheet)",
+    ),
+    (
+        "T4",
+        r"\bt4\b",
+        dict(fp32=8.1 * T, tf32=None, bf16=None, fp16=65 * T, fp8=None),
+        _NVIDIA + "tesla-t4/ (datasheet)",
+    ),
 ]
 
 
-def flops_per_token(active_nonembed_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int,
-                    *, v_head_dim: int | None = None, frozen_params: int = 0) -> int:
+def flops_per_token(
+    active_nonembed_params: int,
+    n_layers: int,
+    n_heads: int,
+    head_dim: int,
+    seq_len: int,
+    *,
+    v_head_dim: int | None = None,
+    frozen_params: int = 0,
+) -> int:
     """Training FLOPs per token: ``6*N + 4*F + 12*L*H*Q*T`` (torchtitan, plus frozen weights).
 
     N: the active non-embedding parameters that train; F: those that are frozen (a LoRA base), which
@@ -171,15 +255,16 @@ class Peak:
     """The MFU denominator of one process and where it came from (the hello event's `peak_source`)."""
 
     flops: float | None
-    source: str | None       # "datasheet: <GPU> (<url>)", "measured: ..." or None (unknown GPU)
+    source: str | None  # "datasheet: <GPU> (<url>)", "measured: ..." or None (unknown GPU)
 
     @property
     def measured(self) -> bool:
         return bool(self.source) and self.source.startswith("measured")  # type: ignore[union-attr]
 
 
-def peak(dev: DeviceInfo, precision: str, *, procs: int = 1, cache_dir: str | Path | None = None,
-         remeasure: bool = False) -> Peak:
+def peak(
+    dev: DeviceInfo, precision: str, *, procs: int = 1, cache_dir: str | Path | None = None, remeasure: bool = False
+) -> Peak:
     """The MFU denominator for one process: the GPU table, or the measured CPU matmul rate.
 
     `procs` is how many processes of the run share this node's CPU (its local
@@ -206,13 +291,15 @@ def peak(dev: DeviceInfo, precision: str, *, procs: int = 1, cache_dir: str | Pa
     value, entry, dt = best
     n = int(entry.get("n", 1))
     cores = usable_cores(int(entry.get("threads") or 1), procs)
-    return Peak(value, f"measured: best of {n} CPU matmul measurement{'s' if n != 1 else ''} "
-                       f"({str(dt).removeprefix('torch.')}; one core's rate in busy CPU time x {cores} "
-                       f"core{'s' if cores != 1 else ''})")
+    return Peak(
+        value,
+        f"measured: best of {n} CPU matmul measurement{'s' if n != 1 else ''} "
+        f"({str(dt).removeprefix('torch.')}; one core's rate in busy CPU time x {cores} "
+        f"core{'s' if cores != 1 else ''})",
+    )
 
 
-def peak_flops(dev: DeviceInfo, precision: str, *, procs: int = 1,
-               cache_dir: str | Path | None = None) -> float | None:
+def peak_flops(dev: DeviceInfo, precision: str, *, procs: int = 1, cache_dir: str | Path | None = None) -> float | None:
     """`peak(...).flops`: the MFU denominator for one process."""
     return peak(dev, precision, procs=procs, cache_dir=cache_dir).flops
 
@@ -226,13 +313,13 @@ def mfu(tokens_per_s: float | None, flops_per_token: float, peak: float | None) 
 
 # --- CPU peak, measured -------------------------------------------------------------------
 
+
 def _cpu_key(cpu_name: str, threads: int, procs: int, dtype: torch.dtype) -> str:
-    return (f"{cpu_name}|threads={threads}|procs={procs}|torch={torch.__version__}|"
-            f"{str(dtype).removeprefix('torch.')}")
+    return f"{cpu_name}|threads={threads}|procs={procs}|torch={torch.__version__}|{str(dtype).removeprefix('torch.')}"
 
 
 def _cache_file(cache_dir: str | Path | None) -> Path:
-    from .data import default_cache_dir              # one cache folder for tokens, tokenizers and machine facts
+    from .data import default_cache_dir  # one cache folder for tokens, tokenizers and machine facts
 
     return (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / "cpu_peak.json"
 
@@ -249,7 +336,7 @@ def _write_table(path: Path, table: dict[str, Any]) -> None:
     try:
         atomic_write(path, json.dumps(table, indent=1, sort_keys=True))
     except OSError:
-        pass                                         # a read-only home still gets an MFU, just not cached
+        pass  # a read-only home still gets an MFU, just not cached
 
 
 def usable_cores(threads: int, procs: int = 1) -> int:
@@ -261,10 +348,15 @@ def usable_cores(threads: int, procs: int = 1) -> int:
     return max(1, min(threads, ncpu // max(1, procs)))
 
 
-def measure_cpu_matmul_flops(dtype: torch.dtype = torch.float32, *, budget_s: float = 0.6, procs: int = 1,
-                             threads: int | None = None,
-                             cpu_time: Callable[[], float] = time.thread_time,
-                             wall: Callable[[], float] = time.perf_counter) -> float:
+def measure_cpu_matmul_flops(
+    dtype: torch.dtype = torch.float32,
+    *,
+    budget_s: float = 0.6,
+    procs: int = 1,
+    threads: int | None = None,
+    cpu_time: Callable[[], float] = time.thread_time,
+    wall: Callable[[], float] = time.perf_counter,
+) -> float:
     """Peak FLOP/s of one process on this CPU: one core's square-matmul rate times the cores the process
     may use (`usable_cores` of its `threads`, default torch's, and the `procs` sharing the node).
 
@@ -283,8 +375,8 @@ def measure_cpu_matmul_flops(dtype: torch.dtype = torch.float32, *, budget_s: fl
         a = torch.randn(n, n).to(dtype)
         b = torch.randn(n, n).to(dtype)
         t0 = wall()
-        torch.mm(a, b)                              # warm-up (and a size probe)
-        if wall() - t0 > budget_s / 8:              # slow dtype on this CPU (e.g. bf16 without AMX)
+        torch.mm(a, b)  # warm-up (and a size probe)
+        if wall() - t0 > budget_s / 8:  # slow dtype on this CPU (e.g. bf16 without AMX)
             n = 256
             a, b = a[:n, :n].contiguous(), b[:n, :n].contiguous()
         best = 0.0
@@ -295,15 +387,22 @@ def measure_cpu_matmul_flops(dtype: torch.dtype = torch.float32, *, budget_s: fl
             torch.mm(a, b)
             busy = cpu_time() - c
             if busy > 0:
-                best = max(best, 2 * n ** 3 / busy)
+                best = max(best, 2 * n**3 / busy)
             reps += 1
     finally:
         torch.set_num_threads(previous)
     return best * cores
 
 
-def cpu_peak_entry(dtype: torch.dtype = torch.float32, *, cpu_name: str | None = None, threads: int | None = None,
-                   procs: int = 1, cache_dir: str | Path | None = None, remeasure: bool = False) -> dict[str, Any]:
+def cpu_peak_entry(
+    dtype: torch.dtype = torch.float32,
+    *,
+    cpu_name: str | None = None,
+    threads: int | None = None,
+    procs: int = 1,
+    cache_dir: str | Path | None = None,
+    remeasure: bool = False,
+) -> dict[str, Any]:
     """The cached CPU peak of a key ({"best": FLOP/s, "n": measurements, "threads": ...}), measuring
     when there is none or when `remeasure`; the best measurement per key is kept, so one taken on a busy
     machine never lowers it. Keyed by CPU name, threads, processes, torch version and dtype."""
@@ -314,7 +413,7 @@ def cpu_peak_entry(dtype: torch.dtype = torch.float32, *, cpu_name: str | None =
     if cached is not None and not remeasure:
         return {**cached, "threads": threads}
     value = measure_cpu_matmul_flops(dtype, procs=procs, threads=threads)
-    table = _read_table(path)                        # re-read: another rank may have written meanwhile
+    table = _read_table(path)  # re-read: another rank may have written meanwhile
     old = _entry(table.get(key)) or {"best": 0.0, "n": 0}
     entry = {"best": max(old["best"], value), "n": old["n"] + 1, "last": value}
     table[key] = entry
@@ -333,14 +432,26 @@ def _entry(v: Any) -> dict[str, Any] | None:
     return None
 
 
-def cpu_peak_flops(dtype: torch.dtype = torch.float32, *, cpu_name: str | None = None,
-                   threads: int | None = None, procs: int = 1, cache_dir: str | Path | None = None) -> float:
+def cpu_peak_flops(
+    dtype: torch.dtype = torch.float32,
+    *,
+    cpu_name: str | None = None,
+    threads: int | None = None,
+    procs: int = 1,
+    cache_dir: str | Path | None = None,
+) -> float:
     """Measured CPU matmul peak (the best kept per key; see `cpu_peak_entry`)."""
     return cpu_peak_entry(dtype, cpu_name=cpu_name, threads=threads, procs=procs, cache_dir=cache_dir)["best"]
 
 
-def forget_cpu_peak(dtype: torch.dtype = torch.float32, *, cpu_name: str | None = None,
-                    threads: int | None = None, procs: int = 1, cache_dir: str | Path | None = None) -> bool:
+def forget_cpu_peak(
+    dtype: torch.dtype = torch.float32,
+    *,
+    cpu_name: str | None = None,
+    threads: int | None = None,
+    procs: int = 1,
+    cache_dir: str | Path | None = None,
+) -> bool:
     """Drop a cached CPU peak that proved too low, so the next run measures again. True if one was dropped."""
     key = _cpu_key(cpu_name or default_cpu_name(), threads or torch.get_num_threads(), procs, dtype)
     path = _cache_file(cache_dir)

@@ -72,8 +72,10 @@ def convert_to_fp8(model: torch.nn.Module, recipe: str, dev: DeviceInfo | None =
         return convert(model, f"fp8-{recipe}", dev)
     where = {p.device.type for p in model.parameters()}
     if where != {"cuda"}:
-        raise ConfigError("--precision", f"fp8-{recipe} needs the model on a CUDA GPU (it is on "
-                          f"{', '.join(sorted(where)) or 'no device'})")
+        raise ConfigError(
+            "--precision",
+            f"fp8-{recipe} needs the model on a CUDA GPU (it is on {', '.join(sorted(where)) or 'no device'})",
+        )
     return _convert(model, recipe)
 
 
@@ -84,8 +86,9 @@ def _convert(model: torch.nn.Module, recipe: str) -> int:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     n = len(eligible(model))
-    convert_to_float8_training(model, module_filter_fn=module_filter,
-                               config=Float8LinearConfig.from_recipe_name(recipe))
+    convert_to_float8_training(
+        model, module_filter_fn=module_filter, config=Float8LinearConfig.from_recipe_name(recipe)
+    )
     return n
 
 
@@ -114,6 +117,9 @@ def check(dev: DeviceInfo, quick: bool, recipe: str) -> "Outcome":
     value = float(loss)
     moved = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
     ok = converted == 2 and kinds == ["Float8Linear"] and math.isfinite(value) and moved
-    return Outcome.verdict(ok, f"{converted} layers as {', '.join(kinds)}; loss {value:.4g}; weights "
-                               f"{'changed' if moved else 'unchanged'}",
-                           f"the {recipe} fp8 step did not train", loss=value)
+    return Outcome.verdict(
+        ok,
+        f"{converted} layers as {', '.join(kinds)}; loss {value:.4g}; weights {'changed' if moved else 'unchanged'}",
+        f"the {recipe} fp8 step did not train",
+        loss=value,
+    )

@@ -30,8 +30,8 @@ M_TRIM_THRESHOLD = -1
 M_TOP_PAD = -2
 M_MMAP_MAX = -4
 
-TRIM_THRESHOLD = 2**31 - 1          # bytes of free heap top kept before trimming (the int maximum)
-TOP_PAD = 64 << 20                  # extra bytes per heap growth: fewer brk calls while the heap grows
+TRIM_THRESHOLD = 2**31 - 1  # bytes of free heap top kept before trimming (the int maximum)
+TOP_PAD = 64 << 20  # extra bytes per heap growth: fewer brk calls while the heap grows
 
 _applied: bool | None = None
 
@@ -54,6 +54,9 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    _applied = (mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
-                and mallopt(M_TOP_PAD, TOP_PAD) == 1)
+    _applied = (
+        mallopt(M_MMAP_MAX, 0) == 1
+        and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+        and mallopt(M_TOP_PAD, TOP_PAD) == 1
+    )
     return _applied

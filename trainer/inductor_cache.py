@@ -25,8 +25,10 @@ from typing import Callable
 ENV = "TORCHINDUCTOR_CACHE_DIR"
 TRITON_ENV = "TRITON_CACHE_DIR"
 # the loader's words for a library file that is not one (truncated, half-written, zeroed)
-_LOAD = re.compile(r"(/\S+?\.so)\S*:\s*(invalid ELF header|file too short|ELF load command[^\n]*|"
-                   r"cannot read file data[^\n]*|unexpected reloc type[^\n]*|ELF file[^\n]*)")
+_LOAD = re.compile(
+    r"(/\S+?\.so)\S*:\s*(invalid ELF header|file too short|ELF load command[^\n]*|"
+    r"cannot read file data[^\n]*|unexpected reloc type[^\n]*|ELF file[^\n]*)"
+)
 _ELF = b"\x7fELF"
 
 
@@ -70,8 +72,8 @@ def _clear_in_memory() -> None:
     import torch
     from torch._inductor.utils import clear_caches
 
-    clear_caches()            # inductor's in-memory code caches (what `fresh_cache` clears)
-    torch.compiler.reset()    # dynamo's compiled frames
+    clear_caches()  # inductor's in-memory code caches (what `fresh_cache` clears)
+    torch.compiler.reset()  # dynamo's compiled frames
 
 
 class OwnCache:

@@ -33,8 +33,14 @@ from typing import Any
 
 import torch
 
-from .contract.config import (AUTO, LORA_ATTENTION_TARGETS, LORA_DEFAULT_TARGETS, LORA_MLP_TARGETS, ConfigError,
-                              FinetuneConfig)
+from .contract.config import (
+    AUTO,
+    LORA_ATTENTION_TARGETS,
+    LORA_DEFAULT_TARGETS,
+    LORA_MLP_TARGETS,
+    ConfigError,
+    FinetuneConfig,
+)
 
 # Module names that get adapters with `--lora-targets auto` (one list, in the torch-free contract: the memory
 # estimate applies the same rule).
@@ -50,7 +56,7 @@ def linear_names(model: torch.nn.Module) -> list[str]:
     return sorted(out)
 
 
-NEVER_TARGETS = ("lm_head",)      # the output head (and the embeddings, no linear layers) keep their weights
+NEVER_TARGETS = ("lm_head",)  # the output head (and the embeddings, no linear layers) keep their weights
 
 
 def targets(model: torch.nn.Module, fcfg: FinetuneConfig) -> list[str]:
@@ -61,23 +67,36 @@ def targets(model: torch.nn.Module, fcfg: FinetuneConfig) -> list[str]:
     if fcfg.lora_targets == AUTO:
         chosen = [n for n in DEFAULT_TARGETS if n in present]
         if not chosen:
-            raise ConfigError("--lora-targets", f"auto knows no attention or MLP projection of this architecture; "
-                                                f"name its linear layers, e.g. --lora-targets {','.join(present)}")
+            raise ConfigError(
+                "--lora-targets",
+                f"auto knows no attention or MLP projection of this architecture; "
+                f"name its linear layers, e.g. --lora-targets {','.join(present)}",
+            )
     else:
         chosen = fcfg.lora_targets.split(",")
         missing = [n for n in chosen if n not in present]
         if missing:
             head = " (the output head is never adapted)" if any(n in NEVER_TARGETS for n in missing) else ""
-            raise ConfigError("--lora-targets", f"{','.join(missing)}: no layer of that name to adapt in this "
-                                                f"model{head}; what can be targeted: {','.join(present)}")
-    dims = [(min(m.in_features, m.out_features), name.rsplit(".", 1)[-1], m.out_features, m.in_features)
-            for name, m in model.named_modules() if name.rsplit(".", 1)[-1] in chosen
-            and isinstance(getattr(m, "in_features", None), int) and isinstance(getattr(m, "out_features", None), int)]
+            raise ConfigError(
+                "--lora-targets",
+                f"{','.join(missing)}: no layer of that name to adapt in this "
+                f"model{head}; what can be targeted: {','.join(present)}",
+            )
+    dims = [
+        (min(m.in_features, m.out_features), name.rsplit(".", 1)[-1], m.out_features, m.in_features)
+        for name, m in model.named_modules()
+        if name.rsplit(".", 1)[-1] in chosen
+        and isinstance(getattr(m, "in_features", None), int)
+        and isinstance(getattr(m, "out_features", None), int)
+    ]
     if dims and fcfg.lora > min(dims)[0]:
         limit, name, rows, cols = min(dims)
-        raise ConfigError("--lora", f"{fcfg.lora} is above {limit}, the smallest dimension of the layers it adapts "
-                                    f"({name} is {rows}x{cols}): such an adapter is no low-rank update and has more "
-                                    f"parameters than the layer; use --lora {limit} or less")
+        raise ConfigError(
+            "--lora",
+            f"{fcfg.lora} is above {limit}, the smallest dimension of the layers it adapts "
+            f"({name} is {rows}x{cols}): such an adapter is no low-rank update and has more "
+            f"parameters than the layer; use --lora {limit} or less",
+        )
     return chosen
 
 
@@ -85,8 +104,14 @@ def lora_config(model: torch.nn.Module, fcfg: FinetuneConfig) -> Any:
     """peft's LoraConfig of a run."""
     from peft import LoraConfig
 
-    return LoraConfig(r=fcfg.lora, lora_alpha=fcfg.lora_alpha, lora_dropout=fcfg.lora_dropout,
-                      target_modules=targets(model, fcfg), bias="none", task_type="CAUSAL_LM")
+    return LoraConfig(
+        r=fcfg.lora,
+        lora_alpha=fcfg.lora_alpha,
+        lora_dropout=fcfg.lora_dropout,
+        target_modules=targets(model, fcfg),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
 
 
 def apply_lora(model: torch.nn.Module, fcfg: FinetuneConfig, seed: int, quantized: bool = False) -> torch.nn.Module:
@@ -105,7 +130,7 @@ def apply_lora(model: torch.nn.Module, fcfg: FinetuneConfig, seed: int, quantize
         wrapped = get_peft_model(model, config)
     for p in wrapped.parameters():
         if p.requires_grad and p.dtype != torch.float32:
-            p.data = p.data.float()        # adapters train in fp32 (autocast still runs the matmuls in bf16)
+            p.data = p.data.float()  # adapters train in fp32 (autocast still runs the matmuls in bf16)
     return wrapped
 
 
@@ -120,8 +145,10 @@ def load_trainable_state(model: torch.nn.Module, state: dict[str, torch.Tensor])
     want = {n for n, p in model.named_parameters() if p.requires_grad}
     extra, missing = set(state) - want, want - set(state)
     if extra or missing:
-        raise RuntimeError(f"the checkpoint's adapters do not match this model's (missing {sorted(missing)[:3]}, "
-                           f"unexpected {sorted(extra)[:3]}); was it trained with other --lora options?")
+        raise RuntimeError(
+            f"the checkpoint's adapters do not match this model's (missing {sorted(missing)[:3]}, "
+            f"unexpected {sorted(extra)[:3]}); was it trained with other --lora options?"
+        )
     model.load_state_dict(state, strict=False)
 
 
@@ -131,6 +158,7 @@ def quantization_config(quantize: str, precision: str) -> Any:
 
     compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
     if quantize == "nf4":
-        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                  bnb_4bit_compute_dtype=compute)
+        return BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute
+        )
     return BitsAndBytesConfig(load_in_8bit=True)

@@ -47,8 +47,12 @@ class CudaMemory:
 
     def figures(self) -> dict[str, int | None]:
         _, total = self.cuda.mem_get_info(self.device)
-        return {"allocated_peak": self.peak(), "reserved_peak": self.cuda.max_memory_reserved(self.device),
-                "total": int(total), "capacity": self.capacity()}
+        return {
+            "allocated_peak": self.peak(),
+            "reserved_peak": self.cuda.max_memory_reserved(self.device),
+            "total": int(total),
+            "capacity": self.capacity(),
+        }
 
 
 class CpuMemory:
@@ -107,7 +111,7 @@ def enable_expandable_segments(environ: MutableMapping[str, str]) -> str | None:
             return None
         items[keys.index("expandable_segments")] = "expandable_segments:True"
         environ[var] = ",".join(items)
-        return (f"--cuda-allocator expandable_segments overrides {old} in {var} (now {environ[var]!r})")
+        return f"--cuda-allocator expandable_segments overrides {old} in {var} (now {environ[var]!r})"
     items.append("expandable_segments:True")
     environ[var] = ",".join(items)
     if conf:
@@ -119,8 +123,9 @@ def make_meter(device: torch.device) -> MemoryMeter:
     return CudaMemory(device) if device.type == "cuda" else CpuMemory()
 
 
-def check_expandable_segments(dev: Any, quick: bool, *, cuda: Any = None,
-                              environ: MutableMapping[str, str] | None = None) -> Any:
+def check_expandable_segments(
+    dev: Any, quick: bool, *, cuda: Any = None, environ: MutableMapping[str, str] | None = None
+) -> Any:
     """gptop doctor's `expandable_segments` path: in a fresh process, `--cuda-allocator expandable_segments`
     (enable_expandable_segments, as trainer.runner.main_run calls it, here over a PYTORCH_CUDA_ALLOC_CONF the
     user set) must leave the allocator's segments expandable."""
@@ -133,12 +138,12 @@ def check_expandable_segments(dev: Any, quick: bool, *, cuda: Any = None,
     if reason:
         return Outcome.skip(reason)
     real = cuda is None
-    cuda = torch.cuda if real else cuda                  # tests: a fake of the calls below
+    cuda = torch.cuda if real else cuda  # tests: a fake of the calls below
     env = os.environ if environ is None else environ
     if cuda.is_initialized():
         return Outcome.verdict(False, "CUDA was initialized before the setting", "the check needs a fresh process")
     env.pop("PYTORCH_ALLOC_CONF", None)
-    env["PYTORCH_CUDA_ALLOC_CONF"] = "garbage_collection_threshold:0.9"     # a user's own setting
+    env["PYTORCH_CUDA_ALLOC_CONF"] = "garbage_collection_threshold:0.9"  # a user's own setting
     note = enable_expandable_segments(env)
     device = dev.torch_device
     cuda.set_device(device)
@@ -147,6 +152,8 @@ def check_expandable_segments(dev: Any, quick: bool, *, cuda: Any = None,
     expandable = [s for s in segments if s.get("is_expandable")]
     del x
     ok = bool(expandable) and len(expandable) == len(segments)
-    observed = (f"{len(expandable)} of {len(segments)} segments expandable with "
-                f"PYTORCH_CUDA_ALLOC_CONF={env['PYTORCH_CUDA_ALLOC_CONF']!r}")
+    observed = (
+        f"{len(expandable)} of {len(segments)} segments expandable with "
+        f"PYTORCH_CUDA_ALLOC_CONF={env['PYTORCH_CUDA_ALLOC_CONF']!r}"
+    )
     return Outcome.verdict(ok, observed, "the allocator did not take the setting", merged_warning=note)

@@ -59,17 +59,17 @@ class ModelBundle:
     """A built model and the numbers the rest of the trainer needs about it."""
 
     model: torch.nn.Module
-    family: str              # llama|deepseek|llada|pretrained
-    size: str                # resolved size name, or "pretrained"
+    family: str  # llama|deepseek|llada|pretrained
+    size: str  # resolved size name, or "pretrained"
     hf_config: PretrainedConfig
-    vocab_size: int          # padded
+    vocab_size: int  # padded
     total_params: int
-    active_params: int       # per token (MoE: shared + top-k routed experts + dense parts)
+    active_params: int  # per token (MoE: shared + top-k routed experts + dense parts)
     embedding_params: int
-    flops_per_token: int     # for training (fwd+bwd), torchtitan formula with seq_len
-    objective: str           # "causal" | "llada"
+    flops_per_token: int  # for training (fwd+bwd), torchtitan formula with seq_len
+    objective: str  # "causal" | "llada"
     mask_id: int | None
-    trainable_params: int | None = None   # parameters that train (LoRA: the adapters); None: all of them
+    trainable_params: int | None = None  # parameters that train (LoRA: the adapters); None: all of them
 
     def __post_init__(self) -> None:
         if self.trainable_params is None:
@@ -81,6 +81,7 @@ class ModelBundle:
 
 
 # --- quiet imports -------------------------------------------------------------------
+
 
 @contextlib.contextmanager
 def quiet_imports() -> Iterator[None]:
@@ -107,11 +108,17 @@ def _transformers():
         import transformers
 
         from transformers import (  # noqa: F401  (import under the quiet context)
-            AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM)
+            AutoModelForCausalLM,
+            DeepseekV3Config,
+            DeepseekV3ForCausalLM,
+            LlamaConfig,
+            LlamaForCausalLM,
+        )
     return transformers
 
 
 # --- names -------------------------------------------------------------------------
+
 
 def is_pretrained_path(model: str) -> bool:
     """True if `--model` names a local Hugging Face model directory rather than a family.
@@ -144,6 +151,7 @@ def vocab_and_mask(family: str, vocab_size: int, mask_id: int | None) -> tuple[i
 
 # --- sizes -------------------------------------------------------------------------
 
+
 def resolve_size(size: str, family: str, dev: DeviceInfo, **state_options: Any) -> str:
     """The concrete size for `--size` (``auto``: trainer.contract.capabilities.auto_size, the rule gptop
     also uses to name a run directory before the trainer starts; `state_options`: estimate.run_options)."""
@@ -156,15 +164,26 @@ def resolve_size(size: str, family: str, dev: DeviceInfo, **state_options: Any) 
 
 # --- configs -------------------------------------------------------------------------
 
-def hf_config(family: str, size: str, *, vocab_size: int, seq_len: int = 256,
-              attention: str = "sdpa") -> Any:
+
+def hf_config(family: str, size: str, *, vocab_size: int, seq_len: int = 256, attention: str = "sdpa") -> Any:
     """The transformers config of a family at a size (`vocab_size` already padded)."""
     transformers = _transformers()
     d = SIZES[size]
-    common = dict(vocab_size=vocab_size, hidden_size=d.hidden, intermediate_size=d.ffn,
-                  num_hidden_layers=d.layers, num_attention_heads=d.heads, num_key_value_heads=d.heads,
-                  max_position_embeddings=max(seq_len, 2048), use_cache=False, tie_word_embeddings=False,
-                  attn_implementation=attention, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=d.hidden,
+        intermediate_size=d.ffn,
+        num_hidden_layers=d.layers,
+        num_attention_heads=d.heads,
+        num_key_value_heads=d.heads,
+        max_position_embeddings=max(seq_len, 2048),
+        use_cache=False,
+        tie_word_embeddings=False,
+        attn_implementation=attention,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     if family in ("llama", "llada"):
         cfg = transformers.LlamaConfig(**common)
         if family == "llada":
@@ -175,14 +194,29 @@ def hf_config(family: str, size: str, *, vocab_size: int, seq_len: int = 256,
         return cfg
     if family == "deepseek":
         return transformers.DeepseekV3Config(
-            **common, moe_intermediate_size=d.moe_ffn, n_routed_experts=d.experts, num_experts_per_tok=d.top_k,
-            n_shared_experts=d.shared, n_group=d.groups, topk_group=d.topk_groups, first_k_dense_replace=1,
+            **common,
+            moe_intermediate_size=d.moe_ffn,
+            n_routed_experts=d.experts,
+            num_experts_per_tok=d.top_k,
+            n_shared_experts=d.shared,
+            n_group=d.groups,
+            topk_group=d.topk_groups,
+            first_k_dense_replace=1,
             # Gate weights of the chosen experts are normalized to sum to 1 (as in DeepSeek-V3);
             # V3's routed_scaling_factor of 2.5 was tuned for 8-of-256 routing, here it is 1.
-            norm_topk_prob=True, routed_scaling_factor=1.0, q_lora_rank=None, kv_lora_rank=d.kv_lora,
-            qk_nope_head_dim=d.qk_nope, qk_rope_head_dim=d.qk_rope, v_head_dim=d.v_head, num_mtp_layers=0)
-    raise ConfigError("--model", f"unknown family {family!r}; expected one of {', '.join(FAMILIES)} "
-                      "or a local Hugging Face model directory")
+            norm_topk_prob=True,
+            routed_scaling_factor=1.0,
+            q_lora_rank=None,
+            kv_lora_rank=d.kv_lora,
+            qk_nope_head_dim=d.qk_nope,
+            qk_rope_head_dim=d.qk_rope,
+            v_head_dim=d.v_head,
+            num_mtp_layers=0,
+        )
+    raise ConfigError(
+        "--model",
+        f"unknown family {family!r}; expected one of {', '.join(FAMILIES)} or a local Hugging Face model directory",
+    )
 
 
 def _model_class(family: str):
@@ -202,11 +236,15 @@ def _make_bidirectional(model: torch.nn.Module) -> int:
 
 # --- parameter counts --------------------------------------------------------------------
 
+
 def _moe_shape(cfg: Any) -> tuple[int, int] | None:
     """(experts per token, routed experts) of an MoE config, else None."""
     k = getattr(cfg, "num_experts_per_tok", None)
-    e = getattr(cfg, "n_routed_experts", None) or getattr(cfg, "num_local_experts", None) \
+    e = (
+        getattr(cfg, "n_routed_experts", None)
+        or getattr(cfg, "num_local_experts", None)
         or getattr(cfg, "num_experts", None)
+    )
     return (int(k), int(e)) if k and e else None
 
 
@@ -238,7 +276,7 @@ def _attention_shape(cfg: Any) -> tuple[int, int, int, int]:
     layers = int(cfg.num_hidden_layers)
     heads = int(cfg.num_attention_heads)
     if getattr(cfg, "qk_nope_head_dim", None) is not None and getattr(cfg, "v_head_dim", None) is not None:
-        qk = int(cfg.qk_nope_head_dim) + int(cfg.qk_rope_head_dim)   # MLA
+        qk = int(cfg.qk_nope_head_dim) + int(cfg.qk_rope_head_dim)  # MLA
         return layers, heads, qk, int(cfg.v_head_dim)
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     return layers, heads, int(hd), int(hd)
@@ -254,7 +292,7 @@ def training_flops_per_token(model: torch.nn.Module, cfg: Any, seq_len: int) -> 
     # With tied weights the one matrix is the head, so it stays in N.
     emb = model.get_input_embeddings()
     skip = None if tied or emb is None else emb.weight
-    sums = {(t, r): 0 for t in (True, False) for r in (True, False)}      # (trains, routed expert) -> params
+    sums = {(t, r): 0 for t in (True, False) for r in (True, False)}  # (trains, routed expert) -> params
     for name, p in model.named_parameters():
         if p is skip:
             continue
@@ -266,8 +304,7 @@ def training_flops_per_token(model: torch.nn.Module, cfg: Any, seq_len: int) -> 
         return sums[(trains, False)] + (routed * moe[0] // moe[1] if moe and routed else routed)
 
     layers, heads, qk, v = _attention_shape(cfg)
-    return _flops.flops_per_token(active(True), layers, heads, qk, seq_len, v_head_dim=v,
-                                  frozen_params=active(False))
+    return _flops.flops_per_token(active(True), layers, heads, qk, seq_len, v_head_dim=v, frozen_params=active(False))
 
 
 _COUNT_CACHE: dict[tuple[str, str, int], dict[str, int]] = {}
@@ -292,8 +329,18 @@ def model_table(vocab_size: int = DEFAULT_VOCAB) -> list[dict]:
         for size in SIZE_ORDER:
             c = param_counts(family, size, vocab_size)
             d = SIZES[size]
-            rows.append({"family": family, "size": size, "total": c["total"], "active": c["active"],
-                         "embedding": c["embedding"], "hidden": d.hidden, "layers": d.layers, "heads": d.heads})
+            rows.append(
+                {
+                    "family": family,
+                    "size": size,
+                    "total": c["total"],
+                    "active": c["active"],
+                    "embedding": c["embedding"],
+                    "hidden": d.hidden,
+                    "layers": d.layers,
+                    "heads": d.heads,
+                }
+            )
     return rows
 
 
@@ -303,18 +350,32 @@ def model_table_markdown(vocab_size: int = DEFAULT_VOCAB) -> str:
     def m(n: int) -> str:
         return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
-    lines = ["| family | size | hidden × layers, heads | total params | active params / token |",
-             "|---|---|---|---:|---:|"]
+    lines = [
+        "| family | size | hidden × layers, heads | total params | active params / token |",
+        "|---|---|---|---:|---:|",
+    ]
     for r in model_table(vocab_size):
-        lines.append(f"| {r['family']} | {r['size']} | {r['hidden']} × {r['layers']}, {r['heads']} "
-                     f"| {m(r['total'])} | {m(r['active'])} |")
+        lines.append(
+            f"| {r['family']} | {r['size']} | {r['hidden']} × {r['layers']}, {r['heads']} "
+            f"| {m(r['total'])} | {m(r['active'])} |"
+        )
     return "\n".join(lines)
 
 
 # --- building -----------------------------------------------------------------------
 
-def build_model(mcfg: ModelConfig, *, vocab_size: int, seq_len: int, toggles: Toggles, dev: DeviceInfo,
-                mask_id: int | None = None, seed: int = 0, finetune: FinetuneConfig | None = None) -> ModelBundle:
+
+def build_model(
+    mcfg: ModelConfig,
+    *,
+    vocab_size: int,
+    seq_len: int,
+    toggles: Toggles,
+    dev: DeviceInfo,
+    mask_id: int | None = None,
+    seed: int = 0,
+    finetune: FinetuneConfig | None = None,
+) -> ModelBundle:
     """Build the model of a run on the CPU in fp32; the trainer moves it to the device.
 
     `vocab_size` is the tokenizer's; the model's is padded. Initialization uses
@@ -323,8 +384,16 @@ def build_model(mcfg: ModelConfig, *, vocab_size: int, seq_len: int, toggles: To
     model on the GPU): see trainer.fp8. With `finetune.lora` the model is wrapped with LoRA adapters
     (trainer.lora) and only those train.
     """
-    bundle = _build_base(mcfg, vocab_size=vocab_size, seq_len=seq_len, toggles=toggles, dev=dev, mask_id=mask_id,
-                         seed=seed, finetune=finetune)
+    bundle = _build_base(
+        mcfg,
+        vocab_size=vocab_size,
+        seq_len=seq_len,
+        toggles=toggles,
+        dev=dev,
+        mask_id=mask_id,
+        seed=seed,
+        finetune=finetune,
+    )
     if finetune is None or not finetune.enabled:
         return bundle
     from .lora import apply_lora
@@ -332,26 +401,48 @@ def build_model(mcfg: ModelConfig, *, vocab_size: int, seq_len: int, toggles: To
     model = apply_lora(bundle.model, finetune, seed, quantized=toggles.quantize_base != "none")
     bundle.model = model
     bundle.trainable_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    counts = count_params(model, bundle.hf_config)                                  # base + adapters
+    counts = count_params(model, bundle.hf_config)  # base + adapters
     bundle.total_params, bundle.active_params = counts["total"], counts["active"]
     bundle.flops_per_token = training_flops_per_token(model, bundle.hf_config, seq_len)
     return bundle
 
 
-def _build_base(mcfg: ModelConfig, *, vocab_size: int, seq_len: int, toggles: Toggles, dev: DeviceInfo,
-                mask_id: int | None, seed: int, finetune: FinetuneConfig | None) -> ModelBundle:
+def _build_base(
+    mcfg: ModelConfig,
+    *,
+    vocab_size: int,
+    seq_len: int,
+    toggles: Toggles,
+    dev: DeviceInfo,
+    mask_id: int | None,
+    seed: int,
+    finetune: FinetuneConfig | None,
+) -> ModelBundle:
     quantize = toggles.quantize_base if finetune is not None and finetune.enabled else "none"
     if is_pretrained_path(mcfg.model):
-        return _load_pretrained(mcfg.model, vocab_size=vocab_size, seq_len=seq_len, toggles=toggles,
-                                mask_id=mask_id, quantize=quantize if quantize != "none" else None, dev=dev)
+        return _load_pretrained(
+            mcfg.model,
+            vocab_size=vocab_size,
+            seq_len=seq_len,
+            toggles=toggles,
+            mask_id=mask_id,
+            quantize=quantize if quantize != "none" else None,
+            dev=dev,
+        )
     if quantize != "none":
-        raise ConfigError("--quantize-base", f"{quantize} quantizes pretrained weights; the family {mcfg.model} "
-                                             f"starts from random ones. Fine-tune a model directory (--model DIR) "
-                                             f"or drop --quantize-base")
+        raise ConfigError(
+            "--quantize-base",
+            f"{quantize} quantizes pretrained weights; the family {mcfg.model} "
+            f"starts from random ones. Fine-tune a model directory (--model DIR) "
+            f"or drop --quantize-base",
+        )
     family = mcfg.model
     if family not in FAMILIES:
-        raise ConfigError("--model", f"{family!r} is neither a family ({', '.join(FAMILIES)}) nor a local "
-                          "Hugging Face model directory (a folder with config.json)")
+        raise ConfigError(
+            "--model",
+            f"{family!r} is neither a family ({', '.join(FAMILIES)}) nor a local "
+            "Hugging Face model directory (a folder with config.json)",
+        )
     size = resolve_size(mcfg.size, family, dev)
     vocab, mask = vocab_and_mask(family, vocab_size, mask_id)
     cfg = hf_config(family, size, vocab_size=vocab, seq_len=seq_len, attention=toggles.attention)
@@ -361,15 +452,23 @@ def _build_base(mcfg: ModelConfig, *, vocab_size: int, seq_len: int, toggles: To
         model = cls(cfg)
     if family == "llada":
         _make_bidirectional(model)
-        cfg.mask_token_id = mask       # saved with save_pretrained, so a llada export fine-tunes as llada
+        cfg.mask_token_id = mask  # saved with save_pretrained, so a llada export fine-tunes as llada
     model.to(torch.float32)
     _apply_toggles(model, toggles)
     counts = count_params(model, cfg)
-    return ModelBundle(model=model, family=family, size=size, hf_config=cfg, vocab_size=vocab,
-                       total_params=counts["total"], active_params=counts["active"],
-                       embedding_params=counts["embedding"],
-                       flops_per_token=training_flops_per_token(model, cfg, seq_len),
-                       objective=OBJECTIVES[family], mask_id=mask)
+    return ModelBundle(
+        model=model,
+        family=family,
+        size=size,
+        hf_config=cfg,
+        vocab_size=vocab,
+        total_params=counts["total"],
+        active_params=counts["active"],
+        embedding_params=counts["embedding"],
+        flops_per_token=training_flops_per_token(model, cfg, seq_len),
+        objective=OBJECTIVES[family],
+        mask_id=mask,
+    )
 
 
 def _apply_toggles(model: torch.nn.Module, toggles: Toggles) -> None:
@@ -390,9 +489,16 @@ def _apply_toggles(model: torch.nn.Module, toggles: Toggles) -> None:
     model.config.use_cache = False
 
 
-def _load_pretrained(path: str, *, vocab_size: int, seq_len: int, toggles: Toggles,
-                     mask_id: int | None, quantize: str | None = None,
-                     dev: DeviceInfo | None = None) -> ModelBundle:
+def _load_pretrained(
+    path: str,
+    *,
+    vocab_size: int,
+    seq_len: int,
+    toggles: Toggles,
+    mask_id: int | None,
+    quantize: str | None = None,
+    dev: DeviceInfo | None = None,
+) -> ModelBundle:
     """Fine-tune a local HF causal LM from its weights (no network); `quantize` (nf4, int8): a QLoRA base on `dev`."""
     transformers = _transformers()
     extra: dict[str, Any] = {}
@@ -400,11 +506,14 @@ def _load_pretrained(path: str, *, vocab_size: int, seq_len: int, toggles: Toggl
         from .lora import quantization_config
 
         # bitsandbytes quantizes while loading, on the GPU (see trainer.lora; documentation-verified only)
-        extra = {"quantization_config": quantization_config(quantize, toggles.precision),
-                 "device_map": {"": str(dev.torch_device) if dev is not None else 0}}
+        extra = {
+            "quantization_config": quantization_config(quantize, toggles.precision),
+            "device_map": {"": str(dev.torch_device) if dev is not None else 0},
+        }
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, dtype=torch.float32, attn_implementation=toggles.attention, **extra)
+            path, local_files_only=True, dtype=torch.float32, attn_implementation=toggles.attention, **extra
+        )
     except (OSError, ValueError) as e:
         raise ConfigError("--model", f"cannot load a causal LM from {path}: {e}") from None
     cfg = model.config
@@ -417,8 +526,10 @@ def _load_pretrained(path: str, *, vocab_size: int, seq_len: int, toggles: Toggl
         mask = getattr(cfg, "mask_token_id", None)
         mask = mask_id if mask is None else int(mask)
         if mask is None:
-            raise ConfigError("--model", f"{path} is a bidirectional model without a mask_token_id in its "
-                              "config.json, and the data gives none")
+            raise ConfigError(
+                "--model",
+                f"{path} is a bidirectional model without a mask_token_id in its config.json, and the data gives none",
+            )
     if vocab_size > model.get_input_embeddings().weight.shape[0]:
         # The tokenizer knows more tokens than the model has rows: grow (new rows are initialized by HF).
         model.resize_token_embeddings(vocab_size, pad_to_multiple_of=VOCAB_MULTIPLE)
@@ -428,12 +539,19 @@ def _load_pretrained(path: str, *, vocab_size: int, seq_len: int, toggles: Toggl
         model.to(torch.float32)
     _apply_toggles(model, toggles)
     counts = count_params(model, cfg)
-    return ModelBundle(model=model, family="pretrained", size="pretrained", hf_config=cfg,
-                       vocab_size=model.get_input_embeddings().weight.shape[0],
-                       total_params=counts["total"], active_params=counts["active"],
-                       embedding_params=counts["embedding"],
-                       flops_per_token=training_flops_per_token(model, cfg, seq_len),
-                       objective=objective, mask_id=mask)
+    return ModelBundle(
+        model=model,
+        family="pretrained",
+        size="pretrained",
+        hf_config=cfg,
+        vocab_size=model.get_input_embeddings().weight.shape[0],
+        total_params=counts["total"],
+        active_params=counts["active"],
+        embedding_params=counts["embedding"],
+        flops_per_token=training_flops_per_token(model, cfg, seq_len),
+        objective=objective,
+        mask_id=mask,
+    )
 
 
 def models_markdown() -> str:
@@ -446,10 +564,10 @@ architecture trained from random initialization.
 
 - **llama**: `LlamaForCausalLM`, next-token prediction.
 - **deepseek**: `DeepseekV3ForCausalLM`: multi-head latent attention and a
-  routed mixture of experts ({SIZES['small'].experts} experts in {SIZES['small'].groups} groups, \
-top-{SIZES['small'].top_k} within the best {SIZES['small'].topk_groups}
-  groups, plus {SIZES['small'].shared} shared expert; tiny: {SIZES['tiny'].experts} experts, \
-top-{SIZES['tiny'].top_k}; the first layer is
+  routed mixture of experts ({SIZES["small"].experts} experts in {SIZES["small"].groups} groups, \
+top-{SIZES["small"].top_k} within the best {SIZES["small"].topk_groups}
+  groups, plus {SIZES["small"].shared} shared expert; tiny: {SIZES["tiny"].experts} experts, \
+top-{SIZES["tiny"].top_k}; the first layer is
   dense), balanced without an auxiliary loss by the DeepSeek-V3 bias update.
   Sizes match llama in *active* parameters per token.
 - **llada**: the llama architecture with bidirectional attention, trained with
@@ -502,8 +620,14 @@ def check_qlora(dev: Any, quick: bool) -> Any:
         torch.manual_seed(0)
         LlamaForCausalLM(hf_config("llama", "tiny", vocab_size=512, seq_len=64)).save_pretrained(tmp)
         toggles = Toggles(precision="bf16", quantize_base="nf4")
-        bundle = build_model(ModelConfig(model=tmp), vocab_size=512, seq_len=64, toggles=toggles, dev=dev,
-                             finetune=FinetuneConfig(lora=4))
+        bundle = build_model(
+            ModelConfig(model=tmp),
+            vocab_size=512,
+            seq_len=64,
+            toggles=toggles,
+            dev=dev,
+            finetune=FinetuneConfig(lora=4),
+        )
         model = bundle.model.to(device)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     trained = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -519,7 +643,11 @@ def check_qlora(dev: Any, quick: bool) -> Any:
     base_kept = all(torch.equal(v, now[n]) for n, v in frozen.items())
     quantized = sorted({type(m).__name__ for m in model.modules() if "4bit" in type(m).__name__})
     ok = math.isfinite(value) and adapters_moved and base_kept and bool(quantized)
-    return Outcome.verdict(ok, f"base {', '.join(quantized) or 'NOT quantized'}; loss {value:.4g}; adapters "
-                               f"{'changed' if adapters_moved else 'unchanged'}, base "
-                               f"{'unchanged' if base_kept else 'CHANGED'}",
-                           "the nf4 base with LoRA adapters did not train as expected", loss=value)
+    return Outcome.verdict(
+        ok,
+        f"base {', '.join(quantized) or 'NOT quantized'}; loss {value:.4g}; adapters "
+        f"{'changed' if adapters_moved else 'unchanged'}, base "
+        f"{'unchanged' if base_kept else 'CHANGED'}",
+        "the nf4 base with LoRA adapters did not train as expected",
+        loss=value,
+    )

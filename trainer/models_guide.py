@@ -108,6 +108,7 @@ Plain transformers loads it, no gptop needed:
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
 model, tok = AutoModelForCausalLM.from_pretrained("hf/demo"), AutoTokenizer.from_pretrained("hf/demo")
 print(tok.decode(model.generate(**tok("def main(", return_tensors="pt"), max_new_tokens=20)[0]))
 ```

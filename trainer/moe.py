@@ -36,9 +36,13 @@ import torch.distributed as dist
 
 def find_routers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """Modules that route tokens with a correctable bias (DeepseekV3TopkRouter and alikes)."""
-    return [(name, m) for name, m in model.named_modules()
-            if isinstance(getattr(m, "e_score_correction_bias", None), torch.Tensor)
-            and hasattr(m, "top_k") and hasattr(m, "num_experts")]
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(getattr(m, "e_score_correction_bias", None), torch.Tensor)
+        and hasattr(m, "top_k")
+        and hasattr(m, "num_experts")
+    ]
 
 
 def _counting_allowed() -> bool:
@@ -46,7 +50,7 @@ def _counting_allowed() -> bool:
         return False
     if torch.compiler.is_compiling():
         return True
-    return torch._C._current_graph_task_id() == -1   # not inside backward (checkpoint recompute)
+    return torch._C._current_graph_task_id() == -1  # not inside backward (checkpoint recompute)
 
 
 class MoEBalancer:
@@ -76,11 +80,12 @@ class MoEBalancer:
         def hook(module: torch.nn.Module, args, output) -> None:
             if not _counting_allowed():
                 return
-            idx = output[2].reshape(-1)               # (router_logits, topk_weights, topk_indices)
+            idx = output[2].reshape(-1)  # (router_logits, topk_weights, topk_indices)
             counts = self._counts[i]
-            if counts.device != idx.device:           # the model moved after the balancer was made
+            if counts.device != idx.device:  # the model moved after the balancer was made
                 counts = self._counts[i] = counts.to(idx.device)
             counts.scatter_add_(0, idx.detach(), torch.ones_like(idx))
+
         return hook
 
     @torch.no_grad()
@@ -88,9 +93,9 @@ class MoEBalancer:
         """Apply one bias update from this step's counts, then reset them."""
         if not self.routers:
             return
-        loads = torch.stack([c.to(self._counts[0].device) for c in self._counts]).float()   # [layers, experts]
+        loads = torch.stack([c.to(self._counts[0].device) for c in self._counts]).float()  # [layers, experts]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(loads)                    # every rank applies the same update
+            dist.all_reduce(loads)  # every rank applies the same update
         mean = loads.mean(dim=-1, keepdim=True)
         delta = self.update_rate * torch.sign(mean - loads)
         for (_, router), d in zip(self.routers, delta):
@@ -120,11 +125,15 @@ class MoEBalancer:
         if self._last is None or not self.routers:
             return None
         mean = self._last.mean(dim=-1).clamp_min(1e-9)
-        ratio = self._last.max(dim=-1).values / mean                       # per layer
-        bias = torch.stack([r.e_score_correction_bias.detach().float().abs().max().to(ratio.device)
-                            for _, r in self.routers])
-        return {"max_load_ratio": float(ratio.max()), "mean_load_ratio": float(ratio.mean()),
-                "max_abs_bias": float(bias.max())}
+        ratio = self._last.max(dim=-1).values / mean  # per layer
+        bias = torch.stack(
+            [r.e_score_correction_bias.detach().float().abs().max().to(ratio.device) for _, r in self.routers]
+        )
+        return {
+            "max_load_ratio": float(ratio.max()),
+            "mean_load_ratio": float(ratio.mean()),
+            "max_abs_bias": float(bias.max()),
+        }
 
     def remove(self) -> None:
         """Detach the hooks (e.g. before rebuilding the model)."""

@@ -44,10 +44,17 @@ class NonFiniteGuard:
     """The interval's flags and the NaN policy of one run. `emit0` and `log` report; `fail(kind, message)`
     ends the run with an error (it does not return)."""
 
-    def __init__(self, run: RunConfig, *, group: D.Group | None, emit0: Callable[..., None],
-                 log: Callable[[str], None], fail: Callable[..., NoReturn]):
+    def __init__(
+        self,
+        run: RunConfig,
+        *,
+        group: D.Group | None,
+        emit0: Callable[..., None],
+        log: Callable[[str], None],
+        fail: Callable[..., NoReturn],
+    ):
         self.run, self.group, self.emit0, self.log, self.fail = run, group, emit0, log, fail
-        self.pending: list[tuple[int, int, torch.Tensor]] = []     # (step, batch index, device flag)
+        self.pending: list[tuple[int, int, torch.Tensor]] = []  # (step, batch index, device flag)
 
     def record(self, step: int, batch_index: int, flags: torch.Tensor) -> None:
         self.pending.append((step, batch_index, flags))
@@ -57,7 +64,7 @@ class NonFiniteGuard:
         if not self.pending:
             return
         stacked = torch.stack([b for _, _, b in self.pending]).to(torch.int32)
-        if self.group is not None:       # a non-finite step on any rank rolls every rank back
+        if self.group is not None:  # a non-finite step on any rank rolls every rank back
             self.group.max_(stacked)
         flags = stacked.cpu().tolist()
         for (step, bi, _), bad in zip(self.pending, flags):
@@ -65,8 +72,15 @@ class NonFiniteGuard:
                 raise NonFiniteStep(step, bi, WHAT.get(bad, "loss"))
         self.pending = []
 
-    def roll_back(self, e: NonFiniteStep, progress: Progress, ckpt: Checkpointer, *, resumed_from: str | None,
-                  reinitialize: Callable[[], Any]) -> Progress:
+    def roll_back(
+        self,
+        e: NonFiniteStep,
+        progress: Progress,
+        ckpt: Checkpointer,
+        *,
+        resumed_from: str | None,
+        reinitialize: Callable[[], Any],
+    ) -> Progress:
         """The progress to go on from after `e`: the newest checkpoint of this run that verifies, restored by
         `ckpt`, or the initialization (`reinitialize()` rebuilds the model and optimizer), with the batch
         skipped and the learning rate scaled. Fails the run when the policy says stop."""
@@ -82,16 +96,20 @@ class NonFiniteGuard:
         if restored is not None:
             path, p = restored
             source = path.name
-        elif resumed_from is not None:       # this process cannot rebuild what came before the resume
-            raise ckpt_files.CorruptCheckpoint(f"no checkpoint of this run verifies any more (it resumed from "
-                                               f"{resumed_from}; see the warnings above), nothing to roll back to")
+        elif resumed_from is not None:  # this process cannot rebuild what came before the resume
+            raise ckpt_files.CorruptCheckpoint(
+                f"no checkpoint of this run verifies any more (it resumed from "
+                f"{resumed_from}; see the warnings above), nothing to roll back to"
+            )
         else:
             reinitialize()
             p = Progress()
             source = f"initialization ({'no checkpoint verifies' if had_checkpoint else 'no checkpoint yet'})"
         p.skip_batches, p.nan_rollbacks, p.lr_scale = skips, rollbacks, scale
-        msg = (f"rolled back to {source} at step {p.step}; skipping batch {e.batch_index}; "
-               f"learning rate x{scale:g} (rollback {rollbacks}/{run.nan_retries})")
+        msg = (
+            f"rolled back to {source} at step {p.step}; skipping batch {e.batch_index}; "
+            f"learning rate x{scale:g} (rollback {rollbacks}/{run.nan_retries})"
+        )
         self.emit0("warning", message=msg, kind="nan_rollback", step=p.step, skip_batches=skips, lr_scale=scale)
         self.log(msg)
         self.pending = []

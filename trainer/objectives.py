@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-LLADA_EPS = 1e-3          # t ~ U(eps, 1): never divide by a t near zero (LLaDA's reference value)
+LLADA_EPS = 1e-3  # t ~ U(eps, 1): never divide by a t near zero (LLaDA's reference value)
 IGNORE_INDEX = -100
 
 
@@ -34,8 +34,9 @@ def causal_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tor
     return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE_INDEX)
 
 
-def llada_mask(x: torch.Tensor, mask_id: int, generator: torch.Generator | None,
-               eps: float = LLADA_EPS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def llada_mask(
+    x: torch.Tensor, mask_id: int, generator: torch.Generator | None, eps: float = LLADA_EPS
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """LLaDA's forward process: (masked input, mask, per-token mask probability t).
 
     Random numbers are drawn on the CPU from `generator` and then moved to the
@@ -49,8 +50,9 @@ def llada_mask(x: torch.Tensor, mask_id: int, generator: torch.Generator | None,
     return x.masked_fill(masked, mask_id), masked, t.expand(b, n)
 
 
-def llada_loss(model: torch.nn.Module, x: torch.Tensor, *, mask_id: int,
-               generator: torch.Generator | None) -> torch.Tensor:
+def llada_loss(
+    model: torch.nn.Module, x: torch.Tensor, *, mask_id: int, generator: torch.Generator | None
+) -> torch.Tensor:
     """LLaDA masked-diffusion loss of a batch of clean sequences `x`."""
     noisy, masked, t = llada_mask(x, mask_id, generator)
     logits = model(input_ids=noisy).logits
@@ -58,8 +60,15 @@ def llada_loss(model: torch.nn.Module, x: torch.Tensor, *, mask_id: int,
     return (ce * masked / t).sum() / x.numel()
 
 
-def loss_fn(bundle_or_objective: Any, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor | None, *,
-            generator: torch.Generator | None = None, mask_id: int | None = None) -> torch.Tensor:
+def loss_fn(
+    bundle_or_objective: Any,
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor | None,
+    *,
+    generator: torch.Generator | None = None,
+    mask_id: int | None = None,
+) -> torch.Tensor:
     """The training loss of one micro-batch.
 
     `bundle_or_objective` is a trainer.models.ModelBundle or an objective name

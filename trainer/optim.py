@@ -96,7 +96,7 @@ def place_step_counts(optimizer: torch.optim.Optimizer) -> int:
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """The run's optimizer (`--optimizer`) over the parameters that train."""
     groups, lr, name = param_groups(model, cfg.optim.weight_decay), lr_at(0, cfg), cfg.toggles.optimizer
-    groups = [g for g in groups if g["params"]] or groups[:1]     # LoRA: the adapters are all matrices
+    groups = [g for g in groups if g["params"]] or groups[:1]  # LoRA: the adapters are all matrices
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=BETAS, eps=EPS, **adamw_flags(cfg.toggles.fused_adamw))
     if name in ("adamw-8bit", "adamw-4bit"):
@@ -116,12 +116,13 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
     def size(t: torch.Tensor) -> int:
         if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
-            names, _ = t.__tensor_flatten__()       # a DTensor (FSDP) also names its DeviceMesh: tensors only
+            names, _ = t.__tensor_flatten__()  # a DTensor (FSDP) also names its DeviceMesh: tensors only
             return sum(size(x) for x in (getattr(t, n) for n in names) if isinstance(x, torch.Tensor))
         return t.numel() * t.element_size()
 
-    return sum(size(v) for per_param in optimizer.state.values() for v in per_param.values()
-               if isinstance(v, torch.Tensor))
+    return sum(
+        size(v) for per_param in optimizer.state.values() for v in per_param.values() if isinstance(v, torch.Tensor)
+    )
 
 
 def pending_state_bytes(optimizer: torch.optim.Optimizer, name: str) -> int:
@@ -155,7 +156,7 @@ def _stored(value: torch.Tensor, param: torch.Tensor, name: str, signed: bool, b
         else:
             from torchao.optim.subclass_4bit import OptimState4bit as Quantized
         out = Quantized.zeros(param.shape, signed, block_size, device=param.device)
-        out.copy_(value)               # torchao's copy_ quantizes block-wise
+        out.copy_(value)  # torchao's copy_ quantizes block-wise
         return out
     return value.clone()
 
@@ -170,15 +171,17 @@ def convert_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any], old: 
     if not optimizer_state_carries(old, new):
         return False
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    block = getattr(optimizer, "block_size", None)     # torchao's optimizers: their quantization block
+    block = getattr(optimizer, "block_size", None)  # torchao's optimizers: their quantization block
     state: dict[int, dict[str, torch.Tensor]] = {}
     for i, s in saved["state"].items():
         p = params[int(i)]
         # the step count as a fresh optimizer keeps it: a host scalar (load_state_dict moves it to the
         # parameter's device where the kernel wants it there: fused or capturable AdamW)
-        state[int(i)] = {"step": s["step"].detach().float().reshape(()).cpu().clone(),
-                         "exp_avg": _stored(dense(s["exp_avg"]), p, new, True, block),
-                         "exp_avg_sq": _stored(dense(s["exp_avg_sq"]), p, new, False, block)}
+        state[int(i)] = {
+            "step": s["step"].detach().float().reshape(()).cpu().clone(),
+            "exp_avg": _stored(dense(s["exp_avg"]), p, new, True, block),
+            "exp_avg_sq": _stored(dense(s["exp_avg_sq"]), p, new, False, block),
+        }
     optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
     return True
 
@@ -205,9 +208,9 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 def step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, finite: torch.Tensor) -> None:
     """One optimizer step, not taken when `finite` (a device bool) is False; see the module docstring."""
     if scaler.is_enabled():
-        scaler.step(optimizer)          # its own inf check gates the step (fused: on the device)
+        scaler.step(optimizer)  # its own inf check gates the step (fused: on the device)
     elif all(g.get("fused") for g in optimizer.param_groups):
-        optimizer.found_inf = (~finite).float()          # read by the fused kernel, as GradScaler sets it
+        optimizer.found_inf = (~finite).float()  # read by the fused kernel, as GradScaler sets it
         try:
             optimizer.step()
         finally:
@@ -227,13 +230,13 @@ def check_grad_scaler(dev: Any, quick: bool, *, device: Any = None) -> Any:
     reason = support("precision", "fp16", dev)
     if reason and device is None:
         return Outcome.skip(reason)
-    device = torch.device(device) if device is not None else dev.torch_device   # tests: the CPU's fp16 autocast
+    device = torch.device(device) if device is not None else dev.torch_device  # tests: the CPU's fp16 autocast
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **adamw_flags(True))
-    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 12)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**12)
 
     def train_step(overflow: bool) -> None:
         with torch.autocast(device.type, dtype=torch.float16):
@@ -253,11 +256,14 @@ def check_grad_scaler(dev: Any, quick: bool, *, device: Any = None) -> Any:
     scale = scaler.get_scale()
     train_step(True)
     untouched = all(torch.equal(a, p) for a, p in zip(kept, model.parameters())) and all(
-        torch.equal(m, s["exp_avg"]) for m, s in zip(moments, opt.state.values()))
+        torch.equal(m, s["exp_avg"]) for m, s in zip(moments, opt.state.values())
+    )
     dropped = scaler.get_scale() == scale * 0.5
     ok = moved and untouched and dropped
-    observed = (f"normal step {'changed' if moved else 'did not change'} the weights; overflowing step "
-                f"{'skipped' if untouched else 'APPLIED'}; scale {scale:g} -> {scaler.get_scale():g}")
+    observed = (
+        f"normal step {'changed' if moved else 'did not change'} the weights; overflowing step "
+        f"{'skipped' if untouched else 'APPLIED'}; scale {scale:g} -> {scaler.get_scale():g}"
+    )
     return Outcome.verdict(ok, observed, "GradScaler did not skip the overflow or lower its scale")
 
 
@@ -274,8 +280,12 @@ def check_fused_adamw(dev: Any, quick: bool) -> Any:
     models = {k: torch.nn.Linear(128, 64).to(device) for k in ("fused", "foreach")}
     for m in models.values():
         m.load_state_dict(base.state_dict())
-    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-2, betas=BETAS, eps=EPS, weight_decay=0.1,
-                                 **adamw_flags(k == "fused")) for k, m in models.items()}
+    opts = {
+        k: torch.optim.AdamW(
+            m.parameters(), lr=1e-2, betas=BETAS, eps=EPS, weight_decay=0.1, **adamw_flags(k == "fused")
+        )
+        for k, m in models.items()
+    }
     scaler = torch.amp.GradScaler(device.type, enabled=False)
     ones = torch.ones((), dtype=torch.bool, device=device)
     try:
@@ -287,15 +297,20 @@ def check_fused_adamw(dev: Any, quick: bool) -> Any:
                 opts[k].zero_grad(set_to_none=True)
     except (RuntimeError, NotImplementedError) as e:
         return Outcome.verdict(False, f"fused AdamW failed: {str(e).splitlines()[0]}", "fused AdamW does not run here")
-    diff = max(float((a - b).detach().abs().max()) for a, b in zip(models["fused"].parameters(),
-                                                                  models["foreach"].parameters()))
+    diff = max(
+        float((a - b).detach().abs().max())
+        for a, b in zip(models["fused"].parameters(), models["foreach"].parameters())
+    )
     m = models["fused"]
     kept = [p.detach().clone() for p in m.parameters()]
     m(torch.randn(32, 128, device=device)).square().mean().backward()
     step(opts["fused"], scaler, finite=~ones)
     skipped = all(torch.equal(a, p) for a, p in zip(kept, m.parameters()))
     ok = diff < 1e-5 and skipped
-    observed = (f"fused vs foreach after 3 steps: max difference {diff:.1e}; a step flagged non-finite "
-                f"{'was skipped' if skipped else 'CHANGED the weights'}")
-    return Outcome.verdict(ok, observed, "fused AdamW disagrees with foreach, or applies a flagged step",
-                           max_difference=diff)
+    observed = (
+        f"fused vs foreach after 3 steps: max difference {diff:.1e}; a step flagged non-finite "
+        f"{'was skipped' if skipped else 'CHANGED the weights'}"
+    )
+    return Outcome.verdict(
+        ok, observed, "fused AdamW disagrees with foreach, or applies a flagged step", max_difference=diff
+    )

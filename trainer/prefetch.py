@@ -30,6 +30,7 @@ from .batches import BatchSampler
 
 # --- moving batches to the device ---------------------------------------------------------------
 
+
 class BatchCopier:
     """Moves a CPU micro-batch to the device: `prepare` in the producer thread, `finish` in the consumer."""
 
@@ -91,7 +92,7 @@ class CudaOps:
 class _InFlight:
     x: torch.Tensor
     y: torch.Tensor
-    done: Any                       # event recorded on the copy stream after the copies
+    done: Any  # event recorded on the copy stream after the copies
     host: tuple[torch.Tensor, ...]  # the pinned sources, kept alive until the consumer has the batch
 
 
@@ -119,7 +120,7 @@ class CudaCopier(BatchCopier):
 
     def finish(self, prepared: _InFlight) -> tuple[torch.Tensor, torch.Tensor]:
         consumer = self.ops.current_stream()
-        consumer.wait_event(prepared.done)          # kernels queued after this see the copied data
+        consumer.wait_event(prepared.done)  # kernels queued after this see the copied data
         self.ops.record_stream(prepared.x, consumer)  # memory allocated on the side stream, used on this one
         self.ops.record_stream(prepared.y, consumer)
         return prepared.x, prepared.y
@@ -132,6 +133,7 @@ def choose_copier(device: torch.device | str) -> BatchCopier:
 
 
 # --- the prefetcher ------------------------------------------------------------------------------
+
 
 @dataclass
 class _Failure:
@@ -153,8 +155,16 @@ class Prefetcher:
 
     _POLL_S = 0.05
 
-    def __init__(self, sampler: BatchSampler, micro_batch: int, start_batch_index: int, device: torch.device | str,
-                 depth: int, workers: int = 0, copier: BatchCopier | None = None):
+    def __init__(
+        self,
+        sampler: BatchSampler,
+        micro_batch: int,
+        start_batch_index: int,
+        device: torch.device | str,
+        depth: int,
+        workers: int = 0,
+        copier: BatchCopier | None = None,
+    ):
         if depth < 0:
             raise ConfigError("--prefetch", f"must be at least 0, got {depth}")
         if workers < 0:
@@ -268,7 +278,6 @@ class Prefetcher:
             self.close()
 
 
-
 def check(dev: Any, quick: bool, *, copier_factory: Any = None, device: Any = None) -> Any:
     """gptop doctor's `prefetch` path: micro-batches through the prefetcher this device uses (CudaCopier:
     pinned memory, a side stream; CpuCopier on the CPU), from a thread and from workers, must equal the
@@ -279,7 +288,7 @@ def check(dev: Any, quick: bool, *, copier_factory: Any = None, device: Any = No
 
     from .contract.doctor import Outcome
 
-    device = torch.device(device) if device is not None else dev.torch_device   # tests: fake CUDA ops on CPU
+    device = torch.device(device) if device is not None else dev.torch_device  # tests: fake CUDA ops on CPU
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
@@ -305,20 +314,24 @@ def check(dev: Any, quick: bool, *, copier_factory: Any = None, device: Any = No
                 if x.device != device:
                     problems.append(f"batch on {x.device}, not {device}")
                     break
-                if load is not None:                 # keep the compute stream busy while later copies land
+                if load is not None:  # keep the compute stream busy while later copies land
                     for _ in range(4):
                         load = (load @ load) * (1.0 / 1024)
                 sums.append(((x.double() * weights).sum(), (y.double() * weights).sum()))
-                del x, y                              # freed on the consumer side: reuse must wait for it
+                del x, y  # freed on the consumer side: reuse must wait for it
         got = torch.stack([torch.stack(s) for s in sums]).cpu() if sums else torch.zeros(0, 2)
         host = weights.cpu()
-        expect = torch.tensor([[float((w[2].double() * host).sum()), float((w[3].double() * host).sum())]
-                               for w in want[:len(sums)]], dtype=torch.float64)
+        expect = torch.tensor(
+            [[float((w[2].double() * host).sum()), float((w[3].double() * host).sum())] for w in want[: len(sums)]],
+            dtype=torch.float64,
+        )
         if not torch.equal(got, expect):
             bad = int((got != expect).any(dim=1).nonzero()[0]) if got.shape == expect.shape else -1
             problems.append(f"depth {depth} workers {workers}: batch {bad} differs from the synchronous path")
     kind = type(copier).__name__
-    observed = (f"{n} micro-batches x 2 ways ({kind}) equal to the synchronous path" if not problems
-                else "; ".join(problems))
-    return Outcome.verdict(not problems, observed, "prefetched data differs from the synchronous path",
-                           batches=n, copier=kind)
+    observed = (
+        f"{n} micro-batches x 2 ways ({kind}) equal to the synchronous path" if not problems else "; ".join(problems)
+    )
+    return Outcome.verdict(
+        not problems, observed, "prefetched data differs from the synchronous path", batches=n, copier=kind
+    )

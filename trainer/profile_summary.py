@@ -25,8 +25,8 @@ from typing import Any, Iterable
 
 from .contract.events import PHASES, OpTime, PhaseProfile
 
-SHORT_OP_US = 10.0          # an operator or kernel this short is dominated by its dispatch / launch overhead
-TOP = 5                     # operators and kernels listed per phase
+SHORT_OP_US = 10.0  # an operator or kernel this short is dominated by its dispatch / launch overhead
+TOP = 5  # operators and kernels listed per phase
 STEP_PREFIX = "ProfilerStep"
 TIMED_PHASES = tuple(p for p in PHASES if p != "other")
 COMPUTE_PHASES = ("forward", "backward", "optimizer")
@@ -40,8 +40,8 @@ class Span:
     name: str
     start: float
     end: float
-    kind: str = "op"                    # annotation, op, kernel
-    self_us: float | None = None        # operators: time not in child operators
+    kind: str = "op"  # annotation, op, kernel
+    self_us: float | None = None  # operators: time not in child operators
     kernels: list[tuple[str, float]] = field(default_factory=list)
 
     @property
@@ -80,8 +80,10 @@ def _length(intervals: list[tuple[float, float]]) -> float:
 
 def _top(times: dict[str, list[float]], denominator: float) -> list[OpTime]:
     ranked = sorted(times.items(), key=lambda kv: -kv[1][0])[:TOP]
-    return [OpTime(name=name, ms=us / 1000, share=us / denominator if denominator > 0 else 0.0, calls=int(n))
-            for name, (us, n) in ranked]
+    return [
+        OpTime(name=name, ms=us / 1000, share=us / denominator if denominator > 0 else 0.0, calls=int(n))
+        for name, (us, n) in ranked
+    ]
 
 
 def summarize(spans: list[Span]) -> dict[str, Any] | None:
@@ -105,7 +107,7 @@ def summarize(spans: list[Span]) -> dict[str, Any] | None:
         return i >= 0 and t < steps[i][1]
 
     def phase_of(t: float) -> str:
-        i = bisect.bisect_right(starts, t) - 1        # phases follow each other: the last one started by t
+        i = bisect.bisect_right(starts, t) - 1  # phases follow each other: the last one started by t
         return phase_ranges[i][2] if i >= 0 and t < phase_ranges[i][1] else "other"
 
     ops: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
@@ -137,12 +139,21 @@ def summarize(spans: list[Span]) -> dict[str, Any] | None:
         us = phase_us.get(p, 0.0)
         if us <= 0 and not ops.get(p):
             continue
-        phases.append(PhaseProfile(phase=p, ms=us / 1000, ops=_top(ops[p], us),
-                                   op_share=min(1.0, op_self[p] / us) if us > 0 else 0.0,
-                                   kernels=_top(kernels[p], gpu_us[p]) if cuda else [],
-                                   gpu_ms=gpu_us[p] / 1000 if cuda else None))
-    out: dict[str, Any] = {"step_ms": step_us / 1000 / max(1, n_steps), "phases": phases,
-                           "short_op_share": short_op_us / step_us}
+        phases.append(
+            PhaseProfile(
+                phase=p,
+                ms=us / 1000,
+                ops=_top(ops[p], us),
+                op_share=min(1.0, op_self[p] / us) if us > 0 else 0.0,
+                kernels=_top(kernels[p], gpu_us[p]) if cuda else [],
+                gpu_ms=gpu_us[p] / 1000 if cuda else None,
+            )
+        )
+    out: dict[str, Any] = {
+        "step_ms": step_us / 1000 / max(1, n_steps),
+        "phases": phases,
+        "short_op_share": short_op_us / step_us,
+    }
     if kernel_spans:
         busy = _merge((s.start, s.end) for s in kernel_spans)
         busy_in_steps = _overlap(busy, steps)
@@ -150,8 +161,11 @@ def summarize(spans: list[Span]) -> dict[str, Any] | None:
         compute = _merge((a, b) for a, b, name in phase_ranges if name in COMPUTE_PHASES)
         idle_in_compute = max(0.0, _length(compute) - _overlap(busy, compute))
         short = sum(s.dur for s in kernel_spans if s.dur < SHORT_OP_US)
-        out.update(gpu_idle_share=idle / step_us, gpu_idle_host_share=min(idle, idle_in_compute) / step_us,
-                   short_kernel_share=short / max(1e-9, sum(s.dur for s in kernel_spans)))
+        out.update(
+            gpu_idle_share=idle / step_us,
+            gpu_idle_host_share=min(idle, idle_in_compute) / step_us,
+            short_kernel_share=short / max(1e-9, sum(s.dur for s in kernel_spans)),
+        )
         comm = [s for s in kernel_spans if "nccl" in s.name.lower()]
         if comm:
             comm_iv = _merge((s.start, s.end) for s in comm)
@@ -171,8 +185,16 @@ def spans_from_profiler(events: Iterable[Any]) -> list[Span]:
             if e.name.startswith(STEP_PREFIX) or e.name in TIMED_PHASES:
                 spans.append(Span(e.name, start, end, "annotation"))
                 continue
-            spans.append(Span(e.name, start, end, "op", self_us=float(e.self_cpu_time_total),
-                              kernels=[(k.name, float(k.duration)) for k in getattr(e, "kernels", ()) or ()]))
+            spans.append(
+                Span(
+                    e.name,
+                    start,
+                    end,
+                    "op",
+                    self_us=float(e.self_cpu_time_total),
+                    kernels=[(k.name, float(k.duration)) for k in getattr(e, "kernels", ()) or ()],
+                )
+            )
         elif device == "CUDA":
             # kineto mirrors the record_function ranges on the GPU's timeline (gpu_user_annotation): they
             # span whole phases and are not work; counting them as kernels made a launch-bound GPU look busy

@@ -23,16 +23,22 @@ STEP_RANGE = "ProfilerStep#{}"
 
 
 class StepProfiler:
-    def __init__(self, out_dir: Path, rank: int, cuda: bool, window: tuple[int, int] | None,
-                 on_written: Callable[[Path, int, int, dict[str, Any] | None], None]):
+    def __init__(
+        self,
+        out_dir: Path,
+        rank: int,
+        cuda: bool,
+        window: tuple[int, int] | None,
+        on_written: Callable[[Path, int, int, dict[str, Any] | None], None],
+    ):
         self.out_dir, self.rank, self.cuda = out_dir, rank, cuda
-        self.window = window                      # the next window to profile (step numbers from 1, inclusive)
+        self.window = window  # the next window to profile (step numbers from 1, inclusive)
         self.on_written = on_written
         self._prof: torch.profiler.profile | None = None
         self._span: tuple[int, int] | None = None
         self._step_range: torch.profiler.record_function | None = None
-        self._timer: StepTimer | None = None      # the step timer whose phases open ranges while recording
-        self._last: int | None = None             # the window's last finished step (a run may end inside it)
+        self._timer: StepTimer | None = None  # the step timer whose phases open ranges while recording
+        self._last: int | None = None  # the window's last finished step (a run may end inside it)
 
     @property
     def recording(self) -> bool:
@@ -77,7 +83,7 @@ class StepProfiler:
             return
         self._end_step_range()
         if self._timer is not None:
-            self._timer.annotate = None           # back to timing without ranges: no cost outside a window
+            self._timer.annotate = None  # back to timing without ranges: no cost outside a window
             self._timer = None
         prof, (a, _) = self._prof, self._span
         b = self._last if self._last is not None else a
@@ -100,15 +106,16 @@ class StepProfiler:
 
         try:
             summary = summarize(spans_from_profiler(prof.events()))
-        except Exception as e:                   # a profiler event this torch shapes differently
+        except Exception as e:  # a profiler event this torch shapes differently
             print(f"[trainer] profile summary failed: {type(e).__name__}: {e}", flush=True)
             return None
         if summary is None:
             return None
         path = trace.with_name(trace.name.replace(".json", ".summary.json"))
         try:
-            atomic_write(path, json.dumps({**summary, "phases": [to_dict(ph) for ph in summary["phases"]]},
-                                          indent=1) + "\n")
+            atomic_write(
+                path, json.dumps({**summary, "phases": [to_dict(ph) for ph in summary["phases"]]}, indent=1) + "\n"
+            )
             summary["summary_path"] = str(path)
         except OSError:
             pass
@@ -120,10 +127,17 @@ def report_written(channel: Any, path: Path, first: int, last: int, summary: dic
     `profile` event. The trainer and gptop.integrations' clients both report through here."""
     channel.emit("log", message=f"profiler trace of steps {first}-{last} written to {path}", path=str(path))
     if summary is not None:
-        channel.emit("profile", first=first, last=last, path=str(path),
-                     summary_path=summary.get("summary_path"), step_ms=summary["step_ms"],
-                     phases=summary["phases"], short_op_share=summary.get("short_op_share"),
-                     short_kernel_share=summary.get("short_kernel_share"),
-                     gpu_idle_share=summary.get("gpu_idle_share"),
-                     gpu_idle_host_share=summary.get("gpu_idle_host_share"),
-                     comm_overlap=summary.get("comm_overlap"))
+        channel.emit(
+            "profile",
+            first=first,
+            last=last,
+            path=str(path),
+            summary_path=summary.get("summary_path"),
+            step_ms=summary["step_ms"],
+            phases=summary["phases"],
+            short_op_share=summary.get("short_op_share"),
+            short_kernel_share=summary.get("short_kernel_share"),
+            gpu_idle_share=summary.get("gpu_idle_share"),
+            gpu_idle_host_share=summary.get("gpu_idle_host_share"),
+            comm_overlap=summary.get("comm_overlap"),
+        )

@@ -21,8 +21,18 @@ from .contract.events import STOPPED_BEFORE_FIRST_STEP
 from .contract.runlock import RunLock
 from .inductor_cache import artefact_failure
 from .memory import enable_expandable_segments
-from .train import (EXIT_COMPILE, EXIT_CONFIG, EXIT_CORRUPT_CHECKPOINT, EXIT_CRASH, EXIT_DISK, EXIT_NO_CHECKPOINT,
-                    EXIT_OK, EXIT_OOM, Stop, Trainer)
+from .train import (
+    EXIT_COMPILE,
+    EXIT_CONFIG,
+    EXIT_CORRUPT_CHECKPOINT,
+    EXIT_CRASH,
+    EXIT_DISK,
+    EXIT_NO_CHECKPOINT,
+    EXIT_OK,
+    EXIT_OOM,
+    Stop,
+    Trainer,
+)
 
 _startup_stopped = False
 
@@ -41,7 +51,7 @@ def main_run(cfg: TrainConfig, run_lock: RunLock | None = None, created_dirs: li
     step removes them, as those setup makes."""
     notice = None
     if cfg.toggles.cuda_allocator == "expandable_segments":
-        notice = enable_expandable_segments(os.environ)      # before anything initializes CUDA
+        notice = enable_expandable_segments(os.environ)  # before anything initializes CUDA
     trainer = refused = None
     try:
         trainer = Trainer(cfg)
@@ -53,47 +63,76 @@ def main_run(cfg: TrainConfig, run_lock: RunLock | None = None, created_dirs: li
         return trainer.run()
     except Stop as s:
         return s.code
-    except StartupStopped as e:                     # nothing to checkpoint before the first step
-        honour_startup_stop()                       # first: no raise again during this way out
+    except StartupStopped as e:  # nothing to checkpoint before the first step
+        honour_startup_stop()  # first: no raise again during this way out
         global _startup_stopped
         _startup_stopped = True
         if trainer is not None:
             trainer.log(f"stopped before the first step ({e})")
-            trainer.emit0("done", step=trainer.progress.step, tokens=trainer.progress.tokens, seconds=None,
-                          reason=STOPPED_BEFORE_FIRST_STEP, checkpoint=None)
+            trainer.emit0(
+                "done",
+                step=trainer.progress.step,
+                tokens=trainer.progress.tokens,
+                seconds=None,
+                reason=STOPPED_BEFORE_FIRST_STEP,
+                checkpoint=None,
+            )
         return EXIT_OK
     except ConfigError as e:
         code = _report(trainer, "config", str(e), EXIT_CONFIG)
-        refused = trainer       # a refusal before the first step leaves nothing of what this trainer created
+        refused = trainer  # a refusal before the first step leaves nothing of what this trainer created
         return code
-    except ckpt.NothingToResume as e:               # known ends: one line; the traceback only into a log file
+    except ckpt.NothingToResume as e:  # known ends: one line; the traceback only into a log file
         return _report(trainer, "no_checkpoint", str(e), EXIT_NO_CHECKPOINT, traceback=_log_only_traceback())
     except ckpt.CorruptCheckpoint as e:
-        return _report(trainer, "corrupt_checkpoint", str(e), EXIT_CORRUPT_CHECKPOINT,
-                       traceback=_log_only_traceback())
+        return _report(trainer, "corrupt_checkpoint", str(e), EXIT_CORRUPT_CHECKPOINT, traceback=_log_only_traceback())
     except torch.OutOfMemoryError as e:
-        ran = trainer.cfg if trainer is not None else cfg      # with what auto became
+        ran = trainer.cfg if trainer is not None else cfg  # with what auto became
         extra = {"toggles": ran.to_dict()["toggles"], "memory": trainer.memory_figures() if trainer else {}}
-        return _report(trainer, "oom", f"out of memory: {str(e).splitlines()[0] if str(e) else ''} -- try a smaller "
-                                       f"--micro-batch, --activation-checkpointing, bf16, --optimizer adamw-8bit or "
-                                       f"--lora R", EXIT_OOM, **extra)
+        return _report(
+            trainer,
+            "oom",
+            f"out of memory: {str(e).splitlines()[0] if str(e) else ''} -- try a smaller "
+            f"--micro-batch, --activation-checkpointing, bf16, --optimizer adamw-8bit or "
+            f"--lora R",
+            EXIT_OOM,
+            **extra,
+        )
     except ckpt.PeerSaveFailed as e:
         return _report(trainer, "crash", str(e), EXIT_CRASH, lost_peer=True)
     except Exception as e:
         disk = disk_error(e)
-        if disk is not None:           # a full or read-only filesystem: one line, the traceback to the log only
-            return _report(trainer, "disk", _disk_message(trainer, disk), EXIT_DISK, path=disk.path,
-                           os_error=disk.strerror, free_bytes=disk.free_bytes, traceback=_log_only_traceback())
+        if disk is not None:  # a full or read-only filesystem: one line, the traceback to the log only
+            return _report(
+                trainer,
+                "disk",
+                _disk_message(trainer, disk),
+                EXIT_DISK,
+                path=disk.path,
+                os_error=disk.strerror,
+                free_bytes=disk.free_bytes,
+                traceback=_log_only_traceback(),
+            )
         if trainer is not None and trainer.world > 1 and D.is_comm_error(e):
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            return _report(trainer, "crash", f"lost contact with another rank, which probably failed (see its "
-                                             f"error): {first}", EXIT_CRASH, lost_peer=True)
+            return _report(
+                trainer,
+                "crash",
+                f"lost contact with another rank, which probably failed (see its error): {first}",
+                EXIT_CRASH,
+                lost_peer=True,
+            )
         if _is_compile_error(e) or artefact_failure(e) is not None:
             own = trainer.own_cache if trainer is not None else None
             again = f" (again in the run's own inductor cache {own.own_dir})" if own is not None and own.used else ""
-            return _report(trainer, "compile", f"torch.compile failed ({cfg.toggles.compile}){again}: "
-                                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                           EXIT_COMPILE, traceback=traceback.format_exc())
+            return _report(
+                trainer,
+                "compile",
+                f"torch.compile failed ({cfg.toggles.compile}){again}: "
+                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                EXIT_COMPILE,
+                traceback=traceback.format_exc(),
+            )
         return _report(trainer, "crash", f"{type(e).__name__}: {e}", EXIT_CRASH, traceback=traceback.format_exc())
     finally:
         if trainer is not None and trainer.channel is not None:

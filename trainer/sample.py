@@ -53,10 +53,20 @@ def process_start() -> float:
 
 # --- llada: the masked-diffusion reverse process ------------------------------------------------
 
+
 @torch.no_grad()
-def llada_generate(model: torch.nn.Module, prompt: torch.Tensor, *, mask_id: int, length: int, steps: int,
-                   temperature: float = 0.0, generator: torch.Generator | None = None, vocab: int | None = None,
-                   deadline: float | None = None) -> tuple[torch.Tensor, int]:
+def llada_generate(
+    model: torch.nn.Module,
+    prompt: torch.Tensor,
+    *,
+    mask_id: int,
+    length: int,
+    steps: int,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    vocab: int | None = None,
+    deadline: float | None = None,
+) -> tuple[torch.Tensor, int]:
     """LLaDA's reverse process with low-confidence remasking (see the module docstring).
 
     `prompt` is [1, P] token ids; returns (the L completion ids, the reverse steps done). `vocab`
@@ -74,7 +84,7 @@ def llada_generate(model: torch.nn.Module, prompt: torch.Tensor, *, mask_id: int
         if deadline is not None and done > 0 and time.time() >= deadline:
             break
         masked = x[0, P:] == mask_id
-        logits = model(input_ids=x).logits[0, P:].float()            # [L, V]: every position at once
+        logits = model(input_ids=x).logits[0, P:].float()  # [L, V]: every position at once
         if vocab is not None and vocab < logits.shape[-1]:
             logits[:, vocab:] = float("-inf")
         logits[:, mask_id] = float("-inf")
@@ -85,10 +95,10 @@ def llada_generate(model: torch.nn.Module, prompt: torch.Tensor, *, mask_id: int
             pred = logits.argmax(dim=-1)
         confidence = probs.gather(-1, pred[:, None])[:, 0]
         confidence = confidence.masked_fill(~masked, float("-inf"))  # already unmasked: stays as it is
-        unmasked_after = length * k // steps                           # floor(L * (1 - s)), s = 1 - k/N
+        unmasked_after = length * k // steps  # floor(L * (1 - s)), s = 1 - k/N
         n_new = unmasked_after - int((~masked).sum())
         if n_new > 0:
-            keep = confidence.topk(n_new).indices                      # the rest is remasked
+            keep = confidence.topk(n_new).indices  # the rest is remasked
             x[0, P + keep] = pred[keep]
         done = k
     completion = x[0, P:].clone()
@@ -100,27 +110,42 @@ def llada_generate(model: torch.nn.Module, prompt: torch.Tensor, *, mask_id: int
 
 # --- causal: transformers' generate -------------------------------------------------------------
 
+
 @torch.no_grad()
-def causal_generate(model: torch.nn.Module, prompt: torch.Tensor, *, max_new_tokens: int, temperature: float,
-                    eos: int | None, pad: int | None, vocab: int | None, max_time: float | None) -> torch.Tensor:
+def causal_generate(
+    model: torch.nn.Module,
+    prompt: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    eos: int | None,
+    pad: int | None,
+    vocab: int | None,
+    max_time: float | None,
+) -> torch.Tensor:
     """New token ids after `prompt` ([1, P]) by `model.generate` (seed the global RNG first)."""
-    kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "use_cache": True, "do_sample": temperature > 0,
-                              "attention_mask": torch.ones_like(prompt)}
+    kwargs: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens,
+        "use_cache": True,
+        "do_sample": temperature > 0,
+        "attention_mask": torch.ones_like(prompt),
+    }
     if temperature > 0:
-        kwargs.update(temperature=temperature, top_k=0, top_p=1.0)     # the full distribution
+        kwargs.update(temperature=temperature, top_k=0, top_p=1.0)  # the full distribution
     if eos is not None:
         kwargs["eos_token_id"] = eos
     kwargs["pad_token_id"] = pad if pad is not None else eos
     rows = model.get_output_embeddings().weight.shape[0]
     if vocab is not None and vocab < rows:
-        kwargs["suppress_tokens"] = list(range(vocab, rows))            # padded rows are no tokens
+        kwargs["suppress_tokens"] = list(range(vocab, rows))  # padded rows are no tokens
     if max_time is not None:
         kwargs["max_time"] = max(0.01, max_time)
     out = model.generate(prompt, **kwargs)
-    return out[0, prompt.shape[1]:]
+    return out[0, prompt.shape[1] :]
 
 
 # --- the tool -----------------------------------------------------------------------------------
+
 
 def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
     """The prompt's ids, after end-of-text when the tokenizer adds no beginning-of-text token."""
@@ -138,25 +163,31 @@ def sample(ns: argparse.Namespace, started: float | None = None) -> SampleResult
     loaded = load_for_inference(ns.path, candidates, step_given=ns.step is not None, device=ns.device, log=log)
     ready = time.time()
     if ready >= deadline:
-        raise TimeoutError(f"--timeout: {ns.timeout:g} s passed while loading the model ({ready - started:.1f} s); "
-                           "raise --timeout")
+        raise TimeoutError(
+            f"--timeout: {ns.timeout:g} s passed while loading the model ({ready - started:.1f} s); raise --timeout"
+        )
     return generate(loaded, ns, deadline=deadline, load_seconds=ready - started)
 
 
-def generate(loaded: LoadedModel, ns: argparse.Namespace, *, deadline: float | None = None,
-             load_seconds: float = 0.0) -> SampleResult:
+def generate(
+    loaded: LoadedModel, ns: argparse.Namespace, *, deadline: float | None = None, load_seconds: float = 0.0
+) -> SampleResult:
     """One sample from a loaded model with the options of `ns` (tools.add_sample_arguments)."""
     model, tok = loaded.model, loaded.tokenizer
     device = next(model.parameters()).device
     ids = encode_prompt(tok, ns.prompt)
     temperature = tools.sampling_temperature(ns.temperature)
     if temperature != ns.temperature:
-        log(f"temperature {ns.temperature:g} is below {tools.GREEDY_BELOW:g}, where sampling is greedy decoding "
-            "(the limit as T -> 0): decoding greedily")
+        log(
+            f"temperature {ns.temperature:g} is below {tools.GREEDY_BELOW:g}, where sampling is greedy decoding "
+            "(the limit as T -> 0): decoding greedily"
+        )
     context = loaded.cfg.data.seq_len if loaded.cfg else tok.model_max_length
     if len(ids) + ns.max_new_tokens > context:
-        log(f"warning: {len(ids)} prompt + {ns.max_new_tokens} new tokens is longer than the {context} tokens "
-            "the model was trained on")
+        log(
+            f"warning: {len(ids)} prompt + {ns.max_new_tokens} new tokens is longer than the {context} tokens "
+            "the model was trained on"
+        )
     prompt = torch.tensor([ids], dtype=torch.long, device=device)
     eos, vocab = eos_id(tok), len(tok)
     torch.manual_seed(ns.seed)
@@ -164,39 +195,71 @@ def generate(loaded: LoadedModel, ns: argparse.Namespace, *, deadline: float | N
     steps = None
     if loaded.objective == "llada":
         steps = ns.diffusion_steps or ns.max_new_tokens
-        log(f"{loaded.bundle.family}: {ns.max_new_tokens} tokens in {steps} reverse steps (low-confidence "
-            f"remasking), temperature {temperature:g}")
+        log(
+            f"{loaded.bundle.family}: {ns.max_new_tokens} tokens in {steps} reverse steps (low-confidence "
+            f"remasking), temperature {temperature:g}"
+        )
         gen = torch.Generator(device=device).manual_seed(ns.seed)
-        new, done = llada_generate(model, prompt, mask_id=loaded.mask_id, length=ns.max_new_tokens, steps=steps,
-                                   temperature=temperature, generator=gen, vocab=vocab, deadline=deadline)
+        new, done = llada_generate(
+            model,
+            prompt,
+            mask_id=loaded.mask_id,
+            length=ns.max_new_tokens,
+            steps=steps,
+            temperature=temperature,
+            generator=gen,
+            vocab=vocab,
+            deadline=deadline,
+        )
         stopped = "timeout" if done < steps else "max_new_tokens"
     else:
         if ns.diffusion_steps is not None:
             log("note: --diffusion-steps applies to llada models only; ignored")
-        log(f"{loaded.bundle.family}: up to {ns.max_new_tokens} tokens with transformers' generate, "
-            f"{'greedy' if temperature == 0 else f'temperature {temperature:g}'}")
-        new = causal_generate(model, prompt, max_new_tokens=ns.max_new_tokens, temperature=temperature, eos=eos,
-                              pad=tok.pad_token_id, vocab=vocab,
-                              max_time=None if deadline is None else deadline - time.time())
+        log(
+            f"{loaded.bundle.family}: up to {ns.max_new_tokens} tokens with transformers' generate, "
+            f"{'greedy' if temperature == 0 else f'temperature {temperature:g}'}"
+        )
+        new = causal_generate(
+            model,
+            prompt,
+            max_new_tokens=ns.max_new_tokens,
+            temperature=temperature,
+            eos=eos,
+            pad=tok.pad_token_id,
+            vocab=vocab,
+            max_time=None if deadline is None else deadline - time.time(),
+        )
         ended = eos is not None and eos in new.tolist()
         stopped = "eos" if ended else "max_new_tokens" if len(new) >= ns.max_new_tokens else "timeout"
     seconds = time.time() - t0
     new = new.tolist()
-    if eos is not None and eos in new:          # a document ends there: what follows is another one
-        new = new[:new.index(eos)]
+    if eos is not None and eos in new:  # a document ends there: what follows is another one
+        new = new[: new.index(eos)]
         if stopped == "max_new_tokens":
             stopped = "eos"
     completion = tok.decode(new, skip_special_tokens=True)
-    return SampleResult(source=str(loaded.source), step=loaded.step, family=loaded.bundle.family,
-                        objective=loaded.objective, prompt=ns.prompt, completion=completion, new_tokens=len(new),
-                        stopped=stopped, temperature=float(ns.temperature), seed=int(ns.seed),
-                        seconds=round(seconds, 3), load_seconds=round(load_seconds, 3), diffusion_steps=steps)
+    return SampleResult(
+        source=str(loaded.source),
+        step=loaded.step,
+        family=loaded.bundle.family,
+        objective=loaded.objective,
+        prompt=ns.prompt,
+        completion=completion,
+        new_tokens=len(new),
+        stopped=stopped,
+        temperature=float(ns.temperature),
+        seed=int(ns.seed),
+        seconds=round(seconds, 3),
+        load_seconds=round(load_seconds, 3),
+        diffusion_steps=steps,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     started = process_start()
-    parser = argparse.ArgumentParser(prog="python -m trainer.sample",
-                                     description="Generate text from a run's checkpoint or an exported model.")
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.sample", description="Generate text from a run's checkpoint or an exported model."
+    )
     tools.add_sample_arguments(parser)
     ns = parser.parse_args(argv)
 
@@ -208,8 +271,10 @@ def main(argv: list[str] | None = None) -> int:
             print(result.text, flush=True)
             where = f"step {result.step}" if result.step is not None else result.source
             rate = result.new_tokens / result.seconds if result.seconds > 0 else 0.0
-            log(f"{result.new_tokens} tokens from {where} in {result.seconds:.2f} s ({rate:.0f} tokens/s), "
-                f"stopped at {result.stopped}")
+            log(
+                f"{result.new_tokens} tokens from {where} in {result.seconds:.2f} s ({rate:.0f} tokens/s), "
+                f"stopped at {result.stopped}"
+            )
         return EXIT_OK
 
     return tool_main("sample", work)

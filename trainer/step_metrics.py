@@ -31,8 +31,17 @@ class MfuCheck:
     low. Above 1 the peak is wrong: say so once, drop that cached peak so the next run measures again, and
     report null from here on."""
 
-    def __init__(self, dev: DeviceInfo, precision: str, *, peak_flops: float | None, procs: int, world: int,
-                 flops_per_token: float, emit0: Callable[..., None]):
+    def __init__(
+        self,
+        dev: DeviceInfo,
+        precision: str,
+        *,
+        peak_flops: float | None,
+        procs: int,
+        world: int,
+        flops_per_token: float,
+        emit0: Callable[..., None],
+    ):
         self.dev, self.precision, self.procs, self.world = dev, precision, procs, world
         self.peak_flops, self.flops_per_token, self.emit0 = peak_flops, flops_per_token, emit0
         self.remeasured = False
@@ -47,18 +56,23 @@ class MfuCheck:
             old = self.peak_flops
             again = peak(self.dev, self.precision, procs=self.procs, remeasure=True)
             self.peak_flops = max(old or 0.0, again.flops or 0.0)
-            self.emit0("log", message=f"MFU {got:.0%} is close to the measured CPU peak "
-                                      f"({old / 1e9:,.1f} GFLOP/s per process): measured it again, "
-                                      f"{(again.flops or 0) / 1e9:,.1f}; using {self.peak_flops / 1e9:,.1f}",
-                       source="trainer")
+            self.emit0(
+                "log",
+                message=f"MFU {got:.0%} is close to the measured CPU peak "
+                f"({old / 1e9:,.1f} GFLOP/s per process): measured it again, "
+                f"{(again.flops or 0) / 1e9:,.1f}; using {self.peak_flops / 1e9:,.1f}",
+                source="trainer",
+            )
             got = self.value(tokens_per_s)
         if got is None or got <= 1.0:
             return got
         where = "the datasheet peak" if self.dev.is_cuda else "the measured CPU matmul peak"
-        msg = (f"MFU would be {got:.2f} (> 1): {where} ({self.peak_flops / 1e9:,.1f} GFLOP/s per process) is "
-               f"below what the model achieves, so it is not a peak; MFU is not reported for the rest of this run")
+        msg = (
+            f"MFU would be {got:.2f} (> 1): {where} ({self.peak_flops / 1e9:,.1f} GFLOP/s per process) is "
+            f"below what the model achieves, so it is not a peak; MFU is not reported for the rest of this run"
+        )
         if not self.dev.is_cuda:
-            dtypes = {cpu_dtype(self.precision), torch.float32}   # a bf16 peak is never below fp32's
+            dtypes = {cpu_dtype(self.precision), torch.float32}  # a bf16 peak is never below fp32's
             dropped = [forget_cpu_peak(d, cpu_name=self.dev.name, procs=self.procs) for d in dtypes]
             if any(dropped):
                 msg += " and the cached peak is dropped (the next run measures it again, best on an idle machine)"
@@ -72,8 +86,19 @@ class StepMetrics:
     after each optimizer step, `progress` at each step's end, `flush` on log steps, `reset` after a
     rollback."""
 
-    def __init__(self, channel: Channel, *, rank: int, world: int, group: D.Group | None, device: torch.device,
-                 meter: MemoryMeter, balancer: MoEBalancer | None, tokens_per_step: int, mfu: MfuCheck):
+    def __init__(
+        self,
+        channel: Channel,
+        *,
+        rank: int,
+        world: int,
+        group: D.Group | None,
+        device: torch.device,
+        meter: MemoryMeter,
+        balancer: MoEBalancer | None,
+        tokens_per_step: int,
+        mfu: MfuCheck,
+    ):
         self.channel, self.rank, self.world, self.group, self.device = channel, rank, world, group, device
         self.meter, self.balancer, self.tokens_per_step, self.mfu = meter, balancer, tokens_per_step, mfu
         self.reset()
@@ -104,17 +129,18 @@ class StepMetrics:
         if self.rank == 0:
             self.channel.emit_live("progress", step=progress.step, tokens=progress.tokens, step_ms=step_ms)
 
-    def flush(self, progress: Progress, optimizer: torch.optim.Optimizer, timer: StepTimer,
-              check_finite: Callable[[], None]) -> None:
+    def flush(
+        self, progress: Progress, optimizer: torch.optim.Optimizer, timer: StepTimer, check_finite: Callable[[], None]
+    ) -> None:
         """The interval's `step` event (the one read-back of the interval; `check_finite` runs after it,
         before anything is reported), then a new interval."""
         n = self.steps
         if n == 0:
             return
-        if self.group is not None:                  # the global batch's loss: mean over ranks
+        if self.group is not None:  # the global batch's loss: mean over ranks
             self.group.sum_(self.loss_sum)
             self.loss_sum /= self.world
-        loss = (self.loss_sum / n).item()           # the one sync per log interval
+        loss = (self.loss_sum / n).item()  # the one sync per log interval
         grad_norm = self.grad_norm.item()
         check_finite()
         wall = time.perf_counter() - self.t0
@@ -122,12 +148,21 @@ class StepMetrics:
         tokens_per_s = n * self.tokens_per_step / wall if wall > 0 else None
         step_ms = timed_ms if timed_ms is not None else wall * 1e3 / n
         fields: dict[str, Any] = dict(
-            step=progress.step, tokens=progress.tokens, loss=loss,
-            lr=float(optimizer.param_groups[0]["lr"]), grad_norm=grad_norm, step_ms=step_ms, phases_ms=phases,
-            tokens_per_s=tokens_per_s, mfu=self.mfu(tokens_per_s),
-            mem_bytes=self.meter.peak(), interval_steps=n, wall_ms=wall * 1e3 / n,
-            optim_state_bytes=optim.state_bytes(optimizer))
-        fields["batch"] = progress.batch_cursor - 1   # global batch index of the last step (data-order checks)
+            step=progress.step,
+            tokens=progress.tokens,
+            loss=loss,
+            lr=float(optimizer.param_groups[0]["lr"]),
+            grad_norm=grad_norm,
+            step_ms=step_ms,
+            phases_ms=phases,
+            tokens_per_s=tokens_per_s,
+            mfu=self.mfu(tokens_per_s),
+            mem_bytes=self.meter.peak(),
+            interval_steps=n,
+            wall_ms=wall * 1e3 / n,
+            optim_state_bytes=optim.state_bytes(optimizer),
+        )
+        fields["batch"] = progress.batch_cursor - 1  # global batch index of the last step (data-order checks)
         if idle is not None:
             fields["gpu_idle_ms"] = idle
         comm = [c for c in self.comm_ms if c is not None]

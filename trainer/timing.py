@@ -36,14 +36,15 @@ TIMED = ("data", "forward", "backward", "optimizer")
 class StepTiming:
     step: int
     step_ms: float
-    phases_ms: dict[str, float] | None        # None when timing is off
+    phases_ms: dict[str, float] | None  # None when timing is off
     gpu_idle_ms: float | None = None
 
 
 class StepTimer(Protocol):
-    annotate: Callable[[str], AbstractContextManager] | None   # a profiler range per phase, while recording
+    annotate: Callable[[str], AbstractContextManager] | None  # a profiler range per phase, while recording
+
     def begin_step(self, step: int) -> None: ...
-    def phase(self, name: str): ...           # context manager
+    def phase(self, name: str): ...  # context manager
     def end_step(self) -> None: ...
     def collect(self) -> list[StepTiming]: ...  # finished steps; call after the loop has synchronized
 
@@ -125,7 +126,7 @@ class _PendingStep:
     start: EventLike
     end: EventLike | None = None
     spans: dict[str, list[tuple[EventLike, EventLike]]] = field(default_factory=dict)
-    data_ms: float = 0.0   # host-side wait: the GPU timeline cannot see it
+    data_ms: float = 0.0  # host-side wait: the GPU timeline cannot see it
 
 
 class CudaTimer(_Ranges):
@@ -138,9 +139,14 @@ class CudaTimer(_Ranges):
     host-side phase, timed on the host.
     """
 
-    def __init__(self, make_event: Callable[[], EventLike] | None = None,
-                 clock: Callable[[], float] = time.perf_counter, *, device: Any = None,
-                 stream: Callable[[], Any] | None = None):
+    def __init__(
+        self,
+        make_event: Callable[[], EventLike] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        *,
+        device: Any = None,
+        stream: Callable[[], Any] | None = None,
+    ):
         if make_event is None or stream is None:
             import torch
 
@@ -227,8 +233,9 @@ def make_timer(device: Any, enabled: bool) -> StepTimer:
     return CudaTimer(device=device) if getattr(device, "type", device) == "cuda" else CpuTimer()
 
 
-def check(dev: "DeviceInfo", quick: bool, *, timer_factory: Callable[[], StepTimer] | None = None,
-          device: Any = None) -> "Outcome":
+def check(
+    dev: "DeviceInfo", quick: bool, *, timer_factory: Callable[[], StepTimer] | None = None, device: Any = None
+) -> "Outcome":
     """gptop doctor's `timing` path: time a known workload with this device's timer (make_timer) the way the
     loop does, and compare with a synchronized wall clock: the steps must add up to it, and a phase with
     twice the matmuls of another must measure about twice as long in the median step on CUDA (events on the
@@ -238,7 +245,7 @@ def check(dev: "DeviceInfo", quick: bool, *, timer_factory: Callable[[], StepTim
 
     from .contract.doctor import Outcome
 
-    device = device if device is not None else dev.torch_device     # tests: a fake timer over CPU work
+    device = device if device is not None else dev.torch_device  # tests: a fake timer over CPU work
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
@@ -249,12 +256,12 @@ def check(dev: "DeviceInfo", quick: bool, *, timer_factory: Callable[[], StepTim
     def work(k: int) -> None:
         x = a
         for _ in range(k):
-            x = (x @ a) * n ** -0.5           # keeps the values near 1 (no denormals, no overflow)
+            x = (x @ a) * n**-0.5  # keeps the values near 1 (no denormals, no overflow)
 
     def attempt() -> tuple[bool, str, dict]:
         timer = timer_factory() if timer_factory is not None else make_timer(device, True)
         steps = 8 if quick else 12
-        work(3)                                     # warm-up: kernels, caches
+        work(3)  # warm-up: kernels, caches
         sync()
         t0 = time.perf_counter()
         for s in range(steps):
@@ -275,18 +282,25 @@ def check(dev: "DeviceInfo", quick: bool, *, timer_factory: Callable[[], StepTim
             return False, f"{len(got)} of {steps} steps timed", {}
         total = sum(t.step_ms for t in got)
         adds_up = all(abs(sum(t.phases_ms.values()) - t.step_ms) <= 1e-6 * max(1.0, t.step_ms) for t in got)
-        ratios = sorted(t.phases_ms["backward"] / t.phases_ms["forward"] if t.phases_ms["forward"] > 0
-                        else float("inf") for t in got)
+        ratios = sorted(
+            t.phases_ms["backward"] / t.phases_ms["forward"] if t.phases_ms["forward"] > 0 else float("inf")
+            for t in got
+        )
         ratio = ratios[len(ratios) // 2]
         share = total / wall_ms if wall_ms > 0 else 0.0
         # The ratio judges CUDA events (recorded on the wrong stream they time nothing); a shared CPU's host
         # clocks are exact but the work between them is not steady, so there it is only reported.
         ok = adds_up and 0.9 <= share <= 1.1 and (not cuda or 1.5 <= ratio <= 2.6)
-        observed = (f"steps sum to {share:.0%} of the wall clock ({total:.1f} of {wall_ms:.1f} ms); median "
-                    f"backward/forward {ratio:.2f} (2x the work{'' if cuda else ', not judged on the CPU'})"
-                    + ("" if adds_up else "; phases do not add up"))
-        return ok, observed, dict(wall_ms=wall_ms, timed_ms=total, backward_over_forward=ratio,
-                                  timer=type(timer).__name__)
+        observed = (
+            f"steps sum to {share:.0%} of the wall clock ({total:.1f} of {wall_ms:.1f} ms); median "
+            f"backward/forward {ratio:.2f} (2x the work{'' if cuda else ', not judged on the CPU'})"
+            + ("" if adds_up else "; phases do not add up")
+        )
+        return (
+            ok,
+            observed,
+            dict(wall_ms=wall_ms, timed_ms=total, backward_over_forward=ratio, timer=type(timer).__name__),
+        )
 
     for tries in range(1, 4):  # noqa: B007  (read after the loop: the attempt that held)
         ok, observed, data = attempt()
@@ -294,5 +308,6 @@ def check(dev: "DeviceInfo", quick: bool, *, timer_factory: Callable[[], StepTim
             break
     if tries > 1:
         observed += f" (attempt {tries} of 3)"
-    return Outcome.verdict(ok, observed, "the timer's steps or phases disagree with the synchronized clock",
-                           attempts=tries, **data)
+    return Outcome.verdict(
+        ok, observed, "the timer's steps or phases disagree with the synchronized clock", attempts=tries, **data
+    )

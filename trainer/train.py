@@ -58,8 +58,9 @@ from .step_metrics import MfuCheck, StepMetrics
 from .timing import make_timer
 
 EXIT_OK, EXIT_CRASH, EXIT_CONFIG, EXIT_OOM, EXIT_NAN, EXIT_COMPILE = 0, 1, 2, 3, 4, 5
-EXIT_NO_CHECKPOINT, EXIT_CORRUPT_CHECKPOINT = 6, 7       # --resume found nothing / nothing that verifies
-EXIT_DISK = 8                                            # a write failed: filesystem full or read-only
+EXIT_NO_CHECKPOINT, EXIT_CORRUPT_CHECKPOINT = 6, 7  # --resume found nothing / nothing that verifies
+EXIT_DISK = 8  # a write failed: filesystem full or read-only
+
 
 class Stop(Exception):
     """Raised to end the run early with an exit code after the error was reported."""
@@ -76,18 +77,25 @@ class Trainer:
         self.device = self.dev.torch_device
         self.progress = Progress()
         self.channel: Channel | None = None
-        self.group: D.Group | None = None            # several ranks: the process group and control plane
-        self.ddp: torch.nn.Module | None = None      # the DDP wrapper (--parallel ddp, several ranks)
+        self.group: D.Group | None = None  # several ranks: the process group and control plane
+        self.ddp: torch.nn.Module | None = None  # the DDP wrapper (--parallel ddp, several ranks)
         self.comm: D.CommTimer | None = None
         self.faults = faults.Faults(cfg.run.fault, self.rank)
         self.resumed_from: str | None = None
         self.run_lock: RunLock | None = None
-        self.compile_report = None                   # trainer.compile_watch.CompileReport of a compiled run
-        self.own_cache: OwnCache | None = None       # the run's own inductor cache, after a corrupt shared artefact
-        self.notices: list[str] = []                 # warnings found before the channel exists
-        self.auto_options = [name for name, value in (("size", cfg.model.size), ("micro_batch", cfg.toggles.micro_batch),
-                                                      ("precision", cfg.toggles.precision)) if value == AUTO]
-        self.created_dirs: list[Path] = []         # the run directory and parents this trainer made (setup)
+        self.compile_report = None  # trainer.compile_watch.CompileReport of a compiled run
+        self.own_cache: OwnCache | None = None  # the run's own inductor cache, after a corrupt shared artefact
+        self.notices: list[str] = []  # warnings found before the channel exists
+        self.auto_options = [
+            name
+            for name, value in (
+                ("size", cfg.model.size),
+                ("micro_batch", cfg.toggles.micro_batch),
+                ("precision", cfg.toggles.precision),
+            )
+            if value == AUTO
+        ]
+        self.created_dirs: list[Path] = []  # the run directory and parents this trainer made (setup)
 
     # ------------------------------------------------------------------ setup
     def log(self, msg: str) -> None:
@@ -125,10 +133,18 @@ class Trainer:
         that cannot fit in the device's memory stops here (exit 2) with the estimate and the largest size
         that fits; a step longer than a minute is a warning before it is taken."""
         cfg = self.cfg
-        est, kw = build.run_estimate(cfg, self.dev, capacity=build.rank_memory(self.dev, self.local_procs),
-                                     peak_flops=self.peak_flops, world=self.world, parallel=self.parallel)
-        self.emit0("hello", **build.early_hello(cfg, self.dev, est, world=self.world, parallel=self.parallel,
-                                                auto=self.auto_options))
+        est, kw = build.run_estimate(
+            cfg,
+            self.dev,
+            capacity=build.rank_memory(self.dev, self.local_procs),
+            peak_flops=self.peak_flops,
+            world=self.world,
+            parallel=self.parallel,
+        )
+        self.emit0(
+            "hello",
+            **build.early_hello(cfg, self.dev, est, world=self.world, parallel=self.parallel, auto=self.auto_options),
+        )
         if est is None:
             return
         where = "this CPU" if not self.dev.is_cuda else self.dev.name
@@ -137,8 +153,10 @@ class Trainer:
         self.log(f"estimate: {est.summary(where)}")
         if est.slow:
             steps = cfg.optim.max_steps - (self.progress.step or 0)
-            msg = (f"{est.summary(where, steps)} (estimated at {E.ASSUMED_MFU:.0%} MFU); for faster steps use a smaller "
-                   f"--size, --seq-len or --global-batch" + (", or a GPU" if not self.dev.is_cuda else ""))
+            msg = (
+                f"{est.summary(where, steps)} (estimated at {E.ASSUMED_MFU:.0%} MFU); for faster steps use a smaller "
+                f"--size, --seq-len or --global-batch" + (", or a GPU" if not self.dev.is_cuda else "")
+            )
             self.emit0("warning", message=msg, kind="estimate")
             self.log(f"warning: {msg}")
 
@@ -167,13 +185,14 @@ class Trainer:
         cfg = self.cfg
         self.run_dir = Path(cfg.run.run_dir)
         self.own_cache = OwnCache(self.run_dir / "inductor-cache")
-        if not self.created_dirs:      # what a refusal before the first step removes
+        if not self.created_dirs:  # what a refusal before the first step removes
             self.created_dirs = protect.dirs_to_create(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # RunDirBusy: exit 2
         if self.run_lock is None or self.run_lock.run_dir.resolve() != self.run_dir.resolve():
-            self.run_lock = RunLock.for_trainer(self.run_dir,
-                                                new_run=not rundir.resumes_into(cfg.checkpoint.resume, self.run_dir))
+            self.run_lock = RunLock.for_trainer(
+                self.run_dir, new_run=not rundir.resumes_into(cfg.checkpoint.resume, self.run_dir)
+            )
         if self.run_lock.warning:
             self.log(f"warning: {self.run_lock.warning}")
         self.channel = Channel(rundir.RunDir(self.run_dir).events(self.rank), cfg.run.channel, rank=self.rank)
@@ -188,7 +207,7 @@ class Trainer:
         if os.environ.get("TORCHELASTIC_RUN_ID"):
             D.die_with_parent()
         if self.parallel == "fsdp":
-            D.fsdp_precision(self.cfg.toggles.precision)      # unsupported combinations fail before the group forms
+            D.fsdp_precision(self.cfg.toggles.precision)  # unsupported combinations fail before the group forms
         self.group = D.Group(self.rank, self.world, self.local_rank, self.device)
         self.group.init()
 
@@ -196,9 +215,9 @@ class Trainer:
         """What the device, the model family and the number of ranks allow; then the peak MFU is measured against."""
         cfg = self.cfg
         capabilities.check_config(cfg, self.dev, self.world)
-        if not is_pretrained_path(cfg.model.model):      # a family's LoRA targets and rank, from its dimensions
+        if not is_pretrained_path(cfg.model.model):  # a family's LoRA targets and rank, from its dimensions
             E.check_lora(cfg.model.model, cfg.model.size, cfg.finetune.lora, cfg.finetune.lora_targets)
-        cfg.validate(world_size=self.world)     # the per-rank batch and micro-batch, now that the world is known
+        cfg.validate(world_size=self.world)  # the per-rank batch and micro-batch, now that the world is known
         self.local_procs = build.local_procs()
         p = peak(self.dev, cfg.toggles.precision, procs=self.local_procs)
         self.peak_flops, self.peak_source = p.flops, p.source
@@ -208,15 +227,17 @@ class Trainer:
         what works on them: the checkpointer, the commands, the profiler."""
         cfg = self.cfg
         torch.manual_seed(cfg.optim.seed)
-        self.data, self.sampler = build.build_data(cfg, rank=self.rank, world=self.world, log=self.log,
-                                                   phase=self._tokenizing)
+        self.data, self.sampler = build.build_data(
+            cfg, rank=self.rank, world=self.world, log=self.log, phase=self._tokenizing
+        )
         self.phase("building", f"building {build.model_name(cfg)}")
         self.bundle = build.build_bundle(cfg, self.data, self.dev)
         self.raw_model = self.bundle.model.to(self.device)
         precision = build.build_precision(self.raw_model, cfg.toggles.precision, self.dev, self.parallel)
         self.autocast_dtype, self.scaler = precision.autocast_dtype, precision.scaler
-        wrapped = build.wrap_parallel(self.raw_model, self.group, self.parallel, cfg.toggles.precision, self.dev,
-                                      is_moe=self.bundle.is_moe)
+        wrapped = build.wrap_parallel(
+            self.raw_model, self.group, self.parallel, cfg.toggles.precision, self.dev, is_moe=self.bundle.is_moe
+        )
         self.ddp, self.comm = wrapped.ddp, wrapped.comm
         self.optimizer = optim.build_optimizer(self.raw_model, cfg)
         self.meter = make_meter(self.device)
@@ -224,9 +245,13 @@ class Trainer:
         self.ckpt = Checkpointer(cfg, self.dev, self.run_dir, self.group, warn=self._warn)
         self.ckpt.bind(self.raw_model, self.optimizer, self.scaler)
         self.commands = Commands(self.channel, self.rank, self.group.agree if self.group is not None else None)
-        self.profiler = StepProfiler(rundir.RunDir(self.run_dir).profiles, self.rank, self.dev.is_cuda,
-                                     parse_step_range(cfg.log.profile_steps) if cfg.log.profile_steps else None,
-                                     on_written=self._profile_written)
+        self.profiler = StepProfiler(
+            rundir.RunDir(self.run_dir).profiles,
+            self.rank,
+            self.dev.is_cuda,
+            parse_step_range(cfg.log.profile_steps) if cfg.log.profile_steps else None,
+            on_written=self._profile_written,
+        )
 
     def _resume(self) -> None:
         self.phase("loading", "loading the checkpoint to resume from")
@@ -235,8 +260,11 @@ class Trainer:
         self.log(f"resumed from {path} at step {self.progress.step}")
         w = self.profiler.window
         if w and w[1] <= self.progress.step:
-            self.emit0("warning", message=f"--profile-steps {w[0]}-{w[1]}: this run resumes after step "
-                                          f"{self.progress.step}, so no trace is written")
+            self.emit0(
+                "warning",
+                message=f"--profile-steps {w[0]}-{w[1]}: this run resumes after step "
+                f"{self.progress.step}, so no trace is written",
+            )
 
     def _resolve_micro_batch(self) -> None:
         """`--micro-batch auto` becomes the probed number, in a new config the trainer and its checkpointer
@@ -244,7 +272,7 @@ class Trainer:
         if self.cfg.toggles.micro_batch == AUTO:
             self.cfg = build.replaced(self.cfg, "toggles", micro_batch=self._auto_micro_batch())
             self.ckpt.use_config(self.cfg)
-            capabilities.check_config(self.cfg, self.dev, self.world)     # what depends on the accumulation
+            capabilities.check_config(self.cfg, self.dev, self.world)  # what depends on the accumulation
         b = build.batching(self.cfg, self.sampler)
         self.micro_batch, self.accum, self.tokens_per_step = b.micro_batch, b.accumulation, b.tokens_per_step
 
@@ -253,17 +281,32 @@ class Trainer:
         cfg = self.cfg
         if self.rank == 0:
             atomic_write(rundir.RunDir(self.run_dir).config, cfg.to_toml())
-        self.emit_node("hello", **build.hello(
-            cfg, self.dev, self.bundle, self.data, build.Batching(self.micro_batch, self.accum, self.tokens_per_step),
-            world=self.world, parallel=self.parallel, peak_flops=self.peak_flops, peak_source=self.peak_source,
-            resumed_from=self.resumed_from, start_step=self.progress.step,
-            gpus=build.node_gpus(self.dev, self.world, self.local_procs), auto=self.auto_options))
+        self.emit_node(
+            "hello",
+            **build.hello(
+                cfg,
+                self.dev,
+                self.bundle,
+                self.data,
+                build.Batching(self.micro_batch, self.accum, self.tokens_per_step),
+                world=self.world,
+                parallel=self.parallel,
+                peak_flops=self.peak_flops,
+                peak_source=self.peak_source,
+                resumed_from=self.resumed_from,
+                start_step=self.progress.step,
+                gpus=build.node_gpus(self.dev, self.world, self.local_procs),
+                auto=self.auto_options,
+            ),
+        )
         ranks = f"; {self.world} ranks ({self.parallel}, {self.group.backend})" if self.group else ""
-        self.log(f"{self.bundle.family}/{self.bundle.size}: {self.bundle.total_params / 1e6:.1f}M params "
-                 f"({self.bundle.active_params / 1e6:.1f}M active, {self.bundle.trainable_params / 1e6:.2f}M trained) "
-                 f"on {self.dev.name}; micro-batch {self.micro_batch} "
-                 f"x {self.accum} accumulation{ranks}; run dir {self.run_dir}")
-        for slow in capabilities.slow_config(cfg, self.dev):   # runs, but the user should know
+        self.log(
+            f"{self.bundle.family}/{self.bundle.size}: {self.bundle.total_params / 1e6:.1f}M params "
+            f"({self.bundle.active_params / 1e6:.1f}M active, {self.bundle.trainable_params / 1e6:.2f}M trained) "
+            f"on {self.dev.name}; micro-batch {self.micro_batch} "
+            f"x {self.accum} accumulation{ranks}; run dir {self.run_dir}"
+        )
+        for slow in capabilities.slow_config(cfg, self.dev):  # runs, but the user should know
             self.log(f"warning: {slow}")
             self.emit0("warning", message=slow, kind="slow_toggle")
 
@@ -313,9 +356,15 @@ class Trainer:
         with a forward and backward per candidate."""
         local = self.cfg.optim.global_batch // self.world
         if not self.dev.is_cuda:
-            roomy = autobatch.roomy_cpu_batch(self.cfg, self.bundle.family, self.bundle.size, local=local,
-                                              share=build.rank_memory(self.dev, self.local_procs),
-                                              vocab_size=self.data.vocab_size, log=self.log)
+            roomy = autobatch.roomy_cpu_batch(
+                self.cfg,
+                self.bundle.family,
+                self.bundle.size,
+                local=local,
+                share=build.rank_memory(self.dev, self.local_procs),
+                vocab_size=self.data.vocab_size,
+                log=self.log,
+            )
             if roomy is not None:
                 return roomy
         x_all, y_all = self.sampler.micro_batch(0, 0, local)
@@ -323,15 +372,21 @@ class Trainer:
         # trained parameter) appears at the first step and stays through every later forward and backward.
         pending = optim.pending_state_bytes(self.optimizer, self.cfg.toggles.optimizer)
         if pending and self.rank == 0:
-            self.log(f"--micro-batch auto: counting {pending / 2**30:.2f} GiB of optimizer state the first step "
-                     f"allocates")
+            self.log(
+                f"--micro-batch auto: counting {pending / 2**30:.2f} GiB of optimizer state the first step allocates"
+            )
 
         def probe_local(mb: int) -> int:
             return self._probe_peak(x_all[:mb], y_all[:mb]) + pending
 
-        mb = autobatch.probe_micro_batch(probe_local, local, capacity=self.meter.capacity(), group=self.group,
-                                         compile_mode=self.cfg.toggles.compile,
-                                         log=self.log if self.rank == 0 else lambda s: None)
+        mb = autobatch.probe_micro_batch(
+            probe_local,
+            local,
+            capacity=self.meter.capacity(),
+            group=self.group,
+            compile_mode=self.cfg.toggles.compile,
+            log=self.log if self.rank == 0 else lambda s: None,
+        )
         self.log(f"--micro-batch auto: {mb}")
         return mb
 
@@ -355,8 +410,9 @@ class Trainer:
                 self.balancer.reset()
 
     # --------------------------------------------------------------------- loop
-    def _loss(self, x: torch.Tensor, y: torch.Tensor, batch_index: int, micro_index: int,
-              model: torch.nn.Module | None = None) -> torch.Tensor:
+    def _loss(
+        self, x: torch.Tensor, y: torch.Tensor, batch_index: int, micro_index: int, model: torch.nn.Module | None = None
+    ) -> torch.Tensor:
         from .objectives import loss_fn
 
         gen = None
@@ -368,18 +424,34 @@ class Trainer:
         from .prefetch import Prefetcher
 
         t = self.cfg.toggles
-        return Prefetcher(self.sampler, self.micro_batch, self.progress.batch_cursor, self.device,
-                          depth=t.prefetch, workers=t.workers)
+        return Prefetcher(
+            self.sampler, self.micro_batch, self.progress.batch_cursor, self.device, depth=t.prefetch, workers=t.workers
+        )
 
     def run(self) -> int:
         cfg = self.cfg
         self.timer = make_timer(self.device, cfg.log.timing)
         self.prefetcher = self._new_prefetcher()
-        mfu = MfuCheck(self.dev, cfg.toggles.precision, peak_flops=self.peak_flops, procs=self.local_procs,
-                       world=self.world, flops_per_token=self.bundle.flops_per_token, emit0=self.emit0)
-        self.metrics = StepMetrics(self.channel, rank=self.rank, world=self.world, group=self.group,
-                                   device=self.device, meter=self.meter, balancer=self.balancer,
-                                   tokens_per_step=self.tokens_per_step, mfu=mfu)
+        mfu = MfuCheck(
+            self.dev,
+            cfg.toggles.precision,
+            peak_flops=self.peak_flops,
+            procs=self.local_procs,
+            world=self.world,
+            flops_per_token=self.bundle.flops_per_token,
+            emit0=self.emit0,
+        )
+        self.metrics = StepMetrics(
+            self.channel,
+            rank=self.rank,
+            world=self.world,
+            group=self.group,
+            device=self.device,
+            meter=self.meter,
+            balancer=self.balancer,
+            tokens_per_step=self.tokens_per_step,
+            mfu=mfu,
+        )
         self.nonfinite = NonFiniteGuard(cfg.run, group=self.group, emit0=self.emit0, log=self.log, fail=self._fail)
         t_run = time.perf_counter()
         stop_reason = None
@@ -388,7 +460,7 @@ class Trainer:
         try:
             while True:
                 try:
-                    if stop_reason is None:       # a stop asked for is kept through a rollback
+                    if stop_reason is None:  # a stop asked for is kept through a rollback
                         stop_reason = self._train_until_done()
                     self.save_checkpoint("stop" if stop_reason else "final")
                     break
@@ -398,8 +470,14 @@ class Trainer:
             self.prefetcher.close()
             self.profiler.close()
         elapsed = time.perf_counter() - t_run
-        self.emit0("done", step=self.progress.step, tokens=self.progress.tokens, seconds=elapsed,
-                   reason=stop_reason or MAX_STEPS, checkpoint=str(self.ckpt.newest))
+        self.emit0(
+            "done",
+            step=self.progress.step,
+            tokens=self.progress.tokens,
+            seconds=elapsed,
+            reason=stop_reason or MAX_STEPS,
+            checkpoint=str(self.ckpt.newest),
+        )
         self.log(f"done at step {self.progress.step} ({stop_reason or 'max_steps'}) in {elapsed:.1f} s")
         return EXIT_OK
 
@@ -413,30 +491,35 @@ class Trainer:
             self._own_cache_retry(self._train_step, self._restart_step)
             step = self.progress.step
             if self.channel.starting:
-                self.channel.started()          # from here a stop finishes the step and checkpoints
+                self.channel.started()  # from here a stop finishes the step and checkpoints
             self.metrics.progress(self.progress)
             if self._is_log_step() or step == cfg.optim.max_steps:
                 self.metrics.flush(self.progress, self.optimizer, self.timer, self.nonfinite.check)
             if cfg.log.eval_every and step % cfg.log.eval_every == 0:
                 self._own_cache_retry(self._evaluate, lambda: None)
-            if cfg.checkpoint.checkpoint_every and step % cfg.checkpoint.checkpoint_every == 0 \
-                    and step < cfg.optim.max_steps:
+            if (
+                cfg.checkpoint.checkpoint_every
+                and step % cfg.checkpoint.checkpoint_every == 0
+                and step < cfg.optim.max_steps
+            ):
                 self.save_checkpoint()
         return None
 
     def _step_boundary(self) -> str | None:
         """Act on what the ranks agreed (trainer.commands); returns a stop reason."""
-        self.channel.check_startup()                 # a stop during startup never waits for a first step
-        if self.channel.write_error is not None:     # events.jsonl could not be written: stop, exit 8
+        self.channel.check_startup()  # a stop during startup never waits for a first step
+        if self.channel.write_error is not None:  # events.jsonl could not be written: stop, exit 8
             raise self.channel.write_error
         step = self.progress.step
-        decision = self.commands.poll(stop_fault=self.faults.at_boundary(step, "stop"),
-                                      checkpoint_fault=self.faults.at_boundary(step, "checkpoint"))
+        decision = self.commands.poll(
+            stop_fault=self.faults.at_boundary(step, "stop"),
+            checkpoint_fault=self.faults.at_boundary(step, "checkpoint"),
+        )
         if decision.checkpoint:
             self.save_checkpoint("requested")
         if decision.profile_steps:
-            self.profiler.request(self.progress.step + 1, decision.profile_steps)   # from the next step
-        if decision.log_every:        # the tuner measures every step, then gives the interval back
+            self.profiler.request(self.progress.step + 1, decision.profile_steps)  # from the next step
+        if decision.log_every:  # the tuner measures every step, then gives the interval back
             self.cfg.log.log_every = decision.log_every
         return decision.stop
 
@@ -448,13 +531,13 @@ class Trainer:
 
     def _train_step(self) -> None:
         p, cfg = self.progress, self.cfg
-        while p.batch_cursor in p.skip_batches:     # batches that poisoned the run before
+        while p.batch_cursor in p.skip_batches:  # batches that poisoned the run before
             for _ in range(self.accum):
                 self.prefetcher.get()
             p.batch_cursor += 1
         step, bi = p.step, p.batch_cursor
         t0 = time.perf_counter()
-        self.profiler.step_begin(step + 1, self.timer)      # numbered from 1, as the step events
+        self.profiler.step_begin(step + 1, self.timer)  # numbered from 1, as the step events
         fault = self.faults.take(step)
         optim.set_lr(self.optimizer, optim.lr_at(step, cfg) * p.lr_scale)
         timer = self.timer
@@ -490,7 +573,7 @@ class Trainer:
         p.batch_cursor += 1
         p.tokens += self.tokens_per_step
         self.profiler.step_end(step + 1)
-        if self.compile_report is not None:          # the host's time: a compile is host work
+        if self.compile_report is not None:  # the host's time: a compile is host work
             self.compile_report.after_step(step + 1, (time.perf_counter() - t0) * 1e3)
 
     def _own_cache_retry(self, fn: Callable[[], Any], reset: Callable[[], None]) -> Any:
@@ -503,8 +586,10 @@ class Trainer:
             art = self.own_cache.recover(e) if self.own_cache is not None else None
             if art is None:
                 raise
-            msg = (f"torch.compile could not load {art.path} from the shared inductor cache ({art.reason}); "
-                   f"compiling again in the run's own cache {self.own_cache.own_dir}")
+            msg = (
+                f"torch.compile could not load {art.path} from the shared inductor cache ({art.reason}); "
+                f"compiling again in the run's own cache {self.own_cache.own_dir}"
+            )
             self.emit0("warning", message=msg, kind=CompileWarning.COMPILE_CACHE, step=self.progress.step + 1)
             self.log(f"warning: {msg}")
         reset()
@@ -523,19 +608,19 @@ class Trainer:
         if self.cfg.optim.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip)
         else:
-            norm = torch.linalg.vector_norm(torch.stack([g.grad.detach().norm() for g in params
-                                                         if g.grad is not None]))
-        if hasattr(norm, "full_tensor"):       # FSDP2: a DTensor; the norm over all shards
+            norm = torch.linalg.vector_norm(torch.stack([g.grad.detach().norm() for g in params if g.grad is not None]))
+        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor; the norm over all shards
             norm = norm.full_tensor()
         return norm
 
     def _evaluate(self) -> None:
         from .batches import val_batches
 
-        self.nonfinite.check()            # never evaluate a model that a non-finite step has touched
+        self.nonfinite.check()  # never evaluate a model that a non-finite step has touched
         if not hasattr(self, "_val"):
-            self._val = val_batches(self.data, self.cfg.data.seq_len, self.micro_batch, self.cfg.log.eval_batches,
-                                    self.cfg.optim.seed)
+            self._val = val_batches(
+                self.data, self.cfg.data.seq_len, self.micro_batch, self.cfg.log.eval_batches, self.cfg.optim.seed
+            )
         t = time.perf_counter()
         self.model.eval()
         total = torch.zeros((), device=self.device)
@@ -554,8 +639,9 @@ class Trainer:
     def _rollback(self, e: NonFiniteStep) -> None:
         """The NaN policy (trainer.nonfinite): on from the restored progress with fresh data and metrics."""
         self.prefetcher.close()
-        self.progress = self.nonfinite.roll_back(e, self.progress, self.ckpt, resumed_from=self.resumed_from,
-                                                 reinitialize=self._reinitialize)
+        self.progress = self.nonfinite.roll_back(
+            e, self.progress, self.ckpt, resumed_from=self.resumed_from, reinitialize=self._reinitialize
+        )
         self.optimizer.zero_grad(set_to_none=True)
         if self.balancer is not None:
             self.balancer.reset()
@@ -575,8 +661,13 @@ class Trainer:
         self.ckpt.bind(self.raw_model, self.optimizer, self.scaler)
 
     def _fail(self, kind: str, message: str, **extra: Any) -> NoReturn:
-        code = {"oom": EXIT_OOM, "nan": EXIT_NAN, "config": EXIT_CONFIG, "compile": EXIT_COMPILE,
-                "disk": EXIT_DISK}.get(kind, EXIT_CRASH)
+        code = {
+            "oom": EXIT_OOM,
+            "nan": EXIT_NAN,
+            "config": EXIT_CONFIG,
+            "compile": EXIT_COMPILE,
+            "disk": EXIT_DISK,
+        }.get(kind, EXIT_CRASH)
         if self.channel:
             self.channel.emit("error", kind=kind, message=message, step=self.progress.step, exit_code=code, **extra)
         print(f"[trainer] error ({kind}): {message}", file=sys.stderr, flush=True)

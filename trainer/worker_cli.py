@@ -7,8 +7,15 @@ import os
 import sys
 from typing import Any
 
-from .contract.config import (ConfigError, OneLineParser, TrainConfig, add_arguments, check_resumable, config_from_args,
-                              resume_config)
+from .contract.config import (
+    ConfigError,
+    OneLineParser,
+    TrainConfig,
+    add_arguments,
+    check_resumable,
+    config_from_args,
+    resume_config,
+)
 from .contract import protect
 from .contract.rundir import resumes_into
 from .contract.runlock import RunLock, lock_option
@@ -16,8 +23,9 @@ from .contract.runlock import RunLock, lock_option
 
 def build_parser(prog: str = "python -m trainer") -> argparse.ArgumentParser:
     parser = OneLineParser(
-        prog=prog, description="Train a language model with instrumented steps, exact resume and JSON-line events.",
-        )
+        prog=prog,
+        description="Train a language model with instrumented steps, exact resume and JSON-line events.",
+    )
     add_arguments(parser)
     return parser
 
@@ -64,22 +72,28 @@ class UnfailingStream:
         return getattr(self._stream, name)
 
 
-EXIT_CONFIG = 2          # trainer.train.EXIT_CONFIG, without importing torch
+EXIT_CONFIG = 2  # trainer.train.EXIT_CONFIG, without importing torch
 
 
 def main(argv: list[str] | None = None) -> int:
     sys.stdout, sys.stderr = UnfailingStream(sys.stdout), UnfailingStream(sys.stderr)
     from .channel import StartupStopped, install_startup_handlers
 
-    install_startup_handlers()        # a stop while torch imports ends the process cleanly, not by a kill
+    install_startup_handlers()  # a stop while torch imports ends the process cleanly, not by a kill
     try:
         cfg = parse_config(argv)
         # One writer per run directory, and one run: refused at once, before torch is imported (a default run
         # directory is new: the trainer locks it when it has named it).
-        created = protect.dirs_to_create(cfg.run.run_dir) if cfg.run.run_dir else []   # a refusal removes them
-        lock = RunLock.for_trainer(cfg.run.run_dir, new_run=not resumes_into(cfg.checkpoint.resume, cfg.run.run_dir),
-                                   option=lock_option(cfg.checkpoint.resume, cfg.run.run_dir)) \
-            if cfg.run.run_dir else None
+        created = protect.dirs_to_create(cfg.run.run_dir) if cfg.run.run_dir else []  # a refusal removes them
+        lock = (
+            RunLock.for_trainer(
+                cfg.run.run_dir,
+                new_run=not resumes_into(cfg.checkpoint.resume, cfg.run.run_dir),
+                option=lock_option(cfg.checkpoint.resume, cfg.run.run_dir),
+            )
+            if cfg.run.run_dir
+            else None
+        )
     except ConfigError as e:
         print(f"python -m trainer: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
@@ -89,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         print("[trainer] stopped before the first step", flush=True)
         return 0
     code = main_run(cfg, run_lock=lock, created_dirs=created)
-    if stopped_in_startup():          # the events are written and closed: skip freeing a model tensor by tensor
+    if stopped_in_startup():  # the events are written and closed: skip freeing a model tensor by tensor
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

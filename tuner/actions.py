@@ -64,7 +64,7 @@ class RunTrial:
     numerics_changing: bool = False
     source: str = "sampler"
     keep_steps: bool = True
-    advice: str | None = None       # source "advice": the evidence of the advice it tries
+    advice: str | None = None  # source "advice": the evidence of the advice it tries
 
 
 @dataclass

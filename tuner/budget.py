@@ -19,9 +19,9 @@ from trainer.contract.config import ConfigError
 _UNITS = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
 _PART = re.compile(r"(\d+(?:\.\d+)?|\.\d+)([a-zA-Z]+)")
 _NUMBER = re.compile(r"\d+(?:\.\d+)?|\.\d+")
-FORMS = "90s, 30m, 1h30m, 2h, 1.5h or 1d"   # what a refusal and --help show
-MIN_DURATION_S = 1.0                # less cannot measure one step
-MAX_DURATION_S = 365 * 86400.0      # a year: beyond it a budget means nothing (and a typo of units is likelier)
+FORMS = "90s, 30m, 1h30m, 2h, 1.5h or 1d"  # what a refusal and --help show
+MIN_DURATION_S = 1.0  # less cannot measure one step
+MAX_DURATION_S = 365 * 86400.0  # a year: beyond it a budget means nothing (and a typo of units is likelier)
 
 
 def parse_duration(text: str | int | float, option: str = "--budget") -> float:
@@ -41,22 +41,27 @@ def parse_duration(text: str | int | float, option: str = "--budget") -> float:
         if s.startswith("-"):
             raise ConfigError(option, f"{text!r}: must be a positive duration")
         if _NUMBER.fullmatch(s):
-            raise ConfigError(option, f"{text!r} has no unit; accepted: a number with a unit (s, m, h, d), "
-                                      f"e.g. {s}s or {s}m; forms: {FORMS}")
+            raise ConfigError(
+                option,
+                f"{text!r} has no unit; accepted: a number with a unit (s, m, h, d), e.g. {s}s or {s}m; forms: {FORMS}",
+            )
         seconds = 0.0
         pos = 0
         last_rank = -1
         order = list(_UNITS)
         for m in _PART.finditer(s):
             if m.start() != pos:
-                raise ConfigError(option, f"{text!r}: cannot read {s[pos:m.start()]!r}; write e.g. 1h30m")
+                raise ConfigError(option, f"{text!r}: cannot read {s[pos : m.start()]!r}; write e.g. 1h30m")
             number, unit = m.groups()
             if unit not in _UNITS:
                 raise ConfigError(option, f"{text!r}: unknown unit {unit!r} in {m.group(0)!r}; use d, h, m or s")
             rank = order.index(unit)
             if rank <= last_rank:
-                raise ConfigError(option, f"{text!r}: {m.group(0)!r} is out of order or repeated; "
-                                          "write units largest first, each once (e.g. 1h30m)")
+                raise ConfigError(
+                    option,
+                    f"{text!r}: {m.group(0)!r} is out of order or repeated; "
+                    "write units largest first, each once (e.g. 1h30m)",
+                )
             last_rank = rank
             seconds += float(number) * _UNITS[unit]
             pos = m.end()
@@ -67,8 +72,11 @@ def parse_duration(text: str | int | float, option: str = "--budget") -> float:
     if not math.isfinite(seconds) or seconds <= 0:
         raise ConfigError(option, f"{text!r}: must be a positive duration")
     if not MIN_DURATION_S <= seconds <= MAX_DURATION_S:
-        raise ConfigError(option, f"{text!r} is out of range; accepted: {MIN_DURATION_S:.0f}s to "
-                                  f"{MAX_DURATION_S / 86400:.0f}d, with a unit ({FORMS})")
+        raise ConfigError(
+            option,
+            f"{text!r} is out of range; accepted: {MIN_DURATION_S:.0f}s to "
+            f"{MAX_DURATION_S / 86400:.0f}d, with a unit ({FORMS})",
+        )
     return seconds
 
 

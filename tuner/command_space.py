@@ -18,17 +18,24 @@ def check_spec(spec: str | None) -> None:
         name = item[1:] if item.startswith("-") else item.partition("+=")[0].partition("=")[0]
         name = name.strip().replace("-", "_")
         if name in FROZEN:
-            raise ConfigError(OPTION, f"{item!r}: {name} is not a TrainingArguments field gptop changes; a "
-                                      f"command's tuning changes {', '.join(TUNED)}")
+            raise ConfigError(
+                OPTION,
+                f"{item!r}: {name} is not a TrainingArguments field gptop changes; a "
+                f"command's tuning changes {', '.join(TUNED)}",
+            )
         if name == "prefetch" and "=" in item:
             values = item.partition("=")[2].split(",")
             if "0" in [v.strip() for v in values]:
-                raise ConfigError(OPTION, f"{item!r}: dataloader_prefetch_factor 0 means nothing to a DataLoader "
-                                          f"(prefetching needs workers); use {','.join(map(str, COMMAND_PREFETCH))}")
+                raise ConfigError(
+                    OPTION,
+                    f"{item!r}: dataloader_prefetch_factor 0 means nothing to a DataLoader "
+                    f"(prefetching needs workers); use {','.join(map(str, COMMAND_PREFETCH))}",
+                )
 
 
-def command_space(space: SearchSpace, dev: DeviceInfo, tunable_names: list[str] | None,
-                  spec: str | None) -> SearchSpace:
+def command_space(
+    space: SearchSpace, dev: DeviceInfo, tunable_names: list[str] | None, spec: str | None
+) -> SearchSpace:
     """`space` (the default space of gptop's own trainer for this device and batch: every value the device
     supports and runs at speed) narrowed to what a script's TrainingArguments can take, then the user's
     `--tune-space` applied: precisions a field holds, prefetch factors a DataLoader takes, the toggles the

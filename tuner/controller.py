@@ -36,8 +36,20 @@ from typing import Any, Callable
 from trainer.contract import capabilities
 from trainer.contract.config import AUTO, TrainConfig, Toggles
 from trainer.contract.device import DeviceInfo
-from trainer.contract.events import (ApplyEvent, CheckpointEvent, ErrorEvent, Event, HelloEvent, LogEvent,
-                                     MeasureProgress, StepEvent, TrialEvent, TunerBest, TunerEvent, WarningEvent)
+from trainer.contract.events import (
+    ApplyEvent,
+    CheckpointEvent,
+    ErrorEvent,
+    Event,
+    HelloEvent,
+    LogEvent,
+    MeasureProgress,
+    StepEvent,
+    TrialEvent,
+    TunerBest,
+    TunerEvent,
+    WarningEvent,
+)
 from trainer.contract.states import TRIAL_FAILURES, TrialKind, TrialOutcome, TrialStatus, TunerPhase
 
 from . import standings
@@ -53,50 +65,88 @@ from .study import Proposal, TuneStudy
 from .trial import ActiveTrial, TrialEnd, compile_words, noted, reported_peak
 
 # the names the session drives the tuner with, importable from here
-__all__ = ["Action", "AdviceTry", "Apply", "Done", "FindMicroBatch", "Remeasure", "RunTrial", "Standing",
-           "TuneController", "compile_words", "reported_peak"]
+__all__ = [
+    "Action",
+    "AdviceTry",
+    "Apply",
+    "Done",
+    "FindMicroBatch",
+    "Remeasure",
+    "RunTrial",
+    "Standing",
+    "TuneController",
+    "compile_words",
+    "reported_peak",
+]
 
 
 class TuneController:
     """Decides what the session does next while tuning; see the module doc for the protocol."""
 
-    def __init__(self, base_cfg: TrainConfig, dev: DeviceInfo, space: SearchSpace, study: TuneStudy,
-                 budget: Budget, clock: Callable[[], float] = time.monotonic, *, max_trials: int = 16,
-                 min_steps: int = 8, rel_ci: float = 0.03, max_steps: int = 200, max_seconds: float = 300.0,
-                 prune_margin: float = 0.05, remeasure_top: int = 2, default_restart_s: float = 60.0,
-                 trial_timeout_s: float | None = None, max_micro_batch: int | None = None,
-                 reserve_trials: int | None = None, switch_reserve_s: float = 0.0,
-                 energy: Callable[[float, float], float | None] | None = None, progress_every_s: float = 1.0,
-                 run_pays: bool = True, max_share: float = 0.5, max_loss: float = 0.1, prior_gain: float = 1.5,
-                 explore_gain: float = 1.5, trust_spread: float = 0.25, compile_prior_s: float = 45.0,
-                 startup_s: float | None = None, trial_process_continues: bool = False,
-                 advice: Callable[[], list[AdviceTry]] | None = None):
-        if base_cfg.toggles.precision == AUTO:         # trials run concrete precisions: what auto is on `dev`
-            base_cfg = dataclasses.replace(base_cfg, toggles=dataclasses.replace(
-                base_cfg.toggles, precision=capabilities.resolve_precision(AUTO, dev)))
+    def __init__(
+        self,
+        base_cfg: TrainConfig,
+        dev: DeviceInfo,
+        space: SearchSpace,
+        study: TuneStudy,
+        budget: Budget,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        max_trials: int = 16,
+        min_steps: int = 8,
+        rel_ci: float = 0.03,
+        max_steps: int = 200,
+        max_seconds: float = 300.0,
+        prune_margin: float = 0.05,
+        remeasure_top: int = 2,
+        default_restart_s: float = 60.0,
+        trial_timeout_s: float | None = None,
+        max_micro_batch: int | None = None,
+        reserve_trials: int | None = None,
+        switch_reserve_s: float = 0.0,
+        energy: Callable[[float, float], float | None] | None = None,
+        progress_every_s: float = 1.0,
+        run_pays: bool = True,
+        max_share: float = 0.5,
+        max_loss: float = 0.1,
+        prior_gain: float = 1.5,
+        explore_gain: float = 1.5,
+        trust_spread: float = 0.25,
+        compile_prior_s: float = 45.0,
+        startup_s: float | None = None,
+        trial_process_continues: bool = False,
+        advice: Callable[[], list[AdviceTry]] | None = None,
+    ):
+        if base_cfg.toggles.precision == AUTO:  # trials run concrete precisions: what auto is on `dev`
+            base_cfg = dataclasses.replace(
+                base_cfg,
+                toggles=dataclasses.replace(base_cfg.toggles, precision=capabilities.resolve_precision(AUTO, dev)),
+            )
         self.cfg, self.dev, self.space, self.study, self.budget, self.clock = base_cfg, dev, space, study, budget, clock
         # trials must pay within this run (tuner.economics; False with --tune-only: best.toml is for later runs)
         self.run_pays = run_pays
-        self.ledger = Ledger(max_share=max_share, max_loss=max_loss, prior_gain=prior_gain,
-                             explore_gain=explore_gain, say=self._say)
-        self.trust_spread = trust_spread           # a measurement holds when its interval is within this share
-        self.compile_prior_s = compile_prior_s     # a compile nobody has measured on this setup is assumed to take this
-        self.startup_s = startup_s                 # how long this setup's trainer took to start (measured)
+        self.ledger = Ledger(
+            max_share=max_share, max_loss=max_loss, prior_gain=prior_gain, explore_gain=explore_gain, say=self._say
+        )
+        self.trust_spread = trust_spread  # a measurement holds when its interval is within this share
+        self.compile_prior_s = compile_prior_s  # a compile nobody has measured on this setup is assumed to take this
+        self.startup_s = startup_s  # how long this setup's trainer took to start (measured)
         # the run can train on in a trial's own process (its settings are the user's); else applying means a restart
         self.trial_process_continues = trial_process_continues
         # what the advice says to try, asked once when the trials start (the evidence is then the freshest)
         self.advice = advice
-        self.continue_free = True                  # the process running now can train on without a restart
-        self.pace_s: float | None = None           # seconds per step at the start's speed (before the baseline)
-        self.run_pace = RunPace()                  # the run's time between its steps (checkpoints, evals, logging)
-        self._base_failed = False                  # the start itself failed (OOM, ...): anything that runs beats it
-        self._aborted = False                      # tuning was abandoned (the run ended or was interrupted)
+        self.continue_free = True  # the process running now can train on without a restart
+        self.pace_s: float | None = None  # seconds per step at the start's speed (before the baseline)
+        self.run_pace = RunPace()  # the run's time between its steps (checkpoints, evals, logging)
+        self._base_failed = False  # the start itself failed (OOM, ...): anything that runs beats it
+        self._aborted = False  # tuning was abandoned (the run ended or was interrupted)
         self._ranked: tuple[int, list[Standing]] | None = None
         self.max_trials = max_trials
-        self.measure_kw: dict[str, Any] = dict(min_steps=min_steps, rel_ci=rel_ci, max_steps=max_steps,
-                                               max_seconds=max_seconds)
+        self.measure_kw: dict[str, Any] = dict(
+            min_steps=min_steps, rel_ci=rel_ci, max_steps=max_steps, max_seconds=max_seconds
+        )
         self.prune_margin = prune_margin
-        self.progress_every_s = progress_every_s   # a measurement's progress: a tuner event at most this often
+        self.progress_every_s = progress_every_s  # a measurement's progress: a tuner event at most this often
         self._progress_at = 0.0
         # joules used in [t0, t1] of event time (the session's gptop.energy over its device samples), for
         # a trial's energy per token; None: no energy figures
@@ -107,20 +157,20 @@ class TuneController:
         # covers tuning up to training on with the chosen setting. The session may update the reserve.
         self.reserve_trials = remeasure_top if reserve_trials is None else reserve_trials
         self.switch_reserve_s = switch_reserve_s
-        self.slow_compile: set[str] = set()     # compile modes that did not warm up within a trial's time
+        self.slow_compile: set[str] = set()  # compile modes that did not warm up within a trial's time
         self.default_restart_s = default_restart_s
         self.trial_timeout_s = trial_timeout_s or (max_seconds + 2 * default_restart_s + 600.0)
         self.tokens_per_step = base_cfg.optim.global_batch * base_cfg.data.seq_len
         self.phase = TunerPhase.INIT
         self.max_mb: int | None = max_micro_batch
         self._mb_known = max_micro_batch is not None
-        self.running: Toggles | None = None                     # what the trainer process runs, as far as we know
+        self.running: Toggles | None = None  # what the trainer process runs, as far as we know
         self.last_step = 0
         self.checkpoint_s = 0.0
         self.trend = LossTrend()
         self.baseline: dict[str, Any] | None = None
         self.baseline_number: int | None = None
-        self.results: list[dict[str, Any]] = []                 # this run's finished trials (trial events + extras)
+        self.results: list[dict[str, Any]] = []  # this run's finished trials (trial events + extras)
         self.trials_run = 0
         self.screened = 0
         self.kept_tokens = 0
@@ -132,9 +182,9 @@ class TuneController:
         self._warm_started = False
         self._remeasure_plan: list[Standing] | None = None
         self._final: Done | None = None
-        self._prefix = ""                                       # "stopped by the user: " before the decision
+        self._prefix = ""  # "stopped by the user: " before the decision
         self._events: list[Event] = []
-        self._version = 0                        # bumped when a measurement is recorded (the best may change)
+        self._version = 0  # bumped when a measurement is recorded (the best may change)
         self.running = self.base
         # the optimizer whose state the newest kept checkpoint holds: what a trial's switch converts from
         self.state_optimizer = self.cfg.toggles.optimizer
@@ -201,13 +251,19 @@ class TuneController:
     def tuner_event(self) -> TunerEvent:
         a = self._active
         final = self._final if self.phase is TunerPhase.DONE else None
-        return TunerEvent(phase=self.phase, budget_left_s=round(self.budget.left(), 1),
-                          trial=a.number if a else None, trials_run=self.trials_run,
-                          trials_planned=self.trials_planned, study=self.study.name,
-                          outcome=final.reason if final is not None else None,
-                          applied=(self.applied is not None) if final is not None else None,
-                          measure=self.measure_progress(), budget_s=round(self.budget.total_s, 1),
-                          best=self.best_event())
+        return TunerEvent(
+            phase=self.phase,
+            budget_left_s=round(self.budget.left(), 1),
+            trial=a.number if a else None,
+            trials_run=self.trials_run,
+            trials_planned=self.trials_planned,
+            study=self.study.name,
+            outcome=final.reason if final is not None else None,
+            applied=(self.applied is not None) if final is not None else None,
+            measure=self.measure_progress(),
+            budget_s=round(self.budget.total_s, 1),
+            best=self.best_event(),
+        )
 
     def best_event(self) -> TunerBest | None:
         """The best so far as the views show it: the trial `_decide` and the report would name."""
@@ -250,7 +306,7 @@ class TuneController:
         elif isinstance(event, HelloEvent):
             self.run_pace.restart()
         elif isinstance(event, WarningEvent):
-            if a is not None:                     # the compile watchdog, during this trial
+            if a is not None:  # the compile watchdog, during this trial
                 a.note_warning(event)
         elif isinstance(event, ErrorEvent):
             if a is not None:
@@ -259,7 +315,7 @@ class TuneController:
             self.last_step = event.step
             self.run_pace.add(event.step, event.step_ms, event.time)
             if a is None:
-                self.trend.add(event.step, event.loss)          # healthy training between trials
+                self.trend.add(event.step, event.loss)  # healthy training between trials
             else:
                 self._observe_trial_step(a, event)
 
@@ -267,7 +323,7 @@ class TuneController:
         warmed = a.note_step(event, self.tokens_per_step, self.clock())
         if warmed or self.clock() - self._progress_at >= self.progress_every_s:
             self._progress_at = self.clock()
-            self._emit(self.tuner_event())       # the views show the measurement's progress
+            self._emit(self.tuner_event())  # the views show the measurement's progress
         if a.proposal is not None and self.clock() - a.last_touch > 60.0:
             self.study.touch(a.proposal)
             a.last_touch = self.clock()
@@ -284,8 +340,10 @@ class TuneController:
             a.stop = "done"
         elif self.budget.expired() or (self.budget.started and self.budget.left() <= self.switch_reserve_s):
             a.stop = "budget"
-        elif a.kind is TrialKind.TRIAL and (should_prune(a.measure, self._best_this_run(), self.prune_margin)
-                                            or hopeless(a.measure, self._best_this_run())):
+        elif a.kind is TrialKind.TRIAL and (
+            should_prune(a.measure, self._best_this_run(), self.prune_margin)
+            or hopeless(a.measure, self._best_this_run())
+        ):
             a.stop = "prune"
         elif self.clock() - a.start > self.trial_timeout_s:
             a.stop = "timeout"
@@ -333,12 +391,20 @@ class TuneController:
             self._set_phase(TunerPhase.DECIDE)
         return self._decide()
 
-    def _start(self, kind: TrialKind, toggles: Toggles, proposal: Proposal | None, number: int | None = None,
-               source: str = "sampler", earlier: bool = False, advice: str | None = None) -> RunTrial | Remeasure:
+    def _start(
+        self,
+        kind: TrialKind,
+        toggles: Toggles,
+        proposal: Proposal | None,
+        number: int | None = None,
+        source: str = "sampler",
+        earlier: bool = False,
+        advice: str | None = None,
+    ) -> RunTrial | Remeasure:
         measure = Measurement(**self.measure_kw)
         strict = self.space.numerics_changing(toggles)
         restart = toggles != self.running
-        if restart:          # a trial's process: training on in it needs a restart unless its settings are the user's
+        if restart:  # a trial's process: training on in it needs a restart unless its settings are the user's
             self.run_pace.restart()
             self.continue_free = self.trial_process_continues
         if proposal is not None:
@@ -350,16 +416,50 @@ class TuneController:
             assert number is not None
             action: RunTrial | Remeasure = Remeasure(number, toggles, measure, restart, keep_steps=keep)
         else:
-            action = RunTrial(number, toggles, measure, baseline=kind is TrialKind.BASELINE, restart=restart,
-                              numerics_changing=strict, source=source, keep_steps=keep, advice=advice)
-        self._active = ActiveTrial(kind, action, toggles, proposal, number, self.clock(), measure,
-                                   LossGuard(self.trend, strict), strict, last_touch=self.clock(), note=note or "",
-                                   earlier=earlier, advice=advice)
-        if number is not None:   # views key trials by number; an unnumbered baseline gets one row, at its end
-            self._emit(TrialEvent(number=number, toggles=toggles, status=TrialStatus.RUNNING,
-                                  tokens_per_s=None, spread=None, peak_mem=None, reason="", kind=kind,
-                                  source=source if kind is TrialKind.TRIAL else kind, earlier=earlier,
-                                  advice=advice, compile=None, unsteady=False))
+            action = RunTrial(
+                number,
+                toggles,
+                measure,
+                baseline=kind is TrialKind.BASELINE,
+                restart=restart,
+                numerics_changing=strict,
+                source=source,
+                keep_steps=keep,
+                advice=advice,
+            )
+        self._active = ActiveTrial(
+            kind,
+            action,
+            toggles,
+            proposal,
+            number,
+            self.clock(),
+            measure,
+            LossGuard(self.trend, strict),
+            strict,
+            last_touch=self.clock(),
+            note=note or "",
+            earlier=earlier,
+            advice=advice,
+        )
+        if number is not None:  # views key trials by number; an unnumbered baseline gets one row, at its end
+            self._emit(
+                TrialEvent(
+                    number=number,
+                    toggles=toggles,
+                    status=TrialStatus.RUNNING,
+                    tokens_per_s=None,
+                    spread=None,
+                    peak_mem=None,
+                    reason="",
+                    kind=kind,
+                    source=source if kind is TrialKind.TRIAL else kind,
+                    earlier=earlier,
+                    advice=advice,
+                    compile=None,
+                    unsteady=False,
+                )
+            )
         self._emit(self.tuner_event())
         return action
 
@@ -380,19 +480,30 @@ class TuneController:
                 return None
             p = self._ask(est)
             if p is None:
-                self.stop_note = ("every configuration in the space has been measured" if not self.ledger.dropped
-                                  else "no configuration left to try can pay for itself in this run")
+                self.stop_note = (
+                    "every configuration in the space has been measured"
+                    if not self.ledger.dropped
+                    else "no configuration left to try can pay for itself in this run"
+                )
                 return None
-            s = screen(p.toggles, start=self.cfg.toggles, max_mb=self.max_mb, dev=self.dev, space=self.space,
-                       slow_compile=self.slow_compile, trial_timeout_s=self.trial_timeout_s)
+            s = screen(
+                p.toggles,
+                start=self.cfg.toggles,
+                max_mb=self.max_mb,
+                dev=self.dev,
+                space=self.space,
+                slow_compile=self.slow_compile,
+                trial_timeout_s=self.trial_timeout_s,
+            )
             if s is not None:
                 if s.failure is None:
                     self.study.tell_pruned(p, None, s.reason, extra={"screened": True})
                 else:
                     self.study.tell_infeasible(p, s.failure, s.reason, extra={"predicted": True})
                 self.screened += 1
-                self._finish_event(p.number, TrialKind.TRIAL, p.toggles, s.status, None, s.reason, 0.0, ran=False,
-                                   source=p.source)
+                self._finish_event(
+                    p.number, TrialKind.TRIAL, p.toggles, s.status, None, s.reason, 0.0, ran=False, source=p.source
+                )
                 continue
             self.trials_run += 1
             action = self._start(TrialKind.TRIAL, p.toggles, p, source=p.source, advice=p.advice)
@@ -413,15 +524,17 @@ class TuneController:
 
     def _next_remeasure(self) -> Remeasure | None:
         if self._remeasure_plan is None:
-            start = standings.start_standing(self.base, self._base_estimate(), self._base_number(),
-                                             self.study.run_id, self.trust_spread)
-            self._remeasure_plan = standings.remeasure_plan(self._standings(), start, self.remeasure_top,
-                                                            self.ledger.stopped_exploring)
+            start = standings.start_standing(
+                self.base, self._base_estimate(), self._base_number(), self.study.run_id, self.trust_spread
+            )
+            self._remeasure_plan = standings.remeasure_plan(
+                self._standings(), start, self.remeasure_top, self.ledger.stopped_exploring
+            )
         while self._remeasure_plan:
             st = self._remeasure_plan.pop(0)
             base = self._base_estimate()
             if not st.start and st.anchor == "this run" and (base is None or not self._holds(*base)):
-                continue                 # compared with a start that does not hold, a re-measurement proves nothing
+                continue  # compared with a start that does not hold, a re-measurement proves nothing
             est = self._trial_estimate()
             if not self.budget.can_afford(est + self.switch_reserve_s):
                 self._remeasure_plan = []
@@ -432,8 +545,7 @@ class TuneController:
                 gain = max([st.speedup] + [o.speedup for o in self._remeasure_plan])
                 if not self.ledger.remeasure(self._outlook(), st, est, gain).apply:
                     continue
-            action = self._start(TrialKind.REMEASURE, st.cand.toggles, None, number=st.cand.number,
-                                 earlier=st.earlier)
+            action = self._start(TrialKind.REMEASURE, st.cand.toggles, None, number=st.cand.number, earlier=st.earlier)
             assert isinstance(action, Remeasure)
             return action
         return None
@@ -443,8 +555,9 @@ class TuneController:
         return standings.pruning_reference(self.results, self.trust_spread)
 
     # --- finishing a trial ------------------------------------------------------------
-    def finish_trial(self, outcome: TrialOutcome = TrialOutcome.OK, reason: str = "",
-                     rollback: dict[str, Any] | None = None) -> TrialEvent:
+    def finish_trial(
+        self, outcome: TrialOutcome = TrialOutcome.OK, reason: str = "", rollback: dict[str, Any] | None = None
+    ) -> TrialEvent:
         """Record the active trial: "ok" (healthy, steps kept) or a failure kind (rolled back; `rollback`
         says to where, for the event). "ok" with `rollback`: healthy and measured, but rolled back as its
         action asked (`keep_steps` False). Returns the `trial` event (also queued for drain_events)."""
@@ -466,45 +579,74 @@ class TuneController:
             return self._finish_failed(a, end, outcome, reason, rollback)
         return self._finish_measured(a, end, reason, rollback)
 
-    def _finish_failed(self, a: ActiveTrial, end: TrialEnd, outcome: TrialOutcome, reason: str,
-                       rollback: dict[str, Any] | None) -> TrialEvent:
+    def _finish_failed(
+        self, a: ActiveTrial, end: TrialEnd, outcome: TrialOutcome, reason: str, rollback: dict[str, Any] | None
+    ) -> TrialEvent:
         """A measurement that failed: rolled back, and its kind's handler records why."""
-        reason = noted(noted(reason or (a.failure[1] if a.failure else outcome), a.note),
-                       compile_words(a.compile, False))
+        reason = noted(
+            noted(reason or (a.failure[1] if a.failure else outcome), a.note), compile_words(a.compile, False)
+        )
         self.running = None
         self.rolled_back_s += end.duration
         self._FAILED[a.kind](self, a, end, outcome, reason)
-        return self._finish_event(a.number, a.kind, a.toggles, TrialStatus.INFEASIBLE, end.summary,
-                                  f"{outcome}: {reason}", end.duration, failure=outcome, overhead_s=end.overhead_s,
-                                  source=a.source, rollback=rollback, earlier=a.earlier, **a.marks)
+        return self._finish_event(
+            a.number,
+            a.kind,
+            a.toggles,
+            TrialStatus.INFEASIBLE,
+            end.summary,
+            f"{outcome}: {reason}",
+            end.duration,
+            failure=outcome,
+            overhead_s=end.overhead_s,
+            source=a.source,
+            rollback=rollback,
+            earlier=a.earlier,
+            **a.marks,
+        )
 
-    def _finish_measured(self, a: ActiveTrial, end: TrialEnd, reason: str,
-                         rollback: dict[str, Any] | None) -> TrialEvent:
+    def _finish_measured(
+        self, a: ActiveTrial, end: TrialEnd, reason: str, rollback: dict[str, Any] | None
+    ) -> TrialEvent:
         """A healthy measurement: its steps kept (or rolled back as its action asked), its verdict, and its
         kind's handler records it."""
-        if rollback is not None:                          # measured, then rolled back (keep_steps False)
+        if rollback is not None:  # measured, then rolled back (keep_steps False)
             self.running = None
             self.rolled_back_s += end.duration
-            a.note = noted(a.note, f"measured, then rolled back to the pre-trial checkpoint so the run keeps "
-                                   f"its {self.state_optimizer} state")
+            a.note = noted(
+                a.note,
+                f"measured, then rolled back to the pre-trial checkpoint so the run keeps "
+                f"its {self.state_optimizer} state",
+            )
         else:
             self.running = a.toggles
-            self.state_optimizer = a.toggles.optimizer   # its steps (and checkpoints) are kept
+            self.state_optimizer = a.toggles.optimizer  # its steps (and checkpoints) are kept
             self.kept_tokens += a.measure.steps * self.tokens_per_step
         if not a.strict and rollback is None:
             for step, loss in a.losses:
                 self.trend.add(step, loss)
         status, reason = a.verdict(reason, self._best_this_run())
         if a.still_compiling:
-            self.slow_compile.add(a.toggles.compile)   # still compiling: screen this mode for the run
+            self.slow_compile.add(a.toggles.compile)  # still compiling: screen this mode for the run
         unsteady = a.unsteady and a.kind is not TrialKind.BASELINE
         reason = noted(noted(reason, a.note), compile_words(a.compile, unsteady))
         if unsteady and status.measured:
             self._refuse_unsteady(a, a.measure.estimate[0])
         summary = self._MEASURED[a.kind](self, a, end, status, reason)
-        return self._finish_event(a.number, a.kind, a.toggles, status, summary, reason, end.duration,
-                                  overhead_s=end.overhead_s, source=a.source, rollback=rollback, earlier=a.earlier,
-                                  **a.marks)
+        return self._finish_event(
+            a.number,
+            a.kind,
+            a.toggles,
+            status,
+            summary,
+            reason,
+            end.duration,
+            overhead_s=end.overhead_s,
+            source=a.source,
+            rollback=rollback,
+            earlier=a.earlier,
+            **a.marks,
+        )
 
     # the handlers per kind: a failed one records why (the measurement was rolled back), a measured one records
     # the measurement and returns the summary its event shows
@@ -527,27 +669,37 @@ class TuneController:
         assert a.proposal is not None
         if status is TrialStatus.PRUNED:
             self.study.tell_pruned(a.proposal, end.summary, reason, end.extra)
-        else:     # one that kept recompiling is told with a violated constraint: never a candidate, in any run
+        else:  # one that kept recompiling is told with a violated constraint: never a candidate, in any run
             self.study.tell_ok(a.proposal, end.summary, status, reason, end.extra, feasible=not a.unsteady)
         return end.summary
 
     def _remeasure_measured(self, a: ActiveTrial, end: TrialEnd, status: TrialStatus, reason: str) -> dict[str, Any]:
         assert a.number is not None
         ok = status.measured and not a.unsteady
-        self.study.record_remeasure(a.number, end.summary, reason=reason,
-                                    status=TrialStatus.OK if ok else "unsteady" if a.unsteady else TrialStatus.PRUNED)
+        self.study.record_remeasure(
+            a.number,
+            end.summary,
+            reason=reason,
+            status=TrialStatus.OK if ok else "unsteady" if a.unsteady else TrialStatus.PRUNED,
+        )
         pooled = next((c for c in self.study.candidates(run=self.study.run_id) if c.number == a.number), None)
         if pooled is None:
             return end.summary
-        est, spread = a.measure.estimate      # the event updates the trial's row: show the pooled estimate
-        return {**end.summary, "tokens_per_s": pooled.tokens_per_s, "spread": pooled.spread,
-                "remeasure_tokens_per_s": est, "remeasure_spread": spread}
+        est, spread = a.measure.estimate  # the event updates the trial's row: show the pooled estimate
+        return {
+            **end.summary,
+            "tokens_per_s": pooled.tokens_per_s,
+            "spread": pooled.spread,
+            "remeasure_tokens_per_s": est,
+            "remeasure_spread": spread,
+        }
 
     def _baseline_measured(self, a: ActiveTrial, end: TrialEnd, status: TrialStatus, reason: str) -> dict[str, Any]:
         if status.measured:
             self.baseline = {**end.summary, "duration_s": end.duration}
-            self.baseline_number = self.study.record(a.toggles, end.summary, "baseline", status, reason,
-                                                     {**end.extra, "overhead_s": None})
+            self.baseline_number = self.study.record(
+                a.toggles, end.summary, "baseline", status, reason, {**end.extra, "overhead_s": None}
+            )
             a.number = self.baseline_number
             self.study.record_baseline(a.toggles, end.summary, status)
         else:
@@ -556,18 +708,28 @@ class TuneController:
         return end.summary
 
     _FAILED: dict[TrialKind, Callable[[TuneController, ActiveTrial, TrialEnd, TrialOutcome, str], None]] = {
-        TrialKind.TRIAL: _trial_failed, TrialKind.REMEASURE: _remeasure_failed,
-        TrialKind.BASELINE: _baseline_failed}
+        TrialKind.TRIAL: _trial_failed,
+        TrialKind.REMEASURE: _remeasure_failed,
+        TrialKind.BASELINE: _baseline_failed,
+    }
     _MEASURED: dict[TrialKind, Callable[[TuneController, ActiveTrial, TrialEnd, TrialStatus, str], dict[str, Any]]] = {
-        TrialKind.TRIAL: _trial_measured, TrialKind.REMEASURE: _remeasure_measured,
-        TrialKind.BASELINE: _baseline_measured}
+        TrialKind.TRIAL: _trial_measured,
+        TrialKind.REMEASURE: _remeasure_measured,
+        TrialKind.BASELINE: _baseline_measured,
+    }
 
     def _refuse_unsteady(self, a: ActiveTrial, est: float) -> None:
         """Into the ledger: a configuration whose compile kept recompiling is not a candidate, whatever it measured
         (a measurement between recompilations, or of a frame that fell back to eager, is luck, not the setting)."""
         what = "trial" if a.kind is TrialKind.TRIAL else "re-measured trial"
-        d = not_a_candidate(f"{what} {a.number} kept recompiling ({a.recompiling})", est, self._base_estimate(),
-                            self._remaining(), self.tokens_per_step, self._costs().switch_s(a.toggles))
+        d = not_a_candidate(
+            f"{what} {a.number} kept recompiling ({a.recompiling})",
+            est,
+            self._base_estimate(),
+            self._remaining(),
+            self.tokens_per_step,
+            self._costs().switch_s(a.toggles),
+        )
         self.ledger.record(d, self.last_step, say=True)
 
     def _widen_for_memory(self, reason: str) -> None:
@@ -620,23 +782,51 @@ class TuneController:
         self.stop_note = reason
         return self._decide(prefix=f"{reason}: ")
 
-    def _finish_event(self, number: int | None, kind: TrialKind, toggles: Toggles, status: TrialStatus,
-                      summary: dict[str, Any] | None, reason: str, duration: float, *, ran: bool = True,
-                      failure: TrialOutcome | None = None, overhead_s: float | None = None,
-                      source: str | None = None, rollback: dict[str, Any] | None = None,
-                      earlier: bool = False, advice: str | None = None, compile: dict[str, int] | None = None,
-                      unsteady: bool = False) -> TrialEvent:
+    def _finish_event(
+        self,
+        number: int | None,
+        kind: TrialKind,
+        toggles: Toggles,
+        status: TrialStatus,
+        summary: dict[str, Any] | None,
+        reason: str,
+        duration: float,
+        *,
+        ran: bool = True,
+        failure: TrialOutcome | None = None,
+        overhead_s: float | None = None,
+        source: str | None = None,
+        rollback: dict[str, Any] | None = None,
+        earlier: bool = False,
+        advice: str | None = None,
+        compile: dict[str, int] | None = None,
+        unsteady: bool = False,
+    ) -> TrialEvent:
         s = summary or {}
-        ev = TrialEvent(number=number, toggles=toggles, status=status,
-                        tokens_per_s=s.get("tokens_per_s"), spread=s.get("spread"), peak_mem=s.get("peak_mem"),
-                        energy_per_token=s.get("energy_per_token"), reason=reason, kind=kind,
-                        source=source or (kind if kind is not TrialKind.TRIAL else None), duration_s=round(duration, 3),
-                        remeasure_tokens_per_s=s.get("remeasure_tokens_per_s"),
-                        remeasure_spread=s.get("remeasure_spread"), rollback=rollback, earlier=earlier,
-                        advice=advice, compile=compile, unsteady=unsteady)
+        ev = TrialEvent(
+            number=number,
+            toggles=toggles,
+            status=status,
+            tokens_per_s=s.get("tokens_per_s"),
+            spread=s.get("spread"),
+            peak_mem=s.get("peak_mem"),
+            energy_per_token=s.get("energy_per_token"),
+            reason=reason,
+            kind=kind,
+            source=source or (kind if kind is not TrialKind.TRIAL else None),
+            duration_s=round(duration, 3),
+            remeasure_tokens_per_s=s.get("remeasure_tokens_per_s"),
+            remeasure_spread=s.get("remeasure_spread"),
+            rollback=rollback,
+            earlier=earlier,
+            advice=advice,
+            compile=compile,
+            unsteady=unsteady,
+        )
         fields = {f.name: getattr(ev, f.name) for f in dataclasses.fields(ev) if f.name != "extra"}
-        self.results.append({**fields, "duration_s": duration, "ran": ran, "failure": failure,
-                             "overhead_s": overhead_s, "summary": s})
+        self.results.append(
+            {**fields, "duration_s": duration, "ran": ran, "failure": failure, "overhead_s": overhead_s, "summary": s}
+        )
         self._emit(ev)
         self._emit(self.tuner_event())
         return ev
@@ -654,9 +844,18 @@ class TuneController:
 
     def _costs(self) -> Costs:
         start = self.startup_s if self.startup_s is not None else self.default_restart_s
-        return Costs(self.results, self.study, self.base, self.running, self.continue_free, start + self.checkpoint_s,
-                     self.compile_prior_s, self.measure_kw, self.run_pace,
-                     self.baseline["duration_s"] if self.baseline else None)
+        return Costs(
+            self.results,
+            self.study,
+            self.base,
+            self.running,
+            self.continue_free,
+            start + self.checkpoint_s,
+            self.compile_prior_s,
+            self.measure_kw,
+            self.run_pace,
+            self.baseline["duration_s"] if self.baseline else None,
+        )
 
     def _trial_estimate(self) -> float:
         """How long a trial takes, restart and measurement (`Costs.trial_estimate`)."""
@@ -671,8 +870,16 @@ class TuneController:
 
     def _outlook(self) -> Outlook:
         best, switch, _ = self._judge()
-        return Outlook(self._costs(), self.last_step, self._remaining(), self._step_s(), self.run_pace.between_s(),
-                       best, switch, self._cost_so_far())
+        return Outlook(
+            self._costs(),
+            self.last_step,
+            self._remaining(),
+            self._step_s(),
+            self.run_pace.between_s(),
+            best,
+            switch,
+            self._cost_so_far(),
+        )
 
     def gain_bound(self) -> float:
         """The most a trial may be assumed to gain over the start (`Ledger.gain_bound`)."""
@@ -690,10 +897,10 @@ class TuneController:
         if step_s is None:
             return None
         measured = self._base_estimate() is not None
-        if not measured and ledger.decisions:         # planned on the reported pace already; wait for the baseline
+        if not measured and ledger.decisions:  # planned on the reported pace already; wait for the baseline
             return None
         ledger.planned = measured
-        left_s = self._remaining() * (step_s + self.run_pace.between_s())     # the run's wall time, not only its steps'
+        left_s = self._remaining() * (step_s + self.run_pace.between_s())  # the run's wall time, not only its steps'
         ledger.loss_allowance_s = ledger.max_loss * left_s
         limited = self.budget.limit(ledger.max_share * left_s)
         d = ledger.plan(self._outlook(), self._trial_estimate())
@@ -702,9 +909,11 @@ class TuneController:
             self.stop_note = d.reason
             return self._done(d.reason, self.base)
         if limited and measured:
-            self._say(f"tuner: budget {format_duration(self.budget.total_s)}: at most {ledger.max_share:.0%} of the "
-                      f"{format_duration(left_s)} the run has left "
-                      f"(asked for {format_duration(self.budget.requested_s)})")
+            self._say(
+                f"tuner: budget {format_duration(self.budget.total_s)}: at most {ledger.max_share:.0%} of the "
+                f"{format_duration(left_s)} the run has left "
+                f"(asked for {format_duration(self.budget.requested_s)})"
+            )
         ledger.record(d, self.last_step, say=measured)
         return None
 
@@ -750,10 +959,17 @@ class TuneController:
     def _judge(self) -> Judgement:
         """The best and whether switching to it now pays (`standings.judge`)."""
         best = self.best()
-        return standings.judge(best, self._standings(), self._base_estimate(), base=self.base,
-                               remaining=self._remaining(), tokens_per_step=self.tokens_per_step,
-                               switch_s=self._costs().switch_s, trust_spread=self.trust_spread,
-                               stop_note=self.stop_note)
+        return standings.judge(
+            best,
+            self._standings(),
+            self._base_estimate(),
+            base=self.base,
+            remaining=self._remaining(),
+            tokens_per_step=self.tokens_per_step,
+            switch_s=self._costs().switch_s,
+            trust_spread=self.trust_spread,
+            stop_note=self.stop_note,
+        )
 
     # --- deciding -------------------------------------------------------------------
     def _decide(self, prefix: str = "") -> Apply | Done:
@@ -773,10 +989,20 @@ class TuneController:
         base_est = self._base_estimate()
         self.applied = c.toggles
         restart = c.toggles != self.running
-        best_tps = base_est[0] * best.speedup if base_est is not None and math.isfinite(best.speedup) else c.tokens_per_s
-        self._emit(ApplyEvent(toggles=c.toggles, decision=decision.to_dict(), number=c.number,
-                              tokens_per_s=best_tps, baseline_tokens_per_s=base_est[0] if base_est else None,
-                              step=self.last_step, earlier=best.earlier))
+        best_tps = (
+            base_est[0] * best.speedup if base_est is not None and math.isfinite(best.speedup) else c.tokens_per_s
+        )
+        self._emit(
+            ApplyEvent(
+                toggles=c.toggles,
+                decision=decision.to_dict(),
+                number=c.number,
+                tokens_per_s=best_tps,
+                baseline_tokens_per_s=base_est[0] if base_est else None,
+                step=self.last_step,
+                earlier=best.earlier,
+            )
+        )
         self._final = Done(f"{prefix}applied {best.label}: {decision.reason}", c.toggles, restart=False)
         self.budget.stop()
         self.phase = TunerPhase.DONE
@@ -811,15 +1037,24 @@ class TuneController:
         if applied and self.decision is not None:
             switch = self.decision.cost_s
         elif final is None or self._aborted or not self.run_pays or remaining == 0:
-            switch = 0.0                 # the run ended or stopped while tuning, or --tune-only stops it: no switch
+            switch = 0.0  # the run ended or stopped while tuning, or --tune-only stops it: no switch
         else:
             switch = self._costs().switch_s(final.toggles)
         return {
-            "run": self.study.run_id, "study": self.study.name, "key": self.study.key,
-            "device": self.dev.to_dict(), "base": dataclasses.asdict(self.base),
-            "baseline": {**{k: self.baseline.get(k) for k in ("tokens_per_s", "spread", "peak_mem", "energy_per_token",
-                                                               "n", "steps")},
-                         "holds": self._holds(*base) if base is not None else False} if self.baseline else None,
+            "run": self.study.run_id,
+            "study": self.study.name,
+            "key": self.study.key,
+            "device": self.dev.to_dict(),
+            "base": dataclasses.asdict(self.base),
+            "baseline": {
+                **{
+                    k: self.baseline.get(k)
+                    for k in ("tokens_per_s", "spread", "peak_mem", "energy_per_token", "n", "steps")
+                },
+                "holds": self._holds(*base) if base is not None else False,
+            }
+            if self.baseline
+            else None,
             "baseline_number": self.baseline_number,
             "best": dataclasses.asdict(c.toggles) if c else None,
             "best_number": c.number if c else None,
@@ -831,21 +1066,34 @@ class TuneController:
             "decision": self.decision.to_dict() if self.decision else None,
             "outcome": self._final.reason if self._final else self.stop_note,
             "stop_note": self.stop_note,
-            "memory": ({"reason": self.space.memory,
-                        "choices": {n: list(self.space.choices[n]) for n in MEMORY_SAVING}}
-                       if self.space.memory else None),
-            "results": [{**{k: v for k, v in r.items() if k not in ("summary",)},
-                         "toggles": dataclasses.asdict(r["toggles"])} for r in self.results],
+            "memory": (
+                {"reason": self.space.memory, "choices": {n: list(self.space.choices[n]) for n in MEMORY_SAVING}}
+                if self.space.memory
+                else None
+            ),
+            "results": [
+                {**{k: v for k, v in r.items() if k not in ("summary",)}, "toggles": dataclasses.asdict(r["toggles"])}
+                for r in self.results
+            ],
             "ledger": {
-                "budget_s": self.budget.total_s, "requested_budget_s": self.budget.requested_s,
-                "tuning_s": tuning_s, "trials_run": self.trials_run,
-                "screened": self.screened, "skipped": self.study.skipped(self.study.run_id),
-                "kept_tokens": self.kept_tokens, "rolled_back_s": self.rolled_back_s,
-                "cost_s": cost, "switch_s": switch, "saving_s": saving,
+                "budget_s": self.budget.total_s,
+                "requested_budget_s": self.budget.requested_s,
+                "tuning_s": tuning_s,
+                "trials_run": self.trials_run,
+                "screened": self.screened,
+                "skipped": self.study.skipped(self.study.run_id),
+                "kept_tokens": self.kept_tokens,
+                "rolled_back_s": self.rolled_back_s,
+                "cost_s": cost,
+                "switch_s": switch,
+                "saving_s": saving,
                 "net_s": saving - cost - switch if cost is not None else None,
                 # the steps the saving is over: the decision's (a few more ran while the switch was made)
-                "remaining_steps": self.decision.remaining_steps if applied and self.decision is not None else remaining,
-                "tokens_per_step": self.tokens_per_step, "step_s": self._step_s(),
+                "remaining_steps": self.decision.remaining_steps
+                if applied and self.decision is not None
+                else remaining,
+                "tokens_per_step": self.tokens_per_step,
+                "step_s": self._step_s(),
                 "between_s": self.run_pace.between_s(),
                 "loss_allowance_s": self.loss_allowance_s,
                 "projected_saving_s": saving - switch if applied else None,

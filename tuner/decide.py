@@ -36,8 +36,9 @@ from typing import Any
 from .measure import Measurement
 
 
-def should_prune(measurement: Measurement, best_tokens_per_s: float | None, margin: float = 0.05,
-                 min_samples: int = 3) -> bool:
+def should_prune(
+    measurement: Measurement, best_tokens_per_s: float | None, margin: float = 0.05, min_samples: int = 3
+) -> bool:
     """True when the trial is clearly slower than the best: after warm-up, with at least `min_samples`
     samples, the upper end of its CI is below best * (1 - margin)."""
     if best_tokens_per_s is None or not best_tokens_per_s > 0 or not measurement.warmed_up:
@@ -48,15 +49,16 @@ def should_prune(measurement: Measurement, best_tokens_per_s: float | None, marg
     return math.isfinite(hi) and hi < best_tokens_per_s * (1.0 - margin)
 
 
-def hopeless(measurement: Measurement, best_tokens_per_s: float | None, factor: float = 0.5,
-             min_samples: int = 3) -> bool:
+def hopeless(
+    measurement: Measurement, best_tokens_per_s: float | None, factor: float = 0.5, min_samples: int = 3
+) -> bool:
     """True when, before warm-up has even been judged, no step after the first `skip` reached `factor` of the
     best's throughput in `min_samples` tries: warm-up only makes steps slower, so such a trial cannot win.
     Spares waiting for a slow configuration (bf16 autocast on a CPU, activation checkpointing at a tiny
     micro-batch) to settle, which at seconds a step can take a whole trial's time."""
     if best_tokens_per_s is None or not best_tokens_per_s > 0:
         return False
-    after = measurement.samples[measurement.skip:]
+    after = measurement.samples[measurement.skip :]
     if len(after) < min_samples:
         return False
     return max(s.tokens_per_s for s in after) < factor * best_tokens_per_s
@@ -65,10 +67,10 @@ def hopeless(measurement: Measurement, best_tokens_per_s: float | None, factor: 
 class Choice(enum.Enum):
     """What a decision in the tuning's ledger decided."""
 
-    PLAN = "plan"          # before the first trial: can any trial pay over the rest of the run?
-    TRIAL = "trial"        # can a kind of trial (a compile mode, a plain restart) still pay?
-    EXPLORE = "explore"    # one more trial, or apply the best found now?
-    SWITCH = "switch"      # apply the best, or keep the start?
+    PLAN = "plan"  # before the first trial: can any trial pay over the rest of the run?
+    TRIAL = "trial"  # can a kind of trial (a compile mode, a plain restart) still pay?
+    EXPLORE = "explore"  # one more trial, or apply the best found now?
+    SWITCH = "switch"  # apply the best, or keep the start?
     CANDIDATE = "candidate"  # can a measured configuration win at all? (one whose compile kept recompiling cannot)
 
 
@@ -82,7 +84,7 @@ class Decision:
     cost_s: float
     reason: str
     choice: Choice = Choice.SWITCH
-    step: int | None = None             # the run's step when it was decided
+    step: int | None = None  # the run's step when it was decided
     remaining_steps: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -91,8 +93,15 @@ class Decision:
         return d
 
 
-def switch_pays(current_tps: float, best_tps: float, remaining_steps: int, tokens_per_step: int,
-                switch_cost_s: float, min_net_s: float = 0.0, fallback_cost_s: float = 0.0) -> Decision:
+def switch_pays(
+    current_tps: float,
+    best_tps: float,
+    remaining_steps: int,
+    tokens_per_step: int,
+    switch_cost_s: float,
+    min_net_s: float = 0.0,
+    fallback_cost_s: float = 0.0,
+) -> Decision:
     """Apply iff (remaining time at current speed - at best speed) - switch cost > `min_net_s` - the cost of
     the alternative (`fallback_cost_s`: going back to the start from a trial's process is a restart too)."""
     cost = max(0.0, float(switch_cost_s))
@@ -104,16 +113,30 @@ def switch_pays(current_tps: float, best_tps: float, remaining_steps: int, token
     tokens = remaining_steps * tokens_per_step
     saving = tokens / current_tps - tokens / best_tps
     if saving <= 0:
-        return Decision(False, saving, cost, f"not faster: {best_tps:.0f} vs {current_tps:.0f} tokens/s",
-                        remaining_steps=remaining_steps)
+        return Decision(
+            False,
+            saving,
+            cost,
+            f"not faster: {best_tps:.0f} vs {current_tps:.0f} tokens/s",
+            remaining_steps=remaining_steps,
+        )
     switch = f"the {cost:.0f}s switch" + (f" (going back to the start costs {fallback:.0f}s too)" if fallback else "")
     if saving - cost + fallback > min_net_s:
-        return Decision(True, saving, cost,
-                        f"{best_tps / current_tps:.2f}x faster saves {saving:.0f}s over the remaining "
-                        f"{remaining_steps} steps, more than {switch}", remaining_steps=remaining_steps)
-    return Decision(False, saving, cost,
-                    f"saves {saving:.0f}s over the remaining {remaining_steps} steps, "
-                    f"not more than {switch}", remaining_steps=remaining_steps)
+        return Decision(
+            True,
+            saving,
+            cost,
+            f"{best_tps / current_tps:.2f}x faster saves {saving:.0f}s over the remaining "
+            f"{remaining_steps} steps, more than {switch}",
+            remaining_steps=remaining_steps,
+        )
+    return Decision(
+        False,
+        saving,
+        cost,
+        f"saves {saving:.0f}s over the remaining {remaining_steps} steps, not more than {switch}",
+        remaining_steps=remaining_steps,
+    )
 
 
 def _clock(seconds: float) -> str:
@@ -121,9 +144,20 @@ def _clock(seconds: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
-def trial_pays(cost_s: float, trial_s: float, remaining_steps: int, step_s: float, gain_bound: float,
-               loss_left_s: float, *, what: str = "a trial", choice: Choice = Choice.TRIAL,
-               step: int | None = None, loss_note: str = "", between_s: float = 0.0) -> Decision:
+def trial_pays(
+    cost_s: float,
+    trial_s: float,
+    remaining_steps: int,
+    step_s: float,
+    gain_bound: float,
+    loss_left_s: float,
+    *,
+    what: str = "a trial",
+    choice: Choice = Choice.TRIAL,
+    step: int | None = None,
+    loss_note: str = "",
+    between_s: float = 0.0,
+) -> Decision:
     """Whether a trial costing `cost_s` (restart, warm-up, compile, the switch back) and lasting `trial_s` can
     pay: at most `gain_bound` times faster than the start, over the steps left after it (at `step_s` seconds
     each, plus `between_s` of the run's time between steps, which a faster setting does not shorten), it must
@@ -134,42 +168,88 @@ def trial_pays(cost_s: float, trial_s: float, remaining_steps: int, step_s: floa
     pace = step_s + between
     left_s = max(0, remaining_steps) * pace
     after = max(0.0, left_s - max(0.0, trial_s))
-    share = step_s / pace if pace > 0 else 0.0           # the part of the time after it that a setting speeds up
+    share = step_s / pace if pace > 0 else 0.0  # the part of the time after it that a setting speeds up
     bound = after * share * (1.0 - 1.0 / gain_bound) if gain_bound > 1.0 else 0.0
-    figures = (f"the run ends in {_clock(left_s)} ({remaining_steps} steps at {pace:.2f} s"
-               + (f", {between:.2f} s of it between steps" if between >= 0.005 else "")
-               + f"); {what} costs ~{cost:.0f} s here")
+    figures = (
+        f"the run ends in {_clock(left_s)} ({remaining_steps} steps at {pace:.2f} s"
+        + (f", {between:.2f} s of it between steps" if between >= 0.005 else "")
+        + f"); {what} costs ~{cost:.0f} s here"
+    )
     if cost >= bound:
-        return Decision(False, bound, cost, f"{figures}, more than the {bound:.0f} s it could save "
-                        f"(at {gain_bound:.2f}x over the {_clock(after)} after it)", choice, step, remaining_steps)
+        return Decision(
+            False,
+            bound,
+            cost,
+            f"{figures}, more than the {bound:.0f} s it could save "
+            f"(at {gain_bound:.2f}x over the {_clock(after)} after it)",
+            choice,
+            step,
+            remaining_steps,
+        )
     if cost > loss_left_s:
-        return Decision(False, bound, cost, f"{figures}, more than the {max(0.0, loss_left_s):.0f} s tuning may "
-                        f"still lose{loss_note}", choice, step, remaining_steps)
-    return Decision(True, bound, cost, f"{figures}; it could save up to {bound:.0f} s "
-                    f"(at {gain_bound:.2f}x over the {_clock(after)} after it)", choice, step, remaining_steps)
+        return Decision(
+            False,
+            bound,
+            cost,
+            f"{figures}, more than the {max(0.0, loss_left_s):.0f} s tuning may still lose{loss_note}",
+            choice,
+            step,
+            remaining_steps,
+        )
+    return Decision(
+        True,
+        bound,
+        cost,
+        f"{figures}; it could save up to {bound:.0f} s (at {gain_bound:.2f}x over the {_clock(after)} after it)",
+        choice,
+        step,
+        remaining_steps,
+    )
 
 
-def keep_exploring(best_gain: float, gain_bound: float, trial_cost_s: float, trial_s: float, remaining_steps: int,
-                   step_s: float, switch: Decision, best_number: int | None = None,
-                   step: int | None = None) -> Decision:
+def keep_exploring(
+    best_gain: float,
+    gain_bound: float,
+    trial_cost_s: float,
+    trial_s: float,
+    remaining_steps: int,
+    step_s: float,
+    switch: Decision,
+    best_number: int | None = None,
+    step: int | None = None,
+) -> Decision:
     """One more trial, or apply the best now (`switch`, which pays)? Another trial can at most add the step from
     `best_gain` to `gain_bound` over the steps left after it; it costs its own cost (its restart) plus the
     saving forgone while its steps run at about the start's speed instead of the best's. `apply` True: explore
     on."""
     after = max(0.0, max(0, remaining_steps) * step_s - max(0.0, trial_s))
     value = after * (1.0 / best_gain - 1.0 / gain_bound) if gain_bound > best_gain > 0 else 0.0
-    stepping = max(0.0, trial_s - max(0.0, trial_cost_s))       # the trial's time that is not its restart
+    stepping = max(0.0, trial_s - max(0.0, trial_cost_s))  # the trial's time that is not its restart
     forgone = stepping * (1.0 - 1.0 / best_gain) if best_gain > 1.0 else 0.0
     cost = max(0.0, trial_cost_s) + forgone
     net_now = switch.expected_saving_s - switch.cost_s
     if value > cost:
-        return Decision(True, value, cost, f"another trial could add up to {value:.0f} s, more than its "
-                        f"~{cost:.0f} s", Choice.EXPLORE, step, remaining_steps)
+        return Decision(
+            True,
+            value,
+            cost,
+            f"another trial could add up to {value:.0f} s, more than its ~{cost:.0f} s",
+            Choice.EXPLORE,
+            step,
+            remaining_steps,
+        )
     at = f" at step {step}" if step is not None else ""
     which = f"trial {best_number}" if best_number is not None else "the best"
-    return Decision(False, value, cost, f"stopped exploring{at}: {remaining_steps} steps left, applying {which} "
-                    f"saves {net_now:.0f} s, another trial costs ~{cost:.0f} s and could add at most {value:.0f} s",
-                    Choice.EXPLORE, step, remaining_steps)
+    return Decision(
+        False,
+        value,
+        cost,
+        f"stopped exploring{at}: {remaining_steps} steps left, applying {which} "
+        f"saves {net_now:.0f} s, another trial costs ~{cost:.0f} s and could add at most {value:.0f} s",
+        Choice.EXPLORE,
+        step,
+        remaining_steps,
+    )
 
 
 def significantly_faster(best_lo: float, current_tps: float) -> bool:

@@ -46,8 +46,9 @@ def cheapest(base: Toggles) -> Toggles:
     return dataclasses.replace(base, compile="off")
 
 
-def not_a_candidate(what: str, tokens_per_s: float, start: Estimate | None, remaining: int, tokens_per_step: int,
-                    switch_s: float) -> Decision:
+def not_a_candidate(
+    what: str, tokens_per_s: float, start: Estimate | None, remaining: int, tokens_per_step: int, switch_s: float
+) -> Decision:
     """The ledger's record that a measured configuration (`what`, at `tokens_per_s`) cannot win however fast it
     measured, with what it would have saved over the `remaining` steps against the `start`."""
     measured = start is not None and start[0] > 0 and math.isfinite(tokens_per_s)
@@ -55,9 +56,14 @@ def not_a_candidate(what: str, tokens_per_s: float, start: Estimate | None, rema
     if start is not None and measured and tokens_per_s > 0:
         saving = max(0.0, remaining * tokens_per_step * (1.0 / start[0] - 1.0 / tokens_per_s))
     times = f", {tokens_per_s / start[0]:.2f}x the start" if start is not None and measured else ""
-    return Decision(False, saving, switch_s, f"{what}: not a candidate however fast it measured "
-                                             f"({tokens_per_s:.0f} tokens/s{times})",
-                    choice=Choice.CANDIDATE, remaining_steps=remaining)
+    return Decision(
+        False,
+        saving,
+        switch_s,
+        f"{what}: not a candidate however fast it measured ({tokens_per_s:.0f} tokens/s{times})",
+        choice=Choice.CANDIDATE,
+        remaining_steps=remaining,
+    )
 
 
 @dataclass(frozen=True)
@@ -65,36 +71,44 @@ class Costs:
     """What restarting, measuring and switching cost on this setup, in seconds of the run, as the figures
     stand now (built for each question)."""
 
-    results: list[dict[str, Any]]   # this run's finished trials (the controller's `results`)
+    results: list[dict[str, Any]]  # this run's finished trials (the controller's `results`)
     study: TuneStudy
-    base: Toggles                   # the starting configuration
-    running: Toggles | None         # what the trainer process runs, as far as is known
-    continue_free: bool             # that process may train on without a restart
-    process_start_s: float          # an unmeasured restart: the trainer's start (measured or assumed) + a checkpoint
-    compile_prior_s: float          # an unmeasured compile
-    measure_kw: dict[str, Any]      # a trial's Measurement settings
+    base: Toggles  # the starting configuration
+    running: Toggles | None  # what the trainer process runs, as far as is known
+    continue_free: bool  # that process may train on without a restart
+    process_start_s: float  # an unmeasured restart: the trainer's start (measured or assumed) + a checkpoint
+    compile_prior_s: float  # an unmeasured compile
+    measure_kw: dict[str, Any]  # a trial's Measurement settings
     pace: RunPace
-    baseline_s: float | None        # how long the baseline's measurement took (None: not measured)
+    baseline_s: float | None  # how long the baseline's measurement took (None: not measured)
 
     def overheads(self, match: Callable[[Toggles], bool]) -> list[float]:
         """Restart overheads measured on this setup for toggles that `match`: this run's trials and
         re-measurements first, else every run's trials in the study."""
-        mine = [r["overhead_s"] for r in self.results if r["kind"] != TrialKind.BASELINE and r["overhead_s"] is not None
-                and match(r["toggles"])]
+        mine = [
+            r["overhead_s"]
+            for r in self.results
+            if r["kind"] != TrialKind.BASELINE and r["overhead_s"] is not None and match(r["toggles"])
+        ]
         if mine:
             return mine
-        return [float(t.user_attrs["overhead_s"]) for t in self.study.trials()
-                if isinstance(t.user_attrs.get("overhead_s"), (int, float))
-                and t.user_attrs.get("kind_of_run", TrialKind.TRIAL) != TrialKind.BASELINE
-                and match(self.study.toggles_of(t))]
+        return [
+            float(t.user_attrs["overhead_s"])
+            for t in self.study.trials()
+            if isinstance(t.user_attrs.get("overhead_s"), (int, float))
+            and t.user_attrs.get("kind_of_run", TrialKind.TRIAL) != TrialKind.BASELINE
+            and match(self.study.toggles_of(t))
+        ]
 
     def restart_s(self, t: Toggles) -> float:
         """What a restart into `t` costs beyond its steps' own time (checkpoint, process start, build, warm-up,
         compile): as measured on this setup for the same toggles, else the same compile mode and micro-batch,
         else the same compile mode; else the process start and, for a compile, `compile_prior_s`."""
-        for match in (lambda o: o == t,
-                      lambda o: o.compile == t.compile and (t.compile == "off" or o.micro_batch == t.micro_batch),
-                      lambda o: o.compile == t.compile):
+        for match in (
+            lambda o: o == t,
+            lambda o: o.compile == t.compile and (t.compile == "off" or o.micro_batch == t.micro_batch),
+            lambda o: o.compile == t.compile,
+        ):
             xs = self.overheads(match)
             if xs:
                 return float(median(xs))
@@ -113,7 +127,7 @@ class Costs:
             return float(median(durations))
         if self.baseline_s is not None:
             measuring = self.baseline_s
-        elif step_s is not None:         # the skip, two settling windows, a sample
+        elif step_s is not None:  # the skip, two settling windows, a sample
             m = Measurement(**self.measure_kw)
             measuring = min(m.max_seconds, (m.skip + 2 * m.window + m.min_steps) * (step_s + self.pace.between_s()))
         else:
@@ -152,13 +166,13 @@ class Outlook:
     """The figures a decision to spend on a trial rests on, as they stand now."""
 
     costs: Costs
-    step: int                       # the run's step
-    remaining: int                  # the steps it has left
-    step_s: float | None            # seconds per step at the start's speed (None: not known yet)
-    between_s: float                # the run's time between its steps, per step
-    best: Standing | None           # the best so far (`standings.best_of`)
-    switch: Decision | None         # switching to it now (`standings.judge`)
-    spent_s: float | None           # what tuning has cost so far (None: the start has no measurement)
+    step: int  # the run's step
+    remaining: int  # the steps it has left
+    step_s: float | None  # seconds per step at the start's speed (None: not known yet)
+    between_s: float  # the run's time between its steps, per step
+    best: Standing | None  # the best so far (`standings.best_of`)
+    switch: Decision | None  # switching to it now (`standings.judge`)
+    spent_s: float | None  # what tuning has cost so far (None: the start has no measurement)
 
     @property
     def target(self) -> Toggles:
@@ -175,8 +189,9 @@ class Ledger:
     exploring stopped, and every decision with its figures (the report's `ledger.decisions`). `say` puts a
     line in the event stream."""
 
-    def __init__(self, *, max_share: float, max_loss: float, prior_gain: float, explore_gain: float,
-                 say: Callable[[str], None]):
+    def __init__(
+        self, *, max_share: float, max_loss: float, prior_gain: float, explore_gain: float, say: Callable[[str], None]
+    ):
         # the budget is at most `max_share` of the rest of the run, and tuning may lose at most `max_loss` of it;
         # a trial is assumed at most `prior_gain` times faster than the start, or `explore_gain` times the best
         self.max_share, self.max_loss = max_share, max_loss
@@ -184,8 +199,8 @@ class Ledger:
         self.say = say
         self.decisions: list[Decision] = []
         self.loss_allowance_s: float | None = None  # what tuning may lose, decided before the first trial
-        self.planned = False                         # planned with the baseline's own measurement
-        self.dropped: set[str] = set()               # kinds of trial that can no longer pay
+        self.planned = False  # planned with the baseline's own measurement
+        self.dropped: set[str] = set()  # kinds of trial that can no longer pay
         self.stopped_exploring = False
 
     def record(self, d: Decision, step: int, say: bool = False) -> None:
@@ -210,16 +225,28 @@ class Ledger:
         return self.loss_allowance_s + secured - (o.spent_s or 0.0)
 
     def loss_note(self) -> str:
-        return (f" ({self.max_loss:.0%} of the rest of the run at the start, plus what the best found saves, "
-                "minus what tuning has cost)")
+        return (
+            f" ({self.max_loss:.0%} of the rest of the run at the start, plus what the best found saves, "
+            "minus what tuning has cost)"
+        )
 
     def plan(self, o: Outlook, trial_s: float) -> Decision:
         """Before the first trial (the allowance already set): can a trial of the cheapest kind, taking
         `trial_s`, pay? The decision's reason says "tuning can pay" or "tuning cannot pay"."""
         assert o.step_s is not None
-        d = trial_pays(o.trial_cost(cheapest(o.costs.base)), trial_s, o.remaining, o.step_s, self.gain_bound(o.best),
-                       self.loss_left(o), what="a trial", choice=Choice.PLAN, step=o.step,
-                       loss_note=f" ({self.max_loss:.0%} of the rest of the run)", between_s=o.between_s)
+        d = trial_pays(
+            o.trial_cost(cheapest(o.costs.base)),
+            trial_s,
+            o.remaining,
+            o.step_s,
+            self.gain_bound(o.best),
+            self.loss_left(o),
+            what="a trial",
+            choice=Choice.PLAN,
+            step=o.step,
+            loss_note=f" ({self.max_loss:.0%} of the rest of the run)",
+            between_s=o.between_s,
+        )
         return dataclasses.replace(d, reason=f"tuning {'can' if d.apply else 'cannot'} pay: {d.reason}")
 
     def gate(self, o: Outlook, trial_s: float) -> Decision | None:
@@ -227,16 +254,35 @@ class Ledger:
         any more, or exploring is worth less than applying the best now."""
         assert o.step_s is not None
         cheap = o.trial_cost(cheapest(o.costs.base))
-        d = trial_pays(cheap, trial_s, o.remaining, o.step_s, self.gain_bound(o.best), self.loss_left(o),
-                       what="a trial", step=o.step, loss_note=self.loss_note(), between_s=o.between_s)
+        d = trial_pays(
+            cheap,
+            trial_s,
+            o.remaining,
+            o.step_s,
+            self.gain_bound(o.best),
+            self.loss_left(o),
+            what="a trial",
+            step=o.step,
+            loss_note=self.loss_note(),
+            between_s=o.between_s,
+        )
         if not d.apply:
             d = dataclasses.replace(d, reason=f"no trial can pay any more: {d.reason}")
             self.record(d, o.step, say=True)
             return d
         best, switch = o.best, o.switch
         if best is not None and switch is not None and switch.apply:
-            e = keep_exploring(best.speedup, self.gain_bound(best), cheap, trial_s, o.remaining, o.step_s, switch,
-                               best.cand.number, o.step)
+            e = keep_exploring(
+                best.speedup,
+                self.gain_bound(best),
+                cheap,
+                trial_s,
+                o.remaining,
+                o.step_s,
+                switch,
+                best.cand.number,
+                o.step,
+            )
             if not e.apply:
                 self.record(e, o.step, say=True)
                 self.stopped_exploring = True
@@ -257,12 +303,23 @@ class Ledger:
             if o.step_s is None:
                 return None
             cost = o.trial_cost(t)
-            d = trial_pays(cost, trial_s + max(0.0, cost - cheap), o.remaining, o.step_s, bound, loss_left,
-                           what=f"a {kind} trial", step=o.step, loss_note=self.loss_note(), between_s=o.between_s)
+            d = trial_pays(
+                cost,
+                trial_s + max(0.0, cost - cheap),
+                o.remaining,
+                o.step_s,
+                bound,
+                loss_left,
+                what=f"a {kind} trial",
+                step=o.step,
+                loss_note=self.loss_note(),
+                between_s=o.between_s,
+            )
             if not d.apply:
                 self.dropped.add(kind)
-                self.record(dataclasses.replace(d, reason=f"{kind} trials cannot pay any more: {d.reason}"), o.step,
-                            say=True)
+                self.record(
+                    dataclasses.replace(d, reason=f"{kind} trials cannot pay any more: {d.reason}"), o.step, say=True
+                )
                 return d.reason
             if cheap_first and cost > 1.5 * cheap and d.expected_saving_s < CHEAP_FIRST * cost:
                 return f"cheaper trials first while little time is left: a {kind} trial costs ~{cost:.0f} s"
@@ -274,9 +331,18 @@ class Ledger:
         """Whether re-measuring `st` (taking `trial_s`) pays for the speed-up `gain` it may confirm; a no is
         recorded and said."""
         assert o.step_s is not None
-        d = trial_pays(o.trial_cost(st.cand.toggles), trial_s, o.remaining, o.step_s, gain, self.loss_left(o),
-                       what=f"re-measuring {st.label}", step=o.step, loss_note=self.loss_note(),
-                       between_s=o.between_s)
+        d = trial_pays(
+            o.trial_cost(st.cand.toggles),
+            trial_s,
+            o.remaining,
+            o.step_s,
+            gain,
+            self.loss_left(o),
+            what=f"re-measuring {st.label}",
+            step=o.step,
+            loss_note=self.loss_note(),
+            between_s=o.between_s,
+        )
         if not d.apply:
             self.record(dataclasses.replace(d, reason=f"not re-measuring {st.label}: {d.reason}"), o.step, say=True)
         return d

@@ -67,7 +67,7 @@ def _median_rank(n: int, conf: float) -> int:
     """
     alpha = 1.0 - conf
     if n <= 200:
-        total = 2 ** n
+        total = 2**n
         cdf, k = 0, 0
         for j in range(n):
             cdf += math.comb(n, j)
@@ -96,9 +96,18 @@ class Sample:
 class Measurement:
     """The statistics of one trial's step stream: warm-up, estimate, spread and when to stop."""
 
-    def __init__(self, min_steps: int = 8, rel_ci: float = 0.03, max_steps: int = 300,
-                 max_seconds: float = 300.0, *, skip: int = 2, window: int = 5, settle_tol: float = 0.05,
-                 conf: float = 0.95):
+    def __init__(
+        self,
+        min_steps: int = 8,
+        rel_ci: float = 0.03,
+        max_steps: int = 300,
+        max_seconds: float = 300.0,
+        *,
+        skip: int = 2,
+        window: int = 5,
+        settle_tol: float = 0.05,
+        conf: float = 0.95,
+    ):
         if min_steps < 1 or max_steps < 1 or not rel_ci > 0 or not max_seconds > 0:
             raise ValueError("min_steps, max_steps, rel_ci and max_seconds must be positive")
         self.min_steps = min_steps
@@ -111,10 +120,11 @@ class Measurement:
         self.conf = conf
         self.samples: list[Sample] = []
         self._warm: int | None = None
-        self._scan = self.skip          # windows before this index were checked and had not settled
+        self._scan = self.skip  # windows before this index were checked and had not settled
 
-    def add(self, step: int, step_ms: float, tokens: int, time: float, loss: float | None = None,
-            mem: int | None = None) -> None:
+    def add(
+        self, step: int, step_ms: float, tokens: int, time: float, loss: float | None = None, mem: int | None = None
+    ) -> None:
         """Record one step event. Non-positive or non-finite step times are ignored (a clock glitch, not data)."""
         if step_ms is None or not math.isfinite(step_ms) or step_ms <= 0 or tokens <= 0:
             return
@@ -127,7 +137,7 @@ class Measurement:
         ms = [s.step_ms for s in self.samples]
         w = self.window
         for i in range(self._scan, len(ms) - 2 * w + 1):
-            a, b = median(ms[i:i + w]), median(ms[i + w:i + 2 * w])
+            a, b = median(ms[i : i + w]), median(ms[i + w : i + 2 * w])
             if abs(a - b) <= self.settle_tol * b:
                 j = i
                 while j < i + w and ms[j] > b * (1 + 2 * self.settle_tol):
@@ -148,9 +158,9 @@ class Measurement:
     def kept(self) -> list[Sample]:
         """Samples the estimate uses: after warm-up, or (never settled) the second half after `skip`."""
         if self._warm is not None:
-            return self.samples[self._warm:]
-        rest = self.samples[self.skip:]
-        return rest[len(rest) // 2:] if self.done else []
+            return self.samples[self._warm :]
+        rest = self.samples[self.skip :]
+        return rest[len(rest) // 2 :] if self.done else []
 
     # --- progress -------------------------------------------------------------------
     @property
@@ -170,7 +180,7 @@ class Measurement:
     def stable(self) -> bool:
         if self._warm is None:
             return False
-        kept = self.samples[self._warm:]
+        kept = self.samples[self._warm :]
         if len(kept) < self.min_steps:
             return False
         est, lo, hi = median_ci((s.tokens_per_s for s in kept), self.conf)
@@ -287,19 +297,29 @@ class Measurement:
         lo, hi = self.interval()
         tps = self.throughputs()
         return {
-            "tokens_per_s": finite_or_none(est), "spread": finite_or_none(spread),
-            "rel_spread": (finite_or_none(spread / est)
-                           if est and math.isfinite(est) and math.isfinite(spread) else None),
-            "ci": [finite_or_none(lo), finite_or_none(hi)], "conf": self.conf,
-            "n": len(tps), "warmup_samples": self.warmup_samples if self.warmed_up else None,
-            "warmed_up": self.warmed_up, "stable": self.stable, "done_reason": self.done_reason,
-            "steps": self.steps, "seconds": round(self.seconds, 3), "step_ms": finite_or_none(self.step_ms),
-            "peak_mem": self.peak_mem, "energy_per_token": self.energy_per_token(energy),
+            "tokens_per_s": finite_or_none(est),
+            "spread": finite_or_none(spread),
+            "rel_spread": (
+                finite_or_none(spread / est) if est and math.isfinite(est) and math.isfinite(spread) else None
+            ),
+            "ci": [finite_or_none(lo), finite_or_none(hi)],
+            "conf": self.conf,
+            "n": len(tps),
+            "warmup_samples": self.warmup_samples if self.warmed_up else None,
+            "warmed_up": self.warmed_up,
+            "stable": self.stable,
+            "done_reason": self.done_reason,
+            "steps": self.steps,
+            "seconds": round(self.seconds, 3),
+            "step_ms": finite_or_none(self.step_ms),
+            "peak_mem": self.peak_mem,
+            "energy_per_token": self.energy_per_token(energy),
             "samples": [round(v, 3) for v in tps[-200:]],
         }
 
 
 # --- loss health ------------------------------------------------------------------------
+
 
 class RunPace:
     """The wall time a run spends between its steps: what a step's own time leaves out (checkpoint saves,
@@ -313,8 +333,8 @@ class RunPace:
 
     def __init__(self, window: int = 500, max_gap_s: float = 60.0, gap_factor: float = 20.0):
         self.window, self.max_gap_s, self.gap_factor = window, max_gap_s, gap_factor
-        self._last: tuple[int, float] | None = None          # (step, event time) of the previous event
-        self._intervals: deque[tuple[int, float, float]] = deque(maxlen=window)   # (steps, wall s, step s)
+        self._last: tuple[int, float] | None = None  # (step, event time) of the previous event
+        self._intervals: deque[tuple[int, float, float]] = deque(maxlen=window)  # (steps, wall s, step s)
 
     def restart(self) -> None:
         """The next step event comes from another process: the time since the last one is not the run's pace."""
@@ -356,8 +376,15 @@ class LossTrend:
     (only NaN and gross divergence are judged then, see `LossGuard`).
     """
 
-    def __init__(self, points: Iterable[tuple[int, float]] = (), *, window: int = 50, min_points: int = 4,
-                 k_sigma: float = 4.0, rel_tol: float = 0.05):
+    def __init__(
+        self,
+        points: Iterable[tuple[int, float]] = (),
+        *,
+        window: int = 50,
+        min_points: int = 4,
+        k_sigma: float = 4.0,
+        rel_tol: float = 0.05,
+    ):
         self.window, self.min_points, self.k_sigma, self.rel_tol = window, min_points, k_sigma, rel_tol
         self.points: list[tuple[int, float]] = []
         for step, loss in points:
@@ -369,7 +396,7 @@ class LossTrend:
 
     def fit(self) -> tuple[float, float, float] | None:
         """(a, b, sigma) of loss = a + b*ln(step+1), or None with too few points."""
-        pts = self.points[-self.window:]
+        pts = self.points[-self.window :]
         if len(pts) < self.min_points:
             return None
         xs = [math.log(max(s, 0) + 1.0) for s, _ in pts]
@@ -415,7 +442,7 @@ class LossGuard:
 
     def __init__(self, trend: LossTrend, strict: bool, patience: int = 2, factor: float = 1.5):
         self.trend, self.strict, self.patience, self.factor = trend, strict, patience, factor
-        recent = [l for _, l in trend.points[-trend.window:]]
+        recent = [l for _, l in trend.points[-trend.window :]]
         self.ceiling = max(recent) * factor if recent else None
         self._off = 0
 
@@ -434,8 +461,10 @@ class LossGuard:
             self._off += 1
             if self._off >= self.patience:
                 pred = self.trend.predict(step)
-                self.reason = (f"loss {loss:.4g} at step {step} is off the run's trend "
-                               f"({pred:.4g} +- {self.trend.tolerance(step):.3g}) for {self._off} log points")
+                self.reason = (
+                    f"loss {loss:.4g} at step {step} is off the run's trend "
+                    f"({pred:.4g} +- {self.trend.tolerance(step):.3g}) for {self._off} log points"
+                )
                 return "diverged"
         else:
             self._off = 0

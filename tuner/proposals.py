@@ -26,13 +26,14 @@ from .space import SearchSpace
 
 # What the advice says to try (gptop.advice, through the session), best first: each one change to the start,
 # the tuner's first proposals.
-AdviceTry = tuple[str, Any, str]         # (toggle, value, the evidence in words)
+AdviceTry = tuple[str, Any, str]  # (toggle, value, the evidence in words)
 # A warm-start entry: the toggles, their source and the trial's extra attributes.
 FirstGuess = tuple[Toggles, str, dict[str, Any]]
 
 
-def first_guesses(base: Toggles, space: SearchSpace, dev: DeviceInfo, max_mb: int | None,
-                  advice: list[AdviceTry]) -> list[FirstGuess]:
+def first_guesses(
+    base: Toggles, space: SearchSpace, dev: DeviceInfo, max_mb: int | None, advice: list[AdviceTry]
+) -> list[FirstGuess]:
     """What the study tries before its sampler, in order: the start, the advice's tries, the recipe, and for a
     memory-constrained space the memory guess."""
     starts: list[FirstGuess] = [(base, "current", {})]
@@ -110,14 +111,16 @@ def predicted_oom(t: Toggles, max_mb: int | None, start: Toggles) -> str | None:
     if max_mb is None or mb is None or t.activation_checkpointing:
         return None
     if capabilities.saves_memory(t, start):
-        return None            # less optimizer state or a quantized base: the micro-batch may fit, try it
+        return None  # less optimizer state or a quantized base: the micro-batch may fit, try it
     bytes_of = capabilities.activation_bytes
     narrower = bytes_of(t.precision) < bytes_of(start.precision)
     limit = max_mb * (2 if narrower else 1)
     if mb > limit:
-        return (f"predicted OOM: micro-batch {mb} > {limit} (largest that fits with the starting toggles: "
-                f"{max_mb}{', x2 for the narrower precision' if narrower else ''}) "
-                "without activation checkpointing")
+        return (
+            f"predicted OOM: micro-batch {mb} > {limit} (largest that fits with the starting toggles: "
+            f"{max_mb}{', x2 for the narrower precision' if narrower else ''}) "
+            "without activation checkpointing"
+        )
     return None
 
 
@@ -131,8 +134,16 @@ class Screened:
     failure: TrialOutcome | None = None
 
 
-def screen(t: Toggles, *, start: Toggles, max_mb: int | None, dev: DeviceInfo, space: SearchSpace,
-           slow_compile: set[str], trial_timeout_s: float) -> Screened | None:
+def screen(
+    t: Toggles,
+    *,
+    start: Toggles,
+    max_mb: int | None,
+    dev: DeviceInfo,
+    space: SearchSpace,
+    slow_compile: set[str],
+    trial_timeout_s: float,
+) -> Screened | None:
     """Why proposal `t` is not run (see the module doc), or None to run it. `start` is the user's starting
     toggles, `max_mb` the largest micro-batch that fits with them, `slow_compile` the compile modes that did
     not warm up within a trial's `trial_timeout_s` earlier in this run."""
@@ -140,10 +151,16 @@ def screen(t: Toggles, *, start: Toggles, max_mb: int | None, dev: DeviceInfo, s
     if why:
         return Screened(TrialStatus.INFEASIBLE, why, TrialOutcome.OOM)
     bad = capabilities.unsupported(t, dev, space.per_rank)
-    if bad:          # a combination the trainer would refuse (a CUDA-graph compile mode with accumulation)
-        return Screened(TrialStatus.INFEASIBLE, f"{bad[0]}={getattr(t, bad[0])}: {bad[1]}",
-                        TrialOutcome.COMPILE if bad[0] == "compile" else TrialOutcome.CRASH)
+    if bad:  # a combination the trainer would refuse (a CUDA-graph compile mode with accumulation)
+        return Screened(
+            TrialStatus.INFEASIBLE,
+            f"{bad[0]}={getattr(t, bad[0])}: {bad[1]}",
+            TrialOutcome.COMPILE if bad[0] == "compile" else TrialOutcome.CRASH,
+        )
     if t.compile in slow_compile:
-        return Screened(TrialStatus.PRUNED, f"compile={t.compile} did not finish warming up within a trial's "
-                                            f"{trial_timeout_s:.0f} s earlier in this run: not worth this budget")
+        return Screened(
+            TrialStatus.PRUNED,
+            f"compile={t.compile} did not finish warming up within a trial's "
+            f"{trial_timeout_s:.0f} s earlier in this run: not worth this budget",
+        )
     return None

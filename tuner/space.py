@@ -68,8 +68,19 @@ from trainer.contract.device import DeviceInfo
 OPTION = "--tune-space"
 
 # Tuned toggles, in the order they are suggested and shown.
-TUNABLE: tuple[str, ...] = ("precision", "compile", "micro_batch", "prefetch", "workers", "fused_adamw",
-                            "activation_checkpointing", "attention", "cuda_allocator", "optimizer", "quantize_base")
+TUNABLE: tuple[str, ...] = (
+    "precision",
+    "compile",
+    "micro_batch",
+    "prefetch",
+    "workers",
+    "fused_adamw",
+    "activation_checkpointing",
+    "attention",
+    "cuda_allocator",
+    "optimizer",
+    "quantize_base",
+)
 NUMERICS_CHANGING: frozenset[str] = frozenset({"precision", "optimizer", "quantize_base"})
 # What a memory-constrained space widens (see the module doc); one process only for the last two.
 MEMORY_SAVING: tuple[str, ...] = ("activation_checkpointing", "optimizer", "quantize_base")
@@ -132,15 +143,24 @@ class SearchSpace:
     memory: str | None = None
     quantizable: bool = False
     world_size: int = 1
-    spec: str | None = None          # the --tune-space items applied, in order (replayed by `for_memory`)
+    spec: str | None = None  # the --tune-space items applied, in order (replayed by `for_memory`)
     # (toggle, the toggle it needs): the first acts only while the second is non-zero (a DataLoader's
     # prefetch factor needs workers); configurations that differ only in an idle toggle are one configuration
     needs: tuple[tuple[str, str], ...] = ()
 
     # --- construction ------------------------------------------------------------
     @classmethod
-    def for_device(cls, base: Toggles, dev: DeviceInfo, global_batch: int, world_size: int = 1,
-                   spec: str | None = None, *, memory: str | None = None, quantizable: bool = False) -> "SearchSpace":
+    def for_device(
+        cls,
+        base: Toggles,
+        dev: DeviceInfo,
+        global_batch: int,
+        world_size: int = 1,
+        spec: str | None = None,
+        *,
+        memory: str | None = None,
+        quantizable: bool = False,
+    ) -> "SearchSpace":
         """The default space for `dev` (every supported value not known to be slow, and the start's own),
         widened to the memory-saving values when `memory` (why; see `memory_pressure`), then
         narrowed/widened by a `--tune-space` spec."""
@@ -169,31 +189,34 @@ class SearchSpace:
             else:
                 vals = default_values(name, dev)
                 if getattr(base, name) not in vals and support(name, getattr(base, name), dev) is None:
-                    vals.append(getattr(base, name))      # the start is always in the space, even when slow
+                    vals.append(getattr(base, name))  # the start is always in the space, even when slow
             choices[name] = _order(name, vals)
-        space = cls(base=base, choices=choices, per_rank=per_rank, memory=memory, quantizable=quantizable,
-                    world_size=world_size)
+        space = cls(
+            base=base, choices=choices, per_rank=per_rank, memory=memory, quantizable=quantizable, world_size=world_size
+        )
         if spec:
             space = space.apply_spec(spec, dev)
         return space
 
     @classmethod
-    def check_spec(cls, spec: str, base: Toggles, global_batch: int, world_size: int = 1,
-                   quantizable: bool = False) -> None:
+    def check_spec(
+        cls, spec: str, base: Toggles, global_batch: int, world_size: int = 1, quantizable: bool = False
+    ) -> None:
         """Check a `--tune-space` spec where it enters, before the device is known (ConfigError naming it):
         its grammar, names and values; what the device supports is checked when tuning starts."""
         per_rank = per_rank_batch(global_batch, world_size)
         choices: dict[str, tuple] = {n: tuple(CHOICES[n]) for n in TUNABLE if n in CHOICES}
         choices.update(micro_batch=micro_batch_choices(per_rank), prefetch=DEFAULT_PREFETCH, workers=DEFAULT_WORKERS)
-        cls(base=base, choices=choices, per_rank=per_rank, quantizable=quantizable,
-            world_size=world_size).apply_spec(spec, None)
+        cls(base=base, choices=choices, per_rank=per_rank, quantizable=quantizable, world_size=world_size).apply_spec(
+            spec, None
+        )
 
     def apply_spec(self, spec: str, dev: DeviceInfo | None) -> "SearchSpace":
         """A new space with the `--tune-space` items applied left to right (`dev` None: support not checked)."""
         choices = dict(self.choices)
         items = [p for p in spec.replace(";", " ").split() if p]
         if not items:
-            raise ConfigError(OPTION, "empty; e.g. \"precision=bf16 compile=off,default -cuda_allocator\"")
+            raise ConfigError(OPTION, 'empty; e.g. "precision=bf16 compile=off,default -cuda_allocator"')
         for item in items:
             if item.startswith("-"):
                 name = _canon(item[1:])
@@ -211,7 +234,9 @@ class SearchSpace:
                 name, _, raw = item.partition("=")
                 widen = False
             else:
-                raise ConfigError(OPTION, f"{item!r}: expected NAME=V1,V2 (restrict), NAME+=V (widen) or -NAME (freeze)")
+                raise ConfigError(
+                    OPTION, f"{item!r}: expected NAME=V1,V2 (restrict), NAME+=V (widen) or -NAME (freeze)"
+                )
             name = _canon(name)
             self._check_name(item, name)
             parts = [p for p in raw.split(",")]
@@ -224,8 +249,15 @@ class SearchSpace:
     def for_memory(self, reason: str, dev: DeviceInfo) -> "SearchSpace":
         """This space widened to the memory-saving values because of `reason` (the starting configuration ran
         out of memory), with the same `--tune-space` items applied after, so the user's word stays last."""
-        return SearchSpace.for_device(self.base, dev, self.per_rank * self.world_size, self.world_size, self.spec,
-                                      memory=reason, quantizable=self.quantizable)
+        return SearchSpace.for_device(
+            self.base,
+            dev,
+            self.per_rank * self.world_size,
+            self.world_size,
+            self.spec,
+            memory=reason,
+            quantizable=self.quantizable,
+        )
 
     @staticmethod
     def _check_name(item: str, name: str) -> None:
@@ -254,17 +286,26 @@ class SearchSpace:
             if v > high:
                 raise ConfigError(OPTION, f"{item!r}: {v} must be at most {high}")
             if name == "micro_batch" and self.per_rank % v:
-                raise ConfigError(OPTION, f"{item!r}: micro-batch {v} does not divide the per-rank batch "
-                                          f"{self.per_rank} (the global batch stays fixed)")
+                raise ConfigError(
+                    OPTION,
+                    f"{item!r}: micro-batch {v} does not divide the per-rank batch "
+                    f"{self.per_rank} (the global batch stays fixed)",
+                )
             return v
         if raw not in CHOICES[name]:
             raise ConfigError(OPTION, f"{item!r}: {raw!r} is not one of {', '.join(map(str, CHOICES[name]))}")
         if name in ONE_PROCESS and self.world_size > 1 and raw != getattr(self.base, name):
-            raise ConfigError(OPTION, f"{item!r}: {name} is tuned on one process only (the optimizer-state "
-                                      f"conversion and a quantized base run on one); drop it or --nproc")
+            raise ConfigError(
+                OPTION,
+                f"{item!r}: {name} is tuned on one process only (the optimizer-state "
+                f"conversion and a quantized base run on one); drop it or --nproc",
+            )
         if name == "quantize_base" and raw != "none" and not self.quantizable:
-            raise ConfigError(OPTION, f"{item!r}: a quantized base is for a LoRA run of a model directory "
-                                      f"(--lora R --model DIR); drop quantize_base from --tune-space")
+            raise ConfigError(
+                OPTION,
+                f"{item!r}: a quantized base is for a LoRA run of a model directory "
+                f"(--lora R --model DIR); drop quantize_base from --tune-space",
+            )
         reason = support(name, raw, dev) if dev is not None else None
         if reason and dev is not None:
             raise ConfigError(OPTION, f"{item!r}: {raw} is not supported on {dev.name}: {reason}")
@@ -313,8 +354,10 @@ class SearchSpace:
         return ";".join(f"{n}={'|'.join(str(v) for v in self.choices[n])}" for n in TUNABLE)
 
     def describe(self) -> list[str]:
-        return [f"{n}: {', '.join(str(v) for v in self.choices[n])}" + ("" if n in self.params else " (frozen)")
-                for n in TUNABLE]
+        return [
+            f"{n}: {', '.join(str(v) for v in self.choices[n])}" + ("" if n in self.params else " (frozen)")
+            for n in TUNABLE
+        ]
 
     def distributions(self) -> dict[str, Any]:
         from optuna.distributions import CategoricalDistribution
@@ -384,12 +427,14 @@ def memory_pressure(cfg: TrainConfig, fits: int | None, world_size: int = 1) -> 
     (gptop.preflight.check_fits, the trainer's early hello), so it never reaches the tuner."""
     per_rank = per_rank_batch(cfg.optim.global_batch, world_size)
     t = cfg.toggles
-    wanted = t.micro_batch if isinstance(t.micro_batch, int) else per_rank     # else AUTO
+    wanted = t.micro_batch if isinstance(t.micro_batch, int) else per_rank  # else AUTO
     if fits is None or fits >= wanted:
         return None
     what = f"--micro-batch {wanted}" if t.micro_batch != AUTO else f"the whole per-rank batch ({wanted})"
-    return (f"{what} does not fit: {fits} is the largest micro-batch that fits with the starting toggles "
-            f"({wanted // fits} accumulation steps)")
+    return (
+        f"{what} does not fit: {fits} is the largest micro-batch that fits with the starting toggles "
+        f"({wanted // fits} accumulation steps)"
+    )
 
 
 def params_key(params: dict[str, Any]) -> tuple:

@@ -43,13 +43,13 @@ def shown_storage_url(url: str | None) -> str:
     if url is None or url == "":
         return default_storage_url()
     if url.startswith("journal:"):
-        return "journal:" + str(Path(url[len("journal:"):]).expanduser().absolute())
+        return "journal:" + str(Path(url[len("journal:") :]).expanduser().absolute())
     if url.startswith("sqlite:///"):
-        path, sep, query = url[len("sqlite:///"):].partition("?")
+        path, sep, query = url[len("sqlite:///") :].partition("?")
         if path and path != ":memory:":
             return "sqlite:///" + str(Path(path).expanduser().absolute()) + sep + query
         return url
-    if url.startswith("sqlite:"):            # sqlite:// in memory
+    if url.startswith("sqlite:"):  # sqlite:// in memory
         return url
     parts = urlsplit(url)
     netloc = parts.netloc
@@ -59,8 +59,7 @@ def shown_storage_url(url: str | None) -> str:
     query = parts.query
     if query:
         pairs = parse_qsl(query, keep_blank_values=True)
-        query = urlencode([(k, "***" if k.lower() in ("password", "passwd", "pwd") else v) for k, v in pairs],
-                          safe="*")
+        query = urlencode([(k, "***" if k.lower() in ("password", "passwd", "pwd") else v) for k, v in pairs], safe="*")
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
@@ -69,7 +68,7 @@ def dashboard_command(shown_url: str) -> str:
     A journal file is given as its path; a redacted password must be put back by hand."""
     import shlex
 
-    target = shown_url[len("journal:"):] if shown_url.startswith("journal:") else shown_url
+    target = shown_url[len("journal:") :] if shown_url.startswith("journal:") else shown_url
     return f"optuna-dashboard {shlex.quote(target)}"
 
 
@@ -79,17 +78,17 @@ def storage_from_url(url: str | None = None) -> optuna.storages.BaseStorage:
         path = default_storage_path()
         path.parent.mkdir(parents=True, exist_ok=True)
         return _fast_local_sqlite(storage_from_url(f"sqlite:///{path}"))
-    check_storage(url)        # the one check of a storage URL, also run where the flag enters (gptop.cli)
+    check_storage(url)  # the one check of a storage URL, also run where the flag enters (gptop.cli)
     if url.startswith("journal:"):
         from optuna.storages import JournalStorage
         from optuna.storages.journal import JournalFileBackend
 
-        path = Path(url[len("journal:"):]).expanduser()
+        path = Path(url[len("journal:") :]).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)
         return JournalStorage(JournalFileBackend(str(path)))
     kwargs: dict[str, Any] = {}
     if url.startswith("sqlite:///"):
-        Path(url[len("sqlite:///"):]).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        Path(url[len("sqlite:///") :]).expanduser().parent.mkdir(parents=True, exist_ok=True)
         kwargs["engine_kwargs"] = {"connect_args": {"timeout": 60}}
     try:
         return optuna.storages.RDBStorage(url, **kwargs)

@@ -93,6 +93,7 @@ optuna.logging.set_verbosity(optuna.logging.WARNING)  # one INFO line per trial 
 
 # --- naming -------------------------------------------------------------------------------
 
+
 def library_versions() -> dict[str, str]:
     """torch and transformers versions (from package metadata: no import, no seconds spent)."""
     out = {}
@@ -104,16 +105,21 @@ def library_versions() -> dict[str, str]:
     return out
 
 
-def study_key(cfg: TrainConfig, dev: DeviceInfo, space: SearchSpace, world_size: int = 1,
-              versions: dict[str, str] | None = None) -> dict[str, Any]:
+def study_key(
+    cfg: TrainConfig, dev: DeviceInfo, space: SearchSpace, world_size: int = 1, versions: dict[str, str] | None = None
+) -> dict[str, Any]:
     """The readable key of the study for this hardware, model, shape, libraries and space."""
     return {
         "schema": KEY_SCHEMA,
-        "device": dev.name, "device_type": dev.type,
+        "device": dev.name,
+        "device_type": dev.type,
         "capability": list(dev.capability) if dev.capability else None,
         "device_count": world_size,
-        "model": cfg.model.model, "size": cfg.model.size, "tokenizer": cfg.data.tokenizer,
-        "seq_len": cfg.data.seq_len, "global_batch": cfg.optim.global_batch,
+        "model": cfg.model.model,
+        "size": cfg.model.size,
+        "tokenizer": cfg.data.tokenizer,
+        "seq_len": cfg.data.seq_len,
+        "global_batch": cfg.optim.global_batch,
         # what trains: a LoRA run's speed and memory are another problem than full training's
         "lora": [cfg.finetune.lora, cfg.finetune.lora_targets] if cfg.finetune.enabled else None,
         "versions": versions if versions is not None else library_versions(),
@@ -129,6 +135,7 @@ def study_name(key: dict[str, Any]) -> str:
 
 # --- the study ------------------------------------------------------------------------------
 
+
 @dataclass
 class Proposal:
     """A trial to run: the live Optuna trial and the toggles it stands for."""
@@ -137,7 +144,7 @@ class Proposal:
     toggles: Toggles
     params: dict[str, Any]
     source: str = "sampler"
-    advice: str | None = None           # source "advice": the evidence of the advice it tries
+    advice: str | None = None  # source "advice": the evidence of the advice it tries
 
     @property
     def number(self) -> int:
@@ -173,9 +180,19 @@ def _intended(t: FrozenTrial) -> dict[str, Any]:
 class TuneStudy:
     """One persisted Optuna study for a setup, with the tuner's conventions on top."""
 
-    def __init__(self, space: SearchSpace, key: dict[str, Any], storage: str | optuna.storages.BaseStorage | None = None,
-                 *, seed: int | None = None, n_startup_trials: int = 4, stale_after_s: float = 1800.0,
-                 max_asks: int = 12, run_id: str | None = None, wall: Any = time.time):
+    def __init__(
+        self,
+        space: SearchSpace,
+        key: dict[str, Any],
+        storage: str | optuna.storages.BaseStorage | None = None,
+        *,
+        seed: int | None = None,
+        n_startup_trials: int = 4,
+        stale_after_s: float = 1800.0,
+        max_asks: int = 12,
+        run_id: str | None = None,
+        wall: Any = time.time,
+    ):
         self.space = space
         self.key = key
         self.name = study_name(key)
@@ -185,32 +202,42 @@ class TuneStudy:
         self.stale_after_s = stale_after_s
         self.max_asks = max_asks
         self.wall = wall
-        self.run_id = run_id or (f"{time.strftime('%Y%m%d-%H%M%S')}-{socket.gethostname()}-{os.getpid()}-"
-                                 f"{uuid.uuid4().hex[:6]}")
+        self.run_id = run_id or (
+            f"{time.strftime('%Y%m%d-%H%M%S')}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        )
         self._rng = random.Random(seed)
-        self.options = dict(seed=seed, n_startup_trials=n_startup_trials, stale_after_s=stale_after_s,
-                            max_asks=max_asks, wall=wall)
+        self.options = dict(
+            seed=seed, n_startup_trials=n_startup_trials, stale_after_s=stale_after_s, max_asks=max_asks, wall=wall
+        )
         kwargs: dict[str, Any] = {}
         if not _HAS_SET_CONSTRAINT:  # Optuna < 5: the constraints_func route
             kwargs["constraints_func"] = lambda ft: ft.user_attrs.get("constraint", [FEASIBLE])
-        self.sampler = optuna.samplers.TPESampler(n_startup_trials=n_startup_trials, multivariate=True,
-                                                  constant_liar=True, seed=seed, **kwargs)
-        self.study = optuna.create_study(study_name=self.name, storage=self.storage, sampler=self.sampler,
-                                         direction="maximize", load_if_exists=True)
+        self.sampler = optuna.samplers.TPESampler(
+            n_startup_trials=n_startup_trials, multivariate=True, constant_liar=True, seed=seed, **kwargs
+        )
+        self.study = optuna.create_study(
+            study_name=self.name, storage=self.storage, sampler=self.sampler, direction="maximize", load_if_exists=True
+        )
         if "key" not in self.study.user_attrs:
             self.study.set_user_attr("key", key)
 
     @classmethod
-    def open(cls, cfg: TrainConfig, dev: DeviceInfo, space: SearchSpace, storage: str | None = None,
-             world_size: int = 1, **kwargs: Any) -> "TuneStudy":
+    def open(
+        cls,
+        cfg: TrainConfig,
+        dev: DeviceInfo,
+        space: SearchSpace,
+        storage: str | None = None,
+        world_size: int = 1,
+        **kwargs: Any,
+    ) -> "TuneStudy":
         """The study for this run's setup, created or loaded from `storage` (see module doc)."""
         return cls(space, study_key(cfg, dev, space, world_size), storage, **kwargs)
 
     def for_space(self, space: SearchSpace) -> "TuneStudy":
         """The study of the same setup over another space (a space widened when memory turned out to be the
         constraint): another study, since the space is part of the key, in the same storage, for the same run."""
-        other = TuneStudy(space, {**self.key, "space": space.key()}, self.storage, run_id=self.run_id,
-                          **self.options)
+        other = TuneStudy(space, {**self.key, "space": space.key()}, self.storage, run_id=self.run_id, **self.options)
         other.storage_url = self.storage_url
         return other
 
@@ -251,8 +278,9 @@ class TuneStudy:
         return {self.space.config_key(_intended(t)) for t in self.trials() if t.state in states or self._live(t)}
 
     # --- warm start -------------------------------------------------------------------
-    def warm_start(self, configs: list[tuple[Toggles, str]] | list[tuple[Toggles, str, dict[str, Any]]]
-                   ) -> list[Toggles]:
+    def warm_start(
+        self, configs: list[tuple[Toggles, str]] | list[tuple[Toggles, str, dict[str, Any]]]
+    ) -> list[Toggles]:
         """Enqueue (toggles, source[, user attrs]) entries, in order, that the study has neither measured nor
         queued; returns those enqueued. The attrs go with the trial (the advice's evidence: `Proposal.advice`)."""
         queued = {self.space.config_key(_intended(t)) for t in self.trials((TrialState.WAITING,))}
@@ -314,8 +342,11 @@ class TuneStudy:
 
     def skipped(self, run: str | None = None) -> int:
         """How many proposals `ask(accept=...)` turned down (in `run`, or in every run)."""
-        return sum(1 for t in self.trials((TrialState.FAIL,)) if t.user_attrs.get("status") == "skipped"
-                   and (run is None or t.user_attrs.get("run") == run))
+        return sum(
+            1
+            for t in self.trials((TrialState.FAIL,))
+            if t.user_attrs.get("status") == "skipped" and (run is None or t.user_attrs.get("run") == run)
+        )
 
     def _untried(self, accept: Callable[[Toggles], str | None] | None = None) -> dict[str, Any] | None:
         tried = self.tried_keys()
@@ -349,8 +380,11 @@ class TuneStudy:
         trial.set_user_attr("status", "duplicate")
         trial.set_user_attr("duplicate_of", other.number)
         trial.set_user_attr("run", self.run_id)
-        feasible = all(v <= 0 for v in other.constraints.values()) if hasattr(other, "constraints") else \
-            all(v <= 0 for v in other.user_attrs.get("constraint", [FEASIBLE]))
+        feasible = (
+            all(v <= 0 for v in other.constraints.values())
+            if hasattr(other, "constraints")
+            else all(v <= 0 for v in other.user_attrs.get("constraint", [FEASIBLE]))
+        )
         self._set_feasible(trial, feasible)
         if other.state == TrialState.PRUNED:
             if other.intermediate_values:
@@ -374,20 +408,35 @@ class TuneStudy:
             trial.set_constraint("failure", v)
 
     @staticmethod
-    def _attrs(trial: optuna.Trial, summary: dict[str, Any] | None, status: str, reason: str,
-               extra: dict[str, Any] | None) -> None:
+    def _attrs(
+        trial: optuna.Trial, summary: dict[str, Any] | None, status: str, reason: str, extra: dict[str, Any] | None
+    ) -> None:
         s = summary or {}
-        attrs = {"status": status, "reason": reason,
-                 "tokens_per_s": s.get("tokens_per_s"), "spread": s.get("spread"), "peak_mem": s.get("peak_mem"),
-                 "energy_per_token": s.get("energy_per_token"), "samples": s.get("samples", []),
-                 "measure": {k: s[k] for k in ("n", "steps", "seconds", "done_reason", "warmed_up", "ci", "step_ms")
-                             if k in s}}
+        attrs = {
+            "status": status,
+            "reason": reason,
+            "tokens_per_s": s.get("tokens_per_s"),
+            "spread": s.get("spread"),
+            "peak_mem": s.get("peak_mem"),
+            "energy_per_token": s.get("energy_per_token"),
+            "samples": s.get("samples", []),
+            "measure": {
+                k: s[k] for k in ("n", "steps", "seconds", "done_reason", "warmed_up", "ci", "step_ms") if k in s
+            },
+        }
         attrs.update(extra or {})
         for k, v in attrs.items():
             trial.set_user_attr(k, v)
 
-    def tell_ok(self, p: Proposal, summary: dict[str, Any], status: str = "ok", reason: str = "",
-                extra: dict[str, Any] | None = None, feasible: bool = True) -> None:
+    def tell_ok(
+        self,
+        p: Proposal,
+        summary: dict[str, Any],
+        status: str = "ok",
+        reason: str = "",
+        extra: dict[str, Any] | None = None,
+        feasible: bool = True,
+    ) -> None:
         """A healthy measured trial: COMPLETE with its tokens/s. `feasible` False: measured, but not a setting
         to apply (its compile kept recompiling): a violated constraint, so neither the sampler nor
         `candidates` takes it as a result to build on."""
@@ -398,8 +447,9 @@ class TuneStudy:
         self._set_feasible(p.trial, feasible)
         self.study.tell(p.trial, float(value))
 
-    def tell_pruned(self, p: Proposal, summary: dict[str, Any] | None, reason: str,
-                    extra: dict[str, Any] | None = None) -> None:
+    def tell_pruned(
+        self, p: Proposal, summary: dict[str, Any] | None, reason: str, extra: dict[str, Any] | None = None
+    ) -> None:
         """Healthy but stopped early (slower than the best, or cut): PRUNED, estimate as intermediate value."""
         self._attrs(p.trial, summary, "pruned", reason, extra)
         self._set_feasible(p.trial, True)
@@ -408,8 +458,14 @@ class TuneStudy:
             p.trial.report(float(value), int((summary or {}).get("steps") or 0))
         self.study.tell(p.trial, state=TrialState.PRUNED)
 
-    def tell_infeasible(self, p: Proposal, kind: str, reason: str, summary: dict[str, Any] | None = None,
-                        extra: dict[str, Any] | None = None) -> None:
+    def tell_infeasible(
+        self,
+        p: Proposal,
+        kind: str,
+        reason: str,
+        summary: dict[str, Any] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
         """OOM/NaN/divergence/compile error/crash: COMPLETE, 0 tokens/s, violated constraint (module doc)."""
         self._attrs(p.trial, summary, "infeasible", reason, {"kind": kind, **(extra or {})})
         self._set_feasible(p.trial, False)
@@ -421,8 +477,15 @@ class TuneStudy:
         p.trial.set_user_attr("reason", reason)
         self.study.tell(p.trial, state=TrialState.FAIL)
 
-    def record(self, toggles: Toggles, summary: dict[str, Any], source: str = "baseline", status: str = "ok",
-               reason: str = "", extra: dict[str, Any] | None = None) -> int | None:
+    def record(
+        self,
+        toggles: Toggles,
+        summary: dict[str, Any],
+        source: str = "baseline",
+        status: str = "ok",
+        reason: str = "",
+        extra: dict[str, Any] | None = None,
+    ) -> int | None:
         """Add a measurement made outside ask/tell (the baseline, which runs anyway) as a finished trial.
 
         Returns its number, or None when `toggles` is outside the space or the
@@ -434,12 +497,26 @@ class TuneStudy:
         params = self.space.to_params(toggles)
         if self._known(self.space.config_key(params)) is not None:
             return None
-        attrs = {"status": status, "reason": reason, "source": source, "run": self.run_id,
-                 "toggles": dataclasses.asdict(toggles), "tokens_per_s": value, "spread": summary.get("spread"),
-                 "peak_mem": summary.get("peak_mem"), "energy_per_token": summary.get("energy_per_token"),
-                 "samples": summary.get("samples", []), "constraint": [FEASIBLE], **(extra or {})}
-        kwargs: dict[str, Any] = {"params": params, "distributions": self.space.distributions(),
-                                  "value": float(value), "user_attrs": attrs}
+        attrs = {
+            "status": status,
+            "reason": reason,
+            "source": source,
+            "run": self.run_id,
+            "toggles": dataclasses.asdict(toggles),
+            "tokens_per_s": value,
+            "spread": summary.get("spread"),
+            "peak_mem": summary.get("peak_mem"),
+            "energy_per_token": summary.get("energy_per_token"),
+            "samples": summary.get("samples", []),
+            "constraint": [FEASIBLE],
+            **(extra or {}),
+        }
+        kwargs: dict[str, Any] = {
+            "params": params,
+            "distributions": self.space.distributions(),
+            "value": float(value),
+            "user_attrs": attrs,
+        }
         if _HAS_SET_CONSTRAINT:
             kwargs["constraints"] = {"failure": FEASIBLE}
         else:
@@ -450,9 +527,15 @@ class TuneStudy:
     def record_baseline(self, toggles: Toggles, summary: dict[str, Any], status: str) -> None:
         """This run's measurement of its starting configuration: the study's `baseline` (the latest) and
         `baseline:<run>` (`baseline_of`), whether or not the configuration lies in the space."""
-        entry = {"run": self.run_id, "tokens_per_s": summary.get("tokens_per_s"), "spread": summary.get("spread"),
-                 "energy_per_token": summary.get("energy_per_token"), "status": status,
-                 "samples": summary.get("samples", []), "toggles": dataclasses.asdict(toggles)}
+        entry = {
+            "run": self.run_id,
+            "tokens_per_s": summary.get("tokens_per_s"),
+            "spread": summary.get("spread"),
+            "energy_per_token": summary.get("energy_per_token"),
+            "status": status,
+            "samples": summary.get("samples", []),
+            "toggles": dataclasses.asdict(toggles),
+        }
         self.set_attr("baseline", {k: v for k, v in entry.items() if k != "samples"})
         self.set_attr(f"baseline:{self.run_id}", entry)
 
@@ -463,16 +546,26 @@ class TuneStudy:
 
     def baselines(self) -> dict[str, dict[str, Any]]:
         """Every run's baseline (`record_baseline`), by run."""
-        return {k.split(":", 1)[1]: v for k, v in self.study.user_attrs.items()
-                if k.startswith("baseline:") and isinstance(v, dict)}
+        return {
+            k.split(":", 1)[1]: v
+            for k, v in self.study.user_attrs.items()
+            if k.startswith("baseline:") and isinstance(v, dict)
+        }
 
     def record_remeasure(self, number: int, summary: dict[str, Any], status: str = "ok", reason: str = "") -> None:
         """Keep a re-measurement of trial `number` (study attrs: a finished trial cannot be changed)."""
         key = f"remeasure:{number}"
         entries = list(self.get_attr(key, []))
-        entries.append({"run": self.run_id, "status": status, "reason": reason,
-                        "tokens_per_s": summary.get("tokens_per_s"), "spread": summary.get("spread"),
-                        "samples": summary.get("samples", [])})
+        entries.append(
+            {
+                "run": self.run_id,
+                "status": status,
+                "reason": reason,
+                "tokens_per_s": summary.get("tokens_per_s"),
+                "spread": summary.get("spread"),
+                "samples": summary.get("samples", []),
+            }
+        )
         self.set_attr(key, entries)
 
     # --- results ----------------------------------------------------------------------
@@ -514,8 +607,20 @@ class TuneStudy:
                 sp = float(ua.get("spread") or 0.0)
                 lo, hi = est - sp, est + sp
             toggles = self.toggles_of(t)
-            out.append(Candidate(t.number, toggles, est, (hi - lo) / 2, lo, hi, len(samples), len(remeasures),
-                                 ua.get("overhead_s"), ua.get("run")))
+            out.append(
+                Candidate(
+                    t.number,
+                    toggles,
+                    est,
+                    (hi - lo) / 2,
+                    lo,
+                    hi,
+                    len(samples),
+                    len(remeasures),
+                    ua.get("overhead_s"),
+                    ua.get("run"),
+                )
+            )
         out.sort(key=lambda c: c.tokens_per_s, reverse=True)
         return out
 

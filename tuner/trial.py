@@ -50,18 +50,18 @@ class ActiveTrial:
     start: float
     measure: Measurement
     guard: LossGuard
-    strict: bool                    # numerics-changing: its loss must stay within the run's trend
+    strict: bool  # numerics-changing: its loss must stay within the run's trend
     arrivals: list[float] = field(default_factory=list)
     losses: list[tuple[int, float]] = field(default_factory=list)
     stop: str | None = None
     failure: tuple[TrialOutcome, str] | None = None
     last_touch: float = 0.0
-    oom_mem: int | None = None      # the peak an out-of-memory error reported (no step event may have come)
-    note: str = ""                  # what the switch does to the optimizer state, for the trial's reason
-    earlier: bool = False           # re-measures a trial of an earlier run
-    advice: str | None = None       # the advice's evidence, for a trial the advice proposed
-    compile: dict[str, int] = field(default_factory=dict)      # CompileWarning kind -> count in this measurement
-    recompile_steps: set[int] = field(default_factory=set)     # the steps a recompilation happened at
+    oom_mem: int | None = None  # the peak an out-of-memory error reported (no step event may have come)
+    note: str = ""  # what the switch does to the optimizer state, for the trial's reason
+    earlier: bool = False  # re-measures a trial of an earlier run
+    advice: str | None = None  # the advice's evidence, for a trial the advice proposed
+    compile: dict[str, int] = field(default_factory=dict)  # CompileWarning kind -> count in this measurement
+    recompile_steps: set[int] = field(default_factory=set)  # the steps a recompilation happened at
 
     @property
     def unsteady(self) -> bool:
@@ -95,11 +95,19 @@ class ActiveTrial:
         m = self.measure
         est, spread = m.estimate if m.has_estimate else (math.nan, math.nan)
         finite = math.isfinite(est) and math.isfinite(spread)
-        return MeasureProgress(kind=self.kind, number=self.number, steps=len(m.samples), samples=len(m.kept),
-                               needed=m.min_steps, warmed_up=m.warmed_up,
-                               tokens_per_s=round(est, 1) if finite else None,
-                               spread=round(spread, 1) if finite else None, target=m.rel_ci,
-                               seconds=round(m.seconds, 1), max_seconds=m.cap_seconds)
+        return MeasureProgress(
+            kind=self.kind,
+            number=self.number,
+            steps=len(m.samples),
+            samples=len(m.kept),
+            needed=m.min_steps,
+            warmed_up=m.warmed_up,
+            tokens_per_s=round(est, 1) if finite else None,
+            spread=round(spread, 1) if finite else None,
+            target=m.rel_ci,
+            seconds=round(m.seconds, 1),
+            max_seconds=m.cap_seconds,
+        )
 
     # --- what it sees ---------------------------------------------------------------
     def note_warning(self, event: WarningEvent) -> None:
@@ -147,14 +155,14 @@ class ActiveTrial:
         token)."""
         duration = now - self.start
         summary = self.measure.summary(energy=energy)
-        if self.oom_mem is not None:    # what ran out of memory had reached at least this: the trial's peak
+        if self.oom_mem is not None:  # what ran out of memory had reached at least this: the trial's peak
             summary["peak_mem"] = max(summary.get("peak_mem") or 0, self.oom_mem)
         restart = self.action.restart
-        overhead = self.overhead_s() if restart else None     # a restart's cost: only where there was one
+        overhead = self.overhead_s() if restart else None  # a restart's cost: only where there was one
         if overhead is None and self.stop == "timeout" and restart:
-            overhead = round(duration, 3)        # still warming up (compiling) when cut: all of it was overhead
+            overhead = round(duration, 3)  # still warming up (compiling) when cut: all of it was overhead
         extra: dict[str, Any] = {"duration_s": round(duration, 3), "overhead_s": overhead, "kind_of_run": self.kind}
-        if self.compile:        # the compile watchdog's warnings during the measurement (docs/tuning.md)
+        if self.compile:  # the compile watchdog's warnings during the measurement (docs/tuning.md)
             extra.update(compile=dict(self.compile), unsteady=self.unsteady)
         return TrialEnd(duration, summary, overhead, extra)
 
@@ -166,11 +174,13 @@ class ActiveTrial:
         if self.stop == "prune":
             _, hi = m.interval()
             if math.isfinite(hi):
-                return TrialStatus.PRUNED, reason or (f"slower than the best: at most {hi:.0f} tokens/s "
-                                                      f"(CI upper end) vs {best_tokens_per_s:.0f}")
-            fastest = max((s.tokens_per_s for s in m.samples[m.skip:]), default=0.0)
-            return TrialStatus.PRUNED, reason or (f"far slower than the best: no step above {fastest:.0f} tokens/s "
-                                                  f"vs {best_tokens_per_s:.0f}")
+                return TrialStatus.PRUNED, reason or (
+                    f"slower than the best: at most {hi:.0f} tokens/s (CI upper end) vs {best_tokens_per_s:.0f}"
+                )
+            fastest = max((s.tokens_per_s for s in m.samples[m.skip :]), default=0.0)
+            return TrialStatus.PRUNED, reason or (
+                f"far slower than the best: no step above {fastest:.0f} tokens/s vs {best_tokens_per_s:.0f}"
+            )
         if len(m.kept) >= 3 and math.isfinite(est):
             status = TrialStatus.OK if m.stable else TrialStatus.CUT
             return status, reason or m.stop_words(m.done_reason or self.stop)

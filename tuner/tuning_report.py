@@ -94,19 +94,32 @@ def trial_rows(study: TuneStudy, run_id: str | None, base: dict[str, Any]) -> tu
         if t.state == TrialState.RUNNING:
             status = "running"
         remeasures = study.get_attr(f"remeasure:{t.number}", [])
-        rows.append({
-            "number": t.number, "run": "this" if ua.get("run") == run_id else "earlier",
-            "source": ua.get("source", "sampler"), "state": t.state.name, "status": status,
-            "reason": ua.get("reason", ""), "kind": ua.get("kind"), "toggles": toggles,
-            "changes": toggles_diff(toggles, base),
-            "tokens_per_s": ua.get("tokens_per_s"), "spread": ua.get("spread"), "peak_mem": ua.get("peak_mem"),
-            "energy_per_token": ua.get("energy_per_token"), "duration_s": ua.get("duration_s"),
-            "overhead_s": ua.get("overhead_s"),
-            # the advice it tried (source "advice"), and what the compile watchdog said while it ran
-            "advice": ua.get("advice"), "compile": ua.get("compile"), "unsteady": bool(ua.get("unsteady")),
-            "remeasures": [{k: r.get(k) for k in ("run", "status", "tokens_per_s", "spread", "reason")}
-                           for r in remeasures],
-        })
+        rows.append(
+            {
+                "number": t.number,
+                "run": "this" if ua.get("run") == run_id else "earlier",
+                "source": ua.get("source", "sampler"),
+                "state": t.state.name,
+                "status": status,
+                "reason": ua.get("reason", ""),
+                "kind": ua.get("kind"),
+                "toggles": toggles,
+                "changes": toggles_diff(toggles, base),
+                "tokens_per_s": ua.get("tokens_per_s"),
+                "spread": ua.get("spread"),
+                "peak_mem": ua.get("peak_mem"),
+                "energy_per_token": ua.get("energy_per_token"),
+                "duration_s": ua.get("duration_s"),
+                "overhead_s": ua.get("overhead_s"),
+                # the advice it tried (source "advice"), and what the compile watchdog said while it ran
+                "advice": ua.get("advice"),
+                "compile": ua.get("compile"),
+                "unsteady": bool(ua.get("unsteady")),
+                "remeasures": [
+                    {k: r.get(k) for k in ("run", "status", "tokens_per_s", "spread", "reason")} for r in remeasures
+                ],
+            }
+        )
     return rows, hidden
 
 
@@ -116,23 +129,46 @@ def build_report(study: TuneStudy, info: dict[str, Any]) -> dict[str, Any]:
     rows, hidden = trial_rows(study, info.get("run"), base)
     speedup = info.get("best_speedup")
     return {
-        "study": info.get("study", study.name), "storage": study.storage_url,
-        "key": info.get("key", study.key), "run": info.get("run"),
-        "device": info.get("device"), "base": base, "baseline": info.get("baseline"),
-        "best": info.get("best"), "best_number": info.get("best_number"), "best_tokens_per_s": info.get("best_tokens_per_s"),
-        "best_spread": info.get("best_spread"), "speedup": speedup, "best_label": info.get("best_label"),
+        "study": info.get("study", study.name),
+        "storage": study.storage_url,
+        "key": info.get("key", study.key),
+        "run": info.get("run"),
+        "device": info.get("device"),
+        "base": base,
+        "baseline": info.get("baseline"),
+        "best": info.get("best"),
+        "best_number": info.get("best_number"),
+        "best_tokens_per_s": info.get("best_tokens_per_s"),
+        "best_spread": info.get("best_spread"),
+        "speedup": speedup,
+        "best_label": info.get("best_label"),
         "applied": info.get("applied"),
-        "decision": info.get("decision"), "outcome": info.get("outcome"), "ledger": info.get("ledger", {}),
-        "trials": rows, "hidden_duplicates": hidden, "memory": info.get("memory"),
+        "decision": info.get("decision"),
+        "outcome": info.get("outcome"),
+        "ledger": info.get("ledger", {}),
+        "trials": rows,
+        "hidden_duplicates": hidden,
+        "memory": info.get("memory"),
     }
 
 
 def render_markdown(report: dict[str, Any]) -> str:
     """tuning.md: the summary, the ledger and the trial table."""
     energy = any(_fmt_jpt(r.get("energy_per_token")) != "-" for r in report["trials"])
-    lines = ["# Tuning report", "", *_summary_lines(report),
-             "", "## Ledger", "", *_ledger_lines(report.get("ledger") or {}),
-             "", "## Trials", "", *_trial_table(report, energy), ""]
+    lines = [
+        "# Tuning report",
+        "",
+        *_summary_lines(report),
+        "",
+        "## Ledger",
+        "",
+        *_ledger_lines(report.get("ledger") or {}),
+        "",
+        "## Trials",
+        "",
+        *_trial_table(report, energy),
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -141,34 +177,49 @@ def _summary_lines(report: dict[str, Any]) -> list[str]:
     baseline = report.get("baseline") or {}
     lines: list[str] = []
     key = report.get("key") or {}
-    lines.append(f"Study `{report['study']}`: {key.get('device', '?')} x{key.get('device_count', 1)}, "
-                 f"{key.get('model', '?')} {key.get('size', '')}, seq_len {key.get('seq_len')}, "
-                 f"global batch {key.get('global_batch')}.")
+    lines.append(
+        f"Study `{report['study']}`: {key.get('device', '?')} x{key.get('device_count', 1)}, "
+        f"{key.get('model', '?')} {key.get('size', '')}, seq_len {key.get('seq_len')}, "
+        f"global batch {key.get('global_batch')}."
+    )
     if report.get("storage"):
         lines += ["", f"Storage `{report['storage']}`; to browse every trial: `{dashboard_command(report['storage'])}`"]
     lines.append("")
     lines.append(f"- Outcome: {report.get('outcome') or '-'}")
-    lines.append(f"- Starting configuration: {_fmt_tps(baseline.get('tokens_per_s'), baseline.get('spread'))} tokens/s"
-                 + (f", {_fmt_jpt(baseline.get('energy_per_token'))}/token"
-                    if _fmt_jpt(baseline.get("energy_per_token")) != "-" else "")
-                 + (" (too noisy to compare a speed-up with)" if baseline and baseline.get("holds") is False else ""))
+    lines.append(
+        f"- Starting configuration: {_fmt_tps(baseline.get('tokens_per_s'), baseline.get('spread'))} tokens/s"
+        + (
+            f", {_fmt_jpt(baseline.get('energy_per_token'))}/token"
+            if _fmt_jpt(baseline.get("energy_per_token")) != "-"
+            else ""
+        )
+        + (" (too noisy to compare a speed-up with)" if baseline and baseline.get("holds") is False else "")
+    )
     if report.get("best"):
-        lines.append(f"- Best ({report.get('best_label') or 'trial ' + str(report.get('best_number'))}): "
-                     f"{toggles_diff(report['best'], base)} — "
-                     f"{_fmt_tps(report.get('best_tokens_per_s'), report.get('best_spread'))} tokens/s"
-                     + (f", **{report['speedup']:.2f}x** the start" if report.get("speedup") else ""))
+        lines.append(
+            f"- Best ({report.get('best_label') or 'trial ' + str(report.get('best_number'))}): "
+            f"{toggles_diff(report['best'], base)} — "
+            f"{_fmt_tps(report.get('best_tokens_per_s'), report.get('best_spread'))} tokens/s"
+            + (f", **{report['speedup']:.2f}x** the start" if report.get("speedup") else "")
+        )
     lines.append(f"- Applied: {toggles_diff(report['applied'], base) if report.get('applied') else 'no'}")
     mem = report.get("memory")
     if isinstance(mem, dict) and mem.get("reason"):
-        tried = "; ".join(f"{n} {', '.join(_fmt_val(v) for v in vals)}" for n, vals in (mem.get("choices") or {}).items()
-                          if isinstance(vals, list) and len(vals) > 1)
-        lines.append(f"- Memory: {mem['reason']}, so the space was widened to the memory-saving choices "
-                     f"({tried or 'none the device supports'}); a low-bit optimizer or a quantized base is "
-                     f"numerics-changing: its trials had the loss check")
+        tried = "; ".join(
+            f"{n} {', '.join(_fmt_val(v) for v in vals)}"
+            for n, vals in (mem.get("choices") or {}).items()
+            if isinstance(vals, list) and len(vals) > 1
+        )
+        lines.append(
+            f"- Memory: {mem['reason']}, so the space was widened to the memory-saving choices "
+            f"({tried or 'none the device supports'}); a low-bit optimizer or a quantized base is "
+            f"numerics-changing: its trials had the loss check"
+        )
     dec = report.get("decision")
     if dec:
-        lines.append(f"- Decision: {dec['reason']} (saving {dec['expected_saving_s']:.0f}s, switch cost "
-                     f"{dec['cost_s']:.0f}s)")
+        lines.append(
+            f"- Decision: {dec['reason']} (saving {dec['expected_saving_s']:.0f}s, switch cost {dec['cost_s']:.0f}s)"
+        )
     return lines
 
 
@@ -176,11 +227,16 @@ def _ledger_lines(led: dict[str, Any]) -> list[str]:
     lines: list[str] = []
     budget = led.get("budget_s", 0.0) or 0.0
     asked = led.get("requested_budget_s")
-    lines.append(f"- Tuning time: {format_duration(led.get('tuning_s', 0.0))} of a {format_duration(budget)} budget"
-                 + (f" (asked for {format_duration(asked)}; the rest of the run affords less)"
-                    if isinstance(asked, (int, float)) and asked > budget else "")
-                 + f"; {led.get('trials_run', 0)} trials run, {led.get('screened', 0)} screened out without running"
-                 + (f", {led['skipped']} proposals skipped (they could not pay in this run)" if led.get("skipped") else ""))
+    lines.append(
+        f"- Tuning time: {format_duration(led.get('tuning_s', 0.0))} of a {format_duration(budget)} budget"
+        + (
+            f" (asked for {format_duration(asked)}; the rest of the run affords less)"
+            if isinstance(asked, (int, float)) and asked > budget
+            else ""
+        )
+        + f"; {led.get('trials_run', 0)} trials run, {led.get('screened', 0)} screened out without running"
+        + (f", {led['skipped']} proposals skipped (they could not pay in this run)" if led.get("skipped") else "")
+    )
     for line in ledger_lines(led):
         lines.append(f"- {line}")
     lines.append(f"- Rolled back (failed trials): {format_duration(led.get('rolled_back_s', 0.0))}")
@@ -189,15 +245,19 @@ def _ledger_lines(led: dict[str, Any]) -> list[str]:
         lines += ["", "### Decisions", ""]
         for d in decisions:
             at = f"step {d['step']}: " if isinstance(d.get("step"), int) else ""
-            lines.append(f"- {at}{d['reason']} (saving {_secs(d.get('expected_saving_s'))}, cost "
-                         f"{_secs(d.get('cost_s'))})")
+            lines.append(
+                f"- {at}{d['reason']} (saving {_secs(d.get('expected_saving_s'))}, cost {_secs(d.get('cost_s'))})"
+            )
     return lines
 
 
 def _trial_table(report: dict[str, Any], energy: bool) -> list[str]:
-    lines = ["| # | run | source | changes vs start | tokens/s | peak mem |" + (" energy/token |" if energy else "")
-             + " status | reason |",
-             "|---|---|---|---|---|---|" + ("---|" if energy else "") + "---|---|"]
+    lines = [
+        "| # | run | source | changes vs start | tokens/s | peak mem |"
+        + (" energy/token |" if energy else "")
+        + " status | reason |",
+        "|---|---|---|---|---|---|" + ("---|" if energy else "") + "---|---|",
+    ]
     for r in report["trials"]:
         tps = _fmt_tps(r.get("tokens_per_s"), r.get("spread"))
         for rm in r.get("remeasures", []):
@@ -208,17 +268,27 @@ def _trial_table(report: dict[str, Any], energy: bool) -> list[str]:
         reason = reason.replace("|", "/")
         status = r["status"] + (", kept recompiling" if r.get("unsteady") else "")
         jpt = f" {_fmt_jpt(r.get('energy_per_token'))} |" if energy else ""
-        lines.append(f"| {r['number']} | {r['run']} | {r['source']} | {r['changes']} | {tps} | "
-                     f"{_fmt_bytes(r.get('peak_mem'))} |{jpt} {status} | {reason} |")
+        lines.append(
+            f"| {r['number']} | {r['run']} | {r['source']} | {r['changes']} | {tps} | "
+            f"{_fmt_bytes(r.get('peak_mem'))} |{jpt} {status} | {reason} |"
+        )
     if report.get("hidden_duplicates"):
-        lines += ["", f"{report['hidden_duplicates']} repeated proposals were answered from earlier trials "
-                      "without running (not listed)."]
-    lines += ["", "Tokens/s: median after warm-up ± half-width of its 95% confidence interval. Peak mem: the trial "
-                  "process's peak (CUDA: allocated by tensors; CPU: resident set), from its step events, or from its "
-                  "out-of-memory error when it failed before a step; - where none came."]
+        lines += [
+            "",
+            f"{report['hidden_duplicates']} repeated proposals were answered from earlier trials "
+            "without running (not listed).",
+        ]
+    lines += [
+        "",
+        "Tokens/s: median after warm-up ± half-width of its 95% confidence interval. Peak mem: the trial "
+        "process's peak (CUDA: allocated by tensors; CPU: resident set), from its step events, or from its "
+        "out-of-memory error when it failed before a step; - where none came.",
+    ]
     if energy:
-        lines.append("Energy/token: the devices' energy over the trial's measured steps (hardware counters where "
-                     "the device has them, else integrated power) / the tokens of those steps.")
+        lines.append(
+            "Energy/token: the devices' energy over the trial's measured steps (hardware counters where "
+            "the device has them, else integrated power) / the tokens of those steps."
+        )
     return lines
 
 
@@ -234,15 +304,24 @@ def ledger_lines(led: dict[str, Any]) -> list[str]:
     """The ledger's money lines: cost of tuning, the switch, the saving and the net against not tuning."""
     num = (int, float)
     cost, switch, saving, net = (led.get(k) for k in ("cost_s", "switch_s", "saving_s", "net_s"))
-    lines = ["Cost of tuning (time beyond what the kept steps take at the starting speed): "
-             + (format_duration(cost) if isinstance(cost, num) and cost > 0 else
-                ("none" if isinstance(cost, num) else "- (the start has no measurement)"))]
+    lines = [
+        "Cost of tuning (time beyond what the kept steps take at the starting speed): "
+        + (
+            format_duration(cost)
+            if isinstance(cost, num) and cost > 0
+            else ("none" if isinstance(cost, num) else "- (the start has no measurement)")
+        )
+    ]
     if isinstance(switch, num):
-        lines.append("Switch after tuning (restart, warm-up, compile): "
-                     + (format_duration(switch) if switch > 0 else "none (training goes on in the same process)"))
+        lines.append(
+            "Switch after tuning (restart, warm-up, compile): "
+            + (format_duration(switch) if switch > 0 else "none (training goes on in the same process)")
+        )
     if isinstance(saving, num):
-        lines.append(f"Projected saving over the remaining {led.get('remaining_steps', '?')} steps: "
-                     + (format_duration(saving) if saving > 0 else "none (not applied)"))
+        lines.append(
+            f"Projected saving over the remaining {led.get('remaining_steps', '?')} steps: "
+            + (format_duration(saving) if saving > 0 else "none (not applied)")
+        )
     if isinstance(net, num):
         lines.append(f"Net against not tuning: {_signed(net)}")
     return lines
@@ -251,9 +330,20 @@ def ledger_lines(led: dict[str, Any]) -> list[str]:
 _NUMBER = (int, float)
 # What format_summary reads from tuning.json, and the types it may hold (None allowed everywhere).
 _REPORT_FIELDS: dict[str, tuple[type, ...]] = {
-    "base": (dict,), "ledger": (dict,), "baseline": (dict,), "trials": (list,), "best": (dict,),
-    "best_number": (int,), "best_tokens_per_s": _NUMBER, "best_spread": _NUMBER, "speedup": _NUMBER,
-    "outcome": (str,), "applied": (dict,), "study": (str,), "storage": (str,), "memory": (dict,),
+    "base": (dict,),
+    "ledger": (dict,),
+    "baseline": (dict,),
+    "trials": (list,),
+    "best": (dict,),
+    "best_number": (int,),
+    "best_tokens_per_s": _NUMBER,
+    "best_spread": _NUMBER,
+    "speedup": _NUMBER,
+    "outcome": (str,),
+    "applied": (dict,),
+    "study": (str,),
+    "storage": (str,),
+    "memory": (dict,),
     "best_label": (str,),
 }
 _LEDGER_FIELDS = ("tuning_s", "budget_s", "projected_saving_s", "cost_s", "switch_s", "saving_s", "net_s")
@@ -302,30 +392,41 @@ def format_summary(report: dict[str, Any]) -> str:
     lines = []
     best = report.get("best")
     if best:
-        line = (f"tuning    best ({report.get('best_label') or 'trial ' + str(report.get('best_number'))}): "
-                f"{toggles_diff(best, base)}, "
-                f"{_fmt_tps(report.get('best_tokens_per_s'), report.get('best_spread'))} tokens/s")
-        best_row = next((t for t in trials if isinstance(t, dict) and t.get("number") == report.get("best_number")),
-                        None)
+        line = (
+            f"tuning    best ({report.get('best_label') or 'trial ' + str(report.get('best_number'))}): "
+            f"{toggles_diff(best, base)}, "
+            f"{_fmt_tps(report.get('best_tokens_per_s'), report.get('best_spread'))} tokens/s"
+        )
+        best_row = next(
+            (t for t in trials if isinstance(t, dict) and t.get("number") == report.get("best_number")), None
+        )
         if best_row is not None and _fmt_jpt(best_row.get("energy_per_token")) != "-":
             line += f", {_fmt_jpt(best_row.get('energy_per_token'))}/token"
         if report.get("speedup"):
             line += f", {report['speedup']:.2f}x the start"
-            if "own baseline" not in (report.get("best_label") or ""):     # else against that run's start
+            if "own baseline" not in (report.get("best_label") or ""):  # else against that run's start
                 line += f" ({_fmt_tps(baseline.get('tokens_per_s'))})"
         lines.append(line)
     elif baseline.get("tokens_per_s"):
-        lines.append(f"tuning    best: the start ({_fmt_tps(baseline.get('tokens_per_s'), baseline.get('spread'))} "
-                     "tokens/s); no other configuration measured holds against it")
+        lines.append(
+            f"tuning    best: the start ({_fmt_tps(baseline.get('tokens_per_s'), baseline.get('spread'))} "
+            "tokens/s); no other configuration measured holds against it"
+        )
     else:
         lines.append("tuning    no feasible configuration measured")
     outcome = report.get("outcome") or "-"
     lines.append(f"          {outcome}" if report.get("applied") else f"          not applied: {outcome}")
-    lines.append(f"          {sum(counts.values())} trials this run"
-                 + in_parens(f"{n} {k}" for k, n in sorted(counts.items())) + " in "
-                 f"{format_duration(led.get('tuning_s') or 0.0)} of {format_duration(led.get('budget_s') or 0.0)}"
-                 + (f"; projected saving {format_duration(led['projected_saving_s'])}"
-                    if isinstance(led.get("projected_saving_s"), (int, float)) else ""))
+    lines.append(
+        f"          {sum(counts.values())} trials this run"
+        + in_parens(f"{n} {k}" for k, n in sorted(counts.items()))
+        + " in "
+        f"{format_duration(led.get('tuning_s') or 0.0)} of {format_duration(led.get('budget_s') or 0.0)}"
+        + (
+            f"; projected saving {format_duration(led['projected_saving_s'])}"
+            if isinstance(led.get("projected_saving_s"), (int, float))
+            else ""
+        )
+    )
     net = net_line(led)
     if net:
         lines.append(f"          {net}")
@@ -345,9 +446,11 @@ def net_line(led: dict[str, Any]) -> str | None:
     if not isinstance(net, num) or isinstance(net, bool) or not isinstance(cost, num):
         return None
     saving, switch = led.get("saving_s") or 0.0, led.get("switch_s") or 0.0
-    parts = ([f"saves {format_duration(saving)}"] if isinstance(saving, num) and saving > 0 else []) + \
-        [f"tuning cost {format_duration(cost)}"] + \
-        ([f"switch {format_duration(switch)}"] if isinstance(switch, num) and switch > 0 else [])
+    parts = (
+        ([f"saves {format_duration(saving)}"] if isinstance(saving, num) and saving > 0 else [])
+        + [f"tuning cost {format_duration(cost)}"]
+        + ([f"switch {format_duration(switch)}"] if isinstance(switch, num) and switch > 0 else [])
+    )
     return f"net {_signed(net)} against not tuning ({'; '.join(parts)})"
 
 
@@ -366,7 +469,7 @@ def check_best_toml(text: str, expected: Toggles | dict[str, Any]) -> None:
         p.write_text(text)
         cfg = config_from_toml(p)
     if cfg.toggles.quantize_base != "none":
-        cfg.finetune.lora = 8    # a quantized base is a LoRA run's: best.toml is used beside the run's --lora R
+        cfg.finetune.lora = 8  # a quantized base is a LoRA run's: best.toml is used beside the run's --lora R
     cfg.validate()
     if cfg.toggles != exp:
         raise ValueError(f"best.toml does not round-trip: {cfg.toggles} != {exp}")

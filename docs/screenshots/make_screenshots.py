@@ -88,13 +88,13 @@ async def live(train_argv: list[str], out: Path, at_step: int | None) -> int:
         async with app.run_test(size=(160, 48)) as pilot:
             while not session.finished and (at_step is None or (session.state.step or 0) < at_step):
                 await pilot.pause(0.5)
-            await pilot.pause(1.0)              # the last events and the final redraw
+            await pilot.pause(1.0)  # the last events and the final redraw
             app.save_screenshot(filename="run-160x48.svg", path=str(out))
             await pilot.resize_terminal(80, 24)
             await pilot.pause(1.0)
             app.save_screenshot(filename="run-80x24.svg", path=str(out))
             if not session.finished:
-                session.stop()                  # what `q` does: a checkpoint, then the trainer exits
+                session.stop()  # what `q` does: a checkpoint, then the trainer exits
     finally:
         if not session.finished:
             session.stop(force=True)
@@ -115,16 +115,27 @@ async def synthetic(out: Path) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", type=Path, default=HERE, help="folder for the SVGs (default: docs/screenshots)")
-    ap.add_argument("--replay", type=Path, metavar="RUN_DIR", default=None,
-                    help="draw this finished run instead of running one")
+    ap.add_argument(
+        "--replay", type=Path, metavar="RUN_DIR", default=None, help="draw this finished run instead of running one"
+    )
     ap.add_argument("--synthetic", action="store_true", help="only the synthetic GPU pictures")
-    ap.add_argument("--at-step", type=int, default=None, metavar="N",
-                    help="take the live pictures at step N, then stop the run (default: at its end)")
-    ap.add_argument("train_argv", nargs="*", metavar="-- GPTOP_TRAIN_FLAGS",
-                    help=f"flags of the live run (default: the README's first command: {' '.join(README_FIRST)})")
+    ap.add_argument(
+        "--at-step",
+        type=int,
+        default=None,
+        metavar="N",
+        help="take the live pictures at step N, then stop the run (default: at its end)",
+    )
+    ap.add_argument(
+        "train_argv",
+        nargs="*",
+        metavar="-- GPTOP_TRAIN_FLAGS",
+        help=f"flags of the live run (default: the README's first command: {' '.join(README_FIRST)})",
+    )
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     asyncio.run(synthetic(args.out))

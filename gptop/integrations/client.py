@@ -35,8 +35,8 @@ from trainer.contract.device import DeviceInfo
 from trainer.contract.rundir import RunDir
 from trainer.timing import TIMED, interval_means, make_timer
 
-TUNABLE_KINDS = (ClientKind.TRANSFORMERS,)   # the clients that take gptop tune's toggles (tuned_args)
-DEFAULT_LOG_EVERY = 10      # the trainer's --log-every default, when neither gptop nor the program says
+TUNABLE_KINDS = (ClientKind.TRANSFORMERS,)  # the clients that take gptop tune's toggles (tuned_args)
+DEFAULT_LOG_EVERY = 10  # the trainer's --log-every default, when neither gptop nor the program says
 # `progress` events at most this often: a loop of millisecond steps would otherwise spend more on them than on
 # its work, and the dashboard redraws its step counter once a second (a step event always comes at a log step)
 PROGRESS_MIN_S = 0.05
@@ -51,12 +51,12 @@ def env_world() -> tuple[int, int, int]:
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", dist.get_rank()))
-    return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
-            int(os.environ.get("LOCAL_RANK", 0)))
+    return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def describe_model(model: torch.nn.Module | None, *, seq_len: int | None = None,
-                   flops_per_token: float | None = None) -> dict[str, Any]:
+def describe_model(
+    model: torch.nn.Module | None, *, seq_len: int | None = None, flops_per_token: float | None = None
+) -> dict[str, Any]:
     """A hello event's `model` for a module built by the user: its class, parameter counts and FLOPs per token.
 
     FLOPs per token (training, forward + backward) when not given: a transformers model with its config and
@@ -80,18 +80,22 @@ def describe_model(model: torch.nn.Module | None, *, seq_len: int | None = None,
             if flops_per_token is None and seq_len:
                 flops_per_token = training_flops_per_token(model, cfg, seq_len)
         except (AttributeError, TypeError, ValueError, ZeroDivisionError):
-            counts = None           # a config without the attention shape: the generic count below
+            counts = None  # a config without the attention shape: the generic count below
     linear = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
-    lookups = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)} - linear   # tied: a head
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)} - linear  # tied: a head
     embedding = sum(p.numel() for p in params if id(p) in lookups)
     if flops_per_token is None:
         train = sum(p.numel() for p in params if p.requires_grad and id(p) not in lookups)
         frozen = sum(p.numel() for p in params if not p.requires_grad and id(p) not in lookups)
         flops_per_token = F.flops_per_token(train, 0, 0, 0, 0, frozen_params=frozen)
-    return {"family": type(model).__name__, "total_params": total,
-            "active_params": counts["active"] if counts else total,
-            "embedding_params": counts["embedding"] if counts else embedding, "trainable_params": trainable,
-            "flops_per_token": int(flops_per_token) if flops_per_token else None}
+    return {
+        "family": type(model).__name__,
+        "total_params": total,
+        "active_params": counts["active"] if counts else total,
+        "embedding_params": counts["embedding"] if counts else embedding,
+        "trainable_params": trainable,
+        "flops_per_token": int(flops_per_token) if flops_per_token else None,
+    }
 
 
 def model_precision(model: torch.nn.Module | None, device: torch.device) -> str:
@@ -117,29 +121,41 @@ class Client:
     """The protocol's client in one process (see the module docstring). Start it with `Client.connect`, which
     returns None outside gptop."""
 
-    _loss: list[Value]          # the current log interval's values (set by _interval_reset)
+    _loss: list[Value]  # the current log interval's values (set by _interval_reset)
     _grad: list[Value]
     _lr: Value | None
 
-    def __init__(self, env: ClientEnv, kind: ClientKind, *, device: torch.device, log_every: int | None = None,
-                 tokens_per_step: int | None = None, max_steps: int | None = None, precision: str = "fp32",
-                 optimizer: Any = None, reduce_loss: bool = True, start_step: int = 0, signals: bool = True):
+    def __init__(
+        self,
+        env: ClientEnv,
+        kind: ClientKind,
+        *,
+        device: torch.device,
+        log_every: int | None = None,
+        tokens_per_step: int | None = None,
+        max_steps: int | None = None,
+        precision: str = "fp32",
+        optimizer: Any = None,
+        reduce_loss: bool = True,
+        start_step: int = 0,
+        signals: bool = True,
+    ):
         """`signals`: take SIGTERM/SIGINT (a graceful stop) and SIGUSR1 (a checkpoint) while connected, from
         the main thread only (Python's rule); the previous handlers come back at `close`."""
         self.env, self.kind = env, kind
         self.rank, self.world, self.local_rank = env_world()
         self.device = device
         self.log_every = env.log_every or log_every or DEFAULT_LOG_EVERY
-        self.tokens_per_step = tokens_per_step          # this process's tokens per step
+        self.tokens_per_step = tokens_per_step  # this process's tokens per step
         self.max_steps = max_steps
-        self.flops_per_token: float | None = None     # set by `hello`
+        self.flops_per_token: float | None = None  # set by `hello`
         self.precision = precision
         self.start_step = start_step
         self.said_hello = False
         self.optimizer = optimizer
-        self.reduce_loss = reduce_loss                   # mean the logged loss over the ranks (a plain loop's)
-        self.step = start_step                           # the step begun last (the current one while in_step)
-        self.done_step = start_step                      # the step finished last: what events report
+        self.reduce_loss = reduce_loss  # mean the logged loss over the ranks (a plain loop's)
+        self.step = start_step  # the step begun last (the current one while in_step)
+        self.done_step = start_step  # the step finished last: what events report
         self.tokens = start_step * tokens_per_step * self.world if tokens_per_step else 0
         self.should_checkpoint = False
         self.should_stop = False
@@ -153,15 +169,16 @@ class Client:
         self._crashed = False
         self._mfu_dropped = False
         self.channel = Channel(RunDir(env.run_dir).events(self.rank), env.channel, rank=self.rank)
-        self.channel.started()              # a stop is always a request the program acts on at a step boundary
+        self.channel.started()  # a stop is always a request the program acts on at a step boundary
         self.commands = Commands(self.channel, self.rank, self._agreement())
         self.timer = make_timer(device, True)
         from trainer.memory import make_meter
         from trainer.profiler import StepProfiler
 
         self.meter = make_meter(device)
-        self.profiler = StepProfiler(RunDir(env.run_dir).profiles, self.rank, device.type == "cuda", None,
-                                     on_written=self._profile_written)
+        self.profiler = StepProfiler(
+            RunDir(env.run_dir).profiles, self.rank, device.type == "cuda", None, on_written=self._profile_written
+        )
         self.dev = self._device_info(device)
         self.peak_flops, self.peak_source = self._peak(precision)
         self._interval_reset()
@@ -173,8 +190,7 @@ class Client:
         sys.excepthook = self._excepthook
         atexit.register(self.close)
 
-    def hello(self, model: dict[str, Any], *, config: dict[str, dict[str, Any]] | None = None,
-              **fields: Any) -> None:
+    def hello(self, model: dict[str, Any], *, config: dict[str, dict[str, Any]] | None = None, **fields: Any) -> None:
         """The hello event (once, from each node's first rank): what runs where (`model`: describe_model's),
         before the first step is reported. The FLOPs per token it gives are the MFU numerator. `config`:
         sections of the run's configuration the integration knows (a Trainer's toggles, batch and sequence
@@ -186,8 +202,10 @@ class Client:
         self.flops_per_token = model.get("flops_per_token")
         if self.local_rank != 0:
             return
-        config_: dict[str, dict[str, Any]] = {"log": {"log_every": self.log_every},
-                                              "toggles": {"precision": self.precision}}
+        config_: dict[str, dict[str, Any]] = {
+            "log": {"log_every": self.log_every},
+            "toggles": {"precision": self.precision},
+        }
         if self.max_steps:
             config_["optim"] = {"max_steps": self.max_steps}
         for section, values in (config or {}).items():
@@ -195,10 +213,20 @@ class Client:
         config = config_
         tps = self.tokens_per_step
         self.channel.emit(
-            "hello", pid=os.getpid(), world_size=self.world, config=config, device=self.dev.to_dict(),
-            model=model, tokens_per_step=tps * self.world if tps else None, peak_flops=self.peak_flops,
-            peak_source=self.peak_source, start_step=self.start_step, torch=torch.__version__,
-            client=self.kind.value, **fields)
+            "hello",
+            pid=os.getpid(),
+            world_size=self.world,
+            config=config,
+            device=self.dev.to_dict(),
+            model=model,
+            tokens_per_step=tps * self.world if tps else None,
+            peak_flops=self.peak_flops,
+            peak_source=self.peak_source,
+            start_step=self.start_step,
+            torch=torch.__version__,
+            client=self.kind.value,
+            **fields,
+        )
 
     @classmethod
     def connect(cls, env: ClientEnv | None, kind: ClientKind, **kwargs: Any) -> "Client | None":
@@ -210,14 +238,19 @@ class Client:
         try:
             client = cls(env, kind, **kwargs)
         except OSError as e:
-            print(f"[gptop] cannot reach gptop at {env.channel} ({e}); training on without it", file=sys.stderr,
-                  flush=True)
+            print(
+                f"[gptop] cannot reach gptop at {env.channel} ({e}); training on without it",
+                file=sys.stderr,
+                flush=True,
+            )
             return None
         if env.tune and kind not in TUNABLE_KINDS:
             # gptop tune -- CMD hands toggles to a transformers.Trainer script only: said before the first step
-            client.refuse(f"gptop tune: this program's gptop client ({kind.value}) takes no toggles; gptop tune "
-                          f"-- CMD tunes a transformers.Trainer script (GptopCallback, tuned_args, "
-                          f"resume_checkpoint); run this one with gptop run")
+            client.refuse(
+                f"gptop tune: this program's gptop client ({kind.value}) takes no toggles; gptop tune "
+                f"-- CMD tunes a transformers.Trainer script (GptopCallback, tuned_args, "
+                f"resume_checkpoint); run this one with gptop run"
+            )
             client.close()
             raise SystemExit(1)
         return client
@@ -250,9 +283,10 @@ class Client:
 
         try:
             p = peak(self.dev, precision, procs=int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-        except Exception as e:          # never fail the user's run for a figure: MFU is then n/a
-            self.channel.emit("warning", message=f"no MFU: the device's peak could not be found ({e})",
-                              kind="peak_flops")
+        except Exception as e:  # never fail the user's run for a figure: MFU is then n/a
+            self.channel.emit(
+                "warning", message=f"no MFU: the device's peak could not be found ({e})", kind="peak_flops"
+            )
             return None, None
         return p.flops, p.source
 
@@ -348,7 +382,7 @@ class Client:
         tensors = [v.reshape(()).double() for v in values if isinstance(v, torch.Tensor)]
         host = sum(float(v) for v in values if not isinstance(v, torch.Tensor))
         if not reduce and not tensors:
-            mean = host / len(values) if values else None      # the framework read them back already
+            mean = host / len(values) if values else None  # the framework read them back already
             return (mean if mean is not None and math.isfinite(mean) else None), False
         total = torch.stack(tensors).sum() if tensors else torch.zeros((), dtype=torch.float64, device=self.device)
         pair = torch.stack([total + host, torch.full((), float(len(values)), dtype=torch.float64, device=total.device)])
@@ -356,7 +390,7 @@ class Client:
             import torch.distributed as dist
 
             dist.all_reduce(pair, op=dist.ReduceOp.SUM)
-        s, n = pair.tolist()             # the one read-back of the interval
+        s, n = pair.tolist()  # the one read-back of the interval
         return (s / n if n and math.isfinite(s / n) else None), True
 
     def flush(self) -> None:
@@ -375,15 +409,24 @@ class Client:
         if isinstance(lr, torch.Tensor):
             lr, synced = float(lr.item()), True
         if self.device.type == "cuda" and not (synced or synced_g):
-            torch.cuda.synchronize(self.device)    # the timer's events are read now: they must be done
+            torch.cuda.synchronize(self.device)  # the timer's events are read now: they must be done
         step_ms, phases, idle = interval_means(self.timer.collect())
         wall = time.perf_counter() - self._t0
         tokens_per_s = self._n_tokens / wall if wall > 0 and self._n_tokens else None
         fields: dict[str, Any] = dict(
-            step=self.done_step, tokens=self.tokens, loss=loss, lr=None if lr is None else float(lr),
-            grad_norm=grad_norm, step_ms=step_ms if step_ms is not None else wall * 1e3 / n, phases_ms=phases,
-            tokens_per_s=tokens_per_s, mfu=self._mfu(tokens_per_s), mem_bytes=self.meter.peak(),
-            interval_steps=n, wall_ms=wall * 1e3 / n)
+            step=self.done_step,
+            tokens=self.tokens,
+            loss=loss,
+            lr=None if lr is None else float(lr),
+            grad_norm=grad_norm,
+            step_ms=step_ms if step_ms is not None else wall * 1e3 / n,
+            phases_ms=phases,
+            tokens_per_s=tokens_per_s,
+            mfu=self._mfu(tokens_per_s),
+            mem_bytes=self.meter.peak(),
+            interval_steps=n,
+            wall_ms=wall * 1e3 / n,
+        )
         if idle is not None:
             fields["gpu_idle_ms"] = idle
         self.channel.emit("step", **fields)
@@ -395,12 +438,17 @@ class Client:
         if self._mfu_dropped or not self.flops_per_token or not self.peak_flops:
             return None
         got = mfu(tokens_per_s, self.flops_per_token, self.peak_flops * self.world)
-        if got is not None and got > 1.0:     # the FLOPs per token or the peak is wrong: say so once, report none
+        if got is not None and got > 1.0:  # the FLOPs per token or the peak is wrong: say so once, report none
             self._mfu_dropped = True
-            self.channel.emit("warning", kind="peak_flops", message=(
-                f"MFU would be {got:.2f} (> 1): {self.flops_per_token:,.0f} FLOPs per token at "
-                f"{self.peak_flops / 1e9:,.1f} GFLOP/s per process cannot both be right; MFU is not reported for "
-                f"the rest of this run (give flops_per_token= if the count is wrong)"))
+            self.channel.emit(
+                "warning",
+                kind="peak_flops",
+                message=(
+                    f"MFU would be {got:.2f} (> 1): {self.flops_per_token:,.0f} FLOPs per token at "
+                    f"{self.peak_flops / 1e9:,.1f} GFLOP/s per process cannot both be right; MFU is not reported for "
+                    f"the rest of this run (give flops_per_token= if the count is wrong)"
+                ),
+            )
             return None
         return got
 
@@ -409,7 +457,7 @@ class Client:
         """gptop's commands at this step boundary, the same on every rank: they set `should_checkpoint` and
         `should_stop`, start a profiler window at the next step, or change the log interval."""
         if self.channel.write_error is not None and not self.should_stop:
-            self.should_stop = True        # events.jsonl cannot be written (a full disk): stop with a checkpoint
+            self.should_stop = True  # events.jsonl cannot be written (a full disk): stop with a checkpoint
             self.stop_reason = f"events could not be written: {self.channel.write_error}"
             self.channel.emit("error", kind="disk", message=self.stop_reason, step=self.done_step)
         d = self.commands.poll()
@@ -422,17 +470,28 @@ class Client:
         if d.log_every:
             self.log_every = d.log_every
 
-    def checkpointed(self, path: str | os.PathLike, *, seconds: float | None = None, reason: str | None = None,
-                     step: int | None = None) -> None:
+    def checkpointed(
+        self,
+        path: str | os.PathLike,
+        *,
+        seconds: float | None = None,
+        reason: str | None = None,
+        step: int | None = None,
+    ) -> None:
         """The program wrote a checkpoint at `path` (its own format): a checkpoint event, and
         `should_checkpoint` is cleared."""
         if reason is None:
             reason = "stop" if self.should_stop else "requested" if self.should_checkpoint else "interval"
         self.should_checkpoint = False
         if self.rank == 0:
-            self.channel.emit("checkpoint", step=self.done_step if step is None else step,
-                              path=os.path.abspath(os.fspath(path)),
-                              seconds=seconds, reason=reason, tokens=self.tokens)
+            self.channel.emit(
+                "checkpoint",
+                step=self.done_step if step is None else step,
+                path=os.path.abspath(os.fspath(path)),
+                seconds=seconds,
+                reason=reason,
+                tokens=self.tokens,
+            )
 
     def since_step_end(self) -> float:
         """Seconds since the last step ended (a loop that saves right after its step: the save's time)."""
@@ -449,8 +508,9 @@ class Client:
         self._crashed = True
         kind = "oom" if isinstance(e, torch.OutOfMemoryError) else "crash"
         first = str(e).splitlines()[0] if str(e) else ""
-        self.channel.emit("error", kind=kind, message=f"{type(e).__name__}: {first}".rstrip(": "),
-                          step=self.done_step, exit_code=1)
+        self.channel.emit(
+            "error", kind=kind, message=f"{type(e).__name__}: {first}".rstrip(": "), step=self.done_step, exit_code=1
+        )
 
     def refuse(self, message: str) -> None:
         """The program cannot run the way gptop asked (a `gptop tune` of a script that does not take toggles):
@@ -477,8 +537,13 @@ class Client:
         if reason is None:
             reason = self.stop_reason if self.should_stop else "max_steps"
         if self.rank == 0:
-            self.channel.emit("done", step=self.done_step, tokens=self.tokens, reason=reason,
-                              seconds=time.perf_counter() - self._started)
+            self.channel.emit(
+                "done",
+                step=self.done_step,
+                tokens=self.tokens,
+                reason=reason,
+                seconds=time.perf_counter() - self._started,
+            )
 
     def close(self) -> None:
         """Done (if not said yet), the profiler window written, the channel closed, the handlers given back."""

@@ -33,7 +33,7 @@ import torch
 
 try:
     import lightning.pytorch as pl
-except ImportError:                                   # the older package name
+except ImportError:  # the older package name
     try:
         # no-redef where both packages are installed for the type checker; unused where neither is
         import pytorch_lightning as pl  # type: ignore[no-redef, unused-ignore]
@@ -92,7 +92,7 @@ class GptopCallback(pl.Callback):
         self.client: Client | None = None
         self._module: torch.nn.Module | None = None
         self._global_step = 0
-        self._saved: set[str] = set()          # ModelCheckpoint files already reported
+        self._saved: set[str] = set()  # ModelCheckpoint files already reported
 
     # ------------------------------------------------------------------ start and end
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -103,16 +103,22 @@ class GptopCallback(pl.Callback):
         if max_steps is None:
             est = trainer.estimated_stepping_batches
             max_steps = int(est) if isinstance(est, (int, float)) and est != float("inf") else None
-        self.client = Client.connect(self.env, ClientKind.LIGHTNING, device=device,
-                                     log_every=self.log_every or trainer.log_every_n_steps or DEFAULT_LOG_EVERY,
-                                     max_steps=max_steps, precision=_precision(trainer, pl_module, device),
-                                     optimizer=trainer.optimizers[0] if trainer.optimizers else None,
-                                     reduce_loss=True, start_step=trainer.global_step)
+        self.client = Client.connect(
+            self.env,
+            ClientKind.LIGHTNING,
+            device=device,
+            log_every=self.log_every or trainer.log_every_n_steps or DEFAULT_LOG_EVERY,
+            max_steps=max_steps,
+            precision=_precision(trainer, pl_module, device),
+            optimizer=trainer.optimizers[0] if trainer.optimizers else None,
+            reduce_loss=True,
+            start_step=trainer.global_step,
+        )
         if self.client is None:
             return
         self._module = pl_module
         self._global_step = trainer.global_step
-        self._saved = self._checkpoint_files(trainer)      # what is there already is not this run's news
+        self._saved = self._checkpoint_files(trainer)  # what is there already is not this run's news
         self._next_step()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
@@ -124,8 +130,11 @@ class GptopCallback(pl.Callback):
         if not client.said_hello:
             client.hello(describe_model(pl_module, flops_per_token=self.flops_per_token))
         reached = client.max_steps is not None and trainer.global_step >= client.max_steps
-        client.done(None if client.should_stop or reached or trainer.max_steps in (None, -1) else
-                    "Lightning stopped (trainer.should_stop)")
+        client.done(
+            None
+            if client.should_stop or reached or trainer.max_steps in (None, -1)
+            else "Lightning stopped (trainer.should_stop)"
+        )
         client.close()
         self.client, self._module = None, None
 
@@ -165,11 +174,14 @@ class GptopCallback(pl.Callback):
         if client is None:
             return
         client.leave("backward")
-        if client.is_log_step(self._global_step + 1):         # a device op, read back with the loss
+        if client.is_log_step(self._global_step + 1):  # a device op, read back with the loss
             grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
             if grads:
-                client.log(grad_norm=torch.linalg.vector_norm(
-                    torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads])))
+                client.log(
+                    grad_norm=torch.linalg.vector_norm(
+                        torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads])
+                    )
+                )
         client.enter("optimizer")
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -179,7 +191,7 @@ class GptopCallback(pl.Callback):
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
             client.log(loss=loss.detach())
-        if trainer.global_step == self._global_step:          # a micro-batch of gradient accumulation
+        if trainer.global_step == self._global_step:  # a micro-batch of gradient accumulation
             client.leave("optimizer")
             client.enter("data")
             return
@@ -192,7 +204,7 @@ class GptopCallback(pl.Callback):
         if client.should_checkpoint or client.should_stop:
             path = os.path.join(self._checkpoint_dir(trainer), f"gptop-step={trainer.global_step}.ckpt")
             t = time.perf_counter()
-            trainer.save_checkpoint(path)                      # every rank: Lightning saves on rank 0
+            trainer.save_checkpoint(path)  # every rank: Lightning saves on rank 0
             client.checkpointed(path, seconds=time.perf_counter() - t)
             self._saved.add(path)
         if client.should_stop:
@@ -202,7 +214,7 @@ class GptopCallback(pl.Callback):
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if self.client is not None:
             self._report_saves(trainer)
-            self.client.restart_step()          # validation ran since the boundary: not the next step's data wait
+            self.client.restart_step()  # validation ran since the boundary: not the next step's data wait
             self.client.enter("data")
 
     # ------------------------------------------------------------------ checkpoints

@@ -38,7 +38,7 @@ from .client import TIMED, Client, Value, describe_model, model_precision, modul
 
 _NULL = nullcontext()
 _PHASES = frozenset(TIMED)
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16")      # the MFU columns a program's own precision maps to
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")  # the MFU columns a program's own precision maps to
 
 
 class _Step:
@@ -54,8 +54,7 @@ class _Step:
     def __enter__(self) -> None:
         self.probe.begin(self.number)
 
-    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None) -> None:
         self.probe.end(self.tokens, failed=kind is not None)
 
 
@@ -82,20 +81,39 @@ class Probe:
     default 10). `max_steps`: the progress bar's end. `precision`: fp32, tf32, bf16, fp16 (the MFU
     denominator; default from the parameters' dtype)."""
 
-    def __init__(self, model: torch.nn.Module | None = None, *, tokens_per_step: int | None = None,
-                 flops_per_token: float | None = None, seq_len: int | None = None, optimizer: Any = None,
-                 log_every: int | None = None, max_steps: int | None = None, precision: str | None = None):
-        for name, v in (("tokens_per_step", tokens_per_step), ("seq_len", seq_len), ("log_every", log_every),
-                        ("max_steps", max_steps)):
+    def __init__(
+        self,
+        model: torch.nn.Module | None = None,
+        *,
+        tokens_per_step: int | None = None,
+        flops_per_token: float | None = None,
+        seq_len: int | None = None,
+        optimizer: Any = None,
+        log_every: int | None = None,
+        max_steps: int | None = None,
+        precision: str | None = None,
+    ):
+        for name, v in (
+            ("tokens_per_step", tokens_per_step),
+            ("seq_len", seq_len),
+            ("log_every", log_every),
+            ("max_steps", max_steps),
+        ):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"Probe({name}={v!r}): a whole number of at least 1, or None")
         if precision not in (None, *PRECISIONS):
             raise ValueError(f"Probe(precision={precision!r}): one of {', '.join(PRECISIONS)}, or None")
         self._env = ClientEnv.from_environ()
-        self.active = self._env is not None          # under gptop
+        self.active = self._env is not None  # under gptop
         self._model, self._optimizer = model, optimizer
-        self._options = _Options(tokens_per_step=tokens_per_step, flops_per_token=flops_per_token, seq_len=seq_len,
-                                 log_every=log_every, max_steps=max_steps, precision=precision)
+        self._options = _Options(
+            tokens_per_step=tokens_per_step,
+            flops_per_token=flops_per_token,
+            seq_len=seq_len,
+            log_every=log_every,
+            max_steps=max_steps,
+            precision=precision,
+        )
         self._client: Client | None = None
         self._step = _Step(self)
 
@@ -147,7 +165,7 @@ class Probe:
     def begin(self, number: int) -> None:
         if self._client is None:
             self._client = self._connect(number)
-            if self._client is None:        # gptop could not be reached: the probe is off from here
+            if self._client is None:  # gptop could not be reached: the probe is off from here
                 self.active = False
                 return
         self._client.begin_step(number)
@@ -156,23 +174,31 @@ class Probe:
         client = self._client
         if client is None:
             return
-        if failed:                     # the step raised: nothing to report; the error reaches gptop at exit
+        if failed:  # the step raised: nothing to report; the error reaches gptop at exit
             client.abandon_step()
             return
         if tokens is not None:
             client.add_tokens(tokens)
         client.end_step()
-        client.poll()                  # first, as the trainer's step boundary: a new log interval counts now
+        client.poll()  # first, as the trainer's step boundary: a new log interval counts now
         if client.is_log_step():
             client.flush()
 
     def _connect(self, first_step: int) -> Client | None:
         o = self._options
         model, device = self._model, module_device(self._model)
-        client = Client.connect(self._env, ClientKind.PROBE, device=device, log_every=o.log_every,
-                                tokens_per_step=o.tokens_per_step, max_steps=o.max_steps,
-                                precision=o.precision or model_precision(model, device), optimizer=self._optimizer,
-                                reduce_loss=True, start_step=first_step - 1)
+        client = Client.connect(
+            self._env,
+            ClientKind.PROBE,
+            device=device,
+            log_every=o.log_every,
+            tokens_per_step=o.tokens_per_step,
+            max_steps=o.max_steps,
+            precision=o.precision or model_precision(model, device),
+            optimizer=self._optimizer,
+            reduce_loss=True,
+            start_step=first_step - 1,
+        )
         if client is not None:
             client.hello(describe_model(model, seq_len=o.seq_len, flops_per_token=o.flops_per_token))
         return client

@@ -42,15 +42,17 @@ from trainer.contract.client import ClientEnv, ClientKind
 
 from .client import DEFAULT_LOG_EVERY, Client, describe_model, model_precision, module_device
 
-CHECKPOINT_PREFIX = "checkpoint"       # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR: <output_dir>/checkpoint-N
+CHECKPOINT_PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR: <output_dir>/checkpoint-N
 
 
 # Which of the two calls this process made: `gptop tune -- CMD` restarts the script with toggles and a
 # checkpoint, which reach the Trainer only through them (GptopCallback refuses a tune without them).
 _called: set[str] = set()
 TUNE_CALLS = ("tuned_args", "resume_checkpoint")
-TUNE_USAGE = ("args = tuned_args(TrainingArguments(...)) and trainer.train(resume_from_checkpoint="
-              "resume_checkpoint(args)) (docs/your-code.md, \"Tuning your script\")")
+TUNE_USAGE = (
+    "args = tuned_args(TrainingArguments(...)) and trainer.train(resume_from_checkpoint="
+    'resume_checkpoint(args)) (docs/your-code.md, "Tuning your script")'
+)
 
 
 def tuned_args(args: TrainingArguments) -> TrainingArguments:
@@ -84,12 +86,16 @@ def tuning_refusal(env: ClientEnv, args: TrainingArguments, state: TrainerState)
 
     missing = [c for c in TUNE_CALLS if c not in _called]
     if missing:
-        return (f"gptop tune: the script does not call {' or '.join(missing)} from "
-                f"gptop.integrations.transformers, so gptop cannot hand it a trial's settings or checkpoint; "
-                f"use {TUNE_USAGE}")
+        return (
+            f"gptop tune: the script does not call {' or '.join(missing)} from "
+            f"gptop.integrations.transformers, so gptop cannot hand it a trial's settings or checkpoint; "
+            f"use {TUNE_USAGE}"
+        )
     if env.resume is not None and state.global_step == 0:
-        return (f"gptop tune: the Trainer did not resume from {env.resume}; pass resume_checkpoint(args) to "
-                f"trainer.train(resume_from_checkpoint=...)")
+        return (
+            f"gptop tune: the Trainer did not resume from {env.resume}; pass resume_checkpoint(args) to "
+            f"trainer.train(resume_from_checkpoint=...)"
+        )
     if env.toggles is not None:
         # the fields the toggles map to, not the toggles read back: toggles that run the same arguments
         # (a prefetch factor without workers) are the same
@@ -98,12 +104,14 @@ def tuning_refusal(env: ClientEnv, args: TrainingArguments, state: TrainerState)
         except ValueError as e:
             off = [str(e)]
         if off:
-            return (f"gptop tune: the Trainer's arguments are not tuned_args's ({', '.join(off)} differ); give "
-                    f"the Trainer the TrainingArguments tuned_args returned, and do not change them after")
+            return (
+                f"gptop tune: the Trainer's arguments are not tuned_args's ({', '.join(off)} differ); give "
+                f"the Trainer the TrainingArguments tuned_args returned, and do not change them after"
+            )
     return None
 
 
-WEIGHTS_FILE = "gptop-weights.json"      # in each checkpoint gptop asked for: what its weights look like
+WEIGHTS_FILE = "gptop-weights.json"  # in each checkpoint gptop asked for: what its weights look like
 
 
 def weights_fingerprint(model: torch.nn.Module) -> dict[str, list[float]] | None:
@@ -155,23 +163,38 @@ class GptopCallback(TrainerCallback):
         self._model: torch.nn.Module | None = None
         self._hooks: list[Any] = []
         self._flush_due = False
-        self._mark = time.perf_counter()      # where the data wait of the next step began
+        self._mark = time.perf_counter()  # where the data wait of the next step began
         self._args: TrainingArguments | None = None
         self._tunable: list[str] | None = None
 
     # ------------------------------------------------------------------ start and end
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                       model: torch.nn.Module | None = None, optimizer: Any = None, **kwargs: Any) -> None:
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: torch.nn.Module | None = None,
+        optimizer: Any = None,
+        **kwargs: Any,
+    ) -> None:
         if self.env is None or self.client is not None:
             return
         device = module_device(model)
-        precision = ("bf16" if args.bf16 else "fp16" if args.fp16 else "tf32" if args.tf32
-                     else model_precision(model, device))
+        precision = (
+            "bf16" if args.bf16 else "fp16" if args.fp16 else "tf32" if args.tf32 else model_precision(model, device)
+        )
         logging_steps = int(state.logging_steps) if state.logging_steps and state.logging_steps >= 1 else None
-        self.client = Client.connect(self.env, ClientKind.TRANSFORMERS, device=device,
-                                     log_every=self.log_every or logging_steps or DEFAULT_LOG_EVERY,
-                                     max_steps=state.max_steps or None, precision=precision, optimizer=optimizer,
-                                     reduce_loss=False, start_step=state.global_step)
+        self.client = Client.connect(
+            self.env,
+            ClientKind.TRANSFORMERS,
+            device=device,
+            log_every=self.log_every or logging_steps or DEFAULT_LOG_EVERY,
+            max_steps=state.max_steps or None,
+            precision=precision,
+            optimizer=optimizer,
+            reduce_loss=False,
+            start_step=state.global_step,
+        )
         if self.client is None:
             return
         from trainer.contract.training_args import read_fields, tunable
@@ -191,8 +214,10 @@ class GptopCallback(TrainerCallback):
         self._args = args
         self._model = model
         if model is not None:
-            self._hooks = [model.register_forward_pre_hook(self._forward_begins, with_kwargs=True),
-                           model.register_forward_hook(self._forward_ends)]
+            self._hooks = [
+                model.register_forward_pre_hook(self._forward_begins, with_kwargs=True),
+                model.register_forward_hook(self._forward_ends),
+            ]
         self._next_step(state)
 
     def _restored(self, model: torch.nn.Module, checkpoint: str) -> str | None:
@@ -203,7 +228,7 @@ class GptopCallback(TrainerCallback):
         try:
             saved = json.loads(Path(checkpoint, WEIGHTS_FILE).read_text())
         except (OSError, ValueError):
-            return None                      # a checkpoint gptop did not fingerprint: nothing to compare with
+            return None  # a checkpoint gptop did not fingerprint: nothing to compare with
         now = weights_fingerprint(model)
         if now is None or not isinstance(saved, dict):
             return None
@@ -218,13 +243,17 @@ class GptopCallback(TrainerCallback):
             again = weights_fingerprint(model)
             if again is not None and not differing(saved, again):
                 assert self.client is not None
-                self.client.warn(f"transformers resumed from {checkpoint} without restoring {named} (the "
-                                 f"checkpoint names them otherwise); gptop loaded them with "
-                                 f"{type(model).__name__}.from_pretrained, so every weight is the checkpoint's")
+                self.client.warn(
+                    f"transformers resumed from {checkpoint} without restoring {named} (the "
+                    f"checkpoint names them otherwise); gptop loaded them with "
+                    f"{type(model).__name__}.from_pretrained, so every weight is the checkpoint's"
+                )
                 return None
-        return (f"the Trainer resumed from {checkpoint} but {named} are not the checkpoint's weights: training on "
-                f"would lose what the run learned. Load the model so that Trainer(resume_from_checkpoint=...) "
-                f"restores it (its state_dict keys as saved), or run without gptop's restarts (gptop run)")
+        return (
+            f"the Trainer resumed from {checkpoint} but {named} are not the checkpoint's weights: training on "
+            f"would lose what the run learned. Load the model so that Trainer(resume_from_checkpoint=...) "
+            f"restores it (its state_dict keys as saved), or run without gptop's restarts (gptop run)"
+        )
 
     def _hello(self, client: Client, model: torch.nn.Module | None, seq_len: int | None = None) -> None:
         """The hello, with what the tuner starts from: the Trainer's arguments as toggles, the batch of an
@@ -241,22 +270,29 @@ class GptopCallback(TrainerCallback):
             config["optim"] = {"global_batch": per_device_batch(fields) * client.world}
             name = getattr(getattr(model, "config", None), "name_or_path", "") or type(model).__name__
             config["model"] = {"model": f"{name}-{desc.get('total_params') or 0}p"}
-            extra = dict(micro_batch=toggles.micro_batch_int(),
-                         accumulation=int(fields.get("gradient_accumulation_steps") or 1), tunable=self._tunable)
+            extra = dict(
+                micro_batch=toggles.micro_batch_int(),
+                accumulation=int(fields.get("gradient_accumulation_steps") or 1),
+                tunable=self._tunable,
+            )
         if seq_len:
             config["data"] = {"seq_len": seq_len}
         client.hello(desc, config=config, **extra)
 
-    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                     **kwargs: Any) -> None:
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         client = self.client
         if client is None:
             return
-        client.abandon_step()              # the step begun after the last one is not taken
+        client.abandon_step()  # the step begun after the last one is not taken
         if not client.said_hello:
             self._hello(client, self._model)
-        reason = None if client.should_stop or state.global_step >= state.max_steps else \
-            "the Trainer stopped (control.should_training_stop)"
+        reason = (
+            None
+            if client.should_stop or state.global_step >= state.max_steps
+            else "the Trainer stopped (control.should_training_stop)"
+        )
         client.done(reason)
         client.close()
         for h in self._hooks:
@@ -277,10 +313,11 @@ class GptopCallback(TrainerCallback):
             self.client.restart_step()
             self.client.enter("data")
 
-    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                      **kwargs: Any) -> None:
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         if self.client is not None:
-            self.client.leave("data")          # the Trainer fetched the step's batches before calling this
+            self.client.leave("data")  # the Trainer fetched the step's batches before calling this
 
     def _forward_begins(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         client = self.client
@@ -293,7 +330,7 @@ class GptopCallback(TrainerCallback):
         if ids is not None:
             client.add_tokens(ids.numel())
         client.leave("data")
-        client.leave("backward")               # the previous micro-batch's
+        client.leave("backward")  # the previous micro-batch's
         client.enter("forward")
 
     def _forward_ends(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -303,19 +340,20 @@ class GptopCallback(TrainerCallback):
         client.leave("forward")
         client.enter("backward")
 
-    def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                              **kwargs: Any) -> None:
+    def on_pre_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         if self.client is not None:
             self.client.leave("backward")
             self.client.enter("optimizer")
 
-    def on_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                          **kwargs: Any) -> None:
+    def on_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         if self.client is not None:
             self.client.leave("optimizer")
 
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                    **kwargs: Any) -> None:
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         client = self.client
         if client is None:
             return
@@ -325,7 +363,7 @@ class GptopCallback(TrainerCallback):
         client.poll()
         if client.is_log_step():
             self._flush_due = True
-            control.should_log = True          # the Trainer reads its loss back now; on_log reports it
+            control.should_log = True  # the Trainer reads its loss back now; on_log reports it
         if client.should_checkpoint or client.should_stop:
             control.should_save = True
         if client.should_stop:
@@ -333,8 +371,14 @@ class GptopCallback(TrainerCallback):
         self._next_step(state)
 
     # ------------------------------------------------------------------ what runs between steps
-    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-               logs: dict[str, float] | None = None, **kwargs: Any) -> None:
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
         client = self.client
         if client is None:
             return
@@ -346,16 +390,14 @@ class GptopCallback(TrainerCallback):
                 client.flush()
         self._restart()
 
-    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                    **kwargs: Any) -> None:
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._restart()
 
-    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                **kwargs: Any) -> None:
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         client = self.client
         if client is None:
             return
-        assert args.output_dir is not None      # TrainingArguments.__post_init__ sets its default
+        assert args.output_dir is not None  # TrainingArguments.__post_init__ sets its default
         path = os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}-{state.global_step}")
         if state.is_world_process_zero and self._model is not None and os.path.isdir(path):
             prints = weights_fingerprint(self._model)

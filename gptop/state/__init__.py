@@ -21,17 +21,56 @@ One concern per module:
 """
 
 from .autotuner import TOGGLE_DEFAULTS, TunerState, toggle_diff
-from .formatting import (fmt_bytes, fmt_duration, fmt_eta, fmt_mfu, fmt_num, fmt_peak, fmt_toggles, loss_range,
-                         measure_line, measure_parts, model_summary, phase_label, spread_pct)
+from .formatting import (
+    fmt_bytes,
+    fmt_duration,
+    fmt_eta,
+    fmt_mfu,
+    fmt_num,
+    fmt_peak,
+    fmt_toggles,
+    loss_range,
+    measure_line,
+    measure_parts,
+    model_summary,
+    phase_label,
+    spread_pct,
+)
 from .hints import BUSY_UTIL_PCT, LOW_CLOCK_SHARE, LOW_SM_SHARE, SLOWING_REASONS, gpu_verdict
 from .histories import CPU_METRICS, GPU_METRICS, STEP_SERIES, Series
 from .reducer import AREAS, RunState
 from .statistics import ETA_FLOOR_S, Pace, Spread, StepWindow
 
 __all__ = [
-    "AREAS", "BUSY_UTIL_PCT", "CPU_METRICS", "ETA_FLOOR_S", "GPU_METRICS", "LOW_CLOCK_SHARE", "LOW_SM_SHARE",
-    "SLOWING_REASONS", "STEP_SERIES", "TOGGLE_DEFAULTS", "Pace", "RunState", "Series", "Spread", "StepWindow",
-    "TunerState", "fmt_bytes", "fmt_duration", "fmt_eta", "fmt_mfu", "fmt_num", "fmt_peak", "fmt_toggles",
-    "gpu_verdict", "loss_range", "measure_line", "measure_parts", "model_summary", "phase_label", "spread_pct",
+    "AREAS",
+    "BUSY_UTIL_PCT",
+    "CPU_METRICS",
+    "ETA_FLOOR_S",
+    "GPU_METRICS",
+    "LOW_CLOCK_SHARE",
+    "LOW_SM_SHARE",
+    "SLOWING_REASONS",
+    "STEP_SERIES",
+    "TOGGLE_DEFAULTS",
+    "Pace",
+    "RunState",
+    "Series",
+    "Spread",
+    "StepWindow",
+    "TunerState",
+    "fmt_bytes",
+    "fmt_duration",
+    "fmt_eta",
+    "fmt_mfu",
+    "fmt_num",
+    "fmt_peak",
+    "fmt_toggles",
+    "gpu_verdict",
+    "loss_range",
+    "measure_line",
+    "measure_parts",
+    "model_summary",
+    "phase_label",
+    "spread_pct",
     "toggle_diff",
 ]

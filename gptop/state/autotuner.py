@@ -11,7 +11,7 @@ from trainer.contract.config import Toggles
 from trainer.contract.events import ApplyEvent, MeasureProgress, TrialEvent, TunerBest, TunerEvent
 from trainer.contract.states import TrialStatus, TunerPhase
 
-TOGGLE_DEFAULTS = dataclasses.asdict(Toggles())   # what a toggle a start does not name ran at
+TOGGLE_DEFAULTS = dataclasses.asdict(Toggles())  # what a toggle a start does not name ran at
 
 
 @dataclass
@@ -20,16 +20,16 @@ class TunerState:
 
     phase: TunerPhase | None = None
     budget_left_s: float | None = None
-    budget_at: float | None = None     # the time of the event that said budget_left_s
-    trial: int | None = None           # the trial running now
+    budget_at: float | None = None  # the time of the event that said budget_left_s
+    trial: int | None = None  # the trial running now
     trials_run: int | None = None
     trials_planned: int | None = None
-    trials: dict[int, TrialEvent] = field(default_factory=dict)   # number -> its latest trial event
+    trials: dict[int, TrialEvent] = field(default_factory=dict)  # number -> its latest trial event
     applied: list[ApplyEvent] = field(default_factory=list)
-    measure: MeasureProgress | None = None   # the measurement running now (baseline, trial, remeasure)
-    budget_s: float | None = None      # the budget in effect (the share of the run it affords, if less)
+    measure: MeasureProgress | None = None  # the measurement running now (baseline, trial, remeasure)
+    budget_s: float | None = None  # the budget in effect (the share of the run it affords, if less)
     told_best: TunerBest | None = None  # the tuner's own best, from its latest event
-    tells_best: bool = False           # the tuner's events say its best (older streams do not)
+    tells_best: bool = False  # the tuner's events say its best (older streams do not)
 
     @property
     def active(self) -> bool:
@@ -45,25 +45,25 @@ class TunerState:
         return max(good, key=lambda t: t.tokens_per_s or 0.0, default=None)
 
     def on_trial(self, e: TrialEvent) -> None:
-        if e.number is None:   # a run the study did not number (a failed baseline): its own row
+        if e.number is None:  # a run the study did not number (a failed baseline): its own row
             n = -1 - sum(1 for k in self.trials if k < 0)
         else:
             n = e.number
-        self.trials[n] = e    # each trial event carries the whole row
+        self.trials[n] = e  # each trial event carries the whole row
         if e.status is TrialStatus.RUNNING:
             self.trial = n
 
     def on_tuner(self, e: TunerEvent) -> None:
         self.phase = e.phase
         self.trial = e.trial
-        if e.budget_left_s is not None:      # an event that does not say keeps what the last one said
+        if e.budget_left_s is not None:  # an event that does not say keeps what the last one said
             self.budget_left_s, self.budget_at = e.budget_left_s, e.time
         if e.trials_planned is not None:
             self.trials_planned = e.trials_planned
         if e.trials_run is not None:
             self.trials_run = e.trials_run
-        self.measure = e.measure                # every tuner event says what is measured now (None: nothing)
-        if e.budget_s is not None:            # a tuner that says its budget says its best too (None: none yet)
+        self.measure = e.measure  # every tuner event says what is measured now (None: nothing)
+        if e.budget_s is not None:  # a tuner that says its budget says its best too (None: none yet)
             self.budget_s, self.tells_best, self.told_best = e.budget_s, True, e.best
 
     def budget_left(self, now: float | None) -> float | None:

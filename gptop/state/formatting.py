@@ -96,8 +96,7 @@ def fmt_peak(hello: HelloEvent | None) -> str | None:
         return None
     v = hello.peak_flops
     value = f"{v / 1e12:,.1f} TFLOP/s" if v >= 1e12 else f"{v / 1e9:,.1f} GFLOP/s"
-    return f"MFU peak {value} per process" + (
-        f" ({hello.peak_source})" if hello.peak_source else "")
+    return f"MFU peak {value} per process" + (f" ({hello.peak_source})" if hello.peak_source else "")
 
 
 def fmt_eta(state: RunState) -> str:
@@ -133,7 +132,7 @@ def model_summary(model: ModelInfo | None) -> str:
         if active and active < total:
             params += f" ({fmt_num(active)} active)"
         trainable = model.trainable_params
-        if trainable is not None and trainable < total:      # LoRA: only the adapters train
+        if trainable is not None and trainable < total:  # LoRA: only the adapters train
             params += f" · {fmt_num(trainable)} trainable ({100 * trainable / total:.2g}%)"
     return " · ".join(x for x in (name, params) if x)
 
@@ -148,8 +147,10 @@ def estimate_line(est: EstimateInfo | None, total_steps: int | None, short: bool
     parts = []
     if est.total_bytes is not None:
         opt = est.optimizer_bytes
-        parts.append(f"~{est.total_bytes / GiB:.1f} GiB" + (f" (optimizer {fmt_size(opt)})"
-                                                            if opt is not None and not short else ""))
+        parts.append(
+            f"~{est.total_bytes / GiB:.1f} GiB"
+            + (f" (optimizer {fmt_size(opt)})" if opt is not None and not short else "")
+        )
     if est.step_s is not None:
         parts.append(f"~{fmt_seconds(est.step_s)}{'/step' if short else ' per step'}")
         if total_steps and not short:
@@ -172,10 +173,14 @@ def startup_line(state: RunState) -> str | None:
     with state.lock:
         p = state.startup
         if p is None:
-            if state.stepped or state.hello is None or state.hello.early or not (
-                    state.status.launching or state.status is RunStatus.RUNNING):
+            if (
+                state.stepped
+                or state.hello is None
+                or state.hello.early
+                or not (state.status.launching or state.status is RunStatus.RUNNING)
+            ):
                 return None
-            line = "first step"           # built; the first step (data, warm-up) is running
+            line = "first step"  # built; the first step (data, warm-up) is running
         else:
             line = p.message
         if p is not None and p.pct is not None:
@@ -209,6 +214,7 @@ def energy_reason(steps: int, samples: list[DeviceEvent]) -> str:
 
 def loss_range(first: float | None, last: float | None, logged: int | None, spec: str = ".3f") -> str:
     """'9.512 -> 4.203', the first logged loss to the last; from one logged step a value, not a range."""
+
     def f(v: float | None) -> str:
         return "n/a" if v is None else format(v, spec)
 

@@ -13,12 +13,16 @@ if TYPE_CHECKING:
     from .reducer import RunState
 
 
-BUSY_UTIL_PCT = 50.0          # "utilization" at or above this is a busy GPU, whose speed the verdict judges
-LOW_SM_SHARE = 0.5            # SM activity below this share of utilization: kernels keep few SMs busy
-LOW_CLOCK_SHARE = 0.7         # SM clock below this share of its maximum, with no reason given: slow
-SLOWING_REASONS = {"power cap": "power-capped", "power brake": "power-braked (external signal)",
-                   "hw slowdown": "slowed by the hardware (HW slowdown)", "sw thermal": "thermally throttled",
-                   "hw thermal": "thermally throttled (HW)"}
+BUSY_UTIL_PCT = 50.0  # "utilization" at or above this is a busy GPU, whose speed the verdict judges
+LOW_SM_SHARE = 0.5  # SM activity below this share of utilization: kernels keep few SMs busy
+LOW_CLOCK_SHARE = 0.7  # SM clock below this share of its maximum, with no reason given: slow
+SLOWING_REASONS = {
+    "power cap": "power-capped",
+    "power brake": "power-braked (external signal)",
+    "hw slowdown": "slowed by the hardware (HW slowdown)",
+    "sw thermal": "thermally throttled",
+    "hw thermal": "thermally throttled (HW)",
+}
 
 
 def gpu_verdict(d: GpuReading) -> str | None:
@@ -37,8 +41,10 @@ def gpu_verdict(d: GpuReading) -> str | None:
     sm = d.sm_active_pct
     if sm is not None and sm < LOW_SM_SHARE * util:
         tensor = f", tensor pipes {d.tensor_active_pct:.0f}%" if d.tensor_active_pct is not None else ""
-        return (f"util {util:.0f}% but SMs only {sm:.0f}% active{tensor}: small or serialized kernels "
-                f"(try --compile or a larger micro-batch)")
+        return (
+            f"util {util:.0f}% but SMs only {sm:.0f}% active{tensor}: small or serialized kernels "
+            f"(try --compile or a larger micro-batch)"
+        )
     if d.sm_clock_mhz is not None and d.sm_clock_max_mhz and d.sm_clock_mhz < LOW_CLOCK_SHARE * d.sm_clock_max_mhz:
         return f"busy but slow clocks{clock}"
     return None

@@ -99,8 +99,8 @@ class DeviceHistory:
     themselves (for energy: gptop.energy)."""
 
     def __init__(self, history: int) -> None:
-        self.sample: DeviceEvent | None = None             # latest device event
-        self.latest: dict[str, GpuReading | CpuReading] = {}   # "gpu0" / "cpu" -> latest reading
+        self.sample: DeviceEvent | None = None  # latest device event
+        self.latest: dict[str, GpuReading | CpuReading] = {}  # "gpu0" / "cpu" -> latest reading
         self.series: dict[tuple[str, str], Series] = {}
         self.samples: deque[DeviceEvent] = deque(maxlen=history)
         self.history = history
@@ -109,7 +109,8 @@ class DeviceHistory:
         t = e.time
         self.sample = e
         entries: list[tuple[str, GpuReading | CpuReading, tuple[str, ...]]] = [
-            (f"gpu{d.index}", d, GPU_METRICS) for d in e.devices]
+            (f"gpu{d.index}", d, GPU_METRICS) for d in e.devices
+        ]
         if e.cpu is not None:
             entries.append(("cpu", e.cpu, CPU_METRICS))
         for key, d, metrics in entries:
@@ -155,9 +156,9 @@ class LogBook:
     prints and sends as an event is kept once."""
 
     def __init__(self, lines: int) -> None:
-        self.lines: deque[tuple[str, str]] = deque(maxlen=lines)   # (stream, line)
-        self.count = 0       # lines ever added: views append what is new since they last looked
-        self._said: dict[str, tuple[int, int]] = {}   # message -> (events, prints) of recent warnings/errors
+        self.lines: deque[tuple[str, str]] = deque(maxlen=lines)  # (stream, line)
+        self.count = 0  # lines ever added: views append what is new since they last looked
+        self._said: dict[str, tuple[int, int]] = {}  # message -> (events, prints) of recent warnings/errors
 
     def add(self, line: str, stream: str) -> bool:
         """Keep one line; False when it is the trainer's print of a message its event showed already."""
@@ -200,7 +201,7 @@ class AlertBook:
     def __init__(self) -> None:
         self.active: dict[str, AlertEvent] = {}
         self.events: deque[AlertEvent] = deque(maxlen=200)
-        self.raised = 0                 # alerts ever raised (an update of an open one is not counted)
+        self.raised = 0  # alerts ever raised (an update of an open one is not counted)
 
     def add(self, e: AlertEvent) -> None:
         if e.resolved:
@@ -220,5 +221,7 @@ class AlertBook:
                 resolved.add(e.id)
             else:
                 raised[e.id] = e
-        return [f"{a.kind.value} ({a.severity.value}, {'resolved' if i in resolved else 'active'}): {a.message}"
-                for i, a in raised.items()]
+        return [
+            f"{a.kind.value} ({a.severity.value}, {'resolved' if i in resolved else 'active'}): {a.message}"
+            for i, a in raised.items()
+        ]

@@ -17,10 +17,32 @@ from gptop.alerts import alert_line
 from gptop.energy import Energy
 from trainer.contract.config import Toggles
 from trainer.contract.device import DeviceInfo
-from trainer.contract.events import (MAX_STEPS, AlertEvent, ApplyEvent, CheckpointEvent, CompileWarning,
-                                     CpuReading, DeviceEvent, DoneEvent, ErrorEvent, EvalEvent, Event, GpuReading,
-                                     EstimateInfo, HelloEvent, LogEvent, ModelInfo, PhaseEvent, ProfileEvent,
-                                     ProgressEvent, StepEvent, TrialEvent, TunerEvent, UnknownEvent, WarningEvent)
+from trainer.contract.events import (
+    MAX_STEPS,
+    AlertEvent,
+    ApplyEvent,
+    CheckpointEvent,
+    CompileWarning,
+    CpuReading,
+    DeviceEvent,
+    DoneEvent,
+    ErrorEvent,
+    EvalEvent,
+    Event,
+    GpuReading,
+    EstimateInfo,
+    HelloEvent,
+    LogEvent,
+    ModelInfo,
+    PhaseEvent,
+    ProfileEvent,
+    ProgressEvent,
+    StepEvent,
+    TrialEvent,
+    TunerEvent,
+    UnknownEvent,
+    WarningEvent,
+)
 from trainer.contract.states import RunStatus
 
 from . import autotuner, formatting, hints, statistics
@@ -39,10 +61,19 @@ AREAS = ("run", "step", "device", "log", "tuner", "progress", "profile", "alert"
 class RunState:
     """Everything the views show about one run, reduced from its events."""
 
-    def __init__(self, *, run_name: str = "", run_dir: str | None = None, history: int = 2000,
-                 device_history: int = 3600, phase_window: int = 20, rate_window: int = 20,
-                 log_lines: int = 5000, clock: Callable[[], float] | None = None,
-                 status: RunStatus = RunStatus.STARTING) -> None:
+    def __init__(
+        self,
+        *,
+        run_name: str = "",
+        run_dir: str | None = None,
+        history: int = 2000,
+        device_history: int = 3600,
+        phase_window: int = 20,
+        rate_window: int = 20,
+        log_lines: int = 5000,
+        clock: Callable[[], float] | None = None,
+        status: RunStatus = RunStatus.STARTING,
+    ) -> None:
         self.lock = threading.RLock()
         self.version = 0
         self.versions: dict[str, int] = {a: 0 for a in AREAS}
@@ -53,63 +84,63 @@ class RunState:
         self.status_message: str | None = None
 
         # from hello
-        self.hello: HelloEvent | None = None   # the latest
+        self.hello: HelloEvent | None = None  # the latest
         self.config: dict[str, dict[str, Any]] = {}
         self.device: DeviceInfo | None = None
         self.model: ModelInfo | None = None
-        self.hellos = 0                        # full hellos: > 1 after a restart / resume / applied toggles
-        self.estimate: EstimateInfo | None = None   # the early hello's (trainer.contract.estimate)
+        self.hellos = 0  # full hellos: > 1 after a restart / resume / applied toggles
+        self.estimate: EstimateInfo | None = None  # the early hello's (trainer.contract.estimate)
         self.command: list[str] | None = None  # `gptop run -- CMD`: the user's command (None: gptop's trainer)
         self.startup: PhaseEvent | None = None  # the startup phase now (None once a step is done)
         self.startup_since: float | None = None  # when that phase began (its percent updates do not reset it)
-        self.estimate_warning: WarningEvent | None = None   # "deepseek medium on this CPU: ~N GiB, ~M min per step"
-        self.live_step: tuple[float, int, int] | None = None   # (time, step, tokens) of the latest progress/step
+        self.estimate_warning: WarningEvent | None = None  # "deepseek medium on this CPU: ~N GiB, ~M min per step"
+        self.live_step: tuple[float, int, int] | None = None  # (time, step, tokens) of the latest progress/step
         self._progress_ms: float | None = None  # the latest progress event's step time (host)
-        self.stepped = False                   # this trainer process has done a step (a stop then checkpoints)
-        self.initial_toggles: dict[str, Any] | None = None   # what the run started with
-        self.start_time: float | None = None   # time of the earliest event
+        self.stepped = False  # this trainer process has done a step (a stop then checkpoints)
+        self.initial_toggles: dict[str, Any] | None = None  # what the run started with
+        self.start_time: float | None = None  # time of the earliest event
         # the pid of a run this gptop watches but did not start (the monitor attached to it; None once it ended)
         self.watching: int | None = None
-        self.observer = False                  # a monitor: q only leaves, and only the run's channel acts on it
-        self.last_time: float | None = None    # time of the latest event
-        self.end_time: float | None = None     # when the run was seen to end (done/failed): elapsed stops
-        self.last_run_time: float | None = None   # time of the latest event that is not a device sample
+        self.observer = False  # a monitor: q only leaves, and only the run's channel acts on it
+        self.last_time: float | None = None  # time of the latest event
+        self.end_time: float | None = None  # when the run was seen to end (done/failed): elapsed stops
+        self.last_run_time: float | None = None  # time of the latest event that is not a device sample
         self._listeners: list[Callable[[], None]] = []
 
         # steps
         self.phase_window = phase_window
-        self.last_step: StepEvent | None = None            # latest step event of the primary rank
-        self.ranks: dict[int, StepEvent] = {}              # rank -> latest step event
+        self.last_step: StepEvent | None = None  # latest step event of the primary rank
+        self.ranks: dict[int, StepEvent] = {}  # rank -> latest step event
         self.primary_rank: int | None = None
-        self.steps = StepHistory(history)                  # loss, tokens/s, ..., eval_loss, each phase
+        self.steps = StepHistory(history)  # loss, tokens/s, ..., eval_loss, each phase
         self.series: dict[str, Series] = self.steps.series
-        self._timing = StepTiming(history, rate_window)   # rate, pace, the step events' rows
+        self._timing = StepTiming(history, rate_window)  # rate, pace, the step events' rows
         self.expert_load: list[list[float]] | None = None
         self.last_eval: EvalEvent | None = None
         self.done: DoneEvent | None = None
-        self.first_loss: float | None = None               # the run's first logged loss (the summary's "from")
+        self.first_loss: float | None = None  # the run's first logged loss (the summary's "from")
 
         # devices
         self.devices = DeviceHistory(device_history)
-        self.device_latest: dict[str, GpuReading | CpuReading] = self.devices.latest   # "gpu0" / "cpu" -> latest
+        self.device_latest: dict[str, GpuReading | CpuReading] = self.devices.latest  # "gpu0" / "cpu" -> latest
 
         # logs and incidents
         self.logbook = LogBook(log_lines)
-        self.logs: deque[tuple[str, str]] = self.logbook.lines   # (stream, line)
-        self.checkpoints: deque[CheckpointEvent] = deque(maxlen=1000)   # bounded as every history here
+        self.logs: deque[tuple[str, str]] = self.logbook.lines  # (stream, line)
+        self.checkpoints: deque[CheckpointEvent] = deque(maxlen=1000)  # bounded as every history here
         self.checkpoints_written = 0
         self.errors: deque[ErrorEvent] = deque(maxlen=1000)
         self.warnings: deque[str] = deque(maxlen=200)
         self.malformed = 0
         self.last_malformed: str | None = None
-        self.alertbook = AlertBook()           # alerts (gptop.alerts): the open ones, the latest raises, resolutions
+        self.alertbook = AlertBook()  # alerts (gptop.alerts): the open ones, the latest raises, resolutions
         self.alerts_active: dict[str, AlertEvent] = self.alertbook.active
         self.alerts: deque[AlertEvent] = self.alertbook.events
 
         self.tuner = TunerState()
-        self._applied: dict[str, Any] = {}   # toggles applied since the last hello
-        self.profile: ProfileEvent | None = None   # the newest profile window's summary (the primary rank's)
-        self.recompiles: deque[WarningEvent] = deque(maxlen=50)   # the compile watchdog's warnings
+        self._applied: dict[str, Any] = {}  # toggles applied since the last hello
+        self.profile: ProfileEvent | None = None  # the newest profile window's summary (the primary rank's)
+        self.recompiles: deque[WarningEvent] = deque(maxlen=50)  # the compile watchdog's warnings
 
     # --- writing ------------------------------------------------------------
     def _bump(self, *areas: str) -> None:
@@ -184,14 +215,14 @@ class RunState:
     def _on_hello(self, e: HelloEvent) -> None:
         self.hello = e
         self.config = e.config
-        if e.command is not None:              # gptop's record of a command's start; its client's hello follows
+        if e.command is not None:  # gptop's record of a command's start; its client's hello follows
             self.command = e.command
         self.device = e.device
         self.model = e.model
-        if e.early:                            # a trainer process started; nothing is built yet
+        if e.early:  # a trainer process started; nothing is built yet
             self.estimate = e.estimate
             self.startup = None
-            self.done = None                   # the run goes on: an earlier process's `done` is not its end
+            self.done = None  # the run goes on: an earlier process's `done` is not its end
             self.stepped = False
             self.end_time = None
             self._timing.restart(built=False)
@@ -199,10 +230,10 @@ class RunState:
             return
         if self.initial_toggles is None:
             self.initial_toggles = e.toggles
-        self.startup = None                    # built: the first step (or its compile phase) comes next
+        self.startup = None  # built: the first step (or its compile phase) comes next
         self.startup_since = e.time
         self.hellos += 1
-        self.end_time = None   # a new trainer process: the run goes on
+        self.end_time = None  # a new trainer process: the run goes on
         self._applied = {}
         self._timing.restart(built=True)
         self._bump("run", "step")
@@ -217,7 +248,7 @@ class RunState:
         """A step done between step events: the counter, rate and ETA move; the histories do not."""
         self._live(e.time, e.step, e.tokens)
         self._progress_ms = e.step_ms
-        self._bump("progress")     # the header's counter, rate and ETA; no panel that shows histories
+        self._bump("progress")  # the header's counter, rate and ETA; no panel that shows histories
 
     def _live(self, t: float, step: int, tokens: int) -> None:
         self.startup = None
@@ -301,7 +332,7 @@ class RunState:
     def _on_done(self, e: DoneEvent) -> None:
         self.done = e
         self.startup = None
-        self.end_time = e.time   # elapsed stops here, not when the session later says "done"
+        self.end_time = e.time  # elapsed stops here, not when the session later says "done"
         self._bump("run")
 
     def _on_device(self, e: DeviceEvent) -> None:
@@ -407,8 +438,11 @@ class RunState:
     def elapsed(self) -> float | None:
         """Seconds since the first event (until the run ended, once it has; a replay's run, not the
         live device samples a monitor adds)."""
-        now = self.end_time if self.end_time is not None else (
-            self.last_run_time if self.status is RunStatus.REPLAY else self.now())
+        now = (
+            self.end_time
+            if self.end_time is not None
+            else (self.last_run_time if self.status is RunStatus.REPLAY else self.now())
+        )
         if self.start_time is None or now is None:
             return None
         return max(0.0, now - self.start_time)

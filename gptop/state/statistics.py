@@ -13,7 +13,7 @@ from gptop.energy import Energy
 from gptop.energy import measure as energy_measure
 from trainer.contract.events import PHASES, DeviceEvent, StepEvent
 
-ETA_FLOOR_S = 1.0   # the least ETA shown while a step remains: "0:00" means done
+ETA_FLOOR_S = 1.0  # the least ETA shown while a step remains: "0:00" means done
 
 
 @dataclass(frozen=True)
@@ -39,13 +39,13 @@ class StepWindow:
     `events` step events of the primary rank. A process's first step event (compilation, allocator warm-up)
     is left out while later ones exist; `warm_up` says the window has nothing else yet."""
 
-    events: int                        # step events in the window
-    steps: int                         # the optimizer steps they cover
+    events: int  # step events in the window
+    steps: int  # the optimizer steps they cover
     step_ms: float | None
-    phases_ms: dict[str, float]        # absent phases omitted
+    phases_ms: dict[str, float]  # absent phases omitted
     gpu_idle_ms: float | None
-    tokens_per_s: float | None         # tokens over wall time: the mean rate of the same steps
-    mfu: float | None                  # time-weighted as tokens/s (MFU is proportional to it)
+    tokens_per_s: float | None  # tokens over wall time: the mean rate of the same steps
+    mfu: float | None  # time-weighted as tokens/s (MFU is proportional to it)
     warm_up: bool
 
     def label(self) -> str:
@@ -74,7 +74,7 @@ class StepRow:
     step_ms: float | None
     phases_ms: dict[str, float]
     gpu_idle_ms: float | None
-    wall_ms: float | None              # wall time per step (the tokens/s's denominator)
+    wall_ms: float | None  # wall time per step (the tokens/s's denominator)
     tokens_per_s: float | None
     mfu: float | None
     warm: bool
@@ -82,8 +82,16 @@ class StepRow:
     @classmethod
     def of(cls, e: StepEvent, warm: bool) -> StepRow:
         phases = {p: float(v) for p, v in (e.phases_ms or {}).items() if v is not None}
-        return cls(max(1, e.interval_steps or 1), e.step_ms, phases, e.gpu_idle_ms,
-                   e.wall_ms if e.wall_ms is not None else e.step_ms, e.tokens_per_s, e.mfu, warm)
+        return cls(
+            max(1, e.interval_steps or 1),
+            e.step_ms,
+            phases,
+            e.gpu_idle_ms,
+            e.wall_ms if e.wall_ms is not None else e.step_ms,
+            e.tokens_per_s,
+            e.mfu,
+            warm,
+        )
 
 
 def weighted(pairs: list[tuple[float, float | None]]) -> float | None:
@@ -125,10 +133,16 @@ def step_window(rows: list[StepRow], warm_up: bool) -> StepWindow | None:
     tokens = sum(ms * tps for ms, tps in timed) / 1000
     tps = tokens / seconds if seconds > 0 else weighted([(r.steps, r.tokens_per_s) for r in rows])
     mfu = weighted([(r.steps * (r.wall_ms or 1.0), r.mfu) for r in rows])
-    return StepWindow(events=len(rows), steps=sum(r.steps for r in rows),
-                      step_ms=weighted([(r.steps, r.step_ms) for r in rows]), phases_ms=phases,
-                      gpu_idle_ms=weighted([(r.steps, r.gpu_idle_ms) for r in rows]), tokens_per_s=tps,
-                      mfu=mfu, warm_up=warm_up)
+    return StepWindow(
+        events=len(rows),
+        steps=sum(r.steps for r in rows),
+        step_ms=weighted([(r.steps, r.step_ms) for r in rows]),
+        phases_ms=phases,
+        gpu_idle_ms=weighted([(r.steps, r.gpu_idle_ms) for r in rows]),
+        tokens_per_s=tps,
+        mfu=mfu,
+        warm_up=warm_up,
+    )
 
 
 def rate_medians(rows: Sequence[tuple[float | None, float | None]]) -> tuple[float | None, float | None]:
@@ -155,9 +169,9 @@ class Pace:
     follows within a few events. The spread (an exponentially weighted variance) says when the rate is
     unstable, and then the ETA is a range."""
 
-    ALPHA = 0.3          # weight of the newest interval
-    UNSTABLE = 0.15      # relative standard deviation above which the ETA is a range
-    RECENT = 8           # intervals that bound the range
+    ALPHA = 0.3  # weight of the newest interval
+    UNSTABLE = 0.15  # relative standard deviation above which the ETA is a range
+    RECENT = 8  # intervals that bound the range
 
     mean: float | None
     var: float
@@ -226,12 +240,12 @@ class StepTiming:
     the reducer calls it under its own lock."""
 
     def __init__(self, history: int, rate_window: int) -> None:
-        self.rate: deque[tuple[float, int, float]] = deque(maxlen=rate_window)   # (time, step, tokens)
-        self.pace = Pace()                                 # seconds per step, for the ETA
+        self.rate: deque[tuple[float, int, float]] = deque(maxlen=rate_window)  # (time, step, tokens)
+        self.pace = Pace()  # seconds per step, for the ETA
         # (tokens/s, mfu) of step events that are not a process's first (warm-up: compile, allocator)
         self.steady: deque[tuple[float | None, float | None]] = deque(maxlen=history)
         self.rows: deque[StepRow] = deque(maxlen=history)  # the primary rank's step events, for `window_rows`
-        self.warm = True                                   # the next step event is a process's first
+        self.warm = True  # the next step event is a process's first
 
     def restart(self, built: bool) -> None:
         """A new trainer process: its rate starts over (a restart recompiles: the old rate says nothing about
@@ -244,7 +258,7 @@ class StepTiming:
     def live(self, t: float, step: int, tokens: int, last: tuple[float, int, int] | None) -> None:
         """A step done at time `t` (progress or step event); `last` is the (time, step, tokens) seen before."""
         if last is not None and step < last[1]:
-            self.rate.clear()   # rolled back to a checkpoint
+            self.rate.clear()  # rolled back to a checkpoint
             self.pace.clear()
         if self.rate and step > self.rate[-1][1]:
             self.pace.add(t - self.rate[-1][0], step - self.rate[-1][1])
@@ -303,8 +317,7 @@ def expert_imbalance(load: list[list[float]] | None) -> tuple[float, float] | No
     return max(per_layer), sum(per_layer) / len(per_layer)
 
 
-def token_span(rate: list[tuple[float, int, float]],
-               samples: list[DeviceEvent]) -> tuple[float, float, int] | None:
+def token_span(rate: list[tuple[float, int, float]], samples: list[DeviceEvent]) -> tuple[float, float, int] | None:
     """(start, end, tokens trained): the span both the step points and the device samples cover, and the
     tokens trained in it (interpolated in the points); None when they share no span or no tokens."""
     if len(rate) < 2 or len(samples) < 2:
@@ -319,8 +332,9 @@ def token_span(rate: list[tuple[float, int, float]],
     return t0, t1, int(k1 - k0)
 
 
-def energy_over(rate: list[tuple[float, int, float]], samples: list[DeviceEvent],
-                run_gpus: list[str] | None) -> tuple[Energy | None, int]:
+def energy_over(
+    rate: list[tuple[float, int, float]], samples: list[DeviceEvent], run_gpus: list[str] | None
+) -> tuple[Energy | None, int]:
     """(energy, tokens trained) over the span the step points and the device samples both cover, from
     gptop.energy (the one computation: hardware counters, else integrated power); (None, 0) without one."""
     span = token_span(rate, samples)

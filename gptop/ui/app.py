@@ -46,20 +46,39 @@ from gptop.state import RunState
 from gptop.tool_runner import SampleOutcome, sample_newest
 from gptop.ui.sample_panel import SamplePanel
 from trainer.contract.states import RunStatus
-from gptop.ui.widgets import (AlertBanner, DevicePanel, FailurePanel, GptopFooter, LogPanel, RunHeader, StepPanel, TrainPanel,
-                              TunerPanel, Watcher)
+from gptop.ui.widgets import (
+    AlertBanner,
+    DevicePanel,
+    FailurePanel,
+    GptopFooter,
+    LogPanel,
+    RunHeader,
+    StepPanel,
+    TrainPanel,
+    TunerPanel,
+    Watcher,
+)
 
 HELP = [
-    ("q", "Quit: finish the step, checkpoint and stop the trainer, then exit (press again to stop at once, "
-          "without a checkpoint)"),
+    (
+        "q",
+        "Quit: finish the step, checkpoint and stop the trainer, then exit (press again to stop at once, "
+        "without a checkpoint)",
+    ),
     ("c", "Checkpoint now (at the next step boundary)"),
     ("p", "Profile the next 3 steps with torch.profiler (trace in the run directory)"),
-    ("v", "View the newest profile window's summary: per phase the top operators (and kernels on a GPU), "
-          "launch-bound and GPU-idle shares"),
+    (
+        "v",
+        "View the newest profile window's summary: per phase the top operators (and kernels on a GPU), "
+        "launch-bound and GPU-idle shares",
+    ),
     ("s", "Sample the newest checkpoint into a panel (its own process; training goes on; escape closes)"),
     ("l", "Log panel: zoom the trainer's stdout/stderr to the whole window, and back"),
-    ("t", "Start the autotuner on the live run (budget 10 min; gptop tune --budget for another), or stop it, "
-          "keeping the best setting found so far"),
+    (
+        "t",
+        "Start the autotuner on the live run (budget 10 min; gptop tune --budget for another), or stop it, "
+        "keeping the best setting found so far",
+    ),
     ("r", "Restart from the last good checkpoint (after a failure)"),
     ("w", "Chart window of the device panel: 30 s, 1 min, 5 min, 15 min, 1 h"),
     ("e", "Next MoE layer in the expert-load bars"),
@@ -75,25 +94,40 @@ WATCHING_HELP = [
     ("c", "Checkpoint now: asks the watched trainer (SIGUSR1) for a checkpoint at the next step boundary"),
     ("v", HELP[3][1]),
     ("s", HELP[4][1]),
-    ("l", "Log panel: zoom the watched trainer's trainer.log and trainer.stderr.log (their tail, followed) to the "
-          "whole window, and back"),
+    (
+        "l",
+        "Log panel: zoom the watched trainer's trainer.log and trainer.stderr.log (their tail, followed) to the "
+        "whole window, and back",
+    ),
     ("w", HELP[8][1]),
     ("e", HELP[9][1]),
     ("?", "This help"),
     ("ctrl+p", "Command palette: every action by name"),
     ("ctrl+c", "As q: leave the monitor; the run goes on"),
 ]
-OBSERVER_HIDDEN = ("profile", "toggle_tuning", "restart", "quit")   # keys that act on a run gptop runs
+OBSERVER_HIDDEN = ("profile", "toggle_tuning", "restart", "quit")  # keys that act on a run gptop runs
 
 PANELS_HELP = [
-    ("alerts", "a line under the header for each open alert (a stall, a loss spike, a NaN rollback, a throughput "
-               "drop, GPU trouble), with the terminal bell when one is raised; gone once resolved"),
-    ("devices", "utilization, memory and power per GPU (or the CPU) with history charts; 'trainer N% of M "
-                "cores' is the trainer's processes' share of the whole machine"),
-    ("step breakdown", "where a step's time goes: data, forward, backward, optimizer, other; GPU idle "
-                       "time; a hint about the bottleneck and the toggle to try"),
-    ("training", "loss (and eval loss), tokens/s, MFU, learning rate, gradient norm, memory, energy per "
-                 "token, expert load for MoE models"),
+    (
+        "alerts",
+        "a line under the header for each open alert (a stall, a loss spike, a NaN rollback, a throughput "
+        "drop, GPU trouble), with the terminal bell when one is raised; gone once resolved",
+    ),
+    (
+        "devices",
+        "utilization, memory and power per GPU (or the CPU) with history charts; 'trainer N% of M "
+        "cores' is the trainer's processes' share of the whole machine",
+    ),
+    (
+        "step breakdown",
+        "where a step's time goes: data, forward, backward, optimizer, other; GPU idle "
+        "time; a hint about the bottleneck and the toggle to try",
+    ),
+    (
+        "training",
+        "loss (and eval loss), tokens/s, MFU, learning rate, gradient norm, memory, energy per "
+        "token, expert load for MoE models",
+    ),
     ("tuner", "the autotuner's phase, budget, trials and the best setting found"),
     ("log", "the trainer's stdout and stderr (stderr in red)"),
 ]
@@ -108,8 +142,11 @@ class StateChanged(Message):
 class HelpScreen(ModalScreen[None]):
     """Every key and what each panel shows (a monitor's own keys while it watches a run: `watching`)."""
 
-    BINDINGS = [Binding("escape", "dismiss", "Close"), Binding("question_mark", "dismiss", "Close", show=False),
-                Binding("q", "dismiss", "Close", show=False)]
+    BINDINGS = [
+        Binding("escape", "dismiss", "Close"),
+        Binding("question_mark", "dismiss", "Close", show=False),
+        Binding("q", "dismiss", "Close", show=False),
+    ]
 
     def __init__(self, state: RunState | None = None) -> None:
         super().__init__()
@@ -129,7 +166,7 @@ class HelpScreen(ModalScreen[None]):
             panels.add_row(k, v)
         with Vertical(id="help"):
             if observer:
-                yield Static(Text(watching_words(self.state), style="bold magenta"))   # type: ignore[arg-type]
+                yield Static(Text(watching_words(self.state), style="bold magenta"))  # type: ignore[arg-type]
             yield Static(Text("keys", style="bold underline"))
             yield Static(keys)
             yield Static(Text("panels", style="bold underline"), classes="gap")
@@ -152,8 +189,11 @@ def watching_words(state: RunState) -> str:
 class ProfileScreen(ModalScreen[None]):
     """The newest profile window's summary (gptop.profile_text), or how to get one."""
 
-    BINDINGS = [Binding("escape", "dismiss", "Close"), Binding("v", "dismiss", "Close", show=False),
-                Binding("q", "dismiss", "Close", show=False)]
+    BINDINGS = [
+        Binding("escape", "dismiss", "Close"),
+        Binding("v", "dismiss", "Close", show=False),
+        Binding("q", "dismiss", "Close", show=False),
+    ]
 
     def __init__(self, state: RunState) -> None:
         super().__init__()
@@ -198,13 +238,21 @@ class GptopApp(App[None]):
         Binding("w", "cycle_window", "Chart", tooltip="Chart window: 30s, 1m, 5m, 15m, 1h"),
         Binding("e", "next_expert_layer", "MoE", tooltip="Next MoE layer in the expert-load bars"),
         Binding("question_mark", "help", "Help", key_display="?"),
-        Binding("ctrl+c", "quit", "Stop", show=False, priority=True),     # the reflex key keeps the work, as q
+        Binding("ctrl+c", "quit", "Stop", show=False, priority=True),  # the reflex key keeps the work, as q
         Binding("ctrl+c", "leave", "Leave", show=False, priority=True),
     ]
 
-    def __init__(self, state: RunState, commands: Commands, *, finished: Callable[[], bool] | None = None,
-                 poll_interval: float = 0.5, frame_s: float = 0.2, profile_steps: int = 3,
-                 sampler: Callable[[str], Awaitable[SampleOutcome]] = sample_newest) -> None:
+    def __init__(
+        self,
+        state: RunState,
+        commands: Commands,
+        *,
+        finished: Callable[[], bool] | None = None,
+        poll_interval: float = 0.5,
+        frame_s: float = 0.2,
+        profile_steps: int = 3,
+        sampler: Callable[[str], Awaitable[SampleOutcome]] = sample_newest,
+    ) -> None:
         """`finished`: polled on the timer; when it returns True the app exits (the session is over).
         Without it, `q` exits right after asking the session to stop. `frame_s`: at most one frame
         (a redraw of what changed) this often; a change is on screen within `frame_s` plus a render
@@ -225,12 +273,12 @@ class GptopApp(App[None]):
         self._layout_key: tuple | None = None
         self._wake_pending = False
         self._last_frame = float("-inf")
-        self._frame_due: float | None = None     # when the scheduled frame runs (None: none scheduled)
+        self._frame_due: float | None = None  # when the scheduled frame runs (None: none scheduled)
         self._frame_timer: Timer | None = None
-        self._quiet_areas: frozenset[str] = frozenset()   # state areas whose change cannot bring the frame forward
-        self._wake_versions: dict[str, int] = {}          # the state's area versions when they were computed
+        self._quiet_areas: frozenset[str] = frozenset()  # state areas whose change cannot bring the frame forward
+        self._wake_versions: dict[str, int] = {}  # the state's area versions when they were computed
         self._watchers: list[Watcher] | None = None
-        self._alerts_seen = 0                    # alerts raised that the bell has rung for
+        self._alerts_seen = 0  # alerts raised that the bell has rung for
         if state.run_name:
             self.title = f"gptop · {state.run_name}"
 
@@ -253,7 +301,7 @@ class GptopApp(App[None]):
 
     def on_mount(self) -> None:
         self.state.subscribe(self._wake)
-        self.set_interval(self.poll_interval, self.poll)   # also moves elapsed/ETA between events (Watcher.tick)
+        self.set_interval(self.poll_interval, self.poll)  # also moves elapsed/ETA between events (Watcher.tick)
         self.poll()
 
     def on_unmount(self) -> None:
@@ -272,7 +320,7 @@ class GptopApp(App[None]):
         if quiet and all(a in quiet for a, v in self.state.versions.items() if v != self._wake_versions.get(a)):
             return
         self._wake_pending = True
-        if not self.post_message(StateChanged()):   # the app is closing
+        if not self.post_message(StateChanged()):  # the app is closing
             self._wake_pending = False
 
     def on_state_changed(self, message: StateChanged) -> None:
@@ -282,8 +330,9 @@ class GptopApp(App[None]):
     def watchers(self) -> list[Watcher]:
         """The panels (looked up once: the layout never adds or removes any)."""
         if not self._watchers:
-            self._watchers = list(self.query("#header, #alerts, #failure, #devices, #steps, #training, #tuner, #log"
-                                             ).results(Watcher))
+            self._watchers = list(
+                self.query("#header, #alerts, #failure, #devices, #steps, #training, #tuner, #log").results(Watcher)
+            )
         return self._watchers
 
     def _next_frame(self) -> float | None:
@@ -339,7 +388,7 @@ class GptopApp(App[None]):
             self.exit()
 
     def _frame_time(self) -> None:
-        self._frame_timer = None   # it fired: nothing to stop
+        self._frame_timer = None  # it fired: nothing to stop
         self.frame()
 
     def frame(self) -> None:
@@ -348,17 +397,17 @@ class GptopApp(App[None]):
         `redraw_interval` gets a later frame, so the last state is always drawn."""
         if self._frame_timer is not None:
             self._frame_timer.stop()
-        self._frame_timer, self._frame_due, self._quiet_areas = None, None, frozenset()   # before reading the state
+        self._frame_timer, self._frame_due, self._quiet_areas = None, None, frozenset()  # before reading the state
         now = monotonic()
         self._last_frame = now
         with self.batch_update():
             for w in self.watchers():
                 every = w.redraw_interval(self.state)
-                if every is not None and now >= self._slot_after(w.synced_at(), every) - 0.005:   # timer slack
+                if every is not None and now >= self._slot_after(w.synced_at(), every) - 0.005:  # timer slack
                     w.mark(self.state, now)
                     w.sync(self.state)
             self._sync_layout()
-        self.poll()   # what was held back, or changed while drawing: its frame
+        self.poll()  # what was held back, or changed while drawing: its frame
 
     def session_over(self) -> bool:
         """The session is finished, and the user has seen how it ended: a run that ends by itself
@@ -370,13 +419,21 @@ class GptopApp(App[None]):
     def _sync_layout(self) -> None:
         """Classes on #body that the stylesheet uses: failed, tuner idle; bindings follow the status."""
         s = self.state
-        if s.alerts_raised > self._alerts_seen:     # a new alert: the terminal bell, once per alert
+        if s.alerts_raised > self._alerts_seen:  # a new alert: the terminal bell, once per alert
             self._alerts_seen = s.alerts_raised
             if s.status is not RunStatus.REPLAY:
                 self.bell()
-        key = (s.status, s.tuner.phase is None and not s.tuner.trials, bool(s.expert_load), s.tuner.active,
-               s.status is RunStatus.MONITOR and s.last_step is None, s.profile is not None, min(len(s.alerts_active), 3),
-               s.observer, s.watching)
+        key = (
+            s.status,
+            s.tuner.phase is None and not s.tuner.trials,
+            bool(s.expert_load),
+            s.tuner.active,
+            s.status is RunStatus.MONITOR and s.last_step is None,
+            s.profile is not None,
+            min(len(s.alerts_active), 3),
+            s.observer,
+            s.watching,
+        )
         if key == self._layout_key:
             return
         self._layout_key = key
@@ -405,7 +462,7 @@ class GptopApp(App[None]):
         if action in ("checkpoint", "profile"):
             return True if status.live else None
         if action == "toggle_tuning":
-            if self.state.tuner.active:          # a tuner restarts the trainer often: stopping it works throughout
+            if self.state.tuner.active:  # a tuner restarts the trainer often: stopping it works throughout
                 return True if not status.idle else None
             startable = status.live or status is RunStatus.STARTING
             return True if startable and self.commands.can_start_tuning else None
@@ -416,9 +473,9 @@ class GptopApp(App[None]):
         if action == "close_sample":
             return self.sample_panel.shown
         if action == "next_expert_layer":
-            return True if self.state.expert_load else False   # hidden for dense models
+            return True if self.state.expert_load else False  # hidden for dense models
         if action == "view_profile":
-            return True if self.state.profile is not None else False   # shown once a window was summarized
+            return True if self.state.profile is not None else False  # shown once a window was summarized
         return True
 
     def can_toggle_tuning(self) -> bool:
@@ -429,7 +486,7 @@ class GptopApp(App[None]):
     def _call(self, what: str, fn: Callable[..., None], *args: object, **kwargs: object) -> bool:
         try:
             fn(*args, **kwargs)
-        except Exception as e:   # the session said no: show it, keep the dashboard alive
+        except Exception as e:  # the session said no: show it, keep the dashboard alive
             self.notify(f"{what} failed: {e}", severity="error")
             return False
         return True
@@ -445,8 +502,9 @@ class GptopApp(App[None]):
         if self.finished is None or self.state.status.idle or self.finished():
             self.exit()
             return
-        self.notify("checkpointing, then stopping; press q or ctrl+c again to stop now, without a checkpoint",
-                    title="stopping")
+        self.notify(
+            "checkpointing, then stopping; press q or ctrl+c again to stop now, without a checkpoint", title="stopping"
+        )
 
     async def action_leave(self) -> None:
         """A monitor's q: leave; the watched run goes on (MonitorSession.stop stops nothing but the monitor)."""
@@ -482,7 +540,7 @@ class GptopApp(App[None]):
     async def _sample(self, run_dir: str) -> None:
         try:
             outcome = await self.sampler(run_dir)
-        except Exception as e:   # the sampler itself broke: say so in the panel, keep the dashboard
+        except Exception as e:  # the sampler itself broke: say so in the panel, keep the dashboard
             outcome = SampleOutcome(None, f"sampling failed: {e}", 0.0)
         finally:
             self.sampling = False
@@ -527,8 +585,11 @@ class GptopApp(App[None]):
         yield SystemCommand("Leave", "Leave the monitor; the watched run goes on (q, ctrl+c)", self.action_leave)
         yield SystemCommand("Stop run", "Checkpoint, stop the trainer and exit (q, ctrl+c)", self.action_quit)
         if not self.state.observer:
-            yield SystemCommand("Force stop", "Kill the trainer now, no checkpoint, and exit (q or ctrl+c twice)",
-                                self.action_force_quit)
+            yield SystemCommand(
+                "Force stop",
+                "Kill the trainer now, no checkpoint, and exit (q or ctrl+c twice)",
+                self.action_force_quit,
+            )
         yield SystemCommand("Checkpoint now", "Write a checkpoint at the next step (c)", self.action_checkpoint)
         yield SystemCommand("Profile", f"Profile the next {self.profile_steps} steps (p)", self.action_profile)
         yield SystemCommand("Profile summary", "The newest profile window's summary (v)", self.action_view_profile)
@@ -536,17 +597,21 @@ class GptopApp(App[None]):
             yield SystemCommand("Sample", "Text from the newest checkpoint, training goes on (s)", self.action_sample)
         yield SystemCommand("Toggle log panel", "Zoom the trainer's stdout/stderr (l)", self.action_toggle_log)
         if self.can_toggle_tuning():
-            yield SystemCommand("Start/stop tuning", "Stop the autotuner, or start it where the session can (t)",
-                                self.action_toggle_tuning)
+            yield SystemCommand(
+                "Start/stop tuning",
+                "Stop the autotuner, or start it where the session can (t)",
+                self.action_toggle_tuning,
+            )
         if self.state.status is RunStatus.FAILED:
             yield SystemCommand("Restart", "Restart from the last good checkpoint (r)", self.action_restart)
         yield SystemCommand("Chart window", "Cycle the device charts' window (w)", self.action_cycle_window)
         if self.state.expert_load:
-            yield SystemCommand("Next expert layer", "Show the next MoE layer's expert load (e)",
-                                self.action_next_expert_layer)
+            yield SystemCommand(
+                "Next expert layer", "Show the next MoE layer's expert load (e)", self.action_next_expert_layer
+            )
         yield SystemCommand("Help", "Keys and panels (?)", self.action_help)
         for cmd in super().get_system_commands(screen):
-            if cmd.title != "Quit":   # ours stops the run first
+            if cmd.title != "Quit":  # ours stops the run first
                 yield cmd
 
 
@@ -565,19 +630,21 @@ class DrivenRun(Commands, Protocol):
     def close(self) -> None: ...
 
 
-def run_app(session: DrivenRun, *, resume: str | None = None, headless: bool = False,
-            signals: StopSignals | None = None) -> int:
+def run_app(
+    session: DrivenRun, *, resume: str | None = None, headless: bool = False, signals: StopSignals | None = None
+) -> int:
     """Start the session, show the dashboard in this (main) thread until the session is over, and
     return the session's exit code. If the dashboard goes away first (a crash, a closed terminal),
     the trainer is force-stopped: gptop never leaves one running behind. SIGTERM and SIGINT are `q`
     (`signals`, installed earlier by the caller, carries one that came before); SIGHUP keeps its
     default: the terminal is gone, and the trainer stops by itself, with a checkpoint, when gptop does."""
-    if session.state.clock is None:   # live: elapsed time and ETA move between events
+    if session.state.clock is None:  # live: elapsed time and ETA move between events
         session.state.clock = time.time
     app = GptopApp(session.state, session, finished=lambda: session.finished)
     signals = signals or StopSignals(TUI_STOP_SIGNALS)
     signals.install()
     try:
+
         def stop(force: bool) -> None:
             # as `q` (twice: ctrl+c) in the running app, so a stop after the run ended closes the dashboard
             # too; before the app runs, the session's own stop
@@ -586,7 +653,7 @@ def run_app(session: DrivenRun, *, resume: str | None = None, headless: bool = F
                     # textual types the callback T | Awaitable[T]: mypy cannot solve T for a coroutine function
                     app.call_from_thread(app.run_action, "force_quit" if force else "quit")  # type: ignore[arg-type]
                     return
-                except RuntimeError:        # the app closed in between
+                except RuntimeError:  # the app closed in between
                     pass
             session.stop(force=force)
 

@@ -37,8 +37,13 @@ class SamplePanel(Static):
     def show_running(self, run_dir: str | None) -> None:
         self.add_class("-shown")
         self.border_title = "sample"
-        self.update(Text(f"sampling the newest checkpoint of {run_dir or 'this run'} in a process of its own "
-                         "(training goes on)…", style="grey62"))
+        self.update(
+            Text(
+                f"sampling the newest checkpoint of {run_dir or 'this run'} in a process of its own "
+                "(training goes on)…",
+                style="grey62",
+            )
+        )
 
     def show_outcome(self, outcome: SampleOutcome) -> None:
         self.add_class("-shown")
@@ -48,8 +53,11 @@ class SamplePanel(Static):
             self.update(Text(outcome.error or "no sample", style="red"))
             return
         where = f"step {r.step}" if r.step is not None else r.source
-        stopped = {"eos": "end of text", "max_new_tokens": f"{r.new_tokens} tokens",
-                   "timeout": f"time limit, {r.new_tokens} tokens"}.get(r.stopped, r.stopped)
+        stopped = {
+            "eos": "end of text",
+            "max_new_tokens": f"{r.new_tokens} tokens",
+            "timeout": f"time limit, {r.new_tokens} tokens",
+        }.get(r.stopped, r.stopped)
         self.border_title = f"sample · {where} · T={r.temperature:g} · {stopped} · {r.seconds:.1f} s"
         body = Text()
         body.append(r.prompt, style="bold")

@@ -61,8 +61,7 @@ class Watcher:
 class StatePanel(Watcher, Widget):
     """A panel whose whole content is one renderable built from the state at the current size."""
 
-    def __init__(self, state: RunState, *, title: str = "", id: str | None = None,
-                 classes: str | None = None) -> None:
+    def __init__(self, state: RunState, *, title: str = "", id: str | None = None, classes: str | None = None) -> None:
         super().__init__(id=id, classes=classes)
         self.state = state
         self.border_title = title
@@ -80,7 +79,7 @@ class StatePanel(Watcher, Widget):
 
 class RunHeader(StatePanel):
     AREAS = ("run", "step", "tuner", "progress")
-    SLOW_AREAS = {"progress": 1.0}      # the per-step counter alone: once a second (see Watcher.SLOW_AREAS)
+    SLOW_AREAS = {"progress": 1.0}  # the per-step counter alone: once a second (see Watcher.SLOW_AREAS)
 
     def tick(self, state: RunState) -> object:
         elapsed = state.elapsed()
@@ -136,7 +135,7 @@ class WindowPanel(StatePanel):
 
 class StepPanel(WindowPanel):
     AREAS = ("step", "run")
-    MIN_REDRAW_S = 1.0      # a history panel: see Watcher.MIN_REDRAW_S
+    MIN_REDRAW_S = 1.0  # a history panel: see Watcher.MIN_REDRAW_S
     SUBTITLE = "ms: "
 
     def build(self, width: int, height: int) -> RenderableType:
@@ -144,8 +143,8 @@ class StepPanel(WindowPanel):
 
 
 class TrainPanel(WindowPanel):
-    AREAS = ("step",)   # energy per token moves with the steps; device samples alone need no redraw
-    MIN_REDRAW_S = 1.0      # a history panel (the loss chart): see Watcher.MIN_REDRAW_S
+    AREAS = ("step",)  # energy per token moves with the steps; device samples alone need no redraw
+    MIN_REDRAW_S = 1.0  # a history panel (the loss chart): see Watcher.MIN_REDRAW_S
     SUBTITLE = "tok/s, MFU: "
 
     def __init__(self, state: RunState, **kwargs) -> None:
@@ -225,20 +224,20 @@ class LogPanel(Watcher, RichLog):
     def on_resize(self, event: Resize) -> None:
         """Long lines wrap at the panel's width: when it changes (zoom, a resized terminal, the first
         layout) the lines are wrapped again from the state; and the newest lines are in view."""
-        width = self.scrollable_content_region.width   # 0 while it was hidden: a later resize follows
+        width = self.scrollable_content_region.width  # 0 while it was hidden: a later resize follows
         if width and width != self._wrap_width:
             self._wrap_width = width
             with self.state.lock:
-                lines = list(self.state.logs)[-(self.max_lines or 2000):]
+                lines = list(self.state.logs)[-(self.max_lines or 2000) :]
                 self._count = self.state.log_count
-            self.clear()   # RichLog's own on_resize (after this one) renders these at the new width
+            self.clear()  # RichLog's own on_resize (after this one) renders these at the new width
             for stream, line in lines:
                 self._write(stream, line)
-        if self.auto_scroll:   # after RichLog's own on_resize has rendered the lines
+        if self.auto_scroll:  # after RichLog's own on_resize has rendered the lines
             self.call_after_refresh(self.scroll_end, animate=False)
 
     def _write(self, stream: str, line: str) -> None:
-        width = self.scrollable_content_region.width   # wrap here, not at the console's width
+        width = self.scrollable_content_region.width  # wrap here, not at the console's width
         self.write(Text(line, style=self.STYLES.get(stream, "")), width=width if width > 0 else None)
 
     def sync(self, state: RunState) -> None:

@@ -190,7 +190,7 @@ def atomic_file(path: str | Path, mode: str = "wb", *, perms: int | None = 0o644
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, mode) as f:
             rec = _Recording(f)
-            yield cast(IO[Any], rec)         # a file object to the block: it writes and flushes through it
+            yield cast(IO[Any], rec)  # a file object to the block: it writes and flushes through it
             f.flush()
             os.fsync(f.fileno())
         if perms is not None:
@@ -201,7 +201,7 @@ def atomic_file(path: str | Path, mode: str = "wb", *, perms: int | None = 0o644
             tmp.unlink()
         if isinstance(e, Exception):
             if rec is not None and rec.recorded_os_error is not None and not isinstance(e, OSError):
-                e.recorded_os_error = rec.recorded_os_error      # type: ignore[attr-defined]
+                e.recorded_os_error = rec.recorded_os_error  # type: ignore[attr-defined]
             disk = disk_error(e)
             if disk is not None and not (isinstance(e, DiskError) and e.path == str(path)):
                 raise DiskError(disk.errno, disk.strerror, path, free_bytes(path)) from e

@@ -22,8 +22,17 @@ import importlib.util
 from typing import Any, Sequence
 
 from .common import ConfigError, flag_of
-from .config_schema import (ATTENTIONS, ALLOCATORS, AUTO, COMPILE_MODES, OPTIMIZERS, PRECISIONS, QUANTIZE_BASE,
-                            Toggles, TrainConfig)
+from .config_schema import (
+    ATTENTIONS,
+    ALLOCATORS,
+    AUTO,
+    COMPILE_MODES,
+    OPTIMIZERS,
+    PRECISIONS,
+    QUANTIZE_BASE,
+    Toggles,
+    TrainConfig,
+)
 from .device import DeviceInfo
 from .common import FAMILIES as SIZED_FAMILIES
 from .estimate import SIZE_ORDER, state_bytes
@@ -43,8 +52,7 @@ CHOICES: dict[str, tuple] = {
 
 # Bytes per activation element under each precision (the fp8 recipes keep bf16 activations between matmuls):
 # a narrower precision fits about twice the micro-batch in the same memory.
-ACTIVATION_BYTES: dict[str, int] = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8-tensorwise": 2,
-                                    "fp8-rowwise": 2}
+ACTIVATION_BYTES: dict[str, int] = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8-tensorwise": 2, "fp8-rowwise": 2}
 
 
 def activation_bytes(precision: str) -> int:
@@ -140,10 +148,12 @@ def support(name: str, value, dev: DeviceInfo, *, accumulation: int | None = Non
             # The compiled backward hands a fresh .grad the graph's own output memory, which the next
             # micro-batch's replay overwrites before it is accumulated into (pytorch#169545; older torch
             # accumulated wrong gradients silently).
-            return (f"compile mode {value} uses CUDA graphs, which overwrite the gradients that accumulation "
-                    f"over {accumulation} micro-batches keeps between backwards (pytorch#169545): use "
-                    f"--micro-batch equal to the per-rank batch (no accumulation), or --compile default / "
-                    f"max-autotune-no-cudagraphs")
+            return (
+                f"compile mode {value} uses CUDA graphs, which overwrite the gradients that accumulation "
+                f"over {accumulation} micro-batches keeps between backwards (pytorch#169545): use "
+                f"--micro-batch equal to the per-rank batch (no accumulation), or --compile default / "
+                f"max-autotune-no-cudagraphs"
+            )
         return None
     if name == "cuda_allocator":
         if value == "expandable_segments" and not dev.is_cuda:
@@ -163,8 +173,10 @@ def support(name: str, value, dev: DeviceInfo, *, accumulation: int | None = Non
         if value == "none":
             return None
         if not dev.is_cuda:
-            return (f"a {value} base runs on bitsandbytes' CUDA kernels; on the CPU fine-tune with --lora and an "
-                    f"unquantized base")
+            return (
+                f"a {value} base runs on bitsandbytes' CUDA kernels; on the CPU fine-tune with --lora and an "
+                f"unquantized base"
+            )
         if not _installed("bitsandbytes"):
             return f"a {value} base needs bitsandbytes: pip install 'gptop[qlora]'"
         if value == "nf4" and not dev.at_least(7, 5):
@@ -194,8 +206,10 @@ def optimizer_switch(old: str, new: str) -> str | None:
         return None
     if old in ADAM_FAMILY and new in ADAM_FAMILY:
         return f"the AdamW moments carry over from {old} to {new} (converted, rounded to {new}'s storage)"
-    return (f"{old} -> {new}: the optimizer state cannot be converted (Adafactor keeps a factored second moment "
-            f"and no first moment), so {new} starts with fresh state")
+    return (
+        f"{old} -> {new}: the optimizer state cannot be converted (Adafactor keeps a factored second moment "
+        f"and no first moment), so {new} starts with fresh state"
+    )
 
 
 # Optimizer state per trained parameter, about (trainer.contract.estimate counts it exactly): the order in
@@ -220,8 +234,9 @@ def memory_saving(name: str, value) -> list:
 def saves_memory(toggles: Toggles, base: Toggles) -> bool:
     """Whether `toggles` hold less state than `base` (a smaller optimizer state or a more quantized base), so a
     micro-batch that did not fit with `base` may fit."""
-    return (toggles.optimizer in memory_saving("optimizer", base.optimizer)
-            or toggles.quantize_base in memory_saving("quantize_base", base.quantize_base))
+    return toggles.optimizer in memory_saving("optimizer", base.optimizer) or toggles.quantize_base in memory_saving(
+        "quantize_base", base.quantize_base
+    )
 
 
 def optimizer_state_carries(old: str, new: str) -> bool:
@@ -232,11 +247,15 @@ def optimizer_state_carries(old: str, new: str) -> bool:
 def slow(name: str, value, dev: DeviceInfo) -> str | None:
     """None unless `value` is supported on `dev` but known to be far slower than the default; then why."""
     if name == "precision" and value == "bf16" and not dev.is_cuda and not dev.cpu_bf16:
-        return ("this CPU has no native bf16 (oneDNN needs AVX-512 or newer), so bf16 matmuls are emulated, "
-                "30-100x slower than fp32")
+        return (
+            "this CPU has no native bf16 (oneDNN needs AVX-512 or newer), so bf16 matmuls are emulated, "
+            "30-100x slower than fp32"
+        )
     if name == "optimizer" and value in ("adamw-8bit", "adamw-4bit") and not dev.is_cuda:
-        return (f"torchao's {value} is made for GPUs: on the CPU its compiled per-tensor update made whole steps "
-                f"7-12x slower than adamw (bench/finetune.py); it saves memory, not time")
+        return (
+            f"torchao's {value} is made for GPUs: on the CPU its compiled per-tensor update made whole steps "
+            f"7-12x slower than adamw (bench/finetune.py); it saves memory, not time"
+        )
     return None
 
 
@@ -244,8 +263,11 @@ def worth_trying(name: str, value, dev: DeviceInfo | None, *, accumulation: int 
     """May a hint suggest `value`? Only on a known device that supports it (with the run's `accumulation`)
     and runs it at full speed (a gptop that has not had the trainer's hello yet suggests nothing
     device-specific)."""
-    return (dev is not None and support(name, value, dev, accumulation=accumulation) is None
-            and slow(name, value, dev) is None)
+    return (
+        dev is not None
+        and support(name, value, dev, accumulation=accumulation) is None
+        and slow(name, value, dev) is None
+    )
 
 
 def supported_values(name: str, dev: DeviceInfo, *, accumulation: int | None = None) -> list:

@@ -24,32 +24,32 @@ from typing import Mapping
 from .common import MAX_STEP, ConfigError
 from .config_schema import Toggles, TrainConfig
 
-CHANNEL_ENV = "GPTOP_CHANNEL"         # unix:PATH of the supervisor's socket
-RUN_DIR_ENV = "GPTOP_RUN_DIR"         # where events.jsonl, profiles/ and the logs go
-LOG_EVERY_ENV = "GPTOP_LOG_EVERY"     # `gptop run --log-every N`: overrides the client's own interval
-RESUME_ENV = "GPTOP_RESUME"           # a checkpoint of the program's own to continue from (gptop restarting it)
-TUNE_ENV = "GPTOP_TUNE"               # "1": `gptop tune -- CMD` tunes this program (it must take toggles)
-TOGGLES_ENV = "GPTOP_TOGGLES"         # the toggles this process runs with (JSON of Toggles); unset: its own
+CHANNEL_ENV = "GPTOP_CHANNEL"  # unix:PATH of the supervisor's socket
+RUN_DIR_ENV = "GPTOP_RUN_DIR"  # where events.jsonl, profiles/ and the logs go
+LOG_EVERY_ENV = "GPTOP_LOG_EVERY"  # `gptop run --log-every N`: overrides the client's own interval
+RESUME_ENV = "GPTOP_RESUME"  # a checkpoint of the program's own to continue from (gptop restarting it)
+TUNE_ENV = "GPTOP_TUNE"  # "1": `gptop tune -- CMD` tunes this program (it must take toggles)
+TOGGLES_ENV = "GPTOP_TOGGLES"  # the toggles this process runs with (JSON of Toggles); unset: its own
 
 
 class ClientKind(str, enum.Enum):
     """The integration that speaks for a process (a hello event's `client`); gptop's own trainer has none."""
 
-    PROBE = "probe"                   # gptop.integrations.torch.Probe in a plain loop
-    TRANSFORMERS = "transformers"     # gptop.integrations.transformers.GptopCallback
-    LIGHTNING = "lightning"           # gptop.integrations.lightning.GptopCallback
+    PROBE = "probe"  # gptop.integrations.torch.Probe in a plain loop
+    TRANSFORMERS = "transformers"  # gptop.integrations.transformers.GptopCallback
+    LIGHTNING = "lightning"  # gptop.integrations.lightning.GptopCallback
 
 
 @dataclass(frozen=True)
 class ClientEnv:
     """What a client needs from gptop, read from (and written into) a process environment."""
 
-    channel: str                      # unix:PATH
+    channel: str  # unix:PATH
     run_dir: Path
-    log_every: int | None = None      # None: the client's own interval
-    resume: str | None = None         # a checkpoint path of the program's own format, or None
-    tune: bool = False                # gptop tunes this program: it must be able to take toggles
-    toggles: Toggles | None = None    # the toggles to run with (a trial's, the decision's); None: its own
+    log_every: int | None = None  # None: the client's own interval
+    resume: str | None = None  # a checkpoint path of the program's own format, or None
+    tune: bool = False  # gptop tunes this program: it must be able to take toggles
+    toggles: Toggles | None = None  # the toggles to run with (a trial's, the decision's); None: its own
 
     def to_environ(self) -> dict[str, str]:
         env = {CHANNEL_ENV: self.channel, RUN_DIR_ENV: str(self.run_dir)}
@@ -72,12 +72,12 @@ class ClientEnv:
         if not channel:
             return None
         if not channel.startswith("unix:") or len(channel) == len("unix:"):
-            raise ConfigError(CHANNEL_ENV, f"{channel!r} is not unix:PATH (gptop run sets it; unset it to run "
-                                           f"without gptop)")
+            raise ConfigError(
+                CHANNEL_ENV, f"{channel!r} is not unix:PATH (gptop run sets it; unset it to run without gptop)"
+            )
         run_dir = env.get(RUN_DIR_ENV)
         if not run_dir or not Path(run_dir).is_dir():
-            raise ConfigError(RUN_DIR_ENV, f"{run_dir!r} is not a directory (gptop run sets it with "
-                                           f"{CHANNEL_ENV})")
+            raise ConfigError(RUN_DIR_ENV, f"{run_dir!r} is not a directory (gptop run sets it with {CHANNEL_ENV})")
         log_every = env.get(LOG_EVERY_ENV) or None
         every: int | None = None
         if log_every is not None:
@@ -90,8 +90,14 @@ class ClientEnv:
         tune = env.get(TUNE_ENV) or ""
         if tune not in ("", "0", "1"):
             raise ConfigError(TUNE_ENV, f"{tune!r} is not 1 or 0 (gptop tune sets it)")
-        return cls(channel=channel, run_dir=Path(run_dir), log_every=every, resume=env.get(RESUME_ENV) or None,
-                   tune=tune == "1", toggles=parse_toggles(env.get(TOGGLES_ENV)))
+        return cls(
+            channel=channel,
+            run_dir=Path(run_dir),
+            log_every=every,
+            resume=env.get(RESUME_ENV) or None,
+            tune=tune == "1",
+            toggles=parse_toggles(env.get(TOGGLES_ENV)),
+        )
 
 
 def parse_toggles(text: str | None) -> Toggles | None:

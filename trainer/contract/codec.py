@@ -36,7 +36,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable
 
-Check = Callable[[Any], Any]          # validates a value and returns it normalised, or raises Invalid
+Check = Callable[[Any], Any]  # validates a value and returns it normalised, or raises Invalid
 
 
 class Invalid(ValueError):
@@ -57,29 +57,29 @@ def expected(what: str, x: Any) -> Invalid:
 class Form:
     """What a struct class and its subclasses put on the wire besides their fields."""
 
-    first: tuple[str, ...] = ()       # attributes written first, in this order (an event's `v` and `type`); one
+    first: tuple[str, ...] = ()  # attributes written first, in this order (an event's `v` and `type`); one
     #                                   that is no field (a ClassVar tag) is not kept in `extra` when read
-    omit_none: bool = False           # an optional field (default None) at None is left out: absent means null
-    label: str | None = None          # the attribute that names the class in errors (None: the class's name)
-    noun: str = ""                    # follows the label where a field is missing ("step event missing tokens")
+    omit_none: bool = False  # an optional field (default None) at None is left out: absent means null
+    label: str | None = None  # the attribute that names the class in errors (None: the class's name)
+    noun: str = ""  # follows the label where a field is missing ("step event missing tokens")
 
 
 @dataclass(frozen=True)
 class Spec:
     """What the codec derived from one class's fields, once."""
 
-    checks: tuple[tuple[str, Check], ...]                 # fields whose type needs a check
-    by_name: dict[str, Check]                             # every field a mapping may set -> its check
-    writers: tuple[tuple[str, Check | None, bool], ...]   # (field, to wire (None: as is), omit None)
-    first: tuple[str, ...]                                # written first (the form's `first`)
-    names: frozenset[str]                                 # fields a producer may set by name
-    ignore: frozenset[str]                                # keys that are no field and no extra (a class tag)
+    checks: tuple[tuple[str, Check], ...]  # fields whose type needs a check
+    by_name: dict[str, Check]  # every field a mapping may set -> its check
+    writers: tuple[tuple[str, Check | None, bool], ...]  # (field, to wire (None: as is), omit None)
+    first: tuple[str, ...]  # written first (the form's `first`)
+    names: frozenset[str]  # fields a producer may set by name
+    ignore: frozenset[str]  # keys that are no field and no extra (a class tag)
     required: tuple[str, ...]
-    defaults: dict[str, Any]                              # the other fields' defaults ...
-    factories: dict[str, Callable[[], Any]]               # ... or default factories
-    where: str                                            # the class in errors: "step", "GpuReading"
-    what: str                                             # ... where a field is missing: "step event"
-    form: Form | None                                     # None: a plain dataclass (built by its __init__)
+    defaults: dict[str, Any]  # the other fields' defaults ...
+    factories: dict[str, Callable[[], Any]]  # ... or default factories
+    where: str  # the class in errors: "step", "GpuReading"
+    what: str  # ... where a field is missing: "step event"
+    form: Form | None  # None: a plain dataclass (built by its __init__)
 
 
 class Codec:
@@ -129,10 +129,10 @@ class Codec:
             if k not in values:
                 values[k] = factory()
         if spec.form is None:
-            return cls(**values)            # a plain dataclass: its own __init__
+            return cls(**values)  # a plain dataclass: its own __init__
         values["extra"] = extra
         obj: Any = object.__new__(cls)
-        obj.__dict__.update(values)         # what __init__ and __post_init__ (validate) would do again
+        obj.__dict__.update(values)  # what __init__ and __post_init__ (validate) would do again
         return obj
 
     def validate(self, obj: Any) -> None:
@@ -184,7 +184,7 @@ class Codec:
         factories: dict[str, Callable[[], Any]] = {}
         for f in dataclasses.fields(cls):
             check = self.checker(hints[f.name])
-            if check is not _same:                            # Any: nothing to check
+            if check is not _same:  # Any: nothing to check
                 checks.append((f.name, check))
             if f.default is not dataclasses.MISSING:
                 defaults[f.name] = f.default
@@ -204,8 +204,20 @@ class Codec:
         label = getattr(cls, form.label, None) if form is not None and form.label else None
         where = label if isinstance(label, str) else cls.__name__
         what = f"{where} {form.noun}" if form is not None and form.noun else where
-        spec = self._specs[cls] = Spec(tuple(checks), by_name, tuple(writers), first, frozenset(names), ignore,
-                                       tuple(required), defaults, factories, where, what, form)
+        spec = self._specs[cls] = Spec(
+            tuple(checks),
+            by_name,
+            tuple(writers),
+            first,
+            frozenset(names),
+            ignore,
+            tuple(required),
+            defaults,
+            factories,
+            where,
+            what,
+            form,
+        )
         return spec
 
     def _where(self, obj: Any, spec: Spec) -> str:
@@ -257,6 +269,7 @@ class Codec:
             if not isinstance(x, dict):
                 raise expected("a mapping", x)
             return self.decode(tp, x)
+
         return check_nested
 
     def writer(self, tp: Any) -> Check | None:
@@ -326,6 +339,7 @@ def _enum_checker(tp: type[enum.Enum]) -> Check:
             return tp(x)
         except ValueError:
             raise expected(f"one of {', '.join(str(m.value) for m in tp)}", x) from None
+
     return check_enum
 
 
@@ -337,8 +351,9 @@ def _optional(inner: Check) -> Check:
             return inner(x)
         except _NonFinite:
             if isinstance(x, float):
-                return None      # JSON has no NaN: null
-            raise                # a non-finite number inside a list or mapping of numbers
+                return None  # JSON has no NaN: null
+            raise  # a non-finite number inside a list or mapping of numbers
+
     return optional
 
 
@@ -352,6 +367,7 @@ def _list_checker(item: Check) -> Check:
         if item is _same:
             return x if isinstance(x, list) else list(x)
         return [item(i) for i in x]
+
     return check_list
 
 
@@ -360,6 +376,7 @@ def _tuple_checker(items: list[Check]) -> Check:
         if not isinstance(x, (list, tuple)) or len(x) != len(items):
             raise expected(f"a list of {len(items)}", x)
         return tuple(c(i) for c, i in zip(items, x))
+
     return check_tuple
 
 
@@ -370,20 +387,22 @@ def _dict_checker(value: Check) -> Check:
         if value is _same:
             return x
         return {k: value(i) for k, i in x.items()}
+
     return check_dict
 
 
 # The common cases without a call per level (events are parsed on the dashboard's reader thread).
+
 
 def _opt_float(x: Any) -> float | None:
     if x is None:
         return None
     t = type(x)
     if t is float:
-        return x if x - x == 0.0 else None      # JSON has no NaN: null
+        return x if x - x == 0.0 else None  # JSON has no NaN: null
     if t is int:
         return x
-    return None if _float(x) is None else x    # raises for what is not a number
+    return None if _float(x) is None else x  # raises for what is not a number
 
 
 def _opt_int(x: Any) -> int | None:
@@ -404,7 +423,7 @@ def _float_list(x: Any) -> list[float]:
             if type(i) is not float or i - i != 0.0:
                 break
         else:
-            return x                            # all finite floats: the list as it is
+            return x  # all finite floats: the list as it is
     if not isinstance(x, (list, tuple)):
         raise expected("a list", x)
     return [_float(i) for i in x]

@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any
 
 STEP_DIGITS = 8
-MAX_STEP = 10 ** STEP_DIGITS - 1     # checkpoint names hold 8 digits: the largest step a run can reach
+MAX_STEP = 10**STEP_DIGITS - 1  # checkpoint names hold 8 digits: the largest step a run can reach
 
 FAMILIES = ("llama", "deepseek", "llada")
 
@@ -28,7 +28,7 @@ class ConfigError(ValueError):
 def show(value: Any, limit: int = 60) -> str:
     """`repr(value)` cut to `limit` characters, for error messages about what a user gave."""
     text = repr(value)
-    return text if len(text) <= limit else text[:limit - 1] + "…"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def flag_of(f: dataclasses.Field) -> str:

@@ -19,7 +19,7 @@ from .config_options import kind_of, range_of
 from .config_schema import SECTIONS, TrainConfig
 from .inputs import check_config_paths
 
-EXIT_USAGE = 2          # a bad command line: the exit status of every refusal of an input
+EXIT_USAGE = 2  # a bad command line: the exit status of every refusal of an input
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -38,8 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser, sections: tuple[str, ...] = t
     options the user typed (those override `--config`); values are converted and
     checked there, so a flag and the same key in a TOML file get the same checks.
     """
-    parser.add_argument("--config", metavar="TOML", default=argparse.SUPPRESS,
-                        help="load options from a TOML file (tables per section); flags override it")
+    parser.add_argument(
+        "--config",
+        metavar="TOML",
+        default=argparse.SUPPRESS,
+        help="load options from a TOML file (tables per section); flags override it",
+    )
     defaults = TrainConfig()
     for section in sections:
         group = parser.add_argument_group(section)
@@ -54,14 +58,23 @@ def add_arguments(parser: argparse.ArgumentParser, sections: tuple[str, ...] = t
             if f.metadata.get("hidden"):
                 help_text = argparse.SUPPRESS
             if kind is bool:
-                group.add_argument(flag, dest=f"{section}.{f.name}", action=argparse.BooleanOptionalAction,
-                                   default=argparse.SUPPRESS, help=help_text)
+                group.add_argument(
+                    flag,
+                    dest=f"{section}.{f.name}",
+                    action=argparse.BooleanOptionalAction,
+                    default=argparse.SUPPRESS,
+                    help=help_text,
+                )
             else:
-                group.add_argument(flag, dest=f"{section}.{f.name}", default=argparse.SUPPRESS,
-                                   type=str, choices=f.metadata.get("choices"),
-                                   metavar=f.metadata.get("metavar") or (None if f.metadata.get("choices")
-                                                                          else _METAVARS.get(kind)),
-                                   help=help_text.replace("%", "%%"))
+                group.add_argument(
+                    flag,
+                    dest=f"{section}.{f.name}",
+                    default=argparse.SUPPRESS,
+                    type=str,
+                    choices=f.metadata.get("choices"),
+                    metavar=f.metadata.get("metavar") or (None if f.metadata.get("choices") else _METAVARS.get(kind)),
+                    help=help_text.replace("%", "%%"),
+                )
 
 
 _METAVARS = {int: "N", float: "X", str: "VALUE"}
@@ -76,8 +89,9 @@ def shown_default(value: Any) -> str:
     return "none" if value is None else str(value)
 
 
-def config_from_args(ns: argparse.Namespace, base: TrainConfig | None = None, *, world_size: int = 1,
-                     check_paths: bool = True) -> TrainConfig:
+def config_from_args(
+    ns: argparse.Namespace, base: TrainConfig | None = None, *, world_size: int = 1, check_paths: bool = True
+) -> TrainConfig:
     """Build a TrainConfig: `base` (defaults, or a resumed run's config), then `--config` TOML, then typed flags.
 
     Every value is checked where it enters, the whole config by `validate`, and every path option by

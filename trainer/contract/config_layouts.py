@@ -29,9 +29,12 @@ def current_layout(d: dict[str, Any]) -> dict[str, Any]:
         value = table.pop(key)
         target = out.setdefault(home, {})
         if not isinstance(target, dict):
-            continue                      # from_dict names the bad table
+            continue  # from_dict names the bad table
         if key in target and target[key] != value:
-            raise ConfigError(f"{sec}.{key}", f"{show(value)} conflicts with {home}.{key} = {show(target[key])}; "
-                                              f"{key} belongs in [{home}] now: keep that one")
+            raise ConfigError(
+                f"{sec}.{key}",
+                f"{show(value)} conflicts with {home}.{key} = {show(target[key])}; "
+                f"{key} belongs in [{home}] now: keep that one",
+            )
         target.setdefault(key, value)
     return out

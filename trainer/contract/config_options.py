@@ -39,8 +39,9 @@ class Range:
         if isinstance(value, int) and value.bit_length() > 200:
             return f"{show(value)} is out of range; accepted: {self}"
         low, high = self.low, self.high
-        if (low is not None and (value < low or (self.low_open and value == low))) or \
-                (high is not None and (value > high or (self.high_open and value == high))):
+        if (low is not None and (value < low or (self.low_open and value == low))) or (
+            high is not None and (value > high or (self.high_open and value == high))
+        ):
             return f"{value} is out of range; accepted: {self}"
         return None
 
@@ -57,10 +58,23 @@ def _num(v: float) -> str:
     return str(v) if isinstance(v, int) or not float(v).is_integer() or abs(v) < 1e6 else f"{v:g}"
 
 
-def opt(default: Any, help: str, *, flag: str | None = None, choices: tuple | None = None,
-        metavar: str | None = None, kind: type | None = None, low: float | None = None, high: float | None = None,
-        low_open: bool = False, high_open: bool = False, words: tuple[str, ...] = (),
-        check: Callable[[Any], str | None] | None = None, path: str | None = None, hidden: bool = False) -> Any:
+def opt(
+    default: Any,
+    help: str,
+    *,
+    flag: str | None = None,
+    choices: tuple | None = None,
+    metavar: str | None = None,
+    kind: type | None = None,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    words: tuple[str, ...] = (),
+    check: Callable[[Any], str | None] | None = None,
+    path: str | None = None,
+    hidden: bool = False,
+) -> Any:
     """A config field with its command-line flag, help and accepted values in one place.
 
     A number needs a range (`low`/`high`, inclusive unless `*_open`): a new numeric option cannot be
@@ -73,11 +87,22 @@ def opt(default: Any, help: str, *, flag: str | None = None, choices: tuple | No
         if low is None and high is None:
             raise TypeError(f"numeric option (default {default!r}) declared without a range: give low=/high=")
         rng = Range(low, high, low_open, high_open)
-    meta = {"help": help, "flag": flag, "choices": choices, "metavar": metavar, "kind": kind, "range": rng,
-            "words": tuple(words), "check": check, "path": path, "hidden": hidden}
+    meta = {
+        "help": help,
+        "flag": flag,
+        "choices": choices,
+        "metavar": metavar,
+        "kind": kind,
+        "range": rng,
+        "words": tuple(words),
+        "check": check,
+        "path": path,
+        "hidden": hidden,
+    }
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
+
 
 def range_of(f: dataclasses.Field) -> Range | None:
     """The accepted range of a numeric field (None for the others)."""
@@ -114,9 +139,15 @@ def type_problem(f: dataclasses.Field, value: Any) -> str | None:
         return None if optional(f) else f"must be given ({_expected(f)})"
     if isinstance(value, str) and value in f.metadata.get("words", ()):
         return None
-    ok = isinstance(value, bool) if kind is bool else (
-        isinstance(value, kind) and not isinstance(value, bool) if kind is not float else
-        isinstance(value, (int, float)) and not isinstance(value, bool))
+    ok = (
+        isinstance(value, bool)
+        if kind is bool
+        else (
+            isinstance(value, kind) and not isinstance(value, bool)
+            if kind is not float
+            else isinstance(value, (int, float)) and not isinstance(value, bool)
+        )
+    )
     return None if ok else f"{show(value)} is not {_expected(f)}"
 
 
@@ -151,13 +182,13 @@ def parse_number(kind: type, value: Any, *, text: bool = True) -> int | float:
         try:
             return int(s) if kind is int else float(s)
         except ValueError:
-            value = float(s)          # `1e3` for a whole number; raises ValueError for words
+            value = float(s)  # `1e3` for a whole number; raises ValueError for words
     if not isinstance(value, (int, float)):
         raise ValueError(value)
     if kind is float:
         return float(value)
     if isinstance(value, float):
-        if not value.is_integer():   # nan and inf are not integers either
+        if not value.is_integer():  # nan and inf are not integers either
             raise ValueError(value)
         return int(value)
     return value
@@ -202,8 +233,9 @@ def coerce(f: dataclasses.Field, value: Any, where: str, *, text: bool = False) 
     return converted
 
 
-def number_arg(kind: type, low: float | None = None, high: float | None = None, *, low_open: bool = False,
-               high_open: bool = False) -> Callable[[str], int | float]:
+def number_arg(
+    kind: type, low: float | None = None, high: float | None = None, *, low_open: bool = False, high_open: bool = False
+) -> Callable[[str], int | float]:
     """An argparse `type=` for a numeric flag that is not a config option (gptop's own: --interval, --nproc),
     converted and range-checked like the config's numbers; a refusal names the value and the range."""
     rng = Range(low, high, low_open, high_open)
@@ -219,5 +251,5 @@ def number_arg(kind: type, low: float | None = None, high: float | None = None, 
         return value
 
     convert.__name__ = kind.__name__
-    convert.range = rng              # type: ignore[attr-defined]  # what --help and the tests read
+    convert.range = rng  # type: ignore[attr-defined]  # what --help and the tests read
     return convert

@@ -39,20 +39,44 @@ OPTIMIZERS = ("adamw", "adamw-8bit", "adamw-4bit", "adafactor")
 QUANTIZE_BASE = ("none", "nf4", "int8")
 # Module names that get LoRA adapters with `--lora-targets auto`, where the architecture has them (trainer.lora
 # applies the rule to the built model, trainer.contract.estimate to the family's shapes).
-LORA_ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj",               # llama, mistral, qwen, ...
-                          "kv_a_proj_with_mqa", "kv_b_proj", "q_a_proj", "q_b_proj",   # deepseek MLA
-                          "qkv_proj", "c_attn", "query_key_value", "Wqkv", "out_proj")
-LORA_MLP_TARGETS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj",       # SwiGLU
-                    "c_fc", "fc1", "fc2", "w1", "w2", "w3", "dense_h_to_4h", "dense_4h_to_h")
+LORA_ATTENTION_TARGETS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",  # llama, mistral, qwen, ...
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
+    "q_a_proj",
+    "q_b_proj",  # deepseek MLA
+    "qkv_proj",
+    "c_attn",
+    "query_key_value",
+    "Wqkv",
+    "out_proj",
+)
+LORA_MLP_TARGETS = (
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "gate_up_proj",  # SwiGLU
+    "c_fc",
+    "fc1",
+    "fc2",
+    "w1",
+    "w2",
+    "w3",
+    "dense_h_to_4h",
+    "dense_4h_to_h",
+)
 LORA_DEFAULT_TARGETS = LORA_ATTENTION_TARGETS + LORA_MLP_TARGETS
 MAX_LORA_RANK = 4096
 
 AUTO = "auto"
-MicroBatch = Union[int, Literal["auto"]]   # sequences per forward/backward, or "auto": the largest that fits
+MicroBatch = Union[int, Literal["auto"]]  # sequences per forward/backward, or "auto": the largest that fits
 
 # Upper limits of what the code handles (or what could mean anything): steps must fit the 8-digit checkpoint
 # names, a seed 63 bits (torch and numpy take it as a 64-bit integer), batches and sequences must fit memory.
-MAX_SEED = 2 ** 63 - 1
+MAX_SEED = 2**63 - 1
 MAX_SEQ_LEN = 1 << 20
 MAX_BATCH = 1 << 20
 MAX_THREADS = 256
@@ -75,25 +99,38 @@ def _step_range_format(value: str) -> str | None:
 
 @dataclass
 class ModelConfig:
-    model: str = opt("llama", "model family (llama, deepseek, llada) or a local Hugging Face model directory to fine-tune",
-                     metavar="FAMILY|PATH", path="model")
+    model: str = opt(
+        "llama",
+        "model family (llama, deepseek, llada) or a local Hugging Face model directory to fine-tune",
+        metavar="FAMILY|PATH",
+        path="model",
+    )
     size: str = opt("auto", "model size; auto picks the largest that fits this device", choices=SIZES)
 
 
 @dataclass
 class DataConfig:
-    data: str = opt("builtin", "training text: builtin (offline corpus), or a .txt/.jsonl/.parquet file or folder",
-                    metavar="builtin|PATH", path="data")
-    tokenizer: str | None = opt(None, "local Hugging Face tokenizer directory (default: the builtin BPE, vocab 8192)",
-                                metavar="DIR", path="tokenizer")
+    data: str = opt(
+        "builtin",
+        "training text: builtin (offline corpus), or a .txt/.jsonl/.parquet file or folder",
+        metavar="builtin|PATH",
+        path="data",
+    )
+    tokenizer: str | None = opt(
+        None,
+        "local Hugging Face tokenizer directory (default: the builtin BPE, vocab 8192)",
+        metavar="DIR",
+        path="tokenizer",
+    )
     seq_len: int = opt(256, "tokens per sequence", low=8, high=MAX_SEQ_LEN)
     val_fraction: float = opt(0.01, "share of the tokens held out for validation", low=0, high=0.5, high_open=True)
 
 
 @dataclass
 class OptimConfig:
-    global_batch: int = opt(16, "sequences per optimizer step (fixed; micro-batch changes adjust accumulation)",
-                            low=1, high=MAX_BATCH)
+    global_batch: int = opt(
+        16, "sequences per optimizer step (fixed; micro-batch changes adjust accumulation)", low=1, high=MAX_BATCH
+    )
     max_steps: int = opt(1000, "optimizer steps to train", low=1, high=MAX_STEP)
     lr: float = opt(1e-3, "peak learning rate (linear warm-up, cosine decay)", low=0, low_open=True, high=1e6)
     warmup_steps: int = opt(50, "learning-rate warm-up steps", low=0, high=MAX_STEP)
@@ -115,23 +152,41 @@ class Toggles:
     file (or a run's stored config) that has them in their old tables still reads (`MOVED`).
     """
 
-    precision: str = opt(AUTO, "numeric precision (auto: bf16 autocast where the device runs bf16 natively, "
-                         "else fp32)", choices=PRECISION_CHOICES)
+    precision: str = opt(
+        AUTO,
+        "numeric precision (auto: bf16 autocast where the device runs bf16 natively, else fp32)",
+        choices=PRECISION_CHOICES,
+    )
     compile: str = opt("off", "torch.compile mode", choices=COMPILE_MODES)
-    micro_batch: MicroBatch = opt(AUTO, "sequences per forward/backward (auto: largest that fits; accumulation is "
-                                  "derived)", metavar="N|auto", kind=int, words=(AUTO,), low=1, high=MAX_BATCH)
+    micro_batch: MicroBatch = opt(
+        AUTO,
+        "sequences per forward/backward (auto: largest that fits; accumulation is derived)",
+        metavar="N|auto",
+        kind=int,
+        words=(AUTO,),
+        low=1,
+        high=MAX_BATCH,
+    )
     prefetch: int = opt(2, "batches prepared ahead of the step (0 disables)", low=0, high=MAX_THREADS)
     workers: int = opt(0, "loader worker threads (0: the prefetch thread builds batches)", low=0, high=MAX_THREADS)
-    fused_adamw: bool = opt(True, "use the fused AdamW kernel (one vectorized pass; --no-fused-adamw for the foreach loop)")
+    fused_adamw: bool = opt(
+        True, "use the fused AdamW kernel (one vectorized pass; --no-fused-adamw for the foreach loop)"
+    )
     activation_checkpointing: bool = opt(False, "recompute activations in backward to save memory")
     attention: str = opt("sdpa", "attention implementation", choices=ATTENTIONS)
     cuda_allocator: str = opt("default", "CUDA caching allocator mode", choices=ALLOCATORS)
-    optimizer: str = opt("adamw", "optimizer: adamw (fp32 moments), adamw-8bit / adamw-4bit (torchao's quantized "
-                         "moments, 4x / 8x smaller), adafactor (factored second moment, torch.optim.Adafactor)",
-                         choices=OPTIMIZERS)
-    quantize_base: str = opt("none", "QLoRA: hold the frozen base quantized with bitsandbytes (nf4: 4-bit "
-                             "NormalFloat with double quantization; int8); needs --lora and CUDA",
-                             choices=QUANTIZE_BASE)
+    optimizer: str = opt(
+        "adamw",
+        "optimizer: adamw (fp32 moments), adamw-8bit / adamw-4bit (torchao's quantized "
+        "moments, 4x / 8x smaller), adafactor (factored second moment, torch.optim.Adafactor)",
+        choices=OPTIMIZERS,
+    )
+    quantize_base: str = opt(
+        "none",
+        "QLoRA: hold the frozen base quantized with bitsandbytes (nf4: 4-bit "
+        "NormalFloat with double quantization; int8); needs --lora and CUDA",
+        choices=QUANTIZE_BASE,
+    )
 
     def micro_batch_int(self) -> int | None:
         """The fixed micro-batch, or None for auto."""
@@ -149,14 +204,24 @@ class FinetuneConfig:
     """Parameter-efficient fine-tuning: LoRA adapters (peft) on a frozen base, optionally quantized (QLoRA:
     `Toggles.quantize_base`, a toggle since the tuner may trade it for memory)."""
 
-    lora: int = opt(0, "LoRA rank R: train rank-R adapters on a frozen base instead of every weight (0: full "
-                    "fine-tuning)", metavar="R", low=0, high=MAX_LORA_RANK)
-    lora_alpha: float = opt(16.0, "LoRA scaling alpha (the adapter's update is scaled by alpha / R)",
-                            low=0, low_open=True, high=1e6)
+    lora: int = opt(
+        0,
+        "LoRA rank R: train rank-R adapters on a frozen base instead of every weight (0: full fine-tuning)",
+        metavar="R",
+        low=0,
+        high=MAX_LORA_RANK,
+    )
+    lora_alpha: float = opt(
+        16.0, "LoRA scaling alpha (the adapter's update is scaled by alpha / R)", low=0, low_open=True, high=1e6
+    )
     lora_dropout: float = opt(0.0, "dropout on the LoRA adapters' input", low=0, high=1, high_open=True)
-    lora_targets: str = opt(AUTO, "modules that get adapters: auto (the attention and MLP projections of the "
-                            "architecture) or names, e.g. q_proj,v_proj", metavar="auto|NAMES",
-                            check=_lora_targets_format)
+    lora_targets: str = opt(
+        AUTO,
+        "modules that get adapters: auto (the attention and MLP projections of the "
+        "architecture) or names, e.g. q_proj,v_proj",
+        metavar="auto|NAMES",
+        check=_lora_targets_format,
+    )
 
     @property
     def enabled(self) -> bool:
@@ -168,8 +233,12 @@ class FinetuneConfig:
 class CheckpointConfig:
     checkpoint_every: int = opt(200, "optimizer steps between checkpoints (0: only at the end)", low=0, high=MAX_STEP)
     keep_checkpoints: int = opt(3, "checkpoints to keep (older ones are deleted)", low=1, high=MAX_STEP)
-    resume: str | None = opt(None, "resume from a checkpoint file or a run directory (its newest valid checkpoint)",
-                             metavar="PATH", path="resume")
+    resume: str | None = opt(
+        None,
+        "resume from a checkpoint file or a run directory (its newest valid checkpoint)",
+        metavar="PATH",
+        path="resume",
+    )
 
 
 @dataclass
@@ -178,27 +247,45 @@ class LogConfig:
     eval_every: int = opt(100, "optimizer steps between validation losses (0 disables)", low=0, high=MAX_STEP)
     eval_batches: int = opt(4, "micro-batches per validation (held in memory)", low=1, high=10_000)
     timing: bool = opt(True, "time the step phases (--no-timing to measure its overhead)")
-    profile_steps: str | None = opt(None, "write a torch.profiler trace of steps A-B (numbered from 1, as on the "
-                                    "dashboard) into the run directory",
-                                    metavar="A-B", check=_step_range_format)
+    profile_steps: str | None = opt(
+        None,
+        "write a torch.profiler trace of steps A-B (numbered from 1, as on the dashboard) into the run directory",
+        metavar="A-B",
+        check=_step_range_format,
+    )
 
 
 @dataclass
 class RunConfig:
-    run_dir: str | None = opt(None, "run directory (default: runs/<time>-<model>-<size>)", metavar="DIR",
-                              path="run_dir")
+    run_dir: str | None = opt(
+        None, "run directory (default: runs/<time>-<model>-<size>)", metavar="DIR", path="run_dir"
+    )
     device: str = opt("auto", "torch device: auto, cpu, cuda, cuda:N", check=device_format)
-    nan_policy: str = opt("rollback", "on a non-finite step (loss, gradient norm or weights): roll back to the "
-                          "newest checkpoint that verifies, or stop", choices=NAN_POLICIES)
+    nan_policy: str = opt(
+        "rollback",
+        "on a non-finite step (loss, gradient norm or weights): roll back to the "
+        "newest checkpoint that verifies, or stop",
+        choices=NAN_POLICIES,
+    )
     nan_retries: int = opt(3, "rollbacks allowed before stopping with an error", low=0, high=1000)
-    nan_lr_factor: float = opt(0.5, "learning-rate multiplier applied at each NaN rollback", low=0, low_open=True,
-                               high=1)
-    parallel: str = opt("ddp", "how several ranks (torchrun, gptop --nproc) share the model: ddp replicates it, "
-                        "fsdp shards it (FSDP2); ignored with one process", choices=PARALLEL)
-    channel: str | None = opt(None, "event/command channel given by the launcher (unix:PATH)", metavar="URI",
-                              hidden=True)
-    fault: str | None = opt(None, "test-only fault injection (trainer/faults.py), e.g. nan@12 or oom@5; kill@5:1 "
-                            "only on rank 1", metavar="KIND@STEP[:RANK]", hidden=True)
+    nan_lr_factor: float = opt(
+        0.5, "learning-rate multiplier applied at each NaN rollback", low=0, low_open=True, high=1
+    )
+    parallel: str = opt(
+        "ddp",
+        "how several ranks (torchrun, gptop --nproc) share the model: ddp replicates it, "
+        "fsdp shards it (FSDP2); ignored with one process",
+        choices=PARALLEL,
+    )
+    channel: str | None = opt(
+        None, "event/command channel given by the launcher (unix:PATH)", metavar="URI", hidden=True
+    )
+    fault: str | None = opt(
+        None,
+        "test-only fault injection (trainer/faults.py), e.g. nan@12 or oom@5; kill@5:1 only on rank 1",
+        metavar="KIND@STEP[:RANK]",
+        hidden=True,
+    )
 
 
 SECTIONS: dict[str, type] = {
@@ -239,8 +326,9 @@ class TrainConfig:
         cfg = cls(**{name: dataclasses.replace(getattr(cfg, name)) for name in SECTIONS})
         if not isinstance(d, dict):
             raise ConfigError("(top level)", f"expected tables of options, got {type(d).__name__}")
-        old_places = {(home, key): sec for (sec, key), home in MOVED.items()
-                      if isinstance(d.get(sec), dict) and key in d[sec]}
+        old_places = {
+            (home, key): sec for (sec, key), home in MOVED.items() if isinstance(d.get(sec), dict) and key in d[sec]
+        }
         d = current_layout(d)
         for section, values in d.items():
             if section not in SECTIONS:
@@ -248,8 +336,9 @@ class TrainConfig:
                 hint = f"; options belong in tables: [{home[0]}] {section} = ..." if home else ""
                 raise ConfigError(f"[{section}]", f"unknown section; expected one of {', '.join(SECTIONS)}{hint}")
             if not isinstance(values, dict):
-                raise ConfigError(f"[{section}]", f"must be a table of options, got {type(values).__name__} "
-                                                  f"{show(values)}")
+                raise ConfigError(
+                    f"[{section}]", f"must be a table of options, got {type(values).__name__} {show(values)}"
+                )
             obj = getattr(cfg, section)
             known = {f.name: f for f in fields(obj)}
             for key, value in values.items():
@@ -262,8 +351,9 @@ class TrainConfig:
                     if old is None:
                         raise
                     # named as the file has it: the user wrote [optim] optimizer, not toggles.optimizer
-                    raise ConfigError(f"[{old}] {key}", f"{e.message} ({key} lives in [{section}] now; it is "
-                                                        f"still read from [{old}])") from None
+                    raise ConfigError(
+                        f"[{old}] {key}", f"{e.message} ({key} lives in [{section}] now; it is still read from [{old}])"
+                    ) from None
         return cfg
 
     def to_toml(self) -> str:
@@ -289,40 +379,63 @@ class TrainConfig:
         if world_size < 1:
             raise ConfigError("--nproc", f"must be at least 1, got {world_size}")
         if o.global_batch % world_size:
-            raise ConfigError("--global-batch", f"{o.global_batch} sequences cannot be split evenly over "
-                                                f"{world_size} ranks; use a multiple of {world_size}")
+            raise ConfigError(
+                "--global-batch",
+                f"{o.global_batch} sequences cannot be split evenly over "
+                f"{world_size} ranks; use a multiple of {world_size}",
+            )
         if self.log.profile_steps is not None and parse_step_range(self.log.profile_steps)[0] > o.max_steps:
-            raise ConfigError("--profile-steps", f"{self.log.profile_steps} starts after the last step "
-                                                 f"(--max-steps {o.max_steps}): no trace would be written")
+            raise ConfigError(
+                "--profile-steps",
+                f"{self.log.profile_steps} starts after the last step "
+                f"(--max-steps {o.max_steps}): no trace would be written",
+            )
         ft, qb = self.finetune, self.toggles.quantize_base
         if qb != "none" and not ft.enabled:
-            raise ConfigError("--quantize-base", f"{qb} quantizes the frozen base of a LoRA run; "
-                                                 f"add --lora R (e.g. --lora 8), or drop --quantize-base")
-        if not ft.enabled:                # LoRA's own options mean nothing without it: never silently ignored
+            raise ConfigError(
+                "--quantize-base",
+                f"{qb} quantizes the frozen base of a LoRA run; add --lora R (e.g. --lora 8), or drop --quantize-base",
+            )
+        if not ft.enabled:  # LoRA's own options mean nothing without it: never silently ignored
             for f in fields(ft):
                 value = getattr(ft, f.name)
                 if f.name != "lora" and value != f.default:
-                    raise ConfigError(flag_of(f), f"{show(value)} sets up LoRA adapters, but this run trains every "
-                                                  "weight (no --lora); add --lora R (e.g. --lora 8), or drop "
-                                                  f"{flag_of(f)}")
+                    raise ConfigError(
+                        flag_of(f),
+                        f"{show(value)} sets up LoRA adapters, but this run trains every "
+                        "weight (no --lora); add --lora R (e.g. --lora 8), or drop "
+                        f"{flag_of(f)}",
+                    )
         if ft.enabled and world_size > 1 and self.run.parallel == "fsdp":
-            raise ConfigError("--parallel", "fsdp with --lora is not supported (FSDP2 would shard the frozen base "
-                                            "and the adapters together); use --parallel ddp, which replicates the "
-                                            "base and all-reduces only the adapters' gradients")
+            raise ConfigError(
+                "--parallel",
+                "fsdp with --lora is not supported (FSDP2 would shard the frozen base "
+                "and the adapters together); use --parallel ddp, which replicates the "
+                "base and all-reduces only the adapters' gradients",
+            )
         if qb != "none" and world_size > 1:
             raise ConfigError("--quantize-base", f"{qb} runs on one process; drop --nproc or --quantize-base")
         per_rank = o.global_batch // world_size
         if isinstance(mb, int) and per_rank % mb:
             over = f" ({o.global_batch} over {world_size} ranks)" if world_size > 1 else ""
-            raise ConfigError("--micro-batch", f"{mb} does not divide the per-rank batch {per_rank}{over}; "
-                                               f"pick a divisor of {per_rank} or auto")
+            raise ConfigError(
+                "--micro-batch",
+                f"{mb} does not divide the per-rank batch {per_rank}{over}; pick a divisor of {per_rank} or auto",
+            )
 
 
 # What a resumed run must keep of the run it continues (what is learned); toggles may change (the optimizer's
 # state is converted, a quantized base rebuilt).
-RESUME_MUST_MATCH = (("model", "model", "--model"), ("model", "size", "--size"), ("data", "seq_len", "--seq-len"),
-                     ("optim", "global_batch", "--global-batch"), ("optim", "seed", "--seed"), ("data", "data", "--data"),
-                     ("finetune", "lora", "--lora"), ("finetune", "lora_targets", "--lora-targets"))
+RESUME_MUST_MATCH = (
+    ("model", "model", "--model"),
+    ("model", "size", "--size"),
+    ("data", "seq_len", "--seq-len"),
+    ("optim", "global_batch", "--global-batch"),
+    ("optim", "seed", "--seed"),
+    ("data", "data", "--data"),
+    ("finetune", "lora", "--lora"),
+    ("finetune", "lora_targets", "--lora-targets"),
+)
 
 
 def check_resumable(saved: dict[str, Any], now: "TrainConfig", what: str = "the checkpoint") -> None:
@@ -338,10 +451,13 @@ def check_resumable(saved: dict[str, Any], now: "TrainConfig", what: str = "the 
             continue
         hint = ""
         if section == "finetune":
-            hint = ("; to fine-tune its model with other LoRA options, export it (gptop export RUN_DIR OUT_DIR) and "
-                    "train --model OUT_DIR with them")
-        raise ConfigError(flag, f"{what} was trained with {was!r}, this run asks for {want!r}; resume needs the "
-                                f"same value{hint}")
+            hint = (
+                "; to fine-tune its model with other LoRA options, export it (gptop export RUN_DIR OUT_DIR) and "
+                "train --model OUT_DIR with them"
+            )
+        raise ConfigError(
+            flag, f"{what} was trained with {was!r}, this run asks for {want!r}; resume needs the same value{hint}"
+        )
 
 
 def section_from_dict(cls: type, values: dict[str, Any]) -> Any:
@@ -357,8 +473,11 @@ def parse_step_range(text: str) -> tuple[int, int]:
     except ValueError:
         raise ConfigError("--profile-steps", f"{text!r} is not A-B, e.g. 10-12") from None
     if not 1 <= a <= b <= MAX_STEP:
-        raise ConfigError("--profile-steps", f"{text!r}: steps are numbered from 1 (the first step is 1, as on the "
-                                             f"dashboard); need 1 <= A <= B <= {MAX_STEP}, e.g. 10-12")
+        raise ConfigError(
+            "--profile-steps",
+            f"{text!r}: steps are numbered from 1 (the first step is 1, as on the "
+            f"dashboard); need 1 <= A <= B <= {MAX_STEP}, e.g. 10-12",
+        )
     return a, b
 
 

@@ -19,17 +19,17 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class DeviceInfo:
-    type: str                      # "cpu" or "cuda"
+    type: str  # "cpu" or "cuda"
     index: int | None = None
     name: str = "cpu"
-    capability: tuple[int, int] | None = None   # CUDA compute capability
-    total_memory: int = 0          # bytes
+    capability: tuple[int, int] | None = None  # CUDA compute capability
+    total_memory: int = 0  # bytes
     cpu_count: int = 1
-    has_compiler: bool = True      # a C++ compiler for inductor on CPU / triton on GPU
-    cpu_bf16: bool = True          # CPU: oneDNN has bf16 kernels (AVX-512 and newer); without them bf16 is emulated
+    has_compiler: bool = True  # a C++ compiler for inductor on CPU / triton on GPU
+    cpu_bf16: bool = True  # CPU: oneDNN has bf16 kernels (AVX-512 and newer); without them bf16 is emulated
     # CPU: bf16 instructions (AVX512_BF16, AMX, Arm BF16), where bf16 matmuls beat fp32; None: not known
     cpu_bf16_native: bool | None = None
-    uuid: str | None = None        # CUDA: the GPU's UUID, which NVML reports too (`gpu_key`)
+    uuid: str | None = None  # CUDA: the GPU's UUID, which NVML reports too (`gpu_key`)
     pci_bus_id: str | None = None  # CUDA: its PCI address, DOMAIN:BUS:DEVICE in hex
 
     @property
@@ -46,7 +46,7 @@ class DeviceInfo:
 
     @property
     def torch_device(self) -> "torch.device":
-        import torch        # the trainer's side only: gptop and the tuner never ask for it
+        import torch  # the trainer's side only: gptop and the tuner never ask for it
 
         return torch.device(self.type if self.index is None else f"{self.type}:{self.index}")
 
@@ -115,7 +115,7 @@ def gpu_key(uuid: str | None = None, pci_bus_id: str | None = None) -> str | Non
         u = str(uuid).strip().lower()
         for prefix in ("gpu-", "mig-"):
             if u.startswith(prefix):
-                u = u[len(prefix):]
+                u = u[len(prefix) :]
         if u:
             return u
     if pci_bus_id:

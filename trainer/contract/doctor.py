@@ -34,7 +34,7 @@ class Status(str, enum.Enum):
 class Where(str, enum.Enum):
     """Which devices a path applies to."""
 
-    ANY = "any"          # whichever device the doctor runs on
+    ANY = "any"  # whichever device the doctor runs on
     CPU = "cpu"
     CUDA = "cuda"
 
@@ -43,16 +43,16 @@ class Where(str, enum.Enum):
 class DevicePath:
     """A device path gptop uses, and how the doctor proves it works."""
 
-    name: str                  # stable id ("timing", "compile.reduce-overhead")
-    title: str                 # in words, for the table and the README
+    name: str  # stable id ("timing", "compile.reduce-overhead")
+    title: str  # in words, for the table and the README
     where: Where
-    expected: str              # what passing means
-    owner: str                 # "module:function" that exercises it
-    toggle: str | None         # the option a failure concerns (refused, slow or wrong), None: gptop itself
-    on_fail: str               # what a failure means for a run, and what to do
-    args: tuple[tuple[str, Any], ...] = ()      # keyword arguments of the owner's function
-    quick: bool = True         # part of `--quick`
-    timeout_s: float = 120.0   # the child process is killed after this (a hang is a failure)
+    expected: str  # what passing means
+    owner: str  # "module:function" that exercises it
+    toggle: str | None  # the option a failure concerns (refused, slow or wrong), None: gptop itself
+    on_fail: str  # what a failure means for a run, and what to do
+    args: tuple[tuple[str, Any], ...] = ()  # keyword arguments of the owner's function
+    quick: bool = True  # part of `--quick`
+    timeout_s: float = 120.0  # the child process is killed after this (a hang is a failure)
 
     def applies_to(self, device_type: str) -> bool:
         return self.where is Where.ANY or self.where.value == device_type
@@ -63,100 +63,191 @@ class DevicePath:
         return self.owner.startswith("gptop.")
 
 
-_COMPILE_ON_FAIL = ("--compile {mode} fails or computes another loss here: the tuner drops it after its first "
-                    "infeasible trial; use another --compile mode, and report the torch version")
+_COMPILE_ON_FAIL = (
+    "--compile {mode} fails or computes another loss here: the tuner drops it after its first "
+    "infeasible trial; use another --compile mode, and report the torch version"
+)
 
 PATHS: tuple[DevicePath, ...] = (
-    DevicePath("timing", "phase timing", Where.ANY,
-               "phases add up to each step; the steps to the synchronized wall clock within 10%; on CUDA (events "
-               "on the run's stream) a phase of twice the work measures 1.5-2.6x as long",
-               "trainer.timing:check", "--no-timing",
-               "the step breakdown (data / forward / backward / optimizer / other) is wrong here: read step "
-               "times only, or run with --no-timing"),
-    DevicePath("prefetch", "prefetch: pinned memory and side-stream copies", Where.ANY,
-               "prefetched micro-batches equal the synchronous path's, in order, read back intact after "
-               "later copies (no allocator reuse race) on the run's device",
-               "trainer.prefetch:check", "--prefetch",
-               "prefetched data could be wrong: use --prefetch 0 (and --workers 0) until it passes"),
-    DevicePath("checkpoint", "checkpoint save and restore on the device", Where.ANY,
-               "a checkpoint of a model and AdamW state on the device restores weights, moments, step counts "
-               "(where the kernel wants them) and RNG states exactly",
-               "trainer.checkpointer:check", "--resume",
-               "resume, NaN rollback and every tuner trial (they restart from a checkpoint) fail here"),
-    DevicePath("bf16", "bf16 autocast", Where.ANY,
-               "matmuls under bf16 autocast compute in bf16 within 2% of fp32; says whether bf16 is native",
-               "trainer.device_probe:check_bf16", "--precision bf16",
-               "--precision bf16 computes wrong values here: use fp32"),
-    DevicePath("tf32", "TF32 matmuls", Where.CUDA,
-               "with TF32 allowed an fp32 matmul rounds as TF32 (error vs fp64 at least 4x fp32's); off, it is "
-               "exact fp32",
-               "trainer.device_probe:check_tf32", "--precision tf32",
-               "TF32 does not take effect: --precision tf32 (and auto's TF32) runs at fp32 speed"),
-    DevicePath("fp16", "fp16 autocast with GradScaler", Where.CUDA,
-               "an fp16 step trains; a forced overflow is skipped (weights unchanged) and the scale halves",
-               "trainer.optim:check_grad_scaler", "--precision fp16",
-               "--precision fp16 would apply overflowing steps or never recover its scale: use bf16 or fp32"),
-    DevicePath("fp8.tensorwise", "fp8 training (torchao, tensorwise)", Where.CUDA,
-               "eligible Linear layers become Float8Linear and one bf16-autocast training step is finite and "
-               "changes the weights",
-               "trainer.fp8:check", "--precision fp8-tensorwise",
-               "--precision fp8-tensorwise fails here: use bf16; check torchao's version against torch's",
-               args=(("recipe", "tensorwise"),)),
-    DevicePath("fp8.rowwise", "fp8 training (torchao, rowwise)", Where.CUDA,
-               "as tensorwise, with the rowwise recipe",
-               "trainer.fp8:check", "--precision fp8-rowwise",
-               "--precision fp8-rowwise fails here: use bf16 or fp8-tensorwise",
-               args=(("recipe", "rowwise"),)),
-    DevicePath("fused_adamw", "fused AdamW", Where.ANY,
-               "fused AdamW's updates equal foreach AdamW's; a step flagged non-finite on the device leaves "
-               "weights and moments untouched",
-               "trainer.optim:check_fused_adamw", "--fused-adamw",
-               "--fused-adamw (the default) computes other updates or applies non-finite steps: use "
-               "--no-fused-adamw"),
-    *(DevicePath(f"compile.{mode}", f"torch.compile {mode}", Where.CUDA if mode in CUDA_GRAPH_MODES else Where.ANY,
-        "a few training steps compiled give the eager loss within 1e-3 (relative), and the compiled model "
-        "runs its later steps without recompiling",
-        "trainer.compiling:check", "--compile", _COMPILE_ON_FAIL.format(mode=mode),
-        args=(("mode", mode),), quick=False, timeout_s=300.0)
-      for mode in ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")),
-    DevicePath("expandable_segments", "CUDA allocator expandable segments", Where.CUDA,
-               "with --cuda-allocator expandable_segments the allocator's segments are expandable (merged into "
-               "a PYTORCH_CUDA_ALLOC_CONF the user set)",
-               "trainer.memory:check_expandable_segments", "--cuda-allocator",
-               "--cuda-allocator expandable_segments has no effect here: set "
-               "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True yourself before starting"),
-    DevicePath("autobatch", "--micro-batch auto probe", Where.ANY,
-               "the probe finds the largest candidate whose measured peak fits the capacity; on CUDA a real "
-               "out-of-memory error is caught and the memory is usable afterwards",
-               "trainer.autobatch:check", "--micro-batch auto",
-               "--micro-batch auto may pick a micro-batch that does not fit: give --micro-batch N"),
-    DevicePath("nvml", "NVML telemetry", Where.CUDA,
-               "utilization, memory, power, SM clock and its maximum and the clock-event reasons read for the "
-               "run's GPU; utilization above 0 under a workload; GPM SM and tensor activity on Hopper and later",
-               "gptop.nvml:check", None,
-               "the dashboard shows n/a for what does not read: update the NVIDIA driver (GPM needs 520+), "
-               "or run where NVML is not restricted"),
-    DevicePath("energy", "NVML energy counter", Where.CUDA,
-               "the GPU's energy counter moves across a workload, consistent with its power readings",
-               "gptop.nvml:check_energy", None,
-               "energy per token falls back to integrated power (or n/a): the counter needs Volta or newer "
-               "and a driver that exposes it"),
-    DevicePath("rapl", "RAPL CPU energy", Where.CPU,
-               "the RAPL package counter reads and moves (the CPU run's energy per token)",
-               "gptop.energy:check_rapl", None,
-               "energy per token on a CPU run is n/a: RAPL is root-only since Linux 5.10 (run as root, or "
-               "make /sys/class/powercap/intel-rapl:*/energy_uj readable)"),
-    DevicePath("nccl", "NCCL between two ranks", Where.CUDA,
-               "two ranks on two GPUs all-reduce a tensor over NCCL to the right sum",
-               "trainer.dist:check_nccl", "--nproc",
-               "several-GPU runs (--nproc N) fail here: check the NCCL install and the GPUs' peer access",
-               quick=False, timeout_s=180.0),
-    DevicePath("qlora", "QLoRA nf4 base (bitsandbytes)", Where.CUDA,
-               "a tiny transformers model with an nf4 base and LoRA adapters trains one step; only the "
-               "adapters change",
-               "trainer.models:check_qlora", "--quantize-base nf4",
-               "--quantize-base nf4 fails here: check the bitsandbytes install against the CUDA version",
-               quick=False, timeout_s=240.0),
+    DevicePath(
+        "timing",
+        "phase timing",
+        Where.ANY,
+        "phases add up to each step; the steps to the synchronized wall clock within 10%; on CUDA (events "
+        "on the run's stream) a phase of twice the work measures 1.5-2.6x as long",
+        "trainer.timing:check",
+        "--no-timing",
+        "the step breakdown (data / forward / backward / optimizer / other) is wrong here: read step "
+        "times only, or run with --no-timing",
+    ),
+    DevicePath(
+        "prefetch",
+        "prefetch: pinned memory and side-stream copies",
+        Where.ANY,
+        "prefetched micro-batches equal the synchronous path's, in order, read back intact after "
+        "later copies (no allocator reuse race) on the run's device",
+        "trainer.prefetch:check",
+        "--prefetch",
+        "prefetched data could be wrong: use --prefetch 0 (and --workers 0) until it passes",
+    ),
+    DevicePath(
+        "checkpoint",
+        "checkpoint save and restore on the device",
+        Where.ANY,
+        "a checkpoint of a model and AdamW state on the device restores weights, moments, step counts "
+        "(where the kernel wants them) and RNG states exactly",
+        "trainer.checkpointer:check",
+        "--resume",
+        "resume, NaN rollback and every tuner trial (they restart from a checkpoint) fail here",
+    ),
+    DevicePath(
+        "bf16",
+        "bf16 autocast",
+        Where.ANY,
+        "matmuls under bf16 autocast compute in bf16 within 2% of fp32; says whether bf16 is native",
+        "trainer.device_probe:check_bf16",
+        "--precision bf16",
+        "--precision bf16 computes wrong values here: use fp32",
+    ),
+    DevicePath(
+        "tf32",
+        "TF32 matmuls",
+        Where.CUDA,
+        "with TF32 allowed an fp32 matmul rounds as TF32 (error vs fp64 at least 4x fp32's); off, it is exact fp32",
+        "trainer.device_probe:check_tf32",
+        "--precision tf32",
+        "TF32 does not take effect: --precision tf32 (and auto's TF32) runs at fp32 speed",
+    ),
+    DevicePath(
+        "fp16",
+        "fp16 autocast with GradScaler",
+        Where.CUDA,
+        "an fp16 step trains; a forced overflow is skipped (weights unchanged) and the scale halves",
+        "trainer.optim:check_grad_scaler",
+        "--precision fp16",
+        "--precision fp16 would apply overflowing steps or never recover its scale: use bf16 or fp32",
+    ),
+    DevicePath(
+        "fp8.tensorwise",
+        "fp8 training (torchao, tensorwise)",
+        Where.CUDA,
+        "eligible Linear layers become Float8Linear and one bf16-autocast training step is finite and "
+        "changes the weights",
+        "trainer.fp8:check",
+        "--precision fp8-tensorwise",
+        "--precision fp8-tensorwise fails here: use bf16; check torchao's version against torch's",
+        args=(("recipe", "tensorwise"),),
+    ),
+    DevicePath(
+        "fp8.rowwise",
+        "fp8 training (torchao, rowwise)",
+        Where.CUDA,
+        "as tensorwise, with the rowwise recipe",
+        "trainer.fp8:check",
+        "--precision fp8-rowwise",
+        "--precision fp8-rowwise fails here: use bf16 or fp8-tensorwise",
+        args=(("recipe", "rowwise"),),
+    ),
+    DevicePath(
+        "fused_adamw",
+        "fused AdamW",
+        Where.ANY,
+        "fused AdamW's updates equal foreach AdamW's; a step flagged non-finite on the device leaves "
+        "weights and moments untouched",
+        "trainer.optim:check_fused_adamw",
+        "--fused-adamw",
+        "--fused-adamw (the default) computes other updates or applies non-finite steps: use --no-fused-adamw",
+    ),
+    *(
+        DevicePath(
+            f"compile.{mode}",
+            f"torch.compile {mode}",
+            Where.CUDA if mode in CUDA_GRAPH_MODES else Where.ANY,
+            "a few training steps compiled give the eager loss within 1e-3 (relative), and the compiled model "
+            "runs its later steps without recompiling",
+            "trainer.compiling:check",
+            "--compile",
+            _COMPILE_ON_FAIL.format(mode=mode),
+            args=(("mode", mode),),
+            quick=False,
+            timeout_s=300.0,
+        )
+        for mode in ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
+    ),
+    DevicePath(
+        "expandable_segments",
+        "CUDA allocator expandable segments",
+        Where.CUDA,
+        "with --cuda-allocator expandable_segments the allocator's segments are expandable (merged into "
+        "a PYTORCH_CUDA_ALLOC_CONF the user set)",
+        "trainer.memory:check_expandable_segments",
+        "--cuda-allocator",
+        "--cuda-allocator expandable_segments has no effect here: set "
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True yourself before starting",
+    ),
+    DevicePath(
+        "autobatch",
+        "--micro-batch auto probe",
+        Where.ANY,
+        "the probe finds the largest candidate whose measured peak fits the capacity; on CUDA a real "
+        "out-of-memory error is caught and the memory is usable afterwards",
+        "trainer.autobatch:check",
+        "--micro-batch auto",
+        "--micro-batch auto may pick a micro-batch that does not fit: give --micro-batch N",
+    ),
+    DevicePath(
+        "nvml",
+        "NVML telemetry",
+        Where.CUDA,
+        "utilization, memory, power, SM clock and its maximum and the clock-event reasons read for the "
+        "run's GPU; utilization above 0 under a workload; GPM SM and tensor activity on Hopper and later",
+        "gptop.nvml:check",
+        None,
+        "the dashboard shows n/a for what does not read: update the NVIDIA driver (GPM needs 520+), "
+        "or run where NVML is not restricted",
+    ),
+    DevicePath(
+        "energy",
+        "NVML energy counter",
+        Where.CUDA,
+        "the GPU's energy counter moves across a workload, consistent with its power readings",
+        "gptop.nvml:check_energy",
+        None,
+        "energy per token falls back to integrated power (or n/a): the counter needs Volta or newer "
+        "and a driver that exposes it",
+    ),
+    DevicePath(
+        "rapl",
+        "RAPL CPU energy",
+        Where.CPU,
+        "the RAPL package counter reads and moves (the CPU run's energy per token)",
+        "gptop.energy:check_rapl",
+        None,
+        "energy per token on a CPU run is n/a: RAPL is root-only since Linux 5.10 (run as root, or "
+        "make /sys/class/powercap/intel-rapl:*/energy_uj readable)",
+    ),
+    DevicePath(
+        "nccl",
+        "NCCL between two ranks",
+        Where.CUDA,
+        "two ranks on two GPUs all-reduce a tensor over NCCL to the right sum",
+        "trainer.dist:check_nccl",
+        "--nproc",
+        "several-GPU runs (--nproc N) fail here: check the NCCL install and the GPUs' peer access",
+        quick=False,
+        timeout_s=180.0,
+    ),
+    DevicePath(
+        "qlora",
+        "QLoRA nf4 base (bitsandbytes)",
+        Where.CUDA,
+        "a tiny transformers model with an nf4 base and LoRA adapters trains one step; only the adapters change",
+        "trainer.models:check_qlora",
+        "--quantize-base nf4",
+        "--quantize-base nf4 fails here: check the bitsandbytes install against the CUDA version",
+        quick=False,
+        timeout_s=240.0,
+    ),
 )
 
 
@@ -192,7 +283,7 @@ class CheckResult:
     status: Status
     expected: str
     observed: str
-    reason: str | None = None            # why it failed or was skipped (a failure adds what it means: on_fail)
+    reason: str | None = None  # why it failed or was skipped (a failure adds what it means: on_fail)
     toggle: str | None = None
     seconds: float | None = None
     data: dict[str, Any] = field(default_factory=dict)
@@ -202,30 +293,48 @@ class CheckResult:
         reason = outcome.reason
         if outcome.status is Status.FAIL:
             reason = f"{reason or 'failed'}. {p.on_fail}"
-        return cls(p.name, p.title, outcome.status, p.expected, outcome.observed, reason, p.toggle, seconds,
-                   dict(outcome.data))
+        return cls(
+            p.name, p.title, outcome.status, p.expected, outcome.observed, reason, p.toggle, seconds, dict(outcome.data)
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "title": self.title, "status": self.status.value, "expected": self.expected,
-                "observed": self.observed, "reason": self.reason, "toggle": self.toggle,
-                "seconds": self.seconds, "data": self.data}
+        return {
+            "name": self.name,
+            "title": self.title,
+            "status": self.status.value,
+            "expected": self.expected,
+            "observed": self.observed,
+            "reason": self.reason,
+            "toggle": self.toggle,
+            "seconds": self.seconds,
+            "data": self.data,
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "CheckResult":
-        return cls(d["name"], d["title"], Status(d["status"]), d["expected"], d["observed"], d.get("reason"),
-                   d.get("toggle"), d.get("seconds"), dict(d.get("data") or {}))
+        return cls(
+            d["name"],
+            d["title"],
+            Status(d["status"]),
+            d["expected"],
+            d["observed"],
+            d.get("reason"),
+            d.get("toggle"),
+            d.get("seconds"),
+            dict(d.get("data") or {}),
+        )
 
 
 @dataclass
 class DoctorReport:
     """Everything `gptop doctor --json` writes: the machine, what gptop will use there, and every path."""
 
-    requested: str                        # --device as given
+    requested: str  # --device as given
     time: float
-    machine: dict[str, Any]               # torch, CUDA/cuDNN/NCCL, driver/NVML versions, host, libraries
-    device: dict[str, Any] | None         # the DeviceInfo detected (None: detection failed)
-    precision_auto: str | None            # what --precision auto resolves to there
-    capabilities: dict[str, dict[str, dict[str, str | None]]]   # toggle -> value -> {"unsupported", "slow"}
+    machine: dict[str, Any]  # torch, CUDA/cuDNN/NCCL, driver/NVML versions, host, libraries
+    device: dict[str, Any] | None  # the DeviceInfo detected (None: detection failed)
+    precision_auto: str | None  # what --precision auto resolves to there
+    capabilities: dict[str, dict[str, dict[str, str | None]]]  # toggle -> value -> {"unsupported", "slow"}
     checks: list[CheckResult]
     quick: bool = False
 
@@ -238,10 +347,19 @@ class DoctorReport:
         return exit_code(self.checks) == 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"schema": SCHEMA_ID, "requested": self.requested, "time": self.time, "quick": self.quick,
-                "machine": self.machine, "device": self.device, "precision_auto": self.precision_auto,
-                "capabilities": self.capabilities, "checks": [c.to_dict() for c in self.checks],
-                "counts": self.counts, "ok": self.ok}
+        return {
+            "schema": SCHEMA_ID,
+            "requested": self.requested,
+            "time": self.time,
+            "quick": self.quick,
+            "machine": self.machine,
+            "device": self.device,
+            "precision_auto": self.precision_auto,
+            "capabilities": self.capabilities,
+            "checks": [c.to_dict() for c in self.checks],
+            "counts": self.counts,
+            "ok": self.ok,
+        }
 
 
 def exit_code(checks: Iterable[CheckResult]) -> int:
@@ -257,41 +375,83 @@ REPORT_SCHEMA: dict[str, Any] = {
     "$id": SCHEMA_ID,
     "title": "gptop doctor record",
     "type": "object",
-    "required": ["schema", "requested", "time", "quick", "machine", "device", "precision_auto", "capabilities",
-                 "checks", "counts", "ok"],
+    "required": [
+        "schema",
+        "requested",
+        "time",
+        "quick",
+        "machine",
+        "device",
+        "precision_auto",
+        "capabilities",
+        "checks",
+        "counts",
+        "ok",
+    ],
     "properties": {
         "schema": {"const": SCHEMA_ID},
         "requested": {"type": "string"},
         "time": {"type": "number"},
         "quick": {"type": "boolean"},
         "machine": {"type": "object"},
-        "device": {"type": ["object", "null"],
-                   "required": ["type", "name", "total_memory"],
-                   "properties": {"type": {"enum": [w.value for w in Where if w is not Where.ANY]},
-                                  "name": {"type": "string"}, "total_memory": {"type": "integer"}}},
+        "device": {
+            "type": ["object", "null"],
+            "required": ["type", "name", "total_memory"],
+            "properties": {
+                "type": {"enum": [w.value for w in Where if w is not Where.ANY]},
+                "name": {"type": "string"},
+                "total_memory": {"type": "integer"},
+            },
+        },
         "precision_auto": _STR_OR_NULL,
-        "capabilities": {"type": "object",
-                         "additionalProperties": {
-                             "type": "object",
-                             "additionalProperties": {
-                                 "type": "object", "required": ["unsupported", "slow"],
-                                 "properties": {"unsupported": _STR_OR_NULL, "slow": _STR_OR_NULL}}}},
-        "checks": {"type": "array", "items": {
+        "capabilities": {
             "type": "object",
-            "required": ["name", "title", "status", "expected", "observed", "reason", "toggle", "seconds", "data"],
-            "additionalProperties": False,
-            "properties": {"name": {"enum": [p.name for p in PATHS]}, "title": {"type": "string"},
-                           "status": {"enum": [s.value for s in Status]}, "expected": {"type": "string"},
-                           "observed": {"type": "string"}, "reason": _STR_OR_NULL, "toggle": _STR_OR_NULL,
-                           "seconds": {"type": ["number", "null"], "minimum": 0}, "data": {"type": "object"}}}},
-        "counts": {"type": "object", "required": [s.value for s in Status],
-                   "additionalProperties": {"type": "integer", "minimum": 0}},
+            "additionalProperties": {
+                "type": "object",
+                "additionalProperties": {
+                    "type": "object",
+                    "required": ["unsupported", "slow"],
+                    "properties": {"unsupported": _STR_OR_NULL, "slow": _STR_OR_NULL},
+                },
+            },
+        },
+        "checks": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["name", "title", "status", "expected", "observed", "reason", "toggle", "seconds", "data"],
+                "additionalProperties": False,
+                "properties": {
+                    "name": {"enum": [p.name for p in PATHS]},
+                    "title": {"type": "string"},
+                    "status": {"enum": [s.value for s in Status]},
+                    "expected": {"type": "string"},
+                    "observed": {"type": "string"},
+                    "reason": _STR_OR_NULL,
+                    "toggle": _STR_OR_NULL,
+                    "seconds": {"type": ["number", "null"], "minimum": 0},
+                    "data": {"type": "object"},
+                },
+            },
+        },
+        "counts": {
+            "type": "object",
+            "required": [s.value for s in Status],
+            "additionalProperties": {"type": "integer", "minimum": 0},
+        },
         "ok": {"type": "boolean"},
     },
 }
 
-_TYPES: dict[str, Any] = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None),
-                          "integer": int, "number": (int, float)}
+_TYPES: dict[str, Any] = {
+    "object": dict,
+    "array": list,
+    "string": str,
+    "boolean": bool,
+    "null": type(None),
+    "integer": int,
+    "number": (int, float),
+}
 
 
 def validate_report(obj: Any, schema: dict[str, Any] = REPORT_SCHEMA, where: str = "$") -> list[str]:
@@ -302,8 +462,9 @@ def validate_report(obj: Any, schema: dict[str, Any] = REPORT_SCHEMA, where: str
     types = schema.get("type")
     if types is not None:
         names = [types] if isinstance(types, str) else list(types)
-        ok = any(isinstance(obj, _TYPES[n]) and not (n in ("integer", "number") and isinstance(obj, bool))
-                 for n in names)
+        ok = any(
+            isinstance(obj, _TYPES[n]) and not (n in ("integer", "number") and isinstance(obj, bool)) for n in names
+        )
         if not ok:
             return [f"{where}: expected {' or '.join(names)}, got {type(obj).__name__}"]
     if "const" in schema and obj != schema["const"]:

@@ -50,7 +50,7 @@ from .events import EstimateInfo
 GiB = 1 << 30
 SIZE_ORDER = ("tiny", "small", "medium", "large")
 VOCAB_MULTIPLE = 64
-DEFAULT_VOCAB = 8192          # the builtin BPE tokenizer
+DEFAULT_VOCAB = 8192  # the builtin BPE tokenizer
 
 # Bytes of persistent training state per parameter of a full AdamW run: fp32 weights 4 + gradients 4 + AdamW
 # exp_avg 4 + exp_avg_sq 4 (a rule of thumb for docs and tables; `estimate` and `state_bytes` count the run's
@@ -82,7 +82,7 @@ class Dims:
     hidden: int
     layers: int
     heads: int
-    ffn: int                  # SwiGLU intermediate size of dense MLPs
+    ffn: int  # SwiGLU intermediate size of dense MLPs
     # MLA (deepseek): per-head dims and the compressed KV rank
     qk_nope: int
     qk_rope: int
@@ -102,14 +102,70 @@ class Dims:
 # Routing groups: experts/groups >= 2 (a group's score is its top-2 experts) and
 # topk_groups * experts/groups >= top_k, so group-limited routing is well defined.
 SIZES: dict[str, Dims] = {
-    "tiny": Dims(hidden=128, layers=4, heads=4, ffn=384, qk_nope=32, qk_rope=16, v_head=32, kv_lora=64,
-                 experts=8, top_k=2, shared=1, moe_ffn=128, groups=2, topk_groups=1),
-    "small": Dims(hidden=768, layers=16, heads=12, ffn=2048, qk_nope=64, qk_rope=32, v_head=64, kv_lora=256,
-                  experts=16, top_k=4, shared=1, moe_ffn=448, groups=4, topk_groups=2),
-    "medium": Dims(hidden=1024, layers=24, heads=16, ffn=3072, qk_nope=64, qk_rope=32, v_head=64, kv_lora=384,
-                   experts=16, top_k=4, shared=1, moe_ffn=640, groups=4, topk_groups=2),
-    "large": Dims(hidden=2048, layers=20, heads=16, ffn=5632, qk_nope=128, qk_rope=64, v_head=128, kv_lora=512,
-                  experts=16, top_k=4, shared=1, moe_ffn=1216, groups=4, topk_groups=2),
+    "tiny": Dims(
+        hidden=128,
+        layers=4,
+        heads=4,
+        ffn=384,
+        qk_nope=32,
+        qk_rope=16,
+        v_head=32,
+        kv_lora=64,
+        experts=8,
+        top_k=2,
+        shared=1,
+        moe_ffn=128,
+        groups=2,
+        topk_groups=1,
+    ),
+    "small": Dims(
+        hidden=768,
+        layers=16,
+        heads=12,
+        ffn=2048,
+        qk_nope=64,
+        qk_rope=32,
+        v_head=64,
+        kv_lora=256,
+        experts=16,
+        top_k=4,
+        shared=1,
+        moe_ffn=448,
+        groups=4,
+        topk_groups=2,
+    ),
+    "medium": Dims(
+        hidden=1024,
+        layers=24,
+        heads=16,
+        ffn=3072,
+        qk_nope=64,
+        qk_rope=32,
+        v_head=64,
+        kv_lora=384,
+        experts=16,
+        top_k=4,
+        shared=1,
+        moe_ffn=640,
+        groups=4,
+        topk_groups=2,
+    ),
+    "large": Dims(
+        hidden=2048,
+        layers=20,
+        heads=16,
+        ffn=5632,
+        qk_nope=128,
+        qk_rope=64,
+        v_head=128,
+        kv_lora=512,
+        experts=16,
+        top_k=4,
+        shared=1,
+        moe_ffn=1216,
+        groups=4,
+        topk_groups=2,
+    ),
 }
 
 
@@ -122,8 +178,8 @@ def padded_vocab(family: str, vocab_size: int = DEFAULT_VOCAB) -> int:
 @dataclass(frozen=True)
 class ParamCounts:
     total: int
-    active: int               # per token: routed experts count top_k / experts of their size
-    embedding: int            # the input embedding (a lookup, not a matmul)
+    active: int  # per token: routed experts count top_k / experts of their size
+    embedding: int  # the input embedding (a lookup, not a matmul)
 
 
 def param_counts(family: str, size: str, vocab_size: int = DEFAULT_VOCAB) -> ParamCounts:
@@ -132,23 +188,25 @@ def param_counts(family: str, size: str, vocab_size: int = DEFAULT_VOCAB) -> Par
     v = padded_vocab(family, vocab_size)
     h = d.hidden
     embed = v * h
-    head = v * h                                        # untied output head
-    norms = 2 * h                                       # per layer: input and post-attention RMSNorm
+    head = v * h  # untied output head
+    norms = 2 * h  # per layer: input and post-attention RMSNorm
     if family == "deepseek":
         qk = d.qk_nope + d.qk_rope
-        attn = (h * d.heads * qk                        # q_proj (no query compression)
-                + h * (d.kv_lora + d.qk_rope)           # kv_a_proj_with_mqa
-                + d.kv_lora                             # kv_a_layernorm
-                + d.kv_lora * d.heads * (d.qk_nope + d.v_head)   # kv_b_proj
-                + d.heads * d.v_head * h)               # o_proj
+        attn = (
+            h * d.heads * qk  # q_proj (no query compression)
+            + h * (d.kv_lora + d.qk_rope)  # kv_a_proj_with_mqa
+            + d.kv_lora  # kv_a_layernorm
+            + d.kv_lora * d.heads * (d.qk_nope + d.v_head)  # kv_b_proj
+            + d.heads * d.v_head * h
+        )  # o_proj
         dense_mlp = 3 * h * d.ffn
         expert = 3 * h * d.moe_ffn
         routed = d.experts * expert
-        moe_rest = d.shared * expert + d.experts * h    # shared experts, router weight (its bias is a buffer)
+        moe_rest = d.shared * expert + d.experts * h  # shared experts, router weight (its bias is a buffer)
         total = embed + head + h + d.layers * (attn + norms) + dense_mlp + (d.layers - 1) * (routed + moe_rest)
         active = total - (d.layers - 1) * routed + (d.layers - 1) * (routed * d.top_k // d.experts)
         return ParamCounts(total, active, embed)
-    attn = 4 * h * h                                    # q, k, v, o (as many KV heads as heads)
+    attn = 4 * h * h  # q, k, v, o (as many KV heads as heads)
     layer = attn + 3 * h * d.ffn + norms
     total = embed + head + h + d.layers * layer
     return ParamCounts(total, total, embed)
@@ -177,20 +235,28 @@ def tensor_shapes(family: str, size: str, vocab_size: int = DEFAULT_VOCAB) -> li
     out = [Tensor((v, h)), Tensor((v, h), linear="lm_head"), Tensor((h,)), Tensor((h,), 2 * n)]
 
     def mlp(width: int, count: int) -> list[Tensor]:
-        return [Tensor((width, h), count, "gate_proj"), Tensor((width, h), count, "up_proj"),
-                Tensor((h, width), count, "down_proj")]
+        return [
+            Tensor((width, h), count, "gate_proj"),
+            Tensor((width, h), count, "up_proj"),
+            Tensor((h, width), count, "down_proj"),
+        ]
 
     if family != "deepseek":
         return out + [Tensor((h, h), n, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")] + mlp(d.ffn, n)
     qk = d.qk_nope + d.qk_rope
     moe = n - 1
-    return out + [Tensor((d.heads * qk, h), n, "q_proj"), Tensor((d.kv_lora + d.qk_rope, h), n, "kv_a_proj_with_mqa"),
-                  Tensor((d.kv_lora,), n), Tensor((d.heads * (d.qk_nope + d.v_head), d.kv_lora), n, "kv_b_proj"),
-                  Tensor((h, d.heads * d.v_head), n, "o_proj"),
-                  *mlp(d.ffn, 1), *mlp(d.shared * d.moe_ffn, moe),
-                  Tensor((d.experts, 2 * d.moe_ffn, h), moe, fused="gate_up_proj"),
-                  Tensor((d.experts, h, d.moe_ffn), moe, fused="down_proj"),
-                  Tensor((d.experts, h), moe)]
+    return out + [
+        Tensor((d.heads * qk, h), n, "q_proj"),
+        Tensor((d.kv_lora + d.qk_rope, h), n, "kv_a_proj_with_mqa"),
+        Tensor((d.kv_lora,), n),
+        Tensor((d.heads * (d.qk_nope + d.v_head), d.kv_lora), n, "kv_b_proj"),
+        Tensor((h, d.heads * d.v_head), n, "o_proj"),
+        *mlp(d.ffn, 1),
+        *mlp(d.shared * d.moe_ffn, moe),
+        Tensor((d.experts, 2 * d.moe_ffn, h), moe, fused="gate_up_proj"),
+        Tensor((d.experts, h, d.moe_ffn), moe, fused="down_proj"),
+        Tensor((d.experts, h), moe),
+    ]
 
 
 def lora_targets(family: str, targets: str = AUTO) -> list[str]:
@@ -219,8 +285,11 @@ def check_lora(family: str, size: str, lora: int, targets: str = AUTO) -> None:
         missing = [n for n in targets.split(",") if n not in can]
         if missing:
             head = " (the output head is never adapted)" if "lm_head" in missing else ""
-            raise ConfigError("--lora-targets", f"{','.join(missing)}: no layer of that name to adapt in {family}"
-                                                f"{head}; what can be targeted: {','.join(can)} (or auto)")
+            raise ConfigError(
+                "--lora-targets",
+                f"{','.join(missing)}: no layer of that name to adapt in {family}"
+                f"{head}; what can be targeted: {','.join(can)} (or auto)",
+            )
     chosen = adapted_tensors(family, size, targets)
     if not chosen:
         return
@@ -228,14 +297,18 @@ def check_lora(family: str, size: str, lora: int, targets: str = AUTO) -> None:
     limit = min(smallest.shape[-2:])
     if lora > limit:
         name = smallest.linear or smallest.fused
-        raise ConfigError("--lora", f"{lora} is above {limit}, the smallest dimension of the layers it adapts in "
-                                    f"{family} {size} ({name} is {smallest.shape[-2]}x{smallest.shape[-1]}): such an "
-                                    f"adapter is no low-rank update and has more parameters than the layer; use "
-                                    f"--lora {limit} or less")
+        raise ConfigError(
+            "--lora",
+            f"{lora} is above {limit}, the smallest dimension of the layers it adapts in "
+            f"{family} {size} ({name} is {smallest.shape[-2]}x{smallest.shape[-1]}): such an "
+            f"adapter is no low-rank update and has more parameters than the layer; use "
+            f"--lora {limit} or less",
+        )
 
 
-def trained_tensors(family: str, size: str, lora: int = 0, targets: str = AUTO,
-                    vocab_size: int = DEFAULT_VOCAB) -> list[Tensor]:
+def trained_tensors(
+    family: str, size: str, lora: int = 0, targets: str = AUTO, vocab_size: int = DEFAULT_VOCAB
+) -> list[Tensor]:
     """The tensors that have gradients and optimizer state: all of them, or with `lora` R the adapters
     A (R x in) and B (out x R) of every targeted linear layer.
 
@@ -285,14 +358,15 @@ def optimizer_state_bytes(optimizer: str, tensors: list[Tensor]) -> int:
         elif optimizer in LOW_BIT and n >= QUANTIZE_MIN and n % LOW_BIT[optimizer][1] == 0:
             code, block, table = LOW_BIT[optimizer]
             b = int(2 * (n * code + 4 * (n // block) + 4 * table))
-        else:                                       # adamw, and the low-bit ones' small tensors: fp32 moments
+        else:  # adamw, and the low-bit ones' small tensors: fp32 moments
             b = 8 * n
-        total += (b + 4) * t.count                  # + the step count (a fp32 scalar tensor)
+        total += (b + 4) * t.count  # + the step count (a fp32 scalar tensor)
     return total
 
 
-def weight_bytes(family: str, size: str, lora: int = 0, quantize_base: str = "none",
-                 vocab_size: int = DEFAULT_VOCAB) -> int:
+def weight_bytes(
+    family: str, size: str, lora: int = 0, quantize_base: str = "none", vocab_size: int = DEFAULT_VOCAB
+) -> int:
     """Bytes of the weights: fp32, with a quantized frozen base's linear layers (not the output head,
     which bitsandbytes keeps) at QUANTIZED_BASE_BYTES, plus the adapters' fp32 weights."""
     total = 0
@@ -325,24 +399,36 @@ def flops_per_token(family: str, size: str, seq_len: int, vocab_size: int = DEFA
     return int(6 * (c.active - c.embedding) + 6 * d.layers * d.heads * (qk + vh) * seq_len)
 
 
-def activation_bytes_per_token(family: str, size: str, seq_len: int, precision: str = "fp32",
-                               vocab_size: int = DEFAULT_VOCAB, checkpointing: bool = False) -> int:
+def activation_bytes_per_token(
+    family: str,
+    size: str,
+    seq_len: int,
+    precision: str = "fp32",
+    vocab_size: int = DEFAULT_VOCAB,
+    checkpointing: bool = False,
+) -> int:
     """Bytes autograd keeps per token of a micro-batch between forward and backward (an estimate)."""
     d = SIZES[size]
     h = d.hidden
     act = 2 if precision in ("bf16", "fp16") or precision.startswith("fp8") else 4
     if family == "deepseek":
         qk = d.qk_nope + d.qk_rope
-        attn = (4 * h + 3 * d.heads * qk + 3 * d.heads * d.v_head + 3 * d.kv_lora + d.qk_rope
-                + d.heads * (d.qk_nope + d.v_head))
+        attn = (
+            4 * h
+            + 3 * d.heads * qk
+            + 3 * d.heads * d.v_head
+            + 3 * d.kv_lora
+            + d.qk_rope
+            + d.heads * (d.qk_nope + d.v_head)
+        )
         moe = d.top_k * (h + 4 * d.moe_ffn) + d.shared * 4 * d.moe_ffn + 3 * d.experts + 2 * h
         layers = attn * d.layers + 4 * d.ffn + moe * (d.layers - 1)
     else:
         layers = d.layers * (12 * h + 4 * d.ffn)
     if checkpointing:
-        layers = d.layers * h + layers // d.layers      # layer inputs kept, one layer recomputed at a time
+        layers = d.layers * h + layers // d.layers  # layer inputs kept, one layer recomputed at a time
     v = padded_vocab(family, vocab_size)
-    logits = v * act + 3 * v * 4                        # the head's output, and the loss's fp32 copies and grads
+    logits = v * act + 3 * v * 4  # the head's output, and the loss's fp32 copies and grads
     return int(layers * act + logits + h * 4)
 
 
@@ -355,14 +441,14 @@ class Estimate:
     total_params: int
     active_params: int
     flops_per_token: int
-    state_bytes: int          # weights + gradients + optimizer state
-    optimizer_bytes: int      # the optimizer state alone (part of state_bytes)
-    activation_bytes: int     # at `micro_batch`
+    state_bytes: int  # weights + gradients + optimizer state
+    optimizer_bytes: int  # the optimizer state alone (part of state_bytes)
+    activation_bytes: int  # at `micro_batch`
     runtime_bytes: int
     micro_batch: int
     tokens_per_step: int
-    capacity: int | None      # usable bytes of the device (RAM on the CPU), None if unknown
-    step_s: float | None      # None without a peak
+    capacity: int | None  # usable bytes of the device (RAM on the CPU), None if unknown
+    step_s: float | None  # None without a peak
     device: str = "cpu"
     optimizer: str = "adamw"
     trainable_params: int = 0  # parameters with gradients (all, or the LoRA adapters)
@@ -381,12 +467,20 @@ class Estimate:
 
     def to_info(self) -> EstimateInfo:
         """The estimate as the early hello carries it (bytes, seconds)."""
-        return EstimateInfo(params=self.total_params, active_params=self.active_params,
-                            flops_per_token=self.flops_per_token, state_bytes=self.state_bytes,
-                            optimizer_bytes=self.optimizer_bytes, activation_bytes=self.activation_bytes,
-                            runtime_bytes=self.runtime_bytes, total_bytes=self.total_bytes,
-                            capacity_bytes=self.capacity, micro_batch=self.micro_batch, step_s=self.step_s,
-                            assumed_mfu=ASSUMED_MFU)
+        return EstimateInfo(
+            params=self.total_params,
+            active_params=self.active_params,
+            flops_per_token=self.flops_per_token,
+            state_bytes=self.state_bytes,
+            optimizer_bytes=self.optimizer_bytes,
+            activation_bytes=self.activation_bytes,
+            runtime_bytes=self.runtime_bytes,
+            total_bytes=self.total_bytes,
+            capacity_bytes=self.capacity,
+            micro_batch=self.micro_batch,
+            step_s=self.step_s,
+            assumed_mfu=ASSUMED_MFU,
+        )
 
     def summary(self, where: str, steps: int | None = None, optimizer: bool = True) -> str:
         """'deepseek medium on this CPU: ~14.2 GiB (optimizer 6.8 GiB), ~3.5 min per step' (', ~2.5 h for 40
@@ -412,11 +506,26 @@ def fmt_seconds(s: float) -> str:
     return f"{s / 3600:.1f} h"
 
 
-def estimate(family: str, size: str, *, seq_len: int, global_batch: int, micro_batch: int | None,
-             precision: str = "fp32", device: str = "cpu", capacity: int | None = None,
-             peak_flops: float | None = None, world_size: int = 1, vocab_size: int = DEFAULT_VOCAB,
-             checkpointing: bool = False, fsdp: bool = False, optimizer: str = "adamw", lora: int = 0,
-             lora_targets: str = AUTO, quantize_base: str = "none") -> Estimate:
+def estimate(
+    family: str,
+    size: str,
+    *,
+    seq_len: int,
+    global_batch: int,
+    micro_batch: int | None,
+    precision: str = "fp32",
+    device: str = "cpu",
+    capacity: int | None = None,
+    peak_flops: float | None = None,
+    world_size: int = 1,
+    vocab_size: int = DEFAULT_VOCAB,
+    checkpointing: bool = False,
+    fsdp: bool = False,
+    optimizer: str = "adamw",
+    lora: int = 0,
+    lora_targets: str = AUTO,
+    quantize_base: str = "none",
+) -> Estimate:
     """The estimate of one rank. `micro_batch` None (auto) counts the first probe's (1); `capacity` is the
     device's total memory (the usable share is taken here); `peak_flops` one rank's peak, None: no time;
     `optimizer`, `lora` (R, 0: full training), `lora_targets` and `quantize_base` as the config has them
@@ -432,15 +541,36 @@ def estimate(family: str, size: str, *, seq_len: int, global_batch: int, micro_b
     if peak_flops:
         step_s = fpt * tokens / world_size / (peak_flops * ASSUMED_MFU)
     kind = "cuda" if device.startswith("cuda") else "cpu"
-    return Estimate(family=family, size=size, total_params=c.total, active_params=c.active, flops_per_token=fpt,
-                    state_bytes=state, activation_bytes=act, runtime_bytes=RUNTIME_BYTES[kind], micro_batch=mb,
-                    tokens_per_step=tokens, capacity=int(capacity * USABLE_SHARE) if capacity else None,
-                    step_s=step_s, device=kind, optimizer_bytes=opt, optimizer=optimizer,
-                    trainable_params=n_trained)
+    return Estimate(
+        family=family,
+        size=size,
+        total_params=c.total,
+        active_params=c.active,
+        flops_per_token=fpt,
+        state_bytes=state,
+        activation_bytes=act,
+        runtime_bytes=RUNTIME_BYTES[kind],
+        micro_batch=mb,
+        tokens_per_step=tokens,
+        capacity=int(capacity * USABLE_SHARE) if capacity else None,
+        step_s=step_s,
+        device=kind,
+        optimizer_bytes=opt,
+        optimizer=optimizer,
+        trainable_params=n_trained,
+    )
 
 
-def _state(family: str, size: str, optimizer: str, lora: int, lora_targets: str, quantize_base: str,
-           vocab_size: int, shards: int) -> tuple[int, int, int]:
+def _state(
+    family: str,
+    size: str,
+    optimizer: str,
+    lora: int,
+    lora_targets: str,
+    quantize_base: str,
+    vocab_size: int,
+    shards: int,
+) -> tuple[int, int, int]:
     """(persistent state bytes, of which optimizer state, trained parameters) of one rank."""
     trained = trained_tensors(family, size, lora, lora_targets, vocab_size)
     n_trained = sum(t.numel * t.count for t in trained)
@@ -448,8 +578,16 @@ def _state(family: str, size: str, optimizer: str, lora: int, lora_targets: str,
     return (weight_bytes(family, size, lora, quantize_base, vocab_size) + 4 * n_trained) // shards + opt, opt, n_trained
 
 
-def state_bytes(family: str, size: str, *, optimizer: str = "adamw", lora: int = 0, lora_targets: str = AUTO,
-                quantize_base: str = "none", vocab_size: int = DEFAULT_VOCAB) -> int:
+def state_bytes(
+    family: str,
+    size: str,
+    *,
+    optimizer: str = "adamw",
+    lora: int = 0,
+    lora_targets: str = AUTO,
+    quantize_base: str = "none",
+    vocab_size: int = DEFAULT_VOCAB,
+) -> int:
     """The persistent training state of one process (weights, gradients of what trains, optimizer state) as
     `estimate` counts it, without the activations: what `--size auto` plans with (capabilities.auto_size),
     so a run with a low-bit optimizer or LoRA is offered the larger size its smaller state allows."""
@@ -459,8 +597,12 @@ def state_bytes(family: str, size: str, *, optimizer: str = "adamw", lora: int =
 def run_options(cfg: Any) -> dict[str, Any]:
     """The estimate's arguments that a TrainConfig's optimizer toggles and fine-tuning section set."""
     ft = cfg.finetune
-    return dict(optimizer=cfg.toggles.optimizer, lora=ft.lora, lora_targets=ft.lora_targets,
-                quantize_base=cfg.toggles.quantize_base)
+    return dict(
+        optimizer=cfg.toggles.optimizer,
+        lora=ft.lora,
+        lora_targets=ft.lora_targets,
+        quantize_base=cfg.toggles.quantize_base,
+    )
 
 
 def largest_fitting(family: str, **kw: Any) -> str | None:
@@ -474,11 +616,16 @@ def largest_fitting(family: str, **kw: Any) -> str | None:
 
 def refusal(est: Estimate, where: str, fitting: str | None) -> str:
     """The one line of a run that cannot fit: the estimate, and what to do."""
-    parts = (f"{(est.state_bytes - est.optimizer_bytes) / GiB:.1f} GiB weights and gradients + "
-             f"{fmt_size(est.optimizer_bytes)} {est.optimizer} state + "
-             f"{est.activation_bytes / GiB:.1f} GiB activations at micro-batch {est.micro_batch} + "
-             f"{est.runtime_bytes / GiB:.1f} GiB runtime")
+    parts = (
+        f"{(est.state_bytes - est.optimizer_bytes) / GiB:.1f} GiB weights and gradients + "
+        f"{fmt_size(est.optimizer_bytes)} {est.optimizer} state + "
+        f"{est.activation_bytes / GiB:.1f} GiB activations at micro-batch {est.micro_batch} + "
+        f"{est.runtime_bytes / GiB:.1f} GiB runtime"
+    )
     cap = f"{est.capacity / GiB:.1f} GiB usable" if est.capacity else "the memory"
-    what = (f"the largest {est.family} size that fits is {fitting}: use --size {fitting}" if fitting
-            else f"no {est.family} size fits; use a smaller --seq-len or --micro-batch, or a larger device")
+    what = (
+        f"the largest {est.family} size that fits is {fitting}: use --size {fitting}"
+        if fitting
+        else f"no {est.family} size fits; use a smaller --seq-len or --micro-batch, or a larger device"
+    )
     return f"{est.summary(where, optimizer=False)} ({parts}) does not fit in {cap}; {what}"

@@ -54,40 +54,45 @@ PHASES = ("data", "forward", "backward", "optimizer", "other")
 
 ERROR_KINDS = ("oom", "nan", "config", "crash", "compile", "no_checkpoint", "corrupt_checkpoint", "disk")
 # Each kind in words, for a reader who does not know the codes (the end-of-run summary).
-ERROR_WORDS = {"oom": "out of memory", "nan": "the loss or the gradients became NaN or infinite",
-               "config": "the configuration was refused", "crash": "the trainer crashed",
-               "compile": "torch.compile failed", "no_checkpoint": "there was no checkpoint to resume from",
-               "corrupt_checkpoint": "no checkpoint could be read (all corrupt)",
-               "disk": "the run directory could not be written (disk full or read-only)"}
+ERROR_WORDS = {
+    "oom": "out of memory",
+    "nan": "the loss or the gradients became NaN or infinite",
+    "config": "the configuration was refused",
+    "crash": "the trainer crashed",
+    "compile": "torch.compile failed",
+    "no_checkpoint": "there was no checkpoint to resume from",
+    "corrupt_checkpoint": "no checkpoint could be read (all corrupt)",
+    "disk": "the run directory could not be written (disk full or read-only)",
+}
 
 
 class AlertKind(str, enum.Enum):
     """What an alert is about (gptop.alerts raises them; docs/dashboard.md says when each fires)."""
 
-    STALL = "stall"                     # no step for several times the recent step time, the process alive
-    LOSS_SPIKE = "loss_spike"           # the loss far above its running median (in MADs)
-    NAN_ROLLBACK = "nan_rollback"       # the trainer rolled back after a non-finite step
-    THROUGHPUT_DROP = "throughput_drop" # tokens/s sustained well below the run's steady rate
-    THROTTLE = "throttle"               # the GPU's clocks held down by heat or the hardware (not a power cap)
-    ECC = "ecc"                         # new uncorrected ECC memory errors
-    XID = "xid"                         # the driver reported a critical Xid error
-    GPU_LOST = "gpu_lost"               # the GPU fell off the bus (NVML: GPU is lost)
+    STALL = "stall"  # no step for several times the recent step time, the process alive
+    LOSS_SPIKE = "loss_spike"  # the loss far above its running median (in MADs)
+    NAN_ROLLBACK = "nan_rollback"  # the trainer rolled back after a non-finite step
+    THROUGHPUT_DROP = "throughput_drop"  # tokens/s sustained well below the run's steady rate
+    THROTTLE = "throttle"  # the GPU's clocks held down by heat or the hardware (not a power cap)
+    ECC = "ecc"  # new uncorrected ECC memory errors
+    XID = "xid"  # the driver reported a critical Xid error
+    GPU_LOST = "gpu_lost"  # the GPU fell off the bus (NVML: GPU is lost)
 
 
 class CompileWarning(enum.StrEnum):
     """The `warning` kinds of the torch.compile watchdog (trainer.compile_watch) and of the compile-cache retry
     (trainer.inductor_cache): a tuner trial that saw them is marked so in its ledger row."""
 
-    GRAPH_BREAK = "graph_break"         # after the first step: the compile split the model (the first reasons)
-    RECOMPILE = "recompile"             # a guard failed after the first step and a frame compiled again
-    COMPILE_FALLBACK = "compile_fallback"   # a frame hit the recompile limit and runs eagerly from then on
-    COMPILE_CACHE = "compile_cache"     # a compiled artefact of the shared cache did not load: retried with
+    GRAPH_BREAK = "graph_break"  # after the first step: the compile split the model (the first reasons)
+    RECOMPILE = "recompile"  # a guard failed after the first step and a frame compiled again
+    COMPILE_FALLBACK = "compile_fallback"  # a frame hit the recompile limit and runs eagerly from then on
+    COMPILE_CACHE = "compile_cache"  # a compiled artefact of the shared cache did not load: retried with
     #                                     the run's own inductor cache
 
 
 class Severity(str, enum.Enum):
-    WARNING = "warning"                 # the run goes on, slower or noisier: look when you can
-    CRITICAL = "critical"               # the run makes no progress or its hardware fails: look now
+    WARNING = "warning"  # the run goes on, slower or noisier: look when you can
+    CRITICAL = "critical"  # the run makes no progress or its hardware fails: look now
 
 
 class MalformedEvent(ValueError):
@@ -103,7 +108,7 @@ def _toggles(x: Any) -> Toggles:
     """Toggles decoded once, as a stored config's are (an older version's values read as today's). A toggle
     this version does not know (a newer producer's) is left out rather than losing the whole event."""
     if isinstance(x, Toggles):
-        return dataclasses.replace(x)            # the event's own copy: the producer's object may change later
+        return dataclasses.replace(x)  # the event's own copy: the producer's object may change later
     if not isinstance(x, dict):
         raise expected("a mapping of toggles", x)
     known = {f.name for f in dataclasses.fields(Toggles)}
@@ -138,27 +143,27 @@ _CODEC.struct(Record)
 class GpuReading(Record):
     """One GPU at one instant. None: the device or driver cannot tell (rendered "n/a")."""
 
-    index: int                          # NVML index (not CUDA's, which CUDA_VISIBLE_DEVICES renumbers)
+    index: int  # NVML index (not CUDA's, which CUDA_VISIBLE_DEVICES renumbers)
     name: str | None = None
-    util_pct: float | None = None       # % of the last sample period with a kernel running
-    mem_used: int | None = None         # bytes, whole device
-    mem_total: int | None = None        # bytes
+    util_pct: float | None = None  # % of the last sample period with a kernel running
+    mem_used: int | None = None  # bytes, whole device
+    mem_total: int | None = None  # bytes
     power_w: float | None = None
     power_limit_w: float | None = None  # enforced limit
-    energy_j: float | None = None       # NVML total energy counter (since driver load); only differences mean anything
+    energy_j: float | None = None  # NVML total energy counter (since driver load); only differences mean anything
     temp_c: float | None = None
     sm_clock_mhz: float | None = None
-    proc_mem: int | None = None         # bytes used on this GPU by the trainer's processes; None when none are seen
+    proc_mem: int | None = None  # bytes used on this GPU by the trainer's processes; None when none are seen
     sm_clock_max_mhz: float | None = None
-    clock_reasons: list[str] | None = None   # why clocks are held down (gptop.nvml.THROTTLE_REASONS names)
+    clock_reasons: list[str] | None = None  # why clocks are held down (gptop.nvml.THROTTLE_REASONS names)
     sm_active_pct: float | None = None  # GPM (Hopper+): share of SMs busy over the sample period
-    tensor_active_pct: float | None = None   # GPM (Hopper+): share of time the tensor pipes were busy
-    power_note: str | None = None       # why power_w is None, in a few words
-    uuid: str | None = None             # NVML's UUID ("GPU-..."): with pci_bus_id, which GPU a run's is (gpu_key)
-    pci_bus_id: str | None = None       # NVML's PCI bus id ("00000000:17:00.0")
+    tensor_active_pct: float | None = None  # GPM (Hopper+): share of time the tensor pipes were busy
+    power_note: str | None = None  # why power_w is None, in a few words
+    uuid: str | None = None  # NVML's UUID ("GPU-..."): with pci_bus_id, which GPU a run's is (gpu_key)
+    pci_bus_id: str | None = None  # NVML's PCI bus id ("00000000:17:00.0")
     ecc_uncorrected: int | None = None  # volatile uncorrected ECC errors since the driver loaded (None: no ECC)
-    xids: list[int] | None = None       # critical Xid errors the driver reported since the previous sample
-    lost: bool | None = None            # True: NVML says the GPU is lost (fell off the bus), nothing more is read
+    xids: list[int] | None = None  # critical Xid errors the driver reported since the previous sample
+    lost: bool | None = None  # True: NVML says the GPU is lost (fell off the bus), nothing more is read
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,15 +171,15 @@ class CpuReading(Record):
     """The host at one instant; present in GPU mode too (data loading lives here)."""
 
     name: str | None = None
-    util_pct: float | None = None       # whole machine, 0..100
-    per_core: list[float] = field(default_factory=list)   # 0..100 per logical CPU
-    mem_used: int | None = None         # bytes, total - available
-    mem_total: int | None = None        # bytes
-    proc_rss: int | None = None         # bytes, trainer processes and their children
-    proc_cpu_pct: float | None = None   # trainer processes' share of the whole machine, 0..100
-    power_w: float | None = None        # CPU package power from RAPL, None when unreadable
-    energy_j: float | None = None       # RAPL package energy since the sampler started (wraparound undone)
-    power_note: str | None = None       # why power_w is None, in a few words
+    util_pct: float | None = None  # whole machine, 0..100
+    per_core: list[float] = field(default_factory=list)  # 0..100 per logical CPU
+    mem_used: int | None = None  # bytes, total - available
+    mem_total: int | None = None  # bytes
+    proc_rss: int | None = None  # bytes, trainer processes and their children
+    proc_cpu_pct: float | None = None  # trainer processes' share of the whole machine, 0..100
+    power_w: float | None = None  # CPU package power from RAPL, None when unreadable
+    energy_j: float | None = None  # RAPL package energy since the sampler started (wraparound undone)
+    power_note: str | None = None  # why power_w is None, in a few words
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,12 +189,12 @@ class ModelInfo(Record):
     family: str | None = None
     size: str | None = None
     total_params: int | None = None
-    active_params: int | None = None    # per token (MoE: shared + top-k routed experts + dense parts)
+    active_params: int | None = None  # per token (MoE: shared + top-k routed experts + dense parts)
     embedding_params: int | None = None
-    trainable_params: int | None = None # parameters that train (LoRA: the adapters; full fine-tuning: all)
+    trainable_params: int | None = None  # parameters that train (LoRA: the adapters; full fine-tuning: all)
     vocab_size: int | None = None
     flops_per_token: int | None = None  # training FLOPs per token (fwd + bwd)
-    objective: str | None = None        # "causal" | "llada"
+    objective: str | None = None  # "causal" | "llada"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,15 +205,15 @@ class EstimateInfo(Record):
     params: int | None = None
     active_params: int | None = None
     flops_per_token: int | None = None
-    state_bytes: int | None = None      # weights + gradients + optimizer state
+    state_bytes: int | None = None  # weights + gradients + optimizer state
     optimizer_bytes: int | None = None  # the optimizer state alone (part of state_bytes)
     activation_bytes: int | None = None
     runtime_bytes: int | None = None
     total_bytes: int | None = None
-    capacity_bytes: int | None = None   # usable bytes of the device (RAM on the CPU); None: unknown
+    capacity_bytes: int | None = None  # usable bytes of the device (RAM on the CPU); None: unknown
     micro_batch: int | None = None
-    step_s: float | None = None         # None without a peak to time against
-    assumed_mfu: float | None = None    # the MFU the step time assumes
+    step_s: float | None = None  # None without a peak to time against
+    assumed_mfu: float | None = None  # the MFU the step time assumes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -216,16 +221,16 @@ class MeasureProgress(Record):
     """How far the tuner's measurement of the running configuration is (a tuner event's `measure`)."""
 
     kind: TrialKind
-    number: int | None = None           # the trial's number (None: a baseline not yet recorded)
-    steps: int = 0                      # step samples seen, warm-up included
-    samples: int = 0                    # samples the estimate uses (after warm-up)
-    needed: int = 0                     # samples a stable estimate needs at least
+    number: int | None = None  # the trial's number (None: a baseline not yet recorded)
+    steps: int = 0  # step samples seen, warm-up included
+    samples: int = 0  # samples the estimate uses (after warm-up)
+    needed: int = 0  # samples a stable estimate needs at least
     warmed_up: bool = False
-    tokens_per_s: float | None = None   # the current estimate (median)
-    spread: float | None = None         # its confidence half-width, tokens/s
-    target: float | None = None         # the relative half-width that counts as stable (0.03: +-3%)
-    seconds: float | None = None        # measured so far
-    max_seconds: float | None = None    # when it stops measuring even if still noisy
+    tokens_per_s: float | None = None  # the current estimate (median)
+    spread: float | None = None  # its confidence half-width, tokens/s
+    target: float | None = None  # the relative half-width that counts as stable (0.03: +-3%)
+    seconds: float | None = None  # measured so far
+    max_seconds: float | None = None  # when it stops measuring even if still noisy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -233,8 +238,8 @@ class OpTime(Record):
     """An operator (CPU) or kernel (GPU) in a profile summary: its self time over the window and its share."""
 
     name: str
-    ms: float                           # self time summed over the window's steps
-    share: float                        # of its phase's time (ops) or of the phase's GPU time (kernels), 0..1
+    ms: float  # self time summed over the window's steps
+    share: float  # of its phase's time (ops) or of the phase's GPU time (kernels), 0..1
     calls: int = 0
 
 
@@ -242,12 +247,12 @@ class OpTime(Record):
 class PhaseProfile(Record):
     """One step phase of a profile window: its time and where it went."""
 
-    phase: str                          # one of PHASES
-    ms: float                           # wall time of the phase, summed over the window's steps
-    ops: list[OpTime] = field(default_factory=list)       # top CPU operators by self time
-    op_share: float = 0.0               # share of the phase inside any operator (the rest: Python, waiting)
-    kernels: list[OpTime] = field(default_factory=list)   # top GPU kernels launched in the phase (CUDA)
-    gpu_ms: float | None = None         # GPU time of the kernels launched in the phase (CUDA)
+    phase: str  # one of PHASES
+    ms: float  # wall time of the phase, summed over the window's steps
+    ops: list[OpTime] = field(default_factory=list)  # top CPU operators by self time
+    op_share: float = 0.0  # share of the phase inside any operator (the rest: Python, waiting)
+    kernels: list[OpTime] = field(default_factory=list)  # top GPU kernels launched in the phase (CUDA)
+    gpu_ms: float | None = None  # GPU time of the kernels launched in the phase (CUDA)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -256,10 +261,10 @@ class TunerBest(Record):
 
     number: int | None = None
     toggles: Toggles | None = None
-    tokens_per_s: float | None = None   # as measured (on this run, or on the earlier run it comes from)
+    tokens_per_s: float | None = None  # as measured (on this run, or on the earlier run it comes from)
     spread: float | None = None
-    speedup: float | None = None        # against the start's measurement of the same run
-    earlier: bool = False               # measured by an earlier run of the same setup, not re-measured on this one
+    speedup: float | None = None  # against the start's measurement of the same run
+    earlier: bool = False  # measured by an earlier run of the same setup, not re-measured on this one
 
 
 # --------------------------------------------------------------------------- events
@@ -288,7 +293,7 @@ class HelloEvent(Event):
     """A trainer process started: its configuration, device and model (rank 0)."""
 
     type: ClassVar[str] = "hello"
-    config: dict[str, dict[str, Any]]   # TrainConfig.to_dict()
+    config: dict[str, dict[str, Any]]  # TrainConfig.to_dict()
     device: DeviceInfo
     model: ModelInfo
     pid: int | None = None
@@ -298,8 +303,8 @@ class HelloEvent(Event):
     accumulation: int | None = None
     micro_batch: int | None = None
     tokens_per_step: int | None = None
-    peak_flops: float | None = None     # the MFU denominator per process, FLOP/s
-    peak_source: str | None = None      # "datasheet: <GPU> ..." or "measured: ..." (MFU is then approximate)
+    peak_flops: float | None = None  # the MFU denominator per process, FLOP/s
+    peak_source: str | None = None  # "datasheet: <GPU> ..." or "measured: ..." (MFU is then approximate)
     resumed_from: str | None = None
     start_step: int = 0
     torch: str | None = None
@@ -350,7 +355,7 @@ class StepEvent(Event):
 
     type: ClassVar[str] = "step"
     step: int
-    tokens: int                         # cumulative, global
+    tokens: int  # cumulative, global
     loss: float | None
     lr: float | None
     grad_norm: float | None
@@ -361,11 +366,11 @@ class StepEvent(Event):
     mem_bytes: int | None
     interval_steps: int | None = None
     wall_ms: float | None = None
-    batch: int | None = None            # global batch index of the last step (data-order checks)
+    batch: int | None = None  # global batch index of the last step (data-order checks)
     gpu_idle_ms: float | None = None
     comm_ms: float | None = None
-    expert_load: list[list[float]] | None = None   # MoE: per layer, per expert share of the tokens
-    optim_state_bytes: int | None = None   # bytes the optimizer state occupies (quantized moments: as stored)
+    expert_load: list[list[float]] | None = None  # MoE: per layer, per expert share of the tokens
+    optim_state_bytes: int | None = None  # bytes the optimizer state occupies (quantized moments: as stored)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -376,7 +381,7 @@ class ProgressEvent(Event):
 
     type: ClassVar[str] = "progress"
     step: int
-    tokens: int                         # cumulative, global
+    tokens: int  # cumulative, global
     step_ms: float | None = None
 
 
@@ -389,9 +394,9 @@ class PhaseEvent(Event):
     """A startup phase began or moved (tokenizing 40%): what the run is doing before its first step."""
 
     type: ClassVar[str] = "phase"
-    phase: str                          # one of STARTUP_PHASES (newer trainers may add phases)
-    message: str                        # in words: "probing micro-batch 4"
-    pct: float | None = None            # progress of the phase, 0..100, when known
+    phase: str  # one of STARTUP_PHASES (newer trainers may add phases)
+    message: str  # in words: "probing micro-batch 4"
+    pct: float | None = None  # progress of the phase, 0..100, when known
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -428,7 +433,7 @@ class LogEvent(Event):
 class WarningEvent(Event):
     type: ClassVar[str] = "warning"
     message: str
-    kind: str | None = None             # slow_toggle, peak_flops, nan_rollback, a CompileWarning, ...
+    kind: str | None = None  # slow_toggle, peak_flops, nan_rollback, a CompileWarning, ...
     step: int | None = None
     batch: int | None = None
     skip_batches: list[int] | None = None
@@ -438,16 +443,16 @@ class WarningEvent(Event):
 @dataclass(frozen=True, kw_only=True)
 class ErrorEvent(Event):
     type: ClassVar[str] = "error"
-    kind: str                           # one of ERROR_KINDS (newer trainers may add kinds)
+    kind: str  # one of ERROR_KINDS (newer trainers may add kinds)
     message: str
     step: int | None = None
     exit_code: int | None = None
-    toggles: dict[str, Any] | None = None   # oom: what ran out of memory
+    toggles: dict[str, Any] | None = None  # oom: what ran out of memory
     memory: dict[str, Any] | None = None
-    lost_peer: bool = False             # several ranks: this rank lost contact with another
-    path: str | None = None             # disk: the file a write failed on
-    os_error: str | None = None         # disk: the errno text ("No space left on device", "Read-only file system")
-    free_bytes: int | None = None       # disk: bytes free on that filesystem when it failed
+    lost_peer: bool = False  # several ranks: this rank lost contact with another
+    path: str | None = None  # disk: the file a write failed on
+    os_error: str | None = None  # disk: the errno text ("No space left on device", "Read-only file system")
+    free_bytes: int | None = None  # disk: bytes free on that filesystem when it failed
 
 
 # What a `done` event's reason may say besides the stop's own words (trainer.commands): the ends a reader
@@ -463,7 +468,7 @@ class DoneEvent(Event):
     step: int
     tokens: int
     seconds: float | None = None
-    reason: str | None = None           # "max_steps" or why it stopped
+    reason: str | None = None  # "max_steps" or why it stopped
     checkpoint: str | None = None
 
 
@@ -474,7 +479,7 @@ class DeviceEvent(Event):
     type: ClassVar[str] = "device"
     devices: list[GpuReading]
     cpu: CpuReading | None = None
-    mode: str | None = None             # "gpu" or "cpu"
+    mode: str | None = None  # "gpu" or "cpu"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -486,7 +491,7 @@ class TrialEvent(Event):
     toggles: Toggles
     status: TrialStatus
     tokens_per_s: float | None = None
-    spread: float | None = None         # tokens/s
+    spread: float | None = None  # tokens/s
     peak_mem: int | None = None
     energy_per_token: float | None = None
     reason: str | None = None
@@ -496,11 +501,11 @@ class TrialEvent(Event):
     remeasure_tokens_per_s: float | None = None
     remeasure_spread: float | None = None
     rollback: dict[str, Any] | None = None
-    earlier: bool = False               # the trial ran in an earlier run of the same setup (a re-measurement)
-    advice: str | None = None           # source advice: the evidence of the advice it tries (gptop.advice)
+    earlier: bool = False  # the trial ran in an earlier run of the same setup (a re-measurement)
+    advice: str | None = None  # source advice: the evidence of the advice it tries (gptop.advice)
     # CompileWarning kind -> how many came during the trial; None: none came
     compile: dict[str, int] | None = None
-    unsteady: bool = False              # its compile kept recompiling: never applied however fast it measured
+    unsteady: bool = False  # its compile kept recompiling: never applied however fast it measured
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -512,7 +517,7 @@ class ApplyEvent(Event):
     tokens_per_s: float | None = None
     baseline_tokens_per_s: float | None = None
     step: int | None = None
-    earlier: bool = False               # the applied trial ran in an earlier run of the same setup
+    earlier: bool = False  # the applied trial ran in an earlier run of the same setup
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -524,11 +529,11 @@ class TunerEvent(Event):
     trials_run: int | None = None
     trials_planned: int | None = None
     study: str | None = None
-    outcome: str | None = None          # phase done: the decision, or why tuning ended
+    outcome: str | None = None  # phase done: the decision, or why tuning ended
     applied: bool | None = None
-    measure: MeasureProgress | None = None   # while a configuration is measured
-    budget_s: float | None = None       # the budget in effect: the one asked for, or the share the run affords
-    best: TunerBest | None = None       # the best so far, as the decision and the report see it
+    measure: MeasureProgress | None = None  # while a configuration is measured
+    budget_s: float | None = None  # the budget in effect: the one asked for, or the share the run affords
+    best: TunerBest | None = None  # the best so far, as the decision and the report see it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -537,18 +542,18 @@ class ProfileEvent(Event):
     the top operators and kernels, and the signs of a launch-bound or host-bound step."""
 
     type: ClassVar[str] = "profile"
-    first: int                          # the window's steps, numbered from 1
+    first: int  # the window's steps, numbered from 1
     last: int
-    path: str                           # the Chrome trace
-    summary_path: str | None = None     # this summary as JSON, next to the trace
-    step_ms: float                      # mean wall time of a step in the window
+    path: str  # the Chrome trace
+    summary_path: str | None = None  # this summary as JSON, next to the trace
+    step_ms: float  # mean wall time of a step in the window
     phases: list[PhaseProfile] = field(default_factory=list)
     # share of the steps' time spent in operators (CPU) or kernels (GPU) shorter than SHORT_OP_US: launch-bound
     short_op_share: float | None = None
     short_kernel_share: float | None = None
-    gpu_idle_share: float | None = None      # CUDA: share of the step the GPU ran no kernel ...
+    gpu_idle_share: float | None = None  # CUDA: share of the step the GPU ran no kernel ...
     gpu_idle_host_share: float | None = None  # ... of it while the host was in a compute phase (launching)
-    comm_overlap: float | None = None        # several ranks on CUDA: share of NCCL kernel time overlapping compute
+    comm_overlap: float | None = None  # several ranks on CUDA: share of NCCL kernel time overlapping compute
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -568,16 +573,16 @@ class AlertEvent(Event):
     `ranks` and `node`/`device` say where it applies when it is not the whole run."""
 
     type: ClassVar[str] = "alert"
-    id: str                             # one alert's raise and its resolution share it
+    id: str  # one alert's raise and its resolution share it
     kind: AlertKind
     severity: Severity
     message: str
     resolved: bool = False
-    step: int | None = None             # the run's latest step when it was raised (or resolved)
+    step: int | None = None  # the run's latest step when it was raised (or resolved)
     figures: dict[str, Any] = field(default_factory=dict)
-    ranks: list[int] | None = None      # the ranks it concerns (a stall: the ranks behind)
-    node: str | None = None             # the node whose device it concerns
-    device: str | None = None           # "gpu0": the device it concerns
+    ranks: list[int] | None = None  # the ranks it concerns (a stall: the ranks behind)
+    node: str | None = None  # the node whose device it concerns
+    device: str | None = None  # "gpu0": the device it concerns
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -587,11 +592,38 @@ class UnknownEvent(Event):
     type: str  # type: ignore[misc]
 
 
-EVENT_TYPES: dict[str, type[Event]] = {c.type: c for c in (
-    HelloEvent, StepEvent, EvalEvent, CheckpointEvent, LogEvent, WarningEvent, ErrorEvent, DoneEvent,
-    DeviceEvent, TrialEvent, ApplyEvent, TunerEvent, StatusEvent, ProgressEvent, PhaseEvent, ProfileEvent, AlertEvent)}
-RECORDS: tuple[type[Record], ...] = (GpuReading, CpuReading, ModelInfo, EstimateInfo, MeasureProgress, OpTime,
-                                     PhaseProfile, TunerBest)
+EVENT_TYPES: dict[str, type[Event]] = {
+    c.type: c
+    for c in (
+        HelloEvent,
+        StepEvent,
+        EvalEvent,
+        CheckpointEvent,
+        LogEvent,
+        WarningEvent,
+        ErrorEvent,
+        DoneEvent,
+        DeviceEvent,
+        TrialEvent,
+        ApplyEvent,
+        TunerEvent,
+        StatusEvent,
+        ProgressEvent,
+        PhaseEvent,
+        ProfileEvent,
+        AlertEvent,
+    )
+}
+RECORDS: tuple[type[Record], ...] = (
+    GpuReading,
+    CpuReading,
+    ModelInfo,
+    EstimateInfo,
+    MeasureProgress,
+    OpTime,
+    PhaseProfile,
+    TunerBest,
+)
 _BASE = ("v", "type", "time", "rank")
 
 
@@ -607,8 +639,10 @@ def make(type: str, **fields: Any) -> Event:
     spec = _CODEC.spec(cls)
     unknown = [k for k in fields if k not in spec.names]
     if unknown:
-        raise MalformedEvent(f"{type} event has no field {', '.join(map(repr, unknown))}; declare it in "
-                             f"trainer.contract.events.{cls.__name__}")
+        raise MalformedEvent(
+            f"{type} event has no field {', '.join(map(repr, unknown))}; declare it in "
+            f"trainer.contract.events.{cls.__name__}"
+        )
     missing = [k for k in spec.required if k not in fields]
     if missing:
         raise MalformedEvent(f"{type} event missing {', '.join(missing)}")
@@ -679,13 +713,15 @@ def from_dict(obj: Any) -> Event:
         raise MalformedEvent(f"'type' is {type(kind).__name__}, not a string")
     cls = EVENT_TYPES.get(kind)
     if cls is None:
-        return UnknownEvent(type=kind, v=v, time=obj["time"], rank=obj["rank"],
-                            extra={k: x for k, x in obj.items() if k not in _BASE})
+        return UnknownEvent(
+            type=kind, v=v, time=obj["time"], rank=obj["rank"], extra={k: x for k, x in obj.items() if k not in _BASE}
+        )
     return _CODEC.decode(cls, obj)
 
 
-def read_events(path: str | Path, *, strict: bool = False,
-                on_malformed: Callable[[bytes, MalformedEvent], None] | None = None) -> Iterator[Event]:
+def read_events(
+    path: str | Path, *, strict: bool = False, on_malformed: Callable[[bytes, MalformedEvent], None] | None = None
+) -> Iterator[Event]:
     """Events of a JSONL file. A malformed line is skipped (and passed to `on_malformed`, to be
     counted), or raised with `strict`."""
     with open(path, "rb") as f:

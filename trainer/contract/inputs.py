@@ -36,21 +36,38 @@ if TYPE_CHECKING:
 
 DATA_EXTENSIONS = (".txt", ".jsonl", ".parquet")
 DATA_KINDS = ".txt, .jsonl (one {\"text\": ...} object per line) or .parquet (a 'text' column)"
-TOKENIZER_FILES = frozenset({"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                             "merges.txt", "vocab.txt", "added_tokens.json", "tokenizer.model", "spiece.model",
-                             "sentencepiece.bpe.model", "chat_template.jinja"})
-MODEL_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                 "pytorch_model.bin.index.json")
-POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")   # how configs name their length
-MAX_HEAD_FILES = 64                # data files of a folder looked into at the start
-HEAD_BYTES = 64 << 10              # how much of a data file is checked to be what it claims (not all of a 10 GB file)
-MAX_TEXT_FILE = 64 << 20           # a config or tokenizer file larger than this is not one
+TOKENIZER_FILES = frozenset(
+    {
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "vocab.json",
+        "merges.txt",
+        "vocab.txt",
+        "added_tokens.json",
+        "tokenizer.model",
+        "spiece.model",
+        "sentencepiece.bpe.model",
+        "chat_template.jinja",
+    }
+)
+MODEL_WEIGHTS = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")  # how configs name their length
+MAX_HEAD_FILES = 64  # data files of a folder looked into at the start
+HEAD_BYTES = 64 << 10  # how much of a data file is checked to be what it claims (not all of a 10 GB file)
+MAX_TEXT_FILE = 64 << 20  # a config or tokenizer file larger than this is not one
 _SQLITE_MAGIC = b"SQLite format 3\x00"
-_ZIP_MAGIC = b"PK\x03\x04"         # torch.save's format
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format
 _PARQUET_MAGIC = b"PAR1"
 
 
 # --- the boundary: every filesystem question goes through these ---------------------------------------------
+
 
 def read_head(path: Path, n: int) -> bytes:
     """The first `n` bytes of a file (OSError if it cannot be read)."""
@@ -78,6 +95,7 @@ def writable(path: Path) -> str | None:
 
 # --- helpers -----------------------------------------------------------------------------------------------
 
+
 def _reason(e: OSError) -> str:
     return os.strerror(e.errno) if e.errno else str(e)
 
@@ -87,7 +105,7 @@ def _path(value: str | Path) -> Path:
 
 
 def kind_of_path(p: Path, option: str) -> str:
-    """"missing", "dir", "file" (regular) or "other" (a device, a FIFO, a socket); ConfigError naming `option`
+    """ "missing", "dir", "file" (regular) or "other" (a device, a FIFO, a socket); ConfigError naming `option`
     for a path the system refuses to look at (too long, a NUL byte, a loop of links, no permission)."""
     try:
         mode = os.stat(p).st_mode
@@ -178,6 +196,7 @@ def _json_object(p: Path, option: str, what: str) -> dict[str, Any]:
 
 # --- directories to create or write into ---------------------------------------------------------------------
 
+
 def check_writable_dir(value: str | Path, option: str) -> Path:
     """A directory this run will write into: an existing writable directory, or one that can be created (its
     nearest existing ancestor is a writable directory). Nothing is created here."""
@@ -218,20 +237,30 @@ def _writable_file(p: Path, option: str, what: str) -> None:
 
 # --- the config's path options ---------------------------------------------------------------------------------
 
+
 def data_files(spec: str, option: str = "--data") -> list[Path]:
     """The text files of `--data PATH` (a file, or every data file under a folder, hidden ones left out), in a
     fixed order. The one place that says which files are data."""
     p = _existing(spec, option, f"a {DATA_KINDS} file, a folder of them, or 'builtin'")
     if kind_of_path(p, option) == "dir":
         try:
-            files = sorted((f for f in p.rglob("*") if f.suffix.lower() in DATA_EXTENSIONS and f.is_file()
-                            and not any(part.startswith(".") for part in f.relative_to(p).parts)),
-                           key=lambda f: f.relative_to(p).as_posix())
+            files = sorted(
+                (
+                    f
+                    for f in p.rglob("*")
+                    if f.suffix.lower() in DATA_EXTENSIONS
+                    and f.is_file()
+                    and not any(part.startswith(".") for part in f.relative_to(p).parts)
+                ),
+                key=lambda f: f.relative_to(p).as_posix(),
+            )
         except OSError as e:
             raise ConfigError(option, f"{p} cannot be read ({_reason(e)})") from None
         if not files:
-            raise ConfigError(option, f"{p} holds no {', '.join(DATA_EXTENSIONS)} files (searched recursively); "
-                                      f"put {DATA_KINDS} files there")
+            raise ConfigError(
+                option,
+                f"{p} holds no {', '.join(DATA_EXTENSIONS)} files (searched recursively); put {DATA_KINDS} files there",
+            )
         return files
     if p.suffix.lower() not in DATA_EXTENSIONS:
         raise ConfigError(option, f"{p}: unsupported file type {p.suffix or '(no extension)'!r}; use {DATA_KINDS}")
@@ -256,8 +285,12 @@ def check_data(spec: str, option: str = "--data") -> list[Path]:
         return []
     files = data_files(spec, option)
     if not any(_size(f) for f in files):
-        raise ConfigError(option, f"{_path(spec)} is empty: no text to train on" if len(files) == 1 else
-                          f"{_path(spec)}: every data file in it is empty; no text to train on")
+        raise ConfigError(
+            option,
+            f"{_path(spec)} is empty: no text to train on"
+            if len(files) == 1
+            else f"{_path(spec)}: every data file in it is empty; no text to train on",
+        )
     for f in files[:MAX_HEAD_FILES]:
         head = _head(f, option)
         kind = f.suffix.lower()
@@ -282,11 +315,14 @@ def _check_first_jsonl_line(f: Path, head: bytes, option: str) -> None:
     try:
         obj = json.loads(first)
     except ValueError as e:
-        raise ConfigError(option, f"{f}: the first line is not valid JSON ({e}); each line must be a JSON "
-                                  'object like {"text": "..."}') from None
+        raise ConfigError(
+            option,
+            f'{f}: the first line is not valid JSON ({e}); each line must be a JSON object like {{"text": "..."}}',
+        ) from None
     if not isinstance(obj, dict) or "text" not in obj:
-        raise ConfigError(option, f"{f}: the first line has no \"text\" field; each line must be a JSON object "
-                                  'like {"text": "..."}')
+        raise ConfigError(
+            option, f'{f}: the first line has no "text" field; each line must be a JSON object like {{"text": "..."}}'
+        )
 
 
 def check_tokenizer(value: str, option: str = "--tokenizer") -> Path:
@@ -297,12 +333,15 @@ def check_tokenizer(value: str, option: str = "--tokenizer") -> Path:
         _regular_file(p, option, what)
         tok = _json_object(p, option, "a tokenizer.json")
         if "model" not in tok:
-            raise ConfigError(option, f"{p} is JSON but not a tokenizers file (no \"model\"); give {what}")
+            raise ConfigError(option, f'{p} is JSON but not a tokenizers file (no "model"); give {what}')
         return p
     names = {e.name for e in _listing(p, option)}
     if not names & TOKENIZER_FILES and not any(n.endswith(".tiktoken") for n in names):
-        raise ConfigError(option, f"{p} holds no tokenizer files (tokenizer.json, tokenizer_config.json, vocab.json, "
-                                  "tokenizer.model, ...); give a directory saved with save_pretrained()")
+        raise ConfigError(
+            option,
+            f"{p} holds no tokenizer files (tokenizer.json, tokenizer_config.json, vocab.json, "
+            "tokenizer.model, ...); give a directory saved with save_pretrained()",
+        )
     if "tokenizer.json" in names:
         check_tokenizer(str(p / "tokenizer.json"), option)
     for name in sorted(names & {"tokenizer_config.json", "special_tokens_map.json"}):
@@ -321,13 +360,18 @@ def check_model(model: str, option: str = "--model") -> dict[str, Any] | None:
     directory's config.json, None for a family."""
     if not is_model_path(model):
         return None
-    what = (f"a model family ({', '.join(FAMILIES)}) or a local Hugging Face model directory with config.json; "
-            "nothing is downloaded")
+    what = (
+        f"a model family ({', '.join(FAMILIES)}) or a local Hugging Face model directory with config.json; "
+        "nothing is downloaded"
+    )
     p = _path(model)
     kind = kind_of_path(p, option)
     if kind == "missing":
-        raise ConfigError(option, f"{show(model)} is neither a model family ({', '.join(FAMILIES)}) nor an "
-                                  "existing directory (a local Hugging Face model; nothing is downloaded)")
+        raise ConfigError(
+            option,
+            f"{show(model)} is neither a model family ({', '.join(FAMILIES)}) nor an "
+            "existing directory (a local Hugging Face model; nothing is downloaded)",
+        )
     if kind != "dir":
         raise ConfigError(option, f"{p} is a file; give the model directory (with config.json)")
     names = {e.name for e in _listing(p, option)}
@@ -335,11 +379,16 @@ def check_model(model: str, option: str = "--model") -> dict[str, Any] | None:
         raise ConfigError(option, f"{p} has no config.json: not a Hugging Face model directory; give {what}")
     config = _json_object(p / "config.json", option, "a model config.json")
     if not isinstance(config.get("model_type"), str):
-        raise ConfigError(option, f"{p / 'config.json'} is not a transformers model config (no \"model_type\"); "
-                                  "give a directory saved with save_pretrained()")
+        raise ConfigError(
+            option,
+            f'{p / "config.json"} is not a transformers model config (no "model_type"); '
+            "give a directory saved with save_pretrained()",
+        )
     if not names & set(MODEL_WEIGHTS) and not any(n.endswith(".safetensors") for n in names):
-        raise ConfigError(option, f"{p} has no weights ({', '.join(MODEL_WEIGHTS[::2])}); a model saved with "
-                                  "save_pretrained() has them")
+        raise ConfigError(
+            option,
+            f"{p} has no weights ({', '.join(MODEL_WEIGHTS[::2])}); a model saved with save_pretrained() has them",
+        )
     return config
 
 
@@ -363,10 +412,14 @@ def check_resume(value: str, option: str = "--resume") -> Path:
             return p
         if rundir.is_run_dir(p):
             again = f"--config {rundir.RunDir(p).config} " if rundir.RunDir(p).config.is_file() else ""
-            raise ConfigError(option, f"nothing to resume: {p} {without_checkpoint(p)}; start it again "
-                                      f"with {again}--run-dir NEW_DIR")
-        raise ConfigError(option, f"nothing to resume: {p} is not a run directory (no checkpoints, no "
-                                  f"{rundir.CONFIG}, no {rundir.EVENTS}); give {what}")
+            raise ConfigError(
+                option, f"nothing to resume: {p} {without_checkpoint(p)}; start it again with {again}--run-dir NEW_DIR"
+            )
+        raise ConfigError(
+            option,
+            f"nothing to resume: {p} is not a run directory (no checkpoints, no "
+            f"{rundir.CONFIG}, no {rundir.EVENTS}); give {what}",
+        )
     _regular_file(p, option, what)
     if not _head(p, option, len(_ZIP_MAGIC)).startswith(_ZIP_MAGIC):
         raise ConfigError(option, f"{p} is not a checkpoint (not a torch.save file); give {what}")
@@ -379,6 +432,7 @@ def check_run_dir(value: str | None, option: str = "--run-dir") -> Path:
 
 
 # --- gptop's own inputs -----------------------------------------------------------------------------------------
+
 
 def check_run_to_read(value: str | Path, option: str) -> Path:
     """A finished or running run to read (`gptop report RUN_DIR`): a directory with a readable events.jsonl."""
@@ -415,7 +469,7 @@ def check_storage(url: str | None, option: str = "--storage") -> None:
     if url is None:
         return
     if url.startswith("journal:"):
-        path = url[len("journal:"):]
+        path = url[len("journal:") :]
         if not path:
             raise ConfigError(option, f"{url!r}: journal:PATH needs a file path")
         p = _path(path)
@@ -427,15 +481,16 @@ def check_storage(url: str | None, option: str = "--storage") -> None:
                 try:
                     json.loads(first)
                 except ValueError:
-                    raise ConfigError(option, f"{p} is not an Optuna journal file (its first line is not "
-                                              "JSON)") from None
+                    raise ConfigError(
+                        option, f"{p} is not an Optuna journal file (its first line is not JSON)"
+                    ) from None
         return
     if url.startswith("sqlite:"):
         if not url.startswith("sqlite:///"):
             if url == "sqlite://":
-                return                  # in memory
+                return  # in memory
             raise ConfigError(option, f"{url!r}: write sqlite:///RELATIVE/PATH or sqlite:////ABSOLUTE/PATH")
-        path = url[len("sqlite:///"):].split("?", 1)[0]
+        path = url[len("sqlite:///") :].split("?", 1)[0]
         if path in ("", ":memory:"):
             return
         p = _path(path)
@@ -448,8 +503,11 @@ def check_storage(url: str | None, option: str = "--storage") -> None:
     scheme, sep, rest = url.partition("://")
     if sep and scheme and rest and all(c.isalnum() or c in "+-." for c in scheme):
         return
-    raise ConfigError(option, f"{show(url)} is neither an Optuna storage URL (sqlite:///FILE, postgresql://..., "
-                              "mysql://...) nor journal:PATH")
+    raise ConfigError(
+        option,
+        f"{show(url)} is neither an Optuna storage URL (sqlite:///FILE, postgresql://..., "
+        "mysql://...) nor journal:PATH",
+    )
 
 
 def path_arg(check: Callable[[str, str], Any], option: str = "") -> Callable[[str], str]:
@@ -466,11 +524,12 @@ def path_arg(check: Callable[[str, str], Any], option: str = "") -> Callable[[st
         return text
 
     convert.__name__ = "path"
-    convert.check = check            # type: ignore[attr-defined]  # the input tests find path flags by it
+    convert.check = check  # type: ignore[attr-defined]  # the input tests find path flags by it
     return convert
 
 
 # --- every path option of a config -------------------------------------------------------------------------------
+
 
 def _check_model_option(value: str, option: str, cfg: "TrainConfig") -> None:
     config = check_model(value, option)
@@ -478,14 +537,18 @@ def _check_model_option(value: str, option: str, cfg: "TrainConfig") -> None:
         return
     positions = next((config[k] for k in POSITION_KEYS if k in config), None)
     if isinstance(positions, int) and not isinstance(positions, bool) and cfg.data.seq_len > positions:
-        raise ConfigError("--seq-len", f"{cfg.data.seq_len} is more than the {positions} positions of --model "
-                                       f"{value} ({next(k for k in POSITION_KEYS if k in config)} in its config.json)")
+        raise ConfigError(
+            "--seq-len",
+            f"{cfg.data.seq_len} is more than the {positions} positions of --model "
+            f"{value} ({next(k for k in POSITION_KEYS if k in config)} in its config.json)",
+        )
     if cfg.data.tokenizer is None:
         try:
             check_tokenizer(value, option)
         except ConfigError as e:
-            raise ConfigError(option, f"{e.message} (a model directory is also its tokenizer unless --tokenizer "
-                                      "DIR is given)") from None
+            raise ConfigError(
+                option, f"{e.message} (a model directory is also its tokenizer unless --tokenizer DIR is given)"
+            ) from None
 
 
 PATH_CHECKS: dict[str, Callable[[Any, str, "TrainConfig"], Any]] = {
@@ -495,7 +558,7 @@ PATH_CHECKS: dict[str, Callable[[Any, str, "TrainConfig"], Any]] = {
     "resume": lambda v, o, cfg: check_resume(v, o),
     "run_dir": lambda v, o, cfg: check_run_dir(v, o),
 }
-NONE_CHECKED = frozenset({"run_dir"})     # options whose default (None) names a path too
+NONE_CHECKED = frozenset({"run_dir"})  # options whose default (None) names a path too
 
 
 def check_config_paths(cfg: "TrainConfig") -> None:

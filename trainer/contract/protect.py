@@ -37,17 +37,19 @@ from .common import ConfigError
 from .rundir import has_checkpoint, pid_alive, run_markers, run_part
 from .runlock import holder_words, lock_holders
 
-EXPORT_MARKER = "gptop-export.json"     # written by `gptop export`: what it wrote, so a later --force knows it
+EXPORT_MARKER = "gptop-export.json"  # written by `gptop export`: what it wrote, so a later --force knows it
 MARKER_VERSION = 1
-MAX_EXPORT_ENTRIES = 10_000             # an export holds a dozen files; past this it is not one
-SEARCH_DEPTH = 4                        # how deep a refused directory is searched for a run (to name it)
+MAX_EXPORT_ENTRIES = 10_000  # an export holds a dozen files; past this it is not one
+SEARCH_DEPTH = 4  # how deep a refused directory is searched for a run (to name it)
 SEARCH_ENTRIES = 5_000
 # What `save_pretrained` (transformers, peft, tokenizers) writes: an export without a marker (an older gptop)
 # is recognized by holding only these, with the `gptop` provenance in its config.json or a peft adapter.
-_EXPORT_NAMES = re.compile(r"^(config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors|"
-                           r"model\.safetensors\.index\.json|tokenizer\.json|tokenizer_config\.json|"
-                           r"special_tokens_map\.json|chat_template\.jinja|added_tokens\.json|adapter_config\.json|"
-                           r"adapter_model\.safetensors|README\.md|base)$")
+_EXPORT_NAMES = re.compile(
+    r"^(config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors|"
+    r"model\.safetensors\.index\.json|tokenizer\.json|tokenizer_config\.json|"
+    r"special_tokens_map\.json|chat_template\.jinja|added_tokens\.json|adapter_config\.json|"
+    r"adapter_model\.safetensors|README\.md|base)$"
+)
 
 
 class Kind(enum.Enum):
@@ -55,7 +57,7 @@ class Kind(enum.Enum):
 
     MISSING = "missing"
     EMPTY = "empty"
-    EXPORT = "export"            # replaceable with --force
+    EXPORT = "export"  # replaceable with --force
     LIVE_RUN = "live run"
     RUN = "run"
     RUN_PART = "part of a run"
@@ -68,9 +70,9 @@ class Kind(enum.Enum):
 @dataclass(frozen=True)
 class Finding:
     kind: Kind
-    path: Path                   # resolved
-    what: str                    # in words, for a refusal ("is the run directory of a live run (...)")
-    run: Path | None = None      # the run whose part it is (RUN_PART)
+    path: Path  # resolved
+    what: str  # in words, for a refusal ("is the run directory of a live run (...)")
+    run: Path | None = None  # the run whose part it is (RUN_PART)
 
 
 def resolve(value: str | Path) -> Path:
@@ -81,7 +83,7 @@ def resolve(value: str | Path) -> Path:
 def _cwd() -> Path | None:
     try:
         return resolve(os.getcwd())
-    except OSError:               # the working directory was deleted
+    except OSError:  # the working directory was deleted
         return None
 
 
@@ -97,8 +99,9 @@ def classify(value: str | Path) -> Finding:
     p = resolve(value)
     cwd = _cwd()
     if cwd is not None and (p == cwd or p in cwd.parents):
-        return Finding(Kind.CURRENT_DIR, p, "is the current directory" if p == cwd else
-                       f"holds the current directory {cwd}")
+        return Finding(
+            Kind.CURRENT_DIR, p, "is the current directory" if p == cwd else f"holds the current directory {cwd}"
+        )
     part = run_part(p)
     if part is not None:
         run, folder = part
@@ -207,8 +210,11 @@ def _legacy_export(p: Path, entries: list[str]) -> bool:
     if not base.exists():
         return True
     try:
-        return base.is_dir() and not base.is_symlink() and all(
-            _EXPORT_NAMES.match(e.name) and e.is_file() for e in base.iterdir())
+        return (
+            base.is_dir()
+            and not base.is_symlink()
+            and all(_EXPORT_NAMES.match(e.name) and e.is_file() for e in base.iterdir())
+        )
     except OSError:
         return False
 
@@ -222,19 +228,26 @@ def check_replaceable(value: str | Path, option: str, *, force: bool) -> Path:
     if f.kind is Kind.EXPORT:
         if force:
             return f.path
-        raise ConfigError(option, f"{value} exists and is not empty (an earlier export); give a new directory, "
-                                  "or add --force to replace it")
+        raise ConfigError(
+            option,
+            f"{value} exists and is not empty (an earlier export); give a new directory, or add --force to replace it",
+        )
     if f.kind is Kind.FILE:
         raise ConfigError(option, f"{value} exists and is not a directory; give a new directory")
-    why = {Kind.LIVE_RUN: "--force never replaces a run", Kind.RUN: "--force never replaces a run",
-           Kind.HOLDS_RUN: "--force never replaces a run", Kind.RUN_PART: "an export never goes there",
-           Kind.CURRENT_DIR: "an export replaces OUT_DIR as a whole",
-           Kind.OTHER: "--force replaces only a directory that `gptop export` wrote"}[f.kind]
+    why = {
+        Kind.LIVE_RUN: "--force never replaces a run",
+        Kind.RUN: "--force never replaces a run",
+        Kind.HOLDS_RUN: "--force never replaces a run",
+        Kind.RUN_PART: "an export never goes there",
+        Kind.CURRENT_DIR: "an export replaces OUT_DIR as a whole",
+        Kind.OTHER: "--force replaces only a directory that `gptop export` wrote",
+    }[f.kind]
     where = os.path.join(os.fspath(f.run), "export") if f.run is not None else os.path.join(os.fspath(value), "export")
     raise ConfigError(option, f"{value} {f.what}; {why}: give a new directory (e.g. {where})")
 
 
 # --- temporaries and the swap ------------------------------------------------------------------------------
+
 
 def _host() -> str:
     return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())
@@ -264,7 +277,7 @@ def remove_stale(out: Path) -> list[Path]:
         if m is None or pid_alive(int(m.group(2))) or e.is_symlink() or not e.is_dir() or run_markers(e):
             continue
         if m.group(1) == "replaced" and not os.path.lexists(out):
-            os.rename(e, out)             # killed between its two renames: the previous export goes back
+            os.rename(e, out)  # killed between its two renames: the previous export goes back
         else:
             shutil.rmtree(e, ignore_errors=True)
         done.append(e)
@@ -276,7 +289,7 @@ def replace_dir(tmp: Path, out: Path, option: str, *, force: bool) -> None:
     export there (with `force`) is moved aside and removed only once the new one is in place."""
     out = check_replaceable(out, option, force=force)
     if not os.path.lexists(out) or not any(out.iterdir()):
-        os.replace(tmp, out)              # new, or an empty directory that the rename replaces
+        os.replace(tmp, out)  # new, or an empty directory that the rename replaces
         return
     old = out.with_name(f".{out.name}.replaced-{_host()}-{os.getpid()}")
     os.replace(out, old)
@@ -291,11 +304,13 @@ def replace_dir(tmp: Path, out: Path, option: str, *, force: bool) -> None:
 def write_marker(directory: Path, **fields: object) -> None:
     """Record in `directory` every file an export wrote (walked now), so a later --force recognizes it."""
     files = [f for f in (_walk(directory) or []) if (directory / f).is_file() and f != EXPORT_MARKER]
-    (directory / EXPORT_MARKER).write_text(json.dumps({"v": MARKER_VERSION, "type": "export", **fields,
-                                                       "files": files}, indent=1, default=str) + "\n")
+    (directory / EXPORT_MARKER).write_text(
+        json.dumps({"v": MARKER_VERSION, "type": "export", **fields, "files": files}, indent=1, default=str) + "\n"
+    )
 
 
 # --- a refused run leaves nothing ----------------------------------------------------------------------------
+
 
 def dirs_to_create(path: str | Path) -> list[Path]:
     """`path` and each of its parents that does not exist yet, deepest first: what making `path` creates."""
@@ -321,7 +336,7 @@ def remove_created(created: list[Path]) -> list[Path]:
         done.append(run)
     for d in created[1:]:
         try:
-            d.rmdir()                     # only if empty: another process may have put something there since
+            d.rmdir()  # only if empty: another process may have put something there since
         except OSError:
             break
         done.append(d)

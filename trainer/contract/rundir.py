@@ -48,10 +48,10 @@ TRAINER_LOG = "trainer.log"
 TRAINER_STDERR = "trainer.stderr.log"
 CHECKPOINTS = "checkpoints"
 PROFILES = "profiles"
-TENSORBOARD = "tensorboard"          # --tensorboard's event files
-WANDB = "wandb"                      # --wandb: W&B keeps its run there (wandb.init(dir=RUN_DIR))
+TENSORBOARD = "tensorboard"  # --tensorboard's event files
+WANDB = "wandb"  # --wandb: W&B keeps its run there (wandb.init(dir=RUN_DIR))
 PINS = "pins.json"
-LOCK = ".gptop.lock"                 # the owner's lock (trainer.contract.runlock); LOCK.<node> per node
+LOCK = ".gptop.lock"  # the owner's lock (trainer.contract.runlock); LOCK.<node> per node
 TUNING_JSON, TUNING_MD, BEST_TOML = "tuning.json", "tuning.md", "best.toml"
 
 _CKPT_NAME = re.compile(rf"^step-(\d{{{STEP_DIGITS}}})\.(pt|dcp)$")
@@ -119,8 +119,9 @@ def run_markers(path: str | Path) -> list[str]:
     p = Path(path)
     found = [name for name in (CONFIG, EVENTS, CHECKPOINTS, LOCK) if (p / name).exists()]
     try:
-        found += sorted(e.name for e in p.iterdir()
-                        if e.name.startswith((LOCK + ".", "events.rank")) and e.name not in found)
+        found += sorted(
+            e.name for e in p.iterdir() if e.name.startswith((LOCK + ".", "events.rank")) and e.name not in found
+        )
     except OSError:
         pass
     return found
@@ -130,7 +131,7 @@ def is_run_dir(path: str | Path) -> bool:
     return bool(run_markers(path))
 
 
-RUN_OWNED = (CHECKPOINTS, PROFILES, TENSORBOARD, WANDB)     # a run's folders that only the run writes into
+RUN_OWNED = (CHECKPOINTS, PROFILES, TENSORBOARD, WANDB)  # a run's folders that only the run writes into
 
 
 def run_part(path: str | Path) -> tuple[Path, str] | None:
@@ -186,6 +187,7 @@ def other_run(run_dir: str | Path) -> str | None:
 
 
 # --- checkpoints ---------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class CheckpointInfo:
@@ -282,6 +284,7 @@ def rollback_to(run_dir: str | Path, step: int) -> list[Path]:
 
 # --- pins: checkpoints that pruning keeps ----------------------------------------------------------
 
+
 def _pins_path(run_dir: str | Path) -> Path:
     return checkpoint_dir(run_dir) / PINS
 
@@ -323,8 +326,7 @@ def pid_alive(pid: int) -> bool:
         return True
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]       # the field after the command's name
+            state = f.read().rsplit(b")", 1)[1].split()[0]  # the field after the command's name
     except (OSError, IndexError):
         return True
     return state not in (b"Z", b"X")
-

@@ -23,9 +23,9 @@ from .common import ConfigError
 from .events import DoneEvent, ErrorEvent, HelloEvent, read_events
 from .rundir import LOCK, RunDir, has_checkpoint, other_run, pid_alive, run_part
 
-LOCK_TOKEN_ENV = "GPTOP_RUN_LOCK_TOKEN"     # set by the lock's owner for the processes it starts
+LOCK_TOKEN_ENV = "GPTOP_RUN_LOCK_TOKEN"  # set by the lock's owner for the processes it starts
 LOCK_NODE_ENV = "GPTOP_RUN_LOCK_NODE"
-_HOLDER_WAIT_S = 2.0                        # how long a just-taken lock may stay without its holder's record
+_HOLDER_WAIT_S = 2.0  # how long a just-taken lock may stay without its holder's record
 
 
 class RunDirBusy(ConfigError):
@@ -41,8 +41,11 @@ def check_new_run(run_dir: Path) -> None:
     one directory, the report would add both runs up and a resume or an export could pick the other's weights."""
     part = run_part(run_dir)
     if part is not None:
-        raise RunDirTaken("--run-dir", f"{run_dir} lies inside the {part[1]}/ of the run {part[0]}, which only that run "
-                                       "writes; choose another --run-dir")
+        raise RunDirTaken(
+            "--run-dir",
+            f"{run_dir} lies inside the {part[1]}/ of the run {part[0]}, which only that run "
+            "writes; choose another --run-dir",
+        )
     found = other_run(run_dir)
     if found is None:
         return
@@ -89,8 +92,16 @@ class RunLock:
 
     # ------------------------------------------------------------------ taking it
     @classmethod
-    def acquire(cls, run_dir: str | Path, *, command: str, token: str | None = None,
-                node: str | None = None, new_run: bool = False, option: str = "--run-dir") -> "RunLock":
+    def acquire(
+        cls,
+        run_dir: str | Path,
+        *,
+        command: str,
+        token: str | None = None,
+        node: str | None = None,
+        new_run: bool = False,
+        option: str = "--run-dir",
+    ) -> "RunLock":
         """Take the lock (creating the directory), or raise RunDirBusy naming the holder at once.
 
         `option`: the option the user named the directory with (`lock_option`), which a refusal names.
@@ -100,11 +111,14 @@ class RunLock:
         written (the sibling ranks of one torchrun wait for the record), leaving no lock file behind."""
         run_dir = Path(run_dir)
         if new_run and node is None:
-            check_new_run(run_dir)          # before making anything; again under the lock, against a race
+            check_new_run(run_dir)  # before making anything; again under the lock, against a race
         run_dir.mkdir(parents=True, exist_ok=True)
         token = token or uuid.uuid4().hex
-        plan = [(run_dir / LOCK, fcntl.LOCK_EX)] if node is None else \
-            [(run_dir / LOCK, fcntl.LOCK_SH), (run_dir / f"{LOCK}.{node}", fcntl.LOCK_EX)]
+        plan = (
+            [(run_dir / LOCK, fcntl.LOCK_EX)]
+            if node is None
+            else [(run_dir / LOCK, fcntl.LOCK_SH), (run_dir / f"{LOCK}.{node}", fcntl.LOCK_EX)]
+        )
         fds: list[int] = []
         try:
             for path, mode in plan:
@@ -120,13 +134,19 @@ class RunLock:
                     if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                         holders = _holders(run_dir, path)
                         if any(h.get("token") == token for h in holders):
-                            continue            # our launcher (or a sibling rank) holds it
+                            continue  # our launcher (or a sibling rank) holds it
                         raise RunDirBusy(option, _busy_message(run_dir, holders)) from None
                     if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                         if new_run and node is None:
                             check_new_run(run_dir)
-                        return cls(run_dir, token, node, fds, warning=f"{run_dir} does not support file locks "
-                                   f"({e.strerror}): nothing stops a second writer of this run directory")
+                        return cls(
+                            run_dir,
+                            token,
+                            node,
+                            fds,
+                            warning=f"{run_dir} does not support file locks "
+                            f"({e.strerror}): nothing stops a second writer of this run directory",
+                        )
                     raise
                 fds.append(fd)
                 if new_run and node is None:
@@ -134,12 +154,18 @@ class RunLock:
                         check_new_run(run_dir)
                     except RunDirTaken:
                         if not existed:
-                            path.unlink(missing_ok=True)    # a refusal leaves nothing behind
+                            path.unlink(missing_ok=True)  # a refusal leaves nothing behind
                         raise
                 os.ftruncate(fd, 0)
-                if mode == fcntl.LOCK_EX:       # shared holders leave the record empty (see _holders)
-                    record = {"pid": os.getpid(), "host": socket.gethostname(), "command": command,
-                              "started": time.time(), "token": token, "node": node}
+                if mode == fcntl.LOCK_EX:  # shared holders leave the record empty (see _holders)
+                    record = {
+                        "pid": os.getpid(),
+                        "host": socket.gethostname(),
+                        "command": command,
+                        "started": time.time(),
+                        "token": token,
+                        "node": node,
+                    }
                     os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
         except BaseException:
             for fd in fds:
@@ -162,8 +188,7 @@ class RunLock:
                 node = node_key(int(env["GROUP_RANK"])) if several_nodes else None
             except (KeyError, ValueError):
                 node = None
-        return cls.acquire(run_dir, command="python -m trainer", token=token, node=node, new_run=new_run,
-                           option=option)
+        return cls.acquire(run_dir, command="python -m trainer", token=token, node=node, new_run=new_run, option=option)
 
     # ------------------------------------------------------------------ using it
     @property
@@ -186,7 +211,7 @@ class RunLock:
         for i, fd in enumerate(fds):
             try:
                 if i == len(fds) - 1:
-                    os.ftruncate(fd, 0)     # no stale record behind (before unlocking: nobody else holds it)
+                    os.ftruncate(fd, 0)  # no stale record behind (before unlocking: nobody else holds it)
             except OSError:
                 pass
             os.close(fd)
@@ -215,8 +240,9 @@ def _holders(run_dir: Path, path: Path) -> list[dict]:
         if record is not None:
             return [record]
         if path.name == LOCK:
-            nodes = [r for p in sorted(run_dir.glob(LOCK + ".*"))
-                     if (r := _read_record(p)) is not None and _is_locked(p)]
+            nodes = [
+                r for p in sorted(run_dir.glob(LOCK + ".*")) if (r := _read_record(p)) is not None and _is_locked(p)
+            ]
             if nodes:
                 return nodes
         if time.monotonic() > deadline:
@@ -258,36 +284,46 @@ def holder_words(h: dict) -> str:
     """One holder in words: `pid 4242 on host gpu1 (gptop train, since 14:02:11)`."""
     if not h:
         return "a process that left no record"
-    since = time.strftime("%H:%M:%S", time.localtime(h["started"])) if isinstance(h.get("started"), (int, float)) else "?"
+    since = (
+        time.strftime("%H:%M:%S", time.localtime(h["started"])) if isinstance(h.get("started"), (int, float)) else "?"
+    )
     who = f"pid {h.get('pid')} on host {h.get('host')} ({h.get('command') or '?'}, since {since}"
     who += f", node {h['node']})" if h.get("node") else ")"
     if h.get("host") == socket.gethostname() and isinstance(h.get("pid"), int) and not pid_alive(h["pid"]):
-        who += " - that process has exited and a process it started still holds the lock (a trainer " \
-               "finishing its last checkpoint?)"
+        who += (
+            " - that process has exited and a process it started still holds the lock (a trainer "
+            "finishing its last checkpoint?)"
+        )
     return who
 
 
 def _busy_message(run_dir: Path, holders: list[dict]) -> str:
     if not holders:
-        return (f"{run_dir} is in use by another process (its lock {run_dir / LOCK} is held; no record of "
-                f"who holds it). Wait for it to finish, stop it, or choose another --run-dir")
+        return (
+            f"{run_dir} is in use by another process (its lock {run_dir / LOCK} is held; no record of "
+            f"who holds it). Wait for it to finish, stop it, or choose another --run-dir"
+        )
     parts = [holder_words(h) for h in holders]
     what = "a multi-node run: " if len(holders) > 1 or holders[0].get("node") else ""
-    return (f"{run_dir} is in use by {what}{'; '.join(parts)}. One run writes a run directory at a time: wait for "
-            f"it to finish, stop it, or choose another --run-dir")
+    return (
+        f"{run_dir} is in use by {what}{'; '.join(parts)}. One run writes a run directory at a time: wait for "
+        f"it to finish, stop it, or choose another --run-dir"
+    )
 
 
 def without_checkpoint(run_dir: str | Path) -> str:
     """What a run directory that has no checkpoint is, in words (`... is a run that made no checkpoint: it
     stopped before its first step`), from its lock and the end its last trainer reported."""
     if lock_holders(run_dir) is not None:
-        return "is a live run that has made no checkpoint yet; wait for its first one (--checkpoint-every) or ask " \
-               "for one (the c key)"
+        return (
+            "is a live run that has made no checkpoint yet; wait for its first one (--checkpoint-every) or ask "
+            "for one (the c key)"
+        )
     last = None
     try:
         for e in read_events(RunDir(run_dir).events()):
             if isinstance(e, HelloEvent) and e.early:
-                last = None                  # a new trainer process: only the last one's end counts
+                last = None  # a new trainer process: only the last one's end counts
             elif isinstance(e, (DoneEvent, ErrorEvent)):
                 last = e
     except OSError:

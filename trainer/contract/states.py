@@ -22,8 +22,8 @@ class RunStatus(enum.StrEnum):
     STOPPED = "stopped"
     FAILED = "failed"
     RESTARTING = "restarting"
-    REPLAY = "replay"               # a finished run's events, read back
-    MONITOR = "monitor"             # attached to a run (or to the devices alone), not supervising it
+    REPLAY = "replay"  # a finished run's events, read back
+    MONITOR = "monitor"  # attached to a run (or to the devices alone), not supervising it
 
     @property
     def ended(self) -> bool:
@@ -73,19 +73,19 @@ class TunerPhase(enum.StrEnum):
 class TrialKind(enum.StrEnum):
     """What a measured configuration is to the tuner (a trial event's and a measurement's `kind`)."""
 
-    BASELINE = "baseline"           # the run's starting configuration
-    TRIAL = "trial"                 # a configuration the study proposed
-    REMEASURE = "remeasure"         # a measured candidate measured again before the decision
+    BASELINE = "baseline"  # the run's starting configuration
+    TRIAL = "trial"  # a configuration the study proposed
+    REMEASURE = "remeasure"  # a measured candidate measured again before the decision
 
 
 class TrialStatus(enum.StrEnum):
     """A trial's state in its `trial` events: running, then how its measurement ended."""
 
     RUNNING = "running"
-    OK = "ok"                       # measured to a stable estimate
-    CUT = "cut"                     # measured, but the time ran out before the estimate was stable
-    PRUNED = "pruned"               # stopped early (or skipped): it could not beat the best
-    INFEASIBLE = "infeasible"       # failed (out of memory, NaN, compile error, ...): rolled back
+    OK = "ok"  # measured to a stable estimate
+    CUT = "cut"  # measured, but the time ran out before the estimate was stable
+    PRUNED = "pruned"  # stopped early (or skipped): it could not beat the best
+    INFEASIBLE = "infeasible"  # failed (out of memory, NaN, compile error, ...): rolled back
 
     @property
     def measured(self) -> bool:

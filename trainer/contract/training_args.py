@@ -47,12 +47,17 @@ TUNED: tuple[str, ...] = tuple(TOGGLE_FIELDS)
 # Toggles a command's tuning leaves at the script's values (the module doc says why).
 FROZEN: tuple[str, ...] = ("attention", "cuda_allocator", "optimizer", "quantize_base")
 PRECISIONS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16")
-ADAMW: dict[str, bool] = {"adamw_torch": False, "adamw_torch_fused": True}   # optim -> fused_adamw
+ADAMW: dict[str, bool] = {"adamw_torch": False, "adamw_torch_fused": True}  # optim -> fused_adamw
 # TrainingArguments.optim -> Toggles.optimizer, for the record (the toggle is frozen for a command)
-OPTIMIZER_OF: dict[str, str] = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_torch_8bit": "adamw-8bit",
-                                "adamw_torch_4bit": "adamw-4bit", "adafactor": "adafactor"}
-TORCH_PREFETCH = 2           # torch.utils.data.DataLoader's prefetch_factor when a worker runs and none is given
-COMMAND_PREFETCH: tuple[int, ...] = (1, 2, 4)   # 0 means nothing to a DataLoader: prefetching needs a worker
+OPTIMIZER_OF: dict[str, str] = {
+    "adamw_torch": "adamw",
+    "adamw_torch_fused": "adamw",
+    "adamw_torch_8bit": "adamw-8bit",
+    "adamw_torch_4bit": "adamw-4bit",
+    "adafactor": "adafactor",
+}
+TORCH_PREFETCH = 2  # torch.utils.data.DataLoader's prefetch_factor when a worker runs and none is given
+COMMAND_PREFETCH: tuple[int, ...] = (1, 2, 4)  # 0 means nothing to a DataLoader: prefetching needs a worker
 
 
 def read_fields(args: Any) -> dict[str, Any]:
@@ -90,18 +95,24 @@ def start_toggles(fields: Mapping[str, Any]) -> Toggles:
     compiled = bool(fields.get("torch_compile")) or mode is not None or fields.get("torch_compile_backend") is not None
     factor = fields.get("dataloader_prefetch_factor")
     optim = optim_name(fields)
-    return Toggles(precision=precision_of(fields), compile=(mode or "default") if compiled else "off",
-                   micro_batch=int(fields.get("per_device_train_batch_size") or 1),
-                   prefetch=int(factor) if factor else TORCH_PREFETCH,
-                   workers=int(fields.get("dataloader_num_workers") or 0),
-                   fused_adamw=ADAMW.get(optim, True), activation_checkpointing=bool(fields.get(checkpointing_field(fields))),
-                   optimizer=OPTIMIZER_OF.get(optim, "adamw"))
+    return Toggles(
+        precision=precision_of(fields),
+        compile=(mode or "default") if compiled else "off",
+        micro_batch=int(fields.get("per_device_train_batch_size") or 1),
+        prefetch=int(factor) if factor else TORCH_PREFETCH,
+        workers=int(fields.get("dataloader_num_workers") or 0),
+        fused_adamw=ADAMW.get(optim, True),
+        activation_checkpointing=bool(fields.get(checkpointing_field(fields))),
+        optimizer=OPTIMIZER_OF.get(optim, "adamw"),
+    )
 
 
 def checkpointing_field(fields: Mapping[str, Any]) -> str:
     """The field that turns activation checkpointing on for these arguments: `activation_checkpointing` where
     the installed transformers has it (resolved to a bool in `__post_init__`), else `gradient_checkpointing`."""
-    return "activation_checkpointing" if fields.get("activation_checkpointing") is not None else "gradient_checkpointing"
+    return (
+        "activation_checkpointing" if fields.get("activation_checkpointing") is not None else "gradient_checkpointing"
+    )
 
 
 def per_device_batch(fields: Mapping[str, Any]) -> int:
@@ -117,8 +128,10 @@ def args_fields(toggles: Toggles, fields: Mapping[str, Any]) -> dict[str, Any]:
     start = start_toggles(fields)
     for name in FROZEN:
         if getattr(toggles, name) != getattr(start, name):
-            raise ValueError(f"{name}={getattr(toggles, name)}: not a TrainingArguments field gptop changes "
-                             f"(the script has {getattr(start, name)})")
+            raise ValueError(
+                f"{name}={getattr(toggles, name)}: not a TrainingArguments field gptop changes "
+                f"(the script has {getattr(start, name)})"
+            )
     want: dict[str, Any] = {}
     p = toggles.precision
     if p not in PRECISIONS:
@@ -127,7 +140,7 @@ def args_fields(toggles: Toggles, fields: Mapping[str, Any]) -> dict[str, Any]:
     if p == "tf32":
         want["tf32"] = True
     elif fields.get("tf32") and p == "fp32":
-        want["tf32"] = False              # fp32 means fp32 matmuls; bf16/fp16 keep the script's tf32
+        want["tf32"] = False  # fp32 means fp32 matmuls; bf16/fp16 keep the script's tf32
     if toggles.compile == "off":
         want.update(torch_compile=False, torch_compile_mode=None, torch_compile_backend=None)
     else:
@@ -135,8 +148,10 @@ def args_fields(toggles: Toggles, fields: Mapping[str, Any]) -> dict[str, Any]:
     per_device = per_device_batch(fields)
     mb = toggles.micro_batch_int()
     if mb is None or per_device % mb:
-        raise ValueError(f"micro_batch={toggles.micro_batch} does not divide the per-device batch {per_device} "
-                         f"(per_device_train_batch_size x gradient_accumulation_steps, kept fixed)")
+        raise ValueError(
+            f"micro_batch={toggles.micro_batch} does not divide the per-device batch {per_device} "
+            f"(per_device_train_batch_size x gradient_accumulation_steps, kept fixed)"
+        )
     want.update(per_device_train_batch_size=mb, gradient_accumulation_steps=per_device // mb)
     want["dataloader_num_workers"] = toggles.workers
     want["dataloader_prefetch_factor"] = toggles.prefetch if toggles.workers > 0 and toggles.prefetch > 0 else None

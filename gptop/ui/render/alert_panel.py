@@ -16,11 +16,12 @@ def alerts(state: RunState, width: int, height: int) -> RenderableType:
     for a in reversed(active):
         style = "bold white on red" if a.severity.value == "critical" else "bold black on yellow"
         where = " ".join(x for x in (a.node, a.device) if x)
-        t = Text.assemble((f" {a.kind.value.replace('_', ' ')} ", style), " ",
-                          (f"[{where}] " if where else ""), a.message)
+        t = Text.assemble(
+            (f" {a.kind.value.replace('_', ' ')} ", style), " ", (f"[{where}] " if where else ""), a.message
+        )
         t.truncate(width, overflow="ellipsis")
         out.append(t)
     if len(out) > height and height > 0:
         extra = len(out) - height + 1
-        out = out[:height - 1] + [Text(f"... and {extra} more (gptop report lists them)", style="grey62")]
+        out = out[: height - 1] + [Text(f"... and {extra} more (gptop report lists them)", style="grey62")]
     return Group(*out)

@@ -11,8 +11,13 @@ from trainer.contract.events import PHASES
 
 from .drawing import TRACK
 
-PHASE_STYLE = {"data": "yellow", "forward": "green", "backward": "dodger_blue1", "optimizer": "magenta",
-               "other": "grey62"}
+PHASE_STYLE = {
+    "data": "yellow",
+    "forward": "green",
+    "backward": "dodger_blue1",
+    "optimizer": "magenta",
+    "other": "grey62",
+}
 PHASE_SHORT = {"data": "data", "forward": "fwd", "backward": "bwd", "optimizer": "opt", "other": "other"}
 
 
@@ -35,7 +40,7 @@ def stacked_bar(pct: dict[str, float], width: int) -> Text:
     return text
 
 
-ADVICE_TWO_ROWS = 14            # the breakdown panel's height from which a second reason fits below the first
+ADVICE_TWO_ROWS = 14  # the breakdown panel's height from which a second reason fits below the first
 
 
 def no_figures(state: RunState) -> str:
@@ -44,8 +49,11 @@ def no_figures(state: RunState) -> str:
     at = state.first_figures_at()
     if at is not None:
         last = state.last_step_ms()
-        took = f" · the last step took {fmt_duration(last / 1000) if last >= 60_000 else f'{last:.0f} ms'}" \
-            if last is not None else ""
+        took = (
+            f" · the last step took {fmt_duration(last / 1000) if last >= 60_000 else f'{last:.0f} ms'}"
+            if last is not None
+            else ""
+        )
         return f"first figures at step {at} (step {state.step} now){took}"
     if state.step is not None:
         return f"first figures at the first logged step (step {state.step} now)"
@@ -73,13 +81,16 @@ def breakdown(state: RunState, width: int, height: int) -> RenderableType:
     present = [p for p in PHASES if p in means]
     if height >= 10:
         for p in present:
-            lines.append(Text.assemble(("■ ", PHASE_STYLE[p]), p.ljust(10), f"{means[p]:8.1f} ms",
-                                       f"{pct.get(p, 0.0):7.1f}%"))
-    else:   # short panel: two phases per line
-        cells = [Text.assemble(("■ ", PHASE_STYLE[p]), f"{PHASE_SHORT[p]:<5}{means[p]:4.0f}ms{pct.get(p, 0.0):3.0f}%")
-                 for p in present]
+            lines.append(
+                Text.assemble(("■ ", PHASE_STYLE[p]), p.ljust(10), f"{means[p]:8.1f} ms", f"{pct.get(p, 0.0):7.1f}%")
+            )
+    else:  # short panel: two phases per line
+        cells = [
+            Text.assemble(("■ ", PHASE_STYLE[p]), f"{PHASE_SHORT[p]:<5}{means[p]:4.0f}ms{pct.get(p, 0.0):3.0f}%")
+            for p in present
+        ]
         for i in range(0, len(cells), 2):
-            row = Text(" ").join(cells[i:i + 2])
+            row = Text(" ").join(cells[i : i + 2])
             row.truncate(width, overflow="ellipsis")
             lines.append(row)
     idle = w.gpu_idle_ms
@@ -97,14 +108,17 @@ def breakdown(state: RunState, width: int, height: int) -> RenderableType:
         worst = max((v for k, v in spread.items() if k != "step_ms"), key=lambda v: v.max - v.min, default=None)
         if s is not None:
             name = next((k for k, v in spread.items() if v is worst), "")
-            line = Text(f"ranks {len(state.ranks)}: step {s.min:.0f}–{s.max:.0f} ms, slowest rank "
-                        f"{s.slowest_rank} (+{s.imbalance * 100:.0f}%)", style="yellow" if s.imbalance > .05
-                        else "")
+            line = Text(
+                f"ranks {len(state.ranks)}: step {s.min:.0f}–{s.max:.0f} ms, slowest rank "
+                f"{s.slowest_rank} (+{s.imbalance * 100:.0f}%)",
+                style="yellow" if s.imbalance > 0.05 else "",
+            )
             if worst is not None and worst.max > worst.min:
                 line.append(f"; {name} {worst.min:.0f}–{worst.max:.0f} ms (rank {worst.slowest_rank})")
             lines.append(line)
-    items = state.advice()[:2 if height >= ADVICE_TWO_ROWS else 1]    # the top reasons, ranked (gptop.advice)
+    items = state.advice()[: 2 if height >= ADVICE_TWO_ROWS else 1]  # the top reasons, ranked (gptop.advice)
     for i, item in enumerate(items):
-        lines.append(Text.assemble(("▶ " if i == 0 else "  ", "bold yellow"), (item.line, "yellow" if i == 0
-                                                                             else "grey62")))
+        lines.append(
+            Text.assemble(("▶ " if i == 0 else "  ", "bold yellow"), (item.line, "yellow" if i == 0 else "grey62"))
+        )
     return Group(*lines)

@@ -67,8 +67,7 @@ def time_buckets(points: Sequence[tuple[float, float]], width: int, window_s: fl
     return out
 
 
-def metric_line(label: str, frac: float | None, value: str, width: int, style: str = "green",
-                label_w: int = 6) -> Text:
+def metric_line(label: str, frac: float | None, value: str, width: int, style: str = "green", label_w: int = 6) -> Text:
     """'util  ██████▍     78%' filling `width` cells."""
     value = value if frac is not None or value else "n/a"
     bar_w = max(1, width - label_w - len(value) - 2)
@@ -105,7 +104,7 @@ def ratio(a: Any, b: Any) -> float | None:
         return None
 
 
-SHADES = 6   # colour steps of a chart: few, so runs of equal style merge into one span
+SHADES = 6  # colour steps of a chart: few, so runs of equal style merge into one span
 
 
 @lru_cache(maxsize=64)
@@ -134,9 +133,17 @@ def _style(name: str) -> Style:
     return Style.parse(name)
 
 
-def spark_rows(data: Sequence[float], width: int, low: str = "dark_green", high: str = "green1",
-               height: int = 1, stretch: bool = False, scale: tuple[float | None, float | None] = (None, None),
-               label: str = "", label_w: int = 0) -> list[list[Segment]]:
+def spark_rows(
+    data: Sequence[float],
+    width: int,
+    low: str = "dark_green",
+    high: str = "green1",
+    height: int = 1,
+    stretch: bool = False,
+    scale: tuple[float | None, float | None] = (None, None),
+    label: str = "",
+    label_w: int = 0,
+) -> list[list[Segment]]:
     """A sparkline, `height` rows of `label_w + width` cells (the label on the bottom row, grey),
     coloured from `low` to `high`.
 
@@ -150,15 +157,14 @@ def spark_rows(data: Sequence[float], width: int, low: str = "dark_green", high:
     grey = _style("grey62")
     labels = [Segment(" " * label_w, grey)] * (height - 1) + [Segment(label[:label_w].ljust(label_w), grey)]
     if not label_w:
-        labels = [None] * height   # type: ignore[list-item]
+        labels = [None] * height  # type: ignore[list-item]
     data = list(data)
     if not data:
         rows = [[Segment(" " * width)] for _ in range(height - 1)] + [[Segment("▁" * width, _style(low))]]
         return [([lab] if lab else []) + row for lab, row in zip(labels, rows)]
     left = False
     if len(data) > width:
-        buckets = [max(data[i * len(data) // width:(i + 1) * len(data) // width] or [data[-1]])
-                   for i in range(width)]
+        buckets = [max(data[i * len(data) // width : (i + 1) * len(data) // width] or [data[-1]]) for i in range(width)]
     elif stretch:
         each = max(1, min(4, width // len(data)))
         buckets = [v for v in data for _ in range(each)]
@@ -171,7 +177,7 @@ def spark_rows(data: Sequence[float], width: int, low: str = "dark_green", high:
     shades = _shades(low, high)
     ratios = [min(1.0, max(0.0, (v - lo) / extent)) if extent > 0 else 0.5 for v in buckets]
     shade = [int(round(r * (SHADES - 1))) for r in ratios]
-    levels = [1 + int(round(r * (8 * height - 1))) for r in ratios]   # eighths of a cell, at least one
+    levels = [1 + int(round(r * (8 * height - 1))) for r in ratios]  # eighths of a cell, at least one
     pad = Segment(" " * (width - len(buckets))) if width > len(buckets) else None
     out: list[list[Segment]] = []
     for i, row in enumerate(reversed(range(height))):
@@ -197,9 +203,15 @@ def spark_rows(data: Sequence[float], width: int, low: str = "dark_green", high:
     return out
 
 
-def spark_text(data: Sequence[float], width: int, low: str = "dark_green", high: str = "green1",
-               height: int = 1, stretch: bool = False, scale: tuple[float | None, float | None] = (None, None)
-               ) -> Text:
+def spark_text(
+    data: Sequence[float],
+    width: int,
+    low: str = "dark_green",
+    high: str = "green1",
+    height: int = 1,
+    stretch: bool = False,
+    scale: tuple[float | None, float | None] = (None, None),
+) -> Text:
     """spark_rows as one Text, rows separated by newlines (for tests and callers that want Text)."""
     text = Text(no_wrap=True, overflow="crop")
     for i, row in enumerate(spark_rows(data, width, low, high, height, stretch, scale)):

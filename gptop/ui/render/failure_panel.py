@@ -20,9 +20,16 @@ def failure(state: RunState, width: int, height: int) -> RenderableType:
     elif msg:
         head.append(": " + msg)
     head.truncate(width, overflow="ellipsis")
-    out: list[Text] = [head,
-                       Text.assemble("press ", ("r", "bold reverse"), " to restart from the last good checkpoint, ",
-                                     ("q", "bold reverse"), " to quit")]
+    out: list[Text] = [
+        head,
+        Text.assemble(
+            "press ",
+            ("r", "bold reverse"),
+            " to restart from the last good checkpoint, ",
+            ("q", "bold reverse"),
+            " to quit",
+        ),
+    ]
     if err and msg:
         out.append(Text(msg, style="grey62"))
     room = height - len(out)

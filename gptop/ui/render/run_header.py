@@ -10,10 +10,18 @@ from trainer.contract.states import RunStatus
 
 from .drawing import hbar
 
-STATUS_STYLE = {RunStatus.RUNNING: "bold green", RunStatus.STARTING: "bold yellow", RunStatus.RESTARTING: "bold yellow",
-                RunStatus.CHECKPOINTING: "bold cyan", RunStatus.STOPPING: "bold yellow",
-                RunStatus.DONE: "bold dodger_blue1", RunStatus.STOPPED: "bold dodger_blue1", RunStatus.FAILED: "bold red",
-                RunStatus.REPLAY: "bold magenta", RunStatus.MONITOR: "bold magenta"}
+STATUS_STYLE = {
+    RunStatus.RUNNING: "bold green",
+    RunStatus.STARTING: "bold yellow",
+    RunStatus.RESTARTING: "bold yellow",
+    RunStatus.CHECKPOINTING: "bold cyan",
+    RunStatus.STOPPING: "bold yellow",
+    RunStatus.DONE: "bold dodger_blue1",
+    RunStatus.STOPPED: "bold dodger_blue1",
+    RunStatus.FAILED: "bold red",
+    RunStatus.REPLAY: "bold magenta",
+    RunStatus.MONITOR: "bold magenta",
+}
 
 
 def header(state: RunState, width: int) -> RenderableType:
@@ -23,7 +31,7 @@ def header(state: RunState, width: int) -> RenderableType:
         dev = state.device.name if state.device else ""
         no_run = status is RunStatus.MONITOR and state.last_step is None
         line1 = Text.assemble(("gptop ", "bold"), (state.run_name or ("devices" if no_run else "run"), "bold cyan"))
-        summary = model_summary(state.model) or state.command_line()   # a command before its client's hello
+        summary = model_summary(state.model) or state.command_line()  # a command before its client's hello
         if summary:
             line1.append(" · " + summary)
         if dev:
@@ -32,17 +40,20 @@ def header(state: RunState, width: int) -> RenderableType:
         if precision:
             line1.append(" · precision " + precision)
         tag = Text.assemble(" ● ", (status, STATUS_STYLE.get(status, "bold")))
-        if state.watching is not None:     # a monitor attached to a run it did not start
+        if state.watching is not None:  # a monitor attached to a run it did not start
             tag = Text.assemble(tag, (f" · watching pid {state.watching}", "bold magenta"))
         if state.tuner.active:
-            budget = state.tuner.budget_s       # the budget in effect: the share of the run it affords, if less
-            tag = Text.assemble((" tuning", "bold yellow"),
-                                (f" (budget {fmt_duration(budget)})" if budget is not None else "", "yellow"), tag)
+            budget = state.tuner.budget_s  # the budget in effect: the share of the run it affords, if less
+            tag = Text.assemble(
+                (" tuning", "bold yellow"),
+                (f" (budget {fmt_duration(budget)})" if budget is not None else "", "yellow"),
+                tag,
+            )
         line1.truncate(max(0, width - tag.cell_len), overflow="ellipsis")
         line1.append(" " * max(0, width - line1.cell_len - tag.cell_len))
         line1.append_text(tag)
 
-        if no_run:   # devices only: say why, and how to get a run to watch
+        if no_run:  # devices only: say why, and how to get a run to watch
             line2 = Text(state.status_message or "no run attached", style="grey62")
             line2.truncate(width, overflow="ellipsis")
             return Group(line1, line2)
@@ -53,7 +64,7 @@ def header(state: RunState, width: int) -> RenderableType:
         estimate = state.estimate_line(short=True)
         if step is None and (startup or estimate) and not status.over:
             # before the first step: what it is doing and what a step will cost, not "0 tokens · ETA n/a"
-            slow = state.estimate_warning is not None       # the whole warning is in the log panel
+            slow = state.estimate_warning is not None  # the whole warning is in the log panel
             parts = [x for x in (startup, estimate + (" ⚠" if slow else "") if estimate else None) if x]
             parts.append(f"elapsed {fmt_duration(state.elapsed())}")
             line2 = Text(" · ".join(parts))
@@ -67,14 +78,14 @@ def header(state: RunState, width: int) -> RenderableType:
             parts.append(f"{state.malformed} bad events")
         if status not in (RunStatus.RUNNING, RunStatus.FAILED, RunStatus.REPLAY) and state.status_message:
             parts.append(state.status_message)
-        if startup:                  # compiling in the first step of a resumed run: what, and for how long
+        if startup:  # compiling in the first step of a resumed run: what, and for how long
             parts.append(startup)
         if status.over and status is not RunStatus.FAILED:
             parts.append("q to quit")
         tail = " · " + " · ".join(parts)
         room = width - len(steps) - 7
         bar_w = max(0, min(30, room - len(tail)))
-        if bar_w < 10 and room >= 30:   # the bar keeps 10 cells, the tail gives way (ellipsis)
+        if bar_w < 10 and room >= 30:  # the bar keeps 10 cells, the tail gives way (ellipsis)
             bar_w = 10
         line2 = Text(steps + " ")
         if bar_w >= 5:

@@ -8,13 +8,27 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from gptop.state import (RunState, fmt_bytes, fmt_duration, fmt_num, fmt_toggles, measure_line, measure_parts,
-                         phase_label, spread_pct)
+from gptop.state import (
+    RunState,
+    fmt_bytes,
+    fmt_duration,
+    fmt_num,
+    fmt_toggles,
+    measure_line,
+    measure_parts,
+    phase_label,
+    spread_pct,
+)
 from trainer.contract.events import TunerBest
 from trainer.contract.states import TrialKind, TrialStatus
 
-TRIAL_STYLE = {TrialStatus.RUNNING: "yellow", TrialStatus.OK: "green", TrialStatus.CUT: "dark_khaki",
-               TrialStatus.PRUNED: "grey62", TrialStatus.INFEASIBLE: "red"}
+TRIAL_STYLE = {
+    TrialStatus.RUNNING: "yellow",
+    TrialStatus.OK: "green",
+    TrialStatus.CUT: "dark_khaki",
+    TrialStatus.PRUNED: "grey62",
+    TrialStatus.INFEASIBLE: "red",
+}
 
 
 def tuner_summary(state: RunState, width: int) -> RenderableType:
@@ -29,8 +43,11 @@ def tuner_summary(state: RunState, width: int) -> RenderableType:
         if left is not None:
             head.append(f" · {fmt_duration(left)} left")
         if tu.trials_planned:
-            run = tu.trials_run if tu.trials_run is not None else len([t for t in tu.trials.values()
-                                                                       if t.status is not TrialStatus.RUNNING])
+            run = (
+                tu.trials_run
+                if tu.trials_run is not None
+                else len([t for t in tu.trials.values() if t.status is not TrialStatus.RUNNING])
+            )
             head.append(f" · {run}/{tu.trials_planned} run")
         if tu.active and tu.trial is not None:
             head.append(f" · #{tu.trial} running")
@@ -39,7 +56,7 @@ def tuner_summary(state: RunState, width: int) -> RenderableType:
             line = "measuring " + measure_line(tu.measure)
             if len(line) <= width:
                 lines.append(Text.assemble(("measuring ", "bold"), line[10:]))
-            else:   # narrow: how far on one line, the estimate and the time on the next (the goal if it fits)
+            else:  # narrow: how far on one line, the estimate and the time on the next (the goal if it fits)
                 far, est, when = measure_parts(tu.measure)
                 lines.append(Text.assemble(("measuring ", "bold"), far))
                 second = "  " + " · ".join(p for p in (est, when) if p)
@@ -50,11 +67,17 @@ def tuner_summary(state: RunState, width: int) -> RenderableType:
         best = tu.best
         if best:
             speedup = best.speedup if isinstance(best, TunerBest) and best.speedup is not None else None
-            lines.append(Text.assemble(("best ", "bold"), f"#{best.number} ",
-                                       (f"{fmt_num(best.tokens_per_s)} tok/s", "bold green"),
-                                       f" {speedup:.2f}x" if speedup is not None and speedup < 1e6 else "",
-                                       " (earlier run)" if best.earlier else "", " ",
-                                       fmt_toggles(state.toggle_diff(best.toggles))))
+            lines.append(
+                Text.assemble(
+                    ("best ", "bold"),
+                    f"#{best.number} ",
+                    (f"{fmt_num(best.tokens_per_s)} tok/s", "bold green"),
+                    f" {speedup:.2f}x" if speedup is not None and speedup < 1e6 else "",
+                    " (earlier run)" if best.earlier else "",
+                    " ",
+                    fmt_toggles(state.toggle_diff(best.toggles)),
+                )
+            )
         if tu.applied:
             a = tu.applied[-1]
             gain = ""
@@ -62,8 +85,7 @@ def tuner_summary(state: RunState, width: int) -> RenderableType:
             if tps is not None and base:
                 gain = f" ({(tps / base - 1) * 100:+.0f}%)"
             at = f" at step {a.step}" if a.step is not None else ""
-            lines.append(Text.assemble(("applied", "bold"), f"{at}: ",
-                                       fmt_toggles(state.toggle_diff(a.toggles)), gain))
+            lines.append(Text.assemble(("applied", "bold"), f"{at}: ", fmt_toggles(state.toggle_diff(a.toggles)), gain))
     for t in lines:
         t.truncate(width, overflow="ellipsis")
     return Group(*lines)
@@ -76,19 +98,22 @@ def tuner(state: RunState, width: int, height: int) -> RenderableType:
     if not rows:
         return summary
     n_summary = len(summary.renderables) if isinstance(summary, Group) else 1
-    fit = max(0, height - n_summary - 2)   # a blank line and the table header
+    fit = max(0, height - n_summary - 2)  # a blank line and the table header
     cols = ["#", "status", "tok/s", "toggles"]
     if width >= 60:
         cols = ["#", "status", "tok/s", "spread", "toggles", "peak mem", "reason"]
     elif width >= 48:
         cols = ["#", "status", "tok/s", "spread", "toggles"]
     index = {"#": 0, "status": 1, "toggles": 2, "tok/s": 3, "spread": 4, "peak mem": 5, "reason": 6}
-    table = Table(box=None, padding=(0, 1), pad_edge=False, expand=True, show_edge=False,
-                  header_style="bold")
+    table = Table(box=None, padding=(0, 1), pad_edge=False, expand=True, show_edge=False, header_style="bold")
     for c in cols:
-        table.add_column(c, no_wrap=True, overflow="ellipsis",
-                         ratio=2 if c == "toggles" else 1 if c == "reason" else None,
-                         justify="right" if c in ("#", "tok/s", "spread", "peak mem") else "left")
+        table.add_column(
+            c,
+            no_wrap=True,
+            overflow="ellipsis",
+            ratio=2 if c == "toggles" else 1 if c == "reason" else None,
+            justify="right" if c in ("#", "tok/s", "spread", "peak mem") else "left",
+        )
     for row in rows[:fit]:
         table.add_row(*(row[index[c]] for c in cols))
     more = len(rows) - fit
@@ -105,13 +130,21 @@ def trial_rows(state: RunState) -> list[tuple[Any, ...]]:
     rows = []
     for t in trials:
         status, kind = t.status, t.kind
-        label = (status + (f" {kind}" if kind and kind is not TrialKind.TRIAL else "")
-                 + (" (earlier run)" if t.earlier else ""))
+        label = (
+            status
+            + (f" {kind}" if kind and kind is not TrialKind.TRIAL else "")
+            + (" (earlier run)" if t.earlier else "")
+        )
         pct = spread_pct(t)
-        rows.append(("–" if t.number is None else str(t.number), Text(label, style=TRIAL_STYLE.get(status, "")),
-                     fmt_toggles(state.toggle_diff(t.toggles)),
-                     fmt_num(t.tokens_per_s) if t.tokens_per_s is not None else "–",
-                     f"±{pct:.1f}%" if pct is not None else "–",
-                     fmt_bytes(t.peak_mem) if t.peak_mem is not None else "–",
-                     t.reason or ""))
+        rows.append(
+            (
+                "–" if t.number is None else str(t.number),
+                Text(label, style=TRIAL_STYLE.get(status, "")),
+                fmt_toggles(state.toggle_diff(t.toggles)),
+                fmt_num(t.tokens_per_s) if t.tokens_per_s is not None else "–",
+                f"±{pct:.1f}%" if pct is not None else "–",
+                fmt_bytes(t.peak_mem) if t.peak_mem is not None else "–",
+                t.reason or "",
+            )
+        )
     return rows
