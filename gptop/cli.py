@@ -135,10 +135,20 @@ def _check_global_flags(parser: "Parser", ns: argparse.Namespace) -> None:
             parser.commands[ns.command].error(f"{flag} does nothing here; it acts on gptop {where}")
     if ns.json:
         ns.no_ui = True
+    elif not ns.no_ui and ns.command in SAMPLING and not has_terminal():
+        # A dashboard needs a terminal to draw on and to read keys from; drawn into a file or a pipe it is
+        # unreadable and costs a core the trainer could use.
+        ns.no_ui = True
+        print("gptop: no terminal (stdin or stdout is not a tty): printing lines, as with --no-ui", file=sys.stderr)
     if ns.metrics_addr is None:
         from .metrics import DEFAULT_ADDR
 
         ns.metrics_addr = DEFAULT_ADDR
+
+
+def has_terminal() -> bool:
+    """Whether the dashboard has a terminal: stdin to read keys from and stdout to draw on."""
+    return all(stream is not None and stream.isatty() for stream in (sys.stdin, sys.stdout))
 
 
 def _version() -> str:

@@ -256,6 +256,28 @@ def test_gptop_piped_into_head_exits_quietly(tmp_path):
     assert "Traceback" not in err and "BrokenPipe" not in err, err
 
 
+@pytest.mark.process
+def test_without_a_terminal_gptop_prints_the_lines_of_no_ui(tmp_path):
+    """Output to a pipe and no keyboard (stdin /dev/null): the same lines as `--no-ui`, not a dashboard drawn
+    into a pipe, and one line on stderr saying why."""
+    run = tmp_path / "run"
+    run.mkdir()
+    events = cpu_run(steps=30) + [ev("done", 40.0, step=30, tokens=30 * 1024, reason="max_steps")]
+    (run / "events.jsonl").write_text("".join(dumps(e) + "\n" for e in events))
+
+    def monitor(*flags: str) -> subprocess.CompletedProcess:
+        argv = [sys.executable, "-m", "gptop", *flags, "--run-dir", str(run)]
+        return subprocess.run(argv, cwd=ROOT, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+
+    plain, no_ui = monitor(), monitor("--no-ui")
+    assert plain.returncode == no_ui.returncode and plain.stdout == no_ui.stdout, plain.stderr
+    assert "step 30" in plain.stdout and "\x1b[" not in plain.stdout
+    assert plain.stderr.splitlines() == [
+        "gptop: no terminal (stdin or stdout is not a tty): printing lines, as with --no-ui"
+    ]
+    assert no_ui.stderr == ""
+
+
 def measuring(t: float, samples: int, warmed_up: bool = True, kind: str = "baseline", number=None):
     return ev(
         "tuner",

@@ -4,7 +4,9 @@ option shown, and a bad value (a choice included) is one line naming the option,
 from __future__ import annotations
 
 import argparse
+import io
 import re
+import sys
 
 import pytest
 
@@ -107,6 +109,52 @@ def test_json_means_json_lines_everywhere_and_sampling_flags_only_where_they_act
             _check_global_flags(PARSER, ns)
         err = capsys.readouterr().err.strip()
         assert e.value.code == 2 and len(err.splitlines()) == 1 and flag in err and "does nothing" in err
+
+
+class Stream(io.StringIO):
+    """A standard stream that is, or is not, a terminal."""
+
+    def __init__(self, tty: bool):
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+@pytest.mark.parametrize("command", COMMANDS + [None])
+@pytest.mark.parametrize("stdin_tty,stdout_tty", [(True, True), (False, True), (True, False), (False, False)])
+def test_without_a_terminal_a_dashboard_command_prints_lines_and_says_so(
+    command, stdin_tty, stdout_tty, monkeypatch, capsys, tmp_path
+):
+    """The dashboard needs stdin (keys) and stdout (drawing) to be a terminal; without either, the commands
+    that have a dashboard (train, tune, run, the monitor) print lines as with --no-ui, saying so in one line
+    on stderr; other commands, --no-ui and --json say nothing."""
+    from gptop import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run").mkdir()
+    sub = PARSER if command is None else PARSER.commands[command]
+    for a in sub.actions:
+        if not a.option_strings and a.type is not None:
+            monkeypatch.setattr(a, "type", str)
+    extra = {"report": ["run"], "export": ["run", "out"], "sample": ["run"], "run": ["--", "true"]}.get(command, [])
+    terminal = stdin_tty and stdout_tty
+    for given in ([], ["--no-ui"], ["--json"]):
+        ns = PARSER.parse_args(given + ([command] if command else []) + extra)
+        with pytest.MonkeyPatch.context() as streams:
+            streams.setattr(sys, "stdin", Stream(stdin_tty))
+            streams.setattr(sys, "stdout", Stream(stdout_tty))
+            cli._check_global_flags(PARSER, ns)
+        err = capsys.readouterr().err
+        dashboard = command in cli.SAMPLING and not given
+        if dashboard and not terminal:
+            assert ns.no_ui and err.count("\n") == 1 and "not a tty" in err and "--no-ui" in err, (command, err)
+        else:
+            assert err == "", (command, given, err)
+            assert ns.no_ui == bool(given) or (not dashboard and not given and not ns.no_ui)
+    monkeypatch.setattr(sys, "stdin", None)  # closed by whoever started gptop
+    assert not cli.has_terminal()
 
 
 def test_python_m_trainer_errors_in_one_line(capsys):

@@ -198,6 +198,7 @@ def test_the_dashboard_path_prints_the_summary_after_the_app_closes(tmp_path, mo
         return 130
 
     monkeypatch.setattr(app, "run_app", closed_app)
+    monkeypatch.setattr(cli, "has_terminal", lambda: True)
     run_dir = tmp_path / "run"
     assert cli.main(["train", "--model", "llama", "--size", "tiny", "--run-dir", str(run_dir)]) == 130
     out = capsys.readouterr().out
