@@ -10,9 +10,8 @@ import math
 import pytest
 import torch
 from torch.utils.data import Dataset
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+import transformers  # lazy: its names, and gptop.integrations.transformers (imported in the tests), load in seconds
 
-from gptop.integrations.transformers import GptopCallback, resume_checkpoint, tuned_args
 from trainer.contract import events as ev
 from trainer.contract.client import CHANNEL_ENV, RESUME_ENV
 
@@ -38,11 +37,17 @@ class Palindromes(Dataset):
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
 
 
-def make_trainer(tmp_path, steps: int, callbacks: list) -> Trainer:
+def make_trainer(tmp_path, steps: int, callbacks: list) -> transformers.Trainer:
+    from gptop.integrations.transformers import (
+        tuned_args,
+    )
+
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2))
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=50, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2)
+    )
     args = tuned_args(
-        TrainingArguments(
+        transformers.TrainingArguments(
             output_dir=str(tmp_path / "out"),
             max_steps=steps,
             per_device_train_batch_size=BATCH,
@@ -57,7 +62,9 @@ def make_trainer(tmp_path, steps: int, callbacks: list) -> Trainer:
             seed=0,
         )
     )
-    return Trainer(model=model, args=args, train_dataset=Palindromes(steps * BATCH * ACCUM), callbacks=callbacks)
+    return transformers.Trainer(
+        model=model, args=args, train_dataset=Palindromes(steps * BATCH * ACCUM), callbacks=callbacks
+    )
 
 
 @pytest.fixture
@@ -67,12 +74,17 @@ def gptop(tmp_path, monkeypatch):
     g.close()
 
 
-def losses(trainer: Trainer) -> list[float]:
+def losses(trainer: transformers.Trainer) -> list[float]:
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
 @pytest.mark.slow
 def test_outside_gptop_the_callback_changes_nothing(tmp_path, monkeypatch):
+    from gptop.integrations.transformers import (
+        GptopCallback,
+        resume_checkpoint,
+    )
+
     monkeypatch.delenv(CHANNEL_ENV, raising=False)
     plain = make_trainer(tmp_path / "a", 6, [])
     plain.train()
@@ -85,6 +97,10 @@ def test_outside_gptop_the_callback_changes_nothing(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_each_optimizer_step_is_reported_with_its_breakdown(gptop, tmp_path):
+    from gptop.integrations.transformers import (
+        GptopCallback,
+    )
+
     trainer = make_trainer(tmp_path, 6, [GptopCallback()])
     trainer.train()
     hello = gptop.file_events("hello")[0]
@@ -116,6 +132,10 @@ def describe(model) -> int:
 
 @pytest.mark.slow
 def test_gptops_log_interval_makes_the_trainer_log(tmp_path, monkeypatch):
+    from gptop.integrations.transformers import (
+        GptopCallback,
+    )
+
     gptop = FakeGptop(tmp_path / "run", log_every=3).install(monkeypatch)  # gptop run --log-every 3
     try:
         trainer = make_trainer(tmp_path, 6, [GptopCallback()])
@@ -128,7 +148,11 @@ def test_gptops_log_interval_makes_the_trainer_log(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_checkpoint_and_stop_commands(gptop, tmp_path):
-    class Commander(TrainerCallback):  # plays gptop's keys, just before the callback looks
+    from gptop.integrations.transformers import (
+        GptopCallback,
+    )
+
+    class Commander(transformers.TrainerCallback):  # plays gptop's keys, just before the callback looks
         def on_step_end(self, args, state, control, **kw):
             command = {1: {"cmd": "checkpoint"}, 3: {"cmd": "stop"}}.get(state.global_step)
             if command is not None:
@@ -147,7 +171,12 @@ def test_checkpoint_and_stop_commands(gptop, tmp_path):
 
 
 def test_tuned_args_and_resume_checkpoint(tmp_path, monkeypatch):
-    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    from gptop.integrations.transformers import (
+        resume_checkpoint,
+        tuned_args,
+    )
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
     assert tuned_args(args) is args
     monkeypatch.delenv(CHANNEL_ENV, raising=False)
     assert resume_checkpoint(args) is None
@@ -167,6 +196,11 @@ def test_a_resume_restores_every_weight_of_gptops_checkpoint(gptop, tmp_path, mo
     started). The callback fingerprints the weights of every checkpoint gptop asks for and, on a resume,
     loads what the Trainer left out with from_pretrained, saying so: the resumed run's losses are the
     uninterrupted run's."""
+    from gptop.integrations.transformers import (
+        GptopCallback,
+        resume_checkpoint,
+        tuned_args,
+    )
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     from gptop.integrations.transformers import WEIGHTS_FILE
@@ -184,7 +218,7 @@ def test_a_resume_restores_every_weight_of_gptops_checkpoint(gptop, tmp_path, mo
             )
         )
         args = tuned_args(
-            TrainingArguments(
+            transformers.TrainingArguments(
                 output_dir=str(out),
                 max_steps=steps,
                 per_device_train_batch_size=BATCH,
@@ -198,9 +232,11 @@ def test_a_resume_restores_every_weight_of_gptops_checkpoint(gptop, tmp_path, mo
                 seed=0,
             )
         )
-        return Trainer(model=model, args=args, train_dataset=Palindromes(steps * BATCH * ACCUM), callbacks=callbacks)
+        return transformers.Trainer(
+            model=model, args=args, train_dataset=Palindromes(steps * BATCH * ACCUM), callbacks=callbacks
+        )
 
-    class Commander(TrainerCallback):
+    class Commander(transformers.TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
             if state.global_step == 3:
                 gptop.send({"cmd": "checkpoint"})

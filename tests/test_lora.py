@@ -64,6 +64,7 @@ def trained_model(tmp_path, *args, name="live") -> torch.nn.Module:
 # --- LoRA on a model directory ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_lora_trains_only_the_adapters_of_a_model_directory(tmp_path, model_dir):
     from safetensors.torch import load_file
 
@@ -84,6 +85,7 @@ def test_lora_trains_only_the_adapters_of_a_model_directory(tmp_path, model_dir)
     assert seen_frozen == len(base) and seen_adapter == 4 * 7 * 2  # 4 layers x 7 projections x (A, B)
 
 
+@pytest.mark.slow
 def test_lora_run_reports_trainable_params_and_checkpoints_only_adapters(tmp_path, model_dir):
     code, events, run_dir = run(
         tmp_path, "--model", str(model_dir), *LORA, "--max-steps", "4", "--checkpoint-every", "2"
@@ -101,6 +103,7 @@ def test_lora_run_reports_trainable_params_and_checkpoints_only_adapters(tmp_pat
     assert steps[-1].loss < steps[0].loss
 
 
+@pytest.mark.slow
 def test_lora_resume_is_exact(tmp_path, model_dir):
     common = ["--model", str(model_dir), *LORA, "--lora-dropout", "0.1"]  # dropout: the RNG is restored too
     code, full, _ = run(tmp_path, *common, "--max-steps", "6", name="full")
@@ -133,6 +136,7 @@ def test_resume_with_other_lora_options_is_refused(tmp_path):
         Checkpointer(cfg, CPU, run_dir, None, warn=print).check_compatible(saved)
 
 
+@pytest.mark.slow
 def test_lora_on_a_builtin_family(tmp_path):
     for family, n in (("llama", 7), ("deepseek", None)):
         code, events, _ = run(tmp_path, "--model", family, *LORA, "--max-steps", "3", name=family)
@@ -292,6 +296,7 @@ def _train_and_resume(tmp_path, *args):
     return of(full, "step")
 
 
+@pytest.mark.slow
 def test_adafactor_trains_and_resumes(tmp_path):
     steps = _train_and_resume(
         tmp_path, "--model", "llama", "--optimizer", "adafactor", "--lr", "1e-2", "--micro-batch", "2"

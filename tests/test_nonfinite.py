@@ -87,6 +87,7 @@ def test_the_param_groups_rule_is_one():
 
 
 # ------------------------------------------------------------------------------------------ the loop
+@pytest.mark.slow
 @pytest.mark.parametrize("fused", [True, False])
 def test_a_non_finite_gradient_norm_skips_the_update_and_applies_the_nan_policy(tmp_path, fused):
     """`nan-grad@2`: the loss is finite, a gradient is NaN. With --nan-policy stop the run ends with the
@@ -130,6 +131,7 @@ def test_a_non_finite_gradient_norm_skips_the_update_and_applies_the_nan_policy(
     assert {float(s["step"]) for s in trainer.optimizer.state.values()} == {2.0}
 
 
+@pytest.mark.slow
 def test_a_non_finite_gradient_norm_rolls_back(tmp_path):
     code, events, run_dir = run(tmp_path, "--max-steps", "8", "--checkpoint-every", "2", "--fault", "nan-grad@4")
     assert code == EXIT_OK
@@ -140,6 +142,7 @@ def test_a_non_finite_gradient_norm_rolls_back(tmp_path):
     assert [c.step for c in assert_all_checkpoints_finite(run_dir)] == [4, 6, 8]
 
 
+@pytest.mark.slow
 def test_weights_that_turn_non_finite_after_a_finite_step_are_not_checkpointed(tmp_path):
     """`nan-weights@3`: loss and gradients of the step were finite, its result is not. The checkpoint of
     step 4 is not written; the run rolls back to step 2 and goes on."""
@@ -166,6 +169,7 @@ def test_the_issue_command_never_checkpoints_a_non_finite_state(tmp_path):
         assert "step-00000001.pt" in rb.message or "initialization" in rb.message
 
 
+@pytest.mark.slow
 def test_rollback_skips_a_corrupt_or_non_finite_newest_checkpoint(tmp_path, monkeypatch):
     """Checkpoints 2 (good), 4 (truncated on disk), 6 (written non-finite, as an older gptop did): a NaN
     at step 7 rolls back to 2, naming what it skipped."""
@@ -194,6 +198,7 @@ def test_rollback_skips_a_corrupt_or_non_finite_newest_checkpoint(tmp_path, monk
 
 
 # ------------------------------------------------------------------------------- resume: known ends
+@pytest.mark.slow
 def test_resume_skips_a_non_finite_newest_checkpoint(tmp_path):
     code, _, run_dir = run(tmp_path, "--max-steps", "8", "--checkpoint-every", "2", "--fault", "stop@6")
     assert code == EXIT_OK
@@ -286,6 +291,7 @@ def test_a_checkpoint_restores_on_a_device_that_is_not_the_cpu(tmp_path):
     assert torch.equal(torch.get_rng_state(), rng)
 
 
+@pytest.mark.slow
 def test_a_restore_failure_that_is_not_the_files_fault_is_not_called_corrupt(tmp_path, monkeypatch):
     """A bug or a device error while restoring ends the run with that error (a crash), instead of skipping
     every checkpoint as corrupt and exiting 7; a file whose content does not fit stays a corrupt one."""

@@ -150,6 +150,7 @@ def _after(events, step):
     return [(s.step, s.loss) for s in of(events, "step") if s.step > step]
 
 
+@pytest.mark.slow
 def test_switch_to_adafactor_says_it_starts_fresh_and_resumes_exactly(tmp_path):
     a, b = _switch_then_resume(tmp_path, "adafactor")
     assert _after(a, 3) and _after(a, 3) == _after(b, 3)

@@ -90,7 +90,7 @@ def _hello(events):
     return [e for e in events if e.type == "hello" and not e.early][-1]
 
 
-@pytest.mark.parametrize("native, expected", [(True, "bf16"), (False, "fp32")])
+@pytest.mark.parametrize("native, expected", [pytest.param(True, "bf16", marks=pytest.mark.slow), (False, "fp32")])
 def test_an_auto_run_records_what_it_resolved_to(tmp_path, monkeypatch, native, expected):
     code, events, run_dir = _run(tmp_path, monkeypatch, "--max-steps", "1", native=native)
     assert code == 0
@@ -101,6 +101,7 @@ def test_an_auto_run_records_what_it_resolved_to(tmp_path, monkeypatch, native, 
     assert f'precision = "{expected}"' in (run_dir / "config.toml").read_text()
 
 
+@pytest.mark.slow
 def test_a_resume_keeps_the_resolved_precision_on_another_device(tmp_path, monkeypatch):
     code, _, run_dir = _run(tmp_path, monkeypatch, "--max-steps", "1", "--checkpoint-every", "1", native=True)
     assert code == 0

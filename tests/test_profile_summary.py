@@ -118,6 +118,7 @@ def test_the_event_round_trips_with_its_nested_records():
     assert back == e and back.phases[0].ops[0].name == "aten::mm"
 
 
+@pytest.mark.slow
 def test_a_profiled_run_emits_the_summary_and_writes_it_next_to_the_trace(tmp_path):
     from trainer.train import EXIT_OK
 

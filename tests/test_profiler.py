@@ -35,6 +35,7 @@ def within(inner: dict, outer: dict) -> bool:
     return outer["ts"] <= inner["ts"] and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"] + 1e-3
 
 
+@pytest.mark.slow
 def test_trace_has_a_range_per_step_and_phase(tmp_path):
     """Steps 2-3 of 4 (numbered from 1, as the step events), two micro-batches per step."""
     events = train(tmp_path / "r", "--max-steps", "4", "--micro-batch", "2", "--profile-steps", "2-3")

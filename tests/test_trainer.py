@@ -20,7 +20,9 @@ def run(tmp_path, *args, name="run"):
     return train_in_process(tmp_path / name, *args)
 
 
-@pytest.mark.parametrize("family", ["llama", "deepseek", "llada"])
+@pytest.mark.parametrize(
+    "family", ["llama", pytest.param("deepseek", marks=pytest.mark.slow), pytest.param("llada", marks=pytest.mark.slow)]
+)
 def test_each_family_trains_and_reports(tmp_path, family):
     code, events, run_dir = run(
         tmp_path, "--model", family, "--max-steps", "12", "--eval-every", "6", "--checkpoint-every", "6", "--lr", "3e-3"
@@ -48,6 +50,7 @@ def test_each_family_trains_and_reports(tmp_path, family):
     assert [c.step for c in rundir.list_checkpoints(run_dir)] == [6, 12]
 
 
+@pytest.mark.slow
 def test_a_peak_below_the_achieved_rate_is_dropped_not_reported(tmp_path, monkeypatch):
     # A CPU peak measured while another process held the cores is too low; the MFU it gives is
     # above 1, which is never reported: null from then on, a warning, and the cache entry dropped.
@@ -101,7 +104,7 @@ def test_no_timing_still_reports_throughput(tmp_path):
     assert s.phases_ms is None and s.tokens_per_s > 0 and s.step_ms > 0
 
 
-@pytest.mark.parametrize("family", ["llama", "llada"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("llada", marks=pytest.mark.slow)])
 def test_exact_resume(tmp_path, family):
     """N steps, resume, N more == 2N uninterrupted (CPU, fp32)."""
     common = ["--model", family, "--lr", "3e-3", "--micro-batch", "2"]
@@ -121,6 +124,7 @@ def test_exact_resume(tmp_path, family):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_micro_batch_does_not_change_what_is_learned(tmp_path):
     _, one, _ = run(tmp_path, "--max-steps", "4", "--micro-batch", "1", name="mb1")
     _, four, _ = run(tmp_path, "--max-steps", "4", "--micro-batch", "4", name="mb4")
@@ -129,6 +133,7 @@ def test_micro_batch_does_not_change_what_is_learned(tmp_path):
         assert a.loss == pytest.approx(b.loss, rel=1e-4)
 
 
+@pytest.mark.slow
 def test_nan_rollback_skips_the_batch_and_continues(tmp_path):
     code, events, run_dir = run(tmp_path, "--max-steps", "10", "--checkpoint-every", "4", "--fault", "nan@6")
     assert code == EXIT_OK
@@ -143,6 +148,7 @@ def test_nan_rollback_skips_the_batch_and_continues(tmp_path):
     assert all(torch.isfinite(v).all() for v in final["model"].values() if v.is_floating_point())
 
 
+@pytest.mark.slow
 def test_nan_before_any_checkpoint_restarts_from_init(tmp_path):
     code, events, _ = run(tmp_path, "--max-steps", "5", "--fault", "nan@2")
     assert code == EXIT_OK
@@ -150,6 +156,7 @@ def test_nan_before_any_checkpoint_restarts_from_init(tmp_path):
     assert rb and "initialization" in rb[0].message
 
 
+@pytest.mark.slow
 def test_nan_after_resume_rolls_back_to_the_resumed_checkpoint(tmp_path):
     code, _, run_dir = run(tmp_path, "--max-steps", "8", "--fault", "stop@4")
     assert code == EXIT_OK
@@ -161,6 +168,7 @@ def test_nan_after_resume_rolls_back_to_the_resumed_checkpoint(tmp_path):
     assert of(events, "done")[-1].step == 8
 
 
+@pytest.mark.slow
 def test_a_checkpoint_fault_saves_at_that_boundary(tmp_path):
     """The test-only `checkpoint@N` (used to make a tuning trial's checkpoint certain) saves after step N."""
     code, events, run_dir = run(tmp_path, "--max-steps", "5", "--checkpoint-every", "0", "--fault", "checkpoint@2")
@@ -214,6 +222,7 @@ def test_bad_usage_exits_2_naming_the_option(tmp_path):
     assert "--micro-batch" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "toggle",
     [
@@ -232,6 +241,7 @@ def test_cpu_toggles_train(tmp_path, toggle):
     assert all(s.loss == s.loss for s in of(events, "step"))
 
 
+@pytest.mark.slow
 def test_a_slow_toggle_runs_with_a_warning(tmp_path, monkeypatch):
     from trainer import device_probe as device
 
@@ -243,6 +253,7 @@ def test_a_slow_toggle_runs_with_a_warning(tmp_path, monkeypatch):
     assert of(events, "hello")[0].device.cpu_bf16 is False
 
 
+@pytest.mark.slow
 def test_profile_trace_written(tmp_path):
     code, events, run_dir = run(tmp_path, "--max-steps", "4", "--profile-steps", "1-2")
     assert code == EXIT_OK

@@ -224,6 +224,7 @@ def test_full_simulated_tuning_ends_in_apply(tmp_path):
     assert paths["toml"].read_text().count("[") == 1  # only the [toggles] table
 
 
+@pytest.mark.slow
 def test_trials_carry_energy_per_token_from_the_sessions_energy(tmp_path):
     """The tuner once read energy from step events nobody wrote: every trial's energy was empty. Now the
     session's one energy computation (here: a steady 300 W) measures each trial's kept steps."""
@@ -260,6 +261,7 @@ def test_budget_stops_starting_trials_it_cannot_afford(tmp_path):
     assert ctl.budget.elapsed() <= 300.0  # nothing was started that could not finish
 
 
+@pytest.mark.slow
 def test_a_trial_that_overruns_is_cut_by_the_budget(tmp_path):
     clock = Clock()
     # rel_ci so tight nothing is ever stable: the first real trial runs into the end of the budget
@@ -363,6 +365,7 @@ def test_close_candidates_are_remeasured_best_last(tmp_path):
     assert apply.decision.cost_s > 0 and "0s switch" not in apply.decision.reason
 
 
+@pytest.mark.slow
 def test_second_run_starts_from_what_was_learned(tmp_path):
     clock = Clock()
     first = make_ctl(tmp_path, clock)
@@ -557,6 +560,7 @@ def test_the_plan_counts_the_runs_time_between_steps(tmp_path):
     assert ctl.report_info()["ledger"]["between_s"] == pytest.approx(0.45)
 
 
+@pytest.mark.slow
 def test_expensive_trials_are_dropped_first(tmp_path):
     """~300 s left: a plain restart (10 s with the switch back) can pay, a compile nobody has measured on this
     setup (45 s more) cannot fit in the 10% tuning may lose. Compile proposals are skipped (not told to the

@@ -115,6 +115,7 @@ def test_quit_is_graceful_and_a_second_quit_forces():
     assert app.return_code == 0
 
 
+@pytest.mark.slow
 def test_ctrl_c_is_q_graceful_first_then_forced():
     """Ctrl-C is the reflex key: the first one stops with a checkpoint (the dashboard stays until the session
     is over), the second one (or q after it) at once."""
@@ -299,6 +300,7 @@ def test_every_binding_is_in_the_footer_at_80_columns():
     drive(app, [], check=lambda a: "e" not in {k.key for k in a.query("FooterKey")} or pytest.fail())
 
 
+@pytest.mark.slow
 def test_command_palette_lists_and_runs_the_actions():
     app, _, cmds = make()
 
@@ -488,6 +490,7 @@ def test_events_from_another_thread_reach_the_screen_quickly():
     run(go())
 
 
+@pytest.mark.slow
 def test_only_changed_panels_are_synced():
     app, state, _ = make()
     calls: dict[str, int] = {}
@@ -540,6 +543,7 @@ def count_syncs(app: GptopApp) -> dict[str, int]:
     return calls
 
 
+@pytest.mark.slow
 def test_a_fast_progress_stream_is_drawn_at_the_frame_rate_and_ends_on_its_last_step():
     # issue 13: the per-step progress event (and any fast stream) costs frames, not redraws per event; the
     # counter moves while the stream lasts, and the last step is on screen when it stops
@@ -573,6 +577,7 @@ def test_a_fast_progress_stream_is_drawn_at_the_frame_rate_and_ends_on_its_last_
     run(go())
 
 
+@pytest.mark.slow
 def test_history_panels_redraw_once_a_second_under_a_fast_step_stream_and_show_the_last_step():
     state = RunState(run_name="live", status="running")
     events = cpu_run(200)
@@ -628,6 +633,7 @@ def test_snapshot_help(snap_compare):
     assert snap_compare(app, terminal_size=SMALL, press=["question_mark"])
 
 
+@pytest.mark.slow
 def test_snapshot_profile_summary(snap_compare):
     from fixtures.streams import gpu_profile
 
@@ -785,6 +791,7 @@ def test_compiling_shows_its_elapsed_time_ticking():
     run(go())
 
 
+@pytest.mark.slow
 def test_progress_between_log_steps_moves_the_header():
     state = startup_state("steps", status="running")
     app, _, _ = make(state=state)
