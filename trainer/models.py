@@ -41,7 +41,8 @@ from .contract.common import FAMILIES
 from .contract.config import ConfigError, FinetuneConfig, ModelConfig, Toggles
 from .contract.inputs import is_model_path
 from .contract.device import DeviceInfo
-from .contract.estimate import DEFAULT_VOCAB, SIZE_ORDER, SIZES, TRAIN_BYTES_PER_PARAM, VOCAB_MULTIPLE, Dims  # noqa: F401
+from .contract.estimate import TRAIN_BYTES_PER_PARAM  # noqa: F401
+from .contract.model_shapes import DEFAULT_VOCAB, SIZE_ORDER, SIZES, VOCAB_MULTIPLE, Dims  # noqa: F401
 from . import flops as _flops
 from .models_guide import FINETUNING, USING_A_MODEL
 
