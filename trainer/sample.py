@@ -36,7 +36,8 @@ import torch
 
 from .contract import tools
 from .contract.tools import SampleResult
-from .export import EXIT_OK, LoadedModel, eos_id, load_for_inference, stderr_log, tool_main
+from .export import EXIT_OK, tool_main
+from .model_loading import LoadedModel, eos_id, load_for_inference, stderr_log
 
 log = stderr_log("sample")
 
