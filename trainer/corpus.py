@@ -21,6 +21,7 @@ PIECE_CHARS = 1 << 16  # long documents are cut into pieces of about this size t
 
 
 def stdlib_root() -> Path:
+    """Where this Python's standard library is: the builtin corpus's root."""
     return Path(sysconfig.get_paths()["stdlib"])
 
 
@@ -55,6 +56,7 @@ def builtin_files(max_bytes: int | None = None) -> list[Path]:
 
 
 def corpus_files(spec: str) -> list[Path]:
+    """The data files `--data` names; a parquet file without a text column is refused before any is read."""
     files = data_files(spec)  # which files are data: one rule, shared with gptop's input checks
     for f in files:
         if f.suffix.lower() == ".parquet":
@@ -67,11 +69,13 @@ def corpus_files(spec: str) -> list[Path]:
 
 
 def read_builtin(files: list[Path]) -> Iterator[tuple[str, bool, int]]:
+    """The builtin corpus's documents, one per file."""
     for f in files:
         yield from pieces(f.read_text(encoding="utf-8", errors="replace"), f.stat().st_size)
 
 
 def read_files(files: list[Path]) -> Iterator[tuple[str, bool, int]]:
+    """The documents of `--data` files, each read by its format (.txt, .jsonl, .parquet)."""
     readers = {".txt": _read_txt, ".jsonl": _read_jsonl, ".parquet": _read_parquet}
     for f in files:
         yield from readers[f.suffix.lower()](f)

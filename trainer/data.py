@@ -1,4 +1,5 @@
-"""Training data: text -> tokenizer -> cached token memmap (the batches drawn from it: trainer.batches).
+"""Training data: text (trainer.corpus) -> tokenizer -> cached token memmap (the batches drawn from it:
+trainer.batches).
 
 Three promises the rest of gptop relies on:
 
