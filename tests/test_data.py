@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from trainer import batches as B
+from trainer import corpus
 from trainer import data as D
 from trainer import prefetch as P
 from trainer.contract.config import ConfigError, DataConfig
@@ -34,7 +35,7 @@ class Logs(list):
 
 @pytest.fixture(autouse=True)
 def small_builtin(monkeypatch):
-    monkeypatch.setenv(D.BUILTIN_BYTES_ENV, SMALL_BUILTIN)
+    monkeypatch.setenv(corpus.BUILTIN_BYTES_ENV, SMALL_BUILTIN)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def cache(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tok(cache):
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(D.BUILTIN_BYTES_ENV, SMALL_BUILTIN)
+        mp.setenv(corpus.BUILTIN_BYTES_ENV, SMALL_BUILTIN)
         return D.tokenizer_info(DataConfig(), cache, log=Logs())
 
 
@@ -90,7 +91,7 @@ def test_builtin_trains_once_then_uses_the_cache(tmp_path):
     assert Path(td.tokenizer_path).is_file()
     assert 0 < int(all_tokens(td).max()) < td.vocab_size
     # The stream starts with the first file of the corpus, and documents are joined with EOS.
-    first = D.builtin_files()[0].read_text()
+    first = corpus.builtin_files()[0].read_text()
     n = len(tok.encode(first).ids)
     assert tok.decode(all_tokens(td)[:n].tolist()) == first
     assert all_tokens(td)[n] == td.eos_id
@@ -98,25 +99,25 @@ def test_builtin_trains_once_then_uses_the_cache(tmp_path):
 
 def test_builtin_tokens_equal_whole_document_encoding(cache, tok):
     td = load_data(DataConfig(seq_len=32), cache_dir=cache, log=Logs())
-    docs = [t for f in D.builtin_files() if (t := f.read_text(encoding="utf-8", errors="replace"))]
+    docs = [t for f in corpus.builtin_files() if (t := f.read_text(encoding="utf-8", errors="replace"))]
     assert all_tokens(td).tolist() == encode_docs(tok, docs)
 
 
 def test_builtin_corpus_is_sorted_capped_stdlib_source():
-    files = D.builtin_files()
-    root = D._stdlib_root()
+    files = corpus.builtin_files()
+    root = corpus.stdlib_root()
     rel = [f.relative_to(root).as_posix() for f in files]
     assert rel == sorted(rel) and all(r.endswith(".py") for r in rel)
-    assert not any(part in D._BUILTIN_SKIP_DIRS for r in rel for part in r.split("/"))
+    assert not any(part in corpus.BUILTIN_SKIP_DIRS for r in rel for part in r.split("/"))
     assert sum(f.stat().st_size for f in files) <= int(SMALL_BUILTIN)
-    everything = D.builtin_files(10**12)
+    everything = corpus.builtin_files(10**12)
     assert set(files) < set(everything) and [f for f in everything if f in set(files)] == files
 
 
 @pytest.mark.slow
 def test_real_default_builtin(tmp_path, monkeypatch):
     """The default corpus (~6 MB): tokenizer training and tokenization take seconds on 2 cores."""
-    monkeypatch.delenv(D.BUILTIN_BYTES_ENV)
+    monkeypatch.delenv(corpus.BUILTIN_BYTES_ENV)
     t0 = time.monotonic()
     td = load_data(DataConfig(), cache_dir=tmp_path, log=Logs())
     assert time.monotonic() - t0 < 60
@@ -136,9 +137,9 @@ def test_default_cache_dir_honours_env(tmp_path, monkeypatch):
 
 
 def test_long_documents_are_cut_without_changing_tokens(tok, monkeypatch):
-    monkeypatch.setattr(D, "_PIECE_CHARS", 200)
-    text = D.builtin_files()[0].read_text() * 3
-    pieces = list(D._pieces(text, len(text)))
+    monkeypatch.setattr(corpus, "PIECE_CHARS", 200)
+    text = corpus.builtin_files()[0].read_text() * 3
+    pieces = list(corpus.pieces(text, len(text)))
     assert len(pieces) > 10 and "".join(p for p, _, _ in pieces) == text
     assert [end for _, end, _ in pieces] == [False] * (len(pieces) - 1) + [True]
     assert sum(tok.encode_batch([p for p, _, _ in pieces]), []) == tok.encode_batch([text])[0]
@@ -170,7 +171,7 @@ def test_txt_file_is_one_document(tmp_path, cache, tok):
 
 
 def test_large_txt_is_read_in_pieces(tmp_path, cache, tok, monkeypatch):
-    monkeypatch.setattr(D, "_PIECE_CHARS", 100)
+    monkeypatch.setattr(corpus, "PIECE_CHARS", 100)
     monkeypatch.setattr(D, "_BATCH_CHARS", 300)
     text = "".join(DOCS) * 3
     (tmp_path / "big.txt").write_text(text)

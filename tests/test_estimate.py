@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from trainer.contract import estimate as E
+from trainer.contract import model_shapes
 from trainer.contract.device import DeviceInfo
 
 GiB = 1 << 30
@@ -254,7 +255,7 @@ def test_the_options_shrink_the_state_and_the_lines_show_the_optimizer():
     assert nf4.state_bytes < int8.state_bytes < lora.state_bytes
     only_q = E.estimate("llama", "large", lora=8, lora_targets="q_proj", **kw)
     assert only_q.trainable_params == 20 * 8 * (2048 + 2048)  # 20 layers, A and B of one 2048 x 2048
-    assert E.lora_targets("deepseek") == [
+    assert model_shapes.lora_targets("deepseek") == [
         "q_proj",
         "o_proj",
         "kv_a_proj_with_mqa",

@@ -18,13 +18,12 @@ from trainer.models import (
     ModelBundle,
     build_model,
     is_pretrained_path,
-    model_table,
-    model_table_markdown,
     pad_vocab,
     param_counts,
     resolve_size,
     vocab_and_mask,
 )
+from trainer.models_guide import model_table, model_table_markdown
 
 CPU = DeviceInfo(type="cpu", name="test-cpu", cpu_count=2, total_memory=8 << 30)
 VOCAB = 500  # a small tokenizer keeps the tiny models' embeddings small and the tests fast
@@ -586,10 +585,10 @@ def test_unknown_family_is_a_config_error():
 
 
 def test_docs_models_md_is_generated():
-    """docs/models.md is `python -m trainer.models` output; regenerate it when sizes change."""
+    """docs/models.md is `python -m trainer.models_guide` output; regenerate it when sizes change."""
     from pathlib import Path
 
-    from trainer.models import models_markdown
+    from trainer.models_guide import models_markdown
 
     path = Path(__file__).resolve().parent.parent / "docs" / "models.md"
-    assert path.read_text() == models_markdown(), "run: python -m trainer.models > docs/models.md"
+    assert path.read_text() == models_markdown(), "run: python -m trainer.models_guide > docs/models.md"

@@ -46,7 +46,7 @@ ALLOWED: dict[tuple[str, str], str] = {
         "torch._logging",
     ): "torch._logging.set_logs is torch's documented way to turn on the recompiles log (TORCH_LOGS=recompiles)",
     (
-        "trainer/train.py",
+        "trainer/startup.py",
         "getattr(self.model, '_orig_mod', self.model)",
     ): "torch.compile's wrapper exposes the module it compiled only as _orig_mod (torch's own docs use it)",
 }

@@ -62,7 +62,7 @@ NEVER_TARGETS = ("lm_head",)  # the output head (and the embeddings, no linear l
 def targets(model: torch.nn.Module, fcfg: FinetuneConfig) -> list[str]:
     """The module names that get adapters; ConfigError naming --lora-targets when none would or one is not
     there, or --lora when the rank is above the smallest dimension of a layer it adapts (the rule
-    trainer.contract.estimate.check_lora applies to the families before anything is built)."""
+    trainer.contract.model_shapes.check_lora applies to the families before anything is built)."""
     present = [n for n in linear_names(model) if n not in NEVER_TARGETS]
     if fcfg.lora_targets == AUTO:
         chosen = [n for n in DEFAULT_TARGETS if n in present]

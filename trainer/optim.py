@@ -130,7 +130,8 @@ def pending_state_bytes(optimizer: torch.optim.Optimizer, name: str) -> int:
     step (AdamW creates its moments there), nothing once it has stepped or a checkpoint filled it. Counted
     by trainer.contract.estimate's rule over this rank's tensors (FSDP2: its shards), so a memory probe
     that runs forward and backward only can add what the first optimizer step will hold on to."""
-    from .contract.estimate import Tensor, optimizer_state_bytes
+    from .contract.estimate import optimizer_state_bytes
+    from .contract.model_shapes import Tensor
 
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     local = [p.to_local() if hasattr(p, "to_local") else p for p in params]

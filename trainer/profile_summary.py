@@ -155,22 +155,34 @@ def summarize(spans: list[Span]) -> dict[str, Any] | None:
         "short_op_share": short_op_us / step_us,
     }
     if kernel_spans:
-        busy = _merge((s.start, s.end) for s in kernel_spans)
-        busy_in_steps = _overlap(busy, steps)
-        idle = max(0.0, step_us - busy_in_steps)
-        compute = _merge((a, b) for a, b, name in phase_ranges if name in COMPUTE_PHASES)
-        idle_in_compute = max(0.0, _length(compute) - _overlap(busy, compute))
-        short = sum(s.dur for s in kernel_spans if s.dur < SHORT_OP_US)
-        out.update(
-            gpu_idle_share=idle / step_us,
-            gpu_idle_host_share=min(idle, idle_in_compute) / step_us,
-            short_kernel_share=short / max(1e-9, sum(s.dur for s in kernel_spans)),
-        )
-        comm = [s for s in kernel_spans if "nccl" in s.name.lower()]
-        if comm:
-            comm_iv = _merge((s.start, s.end) for s in comm)
-            compute_iv = _merge((s.start, s.end) for s in kernel_spans if "nccl" not in s.name.lower())
-            out["comm_overlap"] = _overlap(comm_iv, compute_iv) / max(1e-9, _length(comm_iv))
+        out.update(_gpu_shares(kernel_spans, steps, step_us, phase_ranges))
+    return out
+
+
+def _gpu_shares(
+    kernel_spans: list[Span],
+    steps: list[tuple[float, float]],
+    step_us: float,
+    phase_ranges: list[tuple[float, float, str]],
+) -> dict[str, float]:
+    """The GPU's idle share of the steps (and of it, while the host was in a compute phase), the share of
+    short kernels, and with NCCL kernels how much of the communication overlaps compute."""
+    busy = _merge((s.start, s.end) for s in kernel_spans)
+    busy_in_steps = _overlap(busy, steps)
+    idle = max(0.0, step_us - busy_in_steps)
+    compute = _merge((a, b) for a, b, name in phase_ranges if name in COMPUTE_PHASES)
+    idle_in_compute = max(0.0, _length(compute) - _overlap(busy, compute))
+    short = sum(s.dur for s in kernel_spans if s.dur < SHORT_OP_US)
+    out = {
+        "gpu_idle_share": idle / step_us,
+        "gpu_idle_host_share": min(idle, idle_in_compute) / step_us,
+        "short_kernel_share": short / max(1e-9, sum(s.dur for s in kernel_spans)),
+    }
+    comm = [s for s in kernel_spans if "nccl" in s.name.lower()]
+    if comm:
+        comm_iv = _merge((s.start, s.end) for s in comm)
+        compute_iv = _merge((s.start, s.end) for s in kernel_spans if "nccl" not in s.name.lower())
+        out["comm_overlap"] = _overlap(comm_iv, compute_iv) / max(1e-9, _length(comm_iv))
     return out
 
 

@@ -64,20 +64,7 @@ def main_run(cfg: TrainConfig, run_lock: RunLock | None = None, created_dirs: li
     except Stop as s:
         return s.code
     except StartupStopped as e:  # nothing to checkpoint before the first step
-        honour_startup_stop()  # first: no raise again during this way out
-        global _startup_stopped
-        _startup_stopped = True
-        if trainer is not None:
-            trainer.log(f"stopped before the first step ({e})")
-            trainer.emit0(
-                "done",
-                step=trainer.progress.step,
-                tokens=trainer.progress.tokens,
-                seconds=None,
-                reason=STOPPED_BEFORE_FIRST_STEP,
-                checkpoint=None,
-            )
-        return EXIT_OK
+        return _stop_in_startup(trainer, e)
     except ConfigError as e:
         code = _report(trainer, "config", str(e), EXIT_CONFIG)
         refused = trainer  # a refusal before the first step leaves nothing of what this trainer created
@@ -101,48 +88,77 @@ def main_run(cfg: TrainConfig, run_lock: RunLock | None = None, created_dirs: li
     except ckpt.PeerSaveFailed as e:
         return _report(trainer, "crash", str(e), EXIT_CRASH, lost_peer=True)
     except Exception as e:
-        disk = disk_error(e)
-        if disk is not None:  # a full or read-only filesystem: one line, the traceback to the log only
-            return _report(
-                trainer,
-                "disk",
-                _disk_message(trainer, disk),
-                EXIT_DISK,
-                path=disk.path,
-                os_error=disk.strerror,
-                free_bytes=disk.free_bytes,
-                traceback=_log_only_traceback(),
-            )
-        if trainer is not None and trainer.world > 1 and D.is_comm_error(e):
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            return _report(
-                trainer,
-                "crash",
-                f"lost contact with another rank, which probably failed (see its error): {first}",
-                EXIT_CRASH,
-                lost_peer=True,
-            )
-        if _is_compile_error(e) or artefact_failure(e) is not None:
-            own = trainer.own_cache if trainer is not None else None
-            again = f" (again in the run's own inductor cache {own.own_dir})" if own is not None and own.used else ""
-            return _report(
-                trainer,
-                "compile",
-                f"torch.compile failed ({cfg.toggles.compile}){again}: "
-                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                EXIT_COMPILE,
-                traceback=traceback.format_exc(),
-            )
-        return _report(trainer, "crash", f"{type(e).__name__}: {e}", EXIT_CRASH, traceback=traceback.format_exc())
+        return _report_failure(trainer, cfg, e)
     finally:
-        if trainer is not None and trainer.channel is not None:
-            trainer.channel.close()
-        if trainer is not None and trainer.group is not None:
-            trainer.group.destroy()
-        if trainer is not None and trainer.run_lock is not None:
-            trainer.run_lock.release()
-        if refused is not None and refused.world == 1 and refused.progress.step == 0:
-            protect.remove_created(refused.created_dirs)
+        _tear_down(trainer, refused)
+
+
+def _stop_in_startup(trainer: Trainer | None, e: StartupStopped) -> int:
+    """A stop before the first step: a `done` event; `python -m trainer` then exits without freeing the model."""
+    honour_startup_stop()  # first: no raise again during this way out
+    global _startup_stopped
+    _startup_stopped = True
+    if trainer is not None:
+        trainer.log(f"stopped before the first step ({e})")
+        trainer.emit0(
+            "done",
+            step=trainer.progress.step,
+            tokens=trainer.progress.tokens,
+            seconds=None,
+            reason=STOPPED_BEFORE_FIRST_STEP,
+            checkpoint=None,
+        )
+    return EXIT_OK
+
+
+def _report_failure(trainer: Trainer | None, cfg: TrainConfig, e: Exception) -> int:
+    """An error of no known type, told apart by what it says: a full or read-only disk, a lost peer, a
+    torch.compile failure, else a crash. Called while `e` is being handled (its traceback goes with the report)."""
+    disk = disk_error(e)
+    if disk is not None:  # a full or read-only filesystem: one line, the traceback to the log only
+        return _report(
+            trainer,
+            "disk",
+            _disk_message(trainer, disk),
+            EXIT_DISK,
+            path=disk.path,
+            os_error=disk.strerror,
+            free_bytes=disk.free_bytes,
+            traceback=_log_only_traceback(),
+        )
+    if trainer is not None and trainer.world > 1 and D.is_comm_error(e):
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return _report(
+            trainer,
+            "crash",
+            f"lost contact with another rank, which probably failed (see its error): {first}",
+            EXIT_CRASH,
+            lost_peer=True,
+        )
+    if _is_compile_error(e) or artefact_failure(e) is not None:
+        own = trainer.own_cache if trainer is not None else None
+        again = f" (again in the run's own inductor cache {own.own_dir})" if own is not None and own.used else ""
+        return _report(
+            trainer,
+            "compile",
+            f"torch.compile failed ({cfg.toggles.compile}){again}: "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+            EXIT_COMPILE,
+            traceback=traceback.format_exc(),
+        )
+    return _report(trainer, "crash", f"{type(e).__name__}: {e}", EXIT_CRASH, traceback=traceback.format_exc())
+
+
+def _tear_down(trainer: Trainer | None, refused: Trainer | None) -> None:
+    """The channel, the process group and the lock, whatever happened; what a refused run created is removed."""
+    if trainer is not None and trainer.channel is not None:
+        trainer.channel.close()
+    if trainer is not None and trainer.group is not None:
+        trainer.group.destroy()
+    if trainer is not None and trainer.run_lock is not None:
+        trainer.run_lock.release()
+    if refused is not None and refused.world == 1 and refused.progress.step == 0:
+        protect.remove_created(refused.created_dirs)
 
 
 def _disk_message(trainer: Trainer | None, disk: DiskError) -> str:

@@ -36,7 +36,8 @@ import torch
 
 from .contract import tools
 from .contract.tools import SampleResult
-from .export import EXIT_OK, LoadedModel, eos_id, load_for_inference, stderr_log, tool_main
+from .export import EXIT_OK, tool_main
+from .model_loading import LoadedModel, eos_id, load_for_inference, stderr_log
 
 log = stderr_log("sample")
 
@@ -195,42 +196,9 @@ def generate(
     steps = None
     if loaded.objective == "llada":
         steps = ns.diffusion_steps or ns.max_new_tokens
-        log(
-            f"{loaded.bundle.family}: {ns.max_new_tokens} tokens in {steps} reverse steps (low-confidence "
-            f"remasking), temperature {temperature:g}"
-        )
-        gen = torch.Generator(device=device).manual_seed(ns.seed)
-        new, done = llada_generate(
-            model,
-            prompt,
-            mask_id=loaded.mask_id,
-            length=ns.max_new_tokens,
-            steps=steps,
-            temperature=temperature,
-            generator=gen,
-            vocab=vocab,
-            deadline=deadline,
-        )
-        stopped = "timeout" if done < steps else "max_new_tokens"
+        new, stopped = _generate_llada(loaded, ns, prompt, steps, temperature, vocab, deadline)
     else:
-        if ns.diffusion_steps is not None:
-            log("note: --diffusion-steps applies to llada models only; ignored")
-        log(
-            f"{loaded.bundle.family}: up to {ns.max_new_tokens} tokens with transformers' generate, "
-            f"{'greedy' if temperature == 0 else f'temperature {temperature:g}'}"
-        )
-        new = causal_generate(
-            model,
-            prompt,
-            max_new_tokens=ns.max_new_tokens,
-            temperature=temperature,
-            eos=eos,
-            pad=tok.pad_token_id,
-            vocab=vocab,
-            max_time=None if deadline is None else deadline - time.time(),
-        )
-        ended = eos is not None and eos in new.tolist()
-        stopped = "eos" if ended else "max_new_tokens" if len(new) >= ns.max_new_tokens else "timeout"
+        new, stopped = _generate_causal(loaded, ns, prompt, temperature, eos, vocab, deadline)
     seconds = time.time() - t0
     new = new.tolist()
     if eos is not None and eos in new:  # a document ends there: what follows is another one
@@ -253,6 +221,65 @@ def generate(
         load_seconds=round(load_seconds, 3),
         diffusion_steps=steps,
     )
+
+
+def _generate_llada(
+    loaded: LoadedModel,
+    ns: argparse.Namespace,
+    prompt: torch.Tensor,
+    steps: int,
+    temperature: float,
+    vocab: int,
+    deadline: float | None,
+) -> tuple[torch.Tensor, str]:
+    """A llada model's tokens by reverse diffusion, and why it stopped."""
+    log(
+        f"{loaded.bundle.family}: {ns.max_new_tokens} tokens in {steps} reverse steps (low-confidence "
+        f"remasking), temperature {temperature:g}"
+    )
+    gen = torch.Generator(device=prompt.device).manual_seed(ns.seed)
+    new, done = llada_generate(
+        loaded.model,
+        prompt,
+        mask_id=loaded.mask_id,
+        length=ns.max_new_tokens,
+        steps=steps,
+        temperature=temperature,
+        generator=gen,
+        vocab=vocab,
+        deadline=deadline,
+    )
+    return new, "timeout" if done < steps else "max_new_tokens"
+
+
+def _generate_causal(
+    loaded: LoadedModel,
+    ns: argparse.Namespace,
+    prompt: torch.Tensor,
+    temperature: float,
+    eos: int | None,
+    vocab: int,
+    deadline: float | None,
+) -> tuple[torch.Tensor, str]:
+    """A causal model's tokens by transformers' generate, and why it stopped."""
+    if ns.diffusion_steps is not None:
+        log("note: --diffusion-steps applies to llada models only; ignored")
+    log(
+        f"{loaded.bundle.family}: up to {ns.max_new_tokens} tokens with transformers' generate, "
+        f"{'greedy' if temperature == 0 else f'temperature {temperature:g}'}"
+    )
+    new = causal_generate(
+        loaded.model,
+        prompt,
+        max_new_tokens=ns.max_new_tokens,
+        temperature=temperature,
+        eos=eos,
+        pad=loaded.tokenizer.pad_token_id,
+        vocab=vocab,
+        max_time=None if deadline is None else deadline - time.time(),
+    )
+    ended = eos is not None and eos in new.tolist()
+    return new, "eos" if ended else "max_new_tokens" if len(new) >= ns.max_new_tokens else "timeout"
 
 
 def main(argv: list[str] | None = None) -> int:

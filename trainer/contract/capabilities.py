@@ -35,7 +35,8 @@ from .config_schema import (
 )
 from .device import DeviceInfo
 from .common import FAMILIES as SIZED_FAMILIES
-from .estimate import SIZE_ORDER, state_bytes
+from .estimate import state_bytes
+from .model_shapes import SIZE_ORDER
 
 # Enumerated toggles and their values; numeric ones (micro_batch, prefetch, workers) are always supported.
 CHOICES: dict[str, tuple] = {

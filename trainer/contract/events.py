@@ -2,9 +2,10 @@
 
 Events are JSON objects, one per line. Every event has `v` (schema version),
 `type`, `time` (unix seconds) and `rank`. Each type is one frozen dataclass
-below (`StepEvent`, `DeviceEvent`, ...), and this module is the only place that
-turns them into JSON lines (`dumps`) and back (`parse`), through the codec of
-trainer.contract.codec, which derives each field's check from its annotation:
+below (`StepEvent`, `DeviceEvent`, ...), the records nested in them (`GpuReading`, `ModelInfo`, ...) are
+in trainer.contract.event_records, and this module is the only place that turns them into JSON lines
+(`dumps`) and back (`parse`), through the codec of trainer.contract.event_codec, which derives each
+field's check from its annotation:
 
 - Parsing validates once, at the boundary: the JSON, the required fields and
   every field's type (numbers finite or None, ints as ints, nested mappings and
@@ -25,15 +26,13 @@ still parse), never renamed or removed without a schema version bump. To add
 an event type, add a class with its `type` and list it in `EVENT_TYPES`; to add
 a field, declare it (with a default) on its class. Either way a producer must
 set every declared field by name: tests/test_event_contract.py scans the
-producers' source and fails on a field nobody writes. The device sample's shape
-(`GpuReading`, `CpuReading`) lives here too: gptop's telemetry produces
-`DeviceEvent`s directly. Events are frozen; treat their lists and mappings as
-read-only too.
+producers' source and fails on a field nobody writes. Every name of the
+records' module is importable from here too. Events are frozen; treat their
+lists and mappings as read-only too.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import json
 import math
@@ -42,10 +41,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator
 
-from .codec import Codec, Form, Invalid, expected
-from .common import ConfigError
-from .config_schema import Toggles, section_from_dict
+from .codec import Form
+from .config_schema import Toggles
 from .device import DeviceInfo
+from .event_codec import CODEC, MalformedEvent
+from .event_records import (
+    RECORDS as RECORDS,
+    CpuReading,
+    EstimateInfo,
+    GpuReading,
+    MeasureProgress,
+    ModelInfo,
+    OpTime as OpTime,
+    PhaseProfile,
+    Record,
+    TunerBest,
+)
 from .states import RunStatus, TrialKind, TrialStatus, TunerPhase
 
 SCHEMA_VERSION = 1
@@ -95,178 +106,6 @@ class Severity(str, enum.Enum):
     CRITICAL = "critical"  # the run makes no progress or its hardware fails: look now
 
 
-class MalformedEvent(ValueError):
-    """A line or record that is not a valid event: bad JSON, a missing field, a field of the wrong type."""
-
-
-# Turns the classes below into JSON objects and back (trainer.contract.codec): the events and their records
-# are its structs, the toggles decode as a stored config does.
-_CODEC = Codec(MalformedEvent)
-
-
-def _toggles(x: Any) -> Toggles:
-    """Toggles decoded once, as a stored config's are (an older version's values read as today's). A toggle
-    this version does not know (a newer producer's) is left out rather than losing the whole event."""
-    if isinstance(x, Toggles):
-        return dataclasses.replace(x)  # the event's own copy: the producer's object may change later
-    if not isinstance(x, dict):
-        raise expected("a mapping of toggles", x)
-    known = {f.name for f in dataclasses.fields(Toggles)}
-    try:
-        return section_from_dict(Toggles, {k: v for k, v in x.items() if k in known})
-    except ConfigError as e:
-        raise Invalid(str(e)) from None
-
-
-_CODEC.register(Toggles, decode=_toggles, encode=dataclasses.asdict)
-
-
-# --------------------------------------------------------------------------- nested records
-
-
-@dataclass(frozen=True, kw_only=True)
-class Record:
-    """A nested part of an event (a device reading, the model description): validated like an event,
-    with its unknown keys kept in `extra`."""
-
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        _CODEC.validate(self)
-
-
-# a record writes every field, null for what the device cannot tell
-_CODEC.struct(Record)
-
-
-@dataclass(frozen=True, kw_only=True)
-class GpuReading(Record):
-    """One GPU at one instant. None: the device or driver cannot tell (rendered "n/a")."""
-
-    index: int  # NVML index (not CUDA's, which CUDA_VISIBLE_DEVICES renumbers)
-    name: str | None = None
-    util_pct: float | None = None  # % of the last sample period with a kernel running
-    mem_used: int | None = None  # bytes, whole device
-    mem_total: int | None = None  # bytes
-    power_w: float | None = None
-    power_limit_w: float | None = None  # enforced limit
-    energy_j: float | None = None  # NVML total energy counter (since driver load); only differences mean anything
-    temp_c: float | None = None
-    sm_clock_mhz: float | None = None
-    proc_mem: int | None = None  # bytes used on this GPU by the trainer's processes; None when none are seen
-    sm_clock_max_mhz: float | None = None
-    clock_reasons: list[str] | None = None  # why clocks are held down (gptop.nvml.THROTTLE_REASONS names)
-    sm_active_pct: float | None = None  # GPM (Hopper+): share of SMs busy over the sample period
-    tensor_active_pct: float | None = None  # GPM (Hopper+): share of time the tensor pipes were busy
-    power_note: str | None = None  # why power_w is None, in a few words
-    uuid: str | None = None  # NVML's UUID ("GPU-..."): with pci_bus_id, which GPU a run's is (gpu_key)
-    pci_bus_id: str | None = None  # NVML's PCI bus id ("00000000:17:00.0")
-    ecc_uncorrected: int | None = None  # volatile uncorrected ECC errors since the driver loaded (None: no ECC)
-    xids: list[int] | None = None  # critical Xid errors the driver reported since the previous sample
-    lost: bool | None = None  # True: NVML says the GPU is lost (fell off the bus), nothing more is read
-
-
-@dataclass(frozen=True, kw_only=True)
-class CpuReading(Record):
-    """The host at one instant; present in GPU mode too (data loading lives here)."""
-
-    name: str | None = None
-    util_pct: float | None = None  # whole machine, 0..100
-    per_core: list[float] = field(default_factory=list)  # 0..100 per logical CPU
-    mem_used: int | None = None  # bytes, total - available
-    mem_total: int | None = None  # bytes
-    proc_rss: int | None = None  # bytes, trainer processes and their children
-    proc_cpu_pct: float | None = None  # trainer processes' share of the whole machine, 0..100
-    power_w: float | None = None  # CPU package power from RAPL, None when unreadable
-    energy_j: float | None = None  # RAPL package energy since the sampler started (wraparound undone)
-    power_note: str | None = None  # why power_w is None, in a few words
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelInfo(Record):
-    """The model a hello event describes."""
-
-    family: str | None = None
-    size: str | None = None
-    total_params: int | None = None
-    active_params: int | None = None  # per token (MoE: shared + top-k routed experts + dense parts)
-    embedding_params: int | None = None
-    trainable_params: int | None = None  # parameters that train (LoRA: the adapters; full fine-tuning: all)
-    vocab_size: int | None = None
-    flops_per_token: int | None = None  # training FLOPs per token (fwd + bwd)
-    objective: str | None = None  # "causal" | "llada"
-
-
-@dataclass(frozen=True, kw_only=True)
-class EstimateInfo(Record):
-    """What the early hello says one process will need, before anything is built
-    (trainer.contract.estimate.Estimate.to_info): bytes and seconds."""
-
-    params: int | None = None
-    active_params: int | None = None
-    flops_per_token: int | None = None
-    state_bytes: int | None = None  # weights + gradients + optimizer state
-    optimizer_bytes: int | None = None  # the optimizer state alone (part of state_bytes)
-    activation_bytes: int | None = None
-    runtime_bytes: int | None = None
-    total_bytes: int | None = None
-    capacity_bytes: int | None = None  # usable bytes of the device (RAM on the CPU); None: unknown
-    micro_batch: int | None = None
-    step_s: float | None = None  # None without a peak to time against
-    assumed_mfu: float | None = None  # the MFU the step time assumes
-
-
-@dataclass(frozen=True, kw_only=True)
-class MeasureProgress(Record):
-    """How far the tuner's measurement of the running configuration is (a tuner event's `measure`)."""
-
-    kind: TrialKind
-    number: int | None = None  # the trial's number (None: a baseline not yet recorded)
-    steps: int = 0  # step samples seen, warm-up included
-    samples: int = 0  # samples the estimate uses (after warm-up)
-    needed: int = 0  # samples a stable estimate needs at least
-    warmed_up: bool = False
-    tokens_per_s: float | None = None  # the current estimate (median)
-    spread: float | None = None  # its confidence half-width, tokens/s
-    target: float | None = None  # the relative half-width that counts as stable (0.03: +-3%)
-    seconds: float | None = None  # measured so far
-    max_seconds: float | None = None  # when it stops measuring even if still noisy
-
-
-@dataclass(frozen=True, kw_only=True)
-class OpTime(Record):
-    """An operator (CPU) or kernel (GPU) in a profile summary: its self time over the window and its share."""
-
-    name: str
-    ms: float  # self time summed over the window's steps
-    share: float  # of its phase's time (ops) or of the phase's GPU time (kernels), 0..1
-    calls: int = 0
-
-
-@dataclass(frozen=True, kw_only=True)
-class PhaseProfile(Record):
-    """One step phase of a profile window: its time and where it went."""
-
-    phase: str  # one of PHASES
-    ms: float  # wall time of the phase, summed over the window's steps
-    ops: list[OpTime] = field(default_factory=list)  # top CPU operators by self time
-    op_share: float = 0.0  # share of the phase inside any operator (the rest: Python, waiting)
-    kernels: list[OpTime] = field(default_factory=list)  # top GPU kernels launched in the phase (CUDA)
-    gpu_ms: float | None = None  # GPU time of the kernels launched in the phase (CUDA)
-
-
-@dataclass(frozen=True, kw_only=True)
-class TunerBest(Record):
-    """The tuner's best so far (a tuner event's `best`): the trial its decision and report would name."""
-
-    number: int | None = None
-    toggles: Toggles | None = None
-    tokens_per_s: float | None = None  # as measured (on this run, or on the earlier run it comes from)
-    spread: float | None = None
-    speedup: float | None = None  # against the start's measurement of the same run
-    earlier: bool = False  # measured by an earlier run of the same setup, not re-measured on this one
-
-
 # --------------------------------------------------------------------------- events
 
 
@@ -281,11 +120,11 @@ class Event:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _CODEC.validate(self)
+        CODEC.validate(self)
 
 
 # `v` and `type` lead every line; an optional field left at None is not written (as producers always did)
-_CODEC.struct(Event, Form(first=("v", "type"), omit_none=True, label="type", noun="event"))
+CODEC.struct(Event, Form(first=("v", "type"), omit_none=True, label="type", noun="event"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -614,16 +453,6 @@ EVENT_TYPES: dict[str, type[Event]] = {
         AlertEvent,
     )
 }
-RECORDS: tuple[type[Record], ...] = (
-    GpuReading,
-    CpuReading,
-    ModelInfo,
-    EstimateInfo,
-    MeasureProgress,
-    OpTime,
-    PhaseProfile,
-    TunerBest,
-)
 _BASE = ("v", "type", "time", "rank")
 
 
@@ -636,7 +465,7 @@ def make(type: str, **fields: Any) -> Event:
     cls = EVENT_TYPES.get(type)
     if cls is None:
         raise MalformedEvent(f"unknown event type {type!r}; declare it in trainer.contract.events")
-    spec = _CODEC.spec(cls)
+    spec = CODEC.spec(cls)
     unknown = [k for k in fields if k not in spec.names]
     if unknown:
         raise MalformedEvent(
@@ -652,7 +481,7 @@ def make(type: str, **fields: Any) -> Event:
 def to_dict(event: Event | Record) -> dict[str, Any]:
     """The wire form of an event: plain JSON-able values, `extra` merged back in. An event's optional
     field that is None is left out (absent and null mean the same to a reader)."""
-    return _CODEC.encode(event)
+    return CODEC.encode(event)
 
 
 def json_safe(obj: Any) -> Any:
@@ -680,7 +509,7 @@ def finite_or_none(x: Any, scale: float = 1.0) -> float | None:
 def dumps(event: Event) -> str:
     """One JSON line (without the newline). Validated fields are already finite; free-form mappings
     (`config`, `extra`, ...) are made JSON-safe only when they need it."""
-    d = _CODEC.encode(event)
+    d = CODEC.encode(event)
     try:
         return json.dumps(d, separators=(",", ":"), allow_nan=False, default=str)
     except ValueError:
@@ -716,7 +545,7 @@ def from_dict(obj: Any) -> Event:
         return UnknownEvent(
             type=kind, v=v, time=obj["time"], rank=obj["rank"], extra={k: x for k, x in obj.items() if k not in _BASE}
         )
-    return _CODEC.decode(cls, obj)
+    return CODEC.decode(cls, obj)
 
 
 def read_events(
