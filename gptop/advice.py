@@ -14,10 +14,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from trainer.contract import capabilities
-from trainer.contract.events import CompileWarning
+from trainer.contract.device import DeviceInfo
+from trainer.contract.events import CompileWarning, CpuReading, GpuReading, ProfileEvent, WarningEvent
 
 if TYPE_CHECKING:
     from .state import RunState
@@ -65,124 +66,173 @@ def advise(state: RunState) -> list[Advice]:
     pct = state.phase_percent()
     if not pct:
         return []
+    seen = _evidence(state, pct)
+    graphs = _graphs_worth_trying(seen)
+    items = (
+        _compile(seen),
+        _throttle(seen),
+        _data(seen),
+        _optimizer(seen),
+        _launch(seen, graphs),
+        _host(seen, graphs),
+        _other(seen),
+        _compute(seen),
+    )
+    out = [a for a in items if a is not None]
+    if state.command:  # a user's program (gptop run) has none of gptop's toggles: only what limits the step
+        out = [dataclasses.replace(a, action="", toggles=()) for a in out]
+    return out
+
+
+@dataclass(frozen=True)
+class _Evidence:
+    """What the advice rests on, read off the state once."""
+
+    pct: dict[str, float]  # each phase's share of the step
+    toggles: dict[str, Any]
+    device: DeviceInfo | None
+    cuda: bool
+    accumulation: int | None
+    recompiles: list[WarningEvent]
+    reading: GpuReading | CpuReading | None  # the first GPU's latest reading
+    profile: ProfileEvent | None
+    idle: float | None  # GPU idle % of the step (CUDA only)
+
+
+def _evidence(state: RunState, pct: dict[str, float]) -> _Evidence:
     t = state.toggles
     dev = state.device
     cuda = dev is not None and dev.is_cuda
     accumulation = state.hello.accumulation if state.hello is not None else None
-    out: list[Advice] = []
-
     with state.lock:
         recompiles = list(state.recompiles)
         reading = next((r for k, r in state.device_latest.items() if k.startswith("gpu")), None)
         profile = state.profile
-    if recompiles:
-        last = recompiles[-1]
-        fell = any(w.kind == CompileWarning.COMPILE_FALLBACK for w in recompiles)
-        what = "fell back to eager" if fell else f"recompiled {len(recompiles)}x"
-        out.append(
-            Advice(
-                Concern.COMPILE,
-                f"torch.compile {what} (last at step {last.step})",
-                "a shape or a Python value changes between steps; --compile off if it keeps on",
-                (("compile", "off"),),
-            )
-        )
-    reasons = [r for r in (getattr(reading, "clock_reasons", None) or []) if r in THROTTLE_REASONS]
-    if reasons:
-        out.append(
-            Advice(
-                Concern.THROTTLE,
-                f"GPU clocks held down ({', '.join(reasons)})",
-                "power or cooling, not a toggle: check nvidia-smi -q -d PERFORMANCE",
-            )
-        )
-    data = pct.get("data", 0.0)
-    if data >= DATA_PCT:
-        prefetch, workers = t.get("prefetch"), t.get("workers")
-        p = f" (now {prefetch})" if prefetch is not None else ""
-        w = f" (now {workers})" if workers is not None else ""
-        out.append(
-            Advice(
-                Concern.DATA,
-                f"data loading is {data:.0f}% of the step",
-                f"raise --prefetch{p} or --workers{w}",
-                (("prefetch", max(4, 2 * (prefetch or 1))), ("workers", max(2, 2 * (workers or 1)))),
-            )
-        )
-    opt = pct.get("optimizer", 0.0)
-    if opt >= OPTIMIZER_PCT and not t.get("fused_adamw", False):
-        out.append(
-            Advice(
-                Concern.OPTIMIZER, f"optimizer is {opt:.0f}% of the step", "try --fused-adamw", (("fused_adamw", True),)
-            )
-        )
-    launch = None
-    if profile is not None:
-        share = profile.short_kernel_share if cuda else profile.short_op_share
-        if share is not None and share >= SHORT_SHARE:
-            launch = (
-                f"{share:.0%} of the {'GPU time in kernels' if cuda else 'step in operators'} under 10 µs "
-                f"(profile of steps {profile.first}-{profile.last})"
-            )
     idle = state.gpu_idle_percent() if cuda else None
-    graphs = (
-        cuda
-        and t.get("compile") in (None, "off", "default")
-        and capabilities.worth_trying("compile", "reduce-overhead", dev, accumulation=accumulation or None)
+    return _Evidence(pct, t, dev, cuda, accumulation, recompiles, reading, profile, idle)
+
+
+def _graphs_worth_trying(e: _Evidence) -> bool:
+    """CUDA graphs (--compile reduce-overhead) are not in use and the device runs them well."""
+    return bool(
+        e.cuda
+        and e.toggles.get("compile") in (None, "off", "default")
+        and capabilities.worth_trying("compile", "reduce-overhead", e.device, accumulation=e.accumulation or None)
     )
-    if launch is not None:
-        fix = "--compile reduce-overhead (CUDA graphs)" if graphs else "--compile default"
-        if t.get("compile", "off") == "off" or graphs:
-            out.append(
-                Advice(
-                    Concern.LAUNCH,
-                    launch,
-                    f"try {fix} or a larger --micro-batch",
-                    (("compile", "reduce-overhead" if graphs else "default"),),
-                )
-            )
-    if idle is not None and idle >= GPU_IDLE_PCT:
-        if graphs:
-            out.append(
-                Advice(
-                    Concern.HOST,
-                    f"GPU idle {idle:.0f}% of the step (launch-bound)",
-                    "try --compile reduce-overhead or a larger --micro-batch",
-                    (("compile", "reduce-overhead"),),
-                )
-            )
-        else:
-            out.append(
-                Advice(Concern.HOST, f"GPU idle {idle:.0f}% of the step (launch-bound)", "try a larger --micro-batch")
-            )
-    other = pct.get("other", 0.0)
-    if other >= OTHER_PCT:
-        out.append(
-            Advice(
-                Concern.OTHER,
-                f"{other:.0f}% of the step is outside the phases (host overhead, syncs)",
-                "try --compile default",
-                (("compile", "default"),),
-            )
+
+
+def _compile(e: _Evidence) -> Advice | None:
+    if not e.recompiles:
+        return None
+    last = e.recompiles[-1]
+    fell = any(w.kind == CompileWarning.COMPILE_FALLBACK for w in e.recompiles)
+    what = "fell back to eager" if fell else f"recompiled {len(e.recompiles)}x"
+    return Advice(
+        Concern.COMPILE,
+        f"torch.compile {what} (last at step {last.step})",
+        "a shape or a Python value changes between steps; --compile off if it keeps on",
+        (("compile", "off"),),
+    )
+
+
+def _throttle(e: _Evidence) -> Advice | None:
+    reasons = [r for r in (getattr(e.reading, "clock_reasons", None) or []) if r in THROTTLE_REASONS]
+    if not reasons:
+        return None
+    return Advice(
+        Concern.THROTTLE,
+        f"GPU clocks held down ({', '.join(reasons)})",
+        "power or cooling, not a toggle: check nvidia-smi -q -d PERFORMANCE",
+    )
+
+
+def _data(e: _Evidence) -> Advice | None:
+    data = e.pct.get("data", 0.0)
+    if data < DATA_PCT:
+        return None
+    prefetch, workers = e.toggles.get("prefetch"), e.toggles.get("workers")
+    p = f" (now {prefetch})" if prefetch is not None else ""
+    w = f" (now {workers})" if workers is not None else ""
+    return Advice(
+        Concern.DATA,
+        f"data loading is {data:.0f}% of the step",
+        f"raise --prefetch{p} or --workers{w}",
+        (("prefetch", max(4, 2 * (prefetch or 1))), ("workers", max(2, 2 * (workers or 1)))),
+    )
+
+
+def _optimizer(e: _Evidence) -> Advice | None:
+    opt = e.pct.get("optimizer", 0.0)
+    if opt < OPTIMIZER_PCT or e.toggles.get("fused_adamw", False):
+        return None
+    return Advice(
+        Concern.OPTIMIZER, f"optimizer is {opt:.0f}% of the step", "try --fused-adamw", (("fused_adamw", True),)
+    )
+
+
+def _launch(e: _Evidence, graphs: bool) -> Advice | None:
+    """Many short operators or kernels in the newest profile window: dispatch and launch overhead."""
+    if e.profile is None:
+        return None
+    share = e.profile.short_kernel_share if e.cuda else e.profile.short_op_share
+    if share is None or share < SHORT_SHARE:
+        return None
+    if e.toggles.get("compile", "off") != "off" and not graphs:
+        return None
+    launch = (
+        f"{share:.0%} of the {'GPU time in kernels' if e.cuda else 'step in operators'} under 10 µs "
+        f"(profile of steps {e.profile.first}-{e.profile.last})"
+    )
+    fix = "--compile reduce-overhead (CUDA graphs)" if graphs else "--compile default"
+    return Advice(
+        Concern.LAUNCH,
+        launch,
+        f"try {fix} or a larger --micro-batch",
+        (("compile", "reduce-overhead" if graphs else "default"),),
+    )
+
+
+def _host(e: _Evidence, graphs: bool) -> Advice | None:
+    if e.idle is None or e.idle < GPU_IDLE_PCT:
+        return None
+    evidence = f"GPU idle {e.idle:.0f}% of the step (launch-bound)"
+    if graphs:
+        return Advice(
+            Concern.HOST,
+            evidence,
+            "try --compile reduce-overhead or a larger --micro-batch",
+            (("compile", "reduce-overhead"),),
         )
-    compute = pct.get("forward", 0.0) + pct.get("backward", 0.0)
-    if compute >= COMPUTE_PCT:
-        tips: list[tuple[str, object]] = []
-        if t.get("compile", "off") == "off" and capabilities.worth_trying("compile", "default", dev):
-            tips.append(("compile", "default"))
-        if t.get("precision", "fp32") in ("fp32", "tf32") and capabilities.worth_trying("precision", "bf16", dev):
-            tips.append(("precision", "bf16"))
-        if tips:
-            out.append(
-                Advice(
-                    Concern.COMPUTE,
-                    f"compute-bound (forward+backward {compute:.0f}%)",
-                    "try " + " or ".join(f"--{k.replace('_', '-')} {v}" for k, v in tips),
-                    tuple(tips),
-                )
-            )
-        else:
-            out.append(Advice(Concern.COMPUTE, f"compute-bound: forward+backward are {compute:.0f}% of the step", ""))
-    if state.command:  # a user's program (gptop run) has none of gptop's toggles: only what limits the step
-        out = [dataclasses.replace(a, action="", toggles=()) for a in out]
-    return out
+    return Advice(Concern.HOST, evidence, "try a larger --micro-batch")
+
+
+def _other(e: _Evidence) -> Advice | None:
+    other = e.pct.get("other", 0.0)
+    if other < OTHER_PCT:
+        return None
+    return Advice(
+        Concern.OTHER,
+        f"{other:.0f}% of the step is outside the phases (host overhead, syncs)",
+        "try --compile default",
+        (("compile", "default"),),
+    )
+
+
+def _compute(e: _Evidence) -> Advice | None:
+    compute = e.pct.get("forward", 0.0) + e.pct.get("backward", 0.0)
+    if compute < COMPUTE_PCT:
+        return None
+    t, dev = e.toggles, e.device
+    tips: list[tuple[str, object]] = []
+    if t.get("compile", "off") == "off" and capabilities.worth_trying("compile", "default", dev):
+        tips.append(("compile", "default"))
+    if t.get("precision", "fp32") in ("fp32", "tf32") and capabilities.worth_trying("precision", "bf16", dev):
+        tips.append(("precision", "bf16"))
+    if not tips:
+        return Advice(Concern.COMPUTE, f"compute-bound: forward+backward are {compute:.0f}% of the step", "")
+    return Advice(
+        Concern.COMPUTE,
+        f"compute-bound (forward+backward {compute:.0f}%)",
+        "try " + " or ".join(f"--{k.replace('_', '-')} {v}" for k, v in tips),
+        tuple(tips),
+    )

@@ -22,21 +22,18 @@ the end summary all show the same alerts. The rules (docs/dashboard.md, "Alerts"
   `throttle_after_s` (a power cap is a GPU working at its limit, not trouble); new uncorrected ECC
   errors; critical Xid errors; a GPU that fell off the bus.
 
-Thresholds are declared once (`ALERT_OPTIONS`): defaults, ranges and help, from which the command line's
+Thresholds are declared once (gptop.alert_options): defaults, ranges and help, from which the command line's
 `--alert-*` flags are made and checked at entry (exit 2 naming the flag).
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from trainer.contract.config import Range, number_arg
 from trainer.contract.device import gpu_key
 from trainer.contract.events import (
     PHASES,
@@ -56,10 +53,14 @@ from trainer.contract.events import (
     WarningEvent,
 )
 
+from .alert_options import LOSS_WINDOW, AlertOptions, add_alert_arguments, alert_options
+
+__all__ = ["AlertMonitor", "AlertOptions", "add_alert_arguments", "alert_line", "alert_options"]
+
 CHECKPOINT_GRACE_S = 120.0  # a checkpoint or eval step before any was timed: what a large model's first may take
 MIN_SPIKE_RISE = 0.05  # a loss spike rises at least this share of the median (a flat loss has no MAD)
-LOSS_WINDOW = 100  # logged losses the median/MAD look at
-LOSS_RECOMPUTE = 10  # ... recomputed every this many (they move slowly; each loss is judged against them)
+# the loss spike's median and MAD, over the last LOSS_WINDOW logged losses (gptop.alert_options):
+LOSS_RECOMPUTE = 10  # recomputed every this many (they move slowly; each loss is judged against them)
 MIN_LOSSES = 20  # ... and at least this many before a spike can be judged
 STEP_WINDOW = 50  # step intervals the stall's median looks at
 MIN_STEPS = 3  # ... and at least this many before a stall can be judged
@@ -68,92 +69,6 @@ MIN_RATE_EVENTS = 3  # step events the recent window needs, and twice that the b
 RATE_CHECKS = 30  # the throughput is judged this many times per --alert-throughput-after window
 BAD_CLOCK_REASONS = ("hw slowdown", "hw thermal", "sw thermal", "power brake")  # gptop.nvml.THROTTLE_REASONS
 MAD_SCALE = 1.4826  # MAD * this estimates the standard deviation of normal noise
-
-
-def _opt(default: float, low: float, high: float, flag: str, metavar: str, help: str) -> Any:
-    return field(default=default, metadata={"range": Range(low, high), "flag": flag, "metavar": metavar, "help": help})
-
-
-@dataclass(frozen=True)
-class AlertOptions:
-    """When each alert fires. The one declaration of the thresholds: the `--alert-*` flags come from it."""
-
-    enabled: bool = True
-    stall_factor: float = _opt(
-        10.0, 2.0, 10_000.0, "--alert-stall-factor", "X", "a stall is no step for X times the recent median step time"
-    )
-    stall_after_s: float = _opt(15.0, 1.0, 7 * 86400.0, "--alert-stall-after", "S", "... and for at least S seconds")
-    loss_spike_mads: float = _opt(
-        10.0,
-        3.0,
-        1000.0,
-        "--alert-loss-spike",
-        "N",
-        f"a loss spike is a loss N scaled MADs above the median of the last {LOSS_WINDOW} logged losses",
-    )
-    throughput_drop: float = _opt(
-        0.4,
-        0.05,
-        0.95,
-        "--alert-throughput-drop",
-        "F",
-        "a throughput drop is tokens/s below (1 - F) of the steady rate ...",
-    )
-    throughput_after_s: float = _opt(
-        120.0,
-        5.0,
-        7 * 86400.0,
-        "--alert-throughput-after",
-        "S",
-        "... for S seconds (the median of the step events in them)",
-    )
-    throttle_after_s: float = _opt(
-        30.0,
-        0.0,
-        7 * 86400.0,
-        "--alert-throttle-after",
-        "S",
-        "GPU clocks held down by heat, the hardware or a power brake for S seconds",
-    )
-
-    @staticmethod
-    def thresholds() -> list[dataclasses.Field]:
-        return [f for f in fields(AlertOptions) if "flag" in f.metadata]
-
-
-def add_alert_arguments(parser: argparse.ArgumentParser) -> None:
-    """The alert flags of a command that watches a run (train, tune, run): `--no-alerts`, the thresholds
-    (checked at parse time: exit 2 naming the flag), `--notify URL` and `--notify-cmd CMD`."""
-    from .notify import add_notify_arguments
-
-    g = parser.add_argument_group("alerts (docs/dashboard.md)")
-    g.add_argument(
-        "--no-alerts",
-        dest="alerts",
-        action="store_false",
-        default=True,
-        help="raise no alerts (stall, loss spike, NaN rollback, throughput drop, device trouble) (default: on)",
-    )
-    defaults = AlertOptions()
-    for f in AlertOptions.thresholds():
-        rng: Range = f.metadata["range"]
-        g.add_argument(
-            f.metadata["flag"],
-            dest=f"alert_{f.name}",
-            metavar=f.metadata["metavar"],
-            type=number_arg(float, rng.low, rng.high),
-            default=getattr(defaults, f.name),
-            help=f"{f.metadata['help']} (default: {getattr(defaults, f.name):g}; {rng})".replace("%", "%%"),
-        )
-    add_notify_arguments(g)
-
-
-def alert_options(ns: argparse.Namespace) -> AlertOptions:
-    """The AlertOptions a parsed command line asks for (defaults where a flag is absent)."""
-    values = {
-        f.name: getattr(ns, f"alert_{f.name}") for f in AlertOptions.thresholds() if hasattr(ns, f"alert_{f.name}")
-    }
-    return AlertOptions(enabled=getattr(ns, "alerts", True), **values)
 
 
 def _median(xs: Iterable[float]) -> float:

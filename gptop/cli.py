@@ -30,7 +30,7 @@ from trainer.contract.config import ConfigError, OneLineParser, add_arguments, n
 from trainer.contract.tools import add_export_arguments, add_sample_arguments
 
 from . import preflight
-from .alerts import add_alert_arguments
+from .alert_options import add_alert_arguments
 from .controls import STOP_SIGNALS, TUI_STOP_SIGNALS, StopSignals
 from .metrics import add_metrics_arguments, bind_metrics
 from .preflight import ProgramPlan, RunPlan

@@ -29,7 +29,7 @@ from trainer.contract import events as ev
 from trainer.contract.rundir import RunDir
 from trainer.contract.states import RunStatus
 
-from .session import EXIT_DONE, EXIT_INTERRUPTED, SessionBase
+from .session_base import EXIT_DONE, EXIT_INTERRUPTED, SessionBase
 from .tail import FileTail, feed_events
 
 

@@ -21,7 +21,7 @@ from trainer.contract.config import AUTO, ConfigError, TrainConfig, check_resuma
 from trainer.contract.rundir import default_run_dir, resumes_into
 from trainer.contract.runlock import RunLock, lock_option, node_key
 
-from .alerts import alert_options
+from .alert_options import alert_options
 from .session import SessionOptions, TuningOptions
 
 if TYPE_CHECKING:

@@ -3,29 +3,23 @@
 Reads events.jsonl (and per-rank event files), device.jsonl and the tuning
 report if there is one. Everything is computed from recorded events, so a
 report of a finished run on another machine gives the same numbers. Where the
-run stands comes from its lock (held: running now, whatever its events say) and
-the events of its last trainer process (a tuner's restart ends a trainer, not
-the run).
+run stands comes from gptop.run_standing.
 """
 
 from __future__ import annotations
 
-import enum
 import json
 import math
 import shlex
 import statistics
 from array import array
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from trainer.contract import rundir
 from trainer.contract.events import (
-    MAX_STEPS,
     PHASES,
-    STOPPED_BEFORE_FIRST_STEP,
     TUNER_RESTART,
     AlertEvent,
     CheckpointEvent,
@@ -43,9 +37,9 @@ from trainer.contract.events import (
     read_events,
     to_dict,
 )
-from trainer.contract.runlock import holder_words, lock_holders
 
 from .energy import INTEGRATED, Energy, measure, unavailable_reason
+from .run_standing import RunStanding, standing_of
 from .state import fmt_mfu, loss_range
 
 
@@ -306,64 +300,6 @@ def _energy_fields(run_dir: Path, scan: "_Scan", skipped: "_Skipped", tokens: bo
     return out
 
 
-class RunStanding(enum.Enum):
-    """Where a run stands, from its lock and the events of its last trainer process."""
-
-    RUNNING = "running"  # its lock is held: gptop (or a trainer) is at it now
-    FINISHED = "finished"  # trained to --max-steps
-    STOPPED = "stopped"  # stopped on request (a user, a signal, a planned end)
-    FAILED = "failed"  # its last trainer reported an error and ended
-    CUT_SHORT = "cut short"  # its last trainer ended without a word (killed), or gptop ended mid-restart
-
-
-@dataclass(frozen=True)
-class Standing:
-    state: RunStanding
-    words: str  # in words, for the report's `state` line
-    done: DoneEvent | None  # the last trainer's own end, if it said one
-
-
-def standing(run_dir: Path, events: list[Event]) -> Standing:
-    """How the run stands. A live run (its lock held) is running whatever its events say; else the last trainer
-    process's events say how it ended (an earlier process's `done`, a tuner's restart, is not the run's end)."""
-    starts = (
-        [i for i, e in enumerate(events) if isinstance(e, HelloEvent) and e.early]
-        or [i for i, e in enumerate(events) if isinstance(e, HelloEvent)][-1:]
-        or [0]
-    )
-    last = events[starts[-1] :]
-    done = next((e for e in reversed(last) if isinstance(e, DoneEvent)), None)
-    error = next((e for e in reversed(last) if isinstance(e, ErrorEvent)), None)
-    return standing_of(run_dir, done, error)
-
-
-def standing_of(run_dir: Path, done: DoneEvent | None, error: ErrorEvent | None) -> Standing:
-    """`standing` from the last trainer process's own end (`done`) and error, as a streaming reader keeps them."""
-    holders = lock_holders(run_dir)
-    if holders is not None:
-        return Standing(RunStanding.RUNNING, f"running now ({'; '.join(holder_words(h) for h in holders)})", None)
-    if done is not None and done.reason == MAX_STEPS:
-        return Standing(RunStanding.FINISHED, f"finished at step {done.step} (--max-steps)", done)
-    if done is not None and done.reason == TUNER_RESTART:
-        return Standing(
-            RunStanding.CUT_SHORT,
-            f"ended during a restart by the tuner at step {done.step} (gptop ended before the next trainer started)",
-            done,
-        )
-    if done is not None and done.reason == STOPPED_BEFORE_FIRST_STEP:
-        return Standing(RunStanding.STOPPED, "stopped before its first step: a run that made no checkpoint", done)
-    if done is not None:
-        return Standing(RunStanding.STOPPED, f"stopped at step {done.step} ({done.reason or 'no reason given'})", done)
-    if error is not None:
-        return Standing(RunStanding.FAILED, f"failed at step {error.step}: {error.kind}: {error.message}", None)
-    return Standing(
-        RunStanding.CUT_SHORT,
-        "ended without a word from its last trainer (killed, or gptop and the trainer "
-        f"died); see {rundir.RunDir(run_dir).trainer_stderr}",
-        None,
-    )
-
-
 MAX_ALERTS = 100  # alert rows a report keeps (the newest): a flapping alert on a week-long run stays readable
 
 
@@ -516,6 +452,13 @@ def _tuning(path: Path) -> tuple[dict[str, Any] | None, str | None]:
 
 
 def format_report(s: dict[str, Any]) -> str:
+    """The report as `gptop report` prints it: one labelled line per figure, from `summarize`'s dict."""
+    lines = _run_lines(s) + _speed_lines(s) + _outcome_lines(s) + _alert_lines(s) + _appendix_lines(s)
+    return "\n".join(lines)
+
+
+def _run_lines(s: dict[str, Any]) -> list[str]:
+    """Which run, what it trains, its toggles, where it stands and how far it got."""
     lines = [f"run       {s['run_dir']}"]
     if s.get("command"):
         lines.append(f"command   {shlex.join(s['command'])}")
@@ -537,32 +480,44 @@ def format_report(s: dict[str, Any]) -> str:
         lines.append(f"progress  no step done, {starts}")
     else:
         lines.append(f"progress  {s['steps']}/{s.get('max_steps')} steps, {s['tokens']:,} tokens, {starts}")
-    if "final_loss" in s:
+    return lines
+
+
+def _speed_lines(s: dict[str, Any]) -> list[str]:
+    """Loss, speed, memory and the phases of the steady steps; none before a step event."""
+    if "final_loss" not in s:
+        return []
+    lines = [
+        f"loss      {loss_range(s.get('first_loss'), s.get('final_loss'), s.get('loss_steps'), '.4f')}"
+        + (f"  (eval {_f(s.get('eval_loss'))})" if s.get("eval_loss") is not None else "")
+    ]
+    mfu = s.get("mfu")
+    n = s.get("speed_intervals")
+    lines.append(
+        f"speed     {_f(s.get('tokens_per_s'), '.0f')} tokens/s, step {_f(s.get('step_ms'), '.1f')} ms, "
+        f"MFU {fmt_mfu(mfu, bool(s.get('mfu_is_estimate')))}: medians of "
+        + (f"{n} " if n else "the ")
+        + "steady log intervals (a start's first left out)"
+    )
+    lines.append(f"memory    peak {s.get('peak_mem_bytes', 0) / 2**30:.2f} GiB")
+    if s.get("peak_flops"):
         lines.append(
-            f"loss      {loss_range(s.get('first_loss'), s.get('final_loss'), s.get('loss_steps'), '.4f')}"
-            + (f"  (eval {_f(s.get('eval_loss'))})" if s.get("eval_loss") is not None else "")
+            f"mfu peak  {s['peak_flops'] / 1e9:,.1f} GFLOP/s per process"
+            + (f" ({s['peak_source']})" if s.get("peak_source") else "")
         )
-        mfu = s.get("mfu")
-        n = s.get("speed_intervals")
+    if s.get("phases_ms"):
+        step = s.get("phases_step_ms") or sum(s["phases_ms"].values()) or 1
         lines.append(
-            f"speed     {_f(s.get('tokens_per_s'), '.0f')} tokens/s, step {_f(s.get('step_ms'), '.1f')} ms, "
-            f"MFU {fmt_mfu(mfu, bool(s.get('mfu_is_estimate')))}: medians of "
-            + (f"{n} " if n else "the ")
-            + "steady log intervals (a start's first left out)"
+            "phases    "
+            + "  ".join(f"{k} {v:.1f} ms ({v / step:.0%})" for k, v in s["phases_ms"].items())
+            + f"  = step {step:.1f} ms: means per step of the same intervals"
         )
-        lines.append(f"memory    peak {s.get('peak_mem_bytes', 0) / 2**30:.2f} GiB")
-        if s.get("peak_flops"):
-            lines.append(
-                f"mfu peak  {s['peak_flops'] / 1e9:,.1f} GFLOP/s per process"
-                + (f" ({s['peak_source']})" if s.get("peak_source") else "")
-            )
-        if s.get("phases_ms"):
-            step = s.get("phases_step_ms") or sum(s["phases_ms"].values()) or 1
-            lines.append(
-                "phases    "
-                + "  ".join(f"{k} {v:.1f} ms ({v / step:.0%})" for k, v in s["phases_ms"].items())
-                + f"  = step {step:.1f} ms: means per step of the same intervals"
-            )
+    return lines
+
+
+def _outcome_lines(s: dict[str, Any]) -> list[str]:
+    """The energy used, the checkpoints written and kept, and the errors."""
+    lines = []
     if s.get("energy_j") is not None:
         lines.append(
             f"energy    {s['energy_j'] / 3600:.2f} Wh, {s.get('energy_j_per_token', 0) * 1e3:.3f} mJ/token"
@@ -580,24 +535,34 @@ def format_report(s: dict[str, Any]) -> str:
             lines.append(f"error     step {e.get('step')}: {e['kind']}: {e['message']}")
     else:
         lines.append("errors    none")
+    return lines
+
+
+def _alert_lines(s: dict[str, Any]) -> list[str]:
+    """The alerts raised, each with when (and whether) it was resolved."""
     alerts = s.get("alerts") or []
-    if alerts:
-        active = sum(1 for a in alerts if a["resolved_time"] is None)
-        lines.append(f"alerts    {len(alerts)} raised, " + (f"{active} not resolved" if active else "all resolved"))
-        for a in alerts:
-            where = " ".join(x for x in (a.get("node"), a.get("device")) if x)
-            when = (
-                f"resolved after {a['resolved_time'] - a['time']:.0f} s"
-                if a["resolved_time"] is not None
-                else "not resolved"
-            )
-            lines.append(
-                f"  {a['kind']} [{a['severity']}]"
-                + (f" ({where})" if where else "")
-                + f" at step {a.get('step')}, {when}: {a['message']}"
-            )
-    else:
-        lines.append("alerts    none")
+    if not alerts:
+        return ["alerts    none"]
+    active = sum(1 for a in alerts if a["resolved_time"] is None)
+    lines = [f"alerts    {len(alerts)} raised, " + (f"{active} not resolved" if active else "all resolved")]
+    for a in alerts:
+        where = " ".join(x for x in (a.get("node"), a.get("device")) if x)
+        when = (
+            f"resolved after {a['resolved_time'] - a['time']:.0f} s"
+            if a["resolved_time"] is not None
+            else "not resolved"
+        )
+        lines.append(
+            f"  {a['kind']} [{a['severity']}]"
+            + (f" ({where})" if where else "")
+            + f" at step {a.get('step')}, {when}: {a['message']}"
+        )
+    return lines
+
+
+def _appendix_lines(s: dict[str, Any]) -> list[str]:
+    """The newest profile window, the tuning's summary (or why it was skipped) and the malformed lines skipped."""
+    lines: list[str] = []
     if s.get("profile"):
         from .profile_text import profile_lines
 
@@ -612,7 +577,7 @@ def format_report(s: dict[str, Any]) -> str:
         lines.append(f"tuning    skipped: {s['tuning_skipped']}")
     for name, bad in (s.get("malformed") or {}).items():
         lines.append(f"skipped   {bad['lines']} malformed line(s) in {name} (first: {bad['first']})")
-    return "\n".join(lines)
+    return lines
 
 
 def _f(v: float | None, spec: str = ".4f") -> str:

@@ -13,9 +13,10 @@ between events.
 One concern per module:
 
 - reducer: `RunState` and how each event changes it;
+- figures: the step and device figures `RunState` answers views with (`StepFigures`), computed on read by statistics;
 - histories: the bounded step and device series, device samples, log lines, alerts it keeps;
 - autotuner: the tuner's events folded together (`TunerState`), and toggles against the run's start;
-- statistics: the figures (step window, pace and ETA, rank spread, MoE imbalance, energy's span);
+- statistics: the computations (step window, pace and ETA, rank spread, MoE imbalance, energy's span);
 - hints: advice in words that names what to try (`gpu_verdict`, the bottleneck hint);
 - formatting: numbers, durations, toggles, the model and the run in the views' short forms.
 """

@@ -30,20 +30,18 @@ import time
 from time import monotonic
 from typing import Awaitable, Callable, Iterable, Protocol
 
-from rich.table import Table
-from rich.text import Text
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.message import Message
-from textual.screen import ModalScreen, Screen
+from textual.screen import Screen
 from textual.timer import Timer
-from textual.widgets import Static
 
 from gptop.controls import TUI_STOP_SIGNALS, Commands, StopSignals
-from gptop.profile_text import profile_lines
 from gptop.state import RunState
 from gptop.tool_runner import SampleOutcome, sample_newest
+from gptop.ui.help_screen import HelpScreen
+from gptop.ui.profile_screen import ProfileScreen
 from gptop.ui.sample_panel import SamplePanel
 from trainer.contract.states import RunStatus
 from gptop.ui.widgets import (
@@ -59,160 +57,13 @@ from gptop.ui.widgets import (
     Watcher,
 )
 
-HELP = [
-    (
-        "q",
-        "Quit: finish the step, checkpoint and stop the trainer, then exit (press again to stop at once, "
-        "without a checkpoint)",
-    ),
-    ("c", "Checkpoint now (at the next step boundary)"),
-    ("p", "Profile the next 3 steps with torch.profiler (trace in the run directory)"),
-    (
-        "v",
-        "View the newest profile window's summary: per phase the top operators (and kernels on a GPU), "
-        "launch-bound and GPU-idle shares",
-    ),
-    ("s", "Sample the newest checkpoint into a panel (its own process; training goes on; escape closes)"),
-    ("l", "Log panel: zoom the trainer's stdout/stderr to the whole window, and back"),
-    (
-        "t",
-        "Start the autotuner on the live run (budget 10 min; gptop tune --budget for another), or stop it, "
-        "keeping the best setting found so far",
-    ),
-    ("r", "Restart from the last good checkpoint (after a failure)"),
-    ("w", "Chart window of the device panel: 30 s, 1 min, 5 min, 15 min, 1 h"),
-    ("e", "Next MoE layer in the expert-load bars"),
-    ("?", "This help"),
-    ("ctrl+p", "Command palette: every action by name"),
-    ("ctrl+c", "As q: the first stops with a checkpoint, a second one at once (without a checkpoint)"),
-]
-
-# The keys of a monitor watching a run it did not start (RunState.observer): q only leaves, c reaches the trainer
-# through its signal channel (SIGUSR1), and the keys that would act on the run otherwise (p, t, r) are not offered.
-WATCHING_HELP = [
-    ("q", "Leave the monitor: the watched run goes on (it was not started here; stop it where it runs)"),
-    ("c", "Checkpoint now: asks the watched trainer (SIGUSR1) for a checkpoint at the next step boundary"),
-    ("v", HELP[3][1]),
-    ("s", HELP[4][1]),
-    (
-        "l",
-        "Log panel: zoom the watched trainer's trainer.log and trainer.stderr.log (their tail, followed) to the "
-        "whole window, and back",
-    ),
-    ("w", HELP[8][1]),
-    ("e", HELP[9][1]),
-    ("?", "This help"),
-    ("ctrl+p", "Command palette: every action by name"),
-    ("ctrl+c", "As q: leave the monitor; the run goes on"),
-]
 OBSERVER_HIDDEN = ("profile", "toggle_tuning", "restart", "quit")  # keys that act on a run gptop runs
-
-PANELS_HELP = [
-    (
-        "alerts",
-        "a line under the header for each open alert (a stall, a loss spike, a NaN rollback, a throughput "
-        "drop, GPU trouble), with the terminal bell when one is raised; gone once resolved",
-    ),
-    (
-        "devices",
-        "utilization, memory and power per GPU (or the CPU) with history charts; 'trainer N% of M "
-        "cores' is the trainer's processes' share of the whole machine",
-    ),
-    (
-        "step breakdown",
-        "where a step's time goes: data, forward, backward, optimizer, other; GPU idle "
-        "time; a hint about the bottleneck and the toggle to try",
-    ),
-    (
-        "training",
-        "loss (and eval loss), tokens/s, MFU, learning rate, gradient norm, memory, energy per "
-        "token, expert load for MoE models",
-    ),
-    ("tuner", "the autotuner's phase, budget, trials and the best setting found"),
-    ("log", "the trainer's stdout and stderr (stderr in red)"),
-]
 
 
 class StateChanged(Message):
     """The RunState changed (posted from the writer's thread by GptopApp._wake)."""
 
     bubble = False
-
-
-class HelpScreen(ModalScreen[None]):
-    """Every key and what each panel shows (a monitor's own keys while it watches a run: `watching`)."""
-
-    BINDINGS = [
-        Binding("escape", "dismiss", "Close"),
-        Binding("question_mark", "dismiss", "Close", show=False),
-        Binding("q", "dismiss", "Close", show=False),
-    ]
-
-    def __init__(self, state: RunState | None = None) -> None:
-        super().__init__()
-        self.state = state
-
-    def compose(self) -> ComposeResult:
-        keys = Table.grid(padding=(0, 2))
-        keys.add_column(style="bold cyan", no_wrap=True)
-        keys.add_column()
-        observer = self.state is not None and self.state.observer
-        for k, v in WATCHING_HELP if observer else HELP:
-            keys.add_row(k, v)
-        panels = Table.grid(padding=(0, 2))
-        panels.add_column(style="bold", no_wrap=True)
-        panels.add_column()
-        for k, v in PANELS_HELP:
-            panels.add_row(k, v)
-        with Vertical(id="help"):
-            if observer:
-                yield Static(Text(watching_words(self.state), style="bold magenta"))  # type: ignore[arg-type]
-            yield Static(Text("keys", style="bold underline"))
-            yield Static(keys)
-            yield Static(Text("panels", style="bold underline"), classes="gap")
-            yield Static(panels)
-            yield Static(Text("escape or ? to close", style="grey62"), classes="gap")
-
-    async def action_dismiss(self, result: None = None) -> None:
-        self.dismiss(result)
-
-
-def watching_words(state: RunState) -> str:
-    """'watching pid 4242 (started elsewhere; q leaves, the run goes on)', or a replay's or an ended run's words."""
-    if state.watching is not None:
-        return f"watching pid {state.watching} (started elsewhere; q leaves, the run goes on)"
-    if state.status is RunStatus.REPLAY:
-        return "replaying a finished run (q leaves)"
-    return "watching a run that has ended (q leaves)"
-
-
-class ProfileScreen(ModalScreen[None]):
-    """The newest profile window's summary (gptop.profile_text), or how to get one."""
-
-    BINDINGS = [
-        Binding("escape", "dismiss", "Close"),
-        Binding("v", "dismiss", "Close", show=False),
-        Binding("q", "dismiss", "Close", show=False),
-    ]
-
-    def __init__(self, state: RunState) -> None:
-        super().__init__()
-        self.state = state
-
-    def compose(self) -> ComposeResult:
-        with self.state.lock:
-            profile = self.state.profile
-        if profile is None:
-            body = Text("no profile yet: press p to trace the next 3 steps (or --profile-steps A-B)")
-        else:
-            body = Text("\n".join(profile_lines(profile, top=5)))
-        with Vertical(id="help"):
-            yield Static(Text("profile", style="bold underline"))
-            yield Static(body)
-            yield Static(Text("escape or v to close", style="grey62"), classes="gap")
-
-    async def action_dismiss(self, result: None = None) -> None:
-        self.dismiss(result)
 
 
 class GptopApp(App[None]):
