@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -51,27 +52,6 @@ def events(run_dir: Path, rank: int = 0) -> list[dict]:
 
 def losses(run_dir: Path) -> dict[int, float]:
     return {e["step"]: e["loss"] for e in events(run_dir) if e["type"] == "step"}
-
-
-def full_and_stopped(tmp_path: Path, args: list[str], stop_at: int) -> tuple[Path, Path]:
-    """Two 2-rank `gptop train` runs side by side (their start-up dominates on this machine): one
-    uninterrupted, one stopped at `stop_at` with a checkpoint; (its run dir, the stopped one's)."""
-    full, part = tmp_path / "full", tmp_path / "part"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "gptop", "--no-ui", "train", "--nproc", "2", *args, "--run-dir", str(d), *extra],
-            cwd=ROOT,
-            env=_env(),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for d, extra in ((full, []), (part, ["--fault", f"stop@{stop_at}"]))
-    ]
-    for p in procs:
-        _, err = p.communicate(timeout=240)
-        assert p.returncode == 0, err[-3000:]
-    return full, part
 
 
 def leftovers(marker: str) -> list[psutil.Process]:
@@ -218,31 +198,118 @@ def test_comm_timer_counts_overlapping_spans_once():
 
 
 # --------------------------------------------------------------------- slow
+# One uninterrupted 2-rank run per configuration, checkpointed on request after step AT, and that checkpoint
+# resumed in a run directory of its own: the run is the reference the resumed one must match loss for loss (a
+# checkpoint that changed the run or a resume that lost state would differ). The runs of every configuration
+# start side by side (their start-up, importing torch, dominates) and serve the tests below.
+AT, LAST = 4, 8
+RESUMED = {
+    "ddp": [*TINY, "--max-steps", str(LAST), "--log-every", "2", "--parallel", "ddp"],
+    "fsdp": [*TINY, "--max-steps", str(LAST), "--log-every", "2", "--parallel", "fsdp"],
+    "lora": [*TINY, "--max-steps", str(LAST), "--log-every", "2", "--lora", "8", "--lora-dropout", "0.1"],
+}
+
+
+@dataclass
+class Resumed:
+    full: Path  # the uninterrupted run, with the requested checkpoint after step AT (and its final one)
+    resumed: Path  # that checkpoint resumed by `gptop train --nproc 2 --resume`
+    done: dict[str, subprocess.CompletedProcess] = field(default_factory=dict)  # each stage's process
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.full / "checkpoints" / f"step-{AT:08d}.dcp"
+
+    def ok(self, *stages: str) -> None:
+        for stage in stages:
+            r = self.done.get(stage)
+            assert r is not None, f"{stage}: not run (an earlier stage failed: {sorted(self.done)})"
+            assert r.returncode == 0, f"{stage}: {r.stderr[-3000:]}"
+
+
+def run_side_by_side(cmds: dict[tuple[str, str], list[str]], timeout: float = 400) -> dict:
+    """Commands started together (their start-up, importing torch, dominates): each one's CompletedProcess."""
+    procs = {
+        k: subprocess.Popen(c, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for k, c in cmds.items()
+    }
+    done = {}
+    try:
+        for k, p in procs.items():
+            out, err = p.communicate(timeout=timeout)
+            done[k] = subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    finally:
+        for p in procs.values():  # a timeout leaves no run behind
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return done
+
+
+def copy_checkpoint(ck: Path, run_dir: Path) -> Path:
+    """A run directory holding only `ck` and its run's config.toml: a resume of it starts at that checkpoint."""
+    (run_dir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(ck, run_dir / "checkpoints" / ck.name)
+    shutil.copy(ck.parent.parent / "config.toml", run_dir / "config.toml")
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory) -> dict[str, Resumed]:
+    base = tmp_path_factory.mktemp("resumed")
+    out = {name: Resumed(base / name / "full", base / name / "resumed") for name in RESUMED}
+    gptop_train = [sys.executable, "-m", "gptop", "--no-ui", "train", "--nproc", "2"]
+    first = {
+        (name, "full"): [*gptop_train, *args, "--run-dir", str(out[name].full), "--fault", f"checkpoint@{AT}"]
+        for name, args in RESUMED.items()
+    }
+    for (name, stage), r in run_side_by_side(first).items():
+        out[name].done[stage] = r
+    second = {
+        (name, "resumed"): [*gptop_train, "--resume", str(copy_checkpoint(r.checkpoint, r.resumed))]
+        for name, r in out.items()
+        if r.done["full"].returncode == 0
+    }
+    if out["fsdp"].done["full"].returncode == 0:  # another world size: one process resumes it (DCP reshards)
+        one = copy_checkpoint(out["fsdp"].checkpoint, base / "fsdp" / "one")
+        second["fsdp", "one process"] = [sys.executable, "-m", "trainer", "--resume", str(one)]
+    if out["lora"].done["full"].returncode == 0:
+        second["lora", "export"] = [
+            sys.executable,
+            "-m",
+            "gptop",
+            "export",
+            str(out["lora"].full),
+            str(base / "adapter"),
+        ]
+    for (name, stage), r in run_side_by_side(second).items():
+        out[name].done[stage] = r
+    return out
+
+
 @pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_ranks_train_checkpoint_and_resume_exactly(tmp_path, parallel):
-    """`gptop train --nproc 2`: both ranks emit steps, a stop checkpoints, the resume matches an
-    uninterrupted 2-rank run loss for loss."""
-    args = [*TINY, "--max-steps", "12", "--log-every", "2", "--parallel", parallel]
-    full, part = full_and_stopped(tmp_path, args, stop_at=6)
-    ck = part / "checkpoints" / "step-00000006.dcp"
-    names = {p.name for p in ck.iterdir()}
+def test_two_ranks_train_checkpoint_and_resume_exactly(resumed, parallel):
+    """`gptop train --nproc 2`: both ranks emit steps, a requested checkpoint holds both ranks' shards, and its
+    resume matches the uninterrupted 2-rank run loss for loss."""
+    run = resumed[parallel]
+    run.ok("full")
+    names = {p.name for p in run.checkpoint.iterdir()}
     assert {".metadata", "gptop.json", "rank0.pt", "rank1.pt"} <= names
     assert sum(n.endswith(".distcp") for n in names) == 2  # each rank wrote its shards
-    assert not list((part / "checkpoints").glob("*.tmp"))
-    r = gptop("train", "--nproc", "2", "--resume", str(part))
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert not list((run.full / "checkpoints").glob("*.tmp"))
+    run.ok("resumed")
 
-    a, b = losses(full), losses(part)
-    assert sorted(a) == list(range(2, 13, 2))
-    assert {s: b[s] for s in range(8, 13, 2)} == {s: a[s] for s in range(8, 13, 2)}  # exact, not close
+    a, b = losses(run.full), losses(run.resumed)
+    assert sorted(a) == list(range(2, LAST + 1, 2))
+    assert sorted(b) == list(range(AT + 2, LAST + 1, 2)) and b == {s: a[s] for s in b}  # exact, not close
 
-    hello = [e for e in events(full) if e["type"] == "hello" and not e.get("early")]
+    hello = [e for e in events(run.full) if e["type"] == "hello" and not e.get("early")]
     assert len(hello) == 1 and hello[0]["world_size"] == 2 and hello[0]["parallel"] == parallel
     for rank in (0, 1):
-        steps = [e for e in events(full, rank) if e["type"] == "step"]
-        assert [e["step"] for e in steps] == list(range(2, 13, 2)) and all(e["rank"] == rank for e in steps)
+        steps = [e for e in events(run.full, rank) if e["type"] == "step"]
+        assert [e["step"] for e in steps] == list(range(2, LAST + 1, 2)) and all(e["rank"] == rank for e in steps)
         for e in steps:
             assert e["tokens"] == e["step"] * 4 * 64  # global tokens: both ranks' batches
             assert abs(sum(e["phases_ms"].values()) - e["step_ms"]) < 1e-3 * e["step_ms"] + 1e-6
@@ -250,27 +317,36 @@ def test_two_ranks_train_checkpoint_and_resume_exactly(tmp_path, parallel):
                 assert 0 <= e["comm_ms"] <= e["phases_ms"]["backward"] + 1.0
             else:
                 assert "comm_ms" not in e
-    r0 = [e for e in events(full, 0) if e["type"] == "step"]
-    r1 = [e for e in events(full, 1) if e["type"] == "step"]
+    r0 = [e for e in events(run.full, 0) if e["type"] == "step"]
+    r1 = [e for e in events(run.full, 1) if e["type"] == "step"]
     assert [e["loss"] for e in r0] == [e["loss"] for e in r1]  # the global loss, the same on all ranks
 
     if parallel == "fsdp":
-        # Another world size: the 2-rank sharded checkpoint resumes in one process (DCP reshards).
-        one = tmp_path / "one"
-        (one / "checkpoints").mkdir(parents=True)
-        shutil.copytree(ck, one / "checkpoints" / ck.name)
-        shutil.copy(part / "config.toml", one / "config.toml")
-        r = subprocess.run(
-            [sys.executable, "-m", "trainer", "--resume", str(one)],
-            cwd=ROOT,
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert r.returncode == 0, r.stderr[-3000:]
-        c = losses(one)
-        assert c[8] == pytest.approx(a[8], rel=1e-4) and c[12] == pytest.approx(a[12], rel=1e-3)
+        # Another world size: the 2-rank sharded checkpoint resumed in one process (DCP reshards).
+        run.ok("one process")
+        c = losses(run.resumed.parent / "one")
+        assert c[AT + 2] == pytest.approx(a[AT + 2], rel=1e-4) and c[LAST] == pytest.approx(a[LAST], rel=1e-3)
+
+
+@pytest.mark.process
+@pytest.mark.slow
+def test_lora_on_two_ranks_checkpoints_only_the_adapters_and_resumes_exactly(resumed):
+    """DDP with --lora: the sharded checkpoint holds the adapters and their optimizer state (the frozen base
+    is rebuilt from its source), its resume matches the uninterrupted run loss for loss, and the run exports."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    run = resumed["lora"]
+    run.ok("full")
+    keys = [
+        k for k in FileSystemReader(str(run.checkpoint)).read_metadata().state_dict_metadata if k.startswith("model.")
+    ]
+    assert keys and all(".lora_" in k for k in keys), [k for k in keys if ".lora_" not in k][:5]
+    run.ok("resumed")
+    a, b = losses(run.full), losses(run.resumed)
+    assert sorted(a) == list(range(2, LAST + 1, 2))
+    assert sorted(b) == list(range(AT + 2, LAST + 1, 2)) and b == {s: a[s] for s in b}
+    run.ok("export")
+    assert (run.full.parent.parent / "adapter" / "adapter_model.safetensors").is_file()
 
 
 @pytest.mark.process
@@ -580,37 +656,6 @@ def test_two_nodes_on_one_host_each_know_the_run(tmp_path):
         for line in out.splitlines():
             if line.startswith("hint:") and "--precision bf16" in line:
                 assert all(h[0]["device"]["cpu_bf16"] for h in hellos.values()), line
-
-
-@pytest.mark.process
-@pytest.mark.slow
-def test_lora_on_two_ranks_checkpoints_only_the_adapters_and_resumes_exactly(tmp_path):
-    """DDP with --lora: the sharded checkpoint holds the adapters and their optimizer state (the frozen base
-    is rebuilt from its source), a stop and resume matches the uninterrupted run loss for loss, and the
-    checkpoint exports."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    args = [*TINY, "--max-steps", "8", "--log-every", "2", "--lora", "8", "--lora-dropout", "0.1"]
-    full, part = full_and_stopped(tmp_path, args, stop_at=4)
-    ck = part / "checkpoints" / "step-00000004.dcp"
-    keys = [k for k in FileSystemReader(str(ck)).read_metadata().state_dict_metadata if k.startswith("model.")]
-    assert keys and all(".lora_" in k for k in keys), [k for k in keys if ".lora_" not in k][:5]
-    r = gptop("train", "--nproc", "2", "--resume", str(part))
-    assert r.returncode == 0, r.stderr[-3000:]
-    a, b = losses(full), losses(part)
-    assert sorted(a) == [2, 4, 6, 8] and {s: b[s] for s in (6, 8)} == {s: a[s] for s in (6, 8)}
-
-    out = tmp_path / "adapter"
-    r = subprocess.run(
-        [sys.executable, "-m", "gptop", "export", str(part), str(out)],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert (out / "adapter_model.safetensors").is_file()
 
 
 def test_fsdp2_is_found_on_every_torch_the_project_allows(monkeypatch):

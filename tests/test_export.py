@@ -50,6 +50,15 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+@pytest.fixture(scope="module")
+def family_exports(runs, tmp_path_factory) -> dict[str, tuple[Path, dict]]:
+    """Each family's run exported in this process, once: (the export, export()'s result). Tests read them."""
+    from trainer.export import export
+
+    base = tmp_path_factory.mktemp("family-exports")
+    return {family: (base / family, export(export_ns(run, base / family), log=quiet)) for family, run in runs.items()}
+
+
 def export_ns(
     run_dir: Path, out_dir: Path, step: int | None = None, force: bool = False, merge: bool = False
 ) -> argparse.Namespace:
@@ -363,13 +372,12 @@ def test_llada_deadline_keeps_what_it_has():
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_export_round_trip(runs, tmp_path, family):
+def test_export_round_trip(runs, family_exports, tmp_path, family):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainer.export import check_batch, export, load_for_inference
+    from trainer.export import check_batch, load_for_inference
 
-    out = tmp_path / "hf"
-    result = export(export_ns(runs[family], out), log=quiet)
+    out, result = family_exports[family]
     assert result["step"] == 4 and result["family"] == family and result["logits_equal"]
     assert {
         "config.json",
@@ -399,26 +407,21 @@ def test_export_round_trip(runs, tmp_path, family):
         assert gen["eos_token_id"] == tok.eos_token_id and gen["pad_token_id"] == tok.pad_token_id
 
 
-def test_the_documented_snippet_runs(runs, tmp_path, capsys):
+def test_the_documented_snippet_runs(family_exports, capsys):
     """docs/models.md's three lines of plain transformers, on an export of a run."""
     import re
 
-    from trainer.export import export
-
-    export(export_ns(runs["llama"], tmp_path / "hf"), log=quiet)
     code = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "models.md").read_text(), re.S)[0]
     assert len([line for line in code.splitlines() if line.strip()]) == 3 and '"hf/demo"' in code
-    exec(code.replace('"hf/demo"', repr(str(tmp_path / "hf"))), {})
+    exec(code.replace('"hf/demo"', repr(str(family_exports["llama"][0]))), {})
     assert capsys.readouterr().out.startswith("def main(")
 
 
-def test_gptop_restores_a_llada_export(runs, tmp_path):
+def test_gptop_restores_a_llada_export(family_exports):
     """Loading an export back (`--model OUT_DIR`): bidirectional attention and the llada objective and mask."""
-    from trainer.export import export
     from trainer.models import build_model
 
-    out = tmp_path / "hf"
-    export(export_ns(runs["llada"], out), log=quiet)
+    out = family_exports["llada"][0]
     mask = json.loads((out / "config.json").read_text())["mask_token_id"]
     bundle = build_model(
         ModelConfig(model=str(out)), vocab_size=8192, seq_len=64, toggles=Toggles(), dev=CPU, mask_id=None
@@ -596,16 +599,23 @@ def all_runs(runs, tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def exports(all_runs, tmp_path_factory) -> dict[str, Path]:
-    base = tmp_path_factory.mktemp("exports")
-    outs = {k: base / k for k in all_runs}
-    done = run_all({k: gptop_cmd("export", str(all_runs[k]), str(outs[k]), "--json") for k in all_runs})
-    for k, r in done.items():
-        assert r.returncode == 0, f"{k}: {r.stderr[-3000:]}"
-        result = json.loads(r.stdout.strip().splitlines()[-1])
-        assert result["type"] == "export" and result["step"] == 4 and result["logits_equal"], result
-        assert "export: loading" in r.stderr and "Traceback" not in r.stderr
-    return outs
+def exports(all_runs, family_exports, tmp_path_factory) -> dict[str, Path]:
+    """Every run exported: the two-rank one by the command (`gptop export --json`), the one-process ones in this
+    process (the same worker code, test_export_round_trip; the command's path is the same for every family)."""
+    out = tmp_path_factory.mktemp("exports") / "dcp"
+    r = subprocess.run(
+        gptop_cmd("export", str(all_runs["dcp"]), str(out), "--json"),
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["type"] == "export" and result["step"] == 4 and result["logits_equal"], result
+    assert "export: loading" in r.stderr and "Traceback" not in r.stderr
+    return {**{family: path for family, (path, _) in family_exports.items()}, "dcp": out}
 
 
 # Runs in `python -I` from a directory outside the repository, without PYTHONPATH, with gptop's
@@ -681,11 +691,12 @@ def test_plain_transformers_loads_every_export(all_runs, exports, tmp_path):
 @pytest.mark.process
 @pytest.mark.slow
 def test_gptop_sample_every_family(all_runs, exports):
-    """`gptop sample --json`: a result line per run (and from a llada export, which samples as llada)."""
+    """`gptop sample --json`: a result line from a causal run's sharded checkpoint, a llada run's one-file one,
+    and a llada export, which samples as llada (each family's sampling in this process: test_sample_in_process)."""
     from trainer.export import load_for_inference
     from trainer.sample import generate
 
-    targets = {**all_runs, "llada-export": exports["llada"]}
+    targets = {"dcp": all_runs["dcp"], "llada": all_runs["llada"], "llada-export": exports["llada"]}
     done = run_all(
         {
             k: gptop_cmd(
@@ -699,7 +710,7 @@ def test_gptop_sample_every_family(all_runs, exports):
         res = SampleResult.from_json(r.stdout.strip().splitlines()[-1])
         assert res.prompt == "import " and 0 <= res.new_tokens <= 8 and res.load_seconds > 0
         assert res.objective == ("llada" if k.startswith("llada") else "causal")
-        if k in all_runs:
+        if k != "llada-export":
             assert res.step == 4 and res.source.endswith("step-00000004" + (".dcp" if k == "dcp" else ".pt"))
             ns = sample_ns(all_runs[k], prompt="import ", max_new_tokens=8, temperature=0.0)
             loaded = load_for_inference(ns.path, tools.check_sample(ns), log=quiet)
@@ -713,17 +724,32 @@ def test_gptop_sample_every_family(all_runs, exports):
 @pytest.mark.process
 @pytest.mark.slow
 def test_gptop_train_fine_tunes_exports(exports, tmp_path):
-    """`gptop train --model OUT_DIR` fine-tunes an export of every family and of a two-rank checkpoint; a llada
-    export trains with the llada objective."""
+    """`gptop train --model OUT_DIR` fine-tunes the export of a two-rank checkpoint and a llada export, which
+    trains with the llada objective; the trainer fine-tunes the other families' exports (in this process, while
+    the commands run: the command's path is the same for every family)."""
+    from trainer.train import EXIT_OK
+
     args = [*TINY, "--max-steps", "2"]
-    done = run_all(
-        {
-            k: gptop_cmd("train", "--model", str(exports[k]), *args, "--run-dir", str(tmp_path / k))
-            for k in ("llama", "llada", "deepseek", "dcp")
-        }
-    )
-    for k, r in done.items():
-        assert r.returncode == 0, f"{k}: {r.stderr[-3000:]}"
+    procs = {
+        k: subprocess.Popen(
+            gptop_cmd("train", "--model", str(exports[k]), *args, "--run-dir", str(tmp_path / k)),
+            cwd=ROOT,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for k in ("llada", "dcp")
+    }
+    try:
+        codes = {k: train_in_process(tmp_path / k, "--model", str(exports[k]), *args)[0] for k in ("llama", "deepseek")}
+    finally:
+        errs = {k: p.communicate(timeout=300)[1] for k, p in procs.items()}
+    for k, p in procs.items():
+        assert p.returncode == 0, f"{k}: {errs[k][-3000:]}"
+        codes[k] = p.returncode
+    for k, code in codes.items():
+        assert code == EXIT_OK, k
         events = [json.loads(line) for line in (tmp_path / k / "events.jsonl").read_text().splitlines()]
         hello = next(e for e in events if e["type"] == "hello" and not e.get("early"))
         assert hello["model"]["family"] == "pretrained"

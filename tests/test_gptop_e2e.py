@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -139,19 +140,6 @@ def test_kill9_of_trainer_fails_then_restarts_from_checkpoint(tmp_path):
     assert events_of(run2, "done")[-1]["step"] == 30
 
 
-def test_resume_continues_a_run(tmp_path):
-    run_dir = tmp_path / "run"
-    p = gptop("--no-ui", "train", *TINY, "--max-steps", "6", "--run-dir", str(run_dir))
-    assert p.wait(300) == 0
-    p = gptop("--no-ui", "train", "--resume", str(run_dir), "--max-steps", "10")
-    out, err = p.communicate(timeout=300)
-    assert p.returncode == 0, err
-    hello = events_of(run_dir, "hello")[-1]
-    assert hello["start_step"] == 6 and hello["config"]["model"]["size"] == "tiny"
-    assert events_of(run_dir, "done")[-1]["step"] == 10
-    assert "step 10/10" in out
-
-
 def test_bad_usage_exit_2(tmp_path):
     p = gptop("--no-ui", "train", *TINY, "--precision", "fp8-rowwise", "--run-dir", str(tmp_path / "r"))
     out, err = p.communicate(timeout=300)
@@ -161,29 +149,48 @@ def test_bad_usage_exit_2(tmp_path):
     assert p.returncode == 2 and "--micro-batch" in err
 
 
-def test_report_of_a_finished_run(tmp_path):
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """One run of 6 steps to its end: the report, the replay and the resume below read it (a test that changes
+    it works on a copy)."""
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    p = gptop("--no-ui", "train", *TINY, "--max-steps", "6", "--run-dir", str(run_dir))
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    return run_dir
+
+
+def test_resume_continues_a_run(finished, tmp_path):
     run_dir = tmp_path / "run"
-    assert gptop("--no-ui", "train", *TINY, "--max-steps", "6", "--run-dir", str(run_dir)).wait(300) == 0
-    p = subprocess.run([sys.executable, "-m", "gptop", "report", str(run_dir)], capture_output=True, text=True)
+    shutil.copytree(finished, run_dir)
+    p = gptop("--no-ui", "train", "--resume", str(run_dir), "--max-steps", "10")
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    hello = events_of(run_dir, "hello")[-1]
+    assert hello["start_step"] == 6 and hello["config"]["model"]["size"] == "tiny"
+    assert events_of(run_dir, "done")[-1]["step"] == 10
+    assert "step 10/10" in out
+
+
+def test_report_of_a_finished_run(finished):
+    p = subprocess.run([sys.executable, "-m", "gptop", "report", str(finished)], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     assert "6/6 steps" in p.stdout and "tokens/s" in p.stdout and "forward" in p.stdout
     p = subprocess.run(
-        [sys.executable, "-m", "gptop", "--json", "report", str(run_dir)], capture_output=True, text=True
+        [sys.executable, "-m", "gptop", "--json", "report", str(finished)], capture_output=True, text=True
     )
     assert len(p.stdout.splitlines()) == 1, p.stdout  # --json: one JSON line, as everywhere
     s = json.loads(p.stdout)
     assert s["steps"] == 6 and s["tokens"] == 6 * 4 * 64 and len(s["checkpoints"]) == 1
 
 
-def test_monitor_replays_a_finished_run(tmp_path):
-    run_dir = tmp_path / "run"
-    assert gptop("--no-ui", "train", *TINY, "--max-steps", "4", "--run-dir", str(run_dir)).wait(300) == 0
+def test_monitor_replays_a_finished_run(finished):
     p = subprocess.run(
-        [sys.executable, "-m", "gptop", "--no-ui", "--json", "--run-dir", str(run_dir)],
+        [sys.executable, "-m", "gptop", "--no-ui", "--json", "--run-dir", str(finished)],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert p.returncode == 0, p.stderr
     kinds = [parse(l).type for l in p.stdout.splitlines()]
-    assert kinds.count("step") == 4 and "done" in kinds
+    assert kinds.count("step") == 6 and "done" in kinds
