@@ -313,6 +313,7 @@ def test_the_grad_scaler_check_fails_a_scaler_that_does_not_back_off(monkeypatch
     assert got.reason == "GradScaler did not skip the overflow or lower its scale"
 
 
+@pytest.mark.slow
 def test_the_tf32_check_fails_where_the_flag_has_no_effect():
     """On the CPU the TF32 flag changes nothing: exactly what the check exists to catch on a GPU."""
     from trainer.device_probe import check_tf32
