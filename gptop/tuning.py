@@ -407,7 +407,7 @@ class TuningDriver:
     def _open_controller(self, hello: ev.HelloEvent, command: bool) -> "TuneController":
         """The study of this setup and the controller that tunes over it, from the trainer's hello."""
         from tuner.budget import Budget
-        from tuner.controller import TuneController
+        from tuner.controller import TuneController, TunerSettings
         from tuner.study import TuneStudy
 
         dev = hello.device
@@ -435,12 +435,7 @@ class TuningDriver:
         # a trial that has not warmed up after twice its measuring time plus two starts of this setup's trainer
         # (a compile that does not finish) is cut; a loaded machine's slow starts do not cut healthy trials
         restart = max(restart_guess, startup or 0.0)
-        self.ctl = ctl = TuneController(
-            cfg,
-            dev,
-            space,
-            study,
-            Budget(self.budget_s),
+        settings = TunerSettings(
             max_seconds=per_trial,
             default_restart_s=restart_guess,
             # re-measuring the top two is worth a trial only in longer budgets;
@@ -456,6 +451,7 @@ class TuningDriver:
             # the advice's toggles are the first proposals (asked when trials start)
             advice=lambda: advice_tries(self.session.state.advice()),
         )
+        self.ctl = ctl = TuneController(cfg, dev, space, study, Budget(self.budget_s), settings=settings)
         if self._pace_known and self.session.state.step:  # the `t` key: where the run is and how fast it goes
             tps, _ = self.session.state.steady_medians(last=PACE_STEPS)
             ctl.set_pace(self.session.state.step, ctl.tokens_per_step / tps if tps else None)
