@@ -129,7 +129,7 @@ def test_memory_saving_order():
 
 
 def test_the_tuning_driver_widens_the_space_from_what_auto_found(torchao_and_bnb):
-    from gptop.tuning import tuning_space
+    from gptop.tuning_space import tuning_space
 
     cfg = TrainConfig()
     cfg.optim.global_batch = 32
