@@ -230,7 +230,7 @@ class TuneController:
         )
 
     def best_event(self) -> TunerBest | None:
-        """The best so far as the views show it: the trial `_decide` and the report would name."""
+        """The best so far as the views show it: the trial `decide` and the report would name."""
         st = self.best()
         return st.event() if st is not None else None
 
