@@ -2,7 +2,8 @@
 
 The `TuneController` (tuner/) decides; this driver does. It runs in its own
 thread, watches the trainer's events through a session hook, and turns the
-controller's actions into process restarts:
+controller's actions into process restarts (`gptop.trial_processes` starts,
+stops and rolls back the processes):
 
 - a trial starts by a graceful stop of the running trainer (it checkpoints:
   the pre-trial checkpoint) and a restart from that checkpoint with the
@@ -47,17 +48,16 @@ import dataclasses
 import os
 import queue
 import threading
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from trainer.contract import events as ev
-from trainer.contract import rundir
 from trainer.contract.config import AUTO, Toggles, TrainConfig
-from trainer.contract.device import DeviceInfo
 from trainer.contract.states import TrialOutcome
 
 from .advice import tries as advice_tries
+from .trial_processes import TEST_FAULT_ENV, TrialProcesses, parse_test_fault
+from .tuning_space import tuning_space
 
 if TYPE_CHECKING:
     from tuner.controller import Remeasure, RunTrial, TuneController
@@ -68,81 +68,6 @@ if TYPE_CHECKING:
 
 STEADY = ("done", "prune", "budget", "timeout")
 PACE_STEPS = 50  # the recent step events whose median pace a `t` key plans on
-TEST_FAULT_ENV = "GPTOP_TEST_TRIAL_FAULT"  # "N:KIND[@K][+KIND@K...]": trainer faults (trainer/faults.py) K
-DEFAULT_FAULT_OFFSET = 2  # steps into this session's N-th trial (tests only; default K=2)
-CPU_COMPILE_MIN_BUDGET_S = 600.0  # below this, a CPU run's tuning leaves compile alone by default
-
-
-def parse_test_fault(spec: str) -> tuple[int, tuple[tuple[str, int], ...]] | None:
-    """`N:KIND[@K][+KIND@K...]` -> (N, ((KIND, K), ...)); None when unset or unreadable (a test hook never
-    breaks a run). Several faults make a trial's failure independent of how fast it is: `checkpoint@2+nan@3`
-    writes a checkpoint and then fails before any pruning rule has the samples to cut the trial first."""
-    if not spec or ":" not in spec:
-        return None
-    n, _, rest = spec.partition(":")
-    faults = []
-    try:
-        for part in rest.split("+"):
-            kind, _, k = part.partition("@")
-            if not kind.strip():
-                return None
-            faults.append((kind.strip(), int(k) if k else DEFAULT_FAULT_OFFSET))
-        return int(n), tuple(faults)
-    except ValueError:
-        return None
-
-
-def tuning_space(
-    cfg: TrainConfig,
-    dev: DeviceInfo,
-    fits: int | None,
-    world: int,
-    spec: str | None,
-    budget_s: float,
-    command: list[str] | None = None,
-) -> tuple[Any, str]:
-    """The search space of this run's tuning and what the first line says about it beyond its toggles.
-
-    `cfg` holds the starting toggles (micro-batch as the user gave it), `fits` what `--micro-batch auto`
-    found to fit (None: not probed). Memory is the constraint when the wanted micro-batch does not fit
-    (tuner.space.memory_pressure): the space then includes the memory-saving toggles. On a CPU with a short
-    budget, compile is left alone unless the spec names it. `command`: the run is a user's script whose
-    client can take these toggles (`gptop tune -- CMD`): the space is narrowed to what its TrainingArguments
-    hold (tuner.command_space) before the spec applies."""
-    from tuner.space import MEMORY_SAVING, SearchSpace, memory_pressure, quantizable
-
-    memory = memory_pressure(cfg, fits, world)
-    space = SearchSpace.for_device(
-        cfg.toggles,
-        dev,
-        cfg.optim.global_batch,
-        world_size=world,
-        spec=spec if command is None else None,
-        memory=memory,
-        quantizable=quantizable(cfg),
-    )
-    if command is not None:
-        from tuner.command_space import command_space
-
-        space = command_space(space, dev, command, spec)
-    note = ""
-    if memory:
-        savers = [f"{n} {'/'.join(str(v) for v in space.choices[n])}" for n in MEMORY_SAVING if n in space.params]
-        note = f"; memory is the constraint ({memory}): trying {', '.join(savers) or 'no memory saver'}"
-    if (
-        not dev.is_cuda
-        and budget_s < CPU_COMPILE_MIN_BUDGET_S
-        and "compile" in space.params
-        and "compile" not in (spec or "")
-    ):
-        # inductor's C++ build takes from 20 s to minutes on a CPU: in a short budget a compile trial
-        # costs several others and rarely finishes warming up; naming compile in --tune-space opts in
-        space = space.apply_spec("-compile", dev)
-        note += (
-            f"; compile stays {cfg.toggles.compile} (on a CPU its warm-up does not fit a budget under "
-            f"{CPU_COMPILE_MIN_BUDGET_S / 60:.0f} minutes; name it in --tune-space to try it)"
-        )
-    return space, note
 
 
 class TuningHost(Protocol):
@@ -191,33 +116,26 @@ class TuningDriver:
         self.finished = threading.Event()
         self.error: str | None = None
         self.report_paths: dict[str, Path] | None = None
-        self.last_ckpt: tuple[int, str] | None = None
-        self._hello = hello
+        self.procs = TrialProcesses(session, self._say, self._next, trial_log_every)
+        self.procs.hello = hello
         self._lock = threading.Lock()
         self._attached = False
-        self._alive = False  # a trainer process runs (as far as the queue has told this thread)
-        self._expect_exit = False
         self._exit_code: int | None = None
-        self._steps_since_spawn = 0
         self._complete = False  # the run reached --max-steps
         self._abort: str | None = None
-        self._running_cfg: TrainConfig | None = None  # the config of the process we started (None: the session's)
-        self._spawned_at: float | None = None
         self._restart_s: list[float] = []
         self._pace_known = False
         self._per_trial = 0.0
-        self.user_cfg: TrainConfig | None = None
-        self._reported: list[tuple[int, str]] = []  # checkpoints the processes reported (step, path)
-        self._command = False  # the run is a user's script (gptop tune -- CMD), known at its hello
         self.test_fault = parse_test_fault(os.environ.get(TEST_FAULT_ENV, ""))
 
     # ------------------------------------------------------------- wiring
     def attach(self) -> "TuningDriver":
         s = self.session
-        self.user_cfg = TrainConfig.from_dict(s.cfg.to_dict())
+        procs = self.procs
+        procs.user_cfg = TrainConfig.from_dict(s.cfg.to_dict())
         sup = s.supervisor
-        self._alive = sup is not None and sup.alive()
-        if not self._alive and self._hello is None:
+        procs.alive = sup is not None and sup.alive()
+        if not procs.alive and procs.hello is None:
             # not started yet (gptop tune): the first process is the baseline and logs every step
             s.cfg.log.log_every = min(s.cfg.log.log_every, self.trial_log_every)
         with self._lock:
@@ -230,8 +148,7 @@ class TuningDriver:
     def on_event(self, event: ev.Event) -> None:
         """Every event the session sees: the ones a tuning decides on go to this driver's thread."""
         if isinstance(event, ev.CheckpointEvent) and event.rank == 0:
-            self.last_ckpt = (event.step, event.path)
-            self._reported.append((event.step, event.path))
+            self.procs.saw_checkpoint(event)
         # warnings: the compile watchdog's, which mark a trial that recompiled (tuner.controller)
         if isinstance(
             event, (ev.HelloEvent, ev.StepEvent, ev.CheckpointEvent, ev.ErrorEvent, ev.DoneEvent, ev.WarningEvent)
@@ -264,9 +181,9 @@ class TuningDriver:
                 except queue.Empty:
                     break
                 if kind == "exit":
-                    self._alive, self._exit_code = False, payload
+                    self.procs.alive, self._exit_code = False, payload
         sup = s.supervisor
-        if not self._alive and not s.finished and not (sup is not None and sup.alive()):
+        if not self.procs.alive and not s.finished and not (sup is not None and sup.alive()):
             code = self._exit_code if self._exit_code is not None else 0
             s.handle_exit(code)
 
@@ -281,13 +198,14 @@ class TuningDriver:
             self._say(f"tuning stopped by an internal error: {self.error}")
             self.session.log(traceback.format_exc())
             try:
+                procs = self.procs
                 if (
-                    self.user_cfg is not None
-                    and not self._alive
+                    procs.user_cfg is not None
+                    and not procs.alive
                     and not self.session.interrupted
                     and not self._complete
                 ):
-                    self._spawn(self._cfg_for(self.user_cfg.toggles, strict=False), self.last_ckpt)
+                    procs.spawn(procs.cfg_for(procs.user_cfg.toggles, strict=False), procs.last_ckpt)
             finally:
                 self._detach()
         finally:
@@ -311,20 +229,18 @@ class TuningDriver:
             return None
         kind, payload = item
         if kind == "exit":
-            self._alive, self._exit_code = False, payload
+            self.procs.alive, self._exit_code = False, payload
         elif kind == "abort":
             self._abort = self._abort or str(payload)
         elif kind == "event":
             if payload.rank == 0:
                 if isinstance(payload, ev.HelloEvent):
-                    self._alive = True
-                    self._steps_since_spawn = 0
+                    self.procs.saw_hello()
                 elif isinstance(payload, ev.StepEvent):
-                    if self._steps_since_spawn == 0 and self._spawned_at is not None:
-                        self._restart_s.append(time.monotonic() - self._spawned_at)
-                        self._spawned_at = None
+                    took = self.procs.saw_step()
+                    if took is not None:  # how long this setup's trainer takes to start
+                        self._restart_s.append(took)
                         self._update_reserve()
-                    self._steps_since_spawn += 1
                 elif isinstance(payload, ev.DoneEvent) and payload.reason == "max_steps":
                     self._complete = True
         return item
@@ -362,20 +278,21 @@ class TuningDriver:
     def _run(self) -> None:
         from tuner.controller import Apply, Done, FindMicroBatch, Remeasure, RunTrial
 
-        self._pace_known = self._hello is not None  # a trainer that ran before tuning (the `t` key)
-        hello = self._hello or self._wait_hello()
+        procs = self.procs
+        self._pace_known = procs.hello is not None  # a trainer that ran before tuning (the `t` key)
+        hello = procs.hello or self._wait_hello()
         if hello is None:
             return self._conclude(None)
-        self._hello = hello
+        procs.hello = hello
         command = hello.client is not None  # a user's script (gptop tune -- CMD) through its client
         if command:
             if hello.tunable is None:  # its client refuses a tune itself; an old one may not
                 self._say(f"the command's {hello.client} client takes no toggles: nothing to tune")
                 return self._conclude(None)
-            self._command = True
-            self.user_cfg = self._command_cfg(hello)
-            self._running_cfg = self._cfg_for(self.user_cfg.toggles, strict=True)  # the baseline's process
-        user_mb = self._user().toggles.micro_batch
+            procs.command = True
+            procs.user_cfg = self._command_cfg(hello)
+            procs.running_cfg = procs.cfg_for(procs.user_cfg.toggles, strict=True)  # the baseline's process
+        user_mb = procs.user().toggles.micro_batch
         ctl = self._open_controller(hello, command)
         trial_index = 0
         while True:
@@ -398,21 +315,15 @@ class TuningDriver:
             if isinstance(action, (Apply, Done)):
                 return self._conclude(action)
 
-    def _user(self) -> TrainConfig:
-        """The user's own settings: known from `attach` on (a command's from its client's first hello)."""
-        if self.user_cfg is None:
-            raise RuntimeError("the tuning driver was not attached")
-        return self.user_cfg
-
     def _open_controller(self, hello: ev.HelloEvent, command: bool) -> "TuneController":
         """The study of this setup and the controller that tunes over it, from the trainer's hello."""
         from tuner.budget import Budget
-        from tuner.controller import TuneController
+        from tuner.controller import TuneController, TunerSettings
         from tuner.study import TuneStudy
 
         dev = hello.device
         cfg = TrainConfig.from_dict(hello.config)
-        base_mb = self._user().toggles.micro_batch
+        base_mb = self.procs.user().toggles.micro_batch
         start = dataclasses.replace(cfg.toggles, micro_batch=base_mb)
         world = hello.world_size
         space, note = tuning_space(
@@ -435,12 +346,7 @@ class TuningDriver:
         # a trial that has not warmed up after twice its measuring time plus two starts of this setup's trainer
         # (a compile that does not finish) is cut; a loaded machine's slow starts do not cut healthy trials
         restart = max(restart_guess, startup or 0.0)
-        self.ctl = ctl = TuneController(
-            cfg,
-            dev,
-            space,
-            study,
-            Budget(self.budget_s),
+        settings = TunerSettings(
             max_seconds=per_trial,
             default_restart_s=restart_guess,
             # re-measuring the top two is worth a trial only in longer budgets;
@@ -452,9 +358,12 @@ class TuningDriver:
             run_pays=not self.tune_only,
             startup_s=startup,
             # a trial's process trains on as it is only if its settings are the user's
-            trial_process_continues=command or self._user().run.nan_policy == "stop",
+            trial_process_continues=command or self.procs.user().run.nan_policy == "stop",
             # the advice's toggles are the first proposals (asked when trials start)
             advice=lambda: advice_tries(self.session.state.advice()),
+        )
+        self.ctl = self.procs.ctl = ctl = TuneController(
+            cfg, dev, space, study, Budget(self.budget_s), settings=settings
         )
         if self._pace_known and self.session.state.step:  # the `t` key: where the run is and how fast it goes
             tps, _ = self.session.state.steady_medians(last=PACE_STEPS)
@@ -471,16 +380,17 @@ class TuningDriver:
     ) -> bool:
         """Run one measurement the controller asked for and tell it how it went; False when the tuning
         concluded meanwhile (interrupted, finished, stopped by the user)."""
-        pre = self.last_ckpt
+        procs = self.procs
+        pre = procs.last_ckpt
         restore_log = None
-        if not action.restart and self._alive:
+        if not action.restart and procs.alive:
             # measured on the running process (the baseline after `t`): it logs every step meanwhile
-            restore_log = (self._running_cfg or self.session.cfg).log.log_every
+            restore_log = (procs.running_cfg or self.session.cfg).log.log_every
             if restore_log > self.trial_log_every:
-                self._log_every(self.trial_log_every)
+                procs.log_every(self.trial_log_every)
             else:
                 restore_log = None
-        if action.restart or not self._alive:
+        if action.restart or not procs.alive:
             pre = self._restart(action.toggles, fault=fault, strict=True)
             if pre is None:  # interrupted, stopped or finished while switching
                 if self._abort and not (self.session.interrupted or self._complete):
@@ -492,10 +402,10 @@ class TuningDriver:
                 return False
         outcome, reason = self._measure(ctl)
         if restore_log is not None:
-            self._log_every(restore_log)
+            procs.log_every(restore_log)
         if outcome == "abort":  # the `t` key: decide on what was measured, train on
             if not action.keep_steps:  # its fresh optimizer state must not become the run's
-                self._rollback(pre)
+                procs.rollback(pre)
             self._conclude(ctl.stop_early(reason, rolled_back=not action.keep_steps))
             return False
         if outcome in ("interrupted", "finished"):
@@ -508,9 +418,9 @@ class TuningDriver:
         if outcome in STEADY and action.keep_steps:
             ctl.finish_trial(TrialOutcome.OK)
         elif outcome in STEADY:  # measured; rolled back so the run keeps its optimizer state
-            ctl.finish_trial(TrialOutcome.OK, rollback=self._rollback(pre))
+            ctl.finish_trial(TrialOutcome.OK, rollback=procs.rollback(pre))
         else:
-            ctl.finish_trial(TrialOutcome(outcome), reason, rollback=self._rollback(pre))
+            ctl.finish_trial(TrialOutcome(outcome), reason, rollback=procs.rollback(pre))
         self._publish()
         if ctl.study is not self.study:  # the start ran out of memory: memory is the constraint
             self.study = ctl.study
@@ -570,6 +480,7 @@ class TuningDriver:
 
         ctl = self.ctl
         s = self.session
+        procs = self.procs
         if ctl is not None:
             self._publish()
             early = f"{self._abort}: " if self._abort else ""
@@ -586,20 +497,20 @@ class TuningDriver:
         if action is not None and not ended:
             toggles = action.toggles
             if self.tune_only:
-                self._stop_trainer()
+                procs.stop()
                 self._complete = False
                 self._exit_code = 0
             else:
-                want = self._cfg_for(toggles, strict=False)
-                if not self._alive or self._differs(want, log_every=False):
+                want = procs.cfg_for(toggles, strict=False)
+                if not procs.alive or procs.differs(want, log_every=False):
                     self._restart(toggles, strict=False)
-                elif self._differs(want):  # only the log interval: a command, no restart
-                    self._log_every(want.log.log_every)
-                    if self._running_cfg is not None:
-                        self._running_cfg.log.log_every = want.log.log_every
+                elif procs.differs(want):  # only the log interval: a command, no restart
+                    procs.log_every(want.log.log_every)
+                    if procs.running_cfg is not None:
+                        procs.running_cfg.log.log_every = want.log.log_every
         elif action is None and not ended and ctl is not None:
             # tuning ended early without a decision: train on with what runs, or (nothing runs) the start
-            if not self._alive and not self._complete:
+            if not procs.alive and not self._complete:
                 self._restart(ctl.base, strict=False)
         if ctl is not None:
             self._publish()
@@ -612,154 +523,18 @@ class TuningDriver:
                 from tuner.storage import dashboard_command
 
                 self._say(f"study {study.name}; browse it: {dashboard_command(study.storage_url)}")
-        self._cleanup_guard()
-        if self._running_cfg is None or self._hello is not None and self._hello.client is not None:
+        procs.release_guard()
+        if procs.running_cfg is None or procs.hello is not None and procs.hello.client is not None:
             # gptop tune's first process logged every step for the baseline
-            s.cfg.log.log_every = self._user().log.log_every
+            s.cfg.log.log_every = procs.user().log.log_every
         self._detach()
-
-    # ------------------------------------------------------------ processes
-    def _differs(self, want: TrainConfig, log_every: bool = True) -> bool:
-        """Whether the running process was started with other toggles or run settings than `want` (the log
-        interval counted only with `log_every`: a command changes it)."""
-        have = self._running_cfg or self.session.cfg
-        toggles = have.toggles
-        if (
-            toggles.micro_batch == AUTO
-            and self._running_cfg is None
-            and self._hello is not None
-            and self._hello.micro_batch is not None
-        ):
-            toggles = dataclasses.replace(toggles, micro_batch=self._hello.micro_batch)  # what `auto` resolved to
-        return (
-            toggles != want.toggles
-            or have.run.nan_policy != want.run.nan_policy
-            or (log_every and have.log.log_every != want.log.log_every)
-        )
-
-    def _log_every(self, steps: int) -> None:
-        """Ask the running trainer for a step event every `steps` steps (a command: no restart). One
-        synchronization per step while it measures; the interval is given back when it is done."""
-        sup = self.session.supervisor
-        if sup is not None and self._alive:
-            sup.send({"cmd": "log_every", "steps": steps})
-
-    def _stop_trainer(self, kill: bool = False) -> None:
-        """Stop the trainer and wait for its exit: graceful (it checkpoints) unless `kill`. A graceful stop that
-        takes far longer than a step (a compile in progress, a hung process) is turned into a kill."""
-        sup = self.session.supervisor
-        if not self._alive or sup is None:
-            self._alive = False
-            return
-        self._expect_exit = True
-        if kill:
-            sup.kill()
-        else:
-            sup.request_stop(reason=ev.TUNER_RESTART)  # its `done`: a trainer's end, not the run's
-        step_s = 0.0
-        if self.ctl is not None and self.ctl.in_trial:
-            import math
-
-            ms = self.ctl.trial_step_ms
-            step_s = ms / 1000.0 if math.isfinite(ms) else 0.0
-        ckpt_s = self.ctl.checkpoint_s if self.ctl is not None else 0.0
-        grace = 5.0 if self._steps_since_spawn == 0 else max(30.0, 5 * step_s + 3 * ckpt_s)
-        deadline = time.monotonic() + grace
-        feed_steps = self.ctl is not None and not self.ctl.in_trial
-        while self._alive:
-            item = self._next(0.5)
-            if item is not None and item[0] == "event" and self.ctl is not None:
-                # the last steps of the process being stopped: healthy steps between trials feed the loss
-                # trend; they must not count as the measurement of a trial that is about to start
-                if feed_steps or isinstance(item[1], ev.CheckpointEvent):
-                    self.ctl.observe(item[1])
-            if not kill and self._alive and time.monotonic() > deadline:
-                self._say(f"the trainer did not stop within {grace:.0f} s; killing it")
-                sup.kill()
-                kill = True
-        self._expect_exit = False
-
-    def _spawn(self, cfg: TrainConfig, pre: tuple[int, str] | None) -> None:
-        self._running_cfg = cfg
-        self._alive = True
-        self._steps_since_spawn = 0
-        self._spawned_at = time.monotonic()
-        self.session.spawn(cfg, resume=pre[1] if pre and pre[1] else None)
 
     def _restart(
         self, toggles: Toggles, fault: tuple[tuple[str, int], ...] | None = None, strict: bool = True
     ) -> tuple[int, str] | None:
         """Checkpoint (graceful stop), then start a trainer with `toggles` from that checkpoint.
         Returns the checkpoint it resumes from ((0, "") for none), or None if the run must not go on."""
-        self._stop_trainer()
+        self.procs.stop()
         if self.session.interrupted or self._complete or (self._abort and strict):
             return None
-        pre = self.last_ckpt
-        if pre is not None and not Path(pre[1]).exists():  # pruned between trials: the newest there is
-            newest = rundir.list_checkpoints(self.session.run_dir)
-            pre = (newest[-1].step, str(newest[-1].path)) if newest else None
-        cfg = self._cfg_for(toggles, strict)
-        if fault:
-            cfg.run.fault = ",".join(f"{kind}@{(pre[0] if pre else 0) + k}" for kind, k in fault)
-        if strict:
-            self._guard(pre)
-        self._spawn(cfg, pre)
-        return pre or (0, "")
-
-    def _cfg_for(self, toggles: Toggles, strict: bool) -> TrainConfig:
-        """The user's config with `toggles`; trial processes (strict) stop on NaN and log every step."""
-        cfg = TrainConfig.from_dict(self._user().to_dict())
-        cfg.toggles = dataclasses.replace(toggles)
-        cfg.run.fault = None
-        if strict:
-            if not self._command:  # a command's NaN is the loss check's (its step events)
-                cfg.run.nan_policy = "stop"  # a NaN ends the trial; the driver rolls back
-            cfg.log.log_every = min(cfg.log.log_every, self.trial_log_every)
-        return cfg
-
-    # ------------------------------------------------------------ rollback
-    def _guard(self, pre: tuple[int, str] | None) -> None:
-        """Pin the pre-trial checkpoint: the trial's own pruning (--keep-checkpoints) must keep the rollback
-        target. One pin at a time: the previous trial's target is released."""
-        run_dir = self.session.run_dir
-        rundir.unpin(run_dir)
-        if pre and pre[1] and Path(pre[1]).exists():
-            rundir.pin(run_dir, pre[0])
-
-    def _cleanup_guard(self) -> None:
-        rundir.unpin(self.session.run_dir)
-
-    def _delete_reported(self, keep_step: int) -> list[str]:
-        """Delete the checkpoints after `keep_step` that a failed trial's process reported outside the run
-        directory (a command's own, e.g. a Trainer's output_dir/checkpoint-N): the next process resumes from
-        the pre-trial one, and the script's own rotation (save_total_limit) must not count the failed ones."""
-        import shutil
-
-        run_dir = Path(self.session.run_dir).resolve()
-        deleted, kept = [], []
-        for step, path in self._reported:
-            p = Path(path)
-            inside = p.resolve().is_relative_to(run_dir)
-            if step <= keep_step or inside:
-                kept.append((step, path))
-            elif p.exists():
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
-                deleted.append(path)
-        self._reported = kept
-        return deleted
-
-    def _rollback(self, pre: tuple[int, str] | None) -> dict[str, Any]:
-        """Kill the failed trial if it still runs and delete the checkpoints it wrote: the run directory's
-        newest checkpoint is the pinned pre-trial one again (or none: the start)."""
-        self._stop_trainer(kill=True)
-        run_dir = Path(self.session.run_dir)
-        keep_step = pre[0] if pre and pre[1] else -1
-        deleted = [str(p) for p in rundir.rollback_to(run_dir, keep_step)] + self._delete_reported(keep_step)
-        self.last_ckpt = pre if pre and pre[1] and Path(pre[1]).exists() else None
-        step = max(keep_step, 0)
-        self._say(
-            f"trial rolled back to step {step}"
-            + (f" ({self.last_ckpt[1]})" if self.last_ckpt else " (the start)")
-            + (f"; deleted {len(deleted)} checkpoint(s) it wrote" if deleted else "")
-        )
-        return {"step": step, "path": self.last_ckpt[1] if self.last_ckpt else None, "deleted": deleted}
+        return self.procs.start(toggles, fault, strict)

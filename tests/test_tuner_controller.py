@@ -13,7 +13,7 @@ from trainer.contract.config import Toggles as ToggleValues
 from trainer.contract.device import DeviceInfo
 from trainer.contract.events import TrialEvent, dumps, make, parse
 from tuner.budget import Budget
-from tuner.controller import Apply, Done, FindMicroBatch, Remeasure, RunTrial, TuneController
+from tuner.controller import Apply, Done, FindMicroBatch, Remeasure, RunTrial, TuneController, TunerSettings
 from tuner.decide import Choice
 from tuner.tuning_report import best_toml, format_summary, write_report
 from tuner.space import SearchSpace, params_key
@@ -159,7 +159,9 @@ def make_ctl(tmp_path, clock, budget_s=900.0, spec=SPEC, storage=None, run_steps
     study = TuneStudy.open(cfg, CPU, space, storage=storage or f"journal:{tmp_path}/tuning.log", seed=0, wall=clock)
     kw.setdefault("max_trials", 8)
     kw.setdefault("min_steps", 6)
-    return TuneController(cfg, CPU, space, study, Budget(budget_s, clock=clock), clock=clock, **kw)
+    return TuneController(
+        cfg, CPU, space, study, Budget(budget_s, clock=clock), clock=clock, settings=TunerSettings(**kw)
+    )
 
 
 def test_full_simulated_tuning_ends_in_apply(tmp_path):
@@ -446,7 +448,15 @@ def test_cuda_graph_modes_with_accumulation_are_never_run(tmp_path):
     spec = "-all compile=off,reduce-overhead micro_batch=4,8,32 fused_adamw=on,off"
     space = SearchSpace.for_device(cfg.toggles, h100, 32, spec=spec)
     study = TuneStudy.open(cfg, h100, space, storage=f"journal:{tmp_path}/tuning.log", seed=0, wall=clock)
-    ctl = TuneController(cfg, h100, space, study, Budget(900.0, clock=clock), clock=clock, max_trials=8, min_steps=6)
+    ctl = TuneController(
+        cfg,
+        h100,
+        space,
+        study,
+        Budget(900.0, clock=clock),
+        clock=clock,
+        settings=TunerSettings(max_trials=8, min_steps=6),
+    )
     seen = drive(ctl, clock, FakeTrainer(clock))
     ran = [a for a in seen if isinstance(a, (RunTrial, Remeasure))]
     assert ran and not any(a.toggles.compile == "reduce-overhead" and a.toggles.micro_batch < 32 for a in ran)

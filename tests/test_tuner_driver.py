@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from gptop.session import Session, SessionOptions, TuningOptions
-from gptop.tuning import TuningDriver, parse_test_fault
+from gptop.trial_processes import parse_test_fault
+from gptop.tuning import TuningDriver
 from trainer.contract import rundir
 from trainer.contract.config import TrainConfig
 from trainer.contract.events import make
@@ -61,23 +62,23 @@ def test_parse_test_fault():
 def test_rollback_deletes_the_trials_checkpoints_and_keeps_the_pinned_pre_trial_one(tmp_path):
     s = FakeSession(tmp_path)
     d = TuningDriver(s, 60.0)
-    d.user_cfg = TrainConfig.from_dict(s.cfg.to_dict())
+    d.procs.user_cfg = TrainConfig.from_dict(s.cfg.to_dict())
     (tmp_path / "events.jsonl").touch()
     make_ckpt(tmp_path, 5)
     pre = make_ckpt(tmp_path, 10, b"p")
-    d._guard((10, str(pre)))
+    d.procs.guard((10, str(pre)))
     # the trial writes checkpoints 12 and 14 and prunes with --keep-checkpoints 2: the pinned one stays
     make_ckpt(tmp_path, 12)
     make_ckpt(tmp_path, 14)
     rundir.prune(tmp_path, keep=2)
     assert [c.step for c in rundir.list_checkpoints(tmp_path)] == [10, 12, 14]
-    info = d._rollback((10, str(pre)))
+    info = d.procs.rollback((10, str(pre)))
     assert [c.step for c in rundir.list_checkpoints(tmp_path)] == [10]
     assert pre.read_bytes() == b"p" * 10  # the pre-trial state
     assert info["step"] == 10 and len(info["deleted"]) == 2
-    assert d.last_ckpt == (10, str(pre))
+    assert d.procs.last_ckpt == (10, str(pre))
     assert any("rolled back to step 10" in e.message for e in s.emitted if e.type == "log")
-    d._cleanup_guard()
+    d.procs.release_guard()
     assert rundir.pinned(tmp_path) == set()
 
 
@@ -86,8 +87,8 @@ def test_rollback_without_a_checkpoint_goes_back_to_the_start(tmp_path):
     d = TuningDriver(s, 60.0)
     (tmp_path / "events.jsonl").touch()
     make_ckpt(tmp_path, 3)
-    info = d._rollback(None)
-    assert rundir.list_checkpoints(tmp_path) == [] and info["path"] is None and d.last_ckpt is None
+    info = d.procs.rollback(None)
+    assert rundir.list_checkpoints(tmp_path) == [] and info["path"] is None and d.procs.last_ckpt is None
 
 
 def test_trial_configs_stop_on_nan_and_the_final_one_is_the_users(tmp_path):
@@ -95,15 +96,15 @@ def test_trial_configs_stop_on_nan_and_the_final_one_is_the_users(tmp_path):
     s.cfg.log.log_every = 10
     s.cfg.run.fault = "nan@3"
     d = TuningDriver(s, 60.0)
-    d.user_cfg = TrainConfig.from_dict(s.cfg.to_dict())
+    d.procs.user_cfg = TrainConfig.from_dict(s.cfg.to_dict())
     t = dataclasses.replace(s.cfg.toggles, micro_batch=2, fused_adamw=True)
-    trial = d._cfg_for(t, strict=True)
+    trial = d.procs.cfg_for(t, strict=True)
     assert trial.toggles == t and trial.run.nan_policy == "stop" and trial.log.log_every == 1
     assert trial.run.fault is None  # a user's test fault is not re-injected
-    final = d._cfg_for(t, strict=False)
+    final = d.procs.cfg_for(t, strict=False)
     assert final.run.nan_policy == "rollback" and final.log.log_every == 10
-    d._running_cfg = trial
-    assert d._differs(final) and not d._differs(trial)
+    d.procs.running_cfg = trial
+    assert d.procs.differs(final) and not d.procs.differs(trial)
 
 
 def test_exit_hook_and_detach_hand_an_unhandled_exit_back(tmp_path):

@@ -14,7 +14,7 @@ from fixtures.toggles import Toggles
 from trainer.contract.device import DeviceInfo
 from trainer.contract.events import make
 from tuner.budget import Budget
-from tuner.controller import Apply, Done, FindMicroBatch, Remeasure, RunTrial, TuneController
+from tuner.controller import Apply, Done, FindMicroBatch, Remeasure, RunTrial, TuneController, TunerSettings
 from tuner.tuning_report import best_toml, build_report, check_best_toml, format_summary, render_markdown
 from tuner.space import MEMORY_SAVING, SearchSpace, memory_pressure, quantizable
 from tuner.study import TuneStudy
@@ -129,7 +129,7 @@ def test_memory_saving_order():
 
 
 def test_the_tuning_driver_widens_the_space_from_what_auto_found(torchao_and_bnb):
-    from gptop.tuning import tuning_space
+    from gptop.tuning_space import tuning_space
 
     cfg = TrainConfig()
     cfg.optim.global_batch = 32
@@ -163,7 +163,13 @@ def _memory_ctl(tmp_path, clock, spec):
     )
     study = TuneStudy.open(cfg, CPU, space, storage=f"journal:{tmp_path}/tuning.log", seed=0, wall=clock)
     ctl = TuneController(
-        cfg, CPU, space, study, Budget(3600.0, clock=clock), clock=clock, max_trials=12, min_steps=6, max_micro_batch=8
+        cfg,
+        CPU,
+        space,
+        study,
+        Budget(3600.0, clock=clock),
+        clock=clock,
+        settings=TunerSettings(max_trials=12, min_steps=6, max_micro_batch=8),
     )
     return ctl, space
 
@@ -382,7 +388,9 @@ def test_a_start_that_runs_out_of_memory_widens_the_space_into_a_study_of_its_ow
     space = SearchSpace.for_device(cfg.toggles, CPU, 32, spec=spec)
     assert space.memory is None and space.choices["optimizer"] == ("adamw",)
     study = TuneStudy.open(cfg, CPU, space, storage=f"journal:{tmp_path}/tuning.log", seed=0, wall=clock)
-    ctl = TuneController(cfg, CPU, space, study, Budget(3600.0, clock=clock), clock=clock, min_steps=4)
+    ctl = TuneController(
+        cfg, CPU, space, study, Budget(3600.0, clock=clock), clock=clock, settings=TunerSettings(min_steps=4)
+    )
     assert isinstance(ctl.next_action(), FindMicroBatch)
     ctl.set_max_micro_batch(None)  # an explicit micro-batch: nothing probed
     base = ctl.next_action()

@@ -15,7 +15,8 @@ from fixtures.toggles import Toggles
 from trainer.contract.device import DeviceInfo
 from tuner.space import SearchSpace, params_key
 from tuner.storage import dashboard_command, default_storage_url, shown_storage_url, storage_from_url
-from tuner.study import TuneStudy, study_key, study_name
+from tuner.study import TuneStudy
+from tuner.study_key import study_key, study_name
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = DeviceInfo(type="cpu", name="cpu", has_compiler=True)

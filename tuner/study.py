@@ -1,13 +1,8 @@
 """The persisted Optuna study: storage, naming, warm start, asking without repeats, telling outcomes.
 
 Storage: tuner.storage (the default per-user SQLite file, `--storage` URLs, how a report shows them).
-
-Naming. A study is keyed by what decides which toggles are fast: device name
-and type, compute capability, number of ranks, model family and size,
-tokenizer, seq_len, global batch, torch and transformers versions, and the
-search space. The name is a hash of that key (plus the family and size for
-humans); the key itself is stored readable in the study's user_attrs["key"].
-The config passed in must be resolved (`--size auto` already chosen).
+Naming: tuner.study_key (what decides which toggles are fast; the key is stored readable in the study's
+user_attrs["key"]).
 
 Sampler. TPE (`TPESampler(multivariate=True, n_startup_trials=4,
 constant_liar=True)`): it handles categorical spaces, learns from pruned and
@@ -60,18 +55,13 @@ an earlier run over a baseline of this one.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
 import os
 import random
-import re
 import socket
 import time
 import uuid
 from dataclasses import dataclass
-from importlib import metadata
-from pathlib import Path
 from typing import Any, Callable
 
 import optuna
@@ -83,54 +73,12 @@ from trainer.contract.device import DeviceInfo
 from .measure import median_ci
 from .storage import shown_storage_url, storage_from_url
 from .space import SearchSpace
+from .study_key import study_key, study_name
 
-KEY_SCHEMA = 1
 _HAS_SET_CONSTRAINT = hasattr(optuna.trial.Trial, "set_constraint")
 FEASIBLE, INFEASIBLE = -1.0, 1.0
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)  # one INFO line per trial would scribble over the TUI
-
-
-# --- naming -------------------------------------------------------------------------------
-
-
-def library_versions() -> dict[str, str]:
-    """torch and transformers versions (from package metadata: no import, no seconds spent)."""
-    out = {}
-    for name in ("torch", "transformers"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = "none"
-    return out
-
-
-def study_key(
-    cfg: TrainConfig, dev: DeviceInfo, space: SearchSpace, world_size: int = 1, versions: dict[str, str] | None = None
-) -> dict[str, Any]:
-    """The readable key of the study for this hardware, model, shape, libraries and space."""
-    return {
-        "schema": KEY_SCHEMA,
-        "device": dev.name,
-        "device_type": dev.type,
-        "capability": list(dev.capability) if dev.capability else None,
-        "device_count": world_size,
-        "model": cfg.model.model,
-        "size": cfg.model.size,
-        "tokenizer": cfg.data.tokenizer,
-        "seq_len": cfg.data.seq_len,
-        "global_batch": cfg.optim.global_batch,
-        # what trains: a LoRA run's speed and memory are another problem than full training's
-        "lora": [cfg.finetune.lora, cfg.finetune.lora_targets] if cfg.finetune.enabled else None,
-        "versions": versions if versions is not None else library_versions(),
-        "space": space.key(),
-    }
-
-
-def study_name(key: dict[str, Any]) -> str:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    family = re.sub(r"[^A-Za-z0-9]+", "-", Path(str(key.get("model", "model"))).name).strip("-") or "model"
-    return f"gptop-{family}-{key.get('size', '')}-{digest}"
 
 
 # --- the study ------------------------------------------------------------------------------

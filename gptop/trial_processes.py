@@ -1,0 +1,231 @@
+"""The trainer processes of a tuning (`gptop.tuning`'s driver): starting one from a checkpoint with a trial's or
+the user's settings, stopping one and waiting for its exit, and rolling a failed trial back to its pinned
+pre-trial checkpoint. A test hook (`GPTOP_TEST_TRIAL_FAULT`) injects trainer faults into a chosen trial."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from trainer.contract import events as ev
+from trainer.contract import rundir
+from trainer.contract.config import AUTO, Toggles, TrainConfig
+
+if TYPE_CHECKING:
+    from tuner.controller import TuneController
+
+    from .tuning import TuningHost
+
+TEST_FAULT_ENV = "GPTOP_TEST_TRIAL_FAULT"  # "N:KIND[@K][+KIND@K...]": trainer faults (trainer/faults.py) K
+DEFAULT_FAULT_OFFSET = 2  # steps into this session's N-th trial (tests only; default K=2)
+Checkpoint = tuple[int, str]  # (step, path) as a checkpoint event reports it
+Pump = Callable[[float], tuple[str, Any] | None]  # the driver's queue: one item, its bookkeeping done
+
+
+def parse_test_fault(spec: str) -> tuple[int, tuple[tuple[str, int], ...]] | None:
+    """`N:KIND[@K][+KIND@K...]` -> (N, ((KIND, K), ...)); None when unset or unreadable (a test hook never
+    breaks a run). Several faults make a trial's failure independent of how fast it is: `checkpoint@2+nan@3`
+    writes a checkpoint and then fails before any pruning rule has the samples to cut the trial first."""
+    if not spec or ":" not in spec:
+        return None
+    n, _, rest = spec.partition(":")
+    faults = []
+    try:
+        for part in rest.split("+"):
+            kind, _, k = part.partition("@")
+            if not kind.strip():
+                return None
+            faults.append((kind.strip(), int(k) if k else DEFAULT_FAULT_OFFSET))
+        return int(n), tuple(faults)
+    except ValueError:
+        return None
+
+
+class TrialProcesses:
+    """What the driver knows of the trainer process and starts it with: whether one runs, the config it was
+    started with, the user's own settings, and the checkpoints the processes reported. `pump` is the driver's
+    queue (exits and events while a stop is awaited); `ctl` the controller, once tuning started."""
+
+    def __init__(self, session: TuningHost, say: Callable[[str], None], pump: Pump, trial_log_every: int):
+        self.session = session
+        self.say = say
+        self.pump = pump
+        self.trial_log_every = trial_log_every
+        self.ctl: TuneController | None = None
+        self.user_cfg: TrainConfig | None = None  # the user's own settings (a command's from its first hello)
+        self.command = False  # the run is a user's script (gptop tune -- CMD), known at its hello
+        self.hello: ev.HelloEvent | None = None  # the first process's built hello
+        self.alive = False  # a trainer process runs (as far as the queue has told the driver)
+        self.steps_since_spawn = 0
+        self.spawned_at: float | None = None
+        self.running_cfg: TrainConfig | None = None  # the config of the process we started (None: the session's)
+        self.last_ckpt: Checkpoint | None = None
+        self.reported: list[Checkpoint] = []  # checkpoints the processes reported
+
+    def user(self) -> TrainConfig:
+        """The user's own settings: known from `TuningDriver.attach` on (a command's from its client's first hello)."""
+        if self.user_cfg is None:
+            raise RuntimeError("the tuning driver was not attached")
+        return self.user_cfg
+
+    # ------------------------------------------------------------ what runs
+    def saw_hello(self) -> None:
+        """The running process said hello: it runs, no step yet."""
+        self.alive = True
+        self.steps_since_spawn = 0
+
+    def saw_step(self) -> float | None:
+        """A step of the running process; the first after a spawn returns how long that start took."""
+        took = None
+        if self.steps_since_spawn == 0 and self.spawned_at is not None:
+            took = time.monotonic() - self.spawned_at
+            self.spawned_at = None
+        self.steps_since_spawn += 1
+        return took
+
+    def saw_checkpoint(self, event: ev.CheckpointEvent) -> None:
+        """A checkpoint a process wrote: the next restart's and rollback's reference."""
+        self.last_ckpt = (event.step, event.path)
+        self.reported.append((event.step, event.path))
+
+    def cfg_for(self, toggles: Toggles, strict: bool) -> TrainConfig:
+        """The user's config with `toggles`; trial processes (strict) stop on NaN and log every step."""
+        cfg = TrainConfig.from_dict(self.user().to_dict())
+        cfg.toggles = dataclasses.replace(toggles)
+        cfg.run.fault = None
+        if strict:
+            if not self.command:  # a command's NaN is the loss check's (its step events)
+                cfg.run.nan_policy = "stop"  # a NaN ends the trial; the driver rolls back
+            cfg.log.log_every = min(cfg.log.log_every, self.trial_log_every)
+        return cfg
+
+    def differs(self, want: TrainConfig, log_every: bool = True) -> bool:
+        """Whether the running process was started with other toggles or run settings than `want` (the log
+        interval counted only with `log_every`: a command changes it)."""
+        have = self.running_cfg or self.session.cfg
+        toggles = have.toggles
+        if (
+            toggles.micro_batch == AUTO
+            and self.running_cfg is None
+            and self.hello is not None
+            and self.hello.micro_batch is not None
+        ):
+            toggles = dataclasses.replace(toggles, micro_batch=self.hello.micro_batch)  # what `auto` resolved to
+        return (
+            toggles != want.toggles
+            or have.run.nan_policy != want.run.nan_policy
+            or (log_every and have.log.log_every != want.log.log_every)
+        )
+
+    # ------------------------------------------------------------ starting and stopping
+    def log_every(self, steps: int) -> None:
+        """Ask the running trainer for a step event every `steps` steps (a command: no restart). One
+        synchronization per step while it measures; the interval is given back when it is done."""
+        sup = self.session.supervisor
+        if sup is not None and self.alive:
+            sup.send({"cmd": "log_every", "steps": steps})
+
+    def stop(self, kill: bool = False) -> None:
+        """Stop the trainer and wait for its exit: graceful (it checkpoints) unless `kill`. A graceful stop that
+        takes far longer than a step (a compile in progress, a hung process) is turned into a kill."""
+        sup = self.session.supervisor
+        if not self.alive or sup is None:
+            self.alive = False
+            return
+        if kill:
+            sup.kill()
+        else:
+            sup.request_stop(reason=ev.TUNER_RESTART)  # its `done`: a trainer's end, not the run's
+        ctl = self.ctl
+        step_s = 0.0
+        if ctl is not None and ctl.in_trial:
+            ms = ctl.trial_step_ms
+            step_s = ms / 1000.0 if math.isfinite(ms) else 0.0
+        ckpt_s = ctl.checkpoint_s if ctl is not None else 0.0
+        grace = 5.0 if self.steps_since_spawn == 0 else max(30.0, 5 * step_s + 3 * ckpt_s)
+        deadline = time.monotonic() + grace
+        feed_steps = ctl is not None and not ctl.in_trial
+        while self.alive:
+            item = self.pump(0.5)
+            if item is not None and item[0] == "event" and ctl is not None:
+                # the last steps of the process being stopped: healthy steps between trials feed the loss
+                # trend; they must not count as the measurement of a trial that is about to start
+                if feed_steps or isinstance(item[1], ev.CheckpointEvent):
+                    ctl.observe(item[1])
+            if not kill and self.alive and time.monotonic() > deadline:
+                self.say(f"the trainer did not stop within {grace:.0f} s; killing it")
+                sup.kill()
+                kill = True
+
+    def spawn(self, cfg: TrainConfig, pre: Checkpoint | None) -> None:
+        """Start a trainer with `cfg`, resuming from `pre` when it names a checkpoint."""
+        self.running_cfg = cfg
+        self.alive = True
+        self.steps_since_spawn = 0
+        self.spawned_at = time.monotonic()
+        self.session.spawn(cfg, resume=pre[1] if pre and pre[1] else None)
+
+    def start(self, toggles: Toggles, fault: tuple[tuple[str, int], ...] | None, strict: bool) -> Checkpoint:
+        """Start a trainer with `toggles` from the newest checkpoint (once the last one stopped); a trial's
+        (`strict`) pins it as the rollback target. Returns the checkpoint it resumes from ((0, "") for none)."""
+        pre = self.last_ckpt
+        if pre is not None and not Path(pre[1]).exists():  # pruned between trials: the newest there is
+            newest = rundir.list_checkpoints(self.session.run_dir)
+            pre = (newest[-1].step, str(newest[-1].path)) if newest else None
+        cfg = self.cfg_for(toggles, strict)
+        if fault:
+            cfg.run.fault = ",".join(f"{kind}@{(pre[0] if pre else 0) + k}" for kind, k in fault)
+        if strict:
+            self.guard(pre)
+        self.spawn(cfg, pre)
+        return pre or (0, "")
+
+    # ------------------------------------------------------------ rollback
+    def guard(self, pre: Checkpoint | None) -> None:
+        """Pin the pre-trial checkpoint: the trial's own pruning (--keep-checkpoints) must keep the rollback
+        target. One pin at a time: the previous trial's target is released."""
+        run_dir = self.session.run_dir
+        rundir.unpin(run_dir)
+        if pre and pre[1] and Path(pre[1]).exists():
+            rundir.pin(run_dir, pre[0])
+
+    def release_guard(self) -> None:
+        """Unpin the last rollback target: tuning is over."""
+        rundir.unpin(self.session.run_dir)
+
+    def delete_reported(self, keep_step: int) -> list[str]:
+        """Delete the checkpoints after `keep_step` that a failed trial's process reported outside the run
+        directory (a command's own, e.g. a Trainer's output_dir/checkpoint-N): the next process resumes from
+        the pre-trial one, and the script's own rotation (save_total_limit) must not count the failed ones."""
+        run_dir = Path(self.session.run_dir).resolve()
+        deleted, kept = [], []
+        for step, path in self.reported:
+            p = Path(path)
+            inside = p.resolve().is_relative_to(run_dir)
+            if step <= keep_step or inside:
+                kept.append((step, path))
+            elif p.exists():
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+                deleted.append(path)
+        self.reported = kept
+        return deleted
+
+    def rollback(self, pre: Checkpoint | None) -> dict[str, Any]:
+        """Kill the failed trial if it still runs and delete the checkpoints it wrote: the run directory's
+        newest checkpoint is the pinned pre-trial one again (or none: the start)."""
+        self.stop(kill=True)
+        run_dir = Path(self.session.run_dir)
+        keep_step = pre[0] if pre and pre[1] else -1
+        deleted = [str(p) for p in rundir.rollback_to(run_dir, keep_step)] + self.delete_reported(keep_step)
+        self.last_ckpt = pre if pre and pre[1] and Path(pre[1]).exists() else None
+        step = max(keep_step, 0)
+        self.say(
+            f"trial rolled back to step {step}"
+            + (f" ({self.last_ckpt[1]})" if self.last_ckpt else " (the start)")
+            + (f"; deleted {len(deleted)} checkpoint(s) it wrote" if deleted else "")
+        )
+        return {"step": step, "path": self.last_ckpt[1] if self.last_ckpt else None, "deleted": deleted}
