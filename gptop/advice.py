@@ -56,7 +56,7 @@ class Advice:
 
 
 def tries(items: list[Advice]) -> list[tuple[str, object, str]]:
-    """What the tuner tries first (tuner.controller's `advice`): each (toggle, value) of each item, best first,
+    """What the tuner tries first (`TunerSettings.advice`, tuner.settings): each (toggle, value) of each item, best first,
     with the evidence it rests on. An item's toggles are alternatives ("--prefetch or --workers"): one each."""
     return [(name, value, a.evidence) for a in items for name, value in a.toggles]
 
