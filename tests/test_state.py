@@ -728,3 +728,20 @@ def test_a_launch_bound_hint_never_names_a_cuda_graph_mode_the_run_cannot_use():
         "reduce-overhead"
         in fed(dataclasses.replace(h, accumulation=1), step(1, 1.0, PH, gpu_idle_ms=30.0)).bottleneck_hint()
     )
+
+
+def test_a_replay_keeps_its_own_clock_beside_todays_device_samples():
+    """A monitor replaying a finished run samples the devices now; the run's ETA and elapsed time stay those of
+    its own events, whichever arrives first (a device sample of today is not the run's time)."""
+    from fixtures.streams import cpu_device
+
+    events = cpu_run(steps=30)
+    replayed = RunState(run_name="r", run_dir="runs/r", status="replay")
+    recorded = RunState(run_name="r", run_dir="runs/r", status="replay")
+    for e in events:
+        recorded.apply(e)
+    replayed.apply(cpu_device(1_000_000.0))  # sampled today, long after the run
+    for e in events:
+        replayed.apply(e)
+    assert recorded.eta() is not None and replayed.eta() == recorded.eta()
+    assert replayed.now() == events[-1].time

@@ -360,8 +360,11 @@ class RunState(StepFigures):
     # --- reading: run -------------------------------------------------------
     def now(self) -> float | None:
         """The clock if injected, else the latest event time (deterministic for replays and
-        snapshots). A replayed run's time is its events' time even with a clock."""
-        if self.clock is not None and self.status is not RunStatus.REPLAY:
+        snapshots). A replayed run's time is its own events' time, even with a clock and beside the device
+        samples a monitor takes today."""
+        if self.status is RunStatus.REPLAY:
+            return self.last_run_time if self.last_run_time is not None else self.last_time
+        if self.clock is not None:
             return self.clock()
         return self.last_time
 
