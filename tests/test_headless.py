@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from fixtures.streams import cpu_run, ev, gpu_logs, gpu_run
+from fixtures.terminal import TextStream
 from gptop.headless import HeadlessView, event_line, first_step_line, step_line
 from gptop.state import RunState
 from trainer.contract.events import DeviceEvent, StatusEvent, StepEvent, dumps, parse
@@ -131,17 +132,13 @@ def test_cpu_run_lines_say_na_for_missing_numbers():
 
 
 def test_progress_bar_on_a_tty():
-    class TTY(io.StringIO):
-        def isatty(self) -> bool:
-            return True
-
-    out = TTY()
+    out = TextStream(tty=True)
     state = RunState()
     view = HeadlessView(state, json=False, stream=out)
     assert view._progress is not None
     play(view, state, cpu_run())
     assert "step 120/200" in out.getvalue()
-    json_view = HeadlessView(RunState(), json=True, stream=TTY())  # never a bar in JSON mode
+    json_view = HeadlessView(RunState(), json=True, stream=TextStream(tty=True))  # never a bar in JSON mode
     assert json_view._progress is None
 
 
@@ -190,11 +187,7 @@ def test_startup_lines_say_what_it_costs_and_what_it_does():
 def test_progress_events_move_the_bar_and_are_json_lines():
     from fixtures.streams import startup_run
 
-    class TTY(io.StringIO):
-        def isatty(self) -> bool:
-            return True
-
-    out = TTY()
+    out = TextStream(tty=True)
     state = RunState()
     play(HeadlessView(state, json=False, stream=out), state, startup_run("steps"))
     assert "13/200" in out.getvalue()  # the bar moved past the last step line (10)

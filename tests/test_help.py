@@ -4,12 +4,12 @@ option shown, and a bad value (a choice included) is one line naming the option,
 from __future__ import annotations
 
 import argparse
-import io
 import re
 import sys
 
 import pytest
 
+from fixtures.terminal import TextStream
 from gptop.cli import build_parser, main
 
 PARSER = build_parser()
@@ -111,17 +111,6 @@ def test_json_means_json_lines_everywhere_and_sampling_flags_only_where_they_act
         assert e.value.code == 2 and len(err.splitlines()) == 1 and flag in err and "does nothing" in err
 
 
-class Stream(io.StringIO):
-    """A standard stream that is, or is not, a terminal."""
-
-    def __init__(self, tty: bool):
-        super().__init__()
-        self.tty = tty
-
-    def isatty(self) -> bool:
-        return self.tty
-
-
 @pytest.mark.parametrize("command", COMMANDS + [None])
 @pytest.mark.parametrize("stdin_tty,stdout_tty", [(True, True), (False, True), (True, False), (False, False)])
 def test_without_a_terminal_a_dashboard_command_prints_lines_and_says_so(
@@ -143,8 +132,8 @@ def test_without_a_terminal_a_dashboard_command_prints_lines_and_says_so(
     for given in ([], ["--no-ui"], ["--json"]):
         ns = PARSER.parse_args(given + ([command] if command else []) + extra)
         with pytest.MonkeyPatch.context() as streams:
-            streams.setattr(sys, "stdin", Stream(stdin_tty))
-            streams.setattr(sys, "stdout", Stream(stdout_tty))
+            streams.setattr(sys, "stdin", TextStream(stdin_tty))
+            streams.setattr(sys, "stdout", TextStream(stdout_tty))
             cli._check_global_flags(PARSER, ns)
         err = capsys.readouterr().err
         dashboard = command in cli.SAMPLING and not given
