@@ -95,6 +95,26 @@ def _local_keys(fn: ast.AST, var: str) -> set[str]:
     return keys
 
 
+@functools.lru_cache(maxsize=4)
+def indexed(
+    sources: tuple[str, ...],
+) -> tuple[list[tuple[ast.Call, ast.AST]], dict[str, list[tuple[ast.AST, ast.Call]]]]:
+    """Every call in `sources` with the scope (function or module) it is in, and function name -> the dict(...)
+    calls it returns: parsed once for the scans of one set of sources (the trees are only read)."""
+    trees = [ast.parse(src) for src in sources]
+    functions = [
+        fn for tree in trees for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
+    scopes: list[ast.AST] = [*functions, *trees]
+    calls = [(node, scope) for scope in scopes for node in ast.walk(scope) if isinstance(node, ast.Call)]
+    returned: dict[str, list[tuple[ast.AST, ast.Call]]] = {}
+    for fn in functions:
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Return) and isinstance(node.value, ast.Call) and _name(node.value.func) == "dict":
+                returned.setdefault(fn.name, []).append((fn, node.value))
+    return calls, returned
+
+
 def produced_fields(
     sources: dict[str, str], event_types: dict[str, type] | None = None
 ) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
@@ -113,17 +133,7 @@ def produced_fields(
             return _key(classes[call.args[0].value])
         return None
 
-    trees = [ast.parse(src) for src in sources.values()]
-    functions = [
-        (fn, tree) for tree in trees for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
-    ]
-    scopes = functions + [(tree, tree) for tree in trees]
-    calls = [(node, scope) for scope, _ in scopes for node in ast.walk(scope) if isinstance(node, ast.Call)]
-    returned: dict[str, list[tuple[ast.AST, ast.Call]]] = {}  # function name -> the dict(...) calls it returns
-    for fn, _ in functions:
-        for node in ast.walk(fn):
-            if isinstance(node, ast.Return) and isinstance(node.value, ast.Call) and _name(node.value.func) == "dict":
-                returned.setdefault(fn.name, []).append((fn, node.value))
+    calls, returned = indexed(tuple(sources.values()))
 
     def add(key: str, call: ast.Call, scope: ast.AST, is_direct: bool) -> bool:
         before = (len(produced.get(key, ())), len(forwarders))

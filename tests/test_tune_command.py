@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from trainer.contract.events import read_events, to_dict
+from fixtures.cpu_share import quiet, steady
+from helpers import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.process]
 
@@ -43,12 +45,17 @@ def run_events(run_dir: Path, kind: str | None = None) -> list[dict]:
     ]
 
 
-@pytest.mark.solo  # the tuner measures trials: the CPU to itself under pytest -n
+def decided(run_dir: Path) -> bool:
+    """The tuner is done: what follows is the script training on, which measures nothing."""
+    path = run_dir / "events.jsonl"
+    return path.exists() and any(e["phase"] == "done" for e in run_events(run_dir, "tuner"))
+
+
 def test_tune_a_trainer_script_runs_trials_decides_and_ends_at_max_steps(tmp_path):
     run_dir, out, steps = tmp_path / "run", tmp_path / "out", 1200
     # The start is slow on purpose (one sequence per forward, 16 accumulation steps: ~3x slower than 16 at
     # once here) and the run long enough (~5 minutes) for trials to pay for their restarts (~20 s each).
-    p = gptop(
+    args = [
         "tune",
         "--budget",
         "90s",
@@ -69,6 +76,27 @@ def test_tune_a_trainer_script_runs_trials_decides_and_ends_at_max_steps(tmp_pat
         "16",
         "--out",
         str(out),
+    ]
+    with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gptop", "--no-ui", "--json", *args],
+            stdout=stdout,
+            stderr=stderr,
+            env=env_one_thread(),
+        )
+    try:
+        # The tuner measures trials: no other test's process beside it (pytest -n) until it decided; the script
+        # training on to max_steps after that may run beside a measuring test.
+        with quiet():
+            wait_for(lambda: proc.poll() is not None or decided(run_dir), 600, "the tuner's decision", poll=1.0)
+        with steady():
+            proc.wait(600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    p = subprocess.CompletedProcess(
+        proc.args, proc.returncode, (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
     )
     assert p.returncode == 0, p.stderr[-3000:]
     for line in p.stdout.splitlines():
