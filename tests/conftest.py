@@ -10,12 +10,9 @@ os.environ.setdefault("GPTOP_CACHE", str(_CACHE))
 os.environ.setdefault("GPTOP_BUILTIN_BYTES", "300000")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Tiny models gain nothing from intra-op threads, and on a busy 2-core machine the
-# threads fight each other (measured 3-8x slower); trainer subprocesses inherit this.
+# threads fight each other (measured 3-8x slower); trainer subprocesses inherit this, and torch reads it
+# when a test first imports it (not here: pytest's controller under -n runs no test and needs no torch).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-import torch  # noqa: E402
-
-torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 from fixtures import cpu_share  # noqa: E402
 from helpers import TINY  # noqa: E402  (the shared helpers: tests/helpers.py)
@@ -32,6 +29,8 @@ def tiny_args():
 def one_thread():
     """Tiny matmuls gain nothing from threads, and on a busy CI box OpenMP spinning makes them slower
     (`pytestmark = pytest.mark.usefixtures("one_thread")` in a module of in-process model tests)."""
+    import torch
+
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fixtures import source
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -74,9 +75,8 @@ def test_resolving_a_train_config_leaves_torch_out():
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
-    tree = ast.parse(path.read_text(), filename=str(path))
     out = []
-    for node in ast.walk(tree):
+    for node in source.nodes(path):
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -112,7 +112,7 @@ def test_nothing_in_gptop_imports_the_integrations():
             ]
             relative = [
                 node
-                for node in ast.walk(ast.parse(path.read_text()))
+                for node in source.nodes(path)
                 if isinstance(node, ast.ImportFrom)
                 and node.level == 1
                 and path.parent == ROOT / "gptop"
@@ -127,8 +127,7 @@ def test_nothing_in_gptop_imports_the_integrations():
 def test_the_contract_imports_nothing_of_the_trainers_torch_code():
     bad = []
     for path in sorted((ROOT / "trainer" / "contract").glob("*.py")):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
+        for node in source.nodes(path):
             if isinstance(node, ast.ImportFrom) and node.level == 2:
                 bad.append(f"{path.name}:{node.lineno} imports from trainer.{node.module}")
             if (

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from trainer.contract import events as ev
+from fixtures import source
 
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCER_PACKAGES = ("trainer", "gptop", "tuner")
@@ -38,7 +39,7 @@ def producer_sources() -> dict[str, str]:
     for pkg in PRODUCER_PACKAGES:
         for path in sorted((ROOT / pkg).rglob("*.py")):
             if path != ROOT / "trainer" / "contract" / "events.py":
-                out[str(path.relative_to(ROOT))] = path.read_text()
+                out[str(path.relative_to(ROOT))] = source.text(path)
     return out
 
 
@@ -213,7 +214,7 @@ def test_consumers_do_not_read_events_as_dicts():
     bad = []
     for pkg in ("gptop", "tuner"):
         for path in sorted((ROOT / pkg).rglob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text())):
+            for node in source.nodes(path):
                 if (
                     isinstance(node, ast.Subscript)
                     and isinstance(node.slice, ast.Constant)

@@ -8,7 +8,9 @@ only and are left out.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
+from fixtures import source
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("gptop", "tuner", "trainer")
@@ -58,14 +60,15 @@ def _resolve(name: str, modules: dict[str, Path]) -> str | None:
     return None
 
 
+@functools.cache
 def import_graph() -> dict[str, dict[str, int]]:
-    """module -> {module it imports: the line of the first such import}."""
+    """module -> {module it imports: the line of the first such import} (built once: the tests only read it)."""
     modules = _modules()
     graph: dict[str, dict[str, int]] = {}
     for mod, path in modules.items():
         edges: dict[str, int] = {}
         package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
-        for node in _import_nodes(ast.parse(path.read_text(), filename=str(path))):
+        for node in _import_nodes(source.tree(path)):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             else:

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Iterable
+
+from fixtures import source
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("gptop", "tuner", "trainer")
@@ -63,10 +66,15 @@ def _own(node: ast.AST) -> bool:
     return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super"
 
 
-def violations(source: str) -> list[tuple[int, str]]:
+def violations(text: str) -> list[tuple[int, str]]:
     """(line, expression) for each reach into another object's or module's underscore names."""
+    return violations_among(ast.walk(ast.parse(text)))
+
+
+def violations_among(nodes: Iterable[ast.AST]) -> list[tuple[int, str]]:
+    """`violations` of a file's nodes (parsed once for all the checks: fixtures.source)."""
     out: list[tuple[int, str]] = []
-    for node in ast.walk(ast.parse(source)):
+    for node in nodes:
         if isinstance(node, ast.Attribute) and _private(node.attr) and not _own(node.value):
             out.append((node.lineno, ast.unparse(node)))
         elif (
@@ -104,7 +112,7 @@ def test_no_module_touches_another_modules_underscore_names():
     for pkg in PACKAGES:
         for path in sorted((ROOT / pkg).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
-            for line, expr in violations(path.read_text()):
+            for line, expr in violations_among(source.nodes(path)):
                 if (rel, expr) not in ALLOWED:
                     bad.append(f"{rel}:{line}: {expr}")
     assert not bad, "underscore names reached from outside their owner (add a public API instead):\n" + "\n".join(bad)
@@ -113,5 +121,5 @@ def test_no_module_touches_another_modules_underscore_names():
 def test_every_allowance_is_still_needed():
     seen = set()
     for rel, _ in ALLOWED:
-        seen |= {(rel, expr) for _, expr in violations((ROOT / rel).read_text())}
+        seen |= {(rel, expr) for _, expr in violations_among(source.nodes(ROOT / rel))}
     assert set(ALLOWED) <= seen, f"allowances no longer needed: {sorted(set(ALLOWED) - seen)}"

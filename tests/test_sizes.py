@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from fixtures import source
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("gptop", "tuner", "trainer")
@@ -24,7 +25,7 @@ def product_files() -> list[Path]:
 def test_no_product_module_is_over_600_lines():
     over = {}
     for path in product_files():
-        n = len(path.read_text().splitlines())
+        n = len(source.text(path).splitlines())
         if n > MAX_MODULE_LINES:
             over[str(path.relative_to(ROOT))] = n
     assert not over, f"split these by concern (at most {MAX_MODULE_LINES} lines): {over}"
@@ -34,7 +35,7 @@ def test_no_product_function_is_over_80_lines():
     over = {}
     functions = 0
     for path in product_files():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in source.nodes(path):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 functions += 1
                 assert node.end_lineno is not None
