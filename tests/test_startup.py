@@ -117,6 +117,66 @@ def test_after_the_first_step_a_stop_waits_for_the_step_boundary(channel):
     assert sorted(c.get("source", "socket") for c in cmds) == ["signal", "socket"]
 
 
+def failing_build(stop_first: bool):
+    """A model build that fails as transformers' lazy import does when an import inside it was interrupted:
+    whatever was raised (here: the stop) comes out as its own ModuleNotFoundError."""
+
+    def build(*args, **kwargs):
+        try:
+            if stop_first:
+                os.kill(os.getpid(), signal.SIGINT)  # the stop, arriving while the model's classes import
+                time.sleep(5)
+        except BaseException:
+            pass
+        raise ModuleNotFoundError("Could not import module 'DeepseekV3Config'. Are this object's requirements ...")
+
+    return build
+
+
+@pytest.mark.parametrize("stopped", [True, False], ids=["after a stop", "alone"])
+def test_a_stop_that_surfaces_as_a_librarys_error_is_still_a_stop(tmp_path, monkeypatch, stopped):
+    """A stop before the first step whose raise a library turned into its own error ends the trainer as
+    stopped (exit 0, a `done` event), not as a crash; the same error without a stop is a crash."""
+    from trainer import build
+    from trainer.contract.events import STOPPED_BEFORE_FIRST_STEP
+    from helpers import of, train_in_process
+
+    monkeypatch.setattr(build, "build_bundle", failing_build(stopped))
+    code, evs, _ = train_in_process(tmp_path / "run", "--max-steps", "3")
+    if stopped:
+        assert code == 0 and not of(evs, "error"), [e for e in evs if e.type == "error"]
+        assert of(evs, "done")[-1].reason == STOPPED_BEFORE_FIRST_STEP
+    else:
+        assert code != 0 and not of(evs, "done")
+        assert of(evs, "error")[-1].kind == "crash" and "ModuleNotFoundError" in of(evs, "error")[-1].message
+
+
+def test_a_stop_before_the_channel_whose_raise_was_swallowed_is_honoured_by_it(tmp_path):
+    """SIGINT while torch imports (the first handlers) raised where an import caught it: the channel the
+    trainer builds next still knows of the stop, and startup's next phase ends it."""
+    from trainer.channel import install_startup_handlers
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        install_startup_handlers()
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        except StartupStopped:  # swallowed by an import's catch-all
+            pass
+        ch = Channel(tmp_path / "events.jsonl")
+        assert ch.pending_startup_stop() == "SIGINT"
+        with pytest.raises(StartupStopped):
+            ch.check_startup()
+        ch.close()
+        again = Channel(tmp_path / "events.jsonl")
+        assert again.startup_stop is None  # adopted once, by one channel
+        again.close()
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
 def test_progress_goes_on_the_socket_only(tmp_path, launcher):
     uri, accept = launcher
     ch = Channel(tmp_path / "events.jsonl", uri)

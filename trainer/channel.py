@@ -60,10 +60,15 @@ def honour_startup_stop() -> None:
     _honoured.set()
 
 
+_early_stop: str | None = None  # a stop before any Channel existed (why): the next Channel adopts it
+
+
 def _raise_stopped(signum: int, frame: Any) -> None:
+    global _early_stop
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second stop must not interrupt the way out
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    raise StartupStopped(signal.Signals(signum).name)
+    _early_stop = signal.Signals(signum).name
+    raise StartupStopped(_early_stop)
 
 
 def install_startup_handlers() -> None:
@@ -76,8 +81,12 @@ def install_startup_handlers() -> None:
 class Channel:
     def __init__(self, events_path: Path | None, uri: str | None = None, rank: int = 0):
         self.rank = rank
+        global _early_stop
         self.starting = True  # until the first step is done: a stop raises StartupStopped
-        self.startup_stop: str | None = None  # a stop that arrived while starting (why), until it is honoured
+        # A stop that arrived while starting (why), until it is honoured; one that came before this Channel and
+        # whose raise was swallowed (by an import that caught it) is honoured at the next startup phase.
+        self.startup_stop: str | None = _early_stop
+        _early_stop = None
         self._raised_at: float | None = None  # when the signal handler last raised StartupStopped
         _honoured.clear()  # a new trainer in this process (tests run several) starts unhonoured
         self._handlers = False
@@ -157,6 +166,12 @@ class Channel:
         if self.starting and self.startup_stop is not None:
             self.starting = False
             raise StartupStopped(self.startup_stop)
+
+    def pending_startup_stop(self) -> str | None:
+        """Why a stop arrived before the first step, if one did and startup has not ended for it. Its raise can
+        surface as a library's own error instead (transformers' lazy import reports a failed import as
+        `ModuleNotFoundError: Could not import module ...`): the trainer then ends as stopped, not crashed."""
+        return self.startup_stop if self.starting else None
 
     def started(self) -> None:
         """The first step is done: from here a stop finishes the step and checkpoints."""

@@ -88,6 +88,9 @@ def main_run(cfg: TrainConfig, run_lock: RunLock | None = None, created_dirs: li
     except ckpt.PeerSaveFailed as e:
         return _report(trainer, "crash", str(e), EXIT_CRASH, lost_peer=True)
     except Exception as e:
+        stop = trainer.channel.pending_startup_stop() if trainer is not None and trainer.channel else None
+        if stop is not None:  # the stop's raise, turned into a library's error on its way up
+            return _stop_in_startup(trainer, StartupStopped(stop))
         return _report_failure(trainer, cfg, e)
     finally:
         _tear_down(trainer, refused)
