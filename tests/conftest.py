@@ -87,10 +87,11 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 # The longest file first, then the files whose tests start no process, then those with tests that measure speed
-# (solo), then the rest: under `pytest -n 2 --dist loadfile --no-loadscope-reorder` one worker starts the long
-# tuning run while the other works through the in-process tests (steady load beside a measuring tuner, which process
-# tests are not), and the solo tests run while the long run's trainer trains on, before both workers start
-# processes. Only workers reorder; a run without -n keeps the files in their order.
+# (solo, or measures: the CPU alone for part of their run), then the rest: under `pytest -n 2 --dist loadfile
+# --no-loadscope-reorder` one worker starts the long tuning run while the other works through the in-process tests
+# (steady load beside a measuring tuner, which process tests are not), and the measuring tests come before the
+# bulk of the process tests: a window in which one worker has the CPU alone and the other waits is not left for the
+# end, where nothing else could run beside it. Only workers reorder; a run without -n keeps the files in their order.
 LONGEST_FIRST = ("test_tuning_e2e.py",)
 
 
@@ -98,7 +99,7 @@ def pytest_collection_modifyitems(config, items):
     if not hasattr(config, "workerinput"):
         return
     starts_processes = {item.path for item in items if item.get_closest_marker("process")}
-    measures = {item.path for item in items if item.get_closest_marker("solo")}
+    measures = {item.path for item in items if item.get_closest_marker("solo") or item.get_closest_marker("measures")}
     order = {path: i for i, path in enumerate(dict.fromkeys(item.path for item in items))}
 
     def rank(item):

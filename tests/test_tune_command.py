@@ -51,6 +51,7 @@ def decided(run_dir: Path) -> bool:
     return path.exists() and any(e["phase"] == "done" for e in run_events(run_dir, "tuner"))
 
 
+@pytest.mark.measures  # the CPU alone while the tuner measures, then shared
 def test_tune_a_trainer_script_runs_trials_decides_and_ends_at_max_steps(tmp_path):
     run_dir, out, steps = tmp_path / "run", tmp_path / "out", 1200
     # The start is slow on purpose (one sequence per forward, 16 accumulation steps: ~3x slower than 16 at

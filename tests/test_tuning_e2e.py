@@ -468,7 +468,8 @@ def test_second_run_warm_starts_and_rolls_back_an_oom(tuned, tmp_path):
 # --- the `t` key in a plain `gptop train` session ---------------------------------------
 
 
-@pytest.mark.solo  # the tuner measures trials: the CPU to itself under pytest -n
+# Not solo: what these two check (the tuner attached, stopped and started again; the interval while measured)
+# holds whatever the measurements say, so they may run beside other tests' processes.
 def test_t_starts_and_stops_tuning_in_a_train_session(tmp_path, monkeypatch):
     """`t` (Session.toggle_tuning) attaches a tuner to a running train session; `t` again stops it and the
     run trains on; a third `t` starts another tuning, and Ctrl-C (Session.stop) during it still writes the
@@ -516,7 +517,6 @@ def test_t_starts_and_stops_tuning_in_a_train_session(tmp_path, monkeypatch):
     assert pids and not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
 
 
-@pytest.mark.solo  # the tuner measures trials: the CPU to itself under pytest -n
 def test_t_on_a_run_that_logs_every_10_steps_measures_every_step(tmp_path, monkeypatch):
     """The baseline after `t` is measured on the running trainer: it is asked (a command, no restart) to log
     every step while measured, so the tuner gets a sample per step instead of one per 10."""
