@@ -541,7 +541,9 @@ def ran_docs(shared_run: Path, work: Path, docs_toml: Path) -> dict[str, str]:
         text = fill(rule.short(cmd.text) if rule.short else cmd.text, work, docs_toml)
         if text.startswith("gptop ") and " train " in f" {text} ":
             text = no_ui(text)
-        chains.setdefault(chain_of(text), []).append((cmd, text))
+        chain = chains.setdefault(chain_of(text), [])
+        if all(text != ran for _, ran in chain):  # a command documented twice runs once
+            chain.append((cmd, text))
 
     def run_chain(chain: list[tuple[Command, str]]) -> None:
         for cmd, text in chain:
