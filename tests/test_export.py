@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from typing import Any, Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -39,15 +40,32 @@ def train_ok(run_dir: Path, *args: str) -> None:
     assert train_in_process(run_dir, *args)[0] == EXIT_OK
 
 
+class PerFamily(dict):
+    """family -> `make(family)`, made when a test first asks for that family (the inner tier asks for llama only);
+    `items()` makes and gives every family's."""
+
+    def __init__(self, make: Callable[[str], Any]) -> None:
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, family: str) -> Any:
+        value = self[family] = self.make(family)
+        return value
+
+    def items(self):
+        return [(family, self[family]) for family in FAMILIES]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     """One tiny run per family, 4 steps, checkpoints at steps 2 and 4 (one-file)."""
     base = tmp_path_factory.mktemp("export-runs")
-    out = {}
-    for family in FAMILIES:
-        out[family] = base / family
-        train_ok(out[family], "--model", family, "--max-steps", "4", "--checkpoint-every", "2", "--lr", "3e-3")
-    return out
+
+    def train(family: str) -> Path:
+        train_ok(base / family, "--model", family, "--max-steps", "4", "--checkpoint-every", "2", "--lr", "3e-3")
+        return base / family
+
+    return PerFamily(train)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +74,7 @@ def family_exports(runs, tmp_path_factory) -> dict[str, tuple[Path, dict]]:
     from trainer.export import export
 
     base = tmp_path_factory.mktemp("family-exports")
-    return {family: (base / family, export(export_ns(run, base / family), log=quiet)) for family, run in runs.items()}
+    return PerFamily(lambda family: (base / family, export(export_ns(runs[family], base / family), log=quiet)))
 
 
 def export_ns(
@@ -371,7 +389,9 @@ def test_llada_deadline_keeps_what_it_has():
 # --- export and sample in this process -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    "family", ["llama", pytest.param("deepseek", marks=pytest.mark.slow), pytest.param("llada", marks=pytest.mark.slow)]
+)
 def test_export_round_trip(runs, family_exports, tmp_path, family):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -492,7 +512,9 @@ def greedy(model: torch.nn.Module, ids: list[int], n: int, vocab: int, eos: int)
     return out
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    "family", ["llama", pytest.param("deepseek", marks=pytest.mark.slow), pytest.param("llada", marks=pytest.mark.slow)]
+)
 def test_sample_in_process(runs, family):
     from trainer.export import eos_id, load_for_inference
     from trainer.sample import encode_prompt, generate, sample
@@ -595,7 +617,7 @@ def all_runs(runs, tmp_path_factory) -> dict[str, Path]:
     assert r.returncode == 0, r.stderr[-3000:]
     assert [c.step for c in rundir.list_checkpoints(dcp)] == [2, 4]
     assert all(c.sharded for c in rundir.list_checkpoints(dcp))
-    return {**runs, "dcp": dcp}
+    return {**dict(runs.items()), "dcp": dcp}  # every family (a PerFamily makes the missing ones)
 
 
 @pytest.fixture(scope="module")

@@ -60,6 +60,7 @@ class FakeSampler:
         return self.outcome
 
 
+@pytest.mark.slow
 def test_s_shows_a_sample_while_the_dashboard_goes_on():
     state = build_state("gpu")
     sampler = FakeSampler(SampleOutcome(result(), None, 3.5))
