@@ -90,7 +90,7 @@ def main_run(cfg: TrainConfig, run_lock: RunLock | None = None, created_dirs: li
     except Exception as e:
         stop = trainer.channel.pending_startup_stop() if trainer is not None and trainer.channel else None
         if stop is not None:  # the stop's raise, turned into a library's error on its way up
-            return _stop_in_startup(trainer, StartupStopped(stop))
+            return _stop_in_startup(trainer, StartupStopped(f"{stop}; it surfaced as {type(e).__name__}: {e}"))
         return _report_failure(trainer, cfg, e)
     finally:
         _tear_down(trainer, refused)
