@@ -193,7 +193,10 @@ def test_kill_9_of_gptop_leaves_nothing_running(tmp_path):
     assert gone(pid, timeout=120), "the loop outlived gptop"
     assert gone(pid2, timeout=120), "the plain command outlived gptop"
     done = events(run, "done")[-1]
-    assert done.reason == "launcher went away" and events(run, "checkpoint")[-1].step == done.step
+    # The loop's client sees both ends of gptop: its channel's end of file and the warden's SIGTERM, whichever
+    # comes first (on a loaded machine the warden's can); either is the graceful stop, with its checkpoint.
+    assert done.reason in ("launcher went away", "SIGTERM"), done.reason
+    assert events(run, "checkpoint")[-1].step == done.step
     wardens = [
         q
         for q in psutil.process_iter(["cmdline"])  # [python, -m, gptop.warden, FD, PID, GRACE]
