@@ -17,7 +17,8 @@ import subprocess
 import sys
 import textwrap
 import time
-from typing import Any, Callable
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -40,24 +41,30 @@ def train_ok(run_dir: Path, *args: str) -> None:
     assert train_in_process(run_dir, *args)[0] == EXIT_OK
 
 
-class PerFamily(dict):
-    """family -> `make(family)`, made when a test first asks for that family (the inner tier asks for llama only);
-    `items()` makes and gives every family's."""
+class PerFamily(Mapping[str, Any]):
+    """family -> `make(family)`, made when a test first reads that family (the inner tier reads llama only); its
+    keys are every family, so iterating over it, or `{**it}`, makes them all."""
 
     def __init__(self, make: Callable[[str], Any]) -> None:
-        super().__init__()
         self.make = make
+        self.made: dict[str, Any] = {}
 
-    def __missing__(self, family: str) -> Any:
-        value = self[family] = self.make(family)
-        return value
+    def __getitem__(self, family: str) -> Any:
+        if family not in FAMILIES:
+            raise KeyError(family)
+        if family not in self.made:
+            self.made[family] = self.make(family)
+        return self.made[family]
 
-    def items(self):
-        return [(family, self[family]) for family in FAMILIES]
+    def __iter__(self) -> Iterator[str]:
+        return iter(FAMILIES)
+
+    def __len__(self) -> int:
+        return len(FAMILIES)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
+def runs(tmp_path_factory) -> Mapping[str, Path]:
     """One tiny run per family, 4 steps, checkpoints at steps 2 and 4 (one-file)."""
     base = tmp_path_factory.mktemp("export-runs")
 
@@ -69,7 +76,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def family_exports(runs, tmp_path_factory) -> dict[str, tuple[Path, dict]]:
+def family_exports(runs, tmp_path_factory) -> Mapping[str, tuple[Path, dict]]:
     """Each family's run exported in this process, once: (the export, export()'s result). Tests read them."""
     from trainer.export import export
 
@@ -617,7 +624,7 @@ def all_runs(runs, tmp_path_factory) -> dict[str, Path]:
     assert r.returncode == 0, r.stderr[-3000:]
     assert [c.step for c in rundir.list_checkpoints(dcp)] == [2, 4]
     assert all(c.sharded for c in rundir.list_checkpoints(dcp))
-    return {**dict(runs.items()), "dcp": dcp}  # every family (a PerFamily makes the missing ones)
+    return {**runs, "dcp": dcp}
 
 
 @pytest.fixture(scope="module")
