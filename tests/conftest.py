@@ -1,4 +1,5 @@
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,19 @@ def pytest_unconfigure(config):
     if path is not None:
         cpu_share.remove(path)
         os.environ.pop(cpu_share.ENV, None)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session):
+    """Let pytest keep the assertion-rewritten bytecode of the test modules it imports while collecting, also
+    where PYTHONDONTWRITEBYTECODE is set: without that cache every worker rewrites every test module again on
+    every run, most of collection's time. Tests themselves run under the environment's choice."""
+    before = sys.dont_write_bytecode
+    sys.dont_write_bytecode = False
+    try:
+        return (yield)
+    finally:
+        sys.dont_write_bytecode = before
 
 
 @pytest.hookimpl(wrapper=True)
