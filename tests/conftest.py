@@ -1,3 +1,4 @@
+import gc
 import os
 import sys
 from pathlib import Path
@@ -14,6 +15,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # threads fight each other (measured 3-8x slower); trainer subprocesses inherit this, and torch reads it
 # when a test first imports it (not here: pytest's controller under -n runs no test and needs no torch).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# A test worker holds a large, long-lived heap (torch, transformers, Textual, the parsed sources) that every full
+# collection walks again while almost none of it is garbage: full collections a hundred times rarer than Python's
+# default (the younger generations unchanged) cost a worker some memory and save it CPU (BENCHMARKS.md §17).
+# Processes the tests start keep Python's default.
+_young, _middle, _ = gc.get_threshold()
+gc.set_threshold(_young, _middle, 1000)
 
 from fixtures import cpu_share  # noqa: E402
 from helpers import TINY  # noqa: E402  (the shared helpers: tests/helpers.py)
