@@ -89,9 +89,9 @@ def pytest_unconfigure(config):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_collection(session):
-    """Let pytest keep the assertion-rewritten bytecode of the test modules it imports while collecting, also
-    where PYTHONDONTWRITEBYTECODE is set: without that cache every worker rewrites every test module again on
-    every run, most of collection's time. Tests themselves run under the environment's choice."""
+    """Let pytest keep the assertion-rewritten bytecode of the test modules (and Python that of the modules they
+    import) while it collects, also where PYTHONDONTWRITEBYTECODE is set: without that cache every worker rewrites
+    every test module again on every run, most of collection's time. Tests run under the environment's choice."""
     before = sys.dont_write_bytecode
     sys.dont_write_bytecode = False
     try:
