@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -160,7 +161,10 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+@functools.lru_cache(maxsize=1)
 def build_parser() -> Parser:
+    """gptop's command line. Built once per process and shared (a program that parses many command lines,
+    such as the test suite, builds its hundred options once): callers read it and never change it."""
     parser = Parser(
         prog="gptop",
         description="htop for a training run, with a live autotuner. With no command: "

@@ -21,7 +21,7 @@ TINY = [
     "--size",
     "tiny",
     "--seq-len",
-    "64",
+    "32",
     "--global-batch",
     "4",
     "--warmup-steps",
@@ -35,6 +35,7 @@ TINY = [
     "--device",
     "cpu",
 ]
+TINY_TOKENS_PER_STEP = int(TINY[TINY.index("--seq-len") + 1]) * int(TINY[TINY.index("--global-batch") + 1])
 
 # The trainer installs its own handlers for these (graceful stop, checkpoint on request).
 TRAINER_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)

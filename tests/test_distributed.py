@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import ROOT, TINY, wait_for
+from helpers import ROOT, TINY, TINY_TOKENS_PER_STEP, wait_for
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2"]
 
@@ -311,7 +311,7 @@ def test_two_ranks_train_checkpoint_and_resume_exactly(resumed, parallel):
         steps = [e for e in events(run.full, rank) if e["type"] == "step"]
         assert [e["step"] for e in steps] == list(range(2, LAST + 1, 2)) and all(e["rank"] == rank for e in steps)
         for e in steps:
-            assert e["tokens"] == e["step"] * 4 * 64  # global tokens: both ranks' batches
+            assert e["tokens"] == e["step"] * TINY_TOKENS_PER_STEP  # global tokens: both ranks' batches
             assert abs(sum(e["phases_ms"].values()) - e["step_ms"]) < 1e-3 * e["step_ms"] + 1e-6
             if parallel == "ddp":
                 assert 0 <= e["comm_ms"] <= e["phases_ms"]["backward"] + 1.0

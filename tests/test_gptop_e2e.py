@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import TINY
+from helpers import TINY, TINY_TOKENS_PER_STEP
 from trainer.contract import rundir
 from trainer.contract.events import parse, read_events, to_dict
 from helpers import wait_for
@@ -181,7 +181,7 @@ def test_report_of_a_finished_run(finished):
     )
     assert len(p.stdout.splitlines()) == 1, p.stdout  # --json: one JSON line, as everywhere
     s = json.loads(p.stdout)
-    assert s["steps"] == 6 and s["tokens"] == 6 * 4 * 64 and len(s["checkpoints"]) == 1
+    assert s["steps"] == 6 and s["tokens"] == 6 * TINY_TOKENS_PER_STEP and len(s["checkpoints"]) == 1
 
 
 def test_monitor_replays_a_finished_run(finished):

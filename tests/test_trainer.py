@@ -7,7 +7,7 @@ import subprocess
 import pytest
 import torch
 
-from helpers import TINY, of, train_in_process, trainer_cmd, wait_for
+from helpers import TINY, TINY_TOKENS_PER_STEP, of, train_in_process, trainer_cmd, wait_for
 from trainer import checkpoint_files as ckpt
 from trainer.contract import rundir
 from trainer.worker_cli import parse_config
@@ -40,7 +40,7 @@ def test_each_family_trains_and_reports(tmp_path, family):
     assert all(l == l and l < 20 for l in losses)
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, f"loss did not fall: {losses}"
     last = steps[-1]
-    assert last.tokens == 12 * 4 * 64
+    assert last.tokens == 12 * TINY_TOKENS_PER_STEP
     assert last.tokens_per_s > 0 and last.mem_bytes > 0 and last.grad_norm > 0
     assert last.mfu is None or 0 < last.mfu < 1
     if family == "deepseek":

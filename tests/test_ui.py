@@ -18,6 +18,7 @@ from textual.geometry import Region
 from textual.widget import Widget
 
 from fixtures.streams import T0, build_state, cpu_run, ev, gpu_run
+from fixtures.waiting import pause_until
 from gptop.controls import Commands, RecordingCommands
 from gptop.state import RunState
 from gptop.ui.app import GptopApp, HelpScreen
@@ -153,7 +154,7 @@ def test_app_exits_when_the_session_is_finished():
             await pilot.pause()
             assert app.return_code is None
             done.set()
-            await pilot.pause(app.poll_interval + 0.2)  # the poll timer checks the session
+            await pause_until(pilot, lambda: app.return_code is not None, what="the poll timer to see the end")
             assert app.return_code == 0
 
     run(go())
@@ -785,8 +786,8 @@ def test_compiling_shows_its_elapsed_time_ticking():
             assert "· 0:00" in text(app.query_one("#header"))
             clock[0] = T0 + 75.0
             state.apply(ev("device", 75.0, devices=[]))  # anything that wakes the view; the clock moved
-            await pilot.pause(0.3)
-            assert "compiling (torch.compile default) · 0:15" in " ".join(text(app.query_one("#header")).split())
+            header = lambda: " ".join(text(app.query_one("#header")).split())
+            await pause_until(pilot, lambda: "compiling (torch.compile default) · 0:15" in header(), what=header())
 
     run(go())
 
@@ -910,12 +911,12 @@ def test_an_open_alert_is_a_banner_with_the_bell_and_goes_when_resolved():
 
     async def go():
         async with app.run_test(size=SMALL) as pilot:
-            await pilot.pause(0.3)
+            await pilot.pause()
             banner = app.query_one("#alerts")
             assert not banner.display and bells == []
             state.apply(raised)
-            await pilot.pause(0.5)
-            assert banner.display and "stall" in text(banner) and "no step for 31 s" in text(banner)
+            await pause_until(pilot, lambda: banner.display, what="the alert banner")
+            assert "stall" in text(banner) and "no step for 31 s" in text(banner)
             assert bells == [1]
             state.apply(
                 AlertEvent(
@@ -926,8 +927,8 @@ def test_an_open_alert_is_a_banner_with_the_bell_and_goes_when_resolved():
                     resolved=True,
                 )
             )
-            await pilot.pause(0.5)
-            assert not banner.display and bells == [1]
+            await pause_until(pilot, lambda: not banner.display, what="the banner to go")
+            assert bells == [1]
 
     run(go())
 

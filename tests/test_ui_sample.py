@@ -14,6 +14,7 @@ from textual.widget import Widget
 
 from helpers import train_in_process
 from fixtures.streams import T0, build_state, ev
+from fixtures.waiting import pause_until
 from gptop.controls import RecordingCommands
 from gptop.state import RunState
 from gptop.tool_runner import SampleOutcome, sample_newest
@@ -96,13 +97,13 @@ def test_s_shows_a_sample_while_the_dashboard_goes_on():
                     mem_bytes=None,
                 )
             )
-            await pilot.pause(0.3)
-            assert cmds.names == ["checkpoint"] and sampler.calls == ["runs/fixture-gpu"]
-            assert f"{last + 10}" in text(app.query_one("#header")) + text(app.query_one("#training"))
+            moved = lambda: f"{last + 10}" in text(app.query_one("#header")) + text(app.query_one("#training"))
+            await pause_until(pilot, lambda: cmds.names == ["checkpoint"] and moved(), what="the key and the step")
+            assert sampler.calls == ["runs/fixture-gpu"]
             sampler.release.set()
-            await pilot.pause(0.2)
+            await pause_until(pilot, lambda: "print(x)" in text(panel), what="the sample")
             shown = text(panel)
-            assert "step 40" in shown and "T=0.8" in shown and "print(x)" in shown
+            assert "step 40" in shown and "T=0.8" in shown
             assert not app.sampling
             await pilot.press("escape")
             await pilot.pause()
@@ -123,8 +124,7 @@ def test_a_sample_that_fails_says_why():
     async def go():
         async with app.run_test(size=SIZE) as pilot:
             await pilot.press("s")
-            await pilot.pause(0.2)
-            assert "has no checkpoint yet" in text(app.query_one(SamplePanel))
+            await pause_until(pilot, lambda: "has no checkpoint yet" in text(app.query_one(SamplePanel)), what="why")
 
     asyncio.run(go())
 

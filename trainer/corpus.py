@@ -3,6 +3,7 @@ and reading them as pieces to encode, with the document ends where EOS goes."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sysconfig
@@ -35,24 +36,36 @@ def builtin_files(max_bytes: int | None = None) -> list[Path]:
         env = os.environ.get(BUILTIN_BYTES_ENV)
         max_bytes = int(env) if env else BUILTIN_MAX_BYTES
     root = stdlib_root()
-    found: list[tuple[str, Path, int]] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in BUILTIN_SKIP_DIRS and not d.startswith(".")]
-        for name in filenames:
-            if name.endswith(".py"):
-                p = Path(dirpath, name)
-                found.append((p.relative_to(root).as_posix(), p, p.stat().st_size))
-    found.sort()
     files, total = [], 0
-    for _, p, size in found:
+    for path, size in _stdlib_sources(str(root)):
         if total + size <= max_bytes:
-            files.append(p)
+            files.append(Path(path))
             total += size
     if not files:
         raise ConfigError(
             "--data", f"no Python source found under {root} for the builtin corpus; give --data PATH with your own text"
         )
     return files
+
+
+@functools.lru_cache(maxsize=4)
+def _stdlib_sources(root: str) -> tuple[tuple[str, int], ...]:
+    """Every `*.py` under `root` outside BUILTIN_SKIP_DIRS as (path, size), sorted by relative path.
+
+    Cached: a run asks for the corpus more than once (its tokenizer's fingerprint, its data), and the
+    walk stats every file of the standard library.
+    """
+    found: list[tuple[str, str, int]] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in BUILTIN_SKIP_DIRS and not d.startswith(".")]
+        rel_dir = os.path.relpath(dirpath, root).replace(os.sep, "/")
+        for name in filenames:
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                rel = name if rel_dir == "." else f"{rel_dir}/{name}"
+                found.append((rel, path, os.stat(path).st_size))
+    found.sort()
+    return tuple((path, size) for _, path, size in found)
 
 
 def corpus_files(spec: str) -> list[Path]:
