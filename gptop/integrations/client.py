@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from contextlib import AbstractContextManager
-from typing import Any, Callable
+from typing import Any, Callable, TypeAlias
 
 import torch
 
@@ -41,7 +41,7 @@ DEFAULT_LOG_EVERY = 10  # the trainer's --log-every default, when neither gptop 
 # its work, and the dashboard redraws its step counter once a second (a step event always comes at a log step)
 PROGRESS_MIN_S = 0.05
 # What a step event's `loss`, `lr` or `grad_norm` may be given as: a tensor is read back only at a log step.
-Value = float | int | torch.Tensor
+Value: TypeAlias = float | int | torch.Tensor
 
 
 def env_world() -> tuple[int, int, int]:
