@@ -23,11 +23,12 @@ def _ram_temproot(min_free: int = 8 * 2**30) -> str | None:
 
 
 # The tests' tmp_path on a RAM disk where there is one with room: the suite writes gigabytes of checkpoints, each
-# fsynced, and on a small VM's disk that waiting is seconds of the inner tier and most of what separates two runs.
-# A passed test's directory is removed when it ends (pyproject.toml: tmp_path_retention_policy), so little stays
-# in memory. PYTEST_DEBUG_TEMPROOT, pytest's own setting, chooses another place (=/tmp: the disk).
+# fsynced, and on a small machine's disk the tests then wait on its writeback. A passed test's directory is
+# removed when it ends (pyproject.toml: tmp_path_retention_policy), so little stays in memory.
+# PYTEST_DEBUG_TEMPROOT, pytest's own setting, chooses another place (=/tmp: the disk).
 if (_ram := _ram_temproot()) is not None:
     os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", _ram)
+
 # Tiny models gain nothing from intra-op threads, and on a busy 2-core machine the
 # threads fight each other (measured 3-8x slower); trainer subprocesses inherit this, and torch reads it
 # when a test first imports it (not here: pytest's controller under -n runs no test and needs no torch).
