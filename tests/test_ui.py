@@ -787,7 +787,8 @@ def test_compiling_shows_its_elapsed_time_ticking():
             clock[0] = T0 + 75.0
             state.apply(ev("device", 75.0, devices=[]))  # anything that wakes the view; the clock moved
             header = lambda: " ".join(text(app.query_one("#header")).split())
-            await pause_until(pilot, lambda: "compiling (torch.compile default) · 0:15" in header(), what=header())
+            clock_shown = lambda: "compiling (torch.compile default) · 0:15" in header()
+            await pause_until(pilot, clock_shown, what="the compile clock at 0:15", detail=header)
 
     run(go())
 
