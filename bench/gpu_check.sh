@@ -11,7 +11,8 @@
 #
 # Needs the project's Python dependencies; the trainer writes config.toml with tomli-w (checked first).
 # Environment: PYTHON (default python3), OUT, BUDGET_S (default 300: runs not started by then are skipped;
-# the whole doctor gets what is left of BUDGET_S + 60 s, at least 120 s).
+# the whole doctor gets what is left of BUDGET_S + 60 s, at least 120 s), DOCTOR (default 1; 0 runs the
+# end-to-end runs alone, for a caller that runs the doctor by itself so its timings see an idle GPU).
 set -u
 
 DEVICE=cuda
@@ -21,6 +22,7 @@ KIND=${DEVICE%%:*}
 PY=${PYTHON:-python3}
 OUT=${OUT:-./doctor-out}
 BUDGET_S=${BUDGET_S:-300}
+DOCTOR=${DOCTOR:-1}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -78,7 +80,7 @@ PYEOF
 }
 
 : > "$OUT/doctor-checks.log"
-doctor doctor-quick --quick 150          # everything but torch.compile, NCCL and QLoRA: fast, first
+[ "$DOCTOR" = 1 ] && doctor doctor-quick --quick 150          # everything but torch.compile, NCCL and QLoRA: fast, first
 
 # --- end-to-end trainer runs -------------------------------------------------------------------------------
 # name, expected exit code on cuda, on cpu, timeout s, trainer arguments
@@ -161,7 +163,7 @@ done
 # --- the whole doctor (the record for docs/doctor/), with the time that is left ---------------------------------
 left=$(( BUDGET_S + 60 - ($(date +%s) - START) ))
 [ "$left" -lt 120 ] && left=120
-doctor doctor "" "$left"
+[ "$DOCTOR" = 1 ] && doctor doctor "" "$left"
 
 # --- what comes back ---------------------------------------------------------------------------------------
 (cd "$WORK" && tar czf "$OUT/runs.tar.gz" --exclude='checkpoints' --exclude='cache' --exclude='*.pt' . 2>/dev/null)
