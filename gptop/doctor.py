@@ -288,11 +288,15 @@ def run_doctor(
     *,
     nvml: Any = None,
     progress: Callable[[str], None] = lambda s: None,
-) -> tuple[DoctorReport, str]:
-    """Run every path; returns the report and the path of the log of the checks' processes (tracebacks)."""
+) -> tuple[DoctorReport, str, int | None]:
+    """Run every path; returns the report, the path of the log of the checks' processes (tracebacks), and the
+    exit code a stop asked for (Ctrl-C: 130, SIGTERM: 143; None when it ran to the end). A stopped doctor's
+    report still holds every path that finished: the paths it did not reach are skipped, saying so, since a
+    long run on a GPU is worth keeping for a bug report even when a timeout ends it."""
     log_fd, log_path = tempfile.mkstemp(prefix="gptop-doctor-", suffix=".log")
     detected: dict[str, Any] = {}
     results: dict[str, CheckResult] = {}
+    stopped: int | None = None
 
     def on_line(record: dict[str, Any]) -> None:
         if record.get("kind") == "detect":
@@ -303,17 +307,29 @@ def run_doctor(
             results[r.name] = r
             progress(format_row(r))
 
+    code: int | None = None
     with os.fdopen(log_fd, "w") as log:
-        code = trainer_side(requested, quick, timeout_scale, log, on_line)
-        dev = DeviceInfo.from_dict(detected["device"]) if detected.get("device") else None
-        for r in gptop_side(dev, requested, quick, log, nvml=nvml):
-            results[r.name] = r
-            progress(format_row(r))
-    for p in PATHS:  # what the trainer's side never reported (it died, or detection failed)
-        if p.name not in results:
+        try:
+            code = trainer_side(requested, quick, timeout_scale, log, on_line)
+            dev = DeviceInfo.from_dict(detected["device"]) if detected.get("device") else None
+            for r in gptop_side(dev, requested, quick, log, nvml=nvml):
+                results[r.name] = r
+                progress(format_row(r))
+        except KeyboardInterrupt:  # the processes are stopped by the finally blocks on the way here
+            stopped = 130
+        except SystemExit as e:  # SIGTERM (_terminate)
+            stopped = e.code if isinstance(e.code, int) else 1
+    dev = DeviceInfo.from_dict(detected["device"]) if detected.get("device") else None
+    for p in PATHS:  # what the trainer's side never reported (stopped, it died, or detection failed)
+        if p.name in results:
+            continue
+        if stopped is not None:
+            outcome = Outcome.skip(f"the doctor was stopped (exit code {stopped}) before this path finished")
+        else:
             why = detected.get("error") or f"the doctor's trainer process ended early (exit code {code})"
-            results[p.name] = CheckResult.of(p, Outcome.verdict(False, "not run", f"{why}; see {log_path}"), None)
-            progress(format_row(results[p.name]))
+            outcome = Outcome.verdict(False, "not run", f"{why}; see {log_path}")
+        results[p.name] = CheckResult.of(p, outcome, None)
+        progress(format_row(results[p.name]))
     machine = dict(detected.get("machine") or {})
     machine.update(nvml_machine(nvml))
     report = DoctorReport(
@@ -326,7 +342,7 @@ def run_doctor(
         checks=[results[p.name] for p in PATHS],
         quick=quick,
     )
-    return report, log_path
+    return report, log_path, stopped
 
 
 # --- words ----------------------------------------------------------------------------------------------------
@@ -410,12 +426,11 @@ def cmd_doctor(ns: argparse.Namespace, out: IO[str] | None = None) -> int:
     )
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        report, log_path = run_doctor(ns.device, ns.quick, ns.timeout_scale, progress=live)
-    except KeyboardInterrupt:  # Ctrl-C: the processes are stopped (finally blocks); no traceback
-        print("gptop doctor: stopped", file=sys.stderr)
-        return 130
+        report, log_path, stopped = run_doctor(ns.device, ns.quick, ns.timeout_scale, progress=live)
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if stopped is not None:  # Ctrl-C or SIGTERM: the paths that finished are still written below
+        print("gptop doctor: stopped; the record holds the paths that finished", file=sys.stderr)
     record = report.to_dict()
     problems = validate_report(record)
     if as_json:
@@ -425,6 +440,8 @@ def cmd_doctor(ns: argparse.Namespace, out: IO[str] | None = None) -> int:
     if problems:  # our own record must match its schema: say so, never silently
         print("gptop doctor: the record does not match its schema: " + "; ".join(problems[:5]), file=sys.stderr)
         return 1
+    if stopped is not None:
+        return stopped
     if report.ok:
         Path(log_path).unlink(missing_ok=True)
     return exit_code(report.checks)

@@ -87,6 +87,19 @@ def na(value: Any, spec: str = "", suffix: str = "") -> str:
     return f"{value:{spec}}{suffix}"
 
 
+def _query_key(device: int, function: str, extra: tuple) -> tuple[int, str, tuple]:
+    """The key under which a permanent failure of a device query is remembered. pynvml's handles, event sets
+    and samples are ctypes pointers, which are unhashable: such an argument counts by its type."""
+    parts = []
+    for arg in extra:
+        try:
+            hash(arg)
+        except TypeError:
+            arg = type(arg).__name__
+        parts.append(arg)
+    return device, function, tuple(parts)
+
+
 class Nvml:
     """One NVML session: `nvmlInit` once on `open`, `nvmlShutdown` on `close`, queries that never raise NVMLError.
 
@@ -289,11 +302,7 @@ class Nvml:
                 return None
             if self._query("nvmlGpmSampleGet", (handle, sample), device=index, extra=()) is None:
                 self.query("nvmlGpmSampleFree", sample)
-                if (
-                    index,
-                    "nvmlGpmSampleGet",
-                    (),
-                ) in self._unsupported or "nvmlGpmSampleGet" in self._missing_functions:
+                if self.is_unsupported(index, "nvmlGpmSampleGet"):
                     self._gpm_ok[index] = False  # NotSupported / NoPermission: not asked again
                 return None
             prev, self._gpm_prev[index] = self._gpm_prev.get(index), sample
@@ -328,7 +337,7 @@ class Nvml:
 
     def is_unsupported(self, index: int, function: str, *args: Any) -> bool:
         """Whether this query was remembered as permanently unavailable for the device."""
-        return (index, function, args) in self._unsupported or function in self._missing_functions
+        return _query_key(index, function, args) in self._unsupported or function in self._missing_functions
 
     def _code(self, name: str) -> int:
         return getattr(self._mod, "NVML_ERROR_" + name, _CODES[name]) if self._mod is not None else _CODES[name]
@@ -342,7 +351,7 @@ class Nvml:
             if device is not None:
                 if device in self._lost:
                     return NA
-                key = (device, function, extra)
+                key = _query_key(device, function, extra)
                 if key in self._unsupported:
                     return NA
             fn = getattr(self._mod, function, None)

@@ -281,7 +281,7 @@ def test_device_trouble_from_nvml(tmp_path):
     mod.nvmlDeviceGetTotalEccErrors = lambda h, kind, counter: ecc[h]
     mod.nvmlDeviceGetCurrentClocksEventReasons = lambda h: reasons[h]
     mod.nvmlDeviceGetMaxClockInfo = lambda h, c: 1980
-    mod.nvmlEventSetCreate = lambda: "set"
+    mod.nvmlEventSetCreate = pynvml.c_nvmlEventSet_t  # what the real one returns: a ctypes pointer, unhashable
     mod.registered = []
     mod.nvmlDeviceRegisterEvents = lambda h, kinds, s: mod.registered.append((h, kinds))
     mod.nvmlEventSetFree = lambda s: None

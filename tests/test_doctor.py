@@ -399,17 +399,24 @@ def test_each_check_runs_in_a_child_that_a_hang_or_a_crash_cannot_take_down(monk
 
 
 @pytest.mark.process
-def test_a_process_that_initialized_cuda_spawns_its_checks_instead_of_forking(monkeypatch):
-    """Seen on an H100: an import had initialized CUDA in the runner, and every forked check failed with
-    "Cannot re-initialize CUDA in forked subprocess". Such a runner spawns its children, and a spawned child
-    runs a real check."""
+def test_a_runner_whose_checks_may_start_cuda_spawns_them_instead_of_forking(monkeypatch):
+    """Seen twice on an H100: every forked check failed with "Cannot re-initialize CUDA in forked subprocess",
+    the second time with `torch.cuda.is_initialized()` False in the runner (an import had only asked CUDA about
+    its devices, which is enough to spoil a fork). So a runner whose checks may use a GPU spawns them; a CPU
+    run, or a machine without CUDA, forks (fast); and a spawned child runs a real check."""
     import torch
 
     import trainer.doctor as runner
 
-    assert runner.start_method() == "fork"  # this CPU machine: CUDA never initialized
+    for requested in ("cpu", "cuda", "auto"):  # this CPU machine: no CUDA, CUDA never initialized
+        assert runner.start_method(requested) == "fork"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine, CUDA not initialized
+    assert runner.start_method("cpu") == "fork"
+    assert runner.start_method("cuda") == "spawn"
+    assert runner.start_method("cuda:1") == "spawn"
+    assert runner.start_method("auto") == "spawn"
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    assert runner.start_method() == "spawn"
+    assert runner.start_method("cpu") == "spawn"
     kind, payload = runner.run_in_child("detect", "cpu", True, 120.0)
     assert kind == "ok" and payload["device"]["type"] == "cpu"
 
@@ -464,7 +471,7 @@ def test_gptop_doctor_quick_on_this_cpu(tmp_path, monkeypatch):
         quick=record["quick"],
     )
     assert report.to_dict() == record
-    monkeypatch.setattr(doctor, "run_doctor", lambda *a, **kw: (report, str(tmp_path / "checks.log")))
+    monkeypatch.setattr(doctor, "run_doctor", lambda *a, **kw: (report, str(tmp_path / "checks.log"), None))
     text = io.StringIO()
     assert doctor.cmd_doctor(build_parser().parse_args(["doctor", "--quick", "--device", "cpu"]), out=text) == 0
     assert "every path that applies passed" in text.getvalue()
@@ -507,9 +514,10 @@ def test_the_docs_say_what_was_verified_where_from_the_doctors_records():
 
 
 @pytest.mark.process
-def test_a_stopped_doctor_leaves_no_process_behind(tmp_path):
+def test_a_stopped_doctor_leaves_no_process_behind_and_writes_what_finished(tmp_path):
     """SIGTERM to gptop doctor (a timeout, a scheduler) while a check runs: its trainer-side process and the
-    check's child go with it."""
+    check's child go with it, and --json still writes a record that validates, in which the paths that did not
+    finish are skipped saying the doctor was stopped (a long GPU run is not lost to a timeout)."""
     import signal
 
     import psutil
@@ -518,8 +526,9 @@ def test_a_stopped_doctor_leaves_no_process_behind(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "gptop", "doctor", "--device", "cpu", "--json"],
         cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env=env,
     )
     me = psutil.Process(proc.pid)
@@ -530,7 +539,15 @@ def test_a_stopped_doctor_leaves_no_process_behind(tmp_path):
         time.sleep(0.2)
     assert len(family) >= 2, "the doctor never started its processes"
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "stopped" in err
+    record = json.loads(out)
+    assert validate_report(record) == []
+    assert len(record["checks"]) == len(PATHS)
+    stopped = [c for c in record["checks"] if "the doctor was stopped (exit code 143)" in (c["reason"] or "")]
+    assert stopped, "no path says the doctor was stopped"
+    assert all(c["status"] == "skip" for c in stopped)
     gone_by = time.monotonic() + 30
     while time.monotonic() < gone_by and any(
         psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in family

@@ -149,6 +149,33 @@ def test_nvml_errors_become_na_and_permanent_ones_are_not_retried(tmp_path):
     assert c["nvmlShutdown"] == 1
 
 
+def test_queries_whose_arguments_are_ctypes_pointers_are_answered_and_remembered():
+    """pynvml's handles, event sets and GPM samples are ctypes pointers, which are unhashable; a query that
+    takes one (registering a GPU for Xid events) is asked, and a permanent error on it is remembered like any
+    other (seen on an H100: the first sample of every run raised TypeError there)."""
+    mod = fake_pynvml(count=1)
+    registered = []
+
+    def register(handle, kinds, event_set):
+        registered.append(event_set)
+        if len(registered) > 1:
+            raise NOT_SUPPORTED()
+
+    mod.nvmlDeviceRegisterEvents = register
+    event_set = pynvml.c_nvmlEventSet_t()
+    with pytest.raises(TypeError):
+        hash(event_set)
+    nv = Nvml(mod)
+    assert nv.open()
+    assert nv.device_query(0, "nvmlDeviceRegisterEvents", 8, event_set) is None  # answered (None), no TypeError
+    assert registered == [event_set]
+    assert nv.device_query(0, "nvmlDeviceRegisterEvents", 8, pynvml.c_nvmlEventSet_t()) is None  # NotSupported
+    assert nv.is_unsupported(0, "nvmlDeviceRegisterEvents", 8, event_set)
+    assert nv.device_query(0, "nvmlDeviceRegisterEvents", 8, event_set) is None
+    assert len(registered) == 2  # remembered: not asked a third time
+    assert not nv.is_unsupported(0, "nvmlDeviceRegisterEvents", 9, event_set)  # another kind of event
+
+
 def test_gpu_is_lost_makes_device_na_without_hammering(tmp_path):
     mod = fake_pynvml(count=1, errors={(0, "nvmlDeviceGetUtilizationRates"): pynvml.NVMLError_GpuIsLost})
     s = make_sampler(mod, tmp_path)

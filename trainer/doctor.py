@@ -1,8 +1,8 @@
 """`python -m trainer.doctor`: the trainer's side of `gptop doctor` (gptop starts it; it needs torch).
 
 It detects the device, then calls each trainer-side path's check (trainer.contract.doctor.PATHS: the
-function in the module that owns the path) in a child process of its own, forked from this process while it
-has not initialized CUDA (else spawned: `start_method`): every child starts CUDA afresh, a crash or a CUDA
+function in the module that owns the path) in a child process of its own, forked from this process where no
+check will start CUDA (else spawned: `start_method`): every child starts CUDA afresh, a crash or a CUDA
 error stays in its child, and a child that outlives its path's timeout is killed and the path failed. Each result is one
 JSON line on stdout, as it completes:
 
@@ -133,7 +133,7 @@ def _child(fn_name: str, requested: str, quick: bool, conn: Any) -> None:
 
 def run_in_child(name: str, requested: str, quick: bool, timeout_s: float) -> tuple[str, Any]:
     """("ok", payload), ("error", message) from the child, or ("died"/"timeout", message)."""
-    ctx = multiprocessing.get_context(start_method())
+    ctx = multiprocessing.get_context(start_method(requested))
     receive, send = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child, args=(name, requested, quick, send), name=f"gptop-doctor-{name}")
     proc.start()
@@ -162,14 +162,17 @@ def run_in_child(name: str, requested: str, quick: bool, timeout_s: float) -> tu
 _THREADS = 0  # torch's intra-op threads before preload held this process to one
 
 
-def start_method() -> str:
-    """How a check's child starts: forked (torch and the owners' modules already imported: fast) while this
-    process has not initialized CUDA, else spawned, since CUDA cannot be used again in a forked child
-    ("Cannot re-initialize CUDA in forked subprocess"); an import (torchao reads the GPU's capability) may
-    have initialized it."""
+def start_method(requested: str) -> str:
+    """How a check's child starts: forked (torch and the owners' modules already imported: fast) where no child
+    will start CUDA, else spawned. A forked child cannot start CUDA ("Cannot re-initialize CUDA in forked
+    subprocess") once its parent has initialized CUDA, and also once the parent only asked CUDA about its
+    devices (`torch.cuda.is_available()`, `device_count()`: an import such as torchao's does), although
+    `torch.cuda.is_initialized()` stays False then; so a run that may use a GPU spawns its checks."""
     import torch
 
-    return "spawn" if torch.cuda.is_initialized() else "fork"
+    if torch.cuda.is_initialized():
+        return "spawn"
+    return "fork" if requested == "cpu" or not torch.cuda.is_available() else "spawn"
 
 
 def preload() -> None:
