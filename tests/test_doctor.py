@@ -297,6 +297,38 @@ def test_the_expandable_segments_check_reads_what_the_allocator_made(expandable,
         assert got.reason == "the allocator did not take the setting" and "0 of 2" in got.observed
 
 
+def test_the_expandable_segments_check_probes_the_real_device_in_a_fresh_interpreter(monkeypatch):
+    """Seen on an H100: in the doctor's child CUDA was already initialized (detecting the device does that),
+    and the allocator takes its settings once, so the real check runs its probe in a fresh interpreter that
+    imports the trainer first, without the user's allocator variables in its environment; what that process
+    prints decides, and a failed process is a failure that says why."""
+    import subprocess as sp
+
+    from trainer import memory
+
+    seen = {}
+
+    def run(cmd, **kw):
+        seen.update(cmd=cmd, env=kw["env"])
+        return sp.CompletedProcess(cmd, answer[0], answer[1], answer[2])
+
+    monkeypatch.setattr(sp, "run", run)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
+    report = {"initialized": False, "note": "merged", "conf": "a,expandable_segments:True", "segments": 2}
+    answer = (0, json.dumps(dict(report, expandable=2)) + "\n", "")
+    got = memory.check_expandable_segments(H100, True)
+    assert got.status is Status.PASS and "2 of 2 segments expandable" in got.observed
+    assert seen["cmd"][-1] == "cuda:0" and "import trainer.runner" in seen["cmd"][2]
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in seen["env"]
+    answer = (0, json.dumps(dict(report, expandable=0)), "")
+    assert memory.check_expandable_segments(H100, True).reason == "the allocator did not take the setting"
+    answer = (0, json.dumps(dict(report, initialized=True, expandable=0)), "")
+    assert memory.check_expandable_segments(H100, True).reason == "the setting came too late"
+    answer = (1, "", "Traceback...\nRuntimeError: CUDA error: no kernel image\n")
+    got = memory.check_expandable_segments(H100, True)
+    assert got.status is Status.FAIL and "exit code 1" in got.observed and "no kernel image" in got.reason
+
+
 def test_the_grad_scaler_check_fails_a_scaler_that_does_not_back_off(monkeypatch):
     from trainer.optim import check_grad_scaler
 

@@ -114,7 +114,7 @@ def check(dev: DeviceInfo, quick: bool, recipe: str) -> "Outcome":
         loss = model(torch.randn(64, 256, device=device)).float().square().mean()
     loss.backward()
     opt.step()
-    value = float(loss)
+    value = float(loss.detach())
     moved = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
     ok = converted == 2 and kinds == ["Float8Linear"] and math.isfinite(value) and moved
     return Outcome.verdict(

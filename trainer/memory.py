@@ -123,13 +123,47 @@ def make_meter(device: torch.device) -> MemoryMeter:
     return CudaMemory(device) if device.type == "cuda" else CpuMemory()
 
 
+def expandable_segments_probe(device: str, cuda: Any = None, environ: MutableMapping[str, str] | None = None) -> dict:
+    """Set `--cuda-allocator expandable_segments` over a user's own allocator setting, as
+    trainer.runner.main_run does, allocate on `device` and report what the allocator made: {"initialized":
+    CUDA was initialized before the setting, "conf", "note" (the merge warning), "segments", "expandable"}.
+    `cuda` and `environ`: torch.cuda and os.environ, or fakes (tests)."""
+    real = cuda is None
+    cuda = torch.cuda if real else cuda
+    env = os.environ if environ is None else environ
+    out: dict[str, Any] = {"initialized": bool(cuda.is_initialized())}
+    env.pop("PYTORCH_ALLOC_CONF", None)
+    env["PYTORCH_CUDA_ALLOC_CONF"] = "garbage_collection_threshold:0.9"  # a user's own setting
+    out["note"] = enable_expandable_segments(env)
+    out["conf"] = env["PYTORCH_CUDA_ALLOC_CONF"]
+    dev = torch.device(device)
+    cuda.set_device(dev)
+    x = torch.empty(64 << 20, dtype=torch.uint8, device=dev) if real else None
+    segments = [s for s in cuda.memory_snapshot() if s.get("device", dev.index) == dev.index]
+    del x
+    out["segments"] = len(segments)
+    out["expandable"] = sum(1 for s in segments if s.get("is_expandable"))
+    return out
+
+
+_PROBE_MAIN = (
+    "import json, sys\n"
+    "import trainer.runner  # everything `python -m trainer` imports before main_run sets the allocator\n"
+    "from trainer.memory import expandable_segments_probe\n"
+    "print(json.dumps(expandable_segments_probe(sys.argv[1])))\n"
+)
+
+
 def check_expandable_segments(
     dev: Any, quick: bool, *, cuda: Any = None, environ: MutableMapping[str, str] | None = None
 ) -> Any:
-    """gptop doctor's `expandable_segments` path: in a fresh process, `--cuda-allocator expandable_segments`
-    (enable_expandable_segments, as trainer.runner.main_run calls it, here over a PYTORCH_CUDA_ALLOC_CONF the
-    user set) must leave the allocator's segments expandable."""
-    import os
+    """gptop doctor's `expandable_segments` path: `--cuda-allocator expandable_segments` (over a
+    PYTORCH_CUDA_ALLOC_CONF the user set) must leave the allocator's segments expandable. On the real device
+    the probe runs in a fresh interpreter that has imported what the trainer imports, since the allocator
+    takes its settings once, and the doctor's own process has initialized CUDA by now."""
+    import json
+    import subprocess
+    import sys
 
     from .contract.capabilities import support
     from .contract.doctor import Outcome
@@ -137,23 +171,22 @@ def check_expandable_segments(
     reason = support("cuda_allocator", "expandable_segments", dev)
     if reason:
         return Outcome.skip(reason)
-    real = cuda is None
-    cuda = torch.cuda if real else cuda  # tests: a fake of the calls below
-    env = os.environ if environ is None else environ
-    if cuda.is_initialized():
-        return Outcome.verdict(False, "CUDA was initialized before the setting", "the check needs a fresh process")
-    env.pop("PYTORCH_ALLOC_CONF", None)
-    env["PYTORCH_CUDA_ALLOC_CONF"] = "garbage_collection_threshold:0.9"  # a user's own setting
-    note = enable_expandable_segments(env)
-    device = dev.torch_device
-    cuda.set_device(device)
-    x = torch.empty(64 << 20, dtype=torch.uint8, device=device) if real else None
-    segments = [s for s in cuda.memory_snapshot() if s.get("device", device.index) == device.index]
-    expandable = [s for s in segments if s.get("is_expandable")]
-    del x
-    ok = bool(expandable) and len(expandable) == len(segments)
+    device = str(dev.torch_device)
+    if cuda is not None:
+        got = expandable_segments_probe(device, cuda, environ)
+    else:
+        env = {k: v for k, v in os.environ.items() if k not in ALLOC_CONF_VARS}
+        proc = subprocess.run(
+            [sys.executable, "-c", _PROBE_MAIN, device], capture_output=True, text=True, env=env, timeout=100
+        )
+        if proc.returncode != 0 or not proc.stdout.strip():
+            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            return Outcome.verdict(False, f"the probe's process failed (exit code {proc.returncode})", tail[:300])
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+    if got["initialized"]:
+        return Outcome.verdict(False, "CUDA was initialized before the setting", "the setting came too late")
+    ok = got["segments"] > 0 and got["expandable"] == got["segments"]
     observed = (
-        f"{len(expandable)} of {len(segments)} segments expandable with "
-        f"PYTORCH_CUDA_ALLOC_CONF={env['PYTORCH_CUDA_ALLOC_CONF']!r}"
+        f"{got['expandable']} of {got['segments']} segments expandable with PYTORCH_CUDA_ALLOC_CONF={got['conf']!r}"
     )
-    return Outcome.verdict(ok, observed, "the allocator did not take the setting", merged_warning=note)
+    return Outcome.verdict(ok, observed, "the allocator did not take the setting", merged_warning=got["note"])

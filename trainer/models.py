@@ -552,7 +552,7 @@ def check_qlora(dev: Any, quick: bool) -> Any:
         loss = model(input_ids=x, labels=x).loss
     loss.backward()
     opt.step()
-    value = float(loss)
+    value = float(loss.detach())
     now = dict(model.named_parameters())
     adapters_moved = any(not torch.equal(v, now[n]) for n, v in trained.items())
     base_kept = all(torch.equal(v, now[n]) for n, v in frozen.items())
