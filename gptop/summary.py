@@ -126,7 +126,7 @@ def _progress(out: _Lines, state: RunState, step: int, tokens: int | None) -> No
         total, first_loss, last_eval = state.total_steps, state.first_loss, state.last_eval
         losses = state.history("loss")
         last_loss = next((v for v in reversed(losses)), None)
-        precision = state.precision_label()
+        precision = state.precision_label(of_steps=True)  # the precision of the steps the speed is of
     out.add("progress", f"{step}/{total if total is not None else '?'} steps, {fmt_num(tokens)} tokens")
     loss = loss_range(first_loss, last_loss, len(losses)) if first_loss is not None else "n/a"
     if last_eval is not None and last_eval.loss is not None:

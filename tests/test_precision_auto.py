@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from helpers import train_in_process
-from fixtures.streams import config, ev
+from fixtures.streams import config, ev, step_event
 from trainer.contract import capabilities
 from trainer.contract.config import PRECISIONS, TrainConfig
 from trainer.contract.device import DeviceInfo, cpu_has_native_bf16
@@ -141,3 +141,29 @@ def test_the_views_say_what_auto_became():
     state = RunState()
     state.apply(_hello_ev("fp16"))
     assert state.precision_label() == "fp16"
+
+
+def _step(step, t):
+    phases = {"data": 1.0, "forward": 3.0, "backward": 5.0, "optimizer": 1.0, "other": 0.0}
+    return step_event(step, t, step_ms=10.0, phases=phases, tokens_per_step=256, mfu=None, mem=1 << 20)
+
+
+def test_a_summary_names_the_precision_its_steps_ran_in():
+    """Seen on an H100: `gptop tune --tune-only` ended while a trial's trainer (fp8) was still compiling, and
+    the run's summary said "precision fp8-tensorwise" under the speed of steps that all ran in bf16. The
+    summary names the precision of the last process that made steps; the dashboard, the current process's."""
+    from gptop.state import RunState
+    from gptop.summary import summary_lines
+
+    state = RunState()
+    state.apply(_hello_ev("bf16", auto=["precision"]))
+    state.apply(_step(1, 1.0))
+    assert state.precision_label(of_steps=True) == state.precision_label() == "auto -> bf16"
+    trial = _hello_ev("fp8-tensorwise")
+    state.apply(dataclasses.replace(trial, early=True))  # a trial's process starts ...
+    state.apply(trial)  # ... and is built, and the run ends before its first step
+    assert state.precision_label() == "fp8-tensorwise"
+    assert state.precision_label(of_steps=True) == "auto -> bf16"
+    assert any("precision auto -> bf16" in line for line in summary_lines(state))
+    state.apply(_step(2, 3.0))  # the trial's process steps: its precision
+    assert state.precision_label(of_steps=True) == "fp8-tensorwise"

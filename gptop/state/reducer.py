@@ -139,6 +139,7 @@ class RunState(StepFigures):
 
         self.tuner = TunerState()
         self._applied: dict[str, Any] = {}  # toggles applied since the last hello
+        self._stepped_precision: str | None = None  # precision_label() while the last process made steps
         self.profile: ProfileEvent | None = None  # the newest profile window's summary (the primary rank's)
         self.recompiles: deque[WarningEvent] = deque(maxlen=50)  # the compile watchdog's warnings
 
@@ -252,6 +253,8 @@ class RunState(StepFigures):
 
     def _live(self, t: float, step: int, tokens: int) -> None:
         self.startup = None
+        if not self.stepped:  # this process's first step: what it computes in is what the run's steps were
+            self._stepped_precision = self.precision_label()
         self.stepped = True
         self._timing.live(t, step, tokens, self.live_step)
         self.live_step = (t, step, tokens)
@@ -346,6 +349,8 @@ class RunState(StepFigures):
     def _on_apply(self, e: ApplyEvent) -> None:
         self.tuner.applied.append(e)
         self._applied.update(dataclasses.asdict(e.toggles))
+        if self.stepped:
+            self._stepped_precision = self.precision_label()
         self._bump("tuner", "run")
 
     def _on_tuner(self, e: TunerEvent) -> None:
@@ -414,9 +419,13 @@ class RunState(StepFigures):
         t.update(self._applied)
         return t
 
-    def precision_label(self) -> str | None:
+    def precision_label(self, of_steps: bool = False) -> str | None:
         """What the run computes in: 'auto -> bf16' while the precision the trainer resolved from auto is in
-        force, else the precision ('fp16' after the tuner applied it); None before the hello."""
+        force, else the precision ('fp16' after the tuner applied it); None before the hello. `of_steps`: what
+        the last process that made a step computed in, while the current one has made none (a summary of the
+        run's steps after a tuner's trial that ended before its first step)."""
+        if of_steps and not self.stepped and self._stepped_precision is not None:
+            return self._stepped_precision
         return formatting.precision_label(self.hello, self.toggles)
 
     def toggle_diff(self, toggles: Toggles | dict[str, Any] | None) -> dict[str, Any]:
