@@ -85,6 +85,23 @@ def test_step_time_from_the_peak_and_the_assumed_mfu():
     assert two.step_s == pytest.approx(big.step_s / 2)
 
 
+def test_a_tiny_model_on_a_gpu_is_not_estimated_at_zero_milliseconds_a_step():
+    """Seen on an H100: llama tiny was announced at "~0 ms per step, ~32 ms for 1000 steps" (its FLOPs at the
+    GPU's peak) and took about 20 ms a step. The estimate has a floor per layer and micro-batch for eager
+    PyTorch's fixed costs; it scales with the micro-batches, and a model whose FLOPs take longer keeps them."""
+    kw = dict(seq_len=128, global_batch=8, peak_flops=989e12)
+    one = E.estimate("llama", "tiny", micro_batch=8, **kw)
+    floor = (4 + 2) * E.OVERHEAD_PER_LAYER_S + E.OPTIMIZER_OVERHEAD_S
+    assert one.step_s == pytest.approx(floor) and one.step_s >= 0.01
+    assert "~14 ms per step" in one.summary("an H100", steps=1000) and "~14 s for 1000 steps" in one.summary(
+        "an H100", steps=1000
+    )
+    four = E.estimate("llama", "tiny", micro_batch=2, **kw)  # accumulation over 4 micro-batches
+    assert four.step_s == pytest.approx(4 * (4 + 2) * E.OVERHEAD_PER_LAYER_S + E.OPTIMIZER_OVERHEAD_S)
+    big = E.estimate("llama", "large", seq_len=1024, global_batch=64, micro_batch=8, peak_flops=989e12)
+    assert big.step_s == pytest.approx(big.flops_per_token * 64 * 1024 / (989e12 * E.ASSUMED_MFU))
+
+
 def test_refusal_names_the_estimate_and_the_largest_size_that_fits():
     kw = dict(seq_len=256, global_batch=16, micro_batch=None, capacity=24 * GiB)
     est = E.estimate("deepseek", "large", **kw)

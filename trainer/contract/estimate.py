@@ -77,6 +77,12 @@ USABLE_SHARE = 0.9
 # MFU assumed for the step-time estimate: about what an eager fp32 run of these models reaches on a CPU
 # (BENCHMARKS.md has the measurement) and a modest figure for a GPU; the real MFU is measured from the first step on.
 ASSUMED_MFU = 0.4
+# Eager PyTorch's fixed cost of a step whatever its FLOPs (Python, dispatch, kernel launches): about this much per
+# layer and micro-batch, the embedding and the head with its loss counted as two more layers, plus the optimizer's
+# step. A floor under the FLOP-based time, which alone says "~0 ms" for a tiny model on a GPU; BENCHMARKS.md §18
+# has the measurement it rests on.
+OVERHEAD_PER_LAYER_S = 0.002
+OPTIMIZER_OVERHEAD_S = 0.002
 # A step slower than this is worth a warning before the first one: a user waits minutes to see any progress.
 SLOW_STEP_S = 60.0
 
@@ -276,7 +282,9 @@ def estimate(
     tokens = global_batch * seq_len
     step_s = None
     if peak_flops:
-        step_s = fpt * tokens / world_size / (peak_flops * ASSUMED_MFU)
+        micro_batches = max(1, math.ceil(global_batch / world_size / mb))
+        floor = micro_batches * (SIZES[size].layers + 2) * OVERHEAD_PER_LAYER_S + OPTIMIZER_OVERHEAD_S
+        step_s = max(fpt * tokens / world_size / (peak_flops * ASSUMED_MFU), floor)
     kind = "cuda" if device.startswith("cuda") else "cpu"
     return Estimate(
         family=family,
