@@ -73,7 +73,8 @@ def test_mfu_close_to_a_measured_peak_measures_it_again_and_keeps_the_best(tmp_p
     monkeypatch.setattr(flops, "_cache_file", lambda cache_dir: tmp_path / "cpu_peak.json")
     rates = iter([1e6, 1e15])  # the first taken on a "busy" machine, the second as it should be
     monkeypatch.setattr(flops, "measure_cpu_matmul_flops", lambda *a, **k: next(rates))
-    code, events, _ = run(tmp_path, "--model", "llama", "--max-steps", "4", "--micro-batch", "4")
+    # fp32: one dtype measured at the start (auto becomes bf16 on a CPU with native bf16, which measures fp32 too)
+    code, events, _ = run(tmp_path, "--model", "llama", "--max-steps", "4", "--micro-batch", "4", "--precision", "fp32")
     assert code == EXIT_OK
     hello = of(events, "hello")[0]
     assert hello.peak_flops == 1e6 and hello.peak_source.startswith("measured: best of 1 ")

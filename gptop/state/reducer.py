@@ -99,8 +99,7 @@ class RunState(StepFigures):
         self.stepped = False  # this trainer process has done a step (a stop then checkpoints)
         self.initial_toggles: dict[str, Any] | None = None  # what the run started with
         self.start_time: float | None = None  # time of the earliest event
-        # the pid of a run this gptop watches but did not start (the monitor attached to it; None once it ended)
-        self.watching: int | None = None
+        self.watching: int | None = None  # pid of a run watched, not started (an attached monitor); None once ended
         self.observer = False  # a monitor: q only leaves, and only the run's channel acts on it
         self.last_time: float | None = None  # time of the latest event
         self.end_time: float | None = None  # when the run was seen to end (done/failed): elapsed stops
