@@ -55,8 +55,11 @@ parameter before activations. Three options cut that, alone or together:
   double quantization, compute dtype from `--precision`; int8: LLM.int8()),
   the adapters stay fp32. It needs CUDA and `pip install 'gptop[qlora]'`;
   anywhere else the trainer exits 2 naming `--quantize-base` and the reason.
-  This path was written against the transformers, peft and bitsandbytes
-  documentation and has **not been run** (no GPU was available). It is a
+  `gptop doctor`'s `qlora` check ran on an H100 (2026-11-27, bitsandbytes
+  0.50.2: a tiny transformers model with an nf4 base and LoRA adapters trained
+  a step, the adapters changed and the base did not; docs/verified.md); a
+  whole `--quantize-base` run from a model directory has **not been run** on
+  a GPU yet. It is a
   toggle too: a memory-constrained tuning of a LoRA run may try it, resuming
   the adapters on a base quantized differently (the adapters are the same
   tensors; verified only against peft's documentation).
