@@ -297,10 +297,13 @@ def run_doctor(
     detected: dict[str, Any] = {}
     results: dict[str, CheckResult] = {}
     stopped: int | None = None
+    dev: DeviceInfo | None = None  # decoded once, from the detection line
 
     def on_line(record: dict[str, Any]) -> None:
+        nonlocal dev
         if record.get("kind") == "detect":
             detected.update(record)
+            dev = DeviceInfo.from_dict(record["device"]) if record.get("device") else None
             progress(describe_detection(record))
         elif record.get("kind") == "check":
             r = CheckResult.from_dict(record["result"])
@@ -311,7 +314,6 @@ def run_doctor(
     with os.fdopen(log_fd, "w") as log:
         try:
             code = trainer_side(requested, quick, timeout_scale, log, on_line)
-            dev = DeviceInfo.from_dict(detected["device"]) if detected.get("device") else None
             for r in gptop_side(dev, requested, quick, log, nvml=nvml):
                 results[r.name] = r
                 progress(format_row(r))
@@ -319,7 +321,6 @@ def run_doctor(
             stopped = 130
         except SystemExit as e:  # SIGTERM (_terminate)
             stopped = e.code if isinstance(e.code, int) else 1
-    dev = DeviceInfo.from_dict(detected["device"]) if detected.get("device") else None
     for p in PATHS:  # what the trainer's side never reported (stopped, it died, or detection failed)
         if p.name in results:
             continue
