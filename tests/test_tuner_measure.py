@@ -140,6 +140,19 @@ def test_why_a_measurement_stopped_is_said_in_words():
     assert steady.stop_words(steady.done_reason).startswith("stable after ")
 
 
+def test_a_quiet_spread_on_too_few_samples_is_not_called_noisy():
+    """A compile's first steps take the cap: a few samples, never settled, whose spread is within the target."""
+    m = Measurement(min_steps=8, rel_ci=0.03, max_seconds=20.0, skip=2)
+    m.add(1, 25000.0, 1000, 25.0)  # the compiling step
+    for i in range(2, 10):
+        m.add(i, 100.0 * (1.0, 1.01)[i % 2], 1000, 25.0 + i * 0.1)
+    assert m.done_reason == "max_seconds" and not m.warmed_up
+    words = m.stop_words(m.done_reason)
+    assert "noisy" not in words, words
+    assert words.startswith("stopped measuring after ") and "before the warm-up ended" in words
+    assert f"on {len(m.kept)} samples, too few to trust (stable is ±3% on 8 samples after the warm-up)" in words
+
+
 def test_slow_steps_get_a_longer_cap_and_the_progress_says_so():
     m = Measurement(max_seconds=10.0, skip=2)
     m.add(1, 6000.0, 1000, 6.0)

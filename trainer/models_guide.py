@@ -57,9 +57,9 @@ parameter before activations. Three options cut that, alone or together:
   anywhere else the trainer exits 2 naming `--quantize-base` and the reason.
   `gptop doctor`'s `qlora` check ran on an H100 (2026-11-27, bitsandbytes
   0.50.2: a tiny transformers model with an nf4 base and LoRA adapters trained
-  a step, the adapters changed and the base did not; docs/verified.md); a
-  whole `--quantize-base` run from a model directory has **not been run** on
-  a GPU yet. It is a
+  a step, the adapters changed and the base did not; docs/verified.md), and
+  so did whole runs from an exported model directory (`bench/gpu_paths.sh`:
+  nf4 for 20 steps and its resume to 30, int8 for 20). It is a
   toggle too: a memory-constrained tuning of a LoRA run may try it, resuming
   the adapters on a base quantized differently (the adapters are the same
   tensors; verified only against peft's documentation).

@@ -258,11 +258,19 @@ class Measurement:
         return self.max_seconds
 
     def noise_words(self) -> str:
-        """'still +-4.1% noisy (stable is +-3%)': the estimate's spread against the target, in words."""
+        """'still +-4.1% noisy (stable is +-3%)': the estimate's spread against the target, in words. A spread
+        within the target that is still not stable rests on too few samples after the warm-up (or on the last
+        half of a warm-up that never settled), and says so rather than calling itself noisy."""
         est, spread = self.estimate
         if not (math.isfinite(est) and math.isfinite(spread)) or est <= 0:
             return "no estimate yet"
-        return f"still ±{spread / est:.1%} noisy (stable is ±{self.rel_ci * 100:g}%)"
+        target = f"±{self.rel_ci * 100:g}%"
+        if spread / est <= self.rel_ci and not self.stable:
+            return (
+                f"±{spread / est:.1%} on {len(self.kept)} samples, too few to trust "
+                f"(stable is {target} on {self.min_steps} samples after the warm-up)"
+            )
+        return f"still ±{spread / est:.1%} noisy (stable is {target})"
 
     def stop_words(self, why: str | None) -> str:
         """Why a measurement ended, in words: `why` is `done_reason` or the controller's stop ("budget",
