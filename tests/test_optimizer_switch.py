@@ -193,9 +193,10 @@ def test_several_ranks_resume_only_with_the_checkpoints_optimizer(tmp_path):
 # --- in a real tuning: processes switch optimizers from each other's checkpoints ---------------------------
 
 
+# Not solo: what it checks (the switches, the warnings, the rollbacks, each trial's peak memory) holds whatever the
+# measurements say, and `--tune-only` needs no trial to pay, so it may run beside other tests' processes.
 @pytest.mark.slow
 @pytest.mark.process
-@pytest.mark.solo  # the tuner measures trials: the CPU to itself under pytest -n
 def test_a_tuning_over_the_optimizer_switches_live_and_reports_every_trials_peak(tmp_path):
     from test_tuning_e2e import SETUP, events, finished_trials, gptop_env, run_gptop
 
