@@ -150,7 +150,14 @@ def test_a_quiet_spread_on_too_few_samples_is_not_called_noisy():
     words = m.stop_words(m.done_reason)
     assert "noisy" not in words, words
     assert words.startswith("stopped measuring after ") and "before the warm-up ended" in words
-    assert f"on {len(m.kept)} samples, too few to trust (stable is ±3% on 8 samples after the warm-up)" in words
+    assert f"over the last {len(m.kept)} samples, still warming up (stable is ±3% after it)" in words
+    settled = Measurement(min_steps=8, rel_ci=0.03, max_seconds=2.0, skip=0, window=2)
+    for i in range(6):  # steady from the first: settled, but six samples are fewer than min_steps
+        settled.add(i, 100.0, 1000, i * 0.5)
+    assert settled.warmed_up and settled.done_reason == "max_seconds"
+    words = settled.stop_words(settled.done_reason)
+    assert "noisy" not in words and "warm-up" not in words, words
+    assert f"on {len(settled.kept)} samples, too few to trust (stable is ±3% on 8)" in words
 
 
 def test_slow_steps_get_a_longer_cap_and_the_progress_says_so():

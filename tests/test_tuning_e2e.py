@@ -237,9 +237,9 @@ def tuned(tmp_path_factory):
     run_dir, storage = root / "run", f"sqlite:///{root / 'study.sqlite3'}"
     # A long run: trials must pay for themselves within it (docs/tuning.md, "Paying for itself"): a trial costs a
     # trainer's start (8-25 s here), and at 600 steps none could pay (it may lose 10% of the rest of the run: ~14 s).
-    # 1000 steps leave room for the search until the budget ends. The budget holds the baseline and about seven
-    # trials of ~6.5 s each here (a trainer's restart, mostly); the test needs four, one of them the failed one,
-    # and the other worker's process tests wait while the tuner measures. The run is then stopped (Ctrl-C) once the
+    # 1000 steps leave room for the search until the budget ends. The budget holds the baseline and several
+    # trials (a trial is mostly a trainer's restart); the test needs four, one of them the failed one, and the
+    # other worker's process tests wait while the tuner measures (BENCHMARKS.md §17). The run is then stopped (Ctrl-C) once the
     # applied setting has written its first interval checkpoint: the steps after it would only repeat what
     # exact resume to max_steps proves (tests/test_trainer.py), at minutes of a CPU the other tests share.
     max_steps = 1000

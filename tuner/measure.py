@@ -264,13 +264,12 @@ class Measurement:
         est, spread = self.estimate
         if not (math.isfinite(est) and math.isfinite(spread)) or est <= 0:
             return "no estimate yet"
-        target = f"±{self.rel_ci * 100:g}%"
-        if spread / est <= self.rel_ci and not self.stable:
-            return (
-                f"±{spread / est:.1%} on {len(self.kept)} samples, too few to trust "
-                f"(stable is {target} on {self.min_steps} samples after the warm-up)"
-            )
-        return f"still ±{spread / est:.1%} noisy (stable is {target})"
+        target, share, n = f"±{self.rel_ci * 100:g}%", spread / est, len(self.kept)
+        if share <= self.rel_ci and not self.stable:
+            if not self.warmed_up:  # `stop_words` says the warm-up had not ended
+                return f"±{share:.1%} over the last {n} samples, still warming up (stable is {target} after it)"
+            return f"±{share:.1%} on {n} samples, too few to trust (stable is {target} on {self.min_steps})"
+        return f"still ±{share:.1%} noisy (stable is {target})"
 
     def stop_words(self, why: str | None) -> str:
         """Why a measurement ended, in words: `why` is `done_reason` or the controller's stop ("budget",
