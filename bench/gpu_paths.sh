@@ -10,8 +10,10 @@
 # Wheels of packages the machine lacks may be put in ./.whl (docs/doctor/README.md says which).
 set -u
 T0=$(date +%s)
-ROOT=$PWD
 OUT=${OUT:-./gpu-paths-out}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)   # absolute: the end packs the runs from inside their directory
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT" || exit 2   # .whl/ and examples/ are the checkout's
 SITE=
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/tmp/pip.log 2>&1 || { cat /tmp/pip.log; exit 3; }
