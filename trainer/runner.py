@@ -34,14 +34,6 @@ from .train import (
     Trainer,
 )
 
-_startup_stopped = False
-
-
-def stopped_in_startup() -> bool:
-    """True once main_run ended a run that was stopped before its first step (nothing was saved, nothing
-    needs tearing down: `python -m trainer` then exits without freeing a large model piece by piece)."""
-    return _startup_stopped
-
 
 def main_run(cfg: TrainConfig, run_lock: RunLock | None = None, created_dirs: list[Path] | None = None) -> int:
     """Run a configured trainer, turning every failure into an `error` event and a distinct exit code.
@@ -97,10 +89,8 @@ def main_run(cfg: TrainConfig, run_lock: RunLock | None = None, created_dirs: li
 
 
 def _stop_in_startup(trainer: Trainer | None, e: StartupStopped) -> int:
-    """A stop before the first step: a `done` event; `python -m trainer` then exits without freeing the model."""
+    """A stop before the first step: a `done` event."""
     honour_startup_stop()  # first: no raise again during this way out
-    global _startup_stopped
-    _startup_stopped = True
     if trainer is not None:
         trainer.log(f"stopped before the first step ({e})")
         trainer.emit0(

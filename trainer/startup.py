@@ -25,6 +25,7 @@ from .inductor_cache import OwnCache
 from .memory import make_meter
 from .models import is_pretrained_path
 from .moe import MoEBalancer
+from .process_costs import resume_gc
 from .profiler import StepProfiler, report_written
 
 
@@ -145,6 +146,7 @@ class TrainerStartup:
         )
         self.phase("building", f"building {build.model_name(cfg)}")
         self.bundle = build.build_bundle(cfg, self.data, self.dev)
+        resume_gc()  # imports and the model are made; compiling makes garbage worth collecting
         self.raw_model = self.bundle.model.to(self.device)
         precision = build.build_precision(self.raw_model, cfg.toggles.precision, self.dev, self.parallel)
         self.autocast_dtype, self.scaler = precision.autocast_dtype, precision.scaler

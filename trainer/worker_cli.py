@@ -98,13 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m trainer: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     try:
-        from .runner import main_run, stopped_in_startup
+        from .runner import main_run
     except StartupStopped:
         print("[trainer] stopped before the first step", flush=True)
         return 0
-    code = main_run(cfg, run_lock=lock, created_dirs=created)
-    if stopped_in_startup():  # the events are written and closed: skip freeing a model tensor by tensor
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
+    return main_run(cfg, run_lock=lock, created_dirs=created)

@@ -1,0 +1,94 @@
+"""trainer.process_costs: a trainer process skips the interpreter's teardown after its exit handlers, and pauses
+the cyclic GC only while it imports and builds, so the training loop collects as any program does."""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from helpers import ROOT, train_in_process
+
+# A process that registers a buffered writer's exit handler after the entry's, holds an object whose __del__
+# says when the interpreter tears it down, leaves a line without its newline, then ends as ENDING says.
+SCRIPT = textwrap.dedent(
+    """
+    import atexit, sys
+    from trainer.process_costs import exit_without_teardown, set_exit_code
+    if sys.argv[2] != "plain":
+        exit_without_teardown()
+    out = open(sys.argv[1], "w")
+    atexit.register(lambda: (out.write("handler ran"), out.close()))
+    class Teardown:
+        def __del__(self):
+            sys.stderr.write("teardown ran")
+    kept = Teardown()
+    print("partial line", end="")
+    if sys.argv[2] == "raise":
+        raise RuntimeError("boom")
+    sys.exit(set_exit_code(3))
+    """
+)
+
+
+def run_script(tmp_path, how: str) -> tuple[subprocess.CompletedProcess, str]:
+    marker = tmp_path / f"{how}.txt"
+    p = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(marker), how], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    return p, marker.read_text() if marker.exists() else ""
+
+
+@pytest.mark.process
+def test_a_returned_code_exits_after_every_exit_handler_and_skips_only_the_teardown(tmp_path):
+    plain, plain_marker = run_script(tmp_path, "plain")
+    assert plain.returncode == 3 and "teardown ran" in plain.stderr  # what is skipped exists without the entry's
+    fast, marker = run_script(tmp_path, "fast")
+    assert fast.returncode == 3, fast.stderr
+    assert marker == plain_marker == "handler ran"  # a handler registered later ran, its file complete
+    assert fast.stdout == "partial line"  # the unfinished line reached the pipe
+    assert "teardown ran" not in fast.stderr
+
+
+@pytest.mark.process
+def test_an_exception_tears_down_as_python_does(tmp_path):
+    p, marker = run_script(tmp_path, "raise")
+    assert p.returncode == 1 and "RuntimeError: boom" in p.stderr
+    assert marker == "handler ran" and p.stdout == "partial line"
+    assert "teardown ran" in p.stderr
+
+
+@pytest.fixture
+def restored_gc():
+    enabled = gc.isenabled()
+    try:
+        yield
+    finally:
+        gc.unfreeze()  # this worker's objects back under collection
+        (gc.enable if enabled else gc.disable)()
+
+
+def test_resume_without_a_pause_changes_nothing(restored_gc):
+    from trainer import process_costs
+
+    frozen = gc.get_freeze_count()
+    process_costs.resume_gc()  # a trainer inside another program: its GC is that program's
+    assert gc.isenabled() and gc.get_freeze_count() == frozen
+    gc.disable()
+    process_costs.pause_gc_for_startup()
+    process_costs.resume_gc()  # a program that runs without the GC keeps it off
+    assert not gc.isenabled() and gc.get_freeze_count() == frozen
+
+
+def test_the_trainer_resumes_collection_once_its_model_is_built(tmp_path, restored_gc):
+    """The pause ends in startup, on every path to the loop: a run of weeks collects its garbage."""
+    from trainer import process_costs
+
+    process_costs.pause_gc_for_startup()
+    assert not gc.isenabled()
+    code, events, _ = train_in_process(tmp_path / "run", "--model", "llama", "--max-steps", "1")
+    assert code == 0 and events[-1].type == "done"
+    assert gc.isenabled() and gc.get_freeze_count() > 0

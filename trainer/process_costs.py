@@ -1,0 +1,65 @@
+"""A trainer process's fixed costs, paid at every start and every exit whatever the run: the imports of torch
+and transformers, and the interpreter's teardown of what they made. Both grow with the number of Python objects
+those imports create (millions), not with the run, so a short process (a tuner's trial, a resume, `gptop
+sample`) spends much of its time on them.
+
+Only a process's entry point (`python -m trainer`, the tools) pauses and exits this way; a trainer built inside
+another program (the tests, a notebook) leaves that program's garbage collector and exit alone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import os
+import sys
+
+_paused = False  # the cyclic GC is paused for this process's startup (pause_gc_for_startup)
+_exit_code: int | None = None  # what the entry point returned, for the last exit handler
+
+
+def pause_gc_for_startup() -> None:
+    """Pause the cyclic garbage collector until `resume_gc` (the model is built). The imports and the build make
+    objects that live as long as the process and almost no cycles worth collecting, yet each collection they
+    trigger walks all of them again."""
+    global _paused
+    if gc.isenabled():
+        gc.disable()
+        _paused = True
+
+
+def resume_gc() -> None:
+    """End the startup pause: what startup made is frozen (the loop's collections and the exit no longer walk
+    it), then collection resumes. A no-op where the pause was not taken (a trainer inside another program)."""
+    global _paused
+    if _paused:
+        _paused = False
+        gc.freeze()
+        gc.enable()
+
+
+def exit_without_teardown() -> None:
+    """Make this process end right after its exit handlers, skipping the interpreter's teardown (freeing
+    every module's objects one by one), once `set_exit_code` has recorded what the entry point returned.
+
+    Registered first, so it runs last: after every other exit handler (multiprocessing's joins, writers'
+    flushes) and after Python has joined the non-daemon threads. A process that ends by an exception (no code
+    recorded) tears down as usual, so its traceback and any buffered output are kept as Python would."""
+    atexit.register(_end_now)
+
+
+def set_exit_code(code: int) -> int:
+    global _exit_code
+    _exit_code = code
+    return code
+
+
+def _end_now() -> None:
+    if _exit_code is None:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or full pipe: nothing more can be said on it
+            pass
+    os._exit(_exit_code)
