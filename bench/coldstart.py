@@ -2,7 +2,8 @@
 first step after a restart (what every tuning trial and the final switch pay).
 
 For each scenario the time is taken from just before gptop is spawned to the `time` of the trainer's
-events (`hello`: the trainer is set up; the first `step` event, with --log-every 1: one step done):
+events (`hello`: the trainer is set up; the first `step` event, with --log-every 1: one step done), to gptop's
+exit, and the CPU time gptop and its trainer used (user + system, what a loaded machine pays per start):
 
   train            gptop --no-ui train ... --max-steps 2           (fresh run)
   resume           gptop --no-ui train --resume RUN ...            (restart from the run's checkpoint)
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -59,7 +61,9 @@ def _events(run_dir: Path) -> list[dict]:
 def launch(
     root: Path, args: list[str], env: dict[str, str], log: Path, run_dir: Path, after: float = 0.0
 ) -> dict[str, float | None]:
-    """Spawn gptop; seconds from spawn to the first hello and first step event newer than `after`."""
+    """Spawn gptop; seconds from spawn to the first hello and first step event newer than `after`, to its exit,
+    and the CPU seconds it and its trainer used."""
+    cpu0 = _children_cpu()
     t0 = time.time()
     with open(log, "ab") as fh:
         code = subprocess.run(
@@ -77,7 +81,18 @@ def launch(
         "hello": hello - t0 if hello else None,
         "first_step": step - t0 if step else None,
         "total": time.time() - t0,
+        "cpu": _children_cpu() - cpu0,
     }
+
+
+def _children_cpu() -> float:
+    """User + system seconds of every child waited for so far, their own waited children included."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _median_range(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})"
 
 
 def main() -> int:
@@ -136,19 +151,15 @@ def main() -> int:
             flush=True,
         )
     print()
-    print("| root | scenario | spawn -> hello (s) | spawn -> first step (s) | runs |")
-    print("|---|---|---:|---:|---:|")
+    print("| root | scenario | spawn -> hello (s) | spawn -> first step (s) | spawn -> exit (s) | CPU (s) | runs |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for (ri, s), runs in res.items():
         ok = [r for r in runs if r["first_step"] is not None]
         if not ok:
-            print(f"| {ri} | {s} | failed | failed | 0 |")
+            print(f"| {ri} | {s} | failed | failed | failed | failed | 0 |")
             continue
-        h = [r["hello"] for r in ok]
-        f = [r["first_step"] for r in ok]
-        print(
-            f"| {ri} | {s} | {statistics.median(h):.1f} ({min(h):.1f}-{max(h):.1f}) | "
-            f"{statistics.median(f):.1f} ({min(f):.1f}-{max(f):.1f}) | {len(ok)} |"
-        )
+        cells = [_median_range([r[k] for r in ok]) for k in ("hello", "first_step", "total", "cpu")]
+        print(f"| {ri} | {s} | {' | '.join(cells)} | {len(ok)} |")
     print(f"\nlogs in {work}")
     return 0
 
