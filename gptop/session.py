@@ -242,10 +242,10 @@ class Session(SessionBase):
 
         `interrupted=False` is a planned end (e.g. --tune-only): the exit code stays 0."""
         sup = self.supervisor
-        if sup is not None and sup.alive() and self.state.completed:
-            # the trainer trained to its last step and is on its way out: the run is finished, not
-            # stopped (exit 0); a forced stop only shortens its teardown
-            if force:
+        if sup is not None and self.state.completed and (sup.alive() or sup.exiting):
+            # the trainer trained to its last step and is on its way out, or out with its exit not yet
+            # handled: the run is finished, not stopped (exit 0); a forced stop only shortens its teardown
+            if force and sup.alive():
                 self.killed_after_completion = True
                 sup.kill()
             return

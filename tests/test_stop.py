@@ -263,15 +263,15 @@ def test_a_stop_signal_before_the_session_runs_starts_nothing(tmp_path):
 
 
 class AliveTrainer:
-    """The supervisor of a trainer that said `done` and is still tearing down."""
+    """The supervisor of a trainer that said `done` and is still tearing down, or (`out`) that has exited and
+    whose exit is on its way to the session (its last events still draining)."""
 
-    exiting = False
-
-    def __init__(self):
+    def __init__(self, out: bool = False):
         self.calls: list[str] = []
+        self.exiting = out
 
     def alive(self) -> bool:
-        return True
+        return not self.exiting
 
     def request_stop(self, reason: str = "stop requested") -> None:
         self.calls.append("stop")
@@ -280,17 +280,19 @@ class AliveTrainer:
         self.calls.append("kill")
 
 
+@pytest.mark.parametrize("out", [False, True], ids=["tearing-down", "exit-in-flight"])
 @pytest.mark.parametrize("force", [False, True])
-def test_a_stop_after_the_trainer_finished_its_last_step_is_a_finished_run(tmp_path, force):
-    """q or SIGTERM between the trainer's `done` and its exit: the run is complete, exit 0, not 130."""
+def test_a_stop_after_the_trainer_finished_its_last_step_is_a_finished_run(tmp_path, force, out):
+    """q or SIGTERM between the trainer's `done` and the session's handling of its exit: the run is complete,
+    exit 0, not 130 -- while the trainer tears down, and after it exited but before its exit was handled."""
     cfg = TrainConfig()
     cfg.run.run_dir = str(tmp_path / "run")
     s = Session(cfg)
-    s.supervisor = AliveTrainer()
+    s.supervisor = AliveTrainer(out)
     s.state.apply(DoneEvent(step=3, tokens=768, seconds=1.0, reason="max_steps", checkpoint="c", time=1.0))
     s.stop(force=force)
-    assert s.supervisor.calls == (["kill"] if force else []) and not s.interrupted
-    s.handle_exit(-signal.SIGKILL if force else 0)
+    assert s.supervisor.calls == (["kill"] if force and not out else []) and not s.interrupted
+    s.handle_exit(-signal.SIGKILL if force and not out else 0)
     assert (s.state.status, s.wait(0)) == ("done", 0)
 
 
