@@ -1,10 +1,9 @@
 import sys
 
-from .process_costs import exit_without_teardown, pause_gc_for_startup, set_exit_code
+from .process_costs import pause_gc_for_startup, set_exit_code
 
-exit_without_teardown()  # first, so it runs after every exit handler torch and the run register
-pause_gc_for_startup()
+pause_gc_for_startup()  # before torch's import, which the next line starts
 
-from .worker_cli import main  # noqa: E402  (after the two above: they must precede torch's import)
+from .worker_cli import main  # noqa: E402
 
 sys.exit(set_exit_code(main()))

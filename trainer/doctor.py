@@ -30,6 +30,7 @@ import traceback
 from importlib import metadata
 from typing import Any
 
+from . import process_costs
 from .contract.doctor import PATHS, CheckResult, DevicePath, Outcome, Status
 
 LIBRARIES = (
@@ -301,4 +302,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(process_costs.set_exit_code(main()))  # then no interpreter teardown

@@ -42,6 +42,7 @@ from typing import Any, Callable
 import torch
 
 from . import checkpoint_files as ckpt
+from . import process_costs
 from .contract import protect, tools
 from .contract.config import ConfigError
 from .data import tokenizer_info
@@ -416,4 +417,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(process_costs.set_exit_code(main()))  # then no interpreter teardown

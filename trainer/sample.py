@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from . import process_costs
 from .contract import tools
 from .contract.tools import SampleResult
 from .export import EXIT_OK, tool_main
@@ -308,4 +309,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(process_costs.set_exit_code(main()))  # then no interpreter teardown
