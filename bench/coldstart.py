@@ -9,6 +9,7 @@ exit, and the CPU time gptop and its trainer used (user + system, what a loaded 
   resume           gptop --no-ui train --resume RUN ...            (restart from the run's checkpoint)
   train+compile    the same with --compile default, compile caches cold (empty inductor cache dir)
   resume+compile   restart with --compile default, caches as the first compiled run left them
+  export           gptop export RUN OUT of the fresh run (a tool: torch and transformers, no training)
 
 Repeats alternate the scenarios (and the checkouts, with several `--root`); medians and ranges are
 printed. `--root DIR` runs another checkout (e.g. `git archive` of an older commit) to measure "before":
@@ -85,14 +86,32 @@ def launch(
     }
 
 
+def export(root: Path, env: dict[str, str], log: Path, run_dir: Path, out: Path) -> dict[str, float | None]:
+    """`gptop export RUN OUT`: seconds to its exit and the CPU it and its tool used (no events to time)."""
+    cpu0 = _children_cpu()
+    t0 = time.time()
+    with open(log, "ab") as fh:
+        code = subprocess.run(
+            [sys.executable, "-m", "gptop", "export", str(run_dir), str(out)],
+            cwd=root,
+            env=env,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+        ).returncode
+    return {"code": code, "hello": None, "first_step": None, "total": time.time() - t0, "cpu": _children_cpu() - cpu0}
+
+
 def _children_cpu() -> float:
     """User + system seconds of every child waited for so far, their own waited children included."""
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r.ru_utime + r.ru_stime
 
 
-def _median_range(xs: list[float]) -> str:
-    return f"{statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})"
+def _median_range(xs: list[float | None]) -> str:
+    vals = [x for x in xs if x is not None]
+    if not vals or len(vals) < len(xs):
+        return "-"  # not timed in this scenario (an export has no hello or step)
+    return f"{statistics.median(vals):.1f} ({min(vals):.1f}-{max(vals):.1f})"
 
 
 def main() -> int:
@@ -110,7 +129,7 @@ def main() -> int:
     roots = [Path(r).resolve() for r in (args.root or [str(ROOT)])]
     setup = SETUP + extra
     work = Path(tempfile.mkdtemp(prefix="gptop-coldstart-"))
-    scen = ["train", "resume"] + ([] if args.no_compile else ["train+compile", "resume+compile"])
+    scen = ["train", "resume", "export"] + ([] if args.no_compile else ["train+compile", "resume+compile"])
     res: dict[tuple[int, str], list[dict]] = {(i, s): [] for i in range(len(roots)) for s in scen}
     print(f"setup {' '.join(setup)}", flush=True)
     for i, root in enumerate(roots):
@@ -145,6 +164,8 @@ def main() -> int:
             after=t_after,
         )
         res[(ri, "resume" + tag)].append(r2)
+        if not compiled:
+            res[(ri, "export")].append(export(roots[ri], env, log, run_dir, work / f"export-{ri}-{rep}"))
         print(
             f"repeat {rep + 1} root {ri}{tag}: train hello {r['hello']} first step {r['first_step']} | "
             f"resume hello {r2['hello']} first step {r2['first_step']}",
@@ -154,7 +175,7 @@ def main() -> int:
     print("| root | scenario | spawn -> hello (s) | spawn -> first step (s) | spawn -> exit (s) | CPU (s) | runs |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for (ri, s), runs in res.items():
-        ok = [r for r in runs if r["first_step"] is not None]
+        ok = [r for r in runs if r["code"] == 0 and (r["first_step"] is not None or s == "export")]
         if not ok:
             print(f"| {ri} | {s} | failed | failed | failed | failed | 0 |")
             continue

@@ -82,8 +82,9 @@ def test_resume_without_a_pause_changes_nothing(restored_gc):
     assert not gc.isenabled() and gc.get_freeze_count() == frozen
 
 
-def test_the_trainer_resumes_collection_once_its_model_is_built(tmp_path, restored_gc):
-    """The pause ends in startup, on every path to the loop: a run of weeks collects its garbage."""
+def test_the_trainer_resumes_collection_before_it_builds_its_model(tmp_path, restored_gc):
+    """The pause ends in startup, before the model, on every path to the loop: a run of weeks collects its
+    garbage."""
     from trainer import process_costs
 
     process_costs.pause_gc_for_startup()

@@ -103,7 +103,9 @@ def quiet_imports() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def _transformers():
+def import_transformers() -> Any:
+    """transformers with the model classes the families use, imported once (quietly): the trainer's last
+    heavy import, which its startup makes before building anything (trainer.process_costs)."""
     with quiet_imports():
         import transformers
 
@@ -167,7 +169,7 @@ def resolve_size(size: str, family: str, dev: DeviceInfo, **state_options: Any) 
 
 def hf_config(family: str, size: str, *, vocab_size: int, seq_len: int = 256, attention: str = "sdpa") -> Any:
     """The transformers config of a family at a size (`vocab_size` already padded)."""
-    transformers = _transformers()
+    transformers = import_transformers()
     d = SIZES[size]
     common = dict(
         vocab_size=vocab_size,
@@ -220,7 +222,7 @@ def hf_config(family: str, size: str, *, vocab_size: int, seq_len: int = 256, at
 
 
 def _model_class(family: str):
-    transformers = _transformers()
+    transformers = import_transformers()
     return transformers.DeepseekV3ForCausalLM if family == "deepseek" else transformers.LlamaForCausalLM
 
 
@@ -460,7 +462,7 @@ def _load_pretrained(
     dev: DeviceInfo | None = None,
 ) -> ModelBundle:
     """Fine-tune a local HF causal LM from its weights (no network); `quantize` (nf4, int8): a QLoRA base on `dev`."""
-    transformers = _transformers()
+    transformers = import_transformers()
     extra: dict[str, Any] = {}
     if quantize is not None:
         from .lora import quantization_config

@@ -19,9 +19,9 @@ _exit_code: int | None = None  # what the entry point returned, for the last exi
 
 
 def pause_gc_for_startup() -> None:
-    """Pause the cyclic garbage collector until `resume_gc` (the model is built). The imports and the build make
-    objects that live as long as the process and almost no cycles worth collecting, yet each collection they
-    trigger walks all of them again."""
+    """Pause the cyclic garbage collector until `resume_gc` (after the imports of torch and transformers and the
+    data, before the model is built). The imports make objects that live as long as the process and little
+    garbage, yet each collection their allocations trigger walks all of them again."""
     global _paused
     if gc.isenabled():
         gc.disable()
@@ -29,8 +29,11 @@ def pause_gc_for_startup() -> None:
 
 
 def resume_gc() -> None:
-    """End the startup pause: what startup made is frozen (the loop's collections and the exit no longer walk
-    it), then collection resumes. A no-op where the pause was not taken (a trainer inside another program)."""
+    """End the startup pause: what startup made is frozen (the loop's full collections no longer walk it; a
+    frozen object is still freed when its last reference goes), then collection resumes. Only the garbage cycles
+    made before this are never freed: the imports' small objects, a few megabytes once per process and no tensor
+    (BENCHMARKS.md §17). The model, a checkpoint and compiling come after it. A no-op where the pause was not
+    taken (a trainer inside another program)."""
     global _paused
     if _paused:
         _paused = False

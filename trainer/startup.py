@@ -23,7 +23,7 @@ from .contract.runlock import RunLock
 from .flops import peak
 from .inductor_cache import OwnCache
 from .memory import make_meter
-from .models import is_pretrained_path
+from .models import import_transformers, is_pretrained_path
 from .moe import MoEBalancer
 from .process_costs import resume_gc
 from .profiler import StepProfiler, report_written
@@ -145,8 +145,9 @@ class TrainerStartup:
             cfg, rank=self.rank, world=self.world, log=self.log, phase=self._tokenizing
         )
         self.phase("building", f"building {build.model_name(cfg)}")
+        import_transformers()  # the last heavy import, still without the GC's collections
+        resume_gc()  # the model, the checkpoint and compiling may make garbage worth collecting
         self.bundle = build.build_bundle(cfg, self.data, self.dev)
-        resume_gc()  # imports and the model are made; compiling makes garbage worth collecting
         self.raw_model = self.bundle.model.to(self.device)
         precision = build.build_precision(self.raw_model, cfg.toggles.precision, self.dev, self.parallel)
         self.autocast_dtype, self.scaler = precision.autocast_dtype, precision.scaler
