@@ -1,5 +1,5 @@
 """trainer.process_costs: a trainer process skips the interpreter's teardown after its exit handlers, and pauses
-the cyclic GC only while it imports and builds, so the training loop collects as any program does."""
+the cyclic GC only while it imports, so building the model and the training loop collect as any program does."""
 
 from __future__ import annotations
 

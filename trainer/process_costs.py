@@ -3,8 +3,9 @@ and transformers, and the interpreter's teardown of what they made. Both grow wi
 those imports create (millions), not with the run, so a short process (a tuner's trial, a resume, `gptop
 sample`) spends much of its time on them.
 
-Only a process's entry point (`python -m trainer`, the tools) pauses and exits this way; a trainer built inside
-another program (the tests, a notebook) leaves that program's garbage collector and exit alone.
+Only a process's entry point pauses and exits this way (`python -m trainer` both; the tools `python -m
+trainer.export`, `.sample` and `.doctor` the exit, their torch import being at their module's top); a trainer
+built inside another program (the tests, a notebook) leaves that program's garbage collector and exit alone.
 """
 
 from __future__ import annotations
@@ -45,13 +46,15 @@ def exit_without_teardown() -> None:
     """Make this process end right after its exit handlers, skipping the interpreter's teardown (freeing
     every module's objects one by one), once `set_exit_code` has recorded what the entry point returned.
 
-    Registered first, so it runs last: after every other exit handler (multiprocessing's joins, writers'
-    flushes) and after Python has joined the non-daemon threads. A process that ends by an exception (no code
-    recorded) tears down as usual, so its traceback and any buffered output are kept as Python would."""
+    Registered when the package is imported, before torch, so it runs last: after every other exit handler
+    (multiprocessing's joins, logging's flush, temporary directories' removal) and after Python has joined the
+    non-daemon threads. A process whose entry point recorded no code (a program that imports the trainer, an
+    entry that ended by an exception) tears down as usual, its traceback and buffered output kept."""
     atexit.register(_end_now)
 
 
 def set_exit_code(code: int) -> int:
+    """What the entry point returns, recorded for the last exit handler; returned for `sys.exit`."""
     global _exit_code
     _exit_code = code
     return code
