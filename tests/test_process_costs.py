@@ -92,3 +92,46 @@ def test_the_trainer_resumes_collection_before_it_builds_its_model(tmp_path, res
     code, events, _ = train_in_process(tmp_path / "run", "--model", "llama", "--max-steps", "1")
     assert code == 0 and events[-1].type == "done"
     assert gc.isenabled() and gc.get_freeze_count() > 0
+
+
+@pytest.mark.parametrize(
+    "argv, ours",
+    [
+        (["python", "-m", "trainer", "--max-steps", "2"], True),
+        (["python", "-u", "-m", "trainer", "--max-steps", "2"], True),  # torchrun's ranks
+        (["python", "-X", "importtime", "-W", "ignore", "-m", "trainer.export", "RUN", "OUT"], True),
+        (["python", "-m", "trainer.sample", "RUN"], True),
+        (["python", "-m", "trainer.doctor"], False),  # imports torch check by check: nothing to pause for
+        (["python", "-m", "gptop", "train"], False),
+        (["python", "-m", "pytest", "-m", "trainer"], False),  # the first -m is the one Python runs
+        (["python", "-c", "import trainer", "-m", "trainer"], False),
+        (["python", "script.py", "-m", "trainer"], False),
+        (["python", "-mtrainer"], False),  # a spelling not followed: no pause, nothing else
+        (["python", "-m"], False),
+    ],
+)
+def test_only_the_pausing_entry_points_pause_at_the_packages_import(argv, ours):
+    from trainer import process_costs
+
+    assert process_costs.started_as(process_costs.PAUSING_ENTRY_POINTS, argv) is ours
+
+
+def test_this_test_process_did_not_pause_when_it_imported_the_trainer():
+    import trainer  # noqa: F401
+
+    assert gc.isenabled()
+
+
+def test_a_tool_resumes_collection_when_it_loads_its_model(tmp_path, restored_gc):
+    """`python -m trainer.export` and `.sample` pause from the package's import; loading the model resumes."""
+    from trainer import process_costs
+    from trainer.contract import rundir
+    from trainer.model_loading import load_for_inference
+
+    code, _, run_dir = train_in_process(tmp_path / "run", "--model", "llama", "--max-steps", "1")
+    assert code == 0
+    process_costs.pause_gc_for_startup()
+    assert not gc.isenabled()
+    loaded = load_for_inference(run_dir, rundir.list_checkpoints(run_dir)[::-1], log=lambda _: None)
+    assert loaded.step == 1
+    assert gc.isenabled()

@@ -1,9 +1,6 @@
 import sys
 
-from .process_costs import pause_gc_for_startup, set_exit_code
-
-pause_gc_for_startup()  # before torch's import, which the next line starts
-
-from .worker_cli import main  # noqa: E402
+from .process_costs import set_exit_code
+from .worker_cli import main
 
 sys.exit(set_exit_code(main()))

@@ -16,7 +16,8 @@ from .contract import tools
 from .contract.config import ConfigError, FinetuneConfig, ModelConfig, TrainConfig, Toggles
 from .contract.rundir import CheckpointInfo, RunDir
 from .data import EOS, MASK, PAD, TokenizerInfo, data_fingerprint, tokenizer_info
-from .models import ModelBundle, build_model, quiet_imports
+from .models import ModelBundle, build_model, import_transformers, quiet_imports
+from .process_costs import resume_gc
 
 Log = Callable[[str], None]
 
@@ -66,6 +67,8 @@ def load_for_inference(
     tried; with `step_given` (the user chose it) it is an error naming --step instead."""
     from .device_probe import detect
 
+    import_transformers()  # a tool's last heavy import, still without the GC's collections
+    resume_gc()  # loading and checking the model may make garbage worth collecting
     dev = detect(device)
     if candidates is None:
         return _load_model_dir(Path(path), dev, log)
