@@ -104,8 +104,8 @@ def quiet_imports() -> Iterator[None]:
 
 
 def import_transformers() -> Any:
-    """transformers with the model classes the families use, imported once (quietly): the trainer's last
-    heavy import, which its startup makes before building anything (trainer.process_costs)."""
+    """transformers with the model classes the families use, imported once (quietly): the last heavy import of
+    the trainer's startup and of a tool's model loading, made before either builds a model (trainer.process_costs)."""
     with quiet_imports():
         import transformers
 
