@@ -129,8 +129,8 @@ def first_step_line(event: ProgressEvent, state: RunState) -> str | None:
     """`step 1/200 done in 12.3 s (warm-up included); a line every 10 steps`: the first progress event of a
     trainer process, so a run whose step lines come every N steps shows it is training; None when every
     step gets a line anyway."""
-    log_every = (state.config.get("log") or {}).get("log_every")
-    if not isinstance(log_every, int) or log_every <= 1 or event.step % log_every == 0:
+    log_every = state.hello.log_every if state.hello is not None else None
+    if log_every is None or log_every <= 1 or event.step % log_every == 0:
         return None
     total = state.total_steps
     took = f" in {event.step_ms / 1000:.1f} s (warm-up included)" if event.step_ms is not None else ""

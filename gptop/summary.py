@@ -152,7 +152,7 @@ def _checkpoints(
     """The newest checkpoint there is now (or why there is none); returns gptop's own that are kept."""
     with state.lock:
         written = state.checkpoints_written
-        every = (state.config.get("checkpoint") or {}).get("checkpoint_every")
+        every = state.hello.checkpoint_every if state.hello is not None else None
         ckpts = list(state.checkpoints)
     kept = rundir.list_checkpoints(run_dir) if run_dir and not command else []
     cut_short = message if how == "stopped" else None  # what a stop that cut the trainer short kept and lost

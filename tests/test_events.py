@@ -608,3 +608,20 @@ def test_the_hellos_estimate_and_the_tuners_best_cross_as_typed_records():
     assert isinstance(tuner.best.toggles, Toggles)
     assert tuner.best.toggles.micro_batch == 8 and tuner.best.toggles.precision == "bf16"
     assert json.loads(ev.dumps(tuner))["best"]["toggles"]["micro_batch"] == 8
+
+
+@pytest.mark.parametrize(
+    "config, want",
+    [
+        ({"optim": {"max_steps": 10}, "log": {"log_every": 5}, "checkpoint": {"checkpoint_every": 0}}, (10, 5, 0)),
+        ({}, (None, None, None)),  # gptop's record of a command's start, or a client that said nothing
+        ({"log": {"log_every": 2}}, (None, 2, None)),  # a client's program: what it reported
+        (
+            {"optim": {"max_steps": True}, "log": {"log_every": "5"}, "checkpoint": {"checkpoint_every": 2.5}},
+            (None,) * 3,
+        ),
+    ],
+)
+def test_the_hellos_reported_numbers_are_read_and_checked_in_one_place(config, want):
+    hello = dataclasses.replace(full_instances()[0], config=config)
+    assert (hello.max_steps, hello.log_every, hello.checkpoint_every) == want

@@ -204,9 +204,9 @@ def test_no_first_step_line_when_every_step_has_one():
     state = RunState()
     for e in startup_run("steps"):
         state.apply(e)
-    state.config["log"]["log_every"] = 1
+    state.hello.config["log"]["log_every"] = 1
     assert first_step_line(ev("progress", 1.0, step=1, tokens=1), state) is None
-    state.config["log"]["log_every"] = 10
+    state.hello.config["log"]["log_every"] = 10
     assert first_step_line(ev("progress", 1.0, step=10, tokens=1), state) is None  # a log step: its own line
     assert first_step_line(ev("progress", 1.0, step=1, tokens=1), state).startswith("step 1/200 done")
 

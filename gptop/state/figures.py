@@ -59,7 +59,7 @@ class StepFigures:
         with self.lock:
             if self.last_step is not None or self.live_step is None:
                 return None
-            every = (self.config.get("log") or {}).get("log_every")
+            every = self.hello.log_every if self.hello is not None else None
             step = self.live_step[1]
         return statistics.first_figures_at(step, every)
 

@@ -85,7 +85,6 @@ class RunState(StepFigures):
 
         # from hello
         self.hello: HelloEvent | None = None  # the latest
-        self.config: dict[str, dict[str, Any]] = {}
         self.device: DeviceInfo | None = None
         self.model: ModelInfo | None = None
         self.hellos = 0  # full hellos: > 1 after a restart / resume / applied toggles
@@ -214,7 +213,6 @@ class RunState(StepFigures):
     # --- event handlers -----------------------------------------------------
     def _on_hello(self, e: HelloEvent) -> None:
         self.hello = e
-        self.config = e.config
         if e.command is not None:  # gptop's record of a command's start; its client's hello follows
             self.command = e.command
         self.device = e.device

@@ -351,9 +351,9 @@ def expert_layer(load: list[list[float]] | None, layer: int) -> list[float]:
     return list(load[max(0, min(layer, len(load) - 1))])
 
 
-def first_figures_at(step: int, every: object) -> int | None:
+def first_figures_at(step: int, every: int | None) -> int | None:
     """The step at which a run at `step` logs its first step event with a log interval of `every` (the next
-    multiple of it); None for an interval that is not a positive int."""
-    if not isinstance(every, int) or every < 1:
+    multiple of it); None without a positive interval."""
+    if every is None or every < 1:
         return None
     return (step // every + 1) * every if step % every else step

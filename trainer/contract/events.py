@@ -184,7 +184,23 @@ class HelloEvent(Event):
 
     @property
     def max_steps(self) -> int | None:
-        v = (self.config.get("optim") or {}).get("max_steps")
+        """The step the run ends at, as the process reported it (None: not said, e.g. a script without one)."""
+        return self._reported_int("optim", "max_steps")
+
+    @property
+    def log_every(self) -> int | None:
+        """The interval of the process's step events (None: not said)."""
+        return self._reported_int("log", "log_every")
+
+    @property
+    def checkpoint_every(self) -> int | None:
+        """The process's checkpoint interval in steps (None: not said; a client's program saves on its own)."""
+        return self._reported_int("checkpoint", "checkpoint_every")
+
+    def _reported_int(self, section: str, key: str) -> int | None:
+        # `config` is what the process reported (a client's program sends a few sections): the one place its
+        # numbers are read and checked, so no consumer re-checks them
+        v = (self.config.get(section) or {}).get(key)
         return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
