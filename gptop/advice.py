@@ -14,9 +14,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from trainer.contract import capabilities
+from trainer.contract.config import Toggles
 from trainer.contract.device import DeviceInfo
 from trainer.contract.events import CompileWarning, CpuReading, GpuReading, ProfileEvent, WarningEvent
 
@@ -89,7 +90,7 @@ class _Evidence:
     """What the advice rests on, read off the state once."""
 
     pct: dict[str, float]  # each phase's share of the step
-    toggles: dict[str, Any]
+    toggles: Toggles | None  # None before a hello that says them: nothing known to be in use
     device: DeviceInfo | None
     cuda: bool
     accumulation: int | None
@@ -116,7 +117,7 @@ def _graphs_worth_trying(e: _Evidence) -> bool:
     """CUDA graphs (--compile reduce-overhead) are not in use and the device runs them well."""
     return bool(
         e.cuda
-        and e.toggles.get("compile") in (None, "off", "default")
+        and (e.toggles is None or e.toggles.compile in ("off", "default"))
         and capabilities.worth_trying("compile", "reduce-overhead", e.device, accumulation=e.accumulation or None)
     )
 
@@ -150,7 +151,7 @@ def _data(e: _Evidence) -> Advice | None:
     data = e.pct.get("data", 0.0)
     if data < DATA_PCT:
         return None
-    prefetch, workers = e.toggles.get("prefetch"), e.toggles.get("workers")
+    prefetch, workers = (e.toggles.prefetch, e.toggles.workers) if e.toggles is not None else (None, None)
     p = f" (now {prefetch})" if prefetch is not None else ""
     w = f" (now {workers})" if workers is not None else ""
     return Advice(
@@ -163,7 +164,7 @@ def _data(e: _Evidence) -> Advice | None:
 
 def _optimizer(e: _Evidence) -> Advice | None:
     opt = e.pct.get("optimizer", 0.0)
-    if opt < OPTIMIZER_PCT or e.toggles.get("fused_adamw", False):
+    if opt < OPTIMIZER_PCT or (e.toggles is not None and e.toggles.fused_adamw):
         return None
     return Advice(
         Concern.OPTIMIZER, f"optimizer is {opt:.0f}% of the step", "try --fused-adamw", (("fused_adamw", True),)
@@ -177,7 +178,7 @@ def _launch(e: _Evidence, graphs: bool) -> Advice | None:
     share = e.profile.short_kernel_share if e.cuda else e.profile.short_op_share
     if share is None or share < SHORT_SHARE:
         return None
-    if e.toggles.get("compile", "off") != "off" and not graphs:
+    if e.toggles is not None and e.toggles.compile != "off" and not graphs:
         return None
     launch = (
         f"{share:.0%} of the {'GPU time in kernels' if e.cuda else 'step in operators'} under 10 µs "
@@ -224,9 +225,9 @@ def _compute(e: _Evidence) -> Advice | None:
         return None
     t, dev = e.toggles, e.device
     tips: list[tuple[str, object]] = []
-    if t.get("compile", "off") == "off" and capabilities.worth_trying("compile", "default", dev):
+    if (t is None or t.compile == "off") and capabilities.worth_trying("compile", "default", dev):
         tips.append(("compile", "default"))
-    if t.get("precision", "fp32") in ("fp32", "tf32") and capabilities.worth_trying("precision", "bf16", dev):
+    if (t is None or t.precision in ("fp32", "tf32")) and capabilities.worth_trying("precision", "bf16", dev):
         tips.append(("precision", "bf16"))
     if not tips:
         return Advice(Concern.COMPUTE, f"compute-bound: forward+backward are {compute:.0f}% of the step", "")

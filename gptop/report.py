@@ -220,7 +220,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         out.update(
             model=to_dict(hello.model),
             device=hello.device.name,
-            toggles=hello.toggles,
+            toggles=hello.reported_toggles,  # as the process said them: a client's program says few
             peak_flops=hello.peak_flops,
             peak_source=hello.peak_source,
             mfu_is_estimate=hello.mfu_is_estimate,

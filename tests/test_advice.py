@@ -66,3 +66,30 @@ def test_a_throttled_gpu_is_named():
     s = fed(hello(), step(1, 1.0, PH), ev("device", 2.0, mode="gpu", devices=[reading]))
     assert Concern.THROTTLE in concerns(s)
     assert "sw thermal" in next(a for a in s.advice() if a.concern is Concern.THROTTLE).evidence
+
+
+def client_hello(config: dict, command: bool = True):
+    """A probe client's hello (it reports its precision and little else), after gptop's record of the start."""
+    base = hello()
+    start = ev("hello", 0.0, early=True, config={}, device=base.device.to_dict(), model={}, command=["python", "t.py"])
+    said = ev("hello", 0.1, config=config, device=base.device.to_dict(), model={}, client="probe")
+    return (start, said) if command else (said,)
+
+
+def test_a_clients_program_is_taken_to_run_at_pytorchs_defaults_where_it_did_not_say():
+    """A probe client says only its precision: its optimizer is not known to be fused, nor its model compiled,
+    so an optimizer-bound or launch-bound step is still named (without a gptop flag to try: not its program)."""
+    s = fed(
+        *client_hello({"toggles": {"precision": "fp32"}, "log": {"log_every": 1}}),
+        step(1, 1.0, {**PH, "optimizer": 35.0, "forward": 25.0, "backward": 30.0}),
+    )
+    items = {a.concern: a for a in s.advice()}
+    assert items[Concern.OPTIMIZER].evidence == "optimizer is 35% of the step"
+    assert items[Concern.OPTIMIZER].action == "" and items[Concern.OPTIMIZER].toggles == ()
+    assert s.precision_label() == "fp32"
+
+
+def test_before_a_client_says_its_toggles_nothing_is_claimed():
+    start, _ = client_hello({})
+    s = fed(start)
+    assert s.toggles is None and s.precision_label() is None and s.toggle_diff(None) == {}

@@ -625,3 +625,22 @@ def test_the_hellos_estimate_and_the_tuners_best_cross_as_typed_records():
 def test_the_hellos_reported_numbers_are_read_and_checked_in_one_place(config, want):
     hello = dataclasses.replace(full_instances()[0], config=config)
     assert (hello.max_steps, hello.log_every, hello.checkpoint_every) == want
+
+
+def test_the_hellos_toggles_are_decoded_once_over_what_the_process_ran_at():
+    from trainer.contract.client import PLAIN_PYTORCH
+
+    own = dataclasses.replace(full_instances()[0], config={"toggles": {"precision": "fp32", "micro_batch": "8"}})
+    assert own.toggles is own.toggles  # decoded once, then read
+    # gptop's own trainer: what an older one did not name ran at Toggles()'s default; "8" as an older one wrote it
+    assert own.toggles == dataclasses.replace(Toggles(), precision="fp32", micro_batch=8)
+    assert "toggles" not in ev.to_dict(own) and json.loads(ev.dumps(own))["config"] == own.config  # not on the wire
+    # a client's program: PyTorch's own defaults under what it said
+    client = dataclasses.replace(own, client="probe", config={"toggles": {"precision": "bf16"}})
+    assert client.toggles == dataclasses.replace(PLAIN_PYTORCH, precision="bf16")
+    assert client.reported_toggles == {"precision": "bf16"}  # the record, as said
+    # a newer trainer's toggle, or a value this version cannot take, is read past, not refused
+    newer = dataclasses.replace(own, config={"toggles": {"precision": "fp9", "compile": "default", "warp": 1}})
+    assert newer.toggles == dataclasses.replace(Toggles(), compile="default")
+    # gptop's record of a command's start says no toggles
+    assert dataclasses.replace(own, config={}).toggles is None

@@ -95,9 +95,9 @@ def test_an_auto_run_records_what_it_resolved_to(tmp_path, monkeypatch, native, 
     code, events, run_dir = _run(tmp_path, monkeypatch, "--max-steps", "1", native=native)
     assert code == 0
     hello = _hello(events)
-    assert hello.toggles["precision"] == expected and "precision" in hello.auto
+    assert hello.toggles.precision == expected and "precision" in hello.auto
     early = [e for e in events if e.type == "hello" and e.early][0]
-    assert early.toggles["precision"] == expected  # the estimate is made for the resolved precision too
+    assert early.toggles.precision == expected  # the estimate is made for the resolved precision too
     assert f'precision = "{expected}"' in (run_dir / "config.toml").read_text()
 
 
@@ -110,14 +110,14 @@ def test_a_resume_keeps_the_resolved_precision_on_another_device(tmp_path, monke
     )
     assert code == 0
     hello = _hello(events)
-    assert hello.toggles["precision"] == "bf16" and hello.auto == []  # resolved once, kept by the run
+    assert hello.toggles.precision == "bf16" and hello.auto == []  # resolved once, kept by the run
 
 
 def test_an_explicit_precision_is_not_called_auto(tmp_path, monkeypatch):
     code, events, _ = _run(tmp_path, monkeypatch, "--max-steps", "1", "--precision", "fp32", native=True)
     assert code == 0
     hello = _hello(events)
-    assert hello.toggles["precision"] == "fp32" and "precision" not in hello.auto
+    assert hello.toggles.precision == "fp32" and "precision" not in hello.auto
 
 
 def _hello_ev(precision, auto=()):

@@ -72,7 +72,7 @@ def test_hello_sets_config_device_model_and_total_steps():
     assert s.total_steps == 500
     assert s.device.name == "NVIDIA H100" and s.device.capability == (9, 0)
     assert s.model.family == "llama"
-    assert s.toggles["compile"] == "off"
+    assert s.toggles.compile == "off"
     assert s.step is None and s.eta() is None and s.progress() is None
 
 
@@ -276,10 +276,10 @@ def test_hints_only_name_toggles_that_apply():
 
 def test_applied_toggles_feed_the_hint():
     s = fed(hello(), step(1, 1.0, PH), ev("apply", 2.0, toggles={"compile": "default"}))
-    assert s.toggles["compile"] == "default"
+    assert s.toggles.compile == "default"
     assert "--compile" not in s.bottleneck_hint()
     s.apply(hello())  # the restarted trainer says what is in force
-    assert s.toggles["compile"] == "off"
+    assert s.toggles.compile == "off"
 
 
 # --- time ------------------------------------------------------------------------
@@ -550,8 +550,9 @@ def test_tuner_budget_runs_down_between_its_events():
 
 def test_toggle_diff_is_against_what_the_run_started_with():
     s = fed(hello(), ev("apply", 1.0, toggles={"compile": "default"}), hello(compile="default"))
-    assert s.initial_toggles["compile"] == "off" and s.toggles["compile"] == "default"
-    full = dict(s.initial_toggles, compile="default", fused_adamw=True)
+    assert s.initial_toggles is not None and s.toggles is not None
+    assert s.initial_toggles.compile == "off" and s.toggles.compile == "default"
+    full = dataclasses.replace(s.initial_toggles, compile="default", fused_adamw=True)
     assert s.toggle_diff(full) == {"compile": "default", "fused_adamw": True}
     assert s.toggle_diff(s.initial_toggles) == {}
 
@@ -656,7 +657,7 @@ def test_the_early_hello_is_not_a_restart_and_carries_the_estimate():
         s.estimate is not None
         and s.estimate_line() == "~14.8 GiB (optimizer 6.6 GiB), ~1.8 min per step, ~6.1 h for 200 steps (estimate)"
     )
-    assert s.initial_toggles["micro_batch"] == 2  # from the full hello, not "auto"
+    assert s.initial_toggles.micro_batch == 2  # from the full hello, not "auto"
     early = fed(*startup_run("building"))
     assert early.hellos == 0 and early.hello.early and early.total_steps == 200
     assert model_summary(early.model) == "deepseek medium · 887.4M params (344.8M active)"

@@ -7,6 +7,7 @@ committing (tests/__snapshots__/test_ui/)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import re
 import threading
@@ -941,7 +942,7 @@ def test_tuner_header_and_best_are_the_tuners_own():
     state = build_state("gpu", measuring="samples")
     best = {
         "number": 3,
-        "toggles": dict(state.initial_toggles, fused_adamw=True),
+        "toggles": dict(dataclasses.asdict(state.initial_toggles), fused_adamw=True),
         "tokens_per_s": 36000.0,
         "spread": 400.0,
         "speedup": 1.31,
@@ -952,7 +953,7 @@ def test_tuner_header_and_best_are_the_tuners_own():
             "trial",
             state.last_time - T0 + 0.5,
             number=9,
-            toggles=dict(state.initial_toggles, prefetch=0),
+            toggles=dict(dataclasses.asdict(state.initial_toggles), prefetch=0),
             status="cut",
             tokens_per_s=90000.0,
             spread=41000.0,

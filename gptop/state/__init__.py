@@ -21,7 +21,7 @@ One concern per module:
 - formatting: numbers, durations, toggles, the model and the run in the views' short forms.
 """
 
-from .autotuner import TOGGLE_DEFAULTS, TunerState, toggle_diff
+from .autotuner import TunerState, toggle_diff
 from .formatting import (
     fmt_bytes,
     fmt_duration,
@@ -52,7 +52,6 @@ __all__ = [
     "LOW_SM_SHARE",
     "SLOWING_REASONS",
     "STEP_SERIES",
-    "TOGGLE_DEFAULTS",
     "Pace",
     "RunState",
     "Series",

@@ -11,8 +11,6 @@ from trainer.contract.config import Toggles
 from trainer.contract.events import ApplyEvent, MeasureProgress, TrialEvent, TunerBest, TunerEvent
 from trainer.contract.states import TrialStatus, TunerPhase
 
-TOGGLE_DEFAULTS = dataclasses.asdict(Toggles())  # what a toggle a start does not name ran at
-
 
 @dataclass
 class TunerState:
@@ -74,10 +72,13 @@ class TunerState:
         return max(0.0, self.budget_left_s - max(0.0, now - self.budget_at))
 
 
-def toggle_diff(toggles: Toggles | dict[str, Any] | None, initial: dict[str, Any] | None) -> dict[str, Any]:
-    """The toggles that differ from what the run started with (`initial`; trial and apply events carry all); a
-    toggle the start does not name (an older trainer's hello) ran at its default."""
-    if isinstance(toggles, Toggles):
-        toggles = dataclasses.asdict(toggles)
-    base = {**TOGGLE_DEFAULTS, **initial} if initial else {}
-    return {k: v for k, v in (toggles or {}).items() if k not in base or base[k] != v}
+def toggle_diff(toggles: Toggles | None, initial: Toggles | None) -> dict[str, Any]:
+    """The toggles that differ from what the run started with (`initial`; trial and apply events carry all);
+    every toggle without a start to compare with."""
+    if toggles is None:
+        return {}
+    now = dataclasses.asdict(toggles)
+    if initial is None:
+        return now
+    base = dataclasses.asdict(initial)
+    return {k: v for k, v in now.items() if base[k] != v}

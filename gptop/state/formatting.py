@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gptop.energy import unavailable_reason
+from trainer.contract.config import Toggles
 from trainer.contract.events import DeviceEvent, EstimateInfo, HelloEvent, MeasureProgress, ModelInfo, TrialEvent
 from trainer.contract.states import RunStatus, TrialKind
 
@@ -191,17 +192,15 @@ def startup_line(state: RunState) -> str | None:
         return line
 
 
-def precision_label(hello: HelloEvent | None, toggles: dict[str, Any]) -> str | None:
+def precision_label(hello: HelloEvent | None, toggles: Toggles | None) -> str | None:
     """What the run computes in, given the `toggles` in force: 'auto -> bf16' while the precision the trainer
-    resolved from auto is in force, else the precision ('fp16' after the tuner applied it); None before the
-    hello."""
-    if hello is None:
+    resolved from auto is in force, else the precision ('fp16' after the tuner applied it); None before a
+    hello that says it."""
+    if hello is None or toggles is None:
         return None
-    precision = toggles.get("precision")
-    if precision is None:
-        return None
-    auto = "precision" in hello.auto and precision == hello.toggles.get("precision")
-    return f"auto -> {precision}" if auto else str(precision)
+    precision = toggles.precision
+    auto = "precision" in hello.auto and hello.toggles is not None and precision == hello.toggles.precision
+    return f"auto -> {precision}" if auto else precision
 
 
 def energy_reason(steps: int, samples: list[DeviceEvent]) -> str:

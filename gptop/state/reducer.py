@@ -7,7 +7,6 @@ briefly).
 
 from __future__ import annotations
 
-import dataclasses
 import shlex
 import threading
 from collections import deque
@@ -96,7 +95,7 @@ class RunState(StepFigures):
         self.live_step: tuple[float, int, int] | None = None  # (time, step, tokens) of the latest progress/step
         self._progress_ms: float | None = None  # the latest progress event's step time (host)
         self.stepped = False  # this trainer process has done a step (a stop then checkpoints)
-        self.initial_toggles: dict[str, Any] | None = None  # what the run started with
+        self.initial_toggles: Toggles | None = None  # what the run started with
         self.start_time: float | None = None  # time of the earliest event
         self.watching: int | None = None  # pid of a run watched, not started (an attached monitor); None once ended
         self.observer = False  # a monitor: q only leaves, and only the run's channel acts on it
@@ -136,7 +135,7 @@ class RunState(StepFigures):
         self.alerts: deque[AlertEvent] = self.alertbook.events
 
         self.tuner = TunerState()
-        self._applied: dict[str, Any] = {}  # toggles applied since the last hello
+        self._applied: Toggles | None = None  # the toggles the tuner applied since the last hello
         self._stepped_precision: str | None = None  # precision_label() while the last process made steps
         self.profile: ProfileEvent | None = None  # the newest profile window's summary (the primary rank's)
         self.recompiles: deque[WarningEvent] = deque(maxlen=50)  # the compile watchdog's warnings
@@ -232,7 +231,7 @@ class RunState(StepFigures):
         self.startup_since = e.time
         self.hellos += 1
         self.end_time = None  # a new trainer process: the run goes on
-        self._applied = {}
+        self._applied = None
         self._timing.restart(built=True)
         self._bump("run", "step")
 
@@ -345,7 +344,7 @@ class RunState(StepFigures):
 
     def _on_apply(self, e: ApplyEvent) -> None:
         self.tuner.applied.append(e)
-        self._applied.update(dataclasses.asdict(e.toggles))
+        self._applied = e.toggles
         if self.stepped:
             self._stepped_precision = self.precision_label()
         self._bump("tuner", "run")
@@ -410,11 +409,12 @@ class RunState(StepFigures):
         return formatting.estimate_is_slow(self.estimate)
 
     @property
-    def toggles(self) -> dict[str, Any]:
-        """The toggles in force: the last applied ones over the hello config."""
-        t = self.hello.toggles if self.hello else {}
-        t.update(self._applied)
-        return t
+    def toggles(self) -> Toggles | None:
+        """The toggles in force: the last applied ones (an apply event carries all), else the hello's; None
+        before a hello that says them."""
+        if self._applied is not None:
+            return self._applied
+        return self.hello.toggles if self.hello else None
 
     def precision_label(self, of_steps: bool = False) -> str | None:
         """What the run computes in: 'auto -> bf16' while the precision the trainer resolved from auto is in
@@ -425,9 +425,8 @@ class RunState(StepFigures):
             return self._stepped_precision
         return formatting.precision_label(self.hello, self.toggles)
 
-    def toggle_diff(self, toggles: Toggles | dict[str, Any] | None) -> dict[str, Any]:
-        """The toggles that differ from what the run started with (trial and apply events carry all); a toggle
-        the start does not name (an older trainer's hello) ran at its default."""
+    def toggle_diff(self, toggles: Toggles | None) -> dict[str, Any]:
+        """The toggles that differ from what the run started with (trial and apply events carry all)."""
         return autotuner.toggle_diff(toggles, self.initial_toggles)
 
     def command_line(self) -> str | None:

@@ -32,6 +32,14 @@ TUNE_ENV = "GPTOP_TUNE"  # "1": `gptop tune -- CMD` tunes this program (it must 
 TOGGLES_ENV = "GPTOP_TOGGLES"  # the toggles this process runs with (JSON of Toggles); unset: its own
 
 
+# What gptop takes a client's program to run with where its hello does not say (a probe or Lightning client
+# reports only its precision): PyTorch's own defaults, none of gptop's speed-ups. The transformers callback
+# reports every toggle; gptop's own trainer too, and a toggle an older trainer did not name ran at Toggles()'s.
+PLAIN_PYTORCH = Toggles(
+    precision="fp32", compile="off", prefetch=0, workers=0, fused_adamw=False, activation_checkpointing=False
+)
+
+
 class ClientKind(str, enum.Enum):
     """The integration that speaks for a process (a hello event's `client`); gptop's own trainer has none."""
 

@@ -467,6 +467,20 @@ def section_from_dict(cls: type, values: dict[str, Any]) -> Any:
     return getattr(TrainConfig.from_dict({name: values}), name)
 
 
+def section_as_reported(base: Any, values: dict[str, Any]) -> Any:
+    """`base` (a section, e.g. `Toggles`) with the values a process reported over it, each converted and checked
+    as `section_from_dict` does; a key this version does not know, or a value it cannot take, keeps `base`'s
+    (a newer trainer's or a foreign program's record is read, never refused)."""
+    name = next(n for n, c in SECTIONS.items() if c is type(base))
+    out = dataclasses.replace(base)
+    for key, value in values.items():
+        try:
+            setattr(out, key, getattr(getattr(TrainConfig.from_dict({name: {key: value}}), name), key))
+        except ConfigError:
+            continue
+    return out
+
+
 def parse_step_range(text: str) -> tuple[int, int]:
     try:
         a, b = (int(x) for x in text.split("-"))

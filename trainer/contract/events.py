@@ -34,6 +34,7 @@ lists and mappings as read-only too.
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import math
 import time as _time
@@ -42,7 +43,8 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator
 
 from .codec import Form
-from .config_schema import Toggles
+from .client import PLAIN_PYTORCH
+from .config_schema import Toggles, section_as_reported
 from .device import DeviceInfo
 from .event_codec import CODEC, MalformedEvent
 from .event_records import (
@@ -169,11 +171,21 @@ class HelloEvent(Event):
     # all through its config; a probe or Lightning client none).
     tunable: list[str] | None = None
 
+    @functools.cached_property
+    def toggles(self) -> Toggles | None:
+        """The toggles this process runs with, decoded once; None where its hello reports none (gptop's record
+        of a command's start, before its client's hello). What it did not report is what it ran at:
+        `Toggles()`'s for gptop's own trainer (an older trainer names fewer), PyTorch's own for a client's
+        program (trainer.contract.client.PLAIN_PYTORCH)."""
+        reported = self.config.get("toggles")
+        if reported is None:
+            return None
+        return section_as_reported(PLAIN_PYTORCH if self.client is not None else Toggles(), reported)
+
     @property
-    def toggles(self) -> dict[str, Any]:
-        """The toggles this process runs with."""
-        t = self.config.get("toggles")
-        return dict(t) if isinstance(t, dict) else {}
+    def reported_toggles(self) -> dict[str, Any]:
+        """The toggles as the process reported them (a client's program: only what it knows), for a record."""
+        return dict(self.config.get("toggles") or {})
 
     @property
     def mfu_is_estimate(self) -> bool:
