@@ -45,6 +45,7 @@ events.jsonl, so a replay or `gptop report` sees the tuning as it happened.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 import queue
 import threading
@@ -54,6 +55,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from trainer.contract import events as ev
 from trainer.contract.config import AUTO, Toggles, TrainConfig
 from trainer.contract.states import TrialOutcome
+from tuner.measure import TrialStop
 
 from .advice import tries as advice_tries
 from .trial_processes import TEST_FAULT_ENV, TrialProcesses, parse_test_fault
@@ -66,7 +68,17 @@ if TYPE_CHECKING:
     from .state import RunState
     from .supervisor import Supervisor
 
-STEADY = ("done", "prune", "budget", "timeout")
+STEADY = frozenset(TrialStop)  # a healthy trial's stops: its steps are kept (or rolled back by choice)
+
+
+class MeasureEnd(enum.StrEnum):
+    """Why the driver stopped measuring a trial for a reason of the session's, not the controller's."""
+
+    ABORT = "abort"  # the `t` key: decide on what was measured, train on
+    INTERRUPTED = "interrupted"  # the run was interrupted
+    FINISHED = "finished"  # the trainer reached --max-steps during the trial
+
+
 PACE_STEPS = 50  # the recent step events whose median pace a `t` key plans on
 
 
@@ -403,13 +415,13 @@ class TuningDriver:
         outcome, reason = self._measure(ctl)
         if restore_log is not None:
             procs.log_every(restore_log)
-        if outcome == "abort":  # the `t` key: decide on what was measured, train on
+        if outcome is MeasureEnd.ABORT:
             if not action.keep_steps:  # its fresh optimizer state must not become the run's
                 procs.rollback(pre)
             self._conclude(ctl.stop_early(reason, rolled_back=not action.keep_steps))
             return False
-        if outcome in ("interrupted", "finished"):
-            if outcome == "finished" and ctl.in_trial:
+        if outcome in (MeasureEnd.INTERRUPTED, MeasureEnd.FINISHED):
+            if outcome is MeasureEnd.FINISHED and ctl.in_trial:
                 ctl.finish_trial(TrialOutcome.OK)  # its steps are the run's last: kept
             ctl.abort(reason)
             self._publish()
@@ -420,7 +432,8 @@ class TuningDriver:
         elif outcome in STEADY:  # measured; rolled back so the run keeps its optimizer state
             ctl.finish_trial(TrialOutcome.OK, rollback=procs.rollback(pre))
         else:
-            ctl.finish_trial(TrialOutcome(outcome), reason, rollback=procs.rollback(pre))
+            assert isinstance(outcome, TrialOutcome)
+            ctl.finish_trial(outcome, reason, rollback=procs.rollback(pre))
         self._publish()
         if ctl.study is not self.study:  # the start ran out of memory: memory is the constraint
             self.study = ctl.study
@@ -450,12 +463,12 @@ class TuningDriver:
             return "the run reached --max-steps while tuning"
         return "the trainer stopped while tuning"
 
-    def _measure(self, ctl: "TuneController") -> tuple[str, str]:
-        """Feed events to the controller until the trial should stop; returns (stop kind, reason)."""
+    def _measure(self, ctl: "TuneController") -> tuple[MeasureEnd | TrialStop | TrialOutcome, str]:
+        """Feed events to the controller until the trial should stop; returns (why it stopped, reason)."""
         while True:
             item = self._next()
             if self._abort:
-                return "abort", self._abort
+                return MeasureEnd.ABORT, self._abort
             if item is not None:
                 kind, payload = item
                 if kind == "event":
@@ -464,12 +477,12 @@ class TuningDriver:
                 elif kind == "exit":
                     stop = ctl.trial_should_stop()
                     if self.session.interrupted:
-                        return "interrupted", "the run was interrupted"
+                        return MeasureEnd.INTERRUPTED, "the run was interrupted"
                     if stop and stop not in STEADY:
                         return stop, ""
                     if payload == 0 and self._complete:
-                        return "finished", "the run reached --max-steps while tuning"
-                    return "crash", f"the trainer exited with code {payload} during the trial"
+                        return MeasureEnd.FINISHED, "the run reached --max-steps while tuning"
+                    return TrialOutcome.CRASH, f"the trainer exited with code {payload} during the trial"
             stop = ctl.trial_should_stop()
             if stop:
                 return stop, ""

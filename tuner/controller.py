@@ -57,7 +57,7 @@ from .actions import Action, Apply, Done, FindMicroBatch, Remeasure, RunTrial
 from .budget import Budget
 from .decide import Decision, hopeless, should_prune
 from .economics import Ledger
-from .measure import LossGuard, LossTrend, Measurement, RunPace
+from .measure import LossGuard, LossTrend, Measurement, RunPace, TrialStop
 from .proposals import AdviceTry
 from .schedule import Schedule
 from .settings import TunerSettings
@@ -175,8 +175,8 @@ class TuneController:
         return self._active.measure.step_ms if self._active is not None else math.nan
 
     @property
-    def trial_stop(self) -> str | None:
-        """Why the running trial stopped measuring ("done", "prune", "budget", "timeout"), or None."""
+    def trial_stop(self) -> TrialStop | None:
+        """Why the running trial stopped measuring, or None."""
         return self._active.stop if self._active is not None else None
 
     @property
@@ -293,26 +293,26 @@ class TuneController:
             self.study.touch(a.proposal)
             a.last_touch = self.clock()
 
-    def trial_should_stop(self) -> str | None:
-        """None to go on; "done" (measured or capped), "prune" (clearly slower), "budget" (out of time):
-        stop and keep the steps; a failure kind ("nan", "diverged", "oom", ...): stop and roll back."""
+    def trial_should_stop(self) -> TrialStop | TrialOutcome | None:
+        """None to go on; a TrialStop other than TIMEOUT (which it answers as DONE): stop and keep the steps; a
+        failure (TrialOutcome: nan, diverged, oom, ...): stop and roll back."""
         a = self._active
         if a is None:
             return None
         if a.failure:
             return a.failure[0]
         if a.measure.done:
-            a.stop = "done"
+            a.stop = TrialStop.DONE
         elif self.budget.expired() or (self.budget.started and self.budget.left() <= self.switch_reserve_s):
-            a.stop = "budget"
+            a.stop = TrialStop.BUDGET
         elif a.kind is TrialKind.TRIAL and (
             should_prune(a.measure, self.best_this_run(), self.settings.prune_margin)
             or hopeless(a.measure, self.best_this_run())
         ):
-            a.stop = "prune"
+            a.stop = TrialStop.PRUNE
         elif self.clock() - a.start > self.trial_timeout_s:
-            a.stop = "timeout"
-            return "done"
+            a.stop = TrialStop.TIMEOUT
+            return TrialStop.DONE
         return a.stop
 
     # --- the state machine --------------------------------------------------------------

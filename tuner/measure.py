@@ -41,9 +41,27 @@ import math
 from collections import deque
 from dataclasses import dataclass
 from statistics import NormalDist, median
+import enum
 from typing import Any, Callable, Iterable
 
 from trainer.contract.events import finite_or_none
+
+
+class MeasureDone(enum.StrEnum):
+    """Why a measurement has enough (`Measurement.done_reason`; its word is stored in a trial's summary)."""
+
+    STABLE = "stable"  # the estimate's interval is within the target
+    MAX_STEPS = "max_steps"  # the step cap
+    MAX_SECONDS = "max_seconds"  # the time cap
+
+
+class TrialStop(enum.StrEnum):
+    """Why the controller stops a healthy trial's measurement (a failure stops it as its TrialOutcome)."""
+
+    DONE = "done"  # measured (or capped): keep the steps
+    PRUNE = "prune"  # clearly slower than the best
+    BUDGET = "budget"  # the tuning budget ran out
+    TIMEOUT = "timeout"  # longer than a trial may take
 
 
 def median_ci(values: Iterable[float], conf: float = 0.95) -> tuple[float, float, float]:
@@ -187,16 +205,16 @@ class Measurement:
         return est > 0 and (hi - lo) / 2 <= self.rel_ci * est
 
     @property
-    def done_reason(self) -> str | None:
+    def done_reason(self) -> MeasureDone | None:
         if self.stable:
-            return "stable"
+            return MeasureDone.STABLE
         if self.steps >= self.max_steps:
-            return "max_steps"
+            return MeasureDone.MAX_STEPS
         if self.samples and self.seconds >= self.max_seconds:
             # a cap with nothing to estimate from is no measurement: slow steps get a few more samples
             # (enough for three kept ones), up to three times the cap
             if len(self.samples) >= self.skip + 6 or self.seconds >= 3 * self.max_seconds:
-                return "max_seconds"
+                return MeasureDone.MAX_SECONDS
         return None
 
     @property
@@ -271,20 +289,20 @@ class Measurement:
             return f"±{share:.1%} on {n} samples, too few to trust (stable is {target} on {self.min_steps})"
         return f"still ±{share:.1%} noisy (stable is {target})"
 
-    def stop_words(self, why: str | None) -> str:
-        """Why a measurement ended, in words: `why` is `done_reason` or the controller's stop ("budget",
-        "timeout", "prune"); never an internal name."""
+    def stop_words(self, why: MeasureDone | TrialStop | None) -> str:
+        """Why a measurement ended, in words: `why` is `done_reason` or the controller's stop; never an
+        internal name."""
         warm = "" if self.warmed_up else " before the warm-up ended"
-        if why == "stable":
+        if why == MeasureDone.STABLE:
             est, spread = self.estimate
             return f"stable after {len(self.kept)} samples: ±{spread / est:.1%}"
-        if why == "max_seconds":
+        if why == MeasureDone.MAX_SECONDS:
             return f"stopped measuring after {self.seconds:.0f} s{warm}: {self.noise_words()}"
-        if why == "max_steps":
+        if why == MeasureDone.MAX_STEPS:
             return f"stopped measuring after {self.steps} steps{warm}: {self.noise_words()}"
-        if why == "budget":
+        if why == TrialStop.BUDGET:
             return f"the tuning budget ran out after {self.seconds:.0f} s of measuring{warm}: {self.noise_words()}"
-        if why == "timeout":
+        if why == TrialStop.TIMEOUT:
             return f"took longer than a trial may ({self.seconds:.0f} s){warm}: {self.noise_words()}"
         return f"stopped after {self.steps} steps{warm}: {self.noise_words()}"
 

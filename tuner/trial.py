@@ -18,7 +18,7 @@ from trainer.contract.events import CompileWarning, ErrorEvent, MeasureProgress,
 from trainer.contract.states import TRIAL_FAILURES, TrialKind, TrialOutcome, TrialStatus
 
 from .actions import Remeasure, RunTrial
-from .measure import LossGuard, Measurement
+from .measure import LossGuard, Measurement, TrialStop
 from .study import Proposal
 
 # a compile that recompiled at this many distinct steps of one measurement (or fell back to eager) kept
@@ -53,7 +53,7 @@ class ActiveTrial:
     strict: bool  # numerics-changing: its loss must stay within the run's trend
     arrivals: list[float] = field(default_factory=list)
     losses: list[tuple[int, float]] = field(default_factory=list)
-    stop: str | None = None
+    stop: TrialStop | None = None
     failure: tuple[TrialOutcome, str] | None = None
     last_touch: float = 0.0
     oom_mem: int | None = None  # the peak an out-of-memory error reported (no step event may have come)
@@ -88,7 +88,7 @@ class ActiveTrial:
     @property
     def still_compiling(self) -> bool:
         """Cut for time before a single kept sample, with a compile on: its compile mode is too slow here."""
-        return self.stop == "timeout" and not self.measure.kept and self.toggles.compile != "off"
+        return self.stop == TrialStop.TIMEOUT and not self.measure.kept and self.toggles.compile != "off"
 
     def progress(self) -> MeasureProgress:
         """How far the measurement is: samples collected of those needed, the estimate and its spread."""
@@ -159,7 +159,7 @@ class ActiveTrial:
             summary["peak_mem"] = max(summary.get("peak_mem") or 0, self.oom_mem)
         restart = self.action.restart
         overhead = self.overhead_s() if restart else None  # a restart's cost: only where there was one
-        if overhead is None and self.stop == "timeout" and restart:
+        if overhead is None and self.stop == TrialStop.TIMEOUT and restart:
             overhead = round(duration, 3)  # still warming up (compiling) when cut: all of it was overhead
         extra: dict[str, Any] = {"duration_s": round(duration, 3), "overhead_s": overhead, "kind_of_run": self.kind}
         if self.compile:  # the compile watchdog's warnings during the measurement (docs/tuning.md)
@@ -171,7 +171,7 @@ class ActiveTrial:
         else ok when stable or cut when the time ran out first. A `reason` given by the session wins."""
         m = self.measure
         est, _ = m.estimate
-        if self.stop == "prune":
+        if self.stop == TrialStop.PRUNE:
             _, hi = m.interval()
             if math.isfinite(hi):
                 return TrialStatus.PRUNED, reason or (
