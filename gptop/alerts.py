@@ -34,6 +34,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+from trainer.contract.states import WarningKind
 from trainer.contract.device import gpu_key
 from trainer.contract.events import (
     PHASES,
@@ -162,7 +163,7 @@ class AlertMonitor:
             elif isinstance(event, (CheckpointEvent, EvalEvent)):
                 if event.seconds is not None:
                     self._slowest_pause = max(self._slowest_pause, event.seconds)
-            elif isinstance(event, WarningEvent) and event.kind == "nan_rollback":
+            elif isinstance(event, WarningEvent) and event.kind == WarningKind.NAN_ROLLBACK:
                 self._on_rollback(event, out)
             elif isinstance(event, (DoneEvent, ErrorEvent)):
                 self._ended = True

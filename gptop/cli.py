@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainer.contract import inputs
+from trainer.contract.states import ErrorKind
 from trainer.contract.common import MAX_STEP
 from trainer.contract.config import ConfigError, OneLineParser, add_arguments, number_arg
 from trainer.contract.tools import add_export_arguments, add_sample_arguments
@@ -542,7 +543,7 @@ def _show(ns: argparse.Namespace, session: Session, resume: str | None, signals:
 
     print_summary(session.state, code, sys.stderr if ns.no_ui and ns.json else sys.stdout)
     err = session.state.last_error()
-    if code == EXIT_FAILED and err is not None and err.kind == "config":
+    if code == EXIT_FAILED and err is not None and err.kind == ErrorKind.CONFIG:
         return EXIT_USAGE
     return code
 

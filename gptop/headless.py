@@ -59,6 +59,7 @@ from gptop.state import (
     spread_pct,
 )
 from gptop.alerts import alert_line
+from trainer.contract.states import ErrorKind
 from trainer.contract.states import RunStatus, TrialKind, TrialStatus
 from trainer.contract.events import (
     PHASES,
@@ -192,7 +193,7 @@ def _checkpoint_line(event: CheckpointEvent, state: RunState) -> str:
 
 
 def _error_line(event: ErrorEvent, state: RunState) -> str | None:
-    if event.kind == "config" and state.step is None:
+    if event.kind == ErrorKind.CONFIG and state.step is None:
         return None  # a refusal before the first step: gptop ends with it in one line (gptop: error: ...)
     return f"error [{event.kind}]: {event.message}"
 
@@ -457,7 +458,7 @@ class HeadlessView:
                 return
             self._status = status
             err = self.state.last_error()
-            refused = err is not None and err.kind == "config"  # gptop says it in one line: nothing to add
+            refused = err is not None and err.kind == ErrorKind.CONFIG  # gptop says it in one line: nothing to add
             if self.json:
                 obj = StatusEvent(status=status, message=message)
                 self._write(self.stream, dumps(obj) + "\n")

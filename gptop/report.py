@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.contract import rundir
+from trainer.contract.states import ErrorKind
 from trainer.contract.events import (
     PHASES,
     TUNER_RESTART,
@@ -332,7 +333,7 @@ def alert_rows(alerts: Any) -> list[dict[str, Any]]:
 def _error(e: ErrorEvent) -> dict[str, Any]:
     """An error for the report; a disk error with its file, errno text and free bytes."""
     out: dict[str, Any] = {"kind": e.kind, "message": e.message, "step": e.step}
-    if e.kind == "disk":
+    if e.kind == ErrorKind.DISK:
         out.update(path=e.path, os_error=e.os_error, free_bytes=e.free_bytes)
     return out
 

@@ -18,7 +18,8 @@ from trainer.checkpointer import all_finite
 from trainer.worker_cli import parse_config
 from trainer.contract import rundir
 from trainer.contract.config import ConfigError
-from trainer.contract.events import ERROR_KINDS, read_events
+from trainer.contract.events import read_events
+from trainer.contract.states import ERROR_KINDS
 from trainer.train import EXIT_CORRUPT_CHECKPOINT, EXIT_NAN, EXIT_NO_CHECKPOINT, EXIT_OK, Stop, Trainer
 
 

@@ -10,7 +10,7 @@ from fixtures.streams import cpu_run, ev, gpu_run, loss_at
 from gptop.state import RunState
 from gptop.summary import outcome, print_summary, summary_lines
 from trainer.contract import rundir
-from trainer.contract.events import ERROR_KINDS, ERROR_WORDS
+from trainer.contract.states import ERROR_KINDS, ERROR_WORDS
 
 
 def state_of(events, run_dir, status="running", message=None) -> RunState:

@@ -125,7 +125,7 @@ def test_events_become_step_keyed_logs_config_and_summary(tmp_path, fake_wandb):
 def test_a_failed_run_finishes_with_a_failure(tmp_path, fake_wandb):
     w = WandbWriter(tmp_path / "r", CONFIG)
     w.on_event(step(1))
-    w.on_event(ev.ErrorEvent(kind=ev.ERROR_KINDS[0], message="boom"))
+    w.on_event(ev.ErrorEvent(kind="oom", message="boom"))
     w.close()
     assert fake_wandb[0].summary["status"] == "failure" and fake_wandb[0].exit_code == 1
 

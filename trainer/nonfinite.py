@@ -17,6 +17,7 @@ from . import checkpoint_files as ckpt_files
 from . import dist as D
 from .checkpointer import Checkpointer, Progress
 from .contract.config import RunConfig
+from .contract.states import ErrorKind, WarningKind
 
 # The bits of a step's non-finite flag (device int8): what went non-finite.
 LOSS, GRAD = 1, 2
@@ -88,7 +89,7 @@ class NonFiniteGuard:
         self.emit0("warning", message=str(e), step=e.step, batch=e.batch_index)
         if run.nan_policy == "stop" or p.nan_rollbacks >= run.nan_retries:
             why = "--nan-policy stop" if run.nan_policy == "stop" else f"{p.nan_rollbacks} rollbacks already"
-            self.fail("nan", f"{e}; giving up ({why}). Try a lower --lr or another --precision.")
+            self.fail(ErrorKind.NAN, f"{e}; giving up ({why}). Try a lower --lr or another --precision.")
         skips = sorted(set(p.skip_batches) | {e.batch_index})
         rollbacks, scale = p.nan_rollbacks + 1, p.lr_scale * run.nan_lr_factor
         had_checkpoint = ckpt.newest is not None
@@ -110,7 +111,9 @@ class NonFiniteGuard:
             f"rolled back to {source} at step {p.step}; skipping batch {e.batch_index}; "
             f"learning rate x{scale:g} (rollback {rollbacks}/{run.nan_retries})"
         )
-        self.emit0("warning", message=msg, kind="nan_rollback", step=p.step, skip_batches=skips, lr_scale=scale)
+        self.emit0(
+            "warning", message=msg, kind=WarningKind.NAN_ROLLBACK, step=p.step, skip_batches=skips, lr_scale=scale
+        )
         self.log(msg)
         self.pending = []
         return p

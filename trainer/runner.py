@@ -18,6 +18,7 @@ from .contract import protect
 from .contract.atomic import DiskError, disk_error
 from .contract.config import ConfigError, TrainConfig
 from .contract.events import STOPPED_BEFORE_FIRST_STEP
+from .contract.states import ErrorKind
 from .contract.runlock import RunLock
 from .inductor_cache import artefact_failure
 from .memory import enable_expandable_segments
@@ -58,19 +59,21 @@ def main_run(cfg: TrainConfig, run_lock: RunLock | None = None, created_dirs: li
     except StartupStopped as e:  # nothing to checkpoint before the first step
         return _stop_in_startup(trainer, e)
     except ConfigError as e:
-        code = _report(trainer, "config", str(e), EXIT_CONFIG)
+        code = _report(trainer, ErrorKind.CONFIG, str(e), EXIT_CONFIG)
         refused = trainer  # a refusal before the first step leaves nothing of what this trainer created
         return code
     except ckpt.NothingToResume as e:  # known ends: one line; the traceback only into a log file
-        return _report(trainer, "no_checkpoint", str(e), EXIT_NO_CHECKPOINT, traceback=_log_only_traceback())
+        return _report(trainer, ErrorKind.NO_CHECKPOINT, str(e), EXIT_NO_CHECKPOINT, traceback=_log_only_traceback())
     except ckpt.CorruptCheckpoint as e:
-        return _report(trainer, "corrupt_checkpoint", str(e), EXIT_CORRUPT_CHECKPOINT, traceback=_log_only_traceback())
+        return _report(
+            trainer, ErrorKind.CORRUPT_CHECKPOINT, str(e), EXIT_CORRUPT_CHECKPOINT, traceback=_log_only_traceback()
+        )
     except torch.OutOfMemoryError as e:
         ran = trainer.cfg if trainer is not None else cfg  # with what auto became
         extra = {"toggles": ran.to_dict()["toggles"], "memory": trainer.memory_figures() if trainer else {}}
         return _report(
             trainer,
-            "oom",
+            ErrorKind.OOM,
             f"out of memory: {str(e).splitlines()[0] if str(e) else ''} -- try a smaller "
             f"--micro-batch, --activation-checkpointing, bf16, --optimizer adamw-8bit or "
             f"--lora R",
@@ -78,7 +81,7 @@ def main_run(cfg: TrainConfig, run_lock: RunLock | None = None, created_dirs: li
             **extra,
         )
     except ckpt.PeerSaveFailed as e:
-        return _report(trainer, "crash", str(e), EXIT_CRASH, lost_peer=True)
+        return _report(trainer, ErrorKind.CRASH, str(e), EXIT_CRASH, lost_peer=True)
     except Exception as e:
         stop = trainer.channel.pending_startup_stop() if trainer is not None and trainer.channel else None
         if stop is not None:  # the stop's raise, turned into a library's error on its way up
@@ -111,7 +114,7 @@ def _report_failure(trainer: Trainer | None, cfg: TrainConfig, e: Exception) -> 
     if disk is not None:  # a full or read-only filesystem: one line, the traceback to the log only
         return _report(
             trainer,
-            "disk",
+            ErrorKind.DISK,
             _disk_message(trainer, disk),
             EXIT_DISK,
             path=disk.path,
@@ -123,7 +126,7 @@ def _report_failure(trainer: Trainer | None, cfg: TrainConfig, e: Exception) -> 
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         return _report(
             trainer,
-            "crash",
+            ErrorKind.CRASH,
             f"lost contact with another rank, which probably failed (see its error): {first}",
             EXIT_CRASH,
             lost_peer=True,
@@ -133,13 +136,13 @@ def _report_failure(trainer: Trainer | None, cfg: TrainConfig, e: Exception) -> 
         again = f" (again in the run's own inductor cache {own.own_dir})" if own is not None and own.used else ""
         return _report(
             trainer,
-            "compile",
+            ErrorKind.COMPILE,
             f"torch.compile failed ({cfg.toggles.compile}){again}: "
             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
             EXIT_COMPILE,
             traceback=traceback.format_exc(),
         )
-    return _report(trainer, "crash", f"{type(e).__name__}: {e}", EXIT_CRASH, traceback=traceback.format_exc())
+    return _report(trainer, ErrorKind.CRASH, f"{type(e).__name__}: {e}", EXIT_CRASH, traceback=traceback.format_exc())
 
 
 def _tear_down(trainer: Trainer | None, refused: Trainer | None) -> None:
@@ -187,7 +190,7 @@ def _is_compile_error(e: BaseException) -> bool:
     return False
 
 
-def _report(trainer: Trainer | None, kind: str, message: str, code: int, **extra: Any) -> int:
+def _report(trainer: Trainer | None, kind: ErrorKind, message: str, code: int, **extra: Any) -> int:
     tb = extra.pop("traceback", None)
     if tb:
         print(tb, file=sys.stderr, flush=True)

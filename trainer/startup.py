@@ -19,6 +19,7 @@ from .commands import Commands
 from .contract import capabilities, protect, rundir
 from .contract.atomic import atomic_write
 from .contract.config import AUTO, ConfigError, parse_step_range
+from .contract.states import WarningKind
 from .contract.runlock import RunLock
 from .flops import peak
 from .inductor_cache import OwnCache
@@ -71,7 +72,7 @@ class TrainerStartup:
                 f"{est.summary(where, steps)} (estimated at {E.ASSUMED_MFU:.0%} MFU); for faster steps use a smaller "
                 f"--size, --seq-len or --global-batch" + (", or a GPU" if not self.dev.is_cuda else "")
             )
-            self.emit0("warning", message=msg, kind="estimate")
+            self.emit0("warning", message=msg, kind=WarningKind.ESTIMATE)
             self.log(f"warning: {msg}")
 
     @property
@@ -224,7 +225,7 @@ class TrainerStartup:
         )
         for slow in capabilities.slow_config(cfg, self.dev):  # runs, but the user should know
             self.log(f"warning: {slow}")
-            self.emit0("warning", message=slow, kind="slow_toggle")
+            self.emit0("warning", message=slow, kind=WarningKind.SLOW_TOGGLE)
 
     def _compile(self, model: torch.nn.Module) -> torch.nn.Module:
         from .compiling import compile_model

@@ -19,6 +19,7 @@ from . import optim
 from .channel import Channel
 from .checkpointer import Progress
 from .contract.device import DeviceInfo
+from .contract.states import WarningKind
 from .flops import REMEASURE_MFU, cpu_dtype, forget_cpu_peak, mfu, peak
 from .memory import MemoryMeter
 from .moe import MoEBalancer
@@ -76,7 +77,7 @@ class MfuCheck:
             dropped = [forget_cpu_peak(d, cpu_name=self.dev.name, procs=self.procs) for d in dtypes]
             if any(dropped):
                 msg += " and the cached peak is dropped (the next run measures it again, best on an idle machine)"
-        self.emit0("warning", message=msg, kind="peak_flops")
+        self.emit0("warning", message=msg, kind=WarningKind.PEAK_FLOPS)
         self.peak_flops = None
         return None
 

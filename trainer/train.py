@@ -41,6 +41,7 @@ from .checkpointer import NonFiniteState, Progress
 from .contract.config import AUTO, TrainConfig
 from .contract.device import DeviceInfo
 from .contract.events import MAX_STEPS, CompileWarning
+from .contract.states import ErrorKind
 from .contract.runlock import RunLock
 from .device_probe import detect
 from .inductor_cache import OwnCache
@@ -389,13 +390,13 @@ class Trainer(TrainerStartup):
         self.optimizer = optim.build_optimizer(self.raw_model, self.cfg)
         self.ckpt.bind(self.raw_model, self.optimizer, self.scaler)
 
-    def _fail(self, kind: str, message: str, **extra: Any) -> NoReturn:
+    def _fail(self, kind: ErrorKind, message: str, **extra: Any) -> NoReturn:
         code = {
-            "oom": EXIT_OOM,
-            "nan": EXIT_NAN,
-            "config": EXIT_CONFIG,
-            "compile": EXIT_COMPILE,
-            "disk": EXIT_DISK,
+            ErrorKind.OOM: EXIT_OOM,
+            ErrorKind.NAN: EXIT_NAN,
+            ErrorKind.CONFIG: EXIT_CONFIG,
+            ErrorKind.COMPILE: EXIT_COMPILE,
+            ErrorKind.DISK: EXIT_DISK,
         }.get(kind, EXIT_CRASH)
         if self.channel:
             self.channel.emit("error", kind=kind, message=message, step=self.progress.step, exit_code=code, **extra)

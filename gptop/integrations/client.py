@@ -30,6 +30,7 @@ import torch
 
 from trainer.channel import Channel
 from trainer.commands import Commands
+from trainer.contract.states import ErrorKind, WarningKind
 from trainer.contract.client import ClientEnv, ClientKind
 from trainer.contract.device import DeviceInfo
 from trainer.contract.rundir import RunDir
@@ -285,7 +286,7 @@ class Client:
             p = peak(self.dev, precision, procs=int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
         except Exception as e:  # never fail the user's run for a figure: MFU is then n/a
             self.channel.emit(
-                "warning", message=f"no MFU: the device's peak could not be found ({e})", kind="peak_flops"
+                "warning", message=f"no MFU: the device's peak could not be found ({e})", kind=WarningKind.PEAK_FLOPS
             )
             return None, None
         return p.flops, p.source
@@ -442,7 +443,7 @@ class Client:
             self._mfu_dropped = True
             self.channel.emit(
                 "warning",
-                kind="peak_flops",
+                kind=WarningKind.PEAK_FLOPS,
                 message=(
                     f"MFU would be {got:.2f} (> 1): {self.flops_per_token:,.0f} FLOPs per token at "
                     f"{self.peak_flops / 1e9:,.1f} GFLOP/s per process cannot both be right; MFU is not reported for "
@@ -459,7 +460,7 @@ class Client:
         if self.channel.write_error is not None and not self.should_stop:
             self.should_stop = True  # events.jsonl cannot be written (a full disk): stop with a checkpoint
             self.stop_reason = f"events could not be written: {self.channel.write_error}"
-            self.channel.emit("error", kind="disk", message=self.stop_reason, step=self.done_step)
+            self.channel.emit("error", kind=ErrorKind.DISK, message=self.stop_reason, step=self.done_step)
         d = self.commands.poll()
         if d.checkpoint:
             self.should_checkpoint = True
@@ -506,7 +507,7 @@ class Client:
         if self._crashed or isinstance(e, (KeyboardInterrupt, SystemExit)):
             return
         self._crashed = True
-        kind = "oom" if isinstance(e, torch.OutOfMemoryError) else "crash"
+        kind = ErrorKind.OOM if isinstance(e, torch.OutOfMemoryError) else ErrorKind.CRASH
         first = str(e).splitlines()[0] if str(e) else ""
         self.channel.emit(
             "error", kind=kind, message=f"{type(e).__name__}: {first}".rstrip(": "), step=self.done_step, exit_code=1
@@ -519,7 +520,7 @@ class Client:
         if self._crashed:
             return
         self._crashed = True
-        self.channel.emit("error", kind="config", message=message, step=self.done_step, exit_code=1)
+        self.channel.emit("error", kind=ErrorKind.CONFIG, message=message, step=self.done_step, exit_code=1)
 
     def _excepthook(self, kind: type[BaseException], value: BaseException, tb: Any) -> None:
         try:

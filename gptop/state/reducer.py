@@ -13,6 +13,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from gptop.alerts import alert_line
+from trainer.contract.states import WarningKind
 from trainer.contract.config import Toggles
 from trainer.contract.device import DeviceInfo
 from trainer.contract.events import (
@@ -302,7 +303,7 @@ class RunState(StepFigures):
         self.warnings.append(e.message)
         if e.kind in (CompileWarning.RECOMPILE, CompileWarning.COMPILE_FALLBACK):
             self.recompiles.append(e)
-        if e.kind == "estimate":
+        if e.kind == WarningKind.ESTIMATE:
             self.estimate_warning = e
         self._add_event_log("warning: " + e.message, e.message)
         self._bump("run")

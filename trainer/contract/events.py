@@ -65,19 +65,6 @@ SCHEMA_VERSION = 1
 
 PHASES = ("data", "forward", "backward", "optimizer", "other")
 
-ERROR_KINDS = ("oom", "nan", "config", "crash", "compile", "no_checkpoint", "corrupt_checkpoint", "disk")
-# Each kind in words, for a reader who does not know the codes (the end-of-run summary).
-ERROR_WORDS = {
-    "oom": "out of memory",
-    "nan": "the loss or the gradients became NaN or infinite",
-    "config": "the configuration was refused",
-    "crash": "the trainer crashed",
-    "compile": "torch.compile failed",
-    "no_checkpoint": "there was no checkpoint to resume from",
-    "corrupt_checkpoint": "no checkpoint could be read (all corrupt)",
-    "disk": "the run directory could not be written (disk full or read-only)",
-}
-
 
 class AlertKind(str, enum.Enum):
     """What an alert is about (gptop.alerts raises them; docs/dashboard.md says when each fires)."""
@@ -300,7 +287,7 @@ class LogEvent(Event):
 class WarningEvent(Event):
     type: ClassVar[str] = "warning"
     message: str
-    kind: str | None = None  # slow_toggle, peak_flops, nan_rollback, a CompileWarning, ...
+    kind: str | None = None  # a WarningKind or a CompileWarning (a newer trainer may send others)
     step: int | None = None
     batch: int | None = None
     skip_batches: list[int] | None = None
@@ -310,7 +297,7 @@ class WarningEvent(Event):
 @dataclass(frozen=True, kw_only=True)
 class ErrorEvent(Event):
     type: ClassVar[str] = "error"
-    kind: str  # one of ERROR_KINDS (newer trainers may add kinds)
+    kind: str  # an ErrorKind (newer trainers may add kinds)
     message: str
     step: int | None = None
     exit_code: int | None = None

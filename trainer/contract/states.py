@@ -4,6 +4,9 @@ Each is a `StrEnum`, so a member is its wire string (`TunerPhase.DONE == "done"`
 and events written before these types existed read back unchanged. The event schema declares its fields
 with these types, so a consumer gets a member, never a free string; a value outside the set makes the line
 malformed, so a new member is a schema change (older readers skip such lines).
+
+The kinds of errors and warnings (ErrorKind, WarningKind) are open instead: an event's `kind` field stays a
+string, since a newer trainer may say a kind this version does not know, and readers compare it with these.
 """
 
 from __future__ import annotations
@@ -114,3 +117,40 @@ class TrialOutcome(enum.StrEnum):
 
 # The outcomes a trial is rolled back for (an Optuna trial told infeasible with this kind).
 TRIAL_FAILURES: tuple[TrialOutcome, ...] = tuple(o for o in TrialOutcome if o.failed)
+
+
+class ErrorKind(enum.StrEnum):
+    """Why a process ended with an `error` event (ErrorEvent.kind: a newer trainer may send a kind this version
+    does not know, so the field stays a string and readers compare with these)."""
+
+    OOM = "oom"
+    NAN = "nan"
+    CONFIG = "config"
+    CRASH = "crash"
+    COMPILE = "compile"
+    NO_CHECKPOINT = "no_checkpoint"
+    CORRUPT_CHECKPOINT = "corrupt_checkpoint"
+    DISK = "disk"
+
+
+ERROR_KINDS = tuple(ErrorKind)
+# Each kind in words, for a reader who does not know the codes (the end-of-run summary).
+ERROR_WORDS: dict[str, str] = {
+    ErrorKind.OOM: "out of memory",
+    ErrorKind.NAN: "the loss or the gradients became NaN or infinite",
+    ErrorKind.CONFIG: "the configuration was refused",
+    ErrorKind.CRASH: "the trainer crashed",
+    ErrorKind.COMPILE: "torch.compile failed",
+    ErrorKind.NO_CHECKPOINT: "there was no checkpoint to resume from",
+    ErrorKind.CORRUPT_CHECKPOINT: "no checkpoint could be read (all corrupt)",
+    ErrorKind.DISK: "the run directory could not be written (disk full or read-only)",
+}
+
+
+class WarningKind(enum.StrEnum):
+    """The `warning` kinds besides the compile watchdog's (CompileWarning); a warning may have no kind."""
+
+    ESTIMATE = "estimate"  # the early estimate says a step will be slow (trainer.startup)
+    SLOW_TOGGLE = "slow_toggle"  # a toggle this device runs slower than without it
+    NAN_ROLLBACK = "nan_rollback"  # the trainer rolled back after a non-finite step (trainer.nonfinite)
+    PEAK_FLOPS = "peak_flops"  # no MFU: the device's peak is unknown or inconsistent with the FLOPs
