@@ -59,8 +59,7 @@ from gptop.state import (
     spread_pct,
 )
 from gptop.alerts import alert_line
-from trainer.contract.states import ErrorKind
-from trainer.contract.states import RunStatus, TrialKind, TrialStatus
+from trainer.contract.states import ErrorKind, RunStatus, TrialKind, TrialStatus
 from trainer.contract.events import (
     PHASES,
     AlertEvent,

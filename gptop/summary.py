@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import IO
 
 from trainer.contract import rundir
-from trainer.contract.states import ERROR_WORDS
 from trainer.contract.events import ErrorEvent
-from trainer.contract.states import RunStatus
+from trainer.contract.states import ERROR_WORDS, RunStatus
 
 from .state import RunState, fmt_duration, fmt_mfu, fmt_num, loss_range
 

@@ -13,7 +13,6 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from gptop.alerts import alert_line
-from trainer.contract.states import WarningKind
 from trainer.contract.config import Toggles
 from trainer.contract.device import DeviceInfo
 from trainer.contract.events import (
@@ -42,7 +41,7 @@ from trainer.contract.events import (
     UnknownEvent,
     WarningEvent,
 )
-from trainer.contract.states import RunStatus
+from trainer.contract.states import RunStatus, WarningKind
 
 from . import autotuner, formatting, hints
 from .autotuner import TunerState
