@@ -5,6 +5,7 @@ pre-trial checkpoint. A test hook (`GPTOP_TEST_TRIAL_FAULT`) injects trainer fau
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import shutil
 import time
@@ -23,7 +24,17 @@ if TYPE_CHECKING:
 TEST_FAULT_ENV = "GPTOP_TEST_TRIAL_FAULT"  # "N:KIND[@K][+KIND@K...]": trainer faults (trainer/faults.py) K
 DEFAULT_FAULT_OFFSET = 2  # steps into this session's N-th trial (tests only; default K=2)
 Checkpoint = tuple[int, str]  # (step, path) as a checkpoint event reports it
-Pump = Callable[[float], tuple[str, Any] | None]  # the driver's queue: one item, its bookkeeping done
+
+
+class Inbox(enum.Enum):
+    """What the driver's queue carries: a trainer's event, its exit code, or the `t` key's stop (with why)."""
+
+    EVENT = "event"
+    EXIT = "exit"
+    ABORT = "abort"
+
+
+Pump = Callable[[float], tuple[Inbox, Any] | None]  # the driver's queue: one item, its bookkeeping done
 
 
 def parse_test_fault(spec: str) -> tuple[int, tuple[tuple[str, int], ...]] | None:
@@ -151,7 +162,7 @@ class TrialProcesses:
         feed_steps = ctl is not None and not ctl.in_trial
         while self.alive:
             item = self.pump(0.5)
-            if item is not None and item[0] == "event" and ctl is not None:
+            if item is not None and item[0] is Inbox.EVENT and ctl is not None:
                 # the last steps of the process being stopped: healthy steps between trials feed the loss
                 # trend; they must not count as the measurement of a trial that is about to start
                 if feed_steps or isinstance(item[1], ev.CheckpointEvent):

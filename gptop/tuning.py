@@ -58,7 +58,7 @@ from trainer.contract.states import TrialOutcome
 from tuner.measure import TrialStop
 
 from .advice import tries as advice_tries
-from .trial_processes import TEST_FAULT_ENV, TrialProcesses, parse_test_fault
+from .trial_processes import TEST_FAULT_ENV, Inbox, TrialProcesses, parse_test_fault
 from .tuning_space import tuning_space
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ class TuningDriver:
         self.storage = storage
         self.tune_only = tune_only
         self.trial_log_every = trial_log_every
-        self.q: "queue.Queue[tuple[str, Any]]" = queue.Queue()
+        self.q: "queue.Queue[tuple[Inbox, Any]]" = queue.Queue()
         self.ctl: TuneController | None = None
         self.study: TuneStudy | None = None
         self.thread: threading.Thread | None = None
@@ -165,19 +165,19 @@ class TuningDriver:
         if isinstance(
             event, (ev.HelloEvent, ev.StepEvent, ev.CheckpointEvent, ev.ErrorEvent, ev.DoneEvent, ev.WarningEvent)
         ):
-            self.q.put(("event", event))
+            self.q.put((Inbox.EVENT, event))
 
     def on_trainer_exit(self, code: int) -> bool:
         """While attached, every trainer exit is the driver's to handle (this thread decides what it means)."""
         with self._lock:
             if not self._attached:
                 return False
-            self.q.put(("exit", code))
+            self.q.put((Inbox.EXIT, code))
             return True
 
     def stop_tuning(self) -> None:
         """The `t` key while tuning: stop now and train on (with the running configuration if it is healthy)."""
-        self.q.put(("abort", "stopped by the user"))
+        self.q.put((Inbox.ABORT, "stopped by the user"))
 
     def _detach(self) -> None:
         """Give the session back its exit handling; hand it an exit the tuning consumed but did not handle."""
@@ -192,7 +192,7 @@ class TuningDriver:
                     kind, payload = self.q.get_nowait()
                 except queue.Empty:
                     break
-                if kind == "exit":
+                if kind is Inbox.EXIT:
                     self.procs.alive, self._exit_code = False, payload
         sup = s.supervisor
         if not self.procs.alive and not s.finished and not (sup is not None and sup.alive()):
@@ -233,18 +233,18 @@ class TuningDriver:
         """A `log` event: the log panel in the TUI, a line in --no-ui, a JSON line with --json."""
         self.session.publish(ev.LogEvent(message=f"tuner: {message}", source="tuner", **fields))
 
-    def _next(self, timeout: float = 0.2) -> tuple[str, Any] | None:
+    def _next(self, timeout: float = 0.2) -> tuple[Inbox, Any] | None:
         """One queue item, with the bookkeeping every waiter needs (process alive, run complete, abort)."""
         try:
             item = self.q.get(timeout=timeout)
         except queue.Empty:
             return None
         kind, payload = item
-        if kind == "exit":
+        if kind is Inbox.EXIT:
             self.procs.alive, self._exit_code = False, payload
-        elif kind == "abort":
+        elif kind is Inbox.ABORT:
             self._abort = self._abort or str(payload)
-        elif kind == "event":
+        elif kind is Inbox.EVENT:
             if payload.rank == 0:
                 if isinstance(payload, ev.HelloEvent):
                     self.procs.saw_hello()
@@ -265,9 +265,9 @@ class TuningDriver:
                     return None
                 continue
             kind, payload = item
-            if kind == "event" and isinstance(payload, ev.HelloEvent) and not payload.early:
+            if kind is Inbox.EVENT and isinstance(payload, ev.HelloEvent) and not payload.early:
                 return payload  # the built run (an early hello comes before anything is built)
-            if kind == "exit" or (kind == "abort"):
+            if kind in (Inbox.EXIT, Inbox.ABORT):
                 return None
 
     def _update_reserve(self) -> None:
@@ -471,10 +471,10 @@ class TuningDriver:
                 return MeasureEnd.ABORT, self._abort
             if item is not None:
                 kind, payload = item
-                if kind == "event":
+                if kind is Inbox.EVENT:
                     ctl.observe(payload)
                     self._publish()  # the measurement's progress (about once a second)
-                elif kind == "exit":
+                elif kind is Inbox.EXIT:
                     stop = ctl.trial_should_stop()
                     if self.session.interrupted:
                         return MeasureEnd.INTERRUPTED, "the run was interrupted"
