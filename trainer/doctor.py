@@ -17,6 +17,7 @@ prints {"kind": "busy"} once the work runs, and stops after SECONDS or when its 
 from __future__ import annotations
 
 import argparse
+import enum
 import importlib
 import json
 import multiprocessing
@@ -95,6 +96,16 @@ def _owner(p: DevicePath) -> Any:
     return getattr(importlib.import_module(module), function)
 
 
+class ChildEnd(enum.StrEnum):
+    """How a check's child process ended, as `run_in_child` says it. The child sends the word, not the member:
+    run as `python -m trainer.doctor`, this class lives in `__main__`, which a spawned child names otherwise."""
+
+    OK = "ok"  # it reported what the check returned
+    ERROR = "error"  # the check raised: the message
+    DIED = "died"  # the process died before it reported
+    TIMEOUT = "timeout"  # killed at the check's time limit
+
+
 def _child(fn_name: str, requested: str, quick: bool, conn: Any) -> None:
     """In the forked child: run one path's check (or the detection) and send back what it returned."""
     from .dist import die_with_parent
@@ -107,7 +118,7 @@ def _child(fn_name: str, requested: str, quick: bool, conn: Any) -> None:
 
             torch.set_num_threads(_THREADS)
         if fn_name == "detect":
-            conn.send(("ok", detect_machine(requested)))
+            conn.send((ChildEnd.OK.value, detect_machine(requested)))
             return
         from .device_probe import detect
 
@@ -115,7 +126,7 @@ def _child(fn_name: str, requested: str, quick: bool, conn: Any) -> None:
         outcome = _owner(p)(detect(requested), quick, **dict(p.args))
         conn.send(
             (
-                "ok",
+                ChildEnd.OK.value,
                 {
                     "status": outcome.status.value,
                     "observed": outcome.observed,
@@ -127,13 +138,13 @@ def _child(fn_name: str, requested: str, quick: bool, conn: Any) -> None:
     except BaseException as e:  # the check's own failure is its result
         traceback.print_exc(file=sys.stderr)
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        conn.send(("error", f"{type(e).__name__}: {first}"[:500]))
+        conn.send((ChildEnd.ERROR.value, f"{type(e).__name__}: {first}"[:500]))
     finally:
         conn.close()
 
 
-def run_in_child(name: str, requested: str, quick: bool, timeout_s: float) -> tuple[str, Any]:
-    """("ok", payload), ("error", message) from the child, or ("died"/"timeout", message)."""
+def run_in_child(name: str, requested: str, quick: bool, timeout_s: float) -> tuple[ChildEnd, Any]:
+    """(OK, payload) or (ERROR, message) from the child, else (DIED or TIMEOUT, message)."""
     ctx = multiprocessing.get_context(start_method(requested))
     receive, send = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child, args=(name, requested, quick, send), name=f"gptop-doctor-{name}")
@@ -152,12 +163,12 @@ def run_in_child(name: str, requested: str, quick: bool, timeout_s: float) -> tu
         proc.kill()
         proc.join()
         if got is None:
-            return "timeout", f"did not finish within {timeout_s:.0f} s (killed)"
+            return ChildEnd.TIMEOUT, f"did not finish within {timeout_s:.0f} s (killed)"
     if got is None:
         code = proc.exitcode
         how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        return "died", f"the check's process died ({how}) before it reported"
-    return got
+        return ChildEnd.DIED, f"the check's process died ({how}) before it reported"
+    return ChildEnd(got[0]), got[1]
 
 
 _THREADS = 0  # torch's intra-op threads before preload held this process to one
@@ -201,7 +212,7 @@ def preload() -> None:
 def run_checks(requested: str, quick: bool, only: set[str] | None, timeout_scale: float) -> int:
     preload()
     kind, payload = run_in_child("detect", requested, quick, 120.0 * timeout_scale)
-    if kind != "ok":
+    if kind != ChildEnd.OK:
         emit("detect", device=None, machine={}, error=payload)
         emit("done")
         return 1
@@ -220,7 +231,7 @@ def run_checks(requested: str, quick: bool, only: set[str] | None, timeout_scale
             outcome = Outcome.skip("left out by --quick")
         else:
             kind, got = run_in_child(p.name, requested, quick, p.timeout_s * timeout_scale)
-            if kind == "ok":
+            if kind == ChildEnd.OK:
                 outcome = Outcome(Status(got["status"]), got["observed"], got["reason"], got["data"])
             else:
                 outcome = Outcome(Status.FAIL, got, got)
