@@ -21,6 +21,7 @@ tells which), not the CPU package; on a CPU run the CPU package (RAPL).
 from __future__ import annotations
 
 import bisect
+import enum
 import glob
 import os
 import re
@@ -31,9 +32,18 @@ from typing import Any, Iterable, Literal, Sequence
 from trainer.contract.device import gpu_key
 from trainer.contract.events import DeviceEvent
 
-COUNTER_GPU = "NVML energy counter"
-COUNTER_CPU = "RAPL package counter"
-INTEGRATED = "integrated power"
+
+class EnergySource(enum.StrEnum):
+    """Which reading a figure of energy rests on (its word is what views and reports show)."""
+
+    COUNTER_GPU = "NVML energy counter"
+    COUNTER_CPU = "RAPL package counter"
+    INTEGRATED = "integrated power"  # sampled power over time: misses short peaks
+
+
+class _Reading(enum.Enum):
+    COUNTER = "counter"
+    POWER = "power"
 
 
 @dataclass(frozen=True)
@@ -41,7 +51,7 @@ class Energy:
     """Joules used in a window, and which reading gave them (the weakest of the devices' readings)."""
 
     joules: float
-    source: str  # COUNTER_GPU, COUNTER_CPU or INTEGRATED
+    source: EnergySource  # the weakest of the devices' readings
 
     def per_token(self, tokens: float) -> float | None:
         """Joules per token, None for no tokens."""
@@ -89,11 +99,11 @@ def measure(
                 return None
             total += got[0]
             kinds.add(got[1])
-        return Energy(total, INTEGRATED if "power" in kinds else COUNTER_GPU)
+        return Energy(total, EnergySource.INTEGRATED if _Reading.POWER in kinds else EnergySource.COUNTER_GPU)
     got = _series_energy([(s.time, s.cpu.energy_j, s.cpu.power_w) for s in samples if s.cpu is not None], t0, t1)
     if got is None:
         return None
-    return Energy(got[0], INTEGRATED if got[1] == "power" else COUNTER_CPU)
+    return Energy(got[0], EnergySource.INTEGRATED if got[1] is _Reading.POWER else EnergySource.COUNTER_CPU)
 
 
 def energy_between(
@@ -153,8 +163,8 @@ def _run_gpus(samples: Sequence[DeviceEvent], t0: float, t1: float, run_gpus: It
 
 def _series_energy(
     series: list[tuple[float, float | None, float | None]], t0: float, t1: float
-) -> tuple[float, str] | None:
-    """(joules over [t0, t1], "counter" or "power") from (time, counter J, power W) points of one device."""
+) -> tuple[float, _Reading] | None:
+    """(joules over [t0, t1], the reading) from (time, counter J, power W) points of one device."""
     made = _cumulative(series)
     if made is None:
         return None
@@ -169,18 +179,20 @@ def _series_energy(
     return max(0.0, _at(cum, t1) - _at(cum, t0)), kind
 
 
-def _cumulative(series: list[tuple[float, float | None, float | None]]) -> tuple[list[tuple[float, float]], str] | None:
+def _cumulative(
+    series: list[tuple[float, float | None, float | None]],
+) -> tuple[list[tuple[float, float]], _Reading] | None:
     """(time, joules since the first point), from counter differences where possible, else power."""
     counters = [(t, e, p) for t, e, p in series if e is not None]
     if len(counters) >= 2:
         out = [(counters[0][0], 0.0)]
         acc = 0.0
-        kind = "counter"
+        kind = _Reading.COUNTER
         for (ta, ea, pa), (tb, eb, pb) in zip(counters, counters[1:]):
             d = eb - ea
             if d < 0:  # counter reset (driver reload, GPU reset): estimate the segment from power
                 d = _trapezoid(ta, pa, tb, pb) or 0.0
-                kind = "power"
+                kind = _Reading.POWER
             acc += d
             out.append((tb, acc))
         return out, kind
@@ -191,7 +203,7 @@ def _cumulative(series: list[tuple[float, float | None, float | None]]) -> tuple
         for (ta, pa), (tb, pb) in zip(powered, powered[1:]):
             acc += _trapezoid(ta, pa, tb, pb) or 0.0
             out.append((tb, acc))
-        return out, "power"
+        return out, _Reading.POWER
     return None
 
 

@@ -14,6 +14,7 @@ naming it, with nothing started or created.
 
 from __future__ import annotations
 
+import enum
 import argparse
 import errno
 import ipaddress
@@ -32,10 +33,18 @@ if TYPE_CHECKING:
 DEFAULT_ADDR = "127.0.0.1"
 
 
+class MetricType(enum.StrEnum):
+    """A Prometheus metric family's type, as the exposition format names it."""
+
+    GAUGE = "gauge"
+    COUNTER = "counter"
+    INFO = "info"
+
+
 @dataclass(frozen=True)
 class Metric:
     name: str  # as exposed (a counter's `_total` included)
-    type: str  # gauge, counter, info
+    type: MetricType
     labels: tuple[str, ...]
     help: str
 
@@ -43,58 +52,63 @@ class Metric:
 METRICS: tuple[Metric, ...] = (
     Metric(
         "gptop_run_info",
-        "info",
+        MetricType.INFO,
         ("node", "run", "run_dir", "model", "size", "device", "precision"),
         "the run: its name, directory, model, device and precision",
     ),
-    Metric("gptop_status", "gauge", ("node", "status"), "1 for the session's status now, 0 for the others"),
-    Metric("gptop_step", "gauge", ("node",), "the latest optimizer step done"),
-    Metric("gptop_max_steps", "gauge", ("node",), "the step the run trains to"),
-    Metric("gptop_tokens", "gauge", ("node",), "tokens trained so far (a rollback lowers it)"),
-    Metric("gptop_tokens_per_second", "gauge", ("node",), "tokens per second at the latest step event"),
-    Metric("gptop_mfu_ratio", "gauge", ("node",), "model FLOPs utilization at the latest step event, 0..1"),
-    Metric("gptop_loss", "gauge", ("node",), "the latest logged training loss"),
-    Metric("gptop_eval_loss", "gauge", ("node",), "the latest validation loss"),
-    Metric("gptop_learning_rate", "gauge", ("node",), "the learning rate at the latest step event"),
-    Metric("gptop_grad_norm", "gauge", ("node",), "the gradient norm at the latest step event"),
-    Metric("gptop_energy_joules_per_token", "gauge", ("node",), "energy per token over the recent steps"),
-    Metric("gptop_rank_step", "gauge", ("node", "rank"), "each rank's latest logged step"),
-    Metric("gptop_step_seconds", "gauge", ("node", "rank"), "each rank's mean step time over its latest interval"),
+    Metric("gptop_status", MetricType.GAUGE, ("node", "status"), "1 for the session's status now, 0 for the others"),
+    Metric("gptop_step", MetricType.GAUGE, ("node",), "the latest optimizer step done"),
+    Metric("gptop_max_steps", MetricType.GAUGE, ("node",), "the step the run trains to"),
+    Metric("gptop_tokens", MetricType.GAUGE, ("node",), "tokens trained so far (a rollback lowers it)"),
+    Metric("gptop_tokens_per_second", MetricType.GAUGE, ("node",), "tokens per second at the latest step event"),
+    Metric("gptop_mfu_ratio", MetricType.GAUGE, ("node",), "model FLOPs utilization at the latest step event, 0..1"),
+    Metric("gptop_loss", MetricType.GAUGE, ("node",), "the latest logged training loss"),
+    Metric("gptop_eval_loss", MetricType.GAUGE, ("node",), "the latest validation loss"),
+    Metric("gptop_learning_rate", MetricType.GAUGE, ("node",), "the learning rate at the latest step event"),
+    Metric("gptop_grad_norm", MetricType.GAUGE, ("node",), "the gradient norm at the latest step event"),
+    Metric("gptop_energy_joules_per_token", MetricType.GAUGE, ("node",), "energy per token over the recent steps"),
+    Metric("gptop_rank_step", MetricType.GAUGE, ("node", "rank"), "each rank's latest logged step"),
+    Metric(
+        "gptop_step_seconds", MetricType.GAUGE, ("node", "rank"), "each rank's mean step time over its latest interval"
+    ),
     Metric(
         "gptop_phase_seconds",
-        "gauge",
+        MetricType.GAUGE,
         ("node", "rank", "phase"),
         "each rank's mean time per step in each phase (data, forward, backward, optimizer, other)",
     ),
-    Metric("gptop_memory_bytes", "gauge", ("node", "rank"), "each rank's device memory in use by the trainer"),
-    Metric("gptop_gpu_utilization_percent", "gauge", ("node", "gpu"), "share of time a kernel ran (NVML)"),
-    Metric("gptop_gpu_memory_used_bytes", "gauge", ("node", "gpu"), "GPU memory used, whole device"),
-    Metric("gptop_gpu_memory_total_bytes", "gauge", ("node", "gpu"), "GPU memory"),
-    Metric("gptop_gpu_power_watts", "gauge", ("node", "gpu"), "GPU power draw"),
-    Metric("gptop_gpu_power_limit_watts", "gauge", ("node", "gpu"), "GPU enforced power limit"),
+    Metric("gptop_memory_bytes", MetricType.GAUGE, ("node", "rank"), "each rank's device memory in use by the trainer"),
+    Metric("gptop_gpu_utilization_percent", MetricType.GAUGE, ("node", "gpu"), "share of time a kernel ran (NVML)"),
+    Metric("gptop_gpu_memory_used_bytes", MetricType.GAUGE, ("node", "gpu"), "GPU memory used, whole device"),
+    Metric("gptop_gpu_memory_total_bytes", MetricType.GAUGE, ("node", "gpu"), "GPU memory"),
+    Metric("gptop_gpu_power_watts", MetricType.GAUGE, ("node", "gpu"), "GPU power draw"),
+    Metric("gptop_gpu_power_limit_watts", MetricType.GAUGE, ("node", "gpu"), "GPU enforced power limit"),
     Metric(
         "gptop_gpu_energy_joules_total",
-        "counter",
+        MetricType.COUNTER,
         ("node", "gpu"),
         "NVML's energy counter (since the driver loaded: use rate() or increase())",
     ),
-    Metric("gptop_gpu_temperature_celsius", "gauge", ("node", "gpu"), "GPU temperature"),
-    Metric("gptop_gpu_sm_clock_mhz", "gauge", ("node", "gpu"), "SM clock"),
+    Metric("gptop_gpu_temperature_celsius", MetricType.GAUGE, ("node", "gpu"), "GPU temperature"),
+    Metric("gptop_gpu_sm_clock_mhz", MetricType.GAUGE, ("node", "gpu"), "SM clock"),
     Metric(
-        "gptop_gpu_ecc_uncorrected_errors", "gauge", ("node", "gpu"), "uncorrected ECC errors since the driver loaded"
+        "gptop_gpu_ecc_uncorrected_errors",
+        MetricType.GAUGE,
+        ("node", "gpu"),
+        "uncorrected ECC errors since the driver loaded",
     ),
-    Metric("gptop_cpu_utilization_percent", "gauge", ("node",), "whole-machine CPU utilization"),
-    Metric("gptop_cpu_memory_used_bytes", "gauge", ("node",), "host memory used (total - available)"),
-    Metric("gptop_cpu_power_watts", "gauge", ("node",), "CPU package power (RAPL)"),
-    Metric("gptop_trainer_rss_bytes", "gauge", ("node",), "resident memory of the trainer's processes"),
-    Metric("gptop_trainer_cpu_percent", "gauge", ("node",), "the trainer's processes' share of the machine"),
-    Metric("gptop_alerts_active", "gauge", ("node", "kind", "severity"), "alerts raised and not resolved"),
-    Metric("gptop_alerts_raised_total", "counter", ("node",), "alerts raised since gptop started"),
-    Metric("gptop_tuner_active", "gauge", ("node",), "1 while the autotuner works"),
-    Metric("gptop_tuner_phase_info", "info", ("node", "phase"), "the autotuner's phase"),
-    Metric("gptop_tuner_budget_left_seconds", "gauge", ("node",), "the tuning budget left"),
-    Metric("gptop_tuner_trials", "gauge", ("node",), "trials run"),
-    Metric("gptop_tuner_best_tokens_per_second", "gauge", ("node",), "the best trial's tokens per second"),
+    Metric("gptop_cpu_utilization_percent", MetricType.GAUGE, ("node",), "whole-machine CPU utilization"),
+    Metric("gptop_cpu_memory_used_bytes", MetricType.GAUGE, ("node",), "host memory used (total - available)"),
+    Metric("gptop_cpu_power_watts", MetricType.GAUGE, ("node",), "CPU package power (RAPL)"),
+    Metric("gptop_trainer_rss_bytes", MetricType.GAUGE, ("node",), "resident memory of the trainer's processes"),
+    Metric("gptop_trainer_cpu_percent", MetricType.GAUGE, ("node",), "the trainer's processes' share of the machine"),
+    Metric("gptop_alerts_active", MetricType.GAUGE, ("node", "kind", "severity"), "alerts raised and not resolved"),
+    Metric("gptop_alerts_raised_total", MetricType.COUNTER, ("node",), "alerts raised since gptop started"),
+    Metric("gptop_tuner_active", MetricType.GAUGE, ("node",), "1 while the autotuner works"),
+    Metric("gptop_tuner_phase_info", MetricType.INFO, ("node", "phase"), "the autotuner's phase"),
+    Metric("gptop_tuner_budget_left_seconds", MetricType.GAUGE, ("node",), "the tuning budget left"),
+    Metric("gptop_tuner_trials", MetricType.GAUGE, ("node",), "trials run"),
+    Metric("gptop_tuner_best_tokens_per_second", MetricType.GAUGE, ("node",), "the best trial's tokens per second"),
 )
 _BY_NAME = {m.name: m for m in METRICS}
 
@@ -173,9 +187,9 @@ class Families:
         f = self.families.get(name)
         if f is None:
             m = _BY_NAME[name]
-            if m.type == "counter":
+            if m.type is MetricType.COUNTER:
                 f = CounterMetricFamily(name[: -len("_total")], m.help, labels=m.labels)
-            elif m.type == "info":
+            elif m.type is MetricType.INFO:
                 f = InfoMetricFamily(name[: -len("_info")], m.help, labels=m.labels[:1])
             else:
                 f = GaugeMetricFamily(name, m.help, labels=m.labels)

@@ -39,7 +39,7 @@ from trainer.contract.events import (
     to_dict,
 )
 
-from .energy import INTEGRATED, Energy, measure, unavailable_reason
+from .energy import Energy, EnergySource, measure, unavailable_reason
 from .run_standing import RunStanding, standing_of
 from .state import fmt_mfu, loss_range
 
@@ -401,7 +401,8 @@ def _energy_of(
             got
             if total is None
             else Energy(
-                total.joules + got.joules, INTEGRATED if INTEGRATED in (got.source, total.source) else got.source
+                total.joules + got.joules,
+                EnergySource.INTEGRATED if EnergySource.INTEGRATED in (got.source, total.source) else got.source,
             )
         )
         return None

@@ -54,7 +54,7 @@ def test_nvml_counter_is_the_reading_and_the_dashboard_uses_it(tmp_path):
     mod = fake_pynvml(count=2, power_mw=1_000)  # sampled power (1 W) disagrees: the counter wins
     samples = gpu_samples(mod, tmp_path, [200.0, 400.0, 400.0], clock)
     e = E.measure(samples, 1_000.0, 1_003.0)
-    assert e == E.Energy(2 * 1000.0, E.COUNTER_GPU)
+    assert e == E.Energy(2 * 1000.0, E.EnergySource.COUNTER_GPU)
     assert E.measure(samples, 1_001.5, 1_002.5).joules == pytest.approx(2 * 400.0)
 
     state = RunState()  # the dashboard: same samples, same computation
@@ -119,7 +119,7 @@ def test_power_is_integrated_without_a_counter(tmp_path):
     mod = fake_pynvml(count=1, power_mw=300_000, errors=errors)  # pre-Volta: no counter
     samples = gpu_samples(mod, tmp_path, [0.0, 0.0, 0.0], clock)
     assert all(x.devices[0].energy_j is None for x in samples)
-    assert E.measure(samples, 1_000.0, 1_003.0) == E.Energy(pytest.approx(900.0), E.INTEGRATED)
+    assert E.measure(samples, 1_000.0, 1_003.0) == E.Energy(pytest.approx(900.0), E.EnergySource.INTEGRATED)
 
 
 def test_rapl_counter_on_a_cpu_run(tmp_path):
@@ -135,7 +135,7 @@ def test_rapl_counter_on_a_cpu_run(tmp_path):
         samples.append(s.sample_once())
     s.stop()
     assert samples[0].mode == "cpu"
-    assert E.measure(samples, 1_000.0, 1_003.0) == E.Energy(pytest.approx(90.0), E.COUNTER_CPU)
+    assert E.measure(samples, 1_000.0, 1_003.0) == E.Energy(pytest.approx(90.0), E.EnergySource.COUNTER_CPU)
     assert E.Rapl(str(root)).reason is None
 
 
@@ -174,7 +174,7 @@ def test_gptop_report_shows_energy_per_token_and_its_source_or_why_not(tmp_path)
     (run / "events.jsonl").write_text("".join(dumps(step(n, 1_000.0 + n)) + "\n" for n in (1, 2, 3, 4)))
     (run / "device.jsonl").write_text("".join(dumps(x) + "\n" for x in samples))
     s = summarize(run)
-    assert s["energy_j"] == pytest.approx(750.0) and s["energy_source"] == E.COUNTER_GPU
+    assert s["energy_j"] == pytest.approx(750.0) and s["energy_source"] == E.EnergySource.COUNTER_GPU
     assert s["energy_j_per_token"] == pytest.approx(750.0 / 3000)
     assert "mJ/token (NVML energy counter)" in format_report(s)
 

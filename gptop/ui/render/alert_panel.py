@@ -6,6 +6,7 @@ from rich.console import Group, RenderableType
 from rich.text import Text
 
 from gptop.state import RunState
+from trainer.contract.events import Severity
 
 
 def alerts(state: RunState, width: int, height: int) -> RenderableType:
@@ -14,7 +15,7 @@ def alerts(state: RunState, width: int, height: int) -> RenderableType:
         active = list(state.alerts_active.values())
     out: list[Text] = []
     for a in reversed(active):
-        style = "bold white on red" if a.severity.value == "critical" else "bold black on yellow"
+        style = "bold white on red" if a.severity is Severity.CRITICAL else "bold black on yellow"
         where = " ".join(x for x in (a.node, a.device) if x)
         t = Text.assemble(
             (f" {a.kind.value.replace('_', ' ')} ", style), " ", (f"[{where}] " if where else ""), a.message
