@@ -35,6 +35,7 @@ from trainer.contract.doctor import (
     CheckResult,
     DevicePath,
     DoctorReport,
+    Line,
     Outcome,
     Status,
     exit_code,
@@ -45,6 +46,15 @@ from .nvml import Nvml
 
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
 EXIT_USAGE = 2
+
+
+def _line_kind(line: str) -> str | None:
+    """The `kind` of one of the trainer doctor's JSON lines; None for anything else (a crash's output)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record.get("kind") if isinstance(record, dict) else None
 
 
 def device_arg(text: str) -> str:
@@ -146,7 +156,7 @@ def gpu_workload(
     reader.start()
     reader.join(start_timeout)
     problem = None
-    if not got or '"busy"' not in got[0]:
+    if not got or _line_kind(got[0]) != Line.BUSY:
         problem = (
             f"the GPU workload did not start within {start_timeout:.0f} s"
             if not got
@@ -301,11 +311,11 @@ def run_doctor(
 
     def on_line(record: dict[str, Any]) -> None:
         nonlocal dev
-        if record.get("kind") == "detect":
+        if record.get("kind") == Line.DETECT:
             detected.update(record)
             dev = DeviceInfo.from_dict(record["device"]) if record.get("device") else None
             progress(describe_detection(record))
-        elif record.get("kind") == "check":
+        elif record.get("kind") == Line.CHECK:
             r = CheckResult.from_dict(record["result"])
             results[r.name] = r
             progress(format_row(r))
@@ -485,7 +495,7 @@ def readme_table(records: list[tuple[str, dict[str, Any]]] | None = None) -> str
             got = next((c for c in r["checks"] if c["name"] == p.name), None)
             if got is None:
                 cells.append("not in this record")
-            elif got["status"] == "skip":
+            elif got["status"] == Status.SKIP:
                 cells.append(
                     "skipped ("
                     + (
@@ -498,7 +508,7 @@ def readme_table(records: list[tuple[str, dict[str, Any]]] | None = None) -> str
                     + ")"
                 )
             else:
-                cells.append("**passed**" if got["status"] == "pass" else "**FAILED**")
+                cells.append("**passed**" if got["status"] == Status.PASS else "**FAILED**")
         lines.append(f"| {p.title} (`{p.name}`) | " + " | ".join(cells) + " |")
     lines += ["", README_END]
     return "\n".join(lines)

@@ -587,3 +587,16 @@ def test_a_stopped_doctor_leaves_no_process_behind_and_writes_what_finished(tmp_
         time.sleep(0.2)
     left = [p for p in family if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
     assert not left, f"left behind: {left}"
+
+
+@pytest.mark.process
+def test_the_workload_says_it_is_busy_and_stops_when_its_stdin_closes(tmp_path):
+    """`python -m trainer.doctor --load` (what the energy check samples a GPU under) on the CPU: its first line
+    is the `busy` line, and closing its stdin ends it long before its seconds are up."""
+    from gptop.doctor import gpu_workload
+
+    with open(tmp_path / "log", "w") as log:
+        t0 = time.monotonic()
+        with gpu_workload("cpu", log, seconds=120.0, start_timeout=120.0) as problem:
+            assert problem is None, (tmp_path / "log").read_text()
+        assert time.monotonic() - t0 < 60.0  # stopped by the closed stdin, not by its 120 s

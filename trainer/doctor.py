@@ -32,7 +32,7 @@ from importlib import metadata
 from typing import Any
 
 from . import process_costs
-from .contract.doctor import PATHS, CheckResult, DevicePath, Outcome, Status
+from .contract.doctor import PATHS, CheckResult, DevicePath, Line, Outcome, Status
 
 LIBRARIES = (
     "transformers",
@@ -48,8 +48,8 @@ LIBRARIES = (
 )
 
 
-def emit(kind: str, **fields: Any) -> None:
-    sys.stdout.write(json.dumps({"kind": kind, **fields}, default=str) + "\n")
+def emit(kind: Line, **fields: Any) -> None:
+    sys.stdout.write(json.dumps({"kind": kind.value, **fields}, default=str) + "\n")
     sys.stdout.flush()
 
 
@@ -213,10 +213,10 @@ def run_checks(requested: str, quick: bool, only: set[str] | None, timeout_scale
     preload()
     kind, payload = run_in_child("detect", requested, quick, 120.0 * timeout_scale)
     if kind != ChildEnd.OK:
-        emit("detect", device=None, machine={}, error=payload)
-        emit("done")
+        emit(Line.DETECT, device=None, machine={}, error=payload)
+        emit(Line.DONE)
         return 1
-    emit("detect", device=payload["device"], machine=payload["machine"], error=None)
+    emit(Line.DETECT, device=payload["device"], machine=payload["machine"], error=None)
     device_type = payload["device"]["type"]
     for p in PATHS:
         if p.in_gptop or (only is not None and p.name not in only):
@@ -236,8 +236,8 @@ def run_checks(requested: str, quick: bool, only: set[str] | None, timeout_scale
             else:
                 outcome = Outcome(Status.FAIL, got, got)
         seconds = round(time.monotonic() - t0, 3)
-        emit("check", result=CheckResult.of(p, outcome, seconds).to_dict())
-    emit("done")
+        emit(Line.CHECK, result=CheckResult.of(p, outcome, seconds).to_dict())
+    emit(Line.DONE)
     return 0
 
 
@@ -259,7 +259,7 @@ def burn(requested: str, seconds: float) -> int:
     b = a @ a
     if dev.is_cuda:
         torch.cuda.synchronize(device)
-    emit("busy")
+    emit(Line.BUSY)
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         for _ in range(8):
@@ -269,7 +269,7 @@ def burn(requested: str, seconds: float) -> int:
         ready, _, _ = select.select([sys.stdin], [], [], 0)
         if ready and not sys.stdin.read(1):  # gptop closed our stdin: stop now
             break
-    emit("idle")
+    emit(Line.IDLE)
     return 0
 
 

@@ -23,6 +23,16 @@ from .capabilities import CUDA_GRAPH_MODES
 SCHEMA_ID = "gptop-doctor/1"
 
 
+class Line(enum.StrEnum):
+    """The kinds of the JSON lines `python -m trainer.doctor` writes (its `kind` field), in their order."""
+
+    DETECT = "detect"  # the device and machine, once
+    CHECK = "check"  # one path's CheckResult
+    DONE = "done"  # the end
+    BUSY = "busy"  # `--load`: the GPU workload runs (gptop.doctor's energy check waits for it)
+    IDLE = "idle"  # `--load`: it stopped
+
+
 class Status(str, enum.Enum):
     """How a path fared: PASS and FAIL where it applies, SKIP (with the reason) where it does not."""
 
