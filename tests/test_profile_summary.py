@@ -9,19 +9,19 @@ import pytest
 
 from helpers import train_in_process
 from trainer.contract.events import PHASES, ProfileEvent, dumps, parse
-from trainer.profile_summary import SHORT_OP_US, Span, summarize
+from trainer.profile_summary import SHORT_OP_US, Span, SpanKind, summarize
 
 
 def ann(name, a, b):
-    return Span(name, a, b, "annotation")
+    return Span(name, a, b, SpanKind.ANNOTATION)
 
 
 def op(name, a, b, self_us=None, kernels=()):
-    return Span(name, a, b, "op", self_us=self_us, kernels=list(kernels))
+    return Span(name, a, b, SpanKind.OP, self_us=self_us, kernels=list(kernels))
 
 
 def kernel(name, a, b):
-    return Span(name, a, b, "kernel")
+    return Span(name, a, b, SpanKind.KERNEL)
 
 
 def _phase(out, name):
@@ -212,7 +212,7 @@ def test_the_gpu_timelines_copies_of_the_phase_ranges_are_not_kernels():
         fe("gemm", 20, 270, "CUDA"),
     ]
     spans = spans_from_profiler(events)
-    assert [s.name for s in spans if s.kind == "kernel"] == ["gemm"]
+    assert [s.name for s in spans if s.kind is SpanKind.KERNEL] == ["gemm"]
     out = summarize(spans)
     assert out["gpu_idle_share"] == pytest.approx(0.75)
     assert out["phases"][0].kernels[0].name == "gemm"

@@ -19,6 +19,7 @@ from torch.profiler's events (`spans_from_profiler`) is the one place that reads
 from __future__ import annotations
 
 import bisect
+import enum
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -32,6 +33,12 @@ TIMED_PHASES = tuple(p for p in PHASES if p != "other")
 COMPUTE_PHASES = ("forward", "backward", "optimizer")
 
 
+class SpanKind(enum.StrEnum):
+    ANNOTATION = "annotation"  # a range the step timer opened (a phase, a ProfilerStep)
+    OP = "op"  # a CPU operator
+    KERNEL = "kernel"  # a GPU kernel
+
+
 @dataclass
 class Span:
     """One profiler event: a range the step timer opened (`annotation`), a CPU operator (`op`, with the kernels
@@ -40,7 +47,7 @@ class Span:
     name: str
     start: float
     end: float
-    kind: str = "op"  # annotation, op, kernel
+    kind: SpanKind = SpanKind.OP
     self_us: float | None = None  # operators: time not in child operators
     kernels: list[tuple[str, float]] = field(default_factory=list)
 
@@ -89,12 +96,14 @@ def _top(times: dict[str, list[float]], denominator: float) -> list[OpTime]:
 def summarize(spans: list[Span]) -> dict[str, Any] | None:
     """The profile event's fields (trainer.contract.events.ProfileEvent, without the paths; `phases` as
     PhaseProfile records) from a window's spans; None when the window holds no step."""
-    steps = _merge((s.start, s.end) for s in spans if s.kind == "annotation" and s.name.startswith(STEP_PREFIX))
+    steps = _merge((s.start, s.end) for s in spans if s.kind is SpanKind.ANNOTATION and s.name.startswith(STEP_PREFIX))
     if not steps:
         return None
     step_us = _length(steps)
-    n_steps = sum(1 for s in spans if s.kind == "annotation" and s.name.startswith(STEP_PREFIX))
-    phase_ranges = sorted((s.start, s.end, s.name) for s in spans if s.kind == "annotation" and s.name in TIMED_PHASES)
+    n_steps = sum(1 for s in spans if s.kind is SpanKind.ANNOTATION and s.name.startswith(STEP_PREFIX))
+    phase_ranges = sorted(
+        (s.start, s.end, s.name) for s in spans if s.kind is SpanKind.ANNOTATION and s.name in TIMED_PHASES
+    )
     starts = [r[0] for r in phase_ranges]
     phase_us: dict[str, float] = defaultdict(float)
     for a, b, name in phase_ranges:
@@ -116,7 +125,7 @@ def summarize(spans: list[Span]) -> dict[str, Any] | None:
     gpu_us: dict[str, float] = defaultdict(float)
     short_op_us = 0.0
     for s in spans:
-        if s.kind != "op" or not in_steps(s.start):
+        if s.kind is not SpanKind.OP or not in_steps(s.start):
             continue
         phase = phase_of(s.start)
         own = s.dur if s.self_us is None else s.self_us
@@ -132,7 +141,7 @@ def summarize(spans: list[Span]) -> dict[str, Any] | None:
             k[1] += 1
             gpu_us[phase] += us
 
-    kernel_spans = [s for s in spans if s.kind == "kernel" and in_steps(s.start)]
+    kernel_spans = [s for s in spans if s.kind is SpanKind.KERNEL and in_steps(s.start)]
     cuda = bool(kernel_spans) or bool(gpu_us)
     phases = []
     for p in PHASES:
@@ -195,14 +204,14 @@ def spans_from_profiler(events: Iterable[Any]) -> list[Span]:
         start, end = float(e.time_range.start), float(e.time_range.end)
         if device == "CPU":
             if e.name.startswith(STEP_PREFIX) or e.name in TIMED_PHASES:
-                spans.append(Span(e.name, start, end, "annotation"))
+                spans.append(Span(e.name, start, end, SpanKind.ANNOTATION))
                 continue
             spans.append(
                 Span(
                     e.name,
                     start,
                     end,
-                    "op",
+                    SpanKind.OP,
                     self_us=float(e.self_cpu_time_total),
                     kernels=[(k.name, float(k.duration)) for k in getattr(e, "kernels", ()) or ()],
                 )
@@ -212,5 +221,5 @@ def spans_from_profiler(events: Iterable[Any]) -> list[Span]:
             # span whole phases and are not work; counting them as kernels made a launch-bound GPU look busy
             if getattr(e, "is_user_annotation", False) or e.name.startswith(STEP_PREFIX) or e.name in TIMED_PHASES:
                 continue
-            spans.append(Span(e.name, start, end, "kernel"))
+            spans.append(Span(e.name, start, end, SpanKind.KERNEL))
     return spans
