@@ -20,8 +20,9 @@ from trainer.contract.events import (
 from trainer.contract.runlock import holder_words, lock_holders
 
 
-class RunStanding(enum.Enum):
-    """Where a run stands, from its lock and the events of its last trainer process."""
+class RunStanding(enum.StrEnum):
+    """Where a run stands, from its lock and the events of its last trainer process (a member is its word:
+    "run finished"); the end-of-run summary says one of FINISHED, STOPPED and FAILED."""
 
     RUNNING = "running"  # its lock is held: gptop (or a trainer) is at it now
     FINISHED = "finished"  # trained to --max-steps

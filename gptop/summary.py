@@ -8,7 +8,6 @@ are there now: a rolled-back trial's are gone), never from a view.
 
 from __future__ import annotations
 
-import enum
 import shlex
 from pathlib import Path
 from typing import IO
@@ -17,36 +16,31 @@ from trainer.contract import rundir
 from trainer.contract.events import ErrorEvent
 from trainer.contract.states import ERROR_WORDS, RunStatus
 
+from .run_standing import RunStanding
 from .state import RunState, fmt_duration, fmt_mfu, fmt_num, loss_range
 
 EXIT_INTERRUPTED = 130
 STDERR_LINES = 5  # a failed command's last stderr lines in the summary
 
 
-class RunEnd(enum.StrEnum):
-    """How a run ended, as the summary says it (a member is its word: "run finished")."""
-
-    FINISHED = "finished"  # reached --max-steps (or a command exited 0)
-    STOPPED = "stopped"  # by the user, or a planned end before --max-steps
-    FAILED = "failed"  # an error, also one the trainer reported while it was being stopped
-
-
-def outcome(state: RunState, exit_code: int | None = None) -> RunEnd:
-    """How the run in `state` ended, with the exit code gptop ends with."""
+def outcome(state: RunState, exit_code: int | None = None) -> RunStanding:
+    """How the run in `state` ended, with the exit code gptop ends with: FINISHED (reached --max-steps, or a
+    command exited 0), STOPPED (by the user, or a planned end before it) or FAILED (an error, also one the
+    trainer reported while it was being stopped)."""
     with state.lock:
         status, done, completed = state.status, state.done, state.completed
     if status is RunStatus.FAILED:
-        return RunEnd.FAILED
+        return RunStanding.FAILED
     if status is RunStatus.STOPPED or exit_code == EXIT_INTERRUPTED:
-        return RunEnd.STOPPED
+        return RunStanding.STOPPED
     if completed:
-        return RunEnd.FINISHED
+        return RunStanding.FINISHED
     if done is not None:
-        return RunEnd.STOPPED
+        return RunStanding.STOPPED
     if exit_code not in (None, 0):
-        return RunEnd.FAILED
+        return RunStanding.FAILED
     # done without a `done` event: a command exited 0
-    return RunEnd.FINISHED if status is RunStatus.DONE else RunEnd.STOPPED
+    return RunStanding.FINISHED if status is RunStatus.DONE else RunStanding.STOPPED
 
 
 def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
@@ -64,22 +58,24 @@ def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
         done = state.done
         command = state.command_line()
         stderr = (
-            [line for stream, line in state.logs if stream == "stderr"][-STDERR_LINES:] if how is RunEnd.FAILED else []
+            [line for stream, line in state.logs if stream == "stderr"][-STDERR_LINES:]
+            if how is RunStanding.FAILED
+            else []
         )
     if done is not None and done.step > (step or 0):  # steps after the last logged one
         step, tokens = done.step, done.tokens
     quoted = shlex.quote(run_dir) if run_dir else "RUN_DIR"
     at = f" at step {step}" if step is not None else " before the first step"
     head = {
-        RunEnd.FINISHED: "run finished" + (f": {step} steps" if step is not None else ""),
-        RunEnd.STOPPED: f"run stopped{at}",
-        RunEnd.FAILED: f"run failed{at}",
+        RunStanding.FINISHED: "run finished" + (f": {step} steps" if step is not None else ""),
+        RunStanding.STOPPED: f"run stopped{at}",
+        RunStanding.FAILED: f"run failed{at}",
     }[how]
     out = _Lines(f"gptop: {head}" + (f" after {fmt_duration(elapsed)}" if elapsed is not None else ""))
     out.add("run dir", run_dir or "n/a")
     if command:
         out.add("command", command)
-    if how is RunEnd.FAILED:
+    if how is RunStanding.FAILED:
         _failure(out, err, message, run_dir, stderr if command else [])
     if step is not None:
         _progress(out, state, step, tokens)
@@ -98,7 +94,7 @@ def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
         )
     elif net:
         out.add("tuning", f"kept the starting configuration; {net}")
-    if kept and how is not RunEnd.FINISHED:  # (a program's own checkpoints: resuming is its own business)
+    if kept and how is not RunStanding.FINISHED:  # (a program's own checkpoints: resuming is its own business)
         out.add("resume", f"gptop train --resume {quoted}")
     elif kept:
         out.add("export", f"gptop export {quoted} OUT_DIR")
@@ -158,7 +154,13 @@ def _progress(out: _Lines, state: RunState, step: int, tokens: int | None) -> No
 
 
 def _checkpoints(
-    out: _Lines, state: RunState, how: RunEnd, step: int | None, run_dir: str, command: str | None, message: str | None
+    out: _Lines,
+    state: RunState,
+    how: RunStanding,
+    step: int | None,
+    run_dir: str,
+    command: str | None,
+    message: str | None,
 ) -> list[rundir.CheckpointInfo]:
     """The newest checkpoint there is now (or why there is none); returns gptop's own that are kept."""
     with state.lock:
@@ -166,7 +168,7 @@ def _checkpoints(
         every = state.hello.checkpoint_every if state.hello is not None else None
         ckpts = list(state.checkpoints)
     kept = rundir.list_checkpoints(run_dir) if run_dir and not command else []
-    cut_short = message if how is RunEnd.STOPPED else None  # what a stop that cut the trainer short kept and lost
+    cut_short = message if how is RunStanding.STOPPED else None  # what a stop that cut the trainer short kept and lost
     if command:  # the program's own checkpoints, where it said it wrote them
         there = [c for c in ckpts if Path(c.path).exists()]
         out.add(
@@ -203,7 +205,7 @@ def _alerts(out: _Lines, state: RunState, run_dir: str, quoted: str) -> None:
             out.add("", line if len(line) <= 160 else line[:159] + "…")
 
 
-def _why_none(how: RunEnd, step: int | None, every: int | None) -> str:
+def _why_none(how: RunStanding, step: int | None, every: int | None) -> str:
     """Why a run ends without a checkpoint, in words."""
     if step is None:
         return f"the run {how} before its first step (nothing to checkpoint)"
