@@ -34,7 +34,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from trainer.contract.states import WarningKind
 from trainer.contract.device import gpu_key
 from trainer.contract.events import (
     PHASES,
@@ -53,6 +52,7 @@ from trainer.contract.events import (
     StepEvent,
     WarningEvent,
 )
+from trainer.contract.states import WarningKind
 
 from .alert_options import LOSS_WINDOW, AlertOptions, add_alert_arguments, alert_options
 

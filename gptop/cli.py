@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainer.contract import inputs
-from trainer.contract.states import ErrorKind
 from trainer.contract.common import MAX_STEP
 from trainer.contract.config import ConfigError, OneLineParser, add_arguments, number_arg
+from trainer.contract.states import ErrorKind
 from trainer.contract.tools import add_export_arguments, add_sample_arguments
 
 from . import preflight

@@ -14,8 +14,8 @@ naming it, with nothing started or created.
 
 from __future__ import annotations
 
-import enum
 import argparse
+import enum
 import errno
 import ipaddress
 import socket

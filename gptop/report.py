@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from trainer.contract import rundir
-from trainer.contract.states import ErrorKind
 from trainer.contract.events import (
     PHASES,
     TUNER_RESTART,
@@ -38,6 +37,7 @@ from trainer.contract.events import (
     read_events,
     to_dict,
 )
+from trainer.contract.states import ErrorKind
 
 from .energy import Energy, EnergySource, measure, unavailable_reason
 from .run_standing import RunStanding, standing_of

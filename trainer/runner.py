@@ -18,8 +18,8 @@ from .contract import protect
 from .contract.atomic import DiskError, disk_error
 from .contract.config import ConfigError, TrainConfig
 from .contract.events import STOPPED_BEFORE_FIRST_STEP
-from .contract.states import ErrorKind
 from .contract.runlock import RunLock
+from .contract.states import ErrorKind
 from .inductor_cache import artefact_failure
 from .memory import enable_expandable_segments
 from .train import (

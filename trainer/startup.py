@@ -13,14 +13,14 @@ import torch
 from . import autobatch, build, optim
 from . import dist as D
 from .channel import Channel
-from .contract import estimate as E
 from .checkpointer import Checkpointer
 from .commands import Commands
 from .contract import capabilities, protect, rundir
+from .contract import estimate as E
 from .contract.atomic import atomic_write
 from .contract.config import AUTO, ConfigError, parse_step_range
-from .contract.states import WarningKind
 from .contract.runlock import RunLock
+from .contract.states import WarningKind
 from .flops import peak
 from .inductor_cache import OwnCache
 from .memory import make_meter

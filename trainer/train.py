@@ -41,14 +41,14 @@ from .checkpointer import NonFiniteState, Progress
 from .contract.config import AUTO, TrainConfig
 from .contract.device import DeviceInfo
 from .contract.events import MAX_STEPS, CompileWarning
-from .contract.states import ErrorKind
 from .contract.runlock import RunLock
+from .contract.states import ErrorKind
 from .device_probe import detect
 from .inductor_cache import OwnCache
 from .memory import make_meter
 from .nonfinite import NonFiniteGuard, NonFiniteStep, step_flags
-from .step_metrics import MfuCheck, StepMetrics
 from .startup import TrainerStartup
+from .step_metrics import MfuCheck, StepMetrics
 from .timing import make_timer
 
 EXIT_OK, EXIT_CRASH, EXIT_CONFIG, EXIT_OOM, EXIT_NAN, EXIT_COMPILE = 0, 1, 2, 3, 4, 5

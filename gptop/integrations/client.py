@@ -30,10 +30,10 @@ import torch
 
 from trainer.channel import Channel
 from trainer.commands import Commands
-from trainer.contract.states import ErrorKind, WarningKind
 from trainer.contract.client import ClientEnv, ClientKind
 from trainer.contract.device import DeviceInfo
 from trainer.contract.rundir import RunDir
+from trainer.contract.states import ErrorKind, WarningKind
 from trainer.timing import TIMED, interval_means, make_timer
 
 TUNABLE_KINDS = (ClientKind.TRANSFORMERS,)  # the clients that take gptop tune's toggles (tuned_args)
