@@ -3,7 +3,8 @@
 `AlertMonitor` is fed every event the session sees (the trainer's, the device samples, gptop's own) and a
 clock; it returns `AlertEvent`s for the session to publish (views, events.jsonl, notifications, metrics).
 It is the core's, not a view's: the dashboard's banner, the headless line, `--json`, `gptop report` and
-the end summary all show the same alerts. The rules (docs/dashboard.md, "Alerts"):
+the end summary all show the same alerts. An alert is raised once and resolved once, whatever a rule sees
+while it is open (`_raise`). The rules (docs/dashboard.md, "Alerts"):
 
 - stall: no step for `stall_factor` times the recent median step time, and at least `stall_after_s`,
   while the trainer process is alive and has done a step (compilation and loading before the first step
@@ -28,6 +29,8 @@ Thresholds are declared once (gptop.alert_options): defaults, ranges and help, f
 
 from __future__ import annotations
 
+import dataclasses
+import secrets
 import threading
 import time
 from collections import deque
@@ -119,6 +122,7 @@ class AlertMonitor:
         self._lock = threading.Lock()
         self._open: dict[str, AlertEvent] = {}  # id -> the raise, while not resolved
         self._serial = 0
+        self._gptop = secrets.token_hex(3)  # in the ids: a resumed run's next gptop raises ids of its own
         self._step: int | None = None  # the run's latest step
         self._reached: int = 0  # the highest step the run has reached
         # stall
@@ -197,18 +201,17 @@ class AlertMonitor:
         key: str | None = None,
         **kw: Any,
     ) -> None:
-        """Raise an alert of `kind` (one open per `key`, default the kind): a second raise while it is open
-        updates it (same id)."""
+        """Raise an alert of `kind`, one open per `key` (default the kind). While it is open a rule that still
+        sees the trouble raises nothing more: one raise, one resolution, the raise's step and time kept (what
+        the rule sees meanwhile goes to `_note`, and out with the resolution)."""
         key = key or kind.value
-        old = self._open.get(key)
-        if old is None:
-            self._serial += 1
-            alert_id = f"{key}-{self._serial}"
-        else:
-            alert_id = old.id
+        if key in self._open:
+            self._note(key, **(kw.get("figures") or {}))
+            return
+        self._serial += 1
         alert = AlertEvent(
             time=self.clock(),
-            id=alert_id,
+            id=f"{key}-{self._gptop}-{self._serial}",
             kind=kind,
             severity=severity,
             message=message,
@@ -218,6 +221,13 @@ class AlertMonitor:
         )
         self._open[key] = alert
         out.append(alert)
+
+    def _note(self, key: str, **figures: Any) -> None:
+        """Figures of an open alert seen after its raise (a spike's peak, another rollback, more ECC errors):
+        kept in it, not sent; its resolution carries them."""
+        old = self._open.get(key)
+        if old is not None and figures:
+            self._open[key] = dataclasses.replace(old, figures={**old.figures, **figures})
 
     def _resolve(self, out: list[AlertEvent], key: str, message: str, **figures: Any) -> None:
         old = self._open.pop(key, None)
@@ -359,8 +369,12 @@ class AlertMonitor:
         self._loss(e, out)
         nan = self._open.get(AlertKind.NAN_ROLLBACK.value)
         if nan is not None and e.loss is not None and e.step > (nan.figures.get("reached") or 0):
+            again = nan.figures.get("rollbacks") or 1
             self._resolve(
-                out, AlertKind.NAN_ROLLBACK.value, f"past the rollback: step {e.step} with a finite loss ({e.loss:.4g})"
+                out,
+                AlertKind.NAN_ROLLBACK.value,
+                f"past the rollback: step {e.step} with a finite loss ({e.loss:.4g})"
+                + (f" after {again} rollbacks" if again > 1 else ""),
             )
         self._throughput(e, out)
 
@@ -377,7 +391,21 @@ class AlertMonitor:
             med, mad = self._loss_stats
             scale = MAD_SCALE * mad
             line = med + max(self.options.loss_spike_mads * scale, MIN_SPIKE_RISE * abs(med))
-            if loss > line:
+            spike = self._open.get(key)
+            if loss <= line:
+                if spike is not None:
+                    f = spike.figures
+                    self._resolve(
+                        out,
+                        key,
+                        f"loss back to {loss:.4g} at step {e.step} (median {med:.4g}); the spike began at step "
+                        f"{f['step']} and peaked at {f['peak_loss']:.4g} at step {f['peak_step']}",
+                        back_loss=loss,
+                    )
+            elif spike is not None:  # still above the line: the same spike
+                if loss > spike.figures["peak_loss"]:
+                    self._note(key, peak_loss=loss, peak_step=e.step)
+            else:
                 mads = (loss - med) / scale if scale > 0 else float("inf")
                 self._raise(
                     out,
@@ -386,19 +414,24 @@ class AlertMonitor:
                     f"loss {loss:.4g} at step {e.step}: {'%.0f' % mads if mads != float('inf') else 'many'} "
                     f"MADs above the median {med:.4g} of the last {len(self._losses)} logged losses "
                     f"(alert above {line:.4g})",
-                    figures={"loss": loss, "median": med, "mad": mad, "line": line, "step": e.step},
+                    figures={
+                        **{"loss": loss, "median": med, "mad": mad, "line": line, "step": e.step},
+                        **{"peak_loss": loss, "peak_step": e.step},
+                    },
                 )
-            elif key in self._open:
-                self._resolve(out, key, f"loss back to {loss:.4g} at step {e.step} (median {med:.4g})", back_loss=loss)
         self._losses.append(loss)
         self._losses_since += 1
 
     def _on_rollback(self, e: WarningEvent, out: list[AlertEvent]) -> None:
+        key = AlertKind.NAN_ROLLBACK.value
+        raised = self._open.get(key)
+        rollbacks = 1 if raised is None else (raised.figures.get("rollbacks") or 1) + 1
         figures = {
             "reached": self._reached,
             "rolled_back_to": e.step,
             "lr_scale": e.lr_scale,
             "skipped_batches": len(e.skip_batches or []),
+            "rollbacks": rollbacks,  # while it is open, another rollback is counted here, not raised again
         }
         self._raise(out, AlertKind.NAN_ROLLBACK, Severity.WARNING, f"non-finite step: {e.message}", figures=figures)
 
@@ -473,17 +506,15 @@ class AlertMonitor:
             state = self._gpus.setdefault(name, _Gpu())
             tag = f"{self.node}:{name}" if self.node else name
             if g.lost:
-                if f"gpu_lost:{tag}" not in self._open:
-                    self._raise(
-                        out,
-                        AlertKind.GPU_LOST,
-                        Severity.CRITICAL,
-                        f"{where} fell off the bus (NVML: GPU is lost); the run cannot use it until the "
-                        "machine is reset",
-                        key=f"gpu_lost:{tag}",
-                        device=name,
-                        figures={"index": g.index},
-                    )
+                self._raise(
+                    out,
+                    AlertKind.GPU_LOST,
+                    Severity.CRITICAL,
+                    f"{where} fell off the bus (NVML: GPU is lost); the run cannot use it until the machine is reset",
+                    key=f"gpu_lost:{tag}",
+                    device=name,
+                    figures={"index": g.index},
+                )
                 continue
             if g.ecc_uncorrected is not None:
                 if state.ecc_base is None:

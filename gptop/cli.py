@@ -135,6 +135,13 @@ def _check_global_flags(parser: "Parser", ns: argparse.Namespace) -> None:
         elif acts_on is not None and ns.command not in acts_on:
             where = ", ".join(c for c in acts_on if c) + " and the monitor (gptop with no command)"
             parser.commands[ns.command].error(f"{flag} does nothing here; it acts on gptop {where}")
+    if ns.metrics_addr is None:
+        from .metrics import DEFAULT_ADDR
+
+        ns.metrics_addr = DEFAULT_ADDR
+    elif ns.metrics_port is None:  # an address to serve nothing on: a forgotten --metrics-port, not a choice
+        said_by = parser.commands[ns.command] if ns.command else parser
+        said_by.error(f"--metrics-addr {ns.metrics_addr}: metrics are served only with --metrics-port PORT")
     if ns.json:
         ns.no_ui = True
     elif not ns.no_ui and ns.command in SAMPLING and not has_terminal():
@@ -142,10 +149,6 @@ def _check_global_flags(parser: "Parser", ns: argparse.Namespace) -> None:
         # unreadable and costs a core the trainer could use.
         ns.no_ui = True
         print("gptop: no terminal (stdin or stdout is not a tty): printing lines, as with --no-ui", file=sys.stderr)
-    if ns.metrics_addr is None:
-        from .metrics import DEFAULT_ADDR
-
-        ns.metrics_addr = DEFAULT_ADDR
 
 
 def has_terminal() -> bool:
@@ -514,7 +517,7 @@ def _hold_and_show(
                 print(f"gptop: warning: {lock.warning}", file=sys.stderr)
             session = make_session(dataclasses.replace(plan.options, run_lock=lock))
             if metrics is not None:
-                metrics.serve(session.state)
+                metrics.serve(session.state, session.log)
             if plan.tuning is not None:
                 session.start_tuning(plan.tuning)
             return _show(ns, session, plan.resume, signals)

@@ -137,6 +137,12 @@ def first_step_line(event: ProgressEvent, state: RunState) -> str | None:
     return f"step {event.step}/{total if total is not None else '?'} done{took}; a line every {log_every} steps"
 
 
+def gptop_line(line: str) -> str:
+    """A line of gptop's own as stderr says it (`gptop: ...`), from the log panel's `[gptop] ...`."""
+    line = line.rstrip("\n")
+    return "gptop: " + (line[len("[gptop] ") :] if line.startswith("[gptop] ") else line)
+
+
 def event_line(event: Event, state: RunState) -> str | None:
     """The readable line for one event, or None for events that get none (device samples, other ranks)."""
     for cls in type(event).__mro__:
@@ -293,6 +299,7 @@ class HeadlessView:
         self._first_progress = True
         self._measuring: tuple | None = None  # the measurement the last progress line was about
         self._measure_at = 0.0
+        self._alerts_open: set[str] = set()  # ids: a raise repeated while open (an older run's file) is not news
         if progress is None:
             progress = not json and _isatty(self.stream)
         self._progress: Progress | None = None  # rich's bar on a terminal (imported only then)
@@ -379,6 +386,8 @@ class HeadlessView:
                 if event.message == self._phase_message:
                     return  # a percent update of the same phase: the bar, not a line
                 self._phase_message = event.message
+            if isinstance(event, AlertEvent) and not self._alert_news(event):
+                return
             line = event_line(event, self.state)
             if line is not None:
                 self._print(line)
@@ -441,9 +450,23 @@ class HeadlessView:
                 self._task, description="training", completed=s.step or 0, total=s.total_steps, info=info
             )
 
+    def _alert_news(self, a: AlertEvent) -> bool:
+        if a.resolved:
+            self._alerts_open.discard(a.id)
+            return True
+        if a.id in self._alerts_open:
+            return False
+        self._alerts_open.add(a.id)
+        return True
+
     def on_log(self, line: str, stream: str = "stdout") -> None:
-        """A trainer stdout/stderr line: kept for the failure report, printed only with `echo_logs`."""
+        """A trainer stdout/stderr line: kept for the failure report, printed only with `echo_logs`. A line of
+        gptop's own (a notification that failed, a file it can no longer write, where metrics are served) goes
+        to stderr, as the dashboard shows it in its log panel: `gptop: ...`."""
         with self._lock:
+            if stream == "gptop":
+                self._print_err(gptop_line(line))
+                return
             if stream == "stderr":
                 self._stderr.append(line.rstrip("\n"))
             if self.echo_logs:

@@ -21,7 +21,7 @@ import ipaddress
 import socket
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from trainer.contract.config import ConfigError, number_arg
 from trainer.contract.events import PHASES, AlertKind, Severity
@@ -126,6 +126,11 @@ def addr_arg(text: str) -> str:
     return text
 
 
+def is_loopback(addr: str) -> bool:
+    """Whether `addr` (an --metrics-addr value) is reachable from this machine only."""
+    return addr == "localhost" or ipaddress.ip_address(addr).is_loopback
+
+
 def add_metrics_arguments(parser: argparse.ArgumentParser, suppress: bool = False) -> None:
     """`--metrics-port`/`--metrics-addr` (`suppress`: on a subcommand whose parent has them too)."""
     d = (lambda v: argparse.SUPPRESS) if suppress else (lambda v: v)
@@ -143,8 +148,9 @@ def add_metrics_arguments(parser: argparse.ArgumentParser, suppress: bool = Fals
         type=addr_arg,
         default=d(DEFAULT_ADDR),
         metavar="ADDR",
-        help="the address the metrics listen on; they reveal the run's configuration and paths "
-        f"(default: {DEFAULT_ADDR}; 0.0.0.0 for every interface)",
+        help="the address the metrics listen on, with --metrics-port; they reveal the run's configuration and "
+        f"paths, so another address than a loopback one is warned about (default: {DEFAULT_ADDR}; 0.0.0.0 for "
+        "every interface)",
     )
 
 
@@ -311,8 +317,23 @@ class MetricsServer:
             ) from None
         return cls(httpd, thread, collector, addr)
 
-    def serve(self, state: "RunState") -> None:
+    def serve(self, state: "RunState", say: Callable[[str], None]) -> None:
+        """Serve `state` from now on, and `say` where (the log panel, stderr with --no-ui)."""
         self.collector.state = state
+        for line in self.lines():
+            say(line)
+
+    def lines(self) -> list[str]:
+        """Where the metrics are served; a warning when other machines can read them."""
+        host = f"[{self.addr}]" if ":" in self.addr else self.addr
+        out = [f"Prometheus metrics at http://{host}:{self.port}/metrics"]
+        if not is_loopback(self.addr):
+            out.append(
+                f"warning: --metrics-addr {self.addr} serves the metrics, which show the run's configuration and "
+                f"paths, to every machine that can reach this one on port {self.port} (the default, "
+                f"{DEFAULT_ADDR}, keeps them on this machine)"
+            )
+        return out
 
     def close(self) -> None:
         self.httpd.shutdown()

@@ -266,7 +266,7 @@ def run_monitor(ns: argparse.Namespace) -> int:
     try:
         session = MonitorSession(run_dir, interval=ns.interval)
         if metrics is not None:
-            metrics.serve(session.state)
+            metrics.serve(session.state, session.log)
         if not ns.no_ui:
             from .ui.app import run_app
 

@@ -305,29 +305,35 @@ MAX_ALERTS = 100  # alert rows a report keeps (the newest): a flapping alert on 
 
 
 def alert_rows(alerts: Any) -> list[dict[str, Any]]:
-    """Alerts as the report lists them: one row per alert (its latest raise), with when it was resolved."""
-    rows: dict[str, dict[str, Any]] = {}
+    """Alerts as the report lists them: one row per alert, from its first raise (the step and time it began),
+    with when it was resolved. A raise repeated while its alert is open (a run recorded before each alert was
+    raised once) is the same alert; an id raised again after its resolution is another gptop's alert."""
+    rows: deque[dict[str, Any]] = deque(maxlen=MAX_ALERTS)
+    open_rows: dict[str, dict[str, Any]] = {}
     for a in alerts:
-        row = rows.get(a.id)
         if a.resolved:
+            row = open_rows.pop(a.id, None)
             if row is not None:
                 row.update(resolved_time=a.time, resolved=a.message)
             continue
-        if row is None:
-            if len(rows) >= MAX_ALERTS:
-                rows.pop(next(iter(rows)))
-            row = rows[a.id] = {"id": a.id, "time": a.time, "resolved_time": None, "resolved": None}
-        row.update(
-            kind=a.kind.value,
-            severity=a.severity.value,
-            message=a.message,
-            step=a.step,
-            figures=a.figures,
-            ranks=a.ranks,
-            node=a.node,
-            device=a.device,
-        )
-    return list(rows.values())
+        if a.id in open_rows:
+            continue
+        row = open_rows[a.id] = {
+            "id": a.id,
+            "time": a.time,
+            "resolved_time": None,
+            "resolved": None,
+            "kind": a.kind.value,
+            "severity": a.severity.value,
+            "message": a.message,
+            "step": a.step,
+            "figures": a.figures,
+            "ranks": a.ranks,
+            "node": a.node,
+            "device": a.device,
+        }
+        rows.append(row)
+    return list(rows)
 
 
 def _error(e: ErrorEvent) -> dict[str, Any]:

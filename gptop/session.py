@@ -346,10 +346,6 @@ class Session(SessionBase):
         with open(self.run_dir / "events.jsonl", "a") as f:  # one small O_APPEND write per line: no
             f.write(ev.dumps(event) + "\n")  # tearing with the trainer's own lines
 
-    def log(self, message: str) -> None:
-        """A line of gptop's own in the log panel (not kept in events.jsonl: see `publish` for that)."""
-        self._on_log(f"[gptop] {message}", "gptop")
-
     # --------------------------------------------------------------- plumbing
     def _dispatch(self, event: ev.Event) -> None:
         """Apply one event to the state, then the views, TensorBoard, W&B and the controller."""

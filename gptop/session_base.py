@@ -81,6 +81,11 @@ class SessionBase:
         for view in self.views:
             view.on_log(line, stream)
 
+    def log(self, message: str) -> None:
+        """A line of gptop's own: in the log panel, on stderr with --no-ui (gptop.headless); not kept in
+        events.jsonl (a Session's `publish` is for that)."""
+        self._on_log(f"[gptop] {message}", "gptop")
+
     def _on_malformed(self, line: bytes, why: str) -> None:
         with self._lock:
             self.state.count_malformed(line.decode("utf-8", "replace"))
@@ -119,6 +124,9 @@ class SessionBase:
         is a graceful stop, a second one a forced stop (as `q` twice in the TUI); `signals` installed earlier
         by the caller carries a stop asked for before the session ran (then nothing is started)."""
         self.add_view(view)
+        for stream, line in self.state.logs_since(0)[0]:  # what gptop said before the view was there
+            if stream == "gptop":
+                view.on_log(line, stream)
         signals = signals or StopSignals()
         signals.install()
         try:

@@ -5,7 +5,7 @@
 - Its stdout and stderr go straight to files in the run directory, not to
   pipes: if gptop dies, the trainer can still write its log and finish its
   graceful stop. gptop tails those files for the log panel.
-- Events arrive on a Unix socket that the supervisor listens on (one
+- Events arrive on a Unix socket that the supervisor listens on (gptop.channel_server; one
   connection per rank), never scraped from output. Commands go back on the
   same connections. When gptop dies, the kernel closes the socket, and the
   trainer takes the EOF as a graceful stop: no orphan, no lost progress.
@@ -34,10 +34,8 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -46,7 +44,8 @@ from typing import Any, Callable
 from trainer.contract import events as ev
 from trainer.contract.rundir import RunDir
 
-from .tail import FileTail, LineSplitter, feed_events
+from .channel_server import ChannelServer
+from .tail import FileTail
 
 from .telemetry import TREE_REFRESH_S
 
@@ -168,11 +167,8 @@ class Supervisor:
         self.proc: subprocess.Popen | None = None
         self.returncode: int | None = None
         self.exit_reported = threading.Event()  # on_exit has run for this process
-        self._conns: list[socket.socket] = []
         self._lock = threading.Lock()
-        self._sockdir = tempfile.mkdtemp(prefix="gptop-")
-        self.socket_path = os.path.join(self._sockdir, "channel.sock")
-        self._server: socket.socket | None = None
+        self.channel = ChannelServer(self._event, self._malformed)  # its socket's directory: made here
         self._exited = threading.Event()
         self._threads: list[threading.Thread] = []
         self._log_offsets = {"stdout": 0, "stderr": 0}
@@ -181,14 +177,30 @@ class Supervisor:
 
     @property
     def channel_uri(self) -> str:
-        return f"unix:{self.socket_path}"
+        return self.channel.uri
+
+    @property
+    def socket_path(self) -> str:
+        return self.channel.path
+
+    def _event(self, e: ev.Event) -> None:
+        self.on_event(e)
+
+    def _malformed(self, line: bytes, why: str) -> None:
+        self.on_malformed(line, why)
 
     # ----------------------------------------------------------------- start
     def start(self) -> None:
+        """Start the process; one that cannot start (a ConfigError or OSError out of here) leaves no channel."""
+        try:
+            self._start()
+        except BaseException:
+            self.channel.close()
+            raise
+
+    def _start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._server.bind(self.socket_path)
-        self._server.listen(64)
+        self.channel.listen()
         out = open(self.layout.trainer_log, "ab")
         err = open(self.layout.trainer_stderr, "ab")
         self._log_offsets = {"stdout": out.tell(), "stderr": err.tell()}
@@ -210,7 +222,7 @@ class Supervisor:
         err.close()
         if self.command:
             self._start_warden()
-        loops = [(self._accept_loop, "accept"), (self._wait_loop, "wait"), (self._tail_loop, "tail")]
+        loops = [(self._wait_loop, "wait"), (self._tail_loop, "tail")]
         if self.launcher or self.command:
             loops.append((self._track_loop, "track"))
         for target, name in loops:
@@ -315,35 +327,6 @@ class Supervisor:
         return self.proc is not None and self.returncode is None
 
     # ---------------------------------------------------------------- events
-    def _accept_loop(self) -> None:
-        assert self._server is not None
-        while not self._exited.is_set():
-            try:
-                self._server.settimeout(0.2)
-                conn, _ = self._server.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                return
-            conn.settimeout(None)
-            with self._lock:
-                self._conns.append(conn)
-            threading.Thread(target=self._read_loop, args=(conn,), name="gptop-supervisor-read", daemon=True).start()
-
-    def _read_loop(self, conn: socket.socket) -> None:
-        lines = LineSplitter()
-        while True:
-            try:
-                data = conn.recv(65536)
-            except OSError:
-                data = b""
-            if not data:
-                break
-            feed_events(lines.feed(data), self.on_event, self.on_malformed)
-        with self._lock:
-            if conn in self._conns:
-                self._conns.remove(conn)
-
     def send(self, cmd: dict[str, Any]) -> int:
         """Send a command to every connected rank; returns how many got it.
 
@@ -353,16 +336,7 @@ class Supervisor:
             with self._lock:
                 self._seq = max(self._seq + 1, time.time_ns() // 1_000_000)
                 cmd = dict(cmd, seq=self._seq)
-        line = (json.dumps(cmd) + "\n").encode()
-        sent = 0
-        with self._lock:
-            for conn in list(self._conns):
-                try:
-                    conn.sendall(line)
-                    sent += 1
-                except OSError:
-                    pass
-        return sent
+        return self.channel.send((json.dumps(cmd) + "\n").encode())
 
     # ------------------------------------------------------------------ logs
     def _tail_loop(self) -> None:
@@ -404,11 +378,9 @@ class Supervisor:
                 t.join(timeout=2)
         # Let the readers drain the last events before reporting the exit.
         deadline = time.monotonic() + 2
-        while time.monotonic() < deadline:
-            with self._lock:
-                if not self._conns:
-                    break
+        while self.channel.connected and time.monotonic() < deadline:
             time.sleep(0.02)
+        self.channel.close()  # nothing connects any more; a restart makes a channel of its own
         try:
             self.on_exit(code)
         finally:
@@ -513,16 +485,7 @@ class Supervisor:
                 self.kill()
                 self.wait(5)
         self._release_warden()
-        if self._server is not None:
-            try:
-                self._server.close()
-            except OSError:
-                pass
-        try:
-            os.unlink(self.socket_path)
-            os.rmdir(self._sockdir)
-        except OSError:
-            pass
+        self.channel.close()
 
 
 def trainer_argv(args: list[str]) -> list[str]:

@@ -410,7 +410,8 @@ def test_notify_cmd_gets_the_alert_as_json_and_a_failing_one_is_logged_once(tmp_
     lines = got.read_text().splitlines()
     assert [parse(x) for x in lines] == [_alert(), _alert(resolved=True)]
     assert n.sent == 2 and n.failed == 2
-    assert len(logs) == 1 and "exit code 3" in logs[0] and "not logged" in logs[0]
+    assert len(logs) == 1 and "exit code 3" in logs[0] and "not repeated" in logs[0]
+    assert "sys.exit(3)" in logs[0] and "shell" not in logs[0]  # it names the target; no shell syntax in it
 
 
 @pytest.mark.process

@@ -39,11 +39,13 @@ def test_a_run_read_back_by_prometheus_parser():
         state.apply(e)
     state.apply(AlertEvent(id="stall-1", kind=AlertKind.STALL, severity=Severity.CRITICAL, message="m"))
     server = MetricsServer.bind(free_port(), node="node-a")
+    said: list[str] = []
     try:
-        server.serve(state)
+        server.serve(state, said.append)
         got = scrape(server.port)
     finally:
         server.close()
+    assert said == [f"Prometheus metrics at http://127.0.0.1:{server.port}/metrics"]  # one line, no warning
     names = {m.name for m in METRICS}
     exposed = {re.sub(r"_(created)$", "", n) for n in got}
     assert exposed <= names, exposed - names  # every family exposed is documented in METRICS
@@ -110,6 +112,76 @@ def test_bad_metrics_flags(argv, capsys):
         cli.main(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and argv[-2] in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", [[], ["train"], ["tune"], ["run"]])
+def test_metrics_addr_without_a_port_is_exit_2_naming_it(command, capsys):
+    from gptop import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main([*command, "--metrics-addr", "0.0.0.0", *(["--", "true"] if command == ["run"] else [])])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--metrics-addr 0.0.0.0" in err and "--metrics-port" in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "addr,url,warned",
+    [
+        ("127.0.0.1", "http://127.0.0.1:{port}/metrics", False),
+        ("localhost", "http://localhost:{port}/metrics", False),
+        ("::1", "http://[::1]:{port}/metrics", False),
+        ("0.0.0.0", "http://0.0.0.0:{port}/metrics", True),
+        ("::", "http://[::]:{port}/metrics", True),
+    ],
+)
+def test_where_metrics_are_served_is_said_and_a_non_loopback_address_is_warned_about(addr, url, warned):
+    from types import SimpleNamespace
+
+    from gptop.metrics import is_loopback
+
+    port = free_port()  # lines() says the address and the bound port: a stand-in for the HTTP server will do
+    server = MetricsServer(SimpleNamespace(server_address=(addr, port)), None, None, addr)  # type: ignore[arg-type]
+    first, *rest = server.lines()
+    assert first == "Prometheus metrics at " + url.format(port=port)
+    assert is_loopback(addr) is not warned and len(rest) == warned
+    if warned:
+        assert rest[0].startswith(f"warning: --metrics-addr {addr} serves the metrics") and "127.0.0.1" in rest[0]
+
+
+@pytest.mark.process
+def test_the_line_where_metrics_are_served_and_its_warning_go_to_stderr_with_no_ui(tmp_path):
+    """With --no-ui gptop's own lines are on stderr (stdout keeps the run's lines); the same lines are the
+    dashboard's log panel's (`Session.log`)."""
+    import subprocess
+    import sys
+
+    port = free_port()
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gptop",
+            "--no-ui",
+            "run",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--metrics-port",
+            str(port),
+            "--metrics-addr",
+            "0.0.0.0",
+            "--",
+            "true",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    assert f"gptop: Prometheus metrics at http://0.0.0.0:{port}/metrics" in lines, r.stderr
+    assert sum(x.startswith("gptop: warning: --metrics-addr 0.0.0.0 serves the metrics") for x in lines) == 1
+    assert "Prometheus" not in r.stdout
 
 
 def test_every_metric_is_documented():

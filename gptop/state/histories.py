@@ -201,16 +201,21 @@ class AlertBook:
     def __init__(self) -> None:
         self.active: dict[str, AlertEvent] = {}
         self.events: deque[AlertEvent] = deque(maxlen=200)
-        self.raised = 0  # alerts ever raised (an update of an open one is not counted)
+        self.raised = 0  # alerts ever raised (a repeated raise of an open one is not counted)
 
-    def add(self, e: AlertEvent) -> None:
+    def add(self, e: AlertEvent) -> bool:
+        """Keep one alert event; False for a raise of an alert already open, which says nothing new (a run
+        recorded before each alert was raised once repeats it; its first raise, with the step it began at, is
+        kept)."""
         if e.resolved:
             self.active.pop(e.id, None)
+        elif e.id in self.active:
+            return False
         else:
-            if e.id not in self.active:
-                self.raised += 1
+            self.raised += 1
             self.active[e.id] = e
         self.events.append(e)
+        return True
 
     def summary(self) -> list[str]:
         """Each alert raised (latest 200 events), in words: 'stall (critical, resolved): no step for 31 s ...'."""

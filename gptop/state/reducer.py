@@ -314,13 +314,13 @@ class RunState(StepFigures):
         self._bump("run")
 
     def _on_alert(self, e: AlertEvent) -> None:
-        self.alertbook.add(e)
-        self.add_log(alert_line(e), "event")
-        self._bump("alert", "run")
+        if self.alertbook.add(e):
+            self.add_log(alert_line(e), "event")
+            self._bump("alert", "run")
 
     @property
     def alerts_raised(self) -> int:
-        """Alerts ever raised (an update of an open one is not counted)."""
+        """Alerts ever raised (a repeated raise of an open one is not counted)."""
         return self.alertbook.raised
 
     def alert_summary(self) -> list[str]:

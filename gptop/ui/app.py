@@ -26,6 +26,7 @@ done/failed stays on screen until `q`), or at once after a force stop.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from time import monotonic
 from typing import Awaitable, Callable, Iterable, Protocol
@@ -517,5 +518,12 @@ def run_app(
         if not session.finished:
             session.stop(force=True)
         code = session.wait(10.0)
+        seen = session.state.log_count
         session.close()
+        # what gptop says while closing (notifications it could not send) comes after the dashboard is gone
+        from gptop.headless import gptop_line
+
+        for stream, line in session.state.logs_since(seen)[0]:
+            if stream == "gptop":
+                print(gptop_line(line), file=sys.stderr)
     return code if code is not None else 1
