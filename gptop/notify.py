@@ -36,7 +36,7 @@ QUEUE = 256  # notifications waiting per target at most; beyond, the oldest are 
 FLUSH_S = 5.0  # when gptop ends, what is queued has this long to go out
 # words a shell reads as syntax; without one they reach the program as arguments
 SHELL_WORDS = frozenset({">", ">>", "<", "<<", "<<<", "|", "||", "&", "&&", ";", "&>", "2>", "2>>", "2>&1", ">&2"})
-NO_SHELL = "CMD runs without a shell: use sh -c '...' for a redirection, a pipe or a variable"
+NO_SHELL = "--notify-cmd runs without a shell (sh -c '...' for a redirection, a pipe or a variable)"
 
 
 def _apprise() -> Any:

@@ -314,7 +314,7 @@ def alert_rows(alerts: Any) -> list[dict[str, Any]]:
         if a.resolved:
             row = open_rows.pop(a.id, None)
             if row is not None:
-                row.update(resolved_time=a.time, resolved=a.message)
+                row.update(resolved_time=a.time, resolved_step=a.step, resolved=a.message)
             continue
         if a.id in open_rows:
             continue
@@ -322,6 +322,7 @@ def alert_rows(alerts: Any) -> list[dict[str, Any]]:
             "id": a.id,
             "time": a.time,
             "resolved_time": None,
+            "resolved_step": None,
             "resolved": None,
             "kind": a.kind.value,
             "severity": a.severity.value,
@@ -555,11 +556,11 @@ def _alert_lines(s: dict[str, Any]) -> list[str]:
     lines = [f"alerts    {len(alerts)} raised, " + (f"{active} not resolved" if active else "all resolved")]
     for a in alerts:
         where = " ".join(x for x in (a.get("node"), a.get("device")) if x)
-        when = (
-            f"resolved after {a['resolved_time'] - a['time']:.0f} s"
-            if a["resolved_time"] is not None
-            else "not resolved"
-        )
+        when = "not resolved"
+        if a["resolved_time"] is not None:
+            took = a["resolved_time"] - a["time"]
+            at = f" at step {a['resolved_step']}" if a.get("resolved_step") is not None else ""
+            when = f"resolved{at} {took:.1f} s later" if took < 10 else f"resolved{at} {took:.0f} s later"
         lines.append(
             f"  {a['kind']} [{a['severity']}]"
             + (f" ({where})" if where else "")

@@ -41,6 +41,29 @@ TINY_TOKENS_PER_STEP = int(TINY[TINY.index("--seq-len") + 1]) * int(TINY[TINY.in
 TRAINER_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
+@contextlib.contextmanager
+def private_tmpdir() -> Iterator[Path]:
+    """A TMPDIR of its own for gptop processes (`env["TMPDIR"]`), to see what they leave in it; short, since a
+    Unix socket's path has about 100 characters. Removed afterwards."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="gt-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def gptop_env(**extra: str) -> dict[str, str]:
+    """The environment a gptop process of this checkout runs with (its sources first on the path), plus `extra`."""
+    import os
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return {**env, **extra}
+
+
 def trainer_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "trainer", *args]
 

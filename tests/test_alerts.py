@@ -7,15 +7,18 @@ import io
 import json
 import math
 import random
+import signal
 import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
 
 import pynvml
 import pytest
 
 from gptop.alerts import AlertMonitor, AlertOptions, alert_line
+from helpers import wait_for
 from gptop.headless import HeadlessView
 from gptop.state import RunState
 from gptop.summary import summary_lines
@@ -195,6 +198,92 @@ def test_a_flat_loss_is_judged_by_its_relative_rise():
     assert [a.kind for a in m.on_event(step(clock.t + 61, 71, loss=2.5))] == [AlertKind.LOSS_SPIKE]
 
 
+def test_a_spike_over_20_logged_steps_raises_once_and_resolves_once_with_the_step_it_began():
+    """The issue's case: while the spike is open each logged loss above the line is the same spike, not a new
+    raise; the resolution says where it began and its peak."""
+    clock = Clock()
+    m, _ = started(clock)
+    losses = noisy_losses(150)
+    out = []
+    for i, loss in enumerate(losses):  # steps 11..160
+        clock.t += 0.5
+        out += m.on_event(step(clock.t, 11 + i, loss=loss))
+    assert out == []
+    spike = [losses[-1] * (3 + (i == 7)) for i in range(20)]  # 20 steps above the line, the 8th the highest
+    for i, loss in enumerate(spike):  # steps 161..180
+        clock.t += 0.5
+        out += m.on_event(step(clock.t, 161 + i, loss=loss))
+    (a,) = out
+    assert a.kind is AlertKind.LOSS_SPIKE and a.step == 161 and a.figures["step"] == 161 and "at step 161" in a.message
+    assert [x.figures["peak_step"] for x in m.active()] == [168]  # noted in the open alert, not sent
+    clock.t += 0.5
+    (r,) = m.on_event(step(clock.t, 181, loss=losses[-1]))
+    assert r.resolved and r.id == a.id and r.step == 181
+    assert "began at step 161" in r.message and f"peaked at {spike[7]:.4g} at step 168" in r.message
+    assert r.figures["peak_loss"] == pytest.approx(spike[7]) and r.time - a.time == pytest.approx(10.0)
+    # every reader sees one raise and one resolution: the headless lines, the log panel, the dashboard's
+    # open alerts, the report (the step and time it began), the metrics' count, the summary
+    from gptop.report import alert_rows
+
+    state = RunState()
+    text = io.StringIO()
+    view = HeadlessView(state, json=False, stream=text, progress=False)
+    for e in (a, r):
+        state.apply(e)
+        view.on_event(e)
+    assert [x.split(":")[0] for x in text.getvalue().splitlines()] == [
+        "ALERT loss_spike [warning]",
+        "resolved loss_spike",
+    ]
+    assert state.alerts_raised == 1 and state.alerts_active == {} and len(state.alert_summary()) == 1
+    (row,) = alert_rows([a, r])
+    assert row["step"] == 161 and row["resolved_step"] == 181 and row["resolved_time"] - row["time"] == 10.0
+
+
+def test_a_run_recorded_with_a_raise_per_logged_step_reads_as_one_alert():
+    """A run recorded before alerts were raised once (each logged step above the line raised again, same id):
+    every reader shows one alert that began at its first raise."""
+    from gptop.report import alert_rows
+
+    raises = [
+        AlertEvent(
+            time=100.0 + i,
+            id="loss_spike-1",
+            kind=AlertKind.LOSS_SPIKE,
+            severity=Severity.WARNING,
+            message=f"loss 9 at step {150 + i}",
+            step=150 + i,
+        )
+        for i in range(20)
+    ]
+    resolved = AlertEvent(
+        time=120.0,
+        id="loss_spike-1",
+        kind=AlertKind.LOSS_SPIKE,
+        severity=Severity.WARNING,
+        message="loss back to 2",
+        resolved=True,
+        step=170,
+    )
+    state = RunState()
+    text = io.StringIO()
+    view = HeadlessView(state, json=False, stream=text, progress=False)
+    for e in (*raises, resolved):
+        state.apply(e)
+        view.on_event(e)
+    assert text.getvalue().splitlines() == [
+        "ALERT loss_spike [warning]: loss 9 at step 150",
+        "resolved loss_spike: loss back to 2",
+    ]
+    assert (
+        state.alerts_raised == 1
+        and [line for s, line in state.logs_tail(10) if "loss_spike" in line] == text.getvalue().splitlines()
+    )
+    (row,) = alert_rows([*raises, resolved])
+    assert row["step"] == 150 and row["time"] == 100.0 and row["message"] == "loss 9 at step 150"
+    assert row["resolved_step"] == 170 and row["resolved_time"] == 120.0
+
+
 # --- NaN rollbacks ----------------------------------------------------------------------------------------------------
 
 
@@ -216,7 +305,25 @@ def test_a_nan_rollback_is_resolved_once_the_run_passes_where_it_was():
     assert m.on_event(step(clock.t + 1, 8)) == []
     assert m.on_event(step(clock.t + 2, 10)) == []
     (r,) = m.on_event(step(clock.t + 3, 11))
-    assert r.resolved and r.id == a.id
+    assert r.resolved and r.id == a.id and "after" not in r.message
+
+
+def test_a_second_rollback_while_one_is_open_is_counted_in_it_not_raised_again():
+    clock = Clock()
+    m, _ = started(clock)
+    m.on_event(step(clock.t, 10))
+
+    def rollback(to: int) -> list[AlertEvent]:
+        return m.on_event(
+            WarningEvent(time=clock.t, message=f"rolled back to {to}", kind="nan_rollback", step=to, lr_scale=0.5)
+        )
+
+    (a,) = rollback(4)
+    m.on_event(step(clock.t + 1, 8))
+    assert rollback(4) == []
+    assert m.active()[0].figures["rollbacks"] == 2
+    (r,) = m.on_event(step(clock.t + 3, 11))
+    assert r.resolved and r.id == a.id and r.message.endswith("after 2 rollbacks")
 
 
 # --- throughput -------------------------------------------------------------------------------------------------------
@@ -323,6 +430,12 @@ def test_device_trouble_from_nvml(tmp_path):
     assert x.device == "gpu1" and x.figures["xids"] == [79] and "79" in x.message
     e = next(x for x in out if x.kind is AlertKind.ECC)
     assert e.device == "gpu0" and e.figures == {"new": 2, "total": 2}
+    assert [x for _ in range(5) for x in sample()] == []  # still 2 errors, no new Xid: nothing again
+    ecc[0] = 5
+    pending.append(ns(device=1, eventType=pynvml.nvmlEventTypeXidCriticalError, eventData=48))
+    assert sample() == []  # more of the same trouble: kept in the open alerts, not raised again
+    noted = {a.kind: a.figures for a in m.active()}
+    assert noted[AlertKind.ECC] == {"new": 5, "total": 5} and noted[AlertKind.XID]["xids"] == [79, 48]
     mod_err = {(0, "nvmlDeviceGetUtilizationRates"): pynvml.NVMLError_GpuIsLost}
     mod.nvmlDeviceGetUtilizationRates = lambda h: (
         (_ for _ in ()).throw(mod_err[(h, "nvmlDeviceGetUtilizationRates")]())
@@ -431,6 +544,50 @@ def test_a_hanging_notify_cmd_is_killed_with_its_children(tmp_path):
     n.send(_alert())
     n.close(timeout=30)
     assert len(logs) == 1 and "killed" in logs[0]
+
+
+@pytest.mark.process
+def test_a_hanging_target_does_not_delay_another_and_is_ended_with_its_group_when_gptop_ends(tmp_path, monkeypatch):
+    """Each target has its own worker: the second command gets both notifications while the first hangs; at
+    close the hanging one (and the child it started) is killed and what it did not get is said once."""
+    import psutil
+
+    from gptop.notify import Notifier
+
+    pids, got = tmp_path / "pids", tmp_path / "got.jsonl"
+    monkeypatch.chdir(tmp_path)  # the commands run where gptop runs
+    hang = "sh -c 'echo $$ >> pids; sleep 60 & echo $! >> pids; wait'"
+    script = tmp_path / "save.py"
+    script.write_text(f"import sys\nopen({str(got)!r}, 'a').write(sys.stdin.read())\n")
+    logs: list[str] = []
+    n = Notifier([], [hang, f"{sys.executable} {script}"], logs.append)  # the default 30 s per notification
+    started = time.monotonic()
+    n.send(_alert())
+    n.send(_alert(resolved=True))
+    wait_for(lambda: got.exists() and len(got.read_text().splitlines()) == 2, 60, "the second target's notifications")
+    assert time.monotonic() - started < 25  # not behind the first target's 30 s
+    assert len(pids.read_text().split()) == 2 and logs == []
+    n.close(timeout=0.5)
+    assert logs == [f"not sent as gptop ended (after waiting 0.5 s): 2 notifications to --notify-cmd {hang!r}"]
+    for pid in map(int, pids.read_text().split()):
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, pid
+    assert n.sent == 2 and n.failed == 0
+
+
+@pytest.mark.process
+def test_a_notify_cmd_with_shell_syntax_fails_with_a_line_that_says_it_runs_without_a_shell(tmp_path):
+    from gptop.notify import Notifier
+
+    logs: list[str] = []
+    cmd = f"cat > {tmp_path / 'f'}"
+    n = Notifier([], [cmd], logs.append)
+    n.send(_alert())
+    n.send(_alert(resolved=True))
+    n.close(timeout=60)
+    (line,) = logs
+    assert line.startswith(f"notification to --notify-cmd {cmd!r} failed: exit code 1: cat: ")
+    assert "'>' reached cat as an argument" in line and "without a shell (sh -c '...'" in line
+    assert not (tmp_path / "f").exists() and n.failed == 2
 
 
 def test_notify_url_through_apprise_to_a_local_endpoint():
@@ -591,3 +748,115 @@ def test_a_sigstopped_trainer_raises_a_stall_that_is_resolved_after_sigcont(tmp_
     (row,) = summarize(run_dir)["alerts"]
     assert row["kind"] == "stall" and row["resolved_time"] is not None
     assert "alerts" in err and "1 raised, all resolved" in err  # the end summary (stderr with --json)
+
+
+# --- end to end: a loss spike under gptop run (tests/fixtures/loss_script.py) -----------------------------------------
+
+LOSS_SCRIPT = Path(__file__).resolve().parent / "fixtures" / "loss_script.py"
+
+
+def gptop_run(run_dir: Path, *options: str, script: tuple[str, ...] = ()) -> list[str]:
+    """`gptop run` of the loss script (a 20-step spike from step 41 of 80) with `options` before `--`."""
+    return [
+        sys.executable,
+        "-m",
+        "gptop",
+        "run",
+        "--run-dir",
+        str(run_dir),
+        *options,
+        "--",
+        sys.executable,
+        str(LOSS_SCRIPT),
+        *script,
+    ]
+
+
+def sleepers(marker: str) -> list:
+    """The notify commands `sleep MARKER` running now."""
+    import psutil
+
+    return [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", marker]]
+
+
+@pytest.mark.slow
+@pytest.mark.process
+def test_a_spike_under_gptop_run_is_one_alert_everywhere_and_a_failing_notify_cmd_is_one_line(tmp_path):
+    """The issue's case end to end, with --no-ui: one ALERT line and one resolved line, two notifications with
+    one id, the report's row at the step the spike began, one stderr line for the failing --notify-cmd (two
+    notifications failed), and no channel directory left behind."""
+    import subprocess
+
+    from helpers import gptop_env, private_tmpdir
+
+    got, save = tmp_path / "notified.jsonl", tmp_path / "save.py"
+    save.write_text(f"import sys\nopen({str(got)!r}, 'a').write(sys.stdin.read())\n")
+    run_dir = tmp_path / "run"
+    cmd = f"cat > {tmp_path / 'f'}"
+    with private_tmpdir() as tmp:
+        r = subprocess.run(
+            gptop_run(run_dir, "--notify-cmd", cmd, "--notify-cmd", f"{sys.executable} {save}"),
+            env=gptop_env(TMPDIR=str(tmp)),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        left = list(tmp.iterdir())
+    assert r.returncode == 0, r.stderr
+    assert left == []
+    alerts = [x for x in r.stdout.splitlines() if x.startswith(("ALERT", "resolved"))]
+    assert [x.split(":")[0] for x in alerts] == ["ALERT loss_spike [warning]", "resolved loss_spike"], r.stdout
+    assert "at step 41:" in alerts[0] and "the spike began at step 41" in alerts[1]
+    said = [x for x in r.stderr.splitlines() if "notification" in x]
+    assert len(said) == 1 and said[0].startswith(f"gptop: notification to --notify-cmd {cmd!r} failed: exit code 1")
+    assert "without a shell" in said[0]
+    notified = [parse(x) for x in got.read_text().splitlines()]
+    assert [(a.id, a.resolved) for a in notified] == [(notified[0].id, False), (notified[0].id, True)]
+    report = subprocess.run(
+        [sys.executable, "-m", "gptop", "report", str(run_dir)], env=gptop_env(), capture_output=True, text=True
+    )
+    assert "alerts    1 raised, all resolved" in report.stdout
+    assert "  loss_spike [warning] at step 41, resolved at step 61 " in report.stdout, report.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.process
+@pytest.mark.parametrize("how", ["SIGTERM", "q"])
+def test_no_notify_process_or_channel_is_left_when_gptop_is_stopped(tmp_path, how):
+    """A notify command still running (`sleep`) when the run is stopped (SIGTERM to gptop --no-ui, `q` in the
+    dashboard) is killed with its group once the flush time is over, and the line says what was not sent."""
+    import subprocess
+
+    from fixtures.terminal import Terminal
+    from helpers import gptop_env, private_tmpdir
+    from test_tui_terminal import screen_text
+
+    marker = f"{100 + random.random():.6f}"
+    with private_tmpdir() as tmp:
+        argv = gptop_run(tmp_path / "run", "--notify-cmd", f"sleep {marker}", script=("--wait",))
+        env = gptop_env(TMPDIR=str(tmp))
+        if how == "q":
+            term = Terminal(argv, cols=160, rows=40, env=dict(env, TERM="xterm-256color", COLUMNS="160", LINES="40"))
+            try:
+                wait_for(lambda: sleepers(marker), 120, "the notify command", proc=term.proc)
+                term.send(b"q")
+                code = term.proc.wait(120)
+            finally:
+                term.close()
+            said = screen_text(term)
+        else:
+            p = subprocess.Popen(
+                argv[:3] + ["--no-ui"] + argv[3:], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+            try:
+                wait_for(lambda: sleepers(marker), 120, "the notify command", proc=p)
+                p.send_signal(signal.SIGTERM)
+                _, said = p.communicate(timeout=120)
+            finally:
+                p.kill()
+            code = p.returncode
+        left = list(tmp.iterdir())
+    assert code == 130, said
+    assert sleepers(marker) == [] and left == []
+    expected = f"gptop: not sent as gptop ended (after waiting 5 s): 2 notifications to --notify-cmd 'sleep {marker}'"
+    assert expected in said, said

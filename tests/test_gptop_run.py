@@ -238,6 +238,30 @@ def test_exit_codes_of_plain_commands(tmp_path):
     assert "the command ended (signal 9)" in out
 
 
+def test_restarts_and_crashes_leave_no_channel_directory_behind(tmp_path):
+    """Each start of the command gets a channel (a socket in a directory of its own under TMPDIR); the directory
+    goes when that process ends, whether it failed (each restart), was killed or finished."""
+    from helpers import gptop_env, private_tmpdir
+
+    crash = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    with private_tmpdir() as tmp:
+        for name, code, restarts, argv in (
+            ("fails", 1, 2, ["--restart-on-failure", "2", "--", sys.executable, "-c", "import sys; sys.exit(3)"]),
+            ("crashes", 1, 1, ["--restart-on-failure", "1", "--", sys.executable, "-c", crash]),
+            ("ends", 0, 0, ["--", sys.executable, "-c", "print('hi')"]),
+        ):
+            r = subprocess.run(
+                [sys.executable, "-m", "gptop", "--no-ui", "run", "--run-dir", name, *argv],
+                cwd=tmp_path,
+                env=gptop_env(TMPDIR=str(tmp)),
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert r.returncode == code and r.stdout.count("status: restarting") == restarts, r.stdout + r.stderr
+            assert list(tmp.iterdir()) == [], name
+
+
 def test_a_missing_command_is_exit_2_and_creates_nothing(tmp_path):
     for cmd in (["no-such-program-here"], [sys.executable, "missing.py"], [str(tmp_path)]):
         p = gptop("--no-ui", "run", "--", *cmd, cwd=tmp_path)
