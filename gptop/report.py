@@ -39,6 +39,7 @@ from trainer.contract.events import (
 )
 from trainer.contract.states import ErrorKind
 
+from .alert_report import MAX_ALERTS, alert_lines, alert_rows
 from .energy import Energy, EnergySource, measure, unavailable_reason
 from .run_standing import RunStanding, standing_of
 from .state import fmt_mfu, loss_range
@@ -301,42 +302,6 @@ def _energy_fields(run_dir: Path, scan: "_Scan", skipped: "_Skipped", tokens: bo
     return out
 
 
-MAX_ALERTS = 100  # alert rows a report keeps (the newest): a flapping alert on a week-long run stays readable
-
-
-def alert_rows(alerts: Any) -> list[dict[str, Any]]:
-    """Alerts as the report lists them: one row per alert, from its first raise (the step and time it began),
-    with when it was resolved. A raise repeated while its alert is open (a run recorded before each alert was
-    raised once) is the same alert; an id raised again after its resolution is another gptop's alert."""
-    rows: deque[dict[str, Any]] = deque(maxlen=MAX_ALERTS)
-    open_rows: dict[str, dict[str, Any]] = {}
-    for a in alerts:
-        if a.resolved:
-            row = open_rows.pop(a.id, None)
-            if row is not None:
-                row.update(resolved_time=a.time, resolved_step=a.step, resolved=a.message)
-            continue
-        if a.id in open_rows:
-            continue
-        row = open_rows[a.id] = {
-            "id": a.id,
-            "time": a.time,
-            "resolved_time": None,
-            "resolved_step": None,
-            "resolved": None,
-            "kind": a.kind.value,
-            "severity": a.severity.value,
-            "message": a.message,
-            "step": a.step,
-            "figures": a.figures,
-            "ranks": a.ranks,
-            "node": a.node,
-            "device": a.device,
-        }
-        rows.append(row)
-    return list(rows)
-
-
 def _error(e: ErrorEvent) -> dict[str, Any]:
     """An error for the report; a disk error with its file, errno text and free bytes."""
     out: dict[str, Any] = {"kind": e.kind, "message": e.message, "step": e.step}
@@ -462,7 +427,7 @@ def _tuning(path: Path) -> tuple[dict[str, Any] | None, str | None]:
 
 def format_report(s: dict[str, Any]) -> str:
     """The report as `gptop report` prints it: one labelled line per figure, from `summarize`'s dict."""
-    lines = _run_lines(s) + _speed_lines(s) + _outcome_lines(s) + _alert_lines(s) + _appendix_lines(s)
+    lines = _run_lines(s) + _speed_lines(s) + _outcome_lines(s) + alert_lines(s) + _appendix_lines(s)
     return "\n".join(lines)
 
 
@@ -544,28 +509,6 @@ def _outcome_lines(s: dict[str, Any]) -> list[str]:
             lines.append(f"error     step {e.get('step')}: {e['kind']}: {e['message']}")
     else:
         lines.append("errors    none")
-    return lines
-
-
-def _alert_lines(s: dict[str, Any]) -> list[str]:
-    """The alerts raised, each with when (and whether) it was resolved."""
-    alerts = s.get("alerts") or []
-    if not alerts:
-        return ["alerts    none"]
-    active = sum(1 for a in alerts if a["resolved_time"] is None)
-    lines = [f"alerts    {len(alerts)} raised, " + (f"{active} not resolved" if active else "all resolved")]
-    for a in alerts:
-        where = " ".join(x for x in (a.get("node"), a.get("device")) if x)
-        when = "not resolved"
-        if a["resolved_time"] is not None:
-            took = a["resolved_time"] - a["time"]
-            at = f" at step {a['resolved_step']}" if a.get("resolved_step") is not None else ""
-            when = f"resolved{at} {took:.1f} s later" if took < 10 else f"resolved{at} {took:.0f} s later"
-        lines.append(
-            f"  {a['kind']} [{a['severity']}]"
-            + (f" ({where})" if where else "")
-            + f" at step {a.get('step')}, {when}: {a['message']}"
-        )
     return lines
 
 

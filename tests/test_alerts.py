@@ -223,7 +223,7 @@ def test_a_spike_over_20_logged_steps_raises_once_and_resolves_once_with_the_ste
     assert r.figures["peak_loss"] == pytest.approx(spike[7]) and r.time - a.time == pytest.approx(10.0)
     # every reader sees one raise and one resolution: the headless lines, the log panel, the dashboard's
     # open alerts, the report (the step and time it began), the metrics' count, the summary
-    from gptop.report import alert_rows
+    from gptop.alert_report import alert_rows
 
     state = RunState()
     text = io.StringIO()
@@ -243,7 +243,7 @@ def test_a_spike_over_20_logged_steps_raises_once_and_resolves_once_with_the_ste
 def test_a_run_recorded_with_a_raise_per_logged_step_reads_as_one_alert():
     """A run recorded before alerts were raised once (each logged step above the line raised again, same id):
     every reader shows one alert that began at its first raise."""
-    from gptop.report import alert_rows
+    from gptop.alert_report import alert_lines, alert_rows
 
     raises = [
         AlertEvent(
@@ -282,6 +282,9 @@ def test_a_run_recorded_with_a_raise_per_logged_step_reads_as_one_alert():
     (row,) = alert_rows([*raises, resolved])
     assert row["step"] == 150 and row["time"] == 100.0 and row["message"] == "loss 9 at step 150"
     assert row["resolved_step"] == 170 and row["resolved_time"] == 120.0
+    assert alert_lines({"alerts": [row]})[1].startswith(
+        "  loss_spike [warning] at step 150, resolved at step 170 20 s later"
+    )
 
 
 # --- NaN rollbacks ----------------------------------------------------------------------------------------------------
