@@ -578,11 +578,12 @@ def test_a_hanging_target_does_not_delay_another_and_is_ended_with_its_group_whe
 
 
 @pytest.mark.process
-def test_a_notify_cmd_with_shell_syntax_fails_with_a_line_that_says_it_runs_without_a_shell(tmp_path):
+def test_a_notify_cmd_with_shell_syntax_fails_with_a_line_that_says_it_runs_without_a_shell(tmp_path, monkeypatch):
     from gptop.notify import Notifier
 
+    monkeypatch.chdir(tmp_path)  # the commands run where gptop runs
     logs: list[str] = []
-    cmd = f"cat > {tmp_path / 'f'}"
+    cmd = "cat > f"
     n = Notifier([], [cmd], logs.append)
     n.send(_alert())
     n.send(_alert(resolved=True))
@@ -795,10 +796,11 @@ def test_a_spike_under_gptop_run_is_one_alert_everywhere_and_a_failing_notify_cm
     got, save = tmp_path / "notified.jsonl", tmp_path / "save.py"
     save.write_text(f"import sys\nopen({str(got)!r}, 'a').write(sys.stdin.read())\n")
     run_dir = tmp_path / "run"
-    cmd = f"cat > {tmp_path / 'f'}"
+    cmd = "cat > f"
     with private_tmpdir() as tmp:
         r = subprocess.run(
             gptop_run(run_dir, "--notify-cmd", cmd, "--notify-cmd", f"{sys.executable} {save}"),
+            cwd=tmp_path,
             env=gptop_env(TMPDIR=str(tmp)),
             capture_output=True,
             text=True,
