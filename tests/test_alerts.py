@@ -625,6 +625,30 @@ def test_notify_url_through_apprise_to_a_local_endpoint():
     assert len(logs) == 1 and "json://..." in logs[0]  # the dead endpoint, once; the run never sees an error
 
 
+@pytest.mark.process
+def test_a_webhook_that_never_answers_does_not_delay_a_command(tmp_path, monkeypatch):
+    """An Apprise URL whose server accepts and never answers holds its own worker only; at close what it did not
+    deliver is said, naming the URL's scheme and not the rest (it can hold a token)."""
+    import socket
+
+    pytest.importorskip("apprise")
+    from gptop.notify import Notifier
+
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "save.py"
+    script.write_text("import sys\nopen('got.jsonl', 'a').write(sys.stdin.read())\n")
+    with socket.socket() as mute:  # listens (the connection is made) and never reads or answers
+        mute.bind(("127.0.0.1", 0))
+        mute.listen()
+        logs: list[str] = []
+        url = f"json://127.0.0.1:{mute.getsockname()[1]}/token?rto=120"  # Apprise waits 120 s for an answer
+        n = Notifier([url], [f"{sys.executable} save.py"], logs.append)
+        n.send(_alert())
+        wait_for(lambda: (tmp_path / "got.jsonl").exists(), 20, "the command's notification")
+        n.close(timeout=0.2)
+    assert logs == ["not sent as gptop ended (after waiting 0.2 s): 1 notification to --notify json://..."]
+
+
 @pytest.mark.parametrize(
     "argv,needle",
     [
