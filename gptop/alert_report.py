@@ -1,10 +1,13 @@
-"""A run's alerts as `gptop report` lists them (gptop.report): one row per alert, from the stream of its raises and
-resolutions, and the report's lines for them."""
+"""A run's alerts in words: the line both views print for each raise and resolution (the headless line, the log
+panel), and `gptop report`'s rows, one per alert from the stream of its raises and resolutions, with its lines."""
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainer.contract.events import AlertEvent
 
 MAX_ALERTS = 100  # alert rows a report keeps (the newest): a flapping alert on a week-long run stays readable
 
@@ -62,3 +65,12 @@ def alert_lines(s: dict[str, Any]) -> list[str]:
             + f" at step {a.get('step')}, {when}: {a['message']}"
         )
     return lines
+
+
+def alert_line(a: AlertEvent) -> str:
+    """`ALERT stall [critical]: no step for 31 s ...` / `resolved stall: progress again ...`: one line, both views."""
+    where = " ".join(x for x in (a.node, a.device) if x)
+    where = f" ({where})" if where else ""
+    if a.resolved:
+        return f"resolved {a.kind.value}{where}: {a.message}"
+    return f"ALERT {a.kind.value} [{a.severity.value}]{where}: {a.message}"

@@ -59,7 +59,7 @@ from trainer.contract.states import WarningKind
 
 from .alert_options import LOSS_WINDOW, AlertOptions, add_alert_arguments, alert_options
 
-__all__ = ["AlertMonitor", "AlertOptions", "add_alert_arguments", "alert_line", "alert_options"]
+__all__ = ["AlertMonitor", "AlertOptions", "add_alert_arguments", "alert_options"]
 
 CHECKPOINT_GRACE_S = 120.0  # a checkpoint or eval step before any was timed: what a large model's first may take
 MIN_SPIKE_RISE = 0.05  # a loss spike rises at least this share of the median (a flat loss has no MAD)
@@ -120,7 +120,7 @@ class AlertMonitor:
         self.clock = clock
         self.node = node
         self._lock = threading.Lock()
-        self._open: dict[str, AlertEvent] = {}  # id -> the raise, while not resolved
+        self._open: dict[str, AlertEvent] = {}  # key -> the raise (with its notes), while not resolved
         self._serial = 0
         self._gptop = secrets.token_hex(3)  # in the ids: a resumed run's next gptop raises ids of its own
         self._step: int | None = None  # the run's latest step
@@ -415,8 +415,13 @@ class AlertMonitor:
                     f"MADs above the median {med:.4g} of the last {len(self._losses)} logged losses "
                     f"(alert above {line:.4g})",
                     figures={
-                        **{"loss": loss, "median": med, "mad": mad, "line": line, "step": e.step},
-                        **{"peak_loss": loss, "peak_step": e.step},
+                        "loss": loss,
+                        "median": med,
+                        "mad": mad,
+                        "line": line,
+                        "step": e.step,
+                        "peak_loss": loss,  # the spike's highest loss so far (`_note` moves it)
+                        "peak_step": e.step,
                     },
                 )
         self._losses.append(loss)
@@ -587,12 +592,3 @@ def _phase_means(rows: list[tuple[float, float, dict[str, float]]]) -> dict[str,
 
 def _int(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
-
-
-def alert_line(a: AlertEvent) -> str:
-    """`ALERT stall [critical]: no step for 31 s ...` / `resolved stall: progress again ...`: one line, both views."""
-    where = " ".join(x for x in (a.node, a.device) if x)
-    where = f" ({where})" if where else ""
-    if a.resolved:
-        return f"resolved {a.kind.value}{where}: {a.message}"
-    return f"ALERT {a.kind.value} [{a.severity.value}]{where}: {a.message}"

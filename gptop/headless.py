@@ -58,7 +58,7 @@ from gptop.state import (
     phase_label,
     spread_pct,
 )
-from gptop.alerts import alert_line
+from gptop.alert_report import alert_line
 from trainer.contract.states import ErrorKind, RunStatus, TrialKind, TrialStatus
 from trainer.contract.events import (
     PHASES,

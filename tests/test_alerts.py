@@ -17,7 +17,8 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from gptop.alerts import AlertMonitor, AlertOptions, alert_line
+from gptop.alert_report import alert_line
+from gptop.alerts import AlertMonitor, AlertOptions
 from helpers import wait_for
 from gptop.headless import HeadlessView
 from gptop.state import RunState

@@ -12,7 +12,7 @@ import threading
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from gptop.alerts import alert_line
+from gptop.alert_report import alert_line
 from trainer.contract.config import Toggles
 from trainer.contract.device import DeviceInfo
 from trainer.contract.events import (
