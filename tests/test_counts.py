@@ -52,7 +52,7 @@ def test_the_state_continues_the_count_over_restarts_and_leaves_rolled_back_step
         if isinstance(e, StepEvent):  # at every step: the kept steps' tokens, whatever the process counted
             assert state.tokens == e.step * TPS, e
     c = state.counts
-    assert (state.step, c.step, c.restarts) == (100, 100, 2)
+    assert (state.step, c.step, c.processes) == (100, 100, 3)
     assert (c.rolled_back_steps, c.rolled_back_tokens, c.processed) == (15, 15 * TPS, 115 * TPS)
     assert c.processed_steps == 115
 
@@ -142,4 +142,4 @@ def test_a_second_node_hello_is_not_a_restart():
         start_tokens=0,
     )
     state = fed([*events[:2], other, *events[2:]])
-    assert (state.tokens, state.counts.restarts) == (40 * TPS, 0)
+    assert (state.tokens, state.counts.processes) == (40 * TPS, 1)

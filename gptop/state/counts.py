@@ -65,10 +65,10 @@ class RunCounts:
         self.tokens: int | None = None  # kept tokens at `step`
         self.rolled_back_steps = 0  # steps trained and then thrown away by a rollback
         self.rolled_back_tokens = 0  # their tokens
-        self.restarts = 0  # processes started after the first
+        self.processes = 0  # trainer processes seen starting (their full hellos)
         self._points: deque[tuple[int, int]] = deque(maxlen=MAX_POINTS)  # (step, kept), steps increasing
         self._process: _Process | None = None
-        self._rank: int | None = None  # the rank whose hellos start processes (the run's first hello's)
+        self._rank: int | None = None  # the rank whose full hellos start processes (the run's first one's)
         self._starting = False  # an early hello came: the next full one starts a process
 
     @property
@@ -83,20 +83,19 @@ class RunCounts:
 
     def hello(self, e: HelloEvent) -> None:
         """A hello: an early one says a process starts, the full one (or one of another pid) where it starts.
-        Another node's hellos (another first rank) are the same process's."""
+        Another node's full hellos (another first rank) are the same process's."""
+        if e.early:
+            self._starting = True
+            return
         if self._rank is None:
             self._rank = e.rank
         if e.rank != self._rank:
-            return
-        if e.early:
-            self._starting = True
             return
         p = self._process
         if p is not None and not self._starting and (e.pid is None or e.pid == p.pid):
             return  # the same process said it again
         self._starting = False
-        if p is not None:
-            self.restarts += 1
+        self.processes += 1
         s = e.start_step
         if self.step is not None and s < self.step:
             self.rollback(s)
@@ -151,7 +150,7 @@ class RunCounts:
         exact = self._exact_at(step)
         if exact is not None:
             return exact
-        if own is None or own > 0 or step == 0:
+        if own is None or own > 0 or step <= 0:  # (a loop that numbers its steps from 0 starts at -1)
             return own
         return self._kept_at(step)
 
