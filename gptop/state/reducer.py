@@ -395,8 +395,11 @@ class RunState(StepFigures):
 
     @property
     def step(self) -> int | None:
-        """The latest step done (progress events move it every step; step events at the log interval)."""
-        return self.live_step[1] if self.live_step else None
+        """The run's step reached: the latest step done (progress events move it every step, step events at the
+        log interval, a `done` past them), or the step a rollback went back to (gptop.state.counts); None before
+        a first step (a `done` at step 0 is none)."""
+        step = self.counts.step
+        return step if step is not None and step > 0 else None
 
     @property
     def tokens(self) -> int | None:
