@@ -11,7 +11,7 @@ from gptop.metrics import RunCollector
 from gptop.report import format_report, summarize
 from gptop.state import RunState
 from gptop.summary import summary_lines
-from trainer.contract.events import StepEvent, dumps
+from trainer.contract.events import HelloEvent, StepEvent, dumps
 from trainer.contract.states import WarningKind
 
 TPS = 1024  # restarted_run's tokens per step
@@ -51,6 +51,8 @@ def test_the_state_continues_the_count_over_restarts_and_leaves_rolled_back_step
         state.apply(e)
         if isinstance(e, StepEvent):  # at every step: the kept steps' tokens, whatever the process counted
             assert state.tokens == e.step * TPS, e
+        if isinstance(e, HelloEvent) and e.start_step == 60 and not e.early:  # the header: where the run went back to
+            assert (state.step, state.tokens, state.counts.rolled_back_steps) == (60, 60 * TPS, 15)
     c = state.counts
     assert (state.step, c.step, c.processes) == (100, 100, 3)
     assert (c.rolled_back_steps, c.rolled_back_tokens, c.processed) == (15, 15 * TPS, 115 * TPS)
