@@ -207,8 +207,8 @@ def _done_line(event: DoneEvent, state: RunState) -> str:
     if event.reason not in (None, "max_steps"):
         if state.tuner.active:  # the tuner restarts the trainer between configurations: not the run's end
             return f"trainer stopped at step {event.step} to restart with the next settings (tuning)"
-        return f"trainer stopped at step {event.step} ({event.reason}), {fmt_num(event.tokens)} tokens"
-    line = f"done: step {event.step}, {fmt_num(event.tokens)} tokens in {fmt_duration(state.elapsed())}"
+        return f"trainer stopped at step {event.step} ({event.reason}), {fmt_num(state.tokens)} tokens"
+    line = f"done: step {event.step}, {fmt_num(state.tokens)} tokens in {fmt_duration(state.elapsed())}"
     energy, tokens = state.energy()
     jpt = energy.per_token(tokens) if energy is not None else None
     if jpt is not None:

@@ -59,7 +59,18 @@ METRICS: tuple[Metric, ...] = (
     Metric("gptop_status", MetricType.GAUGE, ("node", "status"), "1 for the session's status now, 0 for the others"),
     Metric("gptop_step", MetricType.GAUGE, ("node",), "the latest optimizer step done"),
     Metric("gptop_max_steps", MetricType.GAUGE, ("node",), "the step the run trains to"),
-    Metric("gptop_tokens", MetricType.GAUGE, ("node",), "tokens trained so far (a rollback lowers it)"),
+    Metric(
+        "gptop_tokens",
+        MetricType.GAUGE,
+        ("node",),
+        "tokens of the steps the run keeps, across its restarts (a rollback lowers it)",
+    ),
+    Metric(
+        "gptop_tokens_processed_total",
+        MetricType.COUNTER,
+        ("node",),
+        "tokens trained, the steps a rollback threw away included",
+    ),
     Metric("gptop_tokens_per_second", MetricType.GAUGE, ("node",), "tokens per second at the latest step event"),
     Metric("gptop_mfu_ratio", MetricType.GAUGE, ("node",), "model FLOPs utilization at the latest step event, 0..1"),
     Metric("gptop_loss", MetricType.GAUGE, ("node",), "the latest logged training loss"),
@@ -225,6 +236,7 @@ def _run_metrics(out: Families, state: "RunState") -> None:
     out.put("gptop_step", state.step)
     out.put("gptop_max_steps", state.total_steps)
     out.put("gptop_tokens", state.tokens)
+    out.put("gptop_tokens_processed_total", state.counts.processed)
     if last is not None:
         out.put("gptop_tokens_per_second", last.tokens_per_s)
         out.put("gptop_mfu_ratio", last.mfu)

@@ -23,7 +23,6 @@ from trainer.contract.events import (
     TUNER_RESTART,
     AlertEvent,
     CheckpointEvent,
-    DeviceEvent,
     DoneEvent,
     ErrorEvent,
     EvalEvent,
@@ -37,12 +36,13 @@ from trainer.contract.events import (
     read_events,
     to_dict,
 )
-from trainer.contract.states import ErrorKind
+from trainer.contract.states import ErrorKind, WarningKind
 
 from .alert_report import MAX_ALERTS, alert_lines, alert_rows
-from .energy import Energy, EnergySource, measure, unavailable_reason
+from .run_energy import run_energy
 from .run_standing import RunStanding, standing_of
 from .state import fmt_mfu, loss_range
+from .state.counts import RunCounts, tokens_words
 
 
 class _Skipped:
@@ -114,6 +114,8 @@ class _Scan:
         self.last_error: ErrorEvent | None = None
         self.first_step: StepEvent | None = None
         self.last_step: StepEvent | None = None
+        self.counts = RunCounts()  # steps and tokens across the trainer processes (restarts, rollbacks)
+        self.window = (0, 0)  # tokens processed at the first and the last step event (the energy's window)
         self.first_loss: float | None = None
         self.final_loss: float | None = None
         self.loss_steps = 0  # logged steps with a loss: one gives a value, not a range
@@ -142,6 +144,7 @@ class _Scan:
         if isinstance(e, StepEvent):
             self._step(e)
         elif isinstance(e, HelloEvent):
+            self.counts.hello(e)
             self.hellos += 1
             self.run_gpus.update(e.gpus or ())
             if e.command is not None:
@@ -154,6 +157,7 @@ class _Scan:
                 self.hello = e
             self._first = True
         elif isinstance(e, DoneEvent):
+            self.counts.count(e.step, e.tokens)
             self.last_done = e
             if e.reason == TUNER_RESTART:
                 self.tuner_restarts += 1
@@ -164,10 +168,14 @@ class _Scan:
         elif isinstance(e, EvalEvent):
             self.eval_loss, self.eval_seen = e.loss, True
         elif isinstance(e, CheckpointEvent):
+            if e.tokens is not None:
+                self.counts.count(e.step, e.tokens)
             self.checkpoints.append(e)
             self.checkpoints_written += 1
         elif isinstance(e, WarningEvent):
             self.warnings += 1
+            if e.kind == WarningKind.NAN_ROLLBACK and e.step is not None:
+                self.counts.rollback(e.step)
         elif isinstance(e, AlertEvent):
             self.alerts.append(e)
             if len(self.alerts) > 4 * MAX_ALERTS:  # keep what alert_rows keeps, and a margin
@@ -176,8 +184,12 @@ class _Scan:
             self.profile = e
 
     def _step(self, e: StepEvent) -> None:
+        self.counts.count(e.step, e.tokens)
+        processed = self.counts.processed or 0
         if self.first_step is None:
             self.first_step = e
+            self.window = (processed, processed)
+        self.window = (self.window[0], processed)
         self.last_step = e
         if e.loss is not None:
             if self.first_loss is None:
@@ -236,12 +248,11 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     command = scan.command
     if command is not None:
         out["command"] = command  # `gptop run -- CMD`
-    last_step = scan.last_step
-    if last_step is not None or (end.done is not None and end.done.step):
-        ends: list[StepEvent | DoneEvent] = [e for e in (last_step, end.done) if e is not None]
-        last = max(ends, key=lambda e: e.step)
-        out["steps"] = last.step
-        out["tokens"] = last.tokens
+    last_step, counts = scan.last_step, scan.counts
+    if counts.step is not None and (last_step is not None or counts.step):
+        # kept: the steps the run holds; processed: every step trained, rolled back or not (gptop.state.counts)
+        out.update(steps=counts.step, tokens=counts.tokens, tokens_processed=counts.processed)
+        out.update(steps_rolled_back=counts.rolled_back_steps, tokens_rolled_back=counts.rolled_back_tokens)
     if last_step is not None:
         out.update(_speed(scan))
     if scan.eval_seen:
@@ -259,7 +270,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     out["alerts"] = alert_rows(scan.alerts)
     if scan.profile is not None:
         out["profile"] = to_dict(scan.profile)  # the newest window (trainer.profile_summary)
-    out.update(_energy_fields(run_dir, scan, skipped["device.jsonl"], bool(out.get("tokens"))))
+    out.update(_energy_fields(run_dir, scan, skipped["device.jsonl"]))
     tuning, problem = _tuning(run_dir / "tuning.json")
     if tuning is not None:
         out["tuning"] = tuning
@@ -288,17 +299,20 @@ def _speed(scan: "_Scan") -> dict[str, Any]:
     return out
 
 
-def _energy_fields(run_dir: Path, scan: "_Scan", skipped: "_Skipped", tokens: bool) -> dict[str, Any]:
-    """The energy between the run's first and last step, or why there is none."""
-    steps = [x for x in (scan.first_step, scan.last_step) if x is not None]
-    if scan.first_step is scan.last_step:
-        steps = steps[:1]
-    energy, why = _energy(run_dir, steps, skipped, scan.run_gpus)
+def _energy_fields(run_dir: Path, scan: "_Scan", skipped: "_Skipped") -> dict[str, Any]:
+    """The energy between the run's first and last step event, all its processes and the restarts between them,
+    per token processed in that time (the rolled-back steps' included: the device did that work); or why there
+    is none."""
+    first, last = scan.first_step, scan.last_step
+    if first is None or last is None or first is last:
+        return {"energy_unavailable": "fewer than two step events"}
+    energy, why = run_energy(run_dir, first.time, last.time, skipped, scan.run_gpus)
     if energy is None:
         return {"energy_unavailable": why}
     out: dict[str, Any] = {"energy_j": energy.joules, "energy_source": energy.source}
-    if tokens:
-        out["energy_j_per_token"] = energy.joules / max(1, _tokens_in_window(steps))
+    tokens = scan.window[1] - scan.window[0]
+    if tokens > 0:
+        out["energy_j_per_token"] = energy.joules / tokens
     return out
 
 
@@ -308,105 +322,6 @@ def _error(e: ErrorEvent) -> dict[str, Any]:
     if e.kind == ErrorKind.DISK:
         out.update(path=e.path, os_error=e.os_error, free_bytes=e.free_bytes)
     return out
-
-
-def _tokens_in_window(steps: list[StepEvent]) -> int:
-    """Tokens between the first and the last step event (`steps`: those two, or all of them)."""
-    return steps[-1].tokens - steps[0].tokens if len(steps) > 1 else steps[-1].tokens
-
-
-def _energy(
-    run_dir: Path, steps: list[StepEvent], skipped: _Skipped, run_gpus: set[str] | None = None
-) -> tuple[Energy | None, str]:
-    """The run's energy over its step events (gptop.energy), or (None, why not): device.jsonl, or the sum over
-    the nodes' device.<node>.jsonl of a multi-node run; `run_gpus`: the hellos' GPU identities."""
-    if len(steps) < 2:
-        return None, "fewer than two step events"
-    total: Energy | None = None
-    why = "no device.jsonl (no device samples were recorded)"
-    for path in [run_dir / "device.jsonl", *sorted(run_dir.glob("device.*.jsonl"))]:
-        if not path.is_file():
-            continue
-        got, problem = _energy_of(path, steps[0].time, steps[-1].time, skipped, run_gpus)
-        if got is None:
-            why = problem
-        elif total is None:
-            total = got
-        else:
-            total = Energy(joules=total.joules + got.joules, source=total.source)
-    return total, ("" if total is not None else why)
-
-
-ENERGY_CHUNK = 1024  # device samples measured at a time: energy is additive over adjoining windows
-
-
-def _energy_of(
-    path: Path, t0: float, t1: float, skipped: _Skipped, run_gpus: set[str] | None
-) -> tuple[Energy | None, str]:
-    """Energy in [t0, t1] from one device file, read in chunks of ENERGY_CHUNK samples that share their boundary
-    sample: `measure` over each chunk's part of the window, summed (the first chunk's window starts at t0, the
-    last's ends at t1, as one `measure` over all samples would extrapolate), in memory bounded by the chunk."""
-    total: Energy | None = None
-    chunk: list[DeviceEvent] = []
-    pending: list[DeviceEvent] | None = None
-    first = True
-
-    def window(c: list[DeviceEvent], last: bool) -> tuple[Energy | None, str] | None:
-        nonlocal first
-        lo = t0 if first else max(t0, c[0].time)
-        hi = t1 if last else min(t1, c[-1].time)
-        if hi < lo or (not last and c[-1].time < t0):
-            return None  # before the window: nothing to add
-        first = False
-        got = measure(c, lo, hi, run_gpus=run_gpus)
-        return got, ("" if got is not None else unavailable_reason(c))
-
-    def add(c: list[DeviceEvent], last: bool) -> str | None:
-        nonlocal total
-        r = window(c, last)
-        if r is None:
-            return None
-        got, why = r
-        if got is None:
-            return why
-        total = (
-            got
-            if total is None
-            else Energy(
-                total.joules + got.joules,
-                EnergySource.INTEGRATED if EnergySource.INTEGRATED in (got.source, total.source) else got.source,
-            )
-        )
-        return None
-
-    for e in read_events(path, on_malformed=skipped):
-        if not isinstance(e, DeviceEvent):
-            continue
-        if e.time > t1 and chunk and chunk[-1].time > t1:
-            break  # past the window (one sample beyond is kept)
-        chunk.append(e)
-        if len(chunk) >= ENERGY_CHUNK:
-            if pending is not None:
-                problem = add(pending, False)
-                if problem:
-                    return None, problem
-            pending, chunk = chunk, [chunk[-1]]
-    if pending is not None:
-        if len(chunk) > 1:
-            problem = add(pending, False)
-            if problem:
-                return None, problem
-            pending = chunk
-        problem = add(pending, True)
-    elif chunk:
-        problem = add(chunk, True)
-    else:
-        return None, unavailable_reason([])
-    if problem:
-        return None, problem
-    if total is None:
-        return None, "the device samples do not cover the steps' time"
-    return total, ""
 
 
 def _tuning(path: Path) -> tuple[dict[str, Any] | None, str | None]:
@@ -453,7 +368,8 @@ def _run_lines(s: dict[str, Any]) -> list[str]:
     if "steps" not in s:
         lines.append(f"progress  no step done, {starts}")
     else:
-        lines.append(f"progress  {s['steps']}/{s.get('max_steps')} steps, {s['tokens']:,} tokens, {starts}")
+        tokens = tokens_words(s["tokens"], s.get("tokens_processed"), s.get("steps_rolled_back", 0), "{:,}".format)
+        lines.append(f"progress  {s['steps']}/{s.get('max_steps')} steps, {tokens}, {starts}")
     return lines
 
 
@@ -494,7 +410,7 @@ def _outcome_lines(s: dict[str, Any]) -> list[str]:
     lines = []
     if s.get("energy_j") is not None:
         lines.append(
-            f"energy    {s['energy_j'] / 3600:.2f} Wh, {s.get('energy_j_per_token', 0) * 1e3:.3f} mJ/token"
+            f"energy    {s['energy_j'] / 3600:.2f} Wh, {s.get('energy_j_per_token', 0) * 1e3:.3f} mJ/token processed"
             f" ({s.get('energy_source', 'measured')})"
         )
     else:

@@ -18,6 +18,7 @@ from trainer.contract.states import ERROR_WORDS, RunStatus
 
 from .run_standing import RunStanding
 from .state import RunState, fmt_duration, fmt_mfu, fmt_num, loss_range
+from .state.counts import tokens_words
 
 EXIT_INTERRUPTED = 130
 STDERR_LINES = 5  # a failed command's last stderr lines in the summary
@@ -48,7 +49,7 @@ def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
     how = outcome(state, exit_code)
     with state.lock:
         run_dir = state.run_dir or ""
-        step, tokens = state.step, state.tokens
+        step = state.step
         err = state.errors[-1] if state.errors else None
         message = state.status_message
         tuner = state.tuner
@@ -63,7 +64,7 @@ def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
             else []
         )
     if done is not None and done.step > (step or 0):  # steps after the last logged one
-        step, tokens = done.step, done.tokens
+        step = done.step
     quoted = shlex.quote(run_dir) if run_dir else "RUN_DIR"
     at = f" at step {step}" if step is not None else " before the first step"
     head = {
@@ -78,7 +79,7 @@ def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
     if how is RunStanding.FAILED:
         _failure(out, err, message, run_dir, stderr if command else [])
     if step is not None:
-        _progress(out, state, step, tokens)
+        _progress(out, state, step)
     else:
         out.add("progress", "no step was completed")
     kept = _checkpoints(out, state, how, step, run_dir, command, message)
@@ -127,14 +128,17 @@ def _failure(out: _Lines, err: ErrorEvent | None, message: str | None, run_dir: 
         out.lines.extend(f"    {line}" for line in stderr)
 
 
-def _progress(out: _Lines, state: RunState, step: int, tokens: int | None) -> None:
-    """Steps and tokens, loss, speed and energy."""
+def _progress(out: _Lines, state: RunState, step: int) -> None:
+    """Steps and tokens (the kept ones, and the processed ones where a rollback made them differ: gptop.state.
+    counts), loss, speed and energy."""
     with state.lock:
         total, first_loss, last_eval = state.total_steps, state.first_loss, state.last_eval
+        c = state.counts
+        tokens = tokens_words(c.tokens, c.processed, c.rolled_back_steps, fmt_num)
         losses = state.history("loss")
         last_loss = next((v for v in reversed(losses)), None)
         precision = state.precision_label(of_steps=True)  # the precision of the steps the speed is of
-    out.add("progress", f"{step}/{total if total is not None else '?'} steps, {fmt_num(tokens)} tokens")
+    out.add("progress", f"{step}/{total if total is not None else '?'} steps, {tokens}")
     loss = loss_range(first_loss, last_loss, len(losses)) if first_loss is not None else "n/a"
     if last_eval is not None and last_eval.loss is not None:
         loss += f" (last eval {last_eval.loss:.3f} at step {last_eval.step})"

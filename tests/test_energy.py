@@ -176,7 +176,7 @@ def test_gptop_report_shows_energy_per_token_and_its_source_or_why_not(tmp_path)
     s = summarize(run)
     assert s["energy_j"] == pytest.approx(750.0) and s["energy_source"] == E.EnergySource.COUNTER_GPU
     assert s["energy_j_per_token"] == pytest.approx(750.0 / 3000)
-    assert "mJ/token (NVML energy counter)" in format_report(s)
+    assert "mJ/token processed (NVML energy counter)" in format_report(s)
 
     (run / "device.jsonl").unlink()
     s = summarize(run)

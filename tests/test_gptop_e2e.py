@@ -137,7 +137,13 @@ def test_kill9_of_trainer_fails_then_restarts_from_checkpoint(tmp_path):
     assert p.returncode == 0, err
     hellos = events_of(run2, "hello")
     assert len(hellos) == 2 and hellos[1]["start_step"] == 6 and hellos[1]["resumed_from"]
+    assert hellos[1]["start_tokens"] == 6 * TINY_TOKENS_PER_STEP  # the count its checkpoint held
     assert events_of(run2, "done")[-1]["step"] == 30
+    # the report continues the count: 30 steps kept; step 7, trained before the kill, was thrown away
+    r = subprocess.run([sys.executable, "-m", "gptop", "--json", "report", str(run2)], capture_output=True, text=True)
+    s = json.loads(r.stdout)
+    assert (s["steps"], s["tokens"], s["steps_rolled_back"]) == (30, 30 * TINY_TOKENS_PER_STEP, 1), s
+    assert s["tokens_processed"] == 31 * TINY_TOKENS_PER_STEP
 
 
 def test_bad_usage_exit_2(tmp_path):

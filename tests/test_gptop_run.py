@@ -262,6 +262,29 @@ def test_restarts_and_crashes_leave_no_channel_directory_behind(tmp_path):
             assert list(tmp.iterdir()) == [], name
 
 
+def test_tokens_continue_over_a_restart_of_a_loop_whose_count_starts_at_0(tmp_path):
+    """`--restart-on-failure`: the loop fails once after step 10 and resumes from its checkpoint at step 8, its
+    probe counting from 0 again (tests/fixtures/restarting_loop.py: 16 steps of 96 tokens). The report counts
+    the 16 kept steps' tokens, and the 18 steps trained (9 and 10 twice) as processed."""
+    script = ROOT / "tests" / "fixtures" / "restarting_loop.py"
+    args = ("run", "--run-dir", "run", "--log-every", "1", "--restart-on-failure", "1", "--")
+    p = gptop("--no-ui", *args, sys.executable, str(script), "ckpt", cwd=tmp_path)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, out + err
+    assert "16/16 steps, 1.5k tokens kept, 1.7k processed incl. 2 rolled-back steps" in out, out
+    r = subprocess.run(
+        [sys.executable, "-m", "gptop", "--json", "report", "run"],
+        cwd=tmp_path,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    s = json.loads(r.stdout)
+    assert (s["starts"], s["steps"], s["tokens"]) == (2, 16, 16 * 96), s
+    assert (s["steps_rolled_back"], s["tokens_processed"]) == (2, 18 * 96), s
+
+
 def test_a_missing_command_is_exit_2_and_creates_nothing(tmp_path):
     for cmd in (["no-such-program-here"], [sys.executable, "missing.py"], [str(tmp_path)]):
         p = gptop("--no-ui", "run", "--", *cmd, cwd=tmp_path)

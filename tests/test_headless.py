@@ -317,12 +317,17 @@ def test_a_trainer_stop_is_not_printed_as_the_runs_end():
     for e in gpu_run(120):
         state.apply(e)
     state.apply(measuring(300.0, 4, kind="trial", number=2))
-    line = event_line(ev("done", 301.0, step=120, tokens=1, reason="stop requested"), state)
+
+    def line_of(e):  # as a session does: the state first, then the view
+        state.apply(e)
+        return event_line(e, state)
+
+    line = line_of(ev("done", 301.0, step=120, tokens=120 * 32 * 256, reason="stop requested"))
     assert line == "trainer stopped at step 120 to restart with the next settings (tuning)"
     state.apply(ev("tuner", 302.0, phase="done", budget_left_s=0.0, trial=None))
-    line = event_line(ev("done", 303.0, step=125, tokens=128_000, reason="stop requested"), state)
+    line = line_of(ev("done", 303.0, step=125, tokens=128_000, reason="stop requested"))
     assert line == "trainer stopped at step 125 (stop requested), 128.0k tokens"
-    assert event_line(ev("done", 304.0, step=1000, tokens=1, reason="max_steps"), state).startswith("done: step 1000")
+    assert line_of(ev("done", 304.0, step=1000, tokens=1_024_000, reason="max_steps")).startswith("done: step 1000")
 
 
 def test_a_refusal_before_the_first_step_is_said_once():

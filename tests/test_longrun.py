@@ -13,7 +13,7 @@ import pytest
 
 from helpers import ROOT
 from fixtures.streams import gpu_run
-from gptop import report
+from gptop import report, run_energy
 from gptop.energy import measure
 from trainer.contract.events import DeviceEvent, StepEvent, dumps
 
@@ -54,7 +54,7 @@ def test_energy_in_chunks_equals_one_measure_over_all_samples(tmp_path, chunk, m
     samples = [e for e in events if isinstance(e, DeviceEvent)]
     steps = [e for e in events if isinstance(e, StepEvent)]
     whole = measure(samples, steps[0].time, steps[-1].time)
-    monkeypatch.setattr(report, "ENERGY_CHUNK", chunk)
+    monkeypatch.setattr(run_energy, "ENERGY_CHUNK", chunk)
     s = report.summarize(run)
     assert whole is not None and s["energy_j"] == pytest.approx(whole.joules, rel=1e-9)
     assert s["energy_source"] == whole.source

@@ -159,7 +159,7 @@ def test_a_summary_names_the_precision_its_steps_ran_in():
     state.apply(_hello_ev("bf16", auto=["precision"]))
     state.apply(_step(1, 1.0))
     assert state.precision_label(of_steps=True) == state.precision_label() == "auto -> bf16"
-    trial = _hello_ev("fp8-tensorwise")
+    trial = dataclasses.replace(_hello_ev("fp8-tensorwise"), start_step=1)  # from the checkpoint of step 1
     state.apply(dataclasses.replace(trial, early=True))  # a trial's process starts ...
     state.apply(trial)  # ... and is built, and the run ends before its first step
     assert state.precision_label() == "fp8-tensorwise"

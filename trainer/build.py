@@ -265,12 +265,12 @@ def hello(
     peak_flops: float | None,
     peak_source: str | None,
     resumed_from: str | None,
-    start_step: int,
+    start: tuple[int, int],
     gpus: list[str] | None,
     auto: list[str],
 ) -> dict[str, Any]:
     """The hello's fields once the run is built: the model, the data, the batching, the peak it is measured
-    against and where it starts."""
+    against and where it starts (`start`: the step and the token count it resumed at)."""
     b = bundle
     return dict(
         pid=os.getpid(),
@@ -296,7 +296,8 @@ def hello(
         peak_flops=peak_flops,
         peak_source=peak_source,
         resumed_from=resumed_from,
-        start_step=start_step,
+        start_step=start[0],
+        start_tokens=start[1],
         torch=torch.__version__,
         gpus=gpus,
         auto=auto,

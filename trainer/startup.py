@@ -211,7 +211,7 @@ class TrainerStartup:
                 peak_flops=self.peak_flops,
                 peak_source=self.peak_source,
                 resumed_from=self.resumed_from,
-                start_step=self.progress.step,
+                start=(self.progress.step, self.progress.tokens),
                 gpus=build.node_gpus(self.dev, self.world, self.local_procs),
                 auto=self.auto_options,
             ),

@@ -157,7 +157,8 @@ class Client:
         self.reduce_loss = reduce_loss  # mean the logged loss over the ranks (a plain loop's)
         self.step = start_step  # the step begun last (the current one while in_step)
         self.done_step = start_step  # the step finished last: what events report
-        self.tokens = start_step * tokens_per_step * self.world if tokens_per_step else 0
+        # a framework restores its step, not a token count: gptop continues the run's count from this one
+        self.tokens = self.start_tokens = start_step * tokens_per_step * self.world if tokens_per_step else 0
         self.should_checkpoint = False
         self.should_stop = False
         self.stop_reason: str | None = None
@@ -224,6 +225,7 @@ class Client:
             peak_flops=self.peak_flops,
             peak_source=self.peak_source,
             start_step=self.start_step,
+            start_tokens=self.start_tokens,
             torch=torch.__version__,
             client=self.kind.value,
             **fields,

@@ -13,6 +13,7 @@ between events.
 One concern per module:
 
 - reducer: `RunState` and how each event changes it;
+- counts: the run's steps and tokens across its trainer processes (restarts, rollbacks), kept and processed;
 - figures: the step and device figures `RunState` answers views with (`StepFigures`), computed on read by statistics;
 - histories: the bounded step and device series, device samples, log lines, alerts it keeps;
 - autotuner: the tuner's events folded together (`TunerState`), and toggles against the run's start;

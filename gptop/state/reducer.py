@@ -45,6 +45,7 @@ from trainer.contract.states import RunStatus, WarningKind
 
 from . import autotuner, formatting, hints
 from .autotuner import TunerState
+from .counts import RunCounts
 from .figures import StepFigures
 from .histories import AlertBook, DeviceHistory, LogBook, Series, StepHistory
 from .statistics import StepTiming
@@ -92,7 +93,8 @@ class RunState(StepFigures):
         self.startup: PhaseEvent | None = None  # the startup phase now (None once a step is done)
         self.startup_since: float | None = None  # when that phase began (its percent updates do not reset it)
         self.estimate_warning: WarningEvent | None = None  # "deepseek medium on this CPU: ~N GiB, ~M min per step"
-        self.live_step: tuple[float, int, int] | None = None  # (time, step, tokens) of the latest progress/step
+        self.live_step: tuple[float, int, int] | None = None  # (time, step, kept tokens) of the latest progress/step
+        self.counts = RunCounts()  # steps and tokens across the run's processes (restarts, rollbacks)
         self._progress_ms: float | None = None  # the latest progress event's step time (host)
         self.stepped = False  # this trainer process has done a step (a stop then checkpoints)
         self.initial_toggles: Toggles | None = None  # what the run started with
@@ -212,6 +214,7 @@ class RunState(StepFigures):
     # --- event handlers -----------------------------------------------------
     def _on_hello(self, e: HelloEvent) -> None:
         self.hello = e
+        self.counts.hello(e)
         if e.command is not None:  # gptop's record of a command's start; its client's hello follows
             self.command = e.command
         self.device = e.device
@@ -243,7 +246,7 @@ class RunState(StepFigures):
 
     def _on_progress(self, e: ProgressEvent) -> None:
         """A step done between step events: the counter, rate and ETA move; the histories do not."""
-        self._live(e.time, e.step, e.tokens)
+        self._live(e.time, e.step, self.counts.count(e.step, e.tokens, point=False))
         self._progress_ms = e.step_ms
         self._bump("progress")  # the header's counter, rate and ETA; no panel that shows histories
 
@@ -265,8 +268,9 @@ class RunState(StepFigures):
             return
         step = e.step
         self.last_step = e
+        tokens = self.counts.count(step, e.tokens)
         if self.live_step is None or self.live_step[1] != step:
-            self._live(e.time, step, e.tokens)
+            self._live(e.time, step, tokens)
         if self.first_loss is None and e.loss is not None:
             self.first_loss = e.loss
         self._timing.add_step(e)
@@ -281,6 +285,8 @@ class RunState(StepFigures):
         self._bump("step")
 
     def _on_checkpoint(self, e: CheckpointEvent) -> None:
+        if e.tokens is not None:
+            self.counts.count(e.step, e.tokens)  # a step a later process may start from
         self.checkpoints.append(e)
         self.checkpoints_written += 1
         self._bump("run")
@@ -304,6 +310,8 @@ class RunState(StepFigures):
             self.recompiles.append(e)
         if e.kind == WarningKind.ESTIMATE:
             self.estimate_warning = e
+        if e.kind == WarningKind.NAN_ROLLBACK and e.step is not None:
+            self.counts.rollback(e.step)
         self._add_event_log("warning: " + e.message, e.message)
         self._bump("run")
 
@@ -329,6 +337,7 @@ class RunState(StepFigures):
             return self.alertbook.summary()
 
     def _on_done(self, e: DoneEvent) -> None:
+        self.counts.count(e.step, e.tokens)
         self.done = e
         self.startup = None
         self.end_time = e.time  # elapsed stops here, not when the session later says "done"
@@ -386,13 +395,17 @@ class RunState(StepFigures):
 
     @property
     def step(self) -> int | None:
-        """The latest step done (progress events move it every step; step events at the log interval)."""
-        return self.live_step[1] if self.live_step else None
+        """The run's step reached: the latest step done (progress events move it every step, step events at the
+        log interval, a `done` past them), or the step a rollback went back to (gptop.state.counts); None before
+        a first step (a `done` at step 0 is none)."""
+        step = self.counts.step
+        return step if step is not None and step > 0 else None
 
     @property
     def tokens(self) -> int | None:
-        """Tokens seen (the latest progress or step event's cumulative `tokens`)."""
-        return self.live_step[2] if self.live_step else None
+        """Tokens of the steps the run keeps (gptop.state.counts: continued across its processes, lowered by a
+        rollback); `counts.processed` has the rolled-back steps' too."""
+        return self.counts.tokens
 
     def startup_line(self) -> str | None:
         """What the run does before its first step: 'compiling the model (...) · 0:42', 'tokenizing ... 40%'."""

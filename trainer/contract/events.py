@@ -135,6 +135,10 @@ class HelloEvent(Event):
     peak_source: str | None = None  # "datasheet: <GPU> ..." or "measured: ..." (MFU is then approximate)
     resumed_from: str | None = None
     start_step: int = 0
+    # The count of `tokens` this process's events start from at start_step: the run's count where the process
+    # restored it (gptop's trainer), else its own (a client: start_step x tokens per step, or 0). Readers
+    # continue the run's count from it (gptop.state.counts). None: not said (an older producer).
+    start_tokens: int | None = None
     torch: str | None = None
     # The first hello comes before anything is built (early=True): the config, the device, the model as
     # configured and what it will cost (EstimateInfo: bytes, seconds); the full
@@ -209,7 +213,7 @@ class StepEvent(Event):
 
     type: ClassVar[str] = "step"
     step: int
-    tokens: int  # cumulative, global
+    tokens: int  # cumulative, global: this process's count, from its hello's start_tokens
     loss: float | None
     lr: float | None
     grad_norm: float | None
