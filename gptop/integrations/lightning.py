@@ -20,8 +20,7 @@ steps only; tokens are the batch's `input_ids` (or first tensor) elements for in
 samples. gptop's checkpoint command saves `trainer.save_checkpoint` into the ModelCheckpoint's directory
 (else `default_root_dir/checkpoints`) as `gptop-step=N.ckpt`; its stop saves there and sets
 `trainer.should_stop`. Saves of the run's own ModelCheckpoint are reported too, each save of a file it
-overwrites (`last.ckpt`) again. Outside gptop every hook
-returns at once.
+overwrites (`last.ckpt`) again. Outside gptop every hook returns at once.
 """
 
 from __future__ import annotations
