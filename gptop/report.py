@@ -15,7 +15,7 @@ import statistics
 from array import array
 from collections import deque
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from trainer.contract import rundir
 from trainer.contract.events import (
@@ -249,8 +249,11 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     out["checkpoints_written"] = scan.checkpoints_written
     if command is None:
         out["checkpoints_kept"] = [{"step": c.step, "path": str(c.path)} for c in rundir.list_checkpoints(run_dir)]
-    else:  # the program's own checkpoints, where it said it wrote them, that are still there
-        out["checkpoints_kept"] = _program_checkpoints(scan.checkpoints)
+    else:  # the program's own that are still there; a file saved again (ckpt.pt) once, at its newest step
+        newest = {e.path: e for e in scan.checkpoints}
+        out["checkpoints_kept"] = [
+            {"step": e.step, "path": e.path} for e in scan.checkpoints if newest[e.path] is e and Path(e.path).exists()
+        ]
     out["errors"] = [_error(e) for e in scan.errors]
     if scan.errors_total > len(scan.errors):
         out["errors_total"] = scan.errors_total
@@ -268,16 +271,6 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     if bad:
         out["malformed"] = bad
     return out
-
-
-def _program_checkpoints(events: Iterable[CheckpointEvent]) -> list[dict[str, Any]]:
-    """A program's checkpoints on disk now, each file once: one it overwrote (nanoGPT's ckpt.pt) holds its
-    newest step, and is listed where that was written."""
-    newest: dict[str, CheckpointEvent] = {}
-    for e in events:
-        newest.pop(e.path, None)
-        newest[e.path] = e
-    return [{"step": e.step, "path": e.path} for e in newest.values() if Path(e.path).exists()]
 
 
 def _speed(scan: "_Scan") -> dict[str, Any]:
