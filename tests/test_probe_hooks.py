@@ -360,3 +360,78 @@ def test_a_compiled_model(gptop, clock, how):
     assert [breakdown(e) for e in steps] == [EXPECTED, {**EXPECTED, "other": OTHER + FWD}, EXPECTED]
     assert [e.tokens for e in steps] == [n * ACCUM * BATCH * SEQ for n in (1, 2, 3)]
     assert gptop.file_events("hello")[0].model.family == "Model"  # inside the wrapper
+
+
+class Event:
+    """Stands in for torch.cuda.Event: record() stamps the fake clock as the GPU's timeline (every phase's
+    work is done when its hook fires), elapsed_time reads two stamps."""
+
+    clock: Clock
+
+    def __init__(self) -> None:
+        self.t: float | None = None
+
+    def record(self, stream) -> None:
+        assert stream == "compute stream"
+        self.t = Event.clock()
+
+    def elapsed_time(self, end: "Event") -> float:
+        assert self.t is not None and end.t is not None
+        return (end.t - self.t) * 1e3
+
+
+def test_on_cuda_the_hooks_mark_the_phases_with_the_timers_events(gptop, clock, monkeypatch):
+    """The hooks move phase boundaries through the client's timer only: with the CUDA timer (fake events on the
+    fake clock), the same breakdown, an evaluation and a save before the step left out, nothing synchronized."""
+    from trainer.timing import CudaTimer
+
+    Event.clock = clock
+    monkeypatch.setattr(
+        client_module,
+        "make_timer",
+        lambda device, enabled: CudaTimer(make_event=Event, clock=clock, stream=lambda: "compute stream"),
+    )
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("the probe synchronized"))
+    model = Model(clock)
+    opt = SGD(model.parameters(), clock)
+    probe = Probe(model, optimizer=opt, log_every=3)
+    for n in (1, 2, 3):
+        probe.step(n)
+        if n == 2:
+            model.eval()
+            with torch.no_grad():
+                model(batch())
+            model.train()
+            clock.advance(64.0)
+            probe.checkpointed("ckpt.pt")
+        clock.advance(DATA)
+        micro_steps(model, clock)
+        opt.step()
+        clock.advance(OTHER)
+    probe.close()
+    (e,) = gptop.file_events("step")
+    assert breakdown(e) == EXPECTED and e.gpu_idle_ms == pytest.approx(DATA + OTHER)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_hooks_give_the_breakdown(gptop):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 256), torch.nn.Linear(256, VOCAB)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    probe = Probe(model, optimizer=opt, log_every=2)
+    for n in range(1, 7):
+        probe.step(n)
+        for _ in range(ACCUM):
+            x = torch.randint(VOCAB, (BATCH, SEQ), device="cuda")
+            loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        probe.log(loss=loss)
+    probe.close()
+    steps = gptop.file_events("step")
+    assert [e.step for e in steps] == [2, 4, 6]
+    for e in steps:
+        assert all(e.phases_ms[k] > 0 for k in ("forward", "backward", "optimizer")), e.phases_ms
+        assert e.gpu_idle_ms is not None and 0 <= e.gpu_idle_ms <= e.step_ms
+        assert e.tokens == e.step * ACCUM * BATCH * SEQ
