@@ -1,16 +1,25 @@
-"""What gptop's probe (gptop.integrations.torch.Probe) costs a plain loop, outside gptop and under it.
+"""What gptop's probe (gptop.integrations.torch.Probe) costs a plain loop, outside gptop and under it, in its two
+forms against no probe at all.
 
-Two loops, each timed with and without the probe in the same process, alternating in rounds (so machine
-drift hits both alike), medians over the rounds:
+Three variants of each loop, timed in the same process, alternating in rounds (each round in another order,
+so machine drift hits all alike), medians over the rounds:
 
-- empty: a step that does nothing but the probe's calls (`step`, four `phase`s, `log` of a tensor): the
-  probe's own cost per step, in microseconds;
-- train: a step of the examples' tiny Llama (examples/synthetic.py; 8 x 64 tokens, AdamW): the ratio of a
-  step's time with the probe to without it.
+- none: the loop without a probe (the baseline, measured in the same run);
+- explicit: `with probe.step(n)` around the step and a `with probe.phase(...)` around each of its four parts
+  (the probe also has the model and the optimizer, so its hooks fire inside the phases and time nothing);
+- hooks: one `probe.step(n)` call per step; the hooks on the model's forward and the optimizer's step give the
+  phases, and the tokens are counted from the forward's input.
 
-Outside gptop (no GPTOP_CHANNEL) every probe call is a no-op. For the figures under gptop the script starts
-itself again under `gptop --no-ui run` (the probe then connects, times phases, sends a progress event every
-step and a step event every 10) and reads that process's figures back.
+Two loops:
+
+- empty: a step of a forward that does nothing, an optimizer step without gradients and `log` of a tensor:
+  the probe's own cost per step (the variant's time less none's), in microseconds;
+- train: a step of the examples' tiny Llama (examples/synthetic.py; 8 x 64 tokens, AdamW): each variant's
+  step time as a ratio to none's of the same round.
+
+Outside gptop (no GPTOP_CHANNEL) every probe call is a no-op and no hook is installed. For the figures under
+gptop the script starts itself again under `gptop --no-ui run` (the probe then connects, times phases, sends
+a progress event at most every 50 ms and a step event every 10 steps) and reads that process's figures back.
 
     OMP_NUM_THREADS=1 python bench/probe_overhead.py [--rounds 7] [--steps 30] [--empty 5000]
 """
@@ -26,62 +35,86 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
+VARIANTS = ("none", "explicit", "hooks")
 
 
-def measure(rounds: int, steps: int, empty: int) -> dict[str, float]:
+def measure(rounds: int, steps: int, empty: int) -> dict[str, Any]:
     import torch
 
     sys.path.insert(0, str(ROOT / "examples"))
     from gptop.integrations.torch import Probe
     from synthetic import sequences, tiny_llama
 
-    torch.manual_seed(0)
-    model = tiny_llama(64)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    class Called(torch.nn.Module):
+        """The module the loop calls: the tiny Llama, or nothing at all (`empty`)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.llama = tiny_llama(64)
+            self.empty = False
+
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+            if self.empty:
+                return input_ids
+            return self.llama(input_ids=input_ids, labels=labels).loss
+
+    plain, probed = Called(), Called()  # the same weights; only the probed one has the probe's hooks
+    opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(probed.parameters(), lr=1e-3)
+    probe = Probe(probed, optimizer=opt)
     g = torch.Generator().manual_seed(0)
-    probe = Probe(model, tokens_per_step=8 * 64, optimizer=opt)
+    x0 = torch.zeros((1, 1), dtype=torch.long)
     loss0 = torch.zeros(())
     counter = {"step": 0}
 
-    def empty_plain() -> None:
-        for _ in range(empty):
-            pass
+    def number() -> int:
+        counter["step"] += 1
+        return counter["step"]
 
-    def empty_probe() -> None:
+    def empty_none() -> None:
         for _ in range(empty):
-            counter["step"] += 1
-            with probe.step(counter["step"]):
+            plain(x0)
+            opt_plain.step()
+
+    def empty_explicit() -> None:
+        for _ in range(empty):
+            with probe.step(number()):
                 with probe.phase("data"):
                     pass
                 with probe.phase("forward"):
-                    pass
+                    probed(x0)
                 with probe.phase("backward"):
                     pass
                 with probe.phase("optimizer"):
-                    pass
+                    opt.step()
                 probe.log(loss=loss0)
 
-    def train_step() -> None:
-        x = sequences(8, 64, g)
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def empty_hooks() -> None:
+        for _ in range(empty):
+            probe.step(number())
+            probed(x0)
+            opt.step()
+            probe.log(loss=loss0)
 
-    def train_plain() -> None:
+    def train_none() -> None:
         for _ in range(steps):
-            train_step()
+            x = sequences(8, 64, g)
+            loss = plain(x, x)
+            loss.backward()
+            opt_plain.step()
+            opt_plain.zero_grad(set_to_none=True)
 
-    def train_probe() -> None:
+    def train_explicit() -> None:
         for _ in range(steps):
-            counter["step"] += 1
-            with probe.step(counter["step"]):
+            with probe.step(number()):
                 with probe.phase("data"):
                     x = sequences(8, 64, g)
                 with probe.phase("forward"):
-                    loss = model(input_ids=x, labels=x).loss
+                    loss = probed(x, x)
                 with probe.phase("backward"):
                     loss.backward()
                 with probe.phase("optimizer"):
@@ -89,36 +122,49 @@ def measure(rounds: int, steps: int, empty: int) -> dict[str, float]:
                     opt.zero_grad(set_to_none=True)
                 probe.log(loss=loss)
 
-    def timed(fn) -> float:
-        t = time.perf_counter()
-        fn()
-        return time.perf_counter() - t
+    def train_hooks() -> None:
+        for _ in range(steps):
+            probe.step(number())
+            x = sequences(8, 64, g)
+            loss = probed(x, x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            probe.log(loss=loss)
 
-    train_plain()  # warm-up: allocator, first-call costs
-    train_probe()
-    res: dict[str, list[float]] = {"empty_plain": [], "empty_probe": [], "train_plain": [], "train_probe": []}
-    ratios = []
-    for _ in range(rounds):
-        res["empty_plain"].append(timed(empty_plain) / empty)
-        res["empty_probe"].append(timed(empty_probe) / empty)
-        a, b = timed(train_plain) / steps, timed(train_probe) / steps
-        res["train_plain"].append(a)
-        res["train_probe"].append(b)
-        ratios.append(b / a)
+    loops: dict[str, dict[str, Callable[[], None]]] = {
+        "empty": {"none": empty_none, "explicit": empty_explicit, "hooks": empty_hooks},
+        "train": {"none": train_none, "explicit": train_explicit, "hooks": train_hooks},
+    }
+    per = {"empty": empty, "train": steps}
+
+    def timed(loop: str, variant: str) -> float:
+        plain.empty = probed.empty = loop == "empty"
+        t = time.perf_counter()
+        loops[loop][variant]()
+        return (time.perf_counter() - t) / per[loop]
+
+    for variant in VARIANTS:  # warm-up: allocator, first-call costs
+        timed("train", variant)
+    res: dict[str, dict[str, list[float]]] = {loop: {v: [] for v in VARIANTS} for loop in loops}
+    for r in range(rounds):
+        order = VARIANTS[r % 3 :] + VARIANTS[: r % 3]
+        for loop in loops:
+            for variant in order:
+                res[loop][variant].append(timed(loop, variant))
+    connected = probe.active  # on under gptop, until close
     probe.close()
-    med = {k: statistics.median(v) for k, v in res.items()}
+    med = {loop: {v: statistics.median(res[loop][v]) for v in VARIANTS} for loop in loops}
+    ratios = {v: [a / b for a, b in zip(res["train"][v], res["train"]["none"])] for v in VARIANTS[1:]}
     return {
-        "active": probe.active,
-        "probe_us_per_step": (med["empty_probe"] - med["empty_plain"]) * 1e6,
-        "train_plain_ms": med["train_plain"] * 1e3,
-        "train_probe_ms": med["train_probe"] * 1e3,
-        "train_ratio": statistics.median(ratios),
-        "train_ratio_min": min(ratios),
-        "train_ratio_max": max(ratios),
+        "connected": connected,
+        "own_us": {v: (med["empty"][v] - med["empty"]["none"]) * 1e6 for v in VARIANTS[1:]},
+        "train_ms": {v: med["train"][v] * 1e3 for v in VARIANTS},
+        "ratio": {v: [statistics.median(rs), min(rs), max(rs)] for v, rs in ratios.items()},
     }
 
 
-def under_gptop(args: argparse.Namespace) -> dict[str, float]:
+def under_gptop(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "result.json"
         argv = [
@@ -158,17 +204,20 @@ def main() -> None:
         return
     load = os.getloadavg()
     outside = measure(args.rounds, args.steps, args.empty)
-    assert not outside["active"], "GPTOP_CHANNEL is set: run this outside gptop"
+    assert not outside["connected"], "GPTOP_CHANNEL is set: run this outside gptop"
     inside = under_gptop(args)
-    assert inside["active"], "the probe did not connect under gptop run"
+    assert inside["connected"], "the probe did not connect under gptop run"
     print(f"load average at the start {load[0]:.2f}, at the end {os.getloadavg()[0]:.2f}")
-    print("| where | probe's own cost per step | tiny Llama step without / with the probe | ratio (min-max) |")
-    print("|---|---:|---:|---:|")
+    print("| where | probe | its own cost per step | tiny Llama step | ratio to no probe (min-max over rounds) |")
+    print("|---|---|---:|---:|---:|")
     for name, r in (("outside gptop", outside), ("under gptop run", inside)):
-        print(
-            f"| {name} | {r['probe_us_per_step']:.2f} µs | {r['train_plain_ms']:.1f} / {r['train_probe_ms']:.1f} ms "
-            f"| {r['train_ratio']:.3f} ({r['train_ratio_min']:.3f}-{r['train_ratio_max']:.3f}) |"
-        )
+        print(f"| {name} | none | | {r['train_ms']['none']:.1f} ms | 1 |")
+        for v, label in (("explicit", "explicit: `with` step and 4 phases"), ("hooks", "hooks: `probe.step(n)`")):
+            med, lo, hi = r["ratio"][v]
+            print(
+                f"| {name} | {label} | {r['own_us'][v]:.1f} µs | {r['train_ms'][v]:.1f} ms "
+                f"| {med:.3f} ({lo:.3f}-{hi:.3f}) |"
+            )
 
 
 if __name__ == "__main__":

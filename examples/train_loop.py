@@ -73,34 +73,29 @@ def main() -> None:
     if start >= args.steps:
         print(f"{ckpt} is at step {start}, already --steps {args.steps}: nothing to train", flush=True)
         return
-    probe = Probe(
-        model, tokens_per_step=args.batch * args.seq_len, seq_len=args.seq_len, optimizer=opt, max_steps=args.steps
-    )
+    # hooks on the model's forward and the optimizer's step give the breakdown; the tokens and the sequence
+    # length come from the forwards' input_ids
+    probe = Probe(model, optimizer=opt, max_steps=args.steps)
     data = batches(args.batch, args.seq_len, seed=start)
-    step = start
-    for step in range(start + 1, args.steps + 1):
-        with probe.step(step):
-            with probe.phase("data"):
-                x = next(data).to(args.device, non_blocking=True)
-                if args.step_sleep:
-                    time.sleep(args.step_sleep)
-            with probe.phase("forward"):
-                loss = model(input_ids=x, labels=x).loss
-            with probe.phase("backward"):
-                loss.backward()
-            with probe.phase("optimizer"):
-                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            probe.log(loss=loss, grad_norm=norm)  # tensors: read back only at gptop's log steps
+    for done in range(start, args.steps):
+        probe.step(done + 1)  # step done + 1 begins here, the one before ends
         if probe.should_checkpoint or probe.should_stop:
-            probe.checkpointed(save(step))
+            probe.checkpointed(save(done))
         if probe.should_stop:
-            print(f"stopped at step {step}", flush=True)
+            print(f"stopped at step {done}", flush=True)
             break
+        x = next(data).to(args.device, non_blocking=True)
+        if args.step_sleep:
+            time.sleep(args.step_sleep)  # before the step's forward: the probe counts it as data
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # before the optimizer: backward
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        probe.log(loss=loss, grad_norm=norm)  # tensors: read back only at gptop's log steps
     else:
-        probe.checkpointed(save(step))
-        print(f"trained to step {step}; final loss {loss.item():.3f}", flush=True)
+        probe.checkpointed(save(args.steps))  # after the last step, which ends here
+        print(f"trained to step {args.steps}; final loss {loss.item():.3f}", flush=True)
     probe.close()
 
 

@@ -261,8 +261,11 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     out["checkpoints_written"] = scan.checkpoints_written
     if command is None:
         out["checkpoints_kept"] = [{"step": c.step, "path": str(c.path)} for c in rundir.list_checkpoints(run_dir)]
-    else:  # the program's own checkpoints, where it said it wrote them, that are still there
-        out["checkpoints_kept"] = [{"step": e.step, "path": e.path} for e in scan.checkpoints if Path(e.path).exists()]
+    else:  # the program's own that are still there; a file saved again (ckpt.pt) once, at its newest step
+        newest = {e.path: e for e in scan.checkpoints}
+        out["checkpoints_kept"] = [
+            {"step": e.step, "path": e.path} for e in scan.checkpoints if newest[e.path] is e and Path(e.path).exists()
+        ]
     out["errors"] = [_error(e) for e in scan.errors]
     if scan.errors_total > len(scan.errors):
         out["errors_total"] = scan.errors_total

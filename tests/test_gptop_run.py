@@ -4,6 +4,7 @@ script the examples did not write, plain commands without a client)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -157,6 +158,142 @@ def test_ctrl_c_stops_a_plain_loop_with_its_own_checkpoint(tmp_path):
     s = json.loads(r.stdout)
     assert s["steps"] >= 2 and s["checkpoints_kept"] == [{"step": ckpt.step, "path": ckpt.path}]
     assert s["done"] == done.reason and s["command"][1] == str(EXAMPLES / "train_loop.py")
+
+
+# nanoGPT's train.py loop as it is (micro-steps under autocast, the next batch fetched between a forward and its
+# backward, a GradScaler, clipping, an evaluation under no_grad and a save of ckpt.pt at the top of an
+# iteration), with a tiny model, random data and known waits; the probe's lines end in `# gptop`.
+NANOGPT = """
+import os, sys, time
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+
+from gptop.integrations.torch import Probe  # gptop
+
+batch_size, block_size, vocab_size, gradient_accumulation_steps = 4, 16, 32, 3
+max_iters, eval_interval, eval_iters, grad_clip = 12, 4, 4, 1.0
+DATA_S, EVAL_S, SAVE_S = (float(a) for a in sys.argv[1:4])
+out_dir = "out"
+torch.manual_seed(0)
+data = torch.randint(vocab_size, (4096,))
+ctx = nullcontext()  # nanoGPT's on a CPU; torch.amp.autocast on a GPU
+scaler = torch.amp.GradScaler("cpu", enabled=False)  # nanoGPT's: enabled for float16 only
+
+
+class GPT(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte = torch.nn.Embedding(vocab_size, 32)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU(), torch.nn.Linear(128, 32))
+        self.lm_head = torch.nn.Linear(32, vocab_size)
+
+    def forward(self, idx, targets=None):
+        x = self.wte(idx)
+        logits = self.lm_head(x + self.mlp(x))
+        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return logits, loss
+
+
+def get_batch(split):
+    ix = torch.randint(len(data) - block_size - 1, (batch_size,))
+    x = torch.stack([data[i : i + block_size] for i in ix])
+    y = torch.stack([data[i + 1 : i + 1 + block_size] for i in ix])
+    return x, y
+
+
+@torch.no_grad()
+def estimate_loss():
+    model.eval()
+    losses = []
+    for _ in range(eval_iters):
+        X, Y = get_batch("val")
+        time.sleep(EVAL_S / eval_iters)
+        losses.append(model(X, Y)[1])
+    model.train()
+    return torch.stack(losses).mean().item()
+
+
+model = GPT()
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+probe = Probe(model, optimizer=optimizer, max_steps=max_iters)  # gptop
+os.makedirs(out_dir, exist_ok=True)
+X, Y = get_batch("train")
+for iter_num in range(max_iters):
+    probe.step(iter_num + 1)  # gptop
+    if iter_num % eval_interval == 0 and iter_num > 0:
+        val_loss = estimate_loss()
+        time.sleep(SAVE_S)
+        torch.save({"model": model.state_dict(), "iter_num": iter_num}, os.path.join(out_dir, "ckpt.pt"))
+        probe.checkpointed(os.path.join(out_dir, "ckpt.pt"))  # gptop
+    time.sleep(DATA_S)  # a slow input pipeline, before the step's first forward
+    for micro_step in range(gradient_accumulation_steps):
+        with ctx:
+            logits, loss = model(X, Y)
+            loss = loss / gradient_accumulation_steps
+        X, Y = get_batch("train")
+        scaler.scale(loss).backward()
+    if grad_clip != 0.0:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    probe.log(loss=loss * gradient_accumulation_steps)  # gptop
+probe.close()  # gptop
+"""
+
+
+def test_a_nanogpt_loop_with_one_probe_step_call_gets_the_breakdown(tmp_path):
+    """The probe's hooks in a real process under gptop run: every step's phases, its tokens from the batch's
+    shape, the evaluation and the save no part of a step, a checkpoint's time the save's, ckpt.pt kept once."""
+    data_s, eval_s, save_s = 0.03, 1.0, 0.2
+    (tmp_path / "train.py").write_text(NANOGPT)
+    p = gptop(
+        "--no-ui",
+        "--json",
+        "run",
+        "--run-dir",
+        "run",
+        "--log-every",
+        "1",
+        "--",
+        sys.executable,
+        "train.py",
+        str(data_s),
+        str(eval_s),
+        str(save_s),
+        cwd=tmp_path,
+    )
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err
+    evs = [parse(line) for line in out.splitlines()]
+    hello = next(e for e in evs if e.type == "hello" and e.client == "probe")
+    assert hello.model.family == "GPT" and hello.max_steps == 12
+    steps = [e for e in evs if e.type == "step"]
+    assert [e.step for e in steps] == list(range(1, 13))
+    for e in steps:
+        ph = e.phases_ms
+        assert all(ph[k] > 0 for k in ("forward", "backward", "optimizer")), (e.step, ph)
+        assert math.isclose(sum(ph.values()), e.step_ms, rel_tol=1e-6), (e.step, ph, e.step_ms)
+        # the data wait is the sleep before the first forward; the evaluation and the save are in no step
+        assert data_s * 1e3 * 0.95 <= ph["data"] < (data_s + eval_s / 2) * 1e3, (e.step, ph)
+        assert e.step_ms < (data_s + eval_s / 2) * 1e3, (e.step, e.step_ms)
+        assert e.tokens == e.step * 4 * 16 * 3  # batch x block x micro-steps, from the forwards' input
+    ckpts = [e for e in evs if e.type == "checkpoint"]
+    assert [c.step for c in ckpts] == [4, 8] and {c.path for c in ckpts} == {str(tmp_path / "out" / "ckpt.pt")}
+    assert all(save_s <= c.seconds < save_s + eval_s / 2 for c in ckpts), [c.seconds for c in ckpts]
+    r = subprocess.run(
+        [sys.executable, "-m", "gptop", "--json", "report", "run"],
+        cwd=tmp_path,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    s = json.loads(r.stdout)
+    assert s["checkpoints_written"] == 2 and s["checkpoints_kept"] == [{"step": 8, "path": ckpts[0].path}]
 
 
 def test_kill_9_of_gptop_leaves_nothing_running(tmp_path):
@@ -357,6 +494,9 @@ def test_two_ranks_stop_on_the_same_step(tmp_path):
     assert ckpt.reason == "stop" and ckpt.step == done.step and Path(ckpt.path).exists()
     steps = events(run, "step")
     assert steps[-1].tokens == steps[-1].step * 2 * 4 * 16 and {e.rank for e in read_events(rank1)} == {1}
+    # the probe's hooks on the DDP module: the breakdown from one probe.step call per step
+    assert all(e.phases_ms[p] > 0 for e in steps for p in ("forward", "backward", "optimizer"))
+    assert client_hello(run).model.family == "Sequential"  # the module inside DDP
     assert all(gone(pid) for pid in pids)
 
 

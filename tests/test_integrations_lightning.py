@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from gptop.integrations.lightning import GptopCallback  # noqa: E402
 from trainer.contract import events as ev  # noqa: E402
 from trainer.contract.client import CHANNEL_ENV  # noqa: E402
+from trainer.contract.device import DeviceInfo  # noqa: E402
 
 from fixtures.fake_gptop import FakeGptop  # noqa: E402
 from fixtures.waiting import wait_for  # noqa: E402
@@ -39,7 +40,7 @@ class BigramLM(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-def fit(tmp_path, steps: int, callbacks: list) -> L.Trainer:
+def fit(tmp_path, steps: int, callbacks: list, checkpointing: bool = False) -> L.Trainer:
     torch.manual_seed(0)
     data = torch.randint(VOCAB, (steps * BATCH * ACCUM, SEQ))
     trainer = L.Trainer(
@@ -51,7 +52,7 @@ def fit(tmp_path, steps: int, callbacks: list) -> L.Trainer:
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        enable_checkpointing=False,
+        enable_checkpointing=checkpointing,
         log_every_n_steps=2,
         callbacks=callbacks,
     )
@@ -108,3 +109,30 @@ def test_checkpoint_and_stop_commands(gptop, tmp_path):
         assert torch.load(c.path, weights_only=False)["global_step"] == c.step
     assert trainer.global_step == 4
     assert gptop.file_events("done")[0].reason == "stop requested"
+
+
+def test_a_checkpoint_file_overwritten_is_reported_at_each_save_and_kept_once(gptop, tmp_path):
+    """ModelCheckpoint's `last.ckpt` is written again at every save: each save is a checkpoint event (the
+    newest says which step the file holds), and the report counts the file once."""
+    from gptop.report import summarize
+
+    every = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=str(tmp_path / "ckpt"), every_n_train_steps=2, save_last=True, save_top_k=-1
+    )
+    fit(tmp_path, 6, [GptopCallback(), every], checkpointing=True)
+    last = str(tmp_path / "ckpt" / "last.ckpt")
+    saves = [c.step for c in gptop.file_events("checkpoint") if c.path == last]
+    assert saves == [2, 4, 6], [(c.step, c.path) for c in gptop.file_events("checkpoint")]
+    # the report of the run, as `gptop run` starts it (its early hello names the command)
+    events = gptop.run_dir / "events.jsonl"
+    early = ev.HelloEvent(
+        early=True,
+        pid=1,
+        config={},
+        device=DeviceInfo(type="cpu", name="cpu"),
+        model=ev.ModelInfo(),
+        command=["python", "pl.py"],
+    )
+    events.write_text(ev.dumps(early) + "\n" + events.read_text())
+    kept = summarize(gptop.run_dir)["checkpoints_kept"]
+    assert [k["path"] for k in kept].count(last) == 1 and {"step": 6, "path": last} in kept

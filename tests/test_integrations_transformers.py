@@ -6,6 +6,7 @@ dataset class of its own that also hands out attention masks, 4 sequences per de
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -168,6 +169,32 @@ def test_checkpoint_and_stop_commands(gptop, tmp_path):
     for c in ckpts:
         assert c.path.endswith(f"checkpoint-{c.step}") and (tmp_path / "out" / f"checkpoint-{c.step}").is_dir()
     assert gptop.file_events("done")[0].reason == "stop requested"
+
+
+class SlowEval(Palindromes):
+    """An evaluation set that takes EVAL_S to read: an evaluation far longer than a save of the tiny model."""
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        time.sleep(EVAL_S / len(self))
+        return super().__getitem__(i)
+
+
+EVAL_S = 1.6
+
+
+@pytest.mark.slow
+def test_a_checkpoints_duration_is_the_save_not_the_evaluation_before_it(gptop, tmp_path):
+    from gptop.integrations.transformers import GptopCallback
+
+    trainer = make_trainer(tmp_path, 4, [GptopCallback()])
+    trainer.args.eval_strategy, trainer.args.eval_steps = "steps", 2
+    trainer.args.save_strategy, trainer.args.save_steps = "steps", 2
+    trainer.eval_dataset = SlowEval(8)
+    trainer.train()
+    assert [h["step"] for h in trainer.state.log_history if "eval_loss" in h] == [2, 4]  # before each save
+    ckpts = gptop.file_events("checkpoint")
+    assert [c.step for c in ckpts] == [2, 4]
+    assert all(0 < c.seconds < EVAL_S / 2 for c in ckpts), [c.seconds for c in ckpts]
 
 
 def test_tuned_args_and_resume_checkpoint(tmp_path, monkeypatch):

@@ -52,6 +52,10 @@ ALLOWED: dict[tuple[str, str], str] = {
         "trainer/startup.py",
         "getattr(self.model, '_orig_mod', self.model)",
     ): "torch.compile's wrapper exposes the module it compiled only as _orig_mod (torch's own docs use it)",
+    (
+        "gptop/integrations/loop_hooks.py",
+        "getattr(model, '_orig_mod', None)",
+    ): "the same _orig_mod: the probe describes the model inside a torch.compile wrapper the loop calls",
 }
 
 

@@ -177,8 +177,9 @@ def test_report_of_a_command_run(tmp_path):
             mfu=None,
             mem_bytes=None,
         ),
+        ev.CheckpointEvent(step=1, path=str(ckpt), seconds=None),
         ev.CheckpointEvent(step=1, path=str(tmp_path / "gone.pt"), seconds=None),
-        ev.CheckpointEvent(step=2, path=str(ckpt), seconds=None),
+        ev.CheckpointEvent(step=2, path=str(ckpt), seconds=None),  # the same file, overwritten: kept once
         ev.DoneEvent(step=2, tokens=20, reason="max_steps"),
     ]
     (run / "events.jsonl").write_text("".join(ev.dumps(e) + "\n" for e in state_events))
@@ -186,7 +187,7 @@ def test_report_of_a_command_run(tmp_path):
     assert s["command"] == ["python", "t.py"] and s["steps"] == 2 and s["starts"] == 1
     assert s["checkpoints_kept"] == [{"step": 2, "path": str(ckpt)}]
     text = format_report(s)
-    assert "command   python t.py" in text and "model     M " in text and "2 written, 1 kept" in text
+    assert "command   python t.py" in text and "model     M " in text and "3 written, 1 kept" in text
 
 
 def test_the_warden_tells_a_running_process_from_a_gone_one():

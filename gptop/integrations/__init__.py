@@ -1,6 +1,6 @@
 """gptop inside your own training code: clients of the trainer's protocol that `gptop run -- CMD` listens to.
 
-- `gptop.integrations.torch.Probe`: a plain PyTorch loop (`with probe.step(n)`, `with probe.phase("forward")`).
+- `gptop.integrations.torch.Probe`: a plain PyTorch loop (one `probe.step(n)` call a step; hooks give the phases).
 - `gptop.integrations.transformers.GptopCallback` (with `tuned_args`, `resume_checkpoint`): transformers.Trainer.
 - `gptop.integrations.lightning.GptopCallback`: Lightning (`pip install 'gptop[lightning]'`).
 

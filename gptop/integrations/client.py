@@ -496,9 +496,10 @@ class Client:
                 tokens=self.tokens,
             )
 
-    def since_step_end(self) -> float:
-        """Seconds since the last step ended (a loop that saves right after its step: the save's time)."""
-        return time.perf_counter() - self._last_end
+    @property
+    def crashed(self) -> bool:
+        """The program failed (an error event was sent): nothing more is reported as done."""
+        return self._crashed
 
     def warn(self, message: str, kind: str | None = None) -> None:
         self.channel.emit("warning", message=message, kind=kind)

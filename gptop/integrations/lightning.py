@@ -19,8 +19,8 @@ over the ranks), the learning rate the first optimizer's, the gradient norm comp
 steps only; tokens are the batch's `input_ids` (or first tensor) elements for integer token ids, else its
 samples. gptop's checkpoint command saves `trainer.save_checkpoint` into the ModelCheckpoint's directory
 (else `default_root_dir/checkpoints`) as `gptop-step=N.ckpt`; its stop saves there and sets
-`trainer.should_stop`. Saves of the run's own ModelCheckpoint are reported too. Outside gptop every hook
-returns at once.
+`trainer.should_stop`. Saves of the run's own ModelCheckpoint are reported too, each save of a file it
+overwrites (`last.ckpt`) again. Outside gptop every hook returns at once.
 """
 
 from __future__ import annotations
@@ -68,6 +68,14 @@ def _tokens(ids: torch.Tensor | None) -> int:
     return int(ids.shape[0])
 
 
+def _mtime(path: str) -> int | None:
+    """When the file at `path` was last written (None: it is not there)."""
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None
+
+
 def _precision(trainer: Any, module: torch.nn.Module, device: torch.device) -> str:
     p = str(getattr(trainer, "precision", ""))
     if "bf16" in p:
@@ -92,7 +100,7 @@ class GptopCallback(pl.Callback):
         self.client: Client | None = None
         self._module: torch.nn.Module | None = None
         self._global_step = 0
-        self._saved: set[str] = set()  # ModelCheckpoint files already reported
+        self._saved: dict[str, int | None] = {}  # files already reported, with their mtime then
 
     # ------------------------------------------------------------------ start and end
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -118,7 +126,7 @@ class GptopCallback(pl.Callback):
             return
         self._module = pl_module
         self._global_step = trainer.global_step
-        self._saved = self._checkpoint_files(trainer)  # what is there already is not this run's news
+        self._saved = {p: _mtime(p) for p in self._checkpoint_files(trainer)}  # already there: not this run's news
         self._next_step()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
@@ -206,7 +214,7 @@ class GptopCallback(pl.Callback):
             t = time.perf_counter()
             trainer.save_checkpoint(path)  # every rank: Lightning saves on rank 0
             client.checkpointed(path, seconds=time.perf_counter() - t)
-            self._saved.add(path)
+            self._saved[path] = _mtime(path)
         if client.should_stop:
             trainer.should_stop = True
         self._next_step()
@@ -235,11 +243,13 @@ class GptopCallback(pl.Callback):
         return out
 
     def _report_saves(self, trainer: Any) -> None:
-        """The run's own ModelCheckpoint saves since the last look: checkpoint events."""
+        """The run's own ModelCheckpoint saves since the last look: checkpoint events, a file it overwrote
+        (`last.ckpt`) again for each save."""
         client = self.client
         if client is None:
             return
-        for path in sorted(self._checkpoint_files(trainer) - self._saved):
-            self._saved.add(path)
-            if os.path.exists(path):
+        for path in sorted(self._checkpoint_files(trainer)):
+            mtime = _mtime(path)
+            if mtime is not None and self._saved.get(path) != mtime:
+                self._saved[path] = mtime
                 client.checkpointed(path, reason="interval")

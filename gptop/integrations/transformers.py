@@ -41,6 +41,7 @@ from trainer.contract.atomic import atomic_write
 from trainer.contract.client import ClientEnv, ClientKind
 
 from .client import DEFAULT_LOG_EVERY, Client, describe_model, model_precision, module_device
+from .loop_hooks import token_ids
 
 CHECKPOINT_PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR: <output_dir>/checkpoint-N
 
@@ -134,17 +135,6 @@ def differing(saved: dict[str, list[float]], now: dict[str, list[float]], rel: f
         if any(abs(a - b) > rel * max(1.0, abs(a)) for a, b in zip(saved[n], now[n])):
             off.append(n)
     return sorted(off)
-
-
-def _token_ids(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
-    """The batch the model is called with: `input_ids`, else `inputs_embeds` (batch x sequence x hidden)."""
-    for key in ("input_ids", "inputs_embeds"):
-        v = kwargs.get(key)
-        if isinstance(v, torch.Tensor):
-            return v if key == "input_ids" else v[..., 0]
-    if args and isinstance(args[0], torch.Tensor):
-        return args[0]
-    return None
 
 
 class GptopCallback(TrainerCallback):
@@ -323,7 +313,7 @@ class GptopCallback(TrainerCallback):
         client = self.client
         if client is None or not client.in_step or not module.training:
             return
-        ids = _token_ids(args, kwargs)
+        ids = token_ids(args, kwargs)
         if not client.said_hello:
             seq_len = int(ids.shape[-1]) if ids is not None and ids.dim() >= 2 else None
             self._hello(client, module, seq_len)
