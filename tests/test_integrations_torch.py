@@ -276,3 +276,31 @@ def test_the_profile_command_writes_a_trace_of_the_next_steps(gptop):
     trace = gptop.run_dir / "profiles" / "steps-3-4.json"  # seen at step 2's end: steps 3 and 4
     assert trace.exists() and "ProfilerStep#3" in trace.read_text()
     assert any(e.path == str(trace) for e in gptop.file_events("log"))
+
+
+@pytest.fixture
+def fp32_precision_root():
+    """torch.backends.fp32_precision as a test found it, put back after (process-wide state)."""
+    if not hasattr(torch.backends, "fp32_precision"):
+        pytest.skip("this torch has no fp32_precision API (torch < 2.9)")
+    before = torch.backends.fp32_precision
+    yield
+    torch.backends.fp32_precision = before
+    assert isinstance(torch.backends.cuda.matmul.allow_tf32, bool)  # the old flags read again
+
+
+@pytest.mark.parametrize("root, on_cuda", [("tf32", "tf32"), ("ieee", "fp32")])
+def test_the_precision_read_goes_through_torchs_fp32_precision_api(fp32_precision_root, root, on_cuda):
+    """transformers' TrainingArguments sets torch.backends.fp32_precision = "tf32" (tf32=True, bf16, or
+    torch_compile with fp32 weights); on torch >= 2.9 reading the old allow_tf32 flag then raises, which crashed
+    every client's start. Every read of the TF32 state (the clients' MFU column, the doctor's check, the
+    trainer's) goes through the new API, and fp32 weights with TF32 matmuls on CUDA are labelled tf32."""
+    from gptop.integrations.client import model_precision
+    from trainer import tf32
+
+    torch.backends.fp32_precision = root
+    model, _ = tiny()
+    assert model_precision(model, torch.device("cuda")) == on_cuda  # the device is only named: no CUDA needed
+    assert model_precision(model, torch.device("cpu")) == "fp32"  # the CPU has no TF32
+    assert tf32.matmul_tf32() is (root == "tf32") and tf32.conv_tf32() is (root == "tf32")
+    assert model_precision(model.to(torch.bfloat16), torch.device("cuda")) == "bf16"

@@ -108,8 +108,10 @@ def model_precision(model: torch.nn.Module | None, device: torch.device) -> str:
         return "bf16"
     if dtype == torch.float16:
         return "fp16"
-    if device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
-        return "tf32"
+    if device.type == "cuda":
+        from trainer.tf32 import matmul_tf32  # the old allow_tf32 flag raises once torch's new API set it
+
+        return "tf32" if matmul_tf32() else "fp32"
     return "fp32"
 
 
