@@ -8,6 +8,7 @@ the comm timer.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
@@ -676,3 +677,62 @@ def test_fsdp2_is_found_on_every_torch_the_project_allows(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.distributed._composable.fsdp", composable)
     assert D.fsdp2() == (composable.fully_shard, composable.MixedPrecisionPolicy)
     assert D.fsdp_precision("fp32") == (None, None)
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """Makes a real process group of one rank in this process (gloo over a file store), destroyed after."""
+    import torch.distributed as dist
+
+    real_init = dist.init_process_group  # before a test replaces it
+
+    def init(timeout_s: float) -> None:
+        real_init(
+            backend="gloo",
+            init_method=f"file://{tmp_path / 'store'}",
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+
+    yield init
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_a_clients_gloo_control_group_times_out_with_the_programs_group(one_rank, monkeypatch):
+    """Every per-step agreement, DCP's save barrier and the --micro-batch auto probe's host_max run on the gloo
+    control group beside NCCL: made without a timeout, torch gave it gloo's default of 30 minutes, so one stalled
+    rank held all the others that long. A client's control group takes the timeout of the program's own group."""
+    import torch.distributed as dist
+
+    from trainer import dist as D
+
+    one_rank(77.0)
+    assert D.group_timeout() == datetime.timedelta(seconds=77)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")  # the program's group is NCCL (a GPU run)
+    ctrl = D.control_group()
+    assert ctrl is not None and D.group_timeout(ctrl) == datetime.timedelta(seconds=77)
+    assert D.host_max([3, 1], ctrl) == [3, 1]
+
+
+def test_the_trainers_gloo_control_group_times_out_with_the_run(one_rank, monkeypatch):
+    """The trainer's group (NCCL on a GPU; here the same call over gloo) and its control group take one timeout."""
+    import torch
+    import torch.distributed as dist
+
+    from trainer import dist as D
+
+    asked: list[dict] = []
+
+    def init_here(**kw):  # no NCCL on this machine: the trainer's call, made over gloo
+        asked.append(kw)
+        one_rank(kw["timeout"].total_seconds())
+
+    monkeypatch.setattr(dist, "init_process_group", init_here)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    group = D.Group(0, 1, 0, torch.device("cuda:0"))
+    group.init(timeout_s=123.0)
+    assert asked[0]["backend"] == "nccl" and asked[0]["timeout"] == datetime.timedelta(seconds=123)
+    assert group.ctrl is not None and D.group_timeout(group.ctrl) == datetime.timedelta(seconds=123)
+    assert group.agree([5]) == [5]

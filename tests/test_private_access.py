@@ -52,6 +52,12 @@ ALLOWED: dict[tuple[str, str], str] = {
         "trainer/startup.py",
         "getattr(self.model, '_orig_mod', self.model)",
     ): "torch.compile's wrapper exposes the module it compiled only as _orig_mod (torch's own docs use it)",
+    ("trainer/dist.py", "pg._get_backend"): "torch has no public getter of a process group's timeout; a group's "
+    "backend (its options) holds it, which the gloo control group must share with the program's group",
+    (
+        "trainer/dist.py",
+        "getattr(getattr(backend, 'options', None), '_timeout', None)",
+    ): "the backend options' timeout (see pg._get_backend above); read with a fallback where a torch lacks it",
 }
 
 
