@@ -736,3 +736,9 @@ def test_the_trainers_gloo_control_group_times_out_with_the_run(one_rank, monkey
     assert asked[0]["backend"] == "nccl" and asked[0]["timeout"] == datetime.timedelta(seconds=123)
     assert group.ctrl is not None and D.group_timeout(group.ctrl) == datetime.timedelta(seconds=123)
     assert group.agree([5]) == [5]
+    # the --micro-batch auto probe's count of the training group's collectives (the control group's are not in it)
+    before = group.collectives()
+    assert before is not None
+    group.sum_(torch.ones(2))
+    assert group.host_maxes([1.0, -2.0]) == [1.0, -2.0]
+    assert group.collectives() == before + 1

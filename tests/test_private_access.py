@@ -58,6 +58,11 @@ ALLOWED: dict[tuple[str, str], str] = {
         "trainer/dist.py",
         "getattr(getattr(backend, 'options', None), '_timeout', None)",
     ): "the backend options' timeout (see pg._get_backend above); read with a fallback where a torch lacks it",
+    (
+        "trainer/dist.py",
+        "dist.group.WORLD._get_sequence_number_for_group",
+    ): "torch's only count of the collectives a rank issued on a group (its flight recorder uses the same); the "
+    "micro-batch probe compares it across ranks to know their collectives are still in step",
 }
 
 

@@ -139,6 +139,20 @@ class Group:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctrl)
         return float(t.item())
 
+    def host_maxes(self, values: list[float]) -> list[float]:
+        """Element-wise MAX over the ranks of a few host floats, on the control group (MIN: negate)."""
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctrl)
+        return [float(v) for v in t.tolist()]
+
+    def collectives(self) -> int | None:
+        """How many collectives this rank has issued on the training group (torch's sequence number of the
+        group); ranks whose counts differ are out of step. None where torch does not count them."""
+        try:
+            return int(dist.group.WORLD._get_sequence_number_for_group())
+        except (AttributeError, RuntimeError):
+            return None
+
     def host_min(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.ctrl)
