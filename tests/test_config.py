@@ -1,4 +1,5 @@
 import argparse
+import dataclasses
 
 import pytest
 
@@ -12,6 +13,7 @@ from trainer.contract.config import (
     config_from_toml,
 )
 from trainer.contract.device import DeviceInfo
+from trainer.contract.states import TrialStatus
 
 CPU = DeviceInfo(type="cpu", name="Test CPU", cpu_count=2)
 H100 = DeviceInfo(type="cuda", index=0, name="NVIDIA H100 80GB HBM3", capability=(9, 0), total_memory=80 * 2**30)
@@ -160,13 +162,49 @@ def test_cuda_graph_compile_modes_refuse_gradient_accumulation():
     with pytest.raises(ConfigError) as e:
         capabilities.check_config(cfg, H100)
     assert e.value.option == "--compile" and "accumulation over 4" in str(e.value)
-    capabilities.check_config(cfg, H100, world_size=4)  # 2 sequences a rank: no accumulation
+    capabilities.check(cfg.toggles, H100, per_rank_batch=2)  # 2 sequences a rank: no accumulation
     assert capabilities.unsupported(cfg.toggles, H100, 8) == (
         "compile",
         capabilities.support("compile", "reduce-overhead", H100, accumulation=4),
     )
     assert capabilities.accumulation_of(parse(["--micro-batch", "auto"]).toggles, 8) is None
     capabilities.check_config(parse(["--compile", "reduce-overhead", "--global-batch", "8"]), H100)  # auto
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_cuda_graph_compile_modes_are_refused_with_several_ranks(parallel):
+    """Inductor's CUDA graphs do not capture the NCCL collectives DDP (its gradient all-reduce hooks) and FSDP2
+    (its all-gathers and reduce-scatters) run inside each step: reduce-overhead and max-autotune are refused
+    with several ranks, by the trainer's check, the tuner's space and screen, and the hints, and allowed to one
+    process, which ignores --parallel."""
+    from gptop.tuning_space import tuning_space
+    from tuner.proposals import screen
+    from tuner.space import SearchSpace
+
+    for mode in capabilities.CUDA_GRAPH_MODES:
+        why = capabilities.support("compile", mode, H100, accumulation=1, parallel=parallel)
+        assert "CUDA graphs" in why and f"--parallel {parallel}" in why and "--compile default" in why
+        assert capabilities.support("compile", mode, H100, accumulation=1) is None
+        assert not capabilities.worth_trying("compile", mode, H100, accumulation=1, parallel=parallel)
+        cfg = parse(["--compile", mode, "--parallel", parallel, "--global-batch", "8", "--micro-batch", "4"])
+        with pytest.raises(ConfigError) as e:
+            capabilities.check_config(cfg, H100, world_size=2)  # 4 sequences a rank: no accumulation
+        assert e.value.option == "--compile" and f"--parallel {parallel}" in str(e.value)
+        capabilities.check_config(parse(["--compile", mode, "--parallel", parallel, "--global-batch", "4"]), H100)
+    assert capabilities.support("compile", "max-autotune-no-cudagraphs", H100, parallel=parallel) is None
+    cfg = parse(["--parallel", parallel, "--global-batch", "8"])
+    one, _ = tuning_space(cfg, H100, None, 1, None, 600.0)
+    two, _ = tuning_space(cfg, H100, None, 2, None, 600.0)
+    assert set(capabilities.CUDA_GRAPH_MODES) <= set(one.choices["compile"])
+    assert not set(capabilities.CUDA_GRAPH_MODES) & set(two.choices["compile"])
+    assert "default" in two.choices["compile"] and "max-autotune-no-cudagraphs" in two.choices["compile"]
+    with pytest.raises(ConfigError, match="--parallel"):
+        tuning_space(cfg, H100, None, 2, "compile=default,reduce-overhead", 600.0)
+    space = SearchSpace.for_device(cfg.toggles, H100, 8, world_size=2, spec="compile+=reduce-overhead", parallel=None)
+    space = dataclasses.replace(space, parallel=parallel)  # a space widened before it knew: still screened
+    kw = dict(start=cfg.toggles, max_mb=None, dev=H100, space=space, slow_compile=set(), trial_timeout_s=60.0)
+    got = screen(dataclasses.replace(cfg.toggles, compile="reduce-overhead", micro_batch=4), **kw)
+    assert got is not None and got.status == TrialStatus.INFEASIBLE and f"--parallel {parallel}" in got.reason
 
 
 def test_the_compiler_toolchain_is_checked_per_device(monkeypatch):

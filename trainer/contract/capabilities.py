@@ -114,11 +114,14 @@ def accumulation_of(toggles: Toggles, per_rank_batch: int | None) -> int | None:
     return max(1, per_rank_batch // mb)
 
 
-def support(name: str, value, dev: DeviceInfo, *, accumulation: int | None = None) -> str | None:
+def support(
+    name: str, value, dev: DeviceInfo, *, accumulation: int | None = None, parallel: str | None = None
+) -> str | None:
     """None if `dev` supports toggle `name` = `value`, else the reason it does not.
 
     `accumulation`: the run's micro-batches per optimizer step, where known (None: not known yet, e.g. a
-    `--micro-batch auto` run before its probe); some values depend on it."""
+    `--micro-batch auto` run before its probe); `parallel`: how several ranks share the model (ddp, fsdp;
+    None: one process). Some values depend on them."""
     if name == "precision":
         if value in ("fp32", AUTO):
             return None
@@ -145,6 +148,14 @@ def support(name: str, value, dev: DeviceInfo, *, accumulation: int | None = Non
             return "torch.compile needs a C++ compiler on the CPU (install g++)"
         if value in CUDA_GRAPH_MODES and not dev.is_cuda:
             return f"compile mode {value} uses CUDA graphs; on the CPU use default or max-autotune-no-cudagraphs"
+        if value in CUDA_GRAPH_MODES and parallel is not None:
+            # Inductor's CUDA graphs do not capture NCCL collectives: DDP's gradient all-reduce hooks and FSDP2's
+            # all-gathers and reduce-scatters run inside the step, between and during the compiled graphs.
+            return (
+                f"compile mode {value} uses CUDA graphs, which do not capture the collectives that "
+                f"--parallel {parallel} runs inside each step (not verified on several GPUs): use --compile "
+                f"default or max-autotune-no-cudagraphs"
+            )
         if value in CUDA_GRAPH_MODES and accumulation is not None and accumulation > 1:
             # The compiled backward hands a fresh .grad the graph's own output memory, which the next
             # micro-batch's replay overwrites before it is accumulated into (pytorch#169545; older torch
@@ -260,24 +271,28 @@ def slow(name: str, value, dev: DeviceInfo) -> str | None:
     return None
 
 
-def worth_trying(name: str, value, dev: DeviceInfo | None, *, accumulation: int | None = None) -> bool:
-    """May a hint suggest `value`? Only on a known device that supports it (with the run's `accumulation`)
-    and runs it at full speed (a gptop that has not had the trainer's hello yet suggests nothing
-    device-specific)."""
+def worth_trying(
+    name: str, value, dev: DeviceInfo | None, *, accumulation: int | None = None, parallel: str | None = None
+) -> bool:
+    """May a hint suggest `value`? Only on a known device that supports it (with the run's `accumulation` and
+    `parallel` mode) and runs it at full speed (a gptop that has not had the trainer's hello yet suggests
+    nothing device-specific)."""
     return (
         dev is not None
-        and support(name, value, dev, accumulation=accumulation) is None
+        and support(name, value, dev, accumulation=accumulation, parallel=parallel) is None
         and slow(name, value, dev) is None
     )
 
 
-def supported_values(name: str, dev: DeviceInfo, *, accumulation: int | None = None) -> list:
-    return [v for v in CHOICES[name] if support(name, v, dev, accumulation=accumulation) is None]
+def supported_values(
+    name: str, dev: DeviceInfo, *, accumulation: int | None = None, parallel: str | None = None
+) -> list:
+    return [v for v in CHOICES[name] if support(name, v, dev, accumulation=accumulation, parallel=parallel) is None]
 
 
-def default_values(name: str, dev: DeviceInfo) -> list:
-    """The values worth trying on `dev`: supported and not known to be slow."""
-    return [v for v in supported_values(name, dev) if slow(name, v, dev) is None]
+def default_values(name: str, dev: DeviceInfo, parallel: str | None = None) -> list:
+    """The values worth trying on `dev` (with `parallel`, support's): supported and not known to be slow."""
+    return [v for v in supported_values(name, dev, parallel=parallel) if slow(name, v, dev) is None]
 
 
 def slow_choices(toggles: Toggles, dev: DeviceInfo) -> list[str]:
@@ -296,21 +311,23 @@ def slow_config(cfg: TrainConfig, dev: DeviceInfo) -> list[str]:
     return slow_choices(cfg.toggles, dev)
 
 
-def unsupported(toggles: Toggles, dev: DeviceInfo, per_rank_batch: int | None = None) -> tuple[str, str] | None:
+def unsupported(
+    toggles: Toggles, dev: DeviceInfo, per_rank_batch: int | None = None, parallel: str | None = None
+) -> tuple[str, str] | None:
     """(toggle name, reason) of the first value of `toggles` that `dev` does not support, None when all are
     (`per_rank_batch`: the sequences a rank trains per step, so the values that depend on the accumulation
-    are checked where it is known)."""
+    are checked where it is known; `parallel`: support's)."""
     accumulation = accumulation_of(toggles, per_rank_batch)
     for f in dataclasses.fields(toggles):
-        reason = support(f.name, getattr(toggles, f.name), dev, accumulation=accumulation)
+        reason = support(f.name, getattr(toggles, f.name), dev, accumulation=accumulation, parallel=parallel)
         if reason:
             return f.name, reason
     return None
 
 
-def check(toggles: Toggles, dev: DeviceInfo, per_rank_batch: int | None = None) -> None:
+def check(toggles: Toggles, dev: DeviceInfo, per_rank_batch: int | None = None, parallel: str | None = None) -> None:
     """Raise ConfigError naming the flag for the first unsupported value (see `unsupported`)."""
-    found = unsupported(toggles, dev, per_rank_batch)
+    found = unsupported(toggles, dev, per_rank_batch, parallel)
     if found:
         f = next(f for f in dataclasses.fields(toggles) if f.name == found[0])
         raise ConfigError(flag_of(f), f"{getattr(toggles, f.name)} is not supported on {dev.name}: {found[1]}")
@@ -319,7 +336,12 @@ def check(toggles: Toggles, dev: DeviceInfo, per_rank_batch: int | None = None) 
 def check_config(cfg: TrainConfig, dev: DeviceInfo, world_size: int = 1) -> None:
     """`check` of a run's config (every gated option is a toggle) on `world_size` ranks."""
     per_rank = cfg.optim.global_batch // world_size if world_size >= 1 else None
-    check(cfg.toggles, dev, per_rank)
+    check(cfg.toggles, dev, per_rank, parallel_mode(cfg, world_size))
+
+
+def parallel_mode(cfg: TrainConfig, world_size: int) -> str | None:
+    """How the run's ranks share the model (`--parallel`), None for one process (which ignores it)."""
+    return cfg.run.parallel if world_size > 1 else None
 
 
 # --- which model size `--size auto` picks ---------------------------------------------------------
