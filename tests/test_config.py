@@ -6,6 +6,7 @@ import pytest
 from trainer.contract import capabilities
 from trainer.contract.config import (
     ConfigError,
+    Toggles,
     TrainConfig,
     add_arguments,
     cli_args,
@@ -115,6 +116,44 @@ def test_capability_gating(dev, name, value, ok):
     assert (reason is None) == ok
     if not ok:
         assert len(reason) > 10
+
+
+@pytest.mark.parametrize(
+    "capability, torch_version, ok",
+    [
+        ((8, 9), "2.6.0+cu126", False),  # Ada before its rowwise kernel
+        ((8, 9), "2.7.0+cu128", True),
+        ((8, 9), None, False),  # a torch not said: not known to have it
+        ((9, 0), "2.5.1+cu124", True),  # Hopper: every torch gptop allows
+        ((9, 0), None, True),
+        ((10, 0), "2.7.1+cu128", False),  # B200 before its kernel is confirmed
+        ((10, 0), "2.8.0+cu128", True),
+        ((12, 0), "2.13.0+cu130", False),  # consumer Blackwell: no rowwise kernel
+        ((10, 3), "2.13.0+cu130", False),  # an architecture the table does not know
+    ],
+)
+def test_fp8_rowwise_needs_the_torch_release_that_has_its_kernel_for_the_architecture(
+    monkeypatch, capability, torch_version, ok
+):
+    """fp8-rowwise calls torch._scaled_mm with per-row scales, which has a kernel per architecture that came with
+    a torch release: gated by capability and torch version (the trainer's, carried in DeviceInfo), for the
+    trainer's check, the tuner's space and the doctor's table alike; tensorwise runs on all of them."""
+    from tuner.space import SearchSpace
+
+    monkeypatch.setattr(capabilities, "_torchao_float8", lambda: True)
+    dev = DeviceInfo(type="cuda", index=0, name="GPU", capability=capability, torch_version=torch_version)
+    why = capabilities.support("precision", "fp8-rowwise", dev)
+    assert (why is None) == ok, why
+    if not ok:
+        assert "fp8-tensorwise" in why and ".".join(map(str, capability)) in why
+    assert capabilities.support("precision", "fp8-tensorwise", dev) is None
+    assert ("fp8-rowwise" in SearchSpace.for_device(Toggles(), dev, 8).choices["precision"]) == ok
+    cfg = parse(["--precision", "fp8-rowwise"])
+    if ok:
+        capabilities.check(cfg.toggles, dev)
+    else:
+        with pytest.raises(ConfigError, match="--precision"):
+            capabilities.check(cfg.toggles, dev)
 
 
 def test_unsupported_toggle_rejected_with_reason():

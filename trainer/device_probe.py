@@ -39,6 +39,7 @@ def detect(requested: str = "auto") -> DeviceInfo:
             has_compiler=compiler_missing("cpu") is None,
             cpu_bf16=_cpu_has_bf16_kernels(),
             cpu_bf16_native=cpu_has_native_bf16(),
+            torch_version=torch.__version__,
         )
     if requested.startswith("cuda"):
         if not torch.cuda.is_available():
@@ -62,6 +63,7 @@ def detect(requested: str = "auto") -> DeviceInfo:
             has_compiler=compiler_missing("cuda") is None,
             uuid=uuid,
             pci_bus_id=pci,
+            torch_version=torch.__version__,
         )
     raise ConfigError("--device", f"{requested!r} is not auto, cpu, cuda or cuda:N")
 

@@ -101,6 +101,34 @@ def _installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+# The first torch release whose rowwise-scaled fp8 matmul (torch._scaled_mm with a scale per row, what torchao's
+# fp8-rowwise recipe calls) has a kernel for each compute capability. Hopper's CUTLASS kernel came first (every
+# torch pyproject.toml allows); Ada's (sm89) was added in January 2025 (pytorch#144348, #145676), for 2.7;
+# datacenter Blackwell's (sm100) in March 2025 (pytorch#148421), in 2.8 (2.7 not confirmed). Other capabilities
+# have none (consumer Blackwell, sm120: cuBLASLt refuses per-row scales there, pytorch#192707).
+ROWWISE_FP8_TORCH: dict[tuple[int, int], tuple[int, int]] = {(8, 9): (2, 7), (9, 0): (2, 5), (10, 0): (2, 8)}
+TORCH_MIN = (2, 5)  # pyproject.toml's torch>=2.5: a device whose torch is not said has at least this
+
+
+def _rowwise_fp8(dev: DeviceInfo) -> str | None:
+    """Why fp8-rowwise cannot run on `dev` with the trainer's torch, or None (see ROWWISE_FP8_TORCH)."""
+    cc = tuple(dev.capability or ())
+    need = ROWWISE_FP8_TORCH.get(cc)  # type: ignore[call-overload]
+    arch = ".".join(map(str, cc))
+    if need is None:
+        return (
+            f"no torch release has a rowwise-scaled fp8 matmul for compute capability {arch}; use --precision "
+            f"fp8-tensorwise"
+        )
+    if not dev.torch_at_least(*need) and not (need <= TORCH_MIN and dev.torch_version is None):
+        have = f"torch {dev.torch_version}" if dev.torch_version else "a torch whose version is not known"
+        return (
+            f"the rowwise-scaled fp8 matmul for compute capability {arch} came with torch {need[0]}.{need[1]}; "
+            f"this is {have} (upgrade torch, or use --precision fp8-tensorwise)"
+        )
+    return None
+
+
 # torch.compile modes that capture CUDA graphs (inductor's cudagraph trees).
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
@@ -138,7 +166,7 @@ def support(
                 return "fp8 needs an NVIDIA GPU with compute capability 8.9 or newer (Ada, Hopper)"
             if not _torchao_float8():
                 return "fp8 needs torchao (pip install torchao)"
-            return None
+            return _rowwise_fp8(dev) if value == "fp8-rowwise" else None
     if name == "compile":
         if value == "off":
             return None
