@@ -168,33 +168,7 @@ def support(
                 return "fp8 needs torchao (pip install torchao)"
             return _rowwise_fp8(dev) if value == "fp8-rowwise" else None
     if name == "compile":
-        if value == "off":
-            return None
-        if not dev.has_compiler:
-            if dev.is_cuda:
-                return "torch.compile on CUDA needs triton (pip install triton) and a C compiler (install gcc)"
-            return "torch.compile needs a C++ compiler on the CPU (install g++)"
-        if value in CUDA_GRAPH_MODES and not dev.is_cuda:
-            return f"compile mode {value} uses CUDA graphs; on the CPU use default or max-autotune-no-cudagraphs"
-        if value in CUDA_GRAPH_MODES and parallel is not None:
-            # Inductor's CUDA graphs do not capture NCCL collectives: DDP's gradient all-reduce hooks and FSDP2's
-            # all-gathers and reduce-scatters run inside the step, between and during the compiled graphs.
-            return (
-                f"compile mode {value} uses CUDA graphs, which do not capture the collectives that "
-                f"--parallel {parallel} runs inside each step (not verified on several GPUs): use --compile "
-                f"default or max-autotune-no-cudagraphs"
-            )
-        if value in CUDA_GRAPH_MODES and accumulation is not None and accumulation > 1:
-            # The compiled backward hands a fresh .grad the graph's own output memory, which the next
-            # micro-batch's replay overwrites before it is accumulated into (pytorch#169545; older torch
-            # accumulated wrong gradients silently).
-            return (
-                f"compile mode {value} uses CUDA graphs, which overwrite the gradients that accumulation "
-                f"over {accumulation} micro-batches keeps between backwards (pytorch#169545): use "
-                f"--micro-batch equal to the per-rank batch (no accumulation), or --compile default / "
-                f"max-autotune-no-cudagraphs"
-            )
-        return None
+        return _compile_support(value, dev, accumulation, parallel)
     if name == "cuda_allocator":
         if value == "expandable_segments" and not dev.is_cuda:
             return "expandable_segments is a CUDA allocator setting"
@@ -224,6 +198,37 @@ def support(
         return None
     if name in CHOICES:
         return None if value in CHOICES[name] else f"{value!r} is not one of {CHOICES[name]}"
+    return None
+
+
+def _compile_support(value: str, dev: DeviceInfo, accumulation: int | None, parallel: str | None) -> str | None:
+    """`support` of compile mode `value` (see there)."""
+    if value == "off":
+        return None
+    if not dev.has_compiler:
+        if dev.is_cuda:
+            return "torch.compile on CUDA needs triton (pip install triton) and a C compiler (install gcc)"
+        return "torch.compile needs a C++ compiler on the CPU (install g++)"
+    if value in CUDA_GRAPH_MODES and not dev.is_cuda:
+        return f"compile mode {value} uses CUDA graphs; on the CPU use default or max-autotune-no-cudagraphs"
+    if value in CUDA_GRAPH_MODES and parallel is not None:
+        # Inductor's CUDA graphs do not capture NCCL collectives: DDP's gradient all-reduce hooks and FSDP2's
+        # all-gathers and reduce-scatters run inside the step, between and during the compiled graphs.
+        return (
+            f"compile mode {value} uses CUDA graphs, which do not capture the collectives that "
+            f"--parallel {parallel} runs inside each step (not verified on several GPUs): use --compile "
+            f"default or max-autotune-no-cudagraphs"
+        )
+    if value in CUDA_GRAPH_MODES and accumulation is not None and accumulation > 1:
+        # The compiled backward hands a fresh .grad the graph's own output memory, which the next
+        # micro-batch's replay overwrites before it is accumulated into (pytorch#169545; older torch
+        # accumulated wrong gradients silently).
+        return (
+            f"compile mode {value} uses CUDA graphs, which overwrite the gradients that accumulation "
+            f"over {accumulation} micro-batches keeps between backwards (pytorch#169545): use "
+            f"--micro-batch equal to the per-rank batch (no accumulation), or --compile default / "
+            f"max-autotune-no-cudagraphs"
+        )
     return None
 
 
