@@ -304,3 +304,46 @@ def test_the_precision_read_goes_through_torchs_fp32_precision_api(fp32_precisio
     assert model_precision(model, torch.device("cpu")) == "fp32"  # the CPU has no TF32
     assert tf32.matmul_tf32() is (root == "tf32") and tf32.conv_tf32() is (root == "tf32")
     assert model_precision(model.to(torch.bfloat16), torch.device("cuda")) == "bf16"
+
+
+@pytest.mark.parametrize("where", ["in the forward phase", "around the loop", "none", "stated"])
+def test_the_probes_default_precision_is_the_autocast_its_forward_runs_in(gptop, monkeypatch, where):
+    """A plain loop's parameters stay fp32 under autocast: the precision (the MFU peak's column) from their dtype
+    measured a bf16 loop against the fp32 peak. Without `precision=`, the probe takes the autocast its model's
+    first forward runs under (entered inside the step, as torch's AMP recipe does, or around the loop); the
+    hello, with the peak for that column, comes once it is known."""
+    from contextlib import nullcontext
+
+    import trainer.flops as flops
+
+    asked: list[str] = []
+
+    def fake_peak(dev, precision, **kw):
+        asked.append(precision)
+        return flops.Peak({"bf16": 2e12, "fp32": 1e12}[precision], f"test: {precision}")
+
+    monkeypatch.setattr(flops, "peak", fake_peak)
+    model, opt = tiny()
+    probe = Probe(model, tokens_per_step=BATCH * SEQ, log_every=2, precision="fp32" if where == "stated" else None)
+    bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    outer = bf16() if where == "around the loop" else nullcontext()
+    with outer:
+        for step in range(1, 5):
+            with probe.step(step):
+                with probe.phase("forward"):
+                    with bf16() if where in ("in the forward phase", "stated") else nullcontext():
+                        x = torch.randint(VOCAB, (BATCH, SEQ))
+                        loss = F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten())
+                with probe.phase("backward"):
+                    loss.backward()
+                opt.step()
+                opt.zero_grad()
+                probe.log(loss=loss)
+    probe.close()
+    want = "fp32" if where in ("none", "stated") else "bf16"
+    (hello,) = gptop.file_events("hello")
+    assert hello.config["toggles"]["precision"] == want and hello.peak_source == f"test: {want}"
+    assert hello.peak_flops == {"bf16": 2e12, "fp32": 1e12}[want]
+    assert asked[-1] == want
+    assert not model._forward_pre_hooks  # the watch is gone after the first forward
+    assert gptop.file_events()[0].type == "hello"  # before anything of the first step

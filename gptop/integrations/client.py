@@ -36,6 +36,8 @@ from trainer.contract.rundir import RunDir
 from trainer.contract.states import ErrorKind, WarningKind
 from trainer.timing import TIMED, interval_means, make_timer
 
+from .precision import model_precision
+
 TUNABLE_KINDS = (ClientKind.TRANSFORMERS,)  # the clients that take gptop tune's toggles (tuned_args)
 DEFAULT_LOG_EVERY = 10  # the trainer's --log-every default, when neither gptop nor the program says
 # `progress` events at most this often: a loop of millisecond steps would otherwise spend more on them than on
@@ -97,22 +99,6 @@ def describe_model(
         "trainable_params": trainable,
         "flops_per_token": int(flops_per_token) if flops_per_token else None,
     }
-
-
-def model_precision(model: torch.nn.Module | None, device: torch.device) -> str:
-    """The MFU column of a run whose precision the program did not state: its parameters' dtype (fp32 on CUDA
-    with TF32 matmuls allowed is tf32)."""
-    p = next(iter(model.parameters()), None) if model is not None else None
-    dtype = p.dtype if p is not None else torch.float32
-    if dtype == torch.bfloat16:
-        return "bf16"
-    if dtype == torch.float16:
-        return "fp16"
-    if device.type == "cuda":
-        from trainer.tf32 import matmul_tf32  # the old allow_tf32 flag raises once torch's new API set it
-
-        return "tf32" if matmul_tf32() else "fp32"
-    return "fp32"
 
 
 def module_device(model: torch.nn.Module | None) -> torch.device:
@@ -257,6 +243,12 @@ class Client:
             client.close()
             raise SystemExit(1)
         return client
+
+    def set_precision(self, precision: str) -> None:
+        """The precision (the MFU peak's column) once known, before the hello that reports it."""
+        if precision != self.precision and not self.said_hello:
+            self.precision = precision
+            self.peak_flops, self.peak_source = self._peak(precision)
 
     # ------------------------------------------------------------------ setup
     def _agreement(self) -> Callable[[list[int]], list[int]] | None:

@@ -35,6 +35,7 @@ import torch
 from trainer.contract.client import ClientEnv, ClientKind
 
 from .client import TIMED, Client, Value, describe_model, model_precision, module_device
+from .precision import PrecisionWatch
 
 _NULL = nullcontext()
 _PHASES = frozenset(TIMED)
@@ -79,7 +80,7 @@ class Probe:
     the attention term to the counted FLOPs of a transformers model. `optimizer`: its learning rate is
     reported when `log` gives none. `log_every`: steps between step events (`gptop run --log-every` wins;
     default 10). `max_steps`: the progress bar's end. `precision`: fp32, tf32, bf16, fp16 (the MFU
-    denominator; default from the parameters' dtype)."""
+    denominator; default: the autocast the model's first forward runs under, else its parameters' dtype)."""
 
     def __init__(
         self,
@@ -115,6 +116,7 @@ class Probe:
             precision=precision,
         )
         self._client: Client | None = None
+        self._watch: PrecisionWatch | None = None
         self._step = _Step(self)
 
     # ------------------------------------------------------------------ the loop's calls
@@ -158,6 +160,8 @@ class Probe:
 
     def close(self) -> None:
         """The training is over (also done at exit): the `done` event, the connection closed."""
+        if self._watch is not None:
+            self._watch.close()
         if self._client is not None:
             self._client.close()
 
@@ -174,6 +178,7 @@ class Probe:
         client = self._client
         if client is None:
             return
+        self._hello(client, None)  # the model did not run in the first step: the precision read at connect
         if failed:  # the step raised: nothing to report; the error reaches gptop at exit
             client.abandon_step()
             return
@@ -199,6 +204,17 @@ class Probe:
             reduce_loss=True,
             start_step=first_step - 1,
         )
-        if client is not None:
-            client.hello(describe_model(model, seq_len=o.seq_len, flops_per_token=o.flops_per_token))
+        if client is not None and o.precision is None and model is not None:
+            # the precision the model runs in (an autocast entered inside the step) is known at its first forward
+            self._watch = PrecisionWatch(model, device, lambda precision: self._hello(client, precision))
+        elif client is not None:
+            self._hello(client, None)
         return client
+
+    def _hello(self, client: Client, precision: str | None) -> None:
+        if client.said_hello:
+            return
+        if precision is not None:
+            client.set_precision(precision)
+        o = self._options
+        client.hello(describe_model(self._model, seq_len=o.seq_len, flops_per_token=o.flops_per_token))
