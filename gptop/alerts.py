@@ -20,7 +20,8 @@ the end summary all show the same alerts. The rules (docs/dashboard.md, "Alerts"
   Resolved when it is back above (1 - `throughput_drop` / 2) of it.
 - device trouble (NVML, per GPU of the run): clocks held down by heat, the hardware or a power brake for
   `throttle_after_s` (a power cap is a GPU working at its limit, not trouble); new uncorrected ECC
-  errors; critical Xid errors; a GPU that fell off the bus.
+  errors; critical Xid errors (the application Xids 13, 31, 43 and 45, a program that faulted or was killed,
+  are a warning); a GPU that fell off the bus.
 
 Thresholds are declared once (gptop.alert_options): defaults, ranges and help, from which the command line's
 `--alert-*` flags are made and checked at entry (exit 2 naming the flag).
@@ -55,6 +56,12 @@ from trainer.contract.events import (
 from trainer.contract.states import WarningKind
 
 from .alert_options import LOSS_WINDOW, AlertOptions, add_alert_arguments, alert_options
+
+# Xids the driver logs for an application's fault, not the GPU's: 13 (graphics engine exception), 31 (GPU memory
+# page fault), 43 (GPU stopped processing: the program hit a fault and must end), 45 (preemptive cleanup: the
+# program was killed or exited). NVIDIA's Xid catalog gives them the immediate action "restart the application"
+# (https://docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html).
+APPLICATION_XIDS = frozenset({13, 31, 43, 45})
 
 __all__ = ["AlertMonitor", "AlertOptions", "add_alert_arguments", "alert_line", "alert_options"]
 
@@ -463,6 +470,29 @@ class AlertMonitor:
                 back_tokens_per_s=now_rate,
             )
 
+    def _on_xids(self, out: list[AlertEvent], xids: list[int], name: str, where: str, tag: str) -> None:
+        """Xid errors of one GPU: an application's (a program faulted or was killed) a warning, the rest critical."""
+        for app in (False, True):
+            codes = [x for x in xids if (x in APPLICATION_XIDS) == app]
+            if not codes:
+                continue
+            key = f"{'xid_app' if app else 'xid'}:{tag}"
+            old = self._open.get(key)
+            seen = list((old.figures.get("xids") or []) if old is not None else []) + codes
+            what = ", ".join(map(str, seen[-10:]))
+            self._raise(
+                out,
+                AlertKind.XID,
+                Severity.WARNING if app else Severity.CRITICAL,
+                f"{where}: the driver reported Xid {what}, a program that faulted or was killed, not GPU hardware "
+                f"trouble"
+                if app
+                else f"{where}: the driver reported Xid error(s) {what}",
+                key=key,
+                device=name,
+                figures={"xids": seen[-50:]},
+            )
+
     def _on_device(self, e: DeviceEvent, now: float, out: list[AlertEvent]) -> None:
         for g in e.devices:
             ident = gpu_key(g.uuid, g.pci_bus_id)
@@ -500,17 +530,7 @@ class AlertMonitor:
                         figures={"new": g.ecc_uncorrected - state.ecc_base, "total": g.ecc_uncorrected},
                     )
             if g.xids:
-                old = self._open.get(f"xid:{tag}")
-                seen = list((old.figures.get("xids") or []) if old is not None else []) + list(g.xids)
-                self._raise(
-                    out,
-                    AlertKind.XID,
-                    Severity.CRITICAL,
-                    f"{where}: the driver reported Xid error(s) {', '.join(map(str, seen[-10:]))}",
-                    key=f"xid:{tag}",
-                    device=name,
-                    figures={"xids": seen[-50:]},
-                )
+                self._on_xids(out, g.xids, name, where, tag)
             bad = [r for r in (g.clock_reasons or []) if r in BAD_CLOCK_REASONS]
             key = f"throttle:{tag}"
             if bad:

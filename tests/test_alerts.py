@@ -24,7 +24,9 @@ from trainer.contract.events import (
     AlertEvent,
     AlertKind,
     CheckpointEvent,
+    DeviceEvent,
     DoneEvent,
+    GpuReading,
     HelloEvent,
     ModelInfo,
     ProgressEvent,
@@ -590,3 +592,24 @@ def test_a_sigstopped_trainer_raises_a_stall_that_is_resolved_after_sigcont(tmp_
     (row,) = summarize(run_dir)["alerts"]
     assert row["kind"] == "stall" and row["resolved_time"] is not None
     assert "alerts" in err and "1 raised, all resolved" in err  # the end summary (stderr with --json)
+
+
+def test_application_xids_are_a_warning_not_critical_hardware_trouble():
+    """Xids 13, 31, 43 and 45 are what the driver logs when a program faults or is killed (NVIDIA's Xid catalog:
+    restart the application): the GPU is fine. They are a warning that says so; the others stay critical."""
+    clock = Clock()
+    m = AlertMonitor(AlertOptions(), clock=clock)
+
+    def xids(codes: list[int]):
+        clock.t += 1.0
+        gpu = GpuReading(index=0, name="NVIDIA H100 80GB HBM3", xids=codes)
+        return m.on_event(DeviceEvent(time=clock.t, devices=[gpu], mode="gpu"))
+
+    for code in (13, 31, 43, 45):
+        (a,) = xids([code])
+        assert a.kind is AlertKind.XID and a.severity is Severity.WARNING, a
+        assert str(code) in a.message and "not GPU hardware trouble" in a.message
+    out = xids([79, 43])
+    assert sorted((x.severity.value, x.figures["xids"][-1]) for x in out) == [("critical", 79), ("warning", 43)]
+    hard = next(x for x in out if x.severity is Severity.CRITICAL)
+    assert "43" not in hard.message and "79" in hard.message
