@@ -347,3 +347,46 @@ def test_the_probes_default_precision_is_the_autocast_its_forward_runs_in(gptop,
     assert asked[-1] == want
     assert not model._forward_pre_hooks  # the watch is gone after the first forward
     assert gptop.file_events()[0].type == "hello"  # before anything of the first step
+
+
+def vm_hwm() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def test_a_client_never_resets_the_programs_own_peak_memory(gptop, monkeypatch):
+    """The client read each log interval's peak by resetting the process's peak statistics (CUDA's
+    reset_peak_memory_stats, the CPU's VmHWM), which corrupted the program's own readings (transformers'
+    skip_memory_metrics=False reads torch.cuda.max_memory_allocated). A client reports the peak the program's own
+    reading gives, and resets nothing."""
+    import os
+
+    from trainer.memory import CudaMemory, make_meter
+
+    if not os.access("/proc/self/clear_refs", os.W_OK):
+        pytest.skip("this process cannot reset its VmHWM, so a reset would not show")
+    big = bytearray(256 << 20)  # a peak the program made before the loop
+    big[:: 1 << 12] = b"x" * len(big[:: 1 << 12])
+    del big
+    before = vm_hwm()
+    model, opt = tiny()
+    probe = Probe(model, tokens_per_step=BATCH * SEQ, optimizer=opt, log_every=2)
+    train(probe, model, opt, 6)
+    probe.close()
+    assert vm_hwm() >= before
+    assert all(e.mem_bytes >= before for e in gptop.file_events("step"))  # the process's peak, as it reads it
+
+    class Cuda:  # torch.cuda's memory functions
+        peak = 5 << 30
+
+        def reset_peak_memory_stats(self, device):
+            raise AssertionError("the program's peak statistics were reset")
+
+        def max_memory_allocated(self, device):
+            return self.peak
+
+    meter = CudaMemory(torch.device("cuda"), cuda=Cuda(), reset_process_peak=False)
+    meter.reset_peak()
+    assert meter.peak() == 5 << 30
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", Cuda().reset_peak_memory_stats)
+    make_meter(torch.device("cuda"), reset_process_peak=False).reset_peak()

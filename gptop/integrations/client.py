@@ -5,7 +5,8 @@ A `Client` is the trainer's loop instrumentation without the trainer's loop: the
 checkpoint), the same command agreement across ranks (trainer.commands, over a gloo group beside the
 program's own process group), the same step timer (trainer.timing: CUDA events on a GPU, read back only
 when the interval's values are, monotonic clocks on the CPU), the same profiler windows (trainer.profiler)
-and memory meter (trainer.memory). It emits the same typed events: a hello, a `progress` event every step,
+and memory meter (trainer.memory; one that never resets the process's peak, so `mem_bytes` is the peak the
+program's own reading gives). It emits the same typed events: a hello, a `progress` event every step,
 a `step` event every log interval (means over the interval, `phases_ms` with `other` = what the phases
 leave of the step), checkpoints, errors and `done`.
 
@@ -164,7 +165,7 @@ class Client:
         from trainer.memory import make_meter
         from trainer.profiler import StepProfiler
 
-        self.meter = make_meter(device)
+        self.meter = make_meter(device, reset_process_peak=False)  # the program's own peak readings stay its own
         self.profiler = StepProfiler(
             RunDir(env.run_dir).profiles, self.rank, device.type == "cuda", None, on_written=self._profile_written
         )
