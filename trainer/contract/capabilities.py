@@ -112,8 +112,8 @@ TORCH_MIN = (2, 5)  # pyproject.toml's torch>=2.5: a device whose torch is not s
 
 def _rowwise_fp8(dev: DeviceInfo) -> str | None:
     """Why fp8-rowwise cannot run on `dev` with the trainer's torch, or None (see ROWWISE_FP8_TORCH)."""
-    cc = tuple(dev.capability or ())
-    need = ROWWISE_FP8_TORCH.get(cc)  # type: ignore[call-overload]
+    cc = dev.capability or (0, 0)
+    need = ROWWISE_FP8_TORCH.get((cc[0], cc[1]))
     arch = ".".join(map(str, cc))
     if need is None:
         return (
