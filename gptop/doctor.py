@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator
 
-from trainer.contract import capabilities
+from trainer.contract import capabilities, inputs
 from trainer.contract.config import ConfigError
 from trainer.contract.device import DeviceInfo
 from trainer.contract.doctor import (
@@ -85,6 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--log",
         default=None,
+        type=inputs.path_arg(inputs.check_file_to_write, "--log"),
         metavar="FILE",
         help="keep the log of the checks' processes (their tracebacks) in FILE (default: a temporary file, removed "
         "at the end; its end is shown when a path fails)",
