@@ -742,3 +742,53 @@ def test_the_trainers_gloo_control_group_times_out_with_the_run(one_rank, monkey
     group.sum_(torch.ones(2))
     assert group.host_maxes([1.0, -2.0]) == [1.0, -2.0]
     assert group.collectives() == before + 1
+
+
+def _probe_rank(rank: int, store: str, out: str) -> None:
+    """One of two gloo ranks probing micro-batches whose forward and backward issue three collectives; above 2,
+    both run out of memory after the second (in step); rank 1's peaks are twice rank 0's."""
+    import torch
+    import torch.distributed as dist
+
+    from trainer import dist as D
+    from trainer.autobatch import probe_micro_batch
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    group = D.Group(rank, 2, rank, torch.device("cpu"))
+    group.init()
+    counts, tried = [], []
+
+    def probe_local(mb: int) -> int:
+        tried.append(mb)
+        for i in range(3):
+            if mb > 2 and i == 2:
+                counts.append(group.collectives())
+                raise torch.OutOfMemoryError(f"micro-batch {mb}")
+            group.sum_(torch.ones(4))
+        counts.append(group.collectives())
+        return 1000 * mb * (1 + rank)
+
+    got = probe_micro_batch(probe_local, 64, capacity=10_000, group=group, compile_mode="off", log=lambda s: None)
+    Path(out).write_text(json.dumps({"mb": got, "counts": counts, "tried": tried}))
+    group.destroy()
+
+
+@pytest.mark.process
+@pytest.mark.slow
+def test_two_gloo_ranks_probe_in_step_and_agree(tmp_path):
+    """The probe's agreement over a real group of two processes: torch counts each rank's collectives alike, both
+    ranks run out of memory at the same collective (in step, so the search goes on), they probe the same sizes
+    (rank 1's peaks decide: 4 is predicted to fit it, 8 not) and choose the same one."""
+    import torch.multiprocessing as mp
+
+    outs = [tmp_path / f"rank{r}.json" for r in (0, 1)]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_probe_rank, args=(r, str(tmp_path / "store"), str(outs[r]))) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    got = [json.loads(o.read_text()) for o in outs]
+    assert got[0] == got[1], got
+    assert got[0]["mb"] == 2 and got[0]["tried"] == [1, 2, 4]
