@@ -94,6 +94,7 @@ class _Evidence:
     device: DeviceInfo | None
     cuda: bool
     accumulation: int | None
+    parallel: str | None  # how the ranks share the model (None: one process)
     recompiles: list[WarningEvent]
     reading: GpuReading | CpuReading | None  # the first GPU's latest reading
     profile: ProfileEvent | None
@@ -105,12 +106,13 @@ def _evidence(state: RunState, pct: dict[str, float]) -> _Evidence:
     dev = state.device
     cuda = dev is not None and dev.is_cuda
     accumulation = state.hello.accumulation if state.hello is not None else None
+    parallel = state.hello.parallel if state.hello is not None and state.hello.world_size > 1 else None
     with state.lock:
         recompiles = list(state.recompiles)
         reading = next((r for k, r in state.device_latest.items() if k.startswith("gpu")), None)
         profile = state.profile
     idle = state.gpu_idle_percent() if cuda else None
-    return _Evidence(pct, t, dev, cuda, accumulation, recompiles, reading, profile, idle)
+    return _Evidence(pct, t, dev, cuda, accumulation, parallel, recompiles, reading, profile, idle)
 
 
 def _graphs_worth_trying(e: _Evidence) -> bool:
@@ -118,7 +120,9 @@ def _graphs_worth_trying(e: _Evidence) -> bool:
     return bool(
         e.cuda
         and (e.toggles is None or e.toggles.compile in ("off", "default"))
-        and capabilities.worth_trying("compile", "reduce-overhead", e.device, accumulation=e.accumulation or None)
+        and capabilities.worth_trying(
+            "compile", "reduce-overhead", e.device, accumulation=e.accumulation or None, parallel=e.parallel
+        )
     )
 
 

@@ -21,7 +21,8 @@ while it is open (`_raise`). The rules (docs/dashboard.md, "Alerts"):
   Resolved when it is back above (1 - `throughput_drop` / 2) of it.
 - device trouble (NVML, per GPU of the run): clocks held down by heat, the hardware or a power brake for
   `throttle_after_s` (a power cap is a GPU working at its limit, not trouble); new uncorrected ECC
-  errors; critical Xid errors; a GPU that fell off the bus.
+  errors; critical Xid errors (the application Xids 13, 31, 43 and 45, a program that faulted or was killed,
+  are a warning); a GPU that fell off the bus.
 
 Thresholds are declared once (gptop.alert_options): defaults, ranges and help, from which the command line's
 `--alert-*` flags are made and checked at entry (exit 2 naming the flag).
@@ -35,11 +36,10 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from trainer.contract.device import gpu_key
 from trainer.contract.events import (
-    PHASES,
     AlertEvent,
     AlertKind,
     CheckpointEvent,
@@ -57,32 +57,31 @@ from trainer.contract.events import (
 )
 from trainer.contract.states import WarningKind
 
-from .alert_options import LOSS_WINDOW, AlertOptions, add_alert_arguments, alert_options
+from .alert_options import (
+    LOSS_WINDOW,
+    AlertOptions,
+    add_alert_arguments,
+    alert_options,
+)
+from .alert_rules import (
+    APPLICATION_XIDS,
+    BAD_CLOCK_REASONS,
+    CHECKPOINT_GRACE_S,
+    LOSS_RECOMPUTE,
+    MAD_SCALE,
+    MIN_LOSSES,
+    MIN_RATE_EVENTS,
+    MIN_SPIKE_RISE,
+    MIN_STEPS,
+    RATE_CHECKS,
+    RATE_HISTORY,
+    STEP_WINDOW,
+    median,
+    phase_means,
+    positive_int,
+)
 
 __all__ = ["AlertMonitor", "AlertOptions", "add_alert_arguments", "alert_options"]
-
-CHECKPOINT_GRACE_S = 120.0  # a checkpoint or eval step before any was timed: what a large model's first may take
-MIN_SPIKE_RISE = 0.05  # a loss spike rises at least this share of the median (a flat loss has no MAD)
-# the loss spike's median and MAD, over the last LOSS_WINDOW logged losses (gptop.alert_options):
-LOSS_RECOMPUTE = 10  # recomputed every this many (they move slowly; each loss is judged against them)
-MIN_LOSSES = 20  # ... and at least this many before a spike can be judged
-STEP_WINDOW = 50  # step intervals the stall's median looks at
-MIN_STEPS = 3  # ... and at least this many before a stall can be judged
-RATE_HISTORY = 2000  # step events (time, tokens/s, phases) kept for the throughput baseline
-MIN_RATE_EVENTS = 3  # step events the recent window needs, and twice that the baseline
-RATE_CHECKS = 30  # the throughput is judged this many times per --alert-throughput-after window
-BAD_CLOCK_REASONS = ("hw slowdown", "hw thermal", "sw thermal", "power brake")  # gptop.nvml.THROTTLE_REASONS
-MAD_SCALE = 1.4826  # MAD * this estimates the standard deviation of normal noise
-
-
-def _median(xs: Iterable[float]) -> float:
-    """The median (statistics.median, without importing it and its decimal/fractions at gptop's start).
-    Every caller has checked that it has values, so none is a ValueError as statistics' StatisticsError is."""
-    v = sorted(xs)
-    n = len(v)
-    if not n:
-        raise ValueError("the median of no values")
-    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
 
 
 @dataclass
@@ -279,8 +278,8 @@ class AlertMonitor:
             self._last_step_time = None
             return
         cfg = e.config
-        self._checkpoint_every = _int((cfg.get("checkpoint") or {}).get("checkpoint_every"))
-        self._eval_every = _int((cfg.get("log") or {}).get("eval_every"))
+        self._checkpoint_every = positive_int((cfg.get("checkpoint") or {}).get("checkpoint_every"))
+        self._eval_every = positive_int((cfg.get("log") or {}).get("eval_every"))
         if e.gpus:
             self._run_gpus = set(e.gpus)
         self._rates.clear()  # new toggles, a new steady rate
@@ -319,7 +318,7 @@ class AlertMonitor:
         o = self.options
         if len(self._intervals) < MIN_STEPS:
             return None
-        limit = max(o.stall_after_s, o.stall_factor * _median(self._intervals))
+        limit = max(o.stall_after_s, o.stall_factor * median(self._intervals))
         nxt = (self._step or 0) + 1
         if any(every and nxt % every == 0 for every in (self._checkpoint_every, self._eval_every)):
             limit += max(CHECKPOINT_GRACE_S, 3 * self._slowest_pause)
@@ -332,9 +331,9 @@ class AlertMonitor:
         if limit is None or now - self._last_progress < limit or not self.alive():
             return
         quiet = now - self._last_progress
-        median = _median(self._intervals)  # stall_limit is not None: MIN_STEPS intervals at least
+        typical = median(self._intervals)  # stall_limit is not None: MIN_STEPS intervals at least
         msg = (
-            f"no step for {quiet:.0f} s (last: step {self._step}; recent median {median:.3g} s per step, "
+            f"no step for {quiet:.0f} s (last: step {self._step}; recent median {typical:.3g} s per step, "
             f"alert after {limit:.0f} s); the trainer process is alive"
         )
         behind: list[int] = []
@@ -356,7 +355,7 @@ class AlertMonitor:
             ranks=behind or None,
             figures={
                 "seconds": round(quiet, 1),
-                "median_step_s": median,
+                "median_step_s": typical,
                 "limit_s": round(limit, 1),
                 "last_step": self._step,
                 "rank_steps": {str(r): s for r, s in sorted(steps.items())} if len(steps) > 1 else None,
@@ -385,8 +384,8 @@ class AlertMonitor:
         key = AlertKind.LOSS_SPIKE.value
         if len(self._losses) >= MIN_LOSSES:
             if self._loss_stats is None or self._losses_since >= LOSS_RECOMPUTE:
-                m = _median(self._losses)
-                self._loss_stats = (m, _median(abs(x - m) for x in self._losses))
+                m = median(self._losses)
+                self._loss_stats = (m, median(abs(x - m) for x in self._losses))
                 self._losses_since = 0
             med, mad = self._loss_stats
             scale = MAD_SCALE * mad
@@ -464,12 +463,12 @@ class AlertMonitor:
         else:
             if len(older) < 2 * MIN_RATE_EVENTS or older[-1][0] - older[0][0] < window:
                 return
-            base = _median(x[1] for x in older)
-            base_phases = _phase_means(older)
-        now_rate = _median(x[1] for x in recent)
+            base = median(x[1] for x in older)
+            base_phases = phase_means(older)
+        now_rate = median(x[1] for x in recent)
         if now_rate < (1 - o.throughput_drop) * base:
             if key not in self._open:
-                recent_phases = _phase_means(recent)
+                recent_phases = phase_means(recent)
                 grew = max(recent_phases, key=lambda p: recent_phases[p] - base_phases.get(p, 0.0), default=None)
                 what = ""
                 if grew is not None and recent_phases[grew] > base_phases.get(grew, 0.0):
@@ -499,6 +498,29 @@ class AlertMonitor:
                 key,
                 f"throughput back to {now_rate:,.0f} tokens/s (steady {base:,.0f})",
                 back_tokens_per_s=now_rate,
+            )
+
+    def _on_xids(self, out: list[AlertEvent], xids: list[int], name: str, where: str, tag: str) -> None:
+        """Xid errors of one GPU: an application's (a program faulted or was killed) a warning, the rest critical."""
+        for app in (False, True):
+            codes = [x for x in xids if (x in APPLICATION_XIDS) == app]
+            if not codes:
+                continue
+            key = f"{'xid_app' if app else 'xid'}:{tag}"
+            old = self._open.get(key)
+            seen = list((old.figures.get("xids") or []) if old is not None else []) + codes
+            what = ", ".join(map(str, seen[-10:]))
+            self._raise(
+                out,
+                AlertKind.XID,
+                Severity.WARNING if app else Severity.CRITICAL,
+                f"{where}: the driver reported Xid {what}, a program that faulted or was killed, not GPU hardware "
+                f"trouble"
+                if app
+                else f"{where}: the driver reported Xid error(s) {what}",
+                key=key,
+                device=name,
+                figures={"xids": seen[-50:]},
             )
 
     def _on_device(self, e: DeviceEvent, now: float, out: list[AlertEvent]) -> None:
@@ -536,17 +558,7 @@ class AlertMonitor:
                         figures={"new": g.ecc_uncorrected - state.ecc_base, "total": g.ecc_uncorrected},
                     )
             if g.xids:
-                old = self._open.get(f"xid:{tag}")
-                seen = list((old.figures.get("xids") or []) if old is not None else []) + list(g.xids)
-                self._raise(
-                    out,
-                    AlertKind.XID,
-                    Severity.CRITICAL,
-                    f"{where}: the driver reported Xid error(s) {', '.join(map(str, seen[-10:]))}",
-                    key=f"xid:{tag}",
-                    device=name,
-                    figures={"xids": seen[-50:]},
-                )
+                self._on_xids(out, g.xids, name, where, tag)
             bad = [r for r in (g.clock_reasons or []) if r in BAD_CLOCK_REASONS]
             key = f"throttle:{tag}"
             if bad:
@@ -579,16 +591,3 @@ class AlertMonitor:
                 if state.clear_samples >= 3:
                     state.throttled_since = None
                     self._resolve(out, key, f"{where}: clocks no longer held down")
-
-
-def _phase_means(rows: list[tuple[float, float, dict[str, float]]]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for p in PHASES:
-        vals = [r[2][p] for r in rows if p in r[2]]
-        if vals:
-            out[p] = _median(vals)  # as the rate: a few odd steps do not move it
-    return out
-
-
-def _int(v: Any) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None

@@ -27,7 +27,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator
 
-from trainer.contract import capabilities
+from trainer.contract import capabilities, inputs
+from trainer.contract.config import ConfigError
 from trainer.contract.device import DeviceInfo
 from trainer.contract.doctor import (
     PATHS,
@@ -80,6 +81,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         default=argparse.SUPPRESS,
         help="print the record as one JSON line on stdout (trainer.contract.doctor.REPORT_SCHEMA)",
+    )
+    p.add_argument(
+        "--log",
+        default=None,
+        type=inputs.path_arg(inputs.check_file_to_write, "--log"),
+        metavar="FILE",
+        help="keep the log of the checks' processes (their tracebacks) in FILE (default: a temporary file, removed "
+        "at the end; its end is shown when a path fails)",
     )
     p.add_argument(
         "--timeout-scale",
@@ -291,6 +300,14 @@ def capability_table(dev: DeviceInfo) -> dict[str, dict[str, dict[str, str | Non
 # --- the whole run -----------------------------------------------------------------------------------------
 
 
+def open_log(path: str | None) -> tuple[IO[str], str]:
+    """The log of the checks' processes, opened for writing: at `path`, else a new temporary file."""
+    if path is None:
+        fd, path = tempfile.mkstemp(prefix="gptop-doctor-", suffix=".log")
+        return os.fdopen(fd, "w"), path
+    return open(path, "w"), str(path)
+
+
 def run_doctor(
     requested: str,
     quick: bool = False,
@@ -298,12 +315,16 @@ def run_doctor(
     *,
     nvml: Any = None,
     progress: Callable[[str], None] = lambda s: None,
+    log_path: str | None = None,
 ) -> tuple[DoctorReport, str, int | None]:
-    """Run every path; returns the report, the path of the log of the checks' processes (tracebacks), and the
-    exit code a stop asked for (Ctrl-C: 130, SIGTERM: 143; None when it ran to the end). A stopped doctor's
-    report still holds every path that finished: the paths it did not reach are skipped, saying so, since a
-    long run on a GPU is worth keeping for a bug report even when a timeout ends it."""
-    log_fd, log_path = tempfile.mkstemp(prefix="gptop-doctor-", suffix=".log")
+    """Run every path; returns the report, the path of the log of the checks' processes (tracebacks: `log_path`,
+    else a temporary file the caller removes), and the exit code a stop asked for (Ctrl-C: 130, SIGTERM: 143;
+    None when it ran to the end). A stopped doctor's report still holds every path that finished: the paths it
+    did not reach are skipped, saying so, since a long run on a GPU is worth keeping for a bug report even when
+    a timeout ends it. A device this machine lacks is a ConfigError (bad input), its temporary log removed."""
+    temporary = log_path is None
+    log_file, log_path = open_log(log_path)
+    where = "the checks' log (--log FILE keeps it)" if temporary else log_path
     detected: dict[str, Any] = {}
     results: dict[str, CheckResult] = {}
     stopped: int | None = None
@@ -321,16 +342,21 @@ def run_doctor(
             progress(format_row(r))
 
     code: int | None = None
-    with os.fdopen(log_fd, "w") as log:
+    with log_file as log:
         try:
             code = trainer_side(requested, quick, timeout_scale, log, on_line)
-            for r in gptop_side(dev, requested, quick, log, nvml=nvml):
+            for r in [] if detected.get("refused") else gptop_side(dev, requested, quick, log, nvml=nvml):
                 results[r.name] = r
                 progress(format_row(r))
         except KeyboardInterrupt:  # the processes are stopped by the finally blocks on the way here
             stopped = 130
         except SystemExit as e:  # SIGTERM (_terminate)
             stopped = e.code if isinstance(e.code, int) else 1
+    refused = detected.get("refused")
+    if refused and stopped is None:  # a device this machine lacks: bad input, said in one line (exit 2)
+        if temporary:
+            Path(log_path).unlink(missing_ok=True)
+        raise ConfigError(refused["option"], refused["message"])
     for p in PATHS:  # what the trainer's side never reported (stopped, it died, or detection failed)
         if p.name in results:
             continue
@@ -338,7 +364,7 @@ def run_doctor(
             outcome = Outcome.skip(f"the doctor was stopped (exit code {stopped}) before this path finished")
         else:
             why = detected.get("error") or f"the doctor's trainer process ended early (exit code {code})"
-            outcome = Outcome.verdict(False, "not run", f"{why}; see {log_path}")
+            outcome = Outcome.verdict(False, "not run", f"{why}; see {where}")
         results[p.name] = CheckResult.of(p, outcome, None)
         progress(format_row(results[p.name]))
     machine = dict(detected.get("machine") or {})
@@ -393,7 +419,8 @@ def format_row(r: CheckResult) -> str:
     return "\n".join(lines)
 
 
-def format_report(report: DoctorReport, log_path: str) -> str:
+def format_report(report: DoctorReport, log_path: str | None) -> str:
+    """The record in words; `log_path`: where the checks' log was kept (None: not kept)."""
     m = report.machine
     out = ["gptop doctor" + (" --quick" if report.quick else "") + f" on {m.get('host', '?')}"]
     if report.device is not None:
@@ -420,7 +447,13 @@ def format_report(report: DoctorReport, log_path: str) -> str:
     verdict = "every path that applies passed" if report.ok else "a path that applies FAILED"
     out.append(
         f"{c['pass']} passed, {c['fail']} failed, {c['skip']} skipped: {verdict}"
-        + ("" if report.ok else f" (the checks' log: {log_path})")
+        + (
+            ""
+            if report.ok
+            else f" (the checks' log: {log_path})"
+            if log_path
+            else " (the checks' log's end is on stderr; --log FILE keeps it)"
+        )
     )
     return "\n".join(out)
 
@@ -435,27 +468,46 @@ def cmd_doctor(ns: argparse.Namespace, out: IO[str] | None = None) -> int:
     live = (
         (lambda s: print(s, file=sys.stderr, flush=True)) if not as_json and sys.stderr.isatty() else (lambda s: None)
     )
+    keep = getattr(ns, "log", None)  # where the user asked for the checks' log; else it is removed at the end
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        report, log_path, stopped = run_doctor(ns.device, ns.quick, ns.timeout_scale, progress=live)
+        report, log_path, stopped = run_doctor(ns.device, ns.quick, ns.timeout_scale, progress=live, log_path=keep)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    if stopped is not None:  # Ctrl-C or SIGTERM: the paths that finished are still written below
-        print("gptop doctor: stopped; the record holds the paths that finished", file=sys.stderr)
-    record = report.to_dict()
-    problems = validate_report(record)
-    if as_json:
-        out.write(json.dumps(record, default=str) + "\n")  # one line: --json's one meaning
-    else:
-        out.write(format_report(report, log_path) + "\n")
+    try:
+        if stopped is not None:  # Ctrl-C or SIGTERM: the paths that finished are still written below
+            print("gptop doctor: stopped; the record holds the paths that finished", file=sys.stderr)
+        if not report.ok and keep is None:
+            show_log_end(log_path)
+        record = report.to_dict()
+        problems = validate_report(record)
+        if as_json:
+            out.write(json.dumps(record, default=str) + "\n")  # one line: --json's one meaning
+        else:
+            out.write(format_report(report, keep) + "\n")
+    finally:
+        if keep is None:
+            Path(log_path).unlink(missing_ok=True)
     if problems:  # our own record must match its schema: say so, never silently
         print("gptop doctor: the record does not match its schema: " + "; ".join(problems[:5]), file=sys.stderr)
         return 1
     if stopped is not None:
         return stopped
-    if report.ok:
-        Path(log_path).unlink(missing_ok=True)
     return exit_code(report.checks)
+
+
+LOG_END_LINES = 40  # of a failed doctor's log, shown when it is not kept
+
+
+def show_log_end(path: str, lines: int = LOG_END_LINES) -> None:
+    """The end of the checks' log on stderr (their tracebacks), before the temporary file is removed."""
+    try:
+        text = Path(path).read_text(errors="replace").rstrip()
+    except OSError:
+        return
+    if text:
+        tail = "\n".join(text.splitlines()[-lines:])
+        print(f"gptop doctor: the checks' log ends (--log FILE keeps it whole):\n{tail}", file=sys.stderr)
 
 
 # --- docs/verified.md's "What was verified where" ------------------------------------------------------------

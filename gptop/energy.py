@@ -254,9 +254,9 @@ class Rapl:
         self.reason: str | None = None
         if not self.domains:
             self.reason = (
-                f"RAPL package energy under {root} is not readable (root-only since Linux 5.10)"
+                unreadable_reason(root)
                 if unreadable
-                else f"no RAPL package domain under {root}"
+                else f"no RAPL package domain under {root} (this machine or VM exposes no RAPL)"
             )
         self._last_raw: dict[str, int] = {}
         self._total_uj = 0
@@ -295,6 +295,17 @@ class Rapl:
         return power, self._total_uj / 1e6
 
 
+def unreadable_reason(root: str) -> str:
+    """Why RAPL files that exist cannot be read, for whoever reads them."""
+    files = f"{root}/intel-rapl:*/energy_uj"
+    if os.geteuid() == 0:
+        return (
+            f"RAPL package energy under {root} is not readable even by root (a container, a security module or "
+            f"a VM denies {files})"
+        )
+    return f"RAPL package energy under {root} is root-only (since Linux 5.10): run as root, or make {files} readable"
+
+
 def _read(path: str) -> str | None:
     try:
         with open(path) as f:
@@ -313,17 +324,14 @@ def _read_int(path: str) -> int | None:
 
 def check_rapl(root: str = "/sys/class/powercap", sleep: Any = None) -> Any:
     """gptop doctor's `rapl` path: the RAPL package counter reads and moves over a second of CPU work
-    (a CPU run's energy per token); unreadable (root-only since Linux 5.10) it is skipped with the reason."""
+    (a CPU run's energy per token); absent or unreadable it is skipped, saying which (and for whom)."""
     import time
 
     from trainer.contract.doctor import Outcome
 
     rapl = Rapl(root)
     if not rapl.available:
-        return Outcome.skip(
-            f"{rapl.reason}: a CPU run's energy per token is n/a (run as root, or make "
-            f"{root}/intel-rapl:*/energy_uj readable)"
-        )
+        return Outcome.skip(f"{rapl.reason}: a CPU run's energy per token is n/a")
     sleep = sleep or time.sleep
     rapl.read(time.time())
     end = time.monotonic() + 1.0

@@ -28,6 +28,7 @@ def tuning_space(
     budget, compile is left alone unless the spec names it. `command`: the run is a user's script whose
     client can take these toggles (`gptop tune -- CMD`): the space is narrowed to what its TrainingArguments
     hold (tuner.command_space) before the spec applies."""
+    from trainer.contract.capabilities import parallel_mode
     from tuner.space import MEMORY_SAVING, SearchSpace, memory_pressure, quantizable
 
     memory = memory_pressure(cfg, fits, world)
@@ -39,6 +40,7 @@ def tuning_space(
         spec=spec if command is None else None,
         memory=memory,
         quantizable=quantizable(cfg),
+        parallel=parallel_mode(cfg, world),
     )
     if command is not None:
         from tuner.command_space import command_space

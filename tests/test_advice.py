@@ -93,3 +93,21 @@ def test_before_a_client_says_its_toggles_nothing_is_claimed():
     start, _ = client_hello({})
     s = fed(start)
     assert s.toggles is None and s.precision_label() is None and s.toggle_diff(None) == {}
+
+
+def test_cuda_graphs_are_never_advised_with_several_ranks():
+    """Nor under DDP or FSDP2, whose collectives inductor's CUDA graphs do not capture; one rank is advised."""
+    base = hello()
+    for world, parallel, advised in ((1, None, True), (2, "ddp", False), (4, "fsdp", False)):
+        h = ev(
+            "hello",
+            0.0,
+            config=base.config,
+            device=base.device.to_dict(),
+            model={"family": "llama", "size": "small"},
+            accumulation=1,
+            world_size=world,
+            parallel=parallel,
+        )
+        host = [a for a in fed(h, step(1, 1.0, PH, gpu_idle_ms=30.0)).advice() if a.concern is Concern.HOST]
+        assert host and ("reduce-overhead" in host[0].action) is advised, (world, host[0].action)

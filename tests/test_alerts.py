@@ -28,7 +28,9 @@ from trainer.contract.events import (
     AlertEvent,
     AlertKind,
     CheckpointEvent,
+    DeviceEvent,
     DoneEvent,
+    GpuReading,
     HelloEvent,
     ModelInfo,
     ProgressEvent,
@@ -890,3 +892,24 @@ def test_no_notify_process_or_channel_is_left_when_gptop_is_stopped(tmp_path, ho
     assert sleepers(marker) == [] and left == []
     expected = f"gptop: not sent as gptop ended (after waiting 5 s): 2 notifications to --notify-cmd 'sleep {marker}'"
     assert expected in said, said
+
+
+def test_application_xids_are_a_warning_not_critical_hardware_trouble():
+    """Xids 13, 31, 43 and 45 are what the driver logs when a program faults or is killed (NVIDIA's Xid catalog:
+    restart the application): the GPU is fine. They are a warning that says so; the others stay critical, an alert
+    of their own beside it."""
+    clock = Clock()
+
+    def xids(m: AlertMonitor, codes: list[int]):
+        clock.t += 1.0
+        gpu = GpuReading(index=0, name="NVIDIA H100 80GB HBM3", xids=codes)
+        return m.on_event(DeviceEvent(time=clock.t, devices=[gpu], mode="gpu"))
+
+    for code in (13, 31, 43, 45):
+        (a,) = xids(AlertMonitor(AlertOptions(), clock=clock), [code])
+        assert a.kind is AlertKind.XID and a.severity is Severity.WARNING, a
+        assert str(code) in a.message and "not GPU hardware trouble" in a.message
+    out = xids(AlertMonitor(AlertOptions(), clock=clock), [79, 43])
+    assert sorted((x.severity.value, x.figures["xids"][-1]) for x in out) == [("critical", 79), ("warning", 43)]
+    hard = next(x for x in out if x.severity is Severity.CRITICAL)
+    assert "43" not in hard.message and "79" in hard.message

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -152,3 +154,80 @@ def test_expandable_segments_merge_into_the_users_allocator_settings(environ, va
     if note:
         assert var in note and "expandable_segments" in note
     assert {k: v for k, v in env.items() if k != var} == {k: v for k, v in environ.items() if k != var}
+
+
+class TwoRanks:
+    """This rank's view of a two-rank `--micro-batch auto` probe (the Group interface probe_micro_batch uses): its
+    own probe counts the collectives it issues; the peer's probe of each micro-batch is `peer(mb)` -> (peak bytes
+    or None when it ran out of memory, collectives issued); the control group's MAX/MIN combine the two."""
+
+    PER_PROBE = 6  # the collectives a whole forward and backward issues (FSDP's all-gathers, reduce-scatters)
+
+    def __init__(self, mine, peer, counted: bool = True):
+        self.mine, self.peer, self.counted = mine, peer, counted
+        self.issued = 0
+        self.mb = 0
+
+    def probe_local(self, mb: int) -> int:
+        self.mb = mb
+        peak, issued = self.mine(mb)
+        self.issued += issued
+        if peak is None:
+            raise torch.OutOfMemoryError(f"micro-batch {mb}")
+        return peak
+
+    def collectives(self) -> int | None:
+        return self.issued if self.counted else None  # None: a torch that does not count them
+
+    def host_min(self, value: float) -> float:
+        return value
+
+    def host_max(self, value: float) -> float:
+        raise AssertionError("the probe agrees on its outcome and its collectives in one all-reduce")
+
+    def host_maxes(self, values: list[float]) -> list[float]:
+        peak, issued = self.peer(self.mb)
+        peak = math.inf if peak is None else float(peak)
+        theirs = [peak, float(issued), -float(issued)] if self.counted else [peak, -peak]
+        assert len(values) == len(theirs)
+        return [max(a, b) for a, b in zip(values, theirs)]
+
+
+def fits_up_to(limit: int, oom_after: int):
+    """A rank whose probe fits micro-batches up to `limit`; above, it runs out of memory after `oom_after` of a
+    probe's collectives."""
+    return lambda mb: (1000 * mb, TwoRanks.PER_PROBE) if mb <= limit else (None, oom_after)
+
+
+@pytest.mark.parametrize(
+    "mine, peer, want",
+    [
+        (fits_up_to(4, 3), fits_up_to(4, 3), 4),  # both ran out at the same collective: still in step
+        (fits_up_to(4, 3), fits_up_to(64, 0), "out of step"),  # only this rank ran out, part-way
+        (fits_up_to(64, 0), fits_up_to(4, 2), "out of step"),  # only the peer did
+        (fits_up_to(4, 3), fits_up_to(4, 5), "out of step"),  # both, at different collectives
+        (fits_up_to(4, 6), fits_up_to(64, 0), 4),  # out of memory after its last collective: in step
+    ],
+    ids=["both-same-point", "this-rank-only", "peer-only", "both-different-points", "after-the-collectives"],
+)
+def test_ranks_agree_on_a_probe_before_any_issues_another_collective(mine, peer, want):
+    """FSDP's forward and backward are collective: a rank that runs out of memory part-way through a probe leaves
+    the peers' later all-gathers unmatched, and the next probe's would pair with them (a hang, or wrong buffers).
+    The ranks agree on each probe's outcome and on how many collectives it issued, in one all-reduce on the
+    control group, before any issues another; out of step, every rank stops with the same error, naming the
+    largest micro-batch that fitted everywhere."""
+    from trainer.autobatch import probe_micro_batch
+    from trainer.contract.config import ConfigError
+
+    for counted in (True, False):
+        ranks = TwoRanks(mine, peer, counted)
+        run = lambda: probe_micro_batch(  # noqa: E731
+            ranks.probe_local, 64, capacity=1000 * 64 * 2, group=ranks, compile_mode="off", log=lambda s: None
+        )
+        # Without torch's count, an out-of-memory on some ranks and not others is taken as out of step.
+        one_sided = (mine(64)[0] is None) != (peer(64)[0] is None)  # 64: the first size that does not fit
+        if (want == "out of step") if counted else one_sided:
+            with pytest.raises(ConfigError, match=r"--micro-batch.*out of step.*--micro-batch 2\b"):
+                run()
+        else:
+            assert run() == 4

@@ -1,10 +1,12 @@
 import argparse
+import dataclasses
 
 import pytest
 
 from trainer.contract import capabilities
 from trainer.contract.config import (
     ConfigError,
+    Toggles,
     TrainConfig,
     add_arguments,
     cli_args,
@@ -12,6 +14,7 @@ from trainer.contract.config import (
     config_from_toml,
 )
 from trainer.contract.device import DeviceInfo
+from trainer.contract.states import TrialStatus
 
 CPU = DeviceInfo(type="cpu", name="Test CPU", cpu_count=2)
 H100 = DeviceInfo(type="cuda", index=0, name="NVIDIA H100 80GB HBM3", capability=(9, 0), total_memory=80 * 2**30)
@@ -115,6 +118,44 @@ def test_capability_gating(dev, name, value, ok):
         assert len(reason) > 10
 
 
+@pytest.mark.parametrize(
+    "capability, torch_version, ok",
+    [
+        ((8, 9), "2.6.0+cu126", False),  # Ada before its rowwise kernel
+        ((8, 9), "2.7.0+cu128", True),
+        ((8, 9), None, False),  # a torch not said: not known to have it
+        ((9, 0), "2.5.1+cu124", True),  # Hopper: every torch gptop allows
+        ((9, 0), None, True),
+        ((10, 0), "2.7.1+cu128", False),  # B200 before its kernel is confirmed
+        ((10, 0), "2.8.0+cu128", True),
+        ((12, 0), "2.13.0+cu130", False),  # consumer Blackwell: no rowwise kernel
+        ((10, 3), "2.13.0+cu130", False),  # an architecture the table does not know
+    ],
+)
+def test_fp8_rowwise_needs_the_torch_release_that_has_its_kernel_for_the_architecture(
+    monkeypatch, capability, torch_version, ok
+):
+    """fp8-rowwise calls torch._scaled_mm with per-row scales, which has a kernel per architecture that came with
+    a torch release: gated by capability and torch version (the trainer's, carried in DeviceInfo), for the
+    trainer's check, the tuner's space and the doctor's table alike; tensorwise runs on all of them."""
+    from tuner.space import SearchSpace
+
+    monkeypatch.setattr(capabilities, "_torchao_float8", lambda: True)
+    dev = DeviceInfo(type="cuda", index=0, name="GPU", capability=capability, torch_version=torch_version)
+    why = capabilities.support("precision", "fp8-rowwise", dev)
+    assert (why is None) == ok, why
+    if not ok:
+        assert "fp8-tensorwise" in why and ".".join(map(str, capability)) in why
+    assert capabilities.support("precision", "fp8-tensorwise", dev) is None
+    assert ("fp8-rowwise" in SearchSpace.for_device(Toggles(), dev, 8).choices["precision"]) == ok
+    cfg = parse(["--precision", "fp8-rowwise"])
+    if ok:
+        capabilities.check(cfg.toggles, dev)
+    else:
+        with pytest.raises(ConfigError, match="--precision"):
+            capabilities.check(cfg.toggles, dev)
+
+
 def test_unsupported_toggle_rejected_with_reason():
     cfg = parse(["--precision", "fp8-rowwise"])
     with pytest.raises(ConfigError) as e:
@@ -160,13 +201,49 @@ def test_cuda_graph_compile_modes_refuse_gradient_accumulation():
     with pytest.raises(ConfigError) as e:
         capabilities.check_config(cfg, H100)
     assert e.value.option == "--compile" and "accumulation over 4" in str(e.value)
-    capabilities.check_config(cfg, H100, world_size=4)  # 2 sequences a rank: no accumulation
+    capabilities.check(cfg.toggles, H100, per_rank_batch=2)  # 2 sequences a rank: no accumulation
     assert capabilities.unsupported(cfg.toggles, H100, 8) == (
         "compile",
         capabilities.support("compile", "reduce-overhead", H100, accumulation=4),
     )
     assert capabilities.accumulation_of(parse(["--micro-batch", "auto"]).toggles, 8) is None
     capabilities.check_config(parse(["--compile", "reduce-overhead", "--global-batch", "8"]), H100)  # auto
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_cuda_graph_compile_modes_are_refused_with_several_ranks(parallel):
+    """Inductor's CUDA graphs do not capture the NCCL collectives DDP (its gradient all-reduce hooks) and FSDP2
+    (its all-gathers and reduce-scatters) run inside each step: reduce-overhead and max-autotune are refused
+    with several ranks, by the trainer's check, the tuner's space and screen, and the hints, and allowed to one
+    process, which ignores --parallel."""
+    from gptop.tuning_space import tuning_space
+    from tuner.proposals import screen
+    from tuner.space import SearchSpace
+
+    for mode in capabilities.CUDA_GRAPH_MODES:
+        why = capabilities.support("compile", mode, H100, accumulation=1, parallel=parallel)
+        assert "CUDA graphs" in why and f"--parallel {parallel}" in why and "--compile default" in why
+        assert capabilities.support("compile", mode, H100, accumulation=1) is None
+        assert not capabilities.worth_trying("compile", mode, H100, accumulation=1, parallel=parallel)
+        cfg = parse(["--compile", mode, "--parallel", parallel, "--global-batch", "8", "--micro-batch", "4"])
+        with pytest.raises(ConfigError) as e:
+            capabilities.check_config(cfg, H100, world_size=2)  # 4 sequences a rank: no accumulation
+        assert e.value.option == "--compile" and f"--parallel {parallel}" in str(e.value)
+        capabilities.check_config(parse(["--compile", mode, "--parallel", parallel, "--global-batch", "4"]), H100)
+    assert capabilities.support("compile", "max-autotune-no-cudagraphs", H100, parallel=parallel) is None
+    cfg = parse(["--parallel", parallel, "--global-batch", "8"])
+    one, _ = tuning_space(cfg, H100, None, 1, None, 600.0)
+    two, _ = tuning_space(cfg, H100, None, 2, None, 600.0)
+    assert set(capabilities.CUDA_GRAPH_MODES) <= set(one.choices["compile"])
+    assert not set(capabilities.CUDA_GRAPH_MODES) & set(two.choices["compile"])
+    assert "default" in two.choices["compile"] and "max-autotune-no-cudagraphs" in two.choices["compile"]
+    with pytest.raises(ConfigError, match="--parallel"):
+        tuning_space(cfg, H100, None, 2, "compile=default,reduce-overhead", 600.0)
+    space = SearchSpace.for_device(cfg.toggles, H100, 8, world_size=2, spec="compile+=reduce-overhead", parallel=None)
+    space = dataclasses.replace(space, parallel=parallel)  # a space widened before it knew: still screened
+    kw = dict(start=cfg.toggles, max_mb=None, dev=H100, space=space, slow_compile=set(), trial_timeout_s=60.0)
+    got = screen(dataclasses.replace(cfg.toggles, compile="reduce-overhead", micro_batch=4), **kw)
+    assert got is not None and got.status == TrialStatus.INFEASIBLE and f"--parallel {parallel}" in got.reason
 
 
 def test_the_compiler_toolchain_is_checked_per_device(monkeypatch):

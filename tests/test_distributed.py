@@ -8,6 +8,7 @@ the comm timer.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
@@ -676,3 +677,118 @@ def test_fsdp2_is_found_on_every_torch_the_project_allows(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.distributed._composable.fsdp", composable)
     assert D.fsdp2() == (composable.fully_shard, composable.MixedPrecisionPolicy)
     assert D.fsdp_precision("fp32") == (None, None)
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """Makes a real process group of one rank in this process (gloo over a file store), destroyed after."""
+    import torch.distributed as dist
+
+    real_init = dist.init_process_group  # before a test replaces it
+
+    def init(timeout_s: float) -> None:
+        real_init(
+            backend="gloo",
+            init_method=f"file://{tmp_path / 'store'}",
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+
+    yield init
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_a_clients_gloo_control_group_times_out_with_the_programs_group(one_rank, monkeypatch):
+    """Every per-step agreement, DCP's save barrier and the --micro-batch auto probe's host_max run on the gloo
+    control group beside NCCL: made without a timeout, torch gave it gloo's default of 30 minutes, so one stalled
+    rank held all the others that long. A client's control group takes the timeout of the program's own group."""
+    import torch.distributed as dist
+
+    from trainer import dist as D
+
+    one_rank(77.0)
+    assert D.group_timeout() == datetime.timedelta(seconds=77)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")  # the program's group is NCCL (a GPU run)
+    ctrl = D.control_group()
+    assert ctrl is not None and D.group_timeout(ctrl) == datetime.timedelta(seconds=77)
+    assert D.host_max([3, 1], ctrl) == [3, 1]
+
+
+def test_the_trainers_gloo_control_group_times_out_with_the_run(one_rank, monkeypatch):
+    """The trainer's group (NCCL on a GPU; here the same call over gloo) and its control group take one timeout."""
+    import torch
+    import torch.distributed as dist
+
+    from trainer import dist as D
+
+    asked: list[dict] = []
+
+    def init_here(**kw):  # no NCCL on this machine: the trainer's call, made over gloo
+        asked.append(kw)
+        one_rank(kw["timeout"].total_seconds())
+
+    monkeypatch.setattr(dist, "init_process_group", init_here)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    group = D.Group(0, 1, 0, torch.device("cuda:0"))
+    group.init(timeout_s=123.0)
+    assert asked[0]["backend"] == "nccl" and asked[0]["timeout"] == datetime.timedelta(seconds=123)
+    assert group.ctrl is not None and D.group_timeout(group.ctrl) == datetime.timedelta(seconds=123)
+    assert group.agree([5]) == [5]
+    # the --micro-batch auto probe's count of the training group's collectives (the control group's are not in it)
+    before = group.collectives()
+    assert before is not None
+    group.sum_(torch.ones(2))
+    assert group.host_maxes([1.0, -2.0]) == [1.0, -2.0]
+    assert group.collectives() == before + 1
+
+
+def _probe_rank(rank: int, store: str, out: str) -> None:
+    """One of two gloo ranks probing micro-batches whose forward and backward issue three collectives; above 2,
+    both run out of memory after the second (in step); rank 1's peaks are twice rank 0's."""
+    import torch
+    import torch.distributed as dist
+
+    from trainer import dist as D
+    from trainer.autobatch import probe_micro_batch
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    group = D.Group(rank, 2, rank, torch.device("cpu"))
+    group.init()
+    counts, tried = [], []
+
+    def probe_local(mb: int) -> int:
+        tried.append(mb)
+        for i in range(3):
+            if mb > 2 and i == 2:
+                counts.append(group.collectives())
+                raise torch.OutOfMemoryError(f"micro-batch {mb}")
+            group.sum_(torch.ones(4))
+        counts.append(group.collectives())
+        return 1000 * mb * (1 + rank)
+
+    got = probe_micro_batch(probe_local, 64, capacity=10_000, group=group, compile_mode="off", log=lambda s: None)
+    Path(out).write_text(json.dumps({"mb": got, "counts": counts, "tried": tried}))
+    group.destroy()
+
+
+@pytest.mark.process
+@pytest.mark.slow
+def test_two_gloo_ranks_probe_in_step_and_agree(tmp_path):
+    """The probe's agreement over a real group of two processes: torch counts each rank's collectives alike, both
+    ranks run out of memory at the same collective (in step, so the search goes on), they probe the same sizes
+    (rank 1's peaks decide: 4 is predicted to fit it, 8 not) and choose the same one."""
+    import torch.multiprocessing as mp
+
+    outs = [tmp_path / f"rank{r}.json" for r in (0, 1)]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_probe_rank, args=(r, str(tmp_path / "store"), str(outs[r]))) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    got = [json.loads(o.read_text()) for o in outs]
+    assert got[0] == got[1], got
+    assert got[0]["mb"] == 2 and got[0]["tried"] == [1, 2, 4]

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import types
+from pathlib import Path
 
 import pynvml
 import pytest
@@ -481,7 +482,7 @@ def test_gptop_doctor_quick_on_this_cpu(tmp_path, monkeypatch):
         elif not p.quick:
             assert row["status"] == "skip" and row["reason"] == "left out by --quick"
         elif row["status"] == "skip":
-            assert p.name == "rapl" and "RAPL" in row["reason"]  # root-only here; says so
+            assert p.name == "rapl" and "RAPL" in row["reason"]  # absent or unreadable here; says which
         else:
             assert row["status"] == "pass", row
     assert set(record["capabilities"]) == set(capabilities.CHOICES)
@@ -523,6 +524,66 @@ def test_bad_doctor_options_exit_2_naming_the_option(argv, option):
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
     )
     assert r.returncode == 2 and option in r.stderr
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("device", ["cuda", "cuda:99"])
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_a_device_this_machine_lacks_is_one_line_exit_2_and_leaves_no_log(tmp_path, device, json_flag):
+    """`gptop doctor --device cuda` without CUDA printed a FAIL line with consequences for every path, "on ?",
+    exit 1, and left its log in /tmp: a device the machine lacks is bad input, as elsewhere (one line naming
+    --device, exit 2), and a doctor run leaves nothing it made behind."""
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    r = subprocess.run(
+        [sys.executable, "-m", "gptop", "doctor", "--quick", "--device", device, *json_flag],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path)),
+    )
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stdout == "" and len(r.stderr.strip().splitlines()) == 1 and "--device" in r.stderr, r.stderr
+    assert device in r.stderr and "FAIL" not in r.stderr
+    assert not list(tmp_path.glob("gptop-doctor-*")), list(tmp_path.iterdir())
+
+
+def test_the_checks_log_is_removed_unless_asked_for_and_its_end_shown_on_failure(tmp_path, monkeypatch, capsys):
+    """The log of the checks' processes (their tracebacks) was left in /tmp after every doctor that failed a path:
+    it is removed at the end, its end shown on stderr when a path failed, and kept where `--log FILE` says."""
+    import io
+
+    import gptop.doctor as doctor
+    from gptop.cli import build_parser
+
+    failed = DoctorReport(
+        requested="cpu",
+        time=0.0,
+        machine={},
+        device=None,
+        precision_auto=None,
+        capabilities={},
+        checks=[CheckResult.of(p, Outcome.verdict(False, "x", "why"), None) for p in PATHS],
+        quick=True,
+    )
+    asked: list[str | None] = []
+
+    def run_doctor(requested, quick, timeout_scale, *, progress, log_path=None):
+        path = log_path or str(tmp_path / "gptop-doctor-made.log")
+        Path(path).write_text("Traceback (most recent call last):\nRuntimeError: the check's own words\n")
+        asked.append(log_path)
+        return failed, path, None
+
+    monkeypatch.setattr(doctor, "run_doctor", run_doctor)
+    text = io.StringIO()
+    assert doctor.cmd_doctor(build_parser().parse_args(["doctor", "--device", "cpu"]), out=text) == 1
+    assert asked == [None] and not (tmp_path / "gptop-doctor-made.log").exists()
+    assert "RuntimeError: the check's own words" in capsys.readouterr().err and "--log FILE" in text.getvalue()
+    kept = tmp_path / "doctor.log"
+    text = io.StringIO()
+    assert doctor.cmd_doctor(build_parser().parse_args(["doctor", "--log", str(kept)]), out=text) == 1
+    assert asked[-1] == str(kept) and kept.exists() and str(kept) in text.getvalue()
+    assert "RuntimeError" not in capsys.readouterr().err  # kept whole: no need to show its end
 
 
 # --- docs/verified.md ------------------------------------------------------------------------------------------------

@@ -196,3 +196,28 @@ def test_the_headless_done_line_gives_energy_per_token_or_why_not(tmp_path):
     bare = RunState()
     bare.apply(step(10, 1.0))
     assert event_line(done, bare).endswith("; energy n/a: not enough step events yet")
+
+
+@pytest.mark.parametrize(
+    "euid, layout, says, never",
+    [
+        (1000, "unreadable", "run as root", None),
+        (0, "unreadable", "not readable even by root", "run as root"),
+        (0, "absent", "exposes no RAPL", "as root"),
+        (1000, "absent", "exposes no RAPL", "as root"),
+    ],
+)
+def test_the_rapl_check_says_what_is_actually_wrong(tmp_path, monkeypatch, euid, layout, says, never):
+    """The doctor's RAPL check told root to run as root, and a machine without RAPL to run as root: it says
+    what is wrong there (no RAPL at all; root-only files for a user; unreadable even for root)."""
+    from trainer.contract.doctor import Status
+
+    monkeypatch.setattr(E.os, "geteuid", lambda: euid)
+    root = tmp_path / "powercap"
+    if layout == "unreadable":
+        rapl_tree(root, {"intel-rapl:0": ("package-0", 1, 100)})
+        (root / "intel-rapl:0" / "energy_uj").unlink()
+        (root / "intel-rapl:0" / "energy_uj").mkdir()  # a read that fails, whoever reads
+    got = E.check_rapl(str(root))
+    assert got.status is Status.SKIP and says in got.reason, got.reason
+    assert never is None or never not in got.reason, got.reason

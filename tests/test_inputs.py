@@ -798,6 +798,29 @@ def test_report_and_monitor_run_dirs(make, reason, tmp_path, monkeypatch, capsys
         assert e.value.code == 2 and name in err and expect in err, err
 
 
+@pytest.mark.parametrize(
+    "make,reason",
+    [
+        (lambda t: t, "is a directory"),
+        (lambda t: write(t / "f", "x") / "doctor.log", "is a file, not a directory"),
+        (lambda t: t / "ro" / "doctor.log", "read-only"),
+    ],
+)
+def test_a_file_to_write_is_checked_where_it_enters(make, reason, tmp_path, monkeypatch, capsys):
+    """`gptop doctor --log FILE`: a file gptop writes must be one it can write, or exit 2 naming the flag."""
+    from gptop import cli
+
+    target = make(tmp_path)
+    if reason == "read-only":
+        apply_fake(monkeypatch, ("readonly", tmp_path / "ro"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["doctor", "--log", str(target)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--log" in err and reason in err, err
+    assert inputs.check_file_to_write(tmp_path / "new" / "doctor.log", "--log") == tmp_path / "new" / "doctor.log"
+    assert not (tmp_path / "new").exists()
+
+
 # --- real processes: exit 2, nothing created, no traceback ---------------------------------------------------------
 
 

@@ -276,3 +276,117 @@ def test_the_profile_command_writes_a_trace_of_the_next_steps(gptop):
     trace = gptop.run_dir / "profiles" / "steps-3-4.json"  # seen at step 2's end: steps 3 and 4
     assert trace.exists() and "ProfilerStep#3" in trace.read_text()
     assert any(e.path == str(trace) for e in gptop.file_events("log"))
+
+
+@pytest.fixture
+def fp32_precision_root():
+    """torch.backends.fp32_precision as a test found it, put back after (process-wide state)."""
+    if not hasattr(torch.backends, "fp32_precision"):
+        pytest.skip("this torch has no fp32_precision API (torch < 2.9)")
+    before = torch.backends.fp32_precision
+    yield
+    torch.backends.fp32_precision = before
+    assert isinstance(torch.backends.cuda.matmul.allow_tf32, bool)  # the old flags read again
+
+
+@pytest.mark.parametrize("root, on_cuda", [("tf32", "tf32"), ("ieee", "fp32")])
+def test_the_precision_read_goes_through_torchs_fp32_precision_api(fp32_precision_root, root, on_cuda):
+    """transformers' TrainingArguments sets torch.backends.fp32_precision = "tf32" (tf32=True, bf16, or
+    torch_compile with fp32 weights); on torch >= 2.9 reading the old allow_tf32 flag then raises, which crashed
+    every client's start. Every read of the TF32 state (the clients' MFU column, the doctor's check, the
+    trainer's) goes through the new API, and fp32 weights with TF32 matmuls on CUDA are labelled tf32."""
+    from gptop.integrations.client import model_precision
+    from trainer import tf32
+
+    torch.backends.fp32_precision = root
+    model, _ = tiny()
+    assert model_precision(model, torch.device("cuda")) == on_cuda  # the device is only named: no CUDA needed
+    assert model_precision(model, torch.device("cpu")) == "fp32"  # the CPU has no TF32
+    assert tf32.matmul_tf32() is (root == "tf32") and tf32.conv_tf32() is (root == "tf32")
+    assert model_precision(model.to(torch.bfloat16), torch.device("cuda")) == "bf16"
+
+
+@pytest.mark.parametrize("where", ["in the forward phase", "around the loop", "none", "stated"])
+def test_the_probes_default_precision_is_the_autocast_its_forward_runs_in(gptop, monkeypatch, where):
+    """A plain loop's parameters stay fp32 under autocast: the precision (the MFU peak's column) from their dtype
+    measured a bf16 loop against the fp32 peak. Without `precision=`, the probe takes the autocast its model's
+    first forward runs under (entered inside the step, as torch's AMP recipe does, or around the loop); the
+    hello, with the peak for that column, comes once it is known."""
+    from contextlib import nullcontext
+
+    import trainer.flops as flops
+
+    asked: list[str] = []
+
+    def fake_peak(dev, precision, **kw):
+        asked.append(precision)
+        return flops.Peak({"bf16": 2e12, "fp32": 1e12}[precision], f"test: {precision}")
+
+    monkeypatch.setattr(flops, "peak", fake_peak)
+    model, opt = tiny()
+    probe = Probe(model, tokens_per_step=BATCH * SEQ, log_every=2, precision="fp32" if where == "stated" else None)
+    bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    outer = bf16() if where == "around the loop" else nullcontext()
+    with outer:
+        for step in range(1, 5):
+            with probe.step(step):
+                with probe.phase("forward"):
+                    with bf16() if where in ("in the forward phase", "stated") else nullcontext():
+                        x = torch.randint(VOCAB, (BATCH, SEQ))
+                        loss = F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten())
+                with probe.phase("backward"):
+                    loss.backward()
+                opt.step()
+                opt.zero_grad()
+                probe.log(loss=loss)
+    probe.close()
+    want = "fp32" if where in ("none", "stated") else "bf16"
+    (hello,) = gptop.file_events("hello")
+    assert hello.config["toggles"]["precision"] == want and hello.peak_source == f"test: {want}"
+    assert hello.peak_flops == {"bf16": 2e12, "fp32": 1e12}[want]
+    assert asked[-1] == want
+    assert not model._forward_pre_hooks  # the watch is gone after the first forward
+    assert gptop.file_events()[0].type == "hello"  # before anything of the first step
+
+
+def vm_hwm() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def test_a_client_never_resets_the_programs_own_peak_memory(gptop, monkeypatch):
+    """The client read each log interval's peak by resetting the process's peak statistics (CUDA's
+    reset_peak_memory_stats, the CPU's VmHWM), which corrupted the program's own readings (transformers'
+    skip_memory_metrics=False reads torch.cuda.max_memory_allocated). A client reports the peak the program's own
+    reading gives, and resets nothing."""
+    import os
+
+    from trainer.memory import CudaMemory, make_meter
+
+    if not os.access("/proc/self/clear_refs", os.W_OK):
+        pytest.skip("this process cannot reset its VmHWM, so a reset would not show")
+    big = bytearray(256 << 20)  # a peak the program made before the loop
+    big[:: 1 << 12] = b"x" * len(big[:: 1 << 12])
+    del big
+    before = vm_hwm()
+    model, opt = tiny()
+    probe = Probe(model, tokens_per_step=BATCH * SEQ, optimizer=opt, log_every=2)
+    train(probe, model, opt, 6)
+    probe.close()
+    assert vm_hwm() >= before
+    assert all(e.mem_bytes >= before for e in gptop.file_events("step"))  # the process's peak, as it reads it
+
+    class Cuda:  # torch.cuda's memory functions
+        peak = 5 << 30
+
+        def reset_peak_memory_stats(self, device):
+            raise AssertionError("the program's peak statistics were reset")
+
+        def max_memory_allocated(self, device):
+            return self.peak
+
+    meter = CudaMemory(torch.device("cuda"), cuda=Cuda(), reset_process_peak=False)
+    meter.reset_peak()
+    assert meter.peak() == 5 << 30
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", Cuda().reset_peak_memory_stats)
+    make_meter(torch.device("cuda"), reset_process_peak=False).reset_peak()

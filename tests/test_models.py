@@ -313,6 +313,28 @@ def test_bundle_flops_use_active_non_embedding_params(tiny):
     assert d.flops_per_token == expected
 
 
+def test_gpu_peak_table_has_blackwell_and_h800_and_divides_a_mig_slice():
+    """B200, GB200 and H800 have rows (dense datasheet figures), matched before their neighbours; a MIG instance
+    gets its compute slices' share of its GPU's peak, not the whole GPU's (MFU ~7x low on a 1g slice)."""
+    assert flops.gpu_entry("NVIDIA B200")[0] == "B200" and flops.gpu_entry("NVIDIA GB200")[0] == "GB200"
+    assert flops.gpu_peak_flops("NVIDIA B200", "bf16") == pytest.approx(2250e12)
+    assert flops.gpu_peak_flops("NVIDIA GB200", "bf16") == pytest.approx(2500e12)
+    assert flops.gpu_peak_flops("NVIDIA B200", "tf32") == pytest.approx(1125e12)
+    assert flops.gpu_peak_flops("NVIDIA GB200", "fp32") == pytest.approx(80e12)
+    assert flops.gpu_entry("NVIDIA H800")[0] == "H800 SXM" and flops.gpu_entry("NVIDIA H800 PCIe")[0] == "H800 PCIe"
+    assert flops.gpu_peak_flops("NVIDIA H800", "bf16") == pytest.approx(989.5e12)
+    assert flops.gpu_peak_flops("NVIDIA H800 PCIe", "bf16") == pytest.approx(756.5e12)
+    whole = flops.gpu_peak_flops("NVIDIA H100 80GB HBM3", "bf16")
+    assert flops.gpu_peak_flops("NVIDIA H100 80GB HBM3 MIG 1g.10gb", "bf16") == pytest.approx(whole / 7)
+    assert flops.gpu_peak_flops("NVIDIA A100-SXM4-80GB MIG 3g.40gb", "tf32") == pytest.approx(156e12 * 3 / 7)
+    assert flops.gpu_peak_flops("NVIDIA A100-SXM4-40GB MIG 7g.40gb", "bf16") == pytest.approx(312e12)
+    assert flops.gpu_peak_flops("NVIDIA H100 80GB HBM3 MIG 1c.3g.40gb", "bf16") == pytest.approx(whole / 7)
+    assert flops.gpu_peak_flops("NVIDIA GB200 MIG 2g.47gb+me", "bf16") == pytest.approx(2500e12 * 2 / 7)
+    assert flops.gpu_peak_flops("NVIDIA H100 80GB HBM3 MIG something", "bf16") is None  # not understood: no MFU
+    p = flops.peak(DeviceInfo(type="cuda", name="NVIDIA H100 80GB HBM3 MIG 2g.20gb"), "bf16")
+    assert p.flops == pytest.approx(whole * 2 / 7) and "MIG" in p.source and "2 of 7" in p.source
+
+
 def test_gpu_peak_table():
     assert flops.gpu_peak_flops("NVIDIA H100 80GB HBM3", "bf16") == pytest.approx(989.5e12)
     assert flops.gpu_peak_flops("NVIDIA H100 80GB HBM3", "fp32") == pytest.approx(67e12)

@@ -56,6 +56,17 @@ ALLOWED: dict[tuple[str, str], str] = {
         "gptop/integrations/loop_hooks.py",
         "getattr(model, '_orig_mod', None)",
     ): "the same _orig_mod: the probe describes the model inside a torch.compile wrapper the loop calls",
+    ("trainer/dist.py", "pg._get_backend"): "torch has no public getter of a process group's timeout; a group's "
+    "backend (its options) holds it, which the gloo control group must share with the program's group",
+    (
+        "trainer/dist.py",
+        "getattr(getattr(backend, 'options', None), '_timeout', None)",
+    ): "the backend options' timeout (see pg._get_backend above); read with a fallback where a torch lacks it",
+    (
+        "trainer/dist.py",
+        "dist.group.WORLD._get_sequence_number_for_group",
+    ): "torch's only count of the collectives a rank issued on a group (its flight recorder uses the same); the "
+    "micro-batch probe compares it across ranks to know their collectives are still in step",
 }
 
 

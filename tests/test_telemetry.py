@@ -530,8 +530,11 @@ def test_a_wrongly_typed_device_record_is_malformed_not_a_crash_later(line):
         parse(line)
 
 
-def test_a_cpu_reading_says_why_there_is_no_power(tmp_path):
+def test_a_cpu_reading_says_why_there_is_no_power(tmp_path, monkeypatch):
     """The CPU panel says why power is n/a: the sample carries the RAPL reader's reason (gptop.energy.Rapl)."""
+    import gptop.energy
+
+    monkeypatch.setattr(gptop.energy.os, "geteuid", lambda: 1000)  # a user, for whom the files are root-only
     root = tmp_path / "powercap"
     rapl_tree(root, {"intel-rapl:0": ("package-0", 1, 2**32)})
     (root / "intel-rapl:0" / "energy_uj").unlink()  # unreadable (Linux 5.10+ as a user): absent here

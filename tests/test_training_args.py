@@ -292,3 +292,22 @@ def test_every_toggle_reaches_real_training_arguments_through_tuned_args(tmp_pat
     )
     why = gi.tuning_refusal(env, base, TrainerState())
     assert why and "dataloader_num_workers" in why and "activation_checkpointing" in why
+
+
+def test_an_fp32_trial_of_a_compiled_script_is_fp32_and_a_tf32_start_says_tf32():
+    """TrainingArguments turns TF32 on for a compiled fp32 model where the GPU has it (tf32 left None): a trial
+    labelled fp32 would then run TF32. So fp32 with compile asks tf32=False, and a start whose fp32 matmuls
+    use TF32 (the client reads it from torch) is tf32, for the numerics check and the MFU column alike."""
+    f = fields()  # fp32, compile off, tf32 not set
+    t = start_toggles(f)
+    assert t.precision == "fp32" and args_fields(t, f) == {}
+    assert args_fields(dataclasses.replace(t, compile="default"), f) == {"torch_compile": True, "tf32": False}
+    compiled = fields(torch_compile=True)
+    assert start_toggles(compiled).precision == "fp32"  # a CPU: no TF32 there
+    on_gpu = start_toggles(compiled, tf32_on=True)
+    assert on_gpu.precision == "tf32"
+    assert args_fields(on_gpu, compiled) == {"tf32": True}  # what TrainingArguments did anyway, now said
+    assert args_fields(dataclasses.replace(on_gpu, precision="fp32"), compiled) == {"tf32": False}
+    assert args_fields(dataclasses.replace(on_gpu, precision="bf16"), compiled) == {"bf16": True}
+    after = apply(compiled, {"tf32": False})
+    assert args_fields(dataclasses.replace(on_gpu, precision="fp32"), after) == {}  # tuned_args's result agrees

@@ -140,25 +140,50 @@ def probe_micro_batch(
 ) -> int:
     """`find_micro_batch` for a run: `probe_local(mb)` is this rank's peak at micro-batch `mb`. Several ranks
     decide together (FSDP's forward is collective): the worst rank's peak and the smallest capacity count.
-    A CUDA-graph compile mode runs without accumulation (capabilities.support): the whole batch or nothing."""
+    A CUDA-graph compile mode runs without accumulation (capabilities.support): the whole batch or nothing.
+
+    A probe's forward and backward issue collectives (FSDP's all-gathers and reduce-scatters, DDP's buffer
+    broadcast): a rank that runs out of memory part-way leaves its peers' later ones unmatched, and the next
+    collective anyone issues would pair with them (a hang, or another tensor's data). So after each probe the
+    ranks agree, in one all-reduce on the control group and before any issues another collective, on its
+    outcome and on how many collectives each issued; where those differ every rank stops with the same error."""
+    margin = 0.1
+    fitted: list[int] = []  # micro-batches that fitted on every rank
 
     def probe(mb: int) -> int:
         if group is None:
             return probe_local(mb)
+        before = group.collectives()
         try:
             peak = float(probe_local(mb))
         except torch.OutOfMemoryError:
             peak = math.inf
-        peak = group.host_max(peak)
-        if math.isinf(peak):
+        after = group.collectives()
+        issued = float(after - before) if before is not None and after is not None else math.nan
+        if math.isnan(issued):  # torch does not count them: any one-sided out-of-memory is out of step
+            worst, best_neg = group.host_maxes([peak, -peak])
+            out_of_step = math.isinf(worst) and math.isfinite(-best_neg)
+        else:
+            worst, most, fewest_neg = group.host_maxes([peak, issued, -issued])
+            out_of_step = most != -fewest_neg
+        if out_of_step:
+            raise ConfigError(
+                "--micro-batch",
+                f"auto: micro-batch {mb} ran out of memory on some ranks part-way through the probe's "
+                f"collectives, which leaves the ranks' collectives out of step, so no rank may issue another; "
+                f"start again with {_fitted_advice(fitted)}",
+            )
+        if math.isinf(worst):
             raise torch.OutOfMemoryError(f"micro-batch {mb} ran out of memory on a rank")
-        return int(peak)
+        if worst <= capacity * (1.0 - margin):
+            fitted.append(mb)
+        return int(worst)
 
     if group is not None:
         capacity = int(group.host_min(float(capacity)))
     only = [local] if compile_mode in capabilities.CUDA_GRAPH_MODES else None
     try:
-        return find_micro_batch(probe, local, capacity, margin=0.1, log=log, only=only)
+        return find_micro_batch(probe, local, capacity, margin=margin, log=log, only=only)
     except torch.OutOfMemoryError:
         if only is None:
             raise
@@ -169,6 +194,12 @@ def probe_micro_batch(
             f"--compile default or max-autotune-no-cudagraphs, or a smaller "
             f"--global-batch",
         ) from None
+
+
+def _fitted_advice(fitted: list[int]) -> str:
+    if fitted:
+        return f"--micro-batch {max(fitted)} (the largest that fitted on every rank before it)"
+    return "a smaller --micro-batch (none fitted on every rank before it)"
 
 
 def check(dev: Any, quick: bool) -> Any:

@@ -26,6 +26,7 @@ from .batches import BatchSampler
 from .data import TokenData, load_data
 from .device_probe import gpu_identity
 from .models import ModelBundle, build_model, is_pretrained_path, resolve_size
+from .tf32 import allow_tf32
 
 
 # --------------------------------------------------------------------- config
@@ -139,9 +140,7 @@ def build_precision(model: torch.nn.Module, precision: str, dev: DeviceInfo, par
         autocast_dtype = D.fsdp_precision(precision)[1]  # FSDP2's MixedPrecisionPolicy casts instead
     if dev.is_cuda:
         # A mixed-precision run lets the fp32 matmuls left outside autocast use TF32 too; fp32 means fp32.
-        tf32 = precision != "fp32" and dev.at_least(8, 0)
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-        torch.backends.cudnn.allow_tf32 = tf32
+        allow_tf32(precision != "fp32" and dev.at_least(8, 0))
     if precision.startswith("fp8"):
         from .fp8 import convert_to_fp8
 

@@ -39,6 +39,7 @@ def detect(requested: str = "auto") -> DeviceInfo:
             has_compiler=compiler_missing("cpu") is None,
             cpu_bf16=_cpu_has_bf16_kernels(),
             cpu_bf16_native=cpu_has_native_bf16(),
+            torch_version=torch.__version__,
         )
     if requested.startswith("cuda"):
         if not torch.cuda.is_available():
@@ -62,6 +63,7 @@ def detect(requested: str = "auto") -> DeviceInfo:
             has_compiler=compiler_missing("cuda") is None,
             uuid=uuid,
             pci_bus_id=pci,
+            torch_version=torch.__version__,
         )
     raise ConfigError("--device", f"{requested!r} is not auto, cpu, cuda or cuda:N")
 
@@ -166,6 +168,7 @@ def check_tf32(dev: DeviceInfo, quick: bool, *, device: Any = None) -> "Outcome"
     inputs to TF32's 10-bit mantissa, an error far above fp32's; with it off, the result is plain fp32."""
     from .contract.capabilities import support
     from .contract.doctor import Outcome
+    from .tf32 import allow_matmul_tf32, matmul_tf32
 
     reason = support("precision", "tf32", dev)
     if reason and device is None:
@@ -180,14 +183,14 @@ def check_tf32(dev: DeviceInfo, quick: bool, *, device: Any = None) -> "Outcome"
     )
     ref = a64.to(device) @ b64.to(device)
     a, b = a64.float().to(device), b64.float().to(device)
-    before = torch.backends.cuda.matmul.allow_tf32
+    before = matmul_tf32()
     try:
-        torch.backends.cuda.matmul.allow_tf32 = False
+        allow_matmul_tf32(False)
         off = float(((a @ b).double() - ref).norm() / ref.norm())
-        torch.backends.cuda.matmul.allow_tf32 = True
+        allow_matmul_tf32(True)
         on = float(((a @ b).double() - ref).norm() / ref.norm())
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = before
+        allow_matmul_tf32(before)
     ok = on > 4 * off and on < 1e-2
     return Outcome.verdict(
         ok,

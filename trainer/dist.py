@@ -34,6 +34,7 @@ import torch.distributed as dist
 from .contract.config import ConfigError
 
 PARALLEL_MODES = ("ddp", "fsdp")
+DEFAULT_TIMEOUT_S = 600.0  # a collective's timeout in a run: a stalled rank fails the run after this
 
 
 def env_world() -> tuple[int, int, int]:
@@ -73,11 +74,30 @@ def host_max(values: list[int], ctrl: Any = None) -> list[int]:
     return [int(v) for v in t.tolist()]
 
 
+def group_timeout(group: Any = None) -> datetime.timedelta | None:
+    """The timeout `group`'s collectives run under (None: the default group, as init_process_group set it);
+    None where torch does not say. torch has no public getter: each backend's options hold it."""
+    pg = group if group is not None else dist.group.WORLD
+    for device in ("cuda", "cpu"):  # the backend that runs the program's collectives first
+        try:
+            backend = pg._get_backend(torch.device(device))
+        except RuntimeError:  # no backend for that device type in this group
+            continue
+        timeout = getattr(getattr(backend, "options", None), "_timeout", None)
+        if isinstance(timeout, datetime.timedelta):
+            return timeout
+    return None
+
+
 def control_group() -> Any:
     """A gloo group for host integers beside a default group that someone else initialized (the user's
     program, for gptop.integrations); None when the default group is gloo already. Collective: every rank
-    calls it once, at the same point."""
-    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    calls it once, at the same point. It times out with the program's own group (torch would give a gloo
+    group 30 minutes, holding every rank that long when one stalls)."""
+    if dist.get_backend() == "gloo":
+        return None
+    timeout = group_timeout() or datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
+    return dist.new_group(backend="gloo", timeout=timeout)
 
 
 class Group:
@@ -89,16 +109,18 @@ class Group:
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.ctrl: Any = None  # gloo group for CPU control tensors (None: the default group is gloo)
 
-    def init(self, timeout_s: float = 600.0) -> None:
+    def init(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        """The process group, and over NCCL the gloo control group, both timing out after `timeout_s`."""
         if dist.is_initialized():
             return
-        kwargs: dict[str, Any] = {"backend": self.backend, "timeout": datetime.timedelta(seconds=timeout_s)}
+        timeout = datetime.timedelta(seconds=timeout_s)
+        kwargs: dict[str, Any] = {"backend": self.backend, "timeout": timeout}
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             kwargs["device_id"] = self.device
         dist.init_process_group(**kwargs)
         if self.backend != "gloo":
-            self.ctrl = dist.new_group(backend="gloo")
+            self.ctrl = dist.new_group(backend="gloo", timeout=timeout)
 
     def destroy(self) -> None:
         if dist.is_available() and dist.is_initialized():
@@ -116,6 +138,20 @@ class Group:
         t = torch.tensor([value], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctrl)
         return float(t.item())
+
+    def host_maxes(self, values: list[float]) -> list[float]:
+        """Element-wise MAX over the ranks of a few host floats, on the control group (MIN: negate)."""
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctrl)
+        return [float(v) for v in t.tolist()]
+
+    def collectives(self) -> int | None:
+        """How many collectives this rank has issued on the training group (torch's sequence number of the
+        group); ranks whose counts differ are out of step. None where torch does not count them."""
+        try:
+            return int(dist.group.WORLD._get_sequence_number_for_group())
+        except (AttributeError, RuntimeError):
+            return None
 
     def host_min(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64)

@@ -7,6 +7,7 @@ error stays in its child, and a child that outlives its path's timeout is killed
 JSON line on stdout, as it completes:
 
     {"kind": "detect", "device": {...DeviceInfo...}, "machine": {...}, "error": null}
+                      (a device this machine lacks: "refused": {"option", "message"}, and exit code 2)
     {"kind": "check", "result": {...CheckResult...}}
     {"kind": "done"}
 
@@ -32,8 +33,10 @@ from importlib import metadata
 from typing import Any
 
 from . import process_costs
+from .contract.config import ConfigError
 from .contract.doctor import PATHS, CheckResult, DevicePath, Line, Outcome, Status
 
+EXIT_USAGE = 2  # the device asked for is not on this machine
 LIBRARIES = (
     "transformers",
     "peft",
@@ -101,6 +104,7 @@ class ChildEnd(enum.StrEnum):
     run as `python -m trainer.doctor`, this class lives in `__main__`, which a spawned child names otherwise."""
 
     OK = "ok"  # it reported what the check returned
+    REFUSED = "refused"  # the detection refused the device asked for (ConfigError): {"option", "message"}
     ERROR = "error"  # the check raised: the message
     DIED = "died"  # the process died before it reported
     TIMEOUT = "timeout"  # killed at the check's time limit
@@ -118,7 +122,10 @@ def _child(fn_name: str, requested: str, quick: bool, conn: Any) -> None:
 
             torch.set_num_threads(_THREADS)
         if fn_name == "detect":
-            conn.send((ChildEnd.OK.value, detect_machine(requested)))
+            try:
+                conn.send((ChildEnd.OK.value, detect_machine(requested)))
+            except ConfigError as e:  # a device this machine lacks: bad input, not a failed path
+                conn.send((ChildEnd.REFUSED.value, {"option": e.option, "message": e.message}))
             return
         from .device_probe import detect
 
@@ -212,6 +219,10 @@ def preload() -> None:
 def run_checks(requested: str, quick: bool, only: set[str] | None, timeout_scale: float) -> int:
     preload()
     kind, payload = run_in_child("detect", requested, quick, 120.0 * timeout_scale)
+    if kind == ChildEnd.REFUSED:  # gptop says it in one line and exits 2, as for any bad input
+        emit(Line.DETECT, device=None, machine={}, error=f"{payload['option']}: {payload['message']}", refused=payload)
+        emit(Line.DONE)
+        return EXIT_USAGE
     if kind != ChildEnd.OK:
         emit(Line.DETECT, device=None, machine={}, error=payload)
         emit(Line.DONE)

@@ -35,8 +35,9 @@ deepseek_v3 does the same); with Q_qk = Q_v = Q this is the formula above.
 
 **Peak FLOPs** of a GPU come from a table of NVIDIA datasheet numbers, dense
 (the datasheets' headline tensor numbers assume 2:4 sparsity; those are
-halved), matched on the torch device name. An unknown GPU has no peak and
-therefore no MFU (``None``), never a guessed one. On the CPU there is no
+halved), matched on the torch device name. A MIG instance (its name says
+``MIG 2g.20gb``) gets its compute slices' share of its GPU's peak, 2/7 there.
+An unknown GPU has no peak and therefore no MFU (``None``), never a guessed one. On the CPU there is no
 datasheet to trust, so the peak is *measured* once: the best rate of a large
 matmul in the run's dtype (for bf16 never below the fp32 rate: a CPU without
 native bf16 emulates it), cached per CPU name, thread count, number of
@@ -96,6 +97,30 @@ PRECISION_COLUMN = {
 # more specific names come first.
 _NVIDIA = "https://www.nvidia.com/en-us/data-center/"
 PEAK_TABLE: list[tuple[str, str, dict[str, float | None], str]] = [
+    (
+        "GB200",
+        r"gb200",
+        dict(fp32=80 * T, tf32=1250 * T, bf16=2500 * T, fp16=2500 * T, fp8=5000 * T),
+        _NVIDIA + "gb200-nvl72/ (datasheet, GB200 superchip column per GPU: halved, sparse figures halved)",
+    ),
+    (
+        "B200",
+        r"\bb200\b",
+        dict(fp32=75 * T, tf32=1125 * T, bf16=2250 * T, fp16=2250 * T, fp8=4500 * T),
+        _NVIDIA + "hgx/ (HGX B200 datasheet per GPU: eighths, sparse figures halved)",
+    ),
+    (
+        "H800 PCIe",
+        r"h800.*pcie",
+        dict(fp32=51 * T, tf32=378 * T, bf16=756.5 * T, fp16=756.5 * T, fp8=1513 * T),
+        "NVIDIA H800 Tensor Core GPU datasheet, PCIe column (sparse figures halved)",
+    ),
+    (
+        "H800 SXM",
+        r"h800",
+        dict(fp32=67 * T, tf32=494.5 * T, bf16=989.5 * T, fp16=989.5 * T, fp8=1979 * T),
+        "NVIDIA H800 Tensor Core GPU datasheet, SXM column (sparse figures halved)",
+    ),
     (
         "H100 NVL",
         r"h100.*nvl",
@@ -236,13 +261,37 @@ def gpu_entry(device_name: str) -> tuple[str, dict[str, float | None], str] | No
     return None
 
 
+# A MIG instance's name: "NVIDIA H100 80GB HBM3 MIG 1g.10gb" (a GPU instance of 1 compute slice), or with a
+# compute instance inside a larger GPU instance "MIG 1c.3g.40gb" (1 of its 3 slices), "+me" and the like after.
+MIG_RE = re.compile(r"\bmig\s+(?:(\d+)c\.)?(\d+)g\.")
+# The GPUs of the table that MIG partitions (A100, H100, H200, H800, B200, GB200) split their SMs into 7 compute
+# slices: an instance of N slices has N/7 of the GPU's peak (up to the few SMs the whole GPU has beyond them).
+MIG_COMPUTE_SLICES = 7
+
+
+def mig_slices(device_name: str) -> int | None:
+    """The compute slices of a MIG instance's name (of MIG_COMPUTE_SLICES), 0 when the name is not a MIG
+    instance's, None when it is one of a form not understood."""
+    name = device_name.lower()
+    if not re.search(r"\bmig\b", name):
+        return 0
+    m = MIG_RE.search(name)
+    if m is None:
+        return None
+    slices = int(m.group(1) or m.group(2))
+    return slices if 0 < slices <= MIG_COMPUTE_SLICES else None
+
+
 def gpu_peak_flops(device_name: str, precision: str) -> float | None:
-    """Dense peak FLOP/s of a GPU for a run's precision; None when unknown or unsupported."""
+    """Dense peak FLOP/s of a GPU (a MIG instance: its share of it) for a run's precision; None when unknown or
+    unsupported."""
     entry = gpu_entry(device_name)
-    if entry is None:
+    slices = mig_slices(device_name)
+    if entry is None or slices is None:
         return None
     column = PRECISION_COLUMN.get(precision, precision)
-    return entry[1].get(column)
+    value = entry[1].get(column)
+    return value * slices / MIG_COMPUTE_SLICES if value is not None and slices else value
 
 
 def cpu_dtype(precision: str) -> torch.dtype:
@@ -276,7 +325,10 @@ def peak(
         value = gpu_peak_flops(dev.name, precision)
         if entry is None or value is None:
             return Peak(None, None)
-        return Peak(value, f"datasheet: {entry[0]} {PRECISION_COLUMN.get(precision, precision)} ({entry[2]})")
+        slices = mig_slices(dev.name)
+        share = f", MIG: {slices} of {MIG_COMPUTE_SLICES} compute slices" if slices else ""
+        column = PRECISION_COLUMN.get(precision, precision)
+        return Peak(value, f"datasheet: {entry[0]} {column}{share} ({entry[2]})")
     dtypes = [cpu_dtype(precision)]
     if dtypes[0] != torch.float32:
         # A CPU without native bf16 emulates it far below its fp32 rate, and autocast keeps part of the

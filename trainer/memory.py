@@ -3,6 +3,11 @@
 CUDA: the caching allocator's peak allocated/reserved bytes. CPU: the process's
 resident set; its peak (VmHWM) can be reset on Linux through
 `/proc/self/clear_refs`, which gives a real per-probe peak for `--micro-batch auto`.
+
+Both peaks are the process's: resetting them changes what anything else in the process reads
+(torch.cuda.max_memory_allocated, VmHWM). gptop's own trainer resets them per log interval and per probe; a
+client in a user's program (gptop.integrations) must not (`reset_process_peak=False`), and reports the peak
+the program's own reading gives: since it started, or since it reset it.
 """
 
 from __future__ import annotations
@@ -23,14 +28,17 @@ class MemoryMeter(Protocol):
 
 
 class CudaMemory:
-    """`cuda` is torch.cuda, or a fake of its memory functions (tests)."""
+    """`cuda` is torch.cuda, or a fake of its memory functions (tests); `reset_process_peak`: whether
+    `reset_peak` may reset the allocator's peak statistics (the module doc says when not)."""
 
-    def __init__(self, device: torch.device, cuda: Any = None):
+    def __init__(self, device: torch.device, cuda: Any = None, reset_process_peak: bool = True):
         self.device = device
         self.cuda = cuda if cuda is not None else torch.cuda
+        self.resets = reset_process_peak
 
     def reset_peak(self) -> None:
-        self.cuda.reset_peak_memory_stats(self.device)
+        if self.resets:
+            self.cuda.reset_peak_memory_stats(self.device)
 
     def peak(self) -> int:
         return self.cuda.max_memory_allocated(self.device)
@@ -56,9 +64,9 @@ class CudaMemory:
 
 
 class CpuMemory:
-    def __init__(self) -> None:
+    def __init__(self, reset_process_peak: bool = True) -> None:
         self._proc = psutil.Process()
-        self._can_reset = os.access("/proc/self/clear_refs", os.W_OK)
+        self._can_reset = reset_process_peak and os.access("/proc/self/clear_refs", os.W_OK)
 
     def reset_peak(self) -> None:
         if self._can_reset:
@@ -119,8 +127,11 @@ def enable_expandable_segments(environ: MutableMapping[str, str]) -> str | None:
     return None
 
 
-def make_meter(device: torch.device) -> MemoryMeter:
-    return CudaMemory(device) if device.type == "cuda" else CpuMemory()
+def make_meter(device: torch.device, reset_process_peak: bool = True) -> MemoryMeter:
+    """The device's meter; `reset_process_peak=False`: one that never resets the process's peak (a client's)."""
+    if device.type == "cuda":
+        return CudaMemory(device, reset_process_peak=reset_process_peak)
+    return CpuMemory(reset_process_peak)
 
 
 def expandable_segments_probe(device: str, cuda: Any = None, environ: MutableMapping[str, str] | None = None) -> dict:

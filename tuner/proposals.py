@@ -150,7 +150,7 @@ def screen(
     why = predicted_oom(t, max_mb, start)
     if why:
         return Screened(TrialStatus.INFEASIBLE, why, TrialOutcome.OOM)
-    bad = capabilities.unsupported(t, dev, space.per_rank)
+    bad = capabilities.unsupported(t, dev, space.per_rank, space.parallel)
     if bad:  # a combination the trainer would refuse (a CUDA-graph compile mode with accumulation)
         return Screened(
             TrialStatus.INFEASIBLE,

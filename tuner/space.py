@@ -134,7 +134,8 @@ class SearchSpace:
     the space, everything not tuned (none today) from `base`. `memory` says why
     the space was widened to the memory-saving values (None: it was not);
     `quantizable`: the run is LoRA on a model directory, whose frozen base may be
-    quantized; `world_size`: the ranks (the optimizer and the base are tuned on one).
+    quantized; `world_size`: the ranks (the optimizer and the base are tuned on one); `parallel`: how they
+    share the model (capabilities.support's; None: one process).
     """
 
     base: Toggles
@@ -143,6 +144,7 @@ class SearchSpace:
     memory: str | None = None
     quantizable: bool = False
     world_size: int = 1
+    parallel: str | None = None
     spec: str | None = None  # the --tune-space items applied, in order (replayed by `for_memory`)
     # (toggle, the toggle it needs): the first acts only while the second is non-zero (a DataLoader's
     # prefetch factor needs workers); configurations that differ only in an idle toggle are one configuration
@@ -160,6 +162,7 @@ class SearchSpace:
         *,
         memory: str | None = None,
         quantizable: bool = False,
+        parallel: str | None = None,
     ) -> "SearchSpace":
         """The default space for `dev` (every supported value not known to be slow, and the start's own),
         widened to the memory-saving values when `memory` (why; see `memory_pressure`), then
@@ -187,12 +190,21 @@ class SearchSpace:
             elif name == "workers":
                 vals = list(DEFAULT_WORKERS) + [base.workers]
             else:
-                vals = default_values(name, dev)
-                if getattr(base, name) not in vals and support(name, getattr(base, name), dev) is None:
+                vals = default_values(name, dev, parallel)
+                if (
+                    getattr(base, name) not in vals
+                    and support(name, getattr(base, name), dev, parallel=parallel) is None
+                ):
                     vals.append(getattr(base, name))  # the start is always in the space, even when slow
             choices[name] = _order(name, vals)
         space = cls(
-            base=base, choices=choices, per_rank=per_rank, memory=memory, quantizable=quantizable, world_size=world_size
+            base=base,
+            choices=choices,
+            per_rank=per_rank,
+            memory=memory,
+            quantizable=quantizable,
+            world_size=world_size,
+            parallel=parallel,
         )
         if spec:
             space = space.apply_spec(spec, dev)
@@ -257,6 +269,7 @@ class SearchSpace:
             self.spec,
             memory=reason,
             quantizable=self.quantizable,
+            parallel=self.parallel,
         )
 
     @staticmethod
@@ -306,7 +319,7 @@ class SearchSpace:
                 f"{item!r}: a quantized base is for a LoRA run of a model directory "
                 f"(--lora R --model DIR); drop quantize_base from --tune-space",
             )
-        reason = support(name, raw, dev) if dev is not None else None
+        reason = support(name, raw, dev, parallel=self.parallel) if dev is not None else None
         if reason and dev is not None:
             raise ConfigError(OPTION, f"{item!r}: {raw} is not supported on {dev.name}: {reason}")
         return raw

@@ -5,7 +5,8 @@ A `Client` is the trainer's loop instrumentation without the trainer's loop: the
 checkpoint), the same command agreement across ranks (trainer.commands, over a gloo group beside the
 program's own process group), the same step timer (trainer.timing: CUDA events on a GPU, read back only
 when the interval's values are, monotonic clocks on the CPU), the same profiler windows (trainer.profiler)
-and memory meter (trainer.memory). It emits the same typed events: a hello, a `progress` event every step,
+and memory meter (trainer.memory; one that never resets the process's peak, so `mem_bytes` is the peak the
+program's own reading gives). It emits the same typed events: a hello, a `progress` event every step,
 a `step` event every log interval (means over the interval, `phases_ms` with `other` = what the phases
 leave of the step), checkpoints, errors and `done`.
 
@@ -35,6 +36,8 @@ from trainer.contract.device import DeviceInfo
 from trainer.contract.rundir import RunDir
 from trainer.contract.states import ErrorKind, WarningKind
 from trainer.timing import TIMED, interval_means, make_timer
+
+from .precision import model_precision
 
 TUNABLE_KINDS = (ClientKind.TRANSFORMERS,)  # the clients that take gptop tune's toggles (tuned_args)
 DEFAULT_LOG_EVERY = 10  # the trainer's --log-every default, when neither gptop nor the program says
@@ -97,20 +100,6 @@ def describe_model(
         "trainable_params": trainable,
         "flops_per_token": int(flops_per_token) if flops_per_token else None,
     }
-
-
-def model_precision(model: torch.nn.Module | None, device: torch.device) -> str:
-    """The MFU column of a run whose precision the program did not state: its parameters' dtype (fp32 on CUDA
-    with TF32 matmuls allowed is tf32)."""
-    p = next(iter(model.parameters()), None) if model is not None else None
-    dtype = p.dtype if p is not None else torch.float32
-    if dtype == torch.bfloat16:
-        return "bf16"
-    if dtype == torch.float16:
-        return "fp16"
-    if device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
-        return "tf32"
-    return "fp32"
 
 
 def module_device(model: torch.nn.Module | None) -> torch.device:
@@ -177,7 +166,7 @@ class Client:
         from trainer.memory import make_meter
         from trainer.profiler import StepProfiler
 
-        self.meter = make_meter(device)
+        self.meter = make_meter(device, reset_process_peak=False)  # the program's own peak readings stay its own
         self.profiler = StepProfiler(
             RunDir(env.run_dir).profiles, self.rank, device.type == "cuda", None, on_written=self._profile_written
         )
@@ -257,6 +246,12 @@ class Client:
             client.close()
             raise SystemExit(1)
         return client
+
+    def set_precision(self, precision: str) -> None:
+        """The precision (the MFU peak's column) once known, before the hello that reports it."""
+        if precision != self.precision and not self.said_hello:
+            self.precision = precision
+            self.peak_flops, self.peak_source = self._peak(precision)
 
     # ------------------------------------------------------------------ setup
     def _agreement(self) -> Callable[[list[int]], list[int]] | None:

@@ -116,7 +116,8 @@ class Probe:
     first tensor) of the step's training forwards. `seq_len`: adds the attention term to the counted FLOPs
     of a transformers model (without it, taken from the first forward's input). `log_every`: steps between
     step events (`gptop run --log-every` wins; default 10). `max_steps`: the progress bar's end.
-    `precision`: fp32, tf32, bf16, fp16 (the MFU denominator; default from the parameters' dtype)."""
+    `precision`: fp32, tf32, bf16, fp16 (the MFU denominator; default: the autocast the model's first forward
+    runs under, else its parameters' dtype)."""
 
     def __init__(
         self,
@@ -295,15 +296,24 @@ class Probe:
             return None
         self._hooks.attach(client)
         self._phases = {name: _Phase(client, self._hooks, name) for name in TIMED}
-        if o.seq_len is None and self._hooks.installed and self._model is not None:
-            self._hooks.on_forward = self._hello_at_forward  # the sequence length from the first forward
+        if (o.seq_len is None or o.precision is None) and self._hooks.installed and self._model is not None:
+            # the sequence length and the precision the model runs in (an autocast entered inside the step) are
+            # known at its first forward
+            self._hooks.on_forward = self._hello_at_forward
         else:
             self._hello(o.seq_len)
         atexit.register(self.close)  # after the client's: runs first, with the client still open
         return client
 
     def _hello_at_forward(self, ids: torch.Tensor | None) -> None:
-        self._hello(int(ids.shape[-1]) if ids is not None and ids.dim() >= 2 else None)
+        client, o = self._client, self._options
+        if client is not None and o.precision is None and self._model is not None:
+            model = unwrap(self._model)
+            client.set_precision(model_precision(model, module_device(model)))
+        seq_len = (
+            o.seq_len if o.seq_len is not None else int(ids.shape[-1]) if ids is not None and ids.dim() >= 2 else None
+        )
+        self._hello(seq_len)
 
     def _hello(self, seq_len: int | None) -> None:
         client = self._client

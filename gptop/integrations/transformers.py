@@ -255,7 +255,7 @@ class GptopCallback(TrainerCallback):
         extra: dict[str, Any] = {}
         if self._args is not None:
             fields = read_fields(self._args)
-            toggles = start_toggles(fields)
+            toggles = start_toggles(fields, tf32_on=client.precision == "tf32")  # fp32 with TF32 is tf32
             config["toggles"] = dataclasses.asdict(toggles)
             config["optim"] = {"global_batch": per_device_batch(fields) * client.world}
             name = getattr(getattr(model, "config", None), "name_or_path", "") or type(model).__name__

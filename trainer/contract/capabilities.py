@@ -101,6 +101,34 @@ def _installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+# The first torch release whose rowwise-scaled fp8 matmul (torch._scaled_mm with a scale per row, what torchao's
+# fp8-rowwise recipe calls) has a kernel for each compute capability. Hopper's CUTLASS kernel came first (every
+# torch pyproject.toml allows); Ada's (sm89) was added in January 2025 (pytorch#144348, #145676), for 2.7;
+# datacenter Blackwell's (sm100) in March 2025 (pytorch#148421), in 2.8 (2.7 not confirmed). Other capabilities
+# have none (consumer Blackwell, sm120: cuBLASLt refuses per-row scales there, pytorch#192707).
+ROWWISE_FP8_TORCH: dict[tuple[int, int], tuple[int, int]] = {(8, 9): (2, 7), (9, 0): (2, 5), (10, 0): (2, 8)}
+TORCH_MIN = (2, 5)  # pyproject.toml's torch>=2.5: a device whose torch is not said has at least this
+
+
+def _rowwise_fp8(dev: DeviceInfo) -> str | None:
+    """Why fp8-rowwise cannot run on `dev` with the trainer's torch, or None (see ROWWISE_FP8_TORCH)."""
+    cc = dev.capability or (0, 0)
+    need = ROWWISE_FP8_TORCH.get((cc[0], cc[1]))
+    arch = ".".join(map(str, cc))
+    if need is None:
+        return (
+            f"no torch release has a rowwise-scaled fp8 matmul for compute capability {arch}; use --precision "
+            f"fp8-tensorwise"
+        )
+    if not dev.torch_at_least(*need) and not (need <= TORCH_MIN and dev.torch_version is None):
+        have = f"torch {dev.torch_version}" if dev.torch_version else "a torch whose version is not known"
+        return (
+            f"the rowwise-scaled fp8 matmul for compute capability {arch} came with torch {need[0]}.{need[1]}; "
+            f"this is {have} (upgrade torch, or use --precision fp8-tensorwise)"
+        )
+    return None
+
+
 # torch.compile modes that capture CUDA graphs (inductor's cudagraph trees).
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
@@ -114,11 +142,14 @@ def accumulation_of(toggles: Toggles, per_rank_batch: int | None) -> int | None:
     return max(1, per_rank_batch // mb)
 
 
-def support(name: str, value, dev: DeviceInfo, *, accumulation: int | None = None) -> str | None:
+def support(
+    name: str, value, dev: DeviceInfo, *, accumulation: int | None = None, parallel: str | None = None
+) -> str | None:
     """None if `dev` supports toggle `name` = `value`, else the reason it does not.
 
     `accumulation`: the run's micro-batches per optimizer step, where known (None: not known yet, e.g. a
-    `--micro-batch auto` run before its probe); some values depend on it."""
+    `--micro-batch auto` run before its probe); `parallel`: how several ranks share the model (ddp, fsdp;
+    None: one process). Some values depend on them."""
     if name == "precision":
         if value in ("fp32", AUTO):
             return None
@@ -135,27 +166,9 @@ def support(name: str, value, dev: DeviceInfo, *, accumulation: int | None = Non
                 return "fp8 needs an NVIDIA GPU with compute capability 8.9 or newer (Ada, Hopper)"
             if not _torchao_float8():
                 return "fp8 needs torchao (pip install torchao)"
-            return None
+            return _rowwise_fp8(dev) if value == "fp8-rowwise" else None
     if name == "compile":
-        if value == "off":
-            return None
-        if not dev.has_compiler:
-            if dev.is_cuda:
-                return "torch.compile on CUDA needs triton (pip install triton) and a C compiler (install gcc)"
-            return "torch.compile needs a C++ compiler on the CPU (install g++)"
-        if value in CUDA_GRAPH_MODES and not dev.is_cuda:
-            return f"compile mode {value} uses CUDA graphs; on the CPU use default or max-autotune-no-cudagraphs"
-        if value in CUDA_GRAPH_MODES and accumulation is not None and accumulation > 1:
-            # The compiled backward hands a fresh .grad the graph's own output memory, which the next
-            # micro-batch's replay overwrites before it is accumulated into (pytorch#169545; older torch
-            # accumulated wrong gradients silently).
-            return (
-                f"compile mode {value} uses CUDA graphs, which overwrite the gradients that accumulation "
-                f"over {accumulation} micro-batches keeps between backwards (pytorch#169545): use "
-                f"--micro-batch equal to the per-rank batch (no accumulation), or --compile default / "
-                f"max-autotune-no-cudagraphs"
-            )
-        return None
+        return _compile_support(value, dev, accumulation, parallel)
     if name == "cuda_allocator":
         if value == "expandable_segments" and not dev.is_cuda:
             return "expandable_segments is a CUDA allocator setting"
@@ -185,6 +198,37 @@ def support(name: str, value, dev: DeviceInfo, *, accumulation: int | None = Non
         return None
     if name in CHOICES:
         return None if value in CHOICES[name] else f"{value!r} is not one of {CHOICES[name]}"
+    return None
+
+
+def _compile_support(value: str, dev: DeviceInfo, accumulation: int | None, parallel: str | None) -> str | None:
+    """`support` of compile mode `value` (see there)."""
+    if value == "off":
+        return None
+    if not dev.has_compiler:
+        if dev.is_cuda:
+            return "torch.compile on CUDA needs triton (pip install triton) and a C compiler (install gcc)"
+        return "torch.compile needs a C++ compiler on the CPU (install g++)"
+    if value in CUDA_GRAPH_MODES and not dev.is_cuda:
+        return f"compile mode {value} uses CUDA graphs; on the CPU use default or max-autotune-no-cudagraphs"
+    if value in CUDA_GRAPH_MODES and parallel is not None:
+        # Inductor's CUDA graphs do not capture NCCL collectives: DDP's gradient all-reduce hooks and FSDP2's
+        # all-gathers and reduce-scatters run inside the step, between and during the compiled graphs.
+        return (
+            f"compile mode {value} uses CUDA graphs, which do not capture the collectives that "
+            f"--parallel {parallel} runs inside each step (not verified on several GPUs): use --compile "
+            f"default or max-autotune-no-cudagraphs"
+        )
+    if value in CUDA_GRAPH_MODES and accumulation is not None and accumulation > 1:
+        # The compiled backward hands a fresh .grad the graph's own output memory, which the next
+        # micro-batch's replay overwrites before it is accumulated into (pytorch#169545; older torch
+        # accumulated wrong gradients silently).
+        return (
+            f"compile mode {value} uses CUDA graphs, which overwrite the gradients that accumulation "
+            f"over {accumulation} micro-batches keeps between backwards (pytorch#169545): use "
+            f"--micro-batch equal to the per-rank batch (no accumulation), or --compile default / "
+            f"max-autotune-no-cudagraphs"
+        )
     return None
 
 
@@ -260,24 +304,28 @@ def slow(name: str, value, dev: DeviceInfo) -> str | None:
     return None
 
 
-def worth_trying(name: str, value, dev: DeviceInfo | None, *, accumulation: int | None = None) -> bool:
-    """May a hint suggest `value`? Only on a known device that supports it (with the run's `accumulation`)
-    and runs it at full speed (a gptop that has not had the trainer's hello yet suggests nothing
-    device-specific)."""
+def worth_trying(
+    name: str, value, dev: DeviceInfo | None, *, accumulation: int | None = None, parallel: str | None = None
+) -> bool:
+    """May a hint suggest `value`? Only on a known device that supports it (with the run's `accumulation` and
+    `parallel` mode) and runs it at full speed (a gptop that has not had the trainer's hello yet suggests
+    nothing device-specific)."""
     return (
         dev is not None
-        and support(name, value, dev, accumulation=accumulation) is None
+        and support(name, value, dev, accumulation=accumulation, parallel=parallel) is None
         and slow(name, value, dev) is None
     )
 
 
-def supported_values(name: str, dev: DeviceInfo, *, accumulation: int | None = None) -> list:
-    return [v for v in CHOICES[name] if support(name, v, dev, accumulation=accumulation) is None]
+def supported_values(
+    name: str, dev: DeviceInfo, *, accumulation: int | None = None, parallel: str | None = None
+) -> list:
+    return [v for v in CHOICES[name] if support(name, v, dev, accumulation=accumulation, parallel=parallel) is None]
 
 
-def default_values(name: str, dev: DeviceInfo) -> list:
-    """The values worth trying on `dev`: supported and not known to be slow."""
-    return [v for v in supported_values(name, dev) if slow(name, v, dev) is None]
+def default_values(name: str, dev: DeviceInfo, parallel: str | None = None) -> list:
+    """The values worth trying on `dev` (with `parallel`, support's): supported and not known to be slow."""
+    return [v for v in supported_values(name, dev, parallel=parallel) if slow(name, v, dev) is None]
 
 
 def slow_choices(toggles: Toggles, dev: DeviceInfo) -> list[str]:
@@ -296,21 +344,23 @@ def slow_config(cfg: TrainConfig, dev: DeviceInfo) -> list[str]:
     return slow_choices(cfg.toggles, dev)
 
 
-def unsupported(toggles: Toggles, dev: DeviceInfo, per_rank_batch: int | None = None) -> tuple[str, str] | None:
+def unsupported(
+    toggles: Toggles, dev: DeviceInfo, per_rank_batch: int | None = None, parallel: str | None = None
+) -> tuple[str, str] | None:
     """(toggle name, reason) of the first value of `toggles` that `dev` does not support, None when all are
     (`per_rank_batch`: the sequences a rank trains per step, so the values that depend on the accumulation
-    are checked where it is known)."""
+    are checked where it is known; `parallel`: support's)."""
     accumulation = accumulation_of(toggles, per_rank_batch)
     for f in dataclasses.fields(toggles):
-        reason = support(f.name, getattr(toggles, f.name), dev, accumulation=accumulation)
+        reason = support(f.name, getattr(toggles, f.name), dev, accumulation=accumulation, parallel=parallel)
         if reason:
             return f.name, reason
     return None
 
 
-def check(toggles: Toggles, dev: DeviceInfo, per_rank_batch: int | None = None) -> None:
+def check(toggles: Toggles, dev: DeviceInfo, per_rank_batch: int | None = None, parallel: str | None = None) -> None:
     """Raise ConfigError naming the flag for the first unsupported value (see `unsupported`)."""
-    found = unsupported(toggles, dev, per_rank_batch)
+    found = unsupported(toggles, dev, per_rank_batch, parallel)
     if found:
         f = next(f for f in dataclasses.fields(toggles) if f.name == found[0])
         raise ConfigError(flag_of(f), f"{getattr(toggles, f.name)} is not supported on {dev.name}: {found[1]}")
@@ -319,7 +369,12 @@ def check(toggles: Toggles, dev: DeviceInfo, per_rank_batch: int | None = None) 
 def check_config(cfg: TrainConfig, dev: DeviceInfo, world_size: int = 1) -> None:
     """`check` of a run's config (every gated option is a toggle) on `world_size` ranks."""
     per_rank = cfg.optim.global_batch // world_size if world_size >= 1 else None
-    check(cfg.toggles, dev, per_rank)
+    check(cfg.toggles, dev, per_rank, parallel_mode(cfg, world_size))
+
+
+def parallel_mode(cfg: TrainConfig, world_size: int) -> str | None:
+    """How the run's ranks share the model (`--parallel`), None for one process (which ignores it)."""
+    return cfg.run.parallel if world_size > 1 else None
 
 
 # --- which model size `--size auto` picks ---------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import shutil
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,7 @@ class DeviceInfo:
     cpu_bf16_native: bool | None = None
     uuid: str | None = None  # CUDA: the GPU's UUID, which NVML reports too (`gpu_key`)
     pci_bus_id: str | None = None  # CUDA: its PCI address, DOMAIN:BUS:DEVICE in hex
+    torch_version: str | None = None  # the trainer's torch, whose kernels some values need (None: not said)
 
     @property
     def key(self) -> str | None:
@@ -57,6 +59,10 @@ class DeviceInfo:
     def at_least(self, major: int, minor: int) -> bool:
         return self.capability is not None and tuple(self.capability) >= (major, minor)
 
+    def torch_at_least(self, major: int, minor: int) -> bool:
+        """Whether the trainer's torch is release `major.minor` or newer (False when not known)."""
+        return torch_release(self.torch_version) >= (major, minor)
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["capability"] = list(self.capability) if self.capability else None
@@ -70,6 +76,12 @@ class DeviceInfo:
         if kw.get("capability"):
             kw["capability"] = tuple(kw["capability"])
         return cls(**kw)
+
+
+def torch_release(version: str | None) -> tuple[int, int]:
+    """(major, minor) of a torch version string ("2.13.0+cu130", "2.12.0a0+git..."); (0, 0) when not known."""
+    m = re.match(r"(\d+)\.(\d+)", version or "")
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
 
 
 # /proc/cpuinfo flags of CPUs that multiply bf16 in hardware (x86 AVX512_BF16 and AMX; Arm's "bf16" feature).

@@ -449,6 +449,20 @@ def check_run_to_read(value: str | Path, option: str) -> Path:
     return p
 
 
+def check_file_to_write(value: str | Path, option: str) -> Path:
+    """A file gptop writes (`gptop doctor --log FILE`): a regular file it may write over, or a new one in a
+    directory that exists or can be created and takes files. Nothing is created here."""
+    p = _path(value)
+    if kind_of_path(p, option) == "missing":
+        check_writable_dir(p.absolute().parent, option)
+        return p
+    _regular_file(p, option, "a file to write")
+    why = writable(p)
+    if why:
+        raise ConfigError(option, f"{p} is {why}")
+    return p
+
+
 def check_runs_folder(value: str | Path, option: str) -> Path:
     """The monitor's `--run-dir`: a run directory, or a folder holding runs."""
     from . import rundir

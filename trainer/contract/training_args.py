@@ -7,7 +7,7 @@ the process: gptop hands them down (trainer.contract.client.ClientEnv.toggles) a
 torch nor transformers, so gptop's side (the search space) and the client's side (`tuned_args`) share it.
 
     toggle                    TrainingArguments fields
-    precision                 bf16, fp16, tf32 (fp32: none of them)
+    precision                 bf16, fp16, tf32 (fp32: none of them, and tf32=False for a compiled model)
     compile                   torch_compile, torch_compile_mode (off also clears torch_compile_backend)
     micro_batch               per_device_train_batch_size, and gradient_accumulation_steps so that
                               per_device_train_batch_size x gradient_accumulation_steps (the per-device
@@ -75,12 +75,14 @@ def optim_name(fields: Mapping[str, Any]) -> str:
     return str(getattr(v, "value", v))
 
 
-def precision_of(fields: Mapping[str, Any]) -> str:
+def precision_of(fields: Mapping[str, Any], tf32_on: bool = False) -> str:
+    """The precision the fields train in; `tf32_on`: the process's fp32 matmuls use TF32 although no field
+    asked (TrainingArguments turns TF32 on for a compiled fp32 model on a GPU that has it), so fp32 is tf32."""
     if fields.get("bf16"):
         return "bf16"
     if fields.get("fp16"):
         return "fp16"
-    return "tf32" if fields.get("tf32") else "fp32"
+    return "tf32" if fields.get("tf32") or tf32_on else "fp32"
 
 
 def tunable(fields: Mapping[str, Any]) -> list[str]:
@@ -89,14 +91,15 @@ def tunable(fields: Mapping[str, Any]) -> list[str]:
     return [n for n in TUNED if n != "fused_adamw" or optim_name(fields) in ADAMW]
 
 
-def start_toggles(fields: Mapping[str, Any]) -> Toggles:
-    """The script's own arguments as the tuner's starting Toggles (the frozen ones as near as they map)."""
+def start_toggles(fields: Mapping[str, Any], tf32_on: bool = False) -> Toggles:
+    """The script's own arguments as the tuner's starting Toggles (the frozen ones as near as they map);
+    `tf32_on`: as `precision_of`'s."""
     mode = fields.get("torch_compile_mode")
     compiled = bool(fields.get("torch_compile")) or mode is not None or fields.get("torch_compile_backend") is not None
     factor = fields.get("dataloader_prefetch_factor")
     optim = optim_name(fields)
     return Toggles(
-        precision=precision_of(fields),
+        precision=precision_of(fields, tf32_on),
         compile=(mode or "default") if compiled else "off",
         micro_batch=int(fields.get("per_device_train_batch_size") or 1),
         prefetch=int(factor) if factor else TORCH_PREFETCH,
@@ -139,8 +142,10 @@ def args_fields(toggles: Toggles, fields: Mapping[str, Any]) -> dict[str, Any]:
     want["bf16"], want["fp16"] = p == "bf16", p == "fp16"
     if p == "tf32":
         want["tf32"] = True
-    elif fields.get("tf32") and p == "fp32":
-        want["tf32"] = False  # fp32 means fp32 matmuls; bf16/fp16 keep the script's tf32
+    elif p == "fp32" and (fields.get("tf32") or (fields.get("tf32") is None and toggles.compile != "off")):
+        # fp32 means fp32 matmuls: TrainingArguments would turn TF32 on for a compiled fp32 model unless told
+        # not to; bf16/fp16 keep the script's tf32
+        want["tf32"] = False
     if toggles.compile == "off":
         want.update(torch_compile=False, torch_compile_mode=None, torch_compile_backend=None)
     else:
