@@ -283,9 +283,16 @@ def fp32_precision_root():
     """torch.backends.fp32_precision as a test found it, put back after (process-wide state)."""
     if not hasattr(torch.backends, "fp32_precision"):
         pytest.skip("this torch has no fp32_precision API (torch < 2.9)")
-    before = torch.backends.fp32_precision
+    # the settings trainer.tf32 reads inherit from the root while the test runs (another test in this process may
+    # have set them through the old flags, which write them explicitly)
+    leaves = (torch.backends.cuda.matmul, torch.backends.cudnn.conv)
+    before = torch.backends.fp32_precision, [leaf.fp32_precision for leaf in leaves]
+    for leaf in leaves:
+        leaf.fp32_precision = "none"
     yield
-    torch.backends.fp32_precision = before
+    torch.backends.fp32_precision = before[0]
+    for leaf, value in zip(leaves, before[1]):
+        leaf.fp32_precision = value
     assert isinstance(torch.backends.cuda.matmul.allow_tf32, bool)  # the old flags read again
 
 
