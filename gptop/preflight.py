@@ -94,6 +94,8 @@ class ProgramPlan:
 def plan_run(ns: argparse.Namespace) -> RunPlan:
     """The checked plan of `gptop train`/`tune` from its parsed arguments; ConfigError (exit 2) for what
     cannot run, in the order a user fixes them: the config, the flags together, --wandb, the memory, the nodes."""
+    if getattr(ns, "quiet", False):
+        raise ConfigError("--quiet", "is for a command's output (gptop tune -- CMD); gptop's own trainer prints none")
     cfg = resolve_config(ns)
     check_run_args(ns, cfg)
     if ns.wandb:

@@ -28,6 +28,7 @@ from trainer.contract.events import (
     ErrorEvent,
     EvalEvent,
     Event,
+    ExitEvent,
     HelloEvent,
     MalformedEvent,
     ProfileEvent,
@@ -40,7 +41,8 @@ from trainer.contract.events import (
 from trainer.contract.states import ErrorKind
 
 from .energy import Energy, EnergySource, measure, unavailable_reason
-from .run_standing import RunStanding, standing_of
+from .report_alerts import MAX_ALERTS, alert_lines, alert_rows
+from .run_standing import NOT_REPORTED, RunStanding, end_words, standing_of
 from .state import fmt_mfu, loss_range
 
 
@@ -111,6 +113,8 @@ class _Scan:
         self.tuner_restarts = 0
         self.last_done: DoneEvent | None = None  # the last trainer process's own end and error
         self.last_error: ErrorEvent | None = None
+        self.last_exit: ExitEvent | None = None  # gptop's record of its end
+        self.client: str | None = None  # a command's client, once one said hello
         self.first_step: StepEvent | None = None
         self.last_step: StepEvent | None = None
         self.first_loss: float | None = None
@@ -148,7 +152,8 @@ class _Scan:
             if e.early:
                 self.early_hellos += 1
             if e.early or not self.early_hellos:  # a new trainer process: its end is what counts
-                self.last_done = self.last_error = None
+                self.last_done = self.last_error = self.last_exit = None
+            self.client = e.client or self.client
             if not e.early or self.hello is None or self.hello.early:
                 self.hello = e
             self._first = True
@@ -156,6 +161,8 @@ class _Scan:
             self.last_done = e
             if e.reason == TUNER_RESTART:
                 self.tuner_restarts += 1
+        elif isinstance(e, ExitEvent):
+            self.last_exit = e
         elif isinstance(e, ErrorEvent):
             self.last_error = e
             self.errors.append(e)
@@ -229,12 +236,15 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         )
     out["starts"] = scan.early_hellos or scan.hellos  # one early hello per trainer process
     out["tuner_restarts"] = scan.tuner_restarts
-    end = standing_of(run_dir, scan.last_done, scan.last_error)
+    end = standing_of(run_dir, scan.last_done, scan.last_error, scan.last_exit)
     out["state"], out["state_words"] = end.state.value, end.words
     out["done"] = end.done is not None and end.done.reason  # the last trainer's end (a tuner's restart is not)
+    if scan.last_exit is not None and end.state is not RunStanding.RUNNING:
+        out["exit"] = {**_fields(scan.last_exit), "words": end_words(scan.last_exit)}
     command = scan.command
     if command is not None:
         out["command"] = command  # `gptop run -- CMD`
+        out["client"] = scan.client  # None: nothing inside it reported steps, the model or checkpoints
     last_step = scan.last_step
     if last_step is not None or (end.done is not None and end.done.step):
         ends: list[StepEvent | DoneEvent] = [e for e in (last_step, end.done) if e is not None]
@@ -270,6 +280,11 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     return out
 
 
+def _fields(e: Event) -> dict[str, Any]:
+    """An event's own fields, without what every event has."""
+    return {k: v for k, v in to_dict(e).items() if k not in ("v", "type", "time", "rank")}
+
+
 def _speed(scan: "_Scan") -> dict[str, Any]:
     """The run's speed, phases and loss, from its steady state: the first interval of each start (compilation,
     allocator warm-up) is left out where there is more."""
@@ -301,33 +316,7 @@ def _energy_fields(run_dir: Path, scan: "_Scan", skipped: "_Skipped", tokens: bo
     return out
 
 
-MAX_ALERTS = 100  # alert rows a report keeps (the newest): a flapping alert on a week-long run stays readable
-
-
-def alert_rows(alerts: Any) -> list[dict[str, Any]]:
-    """Alerts as the report lists them: one row per alert (its latest raise), with when it was resolved."""
-    rows: dict[str, dict[str, Any]] = {}
-    for a in alerts:
-        row = rows.get(a.id)
-        if a.resolved:
-            if row is not None:
-                row.update(resolved_time=a.time, resolved=a.message)
-            continue
-        if row is None:
-            if len(rows) >= MAX_ALERTS:
-                rows.pop(next(iter(rows)))
-            row = rows[a.id] = {"id": a.id, "time": a.time, "resolved_time": None, "resolved": None}
-        row.update(
-            kind=a.kind.value,
-            severity=a.severity.value,
-            message=a.message,
-            step=a.step,
-            figures=a.figures,
-            ranks=a.ranks,
-            node=a.node,
-            device=a.device,
-        )
-    return list(rows.values())
+STDERR_LINES = 5  # a failed process's last stderr lines in the report
 
 
 def _error(e: ErrorEvent) -> dict[str, Any]:
@@ -455,7 +444,7 @@ def _tuning(path: Path) -> tuple[dict[str, Any] | None, str | None]:
 
 def format_report(s: dict[str, Any]) -> str:
     """The report as `gptop report` prints it: one labelled line per figure, from `summarize`'s dict."""
-    lines = _run_lines(s) + _speed_lines(s) + _outcome_lines(s) + _alert_lines(s) + _appendix_lines(s)
+    lines = _run_lines(s) + _speed_lines(s) + _outcome_lines(s) + alert_lines(s) + _appendix_lines(s)
     return "\n".join(lines)
 
 
@@ -465,7 +454,10 @@ def _run_lines(s: dict[str, Any]) -> list[str]:
     if s.get("command"):
         lines.append(f"command   {shlex.join(s['command'])}")
     m = s.get("model")
-    if m:
+    unreported = s.get("command") is not None and s.get("client") is None
+    if unreported:
+        lines.append(f"model     unknown: {NOT_REPORTED}")
+    elif m:
         name = "/".join(str(x) for x in (m.get("family"), m.get("size")) if x) or "?"
         lines.append(
             f"model     {name}  {(m.get('total_params') or 0) / 1e6:.1f}M params "
@@ -478,7 +470,9 @@ def _run_lines(s: dict[str, Any]) -> list[str]:
     starts = f"{s['starts']} start(s)" + (
         f" ({s['tuner_restarts']} by the tuner's restarts)" if s.get("tuner_restarts") else ""
     )
-    if "steps" not in s:
+    if unreported:
+        lines.append(f"progress  steps {NOT_REPORTED}; {starts}")
+    elif "steps" not in s:
         lines.append(f"progress  no step done, {starts}")
     else:
         lines.append(f"progress  {s['steps']}/{s.get('max_steps')} steps, {s['tokens']:,} tokens, {starts}")
@@ -528,37 +522,21 @@ def _outcome_lines(s: dict[str, Any]) -> list[str]:
     else:
         lines.append(f"energy    n/a ({s.get('energy_unavailable') or 'no energy reading'})")
     kept = s.get("checkpoints_kept") or []  # on disk now (pruned by --keep-checkpoints, rolled back by the tuner)
-    lines.append(
-        f"checkpts  {s.get('checkpoints_written', len(s['checkpoints']))} written, {len(kept)} kept"
-        + (f", newest {kept[-1]['path']}" if kept else "")
-    )
-    if s["errors"]:
-        for e in s["errors"]:
-            lines.append(f"error     step {e.get('step')}: {e['kind']}: {e['message']}")
+    if s.get("command") is not None and s.get("client") is None:
+        lines.append(f"checkpts  {NOT_REPORTED}")
     else:
-        lines.append("errors    none")
-    return lines
-
-
-def _alert_lines(s: dict[str, Any]) -> list[str]:
-    """The alerts raised, each with when (and whether) it was resolved."""
-    alerts = s.get("alerts") or []
-    if not alerts:
-        return ["alerts    none"]
-    active = sum(1 for a in alerts if a["resolved_time"] is None)
-    lines = [f"alerts    {len(alerts)} raised, " + (f"{active} not resolved" if active else "all resolved")]
-    for a in alerts:
-        where = " ".join(x for x in (a.get("node"), a.get("device")) if x)
-        when = (
-            f"resolved after {a['resolved_time'] - a['time']:.0f} s"
-            if a["resolved_time"] is not None
-            else "not resolved"
-        )
         lines.append(
-            f"  {a['kind']} [{a['severity']}]"
-            + (f" ({where})" if where else "")
-            + f" at step {a.get('step')}, {when}: {a['message']}"
+            f"checkpts  {s.get('checkpoints_written', len(s['checkpoints']))} written, {len(kept)} kept"
+            + (f", newest {kept[-1]['path']}" if kept else "")
         )
+    for e in s["errors"]:
+        lines.append(f"error     step {e.get('step')}: {e['kind']}: {e['message']}")
+    end = s.get("exit") or {}
+    if end.get("stderr"):  # a failure's last words, whether or not the process said why
+        lines.append(f"exit      {end['words']}; its last stderr lines:")
+        lines += [f"            {line}" for line in end["stderr"][-STDERR_LINES:]]
+    elif not s["errors"]:
+        lines.append("errors    none")
     return lines
 
 
@@ -592,4 +570,6 @@ def print_report(run_dir: Path, json_out: bool = False) -> int:
         print(json.dumps(s, default=str))  # one line: --json's one meaning (JSON lines)
     else:
         print(format_report(s))
+    if s["state"] == RunStanding.FAILED.value:
+        return 1
     return 0 if not s["errors"] or s.get("done") or s["state"] == RunStanding.RUNNING.value else 1

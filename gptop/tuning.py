@@ -510,7 +510,7 @@ class TuningDriver:
         if action is not None and not ended:
             toggles = action.toggles
             if self.tune_only:
-                procs.stop()
+                procs.stop(last=True)
                 self._complete = False
                 self._exit_code = 0
             else:

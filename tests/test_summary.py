@@ -276,7 +276,7 @@ def test_report_of_a_run_whose_lock_is_held_says_running(tmp_path):
 @pytest.mark.parametrize(
     "tail, state, words",
     [
-        ([], "cut short", "ended without a word from its last trainer"),
+        ([], "cut short", "ended without a word from its last process"),
         ([("done", {"step": 60, "tokens": 60 * 1024, "reason": "max_steps"})], "finished", "finished at step 60"),
         (
             [("done", {"step": 60, "tokens": 60 * 1024, "reason": "stop requested"})],
