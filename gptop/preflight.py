@@ -323,7 +323,7 @@ def plan_program(ns: argparse.Namespace, tune: bool = False) -> ProgramPlan:
         tune=tune,
         tuning=tuning,
         options=options,
-        lock=LockRequest(run_dir, command=f"gptop {ns.command}"),
+        lock=LockRequest(run_dir, command=f"gptop {ns.command}", new_run=True),  # a command never resumes here
     )
 
 

@@ -240,7 +240,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     out["state"], out["state_words"] = end.state.value, end.words
     out["done"] = end.done is not None and end.done.reason  # the last trainer's end (a tuner's restart is not)
     if scan.last_exit is not None and end.state is not RunStanding.RUNNING:
-        out["exit"] = {**_fields(scan.last_exit), "words": end_words(scan.last_exit)}
+        out["exit"] = _exit(scan.last_exit)
     command = scan.command
     if command is not None:
         out["command"] = command  # `gptop run -- CMD`
@@ -280,9 +280,10 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     return out
 
 
-def _fields(e: Event) -> dict[str, Any]:
-    """An event's own fields, without what every event has."""
-    return {k: v for k, v in to_dict(e).items() if k not in ("v", "type", "time", "rank")}
+def _exit(e: ExitEvent) -> dict[str, Any]:
+    """gptop's record of how the last process ended, every field written (null: not known), with its words."""
+    keys = ("pid", "exit_code", "signal", "seconds", "stopped_by", "stderr")
+    return {**{k: getattr(e, k) for k in keys}, "words": end_words(e)}
 
 
 def _speed(scan: "_Scan") -> dict[str, Any]:

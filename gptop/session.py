@@ -423,7 +423,7 @@ class Session(SessionBase):
             signal=-code if code < 0 else None,
             seconds=ended - started if started is not None and ended is not None else None,
             stopped_by=by,
-            stderr=sup.stderr_tail(ev.EXIT_STDERR_LINES) if by is None and code != 0 else None,
+            stderr=(sup.stderr_tail(ev.EXIT_STDERR_LINES) if by is None and code != 0 else None) or None,
         )
         try:
             self.publish(event)

@@ -4,7 +4,6 @@ script the examples did not write, plain commands without a client)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -13,9 +12,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, gone, gptop_env, run_events, start_gptop, wait_for
 from trainer.contract.events import parse, read_events
-from helpers import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.process]
 
@@ -23,44 +21,12 @@ EXAMPLES = ROOT / "examples"
 HF_SCRIPT = ROOT / "tests" / "fixtures" / "hf_script.py"
 
 
-def env() -> dict[str, str]:
-    e = dict(os.environ)
-    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
-    return e
-
-
-def gptop(*args: str, cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "gptop", *args],
-        cwd=cwd,
-        env=env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def events(run_dir: Path, kind: str | None = None) -> list:
-    p = run_dir / "events.jsonl"
-    return [e for e in read_events(p) if kind is None or e.type == kind] if p.exists() else []
-
-
 def client_hello(run_dir: Path):
-    return next((e for e in events(run_dir, "hello") if e.client is not None), None)
-
-
-def gone(pid: int, timeout: float = 60) -> bool:
-    try:
-        psutil.Process(pid).wait(timeout)
-    except psutil.NoSuchProcess:
-        pass
-    except psutil.TimeoutExpired:
-        return False
-    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    return next((e for e in run_events(run_dir, "hello") if e.client is not None), None)
 
 
 def test_a_transformers_script_as_json_lines_and_the_same_script_without_gptop(tmp_path):
-    p = gptop(
+    p = start_gptop(
         "--no-ui",
         "--json",
         "run",
@@ -92,7 +58,7 @@ def test_a_transformers_script_as_json_lines_and_the_same_script_without_gptop(t
     plain = subprocess.run(
         [sys.executable, str(HF_SCRIPT), "--out", "hf2"],
         cwd=tmp_path,
-        env=env(),
+        env=gptop_env(),
         capture_output=True,
         text=True,
         timeout=600,
@@ -103,7 +69,7 @@ def test_a_transformers_script_as_json_lines_and_the_same_script_without_gptop(t
     r = subprocess.run(
         [sys.executable, "-m", "gptop", "report", "run"],
         cwd=tmp_path,
-        env=env(),
+        env=gptop_env(),
         capture_output=True,
         text=True,
         timeout=120,
@@ -115,7 +81,7 @@ def test_a_transformers_script_as_json_lines_and_the_same_script_without_gptop(t
 
 def test_ctrl_c_stops_a_plain_loop_with_its_own_checkpoint(tmp_path):
     run = tmp_path / "run"
-    p = gptop(
+    p = start_gptop(
         "--no-ui",
         "run",
         "--run-dir",
@@ -133,14 +99,14 @@ def test_ctrl_c_stops_a_plain_loop_with_its_own_checkpoint(tmp_path):
         "ckpt",
         cwd=tmp_path,
     )
-    wait_for(lambda: events(run, "step"), timeout=300, what="the first step event")
+    wait_for(lambda: run_events(run, "step"), timeout=300, what="the first step event")
     pid = client_hello(run).pid
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=300)
     assert p.returncode == 130, err
     assert gone(pid)
-    done = events(run, "done")[-1]
-    ckpt = events(run, "checkpoint")[-1]
+    done = run_events(run, "done")[-1]
+    ckpt = run_events(run, "checkpoint")[-1]
     # the stop gptop asked for (its reason wins over the signal that also reached the program's main process)
     assert done.reason in ("stop requested", "SIGINT") and ckpt.reason == "stop" and ckpt.step == done.step
     assert Path(ckpt.path) == tmp_path / "ckpt" / f"step-{done.step}.pt" and Path(ckpt.path).exists()
@@ -148,7 +114,7 @@ def test_ctrl_c_stops_a_plain_loop_with_its_own_checkpoint(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "gptop", "--json", "report", "run"],
         cwd=tmp_path,
-        env=env(),
+        env=gptop_env(),
         capture_output=True,
         text=True,
         timeout=120,
@@ -162,7 +128,7 @@ def test_ctrl_c_stops_a_plain_loop_with_its_own_checkpoint(tmp_path):
 def test_kill_9_of_gptop_leaves_nothing_running(tmp_path):
     # a loop with the probe: it sees its channel close, checkpoints and exits
     run = tmp_path / "run"
-    p = gptop(
+    p = start_gptop(
         "--no-ui",
         "run",
         "--run-dir",
@@ -178,25 +144,25 @@ def test_kill_9_of_gptop_leaves_nothing_running(tmp_path):
         "ckpt",
         cwd=tmp_path,
     )
-    wait_for(lambda: client_hello(run) and events(run, "step"), timeout=300, what="a step")
+    wait_for(lambda: client_hello(run) and run_events(run, "step"), timeout=300, what="a step")
     pid = client_hello(run).pid
     # a command without a client: the warden ends it
     run2 = tmp_path / "run2"
-    p2 = gptop(
+    p2 = start_gptop(
         "--no-ui", "run", "--run-dir", "run2", "--", sys.executable, "-c", "import time; time.sleep(600)", cwd=tmp_path
     )
-    wait_for(lambda: events(run2, "hello"), timeout=120, what="the command's start")
-    pid2 = events(run2, "hello")[0].pid
+    wait_for(lambda: run_events(run2, "hello"), timeout=120, what="the command's start")
+    pid2 = run_events(run2, "hello")[0].pid
     for gp in (p, p2):
         gp.kill()
         gp.wait()
     assert gone(pid, timeout=120), "the loop outlived gptop"
     assert gone(pid2, timeout=120), "the plain command outlived gptop"
-    done = events(run, "done")[-1]
+    done = run_events(run, "done")[-1]
     # The loop's client sees both ends of gptop: its channel's end of file and the warden's SIGTERM, whichever
     # comes first (on a loaded machine the warden's can); either is the graceful stop, with its checkpoint.
     assert done.reason in ("launcher went away", "SIGTERM"), done.reason
-    assert events(run, "checkpoint")[-1].step == done.step
+    assert run_events(run, "checkpoint")[-1].step == done.step
     wardens = [
         q
         for q in psutil.process_iter(["cmdline"])  # [python, -m, gptop.warden, FD, PID, GRACE]
@@ -207,11 +173,11 @@ def test_kill_9_of_gptop_leaves_nothing_running(tmp_path):
 
 def test_exit_codes_of_plain_commands(tmp_path):
     # exits 0: finished; fails: exit 1 with its stderr in the summary
-    p = gptop("--no-ui", "run", "--run-dir", "ok", "--", sys.executable, "-c", "print('hi')", cwd=tmp_path)
+    p = start_gptop("--no-ui", "run", "--run-dir", "ok", "--", sys.executable, "-c", "print('hi')", cwd=tmp_path)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 0 and "gptop: run finished after" in out, out + err
     fail = "import sys; print('something broke', file=sys.stderr); sys.exit(3)"
-    p = gptop("--no-ui", "run", "--run-dir", "bad", "--", sys.executable, "-c", fail, cwd=tmp_path)
+    p = start_gptop("--no-ui", "run", "--run-dir", "bad", "--", sys.executable, "-c", fail, cwd=tmp_path)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 1, out + err
     assert "failed (exit code 3)" in err and "    something broke" in out  # the summary's stderr lines
@@ -219,7 +185,9 @@ def test_exit_codes_of_plain_commands(tmp_path):
     ignore = (
         "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"
     )
-    p = gptop("--no-ui", "run", "--run-dir", "stuck", "--grace", "1", "--", sys.executable, "-c", ignore, cwd=tmp_path)
+    p = start_gptop(
+        "--no-ui", "run", "--run-dir", "stuck", "--grace", "1", "--", sys.executable, "-c", ignore, cwd=tmp_path
+    )
     # its output and gptop's record of the start (the hello, with its pid) are written by two threads
     wait_for(
         lambda: (
@@ -230,8 +198,8 @@ def test_exit_codes_of_plain_commands(tmp_path):
         timeout=120,
         what="the command to start",
     )
-    wait_for(lambda: events(tmp_path / "stuck", "hello"), timeout=60, what="gptop's record of the start")
-    pid = events(tmp_path / "stuck", "hello")[0].pid
+    wait_for(lambda: run_events(tmp_path / "stuck", "hello"), timeout=60, what="gptop's record of the start")
+    pid = run_events(tmp_path / "stuck", "hello")[0].pid
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 130 and gone(pid, timeout=30)
@@ -240,17 +208,17 @@ def test_exit_codes_of_plain_commands(tmp_path):
 
 def test_a_missing_command_is_exit_2_and_creates_nothing(tmp_path):
     for cmd in (["no-such-program-here"], [sys.executable, "missing.py"], [str(tmp_path)]):
-        p = gptop("--no-ui", "run", "--", *cmd, cwd=tmp_path)
+        p = start_gptop("--no-ui", "run", "--", *cmd, cwd=tmp_path)
         out, err = p.communicate(timeout=120)
         assert p.returncode == 2 and "CMD:" in err and "Traceback" not in err, err
     assert list(tmp_path.iterdir()) == []
 
 
 def test_a_lightning_script(tmp_path):
-    probe = subprocess.run([sys.executable, "-c", "import lightning"], env=env(), capture_output=True)
+    probe = subprocess.run([sys.executable, "-c", "import lightning"], env=gptop_env(), capture_output=True)
     if probe.returncode != 0:
         pytest.skip("Lightning is an optional extra: pip install 'gptop[lightning]'")
-    p = gptop(
+    p = start_gptop(
         "--no-ui",
         "--json",
         "run",
@@ -276,7 +244,7 @@ def test_a_lightning_script(tmp_path):
 def test_two_ranks_stop_on_the_same_step(tmp_path):
     """torchrun as the command: each rank's probe reports with its rank, and a stop lands on one step."""
     run = tmp_path / "run"
-    p = gptop(
+    p = start_gptop(
         "--no-ui",
         "run",
         "--run-dir",
@@ -295,20 +263,20 @@ def test_two_ranks_stop_on_the_same_step(tmp_path):
     )
     rank1 = run / "events.rank1.jsonl"
     wait_for(
-        lambda: events(run, "step") and rank1.exists() and rank1.stat().st_size,
+        lambda: run_events(run, "step") and rank1.exists() and rank1.stat().st_size,
         timeout=300,
         what="step events of both ranks",
     )
-    pids = [e.pid for e in events(run, "hello") if e.client is not None]
+    pids = [e.pid for e in run_events(run, "hello") if e.client is not None]
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=300)
     assert p.returncode == 130, out + err
-    done = events(run, "done")[-1]
-    last = {0: events(run, "step")[-1].step, 1: [e for e in read_events(rank1) if e.type == "step"][-1].step}
+    done = run_events(run, "done")[-1]
+    last = {0: run_events(run, "step")[-1].step, 1: [e for e in read_events(rank1) if e.type == "step"][-1].step}
     assert last == {0: done.step, 1: done.step}, (last, done)  # both ranks stopped after the same step
-    ckpt = events(run, "checkpoint")[-1]
+    ckpt = run_events(run, "checkpoint")[-1]
     assert ckpt.reason == "stop" and ckpt.step == done.step and Path(ckpt.path).exists()
-    steps = events(run, "step")
+    steps = run_events(run, "step")
     assert steps[-1].tokens == steps[-1].step * 2 * 4 * 16 and {e.rank for e in read_events(rank1)} == {1}
     assert all(gone(pid) for pid in pids)
 
@@ -340,16 +308,16 @@ def test_the_dashboard_shows_a_loop_and_q_stops_it(tmp_path):
         ],
         cols=120,
         rows=40,
-        env=dict(env(), TERM="xterm-256color", COLUMNS="120", LINES="40"),
+        env=dict(gptop_env(), TERM="xterm-256color", COLUMNS="120", LINES="40"),
     )
     try:
-        wait_for(lambda: events(run, "step"), timeout=300, what="a step event")
+        wait_for(lambda: run_events(run, "step"), timeout=300, what="a step event")
         wait_for(lambda: "LlamaForCausalLM" in screen_text(term)[-20000:], timeout=60, what="the client's hello")
         pid = client_hello(run).pid
         term.send(b"q")
         assert term.proc.wait(120) == 130
     finally:
         term.close()
-    assert gone(pid) and events(run, "checkpoint")[-1].reason == "stop"
+    assert gone(pid) and run_events(run, "checkpoint")[-1].reason == "stop"
     text = screen_text(term)
     assert "gptop: run stopped at step" in text and "command" in text
