@@ -110,7 +110,7 @@ def test_ctrl_c_stops_a_plain_loop_with_its_own_checkpoint(tmp_path):
     # the stop gptop asked for (its reason wins over the signal that also reached the program's main process)
     assert done.reason in ("stop requested", "SIGINT") and ckpt.reason == "stop" and ckpt.step == done.step
     assert Path(ckpt.path) == tmp_path / "ckpt" / f"step-{done.step}.pt" and Path(ckpt.path).exists()
-    assert "gptop: run stopped at step" in out and f"checkpoint {ckpt.path}" in out
+    assert "gptop: run stopped by you at step" in out and f"checkpoint {ckpt.path}" in out
     r = subprocess.run(
         [sys.executable, "-m", "gptop", "--json", "report", "run"],
         cwd=tmp_path,
@@ -320,4 +320,4 @@ def test_the_dashboard_shows_a_loop_and_q_stops_it(tmp_path):
         term.close()
     assert gone(pid) and run_events(run, "checkpoint")[-1].reason == "stop"
     text = screen_text(term)
-    assert "gptop: run stopped at step" in text and "command" in text
+    assert "gptop: run stopped by you at step" in text and "command" in text
