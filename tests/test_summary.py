@@ -486,7 +486,7 @@ def test_report_of_a_live_tuned_run_says_running_then_how_it_ended(tmp_path):
     after = subprocess.run(
         [sys.executable, "-m", "gptop", "report", str(run)], capture_output=True, text=True, env=env, timeout=120
     )
-    assert "state     stopped at step" in after.stdout and "running" not in after.stdout, after.stdout
+    assert "state     stopped by you (exit 0) at step" in after.stdout and "running" not in after.stdout, after.stdout
 
 
 def test_one_logged_step_is_a_loss_value_not_a_range(tmp_path):
