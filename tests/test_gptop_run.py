@@ -3,7 +3,9 @@ script the examples did not write, plain commands without a client)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shlex
 import signal
 import subprocess
 import sys
@@ -77,6 +79,32 @@ def test_a_transformers_script_as_json_lines_and_the_same_script_without_gptop(t
     assert r.returncode == 0, r.stderr
     assert "12/12 steps" in r.stdout and f"command   {sys.executable} {HF_SCRIPT}" in r.stdout
     assert "phases    data" in r.stdout and "2 written, 2 kept" in r.stdout
+    export = start_gptop("export", "run", "exported", cwd=tmp_path)  # a Trainer's checkpoints: from_pretrained
+    _, err = export.communicate(timeout=120)
+    assert export.returncode == 2 and "from_pretrained: the newest, " in err and "checkpoint-12" in err, err
+
+    # best.toml of a tune of this script says how to apply it: its GPTOP_TOGGLES line, given to gptop run as it
+    # says, reaches the script's tuned_args (micro-batch 2: the Trainer's own batch of 8 kept with 4 steps)
+    from tuner.tuning_report import TunedCommand, best_toml
+
+    best = dataclasses.replace(hello.toggles, micro_batch=2)
+    argv = [sys.executable, str(HF_SCRIPT), "--out", "hf3"]
+    text = best_toml(best, TunedCommand(argv, hello.toggles, hello.micro_batch * hello.accumulation))
+    assert "per_device_train_batch_size=2, gradient_accumulation_steps=4" in text
+    assignment, *command = shlex.split(next(x for x in text.splitlines() if "GPTOP_TOGGLES=" in x)[1:])
+    name, _, value = assignment.partition("=")
+    assert command == ["gptop", "run", "--", *argv]
+    tuned = subprocess.run(
+        [sys.executable, "-m", "gptop", "--no-ui", "run", "--run-dir", "run3", *command[2:]],
+        cwd=tmp_path,
+        env={**gptop_env(), name: value},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert tuned.returncode == 0, tuned.stderr
+    applied = client_hello(tmp_path / "run3")
+    assert (applied.micro_batch, applied.accumulation, applied.toggles) == (2, 4, best)
 
 
 def test_ctrl_c_stops_a_plain_loop_with_its_own_checkpoint(tmp_path):
