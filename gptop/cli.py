@@ -303,6 +303,7 @@ def _add_train_and_tune(sub: Any) -> None:
             "(default: a SQLite file in ~/.cache/gptop)",
         )
     tune.add_argument("--tune-only", action="store_true", help="stop after writing best.toml (default: off)")
+    _add_quiet(tune, "with -- CMD and --no-ui: ")
     tune.add_argument(
         "cmd",
         nargs=argparse.REMAINDER,
@@ -345,6 +346,7 @@ def _add_run(sub: Any) -> None:
         help="seconds between the stop signal and SIGKILL when the command does not end "
         f"(default: 30; 0 < S <= {MAX_GRACE_S:g})",
     )
+    _add_quiet(run, "with --no-ui: ")
     g = run.add_argument_group("session")
     g.add_argument(
         "--restart-on-failure",
@@ -368,6 +370,15 @@ def _add_run(sub: Any) -> None:
         nargs=argparse.REMAINDER,
         metavar="-- CMD [ARGS]",
         help="the command, after --: e.g. -- python train.py --lr 3e-4",
+    )
+
+
+def _add_quiet(p: argparse.ArgumentParser, when: str) -> None:
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help=f"{when}do not print the command's own output lines (default: printed as they come, each "
+        "prefixed [out] or [err]; on stderr with --json; all of it is in RUN_DIR/trainer.log either way)",
     )
 
 
@@ -531,7 +542,9 @@ def _show(ns: argparse.Namespace, session: Session, resume: str | None, signals:
     if ns.no_ui:
         from .headless import HeadlessView
 
-        code = session.run_headless(HeadlessView(session.state, json=ns.json), resume=resume, signals=signals)
+        echo = session.command is not None and not getattr(ns, "quiet", False)  # a program's own lines
+        view = HeadlessView(session.state, json=ns.json, echo_logs=echo)
+        code = session.run_headless(view, resume=resume, signals=signals)
         if code == EXIT_FAILED and session.refusal() is None:
             print(f"gptop: {session.state.status_message or 'the run failed'}", file=sys.stderr)
         code = code if code is not None else EXIT_FAILED

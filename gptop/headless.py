@@ -24,11 +24,15 @@ trial (one per trial, when it ends), apply, tuner phase, status change and
 bottleneck hint change; with a rich progress bar when the stream is a
 terminal.
 
-The trainer's stdout/stderr are not printed in either mode: they are in the
-run directory's log file, and printing them would break `--json` and bury the
-step lines. When the run fails, the last stderr lines (the traceback) go to
-our stderr in both modes. `echo_logs=True` prints every trainer line to our
-stderr as it comes.
+gptop's own trainer's stdout/stderr are not printed in either mode: they are in the
+run directory's log file, and printing them would bury the step lines. When the
+run fails, the last stderr lines (the traceback) go to our stderr in both modes.
+`echo_logs=True` (a user's program under `gptop run`, unless `--quiet`) prints each
+of its lines as the log panel shows them, prefixed `[out] ` or `[err] ` (gptop's
+own `[gptop] `), in the order they came among gptop's lines: on stdout, or on
+stderr with `--json` (stdout stays JSON lines). They are written as they come and
+flushed at most ECHO_FLUSH_S later (or with gptop's next line), not one write per
+line: a chatty program's thousands of lines a second cost gptop little.
 
 Nothing here imports Textual: headless runs must work where it is absent or
 broken, and start fast.
@@ -87,6 +91,8 @@ if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
 
 MEASURE_EVERY_S = 10.0
+ECHO_FLUSH_S = 0.2  # a program's echoed lines reach the terminal or CI log at most this long after they came
+ECHO_PREFIX = {"stdout": "[out] ", "stderr": "[err] "}  # gptop's own lines come with "[gptop] " already
 SHORT = {"data": "data", "forward": "fwd", "backward": "bwd", "optimizer": "opt", "other": "other"}
 
 
@@ -288,6 +294,7 @@ class HeadlessView:
         self.echo_logs = echo_logs
         self._stderr: deque[str] = deque(maxlen=stderr_tail)
         self._lock = threading.Lock()
+        self._flush: threading.Timer | None = None  # the pending flush of echoed lines
         # set when stdout's reader has gone away: the caller stops the run (gptop/cli.py) and exits quietly
         self.stdout_closed = threading.Event()
         self._last_device: float | None = None
@@ -470,7 +477,30 @@ class HeadlessView:
             if stream == "stderr":
                 self._stderr.append(line.rstrip("\n"))
             if self.echo_logs:
-                self._print_err(line.rstrip("\n"))
+                self._echo(ECHO_PREFIX.get(stream, "") + line.rstrip("\n"))
+
+    def _echo(self, line: str) -> None:
+        """One of the program's lines, written now and flushed soon (`ECHO_FLUSH_S`)."""
+        target = self.err if self.json else self.stream
+        if self._progress is not None and target is self.stream:
+            self._print(line)
+            return
+        if target is self.stream and self.stdout_closed.is_set():
+            return
+        try:
+            target.write(line + "\n")
+        except BrokenPipeError:
+            self._write(target, "")  # notes the reader gone
+            return
+        if self._flush is None:
+            self._flush = threading.Timer(ECHO_FLUSH_S, self._flush_echo, args=(target,))
+            self._flush.daemon = True
+            self._flush.start()
+
+    def _flush_echo(self, target: IO[str]) -> None:
+        with self._lock:
+            self._flush = None
+            self._write(target, "")
 
     def on_status(self, status: RunStatus, message: str | None = None) -> None:
         """The session's status changed: a line (or a JSON status object); the stderr tail on failure."""
@@ -498,6 +528,10 @@ class HeadlessView:
     def close(self) -> None:
         """Stop the progress bar; flush."""
         with self._lock:
+            if self._flush is not None:
+                self._flush.cancel()
+                self._flush = None
+                self._write(self.err, "")
             if self._progress is not None:
                 self._progress.stop()
                 self._progress = None

@@ -94,6 +94,8 @@ class ProgramPlan:
 def plan_run(ns: argparse.Namespace) -> RunPlan:
     """The checked plan of `gptop train`/`tune` from its parsed arguments; ConfigError (exit 2) for what
     cannot run, in the order a user fixes them: the config, the flags together, --wandb, the memory, the nodes."""
+    if getattr(ns, "quiet", False):
+        raise ConfigError("--quiet", "is for a command's output (gptop tune -- CMD); gptop's own trainer prints none")
     cfg = resolve_config(ns)
     check_run_args(ns, cfg)
     if ns.wandb:
@@ -321,7 +323,7 @@ def plan_program(ns: argparse.Namespace, tune: bool = False) -> ProgramPlan:
         tune=tune,
         tuning=tuning,
         options=options,
-        lock=LockRequest(run_dir, command=f"gptop {ns.command}"),
+        lock=LockRequest(run_dir, command=f"gptop {ns.command}", new_run=True),  # a command never resumes here
     )
 
 

@@ -27,6 +27,7 @@ from trainer.contract.events import (
     ErrorEvent,
     EvalEvent,
     Event,
+    ExitEvent,
     HelloEvent,
     MalformedEvent,
     ProfileEvent,
@@ -40,7 +41,7 @@ from trainer.contract.states import ErrorKind, WarningKind
 
 from .alert_report import MAX_ALERTS, alert_lines, alert_rows
 from .run_energy import run_energy
-from .run_standing import RunStanding, standing_of
+from .run_standing import NOT_REPORTED, RunStanding, end_words, standing_of
 from .state import fmt_mfu, loss_range
 from .state.counts import RunCounts, tokens_words
 
@@ -112,6 +113,8 @@ class _Scan:
         self.tuner_restarts = 0
         self.last_done: DoneEvent | None = None  # the last trainer process's own end and error
         self.last_error: ErrorEvent | None = None
+        self.last_exit: ExitEvent | None = None  # gptop's record of its end
+        self.client: str | None = None  # a command's client, once one said hello
         self.first_step: StepEvent | None = None
         self.last_step: StepEvent | None = None
         self.counts = RunCounts()  # steps and tokens across the trainer processes (restarts, rollbacks)
@@ -152,7 +155,8 @@ class _Scan:
             if e.early:
                 self.early_hellos += 1
             if e.early or not self.early_hellos:  # a new trainer process: its end is what counts
-                self.last_done = self.last_error = None
+                self.last_done = self.last_error = self.last_exit = None
+            self.client = e.client or self.client
             if not e.early or self.hello is None or self.hello.early:
                 self.hello = e
             self._first = True
@@ -161,6 +165,8 @@ class _Scan:
             self.last_done = e
             if e.reason == TUNER_RESTART:
                 self.tuner_restarts += 1
+        elif isinstance(e, ExitEvent):
+            self.last_exit = e
         elif isinstance(e, ErrorEvent):
             self.last_error = e
             self.errors.append(e)
@@ -242,12 +248,15 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         )
     out["starts"] = scan.early_hellos or scan.hellos  # one early hello per trainer process
     out["tuner_restarts"] = scan.tuner_restarts
-    end = standing_of(run_dir, scan.last_done, scan.last_error)
+    end = standing_of(run_dir, scan.last_done, scan.last_error, scan.last_exit)
     out["state"], out["state_words"] = end.state.value, end.words
     out["done"] = end.done is not None and end.done.reason  # the last trainer's end (a tuner's restart is not)
+    if scan.last_exit is not None and end.state is not RunStanding.RUNNING:
+        out["exit"] = _exit(scan.last_exit)
     command = scan.command
     if command is not None:
         out["command"] = command  # `gptop run -- CMD`
+        out["client"] = scan.client  # None: nothing inside it reported steps, the model or checkpoints
     last_step, counts = scan.last_step, scan.counts
     if counts.step is not None and (last_step is not None or counts.step):
         # kept: the steps the run holds; processed: every step trained, rolled back or not (gptop.state.counts)
@@ -285,6 +294,12 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     return out
 
 
+def _exit(e: ExitEvent) -> dict[str, Any]:
+    """gptop's record of how the last process ended, every field written (null: not known), with its words."""
+    keys = ("pid", "exit_code", "signal", "seconds", "stopped_by", "stderr")
+    return {**{k: getattr(e, k) for k in keys}, "words": end_words(e)}
+
+
 def _speed(scan: "_Scan") -> dict[str, Any]:
     """The run's speed, phases and loss, from its steady state: the first interval of each start (compilation,
     allocator warm-up) is left out where there is more."""
@@ -317,6 +332,9 @@ def _energy_fields(run_dir: Path, scan: "_Scan", skipped: "_Skipped") -> dict[st
     if tokens > 0:
         out["energy_j_per_token"] = energy.joules / tokens
     return out
+
+
+STDERR_LINES = 5  # a failed process's last stderr lines in the report
 
 
 def _error(e: ErrorEvent) -> dict[str, Any]:
@@ -355,7 +373,10 @@ def _run_lines(s: dict[str, Any]) -> list[str]:
     if s.get("command"):
         lines.append(f"command   {shlex.join(s['command'])}")
     m = s.get("model")
-    if m:
+    unreported = s.get("command") is not None and s.get("client") is None
+    if unreported:
+        lines.append(f"model     unknown: {NOT_REPORTED}")
+    elif m:
         name = "/".join(str(x) for x in (m.get("family"), m.get("size")) if x) or "?"
         lines.append(
             f"model     {name}  {(m.get('total_params') or 0) / 1e6:.1f}M params "
@@ -368,7 +389,9 @@ def _run_lines(s: dict[str, Any]) -> list[str]:
     starts = f"{s['starts']} start(s)" + (
         f" ({s['tuner_restarts']} by the tuner's restarts)" if s.get("tuner_restarts") else ""
     )
-    if "steps" not in s:
+    if unreported:
+        lines.append(f"progress  steps {NOT_REPORTED}; {starts}")
+    elif "steps" not in s:
         lines.append(f"progress  no step done, {starts}")
     else:
         tokens = tokens_words(s["tokens"], s.get("tokens_processed"), s.get("steps_rolled_back", 0), "{:,}".format)
@@ -419,14 +442,20 @@ def _outcome_lines(s: dict[str, Any]) -> list[str]:
     else:
         lines.append(f"energy    n/a ({s.get('energy_unavailable') or 'no energy reading'})")
     kept = s.get("checkpoints_kept") or []  # on disk now (pruned by --keep-checkpoints, rolled back by the tuner)
-    lines.append(
-        f"checkpts  {s.get('checkpoints_written', len(s['checkpoints']))} written, {len(kept)} kept"
-        + (f", newest {kept[-1]['path']}" if kept else "")
-    )
-    if s["errors"]:
-        for e in s["errors"]:
-            lines.append(f"error     step {e.get('step')}: {e['kind']}: {e['message']}")
+    if s.get("command") is not None and s.get("client") is None:
+        lines.append(f"checkpts  {NOT_REPORTED}")
     else:
+        lines.append(
+            f"checkpts  {s.get('checkpoints_written', len(s['checkpoints']))} written, {len(kept)} kept"
+            + (f", newest {kept[-1]['path']}" if kept else "")
+        )
+    for e in s["errors"]:
+        lines.append(f"error     step {e.get('step')}: {e['kind']}: {e['message']}")
+    end = s.get("exit") or {}
+    if end.get("stderr"):  # a failure's last words, whether or not the process said why
+        lines.append(f"exit      {end['words']}; its last stderr lines:")
+        lines += [f"            {line}" for line in end["stderr"][-STDERR_LINES:]]
+    elif not s["errors"]:
         lines.append("errors    none")
     return lines
 
@@ -461,4 +490,6 @@ def print_report(run_dir: Path, json_out: bool = False) -> int:
         print(json.dumps(s, default=str))  # one line: --json's one meaning (JSON lines)
     else:
         print(format_report(s))
+    if s["state"] == RunStanding.FAILED.value:
+        return 1
     return 0 if not s["errors"] or s.get("done") or s["state"] == RunStanding.RUNNING.value else 1

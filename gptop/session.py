@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Callable, Protocol
 
 from trainer.contract import events as ev
-from trainer.contract.states import RunStatus
+from trainer.contract.states import RunStatus, StoppedBy
 from trainer.contract.config import TrainConfig, cli_args
 from trainer.contract.rundir import RunDir, has_checkpoint, list_checkpoints
 from trainer.contract.runlock import RunLock
@@ -240,14 +240,15 @@ class Session(SessionBase):
     def stop(self, force: bool = False, *, interrupted: bool = True) -> None:
         """Graceful stop (the trainer checkpoints); `force` or a second call kills it at once.
 
-        `interrupted=False` is a planned end (e.g. --tune-only): the exit code stays 0."""
+        `interrupted=False` is a planned end of gptop's own: the exit code stays 0."""
         sup = self.supervisor
+        by = StoppedBy.USER if interrupted else StoppedBy.GPTOP
         if sup is not None and self.state.completed and (sup.alive() or sup.exiting):
             # the trainer trained to its last step and is on its way out, or out with its exit not yet
             # handled: the run is finished, not stopped (exit 0); a forced stop only shortens its teardown
             if force and sup.alive():
                 self.killed_after_completion = True
-                sup.kill()
+                sup.kill(by=by)
             return
         self.interrupted = self.interrupted or interrupted
         if sup is not None and sup.exiting:
@@ -262,14 +263,14 @@ class Session(SessionBase):
             self._set_status(
                 RunStatus.STOPPING, "a second stop: ending the trainer at once, without a checkpoint of its own"
             )
-            sup.kill()
+            sup.kill(by=by)
         else:
             self.stopping = True
             if self.state.stepped:
                 self._set_status(RunStatus.STOPPING, "finishing the step and checkpointing")
             else:  # the trainer abandons its startup at once (trainer.channel.StartupStopped)
                 self._set_status(RunStatus.STOPPING, "stopping before the first step (nothing to checkpoint)")
-            sup.request_stop()
+            sup.request_stop(by=by)
 
     def checkpoint(self) -> None:
         if self.supervisor:
@@ -397,10 +398,33 @@ class Session(SessionBase):
         self.log(f"malformed event ignored ({why}): {line[:200]!r}")
 
     def _on_exit(self, code: int) -> None:
+        self.record_exit(code)
         controller = self._controller
         if controller is not None and controller.on_trainer_exit(code):
             return
         self.handle_exit(code)
+
+    def record_exit(self, code: int) -> None:
+        """gptop's `exit` event for the process that just ended, before anything acts on its end (so a restart's
+        start follows it in events.jsonl): its exit status or signal, how long it ran, who ended it, and a
+        failure's last stderr lines. A full disk loses the record, not the run."""
+        sup = self.supervisor
+        if sup is None:
+            return
+        by = sup.stopped_by
+        started, ended = sup.started_at, sup.ended_at
+        event = ev.ExitEvent(
+            pid=sup.pid,
+            exit_code=code if code >= 0 else None,
+            signal=-code if code < 0 else None,
+            seconds=ended - started if started is not None and ended is not None else None,
+            stopped_by=by,
+            stderr=(sup.stderr_tail(ev.EXIT_STDERR_LINES) if by is None and code != 0 else None) or None,
+        )
+        try:
+            self.publish(event)
+        except OSError as e:
+            self.log(f"how {self.process_name} ended is not recorded in events.jsonl: {e}")
 
     def handle_exit(self, code: int) -> None:
         """The session's own handling of a trainer exit: done, stopped, restarted or failed. A controller
@@ -447,7 +471,9 @@ class Session(SessionBase):
             else f"{self.process_name} ended ({how})"
         )
         reached = self.state.step
-        if self.command:  # a user's program keeps its checkpoints where it chooses
+        if self.command:  # a user's program keeps its checkpoints where it chooses (and says its steps, or not)
+            if not self.state.reported:
+                return who
             return f"{who} " + ("before its first step" if reached is None else f"at step {reached}")
         kept = list_checkpoints(self.run_dir)
         newest = kept[-1].step if kept else None

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import IO
 
 from trainer.contract import rundir
-from trainer.contract.events import ErrorEvent
-from trainer.contract.states import ERROR_WORDS, RunStatus
+from trainer.contract.events import ErrorEvent, ExitEvent
+from trainer.contract.states import ERROR_WORDS, RunStatus, StoppedBy
 
-from .run_standing import RunStanding
+from .run_standing import NOT_REPORTED, RunStanding, status_words
 from .state import RunState, fmt_duration, fmt_mfu, fmt_num, loss_range
 from .state.counts import tokens_words
 
@@ -57,6 +57,8 @@ def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
         tuned = tuner.phase is not None
         elapsed = state.elapsed()
         done = state.done
+        ended = state.exit
+        reported = state.reported
         command = state.command_line()
         stderr = (
             [line for stream, line in state.logs if stream == "stderr"][-STDERR_LINES:]
@@ -66,19 +68,16 @@ def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
     if done is not None and done.step > (step or 0):  # steps after the last logged one
         step = done.step
     quoted = shlex.quote(run_dir) if run_dir else "RUN_DIR"
-    at = f" at step {step}" if step is not None else " before the first step"
-    head = {
-        RunStanding.FINISHED: "run finished" + (f": {step} steps" if step is not None else ""),
-        RunStanding.STOPPED: f"run stopped{at}",
-        RunStanding.FAILED: f"run failed{at}",
-    }[how]
+    head = _head(how, step if reported else None, ended, reported)
     out = _Lines(f"gptop: {head}" + (f" after {fmt_duration(elapsed)}" if elapsed is not None else ""))
     out.add("run dir", run_dir or "n/a")
     if command:
         out.add("command", command)
     if how is RunStanding.FAILED:
         _failure(out, err, message, run_dir, stderr if command else [])
-    if step is not None:
+    if not reported:
+        out.add("progress", f"steps {NOT_REPORTED}")
+    elif step is not None:
         _progress(out, state, step)
     else:
         out.add("progress", "no step was completed")
@@ -102,6 +101,23 @@ def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
     if run_dir:
         out.add("report", f"gptop report {quoted}")
     return out.lines
+
+
+def _head(how: RunStanding, step: int | None, ended: ExitEvent | None, reported: bool) -> str:
+    """The summary's first words: how the run ended ('run failed (exit 3) at step 40', 'run stopped by you',
+    'run killed by signal 9 (SIGKILL)'); a step only where the run reports its steps."""
+    at = f" at step {step}" if step is not None else " before the first step" if reported else ""
+    if how is RunStanding.FINISHED:
+        return "run finished" + (f": {step} steps" if step is not None else "")
+    if how is RunStanding.STOPPED:
+        by = ended.stopped_by if ended is not None else None
+        return (
+            "run stopped" + (" by you" if by is StoppedBy.USER else " by gptop" if by is StoppedBy.GPTOP else "") + at
+        )
+    if ended is not None and ended.failed:
+        words = status_words(ended)
+        return (f"run killed by {words}" if ended.signal is not None else f"run failed ({words})") + at
+    return f"run failed{at}"
 
 
 class _Lines:
@@ -173,7 +189,9 @@ def _checkpoints(
         ckpts = list(state.checkpoints)
     kept = rundir.list_checkpoints(run_dir) if run_dir and not command else []
     cut_short = message if how is RunStanding.STOPPED else None  # what a stop that cut the trainer short kept and lost
-    if command:  # the program's own checkpoints, where it said it wrote them
+    if command and not state.reported:  # nothing inside it says what it saved
+        out.add("checkpoint", NOT_REPORTED)
+    elif command:  # the program's own checkpoints, where it said it wrote them
         there = [c for c in ckpts if Path(c.path).exists()]
         out.add(
             "checkpoint",

@@ -22,10 +22,11 @@
   SIGKILL to all of it after `grace_s`. Its descendants are tracked as a launcher's are, and a warden
   process (gptop.warden) ends it if gptop dies without a chance to (kill -9).
 - Library chatter that says nothing to a user stays in the log files but not
-  in the log panel (`LogFilter`): kineto's `USDT:`/`STAGE:` lines around a
+  in the log panel (gptop.log_filter): kineto's `USDT:`/`STAGE:` lines around a
   profiler window, inductor's autotune tables during a `max-autotune` compile
   (one line in the panel says the compile is autotuning) and libraries'
-  deprecation warnings.
+  deprecation warnings; a line a program redraws with carriage returns (a progress bar) is shown as its
+  terminal would show it (gptop.tail.TerminalLines).
 """
 
 from __future__ import annotations
@@ -43,87 +44,16 @@ from typing import Any, Callable
 
 from trainer.contract import events as ev
 from trainer.contract.rundir import RunDir
+from trainer.contract.states import StoppedBy
 
 from .channel_server import ChannelServer
-from .tail import FileTail
+from .log_filter import LogFilter
+from .tail import FileTail, TerminalLines
 
 from .telemetry import TREE_REFRESH_S
 
 EventCallback = Callable[[ev.Event], None]
 LogCallback = Callable[[str, str], None]
-
-# glog-style lines from libkineto (torch.profiler) on stderr, e.g.
-# `USDT:2026-11-25 13:05:21 6702:6702 SyncActivityProfilerHandler.cpp:52] profiler_start`; torchrun may
-# prefix a rank's lines with `[rank0]:`.
-LIBRARY_CHATTER = re.compile(r"^(\[rank\d+\]:)?(USDT|STAGE):\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \S+:\d+\]")
-
-
-def is_library_chatter(line: str) -> bool:
-    """A line a library printed for its own developers: kept in the log file, not shown."""
-    return LIBRARY_CHATTER.match(line) is not None
-
-
-_RANK = r"(?:\[rank\d+\]:)?"
-# torch._inductor.select_algorithm prints, per autotuned op, to stderr (tests/fixtures/inductor_autotune_stderr.txt,
-# as torch 2.11 wrote it on an H100):
-#   AUTOTUNE bmm(16x256x64, 16x64x256)            <- starts a table
-#   strides: [...] / dtypes: ... / "  choice 0.0123 ms 100.0% ..." rows
-#   SingleProcess AUTOTUNE benchmarking takes 1.2 seconds and 0.0 seconds precompiling for 20 choices  <- ends it
-#   Autotune Choices Stats: / {"num_choices": ...}
-# and logs each choice that fails to build (a harmless skip) glog-style, a traceback line by line:
-#   E1126 16:11:07.515000 478 torch/_inductor/select_algorithm.py:3541] [0/0] Exception No valid triton configs...
-AUTOTUNE_START = re.compile(_RANK + r"(?:AUTOTUNE \S+\(|Autotune Choices Stats:)")
-AUTOTUNE_END = re.compile(_RANK + r"(?:SingleProcess|SubProcess) AUTOTUNE benchmarking takes ")
-AUTOTUNE_ROW = re.compile(_RANK + r"(?:strides: |dtypes: |\s+\S|\{\"num_choices\")")
-AUTOTUNE_LOG = re.compile(
-    _RANK + r"[EWI]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S*torch/_inductor/"
-    r"(?:select_algorithm|autotune_process)\.py:\d+\]"
-)
-# Python's warnings format: `/.../site-packages/x.py:12: FutureWarning: message`, then the source line, indented;
-# a deprecation said in a UserWarning's words counts too (torch: "TypedStorage is deprecated")
-LIBRARY_WARNING = re.compile(
-    _RANK + r"\S*(?:site-packages|dist-packages|/lib/python3[.\d]*)/\S+:\d+: "
-    r"(?:(?:DeprecationWarning|PendingDeprecationWarning|FutureWarning): |"
-    r"\w*Warning: .*\bdeprecated\b)"
-)
-AUTOTUNE_NOTE = "torch.compile is autotuning kernels (its timing tables are in trainer.stderr.log)"
-
-
-class LogFilter:
-    """Which of one stream's lines the log panel shows (`__call__`: (line, stream) to show, or None): library
-    chatter (`is_library_chatter`), inductor's autotune tables (the first one becomes `AUTOTUNE_NOTE`, once
-    per process, as gptop's own line) and libraries' deprecation warnings with their source line stay in the
-    file only."""
-
-    def __init__(self, stream: str) -> None:
-        self.stream = stream
-        self._table = False  # inside an autotune table
-        self._noted = False  # the note was shown for this process
-        self._after_warning = False  # the next indented line is a hidden warning's source line
-
-    def __call__(self, line: str) -> tuple[str, str] | None:
-        after_warning, self._after_warning = self._after_warning, False
-        if is_library_chatter(line):
-            return None
-        if AUTOTUNE_END.match(line):
-            self._table = False
-            return None
-        start = AUTOTUNE_START.match(line) is not None
-        if start or AUTOTUNE_LOG.match(line):
-            self._table = start
-            if self._noted:
-                return None
-            self._noted = True
-            return AUTOTUNE_NOTE, "gptop"
-        if self._table and AUTOTUNE_ROW.match(line):
-            return None
-        self._table = False
-        if LIBRARY_WARNING.match(line):
-            self._after_warning = True
-            return None
-        if after_warning and line[:1].isspace():
-            return None
-        return line, self.stream
 
 
 class Supervisor:
@@ -174,6 +104,8 @@ class Supervisor:
         self._log_offsets = {"stdout": 0, "stderr": 0}
         self._stderr_start = 0
         self.started_at: float | None = None  # unix time the process was started (its events' clock)
+        self.ended_at: float | None = None  # unix time it was seen to end
+        self.stopped_by: StoppedBy | None = None  # who asked it to end first (None: nobody, yet)
 
     @property
     def channel_uri(self) -> str:
@@ -341,15 +273,15 @@ class Supervisor:
     # ------------------------------------------------------------------ logs
     def _tail_loop(self) -> None:
         tails = {
-            s: FileTail(p, self._log_offsets[s])
+            s: FileTail(p, self._log_offsets[s], lines=TerminalLines())
             for s, p in (("stdout", self.layout.trainer_log), ("stderr", self.layout.trainer_stderr))
         }
         shown = {s: LogFilter(s) for s in tails}
         while True:
             done = self._exited.is_set()
             for stream, tail in tails.items():
-                for line in tail.read_lines():
-                    out = shown[stream](line.decode("utf-8", "replace").rstrip("\r"))
+                for line in tail.read_all() if done else tail.read_lines():  # at the end: all that is left
+                    out = shown[stream](line.decode("utf-8", "replace"))
                     if out is not None:
                         self.on_log(*out)
             if done:
@@ -364,6 +296,7 @@ class Supervisor:
     def _wait_loop(self) -> None:
         assert self.proc is not None
         code = self.proc.wait()
+        self.ended_at = time.time()
         if self._escalation is not None:
             self._escalation.cancel()
         # Reap what is left of the group and the ranks seen (torchrun's, in their own sessions), so nothing
@@ -392,9 +325,16 @@ class Supervisor:
         return self.proc is not None and self.returncode is not None and not self.exit_reported.is_set()
 
     # ------------------------------------------------------------------ stop
-    def request_stop(self, reason: str = "stop requested") -> None:
-        """Graceful: the trainer finishes its step, checkpoints and exits 0; `reason` is what its `done` says.
-        A user's command also gets a signal, and SIGKILL after the grace period."""
+    def _stopping(self, by: StoppedBy) -> None:
+        """Who asked the process to end: the first to ask (a stop that ends in a kill is still theirs)."""
+        if self.stopped_by is None and self.alive():
+            self.stopped_by = by
+
+    def request_stop(self, reason: str = "stop requested", by: StoppedBy = StoppedBy.USER) -> None:
+        """Graceful: the trainer finishes its step, checkpoints and exits 0; `reason` is what its `done` says,
+        `by` who asked (the process's `exit` event says). A user's command also gets a signal, and SIGKILL after
+        the grace period."""
+        self._stopping(by)
         self.send({"cmd": "stop", "reason": reason})
         if self.command:
             self._stop_command()
@@ -432,8 +372,9 @@ class Supervisor:
             )
             self.kill()
 
-    def kill(self) -> None:
-        """At once: SIGKILL to the whole process group."""
+    def kill(self, by: StoppedBy = StoppedBy.USER) -> None:
+        """At once: SIGKILL to the whole process group (`by`: who asked, as for `request_stop`)."""
+        self._stopping(by)
         self._signal_group(signal.SIGKILL)
 
     def _signal_group(self, sig: int) -> None:
@@ -473,6 +414,24 @@ class Supervisor:
             return ""
         return data[-limit:].decode("utf-8", "replace")
 
+    def stderr_tail(self, lines: int, limit: int = 1 << 16, width: int = 500) -> list[str]:
+        """Its last `lines` stderr lines since this start, as the log panel shows them (a redrawn bar's last
+        drawing, no library chatter), each cut to `width` characters: a failure's last words."""
+        try:
+            with open(self.layout.trainer_stderr, "rb") as f:
+                end = f.seek(0, os.SEEK_END)
+                f.seek(max(self._stderr_start, end - limit))
+                data = f.read(limit)
+        except OSError:
+            return []
+        split = TerminalLines(redraw_s=float("inf"))
+        raw = split.feed(data) + [split.rest()]
+        if end - limit > self._stderr_start:
+            raw = raw[1:]  # the first line is cut
+        shown = LogFilter("stderr")
+        out = [x for x in (shown(r.decode("utf-8", "replace")) for r in raw) if x is not None and x[1] == "stderr"]
+        return [line[:width] for line, _ in out if line.strip()][-lines:]
+
     def wait(self, timeout: float | None = None) -> int | None:
         self._exited.wait(timeout)
         return self.returncode
@@ -480,9 +439,9 @@ class Supervisor:
     def close(self) -> None:
         """Never leave a trainer behind: ask, wait a little, then kill the group."""
         if self.alive():
-            self.request_stop()
+            self.request_stop(by=StoppedBy.GPTOP)
             if self.wait(self.grace_s if self.command else 30) is None:
-                self.kill()
+                self.kill(by=StoppedBy.GPTOP)
                 self.wait(5)
         self._release_warden()
         self.channel.close()

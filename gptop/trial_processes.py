@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from trainer.contract import events as ev
 from trainer.contract import rundir
 from trainer.contract.config import AUTO, Toggles, TrainConfig
+from trainer.contract.states import StoppedBy
 
 if TYPE_CHECKING:
     from tuner.controller import TuneController
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 TEST_FAULT_ENV = "GPTOP_TEST_TRIAL_FAULT"  # "N:KIND[@K][+KIND@K...]": trainer faults (trainer/faults.py) K
 DEFAULT_FAULT_OFFSET = 2  # steps into this session's N-th trial (tests only; default K=2)
 Checkpoint = tuple[int, str]  # (step, path) as a checkpoint event reports it
+TUNE_ONLY_END = "tuning done (--tune-only)"  # the `done` reason of the trainer --tune-only stops
 
 
 class Inbox(enum.Enum):
@@ -140,17 +142,19 @@ class TrialProcesses:
         if sup is not None and self.alive:
             sup.send({"cmd": "log_every", "steps": steps})
 
-    def stop(self, kill: bool = False) -> None:
+    def stop(self, kill: bool = False, *, last: bool = False) -> None:
         """Stop the trainer and wait for its exit: graceful (it checkpoints) unless `kill`. A graceful stop that
-        takes far longer than a step (a compile in progress, a hung process) is turned into a kill."""
+        takes far longer than a step (a compile in progress, a hung process) is turned into a kill. `last`: no
+        trainer follows (--tune-only's end), so it is gptop's end of the run, not the tuner's restart."""
         sup = self.session.supervisor
         if not self.alive or sup is None:
             self.alive = False
             return
+        by = StoppedBy.GPTOP if last else StoppedBy.TUNER
         if kill:
-            sup.kill()
-        else:
-            sup.request_stop(reason=ev.TUNER_RESTART)  # its `done`: a trainer's end, not the run's
+            sup.kill(by=by)
+        else:  # its `done`: a trainer's end, not the run's (a restart follows), or the planned end
+            sup.request_stop(reason=TUNE_ONLY_END if last else ev.TUNER_RESTART, by=by)
         ctl = self.ctl
         step_s = 0.0
         if ctl is not None and ctl.in_trial:
@@ -169,7 +173,7 @@ class TrialProcesses:
                     ctl.observe(item[1])
             if not kill and self.alive and time.monotonic() > deadline:
                 self.say(f"the trainer did not stop within {grace:.0f} s; killing it")
-                sup.kill()
+                sup.kill(by=by)
                 kill = True
 
     def spawn(self, cfg: TrainConfig, pre: Checkpoint | None) -> None:

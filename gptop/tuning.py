@@ -64,6 +64,7 @@ from .tuning_space import tuning_space
 if TYPE_CHECKING:
     from tuner.controller import Remeasure, RunTrial, TuneController
     from tuner.study import TuneStudy
+    from tuner.tuning_report import TunedCommand
 
     from .state import RunState
     from .supervisor import Supervisor
@@ -510,7 +511,7 @@ class TuningDriver:
         if action is not None and not ended:
             toggles = action.toggles
             if self.tune_only:
-                procs.stop()
+                procs.stop(last=True)
                 self._complete = False
                 self._exit_code = 0
             else:
@@ -530,7 +531,7 @@ class TuningDriver:
             from tuner.tuning_report import write_report
 
             study = ctl.study  # the one the controller tuned over last (memory may have changed it)
-            self.report_paths = write_report(s.run_dir, study, ctl.report_info())
+            self.report_paths = write_report(s.run_dir, study, ctl.report_info(), self._tuned_command())
             self._say(f"report {self.report_paths['md']}; best configuration {self.report_paths['toml']}")
             if study.storage_url:
                 from tuner.storage import dashboard_command
@@ -541,6 +542,18 @@ class TuningDriver:
             # gptop tune's first process logged every step for the baseline
             s.cfg.log.log_every = procs.user().log.log_every
         self._detach()
+
+    def _tuned_command(self) -> TunedCommand | None:
+        """The script `gptop tune -- CMD` tunes, for best.toml's words on applying its best; None for gptop's own trainer."""
+        from tuner.tuning_report import TunedCommand
+
+        hello, argv = self.procs.hello, self.session.state.command
+        if not self.procs.command or argv is None or self.ctl is None:
+            return None
+        per_device = (
+            hello.micro_batch * hello.accumulation if hello and hello.micro_batch and hello.accumulation else None
+        )
+        return TunedCommand(argv=list(argv), start=self.ctl.base, per_device=per_device)
 
     def _restart(
         self, toggles: Toggles, fault: tuple[tuple[str, int], ...] | None = None, strict: bool = True

@@ -7,7 +7,9 @@ live in conftest.py.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Iterator
@@ -57,7 +59,6 @@ def private_tmpdir() -> Iterator[Path]:
 
 def gptop_env(**extra: str) -> dict[str, str]:
     """The environment a gptop process of this checkout runs with (its sources first on the path), plus `extra`."""
-    import os
 
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
@@ -101,3 +102,39 @@ def train_in_process(
 def of(events: list[Any], kind: str) -> list[Any]:
     """Events of a type; for "hello" the full ones (each process also sends an early hello first)."""
     return [e for e in events if e.type == kind and not (kind == "hello" and e.early)]
+
+
+# --- gptop as a user runs it: a process of its own ------------------------------------------------------
+
+
+def start_gptop(*args: str, cwd: Path) -> subprocess.Popen:
+    """`python -m gptop ARGS` in `cwd`, its stdout and stderr piped as text."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "gptop", *args],
+        cwd=cwd,
+        env=gptop_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def run_events(run_dir: Path, kind: str | None = None) -> list:
+    """The events of a run directory's events.jsonl (of one type), parsed; [] before it exists."""
+    from trainer.contract.events import read_events
+
+    p = Path(run_dir) / "events.jsonl"
+    return [e for e in read_events(p) if kind is None or e.type == kind] if p.exists() else []
+
+
+def gone(pid: int, timeout: float = 60) -> bool:
+    """Whether process `pid` ended within `timeout` seconds (a zombie counts as ended)."""
+    import psutil
+
+    try:
+        psutil.Process(pid).wait(timeout)
+    except psutil.NoSuchProcess:
+        pass
+    except psutil.TimeoutExpired:
+        return False
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE

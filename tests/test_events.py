@@ -22,6 +22,7 @@ from helpers import wait_for
 from trainer.contract import events as ev
 from trainer.contract.config import Toggles, section_from_dict
 from trainer.contract.device import DeviceInfo
+from trainer.contract.states import StoppedBy
 
 HERE = Path(__file__).resolve().parent
 V1 = HERE / "fixtures" / "events_v1.jsonl"  # lines written by the previous version (b2eeb9a), unchanged
@@ -98,6 +99,9 @@ def full_instances() -> list[ev.Event]:
             time=t, kind="oom", message="m", step=3, exit_code=3, toggles=toggles, memory={"rss": 1}, lost_peer=True
         ),
         ev.DoneEvent(time=t, step=10, tokens=1000, seconds=9.5, reason="max_steps", checkpoint="/r/c.pt"),
+        ev.ExitEvent(
+            time=t, pid=42, exit_code=3, signal=9, seconds=9.6, stopped_by=StoppedBy.USER, stderr=["Traceback"]
+        ),
         ev.DeviceEvent(
             time=t,
             mode="gpu",
@@ -253,7 +257,7 @@ def test_a_previous_versions_lines_parse_into_their_classes_with_nothing_unknown
         assert all(_kept(x, new.get(k)) for k, x in old.items()), line
         assert all(new[k] is not None and new[k] == getattr(e, k) for k in set(new) - set(old) - {"toggles"}), line
         seen.add(e.type)
-    assert seen == set(ev.EVENT_TYPES) - {"progress", "phase", "profile", "alert"}  # the types added since
+    assert seen == set(ev.EVENT_TYPES) - {"progress", "phase", "profile", "alert", "exit"}  # the types added since
 
 
 def test_a_previous_versions_run_replays_in_the_views_and_the_report(tmp_path):

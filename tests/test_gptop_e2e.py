@@ -89,7 +89,7 @@ def test_ctrl_c_stops_gracefully_and_leaves_no_process(tmp_path):
     done = events_of(run_dir, "done")[-1]
     assert rundir.list_checkpoints(run_dir)[-1].step == done["step"]
     assert gone(pid)
-    summary = out[out.index("gptop: run stopped at step") :]  # the summary ends the output
+    summary = out[out.index("gptop: run stopped by you at step") :]  # the summary ends the output
     assert f"run dir    {run_dir}" in summary and f"gptop train --resume {run_dir}" in summary
 
 
@@ -114,6 +114,8 @@ def test_kill9_of_trainer_fails_then_restarts_from_checkpoint(tmp_path):
     out, err = p.communicate(timeout=120)
     assert p.returncode == 1
     assert "signal 9" in err
+    (end,) = events_of(run_dir, "exit")  # gptop's record of the trainer's end, whoever killed it
+    assert end["signal"] == signal.SIGKILL and "stopped_by" not in end and end["seconds"] > 0
 
     # the same failure with --restart-on-failure: it resumes from the last checkpoint and finishes
     run2 = tmp_path / "run2"
@@ -144,6 +146,13 @@ def test_kill9_of_trainer_fails_then_restarts_from_checkpoint(tmp_path):
     s = json.loads(r.stdout)
     assert (s["steps"], s["tokens"], s["steps_rolled_back"]) == (30, 30 * TINY_TOKENS_PER_STEP, 1), s
     assert s["tokens_processed"] == 31 * TINY_TOKENS_PER_STEP
+    # each process's end, the killed one's before the restart's start
+    assert [(e.get("signal"), e.get("exit_code")) for e in events_of(run2, "exit")] == [
+        (signal.SIGKILL, None),
+        (None, 0),
+    ]
+    kinds = [e["type"] for e in events_of(run2) if e["type"] in ("hello", "exit") and not e.get("early")]
+    assert kinds == ["hello", "exit", "hello", "exit"]
 
 
 def test_bad_usage_exit_2(tmp_path):

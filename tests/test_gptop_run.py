@@ -3,9 +3,10 @@ script the examples did not write, plain commands without a client)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -14,9 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, gone, gptop_env, run_events, start_gptop, wait_for
 from trainer.contract.events import parse, read_events
-from helpers import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.process]
 
@@ -24,44 +24,12 @@ EXAMPLES = ROOT / "examples"
 HF_SCRIPT = ROOT / "tests" / "fixtures" / "hf_script.py"
 
 
-def env() -> dict[str, str]:
-    e = dict(os.environ)
-    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
-    return e
-
-
-def gptop(*args: str, cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "gptop", *args],
-        cwd=cwd,
-        env=env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def events(run_dir: Path, kind: str | None = None) -> list:
-    p = run_dir / "events.jsonl"
-    return [e for e in read_events(p) if kind is None or e.type == kind] if p.exists() else []
-
-
 def client_hello(run_dir: Path):
-    return next((e for e in events(run_dir, "hello") if e.client is not None), None)
-
-
-def gone(pid: int, timeout: float = 60) -> bool:
-    try:
-        psutil.Process(pid).wait(timeout)
-    except psutil.NoSuchProcess:
-        pass
-    except psutil.TimeoutExpired:
-        return False
-    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    return next((e for e in run_events(run_dir, "hello") if e.client is not None), None)
 
 
 def test_a_transformers_script_as_json_lines_and_the_same_script_without_gptop(tmp_path):
-    p = gptop(
+    p = start_gptop(
         "--no-ui",
         "--json",
         "run",
@@ -93,7 +61,7 @@ def test_a_transformers_script_as_json_lines_and_the_same_script_without_gptop(t
     plain = subprocess.run(
         [sys.executable, str(HF_SCRIPT), "--out", "hf2"],
         cwd=tmp_path,
-        env=env(),
+        env=gptop_env(),
         capture_output=True,
         text=True,
         timeout=600,
@@ -104,7 +72,7 @@ def test_a_transformers_script_as_json_lines_and_the_same_script_without_gptop(t
     r = subprocess.run(
         [sys.executable, "-m", "gptop", "report", "run"],
         cwd=tmp_path,
-        env=env(),
+        env=gptop_env(),
         capture_output=True,
         text=True,
         timeout=120,
@@ -112,11 +80,37 @@ def test_a_transformers_script_as_json_lines_and_the_same_script_without_gptop(t
     assert r.returncode == 0, r.stderr
     assert "12/12 steps" in r.stdout and f"command   {sys.executable} {HF_SCRIPT}" in r.stdout
     assert "phases    data" in r.stdout and "2 written, 2 kept" in r.stdout
+    export = start_gptop("export", "run", "exported", cwd=tmp_path)  # a Trainer's checkpoints: from_pretrained
+    _, err = export.communicate(timeout=120)
+    assert export.returncode == 2 and "from_pretrained: the newest, " in err and "checkpoint-12" in err, err
+
+    # best.toml of a tune of this script says how to apply it: its GPTOP_TOGGLES line, given to gptop run as it
+    # says, reaches the script's tuned_args (micro-batch 2: the Trainer's own batch of 8 kept with 4 steps)
+    from tuner.tuning_report import TunedCommand, best_toml
+
+    best = dataclasses.replace(hello.toggles, micro_batch=2)
+    argv = [sys.executable, str(HF_SCRIPT), "--out", "hf3"]
+    text = best_toml(best, TunedCommand(argv, hello.toggles, hello.micro_batch * hello.accumulation))
+    assert "per_device_train_batch_size=2, gradient_accumulation_steps=4" in text
+    assignment, *command = shlex.split(next(x for x in text.splitlines() if "GPTOP_TOGGLES=" in x)[1:])
+    name, _, value = assignment.partition("=")
+    assert command == ["gptop", "run", "--", *argv]
+    tuned = subprocess.run(
+        [sys.executable, "-m", "gptop", "--no-ui", "run", "--run-dir", "run3", *command[2:]],
+        cwd=tmp_path,
+        env={**gptop_env(), name: value},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert tuned.returncode == 0, tuned.stderr
+    applied = client_hello(tmp_path / "run3")
+    assert (applied.micro_batch, applied.accumulation, applied.toggles) == (2, 4, best)
 
 
 def test_ctrl_c_stops_a_plain_loop_with_its_own_checkpoint(tmp_path):
     run = tmp_path / "run"
-    p = gptop(
+    p = start_gptop(
         "--no-ui",
         "run",
         "--run-dir",
@@ -134,22 +128,22 @@ def test_ctrl_c_stops_a_plain_loop_with_its_own_checkpoint(tmp_path):
         "ckpt",
         cwd=tmp_path,
     )
-    wait_for(lambda: events(run, "step"), timeout=300, what="the first step event")
+    wait_for(lambda: run_events(run, "step"), timeout=300, what="the first step event")
     pid = client_hello(run).pid
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=300)
     assert p.returncode == 130, err
     assert gone(pid)
-    done = events(run, "done")[-1]
-    ckpt = events(run, "checkpoint")[-1]
+    done = run_events(run, "done")[-1]
+    ckpt = run_events(run, "checkpoint")[-1]
     # the stop gptop asked for (its reason wins over the signal that also reached the program's main process)
     assert done.reason in ("stop requested", "SIGINT") and ckpt.reason == "stop" and ckpt.step == done.step
     assert Path(ckpt.path) == tmp_path / "ckpt" / f"step-{done.step}.pt" and Path(ckpt.path).exists()
-    assert "gptop: run stopped at step" in out and f"checkpoint {ckpt.path}" in out
+    assert "gptop: run stopped by you at step" in out and f"checkpoint {ckpt.path}" in out
     r = subprocess.run(
         [sys.executable, "-m", "gptop", "--json", "report", "run"],
         cwd=tmp_path,
-        env=env(),
+        env=gptop_env(),
         capture_output=True,
         text=True,
         timeout=120,
@@ -250,7 +244,7 @@ def test_a_nanogpt_loop_with_one_probe_step_call_gets_the_breakdown(tmp_path):
     shape, the evaluation and the save no part of a step, a checkpoint's time the save's, ckpt.pt kept once."""
     data_s, eval_s, save_s = 0.03, 1.0, 0.2
     (tmp_path / "train.py").write_text(NANOGPT)
-    p = gptop(
+    p = start_gptop(
         "--no-ui",
         "--json",
         "run",
@@ -287,7 +281,7 @@ def test_a_nanogpt_loop_with_one_probe_step_call_gets_the_breakdown(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "gptop", "--json", "report", "run"],
         cwd=tmp_path,
-        env=env(),
+        env=gptop_env(),
         capture_output=True,
         text=True,
         timeout=120,
@@ -299,7 +293,7 @@ def test_a_nanogpt_loop_with_one_probe_step_call_gets_the_breakdown(tmp_path):
 def test_kill_9_of_gptop_leaves_nothing_running(tmp_path):
     # a loop with the probe: it sees its channel close, checkpoints and exits
     run = tmp_path / "run"
-    p = gptop(
+    p = start_gptop(
         "--no-ui",
         "run",
         "--run-dir",
@@ -315,25 +309,25 @@ def test_kill_9_of_gptop_leaves_nothing_running(tmp_path):
         "ckpt",
         cwd=tmp_path,
     )
-    wait_for(lambda: client_hello(run) and events(run, "step"), timeout=300, what="a step")
+    wait_for(lambda: client_hello(run) and run_events(run, "step"), timeout=300, what="a step")
     pid = client_hello(run).pid
     # a command without a client: the warden ends it
     run2 = tmp_path / "run2"
-    p2 = gptop(
+    p2 = start_gptop(
         "--no-ui", "run", "--run-dir", "run2", "--", sys.executable, "-c", "import time; time.sleep(600)", cwd=tmp_path
     )
-    wait_for(lambda: events(run2, "hello"), timeout=120, what="the command's start")
-    pid2 = events(run2, "hello")[0].pid
+    wait_for(lambda: run_events(run2, "hello"), timeout=120, what="the command's start")
+    pid2 = run_events(run2, "hello")[0].pid
     for gp in (p, p2):
         gp.kill()
         gp.wait()
     assert gone(pid, timeout=120), "the loop outlived gptop"
     assert gone(pid2, timeout=120), "the plain command outlived gptop"
-    done = events(run, "done")[-1]
+    done = run_events(run, "done")[-1]
     # The loop's client sees both ends of gptop: its channel's end of file and the warden's SIGTERM, whichever
     # comes first (on a loaded machine the warden's can); either is the graceful stop, with its checkpoint.
     assert done.reason in ("launcher went away", "SIGTERM"), done.reason
-    assert events(run, "checkpoint")[-1].step == done.step
+    assert run_events(run, "checkpoint")[-1].step == done.step
     wardens = [
         q
         for q in psutil.process_iter(["cmdline"])  # [python, -m, gptop.warden, FD, PID, GRACE]
@@ -344,11 +338,11 @@ def test_kill_9_of_gptop_leaves_nothing_running(tmp_path):
 
 def test_exit_codes_of_plain_commands(tmp_path):
     # exits 0: finished; fails: exit 1 with its stderr in the summary
-    p = gptop("--no-ui", "run", "--run-dir", "ok", "--", sys.executable, "-c", "print('hi')", cwd=tmp_path)
+    p = start_gptop("--no-ui", "run", "--run-dir", "ok", "--", sys.executable, "-c", "print('hi')", cwd=tmp_path)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 0 and "gptop: run finished after" in out, out + err
     fail = "import sys; print('something broke', file=sys.stderr); sys.exit(3)"
-    p = gptop("--no-ui", "run", "--run-dir", "bad", "--", sys.executable, "-c", fail, cwd=tmp_path)
+    p = start_gptop("--no-ui", "run", "--run-dir", "bad", "--", sys.executable, "-c", fail, cwd=tmp_path)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 1, out + err
     assert "failed (exit code 3)" in err and "    something broke" in out  # the summary's stderr lines
@@ -356,7 +350,9 @@ def test_exit_codes_of_plain_commands(tmp_path):
     ignore = (
         "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"
     )
-    p = gptop("--no-ui", "run", "--run-dir", "stuck", "--grace", "1", "--", sys.executable, "-c", ignore, cwd=tmp_path)
+    p = start_gptop(
+        "--no-ui", "run", "--run-dir", "stuck", "--grace", "1", "--", sys.executable, "-c", ignore, cwd=tmp_path
+    )
     # its output and gptop's record of the start (the hello, with its pid) are written by two threads
     wait_for(
         lambda: (
@@ -367,8 +363,8 @@ def test_exit_codes_of_plain_commands(tmp_path):
         timeout=120,
         what="the command to start",
     )
-    wait_for(lambda: events(tmp_path / "stuck", "hello"), timeout=60, what="gptop's record of the start")
-    pid = events(tmp_path / "stuck", "hello")[0].pid
+    wait_for(lambda: run_events(tmp_path / "stuck", "hello"), timeout=60, what="gptop's record of the start")
+    pid = run_events(tmp_path / "stuck", "hello")[0].pid
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 130 and gone(pid, timeout=30)
@@ -405,14 +401,14 @@ def test_tokens_continue_over_a_restart_of_a_loop_whose_count_starts_at_0(tmp_pa
     the 16 kept steps' tokens, and the 18 steps trained (9 and 10 twice) as processed."""
     script = ROOT / "tests" / "fixtures" / "restarting_loop.py"
     args = ("run", "--run-dir", "run", "--log-every", "1", "--restart-on-failure", "1", "--")
-    p = gptop("--no-ui", *args, sys.executable, str(script), "ckpt", cwd=tmp_path)
+    p = start_gptop("--no-ui", *args, sys.executable, str(script), "ckpt", cwd=tmp_path)
     out, err = p.communicate(timeout=300)
     assert p.returncode == 0, out + err
     assert "16/16 steps, 1.5k tokens kept, 1.7k processed incl. 2 rolled-back steps" in out, out
     r = subprocess.run(
         [sys.executable, "-m", "gptop", "--json", "report", "run"],
         cwd=tmp_path,
-        env=env(),
+        env=gptop_env(),
         capture_output=True,
         text=True,
         timeout=120,
@@ -424,17 +420,17 @@ def test_tokens_continue_over_a_restart_of_a_loop_whose_count_starts_at_0(tmp_pa
 
 def test_a_missing_command_is_exit_2_and_creates_nothing(tmp_path):
     for cmd in (["no-such-program-here"], [sys.executable, "missing.py"], [str(tmp_path)]):
-        p = gptop("--no-ui", "run", "--", *cmd, cwd=tmp_path)
+        p = start_gptop("--no-ui", "run", "--", *cmd, cwd=tmp_path)
         out, err = p.communicate(timeout=120)
         assert p.returncode == 2 and "CMD:" in err and "Traceback" not in err, err
     assert list(tmp_path.iterdir()) == []
 
 
 def test_a_lightning_script(tmp_path):
-    probe = subprocess.run([sys.executable, "-c", "import lightning"], env=env(), capture_output=True)
+    probe = subprocess.run([sys.executable, "-c", "import lightning"], env=gptop_env(), capture_output=True)
     if probe.returncode != 0:
         pytest.skip("Lightning is an optional extra: pip install 'gptop[lightning]'")
-    p = gptop(
+    p = start_gptop(
         "--no-ui",
         "--json",
         "run",
@@ -460,7 +456,7 @@ def test_a_lightning_script(tmp_path):
 def test_two_ranks_stop_on_the_same_step(tmp_path):
     """torchrun as the command: each rank's probe reports with its rank, and a stop lands on one step."""
     run = tmp_path / "run"
-    p = gptop(
+    p = start_gptop(
         "--no-ui",
         "run",
         "--run-dir",
@@ -479,20 +475,20 @@ def test_two_ranks_stop_on_the_same_step(tmp_path):
     )
     rank1 = run / "events.rank1.jsonl"
     wait_for(
-        lambda: events(run, "step") and rank1.exists() and rank1.stat().st_size,
+        lambda: run_events(run, "step") and rank1.exists() and rank1.stat().st_size,
         timeout=300,
         what="step events of both ranks",
     )
-    pids = [e.pid for e in events(run, "hello") if e.client is not None]
+    pids = [e.pid for e in run_events(run, "hello") if e.client is not None]
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=300)
     assert p.returncode == 130, out + err
-    done = events(run, "done")[-1]
-    last = {0: events(run, "step")[-1].step, 1: [e for e in read_events(rank1) if e.type == "step"][-1].step}
+    done = run_events(run, "done")[-1]
+    last = {0: run_events(run, "step")[-1].step, 1: [e for e in read_events(rank1) if e.type == "step"][-1].step}
     assert last == {0: done.step, 1: done.step}, (last, done)  # both ranks stopped after the same step
-    ckpt = events(run, "checkpoint")[-1]
+    ckpt = run_events(run, "checkpoint")[-1]
     assert ckpt.reason == "stop" and ckpt.step == done.step and Path(ckpt.path).exists()
-    steps = events(run, "step")
+    steps = run_events(run, "step")
     assert steps[-1].tokens == steps[-1].step * 2 * 4 * 16 and {e.rank for e in read_events(rank1)} == {1}
     # the probe's hooks on the DDP module: the breakdown from one probe.step call per step
     assert all(e.phases_ms[p] > 0 for e in steps for p in ("forward", "backward", "optimizer"))
@@ -527,16 +523,16 @@ def test_the_dashboard_shows_a_loop_and_q_stops_it(tmp_path):
         ],
         cols=120,
         rows=40,
-        env=dict(env(), TERM="xterm-256color", COLUMNS="120", LINES="40"),
+        env=dict(gptop_env(), TERM="xterm-256color", COLUMNS="120", LINES="40"),
     )
     try:
-        wait_for(lambda: events(run, "step"), timeout=300, what="a step event")
+        wait_for(lambda: run_events(run, "step"), timeout=300, what="a step event")
         wait_for(lambda: "LlamaForCausalLM" in screen_text(term)[-20000:], timeout=60, what="the client's hello")
         pid = client_hello(run).pid
         term.send(b"q")
         assert term.proc.wait(120) == 130
     finally:
         term.close()
-    assert gone(pid) and events(run, "checkpoint")[-1].reason == "stop"
+    assert gone(pid) and run_events(run, "checkpoint")[-1].reason == "stop"
     text = screen_text(term)
-    assert "gptop: run stopped at step" in text and "command" in text
+    assert "gptop: run stopped by you at step" in text and "command" in text

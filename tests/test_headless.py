@@ -112,13 +112,61 @@ def test_readable_lines():
     assert "\x1b[" not in text  # not a TTY: no progress bar, no escapes
 
 
+class Flushes(io.StringIO):
+    """A stream that counts its flushes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flushes = 0
+
+    def flush(self) -> None:
+        self.flushes += 1
+        super().flush()
+
+
 def test_readable_mode_echoes_logs_when_asked_and_only_prints_primary_rank_steps():
     out, err = io.StringIO(), io.StringIO()
     state = RunState()
     play(HeadlessView(state, json=False, stream=out, err=err, echo_logs=True), state, gpu_run(60, ranks=2), gpu_logs())
-    assert "UserWarning: TypedStorage is deprecated" in err.getvalue()
+    assert "[err] UserWarning: TypedStorage is deprecated" in out.getvalue() and not err.getvalue()
     steps = [line for line in out.getvalue().splitlines() if line.startswith("step ")]
     assert len(steps) == 6 and all("ranks" in line for line in steps[1:])  # rank 1 arrives after rank 0
+
+
+def test_a_programs_lines_are_echoed_prefixed_in_order_and_flushed_soon_not_per_line():
+    """`gptop --no-ui run -- CMD`: the program's lines among gptop's own, in the order they came, each stream
+    prefixed; thousands of them cost a few flushes, not one write and flush each; the last ones are flushed
+    within ECHO_FLUSH_S even when nothing else is printed; with --json they go to stderr, stdout stays JSON."""
+    import time
+
+    from gptop.headless import ECHO_FLUSH_S
+
+    out, err = Flushes(), io.StringIO()
+    state = RunState()
+    view = HeadlessView(state, json=False, stream=out, err=err, echo_logs=True)
+    view.on_status("running")
+    view.on_log("[gptop] note", "gptop")
+    for i in range(5000):
+        view.on_log(f"iter {i}", "stdout")
+    view.on_log("Traceback (most recent call last):", "stderr")
+    view.on_status("failed", "python train.py failed (exit code 1)")
+    view.on_log("late", "stdout")
+    time.sleep(ECHO_FLUSH_S * 3)
+    assert out.getvalue().endswith("[out] late\n")  # flushed by the timer: nothing else was printed
+    view.close()
+    lines = out.getvalue().splitlines()
+    assert lines[:3] == ["status: running", "[gptop] note", "[out] iter 0"]
+    assert [x for x in lines if x.startswith("[out] iter")] == [f"[out] iter {i}" for i in range(5000)]
+    i = lines.index("[err] Traceback (most recent call last):")
+    assert lines[i - 1] == "[out] iter 4999" and lines[i + 1].startswith("status: failed")
+    assert out.flushes < 50  # not one per line
+    assert "last 1 lines" not in err.getvalue()  # echoed already: no stderr tail repeated
+
+    out, err = io.StringIO(), io.StringIO()
+    view = HeadlessView(RunState(), json=True, stream=out, err=err, echo_logs=True)
+    view.on_log("iter 1", "stdout")
+    view.close()
+    assert err.getvalue() == "[out] iter 1\n" and out.getvalue() == ""
 
 
 def test_cpu_run_lines_say_na_for_missing_numbers():

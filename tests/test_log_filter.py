@@ -1,9 +1,9 @@
-"""What of the trainer's output the log panel shows (gptop.supervisor.LogFilter): the trainer's own lines and
+"""What of the trainer's output the log panel shows (gptop.log_filter.LogFilter): the trainer's own lines and
 tracebacks, not the tables and warnings libraries print for their developers (those stay in the log files)."""
 
 from pathlib import Path
 
-from gptop.supervisor import AUTOTUNE_NOTE, LogFilter
+from gptop.log_filter import AUTOTUNE_NOTE, LogFilter
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

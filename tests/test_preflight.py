@@ -95,7 +95,7 @@ def test_a_program_plan(tmp_path):
         cli.parse_args(["run", "--grace", "5", "--run-dir", str(tmp_path / "r"), "--", "python", str(script)])
     )
     assert plan.command == ["python", str(script)] and plan.run_dir == tmp_path / "r" and plan.grace_s == 5.0
-    assert plan.tuning is None and plan.lock == preflight.LockRequest(tmp_path / "r", command="gptop run")
+    assert plan.tuning is None and plan.lock == preflight.LockRequest(tmp_path / "r", command="gptop run", new_run=True)
     tuned = preflight.plan_program(
         cli.parse_args(["tune", "--budget", "1m", "--log-every", "3", "--", "python", str(script)]), tune=True
     )
@@ -104,6 +104,18 @@ def test_a_program_plan(tmp_path):
     with pytest.raises(ConfigError) as e:
         preflight.plan_program(cli.parse_args(["tune", "--model", "llama", "--", "python", str(script)]), tune=True)
     assert e.value.option == "--model"
+
+
+def test_quiet_is_for_a_commands_output_only(tmp_path):
+    """`--quiet` leaves a command's own lines out of --no-ui; gptop's own trainer prints none, so `gptop tune
+    --quiet` without a command is refused (exit 2) rather than taken and ignored."""
+    assert cli.parse_args(["run", "--quiet", "--", "python", "x.py"]).quiet
+    assert cli.parse_args(["tune", "--quiet", "--", "python", "x.py"]).quiet
+    with pytest.raises(ConfigError) as e:
+        preflight.plan_run(cli.parse_args(["tune", "--quiet", "--size", "tiny", "--run-dir", str(tmp_path / "t")]))
+    assert e.value.option == "--quiet" and "-- CMD" in e.value.message
+    with pytest.raises(SystemExit):
+        cli.parse_args(["train", "--quiet"])  # not an option of gptop train
 
 
 def test_claiming_a_run_dir_holds_it_and_a_refusal_inside_leaves_nothing(tmp_path):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from helpers import TINY, train_in_process
-from gptop.supervisor import is_library_chatter
+from gptop.log_filter import is_library_chatter
 from trainer.contract.config import ConfigError, parse_step_range
 from trainer.timing import CpuTimer, WallTimer
 from trainer.train import EXIT_OK

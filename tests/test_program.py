@@ -190,6 +190,49 @@ def test_report_of_a_command_run(tmp_path):
     assert "command   python t.py" in text and "model     M " in text and "3 written, 1 kept" in text
 
 
+def program_run_dir(tmp_path: Path, client: str | None) -> Path:
+    """What `gptop run -- python t.py` leaves: gptop's record of the command, its client's hello and checkpoint
+    (a Trainer's output_dir/checkpoint-N, still there) when it has one, gptop's record of its end."""
+    run = tmp_path / "run"
+    run.mkdir()
+    ckpt = tmp_path / "out" / "checkpoint-12"
+    ckpt.mkdir(parents=True)
+    events = [ev.HelloEvent(early=True, pid=1, config={}, device=CPU, model=ev.ModelInfo(), command=["python", "t.py"])]
+    if client is not None:
+        events += [
+            ev.HelloEvent(pid=1, config={}, device=CPU, model=ev.ModelInfo(family="M"), client=client),
+            ev.CheckpointEvent(step=12, path=str(ckpt), seconds=0.1),
+        ]
+    events.append(ev.ExitEvent(pid=1, exit_code=0, seconds=3.0))
+    (run / "events.jsonl").write_text("".join(ev.dumps(e) + "\n" for e in events))
+    return run
+
+
+@pytest.mark.parametrize("client", [None, "probe", "transformers"])
+def test_export_sample_and_resume_refuse_a_programs_run_saying_what_loads_it(tmp_path, capsys, client):
+    """A program's checkpoints are its own format: gptop export, sample and --resume say so in one line, exit 2,
+    naming what loads them instead (from_pretrained for a Trainer's, else the script's own code; the program
+    resumes itself), not 'a run that made no checkpoint', and create nothing."""
+    run = program_run_dir(tmp_path, client)
+    before = sorted(tmp_path.rglob("*"))
+    for argv in (["export", str(run), str(tmp_path / "exported")], ["sample", str(run), "--prompt", "hi"]):
+        with pytest.raises(SystemExit) as e:  # RUN_DIR is checked as it is parsed
+            cli.main(argv)
+        assert e.value.code == 2
+    assert cli.main(["--no-ui", "train", "--resume", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all("is a run of your own program (python t.py): gptop cannot" in x for x in err), err
+    assert "cannot export it" in err[0] and "cannot sample it" in err[1] and "cannot resume it" in err[2]
+    assert not any("made no checkpoint" in x for x in err)
+    newest = str(tmp_path / "out" / "checkpoint-12")
+    if client == "transformers":
+        assert f"from_pretrained: the newest, {newest}, or what the script saves to its output_dir" in err[0]
+    else:
+        assert "the script's own code" in err[0] and "from_pretrained:" not in err[0]
+    assert "gptop run --run-dir NEW_DIR -- python t.py" in err[2]
+    assert sorted(tmp_path.rglob("*")) == before
+
+
 def test_the_warden_tells_a_running_process_from_a_gone_one():
     assert warden.pid_alive(os.getpid()) and warden.group_alive(os.getpgid(0))
     assert not warden.pid_alive(2**22 + 12345) and not warden.group_alive(2**22 + 12345)  # above pid_max

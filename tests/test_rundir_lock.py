@@ -232,9 +232,84 @@ def test_a_directory_without_another_runs_events_or_checkpoints_takes_a_new_run(
     run.mkdir()
     (run / "events.jsonl").write_text("")  # empty: nothing to mix with
     (run / "device.jsonl").write_text("{}\n")
-    (run / "notes.txt").write_text("mine")
+    (run / "trainer.node1.stderr.log").write_text("")
+    (run / ".hidden").write_text("")
     RunLock.acquire(run, command="gptop train", new_run=True).release()
     RunLock.acquire(tmp_path / "new", command="gptop train", new_run=True).release()
+    (run / "notes.txt").write_text("mine")  # a user's file: not a run's directory
+    with pytest.raises(RunDirTaken, match=r"holds files that are not a run's \(notes.txt\)"):
+        RunLock.acquire(run, command="gptop train", new_run=True)
+
+
+def user_folder(path):
+    """A folder of a user's own files (a project), as `--run-dir .` would give."""
+    (path / "data").mkdir(parents=True)
+    (path / "train.py").write_text("print('mine')\n")
+    (path / "data" / "corpus.txt").write_text("text\n")
+    return path
+
+
+# Every command that takes --run-dir for a new run, each refused before anything starts (cli.main in this
+# process: a process started by mistake fails the test, tests/conftest.py).
+NEW_RUNS = {  # the command's words, and whether a program follows them after --
+    "train": (["train", *TINY], False),
+    "tune": (["tune", "--budget", "1m", *TINY], False),
+    "run": (["run"], True),
+    "tune -- CMD": (["tune", "--budget", "1m"], True),
+}
+
+
+def new_run_argv(command: str, run_dir) -> list[str]:
+    args, program = NEW_RUNS[command]
+    return ["--no-ui", *args, "--run-dir", str(run_dir)] + (["--", sys.executable, "-c", "1"] if program else [])
+
+
+@pytest.mark.parametrize("command", NEW_RUNS)
+@pytest.mark.parametrize("used", ["finished run", "user folder"])
+def test_every_command_refuses_a_used_directory_creating_nothing(tmp_path, capsys, command, used):
+    """`gptop run --run-dir DIR` once wrote into a finished gptop train run and into a folder of the user's files:
+    every command that starts a new run refuses both, exit 2, one line, nothing created or changed."""
+    from gptop import cli as gcli
+
+    target = old_run(tmp_path / "runs" / "a") if used == "finished run" else user_folder(tmp_path / "project")
+    if used == "finished run":
+        (target / ".gptop.lock").unlink()
+    before = tree(tmp_path)
+    assert gcli.main(new_run_argv(command, target)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("gptop: error: --run-dir: "), err
+    assert ("holds another run" if used == "finished run" else "holds files that are not a run's") in err[0]
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("command", NEW_RUNS)
+def test_a_new_run_into_a_live_run_is_refused_naming_its_holder(tmp_path, capsys, command):
+    """A live run's directory: the refusal names who holds it (pid, host), and never suggests removing it."""
+    from gptop import cli as gcli
+
+    run = old_run(tmp_path / "live")
+    (run / ".gptop.lock").unlink()
+    with RunLock.acquire(run, command="gptop train"):
+        before = tree(tmp_path)
+        assert gcli.main(new_run_argv(command, run)) == 2
+        assert tree(tmp_path) == before
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"is in use by pid {os.getpid()} on host {socket.gethostname()}" in err[0], err
+    assert "(gptop train, since" in err[0] and "remove" not in err[0]
+
+
+def test_resuming_a_run_keeps_its_rule(tmp_path, capsys):
+    """--resume continues the run in its own directory (not a new run there): a finished run is resumable; a
+    live one is refused naming its holder."""
+    from gptop import preflight
+
+    run = old_run(tmp_path / "a")
+    (run / ".gptop.lock").unlink()
+    request = preflight.LockRequest(run, command="gptop train", new_run=False, option="--resume")
+    with preflight.claim_run_dir(request):
+        with pytest.raises(RunDirBusy, match=f"pid {os.getpid()}") as e:
+            RunLock.acquire(run, command="gptop train", option="--resume")
+    assert e.value.option == "--resume" and "remove" not in e.value.message
 
 
 def test_gptops_own_trainer_and_other_nodes_are_not_new_runs(tmp_path, monkeypatch):

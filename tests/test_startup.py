@@ -309,7 +309,8 @@ def test_progress_events_reach_gptop_every_step_and_the_stop_during_startup_is_1
     assert p.returncode == 130
     lines = stdout.splitlines()
     assert any(line.startswith("startup: ") for line in lines) and not any(line.startswith("step ") for line in lines)
-    assert events(run_dir)[-1].reason == "stopped before the first step"
+    *evs, end = events(run_dir)
+    assert evs[-1].reason == "stopped before the first step" and end.type == "exit" and end.stopped_by == "user"
 
 
 def test_cpu_auto_micro_batch_takes_the_whole_batch_when_the_estimate_has_room(tmp_path):

@@ -14,6 +14,7 @@ from gptop.session import EXIT_INTERRUPTED, Session
 from trainer.contract.config import TrainConfig
 from trainer.contract import rundir
 from trainer.contract.events import DoneEvent, ErrorEvent, StepEvent, read_events
+from trainer.contract.states import StoppedBy
 
 
 def session(tmp_path):
@@ -273,10 +274,10 @@ class AliveTrainer:
     def alive(self) -> bool:
         return not self.exiting
 
-    def request_stop(self, reason: str = "stop requested") -> None:
+    def request_stop(self, reason: str = "stop requested", by: StoppedBy | None = None) -> None:
         self.calls.append("stop")
 
-    def kill(self) -> None:
+    def kill(self, by: StoppedBy | None = None) -> None:
         self.calls.append("kill")
 
 

@@ -276,7 +276,7 @@ def test_report_of_a_run_whose_lock_is_held_says_running(tmp_path):
 @pytest.mark.parametrize(
     "tail, state, words",
     [
-        ([], "cut short", "ended without a word from its last trainer"),
+        ([], "cut short", "ended without a word from its last process"),
         ([("done", {"step": 60, "tokens": 60 * 1024, "reason": "max_steps"})], "finished", "finished at step 60"),
         (
             [("done", {"step": 60, "tokens": 60 * 1024, "reason": "stop requested"})],
@@ -298,6 +298,102 @@ def test_report_of_an_ended_run_says_how_its_last_trainer_ended(tmp_path, tail, 
     write_events(run, tuned_run() + [ev(kind, 90.0, **fields) for kind, fields in tail])
     s = summarize(run)
     assert s["state"] == state and words in format_report(s), format_report(s)
+
+
+DONE_60 = {"step": 60, "tokens": 60 * 1024}
+
+
+@pytest.mark.parametrize(
+    "tail, state, words, code",
+    [
+        (
+            [("done", {**DONE_60, "reason": "stop requested"}), ("exit", {"exit_code": 0, "stopped_by": "user"})],
+            "stopped",
+            "state     stopped by you (exit 0) at step 60 after 0:12",
+            0,
+        ),
+        ([("exit", {"signal": 9, "seconds": 12.0})], "failed", "state     killed by signal 9 (SIGKILL) after 0:12", 1),
+        ([("exit", {"exit_code": 2, "stderr": ["boom"]})], "failed", "state     failed (exit 2) after 0:12: boom", 1),
+        (
+            [("error", {"kind": "oom", "message": "out of memory", "step": 60}), ("exit", {"exit_code": 1})],
+            "failed",
+            "state     failed (exit 1) at step 60 after 0:12: oom: out of memory",
+            1,
+        ),
+        (
+            [
+                ("done", {**DONE_60, "reason": "restart by the tuner"}),
+                ("exit", {"exit_code": 0, "stopped_by": "tuner"}),
+            ],
+            "cut short",
+            "ended during a restart by the tuner at step 60",
+            0,
+        ),
+        (
+            [
+                ("done", {**DONE_60, "reason": "tuning done (--tune-only)"}),
+                ("exit", {"exit_code": 0, "stopped_by": "gptop"}),
+            ],
+            "stopped",
+            "state     stopped by gptop (exit 0) at step 60",
+            0,
+        ),
+        (  # a forced stop after the last step: still a finished run
+            [("done", {**DONE_60, "reason": "max_steps"}), ("exit", {"signal": 9, "stopped_by": "user"})],
+            "finished",
+            "state     finished at step 60 (--max-steps)",
+            0,
+        ),
+        (  # a SIGTERM sent to the trainer itself: its own graceful stop
+            [("done", {**DONE_60, "reason": "SIGTERM"}), ("exit", {"exit_code": 0})],
+            "stopped",
+            "state     stopped at step 60 (SIGTERM), exit 0",
+            0,
+        ),
+    ],
+)
+def test_report_says_how_the_last_process_ended_from_gptops_record_of_its_end(tmp_path, tail, state, words, code):
+    """gptop's `exit` event, with what the process itself said: who ended it and how (a run without the event
+    reads as before: the test above)."""
+    from gptop.report import format_report, print_report, summarize
+
+    run = tmp_path / "run"
+    tail = [(k, {"seconds": 12.0, **f} if k == "exit" else f) for k, f in tail]
+    write_events(run, tuned_run() + [ev(kind, 90.0, **fields) for kind, fields in tail])
+    s = summarize(run)
+    assert s["state"] == state and words in format_report(s), format_report(s)
+    assert print_report(run) == code
+
+
+def test_an_earlier_processs_exit_is_not_the_runs_end(tmp_path):
+    """A failed process that gptop restarted (--restart-on-failure): the run is how its last process ended;
+    gptop killed with its last process (no record, no word) is cut short, whatever the earlier ones did."""
+    from gptop.report import format_report, summarize
+
+    run = tmp_path / "run"
+    failed = [ev("exit", 25.0, exit_code=1, stderr=["boom"])]
+    first = tuned_run()
+    restart = first.index(next(e for e in first[1:] if e.type == "hello" and e.early))
+    write_events(run, first[:restart] + failed + first[restart:])
+    s = summarize(run)
+    assert s["state"] == "cut short" and "ended without a word" in format_report(s) and "exit" not in s
+    write_events(run, first[:restart] + failed + first[restart:] + [ev("exit", 90.0, exit_code=0)])
+    assert summarize(run)["state"] == "finished"
+
+
+@pytest.mark.parametrize(
+    "status, code, exit_fields, head",
+    [
+        ("failed", 1, {"signal": 9}, "gptop: run killed by signal 9 (SIGKILL) at step 60"),
+        ("failed", 1, {"exit_code": 3, "stderr": ["boom"]}, "gptop: run failed (exit 3) at step 60"),
+        ("stopped", 130, {"exit_code": 0, "stopped_by": "user"}, "gptop: run stopped by you at step 60"),
+        ("done", 0, {"exit_code": 0}, "gptop: run finished: 60 steps"),
+    ],
+)
+def test_the_summary_head_says_how_the_process_ended(tmp_path, status, code, exit_fields, head):
+    events = cpu_run(steps=60) + [ev("exit", 70.0, **exit_fields)]
+    state = state_of(events, tmp_path, status)
+    assert summary_lines(state, code)[0].startswith(head), summary_lines(state, code)[0]
 
 
 def test_report_of_a_run_stopped_before_its_first_step(tmp_path):
@@ -390,7 +486,7 @@ def test_report_of_a_live_tuned_run_says_running_then_how_it_ended(tmp_path):
     after = subprocess.run(
         [sys.executable, "-m", "gptop", "report", str(run)], capture_output=True, text=True, env=env, timeout=120
     )
-    assert "state     stopped at step" in after.stdout and "running" not in after.stdout, after.stdout
+    assert "state     stopped by you (exit 0) at step" in after.stdout and "running" not in after.stdout, after.stdout
 
 
 def test_one_logged_step_is_a_loss_value_not_a_range(tmp_path):

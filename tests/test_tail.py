@@ -78,3 +78,35 @@ def test_a_replay_without_the_ui_prints_the_run_and_ends_by_itself(tmp_path):
     assert m.run_headless(view) == EXIT_DONE
     assert view.closed and view.statuses == ["replay"] and m.finished
     assert [e for e in view.events] == [e for e in run if e.type != "device"]
+
+
+def test_terminal_lines_are_what_a_terminal_shows_in_bounded_memory():
+    """A program's output as its terminal shows it: a line redrawn with carriage returns (tqdm's bar) is its
+    last drawing; a bar still being redrawn is given out as its latest complete drawing at most every redraw_s,
+    and holds no more than two drawings however long it runs; a CRLF ending is a plain end."""
+    from gptop.tail import TerminalLines
+
+    now = [0.0]
+    lines = TerminalLines(redraw_s=10.0, max_line=64, clock=lambda: now[0])
+    assert lines.feed(b"plain\nwindows\r\nhalf") == [b"plain", b"windows"]
+    assert lines.feed(b" done\n") == [b"half done"]
+    out = []
+    for i in range(10_000):
+        out += lines.feed(f"\r{i:5d}/10000 |bar|".encode())
+        now[0] += 0.01  # 100 redraws a second for 100 s
+    assert len(out) == 9 and all(x.endswith(b"/10000 |bar|") for x in out)  # one every 10 s, in order
+    assert [int(x.split(b"/")[0]) for x in out] == sorted(int(x.split(b"/")[0]) for x in out)
+    assert len(lines.rest() or b"") <= 64  # only the latest drawing was kept
+    lines.feed(b"\r 1/2 |bar|")
+    assert lines.feed(b"\r 2/2 |bar|\n") == [b" 2/2 |bar|"]  # the bar's end: its final drawing, once
+    assert lines.feed(b"x" * 100) == [b"x" * 100]  # a line longer than max_line without a newline: given out
+    assert lines.feed(b"tail") == [] and lines.rest() == b"tail"
+
+
+def test_a_file_tail_of_a_programs_output_uses_its_splitter(tmp_path):
+    from gptop.tail import FileTail, TerminalLines
+
+    log = tmp_path / "trainer.stderr.log"
+    log.write_bytes(b"\r10%\r20%\r100%\nTraceback\n")
+    assert FileTail(log, lines=TerminalLines()).read_all() == [b"100%", b"Traceback"]
+    assert FileTail(log).read_all() == [b"\r10%\r20%\r100%", b"Traceback"]  # events' lines are not drawings

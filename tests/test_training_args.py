@@ -16,8 +16,10 @@ from trainer.contract.training_args import (
     FROZEN,
     TUNED,
     args_fields,
+    fields_in_words,
     per_device_batch,
     read_fields,
+    start_fields,
     start_toggles,
     tunable,
 )
@@ -86,6 +88,39 @@ def test_the_start_maps_to_no_change_and_back():
         assert args_fields(t, f) == {}
         for name in TUNED:
             assert getattr(start_toggles(apply(f, args_fields(t, f))), name) == getattr(t, name)
+
+
+SCRIPTS = (
+    fields(),
+    fields(
+        bf16=True,
+        torch_compile=True,
+        torch_compile_mode="max-autotune",
+        dataloader_num_workers=2,
+        dataloader_prefetch_factor=4,
+        optim="adamw_torch",
+        gradient_checkpointing=True,
+    ),
+    fields(fp16=True, per_device_train_batch_size=1, gradient_accumulation_steps=16),
+)
+
+
+@pytest.mark.parametrize("f", SCRIPTS)
+def test_a_scripts_fields_from_its_hello_say_the_same_changes(f):
+    """best.toml of `gptop tune -- CMD` names the TrainingArguments to set from what the script's hello said (its
+    start as toggles and its per-device batch): the fields rebuilt from those give the same changes, in words,
+    as the script's own arguments would."""
+    start, batch = start_toggles(f), per_device_batch(f)
+    assert start_toggles(start_fields(start, batch)) == start
+    assert fields_in_words(start, start, batch) == ""
+    for best in (
+        dataclasses.replace(start, precision="bf16", micro_batch=batch, workers=1),
+        dataclasses.replace(start, compile="default", fused_adamw=not start.fused_adamw),
+        dataclasses.replace(start, activation_checkpointing=not start.activation_checkpointing, prefetch=1, workers=2),
+    ):
+        words = ", ".join(f"{k}={v!r}" for k, v in args_fields(best, f).items())
+        assert fields_in_words(best, start, batch) == words and words
+    assert fields_in_words(dataclasses.replace(start, micro_batch=batch * 2 + 1), start, batch) is None
 
 
 def test_each_toggle_sets_its_fields():

@@ -61,12 +61,13 @@ def test_a_stop_during_the_run_checkpoints_and_closes_the_dashboard(tmp_path, ho
         assert term.proc.wait(120) == 130
     finally:
         term.close()
-    evs = events(run_dir)
+    *evs, end = events(run_dir)
+    assert end.type == "exit" and end.stopped_by == "user"  # gptop's record of the trainer's end, last
     assert evs[-1].type == "done" and evs[-1].checkpoint
     assert rundir.list_checkpoints(run_dir)
     for pid in trainer_pids(run_dir):
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    assert "gptop: run stopped at step" in screen_text(term)
+    assert "gptop: run stopped by you at step" in screen_text(term)
 
 
 def test_two_ctrl_c_stop_at_once_and_the_summary_says_what_was_kept(tmp_path):
@@ -82,8 +83,8 @@ def test_two_ctrl_c_stop_at_once_and_the_summary_says_what_was_kept(tmp_path):
         term.close()
     text = screen_text(term)
     kept = rundir.list_checkpoints(run_dir)
-    assert "gptop: run stopped at step" in text
-    if events(run_dir)[-1].type == "done":  # the trainer finished its stop before the second Ctrl-C landed
+    assert "gptop: run stopped by you at step" in text
+    if events(run_dir)[-2].type == "done":  # the trainer finished its stop before the second Ctrl-C landed
         assert kept
     elif kept:
         assert "a second stop (Ctrl-C or q twice) ended the trainer" in text and f"step {kept[-1].step}" in text

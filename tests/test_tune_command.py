@@ -119,7 +119,16 @@ def test_tune_a_trainer_script_runs_trials_decides_and_ends_at_max_steps(tmp_pat
         assert mb * acc == 16  # the global batch stays the script's
     report = (run_dir / "tuning.md").read_text()
     assert "- Outcome:" in report and "Applied:" in report
-    assert (run_dir / "best.toml").is_file()
+    best = (run_dir / "best.toml").read_text()  # how to apply it to this script, not gptop train's flags
+    assert f"# Best settings gptop tune found for: {sys.executable} {EXAMPLE}" in best, best
+    assert "gptop train --config" not in best and ("GPTOP_TOGGLES=" in best or "nothing to change" in best)
+    # each start of the script ended with gptop's record of its end: the tuner's restarts, then its own end
+    exits = run_events(run_dir, "exit")
+    assert len(exits) == len([e for e in run_events(run_dir, "hello") if e["early"]]) == len(hellos)
+    assert {e.get("stopped_by") for e in exits[:-1]} <= {"tuner", None} and "tuner" in {
+        e.get("stopped_by") for e in exits
+    }
+    assert exits[-1].get("exit_code") == 0 and "stopped_by" not in exits[-1]
     done = [e for e in run_events(run_dir, "done")]
     assert done[-1]["reason"] == "max_steps" and done[-1]["step"] == steps
     newest = max(out.glob("checkpoint-*"), key=lambda d: int(d.name.rpartition("-")[2]))

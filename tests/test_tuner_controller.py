@@ -423,6 +423,34 @@ def test_best_toml_alone_round_trips(tmp_path):
     assert config_from_toml(p).toggles == t
 
 
+def test_best_toml_of_a_script_says_how_to_apply_it_to_that_script(tmp_path):
+    """`gptop tune -- CMD`'s best.toml: not gptop train flags, but the TrainingArguments to set in the script (from
+    its start and per-device batch), or the same toggles through its tuned_args under gptop run; the [toggles]
+    table still round-trips, and the GPTOP_TOGGLES it gives reads back as those toggles."""
+    import shlex
+
+    from trainer.contract.client import TOGGLES_ENV, parse_toggles
+    from tuner.tuning_report import TunedCommand
+
+    start = Toggles(precision="fp32", compile="off", micro_batch=1, prefetch=2, workers=0, fused_adamw=False)
+    best = dataclasses.replace(start, precision="bf16", micro_batch=4, fused_adamw=True)
+    command = TunedCommand(argv=["python", "hf.py", "--steps", "2600"], start=start, per_device=16)
+    text = best_toml(best, command)
+    p = tmp_path / "best.toml"
+    p.write_text(text)
+    assert config_from_toml(p).toggles == best
+    comment = [line[2:] for line in text.splitlines() if line.startswith("# ")]
+    assert comment[0] == "Best settings gptop tune found for: python hf.py --steps 2600"
+    assert "gptop train" not in text.replace("not gptop train flags", "")
+    assert "bf16=True, per_device_train_batch_size=4, gradient_accumulation_steps=4, optim='adamw_torch_fused'" in text
+    env = next(line for line in comment if TOGGLES_ENV in line).strip()
+    assert env.endswith("gptop run -- python hf.py --steps 2600")
+    assert parse_toggles(shlex.split(env)[0].partition("=")[2]) == best
+    unknown = best_toml(best, dataclasses.replace(command, per_device=None))  # the hello said no batch
+    assert "TrainingArguments" not in unknown and TOGGLES_ENV in unknown
+    assert "nothing to change" in best_toml(start, command)
+
+
 def test_start_outside_the_space_is_still_the_baseline(tmp_path):
     clock = Clock()
     ctl = make_ctl(tmp_path, clock, spec="-all precision=bf16 compile=off,default", max_trials=4)

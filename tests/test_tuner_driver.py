@@ -351,10 +351,10 @@ class FakeSupervisor:
     def send(self, cmd):
         self.sent.append(cmd)
 
-    def request_stop(self, reason="stop requested"):
+    def request_stop(self, reason="stop requested", by=None):
         self.stops += 1
 
-    def kill(self):
+    def kill(self, by=None):
         pass
 
 

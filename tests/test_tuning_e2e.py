@@ -394,6 +394,13 @@ def test_report_best_toml_and_gptop_report(tuned):
     assert config_from_toml(run_dir / "best.toml").toggles.__dict__ == report["best"]
     rc, out, err = run_gptop("report", str(run_dir))
     assert rc == 0 and "tuning    best (trial" in out, err
+    # each trainer process gptop started ended with gptop's record of its end: the tuner's restarts (and the
+    # failed trial, which ended by itself), then the user's Ctrl-C, which is how the report says the run ended
+    exits = events(run_dir, "exit")
+    starts = [e for e in read_events(run_dir / "events.jsonl") if e.type == "hello" and e.early]
+    assert len(exits) == len(starts) >= 3 and exits[-1]["stopped_by"] == "user"
+    assert "tuner" in {e["stopped_by"] for e in exits} and {e["stopped_by"] for e in exits[:-1]} <= {"tuner", None}
+    assert "state     stopped by you" in out
     # where the study lives and the command that opens it, in the report and at the end of tuning
     assert report["storage"] == tuned["storage"] and report["study"].startswith("gptop-llama-tiny-")
     browse = f"optuna-dashboard {tuned['storage']}"

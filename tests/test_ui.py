@@ -302,6 +302,54 @@ def test_every_binding_is_in_the_footer_at_80_columns():
     drive(app, [], check=lambda a: "e" not in {k.key for k in a.query("FooterKey")} or pytest.fail())
 
 
+def program_state(tuned: bool = False) -> RunState:
+    """A `gptop run -- CMD` run (gptop's record of the command first), or `gptop tune -- CMD` (`tuned`)."""
+    state = RunState(run_dir="runs/x-train", status="running")
+    state.apply(
+        ev("hello", 0.0, early=True, pid=7, config={}, device={"type": "cpu"}, model={}, command=["python", "t.py"])
+    )
+    if tuned:
+        state.apply(ev("tuner", 1.0, phase="baseline"))
+    for e in cpu_run(steps=30):
+        state.apply(e)
+    return state
+
+
+def test_a_programs_run_does_not_offer_sample_or_tune():
+    """On a user's program gptop samples nothing (its checkpoints are the program's own) and tunes only under gptop
+    tune -- CMD: `s` and `t` are not in the footer, the help or the palette, and pressing them does nothing; the
+    facts come from the state (RunState.sample_offered, tuning_offered), the app only renders them."""
+    state = program_state()
+    assert not state.sample_offered and not state.tuning_offered
+    cmds = type("CanStart", (RecordingCommands,), {"can_start_tuning": True})()
+    app = GptopApp(state, cmds)
+
+    async def go():
+        async with app.run_test(size=SMALL) as pilot:
+            await pilot.pause()
+            keys = {k.key for k in app.query("FooterKey")}
+            assert "s" not in keys and "t" not in keys and {"q", "c", "l"} <= keys
+            titles = [c.title for c in app.get_system_commands(app.screen)]
+            assert "Sample" not in titles and "Start/stop tuning" not in titles
+            await pilot.press("s", "t")
+            await pilot.pause()
+            assert not app.sample_panel.shown and not app.sampling
+            await pilot.press("question_mark")
+            await pilot.pause()
+            shown = "\n".join(text(w) for w in app.screen.query("Static"))
+            assert "Sample the newest checkpoint" not in shown and "Start the autotuner" not in shown
+            assert "Checkpoint now" in shown
+
+    run(go())
+    assert cmds.calls == []
+    tuned = program_state(tuned=True)  # gptop tune -- CMD: t stops its tuner; still nothing to sample
+    assert tuned.tuning_offered and not tuned.sample_offered
+    app = GptopApp(tuned, RecordingCommands())
+    assert app.check_action("toggle_tuning", ()) is True and app.check_action("sample", ()) is False
+    gptops_own = build_state("cpu")
+    assert gptops_own.sample_offered and gptops_own.tuning_offered
+
+
 @pytest.mark.slow
 def test_command_palette_lists_and_runs_the_actions():
     app, _, cmds = make()

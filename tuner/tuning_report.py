@@ -14,7 +14,10 @@ shaped the tuning with their figures (`TuneController.report_info`).
 `best.toml` holds only a `[toggles]` table: `gptop train --config best.toml`
 (or `python -m trainer --config best.toml`) reproduces the best setting with
 every other option from the command line. It is checked to round-trip
-through `config_from_toml` before it is written.
+through `config_from_toml` before it is written. For a user's script (`gptop
+tune -- CMD`) its comment says how to apply it to that script instead: the
+TrainingArguments fields to set, or the same toggles through the script's
+`tuned_args` (GPTOP_TOGGLES) under `gptop run`.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shlex
 import tempfile
 from pathlib import Path
 from typing import Any, Iterable
@@ -31,7 +35,9 @@ from optuna.trial import TrialState
 
 from trainer.contract import rundir
 from trainer.contract.atomic import atomic_write
+from trainer.contract.client import TOGGLES_ENV
 from trainer.contract.config import Toggles, config_from_toml, section_from_dict
+from trainer.contract.training_args import fields_in_words
 from trainer.contract.events import json_safe
 
 from .budget import format_duration
@@ -454,11 +460,43 @@ def net_line(led: dict[str, Any]) -> str | None:
     return f"net {_signed(net)} against not tuning ({'; '.join(parts)})"
 
 
-def best_toml(toggles: Toggles | dict[str, Any]) -> str:
-    """best.toml text: a comment and a [toggles] table, nothing else."""
+@dataclasses.dataclass(frozen=True)
+class TunedCommand:
+    """The script `gptop tune -- CMD` tuned, as best.toml tells how to apply its best setting: the command, the
+    toggles it started with and its per-device batch of an optimizer step (None: its hello did not say)."""
+
+    argv: list[str]
+    start: Toggles
+    per_device: int | None
+
+
+def best_toml(toggles: Toggles | dict[str, Any], command: TunedCommand | None = None) -> str:
+    """best.toml text: a comment (how to use it: gptop train's --config, or for a script its own arguments) and
+    a [toggles] table, nothing else."""
     d = dataclasses.asdict(toggles) if isinstance(toggles, Toggles) else dict(toggles)
-    body = tomli_w.dumps({"toggles": {k: d[k] for k in (f.name for f in dataclasses.fields(Toggles)) if k in d}})
-    return "# Best toggles found by gptop tune. Use: gptop train --config best.toml\n" + body
+    table = {k: d[k] for k in (f.name for f in dataclasses.fields(Toggles)) if k in d}
+    body = tomli_w.dumps({"toggles": table})
+    if command is None:
+        return "# Best toggles found by gptop tune. Use: gptop train --config best.toml\n" + body
+    return "".join(f"# {line}\n" for line in command_use(section_from_dict(Toggles, table), command)) + body
+
+
+def command_use(toggles: Toggles, command: TunedCommand) -> list[str]:
+    """best.toml's comment for a script: not gptop train flags, but its TrainingArguments, or its tuned_args."""
+    cmd = shlex.join(command.argv)
+    words = fields_in_words(toggles, command.start, command.per_device) if command.per_device else None
+    env = json.dumps(dataclasses.asdict(toggles), sort_keys=True, separators=(",", ":"))
+    lines = [f"Best settings gptop tune found for: {cmd}"]
+    if words == "":
+        return lines + ["They are the script's own settings: nothing to change."]
+    lines.append("They are not gptop train flags. To train with them:")
+    if words:
+        lines += ["  set these TrainingArguments in the script:", f"    {words}", "  or"]
+    lines += [
+        "  keep the script as it is: its tuned_args(args) applies them under gptop run, given as",
+        f"    {TOGGLES_ENV}={shlex.quote(env)} gptop run -- {cmd}",
+    ]
+    return lines
 
 
 def check_best_toml(text: str, expected: Toggles | dict[str, Any]) -> None:
@@ -475,8 +513,11 @@ def check_best_toml(text: str, expected: Toggles | dict[str, Any]) -> None:
         raise ValueError(f"best.toml does not round-trip: {cfg.toggles} != {exp}")
 
 
-def write_report(out_dir: str | Path, study: TuneStudy, info: dict[str, Any]) -> dict[str, Path]:
-    """Write tuning.json, tuning.md and best.toml (the best measured toggles, or the start) into `out_dir`."""
+def write_report(
+    out_dir: str | Path, study: TuneStudy, info: dict[str, Any], command: TunedCommand | None = None
+) -> dict[str, Path]:
+    """Write tuning.json, tuning.md and best.toml (the best measured toggles, or the start) into `out_dir`;
+    `command`: the script tuned, whose best.toml says how to apply it to that script."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     report = build_report(study, info)
@@ -484,7 +525,7 @@ def write_report(out_dir: str | Path, study: TuneStudy, info: dict[str, Any]) ->
     atomic_write(paths["json"], json.dumps(json_safe(report), indent=2, default=str, allow_nan=False) + "\n")
     atomic_write(paths["md"], render_markdown(report))
     best = report.get("best") or report["base"]
-    text = best_toml(best)
+    text = best_toml(best, command)
     check_best_toml(text, best)
     atomic_write(paths["toml"], text)
     return paths

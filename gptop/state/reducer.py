@@ -26,6 +26,7 @@ from trainer.contract.events import (
     DoneEvent,
     ErrorEvent,
     EvalEvent,
+    ExitEvent,
     Event,
     GpuReading,
     EstimateInfo,
@@ -90,6 +91,7 @@ class RunState(StepFigures):
         self.hellos = 0  # full hellos: > 1 after a restart / resume / applied toggles
         self.estimate: EstimateInfo | None = None  # the early hello's (trainer.contract.estimate)
         self.command: list[str] | None = None  # `gptop run -- CMD`: the user's command (None: gptop's trainer)
+        self.client: str | None = None  # the gptop client inside that command, once one said hello
         self.startup: PhaseEvent | None = None  # the startup phase now (None once a step is done)
         self.startup_since: float | None = None  # when that phase began (its percent updates do not reset it)
         self.estimate_warning: WarningEvent | None = None  # "deepseek medium on this CPU: ~N GiB, ~M min per step"
@@ -117,13 +119,22 @@ class RunState(StepFigures):
         self.expert_load: list[list[float]] | None = None
         self.last_eval: EvalEvent | None = None
         self.done: DoneEvent | None = None
+        self.exit: ExitEvent | None = None  # gptop's record of how the latest process ended (None while one runs)
         self.first_loss: float | None = None  # the run's first logged loss (the summary's "from")
 
         # devices
         self.devices = DeviceHistory(device_history)
         self.device_latest: dict[str, GpuReading | CpuReading] = self.devices.latest  # "gpu0" / "cpu" -> latest
 
-        # logs and incidents
+        self._init_incidents(log_lines)
+        self.tuner = TunerState()
+        self._applied: Toggles | None = None  # the toggles the tuner applied since the last hello
+        self._stepped_precision: str | None = None  # precision_label() while the last process made steps
+        self.profile: ProfileEvent | None = None  # the newest profile window's summary (the primary rank's)
+        self.recompiles: deque[WarningEvent] = deque(maxlen=50)  # the compile watchdog's warnings
+
+    def _init_incidents(self, log_lines: int) -> None:
+        """The logs and incidents: lines, checkpoints, errors, warnings, malformed lines, alerts."""
         self.logbook = LogBook(log_lines)
         self.logs: deque[tuple[str, str]] = self.logbook.lines  # (stream, line)
         self.checkpoints: deque[CheckpointEvent] = deque(maxlen=1000)  # bounded as every history here
@@ -135,12 +146,6 @@ class RunState(StepFigures):
         self.alertbook = AlertBook()  # alerts (gptop.alerts): the open ones, the latest raises, resolutions
         self.alerts_active: dict[str, AlertEvent] = self.alertbook.active
         self.alerts: deque[AlertEvent] = self.alertbook.events
-
-        self.tuner = TunerState()
-        self._applied: Toggles | None = None  # the toggles the tuner applied since the last hello
-        self._stepped_precision: str | None = None  # precision_label() while the last process made steps
-        self.profile: ProfileEvent | None = None  # the newest profile window's summary (the primary rank's)
-        self.recompiles: deque[WarningEvent] = deque(maxlen=50)  # the compile watchdog's warnings
 
     # --- writing ------------------------------------------------------------
     def _bump(self, *areas: str) -> None:
@@ -217,12 +222,13 @@ class RunState(StepFigures):
         self.counts.hello(e)
         if e.command is not None:  # gptop's record of a command's start; its client's hello follows
             self.command = e.command
+        self.client = e.client or self.client
         self.device = e.device
         self.model = e.model
         if e.early:  # a trainer process started; nothing is built yet
             self.estimate = e.estimate
             self.startup = None
-            self.done = None  # the run goes on: an earlier process's `done` is not its end
+            self.done = self.exit = None  # the run goes on: an earlier process's end is not its end
             self.stepped = False
             self.end_time = None
             self._timing.restart(built=False)
@@ -343,6 +349,10 @@ class RunState(StepFigures):
         self.end_time = e.time  # elapsed stops here, not when the session later says "done"
         self._bump("run")
 
+    def _on_exit(self, e: ExitEvent) -> None:
+        self.exit = e
+        self._bump("run")
+
     def _on_device(self, e: DeviceEvent) -> None:
         self.devices.add(e)
         self._bump("device")
@@ -445,6 +455,24 @@ class RunState(StepFigures):
     def command_line(self) -> str | None:
         """The user's command as a shell would show it (`gptop run`), or None for gptop's own trainer."""
         return shlex.join(self.command) if self.command else None
+
+    @property
+    def reported(self) -> bool:
+        """The run's process tells its steps, model and checkpoints: gptop's own trainer, or a user's program with
+        a gptop client inside it (one without says only how it ended)."""
+        return self.command is None or self.client is not None
+
+    @property
+    def sample_offered(self) -> bool:
+        """Whether sampling (the `s` key) can work on this run: gptop samples its own checkpoints, never a user's
+        program's (they are that program's format)."""
+        return self.command is None
+
+    @property
+    def tuning_offered(self) -> bool:
+        """Whether the `t` key can do anything in this run: a user's program is tuned only by `gptop tune --
+        CMD`, whose tuner runs from the start (gptop run never tunes it)."""
+        return self.command is None or self.tuner.phase is not None
 
     def last_error(self) -> ErrorEvent | None:
         """The latest error event, or None."""

@@ -313,6 +313,8 @@ class GptopApp(App[None]):
             return True if self.state.watching is not None else None
         if action in ("checkpoint", "profile"):
             return True if status.live else None
+        if action in ("toggle_tuning", "sample") and not self.offered(action):
+            return False  # never works on this run (a user's program): not shown, and the key does nothing
         if action == "toggle_tuning":
             if self.state.tuner.active:  # a tuner restarts the trainer often: stopping it works throughout
                 return True if not status.idle else None
@@ -330,10 +332,18 @@ class GptopApp(App[None]):
             return True if self.state.profile is not None else False  # shown once a window was summarized
         return True
 
+    def offered(self, action: str) -> bool:
+        """Whether the run offers `action` at all, as its state says (RunState.sample_offered, tuning_offered)."""
+        if action == "sample":
+            return self.state.sample_offered
+        if action == "toggle_tuning":
+            return self.state.tuning_offered
+        return True
+
     def can_toggle_tuning(self) -> bool:
         """`t` stops a tuner at work; it starts one only where the session says it can
         (`can_start_tuning`): gptop's own session tunes only when started with gptop tune / --tune."""
-        return self.state.tuner.active or self.commands.can_start_tuning
+        return self.offered("toggle_tuning") and (self.state.tuner.active or self.commands.can_start_tuning)
 
     def _call(self, what: str, fn: Callable[..., None], *args: object, **kwargs: object) -> bool:
         try:
@@ -445,7 +455,7 @@ class GptopApp(App[None]):
         yield SystemCommand("Checkpoint now", "Write a checkpoint at the next step (c)", self.action_checkpoint)
         yield SystemCommand("Profile", f"Profile the next {self.profile_steps} steps (p)", self.action_profile)
         yield SystemCommand("Profile summary", "The newest profile window's summary (v)", self.action_view_profile)
-        if self.state.run_dir:
+        if self.state.run_dir and self.offered("sample"):
             yield SystemCommand("Sample", "Text from the newest checkpoint, training goes on (s)", self.action_sample)
         yield SystemCommand("Toggle log panel", "Zoom the trainer's stdout/stderr (l)", self.action_toggle_log)
         if self.can_toggle_tuning():

@@ -87,6 +87,15 @@ PANELS_HELP = [
 ]
 
 
+def offered_help(state: RunState | None, rows: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The help's key rows less the keys this run never offers (a user's program: `s`, and `t` unless gptop
+    tunes it), as the footer leaves them out (GptopApp.check_action)."""
+    if state is None:
+        return rows
+    hidden = {"s": not state.sample_offered, "t": not state.tuning_offered}
+    return [(k, v) for k, v in rows if not hidden.get(k)]
+
+
 class HelpScreen(ModalScreen[None]):
     """Every key and what each panel shows (a monitor's own keys while it watches a run: `watching`)."""
 
@@ -105,7 +114,7 @@ class HelpScreen(ModalScreen[None]):
         keys.add_column(style="bold cyan", no_wrap=True)
         keys.add_column()
         observer = self.state is not None and self.state.observer
-        for k, v in WATCHING_HELP if observer else HELP:
+        for k, v in offered_help(self.state, WATCHING_HELP if observer else HELP):
             keys.add_row(k, v)
         panels = Table.grid(padding=(0, 2))
         panels.add_column(style="bold", no_wrap=True)

@@ -33,7 +33,6 @@ lists and mappings as read-only too.
 
 from __future__ import annotations
 
-import enum
 import functools
 import json
 import math
@@ -59,40 +58,20 @@ from .event_records import (
     Record,
     TunerBest,
 )
-from .states import RunStatus, TrialKind, TrialStatus, TunerPhase
+from .states import (
+    AlertKind as AlertKind,
+    CompileWarning as CompileWarning,
+    RunStatus,
+    Severity as Severity,
+    StoppedBy,
+    TrialKind,
+    TrialStatus,
+    TunerPhase,
+)
 
 SCHEMA_VERSION = 1
 
 PHASES = ("data", "forward", "backward", "optimizer", "other")
-
-
-class AlertKind(str, enum.Enum):
-    """What an alert is about (gptop.alerts raises them; docs/dashboard.md says when each fires)."""
-
-    STALL = "stall"  # no step for several times the recent step time, the process alive
-    LOSS_SPIKE = "loss_spike"  # the loss far above its running median (in MADs)
-    NAN_ROLLBACK = "nan_rollback"  # the trainer rolled back after a non-finite step
-    THROUGHPUT_DROP = "throughput_drop"  # tokens/s sustained well below the run's steady rate
-    THROTTLE = "throttle"  # the GPU's clocks held down by heat or the hardware (not a power cap)
-    ECC = "ecc"  # new uncorrected ECC memory errors
-    XID = "xid"  # the driver reported a critical Xid error
-    GPU_LOST = "gpu_lost"  # the GPU fell off the bus (NVML: GPU is lost)
-
-
-class CompileWarning(enum.StrEnum):
-    """The `warning` kinds of the torch.compile watchdog (trainer.compile_watch) and of the compile-cache retry
-    (trainer.inductor_cache): a tuner trial that saw them is marked so in its ledger row."""
-
-    GRAPH_BREAK = "graph_break"  # after the first step: the compile split the model (the first reasons)
-    RECOMPILE = "recompile"  # a guard failed after the first step and a frame compiled again
-    COMPILE_FALLBACK = "compile_fallback"  # a frame hit the recompile limit and runs eagerly from then on
-    COMPILE_CACHE = "compile_cache"  # a compiled artefact of the shared cache did not load: retried with
-    #                                     the run's own inductor cache
-
-
-class Severity(str, enum.Enum):
-    WARNING = "warning"  # the run goes on, slower or noisier: look when you can
-    CRITICAL = "critical"  # the run makes no progress or its hardware fails: look now
 
 
 # --------------------------------------------------------------------------- events
@@ -330,6 +309,29 @@ class DoneEvent(Event):
     checkpoint: str | None = None
 
 
+EXIT_STDERR_LINES = 20  # the most stderr lines an `exit` event keeps of a failed process
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExitEvent(Event):
+    """A process gptop supervised ended: written by gptop (never by the process) for each one it starts (its
+    own trainer, each tuner restart, each --restart-on-failure start, a `gptop run` command), after the
+    process's last event, so a reader always knows how the last one ended, with a client or without."""
+
+    type: ClassVar[str] = "exit"
+    pid: int | None = None
+    exit_code: int | None = None  # its exit status; None when a signal ended it
+    signal: int | None = None  # the signal that ended it (SIGKILL: 9)
+    seconds: float | None = None  # from its start to its end
+    stopped_by: StoppedBy | None = None  # who ended it; None: it ended by itself
+    stderr: list[str] | None = None  # a failure's last stderr lines (at most EXIT_STDERR_LINES)
+
+    @property
+    def failed(self) -> bool:
+        """It ended by itself, and not cleanly: a non-zero exit, or a signal from outside gptop."""
+        return self.stopped_by is None and self.exit_code != 0
+
+
 @dataclass(frozen=True, kw_only=True)
 class DeviceEvent(Event):
     """A device sample (gptop's telemetry): every GPU, and the host."""
@@ -461,6 +463,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         WarningEvent,
         ErrorEvent,
         DoneEvent,
+        ExitEvent,
         DeviceEvent,
         TrialEvent,
         ApplyEvent,

@@ -410,6 +410,11 @@ def check_resume(value: str, option: str = "--resume") -> Path:
             raise ConfigError(option, f"{rundir.checkpoint_dir(p)} cannot be read ({_reason(e)})") from None
         if found:
             return p
+        from .program_run import program_refusal, program_run
+
+        program = program_run(p)
+        if program is not None:
+            raise ConfigError(option, program_refusal(p, program, "resume"))
         if rundir.is_run_dir(p):
             again = f"--config {rundir.RunDir(p).config} " if rundir.RunDir(p).config.is_file() else ""
             raise ConfigError(

@@ -134,6 +134,24 @@ def is_run_dir(path: str | Path) -> bool:
 RUN_OWNED = (CHECKPOINTS, PROFILES, TENSORBOARD, WANDB)  # a run's folders that only the run writes into
 
 
+# What gptop and its trainer write into a run directory (RunDir's names, a node's and a rank's files included): a
+# directory that holds anything else (not hidden) holds a user's files, where no new run goes.
+_RUN_FILE = re.compile(
+    r"^(?:config\.toml|events(?:\.rank\d+)?\.jsonl|device(?:\.[^/]+)?\.jsonl|trainer(?:\.[^/]+)?(?:\.stderr)?\.log|"
+    r"checkpoints|profiles|tensorboard|wandb|inductor-cache|tuning\.json|tuning\.md|best\.toml)$"
+)
+
+
+def foreign_files(path: str | Path) -> list[str]:
+    """The names in `path` that no run wrote (a user's scripts, data, notes), sorted; hidden names are left out.
+    Empty for a new, empty or run directory."""
+    try:
+        names = [e.name for e in Path(path).iterdir()]
+    except OSError:
+        return []
+    return sorted(n for n in names if not n.startswith(".") and not _RUN_FILE.match(n))
+
+
 def run_part(path: str | Path) -> tuple[Path, str] | None:
     """(the run, its folder) when `path` (resolved) is or lies inside a folder a run owns (checkpoints/,
     profiles/, tensorboard/, wandb/), where neither a new run nor an export may go; else None."""

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .common import ConfigError
 from .events import DoneEvent, ErrorEvent, HelloEvent, read_events
-from .rundir import LOCK, RunDir, has_checkpoint, other_run, pid_alive, run_part
+from .rundir import LOCK, RunDir, foreign_files, has_checkpoint, other_run, pid_alive, run_part
 
 LOCK_TOKEN_ENV = "GPTOP_RUN_LOCK_TOKEN"  # set by the lock's owner for the processes it starts
 LOCK_NODE_ENV = "GPTOP_RUN_LOCK_NODE"
@@ -36,24 +36,37 @@ class RunDirTaken(ConfigError):
     """A new run in a directory that holds another run's events or checkpoints (exit 2): one run per directory."""
 
 
-def check_new_run(run_dir: Path) -> None:
-    """A new run may start in `run_dir` only if no other run left its events or checkpoints there: mixed in
-    one directory, the report would add both runs up and a resume or an export could pick the other's weights."""
+def check_new_run(run_dir: Path, option: str = "--run-dir", *, locked: bool = False) -> None:
+    """A new run may start in `run_dir` only if it is new or empty, or holds only what gptop writes and no other
+    run's events or checkpoints: mixed in one directory, the report would add both runs up and a resume or an
+    export could pick the other's weights, and a user's files would sit among the run's. A run that holds the
+    directory now is named (RunDirBusy), never offered for removal; `locked`: the caller holds its lock now."""
     part = run_part(run_dir)
     if part is not None:
         raise RunDirTaken(
-            "--run-dir",
+            option,
             f"{run_dir} lies inside the {part[1]}/ of the run {part[0]}, which only that run "
             "writes; choose another --run-dir",
         )
+    holders = None if locked else lock_holders(run_dir)
+    if holders is not None:
+        raise RunDirBusy(option, _busy_message(run_dir, holders))
     found = other_run(run_dir)
     if found is None:
+        mine = foreign_files(run_dir)
+        if mine:
+            names = ", ".join(mine[:3]) + (f" and {len(mine) - 3} more" if len(mine) > 3 else "")
+            raise RunDirTaken(
+                option,
+                f"{run_dir} holds files that are not a run's ({names}); a run directory holds one run and "
+                "nothing else: choose a new or empty --run-dir",
+            )
         return
     if has_checkpoint(run_dir):
         what = f"resume it with --resume {run_dir}, or choose another --run-dir"
     else:
         what = "choose another --run-dir (or remove that directory first)"
-    raise RunDirTaken("--run-dir", f"{run_dir} holds another run ({found}); a run directory holds one run: {what}")
+    raise RunDirTaken(option, f"{run_dir} holds another run ({found}); a run directory holds one run: {what}")
 
 
 def lock_option(resume: str | None, run_dir: str | Path) -> str:
@@ -111,7 +124,7 @@ class RunLock:
         written (the sibling ranks of one torchrun wait for the record), leaving no lock file behind."""
         run_dir = Path(run_dir)
         if new_run and node is None:
-            check_new_run(run_dir)  # before making anything; again under the lock, against a race
+            check_new_run(run_dir, option)  # before making anything; again under the lock, against a race
         run_dir.mkdir(parents=True, exist_ok=True)
         token = token or uuid.uuid4().hex
         plan = (
@@ -138,7 +151,7 @@ class RunLock:
                         raise RunDirBusy(option, _busy_message(run_dir, holders)) from None
                     if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                         if new_run and node is None:
-                            check_new_run(run_dir)
+                            check_new_run(run_dir, option)
                         return cls(
                             run_dir,
                             token,
@@ -151,7 +164,7 @@ class RunLock:
                 fds.append(fd)
                 if new_run and node is None:
                     try:
-                        check_new_run(run_dir)
+                        check_new_run(run_dir, option, locked=True)
                     except RunDirTaken:
                         if not existed:
                             path.unlink(missing_ok=True)  # a refusal leaves nothing behind

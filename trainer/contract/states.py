@@ -61,6 +61,15 @@ _LIVE = frozenset({RunStatus.RUNNING, RunStatus.CHECKPOINTING})
 _LAUNCHING = frozenset({RunStatus.STARTING, RunStatus.RESTARTING})
 
 
+class StoppedBy(enum.StrEnum):
+    """Who ended a process gptop supervised (an `exit` event's `stopped_by`; None there: nobody, it ended by
+    itself: it finished, failed, or something outside gptop killed it)."""
+
+    USER = "user"  # the user's stop: q, Ctrl-C, SIGTERM or SIGHUP to gptop, --no-ui's reader gone (twice: a kill)
+    TUNER = "tuner"  # the tuner, to start it again: the next trial, the switch to the best, a failed trial's rollback
+    GPTOP = "gptop"  # gptop's own planned end: --tune-only once best.toml is written, gptop closing with it alive
+
+
 class TunerPhase(enum.StrEnum):
     """Where the tuner's state machine is (the `tuner` event's `phase`), in the order it goes through them."""
 
@@ -154,3 +163,32 @@ class WarningKind(enum.StrEnum):
     SLOW_TOGGLE = "slow_toggle"  # a toggle this device runs slower than without it
     NAN_ROLLBACK = "nan_rollback"  # the trainer rolled back after a non-finite step (trainer.nonfinite)
     PEAK_FLOPS = "peak_flops"  # no MFU: the device's peak is unknown or inconsistent with the FLOPs
+
+
+class AlertKind(str, enum.Enum):
+    """What an alert is about (gptop.alerts raises them; docs/dashboard.md says when each fires)."""
+
+    STALL = "stall"  # no step for several times the recent step time, the process alive
+    LOSS_SPIKE = "loss_spike"  # the loss far above its running median (in MADs)
+    NAN_ROLLBACK = "nan_rollback"  # the trainer rolled back after a non-finite step
+    THROUGHPUT_DROP = "throughput_drop"  # tokens/s sustained well below the run's steady rate
+    THROTTLE = "throttle"  # the GPU's clocks held down by heat or the hardware (not a power cap)
+    ECC = "ecc"  # new uncorrected ECC memory errors
+    XID = "xid"  # the driver reported a critical Xid error
+    GPU_LOST = "gpu_lost"  # the GPU fell off the bus (NVML: GPU is lost)
+
+
+class CompileWarning(enum.StrEnum):
+    """The `warning` kinds of the torch.compile watchdog (trainer.compile_watch) and of the compile-cache retry
+    (trainer.inductor_cache): a tuner trial that saw them is marked so in its ledger row."""
+
+    GRAPH_BREAK = "graph_break"  # after the first step: the compile split the model (the first reasons)
+    RECOMPILE = "recompile"  # a guard failed after the first step and a frame compiled again
+    COMPILE_FALLBACK = "compile_fallback"  # a frame hit the recompile limit and runs eagerly from then on
+    COMPILE_CACHE = "compile_cache"  # a compiled artefact of the shared cache did not load: retried with
+    #                                     the run's own inductor cache
+
+
+class Severity(str, enum.Enum):
+    WARNING = "warning"  # the run goes on, slower or noisier: look when you can
+    CRITICAL = "critical"  # the run makes no progress or its hardware fails: look now

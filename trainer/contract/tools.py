@@ -30,6 +30,7 @@ from .inputs import check_writable_dir, path_arg
 from .common import MAX_STEP
 from .protect import EXPORT_MARKER, check_replaceable
 from .rundir import CONFIG, EVENTS, CheckpointInfo, is_run_dir, list_checkpoints
+from .program_run import program_refusal, program_run
 from .runlock import without_checkpoint
 
 EXPORT_MODULE = "trainer.export"
@@ -156,12 +157,12 @@ def add_sample_arguments(parser: argparse.ArgumentParser, json_flag: bool = True
 
 
 def _run_with_checkpoints(value: str, option: str) -> None:
-    checkpoints_to_try(value, None, option)
+    checkpoints_to_try(value, None, option, doing="export")
 
 
 def _run_or_model_dir(value: str, option: str) -> None:
     if not is_model_dir(value):
-        checkpoints_to_try(value, None, option)
+        checkpoints_to_try(value, None, option, doing="sample")
 
 
 def is_model_dir(path: str | Path) -> bool:
@@ -229,15 +230,21 @@ def base_fingerprint(path: str | Path) -> str:
     return h.hexdigest()[:32]
 
 
-def checkpoints_to_try(run_dir: str | Path, step: int | None, option: str = "RUN_DIR") -> list[CheckpointInfo]:
+def checkpoints_to_try(
+    run_dir: str | Path, step: int | None, option: str = "RUN_DIR", doing: str = "export"
+) -> list[CheckpointInfo]:
     """The checkpoints to load, in order: the one of `step`, else all of them newest first.
 
-    Raises ConfigError naming RUN_DIR (not a run, no checkpoint yet) or --step (no such step)."""
+    Raises ConfigError naming RUN_DIR (not a run, no checkpoint yet, a user's program's run, which gptop cannot
+    `doing`) or --step (no such step)."""
     p = Path(run_dir)
     if not p.exists():
         raise ConfigError(option, f"{p} does not exist; give a run directory (runs/<time>-<model>-<size>)")
     if not p.is_dir():
         raise ConfigError(option, f"{p} is not a directory; give a run directory, not a checkpoint file")
+    program = program_run(p)
+    if program is not None:
+        raise ConfigError(option, program_refusal(p, program, doing))
     found = list_checkpoints(p)
     if not found:
         if not is_run_dir(p):
@@ -261,7 +268,7 @@ def check_export(ns: argparse.Namespace) -> list[CheckpointInfo]:
     """Every check `export` can make before loading anything; returns the checkpoints to try."""
     if ns.step is not None and ns.step < 0:
         raise ConfigError("--step", f"must be at least 0, got {ns.step}")
-    candidates = checkpoints_to_try(ns.run_dir, ns.step)
+    candidates = checkpoints_to_try(ns.run_dir, ns.step, doing="export")
     check_replaceable(ns.out_dir, "OUT_DIR", force=ns.force)  # --force replaces an earlier export, nothing else
     return candidates
 
@@ -290,7 +297,7 @@ def check_sample(ns: argparse.Namespace) -> list[CheckpointInfo] | None:
             raise ConfigError("--step", f"{ns.path} is an exported model, which has no checkpoints to choose from")
         adapter_base(ns.path)  # an adapter export's base is there, and is the one it was trained on
         return None
-    return checkpoints_to_try(ns.path, ns.step)
+    return checkpoints_to_try(ns.path, ns.step, doing="sample")
 
 
 def check_text(value: str, option: str) -> None:

@@ -166,3 +166,38 @@ def args_fields(toggles: Toggles, fields: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"fused_adamw: the script's optimizer is {optim_name(fields)}, not adamw_torch(_fused)")
     want[checkpointing_field(fields)] = toggles.activation_checkpointing
     return {k: v for k, v in want.items() if fields.get(k) != v}
+
+
+def start_fields(start: Toggles, per_device: int) -> dict[str, Any]:
+    """The TrainingArguments fields a script runs `start` with, as far as its hello tells (the inverse of
+    `start_toggles`; `per_device`: its per_device_train_batch_size x gradient_accumulation_steps): what
+    `args_fields` weighs another setting against when the script's own arguments are not at hand."""
+    mb = start.micro_batch_int() or 1
+    optimizer = next((k for k, v in OPTIMIZER_OF.items() if v == start.optimizer), "adamw_torch")
+    return {
+        "bf16": start.precision == "bf16",
+        "fp16": start.precision == "fp16",
+        "tf32": start.precision == "tf32",
+        "torch_compile": start.compile != "off",
+        "torch_compile_mode": None if start.compile in ("off", "default") else start.compile,
+        "torch_compile_backend": None,
+        "per_device_train_batch_size": mb,
+        "gradient_accumulation_steps": max(per_device // mb, 1),
+        "dataloader_num_workers": start.workers,
+        "dataloader_prefetch_factor": start.prefetch if start.workers > 0 else None,
+        "optim": ("adamw_torch_fused" if start.fused_adamw else "adamw_torch")
+        if start.optimizer == "adamw"
+        else optimizer,
+        "gradient_checkpointing": start.activation_checkpointing,
+    }
+
+
+def fields_in_words(toggles: Toggles, start: Toggles, per_device: int) -> str | None:
+    """The TrainingArguments a script that started with `start` sets to run with `toggles`: 'bf16=True,
+    per_device_train_batch_size=4, gradient_accumulation_steps=4' ('' when nothing changes); None when the
+    toggles cannot be given as fields (`args_fields`' ValueError)."""
+    try:
+        change = args_fields(toggles, start_fields(start, per_device))
+    except ValueError:
+        return None
+    return ", ".join(f"{k}={v!r}" for k, v in change.items())
