@@ -29,7 +29,7 @@ run directory's log file, and printing them would bury the step lines. When the
 run fails, the last stderr lines (the traceback) go to our stderr in both modes.
 `echo_logs=True` (a user's program under `gptop run`, unless `--quiet`) prints each
 of its lines as the log panel shows them, prefixed `[out] ` or `[err] ` (gptop's
-own `[gptop] `), in the order they came among gptop's lines: on stdout, or on
+own go to stderr as `gptop: ...`), in the order they came among gptop's lines: on stdout, or on
 stderr with `--json` (stdout stays JSON lines). They are written as they come and
 flushed at most ECHO_FLUSH_S later (or with gptop's next line), not one write per
 line: a chatty program's thousands of lines a second cost gptop little.
@@ -92,7 +92,7 @@ if TYPE_CHECKING:
 
 MEASURE_EVERY_S = 10.0
 ECHO_FLUSH_S = 0.2  # a program's echoed lines reach the terminal or CI log at most this long after they came
-ECHO_PREFIX = {"stdout": "[out] ", "stderr": "[err] "}  # gptop's own lines come with "[gptop] " already
+ECHO_PREFIX = {"stdout": "[out] ", "stderr": "[err] "}  # gptop's own lines: stderr, `gptop_line`
 SHORT = {"data": "data", "forward": "fwd", "backward": "bwd", "optimizer": "opt", "other": "other"}
 
 

@@ -177,7 +177,7 @@ def start_fields(start: Toggles, per_device: int) -> dict[str, Any]:
     return {
         "bf16": start.precision == "bf16",
         "fp16": start.precision == "fp16",
-        "tf32": start.precision == "tf32",
+        "tf32": True if start.precision == "tf32" else None,  # unset as in most scripts: a compile may turn it on
         "torch_compile": start.compile != "off",
         "torch_compile_mode": None if start.compile in ("off", "default") else start.compile,
         "torch_compile_backend": None,
