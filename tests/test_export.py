@@ -719,13 +719,15 @@ def test_plain_transformers_loads_every_export(all_runs, exports, tmp_path):
 
 @pytest.mark.process
 @pytest.mark.slow
-def test_gptop_sample_every_family(all_runs, exports):
-    """`gptop sample --json`: a result line from a causal run's sharded checkpoint, a llada run's one-file one,
-    and a llada export, which samples as llada (each family's sampling in this process: test_sample_in_process)."""
+def test_gptop_sample_a_sharded_checkpoint_and_a_llada_export(all_runs, exports):
+    """`gptop sample --json`: a result line from a causal run's sharded checkpoint, and from a llada export, which
+    samples as llada, the text its run samples (each family's sampling in this process: test_sample_in_process;
+    the command on a run's one-file checkpoint: tests/test_docs.py runs models.md's `gptop sample runs/llada` and
+    `gptop sample runs/demo --json`)."""
     from trainer.export import load_for_inference
     from trainer.sample import generate
 
-    targets = {"dcp": all_runs["dcp"], "llada": all_runs["llada"], "llada-export": exports["llada"]}
+    targets = {"dcp": all_runs["dcp"], "llada-export": exports["llada"]}
     done = run_all(
         {
             k: gptop_cmd(
@@ -734,49 +736,44 @@ def test_gptop_sample_every_family(all_runs, exports):
             for k, p in targets.items()
         }
     )
+    runs_of = {"dcp": all_runs["dcp"], "llada-export": all_runs["llada"]}  # the export samples what its run samples
     for k, r in done.items():
         assert r.returncode == 0, f"{k}: {r.stderr[-3000:]}"
         res = SampleResult.from_json(r.stdout.strip().splitlines()[-1])
         assert res.prompt == "import " and 0 <= res.new_tokens <= 8 and res.load_seconds > 0
         assert res.objective == ("llada" if k.startswith("llada") else "causal")
-        if k != "llada-export":
-            assert res.step == 4 and res.source.endswith("step-00000004" + (".dcp" if k == "dcp" else ".pt"))
-            ns = sample_ns(all_runs[k], prompt="import ", max_new_tokens=8, temperature=0.0)
-            loaded = load_for_inference(ns.path, tools.check_sample(ns), log=quiet)
-            assert res.completion == generate(loaded, ns).completion  # the same text as in this process
-    # The export samples what its run samples: the same model, tokenizer, mask and algorithm.
-    a = SampleResult.from_json(done["llada"].stdout.strip().splitlines()[-1])
-    b = SampleResult.from_json(done["llada-export"].stdout.strip().splitlines()[-1])
-    assert a.completion == b.completion and b.step is None
+        if k == "dcp":
+            assert res.step == 4 and res.source.endswith("step-00000004.dcp")
+        else:
+            assert res.step is None
+        ns = sample_ns(runs_of[k], prompt="import ", max_new_tokens=8, temperature=0.0)
+        loaded = load_for_inference(ns.path, tools.check_sample(ns), log=quiet)
+        assert res.completion == generate(loaded, ns).completion  # the same text as the run's, in this process
 
 
 @pytest.mark.process
 @pytest.mark.slow
 def test_gptop_train_fine_tunes_exports(exports, tmp_path):
-    """`gptop train --model OUT_DIR` fine-tunes the export of a two-rank checkpoint and a llada export, which
-    trains with the llada objective; the trainer fine-tunes the other families' exports (in this process, while
-    the commands run: the command's path is the same for every family)."""
+    """`gptop train --model OUT_DIR` fine-tunes the export of a two-rank checkpoint; the trainer fine-tunes every
+    family's export (in this process, while the command runs: the command's path is the same for every export),
+    a llada export with the llada objective."""
     from trainer.train import EXIT_OK
 
     args = [*TINY, "--max-steps", "2"]
-    procs = {
-        k: subprocess.Popen(
-            gptop_cmd("train", "--model", str(exports[k]), *args, "--run-dir", str(tmp_path / k)),
-            cwd=ROOT,
-            env=_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for k in ("llada", "dcp")
-    }
+    command = subprocess.Popen(
+        gptop_cmd("train", "--model", str(exports["dcp"]), *args, "--run-dir", str(tmp_path / "dcp")),
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        codes = {k: train_in_process(tmp_path / k, "--model", str(exports[k]), *args)[0] for k in ("llama", "deepseek")}
+        codes = {k: train_in_process(tmp_path / k, "--model", str(exports[k]), *args)[0] for k in FAMILIES}
     finally:
-        errs = {k: p.communicate(timeout=300)[1] for k, p in procs.items()}
-    for k, p in procs.items():
-        assert p.returncode == 0, f"{k}: {errs[k][-3000:]}"
-        codes[k] = p.returncode
+        err = command.communicate(timeout=300)[1]
+    assert command.returncode == 0, err[-3000:]
+    codes["dcp"] = command.returncode
     for k, code in codes.items():
         assert code == EXIT_OK, k
         events = [json.loads(line) for line in (tmp_path / k / "events.jsonl").read_text().splitlines()]
@@ -849,6 +846,8 @@ def test_a_killed_export_says_why_and_the_next_one_cleans_up(runs, tmp_path):
     the next export into the same OUT_DIR removes the hidden temporary folder the killed one left."""
     import psutil
 
+    from trainer.export import export
+
     out = tmp_path / "out"
     p = subprocess.Popen(
         gptop_cmd("export", str(runs["llama"]), str(out)),
@@ -873,14 +872,9 @@ def test_a_killed_export_says_why_and_the_next_one_cleans_up(runs, tmp_path):
     assert p.returncode == 1 and "the export was killed by signal 9 (SIGKILL)" in err, err
     assert "out of memory" in err and "Traceback" not in err
     assert list(tmp_path.glob(".out.export-*")) and not out.exists()
-    r = subprocess.run(
-        gptop_cmd("export", str(runs["llama"]), str(out)),
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr
-    assert "left next to out by an export that was killed" in r.stderr
+    # the next export (the export worker's code, in this process: the command's path to its end is the exports
+    # fixture's) cleans up
+    said: list[str] = []
+    assert export(export_ns(runs["llama"], out), log=said.append)["step"] == 4
+    assert any("left next to out by an export that was killed" in line for line in said), said
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
