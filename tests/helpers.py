@@ -1,4 +1,5 @@
-"""What the tests share: the tiny run's arguments, the trainer run in this process, waiting, event picking.
+"""What the tests share: the tiny run's arguments, the trainer run in this process, gptop started as a process,
+waiting, event picking.
 
 Imported by name (`from helpers import TINY, train_in_process`); pytest puts tests/ on the path. Fixtures
 live in conftest.py.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Iterator
@@ -62,6 +64,23 @@ def gptop_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return {**env, **extra}
+
+
+def gptop_cmd(*args: str) -> list[str]:
+    """The command line `gptop ARGS`, with this interpreter (run it in `gptop_env()`)."""
+    return [sys.executable, "-m", "gptop", *args]
+
+
+def run_gptop(*args: str, timeout: float = 300, **kw: Any) -> subprocess.CompletedProcess[str]:
+    """`gptop ARGS` to its end, its output captured as text; in `gptop_env()` unless `env=` says otherwise."""
+    kw.setdefault("env", gptop_env())
+    return subprocess.run(gptop_cmd(*args), capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def start_gptop(*args: str, **kw: Any) -> subprocess.Popen[str]:
+    """`gptop ARGS` started, stdout and stderr piped as text; in `gptop_env()` unless `env=` says otherwise."""
+    kw.setdefault("env", gptop_env())
+    return subprocess.Popen(gptop_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
 def trainer_cmd(*args: str) -> list[str]:

@@ -19,7 +19,7 @@ import pytest
 
 from gptop.alert_report import alert_line
 from gptop.alerts import AlertMonitor, AlertOptions
-from helpers import wait_for
+from helpers import gptop_cmd, wait_for
 from gptop.headless import HeadlessView
 from gptop.state import RunState
 from gptop.summary import summary_lines
@@ -707,7 +707,6 @@ def test_a_sigstopped_trainer_raises_a_stall_that_is_resolved_after_sigcont(tmp_
     import subprocess
 
     from helpers import TINY
-    from helpers import wait_for
     from gptop.report import summarize
     from trainer.contract.events import read_events
 
@@ -718,10 +717,7 @@ def test_a_sigstopped_trainer_raises_a_stall_that_is_resolved_after_sigcont(tmp_
     out_path = tmp_path / "out.jsonl"
     with open(out_path, "w") as out:
         p = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gptop",
+            gptop_cmd(
                 "--no-ui",
                 "--json",
                 "--interval",
@@ -738,7 +734,7 @@ def test_a_sigstopped_trainer_raises_a_stall_that_is_resolved_after_sigcont(tmp_
                 "3",
                 "--notify-cmd",
                 f"{sys.executable} {script}",
-            ],
+            ),
             stdout=out,
             stderr=subprocess.PIPE,
             text=True,
@@ -786,19 +782,7 @@ LOSS_SCRIPT = Path(__file__).resolve().parent / "fixtures" / "loss_script.py"
 
 def gptop_run(run_dir: Path, *options: str, script: tuple[str, ...] = ()) -> list[str]:
     """`gptop run` of the loss script (a 20-step spike from step 41 of 80) with `options` before `--`."""
-    return [
-        sys.executable,
-        "-m",
-        "gptop",
-        "run",
-        "--run-dir",
-        str(run_dir),
-        *options,
-        "--",
-        sys.executable,
-        str(LOSS_SCRIPT),
-        *script,
-    ]
+    return gptop_cmd("run", "--run-dir", str(run_dir), *options, "--", sys.executable, str(LOSS_SCRIPT), *script)
 
 
 def sleepers(marker: str) -> list:
@@ -816,7 +800,7 @@ def test_a_spike_under_gptop_run_is_one_alert_everywhere_and_a_failing_notify_cm
     notifications failed), and no channel directory left behind."""
     import subprocess
 
-    from helpers import gptop_env, private_tmpdir
+    from helpers import gptop_env, private_tmpdir, run_gptop
 
     got, save = tmp_path / "notified.jsonl", tmp_path / "save.py"
     save.write_text(f"import sys\nopen({str(got)!r}, 'a').write(sys.stdin.read())\n")
@@ -842,9 +826,7 @@ def test_a_spike_under_gptop_run_is_one_alert_everywhere_and_a_failing_notify_cm
     assert "without a shell" in said[0]
     notified = [parse(x) for x in got.read_text().splitlines()]
     assert [(a.id, a.resolved) for a in notified] == [(notified[0].id, False), (notified[0].id, True)]
-    report = subprocess.run(
-        [sys.executable, "-m", "gptop", "report", str(run_dir)], env=gptop_env(), capture_output=True, text=True
-    )
+    report = run_gptop("report", str(run_dir))
     assert "alerts    1 raised, all resolved" in report.stdout
     assert "  loss_spike [warning] at step 41, resolved at step 61 " in report.stdout, report.stdout
 

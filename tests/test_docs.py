@@ -33,7 +33,7 @@ from typing import Callable
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, gptop_env
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "BENCHMARKS.md"]
 SHARED_RUN = "runs/demo"  # made by the README's first command (short form) in the scratch directory
@@ -409,16 +409,9 @@ def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("docs")
 
 
-def env_for(extra: dict[str, str]) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(extra)
-    return env
-
-
 def run_here(text: str, work: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     env, argv = argv_of(text)
-    return subprocess.run(argv, cwd=work, env=env_for(env), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(argv, cwd=work, env=gptop_env(**env), capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="session")
@@ -583,7 +576,7 @@ def run_python_blocks(work: Path) -> dict[str, str]:
     r = subprocess.run(
         [sys.executable, "-c", PYTHON_BLOCKS, json.dumps(blocks)],
         cwd=work,
-        env=env_for({}),
+        env=gptop_env(),
         capture_output=True,
         text=True,
         timeout=300,

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import ROOT, TINY, train_in_process
+from helpers import ROOT, TINY, gptop_cmd, gptop_env, run_gptop, start_gptop, train_in_process
 from trainer.contract import rundir, tools
 from trainer.contract.config import ConfigError, ModelConfig, Toggles
 from trainer.contract.device import DeviceInfo
@@ -561,11 +561,8 @@ def test_sample_in_process(runs, family):
 # --- the real commands (slow) --------------------------------------------------------------------
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
+# The processes side by side each on one thread.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 def run_all(
@@ -573,7 +570,9 @@ def run_all(
 ) -> dict[str, subprocess.CompletedProcess]:
     """Several commands side by side (their start-up, importing torch, dominates)."""
     procs = {
-        k: subprocess.Popen(c, cwd=cwd, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        k: subprocess.Popen(
+            c, cwd=cwd, env=env or gptop_env(**ONE_THREAD), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         for k, c in cmds.items()
     }
     out = {}
@@ -581,10 +580,6 @@ def run_all(
         so, se = p.communicate(timeout=timeout)
         out[k] = subprocess.CompletedProcess(p.args, p.returncode, so, se)
     return out
-
-
-def gptop_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "gptop", "--no-ui", *args]
 
 
 @pytest.fixture(scope="module")
@@ -616,7 +611,7 @@ def all_runs(runs, tmp_path_factory) -> dict[str, Path]:
             str(dcp),
         ],
         cwd=ROOT,
-        env=_env(),
+        env=gptop_env(**ONE_THREAD),
         capture_output=True,
         text=True,
         timeout=240,
@@ -632,14 +627,7 @@ def exports(all_runs, family_exports, tmp_path_factory) -> dict[str, Path]:
     """Every run exported: the two-rank one by the command (`gptop export --json`), the one-process ones in this
     process (the same worker code, test_export_round_trip; the command's path is the same for every family)."""
     out = tmp_path_factory.mktemp("exports") / "dcp"
-    r = subprocess.run(
-        gptop_cmd("export", str(all_runs["dcp"]), str(out), "--json"),
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = run_gptop("--no-ui", "export", str(all_runs["dcp"]), str(out), "--json", cwd=ROOT, env=gptop_env(**ONE_THREAD))
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["type"] == "export" and result["step"] == 4 and result["logits_equal"], result
@@ -731,7 +719,16 @@ def test_gptop_sample_a_sharded_checkpoint_and_a_llada_export(all_runs, exports)
     done = run_all(
         {
             k: gptop_cmd(
-                "sample", str(p), "--prompt", "import ", "--max-new-tokens", "8", "--temperature", "0", "--json"
+                "--no-ui",
+                "sample",
+                str(p),
+                "--prompt",
+                "import ",
+                "--max-new-tokens",
+                "8",
+                "--temperature",
+                "0",
+                "--json",
             )
             for k, p in targets.items()
         }
@@ -760,13 +757,16 @@ def test_gptop_train_fine_tunes_exports(exports, tmp_path):
     from trainer.train import EXIT_OK
 
     args = [*TINY, "--max-steps", "2"]
-    command = subprocess.Popen(
-        gptop_cmd("train", "--model", str(exports["dcp"]), *args, "--run-dir", str(tmp_path / "dcp")),
+    command = start_gptop(
+        "--no-ui",
+        "train",
+        "--model",
+        str(exports["dcp"]),
+        *args,
+        "--run-dir",
+        str(tmp_path / "dcp"),
         cwd=ROOT,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        env=gptop_env(**ONE_THREAD),
     )
     try:
         codes = {k: train_in_process(tmp_path / k, "--model", str(exports[k]), *args)[0] for k in FAMILIES}
@@ -804,7 +804,7 @@ def test_export_force_never_touches_a_live_run(tmp_path):
             str(live),
         ],
         cwd=ROOT,
-        env=_env(),
+        env=gptop_env(**ONE_THREAD),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -816,9 +816,9 @@ def test_export_force_never_touches_a_live_run(tmp_path):
             time.sleep(0.2)
         done = run_all(
             {
-                "run": gptop_cmd("export", str(live), str(live), "--force"),
-                "checkpoints": gptop_cmd("export", str(live), str(live / "checkpoints"), "--force"),
-                "parent": gptop_cmd("export", str(live), str(live.parent) + "/", "--force"),
+                "run": gptop_cmd("--no-ui", "export", str(live), str(live), "--force"),
+                "checkpoints": gptop_cmd("--no-ui", "export", str(live), str(live / "checkpoints"), "--force"),
+                "parent": gptop_cmd("--no-ui", "export", str(live), str(live.parent) + "/", "--force"),
             },
             timeout=120,
         )
@@ -849,14 +849,7 @@ def test_a_killed_export_says_why_and_the_next_one_cleans_up(runs, tmp_path):
     from trainer.export import export
 
     out = tmp_path / "out"
-    p = subprocess.Popen(
-        gptop_cmd("export", str(runs["llama"]), str(out)),
-        cwd=ROOT,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    p = start_gptop("--no-ui", "export", str(runs["llama"]), str(out), cwd=ROOT, env=gptop_env(**ONE_THREAD))
     try:
         deadline = time.monotonic() + 120
         while not list(tmp_path.glob(".out.export-*")):

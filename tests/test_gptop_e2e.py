@@ -4,25 +4,16 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import psutil
 import pytest
 
-from helpers import TINY, TINY_TOKENS_PER_STEP
+from helpers import TINY, TINY_TOKENS_PER_STEP, run_gptop, start_gptop, wait_for
 from trainer.contract import rundir
 from trainer.contract.events import parse, read_events, to_dict
-from helpers import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.process]
-
-
-def gptop(*args, **kw):
-    return subprocess.Popen(
-        [sys.executable, "-m", "gptop", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw
-    )
 
 
 def events_of(run_dir, kind=None):
@@ -52,7 +43,7 @@ def gone(pid, timeout=60):
 
 def test_json_run_prints_step_and_device_events(tmp_path):
     run_dir = tmp_path / "run"
-    p = gptop(
+    p = start_gptop(
         "--no-ui",
         "--json",
         "train",
@@ -80,7 +71,7 @@ def test_json_run_prints_step_and_device_events(tmp_path):
 
 def test_ctrl_c_stops_gracefully_and_leaves_no_process(tmp_path):
     run_dir = tmp_path / "run"
-    p = gptop("--no-ui", "train", *TINY, "--max-steps", "100000", "--run-dir", str(run_dir))
+    p = start_gptop("--no-ui", "train", *TINY, "--max-steps", "100000", "--run-dir", str(run_dir))
     wait_for(lambda: events_of(run_dir, "step"), what="first step")
     pid = trainer_pid(run_dir)
     p.send_signal(signal.SIGINT)
@@ -95,7 +86,7 @@ def test_ctrl_c_stops_gracefully_and_leaves_no_process(tmp_path):
 
 def test_kill_of_gptop_leaves_no_orphan(tmp_path):
     run_dir = tmp_path / "run"
-    p = gptop("--no-ui", "train", *TINY, "--max-steps", "100000", "--run-dir", str(run_dir))
+    p = start_gptop("--no-ui", "train", *TINY, "--max-steps", "100000", "--run-dir", str(run_dir))
     wait_for(lambda: events_of(run_dir, "step"), what="first step")
     pid = trainer_pid(run_dir)
     p.kill()  # SIGKILL: gptop gets no chance to clean up
@@ -108,7 +99,9 @@ def test_kill_of_gptop_leaves_no_orphan(tmp_path):
 
 def test_kill9_of_trainer_fails_then_restarts_from_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
-    p = gptop("--no-ui", "train", *TINY, "--max-steps", "100000", "--checkpoint-every", "3", "--run-dir", str(run_dir))
+    p = start_gptop(
+        "--no-ui", "train", *TINY, "--max-steps", "100000", "--checkpoint-every", "3", "--run-dir", str(run_dir)
+    )
     wait_for(lambda: rundir.list_checkpoints(run_dir), what="a checkpoint")
     os.kill(trainer_pid(run_dir), signal.SIGKILL)
     out, err = p.communicate(timeout=120)
@@ -117,7 +110,7 @@ def test_kill9_of_trainer_fails_then_restarts_from_checkpoint(tmp_path):
 
     # the same failure with --restart-on-failure: it resumes from the last checkpoint and finishes
     run2 = tmp_path / "run2"
-    p = gptop(
+    p = start_gptop(
         "--no-ui",
         "--json",
         "train",
@@ -140,17 +133,17 @@ def test_kill9_of_trainer_fails_then_restarts_from_checkpoint(tmp_path):
     assert hellos[1]["start_tokens"] == 6 * TINY_TOKENS_PER_STEP  # the count its checkpoint held
     assert events_of(run2, "done")[-1]["step"] == 30
     # the report continues the count: 30 steps kept; step 7, trained before the kill, was thrown away
-    r = subprocess.run([sys.executable, "-m", "gptop", "--json", "report", str(run2)], capture_output=True, text=True)
+    r = run_gptop("--json", "report", str(run2))
     s = json.loads(r.stdout)
     assert (s["steps"], s["tokens"], s["steps_rolled_back"]) == (30, 30 * TINY_TOKENS_PER_STEP, 1), s
     assert s["tokens_processed"] == 31 * TINY_TOKENS_PER_STEP
 
 
 def test_bad_usage_exit_2(tmp_path):
-    p = gptop("--no-ui", "train", *TINY, "--precision", "fp8-rowwise", "--run-dir", str(tmp_path / "r"))
+    p = start_gptop("--no-ui", "train", *TINY, "--precision", "fp8-rowwise", "--run-dir", str(tmp_path / "r"))
     out, err = p.communicate(timeout=300)
     assert p.returncode == 2 and "--precision" in err
-    p = gptop("--no-ui", "train", "--micro-batch", "zero")
+    p = start_gptop("--no-ui", "train", "--micro-batch", "zero")
     out, err = p.communicate(timeout=60)
     assert p.returncode == 2 and "--micro-batch" in err
 
@@ -160,7 +153,7 @@ def finished(tmp_path_factory):
     """One run of 6 steps to its end: the report, the replay and the resume below read it (a test that changes
     it works on a copy)."""
     run_dir = tmp_path_factory.mktemp("finished") / "run"
-    p = gptop("--no-ui", "train", *TINY, "--max-steps", "6", "--run-dir", str(run_dir))
+    p = start_gptop("--no-ui", "train", *TINY, "--max-steps", "6", "--run-dir", str(run_dir))
     out, err = p.communicate(timeout=300)
     assert p.returncode == 0, err
     return run_dir
@@ -169,7 +162,7 @@ def finished(tmp_path_factory):
 def test_resume_continues_a_run(finished, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(finished, run_dir)
-    p = gptop("--no-ui", "train", "--resume", str(run_dir), "--max-steps", "10")
+    p = start_gptop("--no-ui", "train", "--resume", str(run_dir), "--max-steps", "10")
     out, err = p.communicate(timeout=300)
     assert p.returncode == 0, err
     hello = events_of(run_dir, "hello")[-1]
@@ -179,24 +172,17 @@ def test_resume_continues_a_run(finished, tmp_path):
 
 
 def test_report_of_a_finished_run(finished):
-    p = subprocess.run([sys.executable, "-m", "gptop", "report", str(finished)], capture_output=True, text=True)
+    p = run_gptop("report", str(finished))
     assert p.returncode == 0, p.stderr
     assert "6/6 steps" in p.stdout and "tokens/s" in p.stdout and "forward" in p.stdout
-    p = subprocess.run(
-        [sys.executable, "-m", "gptop", "--json", "report", str(finished)], capture_output=True, text=True
-    )
+    p = run_gptop("--json", "report", str(finished))
     assert len(p.stdout.splitlines()) == 1, p.stdout  # --json: one JSON line, as everywhere
     s = json.loads(p.stdout)
     assert s["steps"] == 6 and s["tokens"] == 6 * TINY_TOKENS_PER_STEP and len(s["checkpoints"]) == 1
 
 
 def test_monitor_replays_a_finished_run(finished):
-    p = subprocess.run(
-        [sys.executable, "-m", "gptop", "--no-ui", "--json", "--run-dir", str(finished)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    p = run_gptop("--no-ui", "--json", "--run-dir", str(finished), timeout=120)
     assert p.returncode == 0, p.stderr
     kinds = [parse(l).type for l in p.stdout.splitlines()]
     assert kinds.count("step") == 6 and "done" in kinds

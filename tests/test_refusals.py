@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT, TINY
+from helpers import ROOT, TINY, gptop_cmd
 from trainer.contract import rundir
 
 
@@ -114,10 +114,7 @@ def test_a_refusal_only_the_trainer_can_make_leaves_nothing_either(tmp_path, wit
     hf_tokenizer(tok, bundle, 64).save_pretrained(model)
     work = tmp_path / "work"
     work.mkdir()
-    args = [
-        sys.executable,
-        "-m",
-        "gptop",
+    args = gptop_cmd(
         "--no-ui",
         "train",
         *TINY,
@@ -129,7 +126,7 @@ def test_a_refusal_only_the_trainer_can_make_leaves_nothing_either(tmp_path, wit
         "8",
         "--lora-targets",
         "nonexistent",
-    ]
+    )
     if with_run_dir:
         args += ["--run-dir", str(work / "new")]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

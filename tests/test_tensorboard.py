@@ -8,9 +8,7 @@ test, a real `gptop --no-ui train --tensorboard` whose scalars match its events.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.hparams import metadata as hp_metadata  # noqa: E402
 from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2  # noqa: E402
 
-from helpers import ROOT, TINY  # noqa: E402
+from helpers import ROOT, TINY, gptop_cmd, gptop_env  # noqa: E402
 from gptop.tensorboard import FINAL_METRICS, TensorBoardWriter, flat_hparams  # noqa: E402
 from trainer.contract import events as ev  # noqa: E402
 from trainer.contract.device import DeviceInfo  # noqa: E402
@@ -150,12 +148,8 @@ def test_a_failed_run_ends_as_failure_and_no_hello_writes_no_hparams(tmp_path):
 @pytest.mark.process
 def test_gptop_train_tensorboard_matches_events(tmp_path):
     run_dir = tmp_path / "r"
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gptop",
+        gptop_cmd(
             "--no-ui",
             "--interval",
             "0.1",
@@ -168,9 +162,9 @@ def test_gptop_train_tensorboard_matches_events(tmp_path):
             "--tensorboard",
             "--run-dir",
             str(run_dir),
-        ],
+        ),
         cwd=ROOT,
-        env=env,
+        env=gptop_env(),
         capture_output=True,
         text=True,
         timeout=240,

@@ -8,7 +8,6 @@ and gptop refuses `--wandb` without the package before anything starts.
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 import sys
 import types
@@ -16,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from helpers import ROOT, TINY
+from helpers import ROOT, TINY, gptop_cmd, gptop_env
 from fixtures.streams import cpu_run
 from gptop.run_metrics import FINAL_METRICS
 from gptop.wandb_writer import WandbWriter
@@ -185,18 +184,10 @@ def test_offline_run_writes_its_run_directory(tmp_path, monkeypatch):
 def test_gptop_train_wandb_offline(tmp_path):
     pytest.importorskip("wandb")
     run_dir = tmp_path / "r"
-    env = dict(
-        os.environ,
-        PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        WANDB_MODE="offline",
-        WANDB_DIR=str(tmp_path),
-    )
+    env = gptop_env(WANDB_MODE="offline", WANDB_DIR=str(tmp_path))
     env.pop("WANDB_API_KEY", None)
     r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gptop",
+        gptop_cmd(
             "--no-ui",
             "--interval",
             "0.1",
@@ -209,7 +200,7 @@ def test_gptop_train_wandb_offline(tmp_path):
             "--wandb",
             "--run-dir",
             str(run_dir),
-        ],
+        ),
         cwd=ROOT,
         env=env,
         capture_output=True,
