@@ -17,6 +17,7 @@ from pathlib import Path
 import pynvml
 import pytest
 
+from fixtures.streams import step_event
 from gptop.alert_report import alert_line
 from gptop.alerts import AlertMonitor, AlertOptions
 from helpers import gptop_cmd, wait_for
@@ -62,19 +63,18 @@ def hello(t: float, early: bool = False, **config) -> HelloEvent:
 def step(
     t: float, n: int, loss: float | None = 2.0, tps: float | None = 1000.0, rank: int = 0, phases: dict | None = None
 ) -> StepEvent:
-    return StepEvent(
+    phases = phases or {"data": 5.0, "forward": 30.0, "backward": 50.0, "optimizer": 10.0, "other": 5.0}
+    return step_event(
+        n,
         time=t,
         rank=rank,
-        step=n,
-        tokens=n * 100,
+        step_ms=100.0,
+        phases=phases,
+        tokens_per_step=100,
         loss=loss,
         lr=1e-3,
         grad_norm=1.0,
-        step_ms=100.0,
-        phases_ms=phases or {"data": 5.0, "forward": 30.0, "backward": 50.0, "optimizer": 10.0, "other": 5.0},
         tokens_per_s=tps,
-        mfu=None,
-        mem_bytes=None,
         interval_steps=1,
     )
 

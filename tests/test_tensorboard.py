@@ -20,6 +20,7 @@ from tensorboard.plugins.hparams import metadata as hp_metadata  # noqa: E402
 from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2  # noqa: E402
 
 from helpers import ROOT, TINY, gptop_cmd, gptop_env  # noqa: E402
+from fixtures.streams import step_event  # noqa: E402
 from gptop.tensorboard import FINAL_METRICS, TensorBoardWriter, flat_hparams  # noqa: E402
 from trainer.contract import events as ev  # noqa: E402
 from trainer.contract.device import DeviceInfo  # noqa: E402
@@ -55,18 +56,18 @@ def hello(rank: int = 0) -> ev.HelloEvent:
 
 
 def step(n: int, rank: int = 0, loss: float = 3.0) -> ev.StepEvent:
-    return ev.StepEvent(
+    return step_event(
+        n,
         rank=rank,
-        step=n,
-        tokens=256 * n,
+        step_ms=10.0,
+        phases={p: 2.0 for p in ev.PHASES},
+        tokens_per_step=256,
+        mfu=0.25,
+        mem=1 << 20,
         loss=loss,
         lr=1e-3,
         grad_norm=1.0,
-        step_ms=10.0,
-        phases_ms={p: 2.0 for p in ev.PHASES},
         tokens_per_s=1000.0 + n,
-        mfu=0.25,
-        mem_bytes=1 << 20,
     )
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from helpers import ROOT, TINY, gptop_cmd, gptop_env
-from fixtures.streams import cpu_run
+from fixtures.streams import cpu_run, step_event
 from gptop.run_metrics import FINAL_METRICS
 from gptop.wandb_writer import WandbWriter
 from trainer.contract import events as ev
@@ -68,18 +68,18 @@ def fake_wandb(monkeypatch) -> list[FakeRun]:
 
 
 def step(n: int, rank: int = 0, loss: float = 3.0) -> ev.StepEvent:
-    return ev.StepEvent(
+    return step_event(
+        n,
         rank=rank,
-        step=n,
-        tokens=256 * n,
+        step_ms=10.0,
+        phases={"forward": 4.0},
+        tokens_per_step=256,
+        mfu=0.25,
+        mem=1 << 20,
         loss=loss,
         lr=1e-3,
         grad_norm=1.0,
-        step_ms=10.0,
-        phases_ms={"forward": 4.0},
         tokens_per_s=1000.0 + n,
-        mfu=0.25,
-        mem_bytes=1 << 20,
     )
 
 
