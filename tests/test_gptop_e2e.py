@@ -41,8 +41,15 @@ def gone(pid, timeout=60):
     return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
-def test_json_run_prints_step_and_device_events(tmp_path):
-    run_dir = tmp_path / "run"
+STEPS, LOG_EVERY = 30, 5
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """One `gptop --json train` run (deepseek, MoE) to its end: test_json_run_prints_step_and_device_events reads
+    what it printed; the report, the replay and the resume below read its run directory (a test that changes it
+    works on a copy). (run dir, stdout, stderr)"""
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
     p = start_gptop(
         "--no-ui",
         "--json",
@@ -51,22 +58,27 @@ def test_json_run_prints_step_and_device_events(tmp_path):
         "deepseek",
         *TINY,
         "--max-steps",
-        "30",
+        str(STEPS),
         "--log-every",
-        "5",
+        str(LOG_EVERY),
         "--run-dir",
         str(run_dir),
     )
     out, err = p.communicate(timeout=600)
     assert p.returncode == 0, err
+    return run_dir, out, err
+
+
+def test_json_run_prints_step_and_device_events(finished):
+    run_dir, out, err = finished
     events = [parse(line) for line in out.splitlines()]  # every line is a valid event
     kinds = [e.type for e in events]
     assert "step" in kinds and "device" in kinds and "hello" in kinds and kinds.count("done") == 1
     steps = [e for e in events if e.type == "step"]
-    assert steps[-1].step == 30 and steps[-1].expert_load
+    assert steps[-1].step == STEPS and steps[-1].expert_load
     assert (run_dir / "device.jsonl").stat().st_size > 0 and (run_dir / "trainer.log").stat().st_size > 0
     # the closing summary goes to stderr: stdout stayed JSON lines (parsed above)
-    assert "gptop: run finished: 30 steps" in err and f"gptop report {run_dir}" in err
+    assert f"gptop: run finished: {STEPS} steps" in err and f"gptop report {run_dir}" in err
 
 
 def test_ctrl_c_stops_gracefully_and_leaves_no_process(tmp_path):
@@ -148,41 +160,32 @@ def test_bad_usage_exit_2(tmp_path):
     assert p.returncode == 2 and "--micro-batch" in err
 
 
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-    """One run of 6 steps to its end: the report, the replay and the resume below read it (a test that changes
-    it works on a copy)."""
-    run_dir = tmp_path_factory.mktemp("finished") / "run"
-    p = start_gptop("--no-ui", "train", *TINY, "--max-steps", "6", "--run-dir", str(run_dir))
-    out, err = p.communicate(timeout=300)
-    assert p.returncode == 0, err
-    return run_dir
-
-
 def test_resume_continues_a_run(finished, tmp_path):
     run_dir = tmp_path / "run"
-    shutil.copytree(finished, run_dir)
-    p = start_gptop("--no-ui", "train", "--resume", str(run_dir), "--max-steps", "10")
+    shutil.copytree(finished[0], run_dir)
+    p = start_gptop("--no-ui", "train", "--resume", str(run_dir), "--max-steps", str(STEPS + 4))
     out, err = p.communicate(timeout=300)
     assert p.returncode == 0, err
     hello = events_of(run_dir, "hello")[-1]
-    assert hello["start_step"] == 6 and hello["config"]["model"]["size"] == "tiny"
-    assert events_of(run_dir, "done")[-1]["step"] == 10
-    assert "step 10/10" in out
+    assert hello["start_step"] == STEPS and hello["config"]["model"]["size"] == "tiny"
+    assert hello["config"]["model"]["model"] == "deepseek"
+    assert events_of(run_dir, "done")[-1]["step"] == STEPS + 4
+    assert f"step {STEPS + 4}/{STEPS + 4}" in out
 
 
 def test_report_of_a_finished_run(finished):
-    p = run_gptop("report", str(finished))
+    run_dir = finished[0]
+    p = run_gptop("report", str(run_dir))
     assert p.returncode == 0, p.stderr
-    assert "6/6 steps" in p.stdout and "tokens/s" in p.stdout and "forward" in p.stdout
-    p = run_gptop("--json", "report", str(finished))
+    assert f"{STEPS}/{STEPS} steps" in p.stdout and "tokens/s" in p.stdout and "forward" in p.stdout
+    p = run_gptop("--json", "report", str(run_dir))
     assert len(p.stdout.splitlines()) == 1, p.stdout  # --json: one JSON line, as everywhere
     s = json.loads(p.stdout)
-    assert s["steps"] == 6 and s["tokens"] == 6 * TINY_TOKENS_PER_STEP and len(s["checkpoints"]) == 1
+    assert s["steps"] == STEPS and s["tokens"] == STEPS * TINY_TOKENS_PER_STEP and len(s["checkpoints"]) == 1
 
 
 def test_monitor_replays_a_finished_run(finished):
-    p = run_gptop("--no-ui", "--json", "--run-dir", str(finished), timeout=120)
+    p = run_gptop("--no-ui", "--json", "--run-dir", str(finished[0]), timeout=120)
     assert p.returncode == 0, p.stderr
     kinds = [parse(l).type for l in p.stdout.splitlines()]
-    assert kinds.count("step") == 6 and "done" in kinds
+    assert kinds.count("step") == STEPS // LOG_EVERY and "done" in kinds
