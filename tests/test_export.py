@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import ROOT, TINY, gptop_cmd, gptop_env, run_gptop, start_gptop, train_in_process
+from helpers import ROOT, TINY, gptop_cmd, gptop_env, run_gptop, run_without_gptop, start_gptop, train_in_process
 from trainer.contract import rundir, tools
 from trainer.contract.config import ConfigError, ModelConfig, Toggles
 from trainer.contract.device import DeviceInfo
@@ -635,15 +635,9 @@ def exports(all_runs, family_exports, tmp_path_factory) -> dict[str, Path]:
     return {**{family: path for family, (path, _) in family_exports.items()}, "dcp": out}
 
 
-# Runs in `python -I` from a directory outside the repository, without PYTHONPATH, with gptop's
-# packages made unimportable (the venv's editable install would otherwise find them).
+# Runs without gptop (helpers.run_without_gptop), from a directory outside the repository.
 PLAIN = textwrap.dedent("""
-    import importlib.abc, json, sys
-    class NoGptop(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in ("gptop", "trainer", "tuner"):
-                raise ModuleNotFoundError(f"{name} must not be needed")
-    sys.meta_path.insert(0, NoGptop())
+    import json, sys
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     torch.set_num_threads(1)
@@ -681,16 +675,7 @@ def test_plain_transformers_loads_every_export(all_runs, exports, tmp_path):
             "batch": str(tmp_path / f"{k}.ids.pt"),
             "logits": str(tmp_path / f"{k}.logits.pt"),
         }
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["OMP_NUM_THREADS"] = "1"
-    r = subprocess.run(
-        [sys.executable, "-I", "-c", PLAIN, json.dumps(jobs)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = run_without_gptop(PLAIN, json.dumps(jobs), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     seen = json.loads(r.stdout.strip().splitlines()[-1])
     for k, (ref, want) in refs.items():

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TINY, of, restoring_signals, train_in_process
+from helpers import TINY, of, restoring_signals, run_without_gptop, tiny_model_dir, train_in_process
 from trainer import checkpoint_files as ckpt
 from trainer.worker_cli import parse_config
 from trainer.contract import capabilities, rundir
@@ -24,24 +24,7 @@ LORA = ["--lora", "8", "--lr", "1e-2", "--micro-batch", "2"]
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     """A tiny Hugging Face model directory (llama tiny, random weights) with the builtin tokenizer."""
-    from trainer.contract.config import DataConfig
-    from trainer.data import tokenizer_info
-    from trainer.export import hf_tokenizer
-    from trainer.models import build_model
-
-    out = tmp_path_factory.mktemp("hf-tiny")
-    tok = tokenizer_info(DataConfig(), log=lambda s: None)
-    bundle = build_model(
-        ModelConfig(model="llama", size="tiny"),
-        vocab_size=tok.vocab_size,
-        seq_len=64,
-        toggles=Toggles(),
-        dev=CPU,
-        seed=7,
-    )
-    bundle.model.save_pretrained(out)
-    hf_tokenizer(tok, bundle, 64).save_pretrained(out)
-    return out
+    return tiny_model_dir(tmp_path_factory.mktemp("hf-tiny"))
 
 
 def run(tmp_path, *args, name="run"):
@@ -357,16 +340,11 @@ def test_views_show_trainable_params_and_optimizer_state():
 
 # --- export: the adapter in peft's format, or merged --------------------------------------------
 
-# Runs in `python -I` outside the repository, with gptop's packages made unimportable: what a user
-# without gptop does with each export. Each load is (how, where): peft's AutoPeftModelForCausalLM from a
-# working directory, PeftModel on a base loaded explicitly, or plain transformers; each with its input ids.
+# Runs without gptop (helpers.run_without_gptop), outside the repository: what a user without gptop does with
+# each export. Each load is (how, where): peft's AutoPeftModelForCausalLM from a working directory, PeftModel on a
+# base loaded explicitly, or plain transformers; each with its input ids.
 PLAIN = """
-import importlib.abc, json, os, sys
-class NoGptop(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("gptop", "trainer", "tuner"):
-            raise ModuleNotFoundError(f"{name} must not be needed")
-sys.meta_path.insert(0, NoGptop())
+import json, os, sys
 import torch
 from transformers import AutoModelForCausalLM
 from peft import AutoPeftModelForCausalLM, PeftModel
@@ -403,23 +381,12 @@ def _export(run_dir, out_dir, *flags):
 def _plain(tmp_path, loads):
     """Every load of `loads` ({name: load, with its ids tensor}) in one plain Python; (type names, logits)."""
     import json
-    import os
-    import subprocess
-    import sys
 
     for name, load in loads.items():
         torch.save(load.pop("ids"), tmp_path / f"{name}.ids.pt")
         load["ids"] = str(tmp_path / f"{name}.ids.pt")
     job = {"loads": loads, "out": str(tmp_path / "logits.pt")}
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    r = subprocess.run(
-        [sys.executable, "-I", "-c", PLAIN, json.dumps(job)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = run_without_gptop(PLAIN, json.dumps(job), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1]), torch.load(tmp_path / "logits.pt")
 
