@@ -51,6 +51,17 @@ def tiny_args():
     return list(TINY)
 
 
+@pytest.fixture
+def gptop(tmp_path, monkeypatch):
+    """gptop's end of the client channel in this process (tests/fixtures/fake_gptop.py), with a run directory and
+    the environment `gptop run` gives a command: for the integrations' tests, which run a training loop here."""
+    from fixtures.fake_gptop import FakeGptop
+
+    g = FakeGptop(tmp_path / "run").install(monkeypatch)
+    yield g
+    g.close()
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny matmuls gain nothing from threads, and on a busy CI box OpenMP spinning makes them slower

@@ -1,4 +1,5 @@
-"""What the tests share: the tiny run's arguments, the trainer run in this process, waiting, event picking.
+"""What the tests share: the tiny run's arguments, the trainer run in this process, gptop started as a process,
+waiting, event picking.
 
 Imported by name (`from helpers import TINY, train_in_process`); pytest puts tests/ on the path. Fixtures
 live in conftest.py.
@@ -65,6 +66,67 @@ def gptop_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
+def gptop_cmd(*args: str) -> list[str]:
+    """The command line `gptop ARGS`, with this interpreter (run it in `gptop_env()`)."""
+    return [sys.executable, "-m", "gptop", *args]
+
+
+def run_gptop(*args: str, timeout: float = 300, **kw: Any) -> subprocess.CompletedProcess[str]:
+    """`gptop ARGS` to its end, its output captured as text; in `gptop_env()` unless `env=` says otherwise."""
+    kw.setdefault("env", gptop_env())
+    return subprocess.run(gptop_cmd(*args), capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def start_gptop(*args: str, **kw: Any) -> subprocess.Popen[str]:
+    """`gptop ARGS` started, stdout and stderr piped as text; in `gptop_env()` unless `env=` says otherwise."""
+    kw.setdefault("env", gptop_env())
+    return subprocess.Popen(gptop_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+# The head of a script that runs as a user without gptop would run it: gptop's packages unimportable (the venv's
+# editable install would otherwise find them).
+NO_GPTOP = """
+import importlib.abc, sys
+class NoGptop(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("gptop", "trainer", "tuner"):
+            raise ModuleNotFoundError(f"{name} must not be needed")
+sys.meta_path.insert(0, NoGptop())
+"""
+
+
+def run_without_gptop(script: str, *args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """`script` after NO_GPTOP in `python -I` (no PYTHONPATH, no user site) from `cwd`, one thread; captured."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["OMP_NUM_THREADS"] = "1"
+    argv = [sys.executable, "-I", "-c", NO_GPTOP + script, *args]
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def tiny_model_dir(out: Path, seq_len: int = 64, seed: int = 7) -> Path:
+    """A Hugging Face model directory at `out`: llama tiny with random weights and the builtin tokenizer."""
+    from trainer.contract.config import DataConfig, ModelConfig, Toggles
+    from trainer.contract.device import DeviceInfo
+    from trainer.data import tokenizer_info
+    from trainer.export import hf_tokenizer
+    from trainer.models import build_model
+
+    tok = tokenizer_info(DataConfig(), log=lambda s: None)
+    bundle = build_model(
+        ModelConfig(model="llama", size="tiny"),
+        vocab_size=tok.vocab_size,
+        seq_len=seq_len,
+        toggles=Toggles(),
+        dev=DeviceInfo(type="cpu", total_memory=8 << 30, cpu_count=2),
+        seed=seed,
+    )
+    bundle.model.save_pretrained(out)
+    hf_tokenizer(tok, bundle, seq_len).save_pretrained(out)
+    return out
+
+
 def trainer_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "trainer", *args]
 
@@ -105,18 +167,6 @@ def of(events: list[Any], kind: str) -> list[Any]:
 
 
 # --- gptop as a user runs it: a process of its own ------------------------------------------------------
-
-
-def start_gptop(*args: str, cwd: Path) -> subprocess.Popen:
-    """`python -m gptop ARGS` in `cwd`, its stdout and stderr piped as text."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "gptop", *args],
-        cwd=cwd,
-        env=gptop_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
 
 
 def run_events(run_dir: Path, kind: str | None = None) -> list:

@@ -17,9 +17,10 @@ from pathlib import Path
 import pynvml
 import pytest
 
+from fixtures.streams import step_event
 from gptop.alert_report import alert_line
 from gptop.alerts import AlertMonitor, AlertOptions
-from helpers import wait_for
+from helpers import gptop_cmd, wait_for
 from gptop.headless import HeadlessView
 from gptop.state import RunState
 from gptop.summary import summary_lines
@@ -64,19 +65,18 @@ def hello(t: float, early: bool = False, **config) -> HelloEvent:
 def step(
     t: float, n: int, loss: float | None = 2.0, tps: float | None = 1000.0, rank: int = 0, phases: dict | None = None
 ) -> StepEvent:
-    return StepEvent(
+    phases = phases or {"data": 5.0, "forward": 30.0, "backward": 50.0, "optimizer": 10.0, "other": 5.0}
+    return step_event(
+        n,
         time=t,
         rank=rank,
-        step=n,
-        tokens=n * 100,
+        step_ms=100.0,
+        phases=phases,
+        tokens_per_step=100,
         loss=loss,
         lr=1e-3,
         grad_norm=1.0,
-        step_ms=100.0,
-        phases_ms=phases or {"data": 5.0, "forward": 30.0, "backward": 50.0, "optimizer": 10.0, "other": 5.0},
         tokens_per_s=tps,
-        mfu=None,
-        mem_bytes=None,
         interval_steps=1,
     )
 
@@ -709,7 +709,6 @@ def test_a_sigstopped_trainer_raises_a_stall_that_is_resolved_after_sigcont(tmp_
     import subprocess
 
     from helpers import TINY
-    from helpers import wait_for
     from gptop.report import summarize
     from trainer.contract.events import read_events
 
@@ -720,10 +719,7 @@ def test_a_sigstopped_trainer_raises_a_stall_that_is_resolved_after_sigcont(tmp_
     out_path = tmp_path / "out.jsonl"
     with open(out_path, "w") as out:
         p = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gptop",
+            gptop_cmd(
                 "--no-ui",
                 "--json",
                 "--interval",
@@ -740,7 +736,7 @@ def test_a_sigstopped_trainer_raises_a_stall_that_is_resolved_after_sigcont(tmp_
                 "3",
                 "--notify-cmd",
                 f"{sys.executable} {script}",
-            ],
+            ),
             stdout=out,
             stderr=subprocess.PIPE,
             text=True,
@@ -788,19 +784,7 @@ LOSS_SCRIPT = Path(__file__).resolve().parent / "fixtures" / "loss_script.py"
 
 def gptop_run(run_dir: Path, *options: str, script: tuple[str, ...] = ()) -> list[str]:
     """`gptop run` of the loss script (a 20-step spike from step 41 of 80) with `options` before `--`."""
-    return [
-        sys.executable,
-        "-m",
-        "gptop",
-        "run",
-        "--run-dir",
-        str(run_dir),
-        *options,
-        "--",
-        sys.executable,
-        str(LOSS_SCRIPT),
-        *script,
-    ]
+    return gptop_cmd("run", "--run-dir", str(run_dir), *options, "--", sys.executable, str(LOSS_SCRIPT), *script)
 
 
 def sleepers(marker: str) -> list:
@@ -818,7 +802,7 @@ def test_a_spike_under_gptop_run_is_one_alert_everywhere_and_a_failing_notify_cm
     notifications failed), and no channel directory left behind."""
     import subprocess
 
-    from helpers import gptop_env, private_tmpdir
+    from helpers import gptop_env, private_tmpdir, run_gptop
 
     got, save = tmp_path / "notified.jsonl", tmp_path / "save.py"
     save.write_text(f"import sys\nopen({str(got)!r}, 'a').write(sys.stdin.read())\n")
@@ -844,9 +828,7 @@ def test_a_spike_under_gptop_run_is_one_alert_everywhere_and_a_failing_notify_cm
     assert "without a shell" in said[0]
     notified = [parse(x) for x in got.read_text().splitlines()]
     assert [(a.id, a.resolved) for a in notified] == [(notified[0].id, False), (notified[0].id, True)]
-    report = subprocess.run(
-        [sys.executable, "-m", "gptop", "report", str(run_dir)], env=gptop_env(), capture_output=True, text=True
-    )
+    report = run_gptop("report", str(run_dir))
     assert "alerts    1 raised, all resolved" in report.stdout
     assert "  loss_spike [warning] at step 41, resolved at step 61 " in report.stdout, report.stdout
 

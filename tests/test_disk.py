@@ -10,14 +10,13 @@ import builtins
 import errno
 import os
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import ROOT, TINY, restoring_signals, train_in_process, trainer_cmd
+from helpers import ROOT, TINY, gptop_cmd, restoring_signals, train_in_process, trainer_cmd
 from trainer import checkpoint_files as ckpt
 from trainer.channel import Channel
 from trainer.worker_cli import parse_config
@@ -184,10 +183,7 @@ def small_tmpfs(tmp_path):
 def test_gptop_on_a_full_tmpfs_says_why_and_does_not_restart(small_tmpfs):
     run_dir = small_tmpfs / "run"
     p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gptop",
+        gptop_cmd(
             "--no-ui",
             "train",
             *TINY,
@@ -199,7 +195,7 @@ def test_gptop_on_a_full_tmpfs_says_why_and_does_not_restart(small_tmpfs):
             str(run_dir),
             "--restart-on-failure",
             "3",
-        ],
+        ),
         capture_output=True,
         text=True,
         env=ENV,
@@ -250,10 +246,7 @@ def test_a_read_only_checkpoint_directory_is_a_disk_error(tmp_path):
 def test_two_ranks_on_a_full_tmpfs_name_the_disk_and_leave_no_partial_sharded_checkpoint(small_tmpfs):
     run_dir = small_tmpfs / "run"
     p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gptop",
+        gptop_cmd(
             "--no-ui",
             "train",
             "--nproc",
@@ -265,7 +258,7 @@ def test_two_ranks_on_a_full_tmpfs_name_the_disk_and_leave_no_partial_sharded_ch
             "2",
             "--run-dir",
             str(run_dir),
-        ],
+        ),
         capture_output=True,
         text=True,
         env={**ENV, "OMP_NUM_THREADS": "1"},

@@ -33,7 +33,7 @@ from typing import Callable
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, gptop_env
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "BENCHMARKS.md"]
 SHARED_RUN = "runs/demo"  # made by the README's first command (short form) in the scratch directory
@@ -409,16 +409,9 @@ def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("docs")
 
 
-def env_for(extra: dict[str, str]) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(extra)
-    return env
-
-
 def run_here(text: str, work: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     env, argv = argv_of(text)
-    return subprocess.run(argv, cwd=work, env=env_for(env), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(argv, cwd=work, env=gptop_env(**env), capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="session")
@@ -553,14 +546,44 @@ def ran_docs(shared_run: Path, work: Path, docs_toml: Path) -> dict[str, str]:
 
     with ThreadPoolExecutor(len(chains)) as pool:
         list(pool.map(run_chain, chains.values()))
-    for doc, line, lang, body in OTHER_BLOCKS:
-        if lang == "python":
-            r = subprocess.run(
-                [sys.executable, "-c", body], cwd=work, env=env_for({}), capture_output=True, text=True, timeout=300
-            )
-            if r.returncode != 0:
-                failed[f"{doc}:{line} (python)"] = f"exit {r.returncode}: {r.stderr[-1500:]}"
+    failed.update(run_python_blocks(work))
     return failed
+
+
+# Each Python block of the docs in turn, in one Python (its start-up, importing torch and transformers, is most of
+# a block's time): each in a namespace of its own as a script's `__main__`, so a block that leaves out an import
+# fails as it would alone. Prints {block: traceback} for those that raised.
+PYTHON_BLOCKS = """
+import json, sys, traceback
+failed = {}
+for name, body in json.loads(sys.argv[1]).items():
+    try:
+        exec(compile(body, name, "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    except SystemExit as e:
+        if e.code not in (0, None):
+            failed[name] = f"exit {e.code}"
+    except BaseException:
+        failed[name] = traceback.format_exc()[-1500:]
+print(json.dumps(failed))
+"""
+
+
+def run_python_blocks(work: Path) -> dict[str, str]:
+    """The docs' Python blocks, run in `work` (after the commands: models.md's reads their export)."""
+    import json
+
+    blocks = {f"{doc}:{line} (python)": body for doc, line, lang, body in OTHER_BLOCKS if lang == "python"}
+    r = subprocess.run(
+        [sys.executable, "-c", PYTHON_BLOCKS, json.dumps(blocks)],
+        cwd=work,
+        env=gptop_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if r.returncode != 0:
+        return {"the docs' Python blocks": f"exit {r.returncode}: {r.stderr[-1500:]}"}
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def test_the_documented_runs_split_into_two_ordered_chains():

@@ -16,23 +16,13 @@ from gptop import energy as E
 from gptop.report import format_report, summarize
 from gptop.state import RunState
 from test_telemetry import FakeClock, fake_pynvml, make_sampler, rapl_tree, set_energy
+from fixtures.streams import step_event
 from trainer.contract.events import StepEvent, dumps, make
 
 
 def step(n: int, t: float, tokens_per_step: int = 1000) -> StepEvent:
-    return make(
-        "step",
-        step=n,
-        tokens=n * tokens_per_step,
-        loss=1.0,
-        lr=1e-3,
-        grad_norm=1.0,
-        step_ms=100.0,
-        phases_ms=None,
-        tokens_per_s=None,
-        mfu=None,
-        mem_bytes=None,
-        time=t,
+    return step_event(
+        n, time=t, step_ms=100.0, tokens_per_step=tokens_per_step, loss=1.0, lr=1e-3, grad_norm=1.0, tokens_per_s=None
     )
 
 

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import ROOT, TINY, train_in_process
+from helpers import ROOT, TINY, gptop_cmd, gptop_env, run_gptop, run_without_gptop, start_gptop, train_in_process
 from trainer.contract import rundir, tools
 from trainer.contract.config import ConfigError, ModelConfig, Toggles
 from trainer.contract.device import DeviceInfo
@@ -561,11 +561,8 @@ def test_sample_in_process(runs, family):
 # --- the real commands (slow) --------------------------------------------------------------------
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
+# The processes side by side each on one thread.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 def run_all(
@@ -573,7 +570,9 @@ def run_all(
 ) -> dict[str, subprocess.CompletedProcess]:
     """Several commands side by side (their start-up, importing torch, dominates)."""
     procs = {
-        k: subprocess.Popen(c, cwd=cwd, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        k: subprocess.Popen(
+            c, cwd=cwd, env=env or gptop_env(**ONE_THREAD), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         for k, c in cmds.items()
     }
     out = {}
@@ -581,10 +580,6 @@ def run_all(
         so, se = p.communicate(timeout=timeout)
         out[k] = subprocess.CompletedProcess(p.args, p.returncode, so, se)
     return out
-
-
-def gptop_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "gptop", "--no-ui", *args]
 
 
 @pytest.fixture(scope="module")
@@ -616,7 +611,7 @@ def all_runs(runs, tmp_path_factory) -> dict[str, Path]:
             str(dcp),
         ],
         cwd=ROOT,
-        env=_env(),
+        env=gptop_env(**ONE_THREAD),
         capture_output=True,
         text=True,
         timeout=240,
@@ -632,14 +627,7 @@ def exports(all_runs, family_exports, tmp_path_factory) -> dict[str, Path]:
     """Every run exported: the two-rank one by the command (`gptop export --json`), the one-process ones in this
     process (the same worker code, test_export_round_trip; the command's path is the same for every family)."""
     out = tmp_path_factory.mktemp("exports") / "dcp"
-    r = subprocess.run(
-        gptop_cmd("export", str(all_runs["dcp"]), str(out), "--json"),
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = run_gptop("--no-ui", "export", str(all_runs["dcp"]), str(out), "--json", cwd=ROOT, env=gptop_env(**ONE_THREAD))
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["type"] == "export" and result["step"] == 4 and result["logits_equal"], result
@@ -647,15 +635,9 @@ def exports(all_runs, family_exports, tmp_path_factory) -> dict[str, Path]:
     return {**{family: path for family, (path, _) in family_exports.items()}, "dcp": out}
 
 
-# Runs in `python -I` from a directory outside the repository, without PYTHONPATH, with gptop's
-# packages made unimportable (the venv's editable install would otherwise find them).
+# Runs without gptop (helpers.run_without_gptop), from a directory outside the repository.
 PLAIN = textwrap.dedent("""
-    import importlib.abc, json, sys
-    class NoGptop(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in ("gptop", "trainer", "tuner"):
-                raise ModuleNotFoundError(f"{name} must not be needed")
-    sys.meta_path.insert(0, NoGptop())
+    import json, sys
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     torch.set_num_threads(1)
@@ -693,16 +675,7 @@ def test_plain_transformers_loads_every_export(all_runs, exports, tmp_path):
             "batch": str(tmp_path / f"{k}.ids.pt"),
             "logits": str(tmp_path / f"{k}.logits.pt"),
         }
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["OMP_NUM_THREADS"] = "1"
-    r = subprocess.run(
-        [sys.executable, "-I", "-c", PLAIN, json.dumps(jobs)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = run_without_gptop(PLAIN, json.dumps(jobs), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     seen = json.loads(r.stdout.strip().splitlines()[-1])
     for k, (ref, want) in refs.items():
@@ -719,64 +692,73 @@ def test_plain_transformers_loads_every_export(all_runs, exports, tmp_path):
 
 @pytest.mark.process
 @pytest.mark.slow
-def test_gptop_sample_every_family(all_runs, exports):
-    """`gptop sample --json`: a result line from a causal run's sharded checkpoint, a llada run's one-file one,
-    and a llada export, which samples as llada (each family's sampling in this process: test_sample_in_process)."""
+def test_gptop_sample_a_sharded_checkpoint_and_a_llada_export(all_runs, exports):
+    """`gptop sample --json`: a result line from a causal run's sharded checkpoint, and from a llada export, which
+    samples as llada, the text its run samples (each family's sampling in this process: test_sample_in_process;
+    the command on a run's one-file checkpoint: tests/test_docs.py runs models.md's `gptop sample runs/llada` and
+    `gptop sample runs/demo --json`)."""
     from trainer.export import load_for_inference
     from trainer.sample import generate
 
-    targets = {"dcp": all_runs["dcp"], "llada": all_runs["llada"], "llada-export": exports["llada"]}
+    targets = {"dcp": all_runs["dcp"], "llada-export": exports["llada"]}
     done = run_all(
         {
             k: gptop_cmd(
-                "sample", str(p), "--prompt", "import ", "--max-new-tokens", "8", "--temperature", "0", "--json"
+                "--no-ui",
+                "sample",
+                str(p),
+                "--prompt",
+                "import ",
+                "--max-new-tokens",
+                "8",
+                "--temperature",
+                "0",
+                "--json",
             )
             for k, p in targets.items()
         }
     )
+    runs_of = {"dcp": all_runs["dcp"], "llada-export": all_runs["llada"]}  # the export samples what its run samples
     for k, r in done.items():
         assert r.returncode == 0, f"{k}: {r.stderr[-3000:]}"
         res = SampleResult.from_json(r.stdout.strip().splitlines()[-1])
         assert res.prompt == "import " and 0 <= res.new_tokens <= 8 and res.load_seconds > 0
         assert res.objective == ("llada" if k.startswith("llada") else "causal")
-        if k != "llada-export":
-            assert res.step == 4 and res.source.endswith("step-00000004" + (".dcp" if k == "dcp" else ".pt"))
-            ns = sample_ns(all_runs[k], prompt="import ", max_new_tokens=8, temperature=0.0)
-            loaded = load_for_inference(ns.path, tools.check_sample(ns), log=quiet)
-            assert res.completion == generate(loaded, ns).completion  # the same text as in this process
-    # The export samples what its run samples: the same model, tokenizer, mask and algorithm.
-    a = SampleResult.from_json(done["llada"].stdout.strip().splitlines()[-1])
-    b = SampleResult.from_json(done["llada-export"].stdout.strip().splitlines()[-1])
-    assert a.completion == b.completion and b.step is None
+        if k == "dcp":
+            assert res.step == 4 and res.source.endswith("step-00000004.dcp")
+        else:
+            assert res.step is None
+        ns = sample_ns(runs_of[k], prompt="import ", max_new_tokens=8, temperature=0.0)
+        loaded = load_for_inference(ns.path, tools.check_sample(ns), log=quiet)
+        assert res.completion == generate(loaded, ns).completion  # the same text as the run's, in this process
 
 
 @pytest.mark.process
 @pytest.mark.slow
 def test_gptop_train_fine_tunes_exports(exports, tmp_path):
-    """`gptop train --model OUT_DIR` fine-tunes the export of a two-rank checkpoint and a llada export, which
-    trains with the llada objective; the trainer fine-tunes the other families' exports (in this process, while
-    the commands run: the command's path is the same for every family)."""
+    """`gptop train --model OUT_DIR` fine-tunes the export of a two-rank checkpoint; the trainer fine-tunes every
+    family's export (in this process, while the command runs: the command's path is the same for every export),
+    a llada export with the llada objective."""
     from trainer.train import EXIT_OK
 
     args = [*TINY, "--max-steps", "2"]
-    procs = {
-        k: subprocess.Popen(
-            gptop_cmd("train", "--model", str(exports[k]), *args, "--run-dir", str(tmp_path / k)),
-            cwd=ROOT,
-            env=_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for k in ("llada", "dcp")
-    }
+    command = start_gptop(
+        "--no-ui",
+        "train",
+        "--model",
+        str(exports["dcp"]),
+        *args,
+        "--run-dir",
+        str(tmp_path / "dcp"),
+        cwd=ROOT,
+        env=gptop_env(**ONE_THREAD),
+    )
     try:
-        codes = {k: train_in_process(tmp_path / k, "--model", str(exports[k]), *args)[0] for k in ("llama", "deepseek")}
+        codes = {k: train_in_process(tmp_path / k, "--model", str(exports[k]), *args)[0] for k in FAMILIES}
     finally:
-        errs = {k: p.communicate(timeout=300)[1] for k, p in procs.items()}
-    for k, p in procs.items():
-        assert p.returncode == 0, f"{k}: {errs[k][-3000:]}"
-        codes[k] = p.returncode
+        err = command.communicate(timeout=300)[1]
+    assert command.returncode == 0, err[-3000:]
+    codes["dcp"] = command.returncode
     for k, code in codes.items():
         assert code == EXIT_OK, k
         events = [json.loads(line) for line in (tmp_path / k / "events.jsonl").read_text().splitlines()]
@@ -807,7 +789,7 @@ def test_export_force_never_touches_a_live_run(tmp_path):
             str(live),
         ],
         cwd=ROOT,
-        env=_env(),
+        env=gptop_env(**ONE_THREAD),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -819,9 +801,9 @@ def test_export_force_never_touches_a_live_run(tmp_path):
             time.sleep(0.2)
         done = run_all(
             {
-                "run": gptop_cmd("export", str(live), str(live), "--force"),
-                "checkpoints": gptop_cmd("export", str(live), str(live / "checkpoints"), "--force"),
-                "parent": gptop_cmd("export", str(live), str(live.parent) + "/", "--force"),
+                "run": gptop_cmd("--no-ui", "export", str(live), str(live), "--force"),
+                "checkpoints": gptop_cmd("--no-ui", "export", str(live), str(live / "checkpoints"), "--force"),
+                "parent": gptop_cmd("--no-ui", "export", str(live), str(live.parent) + "/", "--force"),
             },
             timeout=120,
         )
@@ -849,15 +831,10 @@ def test_a_killed_export_says_why_and_the_next_one_cleans_up(runs, tmp_path):
     the next export into the same OUT_DIR removes the hidden temporary folder the killed one left."""
     import psutil
 
+    from trainer.export import export
+
     out = tmp_path / "out"
-    p = subprocess.Popen(
-        gptop_cmd("export", str(runs["llama"]), str(out)),
-        cwd=ROOT,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    p = start_gptop("--no-ui", "export", str(runs["llama"]), str(out), cwd=ROOT, env=gptop_env(**ONE_THREAD))
     try:
         deadline = time.monotonic() + 120
         while not list(tmp_path.glob(".out.export-*")):
@@ -873,14 +850,9 @@ def test_a_killed_export_says_why_and_the_next_one_cleans_up(runs, tmp_path):
     assert p.returncode == 1 and "the export was killed by signal 9 (SIGKILL)" in err, err
     assert "out of memory" in err and "Traceback" not in err
     assert list(tmp_path.glob(".out.export-*")) and not out.exists()
-    r = subprocess.run(
-        gptop_cmd("export", str(runs["llama"]), str(out)),
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr
-    assert "left next to out by an export that was killed" in r.stderr
+    # the next export (the export worker's code, in this process: the command's path to its end is the exports
+    # fixture's) cleans up
+    said: list[str] = []
+    assert export(export_ns(runs["llama"], out), log=said.append)["step"] == 4
+    assert any("left next to out by an export that was killed" in line for line in said), said
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

@@ -4,25 +4,16 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import psutil
 import pytest
 
-from helpers import TINY, TINY_TOKENS_PER_STEP
+from helpers import TINY, TINY_TOKENS_PER_STEP, run_gptop, start_gptop, wait_for
 from trainer.contract import rundir
 from trainer.contract.events import parse, read_events, to_dict
-from helpers import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.process]
-
-
-def gptop(*args, **kw):
-    return subprocess.Popen(
-        [sys.executable, "-m", "gptop", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw
-    )
 
 
 def events_of(run_dir, kind=None):
@@ -50,9 +41,16 @@ def gone(pid, timeout=60):
     return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
-def test_json_run_prints_step_and_device_events(tmp_path):
-    run_dir = tmp_path / "run"
-    p = gptop(
+STEPS, LOG_EVERY = 30, 5
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """One `gptop --json train` run (deepseek, MoE) to its end: test_json_run_prints_step_and_device_events reads
+    what it printed; the report, the replay and the resume below read its run directory (a test that changes it
+    works on a copy). (run dir, stdout, stderr)"""
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    p = start_gptop(
         "--no-ui",
         "--json",
         "train",
@@ -60,27 +58,32 @@ def test_json_run_prints_step_and_device_events(tmp_path):
         "deepseek",
         *TINY,
         "--max-steps",
-        "30",
+        str(STEPS),
         "--log-every",
-        "5",
+        str(LOG_EVERY),
         "--run-dir",
         str(run_dir),
     )
     out, err = p.communicate(timeout=600)
     assert p.returncode == 0, err
+    return run_dir, out, err
+
+
+def test_json_run_prints_step_and_device_events(finished):
+    run_dir, out, err = finished
     events = [parse(line) for line in out.splitlines()]  # every line is a valid event
     kinds = [e.type for e in events]
     assert "step" in kinds and "device" in kinds and "hello" in kinds and kinds.count("done") == 1
     steps = [e for e in events if e.type == "step"]
-    assert steps[-1].step == 30 and steps[-1].expert_load
+    assert steps[-1].step == STEPS and steps[-1].expert_load
     assert (run_dir / "device.jsonl").stat().st_size > 0 and (run_dir / "trainer.log").stat().st_size > 0
     # the closing summary goes to stderr: stdout stayed JSON lines (parsed above)
-    assert "gptop: run finished: 30 steps" in err and f"gptop report {run_dir}" in err
+    assert f"gptop: run finished: {STEPS} steps" in err and f"gptop report {run_dir}" in err
 
 
 def test_ctrl_c_stops_gracefully_and_leaves_no_process(tmp_path):
     run_dir = tmp_path / "run"
-    p = gptop("--no-ui", "train", *TINY, "--max-steps", "100000", "--run-dir", str(run_dir))
+    p = start_gptop("--no-ui", "train", *TINY, "--max-steps", "100000", "--run-dir", str(run_dir))
     wait_for(lambda: events_of(run_dir, "step"), what="first step")
     pid = trainer_pid(run_dir)
     p.send_signal(signal.SIGINT)
@@ -95,7 +98,7 @@ def test_ctrl_c_stops_gracefully_and_leaves_no_process(tmp_path):
 
 def test_kill_of_gptop_leaves_no_orphan(tmp_path):
     run_dir = tmp_path / "run"
-    p = gptop("--no-ui", "train", *TINY, "--max-steps", "100000", "--run-dir", str(run_dir))
+    p = start_gptop("--no-ui", "train", *TINY, "--max-steps", "100000", "--run-dir", str(run_dir))
     wait_for(lambda: events_of(run_dir, "step"), what="first step")
     pid = trainer_pid(run_dir)
     p.kill()  # SIGKILL: gptop gets no chance to clean up
@@ -108,7 +111,9 @@ def test_kill_of_gptop_leaves_no_orphan(tmp_path):
 
 def test_kill9_of_trainer_fails_then_restarts_from_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
-    p = gptop("--no-ui", "train", *TINY, "--max-steps", "100000", "--checkpoint-every", "3", "--run-dir", str(run_dir))
+    p = start_gptop(
+        "--no-ui", "train", *TINY, "--max-steps", "100000", "--checkpoint-every", "3", "--run-dir", str(run_dir)
+    )
     wait_for(lambda: rundir.list_checkpoints(run_dir), what="a checkpoint")
     os.kill(trainer_pid(run_dir), signal.SIGKILL)
     out, err = p.communicate(timeout=120)
@@ -119,7 +124,7 @@ def test_kill9_of_trainer_fails_then_restarts_from_checkpoint(tmp_path):
 
     # the same failure with --restart-on-failure: it resumes from the last checkpoint and finishes
     run2 = tmp_path / "run2"
-    p = gptop(
+    p = start_gptop(
         "--no-ui",
         "--json",
         "train",
@@ -142,7 +147,7 @@ def test_kill9_of_trainer_fails_then_restarts_from_checkpoint(tmp_path):
     assert hellos[1]["start_tokens"] == 6 * TINY_TOKENS_PER_STEP  # the count its checkpoint held
     assert events_of(run2, "done")[-1]["step"] == 30
     # the report continues the count: 30 steps kept; step 7, trained before the kill, was thrown away
-    r = subprocess.run([sys.executable, "-m", "gptop", "--json", "report", str(run2)], capture_output=True, text=True)
+    r = run_gptop("--json", "report", str(run2))
     s = json.loads(r.stdout)
     assert (s["steps"], s["tokens"], s["steps_rolled_back"]) == (30, 30 * TINY_TOKENS_PER_STEP, 1), s
     assert s["tokens_processed"] == 31 * TINY_TOKENS_PER_STEP
@@ -156,56 +161,40 @@ def test_kill9_of_trainer_fails_then_restarts_from_checkpoint(tmp_path):
 
 
 def test_bad_usage_exit_2(tmp_path):
-    p = gptop("--no-ui", "train", *TINY, "--precision", "fp8-rowwise", "--run-dir", str(tmp_path / "r"))
+    p = start_gptop("--no-ui", "train", *TINY, "--precision", "fp8-rowwise", "--run-dir", str(tmp_path / "r"))
     out, err = p.communicate(timeout=300)
     assert p.returncode == 2 and "--precision" in err
-    p = gptop("--no-ui", "train", "--micro-batch", "zero")
+    p = start_gptop("--no-ui", "train", "--micro-batch", "zero")
     out, err = p.communicate(timeout=60)
     assert p.returncode == 2 and "--micro-batch" in err
 
 
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-    """One run of 6 steps to its end: the report, the replay and the resume below read it (a test that changes
-    it works on a copy)."""
-    run_dir = tmp_path_factory.mktemp("finished") / "run"
-    p = gptop("--no-ui", "train", *TINY, "--max-steps", "6", "--run-dir", str(run_dir))
-    out, err = p.communicate(timeout=300)
-    assert p.returncode == 0, err
-    return run_dir
-
-
 def test_resume_continues_a_run(finished, tmp_path):
     run_dir = tmp_path / "run"
-    shutil.copytree(finished, run_dir)
-    p = gptop("--no-ui", "train", "--resume", str(run_dir), "--max-steps", "10")
+    shutil.copytree(finished[0], run_dir)
+    p = start_gptop("--no-ui", "train", "--resume", str(run_dir), "--max-steps", str(STEPS + 4))
     out, err = p.communicate(timeout=300)
     assert p.returncode == 0, err
     hello = events_of(run_dir, "hello")[-1]
-    assert hello["start_step"] == 6 and hello["config"]["model"]["size"] == "tiny"
-    assert events_of(run_dir, "done")[-1]["step"] == 10
-    assert "step 10/10" in out
+    assert hello["start_step"] == STEPS and hello["config"]["model"]["size"] == "tiny"
+    assert hello["config"]["model"]["model"] == "deepseek"
+    assert events_of(run_dir, "done")[-1]["step"] == STEPS + 4
+    assert f"step {STEPS + 4}/{STEPS + 4}" in out
 
 
 def test_report_of_a_finished_run(finished):
-    p = subprocess.run([sys.executable, "-m", "gptop", "report", str(finished)], capture_output=True, text=True)
+    run_dir = finished[0]
+    p = run_gptop("report", str(run_dir))
     assert p.returncode == 0, p.stderr
-    assert "6/6 steps" in p.stdout and "tokens/s" in p.stdout and "forward" in p.stdout
-    p = subprocess.run(
-        [sys.executable, "-m", "gptop", "--json", "report", str(finished)], capture_output=True, text=True
-    )
+    assert f"{STEPS}/{STEPS} steps" in p.stdout and "tokens/s" in p.stdout and "forward" in p.stdout
+    p = run_gptop("--json", "report", str(run_dir))
     assert len(p.stdout.splitlines()) == 1, p.stdout  # --json: one JSON line, as everywhere
     s = json.loads(p.stdout)
-    assert s["steps"] == 6 and s["tokens"] == 6 * TINY_TOKENS_PER_STEP and len(s["checkpoints"]) == 1
+    assert s["steps"] == STEPS and s["tokens"] == STEPS * TINY_TOKENS_PER_STEP and len(s["checkpoints"]) == 1
 
 
 def test_monitor_replays_a_finished_run(finished):
-    p = subprocess.run(
-        [sys.executable, "-m", "gptop", "--no-ui", "--json", "--run-dir", str(finished)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    p = run_gptop("--no-ui", "--json", "--run-dir", str(finished[0]), timeout=120)
     assert p.returncode == 0, p.stderr
     kinds = [parse(l).type for l in p.stdout.splitlines()]
-    assert kinds.count("step") == 6 and "done" in kinds
+    assert kinds.count("step") == STEPS // LOG_EVERY and "done" in kinds

@@ -13,13 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from helpers import gptop_env
 from trainer.contract import inputs
 from trainer.contract.config import (
     AUTO,
@@ -36,7 +36,6 @@ from trainer.contract.config import (
     range_of,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
 NUMERIC = [(s, f) for s, f, _ in TrainConfig().items() if kind_of(f) in (int, float)]
 PATH_FIELDS = {f.metadata["path"]: flag_of(f) for _, f, _ in TrainConfig().items() if f.metadata.get("path")}
 
@@ -824,10 +823,6 @@ def test_a_file_to_write_is_checked_where_it_enters(make, reason, tmp_path, monk
 # --- real processes: exit 2, nothing created, no traceback ---------------------------------------------------------
 
 
-def _env():
-    return {**os.environ, "PYTHONPATH": str(ROOT)}
-
-
 @pytest.mark.parametrize(
     "cmd,option",
     [
@@ -849,7 +844,7 @@ def test_real_processes_exit_2_and_create_nothing(cmd, option, tmp_path):
     r = subprocess.run(
         [sys.executable, *[c.format(empty=empty) for c in cmd]],
         cwd=work,
-        env=_env(),
+        env=gptop_env(),
         capture_output=True,
         text=True,
         timeout=120,

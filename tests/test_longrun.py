@@ -93,7 +93,7 @@ def _peak(fn) -> int:
 
 @pytest.mark.slow
 def test_report_memory_does_not_grow_with_the_run(tmp_path, monkeypatch):
-    monkeypatch.setattr(report, "ENERGY_CHUNK", 256)  # the device samples held at a time: both runs fill it
+    monkeypatch.setattr(run_energy, "ENERGY_CHUNK", 256)  # the device samples held at a time: both runs fill it
     tpl = longrun.template_lines(_template())
     small, large = tmp_path / "small", tmp_path / "large"
     longrun.write_run(small, 2_000, tpl)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TINY, of, restoring_signals, train_in_process
+from helpers import TINY, of, restoring_signals, run_without_gptop, tiny_model_dir, train_in_process
 from trainer import checkpoint_files as ckpt
 from trainer.worker_cli import parse_config
 from trainer.contract import capabilities, rundir
@@ -24,24 +24,7 @@ LORA = ["--lora", "8", "--lr", "1e-2", "--micro-batch", "2"]
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     """A tiny Hugging Face model directory (llama tiny, random weights) with the builtin tokenizer."""
-    from trainer.contract.config import DataConfig
-    from trainer.data import tokenizer_info
-    from trainer.export import hf_tokenizer
-    from trainer.models import build_model
-
-    out = tmp_path_factory.mktemp("hf-tiny")
-    tok = tokenizer_info(DataConfig(), log=lambda s: None)
-    bundle = build_model(
-        ModelConfig(model="llama", size="tiny"),
-        vocab_size=tok.vocab_size,
-        seq_len=64,
-        toggles=Toggles(),
-        dev=CPU,
-        seed=7,
-    )
-    bundle.model.save_pretrained(out)
-    hf_tokenizer(tok, bundle, 64).save_pretrained(out)
-    return out
+    return tiny_model_dir(tmp_path_factory.mktemp("hf-tiny"))
 
 
 def run(tmp_path, *args, name="run"):
@@ -357,22 +340,16 @@ def test_views_show_trainable_params_and_optimizer_state():
 
 # --- export: the adapter in peft's format, or merged --------------------------------------------
 
-# Runs in `python -I` outside the repository, with gptop's packages made unimportable: what a user
-# without gptop does with each export. Each load is (how, where): peft's AutoPeftModelForCausalLM from a
-# working directory, PeftModel on a base loaded explicitly, or plain transformers.
+# Runs without gptop (helpers.run_without_gptop), outside the repository: what a user without gptop does with
+# each export. Each load is (how, where): peft's AutoPeftModelForCausalLM from a working directory, PeftModel on a
+# base loaded explicitly, or plain transformers; each with its input ids.
 PLAIN = """
-import importlib.abc, json, os, sys
-class NoGptop(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("gptop", "trainer", "tuner"):
-            raise ModuleNotFoundError(f"{name} must not be needed")
-sys.meta_path.insert(0, NoGptop())
+import json, os, sys
 import torch
 from transformers import AutoModelForCausalLM
 from peft import AutoPeftModelForCausalLM, PeftModel
 torch.set_num_threads(1)
 job = json.loads(sys.argv[1])
-ids = torch.load(job["ids"])
 out, kinds = {}, {}
 for name, load in job["loads"].items():
     if load["how"] == "auto":
@@ -383,7 +360,7 @@ for name, load in job["loads"].items():
     else:
         model = AutoModelForCausalLM.from_pretrained(load["dir"])
     with torch.no_grad():
-        out[name] = model.eval()(input_ids=ids).logits
+        out[name] = model.eval()(input_ids=torch.load(load["ids"])).logits
     kinds[name] = type(model).__name__
 torch.save(out, job["out"])
 print(json.dumps(kinds))
@@ -401,76 +378,123 @@ def _export(run_dir, out_dir, *flags):
     return export(p.parse_args([str(run_dir), str(out_dir), *flags]), log=lambda s: None)
 
 
-def _plain(tmp_path, ids, loads):
+def _plain(tmp_path, loads):
+    """Every load of `loads` ({name: load, with its ids tensor}) in one plain Python; (type names, logits)."""
     import json
-    import os
-    import subprocess
-    import sys
 
-    torch.save(ids, tmp_path / "ids.pt")
-    job = {"ids": str(tmp_path / "ids.pt"), "loads": loads, "out": str(tmp_path / "logits.pt")}
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    r = subprocess.run(
-        [sys.executable, "-I", "-c", PLAIN, json.dumps(job)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    for name, load in loads.items():
+        torch.save(load.pop("ids"), tmp_path / f"{name}.ids.pt")
+        load["ids"] = str(tmp_path / f"{name}.ids.pt")
+    job = {"loads": loads, "out": str(tmp_path / "logits.pt")}
+    r = run_without_gptop(PLAIN, json.dumps(job), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1]), torch.load(tmp_path / "logits.pt")
+
+
+def _reference(run_dir, tmp_path):
+    """The run's own model on a fixed batch: (its input ids, its logits)."""
+    from trainer.contract import tools
+    from trainer.export import check_batch, load_for_inference
+
+    ref = load_for_inference(run_dir, tools.check_export(argparse_ns(run_dir, tmp_path / "x")), log=lambda s: None)
+    ids = check_batch(len(ref.tokenizer), None, 32, seed=3)
+    with torch.no_grad():
+        return ids, ref.model(input_ids=ids).logits
+
+
+def _adapter_and_merged(tmp_path, model_dir, source):
+    """A LoRA run (on the model directory, or a builtin llama) exported as an adapter and merged; what a plain
+    Python is to load from them, and what each load must equal."""
+    model = str(model_dir) if source == "model_dir" else "llama"
+    code, _, run_dir = run(tmp_path, "--model", model, *LORA, "--max-steps", "3")
+    assert code == EXIT_OK
+    adapter = _export(run_dir, tmp_path / "adapter")
+    merged = _export(run_dir, tmp_path / "merged", "--merge")
+    ids, want = _reference(run_dir, tmp_path)
+    adapter_dir = tmp_path / "adapter"
+    base = str(adapter_dir / "base") if source == "llama" else str(model_dir)
+    auto = {"how": "auto", "dir": "." if source == "llama" else str(adapter_dir), "cwd": str(adapter_dir)}
+    loads = {
+        "auto": auto,
+        "peft": {"how": "peft", "dir": str(adapter_dir), "base": base},
+        "merged": {"how": "plain", "dir": str(tmp_path / "merged")},
+    }
+    return {"dir": tmp_path, "adapter": adapter, "merged": merged, "ids": ids, "want": want}, loads
+
+
+def _copied_and_moved(tmp_path):
+    """An adapter export copied away and moved, then another run (another seed: another base) exported to the
+    original place; the loads of the copy, the moved one and the re-export."""
+    import shutil
+
+    code, _, run_a = run(tmp_path, "--model", "llama", *LORA, "--max-steps", "2", name="a")
+    code_b, _, run_b = run(tmp_path, "--model", "llama", *LORA, "--max-steps", "2", "--seed", "5", name="b")
+    assert code == code_b == EXIT_OK
+    out = tmp_path / "exports" / "out"
+    _export(run_a, out)
+    readme = (out / "README.md").read_text()
+    shutil.copytree(out, tmp_path / "copy")
+    shutil.move(str(out), str(tmp_path / "moved"))
+    _export(run_b, out)  # another base where the first one was
+    ids, want = _reference(run_a, tmp_path)
+    loads = {
+        name: {"how": "peft", "dir": str(tmp_path / name), "base": str(tmp_path / name / "base")}
+        for name in ("copy", "moved")
+    }
+    loads["auto"] = {"how": "auto", "dir": ".", "cwd": str(tmp_path / "copy")}
+    loads["other"] = {"how": "peft", "dir": str(out), "base": str(out / "base")}
+    return {"dir": tmp_path, "out": out, "readme": readme, "ids": ids, "want": want}, loads
+
+
+@pytest.fixture(scope="module")
+def plain_loads(tmp_path_factory, model_dir) -> dict[str, dict]:
+    """The exports of the tests below, made in this process, then all loaded in one plain Python (its start-up,
+    importing torch, transformers and peft, is most of its time): {case: what the case made, with `kinds` and
+    `got`, the loads' type names and logits by load name}."""
+    made, loads = {}, {}
+    for source in ("model_dir", "llama"):
+        made[source], loads[source] = _adapter_and_merged(tmp_path_factory.mktemp(source), model_dir, source)
+    made["moved"], loads["moved"] = _copied_and_moved(tmp_path_factory.mktemp("moved"))
+    every = {
+        f"{case}.{name}": {**load, "ids": made[case]["ids"]} for case in loads for name, load in loads[case].items()
+    }
+    kinds, got = _plain(tmp_path_factory.mktemp("plain"), every)
+    for case in made:
+        made[case]["kinds"] = {name: kinds[f"{case}.{name}"] for name in loads[case]}
+        made[case]["got"] = {name: got[f"{case}.{name}"] for name in loads[case]}
+    return made
 
 
 @pytest.mark.process
 @pytest.mark.slow  # starts a plain Python
 @pytest.mark.parametrize("source", ["model_dir", "llama"])
-def test_lora_exports_load_with_peft_and_plain_transformers(tmp_path, model_dir, source):
+def test_lora_exports_load_with_peft_and_plain_transformers(plain_loads, model_dir, source):
     import json
 
-    from trainer.contract import tools
-    from trainer.export import check_batch, load_for_inference
-
-    model = str(model_dir) if source == "model_dir" else "llama"
-    code, _, run_dir = run(tmp_path, "--model", model, *LORA, "--max-steps", "3")
-    assert code == EXIT_OK
-    adapter = _export(run_dir, tmp_path / "adapter")
+    case = plain_loads[source]
+    adapter, merged, want, got = case["adapter"], case["merged"], case["want"], case["got"]
     assert adapter["format"] == "peft-adapter"
     assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "README.md"} <= set(adapter["files"])
-    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    config = json.loads((case["dir"] / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 8 and config["base_model_name_or_path"] == adapter["base_model"]
     if source == "model_dir":
         assert adapter["base_model"] == str(model_dir.resolve())  # outside the export: where it is
     else:
         assert adapter["base_model"] == "base"  # inside: relative, it moves with the export
-    merged = _export(run_dir, tmp_path / "merged", "--merge")
     assert merged["format"] == "merged" and "model.safetensors" in merged["files"]
-    assert not any("lora" in k for k in json.loads((tmp_path / "merged" / "config.json").read_text()))
-
-    ref = load_for_inference(run_dir, tools.check_export(argparse_ns(run_dir, tmp_path / "x")), log=lambda s: None)
-    ids = check_batch(len(ref.tokenizer), None, 32, seed=3)
-    with torch.no_grad():
-        want = ref.model(input_ids=ids).logits
-    adapter_dir = tmp_path / "adapter"
-    base = str(adapter_dir / "base") if source == "llama" else str(model_dir)
-    auto = {"how": "auto", "dir": "." if source == "llama" else str(adapter_dir), "cwd": str(adapter_dir)}
-    kinds, got = _plain(
-        tmp_path,
-        ids,
-        {
-            "auto": auto,
-            "peft": {"how": "peft", "dir": str(adapter_dir), "base": base},
-            "merged": {"how": "plain", "dir": str(tmp_path / "merged")},
-        },
-    )
-    assert kinds == {"auto": "PeftModelForCausalLM", "peft": "PeftModelForCausalLM", "merged": "LlamaForCausalLM"}
+    assert not any("lora" in k for k in json.loads((case["dir"] / "merged" / "config.json").read_text()))
+    assert case["kinds"] == {
+        "auto": "PeftModelForCausalLM",
+        "peft": "PeftModelForCausalLM",
+        "merged": "LlamaForCausalLM",
+    }
     assert torch.equal(got["auto"], want) and torch.equal(got["peft"], want)
     assert torch.allclose(got["merged"], want, atol=1e-4, rtol=0)  # merging rounds W + (a/r) B A once
 
 
 @pytest.mark.process
 @pytest.mark.slow  # starts a plain Python
-def test_a_copied_or_moved_adapter_export_keeps_its_own_base(tmp_path):
+def test_a_copied_or_moved_adapter_export_keeps_its_own_base(plain_loads):
     """Export, copy the export away and move the original, then export another run (another seed: another
     base) to the original place: the copy and the moved one still load their own base, with peft as the
     README says and with gptop sample; a base replaced under an export is refused, not silently used."""
@@ -479,30 +503,12 @@ def test_a_copied_or_moved_adapter_export_keeps_its_own_base(tmp_path):
     import shutil
 
     from trainer.contract import tools
-    from trainer.export import check_batch, load_for_inference
+    from trainer.export import load_for_inference
     from trainer.sample import generate
 
-    code, _, run_a = run(tmp_path, "--model", "llama", *LORA, "--max-steps", "2", name="a")
-    code_b, _, run_b = run(tmp_path, "--model", "llama", *LORA, "--max-steps", "2", "--seed", "5", name="b")
-    assert code == code_b == EXIT_OK
-    out = tmp_path / "exports" / "out"
-    _export(run_a, out)
-    assert "PeftModel.from_pretrained" in (out / "README.md").read_text()
-    shutil.copytree(out, tmp_path / "copy")
-    shutil.move(str(out), str(tmp_path / "moved"))
-    _export(run_b, out)  # another base where the first one was
-
-    ref = load_for_inference(run_a, tools.check_export(argparse_ns(run_a, tmp_path / "x")), log=lambda s: None)
-    ids = check_batch(len(ref.tokenizer), None, 32, seed=3)
-    with torch.no_grad():
-        want = ref.model(input_ids=ids).logits
-    loads = {
-        name: {"how": "peft", "dir": str(tmp_path / name), "base": str(tmp_path / name / "base")}
-        for name in ("copy", "moved")
-    }
-    loads["auto"] = {"how": "auto", "dir": ".", "cwd": str(tmp_path / "copy")}
-    loads["other"] = {"how": "peft", "dir": str(out), "base": str(out / "base")}
-    _, got = _plain(tmp_path, ids, loads)
+    case = plain_loads["moved"]
+    tmp_path, out, ids, want, got = case["dir"], case["out"], case["ids"], case["want"], case["got"]
+    assert "PeftModel.from_pretrained" in case["readme"]
     for name in ("copy", "moved", "auto"):
         assert torch.equal(got[name], want), name
     assert not torch.allclose(got["other"], want)  # the re-export is another model

@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, gptop_cmd
 from fixtures.streams import gpu_run
 from gptop.metrics import METRICS, MetricsServer
 from gptop.state import RunState
@@ -154,14 +154,10 @@ def test_the_line_where_metrics_are_served_and_its_warning_go_to_stderr_with_no_
     """With --no-ui gptop's own lines are on stderr (stdout keeps the run's lines); the same lines are the
     dashboard's log panel's (`Session.log`)."""
     import subprocess
-    import sys
 
     port = free_port()
     r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gptop",
+        gptop_cmd(
             "--no-ui",
             "run",
             "--run-dir",
@@ -172,7 +168,7 @@ def test_the_line_where_metrics_are_served_and_its_warning_go_to_stderr_with_no_
             "0.0.0.0",
             "--",
             "true",
-        ],
+        ),
         capture_output=True,
         text=True,
         timeout=120,

@@ -166,26 +166,6 @@ def test_headless_and_report_show_the_newest_window(tmp_path):
     assert "profile of steps 101-103" in format_report(s)
 
 
-@pytest.mark.compile
-@pytest.mark.slow
-@pytest.mark.process  # inductor builds its C++ kernels in worker processes
-def test_the_compile_watchdog_reports_a_recompilation_where_it_happened(tmp_path):
-    """Eval after training changes the guards (no_grad, eval mode): one recompilation in the first eval,
-    tied to it; the training steps after it (and the second eval, cached) recompile nothing."""
-    from trainer.train import EXIT_OK
-
-    code, events, run_dir = train_in_process(
-        tmp_path / "c", "--max-steps", "5", "--compile", "default", "--eval-every", "2", "--eval-batches", "1"
-    )
-    assert code == EXIT_OK
-    built = [e for e in events if e.type in ("log", "warning") and "torch.compile:" in e.message]
-    assert len(built) == 1 and "graph(s)" in built[0].message
-    recompiles = [e for e in events if e.type == "warning" and e.kind == "recompile"]
-    assert len(recompiles) == 1, [e.message for e in recompiles]
-    assert recompiles[0].step == 2 and "in the eval after step 2" in recompiles[0].message
-    assert not [e for e in events if e.type == "warning" and e.kind == "compile_fallback"]
-
-
 def test_the_gpu_timelines_copies_of_the_phase_ranges_are_not_kernels():
     """Seen on an H100: kineto lists each record_function range again on the GPU's timeline; taken for
     kernels they covered the whole step and a launch-bound run showed 1% GPU idle instead of ~75%."""

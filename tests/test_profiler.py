@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY, train_in_process
+from helpers import TINY, gptop_cmd, gptop_env, train_in_process
 from gptop.log_filter import is_library_chatter
 from trainer.contract.config import ConfigError, parse_step_range
 from trainer.timing import CpuTimer, WallTimer
@@ -142,19 +142,13 @@ def test_kineto_lines_stay_out_of_the_log_panel(line, chatter):
 def test_headless_log_has_no_kineto_lines(tmp_path):
     """`gptop --no-ui train --profile-steps`: the trace is written, the trainer's stderr file keeps kineto's
     lines and the log gptop shows does not."""
-    import os
     import subprocess
-    import sys
 
     from helpers import ROOT
 
     run_dir = tmp_path / "r"
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gptop",
+        gptop_cmd(
             "--no-ui",
             "train",
             *TINY,
@@ -164,9 +158,9 @@ def test_headless_log_has_no_kineto_lines(tmp_path):
             "1-1",
             "--run-dir",
             str(run_dir),
-        ],
+        ),
         cwd=ROOT,
-        env=env,
+        env=gptop_env(),
         capture_output=True,
         text=True,
         timeout=240,

@@ -8,13 +8,12 @@ the trainer can see (a model directory's layers) is refused by it, and gptop rem
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 
-from helpers import ROOT, TINY
+from helpers import TINY, gptop_cmd, gptop_env, tiny_model_dir
 from trainer.contract import rundir
 
 
@@ -94,30 +93,10 @@ def test_a_refusal_is_one_line_and_creates_nothing(tmp_path, monkeypatch, capsys
 def test_a_refusal_only_the_trainer_can_make_leaves_nothing_either(tmp_path, with_run_dir):
     """A model directory's layers are known once the trainer has built it: the trainer refuses, and gptop
     removes the run directory it made for the run (and ./runs, when it made that too)."""
-    from trainer.contract.config import DataConfig, ModelConfig, Toggles
-    from trainer.contract.device import DeviceInfo
-    from trainer.data import tokenizer_info
-    from trainer.export import hf_tokenizer
-    from trainer.models import build_model
-
-    model = tmp_path / "model"  # a Hugging Face model directory (llama tiny) with the builtin tokenizer
-    tok = tokenizer_info(DataConfig(), log=lambda s: None)
-    bundle = build_model(
-        ModelConfig(model="llama", size="tiny"),
-        vocab_size=tok.vocab_size,
-        seq_len=64,
-        toggles=Toggles(),
-        dev=DeviceInfo(type="cpu", total_memory=8 << 30),
-        seed=7,
-    )
-    bundle.model.save_pretrained(model)
-    hf_tokenizer(tok, bundle, 64).save_pretrained(model)
+    model = tiny_model_dir(tmp_path / "model")
     work = tmp_path / "work"
     work.mkdir()
-    args = [
-        sys.executable,
-        "-m",
-        "gptop",
+    args = gptop_cmd(
         "--no-ui",
         "train",
         *TINY,
@@ -129,10 +108,10 @@ def test_a_refusal_only_the_trainer_can_make_leaves_nothing_either(tmp_path, wit
         "8",
         "--lora-targets",
         "nonexistent",
-    ]
+    )
     if with_run_dir:
         args += ["--run-dir", str(work / "new")]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = gptop_env()
     r = subprocess.run(args, cwd=work, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 2, r.stderr
     said = r.stderr.strip().splitlines()

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT, TINY, trainer_cmd, wait_for
+from helpers import ROOT, TINY, gptop_cmd, trainer_cmd, wait_for
 from trainer.contract import rundir
 from trainer.contract.runlock import LOCK_NODE_ENV, LOCK_TOKEN_ENV, RunDirBusy, RunDirTaken, RunLock
 
@@ -105,7 +105,7 @@ def test_trainer_and_gptop_refuse_a_run_dir_in_use_before_writing_anything(tmp_p
     run_dir = tmp_path / "run"
     with RunLock.acquire(run_dir, command="gptop train"):
         args = [*TINY, "--max-steps", "2", "--run-dir", str(run_dir)]
-        for cmd in (trainer_cmd(*args), [sys.executable, "-m", "gptop", "--no-ui", "train", *args]):
+        for cmd in (trainer_cmd(*args), gptop_cmd("--no-ui", "train", *args)):
             p = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=120)
             assert p.returncode == 2, p.stderr
             assert f"pid {os.getpid()} on host {socket.gethostname()}" in p.stderr and "--run-dir" in p.stderr
@@ -142,7 +142,7 @@ def test_a_multi_node_run_shares_the_directory_and_keeps_out_a_one_node_run(tmp_
         "--rdzv-backend",
         "static",
     ]
-    gptop = [sys.executable, "-m", "gptop", "--no-ui", "train"]
+    gptop = gptop_cmd("--no-ui", "train")
     nodes = [
         subprocess.Popen(
             [*gptop, *args, "--node-rank", str(n)],

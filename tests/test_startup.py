@@ -8,12 +8,11 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import pytest
 
-from helpers import TINY, trainer_cmd
+from helpers import TINY, gptop_cmd, trainer_cmd
 from trainer.channel import REPEAT_S, Channel, StartupStopped, honour_startup_stop
 from trainer.contract import rundir
 from trainer.contract.events import read_events
@@ -243,10 +242,7 @@ def test_sigint_while_building_stops_at_once_without_a_checkpoint(tmp_path):
 def test_progress_events_reach_gptop_every_step_and_the_stop_during_startup_is_130(tmp_path):
     run_dir = tmp_path / "run"
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gptop",
+        gptop_cmd(
             "--no-ui",
             "--json",
             "train",
@@ -257,7 +253,7 @@ def test_progress_events_reach_gptop_every_step_and_the_stop_during_startup_is_1
             "4",
             "--run-dir",
             str(run_dir),
-        ],
+        ),
         capture_output=True,
         text=True,
         timeout=300,
@@ -272,10 +268,7 @@ def test_progress_events_reach_gptop_every_step_and_the_stop_during_startup_is_1
 
     run_dir = tmp_path / "stopped"
     p = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gptop",
+        gptop_cmd(
             "--no-ui",
             "train",
             "--model",
@@ -294,7 +287,7 @@ def test_progress_events_reach_gptop_every_step_and_the_stop_during_startup_is_1
             "cpu",
             "--run-dir",
             str(run_dir),
-        ],
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from fixtures.streams import GiB, T0, build_state, config, cpu_run, ev, gpu_run
+from fixtures.streams import GiB, T0, build_state, config, cpu_run, ev, gpu_run, step_event
 from gptop.state import RunState, fmt_bytes, fmt_duration, fmt_num, fmt_toggles, model_summary, phase_label, spread_pct
 from trainer.contract.events import (
     CheckpointEvent,
@@ -41,20 +41,9 @@ def hello(
 
 def step(n: int, t: float, phases: dict[str, float] | None = None, rank: int = 0, **extra) -> StepEvent:
     phases = phases or {"data": 10.0, "forward": 30.0, "backward": 50.0, "optimizer": 8.0, "other": 2.0}
-    fields = dict(
-        step=n,
-        tokens=n * 1000,
-        loss=3.0 - n / 1000,
-        lr=1e-3,
-        grad_norm=1.0,
-        step_ms=sum(phases.values()),
-        phases_ms=phases,
-        tokens_per_s=10_000.0,
-        mfu=0.3,
-        mem_bytes=GiB,
-    )
-    fields.update(extra)
-    return ev("step", t, rank=rank, **fields)
+    fields = dict(tokens_per_step=1000, mfu=0.3, mem=GiB, loss=3.0 - n / 1000, lr=1e-3, grad_norm=1.0, tokens_per_s=1e4)
+    fields["step_ms"] = sum(phases.values())
+    return step_event(n, t, phases=phases, rank=rank, **{**fields, **extra})  # `extra` over this file's defaults
 
 
 def fed(*events, **kwargs) -> RunState:

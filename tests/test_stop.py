@@ -3,13 +3,12 @@ also while the trainer is still starting and dies of the signal before it said h
 
 import signal
 import subprocess
-import sys
 import time
 
 import psutil
 import pytest
 
-from helpers import TINY, wait_for
+from helpers import TINY, gptop_cmd, wait_for
 from gptop.session import EXIT_INTERRUPTED, Session
 from trainer.contract.config import TrainConfig
 from trainer.contract import rundir
@@ -138,7 +137,7 @@ def _hello(run_dir):
 def test_stop_at_any_moment_is_stopped_with_130(tmp_path, moment, sig):
     run_dir = tmp_path / "run"
     p = subprocess.Popen(
-        [sys.executable, "-m", "gptop", "--no-ui", "train", *TINY, "--max-steps", "100000", "--run-dir", str(run_dir)],
+        gptop_cmd("--no-ui", "train", *TINY, "--max-steps", "100000", "--run-dir", str(run_dir)),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -185,7 +184,7 @@ def test_two_ctrl_c_in_no_ui_say_truly_what_was_kept(tmp_path):
     checkpoints on disk whether that lost anything (never 'before it checkpointed' beside a written checkpoint)."""
     run_dir = tmp_path / "run"
     p = subprocess.Popen(
-        [sys.executable, "-m", "gptop", "--no-ui", "train", *TINY, "--max-steps", "100000", "--run-dir", str(run_dir)],
+        gptop_cmd("--no-ui", "train", *TINY, "--max-steps", "100000", "--run-dir", str(run_dir)),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -314,7 +313,7 @@ def test_nohup_keeps_a_no_ui_run_through_a_hangup(tmp_path):
     SIGTERM still stops it with a checkpoint."""
     run_dir = tmp_path / "run"
     p = subprocess.Popen(
-        [sys.executable, "-m", "gptop", "--no-ui", "train", *TINY, "--max-steps", "100000", "--run-dir", str(run_dir)],
+        gptop_cmd("--no-ui", "train", *TINY, "--max-steps", "100000", "--run-dir", str(run_dir)),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),

@@ -8,9 +8,7 @@ test, a real `gptop --no-ui train --tensorboard` whose scalars match its events.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.hparams import metadata as hp_metadata  # noqa: E402
 from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2  # noqa: E402
 
-from helpers import ROOT, TINY  # noqa: E402
+from helpers import ROOT, TINY, gptop_cmd, gptop_env  # noqa: E402
+from fixtures.streams import step_event  # noqa: E402
 from gptop.tensorboard import FINAL_METRICS, TensorBoardWriter, flat_hparams  # noqa: E402
 from trainer.contract import events as ev  # noqa: E402
 from trainer.contract.device import DeviceInfo  # noqa: E402
@@ -57,18 +56,18 @@ def hello(rank: int = 0) -> ev.HelloEvent:
 
 
 def step(n: int, rank: int = 0, loss: float = 3.0) -> ev.StepEvent:
-    return ev.StepEvent(
+    return step_event(
+        n,
         rank=rank,
-        step=n,
-        tokens=256 * n,
+        step_ms=10.0,
+        phases={p: 2.0 for p in ev.PHASES},
+        tokens_per_step=256,
+        mfu=0.25,
+        mem=1 << 20,
         loss=loss,
         lr=1e-3,
         grad_norm=1.0,
-        step_ms=10.0,
-        phases_ms={p: 2.0 for p in ev.PHASES},
         tokens_per_s=1000.0 + n,
-        mfu=0.25,
-        mem_bytes=1 << 20,
     )
 
 
@@ -150,12 +149,8 @@ def test_a_failed_run_ends_as_failure_and_no_hello_writes_no_hparams(tmp_path):
 @pytest.mark.process
 def test_gptop_train_tensorboard_matches_events(tmp_path):
     run_dir = tmp_path / "r"
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gptop",
+        gptop_cmd(
             "--no-ui",
             "--interval",
             "0.1",
@@ -168,9 +163,9 @@ def test_gptop_train_tensorboard_matches_events(tmp_path):
             "--tensorboard",
             "--run-dir",
             str(run_dir),
-        ],
+        ),
         cwd=ROOT,
-        env=env,
+        env=gptop_env(),
         capture_output=True,
         text=True,
         timeout=240,

@@ -286,12 +286,23 @@ def test_sigterm_is_a_graceful_stop(tmp_path):
     assert rundir.list_checkpoints(run_dir)[-1].step == done.step
 
 
-@pytest.mark.process
 @pytest.mark.compile
-def test_compile_default_trains(tmp_path):
-    code, events, _ = run(tmp_path, "--max-steps", "3", "--compile", "default")
+@pytest.mark.slow
+@pytest.mark.process  # inductor builds its C++ kernels in worker processes
+def test_compile_default_trains_and_the_watchdog_reports_a_recompilation_where_it_happened(tmp_path):
+    """Eval after training changes the guards (no_grad, eval mode): one recompilation in the first eval,
+    tied to it; the training steps after it (and the second eval, cached) recompile nothing."""
+    code, events, _ = run(
+        tmp_path, "--max-steps", "5", "--compile", "default", "--eval-every", "2", "--eval-batches", "1"
+    )
     assert code == EXIT_OK
-    assert len(of(events, "step")) == 3
+    assert len(of(events, "step")) == 5
+    built = [e for e in events if e.type in ("log", "warning") and "torch.compile:" in e.message]
+    assert len(built) == 1 and "graph(s)" in built[0].message
+    recompiles = [e for e in events if e.type == "warning" and e.kind == "recompile"]
+    assert len(recompiles) == 1, [e.message for e in recompiles]
+    assert recompiles[0].step == 2 and "in the eval after step 2" in recompiles[0].message
+    assert not [e for e in events if e.type == "warning" and e.kind == "compile_fallback"]
 
 
 @pytest.mark.parametrize("extra", [[], ["--optimizer", "adafactor"], ["--lora", "4"]])

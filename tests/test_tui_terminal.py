@@ -9,13 +9,12 @@ from __future__ import annotations
 import os
 import re
 import signal
-import sys
 import time
 
 import psutil
 import pytest
 
-from helpers import TINY
+from helpers import TINY, gptop_cmd
 from fixtures.terminal import Terminal
 from helpers import wait_for
 from trainer.contract import rundir
@@ -33,9 +32,7 @@ def events(run_dir):
 
 def dashboard(run_dir, *args: str) -> Terminal:
     env = dict(os.environ, TERM="xterm-256color", COLUMNS="120", LINES="40")
-    return Terminal(
-        [sys.executable, "-m", "gptop", "train", *TINY, "--run-dir", str(run_dir), *args], cols=120, rows=40, env=env
-    )
+    return Terminal(gptop_cmd("train", *TINY, "--run-dir", str(run_dir), *args), cols=120, rows=40, env=env)
 
 
 def trainer_pids(run_dir) -> list[int]:

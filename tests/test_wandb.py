@@ -8,7 +8,6 @@ and gptop refuses `--wandb` without the package before anything starts.
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 import sys
 import types
@@ -16,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from helpers import ROOT, TINY
-from fixtures.streams import cpu_run
+from helpers import ROOT, TINY, gptop_cmd, gptop_env
+from fixtures.streams import cpu_run, step_event
 from gptop.run_metrics import FINAL_METRICS
 from gptop.wandb_writer import WandbWriter
 from trainer.contract import events as ev
@@ -69,18 +68,18 @@ def fake_wandb(monkeypatch) -> list[FakeRun]:
 
 
 def step(n: int, rank: int = 0, loss: float = 3.0) -> ev.StepEvent:
-    return ev.StepEvent(
+    return step_event(
+        n,
         rank=rank,
-        step=n,
-        tokens=256 * n,
+        step_ms=10.0,
+        phases={"forward": 4.0},
+        tokens_per_step=256,
+        mfu=0.25,
+        mem=1 << 20,
         loss=loss,
         lr=1e-3,
         grad_norm=1.0,
-        step_ms=10.0,
-        phases_ms={"forward": 4.0},
         tokens_per_s=1000.0 + n,
-        mfu=0.25,
-        mem_bytes=1 << 20,
     )
 
 
@@ -185,18 +184,10 @@ def test_offline_run_writes_its_run_directory(tmp_path, monkeypatch):
 def test_gptop_train_wandb_offline(tmp_path):
     pytest.importorskip("wandb")
     run_dir = tmp_path / "r"
-    env = dict(
-        os.environ,
-        PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        WANDB_MODE="offline",
-        WANDB_DIR=str(tmp_path),
-    )
+    env = gptop_env(WANDB_MODE="offline", WANDB_DIR=str(tmp_path))
     env.pop("WANDB_API_KEY", None)
     r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gptop",
+        gptop_cmd(
             "--no-ui",
             "--interval",
             "0.1",
@@ -209,7 +200,7 @@ def test_gptop_train_wandb_offline(tmp_path):
             "--wandb",
             "--run-dir",
             str(run_dir),
-        ],
+        ),
         cwd=ROOT,
         env=env,
         capture_output=True,
