@@ -18,7 +18,6 @@ from trainer.contract import events as ev  # noqa: E402
 from trainer.contract.client import CHANNEL_ENV  # noqa: E402
 from trainer.contract.device import DeviceInfo  # noqa: E402
 
-from fixtures.fake_gptop import FakeGptop  # noqa: E402
 from fixtures.waiting import wait_for  # noqa: E402
 
 VOCAB, SEQ, BATCH, ACCUM = 40, 12, 4, 2
@@ -58,13 +57,6 @@ def fit(tmp_path, steps: int, callbacks: list, checkpointing: bool = False) -> L
     )
     trainer.fit(BigramLM(), train_dataloaders=DataLoader(data, batch_size=BATCH))
     return trainer
-
-
-@pytest.fixture
-def gptop(tmp_path, monkeypatch):
-    g = FakeGptop(tmp_path / "run").install(monkeypatch)
-    yield g
-    g.close()
 
 
 def test_outside_gptop_the_callback_is_a_no_op(tmp_path, monkeypatch):

@@ -16,17 +16,9 @@ from trainer.contract import events as ev
 from trainer.contract.client import CHANNEL_ENV, LOG_EVERY_ENV, RESUME_ENV, RUN_DIR_ENV, ClientEnv
 from trainer.contract.config import ConfigError
 
-from fixtures.fake_gptop import FakeGptop
 from helpers import wait_for
 
 VOCAB, BATCH, SEQ = 32, 4, 8
-
-
-@pytest.fixture
-def gptop(tmp_path, monkeypatch):
-    g = FakeGptop(tmp_path / "run").install(monkeypatch)
-    yield g
-    g.close()
 
 
 def tiny() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

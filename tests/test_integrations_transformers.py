@@ -68,13 +68,6 @@ def make_trainer(tmp_path, steps: int, callbacks: list) -> transformers.Trainer:
     )
 
 
-@pytest.fixture
-def gptop(tmp_path, monkeypatch):
-    g = FakeGptop(tmp_path / "run").install(monkeypatch)
-    yield g
-    g.close()
-
-
 def losses(trainer: transformers.Trainer) -> list[float]:
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
