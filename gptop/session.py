@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Callable, Protocol
 
 from trainer.contract import events as ev
-from trainer.contract.states import RunStatus, StoppedBy
+from trainer.contract.states import ErrorKind, RunStatus, StoppedBy
 from trainer.contract.config import TrainConfig, cli_args
 from trainer.contract.rundir import RunDir, has_checkpoint, list_checkpoints
 from trainer.contract.runlock import RunLock
@@ -127,6 +127,8 @@ class Session(SessionBase):
         self.spawns = 0
         self.rank_errors: dict[int, ev.ErrorEvent] = {}  # this spawn's first error event per rank
         self.hello: ev.HelloEvent | None = None  # this spawn's rank-0 hello, once it came
+        self.expect_start: int | None = None  # the step this spawn must start at (a tuning's resume), if known
+        self.halted: str | None = None  # why gptop ended the run itself (`halt`)
         self._device_file: IO[str] | None = None
         self._tb: TensorBoardWriter | None = None
         self._wandb: WandbWriter | None = None
@@ -166,12 +168,14 @@ class Session(SessionBase):
         """The run's configuration as a W&B run records it (sections of settings)."""
         return self.cfg.to_dict()
 
-    def spawn(self, cfg: TrainConfig | None = None, resume: str | None = None) -> None:
+    def spawn(self, cfg: TrainConfig | None = None, resume: str | None = None, start_step: int | None = None) -> None:
         """Start (or restart) the trainer process with `cfg` (default: the session's). A session that is over
-        (stopped before its trainer started, say) starts nothing."""
+        (stopped before its trainer started, say) starts nothing. `start_step`: the step `resume` holds, which
+        the process must start at (`check_start`)."""
         with self._lock:
             if self.finished:
                 return
+            self.expect_start = start_step
             if cfg is not None:
                 self.cfg = cfg
             run_cfg = dataclasses.replace(self.cfg)
@@ -368,6 +372,38 @@ class Session(SessionBase):
             except OSError as e:  # shown, not kept: a full disk must not take the alert (or the run) down
                 self.log(f"alert not written to events.jsonl: {e}")
 
+    def halt(self, kind: ErrorKind, message: str) -> None:
+        """gptop ends the run for a reason of its own (a start that would lose trained steps, a `gptop tune` of a
+        command it cannot tune): an error event of `kind` with `message`, the trainer ended (killed when it
+        would lose steps: before it writes anything; else asked to stop), and the run fails with `message`,
+        restarted by nothing. Once."""
+        with self._lock:
+            if self.halted is not None:
+                return
+            self.halted = message
+        self.publish(ev.ErrorEvent(kind=kind, message=message, step=self.state.step))
+        sup = self.supervisor
+        if sup is not None and sup.alive():
+            self.stopping = True
+            if kind == ErrorKind.LOST_STEPS:
+                sup.kill()
+            else:
+                sup.request_stop()
+        elif self._controller is None and (sup is None or not sup.exiting):
+            self.handle_exit(EXIT_FAILED)  # nothing runs to end: the run ends here (a controller ends it itself)
+
+    def check_start(self, hello: ev.HelloEvent) -> None:
+        """A process that starts below the step it was resumed from would redo (and lose) the steps between:
+        halted (ErrorKind.LOST_STEPS) before its first step."""
+        want = self.expect_start
+        if want is not None and not hello.early and hello.start_step < want:
+            self.halt(
+                ErrorKind.LOST_STEPS,
+                f"{self.process_name} started at step {hello.start_step}, not at step {want} of the checkpoint "
+                f"gptop resumed it from ({hello.resumed_from or 'none'}): it would train steps "
+                f"{hello.start_step + 1}-{want} again and lose what they learned, so gptop stopped it",
+            )
+
     def _on_event(self, event: ev.Event) -> None:
         started = isinstance(event, (ev.StepEvent, ev.ProgressEvent)) or (
             isinstance(event, ev.HelloEvent) and not event.early
@@ -379,6 +415,8 @@ class Session(SessionBase):
         if isinstance(event, ev.HelloEvent) and event.rank == 0:
             self.hello = event
         self._dispatch(event)
+        if isinstance(event, ev.HelloEvent) and event.rank == 0:
+            self.check_start(event)
 
     def _on_device_sample(self, sample: ev.DeviceEvent) -> None:
         if self._device_file:
@@ -429,6 +467,10 @@ class Session(SessionBase):
     def handle_exit(self, code: int) -> None:
         """The session's own handling of a trainer exit: done, stopped, restarted or failed. A controller
         hands an exit here when it does not handle it itself."""
+        if self.halted is not None:
+            self._set_status(RunStatus.FAILED, self.halted)
+            self._finish(EXIT_FAILED)
+            return
         if self.interrupted:
             self._stopped(code)
             return

@@ -29,7 +29,9 @@ class FakeSession:
         self.supervisor = None
         self.interrupted = False
         self.finished = False
-        self.emitted, self.logs, self.exits = [], [], []
+        self.command = None  # gptop's own trainer (a test of a command sets its argv)
+        self.halted = None
+        self.emitted, self.logs, self.exits, self.spawns = [], [], [], []
 
     def set_controller(self, controller):
         self.controller = controller
@@ -42,6 +44,14 @@ class FakeSession:
 
     def handle_exit(self, code):
         self.exits.append(code)
+
+    def halt(self, kind, message):
+        if self.halted is None:
+            self.halted = message
+            self.emitted.append(make("error", kind=kind, message=message))
+
+    def spawn(self, cfg=None, resume=None, start_step=None):
+        self.spawns.append((resume, start_step))
 
 
 def make_ckpt(run_dir, step, tag=b"x"):

@@ -21,6 +21,7 @@ import atexit
 import math
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -31,8 +32,9 @@ import torch
 
 from trainer.channel import Channel
 from trainer.commands import Commands
-from trainer.contract.client import ClientEnv, ClientKind
+from trainer.contract.client import CHANNEL_ENV, TUNE_ENV, ClientEnv, ClientKind
 from trainer.contract.device import DeviceInfo
+from trainer.contract.events import TUNER_RESTART
 from trainer.contract.rundir import RunDir
 from trainer.contract.states import ErrorKind, WarningKind
 from trainer.timing import TIMED, interval_means, make_timer
@@ -46,6 +48,25 @@ DEFAULT_LOG_EVERY = 10  # the trainer's --log-every default, when neither gptop 
 PROGRESS_MIN_S = 0.05
 # What a step event's `loss`, `lr` or `grad_norm` may be given as: a tensor is read back only at a log step.
 Value: TypeAlias = float | int | torch.Tensor
+
+
+def announce() -> None:
+    """Under `gptop tune -- CMD`, tell gptop as soon as this module is imported (at the top of a script, seconds
+    after its start) that the program has a gptop client: one connection to the channel, closed at once. gptop
+    then waits for the client's hello however long the program takes to build its model and data; a program
+    that shows no client is refused (gptop.tuning). Nothing is sent, and nothing happens outside gptop tune."""
+    channel = os.environ.get(CHANNEL_ENV, "")
+    if os.environ.get(TUNE_ENV) != "1" or not channel.startswith("unix:"):
+        return
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(5.0)
+            s.connect(channel[len("unix:") :])
+    except OSError:
+        pass  # gptop is gone: the client says so when it connects
+
+
+announce()
 
 
 def env_world() -> tuple[int, int, int]:
@@ -461,7 +482,8 @@ class Client:
         d = self.commands.poll()
         if d.checkpoint:
             self.should_checkpoint = True
-        if d.stop and not self.should_stop:
+        # the tuner's words win over a signal's name: its stop comes as a command and SIGINT, in either order
+        if d.stop and (not self.should_stop or d.stop == TUNER_RESTART):
             self.should_stop, self.stop_reason = True, d.stop
         if d.profile_steps:
             self.profiler.request(self.done_step + 1, d.profile_steps)
@@ -495,6 +517,11 @@ class Client:
     def crashed(self) -> bool:
         """The program failed (an error event was sent): nothing more is reported as done."""
         return self._crashed
+
+    @property
+    def restarting(self) -> bool:
+        """gptop stops this process to start the program again (a tuner's switch): its work is not over."""
+        return self.should_stop and self.stop_reason == TUNER_RESTART
 
     def warn(self, message: str, kind: str | None = None) -> None:
         self.channel.emit("warning", message=message, kind=kind)

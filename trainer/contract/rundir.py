@@ -8,6 +8,8 @@ A run directory holds everything a run produces:
     trainer.log            the trainer's stdout; trainer.stderr.log its stderr
     checkpoints/           step-NNNNNNNN.pt (one process) or step-NNNNNNNN.dcp/ (several ranks)
     checkpoints/pins.json  steps that pruning must keep (the tuner's rollback target)
+    tuner-checkpoints/     `gptop tune -- CMD`: the command's checkpoint its restarts resume from, held by gptop
+                           (gptop.held_checkpoints)
     profiles/              torch.profiler traces
     tensorboard/, wandb/   with --tensorboard, --wandb
     tuning.json, tuning.md, best.toml   after tuning
@@ -51,6 +53,9 @@ PROFILES = "profiles"
 TENSORBOARD = "tensorboard"  # --tensorboard's event files
 WANDB = "wandb"  # --wandb: W&B keeps its run there (wandb.init(dir=RUN_DIR))
 PINS = "pins.json"
+TUNER_CHECKPOINTS = (
+    "tuner-checkpoints"  # a command's checkpoint a tuner's restart resumes from (gptop.held_checkpoints)
+)
 LOCK = ".gptop.lock"  # the owner's lock (trainer.contract.runlock); LOCK.<node> per node
 TUNING_JSON, TUNING_MD, BEST_TOML = "tuning.json", "tuning.md", "best.toml"
 
@@ -100,6 +105,10 @@ class RunDir:
         return self.path / CHECKPOINTS
 
     @property
+    def tuner_checkpoints(self) -> Path:
+        return self.path / TUNER_CHECKPOINTS
+
+    @property
     def profiles(self) -> Path:
         return self.path / PROFILES
 
@@ -131,7 +140,13 @@ def is_run_dir(path: str | Path) -> bool:
     return bool(run_markers(path))
 
 
-RUN_OWNED = (CHECKPOINTS, PROFILES, TENSORBOARD, WANDB)  # a run's folders that only the run writes into
+RUN_OWNED = (
+    CHECKPOINTS,
+    TUNER_CHECKPOINTS,
+    PROFILES,
+    TENSORBOARD,
+    WANDB,
+)  # a run's folders that only the run writes into
 
 
 # What gptop and its trainer write into a run directory (RunDir's names, a node's and a rank's files included): a
