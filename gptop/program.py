@@ -141,7 +141,7 @@ class ProgramSession(Session):
         with self._lock:
             if self.finished:
                 return
-            self.expect_start = start_step
+            self.expect_start = None if start_step is None else (start_step, resume)
             lock = self.options.run_lock
             sup = Supervisor(
                 list(self.command),

@@ -127,7 +127,8 @@ class Session(SessionBase):
         self.spawns = 0
         self.rank_errors: dict[int, ev.ErrorEvent] = {}  # this spawn's first error event per rank
         self.hello: ev.HelloEvent | None = None  # this spawn's rank-0 hello, once it came
-        self.expect_start: int | None = None  # the step this spawn must start at (a tuning's resume), if known
+        # the step this spawn must start at and the checkpoint it holds (a tuning's resume), when known
+        self.expect_start: tuple[int, str | None] | None = None
         self.halted: str | None = None  # why gptop ended the run itself (`halt`)
         self._device_file: IO[str] | None = None
         self._tb: TensorBoardWriter | None = None
@@ -175,7 +176,7 @@ class Session(SessionBase):
         with self._lock:
             if self.finished:
                 return
-            self.expect_start = start_step
+            self.expect_start = None if start_step is None else (start_step, resume)
             if cfg is not None:
                 self.cfg = cfg
             run_cfg = dataclasses.replace(self.cfg)
@@ -395,13 +396,15 @@ class Session(SessionBase):
     def check_start(self, hello: ev.HelloEvent) -> None:
         """A process that starts below the step it was resumed from would redo (and lose) the steps between:
         halted (ErrorKind.LOST_STEPS) before its first step."""
-        want = self.expect_start
-        if want is not None and not hello.early and hello.start_step < want:
+        if self.expect_start is None or hello.early:
+            return
+        want, path = self.expect_start
+        if hello.start_step < want:
             self.halt(
                 ErrorKind.LOST_STEPS,
                 f"{self.process_name} started at step {hello.start_step}, not at step {want} of the checkpoint "
-                f"gptop resumed it from ({hello.resumed_from or 'none'}): it would train steps "
-                f"{hello.start_step + 1}-{want} again and lose what they learned, so gptop stopped it",
+                f"gptop resumed it from ({path}): it would train steps {hello.start_step + 1}-{want} again and "
+                f"lose what they learned, so gptop stopped it",
             )
 
     def _on_event(self, event: ev.Event) -> None:

@@ -286,6 +286,8 @@ class GptopCallback(TrainerCallback):
             )
         if seq_len:
             config["data"] = {"seq_len": seq_len}
+        if self.env is not None and self.env.resume is not None:
+            extra["resumed_from"] = self.env.resume  # the checkpoint gptop restarted it from
         client.hello(desc, config=config, **extra)
 
     def on_train_end(
