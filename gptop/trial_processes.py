@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 TEST_FAULT_ENV = "GPTOP_TEST_TRIAL_FAULT"  # "N:KIND[@K][+KIND@K...]": trainer faults (trainer/faults.py) K
 # How long a command under `gptop tune` may run without a gptop client announcing itself: a client does so when
-# imported (gptop.integrations.client.announce), at the top of a script, within seconds of Python's start.
+# imported (gptop.integrations.announce), at the top of a script, within seconds of Python's start.
 CLIENT_WAIT_S = 120.0
 NO_CLIENT = (
     "gptop tune -- CMD tunes a transformers.Trainer script through gptop's client: callbacks=[GptopCallback()], "

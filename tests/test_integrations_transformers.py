@@ -385,7 +385,7 @@ def test_arguments_that_would_lose_a_tunes_work_are_refused(gptop, tmp_path, mon
 
 
 def test_a_client_announces_itself_on_import_under_gptop_tune_only(tmp_path, monkeypatch):
-    from gptop.integrations.client import announce
+    from gptop.integrations import announce
     from trainer.contract.client import TUNE_ENV
 
     g = FakeGptop(tmp_path / "run").install(monkeypatch)

@@ -21,7 +21,6 @@ import atexit
 import math
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -32,7 +31,7 @@ import torch
 
 from trainer.channel import Channel
 from trainer.commands import Commands
-from trainer.contract.client import CHANNEL_ENV, TUNE_ENV, ClientEnv, ClientKind
+from trainer.contract.client import ClientEnv, ClientKind
 from trainer.contract.device import DeviceInfo
 from trainer.contract.events import TUNER_RESTART
 from trainer.contract.rundir import RunDir
@@ -50,25 +49,6 @@ DEFAULT_LOG_EVERY = 10  # the trainer's --log-every default, when neither gptop 
 PROGRESS_MIN_S = 0.05
 # What a step event's `loss`, `lr` or `grad_norm` may be given as: a tensor is read back only at a log step.
 Value: TypeAlias = float | int | torch.Tensor
-
-
-def announce() -> None:
-    """Under `gptop tune -- CMD`, tell gptop as soon as this module is imported (at the top of a script, seconds
-    after its start) that the program has a gptop client: one connection to the channel, closed at once. gptop
-    then waits for the client's hello however long the program takes to build its model and data; a program
-    that shows no client is refused (gptop.tuning). Nothing is sent, and nothing happens outside gptop tune."""
-    channel = os.environ.get(CHANNEL_ENV, "")
-    if os.environ.get(TUNE_ENV) != "1" or not channel.startswith("unix:"):
-        return
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(5.0)
-            s.connect(channel[len("unix:") :])
-    except OSError:
-        pass  # gptop is gone: the client says so when it connects
-
-
-announce()
 
 
 def env_world() -> tuple[int, int, int]:
