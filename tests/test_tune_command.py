@@ -266,16 +266,25 @@ print("trained untuned")
 """
 
 
-def test_a_script_without_a_gptop_client_is_refused_in_one_line(tmp_path):
-    script = tmp_path / "plain.py"
-    script.write_text(NO_CLIENT)
+@pytest.mark.parametrize("client", ["none", "probe"])
+def test_a_script_without_a_client_that_takes_toggles_is_refused_in_one_line(tmp_path, client):
+    """No gptop client (it exits without one saying hello), or the plain loop's Probe (which takes no toggles):
+    exit 2 and one line naming what gptop tune needs, rather than a run trained untuned that exits 0."""
+    if client == "none":
+        script = tmp_path / "plain.py"
+        script.write_text(NO_CLIENT)
+        cmd, said = [sys.executable, str(script)], "has no gptop client"
+    else:
+        cmd = [sys.executable, str(ROOT / "examples" / "train_loop.py"), "--steps", "5", "--out", str(tmp_path / "o")]
+        said = "client (probe) takes no toggles"
     run_dir = tmp_path / "runs" / "r"
-    p = gptop("tune", "--budget", "60s", "--run-dir", str(run_dir), "--", sys.executable, str(script), timeout=300)
+    p = gptop("tune", "--budget", "60s", "--run-dir", str(run_dir), "--", *cmd, timeout=300)
     assert p.returncode == 2, p.stderr[-2000:]
     errors = [line for line in p.stderr.splitlines() if line.startswith("gptop: error:")]
-    assert len(errors) == 1 and "no gptop client" in errors[0], p.stderr
+    assert len(errors) == 1 and said in errors[0], p.stderr
     for words in ("GptopCallback", "tuned_args", "resume_checkpoint", "gptop run"):
         assert words in errors[0]
+    assert "trained untuned" not in p.stdout + p.stderr
     assert not run_dir.exists()  # nothing kept of a refused run
 
 
