@@ -39,6 +39,7 @@ from .session_base import (
     View,
 )
 from .supervisor import Supervisor, torchrun_failures, trainer_argv
+from .trial_processes import start_below
 
 if TYPE_CHECKING:  # imported where used: each is an optional extra or costs start-up time
     from .notify import Notifier
@@ -374,10 +375,9 @@ class Session(SessionBase):
                 self.log(f"alert not written to events.jsonl: {e}")
 
     def halt(self, kind: ErrorKind, message: str) -> None:
-        """gptop ends the run for a reason of its own (a start that would lose trained steps, a `gptop tune` of a
-        command it cannot tune): an error event of `kind` with `message`, the trainer ended (killed when it
-        would lose steps: before it writes anything; else asked to stop), and the run fails with `message`,
-        restarted by nothing. Once."""
+        """gptop ends the run for a reason of its own (a start that would lose steps, a command it cannot tune):
+        an error event of `kind`, the trainer killed (lost steps: before it writes anything) or asked to stop,
+        and the run failed with `message`, restarted by nothing. Once."""
         with self._lock:
             if self.halted is not None:
                 return
@@ -386,26 +386,15 @@ class Session(SessionBase):
         sup = self.supervisor
         if sup is not None and sup.alive():
             self.stopping = True
-            if kind == ErrorKind.LOST_STEPS:
-                sup.kill()
-            else:
-                sup.request_stop()
+            sup.kill(by=StoppedBy.GPTOP) if kind == ErrorKind.LOST_STEPS else sup.request_stop(by=StoppedBy.GPTOP)
         elif self._controller is None and (sup is None or not sup.exiting):
             self.handle_exit(EXIT_FAILED)  # nothing runs to end: the run ends here (a controller ends it itself)
 
     def check_start(self, hello: ev.HelloEvent) -> None:
-        """A process that starts below the step it was resumed from would redo (and lose) the steps between:
-        halted (ErrorKind.LOST_STEPS) before its first step."""
-        if self.expect_start is None or hello.early:
-            return
-        want, path = self.expect_start
-        if hello.start_step < want:
-            self.halt(
-                ErrorKind.LOST_STEPS,
-                f"{self.process_name} started at step {hello.start_step}, not at step {want} of the checkpoint "
-                f"gptop resumed it from ({path}): it would train steps {hello.start_step + 1}-{want} again and "
-                f"lose what they learned, so gptop stopped it",
-            )
+        """A process that starts below the step gptop resumed it from is halted before its first step."""
+        lost = start_below(hello, self.expect_start, self.process_name)
+        if lost is not None:
+            self.halt(ErrorKind.LOST_STEPS, lost)
 
     def _on_event(self, event: ev.Event) -> None:
         started = isinstance(event, (ev.StepEvent, ev.ProgressEvent)) or (

@@ -53,6 +53,20 @@ class Inbox(enum.Enum):
 Pump = Callable[[float], tuple[Inbox, Any] | None]  # the driver's queue: one item, its bookkeeping done
 
 
+def start_below(hello: ev.HelloEvent, expect: tuple[int, str | None] | None, who: str) -> str | None:
+    """Why a process's start loses steps: it started below the step of the checkpoint gptop resumed it from
+    (`expect`: that step and path), so it would train the steps between again and lose what they learned.
+    None when it did not, or nothing was expected (a start of its own, gptop's early record of a start)."""
+    if expect is None or hello.early or hello.start_step >= expect[0]:
+        return None
+    want, path = expect
+    return (
+        f"{who} started at step {hello.start_step}, not at step {want} of the checkpoint gptop resumed it from "
+        f"({path}): it would train steps {hello.start_step + 1}-{want} again and lose what they learned, so gptop "
+        f"stopped it"
+    )
+
+
 def parse_test_fault(spec: str) -> tuple[int, tuple[tuple[str, int], ...]] | None:
     """`N:KIND[@K][+KIND@K...]` -> (N, ((KIND, K), ...)); None when unset or unreadable (a test hook never
     breaks a run). Several faults make a trial's failure independent of how fast it is: `checkpoint@2+nan@3`
