@@ -159,7 +159,6 @@ def test_a_script_without_the_two_calls_is_refused_in_one_line(tmp_path):
     assert p.returncode == 2, p.stderr[-2000:]
     errors = [line for line in p.stderr.splitlines() if line.startswith("gptop: error:")]
     assert len(errors) == 1 and "tuned_args" in errors[0] and "resume_checkpoint" in errors[0], p.stderr
-    assert "trained untuned" not in p.stdout + p.stderr
     assert not run_dir.exists()  # nothing kept of a refused run
 
 
@@ -284,7 +283,6 @@ def test_a_script_without_a_client_that_takes_toggles_is_refused_in_one_line(tmp
     assert len(errors) == 1 and said in errors[0], p.stderr
     for words in ("GptopCallback", "tuned_args", "resume_checkpoint", "gptop run"):
         assert words in errors[0]
-    assert "trained untuned" not in p.stdout + p.stderr
     assert not run_dir.exists()  # nothing kept of a refused run
 
 
