@@ -636,9 +636,12 @@ def test_a_command_without_a_client_is_refused_when_it_exits_or_after_a_while(tm
     assert "it exited (code 0) without one" in s2.halted
 
 
-def test_a_process_that_starts_below_its_checkpoint_halts_the_run(tmp_path):
+@pytest.mark.parametrize("ended_by", ["gptop", "tuner"])
+def test_a_process_that_starts_below_its_checkpoint_halts_the_run(tmp_path, ended_by):
     """A start below the step gptop resumed it from (the run's steps lost) is an error of its own kind, said
-    in the summary and the report, and ends the run as failed: no restart-on-failure repeats it."""
+    in the summary and the report (whoever ended the process: gptop at its hello, or the tuner's rollback before
+    the checkpoint to go back to was found gone), and ends the run as failed: no restart-on-failure repeats it."""
+    import contextlib
     import io
 
     from fixtures.streams import config, ev
@@ -651,8 +654,11 @@ def test_a_process_that_starts_below_its_checkpoint_halts_the_run(tmp_path):
     s = Session(cfg, SessionOptions(restart_on_failure=3))
     s.expect_start = (20, str(tmp_path / "held" / "checkpoint-20"))
     built = dict(device={"type": "cpu", "name": "cpu"}, model={"family": "llama", "size": "tiny"})
-    s.check_start(ev("hello", 0.0, config=config("llama", "tiny", "cpu"), start_step=0, **built))
+    hello = ev("hello", 0.0, config=config("llama", "tiny", "cpu"), start_step=0, **built)
+    s.publish(hello)
+    s.check_start(hello)
     assert s.halted and "started at step 0, not at step 20" in s.halted and "held/checkpoint-20" in s.halted
+    s.publish(make("exit", pid=42, signal=9, seconds=3.0, stopped_by=ended_by))  # as Session.record_exit writes it
     s.handle_exit(-9)
     assert s.wait(1) == 1 and s.state.status == "failed"
     err = s.state.last_error()
@@ -661,15 +667,13 @@ def test_a_process_that_starts_below_its_checkpoint_halts_the_run(tmp_path):
     print_summary(s.state, 1, out)
     assert "gptop stopped the run rather than lose trained steps" in out.getvalue()
     text = io.StringIO()
-    import contextlib
-
     with contextlib.redirect_stdout(text):
-        print_report(tmp_path)
-    assert "lost_steps" in text.getvalue() or "lose trained steps" in text.getvalue()
+        code = print_report(tmp_path)
+    state = next(line for line in text.getvalue().splitlines() if line.startswith("state"))
+    assert code == 1 and "lost_steps" in state and "started at step 0" in state, text.getvalue()
     s2 = Session(cfg)
     s2.expect_start = (20, "ckpt")
     s2.check_start(ev("hello", 0.0, config=config("llama", "tiny", "cpu"), start_step=20, **built))
-    s2.check_start(
-        ev("hello", 0.0, config={}, early=True, start_step=0, **built)
-    )  # gptop's own early record: not a start
+    early = ev("hello", 0.0, config={}, early=True, start_step=0, **built)  # gptop's own record of a start
+    s2.check_start(early)
     assert s2.halted is None
