@@ -53,9 +53,8 @@ PROFILES = "profiles"
 TENSORBOARD = "tensorboard"  # --tensorboard's event files
 WANDB = "wandb"  # --wandb: W&B keeps its run there (wandb.init(dir=RUN_DIR))
 PINS = "pins.json"
-TUNER_CHECKPOINTS = (
-    "tuner-checkpoints"  # a command's checkpoint a tuner's restart resumes from (gptop.held_checkpoints)
-)
+# a command's checkpoint a tuner's restart resumes from (gptop.held_checkpoints)
+TUNER_CHECKPOINTS = "tuner-checkpoints"
 LOCK = ".gptop.lock"  # the owner's lock (trainer.contract.runlock); LOCK.<node> per node
 TUNING_JSON, TUNING_MD, BEST_TOML = "tuning.json", "tuning.md", "best.toml"
 
@@ -153,7 +152,7 @@ RUN_OWNED = (
 # directory that holds anything else (not hidden) holds a user's files, where no new run goes.
 _RUN_FILE = re.compile(
     r"^(?:config\.toml|events(?:\.rank\d+)?\.jsonl|device(?:\.[^/]+)?\.jsonl|trainer(?:\.[^/]+)?(?:\.stderr)?\.log|"
-    r"checkpoints|profiles|tensorboard|wandb|inductor-cache|tuning\.json|tuning\.md|best\.toml)$"
+    r"checkpoints|tuner-checkpoints|profiles|tensorboard|wandb|inductor-cache|tuning\.json|tuning\.md|best\.toml)$"
 )
 
 
@@ -168,8 +167,9 @@ def foreign_files(path: str | Path) -> list[str]:
 
 
 def run_part(path: str | Path) -> tuple[Path, str] | None:
-    """(the run, its folder) when `path` (resolved) is or lies inside a folder a run owns (checkpoints/,
-    profiles/, tensorboard/, wandb/), where neither a new run nor an export may go; else None."""
+    """(the run, its folder) when `path` (resolved) is or lies inside a folder a run owns (RUN_OWNED:
+    checkpoints/, tuner-checkpoints/, profiles/, tensorboard/, wandb/), where neither a new run nor an export may
+    go; else None."""
     p = Path(os.path.realpath(os.path.expanduser(os.fspath(path))))
     for a in (p, *p.parents):
         if a.name in RUN_OWNED and run_markers(a.parent):
