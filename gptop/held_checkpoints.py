@@ -15,6 +15,13 @@ restart gptop takes the checkpoint the next process resumes from into `RUN_DIR/t
 The process resumes from the held copy, and so does a rollback, whatever the script deleted meanwhile. gptop
 holds one checkpoint at a time (holding a newer one releases the older), and releases the last once the run
 has a newer checkpoint of its own or ends at its last step (gptop.program.ProgramSession).
+
+Why a copy of gptop's own rather than the other ways: pinning the checkpoint in `output_dir` would go through
+the Trainer's `state.best_model_checkpoint` (the one checkpoint its rotation spares), which is the script's own
+setting (`load_best_model_at_end`, `metric_for_best_model`) and is written into every checkpoint it saves; and
+transformers 5 rotates by modification time, not by step, so no name gptop could choose keeps a checkpoint
+safe. Refusing `save_total_limit` would refuse most real scripts. Only `save_total_limit=1` is refused
+(gptop.integrations.transformers): with it the Trainer deletes the script's own last checkpoint at every save.
 """
 
 from __future__ import annotations
