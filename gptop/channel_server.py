@@ -32,6 +32,7 @@ class ChannelServer:
         self._dir: str | None = tempfile.mkdtemp(prefix="gptop-")
         self.path = os.path.join(self._dir, "channel.sock")
         self._server: socket.socket | None = None
+        self.accepted = 0  # connections ever made: a client announces itself by one (gptop.integrations.client)
 
     @property
     def uri(self) -> str:
@@ -66,6 +67,7 @@ class ChannelServer:
             conn.settimeout(None)
             with self._lock:
                 self._conns.append(conn)
+                self.accepted += 1
             threading.Thread(target=self._read_loop, args=(conn,), name="gptop-supervisor-read", daemon=True).start()
 
     def _read_loop(self, conn: socket.socket) -> None:

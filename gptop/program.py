@@ -27,9 +27,11 @@ from trainer.contract.states import RunStatus
 from trainer.contract.client import ClientEnv
 from trainer.contract.config import ConfigError, TrainConfig
 
+from . import held_checkpoints as held
 from .controls import StopSignals
 from .session import Session, SessionOptions
 from .supervisor import Supervisor
+from .trial_processes import COMMAND_FAULT_ENV
 
 OPTION = "CMD"  # how errors name the command
 PYTHON = re.compile(r"python(\d+(\.\d+)?)?$")
@@ -110,6 +112,7 @@ class ProgramSession(Session):
         self.grace_s = grace_s
         self.signals = signals
         self.tune = tune
+        self.newest: tuple[int, str] | None = None  # CMD's newest checkpoint (step, path) reported so far
 
     @property
     def command_line(self) -> str:
@@ -126,17 +129,19 @@ class ProgramSession(Session):
         last = self.signals.last_signal if self.signals is not None else None
         return signal.SIGTERM if last in (signal.SIGTERM, signal.SIGHUP) else signal.SIGINT
 
-    def spawn(self, cfg: TrainConfig | None = None, resume: str | None = None) -> None:
+    def spawn(self, cfg: TrainConfig | None = None, resume: str | None = None, start_step: int | None = None) -> None:
         """Start (or start again) CMD. Under `gptop run`, `resume` is CMD's own business and not passed. Under
         `gptop tune` the tuning driver starts each trial and the decision with `cfg` (its toggles, the log
         interval) and `resume`, the checkpoint CMD saved on gptop's command; they reach CMD through its
-        client (GPTOP_TOGGLES, GPTOP_LOG_EVERY, GPTOP_RESUME: `tuned_args`, `resume_checkpoint`). The
-        first start runs CMD's own settings, logging at the session's interval (the driver's baseline)."""
+        client (GPTOP_TOGGLES, GPTOP_LOG_EVERY, GPTOP_RESUME: `tuned_args`, `resume_checkpoint`), and its hello
+        must start at `start_step` (`Session.check_start`). The first start runs CMD's own settings, logging at
+        the session's interval (the driver's baseline)."""
         from .telemetry import training_device
 
         with self._lock:
             if self.finished:
                 return
+            self.expect_start = None if start_step is None else (start_step, resume)
             lock = self.options.run_lock
             sup = Supervisor(
                 list(self.command),
@@ -163,6 +168,8 @@ class ProgramSession(Session):
             else:
                 client = ClientEnv(channel=sup.channel_uri, run_dir=self.run_dir.resolve(), log_every=self.log_every)
             sup.env = {**os.environ, **(lock.env() if lock is not None else {}), **client.to_environ()}
+            if self.tune and cfg is not None and cfg.run.fault:  # tests: a trial's faults, for the script
+                sup.env[COMMAND_FAULT_ENV] = cfg.run.fault
             self.rank_errors = {}
             self.hello = None
             self.spawns += 1
@@ -178,6 +185,29 @@ class ProgramSession(Session):
                 )
             )
             self._set_status(RunStatus.RUNNING)
+
+    def _on_event(self, event: ev.Event) -> None:
+        super()._on_event(event)
+        if isinstance(event, ev.CheckpointEvent) and event.rank == 0 and not held.is_held(self.run_dir, event.path):
+            self.newest = (event.step, event.path)
+            if self.controller is None:  # tuning is over: the run's own checkpoints go on from here
+                self.release_held()
+
+    def handle_exit(self, code: int) -> None:
+        super().handle_exit(code)
+        self.release_held(ended=True)
+
+    def release_held(self, ended: bool = False) -> None:
+        """Delete the checkpoint gptop held for a tuning's restarts (gptop.held_checkpoints) once the run needs it
+        no more: CMD saved a newer one of its own that is still there, or (`ended`) the run ended at its last
+        step. A run that ended otherwise keeps it: it may be the newest state there is."""
+        step = held.held_step(self.run_dir) if self.tune else None
+        if step is None:
+            return
+        newer = self.newest is not None and self.newest[0] > step and os.path.exists(self.newest[1])
+        if newer or (ended and self.state.status is RunStatus.DONE):
+            held.release(self.run_dir)
+            self.log(f"deleted the checkpoint of step {step} held for the tuner's restarts: no longer needed")
 
     def failure_summary(self, code: int) -> str:
         err = self.state.last_error()

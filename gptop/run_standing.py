@@ -20,7 +20,7 @@ from trainer.contract.events import (
     ExitEvent,
 )
 from trainer.contract.runlock import holder_words, lock_holders
-from trainer.contract.states import StoppedBy
+from trainer.contract.states import ErrorKind, StoppedBy
 
 from .state import fmt_duration
 
@@ -101,6 +101,8 @@ def _recorded(done: DoneEvent | None, error: ErrorEvent | None, e: ExitEvent) ->
     after = f" after {fmt_duration(e.seconds)}" if e.seconds is not None else ""
     said = f" ({done.reason})" if done is not None and done.reason else ""
     before_first = done is not None and done.reason == STOPPED_BEFORE_FIRST_STEP
+    if error is not None and error.kind == ErrorKind.LOST_STEPS:  # gptop ended it rather than lose steps: failed
+        return Standing(RunStanding.FAILED, f"{end_words(e)}{at}{after}: {error.kind}: {error.message}", done)
     if e.stopped_by is StoppedBy.TUNER:
         return Standing(
             RunStanding.CUT_SHORT,

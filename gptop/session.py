@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Callable, Protocol
 
 from trainer.contract import events as ev
-from trainer.contract.states import RunStatus, StoppedBy
+from trainer.contract.states import ErrorKind, RunStatus, StoppedBy
 from trainer.contract.config import TrainConfig, cli_args
 from trainer.contract.rundir import RunDir, has_checkpoint, list_checkpoints
 from trainer.contract.runlock import RunLock
@@ -39,6 +39,7 @@ from .session_base import (
     View,
 )
 from .supervisor import Supervisor, torchrun_failures, trainer_argv
+from .trial_processes import start_below
 
 if TYPE_CHECKING:  # imported where used: each is an optional extra or costs start-up time
     from .notify import Notifier
@@ -127,6 +128,9 @@ class Session(SessionBase):
         self.spawns = 0
         self.rank_errors: dict[int, ev.ErrorEvent] = {}  # this spawn's first error event per rank
         self.hello: ev.HelloEvent | None = None  # this spawn's rank-0 hello, once it came
+        # the step this spawn must start at and the checkpoint it holds (a tuning's resume), when known
+        self.expect_start: tuple[int, str | None] | None = None
+        self.halted: str | None = None  # why gptop ended the run itself (`halt`)
         self._device_file: IO[str] | None = None
         self._tb: TensorBoardWriter | None = None
         self._wandb: WandbWriter | None = None
@@ -166,12 +170,14 @@ class Session(SessionBase):
         """The run's configuration as a W&B run records it (sections of settings)."""
         return self.cfg.to_dict()
 
-    def spawn(self, cfg: TrainConfig | None = None, resume: str | None = None) -> None:
+    def spawn(self, cfg: TrainConfig | None = None, resume: str | None = None, start_step: int | None = None) -> None:
         """Start (or restart) the trainer process with `cfg` (default: the session's). A session that is over
-        (stopped before its trainer started, say) starts nothing."""
+        (stopped before its trainer started, say) starts nothing. `start_step`: the step `resume` holds, which
+        the process must start at (`check_start`)."""
         with self._lock:
             if self.finished:
                 return
+            self.expect_start = None if start_step is None else (start_step, resume)
             if cfg is not None:
                 self.cfg = cfg
             run_cfg = dataclasses.replace(self.cfg)
@@ -368,6 +374,28 @@ class Session(SessionBase):
             except OSError as e:  # shown, not kept: a full disk must not take the alert (or the run) down
                 self.log(f"alert not written to events.jsonl: {e}")
 
+    def halt(self, kind: ErrorKind, message: str) -> None:
+        """gptop ends the run for a reason of its own (a start that would lose steps, a command it cannot tune):
+        an error event of `kind`, the trainer killed (lost steps: before it writes anything) or asked to stop,
+        and the run failed with `message`, restarted by nothing. Once."""
+        with self._lock:
+            if self.halted is not None:
+                return
+            self.halted = message
+        self.publish(ev.ErrorEvent(kind=kind, message=message, step=self.state.step))
+        sup = self.supervisor
+        if sup is not None and sup.alive():
+            self.stopping = True
+            sup.kill(by=StoppedBy.GPTOP) if kind == ErrorKind.LOST_STEPS else sup.request_stop(by=StoppedBy.GPTOP)
+        elif self._controller is None and (sup is None or not sup.exiting):
+            self.handle_exit(EXIT_FAILED)  # nothing runs to end: the run ends here (a controller ends it itself)
+
+    def check_start(self, hello: ev.HelloEvent) -> None:
+        """A process that starts below the step gptop resumed it from is halted before its first step."""
+        lost = start_below(hello, self.expect_start, self.process_name)
+        if lost is not None:
+            self.halt(ErrorKind.LOST_STEPS, lost)
+
     def _on_event(self, event: ev.Event) -> None:
         started = isinstance(event, (ev.StepEvent, ev.ProgressEvent)) or (
             isinstance(event, ev.HelloEvent) and not event.early
@@ -379,6 +407,8 @@ class Session(SessionBase):
         if isinstance(event, ev.HelloEvent) and event.rank == 0:
             self.hello = event
         self._dispatch(event)
+        if isinstance(event, ev.HelloEvent) and event.rank == 0:
+            self.check_start(event)
 
     def _on_device_sample(self, sample: ev.DeviceEvent) -> None:
         if self._device_file:
@@ -429,6 +459,10 @@ class Session(SessionBase):
     def handle_exit(self, code: int) -> None:
         """The session's own handling of a trainer exit: done, stopped, restarted or failed. A controller
         hands an exit here when it does not handle it itself."""
+        if self.halted is not None:
+            self._set_status(RunStatus.FAILED, self.halted)
+            self._finish(EXIT_FAILED)
+            return
         if self.interrupted:
             self._stopped(code)
             return

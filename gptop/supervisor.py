@@ -320,6 +320,12 @@ class Supervisor:
             self.exit_reported.set()
 
     @property
+    def client_connected(self) -> bool:
+        """A client in the process has connected to its channel (a program's gptop client announces itself when
+        imported under `gptop tune`, before its hello)."""
+        return self.channel.accepted > 0
+
+    @property
     def exiting(self) -> bool:
         """The process has exited and its exit is on its way to `on_exit` (its last events are drained first)."""
         return self.proc is not None and self.returncode is not None and not self.exit_reported.is_set()

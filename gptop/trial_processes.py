@@ -1,6 +1,9 @@
 """The trainer processes of a tuning (`gptop.tuning`'s driver): starting one from a checkpoint with a trial's or
 the user's settings, stopping one and waiting for its exit, and rolling a failed trial back to its pinned
-pre-trial checkpoint. A test hook (`GPTOP_TEST_TRIAL_FAULT`) injects trainer faults into a chosen trial."""
+pre-trial checkpoint (a command's: held in the run directory, gptop.held_checkpoints). A start that would lose
+trained steps (the checkpoint to resume from is gone, or there is none after steps were trained) is never made:
+the session is halted with a `lost_steps` error instead. A test hook (`GPTOP_TEST_TRIAL_FAULT`) injects trainer
+faults into a chosen trial (a command gets them in GPTOP_TEST_FAULT, for a test script to act on)."""
 
 from __future__ import annotations
 
@@ -15,7 +18,9 @@ from typing import TYPE_CHECKING, Any, Callable
 from trainer.contract import events as ev
 from trainer.contract import rundir
 from trainer.contract.config import AUTO, Toggles, TrainConfig
-from trainer.contract.states import StoppedBy
+from trainer.contract.states import ErrorKind, StoppedBy
+
+from . import held_checkpoints as held
 
 if TYPE_CHECKING:
     from tuner.controller import TuneController
@@ -23,6 +28,15 @@ if TYPE_CHECKING:
     from .tuning import TuningHost
 
 TEST_FAULT_ENV = "GPTOP_TEST_TRIAL_FAULT"  # "N:KIND[@K][+KIND@K...]": trainer faults (trainer/faults.py) K
+# How long a command under `gptop tune` may run without a gptop client announcing itself: a client does so when
+# imported (gptop.integrations.announce), at the top of a script, within seconds of Python's start.
+CLIENT_WAIT_S = 120.0
+NO_CLIENT = (
+    "gptop tune -- CMD tunes a transformers.Trainer script through gptop's client: callbacks=[GptopCallback()], "
+    "args = tuned_args(TrainingArguments(...)) and trainer.train(resume_from_checkpoint=resume_checkpoint(args)) "
+    'from gptop.integrations.transformers (docs/your-code.md, "Tuning your script"); run it as it is with gptop run'
+)
+COMMAND_FAULT_ENV = "GPTOP_TEST_FAULT"  # a command's trial faults (KIND@STEP,...), for a test script to act on
 DEFAULT_FAULT_OFFSET = 2  # steps into this session's N-th trial (tests only; default K=2)
 Checkpoint = tuple[int, str]  # (step, path) as a checkpoint event reports it
 TUNE_ONLY_END = "tuning done (--tune-only)"  # the `done` reason of the trainer --tune-only stops
@@ -37,6 +51,20 @@ class Inbox(enum.Enum):
 
 
 Pump = Callable[[float], tuple[Inbox, Any] | None]  # the driver's queue: one item, its bookkeeping done
+
+
+def start_below(hello: ev.HelloEvent, expect: tuple[int, str | None] | None, who: str) -> str | None:
+    """Why a process's start loses steps: it started below the step of the checkpoint gptop resumed it from
+    (`expect`: that step and path), so it would train the steps between again and lose what they learned.
+    None when it did not, or nothing was expected (a start of its own, gptop's early record of a start)."""
+    if expect is None or hello.early or hello.start_step >= expect[0]:
+        return None
+    want, path = expect
+    return (
+        f"{who} started at step {hello.start_step}, not at step {want} of the checkpoint gptop resumed it from "
+        f"({path}): it would train steps {hello.start_step + 1}-{want} again and lose what they learned, so gptop "
+        f"stopped it"
+    )
 
 
 def parse_test_fault(spec: str) -> tuple[int, tuple[tuple[str, int], ...]] | None:
@@ -78,6 +106,10 @@ class TrialProcesses:
         self.running_cfg: TrainConfig | None = None  # the config of the process we started (None: the session's)
         self.last_ckpt: Checkpoint | None = None
         self.reported: list[Checkpoint] = []  # checkpoints the processes reported
+        # a command's checkpoints saved at a step it saves at anyway, not only for gptop's stop: never moved
+        self.own: set[str] = set()
+        self.reached = 0  # the step the run stands at: the furthest step seen since the last rollback
+        self.client_wait_s = CLIENT_WAIT_S
 
     def user(self) -> TrainConfig:
         """The user's own settings: known from `TuningDriver.attach` on (a command's from its client's first hello)."""
@@ -91,8 +123,10 @@ class TrialProcesses:
         self.alive = True
         self.steps_since_spawn = 0
 
-    def saw_step(self) -> float | None:
+    def saw_step(self, step: int | None = None) -> float | None:
         """A step of the running process; the first after a spawn returns how long that start took."""
+        if step is not None:
+            self.reached = max(self.reached, step)
         took = None
         if self.steps_since_spawn == 0 and self.spawned_at is not None:
             took = time.monotonic() - self.spawned_at
@@ -104,6 +138,24 @@ class TrialProcesses:
         """A checkpoint a process wrote: the next restart's and rollback's reference."""
         self.last_ckpt = (event.step, event.path)
         self.reported.append((event.step, event.path))
+        if event.reason != "stop":  # its own interval or last step (or a client that does not say): the script's
+            self.own.add(event.path)
+
+    def check_client(self, waited: float, exit_code: int | None = None) -> None:
+        """`gptop tune -- CMD` of a program with no gptop client, rather than train it untuned: refused (a
+        `config` error: one line, exit 2) once it exited (`exit_code`), or ran `client_wait_s`, before a client
+        announced itself."""
+        s = self.session
+        sup = s.supervisor
+        if s.command is None or sup is None or sup.client_connected or s.interrupted or s.halted is not None:
+            return
+        if exit_code is None and waited < self.client_wait_s:
+            return
+        if exit_code is None:
+            how = f"no client announced itself in the {waited:.0f} s it ran"
+        else:
+            how = f"it exited ({f'code {exit_code}' if exit_code >= 0 else f'signal {-exit_code}'}) without one"
+        s.halt(ErrorKind.CONFIG, f"gptop tune: the command has no gptop client ({how}); {NO_CLIENT}")
 
     def cfg_for(self, toggles: Toggles, strict: bool) -> TrainConfig:
         """The user's config with `toggles`; trial processes (strict) stop on NaN and log every step."""
@@ -177,27 +229,61 @@ class TrialProcesses:
                 kill = True
 
     def spawn(self, cfg: TrainConfig, pre: Checkpoint | None) -> None:
-        """Start a trainer with `cfg`, resuming from `pre` when it names a checkpoint."""
+        """Start a trainer with `cfg`, resuming from `pre` when it names a checkpoint; the session checks that
+        it starts at that checkpoint's step."""
         self.running_cfg = cfg
         self.alive = True
         self.steps_since_spawn = 0
         self.spawned_at = time.monotonic()
-        self.session.spawn(cfg, resume=pre[1] if pre and pre[1] else None)
+        resume = pre[1] if pre and pre[1] else None
+        self.session.spawn(cfg, resume=resume, start_step=pre[0] if resume and pre else 0)
 
-    def start(self, toggles: Toggles, fault: tuple[tuple[str, int], ...] | None, strict: bool) -> Checkpoint:
+    def start(self, toggles: Toggles, fault: tuple[tuple[str, int], ...] | None, strict: bool) -> Checkpoint | None:
         """Start a trainer with `toggles` from the newest checkpoint (once the last one stopped); a trial's
-        (`strict`) pins it as the rollback target. Returns the checkpoint it resumes from ((0, "") for none)."""
-        pre = self.last_ckpt
-        if pre is not None and not Path(pre[1]).exists():  # pruned between trials: the newest there is
-            newest = rundir.list_checkpoints(self.session.run_dir)
-            pre = (newest[-1].step, str(newest[-1].path)) if newest else None
+        (`strict`) pins it as the rollback target. Returns the checkpoint it resumes from ((0, "") for none),
+        or None when no start can keep the steps trained (the session is halted)."""
+        pre = self.resume_point()
+        if self.session.halted is not None:
+            return None
         cfg = self.cfg_for(toggles, strict)
         if fault:
             cfg.run.fault = ",".join(f"{kind}@{(pre[0] if pre else 0) + k}" for kind, k in fault)
-        if strict:
+        if strict and not self.command:  # a command's is held in the run directory (resume_point)
             self.guard(pre)
         self.spawn(cfg, pre)
         return pre or (0, "")
+
+    def resume_point(self) -> Checkpoint | None:
+        """The checkpoint the next process starts from: the newest one reported (a command's, held in the run
+        directory: gptop.held_checkpoints), None for the start. A start that would lose trained steps halts the
+        session instead: the checkpoint is gone, or there is none and the run has trained steps."""
+        pre = self.last_ckpt
+        run_dir = self.session.run_dir
+        if pre is not None and not Path(pre[1]).exists():
+            if self.command:  # the script deleted it (its own rotation): no other holds those steps
+                self.lost(f"the checkpoint of step {pre[0]} to resume from is gone ({pre[1]})", pre[0])
+                return None
+            newest = rundir.list_checkpoints(run_dir)  # pruned between trials: the newest there is
+            pre = (newest[-1].step, str(newest[-1].path)) if newest else None
+        if pre is None and self.reached > 0:
+            self.lost(f"there is no checkpoint to resume from after step {self.reached}", self.reached)
+            return None
+        if self.command and pre is not None:
+            try:
+                path = held.hold(run_dir, pre[0], pre[1], move=pre[1] not in self.own)
+            except OSError as e:  # a full disk: resume from it where it is
+                self.say(f"could not hold the checkpoint of step {pre[0]} in {held.held_dir(run_dir)} ({e})")
+            else:
+                pre = self.last_ckpt = (pre[0], str(path))
+        return pre
+
+    def lost(self, why: str, step: int) -> None:
+        """Halt the session rather than start a process that would redo the run from an earlier step."""
+        self.session.halt(
+            ErrorKind.LOST_STEPS,
+            f"{why}: a restart would lose the steps the run trained up to step {step}, so gptop stopped the "
+            f"tuning and the run instead",
+        )
 
     # ------------------------------------------------------------ rollback
     def guard(self, pre: Checkpoint | None) -> None:
@@ -231,16 +317,20 @@ class TrialProcesses:
 
     def rollback(self, pre: Checkpoint | None) -> dict[str, Any]:
         """Kill the failed trial if it still runs and delete the checkpoints it wrote: the run directory's
-        newest checkpoint is the pinned pre-trial one again (or none: the start)."""
+        newest checkpoint is the pinned pre-trial one again (none: the start, when the trial started there). A
+        pre-trial checkpoint that is gone halts the session (`lost`) rather than go back to the start."""
         self.stop(kill=True)
         run_dir = Path(self.session.run_dir)
         keep_step = pre[0] if pre and pre[1] else -1
         deleted = [str(p) for p in rundir.rollback_to(run_dir, keep_step)] + self.delete_reported(keep_step)
-        self.last_ckpt = pre if pre and pre[1] and Path(pre[1]).exists() else None
-        step = max(keep_step, 0)
-        self.say(
-            f"trial rolled back to step {step}"
-            + (f" ({self.last_ckpt[1]})" if self.last_ckpt else " (the start)")
-            + (f"; deleted {len(deleted)} checkpoint(s) it wrote" if deleted else "")
-        )
+        gone = pre is not None and bool(pre[1]) and not Path(pre[1]).exists()
+        self.last_ckpt = pre if pre and pre[1] and not gone else None
+        step = self.reached = max(keep_step, 0)
+        done = f"; deleted {len(deleted)} checkpoint(s) it wrote" if deleted else ""
+        if gone and pre is not None:
+            self.say(f"trial could not roll back: the checkpoint of step {step} is gone ({pre[1]}){done}")
+            self.lost(f"the checkpoint of step {step} a failed trial rolls back to is gone ({pre[1]})", step)
+        else:
+            where = f" ({self.last_ckpt[1]})" if self.last_ckpt else " (the start)"
+            self.say(f"trial rolled back to step {step}{where}{done}")
         return {"step": step, "path": self.last_ckpt[1] if self.last_ckpt else None, "deleted": deleted}

@@ -49,12 +49,13 @@ import enum
 import os
 import queue
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from trainer.contract import events as ev
 from trainer.contract.config import AUTO, Toggles, TrainConfig
-from trainer.contract.states import TrialOutcome
+from trainer.contract.states import ErrorKind, TrialOutcome
 from tuner.measure import TrialStop
 
 from .advice import tries as advice_tries
@@ -76,7 +77,7 @@ class MeasureEnd(enum.StrEnum):
     """Why the driver stopped measuring a trial for a reason of the session's, not the controller's."""
 
     ABORT = "abort"  # the `t` key: decide on what was measured, train on
-    INTERRUPTED = "interrupted"  # the run was interrupted
+    INTERRUPTED = "interrupted"  # the run was interrupted, or gptop halted it (Session.halt)
     FINISHED = "finished"  # the trainer reached --max-steps during the trial
 
 
@@ -92,13 +93,18 @@ class TuningHost(Protocol):
     state: RunState
     supervisor: Supervisor | None
     interrupted: bool
+    command: list[str] | None  # a user's program (gptop tune -- CMD); None: gptop's own trainer
+    halted: str | None  # gptop ended the run itself (`halt`): nothing is started again
 
     @property
     def finished(self) -> bool: ...
     def set_controller(self, controller: TuningDriver | None) -> None: ...
     def publish(self, event: ev.Event) -> None: ...
     def log(self, message: str) -> None: ...
-    def spawn(self, cfg: TrainConfig | None = None, resume: str | None = None) -> None: ...
+    def spawn(
+        self, cfg: TrainConfig | None = None, resume: str | None = None, start_step: int | None = None
+    ) -> None: ...
+    def halt(self, kind: ErrorKind, message: str) -> None: ...
     def handle_exit(self, code: int) -> None: ...
     def energy_between(self, t0: float, t1: float) -> float | None: ...
 
@@ -216,6 +222,7 @@ class TuningDriver:
                     procs.user_cfg is not None
                     and not procs.alive
                     and not self.session.interrupted
+                    and self.session.halted is None
                     and not self._complete
                 ):
                     procs.spawn(procs.cfg_for(procs.user_cfg.toggles, strict=False), procs.last_ckpt)
@@ -250,7 +257,7 @@ class TuningDriver:
                 if isinstance(payload, ev.HelloEvent):
                     self.procs.saw_hello()
                 elif isinstance(payload, ev.StepEvent):
-                    took = self.procs.saw_step()
+                    took = self.procs.saw_step(payload.step)
                     if took is not None:  # how long this setup's trainer takes to start
                         self._restart_s.append(took)
                         self._update_reserve()
@@ -259,16 +266,20 @@ class TuningDriver:
         return item
 
     def _wait_hello(self) -> ev.HelloEvent | None:
+        since = time.monotonic()
         while True:
             item = self._next(1.0)
             if item is None:
                 if self.session.finished:
                     return None
+                self.procs.check_client(time.monotonic() - since)  # a command without a client is refused
                 continue
             kind, payload = item
             if kind is Inbox.EVENT and isinstance(payload, ev.HelloEvent) and not payload.early:
                 return payload  # the built run (an early hello comes before anything is built)
             if kind in (Inbox.EXIT, Inbox.ABORT):
+                if kind is Inbox.EXIT:
+                    self.procs.check_client(time.monotonic() - since, exit_code=payload)
                 return None
 
     def _update_reserve(self) -> None:
@@ -309,6 +320,9 @@ class TuningDriver:
         ctl = self._open_controller(hello, command)
         trial_index = 0
         while True:
+            if self.session.halted is not None:
+                ctl.abort(self.session.halted)
+                return self._conclude(None)
             if self._abort:
                 return self._conclude(ctl.stop_early(self._abort))
             action = ctl.next_action()
@@ -406,7 +420,7 @@ class TuningDriver:
         if action.restart or not procs.alive:
             pre = self._restart(action.toggles, fault=fault, strict=True)
             if pre is None:  # interrupted, stopped or finished while switching
-                if self._abort and not (self.session.interrupted or self._complete):
+                if self._abort and not (self.session.interrupted or self.session.halted or self._complete):
                     self._conclude(ctl.stop_early(self._abort))
                     return False
                 ctl.abort(self._end_reason())
@@ -456,6 +470,8 @@ class TuningDriver:
         return cfg
 
     def _end_reason(self) -> str:
+        if self.session.halted is not None:
+            return self.session.halted
         if self._abort:
             return self._abort
         if self.session.interrupted:
@@ -468,6 +484,8 @@ class TuningDriver:
         """Feed events to the controller until the trial should stop; returns (why it stopped, reason)."""
         while True:
             item = self._next()
+            if self.session.halted is not None:
+                return MeasureEnd.INTERRUPTED, self.session.halted
             if self._abort:
                 return MeasureEnd.ABORT, self._abort
             if item is not None:
@@ -507,7 +525,7 @@ class TuningDriver:
                 self._say(f"keeping the starting configuration: {action.reason}")
             else:
                 self._say(f"tuning ended: {ctl.final.reason if ctl.final else self._end_reason()}")
-        ended = s.interrupted or self._complete or (action is None and s.finished)
+        ended = s.interrupted or s.halted is not None or self._complete or (action is None and s.finished)
         if action is not None and not ended:
             toggles = action.toggles
             if self.tune_only:
@@ -561,6 +579,6 @@ class TuningDriver:
         """Checkpoint (graceful stop), then start a trainer with `toggles` from that checkpoint.
         Returns the checkpoint it resumes from ((0, "") for none), or None if the run must not go on."""
         self.procs.stop()
-        if self.session.interrupted or self._complete or (self._abort and strict):
+        if self.session.interrupted or self.session.halted or self._complete or (self._abort and strict):
             return None
         return self.procs.start(toggles, fault, strict)

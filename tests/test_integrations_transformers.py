@@ -273,3 +273,122 @@ def test_a_resume_restores_every_weight_of_gptops_checkpoint(gptop, tmp_path, mo
     assert losses(resumed)[-3:] == pytest.approx(losses(whole)[-3:], rel=1e-4)
     said = [e.message for e in gptop.file_events("warning")]
     assert any("without restoring lm_head.weight" in m and "from_pretrained" in m for m in said), said
+
+
+def tune_trainer(tmp_path, steps: int, callbacks: list, **args) -> transformers.Trainer:
+    """A trainer as `gptop tune -- CMD` starts one: built through tuned_args, trained with resume_checkpoint."""
+    from gptop.integrations.transformers import tuned_args
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=50, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2)
+    )
+    training = tuned_args(
+        transformers.TrainingArguments(
+            output_dir=str(tmp_path / "out"),
+            max_steps=steps,
+            per_device_train_batch_size=BATCH,
+            learning_rate=1e-3,
+            logging_steps=2,
+            report_to="none",
+            use_cpu=True,
+            disable_tqdm=True,
+            **args,
+        )
+    )
+    return transformers.Trainer(
+        model=model, args=training, train_dataset=Palindromes(steps * BATCH), callbacks=callbacks
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop_at", [3, 4])
+def test_a_stop_for_a_switch_ends_the_process_as_train_returns(gptop, tmp_path, monkeypatch, stop_at):
+    """Under gptop tune, the tuner's stop (a command, and the signal gptop sends with it) saves and ends the
+    process with exit code 0 as train() returns: what the script does after train() runs once, at the run's
+    real end. The stop's checkpoint is gptop's to move ("stop") unless the Trainer saves at that step on its
+    own (save_steps=2: step 4), where it stays the script's ("interval")."""
+    import os
+    import signal
+
+    from gptop.integrations.transformers import GptopCallback, resume_checkpoint
+    from trainer.contract.client import TUNE_ENV
+
+    monkeypatch.setenv(TUNE_ENV, "1")
+
+    class Tuner(transformers.TrainerCallback):  # the tuner's stop: SIGINT first, then its words over the channel
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == stop_at:
+                os.kill(os.getpid(), signal.SIGINT)
+                wait_for(lambda: not cb.client.channel.commands.empty(), timeout=30, what="the signal")
+                gptop.send({"cmd": "stop", "reason": ev.TUNER_RESTART})
+
+    cb = GptopCallback()
+    trainer = tune_trainer(tmp_path, 100, [Tuner(), cb], save_steps=2, save_total_limit=3)
+    after = []
+    with pytest.raises(SystemExit) as ended:
+        trainer.train(resume_from_checkpoint=resume_checkpoint(trainer.args))
+        after.append("the script's work after train()")
+    assert ended.value.code == 0 and after == [] and trainer.state.global_step == stop_at
+    ckpts = [(c.step, c.reason) for c in gptop.file_events("checkpoint")]
+    own = [(2, "interval"), (4, "interval")][: stop_at // 2]
+    assert ckpts == (own if stop_at == 4 else own + [(3, "stop")])
+    assert gptop.file_events("done")[0].reason == ev.TUNER_RESTART
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("during_a_switch", [False, True])
+def test_a_users_stop_under_gptop_tune_returns_from_train(gptop, tmp_path, monkeypatch, during_a_switch):
+    """Your stop (q, Ctrl-C) ends the run: train() returns and the script's own end runs, also when it comes
+    while gptop stops the process for a switch."""
+    from gptop.integrations.transformers import GptopCallback, resume_checkpoint
+    from trainer.contract.client import TUNE_ENV
+
+    monkeypatch.setenv(TUNE_ENV, "1")
+
+    class User(transformers.TrainerCallback):  # q: the session's stop, in its own words
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 2:
+                if during_a_switch:
+                    gptop.send({"cmd": "stop", "reason": ev.TUNER_RESTART})
+                gptop.send({"cmd": "stop", "reason": "stop requested"})  # as gptop.supervisor sends it
+                wait_for(lambda: not cb.client.channel.commands.empty(), timeout=30, what="the command")
+
+    cb = GptopCallback()
+    trainer = tune_trainer(tmp_path, 100, [User(), cb], save_strategy="no")
+    trainer.train(resume_from_checkpoint=resume_checkpoint(trainer.args))  # returns: the script's end runs
+    assert trainer.state.global_step == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args, named", [({"save_total_limit": 1}, "save_total_limit=1"), ({"ignore_data_skip": True}, "ignore_data_skip")]
+)
+def test_arguments_that_would_lose_a_tunes_work_are_refused(gptop, tmp_path, monkeypatch, args, named):
+    from gptop.integrations.transformers import GptopCallback, resume_checkpoint
+    from trainer.contract.client import TUNE_ENV
+
+    monkeypatch.setenv(TUNE_ENV, "1")
+    trainer = tune_trainer(tmp_path, 4, [GptopCallback()], **args)
+    with pytest.raises(SystemExit) as refused:
+        trainer.train(resume_from_checkpoint=resume_checkpoint(trainer.args))
+    assert refused.value.code == 1 and trainer.state.global_step == 0
+    (err,) = gptop.file_events("error")
+    assert err.kind == "config" and named in err.message and "\n" not in err.message
+
+
+def test_a_client_announces_itself_on_import_under_gptop_tune_only(tmp_path, monkeypatch):
+    from gptop.integrations import announce
+    from trainer.contract.client import TUNE_ENV
+
+    g = FakeGptop(tmp_path / "run").install(monkeypatch)
+    try:
+        monkeypatch.delenv(TUNE_ENV, raising=False)
+        announce()  # gptop run: nothing
+        monkeypatch.setenv(TUNE_ENV, "1")
+        assert not g.conns
+        announce()
+        wait_for(lambda: g.conns, timeout=10, what="the announcement")
+        assert g.received == []  # a connection, no event
+    finally:
+        g.close()

@@ -236,3 +236,35 @@ def test_export_sample_and_resume_refuse_a_programs_run_saying_what_loads_it(tmp
 def test_the_warden_tells_a_running_process_from_a_gone_one():
     assert warden.pid_alive(os.getpid()) and warden.group_alive(os.getpgid(0))
     assert not warden.pid_alive(2**22 + 12345) and not warden.group_alive(2**22 + 12345)  # above pid_max
+
+
+def test_the_checkpoint_held_for_a_tunings_restarts_goes_once_the_run_no_longer_needs_it(tmp_path):
+    """gptop.held_checkpoints: after tuning, a newer checkpoint of the script's own releases it; so does the
+    run's end at its last step; a run that ended otherwise keeps it (it may be its newest state)."""
+    from gptop import held_checkpoints as held
+
+    def session_holding(name: str, step: int) -> ProgramSession:
+        s = ProgramSession(["true"], tmp_path / name, tune=True)
+        s.run_dir.mkdir()
+        src = tmp_path / f"{name}-out" / f"checkpoint-{step}"
+        src.mkdir(parents=True)
+        (src / "model.safetensors").write_text("w")
+        held.hold(s.run_dir, step, src, move=True)
+        return s
+
+    s = session_holding("a", 20)
+    own = tmp_path / "a-out" / "checkpoint-20"
+    s._on_event(ev.CheckpointEvent(step=20, path=str(own), seconds=0.1))  # not newer: kept
+    assert held.held_step(s.run_dir) == 20
+    (tmp_path / "a-out" / "checkpoint-24").mkdir()
+    s._on_event(ev.CheckpointEvent(step=24, path=str(tmp_path / "a-out" / "checkpoint-24"), seconds=0.1))
+    assert held.held_step(s.run_dir) is None and not held.held_dir(s.run_dir).exists()
+    assert any("no longer needed" in line for _, line in s.state.logs)
+
+    s = session_holding("b", 20)
+    s.handle_exit(0)  # finished at its last step
+    assert held.held_step(s.run_dir) is None
+
+    s = session_holding("c", 20)
+    s.handle_exit(1)  # failed: the held one may be its newest state
+    assert held.held_step(s.run_dir) == 20

@@ -234,6 +234,7 @@ def test_a_directory_without_another_runs_events_or_checkpoints_takes_a_new_run(
     (run / "device.jsonl").write_text("{}\n")
     (run / "trainer.node1.stderr.log").write_text("")
     (run / ".hidden").write_text("")
+    (run / "tuner-checkpoints").mkdir()  # gptop's own (gptop.held_checkpoints)
     RunLock.acquire(run, command="gptop train", new_run=True).release()
     RunLock.acquire(tmp_path / "new", command="gptop train", new_run=True).release()
     (run / "notes.txt").write_text("mine")  # a user's file: not a run's directory

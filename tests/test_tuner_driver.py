@@ -2,7 +2,9 @@
 and the controller rules the driver relies on (budget reserve for the final switch, slow compiles screened)."""
 
 import dataclasses
+import os
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -29,7 +31,9 @@ class FakeSession:
         self.supervisor = None
         self.interrupted = False
         self.finished = False
-        self.emitted, self.logs, self.exits = [], [], []
+        self.command = None  # gptop's own trainer (a test of a command sets its argv)
+        self.halted = None
+        self.emitted, self.logs, self.exits, self.spawns = [], [], [], []
 
     def set_controller(self, controller):
         self.controller = controller
@@ -42,6 +46,14 @@ class FakeSession:
 
     def handle_exit(self, code):
         self.exits.append(code)
+
+    def halt(self, kind, message):
+        if self.halted is None:
+            self.halted = message
+            self.emitted.append(make("error", kind=kind, message=message))
+
+    def spawn(self, cfg=None, resume=None, start_step=None):
+        self.spawns.append((resume, start_step))
 
 
 def make_ckpt(run_dir, step, tag=b"x"):
@@ -477,3 +489,191 @@ def test_t_near_the_end_of_a_run_says_tuning_cannot_pay_and_leaves_the_trainer_a
     led = json.loads((tmp_path / "tuning.json").read_text())["ledger"]
     assert led["decisions"][0]["choice"] == "plan" and led["decisions"][0]["cost_s"] == 16.0 + 0.25 * 20 * 0.45
     assert led["switch_s"] == 0.0 and led["trials_run"] == 0
+
+
+# --- a command's checkpoints (gptop tune -- CMD): held in the run directory, never a silent restart ----------
+
+
+def hf_checkpoint(out: Path, step: int, tag: str = "w") -> Path:
+    """A Trainer-like checkpoint directory: output_dir/checkpoint-N with a few files."""
+    d = out / f"checkpoint-{step}"
+    d.mkdir(parents=True)
+    for name in ("model.safetensors", "optimizer.pt", "trainer_state.json"):
+        (d / name).write_text(f"{tag}{step}:{name}")
+    return d
+
+
+def command_driver(tmp_path):
+    s = FakeSession(tmp_path / "run")
+    s.run_dir.mkdir(parents=True)
+    s.command = ["python", "train.py"]
+    d = TuningDriver(s, 60.0)
+    d.procs.user_cfg = TrainConfig.from_dict(s.cfg.to_dict())
+    d.procs.command = True
+    return s, d
+
+
+def report(d, step, path, reason):
+    d.procs.saw_checkpoint(make("checkpoint", step=step, path=str(path), seconds=0.1, reason=reason))
+
+
+def test_a_held_checkpoint_is_moved_or_linked_and_survives_the_scripts_rotation(tmp_path):
+    from gptop import held_checkpoints as held
+
+    out, run = tmp_path / "out", tmp_path / "run"
+    run.mkdir()
+    switch = hf_checkpoint(out, 9)
+    path = held.hold(run, 9, switch, move=True)  # a switch's own: gone from output_dir
+    assert not switch.exists() and path == run / "tuner-checkpoints" / "step-9" / "checkpoint-9"
+    assert (path / "model.safetensors").read_text() == "w9:model.safetensors"
+    own = hf_checkpoint(out, 12)
+    path = held.hold(run, 12, own, move=False)  # the script keeps it: linked, and the older one released
+    assert own.is_dir() and [p.name for p in held.held_dir(run).iterdir()] == ["step-12"]
+    assert os.path.samefile(own / "optimizer.pt", path / "optimizer.pt")  # a hard link, no copy
+    shutil.rmtree(own)  # the script's rotation (save_total_limit) deletes its checkpoint-12
+    assert (path / "optimizer.pt").read_text() == "w12:optimizer.pt" and held.held_step(run) == 12
+    assert held.hold(run, 12, path, move=False) == path  # already held: as it is
+    assert held.is_held(run, path) and not held.is_held(run, out)
+    held.release(run)
+    assert not held.held_dir(run).exists() and held.held_step(run) is None
+    single = out / "step-20.pt"  # a plain loop's checkpoint is one file
+    single.write_text("s")
+    assert held.hold(run, 20, single, move=True).read_text() == "s" and not single.exists()
+
+
+def test_a_commands_restart_resumes_from_the_held_checkpoint_and_a_rollback_too(tmp_path):
+    """The incident of issue 40: save_total_limit=3, a failed trial's own saves rotate the pre-trial
+    checkpoint out of output_dir. The next start resumes from gptop's copy at the pre-trial step."""
+    s, d = command_driver(tmp_path)
+    out = tmp_path / "out"
+    for step in (8, 12, 16):
+        report(d, step, hf_checkpoint(out, step), "interval")
+        d.procs.saw_step(step)
+    d.procs.saw_step(20)
+    report(d, 20, hf_checkpoint(out, 20), "stop")  # the tuner's stop before trial 1
+    pre = d.procs.start(TrainConfig().toggles, None, strict=True)
+    held_path = tmp_path / "run" / "tuner-checkpoints" / "step-20" / "checkpoint-20"
+    assert pre == (20, str(held_path)) and s.spawns[-1] == (str(held_path), 20)
+    assert not (out / "checkpoint-20").exists()  # a switch checkpoint is not left beside the script's own
+    for step in (24, 28, 32):  # the trial saves on its interval; the rotation deletes the oldest ones
+        d.procs.saw_step(step)
+        report(d, step, hf_checkpoint(out, step), "interval")
+    for step in (8, 12, 16):
+        shutil.rmtree(out / f"checkpoint-{step}")
+    info = d.procs.rollback(pre)
+    assert info["step"] == 20 and info["path"] == str(held_path) and len(info["deleted"]) == 3
+    assert sorted(p.name for p in out.iterdir()) == [] and s.halted is None
+    assert any("rolled back to step 20" in e.message for e in s.emitted if e.type == "log")
+    assert d.procs.start(TrainConfig().toggles, None, strict=True) == (20, str(held_path))
+    assert s.spawns[-1] == (str(held_path), 20)
+    # the script's own checkpoint at a switch step stays where it is (linked, not moved)
+    d.procs.saw_step(24)
+    report(d, 24, hf_checkpoint(out, 24), "interval")
+    pre = d.procs.start(TrainConfig().toggles, None, strict=True)
+    assert (out / "checkpoint-24").is_dir() and pre[1].endswith("step-24/checkpoint-24")
+    assert not held_path.exists()  # the older held one is released
+
+
+def test_a_start_that_would_lose_steps_halts_the_run(tmp_path):
+    s, d = command_driver(tmp_path)
+    out = tmp_path / "out"
+    d.procs.saw_step(20)
+    pre = (20, str(hf_checkpoint(out, 20)))
+    d.procs.last_ckpt = pre
+    shutil.rmtree(pre[1])  # gone before gptop could hold it
+    assert d.procs.start(TrainConfig().toggles, None, strict=True) is None and s.spawns == []
+    err = [e for e in s.emitted if e.type == "error"]
+    assert len(err) == 1 and err[0].kind == "lost_steps" and "checkpoint of step 20" in err[0].message
+
+    s, d = command_driver(tmp_path / "b")
+    d.procs.saw_step(5)  # steps trained, no checkpoint at all
+    assert d.procs.start(TrainConfig().toggles, None, strict=True) is None and s.spawns == []
+    assert "no checkpoint to resume from after step 5" in s.halted
+
+    s, d = command_driver(tmp_path / "c")
+    d.procs.saw_step(30)
+    report(d, 30, hf_checkpoint(tmp_path / "c" / "out", 30), "stop")
+    pre = d.procs.start(TrainConfig().toggles, None, strict=True)
+    shutil.rmtree(tmp_path / "c" / "run" / "tuner-checkpoints")  # someone deleted gptop's copy
+    info = d.procs.rollback(pre)
+    assert info["path"] is None and "rolls back to is gone" in s.halted
+    assert not any("(the start)" in e.message for e in s.emitted if e.type == "log")
+
+    s, d = command_driver(tmp_path / "d")  # a trial that started at step 0 rolls back to the start: no loss
+    d.procs.saw_step(3)
+    assert d.procs.rollback(None)["step"] == 0 and s.halted is None
+    assert d.procs.start(TrainConfig().toggles, None, strict=True) == (0, "") and s.spawns == [(None, 0)]
+
+
+class AnnouncingSupervisor(FakeSupervisor):
+    def __init__(self, announced: bool):
+        super().__init__()
+        self.client_connected = announced
+
+
+@pytest.mark.parametrize("command", [["python", "train.py"], None])
+def test_a_command_without_a_client_is_refused_when_it_exits_or_after_a_while(tmp_path, command):
+    s = FakeSession(tmp_path)
+    s.command = command
+    d = TuningDriver(s, 60.0)
+    s.supervisor = AnnouncingSupervisor(announced=True)
+    d.procs.check_client(1e6, exit_code=0)  # a client announced itself: its hello may take long
+    assert s.halted is None
+    s.supervisor = AnnouncingSupervisor(announced=False)
+    d.procs.check_client(d.procs.client_wait_s - 1)
+    assert s.halted is None
+    d.procs.check_client(d.procs.client_wait_s + 1)
+    if command is None:  # gptop's own trainer: always a client
+        assert s.halted is None
+        return
+    err = [e for e in s.emitted if e.type == "error"]
+    assert len(err) == 1 and err[0].kind == "config" and "no gptop client" in err[0].message
+    for words in ("GptopCallback", "tuned_args", "resume_checkpoint", "gptop run"):
+        assert words in err[0].message
+    s2 = FakeSession(tmp_path / "b")
+    s2.command, s2.supervisor = command, AnnouncingSupervisor(announced=False)
+    TuningDriver(s2, 60.0).procs.check_client(2.0, exit_code=0)  # it exited: refused at once
+    assert "it exited (code 0) without one" in s2.halted
+
+
+@pytest.mark.parametrize("ended_by", ["gptop", "tuner"])
+def test_a_process_that_starts_below_its_checkpoint_halts_the_run(tmp_path, ended_by):
+    """A start below the step gptop resumed it from (the run's steps lost) is an error of its own kind, said
+    in the summary and the report (whoever ended the process: gptop at its hello, or the tuner's rollback before
+    the checkpoint to go back to was found gone), and ends the run as failed: no restart-on-failure repeats it."""
+    import contextlib
+    import io
+
+    from fixtures.streams import config, ev
+
+    from gptop.report import print_report
+    from gptop.summary import print_summary
+
+    cfg = TrainConfig()
+    cfg.run.run_dir = str(tmp_path)
+    s = Session(cfg, SessionOptions(restart_on_failure=3))
+    s.expect_start = (20, str(tmp_path / "held" / "checkpoint-20"))
+    built = dict(device={"type": "cpu", "name": "cpu"}, model={"family": "llama", "size": "tiny"})
+    hello = ev("hello", 0.0, config=config("llama", "tiny", "cpu"), start_step=0, **built)
+    s.publish(hello)
+    s.check_start(hello)
+    assert s.halted and "started at step 0, not at step 20" in s.halted and "held/checkpoint-20" in s.halted
+    s.publish(make("exit", pid=42, signal=9, seconds=3.0, stopped_by=ended_by))  # as Session.record_exit writes it
+    s.handle_exit(-9)
+    assert s.wait(1) == 1 and s.state.status == "failed"
+    err = s.state.last_error()
+    assert err is not None and err.kind == "lost_steps"
+    out = io.StringIO()
+    print_summary(s.state, 1, out)
+    assert "gptop stopped the run rather than lose trained steps" in out.getvalue()
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        code = print_report(tmp_path)
+    state = next(line for line in text.getvalue().splitlines() if line.startswith("state"))
+    assert code == 1 and "lost_steps" in state and "started at step 0" in state, text.getvalue()
+    s2 = Session(cfg)
+    s2.expect_start = (20, "ckpt")
+    s2.check_start(ev("hello", 0.0, config=config("llama", "tiny", "cpu"), start_step=20, **built))
+    early = ev("hello", 0.0, config={}, early=True, start_step=0, **built)  # gptop's own record of a start
+    s2.check_start(early)
+    assert s2.halted is None

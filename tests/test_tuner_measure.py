@@ -116,11 +116,36 @@ def test_loss_trend_and_guard():
     strict = LossGuard(trend, strict=True)
     assert strict.check(None, 200) is None
     assert strict.check(2.9, 210) is None  # one off-trend point is noise
-    assert strict.check(2.9, 220) == "diverged" and "off the run's trend" in strict.reason
+    assert strict.check(2.9, 220) == "diverged" and "above the run's trend" in strict.reason
     lax = LossGuard(trend, strict=False)
     assert lax.check(2.9, 210) is None
     assert lax.check(float("nan"), 220) == "nan"
     assert lax.check(100.0, 230) == "diverged"
+
+
+def test_a_lower_loss_is_never_diverged():
+    """Every path of the guard that can call a trial diverged judges only a loss above the run's: a steep
+    early trend extrapolated far past its points, and a negative loss times 1.5, would call a lower one so."""
+    # the run fell fast over its first 20 steps: the fit extrapolated to step 100 predicts a loss below 1.0
+    steep = LossTrend([(s, 6.0 - 1.5 * math.log(s + 1)) for s in range(1, 21)])
+    assert steep.predict(100) < 1.0 < steep.predict(20)
+    level = steep.predict(20)
+    for guard in (LossGuard(steep, strict=True), LossGuard(steep, strict=False)):
+        for step in range(21, 101):  # a trial that learns more slowly than the extrapolation, but learns
+            assert guard.check(level - 0.01 * (step - 20), step) is None, guard.reason
+    assert steep.within_tolerance(level, 100) and not steep.within_tolerance(level + 1.0, 100)
+    strict = LossGuard(steep, strict=True)
+    assert strict.check(level + 1.0, 60) is None and strict.check(level + 1.0, 61) == "diverged"  # worse: still caught
+    # a loss that is negative (a reward-like objective): 1.5x the highest is lower, and must not be the ceiling
+    negative = LossTrend([(s, -2.0 - 0.01 * s) for s in range(1, 30)])
+    guard = LossGuard(negative, strict=False)
+    assert guard.ceiling is not None and guard.ceiling > max(loss for _, loss in negative.points)
+    assert guard.check(-2.5, 31) is None and guard.check(-3.5, 32) is None  # lower: healthy
+    assert guard.check(5.0, 33) == "diverged"  # far above: diverged
+    # a trial whose loss stays below the trend everywhere is never off it, strict or not
+    falling = LossTrend([(s, 3.0 - 0.001 * s) for s in range(1, 30)])
+    strict = LossGuard(falling, strict=True)
+    assert all(strict.check(1.0 - 0.01 * s, s) is None for s in range(30, 80))
 
 
 def test_why_a_measurement_stopped_is_said_in_words():

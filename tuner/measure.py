@@ -396,9 +396,13 @@ class LossTrend:
     `window` healthy log points (a local fit: early training falls fast, later
     slowly, which a log curve follows over short spans). A loss is within
     tolerance when it is at most the prediction plus max(k_sigma * residual
-    std, rel_tol * prediction); lower losses are always fine. With fewer than
-    `min_points` points there is no trend and everything is within tolerance
-    (only NaN and gross divergence are judged then, see `LossGuard`).
+    std, rel_tol * prediction); lower losses are always fine, and so is any
+    loss at or below the run's own level (the fit at its newest point) plus
+    that tolerance: a steep early fit extrapolated past its points predicts
+    losses the run has not reached, and a trial is worse only when its loss
+    is above where the run stood. With fewer than `min_points` points there is
+    no trend and everything is within tolerance (only NaN and gross divergence
+    are judged then, see `LossGuard`).
     """
 
     def __init__(
@@ -446,29 +450,43 @@ class LossTrend:
         pred = f[0] + f[1] * math.log(max(step, 0) + 1.0)
         return max(self.k_sigma * f[2], self.rel_tol * abs(pred))
 
+    def bound(self, step: int) -> float | None:
+        """The highest loss within tolerance at `step`: the trend there or, where it has fallen below the run's
+        own level (the fit at its newest point), that level; plus the tolerance. None with no trend."""
+        f = self.fit()
+        if f is None:
+            return None
+        newest = self.points[-1][0]
+        pred = f[0] + f[1] * math.log(max(step, 0) + 1.0)
+        level = f[0] + f[1] * math.log(max(newest, 0) + 1.0)
+        return max(pred, level) + max(self.k_sigma * f[2], self.rel_tol * abs(pred))
+
     def within_tolerance(self, loss: float, step: int) -> bool:
-        """False when `loss` is non-finite or clearly above the trend at `step`."""
+        """False when `loss` is non-finite or clearly above the trend at `step` and above where the run stood:
+        a lower loss never is off the trend."""
         if loss is None or not math.isfinite(loss):
             return False
-        pred, tol = self.predict(step), self.tolerance(step)
-        if pred is None or tol is None:
-            return True
-        return loss <= pred + tol
+        bound = self.bound(step)
+        return bound is None or loss <= bound
 
 
 class LossGuard:
     """Per-trial loss checks: NaN, gross divergence (any trial), off-trend (numerics-changing trials).
 
-    Gross divergence: the loss exceeds 1.5x the highest recent healthy loss, a
-    level no healthy run returns to. Off-trend needs `patience` consecutive
-    log points outside the trend's tolerance, so one noisy batch does not fail
-    a trial.
+    Gross divergence: the loss exceeds the highest recent healthy loss by half
+    its size (1.5x it for a positive loss), a level no healthy run returns to.
+    Off-trend needs `patience` consecutive log points above the trend's
+    tolerance, so one noisy batch does not fail a trial. Both judge only a loss
+    that is worse (higher) than the run's: a lower one is never "diverged",
+    whatever its sign.
     """
 
     def __init__(self, trend: LossTrend, strict: bool, patience: int = 2, factor: float = 1.5):
         self.trend, self.strict, self.patience, self.factor = trend, strict, patience, factor
         recent = [l for _, l in trend.points[-trend.window :]]
-        self.ceiling = max(recent) * factor if recent else None
+        top = max(recent) if recent else None
+        # above the top, never below it: a negative loss times 1.5 would be a lower one
+        self.ceiling = top + (factor - 1.0) * abs(top) if top is not None else None
         self._off = 0
 
     def check(self, loss: float | None, step: int) -> str | None:
@@ -480,15 +498,14 @@ class LossGuard:
             self.reason = f"loss is {loss} at step {step}"
             return "nan"
         if self.ceiling is not None and loss > self.ceiling:
-            self.reason = f"loss {loss:.4g} at step {step} exceeds {self.ceiling:.4g} (1.5x the recent maximum)"
+            self.reason = f"loss {loss:.4g} at step {step} exceeds {self.ceiling:.4g} (well above the recent maximum)"
             return "diverged"
         if self.strict and not self.trend.within_tolerance(loss, step):
             self._off += 1
             if self._off >= self.patience:
-                pred = self.trend.predict(step)
                 self.reason = (
-                    f"loss {loss:.4g} at step {step} is off the run's trend "
-                    f"({pred:.4g} +- {self.trend.tolerance(step):.3g}) for {self._off} log points"
+                    f"loss {loss:.4g} at step {step} is above the run's trend (at most "
+                    f"{self.trend.bound(step):.4g} there) for {self._off} log points"
                 )
                 return "diverged"
         else:

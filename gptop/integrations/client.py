@@ -33,6 +33,7 @@ from trainer.channel import Channel
 from trainer.commands import Commands
 from trainer.contract.client import ClientEnv, ClientKind
 from trainer.contract.device import DeviceInfo
+from trainer.contract.events import TUNER_RESTART
 from trainer.contract.rundir import RunDir
 from trainer.contract.states import ErrorKind, WarningKind
 from trainer.timing import TIMED, interval_means, make_timer
@@ -40,6 +41,8 @@ from trainer.timing import TIMED, interval_means, make_timer
 from .precision import model_precision
 
 TUNABLE_KINDS = (ClientKind.TRANSFORMERS,)  # the clients that take gptop tune's toggles (tuned_args)
+SIGNAL_STOPS = ("SIGINT", "SIGTERM")  # a stop by signal has its name for a reason (trainer.channel): gptop sends
+# one with each of its stop commands, so it says nothing of who stopped
 DEFAULT_LOG_EVERY = 10  # the trainer's --log-every default, when neither gptop nor the program says
 # `progress` events at most this often: a loop of millisecond steps would otherwise spend more on them than on
 # its work, and the dashboard redraws its step counter once a second (a step event always comes at a log step)
@@ -151,6 +154,7 @@ class Client:
         self.should_checkpoint = False
         self.should_stop = False
         self.stop_reason: str | None = None
+        self.stop_words: set[str] = set()  # every stop's reason (a signal's name, gptop's words)
         self.finished = False
         self.in_step = False
         self._open: dict[str, AbstractContextManager] = {}
@@ -461,8 +465,11 @@ class Client:
         d = self.commands.poll()
         if d.checkpoint:
             self.should_checkpoint = True
-        if d.stop and not self.should_stop:
+        # the tuner's words win over a signal's name: its stop comes as a command and SIGINT, in either order
+        if d.stop and (not self.should_stop or d.stop == TUNER_RESTART):
             self.should_stop, self.stop_reason = True, d.stop
+        if d.stop:
+            self.stop_words.add(d.stop)
         if d.profile_steps:
             self.profiler.request(self.done_step + 1, d.profile_steps)
         if d.log_every:
@@ -495,6 +502,13 @@ class Client:
     def crashed(self) -> bool:
         """The program failed (an error event was sent): nothing more is reported as done."""
         return self._crashed
+
+    @property
+    def restarting(self) -> bool:
+        """gptop stops this process to start the program again (a tuner's switch): its work is not over. Any
+        other stop said in words (yours, gptop gone) ends the run: then it is."""
+        others = self.stop_words - {TUNER_RESTART, *SIGNAL_STOPS}
+        return self.should_stop and TUNER_RESTART in self.stop_words and not others
 
     def warn(self, message: str, kind: str | None = None) -> None:
         self.channel.emit("warning", message=message, kind=kind)

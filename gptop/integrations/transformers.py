@@ -23,6 +23,13 @@ Trainer's `logging_steps`) the callback asks the Trainer to log. Tokens come fro
 model is called with (`input_ids`, else `inputs_embeds`). gptop's checkpoint command becomes
 `control.should_save`, its stop `should_save` and `should_training_stop`. Outside gptop every callback returns
 at once.
+
+Under `gptop tune -- CMD` a process gptop stops for a switch (a trial, the decision) ends as `trainer.train()`
+returns: once the callback has reported the end, it raises SystemExit(0) from `on_train_end`, so what the script
+does after `train()` (saving, evaluating, a model card) runs once, in the process that trains to the run's end
+(or that you stop), never at each switch. SystemExit unwinds as an ordinary exit: `finally` blocks, atexit
+handlers and the DataLoader workers' shutdown run, and the exit code is 0. The callbacks after this one in the
+Trainer's list get no `on_train_end` in such a process.
 """
 
 from __future__ import annotations
@@ -92,6 +99,17 @@ def tuning_refusal(env: ClientEnv, args: TrainingArguments, state: TrainerState)
             f"gptop.integrations.transformers, so gptop cannot hand it a trial's settings or checkpoint; "
             f"use {TUNE_USAGE}"
         )
+    if args.save_total_limit == 1:
+        return (
+            "gptop tune: save_total_limit=1 keeps one checkpoint: the Trainer deletes the previous one at each save "
+            "and, with a best model, every other one each time train() returns, which under gptop tune is every "
+            "switch; use save_total_limit=2 or more, or none"
+        )
+    if args.ignore_data_skip:
+        return (
+            "gptop tune: ignore_data_skip=True makes a resumed Trainer train on other samples than the run would, "
+            "so each switch would change what the run learns; leave it False"
+        )
     if env.resume is not None and state.global_step == 0:
         return (
             f"gptop tune: the Trainer did not resume from {env.resume}; pass resume_checkpoint(args) to "
@@ -156,6 +174,7 @@ class GptopCallback(TrainerCallback):
         self._mark = time.perf_counter()  # where the data wait of the next step began
         self._args: TrainingArguments | None = None
         self._tunable: list[str] | None = None
+        self._own_save = False  # the Trainer saves at this step on its own too (its interval, its last step)
 
     # ------------------------------------------------------------------ start and end
     def on_train_begin(
@@ -267,6 +286,8 @@ class GptopCallback(TrainerCallback):
             )
         if seq_len:
             config["data"] = {"seq_len": seq_len}
+        if self.env is not None and self.env.resume is not None:
+            extra["resumed_from"] = self.env.resume  # the checkpoint gptop restarted it from
         client.hello(desc, config=config, **extra)
 
     def on_train_end(
@@ -276,6 +297,8 @@ class GptopCallback(TrainerCallback):
         if client is None:
             return
         client.abandon_step()  # the step begun after the last one is not taken
+        if self.env is not None and self.env.tune:
+            client.poll()  # the tuner's stop command may come after its signal: its words say it is a switch
         if not client.said_hello:
             self._hello(client, self._model)
         reason = (
@@ -283,11 +306,16 @@ class GptopCallback(TrainerCallback):
             if client.should_stop or state.global_step >= state.max_steps
             else "the Trainer stopped (control.should_training_stop)"
         )
+        restarting = client.restarting
         client.done(reason)
         client.close()
         for h in self._hooks:
             h.remove()
         self._hooks, self.client, self._model = [], None, None
+        if restarting and self.env is not None and self.env.tune:
+            # a switch: gptop starts the script again from the checkpoint just saved; what it does after
+            # train() belongs to the run's end (module docstring)
+            raise SystemExit(0)
 
     # ------------------------------------------------------------------ a step
     def _next_step(self, state: TrainerState) -> None:
@@ -351,6 +379,7 @@ class GptopCallback(TrainerCallback):
             self._hello(client, self._model)
         client.end_step()
         client.poll()
+        self._own_save = bool(control.should_save)  # set by the Trainer's own flow (DefaultFlowCallback), first
         if client.is_log_step():
             self._flush_due = True
             control.should_log = True  # the Trainer reads its loss back now; on_log reports it
@@ -383,6 +412,12 @@ class GptopCallback(TrainerCallback):
     def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._restart()
 
+    def on_epoch_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if control.should_save:  # save_strategy="epoch": the Trainer saves at this step on its own
+            self._own_save = True
+
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         client = self.client
         if client is None:
@@ -393,5 +428,16 @@ class GptopCallback(TrainerCallback):
             prints = weights_fingerprint(self._model)
             if prints is not None:
                 atomic_write(os.path.join(path, WEIGHTS_FILE), json.dumps(prints))
-        client.checkpointed(path, seconds=time.perf_counter() - self._mark, step=state.global_step)
+        # a save the Trainer makes on its own too is the script's ("interval"): gptop keeps it where it is; one
+        # made only for gptop's stop is gptop's to move (gptop.held_checkpoints)
+        own = self._own_save or (
+            args.save_strategy == "best" and getattr(state, "best_global_step", None) == state.global_step
+        )
+        self._own_save = False
+        client.checkpointed(
+            path,
+            seconds=time.perf_counter() - self._mark,
+            step=state.global_step,
+            reason="interval" if own else None,
+        )
         self._restart()

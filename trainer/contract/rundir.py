@@ -8,6 +8,8 @@ A run directory holds everything a run produces:
     trainer.log            the trainer's stdout; trainer.stderr.log its stderr
     checkpoints/           step-NNNNNNNN.pt (one process) or step-NNNNNNNN.dcp/ (several ranks)
     checkpoints/pins.json  steps that pruning must keep (the tuner's rollback target)
+    tuner-checkpoints/     `gptop tune -- CMD`: the command's checkpoint its restarts resume from, held by gptop
+                           (gptop.held_checkpoints)
     profiles/              torch.profiler traces
     tensorboard/, wandb/   with --tensorboard, --wandb
     tuning.json, tuning.md, best.toml   after tuning
@@ -51,6 +53,8 @@ PROFILES = "profiles"
 TENSORBOARD = "tensorboard"  # --tensorboard's event files
 WANDB = "wandb"  # --wandb: W&B keeps its run there (wandb.init(dir=RUN_DIR))
 PINS = "pins.json"
+# a command's checkpoint a tuner's restart resumes from (gptop.held_checkpoints)
+TUNER_CHECKPOINTS = "tuner-checkpoints"
 LOCK = ".gptop.lock"  # the owner's lock (trainer.contract.runlock); LOCK.<node> per node
 TUNING_JSON, TUNING_MD, BEST_TOML = "tuning.json", "tuning.md", "best.toml"
 
@@ -100,6 +104,10 @@ class RunDir:
         return self.path / CHECKPOINTS
 
     @property
+    def tuner_checkpoints(self) -> Path:
+        return self.path / TUNER_CHECKPOINTS
+
+    @property
     def profiles(self) -> Path:
         return self.path / PROFILES
 
@@ -131,14 +139,20 @@ def is_run_dir(path: str | Path) -> bool:
     return bool(run_markers(path))
 
 
-RUN_OWNED = (CHECKPOINTS, PROFILES, TENSORBOARD, WANDB)  # a run's folders that only the run writes into
+RUN_OWNED = (
+    CHECKPOINTS,
+    TUNER_CHECKPOINTS,
+    PROFILES,
+    TENSORBOARD,
+    WANDB,
+)  # a run's folders that only the run writes into
 
 
 # What gptop and its trainer write into a run directory (RunDir's names, a node's and a rank's files included): a
 # directory that holds anything else (not hidden) holds a user's files, where no new run goes.
 _RUN_FILE = re.compile(
     r"^(?:config\.toml|events(?:\.rank\d+)?\.jsonl|device(?:\.[^/]+)?\.jsonl|trainer(?:\.[^/]+)?(?:\.stderr)?\.log|"
-    r"checkpoints|profiles|tensorboard|wandb|inductor-cache|tuning\.json|tuning\.md|best\.toml)$"
+    r"checkpoints|tuner-checkpoints|profiles|tensorboard|wandb|inductor-cache|tuning\.json|tuning\.md|best\.toml)$"
 )
 
 
@@ -153,8 +167,9 @@ def foreign_files(path: str | Path) -> list[str]:
 
 
 def run_part(path: str | Path) -> tuple[Path, str] | None:
-    """(the run, its folder) when `path` (resolved) is or lies inside a folder a run owns (checkpoints/,
-    profiles/, tensorboard/, wandb/), where neither a new run nor an export may go; else None."""
+    """(the run, its folder) when `path` (resolved) is or lies inside a folder a run owns (RUN_OWNED:
+    checkpoints/, tuner-checkpoints/, profiles/, tensorboard/, wandb/), where neither a new run nor an export may
+    go; else None."""
     p = Path(os.path.realpath(os.path.expanduser(os.fspath(path))))
     for a in (p, *p.parents):
         if a.name in RUN_OWNED and run_markers(a.parent):

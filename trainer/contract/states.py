@@ -140,6 +140,9 @@ class ErrorKind(enum.StrEnum):
     NO_CHECKPOINT = "no_checkpoint"
     CORRUPT_CHECKPOINT = "corrupt_checkpoint"
     DISK = "disk"
+    # a process started at a step below the one gptop resumed it from (or had nothing to resume from after steps
+    # were trained): training on would silently redo or lose those steps, so gptop stops the run
+    LOST_STEPS = "lost_steps"
 
 
 ERROR_KINDS = tuple(ErrorKind)
@@ -153,6 +156,7 @@ ERROR_WORDS: dict[str, str] = {
     ErrorKind.NO_CHECKPOINT: "there was no checkpoint to resume from",
     ErrorKind.CORRUPT_CHECKPOINT: "no checkpoint could be read (all corrupt)",
     ErrorKind.DISK: "the run directory could not be written (disk full or read-only)",
+    ErrorKind.LOST_STEPS: "gptop stopped the run rather than lose trained steps",
 }
 
 
