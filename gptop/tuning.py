@@ -277,9 +277,7 @@ class TuningDriver:
             from statistics import median
 
             restart = median(self._restart_s)
-            self.ctl.startup_s = restart
-            self.ctl.switch_reserve_s = restart + self.ctl.checkpoint_s
-            self.ctl.trial_timeout_s = max(self.ctl.trial_timeout_s, 2 * self._per_trial + 2 * restart)
+            self.ctl.learn_restart(restart, 2 * self._per_trial + 2 * restart)
 
     def _startup_s(self, hello: ev.HelloEvent) -> float | None:
         """How long the running trainer took from its start to its built hello: what a restart costs at least."""

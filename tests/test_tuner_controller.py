@@ -259,7 +259,7 @@ def test_budget_stops_starting_trials_it_cannot_afford(tmp_path):
     ctl = make_ctl(tmp_path, clock, budget_s=300.0, max_trials=50, default_restart_s=10.0)
     seen = drive(ctl, clock, FakeTrainer(clock))
     assert isinstance(seen[-1], Done) or isinstance(seen[-2], Apply)
-    assert 1 <= ctl.trials_run < 50 and ctl.stop_note.startswith("budget")
+    assert 1 <= ctl.record.trials_run < 50 and ctl.record.stop_note.startswith("budget")
     assert ctl.budget.elapsed() <= 300.0  # nothing was started that could not finish
 
 
@@ -362,7 +362,9 @@ def test_close_candidates_are_remeasured_best_last(tmp_path):
     assert apply.restart is (apply.toggles != last.toggles)  # the presumed best ran last
     # never "0 s": the trial's own process trains on only after a restart with the user's settings (nan policy),
     # which costs what this setup's restarts into that configuration cost
-    measured = [r["overhead_s"] for r in ctl.results if r["overhead_s"] is not None and r["toggles"] == apply.toggles]
+    measured = [
+        r["overhead_s"] for r in ctl.record.results if r["overhead_s"] is not None and r["toggles"] == apply.toggles
+    ]
     assert measured and apply.decision.cost_s == pytest.approx(sorted(measured)[len(measured) // 2], rel=0.5)
     assert apply.decision.cost_s > 0 and "0s switch" not in apply.decision.reason
 
@@ -403,7 +405,7 @@ def test_failing_baseline_and_abort(tmp_path):
     ctl.observe(make("error", kind="oom", message="boom"))
     assert ctl.trial_should_stop() == "oom"
     ev = ctl.finish_trial("oom")
-    assert ev.status == "infeasible" and ctl.baseline is None
+    assert ev.status == "infeasible" and ctl.record.baseline is None
     b = ctl.next_action()
     assert isinstance(b, RunTrial) and not b.baseline and b.restart
     assert ctl.next_action() is b  # same action until finished
@@ -429,7 +431,7 @@ def test_start_outside_the_space_is_still_the_baseline(tmp_path):
     seen = drive(ctl, clock, FakeTrainer(clock, bf16_diverges=False))
     base = seen[1]
     assert isinstance(base, RunTrial) and base.baseline and base.number is None  # measured, not a trial
-    assert ctl.baseline is not None and ctl.baseline_number is None
+    assert ctl.record.baseline is not None and ctl.record.baseline_number is None
     runs = [a for a in seen if isinstance(a, RunTrial) and not a.baseline]
     assert runs and all(a.toggles.precision == "bf16" and a.numerics_changing for a in runs)
     assert isinstance(seen[-2], Apply) and seen[-2].toggles.precision == "bf16"
@@ -492,13 +494,13 @@ def test_no_trial_runs_when_none_can_pay(tmp_path):
     assert [a for a in seen if isinstance(a, RunTrial) and not a.baseline] == []
     done = seen[-1]
     assert isinstance(done, Done) and not done.restart and done.toggles == ctl.base
-    cost = 10.0 + 0.25 * ctl.baseline["duration_s"]
+    cost = 10.0 + 0.25 * ctl.record.baseline["duration_s"]
     assert (
         done.reason.startswith("tuning cannot pay: the run ends in 1:")
         and f"a trial costs ~{cost:.0f} s here" in done.reason
     )
     plan = ctl.decisions[-1]
-    left = plan.remaining_steps * 4096 / ctl.baseline["tokens_per_s"]
+    left = plan.remaining_steps * 4096 / ctl.record.baseline["tokens_per_s"]
     assert plan.choice is Choice.PLAN and not plan.apply and plan.cost_s == pytest.approx(cost)
     assert plan.remaining_steps == 200 - ctl.last_step and ctl.loss_allowance_s == pytest.approx(0.1 * left)
     assert f"more than the {0.1 * left:.0f} s tuning may still lose" in plan.reason
@@ -525,7 +527,7 @@ def test_the_t_key_on_a_run_near_its_end_plans_before_measuring(tmp_path):
         "costs ~12 s here, more than the 7 s tuning may still lose"
     )
     assert ctl.decisions[-1].cost_s == pytest.approx(10.0 + 0.25 * 18 * 0.45)
-    assert ctl.trials_run == 0 and ctl.baseline is None
+    assert ctl.record.trials_run == 0 and ctl.record.baseline is None
     assert [e.phase for e in ctl.drain_events() if e.type == "tuner"][-1] == "done"
 
 
@@ -625,7 +627,7 @@ def test_it_applies_the_best_once_exploring_is_worth_less(tmp_path):
         f"stopped exploring at step {stop[0].step}: {stop[0].remaining_steps} steps "
         f"left, applying trial {apply.number} saves "
     )
-    assert stop[0].remaining_steps > 100 and 1 <= ctl.trials_run < 6  # applied with most of the run left
+    assert stop[0].remaining_steps > 100 and 1 <= ctl.record.trials_run < 6  # applied with most of the run left
     assert ctl.budget.elapsed() < ctl.budget.total_s - 30  # not because the budget ran out
     switch = ctl.decisions[-1]
     assert switch.choice is Choice.SWITCH and switch.apply and switch.cost_s > 0
@@ -691,7 +693,7 @@ def test_an_unstable_baseline_is_never_a_denominator(tmp_path):
     clock = Clock()
     ctl = make_ctl(tmp_path, clock, spec=NEUTRAL, startup_s=5.0, max_trials=3)
     seen = drive(ctl, clock, Machine(clock, noisy_start=True))
-    base = ctl.baseline
+    base = ctl.record.baseline
     assert base["spread"] > 0.25 * base["tokens_per_s"]
     assert any(isinstance(a, Remeasure) and a.toggles == ctl.base for a in seen)  # it tried to make it hold
     assert not any(isinstance(a, Apply) for a in seen)

@@ -101,15 +101,13 @@ def test_the_ledger_bounds_the_gain_and_what_tuning_may_still_lose():
 
 def test_a_plan_on_a_short_run_says_tuning_cannot_pay():
     ledger = Ledger(max_share=0.5, max_loss=0.1, prior_gain=1.5, explore_gain=1.5, say=lambda s: None)
-    ledger.loss_allowance_s = 10.0
     o = Outlook(costs(), step=100, remaining=50, step_s=1.0, between_s=0.0, best=None, switch=None, spent_s=None)
-    d = ledger.plan(o, trial_s=60.0)
+    d = ledger.plan(o, trial_s=60.0, allowance_s=10.0)
     assert not d.apply and d.choice is Choice.PLAN and d.reason.startswith("tuning cannot pay: ")
     long = Outlook(
         costs(), step=100, remaining=100_000, step_s=1.0, between_s=0.0, best=None, switch=None, spent_s=None
     )
-    ledger.loss_allowance_s = 10_000.0
-    assert ledger.plan(long, trial_s=60.0).reason.startswith("tuning can pay: ")
+    assert ledger.plan(long, trial_s=60.0, allowance_s=10_000.0).reason.startswith("tuning can pay: ")
 
 
 def test_a_kind_that_cannot_pay_is_dropped_for_the_run_and_said_once():

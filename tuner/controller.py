@@ -13,8 +13,11 @@ through the phases: find-micro-batch -> baseline -> trials -> remeasure -> decid
 * remeasure: `standings.remeasure_plan` (`tuner.schedule`); estimates pool both measurements.
 * decide: `standings.judge`; Apply or Done.
 
-A finished measurement (`finish_trial`) goes to its kind's handler (`tuner.finishing`), healthy or failed: a trial is told to
-the study, a re-measurement pools into its trial, the baseline becomes the start's measurement; a failed one
+The record of what the tuning measured and did (`tuner.record.TuningRecord`, with the `Reserves` the session
+learns) is written here only: `tuner.finishing`, `tuner.schedule`, `tuner.run_figures`, `tuner.starting` and
+`tuner.deciding` read it through a `TunerView` and return changes that `apply` applies in order. A finished
+measurement (`finish_trial`) goes to its kind's handler (`tuner.finishing`), healthy or failed: a trial is told
+to the study, a re-measurement pools into its trial, the baseline becomes the start's measurement; a failed one
 was rolled back. When the start itself runs out of memory the space is widened to the memory savers
 (`space.for_memory`) and tuning goes on in that space's study (`study` changes: the session reports from
 `ctl.study`).
@@ -37,7 +40,6 @@ from trainer.contract import capabilities
 from trainer.contract.config import AUTO, TrainConfig, Toggles
 from trainer.contract.device import DeviceInfo
 from trainer.contract.events import (
-    ApplyEvent,
     CheckpointEvent,
     ErrorEvent,
     Event,
@@ -50,16 +52,29 @@ from trainer.contract.events import (
     TunerEvent,
     WarningEvent,
 )
-from trainer.contract.states import TRIAL_FAILURES, TrialKind, TrialOutcome, TrialStatus, TunerPhase
+from trainer.contract.states import TRIAL_FAILURES, TrialKind, TrialOutcome, TunerPhase
 
-from . import finishing, report_info, run_figures, standings
+from . import deciding, finishing, report_info, run_figures, standings, starting
 from .actions import Action, Apply, Done, FindMicroBatch, Remeasure, RunTrial
 from .budget import Budget
 from .decide import Decision, hopeless, should_prune
 from .economics import Ledger
-from .measure import LossGuard, LossTrend, Measurement, RunPace, TrialStop
+from .measure import LossTrend, RunPace, TrialStop
 from .proposals import AdviceTry
-from .schedule import Schedule
+from .record import (
+    Change,
+    Decided,
+    Note,
+    Planned,
+    Reserves,
+    Result,
+    Said,
+    StartFailed,
+    TrendPoints,
+    TrialStarted,
+    TuningRecord,
+)
+from .schedule import STUCK, MAX_ASKS, Over, Run, Schedule, Screen
 from .settings import TunerSettings
 from .space import SearchSpace
 from .standings import Judgement, Standing
@@ -110,46 +125,33 @@ class TuneController:
             explore_gain=s.explore_gain,
             say=self.say,
         )
-        # what the session updates as it learns this setup: the trainer's start, the final switch's reserve,
-        # a trial's time limit; and the budget kept for re-measurements when a trial starts
-        self.startup_s = s.startup_s
-        self.switch_reserve_s = s.switch_reserve_s
-        self.trial_timeout_s = s.trial_timeout_s or (s.max_seconds + 2 * s.default_restart_s + 600.0)
-        self.reserve_trials = s.remeasure_top if s.reserve_trials is None else s.reserve_trials
-        self.continue_free = True  # the process running now can train on without a restart
+        # what the session updates as it learns this setup (`learn_restart`): the trainer's start, the final
+        # switch's reserve, a trial's time limit; and the budget kept for re-measurements when a trial starts
+        self.reserves = Reserves(
+            startup_s=s.startup_s,
+            switch_reserve_s=s.switch_reserve_s,
+            trial_timeout_s=s.trial_timeout_s or (s.max_seconds + 2 * s.default_restart_s + 600.0),
+            reserve_trials=s.remeasure_top if s.reserve_trials is None else s.reserve_trials,
+        )
         self.pace_s: float | None = None  # seconds per step at the start's speed (before the baseline)
         self.run_pace = RunPace()  # the run's time between its steps (checkpoints, evals, logging)
-        self.base_failed = False  # the start itself failed (OOM, ...): anything that runs beats it
-        self.aborted = False  # tuning was abandoned (the run ended or was interrupted)
         self._ranked: tuple[int, list[Standing]] | None = None
         self._progress_at = 0.0
-        self.slow_compile: set[str] = set()  # compile modes that did not warm up within a trial's time
         self.tokens_per_step = base_cfg.optim.global_batch * base_cfg.data.seq_len
         self.phase = TunerPhase.INIT
         self.max_mb: int | None = s.max_micro_batch
         self._mb_known = s.max_micro_batch is not None
         self.last_step = 0
-        self.checkpoint_s = 0.0
         self.trend = LossTrend()
-        self.baseline: dict[str, Any] | None = None
-        self.baseline_number: int | None = None
-        self.results: list[dict[str, Any]] = []  # this run's finished trials (trial events + extras)
-        self.trials_run = 0
-        self.screened = 0
-        self.kept_tokens = 0
-        self.rolled_back_s = 0.0
-        self.stop_note = ""
-        self.decision: Decision | None = None
-        self.applied: Toggles | None = None
         self._active: ActiveTrial | None = None
         self._schedule = Schedule()
         self._final: Done | None = None
         self._prefix = ""  # "stopped by the user: " before the decision
         self._events: list[Event] = []
         self._version = 0  # bumped when a measurement is recorded (the best may change)
-        self.running: Toggles | None = self.base  # what the trainer process runs, as far as we know
-        # the optimizer whose state the newest kept checkpoint holds: what a trial's switch converts from
-        self.state_optimizer = self.cfg.toggles.optimizer
+        # what the trainer process runs, and the optimizer whose state the newest kept checkpoint holds (what a
+        # trial's switch converts from)
+        self.record = TuningRecord(running=self.base, state_optimizer=self.cfg.toggles.optimizer)
 
     # --- derived ----------------------------------------------------------------------
     @property
@@ -190,6 +192,11 @@ class TuneController:
         return self.ledger.decisions
 
     @property
+    def checkpoint_s(self) -> float:
+        """How long this setup's last checkpoint took to write."""
+        return self.reserves.checkpoint_s
+
+    @property
     def loss_allowance_s(self) -> float | None:
         """What tuning may lose, decided before the first trial (None before, or with --tune-only)."""
         return self.ledger.loss_allowance_s
@@ -219,11 +226,11 @@ class TuneController:
             phase=self.phase,
             budget_left_s=round(self.budget.left(), 1),
             trial=a.number if a else None,
-            trials_run=self.trials_run,
+            trials_run=self.record.trials_run,
             trials_planned=self.trials_planned,
             study=self.study.name,
             outcome=final.reason if final is not None else None,
-            applied=(self.applied is not None) if final is not None else None,
+            applied=(self.record.applied is not None) if final is not None else None,
             measure=self.measure_progress(),
             budget_s=round(self.budget.total_s, 1),
             best=self.best_event(),
@@ -258,8 +265,8 @@ class TuneController:
         self._mb_known = True
         if self.max_mb:
             self.study.set_attr(self._mb_attr(), self.max_mb)
-            if self.running is self.cfg.toggles or self.running == self.cfg.toggles:
-                self.running = self.base
+            if self.record.running is self.cfg.toggles or self.record.running == self.cfg.toggles:
+                self.record.running = self.base
 
     def observe(self, event: Event) -> None:
         """Feed every trainer event (other ranks and unknown types are ignored)."""
@@ -267,7 +274,7 @@ class TuneController:
             return
         a = self._active
         if isinstance(event, CheckpointEvent):
-            self.checkpoint_s = event.seconds or 0.0
+            self.reserves.checkpoint_s = event.seconds or 0.0
         elif isinstance(event, HelloEvent):
             self.run_pace.restart()
         elif isinstance(event, WarningEvent):
@@ -303,14 +310,14 @@ class TuneController:
             return a.failure[0]
         if a.measure.done:
             a.stop = TrialStop.DONE
-        elif self.budget.expired() or (self.budget.started and self.budget.left() <= self.switch_reserve_s):
+        elif self.budget.expired() or (self.budget.started and self.budget.left() <= self.reserves.switch_reserve_s):
             a.stop = TrialStop.BUDGET
         elif a.kind is TrialKind.TRIAL and (
             should_prune(a.measure, self.best_this_run(), self.settings.prune_margin)
             or hopeless(a.measure, self.best_this_run())
         ):
             a.stop = TrialStop.PRUNE
-        elif self.clock() - a.start > self.trial_timeout_s:
+        elif self.clock() - a.start > self.reserves.trial_timeout_s:
             a.stop = TrialStop.TIMEOUT
             return TrialStop.DONE
         return a.stop
@@ -336,25 +343,80 @@ class TuneController:
             if not self._mb_known:
                 return FindMicroBatch()
             self.set_phase(TunerPhase.BASELINE)
+        if self.phase in (TunerPhase.BASELINE, TunerPhase.TRIALS):
+            changes, end = run_figures.plan(self)
+            self.apply(changes)
+            if end is not None:
+                return self.done(end, self.base)
         if self.phase is TunerPhase.BASELINE:
-            done = run_figures.plan(self)
-            if done is not None:
-                return done
             return self.start_measurement(TrialKind.BASELINE, self.base, None)
         if self.phase is TunerPhase.TRIALS:
-            done = run_figures.plan(self)
-            if done is not None:
-                return done
-            trial = self._schedule.next_trial(self)
+            trial = self._next_trial()
             if trial is not None:
                 return trial
             self.set_phase(TunerPhase.REMEASURE)
         if self.phase is TunerPhase.REMEASURE:
-            again = self._schedule.next_remeasure(self)
-            if again is not None:
+            st = self._schedule.next_remeasure(self)
+            if st is not None:
+                again = self.start_measurement(
+                    TrialKind.REMEASURE, st.cand.toggles, None, number=st.cand.number, earlier=st.earlier
+                )
+                assert isinstance(again, Remeasure)
                 return again
             self.set_phase(TunerPhase.DECIDE)
         return self.decide()
+
+    def _next_trial(self) -> RunTrial | None:
+        """Start the next trial the schedule lets through (recording the proposals it screens out), or None
+        with the record's `stop_note` saying why the trials are over."""
+        for _ in range(MAX_ASKS):
+            step = self._schedule.next_trial(self)
+            if isinstance(step, Over):
+                self.apply([Note(step.note)])
+                return None
+            p = step.proposal
+            if isinstance(step, Screen):
+                self.apply(finishing.screened_out(self, p, step.screened))
+                continue
+            assert isinstance(step, Run)
+            self.apply([TrialStarted()])
+            action = self.start_measurement(TrialKind.TRIAL, p.toggles, p, source=p.source, advice=p.advice)
+            assert isinstance(action, RunTrial)
+            return action
+        self.apply([Note(STUCK)])
+        return None
+
+    def apply(self, changes: list[Change]) -> None:
+        """Apply what a finished measurement, the plan or the schedule changed, in order: the record's own
+        changes by the record (`TuningRecord.apply`), the rest to the ledger, the budget, the loss trend, the
+        space and the event stream."""
+        for c in changes:
+            self.record.apply(c)
+            match c:
+                case StartFailed() if c.memory is not None:
+                    self.widen_for_memory(c.memory)
+                case TrendPoints():
+                    for step, loss in c.points:
+                        self.trend.add(step, loss)
+                case Decided():
+                    self.ledger.record(c.decision, self.last_step, say=c.say)
+                case Said():
+                    self.say(c.message)
+                case Planned():
+                    self.ledger.set_plan(c.loss_allowance_s, c.measured)
+                    self.budget.limit(c.budget_s)
+                case Result():
+                    self.emit(c.event)
+                    self.emit(self.tuner_event())
+
+    def learn_restart(self, restart_s: float, trial_timeout_s: float) -> None:
+        """What a restart of this setup's trainer takes (measured by the session): the trainer's start, the
+        budget kept for the final switch (a restart and a checkpoint), and a trial's time limit (at least
+        `trial_timeout_s`)."""
+        rv = self.reserves
+        rv.startup_s = restart_s
+        rv.switch_reserve_s = restart_s + rv.checkpoint_s
+        rv.trial_timeout_s = max(rv.trial_timeout_s, trial_timeout_s)
 
     def start_measurement(
         self,
@@ -367,71 +429,19 @@ class TuneController:
         advice: str | None = None,
     ) -> RunTrial | Remeasure:
         """Start measuring `toggles` as a `kind` (the trial of `proposal`, or trial `number` again)."""
-        measure = Measurement(**self.settings.measure_kw())
-        strict = self.space.numerics_changing(toggles)
-        restart = toggles != self.running
-        if restart:  # a trial's process: training on in it needs a restart unless its settings are the user's
+        b = starting.begin(self, kind, toggles, proposal, self.clock(), number, source, earlier, advice)
+        if b.restart:  # a trial's process: training on in it needs a restart unless its settings are the user's
             self.run_pace.restart()
-            self.continue_free = self.settings.trial_process_continues
-        if proposal is not None:
-            number = proposal.number
-        note = capabilities.optimizer_switch(self.state_optimizer, toggles.optimizer) if restart else None
-        # a switch that starts the optimizer state fresh is measured, then rolled back: the run keeps its state
-        keep = not note or capabilities.optimizer_state_carries(self.state_optimizer, toggles.optimizer)
-        if kind is TrialKind.REMEASURE:
-            assert number is not None
-            action: RunTrial | Remeasure = Remeasure(number, toggles, measure, restart, keep_steps=keep)
-        else:
-            action = RunTrial(
-                number,
-                toggles,
-                measure,
-                baseline=kind is TrialKind.BASELINE,
-                restart=restart,
-                numerics_changing=strict,
-                source=source,
-                keep_steps=keep,
-                advice=advice,
-            )
-        self._active = ActiveTrial(
-            kind,
-            action,
-            toggles,
-            proposal,
-            number,
-            self.clock(),
-            measure,
-            LossGuard(self.trend, strict),
-            strict,
-            last_touch=self.clock(),
-            note=note or "",
-            earlier=earlier,
-            advice=advice,
-        )
-        if number is not None:  # views key trials by number; an unnumbered baseline gets one row, at its end
-            self.emit(
-                TrialEvent(
-                    number=number,
-                    toggles=toggles,
-                    status=TrialStatus.RUNNING,
-                    tokens_per_s=None,
-                    spread=None,
-                    peak_mem=None,
-                    reason="",
-                    kind=kind,
-                    source=source if kind is TrialKind.TRIAL else kind,
-                    earlier=earlier,
-                    advice=advice,
-                    compile=None,
-                    unsteady=False,
-                )
-            )
+            self.record.continue_free = self.settings.trial_process_continues
+        self._active = b.active
+        if b.event is not None:
+            self.emit(b.event)
         self.emit(self.tuner_event())
-        return action
+        return b.action
 
     def best_this_run(self) -> float | None:
         """The fastest measurement of this run that holds: the pruning reference."""
-        return standings.pruning_reference(self.results, self.settings.trust_spread)
+        return standings.pruning_reference(self.record.results, self.settings.trust_spread)
 
     # --- finishing a trial ------------------------------------------------------------
     def finish_trial(
@@ -455,8 +465,13 @@ class TuneController:
         if outcome is TrialOutcome.OK and a.failure:
             outcome, reason = a.failure[0], reason or a.failure[1]
         if outcome.failed:
-            return finishing.finish_failed(self, a, end, outcome, reason, rollback)
-        return finishing.finish_measured(self, a, end, reason, rollback)
+            changes = finishing.finish_failed(self, a, end, outcome, reason, rollback)
+        else:
+            changes = finishing.finish_measured(self, a, end, reason, rollback)
+        self.apply(changes)
+        result = changes[-1]
+        assert isinstance(result, Result)
+        return result.event
 
     def widen_for_memory(self, reason: str) -> None:
         """Memory is the constraint after all: the trials to come search the space widened to the memory-saving
@@ -476,8 +491,8 @@ class TuneController:
         self._active = None
         if a is not None and a.proposal is not None:
             self.study.tell_failed(a.proposal, reason)
-        self._final = Done(reason, self.running or self.base, restart=False)
-        self.aborted = True
+        self._final = Done(reason, self.record.running or self.base, restart=False)
+        self.record.aborted = True
         self.budget.stop()
         self.set_phase(TunerPhase.DONE)
 
@@ -495,17 +510,17 @@ class TuneController:
             if a.proposal is not None:
                 self.study.tell_failed(a.proposal, reason)
             if rolled_back:
-                self.running = None
-                self.rolled_back_s += self.clock() - a.start
+                self.record.running = None
+                self.record.rolled_back_s += self.clock() - a.start
             else:
-                self.kept_tokens += a.measure.steps * self.tokens_per_step
-                self.state_optimizer = a.toggles.optimizer
+                self.record.kept_tokens += a.measure.steps * self.tokens_per_step
+                self.record.state_optimizer = a.toggles.optimizer
             if a.kind is TrialKind.BASELINE:
                 self.phase = TunerPhase.TRIALS
-        if self.baseline is None:
-            self.stop_note = f"{reason} before the starting configuration was measured"
+        if self.record.baseline is None:
+            self.record.stop_note = f"{reason} before the starting configuration was measured"
             return self.done(f"{reason}; nothing measured to decide on", self.base)
-        self.stop_note = reason
+        self.record.stop_note = reason
         return self.decide(prefix=f"{reason}: ")
 
     def gain_bound(self) -> float:
@@ -528,7 +543,7 @@ class TuneController:
 
     def best(self) -> Standing | None:
         """The best so far (`standings.best_of`): what the views, the decision and the report name."""
-        return standings.best_of(self.standings(), self.study, self.base_failed, self.settings.trust_spread)
+        return standings.best_of(self.standings(), self.study, self.record.base_failed, self.settings.trust_spread)
 
     def judge(self) -> Judgement:
         """The best and whether switching to it now pays (`standings.judge`)."""
@@ -542,7 +557,7 @@ class TuneController:
             tokens_per_step=self.tokens_per_step,
             switch_s=run_figures.costs(self).switch_s,
             trust_spread=self.settings.trust_spread,
-            stop_note=self.stop_note,
+            stop_note=self.record.stop_note,
         )
 
     # --- deciding -------------------------------------------------------------------
@@ -555,29 +570,15 @@ class TuneController:
         if decision is None:
             return self.done(why, base)
         decision = dataclasses.replace(decision, step=self.last_step)
-        self.decision = decision
+        self.record.decision = decision
         self.ledger.record(decision, self.last_step)
         if not decision.apply:
             return self.done(decision.reason, base)
         assert best is not None
         c = best.cand
-        base_est = run_figures.base_estimate(self)
-        self.applied = c.toggles
-        restart = c.toggles != self.running
-        best_tps = (
-            base_est[0] * best.speedup if base_est is not None and math.isfinite(best.speedup) else c.tokens_per_s
-        )
-        self.emit(
-            ApplyEvent(
-                toggles=c.toggles,
-                decision=decision.to_dict(),
-                number=c.number,
-                tokens_per_s=best_tps,
-                baseline_tokens_per_s=base_est[0] if base_est else None,
-                step=self.last_step,
-                earlier=best.earlier,
-            )
-        )
+        self.record.applied = c.toggles
+        restart = c.toggles != self.record.running
+        self.emit(deciding.apply_event(self, best, decision))
         self._final = Done(f"{prefix}applied {best.label}: {decision.reason}", c.toggles, restart=False)
         self.budget.stop()
         self.phase = TunerPhase.DONE
@@ -587,11 +588,11 @@ class TuneController:
     def done(self, reason: str, toggles: Toggles) -> Done:
         """End tuning: train on with `toggles` (`reason` after any prefix of an early stop)."""
         reason = self._prefix + reason
-        self._final = Done(reason, toggles, restart=toggles != self.running)
+        self._final = Done(reason, toggles, restart=toggles != self.record.running)
         self.budget.stop()
         self.set_phase(TunerPhase.DONE)
         return self._final
 
     def report_info(self) -> dict[str, Any]:
         """What `tuner.tuning_report.write_report` needs besides the study (`tuner.report_info`)."""
-        return report_info.report_info(self)
+        return report_info.report_info(self, self._final)

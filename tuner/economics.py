@@ -203,6 +203,11 @@ class Ledger:
         self.dropped: set[str] = set()  # kinds of trial that can no longer pay
         self.stopped_exploring = False
 
+    def set_plan(self, loss_allowance_s: float, measured: bool) -> None:
+        """The plan's allowance, and whether it rests on the start's own measurement (then it is final)."""
+        self.loss_allowance_s = loss_allowance_s
+        self.planned = measured
+
     def record(self, d: Decision, step: int, say: bool = False) -> None:
         """A decision into the ledger (at `step` unless it has its own) and, `say`, a line in the stream."""
         self.decisions.append(dataclasses.replace(d, step=step if d.step is None else d.step))
@@ -215,14 +220,15 @@ class Ledger:
         seen = best.speedup if best is not None and best.holds and math.isfinite(best.speedup) else 1.0
         return max(self.prior_gain, seen * self.explore_gain)
 
-    def loss_left(self, o: Outlook) -> float:
-        """What tuning may still lose: its allowance, plus what switching to the best would save now, minus
-        what it has cost so far."""
-        if self.loss_allowance_s is None:
+    def loss_left(self, o: Outlook, allowance_s: float | None = None) -> float:
+        """What tuning may still lose: its allowance (`allowance_s`, else the plan's), plus what switching to
+        the best would save now, minus what it has cost so far."""
+        allowance = self.loss_allowance_s if allowance_s is None else allowance_s
+        if allowance is None:
             return math.inf
         switch = o.switch
         secured = max(0.0, switch.expected_saving_s - switch.cost_s) if switch is not None and switch.apply else 0.0
-        return self.loss_allowance_s + secured - (o.spent_s or 0.0)
+        return allowance + secured - (o.spent_s or 0.0)
 
     def loss_note(self) -> str:
         return (
@@ -230,8 +236,8 @@ class Ledger:
             "minus what tuning has cost)"
         )
 
-    def plan(self, o: Outlook, trial_s: float) -> Decision:
-        """Before the first trial (the allowance already set): can a trial of the cheapest kind, taking
+    def plan(self, o: Outlook, trial_s: float, allowance_s: float) -> Decision:
+        """Before the first trial, tuning allowed to lose `allowance_s`: can a trial of the cheapest kind, taking
         `trial_s`, pay? The decision's reason says "tuning can pay" or "tuning cannot pay"."""
         assert o.step_s is not None
         d = trial_pays(
@@ -240,7 +246,7 @@ class Ledger:
             o.remaining,
             o.step_s,
             self.gain_bound(o.best),
-            self.loss_left(o),
+            self.loss_left(o, allowance_s),
             what="a trial",
             choice=Choice.PLAN,
             step=o.step,

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import run_figures
+from .actions import Done
+from .record import TunerView
 from .space import MEMORY_SAVING
 
-if TYPE_CHECKING:
-    from .controller import TuneController
 
-
-def report_info(ctl: TuneController) -> dict[str, Any]:
+def report_info(ctl: TunerView, final: Done | None) -> dict[str, Any]:
     """This run's baseline, best, decision and ledger (`ledger` says what its figures mean)."""
     best = ctl.best()
     c = best.cand if best is not None else None
@@ -26,17 +25,17 @@ def report_info(ctl: TuneController) -> dict[str, Any]:
         "device": ctl.dev.to_dict(),
         "base": dataclasses.asdict(ctl.base),
         "baseline": baseline(ctl),
-        "baseline_number": ctl.baseline_number,
+        "baseline_number": ctl.record.baseline_number,
         "best": dataclasses.asdict(c.toggles) if c else None,
         "best_number": c.number if c else None,
         "best_tokens_per_s": c.tokens_per_s if c else None,
         "best_spread": c.spread if c else None,
         "best_speedup": best.speedup if best is not None and math.isfinite(best.speedup) else None,
         "best_label": best.label if best is not None else None,
-        "applied": dataclasses.asdict(ctl.applied) if ctl.applied else None,
-        "decision": ctl.decision.to_dict() if ctl.decision else None,
-        "outcome": ctl.final.reason if ctl.final else ctl.stop_note,
-        "stop_note": ctl.stop_note,
+        "applied": dataclasses.asdict(ctl.record.applied) if ctl.record.applied else None,
+        "decision": ctl.record.decision.to_dict() if ctl.record.decision else None,
+        "outcome": final.reason if final else ctl.record.stop_note,
+        "stop_note": ctl.record.stop_note,
         "memory": (
             {"reason": space.memory, "choices": {n: list(space.choices[n]) for n in MEMORY_SAVING}}
             if space.memory
@@ -44,24 +43,27 @@ def report_info(ctl: TuneController) -> dict[str, Any]:
         ),
         "results": [
             {**{k: v for k, v in r.items() if k not in ("summary",)}, "toggles": dataclasses.asdict(r["toggles"])}
-            for r in ctl.results
+            for r in ctl.record.results
         ],
-        "ledger": ledger(ctl),
+        "ledger": ledger(ctl, final),
     }
 
 
-def baseline(ctl: TuneController) -> dict[str, Any] | None:
+def baseline(ctl: TunerView) -> dict[str, Any] | None:
     """This run's measurement of the start and whether it holds (None when it was not measured)."""
-    if not ctl.baseline:
+    if not ctl.record.baseline:
         return None
     base = run_figures.base_estimate(ctl)
     return {
-        **{k: ctl.baseline.get(k) for k in ("tokens_per_s", "spread", "peak_mem", "energy_per_token", "n", "steps")},
+        **{
+            k: ctl.record.baseline.get(k)
+            for k in ("tokens_per_s", "spread", "peak_mem", "energy_per_token", "n", "steps")
+        },
         "holds": ctl.holds(*base) if base is not None else False,
     }
 
 
-def ledger(ctl: TuneController) -> dict[str, Any]:
+def ledger(ctl: TunerView, final: Done | None) -> dict[str, Any]:
     """The whole tuning weighed against not tuning: `cost_s` is its time beyond what the steps it kept take at
     the start's speed (slow, rolled-back and restarting trials all count), `switch_s` the switch that follows it
     (to the applied setting, or back to the start), `saving_s` what the applied setting saves over the remaining
@@ -69,13 +71,12 @@ def ledger(ctl: TuneController) -> dict[str, Any]:
     exploring and the switch, with their figures."""
     remaining = run_figures.remaining(ctl)
     cost = run_figures.cost_so_far(ctl)
-    decision = ctl.decision
-    applied = decision is not None and decision.apply and ctl.applied is not None
+    decision = ctl.record.decision
+    applied = decision is not None and decision.apply and ctl.record.applied is not None
     saving = decision.expected_saving_s if applied and decision is not None else 0.0
-    final = ctl.final
     if applied and decision is not None:
         switch = decision.cost_s
-    elif final is None or ctl.aborted or not ctl.settings.run_pays or remaining == 0:
+    elif final is None or ctl.record.aborted or not ctl.settings.run_pays or remaining == 0:
         switch = 0.0  # the run ended or stopped while tuning, or --tune-only stops it: no switch
     else:
         switch = run_figures.costs(ctl).switch_s(final.toggles)
@@ -84,11 +85,11 @@ def ledger(ctl: TuneController) -> dict[str, Any]:
         "budget_s": budget.total_s,
         "requested_budget_s": budget.requested_s,
         "tuning_s": budget.elapsed(),
-        "trials_run": ctl.trials_run,
-        "screened": ctl.screened,
+        "trials_run": ctl.record.trials_run,
+        "screened": ctl.record.screened,
         "skipped": ctl.study.skipped(ctl.study.run_id),
-        "kept_tokens": ctl.kept_tokens,
-        "rolled_back_s": ctl.rolled_back_s,
+        "kept_tokens": ctl.record.kept_tokens,
+        "rolled_back_s": ctl.record.rolled_back_s,
         "cost_s": cost,
         "switch_s": switch,
         "saving_s": saving,
@@ -98,7 +99,7 @@ def ledger(ctl: TuneController) -> dict[str, Any]:
         "tokens_per_step": ctl.tokens_per_step,
         "step_s": run_figures.step_s(ctl),
         "between_s": ctl.run_pace.between_s(),
-        "loss_allowance_s": ctl.loss_allowance_s,
+        "loss_allowance_s": ctl.ledger.loss_allowance_s,
         "projected_saving_s": saving - switch if applied else None,
-        "decisions": [d.to_dict() for d in ctl.decisions],
+        "decisions": [d.to_dict() for d in ctl.ledger.decisions],
     }
