@@ -442,14 +442,15 @@ def sample_gpu(
     sm_max = q(index, "nvmlDeviceGetMaxClockInfo", nv.constant("NVML_CLOCK_SM", 1))
     gpm = nv.gpm(index) or {}
     proc_mem = None
+    procs = nv.device_query_first(
+        index, [("nvmlDeviceGetComputeRunningProcesses", ()), ("nvmlDeviceGetComputeRunningProcesses_v2", ())]
+    )
     if pids:
-        procs = nv.device_query_first(
-            index, [("nvmlDeviceGetComputeRunningProcesses", ()), ("nvmlDeviceGetComputeRunningProcesses_v2", ())]
-        )
         # NVML reports host PIDs: inside a PID namespace (container) ours may not match; then n/a, not 0.
         used = [getattr(p, "usedGpuMemory", None) for p in procs or () if getattr(p, "pid", None) in pids]
         known = [u for u in used if u is not None]
         proc_mem = sum(known) if known else None
+    others = other_processes(procs, pids)
     return GpuReading(
         index=index,
         name=name,
@@ -462,6 +463,7 @@ def sample_gpu(
         temp_c=finite_or_none(temp),
         sm_clock_mhz=finite_or_none(sm),
         proc_mem=proc_mem,
+        other_procs=others,
         sm_clock_max_mhz=finite_or_none(sm_max),
         clock_reasons=nv.clock_reasons(index),
         sm_active_pct=finite_or_none(gpm.get("sm_active")),
@@ -473,6 +475,18 @@ def sample_gpu(
         xids=xids or None,
         lost=True if nv.is_lost(index) else None,
     )
+
+
+def other_processes(procs: Any, pids: set[int]) -> int | None:
+    """How many compute processes on a GPU are not the trainer's (`pids`); None when NVML gave no list, or
+    when the trainer runs but none of NVML's PIDs is one of its (a container's PID namespace: ours cannot be
+    told from the others)."""
+    if procs is None:
+        return None
+    seen = [getattr(p, "pid", None) for p in procs]
+    if pids and seen and not any(pid in pids for pid in seen):
+        return None
+    return sum(1 for pid in seen if pid not in pids)
 
 
 def _int(v: Any) -> int | None:

@@ -50,7 +50,7 @@ import os
 import queue
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from trainer.contract import events as ev
 from trainer.contract.config import AUTO, Toggles, TrainConfig
@@ -63,6 +63,7 @@ from .tuning_space import tuning_space
 
 if TYPE_CHECKING:
     from tuner.controller import Remeasure, RunTrial, TuneController
+    from tuner.load import LoadPoint
     from tuner.study import TuneStudy
 
     from .state import RunState
@@ -100,6 +101,7 @@ class TuningHost(Protocol):
     def spawn(self, cfg: TrainConfig | None = None, resume: str | None = None) -> None: ...
     def handle_exit(self, code: int) -> None: ...
     def energy_between(self, t0: float, t1: float) -> float | None: ...
+    def load_between(self, t0: float, t1: float) -> Sequence[LoadPoint]: ...
 
 
 class TuningDriver:
@@ -365,6 +367,7 @@ class TuningDriver:
             trial_timeout_s=2 * per_trial + 2 * restart,
             switch_reserve_s=restart,
             energy=self.session.energy_between,
+            load=self.session.load_between,  # measurements compared only under the same background load
             run_pays=not self.tune_only,
             startup_s=startup,
             # a trial's process trains on as it is only if its settings are the user's

@@ -45,10 +45,8 @@ from trainer.contract.events import (
     Event,
     HelloEvent,
     LogEvent,
-    MeasureProgress,
     StepEvent,
     TrialEvent,
-    TunerBest,
     TunerEvent,
     WarningEvent,
 )
@@ -59,6 +57,7 @@ from .actions import Action, Apply, Done, FindMicroBatch, Remeasure, RunTrial
 from .budget import Budget
 from .decide import Decision, hopeless, should_prune
 from .economics import Ledger
+from .load import Load
 from .measure import LossTrend, RunPace, TrialStop
 from .proposals import AdviceTry
 from .record import (
@@ -79,7 +78,7 @@ from .settings import TunerSettings
 from .space import SearchSpace
 from .standings import Judgement, Standing
 from .study import Proposal, TuneStudy
-from .trial import ActiveTrial, compile_words, reported_peak
+from .trial import LOAD_RETRIES, ActiveTrial, compile_words, reported_peak
 
 # the names the session drives the tuner with, importable from here
 __all__ = [
@@ -220,30 +219,9 @@ class TuneController:
         return out
 
     def tuner_event(self) -> TunerEvent:
-        a = self._active
+        """The `tuner` event of now (`deciding.tuner_event`)."""
         final = self._final if self.phase is TunerPhase.DONE else None
-        return TunerEvent(
-            phase=self.phase,
-            budget_left_s=round(self.budget.left(), 1),
-            trial=a.number if a else None,
-            trials_run=self.record.trials_run,
-            trials_planned=self.trials_planned,
-            study=self.study.name,
-            outcome=final.reason if final is not None else None,
-            applied=(self.record.applied is not None) if final is not None else None,
-            measure=self.measure_progress(),
-            budget_s=round(self.budget.total_s, 1),
-            best=self.best_event(),
-        )
-
-    def best_event(self) -> TunerBest | None:
-        """The best so far as the views show it: the trial `decide` and the report would name."""
-        st = self.best()
-        return st.event() if st is not None else None
-
-    def measure_progress(self) -> MeasureProgress | None:
-        """The running measurement's progress (None outside one)."""
-        return self._active.progress() if self._active is not None else None
+        return deciding.tuner_event(self, self.phase, self._active, final, self.trials_planned)
 
     def set_phase(self, phase: TunerPhase) -> None:
         """Move to `phase`, with the tuner event that says so."""
@@ -295,6 +273,7 @@ class TuneController:
         warmed = a.note_step(event, self.tokens_per_step, self.clock())
         if warmed or self.clock() - self._progress_at >= self.settings.progress_every_s:
             self._progress_at = self.clock()
+            a.tag_loads(self.settings.load)  # the samples under another load than most leave the estimate
             self.emit(self.tuner_event())  # the views show the measurement's progress
         if a.proposal is not None and self.clock() - a.last_touch > 60.0:
             self.study.touch(a.proposal)
@@ -309,18 +288,26 @@ class TuneController:
         if a.failure:
             return a.failure[0]
         if a.measure.done:
+            a.tag_loads(self.settings.load)
+            if a.load_changed and a.load_retries < LOAD_RETRIES and self._time_left() >= self.settings.max_seconds:
+                self.say(f"tuner: {a.measure_again(self.settings.measure_kw())}")
+                return None
             a.stop = TrialStop.DONE
         elif self.budget.expired() or (self.budget.started and self.budget.left() <= self.reserves.switch_reserve_s):
             a.stop = TrialStop.BUDGET
         elif a.kind is TrialKind.TRIAL and (
-            should_prune(a.measure, self.best_this_run(), self.settings.prune_margin)
-            or hopeless(a.measure, self.best_this_run())
+            should_prune(a.measure, self.best_this_run(a.measure.load), self.settings.prune_margin)
+            or hopeless(a.measure, self.best_this_run(a.measure.load))
         ):
             a.stop = TrialStop.PRUNE
         elif self.clock() - a.start > self.reserves.trial_timeout_s:
             a.stop = TrialStop.TIMEOUT
             return TrialStop.DONE
         return a.stop
+
+    def _time_left(self) -> float:
+        """What the budget leaves for measuring, the final switch's reserve kept."""
+        return self.budget.left() - self.reserves.switch_reserve_s if self.budget.started else math.inf
 
     # --- the state machine --------------------------------------------------------------
     def next_action(self) -> Action:
@@ -439,9 +426,9 @@ class TuneController:
         self.emit(self.tuner_event())
         return b.action
 
-    def best_this_run(self) -> float | None:
-        """The fastest measurement of this run that holds: the pruning reference."""
-        return standings.pruning_reference(self.record.results, self.settings.trust_spread)
+    def best_this_run(self, load: Load | None = None) -> float | None:
+        """The fastest measurement of this run that holds, under `load`: the pruning reference."""
+        return standings.pruning_reference(run_figures.windows(self), load, self.settings.trust_spread)
 
     # --- finishing a trial ------------------------------------------------------------
     def finish_trial(
@@ -461,6 +448,7 @@ class TuneController:
         self._version += 1
         if a.kind is TrialKind.BASELINE:
             self.phase = TunerPhase.TRIALS
+        a.tag_loads(self.settings.load)
         end = a.end(self.clock(), self.settings.energy)
         if outcome is TrialOutcome.OK and a.failure:
             outcome, reason = a.failure[0], reason or a.failure[1]
@@ -513,7 +501,7 @@ class TuneController:
                 self.record.running = None
                 self.record.rolled_back_s += self.clock() - a.start
             else:
-                self.record.kept_tokens += a.measure.steps * self.tokens_per_step
+                self.record.kept_tokens += a.steps * self.tokens_per_step
                 self.record.state_optimizer = a.toggles.optimizer
             if a.kind is TrialKind.BASELINE:
                 self.phase = TunerPhase.TRIALS
@@ -537,13 +525,13 @@ class TuneController:
         measurement is recorded."""
         if self._ranked is not None and self._ranked[0] == self._version:
             return self._ranked[1]
-        ranked = standings.rank(self.study, self.base, run_figures.base_estimate(self), self.settings.trust_spread)
+        ranked = standings.rank(self.study, self.base, run_figures.windows(self), self.settings.trust_spread)
         self._ranked = (self._version, ranked)
         return ranked
 
     def best(self) -> Standing | None:
         """The best so far (`standings.best_of`): what the views, the decision and the report name."""
-        return standings.best_of(self.standings(), self.study, self.record.base_failed, self.settings.trust_spread)
+        return standings.best_of(self.standings(), run_figures.windows(self), self.base, self.record.base_failed)
 
     def judge(self) -> Judgement:
         """The best and whether switching to it now pays (`standings.judge`)."""
@@ -556,7 +544,7 @@ class TuneController:
             remaining=run_figures.remaining(self),
             tokens_per_step=self.tokens_per_step,
             switch_s=run_figures.costs(self).switch_s,
-            trust_spread=self.settings.trust_spread,
+            start_steady=run_figures.start_steady(self),
             stop_note=self.record.stop_note,
         )
 

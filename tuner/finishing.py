@@ -171,10 +171,10 @@ def finish_measured(
             f"{v.record.state_optimizer} state",
         )
     else:  # its steps (and checkpoints) are kept
-        changes.append(KeptSteps(a.toggles, a.toggles.optimizer, a.measure.steps * v.tokens_per_step))
+        changes.append(KeptSteps(a.toggles, a.toggles.optimizer, a.steps * v.tokens_per_step))
     if not a.strict and rollback is None:
         changes.append(TrendPoints(tuple(a.losses)))
-    status, reason = a.verdict(reason, v.best_this_run())
+    status, reason = a.verdict(reason, v.best_this_run(a.measure.load))
     if a.still_compiling:
         changes.append(SlowCompile(a.toggles.compile))  # still compiling: screen this mode for the run
     unsteady = a.unsteady and a.kind is not TrialKind.BASELINE

@@ -31,6 +31,11 @@ def report_info(ctl: TunerView, final: Done | None) -> dict[str, Any]:
         "best_tokens_per_s": c.tokens_per_s if c else None,
         "best_spread": c.spread if c else None,
         "best_speedup": best.speedup if best is not None and math.isfinite(best.speedup) else None,
+        # the speed-up's interval (its lower end over the start's upper end, and the other way round) and the
+        # load both its measurements were taken under
+        "best_speedup_lo": best.floor if best is not None and math.isfinite(best.floor) else None,
+        "best_speedup_hi": best.hi if best is not None and math.isfinite(best.hi) else None,
+        "best_load": best.load.to_dict() if best is not None and best.load is not None else None,
         "best_label": best.label if best is not None else None,
         "applied": dataclasses.asdict(ctl.record.applied) if ctl.record.applied else None,
         "decision": ctl.record.decision.to_dict() if ctl.record.decision else None,
@@ -59,7 +64,7 @@ def baseline(ctl: TunerView) -> dict[str, Any] | None:
             k: ctl.record.baseline.get(k)
             for k in ("tokens_per_s", "spread", "peak_mem", "energy_per_token", "n", "steps")
         },
-        "holds": ctl.holds(*base) if base is not None else False,
+        "holds": base is not None and run_figures.start_steady(ctl),
     }
 
 

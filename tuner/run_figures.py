@@ -12,6 +12,7 @@ from .decide import Decision
 from .economics import Costs, Outlook
 from .record import Change, Decided, Note, Planned, Said, TunerView
 from .standings import Estimate
+from .windows import Window, windows_of
 
 KEEP = object()  # `costs(running=...)` not given: what the record says runs
 
@@ -34,6 +35,16 @@ def base_estimate(v: TunerView) -> Estimate | None:
     if v.record.baseline is None:
         return None
     return standings.start_estimate(v.study, v.record.baseline, base_number(v))
+
+
+def windows(v: TunerView) -> list[Window]:
+    """This run's measured windows, oldest first (`tuner.windows`)."""
+    return windows_of(v.record.results)
+
+
+def start_steady(v: TunerView) -> bool:
+    """A measurement of the start reached its precision target: it can be a denominator."""
+    return any(w.stable for w in windows(v) if w.toggles == v.base)
 
 
 def step_s(v: TunerView) -> float | None:

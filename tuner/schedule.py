@@ -85,18 +85,17 @@ class Schedule:
     def next_remeasure(self, v: TunerView) -> Standing | None:
         """The next re-measurement that holds a chance to matter and that the budget and the ledger afford."""
         if self.remeasure_plan is None:
+            ranked = v.standings()
+            top = v.settings.remeasure_top
+            # the start again when no measurement of it reached its target, or a leader has none under its load
+            needed = not run_figures.start_steady(v) or any(st.needs_start for st in ranked[:top])
             base = run_figures.base_estimate(v)
-            start = standings.start_standing(
-                v.base, base, run_figures.base_number(v), v.study.run_id, v.settings.trust_spread
-            )
-            self.remeasure_plan = standings.remeasure_plan(
-                v.standings(), start, v.settings.remeasure_top, v.ledger.stopped_exploring
-            )
+            start = standings.start_standing(v.base, base, run_figures.base_number(v), v.study.run_id, needed)
+            self.remeasure_plan = standings.remeasure_plan(ranked, start, top, v.ledger.stopped_exploring)
         while self.remeasure_plan:
             st = self.remeasure_plan.pop(0)
-            base = run_figures.base_estimate(v)
-            if not st.start and st.anchor == "this run" and (base is None or not v.holds(*base)):
-                continue  # compared with a start that does not hold, a re-measurement proves nothing
+            if not st.start and st.anchor == "this run" and not run_figures.start_steady(v):
+                continue  # against a start never measured to its target, a re-measurement proves nothing
             est = run_figures.trial_estimate(v)
             if not v.budget.can_afford(est + v.reserves.switch_reserve_s):
                 self.remeasure_plan = []

@@ -17,6 +17,7 @@ from trainer.contract.config import Toggles
 from trainer.contract.events import CompileWarning, ErrorEvent, MeasureProgress, StepEvent, WarningEvent
 from trainer.contract.states import TRIAL_FAILURES, TrialKind, TrialOutcome, TrialStatus
 
+from . import load as loads
 from .actions import Remeasure, RunTrial
 from .measure import LossGuard, Measurement, TrialStop
 from .study import Proposal
@@ -24,6 +25,11 @@ from .study import Proposal
 # a compile that recompiled at this many distinct steps of one measurement (or fell back to eager) kept
 # recompiling: a one-off recompilation (the first eval, a new shape made dynamic) is warm-up, not a trait
 RECOMPILE_STEPS = 2
+# a measurement that ends unstable with this share of its samples set aside for their load did not fail to
+# settle: the machine's load changed under it, and it is measured again (at most LOAD_RETRIES times)
+LOAD_CHANGED_SHARE = 0.25
+LOAD_RETRIES = 2
+LOAD_CHANGED = "the machine's load changed during the measurement; re-measuring"
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,41 @@ class ActiveTrial:
     advice: str | None = None  # the advice's evidence, for a trial the advice proposed
     compile: dict[str, int] = field(default_factory=dict)  # CompileWarning kind -> count in this measurement
     recompile_steps: set[int] = field(default_factory=set)  # the steps a recompilation happened at
+    load_retries: int = 0  # windows measured again because the load changed under them
+    steps_before: int = 0  # steps of the windows measured again
+    overhead_before: float | None = None  # the restart's overhead, seen by the first window
+
+    # --- the machine's load -------------------------------------------------------------
+    def tag_loads(self, source: loads.LoadSource | None) -> None:
+        """Tag the samples with the load over their time (`source`: the session's load points) and keep those
+        under the load most share (tuner.load); a no-op without a source."""
+        m = self.measure
+        if source is None or not m.samples:
+            return
+        spans = m.spans()
+        points = source(spans[0][0], spans[-1][1])
+        load, keep = loads.dominant(loads.step_loads(spans, points))
+        m.set_loads(load, frozenset(s.step for s, k in zip(m.samples, keep) if not k))
+
+    @property
+    def load_changed(self) -> bool:
+        """It ended unstable with a good share of its samples under another load than the rest."""
+        m = self.measure
+        settled = len(m.settled)
+        return m.done and not m.stable and settled > 0 and m.set_aside >= LOAD_CHANGED_SHARE * settled
+
+    def measure_again(self, measure_kw: dict[str, Any]) -> str:
+        """Start its window again (the load changed under it), a `Measurement(**measure_kw)`; what to say."""
+        before = self.measure
+        measure = Measurement(**measure_kw)
+        if self.load_retries == 0:
+            self.overhead_before = self.overhead_s()
+        self.steps_before += before.steps
+        self.measure, self.arrivals = measure, []
+        self.load_retries += 1
+        if before.load is None:
+            return LOAD_CHANGED
+        return f"{LOAD_CHANGED} (most samples under {before.load.words()}; {before.set_aside} under another)"
 
     @property
     def unsteady(self) -> bool:
@@ -140,8 +181,15 @@ class ActiveTrial:
         return self.measure.warmed_up != warm
 
     # --- how it ended ---------------------------------------------------------------
+    @property
+    def steps(self) -> int:
+        """The steps it ran, every window of it."""
+        return self.steps_before + self.measure.steps
+
     def overhead_s(self) -> float | None:
         """Seconds the restart/compile cost beyond the steps' own time, up to the first kept sample."""
+        if self.load_retries:
+            return self.overhead_before
         m = self.measure
         if not m.warmed_up or not m.kept or not self.arrivals:
             return None

@@ -35,9 +35,11 @@ from trainer.contract.config import Toggles, config_from_toml, section_from_dict
 from trainer.contract.events import json_safe
 
 from .budget import format_duration
+from .load import Load
 from .space import TUNABLE
 from .storage import dashboard_command
 from .study import TuneStudy
+from .windows import ratio_words
 
 
 def _fmt_val(v: Any) -> str:
@@ -141,6 +143,9 @@ def build_report(study: TuneStudy, info: dict[str, Any]) -> dict[str, Any]:
         "best_tokens_per_s": info.get("best_tokens_per_s"),
         "best_spread": info.get("best_spread"),
         "speedup": speedup,
+        "speedup_lo": info.get("best_speedup_lo"),
+        "speedup_hi": info.get("best_speedup_hi"),
+        "best_load": info.get("best_load"),
         "best_label": info.get("best_label"),
         "applied": info.get("applied"),
         "decision": info.get("decision"),
@@ -193,14 +198,20 @@ def _summary_lines(report: dict[str, Any]) -> list[str]:
             if _fmt_jpt(baseline.get("energy_per_token")) != "-"
             else ""
         )
-        + (" (too noisy to compare a speed-up with)" if baseline and baseline.get("holds") is False else "")
+        + _load_words(baseline.get("load"))
+        + (
+            " (never measured to its precision target: no speed-up is claimed against it)"
+            if baseline and baseline.get("holds") is False
+            else ""
+        )
     )
     if report.get("best"):
         lines.append(
             f"- Best ({report.get('best_label') or 'trial ' + str(report.get('best_number'))}): "
             f"{toggles_diff(report['best'], base)} — "
             f"{_fmt_tps(report.get('best_tokens_per_s'), report.get('best_spread'))} tokens/s"
-            + (f", **{report['speedup']:.2f}x** the start" if report.get("speedup") else "")
+            + (f", **{speedup_words(report)}** the start" if report.get("speedup") else "")
+            + (_load_words(report.get("best_load"), "both measured under ") if report.get("speedup") else "")
         )
     lines.append(f"- Applied: {toggles_diff(report['applied'], base) if report.get('applied') else 'no'}")
     mem = report.get("memory")
@@ -292,6 +303,19 @@ def _trial_table(report: dict[str, Any], energy: bool) -> list[str]:
     return lines
 
 
+def speedup_words(report: dict[str, Any]) -> str:
+    """'1.31x (1.24-1.38x)': the best's speed-up with its interval, as the report holds them."""
+    lo, hi = report.get("speedup_lo"), report.get("speedup_hi")
+    num = (int, float)
+    return ratio_words(report["speedup"], lo if isinstance(lo, num) else None, hi if isinstance(hi, num) else None)
+
+
+def _load_words(d: Any, lead: str = "under ") -> str:
+    """' (under other processes 0.1 of 2 cores, load average 1.0)', or '' when the load was not tracked."""
+    load = Load.from_dict(d)
+    return f" ({lead}{load.words()})" if load is not None else ""
+
+
 def _secs(v: Any) -> str:
     return f"{v:.0f} s" if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else "-"
 
@@ -339,6 +363,9 @@ _REPORT_FIELDS: dict[str, tuple[type, ...]] = {
     "best_tokens_per_s": _NUMBER,
     "best_spread": _NUMBER,
     "speedup": _NUMBER,
+    "speedup_lo": _NUMBER,
+    "speedup_hi": _NUMBER,
+    "best_load": (dict,),
     "outcome": (str,),
     "applied": (dict,),
     "study": (str,),
@@ -403,7 +430,7 @@ def format_summary(report: dict[str, Any]) -> str:
         if best_row is not None and _fmt_jpt(best_row.get("energy_per_token")) != "-":
             line += f", {_fmt_jpt(best_row.get('energy_per_token'))}/token"
         if report.get("speedup"):
-            line += f", {report['speedup']:.2f}x the start"
+            line += f", {speedup_words(report)} the start"
             if "own baseline" not in (report.get("best_label") or ""):  # else against that run's start
                 line += f" ({_fmt_tps(baseline.get('tokens_per_s'))})"
         lines.append(line)
