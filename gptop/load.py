@@ -8,7 +8,7 @@ run's GPUs (gptop.energy's choice of them) that are not the trainer's.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from trainer.contract.events import DeviceEvent
 from tuner.load import LoadPoint
@@ -43,3 +43,15 @@ def load_points(
             )
         )
     return out
+
+
+def other_processes(procs: Any, pids: set[int]) -> int | None:
+    """How many compute processes on a GPU are not the trainer's (`pids`); None when NVML gave no list, or
+    when the trainer runs but none of NVML's PIDs is one of its (a container's PID namespace: ours cannot be
+    told from the others)."""
+    if procs is None:
+        return None
+    seen = [getattr(p, "pid", None) for p in procs]
+    if pids and seen and not any(pid in pids for pid in seen):
+        return None
+    return sum(1 for pid in seen if pid not in pids)

@@ -34,6 +34,8 @@ from typing import Any, Iterable
 
 from trainer.contract.events import GpuReading, finite_or_none
 
+from .load import other_processes
+
 log = logging.getLogger(__name__)
 
 NA = None
@@ -475,18 +477,6 @@ def sample_gpu(
         xids=xids or None,
         lost=True if nv.is_lost(index) else None,
     )
-
-
-def other_processes(procs: Any, pids: set[int]) -> int | None:
-    """How many compute processes on a GPU are not the trainer's (`pids`); None when NVML gave no list, or
-    when the trainer runs but none of NVML's PIDs is one of its (a container's PID namespace: ours cannot be
-    told from the others)."""
-    if procs is None:
-        return None
-    seen = [getattr(p, "pid", None) for p in procs]
-    if pids and seen and not any(pid in pids for pid in seen):
-        return None
-    return sum(1 for pid in seen if pid not in pids)
 
 
 def _int(v: Any) -> int | None:
