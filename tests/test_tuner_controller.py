@@ -14,7 +14,7 @@ from trainer.contract.config import Toggles as ToggleValues
 from trainer.contract.device import DeviceInfo
 from trainer.contract.events import TrialEvent, dumps, make, parse
 from tuner.budget import Budget
-from tuner.controller import Apply, Done, FindMicroBatch, Remeasure, RunTrial, TuneController, TunerSettings
+from tuner.controller import Apply, Check, Done, FindMicroBatch, Remeasure, RunTrial, TuneController, TunerSettings
 from tuner.decide import Choice
 from tuner.tuning_report import best_toml, format_summary, write_report
 from tuner.space import SearchSpace, params_key
@@ -38,6 +38,7 @@ class FakeTrainer:
     def __init__(self, clock, seed=0, bf16_diverges=True, base_oom=False, restart_s=5.0):
         self.clock, self.rng, self.bf16_diverges, self.base_oom = clock, random.Random(seed), bf16_diverges, base_oom
         self.restarts = 0
+        self.applied = None  # the toggles the run trains on with after an Apply (drive sets it)
         self.restart_s = restart_s  # a process start: import, build, first step
 
     def step_ms(self, t: Toggles, i: int) -> float:
@@ -98,7 +99,7 @@ def drive(ctl: TuneController, clock: Clock, trainer: FakeTrainer, pre_steps: in
             clock.t += 15.0
             ctl.set_max_micro_batch(8)
             continue
-        if isinstance(action, (RunTrial, Remeasure)):
+        if isinstance(action, (RunTrial, Remeasure, Check)):  # a check: the applied setting, on the live run
             t = action.toggles
             if action.restart:
                 clock.t += trainer.restart_s  # restart from the checkpoint
@@ -143,6 +144,7 @@ def drive(ctl: TuneController, clock: Clock, trainer: FakeTrainer, pre_steps: in
                 ctl.finish_trial(stop)  # rolled back to checkpoint_step
             continue
         if isinstance(action, Apply):
+            trainer.applied = action.toggles  # the run trains on with it from now
             continue
         if isinstance(action, Done):
             return seen
@@ -501,10 +503,10 @@ def test_no_trial_runs_when_none_can_pay(tmp_path):
         done.reason.startswith("tuning cannot pay: the run ends in 1:")
         and f"a trial costs ~{cost:.0f} s here" in done.reason
     )
-    plan = ctl.decisions[-1]
+    plan = ctl.ledger.decisions[-1]
     left = plan.remaining_steps * 4096 / ctl.record.baseline["tokens_per_s"]
     assert plan.choice is Choice.PLAN and not plan.apply and plan.cost_s == pytest.approx(cost)
-    assert plan.remaining_steps == 200 - ctl.last_step and ctl.loss_allowance_s == pytest.approx(0.1 * left)
+    assert plan.remaining_steps == 200 - ctl.last_step and ctl.ledger.loss_allowance_s == pytest.approx(0.1 * left)
     assert f"more than the {0.1 * left:.0f} s tuning may still lose" in plan.reason
     led = ctl.report_info()["ledger"]
     assert led["decisions"][-1]["choice"] == "plan" and led["decisions"][-1]["cost_s"] == pytest.approx(cost)
@@ -528,7 +530,7 @@ def test_the_t_key_on_a_run_near_its_end_plans_before_measuring(tmp_path):
         "tuning cannot pay: the run ends in 1:11 (157 steps at 0.45 s); a trial "
         "costs ~12 s here, more than the 7 s tuning may still lose"
     )
-    assert ctl.decisions[-1].cost_s == pytest.approx(10.0 + 0.25 * 18 * 0.45)
+    assert ctl.ledger.decisions[-1].cost_s == pytest.approx(10.0 + 0.25 * 18 * 0.45)
     assert ctl.record.trials_run == 0 and ctl.record.baseline is None
     assert [e.phase for e in ctl.drain_events() if e.type == "tuner"][-1] == "done"
 
@@ -565,12 +567,12 @@ def test_the_plan_counts_the_runs_time_between_steps(tmp_path):
     ctl.set_pace(43, 0.45)
     first = ctl.next_action()
     assert isinstance(first, RunTrial) and first.baseline  # it measures the start: tuning can pay
-    plan = ctl.decisions[-1]
+    plan = ctl.ledger.decisions[-1]
     assert plan.choice is Choice.PLAN and plan.apply
     assert plan.reason.startswith(
         "tuning can pay: the run ends in 2:21 (157 steps at 0.90 s, 0.45 s of it between steps)"
     )
-    assert ctl.loss_allowance_s == pytest.approx(0.1 * 157 * 0.9)
+    assert ctl.ledger.loss_allowance_s == pytest.approx(0.1 * 157 * 0.9)
     assert ctl.report_info()["ledger"]["between_s"] == pytest.approx(0.45)
 
 
@@ -584,7 +586,7 @@ def test_expensive_trials_are_dropped_first(tmp_path):
     seen = drive(ctl, clock, FakeTrainer(clock, bf16_diverges=False))
     ran = [a for a in seen if isinstance(a, (RunTrial, Remeasure)) and not getattr(a, "baseline", False)]
     assert ran and all(a.toggles.compile == "off" for a in ran)
-    dropped = [d for d in ctl.decisions if d.choice is Choice.TRIAL and d.reason.startswith("compile=default")]
+    dropped = [d for d in ctl.ledger.decisions if d.choice is Choice.TRIAL and d.reason.startswith("compile=default")]
     assert len(dropped) == 1 and not dropped[0].apply and dropped[0].cost_s >= 45.0
     assert "compile=default trials cannot pay any more" in dropped[0].reason
     skipped = [t for t in ctl.study.trials() if t.user_attrs.get("status") == "skipped"]
@@ -623,7 +625,7 @@ def test_it_applies_the_best_once_exploring_is_worth_less(tmp_path):
     seen = drive(ctl, clock, BigWin(clock, restart_s=8.0))
     apply = seen[-2]
     assert isinstance(apply, Apply) and apply.toggles.fused_adamw and isinstance(seen[-1], Done)
-    stop = [d for d in ctl.decisions if d.choice is Choice.EXPLORE]
+    stop = [d for d in ctl.ledger.decisions if d.choice is Choice.EXPLORE]
     assert len(stop) == 1 and not stop[0].apply and stop[0].expected_saving_s < stop[0].cost_s
     assert stop[0].reason.startswith(
         f"stopped exploring at step {stop[0].step}: {stop[0].remaining_steps} steps "
@@ -631,7 +633,7 @@ def test_it_applies_the_best_once_exploring_is_worth_less(tmp_path):
     )
     assert stop[0].remaining_steps > 100 and 1 <= ctl.record.trials_run < 6  # applied with most of the run left
     assert ctl.budget.elapsed() < ctl.budget.total_s - 30  # not because the budget ran out
-    switch = ctl.decisions[-1]
+    switch = ctl.ledger.decisions[-1]
     assert switch.choice is Choice.SWITCH and switch.apply and switch.cost_s > 0
     led = ctl.report_info()["ledger"]
     assert led["net_s"] == pytest.approx(led["saving_s"] - led["cost_s"] - led["switch_s"])
@@ -824,7 +826,7 @@ def test_a_setting_that_kept_recompiling_is_never_applied(tmp_path):
     assert not any(a.toggles.compile == "default" and a.toggles.prefetch == 2 for a in applied)
     best = ctl.best()
     assert best is None or not (best.cand.toggles.compile == "default" and best.cand.toggles.prefetch == 2)
-    refused = [d for d in ctl.decisions if d.choice is Choice.CANDIDATE]
+    refused = [d for d in ctl.ledger.decisions if d.choice is Choice.CANDIDATE]
     assert refused and all(not d.apply and "kept recompiling" in d.reason for d in refused)
     paths = write_report(tmp_path / "run", ctl.study, ctl.report_info())
     report = json.loads(paths["json"].read_text())

@@ -186,7 +186,7 @@ def test_a_cut_measurement_is_never_applied_nor_printed_as_a_ratio(tmp_path):
     )
     info = ctl.report_info()
     assert info["best_number"] != fast[-1].number
-    for d in ctl.decisions:  # no decision claims a ratio for it
+    for d in ctl.ledger.decisions:  # no decision claims a ratio for it
         assert f"trial {fast[-1].number} (" not in d.reason or "x" not in d.reason
 
 

@@ -2,31 +2,28 @@
 
 The session asks it what to do next (`tuner.actions` has the loop), does it, and reports back; trial steps
 are real training steps. docs/tuning.md says what a tuning does; this module keeps its state and moves it
-through the phases: find-micro-batch -> baseline -> trials -> remeasure -> decide -> done.
+through the phases: find-micro-batch -> baseline -> trials -> remeasure -> decide -> check -> done.
 
 * baseline: the start runs on and is measured (`RunTrial(baseline=True, restart=False)`).
-* trials (`tuner.schedule`): the first guesses, then TPE (`tuner.proposals`, which also screens what cannot
-  run), each started only if the budget affords it plus `reserve_trials` more plus `switch_reserve_s` and
-  only if it can pay (`tuner.economics` over this run's figures, `tuner.run_figures`). A trial is cut when only `switch_reserve_s` is left (the budget covers tuning up to
-  training on with the chosen setting), or when still warming up after `trial_timeout_s`: its compile mode
-  is then screened out for the run (`slow_compile`).
-* remeasure: `standings.remeasure_plan` (`tuner.schedule`); estimates pool both measurements.
-* decide: `standings.judge`; Apply or Done.
+* trials (`tuner.schedule`): the first guesses, then TPE (`tuner.proposals` screens what cannot run), each
+  started only if the budget affords it (plus `reserve_trials` more and the final switch's reserve) and it
+  can pay (`tuner.economics` over `tuner.run_figures`). A trial is cut when only the switch's reserve is left,
+  or when still warming up after the trial timeout (its compile mode is then screened out for the run).
+* remeasure: `standings.remeasure_plan` (`tuner.schedule`): the start first when no measurement of it can
+  be compared with the leaders (`tuner.windows`: the same load, each to its precision target).
+* decide: `standings.judge`; Apply or Done. check (`tuner.check`, with `check_applied`): the applied setting
+  measured on the live run against the start under the same load; slower beyond noise: switch back.
 
-The record of what the tuning measured and did (`tuner.record.TuningRecord`, with the `Reserves` the session
-learns) is written here only: `tuner.finishing`, `tuner.schedule`, `tuner.run_figures`, `tuner.starting` and
-`tuner.deciding` read it through a `TunerView` and return changes that `apply` applies in order. A finished
-measurement (`finish_trial`) goes to its kind's handler (`tuner.finishing`), healthy or failed: a trial is told
-to the study, a re-measurement pools into its trial, the baseline becomes the start's measurement; a failed one
-was rolled back. When the start itself runs out of memory the space is widened to the memory savers
-(`space.for_memory`) and tuning goes on in that space's study (`study` changes: the session reports from
-`ctl.study`).
+Only this class (and `TuningRecord.apply`, which it calls) writes the record of what tuning measured and did
+(`tuner.record`); `tuner.finishing`, `tuner.schedule`, `tuner.run_figures`, `tuner.starting`, `tuner.deciding`
+and `tuner.check` read it through a `TunerView` and return the changes `apply` applies in order. When the start
+runs out of memory the space is widened to the memory savers and tuning goes on in that space's study (the
+session reports from `ctl.study`).
 
-Events: a `trial` event when a numbered trial starts (status running; the unnumbered baseline only reports
-at its end) and when it ends (a re-measurement updates its trial's row with the pooled estimate); a `tuner`
-event at every phase change, trial start and end and, at most every `progress_every_s`, on a measurement's
-progress; an `apply` event with the decision; the `tuner` event of phase done carries `outcome` and
-`applied`. The settings are a `TunerSettings` (`tuner.settings`); `report_info` is `tuner.report_info`'s.
+Events: a `trial` event when a numbered measurement starts (status running) and ends; a `tuner` event at
+every phase change, trial start and end and, at most every `progress_every_s`, on a measurement's progress;
+an `apply` event with the decision and its claim; the `tuner` event of phase done carries `outcome` and
+`applied`.
 """
 
 from __future__ import annotations
@@ -52,48 +49,33 @@ from trainer.contract.events import (
 )
 from trainer.contract.states import TRIAL_FAILURES, TrialKind, TrialOutcome, TunerPhase
 
-from . import deciding, finishing, report_info, run_figures, standings, starting
-from .actions import Action, Apply, Done, FindMicroBatch, Remeasure, RunTrial
+from . import check, deciding, finishing, report_info, run_figures, standings, starting
+from .actions import Action, Apply, Check, Done, FindMicroBatch, Remeasure, RunTrial
 from .budget import Budget
-from .decide import Decision, hopeless, should_prune
+from .decide import hopeless, should_prune
 from .economics import Ledger
 from .load import Load
 from .measure import LossTrend, RunPace, TrialStop
-from .proposals import AdviceTry
-from .record import (
-    Change,
-    Decided,
-    Note,
-    Planned,
-    Reserves,
-    Result,
-    Said,
-    StartFailed,
-    TrendPoints,
-    TrialStarted,
-    TuningRecord,
-)
+from . import record as rec
+from .record import Change, Reserves, TuningRecord
 from .schedule import STUCK, MAX_ASKS, Over, Run, Schedule, Screen
 from .settings import TunerSettings
 from .space import SearchSpace
 from .standings import Judgement, Standing
 from .study import Proposal, TuneStudy
-from .trial import LOAD_RETRIES, ActiveTrial, compile_words, reported_peak
+from .trial import ActiveTrial
 
 # the names the session drives the tuner with, importable from here
 __all__ = [
     "Action",
-    "AdviceTry",
     "Apply",
     "Done",
     "FindMicroBatch",
     "Remeasure",
     "RunTrial",
-    "Standing",
     "TuneController",
     "TunerSettings",
-    "compile_words",
-    "reported_peak",
+    "Check",
 ]
 
 
@@ -124,14 +106,7 @@ class TuneController:
             explore_gain=s.explore_gain,
             say=self.say,
         )
-        # what the session updates as it learns this setup (`learn_restart`): the trainer's start, the final
-        # switch's reserve, a trial's time limit; and the budget kept for re-measurements when a trial starts
-        self.reserves = Reserves(
-            startup_s=s.startup_s,
-            switch_reserve_s=s.switch_reserve_s,
-            trial_timeout_s=s.trial_timeout_s or (s.max_seconds + 2 * s.default_restart_s + 600.0),
-            reserve_trials=s.remeasure_top if s.reserve_trials is None else s.reserve_trials,
-        )
+        self.reserves = Reserves.of(s)  # what the session learns of this setup as it goes (`learn_restart`)
         self.pace_s: float | None = None  # seconds per step at the start's speed (before the baseline)
         self.run_pace = RunPace()  # the run's time between its steps (checkpoints, evals, logging)
         self._ranked: tuple[int, list[Standing]] | None = None
@@ -145,6 +120,7 @@ class TuneController:
         self._active: ActiveTrial | None = None
         self._schedule = Schedule()
         self._final: Done | None = None
+        self._check: check.PendingCheck | None = None  # the applied setting to check on the live run
         self._prefix = ""  # "stopped by the user: " before the decision
         self._events: list[Event] = []
         self._version = 0  # bumped when a measurement is recorded (the best may change)
@@ -186,19 +162,9 @@ class TuneController:
         return self._final
 
     @property
-    def decisions(self) -> list[Decision]:
-        """The ledger's decisions, in order."""
-        return self.ledger.decisions
-
-    @property
     def checkpoint_s(self) -> float:
         """How long this setup's last checkpoint took to write."""
         return self.reserves.checkpoint_s
-
-    @property
-    def loss_allowance_s(self) -> float | None:
-        """What tuning may lose, decided before the first trial (None before, or with --tune-only)."""
-        return self.ledger.loss_allowance_s
 
     def _mb_attr(self) -> str:
         t = self.cfg.toggles
@@ -289,11 +255,14 @@ class TuneController:
             return a.failure[0]
         if a.measure.done:
             a.tag_loads(self.settings.load)
-            if a.load_changed and a.load_retries < LOAD_RETRIES and self._time_left() >= self.settings.max_seconds:
-                self.say(f"tuner: {a.measure_again(self.settings.measure_kw())}")
+            why = check.again(self, a, self._time_left())
+            if why is not None:
+                self.say(f"tuner: {a.measure_again(self.settings.measure_kw(), why)}")
                 return None
             a.stop = TrialStop.DONE
-        elif self.budget.expired() or (self.budget.started and self.budget.left() <= self.reserves.switch_reserve_s):
+        elif a.kind is not TrialKind.CHECK and (
+            self.budget.expired() or (self.budget.started and self.budget.left() <= self.reserves.switch_reserve_s)
+        ):
             a.stop = TrialStop.BUDGET
         elif a.kind is TrialKind.TRIAL and (
             should_prune(a.measure, self.best_this_run(a.measure.load), self.settings.prune_margin)
@@ -316,6 +285,8 @@ class TuneController:
             return self._active.action
         if self._final is not None:
             return self._final
+        if self._check is not None:
+            return self._checking(self._check)
         self.budget.start()
         if self.phase is TunerPhase.INIT:
             if not self._mb_known:
@@ -359,18 +330,18 @@ class TuneController:
         for _ in range(MAX_ASKS):
             step = self._schedule.next_trial(self)
             if isinstance(step, Over):
-                self.apply([Note(step.note)])
+                self.apply([rec.Note(step.note)])
                 return None
             p = step.proposal
             if isinstance(step, Screen):
                 self.apply(finishing.screened_out(self, p, step.screened))
                 continue
             assert isinstance(step, Run)
-            self.apply([TrialStarted()])
+            self.apply([rec.TrialStarted()])
             action = self.start_measurement(TrialKind.TRIAL, p.toggles, p, source=p.source, advice=p.advice)
             assert isinstance(action, RunTrial)
             return action
-        self.apply([Note(STUCK)])
+        self.apply([rec.Note(STUCK)])
         return None
 
     def apply(self, changes: list[Change]) -> None:
@@ -380,19 +351,19 @@ class TuneController:
         for c in changes:
             self.record.apply(c)
             match c:
-                case StartFailed() if c.memory is not None:
+                case rec.StartFailed() if c.memory is not None:
                     self.widen_for_memory(c.memory)
-                case TrendPoints():
+                case rec.TrendPoints():
                     for step, loss in c.points:
                         self.trend.add(step, loss)
-                case Decided():
+                case rec.Decided():
                     self.ledger.record(c.decision, self.last_step, say=c.say)
-                case Said():
+                case rec.Said():
                     self.say(c.message)
-                case Planned():
+                case rec.Planned():
                     self.ledger.set_plan(c.loss_allowance_s, c.measured)
                     self.budget.limit(c.budget_s)
-                case Result():
+                case rec.Result():
                     self.emit(c.event)
                     self.emit(self.tuner_event())
 
@@ -420,6 +391,12 @@ class TuneController:
         if b.restart:  # a trial's process: training on in it needs a restart unless its settings are the user's
             self.run_pace.restart()
             self.record.continue_free = self.settings.trial_process_continues
+        action = self._begin(b)
+        assert not isinstance(action, Check)
+        return action
+
+    def _begin(self, b: starting.Begun) -> RunTrial | Remeasure | Check:
+        """A measurement starts: keep it running, and say so."""
         self._active = b.active
         if b.event is not None:
             self.emit(b.event)
@@ -452,13 +429,17 @@ class TuneController:
         end = a.end(self.clock(), self.settings.energy)
         if outcome is TrialOutcome.OK and a.failure:
             outcome, reason = a.failure[0], reason or a.failure[1]
-        if outcome.failed:
+        if a.kind is TrialKind.CHECK:
+            assert self._check is not None
+            why = f"{outcome}: {reason or (a.failure[1] if a.failure else '')}" if outcome.failed else ""
+            changes = check.finish_check(self, a, end, self._check.claimed, self._check.step, failed=why)
+        elif outcome.failed:
             changes = finishing.finish_failed(self, a, end, outcome, reason, rollback)
         else:
             changes = finishing.finish_measured(self, a, end, reason, rollback)
         self.apply(changes)
         result = changes[-1]
-        assert isinstance(result, Result)
+        assert isinstance(result, rec.Result)
         return result.event
 
     def widen_for_memory(self, reason: str) -> None:
@@ -477,6 +458,9 @@ class TuneController:
         """The session stops mid-trial (user quit): the trial is recorded FAIL, which teaches the sampler nothing."""
         a = self._active
         self._active = None
+        if self._check is not None:  # the switch was made: tuning ends there, checked or not
+            self._end_check(a, reason)
+            return
         if a is not None and a.proposal is not None:
             self.study.tell_failed(a.proposal, reason)
         self._final = Done(reason, self.record.running or self.base, restart=False)
@@ -494,6 +478,8 @@ class TuneController:
         a = self._active
         self._active = None
         self._version += 1
+        if self._check is not None:
+            return self._end_check(a, reason)
         if a is not None:
             if a.proposal is not None:
                 self.study.tell_failed(a.proposal, reason)
@@ -509,7 +495,7 @@ class TuneController:
             self.record.stop_note = f"{reason} before the starting configuration was measured"
             return self.done(f"{reason}; nothing measured to decide on", self.base)
         self.record.stop_note = reason
-        return self.decide(prefix=f"{reason}: ")
+        return self.decide(prefix=f"{reason}: ", verify=False)
 
     def gain_bound(self) -> float:
         """The most a trial may be assumed to gain over the start (`Ledger.gain_bound`)."""
@@ -549,8 +535,9 @@ class TuneController:
         )
 
     # --- deciding -------------------------------------------------------------------
-    def decide(self, prefix: str = "") -> Apply | Done:
-        """Apply the best if switching to it pays (`standings.judge`), else end keeping what runs."""
+    def decide(self, prefix: str = "", verify: bool = True) -> Apply | Done:
+        """Apply the best if switching to it pays (`standings.judge`), else end keeping what runs. An applied
+        setting is then checked on the live run (`Check`) when the settings ask for it and `verify`."""
         self._prefix = prefix
         self.set_phase(TunerPhase.DECIDE)
         base = self.base
@@ -567,11 +554,38 @@ class TuneController:
         self.record.applied = c.toggles
         restart = c.toggles != self.record.running
         self.emit(deciding.apply_event(self, best, decision))
-        self._final = Done(f"{prefix}applied {best.label}: {decision.reason}", c.toggles, restart=False)
+        apply = Apply(c.toggles, decision, restart, number=c.number, label=best.label)
+        reason = f"{prefix}applied {best.label}: {decision.reason}"
         self.budget.stop()
+        if verify and self.settings.check_applied:
+            claimed = (best.speedup, best.floor, best.hi) if math.isfinite(best.speedup) else None
+            self._check = check.PendingCheck(apply, reason, claimed, self.clock(), self.last_step)
+            self.set_phase(TunerPhase.CHECK)
+            return apply
+        self._final = Done(reason, c.toggles, restart=False)
         self.phase = TunerPhase.DONE
         self.emit(self.tuner_event())
-        return Apply(c.toggles, decision, restart, number=c.number, label=best.label)
+        return apply
+
+    def _checking(self, p: check.PendingCheck) -> Check | Done:
+        """The check of the applied setting: start it, or, once it is over, end tuning (`_end_check`)."""
+        if self.record.realized is not None:
+            return self._end_check(None, "")
+        action = self._begin(p.begin(self))
+        assert isinstance(action, Check)
+        return action
+
+    def _end_check(self, a: ActiveTrial | None, reason: str) -> Done:
+        """End tuning after the check (`reason`: why it ended before it measured anything): keep the applied
+        setting, or switch back to the start when it realized less than the start beyond noise."""
+        p = self._check
+        assert p is not None
+        if self.record.realized is None:
+            self.apply([rec.Checked(check.unchecked(a, reason, p.claimed, p.step))])
+        assert self.record.realized is not None
+        self._final = p.done(self.record.realized, self.base)
+        self.set_phase(TunerPhase.DONE)
+        return self._final
 
     def done(self, reason: str, toggles: Toggles) -> Done:
         """End tuning: train on with `toggles` (`reason` after any prefix of an early stop)."""

@@ -39,6 +39,32 @@ class Reserves:
     reserve_trials: int  # when a trial starts, budget is kept for this many more (re-measurements)
     checkpoint_s: float = 0.0
 
+    @staticmethod
+    def of(s: TunerSettings) -> Reserves:
+        """What the settings say before anything is learned."""
+        return Reserves(
+            startup_s=s.startup_s,
+            switch_reserve_s=s.switch_reserve_s,
+            trial_timeout_s=s.trial_timeout_s or (s.max_seconds + 2 * s.default_restart_s + 600.0),
+            reserve_trials=s.remeasure_top if s.reserve_trials is None else s.reserve_trials,
+        )
+
+
+@dataclass(frozen=True)
+class Realized:
+    """The applied setting measured on the live run after the switch (`tuner.check`), against the start's
+    measurements under the same load: what was claimed, what it realized (None: no comparison that holds, and
+    `why` says why), and whether the run switches back to the start (realized below 1 beyond noise)."""
+
+    claimed: tuple[float, float, float] | None  # the decision's speed-up, its interval's lower and upper ends
+    ratio: tuple[float, float, float] | None  # the realized speed-up and its interval
+    why: str  # in words: 'realized 1.28x (1.22-1.33x) ...', or why there is no realized figure
+    switch_back: bool
+    switch_s: float | None  # what the switch cost (restart, warm-up), as measured; None: not measurable
+    steps: int  # the steps measured under the applied setting
+    step: int  # the run's step when it was applied
+    load: dict[str, Any] | None  # the load the realized ratio was measured under
+
 
 @dataclass
 class TuningRecord:
@@ -60,6 +86,7 @@ class TuningRecord:
     applied: Toggles | None = None
     slow_compile: set[str] = field(default_factory=set)  # compile modes that did not warm up within a trial
     aborted: bool = False  # tuning was abandoned (the run ended or was interrupted)
+    realized: Realized | None = None  # the applied setting, checked on the live run
 
     def apply(self, c: Change) -> None:
         """One change, as far as it is the record's (`TuneController.apply` calls this, then does the rest)."""
@@ -85,6 +112,8 @@ class TuningRecord:
                 self.slow_compile.add(c.mode)
             case Result():
                 self.results.append(c.row)
+            case Checked():
+                self.realized = c.realized
 
 
 # --- the changes the controller applies ------------------------------------------------------------
@@ -170,6 +199,13 @@ class Result:
 
 
 @dataclass(frozen=True)
+class Checked:
+    """The applied setting's check on the live run is over."""
+
+    realized: Realized
+
+
+@dataclass(frozen=True)
 class Said:
     """A `log` line from the tuner."""
 
@@ -198,6 +234,7 @@ Change = (
     | TrendPoints
     | Decided
     | Result
+    | Checked
     | Said
     | Planned
 )

@@ -86,7 +86,11 @@ def ledger(ctl: TunerView, final: Done | None) -> dict[str, Any]:
     else:
         switch = run_figures.costs(ctl).switch_s(final.toggles)
     budget = ctl.budget
+    real = realized(ctl) if applied and decision is not None else {}
+    if real.get("counted") == "realized":
+        saving, switch = real["saving_s"], real["switch_s"]
     return {
+        **real,
         "budget_s": budget.total_s,
         "requested_budget_s": budget.requested_s,
         "tuning_s": budget.elapsed(),
@@ -105,6 +109,35 @@ def ledger(ctl: TunerView, final: Done | None) -> dict[str, Any]:
         "step_s": run_figures.step_s(ctl),
         "between_s": ctl.run_pace.between_s(),
         "loss_allowance_s": ctl.ledger.loss_allowance_s,
-        "projected_saving_s": saving - switch if applied else None,
+        "projected_saving_s": saving - switch if applied and real.get("counted") != "realized" else None,
         "decisions": [d.to_dict() for d in ctl.ledger.decisions],
+    }
+
+
+def realized(ctl: TunerView) -> dict[str, Any]:
+    """The applied setting as it did on the live run (`tuner.check`), and the ledger's figures counted from it:
+    the switch as measured, and the saving at the realized speed over the steps after the switch (negative
+    when it was slower; after a switch back, over the steps it ran and with the way back). `counted` says what
+    the figures rest on: "realized", or "projected" from the claim when nothing realized could be compared."""
+    r, decision = ctl.record.realized, ctl.record.decision
+    step_s = run_figures.step_s(ctl)
+    out: dict[str, Any] = {
+        "counted": "projected",
+        "realized": dataclasses.asdict(r) if r is not None else None,
+    }
+    if r is None or r.ratio is None or step_s is None or decision is None:
+        return out
+    per_step = step_s * (1.0 - 1.0 / r.ratio[0])  # seconds a step saves at the realized speed
+    switch = r.switch_s if r.switch_s is not None else decision.cost_s
+    if r.switch_back:  # slower: it ran for its check, then the run went back (a restart of the start)
+        back = run_figures.costs(ctl).restart_s(ctl.base)
+        return {**out, "counted": "realized", "saving_s": per_step * r.steps, "switch_s": switch + back}
+    steps = decision.remaining_steps or 0
+    return {
+        **out,
+        "counted": "realized",
+        "saving_s": per_step * steps,
+        "switch_s": switch,
+        "saving_per_step_s": per_step,  # the run's own steps after `switch_step` count it (gptop.summary)
+        "switch_step": r.step,
     }

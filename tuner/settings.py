@@ -53,6 +53,9 @@ class TunerSettings:
     startup_s: float | None = None  # how long this setup's trainer took to start (measured)
     # the run can train on in a trial's own process (its settings are the user's); else applying means a restart
     trial_process_continues: bool = False
+    # after an Apply, measure the applied setting on the live run against the start under the same load, and
+    # switch back when it is slower beyond noise (tuner.check); the session asks for it when the run trains on
+    check_applied: bool = False
     # what the advice says to try, asked once when the trials start (the evidence is then the freshest)
     advice: Callable[[], list[AdviceTry]] | None = None
 

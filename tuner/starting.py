@@ -11,7 +11,7 @@ from trainer.contract.config import Toggles
 from trainer.contract.events import TrialEvent
 from trainer.contract.states import TrialKind, TrialStatus
 
-from .actions import Remeasure, RunTrial
+from .actions import Check, Remeasure, RunTrial
 from .measure import LossGuard, Measurement
 from .record import TunerView
 from .study import Proposal
@@ -23,7 +23,7 @@ class Begun:
     """A measurement that starts: its action, the measurement the controller keeps running, the `trial` event
     (None for the unnumbered baseline: its row comes at its end) and whether it restarts the trainer."""
 
-    action: RunTrial | Remeasure
+    action: RunTrial | Remeasure | Check
     active: ActiveTrial
     event: TrialEvent | None
     restart: bool
@@ -50,9 +50,12 @@ def begin(
     note = capabilities.optimizer_switch(optimizer, toggles.optimizer) if restart else None
     # a switch that starts the optimizer state fresh is measured, then rolled back: the run keeps its state
     keep = not note or capabilities.optimizer_state_carries(optimizer, toggles.optimizer)
-    if kind is TrialKind.REMEASURE:
+    action: RunTrial | Remeasure | Check
+    if kind is TrialKind.CHECK:  # the process training on with the applied setting: its steps are the run's
+        action = Check(number, toggles, measure, restart=restart)
+    elif kind is TrialKind.REMEASURE:
         assert number is not None
-        action: RunTrial | Remeasure = Remeasure(number, toggles, measure, restart, keep_steps=keep)
+        action = Remeasure(number, toggles, measure, restart, keep_steps=keep)
     else:
         action = RunTrial(
             number,

@@ -18,7 +18,7 @@ from trainer.contract.events import CompileWarning, ErrorEvent, MeasureProgress,
 from trainer.contract.states import TRIAL_FAILURES, TrialKind, TrialOutcome, TrialStatus
 
 from . import load as loads
-from .actions import Remeasure, RunTrial
+from .actions import Check, Remeasure, RunTrial
 from .measure import LossGuard, Measurement, TrialStop
 from .study import Proposal
 
@@ -49,7 +49,7 @@ class ActiveTrial:
     """The measurement running now (`TuneController.in_trial`)."""
 
     kind: TrialKind
-    action: RunTrial | Remeasure
+    action: RunTrial | Remeasure | Check
     toggles: Toggles
     proposal: Proposal | None
     number: int | None
@@ -91,7 +91,7 @@ class ActiveTrial:
         settled = len(m.settled)
         return m.done and not m.stable and settled > 0 and m.set_aside >= LOAD_CHANGED_SHARE * settled
 
-    def measure_again(self, measure_kw: dict[str, Any]) -> str:
+    def measure_again(self, measure_kw: dict[str, Any], why: str = LOAD_CHANGED) -> str:
         """Start its window again (the load changed under it), a `Measurement(**measure_kw)`; what to say."""
         before = self.measure
         measure = Measurement(**measure_kw)
@@ -100,9 +100,9 @@ class ActiveTrial:
         self.steps_before += before.steps
         self.measure, self.arrivals = measure, []
         self.load_retries += 1
-        if before.load is None:
-            return LOAD_CHANGED
-        return f"{LOAD_CHANGED} (most samples under {before.load.words()}; {before.set_aside} under another)"
+        if before.load is None or why != LOAD_CHANGED:
+            return why
+        return f"{why} (most samples under {before.load.words()}; {before.set_aside} under another)"
 
     @property
     def unsteady(self) -> bool:

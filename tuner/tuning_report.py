@@ -214,6 +214,9 @@ def _summary_lines(report: dict[str, Any]) -> list[str]:
             + (_load_words(report.get("best_load"), "both measured under ") if report.get("speedup") else "")
         )
     lines.append(f"- Applied: {toggles_diff(report['applied'], base) if report.get('applied') else 'no'}")
+    real = realized_words(report.get("ledger") or {})
+    if real:
+        lines.append(f"- Checked on the live run after the switch: {real}")
     mem = report.get("memory")
     if isinstance(mem, dict) and mem.get("reason"):
         tried = "; ".join(
@@ -341,7 +344,15 @@ def ledger_lines(led: dict[str, Any]) -> list[str]:
             "Switch after tuning (restart, warm-up, compile): "
             + (format_duration(switch) if switch > 0 else "none (training goes on in the same process)")
         )
-    if isinstance(saving, num):
+    real = led.get("realized") if led.get("counted") == "realized" else None
+    if isinstance(saving, num) and isinstance(real, dict) and real.get("switch_back"):
+        lines.append(f"Lost while the slower setting ran ({real.get('steps', '?')} steps): {format_duration(-saving)}")
+    elif isinstance(saving, num) and isinstance(real, dict):
+        lines.append(
+            f"Saving at the realized speed over the {led.get('remaining_steps', '?')} steps after the switch: "
+            + _signed(saving)
+        )
+    elif isinstance(saving, num):
         lines.append(
             f"Projected saving over the remaining {led.get('remaining_steps', '?')} steps: "
             + (format_duration(saving) if saving > 0 else "none (not applied)")
@@ -373,7 +384,16 @@ _REPORT_FIELDS: dict[str, tuple[type, ...]] = {
     "memory": (dict,),
     "best_label": (str,),
 }
-_LEDGER_FIELDS = ("tuning_s", "budget_s", "projected_saving_s", "cost_s", "switch_s", "saving_s", "net_s")
+_LEDGER_FIELDS = (
+    "tuning_s",
+    "budget_s",
+    "projected_saving_s",
+    "cost_s",
+    "switch_s",
+    "saving_s",
+    "net_s",
+    "saving_per_step_s",
+)
 _BASELINE_FIELDS = ("tokens_per_s",)
 
 
@@ -386,6 +406,9 @@ def check_report(report: Any) -> str | None:
         v = report.get(key)
         if v is not None and (not isinstance(v, types) or isinstance(v, bool) and bool not in types):
             return f"{key!r} is {type(v).__name__}, expected {' or '.join(t.__name__ for t in types)}"
+    real = (report.get("ledger") or {}).get("realized") if isinstance(report.get("ledger"), dict) else None
+    if real is not None and not isinstance(real, dict):
+        return f"'ledger.realized' is {type(real).__name__}, expected an object"
     for section, keys in (("ledger", _LEDGER_FIELDS), ("baseline", _BASELINE_FIELDS)):
         for key in keys:
             v = (report.get(section) or {}).get(key)
@@ -443,6 +466,9 @@ def format_summary(report: dict[str, Any]) -> str:
         lines.append("tuning    no feasible configuration measured")
     outcome = report.get("outcome") or "-"
     lines.append(f"          {outcome}" if report.get("applied") else f"          not applied: {outcome}")
+    real = realized_words(led)
+    if real:
+        lines.append(f"          {real}")
     lines.append(
         f"          {sum(counts.values())} trials this run"
         + in_parens(f"{n} {k}" for k, n in sorted(counts.items()))
@@ -466,19 +492,50 @@ def format_summary(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def net_line(led: dict[str, Any]) -> str | None:
-    """'net +1m02s against not tuning (saves 1m30s; tuning cost 20s, switch 8s)', or None without figures."""
+def net_line(led: dict[str, Any], final_step: int | None = None) -> str | None:
+    """'net +1m02s against not tuning, at the realized speed (saves 1m30s; tuning cost 20s, switch 8s)', or None
+    without figures. With the run's `final_step`, a saving at the realized speed counts the steps that ran after
+    the switch, not those planned."""
     num = (int, float)
     net, cost = led.get("net_s"), led.get("cost_s")
     if not isinstance(net, num) or isinstance(net, bool) or not isinstance(cost, num):
         return None
     saving, switch = led.get("saving_s") or 0.0, led.get("switch_s") or 0.0
+    per_step, at = led.get("saving_per_step_s"), led.get("switch_step")
+    how = ""
+    if led.get("counted") == "realized":
+        how = ", at the realized speed"
+        if isinstance(final_step, int) and isinstance(per_step, num) and isinstance(at, int) and final_step >= at:
+            saving = per_step * (final_step - at)
+            net = saving - cost - switch
+            how = f", at the realized speed over the {final_step - at} steps after the switch"
+    elif led.get("realized") is not None or led.get("projected_saving_s") is not None:
+        how = ", projected (the applied setting's speed was not verified on the live run)"
     parts = (
         ([f"saves {format_duration(saving)}"] if isinstance(saving, num) and saving > 0 else [])
+        + ([f"lost {format_duration(-saving)}"] if isinstance(saving, num) and saving < 0 else [])
         + [f"tuning cost {format_duration(cost)}"]
         + ([f"switch {format_duration(switch)}"] if isinstance(switch, num) and switch > 0 else [])
     )
-    return f"net {_signed(net)} against not tuning ({'; '.join(parts)})"
+    return f"net {_signed(net)} against not tuning{how} ({'; '.join(parts)})"
+
+
+def realized_words(led: dict[str, Any]) -> str | None:
+    """'claimed 1.31x (1.24-1.38x), realized 1.28x (1.22-1.33x) against the start under the same load', or why
+    nothing was realized; None when the applied setting was not checked."""
+    r = led.get("realized")
+    if not isinstance(r, dict):
+        return None
+    claimed, why = _triple(r.get("claimed")), r.get("why")
+    head = f"claimed {ratio_words(*claimed)}, " if claimed is not None else ""
+    return head + (why if isinstance(why, str) and why else "not verified")
+
+
+def _triple(v: Any) -> tuple[float, float, float] | None:
+    num = (int, float)
+    if isinstance(v, (list, tuple)) and len(v) == 3 and all(isinstance(x, num) and not isinstance(x, bool) for x in v):
+        return float(v[0]), float(v[1]), float(v[2])
+    return None
 
 
 def best_toml(toggles: Toggles | dict[str, Any]) -> str:
