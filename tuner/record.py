@@ -87,6 +87,7 @@ class TuningRecord:
     slow_compile: set[str] = field(default_factory=set)  # compile modes that did not warm up within a trial
     aborted: bool = False  # tuning was abandoned (the run ended or was interrupted)
     realized: Realized | None = None  # the applied setting, checked on the live run
+    budget_cut: Planned | None = None  # the plan that cut the budget asked for to what the run affords
 
     def apply(self, c: Change) -> None:
         """One change, as far as it is the record's (`TuneController.apply` calls this, then does the rest)."""
@@ -114,6 +115,8 @@ class TuningRecord:
                 self.results.append(c.row)
             case Checked():
                 self.realized = c.realized
+            case Planned() if c.measured or self.budget_cut is None:
+                self.budget_cut = c
 
 
 # --- the changes the controller applies ------------------------------------------------------------
@@ -220,6 +223,9 @@ class Planned:
     loss_allowance_s: float
     budget_s: float
     measured: bool
+    left_s: float = 0.0  # the run's time left, the budget's measure
+    share: float = 1.0  # the most of it the budget may take
+    at_s: float = 0.0  # the tuning time already spent when it was made
 
 
 Change = (

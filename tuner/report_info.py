@@ -94,6 +94,13 @@ def ledger(ctl: TunerView, final: Done | None) -> dict[str, Any]:
         "budget_s": budget.total_s,
         "requested_budget_s": budget.requested_s,
         "tuning_s": budget.elapsed(),
+        # the plan that cut the budget asked for: the run's time left, the share it may take, the tuning time
+        # already spent then (measuring the start)
+        "budget_cut": (
+            {"left_s": cut.left_s, "share": cut.share, "at_s": cut.at_s}
+            if (cut := ctl.record.budget_cut) is not None and cut.budget_s < budget.requested_s
+            else None
+        ),
         "trials_run": ctl.record.trials_run,
         "screened": ctl.record.screened,
         "skipped": ctl.study.skipped(ctl.study.run_id),

@@ -118,19 +118,28 @@ def plan(v: TunerView) -> tuple[list[Change], str | None]:
     left_s = remaining(v) * (pace + v.run_pace.between_s())  # the run's wall time, not only its steps'
     allowance = ledger.max_loss * left_s
     budget_s = min(v.budget.requested_s, ledger.max_share * left_s)
-    changes: list[Change] = [Planned(allowance, budget_s, measured)]
+    spent = v.budget.elapsed()
+    changes: list[Change] = [Planned(allowance, budget_s, measured, left_s, ledger.max_share, spent)]
     d = ledger.plan(outlook(v), trial_estimate(v), allowance)
     if not d.apply:
         return changes + [Decided(d), Note(d.reason)], d.reason
     if budget_s < v.budget.requested_s and measured:
         changes.append(
-            Said(
-                f"tuner: budget {format_duration(budget_s)}: at most {ledger.max_share:.0%} of the "
-                f"{format_duration(left_s)} the run has left "
-                f"(asked for {format_duration(v.budget.requested_s)})"
-            )
+            Said(f"tuner: {budget_cut_words(budget_s, v.budget.requested_s, left_s, ledger.max_share, spent)}")
         )
     return changes + [Decided(d, say=measured)], None
+
+
+def budget_cut_words(budget_s: float, asked_s: float, left_s: float, share: float, spent_s: float) -> str:
+    """'budget 1m09s: at most 50% of the 2m18s the run has left (asked for 10m00s)'; when measuring the start
+    took that already, it says so instead of a budget smaller than what was spent."""
+    why = f"at most {share:.0%} of the {format_duration(left_s)} the run has left"
+    if spent_s < budget_s:
+        return f"budget {format_duration(budget_s)}: {why} (asked for {format_duration(asked_s)})"
+    return (
+        f"the {format_duration(asked_s)} budget asked for is cut to {format_duration(budget_s)} ({why}), less than "
+        f"the {format_duration(spent_s)} measuring the start took: no more trials"
+    )
 
 
 def gate(v: TunerView, est: float) -> Decision | None:

@@ -239,15 +239,8 @@ def _summary_lines(report: dict[str, Any]) -> list[str]:
 
 def _ledger_lines(led: dict[str, Any]) -> list[str]:
     lines: list[str] = []
-    budget = led.get("budget_s", 0.0) or 0.0
-    asked = led.get("requested_budget_s")
     lines.append(
-        f"- Tuning time: {format_duration(led.get('tuning_s', 0.0))} of a {format_duration(budget)} budget"
-        + (
-            f" (asked for {format_duration(asked)}; the rest of the run affords less)"
-            if isinstance(asked, (int, float)) and asked > budget
-            else ""
-        )
+        f"- Tuning time: {budget_words(led)}"
         + f"; {led.get('trials_run', 0)} trials run, {led.get('screened', 0)} screened out without running"
         + (f", {led['skipped']} proposals skipped (they could not pay in this run)" if led.get("skipped") else "")
     )
@@ -304,6 +297,40 @@ def _trial_table(report: dict[str, Any], energy: bool) -> list[str]:
             "the device has them, else integrated power) / the tokens of those steps."
         )
     return lines
+
+
+def budget_words(led: dict[str, Any]) -> str:
+    """The tuning time against the budget in effect, in words that add up: never more time than budget without
+    saying why. '40s of a 1m09s budget (cut from the 10m00s budget asked for: at most 50% of the 2m18s the run had
+    left)'; when measuring the start took more than the run affords, '15s, measuring the start; then the 10m00s
+    budget asked for was cut to 1s (...): no trial ran'."""
+    num = (int, float)
+
+    def secs(v: Any, default: float) -> float:
+        return float(v) if isinstance(v, num) and not isinstance(v, bool) else default
+
+    used, budget = secs(led.get("tuning_s"), 0.0), secs(led.get("budget_s"), 0.0)
+    asked = secs(led.get("requested_budget_s"), budget)
+    cut = led.get("budget_cut") if isinstance(led.get("budget_cut"), dict) else None
+    fmt = format_duration
+    over = fmt(used) != fmt(budget) and used > budget
+    if cut is None or not budget < asked:
+        if over:
+            return f"{fmt(used)} (a {fmt(budget)} budget: its last measurement ended {fmt(used - budget)} past it)"
+        return f"{fmt(used)} of a {fmt(budget)} budget"
+    left, share, at = (secs(cut.get(k), math.nan) for k in ("left_s", "share", "at_s"))
+    why = (
+        f"at most {share:.0%} of the {fmt(left)} the run had left"
+        if math.isfinite(left) and math.isfinite(share)
+        else "the rest of the run affords no more"
+    )
+    if not over:
+        return f"{fmt(used)} of a {fmt(budget)} budget (cut from the {fmt(asked)} budget asked for: {why})"
+    before = f" ({fmt(at)} of it before the plan)" if math.isfinite(at) and fmt(at) != fmt(used) else ""
+    return (
+        f"{fmt(used)}, measuring the start{before}; then the {fmt(asked)} budget asked for was cut to "
+        f"{fmt(budget)} ({why}): no trial ran"
+    )
 
 
 def speedup_words(report: dict[str, Any]) -> str:
@@ -472,8 +499,7 @@ def format_summary(report: dict[str, Any]) -> str:
     lines.append(
         f"          {sum(counts.values())} trials this run"
         + in_parens(f"{n} {k}" for k, n in sorted(counts.items()))
-        + " in "
-        f"{format_duration(led.get('tuning_s') or 0.0)} of {format_duration(led.get('budget_s') or 0.0)}"
+        + f" in {budget_words(led)}"
         + (
             f"; projected saving {format_duration(led['projected_saving_s'])}"
             if isinstance(led.get("projected_saving_s"), (int, float))
