@@ -134,7 +134,6 @@ def test_a_recompiling_configuration_is_recorded_as_no_candidate_with_what_it_wo
     assert not d.apply and d.choice is Choice.CANDIDATE and d.cost_s == 12.0
     assert d.expected_saving_s == pytest.approx(100 * 1000 * (1 / 1000.0 - 1 / 2000.0))
     assert d.reason == (
-        "trial 5 kept recompiling (fell back to eager): not a candidate however fast it measured "
-        "(2000 tokens/s, 2.00x the start)"
-    )
+        "trial 5 kept recompiling (fell back to eager): not a candidate however fast it measured (2000 tokens/s)"
+    )  # no ratio: a measurement between recompilations is no claim
     assert not_a_candidate("x", 2000.0, None, 100, 1000, 0.0).expected_saving_s == 0.0

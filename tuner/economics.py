@@ -55,12 +55,11 @@ def not_a_candidate(
     saving = 0.0
     if start is not None and measured and tokens_per_s > 0:
         saving = max(0.0, remaining * tokens_per_step * (1.0 / start[0] - 1.0 / tokens_per_s))
-    times = f", {tokens_per_s / start[0]:.2f}x the start" if start is not None and measured else ""
     return Decision(
         False,
         saving,
         switch_s,
-        f"{what}: not a candidate however fast it measured ({tokens_per_s:.0f} tokens/s{times})",
+        f"{what}: not a candidate however fast it measured ({tokens_per_s:.0f} tokens/s)",
         choice=Choice.CANDIDATE,
         remaining_steps=remaining,
     )

@@ -62,7 +62,7 @@ def baseline(ctl: TunerView) -> dict[str, Any] | None:
     return {
         **{
             k: ctl.record.baseline.get(k)
-            for k in ("tokens_per_s", "spread", "peak_mem", "energy_per_token", "n", "steps")
+            for k in ("tokens_per_s", "spread", "peak_mem", "energy_per_token", "n", "steps", "load", "stable")
         },
         "holds": base is not None and run_figures.start_steady(ctl),
     }

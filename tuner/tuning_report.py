@@ -117,8 +117,10 @@ def trial_rows(study: TuneStudy, run_id: str | None, base: dict[str, Any]) -> tu
                 "advice": ua.get("advice"),
                 "compile": ua.get("compile"),
                 "unsteady": bool(ua.get("unsteady")),
+                "load": ua.get("load"),  # the background load it was measured under (tuner.load)
                 "remeasures": [
-                    {k: r.get(k) for k in ("run", "status", "tokens_per_s", "spread", "reason")} for r in remeasures
+                    {k: r.get(k) for k in ("run", "status", "tokens_per_s", "spread", "reason", "load")}
+                    for r in remeasures
                 ],
             }
         )

@@ -41,12 +41,13 @@ class Window:
 
 def windows_of(results: Iterable[dict[str, Any]]) -> list[Window]:
     """The measured windows among a run's finished measurements (the tuning record's `results`), oldest first:
-    healthy (ok or cut), with samples, and not of a compile that kept recompiling."""
+    healthy (ok or cut), with samples, not of a compile that kept recompiling, and not the applied setting's
+    check (tuner.check compares that one itself)."""
     out = []
     for r in results:
         s = r.get("summary") or {}
-        if not r["status"].measured or r.get("unsteady") or not s.get("samples"):
-            continue
+        if not r["status"].measured or r.get("unsteady") or not s.get("samples") or r["kind"] == TrialKind.CHECK:
+            continue  # (the applied setting's check on the live run is what it realized, not a claim's window)
         # a re-measurement's row shows its trial's pooled estimate; its own samples are its summary's
         out.append(
             Window(
