@@ -148,11 +148,16 @@ def dominant(loads: Sequence[Load | None]) -> tuple[Load | None, list[bool]]:
     tagged = [x for x in loads if x is not None]
     if not tagged:
         return None, [True] * len(loads)
-    distinct = list(dict.fromkeys(tagged))  # steps under one sampler interval share its load
+    # the candidate loads to group around: one per tenth of a core, steal point and GPU process count
+    distinct = list({(_tenth(x.others_cpu), _tenth(x.steal_pct), x.gpu_others): x for x in tagged}.values())
     best = max(distinct, key=lambda c: (sum(1 for x in tagged if c.same_as(x)), -tagged.index(c)))
     members = [x for x in tagged if best.same_as(x)]
     keep = [x is None or best.same_as(x) for x in loads]
     return summarize(members), keep
+
+
+def _tenth(v: float | None) -> float | None:
+    return None if v is None else round(v, 1)
 
 
 def summarize(loads: Sequence[Load]) -> Load:
