@@ -223,7 +223,8 @@ def tuning_net(run_dir: str, final_step: int | None = None) -> str | None:
         return None
     import json
 
-    from tuner.tuning_report import check_report, net_line, realized_words
+    from tuner.report_words import net_line, realized_words
+    from tuner.tuning_report import check_report
 
     try:
         report = json.loads(path.read_text())

@@ -6,7 +6,8 @@ import re
 
 from test_tuner_controller import NEUTRAL, Clock, FakeTrainer, drive, make_ctl
 from tuner.budget import format_duration
-from tuner.tuning_report import build_report, budget_words, format_summary, render_markdown
+from tuner.report_words import budget_words
+from tuner.tuning_report import build_report, format_summary, render_markdown
 
 
 def seconds(text: str) -> float:

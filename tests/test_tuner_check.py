@@ -11,7 +11,8 @@ from test_tuner_controller import NEUTRAL, Clock, FakeTrainer, drive, make_ctl
 from test_tuner_load import BUSY, QUIET, point
 from tuner.check import NO_START, NOT_VERIFIED
 from tuner.controller import Apply, Check, Done
-from tuner.tuning_report import build_report, format_summary, net_line, render_markdown, write_report
+from tuner.report_words import net_line
+from tuner.tuning_report import build_report, format_summary, render_markdown, write_report
 
 
 class Live(FakeTrainer):
