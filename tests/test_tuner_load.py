@@ -202,3 +202,18 @@ def test_the_interval_is_printed_with_every_ratio(tmp_path):
 
     summary = format_summary(build_report(ctl.study, ctl.report_info()))
     assert re.search(r"\d\.\d\dx \(\d\.\d\d-\d\.\d\dx\) the start", summary), summary
+
+
+def test_a_start_that_missed_its_target_keeps_budget_to_be_measured_again(tmp_path):
+    """A short budget that keeps nothing for re-measurements: when the start's measurement ended cut, the trials
+    stop early enough for the start to be measured again before the decision (no claim rests on a cut one)."""
+    from test_tuner_controller import Machine
+
+    clock = Clock()
+    ctl = make_ctl(
+        tmp_path, clock, spec=NEUTRAL, startup_s=5.0, budget_s=200.0, max_seconds=20.0, reserve_trials=0, max_trials=8
+    )
+    seen = drive(ctl, clock, Machine(clock, noisy_start=True))
+    assert not ctl.record.baseline["stable"]
+    assert any(isinstance(a, Remeasure) and a.toggles == ctl.base for a in seen)
+    assert not any(isinstance(a, Apply) for a in seen)  # still no target reached: nothing claimed

@@ -58,7 +58,11 @@ class Schedule:
         if v.record.trials_run >= max_trials:
             return Over(f"ran the maximum of {max_trials} trials")
         est = run_figures.trial_estimate(v)
-        if not v.budget.can_afford(est * (1 + v.reserves.reserve_trials) + v.reserves.switch_reserve_s):
+        # a start never measured to its target is measured again before the decision: keep the time for it (the
+        # re-measurements' reserve holds it when there is one)
+        again = 0 if run_figures.start_steady(v) or v.record.base_failed else 1
+        reserve = max(v.reserves.reserve_trials, again)
+        if not v.budget.can_afford(est * (1 + reserve) + v.reserves.switch_reserve_s):
             return Over(f"budget: {v.budget.left():.0f}s left, a trial takes about {est:.0f}s")
         if v.settings.run_pays:
             d = run_figures.gate(v, est)

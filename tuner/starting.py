@@ -18,6 +18,11 @@ from .study import Proposal
 from .trial import ActiveTrial
 
 
+# the start's measurement and the applied setting's check run on the process the run trains on anyway: they may
+# measure this many times as long as a trial to reach their precision target (a claim needs both to)
+OWN_PROCESS_CAP = 2.0
+
+
 @dataclass(frozen=True)
 class Begun:
     """A measurement that starts: its action, the measurement the controller keeps running, the `trial` event
@@ -41,7 +46,10 @@ def begin(
     advice: str | None = None,
 ) -> Begun:
     """Measuring `toggles` as a `kind` (the trial of `proposal`, or trial `number` again), from `now`."""
-    measure = Measurement(**v.settings.measure_kw())
+    kw = v.settings.measure_kw()
+    if kind in (TrialKind.BASELINE, TrialKind.CHECK):  # the run's own process at its own speed: time is all it costs
+        kw["max_seconds"] *= OWN_PROCESS_CAP
+    measure = Measurement(**kw)
     strict = v.space.numerics_changing(toggles)
     restart = toggles != v.record.running
     if proposal is not None:
