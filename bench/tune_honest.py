@@ -82,6 +82,12 @@ def run(
         "wall_s": round(t1 - t0, 1),
         "load": {"before": before, "after": loadavg(), "bursts_on": burst_share(t0, t1, bursts)},
     }
+    out["lines"] = [  # what the tuner said: its measurements, decisions and check
+        line
+        for line in (p.stdout + p.stderr).splitlines()
+        if line.startswith(("tuner: ", "baseline ", "trial ", "remeasure ", "check ", "apply"))
+        and not line.startswith("tuner: measuring")
+    ]
     report = run_dir / "tuning.json"
     if report.is_file():
         r = json.loads(report.read_text())

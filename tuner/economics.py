@@ -124,8 +124,8 @@ class Costs:
         durations = [r["duration_s"] for r in self.results if r["kind"] != TrialKind.BASELINE and r.get("ran", True)]
         if durations:
             return float(median(durations))
-        if self.baseline_s is not None:
-            measuring = self.baseline_s
+        if self.baseline_s is not None:  # (the start may measure longer than a trial may: tuner.starting)
+            measuring = min(self.baseline_s, self.measure_kw["max_seconds"])
         elif step_s is not None:  # the skip, two settling windows, a sample
             m = Measurement(**self.measure_kw)
             measuring = min(m.max_seconds, (m.skip + 2 * m.window + m.min_steps) * (step_s + self.pace.between_s()))

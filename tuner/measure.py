@@ -158,6 +158,10 @@ class Measurement:
         aside: left out of the estimate and the stopping rule)."""
         self.load, self._aside = load, aside
 
+    def is_aside(self, step: int) -> bool:
+        """The sample of `step` was measured under another load than most."""
+        return step in self._aside
+
     @property
     def set_aside(self) -> int:
         """How many samples after the warm-up were set aside for their load."""

@@ -19,8 +19,9 @@ from .trial import ActiveTrial
 
 
 # the start's measurement and the applied setting's check run on the process the run trains on anyway: they may
-# measure this many times as long as a trial to reach their precision target (a claim needs both to)
-OWN_PROCESS_CAP = 2.0
+# measure this many times as long as a trial to reach their precision target (every claim needs the start's to;
+# a quiet start reaches it in a few seconds and stops there)
+OWN_PROCESS_CAP = 4.0
 
 
 @dataclass(frozen=True)

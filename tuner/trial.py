@@ -86,10 +86,12 @@ class ActiveTrial:
 
     @property
     def load_changed(self) -> bool:
-        """It ended unstable with a good share of its samples under another load than the rest."""
+        """It ended unstable with a good share of its samples (after the first, always skipped) under another load
+        than the rest: its warm-up may never have settled for it."""
         m = self.measure
-        settled = len(m.settled)
-        return m.done and not m.stable and settled > 0 and m.set_aside >= LOAD_CHANGED_SHARE * settled
+        after = m.samples[m.skip :]
+        aside = sum(1 for s in after if m.is_aside(s.step))
+        return m.done and not m.stable and bool(after) and aside >= LOAD_CHANGED_SHARE * len(after)
 
     def measure_again(self, measure_kw: dict[str, Any], why: str = LOAD_CHANGED) -> str:
         """Start its window again (the load changed under it), a `Measurement(**measure_kw)`; what to say."""
@@ -102,7 +104,8 @@ class ActiveTrial:
         self.load_retries += 1
         if before.load is None or why != LOAD_CHANGED:
             return why
-        return f"{why} (most samples under {before.load.words()}; {before.set_aside} under another)"
+        aside = sum(1 for x in before.samples[before.skip :] if before.is_aside(x.step))
+        return f"{why} (most samples under {before.load.words()}; {aside} under another)"
 
     @property
     def unsteady(self) -> bool:
