@@ -96,8 +96,9 @@ def run(
         out["tuning"] = {
             "applied": r.get("applied") is not None,
             "outcome": r.get("outcome"),
-            "claimed": real.get("claimed") or ([r.get("speedup"), r.get("speedup_lo"), r.get("speedup_hi")]),
-            "claim_load": r.get("best_load"),
+            "claimed": real.get("claimed"),  # what the decision claimed for the applied setting
+            "best": [r.get("speedup"), r.get("speedup_lo"), r.get("speedup_hi")],  # the best measured, applied or not
+            "best_load": r.get("best_load"),
             "realized": real.get("ratio"),
             "realized_why": real.get("why"),
             "realized_load": real.get("load"),
