@@ -52,7 +52,6 @@ from trainer.contract.states import TRIAL_FAILURES, TrialKind, TrialOutcome, Tun
 from . import check, deciding, finishing, report_info, run_figures, standings, starting
 from .actions import Action, Apply, Check, Done, FindMicroBatch, Remeasure, RunTrial
 from .budget import Budget
-from .decide import hopeless, should_prune
 from .economics import Ledger
 from .load import Load
 from .measure import LossTrend, RunPace, TrialStop
@@ -264,11 +263,8 @@ class TuneController:
             self.budget.expired() or (self.budget.started and self.budget.left() <= self.reserves.switch_reserve_s)
         ):
             a.stop = TrialStop.BUDGET
-        elif a.kind is TrialKind.TRIAL and (
-            should_prune(a.measure, self.best_this_run(a.measure.load), self.settings.prune_margin)
-            or hopeless(a.measure, self.best_this_run(a.measure.load))
-        ):
-            a.stop = TrialStop.PRUNE
+        elif a.kind is TrialKind.TRIAL and a.prune(self.best_this_run(a.measure.load), self.settings.prune_margin):
+            return a.stop
         elif self.clock() - a.start > self.reserves.trial_timeout_s:
             a.stop = TrialStop.TIMEOUT
             return TrialStop.DONE

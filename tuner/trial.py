@@ -19,6 +19,7 @@ from trainer.contract.states import TRIAL_FAILURES, TrialKind, TrialOutcome, Tri
 
 from . import load as loads
 from .actions import Check, Remeasure, RunTrial
+from .decide import hopeless, should_prune
 from .measure import LossGuard, Measurement, TrialStop
 from .study import Proposal
 
@@ -69,6 +70,7 @@ class ActiveTrial:
     compile: dict[str, int] = field(default_factory=dict)  # CompileWarning kind -> count in this measurement
     recompile_steps: set[int] = field(default_factory=set)  # the steps a recompilation happened at
     load_retries: int = 0  # windows measured again because the load changed under them
+    pruned_against: float | None = None  # the tokens/s it was pruned against (the best under its load then)
     steps_before: int = 0  # steps of the windows measured again
     overhead_before: float | None = None  # the restart's overhead, seen by the first window
 
@@ -83,6 +85,14 @@ class ActiveTrial:
         points = source(spans[0][0], spans[-1][1])
         load, keep = loads.dominant(loads.step_loads(spans, points))
         m.set_loads(load, frozenset(s.step for s, k in zip(m.samples, keep) if not k))
+
+    def prune(self, best: float | None, margin: float) -> bool:
+        """Stop it when clearly slower than `best` (the best measured under its load, as far as known now),
+        remembering what it was pruned against (its loads may be tagged otherwise at its end)."""
+        if best is None or not (should_prune(self.measure, best, margin) or hopeless(self.measure, best)):
+            return False
+        self.stop, self.pruned_against = TrialStop.PRUNE, best
+        return True
 
     @property
     def load_changed(self) -> bool:
@@ -223,15 +233,16 @@ class ActiveTrial:
         m = self.measure
         est, _ = m.estimate
         if self.stop == TrialStop.PRUNE:
+            best = self.pruned_against if self.pruned_against is not None else best_tokens_per_s
+            vs = f" vs {best:.0f}" if best is not None else ""
             _, hi = m.interval()
             if math.isfinite(hi):
-                return TrialStatus.PRUNED, reason or (
-                    f"slower than the best: at most {hi:.0f} tokens/s (CI upper end) vs {best_tokens_per_s:.0f}"
+                return (
+                    TrialStatus.PRUNED,
+                    reason or f"slower than the best: at most {hi:.0f} tokens/s (CI upper end){vs}",
                 )
             fastest = max((s.tokens_per_s for s in m.samples[m.skip :]), default=0.0)
-            return TrialStatus.PRUNED, reason or (
-                f"far slower than the best: no step above {fastest:.0f} tokens/s vs {best_tokens_per_s:.0f}"
-            )
+            return TrialStatus.PRUNED, reason or f"far slower than the best: no step above {fastest:.0f} tokens/s{vs}"
         if len(m.kept) >= 3 and math.isfinite(est):
             status = TrialStatus.OK if m.stable else TrialStatus.CUT
             return status, reason or m.stop_words(m.done_reason or self.stop)
