@@ -90,6 +90,7 @@ def test_a_tuning_under_bursts_of_load_claims_only_what_holds(tmp_path):
             b.wait()
     text = out_path.read_text()
     assert rc in (0, 130), f"exit {rc}\n" + err_path.read_text()[-3000:] + text[-3000:]
+    assert "tuning stopped by an internal error" not in text, err_path.read_text()[-3000:]
     report = json.loads((run_dir / "tuning.json").read_text())
     led = report["ledger"]
     rows = {r["number"]: r for r in report["trials"] if r["run"] == "this"}
