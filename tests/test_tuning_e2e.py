@@ -335,6 +335,7 @@ def test_tune_runs_trials_applies_and_stops_exactly(tuned):
             for line in lines
         ), e
     assert any(line.startswith("tuner: applying trial") for line in lines)
+    assert not any("tuning stopped by an internal error" in line for line in lines)
     assert not any(line.startswith("trial ") and " running:" in line for line in lines)  # one line per trial
     done = [e for e in events(run_dir, "tuner") if e["phase"] == "done"]
     assert done and done[-1]["applied"] and done[-1]["outcome"].startswith("applied trial")
