@@ -126,6 +126,7 @@ def test_a_tuning_under_bursts_of_load_claims_only_what_holds(tmp_path):
             assert final == base and real["switch_back"]
         else:
             assert final == applied[-1]["toggles"]
+            assert real.get("ratio") is None or real.get("switch_s") is not None  # the switch's cost, measured
             tokens = 8 * 64  # --global-batch 8 of --seq-len 64
             applied_rate = quiet_rate(procs[-1]["steps"], start, tokens)
             start_rate = quiet_rate(procs[0]["steps"], start, tokens)  # the baseline runs on the first process

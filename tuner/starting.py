@@ -61,7 +61,8 @@ def begin(
     keep = not note or capabilities.optimizer_state_carries(optimizer, toggles.optimizer)
     action: RunTrial | Remeasure | Check
     if kind is TrialKind.CHECK:  # the process training on with the applied setting: its steps are the run's
-        action = Check(number, toggles, measure, restart=restart)
+        # the switch restarts unless the process running it may train on as it is: its overhead is the switch's cost
+        action = Check(number, toggles, measure, restart=restart or not v.record.continue_free)
     elif kind is TrialKind.REMEASURE:
         assert number is not None
         action = Remeasure(number, toggles, measure, restart, keep_steps=keep)
