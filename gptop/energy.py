@@ -88,7 +88,7 @@ def measure(
         return None
     use_gpu = source == "gpu" or (source == "auto" and any(s.devices for s in samples))
     if use_gpu:
-        wanted = set(devices) if devices is not None else _run_gpus(samples, t0, t1, run_gpus)
+        wanted = set(devices) if devices is not None else run_gpu_indices(samples, t0, t1, run_gpus)
         if not wanted:
             return None
         total, kinds = 0.0, set()
@@ -145,7 +145,9 @@ def unavailable_reason(samples: Sequence[DeviceEvent]) -> str:
     return "the device samples do not cover the steps' time"
 
 
-def _run_gpus(samples: Sequence[DeviceEvent], t0: float, t1: float, run_gpus: Iterable[str] | None = None) -> set[int]:
+def run_gpu_indices(
+    samples: Sequence[DeviceEvent], t0: float, t1: float, run_gpus: Iterable[str] | None = None
+) -> set[int]:
     """The run's GPUs: those whose identity (UUID, else PCI address) the trainer named, else those its
     processes hold memory on in the window (NVML's per-process memory, which a container's PID namespace
     hides), else all GPUs (idle neighbours included: nothing tells them apart)."""

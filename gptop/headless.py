@@ -63,6 +63,7 @@ from gptop.state import (
     spread_pct,
 )
 from gptop.alert_report import alert_line
+from gptop.state.formatting import claim_words
 from trainer.contract.states import ErrorKind, RunStatus, TrialKind, TrialStatus
 from trainer.contract.events import (
     PHASES,
@@ -247,8 +248,9 @@ def _apply_line(event: ApplyEvent, state: RunState) -> str:
     earlier = f" (trial {event.number}, from an earlier run)" if event.earlier else ""
     line = f"apply{earlier}{at}: {fmt_toggles(state.toggle_diff(event.toggles))}"
     tps, base = event.tokens_per_s, event.baseline_tokens_per_s
-    if tps is not None and base:
-        line += f" | {fmt_num(tps)} tok/s ({(tps / base - 1) * 100:+.0f}%)"
+    if tps is not None and base and event.speedup is not None:
+        claim = claim_words(event.speedup, event.speedup_lo, event.speedup_hi)
+        line += f" | {fmt_num(tps)} tok/s, {claim} the start's {fmt_num(base)}"
     return line
 
 

@@ -34,6 +34,8 @@ from typing import Any, Iterable
 
 from trainer.contract.events import GpuReading, finite_or_none
 
+from .load import other_processes
+
 log = logging.getLogger(__name__)
 
 NA = None
@@ -442,14 +444,15 @@ def sample_gpu(
     sm_max = q(index, "nvmlDeviceGetMaxClockInfo", nv.constant("NVML_CLOCK_SM", 1))
     gpm = nv.gpm(index) or {}
     proc_mem = None
+    procs = nv.device_query_first(
+        index, [("nvmlDeviceGetComputeRunningProcesses", ()), ("nvmlDeviceGetComputeRunningProcesses_v2", ())]
+    )
     if pids:
-        procs = nv.device_query_first(
-            index, [("nvmlDeviceGetComputeRunningProcesses", ()), ("nvmlDeviceGetComputeRunningProcesses_v2", ())]
-        )
         # NVML reports host PIDs: inside a PID namespace (container) ours may not match; then n/a, not 0.
         used = [getattr(p, "usedGpuMemory", None) for p in procs or () if getattr(p, "pid", None) in pids]
         known = [u for u in used if u is not None]
         proc_mem = sum(known) if known else None
+    others = other_processes(procs, pids)
     return GpuReading(
         index=index,
         name=name,
@@ -462,6 +465,7 @@ def sample_gpu(
         temp_c=finite_or_none(temp),
         sm_clock_mhz=finite_or_none(sm),
         proc_mem=proc_mem,
+        other_procs=others,
         sm_clock_max_mhz=finite_or_none(sm_max),
         clock_reasons=nv.clock_reasons(index),
         sm_active_pct=finite_or_none(gpm.get("sm_active")),

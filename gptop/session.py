@@ -42,6 +42,8 @@ from .supervisor import Supervisor, torchrun_failures, trainer_argv
 from .trial_processes import start_below
 
 if TYPE_CHECKING:  # imported where used: each is an optional extra or costs start-up time
+    from tuner.load import LoadPoint
+
     from .notify import Notifier
     from .tensorboard import TensorBoardWriter
     from .wandb_writer import WandbWriter
@@ -225,6 +227,15 @@ class Session(SessionBase):
         from .energy import energy_between
 
         return energy_between(self.sampler.history(), t0, t1, run_gpus=self.state.run_gpus())
+
+    def load_between(self, t0: float, t1: float) -> list[LoadPoint]:
+        """The machine's background load over [t0, t1] (unix time), from the sampler's history (gptop.load):
+        what the tuner holds equal between the measurements it compares."""
+        if self.sampler is None:
+            return []
+        from .load import load_points
+
+        return load_points(self.sampler.history(), t0, t1, run_gpus=self.state.run_gpus())
 
     def close(self) -> None:
         """Stop everything; never leaves a trainer process behind."""

@@ -53,16 +53,38 @@ class _CoreLoad:
 
     def __init__(self) -> None:
         self._last = psutil.cpu_times(percpu=True)
+        self.steal_pct: float | None = None  # of the last sample's interval, the whole machine (None: not Linux)
 
     def sample(self) -> list[float]:
         now = psutil.cpu_times(percpu=True)
         out = []
+        stolen = whole = 0.0
         for a, b in zip(self._last, now):
             total = _busy_total(b) - _busy_total(a)
             idle = _idle(b) - _idle(a)
             out.append(0.0 if total <= 0 else min(100.0, max(0.0, 100.0 * (total - idle) / total)))
+            stolen += getattr(b, "steal", 0.0) - getattr(a, "steal", 0.0)
+            whole += max(0.0, total)
+        steal = hasattr(now[0], "steal") if now else False
+        self.steal_pct = min(100.0, max(0.0, 100.0 * stolen / whole)) if steal and whole > 0 else None
         self._last = now
         return out
+
+
+def others_share(per_core: list[float], trainer_pct: float | None, own_pct: float | None) -> float | None:
+    """The machine's CPU share (0..100) busy with processes that are neither the trainer's nor gptop's: the
+    background load a tuning's measurements must share to be compared (tuner.load)."""
+    if not per_core:
+        return None
+    busy = sum(per_core) / len(per_core)
+    return max(0.0, busy - (trainer_pct or 0.0) - (own_pct or 0.0))
+
+
+def _load_avg() -> float | None:
+    try:
+        return float(psutil.getloadavg()[0])
+    except (OSError, AttributeError):
+        return None
 
 
 def _busy_total(t: Any) -> float:
@@ -99,6 +121,13 @@ class _ProcTracker:
         self._roots: tuple[int, ...] | None = None
         self._tree_at = 0.0
         self._tree: list[int] = []
+        self._own: psutil.Process | None = None  # gptop itself: its CPU is the run's, not the machine's others'
+        try:
+            self._own = psutil.Process()
+            self._own.cpu_percent(interval=None)
+        except psutil.Error:
+            pass
+        self.own_pct: float | None = None
 
     def update(self, roots: Iterable[int]) -> _ProcStats:
         roots = tuple(sorted({int(r) for r in roots}))
@@ -138,11 +167,21 @@ class _ProcTracker:
                 cpu += pct
                 have_cpu = True
         self._procs = alive
+        self.own_pct = self._own_share(set(current))
         return _ProcStats(
             pids=set(current),
             rss=rss if have_rss else None,
             cpu_pct=min(100.0, cpu / self._ncpu) if have_cpu else None,
         )
+
+    def _own_share(self, trainer: set[int]) -> float | None:
+        """This process's share of the machine since the last sample (0..100), unless it is the trainer's."""
+        if self._own is None or self._own.pid in trainer:
+            return 0.0 if self._own is not None else None
+        try:
+            return min(100.0, self._own.cpu_percent(interval=None) / self._ncpu)
+        except psutil.Error:
+            return None
 
     def _get(self, pid: int) -> psutil.Process | None:
         p = self._procs.get(pid)
@@ -339,6 +378,9 @@ class DeviceSampler:
             mem_total=int(vm.total),
             proc_rss=procs.rss,
             proc_cpu_pct=procs.cpu_pct,
+            others_cpu_pct=others_share(per_core, procs.cpu_pct, self._procs.own_pct),
+            steal_pct=self._cores.steal_pct,
+            load_avg=_load_avg(),
             power_w=power,
             energy_j=energy,
             name=self._cpu_name,

@@ -51,7 +51,7 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from trainer.contract import events as ev
 from trainer.contract.config import AUTO, Toggles, TrainConfig
@@ -60,10 +60,12 @@ from tuner.measure import TrialStop
 
 from .advice import tries as advice_tries
 from .trial_processes import TEST_FAULT_ENV, Inbox, TrialProcesses, parse_test_fault
+from .tuning_check import AppliedCheck
 from .tuning_space import tuning_space
 
 if TYPE_CHECKING:
     from tuner.controller import Remeasure, RunTrial, TuneController
+    from tuner.load import LoadPoint
     from tuner.study import TuneStudy
     from tuner.tuning_report import TunedCommand
 
@@ -107,10 +109,13 @@ class TuningHost(Protocol):
     def halt(self, kind: ErrorKind, message: str) -> None: ...
     def handle_exit(self, code: int) -> None: ...
     def energy_between(self, t0: float, t1: float) -> float | None: ...
+    def load_between(self, t0: float, t1: float) -> Sequence[LoadPoint]: ...
 
 
-class TuningDriver:
-    """The session's controller while it tunes (gptop.session.Controller); `Session.start_tuning` makes one."""
+class TuningDriver(AppliedCheck):
+    """The session's controller while it tunes (gptop.session.Controller); `Session.start_tuning` makes one.
+    After a decision to apply, the switch and the applied setting's check on the live run are
+    `gptop.tuning_check.AppliedCheck`'s."""
 
     def __init__(
         self,
@@ -145,6 +150,7 @@ class TuningDriver:
         self._restart_s: list[float] = []
         self._pace_known = False
         self._per_trial = 0.0
+        self.ended_in_check = False  # the applied setting's process ended while it was checked
         self.test_fault = parse_test_fault(os.environ.get(TEST_FAULT_ENV, ""))
 
     # ------------------------------------------------------------- wiring
@@ -289,9 +295,7 @@ class TuningDriver:
             from statistics import median
 
             restart = median(self._restart_s)
-            self.ctl.startup_s = restart
-            self.ctl.switch_reserve_s = restart + self.ctl.checkpoint_s
-            self.ctl.trial_timeout_s = max(self.ctl.trial_timeout_s, 2 * self._per_trial + 2 * restart)
+            self.ctl.learn_restart(restart, 2 * self._per_trial + 2 * restart)
 
     def _startup_s(self, hello: ev.HelloEvent) -> float | None:
         """How long the running trainer took from its start to its built hello: what a restart costs at least."""
@@ -300,7 +304,7 @@ class TuningDriver:
         return max(0.0, hello.time - started) if started is not None and hello.time >= started else None
 
     def _run(self) -> None:
-        from tuner.controller import Apply, Done, FindMicroBatch, Remeasure, RunTrial
+        from tuner.controller import Apply, Check, Done, FindMicroBatch, Remeasure, RunTrial
 
         procs = self.procs
         self._pace_known = procs.hello is not None  # a trainer that ran before tuning (the `t` key)
@@ -337,6 +341,14 @@ class TuningDriver:
                     if self.test_fault and self.test_fault[0] == trial_index:
                         fault = self.test_fault[1]
                 if not self._run_trial(ctl, action, fault):
+                    return None
+                continue
+            if isinstance(action, Apply) and ctl.final is None:  # checked on the live run next
+                if not self._switch(ctl, action):
+                    return None
+                continue
+            if isinstance(action, Check):
+                if not self._run_check(ctl, action):
                     return None
                 continue
             if isinstance(action, (Apply, Done)):
@@ -382,7 +394,9 @@ class TuningDriver:
             trial_timeout_s=2 * per_trial + 2 * restart,
             switch_reserve_s=restart,
             energy=self.session.energy_between,
+            load=self.session.load_between,  # measurements compared only under the same background load
             run_pays=not self.tune_only,
+            check_applied=not self.tune_only,  # the applied setting, measured on the live run
             startup_s=startup,
             # a trial's process trains on as it is only if its settings are the user's
             trial_process_continues=command or self.procs.user().run.nan_policy == "stop",
@@ -480,8 +494,11 @@ class TuningDriver:
             return "the run reached --max-steps while tuning"
         return "the trainer stopped while tuning"
 
-    def _measure(self, ctl: "TuneController") -> tuple[MeasureEnd | TrialStop | TrialOutcome, str]:
-        """Feed events to the controller until the trial should stop; returns (why it stopped, reason)."""
+    def _measure(
+        self, ctl: "TuneController", on_hello: Callable[[], None] | None = None
+    ) -> tuple[MeasureEnd | TrialStop | TrialOutcome, str]:
+        """Feed events to the controller until the trial should stop (`on_hello`: called on the process's built
+        hello); returns (why it stopped, reason)."""
         while True:
             item = self._next()
             if self.session.halted is not None:
@@ -491,6 +508,8 @@ class TuningDriver:
             if item is not None:
                 kind, payload = item
                 if kind is Inbox.EVENT:
+                    if on_hello is not None and isinstance(payload, ev.HelloEvent) and not payload.early:
+                        on_hello()
                     ctl.observe(payload)
                     self._publish()  # the measurement's progress (about once a second)
                 elif kind is Inbox.EXIT:
@@ -521,11 +540,19 @@ class TuningDriver:
                     f"{early}applying {action.label or f'trial {action.number}'}: {action.decision.reason}",
                     decision=action.decision.to_dict(),
                 )
+            elif action is not None and ctl.record.realized is not None:  # applied, then checked on the live run
+                self._say(action.reason)
             elif action is not None:
                 self._say(f"keeping the starting configuration: {action.reason}")
             else:
                 self._say(f"tuning ended: {ctl.final.reason if ctl.final else self._end_reason()}")
-        ended = s.interrupted or s.halted is not None or self._complete or (action is None and s.finished)
+        ended = (
+            s.interrupted
+            or s.halted is not None
+            or self._complete
+            or (action is None and s.finished)
+            or self.ended_in_check
+        )
         if action is not None and not ended:
             toggles = action.toggles
             if self.tune_only:

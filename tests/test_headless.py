@@ -99,7 +99,7 @@ def test_readable_lines():
         "trial 1 ok: compile=default fused_adamw=on | 41.9k tok/s ±1.8% | peak 36.0 GB | +28.8% tokens/s",
         "baseline 0 ok: (as started) | 32.5k tok/s ±1.2%",
         "trial 2 infeasible: compile=default micro_batch=32 | peak 79.0 GB | oom: rolled back",
-        "apply: compile=default fused_adamw=on | 41.9k tok/s (+29%)",
+        "apply: compile=default fused_adamw=on | 41.9k tok/s, 1.29x (1.22-1.36x) the start's 32.5k",
         "tuner: find micro batch (30:00 budget left)",
         "tuner: done",
         "hint: compute-bound",

@@ -55,6 +55,9 @@ class FakeSession:
     def spawn(self, cfg=None, resume=None, start_step=None):
         self.spawns.append((resume, start_step))
 
+    def load_between(self, t0, t1):
+        return []  # no sampler: the load is not tracked
+
 
 def make_ckpt(run_dir, step, tag=b"x"):
     p = rundir.path_for(run_dir, step)

@@ -101,15 +101,13 @@ def test_the_ledger_bounds_the_gain_and_what_tuning_may_still_lose():
 
 def test_a_plan_on_a_short_run_says_tuning_cannot_pay():
     ledger = Ledger(max_share=0.5, max_loss=0.1, prior_gain=1.5, explore_gain=1.5, say=lambda s: None)
-    ledger.loss_allowance_s = 10.0
     o = Outlook(costs(), step=100, remaining=50, step_s=1.0, between_s=0.0, best=None, switch=None, spent_s=None)
-    d = ledger.plan(o, trial_s=60.0)
+    d = ledger.plan(o, trial_s=60.0, allowance_s=10.0)
     assert not d.apply and d.choice is Choice.PLAN and d.reason.startswith("tuning cannot pay: ")
     long = Outlook(
         costs(), step=100, remaining=100_000, step_s=1.0, between_s=0.0, best=None, switch=None, spent_s=None
     )
-    ledger.loss_allowance_s = 10_000.0
-    assert ledger.plan(long, trial_s=60.0).reason.startswith("tuning can pay: ")
+    assert ledger.plan(long, trial_s=60.0, allowance_s=10_000.0).reason.startswith("tuning can pay: ")
 
 
 def test_a_kind_that_cannot_pay_is_dropped_for_the_run_and_said_once():
@@ -136,7 +134,6 @@ def test_a_recompiling_configuration_is_recorded_as_no_candidate_with_what_it_wo
     assert not d.apply and d.choice is Choice.CANDIDATE and d.cost_s == 12.0
     assert d.expected_saving_s == pytest.approx(100 * 1000 * (1 / 1000.0 - 1 / 2000.0))
     assert d.reason == (
-        "trial 5 kept recompiling (fell back to eager): not a candidate however fast it measured "
-        "(2000 tokens/s, 2.00x the start)"
-    )
+        "trial 5 kept recompiling (fell back to eager): not a candidate however fast it measured (2000 tokens/s)"
+    )  # no ratio: a measurement between recompilations is no claim
     assert not_a_candidate("x", 2000.0, None, 100, 1000, 0.0).expected_saving_s == 0.0

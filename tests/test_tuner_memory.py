@@ -293,7 +293,7 @@ def test_a_memory_constrained_tuning_trades_memory_checks_the_loss_and_reports_p
     # low-bit optimizers are numerics-changing: their trials run under the loss check
     assert all(a.numerics_changing == (a.toggles.optimizer != "adamw") for a in trials)
 
-    results = {r["number"]: r for r in ctl.results if r["kind"] == "trial"}
+    results = {r["number"]: r for r in ctl.record.results if r["kind"] == "trial"}
     by_toggles = {
         (r["toggles"].micro_batch, r["toggles"].activation_checkpointing, r["toggles"].optimizer): r
         for r in results.values()
@@ -346,7 +346,7 @@ def test_the_optimizer_state_note_follows_the_kept_checkpoint(tmp_path):
     pre-trial checkpoint holds."""
     clock = Clock()
     ctl, _ = _memory_ctl(tmp_path, clock, SPACE)
-    assert ctl.state_optimizer == "adamw"
+    assert ctl.record.state_optimizer == "adamw"
     ctl.set_max_micro_batch(8)
     base = ctl.next_action()  # the baseline
     assert isinstance(base, RunTrial) and base.baseline
@@ -369,13 +369,13 @@ def test_the_optimizer_state_note_follows_the_kept_checkpoint(tmp_path):
             )
         )
     ctl.finish_trial("ok")
-    assert ctl.state_optimizer == "adamw"
+    assert ctl.record.state_optimizer == "adamw"
     first = ctl.next_action()
     assert isinstance(first, RunTrial)
     ctl.observe(make("error", kind="oom", message="out of memory", memory={"allocated_peak": 5 << 30}))
     ev = ctl.finish_trial("oom")
     assert ev.peak_mem == 5 << 30
-    assert ctl.state_optimizer == "adamw"  # rolled back: the checkpoint still holds adamw's state
+    assert ctl.record.state_optimizer == "adamw"  # rolled back: the checkpoint still holds adamw's state
 
 
 def test_a_start_that_runs_out_of_memory_widens_the_space_into_a_study_of_its_own(tmp_path, torchao_and_bnb):
@@ -479,4 +479,4 @@ def test_stopping_tuning_during_a_fresh_state_trial_keeps_the_runs_optimizer(tmp
     clock.t += 3.0
     done = ctl.stop_early("stopped by the user", rolled_back=True)
     assert done.toggles.optimizer == "adamw" and done.restart
-    assert ctl.state_optimizer == "adamw" and ctl.rolled_back_s >= 3.0
+    assert ctl.record.state_optimizer == "adamw" and ctl.record.rolled_back_s >= 3.0

@@ -114,3 +114,22 @@ def test_cut_for_time_while_compiling_is_pruned_and_marks_the_mode_slow():
 
 def test_noted_joins_what_is_there():
     assert noted("a", "b") == "a; b" and noted("", "b") == "b" and noted("a", "") == "a"
+
+
+def test_a_pruned_trial_says_what_it_was_pruned_against_however_its_loads_are_tagged_at_its_end():
+    """Pruned against the best under its load at the time; at its end its samples are tagged again and no
+    measurement of this run shares its final load (the reference passed in is None): its reason still names
+    the figure it was pruned against, and never fails."""
+    from tuner.measure import TrialStop
+
+    a = active()
+    for i in range(1, 20):
+        a.note_step(step(i, ms=100.0), TOKENS, 100.0 + i)  # 40,960 tokens/s
+    assert not a.prune(None, 0.05) and a.stop is None  # nothing to compare with: not pruned
+    assert a.prune(100_000.0, 0.05) and a.stop == TrialStop.PRUNE and a.pruned_against == 100_000.0
+    status, reason = a.verdict("", None)
+    assert status is TrialStatus.PRUNED and reason.endswith("vs 100000"), reason
+    b = active(stop=TrialStop.PRUNE)
+    for i in range(1, 4):
+        b.note_step(step(i, ms=100.0), TOKENS, 100.0 + i)
+    assert b.verdict("", None)[1].startswith("far slower than the best: no step above")  # no figure: none said

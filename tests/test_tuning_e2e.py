@@ -208,14 +208,17 @@ def finished_trials(run_dir):
 
 
 def after_the_decision(run_dir) -> list[dict] | None:
-    """The events after the tuner's `done` phase, from the hello of the process that trains on (the applied
-    setting's, restarted) when it applied one; None while the tuner has not decided."""
+    """The events of the process that trains on once the tuner is done (its `done` phase, after the applied
+    setting's check on the live run): from the hello of the last process started after the decision (the
+    applied setting's, restarted; or the start's again, had the check switched back), else after `done`; None
+    while the tuner has not finished."""
     evs = events(run_dir) if (Path(run_dir) / "events.jsonl").exists() else []
     done = next((i for i, e in enumerate(evs) if e["type"] == "tuner" and e["phase"] == "done"), None)
     if done is None:
         return None
-    after = evs[done + 1 :]
-    if any(e["type"] == "apply" for e in evs):
+    applied = [i for i, e in enumerate(evs) if e["type"] == "apply"]
+    after = evs[applied[-1] + 1 :] if applied else evs[done + 1 :]
+    if applied:
         hellos = [i for i, e in enumerate(after) if e["type"] == "hello"]
         after = after[hellos[-1] :] if hellos else []
     return after
@@ -332,6 +335,7 @@ def test_tune_runs_trials_applies_and_stops_exactly(tuned):
             for line in lines
         ), e
     assert any(line.startswith("tuner: applying trial") for line in lines)
+    assert not any("tuning stopped by an internal error" in line for line in lines)
     assert not any(line.startswith("trial ") and " running:" in line for line in lines)  # one line per trial
     done = [e for e in events(run_dir, "tuner") if e["phase"] == "done"]
     assert done and done[-1]["applied"] and done[-1]["outcome"].startswith("applied trial")

@@ -21,7 +21,9 @@ does it, and reports back; trial steps are real training steps.
                 # before the trial -> finish_trial(kind)  (kind: oom, nan, diverged, compile, crash)
                 ctl.finish_trial(outcome)
             case Apply():                 # after a checkpoint, restart with action.toggles
-                ...                       # if action.restart; write the report
+                ...                       # if action.restart
+            case Check():                 # measure the applied setting on the live run, as a trial
+                ...                       # (no restart); then finish_trial("ok")
             case Done():                  # continue with action.toggles (restart if action.restart)
                 break
         for ev in ctl.drain_events(): emit(ev)                 # trial / apply / tuner events
@@ -91,6 +93,21 @@ class Apply:
 
 
 @dataclass
+class Check:
+    """After an `Apply`: measure the applied setting on the live run, in the process training on with it (no
+    restart: the switch was the restart), with the same protocol as RunTrial, `finish_trial("ok")` at its end,
+    then ask again: the answer is a Done that keeps it, or one that switches back to the start
+    (`restart`), when its realized speed is below the start's beyond noise."""
+
+    number: int | None
+    toggles: Toggles
+    measure: Measurement
+    label: str = ""
+    restart: bool = True  # the switch into it was a restart: its overhead is the switch's cost
+    keep_steps: bool = True
+
+
+@dataclass
 class Done:
     """Tuning is over: continue training with `toggles` (restart first if `restart`)."""
 
@@ -99,4 +116,4 @@ class Done:
     restart: bool = False
 
 
-Action = FindMicroBatch | RunTrial | Remeasure | Apply | Done
+Action = FindMicroBatch | RunTrial | Remeasure | Apply | Check | Done

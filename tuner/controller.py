@@ -2,28 +2,28 @@
 
 The session asks it what to do next (`tuner.actions` has the loop), does it, and reports back; trial steps
 are real training steps. docs/tuning.md says what a tuning does; this module keeps its state and moves it
-through the phases: find-micro-batch -> baseline -> trials -> remeasure -> decide -> done.
+through the phases: find-micro-batch -> baseline -> trials -> remeasure -> decide -> check -> done.
 
 * baseline: the start runs on and is measured (`RunTrial(baseline=True, restart=False)`).
-* trials (`tuner.schedule`): the first guesses, then TPE (`tuner.proposals`, which also screens what cannot
-  run), each started only if the budget affords it plus `reserve_trials` more plus `switch_reserve_s` and
-  only if it can pay (`tuner.economics` over this run's figures, `tuner.run_figures`). A trial is cut when only `switch_reserve_s` is left (the budget covers tuning up to
-  training on with the chosen setting), or when still warming up after `trial_timeout_s`: its compile mode
-  is then screened out for the run (`slow_compile`).
-* remeasure: `standings.remeasure_plan` (`tuner.schedule`); estimates pool both measurements.
-* decide: `standings.judge`; Apply or Done.
+* trials (`tuner.schedule`): the first guesses, then TPE (`tuner.proposals` screens what cannot run), each
+  started only if the budget affords it (plus `reserve_trials` more and the final switch's reserve) and it
+  can pay (`tuner.economics` over `tuner.run_figures`). A trial is cut when only the switch's reserve is left,
+  or when still warming up after the trial timeout (its compile mode is then screened out for the run).
+* remeasure: `standings.remeasure_plan` (`tuner.schedule`): the start first when no measurement of it can
+  be compared with the leaders (`tuner.windows`: the same load, each to its precision target).
+* decide: `standings.judge`; Apply or Done. check (`tuner.check`, with `check_applied`): the applied setting
+  measured on the live run against the start under the same load; slower beyond noise: switch back.
 
-A finished measurement (`finish_trial`) goes to its kind's handler (`tuner.finishing`), healthy or failed: a trial is told to
-the study, a re-measurement pools into its trial, the baseline becomes the start's measurement; a failed one
-was rolled back. When the start itself runs out of memory the space is widened to the memory savers
-(`space.for_memory`) and tuning goes on in that space's study (`study` changes: the session reports from
-`ctl.study`).
+Only this class (and `TuningRecord.apply`, which it calls) writes the record of what tuning measured and did
+(`tuner.record`); `tuner.finishing`, `tuner.schedule`, `tuner.run_figures`, `tuner.starting`, `tuner.deciding`
+and `tuner.check` read it through a `TunerView` and return the changes `apply` applies in order. When the start
+runs out of memory the space is widened to the memory savers and tuning goes on in that space's study (the
+session reports from `ctl.study`).
 
-Events: a `trial` event when a numbered trial starts (status running; the unnumbered baseline only reports
-at its end) and when it ends (a re-measurement updates its trial's row with the pooled estimate); a `tuner`
-event at every phase change, trial start and end and, at most every `progress_every_s`, on a measurement's
-progress; an `apply` event with the decision; the `tuner` event of phase done carries `outcome` and
-`applied`. The settings are a `TunerSettings` (`tuner.settings`); `report_info` is `tuner.report_info`'s.
+Events: a `trial` event when a numbered measurement starts (status running) and ends; a `tuner` event at
+every phase change, trial start and end and, at most every `progress_every_s`, on a measurement's progress;
+an `apply` event with the decision and its claim; the `tuner` event of phase done carries `outcome` and
+`applied`.
 """
 
 from __future__ import annotations
@@ -37,49 +37,44 @@ from trainer.contract import capabilities
 from trainer.contract.config import AUTO, TrainConfig, Toggles
 from trainer.contract.device import DeviceInfo
 from trainer.contract.events import (
-    ApplyEvent,
     CheckpointEvent,
     ErrorEvent,
     Event,
     HelloEvent,
     LogEvent,
-    MeasureProgress,
     StepEvent,
     TrialEvent,
-    TunerBest,
     TunerEvent,
     WarningEvent,
 )
-from trainer.contract.states import TRIAL_FAILURES, TrialKind, TrialOutcome, TrialStatus, TunerPhase
+from trainer.contract.states import TRIAL_FAILURES, TrialKind, TrialOutcome, TunerPhase
 
-from . import finishing, report_info, run_figures, standings
-from .actions import Action, Apply, Done, FindMicroBatch, Remeasure, RunTrial
+from . import check, deciding, finishing, report_info, run_figures, standings, starting
+from .actions import Action, Apply, Check, Done, FindMicroBatch, Remeasure, RunTrial
 from .budget import Budget
-from .decide import Decision, hopeless, should_prune
 from .economics import Ledger
-from .measure import LossGuard, LossTrend, Measurement, RunPace, TrialStop
-from .proposals import AdviceTry
-from .schedule import Schedule
+from .load import Load
+from .measure import LossTrend, RunPace, TrialStop
+from . import record as rec
+from .record import Change, Reserves, TuningRecord
+from .schedule import STUCK, MAX_ASKS, Over, Run, Schedule, Screen
 from .settings import TunerSettings
 from .space import SearchSpace
 from .standings import Judgement, Standing
 from .study import Proposal, TuneStudy
-from .trial import ActiveTrial, compile_words, reported_peak
+from .trial import ActiveTrial
 
 # the names the session drives the tuner with, importable from here
 __all__ = [
     "Action",
-    "AdviceTry",
     "Apply",
     "Done",
     "FindMicroBatch",
     "Remeasure",
     "RunTrial",
-    "Standing",
     "TuneController",
     "TunerSettings",
-    "compile_words",
-    "reported_peak",
+    "Check",
 ]
 
 
@@ -110,46 +105,27 @@ class TuneController:
             explore_gain=s.explore_gain,
             say=self.say,
         )
-        # what the session updates as it learns this setup: the trainer's start, the final switch's reserve,
-        # a trial's time limit; and the budget kept for re-measurements when a trial starts
-        self.startup_s = s.startup_s
-        self.switch_reserve_s = s.switch_reserve_s
-        self.trial_timeout_s = s.trial_timeout_s or (s.max_seconds + 2 * s.default_restart_s + 600.0)
-        self.reserve_trials = s.remeasure_top if s.reserve_trials is None else s.reserve_trials
-        self.continue_free = True  # the process running now can train on without a restart
+        self.reserves = Reserves.of(s)  # what the session learns of this setup as it goes (`learn_restart`)
         self.pace_s: float | None = None  # seconds per step at the start's speed (before the baseline)
         self.run_pace = RunPace()  # the run's time between its steps (checkpoints, evals, logging)
-        self.base_failed = False  # the start itself failed (OOM, ...): anything that runs beats it
-        self.aborted = False  # tuning was abandoned (the run ended or was interrupted)
         self._ranked: tuple[int, list[Standing]] | None = None
         self._progress_at = 0.0
-        self.slow_compile: set[str] = set()  # compile modes that did not warm up within a trial's time
         self.tokens_per_step = base_cfg.optim.global_batch * base_cfg.data.seq_len
         self.phase = TunerPhase.INIT
         self.max_mb: int | None = s.max_micro_batch
         self._mb_known = s.max_micro_batch is not None
         self.last_step = 0
-        self.checkpoint_s = 0.0
         self.trend = LossTrend()
-        self.baseline: dict[str, Any] | None = None
-        self.baseline_number: int | None = None
-        self.results: list[dict[str, Any]] = []  # this run's finished trials (trial events + extras)
-        self.trials_run = 0
-        self.screened = 0
-        self.kept_tokens = 0
-        self.rolled_back_s = 0.0
-        self.stop_note = ""
-        self.decision: Decision | None = None
-        self.applied: Toggles | None = None
         self._active: ActiveTrial | None = None
         self._schedule = Schedule()
         self._final: Done | None = None
+        self._check: check.PendingCheck | None = None  # the applied setting to check on the live run
         self._prefix = ""  # "stopped by the user: " before the decision
         self._events: list[Event] = []
         self._version = 0  # bumped when a measurement is recorded (the best may change)
-        self.running: Toggles | None = self.base  # what the trainer process runs, as far as we know
-        # the optimizer whose state the newest kept checkpoint holds: what a trial's switch converts from
-        self.state_optimizer = self.cfg.toggles.optimizer
+        # what the trainer process runs, and the optimizer whose state the newest kept checkpoint holds (what a
+        # trial's switch converts from)
+        self.record = TuningRecord(running=self.base, state_optimizer=self.cfg.toggles.optimizer)
 
     # --- derived ----------------------------------------------------------------------
     @property
@@ -185,14 +161,9 @@ class TuneController:
         return self._final
 
     @property
-    def decisions(self) -> list[Decision]:
-        """The ledger's decisions, in order."""
-        return self.ledger.decisions
-
-    @property
-    def loss_allowance_s(self) -> float | None:
-        """What tuning may lose, decided before the first trial (None before, or with --tune-only)."""
-        return self.ledger.loss_allowance_s
+    def checkpoint_s(self) -> float:
+        """How long this setup's last checkpoint took to write."""
+        return self.reserves.checkpoint_s
 
     def _mb_attr(self) -> str:
         t = self.cfg.toggles
@@ -213,30 +184,9 @@ class TuneController:
         return out
 
     def tuner_event(self) -> TunerEvent:
-        a = self._active
+        """The `tuner` event of now (`deciding.tuner_event`)."""
         final = self._final if self.phase is TunerPhase.DONE else None
-        return TunerEvent(
-            phase=self.phase,
-            budget_left_s=round(self.budget.left(), 1),
-            trial=a.number if a else None,
-            trials_run=self.trials_run,
-            trials_planned=self.trials_planned,
-            study=self.study.name,
-            outcome=final.reason if final is not None else None,
-            applied=(self.applied is not None) if final is not None else None,
-            measure=self.measure_progress(),
-            budget_s=round(self.budget.total_s, 1),
-            best=self.best_event(),
-        )
-
-    def best_event(self) -> TunerBest | None:
-        """The best so far as the views show it: the trial `decide` and the report would name."""
-        st = self.best()
-        return st.event() if st is not None else None
-
-    def measure_progress(self) -> MeasureProgress | None:
-        """The running measurement's progress (None outside one)."""
-        return self._active.progress() if self._active is not None else None
+        return deciding.tuner_event(self, self.phase, self._active, final, self.trials_planned)
 
     def set_phase(self, phase: TunerPhase) -> None:
         """Move to `phase`, with the tuner event that says so."""
@@ -258,8 +208,8 @@ class TuneController:
         self._mb_known = True
         if self.max_mb:
             self.study.set_attr(self._mb_attr(), self.max_mb)
-            if self.running is self.cfg.toggles or self.running == self.cfg.toggles:
-                self.running = self.base
+            if self.record.running is self.cfg.toggles or self.record.running == self.cfg.toggles:
+                self.record.running = self.base
 
     def observe(self, event: Event) -> None:
         """Feed every trainer event (other ranks and unknown types are ignored)."""
@@ -267,7 +217,7 @@ class TuneController:
             return
         a = self._active
         if isinstance(event, CheckpointEvent):
-            self.checkpoint_s = event.seconds or 0.0
+            self.reserves.checkpoint_s = event.seconds or 0.0
         elif isinstance(event, HelloEvent):
             self.run_pace.restart()
         elif isinstance(event, WarningEvent):
@@ -288,6 +238,7 @@ class TuneController:
         warmed = a.note_step(event, self.tokens_per_step, self.clock())
         if warmed or self.clock() - self._progress_at >= self.settings.progress_every_s:
             self._progress_at = self.clock()
+            a.tag_loads(self.settings.load)  # the samples under another load than most leave the estimate
             self.emit(self.tuner_event())  # the views show the measurement's progress
         if a.proposal is not None and self.clock() - a.last_touch > 60.0:
             self.study.touch(a.proposal)
@@ -302,18 +253,26 @@ class TuneController:
         if a.failure:
             return a.failure[0]
         if a.measure.done:
+            a.tag_loads(self.settings.load)
+            why = check.again(self, a, self._time_left())
+            if why is not None:
+                self.say(f"tuner: {a.measure_again(self.settings.measure_kw(), why)}")
+                return None
             a.stop = TrialStop.DONE
-        elif self.budget.expired() or (self.budget.started and self.budget.left() <= self.switch_reserve_s):
-            a.stop = TrialStop.BUDGET
-        elif a.kind is TrialKind.TRIAL and (
-            should_prune(a.measure, self.best_this_run(), self.settings.prune_margin)
-            or hopeless(a.measure, self.best_this_run())
+        elif a.kind is not TrialKind.CHECK and (
+            self.budget.expired() or (self.budget.started and self.budget.left() <= self.reserves.switch_reserve_s)
         ):
-            a.stop = TrialStop.PRUNE
-        elif self.clock() - a.start > self.trial_timeout_s:
+            a.stop = TrialStop.BUDGET
+        elif a.kind is TrialKind.TRIAL and a.prune(self.best_this_run(a.measure.load), self.settings.prune_margin):
+            return a.stop
+        elif self.clock() - a.start > self.reserves.trial_timeout_s:
             a.stop = TrialStop.TIMEOUT
             return TrialStop.DONE
         return a.stop
+
+    def _time_left(self) -> float:
+        """What the budget leaves for measuring, the final switch's reserve kept."""
+        return self.budget.left() - self.reserves.switch_reserve_s if self.budget.started else math.inf
 
     # --- the state machine --------------------------------------------------------------
     def next_action(self) -> Action:
@@ -322,6 +281,8 @@ class TuneController:
             return self._active.action
         if self._final is not None:
             return self._final
+        if self._check is not None:
+            return self._checking(self._check)
         self.budget.start()
         if self.phase is TunerPhase.INIT:
             if not self._mb_known:
@@ -336,25 +297,80 @@ class TuneController:
             if not self._mb_known:
                 return FindMicroBatch()
             self.set_phase(TunerPhase.BASELINE)
+        if self.phase in (TunerPhase.BASELINE, TunerPhase.TRIALS):
+            changes, end = run_figures.plan(self)
+            self.apply(changes)
+            if end is not None:
+                return self.done(end, self.base)
         if self.phase is TunerPhase.BASELINE:
-            done = run_figures.plan(self)
-            if done is not None:
-                return done
             return self.start_measurement(TrialKind.BASELINE, self.base, None)
         if self.phase is TunerPhase.TRIALS:
-            done = run_figures.plan(self)
-            if done is not None:
-                return done
-            trial = self._schedule.next_trial(self)
+            trial = self._next_trial()
             if trial is not None:
                 return trial
             self.set_phase(TunerPhase.REMEASURE)
         if self.phase is TunerPhase.REMEASURE:
-            again = self._schedule.next_remeasure(self)
-            if again is not None:
+            st = self._schedule.next_remeasure(self)
+            if st is not None:
+                again = self.start_measurement(
+                    TrialKind.REMEASURE, st.cand.toggles, None, number=st.cand.number, earlier=st.earlier
+                )
+                assert isinstance(again, Remeasure)
                 return again
             self.set_phase(TunerPhase.DECIDE)
         return self.decide()
+
+    def _next_trial(self) -> RunTrial | None:
+        """Start the next trial the schedule lets through (recording the proposals it screens out), or None
+        with the record's `stop_note` saying why the trials are over."""
+        for _ in range(MAX_ASKS):
+            step = self._schedule.next_trial(self)
+            if isinstance(step, Over):
+                self.apply([rec.Note(step.note)])
+                return None
+            p = step.proposal
+            if isinstance(step, Screen):
+                self.apply(finishing.screened_out(self, p, step.screened))
+                continue
+            assert isinstance(step, Run)
+            self.apply([rec.TrialStarted()])
+            action = self.start_measurement(TrialKind.TRIAL, p.toggles, p, source=p.source, advice=p.advice)
+            assert isinstance(action, RunTrial)
+            return action
+        self.apply([rec.Note(STUCK)])
+        return None
+
+    def apply(self, changes: list[Change]) -> None:
+        """Apply what a finished measurement, the plan or the schedule changed, in order: the record's own
+        changes by the record (`TuningRecord.apply`), the rest to the ledger, the budget, the loss trend, the
+        space and the event stream."""
+        for c in changes:
+            self.record.apply(c)
+            match c:
+                case rec.StartFailed() if c.memory is not None:
+                    self.widen_for_memory(c.memory)
+                case rec.TrendPoints():
+                    for step, loss in c.points:
+                        self.trend.add(step, loss)
+                case rec.Decided():
+                    self.ledger.record(c.decision, self.last_step, say=c.say)
+                case rec.Said():
+                    self.say(c.message)
+                case rec.Planned():
+                    self.ledger.set_plan(c.loss_allowance_s, c.measured)
+                    self.budget.limit(c.budget_s)
+                case rec.Result():
+                    self.emit(c.event)
+                    self.emit(self.tuner_event())
+
+    def learn_restart(self, restart_s: float, trial_timeout_s: float) -> None:
+        """What a restart of this setup's trainer takes (measured by the session): the trainer's start, the
+        budget kept for the final switch (a restart and a checkpoint), and a trial's time limit (at least
+        `trial_timeout_s`)."""
+        rv = self.reserves
+        rv.startup_s = restart_s
+        rv.switch_reserve_s = restart_s + rv.checkpoint_s
+        rv.trial_timeout_s = max(rv.trial_timeout_s, trial_timeout_s)
 
     def start_measurement(
         self,
@@ -367,71 +383,25 @@ class TuneController:
         advice: str | None = None,
     ) -> RunTrial | Remeasure:
         """Start measuring `toggles` as a `kind` (the trial of `proposal`, or trial `number` again)."""
-        measure = Measurement(**self.settings.measure_kw())
-        strict = self.space.numerics_changing(toggles)
-        restart = toggles != self.running
-        if restart:  # a trial's process: training on in it needs a restart unless its settings are the user's
+        b = starting.begin(self, kind, toggles, proposal, self.clock(), number, source, earlier, advice)
+        if b.restart:  # a trial's process: training on in it needs a restart unless its settings are the user's
             self.run_pace.restart()
-            self.continue_free = self.settings.trial_process_continues
-        if proposal is not None:
-            number = proposal.number
-        note = capabilities.optimizer_switch(self.state_optimizer, toggles.optimizer) if restart else None
-        # a switch that starts the optimizer state fresh is measured, then rolled back: the run keeps its state
-        keep = not note or capabilities.optimizer_state_carries(self.state_optimizer, toggles.optimizer)
-        if kind is TrialKind.REMEASURE:
-            assert number is not None
-            action: RunTrial | Remeasure = Remeasure(number, toggles, measure, restart, keep_steps=keep)
-        else:
-            action = RunTrial(
-                number,
-                toggles,
-                measure,
-                baseline=kind is TrialKind.BASELINE,
-                restart=restart,
-                numerics_changing=strict,
-                source=source,
-                keep_steps=keep,
-                advice=advice,
-            )
-        self._active = ActiveTrial(
-            kind,
-            action,
-            toggles,
-            proposal,
-            number,
-            self.clock(),
-            measure,
-            LossGuard(self.trend, strict),
-            strict,
-            last_touch=self.clock(),
-            note=note or "",
-            earlier=earlier,
-            advice=advice,
-        )
-        if number is not None:  # views key trials by number; an unnumbered baseline gets one row, at its end
-            self.emit(
-                TrialEvent(
-                    number=number,
-                    toggles=toggles,
-                    status=TrialStatus.RUNNING,
-                    tokens_per_s=None,
-                    spread=None,
-                    peak_mem=None,
-                    reason="",
-                    kind=kind,
-                    source=source if kind is TrialKind.TRIAL else kind,
-                    earlier=earlier,
-                    advice=advice,
-                    compile=None,
-                    unsteady=False,
-                )
-            )
-        self.emit(self.tuner_event())
+            self.record.continue_free = self.settings.trial_process_continues
+        action = self._begin(b)
+        assert not isinstance(action, Check)
         return action
 
-    def best_this_run(self) -> float | None:
-        """The fastest measurement of this run that holds: the pruning reference."""
-        return standings.pruning_reference(self.results, self.settings.trust_spread)
+    def _begin(self, b: starting.Begun) -> RunTrial | Remeasure | Check:
+        """A measurement starts: keep it running, and say so."""
+        self._active = b.active
+        if b.event is not None:
+            self.emit(b.event)
+        self.emit(self.tuner_event())
+        return b.action
+
+    def best_this_run(self, load: Load | None = None) -> float | None:
+        """The fastest measurement of this run that holds, under `load`: the pruning reference."""
+        return standings.pruning_reference(run_figures.windows(self), load, self.settings.trust_spread)
 
     # --- finishing a trial ------------------------------------------------------------
     def finish_trial(
@@ -451,12 +421,22 @@ class TuneController:
         self._version += 1
         if a.kind is TrialKind.BASELINE:
             self.phase = TunerPhase.TRIALS
+        a.tag_loads(self.settings.load)
         end = a.end(self.clock(), self.settings.energy)
         if outcome is TrialOutcome.OK and a.failure:
             outcome, reason = a.failure[0], reason or a.failure[1]
-        if outcome.failed:
-            return finishing.finish_failed(self, a, end, outcome, reason, rollback)
-        return finishing.finish_measured(self, a, end, reason, rollback)
+        if a.kind is TrialKind.CHECK:
+            assert self._check is not None
+            why = f"{outcome}: {reason or (a.failure[1] if a.failure else '')}" if outcome.failed else ""
+            changes = check.finish_check(self, a, end, self._check.claimed, self._check.step, failed=why)
+        elif outcome.failed:
+            changes = finishing.finish_failed(self, a, end, outcome, reason, rollback)
+        else:
+            changes = finishing.finish_measured(self, a, end, reason, rollback)
+        self.apply(changes)
+        result = changes[-1]
+        assert isinstance(result, rec.Result)
+        return result.event
 
     def widen_for_memory(self, reason: str) -> None:
         """Memory is the constraint after all: the trials to come search the space widened to the memory-saving
@@ -474,10 +454,13 @@ class TuneController:
         """The session stops mid-trial (user quit): the trial is recorded FAIL, which teaches the sampler nothing."""
         a = self._active
         self._active = None
+        if self._check is not None:  # the switch was made: tuning ends there, checked or not
+            self._end_check(a, reason)
+            return
         if a is not None and a.proposal is not None:
             self.study.tell_failed(a.proposal, reason)
-        self._final = Done(reason, self.running or self.base, restart=False)
-        self.aborted = True
+        self._final = Done(reason, self.record.running or self.base, restart=False)
+        self.record.aborted = True
         self.budget.stop()
         self.set_phase(TunerPhase.DONE)
 
@@ -491,22 +474,24 @@ class TuneController:
         a = self._active
         self._active = None
         self._version += 1
+        if self._check is not None:
+            return self._end_check(a, reason)
         if a is not None:
             if a.proposal is not None:
                 self.study.tell_failed(a.proposal, reason)
             if rolled_back:
-                self.running = None
-                self.rolled_back_s += self.clock() - a.start
+                self.record.running = None
+                self.record.rolled_back_s += self.clock() - a.start
             else:
-                self.kept_tokens += a.measure.steps * self.tokens_per_step
-                self.state_optimizer = a.toggles.optimizer
+                self.record.kept_tokens += a.steps * self.tokens_per_step
+                self.record.state_optimizer = a.toggles.optimizer
             if a.kind is TrialKind.BASELINE:
                 self.phase = TunerPhase.TRIALS
-        if self.baseline is None:
-            self.stop_note = f"{reason} before the starting configuration was measured"
+        if self.record.baseline is None:
+            self.record.stop_note = f"{reason} before the starting configuration was measured"
             return self.done(f"{reason}; nothing measured to decide on", self.base)
-        self.stop_note = reason
-        return self.decide(prefix=f"{reason}: ")
+        self.record.stop_note = reason
+        return self.decide(prefix=f"{reason}: ", verify=False)
 
     def gain_bound(self) -> float:
         """The most a trial may be assumed to gain over the start (`Ledger.gain_bound`)."""
@@ -522,13 +507,13 @@ class TuneController:
         measurement is recorded."""
         if self._ranked is not None and self._ranked[0] == self._version:
             return self._ranked[1]
-        ranked = standings.rank(self.study, self.base, run_figures.base_estimate(self), self.settings.trust_spread)
+        ranked = standings.rank(self.study, self.base, run_figures.windows(self), self.settings.trust_spread)
         self._ranked = (self._version, ranked)
         return ranked
 
     def best(self) -> Standing | None:
         """The best so far (`standings.best_of`): what the views, the decision and the report name."""
-        return standings.best_of(self.standings(), self.study, self.base_failed, self.settings.trust_spread)
+        return standings.best_of(self.standings(), run_figures.windows(self), self.base, self.record.base_failed)
 
     def judge(self) -> Judgement:
         """The best and whether switching to it now pays (`standings.judge`)."""
@@ -541,13 +526,14 @@ class TuneController:
             remaining=run_figures.remaining(self),
             tokens_per_step=self.tokens_per_step,
             switch_s=run_figures.costs(self).switch_s,
-            trust_spread=self.settings.trust_spread,
-            stop_note=self.stop_note,
+            start_steady=run_figures.start_steady(self),
+            stop_note=self.record.stop_note,
         )
 
     # --- deciding -------------------------------------------------------------------
-    def decide(self, prefix: str = "") -> Apply | Done:
-        """Apply the best if switching to it pays (`standings.judge`), else end keeping what runs."""
+    def decide(self, prefix: str = "", verify: bool = True) -> Apply | Done:
+        """Apply the best if switching to it pays (`standings.judge`), else end keeping what runs. An applied
+        setting is then checked on the live run (`Check`) when the settings ask for it and `verify`."""
         self._prefix = prefix
         self.set_phase(TunerPhase.DECIDE)
         base = self.base
@@ -555,43 +541,56 @@ class TuneController:
         if decision is None:
             return self.done(why, base)
         decision = dataclasses.replace(decision, step=self.last_step)
-        self.decision = decision
+        self.record.decision = decision
         self.ledger.record(decision, self.last_step)
         if not decision.apply:
             return self.done(decision.reason, base)
         assert best is not None
         c = best.cand
-        base_est = run_figures.base_estimate(self)
-        self.applied = c.toggles
-        restart = c.toggles != self.running
-        best_tps = (
-            base_est[0] * best.speedup if base_est is not None and math.isfinite(best.speedup) else c.tokens_per_s
-        )
-        self.emit(
-            ApplyEvent(
-                toggles=c.toggles,
-                decision=decision.to_dict(),
-                number=c.number,
-                tokens_per_s=best_tps,
-                baseline_tokens_per_s=base_est[0] if base_est else None,
-                step=self.last_step,
-                earlier=best.earlier,
-            )
-        )
-        self._final = Done(f"{prefix}applied {best.label}: {decision.reason}", c.toggles, restart=False)
+        self.record.applied = c.toggles
+        restart = c.toggles != self.record.running
+        self.emit(deciding.apply_event(self, best, decision))
+        apply = Apply(c.toggles, decision, restart, number=c.number, label=best.label)
+        reason = f"{prefix}applied {best.label}: {decision.reason}"
         self.budget.stop()
+        if verify and self.settings.check_applied:
+            claimed = (best.speedup, best.floor, best.hi) if math.isfinite(best.speedup) else None
+            self._check = check.PendingCheck(apply, reason, claimed, self.clock(), self.last_step)
+            self.set_phase(TunerPhase.CHECK)
+            return apply
+        self._final = Done(reason, c.toggles, restart=False)
         self.phase = TunerPhase.DONE
         self.emit(self.tuner_event())
-        return Apply(c.toggles, decision, restart, number=c.number, label=best.label)
+        return apply
+
+    def _checking(self, p: check.PendingCheck) -> Check | Done:
+        """The check of the applied setting: start it, or, once it is over, end tuning (`_end_check`)."""
+        if self.record.realized is not None:
+            return self._end_check(None, "")
+        action = self._begin(p.begin(self))
+        assert isinstance(action, Check)
+        return action
+
+    def _end_check(self, a: ActiveTrial | None, reason: str) -> Done:
+        """End tuning after the check (`reason`: why it ended before it measured anything): keep the applied
+        setting, or switch back to the start when it realized less than the start beyond noise."""
+        p = self._check
+        assert p is not None
+        if self.record.realized is None:
+            self.apply([rec.Checked(check.unchecked(a, reason, p.claimed, p.step))])
+        assert self.record.realized is not None
+        self._final = p.done(self.record.realized, self.base)
+        self.set_phase(TunerPhase.DONE)
+        return self._final
 
     def done(self, reason: str, toggles: Toggles) -> Done:
         """End tuning: train on with `toggles` (`reason` after any prefix of an early stop)."""
         reason = self._prefix + reason
-        self._final = Done(reason, toggles, restart=toggles != self.running)
+        self._final = Done(reason, toggles, restart=toggles != self.record.running)
         self.budget.stop()
         self.set_phase(TunerPhase.DONE)
         return self._final
 
     def report_info(self) -> dict[str, Any]:
         """What `tuner.tuning_report.write_report` needs besides the study (`tuner.report_info`)."""
-        return report_info.report_info(self)
+        return report_info.report_info(self, self._final)

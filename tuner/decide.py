@@ -101,9 +101,11 @@ def switch_pays(
     switch_cost_s: float,
     min_net_s: float = 0.0,
     fallback_cost_s: float = 0.0,
+    claim: str | None = None,
 ) -> Decision:
     """Apply iff (remaining time at current speed - at best speed) - switch cost > `min_net_s` - the cost of
-    the alternative (`fallback_cost_s`: going back to the start from a trial's process is a restart too)."""
+    the alternative (`fallback_cost_s`: going back to the start from a trial's process is a restart too).
+    `claim` says the speed-up in words with its interval ('1.31x (1.24-1.38x)')."""
     cost = max(0.0, float(switch_cost_s))
     fallback = max(0.0, float(fallback_cost_s))
     if remaining_steps <= 0:
@@ -126,7 +128,7 @@ def switch_pays(
             True,
             saving,
             cost,
-            f"{best_tps / current_tps:.2f}x faster saves {saving:.0f}s over the remaining "
+            f"{claim or f'{best_tps / current_tps:.2f}x'} faster saves {saving:.0f}s over the remaining "
             f"{remaining_steps} steps, more than {switch}",
             remaining_steps=remaining_steps,
         )

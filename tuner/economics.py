@@ -55,12 +55,11 @@ def not_a_candidate(
     saving = 0.0
     if start is not None and measured and tokens_per_s > 0:
         saving = max(0.0, remaining * tokens_per_step * (1.0 / start[0] - 1.0 / tokens_per_s))
-    times = f", {tokens_per_s / start[0]:.2f}x the start" if start is not None and measured else ""
     return Decision(
         False,
         saving,
         switch_s,
-        f"{what}: not a candidate however fast it measured ({tokens_per_s:.0f} tokens/s{times})",
+        f"{what}: not a candidate however fast it measured ({tokens_per_s:.0f} tokens/s)",
         choice=Choice.CANDIDATE,
         remaining_steps=remaining,
     )
@@ -125,8 +124,8 @@ class Costs:
         durations = [r["duration_s"] for r in self.results if r["kind"] != TrialKind.BASELINE and r.get("ran", True)]
         if durations:
             return float(median(durations))
-        if self.baseline_s is not None:
-            measuring = self.baseline_s
+        if self.baseline_s is not None:  # (the start may measure longer than a trial may: tuner.starting)
+            measuring = min(self.baseline_s, self.measure_kw["max_seconds"])
         elif step_s is not None:  # the skip, two settling windows, a sample
             m = Measurement(**self.measure_kw)
             measuring = min(m.max_seconds, (m.skip + 2 * m.window + m.min_steps) * (step_s + self.pace.between_s()))
@@ -203,6 +202,11 @@ class Ledger:
         self.dropped: set[str] = set()  # kinds of trial that can no longer pay
         self.stopped_exploring = False
 
+    def set_plan(self, loss_allowance_s: float, measured: bool) -> None:
+        """The plan's allowance, and whether it rests on the start's own measurement (then it is final)."""
+        self.loss_allowance_s = loss_allowance_s
+        self.planned = measured
+
     def record(self, d: Decision, step: int, say: bool = False) -> None:
         """A decision into the ledger (at `step` unless it has its own) and, `say`, a line in the stream."""
         self.decisions.append(dataclasses.replace(d, step=step if d.step is None else d.step))
@@ -215,14 +219,15 @@ class Ledger:
         seen = best.speedup if best is not None and best.holds and math.isfinite(best.speedup) else 1.0
         return max(self.prior_gain, seen * self.explore_gain)
 
-    def loss_left(self, o: Outlook) -> float:
-        """What tuning may still lose: its allowance, plus what switching to the best would save now, minus
-        what it has cost so far."""
-        if self.loss_allowance_s is None:
+    def loss_left(self, o: Outlook, allowance_s: float | None = None) -> float:
+        """What tuning may still lose: its allowance (`allowance_s`, else the plan's), plus what switching to
+        the best would save now, minus what it has cost so far."""
+        allowance = self.loss_allowance_s if allowance_s is None else allowance_s
+        if allowance is None:
             return math.inf
         switch = o.switch
         secured = max(0.0, switch.expected_saving_s - switch.cost_s) if switch is not None and switch.apply else 0.0
-        return self.loss_allowance_s + secured - (o.spent_s or 0.0)
+        return allowance + secured - (o.spent_s or 0.0)
 
     def loss_note(self) -> str:
         return (
@@ -230,8 +235,8 @@ class Ledger:
             "minus what tuning has cost)"
         )
 
-    def plan(self, o: Outlook, trial_s: float) -> Decision:
-        """Before the first trial (the allowance already set): can a trial of the cheapest kind, taking
+    def plan(self, o: Outlook, trial_s: float, allowance_s: float) -> Decision:
+        """Before the first trial, tuning allowed to lose `allowance_s`: can a trial of the cheapest kind, taking
         `trial_s`, pay? The decision's reason says "tuning can pay" or "tuning cannot pay"."""
         assert o.step_s is not None
         d = trial_pays(
@@ -240,7 +245,7 @@ class Ledger:
             o.remaining,
             o.step_s,
             self.gain_bound(o.best),
-            self.loss_left(o),
+            self.loss_left(o, allowance_s),
             what="a trial",
             choice=Choice.PLAN,
             step=o.step,

@@ -1,10 +1,11 @@
 """Finishing a measurement (`TuneController.finish_trial`): healthy or failed (`TrialOutcome`), what each kind
-(trial, re-measurement, baseline) records, and the `trial` event that reports it."""
+(trial, re-measurement, baseline) records, and the `trial` event that reports it. Each returns the changes to
+the tuning record (`tuner.record`) for the controller to apply, in order; the study is told here."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from trainer.contract.config import Toggles
 from trainer.contract.events import TrialEvent
@@ -12,64 +13,79 @@ from trainer.contract.states import TrialKind, TrialOutcome, TrialStatus
 
 from . import run_figures
 from .economics import not_a_candidate
+from .proposals import Screened
+from .record import (
+    BaselineMeasured,
+    Change,
+    Decided,
+    KeptSteps,
+    Note,
+    Result,
+    RolledBack,
+    ScreenedOut,
+    SlowCompile,
+    StartFailed,
+    TrendPoints,
+    TunerView,
+)
+from .study import Proposal
 from .trial import ActiveTrial, TrialEnd, compile_words, noted
-
-if TYPE_CHECKING:
-    from .controller import TuneController
 
 
 class KindHandler:
     """What a kind of measurement records when it ends: a failed one why (it was rolled back), a measured one
-    its measurement, returning the summary its event shows."""
+    its measurement, returning the summary its event shows; both with the record's changes."""
 
-    def failed(self, ctl: TuneController, a: ActiveTrial, end: TrialEnd, outcome: TrialOutcome, reason: str) -> None:
+    def failed(self, v: TunerView, a: ActiveTrial, end: TrialEnd, outcome: TrialOutcome, reason: str) -> list[Change]:
         raise NotImplementedError
 
     def measured(
-        self, ctl: TuneController, a: ActiveTrial, end: TrialEnd, status: TrialStatus, reason: str
-    ) -> dict[str, Any]:
+        self, v: TunerView, a: ActiveTrial, end: TrialEnd, status: TrialStatus, reason: str
+    ) -> tuple[dict[str, Any], list[Change]]:
         raise NotImplementedError
 
 
 class TrialHandler(KindHandler):
     """A numbered trial: told to the study."""
 
-    def failed(self, ctl: TuneController, a: ActiveTrial, end: TrialEnd, outcome: TrialOutcome, reason: str) -> None:
+    def failed(self, v: TunerView, a: ActiveTrial, end: TrialEnd, outcome: TrialOutcome, reason: str) -> list[Change]:
         assert a.proposal is not None
-        ctl.study.tell_infeasible(a.proposal, outcome, reason, end.summary, end.extra)
+        v.study.tell_infeasible(a.proposal, outcome, reason, end.summary, end.extra)
+        return []
 
     def measured(
-        self, ctl: TuneController, a: ActiveTrial, end: TrialEnd, status: TrialStatus, reason: str
-    ) -> dict[str, Any]:
+        self, v: TunerView, a: ActiveTrial, end: TrialEnd, status: TrialStatus, reason: str
+    ) -> tuple[dict[str, Any], list[Change]]:
         assert a.proposal is not None
         if status is TrialStatus.PRUNED:
-            ctl.study.tell_pruned(a.proposal, end.summary, reason, end.extra)
+            v.study.tell_pruned(a.proposal, end.summary, reason, end.extra)
         else:  # one that kept recompiling is told with a violated constraint: never a candidate, in any run
-            ctl.study.tell_ok(a.proposal, end.summary, status, reason, end.extra, feasible=not a.unsteady)
-        return end.summary
+            v.study.tell_ok(a.proposal, end.summary, status, reason, end.extra, feasible=not a.unsteady)
+        return end.summary, []
 
 
 class RemeasureHandler(KindHandler):
     """A re-measurement: pooled into its trial; its event shows the pooled estimate."""
 
-    def failed(self, ctl: TuneController, a: ActiveTrial, end: TrialEnd, outcome: TrialOutcome, reason: str) -> None:
+    def failed(self, v: TunerView, a: ActiveTrial, end: TrialEnd, outcome: TrialOutcome, reason: str) -> list[Change]:
         assert a.number is not None
-        ctl.study.record_remeasure(a.number, end.summary, status=TrialStatus.INFEASIBLE, reason=f"{outcome}: {reason}")
+        v.study.record_remeasure(a.number, end.summary, status=TrialStatus.INFEASIBLE, reason=f"{outcome}: {reason}")
+        return []
 
     def measured(
-        self, ctl: TuneController, a: ActiveTrial, end: TrialEnd, status: TrialStatus, reason: str
-    ) -> dict[str, Any]:
+        self, v: TunerView, a: ActiveTrial, end: TrialEnd, status: TrialStatus, reason: str
+    ) -> tuple[dict[str, Any], list[Change]]:
         assert a.number is not None
         ok = status.measured and not a.unsteady
-        ctl.study.record_remeasure(
+        v.study.record_remeasure(
             a.number,
             end.summary,
             reason=reason,
             status=TrialStatus.OK if ok else "unsteady" if a.unsteady else TrialStatus.PRUNED,
         )
-        pooled = next((c for c in ctl.study.candidates(run=ctl.study.run_id) if c.number == a.number), None)
+        pooled = next((c for c in v.study.candidates(run=v.study.run_id) if c.number == a.number), None)
         if pooled is None:
-            return end.summary
+            return end.summary, []
         est, spread = a.measure.estimate  # the event updates the trial's row: show the pooled estimate
         return {
             **end.summary,
@@ -77,34 +93,29 @@ class RemeasureHandler(KindHandler):
             "spread": pooled.spread,
             "remeasure_tokens_per_s": est,
             "remeasure_spread": spread,
-        }
+        }, []
 
 
 class BaselineHandler(KindHandler):
     """The start's measurement: the baseline the standings compare with. When the start runs out of memory the
     space is widened to the memory savers (`TuneController.widen_for_memory`)."""
 
-    def failed(self, ctl: TuneController, a: ActiveTrial, end: TrialEnd, outcome: TrialOutcome, reason: str) -> None:
-        ctl.baseline = None
-        ctl.base_failed = True
-        ctl.stop_note = f"the starting configuration failed: {reason}"
-        if outcome is TrialOutcome.OOM:
-            ctl.widen_for_memory(f"the starting configuration ran out of memory ({reason})")
+    def failed(self, v: TunerView, a: ActiveTrial, end: TrialEnd, outcome: TrialOutcome, reason: str) -> list[Change]:
+        memory = f"the starting configuration ran out of memory ({reason})" if outcome is TrialOutcome.OOM else None
+        return [StartFailed(reason, memory)]
 
     def measured(
-        self, ctl: TuneController, a: ActiveTrial, end: TrialEnd, status: TrialStatus, reason: str
-    ) -> dict[str, Any]:
-        if status.measured:
-            ctl.baseline = {**end.summary, "duration_s": end.duration}
-            ctl.baseline_number = ctl.study.record(
-                a.toggles, end.summary, "baseline", status, reason, {**end.extra, "overhead_s": None}
-            )
-            a.number = ctl.baseline_number
-            ctl.study.record_baseline(a.toggles, end.summary, status)
-        else:
-            ctl.baseline = None
-            ctl.stop_note = "the starting configuration gave no steady measurement"
-        return end.summary
+        self, v: TunerView, a: ActiveTrial, end: TrialEnd, status: TrialStatus, reason: str
+    ) -> tuple[dict[str, Any], list[Change]]:
+        if not status.measured:
+            return end.summary, [
+                BaselineMeasured(None, v.record.baseline_number),
+                Note("the starting configuration gave no steady measurement"),
+            ]
+        number = v.study.record(a.toggles, end.summary, "baseline", status, reason, {**end.extra, "overhead_s": None})
+        a.number = number
+        v.study.record_baseline(a.toggles, end.summary, status)
+        return end.summary, [BaselineMeasured({**end.summary, "duration_s": end.duration}, number)]
 
 
 HANDLERS: dict[TrialKind, KindHandler] = {
@@ -115,97 +126,110 @@ HANDLERS: dict[TrialKind, KindHandler] = {
 
 
 def finish_failed(
-    ctl: TuneController,
+    v: TunerView,
     a: ActiveTrial,
     end: TrialEnd,
     outcome: TrialOutcome,
     reason: str,
     rollback: dict[str, Any] | None,
-) -> TrialEvent:
+) -> list[Change]:
     """A measurement that failed: rolled back, and its kind's handler records why."""
     reason = noted(noted(reason or (a.failure[1] if a.failure else outcome), a.note), compile_words(a.compile, False))
-    ctl.running = None
-    ctl.rolled_back_s += end.duration
-    HANDLERS[a.kind].failed(ctl, a, end, outcome, reason)
-    return trial_end_event(
-        ctl,
-        a.number,
-        a.kind,
-        a.toggles,
-        TrialStatus.INFEASIBLE,
-        end.summary,
-        f"{outcome}: {reason}",
-        end.duration,
-        failure=outcome,
-        overhead_s=end.overhead_s,
-        source=a.source,
-        rollback=rollback,
-        earlier=a.earlier,
-        **a.marks,
+    changes: list[Change] = [RolledBack(end.duration)]
+    changes += HANDLERS[a.kind].failed(v, a, end, outcome, reason)
+    changes.append(
+        trial_end(
+            a.number,
+            a.kind,
+            a.toggles,
+            TrialStatus.INFEASIBLE,
+            end.summary,
+            f"{outcome}: {reason}",
+            end.duration,
+            failure=outcome,
+            overhead_s=end.overhead_s,
+            source=a.source,
+            rollback=rollback,
+            earlier=a.earlier,
+            **a.marks,
+        )
     )
+    return changes
 
 
 def finish_measured(
-    ctl: TuneController, a: ActiveTrial, end: TrialEnd, reason: str, rollback: dict[str, Any] | None
-) -> TrialEvent:
+    v: TunerView, a: ActiveTrial, end: TrialEnd, reason: str, rollback: dict[str, Any] | None
+) -> list[Change]:
     """A healthy measurement: its steps kept (or rolled back as its action asked), its verdict, and its
     kind's handler records it."""
+    changes: list[Change] = []
     if rollback is not None:  # measured, then rolled back (keep_steps False)
-        ctl.running = None
-        ctl.rolled_back_s += end.duration
+        changes.append(RolledBack(end.duration))
         a.note = noted(
             a.note,
-            f"measured, then rolled back to the pre-trial checkpoint so the run keeps its {ctl.state_optimizer} state",
+            f"measured, then rolled back to the pre-trial checkpoint so the run keeps its "
+            f"{v.record.state_optimizer} state",
         )
-    else:
-        ctl.running = a.toggles
-        ctl.state_optimizer = a.toggles.optimizer  # its steps (and checkpoints) are kept
-        ctl.kept_tokens += a.measure.steps * ctl.tokens_per_step
+    else:  # its steps (and checkpoints) are kept
+        changes.append(KeptSteps(a.toggles, a.toggles.optimizer, a.steps * v.tokens_per_step))
     if not a.strict and rollback is None:
-        for step, loss in a.losses:
-            ctl.trend.add(step, loss)
-    status, reason = a.verdict(reason, ctl.best_this_run())
+        changes.append(TrendPoints(tuple(a.losses)))
+    status, reason = a.verdict(reason, v.best_this_run(a.measure.load))
     if a.still_compiling:
-        ctl.slow_compile.add(a.toggles.compile)  # still compiling: screen this mode for the run
+        changes.append(SlowCompile(a.toggles.compile))  # still compiling: screen this mode for the run
     unsteady = a.unsteady and a.kind is not TrialKind.BASELINE
     reason = noted(noted(reason, a.note), compile_words(a.compile, unsteady))
     if unsteady and status.measured:
-        refuse_unsteady(ctl, a, a.measure.estimate[0])
-    summary = HANDLERS[a.kind].measured(ctl, a, end, status, reason)
-    return trial_end_event(
-        ctl,
-        a.number,
-        a.kind,
-        a.toggles,
-        status,
-        summary,
-        reason,
-        end.duration,
-        overhead_s=end.overhead_s,
-        source=a.source,
-        rollback=rollback,
-        earlier=a.earlier,
-        **a.marks,
+        running = None if rollback is not None else a.toggles
+        changes.append(refuse_unsteady(v, a, a.measure.estimate[0], running))
+    summary, recorded = HANDLERS[a.kind].measured(v, a, end, status, reason)
+    changes += recorded
+    changes.append(
+        trial_end(
+            a.number,
+            a.kind,
+            a.toggles,
+            status,
+            summary,
+            reason,
+            end.duration,
+            overhead_s=end.overhead_s,
+            source=a.source,
+            rollback=rollback,
+            earlier=a.earlier,
+            **a.marks,
+        )
     )
+    return changes
 
 
-def refuse_unsteady(ctl: TuneController, a: ActiveTrial, est: float) -> None:
+def screened_out(v: TunerView, p: Proposal, s: Screened) -> list[Change]:
+    """A proposal recorded without running: told to the study (pruned, or infeasible as predicted)."""
+    if s.failure is None:
+        v.study.tell_pruned(p, None, s.reason, extra={"screened": True})
+    else:
+        v.study.tell_infeasible(p, s.failure, s.reason, extra={"predicted": True})
+    end = trial_end(p.number, TrialKind.TRIAL, p.toggles, s.status, None, s.reason, 0.0, ran=False, source=p.source)
+    return [ScreenedOut(), end]
+
+
+def refuse_unsteady(v: TunerView, a: ActiveTrial, est: float, running: Toggles | None) -> Decided:
     """Into the ledger: a configuration whose compile kept recompiling is not a candidate, whatever it measured
-    (a measurement between recompilations, or of a frame that fell back to eager, is luck, not the setting)."""
+    (a measurement between recompilations, or of a frame that fell back to eager, is luck, not the setting).
+    `running`: what the process runs once this measurement is over."""
     what = "trial" if a.kind is TrialKind.TRIAL else "re-measured trial"
     d = not_a_candidate(
         f"{what} {a.number} kept recompiling ({a.recompiling})",
         est,
-        run_figures.base_estimate(ctl),
-        run_figures.remaining(ctl),
-        ctl.tokens_per_step,
-        run_figures.costs(ctl).switch_s(a.toggles),
+        run_figures.base_estimate(v),
+        run_figures.remaining(v),
+        v.tokens_per_step,
+        run_figures.costs(v, running=running).switch_s(a.toggles),
     )
-    ctl.ledger.record(d, ctl.last_step, say=True)
+    return Decided(d, say=True)
 
 
-def trial_end_event(
-    ctl: TuneController,
+def trial_end(
     number: int | None,
     kind: TrialKind,
     toggles: Toggles,
@@ -223,9 +247,9 @@ def trial_end_event(
     advice: str | None = None,
     compile: dict[str, int] | None = None,
     unsteady: bool = False,
-) -> TrialEvent:
-    """The `trial` event of a finished (or screened, `ran` False) measurement, kept in `ctl.results` with what
-    the economics and the report read, and queued with the tuner event that follows it."""
+) -> Result:
+    """The `trial` event of a finished (or screened, `ran` False) measurement, with its row for the record's
+    `results` (what the economics and the report read)."""
     s = summary or {}
     ev = TrialEvent(
         number=number,
@@ -248,9 +272,5 @@ def trial_end_event(
         unsteady=unsteady,
     )
     fields = {f.name: getattr(ev, f.name) for f in dataclasses.fields(ev) if f.name != "extra"}
-    ctl.results.append(
-        {**fields, "duration_s": duration, "ran": ran, "failure": failure, "overhead_s": overhead_s, "summary": s}
-    )
-    ctl.emit(ev)
-    ctl.emit(ctl.tuner_event())
-    return ev
+    row = {**fields, "duration_s": duration, "ran": ran, "failure": failure, "overhead_s": overhead_s, "summary": s}
+    return Result(row, ev)

@@ -33,6 +33,12 @@ samples after `skip` and `warmed_up` stays False in the summary.
 One sample per step event. `tokens` are the tokens of one optimizer step and
 `step_ms` its wall time; when events come once per log interval, the step
 time reported for the interval stands for its steps.
+
+Background load. The controller tags each sample with the machine's load over
+its time (`set_loads`, tuner.load): samples under another load than the one
+most share are set aside, so the estimate, its interval and the stopping rule
+rest on the samples of one load; the summary says which (`load`) and how many
+were set aside.
 """
 
 from __future__ import annotations
@@ -45,6 +51,11 @@ import enum
 from typing import Any, Callable, Iterable
 
 from trainer.contract.events import finite_or_none
+
+from .load import Load
+
+
+Estimate = tuple[float, float, float]  # tokens/s, the interval's lower and upper ends
 
 
 class MeasureDone(enum.StrEnum):
@@ -139,6 +150,31 @@ class Measurement:
         self.samples: list[Sample] = []
         self._warm: int | None = None
         self._scan = self.skip  # windows before this index were checked and had not settled
+        self.load: Load | None = None  # the load most samples share (None: not tracked)
+        self._aside: frozenset[int] = frozenset()  # steps of samples under another load
+
+    def set_loads(self, load: Load | None, aside: frozenset[int]) -> None:
+        """The load most samples were measured under and the steps of those measured under another (set
+        aside: left out of the estimate and the stopping rule)."""
+        self.load, self._aside = load, aside
+
+    def is_aside(self, step: int) -> bool:
+        """The sample of `step` was measured under another load than most."""
+        return step in self._aside
+
+    @property
+    def set_aside(self) -> int:
+        """How many samples after the warm-up were set aside for their load."""
+        return sum(1 for s in self.settled if s.step in self._aside)
+
+    def spans(self) -> list[tuple[float, float]]:
+        """Each sample's [start, end] in event time: from the previous event (one process's events), or its
+        own step time for the first."""
+        out = []
+        for i, s in enumerate(self.samples):
+            start = self.samples[i - 1].time if i else s.time - s.step_ms / 1000.0
+            out.append((min(start, s.time), s.time))
+        return out
 
     def add(
         self, step: int, step_ms: float, tokens: int, time: float, loss: float | None = None, mem: int | None = None
@@ -173,12 +209,17 @@ class Measurement:
         return self._warm if self._warm is not None else len(self.samples)
 
     @property
-    def kept(self) -> list[Sample]:
-        """Samples the estimate uses: after warm-up, or (never settled) the second half after `skip`."""
+    def settled(self) -> list[Sample]:
+        """The samples after warm-up, or (never settled) the second half after `skip`, whatever their load."""
         if self._warm is not None:
             return self.samples[self._warm :]
         rest = self.samples[self.skip :]
         return rest[len(rest) // 2 :] if self.done else []
+
+    @property
+    def kept(self) -> list[Sample]:
+        """Samples the estimate uses: the settled ones measured under the measurement's load."""
+        return [s for s in self.settled if s.step not in self._aside] if self._aside else self.settled
 
     # --- progress -------------------------------------------------------------------
     @property
@@ -198,7 +239,7 @@ class Measurement:
     def stable(self) -> bool:
         if self._warm is None:
             return False
-        kept = self.samples[self._warm :]
+        kept = self.kept
         if len(kept) < self.min_steps:
             return False
         est, lo, hi = median_ci((s.tokens_per_s for s in kept), self.conf)
@@ -253,7 +294,7 @@ class Measurement:
     def kept_span(self) -> tuple[float, float, int] | None:
         """(start, end, tokens) of the kept samples in event time: from the event before the first kept
         one (or the first kept step's own start) to the last, so energy can be measured over it."""
-        kept = self.kept
+        kept = self.settled
         if not kept:
             return None
         i = len(self.samples) - len(kept)
@@ -340,6 +381,8 @@ class Measurement:
             "peak_mem": self.peak_mem,
             "energy_per_token": self.energy_per_token(energy),
             "samples": [round(v, 3) for v in tps[-200:]],
+            "load": self.load.to_dict() if self.load is not None else None,
+            "set_aside": self.set_aside,
         }
 
 

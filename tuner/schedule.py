@@ -1,21 +1,42 @@
 """What the controller measures next: the next trial that the trial cap, the budget, the ledger and the screen
-let through (`tuner.proposals`), then the re-measurements of the best (`standings.remeasure_plan`)."""
+let through (`tuner.proposals`), then the re-measurements of the best (`standings.remeasure_plan`). It reads
+the tuning record (`tuner.record.TunerView`) and answers what to do; the controller does it."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from trainer.contract.states import TrialKind
+from dataclasses import dataclass
 
 from . import run_figures, standings
-from .actions import Remeasure, RunTrial
-from .finishing import trial_end_event
-from .proposals import first_guesses, screen
+from .proposals import Screened, first_guesses, screen
+from .record import TunerView
 from .standings import Standing
 from .study import Proposal
 
-if TYPE_CHECKING:
-    from .controller import TuneController
+
+@dataclass(frozen=True)
+class Run:
+    """Run this proposal as the next trial."""
+
+    proposal: Proposal
+
+
+@dataclass(frozen=True)
+class Screen:
+    """Record this proposal without running it (`screened` says how), then ask again."""
+
+    proposal: Proposal
+    screened: Screened
+
+
+@dataclass(frozen=True)
+class Over:
+    """The trials are over, for this reason."""
+
+    note: str
+
+
+MAX_ASKS = 200  # proposals screened out in a row before the sampler is taken to propose only what cannot fit
+STUCK = "the sampler keeps proposing configurations that cannot fit"
 
 
 class Schedule:
@@ -26,97 +47,79 @@ class Schedule:
         self.warm_started = False
         self.remeasure_plan: list[Standing] | None = None
 
-    def next_trial(self, ctl: TuneController) -> RunTrial | None:
-        """The next trial to run, or None (with `ctl.stop_note` saying why) when the trials are over."""
+    def next_trial(self, v: TunerView) -> Run | Screen | Over:
+        """The next trial to run, a proposal to screen out, or why the trials are over."""
         if not self.warm_started:
             self.warm_started = True
-            advice = ctl.settings.advice
+            advice = v.settings.advice
             tries = advice() if advice is not None else []
-            ctl.study.warm_start(first_guesses(ctl.base, ctl.space, ctl.dev, ctl.max_mb, tries))
-        max_trials = ctl.settings.max_trials
-        for _ in range(200):
-            if ctl.trials_run >= max_trials:
-                ctl.stop_note = f"ran the maximum of {max_trials} trials"
-                return None
-            est = run_figures.trial_estimate(ctl)
-            if not ctl.budget.can_afford(est * (1 + ctl.reserve_trials) + ctl.switch_reserve_s):
-                ctl.stop_note = f"budget: {ctl.budget.left():.0f}s left, a trial takes about {est:.0f}s"
-                return None
-            if ctl.settings.run_pays and run_figures.gate(ctl, est) is not None:
-                return None
-            p = ask(ctl, est)
-            if p is None:
-                ctl.stop_note = (
-                    "every configuration in the space has been measured"
-                    if not ctl.ledger.dropped
-                    else "no configuration left to try can pay for itself in this run"
-                )
-                return None
-            s = screen(
-                p.toggles,
-                start=ctl.cfg.toggles,
-                max_mb=ctl.max_mb,
-                dev=ctl.dev,
-                space=ctl.space,
-                slow_compile=ctl.slow_compile,
-                trial_timeout_s=ctl.trial_timeout_s,
+            v.study.warm_start(first_guesses(v.base, v.space, v.dev, v.max_mb, tries))
+        max_trials = v.settings.max_trials
+        if v.record.trials_run >= max_trials:
+            return Over(f"ran the maximum of {max_trials} trials")
+        est = run_figures.trial_estimate(v)
+        # a start never measured to its target is measured again before the decision: keep the time for it (the
+        # re-measurements' reserve holds it when there is one)
+        again = 0 if run_figures.start_steady(v) or v.record.base_failed else 1
+        reserve = max(v.reserves.reserve_trials, again)
+        if not v.budget.can_afford(est * (1 + reserve) + v.reserves.switch_reserve_s):
+            return Over(f"budget: {v.budget.left():.0f}s left, a trial takes about {est:.0f}s")
+        if v.settings.run_pays:
+            d = run_figures.gate(v, est)
+            if d is not None:
+                return Over(d.reason)
+        p = ask(v, est)
+        if p is None:
+            return Over(
+                "every configuration in the space has been measured"
+                if not v.ledger.dropped
+                else "no configuration left to try can pay for itself in this run"
             )
-            if s is not None:
-                if s.failure is None:
-                    ctl.study.tell_pruned(p, None, s.reason, extra={"screened": True})
-                else:
-                    ctl.study.tell_infeasible(p, s.failure, s.reason, extra={"predicted": True})
-                ctl.screened += 1
-                trial_end_event(
-                    ctl, p.number, TrialKind.TRIAL, p.toggles, s.status, None, s.reason, 0.0, ran=False, source=p.source
-                )
-                continue
-            ctl.trials_run += 1
-            action = ctl.start_measurement(TrialKind.TRIAL, p.toggles, p, source=p.source, advice=p.advice)
-            assert isinstance(action, RunTrial)
-            return action
-        ctl.stop_note = "the sampler keeps proposing configurations that cannot fit"
-        return None
+        s = screen(
+            p.toggles,
+            start=v.cfg.toggles,
+            max_mb=v.max_mb,
+            dev=v.dev,
+            space=v.space,
+            slow_compile=v.record.slow_compile,
+            trial_timeout_s=v.reserves.trial_timeout_s,
+        )
+        return Run(p) if s is None else Screen(p, s)
 
-    def next_remeasure(self, ctl: TuneController) -> Remeasure | None:
+    def next_remeasure(self, v: TunerView) -> Standing | None:
         """The next re-measurement that holds a chance to matter and that the budget and the ledger afford."""
         if self.remeasure_plan is None:
-            base = run_figures.base_estimate(ctl)
-            start = standings.start_standing(
-                ctl.base, base, run_figures.base_number(ctl), ctl.study.run_id, ctl.settings.trust_spread
-            )
-            self.remeasure_plan = standings.remeasure_plan(
-                ctl.standings(), start, ctl.settings.remeasure_top, ctl.ledger.stopped_exploring
-            )
+            ranked = v.standings()
+            top = v.settings.remeasure_top
+            # the start again when no measurement of it reached its target, or a leader has none under its load
+            needed = not run_figures.start_steady(v) or any(st.needs_start for st in ranked[:top])
+            base = run_figures.base_estimate(v)
+            start = standings.start_standing(v.base, base, run_figures.base_number(v), v.study.run_id, needed)
+            self.remeasure_plan = standings.remeasure_plan(ranked, start, top, v.ledger.stopped_exploring)
         while self.remeasure_plan:
             st = self.remeasure_plan.pop(0)
-            base = run_figures.base_estimate(ctl)
-            if not st.start and st.anchor == "this run" and (base is None or not ctl.holds(*base)):
-                continue  # compared with a start that does not hold, a re-measurement proves nothing
-            est = run_figures.trial_estimate(ctl)
-            if not ctl.budget.can_afford(est + ctl.switch_reserve_s):
+            if not st.start and st.anchor == "this run" and not run_figures.start_steady(v):
+                continue  # against a start never measured to its target, a re-measurement proves nothing
+            est = run_figures.trial_estimate(v)
+            if not v.budget.can_afford(est + v.reserves.switch_reserve_s):
                 self.remeasure_plan = []
                 break
-            step_s = run_figures.step_s(ctl)
-            if ctl.settings.run_pays and step_s is not None:
+            step_s = run_figures.step_s(v)
+            if v.settings.run_pays and step_s is not None:
                 # worth what the speed-up it may confirm saves (the start's own: what the best it makes claimable saves)
                 gain = max([st.speedup] + [o.speedup for o in self.remeasure_plan])
-                if not ctl.ledger.remeasure(run_figures.outlook(ctl), st, est, gain).apply:
+                if not v.ledger.remeasure(run_figures.outlook(v), st, est, gain).apply:
                     continue
-            action = ctl.start_measurement(
-                TrialKind.REMEASURE, st.cand.toggles, None, number=st.cand.number, earlier=st.earlier
-            )
-            assert isinstance(action, Remeasure)
-            return action
+            return st
         return None
 
 
-def ask(ctl: TuneController, est: float) -> Proposal | None:
+def ask(v: TunerView, est: float) -> Proposal | None:
     """The study's next proposal: the cheap ones that can pay first, then what can still pay, however
     expensive (any proposal with --tune-only)."""
-    if not ctl.settings.run_pays:
-        return ctl.study.ask(accept=None)
-    p = ctl.study.ask(accept=ctl.ledger.accept(run_figures.outlook(ctl), est, cheap_first=True))
+    if not v.settings.run_pays:
+        return v.study.ask(accept=None)
+    p = v.study.ask(accept=v.ledger.accept(run_figures.outlook(v), est, cheap_first=True))
     if p is None:
-        p = ctl.study.ask(accept=ctl.ledger.accept(run_figures.outlook(ctl), est, cheap_first=False))
+        p = v.study.ask(accept=v.ledger.accept(run_figures.outlook(v), est, cheap_first=False))
     return p

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .load import LoadSource
 from .proposals import AdviceTry
 
 
@@ -34,6 +35,10 @@ class TunerSettings:
     # joules used in [t0, t1] of event time (the session's gptop.energy over its device samples), for
     # a trial's energy per token; None: no energy figures
     energy: Callable[[float, float], float | None] | None = None
+    # the machine's background load over [t0, t1] of event time (the session's, from its device samples): a
+    # measurement keeps the samples under one load, and only measurements under the same load are compared
+    # (tuner.load); None: not tracked
+    load: LoadSource | None = None
     progress_every_s: float = 1.0  # a measurement's progress: a tuner event at most this often
     # trials must pay within this run (tuner.economics; False with --tune-only: best.toml is for later runs)
     run_pays: bool = True
@@ -48,6 +53,9 @@ class TunerSettings:
     startup_s: float | None = None  # how long this setup's trainer took to start (measured)
     # the run can train on in a trial's own process (its settings are the user's); else applying means a restart
     trial_process_continues: bool = False
+    # after an Apply, measure the applied setting on the live run against the start under the same load, and
+    # switch back when it is slower beyond noise (tuner.check); the session asks for it when the run trains on
+    check_applied: bool = False
     # what the advice says to try, asked once when the trials start (the evidence is then the freshest)
     advice: Callable[[], list[AdviceTry]] | None = None
 

@@ -368,6 +368,7 @@ class TuneStudy:
             "peak_mem": s.get("peak_mem"),
             "energy_per_token": s.get("energy_per_token"),
             "samples": s.get("samples", []),
+            "load": s.get("load"),
             "measure": {
                 k: s[k] for k in ("n", "steps", "seconds", "done_reason", "warmed_up", "ci", "step_ms") if k in s
             },
@@ -456,6 +457,7 @@ class TuneStudy:
             "peak_mem": summary.get("peak_mem"),
             "energy_per_token": summary.get("energy_per_token"),
             "samples": summary.get("samples", []),
+            "load": summary.get("load"),
             "constraint": [FEASIBLE],
             **(extra or {}),
         }
@@ -482,6 +484,7 @@ class TuneStudy:
             "energy_per_token": summary.get("energy_per_token"),
             "status": status,
             "samples": summary.get("samples", []),
+            "load": summary.get("load"),
             "toggles": dataclasses.asdict(toggles),
         }
         self.set_attr("baseline", {k: v for k, v in entry.items() if k != "samples"})
@@ -512,6 +515,7 @@ class TuneStudy:
                 "tokens_per_s": summary.get("tokens_per_s"),
                 "spread": summary.get("spread"),
                 "samples": summary.get("samples", []),
+                "load": summary.get("load"),
             }
         )
         self.set_attr(key, entries)

@@ -17,13 +17,20 @@ from trainer.contract.config import Toggles
 from trainer.contract.events import CompileWarning, ErrorEvent, MeasureProgress, StepEvent, WarningEvent
 from trainer.contract.states import TRIAL_FAILURES, TrialKind, TrialOutcome, TrialStatus
 
-from .actions import Remeasure, RunTrial
+from . import load as loads
+from .actions import Check, Remeasure, RunTrial
+from .decide import hopeless, should_prune
 from .measure import LossGuard, Measurement, TrialStop
 from .study import Proposal
 
 # a compile that recompiled at this many distinct steps of one measurement (or fell back to eager) kept
 # recompiling: a one-off recompilation (the first eval, a new shape made dynamic) is warm-up, not a trait
 RECOMPILE_STEPS = 2
+# a measurement that ends unstable with this share of its samples set aside for their load did not fail to
+# settle: the machine's load changed under it, and it is measured again (at most LOAD_RETRIES times)
+LOAD_CHANGED_SHARE = 0.25
+LOAD_RETRIES = 2
+LOAD_CHANGED = "the machine's load changed during the measurement; re-measuring"
 
 
 @dataclass(frozen=True)
@@ -43,7 +50,7 @@ class ActiveTrial:
     """The measurement running now (`TuneController.in_trial`)."""
 
     kind: TrialKind
-    action: RunTrial | Remeasure
+    action: RunTrial | Remeasure | Check
     toggles: Toggles
     proposal: Proposal | None
     number: int | None
@@ -62,6 +69,53 @@ class ActiveTrial:
     advice: str | None = None  # the advice's evidence, for a trial the advice proposed
     compile: dict[str, int] = field(default_factory=dict)  # CompileWarning kind -> count in this measurement
     recompile_steps: set[int] = field(default_factory=set)  # the steps a recompilation happened at
+    load_retries: int = 0  # windows measured again because the load changed under them
+    pruned_against: float | None = None  # the tokens/s it was pruned against (the best under its load then)
+    steps_before: int = 0  # steps of the windows measured again
+    overhead_before: float | None = None  # the restart's overhead, seen by the first window
+
+    # --- the machine's load -------------------------------------------------------------
+    def tag_loads(self, source: loads.LoadSource | None) -> None:
+        """Tag the samples with the load over their time (`source`: the session's load points) and keep those
+        under the load most share (tuner.load); a no-op without a source."""
+        m = self.measure
+        if source is None or not m.samples:
+            return
+        spans = m.spans()
+        points = source(spans[0][0], spans[-1][1])
+        load, keep = loads.dominant(loads.step_loads(spans, points))
+        m.set_loads(load, frozenset(s.step for s, k in zip(m.samples, keep) if not k))
+
+    def prune(self, best: float | None, margin: float) -> bool:
+        """Stop it when clearly slower than `best` (the best measured under its load, as far as known now),
+        remembering what it was pruned against (its loads may be tagged otherwise at its end)."""
+        if best is None or not (should_prune(self.measure, best, margin) or hopeless(self.measure, best)):
+            return False
+        self.stop, self.pruned_against = TrialStop.PRUNE, best
+        return True
+
+    @property
+    def load_changed(self) -> bool:
+        """It ended unstable with a good share of its samples (after the first, always skipped) under another load
+        than the rest: its warm-up may never have settled for it."""
+        m = self.measure
+        after = m.samples[m.skip :]
+        aside = sum(1 for s in after if m.is_aside(s.step))
+        return m.done and not m.stable and bool(after) and aside >= LOAD_CHANGED_SHARE * len(after)
+
+    def measure_again(self, measure_kw: dict[str, Any], why: str = LOAD_CHANGED) -> str:
+        """Start its window again (the load changed under it), a `Measurement(**measure_kw)`; what to say."""
+        before = self.measure
+        measure = Measurement(**measure_kw)
+        if self.load_retries == 0:
+            self.overhead_before = self.overhead_s()
+        self.steps_before += before.steps
+        self.measure, self.arrivals = measure, []
+        self.load_retries += 1
+        if before.load is None or why != LOAD_CHANGED:
+            return why
+        aside = sum(1 for x in before.samples[before.skip :] if before.is_aside(x.step))
+        return f"{why} (most samples under {before.load.words()}; {aside} under another)"
 
     @property
     def unsteady(self) -> bool:
@@ -140,8 +194,15 @@ class ActiveTrial:
         return self.measure.warmed_up != warm
 
     # --- how it ended ---------------------------------------------------------------
+    @property
+    def steps(self) -> int:
+        """The steps it ran, every window of it."""
+        return self.steps_before + self.measure.steps
+
     def overhead_s(self) -> float | None:
         """Seconds the restart/compile cost beyond the steps' own time, up to the first kept sample."""
+        if self.load_retries:
+            return self.overhead_before
         m = self.measure
         if not m.warmed_up or not m.kept or not self.arrivals:
             return None
@@ -172,15 +233,16 @@ class ActiveTrial:
         m = self.measure
         est, _ = m.estimate
         if self.stop == TrialStop.PRUNE:
+            best = self.pruned_against if self.pruned_against is not None else best_tokens_per_s
+            vs = f" vs {best:.0f}" if best is not None else ""
             _, hi = m.interval()
             if math.isfinite(hi):
-                return TrialStatus.PRUNED, reason or (
-                    f"slower than the best: at most {hi:.0f} tokens/s (CI upper end) vs {best_tokens_per_s:.0f}"
+                return (
+                    TrialStatus.PRUNED,
+                    reason or f"slower than the best: at most {hi:.0f} tokens/s (CI upper end){vs}",
                 )
             fastest = max((s.tokens_per_s for s in m.samples[m.skip :]), default=0.0)
-            return TrialStatus.PRUNED, reason or (
-                f"far slower than the best: no step above {fastest:.0f} tokens/s vs {best_tokens_per_s:.0f}"
-            )
+            return TrialStatus.PRUNED, reason or f"far slower than the best: no step above {fastest:.0f} tokens/s{vs}"
         if len(m.kept) >= 3 and math.isfinite(est):
             status = TrialStatus.OK if m.stable else TrialStatus.CUT
             return status, reason or m.stop_words(m.done_reason or self.stop)

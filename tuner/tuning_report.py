@@ -41,9 +41,12 @@ from trainer.contract.training_args import fields_in_words
 from trainer.contract.events import json_safe
 
 from .budget import format_duration
+from .load import Load
+from .report_words import seconds_words, budget_words, ledger_lines, net_line, realized_words
 from .space import TUNABLE
 from .storage import dashboard_command
 from .study import TuneStudy
+from .windows import ratio_words
 
 
 def _fmt_val(v: Any) -> str:
@@ -121,8 +124,10 @@ def trial_rows(study: TuneStudy, run_id: str | None, base: dict[str, Any]) -> tu
                 "advice": ua.get("advice"),
                 "compile": ua.get("compile"),
                 "unsteady": bool(ua.get("unsteady")),
+                "load": ua.get("load"),  # the background load it was measured under (tuner.load)
                 "remeasures": [
-                    {k: r.get(k) for k in ("run", "status", "tokens_per_s", "spread", "reason")} for r in remeasures
+                    {k: r.get(k) for k in ("run", "status", "tokens_per_s", "spread", "reason", "load")}
+                    for r in remeasures
                 ],
             }
         )
@@ -147,6 +152,9 @@ def build_report(study: TuneStudy, info: dict[str, Any]) -> dict[str, Any]:
         "best_tokens_per_s": info.get("best_tokens_per_s"),
         "best_spread": info.get("best_spread"),
         "speedup": speedup,
+        "speedup_lo": info.get("best_speedup_lo"),
+        "speedup_hi": info.get("best_speedup_hi"),
+        "best_load": info.get("best_load"),
         "best_label": info.get("best_label"),
         "applied": info.get("applied"),
         "decision": info.get("decision"),
@@ -199,16 +207,25 @@ def _summary_lines(report: dict[str, Any]) -> list[str]:
             if _fmt_jpt(baseline.get("energy_per_token")) != "-"
             else ""
         )
-        + (" (too noisy to compare a speed-up with)" if baseline and baseline.get("holds") is False else "")
+        + _load_words(baseline.get("load"))
+        + (
+            " (never measured to its precision target: no speed-up is claimed against it)"
+            if baseline and baseline.get("holds") is False
+            else ""
+        )
     )
     if report.get("best"):
         lines.append(
             f"- Best ({report.get('best_label') or 'trial ' + str(report.get('best_number'))}): "
             f"{toggles_diff(report['best'], base)} — "
             f"{_fmt_tps(report.get('best_tokens_per_s'), report.get('best_spread'))} tokens/s"
-            + (f", **{report['speedup']:.2f}x** the start" if report.get("speedup") else "")
+            + (f", **{speedup_words(report)}** the start" if report.get("speedup") else "")
+            + (_load_words(report.get("best_load"), "both measured under ") if report.get("speedup") else "")
         )
     lines.append(f"- Applied: {toggles_diff(report['applied'], base) if report.get('applied') else 'no'}")
+    real = realized_words(report.get("ledger") or {})
+    if real:
+        lines.append(f"- Checked on the live run after the switch: {real}")
     mem = report.get("memory")
     if isinstance(mem, dict) and mem.get("reason"):
         tried = "; ".join(
@@ -231,15 +248,8 @@ def _summary_lines(report: dict[str, Any]) -> list[str]:
 
 def _ledger_lines(led: dict[str, Any]) -> list[str]:
     lines: list[str] = []
-    budget = led.get("budget_s", 0.0) or 0.0
-    asked = led.get("requested_budget_s")
     lines.append(
-        f"- Tuning time: {format_duration(led.get('tuning_s', 0.0))} of a {format_duration(budget)} budget"
-        + (
-            f" (asked for {format_duration(asked)}; the rest of the run affords less)"
-            if isinstance(asked, (int, float)) and asked > budget
-            else ""
-        )
+        f"- Tuning time: {budget_words(led)}"
         + f"; {led.get('trials_run', 0)} trials run, {led.get('screened', 0)} screened out without running"
         + (f", {led['skipped']} proposals skipped (they could not pay in this run)" if led.get("skipped") else "")
     )
@@ -252,7 +262,7 @@ def _ledger_lines(led: dict[str, Any]) -> list[str]:
         for d in decisions:
             at = f"step {d['step']}: " if isinstance(d.get("step"), int) else ""
             lines.append(
-                f"- {at}{d['reason']} (saving {_secs(d.get('expected_saving_s'))}, cost {_secs(d.get('cost_s'))})"
+                f"- {at}{d['reason']} (saving {seconds_words(d.get('expected_saving_s'))}, cost {seconds_words(d.get('cost_s'))})"
             )
     return lines
 
@@ -298,39 +308,17 @@ def _trial_table(report: dict[str, Any], energy: bool) -> list[str]:
     return lines
 
 
-def _secs(v: Any) -> str:
-    return f"{v:.0f} s" if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else "-"
-
-
-def _signed(v: float) -> str:
-    return f"{'+' if v >= 0 else '-'}{format_duration(abs(v))}"
-
-
-def ledger_lines(led: dict[str, Any]) -> list[str]:
-    """The ledger's money lines: cost of tuning, the switch, the saving and the net against not tuning."""
+def speedup_words(report: dict[str, Any]) -> str:
+    """'1.31x (1.24-1.38x)': the best's speed-up with its interval, as the report holds them."""
+    lo, hi = report.get("speedup_lo"), report.get("speedup_hi")
     num = (int, float)
-    cost, switch, saving, net = (led.get(k) for k in ("cost_s", "switch_s", "saving_s", "net_s"))
-    lines = [
-        "Cost of tuning (time beyond what the kept steps take at the starting speed): "
-        + (
-            format_duration(cost)
-            if isinstance(cost, num) and cost > 0
-            else ("none" if isinstance(cost, num) else "- (the start has no measurement)")
-        )
-    ]
-    if isinstance(switch, num):
-        lines.append(
-            "Switch after tuning (restart, warm-up, compile): "
-            + (format_duration(switch) if switch > 0 else "none (training goes on in the same process)")
-        )
-    if isinstance(saving, num):
-        lines.append(
-            f"Projected saving over the remaining {led.get('remaining_steps', '?')} steps: "
-            + (format_duration(saving) if saving > 0 else "none (not applied)")
-        )
-    if isinstance(net, num):
-        lines.append(f"Net against not tuning: {_signed(net)}")
-    return lines
+    return ratio_words(report["speedup"], lo if isinstance(lo, num) else None, hi if isinstance(hi, num) else None)
+
+
+def _load_words(d: Any, lead: str = "under ") -> str:
+    """' (under other processes 0.1 of 2 cores, load average 1.0)', or '' when the load was not tracked."""
+    load = Load.from_dict(d)
+    return f" ({lead}{load.words()})" if load is not None else ""
 
 
 _NUMBER = (int, float)
@@ -345,6 +333,9 @@ _REPORT_FIELDS: dict[str, tuple[type, ...]] = {
     "best_tokens_per_s": _NUMBER,
     "best_spread": _NUMBER,
     "speedup": _NUMBER,
+    "speedup_lo": _NUMBER,
+    "speedup_hi": _NUMBER,
+    "best_load": (dict,),
     "outcome": (str,),
     "applied": (dict,),
     "study": (str,),
@@ -352,7 +343,16 @@ _REPORT_FIELDS: dict[str, tuple[type, ...]] = {
     "memory": (dict,),
     "best_label": (str,),
 }
-_LEDGER_FIELDS = ("tuning_s", "budget_s", "projected_saving_s", "cost_s", "switch_s", "saving_s", "net_s")
+_LEDGER_FIELDS = (
+    "tuning_s",
+    "budget_s",
+    "projected_saving_s",
+    "cost_s",
+    "switch_s",
+    "saving_s",
+    "net_s",
+    "saving_per_step_s",
+)
 _BASELINE_FIELDS = ("tokens_per_s",)
 
 
@@ -365,6 +365,9 @@ def check_report(report: Any) -> str | None:
         v = report.get(key)
         if v is not None and (not isinstance(v, types) or isinstance(v, bool) and bool not in types):
             return f"{key!r} is {type(v).__name__}, expected {' or '.join(t.__name__ for t in types)}"
+    real = (report.get("ledger") or {}).get("realized") if isinstance(report.get("ledger"), dict) else None
+    if real is not None and not isinstance(real, dict):
+        return f"'ledger.realized' is {type(real).__name__}, expected an object"
     for section, keys in (("ledger", _LEDGER_FIELDS), ("baseline", _BASELINE_FIELDS)):
         for key in keys:
             v = (report.get(section) or {}).get(key)
@@ -409,7 +412,7 @@ def format_summary(report: dict[str, Any]) -> str:
         if best_row is not None and _fmt_jpt(best_row.get("energy_per_token")) != "-":
             line += f", {_fmt_jpt(best_row.get('energy_per_token'))}/token"
         if report.get("speedup"):
-            line += f", {report['speedup']:.2f}x the start"
+            line += f", {speedup_words(report)} the start"
             if "own baseline" not in (report.get("best_label") or ""):  # else against that run's start
                 line += f" ({_fmt_tps(baseline.get('tokens_per_s'))})"
         lines.append(line)
@@ -422,11 +425,13 @@ def format_summary(report: dict[str, Any]) -> str:
         lines.append("tuning    no feasible configuration measured")
     outcome = report.get("outcome") or "-"
     lines.append(f"          {outcome}" if report.get("applied") else f"          not applied: {outcome}")
+    real = realized_words(led)
+    if real:
+        lines.append(f"          {real}")
     lines.append(
         f"          {sum(counts.values())} trials this run"
         + in_parens(f"{n} {k}" for k, n in sorted(counts.items()))
-        + " in "
-        f"{format_duration(led.get('tuning_s') or 0.0)} of {format_duration(led.get('budget_s') or 0.0)}"
+        + f" in {budget_words(led)}"
         + (
             f"; projected saving {format_duration(led['projected_saving_s'])}"
             if isinstance(led.get("projected_saving_s"), (int, float))
@@ -443,21 +448,6 @@ def format_summary(report: dict[str, Any]) -> str:
         lines.append(f"          study {report.get('study') or '?'} in {report['storage']}")
         lines.append(f"          browse it: {dashboard_command(report['storage'])}")
     return "\n".join(lines)
-
-
-def net_line(led: dict[str, Any]) -> str | None:
-    """'net +1m02s against not tuning (saves 1m30s; tuning cost 20s, switch 8s)', or None without figures."""
-    num = (int, float)
-    net, cost = led.get("net_s"), led.get("cost_s")
-    if not isinstance(net, num) or isinstance(net, bool) or not isinstance(cost, num):
-        return None
-    saving, switch = led.get("saving_s") or 0.0, led.get("switch_s") or 0.0
-    parts = (
-        ([f"saves {format_duration(saving)}"] if isinstance(saving, num) and saving > 0 else [])
-        + [f"tuning cost {format_duration(cost)}"]
-        + ([f"switch {format_duration(switch)}"] if isinstance(switch, num) and switch > 0 else [])
-    )
-    return f"net {_signed(net)} against not tuning ({'; '.join(parts)})"
 
 
 @dataclasses.dataclass(frozen=True)

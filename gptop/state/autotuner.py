@@ -69,6 +69,8 @@ class TunerState:
         trial, a minute apart or more), and stops when the tuner is done."""
         if self.budget_left_s is None or not self.active or self.budget_at is None or now is None:
             return self.budget_left_s
+        if self.phase is TunerPhase.CHECK:  # the budget stopped at the decision
+            return self.budget_left_s
         return max(0.0, self.budget_left_s - max(0.0, now - self.budget_at))
 
 

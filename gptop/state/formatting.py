@@ -54,6 +54,15 @@ def phase_label(phase: str | None) -> str:
     return (phase or "idle").replace("-", " ").replace("_", " ")
 
 
+def claim_words(speedup: float | None, lo: float | None, hi: float | None) -> str:
+    """'1.31x (1.24-1.38x)': a claimed speed-up with its interval (the tuner's; the point alone without one)."""
+    if speedup is None:
+        return ""
+    if lo is None or hi is None:
+        return f"{speedup:.2f}x"
+    return f"{speedup:.2f}x ({lo:.2f}-{hi:.2f}x)"
+
+
 def fmt_num(x: float | None, unit: str = "", digits: int = 1) -> str:
     """12345 -> '12.3k'; None -> 'n/a'."""
     if x is None:

@@ -41,6 +41,9 @@ class GpuReading(Record):
     temp_c: float | None = None
     sm_clock_mhz: float | None = None
     proc_mem: int | None = None  # bytes used on this GPU by the trainer's processes; None when none are seen
+    # compute processes on this GPU that are not the trainer's; None when NVML's PIDs cannot be told apart
+    # from the trainer's (a container's PID namespace)
+    other_procs: int | None = None
     sm_clock_max_mhz: float | None = None
     clock_reasons: list[str] | None = None  # why clocks are held down (gptop.nvml.THROTTLE_REASONS names)
     sm_active_pct: float | None = None  # GPM (Hopper+): share of SMs busy over the sample period
@@ -64,6 +67,9 @@ class CpuReading(Record):
     mem_total: int | None = None  # bytes
     proc_rss: int | None = None  # bytes, trainer processes and their children
     proc_cpu_pct: float | None = None  # trainer processes' share of the whole machine, 0..100
+    others_cpu_pct: float | None = None  # every other process's (not the trainer's, not gptop's), 0..100
+    steal_pct: float | None = None  # CPU time the hypervisor gave other guests, % of the machine (Linux)
+    load_avg: float | None = None  # the 1-minute load average (runnable processes, the run's included)
     power_w: float | None = None  # CPU package power from RAPL, None when unreadable
     energy_j: float | None = None  # RAPL package energy since the sampler started (wraparound undone)
     power_note: str | None = None  # why power_w is None, in a few words
@@ -150,7 +156,9 @@ class TunerBest(Record):
     toggles: Toggles | None = None
     tokens_per_s: float | None = None  # as measured (on this run, or on the earlier run it comes from)
     spread: float | None = None
-    speedup: float | None = None  # against the start's measurement of the same run
+    speedup: float | None = None  # against the start's measurement of the same run under the same load
+    speedup_lo: float | None = None  # the speed-up's interval: its lower end over the start's upper end
+    speedup_hi: float | None = None  # ... its upper end over the start's lower end
     earlier: bool = False  # measured by an earlier run of the same setup, not re-measured on this one
 
 

@@ -378,6 +378,10 @@ class ApplyEvent(Event):
     baseline_tokens_per_s: float | None = None
     step: int | None = None
     earlier: bool = False  # the applied trial ran in an earlier run of the same setup
+    # the claim: its speed-up over the start under the same load, with the interval counting both measurements
+    speedup: float | None = None
+    speedup_lo: float | None = None
+    speedup_hi: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -79,6 +79,7 @@ class TunerPhase(enum.StrEnum):
     TRIALS = "trials"
     REMEASURE = "remeasure"
     DECIDE = "decide"
+    CHECK = "check"  # the applied setting measured on the live run, against the start under the same load
     DONE = "done"
 
 
@@ -88,6 +89,7 @@ class TrialKind(enum.StrEnum):
     BASELINE = "baseline"  # the run's starting configuration
     TRIAL = "trial"  # a configuration the study proposed
     REMEASURE = "remeasure"  # a measured candidate measured again before the decision
+    CHECK = "check"  # the applied setting measured on the live run after the switch (its realized gain)
 
 
 class TrialStatus(enum.StrEnum):

@@ -20,6 +20,7 @@ from gptop.state import (
     spread_pct,
 )
 from trainer.contract.events import TunerBest
+from gptop.state.formatting import claim_words
 from trainer.contract.states import TrialKind, TrialStatus
 
 TRIAL_STYLE = {
@@ -72,7 +73,9 @@ def tuner_summary(state: RunState, width: int) -> RenderableType:
                     ("best ", "bold"),
                     f"#{best.number} ",
                     (f"{fmt_num(best.tokens_per_s)} tok/s", "bold green"),
-                    f" {speedup:.2f}x" if speedup is not None and speedup < 1e6 else "",
+                    f" {claim_words(speedup, best.speedup_lo, best.speedup_hi)}"
+                    if isinstance(best, TunerBest) and speedup is not None and speedup < 1e6
+                    else "",
                     " (earlier run)" if best.earlier else "",
                     " ",
                     fmt_toggles(state.toggle_diff(best.toggles)),
@@ -80,10 +83,7 @@ def tuner_summary(state: RunState, width: int) -> RenderableType:
             )
         if tu.applied:
             a = tu.applied[-1]
-            gain = ""
-            tps, base = a.tokens_per_s, a.baseline_tokens_per_s
-            if tps is not None and base:
-                gain = f" ({(tps / base - 1) * 100:+.0f}%)"
+            gain = f", {claim_words(a.speedup, a.speedup_lo, a.speedup_hi)}" if a.speedup is not None else ""
             at = f" at step {a.step}" if a.step is not None else ""
             lines.append(Text.assemble(("applied", "bold"), f"{at}: ", fmt_toggles(state.toggle_diff(a.toggles)), gain))
     for t in lines:
