@@ -19,15 +19,14 @@ import contextlib
 import dataclasses
 import os
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Callable, Protocol
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from trainer.contract import events as ev
 from trainer.contract.states import ErrorKind, RunStatus, StoppedBy
 from trainer.contract.config import TrainConfig, cli_args
 from trainer.contract.rundir import RunDir, has_checkpoint, list_checkpoints
-from trainer.contract.runlock import RunLock
 
-from .alerts import AlertMonitor, AlertOptions
+from .alerts import AlertMonitor
 from .session_base import (
     EXIT_DONE,
     EXIT_FAILED,
@@ -38,6 +37,7 @@ from .session_base import (
     SessionBase,
     View,
 )
+from .session_options import DEFAULT_T_BUDGET_S, SessionOptions, TuningOptions
 from .supervisor import Supervisor, torchrun_failures, trainer_argv
 from .trial_processes import start_below
 
@@ -65,7 +65,6 @@ __all__ = [
     "View",
 ]
 
-DEFAULT_T_BUDGET_S = 600.0  # the `t` key in a plain `gptop train`
 # Failures a restart from the last checkpoint cannot cure: restarting would only loop (a full disk).
 NO_RESTART_KINDS = ("disk",)
 
@@ -81,30 +80,6 @@ class Controller(Protocol):
 
     def stop_tuning(self) -> None:
         """The user asked to stop tuning (the `t` key): decide on what was measured and train on."""
-
-
-@dataclasses.dataclass
-class TuningOptions:
-    """How a tuning started in this session runs (`gptop tune`, `--tune`, the `t` key)."""
-
-    budget_s: float = DEFAULT_T_BUDGET_S
-    space_spec: str | None = None  # --tune-space
-    storage: str | None = None  # --storage: the Optuna storage URL
-    tune_only: bool = False  # --tune-only: stop after writing best.toml
-
-
-@dataclasses.dataclass
-class SessionOptions:
-    interval: float = 0.5  # device sampling period (s)
-    restart_on_failure: int = 0  # automatic restarts from the last checkpoint
-    tensorboard: bool = False
-    wandb: bool = False  # --wandb: a Weights & Biases run (gptop.wandb_writer)
-    launcher: Callable[[list[str]], list[str]] | None = None  # argv builder (torchrun for --nproc)
-    tuning: TuningOptions | None = None  # what the `t` key starts (None: `t` is not offered)
-    run_lock: RunLock | None = None  # the run directory's lock, held by the caller for the session's life
-    alerts: AlertOptions = dataclasses.field(default_factory=AlertOptions)  # gptop.alerts; enabled=False: none
-    notify: list[str] = dataclasses.field(default_factory=list)  # --notify URLs (gptop.notify)
-    notify_cmd: list[str] = dataclasses.field(default_factory=list)  # --notify-cmd commands
 
 
 class Session(SessionBase):

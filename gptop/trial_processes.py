@@ -23,6 +23,7 @@ from trainer.contract.states import ErrorKind, StoppedBy
 from . import held_checkpoints as held
 
 if TYPE_CHECKING:
+    from tuner.tuning_report import TunedCommand
     from tuner.controller import TuneController
 
     from .tuning import TuningHost
@@ -284,6 +285,29 @@ class TrialProcesses:
             f"{why}: a restart would lose the steps the run trained up to step {step}, so gptop stopped the "
             f"tuning and the run instead",
         )
+
+    # ------------------------------------------------------------ a command's (gptop tune -- CMD)
+    def command_cfg(self, hello: ev.HelloEvent, run_dir: str | None, log_every: int | None) -> TrainConfig:
+        """A command's own settings as the tuner's config, from its client's first hello: its toggles, the batch
+        of an optimizer step, sequence length, max_steps and model (the study's key); the log interval gptop
+        asks of the process that trains on after tuning (--log-every, else the default)."""
+        cfg = TrainConfig.from_dict(hello.config)
+        cfg.run.run_dir = run_dir
+        cfg.log.log_every = log_every if log_every is not None else TrainConfig().log.log_every
+        return cfg
+
+    def tuned_command(self, argv: list[str] | None, start: Toggles) -> TunedCommand | None:
+        """The script `gptop tune -- CMD` tunes, for best.toml's words on applying its best (`start`: the
+        toggles it started with); None for gptop's own trainer."""
+        from tuner.tuning_report import TunedCommand
+
+        hello = self.hello
+        if not self.command or argv is None:
+            return None
+        per_device = (
+            hello.micro_batch * hello.accumulation if hello and hello.micro_batch and hello.accumulation else None
+        )
+        return TunedCommand(argv=list(argv), start=start, per_device=per_device)
 
     # ------------------------------------------------------------ rollback
     def guard(self, pre: Checkpoint | None) -> None:

@@ -67,7 +67,6 @@ if TYPE_CHECKING:
     from tuner.controller import Remeasure, RunTrial, TuneController
     from tuner.load import LoadPoint
     from tuner.study import TuneStudy
-    from tuner.tuning_report import TunedCommand
 
     from .state import RunState
     from .supervisor import Supervisor
@@ -318,7 +317,9 @@ class TuningDriver(AppliedCheck):
                 self._say(f"the command's {hello.client} client takes no toggles: nothing to tune")
                 return self._conclude(None)
             procs.command = True
-            procs.user_cfg = self._command_cfg(hello)
+            procs.user_cfg = procs.command_cfg(
+                hello, self.session.cfg.run.run_dir, getattr(self.session, "log_every", None)
+            )
             procs.running_cfg = procs.cfg_for(procs.user_cfg.toggles, strict=True)  # the baseline's process
         user_mb = procs.user().toggles.micro_batch
         ctl = self._open_controller(hello, command)
@@ -473,16 +474,6 @@ class TuningDriver(AppliedCheck):
             )
         return True
 
-    def _command_cfg(self, hello: ev.HelloEvent) -> TrainConfig:
-        """A command's own settings as the tuner's config, from its client's first hello: its toggles,
-        the batch of an optimizer step, sequence length, max_steps and model (the study's key); the log
-        interval gptop asks of the process that trains on after tuning (--log-every, else the default)."""
-        cfg = TrainConfig.from_dict(hello.config)
-        cfg.run.run_dir = self.session.cfg.run.run_dir
-        given = getattr(self.session, "log_every", None)
-        cfg.log.log_every = given if given is not None else TrainConfig().log.log_every
-        return cfg
-
     def _end_reason(self) -> str:
         if self.session.halted is not None:
             return self.session.halted
@@ -576,7 +567,9 @@ class TuningDriver(AppliedCheck):
             from tuner.tuning_report import write_report
 
             study = ctl.study  # the one the controller tuned over last (memory may have changed it)
-            self.report_paths = write_report(s.run_dir, study, ctl.report_info(), self._tuned_command())
+            self.report_paths = write_report(
+                s.run_dir, study, ctl.report_info(), procs.tuned_command(self.session.state.command, ctl.base)
+            )
             self._say(f"report {self.report_paths['md']}; best configuration {self.report_paths['toml']}")
             if study.storage_url:
                 from tuner.storage import dashboard_command
@@ -587,18 +580,6 @@ class TuningDriver(AppliedCheck):
             # gptop tune's first process logged every step for the baseline
             s.cfg.log.log_every = procs.user().log.log_every
         self._detach()
-
-    def _tuned_command(self) -> TunedCommand | None:
-        """The script `gptop tune -- CMD` tunes, for best.toml's words on applying its best; None for gptop's own trainer."""
-        from tuner.tuning_report import TunedCommand
-
-        hello, argv = self.procs.hello, self.session.state.command
-        if not self.procs.command or argv is None or self.ctl is None:
-            return None
-        per_device = (
-            hello.micro_batch * hello.accumulation if hello and hello.micro_batch and hello.accumulation else None
-        )
-        return TunedCommand(argv=list(argv), start=self.ctl.base, per_device=per_device)
 
     def _restart(
         self, toggles: Toggles, fault: tuple[tuple[str, int], ...] | None = None, strict: bool = True
