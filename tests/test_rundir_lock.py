@@ -57,6 +57,23 @@ def test_ranks_of_one_torchrun_share_the_lock_and_another_torchrun_is_refused(tm
     rank0.release()
 
 
+def test_the_second_rank_of_a_new_torchrun_run_is_not_refused_by_its_sibling(tmp_path, monkeypatch):
+    """Rank 0 took the lock and wrote its first events before rank 1 checks the directory: a sibling, not a
+    second run (both ranks ask for a new run)."""
+    monkeypatch.delenv(LOCK_TOKEN_ENV, raising=False)
+    for k, v in {"TORCHELASTIC_RUN_ID": "abc", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    run = tmp_path / "run"
+    rank0 = RunLock.for_trainer(run, new_run=True)
+    (run / "events.jsonl").write_text(json.dumps({"kind": "hello", "step": 0}) + "\n")
+    rank1 = RunLock.for_trainer(run, new_run=True)
+    assert rank0.held and not rank1.held
+    monkeypatch.setattr(os, "getppid", lambda: 1)  # another torchrun's rank
+    with pytest.raises(RunDirBusy, match="python -m trainer"):
+        RunLock.for_trainer(run, new_run=True)
+    rank0.release()
+
+
 def test_multi_node_runs_lock_per_node(tmp_path):
     node0 = RunLock.acquire(tmp_path, command="gptop train", node="node0")
     node1 = RunLock.acquire(tmp_path, command="gptop train", node="node1")  # nodes share the directory

@@ -36,11 +36,13 @@ class RunDirTaken(ConfigError):
     """A new run in a directory that holds another run's events or checkpoints (exit 2): one run per directory."""
 
 
-def check_new_run(run_dir: Path, option: str = "--run-dir", *, locked: bool = False) -> None:
+def check_new_run(run_dir: Path, option: str = "--run-dir", *, locked: bool = False, token: str | None = None) -> None:
     """A new run may start in `run_dir` only if it is new or empty, or holds only what gptop writes and no other
     run's events or checkpoints: mixed in one directory, the report would add both runs up and a resume or an
     export could pick the other's weights, and a user's files would sit among the run's. A run that holds the
-    directory now is named (RunDirBusy), never offered for removal; `locked`: the caller holds its lock now."""
+    directory now is named (RunDirBusy), never offered for removal; `locked`: the caller holds its lock now.
+    `token`: the caller's lock token; a holder with the same token (a sibling rank of one torchrun, which
+    checked the directory before it took the lock and may have written its first events since) passes."""
     part = run_part(run_dir)
     if part is not None:
         raise RunDirTaken(
@@ -50,6 +52,8 @@ def check_new_run(run_dir: Path, option: str = "--run-dir", *, locked: bool = Fa
         )
     holders = None if locked else lock_holders(run_dir)
     if holders is not None:
+        if token is not None and any(h.get("token") == token for h in holders):
+            return
         raise RunDirBusy(option, _busy_message(run_dir, holders))
     found = other_run(run_dir)
     if found is None:
@@ -124,7 +128,7 @@ class RunLock:
         written (the sibling ranks of one torchrun wait for the record), leaving no lock file behind."""
         run_dir = Path(run_dir)
         if new_run and node is None:
-            check_new_run(run_dir, option)  # before making anything; again under the lock, against a race
+            check_new_run(run_dir, option, token=token)  # before making anything; again under the lock (a race)
         run_dir.mkdir(parents=True, exist_ok=True)
         token = token or uuid.uuid4().hex
         plan = (
