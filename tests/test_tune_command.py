@@ -1,5 +1,6 @@
-"""`gptop tune -- CMD` end to end: a transformers.Trainer script (examples/train_transformers.py) tuned on its
-live run through checkpoints and restarts, and a script that cannot take toggles refused before tuning."""
+"""`gptop tune -- CMD` end to end: a transformers.Trainer script (tests/fixtures/hf_tune_script.py, the three
+calls examples/train_transformers.py makes) tuned on its live run through checkpoints and restarts, and a script
+that cannot take toggles refused before tuning."""
 
 from __future__ import annotations
 
@@ -50,91 +51,6 @@ def decided(run_dir: Path) -> bool:
     """The tuner is done: what follows is the script training on, which measures nothing."""
     path = run_dir / "events.jsonl"
     return path.exists() and any(e["phase"] == "done" for e in run_events(run_dir, "tuner"))
-
-
-@pytest.mark.measures  # the CPU alone while the tuner measures, then shared
-def test_tune_a_trainer_script_runs_trials_decides_and_ends_at_max_steps(tmp_path):
-    run_dir, out, steps = tmp_path / "run", tmp_path / "out", 2400
-    # The start is slow on purpose (one sequence per forward, 16 accumulation steps: ~3x slower than 16 at
-    # once) and the run long enough for trials to pay for their restarts: the tuner may lose 10% of the rest of
-    # the run, which must hold a trial (~12 s) with room to spare on a fast CPU too (at 1,200 steps of 0.09 s
-    # an AVX-512 machine rightly decided that tuning could not pay). The budget holds the baseline and a few
-    # trials (a trial is mostly the script's restart); the other worker's process tests wait while it runs.
-    args = [
-        "tune",
-        "--budget",
-        "45s",
-        "--run-dir",
-        str(run_dir),
-        "--storage",
-        f"sqlite:///{tmp_path / 's.db'}",
-        "--tune-space",
-        "-all micro_batch=1,4,16 fused_adamw=on,off workers=0,1",
-        "--",
-        sys.executable,
-        str(EXAMPLE),
-        "--steps",
-        str(steps),
-        "--batch",
-        "1",
-        "--accumulation",
-        "16",
-        "--out",
-        str(out),
-    ]
-    with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gptop", "--no-ui", "--json", *args],
-            stdout=stdout,
-            stderr=stderr,
-            env=env_one_thread(),
-        )
-    try:
-        # The tuner measures trials: no other test's process beside it (pytest -n) until it decided; the script
-        # training on to max_steps after that may run beside a measuring test.
-        with quiet():
-            wait_for(lambda: proc.poll() is not None or decided(run_dir), 600, "the tuner's decision", poll=1.0)
-        with steady():
-            proc.wait(600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    p = subprocess.CompletedProcess(
-        proc.args, proc.returncode, (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
-    for line in p.stdout.splitlines():
-        json.loads(line)  # --json: every stdout line is one JSON object
-    hellos = [e for e in run_events(run_dir, "hello") if not e["early"]]
-    assert hellos[0]["client"] == "transformers" and hellos[0]["tunable"]
-    assert hellos[0]["config"]["optim"]["global_batch"] == 16
-    trials = [e for e in run_events(run_dir, "trial") if e["kind"] == "trial" and e["status"] != "running"]
-    assert trials, "no trial ran"
-    assert len(hellos) >= 2  # each trial (and the apply) is a restart of the script
-    # every restart resumed from the checkpoint the script saved on gptop's command
-    for h in hellos[1:]:
-        assert h["start_step"] > 0
-    for h in hellos:
-        mb, acc = h["micro_batch"], h["accumulation"]
-        assert mb * acc == 16  # the global batch stays the script's
-    report = (run_dir / "tuning.md").read_text()
-    assert "- Outcome:" in report and "Applied:" in report
-    best = (run_dir / "best.toml").read_text()  # how to apply it to this script, not gptop train's flags
-    assert f"# Best settings gptop tune found for: {sys.executable} {EXAMPLE}" in best, best
-    assert "gptop train --config" not in best and ("GPTOP_TOGGLES=" in best or "nothing to change" in best)
-    # each start of the script ended with gptop's record of its end: the tuner's restarts, then its own end
-    exits = run_events(run_dir, "exit")
-    assert len(exits) == len([e for e in run_events(run_dir, "hello") if e["early"]]) == len(hellos)
-    assert {e.get("stopped_by") for e in exits[:-1]} <= {"tuner", None} and "tuner" in {
-        e.get("stopped_by") for e in exits
-    }
-    assert exits[-1].get("exit_code") == 0 and "stopped_by" not in exits[-1]
-    done = [e for e in run_events(run_dir, "done")]
-    assert done[-1]["reason"] == "max_steps" and done[-1]["step"] == steps
-    newest = max(out.glob("checkpoint-*"), key=lambda d: int(d.name.rpartition("-")[2]))
-    state = json.loads((newest / "trainer_state.json").read_text())
-    assert state["global_step"] == state["max_steps"] == steps
 
 
 NO_CALLS = """
@@ -195,16 +111,19 @@ def trained_on_after_tuning(run_dir: Path) -> bool:
 
 
 @pytest.mark.measures  # the CPU alone while the tuner measures, then shared
-def test_a_failed_trial_keeps_every_step_of_a_script_that_rotates_its_checkpoints(tmp_path):
-    """Issue 40: a Trainer script saving every 2 steps with save_total_limit=3; its first trial crashes after
-    writing 3 checkpoints of its own, which rotate the pre-trial checkpoint out of output_dir. The next start
-    resumes at the pre-trial step from gptop's copy (never from step 0), its loss goes on from the run's, the
-    switch checkpoints are not left in output_dir, and the script's work after train() runs once."""
-    run_dir, out, after = tmp_path / "run", tmp_path / "out", tmp_path / "after.txt"
+def test_a_tuned_trainer_script_keeps_every_step_through_a_failed_trial_and_ends_as_it_would_alone(tmp_path):
+    """`gptop tune -- CMD` on a Trainer script saving every 2 steps with save_total_limit=3 (issue 40): its first
+    trial crashes after writing 3 checkpoints of its own, which rotate the pre-trial checkpoint out of
+    output_dir. The next start resumes at the pre-trial step from gptop's copy (never from step 0), its loss goes
+    on from the run's, the global batch stays the script's in every start, the switch checkpoints are not left in
+    output_dir. Once the tuner decided and the script trains on, the script ends on its own (its stop file, as
+    an early-stopping callback would): exit 0, recorded as its end; its work after train() ran once."""
+    run_dir, out, after, stop = tmp_path / "run", tmp_path / "out", tmp_path / "after.txt", tmp_path / "STOP"
     args = ["tune", "--budget", "40s", "--run-dir", str(run_dir), "--storage", f"sqlite:///{tmp_path / 's.db'}"]
     args += ["--tune-space", "-all micro_batch=1,16 fused_adamw=on,off", "--", sys.executable, str(HF_TUNE)]
-    # a long run, so that tuning pays; the test stops it once the tuner decided and the script trains on
+    # a long run, so that tuning pays on any CPU; the test ends it once the tuner decided and the script trains on
     args += ["--steps", "20000", "--accumulation", "16", "--save-steps", "2", "--out", str(out), "--after", str(after)]
+    args += ["--stop-file", str(stop)]
     env = env_one_thread()
     env["GPTOP_TEST_TRIAL_FAULT"] = "1:crash@7"  # the first trial crashes 7 steps in (tests/fixtures/hf_tune_script)
     with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:
@@ -216,16 +135,21 @@ def test_a_failed_trial_keeps_every_step_of_a_script_that_rotates_its_checkpoint
             wait_for(lambda: proc.poll() is not None or decided(run_dir), 600, "the tuner's decision", poll=1.0)
         with steady():
             wait_for(lambda: proc.poll() is not None or trained_on_after_tuning(run_dir), 300, "training on", poll=1.0)
-            stopped = proc.poll() is None
-            proc.send_signal(signal.SIGINT)
+            trained_on = proc.poll() is None
+            stop.touch()
             proc.wait(300)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     err = (tmp_path / "stderr").read_text()
-    assert stopped and proc.returncode == 130, err[-3000:]
+    assert trained_on and proc.returncode == 0, err[-3000:]
+    for line in (tmp_path / "stdout").read_text().splitlines():
+        json.loads(line)  # --json: every stdout line is one JSON object
     procs = client_processes(run_dir)
+    first = procs[0]["hello"]
+    assert first["client"] == "transformers" and first["tunable"] and first["config"]["optim"]["global_batch"] == 16
+    assert all(p["hello"]["micro_batch"] * p["hello"]["accumulation"] == 16 for p in procs)  # the script's batch
     crashed = next(i for i, p in enumerate(procs) if p["error"] and "injected crash" in p["error"]["message"])
     failed = next(e for e in run_events(run_dir, "trial") if e["status"] == "infeasible")
     pre, rb = procs[crashed]["hello"]["start_step"], failed["rollback"]
@@ -239,19 +163,28 @@ def test_a_failed_trial_keeps_every_step_of_a_script_that_rotates_its_checkpoint
     losses = [s["loss"] for p in procs for s in p["steps"] if s["loss"] is not None]
     resumed = next(s["loss"] for s in procs[crashed + 1]["steps"] if s["loss"] is not None)
     assert resumed < losses[0] - 1.0  # the loss goes on from the run's, not from a fresh model's
-    errors = [e for e in run_events(run_dir, "error") if e["kind"] == "lost_steps"]
-    assert errors == []
+    assert [e for e in run_events(run_dir, "error") if e["kind"] == "lost_steps"] == []
+    # the tuning's record, and how to apply its outcome to this script (not gptop train's flags)
+    assert "- Outcome:" in (run_dir / "tuning.md").read_text()
+    best = (run_dir / "best.toml").read_text()
+    assert f"# Best settings gptop tune found for: {sys.executable} {HF_TUNE}" in best, best
+    assert "gptop train --config" not in best and ("GPTOP_TOGGLES=" in best or "nothing to change" in best)
+    # each start ended with gptop's record of its end: the tuner's restarts (the crashed trial's process ended by
+    # the tuner if it had not exited yet), then the script's own end, which nobody stopped
+    exits = run_events(run_dir, "exit")
+    assert len(exits) == len([e for e in run_events(run_dir, "hello") if e["early"]]) == len(procs)
+    assert all(e.get("stopped_by") in ("tuner", None) for e in exits[:-1]) and exits[crashed].get("exit_code") != 0
+    assert "tuner" in {e.get("stopped_by") for e in exits}
+    final = procs[-1]["done"]["step"]
+    assert exits[-1].get("exit_code") == 0 and "stopped_by" not in exits[-1], exits[-1]
+    assert procs[-1]["done"]["reason"] == "the Trainer stopped (control.should_training_stop)"
     # the script's work after train() ran once: at the end, not at each switch
-    assert after.read_text().splitlines() == [
-        f"after train() at step {procs[-1]['done']['step']} in {procs[-1]['hello']['pid']}"
-    ]
-    # output_dir holds what the script saves (every 2 steps, the newest 3) and your stop's checkpoint: a switch
-    # checkpoint (at an odd step: one the script does not save itself) was moved into the run directory and
-    # released once the run had newer ones
+    assert after.read_text().splitlines() == [f"after train() at step {final} in {procs[-1]['hello']['pid']}"]
+    # output_dir holds what the script saves (every 2 steps, the newest 3): a switch checkpoint (at an odd step:
+    # one the script does not save itself) was moved into the run directory and released once the run had newer
     switches = [c for p in procs[:-1] for c in p["checkpoints"] if c["reason"] == "stop"]
     assert all(c["step"] % 2 for c in switches) and not any(Path(c["path"]).exists() for c in switches)
     kept = sorted(int(d.name.rpartition("-")[2]) for d in out.glob("checkpoint-*"))
-    final = procs[-1]["done"]["step"]
     assert len(kept) <= 3 and all(s % 2 == 0 or s == final for s in kept), kept
     assert not (run_dir / "tuner-checkpoints").exists()
 
