@@ -66,3 +66,21 @@ def test_a_run_too_short_for_its_budget_says_the_budget_was_cut(tmp_path):
     assert re.match(r"- Tuning time: \d+s, measuring the start; then the 10m00s budget asked for was cut to", line)
     assert "the run had left): no trial ran" in line and " of a " not in line
     assert f"in {budget_words(led)}" in format_summary(report)
+
+
+def test_why_no_trial_starts_adds_up_when_the_time_left_exceeds_a_trial():
+    """With 45 s left and trials of 9 s, "a trial takes about 9s" read as a contradiction: the words name what a
+    trial is started with (its re-measurements, the final switch), and their figures add up to what is needed."""
+    from tuner.schedule import budget_over
+
+    for left, trial, reserve, switch in itertools.product((3.0, 45.0), (9.0, 30.0), (0, 1, 3), (0.0, 12.0)):
+        words = budget_over(left, trial, reserve, switch)
+        need = float(re.search(r"\(~(\d+)s:", words).group(1))
+        parts = [float(x) for x in re.findall(r"~(\d+)s", words.split(":", 2)[2])]
+        assert abs(sum(parts) - need) <= len(parts), words  # rounding of each part
+        assert need == round(trial * (1 + reserve) + switch) and f"{left:.0f}s left" in words
+        assert ("re-measurement" in words) == (reserve > 0) and ("switch" in words) == (switch > 0)
+    assert budget_over(45, 9, 3, 12) == (
+        "budget: 45s left, less than another trial needs (~48s: the trial ~9s, 3 re-measurements ~27s, "
+        "the final switch ~12s)"
+    )

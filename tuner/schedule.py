@@ -62,8 +62,9 @@ class Schedule:
         # re-measurements' reserve holds it when there is one)
         again = 0 if run_figures.start_steady(v) or v.record.base_failed else 1
         reserve = max(v.reserves.reserve_trials, again)
-        if not v.budget.can_afford(est * (1 + reserve) + v.reserves.switch_reserve_s):
-            return Over(f"budget: {v.budget.left():.0f}s left, a trial takes about {est:.0f}s")
+        need = est * (1 + reserve) + v.reserves.switch_reserve_s
+        if not v.budget.can_afford(need):
+            return Over(budget_over(v.budget.left(), est, reserve, v.reserves.switch_reserve_s))
         if v.settings.run_pays:
             d = run_figures.gate(v, est)
             if d is not None:
@@ -112,6 +113,18 @@ class Schedule:
                     continue
             return st
         return None
+
+
+def budget_over(left_s: float, trial_s: float, reserve: int, switch_s: float) -> str:
+    """Why no trial starts, in figures that add up: a trial is started only with the time kept for what it may
+    lead to (re-measuring it and the start, the final switch), so `left_s` may exceed the trial alone."""
+    parts = [f"the trial ~{trial_s:.0f}s"]
+    if reserve:
+        parts.append(f"{reserve} re-measurement{'s' if reserve > 1 else ''} ~{reserve * trial_s:.0f}s")
+    if switch_s > 0:
+        parts.append(f"the final switch ~{switch_s:.0f}s")
+    need = trial_s * (1 + reserve) + switch_s
+    return f"budget: {left_s:.0f}s left, less than another trial needs (~{need:.0f}s: {', '.join(parts)})"
 
 
 def ask(v: TunerView, est: float) -> Proposal | None:
