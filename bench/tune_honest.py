@@ -133,6 +133,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the trainers (default: 1)")
     ap.add_argument("--json", type=Path, default=None, help="write every run to this file")
     ap.add_argument(
+        "--keep", type=Path, default=None, help="keep the run directories here, to read (default: a temporary one)"
+    )
+    ap.add_argument(
         "model",
         nargs="*",
         default=MODEL,
@@ -143,7 +146,8 @@ def main() -> int:
     env["OMP_NUM_THREADS"] = str(a.threads)
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="gptop-tune-honest-") as tmp:
-        workdir = Path(tmp)
+        workdir = Path(tmp) if a.keep is None else a.keep
+        workdir.mkdir(parents=True, exist_ok=True)
         for load in a.loads.split(","):
             burners: list[subprocess.Popen[bytes]] = []
             start = None

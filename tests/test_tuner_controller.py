@@ -863,3 +863,31 @@ def test_a_setting_that_kept_recompiling_is_never_applied(tmp_path):
     assert "kept recompiling" in paths["md"].read_text()
     # the sampler and later runs do not build on it: a violated constraint
     assert all(c.toggles.prefetch != 2 or c.toggles.compile != "default" for c in ctl.study.candidates())
+
+
+class SlowSteps(FakeTrainer):
+    """Steps of ~2 s (a CPU training a real model at micro-batch 1): in a short budget a trial's time cap from
+    the budget alone (10 s) holds five steps, never the samples a measurement needs to settle."""
+
+    def step_ms(self, t: Toggles, i: int) -> float:
+        return 5.0 * super().step_ms(t, i)
+
+
+def test_slow_steps_get_measurements_long_enough_to_settle(tmp_path):
+    """A measurement's time cap is never under what the fewest samples of a stable measurement take at the run's
+    pace, and the trial timeout never cuts one before its own cap (the start's measurement, on the run's own
+    process, may take four times a trial's): with ~2 s steps and a 10 s cap from the budget, every measurement
+    ended cut, so no speed-up could be claimed however large."""
+    clock = Clock()
+    ctl = make_ctl(tmp_path, clock, budget_s=900.0, spec=NEUTRAL, max_seconds=10.0, trial_timeout_s=30.0, max_trials=3)
+    seen = drive(ctl, clock, SlowSteps(clock), pre_steps=0)
+    measured = [a for a in seen if isinstance(a, (RunTrial, Remeasure, Check))]
+    m = measured[0].measure
+    fewest = m.skip + 2 * m.window + m.min_steps
+    for a in measured[1:]:  # the start's pace known: ~2 s a step
+        assert a.measure.max_seconds >= fewest * 1.9, (a, a.measure.max_seconds)
+    rows = [e for e in ctl.drain_events() if e.type == "trial" and e.status != "running"]
+    steady = [e for e in rows if e.toggles.compile == "off" and e.status != "infeasible"]  # a compile may time out
+    assert len(steady) >= 2 and all(e.status == "ok" for e in steady), [(e.number, e.reason) for e in steady]
+    assert ctl.record.baseline["spread"] <= 0.03 * ctl.record.baseline["tokens_per_s"]  # the start holds
+    assert any(isinstance(a, Apply) for a in seen), seen[-1]  # a faster setting is claimed and applied

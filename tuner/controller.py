@@ -265,7 +265,7 @@ class TuneController:
             a.stop = TrialStop.BUDGET
         elif a.kind is TrialKind.TRIAL and a.prune(self.best_this_run(a.measure.load), self.settings.prune_margin):
             return a.stop
-        elif self.clock() - a.start > self.reserves.trial_timeout_s:
+        elif self.clock() - a.start > a.timeout_s(self.reserves.trial_timeout_s, self.settings.max_seconds):
             a.stop = TrialStop.TIMEOUT
             return TrialStop.DONE
         return a.stop

@@ -28,7 +28,7 @@ from trainer.contract.config import Toggles
 from trainer.contract.states import TrialKind
 
 from .decide import Choice, Decision, keep_exploring, trial_pays
-from .measure import Measurement, RunPace
+from .measure import Measurement, RunPace, cap_at_pace
 from .standings import Estimate, Standing
 from .study import TuneStudy
 
@@ -125,10 +125,11 @@ class Costs:
         if durations:
             return float(median(durations))
         if self.baseline_s is not None:  # (the start may measure longer than a trial may: tuner.starting)
-            measuring = min(self.baseline_s, self.measure_kw["max_seconds"])
+            measuring = min(self.baseline_s, cap_at_pace(self.measure_kw, step_s))
         elif step_s is not None:  # the skip, two settling windows, a sample
             m = Measurement(**self.measure_kw)
-            measuring = min(m.max_seconds, (m.skip + 2 * m.window + m.min_steps) * (step_s + self.pace.between_s()))
+            fewest = (m.skip + 2 * m.window + m.min_steps) * (step_s + self.pace.between_s())
+            measuring = min(cap_at_pace(self.measure_kw, step_s), fewest)
         else:
             measuring = self.measure_kw["max_seconds"] / 2
         return measuring + self.restart_s(cheapest(self.base))

@@ -389,6 +389,18 @@ class Measurement:
 # --- loss health ------------------------------------------------------------------------
 
 
+def cap_at_pace(measure_kw: dict[str, Any], step_s: float | None) -> float:
+    """A measurement's time cap (`measure_kw`'s `max_seconds`), never under the time the fewest samples a stable
+    measurement needs (the skip, two settling windows, `min_steps`) take at `step_s` seconds a step, with a
+    quarter more for the slower first steps: a cap below that can only cut the measurement, at the cost of a
+    trial that measures nothing (slow steps in a short budget)."""
+    cap = float(measure_kw["max_seconds"])
+    if step_s is None or not step_s > 0:
+        return cap
+    m = Measurement(**measure_kw)
+    return max(cap, (m.skip + 2 * m.window + m.min_steps) * step_s * 1.25)
+
+
 class RunPace:
     """The wall time a run spends between its steps: what a step's own time leaves out (checkpoint saves,
     evals, logging). A run's length is its steps' time plus this; a faster setting shortens only the steps.

@@ -12,7 +12,8 @@ from trainer.contract.events import TrialEvent
 from trainer.contract.states import TrialKind, TrialStatus
 
 from .actions import Check, Remeasure, RunTrial
-from .measure import LossGuard, Measurement
+from . import run_figures
+from .measure import LossGuard, Measurement, cap_at_pace
 from .record import TunerView
 from .study import Proposal
 from .trial import ActiveTrial
@@ -48,6 +49,7 @@ def begin(
 ) -> Begun:
     """Measuring `toggles` as a `kind` (the trial of `proposal`, or trial `number` again), from `now`."""
     kw = v.settings.measure_kw()
+    kw["max_seconds"] = cap_at_pace(kw, run_figures.step_s(v))
     if kind in (TrialKind.BASELINE, TrialKind.CHECK):  # the run's own process at its own speed: time is all it costs
         kw["max_seconds"] *= OWN_PROCESS_CAP
     measure = Measurement(**kw)

@@ -75,6 +75,12 @@ class ActiveTrial:
     overhead_before: float | None = None  # the restart's overhead, seen by the first window
 
     # --- the machine's load -------------------------------------------------------------
+    def timeout_s(self, trial_timeout_s: float, trial_max_s: float) -> float:
+        """When this measurement, not done, is cut: the trial timeout (about twice a trial's measuring time,
+        `trial_max_s`, and two starts), longer by twice what it may measure beyond a trial (the start's own
+        process, a cap raised to the run's pace: `tuner.starting`), so that it is never cut before its own cap."""
+        return trial_timeout_s + 2 * max(0.0, self.measure.max_seconds - trial_max_s)
+
     def tag_loads(self, source: loads.LoadSource | None) -> None:
         """Tag the samples with the load over their time (`source`: the session's load points) and keep those
         under the load most share (tuner.load); a no-op without a source."""
