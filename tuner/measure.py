@@ -386,9 +386,6 @@ class Measurement:
         }
 
 
-# --- loss health ------------------------------------------------------------------------
-
-
 def cap_at_pace(measure_kw: dict[str, Any], step_s: float | None) -> float:
     """A measurement's time cap (`measure_kw`'s `max_seconds`), never under the time the fewest samples a stable
     measurement needs (the skip, two settling windows, `min_steps`) take at `step_s` seconds a step, with a
@@ -399,6 +396,9 @@ def cap_at_pace(measure_kw: dict[str, Any], step_s: float | None) -> float:
         return cap
     m = Measurement(**measure_kw)
     return max(cap, (m.skip + 2 * m.window + m.min_steps) * step_s * 1.25)
+
+
+# --- loss health ------------------------------------------------------------------------
 
 
 class RunPace:

@@ -74,13 +74,13 @@ class ActiveTrial:
     steps_before: int = 0  # steps of the windows measured again
     overhead_before: float | None = None  # the restart's overhead, seen by the first window
 
-    # --- the machine's load -------------------------------------------------------------
     def timeout_s(self, trial_timeout_s: float, trial_max_s: float) -> float:
         """When this measurement, not done, is cut: the trial timeout (about twice a trial's measuring time,
         `trial_max_s`, and two starts), longer by twice what it may measure beyond a trial (the start's own
         process, a cap raised to the run's pace: `tuner.starting`), so that it is never cut before its own cap."""
         return trial_timeout_s + 2 * max(0.0, self.measure.max_seconds - trial_max_s)
 
+    # --- the machine's load -------------------------------------------------------------
     def tag_loads(self, source: loads.LoadSource | None) -> None:
         """Tag the samples with the load over their time (`source`: the session's load points) and keep those
         under the load most share (tuner.load); a no-op without a source."""
@@ -110,9 +110,10 @@ class ActiveTrial:
         return m.done and not m.stable and bool(after) and aside >= LOAD_CHANGED_SHARE * len(after)
 
     def measure_again(self, measure_kw: dict[str, Any], why: str = LOAD_CHANGED) -> str:
-        """Start its window again (the load changed under it), a `Measurement(**measure_kw)`; what to say."""
+        """Start its window again (the load changed under it), a `Measurement(**measure_kw)` with the cap this one
+        started with (the run's pace, the start's own process: `tuner.starting`); what to say."""
         before = self.measure
-        measure = Measurement(**measure_kw)
+        measure = Measurement(**{**measure_kw, "max_seconds": before.max_seconds})
         if self.load_retries == 0:
             self.overhead_before = self.overhead_s()
         self.steps_before += before.steps
