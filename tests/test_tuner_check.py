@@ -129,8 +129,8 @@ def test_stopping_or_ending_during_the_check_keeps_the_setting_unverified(tmp_pa
 
 def drive_one(ctl, clock, trainer, action):
     """One action of `drive`, for a test that stops in the middle."""
+    from fixtures.streams import step_event
     from test_tuner_controller import FindMicroBatch
-    from trainer.contract.events import make
 
     if isinstance(action, FindMicroBatch):
         ctl.set_max_micro_batch(8)
@@ -144,21 +144,9 @@ def drive_one(ctl, clock, trainer, action):
         ms = trainer.step_ms(action.toggles, i)
         clock.t += ms / 1000.0
         ctl.observe(
-            make(
-                "step",
-                step=step,
-                tokens=4096,
-                loss=3.0,
-                lr=1e-3,
-                grad_norm=1.0,
-                step_ms=ms,
-                phases_ms={},
-                tokens_per_s=0.0,
-                mfu=0.0,
-                mem_bytes=1,
-                time=clock.t,
-            )  # fmt: skip
-        )
+            step_event(step, tokens=4096, step_ms=ms, loss=3.0, lr=1e-3, grad_norm=1.0, phases_ms={}, mem=1,
+                       tokens_per_s=0.0, mfu=0.0, time=clock.t)
+        )  # fmt: skip
         if ctl.trial_should_stop():
             break
     ctl.finish_trial("ok")
