@@ -49,7 +49,7 @@ def begin(
 ) -> Begun:
     """Measuring `toggles` as a `kind` (the trial of `proposal`, or trial `number` again), from `now`."""
     kw = v.settings.measure_kw()
-    kw["max_seconds"] = cap_at_pace(kw, run_figures.step_s(v))
+    pace_cap = kw["max_seconds"] = cap_at_pace(kw, run_figures.step_s(v))
     if kind in (TrialKind.BASELINE, TrialKind.CHECK):  # the run's own process at its own speed: time is all it costs
         kw["max_seconds"] *= OWN_PROCESS_CAP
     measure = Measurement(**kw)
@@ -94,6 +94,7 @@ def begin(
         note=note or "",
         earlier=earlier,
         advice=advice,
+        pace_cap_s=pace_cap,
     )
     event = None
     if number is not None:  # views key trials by number; an unnumbered baseline gets one row, at its end

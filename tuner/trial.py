@@ -64,6 +64,7 @@ class ActiveTrial:
     failure: tuple[TrialOutcome, str] | None = None
     last_touch: float = 0.0
     oom_mem: int | None = None  # the peak an out-of-memory error reported (no step event may have come)
+    pace_cap_s: float = 0.0  # its cap from the budget, raised to the run's pace (before the own process's multiple)
     note: str = ""  # what the switch does to the optimizer state, for the trial's reason
     earlier: bool = False  # re-measures a trial of an earlier run
     advice: str | None = None  # the advice's evidence, for a trial the advice proposed
@@ -76,9 +77,9 @@ class ActiveTrial:
 
     def timeout_s(self, trial_timeout_s: float, trial_max_s: float) -> float:
         """When this measurement, not done, is cut: the trial timeout (about twice a trial's measuring time,
-        `trial_max_s`, and two starts), longer by twice what it may measure beyond a trial (the start's own
-        process, a cap raised to the run's pace: `tuner.starting`), so that it is never cut before its own cap."""
-        return trial_timeout_s + 2 * max(0.0, self.measure.max_seconds - trial_max_s)
+        `trial_max_s`, and two starts), longer by twice what the run's pace raised its cap (`tuner.starting`). The
+        start's own-process multiple does not lengthen it: in a short budget the start must leave time for trials."""
+        return trial_timeout_s + 2 * max(0.0, self.pace_cap_s - trial_max_s)
 
     # --- the machine's load -------------------------------------------------------------
     def tag_loads(self, source: loads.LoadSource | None) -> None:
