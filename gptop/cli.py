@@ -267,6 +267,7 @@ def _run_command(sub: Any, name: str, help: str) -> argparse.ArgumentParser:
 def _add_train_and_tune(sub: Any) -> None:
     """`train` and `tune`: gptop's trainer run (or, for `tune -- CMD`, a script tuned)."""
     from tuner.budget import duration_arg
+    from tuner.settings import STABLE_WITHIN, stable_within_arg
 
     train = _run_command(sub, "train", "train a model and show the run live")
     train.add_argument(
@@ -301,6 +302,15 @@ def _add_train_and_tune(sub: Any) -> None:
             type=inputs.path_arg(inputs.check_storage),
             help="Optuna storage URL (sqlite:///..., postgresql://..., journal:PATH) to share studies "
             "(default: a SQLite file in ~/.cache/gptop)",
+        )
+        g.add_argument(
+            "--stable-within",
+            metavar="PCT",
+            default=STABLE_WITHIN,
+            type=stable_within_arg(),
+            help="a measurement is stable, and can be compared, when its 95%% interval is within +-PCT of its "
+            "estimate, e.g. 10%%: wider on a noisy shared machine settles sooner and claims less "
+            f"(default: {STABLE_WITHIN * 100:g}%%)",
         )
     tune.add_argument("--tune-only", action="store_true", help="stop after writing best.toml (default: off)")
     _add_quiet(tune, "with -- CMD and --no-ui: ")

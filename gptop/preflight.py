@@ -129,7 +129,7 @@ def plan_run(ns: argparse.Namespace) -> RunPlan:
         tensorboard=ns.tensorboard,
         wandb=ns.wandb,
         launcher=launcher,
-        tuning=TuningOptions(space_spec=ns.tune_space, storage=ns.storage),  # the `t` key
+        tuning=tuning_options(ns),  # the `t` key
         alerts=alert_options(ns),
         notify=ns.notify,
         notify_cmd=ns.notify_cmd,
@@ -174,8 +174,18 @@ def tuning_request(ns: argparse.Namespace) -> TuningOptions | None:
     budget = ns.budget if ns.command == "tune" else getattr(ns, "tune", None)
     if budget is None:
         return None
+    return tuning_options(ns, float(budget))
+
+
+def tuning_options(ns: argparse.Namespace, budget_s: float | None = None) -> TuningOptions:
+    """The tuning group's options (`--tune-space`, `--storage`, `--stable-within`, `--tune-only`); without a
+    budget, the `t` key's default one."""
     return TuningOptions(
-        budget_s=float(budget), space_spec=ns.tune_space, storage=ns.storage, tune_only=getattr(ns, "tune_only", False)
+        **({} if budget_s is None else {"budget_s": budget_s}),
+        space_spec=ns.tune_space,
+        storage=ns.storage,
+        tune_only=getattr(ns, "tune_only", False),
+        stable_within=ns.stable_within,
     )
 
 
@@ -301,11 +311,7 @@ def plan_program(ns: argparse.Namespace, tune: bool = False) -> ProgramPlan:
 
         require_wandb()
     run_dir = Path(given_dir or program_run_dir(command))
-    tuning = (
-        TuningOptions(budget_s=float(ns.budget), space_spec=ns.tune_space, storage=ns.storage, tune_only=ns.tune_only)
-        if tune
-        else None
-    )
+    tuning = tuning_options(ns, float(ns.budget)) if tune else None
     options = SessionOptions(
         interval=ns.interval,
         restart_on_failure=ns.restart_on_failure,

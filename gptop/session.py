@@ -301,6 +301,7 @@ class Session(SessionBase):
             space_spec=options.space_spec,
             storage=options.storage,
             tune_only=options.tune_only,
+            stable_within=options.stable_within,
             hello=self.hello,
         ).attach()
 

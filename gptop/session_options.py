@@ -6,6 +6,7 @@ import dataclasses
 from typing import Callable
 
 from trainer.contract.runlock import RunLock
+from tuner.settings import STABLE_WITHIN
 
 from .alert_options import AlertOptions
 
@@ -20,6 +21,7 @@ class TuningOptions:
     space_spec: str | None = None  # --tune-space
     storage: str | None = None  # --storage: the Optuna storage URL
     tune_only: bool = False  # --tune-only: stop after writing best.toml
+    stable_within: float = STABLE_WITHIN  # --stable-within: a measurement's precision target
 
 
 @dataclasses.dataclass

@@ -266,6 +266,12 @@ def test_gptop_numeric_flag_refusals(command, flag, convert, capsys, monkeypatch
         (["train", "--tune-space", "micro_batch=0"], "--tune-space"),
         (["train", "--tune-space", "workers=nan"], "--tune-space"),
         (["train", "--tune-space", "nonsense"], "--tune-space"),
+        (["tune", "--stable-within", "5"], "--stable-within"),  # a number without its % sign
+        (["tune", "--stable-within", "0.05"], "--stable-within"),
+        (["tune", "--stable-within", "0%"], "--stable-within"),
+        (["tune", "--stable-within", "30%"], "--stable-within"),
+        (["train", "--stable-within", "nan%"], "--stable-within"),
+        (["tune", "--stable-within", "-3%"], "--stable-within"),
     ],
 )
 def test_gptop_other_flags(argv, needle, capsys, monkeypatch):

@@ -373,10 +373,15 @@ class FakeSupervisor:
         pass
 
 
-def test_the_baseline_on_the_running_trainer_logs_every_step_then_gives_the_interval_back(tmp_path):
+@pytest.mark.parametrize("stable_within, jitter_ms", [(None, 2), (0.10, 60)], ids=["default", "stable-within-10%"])
+def test_the_baseline_on_the_running_trainer_logs_every_step_then_gives_the_interval_back(
+    tmp_path, stable_within, jitter_ms
+):
     """`t` on a run that logs every 10 steps: the baseline is measured on that process, which is asked (a
     command, not a restart) to log every step meanwhile, and to log every 10 again after; the views get
-    the measurement's progress (samples collected of those needed, the estimate and its spread)."""
+    the measurement's progress (samples collected of those needed, the estimate and its spread). With
+    `--stable-within 10%`, steps spread over 30% settle within the wider target in a few samples
+    (tests/test_tuner_measure.py: within 3% they need several times more), and the reason says which target."""
     import time
 
     from fixtures.streams import T0, config, ev
@@ -394,7 +399,9 @@ def test_the_baseline_on_the_running_trainer_logs_every_step_then_gives_the_inte
         device={"type": "cpu", "name": "cpu", "cpu_count": 2, "total_memory": 8 << 30},
         model={"family": "llama", "size": "tiny"},
     )
-    d = TuningDriver(s, 600.0, storage=f"sqlite:///{tmp_path / 'study.db'}", hello=hello).attach()
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    target = {} if stable_within is None else {"stable_within": stable_within}
+    d = TuningDriver(s, 600.0, storage=storage, hello=hello, **target).attach()
     try:
         deadline = time.time() + 30
         while not sup.sent and time.time() < deadline:
@@ -411,7 +418,7 @@ def test_the_baseline_on_the_running_trainer_logs_every_step_then_gives_the_inte
                     loss=3.0,
                     lr=1e-3,
                     grad_norm=1.0,
-                    step_ms=200.0 + (step % 3),
+                    step_ms=200.0 + jitter_ms * ((step * 37) % 10) / 9,  # spread over [200, 200 + jitter]
                     phases_ms={},
                     tokens_per_s=320.0,
                     mfu=None,
@@ -434,6 +441,9 @@ def test_the_baseline_on_the_running_trainer_logs_every_step_then_gives_the_inte
     assert last.warmed_up and last.samples >= 1 and last.tokens_per_s and last.spread is not None
     trial = next(e for e in s.emitted if e.type == "trial" and e.kind == "baseline")
     assert trial.status == "ok" and "stable after" in trial.reason
+    assert trial.reason.endswith(f"(within ±{(stable_within or 0.03) * 100:g}%)"), trial.reason
+    if stable_within:
+        assert int(trial.reason.split()[2]) <= 25, trial.reason  # "stable after N samples: ..."
 
 
 def test_t_near_the_end_of_a_run_says_tuning_cannot_pay_and_leaves_the_trainer_alone(tmp_path):

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from tuner.measure import LossGuard, LossTrend, Measurement, RunPace, median_ci
+from tuner.measure import LossGuard, LossTrend, MeasureDone, Measurement, RunPace, median_ci
 
 TOK = 8192
 
@@ -220,3 +220,22 @@ def test_run_pace_of_events_every_ten_steps_and_of_a_window():
     for i in range(6, 10):  # the newest three intervals count: no time between
         pace.add(10 * (i + 1), 50.0, 1.5 * 5 + 0.5 * (i - 5))
     assert pace.between_s() == pytest.approx(0.0)
+
+
+def test_a_wider_target_settles_noisy_steps_sooner():
+    """`--stable-within`: steps spread evenly over 30% settle within ±10% after a fraction of the samples ±3%
+    needs, and each says the target it was held to."""
+
+    def settle(rel_ci: float) -> Measurement:
+        m = Measurement(rel_ci=rel_ci, max_steps=10_000, max_seconds=1e9)
+        for step in range(1, 1000):
+            m.add(step, 200.0 + 60.0 * ((step * 37) % 10) / 9, 64, step * 0.2)
+            if m.done_reason:
+                break
+        return m
+
+    tight, wide = settle(0.03), settle(0.10)
+    assert tight.done_reason == wide.done_reason == MeasureDone.STABLE
+    assert len(tight.kept) >= 3 * len(wide.kept), (len(tight.kept), len(wide.kept))
+    assert tight.stop_words(MeasureDone.STABLE).endswith("(within ±3%)")
+    assert wide.stop_words(MeasureDone.STABLE).endswith("(within ±10%)")

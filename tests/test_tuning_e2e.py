@@ -70,6 +70,10 @@ SETUP = [
 # activation checkpointing: ~2.5x slower than the best here).
 SPACE = "-all micro_batch=1,2,4,8 activation_checkpointing=on,off fused_adamw=on,off prefetch=0,2"
 SLOW_START = ["--micro-batch", "1", "--activation-checkpointing"]
+# What these runs check is the tuning's course (trials, rollbacks, the switch, exact resume), not the precision of
+# its figures, which under another worker's tests is the machine's: a measurement is stable within ±10% (one in
+# 3% could stay noisy for the whole budget and run no trial). tests/test_tuning_load_e2e.py keeps the default.
+STABLE = ["--stable-within", "10%"]
 
 
 def train_session_with_t(tmp_path: Path, extra: list[str]):
@@ -87,7 +91,8 @@ def train_session_with_t(tmp_path: Path, extra: list[str]):
             SETUP + extra + ["--max-steps", "100000", "--checkpoint-every", "0", "--run-dir", str(run_dir)]
         )
     )
-    tuning = TuningOptions(budget_s=60.0, space_spec=SPACE, storage=f"sqlite:///{tmp_path / 's.sqlite3'}")
+    storage = f"sqlite:///{tmp_path / 's.sqlite3'}"
+    tuning = TuningOptions(budget_s=60.0, space_spec=SPACE, storage=storage, stable_within=0.10)  # STABLE
     return Session(cfg, SessionOptions(interval=1.0, tuning=tuning)), run_dir
 
 
@@ -256,7 +261,8 @@ def tuned(tmp_path_factory):
                 "--no-ui",
                 "tune",
                 "--budget",
-                "55s",
+                "45s",
+                *STABLE,
                 *SETUP,
                 *SLOW_START,
                 "--max-steps",
@@ -418,13 +424,13 @@ def test_report_best_toml_and_gptop_report(tuned):
 @pytest.mark.solo  # the tuner measures trials: the CPU to itself under pytest -n
 def test_second_run_warm_starts_and_rolls_back_an_oom(tuned, tmp_path):
     run_dir = tmp_path / "run2"
-    # 45 s: room for the baseline (up to 8 s when it stays noisy) and one trial of its own, with the reserve the
-    # tuner keeps (a 30 s budget left ~23 s after a noisy baseline, under what the tuner asks of a trial)
+    # 30 s: room for the baseline and one trial of its own, with the reserve the tuner keeps
     rc, out, err = run_gptop(
         "tune",
         "--tune-only",
         "--budget",
-        "45s",
+        "30s",
+        *STABLE,
         *SETUP,
         *SLOW_START,
         "--max-steps",

@@ -336,7 +336,7 @@ class Measurement:
         warm = "" if self.warmed_up else " before the warm-up ended"
         if why == MeasureDone.STABLE:
             est, spread = self.estimate
-            return f"stable after {len(self.kept)} samples: ±{spread / est:.1%}"
+            return f"stable after {len(self.kept)} samples: ±{spread / est:.1%} (within ±{self.rel_ci * 100:g}%)"
         if why == MeasureDone.MAX_SECONDS:
             return f"stopped measuring after {self.seconds:.0f} s{warm}: {self.noise_words()}"
         if why == MeasureDone.MAX_STEPS:

@@ -3,11 +3,46 @@ from the budget; tests pick their own)."""
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from trainer.contract.config import ConfigError
+
 from .load import LoadSource
 from .proposals import AdviceTry
+
+# A measurement is stable when its 95% interval's half-width is within this share of its estimate (`--stable-within`).
+STABLE_WITHIN = 0.03
+# Wider than this, a "stable" measurement could not tell a 1.5x speed-up from noise.
+MAX_STABLE_WITHIN = 0.25
+_SHARE = re.compile(r"\s*(\d+(?:\.\d+)?|\.\d+)\s*%\s*")
+
+
+def parse_stable_within(text: str, option: str = "--stable-within") -> float:
+    """The share `text` names, written as a percentage ("5%"): above 0 and at most 25%."""
+    m = _SHARE.fullmatch(text)
+    if m is None:
+        raise ConfigError(option, f"{text!r}: write a percentage with its sign, e.g. 5% (default {STABLE_WITHIN:.0%})")
+    share = float(m.group(1)) / 100
+    if not (math.isfinite(share) and 0 < share <= MAX_STABLE_WITHIN):
+        raise ConfigError(option, f"{text!r} is out of range; accepted: above 0% and at most {MAX_STABLE_WITHIN:.0%}")
+    return share
+
+
+def stable_within_arg(option: str = "--stable-within") -> Callable[[str], float]:
+    """An argparse `type=` for `--stable-within`: the share, checked at parse time."""
+    import argparse
+
+    def convert(text: str) -> float:
+        try:
+            return parse_stable_within(text, option)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(e.message) from None
+
+    convert.__name__ = "percentage"
+    return convert
 
 
 @dataclass(frozen=True)
@@ -18,7 +53,7 @@ class TunerSettings:
     # a measurement (tuner.measure.Measurement): at least `min_steps`, done within `rel_ci`, capped by
     # `max_steps` and `max_seconds`
     min_steps: int = 8
-    rel_ci: float = 0.03
+    rel_ci: float = STABLE_WITHIN
     max_steps: int = 200
     max_seconds: float = 300.0
     prune_margin: float = 0.05  # a trial is pruned when clearly this share slower than the best (tuner.decide)
