@@ -202,13 +202,27 @@ def test_comm_timer_counts_overlapping_spans_once():
 # One uninterrupted 2-rank run per configuration, checkpointed on request after step AT, and that checkpoint
 # resumed in a run directory of its own: the run is the reference the resumed one must match loss for loss (a
 # checkpoint that changed the run or a resume that lost state would differ). The runs of every configuration
-# start side by side (their start-up, importing torch, dominates) and serve the tests below.
+# start side by side (their start-up, importing torch, dominates) and serve the tests below. DDP is the LoRA run's:
+# its checkpoint holds less than a full model's, but the same DDP path writes and resumes it (FSDP's holds the full
+# model).
 AT, LAST = 4, 8
 RESUMED = {
-    "ddp": [*TINY, "--max-steps", str(LAST), "--log-every", "2", "--parallel", "ddp"],
     "fsdp": [*TINY, "--max-steps", str(LAST), "--log-every", "2", "--parallel", "fsdp"],
-    "lora": [*TINY, "--max-steps", str(LAST), "--log-every", "2", "--lora", "8", "--lora-dropout", "0.1"],
+    "lora": [
+        *TINY,
+        "--max-steps",
+        str(LAST),
+        "--log-every",
+        "2",
+        "--parallel",
+        "ddp",
+        "--lora",
+        "8",
+        "--lora-dropout",
+        "0.1",
+    ],
 }
+PARALLEL = {"ddp": "lora", "fsdp": "fsdp"}  # the run of each parallel mode
 
 
 @dataclass
@@ -294,7 +308,7 @@ def resumed(tmp_path_factory) -> dict[str, Resumed]:
 def test_two_ranks_train_checkpoint_and_resume_exactly(resumed, parallel):
     """`gptop train --nproc 2`: both ranks emit steps, a requested checkpoint holds both ranks' shards, and its
     resume matches the uninterrupted 2-rank run loss for loss."""
-    run = resumed[parallel]
+    run = resumed[PARALLEL[parallel]]
     run.ok("full")
     names = {p.name for p in run.checkpoint.iterdir()}
     assert {".metadata", "gptop.json", "rank0.pt", "rank1.pt"} <= names
