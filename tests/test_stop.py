@@ -214,6 +214,54 @@ def test_two_ctrl_c_in_no_ui_say_truly_what_was_kept(tmp_path):
         assert "before its first checkpoint" in last, last
 
 
+# A command that ended with `code` while stop signals keep coming until its process is gone: SIGINT or SIGTERM
+# from a shell loop started in the command's last moments (atexit), through Python's finalization; the loop ends
+# once the process is reaped.
+LATE_SIGNALS = """
+import atexit, os, subprocess, sys
+import gptop.__main__ as entry
+
+entry.main = lambda: int(sys.argv[1])
+loop = "while kill -{sig} {pid} 2>/dev/null; do sleep 0.001; done"
+quiet = dict(stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # not the test's pipes
+atexit.register(lambda: subprocess.Popen(["sh", "-c", loop.format(sig=sys.argv[2], pid=os.getpid())], **quiet))
+entry.run()
+"""
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("sig", ["INT", "TERM"])
+@pytest.mark.parametrize("code", [0, 130])
+def test_a_stop_signal_in_gptops_last_moments_leaves_its_exit_status(code, sig):
+    """The second of two quick Ctrl-Cs can come while gptop's process is ending, with its status decided: Python's
+    finalization puts every signal's default action back, so it once ended gptop by the signal (exit -2). The
+    `gptop` entry point (`python -m gptop` and the console script) keeps the status whatever comes after."""
+    import os
+    import sys
+
+    from helpers import ROOT
+
+    for _ in range(3):  # the window is milliseconds: three tries, each must keep the status
+        r = subprocess.run(
+            [sys.executable, "-c", LATE_SIGNALS, str(code), sig],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode == code, (r.returncode, r.stderr[-2000:])
+
+
+def test_the_console_script_is_the_same_entry_as_python_m_gptop():
+    import tomllib
+
+    from helpers import ROOT
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["gptop"] == "gptop.__main__:run"
+
+
 def test_a_stop_signal_before_the_session_runs_starts_nothing(tmp_path):
     """Ctrl-C or SIGTERM right after `gptop train` started, before its session ran: counted, acted on as
     soon as the session runs, and nothing is started or created."""

@@ -246,7 +246,7 @@ def tuned(tmp_path_factory):
     # A long run: trials must pay for themselves within it (docs/tuning.md, "Paying for itself"): a trial costs a
     # trainer's start (8-25 s here), and at 600 steps none could pay (it may lose 10% of the rest of the run: ~14 s).
     # 1000 steps leave room for the search until the budget ends. The budget holds the baseline and several
-    # trials (a trial is mostly a trainer's restart); the test needs four, one of them the failed one, and the
+    # trials (a trial is mostly a trainer's restart); the test needs three, the failed one between two, and the
     # other worker's process tests wait while the tuner measures (BENCHMARKS.md §17). The run is then stopped (Ctrl-C) once the
     # applied setting has written its first interval checkpoint: the steps after it would only repeat what
     # exact resume to max_steps proves (tests/test_trainer.py), at minutes of a CPU the other tests share.
@@ -318,7 +318,8 @@ def test_tune_runs_trials_applies_and_stops_exactly(tuned):
     run_dir, n, out = tuned["run_dir"], tuned["n"], tuned["out"]
     trials = [e for e in finished_trials(run_dir) if e["kind"] == "trial"]
     ran = [e for e in trials if e["duration_s"] > 0]
-    assert len(ran) >= 4, [(e["status"], e["reason"]) for e in trials]
+    # one before the failed trial 2 (GPTOP_TEST_TRIAL_FAULT), the failed one, and one after it
+    assert len(ran) >= 3, [(e["status"], e["reason"]) for e in trials]
     applied = events(run_dir, "apply")
     outcome = [e["outcome"] for e in events(run_dir, "tuner") if e["phase"] == "done"]
     assert len(applied) == 1, f"the slow start (micro-batch 1) should lose to a measured setting: {outcome}"
