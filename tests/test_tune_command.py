@@ -131,13 +131,13 @@ def test_a_tuned_trainer_script_keeps_every_step_through_a_failed_trial_and_ends
             [sys.executable, "-m", "gptop", "--no-ui", "--json", *args], stdout=stdout, stderr=stderr, env=env
         )
     try:
-        with quiet():
-            wait_for(lambda: proc.poll() is not None or decided(run_dir), 600, "the tuner's decision", poll=1.0)
-        with steady():
-            wait_for(lambda: proc.poll() is not None or trained_on_after_tuning(run_dir), 300, "training on", poll=1.0)
-            trained_on = proc.poll() is None
-            stop.touch()
-            proc.wait(300)
+        quiet()
+        wait_for(lambda: proc.poll() is not None or decided(run_dir), 600, "the tuner's decision", poll=1.0)
+        steady()
+        wait_for(lambda: proc.poll() is not None or trained_on_after_tuning(run_dir), 300, "training on", poll=1.0)
+        trained_on = proc.poll() is None
+        stop.touch()
+        proc.wait(300)
     finally:
         if proc.poll() is None:
             proc.kill()

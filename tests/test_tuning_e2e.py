@@ -286,21 +286,21 @@ def tuned(tmp_path_factory):
     try:
         # The tuner measures trials against each other: no other test's processes beside it (pytest -n) until it
         # decided; the rest of the run can run beside a measuring test.
-        with quiet():
-            wait_for(
-                lambda: p.poll() is not None or decided_and_training_on(run_dir), 600, "the tuner's decision", poll=1.0
-            )
-        with steady():
-            wait_for(
-                lambda: p.poll() is not None or trained_on_past_a_checkpoint(run_dir),
-                600,
-                "an interval checkpoint after the decision",
-                poll=1.0,
-            )
-            stopped = p.poll() is None
-            if stopped:
-                p.send_signal(signal.SIGINT)
-            rc = p.wait(300)
+        quiet()
+        wait_for(
+            lambda: p.poll() is not None or decided_and_training_on(run_dir), 600, "the tuner's decision", poll=1.0
+        )
+        steady()
+        wait_for(
+            lambda: p.poll() is not None or trained_on_past_a_checkpoint(run_dir),
+            600,
+            "an interval checkpoint after the decision",
+            poll=1.0,
+        )
+        stopped = p.poll() is None
+        if stopped:
+            p.send_signal(signal.SIGINT)
+        rc = p.wait(300)
     finally:
         if p.poll() is None:
             p.kill()
