@@ -145,12 +145,15 @@ def pytest_runtest_protocol(item, nextitem):
         return (yield)
 
 
-# The longest file first, then the files whose tests start no process, then those with tests that measure speed
-# (solo, or measures: the CPU alone for part of their run), then the rest: under `pytest -n 2 --dist loadfile
-# --no-loadscope-reorder` one worker starts the long tuning run while the other works through the in-process tests
-# (steady load beside a measuring tuner, which process tests are not), and the measuring tests come before the
-# bulk of the process tests: a window in which one worker has the CPU alone and the other waits is not left for the
-# end, where nothing else could run beside it. Only workers reorder; a run without -n keeps the files in their order.
+# The longest file first, then half of the files whose tests start no process, then those with tests that measure
+# speed (solo, or measures: the CPU alone for part of their run), then the other half, then the rest: under `pytest
+# -n 2 --dist loadfile --no-loadscope-reorder` one worker starts the long tuning run while the other works through
+# in-process tests (steady load beside a measuring tuner, which process tests are not), and the measuring tests
+# come before the bulk of the process tests with in-process tests left to run beside them: a window in which one
+# worker has the CPU alone and the other waits is not left for the end, where nothing else could run beside it.
+# The measuring tests hold the CPU alone longer than the in-process tests take, so some waiting stays; a model of
+# xdist's scheduling with the suite's junit times put the half split 20 s ahead of all in-process files first
+# (BENCHMARKS.md §17). Only workers reorder; a run without -n keeps the files in their order.
 LONGEST_FIRST = ("test_tuning_e2e.py",)
 
 
@@ -160,13 +163,17 @@ def pytest_collection_modifyitems(config, items):
     starts_processes = {item.path for item in items if item.get_closest_marker("process")}
     measures = {item.path for item in items if item.get_closest_marker("solo") or item.get_closest_marker("measures")}
     order = {path: i for i, path in enumerate(dict.fromkeys(item.path for item in items))}
+    in_process = [path for path in order if path not in starts_processes]
+    later = set(in_process[len(in_process) // 2 :])  # run beside the measuring tests
 
     def rank(item):
-        return (
-            item.path.name not in LONGEST_FIRST,
-            item.path in starts_processes,
-            item.path not in measures,
-            order[item.path],
-        )
+        path = item.path
+        if path.name in LONGEST_FIRST:
+            group = 0
+        elif path not in starts_processes:
+            group = 3 if path in later else 1
+        else:
+            group = 2 if path in measures else 4
+        return group, order[path]
 
     items.sort(key=rank)  # stable: a file's tests keep their order
