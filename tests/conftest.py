@@ -141,7 +141,8 @@ def pytest_sessionfinish(session):
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     solo, process = item.get_closest_marker("solo"), item.get_closest_marker("process")
-    with cpu_share.hold(cpu_share.EXCLUSIVE if solo else cpu_share.SHARED if process else 0):
+    # the test's node id names it in the wait log: PYTEST_CURRENT_TEST is set only once its setup begins
+    with cpu_share.hold(cpu_share.EXCLUSIVE if solo else cpu_share.SHARED if process else 0, item.nodeid):
         return (yield)
 
 

@@ -88,3 +88,20 @@ def test_without_the_variable_nothing_is_locked(monkeypatch):
     holder = cpu_share.Holder()
     holder.set(EXCLUSIVE)
     assert holder.mode == 0 and holder.fd is None
+
+
+def test_a_wait_of_a_second_or_more_is_logged_with_the_test_that_waited(lock_file, tmp_path, monkeypatch):
+    """GPTOP_TEST_CPU_WAITS: each wait names its test, also one in the item's hold before its setup began."""
+    log = tmp_path / "waits"
+    monkeypatch.setenv(cpu_share.WAIT_LOG_ENV, str(log))
+    monkeypatch.delenv("PYTEST_CURRENT_TEST", raising=False)
+    a, b = cpu_share.Holder(), cpu_share.Holder()
+    a.set(EXCLUSIVE)  # the other worker's measuring test
+    t = in_thread(lambda: b.set(SHARED, "tests/test_x.py::test_y"))
+    time.sleep(1.2)
+    a.set(0)
+    t.join(5)
+    b.set(0)
+    (line,) = log.read_text().splitlines()
+    _, worker, mode, seconds, test = line.split(" ", 4)
+    assert mode == "shared" and float(seconds) >= 1.0 and test == "tests/test_x.py::test_y"
