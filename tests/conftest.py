@@ -153,7 +153,7 @@ def pytest_runtest_protocol(item, nextitem):
 # come before the bulk of the process tests with in-process tests left to run beside them: a window in which one
 # worker has the CPU alone and the other waits is not left for the end, where nothing else could run beside it.
 # The measuring tests hold the CPU alone longer than the in-process tests take, so some waiting stays; a model of
-# xdist's scheduling with the suite's junit times put the half split 20 s ahead of all in-process files first
+# xdist's scheduling with the suite's junit times put the half split ahead of all in-process files first
 # (BENCHMARKS.md §17). Only workers reorder; a run without -n keeps the files in their order.
 LONGEST_FIRST = ("test_tuning_e2e.py",)
 
