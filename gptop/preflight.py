@@ -22,7 +22,7 @@ from trainer.contract.rundir import default_run_dir, resumes_into
 from trainer.contract.runlock import RunLock, lock_option, node_key
 
 from .alert_options import alert_options
-from .session import SessionOptions, TuningOptions
+from .session import DEFAULT_T_BUDGET_S, SessionOptions, TuningOptions
 
 if TYPE_CHECKING:
     from trainer.contract.estimate import Estimate
@@ -177,11 +177,11 @@ def tuning_request(ns: argparse.Namespace) -> TuningOptions | None:
     return tuning_options(ns, float(budget))
 
 
-def tuning_options(ns: argparse.Namespace, budget_s: float | None = None) -> TuningOptions:
+def tuning_options(ns: argparse.Namespace, budget_s: float = DEFAULT_T_BUDGET_S) -> TuningOptions:
     """The tuning group's options (`--tune-space`, `--storage`, `--stable-within`, `--tune-only`); without a
     budget, the `t` key's default one."""
     return TuningOptions(
-        **({} if budget_s is None else {"budget_s": budget_s}),
+        budget_s=budget_s,
         space_spec=ns.tune_space,
         storage=ns.storage,
         tune_only=getattr(ns, "tune_only", False),

@@ -126,9 +126,8 @@ class Costs:
             return float(median(durations))
         if self.baseline_s is not None:  # (the start may measure longer than a trial may: tuner.starting)
             measuring = min(self.baseline_s, cap_at_pace(self.measure_kw, step_s))
-        elif step_s is not None:  # the skip, two settling windows, a sample
-            m = Measurement(**self.measure_kw)
-            fewest = (m.skip + 2 * m.window + m.min_steps) * (step_s + self.pace.between_s())
+        elif step_s is not None:
+            fewest = Measurement(**self.measure_kw).fewest_steps * (step_s + self.pace.between_s())
             measuring = min(cap_at_pace(self.measure_kw, step_s), fewest)
         else:
             measuring = self.measure_kw["max_seconds"] / 2

@@ -205,6 +205,11 @@ class Measurement:
         return self._warm is not None
 
     @property
+    def fewest_steps(self) -> int:
+        """The fewest steps a stable measurement takes: the skipped ones, two settling windows, `min_steps`."""
+        return self.skip + 2 * self.window + self.min_steps
+
+    @property
     def warmup_samples(self) -> int:
         return self._warm if self._warm is not None else len(self.samples)
 
@@ -394,8 +399,7 @@ def cap_at_pace(measure_kw: dict[str, Any], step_s: float | None) -> float:
     cap = float(measure_kw["max_seconds"])
     if step_s is None or not step_s > 0:
         return cap
-    m = Measurement(**measure_kw)
-    return max(cap, (m.skip + 2 * m.window + m.min_steps) * step_s * 1.25)
+    return max(cap, Measurement(**measure_kw).fewest_steps * step_s * 1.25)
 
 
 # --- loss health ------------------------------------------------------------------------
