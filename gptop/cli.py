@@ -267,7 +267,7 @@ def _run_command(sub: Any, name: str, help: str) -> argparse.ArgumentParser:
 def _add_train_and_tune(sub: Any) -> None:
     """`train` and `tune`: gptop's trainer run (or, for `tune -- CMD`, a script tuned)."""
     from tuner.budget import duration_arg
-    from tuner.settings import STABLE_WITHIN, stable_within_arg
+    from tuner.settings import MAX_TRIALS, MAX_TRIALS_LIMIT, STABLE_WITHIN, stable_within_arg
 
     train = _run_command(sub, "train", "train a model and show the run live")
     train.add_argument(
@@ -311,6 +311,15 @@ def _add_train_and_tune(sub: Any) -> None:
             help="a measurement is stable, and can be compared, when its 95%% interval is within +-PCT of its "
             "estimate, e.g. 10%%: wider on a noisy shared machine settles sooner and claims less "
             f"(default: {STABLE_WITHIN * 100:g}%%)",
+        )
+        g.add_argument(
+            "--max-trials",
+            metavar="N",
+            default=MAX_TRIALS,
+            type=number_arg(int, 1, MAX_TRIALS_LIMIT),
+            help="run at most N trials, then decide on what was measured (the budget may end it sooner; "
+            f"re-measurements and the applied setting's check are not trials) (default: {MAX_TRIALS}; "
+            f"1 <= N <= {MAX_TRIALS_LIMIT})",
         )
     tune.add_argument("--tune-only", action="store_true", help="stop after writing best.toml (default: off)")
     _add_quiet(tune, "with -- CMD and --no-ui: ")

@@ -178,14 +178,15 @@ def tuning_request(ns: argparse.Namespace) -> TuningOptions | None:
 
 
 def tuning_options(ns: argparse.Namespace, budget_s: float = DEFAULT_T_BUDGET_S) -> TuningOptions:
-    """The tuning group's options (`--tune-space`, `--storage`, `--stable-within`, `--tune-only`); without a
-    budget, the `t` key's default one."""
+    """The tuning group's options (`--tune-space`, `--storage`, `--stable-within`, `--max-trials`,
+    `--tune-only`); without a budget, the `t` key's default one."""
     return TuningOptions(
         budget_s=budget_s,
         space_spec=ns.tune_space,
         storage=ns.storage,
         tune_only=getattr(ns, "tune_only", False),
         stable_within=ns.stable_within,
+        max_trials=ns.max_trials,
     )
 
 

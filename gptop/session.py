@@ -302,6 +302,7 @@ class Session(SessionBase):
             storage=options.storage,
             tune_only=options.tune_only,
             stable_within=options.stable_within,
+            max_trials=options.max_trials,
             hello=self.hello,
         ).attach()
 

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Callable
 
 from trainer.contract.runlock import RunLock
-from tuner.settings import STABLE_WITHIN
+from tuner.settings import MAX_TRIALS, STABLE_WITHIN
 
 from .alert_options import AlertOptions
 
@@ -22,6 +22,7 @@ class TuningOptions:
     storage: str | None = None  # --storage: the Optuna storage URL
     tune_only: bool = False  # --tune-only: stop after writing best.toml
     stable_within: float = STABLE_WITHIN  # --stable-within: a measurement's precision target
+    max_trials: int = MAX_TRIALS  # --max-trials: the most trials the tuning runs
 
 
 @dataclasses.dataclass

@@ -57,7 +57,7 @@ from trainer.contract import events as ev
 from trainer.contract.config import AUTO, Toggles, TrainConfig
 from trainer.contract.states import ErrorKind, TrialOutcome
 from tuner.measure import TrialStop
-from tuner.settings import STABLE_WITHIN
+from tuner.settings import MAX_TRIALS, STABLE_WITHIN
 
 from .advice import tries as advice_tries
 from .trial_processes import TEST_FAULT_ENV, Inbox, TrialProcesses, parse_test_fault
@@ -127,6 +127,7 @@ class TuningDriver(AppliedCheck):
         trial_log_every: int = 1,
         hello: ev.HelloEvent | None = None,
         stable_within: float = STABLE_WITHIN,
+        max_trials: int = MAX_TRIALS,
     ):
         self.session = session
         self.budget_s = budget_s
@@ -134,6 +135,7 @@ class TuningDriver(AppliedCheck):
         self.storage = storage
         self.tune_only = tune_only
         self.stable_within = stable_within
+        self.max_trials = max_trials
         self.trial_log_every = trial_log_every
         self.q: "queue.Queue[tuple[Inbox, Any]]" = queue.Queue()
         self.ctl: TuneController | None = None
@@ -391,6 +393,7 @@ class TuningDriver(AppliedCheck):
         restart = max(restart_guess, startup or 0.0)
         settings = TunerSettings(
             rel_ci=self.stable_within,
+            max_trials=self.max_trials,
             max_seconds=per_trial,
             default_restart_s=restart_guess,
             # re-measuring the top two is worth a trial only in longer budgets;

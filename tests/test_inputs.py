@@ -228,7 +228,7 @@ GPTOP_NUMBERS = _gptop_number_actions()
 
 def test_gptop_numeric_flags_are_found():
     flags = {flag for _, flag, _ in GPTOP_NUMBERS}
-    assert {"--interval", "--nproc", "--restart-on-failure", "--node-rank"} <= flags
+    assert {"--interval", "--nproc", "--restart-on-failure", "--node-rank", "--max-trials"} <= flags
 
 
 @pytest.mark.parametrize(

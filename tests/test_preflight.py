@@ -28,6 +28,8 @@ def test_a_train_plan_says_what_runs_and_creates_nothing(tmp_path):
             "compile=off",
             "--stable-within",
             "12.5%",
+            "--max-trials",
+            "5",
             "--run-dir",
             str(run_dir),
         ]
@@ -39,6 +41,7 @@ def test_a_train_plan_says_what_runs_and_creates_nothing(tmp_path):
     assert plan.options.launcher is plan.launcher and plan.options.run_lock is None
     assert plan.options.tuning is not None and plan.options.tuning.space_spec == "compile=off"  # the `t` key
     assert plan.tuning.stable_within == plan.options.tuning.stable_within == pytest.approx(0.125)
+    assert plan.tuning.max_trials == plan.options.tuning.max_trials == 5
     assert plan.fit is not None and plan.fit.device.kind == "cpu" and plan.fit.estimate.fits
     assert plan.resume is None
     assert plan.lock == preflight.LockRequest(
@@ -53,6 +56,7 @@ def test_a_tune_plan_tunes_and_a_plain_train_does_not(tmp_path):
     )
     assert tune.tuning is not None and tune.tuning.budget_s == 120.0 and tune.tuning.tune_only
     assert tune.tuning.stable_within == 0.03  # the tuner's default precision target
+    assert tune.tuning.max_trials == 16
     assert tune.lock.command == "gptop tune" and tune.launcher is None and tune.world_size == 1
     train = preflight.plan_run(cli.parse_args(["train", "--size", "tiny", "--run-dir", str(tmp_path / "p")]))
     assert train.tuning is None
@@ -102,12 +106,13 @@ def test_a_program_plan(tmp_path):
     assert plan.tuning is None and plan.lock == preflight.LockRequest(tmp_path / "r", command="gptop run", new_run=True)
     tuned = preflight.plan_program(
         cli.parse_args(
-            ["tune", "--budget", "1m", "--log-every", "3", "--stable-within", "8%", "--", "python", str(script)]
+            ["tune", "--budget", "1m", "--log-every", "3", "--stable-within", "8%", "--max-trials", "2"]
+            + ["--", "python", str(script)]
         ),
         tune=True,
     )
     assert tuned.tune and tuned.tuning is not None and tuned.tuning.budget_s == 60.0 and tuned.log_every == 3
-    assert tuned.tuning.stable_within == pytest.approx(0.08)
+    assert tuned.tuning.stable_within == pytest.approx(0.08) and tuned.tuning.max_trials == 2
     assert tuned.run_dir.parts[0] == "runs" and tuned.run_dir.name.endswith("train")
     with pytest.raises(ConfigError) as e:
         preflight.plan_program(cli.parse_args(["tune", "--model", "llama", "--", "python", str(script)]), tune=True)

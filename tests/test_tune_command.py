@@ -118,8 +118,9 @@ def test_a_tuned_trainer_script_keeps_every_step_through_a_failed_trial_and_ends
     output_dir. Once the tuner decided and the script trains on, the script ends on its own (its stop file, as
     an early-stopping callback would): exit 0, recorded as its end; its work after train() ran once."""
     run_dir, out, after, stop = tmp_path / "run", tmp_path / "out", tmp_path / "after.txt", tmp_path / "STOP"
-    args = ["tune", "--budget", "40s", "--run-dir", str(run_dir), "--storage", f"sqlite:///{tmp_path / 's.db'}"]
+    args = ["tune", "--budget", "60s", "--run-dir", str(run_dir), "--storage", f"sqlite:///{tmp_path / 's.db'}"]
     args += ["--stable-within", "10%"]  # the failed trial and the resume are checked here, not the figures' precision
+    args += ["--max-trials", "2"]  # the crash and one trial after it, then the decision, however fast the machine
     args += ["--tune-space", "-all micro_batch=1,16 fused_adamw=on,off", "--", sys.executable, str(HF_TUNE)]
     # a long run, so that tuning pays on any CPU; the test ends it once the tuner decided and the script trains on
     args += ["--steps", "20000", "--accumulation", "16", "--save-steps", "2", "--out", str(out), "--after", str(after)]

@@ -267,6 +267,21 @@ def test_budget_stops_starting_trials_it_cannot_afford(tmp_path):
     assert ctl.budget.elapsed() <= 300.0  # nothing was started that could not finish
 
 
+@pytest.mark.parametrize("max_trials", [1, 3])
+def test_max_trials_ends_the_trials_with_budget_left_and_says_so(tmp_path, max_trials):
+    """`--max-trials N`: N trials run (re-measurements and the check are not trials), then the tuner decides,
+    the budget not spent; the report says why the trials ended."""
+    clock = Clock()
+    ctl = make_ctl(tmp_path, clock, budget_s=3600.0, max_trials=max_trials)
+    seen = drive(ctl, clock, FakeTrainer(clock))
+    assert isinstance(seen[-1], Done)
+    trials = [a for a in seen if isinstance(a, RunTrial) and not a.baseline]
+    assert len(trials) == ctl.record.trials_run == max_trials
+    assert ctl.record.stop_note == f"ran the maximum of {max_trials} trials (--max-trials)"
+    assert ctl.budget.left() > 0
+    assert ctl.report_info()["stop_note"] == ctl.record.stop_note
+
+
 @pytest.mark.slow
 def test_a_trial_that_overruns_is_cut_by_the_budget(tmp_path):
     clock = Clock()

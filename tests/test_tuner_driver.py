@@ -400,7 +400,7 @@ def test_the_baseline_on_the_running_trainer_logs_every_step_then_gives_the_inte
         model={"family": "llama", "size": "tiny"},
     )
     storage = f"sqlite:///{tmp_path / 'study.db'}"
-    target = {} if stable_within is None else {"stable_within": stable_within}
+    target = {} if stable_within is None else {"stable_within": stable_within, "max_trials": 2}
     d = TuningDriver(s, 600.0, storage=storage, hello=hello, **target).attach()
     try:
         deadline = time.time() + 30
@@ -428,6 +428,7 @@ def test_the_baseline_on_the_running_trainer_logs_every_step_then_gives_the_inte
             )
             time.sleep(0.01)
         assert sup.sent[1] == {"cmd": "log_every", "steps": 10}
+        assert d.ctl is not None and d.ctl.settings.max_trials == (2 if stable_within else 16)  # --max-trials
     finally:
         d.stop_tuning()
         d.on_trainer_exit(0)

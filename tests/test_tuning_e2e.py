@@ -245,9 +245,10 @@ def tuned(tmp_path_factory):
     run_dir, storage = root / "run", f"sqlite:///{root / 'study.sqlite3'}"
     # A long run: trials must pay for themselves within it (docs/tuning.md, "Paying for itself"): a trial costs a
     # trainer's start (8-25 s here), and at 600 steps none could pay (it may lose 10% of the rest of the run: ~14 s).
-    # 1000 steps leave room for the search until the budget ends. The budget holds the baseline and several
-    # trials (a trial is mostly a trainer's restart); the test needs three, the failed one between two, and the
-    # other worker's process tests wait while the tuner measures (BENCHMARKS.md §17). The run is then stopped (Ctrl-C) once the
+    # 1000 steps leave room for the search. The test needs three trials, the failed one between two: `--max-trials
+    # 3` ends the search there whatever the machine's speed, with a budget that holds them on a loaded machine
+    # (a trial is mostly a trainer's restart), since the other worker's process tests wait while the tuner
+    # measures (BENCHMARKS.md §17). The run is then stopped (Ctrl-C) once the
     # applied setting has written its first interval checkpoint: the steps after it would only repeat what
     # exact resume to max_steps proves (tests/test_trainer.py), at minutes of a CPU the other tests share.
     max_steps = 1000
@@ -261,14 +262,16 @@ def tuned(tmp_path_factory):
                 "--no-ui",
                 "tune",
                 "--budget",
-                "45s",
+                "60s",
+                "--max-trials",
+                "3",
                 *STABLE,
                 *SETUP,
                 *SLOW_START,
                 "--max-steps",
                 str(max_steps),
                 "--checkpoint-every",
-                "100",
+                "50",
                 "--keep-checkpoints",
                 "1000",
                 "--tune-space",
@@ -425,19 +428,22 @@ def test_report_best_toml_and_gptop_report(tuned):
 @pytest.mark.solo  # the tuner measures trials: the CPU to itself under pytest -n
 def test_second_run_warm_starts_and_rolls_back_an_oom(tuned, tmp_path):
     run_dir = tmp_path / "run2"
-    # 30 s: room for the baseline and one trial of its own, with the reserve the tuner keeps
+    # one trial, the OOM (`--max-trials 1`), in a budget that holds it on a loaded machine; the re-measurements
+    # of run A's best on this run follow it
     rc, out, err = run_gptop(
         "tune",
         "--tune-only",
         "--budget",
-        "30s",
+        "60s",
+        "--max-trials",
+        "1",
         *STABLE,
         *SETUP,
         *SLOW_START,
         "--max-steps",
         "1000",
         "--checkpoint-every",
-        "3",
+        "0",
         "--keep-checkpoints",
         "2",
         "--tune-space",
@@ -446,7 +452,9 @@ def test_second_run_warm_starts_and_rolls_back_an_oom(tuned, tmp_path):
         tuned["storage"],
         "--run-dir",
         str(run_dir),
-        env=gptop_env(GPTOP_TEST_TRIAL_FAULT="1:oom@4"),
+        # two checkpoints of the trial's own before its OOM: with --keep-checkpoints 2 they rotate the pre-trial
+        # checkpoint out, which the rollback restores from gptop's copy
+        env=gptop_env(GPTOP_TEST_TRIAL_FAULT="1:checkpoint@1+checkpoint@2+oom@4"),
     )
     assert rc == 0, err[-3000:] + out[-3000:]
     report = json.loads((run_dir / "tuning.json").read_text())
@@ -472,7 +480,7 @@ def test_second_run_warm_starts_and_rolls_back_an_oom(tuned, tmp_path):
         assert all(e["batch"] == e["step"] - 1 for e in p["steps"])
     assert (run_dir / "best.toml").is_file()
     if bad + 1 < len(procs):
-        # more trials followed: the next process resumed from the pre-trial checkpoint, and --tune-only
+        # re-measurements followed: the next process resumed from the pre-trial checkpoint, and --tune-only
         # stopped the last one (with a checkpoint) once best.toml was written
         nxt = procs[bad + 1]["hello"]
         assert nxt["start_step"] == rb["step"] and Path(nxt["resumed_from"]).name == Path(rb["path"]).name

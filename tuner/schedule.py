@@ -56,7 +56,7 @@ class Schedule:
             v.study.warm_start(first_guesses(v.base, v.space, v.dev, v.max_mb, tries))
         max_trials = v.settings.max_trials
         if v.record.trials_run >= max_trials:
-            return Over(f"ran the maximum of {max_trials} trials")
+            return Over(f"ran the maximum of {max_trials} trials (--max-trials)")
         est = run_figures.trial_estimate(v)
         # a start never measured to its target is measured again before the decision: keep the time for it (the
         # re-measurements' reserve holds it when there is one)

@@ -17,6 +17,10 @@ from .proposals import AdviceTry
 STABLE_WITHIN = 0.03
 # Wider than this, a "stable" measurement could not tell a 1.5x speed-up from noise.
 MAX_STABLE_WITHIN = 0.25
+# A tuning runs at most this many trials (`--max-trials`); re-measurements and the applied setting's check are
+# not trials.
+MAX_TRIALS = 16
+MAX_TRIALS_LIMIT = 1000
 _SHARE = re.compile(r"\s*(\d+(?:\.\d+)?|\.\d+)\s*%\s*")
 
 
@@ -49,7 +53,7 @@ def stable_within_arg(option: str = "--stable-within") -> Callable[[str], float]
 class TunerSettings:
     """The controller's settings; the defaults suit a half-hour budget on a GPU."""
 
-    max_trials: int = 16
+    max_trials: int = MAX_TRIALS
     # a measurement (tuner.measure.Measurement): at least `min_steps`, done within `rel_ci`, capped by
     # `max_steps` and `max_seconds`
     min_steps: int = 8
