@@ -146,35 +146,40 @@ def pytest_runtest_protocol(item, nextitem):
         return (yield)
 
 
-# The longest file first, then half of the files whose tests start no process, then those with tests that measure
-# speed (solo, or measures: the CPU alone for part of their run), then the other half, then the rest: under `pytest
-# -n 2 --dist loadfile --no-loadscope-reorder` one worker starts the long tuning run while the other works through
-# in-process tests (steady load beside a measuring tuner, which process tests are not), and the measuring tests
-# come before the bulk of the process tests with in-process tests left to run beside them: a window in which one
-# worker has the CPU alone and the other waits is not left for the end, where nothing else could run beside it.
-# The measuring tests hold the CPU alone longer than the in-process tests take, so some waiting stays; a model of
-# xdist's scheduling with the suite's junit times put the half split ahead of all in-process files first
-# (BENCHMARKS.md §17). Only workers reorder; a run without -n keeps the files in their order.
-LONGEST_FIRST = ("test_tuning_e2e.py",)
+# The order xdist hands out the files in (`pytest -n 2 --dist loadfile --no-loadscope-reorder`: each worker takes the
+# next file when its own is nearly done), so that a test holding the CPU alone runs while the other worker has
+# in-process tests to run beside it (a steady load, and no process test waiting for the CPU):
+#   0. the files of `solo` tests (the CPU alone for the whole test): one worker starts with them...
+#   1. ...while the other works through most of the files whose tests start no process;
+#   2. the files of `measures` tests (the CPU alone from their start until the tuner decided): when the solo ones
+#      are done, with the rest of the in-process files to run beside them;
+#   3. the rest of the in-process files;
+#   4. the files that start processes.
+# A model of xdist's scheduling with the suite's junit times put this ahead of the measuring files after half of
+# the in-process ones (BENCHMARKS.md §17). Only workers reorder; a run without -n keeps the files in their order.
+IN_PROCESS_FIRST = 0.8  # the share of the in-process files (by count) before the `measures` files
 
 
 def pytest_collection_modifyitems(config, items):
     if not hasattr(config, "workerinput"):
         return
     starts_processes = {item.path for item in items if item.get_closest_marker("process")}
-    measures = {item.path for item in items if item.get_closest_marker("solo") or item.get_closest_marker("measures")}
+    solo = {item.path for item in items if item.get_closest_marker("solo")}
+    measures = {item.path for item in items if item.get_closest_marker("measures")} - solo
     order = {path: i for i, path in enumerate(dict.fromkeys(item.path for item in items))}
     in_process = [path for path in order if path not in starts_processes]
-    later = set(in_process[len(in_process) // 2 :])  # run beside the measuring tests
+    later = set(in_process[round(len(in_process) * IN_PROCESS_FIRST) :])  # run beside the `measures` files
 
     def rank(item):
         path = item.path
-        if path.name in LONGEST_FIRST:
+        if path in solo:
             group = 0
+        elif path in measures:
+            group = 2
         elif path not in starts_processes:
             group = 3 if path in later else 1
         else:
-            group = 2 if path in measures else 4
+            group = 4
         return group, order[path]
 
     items.sort(key=rank)  # stable: a file's tests keep their order

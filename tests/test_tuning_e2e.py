@@ -317,6 +317,7 @@ def tuned(tmp_path_factory):
     shutil.rmtree(root / "replay", ignore_errors=True)
 
 
+@pytest.mark.measures  # its fixture, run A, holds the CPU alone until the tuner decided
 def test_tune_runs_trials_applies_and_stops_exactly(tuned):
     run_dir, n, out = tuned["run_dir"], tuned["n"], tuned["out"]
     trials = [e for e in finished_trials(run_dir) if e["kind"] == "trial"]
