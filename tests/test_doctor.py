@@ -527,8 +527,8 @@ def test_bad_doctor_options_exit_2_naming_the_option(argv, option):
 
 
 @pytest.mark.process
-@pytest.mark.parametrize("device", ["cuda", "cuda:99"])
-@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+# each device and each output form once (the refusal comes before the form matters): a process each
+@pytest.mark.parametrize("device, json_flag", [("cuda", []), ("cuda:99", ["--json"])], ids=["cuda", "cuda:99-json"])
 def test_a_device_this_machine_lacks_is_one_line_exit_2_and_leaves_no_log(tmp_path, device, json_flag):
     """`gptop doctor --device cuda` without CUDA printed a FAIL line with consequences for every path, "on ?",
     exit 1, and left its log in /tmp: a device the machine lacks is bad input, as elsewhere (one line naming
