@@ -196,8 +196,8 @@ RULES: list[Rule] = [
         "Lightning is an optional extra (pip install 'gptop[lightning]'); tests/test_gptop_run.py and "
         "tests/test_integrations_lightning.py run it where it is installed",
     ),
-    Rule(r"^gptop --no-ui run .*examples/", "run"),
-    Rule(r"^python3? examples/", "run"),
+    Rule(r"^gptop --no-ui run .*examples/", "run", "", flags(steps="10")),
+    Rule(r"^python3? examples/", "run", "", flags(steps="10")),
     Rule(
         r"^gptop run -- torchrun ",
         "parse",
