@@ -44,6 +44,7 @@ from trainer.contract.config import config_from_toml
 from trainer.contract.events import read_events, to_dict
 from fixtures.cpu_share import quiet, steady
 from helpers import wait_for
+from tuner.settings import MAX_STABLE_WITHIN
 
 pytestmark = [pytest.mark.slow, pytest.mark.process]
 
@@ -92,7 +93,10 @@ def train_session_with_t(tmp_path: Path, extra: list[str]):
         )
     )
     storage = f"sqlite:///{tmp_path / 's.sqlite3'}"
-    tuning = TuningOptions(budget_s=60.0, space_spec=SPACE, storage=storage, stable_within=0.10)  # STABLE
+    # What the `t` tests check (the tuner attached, stopped, started again; the interval while measured) holds
+    # whatever the measurements say, and they run beside other tests' processes: the widest precision target
+    # settles the start's measurement soonest, and the budget holds a trial after a start measured to its cap.
+    tuning = TuningOptions(budget_s=120.0, space_spec=SPACE, storage=storage, stable_within=MAX_STABLE_WITHIN)
     return Session(cfg, SessionOptions(interval=1.0, tuning=tuning)), run_dir
 
 
