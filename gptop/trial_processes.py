@@ -174,13 +174,12 @@ class TrialProcesses:
         interval counted only with `log_every`: a command changes it)."""
         have = self.running_cfg or self.session.cfg
         toggles = have.toggles
-        if (
-            toggles.micro_batch == AUTO
-            and self.running_cfg is None
-            and self.hello is not None
-            and self.hello.micro_batch is not None
-        ):
-            toggles = dataclasses.replace(toggles, micro_batch=self.hello.micro_batch)  # what `auto` resolved to
+        if self.running_cfg is None and self.hello is not None:
+            # the user's own process: its toggles as its trainer resolved them (`auto` precision is a concrete one
+            # in its hello, as in the tuner's start), not as typed; keeping the start restarts nothing
+            toggles = TrainConfig.from_dict(self.hello.config).toggles
+            if toggles.micro_batch == AUTO and self.hello.micro_batch is not None:
+                toggles = dataclasses.replace(toggles, micro_batch=self.hello.micro_batch)  # what `auto` resolved to
         return (
             toggles != want.toggles
             or have.run.nan_policy != want.run.nan_policy

@@ -122,6 +122,32 @@ def test_trial_configs_stop_on_nan_and_the_final_one_is_the_users(tmp_path):
     assert d.procs.differs(final) and not d.procs.differs(trial)
 
 
+def test_keeping_the_start_on_the_users_process_restarts_nothing(tmp_path):
+    """The user's process (the baseline's, never restarted) runs `--precision auto` and `--micro-batch auto` as
+    its trainer resolved them (its hello): a decision to keep the start, whose toggles are the resolved ones, is
+    not a different configuration, so no restart; a toggle that does differ still is."""
+    from fixtures.streams import config, ev
+
+    s = FakeSession(tmp_path)
+    d = TuningDriver(s, 60.0)
+    d.procs.hello = ev(
+        "hello",
+        0.0,
+        config=config("llama", "tiny", "cpu", precision="fp32", micro_batch="auto"),
+        micro_batch=8,
+        device={"type": "cpu", "name": "cpu", "cpu_count": 2, "total_memory": 8 << 30},
+        model={"family": "llama", "size": "tiny"},
+    )
+    resolved = TrainConfig.from_dict(d.procs.hello.config).toggles
+    s.cfg.toggles = dataclasses.replace(resolved, precision="auto", micro_batch="auto")  # as the user typed them
+    d.procs.user_cfg = TrainConfig.from_dict(s.cfg.to_dict())
+    start = dataclasses.replace(resolved, micro_batch=8)  # the tuner's start (tuner.controller): resolved
+    assert not d.procs.differs(d.procs.cfg_for(start, strict=False), log_every=False)
+    other = dataclasses.replace(start, fused_adamw=not start.fused_adamw)
+    assert d.procs.differs(d.procs.cfg_for(other, strict=False), log_every=False)
+    assert d.procs.differs(d.procs.cfg_for(dataclasses.replace(start, precision="bf16"), strict=False))
+
+
 def test_exit_hook_and_detach_hand_an_unhandled_exit_back(tmp_path):
     s = FakeSession(tmp_path)
     d = TuningDriver(s, 60.0)
