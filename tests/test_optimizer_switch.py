@@ -198,8 +198,8 @@ def test_several_ranks_resume_only_with_the_checkpoints_optimizer(tmp_path):
 @pytest.mark.slow
 @pytest.mark.process
 def test_a_tuning_over_the_optimizer_switches_live_and_reports_every_trials_peak(tmp_path):
-    from helpers import gptop_env, run_gptop
-    from test_tuning_e2e import SETUP, STABLE, events, finished_trials
+    from helpers import COURSE_ONLY, gptop_env, run_gptop
+    from test_tuning_e2e import SETUP, events, finished_trials
 
     run_dir = tmp_path / "run"
     # the optimizer alone: the sampler's first pick in a wider space depends on its seed, and a loaded machine's
@@ -210,7 +210,7 @@ def test_a_tuning_over_the_optimizer_switches_live_and_reports_every_trials_peak
         "--tune-only",
         "--budget",
         "120s",
-        *STABLE,
+        *COURSE_ONLY,
         *SETUP,
         "--max-steps",
         "300",

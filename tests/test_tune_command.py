@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from trainer.contract.events import read_events, to_dict
-from helpers import wait_for
+from helpers import COURSE_ONLY, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.process]
 
@@ -119,7 +119,7 @@ def test_a_tuned_trainer_script_keeps_every_step_through_a_failed_trial_and_ends
     an early-stopping callback would): exit 0, recorded as its end; its work after train() ran once."""
     run_dir, out, after, stop = tmp_path / "run", tmp_path / "out", tmp_path / "after.txt", tmp_path / "STOP"
     args = ["tune", "--budget", "90s", "--run-dir", str(run_dir), "--storage", f"sqlite:///{tmp_path / 's.db'}"]
-    args += ["--stable-within", "10%"]  # the failed trial and the resume are checked here, not the figures' precision
+    args += COURSE_ONLY  # the failed trial and the resume are checked here, not the figures' precision
     args += ["--max-trials", "2"]  # the crash and one trial after it, then the decision, however fast the machine
     args += ["--tune-space", "-all micro_batch=1,16 fused_adamw=on,off", "--", sys.executable, str(HF_TUNE)]
     # a long run, so that tuning pays on any CPU; the test ends it once the tuner decided and the script trains on
