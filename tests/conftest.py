@@ -154,29 +154,13 @@ def pytest_runtest_protocol(item, nextitem):
 #   2. the files of `measures` tests (the CPU alone from their start until the tuner decided): when the solo ones
 #      are done, with the rest of the in-process files to run beside them;
 #   3. the rest of the in-process files;
-#   4. the files that start processes, longest first (tests/durations.json), so that the last file each worker
-#      takes is a short one and the two end together.
+#   4. the files that start processes.
 # A model of xdist's scheduling with the suite's junit times put this ahead of the measuring files after half of
 # the in-process ones (BENCHMARKS.md §17). The rest must outlast run A's measuring (tests/test_tuning_e2e.py): once
 # the in-process files run out the other worker waits, the machine's load drops, and the tuner rightly compares no
 # trial measured then with the start measured before (with 20% left, run A failed so once). Only workers reorder; a
 # run without -n keeps the files in their order.
 IN_PROCESS_FIRST = 0.4  # the share of the in-process files (by count) before the `measures` files
-DURATIONS = Path(__file__).with_name("durations.json")  # each file's seconds in a recent run (tests/durations.py)
-
-
-def _file_seconds(rootpath: Path, paths: set[Path]) -> dict[Path, float]:
-    """Each file's seconds in the last measured run; one the run did not have counts as the median of the others."""
-    import json
-    import statistics
-
-    try:
-        known = json.loads(DURATIONS.read_text())
-    except (OSError, ValueError):
-        known = {}
-    seconds = {path: known.get(Path(os.path.relpath(path, rootpath)).as_posix()) for path in paths}
-    median = statistics.median([s for s in seconds.values() if s is not None] or [0.0])
-    return {path: median if s is None else float(s) for path, s in seconds.items()}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -188,7 +172,6 @@ def pytest_collection_modifyitems(config, items):
     order = {path: i for i, path in enumerate(dict.fromkeys(item.path for item in items))}
     in_process = [path for path in order if path not in starts_processes]
     later = set(in_process[round(len(in_process) * IN_PROCESS_FIRST) :])  # run beside the `measures` files
-    seconds = _file_seconds(config.rootpath, starts_processes)
 
     def rank(item):
         path = item.path
@@ -199,7 +182,7 @@ def pytest_collection_modifyitems(config, items):
         elif path not in starts_processes:
             group = 3 if path in later else 1
         else:
-            return 4, -seconds[path], order[path]
-        return group, 0.0, order[path]
+            group = 4
+        return group, order[path]
 
     items.sort(key=rank)  # stable: a file's tests keep their order
