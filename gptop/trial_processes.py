@@ -32,6 +32,9 @@ TEST_FAULT_ENV = "GPTOP_TEST_TRIAL_FAULT"  # "N:KIND[@K][+KIND@K...]": trainer f
 # How long a command under `gptop tune` may run without a gptop client announcing itself: a client does so when
 # imported (gptop.integrations.announce), at the top of a script, within seconds of Python's start.
 CLIENT_WAIT_S = 120.0
+# How long a failed trial's process that reported its own failure (a crash, an OOM, the NaN it stopped on) is given to
+# end by itself before the rollback kills it: a traceback and the interpreter's exit, seconds even with torch loaded.
+OWN_END_S = 10.0
 NO_CLIENT = (
     "gptop tune -- CMD tunes a transformers.Trainer script through gptop's client: callbacks=[GptopCallback()], "
     "args = tuned_args(TrainingArguments(...)) and trainer.train(resume_from_checkpoint=resume_checkpoint(args)) "
@@ -111,6 +114,7 @@ class TrialProcesses:
         self.own: set[str] = set()
         self.reached = 0  # the step the run stands at: the furthest step seen since the last rollback
         self.client_wait_s = CLIENT_WAIT_S
+        self.own_end_s = OWN_END_S
 
     def user(self) -> TrainConfig:
         """The user's own settings: known from `TuningDriver.attach` on (a command's from its client's first hello)."""
@@ -228,6 +232,16 @@ class TrialProcesses:
                 sup.kill(by=by)
                 kill = True
 
+    def await_own_end(self) -> None:
+        """A process that reported its own failure is ending by itself: wait up to `own_end_s` for it, so that
+        gptop records its end as its own (its exit code and last stderr lines: the user's traceback), not as a
+        kill by the tuner. One that reported nothing (a trial the tuner judged) or lingers is killed after."""
+        if not self.alive or 0 not in self.session.rank_errors:
+            return
+        deadline = time.monotonic() + self.own_end_s
+        while self.alive and time.monotonic() < deadline:
+            self.pump(0.5)
+
     def spawn(self, cfg: TrainConfig, pre: Checkpoint | None) -> None:
         """Start a trainer with `cfg`, resuming from `pre` when it names a checkpoint; the session checks that
         it starts at that checkpoint's step."""
@@ -342,6 +356,7 @@ class TrialProcesses:
         """Kill the failed trial if it still runs and delete the checkpoints it wrote: the run directory's
         newest checkpoint is the pinned pre-trial one again (none: the start, when the trial started there). A
         pre-trial checkpoint that is gone halts the session (`lost`) rather than go back to the start."""
+        self.await_own_end()
         self.stop(kill=True)
         run_dir = Path(self.session.run_dir)
         keep_step = pre[0] if pre and pre[1] else -1

@@ -97,6 +97,7 @@ class TuningHost(Protocol):
     interrupted: bool
     command: list[str] | None  # a user's program (gptop tune -- CMD); None: gptop's own trainer
     halted: str | None  # gptop ended the run itself (`halt`): nothing is started again
+    rank_errors: dict[int, ev.ErrorEvent]  # the running process's first error event per rank (its own failure)
 
     @property
     def finished(self) -> bool: ...

@@ -168,11 +168,14 @@ def test_a_tuned_trainer_script_keeps_every_step_through_a_failed_trial_and_ends
     best = (run_dir / "best.toml").read_text()
     assert f"# Best settings gptop tune found for: {sys.executable} {HF_TUNE}" in best, best
     assert "gptop train --config" not in best and ("GPTOP_TOGGLES=" in best or "nothing to change" in best)
-    # each start ended with gptop's record of its end: the tuner's restarts (the crashed trial's process ended by
-    # the tuner if it had not exited yet), then the script's own end, which nobody stopped
+    # each start ended with gptop's record of its end: the tuner's restarts, the crashed trial's own end (nobody
+    # stopped it: its exit code and its traceback's last line, not a kill by the tuner), then the script's own end
     exits = run_events(run_dir, "exit")
     assert len(exits) == len([e for e in run_events(run_dir, "hello") if e["early"]]) == len(procs)
-    assert all(e.get("stopped_by") in ("tuner", None) for e in exits[:-1]) and exits[crashed].get("exit_code") != 0
+    assert all(e.get("stopped_by") == "tuner" for i, e in enumerate(exits[:-1]) if i != crashed), exits
+    own = exits[crashed]
+    assert "stopped_by" not in own and own.get("exit_code") not in (0, None), own
+    assert any("injected crash" in line for line in own.get("stderr") or []), own
     assert "tuner" in {e.get("stopped_by") for e in exits}
     final = procs[-1]["done"]["step"]
     assert exits[-1].get("exit_code") == 0 and "stopped_by" not in exits[-1], exits[-1]

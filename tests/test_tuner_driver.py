@@ -33,6 +33,7 @@ class FakeSession:
         self.finished = False
         self.command = None  # gptop's own trainer (a test of a command sets its argv)
         self.halted = None
+        self.rank_errors = {}  # the running process's own error events, by rank
         self.emitted, self.logs, self.exits, self.spawns = [], [], [], []
 
     def set_controller(self, controller):
@@ -95,6 +96,62 @@ def test_rollback_deletes_the_trials_checkpoints_and_keeps_the_pinned_pre_trial_
     assert any("rolled back to step 10" in e.message for e in s.emitted if e.type == "log")
     d.procs.release_guard()
     assert rundir.pinned(tmp_path) == set()
+
+
+@pytest.mark.parametrize(
+    "reported, exits_after, killed",
+    [
+        (True, 0.3, False),  # its own crash: it exits by itself, and its end is recorded as its own
+        (True, None, True),  # it said it failed but lingers: killed by the tuner after the grace
+        (False, 0.3, True),  # a trial the tuner judged (slow, diverging): nothing to wait for, killed at once
+    ],
+    ids=["reported-and-exits", "reported-and-lingers", "judged-by-the-tuner"],
+)
+def test_a_failed_trial_that_reported_its_own_failure_ends_by_itself_before_any_kill(
+    tmp_path, reported, exits_after, killed
+):
+    """The rollback of a trial whose process reported its own failure (an error event: a crash, an OOM) waits a
+    bounded time for that process to exit, so that its `exit` record is its own (code, stderr, nobody stopped
+    it), not a SIGKILL by the tuner; a process that reported nothing is killed at once."""
+    import time
+
+    from gptop.trial_processes import Inbox, TrialProcesses
+    from trainer.contract.states import StoppedBy
+
+    s = FakeSession(tmp_path)
+    s.supervisor = sup = FakeSupervisor()
+    kills: list[tuple[float, StoppedBy | None]] = []
+    t0 = time.monotonic()
+    exits_at = None if exits_after is None else t0 + exits_after
+
+    def kill(by=None):
+        nonlocal exits_at
+        kills.append((time.monotonic(), by))
+        exits_at = time.monotonic()  # SIGKILL: its exit comes at once
+
+    sup.kill = kill
+    (tmp_path / "events.jsonl").touch()
+
+    def pump(timeout: float):
+        """The driver's queue: the process's exit once it comes (with the driver's bookkeeping), else nothing."""
+        if exits_at is not None and time.monotonic() >= exits_at and procs.alive:
+            procs.alive = False
+            return Inbox.EXIT, 1
+        time.sleep(min(timeout, 0.05))
+        return None
+
+    procs = TrialProcesses(s, say=lambda message: None, pump=pump, trial_log_every=1)
+    procs.own_end_s = 1.5
+    procs.alive = True
+    if reported:
+        s.rank_errors[0] = make("error", kind="crash", message="RuntimeError: boom", step=7)
+    procs.rollback(None)
+    if killed:
+        assert kills and kills[0][1] is StoppedBy.TUNER
+        waited = kills[0][0] - t0
+        assert (1.4 <= waited <= 3.0) if reported else waited < 0.25, waited
+    else:
+        assert kills == [] and not procs.alive  # it ended by itself within the grace
 
 
 def test_rollback_without_a_checkpoint_goes_back_to_the_start(tmp_path):

@@ -390,6 +390,9 @@ def test_failed_trial_rolls_back_to_the_pre_trial_checkpoint(tuned):
     nxt = procs[bad + 1]["hello"]
     assert nxt["start_step"] == pre_step and Path(nxt["resumed_from"]).name == Path(pre_path).name
     assert bad not in [i for i, _ in tuned.get("chain") or lineage(procs)]
+    # it stopped on the NaN by itself: gptop's record of its end is its own (nobody stopped it), not the tuner's kill
+    own = next(e for e in events(run_dir, "exit") if e["pid"] == procs[bad]["hello"]["pid"])
+    assert own["stopped_by"] is None and own["exit_code"] not in (0, None), own
     # ... and its weights: the pre-trial checkpoint equals the replay of the kept steps up to it
     out = tuned.get("replay")
     if out is None:
