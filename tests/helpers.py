@@ -41,12 +41,12 @@ TINY = [
 ]
 TINY_TOKENS_PER_STEP = int(TINY[TINY.index("--seq-len") + 1]) * int(TINY[TINY.index("--global-batch") + 1])
 
-# The trainer installs its own handlers for these (graceful stop, checkpoint on request).
 # For the tuning tests that check the tuning's course (trials, rollbacks, switches, resumes, reports) and not the
 # precision of its figures: the widest precision target, so that each measurement beside other tests' processes
 # settles at its fewest steps instead of measuring noise to its cap.
 COURSE_ONLY = ["--stable-within", f"{MAX_STABLE_WITHIN:.0%}"]
 
+# The trainer installs its own handlers for these (graceful stop, checkpoint on request).
 TRAINER_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 

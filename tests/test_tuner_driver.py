@@ -149,7 +149,7 @@ def test_a_failed_trial_that_reported_its_own_failure_ends_by_itself_before_any_
     if killed:
         assert kills and kills[0][1] is StoppedBy.TUNER
         waited = kills[0][0] - t0
-        assert (1.4 <= waited <= 3.0) if reported else waited < 0.25, waited
+        assert (1.4 <= waited <= 5.0) if reported else waited < 1.0, waited  # after the grace, or at once
     else:
         assert kills == [] and not procs.alive  # it ended by itself within the grace
 
