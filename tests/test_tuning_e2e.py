@@ -73,7 +73,8 @@ SPACE = "-all micro_batch=1,2,4,8 activation_checkpointing=on,off fused_adamw=on
 SLOW_START = ["--micro-batch", "1", "--activation-checkpointing"]
 # Run A checks that a trial measured faster than the start is applied: its measurements hold the CPU alone and are
 # stable within ±10% (one in 3% could stay noisy for the whole budget and run no trial). The runs that check only
-# the course (run B, the `t` sessions) take the widest target (helpers.COURSE_ONLY). tests/test_tuning_load_e2e.py: the default.
+# the course (run B, the `t` sessions) take the widest target (helpers.COURSE_ONLY); tests/test_tuning_load_e2e.py
+# keeps the default.
 STABLE = ["--stable-within", "10%"]
 
 
