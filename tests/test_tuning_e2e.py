@@ -487,6 +487,9 @@ def test_second_run_warm_starts_and_rolls_back_an_oom(tuned, tmp_path):
     bad = next(i for i, p in enumerate(procs) if p["error"] and p["error"]["kind"] == "oom")
     assert procs[bad]["checkpoints"] and set(rb["deleted"]) >= {c["path"] for c in procs[bad]["checkpoints"]}
     assert rb["step"] == procs[bad]["hello"]["start_step"]
+    # it ended by itself on the OOM it reported: gptop's record of its end is its own, not the tuner's kill
+    own = next(e for e in events(run_dir, "exit") if e["pid"] == procs[bad]["hello"]["pid"])
+    assert own["stopped_by"] is None and own["exit_code"] not in (0, None), own
     for p in procs:
         assert all(e["batch"] == e["step"] - 1 for e in p["steps"])
     assert (run_dir / "best.toml").is_file()
