@@ -31,6 +31,7 @@ from trainer.contract.events import (
     HelloEvent,
     MalformedEvent,
     ProfileEvent,
+    StatusEvent,
     StepEvent,
     WarningEvent,
     from_dict,
@@ -114,6 +115,7 @@ class _Scan:
         self.last_done: DoneEvent | None = None  # the last trainer process's own end and error
         self.last_error: ErrorEvent | None = None
         self.last_exit: ExitEvent | None = None  # gptop's record of its end
+        self.last_stop: StatusEvent | None = None  # a stop that ended the run after it, before another started
         self.client: str | None = None  # a command's client, once one said hello
         self.first_step: StepEvent | None = None
         self.last_step: StepEvent | None = None
@@ -155,7 +157,7 @@ class _Scan:
             if e.early:
                 self.early_hellos += 1
             if e.early or not self.early_hellos:  # a new trainer process: its end is what counts
-                self.last_done = self.last_error = self.last_exit = None
+                self.last_done = self.last_error = self.last_exit = self.last_stop = None
             self.client = e.client or self.client
             if not e.early or self.hello is None or self.hello.early:
                 self.hello = e
@@ -167,6 +169,8 @@ class _Scan:
                 self.tuner_restarts += 1
         elif isinstance(e, ExitEvent):
             self.last_exit = e
+        elif isinstance(e, StatusEvent) and e.stopped_by is not None:
+            self.last_stop = e
         elif isinstance(e, ErrorEvent):
             self.last_error = e
             self.errors.append(e)
@@ -248,7 +252,15 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         )
     out["starts"] = scan.early_hellos or scan.hellos  # one early hello per trainer process
     out["tuner_restarts"] = scan.tuner_restarts
-    end = standing_of(run_dir, scan.last_done, scan.last_error, scan.last_exit)
+    kept = rundir.list_checkpoints(run_dir) if scan.command is None else []
+    end = standing_of(
+        run_dir,
+        scan.last_done,
+        scan.last_error,
+        scan.last_exit,
+        stop=scan.last_stop,
+        newest_checkpoint=kept[-1].step if kept else None,
+    )
     out["state"], out["state_words"] = end.state.value, end.words
     out["done"] = end.done is not None and end.done.reason  # the last trainer's end (a tuner's restart is not)
     if scan.last_exit is not None and end.state is not RunStanding.RUNNING:
@@ -269,7 +281,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     out["checkpoints"] = [{"step": e.step, "path": e.path, "seconds": e.seconds} for e in scan.checkpoints]
     out["checkpoints_written"] = scan.checkpoints_written
     if command is None:
-        out["checkpoints_kept"] = [{"step": c.step, "path": str(c.path)} for c in rundir.list_checkpoints(run_dir)]
+        out["checkpoints_kept"] = [{"step": c.step, "path": str(c.path)} for c in kept]
     else:  # the program's own that are still there; a file saved again (ckpt.pt) once, at its newest step
         newest = {e.path: e for e in scan.checkpoints}
         out["checkpoints_kept"] = [

@@ -18,6 +18,7 @@ from trainer.contract.events import (
     DoneEvent,
     ErrorEvent,
     ExitEvent,
+    StatusEvent,
 )
 from trainer.contract.runlock import holder_words, lock_holders
 from trainer.contract.states import ErrorKind, StoppedBy
@@ -73,13 +74,20 @@ def end_words(e: ExitEvent) -> str:
     return f"finished ({how})" if e.exit_code == 0 else f"failed ({how})"
 
 
-def ended_standing(done: DoneEvent | None, error: ErrorEvent | None, ended: ExitEvent | None) -> Standing | None:
-    """How the last process ended, from its own `done` and `error` and gptop's record of its end (`ended`); None
-    when neither says (it ended without a word and without a record)."""
+def ended_standing(
+    done: DoneEvent | None,
+    error: ErrorEvent | None,
+    ended: ExitEvent | None,
+    stop: StatusEvent | None = None,
+    newest_checkpoint: int | None = None,
+) -> Standing | None:
+    """How the last process ended, from its own `done` and `error` and gptop's record of its end (`ended`), and
+    gptop's record of a stop that ended the run after it (`stop`); None when none says (it ended without a word
+    and without a record). `newest_checkpoint`: the step of the run's newest checkpoint, if it has one."""
     if done is not None and done.reason == MAX_STEPS:
         return Standing(RunStanding.FINISHED, f"finished at step {done.step} (--max-steps)", done)
     if ended is not None:
-        return _recorded(done, error, ended)
+        return _recorded(done, error, ended, stop, newest_checkpoint)
     if done is not None and done.reason == TUNER_RESTART:
         return Standing(
             RunStanding.CUT_SHORT,
@@ -87,7 +95,7 @@ def ended_standing(done: DoneEvent | None, error: ErrorEvent | None, ended: Exit
             done,
         )
     if done is not None and done.reason == STOPPED_BEFORE_FIRST_STEP:
-        return Standing(RunStanding.STOPPED, "stopped before its first step: a run that made no checkpoint", done)
+        return Standing(RunStanding.STOPPED, f"stopped {_before_first(newest_checkpoint)}", done)
     if done is not None:
         return Standing(RunStanding.STOPPED, f"stopped at step {done.step} ({done.reason or 'no reason given'})", done)
     if error is not None:
@@ -95,7 +103,24 @@ def ended_standing(done: DoneEvent | None, error: ErrorEvent | None, ended: Exit
     return None
 
 
-def _recorded(done: DoneEvent | None, error: ErrorEvent | None, e: ExitEvent) -> Standing:
+def _before_first(newest_checkpoint: int | None) -> str:
+    """A process stopped before its first step: a run's first, or a restart of one that has checkpoints."""
+    if newest_checkpoint is None:
+        return "before its first step: a run that made no checkpoint"
+    return f"before its process's first step: nothing lost, the newest checkpoint is step {newest_checkpoint}"
+
+
+def _stopper(by: StoppedBy) -> str:
+    return "you" if by is StoppedBy.USER else "gptop" if by is StoppedBy.GPTOP else f"the {by.value}"
+
+
+def _recorded(
+    done: DoneEvent | None,
+    error: ErrorEvent | None,
+    e: ExitEvent,
+    stop: StatusEvent | None = None,
+    newest_checkpoint: int | None = None,
+) -> Standing:
     """`ended_standing` of a process whose end gptop recorded."""
     at = f" at step {done.step}" if done is not None and done.step else ""
     after = f" after {fmt_duration(e.seconds)}" if e.seconds is not None else ""
@@ -103,6 +128,14 @@ def _recorded(done: DoneEvent | None, error: ErrorEvent | None, e: ExitEvent) ->
     before_first = done is not None and done.reason == STOPPED_BEFORE_FIRST_STEP
     if error is not None and error.kind == ErrorKind.LOST_STEPS:  # gptop ended it rather than lose steps: failed
         return Standing(RunStanding.FAILED, f"{end_words(e)}{at}{after}: {error.kind}: {error.message}", done)
+    if e.stopped_by is StoppedBy.TUNER and stop is not None and stop.stopped_by is not None:
+        kept = f", after its checkpoint of step {done.step}" if done is not None and done.checkpoint else ""
+        return Standing(
+            RunStanding.STOPPED,
+            f"stopped by {_stopper(stop.stopped_by)} during a restart by the tuner{at}{kept} (the next process was "
+            "not started)",
+            done,
+        )
     if e.stopped_by is StoppedBy.TUNER:
         return Standing(
             RunStanding.CUT_SHORT,
@@ -111,9 +144,7 @@ def _recorded(done: DoneEvent | None, error: ErrorEvent | None, e: ExitEvent) ->
         )
     if e.stopped_by is not None:
         if before_first:
-            return Standing(
-                RunStanding.STOPPED, f"{end_words(e)} before its first step: a run that made no checkpoint", done
-            )
+            return Standing(RunStanding.STOPPED, f"{end_words(e)} {_before_first(newest_checkpoint)}", done)
         return Standing(RunStanding.STOPPED, f"{end_words(e)}{at}{after}", done)
     if error is not None:  # its own words on why, with how it ended
         state = RunStanding.STOPPED if e.exit_code == 0 and done is not None else RunStanding.FAILED
@@ -127,14 +158,21 @@ def _recorded(done: DoneEvent | None, error: ErrorEvent | None, e: ExitEvent) ->
 
 
 def standing_of(
-    run_dir: Path, done: DoneEvent | None, error: ErrorEvent | None, ended: ExitEvent | None = None
+    run_dir: Path,
+    done: DoneEvent | None,
+    error: ErrorEvent | None,
+    ended: ExitEvent | None = None,
+    *,
+    stop: StatusEvent | None = None,
+    newest_checkpoint: int | None = None,
 ) -> Standing:
     """How the run stands: running while its lock is held, else how its last process ended (`done`, `error`: its
-    own end and error; `ended`: gptop's record of its end), as a streaming reader keeps them."""
+    own end and error; `ended`: gptop's record of its end; `stop`: gptop's record of a stop after it), as a
+    streaming reader keeps them."""
     holders = lock_holders(run_dir)
     if holders is not None:
         return Standing(RunStanding.RUNNING, f"running now ({'; '.join(holder_words(h) for h in holders)})", None)
-    known = ended_standing(done, error, ended)
+    known = ended_standing(done, error, ended, stop, newest_checkpoint)
     if known is not None:
         return known
     return Standing(

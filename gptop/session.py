@@ -248,6 +248,7 @@ class Session(SessionBase):
         if sup is None or not sup.alive():
             if self._exit_code is None and self.interrupted:
                 self._set_status(RunStatus.STOPPED)
+            self._record_stop_between_processes(by)
             self._finish(EXIT_INTERRUPTED if self._exit_code is None else self._exit_code)
             return
         if force or self.stopping:
@@ -338,6 +339,10 @@ class Session(SessionBase):
         """One of gptop's own events (a trial, a decision, a log event): shown like the trainer's, and
         appended to the run's events.jsonl so that a replay or `gptop report` sees it."""
         self._dispatch(event)
+        self.append_event(event)
+
+    def append_event(self, event: ev.Event) -> None:
+        """Append one of gptop's events to the run's events.jsonl, unseen by the views."""
         with open(self.run_dir / "events.jsonl", "a") as f:  # one small O_APPEND write per line: no
             f.write(ev.dumps(event) + "\n")  # tearing with the trainer's own lines
 
@@ -481,7 +486,24 @@ class Session(SessionBase):
             self._set_status(RunStatus.STOPPED)
         else:
             self._set_status(RunStatus.STOPPED, self.cut_short(code))
+        self._record_stop_between_processes(StoppedBy.USER)
         self._finish(EXIT_INTERRUPTED)
+
+    def _record_stop_between_processes(self, by: StoppedBy) -> None:
+        """A stop that ends the run after its process ended for the tuner's restart (the last `exit` says the
+        tuner) and before the next one started: one `status` record in events.jsonl says whose stop ended the run
+        (`gptop report`, docs/run-directory.md). Written, not shown: the views have the session's own status."""
+        with self.state.lock:
+            last = self.state.exit
+        if last is None or last.stopped_by is not StoppedBy.TUNER:
+            return
+        record = ev.StatusEvent(
+            status=RunStatus.STOPPED, stopped_by=by, message="stopped during a restart by the tuner"
+        )
+        try:
+            self.append_event(record)
+        except OSError as e:
+            self.log(f"the stop is not recorded in events.jsonl: {e}")
 
     def cut_short(self, code: int) -> str:
         """What a stop that ended the trainer before its own clean exit kept and lost, from the checkpoints on

@@ -332,8 +332,12 @@ class Supervisor:
 
     # ------------------------------------------------------------------ stop
     def _stopping(self, by: StoppedBy) -> None:
-        """Who asked the process to end: the first to ask (a stop that ends in a kill is still theirs)."""
-        if self.stopped_by is None and self.alive():
+        """Who asked the process to end: the first to ask (a stop that ends in a kill is still theirs), except that
+        a stop that ends the run takes over from the tuner's restart: that process is then not replaced, so its
+        end is the run's, and the stop's."""
+        if not self.alive():
+            return
+        if self.stopped_by is None or (self.stopped_by is StoppedBy.TUNER and by is not StoppedBy.TUNER):
             self.stopped_by = by
 
     def request_stop(self, reason: str = "stop requested", by: StoppedBy = StoppedBy.USER) -> None:

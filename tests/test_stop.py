@@ -355,6 +355,88 @@ def test_a_stop_after_a_trial_trainer_stopped_still_stops_the_run(tmp_path):
     assert s.supervisor.calls == ["stop"] and s.interrupted
 
 
+class EndedTrainer(AliveTrainer):
+    """The supervisor of a trainer process that has ended and whose exit the session (or the tuner) handled."""
+
+    def alive(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("moment", ["exit-in-flight", "exit-handled", "own-stop"])
+def test_a_stop_between_the_tuners_two_processes_is_recorded_as_yours(tmp_path, moment):
+    """Your stop after the tuner's restart ended a process and before the next one started (its exit on its way to
+    the session, or handled and the next start not made): the process's `exit` is the tuner's, so gptop records
+    whose stop ended the run, and the report says it was yours and what was kept. A stop that reached its process
+    has that process's own record, and no second one."""
+    from gptop.report import summarize
+    from trainer.contract.events import ExitEvent, StatusEvent, TUNER_RESTART
+
+    cfg = TrainConfig()
+    cfg.run.run_dir = str(tmp_path / "run")
+    (tmp_path / "run").mkdir()
+    s = Session(cfg)
+    s.supervisor = AliveTrainer(out=True) if moment == "exit-in-flight" else EndedTrainer()
+    by = StoppedBy.USER if moment == "own-stop" else StoppedBy.TUNER
+    s.publish(DoneEvent(step=30, tokens=7680, seconds=1.0, reason=TUNER_RESTART, checkpoint="c", time=1.0))
+    s.publish(ExitEvent(pid=42, exit_code=0, seconds=4.0, stopped_by=by, time=2.0))
+    s.stop()
+    if moment != "exit-handled":
+        s.handle_exit(0)  # what the tuner hands back when it sees the run interrupted
+    assert s.wait(0) == EXIT_INTERRUPTED and s.state.status == "stopped"
+    records = [e for e in read_events(tmp_path / "run" / "events.jsonl") if isinstance(e, StatusEvent)]
+    report = summarize(tmp_path / "run")
+    if moment == "own-stop":
+        assert records == [] and report["state_words"].startswith("stopped by you (exit 0) at step 30")
+        return
+    assert [(r.status, r.stopped_by) for r in records] == [("stopped", StoppedBy.USER)]
+    assert report["state"] == "stopped", report["state_words"]
+    assert report["state_words"].startswith("stopped by you during a restart by the tuner at step 30, after its ")
+
+
+@pytest.mark.process
+@pytest.mark.parametrize(
+    "first, then, recorded",
+    [
+        (StoppedBy.TUNER, StoppedBy.USER, StoppedBy.USER),  # the run ends: the process is not replaced
+        (StoppedBy.TUNER, StoppedBy.GPTOP, StoppedBy.GPTOP),
+        (StoppedBy.USER, StoppedBy.TUNER, StoppedBy.USER),
+        (StoppedBy.GPTOP, StoppedBy.USER, StoppedBy.GPTOP),  # gptop's planned end was first: still its own
+    ],
+)
+def test_a_stop_that_ends_the_run_takes_over_the_tuners_restart(tmp_path, first, then, recorded):
+    """Who ended a process is the first to ask, except that a stop of the run (yours, gptop's planned end) asked
+    while the tuner's restart stops the process makes that process's end the run's: its `exit` says so."""
+    import sys
+    import threading
+
+    from gptop.supervisor import Supervisor
+
+    up, ended = threading.Event(), threading.Event()
+    sup = Supervisor(
+        [],
+        tmp_path,
+        on_event=lambda e: None,
+        on_log=lambda line, stream: up.set() if "up" in line else None,
+        on_exit=lambda code: ended.set(),
+        on_malformed=lambda line, why: None,
+    )
+    # a process that outlives both stops' SIGTERMs, so that the second reaches a live process
+    script = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    )
+    sup.argv = [sys.executable, "-c", script]
+    sup.start()
+    try:
+        assert up.wait(60), "the process did not start"
+        sup.request_stop(by=first)
+        sup.request_stop(by=then)
+        assert sup.stopped_by is recorded
+    finally:
+        sup.kill()  # it ignores the stops' SIGTERM
+        sup.close()
+    assert ended.wait(30)
+
+
 @pytest.mark.process  # a gptop started as `nohup` starts it
 def test_nohup_keeps_a_no_ui_run_through_a_hangup(tmp_path):
     """A hangup ignored when gptop starts stays ignored (the user asked for a run that outlives its terminal);

@@ -350,6 +350,37 @@ DONE_60 = {"step": 60, "tokens": 60 * 1024}
             "state     stopped at step 60 (SIGTERM), exit 0",
             0,
         ),
+        (  # your stop between the tuner's restart's two processes: gptop's record of it after the `exit`
+            [
+                ("done", {**DONE_60, "reason": "restart by the tuner", "checkpoint": "step-00000060.pt"}),
+                ("exit", {"exit_code": 0, "stopped_by": "tuner"}),
+                ("status", {"status": "stopped", "stopped_by": "user"}),
+            ],
+            "stopped",
+            "state     stopped by you during a restart by the tuner at step 60, after its checkpoint of step 60 "
+            "(the next process was not started)",
+            0,
+        ),
+        (  # gptop's own planned end there, and no checkpoint said
+            [
+                ("done", {**DONE_60, "reason": "restart by the tuner"}),
+                ("exit", {"exit_code": 0, "stopped_by": "tuner"}),
+                ("status", {"status": "stopped", "stopped_by": "gptop"}),
+            ],
+            "stopped",
+            "state     stopped by gptop during a restart by the tuner at step 60 (the next process",
+            0,
+        ),
+        (  # a status without whose stop (a --json line copied in): not a record of a stop
+            [
+                ("done", {**DONE_60, "reason": "restart by the tuner"}),
+                ("exit", {"exit_code": 0, "stopped_by": "tuner"}),
+                ("status", {"status": "stopped"}),
+            ],
+            "cut short",
+            "ended during a restart by the tuner at step 60",
+            0,
+        ),
     ],
 )
 def test_report_says_how_the_last_process_ended_from_gptops_record_of_its_end(tmp_path, tail, state, words, code):
@@ -363,6 +394,46 @@ def test_report_says_how_the_last_process_ended_from_gptops_record_of_its_end(tm
     s = summarize(run)
     assert s["state"] == state and words in format_report(s), format_report(s)
     assert print_report(run) == code
+
+
+def test_a_stop_record_before_a_later_process_is_not_the_runs_end(tmp_path):
+    """gptop's record of a stop between two processes belongs to that gap: a later process (a `--resume`) ends
+    the run its own way."""
+    from gptop.report import summarize
+
+    run = tmp_path / "run"
+    first = tuned_run()
+    restart = first.index(next(e for e in first[1:] if e.type == "hello" and e.early))
+    gap = [ev("exit", 25.0, exit_code=0, stopped_by="tuner"), ev("status", 25.5, status="stopped", stopped_by="user")]
+    write_events(run, first[:restart] + gap + first[restart:] + [ev("exit", 90.0, exit_code=1, stderr=["boom"])])
+    s = summarize(run)
+    assert s["state"] == "failed" and "boom" in s["state_words"], s["state_words"]
+
+
+@pytest.mark.parametrize("kept", [False, True])
+def test_a_process_stopped_before_its_first_step_says_whether_the_run_has_a_checkpoint(tmp_path, kept):
+    """A run's first process stopped in its startup made no checkpoint; a restart stopped in its startup (the
+    tuner's next trial, a --resume) loses nothing: the report says which, from the checkpoints on disk."""
+    from gptop.report import format_report, summarize
+    from trainer.contract.events import STOPPED_BEFORE_FIRST_STEP
+
+    run = tmp_path / "run"
+    stop = [
+        ev("done", 91.0, step=0, tokens=0, reason=STOPPED_BEFORE_FIRST_STEP),
+        ev("exit", 92.0, exit_code=0, stopped_by="user"),
+    ]
+    write_events(run, tuned_run() + [early_hello(90.0)] + stop)
+    if kept:
+        (run / "checkpoints").mkdir()
+        (run / "checkpoints" / "step-00000040.pt").write_bytes(b"x")
+    text = format_report(summarize(run))
+    if kept:
+        assert (
+            "stopped by you (exit 0) before its process's first step: nothing lost, the newest checkpoint is "
+            "step 40" in text
+        ), text
+    else:
+        assert "stopped by you (exit 0) before its first step: a run that made no checkpoint" in text, text
 
 
 def test_an_earlier_processs_exit_is_not_the_runs_end(tmp_path):
@@ -487,7 +558,9 @@ def test_report_of_a_live_tuned_run_says_running_then_how_it_ended(tmp_path):
     after = subprocess.run(
         [sys.executable, "-m", "gptop", "report", str(run)], capture_output=True, text=True, env=env, timeout=120
     )
-    assert "state     stopped by you (exit 0) at step" in after.stdout and "running" not in after.stdout, after.stdout
+    # the stop may reach a trainer that is training, starting, or stopping for the tuner's next restart, or come
+    # between two processes: each is recorded as yours
+    assert "state     stopped by you " in after.stdout and "running" not in after.stdout, after.stdout
 
 
 def test_one_logged_step_is_a_loss_value_not_a_range(tmp_path):

@@ -422,11 +422,14 @@ class ProfileEvent(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class StatusEvent(Event):
-    """The session's status (starting, running, done, failed, ...): gptop's --json output."""
+    """The session's status (starting, running, done, failed, ...): gptop's --json output. In events.jsonl only
+    when a stop ended the run between two processes (the last `exit` is the tuner's restart; `stopped_by`: whose
+    stop it was), so that a reader knows who ended the run."""
 
     type: ClassVar[str] = "status"
     status: RunStatus
     message: str | None = None
+    stopped_by: StoppedBy | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
