@@ -490,20 +490,14 @@ class Session(SessionBase):
         self._finish(EXIT_INTERRUPTED)
 
     def _record_stop_between_processes(self, by: StoppedBy) -> None:
-        """A stop that ends the run after its process ended for the tuner's restart (the last `exit` says the
-        tuner) and before the next one started: one `status` record in events.jsonl says whose stop ended the run
-        (`gptop report`, docs/run-directory.md). Written, not shown: the views have the session's own status."""
-        with self.state.lock:
-            last = self.state.exit
-        if last is None or last.stopped_by is not StoppedBy.TUNER:
-            return
-        record = ev.StatusEvent(
-            status=RunStatus.STOPPED, stopped_by=by, message="stopped during a restart by the tuner"
-        )
-        try:
-            self.append_event(record)
-        except OSError as e:
-            self.log(f"the stop is not recorded in events.jsonl: {e}")
+        """A stop that ends the run after the tuner's restart ended its process and before the next one started: a
+        `status` record after that `exit` says whose stop it was (docs/run-directory.md); the views have the status."""
+        last = self.state.exit
+        if last is not None and last.stopped_by is StoppedBy.TUNER:
+            try:
+                self.append_event(ev.StatusEvent(status=RunStatus.STOPPED, stopped_by=by, message="during a restart"))
+            except OSError as e:
+                self.log(f"the stop is not recorded in events.jsonl: {e}")
 
     def cut_short(self, code: int) -> str:
         """What a stop that ended the trainer before its own clean exit kept and lost, from the checkpoints on
