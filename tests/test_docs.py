@@ -159,7 +159,7 @@ FIRST = Rule(
 RULES: list[Rule] = [
     # setting up: not what a test does
     Rule(
-        r"^python3 -m venv |^\. \S+/activate$|^pip install|^createdb ",
+        r"^python3 -m venv |^\. \S+/activate$|^(uv )?pip install|^createdb ",
         "skip",
         "sets up an environment or a database server (network, root); the tests run in the installed one",
     ),
