@@ -1,6 +1,7 @@
 import gc
 import os
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -150,17 +151,18 @@ def pytest_runtest_protocol(item, nextitem):
 # next file when its own is nearly done), so that a test holding the CPU alone runs while the other worker has
 # in-process tests to run beside it (a steady load, and no process test waiting for the CPU):
 #   0. the files of `solo` tests (the CPU alone for the whole test): one worker starts with them...
-#   1. ...while the other works through part of the files whose tests start no process;
+#   1. ...while the other works through the in-process files marked `waits` (their load comes and goes as they
+#      wait on timers; the solo test, a tuning under bursts of load, is built for that), those with the most tests
+#      first (so that none is still running when the measuring starts), then a few others;
 #   2. the files of `measures` tests (the CPU alone from their start until the tuner decided): when the solo ones
 #      are done, with the rest of the in-process files to run beside them;
-#   3. the rest of the in-process files;
+#   3. the rest of the in-process files: their load holds still, as the tuner of run A (tests/test_tuning_e2e.py)
+#      needs for the start and the trials it compares (a measurement beside a file that waits and one beside a file
+#      that computes are two loads, and it rightly compares neither); they must outlast its measuring, since once
+#      they run out the other worker waits and the load drops too;
 #   4. the files that start processes.
-# A model of xdist's scheduling with the suite's junit times put this ahead of the measuring files after half of
-# the in-process ones (BENCHMARKS.md §17). The rest must outlast run A's measuring (tests/test_tuning_e2e.py): once
-# the in-process files run out the other worker waits, the machine's load drops, and the tuner rightly compares no
-# trial measured then with the start measured before (with 20% left, run A failed so once). Only workers reorder; a
-# run without -n keeps the files in their order.
-IN_PROCESS_FIRST = 0.4  # the share of the in-process files (by count) before the `measures` files
+# Only workers reorder; a run without -n keeps the files in their order.
+IN_PROCESS_FIRST = 0.2  # the share of the in-process files not marked `waits` (by count) before the `measures` files
 
 
 def pytest_collection_modifyitems(config, items):
@@ -169,20 +171,24 @@ def pytest_collection_modifyitems(config, items):
     starts_processes = {item.path for item in items if item.get_closest_marker("process")}
     solo = {item.path for item in items if item.get_closest_marker("solo")}
     measures = {item.path for item in items if item.get_closest_marker("measures")} - solo
+    waits = {item.path for item in items if item.get_closest_marker("waits")} - starts_processes
     order = {path: i for i, path in enumerate(dict.fromkeys(item.path for item in items))}
-    in_process = [path for path in order if path not in starts_processes]
-    later = set(in_process[round(len(in_process) * IN_PROCESS_FIRST) :])  # run beside the `measures` files
+    tests = Counter(item.path for item in items)
+    steady = [path for path in order if path not in starts_processes and path not in waits]
+    later = set(steady[round(len(steady) * IN_PROCESS_FIRST) :])  # run beside the `measures` files
 
     def rank(item):
         path = item.path
         if path in solo:
-            group = 0
+            group = (0, 0)
+        elif path in waits:
+            group = (1, -tests[path])
         elif path in measures:
-            group = 2
+            group = (2, 0)
         elif path not in starts_processes:
-            group = 3 if path in later else 1
+            group = (3, 0) if path in later else (1, 1)
         else:
-            group = 4
+            group = (4, 0)
         return group, order[path]
 
     items.sort(key=rank)  # stable: a file's tests keep their order

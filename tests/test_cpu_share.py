@@ -13,6 +13,8 @@ import pytest
 from fixtures import cpu_share
 from fixtures.cpu_share import EXCLUSIVE, SHARED
 
+pytestmark = pytest.mark.waits  # on real time (the lock's waits): tests/conftest.py's order
+
 
 @pytest.fixture
 def lock_file(tmp_path, monkeypatch):

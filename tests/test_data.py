@@ -20,6 +20,10 @@ from trainer.batches import BatchSampler, val_batches
 from trainer.data import TokenData, load_data, load_tokenizer
 from trainer.prefetch import CpuCopier, CudaCopier, Prefetcher
 
+# on real time (the prefetch threads' hand-offs and the corpus read): tests/conftest.py's order
+pytestmark = pytest.mark.waits
+
+
 SMALL_BUILTIN = "300000"  # bytes of stdlib source: the tokenizer trains in a fraction of a second
 
 

@@ -19,6 +19,9 @@ from gptop.state import RunState
 from gptop.ui import render
 from gptop.ui.app import GptopApp, HelpScreen
 
+pytestmark = pytest.mark.waits  # on real time (the monitor's follow polls): tests/conftest.py's order
+
+
 SMALL, LARGE = (80, 24), (160, 48)
 
 

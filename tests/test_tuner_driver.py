@@ -16,6 +16,8 @@ from trainer.contract import rundir
 from trainer.contract.config import TrainConfig
 from trainer.contract.events import make
 
+pytestmark = pytest.mark.waits  # on real time (a failed trial's grace to end by itself): tests/conftest.py's order
+
 
 class FakeSession:
     """The public side of gptop.session.Session that the driver uses, recording what it is asked."""

@@ -25,6 +25,10 @@ from gptop.state import RunState
 from gptop.ui.app import GptopApp, HelpScreen
 from gptop.ui.widgets import DevicePanel, RunHeader, StepPanel
 
+# on real time (the dashboard's frame rate and once-a-second redraws): tests/conftest.py's order
+pytestmark = pytest.mark.waits
+
+
 SMALL, LARGE = (80, 24), (160, 48)
 
 
