@@ -68,7 +68,7 @@ def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
     if done is not None and done.step > (step or 0):  # steps after the last logged one
         step = done.step
     quoted = shlex.quote(run_dir) if run_dir else "RUN_DIR"
-    head = _head(how, step if reported else None, ended, reported)
+    head = _head(how, step if reported else None, ended, reported, exit_code == EXIT_INTERRUPTED)
     out = _Lines(f"gptop: {head}" + (f" after {fmt_duration(elapsed)}" if elapsed is not None else ""))
     out.add("run dir", run_dir or "n/a")
     if command:
@@ -103,14 +103,17 @@ def summary_lines(state: RunState, exit_code: int | None = None) -> list[str]:
     return out.lines
 
 
-def _head(how: RunStanding, step: int | None, ended: ExitEvent | None, reported: bool) -> str:
+def _head(how: RunStanding, step: int | None, ended: ExitEvent | None, reported: bool, by_you: bool = False) -> str:
     """The summary's first words: how the run ended ('run failed (exit 3) at step 40', 'run stopped by you',
-    'run killed by signal 9 (SIGKILL)'); a step only where the run reports its steps."""
+    'run killed by signal 9 (SIGKILL)'); a step only where the run reports its steps. `by_you`: gptop ends with
+    your stop's status (130): yours also where the last process's `exit` is the tuner's restart."""
     at = f" at step {step}" if step is not None else " before the first step" if reported else ""
     if how is RunStanding.FINISHED:
         return "run finished" + (f": {step} steps" if step is not None else "")
     if how is RunStanding.STOPPED:
         by = ended.stopped_by if ended is not None else None
+        if by_you and by is StoppedBy.TUNER:
+            by = StoppedBy.USER
         return (
             "run stopped" + (" by you" if by is StoppedBy.USER else " by gptop" if by is StoppedBy.GPTOP else "") + at
         )

@@ -458,6 +458,8 @@ def test_an_earlier_processs_exit_is_not_the_runs_end(tmp_path):
         ("failed", 1, {"signal": 9}, "gptop: run killed by signal 9 (SIGKILL) at step 60"),
         ("failed", 1, {"exit_code": 3, "stderr": ["boom"]}, "gptop: run failed (exit 3) at step 60"),
         ("stopped", 130, {"exit_code": 0, "stopped_by": "user"}, "gptop: run stopped by you at step 60"),
+        # your stop after the tuner's restart ended the process, before the next one started
+        ("stopped", 130, {"exit_code": 0, "stopped_by": "tuner"}, "gptop: run stopped by you at step 60"),
         ("done", 0, {"exit_code": 0}, "gptop: run finished: 60 steps"),
     ],
 )
